@@ -1,0 +1,58 @@
+"""Shared test configuration: the fixtures folder, markers, and skipping of gpu/browser tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = (REPO_ROOT.parent / "shared" / "fixtures").resolve()
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _has_browser() -> bool:
+    if os.environ.get("CSPAN_SKIP_BROWSER"):
+        return False
+    return shutil.which("chromium") is not None or shutil.which("chromium-browser") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda = _has_cuda()
+    browser = _has_browser()
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)"))
+        if "browser" in item.keywords and not browser:
+            item.add_marker(pytest.mark.skip(reason="needs Debian's chromium (installed by .ci/run)"))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """The shared fixtures folder (``../shared/fixtures`` from the repository root)."""
+    if not FIXTURES.is_dir():
+        pytest.skip(f"fixtures folder not found at {FIXTURES}")
+    return FIXTURES
+
+
+def fixture_path(*parts: str) -> Path:
+    """Path inside the fixtures folder; skips the test when that file is genuinely absent."""
+    path = FIXTURES.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"fixture not found: {path}")
+    return path
