@@ -56,3 +56,9 @@ def fixture_path(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"fixture not found: {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def fixture_file():
+    """``fixture_file("reference", "mimi-small", "codes.safetensors")`` -> Path (skips if absent)."""
+    return fixture_path
