@@ -1,0 +1,79 @@
+"""Fixed ids, placeholder codes and frame sizes shared by the engine, the span layout, training and the server.
+
+Sources: the text special ids are those of Moshi's SentencePiece vocabulary (kyutai-labs/moshi,
+``moshi/models/lm.py`` and the servers, which hide ids 0 and 3); ``SILENCE_TOKENS`` / ``SINE_TOKENS`` are the
+constants of NVIDIA/personaplex ``moshi/models/lm.py`` (Mimi codes of a silent frame and of a 440 Hz sine
+frame); ``RET``, ``SPAN_OPEN`` and ``SPAN_CLOSE`` are the ids the released Context Spanning checkpoint was
+fine-tuned with (see ``docs/ENGINE.md``).
+"""
+
+from __future__ import annotations
+
+# --- text ids -----------------------------------------------------------------------------------------------
+EPAD: int = 0
+"""End of padding: the text token emitted right before a word starts."""
+BOS: int = 1
+EOS: int = 2
+PAD: int = 3
+"""Text padding (``existing_text_padding_id``); also the text of voice and silence frames of the persona prefix."""
+RET: int = 4
+"""``<ret>``: the model asks for a reference (retrieval trigger)."""
+SPAN_OPEN: int = 12
+"""First text token of a Context Span block."""
+SPAN_CLOSE: int = 13
+"""Last text token of a Context Span block."""
+
+# --- grid markers -------------------------------------------------------------------------------------------
+ZERO_TOKEN: int = -1
+"""Input id whose embedding is an all-zero vector (upstream ``ScaledEmbedding``)."""
+UNGENERATED: int = -2
+"""Marks a grid entry that is not known yet (to be sampled), as upstream ``LMGen``'s token cache does."""
+
+# --- placeholder audio codes (8 Mimi codebooks) -------------------------------------------------------------
+SILENCE_TOKENS: tuple[int, ...] = (948, 243, 1178, 546, 1736, 1030, 1978, 2008)
+"""Mimi codes of a silent frame: the agent rows of persona text/silence frames and of a Context Span block."""
+SINE_TOKENS: tuple[int, ...] = (430, 1268, 381, 1611, 1095, 1495, 56, 472)
+"""Mimi codes of a 440 Hz sine frame: the user rows of every persona prefix frame and of a Context Span block."""
+
+# --- audio framing ------------------------------------------------------------------------------------------
+SAMPLE_RATE: int = 24000
+"""Hz, of every PCM buffer the engine takes and returns."""
+FRAME_RATE: float = 12.5
+"""Frames per second (one frame = 80 ms)."""
+FRAME_SIZE: int = 1920
+"""PCM samples per frame (``SAMPLE_RATE / FRAME_RATE``)."""
+NUM_CODEBOOKS: int = 8
+"""Mimi codebooks per speaker stream used by the LM."""
+
+# --- sampling defaults (upstream LMGen / PersonaPlex) -------------------------------------------------------
+DEFAULT_TEMP: float = 0.8
+DEFAULT_TOP_K: int = 250
+DEFAULT_TEMP_TEXT: float = 0.7
+DEFAULT_TOP_K_TEXT: int = 25
+
+# --- Context Span ---------------------------------------------------------------------------------------------
+DEFAULT_MAX_SPAN_FRAMES: int = 600
+"""Longest Context Span block (in columns / positions, including the two markers) before it is truncated."""
+
+__all__ = [
+    "BOS",
+    "DEFAULT_MAX_SPAN_FRAMES",
+    "DEFAULT_TEMP",
+    "DEFAULT_TEMP_TEXT",
+    "DEFAULT_TOP_K",
+    "DEFAULT_TOP_K_TEXT",
+    "EOS",
+    "EPAD",
+    "FRAME_RATE",
+    "FRAME_SIZE",
+    "NUM_CODEBOOKS",
+    "PAD",
+    "RET",
+    "SAMPLE_RATE",
+    "SILENCE_TOKENS",
+    "SINE_TOKENS",
+    "SPAN_CLOSE",
+    "SPAN_OPEN",
+    "UNGENERATED",
+    "ZERO_TOKEN",
+]

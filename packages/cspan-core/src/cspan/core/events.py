@@ -1,0 +1,121 @@
+"""Conversation events: what happened, when, as typed records.
+
+The same models are written to ``cspan infer``'s JSON (``docs/OUTPUT.md``) and sent over ``cspan serve``'s
+WebSocket (``docs/PROTOCOL.md``). Times are seconds (float) on the conversation's own timeline (frame index
+times 0.08 s); ``frame`` is the 12.5 Hz frame index.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    frame: int = Field(description="frame index (12.5 Hz) at which the event happened")
+    t: float = Field(description="time in seconds, frame * 0.08")
+
+
+class TextEvent(_Event):
+    """An agent text token that renders as text (pieces of words; specials are not reported)."""
+
+    type: Literal["text"] = "text"
+    token: int
+    text: str
+
+
+class UserTextEvent(_Event):
+    """A transcript of a user utterance: partial while it runs, final when it ended."""
+
+    type: Literal["user_text"] = "user_text"
+    utterance: int
+    final: bool
+    start_s: float
+    end_s: float | None
+    text: str
+
+
+class RetEvent(_Event):
+    """The model emitted ``<ret>`` (or one was forced). ``ignored`` says why nothing was started, if so."""
+
+    type: Literal["ret"] = "ret"
+    forced: bool = False
+    plan: Literal["cache", "wait", "window"] | None = None
+    ignored: str | None = None
+
+
+class QuestionEvent(_Event):
+    """The question that was routed for a ``<ret>``, with the transcription latency where one ran."""
+
+    type: Literal["question"] = "question"
+    text: str
+    ret_frame: int
+    asr_s: float | None = None
+
+
+class SpanEvent(_Event):
+    """A Context Span was injected at the head of ``frame``."""
+
+    type: Literal["span"] = "span"
+    text: str
+    tool: str | None = None
+    arguments: dict[str, Any] | None = None
+    source: str | None = None
+    question: str | None = None
+    ret_frame: int | None = None
+    asked_at: float | None = Field(default=None, description="time the retrieval was asked (s)")
+    injected_at: float = Field(description="time the span was read (s)")
+    backend_s: float | None = Field(default=None, description="wall-clock latency of the backend call (s)")
+    n_frames: int
+    truncated: bool = False
+    prefill_ms: float
+    prefix_in_window: bool = True
+    retrieval_id: int | None = Field(default=None, description="the backend's record of this retrieval, if any")
+
+
+class LateEvent(_Event):
+    """A reference arrived after the deadline and was dropped."""
+
+    type: Literal["late"] = "late"
+    question: str | None = None
+    text: str | None = None
+    source: str | None = None
+    seconds: float
+    retrieval_id: int | None = None
+
+
+class NoSpanEvent(_Event):
+    """A retrieval finished with nothing to inject (nothing found, or the backend failed: see ``error``)."""
+
+    type: Literal["no_span"] = "no_span"
+    question: str | None = None
+    error: str | None = None
+    retrieval_id: int | None = None
+
+
+class ErrorEvent(_Event):
+    """A stage failed; the conversation went on."""
+
+    type: Literal["error"] = "error"
+    stage: str
+    message: str
+
+
+ConversationEvent = Annotated[
+    TextEvent | UserTextEvent | RetEvent | QuestionEvent | SpanEvent | LateEvent | NoSpanEvent | ErrorEvent,
+    Field(discriminator="type"),
+]
+
+__all__ = [
+    "ConversationEvent",
+    "ErrorEvent",
+    "LateEvent",
+    "NoSpanEvent",
+    "QuestionEvent",
+    "RetEvent",
+    "SpanEvent",
+    "TextEvent",
+    "UserTextEvent",
+]

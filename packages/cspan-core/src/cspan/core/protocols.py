@@ -1,0 +1,74 @@
+"""What the conversation runtime needs from a backend, as structural protocols.
+
+``cspan.backends`` satisfies these without importing ``cspan.core`` (DESIGN.md section 2): any object with the
+right methods and attributes works, so tests and applications can also plug in their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+class WordLike(Protocol):
+    """A transcribed word with its time in seconds from the start of the transcribed clip."""
+
+    text: str
+    start_s: float
+    end_s: float
+
+
+class TranscriptLike(Protocol):
+    """A transcription result: the text, and word timings where the transcriber provides them."""
+
+    text: str
+    words: Sequence[WordLike] | None
+
+
+@runtime_checkable
+class Transcriber(Protocol):
+    """Speech to text.
+
+    ``transcribe(pcm, sample_rate)`` takes float32 mono samples in [-1, 1] (shape ``[S]``) at ``sample_rate`` Hz and
+    returns a :class:`TranscriptLike`. It may raise; the runtime logs the failure and goes on.
+    """
+
+    async def transcribe(self, pcm: np.ndarray, sample_rate: int) -> TranscriptLike: ...
+
+
+class RetrievalLike(Protocol):
+    """The answer to one ``<ret>``: the reference to inject (``None`` when there is nothing to say).
+
+    ``question`` is the text that was routed; ``source`` names where the reference came from (``tool:<name>``,
+    ``llm``, ``local:...``); ``error`` describes a failure (then ``reference`` is ``None``).
+    """
+
+    question: str | None
+    reference: str | None
+    tool: str | None
+    arguments: dict[str, Any] | None
+    source: str | None
+    error: str | None
+
+
+@runtime_checkable
+class Retriever(Protocol):
+    """Question (or audio to transcribe) to reference.
+
+    ``retrieve`` must not raise on backend failures: it returns a result whose ``reference`` is ``None`` and whose
+    ``error`` says why. The runtime cancels the call when its deadline passes.
+    """
+
+    async def retrieve(
+        self,
+        *,
+        audio: np.ndarray | None = None,
+        sample_rate: int | None = None,
+        question: str | None = None,
+        profile: Any = None,
+        agent_said: str = "",
+        conversation_id: Any = None,
+        deadline_s: float | None = None,
+    ) -> RetrievalLike: ...

@@ -1,0 +1,529 @@
+"""``Conversation``: the frame-clock runtime around the duplex engine, shared by ``infer``, ``serve`` and benchmarks.
+
+One :class:`Conversation` follows one session of a :class:`~cspan.core.engine.DuplexEngine`. The application
+drives the clock: for every 80 ms frame it calls :meth:`Conversation.before_step` with the user's frame (this
+applies due Context Spans at the head of the frame, runs voice activity and utterance transcription), steps the
+engine (one batched step for all live sessions), then calls :meth:`Conversation.after_step` with this session's
+row of the output (agent text, ``<ret>``). :func:`run_conversation` is that loop for a single session.
+
+``<ret>`` policy (after the original Context Spanning runtime, ``runtime/frame_stream.py``, with its timing
+constants): when the model emits ``<ret>`` (or one is forced),
+
+1. a *fresh* final transcript (the last utterance ended at most ``fresh_transcript_s`` ago and the user is not
+   speaking now) becomes the question;
+2. otherwise, while the user is still speaking (or a final transcript is on its way), wait up to ``ret_wait_s``
+   for the utterance to end, cutting it after 0.4 s of silence instead of 0.72 s;
+3. otherwise (or when the wait runs out) the retriever transcribes the last ``listen_s`` seconds of user audio.
+
+Only one retrieval is pending at a time; a ``<ret>`` meanwhile is reported as ignored. Backend calls run as
+asyncio tasks concurrently with the frame loop. A reference is injected at the head of a frame, and dropped as
+``late`` when more than ``span_deadline_s`` passed since the ``<ret>``.
+
+Two clocks. *Live* (``span_delay_s=None``; ``serve`` and ``infer --realtime``): nothing ever blocks the frame
+loop; transcripts and references are applied at the first frame head after they arrive. *Offline*
+(``span_delay_s`` set; ``infer`` by default): deterministic frame semantics while running as fast as the hardware
+allows: utterance transcripts are awaited at the frame that asks for them, and a reference is applied exactly
+``span_delay_s`` after the retrieval was asked (the loop waits for the backend there if needed), so the same seed
+gives the same conversation whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from cspan.core.constants import FRAME_RATE, FRAME_SIZE, PAD, RET, SAMPLE_RATE, SPAN_CLOSE, SPAN_OPEN
+from cspan.core.events import (
+    ConversationEvent,
+    ErrorEvent,
+    LateEvent,
+    NoSpanEvent,
+    QuestionEvent,
+    RetEvent,
+    SpanEvent,
+    TextEvent,
+    UserTextEvent,
+)
+from cspan.core.protocols import RetrievalLike, Retriever, Transcriber
+from cspan.core.vad import SileroVAD, UtteranceTracker
+
+logger = logging.getLogger(__name__)
+
+FRAME_S = 1.0 / FRAME_RATE
+HIDDEN_TEXT_IDS = frozenset({0, 1, 2, PAD, RET, SPAN_OPEN, SPAN_CLOSE})
+"""Text ids that are not rendered as agent text (EPAD, BOS, EOS, PAD, ``<ret>``, span markers)."""
+
+
+class _Tokenizer(Protocol):
+    def id_to_piece(self, i: int) -> str: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class _VoiceActivity(Protocol):
+    def is_voiced(self, frame: np.ndarray) -> bool: ...
+    def reset(self) -> None: ...
+
+
+@dataclass
+class ConversationConfig:
+    """Timing and policy of a conversation (seconds unless stated).
+
+    Attributes:
+        listen_s: audio window transcribed when no utterance transcript can be used.
+        span_deadline_s: a reference applied later than this after its ``<ret>`` is dropped as late
+            (``None``: never).
+        span_delay_s: offline clock: apply each reference exactly this long after the retrieval was asked
+            (deterministic). ``None``: live clock, apply on arrival.
+        ret_wait_s: how long a ``<ret>`` waits for the running utterance to end.
+        fresh_transcript_s: a final transcript at most this old (and the user silent) is used as is.
+        partial_transcripts: re-transcribe running utterances every 1.6 s (``user_text`` partials).
+        agent_said_tokens: how many recent agent text tokens are passed to the router as "already said".
+        vad_threshold: Silero speech probability for a voiced frame.
+    """
+
+    listen_s: float = 12.0
+    span_deadline_s: float | None = 2.5
+    span_delay_s: float | None = None
+    ret_wait_s: float = 1.0
+    fresh_transcript_s: float = 3.0
+    partial_transcripts: bool = True
+    agent_said_tokens: int = 64
+    vad_threshold: float = 0.5
+
+
+@dataclass
+class _Final:
+    text: str
+    end_frame: int
+    utterance: int
+
+
+@dataclass
+class _Pending:
+    ret_frame: int
+    forced: bool
+    plan: str
+    wait_until: int | None = None
+    task: asyncio.Task[RetrievalLike] | None = None
+    asked_frame: int | None = None
+    asked_wall: float | None = None
+    question: str | None = None
+    apply_frame: int | None = None
+    done_wall: float | None = None
+
+    @property
+    def backend_s(self) -> float | None:
+        if self.asked_wall is None or self.done_wall is None:
+            return None
+        return self.done_wall - self.asked_wall
+
+
+@dataclass
+class Conversation:
+    """Frame-clock runtime for one session of a duplex engine (see the module docstring).
+
+    Args:
+        engine: the :class:`~cspan.core.engine.DuplexEngine` (anything with ``inject_span(i, text)``).
+        session: this conversation's batch row in the engine.
+        tokenizer: SentencePiece processor of the checkpoint (renders agent text).
+        transcriber: for utterance transcripts (``user_text``); ``None`` disables them.
+        retriever: answers ``<ret>``; ``None`` means ``<ret>`` is reported and ignored.
+        config: :class:`ConversationConfig`.
+        profile: passed through to the retriever (the user's profile).
+        conversation_id: passed through to the retriever.
+        vad: voice activity detector; default a :class:`~cspan.core.vad.SileroVAD`.
+        on_event: called with every event as it happens (also collected in :attr:`events`).
+    """
+
+    engine: Any
+    session: int = 0
+    tokenizer: _Tokenizer | None = None
+    transcriber: Transcriber | None = None
+    retriever: Retriever | None = None
+    config: ConversationConfig = field(default_factory=ConversationConfig)
+    profile: Any = None
+    conversation_id: Any = None
+    vad: _VoiceActivity | None = None
+    on_event: Callable[[ConversationEvent], None] | None = None
+    events: list[ConversationEvent] = field(default_factory=list)
+    span_reports: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.vad is None:
+            self.vad = SileroVAD(threshold=self.config.vad_threshold)
+        self.utterances = UtteranceTracker()
+        keep_frames = math.ceil(max(self.config.listen_s, 30.0) * FRAME_RATE)
+        self._audio: collections.deque[np.ndarray] = collections.deque(maxlen=keep_frames)
+        self._audio_start = 0  # frame index of self._audio[0]
+        self._agent_tokens: list[int] = []
+        self._last_final: _Final | None = None
+        self._pending: _Pending | None = None
+        self._asr_tasks: list[tuple[asyncio.Task[Any], int, bool, int, int | None]] = []
+        self._forced_spans: dict[int, list[str]] = collections.defaultdict(list)
+        self._forced_rets: set[int] = set()
+        self.frame = 0
+
+    # ------------------------------------------------------------------------------------------------ scheduling
+    def schedule_span(self, frame: int, text: str) -> None:
+        """Inject ``text`` as a Context Span at the head of ``frame`` without any backend."""
+        self._forced_spans[frame].append(text)
+
+    def schedule_ret(self, frame: int) -> None:
+        """Behave as if the model emitted ``<ret>`` at ``frame``."""
+        self._forced_rets.add(frame)
+
+    @property
+    def offline(self) -> bool:
+        return self.config.span_delay_s is not None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a retrieval is pending (or waiting for its question)."""
+        return self._pending is not None
+
+    # ---------------------------------------------------------------------------------------------- frame hooks
+    async def before_step(self, user_pcm: np.ndarray) -> None:
+        """Head of the frame: apply due spans and retrievals, then voice activity and utterance transcripts.
+
+        Args:
+            user_pcm: this frame's user audio, float32 ``[1920]`` at 24 kHz.
+        """
+        i = self.frame
+        for text in self._forced_spans.pop(i, []):
+            self._inject(text, source="given", tool=None, arguments=None, question=None, ret_frame=None, asked=None)
+        await self._service_retrieval(i)
+
+        frame = np.asarray(user_pcm, dtype=np.float32).reshape(-1)
+        if len(self._audio) == self._audio.maxlen:
+            self._audio_start += 1
+        self._audio.append(frame)
+        voiced = self.vad.is_voiced(frame)
+        for ev in self.utterances.update(i, voiced):
+            utt = ev.utterance
+            if ev.kind == "partial" and self.config.partial_transcripts:
+                await self._transcribe(utt.index, utt.start, i + 1, final=False)
+            elif ev.kind == "ended":
+                await self._transcribe(utt.index, utt.start, utt.end, final=True)
+        await self._collect_transcripts(block=False)
+        await self._service_wait(i)
+
+    async def after_step(self, text_token: int | None, is_ret: bool = False) -> None:
+        """Tail of the frame: record the agent's text token and handle ``<ret>`` (emitted or forced).
+
+        Args:
+            text_token: the text token of the agent frame returned by this step, or ``None`` when the engine
+                returned no frame yet.
+            is_ret: whether that token is ``<ret>``.
+        """
+        i = self.frame
+        if text_token is not None and text_token >= 0:
+            self._agent_tokens.append(int(text_token))
+            if text_token not in HIDDEN_TEXT_IDS and self.tokenizer is not None:
+                piece = self.tokenizer.id_to_piece(int(text_token)).replace("\u2581", " ")
+                self._emit(TextEvent(frame=i, t=i * FRAME_S, token=int(text_token), text=piece))
+        forced = i in self._forced_rets
+        self._forced_rets.discard(i)
+        if is_ret or forced:
+            await self._on_ret(i, forced=forced and not is_ret)
+        self.frame += 1
+
+    async def finish(self) -> None:
+        """End of the input: wait for outstanding transcripts; report a still-pending retrieval as dropped."""
+        await self._collect_transcripts(block=True)
+        p = self._pending
+        if p is not None:
+            if p.task is not None and not p.task.done():
+                p.task.cancel()
+            self._emit(
+                NoSpanEvent(frame=self.frame, t=self.frame * FRAME_S, question=p.question, error="conversation ended")
+            )
+            self._pending = None
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _emit(self, event: ConversationEvent) -> None:
+        self.events.append(event)
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:  # an observer must never stop the conversation
+                logger.exception("event observer failed on %s", event.type)
+
+    def agent_said(self) -> str:
+        """Decoded text of the agent's last ``agent_said_tokens`` tokens (specials removed)."""
+        if self.tokenizer is None:
+            return ""
+        ids = [t for t in self._agent_tokens[-self.config.agent_said_tokens :] if t not in HIDDEN_TEXT_IDS]
+        return self.tokenizer.decode(ids).strip()
+
+    def _user_audio(self, start: int, end: int) -> np.ndarray:
+        start = max(start, self._audio_start)
+        end = min(end, self._audio_start + len(self._audio))
+        if end <= start:
+            return np.zeros(0, dtype=np.float32)
+        frames = [self._audio[k - self._audio_start] for k in range(start, end)]
+        return np.concatenate(frames)
+
+    async def _transcribe(self, utterance: int, start: int, end: int | None, *, final: bool) -> None:
+        if self.transcriber is None:
+            return
+        pcm = self._user_audio(start, end if end is not None else self.frame + 1)
+        task = asyncio.ensure_future(self.transcriber.transcribe(pcm, SAMPLE_RATE))
+        self._asr_tasks.append((task, utterance, final, start, end))
+        if self.offline:
+            await self._collect_transcripts(block=True)
+
+    async def _collect_transcripts(self, *, block: bool) -> None:
+        still: list[tuple[asyncio.Task[Any], int, bool, int, int | None]] = []
+        for entry in self._asr_tasks:
+            task, utterance, final, start, end = entry
+            if block and not task.done():
+                await asyncio.wait([task])
+            if not task.done():
+                still.append(entry)
+                continue
+            i = self.frame
+            try:
+                text = (task.result().text or "").strip()
+            except Exception as exc:
+                self._emit(ErrorEvent(frame=i, t=i * FRAME_S, stage="asr", message=f"{type(exc).__name__}: {exc}"))
+                continue
+            self._emit(
+                UserTextEvent(
+                    frame=i,
+                    t=i * FRAME_S,
+                    utterance=utterance,
+                    final=final,
+                    start_s=start * FRAME_S,
+                    end_s=None if end is None else end * FRAME_S,
+                    text=text,
+                )
+            )
+            if final and text and end is not None:
+                self._last_final = _Final(text=text, end_frame=end, utterance=utterance)
+        self._asr_tasks = still
+
+    async def _on_ret(self, i: int, *, forced: bool) -> None:
+        if self._pending is not None:
+            self._emit(RetEvent(frame=i, t=i * FRAME_S, forced=forced, ignored="a retrieval is already pending"))
+            return
+        if self.retriever is None:
+            self._emit(RetEvent(frame=i, t=i * FRAME_S, forced=forced, ignored="no retriever configured"))
+            return
+        fresh_frames = self.config.fresh_transcript_s * FRAME_RATE
+        last = self._last_final
+        speaking = self.utterances.current is not None
+        final_on_its_way = any(final for _, _, final, _, _ in self._asr_tasks)
+        if last is not None and not speaking and not final_on_its_way and (i + 1 - last.end_frame) <= fresh_frames:
+            self._emit(RetEvent(frame=i, t=i * FRAME_S, forced=forced, plan="cache"))
+            self._pending = _Pending(ret_frame=i, forced=forced, plan="cache")
+            self._ask(question=last.text)
+        elif speaking or final_on_its_way:
+            self._emit(RetEvent(frame=i, t=i * FRAME_S, forced=forced, plan="wait"))
+            self.utterances.request_cut()
+            wait = round(self.config.ret_wait_s * FRAME_RATE)
+            self._pending = _Pending(ret_frame=i, forced=forced, plan="wait", wait_until=i + wait)
+        else:
+            self._emit(RetEvent(frame=i, t=i * FRAME_S, forced=forced, plan="window"))
+            self._pending = _Pending(ret_frame=i, forced=forced, plan="window")
+            self._ask_window()
+
+    async def _service_wait(self, i: int) -> None:
+        p = self._pending
+        if p is None or p.plan != "wait" or p.task is not None:
+            return
+        last = self._last_final
+        recent = last is not None and last.end_frame > p.ret_frame - self.config.fresh_transcript_s * FRAME_RATE
+        quiet = self.utterances.current is None and not any(f for _, _, f, _, _ in self._asr_tasks)
+        if recent and quiet:
+            self._ask(question=last.text)
+            return
+        if p.wait_until is not None and i >= p.wait_until:
+            p.plan = "window"
+            self._ask_window()
+
+    def _ask_window(self) -> None:
+        keep = round(self.config.listen_s * FRAME_RATE)
+        end = self.frame + 1
+        audio = self._user_audio(end - keep, end)
+        self._ask(audio=audio)
+
+    def _ask(self, *, question: str | None = None, audio: np.ndarray | None = None) -> None:
+        p = self._pending
+        assert p is not None
+        i = self.frame
+        p.asked_frame = i
+        p.asked_wall = time.monotonic()
+        p.question = question
+        if question is not None:
+            self._emit(QuestionEvent(frame=i, t=i * FRAME_S, text=question, ret_frame=p.ret_frame))
+        deadline = self.config.span_deadline_s
+        remaining = None if deadline is None else max(0.0, deadline - (i - p.ret_frame) * FRAME_S)
+        retriever = self.retriever
+        assert retriever is not None
+        p.task = asyncio.ensure_future(
+            retriever.retrieve(
+                audio=audio,
+                sample_rate=SAMPLE_RATE if audio is not None else None,
+                question=question,
+                profile=self.profile,
+                agent_said=self.agent_said(),
+                conversation_id=self.conversation_id,
+                deadline_s=remaining,
+            )
+        )
+        p.task.add_done_callback(lambda _t: setattr(p, "done_wall", time.monotonic()))
+        if self.config.span_delay_s is not None:
+            p.apply_frame = i + max(1, round(self.config.span_delay_s * FRAME_RATE))
+
+    async def _service_retrieval(self, i: int) -> None:
+        p = self._pending
+        if p is None or p.task is None:
+            return
+        deadline = self.config.span_deadline_s
+        elapsed = (i - p.ret_frame) * FRAME_S
+        if self.offline:
+            if p.apply_frame is None or i < p.apply_frame:
+                return
+            if not p.task.done():
+                wall_left = None if deadline is None else max(0.0, deadline - (time.monotonic() - p.asked_wall))
+                await asyncio.wait([p.task], timeout=wall_left)
+            if not p.task.done():
+                p.task.cancel()
+                self._finish_late(i, p, None, seconds=time.monotonic() - (p.asked_wall or 0.0))
+                return
+        else:
+            if not p.task.done():
+                if deadline is not None and elapsed > deadline:
+                    p.task.cancel()
+                    self._finish_late(i, p, None, seconds=elapsed)
+                return
+        try:
+            result = p.task.result()
+        except Exception as exc:
+            self._pending = None
+            self._emit(NoSpanEvent(frame=i, t=i * FRAME_S, question=p.question, error=f"{type(exc).__name__}: {exc}"))
+            return
+        if p.question is None and getattr(result, "question", None):
+            p.question = result.question
+            self._emit(QuestionEvent(frame=i, t=i * FRAME_S, text=result.question or "", ret_frame=p.ret_frame))
+        if deadline is not None and elapsed > deadline:
+            self._finish_late(i, p, result, seconds=elapsed)
+            return
+        reference = (getattr(result, "reference", None) or "").strip()
+        retrieval_id = getattr(result, "span_id", None)
+        self._pending = None
+        if not reference:
+            error = getattr(result, "error", None)
+            self._emit(NoSpanEvent(frame=i, t=i * FRAME_S, question=p.question, error=error, retrieval_id=retrieval_id))
+            return
+        self._inject(
+            reference,
+            source=getattr(result, "source", None),
+            tool=getattr(result, "tool", None),
+            arguments=getattr(result, "arguments", None),
+            question=p.question,
+            ret_frame=p.ret_frame,
+            asked=p,
+            retrieval_id=retrieval_id,
+        )
+
+    def _finish_late(self, i: int, p: _Pending, result: RetrievalLike | None, *, seconds: float) -> None:
+        self._pending = None
+        self._emit(
+            LateEvent(
+                frame=i,
+                t=i * FRAME_S,
+                question=p.question,
+                text=getattr(result, "reference", None) if result is not None else None,
+                source=getattr(result, "source", None) if result is not None else None,
+                seconds=seconds,
+                retrieval_id=getattr(result, "span_id", None) if result is not None else None,
+            )
+        )
+
+    def _inject(
+        self,
+        text: str,
+        *,
+        source: str | None,
+        tool: str | None,
+        arguments: dict[str, Any] | None,
+        question: str | None,
+        ret_frame: int | None,
+        asked: _Pending | None,
+        retrieval_id: int | None = None,
+    ) -> None:
+        i = self.frame
+        try:
+            report = self.engine.inject_span(self.session, text)
+        except Exception as exc:
+            self._emit(ErrorEvent(frame=i, t=i * FRAME_S, stage="span", message=f"{type(exc).__name__}: {exc}"))
+            return
+        self.span_reports.append(report)
+        backend_s = None if asked is None else asked.backend_s
+        self._emit(
+            SpanEvent(
+                frame=i,
+                t=i * FRAME_S,
+                text=text,
+                tool=tool,
+                arguments=arguments,
+                source=source,
+                question=question,
+                ret_frame=ret_frame,
+                asked_at=None if asked is None or asked.asked_frame is None else asked.asked_frame * FRAME_S,
+                injected_at=i * FRAME_S,
+                backend_s=backend_s,
+                n_frames=int(report.n),
+                truncated=bool(getattr(report, "truncated", False)),
+                prefill_ms=float(getattr(report, "prefill_ms", 0.0)),
+                prefix_in_window=bool(getattr(report, "prefix_in_window", True)),
+                retrieval_id=retrieval_id,
+            )
+        )
+
+
+async def run_conversation(
+    engine: Any,
+    conversation: Conversation,
+    frames: Iterable[np.ndarray],
+    *,
+    realtime: bool = False,
+    on_frame: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+) -> None:
+    """Drive one session through ``frames`` (float32 ``[1920]`` each) on the 12.5 Hz clock.
+
+    For each frame: ``before_step`` -> ``engine.step`` -> ``after_step`` -> ``on_frame(index, user, agent)``.
+    With ``realtime`` the loop paces itself to 80 ms per frame; otherwise it runs as fast as it can.
+    """
+    import torch
+
+    t0 = time.monotonic()
+    i = conversation.session
+    for k, user in enumerate(frames):
+        user = np.asarray(user, dtype=np.float32)
+        if user.shape != (FRAME_SIZE,):
+            raise ValueError(f"frame {k}: expected {FRAME_SIZE} samples, got shape {user.shape}")
+        await conversation.before_step(user)
+        pcm = torch.from_numpy(user)[None]
+        out = engine.step(pcm)
+        valid = bool(out.valid[i])
+        token = int(out.text_token[i]) if valid else None
+        await conversation.after_step(token, bool(out.is_ret[i]) if valid else False)
+        if on_frame is not None:
+            on_frame(k, user, out.agent_pcm[i].detach().float().cpu().numpy())
+        if realtime:
+            delay = t0 + (k + 1) * FRAME_S - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        else:
+            await asyncio.sleep(0)  # let backend tasks run
+    await conversation.finish()

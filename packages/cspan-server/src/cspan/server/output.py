@@ -1,0 +1,99 @@
+"""The JSON written by ``cspan infer --output-text`` (documented in ``docs/OUTPUT.md``).
+
+Times are seconds on the output recording's timeline (``t = 0`` at the first sample of the output WAV, which
+starts with ``lead_silence_s`` of silence before the input); ``input_offset_s`` converts to the input's own
+timeline (``t_input = t - input_offset_s``). Frame indices are 12.5 Hz frames of the output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cspan.core.events import ConversationEvent
+
+OUTPUT_VERSION = 1
+
+
+class AgentWord(BaseModel):
+    """A word the agent said: its text and the time its first text token was emitted (s)."""
+
+    text: str
+    start_s: float
+    frame: int
+
+
+class UserTranscript(BaseModel):
+    """The final transcript of one user utterance."""
+
+    utterance: int
+    start_s: float
+    end_s: float | None
+    text: str
+
+
+class TimingStats(BaseModel):
+    """Wall-clock statistics in milliseconds (these vary from run to run)."""
+
+    count: int
+    mean_ms: float
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+
+
+class Timing(BaseModel):
+    """Per-frame timing: the engine step, and the span prefills."""
+
+    frames: int
+    step: TimingStats | None
+    prefill: TimingStats | None
+    realtime_factor: float = Field(description="audio seconds processed per wall-clock second")
+
+
+class CheckpointIdentity(BaseModel):
+    """Which model produced the output."""
+
+    source: str
+    files: dict[str, str]
+    dep_q: int
+    num_parameters: int
+    dtype: str
+    device: str
+
+
+class InferOutput(BaseModel):
+    """Everything ``cspan infer`` reports besides the audio."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = OUTPUT_VERSION
+    input: str
+    output_wav: str
+    sample_rate: int
+    duration_s: float
+    input_offset_s: float
+    agent_text: str
+    agent_words: list[AgentWord]
+    user_transcripts: list[UserTranscript]
+    events: list[ConversationEvent]
+    timing: Timing
+    settings: dict[str, Any]
+    checkpoint: CheckpointIdentity
+
+
+def timing_stats(values_ms: list[float]) -> TimingStats | None:
+    """Summarise a list of durations (ms); ``None`` when empty."""
+    if not values_ms:
+        return None
+    import numpy as np
+
+    arr = np.asarray(values_ms, dtype=np.float64)
+    return TimingStats(
+        count=len(arr),
+        mean_ms=float(arr.mean()),
+        p50_ms=float(np.percentile(arr, 50)),
+        p99_ms=float(np.percentile(arr, 99)),
+        max_ms=float(arr.max()),
+    )

@@ -1,0 +1,30 @@
+"""Mirror a conversation's events into the Context DB (turns and span outcomes)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cspan.core.events import ConversationEvent, LateEvent, SpanEvent, UserTextEvent
+
+logger = logging.getLogger(__name__)
+
+
+def db_recorder(db: Any, conversation_id: str) -> Callable[[ConversationEvent], None]:
+    """An ``on_event`` callback that writes final user transcripts as user turns and marks each retrieval's span
+    row (created by the retriever) as injected or dropped late (``no_span`` rows are marked by the retriever
+    itself). Database failures are logged, never raised."""
+
+    def record(event: ConversationEvent) -> None:
+        try:
+            if isinstance(event, UserTextEvent) and event.final and event.text:
+                db.add_turn(conversation_id, "user", event.text, frame=event.frame, dedupe=True)
+            elif isinstance(event, SpanEvent) and event.retrieval_id is not None:
+                db.mark_span_injected(event.retrieval_id, frame=event.frame)
+            elif isinstance(event, LateEvent) and event.retrieval_id is not None:
+                db.mark_span_dropped(event.retrieval_id, "late")
+        except Exception as exc:
+            logger.warning("Context DB: could not record %s event: %s", event.type, exc)
+
+    return record

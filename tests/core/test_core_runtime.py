@@ -1,0 +1,218 @@
+"""The conversation runtime's frame clock and ``<ret>`` policy, with a scripted engine and backends.
+
+The engine here is a stand-in that records what the runtime asks of it (the real engine is tested in
+test_core_engine*.py and end to end by ``cspan infer``); the policy under test is the runtime's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from cspan.core.constants import RET
+from cspan.core.events import LateEvent, NoSpanEvent, QuestionEvent, RetEvent, SpanEvent, UserTextEvent
+from cspan.core.runtime import Conversation, ConversationConfig
+
+
+@dataclass
+class _Report:
+    n: int
+    prefill_ms: float = 1.0
+    truncated: bool = False
+    prefix_in_window: bool = True
+
+
+@dataclass
+class RecordingEngine:
+    injected: list[tuple[int, str]] = field(default_factory=list)
+    frame: int = 0
+
+    def inject_span(self, session: int, text: str) -> _Report:
+        self.injected.append((self.frame, text))
+        return _Report(n=len(text.split()) + 2)
+
+
+@dataclass
+class ScriptedVAD:
+    voiced_frames: set[int]
+    i: int = 0
+
+    def is_voiced(self, frame: np.ndarray) -> bool:
+        v = self.i in self.voiced_frames
+        self.i += 1
+        return v
+
+    def reset(self) -> None:
+        self.i = 0
+
+
+@dataclass
+class _Transcript:
+    text: str
+    words: None = None
+
+
+class FakeTranscriber:
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.calls: list[int] = []
+
+    async def transcribe(self, pcm: np.ndarray, sample_rate: int) -> _Transcript:
+        self.calls.append(len(pcm))
+        return _Transcript(self.text)
+
+
+@dataclass
+class _Result:
+    question: str | None
+    reference: str | None
+    tool: str | None = None
+    arguments: dict | None = None
+    source: str | None = "test"
+    error: str | None = None
+
+
+class FakeRetriever:
+    def __init__(self, reference: str | None = "The answer is 42.", delay_s: float = 0.0, fail: bool = False):
+        self.reference = reference
+        self.delay_s = delay_s
+        self.fail = fail
+        self.requests: list[dict] = []
+
+    async def retrieve(self, **kw) -> _Result:
+        self.requests.append(kw)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise ConnectionError("router down")
+        q = kw.get("question") or "transcribed window"
+        return _Result(question=q, reference=self.reference)
+
+
+class FakeTokenizer:
+    def id_to_piece(self, i: int) -> str:
+        return f"\u2581w{i}"
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+
+def _run(conv: Conversation, engine: RecordingEngine, n_frames: int, ret_frames=(), tokens=None) -> None:
+    async def go() -> None:
+        for i in range(n_frames):
+            engine.frame = i
+            await conv.before_step(np.zeros(1920, dtype=np.float32))
+            tok = (tokens or {}).get(i, 3)
+            await conv.after_step(RET if i in ret_frames else tok, i in ret_frames)
+            await asyncio.sleep(0)
+        await conv.finish()
+
+    asyncio.run(go())
+
+
+def _conv(engine, *, voiced=(), transcriber=None, retriever=None, **cfg) -> Conversation:
+    cfg.setdefault("span_delay_s", 0.8)
+    return Conversation(
+        engine,
+        0,
+        tokenizer=FakeTokenizer(),
+        transcriber=transcriber,
+        retriever=retriever,
+        config=ConversationConfig(**cfg),
+        vad=ScriptedVAD(set(voiced)),
+    )
+
+
+def test_fresh_final_transcript_is_the_question_and_span_lands_after_the_delay():
+    engine, asr, ret = RecordingEngine(), FakeTranscriber("when does the library open"), FakeRetriever()
+    conv = _conv(engine, voiced=range(5, 30), transcriber=asr, retriever=ret)
+    # utterance 5..29 ends after 9 silent frames -> ended at frame 38; <ret> at 40
+    _run(conv, engine, 80, ret_frames={40})
+    finals = [e for e in conv.events if isinstance(e, UserTextEvent) and e.final]
+    assert [(e.start_s, e.end_s, e.text) for e in finals] == [(0.4, 2.4, "when does the library open")]
+    rets = [e for e in conv.events if isinstance(e, RetEvent)]
+    assert [(r.frame, r.plan) for r in rets] == [(40, "cache")]
+    q = [e for e in conv.events if isinstance(e, QuestionEvent)]
+    assert q[0].text == "when does the library open" and ret.requests[0]["question"] == q[0].text
+    spans = [e for e in conv.events if isinstance(e, SpanEvent)]
+    assert len(spans) == 1 and spans[0].frame == 40 + 10  # asked at 40, 0.8 s = 10 frames later
+    assert engine.injected == [(50, "The answer is 42.")]
+
+
+def test_ret_while_speaking_waits_for_the_cut_utterance():
+    engine, asr, ret = RecordingEngine(), FakeTranscriber("what time is it"), FakeRetriever()
+    conv = _conv(engine, voiced=range(5, 20), transcriber=asr, retriever=ret)
+    _run(conv, engine, 60, ret_frames={17})
+    rets = [e for e in conv.events if isinstance(e, RetEvent)]
+    assert rets[0].plan == "wait"
+    final = next(e for e in conv.events if isinstance(e, UserTextEvent) and e.final)
+    # last voiced frame 19 -> cut after 5 silent frames (0.4 s) at frame 24 instead of 9 (0.72 s)
+    assert final.frame == 24
+    q = next(e for e in conv.events if isinstance(e, QuestionEvent))
+    assert q.frame == 24 and q.text == "what time is it"
+
+
+def test_no_utterance_transcribes_the_listen_window_through_the_retriever():
+    engine, ret = RecordingEngine(), FakeRetriever()
+    conv = _conv(engine, retriever=ret, listen_s=2.0)
+    _run(conv, engine, 50, ret_frames={30})
+    req = ret.requests[0]
+    assert req["question"] is None and req["sample_rate"] == 24_000
+    assert len(req["audio"]) == 25 * 1920  # 2 s window ending at the <ret> frame
+    assert [e.plan for e in conv.events if isinstance(e, RetEvent)] == ["window"]
+    assert any(isinstance(e, QuestionEvent) and e.text == "transcribed window" for e in conv.events)
+
+
+def test_second_ret_while_pending_is_ignored_and_reported():
+    engine, ret = RecordingEngine(), FakeRetriever()
+    conv = _conv(engine, retriever=ret)
+    _run(conv, engine, 40, ret_frames={10, 12})
+    rets = [e for e in conv.events if isinstance(e, RetEvent)]
+    assert [(r.frame, r.ignored is None) for r in rets] == [(10, True), (12, False)]
+    assert len(ret.requests) == 1
+
+
+def test_failing_backend_gives_no_span_and_the_conversation_goes_on():
+    engine, ret = RecordingEngine(), FakeRetriever(fail=True)
+    conv = _conv(engine, retriever=ret)
+    _run(conv, engine, 40, ret_frames={5, 30})
+    no = [e for e in conv.events if isinstance(e, NoSpanEvent)]
+    assert len(no) == 2 and "router down" in (no[0].error or "")
+    assert engine.injected == []
+    assert conv.frame == 40
+
+
+def test_live_clock_drops_a_late_reference():
+    engine, ret = RecordingEngine(), FakeRetriever(delay_s=10.0)
+    conv = _conv(engine, retriever=ret, span_delay_s=None, span_deadline_s=0.4)
+    _run(conv, engine, 20, ret_frames={2})
+    late = [e for e in conv.events if isinstance(e, LateEvent)]
+    assert len(late) == 1 and late[0].frame == 2 + 6  # first frame past 0.4 s (5 frames) after the <ret>
+    assert engine.injected == []
+
+
+def test_given_span_is_injected_without_backend_and_forced_ret_counts_as_ret():
+    engine = RecordingEngine()
+    conv = _conv(engine)
+    conv.schedule_span(7, "The weather in Sydney is 24 degrees.")
+    conv.schedule_ret(9)
+    _run(conv, engine, 12)
+    assert engine.injected == [(7, "The weather in Sydney is 24 degrees.")]
+    span = next(e for e in conv.events if isinstance(e, SpanEvent))
+    assert span.source == "given" and span.n_frames == 9
+    ret = next(e for e in conv.events if isinstance(e, RetEvent))
+    assert ret.forced and ret.ignored == "no retriever configured"
+
+
+@pytest.mark.parametrize("delay", [0.08, 0.8, 2.0])
+def test_offline_clock_is_deterministic(delay):
+    frames = []
+    for _ in range(2):
+        engine, ret = RecordingEngine(), FakeRetriever(delay_s=0.01)
+        conv = _conv(engine, retriever=ret, span_delay_s=delay)
+        _run(conv, engine, 60, ret_frames={5})
+        frames.append(engine.injected)
+    assert frames[0] == frames[1] == [(5 + max(1, round(delay * 12.5)), "The answer is 42.")]
