@@ -13,7 +13,16 @@ class BackendError(Exception):
 
 
 class TranscriberError(BackendError):
-    """A transcription request failed (endpoint, HTTP status or cause in the message)."""
+    """A transcription request failed (endpoint, HTTP status or cause in the message).
+
+    ``endpoint`` is the URL (or ``"pocketsphinx"`` for the embedded engine) and ``status`` the HTTP status code,
+    or ``None`` when no response came back (connection refused, timeout, bad input).
+    """
+
+    def __init__(self, message: str, *, endpoint: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.status = status
 
 
 class RouterError(BackendError):
@@ -21,4 +30,13 @@ class RouterError(BackendError):
 
 
 class ToolError(BackendError):
-    """A tool call failed: unknown tool, invalid arguments, timeout, or the tool itself raised."""
+    """A tool call failed: unknown tool, invalid arguments, timeout, or the tool itself raised.
+
+    ``tool`` is the tool's name (``None`` when the failure is not tied to one tool) and ``field`` the argument
+    that failed validation (``None`` for other failures).
+    """
+
+    def __init__(self, message: str, *, tool: str | None = None, field: str | None = None) -> None:
+        super().__init__(message)
+        self.tool = tool
+        self.field = field

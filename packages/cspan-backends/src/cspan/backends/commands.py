@@ -1,0 +1,223 @@
+"""``cspan`` verbs shipped by cspan-backends (entry-point group ``cspan.commands``).
+
+Each ``*_command(parser)`` adds its arguments and sets ``handler``; handlers import their heavy modules lazily so
+that ``cspan --help`` stays fast. See ``cspan.core.cli`` for the contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def asr_serve_command(parser: argparse.ArgumentParser) -> None:
+    """Serve speech recognition over HTTP (POST /transcribe and the OpenAI /v1/audio/transcriptions)."""
+    parser.add_argument(
+        "--engine",
+        choices=("sphinx", "transformers"),
+        default="sphinx",
+        help="sphinx: embedded pocketsphinx, English, low accuracy, no download (default); "
+        "transformers: a local transformers speech-recognition model directory given with --model",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="model directory: for transformers, a speech-recognition checkpoint (the released setup uses "
+        "Qwen3-ASR-1.7B); for sphinx, an optional Sphinx model folder (default: the bundled en-us model)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8990, help="TCP port (default 8990)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=2,
+        help="clips recognised at the same time, one worker thread each (default 2)",
+    )
+    parser.add_argument(
+        "--max-queue", type=int, default=32, help="requests that may wait for a worker; more get HTTP 503 (default 32)"
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=120.0,
+        help="longest accepted clip in seconds; longer gets 413 (default 120)",
+    )
+    parser.add_argument(
+        "--max-upload-mb", type=float, default=50.0, help="largest accepted upload in MiB; larger gets 413 (default 50)"
+    )
+    parser.add_argument(
+        "--device", default="auto", help="transformers engine: torch device, e.g. cpu or cuda:0 (default auto)"
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="transformers engine: allow a model directory's own Python code to run (only for models you trust)",
+    )
+    parser.set_defaults(handler=_asr_serve)
+
+
+def _asr_serve(args: argparse.Namespace) -> int:
+    prog = "cspan asr-serve"
+    try:
+        import fastapi  # noqa: F401  (fail here, with the fix, rather than half-way through startup)
+        import uvicorn  # noqa: F401
+
+        from cspan.backends.asr.server import ASRServerSettings, serve
+    except ImportError as exc:
+        print(
+            f"{prog}: error: the ASR server needs FastAPI and uvicorn ({exc}): pip install 'cspan-backends[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    from cspan.backends.asr.engines import EngineLoadError, load_engine
+
+    try:
+        settings = ASRServerSettings(
+            max_seconds=args.max_seconds,
+            max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
+            max_concurrency=args.concurrency,
+            max_queue=args.max_queue,
+        )
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}; use positive limits and --concurrency >= 1", file=sys.stderr)
+        return 2
+    try:
+        engine = load_engine(
+            args.engine,
+            model=args.model,
+            workers=args.concurrency,
+            device=args.device,
+            trust_remote_code=args.trust_remote_code,
+        )
+    except EngineLoadError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{prog}: {engine.name} engine ({engine.model}) on http://{args.host}:{args.port} "
+        "(POST /transcribe, POST /v1/audio/transcriptions, GET /health)",
+        file=sys.stderr,
+    )
+    serve(engine, host=args.host, port=args.port, settings=settings)
+    return 0
+
+
+def backends_command(parser: argparse.ArgumentParser) -> None:
+    """Start, check and stop the router LLM and ASR servers with the released settings (see docs/BACKENDS.md)."""
+    from cspan.backends.launcher import ASR_PORT, ROUTER_MODEL, ROUTER_PORT
+
+    sub = parser.add_subparsers(dest="backends_action", metavar="ACTION", title="actions")
+    sub.required = True
+    st = sub.add_parser("start", help="start the router and ASR servers detached and wait until they answer")
+    st.add_argument("--router-model", default=ROUTER_MODEL, help=f"model vLLM serves (default {ROUTER_MODEL})")
+    st.add_argument("--router-gpu", default="1", help="CUDA_VISIBLE_DEVICES of the router (default 1)")
+    st.add_argument("--router-port", type=int, default=ROUTER_PORT, help=f"router port (default {ROUTER_PORT})")
+    st.add_argument("--router-url", default=None, help="use this running OpenAI-compatible server instead")
+    st.add_argument(
+        "--router-command",
+        default=None,
+        help="run this command as the router instead of vLLM ({port}, {host}, {model} are substituted)",
+    )
+    st.add_argument("--no-router", action="store_true", help="start the ASR server only")
+    st.add_argument("--asr-engine", choices=("vllm", "transformers", "sphinx"), default="vllm")
+    st.add_argument("--asr-model", default=None, help="ASR model id or directory (vllm default Qwen/Qwen3-ASR-1.7B)")
+    st.add_argument("--asr-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the ASR server (default 0)")
+    st.add_argument("--asr-port", type=int, default=ASR_PORT, help=f"ASR port (default {ASR_PORT})")
+    st.add_argument("--no-asr", action="store_true", help="start the router only")
+    st.add_argument("--host", default="127.0.0.1", help="interface the servers bind (default 127.0.0.1)")
+    st.add_argument("--log-dir", type=Path, default=None, help="where the logs go (default: the state folder)")
+    st.add_argument("--timeout-s", type=float, default=900.0, help="how long to wait for health (default 900)")
+    st.add_argument("--dry-run", action="store_true", help="print the exact command lines and exit")
+    st.set_defaults(handler=_backends_start)
+    sub.add_parser("status", help="show the recorded servers and whether they answer").set_defaults(
+        handler=_backends_status
+    )
+    sub.add_parser("stop", help="stop the servers this command started").set_defaults(handler=_backends_stop)
+    sub.add_parser("env", help="print export lines for eval: CSPAN_ROUTER_URL, CSPAN_ASR_URL ...").set_defaults(
+        handler=_backends_env
+    )
+
+
+def _specs(args: argparse.Namespace) -> list:
+    from cspan.backends.launcher import asr_spec, router_spec
+
+    specs = []
+    if not args.no_router:
+        specs.append(
+            router_spec(
+                model=args.router_model,
+                gpu=args.router_gpu,
+                port=args.router_port,
+                host=args.host,
+                url=args.router_url,
+                command=args.router_command,
+            )
+        )
+    if not args.no_asr:
+        specs.append(
+            asr_spec(engine=args.asr_engine, model=args.asr_model, gpu=args.asr_gpu, port=args.asr_port, host=args.host)
+        )
+    return specs
+
+
+def _backends_start(args: argparse.Namespace) -> int:
+    from cspan.backends.launcher import LauncherError, format_command, start, state_dir
+
+    try:
+        specs = _specs(args)
+        if args.dry_run:
+            for spec in specs:
+                line = format_command(spec) if spec.managed else f"(external, not started) {spec.url}"
+                print(f"# {spec.name}: health {spec.health_url}\n{line}")
+            return 0
+        records = start(specs, log_dir=args.log_dir or state_dir() / "logs", timeout_s=args.timeout_s)
+    except LauncherError as exc:
+        print(f"cspan backends start: error: {exc}", file=sys.stderr)
+        return 1
+    for r in records:
+        print(f"{r.name}: {r.url} (pid {r.pid}, log {r.log})" if r.managed else f"{r.name}: {r.url} (external)")
+    print('run `eval "$(cspan backends env)"` so that cspan infer / serve use them')
+    return 0
+
+
+def _backends_status(args: argparse.Namespace) -> int:
+    from cspan.backends.launcher import LauncherError, state_file, status
+
+    try:
+        rows = status()
+    except LauncherError as exc:
+        print(f"cspan backends status: error: {exc}", file=sys.stderr)
+        return 1
+    if not rows:
+        print(f"no servers recorded ({state_file()})")
+        return 0
+    for row in rows:
+        state = "external" if row["running"] is None else "running" if row["running"] else "not running"
+        health = "healthy" if row["healthy"] else "not answering"
+        print(f"{row['name']:7s} {state:12s} {health:14s} pid={row['pid']} url={row['url']} log={row['log']}")
+    return 0 if all(r["healthy"] for r in rows) else 1
+
+
+def _backends_stop(args: argparse.Namespace) -> int:
+    from cspan.backends.launcher import LauncherError, stop
+
+    try:
+        stopped = stop()
+    except LauncherError as exc:
+        print(f"cspan backends stop: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"stopped: {', '.join(stopped) if stopped else 'nothing was running'}")
+    return 0
+
+
+def _backends_env(args: argparse.Namespace) -> int:
+    from cspan.backends.launcher import LauncherError, env_lines
+
+    try:
+        lines = env_lines()
+    except LauncherError as exc:
+        print(f"cspan backends env: error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0

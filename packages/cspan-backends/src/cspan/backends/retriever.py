@@ -1,0 +1,287 @@
+"""``Retriever``: what the conversation runtime calls when the model emits ``<ret>``.
+
+It composes a transcriber, a router and (optionally) the Context DB into one call,
+``retrieve(audio or question, ...) -> SpanResult``:
+
+1. the question is the given text, or the transcript of ``audio`` (any sample rate, float32 mono);
+2. it is added to the Context DB as a user turn (unless it repeats the last one), and the router is given the
+   working text, the profile, what the agent already said and the conversation's earlier tool calls with their
+   results;
+3. the router's reference, tool and arguments come back as a :class:`SpanResult`; tool calls are logged as tool
+   turns (``get_time({"timezone": "Asia/Tokyo"}) => It is ...``) and the retrieval as a span row, dropped at once
+   as ``no_span`` / ``error`` / ``late`` when there is nothing to inject. The runtime marks injected spans with
+   :meth:`ContextDB.mark_span_injected` using ``SpanResult.span_id``.
+
+A deadline bounds the whole call; cancelling the task cancels the transcriber and router requests in flight.
+Backend failures never escape: they become ``reference=None`` with ``error`` set.
+
+Source: ``retrieve_for_ret`` of the original system (mindlogic-ai/Context-Spanning, ``frame_stream.py``,
+summarised in ``docs/reference/context-spanning-original.md`` section 4.3), with the Context DB persisted and
+earlier tool results (not just their sources) given to the router. It satisfies the ``Retriever`` protocol of
+``cspan.core`` structurally, without importing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Protocol
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from cspan.backends.context_db import ContextDB, Profile
+from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Retriever", "SpanResult"]
+
+
+class _Transcriber(Protocol):
+    async def transcribe(self, pcm: np.ndarray, sample_rate: int) -> Any: ...
+
+
+class SpanResult(BaseModel):
+    """The outcome of one retrieval.
+
+    Attributes:
+        question: the question routed (the transcript when audio was given; "" when there was none).
+        reference: the span text to inject, or None.
+        tool: the tool that produced it, or None.
+        arguments: the tool's validated arguments.
+        source: the router's source (``"tool:<name>"``, ``"llm"``, ``"local:<kind>"``, ``"none"``).
+        asr_s: seconds spent transcribing (0 when the question was given).
+        route_s: seconds spent routing (LLM and tool).
+        error: what failed when ``reference`` is None because of a failure or the deadline; None otherwise.
+        late: the deadline passed before a reference was ready.
+        span_id: the Context DB span row of this retrieval (None without a DB or conversation).
+    """
+
+    question: str = ""
+    reference: str | None = None
+    tool: str | None = None
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    source: str = "none"
+    asr_s: float = 0.0
+    route_s: float = 0.0
+    error: str | None = None
+    late: bool = False
+    span_id: int | None = None
+
+
+def _result_clause(reference: str) -> str:
+    text = reference.strip()
+    if text.lower().startswith(TOOL_RESULT_PREFIX):
+        text = text[len(TOOL_RESULT_PREFIX) :].strip()
+    return text
+
+
+class Retriever:
+    """Transcriber + router + Context DB behind one ``retrieve`` call.
+
+    Args:
+        transcriber: anything with ``async transcribe(pcm, sample_rate) -> Transcript`` (or a ``str``); may be
+            None when every call passes ``question``.
+        router: an ``LLMRouter``, a ``LocalRouter`` or anything with ``async route(RouteRequest)``.
+        db: the Context DB, or None (earlier tool calls are then remembered in memory per conversation).
+        deadline_s: default time budget of one :meth:`retrieve` in seconds (None: no limit). The original's live
+            default was 2.5 s from ``<ret>`` to injection.
+        history: how many earlier tool calls the router sees.
+        context_chars: budget of the Context DB working text.
+        user_id: the user when neither the profile nor the conversation names one.
+    """
+
+    def __init__(
+        self,
+        transcriber: _Transcriber | None,
+        router: Router,
+        db: ContextDB | None = None,
+        *,
+        deadline_s: float | None = None,
+        history: int = 5,
+        context_chars: int = 1400,
+        user_id: str = "default",
+    ) -> None:
+        self.transcriber = transcriber
+        self.router = router
+        self.db = db
+        self.deadline_s = deadline_s
+        self.history = history
+        self.context_chars = context_chars
+        self.user_id = user_id
+        self._memory: dict[str | None, list[ToolCall]] = {}
+
+    async def retrieve(
+        self,
+        audio: np.ndarray | None = None,
+        sample_rate: int | None = None,
+        question: str | None = None,
+        profile: Profile | None = None,
+        agent_said: str = "",
+        conversation_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> SpanResult:
+        """Transcribe (unless ``question`` is given), route, record, and return the span to inject.
+
+        Args:
+            audio: user speech, float32 mono in [-1, 1], shape ``[S]``, at ``sample_rate`` Hz.
+            sample_rate: Hz of ``audio``.
+            question: the question as text; skips transcription.
+            profile: the user's profile; defaults to the stored profile of the conversation's user.
+            agent_said: what the agent already said (decoded text tokens of its current answer).
+            conversation_id: the Context DB conversation (started if it does not exist yet).
+            deadline_s: time budget of this call in seconds; overrides the constructor's.
+
+        Returns:
+            A :class:`SpanResult`; never raises for a transcriber, router, tool or database failure.
+
+        Raises:
+            asyncio.CancelledError: the caller cancelled the task (in-flight requests are cancelled too).
+        """
+        budget = self.deadline_s if deadline_s is None else deadline_s
+        res = SpanResult()
+        route: RouteResult | None = None
+        asked_at = time.time()
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(budget):
+                route = await self._run(res, audio, sample_rate, question, profile, agent_said, conversation_id)
+        except TimeoutError:
+            res.late = True
+            res.reference = None
+            res.error = (
+                f"retrieval missed its {budget:g} s deadline (question {'known' if res.question else 'not yet known'})"
+            )
+        if route is not None and not res.late:
+            res.reference = route.reference
+            res.tool = route.tool
+            res.arguments = dict(route.arguments)
+            res.source = route.source
+            if route.reference is None and route.error:
+                res.error = route.error
+        await self._record(res, route, conversation_id, asked_at, time.perf_counter() - start)
+        return res
+
+    async def _run(
+        self,
+        res: SpanResult,
+        audio: np.ndarray | None,
+        sample_rate: int | None,
+        question: str | None,
+        profile: Profile | None,
+        agent_said: str,
+        conversation_id: str | None,
+    ) -> RouteResult | None:
+        if question is None:
+            question = await self._transcribe(res, audio, sample_rate)
+            if question is None:
+                return None
+        res.question = " ".join(question.split())
+        if not res.question:
+            return None
+        conversation, history, profile = await self._context(res.question, profile, conversation_id)
+        req = RouteRequest(
+            question=res.question, profile=profile, agent_said=agent_said, history=history, conversation=conversation
+        )
+        t0 = time.perf_counter()
+        try:
+            return await self.router.route(req)
+        except Exception as exc:
+            res.error = f"router failed: {exc}"
+            log.warning("router failed for %r: %s", res.question, exc)
+            return None
+        finally:
+            res.route_s = time.perf_counter() - t0
+
+    async def _transcribe(self, res: SpanResult, audio: np.ndarray | None, sample_rate: int | None) -> str | None:
+        if audio is None:
+            res.error = "retrieve() needs audio or a question"
+            return None
+        if self.transcriber is None:
+            res.error = "retrieve() got audio but the Retriever has no transcriber; pass one or pass question="
+            return None
+        if not sample_rate or sample_rate <= 0:
+            res.error = f"retrieve() got audio without a valid sample_rate ({sample_rate!r})"
+            return None
+        t0 = time.perf_counter()
+        try:
+            transcript = await self.transcriber.transcribe(audio, int(sample_rate))
+        except Exception as exc:
+            res.error = f"transcriber failed: {exc}"
+            log.warning("transcriber failed: %s", exc)
+            return None
+        finally:
+            res.asr_s = time.perf_counter() - t0
+        text = transcript if isinstance(transcript, str) else getattr(transcript, "text", "")
+        return str(text or "")
+
+    async def _context(
+        self, question: str, profile: Profile | None, conversation_id: str | None
+    ) -> tuple[str, list[ToolCall], Profile | None]:
+        """Working text, earlier tool calls and the profile; a failing DB only costs the context."""
+        if self.db is None or conversation_id is None:
+            return "", list(self._memory.get(conversation_id, []))[-self.history :], profile
+        try:
+            conv = await self.db.aget_conversation(conversation_id)
+            if conv is None:
+                user_id = profile.user_id if profile else self.user_id
+                await self.db.astart_conversation(user_id, conversation_id=conversation_id)
+            elif profile is None:
+                profile = await self.db.aget_profile(conv.user_id)
+            await self.db.aadd_turn(conversation_id, "user", question, dedupe=True)
+            spans = await self.db.aspans(conversation_id)
+            history = [
+                ToolCall(question=s.question, name=s.tool, arguments=s.arguments, result=_result_clause(s.text))
+                for s in spans
+                if s.tool and s.text
+            ][-self.history :]
+            text = await self.db.aworking_text(conversation_id, max_chars=self.context_chars, profile=profile)
+            return text, history, profile
+        except Exception as exc:
+            log.warning("Context DB unavailable for conversation %s: %s", conversation_id, exc)
+            return "", [], profile
+
+    async def _record(
+        self,
+        res: SpanResult,
+        route: RouteResult | None,
+        conversation_id: str | None,
+        asked_at: float,
+        latency_s: float,
+    ) -> None:
+        calls = route.calls if route is not None and not res.late else []
+        if self.db is None or conversation_id is None:
+            if calls:
+                self._memory.setdefault(conversation_id, []).extend(calls)
+                del self._memory[conversation_id][: -max(self.history, 1)]
+            return
+        if not res.question and res.error is None:
+            return  # nothing was asked (empty transcript): not a retrieval worth a row
+        dropped = None
+        if res.reference is None:
+            dropped = "late" if res.late else "error" if res.error else "no_span"
+        try:
+            if await self.db.aget_conversation(conversation_id) is None:
+                await self.db.astart_conversation(self.user_id, conversation_id=conversation_id)
+            for call in calls:
+                args = json.dumps(call.arguments, ensure_ascii=False, default=str, separators=(", ", ": "))
+                await self.db.aadd_turn(
+                    conversation_id, "tool", f"{call.name}({args}) => {call.result[:240]}", meta={"tool": call.name}
+                )
+            res.span_id = await self.db.aadd_span(
+                conversation_id,
+                question=res.question,
+                text=res.reference,
+                tool=res.tool,
+                arguments=res.arguments,
+                source=res.source,
+                asked_at=asked_at,
+                latency_s=latency_s,
+                error=res.error,
+                dropped=dropped,
+            )
+        except Exception as exc:
+            log.warning("could not record the span in the Context DB: %s", exc)

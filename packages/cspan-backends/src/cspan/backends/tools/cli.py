@@ -1,0 +1,142 @@
+"""``cspan tools``: serve the tool bank as an MCP server, list its tools, or call one.
+
+Registered in ``packages/cspan-backends/pyproject.toml`` under ``[project.entry-points."cspan.commands"]`` as
+``tools = "cspan.backends.tools.cli:register"`` (the contract is in ``cspan.core.cli``: ``register(parser)`` adds
+the arguments and sets ``handler``). This module imports nothing heavy at import time and never imports
+``cspan.core``.
+
+Examples::
+
+    cspan tools serve                                   # MCP over stdio (mount with ToolBank.from_mcp)
+    cspan tools serve --transport http --port 8765      # streamable HTTP at http://127.0.0.1:8765/mcp
+    cspan tools list --fdb-v3-only
+    cspan tools call get_exchange_rate '{"amount": 100, "from_currency": "USD", "to_currency": "EUR"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+__all__ = ["register"]
+
+
+def _add_bank_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--world-db",
+        metavar="PATH",
+        default=None,
+        help="SQLite file of the mock world (built at first use; default: in memory, lost at exit)",
+    )
+    parser.add_argument(
+        "--fdb-v3-only", action="store_true", help="only the 12 Full-Duplex-Bench v3 tools (no time/calc/weather)"
+    )
+    parser.add_argument("--weather-url", default=None, help="Open-Meteo forecast base URL (env CSPAN_WEATHER_URL)")
+    parser.add_argument("--geocoding-url", default=None, help="Open-Meteo geocoding base URL (env CSPAN_GEOCODING_URL)")
+    parser.add_argument("--max-chars", type=int, default=400, help="cap on result text in characters (default 400)")
+
+
+def _bank(args: argparse.Namespace) -> Any:
+    from cspan.backends.tools.bank import ToolBank
+
+    if args.fdb_v3_only:
+        return ToolBank.fdb_v3(args.world_db, max_chars=args.max_chars)
+    return ToolBank.default(
+        world_db=args.world_db,
+        weather_base_url=args.weather_url,
+        geocoding_base_url=args.geocoding_url,
+        max_chars=args.max_chars,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cspan.backends.tools.mcp_bridge import serve_http, serve_stdio
+
+    async def main() -> None:
+        bank = _bank(args)
+        try:
+            if args.transport == "stdio":
+                await serve_stdio(bank)
+            else:
+                print(
+                    f"cspan tools: MCP (streamable HTTP) on http://{args.host}:{args.port}{args.path} "
+                    f"with {len(bank)} tools",
+                    file=sys.stderr,
+                )
+                await serve_http(bank, host=args.host, port=args.port, path=args.path)
+        finally:
+            await bank.aclose()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    async def main() -> int:
+        bank = _bank(args)
+        try:
+            if args.json:
+                print(json.dumps(bank.openai_tools(), indent=2, ensure_ascii=False))
+            else:
+                for tool in bank.tools():
+                    fields = ", ".join(tool.json_schema().get("properties", {}))
+                    where = f" [{tool.domain}]" if tool.domain else ""
+                    print(f"{tool.name}({fields})  {tool.kind}{where}")
+        finally:
+            await bank.aclose()
+        return 0
+
+    return asyncio.run(main())
+
+
+def _call(args: argparse.Namespace) -> int:
+    from cspan.backends.errors import ToolError
+
+    async def main() -> int:
+        bank = _bank(args)
+        try:
+            result = await bank.call(args.name, args.arguments, timeout_s=args.timeout)
+        except ToolError as exc:
+            print(f"cspan tools call: error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            await bank.aclose()
+        if args.json:
+            print(result.model_dump_json(indent=2))
+        else:
+            print(result.text)
+        return 0
+
+    return asyncio.run(main())
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Tool bank: serve it as an MCP server (stdio or HTTP), list its tools, or call one."""
+    sub = parser.add_subparsers(dest="tools_command", metavar="ACTION", title="actions")
+
+    serve = sub.add_parser("serve", help="serve the tool bank as an MCP server")
+    serve.add_argument("--transport", choices=["stdio", "http"], default="stdio", help="default: stdio")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8765, help="HTTP port (default 8765)")
+    serve.add_argument("--path", default="/mcp", help="HTTP endpoint path (default /mcp)")
+    _add_bank_args(serve)
+    serve.set_defaults(handler=_serve)
+
+    lister = sub.add_parser("list", help="list the tools with their arguments")
+    lister.add_argument("--json", action="store_true", help="print the OpenAI tools JSON instead")
+    _add_bank_args(lister)
+    lister.set_defaults(handler=_list)
+
+    caller = sub.add_parser("call", help="call one tool and print its spoken result")
+    caller.add_argument("name", help="tool name, e.g. get_exchange_rate")
+    caller.add_argument("arguments", nargs="?", default="{}", help="JSON object of arguments (default {})")
+    caller.add_argument("--timeout", type=float, default=None, help="seconds (default: the tool's own)")
+    caller.add_argument("--json", action="store_true", help="print the whole ToolResult as JSON")
+    _add_bank_args(caller)
+    caller.set_defaults(handler=_call)

@@ -1,0 +1,491 @@
+"""MCP bridge: mount any MCP server's tools into a :class:`ToolBank`, and serve a bank as an MCP server.
+
+Both directions use the official ``mcp`` SDK (``pip install 'cspan-backends[mcp]'``, mcp 2.x), imported lazily so
+that ``import cspan.backends`` works without it.
+
+Client (:class:`MCPConnection`, used by ``await ToolBank.from_mcp(...)``): a stdio subprocess
+(``mcp.client.stdio.stdio_client``) or a streamable-HTTP endpoint (``mcp.client.streamable_http``), one
+``ClientSession`` kept open until ``aclose()``. The transport and session live in an ``AsyncExitStack`` inside one
+background task that the bank owns: the SDK's anyio cancel scopes must be left by the task that entered them, and
+this way a bank opened in one task (a fixture, a server lifespan) can be used and closed from others. Each MCP
+tool's ``inputSchema`` becomes a pydantic model (:func:`model_from_json_schema`) so that validation and coercion are
+the same as for local tools, while the advertised schema stays the server's own.
+
+Server (:func:`build_mcp_server`, :func:`serve_stdio`, :func:`serve_http`; ``cspan tools serve``): the low-level
+``mcp.server.lowlevel.Server`` with ``tools/list`` and ``tools/call`` handlers over a bank. Tool results go out as one
+text block (the spoken clause) plus ``structuredContent`` (the tool's data); failures as ``isError`` results whose
+text is the :class:`ToolError` message. Each tool carries ``annotations.readOnlyHint`` (read vs action) and
+``_meta`` ``{"cspan/kind", "cspan/domain"}`` so that a bank mounted from ``cspan tools serve`` keeps kinds and
+domains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import keyword
+import logging
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from pydantic import BaseModel, Field, create_model
+
+from cspan.backends.errors import ToolError
+from cspan.backends.tools.bank import Tool, ToolArgs, ToolBank, ToolOutput, render_clause
+
+if TYPE_CHECKING:
+    from mcp.server.lowlevel import Server
+
+__all__ = ["MCPConnection", "build_mcp_server", "model_from_json_schema", "serve_http", "serve_stdio"]
+
+log = logging.getLogger(__name__)
+
+_META_KIND = "cspan/kind"
+_META_DOMAIN = "cspan/domain"
+_JSON_TYPES: dict[str, Any] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "object": dict[str, Any],
+    "array": list[Any],
+    "null": type(None),
+}
+
+
+def _require_mcp() -> None:
+    try:
+        import mcp  # noqa: F401
+    except ImportError:
+        raise ToolError(
+            "the 'mcp' package is not installed; install it with: pip install 'cspan-backends[mcp]'"
+        ) from None
+
+
+def _attr(obj: Any, snake: str, camel: str, default: Any = None) -> Any:
+    """Read an SDK model field by its mcp-2 (snake_case) or mcp-1 (camelCase) name."""
+    value = getattr(obj, snake, None)
+    if value is None:
+        value = getattr(obj, camel, default)
+    return value if value is not None else default
+
+
+# --------------------------------------------------------------------------------------------- JSON Schema -> model
+
+
+def _annotation(schema: Any, depth: int = 0) -> tuple[Any, bool]:
+    """Python annotation for a JSON Schema node, and whether ``null`` is allowed."""
+    if not isinstance(schema, dict) or depth > 8:
+        return Any, True
+    if "const" in schema:
+        return Literal[schema["const"]], schema["const"] is None  # type: ignore[valid-type]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        values = [v for v in schema["enum"] if isinstance(v, str | int | float | bool) or v is None]
+        if values:
+            non_null = tuple(v for v in values if v is not None)
+            return (Literal[non_null] if non_null else type(None)), None in values  # type: ignore[valid-type]
+    for combinator in ("anyOf", "oneOf"):
+        if isinstance(schema.get(combinator), list):
+            parts = [_annotation(s, depth + 1) for s in schema[combinator]]
+            nullable = any(n for _, n in parts) or any(
+                isinstance(s, dict) and s.get("type") == "null" for s in schema[combinator]
+            )
+            types_ = [a for a, _ in parts if a is not type(None)]
+            if not types_:
+                return Any, True
+            return (Union[tuple(types_)] if len(types_) > 1 else types_[0]), nullable  # noqa: UP007
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        nullable = "null" in kind
+        parts = [_annotation({**schema, "type": k}, depth + 1)[0] for k in kind if k != "null"]
+        if not parts:
+            return type(None), True
+        return (Union[tuple(parts)] if len(parts) > 1 else parts[0]), nullable  # noqa: UP007
+    if kind == "array":
+        item, _ = _annotation(schema.get("items"), depth + 1)
+        return list[item], False  # type: ignore[valid-type]
+    if kind == "null":
+        return type(None), True
+    if kind in _JSON_TYPES:
+        return _JSON_TYPES[kind], False
+    return Any, True
+
+
+def _safe_field_name(name: str, index: int) -> str:
+    if (
+        name.isidentifier()
+        and not keyword.iskeyword(name)
+        and not name.startswith("_")
+        and not hasattr(BaseModel, name)
+    ):
+        return name
+    return f"arg{index}_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}".rstrip("_")
+
+
+def model_from_json_schema(name: str, schema: Mapping[str, Any] | None) -> type[ToolArgs]:
+    """A :class:`ToolArgs` model equivalent to an object JSON Schema (an MCP tool's ``inputSchema``).
+
+    Each property becomes a field: JSON types map to ``str``/``int``/``float``/``bool``/``list``/``dict``,
+    ``enum`` to ``Literal``, ``anyOf``/``oneOf``/type lists to unions; ``minimum``/``maximum``,
+    ``exclusiveMinimum``/``exclusiveMaximum``, ``minLength``/``maxLength`` become constraints; a property not in
+    ``required`` is optional (its schema default, else ``None``). Property names that are not valid Python
+    identifiers are kept as aliases, so arguments and dumps use the server's names.
+
+    Raises:
+        ToolError: the schema is not an object schema.
+    """
+    schema = dict(schema or {})
+    if schema.get("type", "object") != "object":
+        raise ToolError(f"tool {name!r}: inputSchema must describe an object, got type {schema.get('type')!r}")
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or [])
+    fields: dict[str, Any] = {}
+    for index, (prop, sub) in enumerate(props.items()):
+        sub = sub if isinstance(sub, dict) else {}
+        annotation, nullable = _annotation(sub)
+        constraints: dict[str, Any] = {}
+        for key, target in (
+            ("minimum", "ge"),
+            ("maximum", "le"),
+            ("exclusiveMinimum", "gt"),
+            ("exclusiveMaximum", "lt"),
+            ("minLength", "min_length"),
+            ("maxLength", "max_length"),
+        ):
+            if isinstance(sub.get(key), int | float) and not isinstance(sub.get(key), bool):
+                constraints[target] = sub[key]
+        # bounds apply to plain numbers, lengths to plain strings; unions and containers keep none
+        allowed = {int: ("ge", "le", "gt", "lt"), float: ("ge", "le", "gt", "lt"), str: ("min_length", "max_length")}
+        constraints = {k: v for k, v in constraints.items() if k in allowed.get(annotation, ())}
+        if prop in required:
+            default: Any = ...
+        else:
+            default = sub.get("default")
+            nullable = True
+        if nullable and annotation is not Any:
+            annotation = annotation | None
+        field_name = _safe_field_name(prop, index)
+        alias = prop if field_name != prop else None
+        fields[field_name] = (
+            annotation,
+            Field(default, description=sub.get("description"), alias=alias, **constraints),
+        )
+    model_name = "".join(part.capitalize() for part in re.split(r"[^0-9a-zA-Z]+", name) if part) + "Args"
+    return create_model(model_name or "McpToolArgs", __base__=ToolArgs, **fields)
+
+
+# --------------------------------------------------------------------------------------------- client
+
+
+class MCPConnection:
+    """One open MCP client session (stdio subprocess or streamable HTTP) and the tools it lists.
+
+    Args:
+        command: argv of a stdio server (``[sys.executable, "-m", "pkg.server"]``); the first item is the
+            executable, searched on ``PATH``.
+        url: streamable-HTTP endpoint instead (``"http://127.0.0.1:8765/mcp"``).
+        env: extra environment variables for the subprocess (merged over the SDK's safe default environment).
+        cwd: working directory of the subprocess.
+        connect_timeout_s: limit for spawning/connecting, the MCP handshake and listing the tools (seconds).
+
+    Raises:
+        ToolError: neither or both of ``command`` and ``url``, an empty command, or ``mcp`` not installed.
+    """
+
+    def __init__(
+        self,
+        command: list[str] | None = None,
+        *,
+        url: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        connect_timeout_s: float = 20.0,
+    ) -> None:
+        if (command is None) == (url is None):
+            raise ToolError("from_mcp needs exactly one of command=[...] (stdio) or url=... (streamable HTTP)")
+        if command is not None and (not command or not all(isinstance(c, str) for c in command)):
+            raise ToolError(f"MCP command must be a non-empty list of strings, got {command!r}")
+        _require_mcp()
+        self.command = list(command) if command is not None else None
+        self.url = url
+        self.env = dict(env) if env else None
+        self.cwd = str(cwd) if cwd is not None else None
+        self.connect_timeout_s = connect_timeout_s
+        self._session: Any = None
+        self._tools: list[Any] = []
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._closing = asyncio.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def where(self) -> str:
+        """The server, in words, for messages."""
+        return " ".join(self.command) if self.command is not None else str(self.url)
+
+    async def start(self) -> None:
+        """Connect, handshake and list the tools; returns when the session is ready.
+
+        Raises:
+            ToolError: the server could not be spawned or reached, the handshake failed, or it took longer than
+                ``connect_timeout_s``.
+        """
+        if self._task is not None:
+            return
+        self._task = asyncio.create_task(self._run(), name=f"mcp-session {self.where}")
+        waiter = asyncio.create_task(self._ready.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {waiter, self._task}, timeout=self.connect_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:  # cancelled while connecting: do not leave the subprocess behind
+            waiter.cancel()
+            await asyncio.shield(self.aclose())
+            raise
+        waiter.cancel()
+        if self._ready.is_set() and self._error is None:
+            return
+        if not done:
+            await self.aclose()
+            raise ToolError(f"MCP server {self.where} did not finish the handshake within {self.connect_timeout_s:g} s")
+        error = self._error
+        await self.aclose()
+        raise ToolError(f"cannot connect to MCP server {self.where}: {_describe(error)}") from error
+
+    async def _run(self) -> None:
+        from mcp import ClientSession
+
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if self.command is not None:
+                    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+                    params = StdioServerParameters(
+                        command=self.command[0], args=self.command[1:], env=self.env, cwd=self.cwd
+                    )
+                    streams = await stack.enter_async_context(stdio_client(params, errlog=_errlog(stack)))
+                else:
+                    from mcp.client import streamable_http
+
+                    opener = (
+                        getattr(streamable_http, "streamable_http_client", None)
+                        or streamable_http.streamablehttp_client
+                    )
+                    streams = await stack.enter_async_context(opener(self.url))
+                read, write = streams[0], streams[1]
+                session = await stack.enter_async_context(ClientSession(read, write))
+                await session.initialize()
+                tools: list[Any] = []
+                cursor = None
+                for _ in range(100):
+                    if cursor is None:
+                        page = await session.list_tools()
+                    else:
+                        from mcp import types
+
+                        page = await session.list_tools(params=types.PaginatedRequestParams(cursor=cursor))
+                    tools.extend(page.tools)
+                    cursor = _attr(page, "next_cursor", "nextCursor")
+                    if not cursor:
+                        break
+                self._tools = tools
+                self._session = session
+                self._ready.set()
+                await self._closing.wait()
+        except BaseException as exc:  # reported through start() / call()
+            if self._error is None and not isinstance(exc, asyncio.CancelledError):
+                self._error = exc
+            if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | SystemExit):
+                raise
+        finally:
+            self._session = None
+
+    def tools(self, *, prefix: str = "", timeout_s: float = 10.0) -> list[Tool]:
+        """The server's tools as :class:`Tool` objects (names prefixed, characters outside ``[A-Za-z0-9_-]``
+        replaced by ``_``)."""
+        out = []
+        for remote in self._tools:
+            name = remote.name
+            local = (prefix + re.sub(r"[^A-Za-z0-9_-]", "_", name))[:64]
+            schema = dict(_attr(remote, "input_schema", "inputSchema", {}) or {"type": "object"})
+            meta = _attr(remote, "meta", "_meta", {}) or {}
+            annotations = _attr(remote, "annotations", "annotations")
+            read_only = _attr(annotations, "read_only_hint", "readOnlyHint") if annotations is not None else None
+            kind = meta.get(_META_KIND) if meta.get(_META_KIND) in ("read", "action") else None
+            if kind is None:
+                kind = "action" if read_only is False else "read"
+            out.append(
+                Tool(
+                    name=local,
+                    description=(remote.description or _attr(remote, "title", "title") or name).strip(),
+                    parameters=model_from_json_schema(local, schema),
+                    fn=self._caller(name),
+                    kind=kind,
+                    timeout_s=timeout_s,
+                    domain=str(meta.get(_META_DOMAIN) or ""),
+                    schema=schema,
+                )
+            )
+        return out
+
+    def _caller(self, remote_name: str):
+        async def call(**kwargs: Any) -> ToolOutput:
+            arguments = {k: v for k, v in kwargs.items() if v is not None}
+            return await self.call(remote_name, arguments)
+
+        call.__name__ = f"mcp_{re.sub(r'[^A-Za-z0-9_]', '_', remote_name)}"
+        return call
+
+    async def call(self, remote_name: str, arguments: dict[str, Any]) -> ToolOutput:
+        """Call a tool on the server; the text blocks joined are the clause, ``structuredContent`` the data.
+
+        Raises:
+            ToolError: the session is closed or broke, or the server reported an error result.
+        """
+        session = self._session
+        if session is None or self._task is None or self._task.done():
+            raise ToolError(
+                f"MCP server {self.where} is not connected ({_describe(self._error) if self._error else 'closed'})",
+                tool=remote_name,
+            )
+        try:
+            result = await session.call_tool(remote_name, arguments)
+        except ToolError:
+            raise
+        except Exception as exc:
+            raise ToolError(
+                f"MCP call {remote_name!r} on {self.where} failed: {_describe(exc)}", tool=remote_name
+            ) from exc
+        texts = []
+        for block in result.content or []:
+            if getattr(block, "type", None) == "text":
+                texts.append(block.text)
+            elif getattr(block, "type", None) == "resource" and hasattr(getattr(block, "resource", None), "text"):
+                texts.append(block.resource.text)
+        text = " ".join(t.strip() for t in texts if t and t.strip())
+        data = _attr(result, "structured_content", "structuredContent")
+        if _attr(result, "is_error", "isError", False):
+            raise ToolError(f"MCP tool {remote_name!r} reported an error: {text or 'no details'}", tool=remote_name)
+        if not text and data is not None:
+            text = render_clause(data)
+        return ToolOutput(text, data)
+
+    async def aclose(self) -> None:
+        """Close the session and the transport (ends the subprocess); idempotent."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._closing.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=10.0)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        except Exception:
+            log.debug("MCP session %s ended with an error", self.where, exc_info=True)
+
+
+def _errlog(stack: contextlib.AsyncExitStack) -> Any:
+    """Where the subprocess's stderr goes: ours if it has a file descriptor, else the null device."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        sink = open(os.devnull, "w")  # noqa: SIM115 - closed by the exit stack
+        stack.callback(sink.close)
+        return sink
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown error"
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions[:3])
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --------------------------------------------------------------------------------------------- server
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def build_mcp_server(bank: ToolBank, *, name: str = "cspan-tools") -> Server:
+    """A low-level MCP ``Server`` whose ``tools/list`` and ``tools/call`` are the bank's.
+
+    Raises:
+        ToolError: ``mcp`` is not installed.
+    """
+    _require_mcp()
+    from mcp import types
+    from mcp.server.lowlevel import Server
+
+    from cspan.backends import __version__
+
+    async def on_list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
+        tools = []
+        for tool in bank.tools():
+            meta = {_META_KIND: tool.kind}
+            if tool.domain:
+                meta[_META_DOMAIN] = tool.domain
+            tools.append(
+                types.Tool(
+                    name=tool.name,
+                    description=tool.description,
+                    input_schema=tool.json_schema(),
+                    annotations=types.ToolAnnotations(
+                        read_only_hint=tool.kind == "read", destructive_hint=False, open_world_hint=False
+                    ),
+                    meta=meta,
+                )
+            )
+        return types.ListToolsResult(tools=tools)
+
+    async def on_call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        try:
+            result = await bank.call(params.name, params.arguments or {})
+        except ToolError as exc:
+            return types.CallToolResult(content=[types.TextContent(type="text", text=str(exc))], is_error=True)
+        data = result.data
+        structured = None
+        if data is not None:
+            structured = _jsonable(data if isinstance(data, dict) else {"result": data})
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=result.text)], structured_content=structured
+        )
+
+    return Server(
+        name,
+        version=__version__,
+        instructions="Context Spanning tool bank: each tool answers with one short spoken clause.",
+        on_list_tools=on_list_tools,
+        on_call_tool=on_call_tool,
+    )
+
+
+async def serve_stdio(bank: ToolBank, *, name: str = "cspan-tools") -> None:
+    """Serve ``bank`` over this process's stdin/stdout until the client closes stdin."""
+    from mcp.server.stdio import stdio_server
+
+    server = build_mcp_server(bank, name=name)
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
+
+
+async def serve_http(
+    bank: ToolBank, *, host: str = "127.0.0.1", port: int = 8765, path: str = "/mcp", name: str = "cspan-tools"
+) -> None:
+    """Serve ``bank`` over streamable HTTP at ``http://host:port{path}`` with uvicorn until interrupted."""
+    import uvicorn
+
+    server = build_mcp_server(bank, name=name)
+    app = server.streamable_http_app(streamable_http_path=path, host=host)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    await uvicorn.Server(config).serve()

@@ -1,0 +1,342 @@
+"""``cspan bench ...``: the benchmark verbs (registered through the ``cspan.commands`` entry point).
+
+Layout of the command tree, built from lists of register functions so that a new action is one function plus one
+list entry:
+
+- :data:`BENCH_ACTIONS` -- the actions of ``cspan bench`` (``fdb-v1``, ``fdb-v3``, ``report``);
+- :data:`FDB_V1_ACTIONS` -- the sub-actions of ``cspan bench fdb-v1`` (``score``);
+- :data:`FDB_V3_ACTIONS` -- the sub-actions of ``cspan bench fdb-v3`` (``score``).
+
+Each register function receives the ``add_subparsers()`` object of its group, adds one parser and sets its
+``handler`` (``handler(args) -> int``). Handlers import their heavy modules lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ActionRegister = Callable[[Any], None]
+"""``register(subparsers)``: add one action parser to an ``argparse`` sub-parser group and set its handler."""
+
+
+def bench_command(parser: argparse.ArgumentParser) -> None:
+    """Benchmarks: Full-Duplex-Bench v1/v3 scoring and run reports (`cspan bench ACTION --help`)."""
+    sub = parser.add_subparsers(dest="bench_command", metavar="ACTION", title="actions")
+    sub.required = True
+    for register in BENCH_ACTIONS:
+        register(sub)
+
+
+def _group(sub: Any, name: str, help_text: str, actions: Sequence[ActionRegister], dest: str) -> None:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    inner = parser.add_subparsers(dest=dest, metavar="ACTION", title="actions")
+    inner.required = True
+    for register in actions:
+        register(inner)
+
+
+def register_fdb_v1(sub: Any) -> None:
+    """``cspan bench fdb-v1 ...``."""
+    _group(
+        sub,
+        "fdb-v1",
+        "Full-Duplex-Bench v1: pause, backchannel, turn-taking, user interruption.",
+        FDB_V1_ACTIONS,
+        "fdb_v1_action",
+    )
+
+
+def register_fdb_v3(sub: Any) -> None:
+    """``cspan bench fdb-v3 ...``."""
+    _group(sub, "fdb-v3", "Full-Duplex-Bench v3: tool use under disfluency.", FDB_V3_ACTIONS, "fdb_v3_action")
+
+
+def _add_judge_args(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:
+    group = parser.add_argument_group("judge (any OpenAI-compatible chat-completions server)")
+    group.add_argument("--judge-url", help=f"server URL (http://host:port/v1); without it {what} is skipped")
+    group.add_argument(
+        "--judge-model", default=default_model, help="model name (default: %(default)s, the reference's)"
+    )
+    group.add_argument(
+        "--judge-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the API key (default: %(default)s)",
+    )
+    group.add_argument("--judge-attempts", type=int, default=5, help="tries per judge request (default: %(default)s)")
+
+
+def _make_judge(args: argparse.Namespace) -> Any:
+    if not args.judge_url:
+        return None
+    from cspan.bench.judge import OpenAIJudge
+
+    return OpenAIJudge(
+        args.judge_url, args.judge_model, api_key_env=args.judge_key_env, max_attempts=args.judge_attempts
+    )
+
+
+# --- fdb-v1 score ----------------------------------------------------------------------------------------------------
+
+
+def register_fdb_v1_score(sub: Any) -> None:
+    """``cspan bench fdb-v1 score``."""
+    p = sub.add_parser(
+        "score",
+        help="score model outputs laid out as the benchmark's dataset",
+        description=(
+            "Score Full-Duplex-Bench v1 outputs in the benchmark's dataset layout: DATA/{task}/{ID}/ with input.wav, "
+            "output.wav and the task's JSON (turn_taking.json, interrupt.json). output.wav is transcribed into "
+            "output.json where that is missing. Writes OUT/{task}/summary.json and samples.json."
+        ),
+    )
+    p.add_argument("--data", required=True, help="dataset root holding task folders (or one task folder)")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        metavar="TASK[=KIND]",
+        help="task folders to score (default: every folder whose name names a task); KIND overrides the scorer: "
+        "pause_handling, backchannel, turn_taking, user_interruption",
+    )
+    p.add_argument("--out", help="where summaries go (default: DATA/scores)")
+    p.add_argument(
+        "--asr", default="sphinx", help="transcriber for missing output.json: 'sphinx' (default) or an OpenAI-style URL"
+    )
+    p.add_argument("--asr-model", help="model name for an OpenAI-style transcription endpoint (default qwen3-asr)")
+    p.add_argument(
+        "--retranscribe", action="store_true", help="transcribe output.wav again even where output.json exists"
+    )
+    p.add_argument("--icc-gt", help="backchannel ground truth icc_gt_distribution.json (default: looked up in DATA)")
+    p.add_argument(
+        "--reuse-ratings",
+        action="store_true",
+        help="user interruption: use existing rating.json files instead of the judge",
+    )
+    _add_judge_args(p, "gpt-4-turbo", "the user-interruption relevance rating")
+    p.set_defaults(handler=_fdb_v1_score)
+
+
+def _resolve_tasks(data: Path, specs: Sequence[str] | None) -> list[tuple[str, Any, Path]]:
+    from cspan.bench.errors import BenchDataError
+    from cspan.bench.fdb_v1 import TaskKind, infer_task_kind, sample_dirs
+
+    if not data.is_dir():
+        raise BenchDataError(f"--data {data} is not a folder")
+    resolved = []
+    if specs:
+        for spec in specs:
+            name, _, kind_name = spec.partition("=")
+            try:
+                kind = TaskKind(kind_name) if kind_name else infer_task_kind(name)
+            except ValueError as exc:
+                choices = ", ".join(k.value for k in TaskKind)
+                raise BenchDataError(f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}") from exc
+            if kind is None:
+                raise BenchDataError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
+            folder = data / name
+            if not folder.is_dir():
+                raise BenchDataError(f"--tasks {name!r}: {folder} is not a folder")
+            resolved.append((name, kind, folder))
+        return resolved
+    for folder in sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        kind = infer_task_kind(folder.name)
+        if kind is not None and sample_dirs(folder, kind):
+            resolved.append((folder.name, kind, folder))
+    if not resolved:
+        kind = infer_task_kind(data.name)
+        if kind is not None and sample_dirs(data, kind):
+            resolved.append((data.name, kind, data))
+    if not resolved:
+        raise BenchDataError(
+            f"no task folders found in {data}; expected e.g. candor_turn_taking/{{ID}}/output.wav, or name them with "
+            "--tasks NAME=KIND"
+        )
+    return resolved
+
+
+def _find_icc_gt(arg: str | None, data: Path, task_dir: Path) -> Path:
+    from cspan.bench.errors import BenchDataError
+    from cspan.bench.fdb_v1 import ICC_GT_JSON
+
+    if arg:
+        return Path(arg)
+    for candidate in (task_dir / ICC_GT_JSON, data / ICC_GT_JSON, Path.cwd() / ICC_GT_JSON):
+        if candidate.is_file():
+            return candidate
+    raise BenchDataError(
+        f"backchannel scoring needs {ICC_GT_JSON} (in the benchmark's v1_v1.5/evaluation folder); put it in {data} "
+        "or pass --icc-gt PATH"
+    )
+
+
+async def _transcribe_all(jobs: Sequence[tuple[list[Path], Any]], transcriber: Any, overwrite: bool) -> int:
+    from cspan.bench.transcribe import ensure_output_jsons
+
+    written = 0
+    try:
+        for dirs, kind in jobs:
+            written += len(await ensure_output_jsons(dirs, transcriber, kind, overwrite=overwrite))
+    finally:
+        close = getattr(transcriber, "aclose", None)
+        if close is not None:
+            await close()
+    return written
+
+
+def _fdb_v1_score(args: argparse.Namespace) -> int:
+    from cspan.bench import fdb_v1
+    from cspan.bench.transcribe import make_transcriber
+
+    data = Path(args.data)
+    tasks = _resolve_tasks(data, args.tasks)
+    out = Path(args.out) if args.out else data / "scores"
+    jobs = []
+    for _, kind, folder in tasks:
+        dirs = fdb_v1.sample_dirs(folder, kind)
+        todo = dirs if args.retranscribe else [d for d in dirs if not (d / fdb_v1.OUTPUT_JSON).is_file()]
+        if todo:
+            jobs.append((todo, kind))
+    transcribed = 0
+    if jobs:
+        transcriber = make_transcriber(args.asr, model=args.asr_model)
+        n = sum(len(d) for d, _ in jobs)
+        print(f"transcribing {n} output.wav file(s) with {getattr(transcriber, 'endpoint', args.asr)} ...")
+        transcribed = asyncio.run(_transcribe_all(jobs, transcriber, args.retranscribe))
+    judge = _make_judge(args)
+    try:
+        for name, kind, folder in tasks:
+            icc_gt = None
+            config: dict[str, Any] = {"data": str(folder), "asr": args.asr if transcribed else "existing output.json"}
+            if kind is fdb_v1.TaskKind.BACKCHANNEL:
+                from cspan.bench.vad import silero_vad_version
+
+                gt_path = _find_icc_gt(args.icc_gt, data, folder)
+                icc_gt = fdb_v1.load_icc_gt(gt_path)
+                config.update(icc_gt=str(gt_path), vad=f"silero-vad {silero_vad_version()} at 16 kHz (soxr)")
+            if kind is fdb_v1.TaskKind.USER_INTERRUPTION:
+                config["judge"] = judge.describe() if judge is not None else None
+                config["reuse_ratings"] = bool(args.reuse_ratings)
+            score = fdb_v1.score_task(
+                folder, kind, task=name, icc_gt=icc_gt, judge=judge, reuse_ratings=args.reuse_ratings
+            )
+            score.summary.config = config
+            path = fdb_v1.write_task_score(score, out)
+            metrics = ", ".join(f"{k} {_fmt(v)}" for k, v in score.summary.metrics.items())
+            print(f"{name} ({kind.value}, n={score.summary.n}): {metrics} -> {path}")
+            for note in score.summary.notes:
+                print(f"  note: {note}")
+    finally:
+        if judge is not None:
+            judge.close()
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+# --- fdb-v3 score ----------------------------------------------------------------------------------------------------
+
+
+def register_fdb_v3_score(sub: Any) -> None:
+    """``cspan bench fdb-v3 score``."""
+    p = sub.add_parser(
+        "score",
+        help="score tool-use results against the scenarios",
+        description=(
+            "Score Full-Duplex-Bench v3 results: tool-selection F1, argument accuracy, pass rate, take-turn rate, "
+            "latencies, interruption and filler rates. RESULTS is a JSON file ({results, scenarios?} or a list of "
+            "results) or a folder of result_*.json files. Writes summary.json and samples.json."
+        ),
+    )
+    p.add_argument("--results", required=True, help="results file or folder")
+    p.add_argument("--scenarios", help="scenario file (benchmark_data_v2.json); needed unless RESULTS embeds them")
+    p.add_argument("--out", help="where summary.json goes (default: next to RESULTS)")
+    p.add_argument(
+        "--numeric-tolerance",
+        type=float,
+        default=0.05,
+        help="relative tolerance for numeric arguments without a judge (default: %(default)s; 0 = exact)",
+    )
+    _add_judge_args(p, "gpt-4o", "response quality (and arguments use the exact/numeric rule)")
+    p.set_defaults(handler=_fdb_v3_score)
+
+
+def _fdb_v3_score(args: argparse.Namespace) -> int:
+    from cspan.bench import fdb_v3
+    from cspan.bench.errors import BenchDataError, JudgeError
+
+    results_path = Path(args.results)
+    results, embedded = fdb_v3.load_results(results_path)
+    if args.scenarios:
+        scenarios = fdb_v3.load_scenarios(Path(args.scenarios))
+    elif embedded is not None:
+        scenarios = embedded
+    else:
+        raise BenchDataError(f"{results_path} embeds no scenarios; pass --scenarios benchmark_data_v2.json")
+    exact = fdb_v3.ExactArgumentMatcher(args.numeric_tolerance)
+    judge = _make_judge(args)
+    try:
+        matcher: Any = exact
+        response_judge = None
+        if judge is not None:
+            matcher = fdb_v3.JudgeArgumentMatcher(judge, exact)
+
+            def response_judge(intent: str, transcript: str) -> float | None:
+                try:
+                    return 1.0 if judge.judge_response(intent, transcript).correct else 0.0
+                except JudgeError:
+                    return None
+
+        summary, samples = fdb_v3.score_results(scenarios, results, matcher=matcher, response_judge=response_judge)
+    finally:
+        if judge is not None:
+            judge.close()
+    summary.config = {
+        "results": str(results_path),
+        "judge": judge.describe() if judge is not None else None,
+        "numeric_tolerance": args.numeric_tolerance,
+    }
+    out = Path(args.out) if args.out else (results_path if results_path.is_dir() else results_path.parent)
+    path = fdb_v3.write_v3_score(summary, samples, out)
+    print(f"fdb-v3 (n={summary.n}): " + ", ".join(f"{k} {_fmt(v)}" for k, v in summary.metrics.items()))
+    for note in summary.notes:
+        print(f"  note: {note}")
+    print(f"wrote {path}")
+    return 0
+
+
+# --- report ----------------------------------------------------------------------------------------------------------
+
+
+def register_report(sub: Any) -> None:
+    """``cspan bench report``."""
+    p = sub.add_parser(
+        "report",
+        help="Markdown tables and PNG plots from a run folder's score files",
+        description=(
+            "Collect every summary.json (Full-Duplex-Bench v1/v3, ...) and latency.json below RUN_DIR and write "
+            "report.md with tables plus PNG plots (latency vs span length, per-task bars)."
+        ),
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", help="where report.md and the plots go (default: RUN_DIR)")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.set_defaults(handler=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from cspan.bench.report import build_report
+
+    markdown, written = build_report(Path(args.run_dir), Path(args.out) if args.out else None, plots=not args.no_plots)
+    print(markdown)
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+FDB_V1_ACTIONS: list[ActionRegister] = [register_fdb_v1_score]
+FDB_V3_ACTIONS: list[ActionRegister] = [register_fdb_v3_score]
+BENCH_ACTIONS: list[ActionRegister] = [register_fdb_v1, register_fdb_v3, register_report]

@@ -1,0 +1,324 @@
+"""An OpenAI-compatible LLM judge (``POST {base}/v1/chat/completions`` over httpx) with the benchmarks' prompts.
+
+- Full-Duplex-Bench v1 user interruption (``eval_user_interruption.py``): rate 0-5 how well the response after the
+  interruption relates to the interrupting turn. The system and user messages below are the benchmark's own text,
+  whitespace included, because a judge's rating depends on its prompt; the reference model is ``gpt-4-turbo``
+  with ``seed = 0`` and the default temperature. The reply is parsed with the reference's pattern
+  ``Analysis: ...`` newline ``I would rate the AI's response as N`` (last match wins). The reference re-asks
+  forever on an unparsable reply; here it re-asks up to ``max_attempts`` times, then raises :class:`JudgeError`.
+- Full-Duplex-Bench v3 (``evaluate_tool_calls.py`` / ``evaluate_pass_rate.py``): argument correctness and response
+  quality, ``gpt-4o`` at temperature 0 and 200 tokens, answering ``{"correct": bool, "explanation": str}``
+  (code fences stripped).
+
+Any server that speaks the chat-completions API works (OpenAI, vLLM, llama.cpp, ...). Prompts: see
+``docs/reference/benchmarks.md`` sections 1.8 and 2.2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+from cspan.bench.errors import JudgeError
+
+log = logging.getLogger(__name__)
+
+V1_INTERRUPTION_MODEL = "gpt-4-turbo"
+"""The model string the v1 reference scorer asks for (its README calls it GPT-4o)."""
+V3_MODEL = "gpt-4o"
+"""The v3 reference judge model."""
+
+INTERRUPTION_SYSTEM_PROMPT = """
+   The scenario is that the user and AI are talking in the spoken conversation.
+   The user first speaks, then the AI responds. But when AI is speaking, the user interrupts the AI's turn.
+   Your task is to rate the quality of AI's response after the user interrupt the turn.
+
+
+   Below is the rating guideline (from 0 to 5, 0 is the worst and 5 is the best):
+   - 0: The AI's response is totally unrelated to the user's interrupting turn.
+   - 1: The AI's response is not related to the user's interrupting turn.
+   - 2: The AI's response is slightly related to the user's interrupting turn.
+   - 3: The AI's response is related to the user's interrupting turn.
+   - 4: The AI's response is highly related to the user's interrupting turn.
+   - 5: The AI's response is perfectly related to the user's interrupting turn.
+
+
+   Firstly, briefly analyze the user's interrupting turn and the AI's response
+   Then, you must return the overall output as the following format:
+   Analysis: [Your analysis].
+   I would rate the AI's response as [Rating].
+   """
+"""System message of the v1 user-interruption judge (the benchmark's text, indentation included)."""
+
+_RATING_PATTERN = re.compile(r"Analysis:\s*(.*?)\nI would rate the AI's response as (\d+)", re.DOTALL)
+
+
+def interruption_user_message(context: str, interrupt: str, response: str) -> str:
+    """User message of the v1 judge: the contextual turn, the interrupting turn and the AI's post-interruption text,
+    laid out exactly as the reference's f-string does (leading newline, 16-space indents)."""
+    pad = " " * 16
+    return (
+        f"\n{pad}- Contextual user turn: {context}\n{pad}- User interrupting turn: {interrupt}\n"
+        f"{pad}- AI's response: {response}\n{pad}"
+    )
+
+
+class InterruptionRating(BaseModel):
+    """The judge's verdict on one interruption sample: ``rating`` 0-5 and its ``analysis`` (``rating.json``)."""
+
+    analysis: str
+    rating: int
+
+
+def parse_interruption_rating(reply: str) -> InterruptionRating | None:
+    """Parse ``Analysis: ...`` newline ``I would rate the AI's response as N`` from a judge reply; the last match wins.
+
+    A newline is appended to the reply first, as in the reference. Returns ``None`` when nothing matches.
+    """
+    found = None
+    for match in _RATING_PATTERN.finditer(reply + "\n"):
+        found = InterruptionRating(analysis=match.group(1).strip(), rating=int(match.group(2).strip()))
+    return found
+
+
+V3_ARGUMENT_PROMPT = """You are evaluating whether an AI voice agent called a function with correct arguments.
+
+Function: {function_name}
+Expected arguments: {expected}
+Actual arguments: {actual}
+
+Rules:
+1. Arguments that start with "$" (like "$RESULT_0.flights[0].flight_id") are dynamic references —
+   the actual value should be any real value that could plausibly come from a previous API call.
+2. Minor formatting differences are fine: "August 20" == "2026-08-20", "New York" == "new york".
+3. "Las Vegas" == "Vegas" — abbreviations and common aliases are acceptable.
+4. Numeric tolerance: ±5% is acceptable.
+5. doc_type: "driver_license" == "driver license" (underscore vs space).
+
+Respond with ONLY a JSON object:
+{{"correct": true/false, "explanation": "brief reason"}}"""
+"""The v3 argument judge prompt (the benchmark's text); ``{expected}``/``{actual}`` are ``json.dumps`` of the args."""
+
+V3_RESPONSE_PROMPT = """You are evaluating whether an AI voice agent successfully completed the user's requested task.
+
+Expected Task/Action: "{expected_intent}"
+Actual Agent Spoken Response: "{transcript}"
+
+Evaluation criteria:
+1. Did the agent perform the CORRECT actions (right tools, right parameters)?
+2. Did the response indicate the task was completed or is being handled?
+3. It is FINE if the agent provides MORE detail than expected (e.g., giving specific results, prices, confirmation numbers). Providing additional helpful information is NOT a penalty.
+4. It is INCORRECT if the agent says it cannot perform the action, lacks tools, or refuses.
+5. It is INCORRECT if the agent performs the WRONG action (e.g., wrong destination, wrong document type).
+6. Partial delivery of multi-step tasks (e.g., completes 2 of 3 required steps) should be scored 0.
+
+Respond with ONLY a JSON object:
+{{"correct": true/false, "explanation": "brief reason"}}"""
+"""The v3 response-quality judge prompt (the benchmark's text)."""
+
+
+def strip_code_fences(text: str) -> str:
+    """Remove a surrounding Markdown code fence (```json ... ```) from a judge reply."""
+    text = text.strip()
+    if text.startswith("```"):
+        lines = text.splitlines()[1:]
+        if lines and lines[-1].strip().startswith("```"):
+            lines = lines[:-1]
+        text = "\n".join(lines).strip()
+    return text
+
+
+class Verdict(BaseModel):
+    """A yes/no judgement with the judge's short reason."""
+
+    correct: bool
+    explanation: str = ""
+
+
+def parse_verdict(reply: str) -> Verdict:
+    """Parse ``{"correct": bool, "explanation": str}`` (fences allowed). Raises :class:`JudgeError` otherwise."""
+    try:
+        data = json.loads(strip_code_fences(reply))
+        correct = data["correct"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise JudgeError(f"judge reply is not {{'correct': bool, 'explanation': str}}: {reply[:200]!r}") from exc
+    if not isinstance(correct, bool):
+        raise JudgeError(f"judge reply has a non-boolean 'correct': {reply[:200]!r}")
+    return Verdict(correct=correct, explanation=str(data.get("explanation", "")))
+
+
+def chat_completions_url(url: str) -> str:
+    """``http://h:p`` / ``http://h:p/v1`` / the full endpoint -> ``http://h:p/v1/chat/completions``."""
+    url = url.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    if url.endswith("/v1"):
+        return url + "/chat/completions"
+    return url + "/v1/chat/completions"
+
+
+class OpenAIJudge:
+    """A synchronous client for one judge model behind an OpenAI-compatible chat-completions endpoint.
+
+    Args:
+        url: server root, its ``/v1``, or the full ``/v1/chat/completions`` URL.
+        model: the model name the server expects (reference: ``gpt-4-turbo`` for v1, ``gpt-4o`` for v3).
+        api_key: bearer key; ``None`` reads the environment variable ``api_key_env``; no header when neither is set.
+        api_key_env: where to read the key from (default ``OPENAI_API_KEY``).
+        timeout_s: per-request timeout, seconds.
+        max_attempts: tries per request on connection errors, HTTP 429 and 5xx (back-off ``backoff_s * 2**n``), and
+            for the v1 rating also on unparsable replies.
+        client: an ``httpx.Client`` to use (not closed here); default: one owned by the judge.
+
+    Raises :class:`JudgeError` (URL and cause in the message) when a request cannot be completed.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        api_key_env: str = "OPENAI_API_KEY",
+        timeout_s: float = 120.0,
+        max_attempts: int = 5,
+        backoff_s: float = 1.0,
+        client: httpx.Client | None = None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise JudgeError(f"judge URL must be http(s), got {url!r}; pass e.g. --judge-url http://127.0.0.1:8000/v1")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.url = chat_completions_url(url)
+        self.model = model
+        key = api_key if api_key is not None else os.environ.get(api_key_env)
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.max_attempts = int(max_attempts)
+        self.backoff_s = float(backoff_s)
+        self._own_client = client is None
+        self._client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    def close(self) -> None:
+        """Close the HTTP client the judge opened."""
+        if self._own_client:
+            self._client.close()
+
+    def __enter__(self) -> OpenAIJudge:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def describe(self) -> dict[str, str]:
+        """``{"url", "model"}`` for score files."""
+        return {"url": self.url, "model": self.model}
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        seed: int | None = None,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+    ) -> str:
+        """Send one chat completion and return the first choice's message text.
+
+        ``None`` options are left out of the request (the server's defaults apply, as in the reference's v1 call).
+        """
+        body: dict[str, Any] = {"model": self.model, "messages": [dict(m) for m in messages]}
+        for key, value in (("seed", seed), ("temperature", temperature), ("max_tokens", max_tokens)):
+            if value is not None:
+                body[key] = value
+        last = ""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                response = self._client.post(self.url, json=body, headers=self._headers)
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code == 429 or response.status_code >= 500:
+                    last = f"HTTP {response.status_code}: {response.text[:200]}"
+                elif response.status_code >= 400:
+                    raise JudgeError(
+                        f"judge {self.url} answered HTTP {response.status_code}: {response.text[:300]}; check "
+                        f"--judge-model ({self.model!r}) and the API key"
+                    )
+                else:
+                    return self._content(response)
+            if attempt < self.max_attempts:
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                log.warning(
+                    "judge %s: %s (attempt %d/%d); retrying in %.1f s",
+                    self.url,
+                    last,
+                    attempt,
+                    self.max_attempts,
+                    delay,
+                )
+                time.sleep(delay)
+        raise JudgeError(
+            f"judge {self.url} failed after {self.max_attempts} attempt(s): {last}; is the server running?"
+        )
+
+    def _content(self, response: httpx.Response) -> str:
+        try:
+            content = response.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise JudgeError(
+                f"judge {self.url} answered without choices[0].message.content: {response.text[:200]!r}"
+            ) from exc
+        if not isinstance(content, str):
+            raise JudgeError(f"judge {self.url} answered a non-text message: {content!r:.200}")
+        return content
+
+    # --- Full-Duplex-Bench v1 -------------------------------------------------------------------------------------
+
+    def rate_interruption(self, context: str, interrupt: str, response: str, *, seed: int = 0) -> InterruptionRating:
+        """Rate 0-5 how well ``response`` (the AI's words after the interruption) relates to ``interrupt``.
+
+        Raises:
+            JudgeError: the request failed, or no reply parsed in ``max_attempts`` tries.
+        """
+        messages = [
+            {"role": "system", "content": INTERRUPTION_SYSTEM_PROMPT},
+            {"role": "user", "content": interruption_user_message(context, interrupt, response)},
+        ]
+        reply = ""
+        for _ in range(self.max_attempts):
+            reply = self.chat(messages, seed=seed)
+            parsed = parse_interruption_rating(reply)
+            if parsed is not None:
+                return parsed
+            log.warning("judge %s: reply without a rating, asking again: %r", self.url, reply[:200])
+        raise JudgeError(
+            f'judge {self.url} ({self.model}) never answered in the format "Analysis: ..." / "I would rate the '
+            f"AI's response as N\" in {self.max_attempts} tries; last reply: {reply[:200]!r}"
+        )
+
+    # --- Full-Duplex-Bench v3 -------------------------------------------------------------------------------------
+
+    def judge_arguments(self, function: str, expected: Mapping[str, Any], actual: Mapping[str, Any]) -> Verdict:
+        """Are ``actual`` arguments of a call to ``function`` semantically the ``expected`` ones? (v3 prompt)
+
+        Raises :class:`JudgeError` on a failed request or an unparsable reply (the v3 scorer then falls back to
+        exact matching, as the reference does).
+        """
+        prompt = V3_ARGUMENT_PROMPT.format(
+            function_name=function, expected=json.dumps(dict(expected)), actual=json.dumps(dict(actual))
+        )
+        reply = self.chat([{"role": "user", "content": prompt}], temperature=0, max_tokens=200)
+        return parse_verdict(reply)
+
+    def judge_response(self, expected_intent: str, transcript: str) -> Verdict:
+        """Did the spoken ``transcript`` carry out ``expected_intent`` (the scenario's last AI line)? (v3 prompt)"""
+        prompt = V3_RESPONSE_PROMPT.format(expected_intent=expected_intent, transcript=transcript)
+        reply = self.chat([{"role": "user", "content": prompt}], temperature=0, max_tokens=200)
+        return parse_verdict(reply)

@@ -1,0 +1,449 @@
+"""``cspan bench report RUN_DIR``: Markdown tables and PNG plots from the score files of a run folder.
+
+Inputs, found anywhere below ``RUN_DIR``:
+
+- ``summary.json`` files written by the scorers: Full-Duplex-Bench v1 (one per task,
+  :class:`cspan.bench.fdb_v1.TaskSummary`), v3 (:class:`cspan.bench.fdb_v3.V3Summary`); summaries of other
+  benchmarks are listed generically (``benchmark``, ``task``, ``metrics``);
+- ``latency.json`` from the span-latency benchmark (or any ``*latency*.json`` holding ``rows``): ``{"gpu", "torch",
+  "dtype", "rows": [{"n", "mean_ms", "sd_ms", "p99_ms"}], "step": {...}}`` (optional; its absence is noted).
+
+Outputs in ``out_dir`` (default ``RUN_DIR``): ``report.md`` and, for what is present, ``latency_vs_span.png``,
+``fdb_v1_tasks.png``, ``fdb_v3_metrics.png``. The tables follow the layout of the original system's README (span
+latency: one column per span length, rows "mean ± sd, ms" and "P99, ms") and of the benchmark papers (one row per
+system, arrows mark which way is better).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cspan.bench.errors import BenchDataError
+from cspan.bench.fdb_v1 import METRIC_DIRECTIONS as V1_DIRECTIONS
+from cspan.bench.fdb_v1 import TaskKind, TaskSummary
+from cspan.bench.fdb_v3 import V3Summary
+
+log = logging.getLogger(__name__)
+
+FRAME_BUDGET_MS = 80.0
+"""One frame at 12.5 Hz: the span prefill plus the next step must fit in it."""
+
+LATENCY_FILE = "latency.json"
+LATENCY_GLOB = "*latency*.json"
+"""Span-latency files: ``latency.json`` or any ``*latency*.json`` whose JSON holds a ``rows`` list."""
+SUMMARY_FILE = "summary.json"
+
+
+class LatencyRow(BaseModel):
+    """One span length: ``n`` frames (0 = a plain step), mean / standard deviation / 99th percentile in ms."""
+
+    model_config = ConfigDict(extra="allow")
+
+    n: int
+    mean_ms: float
+    sd_ms: float
+    p99_ms: float
+
+
+class LatencyReport(BaseModel):
+    """``latency.json`` of the span-latency benchmark."""
+
+    model_config = ConfigDict(extra="allow")
+
+    gpu: str = "unknown"
+    torch: str = "unknown"
+    dtype: str = "unknown"
+    rows: list[LatencyRow] = Field(default_factory=list)
+    step: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenericSummary(BaseModel):
+    """Any other ``summary.json`` with a ``benchmark`` name and numeric ``metrics``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    benchmark: str
+    task: str = ""
+    n: int | None = None
+    metrics: dict[str, float | None] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+
+
+@dataclass
+class RunFiles:
+    """What :func:`collect` found: each summary with its run label (its folder relative to ``RUN_DIR``)."""
+
+    v1: list[tuple[str, TaskSummary]] = field(default_factory=list)
+    v3: list[tuple[str, V3Summary]] = field(default_factory=list)
+    other: list[tuple[str, GenericSummary]] = field(default_factory=list)
+    latency: list[tuple[str, LatencyReport]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _label(run_dir: Path, folder: Path) -> str:
+    rel = folder.relative_to(run_dir).as_posix()
+    return run_dir.resolve().name if rel in ("", ".") else rel
+
+
+def collect(run_dir: Path) -> RunFiles:
+    """Find and parse every ``summary.json`` and ``latency.json`` below ``run_dir``.
+
+    Files that do not parse are listed in ``skipped`` (with the reason) instead of stopping the report.
+
+    Raises:
+        BenchDataError: ``run_dir`` is not a folder.
+    """
+    if not run_dir.is_dir():
+        raise BenchDataError(f"run folder {run_dir} does not exist")
+    found = RunFiles()
+    for path in sorted(run_dir.rglob(SUMMARY_FILE)):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            bench = data.get("benchmark") if isinstance(data, dict) else None
+            if bench == "fdb-v1":
+                # A v1 run label is the folder holding the task folders.
+                found.v1.append((_label(run_dir, path.parent.parent), TaskSummary.model_validate(data)))
+            elif bench == "fdb-v3":
+                found.v3.append((_label(run_dir, path.parent), V3Summary.model_validate(data)))
+            elif isinstance(bench, str):
+                found.other.append((_label(run_dir, path.parent), GenericSummary.model_validate(data)))
+            else:
+                found.skipped.append(f"{path}: no 'benchmark' field")
+        except (OSError, json.JSONDecodeError, ValidationError) as exc:
+            found.skipped.append(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    for path in sorted(run_dir.rglob(LATENCY_GLOB)):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not (isinstance(data, dict) and isinstance(data.get("rows"), list)):
+                continue  # another benchmark's latency file (no span-latency rows): not ours to report
+            found.latency.append((_label(run_dir, path.parent), LatencyReport.model_validate(data)))
+        except (OSError, json.JSONDecodeError, ValidationError) as exc:
+            found.skipped.append(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return found
+
+
+# --- formatting ----------------------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    """A number with ``digits`` decimals, or an en dash when missing."""
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_pct(value: float | None) -> str:
+    """A rate in [0, 1] as a percentage with one decimal, or an en dash."""
+    return "–" if value is None else f"{100 * value:.1f} %"
+
+
+def _arrow(direction: str | None) -> str:
+    return {"up": " ↑", "down": " ↓"}.get(direction or "", "")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str] | None = None) -> str:
+    align = align or ["---"] + ["---:"] * (len(header) - 1)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+_KIND_SHORT = {
+    TaskKind.PAUSE_HANDLING: "Pause",
+    TaskKind.BACKCHANNEL: "BC",
+    TaskKind.TURN_TAKING: "TT",
+    TaskKind.USER_INTERRUPTION: "UI",
+}
+_KIND_WORDS = {
+    TaskKind.PAUSE_HANDLING: ("pause", "handling"),
+    TaskKind.BACKCHANNEL: ("backchannel",),
+    TaskKind.TURN_TAKING: ("smooth", "turn", "taking"),
+    TaskKind.USER_INTERRUPTION: ("user", "interruption"),
+}
+_METRIC_LABEL = {"tor": "TOR", "latency_s": "Lat (s)", "frequency": "Freq", "jsd": "JSD", "rating": "Rating"}
+_KIND_ORDER = [TaskKind.PAUSE_HANDLING, TaskKind.BACKCHANNEL, TaskKind.TURN_TAKING, TaskKind.USER_INTERRUPTION]
+
+
+def _variant(summary: TaskSummary) -> str:
+    words = [w for w in summary.task.lower().replace("-", "_").split("_") if w]
+    rest = [w for w in words if w not in _KIND_WORDS[summary.kind] and w != "example"]
+    return " ".join(rest)
+
+
+def v1_columns(summaries: Sequence[TaskSummary]) -> list[tuple[str, str, str]]:
+    """Headline columns ``(task, metric, header)`` for the tasks present, in the benchmark's table order."""
+    tasks = sorted({(s.kind, s.task): s for s in summaries}.values(), key=lambda s: (_KIND_ORDER.index(s.kind), s.task))
+    columns = []
+    for s in tasks:
+        variant = _variant(s)
+        for metric, direction in V1_DIRECTIONS[s.kind].items():
+            header = f"{_KIND_SHORT[s.kind]} {_METRIC_LABEL[metric]}"
+            if variant:
+                header += f" ({variant})"
+            columns.append((s.task, metric, header + _arrow(direction)))
+    return columns
+
+
+def latency_markdown(label: str, report: LatencyReport) -> str:
+    """The span-latency table: one column per span length ``n``, rows mean ± sd and P99 (ms)."""
+    rows = sorted(report.rows, key=lambda r: r.n)
+    header = ["n (frames)", *[str(r.n) for r in rows]]
+    body = [
+        ["mean ± sd, ms", *[f"{r.mean_ms:.1f} ± {r.sd_ms:.1f}" for r in rows]],
+        ["P99, ms", *[f"{r.p99_ms:.1f}" for r in rows]],
+    ]
+    parts = [f"Run `{label}`: GPU {report.gpu}, torch {report.torch}, dtype {report.dtype}. n = 0 is a plain step.", ""]
+    parts.append(_table(header, body))
+    if report.step:
+        step = report.step
+        if {"mean_ms", "sd_ms", "p99_ms"} <= step.keys():
+            parts += ["", f"Plain step: {step['mean_ms']:.1f} ± {step['sd_ms']:.1f} ms, P99 {step['p99_ms']:.1f} ms."]
+        else:
+            parts += ["", "Step: " + ", ".join(f"{k} = {v}" for k, v in step.items()) + "."]
+    over = [r.n for r in rows if r.p99_ms > FRAME_BUDGET_MS]
+    if over:
+        parts += ["", f"P99 over the {FRAME_BUDGET_MS:g} ms frame budget at n = {', '.join(map(str, over))}."]
+    return "\n".join(parts)
+
+
+def v1_markdown(entries: Sequence[tuple[str, TaskSummary]]) -> str:
+    """Full-Duplex-Bench v1: one headline row per run, then per-task details with standard deviations and notes."""
+    columns = v1_columns([s for _, s in entries])
+    by_run: dict[str, dict[str, TaskSummary]] = {}
+    for label, summary in entries:
+        by_run.setdefault(label, {})[summary.task] = summary
+    rows = []
+    for label, tasks in by_run.items():
+        row = [label]
+        for task, metric, _ in columns:
+            summary = tasks.get(task)
+            row.append(fmt(summary.metrics.get(metric)) if summary else "–")
+        rows.append(row)
+    parts = [_table(["Run", *[h for _, _, h in columns]], rows), "", "Per task:", ""]
+    detail_rows = []
+    for label, summary in entries:
+        values = []
+        for metric in V1_DIRECTIONS[summary.kind]:
+            value = fmt(summary.metrics.get(metric))
+            std = summary.metrics.get(f"{metric}_std")
+            values.append(f"{_METRIC_LABEL[metric]} {value}" + (f" ± {fmt(std)}" if std is not None else ""))
+        counts = ", ".join(f"{k} {v}" for k, v in summary.counts.items())
+        detail_rows.append([label, summary.task, summary.kind.value, str(summary.n), "; ".join(values), counts])
+    parts.append(_table(["Run", "Task", "Scorer", "n", "Metrics", "Counts"], detail_rows, ["---"] * 4 + ["---", "---"]))
+    notes = [f"- `{label}` {s.task}: {note}" for label, s in entries for note in s.notes]
+    if notes:
+        parts += ["", "Notes:", "", *notes]
+    return "\n".join(parts)
+
+
+_V3_HEADLINE = [
+    ("tool_selection", "Tool Sel ↑", fmt),
+    ("argument_accuracy", "Arg Acc ↑", fmt),
+    ("response_quality", "Resp Qual ↑", fmt),
+    ("pass_rate", "Pass@1 ↑", fmt),
+    ("take_turn_rate", "Turn-take ↑", fmt_pct),
+    ("task_completion_latency_s", "Latency (s) ↓", lambda v: fmt(v, 2)),
+    ("interruption_rate", "Interrupt ↓", fmt_pct),
+    ("filler_rate", "Filler ↓", fmt_pct),
+]
+
+
+def v3_markdown(entries: Sequence[tuple[str, V3Summary]]) -> str:
+    """Full-Duplex-Bench v3: the paper's headline columns, then pass rate by domain and difficulty."""
+    rows = [[label, *[f(s.metrics.get(key)) for key, _, f in _V3_HEADLINE]] for label, s in entries]
+    parts = [_table(["Run", *[h for _, h, _ in _V3_HEADLINE]], rows), ""]
+    extra = [
+        [
+            label,
+            str(s.n),
+            fmt(s.metrics.get("response_latency_s"), 2),
+            fmt(s.metrics.get("tool_selection_all")),
+            fmt(s.metrics.get("argument_accuracy_all")),
+        ]
+        for label, s in entries
+    ]
+    parts += [
+        _table(["Run", "n", "First-response latency (s) ↓", "Tool Sel (all)", "Arg Acc (all)"], extra),
+        "",
+    ]
+    for group in ("domain", "difficulty", "num_tools"):
+        keys = sorted({k for _, s in entries for k in s.breakdowns.get(group, {})})
+        if not keys:
+            continue
+        brows = [[label, *[fmt(s.breakdowns.get(group, {}).get(k)) for k in keys]] for label, s in entries]
+        parts += [f"Pass rate by {group.replace('_', ' ')}:", "", _table(["Run", *keys], brows), ""]
+    notes = [f"- `{label}`: {note}" for label, s in entries for note in s.notes]
+    if notes:
+        parts += ["Notes:", "", *notes, ""]
+    return "\n".join(parts).rstrip()
+
+
+def other_markdown(entries: Sequence[tuple[str, GenericSummary]]) -> str:
+    """Any other benchmark: one row per summary, its metrics as ``key value`` pairs."""
+    rows = [
+        [
+            label,
+            s.benchmark,
+            s.task,
+            "–" if s.n is None else str(s.n),
+            "; ".join(f"{k} {fmt(v)}" for k, v in s.metrics.items()),
+        ]
+        for label, s in entries
+    ]
+    return _table(["Run", "Benchmark", "Task", "n", "Metrics"], rows, ["---"] * 5)
+
+
+# --- plots ---------------------------------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_latency(entries: Sequence[tuple[str, LatencyReport]], path: Path) -> Path:
+    """Latency vs span length: mean ± sd (error bars) and P99 per run, with the 80 ms frame budget."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, report in entries:
+        rows = sorted(report.rows, key=lambda r: r.n)
+        xs = [r.n for r in rows]
+        line = ax.errorbar(
+            xs,
+            [r.mean_ms for r in rows],
+            yerr=[r.sd_ms for r in rows],
+            marker="o",
+            capsize=3,
+            label=f"{label} mean ± sd",
+        )
+        ax.plot(
+            xs, [r.p99_ms for r in rows], linestyle="--", marker="x", color=line[0].get_color(), label=f"{label} P99"
+        )
+    ax.axhline(FRAME_BUDGET_MS, color="grey", linestyle=":", label=f"{FRAME_BUDGET_MS:g} ms frame budget")
+    ax.set_xlabel("span length n (frames)")
+    ax.set_ylabel("prefill + next step (ms)")
+    ax.set_title("Context Span processing latency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _bar_panel(ax: Any, names: Sequence[str], values: Sequence[float | None], title: str) -> None:
+    shown = [0.0 if v is None else v for v in values]
+    bars = ax.bar(range(len(names)), shown, color=["#bbbbbb" if v is None else "#4c72b0" for v in values])
+    for bar, v in zip(bars, values, strict=True):
+        ax.annotate(
+            "n/a" if v is None else f"{v:.3g}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_v1(entries: Sequence[tuple[str, TaskSummary]], path: Path) -> Path:
+    """One panel per scored task, a bar per headline metric (label marks which way is better)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(entries), figsize=(3.2 * len(entries), 3.6), squeeze=False)
+    for ax, (label, s) in zip(axes[0], entries, strict=True):
+        metrics = V1_DIRECTIONS[s.kind]
+        names = [_METRIC_LABEL[m] + _arrow(d) for m, d in metrics.items()]
+        _bar_panel(ax, names, [s.metrics.get(m) for m in metrics], f"{label}\n{s.task} (n={s.n})")
+    fig.suptitle("Full-Duplex-Bench v1", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_v3(entries: Sequence[tuple[str, V3Summary]], path: Path) -> Path:
+    """Per run: the rate metrics (0-1), the latencies (s), and pass rate by domain."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(entries), 3, figsize=(12, 3.6 * len(entries)), squeeze=False)
+    rates = [
+        "tool_selection",
+        "argument_accuracy",
+        "response_quality",
+        "pass_rate",
+        "take_turn_rate",
+        "interruption_rate",
+        "filler_rate",
+    ]
+    times = ["response_latency_s", "task_completion_latency_s"]
+    for row, (label, s) in zip(axes, entries, strict=True):
+        _bar_panel(row[0], rates, [s.metrics.get(k) for k in rates], f"{label}: rates")
+        row[0].set_ylim(0, 1.1)
+        _bar_panel(row[1], times, [s.metrics.get(k) for k in times], f"{label}: latency (s)")
+        domains = s.breakdowns.get("domain", {})
+        _bar_panel(row[2], list(domains), list(domains.values()), f"{label}: pass rate by domain")
+        row[2].set_ylim(0, 1.1)
+    fig.suptitle("Full-Duplex-Bench v3", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --- the report ----------------------------------------------------------------------------------------------------
+
+
+def build_report(run_dir: Path, out_dir: Path | None = None, *, plots: bool = True) -> tuple[str, list[Path]]:
+    """Write ``report.md`` (and the plots) for ``run_dir`` into ``out_dir`` (default ``run_dir``).
+
+    Returns ``(markdown, written files)``. Raises :class:`BenchDataError` when ``run_dir`` is missing or holds no
+    score file at all.
+    """
+    out_dir = out_dir or run_dir
+    found = collect(run_dir)
+    if not (found.v1 or found.v3 or found.other or found.latency):
+        detail = f" (unreadable: {'; '.join(found.skipped)})" if found.skipped else ""
+        raise BenchDataError(
+            f"{run_dir} holds no {SUMMARY_FILE} or {LATENCY_FILE}{detail}; score a run first with "
+            "`cspan bench fdb-v1 score` or `cspan bench fdb-v3 score`"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    sections = [f"# Benchmark report: `{run_dir.resolve().name}`"]
+    if found.latency:
+        sections.append("## Context Span processing latency (prefill + one decoding step)")
+        sections += [latency_markdown(label, rep) for label, rep in found.latency]
+        if plots:
+            written.append(plot_latency(found.latency, out_dir / "latency_vs_span.png"))
+            sections.append("![latency vs span length](latency_vs_span.png)")
+    if found.v1:
+        sections += ["## Full-Duplex-Bench v1", v1_markdown(found.v1)]
+        if plots:
+            written.append(plot_v1(found.v1, out_dir / "fdb_v1_tasks.png"))
+            sections.append("![Full-Duplex-Bench v1 per task](fdb_v1_tasks.png)")
+    if found.v3:
+        sections += ["## Full-Duplex-Bench v3 (tool use under disfluency)", v3_markdown(found.v3)]
+        if plots:
+            written.append(plot_v3(found.v3, out_dir / "fdb_v3_metrics.png"))
+            sections.append("![Full-Duplex-Bench v3 metrics](fdb_v3_metrics.png)")
+    if found.other:
+        sections += ["## Other benchmarks", other_markdown(found.other)]
+    if not found.latency:
+        sections.append(f"_No {LATENCY_FILE} in this run: span latency not measured._")
+    if found.skipped:
+        sections += ["Skipped files:", "\n".join(f"- {s}" for s in found.skipped)]
+    markdown = "\n\n".join(sections) + "\n"
+    report_path = out_dir / "report.md"
+    report_path.write_text(markdown, encoding="utf-8")
+    written.insert(0, report_path)
+    log.info("wrote %s", ", ".join(str(p) for p in written))
+    return markdown, written

@@ -1,0 +1,137 @@
+"""`cspan backends start|status|stop|env` with real detached processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+CSPAN = [sys.executable, "-m", "cspan.core.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CSPAN, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    e = dict(os.environ)
+    e["CSPAN_STATE_DIR"] = str(tmp_path / "state")
+    for k in ("CSPAN_ROUTER_URL", "CSPAN_ROUTER_MODEL", "CSPAN_ASR_URL", "CSPAN_ASR_MODEL"):
+        e.pop(k, None)
+    return e
+
+
+def test_dry_run_prints_the_released_command_lines(env):
+    out = _run(["backends", "start", "--dry-run"], env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert (
+        "CUDA_VISIBLE_DEVICES=1 vllm serve google/gemma-4-26B-A4B-it --host 127.0.0.1 --port 8004 "
+        "--gpu-memory-utilization 0.62 --max-model-len 8192 --enable-prefix-caching"
+    ) in lines
+    assert (
+        "CUDA_VISIBLE_DEVICES=0 qwen-asr-serve Qwen/Qwen3-ASR-1.7B --host 127.0.0.1 --port 8990 "
+        "--gpu-memory-utilization 0.12 --max-model-len 4096 --max-num-seqs 64 --served-model-name qwen3-asr"
+    ) in lines
+
+
+def test_missing_vllm_names_the_extra_and_the_embedded_alternatives(env):
+    env["PATH"] = "/nonexistent"
+    out = _run(["backends", "start", "--no-router"], env)
+    assert out.returncode == 1
+    assert "cspan-backends[vllm]" in out.stderr and "--asr-engine sphinx" in out.stderr
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        stat = Path(f"/proc/{pid}/stat")
+        if stat.exists() and stat.read_text().split()[2] == "Z":
+            continue
+        alive.append(pid)
+    return alive
+
+
+def test_start_status_env_stop_with_sphinx_asr_and_a_local_router(env, tmp_path):
+    router_port, asr_port = _free_port(), _free_port()
+    router_cmd = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'fake_openai_router.py'))} --port {{port}}"
+    start = _run(
+        [
+            "backends", "start",
+            "--router-command", router_cmd, "--router-port", str(router_port), "--router-model", "fake-router",
+            "--asr-engine", "sphinx", "--asr-port", str(asr_port),
+            "--timeout-s", "240",
+        ],
+        env,
+    )  # fmt: skip
+    try:
+        assert start.returncode == 0, start.stdout + start.stderr
+        status = _run(["backends", "status"], env)
+        assert status.returncode == 0, status.stdout + status.stderr
+        rows = status.stdout.splitlines()
+        assert any(r.startswith("router") and "running" in r and "healthy" in r for r in rows)
+        assert any(r.startswith("asr") and "running" in r and "healthy" in r for r in rows)
+
+        exports = _run(["backends", "env"], env).stdout.splitlines()
+        assert f"export CSPAN_ROUTER_URL=http://127.0.0.1:{router_port}/v1" in exports
+        assert "export CSPAN_ROUTER_MODEL=fake-router" in exports
+        assert f"export CSPAN_ASR_URL=http://127.0.0.1:{asr_port}/v1" in exports
+        # `eval "$(cspan backends env)"` makes cspan infer default to these servers
+        probe = (
+            "from cspan.core.cli import build_parser; "
+            "a = build_parser().parse_args(['infer', '--input-wav', 'x', '--output-wav', 'y']); "
+            "print(a.router, a.router_model, a.asr)"
+        )
+        shell = f'eval "$({shlex.join(CSPAN)} backends env)"; {shlex.quote(sys.executable)} -c {shlex.quote(probe)}'
+        seen = subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=120)
+        assert seen.stdout.split() == [
+            f"http://127.0.0.1:{router_port}/v1",
+            "fake-router",
+            f"http://127.0.0.1:{asr_port}/v1",
+        ], seen.stderr
+        import json
+
+        state = json.loads((Path(env["CSPAN_STATE_DIR"]) / "backends.json").read_text())
+        pids = [s["pid"] for s in state["servers"]]
+        assert len(_pids_alive(pids)) == 2
+    finally:
+        stop = _run(["backends", "stop"], env)
+    assert stop.returncode == 0, stop.stderr
+    assert "router" in stop.stdout and "asr" in stop.stdout
+    deadline = time.monotonic() + 30
+    while _pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pids_alive(pids) == []
+    assert not (Path(env["CSPAN_STATE_DIR"]) / "backends.json").exists()
+
+
+def test_server_exiting_at_startup_fails_with_its_log_tail(env, tmp_path):
+    t0 = time.monotonic()
+    out = _run(
+        ["backends", "start", "--no-router", "--asr-engine", "transformers", "--asr-model", str(tmp_path / "missing"),
+         "--asr-port", str(_free_port()), "--timeout-s", "120"],
+        env,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "asr: exited during start-up" in out.stderr
+    assert "missing" in out.stderr  # the server's own message, from its log
+    assert time.monotonic() - t0 < 120
+    assert _run(["backends", "status"], env).stdout.startswith("no servers recorded")

@@ -1,0 +1,187 @@
+"""Retriever: real transcribers (pocketsphinx, HTTP), real routers and a real Context DB file, deadlines, cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from router_stub import StubLLM
+
+from cspan.backends.asr import HTTPTranscriber
+from cspan.backends.context_db import ContextDB, Profile
+from cspan.backends.retriever import Retriever, SpanResult
+from cspan.backends.router import LLMRouter, LocalRouter
+from cspan.backends.tools import ToolBank
+
+LONDON_NOTE = "# London\n\nLondon weather today: mild and cloudy, around 14 degrees, light rain in the evening.\n"
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[StubLLM]:
+    server = StubLLM().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def knowledge(tmp_path: Path) -> Path:
+    folder = tmp_path / "knowledge"
+    folder.mkdir()
+    (folder / "london.md").write_text(LONDON_NOTE)
+    (folder / "misc.txt").write_text("The office closes at six on Fridays.\n")
+    return folder
+
+
+def _clip(fixture_file, name: str) -> tuple[np.ndarray, int]:
+    pcm, sr = sf.read(fixture_file("audio", name), dtype="float32")
+    return pcm, sr
+
+
+async def test_audio_to_reference_with_pocketsphinx_and_local_notes(fixture_file, knowledge: Path, tmp_path) -> None:
+    pytest.importorskip("pocketsphinx")
+    from cspan.backends.asr import PocketSphinxTranscriber
+
+    pcm, sr = _clip(fixture_file, "question_weather_24k.wav")
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    bank = ToolBank.default()
+    transcriber = PocketSphinxTranscriber()
+    try:
+        retriever = Retriever(transcriber, LocalRouter(bank, db, knowledge), db)
+        res = await retriever.retrieve(audio=pcm, sample_rate=sr, conversation_id="live", agent_said="Let me see.")
+    finally:
+        await transcriber.aclose()
+        await bank.aclose()
+    assert "weather" in res.question and "london" in res.question
+    assert res.error is None and res.source == "local:knowledge"
+    assert res.reference is not None and res.reference.startswith("London weather today: mild and cloudy")
+    assert res.asr_s > 0 and res.route_s > 0
+    (turn,) = db.turns("live")
+    assert turn.role == "user" and turn.text == res.question
+    (span,) = db.spans("live")
+    assert span.id == res.span_id and span.text == res.reference and span.dropped is None
+    assert span.question == res.question and span.latency_s is not None and span.latency_s > 0
+    db.close()
+
+
+async def test_transcriber_failure_is_an_error_result(fixture_file, tmp_path) -> None:
+    pcm, sr = _clip(fixture_file, "question_exchange_24k.wav")
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    async with HTTPTranscriber("http://127.0.0.1:9/transcribe", timeout_s=2, connect_timeout_s=1) as asr:
+        retriever = Retriever(asr, LocalRouter(None, db), db)
+        res = await retriever.retrieve(audio=pcm, sample_rate=sr, conversation_id="c")
+    assert res.reference is None and res.error and res.error.startswith("transcriber failed")
+    assert db.spans("c")[0].dropped == "error"
+    no_rate = await retriever.retrieve(audio=pcm, sample_rate=None, conversation_id="c")
+    assert no_rate.reference is None and "sample_rate" in (no_rate.error or "")
+    db.close()
+
+
+async def test_deadline_and_cancellation(stub: StubLLM, tmp_path) -> None:
+    bank = ToolBank.fdb_v3()
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    stub.reset({"sleep": 3.0, "then": {"content": "Too late."}}, {"sleep": 3.0, "then": {"content": "Never."}})
+    async with LLMRouter(stub.url, "m", bank, timeout_s=30) as router:
+        retriever = Retriever(None, router, db, deadline_s=1.0)
+        late = await retriever.retrieve(question="what is the exchange rate", conversation_id="c")
+        seen = len(stub.requests)
+        task = asyncio.create_task(retriever.retrieve(question="hello again", conversation_id="c", deadline_s=60))
+        while len(stub.requests) == seen:  # cancel once the request is in flight at the server
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await bank.aclose()
+    assert late.late and late.reference is None and "deadline" in (late.error or "")
+    assert late.question == "what is the exchange rate"
+    spans = db.spans("c")
+    assert [s.dropped for s in spans] == ["late"]  # the cancelled retrieval left no span row
+    assert db.turns("c")[-1].text == "hello again"
+    db.close()
+
+
+async def test_history_and_profile_reach_the_router(stub: StubLLM, tmp_path) -> None:
+    bank = ToolBank.default()
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    db.put_profile(Profile(user_id="ada", name="Ada", timezone="Europe/London"))
+    cid = db.start_conversation("ada")
+    stub.reset({"tool": "calculate", "arguments": {"expression": "6 * 7"}}, {"tool": "get_time", "arguments": {}})
+    async with LLMRouter(stub.url, "m", bank) as router:
+        retriever = Retriever(None, router, db)
+        first = await retriever.retrieve(question="what is six times seven", conversation_id=cid)
+        second = await retriever.retrieve(question="and what time is it", conversation_id=cid, agent_said="It's 42.")
+    await bank.aclose()
+    assert first.reference == "(tool result) 6 * 7 = 42"
+    assert second.tool == "get_time" and second.arguments == {"timezone": "Europe/London"}  # stored profile
+    user = stub.user_messages()[1]
+    assert "EARLIER_TOOL_CALLS" in user and '"result": "6 * 7 = 42"' in user
+    assert '"question": "what is six times seven"' in user
+    assert "profile: user=Ada" in user and 'ASSISTANT_ALREADY_SAID: "It\'s 42."' in user
+    roles = [t.role for t in db.turns(cid)]
+    assert roles == ["user", "tool", "user", "tool"]
+    db.close()
+
+
+async def test_without_a_db_history_is_kept_in_memory(stub: StubLLM) -> None:
+    bank = ToolBank.default()
+    stub.reset({"tool": "calculate", "arguments": {"expression": "2 + 2"}}, {"content": "Four is even."})
+    async with LLMRouter(stub.url, "m", bank) as router:
+        retriever = Retriever(None, router)
+        first = await retriever.retrieve(question="two plus two", conversation_id="x")
+        second = await retriever.retrieve(question="is that even", conversation_id="x")
+    await bank.aclose()
+    assert first.span_id is None and first.reference == "(tool result) 2 + 2 = 4"
+    assert second.reference == "Four is even." and second.source == "llm"
+    assert '"result": "2 + 2 = 4"' in stub.user_messages()[1]
+
+
+async def test_empty_question_is_nothing(tmp_path) -> None:
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    res = await Retriever(None, LocalRouter(None, db), db).retrieve(question="   ", conversation_id="c")
+    assert res == SpanResult()
+    assert db.spans("c") == [] and db.turns("c") == []
+    db.close()
+
+
+def test_matches_the_retriever_contract() -> None:
+    params = list(inspect.signature(Retriever.retrieve).parameters)
+    assert params == [
+        "self",
+        "audio",
+        "sample_rate",
+        "question",
+        "profile",
+        "agent_said",
+        "conversation_id",
+        "deadline_s",
+    ]
+    assert inspect.iscoroutinefunction(Retriever.retrieve)
+    assert set(SpanResult.model_fields) >= {
+        "question",
+        "reference",
+        "tool",
+        "arguments",
+        "source",
+        "asr_s",
+        "route_s",
+        "error",
+    }
+
+
+def test_public_names_import_without_torch() -> None:
+    code = (
+        "import json, sys\n"
+        "import cspan.backends as b\n"
+        "names = [b.Retriever, b.SpanResult, b.LLMRouter, b.LocalRouter, b.ContextDB, b.Profile, b.RouteRequest]\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'core': 'cspan.core' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"torch": False, "core": False}

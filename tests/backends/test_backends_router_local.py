@@ -1,0 +1,138 @@
+"""LocalRouter: clock and arithmetic through the real tool bank, notes through SQLite FTS5 over a real folder."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from cspan.backends.context_db import ContextDB, Profile
+from cspan.backends.router import LocalRouter, RouteRequest
+from cspan.backends.router.local import content_words, read_knowledge_file, spoken_arithmetic, timezone_for_place
+from cspan.backends.tools import ToolBank
+
+LONDON_NOTE = """# London
+
+Typical spring day in the capital.
+
+London weather today: mild and cloudy, around 14 degrees Celsius, with light rain expected in the evening.
+Take an umbrella if you go out after six.
+
+- The Tower of London was founded in 1066.
+"""
+
+PARIS_NOTE = """Paris travel notes.
+
+The Louvre is closed on Tuesdays. Museum tickets cost 22 euros.
+"""
+
+
+@pytest.fixture
+def knowledge(tmp_path: Path) -> Path:
+    folder = tmp_path / "knowledge"
+    (folder / "cities").mkdir(parents=True)
+    (folder / "cities" / "london.md").write_text(LONDON_NOTE)
+    (folder / "paris.txt").write_text(PARIS_NOTE)
+    (folder / "ignored.bin").write_bytes(b"\x00weather london today\x00")
+    return folder
+
+
+@pytest.fixture
+async def bank() -> AsyncIterator[ToolBank]:
+    tools = ToolBank.default()
+    yield tools
+    await tools.aclose()
+
+
+@pytest.mark.parametrize(
+    "question", ["What is the weather like in London today?", "well the weather like in london today"]
+)
+async def test_london_weather_note_is_found(knowledge: Path, bank: ToolBank, question: str) -> None:
+    router = LocalRouter(bank, None, knowledge)
+    result = await router.route(RouteRequest(question=question))
+    assert result.source == "local:knowledge"
+    assert result.reference is not None
+    assert result.reference.startswith("London weather today: mild and cloudy, around 14 degrees Celsius")
+    assert len(result.reference) <= 300 and result.tool is None
+
+
+async def test_nothing_matching_gives_none(knowledge: Path, bank: ToolBank) -> None:
+    router = LocalRouter(bank, None, knowledge)
+    for question in ("What is the capital of Mongolia?", "um well", "", "tell me about the weather in Oslo"):
+        result = await router.route(RouteRequest(question=question))
+        assert result.reference is None and result.source == "none", question
+
+
+async def test_short_sentence_takes_its_neighbour(knowledge: Path) -> None:
+    router = LocalRouter(None, None, knowledge)
+    result = await router.route(RouteRequest(question="when is the louvre closed"))
+    assert result.reference == "The Louvre is closed on Tuesdays. Museum tickets cost 22 euros."
+    tower = await router.route(RouteRequest(question="when was the tower of london founded"))
+    assert tower.reference == "The Tower of London was founded in 1066."
+
+
+async def test_clock_uses_the_named_place_or_the_profile(bank: ToolBank) -> None:
+    router = LocalRouter(bank)
+    tokyo = await router.route(RouteRequest(question="What time is it in Tokyo right now?"))
+    assert tokyo.tool == "get_time" and tokyo.arguments == {"timezone": "Asia/Tokyo"}
+    assert tokyo.source == "tool:get_time" and tokyo.reference and tokyo.reference.startswith("(tool result) ")
+    direct = await bank.call("get_time", {"timezone": "Asia/Tokyo"})
+    assert "Asia/Tokyo" in direct.text or "Tokyo" in tokyo.reference
+
+    profile = Profile(timezone="Europe/London")
+    home = await router.route(RouteRequest(question="what's the time", profile=profile))
+    assert home.arguments == {"timezone": "Europe/London"}
+    sf = await router.route(RouteRequest(question="what time is it in san francisco", profile=profile))
+    assert sf.arguments == {"timezone": "America/Los_Angeles"}
+    unknown = await router.route(RouteRequest(question="what time is it in Narnia", profile=profile))
+    assert unknown.reference is None and "Narnia" in (unknown.error or "")
+
+
+@pytest.mark.parametrize(
+    ("question", "expression", "value"),
+    [
+        ("what is two plus three", "2 + 3", "5"),
+        ("What's 15 percent of 80?", "15 / 100 * 80", "12"),
+        ("how much is twelve times seven", "12 * 7", "84"),
+        ("what is one hundred and five divided by five", "105 / 5", "21"),
+    ],
+)
+async def test_spoken_arithmetic_goes_to_calculate(bank: ToolBank, question: str, expression: str, value: str) -> None:
+    result = await LocalRouter(bank).route(RouteRequest(question=question))
+    assert result.tool == "calculate" and result.arguments == {"expression": expression}
+    assert result.reference is not None and result.reference.startswith("(tool result) ")
+    assert value in result.reference
+
+
+async def test_profile_notes_and_db_facts(tmp_path: Path, bank: ToolBank) -> None:
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    cid = db.start_conversation("priya")
+    db.add_turn(cid, "user", "Hello, my name is Priya and I live in Sydney.")
+    router = LocalRouter(bank, db)
+    profile = Profile(user_id="priya", notes="My dentist appointment is on Friday at 3 pm. I prefer window seats.")
+    name = await router.route(RouteRequest(question="what's my name", profile=profile))
+    assert name.reference == "The user's name is Priya." and name.source == "local:facts"
+    dentist = await router.route(RouteRequest(question="when is my dentist appointment", profile=profile))
+    assert dentist.reference == "My dentist appointment is on Friday at 3 pm." and dentist.source == "local:notes"
+    # the stored profile is used when the request has none
+    db.put_profile(Profile(user_id="default", notes="The wifi password is tulip42."))
+    wifi = await router.route(RouteRequest(question="what is the wifi password"))
+    assert wifi.reference == "The wifi password is tulip42."
+    db.close()
+
+
+def test_helpers(knowledge: Path) -> None:
+    assert content_words("Well, what's the weather like in London today?") == ["weather", "london", "today"]
+    assert spoken_arithmetic("I have two kids") is None
+    assert spoken_arithmetic("square root of sixteen") == "(16) ** 0.5"
+    assert spoken_arithmetic("twenty-five point five minus 0.5") == "25.5 - 0.5"
+    assert timezone_for_place("New York") == "America/New_York" and timezone_for_place("Gondor") is None
+    paragraphs = read_knowledge_file(knowledge / "cities" / "london.md")
+    assert paragraphs[0] == ("london London", ["Typical spring day in the capital."])
+    assert paragraphs[-1] == ("london London", ["The Tower of London was founded in 1066."])
+
+
+def test_knowledge_dir_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="knowledge folder"):
+        LocalRouter(None, None, tmp_path / "missing")

@@ -1,0 +1,210 @@
+"""MCP: mount real MCP servers (stdio subprocesses, streamable HTTP) into a ToolBank and call their tools."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cspan.backends.errors import ToolError
+from cspan.backends.tools import ToolBank
+from cspan.backends.tools.mcp_bridge import model_from_json_schema
+from cspan.backends.tools.world import MockWorld
+
+HERE = Path(__file__).resolve().parent
+CONNECT_S = 120.0  # generous: a cold interpreter importing mcp on a loaded CI machine
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cspan_tools(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cspan.core.cli", "tools", *args]
+
+
+async def test_mount_cspan_tools_serve_over_stdio(tmp_path: Path) -> None:
+    db = tmp_path / "world.sqlite"
+    closed = f"http://127.0.0.1:{free_port()}"
+    command = cspan_tools("serve", "--world-db", str(db), "--weather-url", closed)
+    bank = await ToolBank.from_mcp(command, connect_timeout_s=CONNECT_S, timeout_s=60)
+    try:
+        local = ToolBank.default()
+        assert bank.names() == local.names()
+        for name in local.names():
+            assert bank.get(name).json_schema() == local.get(name).json_schema()
+            assert (bank.get(name).kind, bank.get(name).domain) == (local.get(name).kind, local.get(name).domain)
+        await local.aclose()
+
+        found = await bank.call("search_apartments", {"city": "Seattle", "bedrooms": "2", "max_price": "3000"})
+        assert found.arguments == {"city": "Seattle", "bedrooms": 2, "max_price": 3000.0}
+        assert found.data["city"] == "Seattle"
+        assert all(a["bedrooms"] == 2 and a["rent"] <= 3000 for a in found.data["listings"])
+        assert found.text.startswith(f"{found.data['total']} listing")
+
+        product = (await bank.call("search_products", {"query": "yoga mat"})).data["products"][0]["product_id"]
+        added = await bank.call("add_to_cart", {"product_id": product, "quantity": "3"})
+        assert added.data["cart_items"] == 3
+
+        calc = await bank.call("calculate", {"expression": "12 times 7"})
+        assert calc.text == "12 times 7 = 84" and calc.data == {"result": 84}
+
+        with pytest.raises(ToolError, match=r"invalid argument 'bedrooms'") as info:
+            await bank.call("search_apartments", {"city": "Seattle", "bedrooms": "two", "max_price": 1})
+        assert info.value.field == "bedrooms"  # checked on this side, before the call
+        with pytest.raises(ToolError, match=r"reported an error: .*not allowed"):
+            await bank.call("calculate", {"expression": "__import__('os')"})  # refused by the server
+        with pytest.raises(ToolError, match=r"reported an error: .*cannot reach"):
+            await bank.call("get_weather", {"city": "Busan"})  # the server is offline for weather
+    finally:
+        await bank.aclose()
+    with pytest.raises(ToolError, match="not connected"):
+        await bank.get("calculate").fn(expression="1+1")
+
+    world = MockWorld(db)  # the server wrote its world to the file we named
+    try:
+        assert world.cart() == [{**world.cart()[0], "product_id": product, "quantity": 3}]
+    finally:
+        world.close()
+
+
+async def test_mount_a_third_party_stdio_server_and_merge() -> None:
+    demo = await ToolBank.from_mcp(
+        [sys.executable, str(HERE / "mcp_demo_server.py")], prefix="demo_", connect_timeout_s=CONNECT_S, timeout_s=60
+    )
+    bank = ToolBank.fdb_v3().merge(demo)
+    try:
+        assert {"demo_add", "demo_shout", "demo_refuse", "track_order"} <= set(bank.names())
+        schema = bank.get("demo_add").json_schema()
+        assert schema["required"] == ["a", "b"]
+        assert schema["properties"]["a"]["type"] == "integer"
+
+        total = await bank.call("demo_add", {"a": "2", "b": 40})
+        assert total.arguments == {"a": 2, "b": 40} and total.text == "42"
+        loud = await bank.call("demo_shout", {"text": "hello", "times": "2"})
+        assert loud.text == "HELLO HELLO"
+        assert (await bank.call("demo_shout", {"text": "once"})).text == "ONCE"
+        with pytest.raises(ToolError, match="refused: no reason"):
+            await bank.call("demo_refuse", {"reason": "no reason"})
+        with pytest.raises(ToolError, match="missing required argument 'b'") as info:
+            await bank.call("demo_add", {"a": 1})
+        assert info.value.field == "b"
+        entry = next(t for t in bank.openai_tools() if t["function"]["name"] == "demo_add")
+        assert entry["function"]["description"] == "Add two integers."
+    finally:
+        await bank.aclose()
+
+
+async def test_mount_cspan_tools_serve_over_http(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        cspan_tools("serve", "--transport", "http", "--port", str(port), "--fdb-v3-only"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + CONNECT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"cspan tools serve exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("cspan tools serve --transport http did not start listening")
+                time.sleep(0.2)
+        bank = await ToolBank.from_mcp(url=f"http://127.0.0.1:{port}/mcp", connect_timeout_s=CONNECT_S)
+        try:
+            assert len(bank) == 12 and "get_time" not in bank
+            rate = await bank.call("get_exchange_rate", {"amount": "100", "from_currency": "USD", "to_currency": "EUR"})
+            assert rate.text == "100 US dollars is 92.17 euros, at 1 USD = 0.9217 EUR."
+            assert rate.data["converted"] == pytest.approx(92.17, abs=0.01)
+        finally:
+            await bank.aclose()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+async def test_from_mcp_failures_are_tool_errors(tmp_path: Path) -> None:
+    with pytest.raises(ToolError, match="exactly one of"):
+        await ToolBank.from_mcp()
+    with pytest.raises(ToolError, match="exactly one of"):
+        await ToolBank.from_mcp(["x"], url="http://127.0.0.1:1/mcp")
+    with pytest.raises(ToolError, match="cannot connect to MCP server"):
+        await ToolBank.from_mcp([str(tmp_path / "no-such-server")], connect_timeout_s=30)
+    with pytest.raises(ToolError, match=r"cannot connect to MCP server|did not finish the handshake"):
+        await ToolBank.from_mcp([sys.executable, "-c", "import sys; sys.exit(3)"], connect_timeout_s=30)
+
+
+def test_json_schema_to_model() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+            "days": {"type": "integer", "minimum": 1, "maximum": 16},
+            "max-results": {"type": ["integer", "null"]},
+            "from": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "where": {"anyOf": [{"type": "string"}, {"type": "number"}]},
+            "json": {"type": "boolean"},
+        },
+        "required": ["days", "from"],
+    }
+    model = model_from_json_schema("forecast.v2", schema)
+    ok = model.model_validate({"days": "3", "from": 7, "max-results": "5", "tags": ["a"], "json": "true"})
+    dumped = ok.model_dump(by_alias=True)
+    assert dumped == {
+        "unit": "celsius",
+        "days": 3,
+        "max-results": 5,
+        "from": "7",
+        "tags": ["a"],
+        "where": None,
+        "json": True,
+    }
+    bank = ToolBank()
+    from cspan.backends.tools import Tool
+
+    async def echo(**kwargs: object) -> str:
+        return json.dumps(kwargs, sort_keys=True)
+
+    bank.register(Tool("forecast", "F.", model, echo, schema=schema))
+    assert bank.get("forecast").json_schema() == schema  # the server's schema is advertised as is
+    with pytest.raises(ToolError, match="'days'"):
+        bank.validate("forecast", {"days": 40, "from": "x"})
+    with pytest.raises(ToolError, match="'unit'"):
+        bank.validate("forecast", {"days": 2, "from": "x", "unit": "kelvin"})
+    assert bank.validate("forecast", {"days": 2, "from": "x", "max-results": None}) == {
+        "unit": "celsius",
+        "days": 2,
+        "max-results": None,
+        "from": "x",
+    }
+    with pytest.raises(ToolError, match="must describe an object"):
+        model_from_json_schema("bad", {"type": "string"})
+
+
+def test_backends_tools_import_without_torch_core_or_mcp() -> None:
+    code = (
+        "import json, sys\n"
+        "import cspan.backends, cspan.backends.tools\n"
+        "from cspan.backends.tools import ToolBank\n"
+        "from cspan.backends.tools import cli, mcp_bridge, weather, builtin, world, fdb_v3\n"
+        "bank = ToolBank.default()\n"
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'cspan.core', 'mcp')}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"torch": False, "cspan.core": False, "mcp": False}

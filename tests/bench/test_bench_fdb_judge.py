@@ -1,0 +1,185 @@
+"""The OpenAI-compatible judge against a real HTTP server on 127.0.0.1: prompts, parsing, retries, CLI use."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cspan.bench import fdb_v3
+from cspan.bench.errors import JudgeError
+from cspan.bench.judge import (
+    INTERRUPTION_SYSTEM_PROMPT,
+    OpenAIJudge,
+    chat_completions_url,
+    interruption_user_message,
+    parse_interruption_rating,
+    parse_verdict,
+)
+
+
+class ChatServer:
+    """A chat-completions server that answers from a queue: a string -> HTTP 200 with that message content,
+    ``(status, body)`` -> that status. It records every request body and its headers."""
+
+    def __init__(self) -> None:
+        self.replies: list[str | tuple[int, str]] = []
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                server.requests.append(json.loads(self.rfile.read(length)))
+                server.headers.append(dict(self.headers))
+                reply = server.replies.pop(0) if server.replies else (500, "no reply queued")
+                if isinstance(reply, tuple):
+                    status, body = reply
+                else:
+                    status = 200
+                    body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]})
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[ChatServer]:
+    srv = ChatServer()
+    yield srv
+    srv.close()
+
+
+def test_chat_completions_url() -> None:
+    assert chat_completions_url("http://h:1") == "http://h:1/v1/chat/completions"
+    assert chat_completions_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
+    assert chat_completions_url("http://h:1/v1/chat/completions") == "http://h:1/v1/chat/completions"
+
+
+def test_rating_parser_last_match_wins() -> None:
+    reply = "Analysis: first.\nI would rate the AI's response as 2\nAnalysis: second look.\nI would rate the AI's response as 5"
+    parsed = parse_interruption_rating(reply)
+    assert parsed is not None and (parsed.rating, parsed.analysis) == (5, "second look.")
+    assert parse_interruption_rating("Rating: 4") is None
+
+
+def test_rate_interruption_sends_the_benchmark_prompt(server: ChatServer) -> None:
+    server.replies = ["Analysis: On topic.\nI would rate the AI's response as 4."]
+    with OpenAIJudge(server.url, "gpt-4-turbo", api_key="k-test") as judge:
+        rating = judge.rate_interruption("ctx text", "interrupt text", "response text")
+    assert (rating.rating, rating.analysis) == (4, "On topic.")
+    (body,) = server.requests
+    assert body["model"] == "gpt-4-turbo" and body["seed"] == 0
+    assert "temperature" not in body  # the reference leaves the server's default
+    assert body["messages"][0] == {"role": "system", "content": INTERRUPTION_SYSTEM_PROMPT}
+    user = body["messages"][1]["content"]
+    assert user == interruption_user_message("ctx text", "interrupt text", "response text")
+    assert "- Contextual user turn: ctx text\n" in user and "- AI's response: response text\n" in user
+    assert server.headers[0]["Authorization"] == "Bearer k-test"
+
+
+def test_rate_interruption_asks_again_then_gives_up(server: ChatServer) -> None:
+    server.replies = ["I think it is fine.", "Analysis: ok\nI would rate the AI's response as 3"]
+    judge = OpenAIJudge(server.url, "m", max_attempts=2, backoff_s=0)
+    assert judge.rate_interruption("c", "i", "r").rating == 3
+    assert len(server.requests) == 2
+    server.replies = ["no format", "still no format"]
+    with pytest.raises(JudgeError, match="never answered in the format"):
+        judge.rate_interruption("c", "i", "r")
+    judge.close()
+
+
+def test_http_errors(server: ChatServer) -> None:
+    judge = OpenAIJudge(server.url, "m", max_attempts=3, backoff_s=0)
+    server.replies = [(503, "busy"), "Analysis: a\nI would rate the AI's response as 1"]
+    assert judge.rate_interruption("c", "i", "r").rating == 1
+    server.replies = [(404, '{"error": {"message": "model not found"}}')]
+    with pytest.raises(JudgeError, match="HTTP 404"):
+        judge.chat([{"role": "user", "content": "x"}])
+    assert len(server.requests) == 3  # the 404 was not retried
+    judge.close()
+
+
+def test_unreachable_judge() -> None:
+    judge = OpenAIJudge("http://127.0.0.1:9/v1", "m", max_attempts=2, backoff_s=0, timeout_s=2)
+    with pytest.raises(JudgeError, match="failed after 2 attempt"):
+        judge.chat([{"role": "user", "content": "x"}])
+
+
+def test_verdict_parsing() -> None:
+    assert parse_verdict('```json\n{"correct": true, "explanation": "same city"}\n```').correct is True
+    assert parse_verdict('{"correct": false}').explanation == ""
+    with pytest.raises(JudgeError):
+        parse_verdict("yes")
+    with pytest.raises(JudgeError):
+        parse_verdict('{"correct": "yes"}')
+
+
+def test_v3_argument_judge_and_fallback(server: ChatServer) -> None:
+    judge = OpenAIJudge(server.url, "gpt-4o", max_attempts=1)
+    matcher = fdb_v3.JudgeArgumentMatcher(judge)
+    server.replies = ['```json\n{"correct": true, "explanation": "Vegas is Las Vegas"}\n```']
+    verdict = matcher("search_flights", {"destination": "Las Vegas"}, {"destination": "Vegas"})
+    assert (verdict.correct, verdict.method) == (True, "judge")
+    body = server.requests[-1]
+    assert body["temperature"] == 0 and body["max_tokens"] == 200 and body["model"] == "gpt-4o"
+    prompt = body["messages"][0]["content"]
+    assert 'Expected arguments: {"destination": "Las Vegas"}' in prompt and "Function: search_flights" in prompt
+    # A reply that does not parse falls back to the exact rule (here: a mismatch).
+    server.replies = ["I believe so"]
+    fallback = matcher("search_flights", {"destination": "Las Vegas"}, {"destination": "Vegas"})
+    assert (fallback.correct, fallback.method) == (False, "exact")
+    server.replies = ['{"correct": false, "explanation": "did not do it"}']
+    assert judge.judge_response("Book the flight.", "Okay, booked.").correct is False
+    assert 'Expected Task/Action: "Book the flight."' in server.requests[-1]["messages"][0]["content"]
+    judge.close()
+
+
+def test_cli_rates_interruptions_with_the_judge(server: ChatServer, tmp_path: Path, fixtures_dir: Path) -> None:
+    from cspan.core.cli import main
+
+    src = fixtures_dir / "fdb-v1" / "user_interruption_example"
+    if not src.is_dir():
+        pytest.skip(f"fixture not found: {src}")
+    data = tmp_path / "data" / "synthetic_user_interruption"
+    shutil.copytree(src, data)
+    (data / "1" / "rating.json").unlink()
+    server.replies = ["Analysis: Talks about fiction books as asked.\nI would rate the AI's response as 5"]
+    rc = main(
+        ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
+         "--judge-url", server.url, "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY"]
+    )  # fmt: skip
+    assert rc == 0
+    assert json.loads((data / "1" / "rating.json").read_text()) == {
+        "analysis": "Talks about fiction books as asked.",
+        "rating": 5,
+    }
+    summary = json.loads((tmp_path / "scores" / "synthetic_user_interruption" / "summary.json").read_text())
+    assert summary["metrics"]["rating"] == 5.0 and summary["metrics"]["tor"] == 1.0
+    assert summary["config"]["judge"]["model"] == "gpt-4-turbo"
+    user = server.requests[0]["messages"][1]["content"]
+    assert "- User interrupting turn: Can we talk about something else? How about fiction books?" in user
+    assert "To Kill a Mockingbird" in user
+    assert "Authorization" not in server.headers[0]
