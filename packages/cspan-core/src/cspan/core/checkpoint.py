@@ -1,0 +1,1282 @@
+"""Checkpoint loading: Hub repo ids, local folders and files in the Kyutai / PersonaPlex / Context Spanning layouts.
+
+Layouts (file names as in kyutai-labs/moshi ``moshi/models/loaders.py`` and NVIDIA/personaplex):
+
+- a **base folder** (or Hub repo) holding ``model.safetensors`` (the LM), ``tokenizer-e351c8d8-checkpoint125.safetensors``
+  (Mimi), ``tokenizer_spm_32k_3.model`` (SentencePiece) and optionally ``config.json`` (the LM keyword arguments,
+  upstream format, plus an optional ``"mimi_config"`` entry for a non-standard codec) and ``voices/<name>.pt``;
+- a **fine-tune** (mindlogic-ai/Context-Spanning ``contextspan/model/weights.py``): a ``*.pt`` file holding
+  ``{"model": state_dict}`` loaded over a base (``._orig_mod.`` prefixes of ``torch.compile`` are stripped), possibly
+  with unmerged LoRA adapters (``<name>.base.weight``, ``<name>.lora_A``, ``<name>.lora_B`` and a top-level
+  ``{"lora": {"r", "alpha"}}``); its folder or repo may hold ``voices/<name>.pt`` = ``{"codes": LongTensor[8, P]}``.
+
+Weights are checked against the model before anything is read (missing / unexpected keys, shapes), read one tensor
+at a time, cast to the requested dtype and assigned into a model built on the ``meta`` device, so loading a 7B
+never holds two copies of it. ``torch.load`` is only ever called with ``weights_only=True``.
+
+This module imports torch lazily (inside functions) so that ``cspan --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    import sentencepiece
+    import torch
+
+    from .config import LMConfig, MimiConfig
+    from .lm import LMModel
+    from .mimi import Mimi
+
+log = logging.getLogger(__name__)
+
+# --- file names and defaults ------------------------------------------------------------------------------------
+LM_FILE = "model.safetensors"
+"""LM weights in a base folder (``loaders.MOSHI_NAME``)."""
+MIMI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
+"""Mimi weights in a base folder (``loaders.MIMI_NAME``)."""
+TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
+"""SentencePiece model in a base folder (``loaders.TEXT_TOKENIZER_NAME``)."""
+CONFIG_FILE = "config.json"
+VOICES_DIR = "voices"
+
+DEFAULT_BASE = "nvidia/personaplex-7b-v1"
+"""Base repo of the released fine-tune."""
+DEFAULT_REPO = "mindlogicinc/context-spanning-7b"
+"""Repo of the released Context Spanning fine-tune."""
+DEFAULT_FINE_TUNE_FILE = "context_spanning_7b.pt"
+"""The fine-tune file inside :data:`DEFAULT_REPO`."""
+DEFAULT_CHECKPOINT = DEFAULT_REPO
+"""What :func:`load_checkpoint` loads when no source is given (and ``CSPAN_CHECKPOINT`` is unset)."""
+
+ENV_CHECKPOINT = "CSPAN_CHECKPOINT"
+ENV_BASE = "CSPAN_BASE"
+ENV_VOICES = "CSPAN_VOICES_DIR"
+
+NUM_VOICE_CODEBOOKS = 8
+"""Codebook rows of a voice prompt (the agent's 8 Mimi codebooks)."""
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_PATTERNS = [CONFIG_FILE, LM_FILE, MIMI_FILE, TOKENIZER_FILE, "*.pt", f"{VOICES_DIR}/*.pt"]
+_FIX_OFFLINE = (
+    "pass a local checkpoint folder instead (--checkpoint DIR, a folder holding "
+    f"{LM_FILE}, {MIMI_FILE} and {TOKENIZER_FILE}), or build a small random one with `cspan model tiny DIR` and "
+    "pass --checkpoint DIR"
+)
+
+# safetensors dtype name -> (bytes per element, torch dtype attribute)
+_ST_DTYPES: dict[str, tuple[int, str]] = {
+    "F64": (8, "float64"),
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "I64": (8, "int64"),
+    "I32": (4, "int32"),
+    "I16": (2, "int16"),
+    "I8": (1, "int8"),
+    "U8": (1, "uint8"),
+    "U16": (2, "uint16"),
+    "U32": (4, "uint32"),
+    "U64": (8, "uint64"),
+    "BOOL": (1, "bool"),
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    """Everything :func:`load_checkpoint` loads.
+
+    Attributes:
+        lm: the LM in eval mode, on the requested device and dtype.
+        mimi: the codec (float32, eval mode) encoding 8 codebooks (``set_num_codebooks(8)``).
+        tokenizer: the SentencePiece processor of the text stream.
+        lm_config / mimi_config: the configurations the models were built from.
+        voices: voice prompt name -> file (``voices/<name>.pt``; ``$CSPAN_VOICES_DIR`` over the fine-tune's over the
+            base's), load one with :func:`load_voice`.
+        source: what was asked for (repo id, folder or file), as given.
+        files: resolved paths by role: ``lm``, ``mimi``, ``tokenizer``, and where present ``config``, ``fine_tune``.
+        fine_tune: the fine-tune ``.pt`` loaded over the base, or None.
+        lora: ``{"r", "alpha", "modules": [names]}`` when the fine-tune carries unmerged LoRA adapters, else None.
+    """
+
+    lm: LMModel
+    mimi: Mimi
+    tokenizer: sentencepiece.SentencePieceProcessor
+    lm_config: LMConfig
+    mimi_config: MimiConfig
+    voices: dict[str, Path]
+    source: str
+    files: dict[str, Path] = field(default_factory=dict)
+    fine_tune: Path | None = None
+    lora: dict[str, Any] | None = None
+
+    def load_voice(self, name_or_path: str | os.PathLike[str]) -> torch.Tensor:
+        """Shorthand for :func:`load_voice` with this checkpoint: LongTensor [8, P]."""
+        return load_voice(name_or_path, self)
+
+
+@dataclass
+class CheckpointFiles:
+    """The files a source resolves to (nothing loaded yet).
+
+    Attributes:
+        source: the source as given.
+        lm: LM safetensors of the base.
+        mimi / tokenizer / config: the other base files (None where the folder lacks them).
+        fine_tune: fine-tune ``.pt`` loaded over ``lm`` (None for a plain base).
+        voices: voice prompt name -> file; the fine-tune folder's ``voices/`` win over the base's.
+        base_dir: the base folder.
+    """
+
+    source: str
+    lm: Path
+    mimi: Path | None
+    tokenizer: Path | None
+    config: Path | None
+    fine_tune: Path | None
+    voices: dict[str, Path]
+    base_dir: Path
+
+    def as_dict(self) -> dict[str, Path]:
+        """Role -> path for the files that exist (``lm``, ``mimi``, ``tokenizer``, ``config``, ``fine_tune``)."""
+        out = {"lm": self.lm, "mimi": self.mimi, "tokenizer": self.tokenizer, "config": self.config}
+        out["fine_tune"] = self.fine_tune
+        return {k: v for k, v in out.items() if v is not None}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    """``None``, a ``torch.dtype`` or a name (``bf16``, ``bfloat16``, ``fp16``, ``float16``, ``fp32``, ``float32``)."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "float": torch.float32,
+    }
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in names:
+        raise CheckpointError(f"unknown dtype {dtype!r}; use one of bfloat16, float16, float32")
+    return names[key]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hf_cache_dir() -> str | None:
+    """The Hub cache folder from the environment at call time (``HF_HUB_CACHE``, else ``$HF_HOME/hub``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    return None
+
+
+def strip_compile_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    """Remove ``torch.compile`` wrapper names from keys: ``a._orig_mod.b`` -> ``a.b``, ``_orig_mod.a`` -> ``a``."""
+    out = {}
+    for key, value in state.items():
+        new = key
+        while "._orig_mod." in new:
+            new = new.replace("._orig_mod.", ".")
+        while new.startswith("_orig_mod."):
+            new = new[len("_orig_mod.") :]
+        out[new] = value
+    return out
+
+
+def _fmt_keys(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensor sources: a safetensors file (header checked by hand) or a torch.load-ed state dict
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SafetensorsHeader:
+    """The parsed header of a safetensors file.
+
+    Attributes:
+        path: the file.
+        tensors: key -> (dtype name as stored, e.g. ``"BF16"``; shape).
+        metadata: the optional ``__metadata__`` string map.
+    """
+
+    path: Path
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    metadata: dict[str, str]
+
+    def float_dtype(self) -> str | None:
+        """The dtype name of the first floating tensor (in key order), e.g. ``"BF16"``; None if there is none."""
+        for key in sorted(self.tensors):
+            name = self.tensors[key][0]
+            if name.startswith(("F", "BF")):
+                return name
+        return None
+
+
+def read_safetensors_header(path: str | os.PathLike[str], role: str = "checkpoint") -> SafetensorsHeader:
+    """Read and validate the header of a safetensors file without reading any tensor data.
+
+    Checks the 8-byte header length, the JSON header, every entry's dtype, shape and byte range, and that every
+    tensor's bytes lie inside the file (a truncated download names the first tensor it cuts).
+
+    Args:
+        path: the ``.safetensors`` file.
+        role: what the file is for (``"LM"``, ``"Mimi"``), used in messages.
+
+    Raises:
+        CheckpointError: missing file, truncated file, corrupt header or entry (names the file and the key).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{role} weights file {str(path)!r} does not exist; check the path or download it again")
+    size = path.stat().st_size
+    fix = "download or copy the file again"
+    with path.open("rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{role} weights file {str(path)!r} is truncated ({size} bytes, no header); {fix}")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER or n + 8 > size:
+            raise CheckpointError(
+                f"{role} weights file {str(path)!r} is truncated or not a safetensors file: header length {n} "
+                f"does not fit in {size} bytes; {fix}"
+            )
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(
+                f"{role} weights file {str(path)!r} has a corrupt header (not valid JSON: {exc}); {fix}"
+            ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{role} weights file {str(path)!r} has a corrupt header (not a JSON object); {fix}")
+    data_size = size - 8 - n
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for key, entry in header.items():
+        where = f"{role} weights file {str(path)!r}, tensor {key!r}"
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{where}: corrupt header entry {entry!r}; {fix}") from None
+        if dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {dtype!r} in the header; {fix}")
+        want = math.prod(shape) * _ST_DTYPES[dtype][0]
+        if not (isinstance(begin, int) and isinstance(end, int)) or begin < 0 or end - begin != want:
+            raise CheckpointError(
+                f"{where}: corrupt header entry (byte range {begin}..{end} for shape {list(shape)} {dtype}); {fix}"
+            )
+        if end > data_size:
+            raise CheckpointError(
+                f"{where}: the file is truncated (the tensor needs data bytes up to {end}, the file holds "
+                f"{max(data_size, 0)}); {fix}"
+            )
+        tensors[key] = (dtype, shape)
+    return SafetensorsHeader(path=path, tensors=tensors, metadata=dict(metadata))
+
+
+class _Source:
+    """One file of tensors: its key -> shape map and a per-key reader."""
+
+    path: Path
+    role: str
+    shapes: dict[str, tuple[int, ...]]
+
+    def get(self, key: str) -> torch.Tensor:
+        raise KeyError(key)
+
+    def close(self) -> None:
+        """Release the file (no-op where nothing is held)."""
+
+
+class _SafetensorsSource(_Source):
+    def __init__(self, path: Path, role: str, device: str = "cpu") -> None:
+        self.path, self.role, self.device = Path(path), role, device
+        self.header = read_safetensors_header(path, role)
+        self.shapes = {k: v[1] for k, v in self.header.tensors.items()}
+        self._handle: Any = None
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            if self._handle is None:
+                self._handle = safe_open(str(self.path), framework="pt", device=self.device)
+            return self._handle.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"{self.role} weights file {str(self.path)!r}, tensor {key!r}: cannot be read ({exc}); "
+                "download or copy the file again"
+            ) from None
+
+    def close(self) -> None:
+        self._handle = None
+
+
+class _DictSource(_Source):
+    def __init__(self, path: Path, role: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.path, self.role, self.tensors = Path(path), role, tensors
+        self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+
+def _torch_load(path: Path, role: str) -> Any:
+    """``torch.load(weights_only=True)`` on CPU, memory-mapped where the file format allows it."""
+    import pickle
+
+    import torch
+
+    if not path.is_file():
+        raise CheckpointError(f"{role} file {str(path)!r} does not exist; check the path or download it again")
+    fix = "download or copy it again"
+
+    def refused(exc: Exception) -> CheckpointError:
+        text = str(exc)
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        detail = f"it needs {found.group(1)}" if found else (text.splitlines() or ["unpickling failed"])[0]
+        return CheckpointError(
+            f"{role} file {str(path)!r} holds Python objects that weights_only loading refuses ({detail}); re-save "
+            "it with only tensors, dicts, lists, strings and numbers"
+        )
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise refused(exc) from None
+    except (RuntimeError, OSError, EOFError, ValueError):
+        pass  # not mmap-able (legacy format) or corrupt: retry without mmap for a precise answer
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise refused(exc) from None
+    except (RuntimeError, OSError, EOFError, ValueError, struct.error) as exc:
+        raise CheckpointError(f"{role} file {str(path)!r} is truncated or corrupt ({exc}); {fix}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Key checking and assignment
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_and_plan(
+    expected: dict[str, tuple[int, ...]],
+    sources: list[_Source],
+    aliases: dict[str, str] | None = None,
+) -> dict[str, tuple[_Source, str]]:
+    """Map every expected key to (source, key in that source), checking names and shapes.
+
+    ``sources`` are in priority order (a fine-tune before its base). ``aliases`` maps an expected key to an
+    alternative key that may stand for it in any source (a LoRA layer's ``x.base.weight`` <- the base's
+    ``x.weight``).
+
+    Raises:
+        CheckpointError: a key the model needs is in no source, a source has a key the model does not have, or
+            a shape differs (each names the file and the key).
+    """
+    aliases = aliases or {}
+    plan: dict[str, tuple[_Source, str]] = {}
+    missing = []
+    for key in expected:
+        for src in sources:
+            if key in src.shapes:
+                plan[key] = (src, key)
+                break
+            alt = aliases.get(key)
+            if alt is not None and alt in src.shapes:
+                plan[key] = (src, alt)
+                break
+        else:
+            missing.append(key)
+    if missing:
+        files = " or ".join(repr(str(s.path)) for s in sources)
+        raise CheckpointError(
+            f"{sources[-1].role} weights: missing key(s) {_fmt_keys(missing)} in {files}; the file does not match "
+            "the model config (wrong config.json, a different model, or an incomplete file)"
+        )
+    known = set(expected) | set(aliases.values())
+    for src in sources:
+        unexpected = sorted(k for k in src.shapes if k not in known)
+        if unexpected:
+            raise CheckpointError(
+                f"{src.role} weights file {str(src.path)!r}: unexpected key(s) {_fmt_keys(unexpected)} that the model "
+                "does not have; the file does not match the model config (check config.json / dep_q)"
+            )
+    for key, (src, skey) in plan.items():
+        if tuple(src.shapes[skey]) != tuple(expected[key]):
+            raise CheckpointError(
+                f"{src.role} weights file {str(src.path)!r}, key {skey!r}: shape {list(src.shapes[skey])} but the "
+                f"model expects {list(expected[key])}; the file does not match the model config"
+            )
+    return plan
+
+
+def _assign(
+    module: torch.nn.Module,
+    plan: dict[str, tuple[_Source, str]],
+    device: str | torch.device,
+    float_dtype: torch.dtype,
+) -> None:
+    """Read the planned tensors one at a time, casting floats to ``float_dtype`` and moving each to ``device`` right
+    away (so at most one transient extra tensor exists besides the single loaded copy), assign them all into the
+    meta-built ``module``, then check that nothing is left on ``meta``."""
+    state = {}
+    for key, (src, skey) in plan.items():
+        tensor = src.get(skey)
+        state[key] = tensor.to(device=device, dtype=float_dtype if tensor.is_floating_point() else tensor.dtype)
+    module.load_state_dict(state, strict=True, assign=True)
+    del state
+    left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise CheckpointError(
+            f"{type(module).__name__} still has tensors without values after loading: {_fmt_keys(left)}; they are not "
+            "part of its state dict, so the checkpoint cannot provide them"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, role: str = "config") -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{role} file {str(path)!r} does not exist") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{role} file {str(path)!r} is not valid JSON ({exc}); fix or delete it") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{role} file {str(path)!r} must hold a JSON object")
+    return data
+
+
+def _count_depformer_heads(keys: list[str]) -> int:
+    """Number of ``linears.{i}`` output heads among state-dict keys (plain or LoRA-wrapped); 0 if none."""
+    pattern = re.compile(r"^linears\.(\d+)\.(?:base\.)?weight$")
+    idx = {int(m.group(1)) for k in keys if (m := pattern.match(k))}
+    return max(idx) + 1 if idx else 0
+
+
+def read_configs(config_path: Path | None, weight_keys: list[str] | None = None) -> tuple[LMConfig, MimiConfig]:
+    """The LM and Mimi configurations of a checkpoint folder.
+
+    ``config.json`` holds the LM keyword arguments in upstream format (meta keys such as ``moshi_name`` are kept
+    as extras) and optionally ``"mimi_config"`` (a ``loaders._mimi_config``-shaped dict); without it the real
+    24 kHz Mimi is assumed. Without a usable ``config.json`` the PersonaPlex 7B configuration is used, as
+    NVIDIA/personaplex's loader does. ``dep_q`` is taken from the weights (the number of ``linears.{i}`` heads)
+    when they disagree with the config, as the original Context Spanning loader infers it.
+
+    Raises:
+        CheckpointError: the config file is unreadable or invalid (names the file and the field).
+    """
+    data = None if config_path is None else _read_json(config_path)
+    label = f"config file {str(config_path)!r}"
+    return _configs_from_data(data, label, weight_keys)
+
+
+def _configs_from_data(
+    data: dict[str, Any] | None, label: str, weight_keys: list[str] | None
+) -> tuple[LMConfig, MimiConfig]:
+    """:func:`read_configs` on an already parsed ``config.json`` dict (None: no config)."""
+    from pydantic import ValidationError
+
+    from .config import LMConfig, MimiConfig
+
+    mimi_cfg = MimiConfig.mimi_24khz()
+    if data is None:
+        lm_cfg = LMConfig.personaplex_7b()
+    else:
+        data = dict(data)
+        mimi_dict = data.pop("mimi_config", None)
+        if mimi_dict is not None:
+            try:
+                mimi_cfg = MimiConfig.from_upstream(mimi_dict)
+            except ValidationError as exc:
+                raise CheckpointError(f"{label}, key 'mimi_config': invalid ({exc})") from None
+        if "dim" not in data or "delays" not in data:
+            log.warning("%s has no LM keyword arguments (dim, delays): using the PersonaPlex 7B configuration", label)
+            lm_cfg = LMConfig.personaplex_7b()
+        else:
+            try:
+                lm_cfg = LMConfig.from_upstream(data)
+            except ValidationError as exc:
+                raise CheckpointError(f"{label}: invalid LM config ({exc})") from None
+    heads = _count_depformer_heads(weight_keys or [])
+    if heads and heads != lm_cfg.dep_q and heads <= lm_cfg.n_q:
+        log.info("the weights have %d depformer heads, config dep_q is %d: using dep_q=%d", heads, lm_cfg.dep_q, heads)
+        update = {**lm_cfg.model_dump(), "dep_q": heads}
+        if lm_cfg.depformer_weights_per_step_schedule is not None:
+            update.pop("depformer_weights_per_step_schedule")
+        try:
+            lm_cfg = LMConfig.model_validate(update)
+        except ValidationError as exc:
+            raise CheckpointError(f"cannot use dep_q={heads} found in the weights with this config ({exc})") from None
+    return lm_cfg, mimi_cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model loaders
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _read_fine_tune(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Load a fine-tune ``.pt``: (state dict with compile prefixes stripped, LoRA spec or None).
+
+    Raises:
+        CheckpointError: unreadable file, no state dict inside, non-tensor values, LoRA keys without a valid
+            top-level ``"lora": {"r", "alpha"}``.
+    """
+    import torch
+
+    obj = _torch_load(path, "fine-tune")
+    if not isinstance(obj, dict):
+        raise CheckpointError(
+            f"fine-tune file {str(path)!r} holds a {type(obj).__name__}, expected a dict {{'model': state_dict}}"
+        )
+    state = obj.get("model", obj)
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"fine-tune file {str(path)!r}, key 'model': expected a state dict, got {type(state).__name__}"
+        )
+    if state is obj:  # a bare state dict: drop non-tensor top-level entries such as "lora" or "step"
+        state = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"fine-tune file {str(path)!r}, key 'model': non-tensor entries {_fmt_keys(bad)}")
+    state = strip_compile_prefixes(state)
+    lora = None
+    adapted = sorted(k[: -len(".lora_A")] for k in state if k.endswith(".lora_A"))
+    if adapted:
+        spec = obj.get("lora")
+        if not isinstance(spec, dict) or "r" not in spec or "alpha" not in spec:
+            raise CheckpointError(
+                f"fine-tune file {str(path)!r} has LoRA keys (e.g. {adapted[0] + '.lora_A'!r}) but no top-level "
+                "'lora': {'r': int, 'alpha': float} entry; save it with that entry"
+            )
+        try:
+            r, alpha = int(spec["r"]), float(spec["alpha"])
+        except (TypeError, ValueError):
+            raise CheckpointError(f"fine-tune file {str(path)!r}, key 'lora': r and alpha must be numbers") from None
+        if r < 1:
+            raise CheckpointError(f"fine-tune file {str(path)!r}, key 'lora': r must be >= 1, got {r}")
+        for name in adapted:
+            if name + ".lora_B" not in state:
+                raise CheckpointError(f"fine-tune file {str(path)!r}: key {name + '.lora_B'!r} missing for LoRA layer")
+            a = state[name + ".lora_A"]
+            if a.dim() != 2 or a.shape[0] != r:
+                raise CheckpointError(
+                    f"fine-tune file {str(path)!r}, key {name + '.lora_A'!r}: shape {list(a.shape)} does not have "
+                    f"rank r={r} rows"
+                )
+        lora = {"r": r, "alpha": alpha, "modules": adapted}
+    return state, lora
+
+
+def _build_lm(
+    lm_cfg: LMConfig,
+    base: _Source,
+    fine_tune: _Source | None,
+    lora: dict[str, Any] | None,
+    device: str | torch.device,
+    dtype: torch.dtype | None,
+) -> LMModel:
+    """Build the LM on meta, wrap LoRA layers, check every key and shape, then assign the weights."""
+    import torch
+
+    from .lm import LMModel
+    from .lora import apply_lora
+
+    if dtype is None:
+        stored = base.header.float_dtype() if isinstance(base, _SafetensorsSource) else None
+        dtype = getattr(torch, _ST_DTYPES[stored][1]) if stored else torch.float32
+    model = LMModel(lm_cfg, device="meta", dtype=dtype)
+    aliases: dict[str, str] = {}
+    if lora is not None:
+        assert fine_tune is not None
+        try:
+            apply_lora(model, lora["modules"], lora["r"], lora["alpha"])
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"fine-tune file {str(fine_tune.path)!r}: LoRA layer {exc} is not a linear layer of this LM"
+            ) from None
+        for name in lora["modules"]:
+            aliases[f"{name}.base.weight"] = f"{name}.weight"
+            aliases[f"{name}.base.bias"] = f"{name}.bias"
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    sources = [fine_tune, base] if fine_tune is not None else [base]
+    plan = _check_and_plan(expected, sources, aliases)
+    try:
+        _assign(model, plan, device, dtype)
+    finally:
+        base.close()
+    model.eval()
+    return model
+
+
+def load_lm(
+    path_or_dir: str | os.PathLike[str],
+    config: LMConfig | dict[str, Any] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+) -> LMModel:
+    """Load only the LM from a ``model.safetensors`` file or a folder holding one (no Mimi, no tokenizer needed).
+
+    Args:
+        path_or_dir: the safetensors file, or a folder with ``model.safetensors`` (and usually ``config.json``).
+        config: the LM config (an :class:`LMConfig` or an upstream dict); default: the folder's ``config.json``,
+            else the PersonaPlex 7B configuration (``dep_q`` from the weights).
+        device: where the weights go.
+        dtype: floating dtype of the weights (default: the stored dtype).
+
+    Returns:
+        The LMModel in eval mode.
+
+    Raises:
+        CheckpointError: missing/corrupt file, missing or unexpected keys, shape mismatch (names file and key).
+    """
+    from .config import LMConfig
+
+    path = Path(path_or_dir)
+    lm_path = path / LM_FILE if path.is_dir() else path
+    if not lm_path.exists():
+        raise CheckpointError(
+            f"LM weights file {str(lm_path)!r} does not exist; pass a {LM_FILE} file or a folder holding it"
+        )
+    base = _SafetensorsSource(lm_path, "LM", device=_load_device(device))
+    if config is None:
+        cfg_path = lm_path.parent / CONFIG_FILE
+        lm_cfg, _ = read_configs(cfg_path if cfg_path.is_file() else None, list(base.shapes))
+    elif isinstance(config, LMConfig):
+        lm_cfg = config
+    else:
+        lm_cfg, _ = _configs_from_data(dict(config), "the given LM config", list(base.shapes))
+    return _build_lm(lm_cfg, base, None, None, device, _torch_dtype(dtype))
+
+
+def _load_device(device: str | torch.device) -> str:
+    """The device string safetensors reads tensors onto (the target device itself: no extra CPU copy)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
+
+
+def load_mimi(
+    path: str | os.PathLike[str],
+    config: MimiConfig | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    num_codebooks: int = NUM_VOICE_CODEBOOKS,
+) -> Mimi:
+    """Load the Mimi codec (float32, eval mode) from its safetensors file.
+
+    Args:
+        path: ``tokenizer-e351c8d8-checkpoint125.safetensors`` or an equivalent file.
+        config: the codec configuration (default: the real 24 kHz Mimi).
+        device: where the weights go.
+        num_codebooks: codebooks produced by ``encode`` (8 for the LM).
+
+    Raises:
+        CheckpointError: missing/corrupt file, missing or unexpected keys, shape mismatch (names file and key).
+    """
+    import torch
+
+    from .config import MimiConfig
+    from .mimi import Mimi
+
+    cfg = config or MimiConfig.mimi_24khz()
+    src = _SafetensorsSource(Path(path), "Mimi", device=_load_device(device))
+    mimi = Mimi(cfg, device="meta", dtype=torch.float32)
+    expected = {k: tuple(v.shape) for k, v in mimi.state_dict().items()}
+    plan = _check_and_plan(expected, [src])
+    try:
+        _assign(mimi, plan, device, torch.float32)
+    finally:
+        src.close()
+    mimi.eval()
+    try:
+        mimi.set_num_codebooks(num_codebooks)
+    except ValueError as exc:
+        raise CheckpointError(f"Mimi weights file {str(path)!r}: {exc}") from None
+    return mimi
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> sentencepiece.SentencePieceProcessor:
+    """Load a SentencePiece model file.
+
+    Raises:
+        CheckpointError: missing or unreadable file (names it).
+    """
+    import sentencepiece as spm
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"tokenizer file {str(path)!r} does not exist; check the path or download it again")
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.Load(str(path))
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"tokenizer file {str(path)!r} is not a valid SentencePiece model ({exc}); download or copy it again"
+        ) from None
+    return sp
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Voices
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _scan_voices(*dirs: Path | None) -> dict[str, Path]:
+    voices: dict[str, Path] = {}
+    for d in dirs:
+        if d is None or not d.is_dir():
+            continue
+        for p in sorted(d.glob("*.pt")):
+            voices.setdefault(p.stem, p)
+    return voices
+
+
+def load_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> torch.Tensor:
+    """Load a voice prompt: ``{"codes": LongTensor[8, P]}`` (agent Mimi codes, P frames at 12.5 Hz).
+
+    Args:
+        name_or_path: an existing ``.pt`` file, or a voice name (``voices/<name>.pt`` of the checkpoint, or of
+            ``$CSPAN_VOICES_DIR``).
+        checkpoint: supplies the voice names and the codebook size ``card`` the codes must stay below
+            (2048 without a checkpoint).
+
+    Returns:
+        LongTensor [8, P] on CPU.
+
+    Raises:
+        CheckpointError: unknown name (lists the known ones), unreadable file, no ``"codes"`` key, non-integer
+            dtype, shape other than [8, P] with P >= 1, values outside [0, card).
+    """
+    import torch
+
+    path = Path(name_or_path)
+    if not path.is_file():
+        name = str(name_or_path)
+        known = dict(checkpoint.voices) if checkpoint is not None else {}
+        env_dir = os.environ.get(ENV_VOICES)
+        if env_dir:
+            known = {**known, **_scan_voices(Path(env_dir))}
+        if name not in known:
+            where = f"{str(path)!r} is not a file and {name!r} is not a known voice"
+            names = ", ".join(sorted(known)) or "none"
+            raise CheckpointError(f"voice {where} (known voices: {names}); pass a .pt file holding {{'codes': [8, P]}}")
+        path = known[name]
+    obj = _torch_load(path, "voice")
+    if not isinstance(obj, dict) or "codes" not in obj:
+        raise CheckpointError(f"voice file {str(path)!r}: key 'codes' missing; expected {{'codes': LongTensor[8, P]}}")
+    codes = obj["codes"]
+    if not isinstance(codes, torch.Tensor):
+        raise CheckpointError(f"voice file {str(path)!r}, key 'codes': expected a tensor, got {type(codes).__name__}")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise CheckpointError(f"voice file {str(path)!r}, key 'codes': dtype {codes.dtype}, expected an integer dtype")
+    if codes.dim() != 2 or codes.shape[0] != NUM_VOICE_CODEBOOKS or codes.shape[1] < 1:
+        raise CheckpointError(
+            f"voice file {str(path)!r}, key 'codes': shape {list(codes.shape)}, expected [{NUM_VOICE_CODEBOOKS}, P] "
+            "with P >= 1 frames"
+        )
+    card = checkpoint.lm_config.card if checkpoint is not None else 2048
+    codes = codes.to(torch.long).clone()
+    lo, hi = int(codes.min()), int(codes.max())
+    if lo < 0 or hi >= card:
+        raise CheckpointError(
+            f"voice file {str(path)!r}, key 'codes': values in [{lo}, {hi}], expected [0, {card}) (Mimi codes)"
+        )
+    return codes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Source resolution
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], what: str) -> Path:
+    """Download (or find in the cache) the files of ``repo_id`` matching ``patterns``; returns the snapshot folder.
+
+    Honours ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` as read at call time.
+
+    Raises:
+        CheckpointError: offline without a cached copy, unreachable Hub, unknown or gated repo or revision.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    offline = _env_flag("HF_HUB_OFFLINE")
+    rev = revision or "main"
+    label = f"{what} {repo_id!r} (revision {rev})"
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=patterns,
+            cache_dir=_hf_cache_dir(),
+            local_files_only=offline,
+        )
+    except GatedRepoError:
+        raise CheckpointError(
+            f"{label} is gated: accept its licence on huggingface.co and set HF_TOKEN to a token of that account; "
+            f"or {_FIX_OFFLINE}"
+        ) from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{label}: no such revision on the Hub; check --revision") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(
+            f"{label} not found on the Hub (or it is private: set HF_TOKEN); check the name, or {_FIX_OFFLINE}"
+        ) from None
+    except LocalEntryNotFoundError:
+        cache = _hf_cache_dir() or "the default Hugging Face cache"
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+        raise CheckpointError(
+            f"{label} is not in the Hugging Face cache ({cache}) and {why}; {_FIX_OFFLINE}"
+            + ("" if offline else "; behind a proxy or firewall, download it elsewhere and copy the folder")
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"cannot get {label} from the Hugging Face Hub ({exc}); if it is gated set HF_TOKEN, or {_FIX_OFFLINE}"
+        ) from None
+    return Path(folder)
+
+
+def _is_repo_id(source: str) -> bool:
+    return bool(_REPO_ID.match(source)) and not source.startswith((".", "/", "~"))
+
+
+def _top_level_pt(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.pt") if p.is_file())
+
+
+def _base_files(folder: Path, source: str, lm_override: Path | None = None) -> CheckpointFiles:
+    """Files of a base folder; config.json's ``moshi_name``/``mimi_name``/``tokenizer_name`` override the names."""
+    names = {"lm": LM_FILE, "mimi": MIMI_FILE, "tokenizer": TOKENIZER_FILE}
+    config = folder / CONFIG_FILE
+    if config.is_file():
+        data = _read_json(config)
+        for role, key in (("lm", "moshi_name"), ("mimi", "mimi_name"), ("tokenizer", "tokenizer_name")):
+            value = data.get(key)
+            if isinstance(value, str) and value and "/" not in value and (folder / value).is_file():
+                names[role] = value
+    lm = lm_override or folder / names["lm"]
+    mimi = folder / names["mimi"]
+    tok = folder / names["tokenizer"]
+    return CheckpointFiles(
+        source=source,
+        lm=lm,
+        mimi=mimi if mimi.is_file() else None,
+        tokenizer=tok if tok.is_file() else None,
+        config=config if config.is_file() else None,
+        fine_tune=None,
+        voices=_scan_voices(folder / VOICES_DIR),
+        base_dir=folder,
+    )
+
+
+def _resolve_base(base: str | os.PathLike[str] | None) -> CheckpointFiles:
+    """The base of a fine-tune: ``base``, else ``$CSPAN_BASE``, else :data:`DEFAULT_BASE` (its main revision)."""
+    chosen = str(base) if base is not None else os.environ.get(ENV_BASE) or DEFAULT_BASE
+    path = Path(chosen).expanduser()
+    if path.is_dir():
+        if not (path / LM_FILE).is_file():
+            raise CheckpointError(
+                f"base folder {str(path)!r} has no {LM_FILE}; pass a base folder in the Kyutai/PersonaPlex layout "
+                f"(--base DIR or {ENV_BASE})"
+            )
+        return _base_files(path, chosen)
+    if path.exists() or not _is_repo_id(chosen):
+        raise CheckpointError(
+            f"base {chosen!r} is neither a folder nor a Hub repo id; pass --base DIR or set {ENV_BASE}"
+        )
+    folder = _hub_snapshot(chosen, None, _HUB_PATTERNS, "base repo")
+    if not (folder / LM_FILE).is_file():
+        raise CheckpointError(f"base repo {chosen!r} has no {LM_FILE}; is it a Kyutai/PersonaPlex model repo?")
+    return _base_files(folder, chosen)
+
+
+def _with_fine_tune(fine_tune: Path, source: str, base: str | os.PathLike[str] | None) -> CheckpointFiles:
+    """A fine-tune file over its base; the fine-tune folder's voices take precedence over the base's."""
+    files = _resolve_base(base)
+    files.source = source
+    files.fine_tune = fine_tune
+    own = _scan_voices(fine_tune.parent / VOICES_DIR)
+    files.voices = {**files.voices, **own}
+    return files
+
+
+def _folder_files(folder: Path, source: str, base: str | os.PathLike[str] | None) -> CheckpointFiles:
+    """A base folder, or a fine-tune folder (one top-level ``*.pt`` over a base)."""
+    if (folder / LM_FILE).is_file():
+        return _base_files(folder, source)
+    pts = _top_level_pt(folder)
+    if len(pts) > 1:
+        chosen = [p for p in pts if p.name == DEFAULT_FINE_TUNE_FILE]
+        if not chosen:
+            raise CheckpointError(
+                f"folder {str(folder)!r} holds several fine-tune files ({', '.join(p.name for p in pts)}); pass one "
+                "of them as the checkpoint"
+            )
+        pts = chosen
+    if pts:
+        return _with_fine_tune(pts[0], source, base)
+    return _base_files(folder, source)  # reports the missing LM file at load time
+
+
+def resolve_checkpoint(
+    source: str | os.PathLike[str] | None = None,
+    *,
+    revision: str | None = None,
+    base: str | os.PathLike[str] | None = None,
+) -> CheckpointFiles:
+    """Find the files of a checkpoint source (downloading from the Hub where needed); loads nothing.
+
+    Order: an existing file (``*.pt`` fine-tune over ``base``; ``*.safetensors`` LM weights whose folder holds the
+    other files), an existing folder (base layout, or a fine-tune folder with one ``*.pt``), ``hf://owner/repo[/file]``,
+    otherwise a Hub repo id ``owner/name``.
+
+    Args:
+        source: file, folder, ``hf://`` URL or repo id; default ``$CSPAN_CHECKPOINT`` or :data:`DEFAULT_CHECKPOINT`.
+        revision: Hub revision (branch, tag or commit) of ``source``.
+        base: base of a fine-tune (folder or repo id); default ``$CSPAN_BASE`` or :data:`DEFAULT_BASE`.
+
+    Raises:
+        CheckpointError: nothing at that path, unsupported file type, Hub errors (offline, gated, not found).
+    """
+    if source is None:
+        source = os.environ.get(ENV_CHECKPOINT) or DEFAULT_CHECKPOINT
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix in (".pt", ".pth"):
+            return _with_fine_tune(path, text, base)
+        if path.suffix == ".safetensors":
+            return _base_files(path.parent, text, lm_override=path)
+        raise CheckpointError(
+            f"checkpoint file {text!r} has an unsupported type; pass a .pt fine-tune, an LM .safetensors file, or a "
+            "checkpoint folder"
+        )
+    if path.is_dir():
+        return _folder_files(path, text, base)
+    if text.startswith("hf://"):
+        parts = text[len("hf://") :].strip("/").split("/")
+        if len(parts) < 2:
+            raise CheckpointError(f"bad Hub URL {text!r}; use hf://owner/repo or hf://owner/repo/path/to/file.pt")
+        repo_id, inner = "/".join(parts[:2]), "/".join(parts[2:])
+        if not inner:
+            return _repo_files(repo_id, text, revision, base)
+        folder = _hub_snapshot(repo_id, revision, [inner, *_HUB_PATTERNS[:4], f"{VOICES_DIR}/*.pt"], "repo")
+        target = folder / inner
+        if not target.is_file():
+            raise CheckpointError(f"repo {repo_id!r} has no file {inner!r} (revision {revision or 'main'})")
+        files = resolve_checkpoint(target, base=base)
+        files.source = text
+        return files
+    if _is_repo_id(text):
+        return _repo_files(text, text, revision, base)
+    raise CheckpointError(
+        f"checkpoint {text!r} does not exist: it is not a file, not a folder and not a Hub repo id (owner/name); "
+        f"check the path, or {_FIX_OFFLINE}"
+    )
+
+
+def _repo_files(
+    repo_id: str, source: str, revision: str | None, base: str | os.PathLike[str] | None
+) -> CheckpointFiles:
+    patterns = list(_HUB_PATTERNS)
+    if repo_id == DEFAULT_REPO:
+        patterns = [CONFIG_FILE, DEFAULT_FINE_TUNE_FILE, f"{VOICES_DIR}/*.pt"]
+    folder = _hub_snapshot(repo_id, revision, patterns, "checkpoint repo")
+    files = _folder_files(folder, source, base)
+    return files
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The full load
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(
+    source: str | os.PathLike[str] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    revision: str | None = None,
+    base: str | os.PathLike[str] | None = None,
+) -> Checkpoint:
+    """Load the LM, Mimi, tokenizer and voice list of a checkpoint.
+
+    ``source`` is a Hub repo id (``owner/name``, via ``huggingface_hub``, honouring ``HF_HOME``,
+    ``HF_HUB_OFFLINE`` and ``HF_TOKEN``), ``hf://owner/repo/file``, a local folder or a file; see
+    :func:`resolve_checkpoint` for the order. A fine-tune ``.pt`` is loaded over its base: keys it holds replace
+    the base's, the others come from the base; LoRA adapters are kept unmerged (:class:`cspan.core.lora.LoRALinear`).
+
+    Args:
+        source: what to load; default ``$CSPAN_CHECKPOINT`` or :data:`DEFAULT_CHECKPOINT` (the released
+            Context Spanning 7B over ``nvidia/personaplex-7b-v1``).
+        device: where the models go (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+        dtype: LM floating dtype (``torch.bfloat16``, ``"float32"``...); default: the stored dtype of the base
+            LM weights. Mimi is always float32.
+        revision: Hub revision of ``source``.
+        base: base of a fine-tune (folder or repo id); default ``$CSPAN_BASE`` or :data:`DEFAULT_BASE`.
+
+    Returns:
+        A :class:`Checkpoint`.
+
+    Raises:
+        CheckpointError: a file is missing, truncated or corrupt; keys are missing or unexpected; a shape differs
+            (each names the file and the key); the Hub cannot provide the files (the message says how to pass a
+            local ``--checkpoint`` folder or build one with ``cspan model tiny``).
+    """
+    files = resolve_checkpoint(source, revision=revision, base=base)
+    missing = [
+        f"{role} file {name!r}"
+        for role, name, got in (
+            ("LM weights", files.lm.name, files.lm if files.lm.is_file() else None),
+            ("Mimi weights", MIMI_FILE, files.mimi),
+            ("tokenizer", TOKENIZER_FILE, files.tokenizer),
+        )
+        if got is None
+    ]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint folder {str(files.base_dir)!r} lacks {', '.join(missing)}; a full checkpoint needs "
+            f"{LM_FILE}, {MIMI_FILE} and {TOKENIZER_FILE} (use load_lm() for the LM alone), or build one with "
+            "`cspan model tiny DIR`"
+        )
+    assert files.mimi is not None and files.tokenizer is not None
+    target = _torch_dtype(dtype)
+    base_src = _SafetensorsSource(files.lm, "LM", device=_load_device(device))
+    ft_src: _Source | None = None
+    lora = None
+    keys = list(base_src.shapes)
+    if files.fine_tune is not None:
+        state, lora = _read_fine_tune(files.fine_tune)
+        ft_src = _DictSource(files.fine_tune, "fine-tune", state)
+        keys = keys + list(state)
+    lm_cfg, mimi_cfg = read_configs(files.config, keys)
+    lm = _build_lm(lm_cfg, base_src, ft_src, lora, device, target)
+    del ft_src
+    mimi = load_mimi(files.mimi, mimi_cfg, device=device)
+    if mimi_cfg.quantizer.bins != lm_cfg.card:
+        raise CheckpointError(
+            f"Mimi weights file {str(files.mimi)!r} has {mimi_cfg.quantizer.bins} bins per codebook but the LM's "
+            f"card is {lm_cfg.card}; the codec and the LM do not belong together"
+        )
+    tokenizer = load_tokenizer(files.tokenizer)
+    vocab = tokenizer.vocab_size()
+    if vocab > lm_cfg.text_card:
+        raise CheckpointError(
+            f"tokenizer file {str(files.tokenizer)!r} has {vocab} pieces but the LM's text_card is "
+            f"{lm_cfg.text_card}; the tokenizer does not belong to this LM"
+        )
+    voices = dict(files.voices)
+    env_dir = os.environ.get(ENV_VOICES)
+    if env_dir:
+        voices = {**voices, **_scan_voices(Path(env_dir))}
+    return Checkpoint(
+        lm=lm,
+        mimi=mimi,
+        tokenizer=tokenizer,
+        lm_config=lm_cfg,
+        mimi_config=mimi_cfg,
+        voices=voices,
+        source=files.source,
+        files=files.as_dict(),
+        fine_tune=files.fine_tune,
+        lora=lora,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `cspan model ...`
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def describe_checkpoint(
+    source: str | os.PathLike[str] | None = None,
+    *,
+    revision: str | None = None,
+    base: str | os.PathLike[str] | None = None,
+    load: bool = False,
+) -> str:
+    """A human-readable summary of a checkpoint (what ``cspan model info`` prints).
+
+    Reads headers and configs only (a 7B is summarised in a second; the parameter count is the number of values
+    in the LM weights, fine-tune included); with ``load=True`` the whole checkpoint is
+    loaded on CPU as well, which checks every key and shape.
+
+    Raises:
+        CheckpointError: as :func:`resolve_checkpoint` and, with ``load``, :func:`load_checkpoint`.
+    """
+    from .constants import BOS, EOS, EPAD, PAD, RET, SPAN_CLOSE, SPAN_OPEN
+
+    files = resolve_checkpoint(source, revision=revision, base=base)
+    header = read_safetensors_header(files.lm, "LM")
+    shapes = {k: v[1] for k, v in header.tensors.items()}
+    lora = None
+    if files.fine_tune is not None:
+        state, lora = _read_fine_tune(files.fine_tune)
+        for name in (lora or {}).get("modules", []):
+            shapes.pop(f"{name}.weight", None)
+            shapes.pop(f"{name}.bias", None)
+        shapes.update({k: tuple(v.shape) for k, v in state.items()})
+    lm_cfg, mimi_cfg = read_configs(files.config, list(shapes))
+    n_params = sum(math.prod(shape) for shape in shapes.values())
+    stored = header.float_dtype()
+    lines = [f"source: {files.source}", "files:"]
+    lines += [f"  {role}: {path}" for role, path in files.as_dict().items()]
+    lines += [
+        "LM:",
+        f"  dim {lm_cfg.dim}, {lm_cfg.num_layers} layers, {lm_cfg.num_heads} heads, context {lm_cfg.context}, "
+        f"norm {lm_cfg.norm}, gating {lm_cfg.gating}, positional {lm_cfg.positional_embedding}",
+        f"  depformer dim {lm_cfg.depformer_dim}, {lm_cfg.depformer_transformer_kwargs()['num_layers']} layers, "
+        f"{lm_cfg.depformer_num_heads} heads",
+        f"  n_q {lm_cfg.n_q}, dep_q {lm_cfg.dep_q}, card {lm_cfg.card}, text_card {lm_cfg.text_card}",
+        f"  delays {lm_cfg.delays}",
+        f"  parameters: {n_params:,}",
+        f"  stored dtype: {_ST_DTYPES[stored][1] if stored else 'none'}",
+    ]
+    if lora is not None:
+        lines.append(f"  LoRA: r {lora['r']}, alpha {lora['alpha']}, {len(lora['modules'])} layers (unmerged)")
+    lines += [
+        "Mimi:",
+        f"  sample rate {mimi_cfg.sample_rate} Hz, frame rate {mimi_cfg.frame_rate} Hz "
+        f"({mimi_cfg.frame_size} samples per frame), n_q {mimi_cfg.quantizer.n_q} "
+        f"(the LM uses {NUM_VOICE_CODEBOOKS}), bins {mimi_cfg.quantizer.bins}",
+    ]
+    if files.tokenizer is not None:
+        sp = load_tokenizer(files.tokenizer)
+        specials = [("EPAD", EPAD), ("BOS", BOS), ("EOS", EOS), ("PAD", PAD)]
+        specials += [("<ret>", RET), ("span open", SPAN_OPEN), ("span close", SPAN_CLOSE)]
+        lines.append(f"tokenizer: {sp.vocab_size()} pieces")
+        lines += [f"  {i:>3} {name}: {sp.id_to_piece(i)!r}" for name, i in specials if i < sp.vocab_size()]
+    else:
+        lines.append(f"tokenizer: missing ({TOKENIZER_FILE})")
+    voices = dict(files.voices)
+    lines.append(f"voices: {', '.join(f'{k} ({v})' for k, v in sorted(voices.items())) or 'none'}")
+    if load:
+        ckpt = load_checkpoint(source, revision=revision, base=base, device="cpu")
+        lines.append(f"load check: ok ({type(ckpt.lm).__name__}, {type(ckpt.mimi).__name__} loaded on CPU)")
+    return "\n".join(lines)
+
+
+def _cmd_tiny(args: argparse.Namespace) -> int:
+    from .tiny import build_tiny_checkpoint
+
+    out = build_tiny_checkpoint(args.out_dir, dep_q=args.dep_q, seed=args.seed, overwrite=args.force)
+    print(f"wrote a tiny random checkpoint (dep_q {args.dep_q}, seed {args.seed}) to {out}")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    print(describe_checkpoint(args.source, revision=args.revision, base=args.base, load=args.load))
+    return 0
+
+
+def register_model_actions(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``tiny`` and ``info`` actions to ``cspan model`` (no heavy import happens here)."""
+    tiny = subparsers.add_parser(
+        "tiny",
+        help="write a tiny random checkpoint in the released layout",
+        description=(
+            "Write a small random-weight checkpoint in exactly the released layout (LM and Mimi safetensors, "
+            "SentencePiece model, config.json, two voices) for tests and demos without the 7B."
+        ),
+    )
+    tiny.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created; must be empty unless --force)")
+    tiny.add_argument("--dep-q", type=int, choices=(16, 8), default=16, help="depformer codebooks (default 16)")
+    tiny.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes identical files")
+    tiny.add_argument("--force", action="store_true", help="write into a non-empty folder, replacing the files")
+    tiny.set_defaults(handler=_cmd_tiny)
+
+    info = subparsers.add_parser(
+        "info",
+        help="print a checkpoint's config, size, dtype, special ids and voices",
+        description="Print a checkpoint's files, LM and Mimi configuration, parameter count, dtype, special ids, voices.",
+    )
+    info.add_argument(
+        "source",
+        metavar="SOURCE",
+        nargs="?",
+        default=None,
+        help=f"folder, file, hf://owner/repo/file or repo id (default ${ENV_CHECKPOINT} or {DEFAULT_CHECKPOINT})",
+    )
+    info.add_argument("--revision", default=None, help="Hub revision of SOURCE")
+    info.add_argument("--base", default=None, help=f"base of a fine-tune (default ${ENV_BASE} or {DEFAULT_BASE})")
+    info.add_argument("--load", action="store_true", help="also load every weight on CPU to check keys and shapes")
+    info.set_defaults(handler=_cmd_info)
+
+
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_BASE",
+    "DEFAULT_CHECKPOINT",
+    "DEFAULT_FINE_TUNE_FILE",
+    "DEFAULT_REPO",
+    "LM_FILE",
+    "MIMI_FILE",
+    "TOKENIZER_FILE",
+    "Checkpoint",
+    "CheckpointFiles",
+    "SafetensorsHeader",
+    "describe_checkpoint",
+    "load_checkpoint",
+    "load_lm",
+    "load_mimi",
+    "load_tokenizer",
+    "load_voice",
+    "read_configs",
+    "read_safetensors_header",
+    "register_model_actions",
+    "resolve_checkpoint",
+    "strip_compile_prefixes",
+]

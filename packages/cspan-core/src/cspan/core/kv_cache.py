@@ -1,0 +1,210 @@
+"""Preallocated key/value cache with absolute per-row positions, a sliding window and exact chunked appends.
+
+One :class:`KVCache` holds the keys (after RoPE) and values of every attention layer of one transformer for a
+batch of independent streams, in fixed buffers ``[L, B, H, C, Dh]`` used as rings of ``C`` slots: the entry for
+absolute position ``p`` of a row lives in slot ``p % C``. ``offset[b]`` (a long tensor on the device) is the next
+position row ``b`` will write, so the slot contents are a pure function of the offset: slot ``s`` holds the latest
+position ``p < offset`` with ``p % C == s`` (or nothing when there is none). Positions are never stored.
+
+A forward over ``T`` new positions of some rows goes in three steps, driven by the transformer:
+
+1. :meth:`KVCache.begin` computes, once for all layers, the new positions ``[B', T]`` and the positions of the
+   keys the new queries will see.
+2. :meth:`KVCache.update` (per layer) returns the keys/values to attend over and stores the new ones.
+   - ``T == 1``: the new entry is written first, then the whole ring is attended. Exact whenever the window is at
+     most ``C`` (the entry it evicts, ``offset - C``, is out of the window). Static shapes, no host sync.
+   - ``T > 1``: the chunk attends over the old ring *and* its own keys (concatenated), and only then is written
+     into the ring (its last ``min(T, C)`` positions). Upstream's ``RingKVCache`` (kyutai-labs/moshi,
+     ``moshi/modules/transformer.py``) writes first, so a chunk that wraps the ring evicts keys its own earlier
+     queries still need; this order keeps a chunk exactly equal to ``T`` single steps.
+3. :meth:`KVCache.advance` moves the offsets of the rows by ``T``.
+
+The attention window is ``pos_q - pos_k < window`` (see :func:`attention_mask`); it must not exceed the capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def slot_positions(end: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Absolute position held by each ring slot once positions ``[0, end)`` of a row have been written.
+
+    Args:
+        end: [B] long, the number of positions written per row (the row's offset).
+        capacity: number of slots C.
+
+    Returns:
+        [B, C] long: slot ``s`` holds ``end - 1 - ((end - 1 - s) mod C)``, or -1 where that is negative (empty).
+    """
+    slots = torch.arange(capacity, device=end.device, dtype=torch.long)
+    last = end.view(-1, 1) - 1
+    pos = last - torch.remainder(last - slots, capacity)
+    return torch.where(pos >= 0, pos, torch.full_like(pos, -1))
+
+
+def attention_mask(
+    pos_q: torch.Tensor, pos_k: torch.Tensor, window: int | None, causal: bool = True
+) -> torch.Tensor | None:
+    """Boolean attention mask (True = attend) from absolute query and key positions.
+
+    A key is visible iff ``pos_k >= 0`` (a filled slot) and, when causal, ``0 <= pos_q - pos_k < window``
+    (no upper bound when ``window`` is None). Source: kyutai-labs/moshi ``StreamingMultiheadAttention.forward``.
+
+    Args:
+        pos_q: [B, T] long query positions.
+        pos_k: [B, S] long key positions (-1 for empty slots).
+        window: attention context in positions, or None for unbounded.
+        causal: when False only empty slots are masked.
+
+    Returns:
+        [B, 1, T, S] bool, broadcastable over heads.
+    """
+    pk = pos_k[:, None, :]  # [B, 1, S]
+    mask = pk >= 0
+    if causal:
+        delta = pos_q[:, :, None] - pk  # [B, T, S]
+        mask = mask & (delta >= 0)
+        if window is not None:
+            mask = mask & (delta < window)
+    else:
+        mask = mask.expand(pos_q.shape[0], pos_q.shape[1], pos_k.shape[1])
+    return mask[:, None]
+
+
+@dataclass
+class CacheStep:
+    """What one forward over ``T`` new positions needs from a :class:`KVCache`; built by :meth:`KVCache.begin`.
+
+    Attributes:
+        rows: [B'] long batch rows being advanced, or None for all rows.
+        positions: [B', T] long absolute positions of the new entries (the queries).
+        key_positions: [B', S] long positions of the keys :meth:`KVCache.update` returns (-1 = empty slot);
+            ``S = C`` when ``T == 1``, else ``C + T``.
+    """
+
+    rows: torch.Tensor | None
+    positions: torch.Tensor
+    key_positions: torch.Tensor
+
+
+class KVCache:
+    """Keys (after RoPE) and values of every layer of one transformer, for a batch of independent streams.
+
+    Args:
+        num_layers: L, attention layers sharing this cache (one buffer slice each).
+        batch_size: B, independent streams (rows).
+        num_heads: H.
+        head_dim: Dh.
+        capacity: C, ring slots per row; must be at least the attention window.
+        device, dtype: of the buffers (the model's activation dtype).
+
+    Attributes:
+        keys, values: [L, B, H, C, Dh] buffers.
+        offset: [B] long, next absolute position per row (positions since the row's last reset).
+        capacity: C.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_heads: int,
+        head_dim: int,
+        capacity: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"KVCache capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        shape = (num_layers, batch_size, num_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.offset = torch.zeros(batch_size, device=device, dtype=torch.long)
+
+    @property
+    def batch_size(self) -> int:
+        return self.offset.shape[0]
+
+    def reset(self, rows: torch.Tensor | None = None) -> None:
+        """Empty the chosen rows (all when None): offset 0 and zeroed buffers. No host synchronisation."""
+        if rows is None:
+            self.offset.zero_()
+            self.keys.zero_()
+            self.values.zero_()
+        else:
+            rows = rows.to(self.offset.device)
+            self.offset[rows] = 0
+            self.keys[:, rows] = 0
+            self.values[:, rows] = 0
+
+    def begin(self, num_positions: int, rows: torch.Tensor | None = None) -> CacheStep:
+        """Plan the append of ``num_positions`` (T) new positions to the chosen rows (all when None).
+
+        Returns:
+            :class:`CacheStep` with the query positions [B', T] and the key positions [B', S].
+        """
+        if rows is not None:
+            rows = rows.to(self.offset.device)
+        offset = self.offset if rows is None else self.offset[rows]
+        arange = torch.arange(num_positions, device=offset.device, dtype=torch.long)
+        positions = offset[:, None] + arange  # [B', T]
+        if num_positions == 1:
+            key_positions = slot_positions(offset + 1, self.capacity)
+        else:
+            key_positions = torch.cat([slot_positions(offset, self.capacity), positions], dim=1)
+        return CacheStep(rows=rows, positions=positions, key_positions=key_positions)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer ``layer``'s new keys/values and return what its queries attend over.
+
+        Args:
+            layer: layer index into the buffers.
+            k, v: [B', H, T, Dh] new keys (after RoPE) and values of the rows ``step.rows``.
+            step: from :meth:`begin` with the same T and rows.
+
+        Returns:
+            (keys, values), each [B', H, S, Dh], aligned with ``step.key_positions``.
+        """
+        T = k.shape[2]
+        if T == 1:
+            self._write(layer, k, v, step)
+            return self._read(layer, step.rows)
+        old_keys, old_values = self._read(layer, step.rows)
+        keys = torch.cat([old_keys, k.to(old_keys.dtype)], dim=2)
+        values = torch.cat([old_values, v.to(old_values.dtype)], dim=2)
+        self._write(layer, k, v, step)
+        return keys, values
+
+    def advance(self, step: CacheStep) -> None:
+        """Move the offsets of ``step.rows`` past the positions of ``step`` (after every layer is updated)."""
+        T = step.positions.shape[1]
+        if step.rows is None:
+            self.offset.add_(T)
+        else:
+            self.offset[step.rows] = step.positions[:, -1] + 1
+
+    def _read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self.keys[layer]
+        values = self.values[layer]
+        if rows is not None:
+            keys = keys.index_select(0, rows)
+            values = values.index_select(0, rows)
+        return keys, values
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> None:
+        T = k.shape[2]
+        n = min(T, self.capacity)  # a chunk longer than the ring keeps only its last C positions
+        slots = torch.remainder(step.positions[:, T - n :], self.capacity)  # [B', n]
+        rows = torch.arange(slots.shape[0], device=slots.device) if step.rows is None else step.rows
+        batch = rows[:, None]
+        keys = self.keys[layer]
+        values = self.values[layer]
+        # advanced indices on dims 0 and 2 -> the indexed view is [B', n, H, Dh]
+        keys[batch, :, slots] = k[:, :, T - n :].transpose(1, 2).to(keys.dtype)
+        values[batch, :, slots] = v[:, :, T - n :].transpose(1, 2).to(values.dtype)

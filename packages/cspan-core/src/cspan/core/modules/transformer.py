@@ -1,0 +1,527 @@
+"""The pre-norm streaming transformer shared by the LM temporal transformer, the depformer and Mimi.
+
+Source: kyutai-labs/moshi ``moshi/modules/transformer.py`` and ``moshi/modules/gating.py`` (the numerics and
+the parameter names, so that upstream checkpoints load with ``strict=True``); the streaming state is explicit here
+(:class:`TransformerState`, a :class:`~cspan.core.kv_cache.KVCache` plus a host step counter) instead of being
+stored inside the modules.
+
+Per layer: ``x = x + ls1(attn(norm1(x)))``, then ``x = x + ls2(ffn(norm2(x)))``, where ``ls`` is LayerScale or the
+identity and ``ffn`` is either a GELU MLP (``gating="none"``: ``linear1``/``linear2``) or a gated linear unit
+(``gating="silu"`` etc.: ``gating.linear_in`` with 2H outputs, first half through the activation, times the
+second half, then ``gating.linear_out``).
+
+Parameter names (per layer ``layers.{i}.``):
+
+- ``self_attn.in_proj_weight`` [n_sets * 3 * D, D]: fused projection; set s is the row block s, inside it the rows
+  are [q; k; v], each head-major (head h = rows h*Dh .. (h+1)*Dh).
+- ``self_attn.out_proj.weight`` [n_sets * D, D]: row block s is the output projection of set s.
+- ``norm1.alpha``/``norm2.alpha`` [1, 1, D] (RMSNorm) or ``norm1.weight``/``norm1.bias`` [D] (LayerNorm).
+- ``linear1.weight`` [F, D], ``linear2.weight`` [D, F] (gating "none"), or ``gating.linear_in.weight`` [2H, D],
+  ``gating.linear_out.weight`` [D, H], or ``gating.{s}.linear_in.weight`` ... per weight set.
+- ``layer_scale_1.scale``/``layer_scale_2.scale`` [D] when ``layer_scale`` is set.
+
+Weights per step (the depformer): with ``weights_per_step = N`` the position at step index n (the offset within
+the stream since the last reset, i.e. the codebook index inside a frame) uses weight set ``schedule[n]``
+(``n`` without a schedule) for the attention projections and the gated FFN; the norms are shared.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..kv_cache import CacheStep, KVCache, attention_mask
+from .norms import make_norm
+from .rope import apply_rope, sin_embedding
+
+POSITIONAL_EMBEDDINGS = ("none", "sin", "rope", "sin_rope")
+
+# Attention-mask value meaning "plain causal attention of the T new positions over themselves" (no cache, window
+# wider than T): lets ``scaled_dot_product_attention`` pick its fused causal kernels instead of a [T, T] mask.
+CAUSAL = "causal"
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "leaky_relu": F.leaky_relu,
+    "elu": F.elu,
+    "mish": F.mish,
+    "softsign": F.softsign,
+    "identity": lambda x: x,
+}
+
+
+def gated_hidden_size(dim: int, dim_feedforward: int) -> int:
+    """Hidden width H of a gated FFN: ``21 * dim // 8`` when ``dim_feedforward == 4 * dim``, else
+    ``2 * dim_feedforward // 3`` (kyutai-labs/moshi ``ActivationGating``). 11264 for the 7B, 2816 for its depformer.
+    """
+    if dim_feedforward == 4 * dim:
+        return (21 * dim) // 8
+    return (2 * dim_feedforward) // 3
+
+
+class LayerScale(nn.Module):
+    """Per-channel scale of a residual branch (Touvron et al. 2021, "Going deeper with Image Transformers", §3).
+
+    Parameter ``scale`` [D], initialised to ``init``. Shapes: x [..., D] -> [..., D].
+    """
+
+    def __init__(
+        self, dim: int, init: float, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), init, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class ActivationGating(nn.Module):
+    """Gated linear unit FFN (Shazeer 2020, "GLU Variants Improve Transformer"): ``out(act(a) * b)``.
+
+    ``linear_in`` maps D -> 2H; its output viewed as [..., 2, H] gives ``a`` (first half, through the activation)
+    and ``b`` (second half). ``linear_out`` maps H -> D. No biases. H from :func:`gated_hidden_size`.
+
+    Shapes: x [B, T, D] -> [B, T, D].
+
+    Raises:
+        ValueError: unknown activation name.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        dim_feedforward: int,
+        activation: str = "silu",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"unknown gating activation {activation!r}; expected 'none' or one of {sorted(_ACTIVATIONS)}"
+            )
+        self.hidden = gated_hidden_size(dim, dim_feedforward)
+        self.activation = _ACTIVATIONS[activation]
+        self.linear_in = nn.Linear(dim, 2 * self.hidden, bias=False, device=device, dtype=dtype)
+        self.linear_out = nn.Linear(self.hidden, dim, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_in(x)
+        h = h.view(*h.shape[:-1], 2, self.hidden)
+        h = self.activation(h[..., 0, :]) * h[..., 1, :]
+        return self.linear_out(h)
+
+
+def _per_step_linear(x: torch.Tensor, weight: torch.Tensor, n_sets: int, sets: list[int] | None) -> torch.Tensor:
+    """``F.linear`` with one weight block per position: position t of x [B, T, in] uses block ``sets[t]`` of
+    ``weight`` [n_sets * out, in]; ``sets`` None means a single block for every position."""
+    if sets is None:
+        return F.linear(x, weight)
+    blocks = weight.view(n_sets, -1, weight.shape[-1])
+    if len(sets) == 1:
+        return F.linear(x, blocks[sets[0]])
+    return torch.cat([F.linear(x[:, t : t + 1], blocks[s]) for t, s in enumerate(sets)], dim=1)
+
+
+class MultiheadAttention(nn.Module):
+    """Multi-head self-attention with a fused, optionally per-step, bias-free projection, RoPE and a KV cache.
+
+    Args:
+        dim: model width D (``num_heads * Dh``).
+        num_heads: H.
+        n_sets: number of weight sets (1, or the depformer's distinct steps).
+        rope_max_period: RoPE base when RoPE is used, else None.
+
+    Parameters: ``in_proj_weight`` [n_sets * 3 * D, D], ``out_proj.weight`` [n_sets * D, D].
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        n_sets: int = 1,
+        rope_max_period: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads != 0:
+            raise ValueError(f"model width {dim} is not divisible by num_heads {num_heads}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.n_sets = n_sets
+        self.rope_max_period = rope_max_period
+        self.in_proj_weight = nn.Parameter(torch.empty(n_sets * 3 * dim, dim, device=device, dtype=dtype))
+        self.out_proj = nn.Linear(dim, n_sets * dim, bias=False, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(self.in_proj_weight, a=math.sqrt(5))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | str | None,
+        sets: list[int] | None,
+        cache: KVCache | None = None,
+        cache_step: CacheStep | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """Attend the T positions of x to themselves and, with a cache, to the cached past.
+
+        Args:
+            x: [B, T, D] normalised input.
+            positions: [B or 1, T] long absolute positions (RoPE angles).
+            mask: [B or 1, 1, T, S] bool (True = attend), None for no mask, or :data:`CAUSAL`.
+            sets: weight set per position (length T) or None (single set).
+            cache, cache_step, layer: the KV cache, the plan of this append, and this layer's index in it.
+
+        Returns:
+            [B, T, D].
+        """
+        B, T, D = x.shape
+        H, Dh = self.num_heads, self.head_dim
+        qkv = _per_step_linear(x, self.in_proj_weight, self.n_sets, sets)  # [B, T, 3D]
+        qkv = qkv.view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4)  # [3, B, H, T, Dh]
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.rope_max_period is not None:
+            q, k = apply_rope(q, k, positions, self.rope_max_period)
+        if cache is not None and cache_step is not None:
+            k, v = cache.update(layer, k, v, cache_step)
+        if isinstance(mask, str):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(B, T, D)
+        return _per_step_linear(out, self.out_proj.weight, self.n_sets, sets)
+
+
+class StreamingTransformerLayer(nn.Module):
+    """One pre-norm layer: self-attention block then feed-forward block, each with an optional LayerScale.
+
+    See the module docstring for the parameter names. ``gating`` is "none" (GELU MLP with ``linear1``/``linear2``,
+    exact erf GELU) or an activation name for :class:`ActivationGating` (one per weight set when ``n_sets > 1``).
+
+    Raises:
+        ValueError: ``gating="none"`` together with several weight sets (upstream has no such layer).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        dim_feedforward: int | list[int],
+        norm: str = "layer_norm",
+        gating: str = "none",
+        layer_scale: float | None = None,
+        n_sets: int = 1,
+        per_step_ffn: bool = False,
+        rope_max_period: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.self_attn = MultiheadAttention(dim, num_heads, n_sets, rope_max_period, **factory)
+        self.norm1 = make_norm(norm, dim, **factory)
+        self.norm2 = make_norm(norm, dim, **factory)
+        self.per_step_ffn = per_step_ffn
+        self.linear1: nn.Linear | None = None
+        self.linear2: nn.Linear | None = None
+        self.gating: nn.Module | None = None
+        if gating == "none":
+            if per_step_ffn or isinstance(dim_feedforward, list):
+                raise ValueError("gating 'none' cannot have per-step weights; use a gated FFN (e.g. 'silu')")
+            self.linear1 = nn.Linear(dim, dim_feedforward, bias=False, **factory)
+            self.linear2 = nn.Linear(dim_feedforward, dim, bias=False, **factory)
+        elif per_step_ffn:
+            widths = dim_feedforward if isinstance(dim_feedforward, list) else [dim_feedforward] * n_sets
+            if len(widths) != n_sets:
+                raise ValueError(f"dim_feedforward lists {len(widths)} widths for {n_sets} weight sets")
+            self.gating = nn.ModuleList([ActivationGating(dim, w, gating, **factory) for w in widths])
+        else:
+            if isinstance(dim_feedforward, list):
+                raise ValueError("a list dim_feedforward needs per-step weights (weights_per_step)")
+            self.gating = ActivationGating(dim, dim_feedforward, gating, **factory)
+        self.layer_scale_1: nn.Module = (
+            nn.Identity() if layer_scale is None else LayerScale(dim, layer_scale, **factory)
+        )
+        self.layer_scale_2: nn.Module = (
+            nn.Identity() if layer_scale is None else LayerScale(dim, layer_scale, **factory)
+        )
+
+    def feed_forward(self, x: torch.Tensor, sets: list[int] | None) -> torch.Tensor:
+        """FFN of the normalised x [B, T, D] -> [B, T, D]; position t uses gating set ``sets[t]`` if per step."""
+        if self.linear1 is not None and self.linear2 is not None:
+            return self.linear2(F.gelu(self.linear1(x)))
+        if isinstance(self.gating, nn.ModuleList):
+            if sets is None:
+                raise ValueError("per-step FFN called without weight sets")
+            if len(sets) == 1:
+                return self.gating[sets[0]](x)
+            return torch.cat([self.gating[s](x[:, t : t + 1]) for t, s in enumerate(sets)], dim=1)
+        assert self.gating is not None
+        return self.gating(x)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | str | None,
+        sets: list[int] | None,
+        cache: KVCache | None = None,
+        cache_step: CacheStep | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; arguments as in :meth:`MultiheadAttention.forward`."""
+        update = self.self_attn(self.norm1(x), positions, mask, sets, cache, cache_step, layer)
+        x = x + self.layer_scale_1(update)
+        update = self.feed_forward(self.norm2(x), sets)
+        x = x + self.layer_scale_2(update)
+        return x
+
+
+@dataclass
+class TransformerState:
+    """Streaming state of one :class:`StreamingTransformer` for a batch of rows.
+
+    Attributes:
+        cache: the KV cache of all layers, with the per-row offsets (``cache.offset`` [B] long).
+        step: host-side count of positions appended to *all* rows since the last full reset; it selects the
+            weight set of weights-per-step transformers when ``forward`` gets no explicit ``step``.
+    """
+
+    cache: KVCache
+    step: int = 0
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """[B] long: next absolute position of each row."""
+        return self.cache.offset
+
+    @property
+    def batch_size(self) -> int:
+        return self.cache.batch_size
+
+    def reset(self, rows: torch.Tensor | None = None) -> None:
+        """Empty the chosen rows ([B'] long; all rows when None): offset 0, cache empty."""
+        self.cache.reset(rows)
+        if rows is None:
+            self.step = 0
+
+
+class StreamingTransformer(nn.Module):
+    """A stack of :class:`StreamingTransformerLayer` with optional sinusoidal input embedding and RoPE.
+
+    Args:
+        d_model: width D.
+        num_heads: attention heads H (Dh = D / H).
+        num_layers: L.
+        dim_feedforward: FFN width F (per weight set when a list).
+        causal: causal attention (the only streaming mode; non-causal attends to every valid key).
+        context: attention window in positions (key visible iff ``0 <= pos_q - pos_k < context``), None = unbounded.
+        positional_embedding: "none", "sin" (added to the input), "rope", or "sin_rope".
+        max_period: period base of RoPE and of the sin embedding.
+        gating: "none" (GELU MLP) or the activation of a gated FFN ("silu" for Moshi).
+        norm: see :func:`cspan.core.modules.norms.make_norm`.
+        layer_scale: initial LayerScale value, None for no LayerScale.
+        weights_per_step: N > 0 gives position n (since reset) its own weight set ``schedule[n]`` (or n).
+        weights_per_step_schedule: length-N map step -> weight set.
+
+    Raises:
+        ValueError: inconsistent arguments (unknown names, schedule length, width not divisible by heads).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        dim_feedforward: int | list[int] = 2048,
+        causal: bool = False,
+        context: int | None = None,
+        positional_embedding: str = "sin",
+        max_period: float = 10_000.0,
+        gating: str = "none",
+        norm: str = "layer_norm",
+        layer_scale: float | None = None,
+        weights_per_step: int = 0,
+        weights_per_step_schedule: list[int] | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if positional_embedding not in POSITIONAL_EMBEDDINGS:
+            raise ValueError(
+                f"unknown positional_embedding {positional_embedding!r}; expected one of {POSITIONAL_EMBEDDINGS}"
+            )
+        if context is not None and context < 1:
+            raise ValueError(f"context must be >= 1 or None, got {context}")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.causal = causal
+        self.context = context
+        self.positional_embedding = positional_embedding
+        self.max_period = max_period
+        self.weights_per_step = weights_per_step
+        self.weights_per_step_schedule = list(weights_per_step_schedule) if weights_per_step_schedule else None
+        n_sets = 1
+        if weights_per_step:
+            n_sets = weights_per_step
+            if self.weights_per_step_schedule is not None:
+                if len(self.weights_per_step_schedule) != weights_per_step:
+                    raise ValueError(
+                        f"weights_per_step_schedule has {len(self.weights_per_step_schedule)} entries, "
+                        f"expected weights_per_step = {weights_per_step}"
+                    )
+                n_sets = max(self.weights_per_step_schedule) + 1
+        elif self.weights_per_step_schedule is not None:
+            raise ValueError("weights_per_step_schedule given without weights_per_step")
+        self.n_sets = n_sets
+        use_rope = positional_embedding in ("rope", "sin_rope")
+        self.layers = nn.ModuleList(
+            [
+                StreamingTransformerLayer(
+                    d_model,
+                    num_heads,
+                    dim_feedforward,
+                    norm=norm,
+                    gating=gating,
+                    layer_scale=layer_scale,
+                    n_sets=n_sets,
+                    per_step_ffn=bool(weights_per_step),
+                    rope_max_period=max_period if use_rope else None,
+                    device=device,
+                    dtype=dtype,
+                )
+                for _ in range(num_layers)
+            ]
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    def default_capacity(self) -> int:
+        """KV slots per row: the context when set, else the number of weight-per-step positions.
+
+        Raises:
+            ValueError: neither is set (give ``capacity`` to :meth:`new_state`).
+        """
+        if self.context is not None:
+            return self.context
+        if self.weights_per_step:
+            return self.weights_per_step
+        raise ValueError("a transformer without context or weights_per_step needs an explicit KV capacity")
+
+    def new_state(
+        self,
+        batch_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        capacity: int | None = None,
+    ) -> TransformerState:
+        """Fresh streaming state: empty KV cache of ``capacity`` slots per row (:meth:`default_capacity` when None).
+
+        ``device``/``dtype`` default to those of the parameters.
+
+        Raises:
+            ValueError: capacity smaller than the context (the sliding window would lose keys).
+        """
+        if capacity is None:
+            capacity = self.default_capacity()
+        if self.context is not None and capacity < self.context:
+            raise ValueError(f"KV capacity {capacity} is smaller than the attention context {self.context}")
+        param = next(iter(self.parameters()), None)
+        if device is None:
+            device = param.device if param is not None else "cpu"
+        if dtype is None:
+            dtype = param.dtype if param is not None else torch.float32
+        cache = KVCache(len(self.layers), batch_size, self.num_heads, self.head_dim, capacity, device, dtype)
+        return TransformerState(cache=cache)
+
+    def weight_sets(self, first_step: int, num_positions: int) -> list[int] | None:
+        """Weight set of each of ``num_positions`` positions starting at step ``first_step`` (None: single set).
+
+        Raises:
+            ValueError: a step beyond ``weights_per_step``.
+        """
+        if not self.weights_per_step:
+            return None
+        last = first_step + num_positions
+        if first_step < 0 or last > self.weights_per_step:
+            raise ValueError(
+                f"steps {first_step}..{last - 1} are outside the {self.weights_per_step} weights-per-step positions; "
+                "reset the state at the start of each frame"
+            )
+        steps = range(first_step, last)
+        if self.weights_per_step_schedule is None:
+            return list(steps)
+        return [self.weights_per_step_schedule[s] for s in steps]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: TransformerState | None = None,
+        rows: torch.Tensor | None = None,
+        step: int | None = None,
+    ) -> torch.Tensor:
+        """Run the stack over T new positions.
+
+        Args:
+            x: [B, T, D] input.
+            state: None for a plain forward over positions 0..T-1 (training, non-streaming); otherwise the T
+                positions start at each row's offset, their keys/values are appended to ``state.cache`` and the
+                offsets advance by T.
+            rows: [B'] long rows of ``state`` that x belongs to (x has batch B'); the other rows are untouched.
+                None means all rows.
+            step: index of the first position for weights-per-step transformers (default 0 without a state,
+                ``state.step`` with one).
+
+        Returns:
+            [B, T, D].
+
+        Raises:
+            ValueError: weights-per-step with ``rows`` and no explicit ``step``; steps beyond ``weights_per_step``.
+        """
+        T, D = x.shape[1], x.shape[2]
+        cache: KVCache | None = None
+        cache_step: CacheStep | None = None
+        if state is None:
+            positions = torch.arange(T, device=x.device, dtype=torch.long)[None]  # [1, T]
+            mask: torch.Tensor | str | None = None
+            if self.causal:
+                window_bites = self.context is not None and self.context < T
+                mask = attention_mask(positions, positions, self.context) if window_bites else CAUSAL
+            first_step = 0 if step is None else step
+        else:
+            cache = state.cache
+            cache_step = cache.begin(T, rows)
+            positions = cache_step.positions  # [B', T]
+            window = self.context if self.context is not None else cache.capacity
+            mask = attention_mask(positions, cache_step.key_positions, window, causal=self.causal)
+            if step is None:
+                if rows is not None and self.weights_per_step:
+                    raise ValueError("weights-per-step transformer stepped on a subset of rows needs an explicit step")
+                step = state.step
+            first_step = step
+        sets = self.weight_sets(first_step, T)
+
+        if self.positional_embedding in ("sin", "sin_rope"):
+            x = x + sin_embedding(positions, D, self.max_period, dtype=x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, mask, sets, cache, cache_step, i)
+
+        if state is not None and cache_step is not None:
+            state.cache.advance(cache_step)
+            if rows is None:
+                state.step += T
+        return x

@@ -1,0 +1,150 @@
+"""Temperature / top-k sampling with one ``torch.Generator`` per session and no host synchronisation.
+
+Source: kyutai-labs/moshi ``moshi/utils/sampling.py`` (``sample_token``, ``_sample_top_k``, ``_multinomial``):
+``probs = softmax(logits_fp32 / temperature)``, keep the ``top_k`` largest probabilities (not renormalised),
+then draw with the "exponential race" ``argmax(probs / q)``, ``q ~ Exp(1)``, which is a multinomial draw that
+needs no host synchronisation. Greedy (``temperature <= 0``) is the argmax of the float32 logits, first index on
+ties. The one difference from upstream: the noise of batch row ``b`` is drawn from ``generators[b]``, so a
+session's tokens depend only on its own seed and never on the other sessions of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .constants import DEFAULT_TEMP, DEFAULT_TEMP_TEXT, DEFAULT_TOP_K, DEFAULT_TOP_K_TEXT, UNGENERATED
+
+
+def sample_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    generators: Sequence[torch.Generator] | None = None,
+) -> torch.Tensor:
+    """Draw one token per row.
+
+    Args:
+        logits: [B, V] in any float dtype (upcast to float32 first, after the model's own rounding).
+        temperature: softmax temperature; ``<= 0`` means greedy (argmax, first index on ties, no noise drawn).
+        top_k: keep only the ``top_k`` most probable tokens (clamped to V); ``<= 0`` keeps all of them.
+        generators: one generator per row, on the logits' device; row ``b``'s noise comes from
+            ``generators[b]``. None uses the global generator.
+
+    Returns:
+        [B] long token ids in ``[0, V)``.
+
+    Raises:
+        ValueError: logits not 2-D, or ``len(generators) != B``.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"sample_token expects logits [B, V], got shape {tuple(logits.shape)}")
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    batch, vocab = logits.shape
+    if generators is not None and len(generators) != batch:
+        raise ValueError(f"sample_token got {len(generators)} generators for {batch} rows; give one per row")
+    probs = torch.softmax(logits / temperature, dim=-1)
+    indices: torch.Tensor | None = None
+    if 0 < top_k < vocab:
+        probs, indices = torch.topk(probs, top_k, dim=-1)
+    noise = torch.empty_like(probs)
+    if generators is None:
+        noise.exponential_(1.0)
+    else:
+        for b, gen in enumerate(generators):
+            noise[b].exponential_(1.0, generator=gen)
+    choice = torch.argmax(probs / noise, dim=-1)
+    if indices is None:
+        return choice
+    return indices.gather(-1, choice[:, None])[:, 0]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Temperature and top-k of one stream kind (text, or audio codebooks).
+
+    Defaults: text 0.7 / 25 (:meth:`text`), audio 0.8 / 250 (:meth:`audio`), as upstream ``LMGen``.
+    """
+
+    temperature: float
+    top_k: int
+
+    @classmethod
+    def text(cls, temperature: float = DEFAULT_TEMP_TEXT, top_k: int = DEFAULT_TOP_K_TEXT) -> SamplingParams:
+        return cls(temperature, top_k)
+
+    @classmethod
+    def audio(cls, temperature: float = DEFAULT_TEMP, top_k: int = DEFAULT_TOP_K) -> SamplingParams:
+        return cls(temperature, top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def sample(self, logits: torch.Tensor, generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+        """:func:`sample_token` with these parameters: logits [B, V] -> [B] long."""
+        return sample_token(logits, self.temperature, self.top_k, generators)
+
+
+@torch.no_grad()
+def sample_column(
+    lm: Any,
+    hidden: torch.Tensor,
+    text_logits: torch.Tensor,
+    target: torch.Tensor,
+    dep_state: Any,
+    *,
+    text: SamplingParams,
+    audio: SamplingParams,
+    generators: Sequence[torch.Generator] | None = None,
+) -> torch.Tensor:
+    """Sample one target column: the text token, then the depformer's dep_q codebooks in order.
+
+    Where ``target`` already holds a token (forced, or user codes) that token is kept *and* is what conditions
+    the next depformer step; the sampled value is discarded (NVIDIA/personaplex ``LMGen`` "provided" tokens).
+    Noise is still drawn for forced entries, so the generators advance the same whatever is forced. Source of the
+    order: kyutai-labs/moshi ``LMGen._step`` (text first, then ``depformer_step`` over codebooks 0..dep_q-1, each
+    conditioned on the previous one).
+
+    Args:
+        lm: the :class:`cspan.core.lm.LMModel` (``depformer_logits``, ``dep_q``).
+        hidden: [B, D] temporal output of the fed position (after ``out_norm``).
+        text_logits: [B, text_card] text logits of that position.
+        target: [B, K] long, the known entries of the target column (-2 = sample).
+        dep_state: a depformer state for B rows (``lm.new_depformer_state(B)``); reset here.
+        text, audio: sampling parameters.
+        generators: one per row (see :func:`sample_token`).
+
+    Returns:
+        [B, K] long: ``target`` with rows 0..dep_q filled (rows past dep_q are copied from ``target``).
+    """
+    column = target.clone()
+    known = target != UNGENERATED
+    token = text.sample(text_logits, generators)
+    token = torch.where(known[:, 0], target[:, 0], token)
+    column[:, 0] = token
+    dep_state.reset()
+    for k in range(lm.dep_q):
+        logits = lm.depformer_logits(k, hidden, token, dep_state)
+        token = audio.sample(logits, generators)
+        token = torch.where(known[:, 1 + k], target[:, 1 + k], token)
+        column[:, 1 + k] = token
+    return column
+
+
+def make_generator(device: torch.device | str, seed: int | None = None) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (a fresh non-deterministic seed when None)."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    return gen
+
+
+__all__ = ["SamplingParams", "make_generator", "sample_column", "sample_token"]

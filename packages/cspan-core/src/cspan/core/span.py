@@ -1,0 +1,406 @@
+"""Context Spans: the block layout shared by inference and training, and the injector that reads a block in one pass.
+
+A reference text becomes the text ids ``[SPAN_OPEN] + spm.encode(text.strip()) + [SPAN_CLOSE]`` (12 ... 13), one
+id per column. The block is n constant columns in DELAYED coordinates (see :mod:`cspan.core.streams`): text row =
+the ids, agent rows = ``SILENCE_TOKENS``, user rows = ``SINE_TOKENS`` (:func:`span_block`). It is inserted into the
+delayed token sequence before a position (:func:`splice_block`), and the block columns are no training target
+(:func:`splice_mask`).
+
+Inference (:class:`SpanInjector`) inserts the block between two calls, before the pending position ``c``: ONE
+temporal forward over the n block positions (KV append n; no depformer, no sampling, no audio), then the session's
+token grid is spliced the same way, so the next call feeds the column it would have fed, n positions later. In
+undelayed terms (7B delays) this is the MOVE convention of MindLogic's Context Spanning / MoshiRAG training
+(``assemble_training_sequence``): the block goes before frame ``f = c - 1`` and the acoustic codes of frame
+``f - 1`` are read right after the block. Nothing is lost: frame ``c - 1``'s text and audio, sampled before the
+block, come out of the next call as usual. The training side calls the very same :func:`span_block` and
+:func:`splice_block` on whole delayed sequences, so the two layouts cannot drift apart. ``docs/ENGINE.md`` has a
+diagram.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .constants import DEFAULT_MAX_SPAN_FRAMES, SILENCE_TOKENS, SINE_TOKENS, SPAN_CLOSE, SPAN_OPEN
+from .errors import SpanError
+
+
+class TextTokenizer(Protocol):
+    """What the span and prefix code need from a SentencePiece processor."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer.encode(text)
+    return [int(i) for i in ids]
+
+
+@dataclass(frozen=True)
+class ContextSpan:
+    """A reference to write into the model's context, as-is, as text tokens.
+
+    Args:
+        text: the reference exactly as the backend returned it (it is stripped before tokenisation).
+        token_ids: the reference already tokenised (without the 12/13 markers); when given, ``text`` is only a
+            label and no tokenizer is needed (see :meth:`from_ids`).
+        markers: add the 12 / 13 markers (True, the trained layout); False makes ``token_ids`` the whole block
+            (for experiments and tests of other block contents).
+
+    Raises:
+        SpanError: (from :meth:`encode`) an empty reference.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] | None = field(default=None)
+    markers: bool = True
+
+    @classmethod
+    def from_ids(cls, token_ids: Sequence[int], text: str = "", markers: bool = True) -> ContextSpan:
+        """A span from reference token ids (the markers are added by :meth:`encode` unless ``markers`` is False)."""
+        return cls(text=text, token_ids=tuple(int(i) for i in token_ids), markers=markers)
+
+    def encode(self, tokenizer: Any | None = None, max_frames: int | None = None) -> tuple[list[int], bool]:
+        """The block's text ids ``[12] + spm.encode(text.strip()) + [13]`` and whether they were truncated.
+
+        Args:
+            tokenizer: a SentencePiece processor (anything with ``encode(str) -> list[int]``); unused with
+                ``token_ids``.
+            max_frames: the longest block allowed (>= 3). Longer ids are cut at a token boundary: the first
+                ``max_frames - 1`` ids are kept and the closing 13 appended (without markers: the first
+                ``max_frames`` ids).
+
+        Returns:
+            (ids, truncated).
+
+        Raises:
+            SpanError: empty reference, no tokenizer for a text span, or ``max_frames < 3``.
+        """
+        if self.token_ids is not None:
+            body = list(self.token_ids)
+        else:
+            text = self.text.strip()
+            if not text:
+                raise SpanError(
+                    "ContextSpan: the reference text is empty; give the backend's answer (or skip the injection)"
+                )
+            if tokenizer is None:
+                raise SpanError(
+                    "ContextSpan.encode: a text span needs the checkpoint's SentencePiece tokenizer; pass it or use "
+                    "ContextSpan.from_ids"
+                )
+            body = _encode(tokenizer, text)
+        if not body:
+            raise SpanError(
+                f"ContextSpan: the reference {self.text!r} encodes to no tokens; give a non-empty reference"
+            )
+        ids = [SPAN_OPEN, *body, SPAN_CLOSE] if self.markers else body
+        truncated = False
+        if max_frames is not None:
+            if max_frames < 3:
+                raise SpanError(f"max_span_frames is {max_frames}; it must be at least 3 (12, one token, 13)")
+            if len(ids) > max_frames:
+                ids = [*ids[: max_frames - 1], SPAN_CLOSE] if self.markers else ids[:max_frames]
+                truncated = True
+        return ids, truncated
+
+
+def span_block(
+    ids: Sequence[int] | torch.Tensor,
+    *,
+    num_streams: int = 17,
+    agent_placeholder: Sequence[int] = SILENCE_TOKENS,
+    user_placeholder: Sequence[int] = SINE_TOKENS,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The Context Span block in delayed coordinates: n constant columns that differ only in the text row.
+
+    Row 0 = ``ids``; rows ``1 .. C`` = ``agent_placeholder`` (SILENCE codes); rows ``C + 1 .. 2C`` =
+    ``user_placeholder`` (SINE codes), with ``C = (num_streams - 1) // 2`` codebooks per speaker.
+
+    Args:
+        ids: n text ids (normally from :meth:`ContextSpan.encode`).
+        num_streams: K (17 for the 7B).
+        agent_placeholder, user_placeholder: C codes each.
+        device: of the result.
+
+    Returns:
+        [K, n] long.
+
+    Raises:
+        SpanError: no ids. ValueError: placeholders of the wrong length.
+    """
+    ids_t = torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
+    n = ids_t.shape[0]
+    if n == 0:
+        raise SpanError("span_block: a Context Span block needs at least one column")
+    C = (num_streams - 1) // 2
+    if num_streams != 2 * C + 1 or len(agent_placeholder) != C or len(user_placeholder) != C:
+        raise ValueError(
+            f"span_block: {num_streams} streams need 1 text row and two placeholders of {C} codes; got "
+            f"{len(agent_placeholder)} and {len(user_placeholder)}"
+        )
+    rows = torch.tensor([0, *agent_placeholder, *user_placeholder], dtype=torch.long, device=device)
+    block = rows[:, None].repeat(1, n)
+    block[0] = ids_t
+    return block
+
+
+def splice_block(delayed_tokens: torch.Tensor, position: int, block: torch.Tensor) -> torch.Tensor:
+    """Insert a block into a delayed token sequence before ``position``.
+
+    ``out[..., :position] = tokens[..., :position]``, ``out[..., position:position+n] = block``,
+    ``out[..., position+n:] = tokens[..., position:]``. This is the one definition of where a Context Span goes,
+    used by :class:`SpanInjector` (on the session's grid window) and by ``cspan train`` (on whole sequences). At
+    inference ``position`` is the pending position (the position the next call feeds).
+
+    Args:
+        delayed_tokens: [..., K, T] long, delayed coordinates.
+        position: 0 <= position <= T.
+        block: [K, n] long (broadcast over the leading dims).
+
+    Returns:
+        [..., K, T + n] long.
+
+    Raises:
+        ValueError: position outside ``[0, T]`` or K mismatch.
+    """
+    T = delayed_tokens.shape[-1]
+    if not 0 <= position <= T:
+        raise ValueError(f"splice_block: position {position} is outside [0, {T}]")
+    if block.shape[-2] != delayed_tokens.shape[-2]:
+        raise ValueError(f"splice_block: block has {block.shape[-2]} rows, tokens have {delayed_tokens.shape[-2]}")
+    block = block.to(delayed_tokens.device, delayed_tokens.dtype).expand(*delayed_tokens.shape[:-1], block.shape[-1])
+    return torch.cat([delayed_tokens[..., :position], block, delayed_tokens[..., position:]], dim=-1)
+
+
+def splice_mask(mask: torch.Tensor, position: int, n: int, value: bool = False) -> torch.Tensor:
+    """The loss mask that goes with :func:`splice_block`: the n block columns are no target (``value``).
+
+    Args:
+        mask: [..., T] bool, per delayed position (True = the token at that position is a training target).
+        position: as given to :func:`splice_block`.
+        n: block length.
+        value: the mask value of the block columns.
+
+    Returns:
+        [..., T + n] bool.
+    """
+    T = mask.shape[-1]
+    if not 0 <= position <= T:
+        raise ValueError(f"splice_mask: position {position} is outside [0, {T}]")
+    fill = mask.new_full((*mask.shape[:-1], n), value)
+    return torch.cat([mask[..., :position], fill, mask[..., position:]], dim=-1)
+
+
+def splice_span_frames(
+    frames: torch.Tensor,
+    frame: int,
+    block: torch.Tensor,
+    delays: Sequence[int],
+    initial_tokens: Sequence[int] | torch.Tensor,
+) -> torch.Tensor:
+    """:func:`splice_block` seen in undelayed (frame) coordinates, for training data kept as frames.
+
+    Delays the frames (:func:`cspan.core.streams.delay_tokens`), splices the block before position ``frame + 1``
+    (the position an engine call feeds when it is given user frame ``frame``) and undelays. For the 7B delays this
+    is the MOVE convention: the block's text and semantic codes take frames ``frame .. frame + n - 1``, the
+    acoustic codes of frame ``frame - 1`` become placeholders and reappear in the block's last frame, and the
+    original frames ``frame ..`` follow the block.
+
+    Args:
+        frames: [..., K, T] long undelayed codes.
+        frame: the frame the block goes before (0 <= frame <= T).
+        block: [K, n] from :func:`span_block`.
+        delays, initial_tokens: the model's K delays and initial ids.
+
+    Returns:
+        [..., K, T + n] long; the last ``max(delays)`` frames may be -2 where a delayed row runs past the data.
+    """
+    from .streams import delay_tokens, undelay_tokens
+
+    T = frames.shape[-1]
+    if not 0 <= frame <= T:
+        raise ValueError(f"splice_span_frames: frame {frame} is outside [0, {T}]")
+    delayed = delay_tokens(frames, delays, initial_tokens)
+    spliced = splice_block(delayed, frame + 1, block)
+    return undelay_tokens(spliced, delays, T + block.shape[-1])
+
+
+@dataclass(frozen=True)
+class SpanReport:
+    """What one Context Span injection did.
+
+    Attributes:
+        session: the batch row.
+        n: block length in positions (columns), markers included.
+        truncated: the reference was cut to ``max_span_frames`` (at a token boundary, closing 13 kept).
+        ids: the block's text ids.
+        first_position, last_position: the KV positions the block occupies (``last = first + n - 1``).
+        next_position: the position the next call feeds (``last_position + 1``).
+        prefill_ms: wall-clock milliseconds of the block's forward (after device synchronisation).
+        context: the attention window in positions (None = unbounded).
+        window_positions_left: positions that can still be fed before position 0 (the start of the persona
+            prefix) leaves the window of the next query (``max(0, context - 1 - next_position)``; None when
+            unbounded).
+        prefix_in_window: whether the end of the persona prefix (its last position) is still visible to the
+            next query (``next_position - prefix_end < context``); False also when there is no prefix.
+    """
+
+    session: int
+    n: int
+    truncated: bool
+    ids: tuple[int, ...]
+    first_position: int
+    last_position: int
+    next_position: int
+    prefill_ms: float
+    context: int | None
+    window_positions_left: int | None
+    prefix_in_window: bool
+
+
+def window_status(next_position: int, context: int | None, prefix_end: int | None) -> tuple[int | None, bool]:
+    """(window_positions_left, prefix_in_window) for a session whose next query is ``next_position``.
+
+    A key at position p is visible to a query at q iff ``0 <= q - p < context`` (the temporal transformer's
+    sliding window, kyutai-labs/moshi ``StreamingMultiheadAttention``).
+    """
+    if context is None:
+        return None, prefix_end is not None
+    left = max(0, context - 1 - next_position)
+    in_window = prefix_end is not None and next_position - prefix_end < context
+    return left, in_window
+
+
+class SpanInjector:
+    """Reads a Context Span block into one session's KV cache in ONE temporal forward and splices its token grid.
+
+    Args:
+        lm: the :class:`cspan.core.lm.LMModel` (uses ``temporal`` and ``cfg.context``).
+        max_span_frames: longest block (default 600); longer references are truncated and the report says so.
+        tokenizer: SentencePiece processor for text spans.
+        agent_placeholder, user_placeholder: the block's audio codes (SILENCE / SINE).
+
+    The result equals forcing the same n columns one call at a time (KV cache and the next frame's logits), and
+    equals :func:`splice_block` on the recorded delayed sequence (tests/core/test_core_span.py).
+    """
+
+    def __init__(
+        self,
+        lm: Any,
+        *,
+        max_span_frames: int = DEFAULT_MAX_SPAN_FRAMES,
+        tokenizer: Any | None = None,
+        agent_placeholder: Sequence[int] = SILENCE_TOKENS,
+        user_placeholder: Sequence[int] = SINE_TOKENS,
+    ) -> None:
+        if max_span_frames < 3:
+            raise SpanError(f"max_span_frames is {max_span_frames}; it must be at least 3 (12, one token, 13)")
+        self.lm = lm
+        self.max_span_frames = int(max_span_frames)
+        self.tokenizer = tokenizer
+        self.agent_placeholder = tuple(agent_placeholder)
+        self.user_placeholder = tuple(user_placeholder)
+
+    def block_for(self, span: ContextSpan | str, num_streams: int) -> tuple[torch.Tensor, list[int], bool]:
+        """(block [K, n] on the CPU, ids, truncated) for a span or a reference string."""
+        if isinstance(span, str):
+            span = ContextSpan(span)
+        ids, truncated = span.encode(self.tokenizer, self.max_span_frames)
+        text_card = getattr(self.lm, "text_card", None)
+        if text_card is not None and (min(ids) < 0 or max(ids) >= text_card):
+            raise SpanError(
+                f"Context Span ids must be text ids in [0, {text_card}); got values in [{min(ids)}, {max(ids)}] "
+                "(was the reference tokenised with another tokenizer?)"
+            )
+        block = span_block(
+            ids,
+            num_streams=num_streams,
+            agent_placeholder=self.agent_placeholder,
+            user_placeholder=self.user_placeholder,
+        )
+        return block, ids, truncated
+
+    @torch.no_grad()
+    def inject(
+        self,
+        lm_state: Any,
+        grid: Any,
+        row: int,
+        span: ContextSpan | str,
+        *,
+        position: int,
+        prefix_end: int | None = None,
+        chunk: int | None = None,
+    ) -> SpanReport:
+        """Insert ``span`` before session ``row``'s pending position.
+
+        Args:
+            lm_state: the engine's temporal state (``LMModel.new_state``).
+            grid: the engine's :class:`cspan.core.streams.TokenGrid`.
+            row: the session (batch row).
+            span: the reference.
+            position: the session's pending position (host copy; the block takes positions
+                ``position .. position + n - 1``).
+            prefix_end: last position of the session's persona prefix, or None.
+            chunk: None (default) reads the block in ONE forward; an int reads it ``chunk`` positions per forward
+                (``chunk=1`` is the step-by-step reference; the result is the same up to float rounding).
+
+        Returns:
+            :class:`SpanReport`.
+
+        Raises:
+            SpanError: empty reference (see :meth:`ContextSpan.encode`), ids outside the text vocabulary.
+        """
+        block, ids, truncated = self.block_for(span, grid.num_rows)
+        n = len(ids)
+        device = grid.device
+        block_d = block.to(device)
+        rows = torch.tensor([row], dtype=torch.long, device=device)
+        _synchronize(device)
+        t0 = time.perf_counter()
+        step = n if chunk is None else max(1, int(chunk))
+        for start in range(0, n, step):
+            self.lm.temporal(block_d[None, :, start : start + step], lm_state, rows=rows)
+        grid.splice(row, block_d)
+        _synchronize(device)
+        prefill_ms = (time.perf_counter() - t0) * 1000.0
+        next_position = position + n
+        context = getattr(getattr(self.lm, "cfg", None), "context", None)
+        left, in_window = window_status(next_position, context, prefix_end)
+        return SpanReport(
+            session=row,
+            n=n,
+            truncated=truncated,
+            ids=tuple(ids),
+            first_position=position,
+            last_position=position + n - 1,
+            next_position=next_position,
+            prefill_ms=prefill_ms,
+            context=context,
+            window_positions_left=left,
+            prefix_in_window=in_window,
+        )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = [
+    "ContextSpan",
+    "SpanInjector",
+    "SpanReport",
+    "span_block",
+    "splice_block",
+    "splice_mask",
+    "splice_span_frames",
+    "window_status",
+]

@@ -1,0 +1,183 @@
+"""Bad checkpoints raise CheckpointError naming the file and the key: missing files, truncated / corrupt
+safetensors, missing / unexpected keys, wrong shapes, bad voices, unsafe pickles, offline Hub."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cspan.core.checkpoint import (
+    LM_FILE,
+    MIMI_FILE,
+    TOKENIZER_FILE,
+    load_checkpoint,
+    load_voice,
+    read_safetensors_header,
+)
+from cspan.core.errors import CheckpointError
+
+
+@pytest.fixture
+def tiny_copy(tiny_checkpoint_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the session's tiny checkpoint that a test may damage."""
+    return Path(shutil.copytree(tiny_checkpoint_dir, tmp_path / "ckpt"))
+
+
+def _error(source, **kwargs) -> str:
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(source, **kwargs)
+    return str(err.value)
+
+
+def _rewrite(path: Path, edit) -> None:
+    state = load_file(path)
+    edit(state)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name", [LM_FILE, MIMI_FILE, TOKENIZER_FILE])
+def test_missing_file_named(tiny_copy: Path, name: str) -> None:
+    (tiny_copy / name).unlink()
+    message = _error(tiny_copy)
+    assert name in message and str(tiny_copy) in message
+
+
+def test_missing_source_path() -> None:
+    message = _error("./no/such/checkpoint_dir")
+    assert "no/such/checkpoint_dir" in message and "does not exist" in message and "cspan model tiny" in message
+
+
+def test_truncated_lm_names_file_and_tensor(tiny_copy: Path) -> None:
+    path = tiny_copy / LM_FILE
+    header = read_safetensors_header(path)
+    data = path.read_bytes()
+    cut = len(data) // 2
+    path.write_bytes(data[:cut])
+    # the first tensor (in file order) whose bytes lie past the cut
+    raw_len = int.from_bytes(data[:8], "little")
+    entries = json.loads(data[8 : 8 + raw_len])
+    entries.pop("__metadata__", None)
+    available = cut - 8 - raw_len
+    first_cut = next(k for k, e in entries.items() if e["data_offsets"][1] > available)
+    assert first_cut in header.tensors
+    message = _error(tiny_copy)
+    assert str(path) in message and "truncated" in message and repr(first_cut) in message
+
+
+def test_corrupt_header_names_file(tiny_copy: Path) -> None:
+    path = tiny_copy / MIMI_FILE
+    data = bytearray(path.read_bytes())
+    data[8:40] = b"\x00garbage garbage garbage garbage"[:32]
+    path.write_bytes(bytes(data))
+    message = _error(tiny_copy)
+    assert str(path) in message and "header" in message
+
+
+def test_tiny_file_is_not_safetensors(tiny_copy: Path) -> None:
+    (tiny_copy / LM_FILE).write_bytes(b"abc")
+    message = _error(tiny_copy)
+    assert str(tiny_copy / LM_FILE) in message and "truncated" in message
+
+
+def test_missing_key_named(tiny_copy: Path) -> None:
+    _rewrite(tiny_copy / LM_FILE, lambda sd: sd.pop("out_norm.alpha"))
+    message = _error(tiny_copy)
+    assert "'out_norm.alpha'" in message and str(tiny_copy / LM_FILE) in message and "missing" in message
+
+
+def test_unexpected_key_named(tiny_copy: Path) -> None:
+    _rewrite(tiny_copy / LM_FILE, lambda sd: sd.__setitem__("extra_head.weight", torch.zeros(2, 2)))
+    message = _error(tiny_copy)
+    assert "'extra_head.weight'" in message and str(tiny_copy / LM_FILE) in message and "unexpected" in message
+
+
+def test_wrong_shape_named(tiny_copy: Path) -> None:
+    _rewrite(tiny_copy / LM_FILE, lambda sd: sd.__setitem__("text_linear.weight", torch.zeros(999, 64)))
+    message = _error(tiny_copy)
+    assert "'text_linear.weight'" in message and str(tiny_copy / LM_FILE) in message
+    assert "[999, 64]" in message and "[1000, 64]" in message
+
+
+def test_mimi_missing_key_named(tiny_copy: Path) -> None:
+    key = "quantizer.rvq_rest.vq.layers.3._codebook.embedding_sum"
+    _rewrite(tiny_copy / MIMI_FILE, lambda sd: sd.pop(key))
+    message = _error(tiny_copy)
+    assert repr(key) in message and str(tiny_copy / MIMI_FILE) in message
+
+
+def test_corrupt_tokenizer_named(tiny_copy: Path) -> None:
+    (tiny_copy / TOKENIZER_FILE).write_bytes(b"not a sentencepiece model")
+    message = _error(tiny_copy)
+    assert str(tiny_copy / TOKENIZER_FILE) in message
+
+
+def test_bad_config_named(tiny_copy: Path) -> None:
+    cfg = json.loads((tiny_copy / "config.json").read_text())
+    cfg["delays"] = [0, 1]
+    (tiny_copy / "config.json").write_text(json.dumps(cfg))
+    message = _error(tiny_copy)
+    assert "config.json" in message and "delays" in message
+
+
+@pytest.mark.parametrize(
+    ("content", "expect"),
+    [
+        ({"code": torch.zeros(8, 5, dtype=torch.long)}, "'codes' missing"),
+        ({"codes": torch.zeros(8, 5)}, "integer dtype"),
+        ({"codes": torch.zeros(7, 5, dtype=torch.long)}, "[7, 5]"),
+        ({"codes": torch.full((8, 5), 2048, dtype=torch.long)}, "[0, 2048)"),
+        ({"codes": torch.full((8, 5), -3, dtype=torch.long)}, "[-3, -3]"),
+    ],
+)
+def test_bad_voice_named(tiny_checkpoint, tmp_path: Path, content, expect: str) -> None:
+    path = tmp_path / "bad_voice.pt"
+    torch.save(content, path)
+    with pytest.raises(CheckpointError) as err:
+        load_voice(path, tiny_checkpoint)
+    assert str(path) in str(err.value) and expect in str(err.value) and "codes" in str(err.value)
+
+
+def test_unknown_voice_lists_known(tiny_checkpoint) -> None:
+    with pytest.raises(CheckpointError, match="tiny0, tiny1"):
+        load_voice("nobody", tiny_checkpoint)
+
+
+def test_voices_dir_env(tiny_checkpoint, tmp_path: Path, monkeypatch) -> None:
+    torch.save({"codes": torch.arange(16).view(8, 2)}, tmp_path / "extra.pt")
+    monkeypatch.setenv("CSPAN_VOICES_DIR", str(tmp_path))
+    assert load_voice("extra", tiny_checkpoint).tolist()[0] == [0, 1]
+
+
+def test_unsafe_pickle_refused(tmp_path: Path, tiny_checkpoint_dir: Path) -> None:
+    """A fine-tune holding arbitrary Python objects is refused (weights_only=True), naming the file."""
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "args": argparse.Namespace(lr=1.0)}, path)
+    message = _error(path, base=tiny_checkpoint_dir)
+    assert str(path) in message and "weights_only" in message
+
+
+def test_truncated_fine_tune_named(tmp_path: Path, tiny_checkpoint_dir: Path) -> None:
+    path = tmp_path / "ft.pt"
+    torch.save({"model": {"text_linear.weight": torch.zeros(1000, 64)}}, path)
+    path.write_bytes(path.read_bytes()[:200])
+    message = _error(path, base=tiny_checkpoint_dir)
+    assert str(path) in message and ("truncated or corrupt" in message or "weights_only" in message)
+
+
+def test_offline_without_cache_explains_fix(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("CSPAN_CHECKPOINT", raising=False)
+    message = _error(None)  # the default released checkpoint
+    assert "mindlogicinc/context-spanning-7b" in message and "HF_HUB_OFFLINE" in message
+    assert "--checkpoint DIR" in message and "cspan model tiny DIR" in message
+    assert str(tmp_path / "hf-home") in message
+    message = _error("someone/some-model")
+    assert "someone/some-model" in message and "cspan model tiny DIR" in message

@@ -1,0 +1,281 @@
+"""MimiConfig, the real-codec module layout on the meta device, streaming convolutions and the RVQ."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from cspan.core import Mimi, MimiConfig
+from cspan.core.modules.conv import (
+    ConvDownsample1d,
+    ConvTrUpsample1d,
+    StreamingConv1d,
+    StreamingConvTranspose1d,
+)
+from cspan.core.modules.quantization import EuclideanCodebook, SplitResidualVectorQuantizer
+
+# ---------------------------------------------------------------------------------------------------------------
+# MimiConfig
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_config_round_trips_the_fixture_dict(fixture_file) -> None:
+    raw = json.loads(fixture_file("reference", "mimi-small", "config.json").read_text())
+    cfg = MimiConfig.from_upstream(raw)
+    assert cfg.to_upstream() == raw
+    assert cfg.seanet.dimension == 64 and cfg.quantizer.n_q == 8 and cfg.transformer.num_layers == 2
+    assert (cfg.hop_length, cfg.encoder_frame_rate, cfg.downsample_stride, cfg.frame_size) == (960, 25.0, 2, 1920)
+
+
+def test_mimi_24khz_preset_is_the_real_codec(fixture_file) -> None:
+    cfg = MimiConfig.mimi_24khz()
+    up = cfg.to_upstream()
+    # same layout as loaders._mimi_config
+    raw = json.loads(fixture_file("reference", "mimi-small", "config.json").read_text())
+    assert set(up) == set(raw)
+    for key in ("seanet", "quantizer", "transformer"):
+        assert set(up[key]) == set(raw[key]), key
+    assert up["seanet"]["dimension"] == 512 and up["seanet"]["n_filters"] == 64
+    assert up["seanet"]["ratios"] == [8, 6, 5, 4]
+    assert up["quantizer"] == {
+        "dimension": 256,
+        "n_q": 32,
+        "bins": 2048,
+        "input_dimension": 512,
+        "output_dimension": 512,
+    }
+    tr = up["transformer"]
+    assert (tr["d_model"], tr["num_heads"], tr["num_layers"], tr["dim_feedforward"], tr["context"]) == (
+        512,
+        8,
+        8,
+        2048,
+        250,
+    )
+    assert (tr["layer_scale"], tr["norm"], tr["gating"], tr["positional_embedding"]) == (
+        0.01,
+        "layer_norm",
+        "none",
+        "rope",
+    )
+    assert tr["conv_layout"] is True
+    assert MimiConfig.from_upstream(up) == cfg
+    assert MimiConfig() == cfg
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("seanet", "norm"), "weight_norm", "fold the weight norm"),
+        (("seanet", "lstm"), 2, "Extra inputs"),
+        (("quantizer", "input_dimension"), 32, "must equal seanet.dimension"),
+        (("transformer", "output_dimensions"), [64, 64], "exactly one output"),
+        (("frame_rate",), 10.0, "integer multiple"),
+    ],
+)
+def test_config_rejects_inconsistent_dicts(fixture_file, path, value, message) -> None:
+    raw = json.loads(fixture_file("reference", "mimi-small", "config.json").read_text())
+    target = raw
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(ValidationError, match=message):
+        MimiConfig.from_upstream(raw)
+
+
+def test_real_codec_on_meta_has_the_checkpoint_layout() -> None:
+    """Section 3.2 of the reference digest: 318 tensors, 96.15 M values, the listed key shapes."""
+    mimi = Mimi(MimiConfig.mimi_24khz(), device="meta")
+    sd = mimi.state_dict()
+    assert len(sd) == 318
+    total = sum(v.numel() for v in sd.values())
+    assert total == 96_151_393
+    assert round(total / 1e6, 2) == 96.15
+    assert mimi.num_codebooks == 32 and mimi.total_codebooks == 32 and mimi.cardinality == 2048
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    expected = {
+        "encoder.model.0.conv.conv.weight": (64, 1, 7),
+        "encoder.model.3.conv.conv.weight": (128, 64, 8),
+        "encoder.model.6.conv.conv.weight": (256, 128, 10),
+        "encoder.model.9.conv.conv.weight": (512, 256, 12),
+        "encoder.model.12.conv.conv.weight": (1024, 512, 16),
+        "encoder.model.14.conv.conv.weight": (512, 1024, 3),
+        "encoder.model.10.block.1.conv.conv.weight": (256, 512, 3),
+        "encoder.model.10.block.3.conv.conv.weight": (512, 256, 1),
+        "decoder.model.0.conv.conv.weight": (1024, 512, 7),
+        "decoder.model.14.conv.conv.weight": (1, 64, 3),
+        "decoder.model.2.convtr.convtr.weight": (1024, 512, 16),
+        "decoder.model.5.convtr.convtr.weight": (512, 256, 12),
+        "decoder.model.8.convtr.convtr.weight": (256, 128, 10),
+        "decoder.model.11.convtr.convtr.weight": (128, 64, 8),
+        "encoder_transformer.transformer.layers.7.self_attn.in_proj_weight": (1536, 512),
+        "decoder_transformer.transformer.layers.0.self_attn.out_proj.weight": (512, 512),
+        "encoder_transformer.transformer.layers.3.linear1.weight": (2048, 512),
+        "encoder_transformer.transformer.layers.3.linear2.weight": (512, 2048),
+        "decoder_transformer.transformer.layers.5.norm2.bias": (512,),
+        "decoder_transformer.transformer.layers.5.layer_scale_1.scale": (512,),
+        "downsample.conv.conv.conv.weight": (512, 512, 4),
+        "upsample.convtr.convtr.convtr.weight": (512, 1, 4),
+        "quantizer.rvq_first.input_proj.weight": (256, 512, 1),
+        "quantizer.rvq_rest.output_proj.weight": (512, 256, 1),
+        "quantizer.rvq_first.vq.layers.0._codebook.embedding_sum": (2048, 256),
+        "quantizer.rvq_rest.vq.layers.30._codebook.cluster_usage": (2048,),
+        "quantizer.rvq_rest.vq.layers.30._codebook._initialized": (1,),
+    }
+    for key, shape in expected.items():
+        assert shapes[key] == shape, key
+    assert "quantizer.rvq_rest.vq.layers.31._codebook.embedding_sum" not in shapes
+    assert "quantizer.rvq_first.vq.layers.1._codebook.embedding_sum" not in shapes
+    assert not any(k.endswith("bias") for k in shapes if k.startswith(("downsample", "upsample", "quantizer")))
+    assert not any("input_proj" in k or "output_projs" in k for k in shapes if "transformer" in k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming convolutions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kernel", "stride", "dilation"), [(7, 1, 1), (3, 1, 2), (8, 4, 1), (4, 2, 1), (1, 1, 1)])
+@pytest.mark.parametrize("pad_mode", ["constant", "replicate"])
+def test_streaming_conv_equals_whole_sequence(kernel: int, stride: int, dilation: int, pad_mode: str) -> None:
+    torch.manual_seed(0)
+    conv = StreamingConv1d(3, 5, kernel, stride=stride, dilation=dilation, pad_mode=pad_mode)
+    x = torch.randn(2, 3, 12 * stride) + 1.0
+    with torch.no_grad():
+        whole = conv(x)
+        state = conv.new_state(2)
+        assert state.previous.shape == (2, 3, (kernel - 1) * dilation + 1 - stride)
+        chunks = [conv(x[..., i : i + 2 * stride], state) for i in range(0, x.shape[-1], 2 * stride)]
+    assert whole.shape == (2, 5, 12)
+    torch.testing.assert_close(torch.cat(chunks, -1), whole, rtol=0, atol=1e-6)
+
+
+def test_replicate_padding_repeats_the_first_sample() -> None:
+    down = ConvDownsample1d(2, 4)
+    x = torch.randn(1, 4, 6)
+    with torch.no_grad():
+        expected = torch.nn.functional.conv1d(
+            torch.cat([x[..., :1].expand(1, 4, 2), x], -1), down.conv.conv.conv.weight, stride=2
+        )
+        torch.testing.assert_close(down(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("kernel", "stride", "groups"), [(16, 8, 1), (4, 2, 4), (3, 3, 1)])
+def test_streaming_conv_transpose_equals_whole_sequence(kernel: int, stride: int, groups: int) -> None:
+    torch.manual_seed(1)
+    convtr = StreamingConvTranspose1d(4, 4, kernel, stride=stride, groups=groups)
+    x = torch.randn(2, 4, 9)
+    with torch.no_grad():
+        whole = convtr(x)
+        state = convtr.new_state(2)
+        chunks = [convtr(x[..., i : i + 1], state) for i in range(9)]
+    assert whole.shape == (2, 4, 9 * stride)
+    torch.testing.assert_close(torch.cat(chunks, -1), whole, rtol=0, atol=1e-6)
+
+
+def test_upsample_is_depthwise_without_bias() -> None:
+    up = ConvTrUpsample1d(2, 6)
+    assert up.convtr.convtr.convtr.weight.shape == (6, 1, 4)
+    assert up.convtr.convtr.convtr.bias is None
+    assert up.convtr.convtr.convtr.groups == 6
+
+
+def test_conv_state_reset_rows_only() -> None:
+    torch.manual_seed(2)
+    conv = StreamingConv1d(2, 2, 5, pad_mode="replicate")
+    x = torch.randn(2, 2, 8)
+    with torch.no_grad():
+        state = conv.new_state(2)
+        conv(x, state)
+        kept = state.previous[0].clone()
+        state.reset([1])
+        assert torch.equal(state.previous[0], kept)
+        assert torch.equal(state.previous[1], torch.zeros_like(kept))
+        assert state.first.tolist() == [False, True]
+        y = conv(x, state)
+    with torch.no_grad():
+        torch.testing.assert_close(y[1:], conv(x[1:]), rtol=0, atol=1e-6)
+
+
+def test_conv_rejects_lengths_not_multiple_of_stride() -> None:
+    conv = StreamingConv1d(1, 1, 8, stride=4)
+    with pytest.raises(ValueError, match="multiple of the stride 4"):
+        conv(torch.zeros(1, 1, 10))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantizer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _quantizer(seed: int = 0) -> SplitResidualVectorQuantizer:
+    cfg = MimiConfig.mimi_24khz().quantizer.model_copy(
+        update={"dimension": 8, "n_q": 4, "bins": 40, "input_dimension": 6, "output_dimension": 6}
+    )
+    q = SplitResidualVectorQuantizer(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for rvq in (q.rvq_first, q.rvq_rest):
+            rvq.input_proj.weight.copy_(torch.randn(rvq.input_proj.weight.shape, generator=g))
+            rvq.output_proj.weight.copy_(torch.randn(rvq.output_proj.weight.shape, generator=g))
+            for layer in rvq.vq.layers:
+                cb = layer._codebook
+                usage = torch.rand(cb.bins, generator=g) * 2 + 0.5
+                cb.cluster_usage.copy_(usage)
+                cb.embedding_sum.copy_(torch.randn(cb.bins, cb.dim, generator=g) * usage[:, None])
+    return q
+
+
+def test_centroids_divide_by_clamped_usage() -> None:
+    cb = EuclideanCodebook(2, 3)
+    with torch.no_grad():
+        cb.embedding_sum.copy_(torch.tensor([[2.0, 4.0], [1.0, 1.0], [3e-6, 0.0]]))
+        cb.cluster_usage.copy_(torch.tensor([2.0, 0.0, 1e-6]))
+    torch.testing.assert_close(cb.embedding, torch.tensor([[1.0, 2.0], [1e5, 1e5], [0.3, 0.0]]))
+
+
+def test_rvq_encode_is_residual_nearest_centroid_and_split() -> None:
+    q = _quantizer()
+    x = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        codes = q.encode(x)
+        assert codes.shape == (2, 4, 5) and codes.dtype == torch.int64
+        # brute force in float64: both RVQs start from the same latent x, each through its own projection
+        for rvq, rows in ((q.rvq_first, [0]), (q.rvq_rest, [1, 2, 3])):
+            residual = torch.nn.functional.conv1d(x.double(), rvq.input_proj.weight.double())
+            for level, row in enumerate(rows):
+                emb = rvq.vq.layers[level]._codebook.embedding.double()
+                d = ((residual.transpose(1, 2)[..., None, :] - emb) ** 2).sum(-1)  # [B, T, bins]
+                assert torch.equal(d.argmin(-1), codes[:, row])
+                residual = residual - emb[codes[:, row]].transpose(1, 2)
+        # decode = output_proj_first(c0) + output_proj_rest(sum of acoustic centroids)
+        first = q.rvq_first.vq.layers[0]._codebook.embedding[codes[:, 0]].transpose(1, 2)
+        rest = sum(q.rvq_rest.vq.layers[k]._codebook.embedding[codes[:, k + 1]] for k in range(3)).transpose(1, 2)
+        expected = torch.nn.functional.conv1d(first, q.rvq_first.output_proj.weight) + torch.nn.functional.conv1d(
+            rest, q.rvq_rest.output_proj.weight
+        )
+        torch.testing.assert_close(q.decode(codes), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_nearest_centroid_ties_pick_the_first_index() -> None:
+    cb = EuclideanCodebook(2, 30)
+    with torch.no_grad():
+        cb.embedding_sum.copy_(torch.randn(30, 2) + 10)
+        cb.embedding_sum[4] = torch.tensor([1.0, 1.0])
+        cb.embedding_sum[17] = torch.tensor([1.0, 1.0])
+    assert cb.encode(torch.tensor([[1.0, 1.0], [1.1, 0.9]])).tolist() == [4, 4]
+
+
+def test_set_num_codebooks_limits_encode() -> None:
+    q = _quantizer()
+    x = torch.randn(1, 6, 3)
+    with torch.no_grad():
+        full = q.encode(x)
+        q.set_num_codebooks(2)
+        assert q.num_codebooks == 2
+        assert torch.equal(q.encode(x), full[:, :2])
+        q.set_num_codebooks(1)
+        assert torch.equal(q.encode(x), full[:, :1])
