@@ -216,3 +216,12 @@ def test_offline_clock_is_deterministic(delay):
         _run(conv, engine, 60, ret_frames={5})
         frames.append(engine.injected)
     assert frames[0] == frames[1] == [(5 + max(1, round(delay * 12.5)), "The answer is 42.")]
+
+
+def test_offline_clock_drops_a_backend_slower_than_the_deadline():
+    engine, ret = RecordingEngine(), FakeRetriever(delay_s=1.0)
+    conv = _conv(engine, retriever=ret, span_delay_s=0.16, span_deadline_s=0.5)
+    _run(conv, engine, 20, ret_frames={2})
+    late = [e for e in conv.events if isinstance(e, LateEvent)]
+    assert len(late) == 1 and late[0].frame == 2 + 2 and late[0].seconds >= 0.5
+    assert engine.injected == []

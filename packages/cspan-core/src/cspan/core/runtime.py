@@ -390,14 +390,22 @@ class Conversation:
         deadline = self.config.span_deadline_s
         elapsed = (i - p.ret_frame) * FRAME_S
         if self.offline:
+            # Offline clock: the backend is judged by its own wall-clock latency against what is left of the
+            # deadline when it was asked, whatever the speed of the frame loop itself.
             if p.apply_frame is None or i < p.apply_frame:
                 return
+            waited = (p.asked_frame - p.ret_frame) * FRAME_S if p.asked_frame is not None else 0.0
+            budget = None if deadline is None else max(0.0, deadline - waited)
             if not p.task.done():
-                wall_left = None if deadline is None else max(0.0, deadline - (time.monotonic() - p.asked_wall))
-                await asyncio.wait([p.task], timeout=wall_left)
+                left = None if budget is None else max(0.0, budget - (time.monotonic() - (p.asked_wall or 0.0)))
+                await asyncio.wait([p.task], timeout=left)
             if not p.task.done():
                 p.task.cancel()
-                self._finish_late(i, p, None, seconds=time.monotonic() - (p.asked_wall or 0.0))
+                self._finish_late(i, p, None, seconds=waited + time.monotonic() - (p.asked_wall or 0.0))
+                return
+            backend_s = p.backend_s
+            if budget is not None and backend_s is not None and backend_s > budget:
+                self._finish_late(i, p, p.task.result(), seconds=waited + backend_s)
                 return
         else:
             if not p.task.done():
@@ -414,7 +422,7 @@ class Conversation:
         if p.question is None and getattr(result, "question", None):
             p.question = result.question
             self._emit(QuestionEvent(frame=i, t=i * FRAME_S, text=result.question or "", ret_frame=p.ret_frame))
-        if deadline is not None and elapsed > deadline:
+        if deadline is not None and elapsed > deadline and not self.offline:
             self._finish_late(i, p, result, seconds=elapsed)
             return
         reference = (getattr(result, "reference", None) or "").strip()
@@ -514,7 +522,7 @@ async def run_conversation(
             raise ValueError(f"frame {k}: expected {FRAME_SIZE} samples, got shape {user.shape}")
         await conversation.before_step(user)
         pcm = torch.from_numpy(user)[None]
-        out = engine.step(pcm)
+        out = await asyncio.to_thread(engine.step, pcm)  # the event loop keeps serving backend tasks meanwhile
         valid = bool(out.valid[i])
         token = int(out.text_token[i]) if valid else None
         await conversation.after_step(token, bool(out.is_ret[i]) if valid else False)

@@ -144,7 +144,17 @@ def infer_command(parser: argparse.ArgumentParser) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    return asyncio.run(run_infer(args))
+    asyncio.run(run_infer(args))
+    return 0
+
+
+@dataclass
+class InferResult:
+    """What :func:`run_infer` produced: the JSON model, and the live objects (for tests and embedding)."""
+
+    output: Any
+    engine: Any
+    conversation: Any
 
 
 def pick_device(name: str | None) -> tuple[Any, Any]:
@@ -200,8 +210,8 @@ def checkpoint_identity(checkpoint: Any, device: Any, dtype: Any) -> dict[str, A
     }
 
 
-async def run_infer(args: argparse.Namespace) -> int:
-    """The whole ``cspan infer`` job; returns the exit status. Raises ``CspanError`` subclasses on bad input."""
+async def run_infer(args: argparse.Namespace) -> InferResult:
+    """The whole ``cspan infer`` job. Raises ``CspanError`` subclasses on bad input (before writing anything)."""
     import numpy as np
     import torch
 
@@ -236,7 +246,7 @@ async def run_infer(args: argparse.Namespace) -> int:
     from cspan.backends.context_db import ContextDB, Profile
 
     db = ContextDB(args.db)
-    profile = Profile(name=args.user_name or None, city=args.user_city or None, timezone=args.user_tz or None)
+    profile = Profile(name=args.user_name, city=args.user_city, timezone=args.user_tz)
     db.put_profile(profile)
     conversation_id = db.start_conversation(
         profile.user_id, checkpoint=str(source), settings={"input": str(args.input_wav)}
@@ -283,14 +293,19 @@ async def run_infer(args: argparse.Namespace) -> int:
         progress = tqdm(total=total, unit="frame", desc="infer", file=sys.stderr, leave=False)
     step_ms: list[float] = []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step(pcm: torch.Tensor) -> Any:
+        # Runs in a worker thread so that backend calls (asyncio tasks) progress while the model computes.
+        out = engine.step(pcm)
+        sync()
+        return out
     started = time.monotonic()
     writer = AtomicWavWriter(args.output_wav, sample_rate=SAMPLE_RATE, channels=2)
     try:
         for k, user in enumerate(frames()):
             await conversation.before_step(user)
             t0 = time.perf_counter()
-            out = engine.step(torch.from_numpy(user)[None])
-            sync()
+            out = await asyncio.to_thread(step, torch.from_numpy(user)[None])
             step_ms.append((time.perf_counter() - t0) * 1000)
             valid = bool(out.valid[0])
             await conversation.after_step(int(out.text_token[0]) if valid else None, bool(out.is_ret[0]))
@@ -367,4 +382,4 @@ async def run_infer(args: argparse.Namespace) -> int:
             + f"; {spans} span(s); agent said: {output.agent_text[:120]!r}",
             file=sys.stderr,
         )
-    return 0
+    return InferResult(output=output, engine=engine, conversation=conversation)
