@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,13 @@ def fixture_path(*parts: str) -> Path:
 def fixture_file():
     """``fixture_file("reference", "mimi-small", "codes.safetensors")`` -> Path (skips if absent)."""
     return fixture_path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ``cspan model tiny`` checkpoint (dep_q 16, seed 0), written once per test session by the real command."""
+    out = tmp_path_factory.mktemp("tiny-checkpoint") / "tiny"
+    cmd = [sys.executable, "-m", "cspan.core.cli", "model", "tiny", str(out), "--seed", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return out

@@ -1,0 +1,198 @@
+"""`cspan infer` end to end on the tiny checkpoint, with the embedded transcriber and router (real components)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cspan.core.cli import build_parser
+from cspan.core.errors import AudioInputError
+from cspan.server.infer import run_infer
+from cspan.server.output import InferOutput
+
+LEAD, TAIL = 1.0, 2.0
+
+
+def _args(ckpt: Path, inp: Path, out: Path, *extra: str):
+    argv = [
+        "infer",
+        "--input-wav", str(inp),
+        "--output-wav", str(out / "out.wav"),
+        "--output-text", str(out / "out.json"),
+        "--checkpoint", str(ckpt),
+        "--lead-silence", str(LEAD),
+        "--tail-silence", str(TAIL),
+        "--device", "cpu",
+        "--seed", "7",
+        "--quiet",
+        *extra,
+    ]  # fmt: skip
+    return build_parser().parse_args(argv)
+
+
+def _infer(ckpt: Path, inp: Path, out: Path, *extra: str):
+    return asyncio.run(run_infer(_args(ckpt, inp, out, *extra)))
+
+
+@pytest.fixture(scope="module")
+def knowledge(tmp_path_factory) -> Path:
+    k = tmp_path_factory.mktemp("knowledge")
+    (k / "london.md").write_text(
+        "# London\n\nThe weather in London today is cloudy with light rain and 14 degrees.\n"
+        "London is the capital of the United Kingdom.\n"
+    )
+    return k
+
+
+@pytest.fixture(scope="module")
+def weather_run(tiny_checkpoint_dir, fixtures_dir, knowledge, tmp_path_factory):
+    out = tmp_path_factory.mktemp("weather")
+    inp = fixtures_dir / "audio" / "question_weather_24k.wav"
+    result = _infer(
+        tiny_checkpoint_dir, inp, out,
+        "--asr", "sphinx", "--router", "local", "--knowledge", str(knowledge), "--force-ret-at", "3.0",
+    )  # fmt: skip
+    return inp, out, result
+
+
+def test_weather_question_goes_through_the_full_loop(weather_run):
+    inp, out, result = weather_run
+    audio, sr = sf.read(out / "out.wav", dtype="float32")
+    info = sf.info(inp)
+    n_input = -(-info.frames // 1920)
+    expected = (round(LEAD * 12.5) + n_input + round(TAIL * 12.5)) * 1920
+    assert sr == 24_000 and audio.shape == (expected, 2)
+    assert sf.info(out / "out.wav").subtype == "PCM_16"
+    # the user channel is the input, placed after the lead silence
+    lead = round(LEAD * 12.5) * 1920
+    src, _ = sf.read(inp, dtype="float32")
+    np.testing.assert_allclose(audio[lead : lead + len(src), 0], src, atol=1 / 32767 + 1e-6)
+
+    doc = InferOutput.model_validate_json((out / "out.json").read_text())
+    questions = [e for e in doc.events if e.type == "question"]
+    assert questions and "weather" in questions[0].text.lower()
+    spans = [e for e in doc.events if e.type == "span"]
+    assert len(spans) == 1
+    span = spans[0]
+    assert "cloudy with light rain" in span.text and span.source.startswith("local")
+    assert span.n_frames > 0 and span.injected_at > span.asked_at
+
+    # the span's tokens went through the engine's SpanInjector: the report's ids are [12] + spm(text) + [13]
+    reports = result.conversation.span_reports
+    assert len(reports) == 1
+    tok = result.engine.tokenizer
+    assert list(reports[0].ids) == [12, *tok.encode(span.text), 13]
+    assert reports[0].n == span.n_frames
+    # and the KV stream holds them: positions 0..P read the P-frame prefix, then one per frame plus the span's columns
+    frames = int(doc.duration_s * 12.5)
+    prefix_frames = int(result.engine.prefix_end[0])
+    assert int(result.engine.positions[0]) == prefix_frames + 1 + frames + reports[0].n
+
+
+def test_given_span_is_injected_without_any_backend(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    inp = fixtures_dir / "audio" / "greeting_24k.wav"
+    text = "The weather in Sydney is 24 degrees."
+    result = _infer(tiny_checkpoint_dir, inp, tmp_path, "--asr", "none", "--router", "none", "--span", f"1.0:{text}")
+    spans = [e for e in result.output.events if e.type == "span"]
+    assert [(s.text, s.source, s.frame) for s in spans] == [(text, "given", round(LEAD * 12.5) + round(12.5))]
+    assert list(result.conversation.span_reports[0].ids) == [12, *result.engine.tokenizer.encode(text), 13]
+
+
+def _strip_wall_clock(doc: dict) -> dict:
+    doc = dict(doc)
+    doc.pop("timing")
+    for e in doc["events"]:
+        for k in ("prefill_ms", "backend_s", "asr_s"):
+            e.pop(k, None)
+    return doc
+
+
+def test_same_seed_twice_gives_identical_outputs(tiny_checkpoint_dir, fixtures_dir, knowledge, tmp_path):
+    inp = fixtures_dir / "audio" / "question_weather_24k.wav"
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        _infer(
+            tiny_checkpoint_dir, inp, out,
+            "--asr", "sphinx", "--router", "local", "--knowledge", str(knowledge), "--force-ret-at", "3.0",
+        )  # fmt: skip
+        runs.append(out)
+    assert (runs[0] / "out.wav").read_bytes() == (runs[1] / "out.wav").read_bytes()
+    a, b = (json.loads((r / "out.json").read_text()) for r in runs)
+    for d in (a, b):
+        d["settings"].pop("output_wav"), d["settings"].pop("output_text"), d.pop("output_wav")
+    assert _strip_wall_clock(a) == _strip_wall_clock(b)
+    assert any(e["type"] == "span" for e in a["events"])
+
+
+def test_48k_stereo_flac_uses_the_same_duration_logic(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    import soxr
+
+    src, sr = sf.read(fixtures_dir / "audio" / "greeting_24k.wav", dtype="float32")
+    up = soxr.resample(src, sr, 48_000)
+    flac = tmp_path / "in.flac"
+    sf.write(flac, np.stack([np.zeros_like(up), up], axis=1), 48_000, format="FLAC")
+    result = _infer(tiny_checkpoint_dir, flac, tmp_path, "--asr", "none", "--router", "none", "--channel", "1")
+    audio, out_sr = sf.read(tmp_path / "out.wav", dtype="float32")
+    n_input = -(-round(len(up) / 48_000 * 24_000) // 1920)
+    assert out_sr == 24_000
+    assert audio.shape[0] == (round(LEAD * 12.5) + n_input + round(TAIL * 12.5)) * 1920
+    assert result.output.duration_s == pytest.approx(audio.shape[0] / 24_000)
+    assert np.abs(audio[:, 0]).max() > 0.05  # the right (speech) channel was used
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "garbage", "silent", "too_long"])
+def test_bad_inputs_fail_and_write_nothing(tiny_checkpoint_dir, tmp_path, case):
+    inp = tmp_path / "in.wav"
+    extra: list[str] = []
+    if case == "empty":
+        inp.write_bytes(b"")
+    elif case == "garbage":
+        inp.write_bytes(b"not audio at all" * 100)
+    elif case == "silent":
+        sf.write(inp, np.zeros(48_000, dtype=np.float32), 24_000)
+    elif case == "too_long":
+        sf.write(inp, 0.1 * np.random.default_rng(0).standard_normal(24_000 * 3).astype(np.float32), 24_000)
+        extra = ["--max-seconds", "2"]
+    out = tmp_path / "out"
+    with pytest.raises(AudioInputError) as err:
+        _infer(tiny_checkpoint_dir, inp, out, *extra)
+    assert str(inp) in str(err.value)
+    assert not (out / "out.wav").exists() and not (out / "out.json").exists()
+
+
+def test_bad_input_through_the_cli_exits_1_with_the_error(tiny_checkpoint_dir, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "infer", "--input-wav", str(tmp_path / "nope.wav"),
+         "--output-wav", str(tmp_path / "o.wav"), "--checkpoint", str(tiny_checkpoint_dir), "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert "nope.wav" in out.stderr and "no such file" in out.stderr
+    assert not (tmp_path / "o.wav").exists()
+
+
+def test_failing_router_gives_no_span_and_a_complete_output(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed as soon as the block ends: nothing listens there
+    inp = fixtures_dir / "audio" / "question_weather_24k.wav"
+    result = _infer(
+        tiny_checkpoint_dir, inp, tmp_path,
+        "--asr", "sphinx", "--router", f"http://127.0.0.1:{port}/v1", "--force-ret-at", "1.0", "--force-ret-at", "3.0",
+    )  # fmt: skip
+    kinds = [e.type for e in result.output.events]
+    assert "span" not in kinds
+    no_spans = [e for e in result.output.events if e.type == "no_span"]
+    assert len(no_spans) >= 1 and all(e.error for e in no_spans)
+    audio, _ = sf.read(tmp_path / "out.wav")
+    assert audio.shape[0] == int(result.output.duration_s * 24_000)
+    InferOutput.model_validate_json((tmp_path / "out.json").read_text())
