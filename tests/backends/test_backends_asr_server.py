@@ -232,3 +232,35 @@ def test_transformers_engine_without_transformers_names_the_install(tmp_path: Pa
         TransformersEngine.load(tmp_path)
     assert "pip install 'cspan-backends[transformers]'" in str(info.value)
     assert "pip install transformers" in str(info.value) and "--engine sphinx" in str(info.value)
+
+
+def test_token_protects_everything_but_health(fixture_file):
+    from fastapi.testclient import TestClient
+
+    from cspan.backends.asr.engines import load_engine
+    from cspan.backends.asr.server import ASRServerSettings, create_app
+
+    app = create_app(load_engine("sphinx", workers=1), ASRServerSettings(token="s3cret"))
+    wav = fixture_file("audio", "question_weather_24k.wav").read_bytes()
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        files = {"file": ("q.wav", wav, "audio/wav")}
+        r = client.post("/transcribe", files=files)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        r = client.post("/transcribe", files=files, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = client.post("/transcribe", files=files, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and "weather" in r.json()["text"].lower()
+
+
+def test_public_bind_without_token_is_refused():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "asr-serve", "--host", "0.0.0.0", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--token" in out.stderr

@@ -7,8 +7,20 @@ that ``cspan --help`` stays fast. See ``cspan.core.cli`` for the contract.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 from pathlib import Path
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) only accepts connections from this machine."""
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def asr_serve_command(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +41,17 @@ def asr_serve_command(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8990, help="TCP port (default 8990)")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("CSPAN_ASR_TOKEN"),
+        help="require 'Authorization: Bearer TOKEN' on every request but /health (env CSPAN_ASR_TOKEN); clients "
+        "send it with OPENAI_API_KEY / api_key",
+    )
+    parser.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="allow binding a non-loopback address without --token (anyone who reaches the port can use it)",
+    )
     parser.add_argument(
         "--concurrency",
         type=int,
@@ -73,12 +96,21 @@ def _asr_serve(args: argparse.Namespace) -> int:
         return 2
     from cspan.backends.asr.engines import EngineLoadError, load_engine
 
+    if not is_loopback(args.host) and not args.token and not args.insecure_no_token:
+        print(
+            f"{prog}: error: refusing to bind {args.host} (reachable from other machines) without --token; "
+            "set --token (or CSPAN_ASR_TOKEN), bind 127.0.0.1, or pass --insecure-no-token",
+            file=sys.stderr,
+        )
+        return 2
+
     try:
         settings = ASRServerSettings(
             max_seconds=args.max_seconds,
             max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
             max_concurrency=args.concurrency,
             max_queue=args.max_queue,
+            token=args.token or None,
         )
     except ValueError as exc:
         print(f"{prog}: error: {exc}; use positive limits and --concurrency >= 1", file=sys.stderr)

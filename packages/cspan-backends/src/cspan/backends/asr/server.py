@@ -21,6 +21,7 @@ Unlike the original system's single-threaded ``HTTPServer``, one slow clip does 
 # No `from __future__ import annotations`: FastAPI resolves endpoint annotations (Request) at runtime.
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -60,6 +61,8 @@ class ASRServerSettings:
     max_upload_bytes: int = 50 * 1024 * 1024
     max_concurrency: int = 2
     max_queue: int = 32
+    token: str | None = None
+    """When set, every request but ``GET /health`` needs ``Authorization: Bearer <token>`` (401 otherwise)."""
 
     def __post_init__(self) -> None:
         if self.max_seconds <= 0 or self.max_upload_bytes <= 0 or self.max_concurrency < 1 or self.max_queue < 0:
@@ -201,6 +204,18 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
         executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cspan asr-serve", version="0.1.0", lifespan=lifespan)
+
+    if settings.token:
+        expected = f"Bearer {settings.token}".encode()
+
+        @app.middleware("http")
+        async def _require_token(request: Request, call_next: Any) -> Any:
+            if request.url.path != "/health":
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    err = ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer ...)")
+                    return JSONResponse(err.payload(), status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
