@@ -53,6 +53,15 @@ def _bank(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from cspan.backends.commands import is_loopback
+
+    if args.transport == "http" and not is_loopback(args.host) and not args.insecure_no_token:
+        print(
+            f"cspan tools serve: error: refusing to expose the tool bank on {args.host} without authentication; "
+            "bind 127.0.0.1 (default) or pass --insecure-no-token",
+            file=sys.stderr,
+        )
+        return 2
     from cspan.backends.tools.mcp_bridge import serve_http, serve_stdio
 
     async def main() -> None:
@@ -123,6 +132,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve = sub.add_parser("serve", help="serve the tool bank as an MCP server")
     serve.add_argument("--transport", choices=["stdio", "http"], default="stdio", help="default: stdio")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    serve.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="allow --transport http on a non-loopback address (the MCP endpoint has no authentication)",
+    )
     serve.add_argument("--port", type=int, default=8765, help="HTTP port (default 8765)")
     serve.add_argument("--path", default="/mcp", help="HTTP endpoint path (default /mcp)")
     _add_bank_args(serve)
