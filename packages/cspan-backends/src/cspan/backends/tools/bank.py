@@ -47,6 +47,9 @@ __all__ = [
 DEFAULT_MAX_CHARS = 400
 """Default cap, in characters, on :attr:`ToolResult.text`."""
 
+NO_INFORMATION = "(no information found)"
+"""What a tool that ran and found nothing returns (the released model was trained on this abstain clause)."""
+
 ToolKind = Literal["read", "action"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -505,7 +508,8 @@ class ToolBank:
             timeout_s: overrides the tool's own ``timeout_s`` for this call (seconds).
 
         Raises:
-            ToolError: unknown tool, invalid arguments, timeout, the tool raised, or it returned nothing.
+            ToolError: unknown tool, invalid arguments, timeout, or the tool raised. A tool that returns nothing gives
+                the text ``(no information found)``.
         """
         tool = self.get(name)
         full, shown = self._validated(tool, arguments)
@@ -568,7 +572,9 @@ class ToolBank:
             )
         text = sanitize_text(text, self.max_chars)
         if not text:
-            raise ToolError(f"tool {tool.name!r} returned an empty result", tool=tool.name)
+            # A tool that ran and found nothing is an answer, not a failure: the released model was trained on
+            # the abstain span "(tool result) (no information found)" for exactly this case.
+            text = NO_INFORMATION
         return text, data
 
     # ------------------------------------------------------------------ lifetime
