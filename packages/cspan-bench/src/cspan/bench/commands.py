@@ -3,9 +3,12 @@
 Layout of the command tree, built from lists of register functions so that a new action is one function plus one
 list entry:
 
-- :data:`BENCH_ACTIONS` -- the actions of ``cspan bench`` (``fdb-v1``, ``fdb-v3``, ``report``);
-- :data:`FDB_V1_ACTIONS` -- the sub-actions of ``cspan bench fdb-v1`` (``score``);
-- :data:`FDB_V3_ACTIONS` -- the sub-actions of ``cspan bench fdb-v3`` (``score``).
+- :data:`BENCH_ACTIONS` -- the actions of ``cspan bench`` (``latency``, ``fdb-v1``, ``fdb-v3``, ``qa``, ``report``);
+- :data:`FDB_V1_ACTIONS` -- the sub-actions of ``cspan bench fdb-v1`` (``score``, ``run``);
+- :data:`FDB_V3_ACTIONS` -- the sub-actions of ``cspan bench fdb-v3`` (``score``, ``run``).
+
+The measuring and rendering actions (``latency``, ``fdb-v1 run``, ``fdb-v3 run``, ``qa``) live in
+:mod:`cspan.bench.run_commands`.
 
 Each register function receives the ``add_subparsers()`` object of its group, adds one parser and sets its
 ``handler`` (``handler(args) -> int``). Handlers import their heavy modules lazily.
@@ -19,12 +22,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cspan.bench.run_commands import register_fdb_v1_run, register_fdb_v3_run, register_latency, register_qa
+
 ActionRegister = Callable[[Any], None]
 """``register(subparsers)``: add one action parser to an ``argparse`` sub-parser group and set its handler."""
 
 
 def bench_command(parser: argparse.ArgumentParser) -> None:
-    """Benchmarks: Full-Duplex-Bench v1/v3 scoring and run reports (`cspan bench ACTION --help`)."""
+    """Benchmarks: span latency, Full-Duplex-Bench v1/v3, spoken QA, run reports (`cspan bench ACTION --help`)."""
     sub = parser.add_subparsers(dest="bench_command", metavar="ACTION", title="actions")
     sub.required = True
     for register in BENCH_ACTIONS:
@@ -337,6 +342,6 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-FDB_V1_ACTIONS: list[ActionRegister] = [register_fdb_v1_score]
-FDB_V3_ACTIONS: list[ActionRegister] = [register_fdb_v3_score]
-BENCH_ACTIONS: list[ActionRegister] = [register_fdb_v1, register_fdb_v3, register_report]
+FDB_V1_ACTIONS: list[ActionRegister] = [register_fdb_v1_score, register_fdb_v1_run]
+FDB_V3_ACTIONS: list[ActionRegister] = [register_fdb_v3_score, register_fdb_v3_run]
+BENCH_ACTIONS: list[ActionRegister] = [register_latency, register_fdb_v1, register_fdb_v3, register_qa, register_report]

@@ -1,0 +1,614 @@
+"""The measuring and rendering actions of ``cspan bench``: ``latency``, ``fdb-v1 run``, ``fdb-v3 run``, ``qa``.
+
+Each ``register_*`` function adds one parser to an ``add_subparsers()`` group and sets its handler; they are listed
+in :mod:`cspan.bench.commands` (``BENCH_ACTIONS``, ``FDB_V1_ACTIONS``, ``FDB_V3_ACTIONS``). Handlers import torch and
+the runners lazily, so ``cspan --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+# --- shared flags ------------------------------------------------------------------------------------------------
+
+
+def _non_negative(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from exc
+    if not t >= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 0")
+    return t
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_help: str) -> None:
+    """``--checkpoint`` (required), voice, persona prompt, sampling, seed, device, dtype."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--checkpoint", required=True, help="Hugging Face repo id, local folder or file of the model")
+    g.add_argument("--voice", default=None, help="voice name in the checkpoint's voices/ or a .pt file of codes")
+    g.add_argument("--no-voice", action="store_true", help="no voice prompt (persona text only)")
+    g.add_argument("--text-prompt", default=None, help=prompt_help)
+    g.add_argument("--temp", type=float, default=0.8, help="audio sampling temperature (0 = greedy)")
+    g.add_argument("--temp-text", type=float, default=0.7, help="text sampling temperature (0 = greedy)")
+    g.add_argument("--seed", type=int, default=42424242, help="base seed; each item gets base + hash(item id)")
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly")
+
+
+def add_loop_arguments(
+    parser: argparse.ArgumentParser, *, router_default: str, asr_default: str = "sphinx", tail_default: float = 0.0
+) -> None:
+    """The conversation loop: transcriber, router, knowledge, clock, forced ``<ret>``, tail silence."""
+    g = parser.add_argument_group("conversation loop")
+    g.add_argument(
+        "--asr",
+        default=os.environ.get("CSPAN_ASR_URL", asr_default),
+        help="transcriber: 'sphinx' (embedded), 'none', or a server URL (env CSPAN_ASR_URL; default %(default)s); "
+        "also writes the word-timed transcripts of the outputs",
+    )
+    g.add_argument("--asr-model", default=os.environ.get("CSPAN_ASR_MODEL"), help="model name for OpenAI-style ASR")
+    g.add_argument(
+        "--router",
+        default=os.environ.get("CSPAN_ROUTER_URL", router_default),
+        help="'local' (embedded), 'none', or an OpenAI-compatible base URL (env CSPAN_ROUTER_URL; default %(default)s)",
+    )
+    g.add_argument("--router-model", default=os.environ.get("CSPAN_ROUTER_MODEL"), help="model name at the router URL")
+    g.add_argument("--router-timeout-s", type=float, default=8.0, help="LLM router time limit per request")
+    g.add_argument("--knowledge", type=Path, default=None, help="folder of .txt/.md notes for the local router")
+    g.add_argument("--listen-s", type=float, default=12.0, help="ASR window when no utterance transcript is usable")
+    g.add_argument(
+        "--span-delay-s",
+        type=_non_negative,
+        default=0.8,
+        help="offline clock: inject each reference exactly this long after it was asked (default %(default)s s)",
+    )
+    g.add_argument(
+        "--span-deadline-s", type=float, default=10.0, help="drop a reference later than this after <ret> (s)"
+    )
+    g.add_argument("--realtime", action="store_true", help="live clock: pace to 80 ms per frame, apply on arrival")
+    g.add_argument(
+        "--force-ret",
+        choices=("none", "input-end"),
+        default="none",
+        help="also behave as if the model emitted <ret> at the end of each input (+ --force-ret-delay-s); "
+        "default: only the model's own <ret>",
+    )
+    g.add_argument("--force-ret-delay-s", type=_non_negative, default=0.0, help="delay of the forced <ret> (s)")
+    g.add_argument(
+        "--tail-s", type=_non_negative, default=tail_default, help="silence after each input (s, default %(default)s)"
+    )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Resuming, limits and progress."""
+    g = parser.add_argument_group("run")
+    g.add_argument("--limit", type=int, default=None, help="only the first N items (in ID order)")
+    g.add_argument("--overwrite", action="store_true", help="render again even where a finished output exists")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def loop_config(args: argparse.Namespace) -> Any:
+    """The :class:`~cspan.core.runtime.ConversationConfig` of the loop flags (no partial transcripts: they only
+    feed a live page, and the final transcript of each utterance is what a ``<ret>`` uses)."""
+    from cspan.core.runtime import ConversationConfig
+
+    return ConversationConfig(
+        listen_s=args.listen_s,
+        span_deadline_s=args.span_deadline_s,
+        span_delay_s=None if args.realtime else args.span_delay_s,
+        partial_transcripts=False,
+    )
+
+
+def check_loop(args: argparse.Namespace, *, text_questions: bool = False) -> None:
+    """Refuse a loop whose ``<ret>`` could never be answered: a router without a transcriber to hear the question
+    (unless the questions are given as text).
+
+    Raises:
+        BenchError: ``--router`` is set and ``--asr none``.
+    """
+    from cspan.bench.errors import BenchError
+
+    if args.router.lower() != "none" and args.asr.lower() == "none" and not text_questions:
+        raise BenchError(
+            f"--router {args.router} needs the user's words: with --asr none no <ret> can be answered; pass --asr "
+            "sphinx (or a transcription server URL), or --router none to run without retrieval"
+        )
+
+
+def build_session_from(args: argparse.Namespace, **extra: Any) -> Any:
+    """:func:`cspan.bench.session.build_session` from the model flags."""
+    from cspan.bench.session import build_session
+
+    return build_session(
+        args.checkpoint,
+        device=args.device,
+        dtype=args.dtype,
+        temp=args.temp,
+        temp_text=args.temp_text,
+        voice=args.voice,
+        no_voice=args.no_voice,
+        seed=args.seed,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        **extra,
+    )
+
+
+def _judge(args: argparse.Namespace) -> Any:
+    from cspan.bench.commands import _make_judge
+
+    return _make_judge(args)
+
+
+def _add_judge_args(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:
+    from cspan.bench.commands import _add_judge_args as add
+
+    add(parser, default_model, what)
+
+
+# --- latency -----------------------------------------------------------------------------------------------------
+
+
+def register_latency(sub: Any) -> None:
+    """``cspan bench latency``."""
+    p = sub.add_parser(
+        "latency",
+        help="Context Span latency table: span prefill + one step, plain step, whole frame",
+        description=(
+            "Time Context Span injection plus one decoding step for span lengths n (0 = a plain step), the plain "
+            "step and the whole frame (Mimi encode + step + Mimi decode): wall clock between device "
+            "synchronisations, mean ± sd, P50, P99 over many iterations. Prints a Markdown table; --out writes the "
+            "JSON that `cspan bench report` reads."
+        ),
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="Hugging Face repo id, local folder or file")
+    src.add_argument(
+        "--random-7b",
+        action="store_true",
+        help="the real 7B dimensions (LMConfig.personaplex_7b, MimiConfig.mimi_24khz) with random weights, built "
+        "directly on the GPU",
+    )
+    p.add_argument("--allow-cpu", action="store_true", help="let --random-7b build the 8 B model on the CPU")
+    p.add_argument("--n", type=int, nargs="+", default=[0, 16, 64, 256, 600], help="span lengths (0 = plain step)")
+    p.add_argument("--iters", type=int, default=100, help="measured iterations per series (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=10, help="unmeasured iterations before each series")
+    p.add_argument("--gap-steps", type=int, default=2, help="plain steps between two timed spans")
+    p.add_argument(
+        "--row-step",
+        choices=("lm", "frame"),
+        default="lm",
+        help="the step timed after each span: 'lm' (LM step, default) or 'frame' (with Mimi encode/decode)",
+    )
+    p.add_argument("--batch-size", type=int, nargs="+", default=[], help="also time the plain step at these B > 1")
+    p.add_argument("--no-frame", action="store_true", help="skip the whole-frame series")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here (e.g. RUN/latency.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(handler=_latency)
+
+
+def _latency(args: argparse.Namespace) -> int:
+    import torch
+
+    from cspan.bench.latency import LatencyOptions, latency_table, load_models, run_latency
+    from cspan.bench.session import pick_device, write_json
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = pick_device(args.device, args.dtype)
+    options = LatencyOptions(
+        span_lengths=args.n,
+        iters=args.iters,
+        warmup=args.warmup,
+        gap_steps=args.gap_steps,
+        row_step=args.row_step,
+        batch_sizes=args.batch_size,
+        frame=not args.no_frame,
+        seed=args.seed,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+    )
+    options.check()
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(f"latency: {msg}", file=sys.stderr, flush=True)
+
+    models = load_models(
+        args.checkpoint, random_7b=args.random_7b, device=device, dtype=dtype, allow_cpu=args.allow_cpu, seed=args.seed
+    )
+    say(f"model ready on {device} ({str(dtype).replace('torch.', '')}): {models.source}")
+    doc = run_latency(models, options, device=device, dtype=dtype, progress=say)
+    print(latency_table(doc, label=args.out.parent.name if args.out else "latency"))
+    if args.out is not None:
+        write_json(args.out, doc)
+        print(f"wrote {args.out}")
+    return 0
+
+
+# --- fdb-v1 run ---------------------------------------------------------------------------------------------------
+
+
+def register_fdb_v1_run(sub: Any) -> None:
+    """``cspan bench fdb-v1 run``."""
+    p = sub.add_parser(
+        "run",
+        help="render outputs with the duplex model, transcribe and score them (resumable)",
+        description=(
+            "Play every DATA/{task}/{ID}/input.wav through the full loop and write OUT/{task}/{ID}/output.wav on the "
+            "input's timeline (copying the inputs and task JSONs next to it), then output.json (word-timed ASR), "
+            "per-sample run.json, OUT/{task}/summary.json and OUT/summary.md. Finished samples are kept on re-runs."
+        ),
+    )
+    p.add_argument("--data", required=True, type=Path, help="dataset root holding task folders (or one task folder)")
+    p.add_argument("--out", required=True, type=Path, help="output root (a dataset in the benchmark's layout)")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        metavar="TASK[=KIND]",
+        help="task folders (default: every folder whose name names a task); KIND: pause_handling, backchannel, "
+        "turn_taking, user_interruption",
+    )
+    p.add_argument("--icc-gt", type=Path, help="backchannel ground truth (default: looked up in DATA)")
+    p.add_argument(
+        "--output-rate",
+        type=int,
+        default=None,
+        help="sample rate of output.wav (default: the input's, 16 kHz for most of the benchmark)",
+    )
+    p.add_argument(
+        "--output-offset-frames",
+        type=int,
+        default=1,
+        help="80 ms frames of silence before the agent's first frame (default 1, as a live client hears it)",
+    )
+    add_model_arguments(p, prompt_help="persona prompt for every task (default: PersonaPlex's FDB prompt per task)")
+    add_loop_arguments(p, router_default="local")
+    add_run_arguments(p)
+    _add_judge_args(p, "gpt-4-turbo", "the user-interruption relevance rating")
+    p.set_defaults(handler=_fdb_v1_run)
+
+
+def _find_icc_gt(arg: Path | None, data: Path, tasks: Any) -> Path | None:
+    from cspan.bench.fdb_v1 import ICC_GT_JSON, TaskKind
+
+    if arg is not None:
+        return arg
+    if not any(t.kind is TaskKind.BACKCHANNEL for t in tasks):
+        return None
+    for candidate in [*(t.folder / ICC_GT_JSON for t in tasks), data / ICC_GT_JSON, Path.cwd() / ICC_GT_JSON]:
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _fdb_v1_run(args: argparse.Namespace) -> int:
+    return asyncio.run(_fdb_v1_run_async(args))
+
+
+async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
+    from cspan.bench.fdb_v1_run import V1RunOptions, resolve_input_tasks, run_fdb_v1
+    from cspan.bench.session import close_quietly, make_router
+    from cspan.bench.transcribe import make_transcriber
+
+    check_loop(args)
+    tasks = resolve_input_tasks(args.data, args.tasks)
+    icc_gt = _find_icc_gt(args.icc_gt, args.data, tasks)
+    session = build_session_from(args)
+    transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
+    router = retriever = bank = None
+    judge = _judge(args)
+    try:
+        if args.router.lower() != "none":
+            from cspan.backends.retriever import Retriever
+            from cspan.backends.tools import ToolBank
+
+            bank = ToolBank.default()
+            router = make_router(
+                args.router,
+                bank,
+                model=args.router_model,
+                knowledge=args.knowledge,
+                timeout_s=args.router_timeout_s,
+            )
+            retriever = Retriever(transcriber, router, None, deadline_s=args.span_deadline_s)
+        options = V1RunOptions(
+            text_prompt=args.text_prompt,
+            seed=args.seed,
+            tail_s=args.tail_s,
+            output_offset_frames=args.output_offset_frames,
+            output_rate=args.output_rate,
+            force_ret=[args.force_ret_delay_s] if args.force_ret == "input-end" else [],
+            realtime=args.realtime,
+            config=loop_config(args),
+            overwrite=args.overwrite,
+            limit=args.limit,
+            quiet=args.quiet,
+            describe={
+                "checkpoint": session.identity(),
+                "asr": args.asr,
+                "router": args.router,
+                "router_model": args.router_model,
+                "knowledge": str(args.knowledge) if args.knowledge else None,
+                "span_delay_s": None if args.realtime else args.span_delay_s,
+                "span_deadline_s": args.span_deadline_s,
+            },
+        )
+        result = await run_fdb_v1(
+            session,
+            tasks,
+            args.out,
+            options,
+            loop_transcriber=transcriber if retriever is not None else None,
+            retriever=retriever,
+            score_transcriber=transcriber,
+            icc_gt_path=icc_gt,
+            judge=judge,
+            asr_label=args.asr,
+        )
+    finally:
+        await close_quietly(router, bank, transcriber)
+        if judge is not None:
+            judge.close()
+    print(f"fdb-v1: rendered {result.rendered}, kept {result.kept}, transcribed {result.transcribed} -> {args.out}")
+    for task, score in result.scores:
+        if score is not None:
+            metrics = ", ".join(f"{k} {_fmt(v)}" for k, v in score.summary.metrics.items())
+            print(f"{task.name} ({task.kind.value}, n={score.summary.n}): {metrics}")
+            for note in score.summary.notes:
+                print(f"  note: {note}")
+    for note in result.notes:
+        print(f"note: {note}")
+    if result.summary_md is not None:
+        print(result.summary_md.read_text(encoding="utf-8"))
+        print(f"wrote {result.summary_md}")
+    return 0
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+# --- fdb-v3 run ---------------------------------------------------------------------------------------------------
+
+
+def register_fdb_v3_run(sub: Any) -> None:
+    """``cspan bench fdb-v3 run``."""
+    p = sub.add_parser(
+        "run",
+        help="play the tool-use scenarios through the full loop with the 12 mock tools (resumable)",
+        description=(
+            "Play every DATA/{example_id}_{speaker}/input.wav through the full loop with a router over the 12 mock "
+            "tools (a fresh mock world per scenario) and write OUT/{folder}/output_PROVIDER.wav and "
+            "result_PROVIDER.json in the benchmark's result format. With --scenarios the results are scored into "
+            "OUT/summary.json. The router should be an LLM (--router URL --router-model NAME): the local router "
+            "calls none of the 12 tools."
+        ),
+    )
+    p.add_argument("--data", required=True, type=Path, help="folder of {example_id}_{speaker}/input.wav recordings")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--scenarios", type=Path, help="benchmark_data_v2.json: metadata in the results, and scoring")
+    p.add_argument("--provider", default="cspan", help="the PROVIDER of result_PROVIDER.json (default %(default)s)")
+    p.add_argument("--max-tool-calls", type=int, default=1, help="tool calls one <ret> may chain (default 1)")
+    p.add_argument(
+        "--numeric-tolerance", type=float, default=0.05, help="relative tolerance for numeric arguments (no judge)"
+    )
+    add_model_arguments(p, prompt_help="persona prompt (default: a description of the 12 services)")
+    add_loop_arguments(p, router_default="local", tail_default=6.0)
+    add_run_arguments(p)
+    _add_judge_args(p, "gpt-4o", "response quality (arguments then use the exact/numeric rule)")
+    p.set_defaults(handler=_fdb_v3_run)
+
+
+def _fdb_v3_run(args: argparse.Namespace) -> int:
+    return asyncio.run(_fdb_v3_run_async(args))
+
+
+async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
+    from cspan.bench import fdb_v3
+    from cspan.bench.errors import JudgeError
+    from cspan.bench.fdb_v3_run import V3RunOptions, find_samples, run_fdb_v3
+    from cspan.bench.session import close_quietly
+    from cspan.bench.transcribe import make_transcriber
+
+    check_loop(args)
+    scenarios = fdb_v3.load_scenarios(args.scenarios) if args.scenarios else None
+    samples = find_samples(args.data, scenarios)
+    if args.router.lower() == "local":
+        print(
+            "note: the local router calls none of the 12 mock tools; pass --router URL --router-model NAME",
+            file=sys.stderr,
+        )
+    session = build_session_from(args)
+    transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
+    options = V3RunOptions(
+        provider=args.provider,
+        text_prompt=args.text_prompt,
+        seed=args.seed,
+        tail_s=args.tail_s,
+        force_ret=[args.force_ret_delay_s] if args.force_ret == "input-end" else [],
+        realtime=args.realtime,
+        config=loop_config(args),
+        overwrite=args.overwrite,
+        limit=args.limit,
+        quiet=args.quiet,
+        max_tool_calls=args.max_tool_calls,
+        router_timeout_s=args.router_timeout_s,
+        describe={
+            "checkpoint": session.identity(),
+            "asr": args.asr,
+            "span_delay_s": None if args.realtime else args.span_delay_s,
+            "span_deadline_s": args.span_deadline_s,
+        },
+    )
+    try:
+        results, rendered = await run_fdb_v3(
+            session,
+            samples,
+            args.out,
+            options,
+            router_spec=args.router,
+            router_model=args.router_model,
+            transcriber=transcriber,
+            scenarios=scenarios,
+        )
+    finally:
+        await close_quietly(transcriber)
+    print(f"fdb-v3: {len(results)} scenario recording(s), rendered {rendered}, kept {len(results) - rendered}")
+    if scenarios is None:
+        print(f"no --scenarios: results written to {args.out}; score with `cspan bench fdb-v3 score`")
+        return 0
+    judge = _judge(args)
+    try:
+        matcher: Any = fdb_v3.ExactArgumentMatcher(args.numeric_tolerance)
+        response_judge = None
+        if judge is not None:
+            matcher = fdb_v3.JudgeArgumentMatcher(judge, matcher)
+
+            def response_judge(intent: str, transcript: str) -> float | None:
+                try:
+                    return 1.0 if judge.judge_response(intent, transcript).correct else 0.0
+                except JudgeError:
+                    return None
+
+        summary, scored = fdb_v3.score_results(scenarios, results, matcher=matcher, response_judge=response_judge)
+    finally:
+        if judge is not None:
+            judge.close()
+    summary.config = {
+        "results": str(args.out),
+        "provider": args.provider,
+        "judge": judge.describe() if judge is not None else None,
+        "numeric_tolerance": args.numeric_tolerance,
+        "router": args.router,
+        "router_model": args.router_model,
+    }
+    path = fdb_v3.write_v3_score(summary, scored, args.out)
+    print(f"fdb-v3 (n={summary.n}): " + ", ".join(f"{k} {_fmt(v)}" for k, v in summary.metrics.items()))
+    for note in summary.notes:
+        print(f"  note: {note}")
+    print(f"wrote {path}")
+    return 0
+
+
+# --- qa ----------------------------------------------------------------------------------------------------------
+
+
+def register_qa(sub: Any) -> None:
+    """``cspan bench qa``."""
+    from cspan.bench.qa import DEFAULT_TAIL_S, QA_SETS
+
+    p = sub.add_parser(
+        "qa",
+        help="spoken QA and math through the full loop: ref. and resp. accuracy (resumable)",
+        description=(
+            "Play each spoken question of a set through the full loop (the model emits <ret>, the router's "
+            "reference is injected as a Context Span, the model answers) and judge the reference (ref.) and the "
+            "model's spoken answer (resp.) with an OpenAI-compatible judge (--judge-url) or a normalised alias "
+            "match. Writes OUT/{id}/output.wav + result.json, OUT/samples.json, OUT/summary.json and summary.md."
+        ),
+    )
+    p.add_argument("--set", dest="qa_set", required=True, choices=QA_SETS, help="which set")
+    p.add_argument("--data", required=True, type=Path, help="the set's folder or question file (see the docs)")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument(
+        "--question-source",
+        choices=("asr", "text"),
+        default="asr",
+        help="what the router is asked: 'asr' (what the loop heard, default) or 'text' (the dataset's question)",
+    )
+    p.add_argument("--tts", choices=("espeak-ng",), default=None, help="synthesise missing question audio")
+    add_model_arguments(p, prompt_help="persona prompt (default: the teacher persona of the original QA runs)")
+    add_loop_arguments(p, router_default="local", tail_default=DEFAULT_TAIL_S)
+    add_run_arguments(p)
+    _add_judge_args(p, "gpt-4o-2024-08-06", "the LLM judgement (a normalised alias match is used instead)")
+    p.set_defaults(handler=_qa)
+
+
+def _qa(args: argparse.Namespace) -> int:
+    return asyncio.run(_qa_async(args))
+
+
+async def _qa_async(args: argparse.Namespace) -> int:
+    from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa
+    from cspan.bench.session import close_quietly, make_router, make_transcriber
+
+    check_loop(args, text_questions=args.question_source == "text")
+    items = load_qa_items(args.data, args.qa_set, limit=args.limit)
+    session = build_session_from(args)
+    transcriber = make_transcriber(args.asr, model=args.asr_model)
+    router = retriever = None
+    judge = _judge(args)
+    try:
+        if args.router.lower() != "none":
+            from cspan.backends.retriever import Retriever
+            from cspan.backends.tools import ToolBank
+            from cspan.backends.tools.builtin import calculate_tool, get_time_tool
+
+            router = make_router(
+                args.router,
+                ToolBank([get_time_tool(), calculate_tool()]),
+                model=args.router_model,
+                knowledge=args.knowledge,
+                timeout_s=args.router_timeout_s,
+            )
+            retriever = Retriever(transcriber, router, None, deadline_s=args.span_deadline_s)
+        options = QARunOptions(
+            set_name=args.qa_set,
+            text_prompt=args.text_prompt,
+            seed=args.seed,
+            tail_s=args.tail_s,
+            question_source=args.question_source,
+            force_ret=[args.force_ret_delay_s] if args.force_ret == "input-end" else [],
+            realtime=args.realtime,
+            config=loop_config(args),
+            tts=args.tts,
+            overwrite=args.overwrite,
+            quiet=args.quiet,
+            describe={
+                "checkpoint": session.identity(),
+                "asr": args.asr,
+                "router": args.router,
+                "router_model": args.router_model,
+                "knowledge": str(args.knowledge) if args.knowledge else None,
+                "span_delay_s": None if args.realtime else args.span_delay_s,
+                "span_deadline_s": args.span_deadline_s,
+            },
+        )
+        summary, results = await run_qa(
+            session, items, args.out, options, transcriber=transcriber, retriever=retriever, judge=judge
+        )
+    finally:
+        await close_quietly(router, transcriber)
+        if judge is not None:
+            judge.close()
+    print(qa_table([summary]))
+    for note in summary.notes:
+        print(f"note: {note}")
+    print(f"wrote {args.out / 'summary.json'} ({len(results)} item(s))")
+    return 0
+
+
+__all__ = [
+    "add_loop_arguments",
+    "add_model_arguments",
+    "add_run_arguments",
+    "build_session_from",
+    "check_loop",
+    "loop_config",
+    "register_fdb_v1_run",
+    "register_fdb_v3_run",
+    "register_latency",
+    "register_qa",
+]
