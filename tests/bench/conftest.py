@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,16 +23,6 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A ``cspan model tiny`` checkpoint (dep_q 16, seed 0) written once per session by the real command."""
-    out = tmp_path_factory.mktemp("bench-tiny") / "tiny"
-    cmd = [sys.executable, "-m", "cspan.core.cli", "model", "tiny", str(out), "--seed", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return out
 
 
 def run_cli(*argv: str) -> int:

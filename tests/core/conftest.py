@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,16 +18,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A ``cspan model tiny`` checkpoint (dep_q 16, seed 0), written once per test session by the real command."""
-    out = tmp_path_factory.mktemp("tiny-checkpoint") / "tiny"
-    cmd = [sys.executable, "-m", "cspan.core.cli", "model", "tiny", str(out), "--seed", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return out
 
 
 @pytest.fixture(scope="session")

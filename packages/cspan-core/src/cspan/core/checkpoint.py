@@ -943,8 +943,26 @@ def _resolve_base(base: str | os.PathLike[str] | None) -> CheckpointFiles:
     return _base_files(folder, chosen)
 
 
+def _recorded_base(fine_tune: Path) -> str | None:
+    """The base recorded next to a fine-tune by ``cspan train`` (``export.json``'s ``"base"``), if any."""
+    info = fine_tune.parent / "export.json"
+    if not info.is_file():
+        return None
+    try:
+        base = json.loads(info.read_text(encoding="utf-8")).get("base")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{info}: unreadable ({exc}); fix or delete it, or pass --base / {ENV_BASE}") from exc
+    return str(base) if base else None
+
+
 def _with_fine_tune(fine_tune: Path, source: str, base: str | os.PathLike[str] | None) -> CheckpointFiles:
-    """A fine-tune file over its base; the fine-tune folder's voices take precedence over the base's."""
+    """A fine-tune file over its base; the fine-tune folder's voices take precedence over the base's.
+
+    The base is ``base``, else ``$CSPAN_BASE``, else the one ``cspan train`` recorded in ``export.json`` next to
+    the file, else :data:`DEFAULT_BASE`.
+    """
+    if base is None and not os.environ.get(ENV_BASE):
+        base = _recorded_base(fine_tune)
     files = _resolve_base(base)
     files.source = source
     files.fine_tune = fine_tune

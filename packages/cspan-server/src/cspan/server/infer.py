@@ -299,6 +299,7 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         out = engine.step(pcm)
         sync()
         return out
+
     started = time.monotonic()
     writer = AtomicWavWriter(args.output_wav, sample_rate=SAMPLE_RATE, channels=2)
     try:

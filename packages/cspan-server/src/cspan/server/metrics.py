@@ -1,0 +1,86 @@
+"""Prometheus metrics of ``cspan serve`` (``GET /metrics``, text exposition format via ``prometheus-client``).
+
+Each app owns its own :class:`prometheus_client.CollectorRegistry`, so several apps in one process (tests) never
+share counters. Names follow the Prometheus conventions: ``_total`` counters, ``_seconds`` histograms.
+
+| metric | type | what |
+|---|---|---|
+| ``cspan_sessions_active`` | gauge | sessions holding an engine slot |
+| ``cspan_session_slots`` | gauge | engine batch size (``--max-sessions``) |
+| ``cspan_sessions_started_total`` | counter | sessions that reached ``ready`` |
+| ``cspan_sessions_ended_total{reason}`` | counter | sessions ended: stop, idle, disconnect, shutdown, slow_client, error |
+| ``cspan_sessions_busy_total`` | counter | ``start`` refused with ``busy`` |
+| ``cspan_auth_failures_total{reason}`` | counter | handshakes closed with 4401 / 4403 |
+| ``cspan_frames_total`` | counter | batched engine steps (one per 80 ms tick with a live session) |
+| ``cspan_session_frames_total`` | counter | agent frames sent (summed over sessions) |
+| ``cspan_user_frames_total`` | counter | user frames received |
+| ``cspan_user_frames_dropped_total`` | counter | user frames dropped (queue full: audio faster than real time) |
+| ``cspan_silence_frames_total`` | counter | session frames with no user frame queued (silence fed) |
+| ``cspan_clock_resyncs_total`` | counter | ticks more than one frame late: the clock skipped ahead instead of bursting |
+| ``cspan_step_seconds`` | histogram | wall time of one batched engine step |
+| ``cspan_prefill_seconds`` | histogram | wall time of one Context Span prefill |
+| ``cspan_persona_prefill_seconds`` | histogram | wall time of one persona prefix read |
+| ``cspan_spans_total{outcome}`` | counter | retrieval outcomes: injected, late, no_span |
+| ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
+| ``cspan_protocol_errors_total{code}`` | counter | ``error`` messages sent for client mistakes |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.2, 0.5, 1.0, 2.5)
+_PREFILL_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    """The metric objects of one app, registered in their own registry (see the module table)."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.sessions_active = Gauge("cspan_sessions_active", "Sessions holding an engine slot", registry=r)
+        self.session_slots = Gauge("cspan_session_slots", "Engine batch size (--max-sessions)", registry=r)
+        self.session_slots.set(max_sessions)
+        self.sessions_started = Counter("cspan_sessions_started", "Sessions that reached ready", registry=r)
+        self.sessions_ended = Counter("cspan_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
+        self.sessions_busy = Counter("cspan_sessions_busy", "start refused with busy", registry=r)
+        self.auth_failures = Counter("cspan_auth_failures", "Handshakes refused", ["reason"], registry=r)
+        self.frames = Counter("cspan_frames", "Batched engine steps", registry=r)
+        self.session_frames = Counter("cspan_session_frames", "Agent frames sent, summed over sessions", registry=r)
+        self.user_frames = Counter("cspan_user_frames", "User frames received", registry=r)
+        self.user_frames_dropped = Counter(
+            "cspan_user_frames_dropped", "User frames dropped because the session queue was full", registry=r
+        )
+        self.silence_frames = Counter(
+            "cspan_silence_frames", "Session frames with no queued user frame (silence fed)", registry=r
+        )
+        self.clock_resyncs = Counter(
+            "cspan_clock_resyncs", "Ticks more than one frame late (clock skipped ahead)", registry=r
+        )
+        self.step_seconds = Histogram(
+            "cspan_step_seconds", "Wall time of one batched engine step", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.prefill_seconds = Histogram(
+            "cspan_prefill_seconds", "Wall time of one Context Span prefill", buckets=_PREFILL_BUCKETS, registry=r
+        )
+        self.persona_prefill_seconds = Histogram(
+            "cspan_persona_prefill_seconds",
+            "Wall time of one persona prefix read",
+            buckets=_PREFILL_BUCKETS,
+            registry=r,
+        )
+        self.spans = Counter("cspan_spans", "Retrieval outcomes", ["outcome"], registry=r)
+        self.backend_errors = Counter("cspan_backend_errors", "Backend failures, by stage", ["stage"], registry=r)
+        self.protocol_errors = Counter(
+            "cspan_protocol_errors", "error messages for client mistakes", ["code"], registry=r
+        )
+        for outcome in ("injected", "late", "no_span"):
+            self.spans.labels(outcome)
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content_type)`` of the Prometheus text exposition."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+__all__ = ["ServerMetrics"]

@@ -1,0 +1,447 @@
+"""The WebSocket wire protocol of ``cspan serve`` as typed models (the prose is ``docs/PROTOCOL.md``).
+
+Two kinds of WebSocket messages travel on ``/ws``:
+
+- **binary**: audio, one 80 ms frame per message, 1920 samples at 24 kHz mono, in both directions. The server
+  sends float32 little-endian (7680 bytes). The client may send float32 little-endian (7680 bytes) or signed
+  16-bit little-endian (3840 bytes); the two lengths cannot be confused, so no header is needed.
+- **text**: one JSON object with a ``type`` key. Client messages are :class:`StartMessage`, :class:`ContextMessage`
+  and :class:`StopMessage`; server messages are :class:`ReadyMessage`, :class:`BusyMessage`, :class:`ByeMessage`,
+  :class:`SlotMessage`, :class:`ErrorMessage`, and the conversation events of :mod:`cspan.core.events` (``text``,
+  ``user_text``, ``ret``, ``question``, ``span``, ``late``, ``no_span``), sent as they are.
+
+Every client message is validated here; a violation raises :class:`~cspan.core.errors.ProtocolError` carrying a
+machine-readable ``code`` (:data:`ERROR_CODES`) that the server sends back in an ``error`` message. The session
+always continues after a protocol error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zoneinfo
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
+from cspan.core.errors import ProtocolError
+from cspan.core.events import (
+    ErrorEvent,
+    LateEvent,
+    NoSpanEvent,
+    QuestionEvent,
+    RetEvent,
+    SpanEvent,
+    TextEvent,
+    UserTextEvent,
+)
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change of the messages below (added optional fields are compatible)."""
+
+FLOAT32_FRAME_BYTES = FRAME_SIZE * 4
+"""7680: one frame of float32 little-endian samples."""
+INT16_FRAME_BYTES = FRAME_SIZE * 2
+"""3840: one frame of signed 16-bit little-endian samples (client to server only)."""
+MAX_TEXT_MESSAGE_BYTES = 64 * 1024
+"""Longest JSON text message a client may send; longer ones get ``error too_large``."""
+MAX_BINARY_MESSAGE_BYTES = 64 * 1024
+"""Binary messages above this size get ``error too_large`` (smaller wrong sizes get ``bad_frame``)."""
+MAX_WEBSOCKET_MESSAGE_BYTES = 16 * 1024 * 1024
+"""The WebSocket layer closes the connection (code 1009) on messages above this size."""
+TOKEN_SUBPROTOCOL_PREFIX = "cspan.token."
+"""A client may authenticate by offering the subprotocol ``cspan.token.<token>``; the server echoes it."""
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_FORBIDDEN_ORIGIN = 4403
+
+ERROR_CODES: dict[str, str] = {
+    "bad_json": "a text message is not a JSON object",
+    "unknown_type": "a JSON message whose type is not a client message type",
+    "invalid_message": "a known message type with missing, unknown or out-of-range fields",
+    "too_large": "a text or binary message above the size limit",
+    "bad_frame": "a binary message that is not one frame (7680 bytes float32 or 3840 bytes int16)",
+    "not_started": "audio or context before start",
+    "already_started": "a second start in the same connection",
+    "stopping": "audio after stop (ignored)",
+    "bad_voice": "a voice name the server does not have",
+    "audio_overflow": "audio arrives faster than real time: the oldest queued frames are being dropped",
+    "persona_failed": "the persona prefix could not be read; send start again",
+    "backend": "a backend stage (asr, retrieval, span) failed; the conversation goes on",
+    "internal": "an unexpected server error while handling a message; the session goes on",
+}
+"""Every ``error.code`` the server sends, with its meaning."""
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+
+class _ClientModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+
+
+@lru_cache(maxsize=1)
+def _timezones() -> frozenset[str]:
+    return frozenset(zoneinfo.available_timezones())
+
+
+class ProfileFields(_ClientModel):
+    """Who the user is (all optional). ``location`` is a free-text place ("London"), ``timezone`` an IANA name.
+
+    ``user_id`` names the Context DB profile (a browser keeps a random id so that its memory persists across
+    conversations); without one each session gets its own profile.
+    """
+
+    user_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    name: str | None = Field(default=None, max_length=80)
+    location: str | None = Field(default=None, max_length=120)
+    timezone: str | None = Field(default=None, max_length=64)
+    lat: float | None = Field(default=None, ge=-90.0, le=90.0)
+    lon: float | None = Field(default=None, ge=-180.0, le=180.0)
+    notes: str | None = Field(default=None, max_length=2000)
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, value: str | None) -> str | None:
+        if value and value not in _timezones():
+            raise ValueError(f"unknown IANA timezone {value!r} (for example 'Europe/London')")
+        return value or None
+
+
+class ScheduledSpan(_ClientModel):
+    """Test hook: inject ``text`` as a Context Span at ``at`` seconds of the session (no backend)."""
+
+    at: float = Field(ge=0.0, le=3600.0)
+    text: str = Field(min_length=1, max_length=2000)
+
+
+class StartHooks(_ClientModel):
+    """Test-only fields of ``start``; refused unless the server runs with test hooks (``create_app(...,
+    allow_test_hooks=True)``, hidden flag ``--test-hooks``). Times are seconds on the session's timeline (frame
+    0 = the first frame after ``ready``)."""
+
+    force_ret_at: list[Annotated[float, Field(ge=0.0, le=3600.0)]] = Field(default_factory=list, max_length=16)
+    spans: list[ScheduledSpan] = Field(default_factory=list, max_length=16)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+
+class StartMessage(_ClientModel):
+    """``start``: begin the conversation. The server answers ``ready`` (or ``busy`` when all slots are taken).
+
+    ``voice``: a name from ``GET /info``'s ``voices``; ``""`` for no voice prompt; omitted/null for the server's
+    default. ``text_prompt``: the persona; omitted/null for the server's default, ``""`` for none.
+    """
+
+    type: Literal["start"]
+    version: int | None = Field(default=None, description="the protocol version the client speaks")
+    profile: ProfileFields = Field(default_factory=ProfileFields)
+    voice: str | None = Field(default=None, max_length=64)
+    text_prompt: str | None = Field(default=None, max_length=4000)
+    test: StartHooks | None = None
+
+
+class ContextMessage(_ClientModel):
+    """``context``: update the profile mid-conversation (fields given replace the current ones). The persona prefix
+    already read is not changed; the new profile is what the router and the Context DB see from now on."""
+
+    type: Literal["context"]
+    profile: ProfileFields
+
+
+class StopMessage(_ClientModel):
+    """``stop``: end the conversation. Audio already queued is still played through; then ``bye``."""
+
+    type: Literal["stop"]
+
+
+ClientMessage = Annotated[StartMessage | ContextMessage | StopMessage, Field(discriminator="type")]
+CLIENT_MESSAGE_TYPES = ("start", "context", "stop")
+_client_adapter: TypeAdapter[Any] = TypeAdapter(ClientMessage)
+
+
+class ProtocolCodeError(ProtocolError):
+    """A :class:`ProtocolError` with the ``error.code`` to send back (one of :data:`ERROR_CODES`)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _describe(exc: ValidationError, kind: str) -> str:
+    parts = []
+    for err in exc.errors()[:4]:
+        where = ".".join(str(p) for p in err["loc"] if p != kind) or "(message)"
+        parts.append(f"{where}: {err['msg']}")
+    return f"{kind}: " + "; ".join(parts)
+
+
+def parse_client_message(text: str) -> StartMessage | ContextMessage | StopMessage:
+    """Parse one JSON text message from a client.
+
+    Args:
+        text: the message as received.
+
+    Returns:
+        The validated model.
+
+    Raises:
+        ProtocolError: with ``code`` ``too_large``, ``bad_json``, ``unknown_type`` or ``invalid_message`` and a
+            message naming the field and the fix.
+    """
+    if len(text.encode("utf-8", errors="surrogatepass")) > MAX_TEXT_MESSAGE_BYTES:
+        raise ProtocolCodeError(
+            "too_large", f"text message over {MAX_TEXT_MESSAGE_BYTES} bytes; send smaller JSON messages"
+        )
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ProtocolCodeError("bad_json", f"text message is not valid JSON ({exc}); send one JSON object") from None
+    if not isinstance(data, dict):
+        raise ProtocolCodeError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")
+    kind = data.get("type")
+    if kind not in CLIENT_MESSAGE_TYPES:
+        raise ProtocolCodeError(
+            "unknown_type", f"unknown message type {kind!r}; client messages are {', '.join(CLIENT_MESSAGE_TYPES)}"
+        )
+    try:
+        return _client_adapter.validate_python(data)
+    except ValidationError as exc:
+        raise ProtocolCodeError("invalid_message", _describe(exc, str(kind))) from None
+
+
+def decode_audio_frame(data: bytes) -> np.ndarray:
+    """One client audio frame -> float32 ``[1920]`` in [-1, 1].
+
+    Accepts 7680 bytes (float32 little-endian) or 3840 bytes (int16 little-endian, scaled by 1/32768).
+    Non-finite samples become 0 and float samples are clipped to [-1, 1].
+
+    Raises:
+        ProtocolError: ``too_large`` above :data:`MAX_BINARY_MESSAGE_BYTES`, ``bad_frame`` for any other length.
+    """
+    n = len(data)
+    if n == FLOAT32_FRAME_BYTES:
+        pcm = np.frombuffer(data, dtype="<f4").astype(np.float32)
+        if not np.isfinite(pcm).all():
+            pcm = np.nan_to_num(pcm, nan=0.0, posinf=0.0, neginf=0.0)
+        return np.clip(pcm, -1.0, 1.0)
+    if n == INT16_FRAME_BYTES:
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    if n > MAX_BINARY_MESSAGE_BYTES:
+        raise ProtocolCodeError(
+            "too_large",
+            f"binary message of {n} bytes; send one 80 ms frame per message ({FLOAT32_FRAME_BYTES} bytes float32)",
+        )
+    raise ProtocolCodeError(
+        "bad_frame",
+        f"binary message of {n} bytes is not one frame: send {FRAME_SIZE} samples at {SAMPLE_RATE} Hz as "
+        f"{FLOAT32_FRAME_BYTES} bytes (float32 LE) or {INT16_FRAME_BYTES} bytes (int16 LE)",
+    )
+
+
+def encode_audio_frame(pcm: np.ndarray) -> bytes:
+    """Agent frame float32 ``[1920]`` -> 7680 bytes float32 little-endian."""
+    return np.ascontiguousarray(pcm, dtype="<f4").tobytes()
+
+
+# ---------------------------------------------------------------------------------------------------- server
+
+
+class _ServerModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PersonaInfo(_ServerModel):
+    """The persona the session was started with."""
+
+    text_prompt: str
+    voice: str | None
+    prefix_frames: int = Field(description="frames of the persona prefix read before frame 0")
+    prefill_ms: float = Field(description="wall-clock time of the prefix forward (ms)")
+
+
+class ProfileInfo(_ServerModel):
+    """The profile the router and the Context DB see."""
+
+    user_id: str
+    name: str = ""
+    location: str = ""
+    timezone: str = ""
+    lat: float | None = None
+    lon: float | None = None
+
+
+class ReadyMessage(_ServerModel):
+    """``ready``: the session is live; frame 0 of its timeline is the next frame the server sends."""
+
+    type: Literal["ready"] = "ready"
+    protocol_version: int = PROTOCOL_VERSION
+    session_id: str
+    conversation_id: str = Field(description="the Context DB conversation")
+    slot: int = Field(description="the engine batch row of this session")
+    sample_rate: int = SAMPLE_RATE
+    frame_size: int = FRAME_SIZE
+    frame_rate: float = FRAME_RATE
+    audio_formats: list[str] = Field(default_factory=lambda: ["f32le", "s16le"])
+    max_queued_frames: int
+    idle_timeout_s: float
+    seed: int
+    persona: PersonaInfo
+    profile: ProfileInfo
+
+
+class BusyMessage(_ServerModel):
+    """``busy``: every session slot is taken; the server closes with code 1013 (try again later)."""
+
+    type: Literal["busy"] = "busy"
+    max_sessions: int
+    message: str
+
+
+class SessionStats(_ServerModel):
+    """Counters of one session (frames are 80 ms)."""
+
+    frames: int = Field(default=0, description="agent frames sent (frames the session was live)")
+    user_frames: int = Field(default=0, description="user audio frames received and queued")
+    consumed_frames: int = Field(default=0, description="user frames fed to the model")
+    dropped_frames: int = Field(default=0, description="user frames dropped because the queue was full")
+    silence_frames: int = Field(default=0, description="frames the model heard silence (no user frame queued)")
+    spans: int = Field(default=0, description="Context Spans read")
+    errors: int = Field(default=0, description="error messages sent")
+    duration_s: float = Field(default=0.0, description="frames * 0.08")
+
+
+class ByeMessage(_ServerModel):
+    """``bye``: the session ended; the server closes the connection right after."""
+
+    type: Literal["bye"] = "bye"
+    reason: Literal["stop", "idle", "shutdown", "slow_client", "error"]
+    message: str = ""
+    session_id: str | None = None
+    conversation_id: str | None = None
+    stats: SessionStats
+
+
+class SlotMessage(_ServerModel):
+    """``slot``: timing of one frame, sent for every frame at whose head a span was read (and every N frames with
+    ``--slot-every N``)."""
+
+    type: Literal["slot"] = "slot"
+    frame: int
+    t: float
+    step_ms: float = Field(description="the batched engine step of this frame (ms)")
+    prefill_ms: float = Field(description="span prefill at the head of this frame for this session (ms)")
+    total_ms: float = Field(description="the whole frame: head, step, tail (ms)")
+    over_budget: bool = Field(description="total_ms above 80 ms")
+    live_sessions: int
+    queued: int = Field(description="user frames waiting in this session's queue")
+    dropped_frames: int
+    silence_frames: int
+
+
+class ErrorMessage(_ServerModel):
+    """``error``: a client message was refused (``code`` from :data:`ERROR_CODES`) or a backend stage failed
+    (``code`` ``backend`` with ``stage``). The session goes on."""
+
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    stage: str | None = None
+    frame: int | None = None
+    t: float | None = None
+
+
+ServerMessage = Annotated[
+    ReadyMessage
+    | BusyMessage
+    | ByeMessage
+    | SlotMessage
+    | ErrorMessage
+    | TextEvent
+    | UserTextEvent
+    | RetEvent
+    | QuestionEvent
+    | SpanEvent
+    | LateEvent
+    | NoSpanEvent,
+    Field(discriminator="type"),
+]
+SERVER_MESSAGE_TYPES = (
+    "ready",
+    "busy",
+    "bye",
+    "slot",
+    "error",
+    "text",
+    "user_text",
+    "ret",
+    "question",
+    "span",
+    "late",
+    "no_span",
+)
+server_message_adapter: TypeAdapter[Any] = TypeAdapter(ServerMessage)
+
+
+def parse_server_message(text: str) -> Any:
+    """Parse a server JSON message into its model (for clients and tests). Raises ``pydantic.ValidationError``."""
+    return server_message_adapter.validate_json(text)
+
+
+def event_to_wire(event: Any) -> BaseModel:
+    """A conversation event -> the server message sent for it (core ``error`` events become ``ErrorMessage``
+    with code ``backend``)."""
+    if isinstance(event, ErrorEvent):
+        return ErrorMessage(code="backend", stage=event.stage, message=event.message, frame=event.frame, t=event.t)
+    return event
+
+
+def dumps(message: BaseModel) -> str:
+    """Serialise a server message (compact JSON; floats that are not finite become null)."""
+    data = message.model_dump(mode="json")
+    return json.dumps(_finite(data), separators=(",", ":"), ensure_ascii=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+__all__ = [
+    "CLIENT_MESSAGE_TYPES",
+    "ERROR_CODES",
+    "FLOAT32_FRAME_BYTES",
+    "INT16_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "SERVER_MESSAGE_TYPES",
+    "BusyMessage",
+    "ByeMessage",
+    "ContextMessage",
+    "ErrorMessage",
+    "ProfileFields",
+    "ProtocolCodeError",
+    "ReadyMessage",
+    "SessionStats",
+    "SlotMessage",
+    "StartHooks",
+    "StartMessage",
+    "StopMessage",
+    "decode_audio_frame",
+    "dumps",
+    "encode_audio_frame",
+    "event_to_wire",
+    "parse_client_message",
+    "parse_server_message",
+]

@@ -1,0 +1,598 @@
+// The cspan serve page: microphone -> WebSocket -> agent audio, transcripts and Context Spans.
+// Protocol: docs/PROTOCOL.md (binary = one 80 ms frame of float32 LE samples at 24 kHz; text = JSON events).
+// URL parameters: ?token=... (sent as the WebSocket subprotocol cspan.token.<token>), ?aec=0 (no echo
+// cancellation), ?raw=1 (no noise suppression or automatic gain), ?test={json} (test-only: sent as start.test,
+// accepted only by a server started with test hooks).
+"use strict";
+
+(() => {
+  const PROTOCOL_VERSION = 1;
+  const RATE = 24000;
+  const FRAME = 1920;
+  const params = new URLSearchParams(location.search);
+  const token = params.get("token");
+  const $ = (id) => document.getElementById(id);
+
+  const ui = {
+    status: $("status"),
+    dot: $("status-dot"),
+    notice: $("notice"),
+    insecure: $("notice-insecure"),
+    prompt: $("text-prompt"),
+    promptCount: $("prompt-count"),
+    voice: $("voice"),
+    name: $("name"),
+    location: $("location"),
+    timezone: $("timezone"),
+    lat: $("lat"),
+    lon: $("lon"),
+    locate: $("locate"),
+    start: $("start"),
+    stop: $("stop"),
+    thread: $("thread"),
+    spans: $("spans"),
+    downloads: $("downloads"),
+    wav: $("download-wav"),
+    json: $("download-json"),
+    levelUser: $("level-user"),
+    levelAgent: $("level-agent"),
+  };
+
+  let info = null;
+  let s = null; // the running session (see newSession)
+
+  // ------------------------------------------------------------------------------------------ page state
+
+  function setStatus(text, kind) {
+    ui.status.textContent = text;
+    ui.dot.className = "dot " + (kind || text);
+  }
+
+  function notice(text, kind) {
+    if (!text) {
+      ui.notice.hidden = true;
+      return;
+    }
+    ui.notice.textContent = text;
+    ui.notice.className = "notice " + (kind || "");
+    ui.notice.hidden = false;
+  }
+
+  function stored(key, fallback) {
+    try {
+      const v = localStorage.getItem(key);
+      return v === null ? fallback : v;
+    } catch (e) {
+      return fallback;
+    }
+  }
+
+  function store(key, value) {
+    try {
+      if (value) localStorage.setItem(key, value);
+      else localStorage.removeItem(key);
+    } catch (e) {
+      /* storage disabled: nothing to remember */
+    }
+  }
+
+  function userId() {
+    let id = stored("cspan.user_id", "");
+    if (!/^[A-Za-z0-9_.-]{1,64}$/.test(id)) {
+      const bytes = new Uint8Array(12);
+      crypto.getRandomValues(bytes);
+      id = "web-" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+      store("cspan.user_id", id);
+    }
+    return id;
+  }
+
+  function profile() {
+    const num = (el) => {
+      const v = parseFloat(el.value);
+      return Number.isFinite(v) ? v : null;
+    };
+    const p = { user_id: userId() };
+    if (ui.name.value.trim()) p.name = ui.name.value.trim();
+    if (ui.location.value.trim()) p.location = ui.location.value.trim();
+    if (ui.timezone.value.trim()) p.timezone = ui.timezone.value.trim();
+    const lat = num(ui.lat);
+    const lon = num(ui.lon);
+    if (lat !== null && lon !== null && Math.abs(lat) <= 90 && Math.abs(lon) <= 180) {
+      p.lat = lat;
+      p.lon = lon;
+    }
+    return p;
+  }
+
+  function updateCount() {
+    const max = ui.prompt.maxLength > 0 ? ui.prompt.maxLength : 1000;
+    ui.promptCount.textContent = `(${ui.prompt.value.length}/${max})`;
+  }
+
+  async function loadInfo() {
+    ui.timezone.value = stored("cspan.tz", "") || Intl.DateTimeFormat().resolvedOptions().timeZone || "";
+    ui.name.value = stored("cspan.name", "");
+    ui.location.value = stored("cspan.location", "");
+    try {
+      const r = await fetch("/info");
+      info = await r.json();
+    } catch (e) {
+      notice("Cannot reach the server (" + e + ").", "bad");
+      return;
+    }
+    ui.prompt.maxLength = info.max_text_prompt_chars;
+    ui.prompt.value = stored("cspan.prompt", "") || info.text_prompt;
+    const none = document.createElement("option");
+    none.value = "";
+    none.textContent = "(no voice prompt)";
+    ui.voice.appendChild(none);
+    for (const v of info.voices) {
+      const o = document.createElement("option");
+      o.value = v;
+      o.textContent = v + (v === info.default_voice ? " (default)" : "");
+      ui.voice.appendChild(o);
+    }
+    ui.voice.value = stored("cspan.voice", "") || info.default_voice || "";
+    if (![...ui.voice.options].some((o) => o.value === ui.voice.value)) ui.voice.value = info.default_voice || "";
+    updateCount();
+    if (info.token_required && !token) {
+      notice("This server requires a token: open the page as /?token=YOUR_TOKEN.", "warn");
+    }
+    if (info.protocol_version !== PROTOCOL_VERSION) {
+      notice(`Server protocol ${info.protocol_version}, page protocol ${PROTOCOL_VERSION}: reload the page.`, "warn");
+    }
+  }
+
+  // ------------------------------------------------------------------------------------------ rendering
+
+  function bubble(kind, who, text) {
+    const b = document.createElement("div");
+    b.className = "bubble " + kind;
+    const w = document.createElement("span");
+    w.className = "who";
+    w.textContent = who;
+    const t = document.createElement("span");
+    t.className = "text";
+    t.textContent = text || "";
+    b.append(w, t);
+    ui.thread.appendChild(b);
+    ui.thread.scrollTop = ui.thread.scrollHeight;
+    return b;
+  }
+
+  // SentencePiece byte-fallback pieces ("<0xE2>") arrive one per token: collect them and decode as UTF-8.
+  const BYTE_PIECE = /^<0x([0-9A-Fa-f]{2})>$/;
+
+  function pieceText(piece) {
+    const m = BYTE_PIECE.exec(piece);
+    if (m) {
+      s.pendingBytes.push(parseInt(m[1], 16));
+      return "";
+    }
+    let out = "";
+    if (s.pendingBytes.length) {
+      out = new TextDecoder("utf-8").decode(new Uint8Array(s.pendingBytes));
+      s.pendingBytes = [];
+    }
+    return out + piece;
+  }
+
+  function onText(msg) {
+    const text = pieceText(msg.text);
+    if (!text) return;
+    if (!s.agentBubble) {
+      s.agentBubble = bubble("agent", "Agent", "");
+      s.turns.push({ speaker: "agent", text: "", t: msg.t });
+    }
+    const t = s.agentBubble.querySelector(".text");
+    t.textContent = (t.textContent + text).replace(/^\s+/, "");
+    s.turns[s.turns.findLastIndex((x) => x.speaker === "agent")].text = t.textContent;
+    s.agentText += text;
+    ui.thread.scrollTop = ui.thread.scrollHeight;
+  }
+
+  function onUserText(msg) {
+    let b = s.userBubbles.get(msg.utterance);
+    if (!b) {
+      b = bubble("user partial", "You", "");
+      b.dataset.utterance = msg.utterance;
+      s.userBubbles.set(msg.utterance, b);
+    }
+    b.querySelector(".text").textContent = msg.text || "…";
+    if (msg.final) {
+      b.classList.remove("partial");
+      b.classList.add("final");
+      if (msg.text) s.turns.push({ speaker: "user", text: msg.text, t: msg.start_s });
+      s.agentBubble = null; // the next agent words start a new bubble
+    }
+  }
+
+  function spanItem(className, html) {
+    const li = document.createElement("li");
+    li.className = className;
+    li.append(...html);
+    ui.spans.appendChild(li);
+    return li;
+  }
+
+  function txt(text, cls) {
+    const el = document.createElement("span");
+    if (cls) el.className = cls;
+    el.textContent = text;
+    return el;
+  }
+
+  function onSpan(msg) {
+    const source = msg.tool || msg.source || "given";
+    spanItem("span", [txt(source, "tool"), txt(` ${msg.t.toFixed(2)} s: `), txt(msg.text)]);
+    bubble("span", `Context Span (${source}, ${msg.n_frames} frames, ${msg.prefill_ms.toFixed(1)} ms)`, msg.text);
+    s.agentBubble = null;
+    setStatus("listening");
+  }
+
+  function onServerMessage(msg) {
+    s.events.push(Object.assign({ t_page: (performance.now() - s.t0) / 1000 }, msg));
+    switch (msg.type) {
+      case "ready":
+        s.ready = msg;
+        s.readyAt = performance.now();
+        setStatus("listening");
+        notice("");
+        break;
+      case "busy":
+        s.busy = true;
+        setStatus("busy");
+        notice(msg.message, "bad");
+        break;
+      case "text":
+        onText(msg);
+        break;
+      case "user_text":
+        onUserText(msg);
+        break;
+      case "ret":
+        if (!msg.ignored) setStatus("retrieving");
+        break;
+      case "question":
+        spanItem("question", [txt("question", "tool"), txt(` ${msg.text}`)]);
+        break;
+      case "span":
+        onSpan(msg);
+        break;
+      case "late":
+        spanItem("late", [txt(`late (${msg.seconds.toFixed(1)} s), dropped: ${msg.text || msg.question || ""}`)]);
+        setStatus("listening");
+        break;
+      case "no_span":
+        spanItem("none", [txt(`nothing to add${msg.error ? " (" + msg.error + ")" : ""}`)]);
+        setStatus("listening");
+        break;
+      case "error":
+        if (msg.code === "backend") {
+          spanItem("none", [txt(`${msg.stage} failed: ${msg.message}`)]);
+        } else if (msg.code === "audio_overflow") {
+          notice("The server is behind real time: some of your audio was dropped.", "warn");
+        } else {
+          notice(`Server: ${msg.message} (${msg.code})`, "warn");
+        }
+        break;
+      case "bye":
+        s.bye = msg;
+        break;
+      default:
+        break; // slot and future messages are recorded only
+    }
+  }
+
+  function level(frame) {
+    let sum = 0;
+    for (let i = 0; i < frame.length; i++) sum += frame[i] * frame[i];
+    return Math.min(1, Math.sqrt(sum / frame.length) * 4);
+  }
+
+  // ------------------------------------------------------------------------------------------ session
+
+  function newSession() {
+    return {
+      ws: null,
+      ctx: null,
+      stream: null,
+      mic: null,
+      player: null,
+      ready: null,
+      bye: null,
+      busy: false,
+      stopping: false,
+      finished: false,
+      t0: performance.now(),
+      startedAt: new Date(),
+      micFrames: [],
+      agentFrames: [],
+      events: [],
+      pageEvents: [],
+      turns: [],
+      agentText: "",
+      pendingBytes: [],
+      agentBubble: null,
+      userBubbles: new Map(),
+      byeWaiter: null,
+    };
+  }
+
+  function wsUrl() {
+    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    return `${scheme}//${location.host}/ws`;
+  }
+
+  async function start() {
+    if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
+      ui.insecure.hidden = false;
+      notice("The microphone is not available on this page (see above).", "bad");
+      return;
+    }
+    ui.start.disabled = true;
+    ui.downloads.hidden = true;
+    ui.thread.textContent = "";
+    ui.spans.textContent = "";
+    notice("");
+    s = newSession();
+    const session = s;
+    setStatus("connecting");
+    for (const [k, el] of [
+      ["cspan.name", ui.name],
+      ["cspan.location", ui.location],
+      ["cspan.voice", ui.voice],
+    ]) {
+      store(k, el.value.trim());
+    }
+    store("cspan.prompt", info && ui.prompt.value === info.text_prompt ? "" : ui.prompt.value);
+    try {
+      session.stream = await navigator.mediaDevices.getUserMedia({
+        audio: {
+          channelCount: 1,
+          echoCancellation: params.get("aec") !== "0",
+          noiseSuppression: params.get("raw") !== "1",
+          autoGainControl: params.get("raw") !== "1",
+        },
+      });
+      try {
+        session.ctx = new AudioContext({ sampleRate: RATE, latencyHint: "interactive" });
+      } catch (e) {
+        session.ctx = new AudioContext({ latencyHint: "interactive" }); // resampled in the worklets
+      }
+      const ctx = session.ctx;
+      await ctx.audioWorklet.addModule("/static/mic-worklet.js");
+      await ctx.audioWorklet.addModule("/static/player-worklet.js");
+      const source = ctx.createMediaStreamSource(session.stream);
+      session.mic = new AudioWorkletNode(ctx, "mic-frames", {
+        numberOfInputs: 1,
+        numberOfOutputs: 1,
+        outputChannelCount: [1],
+        processorOptions: { frameSize: FRAME, inputRate: ctx.sampleRate, outputRate: RATE },
+      });
+      const mute = ctx.createGain();
+      mute.gain.value = 0;
+      source.connect(session.mic).connect(mute).connect(ctx.destination);
+      session.player = new AudioWorkletNode(ctx, "agent-player", {
+        numberOfInputs: 0,
+        numberOfOutputs: 1,
+        outputChannelCount: [1],
+        processorOptions: { inputRate: RATE, targetMs: 120 },
+      });
+      session.player.connect(ctx.destination);
+      session.player.port.onmessage = (e) => {
+        if (e.data.type !== "stats" || e.data.underruns) {
+          session.pageEvents.push(Object.assign({ t_page: (performance.now() - session.t0) / 1000 }, e.data));
+        }
+      };
+      session.mic.port.onmessage = (e) => onMicFrame(session, e.data);
+      await ctx.resume();
+    } catch (e) {
+      notice("Microphone or audio setup failed: " + e, "bad");
+      await teardown(session);
+      setStatus("error");
+      ui.start.disabled = false;
+      return;
+    }
+    connect(session);
+  }
+
+  function connect(session) {
+    const ws = token ? new WebSocket(wsUrl(), ["cspan.token." + token]) : new WebSocket(wsUrl());
+    ws.binaryType = "arraybuffer";
+    session.ws = ws;
+    ws.onopen = () => {
+      const msg = {
+        type: "start",
+        version: PROTOCOL_VERSION,
+        profile: profile(),
+        voice: ui.voice.value,
+        text_prompt: ui.prompt.value,
+      };
+      if (params.get("test")) {
+        try {
+          msg.test = JSON.parse(params.get("test"));
+        } catch (e) {
+          notice("?test= is not JSON: " + e, "warn");
+        }
+      }
+      ws.send(JSON.stringify(msg));
+      ui.stop.disabled = false;
+    };
+    ws.onmessage = (e) => {
+      if (typeof e.data === "string") {
+        let msg;
+        try {
+          msg = JSON.parse(e.data);
+        } catch (err) {
+          return;
+        }
+        onServerMessage(msg);
+        if (msg.type === "bye" && session.byeWaiter) session.byeWaiter();
+        return;
+      }
+      const frame = new Float32Array(e.data);
+      if (frame.length !== FRAME) return;
+      session.agentFrames.push(frame.slice());
+      ui.levelAgent.value = level(frame);
+      session.player.port.postMessage(frame, [frame.buffer]);
+    };
+    ws.onclose = (e) => {
+      if (session.byeWaiter) session.byeWaiter();
+      if (e.code === 4401) notice("The server refused the token: open the page as /?token=YOUR_TOKEN.", "bad");
+      else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
+      else if (e.code === 1013 || session.busy) notice("All conversation slots are busy; try again later.", "bad");
+      else if (session.bye && session.bye.reason === "idle") notice("The session ended: no audio for a while.", "warn");
+      else if (!session.stopping && !session.bye) notice(`Connection closed (code ${e.code}).`, "bad");
+      finish(session);
+    };
+  }
+
+  function onMicFrame(session, frame) {
+    ui.levelUser.value = level(frame);
+    const ws = session.ws;
+    if (!session.ready || session.stopping || !ws || ws.readyState !== WebSocket.OPEN) return;
+    session.micFrames.push(frame);
+    ws.send(frame.buffer);
+  }
+
+  function sendContext() {
+    if (s && s.ready && !s.stopping && s.ws && s.ws.readyState === WebSocket.OPEN) {
+      s.ws.send(JSON.stringify({ type: "context", profile: profile() }));
+    }
+  }
+
+  async function stop() {
+    const session = s;
+    if (!session || session.stopping) return;
+    session.stopping = true;
+    ui.stop.disabled = true;
+    setStatus("stopping", "connecting");
+    const ws = session.ws;
+    if (ws && ws.readyState === WebSocket.OPEN) {
+      const got = new Promise((resolve) => {
+        session.byeWaiter = resolve;
+      });
+      ws.send(JSON.stringify({ type: "stop" }));
+      session.pageEvents.push({ t_page: (performance.now() - session.t0) / 1000, type: "stop_sent" });
+      // the server plays the queued audio through and waits briefly for the last transcripts before its bye
+      const timedOut = await Promise.race([got.then(() => false), new Promise((r) => setTimeout(r, 20000, true))]);
+      if (timedOut) session.pageEvents.push({ t_page: (performance.now() - session.t0) / 1000, type: "no_bye" });
+      if (ws.readyState === WebSocket.OPEN) ws.close(1000, "stop");
+    }
+    finish(session);
+  }
+
+  async function teardown(session) {
+    if (session.stream) session.stream.getTracks().forEach((t) => t.stop());
+    if (session.ctx && session.ctx.state !== "closed") {
+      try {
+        await session.ctx.close();
+      } catch (e) {
+        /* already closed */
+      }
+    }
+  }
+
+  async function finish(session) {
+    if (session.finished) return;
+    session.finished = true;
+    session.stopping = true;
+    await teardown(session);
+    ui.stop.disabled = true;
+    ui.start.disabled = false;
+    if (!session.busy) setStatus("idle");
+    if (session.micFrames.length || session.agentFrames.length) offerDownloads(session);
+  }
+
+  // ------------------------------------------------------------------------------------------ downloads
+
+  function wavStereo(left, right) {
+    const n = Math.max(left.length, right.length) * FRAME;
+    const buf = new ArrayBuffer(44 + n * 4);
+    const v = new DataView(buf);
+    const w = (o, str) => {
+      for (let i = 0; i < str.length; i++) v.setUint8(o + i, str.charCodeAt(i));
+    };
+    w(0, "RIFF");
+    v.setUint32(4, 36 + n * 4, true);
+    w(8, "WAVE");
+    w(12, "fmt ");
+    v.setUint32(16, 16, true);
+    v.setUint16(20, 1, true); // PCM
+    v.setUint16(22, 2, true); // stereo
+    v.setUint32(24, RATE, true);
+    v.setUint32(28, RATE * 4, true);
+    v.setUint16(32, 4, true);
+    v.setUint16(34, 16, true);
+    w(36, "data");
+    v.setUint32(40, n * 4, true);
+    const pcm = (frames, i) => {
+      const f = frames[Math.floor(i / FRAME)];
+      const x = f ? f[i % FRAME] : 0;
+      return Math.max(-32768, Math.min(32767, Math.round(x * 32767)));
+    };
+    let o = 44;
+    for (let i = 0; i < n; i++) {
+      v.setInt16(o, pcm(left, i), true);
+      v.setInt16(o + 2, pcm(right, i), true);
+      o += 4;
+    }
+    return new Blob([buf], { type: "audio/wav" });
+  }
+
+  function offerDownloads(session) {
+    const stamp = session.startedAt.toISOString().replace(/[:.]/g, "-").replace("Z", "");
+    const frames = Math.max(session.micFrames.length, session.agentFrames.length);
+    const transcript = {
+      recorded_at: session.startedAt.toISOString(),
+      protocol_version: PROTOCOL_VERSION,
+      sample_rate: RATE,
+      seconds: (frames * FRAME) / RATE,
+      channels: { left: "user (microphone as sent)", right: "agent (as received)" },
+      session_id: session.ready ? session.ready.session_id : null,
+      conversation_id: session.ready ? session.ready.conversation_id : null,
+      persona: session.ready ? session.ready.persona : null,
+      profile: session.ready ? session.ready.profile : profile(),
+      stats: session.bye ? session.bye.stats : null,
+      agent_text: session.agentText.trim(),
+      turns: session.turns.filter((t) => t.text),
+      events: session.events,
+      page_events: session.pageEvents,
+    };
+    for (const a of [ui.wav, ui.json]) if (a.href) URL.revokeObjectURL(a.href);
+    ui.wav.href = URL.createObjectURL(wavStereo(session.micFrames, session.agentFrames));
+    ui.wav.download = `contextspanning-${stamp}.wav`;
+    ui.json.href = URL.createObjectURL(
+      new Blob([JSON.stringify(transcript, null, 2)], { type: "application/json" }),
+    );
+    ui.json.download = `contextspanning-${stamp}.json`;
+    ui.downloads.hidden = false;
+  }
+
+  // ------------------------------------------------------------------------------------------ wiring
+
+  ui.start.addEventListener("click", start);
+  ui.stop.addEventListener("click", stop);
+  ui.prompt.addEventListener("input", updateCount);
+  for (const el of [ui.name, ui.location, ui.timezone, ui.lat, ui.lon]) el.addEventListener("change", sendContext);
+  ui.timezone.addEventListener("change", () => store("cspan.tz", ui.timezone.value.trim()));
+  ui.locate.addEventListener("click", () => {
+    if (!navigator.geolocation) {
+      notice("Geolocation is not available in this browser.", "warn");
+      return;
+    }
+    navigator.geolocation.getCurrentPosition(
+      (pos) => {
+        ui.lat.value = pos.coords.latitude.toFixed(4);
+        ui.lon.value = pos.coords.longitude.toFixed(4);
+        sendContext();
+      },
+      (err) => notice("Location unavailable: " + err.message, "warn"),
+      { timeout: 10000, maximumAge: 600000 },
+    );
+  });
+  if (!window.isSecureContext) ui.insecure.hidden = false;
+  loadInfo();
+})();

@@ -1,0 +1,20 @@
+"""Errors of ``cspan prepare`` and ``cspan train`` (rooted at :class:`cspan.core.errors.CspanError`).
+
+Messages say what is wrong, where (the file, and for dialogue files the JSON field such as
+``turns[2].words[0].start``), and how to fix it.
+"""
+
+from __future__ import annotations
+
+from cspan.core.errors import CspanError
+
+
+class DataError(CspanError):
+    """A dialogue (JSON + audio) or a prepared dataset is invalid; the message names the file and the field."""
+
+
+class TrainError(CspanError):
+    """A training run cannot start or resume (bad options, incompatible checkpoint or dataset)."""
+
+
+__all__ = ["DataError", "TrainError"]

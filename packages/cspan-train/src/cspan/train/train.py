@@ -1,0 +1,827 @@
+"""``cspan train``: fine-tune a Moshi-family checkpoint on prepared dialogues with Context Spans spliced in.
+
+One optimizer step (``docs/TRAINING.md``):
+
+1. every rank draws its ``batch_size x accum`` samples; sample ``g`` of step ``s`` has the global index
+   ``g = s * (batch_size * accum * world) + (micro * world + rank) * batch_size + j`` and is a pure function of
+   ``(seed, g)`` (:class:`cspan.train.dataset.SequenceSampler`): persona prefix, dialogue, Context Span blocks at
+   MoshiRAG-sampled delays, a random window of ``--context`` positions;
+2. the loss weights of all micro-batches of all ranks are summed first (one all-reduce), so the loss is the
+   weighted mean over the whole global batch whatever the split (``torchrun`` with 2 processes equals one process
+   with twice the batch);
+3. forward (:meth:`cspan.core.lm.LMModel.forward_delayed`, bf16 autocast on CUDA, activation checkpointing per
+   transformer layer), backward per micro-batch (gradients synchronised on the last one), clipping at ``--clip``,
+   AdamW, warm-up + cosine learning rate;
+4. metrics to ``metrics.jsonl`` (and TensorBoard when installed); every ``--ckpt-every`` steps a checkpoint that
+   resumes exactly (trainable weights, optimizer, scheduler, RNG states, step = data position).
+
+Full fine-tuning or LoRA (``--lora-rank``); single process, DDP or FSDP2 (``fully_shard``, ``--fsdp``) under
+``torchrun``. At the end the model is exported in the released layout (``OUT/export/``: a fine-tune ``.pt`` holding
+``{"model": state_dict}`` and, for LoRA, the unmerged adapters plus ``{"lora": {"r", "alpha"}}``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
+from .errors import TrainError
+from .lora import ALL_LINEAR, add_lora, freeze_all_but_lora, lora_spec, resolve_targets
+from .loss import LossWeights, token_weights, weighted_cross_entropy
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+EXPORT_DIR = "export"
+EXPORT_FILE = "context_spanning.pt"
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "train_config.json"
+COMPLETE_FILE = "COMPLETE"
+
+# options that define the sample stream and the optimisation: a resumed run must not change them
+_RESUME_KEYS = (
+    "seed",
+    "context",
+    "global_batch",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "lr",
+    "lr_depformer",
+    "warmup_steps",
+    "min_lr_ratio",
+    "weight_decay",
+    "steps",
+)
+
+
+@dataclass
+class TrainConfig:
+    """Options of one ``cspan train`` run (the CLI flags; ``docs/TRAINING.md``).
+
+    Attributes:
+        data_dir: a folder written by ``cspan prepare``.
+        out_dir: checkpoints, metrics and the export go here (an existing run there is resumed).
+        checkpoint, base: what to fine-tune (see :func:`cspan.core.checkpoint.load_checkpoint`).
+        lora_rank: 0 = full fine-tuning; r >= 1 = LoRA adapters of rank r (the rest frozen).
+        lora_alpha: LoRA scale numerator (default: the rank, i.e. scale 1).
+        lora_targets: ``all`` or comma-separated module-name patterns.
+        steps: optimizer steps.
+        lr: peak learning rate of the temporal transformer and embeddings (default 2e-6 full, 1e-4 LoRA).
+        lr_depformer: peak learning rate of the depformer and its heads (default 2 x lr, as the released recipe's
+            2e-6 / 4e-6).
+        batch_size: sequences per micro-batch per process.
+        accum: micro-batches per optimizer step.
+        context: longest training window in positions (prefix + frames + span columns).
+        ckpt_every: steps between checkpoints (and one at the end).
+        seed: seeds the samples, the LoRA initialisation and the RNGs.
+        fsdp: shard with FSDP2 (``fully_shard``) instead of DDP when several processes run.
+        warmup_steps: linear warm-up (default 5 % of ``steps``, at least 1).
+        min_lr_ratio: the cosine ends at ``min_lr_ratio x lr``.
+        weight_decay, betas, eps, clip: AdamW and gradient clipping.
+        weights: loss weights.
+        device: default ``cuda:LOCAL_RANK`` when CUDA is available, else ``cpu``.
+        dtype: parameter dtype (float32 master weights by default; bfloat16 halves the memory).
+        autocast: ``auto`` (bf16 on CUDA, none on CPU), ``bf16`` or ``none``.
+        activation_checkpointing: recompute each transformer layer in the backward pass.
+        stop_at: stop (after checkpointing) once this step is done; rerun the same command to resume.
+        log_every: steps between log lines on stderr (metrics.jsonl gets every step).
+        keep_checkpoints: how many of the latest checkpoints to keep (0 = all).
+        export_dtype: dtype of the exported weights (default: the parameter dtype).
+        start_delay_s, end_gap_s, random_sampling_proba: the MoshiRAG delay sampler.
+    """
+
+    data_dir: Path
+    out_dir: Path
+    checkpoint: str | None = None
+    base: str | None = None
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    lora_targets: str = ALL_LINEAR
+    steps: int = 1000
+    lr: float | None = None
+    lr_depformer: float | None = None
+    batch_size: int = 1
+    accum: int = 8
+    context: int = 3000
+    ckpt_every: int = 500
+    seed: int = 0
+    fsdp: bool = False
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip: float = 1.0
+    weights: LossWeights = field(default_factory=LossWeights)
+    device: str | None = None
+    dtype: str = "float32"
+    autocast: str = "auto"
+    activation_checkpointing: bool = True
+    stop_at: int | None = None
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    export_dtype: str | None = None
+    start_delay_s: float = 1.0
+    end_gap_s: float = 1.0
+    random_sampling_proba: float = 0.2
+
+    def resolved(self) -> TrainConfig:
+        """A copy with the defaults that depend on other options filled in.
+
+        Raises:
+            TrainError: an option out of range.
+        """
+        import copy
+
+        cfg = copy.copy(self)
+        cfg.data_dir, cfg.out_dir = Path(cfg.data_dir), Path(cfg.out_dir)
+        checks = [
+            (cfg.steps >= 1, f"--steps must be >= 1, got {cfg.steps}"),
+            (cfg.batch_size >= 1, f"--batch-size must be >= 1, got {cfg.batch_size}"),
+            (cfg.accum >= 1, f"--accum must be >= 1, got {cfg.accum}"),
+            (cfg.context >= 2, f"--context must be >= 2 positions, got {cfg.context}"),
+            (cfg.ckpt_every >= 1, f"--ckpt-every must be >= 1, got {cfg.ckpt_every}"),
+            (cfg.lora_rank >= 0, f"--lora-rank must be >= 0, got {cfg.lora_rank}"),
+            (cfg.clip > 0, f"--clip must be > 0, got {cfg.clip}"),
+            (0.0 <= cfg.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}"),
+            (cfg.autocast in ("auto", "bf16", "none"), f"--autocast must be auto, bf16 or none, got {cfg.autocast}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise TrainError(message)
+        if cfg.lr is None:
+            cfg.lr = 1e-4 if cfg.lora_rank else 2e-6
+        if cfg.lr_depformer is None:
+            cfg.lr_depformer = 2.0 * cfg.lr
+        if cfg.lora_rank and cfg.lora_alpha is None:
+            cfg.lora_alpha = float(cfg.lora_rank)
+        if cfg.warmup_steps is None:
+            cfg.warmup_steps = max(1, round(0.05 * cfg.steps))
+        if cfg.stop_at is not None and not 1 <= cfg.stop_at <= cfg.steps:
+            raise TrainError(f"--stop-at must be in [1, --steps], got {cfg.stop_at}")
+        return cfg
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning-rate multiplier of optimizer step ``step`` (0-based): linear warm-up over ``warmup`` steps to 1,
+    then a half cosine down to ``min_ratio`` at step ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process group
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DistInfo:
+    """This process's place in the job (``torchrun`` environment variables)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a float64 tensor over ranks (returns it unchanged in a single process)."""
+        if self.enabled:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+
+def init_distributed(device: torch.device | None) -> DistInfo:
+    """Join the ``torchrun`` process group when ``WORLD_SIZE > 1`` (NCCL on CUDA, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    info = DistInfo(
+        rank=int(os.environ.get("RANK", "0")), world=world, local_rank=int(os.environ.get("LOCAL_RANK", "0"))
+    )
+    if info.enabled and not dist.is_initialized():
+        cuda = (device is None and torch.cuda.is_available()) or (device is not None and device.type == "cuda")
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return info
+
+
+def pick_device(name: str | None, info: DistInfo) -> torch.device:
+    """``--device``, else ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if name:
+        dev = torch.device(name)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", info.local_rank)
+    else:
+        dev = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TrainModule(nn.Module):
+    """Wraps the LM so that DDP / FSDP2 hooks run around the training forward.
+
+    ``forward(inputs [B, K, L], targets [B, K, L])`` -> (text_logits [B, L, text_card], audio_logits
+    [B, dep_q, L, card]) via :meth:`cspan.core.lm.LMModel.forward_delayed`.
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        delayed = torch.cat([inputs, targets[:, :, -1:]], dim=2)  # the last column is never read as an input
+        return self.lm.forward_delayed(delayed, targets)
+
+
+def enable_activation_checkpointing(lm: nn.Module) -> int:
+    """Recompute every temporal and depformer layer in the backward pass (``torch.utils.checkpoint``,
+    non-reentrant); the module tree and state-dict keys are unchanged. Returns the number of layers wrapped."""
+    from torch.utils.checkpoint import checkpoint
+
+    count = 0
+    for stack in (lm.transformer, lm.depformer):
+        for layer in stack.layers:
+            inner = layer.forward
+
+            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+                if torch.is_grad_enabled():
+                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                return _inner(*args, **kwargs)
+
+            layer.forward = forward
+            count += 1
+    return count
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if name not in table:
+        raise TrainError(f"dtype {name!r} is not supported for training; use float32 or bfloat16")
+    return table[name]
+
+
+def _is_depformer(name: str) -> bool:
+    return name.startswith(("depformer", "linears"))
+
+
+def _strip(name: str) -> str:
+    for prefix in ("module.", "_orig_mod.", "lm."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+@contextmanager
+def _grad_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip DDP / FSDP2 gradient synchronisation on all but the last micro-batch."""
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(enabled)
+        yield
+    elif not enabled and hasattr(module, "no_sync"):  # DDP
+        with module.no_sync():
+            yield
+    else:
+        yield
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    """What a run did: steps done (in total), the last step's loss, the export folder (None when stopped early)."""
+
+    step: int
+    loss: float | None
+    export_dir: Path | None
+    metrics: Path
+
+
+class Trainer:
+    """One training run (see the module docstring). ``Trainer(cfg).run()``.
+
+    Raises:
+        TrainError, DataError, CheckpointError: bad options, data or checkpoint.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg.resolved()
+        self.dist = DistInfo()
+        self.device = torch.device("cpu")
+        self.tb: Any = None
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+
+    def _load_model(self) -> None:
+        from cspan.core.checkpoint import load_checkpoint
+
+        cfg = self.cfg
+        dtype = _dtype(cfg.dtype)
+        load_device = "cpu" if (cfg.fsdp and self.dist.enabled) else self.device
+        self.ckpt = load_checkpoint(cfg.checkpoint, device=load_device, dtype=dtype, base=cfg.base)
+        lm = self.ckpt.lm
+        lm.train()
+        if cfg.lora_rank:
+            gen = torch.Generator().manual_seed(cfg.seed)
+            if self.ckpt.lora is not None:
+                # a LoRA fine-tune: keep training its own adapters (same rank and scale), nothing new is wrapped
+                spec = lora_spec(lm)
+                assert spec is not None
+                if spec["r"] != cfg.lora_rank or spec["alpha"] != cfg.lora_alpha:
+                    raise TrainError(
+                        f"the checkpoint already has LoRA adapters (r {spec['r']}, alpha {spec['alpha']}); continue "
+                        f"them with --lora-rank {spec['r']} --lora-alpha {spec['alpha']}, or fine-tune everything "
+                        "(--lora-rank 0)"
+                    )
+            else:
+                names = resolve_targets(lm, cfg.lora_targets)
+                assert cfg.lora_alpha is not None
+                add_lora(lm, names, cfg.lora_rank, cfg.lora_alpha, gen)
+            self.trainable = freeze_all_but_lora(lm)
+        else:
+            for p in lm.parameters():
+                p.requires_grad_(True)
+            self.trainable = sum(p.numel() for p in lm.parameters())
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(lm)
+        self.lm = lm
+        module: nn.Module = TrainModule(lm)
+        if self.dist.enabled and cfg.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.dist.world,))
+            for stack in (lm.transformer, lm.depformer):
+                for layer in stack.layers:
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        elif self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            module = DistributedDataParallel(module, device_ids=ids)
+        self.module = module
+
+    def _build_optimizer(self) -> None:
+        cfg = self.cfg
+        temporal, depth = [], []
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                (depth if _is_depformer(_strip(name)) else temporal).append(p)
+        groups = [
+            g for g in ({"params": temporal, "lr": cfg.lr}, {"params": depth, "lr": cfg.lr_depformer}) if g["params"]
+        ]
+        self.optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        assert cfg.warmup_steps is not None
+        warmup, total, ratio = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total, ratio))
+
+    def _check_data(self) -> None:
+        info = self.dataset.info
+        lm = self.lm
+        if int(info.get("card", lm.card)) != lm.card or 2 * int(info.get("num_codebooks", 8)) + 1 != lm.num_codebooks:
+            raise TrainError(
+                f"dataset {str(self.cfg.data_dir)!r} was encoded with {info.get('num_codebooks')} codebooks of "
+                f"{info.get('card')} codes, the model reads {lm.n_q} streams of {lm.card}; prepare the data with this "
+                "checkpoint's codec"
+            )
+        if int(info.get("text_vocab", 0)) > lm.text_card:
+            raise TrainError(
+                f"dataset {str(self.cfg.data_dir)!r} was tokenised with a {info.get('text_vocab')}-piece vocabulary, "
+                f"larger than the model's text_card {lm.text_card}; prepare it with this checkpoint's tokenizer"
+            )
+        ctx = lm.cfg.context
+        if ctx is not None and self.cfg.context > ctx:
+            log.warning("--context %d is longer than the model's attention window %d", self.cfg.context, ctx)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+
+    def _ckpt_root(self) -> Path:
+        return self.cfg.out_dir / CHECKPOINTS_DIR
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint folder of ``out_dir`` (None when there is none)."""
+        root = self._ckpt_root()
+        if not root.is_dir():
+            return None
+        done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_FILE).is_file())
+        return done[-1] if done else None
+
+    def _state_options(self, *, full: bool = True, frozen: bool = True) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(
+            full_state_dict=full, cpu_offload=self.dist.enabled, ignore_frozen_params=not frozen, strict=False
+        )
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Write ``checkpoints/step_{step:08d}/`` (trainable weights, optimizer, scheduler, RNG per rank) atomically
+        and prune old ones."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options(frozen=False))
+        root = self._ckpt_root()
+        final = root / f"step_{step:08d}"
+        tmp = root / f".step_{step:08d}.tmp"
+        if self.dist.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / "rng").mkdir(parents=True)
+        self.dist.barrier()
+        torch.save(_rng_state(), tmp / "rng" / f"rank{self.dist.rank}.pt")
+        if self.dist.is_main:
+            torch.save({"model": model_sd}, tmp / "model.pt")
+            torch.save(optim_sd, tmp / "optimizer.pt")
+            torch.save({"step": step, "scheduler": self.scheduler.state_dict()}, tmp / "trainer.pt")
+        self.dist.barrier()
+        if self.dist.is_main:
+            meta = {"step": step, "world": self.dist.world, "config": self._config_record()}
+            (tmp / COMPLETE_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            keep = self.cfg.keep_checkpoints
+            if keep > 0:
+                done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_FILE).is_file())
+                for old in done[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.dist.barrier()
+        return final
+
+    def load_checkpoint(self, folder: Path) -> int:
+        """Restore weights, optimizer, scheduler and this rank's RNG from ``folder``; returns its step.
+
+        Raises:
+            TrainError: the folder was written with options that change the samples or the optimisation.
+        """
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        meta = json.loads((folder / COMPLETE_FILE).read_text(encoding="utf-8"))
+        saved = meta.get("config", {})
+        now = self._config_record()
+        changed = [k for k in _RESUME_KEYS if k in saved and saved[k] != now.get(k)]
+        if changed:
+            details = ", ".join(f"{k}: {saved[k]!r} -> {now.get(k)!r}" for k in changed)
+            raise TrainError(
+                f"cannot resume {str(folder)!r}: {details} changed since it was written; rerun with the same options "
+                "or use a new --out-dir"
+            )
+        model_sd = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)["model"]
+        optim_sd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=self._state_options(),
+        )
+        trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        rng_file = folder / "rng" / f"rank{self.dist.rank}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        return int(trainer["step"])
+
+    def _config_record(self) -> dict[str, Any]:
+        cfg = self.cfg
+        record = asdict(cfg)
+        record["data_dir"], record["out_dir"] = str(cfg.data_dir), str(cfg.out_dir)
+        record["betas"] = list(cfg.betas)
+        record["global_batch"] = cfg.batch_size * cfg.accum * self.dist.world
+        record["world"] = self.dist.world
+        return record
+
+    # -- export -----------------------------------------------------------------------------------------------------
+
+    def export(self, step: int) -> Path:
+        """Write ``OUT/export/`` in the released fine-tune layout (rank 0 writes; every rank must call).
+
+        ``context_spanning.pt`` = ``{"model": state_dict}`` loaded over the base by
+        :func:`cspan.core.checkpoint.load_checkpoint`: the full state dict for full fine-tuning; for LoRA the
+        unmerged adapters (``<name>.lora_A`` / ``<name>.lora_B``, with ``{"lora": {"r", "alpha"}}``) and -- when the
+        training checkpoint was itself a fine-tune over its base -- every other weight too (``<name>.base.weight``
+        included), so the file loads over that base. The checkpoint's voices are copied to ``voices/``.
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        full = get_model_state_dict(self.module, options=self._state_options())
+        out = self.cfg.out_dir / EXPORT_DIR
+        if self.dist.is_main:
+            spec = lora_spec(self.lm)
+            adapters_only = spec is not None and self.ckpt.fine_tune is None
+            dtype = _dtype(self.cfg.export_dtype) if self.cfg.export_dtype else _dtype(self.cfg.dtype)
+            state: dict[str, torch.Tensor] = {}
+            for key, value in full.items():
+                name = _strip(key)
+                if adapters_only and not name.endswith((".lora_A", ".lora_B")):
+                    continue
+                value = value.detach().cpu()
+                state[name] = value.to(dtype) if value.is_floating_point() else value
+            payload: dict[str, Any] = {"model": state}
+            if spec is not None:
+                payload["lora"] = spec
+            out.mkdir(parents=True, exist_ok=True)
+            tmp = out / f".{EXPORT_FILE}.part"
+            torch.save(payload, tmp)
+            os.replace(tmp, out / EXPORT_FILE)
+            if self.ckpt.voices:
+                (out / "voices").mkdir(exist_ok=True)
+                for name, path in sorted(self.ckpt.voices.items()):
+                    shutil.copyfile(path, out / "voices" / f"{name}.pt")
+            files = {k: str(v) for k, v in self.ckpt.files.items()}
+            # The base this export loads over (read by load_checkpoint when neither --base nor CSPAN_BASE is given):
+            # the folder of the base model's weights, which the training checkpoint was itself loaded from.
+            base = str(Path(self.ckpt.files["lm"]).parent) if "lm" in self.ckpt.files else str(self.ckpt.source)
+            info = {
+                "step": step,
+                "base": base,
+                "trained_from": str(self.ckpt.source),
+                "base_files": files,
+                "lora": spec,
+                "adapters_only": adapters_only,
+                "dtype": str(dtype).removeprefix("torch."),
+                "load": "cspan infer --checkpoint " + str(out),
+            }
+            (out / "export.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        self.dist.barrier()
+        return out
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+
+    def _autocast(self) -> Any:
+        mode = self.cfg.autocast
+        if mode == "bf16" or (mode == "auto" and self.device.type == "cuda"):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _micro_batches(self, step: int) -> list[list[TrainingSequence]]:
+        cfg, info = self.cfg, self.dist
+        per_step = cfg.batch_size * cfg.accum * info.world
+        out = []
+        for m in range(cfg.accum):
+            first = step * per_step + (m * info.world + info.rank) * cfg.batch_size
+            out.append([self.sampler.sample(first + j) for j in range(cfg.batch_size)])
+        return out
+
+    def _open_metrics(self, start_step: int) -> Any:
+        path = self.cfg.out_dir / METRICS_FILE
+        if not self.dist.is_main:
+            return None
+        kept = []
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if int(json.loads(line)["step"]) <= start_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    continue
+        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.cfg.out_dir / "tensorboard"), purge_step=start_step + 1)
+        except ImportError:
+            print(
+                f"cspan train: tensorboard is not installed (pip install 'cspan-train[tensorboard]'); metrics go to "
+                f"{path} only",
+                file=sys.stderr,
+            )
+            self.tb = None
+        return path.open("a", encoding="utf-8")
+
+    def run(self) -> TrainResult:
+        """Train (resuming from the latest checkpoint in ``out_dir``) and export; returns a :class:`TrainResult`."""
+        cfg = self.cfg
+        requested = torch.device(cfg.device) if cfg.device else None
+        self.dist = init_distributed(requested)
+        try:
+            return self._run()
+        finally:
+            if self.tb is not None:
+                self.tb.close()
+            if self.dist.enabled and dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _run(self) -> TrainResult:
+        cfg, info = self.cfg, self.dist
+        self.device = pick_device(cfg.device, info)
+        _seed_everything(cfg.seed + info.rank)
+        self.dataset = PreparedDataset(cfg.data_dir)
+        self._load_model()
+        self._check_data()
+        self.sampler = SequenceSampler(
+            self.dataset,
+            self.lm.delays,
+            self.lm.initial_tokens()[0, :, 0].tolist(),
+            SamplerConfig(
+                seed=cfg.seed,
+                context=cfg.context,
+                start_delay_s=cfg.start_delay_s,
+                end_gap_s=cfg.end_gap_s,
+                random_sampling_proba=cfg.random_sampling_proba,
+            ),
+        )
+        self._build_optimizer()
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        start = 0
+        latest = self.latest_checkpoint()
+        if latest is not None:
+            start = self.load_checkpoint(latest)
+            if info.is_main:
+                print(f"cspan train: resuming from {latest} (step {start} of {cfg.steps})", file=sys.stderr)
+        elif info.is_main:
+            (cfg.out_dir / CONFIG_FILE).write_text(json.dumps(self._config_record(), indent=2) + "\n", encoding="utf-8")
+        if info.is_main:
+            mode = f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha}" if cfg.lora_rank else "full fine-tuning"
+            shard = "FSDP2" if (cfg.fsdp and info.enabled) else ("DDP" if info.enabled else "single process")
+            print(
+                f"cspan train: {len(self.dataset)} dialogues, {mode} ({self.trainable:,} trainable values), {shard} "
+                f"x {info.world} on {self.device}, global batch {cfg.batch_size * cfg.accum * info.world}, "
+                f"steps {start} -> {cfg.steps}",
+                file=sys.stderr,
+            )
+        metrics = self._open_metrics(start)
+        last_loss: float | None = None
+        step = start
+        try:
+            while step < cfg.steps:
+                t0 = time.perf_counter()
+                record = self._train_step(step)
+                step += 1
+                record["step"] = step
+                record["step_s"] = round(time.perf_counter() - t0, 4)
+                last_loss = record["loss"]
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                    if self.tb is not None:
+                        for key in ("loss", "text_loss", "audio_loss", "lr", "grad_norm"):
+                            self.tb.add_scalar(f"train/{key}", record[key], step)
+                    if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+                        print(
+                            f"step {step}/{cfg.steps} loss {record['loss']:.4f} (text {record['text_loss']:.4f}, "
+                            f"audio {record['audio_loss']:.4f}) lr {record['lr']:.3g} grad {record['grad_norm']:.3g} "
+                            f"{record['step_s']:.2f} s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                stop = cfg.stop_at is not None and step >= cfg.stop_at and step < cfg.steps
+                if step % cfg.ckpt_every == 0 or step == cfg.steps or stop:
+                    self.save_checkpoint(step)
+                if stop:
+                    if info.is_main:
+                        print(f"cspan train: stopped after step {step} (--stop-at); rerun to resume", file=sys.stderr)
+                    return TrainResult(step=step, loss=last_loss, export_dir=None, metrics=cfg.out_dir / METRICS_FILE)
+        finally:
+            if metrics is not None:
+                metrics.close()
+        export_dir = self.export(step)
+        return TrainResult(step=step, loss=last_loss, export_dir=export_dir, metrics=cfg.out_dir / METRICS_FILE)
+
+    def _train_step(self, step: int) -> dict[str, Any]:
+        cfg, info = self.cfg, self.dist
+        dep_q = self.lm.dep_q
+        micro = [collate(seqs) for seqs in self._micro_batches(step)]
+        weights = [token_weights(t, m, dep_q, cfg.weights) for _, t, m in micro]
+        local = torch.tensor(
+            [
+                sum(float(tw.sum()) for tw, _ in weights),
+                sum(float(aw.sum()) for _, aw in weights),
+                sum(float(m[:, 0].sum()) for _, _, m in micro),
+                sum(float(m[:, 1 : 1 + dep_q].sum()) for _, _, m in micro),
+                sum(float(i.shape[0] * i.shape[2]) for i, _, _ in micro),
+            ],
+            dtype=torch.float64,
+        )
+        totals = info.all_sum(local.to(self.device)).cpu()
+        w_text = max(float(totals[0]), 1e-12)
+        w_audio = max(float(totals[1]), 1e-12)
+        sums = torch.zeros(2, dtype=torch.float64)
+        self.module.train()
+        for m, ((inputs, targets, _mask), (tw, aw)) in enumerate(zip(micro, weights, strict=True)):
+            last = m == len(micro) - 1
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            tw, aw = tw.to(self.device), aw.to(self.device)
+            with _grad_sync(self.module, last):
+                with self._autocast():
+                    text_logits, audio_logits = self.module(inputs, targets)
+                text_sum, audio_sum = weighted_cross_entropy(text_logits, audio_logits, targets, tw, aw)
+                loss = (text_sum / w_text + audio_sum / w_audio) * info.world
+                loss.backward()
+            sums += torch.stack([text_sum.detach(), audio_sum.detach()]).double().cpu()
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad], cfg.clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = info.all_sum(sums.to(self.device)).cpu()
+        text_loss, audio_loss = float(sums[0]) / w_text, float(sums[1]) / w_audio
+        return {
+            "loss": text_loss + audio_loss,
+            "text_loss": text_loss,
+            "audio_loss": audio_loss,
+            "lr": lrs[0],
+            "lr_depformer": lrs[-1],
+            "grad_norm": float(grad_norm),
+            "text_targets": int(totals[2]),
+            "audio_targets": int(totals[3]),
+            "positions": int(totals[4]),
+            "samples": cfg.batch_size * cfg.accum * info.world,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RNG
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict[str, Any]:
+    """The RNG states of this process as tensors, ints and lists (loadable with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, py_state, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [
+            str(name),
+            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
+        "python": [int(version), torch.tensor(py_state, dtype=torch.int64), gauss],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, py_state, gauss = state["python"]
+    random.setstate((version, tuple(int(v) for v in py_state.tolist()), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def run_training(cfg: TrainConfig) -> TrainResult:
+    """Run ``cspan train`` with ``cfg`` (see :class:`Trainer`)."""
+    return Trainer(cfg).run()
+
+
+__all__ = [
+    "DistInfo",
+    "TrainConfig",
+    "TrainModule",
+    "TrainResult",
+    "Trainer",
+    "enable_activation_checkpointing",
+    "lr_factor",
+    "run_training",
+]

@@ -1,0 +1,124 @@
+"""The page in a real browser: Debian's headless Chromium driven by Playwright, with a fake microphone playing a
+WAV file, against a real ``cspan serve`` (tiny checkpoint, embedded transcriber).
+
+Artifacts: ``test-artifacts/serve-page.png`` (a screenshot of the page mid-conversation; ``test-artifacts/`` at
+the repository root is git-ignored) and the two downloads, saved next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from urllib.parse import urlencode
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+SPAN_TEXT = "The Riverside Library opens at ten on Sunday."
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+
+
+def fake_microphone(source: Path, out: Path) -> Path:
+    """The question with silence around it, as the 16-bit WAV Chromium's fake capture device plays (in a loop):
+    the pause after each repetition ends the utterance, so the server sends a final transcript."""
+    speech, rate = sf.read(source, dtype="float32")
+    silence = np.zeros(rate, dtype=np.float32)
+    sf.write(out, np.concatenate([silence, speech, silence, silence, silence]), rate, subtype="PCM_16")
+    return out
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    # the default 2 s queue bound: Stop plays at most that much queued audio through before the bye
+    server = serve(asr="sphinx", router="none", max_sessions=1, max_queued_frames=25)
+    mic = fake_microphone(fixture_file("audio", "question_weather_24k.wav"), tmp_path / "mic.wav")
+    artifacts = repo_root / "test-artifacts"
+    artifacts.mkdir(exist_ok=True)
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={mic}",
+        "--autoplay-policy=no-user-gesture-required",
+    ]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            context = browser.new_context(accept_downloads=True)
+            context.grant_permissions(["microphone"], origin=server.url)
+            page = context.new_page()
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            hooks = json.dumps({"spans": [{"at": 2.0, "text": SPAN_TEXT}]})
+            page.goto(server.url + "/?" + urlencode({"test": hooks}))
+            assert page.evaluate("window.isSecureContext") is True
+            assert page.is_hidden("#notice-insecure")
+            page.wait_for_function("document.querySelectorAll('#voice option').length > 1")
+            assert page.input_value("#voice") == "tiny0"
+            assert page.input_value("#timezone")  # prefilled from the browser
+            page.fill("#name", "Ada")
+            page.fill("#location", "London")
+
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            page.wait_for_selector("#thread .bubble.user.final", timeout=180_000)
+            page.wait_for_function(
+                "[...document.querySelectorAll('#thread .bubble.agent .text')].some(e => e.textContent.length > 0)",
+                timeout=60_000,
+            )
+            page.wait_for_selector("#spans li.span", timeout=60_000)
+            assert SPAN_TEXT in page.inner_text("#spans li.span")
+            assert page.inner_text("#spans li.span .tool") == "given"
+            assert SPAN_TEXT in page.inner_text("#thread .bubble.span")
+            user_text = page.inner_text("#thread .bubble.user.final .text")
+            assert user_text.strip(), console
+            page.screenshot(path=str(artifacts / "serve-page.png"), full_page=True)
+
+            page.click("#stop")
+            page.wait_for_selector("#downloads:not([hidden])", timeout=60_000)
+            with page.expect_download() as wav_download:
+                page.click("#download-wav")
+            with page.expect_download() as json_download:
+                page.click("#download-json")
+            wav_path = artifacts / "serve-page.wav"
+            json_path = artifacts / "serve-page.json"
+            wav_download.value.save_as(wav_path)
+            json_download.value.save_as(json_path)
+            assert wav_download.value.suggested_filename.startswith("contextspanning-")
+            assert json_download.value.suggested_filename.endswith(".json")
+            assert not [c for c in console if c.startswith(("pageerror", "error"))], console
+        finally:
+            browser.close()
+
+    info = sf.info(wav_path)
+    assert (info.channels, info.samplerate, info.subtype) == (2, 24000, "PCM_16")
+    audio, _ = sf.read(wav_path, dtype="float32")
+    assert len(audio) % 1920 == 0 and len(audio) >= 20 * 1920
+    assert np.abs(audio[:, 0]).max() > 0.05  # the microphone (the question) on the left
+    assert np.isfinite(audio).all()
+
+    record = json.loads(json_path.read_text())
+    assert record["sample_rate"] == 24000
+    assert record["seconds"] == pytest.approx(len(audio) / 24000)
+    kinds = [e["type"] for e in record["events"]]
+    assert kinds[0] == "ready" and kinds[-1] == "bye"
+    assert "user_text" in kinds and "text" in kinds and "span" in kinds
+    assert record["profile"]["name"] == "Ada" and record["profile"]["location"] == "London"
+    assert any(t["speaker"] == "user" and t["text"] for t in record["turns"])
+    assert any(t["speaker"] == "agent" and t["text"] for t in record["turns"])
+    stats = record["stats"]
+    assert stats["user_frames"] > 0 and stats["frames"] > 0
+    assert stats["user_frames"] == stats["consumed_frames"] + stats["dropped_frames"]
+    assert record["agent_text"]

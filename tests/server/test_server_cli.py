@@ -1,0 +1,109 @@
+"""The ``cspan serve`` command: bind-address and token checks, and a real run as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+
+TOKEN = "cli-token-abcdef123"
+
+
+def cspan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_non_loopback_bind_without_token_is_refused() -> None:
+    proc = cspan("serve", "--host", "0.0.0.0", "--checkpoint", "/nonexistent")
+    assert proc.returncode == 1
+    assert "refusing to serve on '0.0.0.0' without a token" in proc.stderr
+    assert "--insecure-no-token" in proc.stderr
+
+
+def test_weak_token_is_refused() -> None:
+    proc = cspan("serve", "--token", "abc", "--checkpoint", "/nonexistent")
+    assert proc.returncode == 1
+    assert "8 to 256 characters" in proc.stderr
+    proc = cspan("serve", "--checkpoint", "/nonexistent", env={"CSPAN_TOKEN": "has space in it"})
+    assert proc.returncode == 1 and "8 to 256 characters" in proc.stderr
+
+
+def test_help_lists_the_flags_but_not_the_test_hooks() -> None:
+    proc = cspan("serve", "--help")
+    assert proc.returncode == 0
+    for flag in ("--checkpoint", "--voice", "--text-prompt", "--host", "--port", "--token", "--max-sessions",
+                 "--asr", "--router", "--knowledge", "--db", "--idle-timeout-s", "--insecure-no-token"):  # fmt: skip
+        assert flag in proc.stdout, flag
+    assert "--test-hooks" not in proc.stdout
+
+
+@pytest.mark.timeout(300)
+async def test_serve_subprocess(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:
+    """``cspan serve`` as operators run it: starts, serves the page and a session with the token, keeps the token
+    out of its logs, says bye to a live session on SIGINT and shuts down cleanly."""
+    cmd = [sys.executable, "-m", "cspan.core.cli", "serve", "--checkpoint", str(tiny_checkpoint_dir),
+           "--port", "0", "--asr", "none", "--router", "none", "--max-sessions", "1",
+           "--db", str(tmp_path / "db.sqlite"), "--device", "cpu"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "CSPAN_TOKEN": TOKEN}
+    )
+    lines: list[str] = []
+    port: list[int] = []
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port.append(int(m.group(1)))
+                found.set()
+        found.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert found.wait(timeout=240) and port, "".join(lines)
+        base = f"http://127.0.0.1:{port[0]}"
+        async with httpx.AsyncClient(base_url=base) as http:
+            health = (await http.get("/health")).json()
+            assert health["status"] == "ok" and health["free_slots"] == 1
+            assert health["model"] == str(tiny_checkpoint_dir)
+            assert (await http.get("/info")).json()["token_required"] is True
+            assert "Context Spanning" in (await http.get("/")).text
+        async with websockets.connect(f"ws://127.0.0.1:{port[0]}/ws?token={TOKEN}") as ws:
+            await ws.send(json.dumps({"type": "start"}))
+            ready = json.loads(await ws.recv())
+            assert ready["type"] == "ready"
+            proc.send_signal(signal.SIGINT)
+            last = None
+            async for message in ws:
+                if isinstance(message, str):
+                    last = json.loads(message)
+            assert last is not None and last["type"] == "bye" and last["reason"] == "shutdown"
+        assert proc.wait(timeout=60) == 130  # uvicorn re-raises the SIGINT after its clean shutdown (128 + 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)
+    log = "".join(lines)
+    assert "/ws?token=***" in log  # the access log line is there, redacted
+    assert TOKEN not in log
+    assert "Traceback" not in log and "Application shutdown complete" in log

@@ -1,0 +1,150 @@
+"""``cspan serve`` survives bad clients: token refusals (4401), malformed / unknown / oversized / out-of-order
+messages (``error``, session goes on), audio floods (bounded, counted), idle sessions (``bye``)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from serve_client import Client, load_frames
+from websockets.exceptions import ConnectionClosed
+
+TOKEN = "s3cret-token_0123"
+
+
+async def closed_code(url: str, **kwargs) -> int:
+    """Connect, then wait for the server to close; the close code."""
+    async with websockets.connect(url, max_size=None, **kwargs) as ws:
+        with pytest.raises(ConnectionClosed) as info:
+            await ws.recv()
+    return info.value.rcvd.code
+
+
+async def test_token_required(serve) -> None:
+    server = serve(token=TOKEN)
+    assert await closed_code(server.ws_url) == 4401
+    assert await closed_code(server.ws_url + "?token=wrong-token-000") == 4401
+    assert await closed_code(server.ws_url, subprotocols=["cspan.token.wrong-token-000"]) == 4401
+    assert server.manager.free_slots() == 1  # refused before any session work
+
+    async with websockets.connect(server.ws_url + f"?token={TOKEN}", max_size=None) as ws:
+        assert (await Client(ws).start())["type"] == "ready"
+        await Client(ws).stop()
+    async with websockets.connect(server.ws_url, subprotocols=[f"cspan.token.{TOKEN}"], max_size=None) as ws:
+        assert ws.subprotocol == f"cspan.token.{TOKEN}"  # echoed, as browsers require
+        assert (await Client(ws).start())["type"] == "ready"
+
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'cspan_auth_failures_total{reason="token"} 3.0' in metrics
+
+
+async def test_foreign_origin_refused(serve) -> None:
+    server = serve(allowed_origins=["https://app.example.org"])
+    assert await closed_code(server.ws_url, origin="http://evil.example.com") == 4403
+    async with websockets.connect(server.ws_url, origin=f"http://127.0.0.1:{server.port}") as ws:
+        assert (await Client(ws).start())["type"] == "ready"
+    async with websockets.connect(server.ws_url, origin="https://app.example.org") as ws:
+        assert (await Client(ws).start())["type"] == "ready"
+
+
+async def test_bad_messages_get_errors_and_the_session_goes_on(serve, fixture_file) -> None:
+    server = serve()
+    frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+
+        async def expect_error(payload: str | bytes) -> dict:
+            await ws.send(payload)
+            _, msg = await client.recv_until(lambda k, m: k == "json" and m["type"] == "error")
+            return msg
+
+        assert (await expect_error(frames[0].tobytes()))["code"] == "not_started"
+        assert (await expect_error(json.dumps({"type": "stop", "extra": 1})))["code"] == "invalid_message"
+        assert (await client.start())["type"] == "ready"
+        await client.stream(frames[:3])
+        cases = [
+            ("{not json", "bad_json"),
+            ("[1, 2, 3]", "bad_json"),
+            (json.dumps({"type": "dance"}), "unknown_type"),
+            (json.dumps({"no": "type"}), "unknown_type"),
+            (b"\x00" * (10 * 1024 * 1024), "too_large"),
+            (b"\x00" * 1000, "bad_frame"),
+            (b"\x00" * 7681, "bad_frame"),
+            ("x" * (70 * 1024), "too_large"),
+            (json.dumps({"type": "start"}), "already_started"),
+            (json.dumps({"type": "context", "profile": {"lat": 500}}), "invalid_message"),
+            (json.dumps({"type": "context", "profile": {"timezone": "Mars/Olympus"}}), "invalid_message"),
+        ]
+        for payload, code in cases:
+            msg = await expect_error(payload)
+            assert msg["code"] == code, (payload[:40], msg)
+            assert msg["message"]
+            await client.stream(frames[3:5])  # still streaming after every error
+        await ws.send(json.dumps({"type": "context", "profile": {"name": "Bo", "timezone": "Asia/Tokyo"}}))
+        await client.stream(frames[5:8])
+        bye = await client.stop()
+
+    stats = bye["stats"]
+    streamed = 3 + 2 * len(cases) + 3
+    assert stats["user_frames"] == stats["consumed_frames"] == streamed
+    assert stats["errors"] == len(cases) + 2
+    assert stats["frames"] == len(client.received.audio()) >= streamed
+    profile = server.manager.db.get_profile(client.received.json("ready")[0]["profile"]["user_id"])
+    assert profile.name == "Bo" and profile.timezone == "Asia/Tokyo"
+
+
+async def test_start_refusals(serve) -> None:
+    server = serve(allow_test_hooks=False, max_text_prompt_chars=50)
+    async with websockets.connect(server.ws_url) as ws:
+        client = Client(ws)
+        for fields, code in [
+            ({"test": {"force_ret_at": [1.0]}}, "invalid_message"),
+            ({"voice": "nobody"}, "bad_voice"),
+            ({"text_prompt": "y" * 51}, "invalid_message"),
+            ({"version": 99}, "invalid_message"),
+        ]:
+            msg = await client.start(**fields)
+            assert (msg["type"], msg["code"]) == ("error", code), msg
+        ready = await client.start(voice="", text_prompt="You help.")
+        assert ready["type"] == "ready"
+        persona = ready["persona"]
+        assert (persona["text_prompt"], persona["voice"]) == ("You help.", None)
+        assert persona["prefix_frames"] > 0
+
+
+async def test_audio_flood_is_bounded(serve) -> None:
+    server = serve(max_queued_frames=5)
+    frame = (0.1 * np.sin(np.arange(1920) / 7.0)).astype("<f4").tobytes()
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start())["type"] == "ready"
+        for _ in range(60):  # 4.8 s of audio at once
+            await ws.send(frame)
+        bye = await client.stop()
+    stats = bye["stats"]
+    assert stats["user_frames"] == 60
+    assert stats["dropped_frames"] > 0
+    assert stats["consumed_frames"] + stats["dropped_frames"] == 60
+    assert any(m["code"] == "audio_overflow" for m in client.received.json("error"))
+    assert "cspan_user_frames_dropped_total" in httpx.get(server.url + "/metrics").text
+
+
+async def test_idle_session_gets_bye(serve) -> None:
+    server = serve(idle_timeout_s=0.5)
+    async with websockets.connect(server.ws_url) as ws:
+        client = Client(ws)
+        assert (await client.start())["type"] == "ready"
+        _, bye = await client.recv_until(lambda k, m: k == "json" and m["type"] == "bye")
+        with pytest.raises(ConnectionClosed) as info:
+            await client.recv()
+    assert bye["reason"] == "idle"
+    assert info.value.rcvd.code == 1000
+    assert server.manager.free_slots() == 1
+    # a connection that never starts times out too
+    async with websockets.connect(server.ws_url) as ws:
+        client = Client(ws)
+        _, bye = await client.recv_until(lambda k, m: k == "json" and m["type"] == "bye")
+    assert bye["reason"] == "idle" and bye["stats"]["frames"] == 0

@@ -1,0 +1,174 @@
+"""Wire models, audio framing and access-control helpers of ``cspan serve``, and that docs/PROTOCOL.md documents
+every message type and error code the code has."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cspan.core.errors import ProtocolError
+from cspan.server.auth import (
+    ServeConfigError,
+    authenticate,
+    check_bind,
+    is_loopback_host,
+    origin_allowed,
+    validate_token,
+)
+from cspan.server.protocol import (
+    CLIENT_MESSAGE_TYPES,
+    ERROR_CODES,
+    PROTOCOL_VERSION,
+    SERVER_MESSAGE_TYPES,
+    ContextMessage,
+    ProtocolCodeError,
+    StartMessage,
+    StopMessage,
+    decode_audio_frame,
+    dumps,
+    encode_audio_frame,
+    event_to_wire,
+    parse_client_message,
+    parse_server_message,
+)
+
+
+def code_of(text: str) -> str:
+    with pytest.raises(ProtocolCodeError) as info:
+        parse_client_message(text)
+    assert isinstance(info.value, ProtocolError)
+    return info.value.code
+
+
+def test_client_messages_parse() -> None:
+    start = parse_client_message(
+        json.dumps(
+            {
+                "type": "start",
+                "version": 1,
+                "profile": {"name": " Ada ", "location": "London", "timezone": "Europe/London", "lat": 51.5, "lon": 0},
+                "voice": "f1",
+                "text_prompt": "You help.",
+            }
+        )
+    )
+    assert isinstance(start, StartMessage)
+    assert start.profile.name == "Ada" and start.profile.lat == 51.5 and start.test is None
+    assert isinstance(parse_client_message('{"type": "stop"}'), StopMessage)
+    ctx = parse_client_message('{"type": "context", "profile": {"timezone": "Asia/Tokyo"}}')
+    assert isinstance(ctx, ContextMessage) and ctx.profile.model_dump(exclude_unset=True) == {"timezone": "Asia/Tokyo"}
+    hooks = parse_client_message('{"type":"start","test":{"force_ret_at":[1.5],"spans":[{"at":2,"text":"Hi."}]}}')
+    assert hooks.test.force_ret_at == [1.5] and hooks.test.spans[0].text == "Hi."
+
+
+@pytest.mark.parametrize(
+    ("text", "code"),
+    [
+        ("{oops", "bad_json"),
+        ("null", "bad_json"),
+        ('"start"', "bad_json"),
+        ("[]", "bad_json"),
+        ("{}", "unknown_type"),
+        ('{"type": "hello"}', "unknown_type"),
+        ('{"type": 5}', "unknown_type"),
+        ('{"type": "stop", "now": true}', "invalid_message"),
+        ('{"type": "context"}', "invalid_message"),
+        ('{"type": "start", "profile": {"lat": 91}}', "invalid_message"),
+        ('{"type": "start", "profile": {"lon": "east"}}', "invalid_message"),
+        ('{"type": "start", "profile": {"timezone": "Nowhere/Atlantis"}}', "invalid_message"),
+        ('{"type": "start", "profile": {"user_id": "../etc"}}', "invalid_message"),
+        ('{"type": "start", "test": {"force_ret_at": [-1]}}', "invalid_message"),
+        ('{"type": "start", "text_prompt": "' + "x" * 5000 + '"}', "invalid_message"),
+        ('{"type": "stop", "pad": "' + "x" * 70000 + '"}', "too_large"),
+        ("[" * 100000 + "]" * 100000, "too_large"),
+        ("[" * 20000 + "]" * 20000, "bad_json"),
+    ],
+)
+def test_client_message_errors(text: str, code: str) -> None:
+    assert code_of(text) == code
+
+
+def test_audio_frames() -> None:
+    x = np.linspace(-1.5, 1.5, 1920, dtype=np.float32)
+    x[3] = np.nan
+    pcm = decode_audio_frame(x.astype("<f4").tobytes())
+    assert pcm.shape == (1920,) and pcm.dtype == np.float32
+    assert pcm[3] == 0.0 and pcm.min() == -1.0 and pcm.max() == 1.0
+    ints = np.array([-32768, 0, 16384, 32767] * 480, dtype="<i2")
+    pcm16 = decode_audio_frame(ints.tobytes())
+    assert pcm16[:4].tolist() == [-1.0, 0.0, 0.5, 32767 / 32768]
+    y = np.sin(np.arange(1920, dtype=np.float32))
+    assert np.array_equal(np.frombuffer(encode_audio_frame(y), dtype="<f4"), y)
+    for n, code in [(0, "bad_frame"), (7679, "bad_frame"), (1920, "bad_frame"), (64 * 1024 + 1, "too_large")]:
+        with pytest.raises(ProtocolCodeError) as info:
+            decode_audio_frame(b"\x00" * n)
+        assert info.value.code == code
+
+
+def test_server_messages_round_trip() -> None:
+    from cspan.core.events import ErrorEvent, SpanEvent
+
+    err = event_to_wire(ErrorEvent(frame=3, t=0.24, stage="asr", message="boom"))
+    assert json.loads(dumps(err)) == {
+        "type": "error",
+        "code": "backend",
+        "message": "boom",
+        "stage": "asr",
+        "frame": 3,
+        "t": 0.24,
+    }
+    span = SpanEvent(frame=7, t=0.56, text="It is 3 pm.", injected_at=0.56, n_frames=9, prefill_ms=float("nan"))
+    wire = json.loads(dumps(event_to_wire(span)))
+    assert wire["type"] == "span" and wire["prefill_ms"] is None  # non-finite floats are sent as null
+    assert parse_server_message(dumps(err)).code == "backend"
+
+
+def test_protocol_doc_covers_every_message_and_code(repo_root: Path) -> None:
+    doc = (repo_root / "docs" / "PROTOCOL.md").read_text()
+    assert f"(version {PROTOCOL_VERSION})" in doc
+    rows = set(re.findall(r"^\| `([a-z_]+)` \|", doc, flags=re.M))
+    for kind in (*CLIENT_MESSAGE_TYPES, *SERVER_MESSAGE_TYPES):
+        assert kind in rows, f"message type {kind!r} has no row in docs/PROTOCOL.md"
+    for code in ERROR_CODES:
+        assert code in rows, f"error code {code!r} has no row in docs/PROTOCOL.md"
+
+
+def test_token_checks() -> None:
+    assert authenticate(None, {}, []).ok
+    assert authenticate(None, {}, ["cspan.token.x"]).subprotocol == "cspan.token.x"
+    tok = "abcdefgh-123"
+    assert authenticate(tok, {"token": tok}, []).ok
+    assert authenticate(tok, {}, ["other", f"cspan.token.{tok}"]).ok
+    refused = authenticate(tok, {"token": "abcdefgh-124"}, ["cspan.token.zzzzzzzz"])
+    assert not refused.ok and refused.subprotocol == "cspan.token.zzzzzzzz" and refused.reason == "wrong token"
+    assert authenticate(tok, {}, []).reason.startswith("missing token")
+    assert not authenticate(tok, {"token": tok[:-1]}, []).ok
+    assert validate_token("A.b_c~d-e0") == "A.b_c~d-e0"
+    for bad in ("short", "has space123", "x" * 257, "ünïcode-token"):
+        with pytest.raises(ServeConfigError):
+            validate_token(bad)
+
+
+def test_bind_and_origin_rules() -> None:
+    for host in ("127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"):
+        assert is_loopback_host(host), host
+        check_bind(host, None, insecure_no_token=False)
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.com"):
+        assert not is_loopback_host(host), host
+        with pytest.raises(ServeConfigError, match="--insecure-no-token"):
+            check_bind(host, None, insecure_no_token=False)
+        check_bind(host, "a-token-123", insecure_no_token=False)
+        check_bind(host, None, insecure_no_token=True)
+    assert origin_allowed(None, "127.0.0.1:8080")
+    assert origin_allowed("http://127.0.0.1:8080", "127.0.0.1:8080")
+    assert origin_allowed("https://talk.example.org", "talk.example.org")
+    assert origin_allowed("http://[::1]:8080", "[::1]:8080")
+    assert not origin_allowed("http://localhost:8080", "127.0.0.1:8080")
+    assert not origin_allowed("http://127.0.0.1:9999", "127.0.0.1:8080")
+    assert not origin_allowed("null", "127.0.0.1:8080")
+    assert origin_allowed("https://app.example.org/", "127.0.0.1:8080", ["https://app.example.org"])
+    assert origin_allowed("http://anything", "h:1", ["*"])

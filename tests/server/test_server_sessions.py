@@ -1,0 +1,147 @@
+"""Several conversations on one batched engine: concurrent streams, ``busy`` for one too many, a disconnect that
+frees its slot and keeps what was recorded, ``/health`` and ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from serve_client import Client, load_frames
+from websockets.exceptions import ConnectionClosed
+
+
+async def wait_for(predicate, timeout: float = 60.0) -> None:
+    """Poll ``predicate()`` until true (a safety timeout, not a timing assertion)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(300)
+async def test_two_sessions_stream_concurrently_and_a_third_is_busy(serve, fixture_file) -> None:
+    server = serve(max_sessions=2)
+    frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
+    quiet = [0.5 * f for f in frames]  # the second speaker is quieter: the two streams differ
+    assert server.manager.engine.batch_size == 2
+
+    async with (
+        websockets.connect(server.ws_url, max_size=None) as ws1,
+        websockets.connect(server.ws_url, max_size=None) as ws2,
+    ):
+        c1, c2 = Client(ws1), Client(ws2)
+        r1 = await c1.start(profile={"name": "Ann"})
+        r2 = await c2.start(profile={"name": "Bob"})
+        assert (r1["type"], r2["type"]) == ("ready", "ready")
+        assert {r1["slot"], r2["slot"]} == {0, 1}
+        assert r1["conversation_id"] != r2["conversation_id"]
+        assert r1["profile"]["user_id"] != r2["profile"]["user_id"]
+        assert httpx.get(server.url + "/health").json()["free_slots"] == 0
+
+        async with websockets.connect(server.ws_url) as ws3:
+            c3 = Client(ws3)
+            busy = await c3.start()
+            assert busy == {"type": "busy", "max_sessions": 2, "message": busy["message"]}
+            with pytest.raises(ConnectionClosed) as info:
+                await c3.recv()
+            assert info.value.rcvd.code == 1013
+
+        async def talk(client: Client, audio: list[np.ndarray]) -> dict:
+            await client.stream(audio)
+            return await client.stop()
+
+        bye1, bye2 = await asyncio.gather(talk(c1, frames), talk(c2, quiet))
+
+    for client, bye in ((c1, bye1), (c2, bye2)):
+        stats = bye["stats"]
+        assert stats["user_frames"] == stats["consumed_frames"] == len(frames)
+        assert stats["dropped_frames"] == 0
+        assert stats["frames"] == len(client.received.audio()) >= len(frames)
+    await wait_for(lambda: httpx.get(server.url + "/health").json()["free_slots"] == 2)
+    db = server.manager.db
+    assert db.get_profile(r1["profile"]["user_id"]).name == "Ann"
+    assert db.get_profile(r2["profile"]["user_id"]).name == "Bob"
+
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "cspan_sessions_started_total 2.0" in metrics
+    assert "cspan_sessions_busy_total 1.0" in metrics
+    assert 'cspan_sessions_ended_total{reason="stop"} 2.0' in metrics
+    assert f"cspan_user_frames_total {2.0 * len(frames)}" in metrics
+    assert "cspan_step_seconds_count" in metrics
+
+
+@pytest.mark.timeout(300)
+async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
+    serve, fixture_file, tmp_path: Path
+) -> None:
+    knowledge = tmp_path / "knowledge"
+    knowledge.mkdir()
+    (knowledge / "weather.md").write_text("The weather in London today is sunny and warm.\n")
+    db_path = tmp_path / "context.sqlite"
+    server = serve(asr="sphinx", router="local", knowledge=knowledge, db=str(db_path), span_deadline_s=600.0)
+    frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
+
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        ready = await client.start(profile={"user_id": "tester-1", "name": "Ada"}, test={"force_ret_at": [4.0]})
+        await client.stream(frames)
+        await client.recv_until(lambda k, m: k == "json" and m["type"] == "user_text" and m["final"])
+        await client.recv_until(lambda k, m: k == "json" and m["type"] == "ret")
+        # leave while the retrieval is in flight (or just landed): no stop, no goodbye
+    await wait_for(lambda: server.manager.free_slots() == 1)
+
+    from cspan.backends.context_db import ContextDB
+
+    with ContextDB(db_path) as db:  # a second connection to the SQLite file: what was written is on disk
+        # the session is finished off after its slot is freed (outstanding transcripts, then the end time)
+        await wait_for(lambda: db.get_conversation(ready["conversation_id"]).ended_at is not None)
+        turns = db.turns(ready["conversation_id"])
+        assert any(t.role == "user" and "london" in t.text for t in turns)
+        assert db.get_profile("tester-1").name == "Ada"
+    await wait_for(
+        lambda: 'cspan_sessions_ended_total{reason="disconnect"} 1.0' in httpx.get(server.url + "/metrics").text
+    )
+
+    # the freed slot serves the next conversation from a clean state
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        again = await client.start()
+        assert again["type"] == "ready" and again["slot"] == ready["slot"]
+        await client.stream(frames[:5])
+        bye = await client.stop()
+    assert bye["stats"]["consumed_frames"] == 5
+
+
+async def test_health_info_page_and_static_files(serve) -> None:
+    server = serve(max_sessions=1)
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        health = (await http.get("/health")).json()
+        assert health == {
+            "status": "ok",
+            "model": health["model"],
+            "sample_rate": 24000,
+            "frame_size": 1920,
+            "max_sessions": 1,
+            "free_slots": 1,
+            "protocol_version": 1,
+        }
+        info = (await http.get("/info")).json()
+        assert info["voices"] == ["tiny0", "tiny1"] and info["default_voice"] == "tiny0"
+        assert info["token_required"] is False
+        page = await http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert 'id="start"' in page.text and "/static/app.js" in page.text
+        assert "content-security-policy" in page.headers
+        for name in ("app.js", "mic-worklet.js", "player-worklet.js", "style.css"):
+            r = await http.get(f"/static/{name}")
+            assert r.status_code == 200 and len(r.content) > 100, name
+        assert (await http.get("/static/serve.py")).status_code == 404
+        assert (await http.get("/static/..%2Fserve.py")).status_code == 404
+        metrics = await http.get("/metrics")
+        assert metrics.headers["content-type"].startswith("text/plain")
+        assert "cspan_session_slots 1.0" in metrics.text

@@ -1,0 +1,124 @@
+"""``cspan prepare`` on dialogues spoken by espeak-ng: shards, manifest, alignment, spans, bad files, resumption."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cspan.core.checkpoint import load_checkpoint
+from cspan.core.cli import main
+from cspan.core.constants import EPAD, PAD, RET
+from cspan.core.prefix import build_persona_prefix
+from cspan.train.data import read_stereo
+from cspan.train.dataset import PreparedDataset, read_manifest
+
+
+def _tensors(root: Path, shard: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with safe_open(str(root / shard), framework="pt") as fh:
+        return fh.get_tensor(f"{name}/codes"), fh.get_tensor(f"{name}/prefix")
+
+
+def test_manifest_and_reported_bad_dialogues(prepared_dir: Path) -> None:
+    records = {r.name: r for r in read_manifest(prepared_dir / "manifest.jsonl")}
+    assert sorted(records) == ["cafe", "chat", "weather"]
+    assert len(records["cafe"].spans) == 1 and len(records["weather"].spans) == 1 and not records["chat"].spans
+    errors = [json.loads(line) for line in (prepared_dir / "errors.jsonl").read_text().splitlines()]
+    by_file = {Path(e["file"]).name: e["error"] for e in errors}
+    assert set(by_file) == {"bad_field.json", "no_audio.json"}
+    assert "bad_field.json" in by_file["bad_field.json"] and "field turns[0]" in by_file["bad_field.json"]
+    assert "no audio next to it" in by_file["no_audio.json"]
+    info = json.loads((prepared_dir / "dataset.json").read_text())
+    assert info["format"] == "cspan-train/1" and info["num_codebooks"] == 8 and info["card"] == 2048
+    assert len(list((prepared_dir / "shards").glob("shard-*.safetensors"))) == 2  # 3 dialogues, 2 per shard
+    assert len(PreparedDataset(prepared_dir)) == 3
+
+
+def test_codes_text_row_and_span(prepared_dir: Path, espeak_dir: Path, tiny_dir: Path) -> None:
+    ckpt = load_checkpoint(tiny_dir, device="cpu", dtype=torch.float32)
+    rec = {r.name: r for r in read_manifest(prepared_dir / "manifest.jsonl")}["cafe"]
+    codes, prefix = _tensors(prepared_dir, rec.shard, "cafe")
+    assert codes.dtype == torch.int16
+    codes = codes.long()
+    user, agent, rate, _ = read_stereo(espeak_dir / "cafe.wav")
+    assert rate == 22050
+    T = -(-len(user) // 1920)
+    assert codes.shape == (17, T) and rec.frames == T
+    # audio rows: the agent (right channel) in rows 1..8, the user (left) in rows 9..16, as an unbatched encode
+    with torch.no_grad():
+        for pcm, rows in ((agent, slice(1, 9)), (user, slice(9, 17))):
+            alone = ckpt.mimi.encode(torch.from_numpy(pcm)[None, None])[0, :8]
+            assert torch.equal(codes[rows], alone)
+    # text row: the agent's words in order, <ret> on the frame before the grounded turn, EPAD before words
+    dialogue = json.loads((espeak_dir / "cafe.json").read_text())
+    agent_turn = dialogue["turns"][1]
+    text = codes[0]
+    words = [t for t in text.tolist() if t not in (PAD, EPAD, RET)]
+    assert ckpt.tokenizer.decode(words) == " ".join(w["word"] for w in agent_turn["words"])
+    first = int(agent_turn["words"][0]["start"] * 12.5)
+    assert text[first].item() == ckpt.tokenizer.encode("let")[0]
+    assert text[first - 1].item() == RET and int((text == RET).sum()) == 1
+    (span,) = rec.spans
+    assert span.ret_frame == first - 1
+    body = agent_turn["words"][9]
+    assert body["word"] == "the"
+    body_frame = int(body["start"] * 12.5)
+    assert text[body_frame].item() == ckpt.tokenizer.encode("the")[0] and text[body_frame - 1].item() == EPAD
+    assert span.deadline_frame == body_frame - 2
+    assert list(span.ids) == [12, *ckpt.tokenizer.encode(agent_turn["reference"]), 13]
+    assert span.tool == "lookup_hours" and span.arguments == {"place": "Silver Spoon Cafe"}
+    # the persona prefix is the engine's layout
+    expected = build_persona_prefix(ckpt.tokenizer, "You are Ada, a helpful park ranger.", None)
+    assert torch.equal(prefix.long(), expected.frames)
+
+
+def test_prefix_with_voice_and_profile(prepared_dir: Path, tiny_dir: Path) -> None:
+    ckpt = load_checkpoint(tiny_dir, device="cpu", dtype=torch.float32)
+    rec = {r.name: r for r in read_manifest(prepared_dir / "manifest.jsonl")}["weather"]
+    _, prefix = _tensors(prepared_dir, rec.shard, "weather")
+    expected = build_persona_prefix(
+        ckpt.tokenizer,
+        "You are Ada, a weather assistant.",
+        ckpt.load_voice("tiny0"),
+        user_name="Priya",
+        user_city="Sydney",
+    )
+    assert torch.equal(prefix.long(), expected.frames)
+    assert rec.prefix_frames == expected.num_frames and rec.extra["voice"] == "tiny0"
+    assert "The user's name is Priya. The user is in Sydney." in rec.extra["persona"]
+
+
+def test_resume_skips_finished_dialogues(
+    prepared_dir: Path, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(prepared_dir, out)
+    argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    argv += ["--device", "cpu", "--quiet"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "0 dialogue(s) prepared" in err and "3 already done" in err and "2 bad dialogue(s)" in err
+    # drop one finished dialogue from the manifest: only that one is prepared again, into a new shard
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    kept = [line for line in lines if json.loads(line)["name"] != "chat"]
+    (out / "manifest.jsonl").write_text("\n".join(kept) + "\n")
+    assert main([*argv, "--strict"]) == 1  # --strict: bad dialogues give exit status 1
+    err = capsys.readouterr().err
+    assert "1 dialogue(s) prepared" in err
+    records = {r.name: r for r in read_manifest(out / "manifest.jsonl")}
+    assert sorted(records) == ["cafe", "chat", "weather"]
+    assert records["chat"].shard == "shards/shard-00002.safetensors"
+    original = {r.name: r for r in read_manifest(prepared_dir / "manifest.jsonl")}["chat"]
+    assert torch.equal(
+        _tensors(out, records["chat"].shard, "chat")[0], _tensors(prepared_dir, original.shard, "chat")[0]
+    )
+
+
+def test_print_schema(capsys) -> None:
+    assert main(["prepare", "--print-schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "Dialogue" and "turns" in schema["properties"]

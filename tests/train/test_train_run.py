@@ -1,0 +1,186 @@
+"""``cspan train`` end to end on the tiny checkpoint (CPU): loss, export -> ``cspan infer``, exact resumption, LoRA,
+``torchrun`` DDP and FSDP2 against a single process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cspan.core.checkpoint import load_checkpoint
+from cspan.core.lora import LoRALinear
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--context", "160", "--lr", "3e-3", "--log-every", "5", "--keep-checkpoints", "0", "--seed", "7"]
+
+
+def _train(*args: str) -> None:
+    """``cspan train ARGS`` in this process (saves a torch start-up per run; torchrun runs are subprocesses), on one
+    CPU thread: the tiny model gains nothing from more, and busy CI machines lose a lot to thread contention."""
+    from cspan.core.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(list(args)) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_args(data: Path, out: Path, tiny: Path, *extra: str) -> list[str]:
+    return ["train", "--data-dir", str(data), "--out-dir", str(out), "--checkpoint", str(tiny), *COMMON, *extra]
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _model(out: Path, step: int) -> dict[str, torch.Tensor]:
+    path = out / "checkpoints" / f"step_{step:08d}" / "model.pt"
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def _optimizer(out: Path, step: int) -> dict:
+    return torch.load(out / "checkpoints" / f"step_{step:08d}" / "optimizer.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, prepared_dir: Path, tiny_dir: Path) -> Path:
+    """30 steps of full fine-tuning, batch 2, a checkpoint every 10 steps."""
+    out = tmp_path_factory.mktemp("run") / "full"
+    args = _train_args(prepared_dir, out, tiny_dir, "--steps", "30", "--batch-size", "2", "--accum", "1")
+    _train(*args, "--ckpt-every", "10")
+    return out
+
+
+def test_loss_goes_down_and_export_loads_in_infer(
+    trained: Path, tiny_dir: Path, espeak_dir: Path, tmp_path: Path, run_cli: Callable
+) -> None:
+    import soundfile as sf
+
+    losses = _losses(trained)
+    assert len(losses) == 30
+    assert np.mean(losses[-5:]) < 0.75 * np.mean(losses[:5]), losses
+    export = trained / "export"
+    payload = torch.load(export / "context_spanning.pt", map_location="cpu", weights_only=True)
+    assert "lora" not in payload
+    final = {k.removeprefix("lm."): v for k, v in _model(trained, 30).items()}
+    assert set(payload["model"]) == set(final)
+    assert all(torch.equal(payload["model"][k], final[k]) for k in final)
+    assert sorted(p.name for p in (export / "voices").iterdir()) == ["tiny0.pt", "tiny1.pt"]
+    # the export loads over its base, with the trained weights
+    ckpt = load_checkpoint(export, base=tiny_dir, device="cpu", dtype=torch.float32)
+    assert torch.equal(ckpt.lm.text_linear.weight, final["text_linear.weight"])
+    base = load_checkpoint(tiny_dir, device="cpu", dtype=torch.float32)
+    assert not torch.equal(base.lm.text_linear.weight, final["text_linear.weight"])
+    # and `cspan infer` runs it: the base recorded in export.json is found without --base or CSPAN_BASE
+    assert json.loads((export / "export.json").read_text())["base"] == str(tiny_dir)
+    pcm, rate = sf.read(str(espeak_dir / "chat.wav"), dtype="float32")
+    sf.write(str(tmp_path / "in.wav"), pcm[:rate, 0], rate)
+    out_json = tmp_path / "out.json"
+    run_cli(
+        "infer", "--checkpoint", str(export), "--input-wav", str(tmp_path / "in.wav"),
+        "--output-wav", str(tmp_path / "out.wav"), "--output-text", str(out_json),
+        "--asr", "none", "--router", "none", "--lead-silence", "0", "--tail-silence", "0.2", "--device", "cpu",
+        "--quiet",
+    )  # fmt: skip
+    record = json.loads(out_json.read_text())
+    assert record["checkpoint"]["files"]["fine_tune"].endswith("context_spanning.pt")
+    assert sf.info(str(tmp_path / "out.wav")).channels == 2
+
+
+def test_stop_and_resume_is_exact(trained: Path, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    from cspan.core.cli import main
+
+    out = tmp_path / "resumed"
+    args = _train_args(prepared_dir, out, tiny_dir, "--steps", "30", "--batch-size", "2", "--accum", "1")
+    args += ["--ckpt-every", "10"]
+    _train(*args, "--stop-at", "10")
+    assert not (out / "export").exists() and len(_losses(out)) == 10
+    capsys.readouterr()
+    _train(*args, "--stop-at", "20")
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "step 10 of 30" in err
+    assert _losses(out) == _losses(trained)[:20]
+    a, b = _model(trained, 20), _model(out, 20)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    oa, ob = _optimizer(trained, 20), _optimizer(out, 20)
+    for key, state in oa["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, ob["state"][key][name]), (key, name)
+    # options that change the samples cannot be changed on resume
+    assert main([a if a != "7" else "8" for a in args]) == 1  # fails before training: no thread setting needed
+    assert "seed: 7 -> 8" in capsys.readouterr().err
+
+
+def test_lora_adapters_export_in_the_loader_layout(prepared_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "lora"
+    args = _train_args(prepared_dir, out, tiny_dir, "--steps", "4", "--batch-size", "1", "--accum", "1")
+    _train(*args, "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "transformer.layers.*,linears.0")
+    payload = torch.load(out / "export" / "context_spanning.pt", map_location="cpu", weights_only=True)
+    assert payload["lora"] == {"r": 4, "alpha": 8.0}
+    keys = sorted(payload["model"])
+    assert keys and all(k.endswith((".lora_A", ".lora_B")) for k in keys)
+    names = sorted({k.rsplit(".", 1)[0] for k in keys})
+    assert "linears.0" in names and "transformer.layers.0.self_attn.out_proj" in names
+    assert payload["model"]["linears.0.lora_A"].shape == (4, 32)
+    assert payload["model"]["linears.0.lora_B"].shape == (2048, 4)
+    assert float(payload["model"]["linears.0.lora_B"].abs().sum()) > 0  # trained away from zero
+    ckpt = load_checkpoint(out / "export", base=tiny_dir, device="cpu", dtype=torch.float32)
+    assert ckpt.lora is not None and sorted(ckpt.lora["modules"]) == names
+    layer = ckpt.lm.get_submodule("linears.0")
+    assert isinstance(layer, LoRALinear) and layer.r == 4 and layer.alpha == 8.0
+    assert torch.equal(layer.lora_B, payload["model"]["linears.0.lora_B"])
+    base = load_checkpoint(tiny_dir, device="cpu", dtype=torch.float32)
+    assert torch.equal(layer.base.weight, base.lm.linears[0].weight)  # the frozen base is the base's
+    trained = _model(out, 4)
+    assert all(k.endswith((".lora_A", ".lora_B")) for k in trained)  # only adapters are trainable
+    # continuing a LoRA fine-tune trains its adapters; its export then carries every weight (it loads over the base)
+    more = tmp_path / "lora-more"
+    args = _train_args(prepared_dir, more, out / "export", "--steps", "1", "--batch-size", "1", "--accum", "1")
+    _train(*args, "--base", str(tiny_dir), "--lora-rank", "4", "--lora-alpha", "8")
+    payload = torch.load(more / "export" / "context_spanning.pt", map_location="cpu", weights_only=True)
+    assert payload["lora"] == {"r": 4, "alpha": 8.0}
+    assert {"linears.0.base.weight", "linears.0.lora_A", "text_linear.weight"} <= set(payload["model"])
+    again = load_checkpoint(more / "export", base=tiny_dir, device="cpu", dtype=torch.float32)
+    assert again.lora is not None and sorted(again.lora["modules"]) == names
+
+
+def _torchrun(nproc: int, args: list[str], timeout: float = 600) -> None:
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd += ["-m", "cspan.core.cli", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_torchrun_two_processes_equal_one_with_twice_the_batch(
+    prepared_dir: Path, tiny_dir: Path, tmp_path: Path
+) -> None:
+    steps = ["--steps", "2", "--accum", "2", "--ckpt-every", "2"]
+    single = tmp_path / "single"
+    _train(*_train_args(prepared_dir, single, tiny_dir, *steps, "--batch-size", "2"))
+    ddp = tmp_path / "ddp"
+    _torchrun(2, _train_args(prepared_dir, ddp, tiny_dir, *steps, "--batch-size", "1"))
+    np.testing.assert_allclose(_losses(ddp), _losses(single), rtol=2e-5)
+    a, b = _model(single, 2), _model(ddp, 2)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    # FSDP2 (fully_shard) on gloo: same curve, and its export loads
+    fsdp = tmp_path / "fsdp"
+    _torchrun(2, _train_args(prepared_dir, fsdp, tiny_dir, *steps, "--batch-size", "1", "--fsdp"))
+    np.testing.assert_allclose(_losses(fsdp), _losses(single), rtol=2e-5)
+    c = _model(fsdp, 2)
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=1e-4, atol=1e-5)
+    ckpt = load_checkpoint(fsdp / "export", base=tiny_dir, device="cpu", dtype=torch.float32)
+    torch.testing.assert_close(ckpt.lm.text_linear.weight, a["lm.text_linear.weight"], rtol=1e-4, atol=1e-5)
