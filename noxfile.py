@@ -17,7 +17,14 @@ nox.options.reuse_existing_virtualenvs = False
 
 PACKAGES = ["cspan-core", "cspan-backends", "cspan-server", "cspan-train", "cspan-bench"]
 TORCH_SPEC = os.environ.get("CSPAN_TORCH_SPEC", "torch==2.13.0")
-TEST_REQUIREMENTS = ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "websockets>=12", "playwright>=1.45"]
+TEST_REQUIREMENTS = [
+    "pytest>=8",
+    "pytest-asyncio>=0.23",
+    "pytest-timeout>=2.3",
+    "websockets>=12",
+    "playwright>=1.45",
+    "transformers>=4.44",  # the optional transformers ASR engine is tested too
+]
 
 
 def _host_has_cuda_torch() -> bool:
