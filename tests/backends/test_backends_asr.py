@@ -278,3 +278,12 @@ def test_transcriber_from_url_and_endpoint_normalisation() -> None:
     with pytest.raises(ValueError, match="sphinx"):
         transcriber_from_url("ftp://h")
     assert json.loads(Transcript(text="a", words=[Word(text="a", start_s=0, end_s=0.1)]).model_dump_json())["words"]
+
+
+@pytest.mark.parametrize("seconds", [0.001, 0.01, 0.05])
+async def test_sphinx_on_a_clip_too_short_to_decode_returns_empty_text(seconds):
+    from cspan.backends.asr import PocketSphinxTranscriber
+
+    pcm = (0.1 * np.random.default_rng(0).standard_normal(int(24_000 * seconds))).astype(np.float32)
+    result = await PocketSphinxTranscriber().transcribe(pcm, 24_000)
+    assert result.text == "" and result.words == []

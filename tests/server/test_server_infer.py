@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from cspan.server.infer import run_infer
 from cspan.server.output import InferOutput
 
 LEAD, TAIL = 1.0, 2.0
+LEAD_FRAMES, TAIL_FRAMES = math.ceil(LEAD * 12.5), math.ceil(TAIL * 12.5)  # silences round up to whole frames
 
 
 def _args(ckpt: Path, inp: Path, out: Path, *extra: str):
@@ -68,11 +70,11 @@ def test_weather_question_goes_through_the_full_loop(weather_run):
     audio, sr = sf.read(out / "out.wav", dtype="float32")
     info = sf.info(inp)
     n_input = -(-info.frames // 1920)
-    expected = (round(LEAD * 12.5) + n_input + round(TAIL * 12.5)) * 1920
+    expected = (LEAD_FRAMES + n_input + TAIL_FRAMES) * 1920
     assert sr == 24_000 and audio.shape == (expected, 2)
     assert sf.info(out / "out.wav").subtype == "PCM_16"
     # the user channel is the input, placed after the lead silence
-    lead = round(LEAD * 12.5) * 1920
+    lead = LEAD_FRAMES * 1920
     src, _ = sf.read(inp, dtype="float32")
     np.testing.assert_allclose(audio[lead : lead + len(src), 0], src, atol=1 / 32767 + 1e-6)
 
@@ -102,7 +104,7 @@ def test_given_span_is_injected_without_any_backend(tiny_checkpoint_dir, fixture
     text = "The weather in Sydney is 24 degrees."
     result = _infer(tiny_checkpoint_dir, inp, tmp_path, "--asr", "none", "--router", "none", "--span", f"1.0:{text}")
     spans = [e for e in result.output.events if e.type == "span"]
-    assert [(s.text, s.source, s.frame) for s in spans] == [(text, "given", round(LEAD * 12.5) + round(12.5))]
+    assert [(s.text, s.source, s.frame) for s in spans] == [(text, "given", LEAD_FRAMES + 12)]
     assert list(result.conversation.span_reports[0].ids) == [12, *result.engine.tokenizer.encode(text), 13]
 
 
@@ -144,7 +146,7 @@ def test_48k_stereo_flac_uses_the_same_duration_logic(tiny_checkpoint_dir, fixtu
     audio, out_sr = sf.read(tmp_path / "out.wav", dtype="float32")
     n_input = -(-round(len(up) / 48_000 * 24_000) // 1920)
     assert out_sr == 24_000
-    assert audio.shape[0] == (round(LEAD * 12.5) + n_input + round(TAIL * 12.5)) * 1920
+    assert audio.shape[0] == (LEAD_FRAMES + n_input + TAIL_FRAMES) * 1920
     assert result.output.duration_s == pytest.approx(audio.shape[0] / 24_000)
     assert np.abs(audio[:, 0]).max() > 0.05  # the right (speech) channel was used
 
@@ -196,3 +198,27 @@ def test_failing_router_gives_no_span_and_a_complete_output(tiny_checkpoint_dir,
     audio, _ = sf.read(tmp_path / "out.wav")
     assert audio.shape[0] == int(result.output.duration_s * 24_000)
     InferOutput.model_validate_json((tmp_path / "out.json").read_text())
+
+
+def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    from cspan.core.errors import CspanError
+
+    inp = tmp_path / "in.wav"
+    inp.write_bytes((fixtures_dir / "audio" / "greeting_24k.wav").read_bytes())
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    cases = [
+        (["--output-wav", str(folder)], "is a directory"),
+        (["--output-wav", str(inp)], "is also the input"),
+        (["--output-wav", str(tmp_path / "x.wav"), "--output-text", str(tmp_path / "x.wav")], "two outputs"),
+        (["--span", "60:too late"], "past the end"),
+        (["--force-ret-at", "60"], "past the end"),
+        (["--router", "notaurl"], "--router"),
+    ]
+    for extra, message in cases:
+        argv = ["infer", "--input-wav", str(inp), "--output-wav", str(tmp_path / "o.wav"),
+                "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--quiet", *extra]  # fmt: skip
+        with pytest.raises(CspanError, match=message):
+            asyncio.run(run_infer(build_parser().parse_args(argv)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "in.wav"]
+    assert inp.read_bytes() == (fixtures_dir / "audio" / "greeting_24k.wav").read_bytes()

@@ -276,6 +276,12 @@ def start(
     if clash:
         raise LauncherError(f"already running: {', '.join(sorted(clash))}; run `cspan backends stop` first")
     check_requirements(specs)
+    for spec in specs:
+        if spec.managed and healthy(spec.health_url, timeout_s=1.0):
+            raise LauncherError(
+                f"{spec.name}: something already answers {spec.health_url}; stop it or choose another port "
+                f"(--{spec.name}-port)"
+            )
     log_dir.mkdir(parents=True, exist_ok=True)
     records: list[ServerRecord] = []
     for spec in specs:

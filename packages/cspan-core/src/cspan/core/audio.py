@@ -185,6 +185,13 @@ def resample(pcm: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     return soxr.resample(np.asarray(pcm, dtype=np.float32), from_rate, to_rate, quality="HQ").astype(np.float32)
 
 
+def _default_mode() -> int:
+    """The permissions a plain ``open(..., "w")`` would give a new file (0o666 minus the umask)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 class AtomicWavWriter:
     """Streaming 16-bit PCM WAV writer that only publishes a complete file.
 
@@ -223,6 +230,7 @@ class AtomicWavWriter:
     def commit(self) -> Path:
         """Close and rename the temporary file onto the destination; returns the destination."""
         self._file.close()
+        os.chmod(self._tmp, _default_mode())  # mkstemp made it private; the result is an ordinary file
         os.replace(self._tmp, self.path)
         return self.path
 
@@ -252,6 +260,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, _default_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -381,14 +381,17 @@ def _torch_load(path: Path, role: str) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
         raise refused(exc) from None
-    except (RuntimeError, OSError, EOFError, ValueError):
+    except Exception:
         pass  # not mmap-able (legacy format) or corrupt: retry without mmap for a precise answer
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise refused(exc) from None
-    except (RuntimeError, OSError, EOFError, ValueError, struct.error) as exc:
-        raise CheckpointError(f"{role} file {str(path)!r} is truncated or corrupt ({exc}); {fix}") from None
+    except Exception as exc:  # any other failure of the unpickler means the file is not what it claims to be
+        raise CheckpointError(
+            f"{role} file {str(path)!r} is truncated or corrupt, or not a torch file ({type(exc).__name__}: {exc}); "
+            f"{fix}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

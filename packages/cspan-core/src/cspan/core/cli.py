@@ -56,7 +56,9 @@ def build_parser(commands: dict[str, Register] | None = None) -> argparse.Argume
     sub.required = True
     for name, register in commands.items():
         summary = _summary(register)
-        verb = sub.add_parser(name, help=summary, description=summary)
+        verb = sub.add_parser(
+            name, help=summary, description=summary, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        )
         register(verb)
     return parser
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 import time
@@ -47,6 +48,11 @@ def _parse_span(value: str) -> TimedText:
     if not sep or not text.strip() or not t >= 0:
         raise argparse.ArgumentTypeError(f"--span {value!r}: expected SECONDS:TEXT with SECONDS >= 0, e.g. 1.0:Hello")
     return TimedText(t, text.strip())
+
+
+def frame_at(seconds: float) -> int:
+    """The 12.5 Hz frame that contains ``seconds`` (frame k covers [k * 0.08, (k + 1) * 0.08))."""
+    return math.floor(seconds * 12.5 + 1e-9)
 
 
 def _non_negative(value: str) -> float:
@@ -158,12 +164,46 @@ class InferResult:
 
 
 def pick_device(name: str | None) -> tuple[Any, Any]:
-    """``(device, dtype)``: CUDA in bf16 when available (or asked), else CPU in float32."""
+    """``(device, dtype)``: CUDA in bf16 when available (or asked), else CPU in float32.
+
+    Raises:
+        CspanError: an unknown device name, or CUDA asked for where torch has none.
+    """
     import torch
 
-    device = torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from cspan.core.errors import CspanError
+
+    try:
+        device = torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError as exc:
+        raise CspanError(f"--device {name!r}: {exc}; use cpu, cuda or cuda:N") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CspanError(
+            f"--device {name}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
+        )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, dtype
+
+
+def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
+    """Refuse output paths that are folders, collide with each other, or would overwrite an input.
+
+    Raises:
+        CspanError: naming the offending path.
+    """
+    from cspan.core.errors import CspanError
+
+    seen: dict[Path, Path] = {}
+    resolved_inputs = {p.resolve() for p in inputs}
+    for out in outputs:
+        real = out.resolve()
+        if real.is_dir():
+            raise CspanError(f"{out}: is a directory; pass a file path for the output")
+        if real in resolved_inputs:
+            raise CspanError(f"{out}: is also the input; refusing to overwrite the recording")
+        if real in seen:
+            raise CspanError(f"{out}: given for two outputs ({seen[real]} and {out}); use two different files")
+        seen[real] = out
 
 
 def build_backends(args: argparse.Namespace, *, profile: Any, db: Any) -> tuple[Any, Any]:
@@ -172,17 +212,25 @@ def build_backends(args: argparse.Namespace, *, profile: Any, db: Any) -> tuple[
     from cspan.backends.retriever import Retriever
     from cspan.backends.router import LLMRouter, LocalRouter
     from cspan.backends.tools import ToolBank
+    from cspan.core.errors import CspanError
 
     transcriber = None
-    if args.asr and args.asr.lower() != "none":
-        transcriber = transcriber_from_url(args.asr, model=args.asr_model)
-    if not args.router or args.router.lower() == "none":
-        return transcriber, None
-    tools = ToolBank.default()
-    if args.router.lower() == "local":
-        router = LocalRouter(tools=tools, db=db, knowledge_dir=args.knowledge)
-    else:
-        router = LLMRouter(args.router, args.router_model, tools)
+    try:
+        if args.asr and args.asr.lower() != "none":
+            transcriber = transcriber_from_url(args.asr, model=args.asr_model)
+        if not args.router or args.router.lower() == "none":
+            return transcriber, None
+        tools = ToolBank.default()
+        if args.router.lower() == "local":
+            router = LocalRouter(tools=tools, db=db, knowledge_dir=args.knowledge)
+        elif args.router.startswith(("http://", "https://")):
+            router = LLMRouter(args.router, args.router_model, tools)
+        else:
+            raise ValueError(
+                f"--router {args.router!r}: use 'local', 'none' or an http(s) URL of an OpenAI-compatible server"
+            )
+    except ValueError as exc:
+        raise CspanError(str(exc)) from exc
     retriever = Retriever(transcriber, router, db, deadline_s=args.span_deadline_s)
     return transcriber, retriever
 
@@ -219,12 +267,26 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
+    from cspan.core.errors import CspanError
     from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
     from cspan.core.runtime import HIDDEN_TEXT_IDS, Conversation, ConversationConfig
     from cspan.server.output import AgentWord, InferOutput, Timing, UserTranscript, timing_stats
     from cspan.server.records import db_recorder
 
     info = inspect_audio(args.input_wav, channel=args.channel, max_seconds=args.max_seconds)
+    outputs = [args.output_wav] + ([args.output_text] if args.output_text is not None else [])
+    check_outputs([args.input_wav], outputs)
+    lead = math.ceil(args.lead_silence * FRAME_RATE - 1e-9)
+    tail = math.ceil(args.tail_silence * FRAME_RATE - 1e-9)
+    n_input = -(-round(info.duration_s * SAMPLE_RATE) // FRAME_SIZE)
+    total = lead + n_input + tail
+    last_s = (n_input + tail) / FRAME_RATE
+    for label, t in [*(("--span", s.seconds) for s in args.span), *(("--force-ret-at", t) for t in args.force_ret_at)]:
+        if t >= last_s:
+            raise CspanError(
+                f"{label} at {t:g} s is past the end of the conversation (input {info.duration_s:.2f} s + "
+                f"{args.tail_silence:g} s tail); use a time below {last_s:.2f} s"
+            )
     device, dtype = pick_device(args.device)
     source = args.checkpoint or DEFAULT_CHECKPOINT
     checkpoint = load_checkpoint(source, device=device, dtype=dtype)
@@ -253,10 +315,6 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
     )
     transcriber, retriever = build_backends(args, profile=profile, db=db)
 
-    lead = round(args.lead_silence * FRAME_RATE)
-    tail = round(args.tail_silence * FRAME_RATE)
-    n_input = -(-round(info.duration_s * SAMPLE_RATE) // FRAME_SIZE)
-    total = lead + n_input + tail
     config = ConversationConfig(
         listen_s=args.listen_s,
         span_deadline_s=args.span_deadline_s,
@@ -274,9 +332,9 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         on_event=db_recorder(db, conversation_id),
     )
     for span in args.span:
-        conversation.schedule_span(lead + round(span.seconds * FRAME_RATE), span.text)
+        conversation.schedule_span(lead + frame_at(span.seconds), span.text)
     for t in args.force_ret_at:
-        conversation.schedule_ret(lead + round(t * FRAME_RATE))
+        conversation.schedule_ret(lead + frame_at(t))
 
     def frames() -> Any:
         silence = np.zeros(FRAME_SIZE, dtype=np.float32)

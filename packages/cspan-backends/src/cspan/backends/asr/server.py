@@ -206,13 +206,14 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
     app = FastAPI(title="cspan asr-serve", version="0.1.0", lifespan=lifespan)
 
     if settings.token:
-        expected = f"Bearer {settings.token}".encode()
+        expected = settings.token.encode()
 
         @app.middleware("http")
         async def _require_token(request: Request, call_next: Any) -> Any:
             if request.url.path != "/health":
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
+                scheme, _, given = request.headers.get("authorization", "").partition(" ")
+                ok = hmac.compare_digest(given.strip().encode(), expected)  # constant time on the token
+                if not (ok and scheme.lower() == "bearer"):
                     err = ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer ...)")
                     return JSONResponse(err.payload(), status_code=401)
             return await call_next(request)

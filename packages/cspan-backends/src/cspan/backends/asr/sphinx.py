@@ -191,7 +191,8 @@ class SphinxDecoderPool:
                 decoder.end_utt()
             except RuntimeError as exc:
                 raise TranscriberError(f"pocketsphinx failed to decode the clip: {exc}", endpoint=ENDPOINT) from exc
-            segments = [(seg.word, seg.start_frame, seg.end_frame) for seg in decoder.seg()]
+            # A clip too short to decode (under ~0.1 s) leaves no hypothesis: seg() then returns None.
+            segments = [(seg.word, seg.start_frame, seg.end_frame) for seg in (decoder.seg() or [])]
             frate = float(self.frame_rate)
         words = [
             Word(text=_ALT_PRONUNCIATION.sub("", word), start_s=start / frate, end_s=(end + 1) / frate)

@@ -395,8 +395,7 @@ class LLMRouter:
             ) from exc
         except httpx.HTTPError as exc:
             raise RouterError(
-                f"router LLM at {self.url} is unreachable: {exc!r}. Fix: start the server or pass the right "
-                "--router-url."
+                f"router LLM at {self.url} is unreachable: {exc!r}. Fix: start the server or pass the right --router."
             ) from exc
         if resp.status_code >= 400:
             return resp.status_code, resp.text[:300]
@@ -405,7 +404,7 @@ class LLMRouter:
         except ValueError as exc:
             raise RouterError(
                 f"router LLM at {self.url} answered HTTP {resp.status_code} with a body that is not JSON: "
-                f"{resp.text[:120]!r}. Fix: point --router-url at an OpenAI-compatible chat endpoint."
+                f"{resp.text[:120]!r}. Fix: point --router at an OpenAI-compatible chat endpoint."
             ) from exc
 
     def _body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -431,7 +430,7 @@ class LLMRouter:
 
     def _http_error(self, status: int, text: Any) -> RouterError:
         return RouterError(
-            f"router LLM at {self.url} answered HTTP {status}: {str(text)[:200]}. Fix: check --router-url, "
+            f"router LLM at {self.url} answered HTTP {status}: {str(text)[:200]}. Fix: check --router, "
             "--router-model and the API key."
         )
 
