@@ -288,6 +288,19 @@ def enable_activation_checkpointing(lm: nn.Module) -> int:
     return count
 
 
+def apply_fsdp(lm: nn.Module, module: nn.Module, device_type: str, world: int) -> None:
+    """Shard with FSDP2 (``torch.distributed.fsdp.fully_shard``): one unit per temporal and depformer layer, then
+    the rest (embeddings, heads) at the root ``module``. Parameters are sharded in place (DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (world,))
+    for stack in (lm.transformer, lm.depformer):
+        for layer in stack.layers:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+
+
 def _dtype(name: str) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if name not in table:
@@ -384,14 +397,7 @@ class Trainer:
         self.lm = lm
         module: nn.Module = TrainModule(lm)
         if self.dist.enabled and cfg.fsdp:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(self.device.type, (self.dist.world,))
-            for stack in (lm.transformer, lm.depformer):
-                for layer in stack.layers:
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(module, mesh=mesh)
+            apply_fsdp(lm, module, self.device.type, self.dist.world)
         elif self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -821,6 +827,7 @@ __all__ = [
     "TrainModule",
     "TrainResult",
     "Trainer",
+    "apply_fsdp",
     "enable_activation_checkpointing",
     "lr_factor",
     "run_training",
