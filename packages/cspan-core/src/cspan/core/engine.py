@@ -125,8 +125,10 @@ class DuplexEngine:
         agent_placeholder, user_placeholder: the audio codes of span blocks and prefix text/silence frames
             (SILENCE / SINE; other values only for models with another codec vocabulary).
         cuda_graphs: replay the per-frame token step from a CUDA graph (one per kind of call: with / without
-            user codes and forced tokens), captured on its second call as upstream ``CUDAGraphed`` does. None:
-            on when the device is CUDA and ``NO_CUDA_GRAPH`` is not set; True off CUDA raises ValueError.
+            user codes and forced tokens), and the whole frame of :meth:`step` (Mimi encode, token step, Mimi
+            decode) from another, each captured on its second call as upstream ``CUDAGraphed`` does; Context Span
+            prefills replay graphs at a few padded lengths (:class:`cspan.core.span.PrefillGraphs`). None: on when
+            the device is CUDA and ``NO_CUDA_GRAPH`` is not set; True off CUDA raises ValueError.
 
     A given model is moved in place (``nn.Module.to``) when ``device`` / ``dtype`` differ from its own.
 
@@ -203,12 +205,18 @@ class DuplexEngine:
         self.lm_state = lm.new_state(batch_size, self.device, self.dtype)
         self._dep_state = lm.new_depformer_state(batch_size, self.device, self.dtype)
         self._dep_state_one = lm.new_depformer_state(1, self.device, self.dtype)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and not os.environ.get("NO_CUDA_GRAPH")
+        elif cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"DuplexEngine: cuda_graphs=True needs a CUDA device, the engine runs on {self.device}")
+        self.cuda_graphs = bool(cuda_graphs)
         self.injector = SpanInjector(
             lm,
             max_span_frames=max_span_frames,
             tokenizer=tokenizer,
             agent_placeholder=self.agent_placeholder,
             user_placeholder=self.user_placeholder,
+            cuda_graphs=self.cuda_graphs,
         )
         self._enc_state = self.mimi.new_encoder_state(batch_size) if self.mimi is not None else None
         self._dec_state = self.mimi.new_decoder_state(batch_size) if self.mimi is not None else None
@@ -220,12 +228,9 @@ class DuplexEngine:
             gen = make_generator(self.device, None if seed is None else seed + i)
             self.generators.append(gen)
             self.seeds.append(int(gen.initial_seed()))
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda" and not os.environ.get("NO_CUDA_GRAPH")
-        elif cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"DuplexEngine: cuda_graphs=True needs a CUDA device, the engine runs on {self.device}")
-        self.cuda_graphs = bool(cuda_graphs)
         self._graphs: dict[tuple[bool, bool], _GraphedStep | None] = {}
+        self._frame_graph: _GraphedFrame | None = None
+        self._frame_calls = 0
         # host mirrors of per-session bookkeeping (changed only by the engine's own calls)
         self.positions: list[int] = [0] * batch_size
         self.prefix_end: list[int | None] = [None] * batch_size
@@ -440,10 +445,13 @@ class DuplexEngine:
         if forced is not None and tuple(forced.shape) != (B, K):
             raise ValueError(f"step_tokens: forced must be [{B}, {K}], got {tuple(forced.shape)}")
         out = self._graphed_step(user_codes, forced) if self.cuda_graphs else self._step(user_codes, forced)
-        for i in range(B):
+        self._advance_host()
+        return out
+
+    def _advance_host(self) -> None:
+        for i in range(self.batch_size):
             self.positions[i] += 1
             self.started[i] = True
-        return out
 
     def _step(self, user_codes: torch.Tensor | None, forced: torch.Tensor | None) -> TokenStepOutput:
         """The per-frame computation: tensor operations on preallocated state only (CUDA-graph capturable)."""
@@ -508,7 +516,7 @@ class DuplexEngine:
                 "DuplexEngine.step needs the Mimi codec; build the engine from a checkpoint or pass mimi=, or use "
                 "step_tokens() for token-level streaming"
             )
-        B, C = self.batch_size, self.num_codebooks
+        B = self.batch_size
         pcm = user_pcm
         if pcm.dim() == 3 and pcm.shape[1] == 1:
             pcm = pcm[:, 0]
@@ -517,17 +525,24 @@ class DuplexEngine:
                 f"step: user_pcm must be [{B}, {FRAME_SIZE}] float32 at 24 kHz, got {tuple(user_pcm.shape)}"
             )
         invalid = [i for i in range(B) if self.positions[i] < self.max_delay]
-        pcm = pcm.to(self.device, torch.float32)[:, None, :]
-        user_codes = self.mimi.encode_step(pcm, self._enc_state)[:, :C, 0]  # [B, C]
-        out = self.step_tokens(user_codes)
+        out = self._graphed_frame(pcm) if self.cuda_graphs else self._frame(pcm.to(self.device, torch.float32))
+        self._advance_host()
+        if invalid:
+            # a session's first call finishes no frame: its decoder must not have advanced
+            self._dec_state.reset(torch.tensor(invalid, dtype=torch.long, device=self.device))
+        return out
+
+    def _frame(self, pcm: torch.Tensor) -> FrameOutput:
+        """The whole frame on device tensors (CUDA-graph capturable): pcm [B, 1920] float32 on the device."""
+        assert self.mimi is not None and self._enc_state is not None and self._dec_state is not None
+        B, C = self.batch_size, self.num_codebooks
+        user_codes = self.mimi.encode_step(pcm[:, None, :], self._enc_state)[:, :C, 0]  # [B, C]
+        out = self._step(user_codes, None)
         agent_codes = out.frame[:, 1 : 1 + C]
         valid = out.valid
         decode_codes = torch.where(valid[:, None], agent_codes, self._silence_codes[None, :].expand(B, -1))
         agent_pcm = self.mimi.decode_step(decode_codes[:, :, None], self._dec_state)[:, 0].float()  # [B, 1920]
         agent_pcm = torch.where(valid[:, None], agent_pcm, torch.zeros_like(agent_pcm))
-        if invalid:
-            # a session's first call finishes no frame: its decoder must not have advanced
-            self._dec_state.reset(torch.tensor(invalid, dtype=torch.long, device=self.device))
         text_token = torch.where(valid, out.frame[:, 0], torch.full_like(out.frame[:, 0], -1))
         return FrameOutput(
             agent_pcm=agent_pcm,
@@ -537,6 +552,17 @@ class DuplexEngine:
             valid=valid,
             tokens=out,
         )
+
+    def _graphed_frame(self, pcm: torch.Tensor) -> FrameOutput:
+        """:meth:`_frame` through a CUDA graph: eager on the first call, captured on the second, replayed after."""
+        self._frame_calls += 1
+        if self._frame_calls == 1:
+            return self._frame(pcm.to(self.device, torch.float32))
+        if self._frame_graph is None:
+            self._frame_graph = _GraphedFrame.capture(self, pcm)
+        else:
+            self._frame_graph.pcm.copy_(pcm)
+        return self._frame_graph.replay()
 
     # -- inspection ---------------------------------------------------------------------------------------------
 
@@ -596,6 +622,45 @@ class _GraphedStep:
             column=o.column.clone(),
             text_logits=o.text_logits.clone(),
             position=o.position.clone(),
+        )
+
+
+class _GraphedFrame:
+    """One captured :meth:`DuplexEngine._frame` (Mimi encode, token step, Mimi decode) with its static PCM input."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, pcm: torch.Tensor, out: FrameOutput) -> None:
+        self.graph = graph
+        self.pcm = pcm
+        self.out = out
+
+    @classmethod
+    def capture(cls, engine: DuplexEngine, pcm: torch.Tensor) -> _GraphedFrame:
+        static = pcm.to(engine.device, torch.float32).clone()
+        graph = torch.cuda.CUDAGraph()
+        for gen in engine.generators:
+            graph.register_generator_state(gen)
+        with torch.cuda.graph(graph):  # records only: the state is not advanced until replay
+            out = engine._frame(static)
+        return cls(graph, static, out)
+
+    def replay(self) -> FrameOutput:
+        self.graph.replay()
+        o, t = self.out, self.out.tokens  # static buffers: hand out copies
+        tokens = TokenStepOutput(
+            frame=t.frame.clone(),
+            valid=t.valid.clone(),
+            input=t.input.clone(),
+            column=t.column.clone(),
+            text_logits=t.text_logits.clone(),
+            position=t.position.clone(),
+        )
+        return FrameOutput(
+            agent_pcm=o.agent_pcm.clone(),
+            text_token=o.text_token.clone(),
+            is_ret=o.is_ret.clone(),
+            agent_codes=tokens.frame[:, 1 : 1 + o.agent_codes.shape[1]],
+            valid=tokens.valid,
+            tokens=tokens,
         )
 
 

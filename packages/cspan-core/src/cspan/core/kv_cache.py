@@ -189,6 +189,19 @@ class KVCache:
         else:
             self.offset[step.rows] = step.positions[:, -1] + 1
 
+    def advance_by(self, count: int | torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Move the offsets of ``rows`` (all when None) by ``count`` positions: a Python int, or a [1] long device
+        tensor (a padded prefill's real length; no host synchronisation)."""
+        if rows is None:
+            self.offset.add_(count)
+            return
+        rows = rows.to(self.offset.device)
+        if isinstance(count, torch.Tensor):
+            step = count.to(self.offset.device, torch.long).expand(rows.shape[0])
+        else:
+            step = torch.full_like(rows, int(count))
+        self.offset.index_add_(0, rows, step)
+
     def _read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self.keys[layer]
         values = self.values[layer]

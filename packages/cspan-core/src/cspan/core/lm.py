@@ -271,10 +271,8 @@ class LMModel(nn.Module):
             raise ValueError(f"tokens must be [B, {self.num_codebooks}, T], got {list(tokens.shape)}")
         x: torch.Tensor | None = None
         for k in range(self.n_q):
-            e = self.emb[k](tokens[:, k + 1])
-            x = e if x is None else x + e
-        text = self.text_emb(tokens[:, 0])
-        return text if x is None else x + text
+            x = self.emb[k].add_to(x, tokens[:, k + 1])
+        return self.text_emb.add_to(x, tokens[:, 0])
 
     def _depformer_in_index(self, k: int) -> int:
         if not self.cfg.depformer_multi_linear:
@@ -426,6 +424,30 @@ class LMModel(nn.Module):
         hidden = self.out_norm(self.transformer(x, state.transformer, rows))
         return hidden, self.text_linear(hidden)
 
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        state: LMState,
+        rows: torch.Tensor | None = None,
+        n_valid: torch.Tensor | None = None,
+    ) -> None:
+        """Append T positions to the temporal KV cache without computing outputs (a Context Span block).
+
+        Same keys and values as :meth:`temporal` over the same tokens; on the fused GPU path the last layer's
+        feed-forward, ``out_norm`` and ``text_linear`` (which feed nothing but the outputs) are skipped.
+
+        Args:
+            tokens: [B', K, T] long model input columns.
+            state: from :meth:`new_state`.
+            rows: [B'] long rows of ``state`` to advance (None: all rows).
+            n_valid: [1] long device tensor, the real length of a block padded to T (CUDA graphs at fixed
+                lengths; see :class:`cspan.core.span.PrefillGraphs`), or None (all T are real).
+
+        Raises:
+            ValueError: ``n_valid`` off the fused path (see ``StreamingTransformer.forward``).
+        """
+        self.transformer(self.embed(tokens), state.transformer, rows, n_valid=n_valid, need_output=False)
+
     def new_depformer_state(
         self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> TransformerState:
@@ -458,7 +480,7 @@ class LMModel(nn.Module):
             raise ValueError(f"depformer step {k} is outside 0..{self.dep_q - 1}")
         x = self.depformer_in[self._depformer_in_index(k)](hidden)  # [B, Dd]
         emb = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
-        x = x + emb(prev_token)
+        x = emb.add_to(x, prev_token)
         y = self.depformer(x[:, None], dep_state, step=k)[:, 0]  # [B, Dd]
         return self._depformer_head(k, y)
 

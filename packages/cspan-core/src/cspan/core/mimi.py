@@ -24,7 +24,11 @@ upstream's non-streaming result at any length.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +39,34 @@ from .modules.conv import ConvDownsample1d, ConvState, ConvTrState, ConvTrUpsamp
 from .modules.quantization import SplitResidualVectorQuantizer
 from .modules.seanet import SEANetDecoder, SEANetEncoder
 from .modules.transformer import StreamingTransformer, TransformerState
+
+
+@contextlib.contextmanager
+def exact_float32() -> Iterator[None]:
+    """Turn TF32 off for cuDNN convolutions and cuBLAS matrix products inside the block (restored on exit).
+
+    PyTorch lets cuDNN use TF32 (10-bit mantissa) for float32 convolutions by default, which moves Mimi's latents
+    enough to change RVQ codes against the CPU; every :class:`Mimi` entry point runs inside this context, so the
+    codec computes in true float32 on any device (and a CUDA graph captured inside it replays float32 kernels).
+    """
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _fp32(method: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """Run a :class:`Mimi` entry point inside :func:`exact_float32`."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Tensor:
+        with exact_float32():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 def _as_row_index(rows: Rows, device: torch.device) -> Tensor | None:
@@ -252,6 +284,7 @@ class Mimi(nn.Module):
             emb = self.downsample(emb, None if state is None else state.downsample)
         return emb
 
+    @_fp32
     def encode_to_latent(self, pcm: Tensor) -> Tensor:
         """Unquantized latent of ``pcm`` ``[B, C, S]`` -> ``[B, dimension, ceil(S / frame_size)]``.
 
@@ -268,6 +301,7 @@ class Mimi(nn.Module):
             return pcm.new_zeros(pcm.shape[0], self.cfg.seanet.dimension, 0)
         return self._latent(pcm, None)
 
+    @_fp32
     def encode(self, pcm: Tensor) -> Tensor:
         """Encode ``pcm`` ``[B, C, S]`` (float, 24 kHz) -> codes ``[B, num_codebooks, ceil(S / 1920)]`` int64.
 
@@ -278,6 +312,7 @@ class Mimi(nn.Module):
         """
         return self.quantizer.encode(self.encode_to_latent(pcm))
 
+    @_fp32
     def decode_latent(self, codes: Tensor) -> Tensor:
         """Codes ``[B, K, T]`` -> quantized latent ``[B, dimension, T]`` (semantic + acoustic reconstructions).
 
@@ -293,6 +328,7 @@ class Mimi(nn.Module):
         emb = self.decoder_transformer(emb, None if state is None else state.transformer)
         return self.decoder(emb, None if state is None else state.seanet)
 
+    @_fp32
     def decode(self, codes: Tensor) -> Tensor:
         """Decode codes ``[B, K, T]`` (``1 <= K <= total_codebooks``) -> PCM ``[B, C, T * 1920]`` float.
 
@@ -330,6 +366,7 @@ class Mimi(nn.Module):
             seanet=self.decoder.new_state(batch_size, device, dtype),
         )
 
+    @_fp32
     def encode_step(self, pcm: Tensor, state: MimiEncoderState) -> Tensor:
         """Encode the next frame(s) of every session: ``pcm`` ``[B, C, n * 1920]`` -> codes ``[B, num_codebooks, n]``.
 
@@ -353,6 +390,7 @@ class Mimi(nn.Module):
             )
         return self.quantizer.encode(self._latent(pcm, state))
 
+    @_fp32
     def decode_step(self, codes: Tensor, state: MimiDecoderState) -> Tensor:
         """Decode the next frame(s) of every session: codes ``[B, K, n]`` -> PCM ``[B, C, n * 1920]``.
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .constants import DEFAULT_TEMP, DEFAULT_TEMP_TEXT, DEFAULT_TOP_K, DEFAULT_TOP_K_TEXT, UNGENERATED
+from .modules import fused
 
 
 def sample_token(
@@ -111,6 +112,11 @@ def sample_column(
     order: kyutai-labs/moshi ``LMGen._step`` (text first, then ``depformer_step`` over codebooks 0..dep_q-1, each
     conditioned on the previous one).
 
+    On the GPU each audio codebook is sampled, forced and stored by one kernel
+    (:func:`cspan.core.modules.fused.sample_top_k`), with the frame's audio noise drawn once per session
+    (``[dep_q, card]`` Exp(1) values from ``generators[b]``): the same distribution as :func:`sample_token`,
+    other draws for a given seed (as CUDA and CPU generators differ anyway).
+
     Args:
         lm: the :class:`cspan.core.lm.LMModel` (``depformer_logits``, ``dep_q``).
         hidden: [B, D] temporal output of the fed position (after ``out_norm``).
@@ -129,12 +135,35 @@ def sample_column(
     token = torch.where(known[:, 0], target[:, 0], token)
     column[:, 0] = token
     dep_state.reset()
+    if fused.usable(hidden) and lm.card <= fused.SAMPLE_MAX_VOCAB:
+        noise = None if audio.greedy else _frame_noise(hidden.shape[0], lm.dep_q, lm.card, hidden.device, generators)
+        for k in range(lm.dep_q):
+            logits = lm.depformer_logits(k, hidden, token, dep_state)
+            step_noise = None if noise is None else noise[:, k]
+            token = fused.sample_top_k(
+                logits, audio.temperature, audio.top_k, step_noise, target[:, 1 + k], column[:, 1 + k]
+            )
+        return column
     for k in range(lm.dep_q):
         logits = lm.depformer_logits(k, hidden, token, dep_state)
         token = audio.sample(logits, generators)
         token = torch.where(known[:, 1 + k], target[:, 1 + k], token)
         column[:, 1 + k] = token
     return column
+
+
+def _frame_noise(
+    batch: int, steps: int, vocab: int, device: torch.device, generators: Sequence[torch.Generator] | None
+) -> torch.Tensor:
+    """[B, steps, vocab] float32 Exp(1) noise of one frame, row b drawn from ``generators[b]`` (one launch per
+    session instead of one per session and codebook)."""
+    noise = torch.empty(batch, steps, vocab, device=device, dtype=torch.float32)
+    if generators is None:
+        noise.exponential_(1.0)
+    else:
+        for b, gen in enumerate(generators):
+            noise[b].exponential_(1.0, generator=gen)
+    return noise
 
 
 def make_generator(device: torch.device | str, seed: int | None = None) -> torch.Generator:

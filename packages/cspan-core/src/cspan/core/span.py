@@ -299,11 +299,13 @@ class SpanInjector:
         tokenizer: Any | None = None,
         agent_placeholder: Sequence[int] = SILENCE_TOKENS,
         user_placeholder: Sequence[int] = SINE_TOKENS,
+        cuda_graphs: bool = False,
     ) -> None:
         if max_span_frames < 3:
             raise SpanError(f"max_span_frames is {max_span_frames}; it must be at least 3 (12, one token, 13)")
         self.lm = lm
         self.max_span_frames = int(max_span_frames)
+        self.graphs = PrefillGraphs(lm, self.max_span_frames) if cuda_graphs else None
         self.tokenizer = tokenizer
         self.agent_placeholder = tuple(agent_placeholder)
         self.user_placeholder = tuple(user_placeholder)
@@ -365,9 +367,11 @@ class SpanInjector:
         rows = torch.tensor([row], dtype=torch.long, device=device)
         _synchronize(device)
         t0 = time.perf_counter()
-        step = n if chunk is None else max(1, int(chunk))
-        for start in range(0, n, step):
-            self.lm.temporal(block_d[None, :, start : start + step], lm_state, rows=rows)
+        graphed = chunk is None and self.graphs is not None and self.graphs.run(lm_state, block_d, row)
+        if not graphed:
+            step = n if chunk is None else max(1, int(chunk))
+            for start in range(0, n, step):
+                self.lm.prefill(block_d[None, :, start : start + step], lm_state, rows=rows)
         grid.splice(row, block_d)
         _synchronize(device)
         prefill_ms = (time.perf_counter() - t0) * 1000.0
@@ -389,6 +393,88 @@ class SpanInjector:
         )
 
 
+def prefill_buckets(max_len: int) -> list[int]:
+    """The padded lengths of :class:`PrefillGraphs`: 16, 32, 64, then multiples of 128, and ``max_len`` itself
+    (for the default 600: 16, 32, 64, 128, 256, 384, 512, 600); a block runs at the smallest one that holds it."""
+    sizes = [16, 32, 64, *range(128, max_len, 128)]
+    return [s for s in sizes if s < max_len] + [max_len]
+
+
+@dataclass
+class _PrefillGraph:
+    graph: torch.cuda.CUDAGraph
+    state: Any
+    tokens: torch.Tensor  # [1, K, size] long
+    rows: torch.Tensor  # [1] long
+    n_valid: torch.Tensor  # [1] long
+
+
+class PrefillGraphs:
+    """CUDA graphs of :meth:`cspan.core.lm.LMModel.prefill` for one session at a few fixed block lengths.
+
+    A block of n columns is padded to the smallest bucket (:func:`prefill_buckets`) that holds it; the row and n
+    are device tensors read by the kernels, so one graph per bucket serves every session and length. The padded
+    columns come after the real ones (invisible to them under causal attention), are not written to the KV cache
+    and do not advance the offset (``n_valid``, see :mod:`cspan.core.modules.fused`). A bucket is captured on its
+    first use, after one warm-up run with ``n_valid = 0`` (which changes no state). Eager prefill of the same
+    block gives the same cache up to the padding's effect on rounding: none (the real positions see the same keys).
+
+    Args:
+        lm: the :class:`cspan.core.lm.LMModel` (on CUDA).
+        max_len: the longest block (the injector's ``max_span_frames``).
+    """
+
+    def __init__(self, lm: Any, max_len: int) -> None:
+        self.lm = lm
+        self.buckets = prefill_buckets(max_len)
+        self._graphs: dict[int, _PrefillGraph] = {}
+        self._pool: Any = None
+
+    def usable(self, lm_state: Any) -> bool:
+        """Whether this state's prefill can be graphed (CUDA and the fused transformer path)."""
+        weight = self.lm.text_emb.weight
+        return lm_state.offset.is_cuda and self.lm.transformer.fused_path(weight)
+
+    def run(self, lm_state: Any, block: torch.Tensor, row: int) -> bool:
+        """Read ``block`` [K, n] (device, long) into row ``row`` of ``lm_state`` by replaying the bucket's graph.
+
+        Returns:
+            False (nothing done) when the graphs cannot serve it: no fused path, or n beyond the largest bucket.
+        """
+        n = block.shape[-1]
+        if n > self.buckets[-1] or not self.usable(lm_state):
+            return False
+        size = next(s for s in self.buckets if s >= n)
+        entry = self._graphs.get(size)
+        if entry is None or entry.state is not lm_state:
+            entry = self._capture(lm_state, size, block.shape[0])
+            self._graphs[size] = entry
+        entry.tokens[0, :, :n].copy_(block)
+        if n < size:
+            entry.tokens[0, :, n:].copy_(block[:, -1:].expand(-1, size - n))
+        entry.rows.fill_(row)
+        entry.n_valid.fill_(n)
+        entry.graph.replay()
+        return True
+
+    def _capture(self, lm_state: Any, size: int, num_streams: int) -> _PrefillGraph:
+        device = lm_state.offset.device
+        tokens = torch.zeros(1, num_streams, size, dtype=torch.long, device=device)
+        rows = torch.zeros(1, dtype=torch.long, device=device)
+        n_valid = torch.zeros(1, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # compile and initialise; n_valid = 0 writes nothing
+            self.lm.prefill(tokens, lm_state, rows, n_valid)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.lm.prefill(tokens, lm_state, rows, n_valid)
+        return _PrefillGraph(graph=graph, state=lm_state, tokens=tokens, rows=rows, n_valid=n_valid)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -396,8 +482,10 @@ def _synchronize(device: torch.device) -> None:
 
 __all__ = [
     "ContextSpan",
+    "PrefillGraphs",
     "SpanInjector",
     "SpanReport",
+    "prefill_buckets",
     "span_block",
     "splice_block",
     "splice_mask",

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import fused
+
 ZERO_TOKEN_ID = -1
 
 
@@ -45,3 +47,11 @@ class ScaledEmbedding(nn.Module):
         if self.low_rank is not None:
             y = self.low_rank(y)
         return y
+
+    def add_to(self, x: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+        """``x + self(ids)`` (``self(ids)`` when x is None): one kernel on the GPU without low rank, the sum
+        rounded as the eager addition is. Shapes: x [..., D] matching ids [...] (or None)."""
+        if self.low_rank is None and ids.dim() in (1, 2) and fused.usable(self.weight):
+            return fused.embed_add(x, self.weight, ids)
+        e = self(ids)
+        return e if x is None else x + e

@@ -28,6 +28,7 @@ the stream since the last reset, i.e. the codebook index inside a frame) uses we
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..kv_cache import CacheStep, KVCache, attention_mask
-from .norms import make_norm
+from . import fused
+from .norms import RMSNorm, make_norm
 from .rope import apply_rope, sin_embedding
 
 POSITIONAL_EMBEDDINGS = ("none", "sin", "rope", "sin_rope")
@@ -110,12 +112,15 @@ class ActivationGating(nn.Module):
                 f"unknown gating activation {activation!r}; expected 'none' or one of {sorted(_ACTIVATIONS)}"
             )
         self.hidden = gated_hidden_size(dim, dim_feedforward)
+        self.activation_name = activation
         self.activation = _ACTIVATIONS[activation]
         self.linear_in = nn.Linear(dim, 2 * self.hidden, bias=False, device=device, dtype=dtype)
         self.linear_out = nn.Linear(self.hidden, dim, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_in(x)
+        if self.activation_name == "silu" and fused.usable(h, self.linear_in.weight):
+            return self.linear_out(fused.silu_gate(h))  # one kernel on the GPU, same roundings
         h = h.view(*h.shape[:-1], 2, self.hidden)
         h = self.activation(h[..., 0, :]) * h[..., 1, :]
         return self.linear_out(h)
@@ -202,6 +207,54 @@ class MultiheadAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(B, T, D)
         return _per_step_linear(out, self.out_proj.weight, self.n_sets, sets)
+
+    def weights(self, weight_set: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(in_proj [3D, D], out_proj [D, D]) weights of one weight set (None: the single set)."""
+        w_in, w_out = self.in_proj_weight, self.out_proj.weight
+        if weight_set is not None:
+            w_in = w_in.view(self.n_sets, -1, self.dim)[weight_set]
+            w_out = w_out.view(self.n_sets, -1, self.dim)[weight_set]
+        return w_in, w_out
+
+    def fused_forward(
+        self,
+        x: torch.Tensor,
+        weight_set: int | None,
+        cache: KVCache,
+        layer: int,
+        window: int,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        rows: torch.Tensor | None,
+        n_valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """:meth:`forward` with a KV cache through the kernels of :mod:`cspan.core.modules.fused` (GPU).
+
+        One position (the frame step): projection, one kernel for RoPE + cache write + attention, projection. T
+        positions (a prefill): projection, RoPE split, attention over the ring and the new keys, cache write of
+        the first ``n_valid`` positions (all when None), projection. The cache offsets are not advanced here.
+
+        Args:
+            x: [B', T, D] normalised input.
+            weight_set: the single weight set of these positions (None: one set).
+            cache, layer: the KV cache and this layer's index in it.
+            window: attention window in positions.
+            rope: (cos, sin) [B', T, Dh/2] or None.
+            rows: [B'] long cache rows (None: all).
+            n_valid: [1] long device tensor, positions of the chunk that are real (padded prefill), or None.
+
+        Returns:
+            [B', T, D].
+        """
+        w_in, w_out = self.weights(weight_set)
+        qkv = F.linear(x, w_in)  # [B', T, 3D]
+        keys, values = cache.keys[layer], cache.values[layer]
+        if x.shape[1] == 1 and n_valid is None:
+            out = fused.decode_attention(qkv, keys, values, cache.offset, window, rope, rows)
+        else:
+            q, k, v = fused.rope_split(qkv, self.num_heads, rope)
+            out = fused.prefill_attention(q, k, v, keys, values, cache.offset, window, rows)
+            fused.kv_write(k, v, keys, values, cache.offset, rows, n_valid)
+        return F.linear(out, w_out)
 
 
 class StreamingTransformerLayer(nn.Module):
@@ -467,13 +520,67 @@ class StreamingTransformer(nn.Module):
             return list(steps)
         return [self.weights_per_step_schedule[s] for s in steps]
 
+    fused: bool | None = None
+    """Run streaming forwards (with a state) through :mod:`cspan.core.modules.fused`: None (default) does so for
+    bfloat16/float16 activations on CUDA when Triton is present; True also for float32; False never."""
+
+    gemv: bool | None = None
+    """On the fused path, run one-position steps of at most ``fused.GEMV_MAX_ROWS`` rows as five launches per
+    layer (:func:`cspan.core.modules.fused.gemv` with the norms, residuals and gate fused in, plus the attention
+    kernel): None (default) for models of width <= 2048 (the depformer, whose small layers are launch-bound),
+    True / False to force (``CSPAN_GEMV=0`` turns the default off, for comparisons)."""
+
+    def _gemv_ok(self, x: torch.Tensor, sets: list[int] | None) -> bool:
+        if x.shape[1] != 1 or x.shape[0] > fused.GEMV_MAX_ROWS:
+            return False
+        auto = self.d_model <= 2048 and os.environ.get("CSPAN_GEMV") != "0"
+        if not (self.gemv if self.gemv is not None else auto):
+            return False
+        for layer in self.layers:
+            widths = [layer.self_attn.dim]
+            gating = layer.gating
+            for g in gating if isinstance(gating, nn.ModuleList) else [gating]:
+                widths.append(getattr(g, "hidden", 1 << 30))
+            if max(widths) > fused.GEMV_MAX_K:
+                return False
+            norms = (layer.norm1, layer.norm2)
+            if not all(isinstance(n, RMSNorm) and n.compute_dtype == torch.float32 for n in norms):
+                return False
+            if not isinstance(layer.layer_scale_1, nn.Identity) or not isinstance(layer.layer_scale_2, nn.Identity):
+                return False
+            gating = layer.gating
+            if isinstance(gating, nn.ModuleList):
+                if sets is None:
+                    return False
+                gating = gating[sets[0]]
+            if not isinstance(gating, ActivationGating) or gating.activation_name != "silu":
+                return False
+        return True
+
+    def fused_path(self, x: torch.Tensor, sets: list[int] | None = None) -> bool:
+        """Whether a streaming forward of activations like ``x`` (dtype, device) takes the fused GPU path."""
+        return self._fused_ok(x, sets)
+
+    def _fused_ok(self, x: torch.Tensor, sets: list[int] | None) -> bool:
+        if not self.causal or self.positional_embedding not in ("rope", "none"):
+            return False
+        if sets is not None and len(set(sets)) > 1:
+            return False
+        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+            return False
+        use = self.fused if self.fused is not None else x.dtype in (torch.bfloat16, torch.float16)
+        return bool(use) and fused.usable(x, self.layers[0].self_attn.in_proj_weight)
+
     def forward(
         self,
         x: torch.Tensor,
         state: TransformerState | None = None,
         rows: torch.Tensor | None = None,
         step: int | None = None,
-    ) -> torch.Tensor:
+        *,
+        n_valid: torch.Tensor | None = None,
+        need_output: bool = True,
+    ) -> torch.Tensor | None:
         """Run the stack over T new positions.
 
         Args:
@@ -485,12 +592,18 @@ class StreamingTransformer(nn.Module):
                 None means all rows.
             step: index of the first position for weights-per-step transformers (default 0 without a state,
                 ``state.step`` with one).
+            n_valid: [1] long device tensor: only the first ``n_valid`` of the T positions are real (a prefill
+                padded to a fixed length for a CUDA graph); only their keys/values are stored and the offsets
+                advance by ``n_valid``. Needs the fused path (see :attr:`fused`).
+            need_output: False when only the KV cache matters (span prefill): the last layer's feed-forward is
+                skipped on the fused path and None is returned.
 
         Returns:
-            [B, T, D].
+            [B, T, D] (None when ``need_output`` is False and the fused path ran).
 
         Raises:
-            ValueError: weights-per-step with ``rows`` and no explicit ``step``; steps beyond ``weights_per_step``.
+            ValueError: weights-per-step with ``rows`` and no explicit ``step``; steps beyond ``weights_per_step``;
+                ``n_valid`` without a state or off the fused path.
         """
         T, D = x.shape[1], x.shape[2]
         cache: KVCache | None = None
@@ -503,17 +616,29 @@ class StreamingTransformer(nn.Module):
                 mask = attention_mask(positions, positions, self.context) if window_bites else CAUSAL
             first_step = 0 if step is None else step
         else:
-            cache = state.cache
-            cache_step = cache.begin(T, rows)
-            positions = cache_step.positions  # [B', T]
-            window = self.context if self.context is not None else cache.capacity
-            mask = attention_mask(positions, cache_step.key_positions, window, causal=self.causal)
             if step is None:
                 if rows is not None and self.weights_per_step:
                     raise ValueError("weights-per-step transformer stepped on a subset of rows needs an explicit step")
                 step = state.step
             first_step = step
         sets = self.weight_sets(first_step, T)
+
+        if state is not None and self._fused_ok(x, sets):
+            out = self._fused_forward(x, state, rows, sets, n_valid, need_output)
+            if rows is None:
+                state.step += T
+            return out
+        if n_valid is not None:
+            raise ValueError(
+                "n_valid (a padded prefill) needs the fused GPU path: a streaming state, a causal RoPE/no-position "
+                "transformer, CUDA with Triton, and bfloat16/float16 activations (or StreamingTransformer.fused=True)"
+            )
+        if state is not None:
+            cache = state.cache
+            cache_step = cache.begin(T, rows)
+            positions = cache_step.positions  # [B', T]
+            window = self.context if self.context is not None else cache.capacity
+            mask = attention_mask(positions, cache_step.key_positions, window, causal=self.causal)
 
         if self.positional_embedding in ("sin", "sin_rope"):
             x = x + sin_embedding(positions, D, self.max_period, dtype=x.dtype)
@@ -525,3 +650,61 @@ class StreamingTransformer(nn.Module):
             if rows is None:
                 state.step += T
         return x
+
+    def _fused_forward(
+        self,
+        x: torch.Tensor,
+        state: TransformerState,
+        rows: torch.Tensor | None,
+        sets: list[int] | None,
+        n_valid: torch.Tensor | None,
+        need_output: bool,
+    ) -> torch.Tensor | None:
+        """The streaming forward through :mod:`cspan.core.modules.fused`: per layer, residual add + RMSNorm in one
+        kernel, the attention block (:meth:`MultiheadAttention.fused_forward`), residual add + RMSNorm, the FFN.
+        Same function as the eager path up to rounding order."""
+        cache = state.cache
+        T = x.shape[1]
+        window = self.context if self.context is not None else cache.capacity
+        rope = None
+        if self.positional_embedding == "rope":
+            start = cache.offset if rows is None else cache.offset.index_select(0, rows)
+            positions = start[:, None] + torch.arange(T, device=x.device, dtype=torch.long)
+            rope = fused.rope_tables(positions, self.head_dim, self.max_period)
+        weight_set = None if sets is None else sets[0]
+        if self._gemv_ok(x, sets):
+            h = x[:, 0].contiguous()  # [B', D]
+            for i, layer in enumerate(self.layers):
+                w_in, w_out = layer.self_attn.weights(weight_set)
+                qkv = fused.gemv(h, w_in, norm=(layer.norm1.alpha, layer.norm1.eps))
+                keys, values = cache.keys[i], cache.values[i]
+                attn = fused.decode_attention(qkv[:, None], keys, values, cache.offset, window, rope, rows)
+                h = fused.gemv(attn[:, 0], w_out, residual=h)
+                ffn = layer.gating[weight_set] if isinstance(layer.gating, nn.ModuleList) else layer.gating
+                g = fused.gemv(h, ffn.linear_in.weight, norm=(layer.norm2.alpha, layer.norm2.eps), gate=True)
+                h = fused.gemv(g, ffn.linear_out.weight, residual=h)
+            cache.advance_by(1, rows)
+            return h[:, None]
+        update: torch.Tensor | None = None
+        last = len(self.layers) - 1
+        out: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            x, h = _add_norm(x, update, layer.norm1)
+            attn = layer.self_attn.fused_forward(h, weight_set, cache, i, window, rope, rows, n_valid)
+            x, h = _add_norm(x, layer.layer_scale_1(attn), layer.norm2)
+            if i == last and not need_output:
+                break
+            update = layer.layer_scale_2(layer.feed_forward(h, sets))
+            if i == last:
+                out = x + update
+        cache.advance_by(T if n_valid is None else n_valid, rows)
+        return out
+
+
+def _add_norm(x: torch.Tensor, update: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s)) with ``s = x + update`` (``x`` when update is None): one kernel for a float32 RMSNorm."""
+    if isinstance(norm, RMSNorm) and norm.compute_dtype == torch.float32 and fused.usable(x, norm.alpha):
+        return fused.rms_norm(x, norm.alpha, norm.eps, update)
+    if update is not None:
+        x = x + update
+    return x, norm(x)
