@@ -59,9 +59,9 @@ def _non_negative(value: str) -> float:
     try:
         t = float(value)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from exc
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from exc
     if not t >= 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: seconds must be >= 0")
+        raise argparse.ArgumentTypeError(f"{value!r}: must be >= 0")
     return t
 
 
@@ -75,8 +75,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--voice", default=None, help="voice name in the checkpoint's voices/ or a .pt file of codes")
     g.add_argument("--text-prompt", default=DEFAULT_PERSONA, help="the persona text prompt")
-    g.add_argument("--temp", type=float, default=0.8, help="audio sampling temperature (0 = greedy)")
-    g.add_argument("--temp-text", type=float, default=0.7, help="text sampling temperature (0 = greedy)")
+    g.add_argument("--temp", type=_non_negative, default=0.8, help="audio sampling temperature (0 = greedy)")
+    g.add_argument("--temp-text", type=_non_negative, default=0.7, help="text sampling temperature (0 = greedy)")
     g.add_argument("--seed", type=int, default=42424242, help="seed of the session's sampler")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA path eagerly")
