@@ -94,6 +94,19 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def describe_run(args: argparse.Namespace, session: Any) -> dict[str, Any]:
+    """The settings a runner records with its results (what makes two runs comparable)."""
+    return {
+        "checkpoint": session.identity(),
+        "asr": args.asr,
+        "router": args.router,
+        "router_model": args.router_model,
+        "knowledge": str(args.knowledge) if args.knowledge else None,
+        "span_delay_s": None if args.realtime else args.span_delay_s,
+        "span_deadline_s": args.span_deadline_s,
+    }
+
+
 def loop_config(args: argparse.Namespace) -> Any:
     """The :class:`~cspan.core.runtime.ConversationConfig` of the loop flags (no partial transcripts: they only
     feed a live page, and the final transcript of each utterance is what a ``<ret>`` uses)."""
@@ -335,15 +348,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             limit=args.limit,
             quiet=args.quiet,
-            describe={
-                "checkpoint": session.identity(),
-                "asr": args.asr,
-                "router": args.router,
-                "router_model": args.router_model,
-                "knowledge": str(args.knowledge) if args.knowledge else None,
-                "span_delay_s": None if args.realtime else args.span_delay_s,
-                "span_deadline_s": args.span_deadline_s,
-            },
+            describe=describe_run(args, session),
         )
         result = await run_fdb_v1(
             session,
@@ -576,15 +581,7 @@ async def _qa_async(args: argparse.Namespace) -> int:
             tts=args.tts,
             overwrite=args.overwrite,
             quiet=args.quiet,
-            describe={
-                "checkpoint": session.identity(),
-                "asr": args.asr,
-                "router": args.router,
-                "router_model": args.router_model,
-                "knowledge": str(args.knowledge) if args.knowledge else None,
-                "span_delay_s": None if args.realtime else args.span_delay_s,
-                "span_deadline_s": args.span_deadline_s,
-            },
+            describe=describe_run(args, session),
         )
         summary, results = await run_qa(
             session, items, args.out, options, transcriber=transcriber, retriever=retriever, judge=judge
