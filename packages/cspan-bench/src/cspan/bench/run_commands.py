@@ -94,6 +94,22 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def make_retriever(args: argparse.Namespace, transcriber: Any, bank: Any) -> tuple[Any, Any]:
+    """``(router, retriever)`` over ``bank`` from the shared runner flags (no Context DB: runs are stateless)."""
+    from cspan.backends.retriever import Retriever
+    from cspan.bench.session import make_router
+
+    router = make_router(
+        args.router, bank, model=args.router_model, knowledge=args.knowledge, timeout_s=args.router_timeout_s
+    )
+    return router, Retriever(transcriber, router, None, deadline_s=args.span_deadline_s)
+
+
+def forced_rets(args: argparse.Namespace) -> list[float]:
+    """``--force-ret input-end``: one forced ``<ret>`` this long after each input ends; else none."""
+    return [args.force_ret_delay_s] if args.force_ret == "input-end" else []
+
+
 def describe_run(args: argparse.Namespace, session: Any) -> dict[str, Any]:
     """The settings a runner records with its results (what makes two runs comparable)."""
     return {
@@ -312,7 +328,7 @@ def _fdb_v1_run(args: argparse.Namespace) -> int:
 
 async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     from cspan.bench.fdb_v1_run import V1RunOptions, resolve_input_tasks, run_fdb_v1
-    from cspan.bench.session import close_quietly, make_router
+    from cspan.bench.session import close_quietly
     from cspan.bench.transcribe import make_transcriber
 
     check_loop(args)
@@ -324,25 +340,17 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     judge = _judge(args)
     try:
         if args.router.lower() != "none":
-            from cspan.backends.retriever import Retriever
             from cspan.backends.tools import ToolBank
 
             bank = ToolBank.default()
-            router = make_router(
-                args.router,
-                bank,
-                model=args.router_model,
-                knowledge=args.knowledge,
-                timeout_s=args.router_timeout_s,
-            )
-            retriever = Retriever(transcriber, router, None, deadline_s=args.span_deadline_s)
+            router, retriever = make_retriever(args, transcriber, bank)
         options = V1RunOptions(
             text_prompt=args.text_prompt,
             seed=args.seed,
             tail_s=args.tail_s,
             output_offset_frames=args.output_offset_frames,
             output_rate=args.output_rate,
-            force_ret=[args.force_ret_delay_s] if args.force_ret == "input-end" else [],
+            force_ret=forced_rets(args),
             realtime=args.realtime,
             config=loop_config(args),
             overwrite=args.overwrite,
@@ -442,7 +450,7 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
         text_prompt=args.text_prompt,
         seed=args.seed,
         tail_s=args.tail_s,
-        force_ret=[args.force_ret_delay_s] if args.force_ret == "input-end" else [],
+        force_ret=forced_rets(args),
         realtime=args.realtime,
         config=loop_config(args),
         overwrite=args.overwrite,
@@ -547,7 +555,7 @@ def _qa(args: argparse.Namespace) -> int:
 
 async def _qa_async(args: argparse.Namespace) -> int:
     from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa
-    from cspan.bench.session import close_quietly, make_router, make_transcriber
+    from cspan.bench.session import close_quietly, make_transcriber
 
     check_loop(args, text_questions=args.question_source == "text")
     items = load_qa_items(args.data, args.qa_set, limit=args.limit)
@@ -557,25 +565,17 @@ async def _qa_async(args: argparse.Namespace) -> int:
     judge = _judge(args)
     try:
         if args.router.lower() != "none":
-            from cspan.backends.retriever import Retriever
             from cspan.backends.tools import ToolBank
             from cspan.backends.tools.builtin import calculate_tool, get_time_tool
 
-            router = make_router(
-                args.router,
-                ToolBank([get_time_tool(), calculate_tool()]),
-                model=args.router_model,
-                knowledge=args.knowledge,
-                timeout_s=args.router_timeout_s,
-            )
-            retriever = Retriever(transcriber, router, None, deadline_s=args.span_deadline_s)
+            router, retriever = make_retriever(args, transcriber, ToolBank([get_time_tool(), calculate_tool()]))
         options = QARunOptions(
             set_name=args.qa_set,
             text_prompt=args.text_prompt,
             seed=args.seed,
             tail_s=args.tail_s,
             question_source=args.question_source,
-            force_ret=[args.force_ret_delay_s] if args.force_ret == "input-end" else [],
+            force_ret=forced_rets(args),
             realtime=args.realtime,
             config=loop_config(args),
             tts=args.tts,
