@@ -439,7 +439,7 @@ async def render(
         :class:`Rendered`.
     """
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE
-    from cspan.core.runtime import HIDDEN_TEXT_IDS, Conversation, ConversationConfig, run_conversation
+    from cspan.core.runtime import Conversation, ConversationConfig, run_conversation
 
     engine = session.engine
     pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
@@ -479,8 +479,7 @@ async def render(
     started = time.monotonic()
     await run_conversation(engine, conversation, frames, realtime=realtime, on_frame=keep)
     wall = time.monotonic() - started
-    ids = [t for t in conversation._agent_tokens if t not in HIDDEN_TEXT_IDS]
-    text = session.checkpoint.tokenizer.decode(ids).strip() if ids else ""
+    text = conversation.agent_text()
     return Rendered(
         agent_pcm=out,
         frames=total,

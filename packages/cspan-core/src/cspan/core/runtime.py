@@ -256,12 +256,18 @@ class Conversation:
             except Exception:  # an observer must never stop the conversation
                 logger.exception("event observer failed on %s", event.type)
 
-    def agent_said(self) -> str:
-        """Decoded text of the agent's last ``agent_said_tokens`` tokens (specials removed)."""
+    def agent_text(self, last_tokens: int | None = None) -> str:
+        """Decoded text of everything the agent said (or of its last ``last_tokens`` text tokens), specials,
+        ``<ret>`` and span markers removed."""
         if self.tokenizer is None:
             return ""
-        ids = [t for t in self._agent_tokens[-self.config.agent_said_tokens :] if t not in HIDDEN_TEXT_IDS]
-        return self.tokenizer.decode(ids).strip()
+        tokens = self._agent_tokens if last_tokens is None else self._agent_tokens[-last_tokens:]
+        ids = [t for t in tokens if t not in HIDDEN_TEXT_IDS]
+        return self.tokenizer.decode(ids).strip() if ids else ""
+
+    def agent_said(self) -> str:
+        """What the agent already said, for the router: its last ``agent_said_tokens`` text tokens, decoded."""
+        return self.agent_text(self.config.agent_said_tokens)
 
     def _user_audio(self, start: int, end: int) -> np.ndarray:
         start = max(start, self._audio_start)

@@ -269,7 +269,7 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import CspanError
     from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
-    from cspan.core.runtime import HIDDEN_TEXT_IDS, Conversation, ConversationConfig
+    from cspan.core.runtime import Conversation, ConversationConfig
     from cspan.server.output import AgentWord, InferOutput, Timing, UserTranscript, timing_stats
     from cspan.server.records import db_recorder
 
@@ -401,7 +401,6 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         for ev in events
         if isinstance(ev, UserTextEvent) and ev.final
     ]
-    agent_ids = [t for t in conversation._agent_tokens if t not in HIDDEN_TEXT_IDS]
     prefills = [ev.prefill_ms for ev in events if isinstance(ev, SpanEvent)]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "handler"}
     settings["span"] = [{"seconds": s.seconds, "text": s.text} for s in args.span]
@@ -411,7 +410,7 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         sample_rate=SAMPLE_RATE,
         duration_s=total / FRAME_RATE,
         input_offset_s=lead / FRAME_RATE,
-        agent_text=checkpoint.tokenizer.decode(agent_ids).strip(),
+        agent_text=conversation.agent_text(),
         agent_words=words,
         user_transcripts=transcripts,
         events=events,
