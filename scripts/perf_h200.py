@@ -5,6 +5,7 @@ Subcommands:
   breakdown  the random 7B (PersonaPlex dimensions, bf16): CUDA-graph replay times of the temporal step, the
              depformer + sampling, the span prefill graphs (full ring), Mimi encode / decode, at B = 1 and 32;
              then a kernel profile of one eager step and one 600-position prefill
+  tune       variants for choosing defaults (PDL, temporal GEMV configs, decode attention configs, span host time)
   bench      ``cspan bench ...`` without installed entry points (arguments follow)
 
 Timing: CUDA events around back-to-back graph replays after warm-up; the median of 5 runs of N replays.
@@ -207,6 +208,169 @@ def breakdown() -> None:
         print(prof.key_averages().table(sort_by="device_time_total", row_limit=10, max_name_column_width=60))
 
 
+@torch.no_grad()
+def tune_prefill() -> None:
+    """Prefill attention over a full 3000-position ring, 32 layers' rings per graph (like one prefill): tile
+    configs x key splits, for T = 257 and 601 (a span of 256 / 600 with the next position)."""
+    from cspan.core.modules import fused
+
+    L, H, C, Dh = 32, 32, 3000, 128
+    keys = torch.randn(L, 1, H, C, Dh, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    off = torch.full((1,), 3000, dtype=torch.long, device="cuda")
+    for T in (601, 257):
+        q, k, v = (torch.randn(1, H, T, Dh, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flop = 4 * T * (C + T / 2) * H * Dh
+        results = []
+        for cfg in (None, (64, 64, 4, 2), (128, 64, 8, 3), (32, 64, 4, 3)):
+            for sp in (None, 1, 2, 3, 4, 6):
+                try:
+
+                    def layers(cfg=cfg, sp=sp, q=q, k=k, v=v):
+                        for i in range(L):
+                            fused.prefill_attention(q, k, v, keys[i], values[i], off, C, None, cfg, sp)
+
+                    us = _events_ms(_graph(layers), 5) * 1000 / L
+                    results.append((us, cfg, sp))
+                except Exception as exc:
+                    print(f"prefill T={T} config {cfg} splits {sp}: failed {type(exc).__name__}: {str(exc)[:100]}")
+        results.sort(key=lambda r: r[0])
+        auto = {cfg: us for us, cfg, sp in results if sp is None}
+        print(f"prefill attention T={T}: default {auto.get(None, float('nan')):.1f} us per layer")
+        for us, cfg, sp in results[:6]:
+            print(f"  {us:.1f} us ({flop / us / 1e6:.0f} TFLOP/s) config {cfg} splits {sp}")
+
+
+@torch.no_grad()
+def tune() -> None:
+    """Variants for choosing defaults: PDL on/off, the temporal step through cuBLAS or the fused GEMV (several
+    tile configs), the depformer, decode attention configs over a full and a short ring, and where the host time
+    of one graphed span injection goes."""
+    import os
+
+    from cspan.bench.latency import random_lm
+    from cspan.core.config import LMConfig
+    from cspan.core.engine import DuplexEngine
+    from cspan.core.modules import fused
+    from cspan.core.sampling import SamplingParams, make_generator, sample_column
+    from cspan.core.span import span_block
+
+    lm = random_lm(LMConfig.personaplex_7b(), "cuda", torch.bfloat16)
+    K = lm.num_codebooks
+    text, audio = SamplingParams.text(), SamplingParams.audio()
+    column = torch.randint(0, 2048, (1, K, 1), device="cuda")
+    hidden = torch.randn(1, lm.cfg.dim, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(1, lm.text_card, device="cuda", dtype=torch.bfloat16)
+    target = torch.full((1, K), -2, dtype=torch.long, device="cuda")
+    default_large = fused.GEMV_LARGE_CONFIG
+    for pdl in ("1", "0"):
+        os.environ["CSPAN_PDL"] = pdl
+        for temporal_gemv, cfg in ((False, None), (True, (16384, 8)), (True, (8192, 4)), (True, (32768, 8)),
+                                   (True, (16384, 4)), (True, (32768, 16))):  # fmt: skip
+            if pdl == "0" and cfg not in (None, default_large):
+                continue
+            lm.transformer.gemv = temporal_gemv
+            fused.GEMV_LARGE_CONFIG = cfg or default_large
+            try:
+                state = lm.new_state(1)
+                replay = _graph(lambda state=state: lm.temporal(column, state))
+                ms = _events_ms(replay, 30)
+                print(f"temporal step pdl={pdl} gemv={temporal_gemv} config={cfg}: {ms:.3f} ms")
+                del state, replay
+            except Exception as exc:
+                print(f"temporal step pdl={pdl} gemv={temporal_gemv} config={cfg}: failed {type(exc).__name__}: {exc}")
+        lm.transformer.gemv = None
+        fused.GEMV_LARGE_CONFIG = default_large
+        dep = lm.new_depformer_state(1)
+        gens = [make_generator("cuda", 0)]
+        replay = _graph(
+            lambda dep=dep, gens=gens: sample_column(
+                lm, hidden, logits, target, dep, text=text, audio=audio, generators=gens
+            ),
+            gens,
+        )
+        print(f"depformer + sampling pdl={pdl}: {_events_ms(replay, 30):.3f} ms")
+        torch.cuda.empty_cache()
+    os.environ.pop("CSPAN_PDL", None)
+
+    # decode attention, 32 layers' rings (like one step), full (3000) and short (200) caches
+    state = lm.new_state(1)
+    cache = state.transformer.cache
+    cache.keys.normal_()
+    cache.values.normal_()
+    qkv = torch.randn(1, 1, 3 * lm.cfg.dim, device="cuda", dtype=torch.bfloat16)
+    configs = [None, (64, 32, 4, 4), (64, 32, 4, 8), (128, 32, 4, 8), (64, 64, 8, 4), (32, 64, 8, 4), (128, 16, 4, 8),
+               (64, 16, 4, 4), (128, 64, 8, 8)]  # fmt: skip
+    totals: dict = {}
+    for filled in (3000, 200):
+        cache.offset.fill_(filled)
+        for cfg in configs:
+            try:
+
+                def layers(cfg=cfg, c=cache):
+                    for i in range(len(lm.transformer.layers)):
+                        fused.decode_attention(qkv, c.keys[i], c.values[i], c.offset, 3000, None, None, cfg)
+
+                us = _events_ms(_graph(layers), 20) * 1000 / len(lm.transformer.layers)
+                totals[cfg] = totals.get(cfg, 0.0) + us
+                print(f"decode attention ring={filled} config {cfg}: {us:.1f} us per layer")
+            except Exception as exc:
+                print(f"decode attention ring={filled} config {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
+    best = min(totals, key=lambda c: totals[c])
+    print(f"decode attention best (sum over both rings): {best}, {totals[best]:.1f} us")
+    del state, cache
+    torch.cuda.empty_cache()
+
+    # Mimi streaming frame under graphs, attention kernels on (default) and off (eager attention), B = 1
+    from cspan.bench.latency import random_mimi
+    from cspan.core.config import MimiConfig
+
+    mimi = random_mimi(MimiConfig.mimi_24khz(), "cuda")
+    pcm = torch.randn(1, 1, 1920, device="cuda") * 1e-3
+    codes = torch.randint(0, 2048, (1, 8, 1), device="cuda")
+    for on in (True, False):
+        for tr in (mimi.encoder_transformer, mimi.decoder_transformer):
+            tr.transformer.fused = on
+        enc, dec = mimi.new_encoder_state(1), mimi.new_decoder_state(1)
+        t_enc = _events_ms(_graph(lambda enc=enc: mimi.encode_step(pcm, enc)), 30)
+        t_dec = _events_ms(_graph(lambda dec=dec: mimi.decode_step(codes, dec)), 30)
+        print(f"mimi fused attention {on}: encode {t_enc:.3f} ms, decode {t_dec:.3f} ms (graph replays, B=1)")
+    for tr in (mimi.encoder_transformer, mimi.decoder_transformer):
+        tr.transformer.fused = True
+
+    # host time of one graphed span injection (n = 16), piece by piece, after the graphs exist
+    engine = DuplexEngine(lm, batch_size=1, cuda_graphs=True, seed=0)
+    user = torch.randint(0, 2048, (1, 8), device="cuda")
+    for _ in range(3):
+        engine.step_tokens(user)
+    block = span_block(list(range(100, 116)), device="cuda")
+    span = _span(block)
+    for _ in range(3):
+        engine.inject_span(0, span)
+        engine.step_tokens(user)
+    inj = engine.injector
+    parts: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        parts.setdefault(name, []).append((time.perf_counter() - t0) * 1000)
+        return out
+
+    for _ in range(20):
+        blk, _ids, _ = timed("block_for", lambda: inj.block_for(span, engine.grid.num_rows))
+        blk_d = timed("block to device", lambda blk=blk: blk.to("cuda"))
+        timed("rows tensor", lambda: torch.tensor([0], dtype=torch.long, device="cuda"))
+        timed("graphs.run", lambda blk_d=blk_d: inj.graphs.run(engine.lm_state, blk_d, 0))
+        timed("grid.splice", lambda blk_d=blk_d: engine.grid.splice(0, blk_d))
+        timed("inject_span (all)", lambda: engine.inject_span(0, span))
+        timed("step after", lambda: engine.step_tokens(user))
+    for name, values in parts.items():
+        print(f"inject n=16 {name}: median {statistics.median(values):.3f} ms")
+
+
 def _span(block: torch.Tensor):
     from cspan.core.span import ContextSpan
 
@@ -228,7 +392,11 @@ if __name__ == "__main__":
         ceilings()
     elif cmd == "breakdown":
         breakdown()
+    elif cmd == "tune":
+        tune()
+    elif cmd == "tune-prefill":
+        tune_prefill()
     elif cmd == "bench":
         sys.exit(bench(rest))
     else:
-        sys.exit(f"unknown subcommand {cmd!r}: ceilings, breakdown, bench")
+        sys.exit(f"unknown subcommand {cmd!r}: ceilings, breakdown, tune, bench")

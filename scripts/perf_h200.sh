@@ -2,7 +2,8 @@
 # One device call (see docs/PERFORMANCE.md): environment, ceilings, GPU tests, component breakdown, and
 # `cspan bench latency --random-7b` with the fused kernels (default) and without (CSPAN_FUSED=0, the "before").
 # Run from the repository root on the GPU machine with `.whl` and `.device` carried; logs go to $OUT.
-# Usage: bash scripts/perf_h200.sh [STAGES...]   stages: env tests breakdown bench unfused nogemv orig
+# Usage: bash scripts/perf_h200.sh [STAGES...]   stages: env tests breakdown tune bench immediate nopdl unfused
+# nogemv orig
 # (default: env tests breakdown bench unfused)
 # orig: the same bench on the committed core copied to .device/orig (git archive HEAD packages/cspan-core/src).
 set -u
@@ -32,6 +33,16 @@ for stage in $stages; do
         tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py -m gpu -q -p no:cacheprovider ;;
     breakdown)
       TAIL=80 run breakdown python3 scripts/perf_h200.py breakdown ;;
+    tune)
+      TAIL=60 run tune python3 scripts/perf_h200.py tune ;;
+    tune-prefill)
+      TAIL=40 run tune-prefill python3 scripts/perf_h200.py tune-prefill ;;
+    immediate)
+      TAIL=12 run immediate python3 scripts/perf_h200.py bench latency --random-7b --n 16 64 256 600 --iters 50 \
+        --warmup 5 --no-frame --no-defer-spans --out "$OUT/latency_immediate.json" ;;
+    nopdl)
+      TAIL=20 CSPAN_PDL=0 run nopdl python3 scripts/perf_h200.py bench latency --random-7b --iters 50 --warmup 5 \
+        --out "$OUT/latency_nopdl.json" ;;
     bench)
       TAIL=40 run bench python3 scripts/perf_h200.py bench latency --random-7b --batch-size 8 32 --out "$OUT/latency.json" ;;
     unfused)

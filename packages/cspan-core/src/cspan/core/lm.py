@@ -35,8 +35,9 @@ from torch import nn
 
 from .config import LMConfig
 from .errors import CheckpointError
+from .modules import fused
 from .modules.embedding import ZERO_TOKEN_ID, ScaledEmbedding
-from .modules.norms import make_norm
+from .modules.norms import RMSNorm, make_norm
 from .modules.transformer import StreamingTransformer, TransformerState
 
 UNGENERATED_TOKEN_ID = -2
@@ -281,9 +282,49 @@ class LMModel(nn.Module):
         return schedule[k] if schedule else k
 
     def _depformer_head(self, k: int, y: torch.Tensor) -> torch.Tensor:
-        if self.depformer_norms is not None:
-            y = self.depformer_norms[k](y)
+        norm = None if self.depformer_norms is None else self.depformer_norms[k]
+        if self._head_gemv(k, y, norm):  # one launch: the norm as the GEMV's prologue
+            fused_norm = None if norm is None else (norm.alpha, norm.eps)
+            return fused.gemv(y, self.linears[k].weight, norm=fused_norm)
+        if norm is not None:
+            y = norm(y)
         return self.linears[k](y)
+
+    def _head_gemv(self, k: int, y: torch.Tensor, norm: nn.Module | None) -> bool:
+        """Whether a depformer head runs as :func:`cspan.core.modules.fused.gemv` (streaming inference on the GPU,
+        when the depformer's own layers do: see :attr:`StreamingTransformer.gemv`)."""
+        if y.dim() != 2 or self.cfg.bias_proj or y.shape[0] > fused.GEMV_MAX_ROWS:
+            return False
+        if norm is not None and not (isinstance(norm, RMSNorm) and norm.compute_dtype == torch.float32):
+            return False
+        sets = self.depformer.weight_sets(k, 1)
+        return fused.usable(y, self.linears[k].weight) and self.depformer.gemv_path(y[:, None], sets)
+
+    def depformer_projections(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Every depformer input projection of one frame in one matrix product (GPU inference).
+
+        The dep_q projections ``depformer_in[k'](hidden)`` do not depend on the sampled tokens, so one product over
+        the stacked weights replaces dep_q small ones inside the sequential depformer loop. The stack is a copy of
+        the ``depformer_in`` weights (rebuilt when one of them is replaced or modified in place).
+
+        Args:
+            hidden: [B, D] temporal output of the frame.
+
+        Returns:
+            [B, P, Dd] with P = ``len(depformer_in)`` (pass to :meth:`depformer_logits` as ``projected``), or None
+            where the eager per-step projections are used instead (CPU, autograd, no fused path).
+        """
+        weights = [lin.weight for lin in self.depformer_in]
+        if not fused.usable(hidden, weights[0]):
+            return None
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+        cached = getattr(self, "_dep_in_stack", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, torch.cat([w.detach() for w in weights]))
+            self._dep_in_stack = cached
+        y = nn.functional.linear(hidden, cached[1])  # [B, P * Dd]
+        return y.view(hidden.shape[0], len(weights), -1)
 
     # --- training forward ------------------------------------------------------------------------------------
 
@@ -448,6 +489,30 @@ class LMModel(nn.Module):
         """
         self.transformer(self.embed(tokens), state.transformer, rows, n_valid=n_valid, need_output=False)
 
+    def temporal_last(
+        self, tokens: torch.Tensor, state: LMState, n_valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Streaming temporal forward over T positions of every row, with outputs at the last real one only.
+
+        A Context Span block read together with the next position (``DuplexEngine`` with deferred spans): the
+        same keys, values and last-position outputs as :meth:`prefill` of the block followed by :meth:`temporal`
+        of that position, in one pass over the weights.
+
+        Args:
+            tokens: [B, K, T] long model input columns.
+            state: from :meth:`new_state` (every row advances).
+            n_valid: [1] long device tensor, the real length of columns padded to T (fused GPU path only; see
+                :meth:`prefill`), or None (all T are real).
+
+        Returns:
+            (hidden [B, D] after ``out_norm``, text_logits [B, text_card]) of position ``n_valid - 1`` (or T - 1).
+        """
+        x = self.transformer(self.embed(tokens), state.transformer, None, n_valid=n_valid)
+        assert x is not None
+        last = x[:, -1] if n_valid is None else x.index_select(1, n_valid - 1)[:, 0]
+        hidden = self.out_norm(last)
+        return hidden, self.text_linear(hidden)
+
     def new_depformer_state(
         self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> TransformerState:
@@ -455,7 +520,12 @@ class LMModel(nn.Module):
         return self.depformer.new_state(batch_size, device, dtype, capacity=self.dep_q)
 
     def depformer_logits(
-        self, k: int, hidden: torch.Tensor, prev_token: torch.Tensor, dep_state: TransformerState
+        self,
+        k: int,
+        hidden: torch.Tensor,
+        prev_token: torch.Tensor,
+        dep_state: TransformerState,
+        projected: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Depformer step k of the current frame (upstream ``LMModel.forward_depformer``).
 
@@ -469,6 +539,8 @@ class LMModel(nn.Module):
             hidden: [B, D] temporal output of this frame (after ``out_norm``).
             prev_token: [B] long, the text token of this frame for k = 0, else the audio token of codebook k - 1.
             dep_state: from :meth:`new_depformer_state`.
+            projected: this frame's :meth:`depformer_projections` (the same values, computed once per frame), or
+                None to project here.
 
         Returns:
             [B, card] logits of codebook k, in the model dtype.
@@ -478,7 +550,8 @@ class LMModel(nn.Module):
         """
         if not 0 <= k < self.dep_q:
             raise ValueError(f"depformer step {k} is outside 0..{self.dep_q - 1}")
-        x = self.depformer_in[self._depformer_in_index(k)](hidden)  # [B, Dd]
+        index = self._depformer_in_index(k)
+        x = self.depformer_in[index](hidden) if projected is None else projected[:, index]  # [B, Dd]
         emb = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
         x = emb.add_to(x, prev_token)
         y = self.depformer(x[:, None], dep_state, step=k)[:, 0]  # [B, Dd]

@@ -103,6 +103,7 @@ def sample_column(
     text: SamplingParams,
     audio: SamplingParams,
     generators: Sequence[torch.Generator] | None = None,
+    depformer_steps: int | None = None,
 ) -> torch.Tensor:
     """Sample one target column: the text token, then the depformer's dep_q codebooks in order.
 
@@ -125,30 +126,44 @@ def sample_column(
         dep_state: a depformer state for B rows (``lm.new_depformer_state(B)``); reset here.
         text, audio: sampling parameters.
         generators: one per row (see :func:`sample_token`).
+        depformer_steps: run only the first ``depformer_steps`` codebooks (default all dep_q). The depformer is
+            causal over codebooks, so the earlier ones are sampled exactly as in a full run (the noise of every
+            codebook is still drawn); the entries of the skipped codebooks keep ``target`` where it is known and
+            are -1 (zero embedding) where it is not. For the duplex engine's user-stream predictions, which the
+            user's real codes replace before they are ever fed.
 
     Returns:
         [B, K] long: ``target`` with rows 0..dep_q filled (rows past dep_q are copied from ``target``).
     """
     column = target.clone()
     known = target != UNGENERATED
+    steps = lm.dep_q if depformer_steps is None else max(0, min(int(depformer_steps), lm.dep_q))
+    if steps < lm.dep_q:
+        skipped = column[:, 1 + steps : 1 + lm.dep_q]
+        skipped.masked_fill_(skipped == UNGENERATED, -1)
     token = text.sample(text_logits, generators)
     token = torch.where(known[:, 0], target[:, 0], token)
     column[:, 0] = token
     dep_state.reset()
     if fused.usable(hidden) and lm.card <= fused.SAMPLE_MAX_VOCAB:
         noise = None if audio.greedy else _frame_noise(hidden.shape[0], lm.dep_q, lm.card, hidden.device, generators)
-        for k in range(lm.dep_q):
-            logits = lm.depformer_logits(k, hidden, token, dep_state)
+        projected = lm.depformer_projections(hidden)
+        for k in range(steps):
+            logits = lm.depformer_logits(k, hidden, token, dep_state, projected)
             step_noise = None if noise is None else noise[:, k]
             token = fused.sample_top_k(
                 logits, audio.temperature, audio.top_k, step_noise, target[:, 1 + k], column[:, 1 + k]
             )
         return column
-    for k in range(lm.dep_q):
+    for k in range(steps):
         logits = lm.depformer_logits(k, hidden, token, dep_state)
         token = audio.sample(logits, generators)
         token = torch.where(known[:, 1 + k], target[:, 1 + k], token)
         column[:, 1 + k] = token
+    if steps < lm.dep_q and generators is not None:  # draw the skipped codebooks' noise: the same later frames
+        placeholder = torch.zeros(hidden.shape[0], lm.card, device=hidden.device)
+        for _ in range(steps, lm.dep_q):
+            audio.sample(placeholder, generators)
     return column
 
 

@@ -30,6 +30,9 @@ dtype where eager rounds them); reductions and the softmax run in another order,
 the dtype's rounding, not bit for bit. Every kernel is deterministic (no atomics), so a graph replay equals an
 eager run of the same path exactly.
 
+On Hopper and later every kernel is launched with programmatic dependent launch (:func:`pdl_enabled`): it may
+start while its predecessor finishes, and waits for it before touching its outputs.
+
 Used on CUDA tensors in inference (no autograd) when Triton imports. ``CSPAN_FUSED=0`` turns every kernel off
 (the eager modules run instead); with ``TRITON_INTERPRET=1`` and ``CSPAN_FUSED=1`` they also run on CPU tensors
 through Triton's interpreter (tests).
@@ -52,6 +55,14 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
     HAVE_TRITON = False
+
+try:  # grid dependency control (programmatic dependent launch, sm_90+), Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_GDC = True
+except ImportError:  # pragma: no cover - depends on the installation
+    gdc_launch_dependents = gdc_wait = None
+    HAVE_GDC = False
 
 _LOG2E = 1.4426950408889634
 
@@ -78,19 +89,83 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _splits(device: torch.device, programs: int, key_blocks: int) -> int:
-    """Key splits per (row, head, query block): enough programs for about two waves of the GPU, each split at
-    least two key blocks long, at most 16."""
-    target = 2 * _num_sms(device)
+@lru_cache(maxsize=8)
+def _pdl_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch (PDL, Hopper and later).
+
+    With PDL a kernel may start while the one before it in the stream is still running: every kernel here first
+    signals ``griddepcontrol.launch_dependents`` (its successor may be scheduled), and waits
+    (``griddepcontrol.wait``, which returns once the predecessor grid has finished and its memory is visible)
+    before it reads or writes anything a predecessor produces or reads. Only :func:`gemv` does work before the
+    wait: it loads its weights, which no kernel writes, so the weight stream of one product overlaps the tail of
+    the previous one. CUDA graphs keep these programmatic edges. Kernels after a non-PDL launch (cuBLAS, PyTorch)
+    still wait for it to finish, so the result is the same with PDL on or off. ``CSPAN_PDL=0`` turns it off.
+    Source: CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA, griddepcontrol.
+    """
+    return HAVE_GDC and os.environ.get("CSPAN_PDL") != "0" and not _interpreting() and _pdl_device(device)
+
+
+def _launch_opts(device: torch.device, **opts):
+    """Launch keyword arguments plus the PDL switch (the ``PDL`` constexpr and Triton's ``launch_pdl``)."""
+    if pdl_enabled(device):
+        opts.update(PDL=True, launch_pdl=True)
+    else:
+        opts["PDL"] = False
+    return opts
+
+
+DECODE_CONFIG = (32, 64, 8, 4)
+"""(block_n, max_splits, waves, num_warps) of :func:`decode_attention` for head dimensions > 64 (block_n is 64
+for smaller heads): key block, the most key splits, the waves of programs the splits aim for, warps."""
+
+
+def _decode_config() -> tuple[int, int, int, int]:
+    """:data:`DECODE_CONFIG`, or ``CSPAN_DECODE_CONFIG="block_n,max_splits,waves,warps"`` (for tuning runs)."""
+    env = os.environ.get("CSPAN_DECODE_CONFIG")
+    if not env:
+        return DECODE_CONFIG
+    try:
+        bn, splits, waves, warps = (int(v) for v in env.split(","))
+    except ValueError as exc:
+        raise ValueError(
+            f"CSPAN_DECODE_CONFIG must be four integers 'block_n,max_splits,waves,warps', got {env!r}"
+        ) from exc
+    return bn, splits, waves, warps
+
+
+def _splits(device: torch.device, programs: int, key_blocks: int, max_splits: int = 16, waves: int = 2) -> int:
+    """Key splits per (row, head, query block): enough programs for about ``waves`` waves of the GPU, each split
+    at least two key blocks long, at most ``max_splits``."""
+    target = waves * _num_sms(device)
     if programs * 2 >= target:
         return 1
-    return max(1, min(16, triton.cdiv(target, programs), triton.cdiv(key_blocks, 2)))
+    return max(1, min(max_splits, triton.cdiv(target, programs), triton.cdiv(key_blocks, 2)))
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, y_ptr, D, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _pdl_start(PDL: tl.constexpr):
+        """Let the next kernel be scheduled now (PDL); it waits for this one before touching our outputs."""
+        if PDL:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def _pdl_wait(PDL: tl.constexpr):
+        """Wait until the previous kernel in the stream has finished and its writes are visible (PDL)."""
+        if PDL:
+            gdc_wait()
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, sum_ptr, w_ptr, y_ptr, D, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
@@ -106,7 +181,9 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_gate_kernel(h_ptr, y_ptr, H, BLOCK: tl.constexpr):
+    def _silu_gate_kernel(h_ptr, y_ptr, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
@@ -157,13 +234,15 @@ if HAVE_TRITON:
         stride_cb,
         stride_ch,
         stride_cs,
-        blocks_per_split,
         HAS_ROWS: tl.constexpr,
         ROPE: tl.constexpr,
         DH: tl.constexpr,
         BN: tl.constexpr,
         SPLITS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         pid = tl.program_id(0)
         sid = tl.program_id(1)
         b = pid // H
@@ -196,11 +275,10 @@ if HAVE_TRITON:
         acc = tl.zeros((DH,), tl.float32)
         n_ring = tl.minimum(offset, C)
         last = offset - 1
-        lo = sid * blocks_per_split * BN
-        hi = tl.minimum(lo + blocks_per_split * BN, n_ring)
-        for start in range(lo, hi, BN):
-            slots = start + tl.arange(0, BN)
-            smask = slots < hi
+        # split s takes key blocks s, s + SPLITS, ...: the work spreads over the splits however full the ring is
+        for blk in range(sid, tl.cdiv(n_ring, BN), SPLITS):
+            slots = blk * BN + tl.arange(0, BN)
+            smask = slots < n_ring
             pos = last - ((last - slots) % C)
             visible = smask & ((offset - pos) < window)
             kb = tl.load(kc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
@@ -229,9 +307,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(
-        part_o_ptr, part_lse_ptr, out_ptr, R, H, T, DH: tl.constexpr, SPLITS: tl.constexpr, SP2: tl.constexpr
+        part_o_ptr,
+        part_lse_ptr,
+        out_ptr,
+        R,
+        H,
+        T,
+        DH: tl.constexpr,
+        SPLITS: tl.constexpr,
+        SP2: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Merge SPLITS partial attention outputs of one (row, head, query) by their log-sum-exp (base 2)."""
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         r = tl.program_id(0)
         sp = tl.arange(0, SP2)
         smask = sp < SPLITS
@@ -248,7 +337,11 @@ if HAVE_TRITON:
         tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _rope_split_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, T, ROPE: tl.constexpr, DH: tl.constexpr):
+    def _rope_split_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, T, ROPE: tl.constexpr, DH: tl.constexpr, PDL: tl.constexpr
+    ):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         pid = tl.program_id(0)  # (row, position)
         h = tl.program_id(1)
         b = pid // T
@@ -296,7 +389,10 @@ if HAVE_TRITON:
         BM: tl.constexpr,
         BN: tl.constexpr,
         SPLITS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         pid_bh = tl.program_id(0)
         pid_m = tl.program_id(1)
         sid = tl.program_id(2)
@@ -383,7 +479,10 @@ if HAVE_TRITON:
         HAS_N: tl.constexpr,
         DH: tl.constexpr,
         BT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         pid_bh = tl.program_id(0)
         b = pid_bh // H
         h = pid_bh % H
@@ -401,8 +500,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _embed_add_kernel(
-        x_ptr, table_ptr, ids_ptr, out_ptr, D, T, stride_ib, stride_it, HAS_X: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        table_ptr,
+        ids_ptr,
+        out_ptr,
+        D,
+        T,
+        stride_ib,
+        stride_it,
+        HAS_X: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         r = tl.program_id(0)  # (row, position)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
@@ -427,23 +538,36 @@ if HAVE_TRITON:
         temperature,
         top_k,
         GREEDY: tl.constexpr,
+        KEY16: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         mask = i < V
-        x = tl.load(logits_ptr + b * stride_l + i, mask=mask, other=float("-inf")).to(tl.float32)
+        raw = tl.load(logits_ptr + b * stride_l + i, mask=mask, other=float("-inf"))
+        x = raw.to(tl.float32)
         if GREEDY:
             choice = tl.argmax(x, axis=0)
         else:
             s = x / temperature
-            # order-preserving integer key of each float, then the k-th largest key by bisection (32 halvings)
-            bits = s.to(tl.int32, bitcast=True).to(tl.int64)
-            key = tl.where(bits < 0, -1 - (bits + 2147483648), bits)
+            # order-preserving integer key of each float, then the k-th largest key by bisection. Dividing by the
+            # temperature keeps the order of 16-bit logits strictly (8 or 11 significant bits become 24), so their
+            # own bit patterns serve as keys: 16 halvings instead of 32.
+            if KEY16:
+                bits = raw.to(tl.int16, bitcast=True).to(tl.int64)
+                key = tl.where(bits < 0, -1 - (bits + 32768), bits)
+                lo = tl.full((), -32768, tl.int64)
+                hi = tl.full((), 32768, tl.int64)
+            else:
+                bits = s.to(tl.int32, bitcast=True).to(tl.int64)
+                key = tl.where(bits < 0, -1 - (bits + 2147483648), bits)
+                lo = tl.full((), -2147483648, tl.int64)
+                hi = tl.full((), 2147483648, tl.int64)
             key = tl.where(mask, key, -(1 << 40))
-            lo = tl.full((), -2147483648, tl.int64)
-            hi = tl.full((), 2147483648, tl.int64)
-            for _ in tl.static_range(32):
+            for _ in tl.static_range(16 if KEY16 else 32):
                 mid = (lo + hi) >> 1
                 enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= top_k
                 lo = tl.where(enough, mid, lo)
@@ -473,9 +597,12 @@ if HAVE_TRITON:
         BM: tl.constexpr,
         BN: tl.constexpr,
         BK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """BN output features of M <= BM rows; the whole reduction (BK >= K) in one tile, so every weight load of
-        the program is in flight at once (these layers are latency-bound, not bandwidth-bound)."""
+        the program is in flight at once (these layers are latency-bound, not bandwidth-bound). The weights are
+        loaded before the PDL wait: they overlap the previous kernel."""
+        _pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         m = tl.arange(0, BM)
@@ -486,11 +613,13 @@ if HAVE_TRITON:
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=wmask, other=0.0)
         if GATE:
             wb = tl.load(w_ptr + (n + N)[:, None].to(tl.int64) * K + k[None, :], mask=wmask, other=0.0)
+        if NORM:
+            alpha = tl.load(alpha_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        _pdl_wait(PDL)
         xb = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         xb = xb.to(tl.float32)
         if NORM:  # RMSNorm prologue, rounded to the activation dtype as the norm module's output is
             rstd = 1.0 / tl.sqrt(tl.sum(xb * xb, axis=1) / K + eps)
-            alpha = tl.load(alpha_ptr + k, mask=kmask, other=0.0).to(tl.float32)
             xb = (xb * (alpha[None, :] * rstd[:, None])).to(y_ptr.dtype.element_ty).to(tl.float32)
         y = tl.sum(xb[:, None, :] * w.to(tl.float32)[None, :, :], axis=2).to(y_ptr.dtype.element_ty)
         if GATE:  # silu(a) * b with the eager roundings (linear outputs, SiLU result, product)
@@ -503,7 +632,6 @@ if HAVE_TRITON:
             r = tl.load(res_ptr + m[:, None] * N + n[None, :], mask=omask, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + m[:, None] * N + n[None, :], y, mask=omask)
-
 
 # --- wrappers ------------------------------------------------------------------------------------------------------
 
@@ -536,8 +664,8 @@ def rms_norm(
         s = torch.empty_like(x2)
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, res, s, weight.reshape(-1), y, D, float(eps), HAS_RES=residual is not None, BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
+        x2, res, s, weight.reshape(-1), y, D, float(eps),
+        **_launch_opts(x.device, HAS_RES=residual is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4),
     )  # fmt: skip
     return s.view(x.shape), y.view(x.shape)
 
@@ -549,7 +677,9 @@ def silu_gate(h: torch.Tensor) -> torch.Tensor:
     h2 = h.contiguous().view(-1, 2 * H)
     y = torch.empty(h2.shape[0], H, device=h.device, dtype=h.dtype)
     block = 1024
-    _silu_gate_kernel[(h2.shape[0], triton.cdiv(H, block))](h2, y, H, BLOCK=block, num_warps=4)
+    _silu_gate_kernel[(h2.shape[0], triton.cdiv(H, block))](
+        h2, y, H, **_launch_opts(h.device, BLOCK=block, num_warps=4)
+    )
     return y.view(*h.shape[:-1], H)
 
 
@@ -571,6 +701,7 @@ def decode_attention(
     window: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     rows: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of ONE new position per row over its ring KV cache, with the new key/value written in.
 
@@ -581,6 +712,7 @@ def decode_attention(
         window: attention window in positions (<= C).
         rope: (cos, sin) [B', 1, Dh/2] from :func:`rope_tables`, or None (no RoPE).
         rows: [B'] long rows of the cache, None for all rows.
+        config: (block_n, max_splits, waves, num_warps) for tuning (default :data:`DECODE_CONFIG`).
 
     Returns:
         [B', 1, H * Dh] attention output (heads concatenated), in qkv's dtype.
@@ -589,10 +721,11 @@ def decode_attention(
     _, H, C, DH = keys.shape
     qkv = qkv.contiguous()
     out = torch.empty(Bq, 1, H * DH, device=qkv.device, dtype=qkv.dtype)
-    BN = 64 if DH <= 64 else 32
+    BN, max_splits, waves, warps = config or _decode_config()
+    if config is None and DH <= 64:
+        BN = 64
     key_blocks = triton.cdiv(C, BN)
-    splits = _splits(qkv.device, Bq * H, key_blocks)
-    per = triton.cdiv(key_blocks, splits)
+    splits = _splits(qkv.device, Bq * H, key_blocks, max_splits, waves)
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty(splits, Bq * H, DH, device=qkv.device, dtype=torch.float32)
@@ -600,13 +733,14 @@ def decode_attention(
     cos, sin = rope if rope is not None else (out, out)
     _decode_attn_kernel[(Bq * H, splits)](
         qkv, cos, sin, keys, values, _rows_arg(rows, offset), offset, out, part_o, part_lse,
-        H, C, int(window), _LOG2E / math.sqrt(DH), keys.stride(0), keys.stride(1), keys.stride(2), per,
-        HAS_ROWS=rows is not None, ROPE=rope is not None, DH=DH, BN=BN, SPLITS=splits, num_warps=4,
+        H, C, int(window), _LOG2E / math.sqrt(DH), keys.stride(0), keys.stride(1), keys.stride(2),
+        **_launch_opts(qkv.device, HAS_ROWS=rows is not None, ROPE=rope is not None, DH=DH, BN=BN, SPLITS=splits,
+                       num_warps=warps),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(Bq * H,)](
-            part_o, part_lse, out, Bq * H, H, 1, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits),
-            num_warps=4,
+            part_o, part_lse, out, Bq * H, H, 1,
+            **_launch_opts(qkv.device, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits), num_warps=4),
         )  # fmt: skip
     return out
 
@@ -622,14 +756,19 @@ def rope_split(
     q, k, v = (torch.empty(Bq, num_heads, T, DH, device=qkv.device, dtype=qkv.dtype) for _ in range(3))
     cos, sin = rope if rope is not None else (qkv, qkv)
     _rope_split_kernel[(Bq * T, num_heads)](
-        qkv, cos, sin, q, k, v, num_heads, T, ROPE=rope is not None, DH=DH, num_warps=1 if DH <= 64 else 2
-    )
+        qkv, cos, sin, q, k, v, num_heads, T,
+        **_launch_opts(qkv.device, ROPE=rope is not None, DH=DH, num_warps=1 if DH <= 64 else 2),
+    )  # fmt: skip
     return q, k, v
 
 
 PREFILL_CONFIG = (64, 64, 4, 3)
 """(block_m, block_n, num_warps, num_stages) of :func:`prefill_attention` (the best of scripts/perf_h200.py's
 sweep on the H200, see docs/PERFORMANCE.md)."""
+PREFILL_WAVES = 4
+"""Key splits of :func:`prefill_attention` aim at this many programs per multiprocessor: with two resident per
+SM, a 601-position span (10 query blocks x 32 heads) then runs in two splits, 14% faster than in one
+(``scripts/perf_h200.py tune-prefill``)."""
 
 
 def prefill_attention(
@@ -642,6 +781,7 @@ def prefill_attention(
     window: int,
     rows: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of T new positions per row over the ring (read in place, not modified) and themselves.
 
@@ -653,6 +793,7 @@ def prefill_attention(
         rows: [B'] long rows of the cache, None for all rows.
         config: (block_m, block_n, num_warps, num_stages) for tuning (default :data:`PREFILL_CONFIG`, block_m
             shrunk to 16 / 32 for short chunks).
+        splits: key splits per query block, for tuning (default: see :data:`PREFILL_WAVES`).
 
     Returns:
         [B', T, H * Dh] in q's dtype.
@@ -665,7 +806,9 @@ def prefill_attention(
         BM = 16 if T <= 16 else 32
     m_blocks = triton.cdiv(T, BM)
     key_blocks = triton.cdiv(C, BN)
-    splits = _splits(q.device, Bq * H * m_blocks, key_blocks)
+    if splits is None:  # about PREFILL_WAVES waves of programs, each split at least two key blocks long
+        target = PREFILL_WAVES * _num_sms(q.device)
+        splits = max(1, min(16, triton.cdiv(target, Bq * H * m_blocks), triton.cdiv(key_blocks, 2)))
     per = triton.cdiv(key_blocks, splits)
     part_o = part_lse = out
     if splits > 1:
@@ -674,13 +817,13 @@ def prefill_attention(
     _prefill_attn_kernel[(Bq * H, m_blocks, splits)](
         q, k, v, keys, values, _rows_arg(rows, offset), offset, out, part_o, part_lse,
         H, T, C, int(window), _LOG2E / math.sqrt(DH), keys.stride(0), keys.stride(1), keys.stride(2), per,
-        HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, DH=DH, BM=BM, BN=BN, SPLITS=splits,
-        num_warps=warps, num_stages=stages,
+        **_launch_opts(q.device, HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, DH=DH, BM=BM, BN=BN,
+                       SPLITS=splits, num_warps=warps, num_stages=stages),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(Bq * H * T,)](
-            part_o, part_lse, out, Bq * H * T, H, T, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits),
-            num_warps=4,
+            part_o, part_lse, out, Bq * H * T, H, T,
+            **_launch_opts(q.device, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits), num_warps=4),
         )  # fmt: skip
     return out
 
@@ -703,7 +846,7 @@ def kv_write(
     _kv_write_kernel[(Bq * H, triton.cdiv(T, BT))](
         k, v, keys, values, _rows_arg(rows, offset), offset, offset if n_valid is None else n_valid,
         H, T, C, keys.stride(0), keys.stride(1), keys.stride(2),
-        HAS_ROWS=rows is not None, HAS_N=n_valid is not None, DH=DH, BT=BT, num_warps=2,
+        **_launch_opts(k.device, HAS_ROWS=rows is not None, HAS_N=n_valid is not None, DH=DH, BT=BT, num_warps=2),
     )  # fmt: skip
 
 
@@ -726,8 +869,9 @@ def embed_add(x: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor) ->
     xc = out if x is None else x.contiguous()
     block = min(1024, triton.next_power_of_2(D))
     _embed_add_kernel[(B * T, triton.cdiv(D, block))](
-        xc, table, ids2, out, D, T, ids2.stride(0), ids2.stride(1), HAS_X=x is not None, BLOCK=block, num_warps=4
-    )
+        xc, table, ids2, out, D, T, ids2.stride(0), ids2.stride(1),
+        **_launch_opts(table.device, HAS_X=x is not None, BLOCK=block, num_warps=4),
+    )  # fmt: skip
     return out if ids.dim() == 2 else out[:, 0]
 
 
@@ -764,17 +908,25 @@ def sample_top_k(
     noise_arg = logits if noise is None else noise
     _sample_kernel[(B,)](
         logits, noise_arg, known, out, V, logits.stride(0), noise_arg.stride(0), known.stride(0), out.stride(0),
-        float(temperature) if not greedy else 1.0, k, GREEDY=greedy, BLOCK=triton.next_power_of_2(V), num_warps=4,
+        float(temperature) if not greedy else 1.0, k,
+        **_launch_opts(logits.device, GREEDY=greedy, KEY16=logits.element_size() == 2, BLOCK=triton.next_power_of_2(V),
+                       num_warps=4),
     )  # fmt: skip
     return out
 
 
 GEMV_MAX_ROWS = 4
 """Largest batch :func:`gemv` takes (above it, the matrix units through cuBLAS win)."""
-GEMV_MAX_K = 4096
+GEMV_MAX_K = 16384
 """Longest reduction :func:`gemv` takes (one program holds whole weight rows)."""
 GEMV_TILE = 8192
-"""Weight elements per program (BN rows x BK columns x BM rows of x, gate tiles counted twice)."""
+"""Weight elements per program (BN rows x BK columns x BM rows of x, gate tiles counted twice), for products of
+at most :data:`GEMV_LARGE` weight elements."""
+GEMV_LARGE = 1 << 24
+"""Products with more weight elements than this (the temporal transformer's) use :data:`GEMV_LARGE_CONFIG`."""
+GEMV_LARGE_CONFIG = (16384, 8)
+"""(weight elements per program, num_warps) of :func:`gemv` for large products: fewer programs, so the input row
+and the norm are re-read less often."""
 
 
 def gemv(
@@ -784,6 +936,7 @@ def gemv(
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
     gate: bool = False,
+    config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """``y = x @ weight.T`` for a few rows, with the layer's neighbours fused in (one launch instead of two or
     three, for the small launch-bound layers of the depformer).
@@ -795,24 +948,36 @@ def gemv(
             module's output is).
         residual: [M, N]: return ``residual + y`` (rounded as ``x = x + update`` is).
         gate: the weight is a gated FFN's input projection: return ``silu(y[:, :H]) * y[:, H:]`` [M, H].
+        config: (weight elements per program, num_warps), for tuning; default :data:`GEMV_TILE` with 4 warps,
+            or :data:`GEMV_LARGE_CONFIG` above :data:`GEMV_LARGE` weight elements.
 
     Returns:
         [M, N] (or [M, H]) in x's dtype.
+
+    Raises:
+        ValueError: M or K beyond the limits above.
     """
     M, K = x.shape
+    if M > GEMV_MAX_ROWS or K > GEMV_MAX_K:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows of at most {GEMV_MAX_K} features; got {M} x {K}")
     N = weight.shape[0] // 2 if gate else weight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     BM, BK = triton.next_power_of_2(M), triton.next_power_of_2(K)
-    BN = max(1, GEMV_TILE // (BK * BM * (2 if gate else 1)))
+    if config is None:
+        config = GEMV_LARGE_CONFIG if weight.numel() > GEMV_LARGE else (GEMV_TILE, 4)
+    tile, warps = config
+    BN = max(1, tile // (BK * BM * (2 if gate else 1)))
     alpha, eps = norm if norm is not None else (x, 0.0)
     _gemv_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, y if residual is None else residual.contiguous(), alpha.reshape(-1), M, N, K, float(eps),
-        NORM=norm is not None, RES=residual is not None, GATE=gate, BM=BM, BN=BN, BK=BK, num_warps=4,
+        **_launch_opts(x.device, NORM=norm is not None, RES=residual is not None, GATE=gate, BM=BM, BN=BN, BK=BK,
+                       num_warps=warps),
     )  # fmt: skip
     return y
 
 
 __all__ = [
+    "DECODE_CONFIG",
     "GEMV_MAX_K",
     "GEMV_MAX_ROWS",
     "HAVE_TRITON",
@@ -821,6 +986,7 @@ __all__ = [
     "embed_add",
     "gemv",
     "kv_write",
+    "pdl_enabled",
     "prefill_attention",
     "rms_norm",
     "rope_split",

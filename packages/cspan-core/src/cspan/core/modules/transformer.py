@@ -528,12 +528,13 @@ class StreamingTransformer(nn.Module):
     """On the fused path, run one-position steps of at most ``fused.GEMV_MAX_ROWS`` rows as five launches per
     layer (:func:`cspan.core.modules.fused.gemv` with the norms, residuals and gate fused in, plus the attention
     kernel): None (default) for models of width <= 2048 (the depformer, whose small layers are launch-bound),
-    True / False to force (``CSPAN_GEMV=0`` turns the default off, for comparisons)."""
+    True / False to force (``CSPAN_GEMV=0`` turns the default off, ``CSPAN_GEMV=all`` on for every width)."""
 
     def _gemv_ok(self, x: torch.Tensor, sets: list[int] | None) -> bool:
         if x.shape[1] != 1 or x.shape[0] > fused.GEMV_MAX_ROWS:
             return False
-        auto = self.d_model <= 2048 and os.environ.get("CSPAN_GEMV") != "0"
+        env = os.environ.get("CSPAN_GEMV")
+        auto = env != "0" and (self.d_model <= 2048 or env == "all")
         if not (self.gemv if self.gemv is not None else auto):
             return False
         for layer in self.layers:
@@ -556,6 +557,10 @@ class StreamingTransformer(nn.Module):
             if not isinstance(gating, ActivationGating) or gating.activation_name != "silu":
                 return False
         return True
+
+    def gemv_path(self, x: torch.Tensor, sets: list[int] | None = None) -> bool:
+        """Whether a streaming one-position forward of ``x`` [B, 1, D] runs as GEMV launches (see :attr:`gemv`)."""
+        return self._fused_ok(x, sets) and self._gemv_ok(x, sets)
 
     def fused_path(self, x: torch.Tensor, sets: list[int] | None = None) -> bool:
         """Whether a streaming forward of activations like ``x`` (dtype, device) takes the fused GPU path."""
