@@ -41,6 +41,99 @@ def test_batched_sessions_equal_each_session_alone(tiny_checkpoint) -> None:
         assert torch.equal(alone[:, 0], batched[:, s]), f"session {s} differs when batched"
 
 
+def test_skipping_the_user_predictions_changes_no_output(tiny_checkpoint) -> None:
+    """predict_user=False (serve / infer) runs the depformer over the agent codebooks only: personas, spans, PCM
+    steps, the frames, agent PCM, text and logits are the same as with the user stream predicted (sampling on, so
+    the generators must stay in step too); only the skipped prediction in the column is -1."""
+    pcm = _pcm(6, 2, seed=3)
+    outs = []
+    for predict_user in (True, False):
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=5, predict_user=predict_user)
+        assert engine.dep_q == 16 and engine.num_codebooks == 8
+        rows = []
+        for row, s in enumerate([0, 1]):
+            engine.set_persona(row, PROMPTS[s])
+        for t in range(pcm.shape[0]):
+            if t == 2:
+                engine.inject_span(1, SPANS[1][1])
+            rows.append(engine.step(pcm[t]))
+        outs.append(rows)
+    for t, (a, b) in enumerate(zip(*outs, strict=True)):
+        assert torch.equal(a.tokens.frame, b.tokens.frame), f"frame {t}"
+        assert torch.equal(a.agent_pcm, b.agent_pcm) and torch.equal(a.text_token, b.text_token)
+        assert torch.equal(a.tokens.text_logits, b.tokens.text_logits)
+        assert torch.equal(a.tokens.column[:, :9], b.tokens.column[:, :9])
+        assert (b.tokens.column[:, 9] == -1).all() and (a.tokens.column[:, 9] >= 0).all()
+        assert torch.equal(a.tokens.column[:, 10:], b.tokens.column[:, 10:])  # known user codes
+
+
+def _forced_columns(engine: DuplexEngine, count: int, seed: int) -> list[torch.Tensor]:
+    """Whole target columns to force (valid text and audio ids), so two engines see the same token history."""
+    gen = torch.Generator().manual_seed(seed)
+    cols = []
+    for _ in range(count):
+        col = torch.randint(0, int(engine.lm.card), (1, engine.num_streams), generator=gen)
+        col[:, 0] = torch.randint(0, int(engine.lm.text_card), (1,), generator=gen)
+        cols.append(col)
+    return cols
+
+
+def test_deferred_spans_equal_immediate_injection(tiny_checkpoint) -> None:
+    """defer_spans reads a block in the next step's forward: same KV cache, offsets, positions, reports and
+    logits as reading it at inject_span, also for two blocks injected before one step and after a reset."""
+    runs = []
+    for defer in (False, True):
+        engine = DuplexEngine(tiny_checkpoint, batch_size=1, seed=1, defer_spans=defer)
+        assert engine.defer_spans is defer
+        forced = _forced_columns(engine, 12, seed=4)
+        user = torch.randint(0, 2048, (12, 1, 8), generator=torch.Generator().manual_seed(5))
+        reports, outs = [], []
+        engine.set_persona(0, PROMPTS[0])
+        for t in range(12):
+            if t == 7:
+                engine.reset(0, seed=2)
+                engine.set_persona(0, PROMPTS[1])
+            if t in (2, 5):
+                reports.append(engine.inject_span(0, SPANS[1][1]))
+            if t in (5, 9):
+                reports.append(engine.inject_span(0, SPANS[2][1]))
+            outs.append(engine.step_tokens(user[t], forced[t]))
+        cache = engine.lm_state.transformer.cache
+        runs.append((reports, outs, cache.offset.clone(), cache.keys.clone(), list(engine.positions)))
+    (ra, oa, off_a, ka, pa), (rb, ob, off_b, kb, pb) = runs
+    assert torch.equal(off_a, off_b) and pa == pb
+    assert all(r.deferred for r in rb) and not any(r.deferred for r in ra)
+    for x, y in zip(ra, rb, strict=True):
+        assert (x.n, x.ids, x.first_position, x.next_position) == (y.n, y.ids, y.first_position, y.next_position)
+    assert torch.allclose(ka, kb, atol=1e-4, rtol=1e-4)
+    for t, (x, y) in enumerate(zip(oa, ob, strict=True)):
+        assert torch.equal(x.column, y.column) and torch.equal(x.position, y.position), f"step {t}"
+        assert torch.allclose(x.text_logits, y.text_logits, atol=1e-4, rtol=1e-4), f"step {t}"
+
+
+def test_deferred_span_in_a_pcm_frame_and_flush_when_too_long(tiny_checkpoint) -> None:
+    """The whole-frame path reads a deferred block too; a block that would not fit the longest combined read
+    with the pending one makes the pending one be read at once. Same frames as immediate injection."""
+    pcm = _pcm(6, 1, seed=6)
+    frames = []
+    for defer in (False, True):
+        engine = DuplexEngine(tiny_checkpoint, batch_size=1, seed=3, defer_spans=defer, max_span_frames=8)
+        engine.set_persona(0, PROMPTS[2], seed=3)
+        got = []
+        for t in range(6):
+            if t == 2:
+                first = engine.inject_span(0, "It is sunny.")
+                second = engine.inject_span(0, "Yes.")
+                assert first.n + second.n + 1 > engine._span_buckets[-1]
+                if defer:  # the first block was read when the second came; the second waits for the step
+                    assert engine._pending[0] is not None and engine._pending[0].shape[-1] == second.n
+            got.append(engine.step(pcm[t]).tokens.frame)
+        frames.append(torch.stack(got))
+    assert torch.equal(frames[0], frames[1])
+    with pytest.raises(ValueError, match="defer_spans needs batch_size 1"):
+        DuplexEngine(tiny_checkpoint, batch_size=2, defer_spans=True)
+
+
 def test_a_seed_reproduces_a_conversation(tiny_checkpoint) -> None:
     pcm = _pcm(4, 1, seed=1)
     runs = []

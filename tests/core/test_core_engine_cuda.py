@@ -59,7 +59,7 @@ def test_graphed_engine_equals_eager_engine(dtype: torch.dtype, dep_q: int) -> N
     a, b = _script(eager), _script(graphed)
     for t, (x, y) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(x, y), f"step {t}: graph replay differs from eager"
-    assert graphed._graphs[(False, True)] is not None  # the step was captured and replayed
+    assert graphed._graphs[(False, True, True)] is not None  # the step was captured and replayed
 
 
 @pytest.mark.gpu

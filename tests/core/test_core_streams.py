@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cspan.core.constants import UNGENERATED
 from cspan.core.lm import delay_sequence
+from cspan.core.span import splice_block
 from cspan.core.streams import TokenGrid, delay_tokens, undelay_tokens
 
 DELAYS_7B = [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]
@@ -122,3 +124,18 @@ def test_splice_moves_the_pending_column() -> None:
     assert int(new_pos) == int(pos) + 3
     assert torch.equal(after, before)  # the window is relative to the pending position: same content, 3 later
     assert grid.position.tolist() == [4, 1]
+
+
+@pytest.mark.parametrize("delays", [[0, 0, 1, 1, 1], [0, 2, 3, 3, 1]])
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_splice_is_splice_block_on_the_window(delays: list[int], n: int) -> None:
+    """TokenGrid.splice equals span.splice_block on the session's window (the columns around the pending one),
+    for a history of 0 and of 2 columns; other sessions are untouched."""
+    grid = TokenGrid(delays, [5] * 5, [3, 4], 2)
+    grid.buffer = torch.randint(0, 100, grid.buffer.shape, generator=torch.Generator().manual_seed(n))
+    other, before, position = grid.buffer[0].clone(), grid.buffer[1].clone(), grid.position.clone()
+    block = torch.randint(100, 200, (5, n), generator=torch.Generator().manual_seed(n + 1))
+    grid.splice(1, block)
+    assert torch.equal(grid.buffer[1], splice_block(before, grid.pending, block)[:, n : n + grid.width])
+    assert torch.equal(grid.buffer[0], other)
+    assert grid.position.tolist() == [int(position[0]), int(position[1]) + n]

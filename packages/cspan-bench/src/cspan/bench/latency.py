@@ -5,9 +5,11 @@ What is timed (wall clock between two device synchronisations, ``torch.cuda.sync
 - **rows**, one per span length ``n`` (default 0, 16, 64, 256, 600 as in the original README's "Context Span
   processing latency" table, ``docs/reference/context-spanning-original.md`` sections 3.2 and 7.5): for ``n > 0``
   ``DuplexEngine.inject_span`` of a block of exactly ``n`` columns (``[12] + (n - 2) tokens + [13]``) followed by
-  one decoding step; ``n = 0`` is a plain step. The decoding step is the LM step (``step_tokens``: temporal
+  one decoding step (with the engine's deferred spans, the block is read in that step's forward: the row's
+  ``prefill`` is then the injection's host time and ``next_step`` the combined forward); ``n = 0`` is a plain step. The decoding step is the LM step (``step_tokens``: temporal
   transformer, text sampling, depformer) by default, or the whole frame with ``row_step="frame"``;
-- **step**: the plain LM step alone;
+- **step**: the plain LM step alone (and, for dep_q = 16 models with ``predict_user`` off, **step_predict_user**:
+  the same step sampling the depformer's user-stream codebooks as well, as upstream PersonaPlex does);
 - **frame**: the whole 80 ms frame as a server runs it: Mimi streaming encode of the user PCM, the LM step, Mimi
   streaming decode, and reading the text token and the agent PCM back to the host;
 - **batch** (optional): the plain step and the whole frame at batch sizes B > 1 (all sessions in lock step).
@@ -170,6 +172,11 @@ class LatencyOptions:
         frame: time the whole frame.
         seed: sampler and data seed.
         cuda_graphs: replay the step from a CUDA graph (None: the engine's default, on for CUDA; False: eager).
+        predict_user: the engine samples the depformer's user-stream codebooks too (upstream PersonaPlex); False
+            (the default, as ``cspan serve`` and ``cspan infer`` run) skips them, since the user's codes arrive
+            every frame. With False the plain step is also timed with them (``step_predict_user``).
+        defer_spans: the engine reads a span block together with the next position (``DuplexEngine``'s
+            ``defer_spans``; None: its default, on for one session with CUDA graphs); False reads it at injection.
     """
 
     span_lengths: Sequence[int] = DEFAULT_SPAN_LENGTHS
@@ -181,6 +188,8 @@ class LatencyOptions:
     frame: bool = True
     seed: int = 0
     cuda_graphs: bool | None = None
+    predict_user: bool = False
+    defer_spans: bool | None = None
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible settings."""
@@ -317,6 +326,12 @@ class LatencyBench:
             self.lm_step()
         say("plain step")
         step = summarize_ms(self.series(self.lm_step))
+        step_predict_user = None
+        if not self.engine.predict_user and self.engine.dep_q > self.engine.num_codebooks:
+            say("plain step with the user-stream predictions")
+            self.engine.predict_user = True
+            step_predict_user = summarize_ms(self.series(self.lm_step))
+            self.engine.predict_user = False
         frame = None
         if self.options.frame and self.engine.mimi is not None:
             say("whole frame")
@@ -343,7 +358,7 @@ class LatencyBench:
                     "next_step_p99_ms": nxt["p99_ms"],
                 }
             )
-        return {"rows": rows, "step": step, "frame": frame}
+        return {"rows": rows, "step": step, "step_predict_user": step_predict_user, "frame": frame}
 
     def run_batch(self) -> dict[str, Any]:
         """Plain step (and whole frame) for all sessions of this engine; ``per_session_mean_ms`` = mean / B."""
@@ -485,6 +500,8 @@ def make_engine(
     dtype: torch.dtype,
     span_lengths: Sequence[int],
     cuda_graphs: bool | None = None,
+    predict_user: bool = False,
+    defer_spans: bool | None = None,
 ) -> Any:
     """A :class:`~cspan.core.engine.DuplexEngine` over ``models`` whose ``max_span_frames`` admits every length
     (``cuda_graphs`` None: the engine's default, on for CUDA)."""
@@ -501,6 +518,8 @@ def make_engine(
         tokenizer=models.tokenizer,
         max_span_frames=max([DEFAULT_MAX_SPAN_FRAMES, *span_lengths]),
         cuda_graphs=cuda_graphs,
+        predict_user=predict_user,
+        defer_spans=defer_spans if batch_size == 1 else None,
     )
 
 
@@ -515,14 +534,18 @@ def run_latency(
     """Run every series and return the JSON document (see the module docstring)."""
     options.check()
     say = progress or (lambda _msg: None)
-    engine = make_engine(models, 1, device, dtype, options.span_lengths, options.cuda_graphs)
+    engine = make_engine(
+        models, 1, device, dtype, options.span_lengths, options.cuda_graphs, options.predict_user, options.defer_spans
+    )
     measured = LatencyBench(engine, options).run(progress=say)
     batch_rows = []
     for B in options.batch_sizes:
         if B == 1:
             continue
         say(f"batch {B}")
-        batch_engine = make_engine(models, B, device, dtype, options.span_lengths, options.cuda_graphs)
+        batch_engine = make_engine(
+            models, B, device, dtype, options.span_lengths, options.cuda_graphs, options.predict_user
+        )
         batch_rows.append(LatencyBench(batch_engine, options).run_batch())
         del batch_engine
         if device.type == "cuda":
@@ -540,11 +563,14 @@ def run_latency(
         "gap_steps": options.gap_steps,
         "row_step": options.row_step,
         "cuda_graphs": bool(engine.cuda_graphs),
+        "predict_user": options.predict_user,
+        "defer_spans": bool(engine.defer_spans),
         "timing": "wall clock between device synchronisations (torch.cuda.synchronize on CUDA)",
         "span_ids": "[12] + (n - 2) random ordinary text ids + [13]",
     }
     doc["rows"] = measured["rows"]
     doc["step"] = measured["step"]
+    doc["step_predict_user"] = measured["step_predict_user"]
     doc["frame"] = measured["frame"]
     doc["batch"] = {"sizes": [r["batch_size"] for r in batch_rows], "rows": batch_rows}
     return doc
@@ -556,6 +582,12 @@ def latency_table(doc: dict[str, Any], label: str = "latency") -> str:
     from cspan.bench.report import LatencyReport, latency_markdown
 
     parts = [latency_markdown(label, LatencyReport.model_validate(doc))]
+    other = doc.get("step_predict_user")
+    if other:
+        parts.append(
+            f"Plain step with the depformer's user-stream predictions (all dep_q codebooks): {other['mean_ms']:.1f} ± "
+            f"{other['sd_ms']:.1f} ms, P50 {other['p50_ms']:.1f} ms, P99 {other['p99_ms']:.1f} ms."
+        )
     frame = doc.get("frame")
     if frame:
         parts.append(

@@ -219,6 +219,18 @@ def register_latency(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=[], help="also time the plain step at these B > 1")
     p.add_argument("--no-frame", action="store_true", help="skip the whole-frame series")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
+    p.add_argument(
+        "--predict-user",
+        action="store_true",
+        help="sample the depformer's user-stream codebooks in every step, as upstream PersonaPlex does (default: "
+        "skipped, as cspan serve / infer run; the plain step is then also timed with them)",
+    )
+    p.add_argument(
+        "--no-defer-spans",
+        action="store_true",
+        help="read each span at injection instead of together with the next step (default: the engine's, deferred "
+        "for one session with CUDA graphs)",
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -247,6 +259,8 @@ def _latency(args: argparse.Namespace) -> int:
         frame=not args.no_frame,
         seed=args.seed,
         cuda_graphs=False if args.no_cuda_graphs else None,
+        predict_user=args.predict_user,
+        defer_spans=False if args.no_defer_spans else None,
     )
     options.check()
 

@@ -166,7 +166,13 @@ def build_session(
 
     dev, dt = pick_device(device, dtype)
     ckpt = load_checkpoint(checkpoint, device=dev, dtype=dt)
-    kwargs: dict[str, Any] = {"temp": temp, "temp_text": temp_text, "seed": seed, "cuda_graphs": cuda_graphs}
+    kwargs: dict[str, Any] = {
+        "temp": temp,
+        "temp_text": temp_text,
+        "seed": seed,
+        "cuda_graphs": cuda_graphs,
+        "predict_user": False,  # the user's codes come from the benchmark audio every frame
+    }
     if max_span_frames is not None:
         kwargs["max_span_frames"] = max_span_frames
     engine = DuplexEngine(ckpt, batch_size=1, device=dev, dtype=dt, **kwargs)

@@ -27,6 +27,7 @@ whether a session has started) is mirrored in Python ints that change only throu
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from .constants import (
 from .errors import CheckpointError, SpanError
 from .prefix import PrefixReport, build_persona_prefix, read_prefix
 from .sampling import SamplingParams, make_generator, sample_column
-from .span import ContextSpan, SpanInjector, SpanReport
+from .span import ContextSpan, SpanInjector, SpanReport, prefill_buckets
 from .streams import TokenGrid
 
 
@@ -129,6 +130,17 @@ class DuplexEngine:
             decode) from another, each captured on its second call as upstream ``CUDAGraphed`` does; Context Span
             prefills replay graphs at a few padded lengths (:class:`cspan.core.span.PrefillGraphs`). None: on when
             the device is CUDA and ``NO_CUDA_GRAPH`` is not set; True off CUDA raises ValueError.
+        predict_user: sample the depformer's user-stream codebooks too (dep_q = 16 models; upstream PersonaPlex
+            ``LMGen`` does). False skips them in calls that bring user codes: the user's real codes overwrite
+            those predictions before they are ever fed, so text and agent audio are unchanged and the depformer
+            runs half its steps; the user rows of ``TokenStepOutput.column`` then hold the known codes, or -1
+            where the prediction was skipped.
+        defer_spans: read a Context Span block together with the session's next position, in ONE forward at its
+            next step (one pass over the weights instead of two: the span's prefill and the step), instead of at
+            :meth:`inject_span`. The result is the same up to float rounding (the same keys, values and next
+            logits); :class:`SpanReport` then says ``deferred`` and its ``prefill_ms`` is the injection's host
+            time. Blocks injected before the same step are read together. None: on for one session with CUDA
+            graphs (the combined forward replays a graph per padded length); needs ``batch_size`` 1.
 
     A given model is moved in place (``nn.Module.to``) when ``device`` / ``dtype`` differ from its own.
 
@@ -162,6 +174,8 @@ class DuplexEngine:
         agent_placeholder: Sequence[int] = SILENCE_TOKENS,
         user_placeholder: Sequence[int] = SINE_TOKENS,
         cuda_graphs: bool | None = None,
+        predict_user: bool = True,
+        defer_spans: bool | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"DuplexEngine: batch_size must be >= 1, got {batch_size}")
@@ -210,6 +224,18 @@ class DuplexEngine:
         elif cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"DuplexEngine: cuda_graphs=True needs a CUDA device, the engine runs on {self.device}")
         self.cuda_graphs = bool(cuda_graphs)
+        self.predict_user = bool(predict_user)
+        if defer_spans is None:
+            defer_spans = self.cuda_graphs and batch_size == 1
+        elif defer_spans and batch_size != 1:
+            raise ValueError(
+                f"DuplexEngine: defer_spans needs batch_size 1 (a deferred block is read in the step's forward), "
+                f"got {batch_size}"
+            )
+        self.defer_spans = bool(defer_spans)
+        self._pending: list[torch.Tensor | None] = [None] * batch_size
+        self._span_buckets = [size + 1 for size in prefill_buckets(max_span_frames)]
+        self._span_graphs: dict[tuple[int, bool, bool, bool], _GraphedSpanStep | None] = {}
         self.injector = SpanInjector(
             lm,
             max_span_frames=max_span_frames,
@@ -228,7 +254,7 @@ class DuplexEngine:
             gen = make_generator(self.device, None if seed is None else seed + i)
             self.generators.append(gen)
             self.seeds.append(int(gen.initial_seed()))
-        self._graphs: dict[tuple[bool, bool], _GraphedStep | None] = {}
+        self._graphs: dict[tuple[bool, bool, bool], _GraphedStep | None] = {}
         self._frame_graph: _GraphedFrame | None = None
         self._frame_calls = 0
         # host mirrors of per-session bookkeeping (changed only by the engine's own calls)
@@ -280,6 +306,7 @@ class DuplexEngine:
         self.positions[i] = 0
         self.prefix_end[i] = None
         self.started[i] = False
+        self._pending[i] = None
 
     def reset(self, i: int, seed: int | None = None) -> None:
         """Start session ``i`` again: empty KV cache row, fresh grid row (position 0), fresh codec states, and its
@@ -404,11 +431,39 @@ class DuplexEngine:
                 f"session {i} has not started: a Context Span goes between two frames of a running stream; "
                 "call set_persona(i, ...) or step() first"
             )
-        report = self.injector.inject(
-            self.lm_state, self.grid, i, span, position=self.positions[i], prefix_end=self.prefix_end[i], chunk=chunk
-        )
+        if not self.defer_spans or chunk is not None:
+            self._flush_span(i)
+            report = self.injector.inject(
+                self.lm_state,
+                self.grid,
+                i,
+                span,
+                position=self.positions[i],
+                prefix_end=self.prefix_end[i],
+                chunk=chunk,
+            )
+            self.positions[i] += report.n
+            return report
+        t0 = time.perf_counter()
+        block, ids, truncated = self.injector.block_for(span, self.grid.num_rows)
+        block_d = block.to(self.device)
+        pending = self._pending[i]
+        if pending is not None and pending.shape[-1] + block_d.shape[-1] + 1 > self._span_buckets[-1]:
+            self._flush_span(i)  # too long to read with the next position: read the earlier block now
+            pending = None
+        self.grid.splice(i, block_d)
+        self._pending[i] = block_d if pending is None else torch.cat([pending, block_d], dim=1)
+        ms = (time.perf_counter() - t0) * 1000.0
+        report = self.injector.report(i, ids, truncated, self.positions[i], self.prefix_end[i], ms, deferred=True)
         self.positions[i] += report.n
         return report
+
+    def _flush_span(self, i: int) -> None:
+        """Read session ``i``'s deferred block into the KV cache now (the grid already holds it)."""
+        block = self._pending[i]
+        if block is not None:
+            self._pending[i] = None
+            self.injector.read(self.lm_state, i, block)
 
     # -- the per-frame path -----------------------------------------------------------------------------------------
 
@@ -444,7 +499,10 @@ class DuplexEngine:
             )
         if forced is not None and tuple(forced.shape) != (B, K):
             raise ValueError(f"step_tokens: forced must be [{B}, {K}], got {tuple(forced.shape)}")
-        out = self._graphed_step(user_codes, forced) if self.cuda_graphs else self._step(user_codes, forced)
+        if self._pending[0] is not None:
+            out = self._span_step_any(user_codes, forced)
+        else:
+            out = self._graphed_step(user_codes, forced) if self.cuda_graphs else self._step(user_codes, forced)
         self._advance_host()
         return out
 
@@ -461,32 +519,85 @@ class DuplexEngine:
         position = grid.position.clone()
         column_in = grid.input_column().clone()
         hidden, text_logits = self.lm.temporal(column_in[:, :, None], self.lm_state)
+        return self._tail(hidden[:, -1], text_logits[:, -1], column_in, position, forced, user_codes is None)
+
+    def _tail(
+        self,
+        hidden: torch.Tensor,
+        text_logits: torch.Tensor,
+        column_in: torch.Tensor,
+        position: torch.Tensor,
+        forced: torch.Tensor | None,
+        no_user: bool,
+    ) -> TokenStepOutput:
+        """Sample the target column from the fed position's outputs and commit it (tensor operations only)."""
+        grid = self.grid
         target = grid.target_column(forced)
         column = sample_column(
             self.lm,
-            hidden[:, -1],
-            text_logits[:, -1],
+            hidden,
+            text_logits,
             target,
             self._dep_state,
             text=self.text_params,
             audio=self.audio_params,
             generators=self.generators,
+            depformer_steps=None if self.predict_user or no_user else self.num_codebooks,
         )
         frame, valid = grid.commit(column)
         return TokenStepOutput(
-            frame=frame,
-            valid=valid,
-            input=column_in,
-            column=column,
-            text_logits=text_logits[:, -1],
-            position=position,
+            frame=frame, valid=valid, input=column_in, column=column, text_logits=text_logits, position=position
         )
+
+    def _span_step(
+        self,
+        user_codes: torch.Tensor | None,
+        forced: torch.Tensor | None,
+        tokens: torch.Tensor,
+        n_valid: torch.Tensor | None,
+    ) -> TokenStepOutput:
+        """A step whose forward also reads the deferred block (batch 1): ``tokens`` [1, K, T] holds the block in
+        its first n columns; the pending column goes to column n (``n_valid - 1``, or T - 1 when unpadded)."""
+        grid = self.grid
+        if user_codes is not None:
+            grid.write_user(user_codes)
+        position = grid.position.clone()
+        column_in = grid.input_column().clone()
+        T = tokens.shape[-1]
+        last = n_valid - 1 if n_valid is not None else torch.full((1,), T - 1, dtype=torch.long, device=self.device)
+        tokens.index_copy_(2, last, column_in[:, :, None])
+        hidden, text_logits = self.lm.temporal_last(tokens, self.lm_state, n_valid)
+        return self._tail(hidden, text_logits, column_in, position, forced, user_codes is None)
+
+    def _span_step_any(self, user_codes: torch.Tensor | None, forced: torch.Tensor | None) -> TokenStepOutput:
+        """The step of session 0 with its deferred block: eager, or a graph per padded length (captured on the
+        second use of a length, as :meth:`_graphed_step` does)."""
+        block = self._pending[0]
+        assert block is not None
+        self._pending[0] = None
+        n1 = block.shape[-1] + 1
+        size = next((b for b in self._span_buckets if b >= n1), None)
+        fused_ok = self.lm.transformer.fused_path(self.lm.text_emb.weight)
+        if not self.cuda_graphs or size is None or not fused_ok:
+            tokens = torch.cat([block[None], block[None, :, -1:]], dim=2)
+            return self._span_step(user_codes, forced, tokens, None)
+        key = (size, user_codes is None, forced is None, self.predict_user)
+        if key not in self._span_graphs:
+            self._span_graphs[key] = None
+            tokens = torch.cat([block[None], block[None, :, -1:]], dim=2)
+            return self._span_step(user_codes, forced, tokens, None)
+        graphed = self._span_graphs[key]
+        if graphed is None:
+            graphed = _GraphedSpanStep.capture(self, size, user_codes, forced)
+            self._span_graphs[key] = graphed
+        graphed.load(block, user_codes, forced)
+        return graphed.replay()
 
     def _graphed_step(self, user_codes: torch.Tensor | None, forced: torch.Tensor | None) -> TokenStepOutput:
         """:meth:`_step` through a CUDA graph: the first call of a kind runs eagerly (library warm-up), the second
         captures and replays, later calls copy their inputs into the static buffers and replay. Session operations
         between steps (reset, persona, span) change the same state tensors in place, so the graph sees them."""
-        key = (user_codes is None, forced is None)
+        key = (user_codes is None, forced is None, self.predict_user)
         if key not in self._graphs:
             self._graphs[key] = None
             return self._step(user_codes, forced)
@@ -537,7 +648,7 @@ class DuplexEngine:
         assert self.mimi is not None and self._enc_state is not None and self._dec_state is not None
         B, C = self.batch_size, self.num_codebooks
         user_codes = self.mimi.encode_step(pcm[:, None, :], self._enc_state)[:, :C, 0]  # [B, C]
-        out = self._step(user_codes, None)
+        out = self._span_step_any(user_codes, None) if self._pending[0] is not None else self._step(user_codes, None)
         agent_codes = out.frame[:, 1 : 1 + C]
         valid = out.valid
         decode_codes = torch.where(valid[:, None], agent_codes, self._silence_codes[None, :].expand(B, -1))
@@ -555,10 +666,12 @@ class DuplexEngine:
 
     def _graphed_frame(self, pcm: torch.Tensor) -> FrameOutput:
         """:meth:`_frame` through a CUDA graph: eager on the first call, captured on the second, replayed after."""
+        if self._pending[0] is not None:  # a deferred span: the combined step has its own graphs
+            return self._frame(pcm.to(self.device, torch.float32))
         self._frame_calls += 1
         if self._frame_calls == 1:
             return self._frame(pcm.to(self.device, torch.float32))
-        if self._frame_graph is None:
+        if self._frame_graph is None or self._frame_graph.predict_user != self.predict_user:
             self._frame_graph = _GraphedFrame.capture(self, pcm)
         else:
             self._frame_graph.pcm.copy_(pcm)
@@ -614,24 +727,84 @@ class _GraphedStep:
 
     def replay(self) -> TokenStepOutput:
         self.graph.replay()
-        o = self.out  # static buffers, overwritten by the next replay: hand out copies
-        return TokenStepOutput(
-            frame=o.frame.clone(),
-            valid=o.valid.clone(),
-            input=o.input.clone(),
-            column=o.column.clone(),
-            text_logits=o.text_logits.clone(),
-            position=o.position.clone(),
-        )
+        return _copy_tokens(self.out)
+
+
+def _copy_tokens(o: TokenStepOutput) -> TokenStepOutput:
+    """Copies of a graph's static outputs (overwritten by its next replay)."""
+    return TokenStepOutput(
+        frame=o.frame.clone(),
+        valid=o.valid.clone(),
+        input=o.input.clone(),
+        column=o.column.clone(),
+        text_logits=o.text_logits.clone(),
+        position=o.position.clone(),
+    )
+
+
+class _GraphedSpanStep:
+    """One captured :meth:`DuplexEngine._span_step` at a padded length ``size`` (block + the next position)."""
+
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        tokens: torch.Tensor,
+        n_valid: torch.Tensor,
+        user: torch.Tensor | None,
+        forced: torch.Tensor | None,
+        out: TokenStepOutput,
+    ) -> None:
+        self.graph = graph
+        self.tokens = tokens
+        self.n_valid = n_valid
+        self.user = user
+        self.forced = forced
+        self.out = out
+
+    @classmethod
+    def capture(
+        cls, engine: DuplexEngine, size: int, user_codes: torch.Tensor | None, forced: torch.Tensor | None
+    ) -> _GraphedSpanStep:
+        dev = engine.device
+        tokens = torch.zeros(1, engine.num_streams, size, dtype=torch.long, device=dev)
+        n_valid = torch.full((1,), size, dtype=torch.long, device=dev)
+        user = None if user_codes is None else user_codes.to(dev, torch.long).clone()
+        forced_s = None if forced is None else forced.to(dev, torch.long).clone()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compile the kernels of this length: n_valid = 0 changes no state
+            row = torch.zeros(1, dtype=torch.long, device=dev)
+            engine.lm.prefill(tokens, engine.lm_state, row, torch.zeros(1, dtype=torch.long, device=dev))
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        for gen in engine.generators:
+            graph.register_generator_state(gen)
+        with torch.cuda.graph(graph):  # records only: the state is not advanced until replay
+            out = engine._span_step(user, forced_s, tokens, n_valid)
+        return cls(graph, tokens, n_valid, user, forced_s, out)
+
+    def load(self, block: torch.Tensor, user_codes: torch.Tensor | None, forced: torch.Tensor | None) -> None:
+        n = block.shape[-1]
+        self.tokens[0, :, :n].copy_(block)  # the columns past n + 1 keep earlier valid ids: never stored nor seen
+        self.n_valid.fill_(n + 1)
+        if self.user is not None and user_codes is not None:
+            self.user.copy_(user_codes)
+        if self.forced is not None and forced is not None:
+            self.forced.copy_(forced)
+
+    def replay(self) -> TokenStepOutput:
+        self.graph.replay()
+        return _copy_tokens(self.out)
 
 
 class _GraphedFrame:
     """One captured :meth:`DuplexEngine._frame` (Mimi encode, token step, Mimi decode) with its static PCM input."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, pcm: torch.Tensor, out: FrameOutput) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, pcm: torch.Tensor, out: FrameOutput, predict_user: bool) -> None:
         self.graph = graph
         self.pcm = pcm
         self.out = out
+        self.predict_user = predict_user
 
     @classmethod
     def capture(cls, engine: DuplexEngine, pcm: torch.Tensor) -> _GraphedFrame:
@@ -641,7 +814,7 @@ class _GraphedFrame:
             graph.register_generator_state(gen)
         with torch.cuda.graph(graph):  # records only: the state is not advanced until replay
             out = engine._frame(static)
-        return cls(graph, static, out)
+        return cls(graph, static, out, engine.predict_user)
 
     def replay(self) -> FrameOutput:
         self.graph.replay()

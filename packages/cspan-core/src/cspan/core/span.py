@@ -19,6 +19,7 @@ diagram.
 
 from __future__ import annotations
 
+import array
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -135,20 +136,23 @@ def span_block(
     Raises:
         SpanError: no ids. ValueError: placeholders of the wrong length.
     """
-    ids_t = torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
-    n = ids_t.shape[0]
-    if n == 0:
+    if len(ids) == 0:
         raise SpanError("span_block: a Context Span block needs at least one column")
+    try:  # a list of ints through a typed buffer: several times faster than torch.as_tensor (spans of 600)
+        ids_t = torch.frombuffer(array.array("q", ids), dtype=torch.long)
+    except TypeError:  # a tensor, or ids that are not Python ints
+        ids_t = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()
+    n = ids_t.shape[0]
     C = (num_streams - 1) // 2
     if num_streams != 2 * C + 1 or len(agent_placeholder) != C or len(user_placeholder) != C:
         raise ValueError(
             f"span_block: {num_streams} streams need 1 text row and two placeholders of {C} codes; got "
             f"{len(agent_placeholder)} and {len(user_placeholder)}"
         )
-    rows = torch.tensor([0, *agent_placeholder, *user_placeholder], dtype=torch.long, device=device)
-    block = rows[:, None].repeat(1, n)
+    block = torch.empty(num_streams, n, dtype=torch.long)
     block[0] = ids_t
-    return block
+    block[1:] = torch.tensor([*agent_placeholder, *user_placeholder], dtype=torch.long)[:, None]
+    return block if device is None else block.to(device)
 
 
 def splice_block(delayed_tokens: torch.Tensor, position: int, block: torch.Tensor) -> torch.Tensor:
@@ -243,13 +247,16 @@ class SpanReport:
         ids: the block's text ids.
         first_position, last_position: the KV positions the block occupies (``last = first + n - 1``).
         next_position: the position the next call feeds (``last_position + 1``).
-        prefill_ms: wall-clock milliseconds of the block's forward (after device synchronisation).
+        prefill_ms: wall-clock milliseconds of the block's forward (after device synchronisation); for a deferred
+            block, the host time of the injection only (its forward is part of the next step).
         context: the attention window in positions (None = unbounded).
         window_positions_left: positions that can still be fed before position 0 (the start of the persona
             prefix) leaves the window of the next query (``max(0, context - 1 - next_position)``; None when
             unbounded).
         prefix_in_window: whether the end of the persona prefix (its last position) is still visible to the
             next query (``next_position - prefix_end < context``); False also when there is no prefix.
+        deferred: the block was not read yet: the engine reads it in ONE forward together with the session's
+            next position, at its next step (``DuplexEngine(defer_spans=...)``).
     """
 
     session: int
@@ -263,6 +270,7 @@ class SpanReport:
     context: int | None
     window_positions_left: int | None
     prefix_in_window: bool
+    deferred: bool = False
 
 
 def window_status(next_position: int, context: int | None, prefix_end: int | None) -> tuple[int | None, bool]:
@@ -361,20 +369,38 @@ class SpanInjector:
             SpanError: empty reference (see :meth:`ContextSpan.encode`), ids outside the text vocabulary.
         """
         block, ids, truncated = self.block_for(span, grid.num_rows)
-        n = len(ids)
         device = grid.device
         block_d = block.to(device)
-        rows = torch.tensor([row], dtype=torch.long, device=device)
         _synchronize(device)
         t0 = time.perf_counter()
-        graphed = chunk is None and self.graphs is not None and self.graphs.run(lm_state, block_d, row)
-        if not graphed:
-            step = n if chunk is None else max(1, int(chunk))
-            for start in range(0, n, step):
-                self.lm.prefill(block_d[None, :, start : start + step], lm_state, rows=rows)
+        self.read(lm_state, row, block_d, chunk=chunk)
         grid.splice(row, block_d)
         _synchronize(device)
-        prefill_ms = (time.perf_counter() - t0) * 1000.0
+        return self.report(row, ids, truncated, position, prefix_end, (time.perf_counter() - t0) * 1000.0)
+
+    def read(self, lm_state: Any, row: int, block: torch.Tensor, *, chunk: int | None = None) -> None:
+        """The forward part of :meth:`inject`: append ``block`` [K, n] (device, long) to row ``row``'s KV cache,
+        through the bucket graphs when they serve it (the grid is not touched)."""
+        n = block.shape[-1]
+        graphed = chunk is None and self.graphs is not None and self.graphs.run(lm_state, block, row)
+        if not graphed:
+            rows = torch.tensor([row], dtype=torch.long, device=block.device)
+            step = n if chunk is None else max(1, int(chunk))
+            for start in range(0, n, step):
+                self.lm.prefill(block[None, :, start : start + step], lm_state, rows=rows)
+
+    def report(
+        self,
+        row: int,
+        ids: Sequence[int],
+        truncated: bool,
+        position: int,
+        prefix_end: int | None,
+        prefill_ms: float,
+        deferred: bool = False,
+    ) -> SpanReport:
+        """The :class:`SpanReport` of a block of ``ids`` inserted at ``position`` of session ``row``."""
+        n = len(ids)
         next_position = position + n
         context = getattr(getattr(self.lm, "cfg", None), "context", None)
         left, in_window = window_status(next_position, context, prefix_end)
@@ -390,6 +416,7 @@ class SpanInjector:
             context=context,
             window_positions_left=left,
             prefix_in_window=in_window,
+            deferred=deferred,
         )
 
 

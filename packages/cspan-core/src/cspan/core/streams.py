@@ -300,12 +300,14 @@ class TokenGrid:
             row: the session.
             block: [K, n] long, in delayed coordinates.
         """
-        from .span import splice_block
-
         n = block.shape[-1]
-        spliced = splice_block(self.buffer[row], self.pending, block.to(self.device, torch.long))  # [K, W + n]
-        self.buffer[row] = spliced[:, n : n + self.width]
-        self.position[row] = self.position[row] + n
+        P = self.pending
+        # splice_block(buffer[row], P, block)[:, n : n + W]: the columns from the pending one on keep their place
+        # in the window; the P history columns become the last P of (history + block)
+        if P > 0:
+            history = torch.cat([self.buffer[row, :, :P], block.to(self.device, torch.long)], dim=1)[:, -P:]
+            self.buffer[row, :, :P] = history
+        self.position[row : row + 1].add_(n)
 
     def row_state(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(buffer [K, W], position []) copies of one session's grid, for inspection and tests."""

@@ -298,6 +298,7 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         temp=args.temp,
         temp_text=args.temp_text,
         cuda_graphs=False if args.no_cuda_graphs else None,
+        predict_user=False,  # the user's codes come from the input audio every frame
     )
     engine.reset(0, seed=args.seed)
     voice_codes = resolve_voice(checkpoint, args.voice)

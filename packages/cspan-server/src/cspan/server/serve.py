@@ -948,6 +948,7 @@ def _build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
         temp=settings.temp,
         temp_text=settings.temp_text,
         cuda_graphs=False if settings.no_cuda_graphs else None,
+        predict_user=False,  # the user's codes come from the microphone every frame
     )
     return checkpoint, engine
 
