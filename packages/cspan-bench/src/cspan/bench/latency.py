@@ -582,6 +582,12 @@ def latency_table(doc: dict[str, Any], label: str = "latency") -> str:
     from cspan.bench.report import LatencyReport, latency_markdown
 
     parts = [latency_markdown(label, LatencyReport.model_validate(doc))]
+    config = doc.get("config") or {}
+    if "predict_user" in config:
+        parts.append(
+            f"Engine: user-stream predictions {'sampled' if config['predict_user'] else 'skipped'}, spans read "
+            f"{'with the next step (deferred)' if config.get('defer_spans') else 'at injection'}."
+        )
     other = doc.get("step_predict_user")
     if other:
         parts.append(

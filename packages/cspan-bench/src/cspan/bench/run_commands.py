@@ -223,7 +223,7 @@ def register_latency(sub: Any) -> None:
         "--predict-user",
         action="store_true",
         help="sample the depformer's user-stream codebooks in every step, as upstream PersonaPlex does (default: "
-        "skipped, as cspan serve / infer run; the plain step is then also timed with them)",
+        "skipped, as cspan serve / infer run, and the plain step is timed both ways)",
     )
     p.add_argument(
         "--no-defer-spans",

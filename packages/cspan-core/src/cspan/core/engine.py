@@ -134,13 +134,15 @@ class DuplexEngine:
             ``LMGen`` does). False skips them in calls that bring user codes: the user's real codes overwrite
             those predictions before they are ever fed, so text and agent audio are unchanged and the depformer
             runs half its steps; the user rows of ``TokenStepOutput.column`` then hold the known codes, or -1
-            where the prediction was skipped.
+            where the prediction was skipped. Every call must then bring user codes (``step`` always does).
         defer_spans: read a Context Span block together with the session's next position, in ONE forward at its
             next step (one pass over the weights instead of two: the span's prefill and the step), instead of at
             :meth:`inject_span`. The result is the same up to float rounding (the same keys, values and next
             logits); :class:`SpanReport` then says ``deferred`` and its ``prefill_ms`` is the injection's host
             time. Blocks injected before the same step are read together. None: on for one session with CUDA
-            graphs (the combined forward replays a graph per padded length); needs ``batch_size`` 1.
+            graphs on the fused path (bf16/fp16: the combined forward replays a graph per padded length); needs
+            ``batch_size`` 1. While a block is pending, ``positions`` (and the grid) are ahead of the KV cache's
+            offset by its length.
 
     A given model is moved in place (``nn.Module.to``) when ``device`` / ``dtype`` differ from its own.
 
@@ -225,8 +227,10 @@ class DuplexEngine:
             raise ValueError(f"DuplexEngine: cuda_graphs=True needs a CUDA device, the engine runs on {self.device}")
         self.cuda_graphs = bool(cuda_graphs)
         self.predict_user = bool(predict_user)
-        if defer_spans is None:
-            defer_spans = self.cuda_graphs and batch_size == 1
+        if defer_spans is None:  # where the combined forward replays graphs (the fused bf16/fp16 path)
+            with torch.no_grad():  # the engine's steps run without autograd; the check must too
+                fused_ok = lm.transformer.fused_path(lm.text_emb.weight)
+            defer_spans = self.cuda_graphs and batch_size == 1 and fused_ok
         elif defer_spans and batch_size != 1:
             raise ValueError(
                 f"DuplexEngine: defer_spans needs batch_size 1 (a deferred block is read in the step's forward), "
@@ -484,7 +488,8 @@ class DuplexEngine:
             :class:`TokenStepOutput`.
 
         Raises:
-            ValueError: wrong shapes, or no user codes for a model that does not predict them.
+            ValueError: wrong shapes, or no user codes for a model that does not predict them (or for an engine
+                built with ``predict_user=False``).
         """
         B, K = self.batch_size, self.num_streams
         if user_codes is None:
@@ -492,6 +497,12 @@ class DuplexEngine:
                 raise ValueError(
                     f"step_tokens: user_codes [B, {self.num_codebooks}] are required: this model's depformer predicts "
                     f"only {self.dep_q} of {self.lm.n_q} audio streams, so the user rows cannot be sampled"
+                )
+            if not self.predict_user:
+                raise ValueError(
+                    "step_tokens: user_codes are required with predict_user=False: the engine skips the "
+                    "depformer's user-stream predictions, so a call without user codes would feed the skipped "
+                    "entries; build the engine with predict_user=True to let the model predict the user"
                 )
         elif tuple(user_codes.shape) != (B, self.num_codebooks):
             raise ValueError(
