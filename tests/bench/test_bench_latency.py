@@ -65,6 +65,12 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     assert cfg["source"] == str(tiny_checkpoint_dir) and cfg["random_weights"] is False
     assert cfg["lm"]["dep_q"] == 16 and cfg["lm"]["num_parameters"] > 0 and cfg["mimi"]["sample_rate"] == 24000
     assert cfg["cuda_graphs"] is False and cfg["span_lengths"] == [0, 16, 64]
+    # serve's engine settings: user-stream predictions skipped (and the step also timed with them), spans read at
+    # injection on the CPU (deferral needs CUDA graphs)
+    assert cfg["predict_user"] is False and cfg["defer_spans"] is False
+    _check_stats(doc["step_predict_user"], 3)
+    assert "Plain step with the depformer's user-stream predictions" in printed
+    assert "Engine: user-stream predictions skipped, spans read at injection." in printed
 
     # the report finds and renders it
     found = report.collect(out.parent)
@@ -72,6 +78,7 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     markdown, _ = report.build_report(out.parent, plots=False)
     assert "| n (frames) | 0 | 16 | 64 |" in markdown
     assert "mean ± sd, ms" in markdown and "P99, ms" in markdown
+    assert "Engine: user-stream predictions skipped" in markdown and "user-stream predictions (all dep_q" in markdown
 
 
 def test_summarize_ms_known_values() -> None:

@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 
 from cspan.core.constants import RET
-from cspan.core.events import LateEvent, NoSpanEvent, QuestionEvent, RetEvent, SpanEvent, UserTextEvent
+from cspan.core.events import (
+    LateEvent,
+    NoSpanEvent,
+    QuestionEvent,
+    RetEvent,
+    SpanEvent,
+    TextEvent,
+    UserTextEvent,
+)
 from cspan.core.runtime import Conversation, ConversationConfig
 
 
@@ -23,6 +31,7 @@ class _Report:
     prefill_ms: float = 1.0
     truncated: bool = False
     prefix_in_window: bool = True
+    deferred: bool = True
 
 
 @dataclass
@@ -139,6 +148,7 @@ def test_fresh_final_transcript_is_the_question_and_span_lands_after_the_delay()
     assert q[0].text == "when does the library open" and ret.requests[0]["question"] == q[0].text
     spans = [e for e in conv.events if isinstance(e, SpanEvent)]
     assert len(spans) == 1 and spans[0].frame == 40 + 10  # asked at 40, 0.8 s = 10 frames later
+    assert spans[0].deferred and spans[0].prefill_ms == 1.0  # the engine's report, as it said
     assert engine.injected == [(50, "The answer is 42.")]
 
 
@@ -225,3 +235,22 @@ def test_offline_clock_drops_a_backend_slower_than_the_deadline():
     late = [e for e in conv.events if isinstance(e, LateEvent)]
     assert len(late) == 1 and late[0].frame == 2 + 2 and late[0].seconds >= 0.5
     assert engine.injected == []
+
+
+class BytePieceTokenizer(FakeTokenizer):
+    """Pieces as SentencePiece renders them, with byte fallback for characters outside the vocabulary."""
+
+    def id_to_piece(self, i: int) -> str:
+        pieces = {20: "\u2581caf", 21: "<0xC3>", 22: "<0xA9>", 23: "\u2581ok", 24: "<0xE2>", 25: "<0x82>", 26: "<0xAC>"}
+        return pieces.get(i, "!")
+
+
+def test_text_events_join_byte_fallback_pieces_into_characters():
+    """'café' is ▁caf + <0xC3> + <0xA9>: the text events render ' caf', then 'é' once its second byte came; '€'
+    (three bytes) likewise; a character cut short by an ordinary piece is replaced, not dropped or left raw."""
+    engine = RecordingEngine()
+    conv = Conversation(engine, 0, tokenizer=BytePieceTokenizer(), vad=ScriptedVAD(set()))
+    tokens = {0: 20, 1: 21, 2: 22, 3: 23, 4: 24, 5: 25, 6: 26, 7: 24, 8: 27}
+    _run(conv, engine, 9, tokens=tokens)
+    texts = [(e.frame, e.text) for e in conv.events if isinstance(e, TextEvent)]
+    assert texts == [(0, " caf"), (2, "é"), (3, " ok"), (6, "€"), (8, "\ufffd!")]

@@ -582,18 +582,6 @@ def latency_table(doc: dict[str, Any], label: str = "latency") -> str:
     from cspan.bench.report import LatencyReport, latency_markdown
 
     parts = [latency_markdown(label, LatencyReport.model_validate(doc))]
-    config = doc.get("config") or {}
-    if "predict_user" in config:
-        parts.append(
-            f"Engine: user-stream predictions {'sampled' if config['predict_user'] else 'skipped'}, spans read "
-            f"{'with the next step (deferred)' if config.get('defer_spans') else 'at injection'}."
-        )
-    other = doc.get("step_predict_user")
-    if other:
-        parts.append(
-            f"Plain step with the depformer's user-stream predictions (all dep_q codebooks): {other['mean_ms']:.1f} ± "
-            f"{other['sd_ms']:.1f} ms, P50 {other['p50_ms']:.1f} ms, P99 {other['p99_ms']:.1f} ms."
-        )
     frame = doc.get("frame")
     if frame:
         parts.append(

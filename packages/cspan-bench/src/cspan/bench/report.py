@@ -197,14 +197,30 @@ def latency_markdown(label: str, report: LatencyReport) -> str:
         ["mean ± sd, ms", *[f"{r.mean_ms:.1f} ± {r.sd_ms:.1f}" for r in rows]],
         ["P99, ms", *[f"{r.p99_ms:.1f}" for r in rows]],
     ]
-    parts = [f"Run `{label}`: GPU {report.gpu}, torch {report.torch}, dtype {report.dtype}. n = 0 is a plain step.", ""]
-    parts.append(_table(header, body))
+    device = "GPU" if report.gpu != "unknown" and not report.gpu.startswith("cpu") else "device"
+    title = f"Run `{label}`: {device} {report.gpu}, torch {report.torch}, dtype {report.dtype}. n = 0 is a plain step."
+    parts = [title, "", _table(header, body)]
     if report.step:
         step = report.step
         if {"mean_ms", "sd_ms", "p99_ms"} <= step.keys():
             parts += ["", f"Plain step: {step['mean_ms']:.1f} ± {step['sd_ms']:.1f} ms, P99 {step['p99_ms']:.1f} ms."]
         else:
             parts += ["", "Step: " + ", ".join(f"{k} = {v}" for k, v in step.items()) + "."]
+    extra = report.model_extra or {}
+    other = extra.get("step_predict_user")
+    if other:
+        parts += [
+            "",
+            f"Plain step with the depformer's user-stream predictions (all dep_q codebooks): {other['mean_ms']:.1f} ± "
+            f"{other['sd_ms']:.1f} ms, P50 {other['p50_ms']:.1f} ms, P99 {other['p99_ms']:.1f} ms.",
+        ]
+    config = extra.get("config") or {}
+    if "predict_user" in config:
+        parts += [
+            "",
+            f"Engine: user-stream predictions {'sampled' if config['predict_user'] else 'skipped'}, spans read "
+            f"{'with the next step (deferred)' if config.get('defer_spans') else 'at injection'}.",
+        ]
     over = [r.n for r in rows if r.p99_ms > FRAME_BUDGET_MS]
     if over:
         parts += ["", f"P99 over the {FRAME_BUDGET_MS:g} ms frame budget at n = {', '.join(map(str, over))}."]

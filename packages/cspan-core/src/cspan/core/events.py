@@ -71,6 +71,11 @@ class SpanEvent(_Event):
     n_frames: int
     truncated: bool = False
     prefill_ms: float
+    deferred: bool = Field(
+        default=False,
+        description="the block is read together with this frame's position in the step's forward (prefill_ms is "
+        "then the injection's host time)",
+    )
     prefix_in_window: bool = True
     retrieval_id: int | None = Field(default=None, description="the backend's record of this retrieval, if any")
 

@@ -33,6 +33,7 @@ import asyncio
 import collections
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ from cspan.core.vad import SileroVAD, UtteranceTracker
 logger = logging.getLogger(__name__)
 
 FRAME_S = 1.0 / FRAME_RATE
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""A SentencePiece byte-fallback piece: one byte of a character outside the vocabulary."""
 HIDDEN_TEXT_IDS = frozenset({0, 1, 2, PAD, RET, SPAN_OPEN, SPAN_CLOSE})
 """Text ids that are not rendered as agent text (EPAD, BOS, EOS, PAD, ``<ret>``, span markers)."""
 
@@ -164,6 +167,7 @@ class Conversation:
         self._audio: collections.deque[np.ndarray] = collections.deque(maxlen=keep_frames)
         self._audio_start = 0  # frame index of self._audio[0]
         self._agent_tokens: list[int] = []
+        self._utf8 = bytearray()  # byte-fallback pieces (<0xE2>...) of a character not complete yet
         self._last_final: _Final | None = None
         self._pending: _Pending | None = None
         self._asr_tasks: list[tuple[asyncio.Task[Any], int, bool, int, int | None]] = []
@@ -227,13 +231,33 @@ class Conversation:
         if text_token is not None and text_token >= 0:
             self._agent_tokens.append(int(text_token))
             if text_token not in HIDDEN_TEXT_IDS and self.tokenizer is not None:
-                piece = self.tokenizer.id_to_piece(int(text_token)).replace("\u2581", " ")
-                self._emit(TextEvent(frame=i, t=i * FRAME_S, token=int(text_token), text=piece))
+                piece = self._render_piece(self.tokenizer.id_to_piece(int(text_token)))
+                if piece is not None:
+                    self._emit(TextEvent(frame=i, t=i * FRAME_S, token=int(text_token), text=piece))
         forced = i in self._forced_rets
         self._forced_rets.discard(i)
         if is_ret or forced:
             await self._on_ret(i, forced=forced and not is_ret)
         self.frame += 1
+
+    def _render_piece(self, piece: str) -> str | None:
+        """The text a SentencePiece piece adds: the word-start mark as a space; byte-fallback pieces collected until
+        they form a whole UTF-8 character (None while one is incomplete; bytes that cannot form one are replaced
+        with U+FFFD)."""
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte is None:
+            head = self._utf8.decode("utf-8", errors="replace")
+            self._utf8.clear()
+            return head + piece.replace("\u2581", " ")
+        self._utf8.append(int(byte.group(1), 16))
+        try:
+            text = self._utf8.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.reason == "unexpected end of data" and len(self._utf8) < 4:
+                return None
+            text = self._utf8.decode("utf-8", errors="replace")
+        self._utf8.clear()
+        return text
 
     async def finish(self) -> None:
         """End of the input: wait for outstanding transcripts; report a still-pending retrieval as dropped."""
@@ -499,6 +523,7 @@ class Conversation:
                 n_frames=int(report.n),
                 truncated=bool(getattr(report, "truncated", False)),
                 prefill_ms=float(getattr(report, "prefill_ms", 0.0)),
+                deferred=bool(getattr(report, "deferred", False)),
                 prefix_in_window=bool(getattr(report, "prefix_in_window", True)),
                 retrieval_id=retrieval_id,
             )
