@@ -2,9 +2,9 @@
 # One device call (see docs/PERFORMANCE.md): environment, ceilings, GPU tests, component breakdown, and
 # `cspan bench latency --random-7b` with the fused kernels (default) and without (CSPAN_FUSED=0, the "before").
 # Run from the repository root on the GPU machine with `.whl` and `.device` carried; logs go to $OUT.
-# Usage: bash scripts/perf_h200.sh [STAGES...]   stages: env tests breakdown tune bench immediate nopdl unfused
-# nogemv orig
-# (default: env tests breakdown bench unfused)
+# Usage: bash scripts/perf_h200.sh [STAGES...]
+#   stages: env tests breakdown tune tune-prefill bench immediate nopdl unfused nogemv orig
+#   (default: env tests breakdown bench unfused; keep one call under the device's 10-minute limit)
 # orig: the same bench on the committed core copied to .device/orig (git archive HEAD packages/cspan-core/src).
 set -u
 OUT=${OUT:-/tmp/perf-out}
