@@ -22,7 +22,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cspan.bench.run_commands import register_fdb_v1_run, register_fdb_v3_run, register_latency, register_qa
+from cspan.bench.run_commands import (
+    print_summary,
+    register_fdb_v1_run,
+    register_fdb_v3_run,
+    register_latency,
+    register_qa,
+)
 
 ActionRegister = Callable[[Any], None]
 """``register(subparsers)``: add one action parser to an ``argparse`` sub-parser group and set its handler."""
@@ -229,18 +235,11 @@ def _fdb_v1_score(args: argparse.Namespace) -> int:
             )
             score.summary.config = config
             path = fdb_v1.write_task_score(score, out)
-            metrics = ", ".join(f"{k} {_fmt(v)}" for k, v in score.summary.metrics.items())
-            print(f"{name} ({kind.value}, n={score.summary.n}): {metrics} -> {path}")
-            for note in score.summary.notes:
-                print(f"  note: {note}")
+            print_summary(f"{name} ({kind.value}, n={score.summary.n})", score.summary, f" -> {path}")
     finally:
         if judge is not None:
             judge.close()
     return 0
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4g}"
 
 
 # --- fdb-v3 score ----------------------------------------------------------------------------------------------------
@@ -307,9 +306,7 @@ def _fdb_v3_score(args: argparse.Namespace) -> int:
     }
     out = Path(args.out) if args.out else (results_path if results_path.is_dir() else results_path.parent)
     path = fdb_v3.write_v3_score(summary, samples, out)
-    print(f"fdb-v3 (n={summary.n}): " + ", ".join(f"{k} {_fmt(v)}" for k, v in summary.metrics.items()))
-    for note in summary.notes:
-        print(f"  note: {note}")
+    print_summary(f"fdb-v3 (n={summary.n})", summary)
     print(f"wrote {path}")
     return 0
 

@@ -391,10 +391,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     print(f"fdb-v1: rendered {result.rendered}, kept {result.kept}, transcribed {result.transcribed} -> {args.out}")
     for task, score in result.scores:
         if score is not None:
-            metrics = ", ".join(f"{k} {_fmt(v)}" for k, v in score.summary.metrics.items())
-            print(f"{task.name} ({task.kind.value}, n={score.summary.n}): {metrics}")
-            for note in score.summary.notes:
-                print(f"  note: {note}")
+            print_summary(f"{task.name} ({task.kind.value}, n={score.summary.n})", score.summary)
     for note in result.notes:
         print(f"note: {note}")
     if result.summary_md is not None:
@@ -403,8 +400,12 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4g}"
+def print_summary(head: str, summary: Any, tail: str = "") -> None:
+    """Print ``head: metric value, ...`` (+ ``tail``) for a scorer summary (``metrics``, ``notes``), then its notes."""
+    metrics = ", ".join(f"{k} {'n/a' if v is None else f'{v:.4g}'}" for k, v in summary.metrics.items())
+    print(f"{head}: {metrics}{tail}")
+    for note in summary.notes:
+        print(f"  note: {note}")
 
 
 # --- fdb-v3 run ---------------------------------------------------------------------------------------------------
@@ -522,9 +523,7 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
         "router_model": args.router_model,
     }
     path = fdb_v3.write_v3_score(summary, scored, args.out)
-    print(f"fdb-v3 (n={summary.n}): " + ", ".join(f"{k} {_fmt(v)}" for k, v in summary.metrics.items()))
-    for note in summary.notes:
-        print(f"  note: {note}")
+    print_summary(f"fdb-v3 (n={summary.n})", summary)
     print(f"wrote {path}")
     return 0
 
