@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from .constants import (
 from .errors import CheckpointError, SpanError
 from .prefix import PrefixReport, build_persona_prefix, read_prefix
 from .sampling import SamplingParams, make_generator, sample_column
-from .span import ContextSpan, SpanInjector, SpanReport, prefill_buckets
+from .span import ContextSpan, SpanInjector, SpanReport, prefill_buckets, warm_prefill
 from .streams import TokenGrid
 
 
@@ -586,22 +586,20 @@ class DuplexEngine:
         block = self._pending[0]
         assert block is not None
         self._pending[0] = None
-        n1 = block.shape[-1] + 1
-        size = next((b for b in self._span_buckets if b >= n1), None)
-        fused_ok = self.lm.transformer.fused_path(self.lm.text_emb.weight)
-        if not self.cuda_graphs or size is None or not fused_ok:
-            tokens = torch.cat([block[None], block[None, :, -1:]], dim=2)
-            return self._span_step(user_codes, forced, tokens, None)
+        size = next((b for b in self._span_buckets if b > block.shape[-1]), None)
         key = (size, user_codes is None, forced is None, self.predict_user)
-        if key not in self._span_graphs:
-            self._span_graphs[key] = None
-            tokens = torch.cat([block[None], block[None, :, -1:]], dim=2)
+        graphable = self.cuda_graphs and size is not None and self.lm.transformer.fused_path(self.lm.text_emb.weight)
+        if not graphable or key not in self._span_graphs:  # eager (the first use of a length warms it up)
+            if graphable:
+                self._span_graphs[key] = None
+            tokens = torch.cat([block[None], block[None, :, -1:]], dim=2)  # the last column is the next position's
             return self._span_step(user_codes, forced, tokens, None)
         graphed = self._span_graphs[key]
         if graphed is None:
-            graphed = _GraphedSpanStep.capture(self, size, user_codes, forced)
+            graphed = _GraphedSpanStep.capture_span(self, size, user_codes, forced)
             self._span_graphs[key] = graphed
-        graphed.load(block, user_codes, forced)
+        graphed.load_block(block)
+        graphed.load(user_codes, forced)
         return graphed.replay()
 
     def _graphed_step(self, user_codes: torch.Tensor | None, forced: torch.Tensor | None) -> TokenStepOutput:
@@ -718,8 +716,13 @@ class _GraphedStep:
 
     @classmethod
     def capture(
-        cls, engine: DuplexEngine, user_codes: torch.Tensor | None, forced: torch.Tensor | None
+        cls,
+        engine: DuplexEngine,
+        user_codes: torch.Tensor | None,
+        forced: torch.Tensor | None,
+        step: Callable[[torch.Tensor | None, torch.Tensor | None], TokenStepOutput] | None = None,
     ) -> _GraphedStep:
+        """Capture ``step(user, forced)`` (default :meth:`DuplexEngine._step`) on static copies of the inputs."""
         dev = engine.device
         user = None if user_codes is None else user_codes.to(dev, torch.long).clone()
         forced_s = None if forced is None else forced.to(dev, torch.long).clone()
@@ -727,7 +730,7 @@ class _GraphedStep:
         for gen in engine.generators:
             graph.register_generator_state(gen)
         with torch.cuda.graph(graph):  # records only: the state is not advanced until replay
-            out = engine._step(user, forced_s)
+            out = (step or engine._step)(user, forced_s)
         return cls(graph, user, forced_s, out)
 
     def load(self, user_codes: torch.Tensor | None, forced: torch.Tensor | None) -> None:
@@ -753,59 +756,29 @@ def _copy_tokens(o: TokenStepOutput) -> TokenStepOutput:
     )
 
 
-class _GraphedSpanStep:
-    """One captured :meth:`DuplexEngine._span_step` at a padded length ``size`` (block + the next position)."""
+class _GraphedSpanStep(_GraphedStep):
+    """A captured :meth:`DuplexEngine._span_step` at a padded length (block + the next position), with its static
+    token columns and real length."""
 
-    def __init__(
-        self,
-        graph: torch.cuda.CUDAGraph,
-        tokens: torch.Tensor,
-        n_valid: torch.Tensor,
-        user: torch.Tensor | None,
-        forced: torch.Tensor | None,
-        out: TokenStepOutput,
-    ) -> None:
-        self.graph = graph
-        self.tokens = tokens
-        self.n_valid = n_valid
-        self.user = user
-        self.forced = forced
-        self.out = out
+    tokens: torch.Tensor  # [1, K, size] long
+    n_valid: torch.Tensor  # [1] long
 
     @classmethod
-    def capture(
+    def capture_span(
         cls, engine: DuplexEngine, size: int, user_codes: torch.Tensor | None, forced: torch.Tensor | None
     ) -> _GraphedSpanStep:
         dev = engine.device
         tokens = torch.zeros(1, engine.num_streams, size, dtype=torch.long, device=dev)
         n_valid = torch.full((1,), size, dtype=torch.long, device=dev)
-        user = None if user_codes is None else user_codes.to(dev, torch.long).clone()
-        forced_s = None if forced is None else forced.to(dev, torch.long).clone()
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # compile the kernels of this length: n_valid = 0 changes no state
-            row = torch.zeros(1, dtype=torch.long, device=dev)
-            engine.lm.prefill(tokens, engine.lm_state, row, torch.zeros(1, dtype=torch.long, device=dev))
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        for gen in engine.generators:
-            graph.register_generator_state(gen)
-        with torch.cuda.graph(graph):  # records only: the state is not advanced until replay
-            out = engine._span_step(user, forced_s, tokens, n_valid)
-        return cls(graph, tokens, n_valid, user, forced_s, out)
+        warm_prefill(engine.lm, engine.lm_state, tokens)
+        graphed = cls.capture(engine, user_codes, forced, lambda u, f: engine._span_step(u, f, tokens, n_valid))
+        graphed.tokens, graphed.n_valid = tokens, n_valid
+        return graphed
 
-    def load(self, block: torch.Tensor, user_codes: torch.Tensor | None, forced: torch.Tensor | None) -> None:
+    def load_block(self, block: torch.Tensor) -> None:
         n = block.shape[-1]
         self.tokens[0, :, :n].copy_(block)  # the columns past n + 1 keep earlier valid ids: never stored nor seen
         self.n_valid.fill_(n + 1)
-        if self.user is not None and user_codes is not None:
-            self.user.copy_(user_codes)
-        if self.forced is not None and forced is not None:
-            self.forced.copy_(forced)
-
-    def replay(self) -> TokenStepOutput:
-        self.graph.replay()
-        return _copy_tokens(self.out)
 
 
 class _GraphedFrame:
@@ -829,15 +802,8 @@ class _GraphedFrame:
 
     def replay(self) -> FrameOutput:
         self.graph.replay()
-        o, t = self.out, self.out.tokens  # static buffers: hand out copies
-        tokens = TokenStepOutput(
-            frame=t.frame.clone(),
-            valid=t.valid.clone(),
-            input=t.input.clone(),
-            column=t.column.clone(),
-            text_logits=t.text_logits.clone(),
-            position=t.position.clone(),
-        )
+        o = self.out  # static buffers: hand out copies
+        tokens = _copy_tokens(o.tokens)
         return FrameOutput(
             agent_pcm=o.agent_pcm.clone(),
             text_token=o.text_token.clone(),

@@ -489,17 +489,26 @@ class PrefillGraphs:
         tokens = torch.zeros(1, num_streams, size, dtype=torch.long, device=device)
         rows = torch.zeros(1, dtype=torch.long, device=device)
         n_valid = torch.zeros(1, dtype=torch.long, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # compile and initialise; n_valid = 0 writes nothing
-            self.lm.prefill(tokens, lm_state, rows, n_valid)
-        torch.cuda.current_stream(device).wait_stream(side)
+        warm_prefill(self.lm, lm_state, tokens)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self.lm.prefill(tokens, lm_state, rows, n_valid)
         return _PrefillGraph(graph=graph, state=lm_state, tokens=tokens, rows=rows, n_valid=n_valid)
+
+
+def warm_prefill(lm: Any, lm_state: Any, tokens: torch.Tensor) -> None:
+    """Run ``lm.prefill`` of ``tokens`` [1, K, T] (CUDA) on a side stream with ``n_valid = 0``: it compiles and
+    initialises the kernels of this length before a graph capture, and changes no state (nothing is stored and no
+    offset moves)."""
+    device = tokens.device
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        lm.prefill(tokens, lm_state, zero, zero)
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 def _synchronize(device: torch.device) -> None:
