@@ -5,6 +5,7 @@ Subcommands:
   breakdown  the random 7B (PersonaPlex dimensions, bf16): CUDA-graph replay times of the temporal step, the
              depformer + sampling, the span prefill graphs (full ring), Mimi encode / decode, at B = 1 and 32;
              then a kernel profile of one eager step and one 600-position prefill
+  profile    kernel profiles of the graphed depformer + sampling, temporal step, Mimi encode / decode, frame
   tune       variants for choosing defaults (PDL, temporal GEMV configs, decode attention configs, span host time)
   bench      ``cspan bench ...`` without installed entry points (arguments follow)
 
@@ -208,6 +209,82 @@ def breakdown() -> None:
         print(prof.key_averages().table(sort_by="device_time_total", row_limit=10, max_name_column_width=60))
 
 
+def _kernel_profile(title: str, fn, reps: int = 5) -> None:
+    """Profile ``reps`` calls of ``fn`` (graph replays included: CUPTI reports the graph's kernels): kernel count,
+    sum of kernel times, first-start-to-last-end span per call, and the kernels grouped by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    if not kernels:
+        print(f"{title}: no kernels reported")
+        return
+    busy = sum(e.device_time for e in kernels) / reps
+    starts = [e.time_range.start for e in kernels]
+    ends = [e.time_range.end for e in kernels]
+    span = (max(ends) - min(starts)) / reps
+    print(f"{title}: {len(kernels) / reps:.0f} kernels per call, kernel time {busy:.1f} us, "
+          f"first start to last end {span:.1f} us per call (gaps {span - busy:.1f} us)")  # fmt: skip
+    groups: dict[str, list[float]] = {}
+    for e in kernels:
+        groups.setdefault(e.name[:70], []).append(e.device_time)
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+    for name, times in rows[:16]:
+        print(
+            f"  {sum(times) / reps:8.1f} us/call  {len(times) / reps:6.1f}x  mean {statistics.mean(times):6.2f} us  {name}"
+        )
+
+
+@torch.no_grad()
+def profile_graphs() -> None:
+    """Kernel profiles of the graphed pieces of a frame (B = 1): depformer + sampling (8 and 16 codebooks),
+    temporal step, Mimi encode, Mimi decode, and the whole engine frame."""
+    from cspan.bench.latency import random_lm, random_mimi
+    from cspan.core.config import LMConfig, MimiConfig
+    from cspan.core.sampling import SamplingParams, make_generator, sample_column
+
+    lm = random_lm(LMConfig.personaplex_7b(), "cuda", torch.bfloat16)
+    mimi = random_mimi(MimiConfig.mimi_24khz(), "cuda")
+    K = lm.num_codebooks
+    text, audio = SamplingParams.text(), SamplingParams.audio()
+    hidden = torch.randn(1, lm.cfg.dim, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(1, lm.text_card, device="cuda", dtype=torch.bfloat16)
+    target = torch.full((1, K), -2, dtype=torch.long, device="cuda")
+    dep = lm.new_depformer_state(1)
+    gens = [make_generator("cuda", 0)]
+    for steps in (lm.dep_q, lm.dep_q // 2):
+        replay = _graph(
+            lambda steps=steps: sample_column(
+                lm, hidden, logits, target, dep, text=text, audio=audio, generators=gens, depformer_steps=steps
+            ),
+            gens,
+        )
+        print(f"depformer + sampling, {steps} codebooks: {_events_ms(replay, 50):.3f} ms graph replay")
+        _kernel_profile(f"depformer + sampling, {steps} codebooks (graph)", replay)
+    state = lm.new_state(1)
+    column = torch.randint(0, 2048, (1, K, 1), device="cuda")
+    replay = _graph(lambda: lm.temporal(column, state))
+    _kernel_profile("temporal step (graph)", replay)
+    enc, dec = mimi.new_encoder_state(1), mimi.new_decoder_state(1)
+    pcm = torch.randn(1, 1, 1920, device="cuda") * 1e-3
+    codes = torch.randint(0, 2048, (1, 8, 1), device="cuda")
+    _kernel_profile("mimi encode (graph)", _graph(lambda: mimi.encode_step(pcm, enc)))
+    _kernel_profile("mimi decode (graph)", _graph(lambda: mimi.decode_step(codes, dec)))
+
+    from cspan.core.engine import DuplexEngine
+
+    engine = DuplexEngine(lm, mimi=mimi, batch_size=1, cuda_graphs=True, seed=0, predict_user=False)
+    frame = torch.randn(1, 1920) * 1e-2  # host PCM, as the bench and the server pass it
+    for _ in range(4):
+        engine.step(frame)
+    _kernel_profile("engine.step (frame graph + host)", lambda: engine.step(frame))
+
+
 @torch.no_grad()
 def tune_prefill() -> None:
     """Prefill attention over a full 3000-position ring, 32 layers' rings per graph (like one prefill): tile
@@ -392,6 +469,8 @@ if __name__ == "__main__":
         ceilings()
     elif cmd == "breakdown":
         breakdown()
+    elif cmd == "profile":
+        profile_graphs()
     elif cmd == "tune":
         tune()
     elif cmd == "tune-prefill":
@@ -399,4 +478,4 @@ if __name__ == "__main__":
     elif cmd == "bench":
         sys.exit(bench(rest))
     else:
-        sys.exit(f"unknown subcommand {cmd!r}: ceilings, breakdown, tune, bench")
+        sys.exit(f"unknown subcommand {cmd!r}: ceilings, breakdown, profile, tune, tune-prefill, bench")
