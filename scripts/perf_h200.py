@@ -6,6 +6,7 @@ Subcommands:
              depformer + sampling, the span prefill graphs (full ring), Mimi encode / decode, at B = 1 and 32;
              then a kernel profile of one eager step and one 600-position prefill
   profile    kernel profiles of the graphed depformer + sampling, temporal step, Mimi encode / decode, frame
+  tune-conv  the fused streaming convolutions against cuDNN, per convolution of a Mimi frame
   tune       variants for choosing defaults (PDL, temporal GEMV configs, decode attention configs, span host time)
   bench      ``cspan bench ...`` without installed entry points (arguments follow)
 
@@ -286,6 +287,80 @@ def profile_graphs() -> None:
 
 
 @torch.no_grad()
+def tune_conv() -> None:
+    """Every streaming convolution of one Mimi frame (encode + decode, random weights), B = 1 and 8: the fused
+    kernel (:mod:`cspan.core.modules.fused_conv`) against cuDNN, 20 calls per graph replay."""
+    import os
+
+    from cspan.bench.latency import random_mimi
+    from cspan.core.config import MimiConfig
+    from cspan.core.modules.conv import StreamingConv1d, StreamingConvTranspose1d
+
+    mimi = random_mimi(MimiConfig.mimi_24khz(), "cuda")
+    calls: list = []
+
+    def hook(module, args, kwargs):
+        calls.append((module, args[0].shape, kwargs.get("activation"), kwargs.get("residual") is not None))
+
+    handles = [
+        m.register_forward_pre_hook(hook, with_kwargs=True)
+        for m in mimi.modules()
+        if isinstance(m, (StreamingConv1d, StreamingConvTranspose1d))
+    ]
+    enc, dec = mimi.new_encoder_state(1), mimi.new_decoder_state(1)
+    mimi.encode_step(torch.randn(1, 1, 1920, device="cuda") * 1e-2, enc)
+    mimi.decode_step(torch.randint(0, 2048, (1, 8, 1), device="cuda"), dec)
+    for h in handles:
+        h.remove()
+    totals: dict[str, float] = {}
+    for module, shape, act, has_res in calls:
+        for B in (1, 8):
+            x = torch.randn(B, *shape[1:], device="cuda") * 0.1
+            res_shape = None
+            times = {}
+            for mode in ("cudnn", "fused"):
+                os.environ["CSPAN_FUSED"] = "0" if mode == "cudnn" else "1"
+                state = module.new_state(B)
+                kwargs = {"activation": act} if act is not None else {}
+                if has_res:
+                    res_shape = module(x, state, **kwargs).shape
+                    kwargs["residual"] = torch.randn(res_shape, device="cuda")
+
+                def call(module=module, x=x, state=state, kwargs=kwargs):
+                    for _ in range(20):
+                        module(x, state, **kwargs)
+
+                try:
+                    times[mode] = _events_ms(_graph(call), 10) / 20 * 1000
+                except Exception as exc:  # report, keep going
+                    print(f"  {mode} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                    times[mode] = float("nan")
+            os.environ.pop("CSPAN_FUSED", None)
+            kind = type(module).__name__.replace("Streaming", "")
+            w = module.conv.conv.weight if hasattr(module, "conv") else module.convtr.convtr.weight
+            used = "fused" if _uses_fused(module, B, shape) else "cudnn"
+            print(f"{kind:>16} w{list(w.shape)} x[{B}, {shape[1]}, {shape[2]}] act={act is not None} res={has_res}: "
+                  f"cuDNN {times['cudnn']:7.2f} us, fused {times['fused']:7.2f} us -> {used}")  # fmt: skip
+            totals[f"B={B} cudnn"] = totals.get(f"B={B} cudnn", 0.0) + times["cudnn"]
+            totals[f"B={B} fused"] = totals.get(f"B={B} fused", 0.0) + times["fused"]
+            totals[f"B={B} chosen"] = totals.get(f"B={B} chosen", 0.0) + times[used]
+    for name, value in totals.items():
+        print(f"sum over the frame's convolutions, {name}: {value:.1f} us")
+
+
+def _uses_fused(module, B: int, shape) -> bool:
+    from cspan.core.modules import fused_conv
+    from cspan.core.modules.conv import StreamingConv1d
+
+    if isinstance(module, StreamingConv1d):
+        conv = module.conv.conv
+        return fused_conv.supported(B, shape[2] // module.stride, conv.in_channels, conv.kernel_size[0])
+    convtr = module.convtr.convtr
+    taps = -(-convtr.kernel_size[0] // module.stride)
+    return fused_conv.supported(B, shape[2], convtr.in_channels, taps, convtr.groups > 1)
+
+
+@torch.no_grad()
 def tune_prefill() -> None:
     """Prefill attention over a full 3000-position ring, 32 layers' rings per graph (like one prefill): tile
     configs x key splits, for T = 257 and 601 (a span of 256 / 600 with the next position)."""
@@ -471,6 +546,8 @@ if __name__ == "__main__":
         breakdown()
     elif cmd == "profile":
         profile_graphs()
+    elif cmd == "tune-conv":
+        tune_conv()
     elif cmd == "tune":
         tune()
     elif cmd == "tune-prefill":
@@ -478,4 +555,4 @@ if __name__ == "__main__":
     elif cmd == "bench":
         sys.exit(bench(rest))
     else:
-        sys.exit(f"unknown subcommand {cmd!r}: ceilings, breakdown, profile, tune, tune-prefill, bench")
+        sys.exit(f"unknown subcommand {cmd!r}: ceilings, breakdown, profile, tune, tune-conv, tune-prefill, bench")

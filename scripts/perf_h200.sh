@@ -3,7 +3,7 @@
 # `cspan bench latency --random-7b` with the fused kernels (default) and without (CSPAN_FUSED=0, the "before").
 # Run from the repository root on the GPU machine with `.whl` and `.device` carried; logs go to $OUT.
 # Usage: bash scripts/perf_h200.sh [STAGES...]
-#   stages: env tests breakdown profile tune tune-prefill bench immediate nopdl unfused nogemv orig
+#   stages: env tests breakdown profile tune-conv tune tune-prefill bench immediate nopdl unfused nogemv orig
 #   (default: env tests breakdown bench unfused; keep one call under the device's 10-minute limit)
 # orig: the same bench on the committed core copied to .device/orig (git archive HEAD packages/cspan-core/src).
 set -u
@@ -35,6 +35,8 @@ for stage in $stages; do
       TAIL=80 run breakdown python3 scripts/perf_h200.py breakdown ;;
     profile)
       TAIL=150 run profile python3 scripts/perf_h200.py profile ;;
+    tune-conv)
+      TAIL=80 run tune-conv python3 scripts/perf_h200.py tune-conv ;;
     tune)
       TAIL=60 run tune python3 scripts/perf_h200.py tune ;;
     tune-prefill)

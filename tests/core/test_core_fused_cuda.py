@@ -302,3 +302,45 @@ def test_mimi_gpu_codes_equal_cpu_reference_with_tf32_allowed(fixture_file) -> N
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     assert torch.equal(codes.cpu(), want)
     assert torch.equal(torch.cat(steps, -1).cpu(), want)
+
+
+def test_fused_streaming_convs_equal_the_eager_convs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mimi's SEANet encoder and decoder and its learnt down/upsampling at the released dimensions (random
+    weights), streamed frame by frame through the fused conv kernels (where they are chosen) against the eager
+    cuDNN path, one row (weight-streaming kernels) and two rows (the batched choice), a reset in the middle:
+    outputs within float32 rounding."""
+    from cspan.core.config import MimiConfig
+    from cspan.core.mimi import Mimi
+
+    torch.manual_seed(0)
+    model = Mimi(MimiConfig.mimi_24khz(), device="cuda").eval()
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    parts = [
+        (model.encoder, (1, 1920), 0.1),
+        (model.decoder, (512, 2), 1.0),
+        (model.downsample, (512, 2), 1.0),
+        (model.upsample, (512, 1), 1.0),
+    ]
+    try:
+        for module, shape, scale in parts:
+            for rows in (1, 2):
+                monkeypatch.setenv("CSPAN_FUSED", "0")
+                eager_state = module.new_state(rows)
+                monkeypatch.delenv("CSPAN_FUSED")
+                fused_state = module.new_state(rows)
+                for t in range(5):
+                    if t == 3:
+                        eager_state.reset([rows - 1])
+                        fused_state.reset([rows - 1])
+                    x = torch.randn(rows, *shape, device="cuda", generator=gen) * scale
+                    with torch.no_grad():
+                        monkeypatch.setenv("CSPAN_FUSED", "0")
+                        want = module(x, eager_state)
+                        monkeypatch.delenv("CSPAN_FUSED")
+                        got = module(x, fused_state)
+                    assert got.shape == want.shape
+                    assert _rel(got, want) < 1e-5, (type(module).__name__, rows, t, _rel(got, want))
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved

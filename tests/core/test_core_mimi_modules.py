@@ -176,6 +176,48 @@ def test_streaming_conv_transpose_equals_whole_sequence(kernel: int, stride: int
     torch.testing.assert_close(torch.cat(chunks, -1), whole, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize(("kernel", "stride", "groups"), [(16, 8, 1), (4, 2, 4), (7, 3, 1), (3, 3, 1)])
+def test_conv_transpose_input_history_state_equals_partial_sums(
+    kernel: int, stride: int, groups: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The input-history form of the streaming state (created where the fused GPU kernel runs) gives the same
+    output as the partial-sum form, with an ELU folded in, chunks of several lengths, and a per-row reset."""
+    from cspan.core.modules import fused_conv
+
+    torch.manual_seed(3)
+    convtr = StreamingConvTranspose1d(4, 4, kernel, stride=stride, groups=groups)
+    partial = convtr.new_state(2)
+    assert partial.history is None
+    monkeypatch.setattr(fused_conv, "history_states", lambda device: True)
+    history = convtr.new_state(2)
+    assert history.history is not None and history.history.shape == (2, 4, -(-kernel // stride) - 1)
+    with torch.no_grad():
+        for i, steps in enumerate((1, 3, 2, 1)):
+            if i == 2:
+                partial.reset([1])
+                history.reset([1])
+            x = torch.randn(2, 4, steps)
+            want = convtr(x, partial, activation=0.7)
+            got = convtr(x, history, activation=0.7)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_seanet_folds_the_activation_and_residual_into_the_convs() -> None:
+    """In streaming, the ELU before a conv and a residual block's skip are handed to the convs; the result is
+    bit-identical to running the modules one by one."""
+    from cspan.core.modules.seanet import SEANetResnetBlock
+
+    torch.manual_seed(4)
+    block = SEANetResnetBlock(8, kernel_sizes=[3, 1], dilations=[1, 1])
+    x = torch.randn(1, 8, 12)
+    with torch.no_grad():
+        state = block.new_state(1)
+        got = block(x, state)
+        h = block.block[1](torch.nn.functional.elu(x), block.block[1].new_state(1))
+        h = block.block[3](torch.nn.functional.elu(h), block.block[3].new_state(1))
+    assert torch.equal(got, x + h)
+
+
 def test_upsample_is_depthwise_without_bias() -> None:
     up = ConvTrUpsample1d(2, 6)
     assert up.convtr.convtr.convtr.weight.shape == (6, 1, 4)

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from . import fused_conv
+
 Rows = Tensor | Sequence[int] | None
 """Batch rows to reset: ``None`` (all rows), a LongTensor / list of row indices, or a bool mask ``[B]``."""
 
@@ -92,10 +94,13 @@ class ConvState:
         previous: ``[B, C_in, P]`` the last ``P = (k-1)*d + 1 - s`` input samples seen (zeros at the start).
         first: ``[B]`` bool, true until the row's first call (maintained and used by ``pad_mode="replicate"``
             only).
+        counter: ``[1]`` int32 zeros, for the fused GPU kernel (:mod:`cspan.core.modules.fused_conv`), which
+            updates ``previous`` from the program that finishes last; None where that kernel is not used.
     """
 
     previous: Tensor
     first: Tensor
+    counter: Tensor | None = None
 
     def reset(self, rows: Rows = None) -> None:
         """Restart the chosen rows: zero their buffer and mark them as not started yet."""
@@ -107,15 +112,26 @@ class ConvState:
 class ConvTrState:
     """Streaming state of a :class:`StreamingConvTranspose1d`.
 
+    Two forms. The eager one carries output sums; the fused GPU kernel
+    (:mod:`cspan.core.modules.fused_conv`) computes a transposed convolution as phase convolutions over the input
+    and carries input samples instead. A state is created in one form (``history`` None or not, chosen by the
+    device at :meth:`StreamingConvTranspose1d.new_state`) and both code paths accept either.
+
     Attributes:
-        partial: ``[B, C_out, k - s]`` the overlapping tail of the previous output, bias excluded.
+        partial: ``[B, C_out, k - s]`` the overlapping tail of the previous output, bias excluded (eager form).
+        history: ``[B, C_in, ceil(k / s) - 1]`` the last (activated) input steps (fused form), or None.
+        counter: ``[1]`` int32 zeros used by the fused kernel (with ``history``).
     """
 
     partial: Tensor
+    history: Tensor | None = None
+    counter: Tensor | None = None
 
     def reset(self, rows: Rows = None) -> None:
-        """Restart the chosen rows (zero their pending tail)."""
+        """Restart the chosen rows (zero their pending tail or input history)."""
         reset_rows_(self.partial, rows, 0.0)
+        if self.history is not None:
+            reset_rows_(self.history, rows, 0.0)
 
 
 class NormConv1d(nn.Module):
@@ -203,13 +219,30 @@ class StreamingConv1d(nn.Module):
         device, dtype = _param_device_dtype(self, device, dtype)
         previous = torch.zeros(batch_size, self.conv.conv.in_channels, self.padding_total, device=device, dtype=dtype)
         first = torch.ones(batch_size, device=device, dtype=torch.bool)
-        return ConvState(previous, first)
+        counter = None
+        if self.padding_total > 0 and fused_conv.history_states(device):
+            counter = torch.zeros(1, device=device, dtype=torch.int32)
+        return ConvState(previous, first, counter)
 
-    def forward(self, x: Tensor, state: ConvState | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        state: ConvState | None = None,
+        *,
+        activation: float | None = None,
+        residual: Tensor | None = None,
+    ) -> Tensor:
         """Convolve ``x`` ``[B, C_in, T]`` (``T`` a positive multiple of the stride) -> ``[B, C_out, T/stride]``.
 
         With ``state`` None the sequence starts here (left padding). With a state, ``x`` continues the rows'
-        previous inputs and the state is updated in place.
+        previous inputs and the state is updated in place. Streaming float32 CUDA calls run as one fused kernel
+        (:func:`cspan.core.modules.fused_conv.conv1d`).
+
+        Args:
+            x: the input.
+            state: the streaming state, or None.
+            activation: apply ELU with this alpha to ``x`` first (what an ``nn.ELU`` before the conv does).
+            residual: ``[B, C_out, T/stride]`` added to the output (``residual + y``).
 
         Raises:
             ValueError: ``T`` is not a positive multiple of the stride.
@@ -221,6 +254,32 @@ class StreamingConv1d(nn.Module):
                 f"{self.stride} (pad the input, e.g. to whole 1920-sample Mimi frames)"
             )
         pad = self.padding_total
+        conv = self.conv.conv
+        if (
+            state is not None
+            and conv.groups == 1
+            and (pad == 0 or state.counter is not None)
+            and fused_conv.supported(x.shape[0], length // conv.stride[0], conv.in_channels, conv.kernel_size[0])
+            and fused_conv.enabled(x, conv.weight)
+        ):
+            return fused_conv.conv1d(
+                x,
+                conv.weight,
+                conv.bias,
+                conv.stride[0],
+                conv.dilation[0],
+                state.previous if pad > 0 else None,
+                state.counter if pad > 0 else None,
+                first=state.first if pad > 0 and self.pad_mode == "replicate" else None,
+                elu_alpha=activation,
+                residual=residual,
+            )
+        if activation is not None:
+            x = F.elu(x, activation)
+        y = self._eager(x, state, pad)
+        return y if residual is None else residual + y
+
+    def _eager(self, x: Tensor, state: ConvState | None, pad: int) -> Tensor:
         if state is None:
             if pad > 0:
                 x = F.pad(x, (pad, 0), mode="replicate" if self.pad_mode == "replicate" else "constant")
@@ -280,17 +339,44 @@ class StreamingConvTranspose1d(nn.Module):
     def new_state(self, batch_size: int, device=None, dtype=None) -> ConvTrState:
         """A fresh streaming state for ``batch_size`` rows (device/dtype default to the parameters')."""
         device, dtype = _param_device_dtype(self, device, dtype)
-        partial = torch.zeros(batch_size, self.convtr.convtr.out_channels, self.overlap, device=device, dtype=dtype)
-        return ConvTrState(partial)
+        convtr = self.convtr.convtr
+        partial = torch.zeros(batch_size, convtr.out_channels, self.overlap, device=device, dtype=dtype)
+        if not fused_conv.history_states(device):
+            return ConvTrState(partial)
+        steps = -(-convtr.kernel_size[0] // self.stride) - 1
+        history = torch.zeros(batch_size, convtr.in_channels, steps, device=device, dtype=dtype)
+        return ConvTrState(partial, history, torch.zeros(1, device=device, dtype=torch.int32))
 
-    def forward(self, x: Tensor, state: ConvTrState | None = None) -> Tensor:
+    def _phase_weight(self) -> Tensor:
+        """The weight as phase-convolution weights (:func:`~cspan.core.modules.fused_conv.phase_weight`), cached
+        until the parameter is replaced or modified in place."""
+        w = self.convtr.convtr.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        cached = getattr(self, "_phase_cache", None)
+        if cached is None or cached[0] != key:
+            depthwise = self.convtr.convtr.groups > 1
+            with torch.no_grad():
+                cached = (key, fused_conv.phase_weight(w.detach(), self.stride, depthwise))
+            self._phase_cache = cached
+        return cached[1]
+
+    def forward(self, x: Tensor, state: ConvTrState | None = None, *, activation: float | None = None) -> Tensor:
         """Transposed-convolve ``x`` ``[B, C_in, T]`` -> ``[B, C_out, T * stride]``.
+
+        Args:
+            x: the input.
+            state: the streaming state (either form, see :class:`ConvTrState`), or None.
+            activation: apply ELU with this alpha to ``x`` first.
 
         Raises:
             ValueError: ``T`` is zero.
         """
         if x.shape[-1] == 0:
             raise ValueError("StreamingConvTranspose1d got an empty input (0 steps)")
+        if state is not None and state.history is not None:
+            return self._history_forward(x, state, activation)
+        if activation is not None:
+            x = F.elu(x, activation)
         y = self.convtr(x)
         overlap = self.overlap
         if overlap == 0:
@@ -305,6 +391,40 @@ class StreamingConvTranspose1d(nn.Module):
             tail = tail - bias[:, None]
         state.partial.copy_(tail)
         return y[..., :-overlap]
+
+    def _history_forward(self, x: Tensor, state: ConvTrState, activation: float | None) -> Tensor:
+        """Streaming step with an input-history state: the fused kernel, or the same function eagerly."""
+        assert state.history is not None
+        convtr = self.convtr.convtr
+        steps = state.history.shape[-1]
+        depthwise = convtr.groups > 1
+        groups_ok = convtr.groups == 1 or convtr.groups == convtr.in_channels == convtr.out_channels
+        phase_taps = state.history.shape[-1] + 1
+        if (
+            groups_ok
+            and fused_conv.supported(x.shape[0], x.shape[-1], convtr.in_channels, phase_taps, depthwise)
+            and fused_conv.enabled(x, convtr.weight)
+        ):
+            return fused_conv.conv1d(
+                x,
+                self._phase_weight(),
+                convtr.bias,
+                1,
+                1,
+                state.history if steps > 0 else None,
+                state.counter if steps > 0 else None,
+                elu_alpha=activation,
+                phases=self.stride,
+                depthwise=depthwise,
+            )
+        if activation is not None:
+            x = F.elu(x, activation)
+        full = torch.cat([state.history, x], dim=-1)
+        y = self.convtr(full)
+        s, T = self.stride, x.shape[-1]
+        if steps > 0:
+            state.history.copy_(full[..., -steps:])
+        return y[..., steps * s : (steps + T) * s]
 
 
 class ConvDownsample1d(nn.Module):

@@ -32,13 +32,31 @@ def _activation(name: str, params: dict) -> nn.Module:
     return act(**params)
 
 
-def _run_sequential(model: nn.Sequential, x: Tensor, state: StateGroup | None) -> Tensor:
-    for name, layer in model.named_children():
+def _run_sequential(
+    model: nn.Sequential, x: Tensor, state: StateGroup | None, residual: Tensor | None = None
+) -> Tensor:
+    """Run ``model`` (``+ residual`` at the end). In streaming, an ``nn.ELU`` right before a streaming conv and
+    the residual add after a last conv are handed to that conv (``activation=`` / ``residual=``), which on the GPU
+    does them inside its fused kernel; the arithmetic is the same."""
+    layers = list(model.named_children())
+    alpha: float | None = None
+    for idx, (name, layer) in enumerate(layers):
+        following = layers[idx + 1][1] if idx + 1 < len(layers) else None
+        if state is not None and type(layer) is nn.ELU and isinstance(following, _STREAMING):
+            alpha = float(layer.alpha)
+            continue
         if isinstance(layer, (*_STREAMING, SEANetResnetBlock)):
-            x = layer(x, None if state is None else state[name])
+            kwargs: dict = {}
+            if alpha is not None:
+                kwargs["activation"] = alpha
+                alpha = None
+            if state is not None and residual is not None and following is None and isinstance(layer, StreamingConv1d):
+                kwargs["residual"] = residual
+                residual = None
+            x = layer(x, None if state is None else state[name], **kwargs)
         else:
             x = layer(x)
-    return x
+    return x if residual is None else residual + x
 
 
 def _sequential_state(model: nn.Sequential, batch_size: int, device, dtype) -> StateGroup:
@@ -109,6 +127,8 @@ class SEANetResnetBlock(nn.Module):
             u = self.shortcut(x, None if state is None else state["shortcut"])
         else:
             u = self.shortcut(x)
+        if isinstance(self.shortcut, nn.Identity):
+            return _run_sequential(self.block, x, None if state is None else state["block"], residual=x)
         v = _run_sequential(self.block, x, None if state is None else state["block"])
         return u + v
 
