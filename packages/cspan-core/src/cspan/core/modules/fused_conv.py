@@ -1,9 +1,9 @@
 """Fused streaming convolutions for Mimi's SEANet encoder and decoder (Triton, float32).
 
-Why: one 80 ms Mimi frame runs about 30 small causal convolutions. Through cuDNN each is an implicit-GEMM kernel
-of 25-50 µs (float32, TF32 off, default algorithm heuristics on tiny time lengths), plus the concatenation of the
-streaming history, the history update, the ELU and the residual add as separate kernels: about 1.3 ms of the
-frame on an H200 for a few hundred MFLOP. Here one launch does all of it for one convolution:
+Why: one 80 ms Mimi frame runs 30 small causal convolutions. Through cuDNN (float32, TF32 off, default algorithm
+heuristics on tiny time lengths) they took 667 µs of the frame on an H200, plus about 180 element-wise kernels
+around them: the concatenation of the streaming history, the history update, the ELUs and the residual adds.
+Here one launch does all of it for one convolution:
 
     y[b, o, t] = bias[o] + residual[b, o, t] + sum_{c, j} W[o, c, j] * z[b, c, t * stride + j * dilation]
 
@@ -13,13 +13,17 @@ last ``P`` samples of ``z``. The history update is done by the program that fini
 state, incremented after a block-wide barrier), so no program can still be reading the old history: the result is
 deterministic; the counter only orders the update.
 
-A transposed convolution with stride ``s`` and kernel ``K`` (``K`` a multiple of ``s``... or not: missing taps
-are zero) is computed as ``s`` phase convolutions over the same kind of input history (the last
-``ceil(K / s) - 1`` input steps), their outputs interleaved: ``y[o, u * s + q] = sum_{c, r} W[c, o, q + r * s] *
-z[c, u - r]``. This carries input samples instead of the partial output sums the eager module carries
-(:class:`cspan.core.modules.conv.ConvTrState.history` vs ``partial``), so the state of a transposed convolution
-says which formulation it belongs to. Depthwise transposed convolutions (Mimi's learnt upsampling,
-``groups = channels``) have their own branch.
+A transposed convolution with stride ``s`` and kernel ``K`` is computed as ``s`` phase convolutions over an input
+history (the last ``ceil(K / s) - 1`` input steps), their outputs interleaved: ``y[o, u * s + q] = sum_{c, r}
+W[c, o, q + r * s] * z[c, u - r]`` (taps past ``K`` are zero). This carries input samples instead of the partial
+output sums the eager module carries (:class:`cspan.core.modules.conv.ConvTrState` ``history`` vs ``partial``), so
+a transposed convolution's state is created in one form or the other (:func:`history_states`). Depthwise
+transposed convolutions (Mimi's learnt upsampling, ``groups = channels``) have their own branch.
+
+Which calls run here is decided by shape alone (:func:`supported`, from the per-convolution measurements in
+docs/PERFORMANCE.md): batch-1 outputs of a few steps (weight streaming: whole weight rows per program, every load
+in flight at once) and kernel-size-1 convolutions; the long k > 1 convolutions stay on cuDNN, where these kernels
+lost.
 
 Numerics: IEEE float32 products and float32 accumulation (no TF32), in another summation order than cuDNN or the
 CPU: the same function within float32 rounding. Used for float32 CUDA tensors in inference when Triton imports and
