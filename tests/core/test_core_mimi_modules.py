@@ -188,7 +188,7 @@ def test_conv_transpose_input_history_state_equals_partial_sums(
     convtr = StreamingConvTranspose1d(4, 4, kernel, stride=stride, groups=groups)
     partial = convtr.new_state(2)
     assert partial.history is None
-    monkeypatch.setattr(fused_conv, "history_states", lambda device: True)
+    monkeypatch.setattr(fused_conv, "history_states", lambda device, dtype, batch_size: True)
     history = convtr.new_state(2)
     assert history.history is not None and history.history.shape == (2, 4, -(-kernel // stride) - 1)
     with torch.no_grad():
@@ -216,6 +216,64 @@ def test_seanet_folds_the_activation_and_residual_into_the_convs() -> None:
         h = block.block[1](torch.nn.functional.elu(x), block.block[1].new_state(1))
         h = block.block[3](torch.nn.functional.elu(h), block.block[3].new_state(1))
     assert torch.equal(got, x + h)
+
+
+def test_fused_conv_guards_fall_back_to_the_eager_path() -> None:
+    """What decides between the fused kernel and the eager path is shape logic that runs anywhere: empty batches,
+    wrong channel counts, a state of another batch size, a residual of another shape, a non-contiguous weight all
+    go to the eager path (which raises its own error or broadcasts); a history without its counter is refused."""
+    from cspan.core.modules import fused_conv
+
+    assert not fused_conv.supported(0, 2, 8, 1)
+    assert fused_conv.supported(1, 2, 512, 16) and not fused_conv.supported(2, 2, 512, 16)
+    assert fused_conv.supported(8, 1920, 32, 1) and fused_conv.supported(8, 1920, 1, 7)
+    assert not fused_conv.supported(1, 1920, 64, 3)
+    x = torch.zeros(1, 8, 4)
+    hist, first = torch.zeros(1, 8, 2), torch.ones(1, dtype=torch.bool)
+    w = torch.zeros(6, 8, 3)
+    assert fused_conv.fits(x, 8, w, hist, first, torch.zeros(1, 6, 4), (1, 6, 4))
+    assert not fused_conv.fits(torch.zeros(1, 9, 4), 8, w, hist, first, None, None)
+    assert not fused_conv.fits(torch.zeros(2, 8, 4), 8, w, hist, first, None, None)
+    assert not fused_conv.fits(torch.zeros(0, 8, 4), 8, w, None, None, None, None)
+    assert not fused_conv.fits(x, 8, w, hist, first, torch.zeros(1, 6, 1), (1, 6, 4))
+    assert not fused_conv.fits(x, 8, w.transpose(0, 1).contiguous().transpose(0, 1), hist, first, None, None)
+    assert not fused_conv.fits(x, 8, w, hist.double(), first, None, None)
+    with pytest.raises(ValueError, match="counter"):
+        fused_conv.conv1d(x, w, None, 1, 1, hist, None)
+
+
+def test_conv_transpose_phase_weight_cache_follows_the_parameter() -> None:
+    """The phase-weight copy is rebuilt when the parameter is replaced or modified in place, and works for
+    weights created under inference mode (no version counter)."""
+    from cspan.core.modules import fused_conv
+
+    torch.manual_seed(5)
+    convtr = StreamingConvTranspose1d(4, 3, 6, stride=2)
+    first = convtr._phase_weight()
+    assert torch.equal(first, fused_conv.phase_weight(convtr.convtr.convtr.weight.detach(), 2, False))
+    assert convtr._phase_weight() is first
+    with torch.no_grad():
+        convtr.convtr.convtr.weight.mul_(2)
+    assert torch.equal(convtr._phase_weight(), 2 * first)
+    convtr.convtr.convtr.weight = torch.nn.Parameter(torch.ones(4, 3, 6))
+    assert torch.equal(convtr._phase_weight(), fused_conv.phase_weight(torch.ones(4, 3, 6), 2, False))
+    with torch.inference_mode():
+        frozen = StreamingConvTranspose1d(4, 3, 6, stride=2)
+        assert frozen._phase_weight().shape == (2 * 3, 4, 3)
+
+
+def test_inplace_elu_is_not_folded_into_the_conv() -> None:
+    """An in-place ELU overwrites the block input (and so the residual skip) in both the whole-sequence and the
+    streaming call; folding it into the conv would change only the streaming one."""
+    from cspan.core.modules.seanet import SEANetResnetBlock
+
+    torch.manual_seed(6)
+    block = SEANetResnetBlock(8, [3, 1], [1, 1], activation_params={"alpha": 1.0, "inplace": True})
+    x = torch.randn(1, 8, 12)
+    with torch.no_grad():
+        whole = block(x.clone())
+        streamed = block(x.clone(), block.new_state(1))
+    assert torch.equal(streamed, whole)
 
 
 def test_upsample_is_depthwise_without_bias() -> None:

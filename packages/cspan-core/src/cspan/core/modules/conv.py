@@ -11,7 +11,9 @@ Streaming convention (identical results to the whole-sequence call):
   the padding is a state buffer holding the last ``P`` input samples of the previous call.
 * transposed conv, kernel ``k``, stride ``s``: the full output is computed and its last ``k - s`` samples are
   dropped; in streaming those samples (minus the bias, which the next call adds again) are kept and added to the
-  head of the next call's output.
+  head of the next call's output. Where the fused GPU kernel runs (:mod:`cspan.core.modules.fused_conv`), the
+  state instead keeps the last ``ceil(k / s) - 1`` input steps and the output is recomputed from them (same
+  function; see :class:`ConvTrState`).
 
 Unlike upstream, the state is an explicit object passed to ``forward`` rather than a module attribute, so one
 module can serve many independent sessions, and ``reset(rows)`` restarts chosen batch rows only. No call made per
@@ -95,7 +97,8 @@ class ConvState:
         first: ``[B]`` bool, true until the row's first call (maintained and used by ``pad_mode="replicate"``
             only).
         counter: ``[1]`` int32 zeros, for the fused GPU kernel (:mod:`cspan.core.modules.fused_conv`), which
-            updates ``previous`` from the program that finishes last; None where that kernel is not used.
+            updates ``previous`` from the program that finishes last; None for states created where that kernel
+            cannot run (and for convs without history, P = 0, which need none). Zero between calls.
     """
 
     previous: Tensor
@@ -106,6 +109,8 @@ class ConvState:
         """Restart the chosen rows: zero their buffer and mark them as not started yet."""
         reset_rows_(self.previous, rows, 0.0)
         reset_rows_(self.first, rows, True)
+        if rows is None and self.counter is not None:
+            self.counter.zero_()
 
 
 @dataclass(eq=False)
@@ -114,8 +119,9 @@ class ConvTrState:
 
     Two forms. The eager one carries output sums; the fused GPU kernel
     (:mod:`cspan.core.modules.fused_conv`) computes a transposed convolution as phase convolutions over the input
-    and carries input samples instead. A state is created in one form (``history`` None or not, chosen by the
-    device at :meth:`StreamingConvTranspose1d.new_state`) and both code paths accept either.
+    and carries input samples instead. A state is created in one form (``history`` None or not, chosen at
+    :meth:`StreamingConvTranspose1d.new_state` by :func:`~cspan.core.modules.fused_conv.history_states`: device,
+    dtype, batch size and ``CSPAN_FUSED``) and both code paths accept either.
 
     Attributes:
         partial: ``[B, C_out, k - s]`` the overlapping tail of the previous output, bias excluded (eager form).
@@ -132,6 +138,8 @@ class ConvTrState:
         reset_rows_(self.partial, rows, 0.0)
         if self.history is not None:
             reset_rows_(self.history, rows, 0.0)
+        if rows is None and self.counter is not None:
+            self.counter.zero_()
 
 
 class NormConv1d(nn.Module):
@@ -220,7 +228,7 @@ class StreamingConv1d(nn.Module):
         previous = torch.zeros(batch_size, self.conv.conv.in_channels, self.padding_total, device=device, dtype=dtype)
         first = torch.ones(batch_size, device=device, dtype=torch.bool)
         counter = None
-        if self.padding_total > 0 and fused_conv.history_states(device):
+        if self.padding_total > 0 and fused_conv.fused_states(device, dtype):
             counter = torch.zeros(1, device=device, dtype=torch.int32)
         return ConvState(previous, first, counter)
 
@@ -235,14 +243,16 @@ class StreamingConv1d(nn.Module):
         """Convolve ``x`` ``[B, C_in, T]`` (``T`` a positive multiple of the stride) -> ``[B, C_out, T/stride]``.
 
         With ``state`` None the sequence starts here (left padding). With a state, ``x`` continues the rows'
-        previous inputs and the state is updated in place. Streaming float32 CUDA calls run as one fused kernel
-        (:func:`cspan.core.modules.fused_conv.conv1d`).
+        previous inputs and the state is updated in place. Streaming float32 CUDA calls of the shapes
+        :func:`cspan.core.modules.fused_conv.supported` picks run as one fused kernel
+        (:func:`cspan.core.modules.fused_conv.conv1d`), given a state created for it (with a ``counter``).
 
         Args:
             x: the input.
             state: the streaming state, or None.
             activation: apply ELU with this alpha to ``x`` first (what an ``nn.ELU`` before the conv does).
-            residual: ``[B, C_out, T/stride]`` added to the output (``residual + y``).
+            residual: ``[B, C_out, T/stride]`` added to the output (``residual + y``; the eager path also
+                broadcasts, the fused one takes exactly this shape).
 
         Raises:
             ValueError: ``T`` is not a positive multiple of the stride.
@@ -261,6 +271,15 @@ class StreamingConv1d(nn.Module):
             and (pad == 0 or state.counter is not None)
             and fused_conv.supported(x.shape[0], length // conv.stride[0], conv.in_channels, conv.kernel_size[0])
             and fused_conv.enabled(x, conv.weight)
+            and fused_conv.fits(
+                x,
+                conv.in_channels,
+                conv.weight,
+                state.previous,
+                state.first,
+                residual,
+                (x.shape[0], conv.out_channels, length // conv.stride[0]),
+            )
         ):
             return fused_conv.conv1d(
                 x,
@@ -341,7 +360,7 @@ class StreamingConvTranspose1d(nn.Module):
         device, dtype = _param_device_dtype(self, device, dtype)
         convtr = self.convtr.convtr
         partial = torch.zeros(batch_size, convtr.out_channels, self.overlap, device=device, dtype=dtype)
-        if not fused_conv.history_states(device):
+        if not fused_conv.history_states(device, dtype, batch_size):
             return ConvTrState(partial)
         steps = -(-convtr.kernel_size[0] // self.stride) - 1
         history = torch.zeros(batch_size, convtr.in_channels, steps, device=device, dtype=dtype)
@@ -349,16 +368,18 @@ class StreamingConvTranspose1d(nn.Module):
 
     def _phase_weight(self) -> Tensor:
         """The weight as phase-convolution weights (:func:`~cspan.core.modules.fused_conv.phase_weight`), cached
-        until the parameter is replaced or modified in place."""
+        for this weight tensor (the cache holds it, so a replacement is always seen) and its version counter (an
+        in-place change is seen, except for inference tensors, which have none). A CUDA graph captured before
+        the weight changed keeps reading the old copy: capture again after reloading weights."""
         w = self.convtr.convtr.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        version = None if w.is_inference() else w._version
         cached = getattr(self, "_phase_cache", None)
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0] is not w or cached[1] != version:
             depthwise = self.convtr.convtr.groups > 1
             with torch.no_grad():
-                cached = (key, fused_conv.phase_weight(w.detach(), self.stride, depthwise))
+                cached = (w, version, fused_conv.phase_weight(w.detach(), self.stride, depthwise))
             self._phase_cache = cached
-        return cached[1]
+        return cached[2]
 
     def forward(self, x: Tensor, state: ConvTrState | None = None, *, activation: float | None = None) -> Tensor:
         """Transposed-convolve ``x`` ``[B, C_in, T]`` -> ``[B, C_out, T * stride]``.
@@ -399,11 +420,13 @@ class StreamingConvTranspose1d(nn.Module):
         steps = state.history.shape[-1]
         depthwise = convtr.groups > 1
         groups_ok = convtr.groups == 1 or convtr.groups == convtr.in_channels == convtr.out_channels
-        phase_taps = state.history.shape[-1] + 1
+        phase_taps = steps + 1
         if (
             groups_ok
+            and state.counter is not None
             and fused_conv.supported(x.shape[0], x.shape[-1], convtr.in_channels, phase_taps, depthwise)
             and fused_conv.enabled(x, convtr.weight)
+            and fused_conv.fits(x, convtr.in_channels, None, state.history, None, None, None)
         ):
             return fused_conv.conv1d(
                 x,
@@ -478,7 +501,7 @@ class ConvTrUpsample1d(nn.Module):
         )
 
     def new_state(self, batch_size: int, device=None, dtype=None) -> ConvTrState:
-        """Fresh streaming state (zero pending tail)."""
+        """Fresh streaming state (zero pending tail, or zero input history: see :class:`ConvTrState`)."""
         return self.convtr.new_state(batch_size, device, dtype)
 
     def forward(self, x: Tensor, state: ConvTrState | None = None) -> Tensor:

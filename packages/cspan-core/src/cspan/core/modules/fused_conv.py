@@ -22,8 +22,8 @@ transposed convolutions (Mimi's learnt upsampling, ``groups = channels``) have t
 
 Which calls run here is decided by shape alone (:func:`supported`, from the per-convolution measurements in
 docs/PERFORMANCE.md): batch-1 outputs of a few steps (weight streaming: whole weight rows per program, every load
-in flight at once) and kernel-size-1 convolutions; the long k > 1 convolutions stay on cuDNN, where these kernels
-lost.
+in flight at once), kernel-size-1 convolutions and those with at most 16 (input channel, tap) pairs (the first
+encoder convolution); the long k > 1 convolutions stay on cuDNN, where these kernels lost.
 
 Numerics: IEEE float32 products and float32 accumulation (no TF32), in another summation order than cuDNN or the
 CPU: the same function within float32 rounding. Used for float32 CUDA tensors in inference when Triton imports and
@@ -163,13 +163,49 @@ def enabled(*tensors: torch.Tensor) -> bool:
     return fused.usable(*tensors) and all(t.dtype == torch.float32 for t in tensors)
 
 
-def history_states(device: torch.device | str | None) -> bool:
-    """Whether streaming states created for ``device`` use the input-history form of transposed convolutions
-    (the fused path: CUDA with Triton and ``CSPAN_FUSED`` not 0, or the interpreter on CPU)."""
-    if device is None or not HAVE_TRITON or os.environ.get("CSPAN_FUSED") == "0":
+def fused_states(device: torch.device | str | None, dtype: torch.dtype | None) -> bool:
+    """Whether streaming states created for ``dtype`` on ``device`` get what the fused kernels need (a history
+    counter): float32 on CUDA with Triton and ``CSPAN_FUSED`` not 0, or under the interpreter on CPU."""
+    if device is None or not HAVE_TRITON or os.environ.get("CSPAN_FUSED") == "0" or dtype != torch.float32:
         return False
     device = torch.device(device)
     return device.type == "cuda" or (device.type == "cpu" and fused._interpreting())
+
+
+def history_states(device: torch.device | str | None, dtype: torch.dtype | None, batch_size: int) -> bool:
+    """Whether a transposed convolution's streaming state for ``batch_size`` rows takes the input-history form:
+    :func:`fused_states` and one row (the only transposed convolutions :func:`supported` sends here; other
+    states keep upstream's partial sums, which the eager path computes without extra work)."""
+    return batch_size == 1 and fused_states(device, dtype)
+
+
+def fits(
+    x: torch.Tensor,
+    in_channels: int,
+    weight: torch.Tensor | None,
+    history: torch.Tensor | None,
+    first: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out_shape: tuple[int, int, int] | None,
+) -> bool:
+    """Whether a call's tensors have the exact layout :func:`conv1d` indexes (else the eager path runs and raises
+    its own error for a wrong shape): x [B, in_channels, T]; a contiguous weight; a contiguous history
+    [B, in_channels, P] and first [B] of x's dtype / device; a residual of exactly ``out_shape``."""
+    if x.dim() != 3 or x.shape[1] != in_channels or x.shape[0] == 0:
+        return False
+    B = x.shape[0]
+    if weight is not None and not weight.is_contiguous():
+        return False
+    if history is not None and (
+        history.shape[:2] != (B, in_channels)
+        or not history.is_contiguous()
+        or history.dtype != x.dtype
+        or history.device != x.device
+    ):
+        return False
+    if first is not None and (first.shape != (B,) or not first.is_contiguous() or first.device != x.device):
+        return False
+    return residual is None or (tuple(residual.shape) == out_shape and residual.dtype == x.dtype)
 
 
 STREAM_MAX_COLUMNS = 8
@@ -201,6 +237,8 @@ def supported(batch: int, steps_out: int, in_channels: int, kernel_size: int, de
     :data:`STREAM_MAX_COLUMNS` steps (weight streaming, depthwise included), and kernel-size-1 or tiny
     (:data:`DOT_MAX_TAPS_REDUCTION`) convolutions of any length. The choice depends on shapes only, so it is the
     same in every process."""
+    if batch < 1 or steps_out < 1:
+        return False
     if batch == 1 and steps_out <= STREAM_MAX_COLUMNS:
         return True
     return not depthwise and (kernel_size == 1 or in_channels * kernel_size <= DOT_MAX_TAPS_REDUCTION)
@@ -229,9 +267,11 @@ def conv1d(
         weight: [C_out * phases, C_in, K] contiguous (depthwise: [C_out * phases, 1, K], C_in == C_out).
         bias: [C_out] or None.
         stride, dilation: of the convolution (phase convolutions: 1, 1).
-        previous: [B, C_in, P] history (P = (K - 1) * dilation + 1 - stride), updated in place; None when P = 0.
-        counter: [1] int32 zeros, owned by the state (ordering of the history update); None when P = 0.
-        first: [B] bool, for replicate padding: a row's first call pads with its first (activated) sample and
+        previous: [B, C_in, P] contiguous history (P = (K - 1) * dilation + 1 - stride), updated in place; None
+            when P = 0.
+        counter: [1] int32 zeros, owned by the state (ordering of the history update); given exactly when
+            ``previous`` is.
+        first: [B] bool contiguous, for replicate padding: a row's first call pads with its first (activated) sample and
             clears the flag. None for zero padding.
         elu_alpha: apply ELU(alpha) to x first (None: no activation).
         residual: [B, C_out, T_out * phases] added to the output.
@@ -241,7 +281,13 @@ def conv1d(
 
     Returns:
         [B, C_out, T_out * phases] float32, T_out = T / stride.
+
+    Raises:
+        ValueError: ``previous`` without ``counter`` or the other way round (callers check shapes with
+            :func:`fits`).
     """
+    if (previous is None) != (counter is None) or (counter is not None and counter.dtype != torch.int32):
+        raise ValueError("fused_conv.conv1d: a history needs its int32 counter, and a counter needs a history")
     B, C_in, T = x.shape
     K = weight.shape[-1]
     C_out = weight.shape[0] // phases
@@ -287,4 +333,4 @@ def phase_weight(weight: torch.Tensor, stride: int, depthwise: bool) -> torch.Te
     return w.permute(3, 1, 0, 2).reshape(stride * C_o, C_in, R).contiguous()
 
 
-__all__ = ["conv1d", "enabled", "history_states", "phase_weight", "supported"]
+__all__ = ["conv1d", "enabled", "fits", "fused_states", "history_states", "phase_weight", "supported"]

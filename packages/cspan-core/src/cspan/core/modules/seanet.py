@@ -42,7 +42,7 @@ def _run_sequential(
     alpha: float | None = None
     for idx, (name, layer) in enumerate(layers):
         following = layers[idx + 1][1] if idx + 1 < len(layers) else None
-        if state is not None and type(layer) is nn.ELU and isinstance(following, _STREAMING):
+        if state is not None and type(layer) is nn.ELU and not layer.inplace and isinstance(following, _STREAMING):
             alpha = float(layer.alpha)
             continue
         if isinstance(layer, (*_STREAMING, SEANetResnetBlock)):
