@@ -110,6 +110,7 @@ def test_options_reject_impossible_settings() -> None:
         LatencyOptions(span_lengths=(0, 2)),
         LatencyOptions(row_step="both"),
         LatencyOptions(batch_sizes=(0,)),
+        LatencyOptions(fill=-1),
     ):
         with pytest.raises(BenchError):
             bad.check()
@@ -159,3 +160,26 @@ def test_random_models_materialise_on_the_device_and_time_end_to_end() -> None:
         _check_stats(row, 2)
     _check_stats(doc["frame"], 2)
     assert doc["config"]["random_weights"] is True and doc["batch"] == {"sizes": [], "rows": []}
+
+
+def test_fill_brings_every_session_to_that_much_history() -> None:
+    """--fill: before each series every session holds at least that many positions (spans of text read like any
+    span), past the model's context too (a full, wrapped ring); the JSON and the printout say so."""
+    from cspan.bench.latency import LatencyBench, latency_table, make_engine
+    from cspan.core.tiny import tiny_lm_config
+
+    lm = random_lm(tiny_lm_config(), "cpu", torch.float32, seed=3)
+    models = Models(lm=lm, mimi=None, tokenizer=None, source="random tiny", random=True)
+    context = lm.cfg.context
+    for fill in (40, context + 30):
+        options = LatencyOptions(span_lengths=(0,), iters=2, warmup=0, gap_steps=0, fill=fill, frame=False)
+        engine = make_engine(models, 2, torch.device("cpu"), torch.float32, options.span_lengths)
+        bench = LatencyBench(engine, options)
+        bench.restart()
+        assert all(fill <= p < fill + engine.injector.max_span_frames + 2 for p in engine.positions), engine.positions
+        offsets = engine.lm_state.offset.tolist()
+        assert all(o >= fill for o in offsets), offsets
+    doc = run_latency(models, LatencyOptions(span_lengths=(0,), iters=2, warmup=0, fill=40), device=torch.device("cpu"),
+                      dtype=torch.float32)  # fmt: skip
+    assert doc["config"]["fill"] == 40
+    assert "every series starts from 40 positions of history" in latency_table(doc)

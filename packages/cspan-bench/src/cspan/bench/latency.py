@@ -17,7 +17,10 @@ What is timed (wall clock between two device synchronisations, ``torch.cuda.sync
 Each series runs ``warmup`` unmeasured iterations and then ``iters`` measured ones, reporting mean, sample
 standard deviation, P50 and P99 (linear interpolation), min and max in milliseconds. Between two span iterations
 ``gap_steps`` unmeasured plain steps run, so every block is read into a live stream. Sessions are reset before each
-series; the KV cache is a ring of ``context`` positions, so a long series of spans never runs out of room.
+series; the KV cache is a ring of ``context`` positions, so a long series of spans never runs out of room. A reset
+stream holds only a few positions, so the attention reads a short cache; ``fill`` brings every session to that many
+positions of history first (blocks of ordinary text ids read like spans, untimed), to time the step late in a
+conversation (``fill >= context``: a full ring).
 
 The model comes from a checkpoint, or is built at the real 7B dimensions (``LMConfig.personaplex_7b()``, with
 ``MimiConfig.mimi_24khz()``) with random weights: built on the ``meta`` device and materialised directly on the
@@ -177,6 +180,7 @@ class LatencyOptions:
             every frame. With False the plain step is also timed with them (``step_predict_user``).
         defer_spans: the engine reads a span block together with the next position (``DuplexEngine``'s
             ``defer_spans``; None: its default, on for one session with CUDA graphs); False reads it at injection.
+        fill: positions of history every session holds before each series (0: a freshly reset stream).
     """
 
     span_lengths: Sequence[int] = DEFAULT_SPAN_LENGTHS
@@ -190,6 +194,7 @@ class LatencyOptions:
     cuda_graphs: bool | None = None
     predict_user: bool = False
     defer_spans: bool | None = None
+    fill: int = 0
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible settings."""
@@ -204,6 +209,8 @@ class LatencyOptions:
             raise BenchError(f"--row-step {self.row_step!r}: use 'lm' or 'frame'")
         if any(b < 1 for b in self.batch_sizes):
             raise BenchError(f"--batch-size {list(self.batch_sizes)}: batch sizes must be >= 1")
+        if self.fill < 0:
+            raise BenchError(f"--fill must be >= 0 positions, got {self.fill}")
 
 
 @dataclass
@@ -274,11 +281,31 @@ class LatencyBench:
         out.agent_pcm.cpu()
 
     def restart(self) -> None:
-        """Reset every session and start its stream with a few frames (a span needs a running stream)."""
+        """Reset every session and start its stream with a few frames (a span needs a running stream), then fill
+        its history to ``options.fill`` positions."""
         for i in range(self.engine.batch_size):
             self.engine.reset(i, seed=self.options.seed + i)
         for _ in range(max(2, self.engine.max_delay + 1)):
             self.lm_step()
+        self.fill_history()
+
+    def fill_history(self) -> None:
+        """Bring every session to at least ``options.fill`` positions: blocks of at most ``max_span_frames`` ordinary
+        text ids read as Context Spans, one step after each round (untimed)."""
+        from cspan.core.span import ContextSpan
+
+        engine = self.engine
+        longest = max(3, int(engine.injector.max_span_frames))
+        text_card = int(engine.lm.text_card)
+        while True:
+            short = [i for i in range(engine.batch_size) if engine.positions[i] + 1 < self.options.fill]
+            if not short:
+                break
+            for i in short:
+                n = min(longest, max(3, self.options.fill - engine.positions[i] - 1))
+                engine.inject_span(i, ContextSpan.from_ids(span_body(n, text_card, self.options.seed + i)))
+            self.lm_step()
+        synchronize(self.device)
 
     def series(self, fn: Callable[[], Any]) -> list[float]:
         """``warmup`` unmeasured then ``iters`` measured runs of ``fn`` (ms)."""
@@ -565,6 +592,7 @@ def run_latency(
         "cuda_graphs": bool(engine.cuda_graphs),
         "predict_user": options.predict_user,
         "defer_spans": bool(engine.defer_spans),
+        "fill": options.fill,
         "timing": "wall clock between device synchronisations (torch.cuda.synchronize on CUDA)",
         "span_ids": "[12] + (n - 2) random ordinary text ids + [13]",
     }
@@ -586,19 +614,22 @@ def latency_table(doc: dict[str, Any], label: str = "latency") -> str:
     if frame:
         parts.append(
             f"Whole frame (Mimi encode + step + Mimi decode): {frame['mean_ms']:.1f} ± {frame['sd_ms']:.1f} ms, "
-            f"P99 {frame['p99_ms']:.1f} ms."
+            f"P50 {frame['p50_ms']:.1f} ms, P99 {frame['p99_ms']:.1f} ms."
         )
     rows = (doc.get("batch") or {}).get("rows") or []
     if rows:
         lines = [
-            "| batch | step mean ± sd, ms | step P99, ms | per session, ms | frame mean ± sd, ms | frame P99, ms |"
+            "| batch | step mean ± sd, ms | step P50, ms | step P99, ms | per session, ms | frame mean ± sd, ms | "
+            "frame P50, ms | frame P99, ms |"
         ]
-        lines.append("|---:|---:|---:|---:|---:|---:|")
+        lines.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             s, f = r["step"], r.get("frame")
-            frame_cells = f"{f['mean_ms']:.1f} ± {f['sd_ms']:.1f} | {f['p99_ms']:.1f}" if f else "– | –"
+            frame_cells = (
+                f"{f['mean_ms']:.1f} ± {f['sd_ms']:.1f} | {f['p50_ms']:.1f} | {f['p99_ms']:.1f}" if f else "– | – | –"
+            )
             lines.append(
-                f"| {r['batch_size']} | {s['mean_ms']:.1f} ± {s['sd_ms']:.1f} | {s['p99_ms']:.1f} | "
+                f"| {r['batch_size']} | {s['mean_ms']:.1f} ± {s['sd_ms']:.1f} | {s['p50_ms']:.1f} | {s['p99_ms']:.1f} | "
                 f"{r['step_per_session_mean_ms']:.2f} | {frame_cells} |"
             )
         parts.append("\n".join(lines))

@@ -203,7 +203,11 @@ def latency_markdown(label: str, report: LatencyReport) -> str:
     if report.step:
         step = report.step
         if {"mean_ms", "sd_ms", "p99_ms"} <= step.keys():
-            parts += ["", f"Plain step: {step['mean_ms']:.1f} ± {step['sd_ms']:.1f} ms, P99 {step['p99_ms']:.1f} ms."]
+            p50 = f", P50 {step['p50_ms']:.1f} ms" if "p50_ms" in step else ""
+            parts += [
+                "",
+                f"Plain step: {step['mean_ms']:.1f} ± {step['sd_ms']:.1f} ms{p50}, P99 {step['p99_ms']:.1f} ms.",
+            ]
         else:
             parts += ["", "Step: " + ", ".join(f"{k} = {v}" for k, v in step.items()) + "."]
     extra = report.model_extra or {}
@@ -219,7 +223,8 @@ def latency_markdown(label: str, report: LatencyReport) -> str:
         parts += [
             "",
             f"Engine: user-stream predictions {'sampled' if config['predict_user'] else 'skipped'}, spans read "
-            f"{'with the next step (deferred)' if config.get('defer_spans') else 'at injection'}.",
+            f"{'with the next step (deferred)' if config.get('defer_spans') else 'at injection'}"
+            + (f"; every series starts from {config['fill']} positions of history." if config.get("fill") else "."),
         ]
     over = [r.n for r in rows if r.p99_ms > FRAME_BUDGET_MS]
     if over:

@@ -216,7 +216,20 @@ def register_latency(sub: Any) -> None:
         default="lm",
         help="the step timed after each span: 'lm' (LM step, default) or 'frame' (with Mimi encode/decode)",
     )
-    p.add_argument("--batch-size", type=int, nargs="+", default=[], help="also time the plain step at these B > 1")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time the plain step and the whole frame at these batch sizes B > 1 (B = 1 is the main table)",
+    )
+    p.add_argument(
+        "--fill",
+        type=int,
+        default=0,
+        help="positions of history every session holds before each series (default 0: a freshly reset stream, "
+        "short KV cache; the model's context or more: a full ring, as late in a conversation)",
+    )
     p.add_argument("--no-frame", action="store_true", help="skip the whole-frame series")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
     p.add_argument(
@@ -261,6 +274,7 @@ def _latency(args: argparse.Namespace) -> int:
         cuda_graphs=False if args.no_cuda_graphs else None,
         predict_user=args.predict_user,
         defer_spans=False if args.no_defer_spans else None,
+        fill=args.fill,
     )
     options.check()
 
@@ -273,7 +287,7 @@ def _latency(args: argparse.Namespace) -> int:
     )
     say(f"model ready on {device} ({str(dtype).replace('torch.', '')}): {models.source}")
     doc = run_latency(models, options, device=device, dtype=dtype, progress=say)
-    print(latency_table(doc, label=args.out.parent.name if args.out else "latency"))
+    print(latency_table(doc, label=(args.out.parent.name or args.out.stem) if args.out else "latency"))
     if args.out is not None:
         write_json(args.out, doc)
         print(f"wrote {args.out}")
