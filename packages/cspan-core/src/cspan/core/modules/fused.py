@@ -281,10 +281,11 @@ if HAVE_TRITON:
             smask = slots < n_ring
             pos = last - ((last - slots) % C)
             visible = smask & ((offset - pos) < window)
+            # both loads issued before any arithmetic: two blocks of memory in flight per iteration
             kb = tl.load(kc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
+            vb = tl.load(vc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
             scores = tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale_log2
             m_i, l_i, alpha, p = _softmax_update_1d(m_i, l_i, scores, visible)
-            vb = tl.load(vc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
             acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
         if sid == SPLITS - 1:  # the new key: always visible to its own query
             score = tl.sum(q * k, axis=0) * scale_log2
