@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # One device call (see docs/PERFORMANCE.md): environment, ceilings, GPU tests, component breakdown, and
-# `cspan bench latency --random-7b` with the fused kernels (default) and without (CSPAN_FUSED=0, the "before").
+# `cspan bench latency --random-7b` with the fused kernels (default) and without them (CSPAN_FUSED=0: the eager
+# modules of the current code; the "committed core before this work" of PERFORMANCE.md is the `orig` stage).
 # Run from the repository root on the GPU machine with `.whl` and `.device` carried; logs go to $OUT.
+# Preparing them here: `pip download --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64
+# --platform manylinux_2_28_x86_64 -d .whl/perf pydantic soundfile soxr` and `cp -r ../shared/fixtures/reference
+# .device/fixtures/` (both paths are git-ignored).
+# Exits non-zero when a stage fails or is unknown (after running the others).
 # Usage: bash scripts/perf_h200.sh [STAGES...]
 #   stages: env tests breakdown profile tune-conv tune tune-prefill bench immediate nopdl unfused nogemv orig
 #   (default: env tests breakdown bench unfused; keep one call under the device's 10-minute limit)
-# orig: the same bench on the committed core copied to .device/orig (git archive HEAD packages/cspan-core/src).
+# orig: the same bench on an older core copied to .device/orig (git archive COMMIT packages/cspan-core/src).
 set -u
 OUT=${OUT:-/tmp/perf-out}
 mkdir -p "$OUT"
@@ -14,6 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD/packages/cspan-core/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
 export PYTHONUNBUFFERED=1
 if [ -d .device/fixtures ]; then mkdir -p ../shared/fixtures && cp -r .device/fixtures/* ../shared/fixtures/; fi
+failed=0
 run() {  # name, command...: log to $OUT/name.log, print the tail
   local name=$1; shift
   local t0=$SECONDS
@@ -21,6 +27,7 @@ run() {  # name, command...: log to $OUT/name.log, print the tail
   local rc=$?
   echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
   tail -n "${TAIL:-25}" "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || failed=1
 }
 for stage in $stages; do
   case $stage in
@@ -59,5 +66,8 @@ for stage in $stages; do
       TAIL=20 PYTHONPATH=/tmp/site:$PWD/.device/orig/packages/cspan-core/src:$PWD/packages/cspan-bench/src run orig \
         python3 scripts/perf_h200.py bench latency --random-7b --iters 30 --warmup 5 --batch-size 8 32 \
         --out "$OUT/latency_orig.json" ;;
+    *)
+      echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac
 done
+exit $failed

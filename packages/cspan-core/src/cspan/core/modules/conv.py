@@ -320,7 +320,8 @@ class StreamingConvTranspose1d(nn.Module):
     """Causal ConvTranspose1d: ``[B, C_in, T] -> [B, C_out, T * stride]``, whole-sequence or streaming.
 
     The right ``kernel_size - stride`` samples of the full transposed convolution are trimmed (upstream
-    ``trim_right_ratio=1``); in streaming they are carried (bias excluded) into the next call.
+    ``trim_right_ratio=1``); in streaming they are carried (bias excluded) into the next call, or, for a state in
+    the input-history form (:class:`ConvTrState`), recomputed from the last input steps.
 
     Args:
         in_channels, out_channels, kernel_size, stride, groups, bias: as ``nn.ConvTranspose1d``.
