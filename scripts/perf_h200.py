@@ -338,7 +338,7 @@ def tune_conv() -> None:
             os.environ.pop("CSPAN_FUSED", None)
             kind = type(module).__name__.replace("Streaming", "")
             w = module.conv.conv.weight if hasattr(module, "conv") else module.convtr.convtr.weight
-            used = "fused" if _uses_fused(module, B, shape) else "cudnn"
+            used = "fused" if module.fused_shape(B, shape[2]) else "cudnn"
             print(f"{kind:>16} w{list(w.shape)} x[{B}, {shape[1]}, {shape[2]}] act={act is not None} res={has_res}: "
                   f"cuDNN {times['cudnn']:7.2f} us, fused {times['fused']:7.2f} us -> {used}")  # fmt: skip
             totals[f"B={B} cudnn"] = totals.get(f"B={B} cudnn", 0.0) + times["cudnn"]
@@ -346,18 +346,6 @@ def tune_conv() -> None:
             totals[f"B={B} chosen"] = totals.get(f"B={B} chosen", 0.0) + times[used]
     for name, value in totals.items():
         print(f"sum over the frame's convolutions, {name}: {value:.1f} us")
-
-
-def _uses_fused(module, B: int, shape) -> bool:
-    from cspan.core.modules import fused_conv
-    from cspan.core.modules.conv import StreamingConv1d
-
-    if isinstance(module, StreamingConv1d):
-        conv = module.conv.conv
-        return fused_conv.supported(B, shape[2] // module.stride, conv.in_channels, conv.kernel_size[0])
-    convtr = module.convtr.convtr
-    taps = -(-convtr.kernel_size[0] // module.stride)
-    return fused_conv.supported(B, shape[2], convtr.in_channels, taps, convtr.groups > 1)
 
 
 @torch.no_grad()
@@ -538,21 +526,19 @@ def bench(argv: list[str]) -> int:
     return main(["bench", *argv])
 
 
+SUBCOMMANDS = {
+    "ceilings": ceilings,
+    "breakdown": breakdown,
+    "profile": profile_graphs,
+    "tune-conv": tune_conv,
+    "tune": tune,
+    "tune-prefill": tune_prefill,
+}
+
 if __name__ == "__main__":
     cmd, rest = sys.argv[1], sys.argv[2:]
-    if cmd == "ceilings":
-        ceilings()
-    elif cmd == "breakdown":
-        breakdown()
-    elif cmd == "profile":
-        profile_graphs()
-    elif cmd == "tune-conv":
-        tune_conv()
-    elif cmd == "tune":
-        tune()
-    elif cmd == "tune-prefill":
-        tune_prefill()
-    elif cmd == "bench":
+    if cmd == "bench":
         sys.exit(bench(rest))
-    else:
-        sys.exit(f"unknown subcommand {cmd!r}: ceilings, breakdown, profile, tune, tune-conv, tune-prefill, bench")
+    if cmd not in SUBCOMMANDS:
+        sys.exit(f"unknown subcommand {cmd!r}: {', '.join(SUBCOMMANDS)}, bench")
+    SUBCOMMANDS[cmd]()

@@ -269,7 +269,7 @@ class StreamingConv1d(nn.Module):
             state is not None
             and conv.groups == 1
             and (pad == 0 or state.counter is not None)
-            and fused_conv.supported(x.shape[0], length // conv.stride[0], conv.in_channels, conv.kernel_size[0])
+            and self.fused_shape(x.shape[0], length)
             and fused_conv.enabled(x, conv.weight)
             and fused_conv.fits(
                 x,
@@ -297,6 +297,12 @@ class StreamingConv1d(nn.Module):
             x = F.elu(x, activation)
         y = self._eager(x, state, pad)
         return y if residual is None else residual + y
+
+    def fused_shape(self, batch: int, length: int) -> bool:
+        """Whether a streaming call on ``batch`` rows of ``length`` input samples is one the fused kernel takes
+        (:func:`cspan.core.modules.fused_conv.supported`; the state, dtype and layout are checked per call)."""
+        conv = self.conv.conv
+        return fused_conv.supported(batch, length // conv.stride[0], conv.in_channels, conv.kernel_size[0])
 
     def _eager(self, x: Tensor, state: ConvState | None, pad: int) -> Tensor:
         if state is None:
@@ -414,18 +420,23 @@ class StreamingConvTranspose1d(nn.Module):
         state.partial.copy_(tail)
         return y[..., :-overlap]
 
+    def fused_shape(self, batch: int, length: int) -> bool:
+        """Whether a streaming call on ``batch`` rows of ``length`` input steps is one the fused kernel takes (as
+        ``stride`` phase convolutions of ``ceil(k / s)`` taps; an input-history state is also needed)."""
+        convtr = self.convtr.convtr
+        taps = -(-convtr.kernel_size[0] // self.stride)
+        return fused_conv.supported(batch, length, convtr.in_channels, taps, convtr.groups > 1)
+
     def _history_forward(self, x: Tensor, state: ConvTrState, activation: float | None) -> Tensor:
         """Streaming step with an input-history state: the fused kernel, or the same function eagerly."""
         assert state.history is not None
         convtr = self.convtr.convtr
         steps = state.history.shape[-1]
-        depthwise = convtr.groups > 1
         groups_ok = convtr.groups == 1 or convtr.groups == convtr.in_channels == convtr.out_channels
-        phase_taps = steps + 1
         if (
             groups_ok
             and state.counter is not None
-            and fused_conv.supported(x.shape[0], x.shape[-1], convtr.in_channels, phase_taps, depthwise)
+            and self.fused_shape(x.shape[0], x.shape[-1])
             and fused_conv.enabled(x, convtr.weight)
             and fused_conv.fits(x, convtr.in_channels, None, state.history, None, None, None)
         ):
@@ -439,7 +450,7 @@ class StreamingConvTranspose1d(nn.Module):
                 state.counter if steps > 0 else None,
                 elu_alpha=activation,
                 phases=self.stride,
-                depthwise=depthwise,
+                depthwise=convtr.groups > 1,
             )
         if activation is not None:
             x = F.elu(x, activation)

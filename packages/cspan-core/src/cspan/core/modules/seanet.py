@@ -123,12 +123,12 @@ class SEANetResnetBlock(nn.Module):
 
     def forward(self, x: Tensor, state: StateGroup | None = None) -> Tensor:
         """``[B, W, T] -> [B, W, T]`` (streaming when ``state`` is given)."""
+        if isinstance(self.shortcut, nn.Identity):  # the skip is handed to the last conv (fused on the GPU)
+            return _run_sequential(self.block, x, None if state is None else state["block"], residual=x)
         if isinstance(self.shortcut, StreamingConv1d):
             u = self.shortcut(x, None if state is None else state["shortcut"])
         else:
             u = self.shortcut(x)
-        if isinstance(self.shortcut, nn.Identity):
-            return _run_sequential(self.block, x, None if state is None else state["block"], residual=x)
         v = _run_sequential(self.block, x, None if state is None else state["block"])
         return u + v
 
