@@ -639,7 +639,9 @@ def register_qa(sub: Any) -> None:
             "Play each spoken question of a set through the full loop (the model emits <ret>, the router's "
             "reference is injected as a Context Span, the model answers) and judge the reference (ref.) and the "
             "model's spoken answer (resp.) with an OpenAI-compatible judge (--judge-url) or a normalised alias "
-            "match. Writes OUT/{id}/output.wav + result.json, OUT/samples.json, OUT/summary.json and summary.md."
+            "match, and measure MoshiRAG's delays (TTFAT, keyword delay, end-to-end keyword delay) from the agent "
+            "channel's word times. Writes OUT/{id}/output.wav + result.json, OUT/samples.json, OUT/summary.json and "
+            "summary.md."
         ),
     )
     p.add_argument("--set", dest="qa_set", required=True, choices=QA_SETS, help="which set")
@@ -652,6 +654,13 @@ def register_qa(sub: Any) -> None:
         help="what the router is asked: 'asr' (what the loop heard, default) or 'text' (the dataset's question)",
     )
     p.add_argument("--tts", choices=("espeak-ng",), default=None, help="synthesise missing question audio")
+    p.add_argument(
+        "--timing-words",
+        choices=("auto", "asr", "text"),
+        default="auto",
+        help="word times of the delays (TTFAT, KD, E2EKD): 'asr' transcribes output.wav, 'text' uses the model's "
+        "text stream; 'auto' (default): asr when --asr is not none",
+    )
     add_model_arguments(p, prompt_help="persona prompt (default: the teacher persona of the original QA runs)")
     add_loop_arguments(p, router_default="local", tail_default=DEFAULT_TAIL_S)
     add_run_arguments(p)
@@ -664,13 +673,16 @@ def _qa(args: argparse.Namespace) -> int:
 
 
 async def _qa_async(args: argparse.Namespace) -> int:
-    from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa
-    from cspan.bench.session import close_quietly, make_transcriber
+    from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa, timing_source
+    from cspan.bench.session import close_quietly
+    from cspan.bench.transcribe import make_transcriber
 
     check_loop(args, text_questions=args.question_source == "text")
     items = load_qa_items(args.data, args.qa_set, limit=args.limit)
+    # word-timed: the same transcriber serves the loop and the delays' word times of output.wav
+    transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
+    timing_source(args.timing_words, transcriber)
     session = build_session_from(args)
-    transcriber = make_transcriber(args.asr, model=args.asr_model)
     router = retriever = None
     judge = make_judge(args)
     try:
@@ -689,6 +701,7 @@ async def _qa_async(args: argparse.Namespace) -> int:
             realtime=args.realtime,
             config=loop_config(args),
             tts=args.tts,
+            timing_words=args.timing_words,
             overwrite=args.overwrite,
             quiet=args.quiet,
             describe=describe_run(args, session),
