@@ -280,20 +280,30 @@ def register_report(sub: Any) -> None:
         "report",
         help="Markdown tables and PNG plots from a run folder's score files",
         description=(
-            "Collect every summary.json (Full-Duplex-Bench v1/v3, ...) and latency.json below RUN_DIR and write "
-            "report.md with tables plus PNG plots (latency vs span length, per-task bars)."
+            "Collect every summary.json (Full-Duplex-Bench v1/v3, spoken QA, ...) and latency.json below RUN_DIR and "
+            "write report.md with tables plus PNG plots (latency vs span length, per-task bars). With --compare "
+            "published the report opens with the run beside the published rows of the original paper's Tables 1-3 "
+            "(and compare_*.png plots)."
         ),
     )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--out", help="where report.md and the plots go (default: RUN_DIR)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument(
+        "--compare",
+        metavar="published|FILE",
+        help="put the run beside published results in the original paper's table layout: 'published' (shipped with "
+        "cspan-bench: Context Spanning, MoshiRAG, Full-Duplex-Bench v3) or a JSON file of the same format",
+    )
     p.set_defaults(handler=_report)
 
 
 def _report(args: argparse.Namespace) -> int:
     from cspan.bench.report import build_report
 
-    markdown, written = build_report(Path(args.run_dir), Path(args.out) if args.out else None, plots=not args.no_plots)
+    markdown, written = build_report(
+        Path(args.run_dir), Path(args.out) if args.out else None, plots=not args.no_plots, compare=args.compare
+    )
     print(markdown)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

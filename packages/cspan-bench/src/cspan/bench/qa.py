@@ -611,8 +611,8 @@ def qa_table(summaries: Sequence[QASummary]) -> str:
     for s in summaries:
         m = s.metrics
         lines.append(
-            f"| {s.task} | {s.n} | {pct(m['ref_acc'])} | {pct(m['resp_acc'])} | {pct(m['resp_acc_all'])} | "
-            f"{pct(m['resp_given_ref'])} | {pct(m['span_rate'])} | {pct(m['ret_rate'])} | "
+            f"| {s.task} | {s.n} | {pct(m.get('ref_acc'))} | {pct(m.get('resp_acc'))} | {pct(m.get('resp_acc_all'))} | "
+            f"{pct(m.get('resp_given_ref'))} | {pct(m.get('span_rate'))} | {pct(m.get('ret_rate'))} | "
             f"{sec(m.get('ttfat_s'))} | {sec(m.get('keyword_delay_s'))} | {sec(m.get('e2ekd_s'))} |"
         )
     return "\n".join(lines)
