@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cspan.bench.errors import BenchDataError
+from cspan.bench.fdb_v3_analysis import PROMPT_VERSION
 from cspan.bench.fdb_v3_release import load_release, parse_agent
 
 LATENCY_INJECTOR = """
@@ -192,6 +193,7 @@ def test_run_against_the_release_world(
         "bench", "fdb-v3", "run", "--checkpoint", str(tiny_checkpoint_dir), "--fdb-v3-dir", str(release),
         "--out", str(out), "--router", server.url, "--router-model", "fake-router",
         "--force-ret", "input-end", "--tail-s", "1", "--quiet",
+        "--judge-url", server.url, "--judge-attempts", "1", "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY",
     )  # fmt: skip
     assert rc == 0
     assert "fdb-v3: 1 scenario recording(s), rendered 1" in capsys.readouterr().out
@@ -209,3 +211,9 @@ def test_run_against_the_release_world(
     assert span["text"] == "(tool result) order id 55123, status in transit, call number 1"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["world"]["kind"] == "fdb-v3-release" and summary["metrics"]["pass_rate"] == 1.0
+    # the run analysed the response with the judge (the fake one answers nothing usable: recorded, not guessed)
+    analysis = json.loads((out / folder.name / "latency_tool_analysis_cspan.json").read_text())
+    assert analysis["judge"]["prompt_version"] == PROMPT_VERSION and analysis["judge"]["model"] == "gpt-4o"
+    assert analysis["user_speech_end_rel"] == raw["user_speech_end_rel"]
+    assert analysis["filler_sentence"] is None and analysis["task_completion_latency_s"] is None
+    assert summary["config"]["analysis"]["analysed"] == 1

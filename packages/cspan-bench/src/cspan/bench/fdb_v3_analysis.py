@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -175,9 +174,6 @@ def _span(value: Any, n: int, name: str) -> tuple[int, int] | None:
     return int(first), int(last)
 
 
-_FENCE = re.compile(r"^```[a-zA-Z]*\s*|\s*```$")
-
-
 def parse_marks(reply: str, n_words: int) -> Marks:
     """Parse the judge's JSON reply against a reply of ``n_words`` words.
 
@@ -185,7 +181,7 @@ def parse_marks(reply: str, n_words: int) -> Marks:
         ValueError: not one JSON object with valid ``filler`` / ``key_info`` index ranges, or the filler does not end
             before the key information.
     """
-    text = _FENCE.sub("", reply.strip())
+    text = reply.strip()  # a fenced or prefixed reply is fine: the object is read between its braces
     start, end = text.find("{"), text.rfind("}")
     if start < 0 or end < start:
         raise ValueError("no JSON object in the reply")
@@ -214,15 +210,17 @@ def ask_marks(judge: Any, user_end: float, words: Sequence[_Word], tool_calls: S
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": user_message(user_end, words, tool_calls)},
     ]
+    attempts = max(1, int(getattr(judge, "max_attempts", 1)))
     last = ""
-    for _ in range(max(1, int(getattr(judge, "max_attempts", 1)))):
+    for attempt in range(1, attempts + 1):
         reply = judge.chat(messages, temperature=0, max_tokens=MAX_TOKENS)
         try:
             return parse_marks(reply, len(words))
         except ValueError as exc:
             last = f"{exc}: {reply.strip()[:200]!r}"
-            log.warning("key-information judge: unusable reply (%s); asking again", last)
-    raise JudgeError(f"the key-information judge gave no usable reply: {last}")
+            if attempt < attempts:
+                log.warning("key-information judge: unusable reply (%s); asking again", last)
+    raise JudgeError(f"the key-information judge gave no usable reply in {attempts} tries: {last}")
 
 
 # --- one result ----------------------------------------------------------------------------------------------------

@@ -457,7 +457,7 @@ def register_fdb_v3_run(sub: Any) -> None:
     p.add_argument(
         "--data",
         type=Path,
-        help="folder of {example_id}_{speaker}/input.wav (default: DIR/" + "fdb_v3_data_released with --fdb-v3-dir)",
+        help="folder of {example_id}_{speaker}/input.wav (default with --fdb-v3-dir: its fdb_v3_data_released/)",
     )
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument(
