@@ -240,7 +240,8 @@ def test_token_protects_everything_but_health(fixture_file):
     from cspan.backends.asr.engines import load_engine
     from cspan.backends.asr.server import ASRServerSettings, create_app
 
-    app = create_app(load_engine("sphinx", workers=1), ASRServerSettings(token="s3cret"))
+    settings = ASRServerSettings(token="s3cret", allowed_hosts=("testserver",))  # TestClient's Host
+    app = create_app(load_engine("sphinx", workers=1), settings)
     wav = fixture_file("audio", "question_weather_24k.wav").read_bytes()
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200

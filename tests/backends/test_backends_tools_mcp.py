@@ -13,6 +13,7 @@ import pytest
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools import ToolBank
+from cspan.backends.tools.catalog import ToolsSpec, build_bank
 from cspan.backends.tools.mcp_bridge import model_from_json_schema
 from cspan.backends.tools.world import MockWorld
 
@@ -33,10 +34,11 @@ def cspan_tools(*args: str) -> list[str]:
 async def test_mount_cspan_tools_serve_over_stdio(tmp_path: Path) -> None:
     db = tmp_path / "world.sqlite"
     closed = f"http://127.0.0.1:{free_port()}"
-    command = cspan_tools("serve", "--world-db", str(db), "--weather-url", closed)
+    sets = "clock,calculator,weather,fdb-v3"
+    command = cspan_tools("serve", "--tools", sets, "--world-db", str(db), "--weather-url", closed)
     bank = await ToolBank.from_mcp(command, connect_timeout_s=CONNECT_S, timeout_s=60)
     try:
-        local = ToolBank.default()
+        local = await build_bank(ToolsSpec.from_flags(sets))
         assert bank.names() == local.names()
         for name in local.names():
             assert bank.get(name).json_schema() == local.get(name).json_schema()
