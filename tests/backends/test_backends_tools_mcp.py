@@ -131,6 +131,18 @@ async def test_mount_cspan_tools_serve_over_http(tmp_path: Path) -> None:
             assert rate.data["converted"] == pytest.approx(92.17, abs=0.01)
         finally:
             await bank.aclose()
+        # DNS rebinding: a page's Host or Origin that is not this loopback server's is refused on every route
+        import httpx
+
+        hello = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        for headers, status in [
+            ({"Host": f"rebind.example:{port}"}, 421),
+            ({"Host": f"localhost:{port + 1}"}, 421),
+            ({"Origin": f"http://rebind.example:{port}"}, 403),
+        ]:
+            r = httpx.post(f"http://127.0.0.1:{port}/mcp", json=hello, headers=headers, timeout=10)
+            assert r.status_code == status, (headers, r.text)
+            assert httpx.get(f"http://127.0.0.1:{port}/other", headers=headers, timeout=10).status_code == status
     finally:
         proc.terminate()
         try:
@@ -210,3 +222,16 @@ def test_backends_tools_import_without_torch_core_or_mcp() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"torch": False, "cspan.core": False, "mcp": False}
+
+
+def test_tools_serve_refuses_bad_ports_and_names() -> None:
+    for args, message in [
+        (["serve", "--transport", "http", "--port", "99999"], "not a TCP port"),
+        (["list", "--tools", "clock,shopping"], "unknown tool set 'shopping'"),
+        (["list", "--tools", "memory"], "memory tools act for one signed-in user"),
+    ]:
+        out = subprocess.run(cspan_tools(*args), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    listed = subprocess.run(cspan_tools("list"), capture_output=True, text=True, timeout=120)
+    names = [line.split("(")[0] for line in listed.stdout.splitlines()]
+    assert names == ["get_time", "calculate", "get_weather"]  # no mock world unless named

@@ -78,6 +78,9 @@ class ASRServerSettings:
             raise ValueError(f"invalid ASR server limits (not finite): {limits}")
         if self.max_seconds <= 0 or self.max_upload_bytes <= 0 or self.max_concurrency < 1 or self.max_queue < 0:
             raise ValueError(f"invalid ASR server limits: {self}")
+        from cspan.backends.hostguard import HostGuard
+
+        HostGuard(lambda *a: None, bind_host=self.bind_host, allowed_hosts=self.allowed_hosts)  # raises if malformed
 
 
 class ApiError(Exception):
@@ -206,8 +209,6 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
     from cspan.backends.hostguard import HostGuard
 
     settings = settings or ASRServerSettings()
-    guard_check = HostGuard(lambda *a: None, bind_host=settings.bind_host, allowed_hosts=settings.allowed_hosts)
-    del guard_check  # a malformed allowed host fails here, before anything starts
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrency, thread_name_prefix="asr-engine")
     gate = _Gate(settings.max_concurrency, settings.max_queue)
 

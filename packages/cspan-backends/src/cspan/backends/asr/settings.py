@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["ASRServeSettings"]
@@ -76,6 +76,16 @@ class ASRServeSettings(BaseSettings):
         False,
         description="transformers engine: allow a model directory's own Python code to run (only for models you trust)",
     )
+
+    @field_validator("allowed_host")
+    @classmethod
+    def _host_names(cls, names: list[str]) -> list[str]:
+        from cspan.backends.hostguard import parse_host
+
+        for name in names:
+            if name.strip() != "*" and parse_host(name) is None:
+                raise ValueError(f"allowed host {name!r}: use NAME or NAME:PORT (e.g. voice.example.org:443)")
+        return names
 
     @model_validator(mode="after")
     def _token_from_older_variable(self) -> ASRServeSettings:
