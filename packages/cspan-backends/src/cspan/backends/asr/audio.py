@@ -126,11 +126,15 @@ def decode_audio(data: bytes, *, max_seconds: float | None = None, name: str = "
         raise
     except (sf.SoundFileError, RuntimeError, TypeError, ValueError, EOFError) as exc:
         reason = getattr(exc, "error_string", None) or str(exc)  # libsndfile's own words, without the BytesIO repr
+        if reason.strip(" .").lower() in ("system error", "internal psf_fseek() failed"):
+            reason = "the data ends early or is damaged"  # what libsndfile's generic I/O failures mean for bytes
         raise AudioFormatError(
             f"{name} ({len(data)} bytes) is not a readable audio file ({reason}); send WAV, FLAC or OGG"
         ) from exc
     # Some containers report no frame count up front; check again on what was actually read.
     _check_duration(samples.shape[0] / sample_rate, max_seconds, name)
+    if samples.shape[0] == 0:
+        raise AudioFormatError(f"{name} ({len(data)} bytes) holds no audio samples; send a clip with sound in it")
     pcm = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
     return as_mono_float32(pcm), sample_rate
 
