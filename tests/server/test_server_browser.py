@@ -86,8 +86,14 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
             assert user_text.strip(), console
             page.screenshot(path=str(artifacts / "serve-page.png"), full_page=True)
 
+            # the "behind real time" banner (audio_overflow) is about the live session: Stop clears it
+            page.evaluate(
+                "() => { const n = document.getElementById('notice'); n.textContent = 'behind';"
+                " n.className = 'notice warn behind'; n.hidden = false; }"
+            )
             page.click("#stop")
             page.wait_for_selector("#downloads:not([hidden])", timeout=60_000)
+            assert page.is_hidden("#notice")
             with page.expect_download() as wav_download:
                 page.click("#download-wav")
             with page.expect_download() as json_download:

@@ -272,7 +272,7 @@
         if (msg.code === "backend") {
           spanItem("none", [txt(`${msg.stage} failed: ${msg.message}`)]);
         } else if (msg.code === "audio_overflow") {
-          notice("The server is behind real time: some of your audio was dropped.", "warn");
+          notice("The server is behind real time: some of your audio was dropped.", "warn behind");
         } else {
           notice(`Server: ${msg.message} (${msg.code})`, "warn");
         }
@@ -468,6 +468,7 @@
     if (!session || session.stopping) return;
     session.stopping = true;
     ui.stop.disabled = true;
+    if (ui.notice.classList.contains("behind")) notice(""); // nothing is sent any more: no longer behind
     setStatus("stopping", "connecting");
     const ws = session.ws;
     if (ws && ws.readyState === WebSocket.OPEN) {
@@ -499,6 +500,7 @@
     if (session.finished) return;
     session.finished = true;
     session.stopping = true;
+    if (ui.notice.classList.contains("behind")) notice(""); // about the live session only
     await teardown(session);
     ui.stop.disabled = true;
     ui.start.disabled = false;
