@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 STATIC_FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
+    "ogg-opus.js": "text/javascript; charset=utf-8",
     "mic-worklet.js": "text/javascript; charset=utf-8",
     "player-worklet.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
