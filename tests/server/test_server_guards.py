@@ -251,3 +251,18 @@ async def test_stop_mid_sentence_still_gives_the_final_transcript(serve, fixture
     assert client.received.types().index("user_text") < client.received.types().index("bye")
     stats = bye["stats"]
     assert stats["consumed_frames"] == cut and stats["silence_frames"] <= 12
+
+
+def test_legacy_backend_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cspan backends env`` exports CSPAN_ASR_URL / CSPAN_ROUTER_URL: still read, below CSPAN_ASR and the flag."""
+    from cspan.core.settings import load_settings
+    from cspan.server.serve_settings import ServeSettings
+
+    monkeypatch.setenv("CSPAN_ASR_URL", "http://asr.local:8990/v1")
+    monkeypatch.setenv("CSPAN_ROUTER_URL", "http://llm.local:8000/v1")
+    s = load_settings(ServeSettings)
+    assert (s.asr, s.router) == ("http://asr.local:8990/v1", "http://llm.local:8000/v1")
+    assert s.backend_urls() == {"--asr": "http://asr.local:8990/v1", "--router": "http://llm.local:8000/v1"}
+    monkeypatch.setenv("CSPAN_ASR", "none")
+    assert load_settings(ServeSettings).asr == "none"
+    assert load_settings(ServeSettings, {"router": "local"}).router == "local"
