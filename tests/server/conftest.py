@@ -25,9 +25,9 @@ def serve(tiny_checkpoint: Any) -> Iterator[Callable[..., ServerThread]]:
     """``serve(**settings)`` -> a started :class:`ServerThread` on the tiny checkpoint (stopped after the test).
 
     Keyword arguments are :class:`~cspan.server.serve_settings.ServeSettings` fields, plus ``transcriber`` / ``retriever``
-    to pass to ``create_app``. Defaults: no ASR, no router, test hooks on, one session, a short persona, and a
-    queue bound of 20 s (a test asserting that no frame is dropped must not depend on how fast this machine is;
-    the bound itself is tested with a small one).
+    to pass to ``create_app``. Defaults: no ASR, no router, test hooks on, one session, a short persona, a Context DB
+    in memory, and a queue bound of 20 s (a test asserting that no frame is dropped must not depend on how fast this
+    machine is; the bound itself is tested with a small one).
     """
     from cspan.server.serve import ServeSettings, create_app
 
@@ -42,6 +42,7 @@ def serve(tiny_checkpoint: Any) -> Iterator[Callable[..., ServerThread]]:
             "max_sessions": 1,
             "text_prompt": "You are a helpful assistant.",
             "max_queued_frames": 250,
+            "db": ":memory:",
         }
         settings = ServeSettings(**{**defaults, **kwargs})
         app = create_app(settings, checkpoint=tiny_checkpoint, **app_kwargs)

@@ -37,7 +37,8 @@ async def test_token_required(serve) -> None:
         assert ws.subprotocol == f"cspan.token.{TOKEN}"  # echoed, as browsers require
         assert (await Client(ws).start())["type"] == "ready"
 
-    metrics = httpx.get(server.url + "/metrics").text
+    assert httpx.get(server.url + "/metrics").status_code == 401  # operators' numbers: the token's admin scope
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert 'cspan_auth_failures_total{protocol="cspan",reason="token"} 3.0' in metrics
 
 
@@ -92,7 +93,9 @@ async def test_bad_messages_get_errors_and_the_session_goes_on(serve, fixture_fi
     assert stats["user_frames"] == stats["consumed_frames"] == streamed
     assert stats["errors"] == len(cases) + 2
     assert stats["frames"] == len(client.received.audio()) >= streamed
-    profile = server.hub.db.get_profile(client.received.json("ready")[0]["profile"]["user_id"])
+    ready = client.received.json("ready")[0]
+    assert ready["profile"]["user_id"] == "local"  # no credentials configured: the one local user
+    profile = server.hub.db.user("local").get_profile()
     assert profile.name == "Bo" and profile.timezone == "Asia/Tokyo"
 
 

@@ -284,6 +284,6 @@ async def test_token_and_busy(serve) -> None:
                 msg = await second.receive()
                 assert msg.data[0] == 5 and msg.data[1:].decode().startswith("busy")
                 assert (await second.receive()).type == aiohttp.WSMsgType.CLOSE and second.close_code == 1013
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {token}"}).text
     assert 'cspan_auth_failures_total{protocol="moshi",reason="token"} 3.0' in metrics
     assert 'cspan_sessions_busy_total{protocol="moshi"} 1.0' in metrics

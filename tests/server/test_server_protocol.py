@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cspan.backends.context_db import ContextDB
+from cspan.backends.identity import Principal, issue_token
 from cspan.core.errors import ProtocolError
 from cspan.server.auth import (
-    ANONYMOUS,
-    Principal,
+    CredentialAuthenticator,
     ServeConfigError,
-    TokenAuthenticator,
     check_bind,
     is_loopback_host,
     origin_allowed,
@@ -83,6 +83,7 @@ def test_client_messages_parse() -> None:
         ('{"type": "start", "profile": {"lon": "east"}}', "invalid_message"),
         ('{"type": "start", "profile": {"timezone": "Nowhere/Atlantis"}}', "invalid_message"),
         ('{"type": "start", "profile": {"user_id": "../etc"}}', "invalid_message"),
+        ('{"type": "start", "profile": {"user_id": "ada"}}', "invalid_message"),
         ('{"type": "start", "test": {"force_ret_at": [-1]}}', "invalid_message"),
         ('{"type": "start", "text_prompt": "' + "x" * 5000 + '"}', "invalid_message"),
         ('{"type": "stop", "pad": "' + "x" * 70000 + '"}', "too_large"),
@@ -157,17 +158,28 @@ def test_protocol_doc_covers_every_message_and_code(repo_root: Path) -> None:
         assert code in rows, f"error code {code!r} has no row in docs/PROTOCOL.md"
 
 
-def test_token_checks() -> None:
+async def test_token_checks() -> None:
     from cspan.server.adapters import Connection
     from cspan.server.adapters.ws import CspanAdapter
 
-    assert TokenAuthenticator(None).authenticate(None) == ANONYMOUS
-    assert TokenAuthenticator(None).authenticate("anything") == ANONYMOUS
+    db = ContextDB(":memory:")
+    open_server = CredentialAuthenticator(db)  # one person on 127.0.0.1: everyone is the local principal
+    assert not await open_server.required()
+    assert await open_server.authenticate(None) == Principal.local()
+    assert await open_server.authenticate("anything") == Principal.local()
     tok = "abcdefgh-123"
-    auth = TokenAuthenticator(tok)
-    assert auth.required and auth.authenticate(tok) == Principal(name="token")
+    auth = CredentialAuthenticator(db, token=tok, token_user="kiosk")
+    assert await auth.required()
+    assert (await auth.authenticate(tok)).user_id == "kiosk"
     for wrong in (None, "", tok[:-1], tok + "4", "abcdefgh-124", "ü" * 12):
-        assert auth.authenticate(wrong) is None, wrong
+        assert await auth.authenticate(wrong) is None, wrong
+    # an issued token makes the open server require credentials at once; an admin-only token cannot talk
+    _, ada = issue_token(db, "ada")
+    _, ops = issue_token(db, "ops", scopes=["admin"])
+    assert await open_server.required() and await open_server.authenticate(None) is None
+    assert (await open_server.authenticate(ada)).user_id == "ada"
+    assert await open_server.authenticate(ops) is None
+    assert await CredentialAuthenticator(ContextDB(":memory:"), always=True).required()
     # /ws: the offered cspan.token.* subprotocol first (echoed), else ?token=
     cred = CspanAdapter.credential(Connection("/ws", {"token": "q"}, {}, ("other", f"cspan.token.{tok}")))
     assert (cred.token, cred.subprotocol) == (tok, f"cspan.token.{tok}")

@@ -40,7 +40,7 @@ async def test_two_sessions_stream_concurrently_and_a_third_is_busy(serve, fixtu
         assert (r1["type"], r2["type"]) == ("ready", "ready")
         assert {r1["slot"], r2["slot"]} == {0, 1}
         assert r1["conversation_id"] != r2["conversation_id"]
-        assert r1["profile"]["user_id"] != r2["profile"]["user_id"]
+        assert r1["profile"]["user_id"] == r2["profile"]["user_id"] == "local"  # no credentials: one local user
         assert httpx.get(server.url + "/health").json()["free_slots"] == 0
 
         async with websockets.connect(server.ws_url) as ws3:
@@ -63,9 +63,9 @@ async def test_two_sessions_stream_concurrently_and_a_third_is_busy(serve, fixtu
         assert stats["dropped_frames"] == 0
         assert stats["frames"] == len(client.received.audio()) >= len(frames)
     await wait_for(lambda: httpx.get(server.url + "/health").json()["free_slots"] == 2)
-    db = server.hub.db
-    assert db.get_profile(r1["profile"]["user_id"]).name == "Ann"
-    assert db.get_profile(r2["profile"]["user_id"]).name == "Bob"
+    local = server.hub.db.user("local")
+    assert {r1["conversation_id"], r2["conversation_id"]} <= {c.id for c in local.conversations()}
+    assert local.get_profile().name in ("Ann", "Bob")  # the profile each session stored, the later one kept
 
     metrics = httpx.get(server.url + "/metrics").text
     assert 'cspan_sessions_started_total{protocol="cspan"} 2.0' in metrics
@@ -88,7 +88,7 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
 
     async with websockets.connect(server.ws_url, max_size=None) as ws:
         client = Client(ws)
-        ready = await client.start(profile={"user_id": "tester-1", "name": "Ada"}, test={"force_ret_at": [4.0]})
+        ready = await client.start(profile={"name": "Ada"}, test={"force_ret_at": [4.0]})
         await client.stream(frames)
         await client.recv_until(lambda k, m: k == "json" and m["type"] == "user_text" and m["final"])
         await client.recv_until(lambda k, m: k == "json" and m["type"] == "ret")
@@ -97,12 +97,13 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
 
     from cspan.backends.context_db import ContextDB
 
-    with ContextDB(db_path) as db:  # a second connection to the SQLite file: what was written is on disk
+    with ContextDB(db_path) as store:  # a second connection to the SQLite file: what was written is on disk
+        db = store.user("local")
         # the session is finished off after its slot is freed (outstanding transcripts, then the end time)
         await wait_for(lambda: db.get_conversation(ready["conversation_id"]).ended_at is not None)
         turns = db.turns(ready["conversation_id"])
         assert any(t.role == "user" and "london" in t.text for t in turns)
-        assert db.get_profile("tester-1").name == "Ada"
+        assert db.get_profile().name == "Ada"
     await wait_for(
         lambda: (
             'cspan_sessions_ended_total{protocol="cspan",reason="disconnect"} 1.0'

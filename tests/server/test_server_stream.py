@@ -106,7 +106,7 @@ async def test_stream_question_with_forced_ret(serve, fixture_file, tmp_path: Pa
     assert slot["live_sessions"] == 1
     assert len(rec.json("text")) > 0 and all(m["text"] for m in rec.json("text"))
 
-    db = server.hub.db
+    db = server.hub.db.user(ready["profile"]["user_id"])
     conversation = db.get_conversation(ready["conversation_id"])
     assert conversation is not None and conversation.ended_at is not None
     assert any(t.role == "user" and "london" in t.text for t in db.turns(ready["conversation_id"]))

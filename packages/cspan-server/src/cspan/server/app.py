@@ -9,21 +9,25 @@ receive loop, the sender, the idle watchdog.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
+from cspan.core.errors import CspanError
 from cspan.server.adapters import Connection, ProtocolAdapter, discover_adapters
 from cspan.server.auth import (
     Authenticator,
+    CredentialAuthenticator,
     ServeConfigError,
-    TokenAuthenticator,
+    bearer_token,
+    check_bind,
     host_allowed,
+    is_loopback_host,
     offered_subprotocols,
     origin_allowed,
 )
@@ -31,6 +35,7 @@ from cspan.server.protocol import PROTOCOL_VERSION
 from cspan.server.serve_settings import ServeSettings
 from cspan.server.session import (
     CLOSE_FORBIDDEN_ORIGIN,
+    CLOSE_TRY_AGAIN_LATER,
     CLOSE_UNAUTHORIZED,
     ClientError,
     Close,
@@ -92,11 +97,103 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
     return checkpoint, engine
 
 
-def build_backends(settings: ServeSettings, db: Any) -> tuple[Any, Any]:
-    """``(transcriber, retriever)`` shared by all sessions (the one place serve builds them, tool bank included)."""
-    from cspan.server.infer import build_backends as build
+@dataclass
+class Backends:
+    """What ``cspan serve`` builds once and shares, and the per-session view of it.
 
-    return build(argparse.Namespace(**settings.model_dump()), profile=None, db=db)
+    Attributes:
+        transcriber: the shared transcriber (None: ``--asr none``).
+        retriever: the shared :class:`~cspan.backends.retriever.Retriever` (None: ``--router none``); its router
+            sees :attr:`bank` and no user's memory.
+        bank: the shared :class:`~cspan.backends.tools.ToolBank` (``--tools``, ``--mcp``); None when the retriever
+            was given from outside.
+        sets: the built-in tool sets chosen (``memory`` is made per session).
+    """
+
+    transcriber: Any = None
+    retriever: Any = None
+    bank: Any = None
+    sets: tuple[str, ...] = ()
+
+    def for_session(self, memory: Any, tools: Iterable[Any] = ()) -> Any:
+        """One session's retriever: ``memory`` (the principal's
+        :class:`~cspan.backends.context_db.UserMemory`) for its records and context, and its own router over the
+        shared bank plus that principal's memory tools (with the ``memory`` set) and ``tools`` (a client's
+        functions). Cheap: nothing is opened."""
+        from cspan.backends.router import LocalRouter
+        from cspan.backends.tools.catalog import session_bank
+
+        base = self.retriever
+        if base is None or not hasattr(base, "scoped"):
+            return base
+        router = base.router
+        remembers = "memory" in self.sets or self.bank is None
+        if isinstance(router, LocalRouter):
+            bank = session_bank(self.bank, memory=memory, sets=self.sets, extra=tools) if self.bank else None
+            return base.scoped(memory, router=router.with_bank(bank, memory=memory if remembers else None))
+        if self.bank is not None and hasattr(router, "with_bank"):
+            return base.scoped(
+                memory, router=router.with_bank(session_bank(self.bank, memory=memory, sets=self.sets, extra=tools))
+            )
+        return base.scoped(memory)
+
+    async def aclose(self) -> None:
+        """Close the router's HTTP client, the tool bank (MCP sessions and subprocesses) and the transcriber."""
+        router = getattr(self.retriever, "router", None)
+        for obj in (router, self.bank if self.bank is not None else getattr(router, "tools", None), self.transcriber):
+            aclose = getattr(obj, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+def build_transcriber(settings: ServeSettings) -> Any:
+    """The transcriber of ``--asr`` (None for ``none``).
+
+    Raises:
+        ServeConfigError: the transcriber cannot be made (the message names ``--asr``).
+    """
+    from cspan.backends.asr import transcriber_from_url
+
+    if settings.asr == "none":
+        return None
+    try:
+        return transcriber_from_url(settings.asr, model=settings.asr_model)
+    except (ValueError, CspanError) as exc:
+        raise ServeConfigError(f"--asr {settings.asr}: {exc}") from exc
+
+
+async def build_backends(settings: ServeSettings, transcriber: Any) -> Backends:
+    """The shared backends of ``settings``: the one place serve builds its tool bank (built-in sets of ``--tools``,
+    MCP servers of ``--mcp``) and its router (``--router``). Runs on the serving event loop (MCP sessions belong to
+    it).
+
+    Raises:
+        ServeConfigError: an MCP server did not start or list its tools, or two tools share a name (the message
+            names the ``--mcp`` value).
+    """
+    from cspan.backends.errors import BackendError
+    from cspan.backends.knowledge import KnowledgeBase
+    from cspan.backends.retriever import Retriever
+    from cspan.backends.router import LLMRouter, LocalRouter
+    from cspan.backends.tools.catalog import build_bank
+
+    if settings.router == "none":
+        return Backends(transcriber=transcriber)
+    knowledge = KnowledgeBase(settings.knowledge)
+    spec = settings.tools_spec(knowledge=settings.knowledge)
+    try:
+        bank = await build_bank(spec, knowledge=knowledge)
+    except BackendError as exc:
+        raise ServeConfigError(f"tools (--tools, --mcp): {exc}") from exc
+    if settings.router == "local":
+        router: Any = LocalRouter(bank, None, knowledge=knowledge)
+    else:
+        router = LLMRouter(settings.router, settings.router_model, bank)
+    retriever = Retriever(transcriber, router, None, deadline_s=settings.span_deadline_s)
+    names = ", ".join(bank.names()) or "none"
+    logger.info("tools: %s (sets %s; %d MCP server(s))", names, ",".join(spec.sets) or "none", len(spec.mcp))
+    return Backends(transcriber=transcriber, retriever=retriever, bank=bank, sets=tuple(spec.sets))
 
 
 class HostGuard:
@@ -153,44 +250,62 @@ def create_app(
         settings: :class:`~cspan.server.serve_settings.ServeSettings` (default: all defaults).
         checkpoint: an already loaded :class:`~cspan.core.checkpoint.Checkpoint` (default: load
             ``settings.checkpoint`` on the device ``pick_device`` chooses).
-        transcriber, retriever: backends to use instead of those built from ``settings`` (None disables one).
+        transcriber, retriever: backends to use instead of those built from ``settings`` (None disables one). A
+            given retriever is scoped to each session's principal (``retriever.scoped(memory)``) when it can be.
         db: a :class:`~cspan.backends.context_db.ContextDB` (default: open ``settings.db``).
-        authenticator: turns credentials into principals (default: :class:`~cspan.server.auth.TokenAuthenticator`
-            of ``settings.token``).
+        authenticator: turns credentials into principals (default: a
+            :class:`~cspan.server.auth.CredentialAuthenticator` of ``--token``, ``--token-file`` and the tokens
+            issued in ``db``).
 
     Returns:
         The FastAPI app (``app.state.hub`` is the :class:`~cspan.server.session.SessionHub`). The model is loaded
-        here; the frame loop starts with the app's lifespan.
+        here; the tool bank is built (``hub.prepare()``) and the frame loop starts with the app's lifespan.
 
     Raises:
         CheckpointError: the checkpoint or default voice cannot be loaded. CspanError: a backend cannot be built
-            (:class:`~cspan.server.auth.ServeConfigError` for the Context DB or a backend error).
+            (:class:`~cspan.server.auth.ServeConfigError` for the Context DB, a backend or the bind address).
     """
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
     from starlette.routing import WebSocketRoute
 
-    from cspan.backends.context_db import ContextDB
     from cspan.backends.errors import BackendError
     from cspan.server.metrics import ServerMetrics
 
     settings = settings or ServeSettings()
-    authenticator = authenticator or TokenAuthenticator(settings.token)
     adapters = discover_adapters()
-    try:  # before the model: a bad Context DB or backend fails in seconds, not minutes
-        db = db if db is not None else ContextDB(settings.db)
-        if transcriber is _UNSET or retriever is _UNSET:
-            built_t, built_r = build_backends(settings, db)
-            transcriber = built_t if transcriber is _UNSET else transcriber
-            retriever = built_r if retriever is _UNSET else retriever
+    try:  # before the model: a bad Context DB, token file or backend fails in seconds, not minutes
+        db = db if db is not None else settings.open_db()
+        credentials: object = authenticator is not None or settings.token or settings.token_file
+        if not credentials and not is_loopback_host(settings.host) and not settings.insecure_no_token:
+            credentials = db.tokens()
+        check_bind(settings.host, credentials, insecure_no_token=settings.insecure_no_token)
+        if authenticator is None:
+            authenticator = CredentialAuthenticator(
+                db,
+                token=settings.token,
+                token_user=settings.token_user,
+                token_file=settings.token_file,
+                always=not is_loopback_host(settings.host) and not settings.insecure_no_token,
+            )
+        if transcriber is _UNSET:
+            transcriber = build_transcriber(settings)
     except BackendError as exc:
-        raise ServeConfigError(f"backends (--db, --asr, --router, --knowledge): {exc}") from exc
+        raise ServeConfigError(f"backends (--db, --token-file, --asr): {exc}") from exc
+    logger.info("Context DB: %s (%s)", db.where, db.dialect)
+
+    async def backends() -> Backends:
+        if retriever is _UNSET:
+            return await build_backends(settings, transcriber)
+        return Backends(transcriber=transcriber, retriever=retriever)
+
     checkpoint, engine = build_engine(settings, checkpoint)
     metrics = ServerMetrics(settings.max_sessions, [a.name for a in adapters])
-    hub = SessionHub(settings, checkpoint, engine, transcriber, retriever, db, metrics)
+    hub = SessionHub(settings, checkpoint, engine, db, metrics, backends)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
+        await hub.prepare()  # done already when run by cspan serve (make_server), which reports failures cleanly
         hub.start()
         try:
             yield
@@ -200,6 +315,7 @@ def create_app(
     app = FastAPI(title="cspan serve", version=str(PROTOCOL_VERSION), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.hub = hub
     app.state.settings = settings
+    app.state.authenticator = authenticator
 
     def static(name: str) -> Response:
         return Response(_static_bytes(name), media_type=STATIC_FILES[name], headers=_PAGE_HEADERS)
@@ -218,16 +334,19 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        """Liveness and capacity."""
-        return {
-            "status": "ok" if hub.running else "stopped",
+        """Liveness and capacity, for load balancers: 200 while a slot is free, 503 when full, draining or stopped
+        (the body says which)."""
+        status, free = hub.health()
+        body = {
+            "status": status,
             "model": hub.model_name,
             "sample_rate": SAMPLE_RATE,
             "frame_size": FRAME_SIZE,
             "max_sessions": settings.max_sessions,
-            "free_slots": hub.free_slots(),
+            "free_slots": free,
             "protocol_version": PROTOCOL_VERSION,
         }
+        return JSONResponse(body, status_code=200 if status == "ok" else 503, headers={"Cache-Control": "no-store"})
 
     @app.get("/info")
     async def info():
@@ -241,16 +360,28 @@ def create_app(
             "default_voice": hub.default_voice,
             "text_prompt": settings.text_prompt,
             "max_text_prompt_chars": settings.max_text_prompt_chars,
-            "token_required": authenticator.required,
+            "token_required": await authenticator.required(),
             "asr": hub.transcriber is not None,
             "retrieval": hub.retriever is not None,
             "protocols": {a.name: a.path for a in adapters},
         }
 
-    @app.get("/metrics")
-    async def metrics_endpoint():
+    async def metrics_endpoint(request):
+        """Prometheus metrics; while credentials are required, only for a principal with the ``admin`` scope
+        (``Authorization: Bearer TOKEN`` or ``?token=``)."""
+        if await authenticator.required():
+            token = bearer_token(request.headers.get("authorization")) or request.query_params.get("token")
+            principal = await authenticator.authenticate(token) if token else None
+            if principal is None or not principal.allows("admin"):
+                return JSONResponse(
+                    {"detail": "metrics need a token with the admin scope (Authorization: Bearer TOKEN)"},
+                    status_code=401 if principal is None else 403,
+                    headers={"WWW-Authenticate": "Bearer"} if principal is None else None,
+                )
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    app.router.add_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
 
     for adapter in adapters:
 
@@ -284,7 +415,13 @@ async def serve_connection(
         await websocket.accept(subprotocol=credential.subprotocol)
         await websocket.close(code=CLOSE_FORBIDDEN_ORIGIN, reason="origin not allowed (see --allow-origin)")
         return
-    principal = authenticator.authenticate(credential.token)
+    try:
+        principal = await authenticator.authenticate(credential.token)
+    except Exception as exc:  # the Context DB holding the tokens failed: not the client's fault
+        logger.error("could not check a credential: %s", exc)
+        await websocket.accept(subprotocol=credential.subprotocol)
+        await websocket.close(code=CLOSE_TRY_AGAIN_LATER, reason="credentials cannot be checked now; try again")
+        return
     if principal is None:
         metrics.auth_failures.labels(adapter_cls.name, "token").inc()
         reason = "missing token" if credential.token is None else "wrong token"
@@ -359,4 +496,13 @@ async def _send(websocket: Any, session: Session, adapter: ProtocolAdapter, metr
         session.gone = True
 
 
-__all__ = ["STATIC_FILES", "HostGuard", "build_backends", "build_engine", "create_app", "serve_connection"]
+__all__ = [
+    "STATIC_FILES",
+    "Backends",
+    "HostGuard",
+    "build_backends",
+    "build_engine",
+    "build_transcriber",
+    "create_app",
+    "serve_connection",
+]

@@ -6,31 +6,38 @@
   ``[::1]``) with the bound port, on every route (the page, ``/info``, ``/metrics``, every protocol), unless the
   operator lists more hosts (``--allow-host``, ``*`` for any). Other binds answer any ``Host`` unless
   ``--allow-host`` is given. Refused: HTTP 403 before any work.
-- **Bind address.** Serving on a non-loopback address without a token is refused unless the operator says
-  ``--insecure-no-token``: anyone who can reach the port could otherwise talk to the model and read the Context DB
-  through it.
+- **Bind address.** Serving on a non-loopback address without credentials (``--token``, ``--token-file`` or a token
+  issued with ``cspan users add``) is refused unless the operator says ``--insecure-no-token``: anyone who can reach
+  the port could otherwise talk to the model and read the Context DB through it.
 - **Origin.** Browsers send ``Origin`` with every WebSocket handshake; a page from another site must not drive a
   session in the user's browser (cross-site WebSocket hijacking). A handshake whose ``Origin`` is neither this
   server's own origin (same host and port as the ``Host`` header) nor in ``--allow-origin`` is closed with 4403.
   Clients that send no ``Origin`` (non-browser programs) are not affected.
 - **Credential.** Each protocol says where its client puts the credential (``/ws``: ``?token=`` or the subprotocol
-  ``cspan.token.<token>``; see the adapters). An :class:`Authenticator` turns it into a :class:`Principal`, or
-  refuses it; the one built in is :class:`TokenAuthenticator` (one shared token, compared in constant time). A
-  refused connection is closed with 4401 before any session or model work. A principal that names a user decides
-  the Context DB user, whatever the client's messages say.
+  ``cspan.token.<token>``; see the adapters). An :class:`Authenticator` turns it into a
+  :class:`~cspan.backends.identity.Principal`, or refuses it; the one built in is :class:`CredentialAuthenticator`
+  (issued tokens, a token file, the shared token; compared in constant time). A refused connection is closed with
+  4401 before any session or model work. The principal's user id is the session's Context DB user; no client
+  message can name another.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import ipaddress
+import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from cspan.core.errors import CspanError
+
+if TYPE_CHECKING:
+    from cspan.backends.identity import Principal
+
+logger = logging.getLogger(__name__)
 
 TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9._~\-]{8,256}$")
 """A token must be usable inside a subprotocol name: 8 to 256 of ``A-Z a-z 0-9 . _ ~ -``."""
@@ -70,17 +77,23 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, token: str | None, *, insecure_no_token: bool) -> None:
-    """Refuse a non-loopback bind without a token.
+def check_bind(host: str, credentials: object, *, insecure_no_token: bool) -> None:
+    """Refuse a non-loopback bind without credentials.
+
+    Args:
+        host: the bind address.
+        credentials: truthy when some credential can authenticate (a shared token, a token file, issued tokens).
+        insecure_no_token: the operator's ``--insecure-no-token``.
 
     Raises:
-        ServeConfigError: ``host`` is not loopback, no token is set, and ``insecure_no_token`` is False.
+        ServeConfigError: ``host`` is not loopback, there are no credentials, and ``insecure_no_token`` is False.
     """
-    if token or insecure_no_token or is_loopback_host(host):
+    if credentials or insecure_no_token or is_loopback_host(host):
         return
     raise ServeConfigError(
         f"refusing to serve on {host!r} without a token: anyone who reaches this port could use the model. Set "
-        "--token (or CSPAN_TOKEN), bind to 127.0.0.1, or pass --insecure-no-token if the network is trusted"
+        "--token (or CSPAN_TOKEN) or --token-file, issue tokens with `cspan users add USER`, bind to 127.0.0.1, or "
+        "pass --insecure-no-token if the network is trusted"
     )
 
 
@@ -160,51 +173,82 @@ def origin_allowed(origin: str | None, host_header: str | None, allowed: Iterabl
 # ---------------------------------------------------------------------------------------------------- identity
 
 
-@dataclass(frozen=True)
-class Principal:
-    """Who a connection's credential says the client is.
-
-    Attributes:
-        name: for logs (``anonymous``, ``token``, or an identity provider's subject).
-        user_id: the Context DB user this credential stands for; None lets the client name one (``profile.user_id``)
-            or have one made per session.
-    """
-
-    name: str = "anonymous"
-    user_id: str | None = None
-
-
-ANONYMOUS = Principal()
-
-
 class Authenticator(Protocol):
-    """Turns a connection's credential into a :class:`Principal` (the seam for identity providers)."""
+    """Turns a connection's credential into a :class:`~cspan.backends.identity.Principal` (the seam for identity
+    providers). The principal's ``user_id`` is the session's Context DB user; nothing a client sends changes it."""
 
-    required: bool
-    """Whether a credential is needed at all (``/info`` reports it; the page asks for a token)."""
+    async def required(self) -> bool:
+        """Whether a credential is needed now (``/info`` reports it; the page asks for a token)."""
+        ...
 
-    def authenticate(self, credential: str | None) -> Principal | None:
+    async def authenticate(self, credential: str | None) -> Principal | None:
         """The principal of ``credential`` (None when the client gave none), or None to refuse the connection."""
         ...
 
 
-class TokenAuthenticator:
-    """One shared token (``--token`` / ``CSPAN_TOKEN``), or none (everyone is :data:`ANONYMOUS`).
+class CredentialAuthenticator:
+    """The credentials of ``cspan serve``: issued tokens (``cspan users add``, in the Context DB), a token file, the
+    shared ``--token`` (one principal, ``token_user``); :class:`cspan.backends.identity.Authenticator` compares
+    them in constant time.
 
-    The credential is compared with :func:`hmac.compare_digest` (constant time).
+    A credential is required when ``--token`` or ``--token-file`` is set, when the server listens beyond loopback
+    (unless ``insecure_no_token``), or while the Context DB holds an issued token (checked per connection, so
+    ``cspan users add`` takes effect at once). Otherwise (one person on 127.0.0.1) every session is
+    :meth:`Principal.local() <cspan.backends.identity.Principal.local>`. A principal without the ``session``
+    scope is refused.
+
+    Args:
+        db: the Context DB holding issued tokens (None: none are accepted).
+        token: the shared token; token_user: its user id.
+        token_file: a token file (read now; :meth:`reload` reads it again).
+        always: require a credential whatever is configured (a non-loopback bind).
+
+    Raises:
+        IdentityError: the token file is invalid.
     """
 
-    def __init__(self, token: str | None) -> None:
-        self._token = token.encode("utf-8") if token else None
-        self.required = self._token is not None
+    def __init__(
+        self,
+        db: Any = None,
+        *,
+        token: str | None = None,
+        token_user: str = "local",
+        token_file: str | Path | None = None,
+        always: bool = False,
+    ) -> None:
+        from cspan.backends.identity import Authenticator as Credentials
 
-    def authenticate(self, credential: str | None) -> Principal | None:
-        if self._token is None:
-            return ANONYMOUS
-        if credential is None:
-            return None
-        ok = hmac.compare_digest(credential.encode("utf-8", errors="replace"), self._token)
-        return Principal(name="token") if ok else None
+        self.db = db
+        self.credentials = Credentials(db=db, token_file=token_file, shared_token=token, shared_user=token_user)
+        self.configured = bool(token or token_file or always)
+
+    def reload(self) -> None:
+        """Read the token file again (on SIGHUP); the old entries stay when it is invalid (logged)."""
+        from cspan.backends.identity import IdentityError
+
+        try:
+            self.credentials.reload()
+        except IdentityError as exc:
+            logger.error("token file not reloaded (the previous one stays in force): %s", exc)
+        else:
+            logger.info("token file reloaded")
+
+    def _required(self) -> bool:
+        return self.configured or (self.db is not None and bool(self.db.tokens()))
+
+    async def required(self) -> bool:
+        return await asyncio.to_thread(self._required)
+
+    def _authenticate(self, credential: str | None) -> Principal | None:
+        from cspan.backends.identity import Principal
+
+        if not self._required():
+            return Principal.local()
+        principal = self.credentials.authenticate(credential)
+        return principal if principal is not None and principal.allows("session") else None
+
+    async def authenticate(self, credential: str | None) -> Principal | None:
+        return await asyncio.to_thread(self._authenticate, credential)
 
 
 def offered_subprotocols(header: str | None) -> list[str]:
@@ -223,12 +267,10 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 __all__ = [
-    "ANONYMOUS",
     "TOKEN_PATTERN",
     "Authenticator",
-    "Principal",
+    "CredentialAuthenticator",
     "ServeConfigError",
-    "TokenAuthenticator",
     "bearer_token",
     "check_bind",
     "host_allowed",

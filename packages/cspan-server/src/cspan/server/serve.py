@@ -15,9 +15,11 @@ This module is the command and its uvicorn wiring. The parts, one concern each:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import re
+import signal
 import threading
 from typing import Any
 
@@ -89,7 +91,8 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
 
 def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> Any:
     """The uvicorn configuration ``cspan serve`` uses: WebSocket size limit, no compression of audio, the header
-    timeout (``settings.header_timeout_s``), tokens redacted from the access log."""
+    timeout (``settings.header_timeout_s``), tokens redacted from the access log, TLS with ``--ssl-certfile`` /
+    ``--ssl-keyfile``."""
     import uvicorn
 
     for name in ("uvicorn.access", "uvicorn.error"):
@@ -114,33 +117,56 @@ def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> Any:
         "timeout_graceful_shutdown": 5,
         "log_level": "info",
     }
+    if settings.ssl_certfile is not None:
+        kwargs["ssl_certfile"] = str(settings.ssl_certfile)
+        if settings.ssl_keyfile is not None:
+            kwargs["ssl_keyfile"] = str(settings.ssl_keyfile)
     kwargs.update(overrides)
     return uvicorn.Config(app, **kwargs)
 
 
 def make_server(config: Any) -> Any:
-    """A ``uvicorn.Server`` for ``config`` that ends every session (reason ``shutdown``) before uvicorn closes the
-    connections (plain uvicorn would close them with 1012 first)."""
+    """A ``uvicorn.Server`` for ``config`` that
+
+    - builds the backends (tool bank, MCP servers) on its event loop before it listens, so that a failure is one
+      error (:class:`~cspan.server.auth.ServeConfigError`) rather than a failed lifespan;
+    - reads the token file again on SIGHUP;
+    - on SIGTERM/SIGINT drains for ``--drain-s`` (``/health`` answers 503, new conversations are refused, running
+      ones go on), then ends every session (reason ``shutdown``, close 1001) before uvicorn closes the connections
+      (plain uvicorn would close them with 1012 first).
+    """
     import uvicorn
 
     class _ServeServer(uvicorn.Server):
+        async def serve(self, sockets: Any = None) -> None:
+            hub = _find_state(self.config.app, "hub")
+            if isinstance(hub, SessionHub):
+                await hub.prepare()
+            reload = getattr(_find_state(self.config.app, "authenticator"), "reload", None)
+            if reload is not None and hasattr(signal, "SIGHUP"):
+                with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+                    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+            await super().serve(sockets=sockets)
+
         async def shutdown(self, sockets: Any = None) -> None:
             app = self.config.loaded_app if self.config.loaded else self.config.app
-            hub = _find_hub(app)
-            if hub is not None:
+            hub = _find_state(app, "hub")
+            if isinstance(hub, SessionHub):
                 with contextlib.suppress(Exception):
+                    await hub.drain(hub.settings.drain_s, give_up=lambda: self.force_exit)
                     await hub.end_all("shutdown")
             await super().shutdown(sockets=sockets)
 
     return _ServeServer(config)
 
 
-def _find_hub(app: Any) -> SessionHub | None:
-    for _ in range(8):  # unwrap uvicorn's middleware wrappers
+def _find_state(app: Any, name: str) -> Any:
+    """``app.state.<name>`` of the app inside uvicorn's middleware wrappers (None when absent)."""
+    for _ in range(8):
         state = getattr(app, "state", None)
-        hub = getattr(state, "hub", None) if state is not None else None
-        if isinstance(hub, SessionHub):
-            return hub
+        found = getattr(state, name, None) if state is not None else None
+        if found is not None:
+            return found
         app = getattr(app, "app", None)
         if app is None:
             return None
@@ -157,11 +183,10 @@ def serve_command(parser: argparse.ArgumentParser) -> None:
 
 def _handle(args: argparse.Namespace) -> int:
     from cspan.core.settings import settings_from_args
-    from cspan.server.auth import ServeConfigError, check_bind
+    from cspan.server.auth import ServeConfigError
     from cspan.server.settings_common import check_backends_answer
 
     settings: ServeSettings = settings_from_args(args)
-    check_bind(settings.host, settings.token, insecure_no_token=settings.insecure_no_token)
     if settings.test_hooks:
         logger.warning("test hooks are enabled (--test-hooks): clients may force <ret> and spans")
     loaded: dict[str, Any] = {}

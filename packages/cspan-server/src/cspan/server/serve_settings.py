@@ -1,24 +1,27 @@
 """The settings of ``cspan serve``, declared once (flags, ``CSPAN_*`` variables and ``--config`` file keys).
 
 :mod:`cspan.core.settings` generates the command line from :class:`ServeSettings`; ranges are checked there, with one
-line naming the flag, the variable or the file key, and exit status 2, before anything loads. Model and backend
-fields come from :mod:`cspan.server.settings_common` (shared with ``cspan infer``).
+line naming the flag, the variable or the file key, and exit status 2, before anything loads. Model, backend,
+tool and Context DB fields come from :mod:`cspan.server.settings_common` (shared with ``cspan infer``).
 """
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pathlib import Path
+
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings
 
+from cspan.backends.context_db.user import check_id
 from cspan.core.settings import SETTINGS_CONFIG
 from cspan.server.auth import TOKEN_PATTERN
-from cspan.server.settings_common import BackendSettings, ModelSettings
+from cspan.server.settings_common import BackendSettings, ContextDBSettings, ModelSettings, ToolSettings
 
 _SERVER = {"group": "server"}
 _ACCESS = {"group": "access"}
 
 
-class ServeSettings(ModelSettings, BackendSettings, BaseSettings):
+class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSettings, BaseSettings):
     """Serve live conversations in the browser over WebSocket (several at once on one batched engine)."""
 
     model_config = SETTINGS_CONFIG
@@ -56,6 +59,17 @@ class ServeSettings(ModelSettings, BackendSettings, BaseSettings):
         "/?token=...",
         json_schema_extra=_ACCESS,
     )
+    token_user: str = Field(
+        "local",
+        description="the user id the shared --token stands for (its Context DB memory)",
+        json_schema_extra={**_ACCESS, "metavar": "USER"},
+    )
+    token_file: Path | None = Field(
+        None,
+        description="TOML file of credentials: [[token]] tables with user, sha256 (or token) and scopes; read at "
+        "start and on SIGHUP (docs/OPERATORS.md)",
+        json_schema_extra={**_ACCESS, "metavar": "FILE"},
+    )
     insecure_no_token: bool = Field(
         False, description="allow a non-loopback --host without a token (trusted LANs)", json_schema_extra=_ACCESS
     )
@@ -71,6 +85,22 @@ class ServeSettings(ModelSettings, BackendSettings, BaseSettings):
         "loopback --host only localhost, 127.0.0.1 and [::1] with the bound port are answered (DNS rebinding)",
         json_schema_extra={**_ACCESS, "metavar": "HOST"},
     )
+    ssl_certfile: Path | None = Field(
+        None,
+        description="serve https and wss with this PEM certificate (chain) file (uvicorn's; with --ssl-keyfile)",
+        json_schema_extra={**_SERVER, "metavar": "FILE"},
+    )
+    ssl_keyfile: Path | None = Field(
+        None,
+        description="the PEM private key of --ssl-certfile (not needed when the certificate file holds it)",
+        json_schema_extra={**_SERVER, "metavar": "FILE"},
+    )
+    drain_s: float = Field(
+        0.0, ge=0.0, le=86400.0, allow_inf_nan=False,
+        description="on SIGTERM/SIGINT, refuse new conversations (/health answers 503) and let running ones go on "
+        "for up to this long before ending them (s)",
+        json_schema_extra=_SERVER,
+    )  # fmt: skip
     test_hooks: bool = Field(
         False,
         description="accept start.test (forced <ret>, scheduled spans, seed): tests only",
@@ -86,6 +116,33 @@ class ServeSettings(ModelSettings, BackendSettings, BaseSettings):
                 'generate one with: python -c "import secrets; print(secrets.token_urlsafe())"'
             )
         return value or None
+
+    @field_validator("token_user")
+    @classmethod
+    def _token_user(cls, value: str) -> str:
+        return check_id(value, "user id")
+
+    @field_validator("token_file", "ssl_certfile", "ssl_keyfile")
+    @classmethod
+    def _readable_file(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        path = value.expanduser()
+        if not path.is_file():
+            raise ValueError(f"{str(value)!r} is not a file")
+        return path
+
+    @field_validator("ssl_keyfile")
+    @classmethod
+    def _key_needs_certificate(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and info.data.get("ssl_certfile") is None:
+            raise ValueError("needs --ssl-certfile (the certificate this key belongs to)")
+        return value
+
+    @property
+    def tls(self) -> bool:
+        """Whether the server speaks https/wss."""
+        return self.ssl_certfile is not None
 
 
 __all__ = ["ServeSettings"]

@@ -66,21 +66,23 @@ import logging
 import time
 import uuid
 import zoneinfo
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cspan.core.audio import sanitize_pcm
 from cspan.core.constants import FRAME_RATE, FRAME_SIZE
 from cspan.core.errors import ProtocolError
 from cspan.core.events import ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
-from cspan.server.auth import Principal
 from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
+
+if TYPE_CHECKING:
+    from cspan.backends.identity import Principal
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,8 @@ OVERFLOW_REPORT_FRAMES = 50
 """At most one ``audio_overflow`` error per this many frames (4 s) while frames are being dropped."""
 STOP_FLUSH_FRAMES = 12
 """After ``stop``, at most this many frames of silence are fed to end a running utterance (its final transcript)."""
+PRUNE_EVERY_S = 3600.0
+"""With ``--retention-days``, how often old rows are deleted (they are also deleted when the database is opened)."""
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
@@ -132,18 +136,25 @@ def _timezones() -> frozenset[str]:
 class ProfileFields(_Fields):
     """Who the user is (all optional). ``location`` is a free-text place ("London"), ``timezone`` an IANA name.
 
-    ``user_id`` names the Context DB profile (a browser keeps a random id so that its memory persists across
-    conversations); without one each session gets its own profile. A credential that names a user
-    (:class:`~cspan.server.auth.Principal`) overrides it.
+    Whose profile this is comes from the connection's credential (the session's principal), never from a message:
+    a ``user_id`` field is refused.
     """
 
-    user_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     name: str | None = Field(default=None, max_length=80)
     location: str | None = Field(default=None, max_length=120)
     timezone: str | None = Field(default=None, max_length=64)
     lat: float | None = Field(default=None, ge=-90.0, le=90.0)
     lon: float | None = Field(default=None, ge=-180.0, le=180.0)
     notes: str | None = Field(default=None, max_length=2000)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_user_id(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "user_id" in data:
+            raise ValueError(
+                "user_id: the Context DB user is the one the credential (token) names, not a message field; remove it"
+            )
+        return data
 
     @field_validator("timezone")
     @classmethod
@@ -319,13 +330,16 @@ class Session:
     Args:
         hub: the :class:`SessionHub`.
         protocol: the adapter's name (metrics label).
-        principal: who the connection's credential says the client is.
+        principal: who the connection's credential says the client is; ``memory`` is that principal's Context
+            DB memory (:class:`~cspan.backends.context_db.UserMemory`), the only one the session reads or writes.
     """
 
     def __init__(self, hub: SessionHub, protocol: str, principal: Principal) -> None:
         self.hub = hub
         self.protocol = protocol
         self.principal = principal
+        self.memory = hub.db.user(principal)
+        self.stored_profile: Any = None
         self.id = uuid.uuid4().hex
         self.state = "connected"
         self.slot: int | None = None
@@ -480,14 +494,14 @@ class Session:
             ) from None
         self.profile_fields = request.profile
         seed = request.seed if request.seed is not None else hub.next_seed()
-        if hub.reserve(self) is None:
+        if hub.draining or hub.reserve(self) is None:
             hub.metrics.sessions_busy.labels(self.protocol).inc()
-            self.put(
-                Busy(
-                    max_sessions=settings.max_sessions,
-                    message=f"all {settings.max_sessions} conversation slots are in use; try again later",
-                )
+            message = (
+                "this server is shutting down; connect again (another replica will take the conversation)"
+                if hub.draining
+                else f"all {settings.max_sessions} conversation slots are in use; try again later"
             )
+            self.put(Busy(max_sessions=settings.max_sessions, message=message))
             self.state = "closed"
             self.ending = self.ended = True
             self._close(CLOSE_TRY_AGAIN_LATER, "busy")
@@ -502,6 +516,10 @@ class Session:
             hub.release(self)
             self.state = "connected"
             raise ClientError("internal", f"voice activity detector failed: {exc}") from None
+        try:
+            self.stored_profile = await asyncio.to_thread(self.memory.get_profile)
+        except Exception as exc:  # the conversation goes on without what was remembered
+            logger.warning("Context DB: could not read the profile of %s: %s", self.principal.user_id, exc)
         if self.state != "starting":  # stopped or gone while the detector loaded
             return
         self._start = start
@@ -511,17 +529,15 @@ class Session:
         """Replace the given profile fields; the router and the Context DB see them from the next retrieval on.
 
         Raises:
-            ClientError: ``not_started`` before ``start``; ``invalid_message`` when ``user_id`` changes.
+            ClientError: ``not_started`` before ``start``.
         """
         if self.state not in ("starting", "live", "stopping"):
             raise ClientError("not_started", f"profile update while the session is {self.state}; start first")
-        if fields.user_id is not None and fields.user_id != self.profile_fields.user_id:
-            raise ClientError("invalid_message", "profile.user_id cannot change during a conversation")
         self.profile_fields = self.profile_fields.model_copy(update=fields.model_dump(exclude_unset=True))
         if self.conversation is not None:
             self.profile = self.hub.make_profile(self, self._start.text_prompt if self._start else "")
             self.conversation.profile = self.profile
-            self.hub.put_profile(self.profile)
+            self.hub.put_profile(self, self.profile)
 
     async def stop(self) -> None:
         """End the conversation: queued audio is played through (and a running utterance ended), then ``Ended``."""
@@ -602,9 +618,12 @@ class SessionHub:
         settings: :class:`~cspan.server.serve_settings.ServeSettings`.
         checkpoint: the loaded :class:`~cspan.core.checkpoint.Checkpoint`.
         engine: a :class:`~cspan.core.engine.DuplexEngine` with ``batch_size == settings.max_sessions``.
-        transcriber, retriever: shared by all sessions (either may be None).
-        db: the :class:`~cspan.backends.context_db.ContextDB`.
+        db: the :class:`~cspan.backends.context_db.ContextDB`; each session reads and writes only its principal's
+            memory (``db.user(principal)``).
         metrics: :class:`~cspan.server.metrics.ServerMetrics`.
+        backends: ``async backends() -> Backends`` (:class:`cspan.server.app.Backends`: the transcriber, the shared
+            retriever and tool bank, ``for_session(memory, tools)``, ``aclose()``), awaited once by
+            :meth:`prepare` on the event loop that serves (MCP sessions belong to it).
     """
 
     def __init__(
@@ -612,19 +631,20 @@ class SessionHub:
         settings: Any,
         checkpoint: Any,
         engine: Any,
-        transcriber: Any,
-        retriever: Any,
         db: Any,
         metrics: Any,
+        backends: Callable[[], Awaitable[Any]],
     ) -> None:
         self.settings = settings
         self.checkpoint = checkpoint
         self.engine = engine
         self.engine_thread = EngineThread(engine)
-        self.transcriber = transcriber
-        self.retriever = retriever
         self.db = db
         self.metrics = metrics
+        self.backends: Any = None
+        self._build_backends = backends
+        self.draining = False
+        self._prune: asyncio.Task[None] | None = None
         self.slots: list[Session | None] = [None] * engine.batch_size
         self.sessions: set[Session] = set()
         self._starts: collections.deque[Session] = collections.deque()
@@ -656,6 +676,41 @@ class SessionHub:
     def running(self) -> bool:
         """Whether the frame loop runs."""
         return self._task is not None and not self._task.done()
+
+    async def prepare(self) -> None:
+        """Build the backends (tool bank, MCP servers, router) on this event loop; once.
+
+        Raises:
+            CspanError: a backend cannot be built (an MCP server does not start, two tools share a name).
+        """
+        if self.backends is None:
+            self.backends = await self._build_backends()
+
+    @property
+    def transcriber(self) -> Any:
+        """The shared transcriber (None without one, or before :meth:`prepare`)."""
+        return getattr(self.backends, "transcriber", None)
+
+    @property
+    def retriever(self) -> Any:
+        """The shared retriever, whose router sees the shared tool bank (None without retrieval)."""
+        return getattr(self.backends, "retriever", None)
+
+    def retriever_for(self, session: Session, tools: list[Any]) -> Any:
+        """The retriever of ``session``: its principal's memory, its own router over the shared tool bank plus the
+        principal's memory tools and ``tools`` (e.g. a client's functions). None without retrieval."""
+        if self.backends is None:
+            return None
+        return self.backends.for_session(session.memory, tools)
+
+    def health(self) -> tuple[str, int]:
+        """``(status, free slots)``: ``ok`` (a slot is free), ``full``, ``draining`` (shutting down) or ``stopped``."""
+        free = self.free_slots()
+        if not self.running:
+            return "stopped", free
+        if self.draining:
+            return "draining", free
+        return ("ok" if free else "full"), free
 
     def open(self, protocol: str, principal: Principal) -> Session:
         """A new session for an accepted connection of ``protocol``."""
@@ -692,23 +747,31 @@ class SessionHub:
         return SileroVAD()
 
     def make_profile(self, session: Session, text_prompt: str) -> Any:
+        """The session's :class:`~cspan.backends.context_db.Profile`: the principal's stored profile with the
+        fields the client gave over it; ``user_id`` is the principal's."""
         from cspan.backends.context_db import Profile
 
         f = session.profile_fields
-        return Profile(
-            user_id=session.principal.user_id or f.user_id or f"session-{session.id[:12]}",
-            name=f.name or "",
-            city=f.location or "",
-            timezone=f.timezone or "",
-            lat=f.lat,
-            lon=f.lon,
-            notes=f.notes or "",
-            persona=text_prompt,
+        given = {
+            "name": f.name,
+            "city": f.location,
+            "timezone": f.timezone,
+            "lat": f.lat,
+            "lon": f.lon,
+            "notes": f.notes,
+        }
+        base = session.stored_profile or Profile()
+        return base.model_copy(
+            update={
+                **{k: v for k, v in given.items() if v is not None},
+                "user_id": session.principal.user_id,
+                "persona": text_prompt,
+            }
         )
 
-    def put_profile(self, profile: Any) -> None:
+    def put_profile(self, session: Session, profile: Any) -> None:
         try:
-            self.db.put_profile(profile)
+            session.memory.put_profile(profile)
         except Exception as exc:
             logger.warning("Context DB: could not store the profile: %s", exc)
 
@@ -716,7 +779,7 @@ class SessionHub:
         if session.conversation_id is None:
             return
         try:
-            self.db.end_conversation(session.conversation_id)
+            session.memory.end_conversation(session.conversation_id)
         except Exception as exc:
             logger.warning("Context DB: could not end conversation %s: %s", session.conversation_id, exc)
 
@@ -769,9 +832,29 @@ class SessionHub:
     # -- the frame loop -----------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the frame loop task (in the running event loop)."""
+        """Start the frame loop task (in the running event loop), and the hourly retention task with
+        ``--retention-days``."""
         if self._task is None:
             self._task = asyncio.ensure_future(self._run())
+        if self._prune is None and getattr(self.settings, "retention_days", None):
+            self._prune = asyncio.ensure_future(self._prune_loop())
+
+    async def _prune_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PRUNE_EVERY_S)
+            try:
+                removed = await self.db.aprune()
+                logger.info("Context DB retention (%g days): removed %s", self.settings.retention_days, removed)
+            except Exception as exc:
+                logger.warning("Context DB retention failed: %s", exc)
+
+    async def drain(self, timeout_s: float, *, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Take no new conversation (``/health`` answers 503, ``start`` answers busy) and wait up to ``timeout_s``
+        (or until ``give_up()``) for the running ones to end."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.free_slots() < len(self.slots) and time.monotonic() < deadline and not give_up():
+            await asyncio.sleep(0.1)
 
     def _live(self) -> list[Session]:
         return [s for s in self.slots if s is not None and s.state in ("live", "stopping")]
@@ -813,7 +896,7 @@ class SessionHub:
         slot = session.slot
         if req is None or slot is None or session.state != "starting":
             return
-        f = session.profile_fields
+        profile = self.make_profile(session, req.text_prompt)
         t0 = time.perf_counter()
         try:
             report = await self.engine_thread.prepare(
@@ -821,8 +904,8 @@ class SessionHub:
                 seed=req.seed,
                 text_prompt=req.text_prompt,
                 voice_codes=req.voice_codes,
-                user_name=f.name or None,
-                user_city=f.location or None,
+                user_name=profile.name or None,
+                user_city=profile.city or None,
             )
         except Exception as exc:
             logger.exception("session %s: persona prefix failed", session.id)
@@ -836,11 +919,10 @@ class SessionHub:
         self.metrics.persona_prefill_seconds.observe(time.perf_counter() - t0)
         if session.state != "starting" or session.slot != slot:
             return
-        profile = self.make_profile(session, req.text_prompt)
-        self.put_profile(profile)
+        profile = self.make_profile(session, req.text_prompt)  # the client may have updated it meanwhile
+        self.put_profile(session, profile)
         try:
-            conversation_id = self.db.start_conversation(
-                profile.user_id,
+            conversation_id = session.memory.start_conversation(
                 checkpoint=self.model_name,
                 settings={
                     "session_id": session.id,
@@ -855,7 +937,7 @@ class SessionHub:
             conversation_id = f"unrecorded-{session.id}"
         session.profile = profile
         session.conversation_id = conversation_id
-        session._recorder = db_recorder(self.db, conversation_id)
+        session._recorder = db_recorder(session.memory, conversation_id)
         config = ConversationConfig(
             listen_s=self.settings.listen_s, span_deadline_s=self.settings.span_deadline_s, span_delay_s=None
         )
@@ -864,7 +946,7 @@ class SessionHub:
             slot,
             tokenizer=getattr(self.checkpoint, "tokenizer", None),
             transcriber=self.transcriber,
-            retriever=self.retriever,
+            retriever=self.retriever_for(session, []),
             config=config,
             profile=profile,
             conversation_id=conversation_id,
@@ -1012,20 +1094,19 @@ class SessionHub:
 
     async def shutdown(self) -> None:
         """End every session (reason ``shutdown``), stop the loop, release the engine thread and backends."""
+        self.draining = True
         await self.end_all("shutdown")
         self._closing = True
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        for task in (self._task, self._prune):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         await self.engine_thread.shutdown()
-        router = getattr(self.retriever, "router", None)
-        for obj in (self.transcriber, router, getattr(router, "tools", None)):
-            aclose = getattr(obj, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+        if self.backends is not None:
+            with contextlib.suppress(Exception):
+                await self.backends.aclose()
 
 
 def _complete_spans(head: list[ConversationEvent], spans: list[QueuedSpan]) -> list[ConversationEvent]:

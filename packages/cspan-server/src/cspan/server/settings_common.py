@@ -8,8 +8,9 @@ are written here only (:mod:`cspan.core.settings` generates the command line fro
         model_config = SETTINGS_CONFIG
         ...
 
-Backend choices (``--asr``, ``--router``, ``--knowledge``) are validated with the other settings, before any model
-is loaded; :func:`check_backends_answer` asks the backend URLs whether they answer (run it while the model loads).
+Backend choices (``--asr``, ``--router``, ``--knowledge``, ``--tools``, ``--mcp``, ``--db``) are validated with the
+other settings, before any model is loaded; :func:`check_backends_answer` asks the backend URLs whether they answer
+(run it while the model loads).
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from cspan.backends.errors import ToolError
+from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec, ToolsSpec, parse_mcp, parse_tools
 from cspan.server.infer import DEFAULT_PERSONA
 
 _MODEL = {"group": "model"}
 _BACKENDS = {"group": "backends"}
+_TOOLS = {"group": "tools"}
+_MEMORY = {"group": "context db"}
 
 
 class ModelSettings(BaseModel):
@@ -105,9 +110,6 @@ class BackendSettings(BaseModel):
     knowledge: Path | None = Field(
         None, description="folder of .txt/.md notes for the local router", json_schema_extra=_BACKENDS
     )
-    db: str = Field(
-        ":memory:", description="Context DB SQLite file (':memory:': not kept)", json_schema_extra=_BACKENDS
-    )
     listen_s: float = Field(
         12.0, gt=0.0, le=600.0, allow_inf_nan=False,
         description="seconds of audio transcribed when no utterance transcript is usable", json_schema_extra=_BACKENDS,
@@ -157,6 +159,106 @@ class BackendSettings(BaseModel):
         return urls
 
 
+class ToolSettings(BaseModel):
+    """The tools the router may call (``--tools``, ``--mcp``; :mod:`cspan.backends.tools.catalog`).
+
+    In a settings file: ``tools = "clock,calculator"`` or a list of set names, and ``mcp`` a list whose items are
+    ``--mcp`` strings or tables (``{command = [...], allow = [...]}`` / ``{url = "..."}``, the fields of
+    :class:`~cspan.backends.tools.catalog.MCPServerSpec`).
+    """
+
+    tools: str | None = Field(
+        None,
+        description=f"built-in tool sets, comma-separated: {', '.join(TOOL_SETS)}; 'default' (all but fdb-v3, the "
+        "benchmark's mock world of fabricated flights and accounts), 'none' (default: default)",
+        json_schema_extra={**_TOOLS, "metavar": "NAME,..."},
+    )
+    mcp: list[str | MCPServerSpec] = Field(
+        default_factory=list,
+        description="mount an MCP server's tools: a stdio command line or a streamable-HTTP URL, after optional "
+        "allow=a,b (only these) read=a,b (vouch they change nothing) prefix=p_ timeout=S and '--'; repeatable",
+        json_schema_extra={**_TOOLS, "metavar": "SPEC"},
+    )
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            value = ",".join(str(v) for v in value) or "none"
+        if isinstance(value, str):
+            try:
+                parse_tools(value)
+            except ToolError as exc:
+                raise ValueError(str(exc).removeprefix("--tools: ")) from None
+            return value.strip()
+        return value
+
+    @field_validator("mcp", mode="after")
+    @classmethod
+    def _mcp(cls, values: list[str | MCPServerSpec]) -> list[str | MCPServerSpec]:
+        out: list[str | MCPServerSpec] = []
+        for value in values:
+            if isinstance(value, str):
+                try:
+                    value = parse_mcp(value)
+                except ToolError as exc:
+                    raise ValueError(str(exc).removeprefix("--mcp ")) from None
+            out.append(value)
+        return out
+
+    @property
+    def tool_sets(self) -> list[str]:
+        """The built-in sets chosen (the live default when ``--tools`` is not given)."""
+        return list(LIVE_DEFAULT) if self.tools is None else parse_tools(self.tools)
+
+    def tools_spec(self, **fields: Any) -> ToolsSpec:
+        """The :class:`~cspan.backends.tools.catalog.ToolsSpec` of these settings; ``fields`` are its other fields
+        (``knowledge=``, ``world_db=``, ...)."""
+        servers = [s if isinstance(s, MCPServerSpec) else parse_mcp(s) for s in self.mcp]
+        return ToolsSpec(sets=self.tool_sets, mcp=servers, **fields)
+
+
+class ContextDBSettings(BaseModel):
+    """Where the Context DB lives and how long it keeps conversations (``--db``, ``--retention-days``)."""
+
+    db: str | None = Field(
+        None,
+        description="the Context DB: a SQLite file, ':memory:' (nothing kept) or postgresql://USER@HOST:PORT/DB "
+        "(replicas sharing one memory) (default: context.sqlite in the platform's data directory, "
+        "~/.local/share/cspan on Linux)",
+        json_schema_extra={**_MEMORY, "metavar": "PATH|URL"},
+    )
+    retention_days: float | None = Field(
+        None,
+        gt=0.0,
+        le=36500.0,
+        allow_inf_nan=False,
+        description="delete turns, spans, facts and profiles older than this many days (at start and hourly) "
+        "(default: kept until `cspan db forget`)",
+        json_schema_extra=_MEMORY,
+    )
+
+    @field_validator("db")
+    @classmethod
+    def _db(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip()
+        if not value:
+            raise ValueError("empty; give a file, ':memory:' or a postgresql:// URL (or leave it out)")
+        return value
+
+    def open_db(self) -> Any:
+        """Open the :class:`~cspan.backends.context_db.ContextDB` these settings name (created and migrated).
+
+        Raises:
+            ContextDBError: the database cannot be opened (the message names it and the fix).
+        """
+        from cspan.backends.context_db import ContextDB
+
+        return ContextDB(self.db, retention_days=self.retention_days)
+
+
 def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]:
     """Ask every backend URL of ``settings`` (a :class:`BackendSettings`) whether something answers HTTP there.
 
@@ -189,4 +291,4 @@ def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]
         return [line for line in pool.map(probe, items) if line]
 
 
-__all__ = ["BackendSettings", "ModelSettings", "check_backends_answer"]
+__all__ = ["BackendSettings", "ContextDBSettings", "ModelSettings", "ToolSettings", "check_backends_answer"]
