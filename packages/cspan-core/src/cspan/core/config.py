@@ -7,9 +7,53 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# ---------------------------------------------------------------------------------------------------------------
+# Persona prefix layouts (the layout a checkpoint was trained with; the frames are built by cspan.core.prefix)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixLayout:
+    """How a checkpoint lays out its persona prefix (``cspan.core.prefix`` lays the frames out).
+
+    Attributes:
+        name: ``"context-spanning"`` or ``"personaplex"`` (the value of ``prefix_layout`` in ``config.json`` and
+            ``export.json``).
+        silence_frames: silence frames after the voice and after the text (1, or 6 = ``int(0.5 * 12.5)``).
+        always_silence: the silences are there even without a voice / without text (PersonaPlex).
+        drop_first_frame: the first frame of the table never reaches the model (PersonaPlex's offset-0 call).
+    """
+
+    name: str
+    silence_frames: int
+    always_silence: bool
+    drop_first_frame: bool
+
+    @staticmethod
+    def named(name: str) -> PrefixLayout:
+        """The layout called ``name``.
+
+        Raises:
+            ValueError: unknown name (lists the known ones).
+        """
+        for layout in PREFIX_LAYOUTS:
+            if layout.name == name:
+                return layout
+        known = ", ".join(repr(x.name) for x in PREFIX_LAYOUTS)
+        raise ValueError(f"unknown prefix layout {name!r}; known: {known}")
+
+
+CONTEXT_SPANNING = PrefixLayout("context-spanning", silence_frames=1, always_silence=False, drop_first_frame=False)
+"""The released Context Spanning model's layout (one silence frame after the voice and after the text)."""
+PERSONAPLEX = PrefixLayout("personaplex", silence_frames=6, always_silence=True, drop_first_frame=True)
+"""NVIDIA PersonaPlex's ``step_system_prompts`` (6 silence frames after the voice and after the text)."""
+PREFIX_LAYOUTS = (CONTEXT_SPANNING, PERSONAPLEX)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # LM (owner: LM engineer)
