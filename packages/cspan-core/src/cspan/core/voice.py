@@ -330,11 +330,27 @@ def prepare_voice_audio(path: str | os.PathLike[str], *, sample_rate: int = SAMP
     """
     import numpy as np
     import pyloudnorm
+    import soundfile as sf
 
-    from .audio import read_audio
+    from .audio import SILENCE_PEAK, _open, resample
 
     path = Path(path)
-    pcm = read_audio(path, channel=0, sample_rate=sample_rate, max_seconds=VOICE_MAX_SECONDS)
+    with _open(path) as f:
+        rate, frames = int(f.samplerate), int(f.frames)
+        if frames / rate > VOICE_MAX_SECONDS:
+            raise AudioInputError(
+                f"{path}: is {frames / rate:.1f} s long, over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; "
+                f"use {VOICE_MIN_SECONDS:.0f} to {VOICE_MAX_SECONDS:.0f} s of speech"
+            )
+        try:
+            data = f.read(dtype="float32", always_2d=True)[:, 0]
+        except (sf.LibsndfileError, RuntimeError) as exc:
+            raise AudioInputError(f"{path}: decoding failed part-way ({exc}); the file is damaged") from None
+    if not np.isfinite(data).all():
+        raise AudioInputError(f"{path}: contains NaN or infinite samples; it cannot be a voice")
+    pcm = resample(np.ascontiguousarray(data), rate, sample_rate)
+    if not len(pcm) or float(np.max(np.abs(pcm))) < SILENCE_PEAK:
+        raise AudioInputError(f"{path}: is silent (peak below -80 dBFS); record some speech")
     seconds = len(pcm) / sample_rate
     if seconds < VOICE_MIN_SECONDS:
         raise AudioInputError(
@@ -461,7 +477,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     forms = "codes" + (" + PersonaPlex embeddings" if lm is not None else "")
     print(
         f"wrote {out}: {audio.num_frames} frames ({audio.samples / SAMPLE_RATE:.2f} s, loudness "
-        f"{audio.loudness_lufs:.1f} LUFS -> {VOICE_TARGET_LUFS:.0f}), {forms}; use it with --voice {out}"
+        f"{audio.loudness_lufs:.1f} LUFS -> {VOICE_TARGET_LUFS:.0f} LUFS), {forms}; use it with --voice {out}"
     )
     return 0
 
