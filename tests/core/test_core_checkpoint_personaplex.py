@@ -182,7 +182,7 @@ def test_layout_recorded_in_config_and_for_fine_tunes(tiny_checkpoint_dir: Path,
     (ft.parent / "export.json").write_text(json.dumps({"base": str(base), "prefix_layout": "personaplex"}))
     assert resolve_prefix_layout(resolve_checkpoint(ft)) == PERSONAPLEX
     (base / "config.json").write_text(json.dumps({**config, "prefix_layout": "sideways"}))
-    with pytest.raises(CheckpointError, match="prefix_layout.*sideways.*context-spanning"):
+    with pytest.raises(CheckpointError, match=r"prefix_layout.*sideways.*context-spanning"):
         resolve_checkpoint(base)
 
 
@@ -260,5 +260,5 @@ def test_archive_size_and_count_limits_and_corruption(tmp_path: Path, monkeypatc
     assert archive.extract_voices(tgz, tmp_path / "c4") == folder  # extracted once, reused
     cut = tmp_path / "cut.tgz"
     cut.write_bytes(tgz.read_bytes()[:40])
-    with pytest.raises(CheckpointError, match="truncated or corrupt|not a readable"):
+    with pytest.raises(CheckpointError, match=r"truncated or corrupt|not a readable"):
         archive.extract_voices(cut, tmp_path / "c5")
