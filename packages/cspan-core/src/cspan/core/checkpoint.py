@@ -860,7 +860,13 @@ def load_mimi(
 
     cfg = config or MimiConfig.mimi_24khz()
     src = _SafetensorsSource(Path(path), "Mimi", device=_load_device(device))
-    mimi = Mimi(cfg, device="meta", dtype=torch.float32)
+    try:
+        mimi = Mimi(cfg, device="meta", dtype=torch.float32)
+    except (ValueError, TypeError, RuntimeError, OverflowError, IndexError, ZeroDivisionError) as exc:
+        raise CheckpointError(
+            f"Mimi weights file {str(path)!r}: its codec config cannot build a model ({type(exc).__name__}: {exc}); "
+            "check the 'mimi_config' of config.json"
+        ) from None
     reference = mimi.state_dict()
     expected = {k: tuple(v.shape) for k, v in reference.items()}
     plan = _check_and_plan(expected, [src], floating={k: bool(v.is_floating_point()) for k, v in reference.items()})
