@@ -298,47 +298,49 @@ def apply_moshi_lora(
     return kept, merged
 
 
-def moshi_lora_state(model: nn.Module, dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], int, float]:
-    """This model's :class:`LoRALinear` adapters in moshi-finetune's ``lora.safetensors`` layout.
+def moshi_lora_state(
+    state: dict[str, torch.Tensor], model: nn.Module, *, r: int, scaling: float
+) -> dict[str, torch.Tensor]:
+    """This project's state dict in moshi-finetune's ``lora.safetensors`` layout.
 
-    A per-step output projection (the depformer's ``self_attn.out_proj`` with n sets, one adapter over all sets here)
-    becomes n upstream adapters ``out_projs.{i}``, each with the shared ``lora_A`` and its row block of ``lora_B``:
-    the same update. The attention output projection of a single set is ``out_projs.0``.
+    ``<name>.lora_A`` / ``<name>.lora_B`` become ``<name>.lora_A.weight`` / ``<name>.lora_B.weight``; a per-step
+    output projection (the depformer's ``self_attn.out_proj`` with n weight sets, one adapter over all sets here)
+    becomes n upstream adapters ``self_attn.out_projs.{i}``, each with the shared ``lora_A`` and its row block of
+    ``lora_B`` (the same update); the single-set ``self_attn.out_proj`` is ``out_projs.0``. A LoRA layer's
+    ``<name>.base.weight`` is written as ``<name>.weight`` (upstream's loader maps it to ``frozen_W``), and every other
+    key is kept as it is (a full weight over the base).
 
-    Returns:
-        (key -> tensor, rank, scaling).
+    Args:
+        state: ``{key: tensor}`` with this project's names (e.g. a fine-tune's ``{"model": ...}``).
+        model: the model the state belongs to (for the number of weight sets of each attention).
+        r, scaling: the adapters' rank and factor (checked against the tensors).
 
     Raises:
-        ValueError: no adapter, or adapters of different ranks or scalings (moshi-finetune has one of each).
+        ValueError: an adapter of another rank, or an ``<name>.lora_A`` without its ``lora_B``.
     """
-    state: dict[str, torch.Tensor] = {}
-    ranks, scalings = set(), set()
-    for name, module in model.named_modules():
-        if not isinstance(module, LoRALinear):
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key.endswith(".lora_B"):
             continue
-        ranks.add(module.r)
-        scalings.add(module.scaling)
-        A = module.lora_A.detach().cpu()
-        B = module.lora_B.detach().cpu()
-        if dtype is not None:
-            A, B = A.to(dtype), B.to(dtype)
+        if not key.endswith(".lora_A"):
+            out[key.replace(".base.weight", ".weight").replace(".base.bias", ".bias")] = value
+            continue
+        name = key[: -len(".lora_A")]
+        if name + ".lora_B" not in state:
+            raise ValueError(f"{name}.lora_B is missing")
+        A, B = value, state[name + ".lora_B"]
+        if A.shape[0] != r or B.shape[1] != r:
+            raise ValueError(f"{name}: lora_A {list(A.shape)} / lora_B {list(B.shape)} are not rank {r}")
         if name.endswith("self_attn.out_proj"):
-            owner = model.get_submodule(name.rsplit(".", 1)[0])
-            sets = int(getattr(owner, "n_sets", 1))
+            sets = int(getattr(model.get_submodule(name.rsplit(".", 1)[0]), "n_sets", 1))
             rows = B.shape[0] // sets
             for i in range(sets):
-                state[f"{name}s.{i}.lora_A.weight"] = A.clone()
-                state[f"{name}s.{i}.lora_B.weight"] = B[i * rows : (i + 1) * rows].clone()
+                out[f"{name}s.{i}.lora_A.weight"] = A.clone()
+                out[f"{name}s.{i}.lora_B.weight"] = B[i * rows : (i + 1) * rows].clone()
         else:
-            state[f"{name}.lora_A.weight"] = A.clone()
-            state[f"{name}.lora_B.weight"] = B.clone()
-    if not state:
-        raise ValueError("the model has no LoRA adapter to write")
-    if len(ranks) != 1 or len(scalings) != 1:
-        raise ValueError(
-            f"moshi-finetune's format has one rank and one scaling; got ranks {ranks}, scalings {scalings}"
-        )
-    return state, ranks.pop(), scalings.pop()
+            out[f"{name}.lora_A.weight"] = A
+            out[f"{name}.lora_B.weight"] = B
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def fuse_lora_layers(module: nn.Module) -> list[str]:
