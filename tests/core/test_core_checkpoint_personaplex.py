@@ -107,8 +107,8 @@ def offline_hub(snapshot_env, monkeypatch) -> dict:
 def test_personaplex_snapshot_loads_and_runs_with_natf2(offline_hub) -> None:
     ckpt = load_checkpoint(REPO, dtype=torch.float32)
     assert ckpt.prefix_layout == PERSONAPLEX
-    assert sorted(ckpt.voices) == ["NATF2", "NATM1"]
-    assert ckpt.voices["NATF2"].parent.parent.parent == offline_hub["cache"]  # extracted under CSPAN_CACHE_DIR
+    assert ckpt.voices == {} and sorted(ckpt.archive_voices) == ["NATF2", "NATM1"]  # by name, never a default
+    assert ckpt.archive_voices["NATF2"].parent.parent.parent == offline_hub["cache"]  # under CSPAN_CACHE_DIR
     voice = ckpt.load_voice_prompt("NATF2")
     assert voice.kind == "embeddings" and voice.embeddings.shape == (11, 64)
     assert ckpt.load_voice_prompt("NATF2.pt").source == voice.source  # PersonaPlex's file-name spelling
@@ -149,6 +149,7 @@ def test_personaplex_snapshot_loads_and_runs_with_natf2(offline_hub) -> None:
 def test_model_info_lists_the_archive_voices(offline_hub) -> None:
     text = describe_checkpoint(REPO)
     assert "persona prefix layout: personaplex" in text
+    assert "voices of voices.tgz: 2" in text
     assert "NATF2: PersonaPlex embeddings, 11 frames" in text and "NATM1: recording" in text
 
 
@@ -160,10 +161,11 @@ def test_voice_archive_in_a_local_folder(tiny_checkpoint_dir: Path, snapshot_env
     shutil.copyfile(snapshot_env["snapshot"] / "voices.tgz", folder / "voices.tgz")
     monkeypatch.setenv("CSPAN_CACHE_DIR", str(tmp_path / "cache"))
     files = resolve_checkpoint(folder)
-    assert resolve_prefix_layout(files) == PERSONAPLEX and sorted(files.voices) == ["NATF2", "NATM1"]
-    (folder / "voices").mkdir()
+    assert resolve_prefix_layout(files) == PERSONAPLEX and sorted(files.archive_voices) == ["NATF2", "NATM1"]
+    (folder / "voices").mkdir()  # as PersonaPlex's own code extracts voices.tgz: its voices are the archive's
     torch.save({"codes": torch.zeros(8, 3, dtype=torch.long)}, folder / "voices" / "mine.pt")
-    assert sorted(resolve_checkpoint(folder).voices) == ["mine"]
+    again = resolve_checkpoint(folder)
+    assert again.voices == {} and sorted(again.archive_voices) == ["mine"]
 
 
 def test_layout_recorded_in_config_and_for_fine_tunes(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:

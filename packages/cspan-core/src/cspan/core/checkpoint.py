@@ -133,6 +133,8 @@ class Checkpoint:
         mimi: the codec (float32, eval mode) encoding 8 codebooks (``set_num_codebooks(8)``).
         tokenizer: the SentencePiece processor of the text stream.
         lm_config / mimi_config: the configurations the models were built from.
+        archive_voices: voice name -> file of PersonaPlex's ``voices.tgz`` (extracted; ``NATF2`` ...), found by name
+            like the others but never a default (they are PersonaPlex input embeddings: :func:`load_voice_prompt`).
         voices: voice prompt name -> file (``voices/<name>.pt``; ``$CSPAN_VOICES_DIR`` over the fine-tune's over the
             base's), load one with :func:`load_voice`.
         source: what was asked for (repo id, folder or file), as given.
@@ -155,6 +157,7 @@ class Checkpoint:
     fine_tune: Path | None = None
     lora: dict[str, Any] | None = None
     prefix_layout: PrefixLayout = CONTEXT_SPANNING
+    archive_voices: dict[str, Path] = field(default_factory=dict)
 
     def load_voice(self, name_or_path: str | os.PathLike[str]) -> torch.Tensor:
         """Shorthand for :func:`cspan.core.voice.load_voice` with this checkpoint: LongTensor [8, P]."""
@@ -177,6 +180,8 @@ class CheckpointFiles:
         voices: voice prompt name -> file; the fine-tune folder's ``voices/`` win over the base's.
         base_dir: the base folder.
         personaplex: the base is NVIDIA PersonaPlex's (its repo id, or a folder holding its ``voices.tgz``).
+        archive_voices: the voices of the base's ``voices.tgz`` (or of the ``voices/`` PersonaPlex extracted next to
+            it), name -> file.
         fine_tune_config: moshi-finetune's ``config.json`` next to its ``lora.safetensors``, else None.
         layout: a ``prefix_layout`` recorded for this checkpoint (``config.json`` or ``export.json``), else None.
     """
@@ -190,6 +195,7 @@ class CheckpointFiles:
     voices: dict[str, Path]
     base_dir: Path
     personaplex: bool = False
+    archive_voices: dict[str, Path] = field(default_factory=dict)
     fine_tune_config: Path | None = None
     layout: str | None = None
 
@@ -1016,13 +1022,17 @@ def _recorded_layout(data: dict[str, Any], path: Path) -> str | None:
         raise CheckpointError(f"file {str(path)!r}, key {PREFIX_LAYOUT_KEY!r}: {exc}") from None
 
 
-def _base_voices(folder: Path) -> dict[str, Path]:
-    """The voices of a base folder: ``voices/``, else the voices of its ``voices.tgz`` (extracted safely once)."""
+def _base_voices(folder: Path) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(the voices of a base folder's ``voices/``, the voices of its ``voices.tgz``). With an archive, a ``voices/``
+    folder beside it is the one PersonaPlex's own code extracted there (so its voices are archive voices); otherwise
+    the archive is extracted safely once (:func:`cspan.core.archive.extract_voices`)."""
     from .archive import extract_voices
 
-    if (folder / VOICES_DIR).is_dir() or not (folder / VOICES_ARCHIVE).is_file():
-        return scan_voices(folder / VOICES_DIR)
-    return scan_voices(extract_voices(folder / VOICES_ARCHIVE))
+    if not (folder / VOICES_ARCHIVE).is_file():
+        return scan_voices(folder / VOICES_DIR), {}
+    if (folder / VOICES_DIR).is_dir():
+        return {}, scan_voices(folder / VOICES_DIR)
+    return {}, scan_voices(extract_voices(folder / VOICES_ARCHIVE))
 
 
 def _base_files(folder: Path, source: str, lm_override: Path | None = None) -> CheckpointFiles:
@@ -1040,6 +1050,7 @@ def _base_files(folder: Path, source: str, lm_override: Path | None = None) -> C
     lm = lm_override or folder / names["lm"]
     mimi = folder / names["mimi"]
     tok = folder / names["tokenizer"]
+    voices, archive_voices = _base_voices(folder)
     return CheckpointFiles(
         source=source,
         lm=lm,
@@ -1047,7 +1058,8 @@ def _base_files(folder: Path, source: str, lm_override: Path | None = None) -> C
         tokenizer=tok if tok.is_file() else None,
         config=config if config.is_file() else None,
         fine_tune=None,
-        voices=_base_voices(folder),
+        voices=voices,
+        archive_voices=archive_voices,
         base_dir=folder,
         personaplex=_is_personaplex(source, folder),
         layout=layout,
@@ -1348,6 +1360,7 @@ def load_checkpoint(
         fine_tune=files.fine_tune,
         lora=lora,
         prefix_layout=layout,
+        archive_voices=dict(files.archive_voices),
     )
 
 
@@ -1432,6 +1445,9 @@ def describe_checkpoint(
         voices = {**voices, **scan_voices(Path(env_dir))}
     lines.append(f"voices: {len(voices) or 'none'}")
     lines += [f"  {name}: {_voice_kind(path)} ({path})" for name, path in sorted(voices.items())]
+    if files.archive_voices:
+        lines.append(f"voices of {VOICES_ARCHIVE}: {len(files.archive_voices)}")
+        lines += [f"  {name}: {_voice_kind(path)} ({path})" for name, path in sorted(files.archive_voices.items())]
     if load:
         ckpt = load_checkpoint(source, revision=revision, base=base, device="cpu")
         lines.append(f"load check: ok ({type(ckpt.lm).__name__}, {type(ckpt.mimi).__name__} loaded on CPU)")

@@ -89,7 +89,9 @@ class VoicePrompt:
 def _known_voices(checkpoint: Checkpoint | None) -> dict[str, Path]:
     from .checkpoint import ENV_VOICES, scan_voices
 
-    known = dict(checkpoint.voices) if checkpoint is not None else {}
+    known = {}
+    if checkpoint is not None:
+        known = {**getattr(checkpoint, "archive_voices", {}), **checkpoint.voices}
     env_dir = os.environ.get(ENV_VOICES)
     if env_dir:
         known = {**known, **scan_voices(Path(env_dir))}
