@@ -5,6 +5,11 @@ names a callable ``register(parser: argparse.ArgumentParser) -> None`` that adds
 ``parser.set_defaults(handler=fn)`` where ``fn(args) -> int`` runs it. The first line of the callable's docstring
 is the verb's one-line help. Heavy imports (torch, FastAPI, ...) belong inside ``fn`` so that ``cspan --help``
 stays fast.
+
+An entry point may instead name a settings model: a ``pydantic_settings.BaseSettings`` subclass with a method
+``run(self) -> int``. Its flags, environment variables and settings file are then generated from the model (see
+:mod:`cspan.core.settings`), so packages that cannot import ``cspan.core`` (``cspan.backends``) declare their
+settings once too. The model's docstring's first line is the verb's help.
 """
 
 from __future__ import annotations
@@ -37,6 +42,20 @@ def discover_commands() -> dict[str, Register]:
     return commands
 
 
+def _is_settings_command(register: object) -> bool:
+    from pydantic_settings import BaseSettings
+
+    return (
+        isinstance(register, type) and issubclass(register, BaseSettings) and callable(getattr(register, "run", None))
+    )
+
+
+def _run_settings(args: argparse.Namespace) -> int:
+    from .settings import settings_from_args
+
+    return int(settings_from_args(args).run() or 0)
+
+
 def _summary(register: Register) -> str:
     doc = (register.__doc__ or "").strip()
     return doc.splitlines()[0] if doc else ""
@@ -59,7 +78,14 @@ def build_parser(commands: dict[str, Register] | None = None) -> argparse.Argume
         verb = sub.add_parser(
             name, help=summary, description=summary, formatter_class=argparse.ArgumentDefaultsHelpFormatter
         )
-        register(verb)
+        if _is_settings_command(register):
+            from .settings import add_settings_arguments
+
+            verb.formatter_class = argparse.HelpFormatter  # the generated help already shows defaults
+            add_settings_arguments(verb, register)  # type: ignore[arg-type]
+            verb.set_defaults(handler=_run_settings)
+        else:
+            register(verb)
     return parser
 
 
@@ -80,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(args) or 0)
     except CspanError as exc:
         print(f"cspan {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return int(getattr(exc, "exit_code", 1))
     except KeyboardInterrupt:
         print(f"cspan {args.command}: interrupted", file=sys.stderr)
         return 130
