@@ -3,9 +3,8 @@ voice, and the clear errors of bad recordings."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,10 +28,14 @@ def greeting(fixture_file) -> Path:
     return fixture_file("audio", "greeting_24k.wav")
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "cspan.core.cli", *args], capture_output=True, text=True, timeout=300, check=False
-    )
+def _cli(capsys, *args: str) -> SimpleNamespace:
+    """``cspan ARGS`` in this process (a subprocess would pay torch's start-up for each call)."""
+    from cspan.core.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
 def test_wav_as_voice_is_encoded_not_called_corrupt(tiny_checkpoint, greeting: Path) -> None:
@@ -45,9 +48,9 @@ def test_wav_as_voice_is_encoded_not_called_corrupt(tiny_checkpoint, greeting: P
         load_voice(greeting)
 
 
-def test_voice_encode_cli_round_trip(tiny_checkpoint_dir: Path, tiny_checkpoint, greeting: Path, tmp_path) -> None:
+def test_voice_encode_cli_round_trip(tiny_checkpoint_dir, tiny_checkpoint, greeting: Path, tmp_path, capsys) -> None:
     out = tmp_path / "mine.pt"
-    done = _cli("voice", "encode", str(greeting), str(out), "--checkpoint", str(tiny_checkpoint_dir))
+    done = _cli(capsys, "voice", "encode", str(greeting), str(out), "--checkpoint", str(tiny_checkpoint_dir))
     assert done.returncode == 0, done.stderr
     assert "46 frames" in done.stdout and "-24 LUFS" in done.stdout
     stored = torch.load(out, weights_only=True)
@@ -56,7 +59,9 @@ def test_voice_encode_cli_round_trip(tiny_checkpoint_dir: Path, tiny_checkpoint,
     assert torch.equal(load_voice(out, tiny_checkpoint), stored["codes"])
     # with PersonaPlex's form too: the same codes, plus embeddings and the token ring PersonaPlex's loader reads
     both = tmp_path / "both.pt"
-    done = _cli("voice", "encode", str(greeting), str(both), "--checkpoint", str(tiny_checkpoint_dir), "--embeddings")
+    done = _cli(
+        capsys, "voice", "encode", str(greeting), str(both), "--checkpoint", str(tiny_checkpoint_dir), "--embeddings"
+    )
     assert done.returncode == 0, done.stderr
     stored = torch.load(both, weights_only=True)
     assert set(stored) == {"codes", "embeddings", "cache"}
@@ -90,7 +95,7 @@ def test_bad_recording_gives_a_clear_error(tiny_checkpoint, greeting, tmp_path, 
     assert str(path) in str(err.value)
 
 
-def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: Path, tmp_path: Path) -> None:
+def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: Path, tmp_path: Path, capsys) -> None:
     short = _write(tmp_path / "short.wav", sf.read(greeting, dtype="float32")[0][:30000])
     out = tmp_path / "v.pt"
     for args, expect in (
@@ -99,7 +104,7 @@ def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: 
         ((str(greeting), str(tmp_path / "v.wav")), "ends in .pt"),
         ((str(greeting), str(tmp_path / "nowhere" / "v.pt")), "does not exist"),
     ):
-        done = _cli("voice", "encode", *args, "--checkpoint", str(tiny_checkpoint_dir))
+        done = _cli(capsys, "voice", "encode", *args, "--checkpoint", str(tiny_checkpoint_dir))
         assert done.returncode == 1 and expect in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not out.exists() and not list(tmp_path.glob(".*.part"))
 
