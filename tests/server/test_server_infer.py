@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from stub_backends import StubBackend
 
 from cspan.core.cli import build_parser
 from cspan.core.errors import AudioInputError
+from cspan.core.settings import settings_from_args
 from cspan.server.infer import run_infer
 from cspan.server.output import InferOutput
 
@@ -37,7 +38,7 @@ def _args(ckpt: Path, inp: Path, out: Path, *extra: str):
         "--quiet",
         *extra,
     ]  # fmt: skip
-    return build_parser().parse_args(argv)
+    return settings_from_args(build_parser().parse_args(argv))
 
 
 def _infer(ckpt: Path, inp: Path, out: Path, *extra: str):
@@ -183,18 +184,17 @@ def test_bad_input_through_the_cli_exits_1_with_the_error(tiny_checkpoint_dir, t
 
 
 def test_failing_router_gives_no_span_and_a_complete_output(tiny_checkpoint_dir, fixtures_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed as soon as the block ends: nothing listens there
+    """A router that answers (the start-up check passes) but fails every request: the run survives it."""
     inp = fixtures_dir / "audio" / "question_weather_24k.wav"
-    result = _infer(
-        tiny_checkpoint_dir, inp, tmp_path,
-        "--asr", "sphinx", "--router", f"http://127.0.0.1:{port}/v1", "--force-ret-at", "1.0", "--force-ret-at", "3.0",
-    )  # fmt: skip
+    with StubBackend(chat_status=500) as router:
+        result = _infer(
+            tiny_checkpoint_dir, inp, tmp_path,
+            "--asr", "sphinx", "--router", f"{router.url}/v1", "--force-ret-at", "1.0", "--force-ret-at", "3.0",
+        )  # fmt: skip
     kinds = [e.type for e in result.output.events]
     assert "span" not in kinds
     no_spans = [e for e in result.output.events if e.type == "no_span"]
-    assert len(no_spans) >= 1 and all(e.error for e in no_spans)
+    assert len(no_spans) >= 1 and all("500" in (e.error or "") for e in no_spans)
     audio, _ = sf.read(tmp_path / "out.wav")
     assert audio.shape[0] == int(result.output.duration_s * 24_000)
     InferOutput.model_validate_json((tmp_path / "out.json").read_text())
@@ -219,6 +219,6 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
         argv = ["infer", "--input-wav", str(inp), "--output-wav", str(tmp_path / "o.wav"),
                 "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--quiet", *extra]  # fmt: skip
         with pytest.raises(CspanError, match=message):
-            asyncio.run(run_infer(build_parser().parse_args(argv)))
+            asyncio.run(run_infer(settings_from_args(build_parser().parse_args(argv))))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "in.wav"]
     assert inp.read_bytes() == (fixtures_dir / "audio" / "greeting_24k.wav").read_bytes()
