@@ -136,6 +136,38 @@ def test_same_seed_twice_gives_identical_outputs(tiny_checkpoint_dir, fixtures_d
     assert any(e["type"] == "span" for e in a["events"])
 
 
+def test_backend_latency_does_not_change_an_offline_run(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    """Issue 22: offline, backend latency acts on the frame clock only. The same command twice against one
+    transcriber + router server, once answering at once and once slower than the deadline (wall clock), writes the
+    same WAV bytes and the same JSON but for timing; the reference lands span_delay_s after it was asked."""
+    inp = fixtures_dir / "audio" / "question_weather_24k.wav"
+    with StubBackend() as backend:
+        runs = []
+        for name, delay in (("fast", 0.0), ("slow", 1.2)):
+            backend.delay_s = delay
+            extra = ("--asr", backend.url, "--router", f"{backend.url}/v1", "--force-ret-at", "3.0")
+            _infer(tiny_checkpoint_dir, inp, tmp_path / name, *extra, "--span-deadline-s", "1.0")
+            runs.append(tmp_path / name)
+        assert any(p.endswith("/transcribe") for p in backend.posts) and any("chat" in p for p in backend.posts)
+        # and a reference due after the deadline on the frame clock is late, with its question
+        backend.delay_s = 0.0
+        late_run = _infer(
+            tiny_checkpoint_dir, inp, tmp_path / "late", *extra, "--span-delay-s", "1.2", "--span-deadline-s", "1.0"
+        )
+    assert (runs[0] / "out.wav").read_bytes() == (runs[1] / "out.wav").read_bytes()
+    a, b = (json.loads((r / "out.json").read_text()) for r in runs)
+    for d in (a, b):
+        d["settings"].pop("output_wav"), d["settings"].pop("output_text"), d.pop("output_wav")
+    assert _strip_wall_clock(a) == _strip_wall_clock(b)
+    spans = [e for e in a["events"] if e["type"] == "span"]
+    assert [(e["text"], e["question"]) for e in spans] == [
+        ("The weather in London is cloudy with light rain and 14 degrees.", "what is the weather in london today")
+    ]
+    assert spans[0]["injected_at"] - spans[0]["asked_at"] == pytest.approx(0.8)
+    late = [e for e in late_run.output.events if e.type == "late"]
+    assert [(e.question, e.seconds >= 1.2) for e in late] == [("what is the weather in london today", True)]
+
+
 def test_48k_stereo_flac_uses_the_same_duration_logic(tiny_checkpoint_dir, fixtures_dir, tmp_path):
     import soxr
 

@@ -18,6 +18,7 @@ the cause (permission denied, no space left on device, read-only file system).
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
 import tempfile
@@ -264,7 +265,10 @@ def _remove_parts() -> None:
 
 def _new_part(path: Path) -> Path:
     """A new empty temporary file next to ``path`` (registered for removal at exit)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # the folder's name is taken by a file
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     os.close(fd)
     part = Path(tmp)

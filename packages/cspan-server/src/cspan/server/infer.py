@@ -428,7 +428,8 @@ def open_context_db(path: str) -> Any:
             f"--db {path}: cannot open the Context DB: {cause}; pass a Context DB file or a new path"
         ) from None
     except OSError as exc:
-        raise CspanError(f"--db {path}: cannot create the Context DB there: {os_error_cause(exc)}") from None
+        cause = "a file is in the way of its folder" if isinstance(exc, FileExistsError) else os_error_cause(exc)
+        raise CspanError(f"--db {path}: cannot create the Context DB there: {cause}") from None
 
 
 def resolve_voice(checkpoint: Any, voice: str | None) -> Any:

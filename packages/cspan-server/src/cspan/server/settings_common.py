@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
@@ -43,9 +43,11 @@ LEGACY_ENV = {"asr": "CSPAN_ASR_URL", "router": "CSPAN_ROUTER_URL"}
 """Environment names that ``cspan backends env`` prints, read below the generated ``CSPAN_ASR`` / ``CSPAN_ROUTER``."""
 
 
-def utf8_text(value: str) -> str:
+def utf8_text(value: Any) -> Any:
     """Refuse text that is not valid UTF-8 (a command-line argument in another encoding arrives with lone
     surrogates, which the tokenizer and the JSON output cannot take)."""
+    if not isinstance(value, str):
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -64,7 +66,7 @@ def _temperature(value: float) -> float:
     return value
 
 
-Utf8Text = Annotated[str, AfterValidator(utf8_text)]
+Utf8Text = Annotated[str, BeforeValidator(utf8_text)]
 """A text setting: any string that is valid UTF-8."""
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False), AfterValidator(_temperature)]
 """A sampling temperature: 0 (greedy) or MIN_TEMPERATURE .. MAX_TEMPERATURE."""
