@@ -106,8 +106,8 @@ def add_settings_arguments(
             kwargs["help"] = kwargs["help"].replace(" (default factory: list)", "")
         if extra.get("hidden"):
             kwargs["help"] = argparse.SUPPRESS
-        elif field is not None and field.description and not kwargs.get("help"):
-            kwargs["help"] = field.description
+        elif field is not None and field.description and (not kwargs.get("help") or "(default:" in field.description):
+            kwargs["help"] = field.description  # a description that says its default itself replaces the generated one
         group = extra.get("group")
         if group and target is parser:
             if group not in groups:

@@ -103,7 +103,7 @@ class ModelSettings(BaseSettings):
         DEFAULT_PERSONA,
         max_length=MAX_TEXT_PROMPT_CHARS,
         description=f"the persona text prompt (at most {MAX_TEXT_PROMPT_CHARS} characters, and at most half the "
-        "model's attention window with the voice prompt)",
+        "model's attention window with the voice prompt) (default: Ada, a calm and friendly assistant)",
         json_schema_extra={"group": "model", "metavar": "TEXT"},
     )
     temp: Temperature = Field(
@@ -160,7 +160,9 @@ class BackendSettings(BaseSettings):
         json_schema_extra={"group": "backends", "metavar": "sphinx|none|URL"},
     )
     asr_model: str | None = Field(
-        None, description="model name for an OpenAI-style ASR server", json_schema_extra={"group": "backends"}
+        None,
+        description="model name for an OpenAI-style ASR server (default: qwen3-asr)",
+        json_schema_extra={"group": "backends"},
     )
     router: str = Field(
         "local",
@@ -172,7 +174,9 @@ class BackendSettings(BaseSettings):
         "google/gemma-4-26B-A4B-it", description="model name at the router URL", json_schema_extra={"group": "backends"}
     )
     knowledge: Path | None = Field(
-        None, description="folder of .txt/.md notes for the local router", json_schema_extra={"group": "backends"}
+        None,
+        description="folder of .txt/.md notes for the local router (default: none)",
+        json_schema_extra={"group": "backends", "metavar": "DIR"},
     )
     db: str = Field(
         ":memory:", description="Context DB SQLite file (default: in memory)", json_schema_extra={"group": "backends"}
