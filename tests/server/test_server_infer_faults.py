@@ -256,8 +256,8 @@ def test_backend_errors_reaching_the_cli_are_one_line(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("which", ["--router", "--asr"])
-def test_a_backend_url_where_nothing_answers_is_refused_while_the_model_loads(
-    which, tiny_checkpoint_dir, speech, tmp_path
+def test_a_backend_url_where_nothing_answers_is_refused_before_the_model_loads(
+    which, tiny_checkpoint_dir, speech, tmp_path, no_model_load
 ):
     url = f"http://127.0.0.1:{_closed_port()}" + ("/v1" if which == "--router" else "")
     argv = _argv(tiny_checkpoint_dir, speech, tmp_path, which, url)
@@ -265,6 +265,16 @@ def test_a_backend_url_where_nothing_answers_is_refused_while_the_model_loads(
         asyncio.run(run_infer(_settings(argv)))
     assert "cspan backends start" in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_unreachable_backend_through_the_cli_is_one_line_and_a_clean_exit(tiny_checkpoint_dir, speech, tmp_path):
+    url = f"http://127.0.0.1:{_closed_port()}/v1"
+    proc = _cspan(*_argv(tiny_checkpoint_dir, speech, tmp_path, "--router", url), text=True)
+    assert proc.returncode == 1, proc.stderr  # not an abort of a thread still loading the model
+    assert proc.stderr == (
+        f"cspan infer: error: --router {url}: nothing answers there (connection refused); start the "
+        "server (`cspan backends start`, `cspan asr-serve`) or fix the URL, or use --router local\n"
+    )
 
 
 def test_model_tiny_into_a_folder_that_cannot_be_written_is_one_line(tmp_path):

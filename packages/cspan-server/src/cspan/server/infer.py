@@ -26,10 +26,8 @@ import logging
 import math
 import os
 import sys
-import threading
 import time
 import zoneinfo
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -320,6 +318,8 @@ def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
         real = out.resolve()
         if real.is_dir():
             raise CspanError(f"{out}: is a directory; pass a file path for the output")
+        if real.exists() and not real.is_file():
+            raise CspanError(f"{out}: is not a regular file (a device, pipe or socket); pass a file path")
         if real in resolved_inputs:
             raise CspanError(f"{out}: is also the input; refusing to overwrite the recording")
         if real in seen:
@@ -400,7 +400,7 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
         if isinstance(answer, httpx.TimeoutException):
             why = f"no answer within {timeout_s:g} s"
         elif isinstance(answer, Exception):
-            why = str(answer) or type(answer).__name__
+            why = _network_cause(answer)
         else:
             continue
         problems.append(
@@ -409,6 +409,19 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
         )
     if problems:
         raise CspanError("; ".join(problems))
+
+
+def _network_cause(exc: BaseException) -> str:
+    """The root cause of a failed request in words ("connection refused", "name or service not known"): the first
+    ``OSError`` with an errno along the exception's chain, else the exception's own text."""
+    from cspan.core.errors import os_error_cause
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os_error_cause(seen) if seen.errno > 0 else str(seen.strerror or seen).lower()
+        seen = seen.__cause__ or seen.__context__
+    return str(exc) or type(exc).__name__
 
 
 def open_context_db(path: str) -> Any:
@@ -494,35 +507,6 @@ def persona_frames(checkpoint: Any, settings: InferSettings, voice_codes: Any) -
     return info
 
 
-def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
-    """Run ``fn`` in a daemon thread; its result as a future of the running loop. A daemon thread, unlike the
-    default executor, does not keep the process waiting when the job fails meanwhile (a backend that does not
-    answer is reported at once, not after minutes of loading a 7B)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def work() -> None:
-        try:
-            result, error = fn(), None
-        except BaseException as exc:  # handed to the awaiting coroutine
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop is closed: the job ended without waiting for this
-            pass
-
-    threading.Thread(target=work, name="cspan-load-checkpoint", daemon=True).start()
-    return future
-
-
 def _json_text(value: Any) -> Any:
     """Strings as the JSON can hold them: a path with bytes that are not UTF-8 keeps them as ``\\xNN``."""
     if isinstance(value, str):
@@ -594,15 +578,9 @@ async def run_infer(settings: InferSettings) -> InferResult:
         raise CspanError(f"--db {s.db}: cannot write to the Context DB: {exc}") from None
     transcriber, retriever = build_backends(s, profile=profile, db=db, offline=offline)
 
-    # 2. the model loads while the backend URLs are checked to answer
-    probe = asyncio.ensure_future(probe_backends(s))
-    loading = _in_daemon_thread(lambda: load_checkpoint(source, device=device, dtype=dtype))
-    await asyncio.wait([probe, loading], return_when=asyncio.FIRST_EXCEPTION)
-    if probe.done() and probe.exception() is not None:
-        loading.cancel()
-        raise probe.exception()  # type: ignore[misc]
-    checkpoint = await loading
-    await probe
+    # 2. the backend URLs must answer (all checked at once, in milliseconds when they do), then the model loads
+    await probe_backends(s)
+    checkpoint = await asyncio.to_thread(load_checkpoint, source, device=device, dtype=dtype)
     voice_codes = resolve_voice(checkpoint, s.voice)
     persona = persona_frames(checkpoint, s, voice_codes)
     engine = DuplexEngine(
