@@ -397,3 +397,15 @@ def test_wav_that_fails_mid_run_keeps_the_complete_json(tiny_checkpoint_dir, spe
         assert sorted(p.name for p in small.iterdir()) == ["filler.bin"]  # no .part, no half WAV
     doc = InferOutput.model_validate_json((tmp_path / "out.json").read_text())
     assert doc.output_wav is None and doc.timing.frames == round(doc.duration_s * 12.5)
+
+
+def test_file_names_that_are_not_utf8_work_and_are_shown_escaped(tiny_checkpoint_dir, speech, tmp_path):
+    name = os.fsdecode(b"caf\xe9")  # a Latin-1 name on a UTF-8 system
+    inp = tmp_path / f"{name}.wav"
+    inp.write_bytes(speech.read_bytes())
+    out = tmp_path / name
+    argv = _argv(tiny_checkpoint_dir, inp, out)
+    result = asyncio.run(run_infer(_settings(argv)))
+    assert sf.info(os.fsencode(out / "out.wav")).frames == round(result.output.duration_s * 24_000)
+    doc = json.loads((out / "out.json").read_bytes())
+    assert doc["input"].endswith("caf\\xe9.wav") and doc["settings"]["input_wav"] == doc["input"]

@@ -103,7 +103,7 @@ def _open(path: Path) -> sf.SoundFile:
     if path.stat().st_size == 0:
         raise AudioInputError(f"{path}: the file is empty (0 bytes)")
     try:
-        return sf.SoundFile(str(path))
+        return sf.SoundFile(os.fsencode(path))  # bytes: a name that is not UTF-8 opens too
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioInputError(
             f"{path}: cannot decode audio ({exc}); supported are the formats libsndfile reads (WAV, FLAC, OGG)"
@@ -365,7 +365,7 @@ class AtomicAudioWriter:
             raise OutputError.from_os_error(self.path, exc) from None
         try:
             self._file = sf.SoundFile(
-                str(self._tmp),
+                os.fsencode(self._tmp),
                 mode="w",
                 samplerate=sample_rate,
                 channels=channels,
