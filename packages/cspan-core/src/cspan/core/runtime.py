@@ -27,8 +27,8 @@ it had), and a retrieval still running ``LATE_GRACE_S`` after the deadline is ca
 seed give the same conversation whatever the machine's speed or load: utterance transcripts are awaited at the
 frame that asks for them, a reference is applied exactly ``span_delay_s`` after the retrieval was asked (the loop
 waits for the backend there, however long it takes in wall-clock time; the backends' own timeouts bound that wait),
-the retriever is given no wall-clock deadline (``deadline_s=None``: build it without a default deadline), and
-``late`` is judged on frames alone (``span_delay_s`` plus any wait for the question, against
+the retriever is given no wall-clock deadline (``deadline_s=math.inf``, overriding any default it was built with),
+and ``late`` is judged on frames alone (``span_delay_s`` plus any wait for the question, against
 ``span_deadline_s``).
 """
 
@@ -91,7 +91,7 @@ class ConversationConfig:
         span_deadline_s: a reference applied later than this after its ``<ret>`` is dropped as late
             (``None``: never); wall clock when live, frames when offline.
         span_delay_s: offline clock: apply each reference exactly this long after the retrieval was asked
-            (deterministic; the retriever gets no wall-clock deadline). ``None``: live clock, apply on arrival.
+            (deterministic; the retriever gets ``deadline_s=math.inf``). ``None``: live clock, apply on arrival.
         ret_wait_s: how long a ``<ret>`` waits for the running utterance to end.
         fresh_transcript_s: a final transcript at most this old (and the user silent) is used as is.
         partial_transcripts: re-transcribe running utterances every 1.6 s (``user_text`` partials).
@@ -402,9 +402,12 @@ class Conversation:
         if question is not None:
             self._emit(QuestionEvent(frame=i, t=i * FRAME_S, text=question, ret_frame=p.ret_frame))
         deadline = self.config.span_deadline_s
-        # offline the deadline is judged on the frame clock (_service_retrieval): no wall-clock budget
-        offline_or_none = self.offline or deadline is None
-        remaining = None if offline_or_none else max(0.0, deadline - (i - p.ret_frame) * FRAME_S)
+        if self.offline:
+            remaining: float | None = math.inf  # judged on the frame clock (_service_retrieval), whatever the default
+        elif deadline is None:
+            remaining = None
+        else:
+            remaining = max(0.0, deadline - (i - p.ret_frame) * FRAME_S)
         retriever = self.retriever
         assert retriever is not None
         p.task = asyncio.ensure_future(

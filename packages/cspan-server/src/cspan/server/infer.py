@@ -329,14 +329,13 @@ def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
         check_writable(out)
 
 
-def build_backends(settings: Any, *, profile: Any, db: Any, offline: bool = False) -> tuple[Any, Any]:
+def build_backends(settings: Any, *, profile: Any, db: Any) -> tuple[Any, Any]:
     """``(transcriber, retriever)`` from the settings (either may be ``None`` when disabled).
 
     Args:
         settings: anything with the :class:`~cspan.server.settings_common.BackendSettings` attributes.
         profile: unused (the conversation passes the profile per retrieval).
         db: the Context DB.
-        offline: the offline clock judges deadlines on frames: the retriever gets no wall-clock deadline.
 
     Raises:
         CspanError: an ``--asr`` or ``--router`` value no backend accepts.
@@ -365,8 +364,7 @@ def build_backends(settings: Any, *, profile: Any, db: Any, offline: bool = Fals
             )
     except ValueError as exc:
         raise CspanError(str(exc)) from exc
-    deadline_s = None if offline else settings.span_deadline_s
-    retriever = Retriever(transcriber, router, db, deadline_s=deadline_s)
+    retriever = Retriever(transcriber, router, db, deadline_s=settings.span_deadline_s)
     return transcriber, retriever
 
 
@@ -544,7 +542,6 @@ async def run_infer(settings: InferSettings) -> InferResult:
     from cspan.server.records import db_recorder
 
     s = settings
-    offline = not s.realtime
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
     check_outputs([s.input_wav], s.outputs)
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
@@ -576,7 +573,7 @@ async def run_infer(settings: InferSettings) -> InferResult:
         )
     except Exception as exc:  # sqlite3 errors: a read-only or locked database file
         raise CspanError(f"--db {s.db}: cannot write to the Context DB: {exc}") from None
-    transcriber, retriever = build_backends(s, profile=profile, db=db, offline=offline)
+    transcriber, retriever = build_backends(s, profile=profile, db=db)
 
     # 2. the backend URLs must answer (all checked at once, in milliseconds when they do), then the model loads
     await probe_backends(s)
