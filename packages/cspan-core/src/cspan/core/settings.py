@@ -159,7 +159,9 @@ def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str
         if given is not None and not isinstance(given, dict):
             text = repr(given)
             shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
-        message = str(err["msg"]).removeprefix("Value error, ")
+        message = (
+            "required, and not given" if err["type"] == "missing" else str(err["msg"]).removeprefix("Value error, ")
+        )
         lines.append(f"{where}: {message}{shown}")
     return "; ".join(lines) or str(exc)
 
