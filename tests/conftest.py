@@ -13,6 +13,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = (REPO_ROOT.parent / "shared" / "fixtures").resolve()
 
+# The Context DB defaults to a file in the user's data directory (persistent memory): tests, and the commands they
+# run as subprocesses, keep theirs in memory unless they name a file.
+os.environ.setdefault("CSPAN_DB", ":memory:")
+
 
 def _has_cuda() -> bool:
     try:

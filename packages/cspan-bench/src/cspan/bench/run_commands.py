@@ -43,9 +43,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_help: str) ->
 
 
 def add_loop_arguments(
-    parser: argparse.ArgumentParser, *, router_default: str, asr_default: str = "sphinx", tail_default: float = 0.0
+    parser: argparse.ArgumentParser,
+    *,
+    router_default: str,
+    asr_default: str = "sphinx",
+    tail_default: float = 0.0,
+    tools_default: str | None = None,
 ) -> None:
-    """The conversation loop: transcriber, router, knowledge, clock, forced ``<ret>``, tail silence."""
+    """The conversation loop: transcriber, router, knowledge, clock, forced ``<ret>``, tail silence; and, with
+    ``tools_default`` (a ``--tools`` value), the router's tools (``--tools``, ``--mcp``; see :func:`make_bank`)."""
     g = parser.add_argument_group("conversation loop")
     g.add_argument(
         "--asr",
@@ -62,6 +68,25 @@ def add_loop_arguments(
     g.add_argument("--router-model", default=os.environ.get("CSPAN_ROUTER_MODEL"), help="model name at the router URL")
     g.add_argument("--router-timeout-s", type=float, default=8.0, help="LLM router time limit per request")
     g.add_argument("--knowledge", type=Path, default=None, help="folder of .txt/.md notes for the local router")
+    if tools_default is not None:
+        from cspan.backends.tools.catalog import TOOL_SETS
+
+        g.add_argument(
+            "--tools",
+            default=tools_default,
+            metavar="NAME,...",
+            help=f"the router's built-in tool sets, comma-separated: {', '.join(TOOL_SETS)}, 'default' (all but "
+            f"fdb-v3, the benchmark's mock world), 'none' (default: {tools_default}; 'memory' needs a Context DB "
+            "and is skipped: runs are stateless)",
+        )
+        g.add_argument(
+            "--mcp",
+            action="append",
+            default=[],
+            metavar="SPEC",
+            help="mount an MCP server's tools: a stdio command line or a streamable-HTTP URL, after optional "
+            "allow=a,b read=a,b prefix=p_ timeout=S and '--' (repeatable; see docs/OPERATORS.md)",
+        )
     g.add_argument("--listen-s", type=float, default=12.0, help="ASR window when no utterance transcript is usable")
     g.add_argument(
         "--span-delay-s",
@@ -94,6 +119,23 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+async def make_bank(args: argparse.Namespace) -> Any:
+    """The router's tool bank of ``--tools`` and ``--mcp`` (MCP servers start here; ``await bank.aclose()``).
+
+    Raises:
+        BenchError: an unknown tool set, a malformed ``--mcp``, or an MCP server that does not start.
+    """
+    from cspan.backends.errors import ToolError
+    from cspan.backends.tools.catalog import ToolsSpec, build_bank
+    from cspan.bench.errors import BenchError
+
+    try:
+        spec = ToolsSpec.from_flags(args.tools, args.mcp, knowledge=args.knowledge)
+        return await build_bank(spec)
+    except (ToolError, ValueError) as exc:
+        raise BenchError(str(exc)) from exc
+
+
 def make_retriever(args: argparse.Namespace, transcriber: Any, bank: Any) -> tuple[Any, Any]:
     """``(router, retriever)`` over ``bank`` from the shared runner flags (no Context DB: runs are stateless)."""
     from cspan.backends.retriever import Retriever
@@ -118,6 +160,8 @@ def describe_run(args: argparse.Namespace, session: Any) -> dict[str, Any]:
         "router": args.router,
         "router_model": args.router_model,
         "knowledge": str(args.knowledge) if args.knowledge else None,
+        "tools": getattr(args, "tools", None),
+        "mcp": list(getattr(args, "mcp", [])),
         "span_delay_s": None if args.realtime else args.span_delay_s,
         "span_deadline_s": args.span_deadline_s,
     }
@@ -345,7 +389,7 @@ def register_fdb_v1_run(sub: Any) -> None:
         help="80 ms frames of silence before the agent's first frame (default 1, as a live client hears it)",
     )
     add_model_arguments(p, prompt_help="persona prompt for every task (default: PersonaPlex's FDB prompt per task)")
-    add_loop_arguments(p, router_default="local")
+    add_loop_arguments(p, router_default="local", tools_default="default")
     add_run_arguments(p)
     add_judge_arguments(p, "gpt-4-turbo", "the user-interruption relevance rating")
     p.set_defaults(handler=_fdb_v1_run)
@@ -382,9 +426,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     judge = make_judge(args)
     try:
         if args.router.lower() != "none":
-            from cspan.backends.tools import ToolBank
-
-            bank = ToolBank.default()
+            bank = await make_bank(args)
             router, retriever = make_retriever(args, transcriber, bank)
         options = V1RunOptions(
             text_prompt=args.text_prompt,
@@ -662,7 +704,7 @@ def register_qa(sub: Any) -> None:
         "text stream; 'auto' (default): asr when --asr is not none",
     )
     add_model_arguments(p, prompt_help="persona prompt (default: the teacher persona of the original QA runs)")
-    add_loop_arguments(p, router_default="local", tail_default=DEFAULT_TAIL_S)
+    add_loop_arguments(p, router_default="local", tail_default=DEFAULT_TAIL_S, tools_default="clock,calculator")
     add_run_arguments(p)
     add_judge_arguments(p, "gpt-4o-2024-08-06", "the LLM judgement (a normalised alias match is used instead)")
     p.set_defaults(handler=_qa)
@@ -683,14 +725,12 @@ async def _qa_async(args: argparse.Namespace) -> int:
     transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
     timing_source(args.timing_words, transcriber)
     session = build_session_from(args)
-    router = retriever = None
+    router = retriever = bank = None
     judge = make_judge(args)
     try:
         if args.router.lower() != "none":
-            from cspan.backends.tools import ToolBank
-            from cspan.backends.tools.builtin import calculate_tool, get_time_tool
-
-            router, retriever = make_retriever(args, transcriber, ToolBank([get_time_tool(), calculate_tool()]))
+            bank = await make_bank(args)
+            router, retriever = make_retriever(args, transcriber, bank)
         options = QARunOptions(
             set_name=args.qa_set,
             text_prompt=args.text_prompt,
@@ -710,7 +750,7 @@ async def _qa_async(args: argparse.Namespace) -> int:
             session, items, args.out, options, transcriber=transcriber, retriever=retriever, judge=judge
         )
     finally:
-        await close_quietly(router, transcriber)
+        await close_quietly(router, bank, transcriber)
         if judge is not None:
             judge.close()
     print(qa_table([summary]))

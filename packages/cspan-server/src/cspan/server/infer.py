@@ -40,12 +40,13 @@ from cspan.server.settings_common import (
     BackendSettings,
     ContextDBSettings,
     ModelSettings,
+    ToolSettings,
     Utf8Text,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PERSONA", "InferSettings", "build_backends", "pick_device", "run_infer"]
+__all__ = ["DEFAULT_PERSONA", "InferSettings", "pick_device", "run_infer"]
 
 MAX_SILENCE_S = 600.0
 """Longest ``--lead-silence`` / ``--tail-silence`` (seconds)."""
@@ -84,7 +85,7 @@ _IO = {"group": "input and output"}
 _CONV = {"group": "conversation"}
 
 
-class InferSettings(ModelSettings, BackendSettings, ContextDBSettings):
+class InferSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSettings):
     """Run a recording through the full loop; write a stereo WAV (user | agent) and a JSON of what happened."""
 
     input_wav: Path = Field(
@@ -277,45 +278,6 @@ def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
         check_writable(out)
 
 
-def build_backends(settings: Any, *, profile: Any, db: Any) -> tuple[Any, Any]:
-    """``(transcriber, retriever)`` from the settings (either may be ``None`` when disabled).
-
-    Args:
-        settings: anything with the :class:`~cspan.server.settings_common.BackendSettings` attributes.
-        profile: unused (the conversation passes the profile per retrieval).
-        db: the Context DB.
-
-    Raises:
-        CspanError: an ``--asr`` or ``--router`` value no backend accepts.
-    """
-    from cspan.backends.asr import transcriber_from_url
-    from cspan.backends.retriever import Retriever
-    from cspan.backends.router import LLMRouter, LocalRouter
-    from cspan.backends.tools import ToolBank
-    from cspan.core.errors import CspanError
-
-    del profile
-    transcriber = None
-    try:
-        if settings.asr and settings.asr.lower() != "none":
-            transcriber = transcriber_from_url(settings.asr, model=settings.asr_model)
-        if not settings.router or settings.router.lower() == "none":
-            return transcriber, None
-        tools = ToolBank.default()
-        if settings.router.lower() == "local":
-            router = LocalRouter(tools=tools, db=db, knowledge_dir=settings.knowledge)
-        elif settings.router.startswith(("http://", "https://")):
-            router = LLMRouter(settings.router, settings.router_model, tools)
-        else:
-            raise ValueError(
-                f"--router {settings.router!r}: use 'local', 'none' or an http(s) URL of an OpenAI-compatible server"
-            )
-    except ValueError as exc:
-        raise CspanError(str(exc)) from exc
-    retriever = Retriever(transcriber, router, db, deadline_s=settings.span_deadline_s)
-    return transcriber, retriever
-
-
 async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Check that the backend URLs (``--asr``, ``--router``) answer, all at once: any HTTP response counts.
 
@@ -370,25 +332,27 @@ def _network_cause(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def open_context_db(path: str) -> Any:
-    """Open (or create) the Context DB of ``--db``.
+def open_context_db(settings: ContextDBSettings) -> Any:
+    """Open (or create) the Context DB of ``--db`` (default: the file in the platform's data directory), applying
+    ``--retention-days``.
 
     Raises:
         CspanError: the file is not a Context DB, is of a newer schema, or its folder cannot be created.
     """
-    from cspan.backends.context_db import ContextDB, ContextDBError
+    from cspan.backends.context_db import ContextDBError, resolve_target
     from cspan.core.errors import CspanError, os_error_cause
 
+    where = resolve_target(settings.db)
     try:
-        return ContextDB(path)
+        return settings.open_db()
     except ContextDBError as exc:
         cause = str(exc.__cause__ or exc).replace("--context-db", "--db")
         raise CspanError(
-            f"--db {path}: cannot open the Context DB: {cause}; pass a Context DB file or a new path"
+            f"--db {where}: cannot open the Context DB: {cause}; pass a Context DB file or a new path"
         ) from None
     except OSError as exc:
         cause = "a file is in the way of its folder" if isinstance(exc, FileExistsError) else os_error_cause(exc)
-        raise CspanError(f"--db {path}: cannot create the Context DB there: {cause}") from None
+        raise CspanError(f"--db {where}: cannot create the Context DB there: {cause}") from None
 
 
 def resolve_voice(checkpoint: Any, voice: str | None) -> Any:
@@ -476,18 +440,10 @@ async def run_infer(settings: InferSettings) -> InferResult:
             before any output is written). OutputError: an output that cannot be written (names the path and the
             cause; the other output is kept).
     """
-    import numpy as np
-    import torch
-
-    from cspan.core.audio import AtomicAudioWriter, check_writable, inspect_audio, iter_frames, write_text_atomic
-    from cspan.core.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
+    from cspan.core.audio import check_writable, inspect_audio
+    from cspan.core.checkpoint import DEFAULT_CHECKPOINT
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
-    from cspan.core.engine import DuplexEngine
-    from cspan.core.errors import CspanError, OutputError
-    from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
-    from cspan.core.runtime import Conversation, ConversationConfig
-    from cspan.server.output import AgentWord, InferOutput, PersonaInfo, Timing, UserTranscript, timing_stats
-    from cspan.server.records import db_recorder
+    from cspan.core.errors import CspanError
 
     s = settings
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
@@ -511,20 +467,62 @@ async def run_infer(settings: InferSettings) -> InferResult:
     source = s.checkpoint or DEFAULT_CHECKPOINT
 
     from cspan.backends.context_db import Profile
+    from cspan.backends.identity import Principal
+    from cspan.server.app import build_backends, build_transcriber
 
-    db = open_context_db(s.db)
-    profile = Profile(name=s.user_name, city=s.user_city, timezone=s.user_tz)
+    db = open_context_db(s)
+    memory = db.user(Principal.local())  # one person at this machine: the local user, as `cspan serve` without tokens
+    profile = Profile(user_id=memory.user_id, name=s.user_name, city=s.user_city, timezone=s.user_tz)
     try:
-        db.put_profile(profile)
-        conversation_id = db.start_conversation(
-            profile.user_id, checkpoint=str(source), settings={"input": _json_text(str(s.input_wav))}
+        memory.put_profile(profile)
+        conversation_id = memory.start_conversation(
+            checkpoint=str(source), settings={"input": _json_text(str(s.input_wav))}
         )
     except Exception as exc:  # sqlite3 errors: a read-only or locked database file
-        raise CspanError(f"--db {s.db}: cannot write to the Context DB: {exc}") from None
-    transcriber, retriever = build_backends(s, profile=profile, db=db)
+        raise CspanError(f"--db {db.where}: cannot write to the Context DB: {exc}") from None
 
-    # 2. the backend URLs must answer (all checked at once, in milliseconds when they do), then the model loads
+    # 2. the backend URLs must answer (all checked at once, in milliseconds when they do), then the tools (MCP
+    # servers start here) and the model load
     await probe_backends(s)
+    backends = await build_backends(s, build_transcriber(s))
+    try:
+        return await _converse(s, db, memory, profile, conversation_id, backends, info, source, device, dtype)
+    finally:
+        await backends.aclose()
+
+
+async def _converse(
+    s: InferSettings,
+    db: Any,
+    memory: Any,
+    profile: Any,
+    conversation_id: str,
+    backends: Any,
+    info: Any,
+    source: str,
+    device: Any,
+    dtype: Any,
+) -> InferResult:
+    """Steps 2 (the model) to 4 (the outputs) of :func:`run_infer`, with the backends built."""
+    import numpy as np
+    import torch
+
+    from cspan.core.audio import AtomicAudioWriter, iter_frames, write_text_atomic
+    from cspan.core.checkpoint import load_checkpoint
+    from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
+    from cspan.core.engine import DuplexEngine
+    from cspan.core.errors import OutputError
+    from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
+    from cspan.core.runtime import Conversation, ConversationConfig
+    from cspan.server.output import AgentWord, InferOutput, PersonaInfo, Timing, UserTranscript, timing_stats
+    from cspan.server.records import db_recorder
+
+    lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
+    tail = math.ceil(s.tail_silence * FRAME_RATE - 1e-9)
+    n_input = -(-round(info.duration_s * SAMPLE_RATE) // FRAME_SIZE)
+    total = lead + n_input + tail
+    transcriber = backends.transcriber
+    retriever = backends.for_session(memory)
     checkpoint = await asyncio.to_thread(load_checkpoint, source, device=device, dtype=dtype)
     voice_codes = resolve_voice(checkpoint, s.voice)
     persona = persona_frames(checkpoint, s, voice_codes)
@@ -562,7 +560,7 @@ async def run_infer(settings: InferSettings) -> InferResult:
         config=config,
         profile=profile,
         conversation_id=conversation_id,
-        on_event=db_recorder(db, conversation_id),
+        on_event=db_recorder(memory, conversation_id),
     )
     for span in s.spans:
         conversation.schedule_span(lead + frame_at(span.seconds), span.text)
@@ -682,10 +680,10 @@ async def run_infer(settings: InferSettings) -> InferResult:
         except OutputError as exc:
             text_error = exc
     try:
-        db.end_conversation(conversation_id)
+        memory.end_conversation(conversation_id)
         db.close()
     except Exception as exc:  # the outputs matter more than the Context DB's bookkeeping
-        logger.warning("--db %s: could not record the end of the conversation: %s", s.db, exc)
+        logger.warning("--db %s: could not record the end of the conversation: %s", db.where, exc)
     if wav_error is not None or text_error is not None:
         kept = [str(p) for p, e in ((s.output_wav, wav_error), (s.output_text, text_error)) if p and e is None]
         lines = [str(e) for e in (wav_error, text_error) if e is not None]
