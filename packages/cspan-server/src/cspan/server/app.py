@@ -371,7 +371,7 @@ def create_app(
         (``Authorization: Bearer TOKEN`` or ``?token=``)."""
         if await authenticator.required():
             token = bearer_token(request.headers.get("authorization")) or request.query_params.get("token")
-            principal = await authenticator.authenticate(token) if token else None
+            principal = await authenticator.authenticate(token, scope=None) if token else None
             if principal is None or not principal.allows("admin"):
                 return JSONResponse(
                     {"detail": "metrics need a token with the admin scope (Authorization: Bearer TOKEN)"},

@@ -181,8 +181,9 @@ class Authenticator(Protocol):
         """Whether a credential is needed now (``/info`` reports it; the page asks for a token)."""
         ...
 
-    async def authenticate(self, credential: str | None) -> Principal | None:
-        """The principal of ``credential`` (None when the client gave none), or None to refuse the connection."""
+    async def authenticate(self, credential: str | None, *, scope: str | None = "session") -> Principal | None:
+        """The principal of ``credential`` (None when the client gave none) if it was granted ``scope`` (None: any
+        scope), or None to refuse the request."""
         ...
 
 
@@ -194,8 +195,8 @@ class CredentialAuthenticator:
     A credential is required when ``--token`` or ``--token-file`` is set, when the server listens beyond loopback
     (unless ``insecure_no_token``), or while the Context DB holds an issued token (checked per connection, so
     ``cspan users add`` takes effect at once). Otherwise (one person on 127.0.0.1) every session is
-    :meth:`Principal.local() <cspan.backends.identity.Principal.local>`. A principal without the ``session``
-    scope is refused.
+    :meth:`Principal.local() <cspan.backends.identity.Principal.local>`. A conversation needs the ``session``
+    scope.
 
     Args:
         db: the Context DB holding issued tokens (None: none are accepted).
@@ -239,16 +240,16 @@ class CredentialAuthenticator:
     async def required(self) -> bool:
         return await asyncio.to_thread(self._required)
 
-    def _authenticate(self, credential: str | None) -> Principal | None:
+    def _authenticate(self, credential: str | None, scope: str | None) -> Principal | None:
         from cspan.backends.identity import Principal
 
         if not self._required():
             return Principal.local()
         principal = self.credentials.authenticate(credential)
-        return principal if principal is not None and principal.allows("session") else None
+        return principal if principal is not None and (scope is None or principal.allows(scope)) else None
 
-    async def authenticate(self, credential: str | None) -> Principal | None:
-        return await asyncio.to_thread(self._authenticate, credential)
+    async def authenticate(self, credential: str | None, *, scope: str | None = "session") -> Principal | None:
+        return await asyncio.to_thread(self._authenticate, credential, scope)
 
 
 def offered_subprotocols(header: str | None) -> list[str]:

@@ -32,12 +32,15 @@ logger = logging.getLogger(__name__)
 
 
 class _RedactTokens(logging.Filter):
-    """Remove ``token=...`` from uvicorn's access log lines."""
+    """Remove ``token=...`` from uvicorn's access log lines, and leave out the lines of ``GET /health`` (a load
+    balancer asks every second or so)."""
 
     _pattern = re.compile(r"(token=)[^&\s\"]*")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
+            if len(record.args) >= 3 and record.args[1] == "GET" and record.args[2] == "/health":
+                return False
             record.args = tuple(self._pattern.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
         return True
 

@@ -1,0 +1,290 @@
+"""Operators' guarantees of ``cspan serve`` with the real parts (uvicorn, SQLite, an MCP server as a subprocess, a
+scripted OpenAI-compatible router): a session's memory is its credential's principal's and no protocol reaches
+another user's rows; tools are what ``--tools`` / ``--mcp`` say (no mock world by default), actions wait for a
+confirmation; ``/health`` tells a balancer when to send no more; settings come from flags or a settings file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from serve_client import Client
+
+from cspan.backends.context_db import ContextDB
+from cspan.backends.identity import issue_token
+
+REPO = Path(__file__).resolve().parents[2]
+MCP_DEMO = REPO / "tests" / "backends" / "mcp_demo_server.py"
+SILENCE = [np.zeros(1920, dtype=np.float32)] * 40  # 3.2 s
+
+
+class FixedTranscriber:
+    """Hears ``text`` in any audio (the tests are about whose memory answers, not about speech recognition)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    async def transcribe(self, pcm: np.ndarray, sample_rate: int) -> str:
+        return self.text
+
+
+@pytest.fixture
+def users(tmp_path: Path) -> dict[str, Any]:
+    """A Context DB file with issued tokens for ada and bob (session scope) and ops (admin only), and a locker code
+    remembered for each of ada and bob."""
+    path = tmp_path / "context.sqlite"
+    with ContextDB(path) as db:
+        tokens = {user: issue_token(db, user)[1] for user in ("ada", "bob")}
+        tokens["ops"] = issue_token(db, "ops", scopes=["admin"])[1]
+        db.user("ada").set_fact("locker_code", "ada-4711")
+        db.user("bob").set_fact("locker_code", "bob-0815")
+    return {"db": path, **tokens}
+
+
+def ws_url(server: Any, token: str) -> str:
+    return f"{server.ws_url}?token={token}"
+
+
+async def close_code(url: str) -> int:
+    async with websockets.connect(url) as ws:
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await ws.recv()
+    return info.value.rcvd.code
+
+
+async def first_span(client: Client, frames: list[np.ndarray]) -> dict[str, Any]:
+    """Stream ``frames``, then read until a ``span`` event has arrived (the server's clock goes on without audio);
+    returns it."""
+    await client.stream(frames)
+    if not client.received.json("span"):
+        await client.recv_until(lambda k, m: k == "json" and m["type"] == "span", timeout=60)
+    return client.received.json("span")[0]
+
+
+@pytest.mark.timeout(300)
+async def test_no_protocol_reads_another_users_memory(serve, users) -> None:
+    """ada and bob each remembered a locker code. Through ``/ws`` and ``/api/chat`` a session hears only its own
+    principal's, whatever the client sends (a ``user_id`` in the profile is refused); the rows a session writes are
+    its principal's; a token without the ``session`` scope, a wrong one or none is refused before any session."""
+    import aiohttp
+    import sphn
+
+    server = serve(
+        db=str(users["db"]),
+        router="local",
+        tools="clock,memory",
+        transcriber=FixedTranscriber("what is my locker code"),
+    )
+    assert await close_code(server.ws_url) == 4401  # issued tokens exist: a credential is required
+    assert await close_code(ws_url(server, users["ops"])) == 4401  # admin scope only: may not talk
+    assert await close_code(ws_url(server, users["ada"] + "x")) == 4401
+    assert server.hub.free_slots() == 1
+
+    # /ws as ada, pretending to be bob in the profile
+    async with websockets.connect(ws_url(server, users["ada"]), max_size=None) as ws:
+        client = Client(ws)
+        refused = await client.start(profile={"user_id": "bob"})
+        assert (
+            refused["type"] == "error" and refused["code"] == "invalid_message" and "credential" in refused["message"]
+        )
+        ready = await client.start(profile={"name": "Ada"}, test={"force_ret_at": [0.4]})
+        assert ready["type"] == "ready" and ready["profile"]["user_id"] == "ada"
+        span = await first_span(client, SILENCE)
+        await client.stop()
+    assert "ada-4711" in span["text"] and "bob-0815" not in span["text"]
+    ada_conversation = ready["conversation_id"]
+
+    # /api/chat (the Moshi protocol) as bob, token in the Authorization header
+    writer = sphn.OpusStreamWriter(24000)
+    async with aiohttp.ClientSession() as http:
+        url = f"ws://127.0.0.1:{server.port}/api/chat"
+        async with http.ws_connect(url, headers={"Authorization": f"Bearer {users['bob']}"}) as ws:
+            assert (await ws.receive()).data == b"\x00"
+            info = json.loads((await ws.receive()).data[1:])
+            (session,) = [s for s in server.hub.sessions if s.protocol == "moshi"]
+            assert session.principal.user_id == "bob"
+            session.conversation.schedule_ret(session.conversation.frame + 2)  # the tiny model's own <ret> is rare
+            moshi_span = None
+            for frame in SILENCE:
+                await ws.send_bytes(b"\x01" + writer.append_pcm(frame))
+                while moshi_span is None:
+                    try:
+                        msg = await asyncio.wait_for(ws.receive(), 0.05)
+                    except TimeoutError:
+                        break
+                    if msg.data[0] == 4 and json.loads(msg.data[1:]).get("type") == "span":
+                        moshi_span = json.loads(msg.data[1:])
+                if moshi_span is not None:
+                    break
+    assert moshi_span is not None, "no span reached the Moshi client"
+    assert "bob-0815" in moshi_span["text"] and "ada-4711" not in moshi_span["text"]
+
+    async def ended(cid: str, user: str) -> bool:
+        conv = server.hub.db.user(user).get_conversation(cid)
+        return conv is not None and conv.ended_at is not None
+
+    deadline = time.monotonic() + 30
+    while not (await ended(ada_conversation, "ada") and await ended(info["conversation_id"], "bob")):
+        assert time.monotonic() < deadline, "conversations not ended"
+        await asyncio.sleep(0.1)
+    with ContextDB(users["db"]) as db:  # what is on disk, read as an operator would
+        ada, bob = db.user("ada"), db.user("bob")
+        assert bob.get_conversation(ada_conversation) is None and bob.spans(ada_conversation) == []
+        assert ada.get_conversation(info["conversation_id"]) is None
+        (ada_span,) = ada.spans(ada_conversation)
+        assert "ada-4711" in ada_span.text and ada_span.injected_at is not None
+        assert [t.text for t in ada.turns(ada_conversation) if t.role == "user"] == ["what is my locker code"]
+        assert ada.get_profile().name == "Ada" and bob.get_profile().name == ""
+        assert set(db.users()) == {"ada", "bob", "ops"}
+
+    # operators' numbers need the admin scope
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    headers = {"Authorization": f"Bearer {users['ada']}"}
+    assert httpx.get(server.url + "/metrics", headers=headers).status_code == 403
+    headers = {"Authorization": f"Bearer {users['ops']}"}
+    assert (
+        'cspan_auth_failures_total{protocol="cspan",reason="token"} 3.0'
+        in httpx.get(server.url + "/metrics", headers=headers).text
+    )
+    assert httpx.get(server.url + "/info").json()["token_required"] is True
+
+
+@pytest.fixture(scope="module")
+def stub_llm() -> Iterator[Any]:
+    """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``)."""
+    sys.path.insert(0, str(REPO / "tests" / "backends"))
+    from router_stub import StubLLM
+
+    stub = StubLLM().start()
+    yield stub
+    stub.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_tools_are_configuration_and_actions_wait_for_a_confirmation(serve, users, stub_llm) -> None:
+    """``--tools clock,memory --mcp 'allow=shout,add read=shout -- python mcp_demo_server.py'`` with an LLM router:
+    the router sees exactly those tools plus the principal's memory tools (no mock world, no ``refuse``), an MCP
+    read runs, an MCP action (``add``: not annotated read-only) is held back for a confirmation, and
+    ``remember_fact`` writes the session principal's memory only."""
+    stub_llm.reset(
+        {"tool": "shout", "arguments": {"text": "hello", "times": 2}},
+        {"tool": "add", "arguments": {"a": 2, "b": 3}},
+        {"tool": "remember_fact", "arguments": {"key": "favourite colour", "value": "green"}},
+    )
+    server = serve(
+        db=str(users["db"]),
+        router=stub_llm.url,
+        router_model="stub",
+        tools="clock,memory",
+        mcp=[f"allow=shout,add read=shout -- {sys.executable} {MCP_DEMO}"],
+        transcriber=FixedTranscriber("please do it"),
+        span_deadline_s=20.0,
+    )
+    bank = server.hub.backends.bank
+    assert sorted(bank.names()) == ["add", "get_time", "shout"]
+    async with websockets.connect(ws_url(server, users["ada"]), max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start(test={"force_ret_at": [0.4, 1.6, 2.8]}))["type"] == "ready"
+        await client.stream(SILENCE)
+        while len(client.received.json("span")) < 3:
+            await client.recv_until(lambda k, m: k == "json" and m["type"] in ("span", "no_span"), timeout=60)
+        await client.stop()
+    spans = [m["text"] for m in client.received.json("span")]
+    assert len(spans) == 3, client.received.json("no_span") + client.received.json("error")
+    assert "HELLO HELLO" in spans[0]
+    assert "confirmation needed" in spans[1] and "add" in spans[1]
+    assert "remembered" in spans[2]
+    offered = {t["function"]["name"] for t in stub_llm.requests[0]["tools"]}
+    assert offered == {"get_time", "shout", "add", "recall_memory", "remember_fact"}
+    with ContextDB(users["db"]) as db:
+        assert {f.key: f.value for f in db.user("ada").facts()}["favourite_colour"] == "green"
+        assert "favourite_colour" not in {f.key for f in db.user("bob").facts()}
+
+
+@pytest.mark.timeout(300)
+async def test_health_tells_a_balancer_when_to_send_no_more(serve) -> None:
+    server = serve(max_sessions=1)
+    ok = httpx.get(server.url + "/health")
+    assert ok.status_code == 200 and ok.json()["status"] == "ok" and ok.json()["free_slots"] == 1
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start())["type"] == "ready"
+        full = httpx.get(server.url + "/health")
+        assert full.status_code == 503 and full.json()["status"] == "full" and full.json()["free_slots"] == 0
+        await client.stop()
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    server.hub.draining = True  # what SIGTERM does first (see test_server_replicas for the real signal)
+    draining = httpx.get(server.url + "/health")
+    assert draining.status_code == 503 and draining.json()["status"] == "draining"
+    async with websockets.connect(server.ws_url) as ws:
+        busy = await Client(ws).start()
+        assert busy["type"] == "busy" and "shutting down" in busy["message"]
+
+
+def cspan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_tool_settings_from_flags_environment_and_file(tmp_path: Path) -> None:
+    from cspan.core.settings import load_settings
+    from cspan.server.serve_settings import ServeSettings
+
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f"""
+[serve]
+tools = ["clock", "calculator", "memory"]
+retention-days = 30
+db = "{tmp_path / "c.sqlite"}"
+
+[[serve.mcp]]
+command = ["{sys.executable}", "{MCP_DEMO}"]
+allow = ["add"]
+read = ["add"]
+
+[[serve.mcp]]
+url = "http://127.0.0.1:8765/mcp"
+prefix = "web_"
+"""
+    )
+    s = load_settings(ServeSettings, config=config, verb="serve")
+    spec = s.tools_spec()
+    assert spec.sets == ["clock", "calculator", "memory"] and s.retention_days == 30
+    assert spec.mcp[0].command == [sys.executable, str(MCP_DEMO)] and spec.mcp[0].read_only == ["add"]
+    assert spec.mcp[1].url == "http://127.0.0.1:8765/mcp" and spec.mcp[1].prefix == "web_"
+    # the live default: every built-in set but the benchmark's mock world
+    assert "fdb-v3" not in load_settings(ServeSettings, {"db": ":memory:"}).tools_spec().sets
+
+    for args, message in [
+        (["--tools", "clock,travel"], "--tools / CSPAN_TOOLS: unknown tool set 'travel'"),
+        (["--mcp", "allow=a,b"], "--mcp / CSPAN_MCP: 'allow=a,b': give a stdio command line"),
+        (["--retention-days", "0"], "--retention-days"),
+        (["--ssl-keyfile", str(config)], "needs --ssl-certfile"),
+        (["--token-file", str(tmp_path / "none.toml")], "--token-file"),
+    ]:
+        proc = cspan("serve", "--checkpoint", "/nonexistent", *args)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+    # a commas-bearing --mcp is one value, and the command line wins over the file
+    proc = cspan("serve", "--help")
+    for flag in ("--tools", "--mcp", "--token-file", "--token-user", "--retention-days", "--ssl-certfile", "--drain-s"):
+        assert flag in proc.stdout, flag

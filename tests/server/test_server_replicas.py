@@ -1,0 +1,215 @@
+"""Scale out on existing engines: two ``cspan serve`` replicas (real subprocesses, the tiny checkpoint on the CPU)
+sharing one Context DB on a real PostgreSQL server, behind a real HAProxy (Debian's package) configured as
+``deploy/haproxy.cfg`` is: WebSocket, ``balance leastconn``, ``option httpchk GET /health``.
+
+Sessions spread over both replicas; a fact remembered through one is read through the other (profile, and a
+Context Span from the user's notes); the issued token works on both; when a replica is stopped (SIGTERM) its client
+gets a clean close (``bye``, 1001) through the balancer and new sessions go only to the other one."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from serve_client import Client, load_frames
+from serve_process import ServeProcess, free_port, serve_args
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "backends"))
+from postgres_server import PostgresServer, postgres_binaries  # noqa: E402
+
+HAPROXY_CONFIG = """\
+global
+    maxconn 256
+    log stdout format raw local0 info
+
+defaults
+    mode http
+    log global
+    option httplog
+    timeout connect 2s
+    timeout client 60s
+    timeout server 60s
+    timeout tunnel 1h
+    retries 2
+    option redispatch
+
+frontend cspan
+    bind 127.0.0.1:{port}
+    default_backend replicas
+
+backend replicas
+    balance leastconn
+    option httpchk GET /health
+    http-check send hdr Host 127.0.0.1:{port}
+    http-check expect status 200
+    default-server check inter 300ms fall 1 rise 1
+{servers}
+"""
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    if postgres_binaries() is None:
+        pytest.skip("PostgreSQL is not installed (.ci/run installs Debian's postgresql)")
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def haproxy_binary() -> str:
+    found = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").is_file() else None)
+    if found is None:
+        pytest.skip("HAProxy is not installed (.ci/run installs Debian's haproxy)")
+    return found
+
+
+def healthy(port: int, host: str) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", headers={"Host": host}, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def read_all(client: Client) -> websockets.ConnectionClosed:
+    """Receive until the server closes the connection; returns how it closed."""
+    try:
+        while True:
+            await client.recv(timeout=600)
+    except websockets.ConnectionClosed as closed:
+        return closed
+
+
+async def until(predicate: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not reached: {what}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(600)
+async def test_two_replicas_behind_haproxy_share_one_memory(
+    tiny_checkpoint_dir: Path, fixture_file, tmp_path: Path, postgres: PostgresServer, haproxy_binary: str
+) -> None:
+    from cspan.backends.context_db import ContextDB
+    from cspan.backends.identity import issue_token
+
+    with ContextDB(postgres.url) as db:
+        _, token = issue_token(db, "ada")
+    front = free_port()
+    public = f"127.0.0.1:{front}"
+    ports = {"a": free_port(), "b": free_port()}
+    flags = [
+        "--db", postgres.url, "--asr", "sphinx", "--router", "local", "--tools", "clock,memory",
+        "--allow-host", public, "--test-hooks", "--span-deadline-s", "30", "--idle-timeout-s", "600",
+    ]  # fmt: skip
+    replicas = {
+        name: ServeProcess(*serve_args(tiny_checkpoint_dir, "--port", str(port), *flags), name=f"replica {name}")
+        for name, port in ports.items()
+    }
+    config = tmp_path / "haproxy.cfg"
+    servers = "\n".join(f"    server {name} 127.0.0.1:{port}" for name, port in ports.items())
+    config.write_text(HAPROXY_CONFIG.format(port=front, servers=servers))
+    subprocess.run([haproxy_binary, "-c", "-q", "-f", str(config)], check=True, timeout=30)
+    haproxy = subprocess.Popen(
+        [haproxy_binary, "-db", "-f", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        for replica in replicas.values():
+            replica.start()
+        await until(lambda: all(healthy(p, public) for p in ports.values()), "both replicas healthy")
+        await until(lambda: healthy(front, public), "HAProxy sees a replica up")
+        url = f"ws://{public}/ws?token={token}"
+        frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
+        silence = [np.zeros(1920, dtype=np.float32)] * 8
+
+        def full() -> set[str]:
+            """The replicas that answer ``/health`` with 503 (no free slot)."""
+            out = set()
+            for name, port in ports.items():
+                try:
+                    answer = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Host": public}, timeout=2)
+                except httpx.HTTPError:
+                    continue  # stopped
+                if answer.status_code == 503:
+                    out.add(name)
+            return out
+
+        # 1. the first session, with a profile: it lands on one replica ("first")
+        async with websockets.connect(url, max_size=None) as ws1:
+            c1 = Client(ws1)
+            notes = "The weather in London is foggy, says the barometer at home."
+            r1 = await c1.start(profile={"name": "Ada", "location": "Leeds", "notes": notes})
+            assert r1["type"] == "ready" and r1["profile"]["user_id"] == "ada"
+            await c1.stream(silence)
+            reading = asyncio.ensure_future(read_all(c1))  # a live client keeps reading (pings are answered)
+            (first,) = full()
+            other = "b" if first == "a" else "a"
+
+            # 2. the second session goes to the other replica (least connections; the first one is full) and reads
+            # what the first stored: the profile at start, the notes through a Context Span
+            await until(lambda: healthy(front, public), "HAProxy routes to the free replica")
+            async with websockets.connect(url, max_size=None) as ws2:
+                c2 = Client(ws2)
+                r2 = await c2.start(test={"force_ret_at": [3.5]})
+                assert r2["type"] == "ready"
+                assert full() == {"a", "b"}  # sessions spread over both
+                assert (r2["profile"]["name"], r2["profile"]["location"]) == ("Ada", "Leeds")
+                await c2.stream(frames + silence)
+                if not c2.received.json("span"):
+                    await c2.recv_until(lambda k, m: k == "json" and m["type"] == "span", timeout=120)
+                assert "foggy" in c2.received.json("span")[0]["text"]
+                await c2.stop()
+
+            # 3. the first replica is stopped: its client gets a clean goodbye through the balancer
+            replicas[first].signal(signal.SIGTERM)
+            closed = await asyncio.wait_for(reading, 60)
+            (bye,) = c1.received.json("bye")
+            assert bye["reason"] == "shutdown"
+            assert closed.rcvd is not None and closed.rcvd.code == 1001
+        assert replicas[first].wait(timeout=60) == 128 + signal.SIGTERM  # a clean exit, then the signal re-raised
+        assert "Traceback" not in replicas[first].log and "Application shutdown complete" in replicas[first].log
+
+        # 4. new sessions go only to the replica left (the balancer's check found the other one gone)
+        for _ in range(2):
+            await until(lambda: healthy(front, public), "HAProxy sees the replica left up and free")
+            async with websockets.connect(url, max_size=None) as ws:
+                client = Client(ws)
+                assert (await client.start())["type"] == "ready"
+                assert full() == {other}
+                await client.stream(silence[:3])
+                await client.stop()
+        with ContextDB(postgres.url) as db:
+            conversations = db.user("ada").conversations()
+        assert len(conversations) == 4
+        assert {c.settings["session_id"] for c in conversations} >= {r1["session_id"], r2["session_id"]}
+    finally:
+        haproxy.terminate()
+        try:
+            out, _ = haproxy.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            haproxy.kill()
+            out, _ = haproxy.communicate()
+        print("haproxy:", out.decode(errors="replace"))  # shown when the test fails
+        for replica in replicas.values():
+            print(f"{replica.name}:", replica.log)
+        for replica in replicas.values():
+            replica.signal(signal.SIGTERM)
+        for replica in replicas.values():
+            try:
+                replica.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+            replica.kill()
