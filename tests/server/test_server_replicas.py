@@ -1,6 +1,7 @@
 """Scale out on existing engines: two ``cspan serve`` replicas (real subprocesses, the tiny checkpoint on the CPU)
 sharing one Context DB on a real PostgreSQL server, behind a real HAProxy (Debian's package) configured as
-``deploy/haproxy.cfg`` is: WebSocket, ``balance leastconn``, ``option httpchk GET /health``.
+``deploy/haproxy.cfg`` (read from there; only the addresses change): WebSocket, ``balance leastconn``,
+``option httpchk GET /health``.
 
 Sessions spread over both replicas; a fact remembered through one is read through the other (profile, and a
 Context Span from the user's notes); the issued token works on both; when a replica is stopped (SIGTERM) its client
@@ -9,6 +10,7 @@ gets a clean close (``bye``, 1001) through the balancer and new sessions go only
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import signal
 import subprocess
@@ -29,34 +31,25 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "backends"))
 from postgres_server import PostgresServer, postgres_binaries  # noqa: E402
 
-HAPROXY_CONFIG = """\
-global
-    maxconn 256
-    log stdout format raw local0 info
+DEPLOY_CONFIG = REPO / "deploy" / "haproxy.cfg"
 
-defaults
-    mode http
-    log global
-    option httplog
-    timeout connect 2s
-    timeout client 60s
-    timeout server 60s
-    timeout tunnel 1h
-    retries 2
-    option redispatch
 
-frontend cspan
-    bind 127.0.0.1:{port}
-    default_backend replicas
-
-backend replicas
-    balance leastconn
-    option httpchk GET /health
-    http-check send hdr Host 127.0.0.1:{port}
-    http-check expect status 200
-    default-server check inter 300ms fall 1 rise 1
-{servers}
-"""
+def haproxy_config(port: int, servers: dict[str, int]) -> str:
+    """``deploy/haproxy.cfg`` as documented, with this test's addresses: the frontend on ``127.0.0.1:port`` without
+    TLS, the public host name ``127.0.0.1:port``, and ``servers`` (name: port on 127.0.0.1)."""
+    lines = []
+    for line in DEPLOY_CONFIG.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("bind "):
+            line = f"    bind 127.0.0.1:{port}"
+        elif stripped.startswith("server "):
+            continue
+        lines.append(line.replace("cspan.example.org", f"127.0.0.1:{port}"))
+    lines += [f"    server {name} 127.0.0.1:{server_port}" for name, server_port in servers.items()]
+    text = "\n".join(lines) + "\n"
+    for needed in ("balance leastconn", "option httpchk GET /health", "timeout tunnel"):
+        assert needed in text, needed
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +113,7 @@ async def test_two_replicas_behind_haproxy_share_one_memory(
         for name, port in ports.items()
     }
     config = tmp_path / "haproxy.cfg"
-    servers = "\n".join(f"    server {name} 127.0.0.1:{port}" for name, port in ports.items())
-    config.write_text(HAPROXY_CONFIG.format(port=front, servers=servers))
+    config.write_text(haproxy_config(front, ports))
     subprocess.run([haproxy_binary, "-c", "-q", "-f", str(config)], check=True, timeout=30)
     haproxy = subprocess.Popen(
         [haproxy_binary, "-db", "-f", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -213,3 +205,30 @@ async def test_two_replicas_behind_haproxy_share_one_memory(
             except subprocess.TimeoutExpired:
                 pass
             replica.kill()
+
+
+def test_compose_has_the_topology_of_haproxy_cfg() -> None:
+    """``deploy/compose.yaml`` (not run in CI): every replica service is a server of ``deploy/haproxy.cfg`` on the
+    port it listens on, its flags are valid ``cspan serve`` settings, and the public name is the same in both."""
+    import argparse
+
+    yaml = pytest.importorskip("yaml")
+    from cspan.core.settings import add_settings_arguments, settings_from_args
+    from cspan.server.serve_settings import ServeSettings
+
+    compose = yaml.safe_load((REPO / "deploy" / "compose.yaml").read_text())
+    cfg = DEPLOY_CONFIG.read_text()
+    servers = dict(re.findall(r"^\s+server (\S+) (\S+)$", cfg, flags=re.M))
+    replicas = {name: svc for name, svc in compose["services"].items() if name.startswith("cspan-")}
+    assert len(replicas) >= 2 and len(servers) == len(replicas)
+    for name, service in replicas.items():
+        command = service["command"]
+        assert command[0] == "serve"
+        parser = argparse.ArgumentParser(prog="cspan serve")
+        add_settings_arguments(parser, ServeSettings)
+        settings = settings_from_args(parser.parse_args([*command[1:], "--db", ":memory:"]))
+        assert f"{name}:{settings.port}" in servers.values(), (name, servers)
+        assert settings.host == "0.0.0.0" and settings.allow_host == ["cspan.example.org"]
+        assert "postgresql://" in service["environment"]["CSPAN_DB"]
+    assert "http-check send hdr Host cspan.example.org" in cfg
+    assert set(compose["services"]["haproxy"]["depends_on"]) == set(replicas)
