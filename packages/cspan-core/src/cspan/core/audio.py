@@ -185,6 +185,27 @@ def resample(pcm: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     return soxr.resample(np.asarray(pcm, dtype=np.float32), from_rate, to_rate, quality="HQ").astype(np.float32)
 
 
+def sanitize_pcm(pcm: np.ndarray) -> tuple[np.ndarray, int]:
+    """Audio that arrives live (a wire protocol, a decoded stream) made safe for the model.
+
+    Non-finite samples (NaN, +-Inf) become 0 (silence) and every sample is clipped to [-1, 1], so that one bad
+    sample can neither reach the model nor be played back as a full-scale click.
+
+    Args:
+        pcm: float samples, any shape.
+
+    Returns:
+        ``(clean, nonfinite)``: float32 samples of the same shape, and how many were not finite (callers report
+        that once, naming the source).
+    """
+    x = np.asarray(pcm, dtype=np.float32)
+    finite = np.isfinite(x)
+    nonfinite = int(x.size - np.count_nonzero(finite))
+    if nonfinite:
+        x = np.where(finite, x, np.float32(0.0))
+    return np.clip(x, -1.0, 1.0), nonfinite
+
+
 def _default_mode() -> int:
     """The permissions a plain ``open(..., "w")`` would give a new file (0o666 minus the umask)."""
     mask = os.umask(0o022)
