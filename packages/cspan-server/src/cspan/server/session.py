@@ -530,7 +530,7 @@ class Session:
         if self._start is not None:
             self._start.request.tools = list(tools)
         if self.conversation is not None:
-            self.conversation.retriever = self.hub.retriever_for(tools)
+            self.conversation.retriever = self.hub.retriever_for(self, tools)
             self.conversation.config.span_deadline_s = self.hub.span_deadline_s(tools)
 
     def update_profile(self, fields: ProfileFields) -> None:
@@ -711,14 +711,18 @@ class SessionHub:
         self._session_counter += 1
         return self.settings.seed + self._session_counter - 1
 
-    def retriever_for(self, tools: list[Any]) -> Any:
-        """The retriever of a session with its own ``tools``: the shared one whose router sees the shared tool bank
-        plus ``tools`` (an LLM router; the local router picks its tools by rule and never calls a client's)."""
+    def retriever_for(self, session: Session, tools: list[Any]) -> Any:
+        """The retriever of ``session`` with its own ``tools``: the shared one, its router seeing the shared tool bank
+        plus ``tools`` (an LLM router; the local router picks its tools by rule and never calls a client's), its
+        memory the session user's. Without tools: the shared retriever."""
         base = self.retriever
         router = getattr(base, "router", None)
-        if not tools or base is None or router is None or getattr(router, "tools", None) is None:
+        if not tools or base is None or getattr(router, "tools", None) is None:
             return base
-        return base.scoped(getattr(base, "db", None), router=router.with_bank(router.tools.derive(tools)))
+        memory = None
+        if getattr(base, "db", None) is not None and session.profile is not None:
+            memory = self.db.user(session.profile.user_id)
+        return base.scoped(memory, router=router.with_bank(router.tools.derive(tools)))
 
     def span_deadline_s(self, tools: list[Any]) -> float:
         """The span deadline of a session: ``--span-deadline-s``, plus ``--client-tool-timeout-s`` while the session
@@ -904,7 +908,7 @@ class SessionHub:
             slot,
             tokenizer=getattr(self.checkpoint, "tokenizer", None),
             transcriber=self.transcriber,
-            retriever=self.retriever_for(tools),
+            retriever=self.retriever_for(session, tools),
             config=config,
             profile=profile,
             conversation_id=conversation_id,

@@ -214,6 +214,7 @@ class RealtimeAdapter(ProtocolAdapter):
         self.session_id = f"sess_{session.id}"
         self._calls: dict[str, _Call] = {}
         self._last_call: dict[str, str] = {}
+        self._client_tools: list[Any] = []
 
     # -- inbound ------------------------------------------------------------------------------------------------
 
@@ -304,7 +305,7 @@ class RealtimeAdapter(ProtocolAdapter):
                 force_ret_at=list(test.force_ret_at) if test is not None else [],
                 spans=[(t, text) for t, text in test.spans] if test is not None else [],
                 test=test is not None,
-                tools=self._tools(),
+                tools=self._client_tools,
             )
         )
 
@@ -325,6 +326,7 @@ class RealtimeAdapter(ProtocolAdapter):
             )
         try:
             tools = function_tools(new, event_id)
+            bank_tools = self._bank_tools(tools, event_id) if tools is not None else []
         except RealtimeEventError as exc:
             problems.append(exc)
             tools = None
@@ -385,7 +387,8 @@ class RealtimeAdapter(ProtocolAdapter):
             c.tool_choice = new.tool_choice
         if tools is not None:
             c.tools = tools
-            self.session.set_tools(self._tools())
+            self._client_tools = bank_tools
+            self.session.set_tools(bank_tools)
         options = new.cspan
         if options is not None:
             if options.events is not None:
@@ -453,20 +456,42 @@ class RealtimeAdapter(ProtocolAdapter):
 
     # -- client tools -------------------------------------------------------------------------------------------
 
-    def _tools(self) -> list[Any]:
-        """The client's function tools as tools of the router's bank (their execution is a call to the client)."""
-        if not self.config.tools:
-            return []
+    def _bank_tools(self, specs: list[FunctionTool], event_id: str | None) -> list[Any]:
+        """The client's function tools as tools of the router's bank (their execution is a call to the client).
+
+        Raises:
+            RealtimeEventError: ``invalid_event`` for a name the server's own tool bank has, or parameters that are
+                not an object schema.
+        """
+        from cspan.backends.errors import ToolError
         from cspan.backends.tools.catalog import callback_tool
 
+        router = getattr(self.hub.retriever, "router", None)
+        taken = set(router.tools.names()) if getattr(router, "tools", None) is not None else set()
         timeout = self.hub.settings.client_tool_timeout_s
         tools = []
-        for spec in self.config.tools:
+        for i, spec in enumerate(specs):
+            if spec.name in taken:
+                raise RealtimeEventError(
+                    "invalid_event",
+                    f"session.tools[{i}]: {spec.name!r} is the name of one of this server's own tools; rename it "
+                    "(tools not applied)",
+                    event_id=event_id,
+                    param=f"session.tools[{i}].name",
+                )
 
             async def call(arguments: dict[str, Any], name: str = spec.name) -> str:
                 return await self._call_client(name, arguments)
 
-            tools.append(callback_tool(spec.name, spec.description, spec.parameters, call, timeout_s=timeout + 1.0))
+            try:
+                tools.append(callback_tool(spec.name, spec.description, spec.parameters, call, timeout_s=timeout + 1.0))
+            except ToolError as exc:
+                raise RealtimeEventError(
+                    "invalid_event",
+                    f"session.tools[{i}].parameters: {exc} (tools not applied)",
+                    event_id=event_id,
+                    param=f"session.tools[{i}].parameters",
+                ) from None
         return tools
 
     async def _call_client(self, name: str, arguments: dict[str, Any]) -> str:
