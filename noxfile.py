@@ -24,6 +24,7 @@ TEST_REQUIREMENTS = [
     "websockets>=12",
     "playwright>=1.45",
     "transformers>=4.44",  # the optional transformers ASR engine is tested too
+    "openai>=3.57",  # its realtime client is tested against /v1/realtime
 ]
 
 

@@ -5,7 +5,8 @@ To add a protocol, add one module here that defines a :class:`ProtocolAdapter` s
 core, and what an adapter may call and must render, is described in :mod:`cspan.server.session` ("Adapter
 contract").
 
-Protocols here: ``ws`` (``/ws``, this project's own protocol, ``docs/PROTOCOL.md``).
+Protocols here: ``ws`` (``/ws``, this project's own protocol, ``docs/PROTOCOL.md``); ``realtime``
+(``/v1/realtime``, the OpenAI Realtime API).
 """
 
 from __future__ import annotations
