@@ -722,7 +722,10 @@ class SessionHub:
         memory = None
         if getattr(base, "db", None) is not None and session.profile is not None:
             memory = self.db.user(session.profile.user_id)
-        return base.scoped(memory, router=router.with_bank(router.tools.derive(tools)))
+        own = router.with_bank(router.tools.derive(tools))
+        if isinstance(getattr(own, "timeout_s", None), float):  # a client's function is part of the routing time
+            own.timeout_s += self.settings.client_tool_timeout_s
+        return base.scoped(memory, router=own)
 
     def span_deadline_s(self, tools: list[Any]) -> float:
         """The span deadline of a session: ``--span-deadline-s``, plus ``--client-tool-timeout-s`` while the session

@@ -23,6 +23,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -208,7 +209,9 @@ class RealtimeAdapter(ProtocolAdapter):
         self.config = _Config()
         self.items = ItemLog()
         self.user = UserSpeech(self.items)
-        self.responses = ResponseStream(self.items, audio_config=self._audio_output())
+        self.responses = ResponseStream(
+            self.items, conversation_id=f"conv_{session.id}", audio_config=self._audio_output()
+        )
         self.audio_in = InputAudio(self.config.input_format)
         self.audio_out = OutputAudio(self.config.output_format)
         self.session_id = f"sess_{session.id}"
@@ -561,7 +564,6 @@ class RealtimeAdapter(ProtocolAdapter):
                 )
             ]
         if isinstance(item, Ready):
-            self.responses.conversation_id = f"conv_{self.session.id}"
             return self._extension("cspan.ready", {k: getattr(item, k) for k in ("conversation_id", "seed", "slot")})
         if isinstance(item, SpanEvent):
             data = item.model_dump(mode="json", exclude={"type"})
@@ -570,7 +572,7 @@ class RealtimeAdapter(ProtocolAdapter):
         if isinstance(item, (RetEvent, QuestionEvent, LateEvent, NoSpanEvent)):
             return self._extension(f"cspan.{item.type}", item.model_dump(mode="json", exclude={"type"}))
         if isinstance(item, Timing):
-            return self._extension("cspan.slot", dict(item.__dict__))
+            return self._extension("cspan.slot", dataclasses.asdict(item))
         if isinstance(item, Busy):
             return [ErrorEvent(error=ErrorDetail(type="server_error", code="busy", message=item.message))]
         if isinstance(item, Ended):
