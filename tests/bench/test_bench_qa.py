@@ -87,6 +87,18 @@ def test_qa_run_judges_reference_and_answer_per_item(tiny_checkpoint_dir, tmp_pa
         info = sf.info(out / s["id"] / "output.wav")
         assert info.samplerate == 24000
         assert info.duration == pytest.approx(result.question_end_s + 2.5, abs=0.09)
+    # the delays: without a transcriber the word times are the model's text stream
+    assert summary["config"]["timing"] == {"words": "text", "keyword": "earliest gold alias in the response words"}
+    for s in samples:
+        result = QAItemResult.model_validate_json((out / s["id"] / "result.json").read_text())
+        t = s["timing"]
+        assert t["words_source"] == "text" and t["question_end_s"] == result.question_end_s
+        spoken = [w for w in result.agent_words if w.start >= result.question_end_s]
+        assert t["onset_s"] == (spoken[0].start if spoken else None)
+        if t["e2ekd_s"] is not None:
+            assert t["e2ekd_s"] == pytest.approx(t["ttfat_s"] + t["keyword_delay_s"], abs=1e-3)
+    timed = [s["timing"]["ttfat_s"] for s in samples if s["timing"]["ttfat_s"] is not None]
+    assert m["ttfat_s"] == (pytest.approx(sum(timed) / len(timed)) if timed else None)
     resp = [s["resp"]["correct"] for s in samples if s["resp"]["correct"] is not None]
     assert m["resp_acc"] == (sum(resp) / len(resp) if resp else None)
     assert m["resp_acc_all"] == pytest.approx(sum(resp) / 3)

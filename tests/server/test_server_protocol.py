@@ -199,3 +199,11 @@ def test_bind_and_origin_rules() -> None:
     assert not origin_allowed("null", "127.0.0.1:8080")
     assert origin_allowed("https://app.example.org/", "127.0.0.1:8080", ["https://app.example.org"])
     assert origin_allowed("http://anything", "h:1", ["*"])
+
+
+def test_adapters_are_discovered_one_module_each() -> None:
+    from cspan.server.adapters import ProtocolAdapter, discover_adapters
+
+    adapters = discover_adapters()
+    assert {("cspan", "/ws"), ("moshi", "/api/chat")} <= {(a.name, a.path) for a in adapters}
+    assert all(issubclass(a, ProtocolAdapter) for a in adapters)

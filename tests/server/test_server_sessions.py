@@ -140,7 +140,7 @@ async def test_health_info_page_and_static_files(serve) -> None:
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'id="start"' in page.text and "/static/app.js" in page.text
         assert "content-security-policy" in page.headers
-        for name in ("app.js", "mic-worklet.js", "player-worklet.js", "style.css"):
+        for name in ("app.js", "ogg-opus.js", "mic-worklet.js", "player-worklet.js", "style.css"):
             r = await http.get(f"/static/{name}")
             assert r.status_code == 200 and len(r.content) > 100, name
         assert (await http.get("/static/serve.py")).status_code == 404

@@ -16,10 +16,14 @@ Table 2 definitions, arXiv 2604.04847):
 - **first-response latency** = ``audio_agent_speech_start - user_speech_end_rel`` (rounded to 3); negative =
   interruption; interruption rate = interrupted / turn-taken samples with timing; response latency = mean over
   turn-taken, non-interrupted samples;
+- **tool-call latency** = ``actual_tool_calls[0].timestamp_start - user_speech_end_rel`` (rounded to 3), mean over
+  turn-taken, non-interrupted samples that called a tool (``analyze_tool_latency.py``);
 - **task-completion latency** = user speech end -> onset of the key information (per sample, given as
-  ``task_completion_latency_s`` or ``key_info_start_s``), mean over turn-taken, non-interrupted samples;
+  ``task_completion_latency_s`` or ``key_info_start_s``; :mod:`cspan.bench.fdb_v3_analysis` produces them with an
+  LLM judge), mean over turn-taken, non-interrupted samples;
 - **filler rate** = turn-taken non-interrupted samples whose response opens with a filler sentence / turn-taken
-  non-interrupted samples whose filler analysis is present (``filler_sentence`` not ``None``).
+  non-interrupted samples whose filler analysis is present (``filler_sentence`` not ``None``), as
+  ``analyze_tool_latency.py`` prints it ("with filler / (with + without)").
 
 Argument matching without a judge: every expected key must be present; ``$``-prefixed expected values (dynamic
 references such as ``$RESULT_0.flights[0].flight_id``) match anything; strings compare after lower-casing,
@@ -324,13 +328,35 @@ def turn_taken(result: V3Result) -> bool:
     return bool(result.transcript.strip()) or bool(result.asr_chunks)
 
 
+def agent_speech_start(result: V3Result) -> float | None:
+    """``audio_agent_speech_start``, else the start of the first ``asr_chunks`` word, else ``None`` (seconds)."""
+    if result.audio_agent_speech_start is not None:
+        return result.audio_agent_speech_start
+    try:
+        return float(result.asr_chunks[0]["timestamp"][0]) if result.asr_chunks else None
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+
+
 def first_response_latency(result: V3Result) -> float | None:
-    """Agent speech start minus user speech end, seconds (rounded to 3); ``None`` without both times."""
+    """Agent speech start (:func:`agent_speech_start`) minus user speech end, seconds (rounded to 3); ``None``
+    without both times."""
     if result.first_response_latency_s is not None:
         return result.first_response_latency_s
-    if result.user_speech_end_rel is None or result.audio_agent_speech_start is None:
+    start = agent_speech_start(result)
+    if result.user_speech_end_rel is None or start is None:
         return None
-    return round(result.audio_agent_speech_start - result.user_speech_end_rel, 3)
+    return round(start - result.user_speech_end_rel, 3)
+
+
+def tool_call_latency(result: V3Result) -> float | None:
+    """First tool call's ``timestamp_start`` minus user speech end, seconds (rounded to 3); ``None`` without both."""
+    if not result.actual_tool_calls or result.user_speech_end_rel is None:
+        return None
+    start = (result.actual_tool_calls[0].model_extra or {}).get("timestamp_start")
+    if not isinstance(start, int | float) or isinstance(start, bool):
+        return None
+    return round(float(start) - result.user_speech_end_rel, 3)
 
 
 def task_completion_latency(result: V3Result) -> float | None:
@@ -361,6 +387,7 @@ class V3SampleScore(BaseModel):
     response_quality_explanation: str | None = None
     first_response_latency_s: float | None
     interrupted: bool | None
+    tool_call_latency_s: float | None = None
     task_completion_latency_s: float | None
     has_filler: bool | None
 
@@ -414,6 +441,7 @@ def score_sample(
         response_quality=quality,
         first_response_latency_s=latency,
         interrupted=interrupted,
+        tool_call_latency_s=tool_call_latency(result),
         task_completion_latency_s=task_completion_latency(result),
         has_filler=None if result.filler_sentence is None else bool(result.filler_sentence.strip()),
     )
@@ -427,8 +455,8 @@ class V3Summary(BaseModel):
 
     ``metrics``: ``tool_selection``, ``argument_accuracy``, ``response_quality`` (turn-taken samples),
     ``tool_selection_all``, ``argument_accuracy_all`` (all samples), ``pass_rate``, ``take_turn_rate``,
-    ``interruption_rate``, ``response_latency_s``, ``task_completion_latency_s``, ``filler_rate``; ``None`` when not
-    computable (see ``notes``). ``breakdowns``: pass rate by ``domain``, ``difficulty``, ``num_tools``,
+    ``interruption_rate``, ``response_latency_s``, ``tool_call_latency_s``, ``task_completion_latency_s``,
+    ``filler_rate``; ``None`` when not computable (see ``notes``). ``breakdowns``: pass rate by ``domain``, ``difficulty``, ``num_tools``,
     ``disfluency``, ``state_rollback``.
     """
 
@@ -450,6 +478,7 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "take_turn_rate": "up",
     "interruption_rate": "down",
     "response_latency_s": "down",
+    "tool_call_latency_s": "down",
     "task_completion_latency_s": "down",
     "filler_rate": "down",
 }
@@ -495,9 +524,12 @@ def summarize(samples: Sequence[V3SampleScore], *, judged_responses: bool = Fals
             f"{len(taken) - len(timed)} turn-taken sample(s) lack user_speech_end_rel/audio_agent_speech_start"
         )
     if calm and not completion:
-        notes.append("task-completion latency needs task_completion_latency_s or key_info_start_s in the results")
+        notes.append(
+            "task-completion latency needs the key-information analysis (score with --judge-url) or "
+            "task_completion_latency_s / key_info_start_s in the results"
+        )
     if calm and not filler_known:
-        notes.append("filler rate needs filler_sentence in the results")
+        notes.append("filler rate needs the key-information analysis (score with --judge-url) or filler_sentence")
     metrics: dict[str, float | None] = {
         "tool_selection": _avg3([s.tool_selection.score for s in taken]),
         "argument_accuracy": _avg3([s.argument_accuracy.score for s in taken]),
@@ -508,6 +540,7 @@ def summarize(samples: Sequence[V3SampleScore], *, judged_responses: bool = Fals
         "response_latency_s": _avg3(
             [s.first_response_latency_s for s in calm if s.first_response_latency_s is not None]
         ),
+        "tool_call_latency_s": _avg3([s.tool_call_latency_s for s in calm if s.tool_call_latency_s is not None]),
         "task_completion_latency_s": _avg3(completion),
         "filler_rate": _rate(sum(bool(s.has_filler) for s in filler_known), len(filler_known)),
         "tool_selection_all": _avg3([s.tool_selection.score for s in samples]),
@@ -608,25 +641,39 @@ def _parse_results(items: Any, source: str) -> list[V3Result]:
         raise BenchDataError(f"{source}: a result is malformed: {exc}") from exc
 
 
-def load_results(path: Path) -> tuple[list[V3Result], dict[str, V3Scenario] | None]:
-    """Read v3 results and, when the file embeds them, scenarios.
+ResultEntry = tuple[Path | None, V3Result]
+"""A result and the ``result_{provider}.json`` it was read from (``None`` when it came from a combined file)."""
 
-    ``path`` may be a folder (every ``result_*.json`` below it, the benchmark's layout), a JSON list of results, a
-    single result object, or ``{"results": [...], "scenarios": [...]}`` (scenarios optional).
+RESULT_GLOB = "result_{provider}.json"
+
+
+def load_result_entries(
+    path: Path, provider: str | None = None
+) -> tuple[list[ResultEntry], dict[str, V3Scenario] | None]:
+    """Read v3 results (with the file each came from) and, when the file embeds them, scenarios.
+
+    ``path`` may be a folder (every ``result_{provider}.json`` below it, the benchmark's layout; every
+    ``result_*.json`` when ``provider`` is None), a JSON list of results, a single result object, or
+    ``{"results": [...], "scenarios": [...]}`` (scenarios optional).
+
+    Raises:
+        BenchDataError: nothing to read, or a file that is not v3 results.
     """
     if path.is_dir():
-        files = sorted(path.rglob("result_*.json"))
+        pattern = RESULT_GLOB.format(provider=provider or "*")
+        files = sorted(path.rglob(pattern))
         if not files:
-            raise BenchDataError(f"{path} holds no result_*.json files")
-        results: list[V3Result] = []
+            raise BenchDataError(f"{path} holds no {pattern} files")
+        entries: list[ResultEntry] = []
         for f in files:
-            results.extend(_parse_results(_read_json(f), str(f)))
-        return results, None
+            parsed = _parse_results(_read_json(f), str(f))
+            entries.extend((f if len(parsed) == 1 else None, r) for r in parsed)
+        return entries, None
     data = _read_json(path)
     if isinstance(data, dict) and "results" in data:
         scenarios = parse_scenarios(data["scenarios"], str(path)) if data.get("scenarios") is not None else None
-        return _parse_results(data["results"], str(path)), scenarios
-    return _parse_results(data, str(path)), None
+        return [(None, r) for r in _parse_results(data["results"], str(path))], scenarios
+    return [(None, r) for r in _parse_results(data, str(path))], None
 
 
 def write_v3_score(summary: V3Summary, samples: Sequence[V3SampleScore], out_dir: Path) -> Path:

@@ -170,16 +170,30 @@ def build_session_from(args: argparse.Namespace, **extra: Any) -> Any:
     )
 
 
-def _judge(args: argparse.Namespace) -> Any:
-    from cspan.bench.commands import _make_judge
+def add_judge_arguments(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:
+    """``--judge-url``, ``--judge-model``, ``--judge-key-env``, ``--judge-attempts`` (any OpenAI-compatible server)."""
+    group = parser.add_argument_group("judge (any OpenAI-compatible chat-completions server)")
+    group.add_argument("--judge-url", help=f"server URL (http://host:port/v1); without it {what} is skipped")
+    group.add_argument(
+        "--judge-model", default=default_model, help="model name (default: %(default)s, the reference's)"
+    )
+    group.add_argument(
+        "--judge-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the API key (default: %(default)s)",
+    )
+    group.add_argument("--judge-attempts", type=int, default=5, help="tries per judge request (default: %(default)s)")
 
-    return _make_judge(args)
 
+def make_judge(args: argparse.Namespace) -> Any:
+    """The :class:`~cspan.bench.judge.OpenAIJudge` of ``--judge-url`` (None without it)."""
+    if not args.judge_url:
+        return None
+    from cspan.bench.judge import OpenAIJudge
 
-def _add_judge_args(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:
-    from cspan.bench.commands import _add_judge_args as add
-
-    add(parser, default_model, what)
+    return OpenAIJudge(
+        args.judge_url, args.judge_model, api_key_env=args.judge_key_env, max_attempts=args.judge_attempts
+    )
 
 
 # --- latency -----------------------------------------------------------------------------------------------------
@@ -333,7 +347,7 @@ def register_fdb_v1_run(sub: Any) -> None:
     add_model_arguments(p, prompt_help="persona prompt for every task (default: PersonaPlex's FDB prompt per task)")
     add_loop_arguments(p, router_default="local")
     add_run_arguments(p)
-    _add_judge_args(p, "gpt-4-turbo", "the user-interruption relevance rating")
+    add_judge_arguments(p, "gpt-4-turbo", "the user-interruption relevance rating")
     p.set_defaults(handler=_fdb_v1_run)
 
 
@@ -365,7 +379,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     session = build_session_from(args)
     transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
     router = retriever = bank = None
-    judge = _judge(args)
+    judge = make_judge(args)
     try:
         if args.router.lower() != "none":
             from cspan.backends.tools import ToolBank
@@ -433,23 +447,38 @@ def register_fdb_v3_run(sub: Any) -> None:
         description=(
             "Play every DATA/{example_id}_{speaker}/input.wav through the full loop with a router over the 12 mock "
             "tools (a fresh mock world per scenario) and write OUT/{folder}/output_PROVIDER.wav and "
-            "result_PROVIDER.json in the benchmark's result format. With --scenarios the results are scored into "
-            "OUT/summary.json. The router should be an LLM (--router URL --router-model NAME): the local router "
-            "calls none of the 12 tools."
+            "result_PROVIDER.json in the benchmark's result format. With --fdb-v3-dir the benchmark's own mock APIs, "
+            "tool declarations and agent persona are used (and its scenarios and data by default); otherwise this "
+            "project's world. With --judge-url each response is analysed (filler sentence, key-information onset: "
+            "latency_tool_analysis_PROVIDER.json); with scenarios the results are scored into OUT/summary.json. The "
+            "router should be an LLM (--router URL --router-model NAME): the local router calls none of the 12 tools."
         ),
     )
-    p.add_argument("--data", required=True, type=Path, help="folder of {example_id}_{speaker}/input.wav recordings")
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="folder of {example_id}_{speaker}/input.wav (default with --fdb-v3-dir: its fdb_v3_data_released/)",
+    )
     p.add_argument("--out", required=True, type=Path, help="output folder")
-    p.add_argument("--scenarios", type=Path, help="benchmark_data_v2.json: metadata in the results, and scoring")
+    p.add_argument(
+        "--scenarios", type=Path, help="benchmark_data_v2.json: metadata in the results, and scoring (default: in DIR)"
+    )
+    p.add_argument(
+        "--fdb-v3-dir",
+        type=Path,
+        help="the benchmark's v3/ folder: run against its mock_apis.py, the tools and persona of lk_agent_tool.py "
+        "(mock_apis.py is imported and run: use a copy you trust)",
+    )
     p.add_argument("--provider", default="cspan", help="the PROVIDER of result_PROVIDER.json (default %(default)s)")
     p.add_argument("--max-tool-calls", type=int, default=1, help="tool calls one <ret> may chain (default 1)")
     p.add_argument(
         "--numeric-tolerance", type=float, default=0.05, help="relative tolerance for numeric arguments (no judge)"
     )
-    add_model_arguments(p, prompt_help="persona prompt (default: a description of the 12 services)")
+    p.add_argument("--reanalyze", action="store_true", help="ask the judge again even where an analysis exists")
+    add_model_arguments(p, prompt_help="persona prompt (default: the benchmark agent's with --fdb-v3-dir, else ours)")
     add_loop_arguments(p, router_default="local", tail_default=6.0)
     add_run_arguments(p)
-    _add_judge_args(p, "gpt-4o", "response quality (arguments then use the exact/numeric rule)")
+    add_judge_arguments(p, "gpt-4o", "the response analysis and response quality (arguments use the exact rule)")
     p.set_defaults(handler=_fdb_v3_run)
 
 
@@ -457,16 +486,37 @@ def _fdb_v3_run(args: argparse.Namespace) -> int:
     return asyncio.run(_fdb_v3_run_async(args))
 
 
+def v3_inputs(args: argparse.Namespace, *, need_data: bool) -> tuple[Any, Path | None, dict[str, Any] | None]:
+    """``(release, data, scenarios)`` from ``--fdb-v3-dir`` / ``--data`` / ``--scenarios`` (explicit flags win).
+
+    Raises:
+        BenchDataError: no data folder when one is needed.
+    """
+    from cspan.bench import fdb_v3
+    from cspan.bench.errors import BenchDataError
+    from cspan.bench.fdb_v3_release import load_release
+
+    release = load_release(args.fdb_v3_dir) if getattr(args, "fdb_v3_dir", None) else None
+    data = getattr(args, "data", None) or (release.data_dir if release is not None else None)
+    if need_data and data is None:
+        raise BenchDataError("pass --data (the recordings) or --fdb-v3-dir holding fdb_v3_data_released/")
+    scenario_path = args.scenarios or (release.scenarios_path if release is not None else None)
+    scenarios = fdb_v3.load_scenarios(scenario_path) if scenario_path else None
+    return release, data, scenarios
+
+
 async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
     from cspan.bench import fdb_v3
-    from cspan.bench.errors import JudgeError
-    from cspan.bench.fdb_v3_run import V3RunOptions, find_samples, run_fdb_v3
+    from cspan.bench.fdb_v3_run import V3RunOptions, find_samples, run_fdb_v3, scenarios_from_metadata
     from cspan.bench.session import close_quietly
     from cspan.bench.transcribe import make_transcriber
 
     check_loop(args)
-    scenarios = fdb_v3.load_scenarios(args.scenarios) if args.scenarios else None
-    samples = find_samples(args.data, scenarios)
+    release, data, scenarios = v3_inputs(args, need_data=True)
+    samples = find_samples(data, scenarios)
+    from_metadata = scenarios_from_metadata(samples)
+    if from_metadata:
+        scenarios = {**(scenarios or {}), **from_metadata}  # per-folder metadata.json wins, as in the reference
     if args.router.lower() == "local":
         print(
             "note: the local router calls none of the 12 mock tools; pass --router URL --router-model NAME",
@@ -487,6 +537,7 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         max_tool_calls=args.max_tool_calls,
         router_timeout_s=args.router_timeout_s,
+        release=release,
         describe={
             "checkpoint": session.identity(),
             "asr": args.asr,
@@ -508,11 +559,45 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
     finally:
         await close_quietly(transcriber)
     print(f"fdb-v3: {len(results)} scenario recording(s), rendered {rendered}, kept {len(results) - rendered}")
-    if scenarios is None:
-        print(f"no --scenarios: results written to {args.out}; score with `cspan bench fdb-v3 score`")
-        return 0
-    judge = _judge(args)
+    entries, _ = fdb_v3.load_result_entries(args.out, args.provider)
+    summary = score_v3(
+        entries,
+        scenarios,
+        args,
+        args.out,
+        config={
+            "results": str(args.out),
+            "provider": args.provider,
+            "world": options.world(),
+            "router": args.router,
+            "router_model": args.router_model,
+        },
+    )
+    if summary is None:
+        print(f"no scenarios: results written to {args.out}; score with `cspan bench fdb-v3 score`")
+    return 0
+
+
+def score_v3(entries: Any, scenarios: Any, args: argparse.Namespace, out: Path, *, config: dict[str, Any]) -> Any:
+    """Analyse the responses (with ``--judge-url``), then score against ``scenarios``; write and print.
+
+    Writes ``OUT/key_info_analysis.json`` when a judge ran or analyses existed, and ``OUT/summary.json`` +
+    ``samples.json`` when there are scenarios. Returns the :class:`~cspan.bench.fdb_v3.V3Summary` or None.
+    """
+    from cspan.bench import fdb_v3, fdb_v3_analysis
+    from cspan.bench.errors import JudgeError
+
+    judge = make_judge(args)
     try:
+        results, analyses, analysis_run = fdb_v3_analysis.analyze_entries(entries, judge, reanalyze=args.reanalyze)
+        if analyses:
+            path = fdb_v3_analysis.write_report(analyses, analysis_run, out)
+            print(
+                f"key-information analysis: {analysis_run.analysed} analysed, {analysis_run.reused} reused, "
+                f"{analysis_run.failed} without a usable judge reply -> {path}"
+            )
+        if scenarios is None:
+            return None
         matcher: Any = fdb_v3.ExactArgumentMatcher(args.numeric_tolerance)
         response_judge = None
         if judge is not None:
@@ -529,17 +614,15 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
         if judge is not None:
             judge.close()
     summary.config = {
-        "results": str(args.out),
-        "provider": args.provider,
+        **config,
         "judge": judge.describe() if judge is not None else None,
+        "analysis": analysis_run.model_dump(mode="json") if analyses or judge is not None else None,
         "numeric_tolerance": args.numeric_tolerance,
-        "router": args.router,
-        "router_model": args.router_model,
     }
-    path = fdb_v3.write_v3_score(summary, scored, args.out)
+    path = fdb_v3.write_v3_score(summary, scored, out)
     print_summary(f"fdb-v3 (n={summary.n})", summary)
     print(f"wrote {path}")
-    return 0
+    return summary
 
 
 # --- qa ----------------------------------------------------------------------------------------------------------
@@ -556,7 +639,9 @@ def register_qa(sub: Any) -> None:
             "Play each spoken question of a set through the full loop (the model emits <ret>, the router's "
             "reference is injected as a Context Span, the model answers) and judge the reference (ref.) and the "
             "model's spoken answer (resp.) with an OpenAI-compatible judge (--judge-url) or a normalised alias "
-            "match. Writes OUT/{id}/output.wav + result.json, OUT/samples.json, OUT/summary.json and summary.md."
+            "match, and measure MoshiRAG's delays (TTFAT, keyword delay, end-to-end keyword delay) from the agent "
+            "channel's word times. Writes OUT/{id}/output.wav + result.json, OUT/samples.json, OUT/summary.json and "
+            "summary.md."
         ),
     )
     p.add_argument("--set", dest="qa_set", required=True, choices=QA_SETS, help="which set")
@@ -569,10 +654,17 @@ def register_qa(sub: Any) -> None:
         help="what the router is asked: 'asr' (what the loop heard, default) or 'text' (the dataset's question)",
     )
     p.add_argument("--tts", choices=("espeak-ng",), default=None, help="synthesise missing question audio")
+    p.add_argument(
+        "--timing-words",
+        choices=("auto", "asr", "text"),
+        default="auto",
+        help="word times of the delays (TTFAT, KD, E2EKD): 'asr' transcribes output.wav, 'text' uses the model's "
+        "text stream; 'auto' (default): asr when --asr is not none",
+    )
     add_model_arguments(p, prompt_help="persona prompt (default: the teacher persona of the original QA runs)")
     add_loop_arguments(p, router_default="local", tail_default=DEFAULT_TAIL_S)
     add_run_arguments(p)
-    _add_judge_args(p, "gpt-4o-2024-08-06", "the LLM judgement (a normalised alias match is used instead)")
+    add_judge_arguments(p, "gpt-4o-2024-08-06", "the LLM judgement (a normalised alias match is used instead)")
     p.set_defaults(handler=_qa)
 
 
@@ -581,15 +673,18 @@ def _qa(args: argparse.Namespace) -> int:
 
 
 async def _qa_async(args: argparse.Namespace) -> int:
-    from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa
-    from cspan.bench.session import close_quietly, make_transcriber
+    from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa, timing_source
+    from cspan.bench.session import close_quietly
+    from cspan.bench.transcribe import make_transcriber
 
     check_loop(args, text_questions=args.question_source == "text")
     items = load_qa_items(args.data, args.qa_set, limit=args.limit)
+    # word-timed: the same transcriber serves the loop and the delays' word times of output.wav
+    transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
+    timing_source(args.timing_words, transcriber)
     session = build_session_from(args)
-    transcriber = make_transcriber(args.asr, model=args.asr_model)
     router = retriever = None
-    judge = _judge(args)
+    judge = make_judge(args)
     try:
         if args.router.lower() != "none":
             from cspan.backends.tools import ToolBank
@@ -606,6 +701,7 @@ async def _qa_async(args: argparse.Namespace) -> int:
             realtime=args.realtime,
             config=loop_config(args),
             tts=args.tts,
+            timing_words=args.timing_words,
             overwrite=args.overwrite,
             quiet=args.quiet,
             describe=describe_run(args, session),

@@ -21,6 +21,7 @@ from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
 from cspan.server.adapters import Connection, ProtocolAdapter, discover_adapters
 from cspan.server.auth import (
     Authenticator,
+    ServeConfigError,
     TokenAuthenticator,
     host_allowed,
     offered_subprotocols,
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 STATIC_FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
+    "ogg-opus.js": "text/javascript; charset=utf-8",
     "mic-worklet.js": "text/javascript; charset=utf-8",
     "player-worklet.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
@@ -161,23 +163,28 @@ def create_app(
         here; the frame loop starts with the app's lifespan.
 
     Raises:
-        CheckpointError: the checkpoint or default voice cannot be loaded. CspanError: a backend cannot be built.
+        CheckpointError: the checkpoint or default voice cannot be loaded. CspanError: a backend cannot be built
+            (:class:`~cspan.server.auth.ServeConfigError` for the Context DB or a backend error).
     """
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
     from starlette.routing import WebSocketRoute
 
     from cspan.backends.context_db import ContextDB
+    from cspan.backends.errors import BackendError
     from cspan.server.metrics import ServerMetrics
 
     settings = settings or ServeSettings()
     authenticator = authenticator or TokenAuthenticator(settings.token)
     adapters = discover_adapters()
-    db = db if db is not None else ContextDB(settings.db)
-    if transcriber is _UNSET or retriever is _UNSET:  # before the model: a bad backend fails in seconds, not minutes
-        built_t, built_r = build_backends(settings, db)
-        transcriber = built_t if transcriber is _UNSET else transcriber
-        retriever = built_r if retriever is _UNSET else retriever
+    try:  # before the model: a bad Context DB or backend fails in seconds, not minutes
+        db = db if db is not None else ContextDB(settings.db)
+        if transcriber is _UNSET or retriever is _UNSET:
+            built_t, built_r = build_backends(settings, db)
+            transcriber = built_t if transcriber is _UNSET else transcriber
+            retriever = built_r if retriever is _UNSET else retriever
+    except BackendError as exc:
+        raise ServeConfigError(f"backends (--db, --asr, --router, --knowledge): {exc}") from exc
     checkpoint, engine = build_engine(settings, checkpoint)
     metrics = ServerMetrics(settings.max_sessions, [a.name for a in adapters])
     hub = SessionHub(settings, checkpoint, engine, transcriber, retriever, db, metrics)

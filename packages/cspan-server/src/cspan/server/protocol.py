@@ -57,6 +57,11 @@ MAX_BINARY_MESSAGE_BYTES = 64 * 1024
 """Binary messages above this size get ``error too_large`` (smaller wrong sizes get ``bad_frame``)."""
 MAX_WEBSOCKET_MESSAGE_BYTES = 16 * 1024 * 1024
 """The WebSocket layer closes the connection (code 1009) on messages above this size."""
+CODECS = ("opus", "pcm")
+"""Audio codecs of ``/ws``, negotiated in ``start.codecs`` (``ready.codec``). ``pcm``: one 80 ms frame per binary
+message (float32 LE from the server; float32 or int16 LE from the client). ``opus``: Ogg/Opus at 24 kHz mono both
+ways, a binary message holds Ogg bytes (the server sends the page(s) of one agent frame per message, the first with
+the stream headers; the client may send pages in any chunking)."""
 TOKEN_SUBPROTOCOL_PREFIX = "cspan.token."
 """A client may authenticate by offering the subprotocol ``cspan.token.<token>``; the server echoes it."""
 
@@ -65,12 +70,13 @@ ERROR_CODES: dict[str, str] = {
     "unknown_type": "a JSON message whose type is not a client message type",
     "invalid_message": "a known message type with missing, unknown or out-of-range fields",
     "too_large": "a text or binary message above the size limit",
-    "bad_frame": "a binary message that is not one frame (7680 bytes float32 or 3840 bytes int16)",
+    "bad_frame": "a binary message that is not one frame (7680 bytes float32 or 3840 bytes int16) in a pcm session",
     "not_started": "audio or context before start",
     "already_started": "a second start in the same connection",
     "stopping": "audio after stop (ignored)",
     "bad_voice": "a voice name the server does not have",
-    "bad_audio": "audio with NaN or infinite samples (they are replaced by silence; reported once per session)",
+    "bad_audio": "audio that cannot be used: NaN or infinite samples (replaced by silence; reported once per "
+    "session), or bytes that are not Ogg/Opus in an opus session (the decoder starts over)",
     "audio_overflow": "audio arrives faster than real time: the oldest queued frames are being dropped",
     "persona_failed": "the persona prefix could not be read; send start again",
     "backend": "a backend stage (asr, retrieval, span) failed; the conversation goes on",
@@ -107,7 +113,8 @@ class StartMessage(_ClientModel):
     """``start``: begin the conversation. The server answers ``ready`` (or ``busy`` when all slots are taken).
 
     ``voice``: a name from ``GET /info``'s ``voices``; ``""`` for no voice prompt; omitted/null for the server's
-    default. ``text_prompt``: the persona; omitted/null for the server's default, ``""`` for none.
+    default. ``text_prompt``: the persona; omitted/null for the server's default, ``""`` for none. ``codecs``: see
+    :data:`CODECS`.
     """
 
     type: Literal["start"]
@@ -115,6 +122,12 @@ class StartMessage(_ClientModel):
     profile: ProfileFields = Field(default_factory=ProfileFields)
     voice: str | None = Field(default=None, max_length=64)
     text_prompt: str | None = Field(default=None, max_length=4000)
+    codecs: list[Annotated[str, Field(max_length=32)]] = Field(
+        default_factory=lambda: ["pcm"],
+        max_length=8,
+        description="audio codecs the client can use both ways, preferred first: 'opus' (Ogg/Opus), 'pcm'; the "
+        "server picks the first it has (unknown names are skipped; none known: pcm) and says which in ready.codec",
+    )
     test: StartHooks | None = None
 
 
@@ -233,7 +246,10 @@ class ReadyMessage(_ServerModel):
     sample_rate: int = SAMPLE_RATE
     frame_size: int = FRAME_SIZE
     frame_rate: float = FRAME_RATE
-    audio_formats: list[str] = Field(default_factory=lambda: ["f32le", "s16le"])
+    codec: str = Field(default="pcm", description="the audio codec of this session, both ways (see CODECS)")
+    audio_formats: list[str] = Field(
+        default_factory=lambda: ["f32le", "s16le"], description="what the client may send: f32le/s16le, or ogg-opus"
+    )
     max_queued_frames: int
     idle_timeout_s: float
     seed: int
@@ -352,6 +368,7 @@ def _finite(value: Any) -> Any:
 
 __all__ = [
     "CLIENT_MESSAGE_TYPES",
+    "CODECS",
     "ERROR_CODES",
     "FLOAT32_FRAME_BYTES",
     "INT16_FRAME_BYTES",

@@ -5,7 +5,8 @@ This module is the command and its uvicorn wiring. The parts, one concern each:
 - :mod:`cspan.server.serve_settings`: the settings, declared once (flags, ``CSPAN_*``, ``--config``);
 - :mod:`cspan.server.session`: the session core (slots, the 80 ms frame loop, personas, spans, records) and the
   contract protocol adapters follow; :mod:`cspan.server.engine_thread`: every engine call, on one thread;
-- :mod:`cspan.server.adapters`: one module per wire protocol (``/ws``: :mod:`cspan.server.adapters.ws`);
+- :mod:`cspan.server.adapters`: one module per wire protocol (``/ws``: :mod:`cspan.server.adapters.ws`;
+  ``/api/chat``: :mod:`cspan.server.adapters.moshi`), :mod:`cspan.server.opus` (Ogg/Opus through sphn);
 - :mod:`cspan.server.app`: the app, the page and HTTP routes, the Host guard, the connection runner;
 - :mod:`cspan.server.auth`, :mod:`cspan.server.metrics`, :mod:`cspan.server.records`: access control, Prometheus
   metrics, Context DB records.

@@ -559,11 +559,12 @@ class Session:
     # -- lifecycle --------------------------------------------------------------------------------------------
 
     async def watchdog(self) -> None:
-        """End the session after ``idle_timeout_s`` without audio (also a connection that never starts)."""
+        """End the session after ``idle_timeout_s`` without audio (also a connection that never starts). The idle
+        time counts from the last audio received or, while audio is still queued, from now."""
         timeout = self.hub.settings.idle_timeout_s
         while not self.ending:
             await asyncio.sleep(min(1.0, timeout / 4))
-            if self.state == "starting":  # the server is reading the persona: not the client's idle time
+            if self.state == "starting" or self.inbox:  # reading the persona, or playing queued audio: not idle
                 self.last_audio = time.monotonic()
             elif not self.ending and time.monotonic() - self.last_audio > timeout:
                 await self.end("idle", message=f"no audio for {timeout:g} s")

@@ -1,12 +1,15 @@
-"""``/ws``: this project's own protocol (JSON events, PCM frames; ``docs/PROTOCOL.md``, models in
-:mod:`cspan.server.protocol`)."""
+"""``/ws``: this project's own protocol (JSON events; PCM frames or Ogg/Opus, negotiated in ``start``;
+``docs/PROTOCOL.md``, models in :mod:`cspan.server.protocol`)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel
 
 from cspan.server.adapters import Connection, Credential, ProtocolAdapter
+from cspan.server.opus import OGG_CAPTURE, OggOpusDecoder, OggOpusEncoder
 from cspan.server.protocol import (
+    CODECS,
+    MAX_BINARY_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     TOKEN_SUBPROTOCOL_PREFIX,
     BusyMessage,
@@ -30,6 +33,7 @@ from cspan.server.session import (
     ErrorOut,
     Outbound,
     Ready,
+    Session,
     StartRequest,
     Timing,
 )
@@ -42,6 +46,12 @@ class CspanAdapter(ProtocolAdapter):
     name = "cspan"
     path = "/ws"
 
+    def __init__(self, session: Session, connection: Connection) -> None:
+        super().__init__(session, connection)
+        self.codec = "pcm"
+        self._decoder: OggOpusDecoder | None = None
+        self._encoder: OggOpusEncoder | None = None
+
     @classmethod
     def credential(cls, connection: Connection) -> Credential:
         """The subprotocol ``cspan.token.<token>`` (echoed, as browsers require), else the query ``?token=``."""
@@ -52,11 +62,14 @@ class CspanAdapter(ProtocolAdapter):
 
     async def receive(self, data: bytes | str) -> None:
         if isinstance(data, bytes):
-            self.session.push_audio(decode_audio_frame(data))
+            self._audio(data)
             return
         msg = parse_client_message(data)
         if isinstance(msg, StartMessage):
-            await self.session.start(_start_request(msg))
+            request = _start_request(msg)
+            if self.session.state == "connected":
+                self._negotiate(msg.codecs)
+            await self.session.start(request)
         elif isinstance(msg, ContextMessage):
             self.session.update_profile(msg.profile)
         else:
@@ -64,8 +77,39 @@ class CspanAdapter(ProtocolAdapter):
 
     def render(self, item: Outbound) -> list[bytes | str]:
         if isinstance(item, AgentAudio):
+            if self._encoder is not None:
+                data = self._encoder.encode(item.pcm)
+                return [data] if data else []
             return [encode_audio_frame(item.pcm)]
-        return [dumps(_message(item))]
+        message = _message(item)
+        if isinstance(message, ReadyMessage) and self.codec == "opus":
+            message = message.model_copy(update={"codec": "opus", "audio_formats": ["ogg-opus"]})
+        return [dumps(message)]
+
+    def _negotiate(self, offered: list[str]) -> None:
+        """The first offered codec this server has (``pcm`` when none is known)."""
+        self.codec = next((c for c in offered if c in CODECS), "pcm")
+        if self.codec == "opus":
+            self._decoder, self._encoder = OggOpusDecoder(), OggOpusEncoder()
+        else:
+            self._decoder = self._encoder = None
+
+    def _audio(self, data: bytes) -> None:
+        if len(data) > MAX_BINARY_MESSAGE_BYTES:
+            raise ProtocolCodeError(
+                "too_large", f"binary message of {len(data)} bytes, over {MAX_BINARY_MESSAGE_BYTES}; send less at once"
+            )
+        if self._decoder is None:
+            if data[:4] == OGG_CAPTURE:
+                raise ProtocolCodeError(
+                    "bad_frame", "an Ogg page in a pcm session: offer 'opus' in start.codecs to send Ogg/Opus"
+                )
+            self.session.push_audio(decode_audio_frame(data))
+            return
+        pcm, problem = self._decoder.decode(data)
+        self.session.push_audio(pcm)
+        if problem:
+            raise ProtocolCodeError("bad_audio", problem)
 
 
 def _start_request(msg: StartMessage) -> StartRequest:
