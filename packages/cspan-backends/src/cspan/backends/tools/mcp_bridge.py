@@ -402,13 +402,41 @@ async def serve_stdio(bank: ToolBank, *, name: str = "cspan-tools") -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
+def http_app(
+    bank: ToolBank,
+    *,
+    host: str = "127.0.0.1",
+    path: str = "/mcp",
+    allowed_hosts: Iterable[str] = (),
+    name: str = "cspan-tools",
+) -> Any:
+    """The streamable-HTTP ASGI app serving ``bank`` at ``path``, behind :class:`~cspan.backends.hostguard.HostGuard`
+    (the SDK's own Host check is replaced by it: one rule, the bound port included, for every route)."""
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    from cspan.backends.hostguard import HostGuard
+
+    server = build_mcp_server(bank, name=name)
+    app = server.streamable_http_app(
+        streamable_http_path=path,
+        host=host,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    return HostGuard(app, bind_host=host, allowed_hosts=allowed_hosts)
+
+
 async def serve_http(
-    bank: ToolBank, *, host: str = "127.0.0.1", port: int = 8765, path: str = "/mcp", name: str = "cspan-tools"
+    bank: ToolBank,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    path: str = "/mcp",
+    allowed_hosts: Iterable[str] = (),
+    name: str = "cspan-tools",
 ) -> None:
     """Serve ``bank`` over streamable HTTP at ``http://host:port{path}`` with uvicorn until interrupted."""
     import uvicorn
 
-    server = build_mcp_server(bank, name=name)
-    app = server.streamable_http_app(streamable_http_path=path, host=host)
+    app = http_app(bank, host=host, path=path, allowed_hosts=allowed_hosts, name=name)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     await uvicorn.Server(config).serve()
