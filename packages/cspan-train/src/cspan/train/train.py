@@ -41,6 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cspan.core.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
+from cspan.core.checkpoint import EXPORT_INFO, MOSHI_LORA_FILE
+from cspan.core.config import CONTEXT_SPANNING
+
 from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
 from .errors import TrainError
 from .lora import ALL_LINEAR, add_lora, freeze_all_but_lora, lora_spec, resolve_targets
@@ -51,6 +55,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DIR = "export"
 EXPORT_FILE = "context_spanning.pt"
+EXPORT_FORMATS = ("cspan", "moshi")
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "train_config.json"
 COMPLETE_FILE = "COMPLETE"
@@ -105,6 +110,8 @@ class TrainConfig:
         log_every: steps between log lines on stderr (metrics.jsonl gets every step).
         keep_checkpoints: how many of the latest checkpoints to keep (0 = all).
         export_dtype: dtype of the exported weights (default: the parameter dtype).
+        export_format: ``cspan`` (``context_spanning.pt``, the released fine-tune layout) or ``moshi``
+            (``lora.safetensors`` + ``config.json`` as kyutai-labs/moshi-finetune writes them; LoRA only).
         start_delay_s, end_gap_s, random_sampling_proba: the MoshiRAG delay sampler.
     """
 
@@ -139,6 +146,7 @@ class TrainConfig:
     log_every: int = 10
     keep_checkpoints: int = 2
     export_dtype: str | None = None
+    export_format: str = "cspan"
     start_delay_s: float = 1.0
     end_gap_s: float = 1.0
     random_sampling_proba: float = 0.2
@@ -163,6 +171,11 @@ class TrainConfig:
             (cfg.clip > 0, f"--clip must be > 0, got {cfg.clip}"),
             (0.0 <= cfg.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}"),
             (cfg.autocast in ("auto", "bf16", "none"), f"--autocast must be auto, bf16 or none, got {cfg.autocast}"),
+            (cfg.export_format in EXPORT_FORMATS, f"--export-format must be cspan or moshi, got {cfg.export_format}"),
+            (
+                cfg.export_format != "moshi" or cfg.lora_rank >= 1,
+                "--export-format moshi writes LoRA adapters (moshi-finetune's lora.safetensors); give --lora-rank R",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -420,18 +433,37 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total, ratio))
 
     def _check_data(self) -> None:
+        from .data import codec_fingerprint, file_sha256
+
         info = self.dataset.info
         lm = self.lm
+        where = f"dataset {str(self.cfg.data_dir)!r}"
         if int(info.get("card", lm.card)) != lm.card or 2 * int(info.get("num_codebooks", 8)) + 1 != lm.num_codebooks:
             raise TrainError(
-                f"dataset {str(self.cfg.data_dir)!r} was encoded with {info.get('num_codebooks')} codebooks of "
-                f"{info.get('card')} codes, the model reads {lm.n_q} streams of {lm.card}; prepare the data with this "
-                "checkpoint's codec"
+                f"{where} was encoded with {info.get('num_codebooks')} codebooks of {info.get('card')} codes, the "
+                f"model reads {lm.n_q} streams of {lm.card}; prepare the data with this checkpoint's codec"
+            )
+        files = self.ckpt.files
+        recorded = info.get("codec_sha256")
+        if recorded is not None and "mimi" in files:
+            mine = codec_fingerprint(Path(files["mimi"]), self.ckpt.mimi_config)
+            if recorded != mine:
+                raise TrainError(
+                    f"{where} was encoded with another codec (Mimi fingerprint {recorded[:12]}, prepared from "
+                    f"{info.get('checkpoint')!r}) than this checkpoint's ({mine[:12]}, {self.ckpt.source!r}): its "
+                    "codes mean other sounds to this model; prepare the data with this checkpoint (cspan prepare "
+                    "--checkpoint ...)"
+                )
+        recorded = info.get("tokenizer_sha256")
+        if recorded is not None and "tokenizer" in files and recorded != file_sha256(Path(files["tokenizer"])):
+            raise TrainError(
+                f"{where} was tokenised with another tokenizer (sha256 {recorded[:12]}) than this checkpoint's; prepare "
+                "the data with this checkpoint (cspan prepare --checkpoint ...)"
             )
         if int(info.get("text_vocab", 0)) > lm.text_card:
             raise TrainError(
-                f"dataset {str(self.cfg.data_dir)!r} was tokenised with a {info.get('text_vocab')}-piece vocabulary, "
-                f"larger than the model's text_card {lm.text_card}; prepare it with this checkpoint's tokenizer"
+                f"{where} was tokenised with a {info.get('text_vocab')}-piece vocabulary, larger than the model's "
+                f"text_card {lm.text_card}; prepare it with this checkpoint's tokenizer"
             )
         ctx = lm.cfg.context
         if ctx is not None and self.cfg.context > ctx:
@@ -560,21 +592,28 @@ class Trainer:
                     continue
                 value = value.detach().cpu()
                 state[name] = value.to(dtype) if value.is_floating_point() else value
-            payload: dict[str, Any] = {"model": state}
-            if spec is not None:
-                payload["lora"] = spec
             out.mkdir(parents=True, exist_ok=True)
-            tmp = out / f".{EXPORT_FILE}.part"
-            torch.save(payload, tmp)
-            os.replace(tmp, out / EXPORT_FILE)
+            if self.cfg.export_format == "moshi":
+                self._write_moshi(out, state, spec)
+            else:
+                payload: dict[str, Any] = {"model": state}
+                if spec is not None:
+                    payload["lora"] = spec
+                tmp = out / f".{EXPORT_FILE}.part"
+                torch.save(payload, tmp)
+                os.replace(tmp, out / EXPORT_FILE)
             if self.ckpt.voices:
                 (out / "voices").mkdir(exist_ok=True)
                 for name, path in sorted(self.ckpt.voices.items()):
-                    shutil.copyfile(path, out / "voices" / f"{name}.pt")
-            files = {k: str(v) for k, v in self.ckpt.files.items()}
+                    shutil.copyfile(path, out / "voices" / f"{name}{path.suffix}")
+            files = {k: str(Path(v).absolute()) for k, v in self.ckpt.files.items()}
             # The base this export loads over (read by load_checkpoint when neither --base nor CSPAN_BASE is given):
-            # the folder of the base model's weights, which the training checkpoint was itself loaded from.
-            base = str(Path(self.ckpt.files["lm"]).parent) if "lm" in self.ckpt.files else str(self.ckpt.source)
+            # the folder of the base model's weights, which the training checkpoint was itself loaded from, as an
+            # absolute path, so that the export loads from any working directory.
+            if "lm" in self.ckpt.files:
+                base = str(Path(self.ckpt.files["lm"]).parent.resolve())
+            else:
+                base = str(self.ckpt.source)
             info = {
                 "step": step,
                 "base": base,
@@ -582,12 +621,31 @@ class Trainer:
                 "base_files": files,
                 "lora": spec,
                 "adapters_only": adapters_only,
+                "format": self.cfg.export_format,
+                "prefix_layout": self.dataset.info.get("prefix_layout", CONTEXT_SPANNING.name),
                 "dtype": str(dtype).removeprefix("torch."),
-                "load": "cspan infer --checkpoint " + str(out),
+                "load": "cspan infer --checkpoint " + str(out.resolve()),
             }
-            (out / "export.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+            (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         self.dist.barrier()
         return out
+
+    def _write_moshi(self, out: Path, state: dict[str, torch.Tensor], spec: dict[str, Any] | None) -> None:
+        """``lora.safetensors`` + ``config.json`` as kyutai-labs/moshi-finetune writes them (LoRA adapters)."""
+        from safetensors.torch import save_file
+
+        from cspan.core.lora import moshi_lora_state
+
+        assert spec is not None  # resolved() requires --lora-rank for this format
+        r, scaling = int(spec["r"]), float(spec["alpha"]) / int(spec["r"])
+        tensors = moshi_lora_state(state, self.lm, r=r, scaling=scaling)
+        config = self.ckpt.lm_config.to_upstream()
+        config.update(lora=True, lora_rank=r, lora_scaling=scaling)
+        config["prefix_layout"] = self.dataset.info.get("prefix_layout", CONTEXT_SPANNING.name)
+        tmp = out / f".{MOSHI_LORA_FILE}.part"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / MOSHI_LORA_FILE)
+        (out / MODEL_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
 
