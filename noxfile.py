@@ -26,6 +26,7 @@ TEST_REQUIREMENTS = [
     "transformers>=4.44",  # the optional transformers ASR engine is tested too
     "aiohttp>=3.10",  # Kyutai's moshi client (the /api/chat acceptance test) ...
     "einops>=0.7",  # ... and what importing its package needs beyond ours
+    "openai>=3.57",  # its realtime client is tested against /v1/realtime
 ]
 UPSTREAM_CLIENTS = ["moshi==0.2.13"]
 """Installed without their dependencies (they pin torch and numpy below ours): only their client code is used."""

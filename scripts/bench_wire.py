@@ -7,7 +7,9 @@ the WebSocket payload bytes each way (client side) against the seconds of audio 
 - ``ws-pcm``: ``/ws`` with float32 PCM frames both ways (the fallback);
 - ``ws-opus``: ``/ws`` with Ogg/Opus both ways (``start.codecs = ["opus"]``; sphn on the client side, as the page's
   WebCodecs would send it);
-- ``moshi``: ``/api/chat`` (0x01 Ogg/Opus both ways, 0x02 text, 0x04 metadata), as ``moshi.client`` speaks it.
+- ``moshi``: ``/api/chat`` (0x01 Ogg/Opus both ways, 0x02 text, 0x04 metadata), as ``moshi.client`` speaks it;
+- ``realtime-pcm16`` / ``realtime-g711``: ``/v1/realtime`` (the OpenAI Realtime API: base64 audio in JSON events,
+  pcm16 at 24 kHz or G.711 u-law at 8 kHz; the agent's audio is sent only inside responses, its silence is not).
 
 Then it times Ogg/Opus encode + decode of one 80 ms frame with sphn (what the server does per session per frame:
 encode the agent's frame, decode the user's), in CPU time (``time.process_time``) over many frames of speech.
@@ -196,6 +198,52 @@ async def run_moshi(port: int, frames: list[np.ndarray]) -> dict[str, Any]:
     return tally.result("moshi")
 
 
+async def run_realtime(port: int, frames: list[np.ndarray], fmt: str) -> dict[str, Any]:
+    import base64
+
+    import websockets
+
+    from cspan.server.realtime_audio import FORMAT_RATES, OutputAudio
+
+    tally = Tally()
+    encoder, rate = OutputAudio(fmt), FORMAT_RATES[fmt]  # type: ignore[arg-type]
+    width = 2 if fmt == "pcm16" else 1
+    async with websockets.connect(f"ws://127.0.0.1:{port}/v1/realtime?model=cspan", max_size=None) as ws:
+        update = json.dumps(
+            {"type": "session.update", "session": {"input_audio_format": fmt, "output_audio_format": fmt}}
+        )
+        await ws.send(update)
+        tally.sent += len(update)
+        while True:
+            msg = await ws.recv()
+            tally.received += len(msg)
+            if json.loads(msg)["type"] == "session.updated":
+                break
+        tally.t0 = time.monotonic()
+
+        async def send(frame: np.ndarray) -> None:
+            event = json.dumps(
+                {"type": "input_audio_buffer.append", "audio": base64.b64encode(encoder.encode(frame)).decode()}
+            )
+            await ws.send(event)
+            tally.sent += len(event)
+            tally.audio_sent_s += FRAME / RATE
+
+        async def receive() -> None:
+            async for msg in ws:
+                tally.received += len(msg.encode()) if isinstance(msg, str) else len(msg)
+                event = json.loads(msg)
+                if event["type"] in ("response.output_audio.delta", "response.audio.delta"):
+                    tally.audio_received_s += len(base64.b64decode(event["delta"])) / width / rate
+
+        receiver = asyncio.ensure_future(receive())
+        await paced(frames, send)
+        await asyncio.sleep(1.0)  # the agent frames of the last queued audio
+        receiver.cancel()
+        tally.t1 = time.monotonic()
+    return tally.result("realtime-" + ("pcm16" if fmt == "pcm16" else "g711"))
+
+
 def opus_cpu(frames: list[np.ndarray], repeat: int = 3) -> dict[str, Any]:
     """CPU time of sphn Ogg/Opus encode + decode per 80 ms frame (best of ``repeat`` passes)."""
     import sphn
@@ -237,9 +285,12 @@ def main() -> int:
             subprocess.run(cmd, check=True, capture_output=True)
         with Server(checkpoint, max_sessions=1) as server:
             sessions = []
-            for name in ("ws-pcm", "ws-opus", "moshi"):
+            for name in ("ws-pcm", "ws-opus", "moshi", "realtime-pcm16", "realtime-g711"):
                 if name == "moshi":
                     sessions.append(asyncio.run(run_moshi(server.port, frames)))
+                elif name.startswith("realtime"):
+                    fmt = "pcm16" if name.endswith("pcm16") else "g711_ulaw"
+                    sessions.append(asyncio.run(run_realtime(server.port, frames, fmt)))
                 else:
                     sessions.append(asyncio.run(run_ws(server.port, frames, name.split("-")[1])))
             import httpx

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,16 @@ def test_published_data_is_consistent_and_sourced() -> None:
     assert v1["MoshiRAG"].values["user_interruption.latency_s"] is None
     delay = {r.system: r for r in data.tables["qa_delay"]}
     assert delay["Vanilla Moshi"].values == {"ttfat_s": 0.0, "keyword_delay_s": 2.1, "e2ekd_s": 2.1}
+    # every row says where in its source it was read; the delay rows not in the project's digest of MoshiRAG's
+    # Table 1 (docs/reference/benchmarks.md 3.3) are marked unverified
+    assert all(r.where for rows in data.tables.values() for r in rows)
+    assert {r.system for r in data.tables["qa_delay"] if r.unverified} == {
+        "Baichuan-Audio",
+        "LLaMA-Omni2",
+        "Qwen 2.5 Omni",
+        "Vanilla Moshi fine-tuned on RAG data",
+    }
+    assert "Kyutai's own Full-Duplex-Bench re-implementation" in v1["MoshiRAG"].note
 
 
 def test_report_puts_the_run_beside_the_published_rows(run: Path, cli, capsys) -> None:
@@ -96,6 +107,10 @@ def test_report_puts_the_run_beside_the_published_rows(run: Path, cli, capsys) -
     assert "| GLM-4-Voice | moshirag | 0.30 | 4.20 | 4.40 |" in md
     assert "| **model-b** (this run) |  | 0.40 | 2.50 | 2.90 |" in md
     assert "macro-average over llamaq, halueval; word times from asr" in md
+    # rows that could not be checked against MoshiRAG's Table 1 are marked, with why
+    assert "| Baichuan-Audio‡ | moshirag | 1.00 | 3.80 | 4.80 |" in md
+    assert "- Baichuan-Audio‡: not verified against the source: the row is not in docs/reference" in md
+    assert "‡ = values not verified against the source" in md
 
     # Table 2: metrics as rows grouped by task, the run first, then the published systems
     assert (
@@ -107,6 +122,8 @@ def test_report_puts_the_run_beside_the_published_rows(run: Path, cli, capsys) -
     assert "|  | TOR, synthetic ↓ | 0.850 | 0.861 | 0.584 | 0.985 | 0.255 | 0.320 |" in md
     assert "|  | Latency, s ↓ | 0.600 | 0.598 | 0.400 | 0.257 | 1.183 | – |" in md
     assert "pause task 'pause_handling_example' left out" in md
+    assert "- MoshiRAG: measured with Kyutai's own Full-Duplex-Bench re-implementation" in md
+    assert "Not compared" not in md  # the run has every table
 
     # Table 3: rates in percent, latency in seconds; what the run rests on
     assert (
@@ -134,6 +151,55 @@ def test_report_puts_the_run_beside_the_published_rows(run: Path, cli, capsys) -
     # the spoken-QA section of the report itself, with the delays
     assert "| llamaq | 10 | 80.0 | 75.0 |" in md and "| 0.50 | 2.00 | 2.50 |" in md
     assert "wrote " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("sets", "row", "notes"),
+    [
+        # QA sets without any delay: the delay table is there, the run's row empty, and why
+        ({"webq": None, "llamaq": None}, "| – | – | – |", ["no delay values in llamaq, webq"]),
+        # one set without: the mean is over the others, identity kept, the missing one named
+        (
+            {"webq": None, "llamaq": (0.5, 2.0, 2.5), "triviaqa": (0.25, 1.5, 1.75)},
+            "| 0.38 | 1.75 | 2.12 |",
+            ["macro-average over llamaq, triviaqa; word times from asr", "no delay values in webq"],
+        ),
+    ],
+)
+def test_the_delay_table_says_what_the_run_row_rests_on(tmp_path: Path, sets: dict, row: str, notes: list) -> None:
+    from cspan.bench.report import build_report
+
+    run = tmp_path / "model-c"
+    for task, delays in sets.items():
+        write(run / f"qa_{task}" / "summary.json", qa_summary(task, 0.6, 0.5, delays))
+    md, _ = build_report(run, plots=False, compare="published")
+    assert "### Table 1 (delays)." in md and f"| **model-c** (this run) |  {row}" in md
+    for note in notes:
+        assert f"- model-c (this run): {note}" in md
+    assert (
+        "Not compared (the run has no results for them): Table 1 (continued). Spoken math reasoning (accuracy, %); "
+        "Table 2. Full-Duplex-Bench v1; Table 3. Full-Duplex-Bench v3 (tool calling under disfluency); Context Span "
+        "processing latency (span prefill + one decoding step, ms)." in md
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"take_turn_rate": float("nan")}, "take_turn_rate = nan is not a % value"),
+        ({"take_turn_rate": 120.0}, "take_turn_rate = 120.0 is not a % value (0 to 100)"),
+        ({"pass_rate": 47.0}, "pass_rate = 47.0 is not a fraction value (0 to 1)"),
+        ({"task_completion_latency_s": -1.0}, "is not a s value"),
+    ],
+)
+def test_compare_file_values_are_checked_against_their_unit(run: Path, tmp_path: Path, values: dict, message: str):
+    from cspan.bench.report import build_report
+
+    mine = tmp_path / "mine.json"
+    row = {"system": "Baseline", "source": "lab", "values": values}
+    mine.write_text(json.dumps({"sources": {"lab": {"title": "t", "where": "w"}}, "tables": {"fdb_v3": [row]}}))
+    with pytest.raises(BenchDataError, match=re.escape(message)):
+        build_report(run, compare=mine)
 
 
 def test_compare_with_a_file_and_bad_files(run: Path, tmp_path: Path) -> None:

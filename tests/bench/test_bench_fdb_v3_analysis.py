@@ -128,7 +128,9 @@ def results_dir(tmp_path: Path) -> Path:
     return root
 
 
-def test_score_analyses_with_the_judge_and_aggregates(results_dir: Path, fake_chat_server, cli, capsys) -> None:
+def test_score_analyses_with_the_judge_and_aggregates(
+    results_dir: Path, fake_chat_server, cli, capsys, monkeypatch
+) -> None:
     server = fake_chat_server(judge_replies)
     out = results_dir.parent / "scores"
     argv = [
@@ -138,7 +140,10 @@ def test_score_analyses_with_the_judge_and_aggregates(results_dir: Path, fake_ch
         "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY",
     ]  # fmt: skip
     assert cli(*argv) == 0
-    assert "key-information analysis: 5 analysed, 0 reused, 1 without a usable judge reply" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "key-information analysis: 4 analysed, 0 reused, 1 silent (nothing to ask), 1 without a usable analysis" in (
+        printed
+    )
 
     # the judge saw A as numbered, timed words with the tool call, at temperature 0
     asked = analysis_requests(server)
@@ -177,6 +182,10 @@ def test_score_analyses_with_the_judge_and_aggregates(results_dir: Path, fake_ch
     assert m["tool_call_latency_s"] == 0.55  # (0.8 + 0.3) / 2; E called no tool
     assert m["task_completion_latency_s"] == 1.75  # (2.9 + 0.6) / 2; B interrupted, E not analysed
     assert m["filler_rate"] == 0.5  # A yes, C no; B interrupted, E not analysed
+    # ... and the summary says these rest on 2 of the 3 calm samples
+    notes = summary["notes"]
+    assert any(n.startswith("task-completion latency from 2 of 3 turn-taken, non-interrupted samples") for n in notes)
+    assert any(n.startswith("filler rate from 2 of 3 turn-taken, non-interrupted samples") for n in notes)
     assert summary["config"]["analysis"]["judge"] == {
         "url": server.url + "/chat/completions",
         "model": "judge-a",
@@ -191,13 +200,28 @@ def test_score_analyses_with_the_judge_and_aggregates(results_dir: Path, fake_ch
         "travel_01",
     ]
 
-    # scored again with the same judge: every analysis is reused, the judge is not asked for one
+    # scored again with the same judge: the analyses are reused, but E's failed one is asked again (twice: the
+    # reply is still unusable) and still counts as without a usable analysis
+    before = len(analysis_requests(server))
+    assert cli(*argv) == 0
+    assert len(analysis_requests(server)) == before + 2
+    assert "1 analysed, 4 reused, 1 without a usable analysis" in capsys.readouterr().out
+    # the judge now answers for E: "Hmm." is the key information, no filler -> first response = key info = 0.500
+    monkeypatch.setitem(MARKS, "Hmm.", {"filler": None, "key_info": {"first": 0, "last": 0}})
+    assert cli(*argv) == 0
+    assert "1 analysed, 4 reused, 0 without a usable analysis" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metrics"]["task_completion_latency_s"] == 1.333  # (2.9 + 0.6 + 0.5) / 3
+    assert summary["metrics"]["filler_rate"] == 0.333  # A of A, C, E
+    assert not [n for n in summary["notes"] if "of 3 turn-taken" in n]
+    # and a fourth run with the same judge asks nothing
     before = len(analysis_requests(server))
     assert cli(*argv) == 0
     assert len(analysis_requests(server)) == before
-    # another judge model: analysed again
+    assert "0 analysed, 5 reused, 0 without a usable analysis" in capsys.readouterr().out
+    # another judge model: analysed again (the four that spoke; D is silent)
     assert cli(*[a if a != "judge-a" else "judge-b" for a in argv]) == 0
-    assert len(analysis_requests(server)) == before + 5
+    assert len(analysis_requests(server)) == before + 4
 
 
 def test_the_benchmarks_own_analysis_files_are_read_without_a_judge(results_dir: Path, cli) -> None:
@@ -256,3 +280,150 @@ def test_tool_call_latency_and_speech_start_fallback() -> None:
     assert fdb_v3.first_response_latency(result) == 0.6  # from the first ASR word
     assert fdb_v3.tool_call_latency(result) == 0.3
     assert fdb_v3.tool_call_latency(V3Result.model_validate(E)) is None
+
+
+def test_a_judge_that_is_down_stops_early_and_exits_non_zero(results_dir: Path, fake_chat_server, cli, capsys) -> None:
+    state = {"up": False}
+
+    def replies(body: dict[str, Any]) -> dict[str, Any]:
+        return judge_replies(body) if state["up"] else {"role": "assistant", "content": None}  # no text: a failure
+
+    server = fake_chat_server(replies)
+    out = results_dir.parent / "scores"
+    argv = [
+        "bench", "fdb-v3", "score", "--results", str(results_dir), "--out", str(out),
+        "--scenarios", str(results_dir.parent / "benchmark_data_v2.json"),
+        "--judge-url", server.url, "--judge-attempts", "3", "--judge-timeout-s", "5",
+    ]  # fmt: skip
+    assert cli(*argv) == 1
+    captured = capsys.readouterr()
+    # two requests failed in a row (A, B): the judge is taken as down and nothing more is sent
+    assert len(server.requests) == 2
+    assert "4 analysed, 0 reused, 1 silent (nothing to ask), 4 without a usable analysis" in captured.out
+    assert "was taken as down after 0 answered request(s)" in captured.err
+    # the outputs are written and say so; the records are marked as not analysed
+    summary = json.loads((out / "summary.json").read_text())
+    assert any("was taken as down" in n for n in summary["notes"])
+    assert summary["metrics"]["filler_rate"] is None and summary["metrics"]["response_quality"] is None
+    # the judge is back: every failed analysis is asked again, and the run succeeds
+    state["up"] = True
+    assert cli(*argv) == 0
+    assert "4 analysed, 1 reused, 1 without a usable analysis" in capsys.readouterr().out  # E's reply is unusable
+    assert json.loads((out / "summary.json").read_text())["metrics"]["filler_rate"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("chunks", "speech_start", "problem"),
+    [
+        (words(("Three", 1.6, 1.9), ("apartments", float("nan"), 2.5)), 1.6, "asr_chunks[1] has no finite"),
+        ([{"text": "Three", "timestamp": [1.6, None]}], 1.6, "asr_chunks[0] has no finite"),
+        (words(("Three", 1.6, 1.9), ("match.", 2.5, 2.4)), 1.6, "asr_chunks[1] has no finite"),
+        ([{"text": "Three"}], 1.6, "asr_chunks[0] is not {text, timestamp"),
+        (words(("Three", 1.6, 1.9), ("Oh", 0.4, 0.6)), 1.6, "starts at 0.400 s, before audio_agent_speech_start"),
+    ],
+)
+def test_bad_word_times_skip_one_result_not_the_run(
+    results_dir: Path, fake_chat_server, cli, capsys, chunks: list[Any], speech_start: float, problem: str
+) -> None:
+    folder = results_dir / "house_01_5f0c2a9e1b3d4c6a8e7f9012"
+    (folder / "result_cspan.json").write_text(
+        json.dumps({**C, "asr_chunks": chunks, "audio_agent_speech_start": speech_start})
+    )
+    server = fake_chat_server(judge_replies)
+    out = results_dir.parent / "scores"
+    rc = cli(
+        "bench", "fdb-v3", "score", "--results", str(results_dir), "--out", str(out),
+        "--scenarios", str(results_dir.parent / "benchmark_data_v2.json"), "--judge-url", server.url,
+        "--judge-attempts", "2",
+    )  # fmt: skip
+    assert rc == 0
+    record = json.loads((folder / "latency_tool_analysis_cspan.json").read_text())
+    assert record["filler_sentence"] is None and record["task_completion_latency_s"] is None
+    (note,) = [n for n in record["notes"] if n.startswith("bad word times")]
+    assert str(folder / "result_cspan.json") in note and "(house_01)" in note and problem in note
+    # C was never sent to the judge; the others were analysed as before
+    asked = [b["messages"][1]["content"] for b in analysis_requests(server)]
+    assert not any("Three" in a for a in asked) and len(asked) == 4  # A, B, E twice
+    text = (out / "summary.json").read_text()
+    summary = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
+    assert summary["metrics"]["task_completion_latency_s"] == 2.9  # A only: C bad, E unusable
+    json.loads((out / "samples.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in samples.json"))
+    assert "2 without a usable analysis" in capsys.readouterr().out
+
+
+def test_words_are_sent_in_time_order(results_dir: Path, fake_chat_server, cli) -> None:
+    # A's words shuffled: the judge sees them sorted by start, and the key information is read from the sorted list
+    folder = results_dir / "ecom_01_5f0c2a9e1b3d4c6a8e7f9012"
+    shuffled = A["asr_chunks"][5:] + A["asr_chunks"][:5]
+    (folder / "result_cspan.json").write_text(json.dumps({**A, "asr_chunks": shuffled}))
+    server = fake_chat_server(judge_replies)
+    rc = cli(
+        "bench", "fdb-v3", "score", "--results", str(results_dir), "--out", str(results_dir.parent / "scores"),
+        "--scenarios", str(results_dir.parent / "benchmark_data_v2.json"), "--judge-url", server.url,
+    )  # fmt: skip
+    assert rc == 0
+    user = analysis_requests(server)[0]["messages"][1]["content"]
+    assert "\n0  3.90-4.10  Sure\n" in user and user.endswith("\n9  7.90-8.40  Friday.")
+    record = json.loads((folder / "latency_tool_analysis_cspan.json").read_text())
+    assert (record["task_completion_latency_s"], record["agent_first_word_time"]) == (2.9, 3.9)
+
+
+def test_non_finite_times_in_results_read_as_missing() -> None:
+    result = V3Result.model_validate({**A, "user_speech_end_rel": float("nan"), "audio_agent_speech_start": "inf"})
+    assert result.user_speech_end_rel is None and result.audio_agent_speech_start is None
+    assert fdb_v3_analysis.analyze(result, None) is None  # nothing to measure from
+    assert fdb_v3.first_response_latency(result) is None
+    chunks = [{"text": "x", "timestamp": [float("nan"), 1.0]}, {"text": "y", "timestamp": [2.0, 2.5]}]
+    assert fdb_v3.agent_speech_start(V3Result(example_id="x", asr_chunks=chunks)) == 2.0
+    calls = [call("track_order", float("inf"))]
+    assert fdb_v3.tool_call_latency(V3Result.model_validate({**C, "actual_tool_calls": calls})) is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "[]", json.dumps({"filler_sentence": "Sure"}), json.dumps({"example_id": "ecom_01", "judge": 3})],
+)
+def test_an_unreadable_record_is_kept_aside_not_overwritten(
+    results_dir: Path, fake_chat_server, cli, capsys, content: str
+) -> None:
+    folder = results_dir / "ecom_01_5f0c2a9e1b3d4c6a8e7f9012"
+    (folder / "latency_tool_analysis_cspan.json").write_text(content)
+    out = results_dir.parent / "scores"
+    scenarios = str(results_dir.parent / "benchmark_data_v2.json")
+    base = ["bench", "fdb-v3", "score", "--results", str(results_dir), "--out", str(out), "--scenarios", scenarios]
+    assert cli(*base) == 0  # without a judge: read nothing from it, touch nothing
+    assert (folder / "latency_tool_analysis_cspan.json").read_text() == content
+    server = fake_chat_server(judge_replies)
+    assert cli(*base, "--judge-url", server.url) == 0
+    kept = folder / "latency_tool_analysis_cspan.unreadable.json"
+    assert kept.read_text() == content
+    assert f"unreadable record(s) kept as {kept}" in capsys.readouterr().out
+    assert json.loads((folder / "latency_tool_analysis_cspan.json").read_text())["task_completion_latency_s"] == 2.9
+
+
+def test_the_benchmarks_own_records_are_reused_even_when_sparse(results_dir: Path, fake_chat_server, cli) -> None:
+    # the reference's records carry neither turn_take_success nor our judge stamp: read and reused, never rewritten
+    records = {
+        "ecom_01": {
+            "example_id": "ecom_01",
+            "filler_sentence": "Sure let me check that.",
+            "task_completion_latency_s": 2.5,
+        },
+        "house_01": {"example_id": "house_01", "filler_sentence": "", "task_completion_latency_s": 0.8},
+    }
+    for example, record in records.items():
+        path = results_dir / f"{example}_5f0c2a9e1b3d4c6a8e7f9012" / "latency_tool_analysis_cspan.json"
+        path.write_text(json.dumps(record))
+    server = fake_chat_server(judge_replies)
+    out = results_dir.parent / "scores"
+    rc = cli(
+        "bench", "fdb-v3", "score", "--results", str(results_dir), "--out", str(out),
+        "--scenarios", str(results_dir.parent / "benchmark_data_v2.json"), "--judge-url", server.url,
+    )  # fmt: skip
+    assert rc == 0
+    for example, record in records.items():
+        path = results_dir / f"{example}_5f0c2a9e1b3d4c6a8e7f9012" / "latency_tool_analysis_cspan.json"
+        assert json.loads(path.read_text()) == record
+    assert not any("Sure" in b["messages"][1]["content"] for b in analysis_requests(server))
+    m = json.loads((out / "summary.json").read_text())["metrics"]
+    assert (m["task_completion_latency_s"], m["filler_rate"]) == (1.65, 0.5)  # (2.5 + 0.8) / 2; A yes, C no

@@ -35,6 +35,8 @@ class MockAPIRegistry:
 
     def call(self, name, **kwargs):
         self.calls.append(name)
+        if kwargs.get("order_id") == "0":
+            raise KeyError("no order 0")
         if name == "track_order":
             return {"order_id": kwargs["order_id"], "status": "in transit", "call_number": len(self.calls)}
         return {"status": "ok", "tool": name, "args": sorted(kwargs)}
@@ -211,9 +213,46 @@ def test_run_against_the_release_world(
     assert span["text"] == "(tool result) order id 55123, status in transit, call number 1"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["world"]["kind"] == "fdb-v3-release" and summary["metrics"]["pass_rate"] == 1.0
-    # the run analysed the response with the judge (the fake one answers nothing usable: recorded, not guessed)
+    # the run analysed the response with the judge: the tiny model said no word the ASR heard, so there was
+    # nothing to send (counted as silent, not as analysed), and nothing is guessed
     analysis = json.loads((out / folder.name / "latency_tool_analysis_cspan.json").read_text())
     assert analysis["judge"]["prompt_version"] == PROMPT_VERSION and analysis["judge"]["model"] == "gpt-4o"
     assert analysis["user_speech_end_rel"] == raw["user_speech_end_rel"]
     assert analysis["filler_sentence"] is None and analysis["task_completion_latency_s"] is None
-    assert summary["config"]["analysis"]["analysed"] == 1
+    assert analysis["turn_take_success"] is False and analysis["notes"] == ["no agent words: nothing to analyse"]
+    counts = summary["config"]["analysis"]
+    assert (counts["analysed"], counts["silent"], counts["unfinished"]) == (0, 1, 0)
+    assert raw["recording_metadata"] is None  # the recording has no metadata.json
+
+
+@pytest.mark.parametrize(
+    ("arguments", "recorded"),
+    [
+        ({"order_id": 0}, {"order_id": "0"}),  # the mock API raises: the validated arguments are what ran
+        ({"order_id": "0", "colour": "red"}, {"order_id": "0"}),  # unknown keys are not part of the call
+        ({"colour": "red"}, {}),  # order_id missing: the arguments never validated, nothing ran
+    ],
+)
+def test_a_failed_tool_call_keeps_its_arguments(
+    tmp_path: Path, fake_chat_server, tool_call_message, arguments: dict, recorded: dict
+) -> None:
+    from cspan.backends.router import LLMRouter
+    from cspan.backends.router.base import RouteRequest
+    from cspan.bench.session import RecordingRouter
+
+    release = load_release(write_release(tmp_path / "v3"))
+    server = fake_chat_server([tool_call_message("track_order", arguments)])
+
+    async def run() -> tuple[object, list[dict]]:
+        bank = await release.tool_bank()
+        recorder = RecordingRouter(LLMRouter(server.url, "fake-router", bank), lambda: 1.5)
+        try:
+            return await recorder.route(RouteRequest(question="where is my order number zero")), recorder.calls
+        finally:
+            await recorder.aclose()
+            await bank.aclose()
+
+    result, calls = asyncio.run(run())
+    assert result.tool == "track_order" and result.error and result.arguments == recorded  # type: ignore[attr-defined]
+    # what the v3 result records: the attempted call with its arguments, scored for argument accuracy
+    assert calls == [{"function": "track_order", "args": recorded, "timestamp_start": 1.5, "error": result.error}]  # type: ignore[attr-defined]

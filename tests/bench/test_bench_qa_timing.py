@@ -11,6 +11,7 @@ from cspan.bench.qa import QAItemResult, summarize_qa
 from cspan.bench.qa_timing import (
     KEYWORD_SYSTEM,
     PROMPT_VERSION,
+    AnswerTiming,
     TimedWord,
     locate,
     measure,
@@ -39,7 +40,7 @@ PARIS = words(
 # is "Jane Austen" (word 2, 3.00), before "Austen" alone (3.20) -> E2EKD 1.00 = KD.
 AUSTEN = words(("So", 1.90, 2.10), ("it's", 2.60, 2.80), ("Jane", 3.00, 3.20), ("Austen.", 3.20, 3.70))
 # Math, the question ends at 2.50: "twenty five" folds to 25 starting at "twenty" (3.30) -> TTFAT 0.50, E2EKD 0.80,
-# KD 0.30.
+# KD 0.30; the keyword recorded is the words said, "twenty five".
 APPLES = words(("It's", 3.00, 3.20), ("twenty", 3.30, 3.60), ("five", 3.60, 3.90), ("apples.", 3.95, 4.40))
 # No answer in the response: TTFAT 0.60, no keyword.
 UNSURE = words(("I", 2.60, 2.70), ("don't", 2.70, 2.90), ("know.", 2.90, 3.30))
@@ -57,7 +58,7 @@ def test_delays_with_the_alias_keyword() -> None:
     t = timing(AUSTEN, 2.0, ["Austen", "Jane Austen"])
     assert (t.keyword, t.keyword_s, t.ttfat_s, t.keyword_delay_s, t.e2ekd_s) == ("Jane Austen", 3.0, 0.0, 1.0, 1.0)
     t = timing(APPLES, 2.5, ["25"], numeric=True)
-    assert (t.keyword, t.keyword_s, t.ttfat_s, t.keyword_delay_s, t.e2ekd_s) == ("25", 3.3, 0.5, 0.3, 0.8)
+    assert (t.keyword, t.keyword_s, t.ttfat_s, t.keyword_delay_s, t.e2ekd_s) == ("twenty five", 3.3, 0.5, 0.3, 0.8)
     t = timing(UNSURE, 2.0, ["Paris"])
     assert (t.ttfat_s, t.keyword_s, t.e2ekd_s) == (0.6, None, None) and "no gold answer" in t.note
     t = timing(PARIS[:1], 2.0, ["Paris"])
@@ -129,8 +130,134 @@ def test_summary_delays_are_means_over_measured_items() -> None:
         result("silent", timing([], 2.0, ["Paris"])),  # nothing
         result("unrun", None),
     ]
-    m = summarize_qa("halueval", results).metrics
-    assert m["ttfat_s"] == pytest.approx(0.5)  # (0.4 + 0.5 + 0.6) / 3
-    assert m["keyword_delay_s"] == pytest.approx(1.0)  # (1.7 + 0.3) / 2
-    assert m["e2ekd_s"] == pytest.approx(1.45)  # (2.1 + 0.8) / 2
+    summary = summarize_qa("halueval", results)
+    m = summary.metrics
+    # the three delays are means over the same answers (keyword found: paris, apples), so E2EKD = TTFAT + KD
+    assert (m["ttfat_s"], m["keyword_delay_s"], m["e2ekd_s"]) == (0.45, 1.0, 1.45)  # (0.4+0.5)/2, (1.7+0.3)/2, ...
+    assert m["ttfat_all_s"] == 0.5  # (0.4 + 0.5 + 0.6) / 3: every answer that spoke
     assert m["keyword_found_rate"] == pytest.approx(2 / 3)
+    # what each rests on is said
+    assert "1 of 5 item(s) have no word times: no delays" in summary.notes
+    assert "1 of 4 item(s): no agent words after the question" in summary.notes
+    assert any(n.startswith("TTFAT, KD and E2EKD over the 2 of 3 answer(s) whose keyword") for n in summary.notes)
+
+
+@pytest.mark.parametrize(
+    ("ws", "expected", "note"),
+    [
+        # out of order: sorted, "um" (3.30) starts the response -> TTFAT 0.152, KD 0.300, E2EKD 0.452
+        (words(("Paris.", 3.6, 3.9), ("um", 3.3, 3.5)), (0.152, 0.3, 0.452), ""),
+        # a NaN start, an open end, an end before the start: left out with a note, never a 0 delay
+        (words(("um", float("nan"), 3.5), ("Paris.", 3.6, 3.9)), (0.452, 0.0, 0.452), "1 agent word(s)"),
+        (
+            [TimedWord(text="um", start=3.3, end=None), *words(("Paris", 3.6, 3.9), ("oh", 3.2, 3.1))],
+            (0.452, 0.0, 0.452),
+            "2 agent word(s) without finite times",
+        ),
+        (words(("Paris", float("inf"), 3.9)), (None, None, None), "1 agent word(s)"),
+    ],
+)
+def test_word_times_are_ordered_and_checked(ws: list[TimedWord], expected: tuple, note: str) -> None:
+    t = timing(ws, 3.148, ["Paris"])
+    assert (t.ttfat_s, t.keyword_delay_s, t.e2ekd_s) == expected
+    assert t.note.startswith(note)
+    if t.e2ekd_s is not None:
+        assert t.e2ekd_s == pytest.approx(t.ttfat_s + t.keyword_delay_s, abs=1e-9)
+    assert TimedWord(text="x", start=float("nan"), end=1.0).model_dump_json() == '{"text":"x","start":null,"end":1.0}'
+
+
+@pytest.mark.parametrize(
+    ("ws", "answers", "keyword", "keyword_s"),
+    [
+        # "one moment" asks to wait; the answer comes later
+        (words(("One", 2.6, 2.8), ("moment.", 2.8, 3.2), ("It's", 4.0, 4.2), ("one.", 4.2, 4.5)), ["1"], "one", 4.2),
+        (words(("one", 2.6, 2.8), ("sec,", 2.8, 3.0), ("1", 4.0, 4.2)), ["1"], "1", 4.0),
+        (words(("Hold", 2.6, 2.8), ("on", 2.8, 2.9), ("one", 2.9, 3.0), ("second.", 3.0, 3.3)), ["1"], None, None),
+        # GSM8K: the keyword is what was said, not the gold string
+        (words(("It's", 2.6, 2.8), ("1,234.", 2.8, 3.5)), ["1,234"], "1,234", 2.8),
+        (
+            words(("one", 2.6, 2.7), ("thousand", 2.7, 3.0), ("two", 3.0, 3.1), ("hundred", 3.1, 3.3)),
+            ["1200"],
+            "one thousand two hundred",
+            2.6,
+        ),
+    ],
+)
+def test_math_keyword_is_the_number_said(ws: list[TimedWord], answers: list[str], keyword: Any, keyword_s: Any) -> None:
+    t = timing(ws, 2.5, answers, numeric=True)
+    assert (t.keyword, t.keyword_s) == (keyword, keyword_s)
+
+
+def test_keyword_labels_are_stripped() -> None:
+    for reply in (
+        "Keyword: Paris",
+        "keyword - Paris.",
+        "**Keyword:** Paris",
+        "The answer is: 'Paris'",
+        "Answer: Paris",
+    ):
+        assert parse_keyword(reply) == "Paris", reply
+    assert parse_keyword("Response: Jane Austen") == "Jane Austen"
+    assert parse_keyword("Keyword: NONE") is None
+    assert parse_keyword("Answers differ") == "Answers differ"  # a word, not a label
+
+
+def test_failed_judgements_are_asked_again(fake_chat_server) -> None:
+    from cspan.bench.qa import QAItem, judge_item
+
+    state = {"up": False}
+
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
+        if not state["up"]:
+            return {"role": "assistant", "content": None}  # not text: the request fails
+        if body["messages"][0]["content"] == KEYWORD_SYSTEM:
+            return {"role": "assistant", "content": "Keyword: Paris"}
+        return {"role": "assistant", "content": "The score is [Correct]"}
+
+    server = fake_chat_server(reply)
+    items = [QAItem(id=str(k), question="Capital of France?", answers=["Paris"]) for k in range(3)]
+
+    judged = [
+        QAItemResult(
+            id=item.id,
+            question=item.question,
+            answers=item.answers,
+            audio="x.wav",
+            question_end_s=2.0,
+            reference="Paris is the capital of France.",
+            response="Well the capital of France is Paris.",
+            words_source="asr",
+            agent_words=PARIS,
+        )
+        for item in items
+    ]
+    with OpenAIJudge(server.url, "j", max_attempts=1, backoff_s=0) as judge:
+        key = "j"
+        judged = [judge_item(r, i, "llamaq", judge, key) for r, i in zip(judged, items, strict=True)]
+        assert judge.down is not None and len(server.requests) == 2  # taken as down after two failures
+    assert all(r.ref.judge_failed and r.resp.judge_failed and r.timing.judge_failed for r in judged)
+    summary = summarize_qa("llamaq", judged)
+    assert summary.metrics["resp_acc"] is None and summary.metrics["e2ekd_s"] is None
+    assert any(n.startswith("the judge failed for 6 ref./resp. verdict(s) and 3 keyword(s)") for n in summary.notes)
+    # the next run (same judge): everything that failed is asked again
+    state["up"] = True
+    with OpenAIJudge(server.url, "j", max_attempts=1, backoff_s=0) as judge:
+        judged = [judge_item(r, i, "llamaq", judge, key) for r, i in zip(judged, items, strict=True)]
+        asked = len(server.requests)
+        assert asked == 2 + 3 * 3
+        judged = [judge_item(r, i, "llamaq", judge, key) for r, i in zip(judged, items, strict=True)]
+        assert len(server.requests) == asked  # nothing failed: nothing asked again
+    m = summarize_qa("llamaq", judged).metrics
+    assert (m["ref_acc"], m["resp_acc"], m["e2ekd_s"]) == (1.0, 1.0, 2.1)
+    assert all(r.timing.keyword == "Paris" and not r.timing.judge_failed for r in judged)
+
+
+def test_failures_recorded_before_the_flag_are_asked_again_too() -> None:
+    from cspan.bench.qa import Verdict
+
+    assert Verdict(correct=None, method="judge", explanation="judge failed: HTTP 500").judge_failed
+    assert Verdict(correct=None, method="judge", explanation="unreadable judge reply: 'hm'").judge_failed
+    assert not Verdict(correct=None, method="judge", explanation="empty text").judge_failed
+    old = {"words_source": "asr", "question_end_s": 2.0, "note": "keyword judge failed: judge down"}
+    assert AnswerTiming.model_validate(old).judge_failed
+    assert not AnswerTiming.model_validate({**old, "note": "the judge found no answer in the response"}).judge_failed

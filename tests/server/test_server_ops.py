@@ -6,6 +6,7 @@ confirmation; ``/health`` tells a balancer when to send no more; settings come f
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -74,9 +75,10 @@ async def first_span(client: Client, frames: list[np.ndarray]) -> dict[str, Any]
 
 @pytest.mark.timeout(300)
 async def test_no_protocol_reads_another_users_memory(serve, users) -> None:
-    """ada and bob each remembered a locker code. Through ``/ws`` and ``/api/chat`` a session hears only its own
-    principal's, whatever the client sends (a ``user_id`` in the profile is refused); the rows a session writes are
-    its principal's; a token without the ``session`` scope, a wrong one or none is refused before any session."""
+    """ada and bob each remembered a locker code. Through ``/ws``, ``/api/chat`` and ``/v1/realtime`` a session
+    hears only its own principal's, whatever the client sends (a ``user_id`` in a profile is refused); the rows a
+    session writes are its principal's; a token without the ``session`` scope, a wrong one or none is refused before
+    any session."""
     import aiohttp
     import sphn
 
@@ -130,6 +132,10 @@ async def test_no_protocol_reads_another_users_memory(serve, users) -> None:
     assert moshi_span is not None, "no span reached the Moshi client"
     assert "bob-0815" in moshi_span["text"] and "ada-4711" not in moshi_span["text"]
 
+    # /v1/realtime (the OpenAI Realtime API) as ada, claiming bob in the profile extension
+    realtime_span, realtime_conversation = await realtime_session(server, users["ada"])
+    assert "ada-4711" in realtime_span["text"] and "bob-0815" not in realtime_span["text"]
+
     async def ended(cid: str, user: str) -> bool:
         conv = server.hub.db.user(user).get_conversation(cid)
         return conv is not None and conv.ended_at is not None
@@ -142,6 +148,8 @@ async def test_no_protocol_reads_another_users_memory(serve, users) -> None:
         ada, bob = db.user("ada"), db.user("bob")
         assert bob.get_conversation(ada_conversation) is None and bob.spans(ada_conversation) == []
         assert ada.get_conversation(info["conversation_id"]) is None
+        assert ada.get_conversation(realtime_conversation) is not None
+        assert bob.get_conversation(realtime_conversation) is None
         (ada_span,) = ada.spans(ada_conversation)
         assert "ada-4711" in ada_span.text and ada_span.injected_at is not None
         assert [t.text for t in ada.turns(ada_conversation) if t.role == "user"] == ["what is my locker code"]
@@ -158,6 +166,34 @@ async def test_no_protocol_reads_another_users_memory(serve, users) -> None:
         in httpx.get(server.url + "/metrics", headers=headers).text
     )
     assert httpx.get(server.url + "/info").json()["token_required"] is True
+
+
+async def realtime_session(server: Any, token: str) -> tuple[dict[str, Any], str]:
+    """A ``/v1/realtime`` session with ``token``: a profile naming another user is refused, then a forced ``<ret>``;
+    returns ``(the cspan.span event, the conversation id)``."""
+    url = f"ws://127.0.0.1:{server.port}/v1/realtime?model=cspan"
+    async with websockets.connect(url, additional_headers={"Authorization": f"Bearer {token}"}) as ws:
+
+        async def until(kind: str) -> dict[str, Any]:
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                if event["type"] == kind:
+                    return event
+
+        await until("session.created")
+        claim = {"type": "session.update", "session": {"cspan": {"profile": {"user_id": "bob"}}}}
+        await ws.send(json.dumps(claim))
+        error = await until("error")
+        assert error["error"]["code"] == "invalid_event" and "user_id" in error["error"]["message"]
+        hooks = {"events": True, "test": {"force_ret_at": [0.4]}}
+        await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "cspan": hooks}}))
+        await until("session.updated")
+        chunk = base64.b64encode(bytes(2 * 4800)).decode("ascii")  # 0.2 s of pcm16 silence at 24 kHz
+        for _ in range(16):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        ready = await until("cspan.ready")
+        span = await until("cspan.span")
+    return span, ready["conversation_id"]
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
     knowledge.mkdir()
     (knowledge / "weather.md").write_text("The weather in London today is sunny and warm.\n")
     db_path = tmp_path / "context.sqlite"
-    server = serve(asr="sphinx", router="local", knowledge=knowledge, db=str(db_path), span_deadline_s=600.0)
+    server = serve(asr="sphinx", router="local", knowledge=knowledge, db=str(db_path), span_deadline_s=60.0)
     frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
 
     async with websockets.connect(server.ws_url, max_size=None) as ws:

@@ -84,10 +84,26 @@ def normalize_answer(text: str) -> list[str]:
     return [token for token, _ in fold_number_spans(plain_tokens(text))]
 
 
-def numbers_in(text: str) -> list[float]:
-    """Every number in ``text`` after :func:`normalize_answer` (digits and spoken numbers), in order."""
+_WAITING = {"moment", "moments", "sec", "secs", "second", "seconds", "minute", "minutes", "mo", "tick"}
+"""Words that make a lone "one" a phrase of waiting ("one moment", "one sec"), not the number 1."""
+
+
+def number_spans(tokens: Sequence[str]) -> list[tuple[float, int, int]]:
+    """The numbers in :func:`plain_tokens` output (digits, and spoken numbers folded by :func:`fold_number_spans`),
+    in order, as ``(value, first token, last token)``. A lone "one" followed by a word of waiting ("one moment",
+    "one second") is not a number: it asks the listener to wait."""
+    folded = fold_number_spans(tokens)
     out = []
-    for tok in normalize_answer(text):
-        if re.fullmatch(r"-?\d+(?:\.\d+)?", tok):
-            out.append(float(tok))
+    for k, (token, first) in enumerate(folded):
+        if not re.fullmatch(r"-?\d+(?:\.\d+)?", token):
+            continue
+        last = (folded[k + 1][1] if k + 1 < len(folded) else len(tokens)) - 1
+        if tokens[first] == "one" and last == first and first + 1 < len(tokens) and tokens[first + 1] in _WAITING:
+            continue
+        out.append((float(token), first, last))
     return out
+
+
+def numbers_in(text: str) -> list[float]:
+    """Every number in ``text`` (digits and spoken numbers, see :func:`number_spans`), in order."""
+    return [value for value, _, _ in number_spans(plain_tokens(text))]

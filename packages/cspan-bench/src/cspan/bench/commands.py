@@ -225,28 +225,41 @@ def _fdb_v1_score(args: argparse.Namespace) -> int:
 
 def register_fdb_v3_score(sub: Any) -> None:
     """``cspan bench fdb-v3 score``."""
+    from cspan.bench.run_commands import non_negative
+
     p = sub.add_parser(
         "score",
         help="analyse and score tool-use results against the scenarios",
         description=(
             "Score Full-Duplex-Bench v3 results: tool-selection F1, argument accuracy, pass rate, take-turn rate, "
             "latencies (first response, tool call, task completion), interruption and filler rates. RESULTS is a "
-            "JSON file ({results, scenarios?} or a list of results) or a folder of result_PROVIDER.json files. With "
-            "--judge-url each response is first analysed (filler sentence, key-information onset; written as "
-            "latency_tool_analysis_PROVIDER.json next to each result and OUT/key_info_analysis.json); existing "
-            "analyses are reused. Writes summary.json and samples.json."
+            "JSON file ({results, scenarios?} or a list of results) or a folder of result_PROVIDER.json files. The "
+            "scenarios come from --scenarios, the file, or --fdb-v3-dir, with each recording's own metadata.json "
+            "over them (recorded in the result by `fdb-v3 run`, next to the result, or in --data), as `fdb-v3 run` "
+            "scores. With --judge-url each response is first analysed (filler sentence, key-information onset; "
+            "written as latency_tool_analysis_PROVIDER.json next to each result and OUT/key_info_analysis.json); "
+            "existing analyses are reused, failed ones asked again. Writes summary.json and samples.json."
         ),
     )
     p.add_argument("--results", required=True, help="results file or folder")
     p.add_argument("--scenarios", type=Path, help="scenario file (benchmark_data_v2.json); default: embedded or DIR's")
-    p.add_argument("--fdb-v3-dir", type=Path, help="the benchmark's v3/ folder (its benchmark_data_v2.json)")
+    p.add_argument(
+        "--fdb-v3-dir",
+        type=Path,
+        help="the benchmark's v3/ folder: its benchmark_data_v2.json and fdb_v3_data_released/ (nothing is run)",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="the recordings folder, for DATA/{folder}/metadata.json scenarios (default: DIR's fdb_v3_data_released)",
+    )
     p.add_argument("--provider", help="only result_PROVIDER.json files of a folder (default: every result_*.json)")
     p.add_argument("--out", help="where summary.json goes (default: next to RESULTS)")
     p.add_argument(
         "--numeric-tolerance",
-        type=float,
+        type=non_negative,
         default=0.05,
-        help="relative tolerance for numeric arguments without a judge (default: %(default)s; 0 = exact)",
+        help="relative tolerance for numeric arguments without a judge, >= 0 (default: %(default)s; 0 = exact)",
     )
     p.add_argument("--reanalyze", action="store_true", help="ask the judge again even where an analysis exists")
     add_judge_arguments(p, "gpt-4o", "the response analysis and response quality (arguments use the exact rule)")
@@ -256,18 +269,29 @@ def register_fdb_v3_score(sub: Any) -> None:
 def _fdb_v3_score(args: argparse.Namespace) -> int:
     from cspan.bench import fdb_v3
     from cspan.bench.errors import BenchDataError
-    from cspan.bench.run_commands import score_v3, v3_inputs
+    from cspan.bench.fdb_v3_release import release_inputs
+    from cspan.bench.fdb_v3_run import metadata_scenarios
+    from cspan.bench.run_commands import score_v3
 
     results_path = Path(args.results)
     entries, embedded = fdb_v3.load_result_entries(results_path, args.provider)
-    _, _, scenarios = v3_inputs(args, need_data=False)
-    scenarios = scenarios if scenarios is not None else embedded
-    if scenarios is None:
+    scenario_path, data = args.scenarios, args.data
+    if args.fdb_v3_dir is not None:
+        dir_scenarios, dir_data = release_inputs(args.fdb_v3_dir)
+        scenario_path, data = scenario_path or dir_scenarios, data or dir_data
+    scenarios = fdb_v3.load_scenarios(scenario_path) if scenario_path else embedded
+    if scenarios is None and not metadata_scenarios(entries, data):
+        if args.fdb_v3_dir is not None:
+            raise BenchDataError(
+                f"--fdb-v3-dir {args.fdb_v3_dir} holds no benchmark_data_v2.json, {results_path} embeds no "
+                "scenarios and no recording's metadata.json names its expected tool calls; pass --scenarios FILE"
+            )
         raise BenchDataError(
             f"{results_path} embeds no scenarios; pass --scenarios benchmark_data_v2.json or --fdb-v3-dir DIR"
         )
     out = Path(args.out) if args.out else (results_path if results_path.is_dir() else results_path.parent)
-    score_v3(entries, scenarios, args, out, config={"results": str(results_path), "provider": args.provider})
+    config = {"results": str(results_path), "provider": args.provider}
+    score_v3(entries, scenarios, args, out, config=config, data=data)
     return 0
 
 

@@ -6,14 +6,17 @@ all belong to the run ``RUN``) and converted to the tables' units:
 
 - Table 1 (:data:`~cspan.bench.published.TABLES` ``qa``, ``math``): each set's ``ref_acc`` / ``resp_acc`` x 100;
 - Table 1 delays (``qa_delay``): the sets' ``ttfat_s``, ``keyword_delay_s``, ``e2ekd_s`` averaged over the QA sets
-  present (LlamaQ, WebQ, TriviaQA, HaluEval), as MoshiRAG macro-averages them;
+  present (LlamaQ, WebQ, TriviaQA, HaluEval) that have all three, as MoshiRAG macro-averages them (so that
+  E2EKD = TTFAT + KD holds for the row too); a run with QA sets but no delays gets the row with "–" and a note;
 - Table 2 (``fdb_v1``): by scorer kind; a pause-handling task is Candor or synthetic by its folder name
   (``candor_pause_handling``, ``synthetic_pause_handling``);
 - Table 3 (``fdb_v3``): the scorer's metrics, rates in percent for take-turn, interruption and filler;
 - span latency: ``mean_ms``, ``sd_ms``, ``p99_ms`` per span length.
 
-Each table lists the published rows with their sources, the run's rows (what it was judged or run with in the
-notes) and, with plots, ``compare_{table}.png``: one panel per column, a bar per system, the run's highlighted.
+Each table lists the published rows with their sources (‡ marks a row whose values could not be checked against
+its source, † a row the source reprints), the run's rows (what it was judged or run with in the notes) and, with
+plots, ``compare_{table}.png``: one panel per column, a bar per system, the run's highlighted. Tables the run has
+no results for are listed as not compared.
 """
 
 from __future__ import annotations
@@ -83,14 +86,18 @@ def run_rows(found: RunFiles, run_name: str) -> dict[str, list[RunRow]]:
                 r.notes.append(f"{names[s.task]}: n = {s.n}, judged by {described or 'unknown'}")
         order = [key for key, _ in QA_SETS_SHOWN]
         knowledge = sorted((s for s in summaries if s.task in order), key=lambda s: order.index(s.task))
-        delays = {k: [s.metrics[k] for s in knowledge if s.metrics.get(k) is not None] for k in _DELAY_KEYS}
-        if any(delays.values()):
+        if knowledge:
+            timed = [s for s in knowledge if all(s.metrics.get(k) is not None for k in _DELAY_KEYS)]
             r = row("qa_delay", run)
-            r.values = {k: _mean(v) for k, v in delays.items()}
-            sources = sorted({str(s.config.get("timing", {}).get("words")) for s in knowledge})
-            r.notes.append(
-                f"macro-average over {', '.join(s.task for s in knowledge)}; word times from {', '.join(sources)}"
-            )
+            r.values = {k: _mean([s.metrics[k] for s in timed]) for k in _DELAY_KEYS}
+            untimed = [s.task for s in knowledge if s not in timed]
+            if timed:
+                sources = sorted({str(s.config.get("timing", {}).get("words")) for s in timed})
+                r.notes.append(
+                    f"macro-average over {', '.join(s.task for s in timed)}; word times from {', '.join(sources)}"
+                )
+            if untimed:
+                r.notes.append(f"no delay values in {', '.join(untimed)} (see their summary notes)")
 
     for label, summary in found.v1:
         run = _run_of(label, run_name)
@@ -158,7 +165,7 @@ def _put(row: RunRow, key: str, value: float | None, task: str) -> None:
 
 
 def _system_name(row: PublishedRow) -> str:
-    return f"{row.system}†" if row.reprinted else row.system
+    return f"{row.system}{'†' if row.reprinted else ''}{'‡' if row.unverified else ''}"
 
 
 def _source_text(row: PublishedRow) -> str:
@@ -228,6 +235,9 @@ def table_markdown(layout: TableLayout, published: Sequence[PublishedRow], runs:
         sources = "; ".join(f"{_system_name(p)}: {_source_text(p)}" for p in published)
         parts += ["", f"Sources: {sources}."]
     notes = [f"- {p.system}: {p.note}" for p in published if p.note]
+    notes += [
+        f"- {_system_name(p)}: not verified against the source: {p.unverified}" for p in published if p.unverified
+    ]
     notes += [f"- {r.label} (this run): {note}" for r in runs for note in r.notes]
     if notes:
         parts += ["", *notes]
@@ -236,7 +246,13 @@ def table_markdown(layout: TableLayout, published: Sequence[PublishedRow], runs:
 
 def sources_markdown(data: PublishedData, used: set[str]) -> str:
     """The sources the shown rows name, with what and where they are."""
-    lines = ["### Sources of the published rows", "", "† = reprinted by the source from the paper named after it.", ""]
+    lines = [
+        "### Sources of the published rows",
+        "",
+        "† = reprinted by the source from the paper named after it; ‡ = values not verified against the source (see "
+        "the table's notes).",
+        "",
+    ]
     for key in sorted(used):
         s = data.sources[key]
         lines.append(f"- **{key}**: {s.title}. {s.where}." + (f" {s.note}" if s.note else ""))
@@ -329,6 +345,7 @@ def compare_section(
     ]
     written: list[Path] = []
     used: set[str] = set()
+    missing = [layout.title for table_id, layout in TABLES.items() if not runs.get(table_id)]
     for table_id, layout in TABLES.items():
         rows = runs.get(table_id)
         if not rows:
@@ -341,8 +358,10 @@ def compare_section(
             plot = plot_latency if table_id == "span_latency" else plot_table
             written.append(plot(layout, published, rows, out_dir / name))
             parts += ["", f"![{layout.title}]({name})"]
-    if not written and not used:
+    if not runs:
         parts += ["", "_The run has no values for any published table._"]
     else:
+        if missing:
+            parts += ["", f"Not compared (the run has no results for them): {'; '.join(missing)}."]
         parts += ["", sources_markdown(data, used)]
     return "\n".join(parts), written

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cspan.bench.errors import BenchDataError, JudgeError
+from cspan.bench.seconds import Seconds, finite_or_none
 
 DEFAULT_NUMERIC_TOLERANCE = 0.05
 """Relative tolerance for numeric arguments (the judge prompt's "±5 %")."""
@@ -99,10 +100,10 @@ class V3Scenario(BaseModel):
 class V3Result(BaseModel):
     """One ``result_{provider}.json`` of a v3 run.
 
-    Times are seconds on the input's timeline. ``first_response_latency_s`` overrides the latency computed from
-    ``audio_agent_speech_start - user_speech_end_rel``; ``task_completion_latency_s`` overrides
-    ``key_info_start_s - user_speech_end_rel``. ``filler_sentence``: ``None`` = not analysed, ``""`` = analysed and
-    no filler, text = the filler sentence found before the key information.
+    Times are seconds on the input's timeline (a NaN or infinite time reads as missing). ``first_response_latency_s``
+    overrides the latency computed from ``audio_agent_speech_start - user_speech_end_rel``;
+    ``task_completion_latency_s`` overrides ``key_info_start_s - user_speech_end_rel``. ``filler_sentence``: ``None``
+    = not analysed, ``""`` = analysed and no filler, text = the filler sentence found before the key information.
     """
 
     model_config = ConfigDict(extra="allow")
@@ -112,11 +113,11 @@ class V3Result(BaseModel):
     transcript: str = ""
     asr_chunks: list[Any] = Field(default_factory=list)
     input_asr_chunks: list[Any] = Field(default_factory=list)
-    user_speech_end_rel: float | None = None
-    audio_agent_speech_start: float | None = None
-    first_response_latency_s: float | None = None
-    key_info_start_s: float | None = None
-    task_completion_latency_s: float | None = None
+    user_speech_end_rel: Seconds = None
+    audio_agent_speech_start: Seconds = None
+    first_response_latency_s: Seconds = None
+    key_info_start_s: Seconds = None
+    task_completion_latency_s: Seconds = None
     filler_sentence: str | None = None
 
 
@@ -329,13 +330,19 @@ def turn_taken(result: V3Result) -> bool:
 
 
 def agent_speech_start(result: V3Result) -> float | None:
-    """``audio_agent_speech_start``, else the start of the first ``asr_chunks`` word, else ``None`` (seconds)."""
+    """``audio_agent_speech_start`` (the benchmark's: the first output word's start), else the earliest finite start
+    among the ``asr_chunks`` words, else ``None`` (seconds)."""
     if result.audio_agent_speech_start is not None:
         return result.audio_agent_speech_start
-    try:
-        return float(result.asr_chunks[0]["timestamp"][0]) if result.asr_chunks else None
-    except (KeyError, TypeError, ValueError, IndexError):
-        return None
+    starts = []
+    for chunk in result.asr_chunks:
+        try:
+            start = finite_or_none(chunk["timestamp"][0])
+        except (KeyError, TypeError, IndexError):
+            start = None
+        if start is not None:
+            starts.append(start)
+    return min(starts) if starts else None
 
 
 def first_response_latency(result: V3Result) -> float | None:
@@ -353,10 +360,8 @@ def tool_call_latency(result: V3Result) -> float | None:
     """First tool call's ``timestamp_start`` minus user speech end, seconds (rounded to 3); ``None`` without both."""
     if not result.actual_tool_calls or result.user_speech_end_rel is None:
         return None
-    start = (result.actual_tool_calls[0].model_extra or {}).get("timestamp_start")
-    if not isinstance(start, int | float) or isinstance(start, bool):
-        return None
-    return round(float(start) - result.user_speech_end_rel, 3)
+    start = finite_or_none((result.actual_tool_calls[0].model_extra or {}).get("timestamp_start"))
+    return None if start is None else round(start - result.user_speech_end_rel, 3)
 
 
 def task_completion_latency(result: V3Result) -> float | None:
@@ -519,17 +524,37 @@ def summarize(samples: Sequence[V3SampleScore], *, judged_responses: bool = Fals
     notes = []
     if not judged_responses:
         notes.append("response quality skipped: no judge configured (pass --judge-url and --judge-model)")
+    elif len(quality) < len(taken):
+        notes.append(
+            f"response quality from {len(quality)} of {len(taken)} turn-taken samples: the judge failed for the others"
+        )
     if len(timed) < len(taken):
         notes.append(
-            f"{len(taken) - len(timed)} turn-taken sample(s) lack user_speech_end_rel/audio_agent_speech_start"
+            f"{len(taken) - len(timed)} turn-taken sample(s) lack a finite user_speech_end_rel or agent speech start "
+            "(audio_agent_speech_start / asr_chunks): left out of the interruption rate and the latencies"
         )
+    calm_text = f"{len(calm)} turn-taken, non-interrupted samples"
     if calm and not completion:
         notes.append(
-            "task-completion latency needs the key-information analysis (score with --judge-url) or "
-            "task_completion_latency_s / key_info_start_s in the results"
+            "task-completion latency: no sample has a key-information onset; it needs the key-information analysis "
+            "(score with --judge-url; key_info_analysis.json says why one failed) or task_completion_latency_s / "
+            "key_info_start_s in the results"
+        )
+    elif len(completion) < len(calm):
+        notes.append(
+            f"task-completion latency from {len(completion)} of {calm_text}: the others have no key-information "
+            "onset (not analysed, the judge failed, or it found no key information)"
         )
     if calm and not filler_known:
-        notes.append("filler rate needs the key-information analysis (score with --judge-url) or filler_sentence")
+        notes.append(
+            "filler rate: no sample has a filler analysis; it needs the key-information analysis (score with "
+            "--judge-url; key_info_analysis.json says why one failed) or filler_sentence in the results"
+        )
+    elif len(filler_known) < len(calm):
+        notes.append(
+            f"filler rate from {len(filler_known)} of {calm_text}: the others were not analysed (no judge reply, "
+            "or bad word times; see key_info_analysis.json)"
+        )
     metrics: dict[str, float | None] = {
         "tool_selection": _avg3([s.tool_selection.score for s in taken]),
         "argument_accuracy": _avg3([s.argument_accuracy.score for s in taken]),
@@ -584,7 +609,11 @@ def score_results(
     response_judge: ResponseJudge | None = None,
 ) -> tuple[V3Summary, list[V3SampleScore]]:
     """Score every result whose ``example_id`` names a scenario; the others are skipped with a note (as the
-    reference skips them)."""
+    reference skips them).
+
+    Raises:
+        BenchDataError: no result names a scenario (nothing to score).
+    """
     samples = []
     skipped = []
     for result in results:
@@ -593,6 +622,12 @@ def score_results(
             skipped.append(result.example_id)
             continue
         samples.append(score_sample(scenario, result, matcher=matcher, response_judge=response_judge))
+    if not samples:
+        named = sorted(set(skipped))
+        raise BenchDataError(
+            f"none of the {len(results)} result(s) names a known scenario (they name {named[:5]}"
+            f"{' ...' if len(named) > 5 else ''}); check --scenarios"
+        )
     summary = summarize(samples, judged_responses=response_judge is not None)
     if skipped:
         summary.notes.append(
@@ -635,6 +670,8 @@ def _parse_results(items: Any, source: str) -> list[V3Result]:
         items = [items]
     if not isinstance(items, list):
         raise BenchDataError(f"{source}: expected result objects")
+    if not items:
+        raise BenchDataError(f"{source} holds no results")
     try:
         return [V3Result.model_validate(item) for item in items]
     except ValidationError as exc:
@@ -674,6 +711,19 @@ def load_result_entries(
         scenarios = parse_scenarios(data["scenarios"], str(path)) if data.get("scenarios") is not None else None
         return [(None, r) for r in _parse_results(data["results"], str(path))], scenarios
     return [(None, r) for r in _parse_results(data, str(path))], None
+
+
+def results_world(results: Sequence[V3Result]) -> dict[str, Any] | None:
+    """The ``world`` the results record (whose mock APIs, tools and persona they were run with): the one they share,
+    ``{"kind": "mixed", "worlds": [...]}`` when they differ, ``None`` when none records it."""
+    worlds: list[Any] = []
+    for result in results:
+        world = (result.model_extra or {}).get("world")
+        if world is not None and world not in worlds:
+            worlds.append(world)
+    if not worlds:
+        return None
+    return worlds[0] if len(worlds) == 1 else {"kind": "mixed", "worlds": worlds}
 
 
 def write_v3_score(summary: V3Summary, samples: Sequence[V3SampleScore], out_dir: Path) -> Path:

@@ -15,6 +15,11 @@ A result without ``user_speech_end_rel`` is not analysed (the reference skips it
 written next to the result as ``latency_tool_analysis_{provider}.json`` with the reference's field names, so
 :func:`cspan.bench.fdb_v3.score_results` and the benchmark's own aggregation read the same files.
 
+The agent's words are checked before anything is asked: every chunk needs a text and finite ``[start, end]`` with
+``end >= start``; words are put in time order; a word that starts before ``audio_agent_speech_start`` (the
+benchmark's first-word time) contradicts it. A result that fails a check is not analysed (a note names the file
+and the chunk); the others go on.
+
 Differences from the reference, on purpose:
 
 - the prompt is this project's wording (:data:`PROMPT_VERSION` names it) and is sent to any OpenAI-compatible
@@ -23,7 +28,10 @@ Differences from the reference, on purpose:
   copying times, and the times are read from the word timestamps: a judge cannot invent a time, and a reply that
   names no valid words is asked again (up to the judge's ``max_attempts``) and then recorded as not analysed;
 - each record keeps a hash of the inputs it was computed from (``result_key``), so a re-rendered result is
-  analysed again instead of reusing a stale record. Records without it (the benchmark's own files) are reused.
+  analysed again instead of reusing a stale record. Records without it (the benchmark's own files) are reused;
+- a record of ours that has no analysis although the agent spoke (the judge failed, or the word times were bad)
+  is analysed again on the next run with a judge instead of being reused; an existing file that does not parse is
+  kept as ``*.unreadable.json`` before a new record is written in its place.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cspan.bench.errors import BenchDataError, JudgeError
 from cspan.bench.fdb_v3 import ResultEntry, V3Result, first_response_latency, tool_call_latency
+from cspan.bench.seconds import Seconds, finite_or_none
 
 log = logging.getLogger(__name__)
 
@@ -86,32 +95,39 @@ class JudgeRecord(BaseModel):
 class LatencyAnalysis(BaseModel):
     """The analysis of one result (``latency_tool_analysis_{provider}.json``; the reference's field names).
 
-    Times are seconds on the input's timeline. ``filler_sentence``: ``None`` = not analysed (no judge, no speech, or
-    the judge failed), ``""`` = analysed and no filler, text = the filler words. ``task_completion_latency_s`` is
-    ``None`` when the key information was not found.
+    Times are seconds on the input's timeline (a non-finite time reads as missing). ``filler_sentence``: ``None`` =
+    not analysed (no judge, no speech, the judge failed or the word times were bad), ``""`` = analysed and no filler,
+    text = the filler words. ``task_completion_latency_s`` is ``None`` when the key information was not found.
+    Only ``example_id`` is required, so that the benchmark's own records (which may lack fields this project
+    writes) are read as they are.
     """
 
     model_config = ConfigDict(extra="allow")
 
     example_id: str
     provider: str | None = None
-    user_speech_end_rel: float
-    turn_take_success: bool
-    first_response_latency_s: float | None = None
-    agent_first_word_time: float | None = None
-    tool_call_latency_s: float | None = None
-    first_tool_call_time: float | None = None
+    user_speech_end_rel: Seconds = None
+    turn_take_success: bool | None = None
+    first_response_latency_s: Seconds = None
+    agent_first_word_time: Seconds = None
+    tool_call_latency_s: Seconds = None
+    first_tool_call_time: Seconds = None
     first_tool_name: str | None = None
     filler_sentence: str | None = None
-    filler_start_time: float | None = None
-    filler_end_time: float | None = None
+    filler_start_time: Seconds = None
+    filler_end_time: Seconds = None
     key_info_sentence: str | None = None
-    key_info_start_time: float | None = None
-    key_info_end_time: float | None = None
-    task_completion_latency_s: float | None = None
+    key_info_start_time: Seconds = None
+    key_info_end_time: Seconds = None
+    task_completion_latency_s: Seconds = None
     notes: list[str] = Field(default_factory=list)
     judge: JudgeRecord | None = None
     result_key: str | None = None
+
+    @property
+    def unfinished(self) -> bool:
+        """The agent spoke but there is no filler / key-information analysis (the judge failed, or bad times)."""
+        return bool(self.turn_take_success) and self.filler_sentence is None
 
 
 # --- the judge's input and reply -----------------------------------------------------------------------------------
@@ -123,15 +139,31 @@ class _Word(BaseModel):
     end: float
 
 
-def _words(chunks: Sequence[Any]) -> list[_Word]:
-    """``asr_chunks`` (``[{text, timestamp: [start, end]}]``) -> words; raises BenchDataError when malformed."""
+def agent_words(result: V3Result) -> list[_Word]:
+    """The agent's words of ``result`` (``asr_chunks``: ``[{text, timestamp: [start, end]}]``) in time order.
+
+    Raises:
+        BenchDataError: a chunk without text or finite ``[start, end]`` (``end >= start``), or a word that starts
+            before ``audio_agent_speech_start``; the message names the chunk.
+    """
     words = []
-    for n, chunk in enumerate(chunks):
+    for n, chunk in enumerate(result.asr_chunks):
         try:
             start, end = chunk["timestamp"]
-            words.append(_Word(text=str(chunk["text"]).strip(), start=float(start), end=float(end)))
+            text = chunk["text"]
         except (KeyError, TypeError, ValueError) as exc:
             raise BenchDataError(f"asr_chunks[{n}] is not {{text, timestamp: [start, end]}}: {chunk!r:.120}") from exc
+        start, end = finite_or_none(start), finite_or_none(end)
+        if start is None or end is None or end < start:
+            raise BenchDataError(f"asr_chunks[{n}] has no finite [start, end] with end >= start: {chunk!r:.120}")
+        words.append(_Word(text=str(text).strip(), start=start, end=end))
+    words.sort(key=lambda w: (w.start, w.end))  # stable: simultaneous words keep their order
+    speech_start = result.audio_agent_speech_start
+    if words and speech_start is not None and words[0].start < speech_start - 1e-6:
+        raise BenchDataError(
+            f"the word {words[0].text!r} starts at {words[0].start:.3f} s, before audio_agent_speech_start "
+            f"{speech_start:.3f} s (the first word's start)"
+        )
     return words
 
 
@@ -244,34 +276,39 @@ def judge_record(judge: Any) -> JudgeRecord:
     )
 
 
-def analyze(result: V3Result, judge: Any | None, provider: str | None = None) -> LatencyAnalysis | None:
+def analyze(
+    result: V3Result, judge: Any | None, provider: str | None = None, source: str = ""
+) -> LatencyAnalysis | None:
     """Analyse one result; ``None`` when it has no ``user_speech_end_rel`` (nothing to measure from).
 
-    Without ``judge`` only the timing fields are filled. A failed judge leaves the filler and key information unset
-    with a note (the sample then counts in neither the filler rate nor the task-completion latency).
-
-    Raises:
-        BenchDataError: malformed ``asr_chunks``.
+    Without ``judge`` only the timing fields are filled. A failed judge, or word times that fail the checks of
+    :func:`agent_words` (``source`` names the file in the note), leave the filler and key information unset with a
+    note (the sample then counts in neither the filler rate nor the task-completion latency).
     """
     user_end = result.user_speech_end_rel
     if user_end is None:
         return None
-    words = _words(result.asr_chunks)
     calls = [c.model_dump() for c in result.actual_tool_calls]
     first_tool = calls[0] if calls else None
     analysis = LatencyAnalysis(
         example_id=result.example_id,
         provider=provider,
         user_speech_end_rel=user_end,
-        turn_take_success=bool(words),
-        first_response_latency_s=first_response_latency(result) if words else None,
-        agent_first_word_time=words[0].start if words else None,
+        turn_take_success=bool(result.asr_chunks),
+        first_response_latency_s=first_response_latency(result) if result.asr_chunks else None,
         tool_call_latency_s=tool_call_latency(result),
-        first_tool_call_time=(first_tool or {}).get("timestamp_start"),
+        first_tool_call_time=finite_or_none((first_tool or {}).get("timestamp_start")),
         first_tool_name=(first_tool or {}).get("function"),
         judge=judge_record(judge) if judge is not None else None,
         result_key=result_key(result),
     )
+    try:
+        words = agent_words(result)
+    except BenchDataError as exc:
+        where = f"{source or 'result'} ({result.example_id})"
+        analysis.notes.append(f"bad word times in {where}: {exc}; not analysed")
+        return analysis
+    analysis.agent_first_word_time = words[0].start if words else None
     if not words:
         analysis.notes.append("no agent words: nothing to analyse")
         return analysis
@@ -326,12 +363,12 @@ def _provider_of(result_path: Path) -> str:
     return stem[len("result_") :] if stem.startswith("result_") else stem
 
 
-def _read_existing(path: Path) -> LatencyAnalysis | None:
+def _read_existing(path: Path) -> LatencyAnalysis | str:
+    """The record in ``path``, or why it cannot be read."""
     try:
         return LatencyAnalysis.model_validate_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, ValidationError) as exc:
-        log.warning("ignoring unreadable %s: %s", path, exc)
-        return None
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
 
 
 def _reusable(old: LatencyAnalysis, result: V3Result, judge: Any | None) -> bool:
@@ -339,17 +376,46 @@ def _reusable(old: LatencyAnalysis, result: V3Result, judge: Any | None) -> bool
         return False  # the result changed since (re-rendered)
     if judge is None or old.judge is None:
         return True  # nothing to compare with, or the benchmark's own record
-    return old.judge == judge_record(judge)
+    return old.judge == judge_record(judge) and not old.unfinished  # a failed analysis is asked again
+
+
+def _keep_aside(path: Path) -> Path:
+    """Rename an unreadable record to ``{stem}.unreadable.json`` (``.unreadable-2.json``, ... when taken)."""
+    target = path.with_name(f"{path.stem}.unreadable.json")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.stem}.unreadable-{n}.json")
+    path.rename(target)
+    return target
 
 
 class AnalysisRun(BaseModel):
-    """What :func:`analyze_entries` did: counts and the judge used."""
+    """What :func:`analyze_entries` did, per result: ``analysed`` (sent to the judge now), ``reused`` (an existing
+    record), ``silent`` (the agent said nothing: analysed without asking the judge), ``skipped`` (no user speech
+    end), ``unfinished`` (records, new or reused, without a filler / key-information analysis although the agent
+    spoke: asked again on the next run), ``kept_aside`` (unreadable files renamed ``*.unreadable.json``)."""
 
     judge: JudgeRecord | None
     analysed: int = 0
     reused: int = 0
+    silent: int = 0
     skipped: int = 0
-    failed: int = 0
+    unfinished: int = 0
+    kept_aside: list[str] = Field(default_factory=list)
+
+    def line(self) -> str:
+        """One line for the console."""
+        parts = [f"{self.analysed} analysed", f"{self.reused} reused"]
+        if self.silent:
+            parts.append(f"{self.silent} silent (nothing to ask)")
+        if self.skipped:
+            parts.append(f"{self.skipped} without user_speech_end_rel")
+        parts.append(f"{self.unfinished} without a usable analysis")
+        text = ", ".join(parts)
+        if self.kept_aside:
+            text += f"; unreadable record(s) kept as {', '.join(self.kept_aside)}"
+        return text
 
 
 def analyze_entries(
@@ -358,9 +424,12 @@ def analyze_entries(
     """Analyse every result (or reuse its ``latency_tool_analysis_*.json``) and return the results with the
     analysis applied, the analyses and counts.
 
-    A record next to a result is reused unless ``reanalyze``, the result changed since, or it was made by another
-    judge or prompt version than ``judge``. New records are written next to their result file (results read from a
-    combined file have none: their analyses are only returned). Without ``judge`` existing records are still read.
+    A record next to a result is reused unless ``reanalyze``, the result changed since, it was made by another
+    judge or prompt version than ``judge``, or it is one of ours without an analysis although the agent spoke (the
+    judge failed: asked again). The benchmark's own records (no ``judge`` stamp) are always reused. New records are
+    written next to their result file (results read from a combined file have none: their analyses are only
+    returned); an existing file that does not parse is renamed ``*.unreadable.json`` first. Without ``judge``
+    existing records are still read and nothing is written.
     """
     from cspan.bench.session import write_json
 
@@ -371,22 +440,30 @@ def analyze_entries(
         target = analysis_path(path) if path is not None else None
         provider = _provider_of(path) if path is not None else None
         analysis = None
-        if target is not None and target.is_file() and not reanalyze:
+        unreadable = None
+        if target is not None and target.is_file():
             old = _read_existing(target)
-            if old is not None and _reusable(old, result, judge):
+            if isinstance(old, str):
+                unreadable = old
+                log.warning("%s is not an analysis record (%s)", target, old)
+            elif not reanalyze and _reusable(old, result, judge):
                 analysis = old
                 run.reused += 1
         if analysis is None and judge is not None:
-            analysis = analyze(result, judge, provider)
+            analysis = analyze(result, judge, provider, str(path) if path is not None else "")
             if analysis is None:
                 run.skipped += 1
             else:
-                run.analysed += 1
-                if analysis.filler_sentence is None and analysis.turn_take_success:
-                    run.failed += 1
+                if analysis.turn_take_success:
+                    run.analysed += 1
+                else:
+                    run.silent += 1
                 if target is not None:
+                    if unreadable is not None:
+                        run.kept_aside.append(str(_keep_aside(target)))
                     write_json(target, analysis.model_dump(mode="json"))
         if analysis is not None:
+            run.unfinished += int(analysis.unfinished)
             analyses.append(analysis)
         results.append(apply(result, analysis))
     return results, analyses, run

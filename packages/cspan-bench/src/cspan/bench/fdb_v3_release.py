@@ -176,14 +176,12 @@ class FDBv3Release:
     @property
     def scenarios_path(self) -> Path | None:
         """``benchmark_data_v2.json`` when the folder has it."""
-        path = self.root / SCENARIO_FILE
-        return path if path.is_file() else None
+        return release_inputs(self.root)[0]
 
     @property
     def data_dir(self) -> Path | None:
         """``fdb_v3_data_released/`` when the folder has it."""
-        path = self.root / DATA_DIR
-        return path if path.is_dir() else None
+        return release_inputs(self.root)[1]
 
     def describe(self) -> dict[str, Any]:
         """The ``world`` record of results: kind, folder, tools, latency profile and the files' SHA-256."""
@@ -292,6 +290,20 @@ async def _catalogue_kinds() -> dict[str, tuple[str, str]]:
         async with ToolBank.fdb_v3() as bank:
             _KINDS.update({t.name: (t.kind, t.domain) for t in bank})
     return _KINDS
+
+
+def release_inputs(path: Path) -> tuple[Path | None, Path | None]:
+    """``(benchmark_data_v2.json, fdb_v3_data_released/)`` of the benchmark's v3 folder, each None when absent: what
+    scoring reads (nothing is imported, the mock APIs and agent file are not needed).
+
+    Raises:
+        BenchDataError: ``path`` is not a folder.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise BenchDataError(f"--fdb-v3-dir {root} is not a folder")
+    scenarios, data = root / SCENARIO_FILE, root / DATA_DIR
+    return (scenarios if scenarios.is_file() else None), (data if data.is_dir() else None)
 
 
 def load_release(path: Path) -> FDBv3Release:

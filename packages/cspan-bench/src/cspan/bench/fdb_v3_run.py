@@ -22,9 +22,11 @@ Output per scenario, next to a copy of nothing (the inputs stay where they are):
 ``transcript`` (the model's text stream, as the original system reported it), ``asr_chunks`` and
 ``input_asr_chunks`` (word-timed ASR of output and input), ``user_speech_end_rel`` (end of the word before the
 first inter-word gap over 2 s in the input, else its last word's end), ``audio_agent_speech_start`` (first output
-word), plus the scenario's domain, difficulty, title, ``num_expected_calls``, ``input_duration_s`` and the
-retrieval events. With scenarios, the run is scored at the end (:func:`cspan.bench.fdb_v3.score_results`) into
-``OUT/summary.json`` and ``samples.json``. Finished scenarios are kept on re-runs (same settings).
+word), plus the scenario's domain, difficulty, title, ``num_expected_calls``, ``input_duration_s``, the
+recording's ``metadata.json`` as ``recording_metadata`` (its scenario, when it has one, is what the result is scored
+against, by ``run`` and by ``score`` alike: :func:`metadata_scenarios`) and the retrieval events. With scenarios, the
+run is scored at the end (:func:`cspan.bench.fdb_v3.score_results`) into ``OUT/summary.json`` and ``samples.json``.
+Finished scenarios are kept on re-runs (same settings).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from cspan.bench.errors import BenchDataError
-from cspan.bench.fdb_v3 import V3Result, V3Scenario
+from cspan.bench.fdb_v3 import ResultEntry, V3Result, V3Scenario
 from cspan.bench.fdb_v3_release import FDBv3Release
 from cspan.bench.session import (
     BenchSession,
@@ -128,6 +130,18 @@ def find_samples(data: Path, scenarios: dict[str, V3Scenario] | None = None) -> 
     return samples
 
 
+def _metadata_scenario(metadata: Any, example_id: str, where: str) -> V3Scenario | None:
+    """The scenario a recording's ``metadata.json`` defines (one with ``expected_tool_calls``), or None."""
+    from pydantic import ValidationError
+
+    if not isinstance(metadata, dict) or "expected_tool_calls" not in metadata:
+        return None
+    try:
+        return V3Scenario.model_validate({**metadata, "id": example_id})
+    except ValidationError as exc:
+        raise BenchDataError(f"{where} is not a v3 scenario: {exc}") from exc
+
+
 def scenarios_from_metadata(samples: Sequence[V3Sample]) -> dict[str, V3Scenario]:
     """Scenarios defined by the recordings' own ``metadata.json`` (those with ``expected_tool_calls``), by id.
 
@@ -136,17 +150,42 @@ def scenarios_from_metadata(samples: Sequence[V3Sample]) -> dict[str, V3Scenario
     Raises:
         BenchDataError: a metadata file with ``expected_tool_calls`` that is not a scenario.
     """
-    from pydantic import ValidationError
-
     found = {}
     for sample in samples:
-        if "expected_tool_calls" not in sample.metadata:
-            continue
-        try:
-            scenario = V3Scenario.model_validate({**sample.metadata, "id": sample.example_id})
-        except ValidationError as exc:
-            raise BenchDataError(f"{sample.folder / METADATA_JSON} is not a v3 scenario: {exc}") from exc
-        found[sample.example_id] = scenario
+        scenario = _metadata_scenario(sample.metadata, sample.example_id, str(sample.folder / METADATA_JSON))
+        if scenario is not None:
+            found[sample.example_id] = scenario
+    return found
+
+
+def metadata_scenarios(entries: Sequence[ResultEntry], data: Path | None = None) -> dict[str, V3Scenario]:
+    """The recordings' own scenarios for already written results, by example id (a folder's metadata wins over
+    ``benchmark_data_v2.json``, as in the benchmark's runner), from the first of: the ``recording_metadata`` a result
+    records (the runner copies the recording's ``metadata.json`` there), a ``metadata.json`` next to the result file (the
+    benchmark's layout: results inside the data folders), ``data/{folder}/metadata.json``.
+
+    Raises:
+        BenchDataError: a metadata file that is not readable JSON, or not a scenario.
+    """
+    found: dict[str, V3Scenario] = {}
+    for path, result in entries:
+        extra = result.model_extra or {}
+        metadata, where = extra.get("recording_metadata"), f"recording_metadata of {path or result.example_id}"
+        if metadata is None:
+            folder = extra.get("folder") or (path.parent.name if path is not None else None)
+            candidates = [path.parent / METADATA_JSON] if path is not None else []
+            if data is not None and isinstance(folder, str):
+                candidates.append(data / folder / METADATA_JSON)
+            for candidate in candidates:
+                if candidate.is_file():
+                    try:
+                        metadata, where = json.loads(candidate.read_text(encoding="utf-8")), str(candidate)
+                    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                        raise BenchDataError(f"{candidate} is not readable JSON ({exc})") from exc
+                    break
+        scenario = _metadata_scenario(metadata, result.example_id, where)
+        if scenario is not None:
+            found[result.example_id] = scenario
     return found
 
 
@@ -327,6 +366,7 @@ async def run_scenario(
         "folder": sample.folder.name,
         "provider": provider,
         "world": world,
+        "recording_metadata": sample.metadata or None,
         "retrieval_events": [
             e.model_dump(mode="json")
             for e in rendered.events

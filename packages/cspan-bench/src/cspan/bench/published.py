@@ -5,8 +5,9 @@ as its README prints them (Table 1: spoken QA and math, ref. / resp. accuracy; T
 Table 3: Full-Duplex-Bench v3; the Context Span latency table), MoshiRAG's delay columns (its Table 1: TTFAT, KD,
 E2EKD) and its Full-Duplex-Bench v1 row, and the Full-Duplex-Bench v3 paper's Table 2 rows. Every row names its
 ``source`` (where the number was read) and, for a reprinted row, its ``origin`` (the paper it comes from); the
-``sources`` map says what each name is. Values are as printed (percent where the source prints percent), ``null``
-where the source prints none.
+``sources`` map says what each name is, a row's ``where`` the table it was read from, and ``unverified`` why values
+could not be checked against the source (the report marks such rows ‡). Values are as printed, in the unit of
+their column (:attr:`Column.unit`: percent, fraction, seconds...), ``null`` where the source prints none.
 
 :data:`TABLES` lays the tables out as the paper does: systems as rows for Table 1, metrics as rows (grouped by
 task) and systems as columns for Tables 2 and 3. ``cspan bench report RUN --compare published`` (or ``--compare
@@ -16,6 +17,7 @@ FILE`` with the same format) puts the run beside these rows (:mod:`cspan.bench.c
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -28,15 +30,28 @@ PUBLISHED = "published"
 """``--compare published``: the data shipped with the package."""
 
 
+UNITS: dict[str, tuple[float, float]] = {
+    "%": (0.0, 100.0),
+    "fraction": (0.0, 1.0),
+    "s": (0.0, math.inf),
+    "ms": (0.0, math.inf),
+    "per s": (0.0, math.inf),
+    "0-5": (0.0, 5.0),
+}
+"""The unit of a column and the range its values must lie in."""
+
+
 @dataclass(frozen=True)
 class Column:
-    """One value of a table: its key in the data, its label, which way is better and the decimals shown."""
+    """One value of a table: its key in the data, its label, which way is better, the decimals shown, its group
+    and its unit (a key of :data:`UNITS`: ``%`` = percent 0-100, ``fraction`` = 0-1, ``s``, ``ms``...)."""
 
     key: str
     label: str
     direction: str | None = None
     digits: int = 3
     group: str = ""
+    unit: str = "fraction"
 
     @property
     def header(self) -> str:
@@ -69,7 +84,7 @@ SPAN_LENGTHS = (0, 16, 64, 256, 600)
 
 def _accuracy_columns(sets: tuple[tuple[str, str], ...]) -> tuple[Column, ...]:
     return tuple(
-        Column(f"{key}.{part}", f"{name} {part}.", "up", 1, group=name)
+        Column(f"{key}.{part}", f"{name} {part}.", "up", 1, group=name, unit="%")
         for key, name in sets
         for part in ("ref", "resp")
     )
@@ -96,11 +111,12 @@ TABLES: dict[str, TableLayout] = {
             "qa_delay",
             "Table 1 (delays). Time to first answer token, keyword delay, end-to-end keyword delay (s)",
             "MoshiRAG's Table 1 delay columns, macro-averaged over the QA sets (LlamaQ, WebQ, TriviaQA, HaluEval); "
-            "E2EKD = TTFAT + KD.",
+            "E2EKD = TTFAT + KD (a run's three means are over the same answers, those whose keyword was found; "
+            "equal up to rounding).",
             (
-                Column("ttfat_s", "TTFAT", "down", 2),
-                Column("keyword_delay_s", "KD", "down", 2),
-                Column("e2ekd_s", "E2EKD", "down", 2),
+                Column("ttfat_s", "TTFAT", "down", 2, unit="s"),
+                Column("keyword_delay_s", "KD", "down", 2, unit="s"),
+                Column("e2ekd_s", "E2EKD", "down", 2, unit="s"),
             ),
             True,
         ),
@@ -111,15 +127,15 @@ TABLES: dict[str, TableLayout] = {
             "backchannel timing; latencies in seconds; the interruption response rated 0-5 by an LLM judge.",
             (
                 Column("turn_taking.tor", "TOR", "up", 3, "Turn-Taking"),
-                Column("turn_taking.latency_s", "Latency, s", "down", 3, "Turn-Taking"),
+                Column("turn_taking.latency_s", "Latency, s", "down", 3, "Turn-Taking", unit="s"),
                 Column("pause_handling.tor_candor", "TOR, Candor", "down", 3, "Pause Handling"),
                 Column("pause_handling.tor_synthetic", "TOR, synthetic", "down", 3, "Pause Handling"),
                 Column("backchannel.tor", "TOR", "down", 3, "Backchannel"),
-                Column("backchannel.frequency", "Frequency, per s", "up", 3, "Backchannel"),
+                Column("backchannel.frequency", "Frequency, per s", "up", 3, "Backchannel", unit="per s"),
                 Column("backchannel.jsd", "JSD", "down", 3, "Backchannel"),
                 Column("user_interruption.tor", "TOR", "up", 3, "User Interruption"),
-                Column("user_interruption.rating", "Rating, 0-5", "up", 3, "User Interruption"),
-                Column("user_interruption.latency_s", "Latency, s", "down", 3, "User Interruption"),
+                Column("user_interruption.rating", "Rating, 0-5", "up", 3, "User Interruption", unit="0-5"),
+                Column("user_interruption.latency_s", "Latency, s", "down", 3, "User Interruption", unit="s"),
             ),
             False,
         ),
@@ -133,10 +149,10 @@ TABLES: dict[str, TableLayout] = {
                 Column("argument_accuracy", "Argument accuracy", "up", 3, "Tool Use"),
                 Column("response_quality", "Response quality", "up", 3, "Tool Use"),
                 Column("pass_rate", "Pass rate", "up", 3, "Tool Use"),
-                Column("take_turn_rate", "Take-turn rate, %", "up", 1, "Turn-Taking Dynamics"),
-                Column("task_completion_latency_s", "Latency, s", "down", 2, "Turn-Taking Dynamics"),
-                Column("interruption_rate", "Interruption rate, %", "down", 1, "Turn-Taking Dynamics"),
-                Column("filler_rate", "Filler rate, %", "down", 1, "Turn-Taking Dynamics"),
+                Column("take_turn_rate", "Take-turn rate, %", "up", 1, "Turn-Taking Dynamics", unit="%"),
+                Column("task_completion_latency_s", "Latency, s", "down", 2, "Turn-Taking Dynamics", unit="s"),
+                Column("interruption_rate", "Interruption rate, %", "down", 1, "Turn-Taking Dynamics", unit="%"),
+                Column("filler_rate", "Filler rate, %", "down", 1, "Turn-Taking Dynamics", unit="%"),
             ),
             False,
         ),
@@ -145,7 +161,7 @@ TABLES: dict[str, TableLayout] = {
             "Context Span processing latency (span prefill + one decoding step, ms)",
             "n = span length in frames; n = 0 is a plain step. The 80 ms frame budget must hold.",
             tuple(
-                Column(f"{n}.{stat}", f"n={n} {stat}", "down", 1, group=str(n))
+                Column(f"{n}.{stat}", f"n={n} {stat}", "down", 1, group=str(n), unit="ms")
                 for n in SPAN_LENGTHS
                 for stat in ("mean_ms", "sd_ms", "p99_ms")
             ),
@@ -165,11 +181,15 @@ class Source(BaseModel):
 
 
 class PublishedRow(BaseModel):
-    """One system's published values in one table."""
+    """One system's published values in one table: where they were read (``source``, and ``where`` in it), the
+    paper a reprinted row comes from (``origin``), and ``unverified``: why (some of) its values could not be
+    checked against the source ("" = checked)."""
 
     system: str
     source: str
     origin: str | None = None
+    where: str = ""
+    unverified: str = ""
     note: str = ""
     values: dict[str, float | None]
 
@@ -188,7 +208,8 @@ class PublishedData(BaseModel):
     tables: dict[str, list[PublishedRow]] = Field(default_factory=dict)
 
     def check(self, where: str) -> PublishedData:
-        """Every table id is known, every value key is a column of its table, every source and origin is named.
+        """Every table id is known, every value key is a column of its table and lies in its unit's range (finite;
+        percent 0-100, fractions 0-1, times >= 0...), every source and origin is named.
 
         Raises:
             BenchDataError: the first inconsistency, with its place.
@@ -197,11 +218,19 @@ class PublishedData(BaseModel):
             layout = TABLES.get(table)
             if layout is None:
                 raise BenchDataError(f"{where}: unknown table {table!r}; tables are {', '.join(TABLES)}")
-            keys = {c.key for c in layout.columns}
+            columns = {c.key: c for c in layout.columns}
             for row in rows:
-                unknown = sorted(set(row.values) - keys)
+                unknown = sorted(set(row.values) - set(columns))
                 if unknown:
                     raise BenchDataError(f"{where}: {table} / {row.system}: unknown value keys {unknown}")
+                for key, value in row.values.items():
+                    unit = columns[key].unit
+                    low, high = UNITS[unit]
+                    if value is not None and not (math.isfinite(value) and low <= value <= high):
+                        raise BenchDataError(
+                            f"{where}: {table} / {row.system}: {key} = {value} is not a {unit} value "
+                            f"({low:g} to {high:g}); give percent as 0-100 and fractions as 0-1"
+                        )
                 for ref in (row.source, row.origin):
                     if ref is not None and ref not in self.sources:
                         raise BenchDataError(f"{where}: {table} / {row.system}: unknown source {ref!r}")

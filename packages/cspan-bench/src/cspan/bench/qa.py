@@ -361,11 +361,18 @@ def _contains(hay: list[str], needle: list[str]) -> bool:
 
 
 class Verdict(BaseModel):
-    """One judgement: ``correct`` (None = not judgeable: empty text or a failed judge), how, and why."""
+    """One judgement: ``correct`` (None = not judgeable: empty text or a failed judge), how, and why.
+    ``judge_failed``: the judge could not be asked or gave no readable reply (asked again on the next run)."""
 
     correct: bool | None
     method: str
     explanation: str = ""
+    judge_failed: bool = False
+
+    def model_post_init(self, context: Any, /) -> None:
+        # records written before ``judge_failed`` existed say it in their explanation
+        if self.correct is None and self.explanation.startswith(("judge failed:", "unreadable judge reply:")):
+            self.judge_failed = True
 
 
 def alias_match(text: str, answers: Sequence[str], *, numeric: bool = False) -> Verdict:
@@ -464,7 +471,8 @@ def llm_judge(judge: Any, style: str, question: str, answers: Sequence[str], res
     """Ask ``judge`` (an :class:`~cspan.bench.judge.OpenAIJudge`) whether ``response`` answers ``question``.
 
     Temperature 0, seed 0; an unreadable reply is asked again up to ``judge.max_attempts`` times. Empty
-    ``response`` -> ``correct=None`` without a request. A failed judge gives ``correct=None`` with the error.
+    ``response`` -> ``correct=None`` without a request. A failed judge (or no readable reply) gives ``correct=None``
+    with the error and ``judge_failed``.
     """
     if not response.strip():
         return Verdict(correct=None, method="judge", explanation="empty text")
@@ -478,8 +486,13 @@ def llm_judge(judge: Any, style: str, question: str, answers: Sequence[str], res
             if verdict is not None:
                 return Verdict(correct=verdict, method="judge", explanation=reply.strip()[:300])
     except JudgeError as exc:
-        return Verdict(correct=None, method="judge", explanation=f"judge failed: {exc}")
-    return Verdict(correct=None, method="judge", explanation=f"unreadable judge reply: {reply.strip()[:200]!r}")
+        return Verdict(correct=None, method="judge", explanation=f"judge failed: {exc}", judge_failed=True)
+    return Verdict(
+        correct=None,
+        method="judge",
+        explanation=f"unreadable judge reply: {reply.strip()[:200]!r}",
+        judge_failed=True,
+    )
 
 
 def judge_text(judge: Any, set_name: str, item: QAItem, text: str) -> Verdict:
@@ -527,9 +540,10 @@ class QASummary(BaseModel):
     ``metrics``: ``ref_acc`` (over items with a span), ``resp_acc`` (over items that answered), ``ref_acc_all`` and
     ``resp_acc_all`` (over all items, missing = wrong), ``resp_given_ref`` (resp. over items whose ref. was
     correct), ``span_rate``, ``ret_rate``, ``ret_lat_s`` and ``inj_lat_s`` (means over items that have them);
-    MoshiRAG's delays ``ttfat_s`` (mean over items whose agent spoke after the question), ``keyword_delay_s`` and
-    ``e2ekd_s`` (means over items whose keyword was found in the words), ``keyword_found_rate`` (of the items that
-    spoke).
+    MoshiRAG's delays ``ttfat_s``, ``keyword_delay_s`` and ``e2ekd_s`` (means over the same items, those whose
+    keyword was found in the words, so that E2EKD = TTFAT + KD up to rounding; seconds, 3 decimals),
+    ``ttfat_all_s`` (TTFAT over every item whose agent spoke after the question), ``keyword_found_rate`` (of the
+    items that spoke). ``notes`` say what a metric was computed from when items are missing.
     """
 
     benchmark: str = "qa"
@@ -545,6 +559,12 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _mean3(values: Sequence[float | None]) -> float | None:
+    """Mean of delays (seconds, already rounded to 3 decimals per item), rounded to 3."""
+    mean = _mean([float(v) for v in values if v is not None])
+    return None if mean is None else round(mean, 3)
+
+
 def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
     """Aggregate per-item results into :class:`QASummary` (accuracies in [0, 1])."""
     n = len(results)
@@ -555,6 +575,8 @@ def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
     timings = [r.timing for r in results if r.timing is not None]
     spoke = [t for t in timings if t.ttfat_s is not None]
     keyed = [t for t in spoke if t.e2ekd_s is not None and t.keyword_delay_s is not None]
+    failed_verdicts = sum(v is not None and v.judge_failed for r in results for v in (r.ref, r.resp))
+    failed_keywords = sum(t.judge_failed for t in timings)
     metrics: dict[str, float | None] = {
         "ref_acc": _mean([float(x) for x in refs]),
         "resp_acc": _mean([float(x) for x in resps]),
@@ -565,9 +587,10 @@ def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
         "ret_rate": sum(r.n_rets > 0 for r in results) / n if n else None,
         "ret_lat_s": _mean([r.ret_lat_s for r in results if r.ret_lat_s is not None]),
         "inj_lat_s": _mean([r.inj_lat_s for r in results if r.inj_lat_s is not None]),
-        "ttfat_s": _mean([t.ttfat_s for t in timings if t.ttfat_s is not None]),
-        "keyword_delay_s": _mean([t.keyword_delay_s for t in keyed]),
-        "e2ekd_s": _mean([t.e2ekd_s for t in keyed]),
+        "ttfat_s": _mean3([t.ttfat_s for t in keyed]),
+        "keyword_delay_s": _mean3([t.keyword_delay_s for t in keyed]),
+        "e2ekd_s": _mean3([t.e2ekd_s for t in keyed]),
+        "ttfat_all_s": _mean3([t.ttfat_s for t in spoke]),
         "keyword_found_rate": len(keyed) / len(spoke) if spoke else None,
     }
     notes = []
@@ -575,6 +598,20 @@ def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
         notes.append("no item got a judgeable reference: ref. accuracy undefined (did the model emit <ret>?)")
     if n and not resps:
         notes.append("no item got a judgeable spoken answer: resp. accuracy undefined")
+    if failed_verdicts or failed_keywords:
+        notes.append(
+            f"the judge failed for {failed_verdicts} ref./resp. verdict(s) and {failed_keywords} keyword(s): left out "
+            "of the accuracies and delays, asked again on the next run"
+        )
+    if len(timings) < n:
+        notes.append(f"{n - len(timings)} of {n} item(s) have no word times: no delays")
+    if len(spoke) < len(timings):
+        notes.append(f"{len(timings) - len(spoke)} of {len(timings)} item(s): no agent words after the question")
+    if spoke and len(keyed) < len(spoke):
+        notes.append(
+            f"TTFAT, KD and E2EKD over the {len(keyed)} of {len(spoke)} answer(s) whose keyword was found in the "
+            f"words (ttfat_all_s: TTFAT over all {len(spoke)})"
+        )
     return QASummary(
         task=set_name,
         n=n,
@@ -777,13 +814,20 @@ async def agent_channel_words(result: QAItemResult, out_dir: Path, source: str, 
     return [TimedWord(text=c.text, start=c.timestamp[0], end=c.timestamp[1]) for c in output.chunks]
 
 
+def _unjudged(verdict: Verdict | None, text: str) -> bool:
+    return bool(text.strip()) and (verdict is None or verdict.judge_failed)
+
+
 def judge_item(result: QAItemResult, item: QAItem, set_name: str, judge: Any, judge_key: str) -> QAItemResult:
-    """Fill ``ref``, ``resp`` and the delays ``timing`` (kept when already judged with the same ``judge_key``;
-    the timing is measured again when the agent's words changed, i.e. ``timing`` was reset)."""
-    if not (result.judge_key == judge_key and result.ref is not None and result.resp is not None):
+    """Fill ``ref``, ``resp`` and the delays ``timing``. Each is kept when already judged with the same
+    ``judge_key``, and judged again when the judge changed, when it failed last time (``judge_failed``), or (the
+    timing) when the agent's words changed (``timing`` was reset)."""
+    same = result.judge_key == judge_key
+    if not same or _unjudged(result.ref, result.reference):
         result.ref = judge_text(judge, set_name, item, result.reference) if result.reference.strip() else None
+    if not same or result.resp is None or result.resp.judge_failed:
         result.resp = judge_text(judge, set_name, item, result.response)
-    if result.words_source is not None and (result.timing is None or result.judge_key != judge_key):
+    if result.words_source is not None and (result.timing is None or not same or result.timing.judge_failed):
         result.timing = measure(
             result.agent_words,
             result.question_end_s,
@@ -851,6 +895,9 @@ async def run_qa(
         "tail_s": options.tail_s,
         "force_ret": list(options.force_ret),
     }
+    trouble = judge.trouble() if judge is not None and hasattr(judge, "trouble") else None
+    if trouble is not None:
+        summary.notes.append(trouble)
     write_json(out / "summary.json", summary.model_dump(mode="json"))
     samples = [r.model_dump(mode="json", exclude={"events", "agent_words"}) for r in results]
     write_json(out / "samples.json", samples)

@@ -21,20 +21,29 @@ audio. Here:
   "25"), so a phrase the words do not contain gives no keyword time (with a note) rather than a guess;
 - the words are either a transcription of the agent's audio (``output.wav``, as a listener hears it: one frame
   after the model produced it) or the model's own text stream (the time each word's first token was generated,
-  MoshiRAG's token-step variant); :attr:`AnswerTiming.words_source` says which.
+  MoshiRAG's token-step variant); :attr:`AnswerTiming.words_source` says which. They are put in time order, and a
+  word without finite times (``end >= start``) is left out with a note;
+- without a judge the keyword recorded is the response's own words that give the answer (for math: the number as
+  spoken, "twenty five"), not the gold string;
+- a failed keyword judge leaves the timing marked ``judge_failed``: it is measured again on the next run.
+
+The summary means TTFAT, KD and E2EKD over the same answers (those whose keyword was found), so that
+E2EKD = TTFAT + KD holds for the means too (up to rounding); ``ttfat_all_s`` is TTFAT over every answer.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
-from cspan.bench.answer_text import fold_number_spans, normalize_answer, numbers_in, plain_tokens
+from cspan.bench.answer_text import fold_number_spans, normalize_answer, number_spans, numbers_in, plain_tokens
 from cspan.bench.errors import JudgeError
+from cspan.bench.seconds import Seconds
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +63,18 @@ KEYWORD_PROMPT = (
 
 class TimedWord(BaseModel):
     """A word of the agent channel: ``text``, ``start`` and ``end`` in seconds (``end == start`` for text-stream
-    words, which have only the time their first token was generated)."""
+    words, which have only the time their first token was generated; a non-finite time reads as None)."""
 
     text: str
-    start: float
-    end: float
+    start: Seconds
+    end: Seconds
+
+
+def in_time_order(words: Sequence[TimedWord]) -> tuple[list[TimedWord], int]:
+    """The words with finite times and ``end >= start``, sorted by (start, end) (stable), and how many were left
+    out."""
+    kept = [w for w in words if w.start is not None and w.end is not None and w.end >= w.start]
+    return sorted(kept, key=lambda w: (w.start, w.end)), len(words) - len(kept)
 
 
 class AnswerTiming(BaseModel):
@@ -75,21 +91,34 @@ class AnswerTiming(BaseModel):
     keyword_delay_s: float | None = None
     e2ekd_s: float | None = None
     note: str = ""
+    judge_failed: bool = False
+
+    def model_post_init(self, context: Any, /) -> None:
+        # records written before ``judge_failed`` existed say it in their note
+        if self.note.startswith("keyword judge failed:") or "; keyword judge failed:" in self.note:
+            self.judge_failed = True
 
 
 def response_words(words: Sequence[TimedWord], question_end: float) -> list[TimedWord]:
-    """The words of the response: those that end after ``question_end`` (a point word: that start at or after it)."""
-    return [w for w in words if w.end > question_end or w.start >= question_end]
+    """The words of the response: those that end after ``question_end`` (a point word: that start at or after it).
+    ``words`` must have times (see :func:`in_time_order`)."""
+    return [w for w in words if w.end > question_end or w.start >= question_end]  # type: ignore[operator]
 
 
-def _indexed_tokens(words: Sequence[TimedWord]) -> list[tuple[str, int]]:
-    """Normalised tokens of ``words`` (numbers folded across words) with the index of the word each starts in."""
+def _plain_tokens(words: Sequence[TimedWord]) -> tuple[list[str], list[int]]:
+    """:func:`plain_tokens` of every word, flat, with the index of the word each token comes from."""
     flat: list[str] = []
     owner: list[int] = []
     for k, word in enumerate(words):
         for token in plain_tokens(word.text):
             flat.append(token)
             owner.append(k)
+    return flat, owner
+
+
+def _indexed_tokens(words: Sequence[TimedWord]) -> list[tuple[str, int]]:
+    """Normalised tokens of ``words`` (numbers folded across words) with the index of the word each starts in."""
+    flat, owner = _plain_tokens(words)
     return [(token, owner[pos]) for token, pos in fold_number_spans(flat)]
 
 
@@ -118,20 +147,22 @@ def locate(words: Sequence[TimedWord], phrase: str) -> int | None:
     return None
 
 
+_EDGE_PUNCTUATION = "\"'`*.,;:!?()[]"
+
+
 def alias_keyword(words: Sequence[TimedWord], answers: Sequence[str], *, numeric: bool) -> tuple[str, int] | None:
     """The earliest gold answer in ``words`` as ``(phrase, word index)``; for ``numeric`` sets the first number
-    equal to the gold number (relative 1e-4, or equal at 2 decimals). None when the response holds none."""
+    equal to the gold number (relative 1e-4, or equal at 2 decimals; :func:`~cspan.bench.answer_text.number_spans`,
+    so "one moment" is no 1), its phrase the response's words that say it. None when the response holds none."""
     if numeric:
         gold = numbers_in(answers[0]) if answers else []
         if gold:
             g = gold[-1]
-            for token, index in _indexed_tokens(words):
-                try:
-                    x = float(token)
-                except ValueError:
-                    continue
+            flat, owner = _plain_tokens(words)
+            for x, first, last in number_spans(flat):
                 if math.isclose(x, g, rel_tol=1e-4, abs_tol=1e-9) or round(x, 2) == round(g, 2):
-                    return answers[0], index
+                    said = " ".join(w.text for w in words[owner[first] : owner[last] + 1])
+                    return said.strip(_EDGE_PUNCTUATION), owner[first]
             return None
     found = [(index, alias) for alias in answers if (index := locate(words, alias)) is not None]
     if not found:
@@ -140,13 +171,21 @@ def alias_keyword(words: Sequence[TimedWord], answers: Sequence[str], *, numeric
     return alias, index
 
 
+_LABEL = re.compile(
+    r"^(?:the\s+)?(?:key\s*word|keyword|key\s+phrase|phrase|answer|answer\s+phrase|response|final\s+answer|output)"
+    r"(?:\s+is)?\s*[:=\-]\s*",
+    re.IGNORECASE,
+)
+"""A label a judge may put before the phrase ("Keyword: Paris", "Answer - Paris", "The answer is: Paris")."""
+
+
 def parse_keyword(reply: str) -> str | None:
-    """The phrase in a keyword-judge reply: its first non-empty line without quotes and end punctuation; None for
-    ``NONE`` or an empty reply."""
+    """The phrase in a keyword-judge reply: its first non-empty line without a label ("Keyword:", "Answer:",
+    "Response:"...), quotes and end punctuation; None for ``NONE`` or an empty reply."""
     for line in reply.strip().splitlines():
-        phrase = line.strip().strip("\"'`*").strip().rstrip(".!?,;:").strip()
-        if phrase.lower().startswith("response:"):
-            phrase = phrase.split(":", 1)[1].strip().strip("\"'")
+        phrase = line.strip().strip("\"'`*").strip()
+        phrase = _LABEL.sub("", phrase, count=1)
+        phrase = phrase.strip().strip("\"'`*").strip().rstrip(".!?,;:").strip().strip("\"'`*").strip()
         if phrase:
             return None if phrase.upper() == "NONE" else phrase
     return None
@@ -178,7 +217,8 @@ def measure(
     """TTFAT, KD and E2EKD of one answer (see the module docstring).
 
     Args:
-        words: the agent's words on the question's timeline, in time order.
+        words: the agent's words on the question's timeline (put in time order here; words without finite times
+            are left out with a note).
         question_end: end of the question, seconds.
         question, answers: the item (answers: gold answer first, then aliases).
         numeric: a math set (the keyword without a judge is the gold number).
@@ -186,38 +226,59 @@ def measure(
         words_source: ``"asr"`` or ``"text"`` (recorded).
     """
     timing = AnswerTiming(words_source=words_source, question_end_s=question_end)
-    spoken = response_words(words, question_end)
+    notes: list[str] = []
+    ordered, dropped = in_time_order(words)
+    if dropped:
+        notes.append(f"{dropped} agent word(s) without finite times (end >= start) left out")
+    _measure(timing, notes, response_words(ordered, question_end), question, answers, numeric, judge)
+    timing.note = "; ".join(notes)
+    return timing
+
+
+def _measure(
+    timing: AnswerTiming,
+    notes: list[str],
+    spoken: list[TimedWord],
+    question: str,
+    answers: Sequence[str],
+    numeric: bool,
+    judge: Any | None,
+) -> None:
+    """Fill ``timing`` from the response words ``spoken`` (in time order); why something is missing goes to
+    ``notes``."""
     if not spoken:
-        timing.note = "no agent words after the question"
-        return timing
-    timing.onset_s = spoken[0].start
-    timing.ttfat_s = round(max(0.0, spoken[0].start - question_end), 3)
+        notes.append("no agent words after the question")
+        return
+    onset = float(spoken[0].start)  # type: ignore[arg-type]
+    timing.onset_s = onset
+    timing.ttfat_s = round(max(0.0, onset - timing.question_end_s), 3)
     if judge is not None:
         timing.keyword_method, timing.prompt_version = "judge", PROMPT_VERSION
         try:
             phrase = judge_keyword(judge, question, answers, " ".join(w.text for w in spoken))
         except JudgeError as exc:
-            timing.note = f"keyword judge failed: {exc}"
-            return timing
+            timing.judge_failed = True
+            notes.append(f"keyword judge failed: {exc}")
+            return
         if phrase is None:
-            timing.note = "the judge found no answer in the response"
-            return timing
+            notes.append("the judge found no answer in the response")
+            return
         timing.keyword = phrase
         index = locate(spoken, phrase)
         if index is None:
-            timing.note = f"the judge's keyword {phrase!r} is not among the response words"
-            return timing
+            notes.append(f"the judge's keyword {phrase!r} is not among the response words")
+            return
     else:
         timing.keyword_method = "alias"
         found = alias_keyword(spoken, answers, numeric=numeric)
         if found is None:
-            timing.note = "the response contains no gold answer"
-            return timing
+            notes.append("the response contains no gold answer")
+            return
         timing.keyword, index = found
-    timing.keyword_s = spoken[index].start
-    timing.e2ekd_s = round(max(0.0, spoken[index].start - question_end), 3)
+    start = float(spoken[index].start)  # type: ignore[arg-type]
+    timing.keyword_s = start
+    timing.e2ekd_s = round(max(0.0, start - timing.question_end_s), 3)
     timing.keyword_delay_s = round(timing.e2ekd_s - timing.ttfat_s, 3)
-    return timing
 
 
 def text_stream_words(events: Iterable[Any]) -> list[TimedWord]:

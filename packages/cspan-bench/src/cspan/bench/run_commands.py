@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from pathlib import Path
@@ -17,14 +18,41 @@ from typing import Any
 # --- shared flags ------------------------------------------------------------------------------------------------
 
 
-def _non_negative(value: str) -> float:
+def _number(value: str) -> float:
     try:
         t = float(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from exc
-    if not t >= 0:
+    if not math.isfinite(t):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a finite number")
+    return t
+
+
+def non_negative(value: str) -> float:
+    """argparse type: a finite number >= 0 (argparse prints a one-line error and exits 2 otherwise)."""
+    t = _number(value)
+    if t < 0:
         raise argparse.ArgumentTypeError(f"{value!r} must be >= 0")
     return t
+
+
+def positive(value: str) -> float:
+    """argparse type: a finite number > 0."""
+    t = _number(value)
+    if t <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be > 0")
+    return t
+
+
+def at_least_one(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from exc
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
+    return n
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_help: str) -> None:
@@ -66,7 +94,7 @@ def add_loop_arguments(
         help="'local' (embedded), 'none', or an OpenAI-compatible base URL (env CSPAN_ROUTER_URL; default %(default)s)",
     )
     g.add_argument("--router-model", default=os.environ.get("CSPAN_ROUTER_MODEL"), help="model name at the router URL")
-    g.add_argument("--router-timeout-s", type=float, default=8.0, help="LLM router time limit per request")
+    g.add_argument("--router-timeout-s", type=positive, default=8.0, help="LLM router time limit per request (s, > 0)")
     g.add_argument("--knowledge", type=Path, default=None, help="folder of .txt/.md notes for the local router")
     if tools_default is not None:
         from cspan.backends.tools.catalog import TOOL_SETS
@@ -90,7 +118,7 @@ def add_loop_arguments(
     g.add_argument("--listen-s", type=float, default=12.0, help="ASR window when no utterance transcript is usable")
     g.add_argument(
         "--span-delay-s",
-        type=_non_negative,
+        type=non_negative,
         default=0.8,
         help="offline clock: inject each reference exactly this long after it was asked (default %(default)s s)",
     )
@@ -105,9 +133,9 @@ def add_loop_arguments(
         help="also behave as if the model emitted <ret> at the end of each input (+ --force-ret-delay-s); "
         "default: only the model's own <ret>",
     )
-    g.add_argument("--force-ret-delay-s", type=_non_negative, default=0.0, help="delay of the forced <ret> (s)")
+    g.add_argument("--force-ret-delay-s", type=non_negative, default=0.0, help="delay of the forced <ret> (s)")
     g.add_argument(
-        "--tail-s", type=_non_negative, default=tail_default, help="silence after each input (s, default %(default)s)"
+        "--tail-s", type=non_negative, default=tail_default, help="silence after each input (s, default %(default)s)"
     )
 
 
@@ -215,7 +243,10 @@ def build_session_from(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def add_judge_arguments(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:
-    """``--judge-url``, ``--judge-model``, ``--judge-key-env``, ``--judge-attempts`` (any OpenAI-compatible server)."""
+    """``--judge-url``, ``--judge-model``, ``--judge-key-env``, ``--judge-attempts``, ``--judge-timeout-s`` (any
+    OpenAI-compatible server); out-of-range values are one-line argparse errors (exit 2)."""
+    from cspan.bench.judge import DEFAULT_ATTEMPTS, DEFAULT_TIMEOUT_S, DOWN_AFTER
+
     group = parser.add_argument_group("judge (any OpenAI-compatible chat-completions server)")
     group.add_argument("--judge-url", help=f"server URL (http://host:port/v1); without it {what} is skipped")
     group.add_argument(
@@ -226,7 +257,19 @@ def add_judge_arguments(parser: argparse.ArgumentParser, default_model: str, wha
         default="OPENAI_API_KEY",
         help="environment variable holding the API key (default: %(default)s)",
     )
-    group.add_argument("--judge-attempts", type=int, default=5, help="tries per judge request (default: %(default)s)")
+    group.add_argument(
+        "--judge-attempts",
+        type=at_least_one,
+        default=DEFAULT_ATTEMPTS,
+        help="tries per judge request, >= 1 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--judge-timeout-s",
+        type=positive,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"time limit of one try, seconds (default: %(default)s); after {DOWN_AFTER} requests in a row fail "
+        "the judge is taken as down: the rest is not asked, the run says so and exits with status 1",
+    )
 
 
 def make_judge(args: argparse.Namespace) -> Any:
@@ -236,8 +279,28 @@ def make_judge(args: argparse.Namespace) -> Any:
     from cspan.bench.judge import OpenAIJudge
 
     return OpenAIJudge(
-        args.judge_url, args.judge_model, api_key_env=args.judge_key_env, max_attempts=args.judge_attempts
+        args.judge_url,
+        args.judge_model,
+        api_key_env=args.judge_key_env,
+        max_attempts=args.judge_attempts,
+        timeout_s=args.judge_timeout_s,
     )
+
+
+def check_judge(judge: Any, notes: list[str]) -> None:
+    """After a run: when the judge went down or failed every request, add a note to ``notes`` (the summary's) and
+    raise, so the command prints it and exits with status 1 after the outputs are written.
+
+    Raises:
+        JudgeError: the judge's :meth:`~cspan.bench.judge.OpenAIJudge.trouble`.
+    """
+    from cspan.bench.errors import JudgeError
+
+    trouble = judge.trouble() if judge is not None else None
+    if trouble is not None:
+        if trouble not in notes:
+            notes.append(trouble)
+        raise JudgeError(f"{trouble}; check --judge-url / --judge-model and run again")
 
 
 # --- latency -----------------------------------------------------------------------------------------------------
@@ -512,9 +575,14 @@ def register_fdb_v3_run(sub: Any) -> None:
         "(mock_apis.py is imported and run: use a copy you trust)",
     )
     p.add_argument("--provider", default="cspan", help="the PROVIDER of result_PROVIDER.json (default %(default)s)")
-    p.add_argument("--max-tool-calls", type=int, default=1, help="tool calls one <ret> may chain (default 1)")
     p.add_argument(
-        "--numeric-tolerance", type=float, default=0.05, help="relative tolerance for numeric arguments (no judge)"
+        "--max-tool-calls", type=at_least_one, default=1, help="tool calls one <ret> may chain, >= 1 (default 1)"
+    )
+    p.add_argument(
+        "--numeric-tolerance",
+        type=non_negative,
+        default=0.05,
+        help="relative tolerance for numeric arguments without a judge, >= 0 (default: %(default)s; 0 = exact)",
     )
     p.add_argument("--reanalyze", action="store_true", help="ask the judge again even where an analysis exists")
     add_model_arguments(p, prompt_help="persona prompt (default: the benchmark agent's with --fdb-v3-dir, else ours)")
@@ -610,35 +678,44 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
         config={
             "results": str(args.out),
             "provider": args.provider,
-            "world": options.world(),
             "router": args.router,
             "router_model": args.router_model,
         },
+        data=data,
     )
     if summary is None:
         print(f"no scenarios: results written to {args.out}; score with `cspan bench fdb-v3 score`")
     return 0
 
 
-def score_v3(entries: Any, scenarios: Any, args: argparse.Namespace, out: Path, *, config: dict[str, Any]) -> Any:
+def score_v3(
+    entries: Any, scenarios: Any, args: argparse.Namespace, out: Path, *, config: dict[str, Any], data: Path | None
+) -> Any:
     """Analyse the responses (with ``--judge-url``), then score against ``scenarios``; write and print.
+
+    ``run`` and ``score`` share it, so the same results score the same: the scenarios are ``scenarios`` with the
+    recordings' own ``metadata.json`` scenarios over them (:func:`~cspan.bench.fdb_v3_run.metadata_scenarios`,
+    ``data`` = the recordings folder), and ``config["world"]`` is what the results record.
 
     Writes ``OUT/key_info_analysis.json`` when a judge ran or analyses existed, and ``OUT/summary.json`` +
     ``samples.json`` when there are scenarios. Returns the :class:`~cspan.bench.fdb_v3.V3Summary` or None.
+
+    Raises:
+        JudgeError: after writing, when the judge went down or failed every request (exit status 1).
     """
     from cspan.bench import fdb_v3, fdb_v3_analysis
     from cspan.bench.errors import JudgeError
+    from cspan.bench.fdb_v3_run import metadata_scenarios
 
+    scenarios = {**(scenarios or {}), **metadata_scenarios(entries, data)} or None
     judge = make_judge(args)
     try:
         results, analyses, analysis_run = fdb_v3_analysis.analyze_entries(entries, judge, reanalyze=args.reanalyze)
         if analyses:
             path = fdb_v3_analysis.write_report(analyses, analysis_run, out)
-            print(
-                f"key-information analysis: {analysis_run.analysed} analysed, {analysis_run.reused} reused, "
-                f"{analysis_run.failed} without a usable judge reply -> {path}"
-            )
+            print(f"key-information analysis: {analysis_run.line()} -> {path}")
         if scenarios is None:
+            check_judge(judge, [])
             return None
         matcher: Any = fdb_v3.ExactArgumentMatcher(args.numeric_tolerance)
         response_judge = None
@@ -655,15 +732,23 @@ def score_v3(entries: Any, scenarios: Any, args: argparse.Namespace, out: Path, 
     finally:
         if judge is not None:
             judge.close()
+    world = fdb_v3.results_world(results)
+    if world is None:
+        summary.notes.append("the results record no world (whose mock APIs, tools and persona they were run with)")
     summary.config = {
         **config,
+        "world": world,
         "judge": judge.describe() if judge is not None else None,
         "analysis": analysis_run.model_dump(mode="json") if analyses or judge is not None else None,
         "numeric_tolerance": args.numeric_tolerance,
     }
+    trouble = judge.trouble() if judge is not None else None
+    if trouble is not None:
+        summary.notes.append(trouble)
     path = fdb_v3.write_v3_score(summary, scored, out)
     print_summary(f"fdb-v3 (n={summary.n})", summary)
     print(f"wrote {path}")
+    check_judge(judge, summary.notes)
     return summary
 
 
@@ -757,6 +842,7 @@ async def _qa_async(args: argparse.Namespace) -> int:
     for note in summary.notes:
         print(f"note: {note}")
     print(f"wrote {args.out / 'summary.json'} ({len(results)} item(s))")
+    check_judge(judge, summary.notes)
     return 0
 
 

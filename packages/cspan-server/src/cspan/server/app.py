@@ -115,11 +115,11 @@ class Backends:
     bank: Any = None
     sets: tuple[str, ...] = ()
 
-    def for_session(self, memory: Any, tools: Iterable[Any] = ()) -> Any:
+    def for_session(self, memory: Any, tools: Iterable[Any] = (), *, extra_timeout_s: float = 0.0) -> Any:
         """One session's retriever: ``memory`` (the principal's
         :class:`~cspan.backends.context_db.UserMemory`) for its records and context, and its own router over the
         shared bank plus that principal's memory tools (with the ``memory`` set) and ``tools`` (a client's
-        functions). Cheap: nothing is opened."""
+        functions); an LLM router's time limit grows by ``extra_timeout_s``. Cheap: nothing is opened."""
         from cspan.backends.router import LocalRouter
         from cspan.backends.tools.catalog import session_bank
 
@@ -131,11 +131,26 @@ class Backends:
         if isinstance(router, LocalRouter):
             bank = session_bank(self.bank, memory=memory, sets=self.sets, extra=tools) if self.bank else None
             return base.scoped(memory, router=router.with_bank(bank, memory=memory if remembers else None))
-        if self.bank is not None and hasattr(router, "with_bank"):
-            return base.scoped(
-                memory, router=router.with_bank(session_bank(self.bank, memory=memory, sets=self.sets, extra=tools))
-            )
+        tools = list(tools)
+        if hasattr(router, "with_bank") and (self.bank is not None or tools):
+            shared = self.bank if self.bank is not None else router.tools
+            own = router.with_bank(session_bank(shared, memory=memory, sets=self.sets, extra=tools))
+            if extra_timeout_s and isinstance(getattr(own, "timeout_s", None), float):
+                own.timeout_s += extra_timeout_s
+            return base.scoped(memory, router=own)
         return base.scoped(memory)
+
+    def tool_names(self) -> set[str]:
+        """The names of the server's own tools a session's router sees (the shared bank's and, with the ``memory``
+        set, the memory tools): a client's function may not take one."""
+        from cspan.backends.tools.catalog import memory_tools
+
+        router = getattr(self.retriever, "router", None)
+        bank = self.bank if self.bank is not None else getattr(router, "tools", None)
+        names = set(bank.names()) if bank is not None else set()
+        if "memory" in self.sets:
+            names |= {tool.name for tool in memory_tools(None)}  # type: ignore[arg-type]
+        return names
 
     async def aclose(self) -> None:
         """Close the router's HTTP client, the tool bank (MCP sessions and subprocesses) and the transcriber."""

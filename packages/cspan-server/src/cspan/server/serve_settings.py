@@ -48,6 +48,12 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     max_text_prompt_chars: int = Field(
         1000, ge=0, le=4000, description="longest persona text prompt a client may send", json_schema_extra=_SERVER
     )
+    client_tool_timeout_s: float = Field(
+        5.0, gt=0.0, le=600.0, allow_inf_nan=False,
+        description="how long a client's own function (OpenAI Realtime tools) may take before the abstain clause is "
+        "read instead (s); the span deadline of a session with such tools grows by this much",
+        json_schema_extra=_SERVER,
+    )  # fmt: skip
     header_timeout_s: float = Field(
         10.0, gt=0.0, le=600.0, allow_inf_nan=False,
         description="close an HTTP connection whose request headers are not complete within this time (s)",

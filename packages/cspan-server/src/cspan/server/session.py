@@ -1,4 +1,4 @@
-"""The session core of ``cspan serve``: slots, the 80 ms frame loop, personas, Context Spans and records, behind
+r"""The session core of ``cspan serve``: slots, the 80 ms frame loop, personas, Context Spans and records, behind
 protocol-neutral inputs and outputs. Each wire protocol is a thin adapter (:mod:`cspan.server.adapters`).
 
 Architecture (one process, one event loop)::
@@ -43,13 +43,19 @@ What an adapter calls (inputs), from its ``opened()`` and ``receive(data)``:
 - ``session.update_profile(ProfileFields(...))``: new profile fields mid-conversation (router and Context DB).
 - ``await session.stop()``: end gracefully: queued audio is played through, a running utterance is transcribed,
   then :class:`Ended` and :class:`Close`.
-- ``session.client_error(code, message)``: report a client mistake the adapter found (counted, sent as
-  :class:`ErrorOut`). :class:`ClientError` raised from ``receive`` is reported the same way by the app.
+- ``session.client_error(code, message, detail)``: report a client mistake the adapter found (counted, sent as
+  :class:`ErrorOut`; ``detail`` is for the adapter's own rendering, e.g. the offending event's id).
+  :class:`ClientError` raised from ``receive`` is reported the same way by the app.
+- ``session.set_tools(tools)``: this session's own tools (a client's functions) from now on (also
+  ``StartRequest.tools``).
+- ``session.put(item)`` with an :class:`AdapterItem`: the adapter's own output, handed back to its ``render`` in
+  order with the session's outputs (e.g. what must follow the agent frames already queued).
 
 What an adapter renders (outputs): ``adapter.render(item) -> list[str | bytes]`` is called by the sender, in order,
 for every item of :data:`Outbound` except :class:`Close`: :class:`Ready`, :class:`Busy`, :class:`AgentAudio`
 (one per frame), the conversation events of :mod:`cspan.core.events` (``text``, ``user_text``, ``ret``,
-``question``, ``span``, ``late``, ``no_span``, ``error``), :class:`Timing`, :class:`ErrorOut`, :class:`Ended`.
+``question``, ``span``, ``late``, ``no_span``, ``error``), :class:`Timing`, :class:`ErrorOut`, :class:`Ended`, and
+the adapter's own :class:`AdapterItem`\ s.
 It returns the wire messages to send (none to skip an item). :class:`Close` is done by the app: the socket closes
 with its code once everything before it was sent.
 
@@ -176,6 +182,9 @@ class StartRequest:
         force_ret_at, spans: test hooks (seconds on the session's timeline): forced ``<ret>``, and
             ``(seconds, text)`` Context Spans injected without a backend. Refused unless the server has test hooks.
         test: the client used its protocol's test hooks (refused unless the server has them).
+        tools: this session's own tools (:class:`~cspan.backends.tools.bank.Tool`, e.g. a Realtime client's
+            functions made with ``callback_tool``), added to the router's tool bank for this session only; the span
+            deadline grows by ``--client-tool-timeout-s`` while there are any.
     """
 
     voice: str | None = None
@@ -185,6 +194,7 @@ class StartRequest:
     force_ret_at: list[float] = field(default_factory=list)
     spans: list[tuple[float, str]] = field(default_factory=list)
     test: bool = False
+    tools: list[Any] = field(default_factory=list)
 
     @property
     def has_test_hooks(self) -> bool:
@@ -279,10 +289,12 @@ class Timing:
 
 @dataclass(frozen=True)
 class ErrorOut:
-    """A client mistake or a server failure in this session (``code`` as :class:`ClientError`); it goes on."""
+    """A client mistake or a server failure in this session (``code`` as :class:`ClientError`); it goes on.
+    ``detail``: what the adapter that reported it attached (e.g. the offending event's id)."""
 
     code: str
     message: str
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -304,7 +316,12 @@ class Close:
     reason: str
 
 
-Outbound = Ready | Busy | AgentAudio | ConversationEvent | Timing | ErrorOut | Ended | Close
+class AdapterItem:
+    """Base of the items an adapter queues itself with :meth:`Session.put`; they reach its ``render`` in order with
+    the session's outputs."""
+
+
+Outbound = Ready | Busy | AgentAudio | ConversationEvent | Timing | ErrorOut | Ended | Close | AdapterItem
 """Every item a session puts in its outbox."""
 
 
@@ -382,11 +399,11 @@ class Session:
             return
         self.outbox.put_nowait(item)
 
-    def client_error(self, code: str, message: str) -> None:
+    def client_error(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
         """Report a client mistake (or a failure in this session): counted, and sent as :class:`ErrorOut`."""
         self.stats.errors += 1
         self.hub.metrics.protocol_errors.labels(self.protocol, code).inc()
-        self.put(ErrorOut(code=code, message=message))
+        self.put(ErrorOut(code=code, message=message, detail=detail or {}))
 
     def _close(self, code: int, reason: str) -> None:
         self.outbox.put_nowait(Close(code, reason[:120]))
@@ -524,6 +541,15 @@ class Session:
             return
         self._start = start
         hub.request_start(self)
+
+    def set_tools(self, tools: list[Any]) -> None:
+        """This session's own tools from now on (see ``StartRequest.tools``); ``[]`` removes them. A retrieval
+        already running keeps the tools it started with."""
+        if self._start is not None:
+            self._start.request.tools = list(tools)
+        if self.conversation is not None:
+            self.conversation.retriever = self.hub.retriever_for(self, tools)
+            self.conversation.config.span_deadline_s = self.hub.span_deadline_s(tools)
 
     def update_profile(self, fields: ProfileFields) -> None:
         """Replace the given profile fields; the router and the Context DB see them from the next retrieval on.
@@ -698,10 +724,18 @@ class SessionHub:
 
     def retriever_for(self, session: Session, tools: list[Any]) -> Any:
         """The retriever of ``session``: its principal's memory, its own router over the shared tool bank plus the
-        principal's memory tools and ``tools`` (e.g. a client's functions). None without retrieval."""
+        principal's memory tools and ``tools`` (e.g. a client's functions; an LLM router's time limit then grows by
+        ``--client-tool-timeout-s``: a client's function is part of the routing time; the local router picks its
+        tools by rule and never calls a client's). None without retrieval."""
         if self.backends is None:
             return None
-        return self.backends.for_session(session.memory, tools)
+        extra_s = self.settings.client_tool_timeout_s if tools else 0.0
+        return self.backends.for_session(session.memory, tools, extra_timeout_s=extra_s)
+
+    def tool_names(self) -> set[str]:
+        """The names of this server's own tools that a session's router sees (a client's function may not take
+        one)."""
+        return self.backends.tool_names() if self.backends is not None else set()
 
     def health(self) -> tuple[str, int]:
         """``(status, free slots)``: ``ok`` (a slot is free), ``full``, ``draining`` (shutting down) or ``stopped``."""
@@ -740,6 +774,11 @@ class SessionHub:
     def next_seed(self) -> int:
         self._session_counter += 1
         return self.settings.seed + self._session_counter - 1
+
+    def span_deadline_s(self, tools: list[Any]) -> float:
+        """The span deadline of a session: ``--span-deadline-s``, plus ``--client-tool-timeout-s`` while the session
+        has tools of its own (a client's function call is part of the retrieval)."""
+        return self.settings.span_deadline_s + (self.settings.client_tool_timeout_s if tools else 0.0)
 
     def make_vad(self) -> Any:
         from cspan.core.vad import SileroVAD
@@ -938,15 +977,16 @@ class SessionHub:
         session.profile = profile
         session.conversation_id = conversation_id
         session._recorder = db_recorder(session.memory, conversation_id)
+        tools = req.request.tools
         config = ConversationConfig(
-            listen_s=self.settings.listen_s, span_deadline_s=self.settings.span_deadline_s, span_delay_s=None
+            listen_s=self.settings.listen_s, span_deadline_s=self.span_deadline_s(tools), span_delay_s=None
         )
         conversation = Conversation(
             SpanHandoff(self.engine_thread),
             slot,
             tokenizer=getattr(self.checkpoint, "tokenizer", None),
             transcriber=self.transcriber,
-            retriever=self.retriever_for(session, []),
+            retriever=self.retriever_for(session, tools),
             config=config,
             profile=profile,
             conversation_id=conversation_id,
@@ -1143,6 +1183,7 @@ __all__ = [
     "CLOSE_POLICY",
     "CLOSE_TRY_AGAIN_LATER",
     "CLOSE_UNAUTHORIZED",
+    "AdapterItem",
     "AgentAudio",
     "Busy",
     "ClientError",

@@ -750,6 +750,13 @@ class LLMRouter:
                 args["lat"], args["lon"] = profile.lat, profile.lon
         return args
 
+    def _validated_or_empty(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The validated (shown) form of ``args`` for tool ``name``; {} when they do not validate (nothing ran)."""
+        try:
+            return self.tools.validate(name, args)
+        except ToolError:
+            return {}
+
     def _confirmed(self, req: RouteRequest, name: str, args: dict[str, Any]) -> bool:
         """Whether ``name(args)`` is the action held back just before and the user has now said yes."""
         if not req.history or req.history[-1].status != "awaiting_confirmation":
@@ -804,6 +811,7 @@ class LLMRouter:
                 source="none",
                 error=f"router LLM gave {name} arguments that are not an object: {arguments!r}",
             )
+        args: dict[str, Any] = {}
         try:
             tool = self.tools.get(name)
             args = self.prepare_arguments(name, arguments, req)
@@ -823,7 +831,8 @@ class LLMRouter:
                 )
             result = await self.tools.call(name, args)
         except ToolError as exc:
-            return RouteResult(tool=name, source="none", error=str(exc))
+            # keep the arguments the call was made with (validated: what ran) for whoever records the attempt
+            return RouteResult(tool=name, arguments=self._validated_or_empty(name, args), source="none", error=str(exc))
         if result.error:
             return RouteResult(tool=name, arguments=result.arguments, source="none", error=result.error)
         return ToolCall(question=req.question, name=name, arguments=result.arguments, result=result.text)

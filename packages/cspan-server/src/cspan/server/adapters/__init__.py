@@ -5,8 +5,9 @@ To add a protocol, add one module here that defines a :class:`ProtocolAdapter` s
 core, and what an adapter may call and must render, is described in :mod:`cspan.server.session` ("Adapter
 contract").
 
-Protocols here: ``ws`` (``/ws``, this project's own protocol) and ``moshi`` (``/api/chat``, Kyutai's Moshi
-protocol); ``docs/PROTOCOL.md`` has a section for each. Ogg/Opus for any adapter: :mod:`cspan.server.opus`.
+Protocols here: ``ws`` (``/ws``, this project's own protocol), ``moshi`` (``/api/chat``, Kyutai's Moshi protocol)
+and ``realtime`` (``/v1/realtime``, the OpenAI Realtime API); ``docs/PROTOCOL.md`` has a section for each. Ogg/Opus
+for any adapter: :mod:`cspan.server.opus`.
 """
 
 from __future__ import annotations
