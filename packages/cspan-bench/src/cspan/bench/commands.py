@@ -3,7 +3,8 @@
 Layout of the command tree, built from lists of register functions so that a new action is one function plus one
 list entry:
 
-- :data:`BENCH_ACTIONS` -- the actions of ``cspan bench`` (``latency``, ``fdb-v1``, ``fdb-v3``, ``qa``, ``report``);
+- :data:`BENCH_ACTIONS` -- the actions of ``cspan bench`` (``latency``, ``fdb-v1``, ``fdb-v3``, ``qa``, ``report``,
+  ``serve``: the load client of :mod:`cspan.bench.serve_load`);
 - :data:`FDB_V1_ACTIONS` -- the sub-actions of ``cspan bench fdb-v1`` (``score``, ``run``);
 - :data:`FDB_V3_ACTIONS` -- the sub-actions of ``cspan bench fdb-v3`` (``score``, ``run``).
 
@@ -31,6 +32,7 @@ from cspan.bench.run_commands import (
     register_latency,
     register_qa,
 )
+from cspan.bench.serve_load import register_serve
 
 ActionRegister = Callable[[Any], None]
 """``register(subparsers)``: add one action parser to an ``argparse`` sub-parser group and set its handler."""
@@ -335,4 +337,11 @@ def _report(args: argparse.Namespace) -> int:
 
 FDB_V1_ACTIONS: list[ActionRegister] = [register_fdb_v1_score, register_fdb_v1_run]
 FDB_V3_ACTIONS: list[ActionRegister] = [register_fdb_v3_score, register_fdb_v3_run]
-BENCH_ACTIONS: list[ActionRegister] = [register_latency, register_fdb_v1, register_fdb_v3, register_qa, register_report]
+BENCH_ACTIONS: list[ActionRegister] = [
+    register_latency,
+    register_fdb_v1,
+    register_fdb_v3,
+    register_qa,
+    register_report,
+    register_serve,
+]

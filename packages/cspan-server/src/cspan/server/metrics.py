@@ -27,13 +27,22 @@ each adapter's ``name``).
 | ``cspan_spans_total{outcome}`` | counter | retrieval outcomes: injected, late, no_span |
 | ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
 | ``cspan_protocol_errors_total{protocol,code}`` | counter | ``error`` messages sent for client mistakes |
+| ``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ... | gauge, counter | the server process (Linux; prometheus-client's process collector) |
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.2, 0.5, 1.0, 2.5)
 _PREFILL_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -50,6 +59,7 @@ class ServerMetrics:
     def __init__(self, max_sessions: int, protocols: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)  # memory and CPU of this process, read from /proc (nothing elsewhere)
         self.sessions_active = Gauge("cspan_sessions_active", "Sessions holding an engine slot", registry=r)
         self.session_slots = Gauge("cspan_session_slots", "Engine batch size (--max-sessions)", registry=r)
         self.session_slots.set(max_sessions)
