@@ -324,3 +324,15 @@ prefix = "web_"
     proc = cspan("serve", "--help")
     for flag in ("--tools", "--mcp", "--token-file", "--token-user", "--retention-days", "--ssl-certfile", "--drain-s"):
         assert flag in proc.stdout, flag
+
+
+def test_operators_page_documents_every_serve_setting() -> None:
+    """docs/OPERATORS.md has a row for every setting of ``cspan serve`` (the test hooks aside)."""
+    from cspan.server.serve_settings import ServeSettings
+
+    doc = (REPO / "docs" / "OPERATORS.md").read_text()
+    for name, field in ServeSettings.model_fields.items():
+        if (field.json_schema_extra or {}).get("hidden"):
+            continue
+        flag = "--no-cuda-graphs" if name == "cuda_graphs" else "--" + name.replace("_", "-")
+        assert f"`{flag}`" in doc, f"{flag} is not documented in docs/OPERATORS.md"

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 SCOPES: dict[str, str] = {
     "session": "talk to the model over any protocol; the session's memory is this principal's",
-    "admin": "operator routes (/metrics, /info) and other users' data (export, forget)",
+    "admin": "operator routes (/metrics) and other users' data (export, forget)",
 }
 """The scopes a credential may grant, with what each allows."""
 

@@ -27,7 +27,10 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     model_config = SETTINGS_CONFIG
 
     host: str = Field(
-        "127.0.0.1", description="address to listen on (non-loopback needs --token)", json_schema_extra=_SERVER
+        "127.0.0.1",
+        description="address to listen on (another than loopback needs credentials: --token, --token-file or tokens "
+        "issued with `cspan users add`)",
+        json_schema_extra=_SERVER,
     )
     port: int = Field(8080, ge=0, le=65535, description="port (0 picks a free one)", json_schema_extra=_SERVER)
     max_sessions: int = Field(
@@ -61,8 +64,8 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     )  # fmt: skip
     token: str | None = Field(
         None,
-        description="shared secret required on every conversation endpoint (env CSPAN_TOKEN); open the page as "
-        "/?token=...",
+        description="a shared credential: one user (--token-user) with every scope (env CSPAN_TOKEN); open the page "
+        "as /?token=...",
         json_schema_extra=_ACCESS,
     )
     token_user: str = Field(
@@ -77,7 +80,9 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         json_schema_extra={**_ACCESS, "metavar": "FILE"},
     )
     insecure_no_token: bool = Field(
-        False, description="allow a non-loopback --host without a token (trusted LANs)", json_schema_extra=_ACCESS
+        False,
+        description="allow a non-loopback --host without credentials: every session is the user 'local' (trusted LANs)",
+        json_schema_extra=_ACCESS,
     )
     allow_origin: list[str] = Field(
         default_factory=list,

@@ -78,23 +78,12 @@
     }
   }
 
-  function userId() {
-    let id = stored("cspan.user_id", "");
-    if (!/^[A-Za-z0-9_.-]{1,64}$/.test(id)) {
-      const bytes = new Uint8Array(12);
-      crypto.getRandomValues(bytes);
-      id = "web-" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
-      store("cspan.user_id", id);
-    }
-    return id;
-  }
-
   function profile() {
     const num = (el) => {
       const v = parseFloat(el.value);
       return Number.isFinite(v) ? v : null;
     };
-    const p = { user_id: userId() };
+    const p = {}; // whose profile this is comes from the token, never from the page
     if (ui.name.value.trim()) p.name = ui.name.value.trim();
     if (ui.location.value.trim()) p.location = ui.location.value.trim();
     if (ui.timezone.value.trim()) p.timezone = ui.timezone.value.trim();
