@@ -670,7 +670,7 @@ async def _converse(
             prefill=timing_stats(prefills),
             realtime_factor=(total / FRAME_RATE) / max(wall, 1e-9),
         ),
-        settings=_json_text(s.model_dump(mode="json")),
+        settings=_json_text(s.model_dump(mode="json", exclude={"mcp": {"__all__": {"env"}}})),  # env: secrets
         checkpoint=checkpoint_identity(checkpoint, device, dtype),
     )
     text_error: OutputError | None = None
