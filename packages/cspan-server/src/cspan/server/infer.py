@@ -269,7 +269,7 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import CspanError
     from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
-    from cspan.core.runtime import Conversation, ConversationConfig
+    from cspan.core.runtime import Conversation, ConversationConfig, use_cpu_threads
     from cspan.server.output import AgentWord, InferOutput, Timing, UserTranscript, timing_stats
     from cspan.server.records import db_recorder
 
@@ -288,6 +288,8 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
                 f"{args.tail_silence:g} s tail); use a time below {last_s:.2f} s"
             )
     device, dtype = pick_device(args.device)
+    if device.type == "cpu":
+        use_cpu_threads()
     source = args.checkpoint or DEFAULT_CHECKPOINT
     checkpoint = load_checkpoint(source, device=device, dtype=dtype)
     engine = DuplexEngine(

@@ -6,7 +6,8 @@ Architecture (one process, one event loop)::
                                    |  start -> SessionManager.reserve(slot) -> persona prefix read between frames
                                    v
     SessionManager frame loop (one asyncio task, 80 ms monotonic clock)
-        for each live session: one queued user frame (or silence) -> Conversation.before_step
+        for each live session: one queued user frame (or silence); their voice activity in one pass
+                               -> Conversation.before_step
         ONE DuplexEngine.step(pcm [N, 1920]) for all N slots (engine worker thread)
         for each live session: Conversation.after_step -> agent frame + events -> its outbox
 
@@ -807,6 +808,18 @@ class SessionManager:
         )
         return result
 
+    @staticmethod
+    def _voice_activity(sessions: list[Session], frames: list[np.ndarray]) -> list[bool | None]:
+        """All sessions' voice activity in one pass of the detector; on a failure each session's ``before_step``
+        runs its own detector (and a session whose detector fails ends alone)."""
+        from cspan.core.runtime import voice_activity
+
+        try:
+            return voice_activity([s.conversation for s in sessions], frames)
+        except Exception:
+            logger.exception("frame loop: batched voice activity failed; running each session's detector")
+            return [None] * len(sessions)
+
     async def _tick(self) -> None:
         """One 80 ms frame for every live session (see the module docstring)."""
         t0 = time.perf_counter()
@@ -820,19 +833,22 @@ class SessionManager:
         if not sessions:
             return
         pcm = np.zeros((self.engine.batch_size, FRAME_SIZE), dtype=np.float32)
-        heads: dict[Session, tuple[int, list[Any]]] = {}
+        frames: list[np.ndarray] = []
         for s in sessions:
             if s.inbox:
-                frame = s.inbox.popleft()
+                frames.append(s.inbox.popleft())
                 s.stats.consumed_frames += 1
             else:
-                frame = self._silence
+                frames.append(self._silence)
                 s.stats.silence_frames += 1
                 self.metrics.silence_frames.inc()
-            pcm[s.slot] = frame
+            pcm[s.slot] = frames[-1]
+        voiced = self._voice_activity(sessions, frames)
+        heads: dict[Session, tuple[int, list[Any]]] = {}
+        for s, frame, frame_voiced in zip(sessions, frames, voiced, strict=True):
             k = s.conversation.frame
             try:
-                await s.conversation.before_step(frame)
+                await s.conversation.before_step(frame, voiced=frame_voiced)
             except Exception as exc:
                 logger.exception("session %s: frame head failed", s.id)
                 s.send_events(s.take_events())
@@ -932,9 +948,12 @@ def _static_bytes(name: str) -> bytes:
 def _build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
     from cspan.core.engine import DuplexEngine
+    from cspan.core.runtime import use_cpu_threads
     from cspan.server.infer import pick_device
 
     device, dtype = pick_device(settings.device)
+    if device.type == "cpu":
+        use_cpu_threads()
     if checkpoint is None:
         checkpoint = load_checkpoint(settings.checkpoint or DEFAULT_CHECKPOINT, device=device, dtype=dtype)
     else:
