@@ -76,7 +76,7 @@ class SileroVAD:
     def __init__(self, threshold: float = 0.5, sample_rate: int = SAMPLE_RATE) -> None:
         self.threshold = threshold
         self.sample_rate = sample_rate
-        self._model = _silero()
+        _silero()  # load (or fail) now, not at the first frame
         self.reset()
 
     def reset(self) -> None:
@@ -131,8 +131,12 @@ def voice_probabilities(detectors: Sequence[SileroVAD], frames: Sequence[np.ndar
         scores: list[torch.Tensor] = []
         for r in range(rounds):
             sessions = [i for i, w in enumerate(windows) if len(w) > r]
-            state = torch.cat([detectors[i]._state for i in sessions], dim=1)
-            out, state = network.decoder(features[[int(first[i]) + r for i in sessions]], state)
+            if len(sessions) == 1:  # one session (the usual case for one conversation): no gathering
+                row = int(first[sessions[0]]) + r
+                out, state = network.decoder(features[row : row + 1], detectors[sessions[0]]._state)
+            else:
+                state = torch.cat([detectors[i]._state for i in sessions], dim=1)
+                out, state = network.decoder(features[[int(first[i]) + r for i in sessions]], state)
             for j, i in enumerate(sessions):
                 detectors[i]._state = state[:, j : j + 1]
             owners += sessions

@@ -28,6 +28,7 @@ class EuclideanCodebook(nn.Module):
     The centroids, and the codebook's side of the distance product, are computed once and cached for the current
     buffer tensors and their version counters (a replaced buffer or an in-place change is seen; inference tensors
     have no version counter, so an in-place change made to one under ``torch.inference_mode`` is not: replace it).
+    A CUDA graph captured after the first call reads the cached copy: capture again after changing the codebook.
     """
 
     epsilon = 1e-5
