@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
@@ -89,8 +92,30 @@ def build_parser(commands: dict[str, Register] | None = None) -> argparse.Argume
     return parser
 
 
+def _is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of the project's deliberate errors (its message says what and where).
+
+    ``CspanError`` and the roots of the packages that cannot import ``cspan.core`` (``cspan.backends``'
+    ``BackendError``, whose subclasses such as ``ContextDBError`` may reach a verb): any class of the exception's
+    lineage defined in a ``cspan.*.errors`` module.
+    """
+    return any(cls.__module__.startswith("cspan.") and cls.__module__.endswith(".errors") for cls in type(exc).__mro__)
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    from cspan.core.errors import Terminated
+
+    raise Terminated(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``cspan`` console script; returns the process exit status."""
+    """Entry point of the ``cspan`` console script; returns the process exit status.
+
+    Errors are one line on stderr: the project's own errors (exit status 1, or their ``exit_code``: 2 for a bad
+    setting), an ``OSError`` (the file and the cause: permission denied, no space left on device), an interrupt
+    (130) or SIGTERM (143; raised as :class:`~cspan.core.errors.Terminated` so that cleanup runs and unfinished
+    outputs are removed). ``-v`` adds the traceback of an ``OSError``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
@@ -100,21 +125,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A verb with sub-verbs (``cspan model``) and none given.
         parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
         return 2
-    from cspan.core.errors import CspanError
+    from cspan.core.errors import Terminated, describe_os_error
 
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(handler(args) or 0)
-    except CspanError as exc:
-        print(f"cspan {args.command}: error: {exc}", file=sys.stderr)
-        return int(getattr(exc, "exit_code", 1))
+    except Terminated as exc:
+        print(f"cspan {args.command}: terminated by signal {exc.signum}", file=sys.stderr)
+        return int(exc.code or 143)
     except KeyboardInterrupt:
         print(f"cspan {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as exc:
+        if _is_user_error(exc):
+            print(f"cspan {args.command}: error: {exc}", file=sys.stderr)
+            return int(getattr(exc, "exit_code", 1))
+        if isinstance(exc, OSError):
+            logging.getLogger(__name__).info("traceback of the error below", exc_info=True)
+            print(f"cspan {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,6 +14,10 @@ Precedence: command line, then environment, then the settings file, then the dec
 range, whatever its source, is reported as one line naming the flag, the environment variable or the file key, and
 the command exits with status 2 before any work starts (:class:`SettingsError`).
 
+A repeatable flag (a ``list`` field) takes each value verbatim: ``--span "1.0:Hello, world"`` is one item, commas,
+brackets and quotes included (pydantic-settings' own list syntax, which splits on commas and reads JSON, applies
+only to the environment and the settings file).
+
 Field extras (``Field(json_schema_extra={...})``) refine the generated flag: ``group`` (the help section),
 ``metavar``, ``hidden`` (not listed in ``--help``).
 
@@ -30,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 from .errors import CspanError
 
@@ -100,8 +106,8 @@ def add_settings_arguments(
             kwargs["help"] = kwargs["help"].replace(" (default factory: list)", "")
         if extra.get("hidden"):
             kwargs["help"] = argparse.SUPPRESS
-        elif field is not None and field.description and not kwargs.get("help"):
-            kwargs["help"] = field.description
+        elif field is not None and field.description and (not kwargs.get("help") or "(default:" in field.description):
+            kwargs["help"] = field.description  # a description that says its default itself replaces the generated one
         group = extra.get("group")
         if group and target is parser:
             if group not in groups:
@@ -149,8 +155,14 @@ def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str
         name = str(err["loc"][0]) if err["loc"] else ""
         where = sources.get(name, _flag(name))
         given = err.get("input")
-        shown = f" (got {given!r})" if given is not None and not isinstance(given, dict) else ""
-        lines.append(f"{where}: {err['msg']}{shown}")
+        shown = ""
+        if given is not None and not isinstance(given, dict):
+            text = repr(given)
+            shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
+        message = (
+            "required, and not given" if err["type"] == "missing" else str(err["msg"]).removeprefix("Value error, ")
+        )
+        lines.append(f"{where}: {message}{shown}")
     return "; ".join(lines) or str(exc)
 
 
@@ -193,6 +205,10 @@ def load_settings(
         return model(**values)
     except ValidationError as exc:
         raise SettingsError(_describe(model, exc, sources)) from None
+    except SourceError as exc:  # a value pydantic-settings could not decode (a malformed list in CSPAN_*)
+        match = re.search(r'field "(\w+)"', str(exc))
+        where = sources.get(match.group(1), "") if match else ""
+        raise SettingsError(f"{where}: {exc}" if where else str(exc)) from None
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -202,12 +218,22 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         SettingsError: as :func:`load_settings`.
     """
     model = getattr(args, _MODEL)
+    # Repeated flags are taken verbatim (validated by pydantic), not through the CLI source's list syntax, which
+    # would split "1.0:Hello, world" at the comma and read "[x]" as a list.
+    parsed = argparse.Namespace(**vars(args))
+    repeated: dict[str, Any] = {}
+    for name in model.model_fields:
+        value = getattr(parsed, name, None)
+        if isinstance(value, list):
+            repeated[name] = value
+            delattr(parsed, name)
     return load_settings(
         model,
+        repeated,
         config=getattr(args, "config", None),
         verb=getattr(args, _VERB, ""),
         cli_source=getattr(args, _SOURCE),
-        parsed_args=args,
+        parsed_args=parsed,
     )
 
 
