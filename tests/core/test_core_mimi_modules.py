@@ -369,6 +369,38 @@ def test_nearest_centroid_ties_pick_the_first_index() -> None:
     assert cb.encode(torch.tensor([[1.0, 1.0], [1.1, 0.9]])).tolist() == [4, 4]
 
 
+@pytest.mark.parametrize(("bins", "rows"), [(2048, 1), (2048, 4), (64, 3), (40, 30), (20, 3), (20, 40)])
+def test_nearest_centroid_is_cdist_argmin_bit_for_bit(bins: int, rows: int) -> None:
+    """The cached distance product gives torch.cdist's argmin exactly (its matrix-product form above 25 rows on
+    either side, cdist itself below), near ties included."""
+    g = torch.Generator().manual_seed(bins + rows)
+    cb = EuclideanCodebook(8, bins)
+    with torch.no_grad():
+        cb.cluster_usage.copy_(torch.rand(bins, generator=g) * 2 + 0.5)
+        cb.embedding_sum.copy_(torch.randn(bins, 8, generator=g))
+        emb = cb.embedding_sum / cb.cluster_usage.clamp(min=1e-5)[:, None]
+        for _ in range(20):
+            x = torch.randn(rows, 8, generator=g)
+            x[0] = (emb[1] + emb[2]) / 2  # equidistant from two centroids
+            assert torch.equal(cb.encode(x), torch.cdist(x[None], emb[None])[0].argmin(-1))
+
+
+def test_centroid_cache_follows_the_buffers() -> None:
+    """The cached centroids are rebuilt when a buffer is modified in place or replaced (load_state_dict, .to)."""
+    cb = EuclideanCodebook(2, 30)
+    first = cb.embedding
+    assert cb.embedding is first
+    with torch.no_grad():
+        cb.embedding_sum.copy_(torch.arange(60.0).view(30, 2))
+    assert torch.equal(cb.embedding, torch.arange(60.0).view(30, 2))
+    assert cb.encode(torch.tensor([[40.0, 41.0]])).tolist() == [20]
+    cb.load_state_dict({**cb.state_dict(), "cluster_usage": torch.full((30,), 2.0)})
+    assert torch.equal(cb.embedding, torch.arange(60.0).view(30, 2) / 2)
+    cb.cluster_usage = torch.full((30,), 4.0)
+    assert torch.equal(cb.embedding, torch.arange(60.0).view(30, 2) / 4)
+    assert cb.encode(torch.tensor([[10.0, 10.25]])).tolist() == [20]
+
+
 def test_set_num_codebooks_limits_encode() -> None:
     q = _quantizer()
     x = torch.randn(1, 6, 3)

@@ -38,9 +38,10 @@ import asyncio
 import collections
 import logging
 import math
+import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,7 +60,7 @@ from cspan.core.events import (
     UserTextEvent,
 )
 from cspan.core.protocols import RetrievalLike, Retriever, Transcriber
-from cspan.core.vad import SileroVAD, UtteranceTracker
+from cspan.core.vad import SileroVAD, UtteranceTracker, voice_probabilities
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ class Conversation:
         config: :class:`ConversationConfig`.
         profile: passed through to the retriever (the user's profile).
         conversation_id: passed through to the retriever.
-        vad: voice activity detector; default a :class:`~cspan.core.vad.SileroVAD`.
+        vad: voice activity detector; default a :class:`~cspan.core.vad.SileroVAD`. It runs only while the
+            conversation :attr:`listens` (has a transcriber or a retriever: nothing else reads it).
         on_event: called with every event as it happens (also collected in :attr:`events`).
     """
 
@@ -196,16 +198,24 @@ class Conversation:
         return self.config.span_delay_s is not None
 
     @property
+    def listens(self) -> bool:
+        """Whether voice activity is used: utterance transcripts (a transcriber) or the ``<ret>`` policy (a
+        retriever) read it; without either, :meth:`before_step` skips the detector."""
+        return self.transcriber is not None or self.retriever is not None
+
+    @property
     def busy(self) -> bool:
         """Whether a retrieval is pending (or waiting for its question)."""
         return self._pending is not None
 
     # ---------------------------------------------------------------------------------------------- frame hooks
-    async def before_step(self, user_pcm: np.ndarray) -> None:
+    async def before_step(self, user_pcm: np.ndarray, voiced: bool | None = None) -> None:
         """Head of the frame: apply due spans and retrievals, then voice activity and utterance transcripts.
 
         Args:
             user_pcm: this frame's user audio, float32 ``[1920]`` at 24 kHz.
+            voiced: this frame's voice activity when the caller already ran this conversation's detector on
+                ``user_pcm`` (:func:`voice_activity` does it for many conversations in one pass); None runs it here.
         """
         i = self.frame
         for text in self._forced_spans.pop(i, []):
@@ -216,7 +226,8 @@ class Conversation:
         if len(self._audio) == self._audio.maxlen:
             self._audio_start += 1
         self._audio.append(frame)
-        voiced = self.vad.is_voiced(frame)
+        if voiced is None:
+            voiced = self.listens and self.vad.is_voiced(frame)
         for ev in self.utterances.update(i, voiced):
             utt = ev.utterance
             if ev.kind == "partial" and self.config.partial_transcripts:
@@ -528,6 +539,43 @@ class Conversation:
                 retrieval_id=retrieval_id,
             )
         )
+
+
+def use_cpu_threads() -> int:
+    """Give torch one intra-op thread for an engine that steps on the CPU, unless ``OMP_NUM_THREADS`` chooses
+    (torch's default, which follows it, is then kept). Returns the count in use. Call it before the first step:
+    each thread takes the count on its first parallel operation.
+
+    Why one (docs/PERFORMANCE.md, "CPU, 2 cores"): the CPU path runs the tiny checkpoint, whose operations are too
+    small to split across threads; one thread steps as fast as two on an idle machine and leaves the other core to
+    the event loop (voice activity, sockets, backends), where a second intra-op thread, spinning against them and
+    against other processes, made the frame several times slower.
+    """
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    torch.set_num_threads(1)
+    return 1
+
+
+def voice_activity(conversations: Sequence[Conversation], frames: Sequence[np.ndarray]) -> list[bool | None]:
+    """Each conversation's voice activity for its next frame, the Silero detectors of all of them in one pass
+    (:func:`cspan.core.vad.voice_probabilities`; several sessions cost little more than one). Give each result to
+    that conversation's :meth:`Conversation.before_step` (``voiced=``) with the same frame.
+
+    Returns:
+        per conversation, True/False, or None where it has another kind of detector (its ``before_step`` runs it)
+        or does not :attr:`~Conversation.listens`.
+    """
+    chosen = [k for k, c in enumerate(conversations) if c.listens and isinstance(c.vad, SileroVAD)]
+    probabilities = voice_probabilities(
+        [conversations[k].vad for k in chosen], [np.asarray(frames[k], dtype=np.float32).reshape(-1) for k in chosen]
+    )
+    voiced: list[bool | None] = [None] * len(conversations)
+    for k, probability in zip(chosen, probabilities, strict=True):
+        voiced[k] = probability >= conversations[k].vad.threshold
+    return voiced
 
 
 async def run_conversation(

@@ -76,6 +76,7 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
     ``DuplexEngine`` of batch ``settings.max_sessions``."""
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
     from cspan.core.engine import DuplexEngine
+    from cspan.core.runtime import use_cpu_threads
     from cspan.server.infer import pick_device
 
     device, dtype = pick_device(settings.device)
@@ -84,6 +85,8 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
     else:
         device = getattr(checkpoint.lm, "device", device)
         dtype = getattr(checkpoint.lm, "dtype", dtype)
+    if device.type == "cpu":
+        use_cpu_threads()  # before the engine thread's first operation: it takes the count then
     engine = DuplexEngine(
         checkpoint,
         batch_size=settings.max_sessions,

@@ -444,6 +444,7 @@ async def run_infer(settings: InferSettings) -> InferResult:
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.errors import CspanError
+    from cspan.core.runtime import use_cpu_threads
 
     s = settings
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
@@ -464,6 +465,8 @@ async def run_infer(settings: InferSettings) -> InferResult:
             )
     check_writable(s.output_wav, need_bytes=total * FRAME_SIZE * 2 * 2 + 65536)  # 16-bit stereo, the WAV bound
     device, dtype = pick_device(s.device)
+    if device.type == "cpu":
+        use_cpu_threads()  # before any thread's first operation: each takes the count then
     source = s.checkpoint or DEFAULT_CHECKPOINT
 
     from cspan.backends.context_db import Profile

@@ -7,7 +7,8 @@ Architecture (one process, one event loop)::
                                                                    |  start -> reserve a slot -> persona read
                                                                    v
     SessionHub frame loop (one asyncio task, 80 ms monotonic clock)
-        for each live session: one queued user frame (or silence) -> Conversation.before_step (spans queued)
+        for each live session: one queued user frame (or silence); their voice activity in one pass
+                               -> Conversation.before_step (spans queued)
         ONE EngineThread.frame(pcm [N, 1920], spans) for all N slots (spans read, then one batched step)
         for each live session: Conversation.after_step -> outputs (agent frame, events) -> its outbox
     Session outbox --outputs--> adapter.render -> wire messages -> client
@@ -1042,11 +1043,24 @@ class SessionHub:
         self.metrics.silence_frames.inc()
         return self._silence
 
+    @staticmethod
+    def _voice_activity(feeding: list[tuple[Session, np.ndarray]]) -> list[bool | None]:
+        """The sessions' voice activity for their frames in one pass of the detector
+        (:func:`cspan.core.runtime.voice_activity`); on a failure each session's ``before_step`` runs its own
+        detector (and a session whose detector fails ends alone)."""
+        from cspan.core.runtime import voice_activity
+
+        try:
+            return voice_activity([s.conversation for s, _ in feeding], [frame for _, frame in feeding])
+        except Exception:
+            logger.exception("frame loop: batched voice activity failed; running each session's detector")
+            return [None] * len(feeding)
+
     async def _tick(self) -> None:
         """One 80 ms frame for every live session (see the module docstring)."""
         t0 = time.perf_counter()
         pcm = np.zeros((self.engine_thread.batch_size, FRAME_SIZE), dtype=np.float32)
-        heads: dict[Session, tuple[int, list[ConversationEvent]]] = {}
+        feeding: list[tuple[Session, np.ndarray]] = []
         for s in self._live():
             frame = self._next_frame(s)
             if frame is None:
@@ -1054,9 +1068,13 @@ class SessionHub:
                 s.spawn(s.end("stop"))
                 continue
             pcm[s.slot] = frame
+            feeding.append((s, frame))
+        voiced = self._voice_activity(feeding)
+        heads: dict[Session, tuple[int, list[ConversationEvent]]] = {}
+        for (s, frame), frame_voiced in zip(feeding, voiced, strict=True):
             k = s.conversation.frame
             try:
-                await s.conversation.before_step(frame)
+                await s.conversation.before_step(frame, voiced=frame_voiced)
             except Exception as exc:
                 logger.exception("session %s: frame head failed", s.id)
                 self._fail(s, f"frame {k}: {type(exc).__name__}: {exc}")

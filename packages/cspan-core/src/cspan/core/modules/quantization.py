@@ -24,6 +24,11 @@ class EuclideanCodebook(nn.Module):
 
     Buffers: ``_initialized`` [1] (float flag, unused at inference), ``cluster_usage`` [bins],
     ``embedding_sum`` [bins, dim].
+
+    The centroids, and the codebook's side of the distance product, are computed once and cached for the current
+    buffer tensors and their version counters (a replaced buffer or an in-place change is seen; inference tensors
+    have no version counter, so an in-place change made to one under ``torch.inference_mode`` is not: replace it).
+    A CUDA graph captured after the first call reads the cached copy: capture again after changing the codebook.
     """
 
     epsilon = 1e-5
@@ -35,22 +40,60 @@ class EuclideanCodebook(nn.Module):
         self.register_buffer("_initialized", torch.zeros(1, device=device, dtype=torch.float32))
         self.register_buffer("cluster_usage", torch.ones(bins, device=device, dtype=dtype))
         self.register_buffer("embedding_sum", torch.zeros(bins, dim, device=device, dtype=dtype))
+        # (embedding_sum, cluster_usage, their versions, centroids, the codebook's side of the distance product)
+        self._cache: tuple[Tensor, Tensor, tuple, Tensor, Tensor] | None = None
 
     @property
     def embedding(self) -> Tensor:
         """Centroids ``[bins, dim]`` = ``embedding_sum / cluster_usage.clamp(min=1e-5)[:, None]``."""
-        return self.embedding_sum / self.cluster_usage.clamp(min=self.epsilon)[:, None]
+        return self._centroids()[0]
+
+    def _centroids(self) -> tuple[Tensor, Tensor]:
+        """(centroids ``[bins, dim]``, ``[1, bins, dim + 2]`` = ``[c, 1, |c|^2]`` for :meth:`encode`), cached."""
+        held, usage = self.embedding_sum, self.cluster_usage
+        versions = (_version(held), _version(usage))
+        cached = self._cache
+        if cached is not None and cached[0] is held and cached[1] is usage and cached[2] == versions:
+            return cached[3], cached[4]
+        with torch.no_grad():
+            emb = held / usage.clamp(min=self.epsilon)[:, None]
+            # torch.cdist's matrix-product form (aten::_euclidean_dist) of x2 = emb[None], built the same way
+            x2 = emb[None]
+            norm = x2.pow(2).sum(-1, keepdim=True)
+            augmented = torch.cat([x2, torch.ones_like(norm), norm], -1)
+        if not _capturing(emb):  # a tensor made during CUDA-graph capture holds nothing until the graph replays
+            self._cache = (held, usage, versions, emb, augmented)
+        return emb, augmented
 
     def encode(self, x: Tensor, embedding: Tensor | None = None) -> Tensor:
-        """Nearest-centroid indices: ``x`` ``[N, dim]`` -> ``[N]`` int64 (``embedding`` may be precomputed)."""
-        emb = self.embedding if embedding is None else embedding
-        dists = torch.cdist(x[None], emb[None], p=2)[0]
-        return dists.argmin(dim=-1)
+        """Nearest-centroid indices: ``x`` ``[N, dim]`` -> ``[N]`` int64 (``embedding`` may be given instead of the
+        codebook's own centroids).
+
+        Bit for bit ``torch.cdist(x[None], emb[None])[0].argmin(-1)``: above 25 rows on either side cdist takes
+        ``sqrt(clamp(|x|^2 + |c|^2 - 2 x.c, 0))`` from one matrix product of ``[-2x, |x|^2, 1]`` and
+        ``[c, 1, |c|^2]``; the codebook's side of it is cached, the rest is computed the same way.
+        """
+        if embedding is not None or (x.shape[0] <= 25 and self.bins <= 25):
+            emb = self.embedding if embedding is None else embedding
+            return torch.cdist(x[None], emb[None], p=2)[0].argmin(dim=-1)
+        augmented = self._centroids()[1]
+        x1 = x[None]
+        norm = x1.pow(2).sum(-1, keepdim=True)
+        dists = torch.cat([x1.mul(-2), norm, torch.ones_like(norm)], -1).matmul(augmented.mT)
+        return dists.clamp_min_(0).sqrt_()[0].argmin(dim=-1)
 
     def decode(self, codes: Tensor, embedding: Tensor | None = None) -> Tensor:
         """Centroid lookup: codes ``[*]`` -> ``[*, dim]`` (codes must lie in ``[0, bins)``; not checked, no sync)."""
         emb = self.embedding if embedding is None else embedding
         return F.embedding(codes, emb)
+
+
+def _version(t: Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+def _capturing(t: Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class VectorQuantization(nn.Module):
@@ -76,16 +119,13 @@ class ResidualVectorQuantization(nn.Module):
         Per level: ``code = argmin_j |r - c_j|``, then ``r <- r - c_code`` (r starts at x).
         """
         batch, dim, steps = x.shape
-        residual = x
+        residual = x.transpose(1, 2).reshape(batch * steps, dim)  # rows [N, D]: the same values, elementwise
         all_codes = []
         for layer in self.layers[:n_q]:
             codebook = layer._codebook
-            emb = codebook.embedding
-            flat = residual.transpose(1, 2).reshape(batch * steps, dim)
-            codes = codebook.encode(flat, emb).view(batch, steps)
-            quantized = codebook.decode(codes, emb).transpose(1, 2)  # [B, D, T]
-            residual = residual - quantized
-            all_codes.append(codes)
+            codes = codebook.encode(residual)
+            residual = residual - codebook.decode(codes)
+            all_codes.append(codes.view(batch, steps))
         return torch.stack(all_codes, dim=1)
 
     def decode(self, codes: Tensor) -> Tensor:

@@ -38,25 +38,50 @@ def _run_sequential(
     """Run ``model`` (``+ residual`` at the end). In streaming, an ``nn.ELU`` right before a streaming conv and
     the residual add after a last conv are handed to that conv (``activation=`` / ``residual=``), which on the GPU
     does them inside its fused kernel; the arithmetic is the same."""
-    layers = list(model.named_children())
+    if state is None:
+        x = model(x)
+        return x if residual is None else residual + x
     alpha: float | None = None
-    for idx, (name, layer) in enumerate(layers):
-        following = layers[idx + 1][1] if idx + 1 < len(layers) else None
-        if state is not None and type(layer) is nn.ELU and not layer.inplace and isinstance(following, _STREAMING):
-            alpha = float(layer.alpha)
+    for name, layer, fold_alpha, stateful, last_conv in _streaming_plan(model):
+        if fold_alpha is not None:
+            alpha = fold_alpha
             continue
-        if isinstance(layer, (*_STREAMING, SEANetResnetBlock)):
-            kwargs: dict = {}
-            if alpha is not None:
-                kwargs["activation"] = alpha
-                alpha = None
-            if state is not None and residual is not None and following is None and isinstance(layer, StreamingConv1d):
-                kwargs["residual"] = residual
-                residual = None
-            x = layer(x, None if state is None else state[name], **kwargs)
-        else:
+        if not stateful:
             x = layer(x)
+            continue
+        kwargs: dict = {}
+        if alpha is not None:
+            kwargs["activation"] = alpha
+            alpha = None
+        if residual is not None and last_conv:
+            kwargs["residual"] = residual
+            residual = None
+        x = layer(x, state[name], **kwargs)
     return x if residual is None else residual + x
+
+
+def _streaming_plan(model: nn.Sequential) -> list[tuple[str, nn.Module, float | None, bool, bool]]:
+    """Per layer of ``model``: (name, layer, the alpha of an ELU folded into the next conv or None, whether it
+    takes a streaming state, whether it is a last conv that takes the residual); built on the first streaming
+    call and kept (the layers of a SEANet do not change after construction)."""
+    plan = model.__dict__.get("_cspan_streaming_plan")
+    if plan is None:
+        layers = list(model.named_children())
+        plan = []
+        for idx, (name, layer) in enumerate(layers):
+            following = layers[idx + 1][1] if idx + 1 < len(layers) else None
+            folds = type(layer) is nn.ELU and not layer.inplace and isinstance(following, _STREAMING)
+            plan.append(
+                (
+                    name,
+                    layer,
+                    float(layer.alpha) if folds else None,
+                    isinstance(layer, (*_STREAMING, SEANetResnetBlock)),
+                    following is None and isinstance(layer, StreamingConv1d),
+                )
+            )
+        model.__dict__["_cspan_streaming_plan"] = plan
+    return plan
 
 
 def _sequential_state(model: nn.Sequential, batch_size: int, device, dtype) -> StateGroup:
