@@ -179,6 +179,9 @@ async def test_token_checks() -> None:
     assert await open_server.required() and await open_server.authenticate(None) is None
     assert (await open_server.authenticate(ada)).user_id == "ada"
     assert await open_server.authenticate(ops) is None
+    db.revoke_tokens(user_id="ada")
+    db.revoke_tokens(user_id="ops")
+    assert await open_server.required() and await open_server.authenticate(None) is None  # stays closed
     assert await CredentialAuthenticator(ContextDB(":memory:"), always=True).required()
     # /ws: the offered cspan.token.* subprotocol first (echoed), else ?token=
     cred = CspanAdapter.credential(Connection("/ws", {"token": "q"}, {}, ("other", f"cspan.token.{tok}")))

@@ -193,8 +193,8 @@ class CredentialAuthenticator:
     them in constant time.
 
     A credential is required when ``--token`` or ``--token-file`` is set, when the server listens beyond loopback
-    (unless ``insecure_no_token``), or while the Context DB holds an issued token (checked per connection, so
-    ``cspan users add`` takes effect at once). Otherwise (one person on 127.0.0.1) every session is
+    (unless ``insecure_no_token``), or once the Context DB has held an issued token (checked per connection until
+    then, so ``cspan users add`` takes effect at once; revoking every token later does not open the server). Otherwise (one person on 127.0.0.1) every session is
     :meth:`Principal.local() <cspan.backends.identity.Principal.local>`. A conversation needs the ``session``
     scope.
 
@@ -235,7 +235,9 @@ class CredentialAuthenticator:
             logger.info("token file reloaded")
 
     def _required(self) -> bool:
-        return self.configured or (self.db is not None and bool(self.db.tokens()))
+        if not self.configured and self.db is not None and self.db.tokens():
+            self.configured = True  # for good: revoking every token must not open the server to anyone
+        return self.configured
 
     async def required(self) -> bool:
         return await asyncio.to_thread(self._required)
