@@ -336,3 +336,29 @@ def test_operators_page_documents_every_serve_setting() -> None:
             continue
         flag = "--no-cuda-graphs" if name == "cuda_graphs" else "--" + name.replace("_", "-")
         assert f"`{flag}`" in doc, f"{flag} is not documented in docs/OPERATORS.md"
+
+
+async def test_infer_and_bench_take_the_same_tool_flags() -> None:
+    """``cspan infer`` and the bench runners (``fdb-v1 run``, ``qa``) take ``--tools`` / ``--mcp``; the runners' bank
+    is built from them (an MCP subprocess mounted; no mock world unless named); ``fdb-v3 run`` keeps its own world."""
+    import argparse
+
+    from cspan.bench.run_commands import make_bank
+
+    for verb in (["infer"], ["bench", "fdb-v1", "run"], ["bench", "qa"]):
+        help_text = cspan(*verb, "--help").stdout
+        assert "--tools" in help_text and "--mcp" in help_text, verb
+    assert "--mcp" not in cspan("bench", "fdb-v3", "run", "--help").stdout
+    args = argparse.Namespace(tools="default", mcp=[f"allow=add -- {sys.executable} {MCP_DEMO}"], knowledge=None)
+    bank = await make_bank(args)
+    try:
+        assert sorted(bank.names()) == ["add", "calculate", "get_time", "get_weather"]
+    finally:
+        await bank.aclose()
+    args.tools = "default,fdb-v3"
+    args.mcp = []
+    bank = await make_bank(args)
+    try:
+        assert {"book_flight", "search_flights", "get_time"} <= set(bank.names())
+    finally:
+        await bank.aclose()
