@@ -182,9 +182,9 @@ def build_transcriber(settings: ServeSettings) -> Any:
 
 
 async def build_backends(settings: ServeSettings, transcriber: Any) -> Backends:
-    """The shared backends of ``settings``: the one place serve builds its tool bank (built-in sets of ``--tools``,
-    MCP servers of ``--mcp``) and its router (``--router``). Runs on the serving event loop (MCP sessions belong to
-    it).
+    """The shared backends of ``settings``: the one place ``cspan serve`` (and ``cspan infer``) builds its tool bank
+    (built-in sets of ``--tools``, MCP servers of ``--mcp``) and its router (``--router``). Runs on the event loop
+    that will use them (MCP sessions belong to it).
 
     Raises:
         ServeConfigError: an MCP server did not start or list its tools, or two tools share a name (the message
@@ -197,6 +197,8 @@ async def build_backends(settings: ServeSettings, transcriber: Any) -> Backends:
     from cspan.backends.tools.catalog import build_bank
 
     if settings.router == "none":
+        if settings.mcp or settings.tools is not None:
+            logger.warning("--router none: no router calls tools; --tools and --mcp are not used")
         return Backends(transcriber=transcriber)
     knowledge = KnowledgeBase(settings.knowledge)
     spec = settings.tools_spec(knowledge=settings.knowledge)
