@@ -93,10 +93,11 @@ def test_weather_question_goes_through_the_full_loop(weather_run):
     tok = result.engine.tokenizer
     assert list(reports[0].ids) == [12, *tok.encode(span.text), 13]
     assert reports[0].n == span.n_frames
-    # and the KV stream holds them: positions 0..P read the P-frame prefix, then one per frame plus the span's columns
+    # and the KV stream holds them: the first frame reads the P-frame prefix (positions 0..P), then one position per
+    # frame plus the span's columns
     frames = int(doc.duration_s * 12.5)
     prefix_frames = int(result.engine.prefix_end[0])
-    assert int(result.engine.positions[0]) == prefix_frames + 1 + frames + reports[0].n
+    assert int(result.engine.positions[0]) == prefix_frames + frames + reports[0].n
 
 
 def test_given_span_is_injected_without_any_backend(tiny_checkpoint_dir, fixtures_dir, tmp_path):

@@ -293,8 +293,6 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
     engine = DuplexEngine(
         checkpoint,
         batch_size=1,
-        device=device,
-        dtype=dtype,
         temp=args.temp,
         temp_text=args.temp_text,
         cuda_graphs=False if args.no_cuda_graphs else None,

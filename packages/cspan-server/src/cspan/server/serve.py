@@ -934,17 +934,12 @@ def _build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
     from cspan.core.engine import DuplexEngine
     from cspan.server.infer import pick_device
 
-    device, dtype = pick_device(settings.device)
     if checkpoint is None:
+        device, dtype = pick_device(settings.device)
         checkpoint = load_checkpoint(settings.checkpoint or DEFAULT_CHECKPOINT, device=device, dtype=dtype)
-    else:
-        device = getattr(checkpoint.lm, "device", device)
-        dtype = getattr(checkpoint.lm, "dtype", dtype)
     engine = DuplexEngine(
         checkpoint,
         batch_size=settings.max_sessions,
-        device=device,
-        dtype=dtype,
         temp=settings.temp,
         temp_text=settings.temp_text,
         cuda_graphs=False if settings.no_cuda_graphs else None,
