@@ -262,3 +262,12 @@ def test_engine_from_a_loaded_checkpoint_and_errors(tiny_checkpoint, reference_l
         bare.step(torch.zeros(1, FRAME_SIZE))
     with pytest.raises(TypeError, match="loaded Checkpoint"):
         DuplexEngine("path/to/a/checkpoint")
+
+
+def test_a_step_with_every_session_idle_computes_nothing(tiny_checkpoint) -> None:
+    engine = DuplexEngine(tiny_checkpoint, batch_size=2)
+    engine.step(torch.zeros(2, FRAME_SIZE))
+    engine.set_live([0, 1], False)
+    out = engine.step(torch.zeros(2, FRAME_SIZE))
+    assert not out.valid.any() and (out.agent_pcm == 0).all() and out.text_token.tolist() == [-1, -1]
+    assert engine.positions == [1, 1] and engine.step_tokens(torch.zeros(2, 8, dtype=torch.long)).frame.eq(-2).all()

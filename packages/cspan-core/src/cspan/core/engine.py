@@ -376,6 +376,8 @@ class DuplexEngine:
         if forced is not None and tuple(forced.shape) != (B, K):
             raise ValueError(f"step_tokens: forced must be [{B}, {K}], got {tuple(forced.shape)}")
         batch = self._prepare()
+        if not batch.rows:  # every session idle: nothing to compute
+            return self._idle()
         user = None if user_codes is None else user_codes.to(self.device, torch.long)
         forced = None if forced is None else forced.to(self.device, torch.long)
         key = self._key(batch, "tokens", user is None, forced is None)
@@ -409,6 +411,13 @@ class DuplexEngine:
                 f"step: user_pcm must be [{B}, {FRAME_SIZE}] float32 at 24 kHz, got {tuple(user_pcm.shape)}"
             )
         batch = self._prepare()
+        if not batch.rows:  # every session idle: nothing to compute
+            tokens = self._idle()
+            silent = torch.zeros(B, FRAME_SIZE, device=self.device)
+            text = torch.full((B,), -1, dtype=torch.long, device=self.device)
+            return FrameOutput(
+                silent, text, text == RET, tokens.frame[:, 1 : 1 + self.num_codebooks], tokens.valid, tokens
+            )
         key = self._key(batch, "frame", False, True)
         emb = batch.embeddings or (None, None)
         out = self._frame_graphs(key, batch.shape, batch.packed, pcm.to(self.device, torch.float32), *emb)
@@ -431,6 +440,14 @@ class DuplexEngine:
             rows, blocks, prefixes, self.sessions.position, self.state.grid.max_delay, self.num_streams,
             self.state.scratch, self.state.lm.transformer.cache.capacity, self.plan, self.dtype,
         )  # fmt: skip
+
+    def _idle(self) -> TokenStepOutput:
+        """The output of a step in which no session is live."""
+        B, K, dev = self.batch_size, self.num_streams, self.device
+        none = torch.full((B, K), -2, dtype=torch.long, device=dev)
+        logits = torch.zeros(B, self.lm.text_linear.out_features, dtype=self.dtype, device=dev)
+        valid = torch.zeros(B, dtype=torch.bool, device=dev)
+        return TokenStepOutput(none, valid, none.clone(), none.clone(), logits, torch.full((B,), -1, device=dev))
 
     def _key(self, batch: StepBatch, kind: str, no_user: bool, no_forced: bool) -> tuple | None:
         """The graph key of a step (None: run eagerly, the block columns fit no bucket)."""

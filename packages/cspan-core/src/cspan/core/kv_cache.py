@@ -2,9 +2,8 @@
 optional FP8 storage.
 
 One :class:`KVCache` holds the keys (after RoPE) and values of every attention layer of one transformer for a
-batch of independent streams, in fixed buffers ``[L, B, C, H, Dh]`` (token-major per row, the "NHD" layout of
-FlashAttention / FlashInfer paged caches) used as rings of ``C`` slots: the entry for absolute position ``p`` of a
-row lives in slot ``p % C``. ``offset[b]`` (a long tensor on the device) is the next position row ``b`` will write,
+batch of independent streams, in fixed buffers ``[L, B, H, C, Dh]`` (each head's ring contiguous) used as rings
+of ``C`` slots: the entry for absolute position ``p`` of a row lives in slot ``p % C``. ``offset[b]`` (a long tensor on the device) is the next position row ``b`` will write,
 so the slot contents are a pure function of the offset: slot ``s`` holds the latest position ``p < offset`` with
 ``p % C == s`` (or nothing when there is none). Positions are never stored.
 
@@ -103,13 +102,13 @@ class CacheStep:
     """What one forward over ``T`` new positions needs from a :class:`KVCache`; built by :meth:`KVCache.begin`.
 
     Attributes:
-        rows: [B'] long batch rows being advanced, or None for all rows.
+        rows: [B'] long batch rows being advanced, a slice of consecutive rows, or None for all rows.
         positions: [B', T] long absolute positions of the new entries (the queries).
         key_positions: [B', S] long positions of the keys :meth:`KVCache.update` returns (-1 = empty slot);
             ``S = C`` when ``T == 1``, else ``C + T``.
     """
 
-    rows: torch.Tensor | None
+    rows: torch.Tensor | slice | None
     positions: torch.Tensor
     key_positions: torch.Tensor
 
@@ -128,8 +127,8 @@ class KVCache:
         compute_dtype: the dtype reads dequantize to (default ``dtype``; the activation dtype with FP8 storage).
 
     Attributes:
-        keys, values: [L, B, C, H, Dh] buffers.
-        key_scale, value_scale: [L, B, C, H] float32 scales with FP8 storage, else None.
+        keys, values: [L, B, H, C, Dh] buffers.
+        key_scale, value_scale: [L, B, H, C] float32 scales with FP8 storage, else None.
         offset: [B] long, next absolute position per row (positions since the row's last reset).
         capacity: C.
     """
@@ -150,7 +149,7 @@ class KVCache:
         self.capacity = capacity
         self.fp8 = dtype == FP8
         self.compute_dtype = compute_dtype or (torch.bfloat16 if self.fp8 else dtype) or torch.float32
-        shape = (num_layers, batch_size, capacity, num_heads, head_dim)
+        shape = (num_layers, batch_size, num_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.key_scale = self.value_scale = None
@@ -174,20 +173,21 @@ class KVCache:
             self.offset[rows.to(self.offset.device)] = 0
 
     def begin(
-        self, num_positions: int, rows: torch.Tensor | None = None, start: torch.Tensor | None = None
+        self, num_positions: int, rows: torch.Tensor | slice | None = None, start: torch.Tensor | None = None
     ) -> CacheStep:
         """Plan the append of ``num_positions`` (T) new positions to the chosen rows (all when None).
 
         Args:
             num_positions: T.
-            rows: [B'] long rows, None for all.
+            rows: [B'] long rows, a slice of consecutive rows (read as a view: no copy of their rings), or None for
+                all.
             start: [B'] long position of the first new entry per row (default the rows' offsets); a larger start
                 means the positions in between were written by an earlier chunk of the same forward.
 
         Returns:
             :class:`CacheStep` with the query positions [B', T] and the key positions [B', S].
         """
-        if rows is not None:
+        if isinstance(rows, torch.Tensor):
             rows = rows.to(self.offset.device)
         if start is None:
             start = self.offset if rows is None else self.offset[rows]
@@ -244,31 +244,40 @@ class KVCache:
         self.offset.index_add_(0, rows, step)
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(key_scale, value_scale) [B, C, H] of one layer of an FP8 cache, else None."""
+        """(key_scale, value_scale) [B, H, C] of one layer of an FP8 cache, else None."""
         if self.key_scale is None or self.value_scale is None:
             return None
         return self.key_scale[layer], self.value_scale[layer]
 
-    def _read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, layer: int, rows: torch.Tensor | slice | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot of the rows as [B', H, C, Dh] in the compute dtype."""
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            if rows is None:
+                return x
+            return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
         out = []
         for buf, scale in ((self.keys, self.key_scale), (self.values, self.value_scale)):
-            x = buf[layer] if rows is None else buf[layer].index_select(0, rows)
+            x = take(buf[layer])
             if scale is not None:
-                s = scale[layer] if rows is None else scale[layer].index_select(0, rows)
-                x = (x.float() * s[..., None]).to(self.compute_dtype)
-            out.append(x.transpose(1, 2))
+                x = (x.float() * take(scale[layer])[..., None]).to(self.compute_dtype)
+            out.append(x)
         return out[0], out[1]
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> None:
         T = k.shape[2]
         n = min(T, self.capacity)  # a chunk longer than the ring keeps only its last C positions
         slots = torch.remainder(step.positions[:, T - n :], self.capacity)  # [B', n]
-        rows = torch.arange(slots.shape[0], device=slots.device) if step.rows is None else step.rows
-        index = (rows[:, None], slots)  # advanced indices on dims 0 and 1 -> [B', n, H, Dh]
+        rows = step.rows
+        if rows is None or isinstance(rows, slice):
+            start = 0 if rows is None else rows.start or 0
+            rows = torch.arange(start, start + slots.shape[0], device=slots.device)
+        batch = rows[:, None]
         for buf, scale, x in ((self.keys, self.key_scale, k), (self.values, self.value_scale, v)):
-            new = x[:, :, T - n :].transpose(1, 2)  # [B', n, H, Dh]
+            # advanced indices on dims 0 and 2 -> the indexed view is [B', n, H, Dh]
+            new = x[:, :, T - n :].transpose(1, 2)
             if scale is not None:
-                new, s = quantize_fp8(new)
-                scale[layer][index] = s
-            buf[layer][index] = new.to(buf.dtype)
+                new, sc = quantize_fp8(new)
+                scale[layer][batch, :, slots] = sc
+            buf[layer][batch, :, slots] = new.to(buf.dtype)

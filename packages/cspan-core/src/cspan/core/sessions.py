@@ -178,6 +178,7 @@ class StepShape:
     queries: int
     embeddings: bool
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
+    first_rows: int = field(default=0, compare=False)
 
     @property
     def key(self) -> tuple[int, int, int, int, bool]:
@@ -246,14 +247,15 @@ def build_step(
             start += n
     N_real = start
     bucket = plan.block_bucket(N_real)
-    graphed = bucket is not None
+    graphed = plan.cuda_graphs and bucket is not None  # padded to the graph buckets
     N = bucket if graphed else N_real
     b = plan.rows_bucket(b_live) if graphed else b_live
     block_m = 0 if N == 0 else fused.block_m_for(N if graphed else max(lens))
     # query blocks of the prefill grid: enough for any lengths that fit a graphed bucket, else exactly these
     Q = 0 if N == 0 else -(-N // block_m) + b if graphed else sum(-(-n // block_m) for _, _, n in row_blocks)
     has_emb = any(blk.embeddings is not None for blk in parts)
-    shape = StepShape(b, N, block_m, Q, has_emb, tuple(row_blocks))
+    in_order = not graphed and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
+    shape = StepShape(b, N, block_m, Q, has_emb, tuple(row_blocks), b_live if in_order else 0)
 
     pad = b - b_live
     row_t = torch.tensor(rows + [scratch] * pad, dtype=torch.long)
@@ -335,7 +337,9 @@ def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInpu
             seq_row=seq_row, seq_start=seq_start, seq_len=seq_len, qb_seq=qb_seq, qb_j=qb_j,
             tok_row=tok_row, tok_j=tok_j, tok_keep=tok_keep.bool(), block_m=shape.block_m,
         )  # fmt: skip
-    layout = StepLayout(rows=rows, block_len=block_len, blocks=list(shape.blocks), ragged=ragged)
+    layout = StepLayout(
+        rows=rows, block_len=block_len, blocks=list(shape.blocks), ragged=ragged, first_rows=shape.first_rows
+    )
     return StepInputs(rows=rows, write_user=write, tokens=tokens, layout=layout)
 
 

@@ -29,7 +29,7 @@ Masking is computed in the kernels from absolute positions, with the eager path'
 ``0 <= q - p < window``. Ring slot s of a row that has written ``end`` positions holds position
 ``end - 1 - ((end - 1 - s) mod C)`` (:func:`cspan.core.kv_cache.slot_positions`); only the first ``min(end, C)``
 slots are read, so a short stream in a long cache costs what it holds, not the capacity. The cache layout is the
-one of :class:`cspan.core.kv_cache.KVCache`: ``[B, C, H, Dh]`` per layer, optionally FP8 (e4m3 codes with one
+one of :class:`cspan.core.kv_cache.KVCache`: ``[B, H, C, Dh]`` per layer, optionally FP8 (e4m3 codes with one
 float32 scale per position and head, dequantized as they are loaded).
 
 Numerics: the same roundings as the eager modules (RMSNorm and RoPE in float32, results rounded to the activation
@@ -366,8 +366,10 @@ if HAVE_TRITON:
         scale_log2,
         stride_q,
         stride_cb,
+        stride_ch,
         stride_cs,
         stride_sb,
+        stride_sh,
         stride_ss,
         ROPE: tl.constexpr,
         FP8: tl.constexpr,
@@ -398,8 +400,8 @@ if HAVE_TRITON:
             k = _rotate(k, tl.load(base + H * DH + (d ^ 1)).to(tl.float32), c, s, even)
         q = q.to(qkv_ptr.dtype.element_ty).to(tl.float32)
         k = k.to(qkv_ptr.dtype.element_ty).to(tl.float32)
-        cache = row * stride_cb + h * DH
-        scales = row * stride_sb + h
+        cache = row * stride_cb + h * stride_ch
+        scales = row * stride_sb + h * stride_sh
         slot = pos % C  # held position pos - C, which no query from now on can see
         if FP8:
             k_code, k_scale = _quantize_fp8(k, kc_ptr.dtype.element_ty)
@@ -528,8 +530,10 @@ if HAVE_TRITON:
         window,
         scale_log2,
         stride_cb,
+        stride_ch,
         stride_cs,
         stride_sb,
+        stride_sh,
         stride_ss,
         blocks_per_split,
         n_tokens,
@@ -563,8 +567,8 @@ if HAVE_TRITON:
         m_i = tl.full((BM,), -1.0e30, tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DH), tl.float32)
-        cache = row * stride_cb + h * DH
-        scales = row * stride_sb + h
+        cache = row * stride_cb + h * stride_ch
+        scales = row * stride_sb + h * stride_sh
         n_ring = tl.where(live, tl.minimum(pos0, C), 0)
         last = pos0 - 1
         lo = sid * blocks_per_split * BN
@@ -633,8 +637,10 @@ if HAVE_TRITON:
         H,
         C,
         stride_cb,
+        stride_ch,
         stride_cs,
         stride_sb,
+        stride_sh,
         stride_ss,
         FP8: tl.constexpr,
         DH: tl.constexpr,
@@ -649,7 +655,7 @@ if HAVE_TRITON:
             row = tl.load(tok_row_ptr + t).to(tl.int64)
             d = tl.arange(0, DH)
             src = (t.to(tl.int64) * H + h) * DH + d
-            dst = row * stride_cb + (pos % C) * stride_cs + h * DH + d
+            dst = row * stride_cb + h * stride_ch + (pos % C) * stride_cs + d
             k = tl.load(k_ptr + src)
             v = tl.load(v_ptr + src)
             if FP8:
@@ -657,7 +663,7 @@ if HAVE_TRITON:
                 v_code, v_scale = _quantize_fp8(v.to(tl.float32), vc_ptr.dtype.element_ty)
                 tl.store(kc_ptr + dst, k_code)
                 tl.store(vc_ptr + dst, v_code)
-                sdst = row * stride_sb + (pos % C) * stride_ss + h
+                sdst = row * stride_sb + h * stride_sh + (pos % C) * stride_ss
                 tl.store(ks_ptr + sdst, k_scale)
                 tl.store(vs_ptr + sdst, v_scale)
             else:
@@ -871,12 +877,12 @@ def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float) -> tu
 
 def _scale_args(
     keys: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(key_scale, value_scale, stride over rows, stride over slots): dummies without FP8 scales."""
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """(key_scale, value_scale, strides over rows, heads, slots) of [B, H, C] scales: dummies without FP8."""
     if scales is None:
-        return keys, keys, 0, 0
+        return keys, keys, 0, 0, 0
     ks, vs = scales
-    return ks, vs, ks.stride(0), ks.stride(1)
+    return ks, vs, ks.stride(0), ks.stride(1), ks.stride(2)
 
 
 def decode_attention(
@@ -895,12 +901,12 @@ def decode_attention(
 
     Args:
         qkv: [b, 3 * H * Dh] (or [b, 1, 3 * H * Dh]) the fused projection's output ([q; k; v], head-major).
-        keys, values: one layer's ring buffers [B, C, H, Dh] (updated in place at slot ``position % C``).
+        keys, values: one layer's ring buffers [B, H, C, Dh] (updated in place at slot ``position % C``).
         positions: [b] long, each query's position; its cache row holds positions ``< position`` (and keeps them).
         rows: [b] long cache rows.
         window: attention window in positions (<= C).
         rope: (cos, sin) [b, Dh/2] from :func:`rope_tables`, or None (no RoPE).
-        scales: (key_scale, value_scale) [B, C, H] float32 of an FP8 cache, else None.
+        scales: (key_scale, value_scale) [B, H, C] float32 of an FP8 cache, else None.
         config: (block_n, max_splits, waves, num_warps, num_stages); default :func:`decode_config`.
         pdl: launch with PDL (None: :func:`pdl_enabled`).
 
@@ -911,7 +917,7 @@ def decode_attention(
     if qkv2.stride(-1) != 1:
         qkv2 = qkv2.contiguous()
     b = qkv2.shape[0]
-    _, C, H, DH = keys.shape
+    _, H, C, DH = keys.shape
     out = torch.empty(b, H * DH, device=qkv.device, dtype=qkv.dtype)
     BN, max_splits, waves, warps, stages = config or DEFAULT.decode_config or decode_config(b)
     if config is None and DEFAULT.decode_config is None and DH <= 64:
@@ -922,10 +928,10 @@ def decode_attention(
         part_o = torch.empty(splits, b * H, DH, device=qkv.device, dtype=torch.float32)
         part_lse = torch.empty(splits, b * H, device=qkv.device, dtype=torch.float32)
     cos, sin = rope if rope is not None else (out, out)
-    ks, vs, stride_sb, stride_ss = _scale_args(keys, scales)
+    ks, vs, *scale_strides = _scale_args(keys, scales)
     _decode_attn_kernel[(b * H, splits)](
         qkv2, cos, sin, keys, values, ks, vs, rows, positions, out, part_o, part_lse,
-        H, C, int(window), _LOG2E / math.sqrt(DH), qkv2.stride(0), keys.stride(0), keys.stride(1), stride_sb, stride_ss,
+        H, C, int(window), _LOG2E / math.sqrt(DH), qkv2.stride(0), *keys.stride()[:3], *scale_strides,
         **_launch_opts(qkv.device, pdl, ROPE=rope is not None, FP8=scales is not None, DH=DH, BN=BN, SPLITS=splits,
                        STAGES=stages, num_warps=warps),
     )  # fmt: skip
@@ -1050,10 +1056,10 @@ def prefill_attention(
 
     Args:
         q, k, v: [N, H, Dh] new queries/keys/values (RoPE applied), laid out as ``ragged`` says.
-        keys, values: one layer's ring buffers [B, C, H, Dh].
+        keys, values: one layer's ring buffers [B, H, C, Dh].
         ragged: the sequences, with positions (:meth:`Ragged.at`).
         window: attention window in positions (<= C).
-        scales: (key_scale, value_scale) [B, C, H] of an FP8 cache, else None.
+        scales: (key_scale, value_scale) [B, H, C] of an FP8 cache, else None.
         config: (block_m, block_n, num_warps, num_stages) for tuning; block_m must be ``ragged.block_m``
             (default :data:`PREFILL_CONFIG`).
         splits: key splits per query block, for tuning (default: see :data:`PREFILL_WAVES`).
@@ -1063,7 +1069,7 @@ def prefill_attention(
         [N, H * Dh] in q's dtype (rows of padding tokens are undefined).
     """
     N, H, DH = q.shape
-    C = keys.shape[1]
+    C = keys.shape[2]
     out = torch.empty(N, H * DH, device=q.device, dtype=q.dtype)
     _, BN, warps, stages = config or PREFILL_CONFIG
     BM = ragged.block_m
@@ -1077,12 +1083,12 @@ def prefill_attention(
     if splits > 1:
         part_o = torch.empty(splits, N * H, DH, device=q.device, dtype=torch.float32)
         part_lse = torch.full((splits, N * H), -1.0e30, device=q.device, dtype=torch.float32)
-    ks, vs, stride_sb, stride_ss = _scale_args(keys, scales)
+    ks, vs, *scale_strides = _scale_args(keys, scales)
     assert ragged.seq_pos is not None, "prefill_attention needs the positions: Ragged.at(offset)"
     _prefill_attn_kernel[(Q, H, splits)](
         q, k, v, keys, values, ks, vs, ragged.seq_row, ragged.seq_start, ragged.seq_len, ragged.seq_pos,
         ragged.qb_seq, ragged.qb_j, out, part_o, part_lse,
-        H, C, int(window), _LOG2E / math.sqrt(DH), keys.stride(0), keys.stride(1), stride_sb, stride_ss, per, N,
+        H, C, int(window), _LOG2E / math.sqrt(DH), *keys.stride()[:3], *scale_strides, per, N,
         **_launch_opts(q.device, pdl, IEEE=q.dtype == torch.float32, FP8=scales is not None, DH=DH, BM=BM, BN=BN,
                        SPLITS=splits, num_warps=warps, num_stages=stages),
     )  # fmt: skip
@@ -1103,15 +1109,14 @@ def kv_write(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool | None = None,
 ) -> None:
-    """Store new keys/values k, v [N, H, Dh] into the ring buffers [B, C, H, Dh] (FP8 with ``scales``): token t at
+    """Store new keys/values k, v [N, H, Dh] into the ring buffers [B, H, C, Dh] (FP8 with ``scales``): token t at
     slot ``store_pos[t] % C`` of row ``tok_row[t]``, where ``store_pos[t] >= 0`` (:meth:`Ragged.at`)."""
     N, H, DH = k.shape
-    C = keys.shape[1]
-    ks, vs, stride_sb, stride_ss = _scale_args(keys, scales)
+    C = keys.shape[2]
+    ks, vs, *scale_strides = _scale_args(keys, scales)
     assert ragged.store_pos is not None, "kv_write needs the positions: Ragged.at(offset)"
     _kv_write_kernel[(N, H)](
-        k, v, keys, values, ks, vs, ragged.tok_row, ragged.store_pos, H, C,
-        keys.stride(0), keys.stride(1), stride_sb, stride_ss,
+        k, v, keys, values, ks, vs, ragged.tok_row, ragged.store_pos, H, C, *keys.stride()[:3], *scale_strides,
         **_launch_opts(k.device, pdl, FP8=scales is not None, DH=DH, num_warps=1 if DH <= 64 else 2),
     )  # fmt: skip
 

@@ -759,7 +759,8 @@ class StreamingTransformer(nn.Module):
         rows = layout.rows
         b, T = rows.shape[0], x.shape[0]
         H, Dh = self.num_heads, self.head_dim
-        decode = cache.begin(1, rows, start=next_pos)
+        b0 = layout.first_rows  # rows 0 .. b - 1 in order: the rings are read as views, not copied
+        decode = cache.begin(1, slice(0, b) if b0 == b else rows, start=next_pos)
         chunks = [(slice(b + s, b + s + n), cache.begin(n, rows[i : i + 1])) for i, s, n in layout.blocks]
         positions = torch.cat([next_pos, *(c.positions[0] for _, c in chunks)])[None]  # [1, T]
         if positions.shape[1] != T:
@@ -848,12 +849,15 @@ class StepLayout:
             (the eager path reads them row by row).
         ragged: the block tokens for the kernels (:class:`cspan.core.modules.fused.Ragged`, without positions:
             the step adds them), None without block tokens.
+        first_rows: b when ``rows`` is ``0 .. b - 1`` in order (the eager path then reads the rings as views),
+            else 0.
     """
 
     rows: torch.Tensor
     block_len: torch.Tensor
     blocks: list[tuple[int, int, int]]
     ragged: fused.Ragged | None = None
+    first_rows: int = 0
 
 
 def _feed_forward(layer: StreamingTransformerLayer, h: torch.Tensor, sets: list[int] | None, pdl: bool | None):
