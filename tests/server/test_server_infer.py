@@ -87,7 +87,7 @@ def test_weather_question_goes_through_the_full_loop(weather_run):
     assert "cloudy with light rain" in span.text and span.source.startswith("local")
     assert span.n_frames > 0 and span.injected_at > span.asked_at
 
-    # the span's tokens went through the engine's SpanInjector: the report's ids are [12] + spm(text) + [13]
+    # the span's tokens went through the engine's inject_span: the report's ids are [12] + spm(text) + [13]
     reports = result.conversation.span_reports
     assert len(reports) == 1
     tok = result.engine.tokenizer

@@ -160,7 +160,7 @@ def splice_block(delayed_tokens: torch.Tensor, position: int, block: torch.Tenso
 
     ``out[..., :position] = tokens[..., :position]``, ``out[..., position:position+n] = block``,
     ``out[..., position+n:] = tokens[..., position:]``. This is the one definition of where a Context Span goes,
-    used by :class:`SpanInjector` (on the session's grid window) and by ``cspan train`` (on whole sequences). At
+    used by the engine (:meth:`TokenGrid.splice` on the session's grid window) and by ``cspan train`` (on whole sequences). At
     inference ``position`` is the pending position (the position the next call feeds).
 
     Args:
