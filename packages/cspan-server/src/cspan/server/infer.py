@@ -145,6 +145,12 @@ def infer_command(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     add_model_arguments(parser)
+    parser.add_argument(
+        "--kv-dtype",
+        choices=("auto", "bf16", "fp16", "fp32", "fp8"),
+        default="auto",
+        help="KV cache storage (fp8: half)",
+    )
     add_backend_arguments(parser)
     parser.set_defaults(handler=_handle)
 
@@ -296,6 +302,7 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         temp=args.temp,
         temp_text=args.temp_text,
         cuda_graphs=False if args.no_cuda_graphs else None,
+        kv_dtype=args.kv_dtype,
         predict_user=False,  # the user's codes come from the input audio every frame
     )
     engine.reset(0, seed=args.seed)
