@@ -24,7 +24,12 @@ TEST_REQUIREMENTS = [
     "websockets>=12",
     "playwright>=1.45",
     "transformers>=4.44",  # the optional transformers ASR engine is tested too
+    "aiohttp>=3.10",  # Kyutai's moshi client (the /api/chat acceptance test) ...
+    "einops>=0.7",  # ... and what importing its package needs beyond ours
+    "openai>=3.57",  # its realtime client is tested against /v1/realtime
 ]
+UPSTREAM_CLIENTS = ["moshi==0.2.13"]
+"""Installed without their dependencies (they pin torch and numpy below ours): only their client code is used."""
 
 
 def _host_has_cuda_torch() -> bool:
@@ -53,6 +58,7 @@ def _install_project(session: nox.Session, *extra: str) -> None:
 def tests(session: nox.Session) -> None:
     """Install all five packages (editable) with the test tools and run pytest."""
     _install_project(session, *TEST_REQUIREMENTS)
+    session.install("--no-deps", *UPSTREAM_CLIENTS)
     session.run("pytest", *(session.posargs or ["tests"]))
 
 

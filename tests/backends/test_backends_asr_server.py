@@ -6,6 +6,7 @@ import asyncio
 import io
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -29,6 +30,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 
+SERVER_LOGS: dict[str, Path] = {}
+"""The log file of each running asr-serve, by base URL."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,6 +52,7 @@ def asr_server(tmp_path_factory) -> Iterator[str]:
     log_path = tmp_path_factory.mktemp("asr") / "server.log"
     with open(log_path, "wb") as log:
         proc = _cspan(
+            "-v",  # INFO lines too: the test of an abandoned upload reads them
             "asr-serve",
             "--engine",
             "sphinx",
@@ -77,6 +83,7 @@ def asr_server(tmp_path_factory) -> Iterator[str]:
             if time.monotonic() > deadline:
                 pytest.fail(f"asr-serve did not come up:\n{log_path.read_text()}")
             time.sleep(0.2)
+        SERVER_LOGS[base] = log_path
         yield base
     finally:
         proc.terminate()
@@ -240,7 +247,8 @@ def test_token_protects_everything_but_health(fixture_file):
     from cspan.backends.asr.engines import load_engine
     from cspan.backends.asr.server import ASRServerSettings, create_app
 
-    app = create_app(load_engine("sphinx", workers=1), ASRServerSettings(token="s3cret"))
+    settings = ASRServerSettings(token="s3cret", allowed_hosts=("testserver",))  # TestClient's Host
+    app = create_app(load_engine("sphinx", workers=1), settings)
     wav = fixture_file("audio", "question_weather_24k.wav").read_bytes()
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
@@ -264,3 +272,81 @@ def test_public_bind_without_token_is_refused():
         timeout=120,
     )
     assert out.returncode == 2 and "--token" in out.stderr
+
+
+def _wav_header(rate: int, samples: int = 1600) -> bytes:
+    """A 16-bit mono WAV whose header claims ``rate`` Hz (libsndfile cannot write such rates itself)."""
+    data = bytes(2 * samples)
+    fmt = struct.pack("<IHHIIHH", 16, 1, 1, rate, (rate * 2) % 2**32, 2, 16)
+    return (
+        b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", len(data)) + data
+    )
+
+
+def test_absurd_header_sample_rates_get_json_4xx(asr_server) -> None:
+    for rate in (2_000_000_000, 999, 1_000_000):
+        for path in ("/transcribe", "/v1/audio/transcriptions"):
+            r = httpx.post(f"{asr_server}{path}", files={"file": ("x.wav", _wav_header(rate), "audio/wav")}, timeout=60)
+            assert r.status_code == 400, (rate, path, r.text)
+            assert r.json()["error"]["code"] == "invalid_audio" and "sample rate" in r.json()["error"]["message"]
+    assert httpx.get(f"{asr_server}/health", timeout=10).status_code == 200
+
+
+def test_dns_rebinding_is_refused(asr_server) -> None:
+    port = asr_server.rsplit(":", 1)[1]
+    wav = _wav_header(16000)
+    for host in (f"rebind.example:{port}", "rebind.example", f"localhost:{int(port) + 1}", "127.0.0.1", ""):
+        r = httpx.get(f"{asr_server}/health", headers={"Host": host}, timeout=10)
+        assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed", host
+        r = httpx.post(
+            f"{asr_server}/transcribe", files={"file": ("x.wav", wav, "audio/wav")}, headers={"Host": host}, timeout=10
+        )
+        assert r.status_code == 421, host
+    for origin in (f"http://rebind.example:{port}", "null", f"http://localhost:{int(port) + 1}"):
+        r = httpx.get(f"{asr_server}/health", headers={"Origin": origin}, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", origin
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"LOCALHOST:{port}"):
+        assert httpx.get(f"{asr_server}/health", headers={"Host": host}, timeout=10).status_code == 200
+    ok = httpx.get(f"{asr_server}/health", headers={"Origin": f"http://127.0.0.1:{port}"}, timeout=10)
+    assert ok.status_code == 200
+
+
+def test_abandoned_upload_leaves_no_traceback(asr_server) -> None:
+    port = int(asr_server.rsplit(":", 1)[1])
+    body = _wav_header(16000, samples=200_000)
+    for content_type in ("audio/wav", "multipart/form-data; boundary=xyz"):
+        prefix = b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'
+        payload = body if content_type == "audio/wav" else prefix + body
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            head = (
+                f"POST /transcribe HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(payload) + 1000}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + payload[: len(payload) // 2])  # then hang up half-way
+    deadline = time.monotonic() + 10
+    log = SERVER_LOGS[asr_server]
+    while "went away" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    text = log.read_text()
+    assert "went away during the upload" in text and "Traceback" not in text
+    assert httpx.get(f"{asr_server}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--max-upload-mb", "inf"],
+            "--max-upload-mb / CSPAN_ASR_SERVE_MAX_UPLOAD_MB: Input should be a finite number",
+        ),
+        (["--port", "99999"], "--port / CSPAN_ASR_SERVE_PORT: Input should be less than or equal to 65535"),
+        (["--max-seconds", "nan"], "finite number"),
+        (["--concurrency", "0"], "greater than or equal to 1"),
+        (["--allowed-host", "bad host"], "--allowed-host / CSPAN_ASR_SERVE_ALLOWED_HOST: Value error, allowed host"),
+    ],
+)
+def test_out_of_range_settings_are_one_line_errors(flags: list[str], message: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "asr-serve", *flags], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr

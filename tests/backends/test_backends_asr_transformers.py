@@ -73,11 +73,11 @@ async def test_server_with_transformers_engine(tiny_ctc_dir: Path, fixture_file)
 
     from cspan.backends.asr import OpenAITranscriber
     from cspan.backends.asr.engines import load_engine
-    from cspan.backends.asr.server import create_app
+    from cspan.backends.asr.server import ASRServerSettings, create_app
 
     pcm, sr = sf.read(fixture_file("audio", "question_weather_24k.wav"), dtype="float32")
     engine = load_engine("transformers", model=tiny_ctc_dir, device="cpu")
-    app = create_app(engine)
+    app = create_app(engine, ASRServerSettings(allowed_hosts=("asr",)))  # the in-process client's Host
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://asr") as client:
         t = OpenAITranscriber("http://asr", api_key="", word_timestamps=True, client=client)
         result = await t.transcribe(pcm, sr)

@@ -1,17 +1,66 @@
-"""ContextDB: a real SQLite file (WAL), surviving a process restart, concurrent async writers, working text."""
+"""ContextDB: a real SQLite file (WAL) and a real PostgreSQL server, keyed by principal, migrated forward."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import itertools
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from postgres_server import PostgresServer, postgres_binaries
 
-from cspan.backends.context_db import SCHEMA_VERSION, ContextDB, ContextDBError, Profile, extract_facts
+from cspan.backends.context_db import (
+    SCHEMA_VERSION,
+    ContextDB,
+    ContextDBError,
+    Profile,
+    UserMemory,
+    default_db_path,
+    extract_facts,
+)
+from cspan.backends.context_db.schema import V1, statements
+
+# --------------------------------------------------------------------------------------------- PostgreSQL
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    if postgres_binaries() is None:
+        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) not found: apt-get install postgresql")
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+_databases = itertools.count()
+
+
+def _fresh_postgres(server: PostgresServer) -> str:
+    """A new empty database on the test server; returns its URL."""
+    import psycopg
+
+    name = f"t{next(_databases)}"
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return server.url.rsplit("/", 1)[0] + "/" + name
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A Context DB target of each engine (a SQLite file, a fresh PostgreSQL database)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "context.sqlite")
+    return _fresh_postgres(request.getfixturevalue("postgres"))
+
+
+# --------------------------------------------------------------------------------------------- persistence
 
 
 def test_survives_a_process_restart(tmp_path: Path) -> None:
@@ -20,15 +69,16 @@ def test_survives_a_process_restart(tmp_path: Path) -> None:
         f"""
         from cspan.backends.context_db import ContextDB, Profile
         db = ContextDB({str(path)!r})
-        db.put_profile(Profile(user_id="u1", name="Ada", city="Leeds", timezone="Europe/London", lat=53.8, lon=-1.55,
+        me = db.user("u1")
+        me.put_profile(Profile(name="Ada", city="Leeds", timezone="Europe/London", lat=53.8, lon=-1.55,
                                notes="Allergic to peanuts.", persona="a helpful travel agent"))
-        cid = db.start_conversation("u1", conversation_id="c1", checkpoint="tiny", settings={{"temperature": 0.7}})
-        db.add_turn(cid, "user", "hi, I live in York now", frame=12)
-        db.add_turn(cid, "agent", "Hello Ada!", frame=30)
-        sid = db.add_span(cid, question="what time is it", text="(tool result) It is noon.", tool="get_time",
+        cid = me.start_conversation("c1", checkpoint="tiny", settings={{"temperature": 0.7}})
+        me.add_turn(cid, "user", "hi, I live in York now", frame=12)
+        me.add_turn(cid, "agent", "Hello Ada!", frame=30)
+        sid = me.add_span(cid, question="what time is it", text="(tool result) It is noon.", tool="get_time",
                           arguments={{"timezone": "Europe/London"}}, source="tool:get_time", latency_s=0.4)
-        db.mark_span_injected(sid, injected_at=1000.5, frame=44)
-        db.add_span(cid, question="hmm", text=None, dropped="no_span")
+        me.mark_span_injected(sid, injected_at=1000.5, frame=44)
+        me.add_span(cid, question="hmm", text=None, dropped="no_span")
         print(sid)
         """
     )
@@ -36,12 +86,10 @@ def test_survives_a_process_restart(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     span_id = int(out.stdout.strip())
 
-    db = ContextDB(path)
-    try:
-        assert db.schema_version() == SCHEMA_VERSION
-        assert db.journal_mode == "wal"
-        profile = db.get_profile("u1")
-        assert profile == Profile(
+    with ContextDB(path) as db:
+        assert db.schema_version() == SCHEMA_VERSION and db.journal_mode == "wal"
+        me = db.user("u1")
+        assert me.get_profile() == Profile(
             user_id="u1",
             name="Ada",
             city="Leeds",
@@ -51,90 +99,158 @@ def test_survives_a_process_restart(tmp_path: Path) -> None:
             notes="Allergic to peanuts.",
             persona="a helpful travel agent",
         )
-        conv = db.get_conversation("c1")
+        conv = me.get_conversation("c1")
         assert conv is not None and conv.user_id == "u1" and conv.checkpoint == "tiny"
         assert conv.settings == {"temperature": 0.7}
-        turns = db.turns("c1")
-        assert [(t.role, t.text, t.frame) for t in turns] == [
+        assert [(t.role, t.text, t.frame) for t in me.turns("c1")] == [
             ("user", "hi, I live in York now", 12),
             ("agent", "Hello Ada!", 30),
         ]
-        spans = db.spans("c1")
+        spans = me.spans("c1")
         assert len(spans) == 2 and spans[0].id == span_id
         assert spans[0].tool == "get_time" and spans[0].arguments == {"timezone": "Europe/London"}
         assert spans[0].injected_at == 1000.5 and spans[0].frame == 44 and spans[0].dropped is None
         assert spans[1].text is None and spans[1].dropped == "no_span"
-        facts = {f.key: (f.value, f.source) for f in db.facts("u1")}
-        assert facts == {"name": ("Ada", "profile"), "city": ("York", "user")}
-    finally:
-        db.close()
+        assert {f.key: (f.value, f.source) for f in me.facts()} == {
+            "name": ("Ada", "profile"),
+            "city": ("York", "user"),
+        }
     with sqlite3.connect(path) as raw:
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
-async def test_concurrent_writes_from_20_tasks_lose_nothing(tmp_path: Path) -> None:
-    path = tmp_path / "context.sqlite"
-    first, second = ContextDB(path), ContextDB(path)  # two connections to one file, like two processes
+def test_default_is_a_file_in_the_platform_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("CSPAN_DB", raising=False)
+    assert default_db_path() == tmp_path / "data" / "cspan" / "context.sqlite"
+    with ContextDB() as db:
+        db.user("ada").set_fact("colour", "green")
+        assert db.path == str(default_db_path()) and db.journal_mode == "wal"
+    with ContextDB() as again:  # persistent: a second open sees it
+        assert [f.value for f in again.user("ada").facts()] == ["green"]
+    monkeypatch.setenv("CSPAN_DB", ":memory:")
+    with ContextDB() as mem:
+        assert mem.path == ":memory:" and mem.user("ada").facts() == []
+
+
+def test_migrates_the_first_schema_forward(tmp_path: Path) -> None:
+    """A file written by the first release (schema 1, rows keyed by conversation only) opens with everything kept."""
+    path = tmp_path / "v1.sqlite"
+    with sqlite3.connect(path) as raw:
+        for statement in statements(V1, "sqlite"):
+            raw.execute(statement)
+        raw.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        raw.execute("INSERT INTO schema_version VALUES (1)")
+        raw.execute("INSERT INTO profiles (user_id, name, city, updated_at) VALUES ('ada', 'Ada', 'Leeds', 10)")
+        raw.execute("INSERT INTO conversations (id, user_id, started_at) VALUES ('a1', 'ada', 11), ('b1', 'bob', 12)")
+        raw.execute("INSERT INTO turns (conversation_id, role, text, t) VALUES ('a1', 'user', 'hi from ada', 13)")
+        raw.execute("INSERT INTO turns (conversation_id, role, text, t) VALUES ('b1', 'user', 'hi from bob', 14)")
+        raw.execute(
+            "INSERT INTO spans (conversation_id, question, text, tool, asked_at) VALUES ('a1', 'q', 'r', 'calc', 15)"
+        )
+        raw.execute("INSERT INTO facts (user_id, key, value, t) VALUES ('ada', 'name', 'Ada', 10)")
+    with ContextDB(path) as db:
+        assert db.schema_version() == SCHEMA_VERSION == 2
+        ada, bob = db.user("ada"), db.user("bob")
+        assert [t.text for t in ada.turns("a1")] == ["hi from ada"] and ada.turns("b1") == []
+        assert [t.text for t in bob.turns("b1")] == ["hi from bob"]
+        assert [(s.id, s.tool) for s in ada.spans("a1")] == [(1, "calc")]
+        assert ada.get_profile() is not None and [f.value for f in ada.facts()] == ["Ada"]
+        # new rows get fresh ids after the copied ones
+        assert ada.add_turn("a1", "user", "after the migration") > 2
+        assert ada.add_span("a1", question="q2", text=None) == 2
+    with sqlite3.connect(path) as raw:
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(turns)")}
+        assert "user_id" in columns
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"])
+def test_newer_schema_is_refused(engine: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    target = str(tmp_path / "c.sqlite") if engine == "sqlite" else _fresh_postgres(request.getfixturevalue("postgres"))
+    ContextDB(target).close()
+    if engine == "sqlite":
+        with sqlite3.connect(target) as raw:
+            raw.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    else:
+        import psycopg
+
+        with psycopg.connect(target, autocommit=True) as conn:
+            conn.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION + 1,))
+    with pytest.raises(ContextDBError, match="newer"):
+        ContextDB(target)
+
+
+def test_not_a_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("this is not sqlite " * 200)
+    with pytest.raises(ContextDBError, match="cannot open"):
+        ContextDB(path)
+
+
+def test_unreachable_postgres_is_a_clear_error() -> None:
+    with pytest.raises(ContextDBError, match=r"cannot connect .*postgresql://u:\*\*\*@127\.0\.0\.1:1/x"):
+        ContextDB("postgresql://u:secret@127.0.0.1:1/x")
+
+
+# --------------------------------------------------------------------------------------------- one user's memory
+
+
+async def test_concurrent_writes_from_20_tasks_lose_nothing(target: str) -> None:
+    first, second = ContextDB(target), ContextDB(target)  # two connections, like two processes or replicas
     try:
-        cid = await first.astart_conversation("u1", conversation_id="busy")
-        per_task = 25
+        a, b = first.user("u1"), second.user("u1")
+        cid = await a.astart_conversation("busy")
+        per_task = 10
 
         async def writer(task: int) -> list[int]:
-            db = first if task % 2 == 0 else second
+            me = a if task % 2 == 0 else b
             ids = []
             for i in range(per_task):
-                ids.append(await db.aadd_turn(cid, "user", f"task {task} turn {i}", frame=i))
+                ids.append(await me.aadd_turn(cid, "user", f"task {task} turn {i}", frame=i))
                 if i % 5 == 0:
-                    ids.append(-(await db.aadd_span(cid, question=f"q{task}.{i}", text=f"r{task}.{i}")))
+                    ids.append(-(await me.aadd_span(cid, question=f"q{task}.{i}", text=f"r{task}.{i}")))
             return ids
 
         results = await asyncio.gather(*(writer(t) for t in range(20)))
         turn_ids = [i for ids in results for i in ids if i > 0]
         span_ids = [-i for ids in results for i in ids if i < 0]
-        assert len(set(turn_ids)) == 20 * per_task
-        assert len(set(span_ids)) == 20 * 5
-        texts = {t.text for t in await second.aturns(cid)}
+        assert len(set(turn_ids)) == 20 * per_task and len(set(span_ids)) == 20 * 2
+        texts = {t.text for t in await b.aturns(cid)}
         assert texts == {f"task {t} turn {i}" for t in range(20) for i in range(per_task)}
-        assert len(await first.aspans(cid)) == 100
+        assert len(await a.aspans(cid)) == 40
     finally:
         first.close()
         second.close()
 
 
 def test_working_text_keeps_profile_and_drops_oldest_turns() -> None:
-    db = ContextDB(":memory:")
-    db.put_profile(Profile(user_id="u", name="Ada", timezone="Europe/London"))
-    cid = db.start_conversation("u")
+    me = ContextDB(":memory:").user("u")
+    me.put_profile(Profile(name="Ada", timezone="Europe/London"))
+    cid = me.start_conversation()
     for i in range(12):
-        db.add_turn(cid, "user" if i % 2 == 0 else "agent", f"turn number {i:02d} " + "x" * 40)
-    db.add_turn(cid, "tool", 'get_time({"timezone": "Europe/London"}) => It is noon.')
-    full = db.working_text(cid, max_chars=5000, recent=10)
-    lines = full.splitlines()
+        me.add_turn(cid, "user" if i % 2 == 0 else "agent", f"turn number {i:02d} " + "x" * 40)
+    me.add_turn(cid, "tool", 'get_time({"timezone": "Europe/London"}) => It is noon.')
+    lines = me.working_text(cid, max_chars=5000, recent=10).splitlines()
     assert lines[0] == "profile: user=Ada, place=London, timezone=Europe/London"
     assert len(lines) == 11  # profile + the last 10 turns
     assert lines[1].startswith("agent: turn number 03") and lines[-1].startswith("tool: get_time(")
-
-    short = db.working_text(cid, max_chars=200, recent=10)
-    assert len(short) <= 200
+    short = me.working_text(cid, max_chars=200, recent=10)
     kept = short.splitlines()
-    assert kept[0].startswith("profile: user=Ada") and kept[-1] == lines[-1]
-    assert 1 < len(kept) < len(lines)
-    assert kept[1:] == lines[-(len(kept) - 1) :]  # the newest turns survive, in order
-
-    assert db.working_text(cid, max_chars=20).startswith("profile: user=Ada")
-    assert len(db.working_text(cid, max_chars=20)) == 20
+    assert len(short) <= 200 and kept[0].startswith("profile: user=Ada") and kept[-1] == lines[-1]
+    assert 1 < len(kept) < len(lines) and kept[1:] == lines[-(len(kept) - 1) :]
+    assert len(me.working_text(cid, max_chars=20)) == 20
 
 
 def test_user_turns_become_facts_and_dedupe() -> None:
-    db = ContextDB()
-    cid = db.start_conversation("priya")
-    first = db.add_turn(cid, "user", "Hello, my name is Priya and I live in Sydney.")
-    again = db.add_turn(cid, "user", "hello my name is priya and i live in sydney", dedupe=True)
-    assert again == first and len(db.turns(cid)) == 1
-    assert {f.key: f.value for f in db.facts("priya")} == {"name": "Priya", "city": "Sydney"}
-    assert db.profile_line("priya") == "profile: the user's name is Priya, the user lives in Sydney"
-    db.add_turn(cid, "agent", "agents' words are not facts: my name is Bob")
-    assert {f.key: f.value for f in db.facts("priya")}["name"] == "Priya"
+    me = ContextDB(":memory:").user("priya")
+    cid = me.start_conversation()
+    first = me.add_turn(cid, "user", "Hello, my name is Priya and I live in Sydney.")
+    again = me.add_turn(cid, "user", "hello my name is priya and i live in sydney", dedupe=True)
+    assert again == first and len(me.turns(cid)) == 1
+    assert {f.key: f.value for f in me.facts()} == {"name": "Priya", "city": "Sydney"}
+    assert me.profile_line() == "profile: the user's name is Priya, the user lives in Sydney"
+    me.add_turn(cid, "agent", "agents' words are not facts: my name is Bob")
+    assert {f.key: f.value for f in me.facts()}["name"] == "Priya"
 
 
 @pytest.mark.parametrize(
@@ -153,35 +269,143 @@ def test_extract_facts(text: str, facts: dict[str, str]) -> None:
 
 def test_span_marks_and_errors(tmp_path: Path) -> None:
     with ContextDB(tmp_path / "c.sqlite") as db:
-        cid = db.start_conversation()
-        sid = db.add_span(cid, question="q", text="(tool result) 5", tool="calculate", source="tool:calculate")
-        db.mark_span_dropped(sid, "late")
-        assert db.spans(cid)[0].dropped == "late" and db.spans(cid)[0].injected_at is None
-        db.mark_span_injected(sid, frame=7)
-        rec = db.spans(cid)[0]
+        me = db.user("u")
+        cid = me.start_conversation()
+        sid = me.add_span(cid, question="q", text="(tool result) 5", tool="calculate", source="tool:calculate")
+        me.mark_span_dropped(sid, "late")
+        assert me.spans(cid)[0].dropped == "late" and me.spans(cid)[0].injected_at is None
+        me.mark_span_injected(sid, frame=7)
+        rec = me.spans(cid)[0]
         assert rec.dropped is None and rec.frame == 7 and rec.injected_at is not None
         with pytest.raises(ContextDBError, match="span 999"):
-            db.mark_span_injected(999)
+            me.mark_span_injected(999)
         with pytest.raises(ValueError, match="drop reason"):
-            db.mark_span_dropped(sid, "bored")  # type: ignore[arg-type]
+            me.mark_span_dropped(sid, "bored")  # type: ignore[arg-type]
         with pytest.raises(ContextDBError, match="start_conversation"):
-            db.add_turn("nope", "user", "hello")
+            me.add_turn("nope", "user", "hello")
         with pytest.raises(ValueError, match="role"):
-            db.add_turn(cid, "system", "hello")  # type: ignore[arg-type]
-        assert db.start_conversation(conversation_id=cid) == cid  # resuming is a no-op
+            me.add_turn(cid, "system", "hello")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="conversation id"):
+            me.start_conversation("x" * 500)
+        assert me.start_conversation(cid) == cid  # resuming is a no-op
 
 
-def test_newer_schema_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "c.sqlite"
-    ContextDB(path).close()
-    with sqlite3.connect(path) as raw:
-        raw.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
-    with pytest.raises(ContextDBError, match="newer"):
-        ContextDB(path)
+# --------------------------------------------------------------------------------------------- isolation
 
 
-def test_not_a_database_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "notes.txt"
-    path.write_text("this is not sqlite " * 200)
-    with pytest.raises(ContextDBError, match="cannot open"):
-        ContextDB(path)
+def test_no_method_reaches_another_users_rows(target: str) -> None:
+    """Bob's memory, given Ada's conversation and span ids, neither reads nor changes any of her rows."""
+    db = ContextDB(target)
+    ada, bob = db.user("ada"), db.user("bob")
+    ada.put_profile(Profile(name="Ada", city="Leeds", notes="Ada's secret note"))
+    ada.start_conversation("c1")
+    ada.add_turn("c1", "user", "my name is Ada and I live in Leeds")
+    ada_span = ada.add_span("c1", question="secret question", text="secret answer", tool="t")
+    bob.start_conversation("c1")  # the same conversation id: Bob's own, a different row
+
+    tried: set[str] = set()
+
+    def attempt(name: str, *args, **kwargs):
+        tried.add(name)
+        return getattr(bob, name)(*args, **kwargs)
+
+    assert attempt("get_profile") is None
+    assert attempt("facts") == []
+    assert attempt("turns", "c1") == [] and attempt("spans", "c1") == []
+    assert attempt("last_user_text", "c1") == ""
+    assert "Ada" not in attempt("working_text", "c1") and attempt("profile_line") == ""
+    assert [c.user_id for c in attempt("conversations")] == ["bob"]
+    assert attempt("get_conversation", "c1").user_id == "bob"
+    with pytest.raises(ContextDBError):
+        attempt("mark_span_injected", ada_span)
+    with pytest.raises(ContextDBError):
+        attempt("mark_span_dropped", ada_span, "late")
+    assert attempt("add_turn", "c1", "user", "bob speaking") > 0  # into Bob's c1
+    assert attempt("add_span", "c1", question="bob's", text=None) > 0
+    assert attempt("end_conversation", "c1") is True
+    stored = attempt("put_profile", Profile(user_id="ada", name="Mallory"))  # the profile's user_id is ignored
+    assert stored.user_id == "bob"
+    attempt("set_fact", "name", "Mallory")
+    assert attempt("forget_fact", "city") is False  # Ada's city is not Bob's to forget
+    exported = attempt("export")
+    assert "secret" not in str(exported) and "Leeds" not in str(exported)
+    assert attempt("forget")["facts"] == 1
+    attempt("start_conversation", "c2")
+
+    # every public method of UserMemory was tried (async twins run the same code in a thread)
+    public = {n for n, _ in inspect.getmembers(UserMemory, inspect.isfunction) if not n.startswith("_")}
+    assert {n for n in public if not n.startswith("a") or n == "add_turn" or n == "add_span"} <= tried
+
+    # and Ada's rows are exactly as she left them
+    assert ada.get_profile().name == "Ada" and ada.get_conversation("c1").ended_at is None
+    assert [t.text for t in ada.turns("c1")] == ["my name is Ada and I live in Leeds"]
+    assert [s.injected_at for s in ada.spans("c1")] == [None]
+    assert {f.key: f.value for f in ada.facts()} == {"name": "Ada", "city": "Leeds"}
+    db.close()
+
+
+def test_two_replicas_see_each_others_facts(postgres: PostgresServer) -> None:
+    url = _fresh_postgres(postgres)
+    replica_a, replica_b = ContextDB(url), ContextDB(url)  # both migrate at once without harm
+    try:
+        a = replica_a.user("ada")
+        a.start_conversation("c")
+        a.add_turn("c", "user", "my name is Ada, I live in Leeds")
+        b = replica_b.user("ada")
+        assert {f.key: f.value for f in b.facts()} == {"name": "Ada", "city": "Leeds"}
+        assert b.working_text("c").startswith("profile: the user's name is Ada")
+        assert replica_b.user("bob").facts() == []
+    finally:
+        replica_a.close()
+        replica_b.close()
+
+
+# --------------------------------------------------------------------------------------------- operators
+
+
+def test_export_forget_and_retention(target: str) -> None:
+    db = ContextDB(target)
+    ada = db.user("ada")
+    ada.put_profile(Profile(name="Ada"))
+    ada.start_conversation("old", started_at=1000.0)
+    ada.add_turn("old", "user", "an old turn", t=1000.0)
+    ada.add_span("old", question="old q", text=None, asked_at=1000.0)
+    ada.start_conversation("new")
+    ada.add_turn("new", "user", "a new turn")
+    db.user("bob").set_fact("city", "Paris")
+
+    exported = db.export_user("ada")
+    assert exported["user_id"] == "ada" and exported["profile"]["name"] == "Ada"
+    assert {c["id"]: [t["text"] for t in c["turns"]] for c in exported["conversations"]} == {
+        "old": ["an old turn"],
+        "new": ["a new turn"],
+    }
+    assert db.users() == ["ada", "bob"]
+
+    removed = db.prune(30)  # everything older than 30 days: the 1970 rows
+    assert removed["turns"] == 1 and removed["spans"] == 1 and removed["conversations"] == 1
+    assert [c.id for c in ada.conversations()] == ["new"] and ada.get_profile() is not None
+
+    counts = db.forget_user("ada")
+    assert counts["turns"] == 1 and counts["conversations"] == 1 and counts["profiles"] == 1
+    assert db.export_user("ada")["conversations"] == [] and db.users() == ["bob"]
+    with pytest.raises(ValueError, match="positive"):
+        db.prune(float("inf"))
+    db.close()
+    with ContextDB(target, retention_days=30) as again:  # retention applies at open
+        assert again.retention_days == 30
+
+
+def test_deprecated_methods_still_work_and_warn() -> None:
+    db = ContextDB(":memory:")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        db.put_profile(Profile(user_id="ada", name="Ada"))
+        cid = db.start_conversation("ada")
+        db.add_turn(cid, "user", "hello")
+        sid = db.add_span(cid, question="q", text="r")
+        db.mark_span_injected(sid, frame=3)
+        assert [t.text for t in db.turns(cid)] == ["hello"] and db.spans(cid)[0].frame == 3
+        assert db.get_profile("ada").name == "Ada" and db.turns("unknown") == []
+    assert caught and all(issubclass(w.category, DeprecationWarning) for w in caught)
+    assert db.user("ada").turns(cid)[0].text == "hello"

@@ -107,18 +107,25 @@ async def test_spoken_arithmetic_goes_to_calculate(bank: ToolBank, question: str
 
 async def test_profile_notes_and_db_facts(tmp_path: Path, bank: ToolBank) -> None:
     db = ContextDB(tmp_path / "ctx.sqlite")
-    cid = db.start_conversation("priya")
-    db.add_turn(cid, "user", "Hello, my name is Priya and I live in Sydney.")
-    router = LocalRouter(bank, db)
-    profile = Profile(user_id="priya", notes="My dentist appointment is on Friday at 3 pm. I prefer window seats.")
+    priya = db.user("priya")
+    cid = priya.start_conversation()
+    priya.add_turn(cid, "user", "Hello, my name is Priya and I live in Sydney.")
+    router = LocalRouter(bank, priya)
+    profile = Profile(notes="My dentist appointment is on Friday at 3 pm. I prefer window seats.")
     name = await router.route(RouteRequest(question="what's my name", profile=profile))
     assert name.reference == "The user's name is Priya." and name.source == "local:facts"
     dentist = await router.route(RouteRequest(question="when is my dentist appointment", profile=profile))
     assert dentist.reference == "My dentist appointment is on Friday at 3 pm." and dentist.source == "local:notes"
     # the stored profile is used when the request has none
-    db.put_profile(Profile(user_id="default", notes="The wifi password is tulip42."))
+    priya.put_profile(Profile(notes="The wifi password is tulip42."))
     wifi = await router.route(RouteRequest(question="what is the wifi password"))
     assert wifi.reference == "The wifi password is tulip42."
+    # another user's session router (sharing the index) finds none of it, whatever the request claims
+    bob_router = router.with_bank(bank, memory=db.user("bob"))
+    assert bob_router.knowledge is router.knowledge
+    for question in ("what's my name", "what is the wifi password"):
+        claimed = Profile(user_id="priya")  # a client's message cannot pick the user
+        assert (await bob_router.route(RouteRequest(question=question, profile=claimed))).reference is None
     db.close()
 
 

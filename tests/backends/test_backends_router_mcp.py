@@ -39,16 +39,19 @@ async def test_mcp_tool_called_through_the_router(stub: StubLLM, mcp_bank: ToolB
             "arguments": {"amount": "250", "from_currency": "EUR", "to_currency": "USD"},
         },
         {"tool": "world_book_flight", "arguments": {"passenger_name": "Ada Lovelace"}},
+        {"tool": "world_book_flight", "arguments": {"passenger_name": "Ada Lovelace"}},
     )
     in_process = ToolBank.fdb_v3()
     expected = await in_process.call("get_exchange_rate", {"amount": 250, "from_currency": "EUR", "to_currency": "USD"})
     await in_process.aclose()
 
     db = ContextDB(tmp_path / "ctx.sqlite")
+    memory = db.user("ada")
     async with LLMRouter(stub.url, "m", mcp_bank) as router:
-        retriever = Retriever(None, router, db)
+        retriever = Retriever(None, router, memory)
         span = await retriever.retrieve(question="what's two hundred fifty euros in dollars", conversation_id="c")
-        refused = await router.route(RouteRequest(question="which flights go to paris"))
+        held = await router.route(RouteRequest(question="book me on the flight to paris"))
+        confirmed = await router.route(RouteRequest(question="yes, go ahead", history=held.calls))
 
     assert (
         span.error is None and span.tool == "world_get_exchange_rate" and span.source == "tool:world_get_exchange_rate"
@@ -57,8 +60,13 @@ async def test_mcp_tool_called_through_the_router(stub: StubLLM, mcp_bank: ToolB
     assert span.reference == f"(tool result) {expected.text}"
     names = [t["function"]["name"] for t in stub.requests[0]["tools"]]
     assert "world_get_exchange_rate" in names
-    tool_turn = db.turns("c")[-1]
+    tool_turn = memory.turns("c")[-1]
     assert tool_turn.role == "tool" and tool_turn.text.startswith("world_get_exchange_rate(")
-    # the server's "action" kind survives the MCP bridge, so the action guard still applies
-    assert refused.reference is None and "refused action tool world_book_flight" in (refused.error or "")
+    # the server's "action" kind survives the MCP bridge, so the action waits for the user's confirmation
+    assert held.source == "confirm:world_book_flight" and held.calls[0].status == "awaiting_confirmation"
+    assert held.reference is not None and "confirmation needed" in held.reference
+    assert "passenger name Ada Lovelace" in held.reference
+    # confirmed: the booking tool itself ran this time (and answered that no flight was searched for yet)
+    assert confirmed.tool == "world_book_flight" and "search" in (confirmed.error or "")
+    assert "confirmation" not in (confirmed.reference or "")
     db.close()

@@ -13,6 +13,7 @@ import pytest
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools import ToolBank
+from cspan.backends.tools.catalog import ToolsSpec, build_bank
 from cspan.backends.tools.mcp_bridge import model_from_json_schema
 from cspan.backends.tools.world import MockWorld
 
@@ -33,10 +34,11 @@ def cspan_tools(*args: str) -> list[str]:
 async def test_mount_cspan_tools_serve_over_stdio(tmp_path: Path) -> None:
     db = tmp_path / "world.sqlite"
     closed = f"http://127.0.0.1:{free_port()}"
-    command = cspan_tools("serve", "--world-db", str(db), "--weather-url", closed)
+    sets = "clock,calculator,weather,fdb-v3"
+    command = cspan_tools("serve", "--tools", sets, "--world-db", str(db), "--weather-url", closed)
     bank = await ToolBank.from_mcp(command, connect_timeout_s=CONNECT_S, timeout_s=60)
     try:
-        local = ToolBank.default()
+        local = await build_bank(ToolsSpec.from_flags(sets))
         assert bank.names() == local.names()
         for name in local.names():
             assert bank.get(name).json_schema() == local.get(name).json_schema()
@@ -129,6 +131,18 @@ async def test_mount_cspan_tools_serve_over_http(tmp_path: Path) -> None:
             assert rate.data["converted"] == pytest.approx(92.17, abs=0.01)
         finally:
             await bank.aclose()
+        # DNS rebinding: a page's Host or Origin that is not this loopback server's is refused on every route
+        import httpx
+
+        hello = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        for headers, status in [
+            ({"Host": f"rebind.example:{port}"}, 421),
+            ({"Host": f"localhost:{port + 1}"}, 421),
+            ({"Origin": f"http://rebind.example:{port}"}, 403),
+        ]:
+            r = httpx.post(f"http://127.0.0.1:{port}/mcp", json=hello, headers=headers, timeout=10)
+            assert r.status_code == status, (headers, r.text)
+            assert httpx.get(f"http://127.0.0.1:{port}/other", headers=headers, timeout=10).status_code == status
     finally:
         proc.terminate()
         try:
@@ -208,3 +222,16 @@ def test_backends_tools_import_without_torch_core_or_mcp() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"torch": False, "cspan.core": False, "mcp": False}
+
+
+def test_tools_serve_refuses_bad_ports_and_names() -> None:
+    for args, message in [
+        (["serve", "--transport", "http", "--port", "99999"], "not a TCP port"),
+        (["list", "--tools", "clock,shopping"], "unknown tool set 'shopping'"),
+        (["list", "--tools", "memory"], "memory tools act for one signed-in user"),
+    ]:
+        out = subprocess.run(cspan_tools(*args), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    listed = subprocess.run(cspan_tools("list"), capture_output=True, text=True, timeout=120)
+    names = [line.split("(")[0] for line in listed.stdout.splitlines()]
+    assert names == ["get_time", "calculate", "get_weather"]  # no mock world unless named

@@ -46,11 +46,18 @@ def free_port() -> int:
 @dataclass
 class FakeChatServer:
     """An OpenAI-compatible ``/v1/chat/completions`` server on 127.0.0.1 (uvicorn in a thread) that answers the
-    scripted replies in order (the last one repeats) and keeps every request body."""
+    scripted replies in order (the last one repeats), or what ``replies(request_body)`` returns, and keeps every
+    request body."""
 
-    replies: list[dict[str, Any]]
+    replies: list[dict[str, Any]] | Callable[[dict[str, Any]], dict[str, Any]]
     requests: list[dict[str, Any]] = field(default_factory=list)
     port: int = 0
+
+    def reply_to(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.requests.append(body)
+        if callable(self.replies):
+            return self.replies(body)
+        return self.replies[min(len(self.requests), len(self.replies)) - 1]
 
     @property
     def url(self) -> str:
@@ -74,19 +81,19 @@ def _tool_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def fake_chat_server() -> Iterator[Callable[[list[dict[str, Any]]], FakeChatServer]]:
-    """``fake_chat_server([message, ...])`` starts a server replying those assistant messages in order."""
+def fake_chat_server() -> Iterator[Callable[..., FakeChatServer]]:
+    """``fake_chat_server([message, ...])`` starts a server replying those assistant messages in order;
+    ``fake_chat_server(fn)`` one replying ``fn(request_body)``."""
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(replies: list[dict[str, Any]]) -> FakeChatServer:
-        fake = FakeChatServer(replies=list(replies), port=free_port())
+    def start(replies: list[dict[str, Any]] | Callable[[dict[str, Any]], dict[str, Any]]) -> FakeChatServer:
+        fake = FakeChatServer(replies=replies if callable(replies) else list(replies), port=free_port())
         app = FastAPI()
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> dict[str, Any]:
             body = await request.json()
-            fake.requests.append(body)
-            message = fake.replies[min(len(fake.requests), len(fake.replies)) - 1]
+            message = fake.reply_to(body)
             return {
                 "id": f"chatcmpl-{len(fake.requests)}",
                 "object": "chat.completion",

@@ -183,3 +183,62 @@ def test_cli_rates_interruptions_with_the_judge(server: ChatServer, tmp_path: Pa
     assert "- User interrupting turn: Can we talk about something else? How about fiction books?" in user
     assert "To Kill a Mockingbird" in user
     assert "Authorization" not in server.headers[0]
+
+
+def test_a_judge_that_keeps_failing_is_taken_as_down(server: ChatServer) -> None:
+    judge = OpenAIJudge(server.url, "m", max_attempts=2, backoff_s=0)
+    server.replies = ["fine"]
+    assert judge.chat([{"role": "user", "content": "x"}]) == "fine" and judge.trouble() is None
+    # from now on HTTP 503 (no reply queued): each request tries twice, then fails
+    for _ in range(2):
+        with pytest.raises(JudgeError, match="failed after 2 attempt"):
+            judge.chat([{"role": "user", "content": "x"}])
+    assert len(server.requests) == 1 + 2 * 2 and judge.down is not None
+    # two requests in a row failed: later ones fail at once, without a request
+    with pytest.raises(JudgeError, match="is taken as down"):
+        judge.chat([{"role": "user", "content": "x"}])
+    assert len(server.requests) == 5
+    assert (judge.answered, judge.failed) == (1, 3)
+    assert "was taken as down after 1 answered request(s)" in (judge.trouble() or "")
+    judge.close()
+    # a success in between resets the count; a judge that never answered says so
+    other = OpenAIJudge(server.url, "m", max_attempts=1, backoff_s=0, down_after=3)
+    server.replies = [(500, "x"), "ok", (500, "x"), (500, "x")]
+    for expected in (JudgeError, "ok", JudgeError, JudgeError):
+        if expected is JudgeError:
+            with pytest.raises(JudgeError):
+                other.chat([{"role": "user", "content": "x"}])
+        else:
+            assert other.chat([{"role": "user", "content": "x"}]) == expected
+    assert other.down is None and other.trouble() is None
+    other.close()
+    never = OpenAIJudge("http://127.0.0.1:9/v1", "m", max_attempts=1, backoff_s=0, down_after=5)
+    with pytest.raises(JudgeError):
+        never.chat([{"role": "user", "content": "x"}])
+    assert "every request to the judge" in (never.trouble() or "")
+    never.close()
+
+
+def test_a_judge_that_never_answers_times_out() -> None:
+    import socket
+
+    # accepts connections (the kernel's backlog) and never answers
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        judge = OpenAIJudge(url, "m", max_attempts=2, backoff_s=0, timeout_s=0.2)
+        for _ in range(2):
+            with pytest.raises(JudgeError, match="ReadTimeout"):
+                judge.chat([{"role": "user", "content": "x"}])
+        with pytest.raises(JudgeError, match="is taken as down"):
+            judge.chat([{"role": "user", "content": "x"}])
+        judge.close()
+
+
+@pytest.mark.parametrize(
+    "settings", [{"max_attempts": 0}, {"timeout_s": 0}, {"timeout_s": float("nan")}, {"down_after": 0}]
+)
+def test_judge_settings_out_of_range(settings: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        OpenAIJudge("http://127.0.0.1:9/v1", "m", **settings)

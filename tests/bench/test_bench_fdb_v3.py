@@ -262,3 +262,91 @@ def test_results_need_scenarios(tmp_path: Path) -> None:
     with pytest.raises(BenchDataError, match="a scenario is malformed"):
         fdb_v3.parse_scenarios([{"domain": "x"}])
     assert V3Scenario.model_validate(SCENARIOS[0]).expected_intent().startswith("I'll search")
+
+
+def _result_folder(root: Path, result: dict[str, Any], **extra: Any) -> Path:
+    folder = root / f"{result['example_id']}_spk01"
+    folder.mkdir(parents=True)
+    (folder / "result_cspan.json").write_text(json.dumps({**result, **extra}))
+    return folder
+
+
+def test_score_reads_the_benchmark_folder_and_the_recordings_metadata_as_run_does(tmp_path: Path, cli) -> None:
+    # --fdb-v3-dir with only the scenario file (no mock_apis.py / lk_agent_tool.py: scoring runs nothing), and the
+    # recordings' own metadata.json over three of the scenarios, from the three places a run leaves it:
+    # recorded in the result (travel_01), next to the result (finance_01), in DIR's fdb_v3_data_released (shop_01)
+    v3 = tmp_path / "v3"
+    (v3 / "fdb_v3_data_released" / "shop_01_spk01").mkdir(parents=True)
+    (v3 / "benchmark_data_v2.json").write_text(json.dumps({"scenarios": SCENARIOS}))
+    world = {"kind": "fdb-v3-release", "dir": str(v3), "sha256": {"mock_apis.py": "ab12"}}
+    results = tmp_path / "out"
+    only_search = {"expected_tool_calls": [call("search_flights", destination="Las Vegas", date="2026-08-20")]}
+    _result_folder(results, RESULTS[0], world=world, recording_metadata=only_search)  # book_flight no longer wanted
+    finance = _result_folder(results, RESULTS[1], world=world)
+    (finance / "metadata.json").write_text(
+        json.dumps({"expected_tool_calls": [call("get_exchange_rate", amount=1000), call("track_order")]})
+    )
+    _result_folder(results, RESULTS[2], world=world, folder="shop_01_spk01")
+    (v3 / "fdb_v3_data_released" / "shop_01_spk01" / "metadata.json").write_text(
+        json.dumps({"expected_tool_calls": SCENARIOS[2]["expected_tool_calls"][:1]})  # only search_products
+    )
+    rc = cli("bench", "fdb-v3", "score", "--results", str(results), "--fdb-v3-dir", str(v3))
+    assert rc == 0
+    samples = {s["example_id"]: s for s in json.loads((results / "samples.json").read_text())}
+    # travel: 2 calls made, 1 expected -> precision 0.5, F1 0.667; finance: both calls now expected -> pass;
+    # shop: search_products expected, 2 made -> F1 0.667
+    assert samples["travel_01"]["tool_selection"]["score"] == 0.667 and samples["travel_01"]["num_tools"] == 1
+    assert samples["finance_01"]["passed"] is True and samples["finance_01"]["num_tools"] == 2
+    assert samples["shop_01"]["tool_selection"]["score"] == 0.667 and samples["shop_01"]["num_tools"] == 1
+    summary = json.loads((results / "summary.json").read_text())
+    assert summary["config"]["world"] == world  # what the results were run in, kept by the re-score
+
+    # another world in one result: recorded as mixed
+    (results / "shop_01_spk01" / "result_cspan.json").write_text(json.dumps({**RESULTS[2], "world": {"kind": "cspan"}}))
+    assert cli("bench", "fdb-v3", "score", "--results", str(results), "--fdb-v3-dir", str(v3)) == 0
+    mixed = json.loads((results / "summary.json").read_text())["config"]["world"]
+    assert mixed == {"kind": "mixed", "worlds": [world, {"kind": "cspan"}]}
+
+
+def test_score_input_errors_name_the_cause(tmp_path: Path, cli, capsys) -> None:
+    results = tmp_path / "out"
+    _result_folder(results, RESULTS[0])
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert cli("bench", "fdb-v3", "score", "--results", str(results), "--fdb-v3-dir", str(bare)) == 1
+    assert f"--fdb-v3-dir {bare} holds no benchmark_data_v2.json" in capsys.readouterr().err
+    assert cli("bench", "fdb-v3", "score", "--results", str(results), "--fdb-v3-dir", str(tmp_path / "nope")) == 1
+    assert "is not a folder" in capsys.readouterr().err
+    for empty in ("[]", '{"results": [], "scenarios": []}'):
+        path = tmp_path / "empty.json"
+        path.write_text(empty)
+        assert cli("bench", "fdb-v3", "score", "--results", str(path), "--scenarios", str(path)) == 1
+        assert "holds no results" in capsys.readouterr().err
+    # results that name no scenario: nothing scored is an error, not an all-n/a summary
+    path = tmp_path / "strangers.json"
+    path.write_text(json.dumps({"scenarios": SCENARIOS, "results": [RESULTS[4]]}))
+    assert cli("bench", "fdb-v3", "score", "--results", str(path)) == 1
+    assert "none of the 1 result(s) names a known scenario" in capsys.readouterr().err
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--judge-attempts", "0", "'0' must be >= 1"),
+        ("--judge-attempts", "two", "'two' is not an integer"),
+        ("--numeric-tolerance", "-1", "'-1' must be >= 0"),
+        ("--numeric-tolerance", "nan", "'nan' is not a finite number"),
+        ("--judge-timeout-s", "0", "'0' must be > 0"),
+        ("--judge-timeout-s", "inf", "'inf' is not a finite number"),
+    ],
+)
+def test_flags_out_of_range_are_one_line_errors(cli, capsys, flag: str, value: str, message: str) -> None:
+    for verb in (["fdb-v3", "score", "--results", "r.json"], ["qa", "--set", "llamaq"], ["fdb-v1", "score"]):
+        if flag == "--numeric-tolerance" and verb[0] != "fdb-v3":
+            continue
+        with pytest.raises(SystemExit) as exc:
+            cli("bench", *verb, flag, value)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].endswith(f"argument {flag}: {message}"), err

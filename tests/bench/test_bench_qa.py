@@ -77,7 +77,12 @@ def test_qa_run_judges_reference_and_answer_per_item(tiny_checkpoint_dir, tmp_pa
         gold = answer if isinstance(answer, str) else answer[0]
         assert s["routed_question"] == question
         assert gold.split()[-1] in s["reference"]
-        assert s["ref"] == {"correct": True, "method": "alias", "explanation": s["ref"]["explanation"]}
+        assert s["ref"] == {
+            "correct": True,
+            "method": "alias",
+            "explanation": s["ref"]["explanation"],
+            "judge_failed": False,
+        }
         assert s["resp"]["method"] == "alias" and s["resp"]["correct"] in (True, False, None)
         assert s["inj_lat_s"] > 0 and s["n_spans"] >= 1
         # the resp. verdict is the alias match of the model's text stream
@@ -87,6 +92,22 @@ def test_qa_run_judges_reference_and_answer_per_item(tiny_checkpoint_dir, tmp_pa
         info = sf.info(out / s["id"] / "output.wav")
         assert info.samplerate == 24000
         assert info.duration == pytest.approx(result.question_end_s + 2.5, abs=0.09)
+    # the delays: without a transcriber the word times are the model's text stream
+    assert summary["config"]["timing"] == {"words": "text", "keyword": "earliest gold alias in the response words"}
+    for s in samples:
+        result = QAItemResult.model_validate_json((out / s["id"] / "result.json").read_text())
+        t = s["timing"]
+        assert t["words_source"] == "text" and t["question_end_s"] == result.question_end_s
+        spoken = [w for w in result.agent_words if w.start >= result.question_end_s]
+        assert t["onset_s"] == (spoken[0].start if spoken else None)
+        if t["e2ekd_s"] is not None:
+            assert t["e2ekd_s"] == pytest.approx(t["ttfat_s"] + t["keyword_delay_s"], abs=1e-3)
+    timed = [s["timing"]["ttfat_s"] for s in samples if s["timing"]["ttfat_s"] is not None]
+    assert m["ttfat_all_s"] == (pytest.approx(sum(timed) / len(timed), abs=1e-3) if timed else None)
+    keyed = [s["timing"] for s in samples if s["timing"]["e2ekd_s"] is not None]
+    assert m["ttfat_s"] == (pytest.approx(sum(t["ttfat_s"] for t in keyed) / len(keyed), abs=1e-3) if keyed else None)
+    if keyed:
+        assert m["e2ekd_s"] == pytest.approx(m["ttfat_s"] + m["keyword_delay_s"], abs=1e-3)
     resp = [s["resp"]["correct"] for s in samples if s["resp"]["correct"] is not None]
     assert m["resp_acc"] == (sum(resp) / len(resp) if resp else None)
     assert m["resp_acc_all"] == pytest.approx(sum(resp) / 3)
@@ -190,6 +211,11 @@ def test_alias_match() -> None:
     assert alias_match("the total is forty two dollars", ["42"], numeric=True).correct is True
     assert alias_match("she has 7.0 left", ["7"], numeric=True).correct is True
     assert alias_match("she has 8 left", ["7"], numeric=True).correct is False
+    # a lone "one" before a word of waiting is no number
+    assert alias_match("One moment. The answer is three.", ["1"], numeric=True).correct is False
+    assert alias_match("One second... it is one.", ["1"], numeric=True).correct is True
+    assert alias_match("one hundred", ["100"], numeric=True).correct is True
+    assert numbers_in("one moment, one sec, one minute: one second makes one hundred") == [100.0]
 
 
 def test_parse_judgement_styles() -> None:

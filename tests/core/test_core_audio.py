@@ -5,9 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import soundfile as sf
+from fs_faults import fill, read_only_folder, tmpfs
 
-from cspan.core.audio import AtomicWavWriter, inspect_audio, iter_frames, read_audio
-from cspan.core.errors import AudioInputError
+from cspan.core.audio import (
+    AtomicAudioWriter,
+    check_writable,
+    inspect_audio,
+    iter_frames,
+    read_audio,
+    sanitize_pcm,
+    write_text_atomic,
+)
+from cspan.core.errors import AudioInputError, OutputError
 
 
 def _tone(sr: int, seconds: float, channels: int = 1) -> np.ndarray:
@@ -64,15 +73,143 @@ def test_bad_inputs_raise_audio_input_error(tmp_path, case):
 
 def test_atomic_writer_publishes_only_complete_files(tmp_path):
     dest = tmp_path / "out.wav"
-    with AtomicWavWriter(dest, channels=2) as w:
+    with AtomicAudioWriter(dest, channels=2) as w:
         w.write(np.zeros((1920, 2), dtype=np.float32))
         assert not dest.exists()
     data, sr = sf.read(dest)
     assert sr == 24_000 and data.shape == (1920, 2)
 
     dest2 = tmp_path / "failed.wav"
-    with pytest.raises(RuntimeError), AtomicWavWriter(dest2, channels=2) as w:
+    with pytest.raises(RuntimeError), AtomicAudioWriter(dest2, channels=2) as w:
         w.write(np.zeros((1920, 2), dtype=np.float32))
         raise RuntimeError("boom")
     assert not dest2.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+
+
+# ---------------------------------------------------------------------------------------- non-finite samples
+
+
+@pytest.mark.parametrize(
+    ("given", "expected", "nonfinite"),
+    [
+        ([0.5, np.nan, -0.25], [0.5, 0.0, -0.25], 1),
+        ([np.inf, 0.1, -np.inf], [0.0, 0.1, 0.0], 2),  # silence, not a full-scale click
+        ([1.5, -3.0, 0.999], [1.0, -1.0, 0.999], 0),  # beyond full scale: clipped
+        (np.array([1e300, -1e-300, 0.2], dtype=np.float64), [0.0, -0.0, 0.2], 1),  # beyond float32: infinite
+        ([np.nan] * 4, [0.0] * 4, 4),
+    ],
+)
+def test_sanitize_pcm_makes_non_finite_samples_silent(given, expected, nonfinite):
+    clean, bad = sanitize_pcm(given if isinstance(given, np.ndarray) else np.asarray(given, dtype=np.float32))
+    assert clean.dtype == np.float32 and bad == nonfinite
+    np.testing.assert_allclose(clean, np.asarray(expected, dtype=np.float32), atol=1e-7)
+
+
+def test_sanitize_pcm_keeps_clean_float32_as_is_and_refuses_integers():
+    x = np.linspace(-1, 1, 1920, dtype=np.float32)
+    clean, bad = sanitize_pcm(x)
+    assert clean is x and bad == 0
+    with pytest.raises(TypeError, match="float samples"):
+        sanitize_pcm(np.zeros(8, dtype=np.int16))
+
+
+def _speech_like(n: int) -> np.ndarray:
+    return (0.3 * np.sin(2 * np.pi * 220 * np.arange(n) / 24_000)).astype(np.float32)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("rate", [24_000, 48_000])
+def test_non_finite_samples_in_a_file_are_read_as_silence(tmp_path, bad, rate):
+    """NaN in the FIRST block (the case that passed as "silent" through max(0.0, nan)) and later ones: the file is
+    not silent, the samples are counted, and no NaN or click reaches the frames, resampled or not."""
+    x = _speech_like(rate * 6)
+    x[:100] = bad  # first block
+    x[rate * 5 : rate * 5 + 10] = bad  # a later block
+    path = tmp_path / "in.wav"
+    sf.write(path, x, rate, subtype="FLOAT")
+    info = inspect_audio(path)
+    assert info.nonfinite == 110 and info.peak == pytest.approx(0.3, abs=1e-3)
+    frames = np.concatenate(list(iter_frames(path)))
+    assert np.isfinite(frames).all() and np.abs(frames).max() <= 0.31
+    whole = read_audio(path)
+    assert np.isfinite(whole).all()
+    if rate == 24_000:
+        assert (frames[:100] == 0).all() and (frames[24_000 * 5 : 24_000 * 5 + 10] == 0).all()
+
+
+def test_a_file_of_only_non_finite_samples_is_silent_and_says_why(tmp_path):
+    path = tmp_path / "nan.wav"
+    sf.write(path, np.full(24_000, np.nan, dtype=np.float32), 24_000, subtype="FLOAT")
+    with pytest.raises(AudioInputError, match="24000 NaN or infinite samples count as silence"):
+        inspect_audio(path)
+
+
+# ------------------------------------------------------------------------------------------------- writing
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"), [("o.wav", "WAV"), ("o.flac", "FLAC"), ("o.ogg", "OGG"), ("o.mp3", "MP3"), ("O.WAV", "WAV")]
+)
+def test_writer_writes_the_format_its_extension_names(tmp_path, name, fmt):
+    x = np.stack([_speech_like(24_000), 0.5 * _speech_like(24_000)], axis=1)
+    with AtomicAudioWriter(tmp_path / name, channels=2) as w:
+        w.write(x)
+    info = sf.info(tmp_path / name)
+    assert (info.format, info.samplerate, info.channels) == (fmt, 24_000, 2)
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+@pytest.mark.parametrize("name", ["o.m4a", "o.aac", "o", "o.txt"])
+def test_writer_refuses_an_extension_it_cannot_honour(tmp_path, name):
+    with pytest.raises(OutputError, match=r"cannot write audio there: .*\.wav, \.flac, \.ogg, \.mp3"):
+        AtomicAudioWriter(tmp_path / name, channels=2)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_writable_names_the_path_and_the_cause(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OutputError, match=r"afile/out\.wav: cannot write: not a directory"):
+        check_writable(tmp_path / "afile" / "out.wav")
+    with pytest.raises(OutputError, match="no space left on device: the output needs about"):
+        check_writable(tmp_path / "out.wav", need_bytes=2**62)
+    with read_only_folder(tmp_path / "ro") as ro, pytest.raises(OutputError) as err:
+        check_writable(ro / "out.wav")
+    assert str(ro / "out.wav") in str(err.value)
+    assert "permission denied" in str(err.value) or "operation not permitted" in str(err.value)
+    check_writable(tmp_path / "new" / "deeper" / "out.wav")  # missing folders are created
+    assert [p.name for p in (tmp_path / "new" / "deeper").iterdir()] == []
+
+
+def test_full_disk_mid_write_is_named_and_leaves_no_part_file(tmp_path):
+    with tmpfs(tmp_path / "small", size_kb=256) as small:
+        w = AtomicAudioWriter(small / "out.wav", channels=2)
+        with pytest.raises(OutputError, match=r"out\.wav: cannot write: no space left on device; free some space"):
+            for _ in range(100):  # 100 x 0.08 s of stereo 16-bit = 768 kB
+                w.write(np.zeros((1920, 2), dtype=np.float32))
+        w.abort()
+        assert list(small.iterdir()) == []
+        with pytest.raises(OutputError, match=r"out\.json: cannot write: no space left on device"):
+            fill(small)
+            write_text_atomic(small / "out.json", "x" * 100_000)
+        assert [p.name for p in small.iterdir()] == ["filler.bin"]
+    with tmpfs(tmp_path / "ro", read_only=True) as ro, pytest.raises(OutputError, match="read-only file system"):
+        AtomicAudioWriter(ro / "out.flac", channels=2)
+
+
+def test_unfinished_outputs_are_removed_when_the_process_exits(tmp_path):
+    """A process that exits (sys.exit, an uncaught exception, SIGTERM through cspan's handler) mid-write leaves no
+    .part file behind."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from cspan.core.audio import AtomicAudioWriter\n"
+        f"w = AtomicAudioWriter({str(tmp_path / 'o.wav')!r}, channels=2)\n"
+        "w.write(np.zeros((1920, 2), dtype=np.float32))\n"
+        "sys.exit(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert list(tmp_path.iterdir()) == []

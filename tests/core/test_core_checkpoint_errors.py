@@ -126,6 +126,50 @@ def test_bad_config_named(tiny_copy: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("file", "key", "dtype"),
+    [
+        (LM_FILE, "text_linear.weight", torch.int32),
+        (LM_FILE, "transformer.layers.0.norm1.alpha", torch.bool),
+        (LM_FILE, "emb.3.weight", torch.int64),
+        (LM_FILE, "depformer.layers.1.self_attn.in_proj_weight", torch.uint8),
+        (MIMI_FILE, "quantizer.rvq_first.vq.layers.0._codebook.embedding_sum", torch.int32),
+        (MIMI_FILE, "encoder.model.0.conv.conv.weight", torch.bool),
+    ],
+)
+def test_float_weight_stored_as_integers_named(tiny_copy: Path, file: str, key: str, dtype) -> None:
+    """Issue 22 item 6: a float weight stored as I32 / BOOL / I64 / U8 is a CheckpointError naming file and key."""
+    _rewrite(tiny_copy / file, lambda sd: sd.__setitem__(key, sd[key].to(dtype)))
+    message = _error(tiny_copy)
+    assert repr(key) in message and str(tiny_copy / file) in message and "integer or boolean" in message
+
+
+@pytest.mark.parametrize(
+    ("patch", "expect"),
+    [
+        ({"num_layers": 10**9}, "num_layers"),
+        ({"dim": 10**12}, "dim"),
+        ({"card": 10**15}, "card"),
+        ({"hidden_scale": float("inf")}, "hidden_scale"),
+        ({"delays": [10**6] * 17}, "delays"),
+        ({"delays": "zero"}, "delays"),
+        ({"context": -1}, "context"),
+        ({"num_heads": 0}, "num_heads"),
+        ({"depformer_dim_feedforward": [1, 2]}, "dim_feedforward"),
+        ({"depformer_weights_per_step_schedule": [99] * 16}, "schedule"),
+        ({"mimi_config": {"sample_rate": 0}}, "mimi_config"),
+        ({"mimi_config": {"seanet": {"ratios": [10**6]}}}, "mimi_config"),
+        ({"dim": 48}, "shape"),  # plausible but not these weights
+    ],
+)
+def test_absurd_config_named(tiny_copy: Path, patch: dict, expect: str) -> None:
+    """Issue 22 item 6: an absurd config.json is a CheckpointError naming the file (no model is built from it)."""
+    cfg = json.loads((tiny_copy / "config.json").read_text())
+    (tiny_copy / "config.json").write_text(json.dumps({**cfg, **patch}))
+    message = _error(tiny_copy)
+    assert expect in message and ("config.json" in message or LM_FILE in message)
+
+
+@pytest.mark.parametrize(
     ("content", "expect"),
     [
         ({"code": torch.zeros(8, 5, dtype=torch.long)}, "'codes' missing"),

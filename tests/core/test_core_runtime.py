@@ -7,6 +7,7 @@ test_core_engine*.py and end to end by ``cspan infer``); the policy under test i
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,13 +83,21 @@ class _Result:
     arguments: dict | None = None
     source: str | None = "test"
     error: str | None = None
+    late: bool = False
 
 
 class FakeRetriever:
-    def __init__(self, reference: str | None = "The answer is 42.", delay_s: float = 0.0, fail: bool = False):
+    def __init__(
+        self,
+        reference: str | None = "The answer is 42.",
+        delay_s: float = 0.0,
+        fail: bool = False,
+        reports_late: bool = False,
+    ):
         self.reference = reference
         self.delay_s = delay_s
         self.fail = fail
+        self.reports_late = reports_late
         self.requests: list[dict] = []
 
     async def retrieve(self, **kw) -> _Result:
@@ -98,6 +107,8 @@ class FakeRetriever:
         if self.fail:
             raise ConnectionError("router down")
         q = kw.get("question") or "transcribed window"
+        if self.reports_late:  # as cspan.backends' Retriever does when its deadline_s runs out
+            return _Result(question=q, reference=None, error="missed its deadline", late=True)
         return _Result(question=q, reference=self.reference)
 
 
@@ -195,13 +206,29 @@ def test_failing_backend_gives_no_span_and_the_conversation_goes_on():
     assert conv.frame == 40
 
 
-def test_live_clock_drops_a_late_reference():
+def test_live_clock_cancels_a_retrieval_that_outlives_its_deadline():
     engine, ret = RecordingEngine(), FakeRetriever(delay_s=10.0)
     conv = _conv(engine, retriever=ret, span_delay_s=None, span_deadline_s=0.4)
     _run(conv, engine, 20, ret_frames={2})
+    assert ret.requests[0]["deadline_s"] == pytest.approx(0.4)  # the retriever gets the wall-clock budget
     late = [e for e in conv.events if isinstance(e, LateEvent)]
-    assert len(late) == 1 and late[0].frame == 2 + 6  # first frame past 0.4 s (5 frames) after the <ret>
+    # the first frame past the deadline plus the grace (0.4 + 0.16 s = 7 frames) after the <ret>
+    assert len(late) == 1 and late[0].frame == 2 + 8
     assert engine.injected == []
+
+
+@pytest.mark.parametrize("ret_frame", [2, 40])
+def test_live_late_report_of_the_retriever_keeps_the_question(ret_frame):
+    """Window plan (<ret> at 2: the question is the retriever's transcript) and cache plan (<ret> at 40: the
+    question is the fresh utterance transcript): either way the late event says what was asked."""
+    engine, asr = RecordingEngine(), FakeTranscriber("when does the library open")
+    ret = FakeRetriever(reports_late=True)
+    conv = _conv(engine, voiced=range(5, 30), transcriber=asr, retriever=ret, span_delay_s=None)
+    _run(conv, engine, 60, ret_frames={ret_frame})
+    late = [e for e in conv.events if isinstance(e, LateEvent)]
+    expected = "transcribed window" if ret_frame == 2 else "when does the library open"
+    assert [e.question for e in late] == [expected]
+    assert not any(isinstance(e, NoSpanEvent) for e in conv.events) and engine.injected == []
 
 
 def test_given_span_is_injected_without_backend_and_forced_ret_counts_as_ret():
@@ -228,13 +255,43 @@ def test_offline_clock_is_deterministic(delay):
     assert frames[0] == frames[1] == [(5 + max(1, round(delay * 12.5)), "The answer is 42.")]
 
 
-def test_offline_clock_drops_a_backend_slower_than_the_deadline():
-    engine, ret = RecordingEngine(), FakeRetriever(delay_s=1.0)
-    conv = _conv(engine, retriever=ret, span_delay_s=0.16, span_deadline_s=0.5)
-    _run(conv, engine, 20, ret_frames={2})
-    late = [e for e in conv.events if isinstance(e, LateEvent)]
-    assert len(late) == 1 and late[0].frame == 2 + 2 and late[0].seconds >= 0.5
-    assert engine.injected == []
+def _timeless(events) -> list[dict]:
+    """The events without their wall-clock measurements."""
+    return [e.model_dump(exclude={"backend_s", "prefill_ms", "asr_s"}) for e in events]
+
+
+def test_offline_backend_latency_acts_on_the_frame_clock_only():
+    """The cause of non-reproducible offline runs: a backend slower (in wall-clock time) than the deadline, or
+    transcripts that take a while, must change nothing; the retriever gets no wall-clock deadline at all."""
+    runs = []
+    for delay in (0.0, 0.05, 0.3):
+        engine, asr = RecordingEngine(), FakeTranscriber("when does the library open")
+        ret = FakeRetriever(delay_s=delay)
+        conv = _conv(
+            engine, voiced=range(5, 30), transcriber=asr, retriever=ret, span_delay_s=0.16, span_deadline_s=0.2
+        )
+        _run(conv, engine, 70, ret_frames={2, 40})
+        assert [r["deadline_s"] for r in ret.requests] == [math.inf, math.inf]  # no wall-clock limit
+        runs.append((engine.injected, _timeless(conv.events)))
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0][0] == [(4, "The answer is 42."), (42, "The answer is 42.")]
+
+
+@pytest.mark.parametrize(("ret_frame", "question"), [(2, "transcribed window"), (40, "when does the library open")])
+def test_offline_late_is_judged_on_frames_and_keeps_the_question(ret_frame, question):
+    """A reference due after the deadline on the frame clock (0.8 s delay > 0.5 s deadline) is late whatever the
+    backend's speed, and the late event carries the question: the retriever's transcript (window plan) or the
+    utterance transcript (cache plan)."""
+    for delay in (0.0, 0.2):
+        engine, asr = RecordingEngine(), FakeTranscriber("when does the library open")
+        ret = FakeRetriever(delay_s=delay)
+        conv = _conv(engine, voiced=range(5, 30), transcriber=asr, retriever=ret, span_delay_s=0.8, span_deadline_s=0.5)
+        _run(conv, engine, 60, ret_frames={ret_frame})
+        late = [e for e in conv.events if isinstance(e, LateEvent)]
+        assert [(e.frame, e.question, e.text, e.seconds) for e in late] == [
+            (ret_frame + 10, question, "The answer is 42.", pytest.approx(0.8))
+        ]
+        assert engine.injected == []
 
 
 class BytePieceTokenizer(FakeTokenizer):

@@ -24,7 +24,7 @@ def tiny_checkpoint(tiny_checkpoint_dir: Path) -> Any:
 def serve(tiny_checkpoint: Any) -> Iterator[Callable[..., ServerThread]]:
     """``serve(**settings)`` -> a started :class:`ServerThread` on the tiny checkpoint (stopped after the test).
 
-    Keyword arguments are :class:`~cspan.server.serve.ServeSettings` fields, plus ``transcriber`` / ``retriever``
+    Keyword arguments are :class:`~cspan.server.serve_settings.ServeSettings` fields, plus ``transcriber`` / ``retriever``
     to pass to ``create_app``. Defaults: no ASR, no router, test hooks on, one session, a short persona, and a
     queue bound of 20 s (a test asserting that no frame is dropped must not depend on how fast this machine is;
     the bound itself is tested with a small one).
@@ -38,7 +38,7 @@ def serve(tiny_checkpoint: Any) -> Iterator[Callable[..., ServerThread]]:
         defaults: dict[str, Any] = {
             "asr": "none",
             "router": "none",
-            "allow_test_hooks": True,
+            "test_hooks": True,
             "max_sessions": 1,
             "text_prompt": "You are a helpful assistant.",
             "max_queued_frames": 250,

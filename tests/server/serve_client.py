@@ -48,8 +48,9 @@ class ServerThread:
         self._sock.close()
 
     @property
-    def manager(self) -> Any:
-        return self.app.state.manager
+    def hub(self) -> Any:
+        """The app's :class:`~cspan.server.session.SessionHub`."""
+        return self.app.state.hub
 
 
 @dataclass

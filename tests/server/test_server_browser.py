@@ -1,5 +1,6 @@
 """The page in a real browser: Debian's headless Chromium driven by Playwright, with a fake microphone playing a
-WAV file, against a real ``cspan serve`` (tiny checkpoint, embedded transcriber).
+WAV file, against a real ``cspan serve`` (tiny checkpoint, embedded transcriber). The page negotiates Ogg/Opus
+(WebCodecs AudioEncoder/AudioDecoder, ``static/ogg-opus.js``).
 
 Artifacts: ``test-artifacts/serve-page.png`` (a screenshot of the page mid-conversation; ``test-artifacts/`` at
 the repository root is git-ignored) and the two downloads, saved next to it.
@@ -85,9 +86,16 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
             user_text = page.inner_text("#thread .bubble.user.final .text")
             assert user_text.strip(), console
             page.screenshot(path=str(artifacts / "serve-page.png"), full_page=True)
+            transport_text = page.inner_text("#transport")
 
+            # the "behind real time" banner (audio_overflow) is about the live session: Stop clears it
+            page.evaluate(
+                "() => { const n = document.getElementById('notice'); n.textContent = 'behind';"
+                " n.className = 'notice warn behind'; n.hidden = false; }"
+            )
             page.click("#stop")
             page.wait_for_selector("#downloads:not([hidden])", timeout=60_000)
+            assert page.is_hidden("#notice")
             with page.expect_download() as wav_download:
                 page.click("#download-wav")
             with page.expect_download() as json_download:
@@ -122,3 +130,15 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
     assert stats["user_frames"] > 0 and stats["frames"] > 0
     assert stats["user_frames"] == stats["consumed_frames"] + stats["dropped_frames"]
     assert record["agent_text"]
+
+    # Opus was negotiated (WebCodecs both ways) and the audio cost a few kB/s, not PCM's 96 kB/s each way
+    ready = next(e for e in record["events"] if e["type"] == "ready")
+    assert ready["codec"] == "opus" and ready["audio_formats"] == ["ogg-opus"]
+    t = record["transport"]
+    assert t["codec"] == "opus"  # the last page or two may still be in the decoder when the socket closes:
+    assert stats["frames"] * 0.08 - 0.25 <= t["audio_seconds_received"] <= stats["frames"] * 0.08
+    # bytes per second of audio carried (not of wall clock: this machine may run slower than real time)
+    assert 1_000 < t["received_bytes_per_audio_s"] < 12_000, t  # the agent: about 4 kB/s of Ogg/Opus
+    assert 1_000 < t["sent_bytes_per_audio_s"] < 12_000, t  # the microphone, encoded by the browser
+    assert not [e for e in record["page_events"] if e["type"] == "codec_error"]
+    assert transport_text.startswith("opus ")

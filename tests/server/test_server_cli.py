@@ -37,10 +37,10 @@ def test_non_loopback_bind_without_token_is_refused() -> None:
 
 def test_weak_token_is_refused() -> None:
     proc = cspan("serve", "--token", "abc", "--checkpoint", "/nonexistent")
-    assert proc.returncode == 1
-    assert "8 to 256 characters" in proc.stderr
+    assert proc.returncode == 2
+    assert "--token" in proc.stderr and "8 to 256 characters" in proc.stderr
     proc = cspan("serve", "--checkpoint", "/nonexistent", env={"CSPAN_TOKEN": "has space in it"})
-    assert proc.returncode == 1 and "8 to 256 characters" in proc.stderr
+    assert proc.returncode == 2 and "CSPAN_TOKEN" in proc.stderr and "8 to 256 characters" in proc.stderr
 
 
 def test_help_lists_the_flags_but_not_the_test_hooks() -> None:

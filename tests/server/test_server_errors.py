@@ -28,7 +28,7 @@ async def test_token_required(serve) -> None:
     assert await closed_code(server.ws_url) == 4401
     assert await closed_code(server.ws_url + "?token=wrong-token-000") == 4401
     assert await closed_code(server.ws_url, subprotocols=["cspan.token.wrong-token-000"]) == 4401
-    assert server.manager.free_slots() == 1  # refused before any session work
+    assert server.hub.free_slots() == 1  # refused before any session work
 
     async with websockets.connect(server.ws_url + f"?token={TOKEN}", max_size=None) as ws:
         assert (await Client(ws).start())["type"] == "ready"
@@ -38,11 +38,11 @@ async def test_token_required(serve) -> None:
         assert (await Client(ws).start())["type"] == "ready"
 
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'cspan_auth_failures_total{reason="token"} 3.0' in metrics
+    assert 'cspan_auth_failures_total{protocol="cspan",reason="token"} 3.0' in metrics
 
 
 async def test_foreign_origin_refused(serve) -> None:
-    server = serve(allowed_origins=["https://app.example.org"])
+    server = serve(allow_origin=["https://app.example.org"])
     assert await closed_code(server.ws_url, origin="http://evil.example.com") == 4403
     async with websockets.connect(server.ws_url, origin=f"http://127.0.0.1:{server.port}") as ws:
         assert (await Client(ws).start())["type"] == "ready"
@@ -92,12 +92,12 @@ async def test_bad_messages_get_errors_and_the_session_goes_on(serve, fixture_fi
     assert stats["user_frames"] == stats["consumed_frames"] == streamed
     assert stats["errors"] == len(cases) + 2
     assert stats["frames"] == len(client.received.audio()) >= streamed
-    profile = server.manager.db.get_profile(client.received.json("ready")[0]["profile"]["user_id"])
+    profile = server.hub.db.get_profile(client.received.json("ready")[0]["profile"]["user_id"])
     assert profile.name == "Bo" and profile.timezone == "Asia/Tokyo"
 
 
 async def test_start_refusals(serve) -> None:
-    server = serve(allow_test_hooks=False, max_text_prompt_chars=50)
+    server = serve(test_hooks=False, max_text_prompt_chars=50)
     async with websockets.connect(server.ws_url) as ws:
         client = Client(ws)
         for fields, code in [
@@ -142,7 +142,7 @@ async def test_idle_session_gets_bye(serve) -> None:
             await client.recv()
     assert bye["reason"] == "idle"
     assert info.value.rcvd.code == 1000
-    assert server.manager.free_slots() == 1
+    assert server.hub.free_slots() == 1
     # a connection that never starts times out too
     async with websockets.connect(server.ws_url) as ws:
         client = Client(ws)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from stub_backends import StubBackend
 
 from cspan.core.cli import build_parser
 from cspan.core.errors import AudioInputError
+from cspan.core.settings import settings_from_args
 from cspan.server.infer import run_infer
 from cspan.server.output import InferOutput
 
@@ -37,7 +38,7 @@ def _args(ckpt: Path, inp: Path, out: Path, *extra: str):
         "--quiet",
         *extra,
     ]  # fmt: skip
-    return build_parser().parse_args(argv)
+    return settings_from_args(build_parser().parse_args(argv))
 
 
 def _infer(ckpt: Path, inp: Path, out: Path, *extra: str):
@@ -136,6 +137,38 @@ def test_same_seed_twice_gives_identical_outputs(tiny_checkpoint_dir, fixtures_d
     assert any(e["type"] == "span" for e in a["events"])
 
 
+def test_backend_latency_does_not_change_an_offline_run(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    """Issue 22: offline, backend latency acts on the frame clock only. The same command twice against one
+    transcriber + router server, once answering at once and once slower than the deadline (wall clock), writes the
+    same WAV bytes and the same JSON but for timing; the reference lands span_delay_s after it was asked."""
+    inp = fixtures_dir / "audio" / "question_weather_24k.wav"
+    with StubBackend() as backend:
+        runs = []
+        for name, delay in (("fast", 0.0), ("slow", 1.2)):
+            backend.delay_s = delay
+            extra = ("--asr", backend.url, "--router", f"{backend.url}/v1", "--force-ret-at", "3.0")
+            _infer(tiny_checkpoint_dir, inp, tmp_path / name, *extra, "--span-deadline-s", "1.0")
+            runs.append(tmp_path / name)
+        assert any(p.endswith("/transcribe") for p in backend.posts) and any("chat" in p for p in backend.posts)
+        # and a reference due after the deadline on the frame clock is late, with its question
+        backend.delay_s = 0.0
+        late_run = _infer(
+            tiny_checkpoint_dir, inp, tmp_path / "late", *extra, "--span-delay-s", "1.2", "--span-deadline-s", "1.0"
+        )
+    assert (runs[0] / "out.wav").read_bytes() == (runs[1] / "out.wav").read_bytes()
+    a, b = (json.loads((r / "out.json").read_text()) for r in runs)
+    for d in (a, b):
+        d["settings"].pop("output_wav"), d["settings"].pop("output_text"), d.pop("output_wav")
+    assert _strip_wall_clock(a) == _strip_wall_clock(b)
+    spans = [e for e in a["events"] if e["type"] == "span"]
+    assert [(e["text"], e["question"]) for e in spans] == [
+        ("The weather in London is cloudy with light rain and 14 degrees.", "what is the weather in london today")
+    ]
+    assert spans[0]["injected_at"] - spans[0]["asked_at"] == pytest.approx(0.8)
+    late = [e for e in late_run.output.events if e.type == "late"]
+    assert [(e.question, e.seconds >= 1.2) for e in late] == [("what is the weather in london today", True)]
+
+
 def test_48k_stereo_flac_uses_the_same_duration_logic(tiny_checkpoint_dir, fixtures_dir, tmp_path):
     import soxr
 
@@ -184,18 +217,17 @@ def test_bad_input_through_the_cli_exits_1_with_the_error(tiny_checkpoint_dir, t
 
 
 def test_failing_router_gives_no_span_and_a_complete_output(tiny_checkpoint_dir, fixtures_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed as soon as the block ends: nothing listens there
+    """A router that answers (the start-up check passes) but fails every request: the run survives it."""
     inp = fixtures_dir / "audio" / "question_weather_24k.wav"
-    result = _infer(
-        tiny_checkpoint_dir, inp, tmp_path,
-        "--asr", "sphinx", "--router", f"http://127.0.0.1:{port}/v1", "--force-ret-at", "1.0", "--force-ret-at", "3.0",
-    )  # fmt: skip
+    with StubBackend(chat_status=500) as router:
+        result = _infer(
+            tiny_checkpoint_dir, inp, tmp_path,
+            "--asr", "sphinx", "--router", f"{router.url}/v1", "--force-ret-at", "1.0", "--force-ret-at", "3.0",
+        )  # fmt: skip
     kinds = [e.type for e in result.output.events]
     assert "span" not in kinds
     no_spans = [e for e in result.output.events if e.type == "no_span"]
-    assert len(no_spans) >= 1 and all(e.error for e in no_spans)
+    assert len(no_spans) >= 1 and all("500" in (e.error or "") for e in no_spans)
     audio, _ = sf.read(tmp_path / "out.wav")
     assert audio.shape[0] == int(result.output.duration_s * 24_000)
     InferOutput.model_validate_json((tmp_path / "out.json").read_text())
@@ -220,6 +252,6 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
         argv = ["infer", "--input-wav", str(inp), "--output-wav", str(tmp_path / "o.wav"),
                 "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--quiet", *extra]  # fmt: skip
         with pytest.raises(CspanError, match=message):
-            asyncio.run(run_infer(build_parser().parse_args(argv)))
+            asyncio.run(run_infer(settings_from_args(build_parser().parse_args(argv))))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "in.wav"]
     assert inp.read_bytes() == (fixtures_dir / "audio" / "greeting_24k.wav").read_bytes()

@@ -12,8 +12,10 @@ import pytest
 
 from cspan.core.errors import ProtocolError
 from cspan.server.auth import (
+    ANONYMOUS,
+    Principal,
     ServeConfigError,
-    authenticate,
+    TokenAuthenticator,
     check_bind,
     is_loopback_host,
     origin_allowed,
@@ -97,7 +99,7 @@ def test_audio_frames() -> None:
     x[3] = np.nan
     pcm = decode_audio_frame(x.astype("<f4").tobytes())
     assert pcm.shape == (1920,) and pcm.dtype == np.float32
-    assert pcm[3] == 0.0 and pcm.min() == -1.0 and pcm.max() == 1.0
+    assert np.isnan(pcm[3]) and pcm[0] == -1.5  # as sent: the session core sanitizes (test_sanitize_pcm)
     ints = np.array([-32768, 0, 16384, 32767] * 480, dtype="<i2")
     pcm16 = decode_audio_frame(ints.tobytes())
     assert pcm16[:4].tolist() == [-1.0, 0.0, 0.5, 32767 / 32768]
@@ -107,6 +109,24 @@ def test_audio_frames() -> None:
         with pytest.raises(ProtocolCodeError) as info:
             decode_audio_frame(b"\x00" * n)
         assert info.value.code == code
+
+
+@pytest.mark.parametrize(
+    ("samples", "expect", "nonfinite"),
+    [
+        ([0.5, np.nan, -0.25], [0.5, 0.0, -0.25], 1),
+        ([np.inf, -np.inf, 0.0], [0.0, 0.0, 0.0], 2),
+        ([2.0, -3.0, 1e30], [1.0, -1.0, 1.0], 0),
+        ([np.nan] * 4, [0.0] * 4, 4),
+        ([], [], 0),
+    ],
+)
+def test_sanitize_pcm(samples: list[float], expect: list[float], nonfinite: int) -> None:
+    """Live audio: NaN and +-Inf become silence (counted), everything is clipped to [-1, 1]."""
+    from cspan.core.audio import sanitize_pcm
+
+    clean, n = sanitize_pcm(np.array(samples, dtype=np.float64))
+    assert clean.dtype == np.float32 and clean.tolist() == expect and n == nonfinite
 
 
 def test_server_messages_round_trip() -> None:
@@ -138,15 +158,22 @@ def test_protocol_doc_covers_every_message_and_code(repo_root: Path) -> None:
 
 
 def test_token_checks() -> None:
-    assert authenticate(None, {}, []).ok
-    assert authenticate(None, {}, ["cspan.token.x"]).subprotocol == "cspan.token.x"
+    from cspan.server.adapters import Connection
+    from cspan.server.adapters.ws import CspanAdapter
+
+    assert TokenAuthenticator(None).authenticate(None) == ANONYMOUS
+    assert TokenAuthenticator(None).authenticate("anything") == ANONYMOUS
     tok = "abcdefgh-123"
-    assert authenticate(tok, {"token": tok}, []).ok
-    assert authenticate(tok, {}, ["other", f"cspan.token.{tok}"]).ok
-    refused = authenticate(tok, {"token": "abcdefgh-124"}, ["cspan.token.zzzzzzzz"])
-    assert not refused.ok and refused.subprotocol == "cspan.token.zzzzzzzz" and refused.reason == "wrong token"
-    assert authenticate(tok, {}, []).reason.startswith("missing token")
-    assert not authenticate(tok, {"token": tok[:-1]}, []).ok
+    auth = TokenAuthenticator(tok)
+    assert auth.required and auth.authenticate(tok) == Principal(name="token")
+    for wrong in (None, "", tok[:-1], tok + "4", "abcdefgh-124", "ü" * 12):
+        assert auth.authenticate(wrong) is None, wrong
+    # /ws: the offered cspan.token.* subprotocol first (echoed), else ?token=
+    cred = CspanAdapter.credential(Connection("/ws", {"token": "q"}, {}, ("other", f"cspan.token.{tok}")))
+    assert (cred.token, cred.subprotocol) == (tok, f"cspan.token.{tok}")
+    cred = CspanAdapter.credential(Connection("/ws", {"token": "q"}, {}, ("other",)))
+    assert (cred.token, cred.subprotocol) == ("q", None)
+    assert CspanAdapter.credential(Connection("/ws")).token is None
     assert validate_token("A.b_c~d-e0") == "A.b_c~d-e0"
     for bad in ("short", "has space123", "x" * 257, "ünïcode-token"):
         with pytest.raises(ServeConfigError):
@@ -172,3 +199,11 @@ def test_bind_and_origin_rules() -> None:
     assert not origin_allowed("null", "127.0.0.1:8080")
     assert origin_allowed("https://app.example.org/", "127.0.0.1:8080", ["https://app.example.org"])
     assert origin_allowed("http://anything", "h:1", ["*"])
+
+
+def test_adapters_are_discovered_one_module_each() -> None:
+    from cspan.server.adapters import ProtocolAdapter, discover_adapters
+
+    adapters = discover_adapters()
+    assert {("cspan", "/ws"), ("moshi", "/api/chat")} <= {(a.name, a.path) for a in adapters}
+    assert all(issubclass(a, ProtocolAdapter) for a in adapters)

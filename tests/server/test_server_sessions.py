@@ -28,7 +28,7 @@ async def test_two_sessions_stream_concurrently_and_a_third_is_busy(serve, fixtu
     server = serve(max_sessions=2)
     frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
     quiet = [0.5 * f for f in frames]  # the second speaker is quieter: the two streams differ
-    assert server.manager.engine.batch_size == 2
+    assert server.hub.engine.batch_size == 2
 
     async with (
         websockets.connect(server.ws_url, max_size=None) as ws1,
@@ -63,15 +63,15 @@ async def test_two_sessions_stream_concurrently_and_a_third_is_busy(serve, fixtu
         assert stats["dropped_frames"] == 0
         assert stats["frames"] == len(client.received.audio()) >= len(frames)
     await wait_for(lambda: httpx.get(server.url + "/health").json()["free_slots"] == 2)
-    db = server.manager.db
+    db = server.hub.db
     assert db.get_profile(r1["profile"]["user_id"]).name == "Ann"
     assert db.get_profile(r2["profile"]["user_id"]).name == "Bob"
 
     metrics = httpx.get(server.url + "/metrics").text
-    assert "cspan_sessions_started_total 2.0" in metrics
-    assert "cspan_sessions_busy_total 1.0" in metrics
-    assert 'cspan_sessions_ended_total{reason="stop"} 2.0' in metrics
-    assert f"cspan_user_frames_total {2.0 * len(frames)}" in metrics
+    assert 'cspan_sessions_started_total{protocol="cspan"} 2.0' in metrics
+    assert 'cspan_sessions_busy_total{protocol="cspan"} 1.0' in metrics
+    assert 'cspan_sessions_ended_total{protocol="cspan",reason="stop"} 2.0' in metrics
+    assert f'cspan_user_frames_total{{protocol="cspan"}} {2.0 * len(frames)}' in metrics
     assert "cspan_step_seconds_count" in metrics
 
 
@@ -83,7 +83,7 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
     knowledge.mkdir()
     (knowledge / "weather.md").write_text("The weather in London today is sunny and warm.\n")
     db_path = tmp_path / "context.sqlite"
-    server = serve(asr="sphinx", router="local", knowledge=knowledge, db=str(db_path), span_deadline_s=600.0)
+    server = serve(asr="sphinx", router="local", knowledge=knowledge, db=str(db_path), span_deadline_s=60.0)
     frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
 
     async with websockets.connect(server.ws_url, max_size=None) as ws:
@@ -93,7 +93,7 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
         await client.recv_until(lambda k, m: k == "json" and m["type"] == "user_text" and m["final"])
         await client.recv_until(lambda k, m: k == "json" and m["type"] == "ret")
         # leave while the retrieval is in flight (or just landed): no stop, no goodbye
-    await wait_for(lambda: server.manager.free_slots() == 1)
+    await wait_for(lambda: server.hub.free_slots() == 1)
 
     from cspan.backends.context_db import ContextDB
 
@@ -104,7 +104,10 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
         assert any(t.role == "user" and "london" in t.text for t in turns)
         assert db.get_profile("tester-1").name == "Ada"
     await wait_for(
-        lambda: 'cspan_sessions_ended_total{reason="disconnect"} 1.0' in httpx.get(server.url + "/metrics").text
+        lambda: (
+            'cspan_sessions_ended_total{protocol="cspan",reason="disconnect"} 1.0'
+            in httpx.get(server.url + "/metrics").text
+        )
     )
 
     # the freed slot serves the next conversation from a clean state
@@ -137,7 +140,7 @@ async def test_health_info_page_and_static_files(serve) -> None:
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'id="start"' in page.text and "/static/app.js" in page.text
         assert "content-security-policy" in page.headers
-        for name in ("app.js", "mic-worklet.js", "player-worklet.js", "style.css"):
+        for name in ("app.js", "ogg-opus.js", "mic-worklet.js", "player-worklet.js", "style.css"):
             r = await http.get(f"/static/{name}")
             assert r.status_code == 200 and len(r.content) > 100, name
         assert (await http.get("/static/serve.py")).status_code == 404

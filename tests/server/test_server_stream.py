@@ -96,7 +96,7 @@ async def test_stream_question_with_forced_ret(serve, fixture_file, tmp_path: Pa
     assert span["text"] == WEATHER_NOTE
     assert span["question"] == question["text"]
     assert span["frame"] >= question["frame"] >= ret["frame"]
-    tokenizer = server.manager.checkpoint.tokenizer
+    tokenizer = server.hub.checkpoint.tokenizer
     assert span["n_frames"] == len(tokenizer.encode(WEATHER_NOTE)) + 2  # <span> ids </span>, one per column
     assert span["prefill_ms"] >= 0.0
     order = rec.types()
@@ -106,7 +106,7 @@ async def test_stream_question_with_forced_ret(serve, fixture_file, tmp_path: Pa
     assert slot["live_sessions"] == 1
     assert len(rec.json("text")) > 0 and all(m["text"] for m in rec.json("text"))
 
-    db = server.manager.db
+    db = server.hub.db
     conversation = db.get_conversation(ready["conversation_id"])
     assert conversation is not None and conversation.ended_at is not None
     assert any(t.role == "user" and "london" in t.text for t in db.turns(ready["conversation_id"]))

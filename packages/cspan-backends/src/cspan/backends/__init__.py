@@ -1,4 +1,5 @@
-"""cspan.backends: what the model calls when it emits ``<ret>``: transcribers, router, tool bank, Context DB.
+"""cspan.backends: what the model calls when it emits ``<ret>``: transcribers, router, tool bank, Context DB,
+and who is asking (identity).
 
 This package never imports torch or ``cspan.core``; it satisfies the ``Transcriber`` and ``Retriever``
 protocols of ``cspan.core`` structurally.
@@ -9,9 +10,13 @@ __version__ = "0.1.0"
 # Public names, imported on first use so that ``import cspan.backends`` stays cheap (and never pulls in httpx,
 # sqlite or a tool bank until asked). Add a row per re-exported name: "name": "module".
 _LAZY = {
+    "Authenticator": "cspan.backends.identity",
     "ContextDB": "cspan.backends.context_db",
     "ContextDBError": "cspan.backends.context_db",
+    "Principal": "cspan.backends.identity",
     "Profile": "cspan.backends.context_db",
+    "ToolsSpec": "cspan.backends.tools.catalog",
+    "UserMemory": "cspan.backends.context_db",
     "LLMRouter": "cspan.backends.router.llm",
     "LocalRouter": "cspan.backends.router.local",
     "RouteRequest": "cspan.backends.router.base",

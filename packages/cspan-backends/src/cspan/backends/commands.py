@@ -1,138 +1,20 @@
-"""``cspan`` verbs shipped by cspan-backends (entry-point group ``cspan.commands``).
+"""``cspan backends``: start, check and stop the router LLM and ASR servers (entry-point group ``cspan.commands``).
 
-Each ``*_command(parser)`` adds its arguments and sets ``handler``; handlers import their heavy modules lazily so
-that ``cspan --help`` stays fast. See ``cspan.core.cli`` for the contract.
+``backends_command(parser)`` adds its arguments and sets ``handler``; handlers import their heavy modules lazily so
+that ``cspan --help`` stays fast. See ``cspan.core.cli`` for the contract. ``cspan asr-serve`` is declared by its
+settings model (:class:`cspan.backends.asr.settings.ASRServeSettings`); ``cspan users`` and ``cspan db`` live in
+:mod:`cspan.backends.admin_cli`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import os
 import sys
 from pathlib import Path
 
+from cspan.backends.hostguard import is_loopback
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an address) only accepts connections from this machine."""
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def asr_serve_command(parser: argparse.ArgumentParser) -> None:
-    """Serve speech recognition over HTTP (POST /transcribe and the OpenAI /v1/audio/transcriptions)."""
-    parser.add_argument(
-        "--engine",
-        choices=("sphinx", "transformers"),
-        default="sphinx",
-        help="sphinx: embedded pocketsphinx, English, low accuracy, no download (default); "
-        "transformers: a local transformers speech-recognition model directory given with --model",
-    )
-    parser.add_argument(
-        "--model",
-        metavar="PATH",
-        default=None,
-        help="model directory: for transformers, a speech-recognition checkpoint (the released setup uses "
-        "Qwen3-ASR-1.7B); for sphinx, an optional Sphinx model folder (default: the bundled en-us model)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8990, help="TCP port (default 8990)")
-    parser.add_argument(
-        "--token",
-        default=os.environ.get("CSPAN_ASR_TOKEN"),
-        help="require 'Authorization: Bearer TOKEN' on every request but /health (env CSPAN_ASR_TOKEN); clients "
-        "send it with OPENAI_API_KEY / api_key",
-    )
-    parser.add_argument(
-        "--insecure-no-token",
-        action="store_true",
-        help="allow binding a non-loopback address without --token (anyone who reaches the port can use it)",
-    )
-    parser.add_argument(
-        "--concurrency",
-        type=int,
-        default=2,
-        help="clips recognised at the same time, one worker thread each (default 2)",
-    )
-    parser.add_argument(
-        "--max-queue", type=int, default=32, help="requests that may wait for a worker; more get HTTP 503 (default 32)"
-    )
-    parser.add_argument(
-        "--max-seconds",
-        type=float,
-        default=120.0,
-        help="longest accepted clip in seconds; longer gets 413 (default 120)",
-    )
-    parser.add_argument(
-        "--max-upload-mb", type=float, default=50.0, help="largest accepted upload in MiB; larger gets 413 (default 50)"
-    )
-    parser.add_argument(
-        "--device", default="auto", help="transformers engine: torch device, e.g. cpu or cuda:0 (default auto)"
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="transformers engine: allow a model directory's own Python code to run (only for models you trust)",
-    )
-    parser.set_defaults(handler=_asr_serve)
-
-
-def _asr_serve(args: argparse.Namespace) -> int:
-    prog = "cspan asr-serve"
-    try:
-        import fastapi  # noqa: F401  (fail here, with the fix, rather than half-way through startup)
-        import uvicorn  # noqa: F401
-
-        from cspan.backends.asr.server import ASRServerSettings, serve
-    except ImportError as exc:
-        print(
-            f"{prog}: error: the ASR server needs FastAPI and uvicorn ({exc}): pip install 'cspan-backends[server]'",
-            file=sys.stderr,
-        )
-        return 2
-    from cspan.backends.asr.engines import EngineLoadError, load_engine
-
-    if not is_loopback(args.host) and not args.token and not args.insecure_no_token:
-        print(
-            f"{prog}: error: refusing to bind {args.host} (reachable from other machines) without --token; "
-            "set --token (or CSPAN_ASR_TOKEN), bind 127.0.0.1, or pass --insecure-no-token",
-            file=sys.stderr,
-        )
-        return 2
-
-    try:
-        settings = ASRServerSettings(
-            max_seconds=args.max_seconds,
-            max_upload_bytes=int(args.max_upload_mb * 1024 * 1024),
-            max_concurrency=args.concurrency,
-            max_queue=args.max_queue,
-            token=args.token or None,
-        )
-    except ValueError as exc:
-        print(f"{prog}: error: {exc}; use positive limits and --concurrency >= 1", file=sys.stderr)
-        return 2
-    try:
-        engine = load_engine(
-            args.engine,
-            model=args.model,
-            workers=args.concurrency,
-            device=args.device,
-            trust_remote_code=args.trust_remote_code,
-        )
-    except EngineLoadError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"{prog}: {engine.name} engine ({engine.model}) on http://{args.host}:{args.port} "
-        "(POST /transcribe, POST /v1/audio/transcriptions, GET /health)",
-        file=sys.stderr,
-    )
-    serve(engine, host=args.host, port=args.port, settings=settings)
-    return 0
+__all__ = ["backends_command", "is_loopback"]
 
 
 def backends_command(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,14 @@ It composes a transcriber, a router and (optionally) the Context DB into one cal
    :meth:`ContextDB.mark_span_injected` using ``SpanResult.span_id``.
 
 A deadline bounds the whole call; cancelling the task cancels the transcriber and router requests in flight.
-Backend failures never escape: they become ``reference=None`` with ``error`` set.
+Backend failures never escape: they become ``reference=None`` with ``error`` set, and ``stage`` names the step
+that failed or was running when the deadline passed (``asr``, ``context``, ``router``, ``tool``), with the seconds
+each step took (``asr_s``, ``context_s``, ``llm_s``, ``tool_s``), so that a late span says why it was late.
+
+Whose memory: a :class:`~cspan.backends.context_db.UserMemory` (``db.user(principal)``) fixes the user for every
+call; a server makes one Retriever per session with :meth:`Retriever.scoped`. A whole
+:class:`~cspan.backends.context_db.ContextDB` is still accepted (deprecated): the user is then the profile's
+``user_id``, which in a server is whatever the client sent.
 
 Source: ``retrieve_for_ret`` of the original system (mindlogic-ai/Context-Spanning, ``frame_stream.py``,
 summarised in ``docs/reference/context-spanning-original.md`` section 4.3), with the Context DB persisted and
@@ -24,16 +31,20 @@ earlier tool results (not just their sources) given to the router. It satisfies 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from typing import Any, Protocol
+import warnings
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from pydantic import BaseModel, Field
 
-from cspan.backends.context_db import ContextDB, Profile
+from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
 from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
+
+Stage = Literal["asr", "context", "router", "tool"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +69,10 @@ class SpanResult(BaseModel):
         error: what failed when ``reference`` is None because of a failure or the deadline; None otherwise.
         late: the deadline passed before a reference was ready.
         span_id: the Context DB span row of this retrieval (None without a DB or conversation).
+        stage: the step that failed, or was running when the deadline passed: ``"asr"``, ``"context"`` (reading
+            the Context DB), ``"router"`` (the router LLM), ``"tool"``; None when nothing went wrong.
+        context_s: seconds spent reading the Context DB.
+        llm_s, tool_s: of ``route_s``, seconds waiting for the router LLM and running tools.
     """
 
     question: str = ""
@@ -70,6 +85,10 @@ class SpanResult(BaseModel):
     error: str | None = None
     late: bool = False
     span_id: int | None = None
+    stage: Stage | None = None
+    context_s: float = 0.0
+    llm_s: float = 0.0
+    tool_s: float = 0.0
 
 
 def _result_clause(reference: str) -> str:
@@ -86,19 +105,21 @@ class Retriever:
         transcriber: anything with ``async transcribe(pcm, sample_rate) -> Transcript`` (or a ``str``); may be
             None when every call passes ``question``.
         router: an ``LLMRouter``, a ``LocalRouter`` or anything with ``async route(RouteRequest)``.
-        db: the Context DB, or None (earlier tool calls are then remembered in memory per conversation).
+        memory: the user's :class:`~cspan.backends.context_db.UserMemory`; or, deprecated, a whole
+            :class:`~cspan.backends.context_db.ContextDB` (the user is then the profile's ``user_id``); or None
+            (earlier tool calls are then remembered in this object per conversation).
         deadline_s: default time budget of one :meth:`retrieve` in seconds (None: no limit). The original's live
             default was 2.5 s from ``<ret>`` to injection.
         history: how many earlier tool calls the router sees.
         context_chars: budget of the Context DB working text.
-        user_id: the user when neither the profile nor the conversation names one.
+        user_id: with a whole ContextDB (deprecated), the user when the profile names none.
     """
 
     def __init__(
         self,
         transcriber: _Transcriber | None,
         router: Router,
-        db: ContextDB | None = None,
+        memory: UserMemory | ContextDB | None = None,
         *,
         deadline_s: float | None = None,
         history: int = 5,
@@ -107,12 +128,41 @@ class Retriever:
     ) -> None:
         self.transcriber = transcriber
         self.router = router
-        self.db = db
+        if isinstance(memory, ContextDB):
+            warnings.warn(
+                "Retriever(..., ContextDB) trusts the profile's user_id; pass db.user(principal) (a UserMemory)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self.db = memory
         self.deadline_s = deadline_s
         self.history = history
         self.context_chars = context_chars
         self.user_id = user_id
-        self._memory: dict[str | None, list[ToolCall]] = {}
+        self._calls: dict[str | None, list[ToolCall]] = {}
+
+    def scoped(self, memory: UserMemory | None, *, router: Router | None = None) -> Retriever:
+        """A Retriever like this one for one session: ``memory`` is that session principal's, ``router`` its own
+        (e.g. ``llm_router.with_bank(session_bank(...))``). Cheap; a server makes one per session."""
+        return Retriever(
+            self.transcriber,
+            router if router is not None else self.router,
+            memory,
+            deadline_s=self.deadline_s,
+            history=self.history,
+            context_chars=self.context_chars,
+            user_id=self.user_id,
+        )
+
+    def _memory(self, profile: Profile | None, conversation_id: str | None) -> UserMemory | None:
+        if isinstance(self.db, ContextDB):  # deprecated: the caller names the user
+            if profile is None and conversation_id is not None:
+                with contextlib.suppress(ContextDBError):
+                    owner = self.db._memory_of_conversation(conversation_id)
+                    if owner.get_conversation(conversation_id) is not None:
+                        return owner
+            return self.db.user(profile.user_id if profile else self.user_id)
+        return self.db
 
     async def retrieve(
         self,
@@ -152,17 +202,27 @@ class Retriever:
         except TimeoutError:
             res.late = True
             res.reference = None
+            spent = ", ".join(
+                f"{name} {value:.2f} s"
+                for name, value in (("asr", res.asr_s), ("context", res.context_s), ("router", res.route_s))
+                if value > 0
+            )
             res.error = (
-                f"retrieval missed its {budget:g} s deadline (question {'known' if res.question else 'not yet known'})"
+                f"retrieval missed its {budget:g} s deadline in the {res.stage or 'asr'} step "
+                f"(question {'known' if res.question else 'not yet known'}; {spent or 'nothing finished'})"
             )
         if route is not None and not res.late:
             res.reference = route.reference
             res.tool = route.tool
             res.arguments = dict(route.arguments)
             res.source = route.source
+            res.llm_s, res.tool_s = route.llm_s, route.tool_s
             if route.reference is None and route.error:
                 res.error = route.error
-        await self._record(res, route, conversation_id, asked_at, time.perf_counter() - start)
+                res.stage = "tool" if route.tool else "router"
+        if not res.late and res.error is None:
+            res.stage = None
+        await self._record(res, route, profile, conversation_id, asked_at, time.perf_counter() - start)
         return res
 
     async def _run(
@@ -176,16 +236,23 @@ class Retriever:
         conversation_id: str | None,
     ) -> RouteResult | None:
         if question is None:
+            res.stage = "asr"
             question = await self._transcribe(res, audio, sample_rate)
             if question is None:
                 return None
         res.question = " ".join(question.split())
         if not res.question:
             return None
-        conversation, history, profile = await self._context(res.question, profile, conversation_id)
+        res.stage = "context"
+        t0 = time.perf_counter()
+        try:
+            conversation, history, profile = await self._context(res.question, profile, conversation_id)
+        finally:
+            res.context_s = time.perf_counter() - t0
         req = RouteRequest(
             question=res.question, profile=profile, agent_said=agent_said, history=history, conversation=conversation
         )
+        res.stage = "router"
         t0 = time.perf_counter()
         try:
             return await self.router.route(req)
@@ -222,23 +289,29 @@ class Retriever:
         self, question: str, profile: Profile | None, conversation_id: str | None
     ) -> tuple[str, list[ToolCall], Profile | None]:
         """Working text, earlier tool calls and the profile; a failing DB only costs the context."""
-        if self.db is None or conversation_id is None:
-            return "", list(self._memory.get(conversation_id, []))[-self.history :], profile
+        memory = self._memory(profile, conversation_id)
+        if memory is None or conversation_id is None:
+            return "", list(self._calls.get(conversation_id, []))[-self.history :], profile
         try:
-            conv = await self.db.aget_conversation(conversation_id)
+            conv = await memory.aget_conversation(conversation_id)
             if conv is None:
-                user_id = profile.user_id if profile else self.user_id
-                await self.db.astart_conversation(user_id, conversation_id=conversation_id)
-            elif profile is None:
-                profile = await self.db.aget_profile(conv.user_id)
-            await self.db.aadd_turn(conversation_id, "user", question, dedupe=True)
-            spans = await self.db.aspans(conversation_id)
+                await memory.astart_conversation(conversation_id)
+            if profile is None:
+                profile = await memory.aget_profile()
+            await memory.aadd_turn(conversation_id, "user", question, dedupe=True)
+            spans = await memory.aspans(conversation_id, last=max(self.history, 1) * 4)
             history = [
-                ToolCall(question=s.question, name=s.tool, arguments=s.arguments, result=_result_clause(s.text))
+                ToolCall(
+                    question=s.question,
+                    name=s.tool,
+                    arguments=s.arguments,
+                    result=_result_clause(s.text),
+                    status="awaiting_confirmation" if s.source.startswith("confirm:") else "done",
+                )
                 for s in spans
                 if s.tool and s.text
             ][-self.history :]
-            text = await self.db.aworking_text(conversation_id, max_chars=self.context_chars, profile=profile)
+            text = await memory.aworking_text(conversation_id, max_chars=self.context_chars, profile=profile)
             return text, history, profile
         except Exception as exc:
             log.warning("Context DB unavailable for conversation %s: %s", conversation_id, exc)
@@ -248,15 +321,17 @@ class Retriever:
         self,
         res: SpanResult,
         route: RouteResult | None,
+        profile: Profile | None,
         conversation_id: str | None,
         asked_at: float,
         latency_s: float,
     ) -> None:
         calls = route.calls if route is not None and not res.late else []
-        if self.db is None or conversation_id is None:
+        memory = self._memory(profile, conversation_id)
+        if memory is None or conversation_id is None:
             if calls:
-                self._memory.setdefault(conversation_id, []).extend(calls)
-                del self._memory[conversation_id][: -max(self.history, 1)]
+                self._calls.setdefault(conversation_id, []).extend(calls)
+                del self._calls[conversation_id][: -max(self.history, 1)]
             return
         if not res.question and res.error is None:
             return  # nothing was asked (empty transcript): not a retrieval worth a row
@@ -264,14 +339,14 @@ class Retriever:
         if res.reference is None:
             dropped = "late" if res.late else "error" if res.error else "no_span"
         try:
-            if await self.db.aget_conversation(conversation_id) is None:
-                await self.db.astart_conversation(self.user_id, conversation_id=conversation_id)
+            if await memory.aget_conversation(conversation_id) is None:
+                await memory.astart_conversation(conversation_id)
             for call in calls:
                 args = json.dumps(call.arguments, ensure_ascii=False, default=str, separators=(", ", ": "))
-                await self.db.aadd_turn(
+                await memory.aadd_turn(
                     conversation_id, "tool", f"{call.name}({args}) => {call.result[:240]}", meta={"tool": call.name}
                 )
-            res.span_id = await self.db.aadd_span(
+            res.span_id = await memory.aadd_span(
                 conversation_id,
                 question=res.question,
                 text=res.reference,

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from cspan.bench.run_commands import (
+    add_judge_arguments,
+    make_judge,
     print_summary,
     register_capacity,
     register_fdb_v1_run,
@@ -68,30 +70,6 @@ def register_fdb_v3(sub: Any) -> None:
     _group(sub, "fdb-v3", "Full-Duplex-Bench v3: tool use under disfluency.", FDB_V3_ACTIONS, "fdb_v3_action")
 
 
-def _add_judge_args(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:
-    group = parser.add_argument_group("judge (any OpenAI-compatible chat-completions server)")
-    group.add_argument("--judge-url", help=f"server URL (http://host:port/v1); without it {what} is skipped")
-    group.add_argument(
-        "--judge-model", default=default_model, help="model name (default: %(default)s, the reference's)"
-    )
-    group.add_argument(
-        "--judge-key-env",
-        default="OPENAI_API_KEY",
-        help="environment variable holding the API key (default: %(default)s)",
-    )
-    group.add_argument("--judge-attempts", type=int, default=5, help="tries per judge request (default: %(default)s)")
-
-
-def _make_judge(args: argparse.Namespace) -> Any:
-    if not args.judge_url:
-        return None
-    from cspan.bench.judge import OpenAIJudge
-
-    return OpenAIJudge(
-        args.judge_url, args.judge_model, api_key_env=args.judge_key_env, max_attempts=args.judge_attempts
-    )
-
-
 # --- fdb-v1 score ----------------------------------------------------------------------------------------------------
 
 
@@ -128,7 +106,7 @@ def register_fdb_v1_score(sub: Any) -> None:
         action="store_true",
         help="user interruption: use existing rating.json files instead of the judge",
     )
-    _add_judge_args(p, "gpt-4-turbo", "the user-interruption relevance rating")
+    add_judge_arguments(p, "gpt-4-turbo", "the user-interruption relevance rating")
     p.set_defaults(handler=_fdb_v1_score)
 
 
@@ -218,7 +196,7 @@ def _fdb_v1_score(args: argparse.Namespace) -> int:
         n = sum(len(d) for d, _ in jobs)
         print(f"transcribing {n} output.wav file(s) with {getattr(transcriber, 'endpoint', args.asr)} ...")
         transcribed = asyncio.run(_transcribe_all(jobs, transcriber, args.retranscribe))
-    judge = _make_judge(args)
+    judge = make_judge(args)
     try:
         for name, kind, folder in tasks:
             icc_gt = None
@@ -249,67 +227,73 @@ def _fdb_v1_score(args: argparse.Namespace) -> int:
 
 def register_fdb_v3_score(sub: Any) -> None:
     """``cspan bench fdb-v3 score``."""
+    from cspan.bench.run_commands import non_negative
+
     p = sub.add_parser(
         "score",
-        help="score tool-use results against the scenarios",
+        help="analyse and score tool-use results against the scenarios",
         description=(
             "Score Full-Duplex-Bench v3 results: tool-selection F1, argument accuracy, pass rate, take-turn rate, "
-            "latencies, interruption and filler rates. RESULTS is a JSON file ({results, scenarios?} or a list of "
-            "results) or a folder of result_*.json files. Writes summary.json and samples.json."
+            "latencies (first response, tool call, task completion), interruption and filler rates. RESULTS is a "
+            "JSON file ({results, scenarios?} or a list of results) or a folder of result_PROVIDER.json files. The "
+            "scenarios come from --scenarios, the file, or --fdb-v3-dir, with each recording's own metadata.json "
+            "over them (recorded in the result by `fdb-v3 run`, next to the result, or in --data), as `fdb-v3 run` "
+            "scores. With --judge-url each response is first analysed (filler sentence, key-information onset; "
+            "written as latency_tool_analysis_PROVIDER.json next to each result and OUT/key_info_analysis.json); "
+            "existing analyses are reused, failed ones asked again. Writes summary.json and samples.json."
         ),
     )
     p.add_argument("--results", required=True, help="results file or folder")
-    p.add_argument("--scenarios", help="scenario file (benchmark_data_v2.json); needed unless RESULTS embeds them")
+    p.add_argument("--scenarios", type=Path, help="scenario file (benchmark_data_v2.json); default: embedded or DIR's")
+    p.add_argument(
+        "--fdb-v3-dir",
+        type=Path,
+        help="the benchmark's v3/ folder: its benchmark_data_v2.json and fdb_v3_data_released/ (nothing is run)",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="the recordings folder, for DATA/{folder}/metadata.json scenarios (default: DIR's fdb_v3_data_released)",
+    )
+    p.add_argument("--provider", help="only result_PROVIDER.json files of a folder (default: every result_*.json)")
     p.add_argument("--out", help="where summary.json goes (default: next to RESULTS)")
     p.add_argument(
         "--numeric-tolerance",
-        type=float,
+        type=non_negative,
         default=0.05,
-        help="relative tolerance for numeric arguments without a judge (default: %(default)s; 0 = exact)",
+        help="relative tolerance for numeric arguments without a judge, >= 0 (default: %(default)s; 0 = exact)",
     )
-    _add_judge_args(p, "gpt-4o", "response quality (and arguments use the exact/numeric rule)")
+    p.add_argument("--reanalyze", action="store_true", help="ask the judge again even where an analysis exists")
+    add_judge_arguments(p, "gpt-4o", "the response analysis and response quality (arguments use the exact rule)")
     p.set_defaults(handler=_fdb_v3_score)
 
 
 def _fdb_v3_score(args: argparse.Namespace) -> int:
     from cspan.bench import fdb_v3
-    from cspan.bench.errors import BenchDataError, JudgeError
+    from cspan.bench.errors import BenchDataError
+    from cspan.bench.fdb_v3_release import release_inputs
+    from cspan.bench.fdb_v3_run import metadata_scenarios
+    from cspan.bench.run_commands import score_v3
 
     results_path = Path(args.results)
-    results, embedded = fdb_v3.load_results(results_path)
-    if args.scenarios:
-        scenarios = fdb_v3.load_scenarios(Path(args.scenarios))
-    elif embedded is not None:
-        scenarios = embedded
-    else:
-        raise BenchDataError(f"{results_path} embeds no scenarios; pass --scenarios benchmark_data_v2.json")
-    exact = fdb_v3.ExactArgumentMatcher(args.numeric_tolerance)
-    judge = _make_judge(args)
-    try:
-        matcher: Any = exact
-        response_judge = None
-        if judge is not None:
-            matcher = fdb_v3.JudgeArgumentMatcher(judge, exact)
-
-            def response_judge(intent: str, transcript: str) -> float | None:
-                try:
-                    return 1.0 if judge.judge_response(intent, transcript).correct else 0.0
-                except JudgeError:
-                    return None
-
-        summary, samples = fdb_v3.score_results(scenarios, results, matcher=matcher, response_judge=response_judge)
-    finally:
-        if judge is not None:
-            judge.close()
-    summary.config = {
-        "results": str(results_path),
-        "judge": judge.describe() if judge is not None else None,
-        "numeric_tolerance": args.numeric_tolerance,
-    }
+    entries, embedded = fdb_v3.load_result_entries(results_path, args.provider)
+    scenario_path, data = args.scenarios, args.data
+    if args.fdb_v3_dir is not None:
+        dir_scenarios, dir_data = release_inputs(args.fdb_v3_dir)
+        scenario_path, data = scenario_path or dir_scenarios, data or dir_data
+    scenarios = fdb_v3.load_scenarios(scenario_path) if scenario_path else embedded
+    if scenarios is None and not metadata_scenarios(entries, data):
+        if args.fdb_v3_dir is not None:
+            raise BenchDataError(
+                f"--fdb-v3-dir {args.fdb_v3_dir} holds no benchmark_data_v2.json, {results_path} embeds no "
+                "scenarios and no recording's metadata.json names its expected tool calls; pass --scenarios FILE"
+            )
+        raise BenchDataError(
+            f"{results_path} embeds no scenarios; pass --scenarios benchmark_data_v2.json or --fdb-v3-dir DIR"
+        )
     out = Path(args.out) if args.out else (results_path if results_path.is_dir() else results_path.parent)
-    path = fdb_v3.write_v3_score(summary, samples, out)
-    print_summary(f"fdb-v3 (n={summary.n})", summary)
-    print(f"wrote {path}")
+    config = {"results": str(results_path), "provider": args.provider}
+    score_v3(entries, scenarios, args, out, config=config, data=data)
     return 0
 
 
@@ -322,20 +306,30 @@ def register_report(sub: Any) -> None:
         "report",
         help="Markdown tables and PNG plots from a run folder's score files",
         description=(
-            "Collect every summary.json (Full-Duplex-Bench v1/v3, ...) and latency.json below RUN_DIR and write "
-            "report.md with tables plus PNG plots (latency vs span length, per-task bars)."
+            "Collect every summary.json (Full-Duplex-Bench v1/v3, spoken QA, ...) and latency.json below RUN_DIR and "
+            "write report.md with tables plus PNG plots (latency vs span length, per-task bars). With --compare "
+            "published the report opens with the run beside the published rows of the original paper's Tables 1-3 "
+            "(and compare_*.png plots)."
         ),
     )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--out", help="where report.md and the plots go (default: RUN_DIR)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument(
+        "--compare",
+        metavar="published|FILE",
+        help="put the run beside published results in the original paper's table layout: 'published' (shipped with "
+        "cspan-bench: Context Spanning, MoshiRAG, Full-Duplex-Bench v3) or a JSON file of the same format",
+    )
     p.set_defaults(handler=_report)
 
 
 def _report(args: argparse.Namespace) -> int:
     from cspan.bench.report import build_report
 
-    markdown, written = build_report(Path(args.run_dir), Path(args.out) if args.out else None, plots=not args.no_plots)
+    markdown, written = build_report(
+        Path(args.run_dir), Path(args.out) if args.out else None, plots=not args.no_plots, compare=args.compare
+    )
     print(markdown)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -16,10 +16,14 @@ Table 2 definitions, arXiv 2604.04847):
 - **first-response latency** = ``audio_agent_speech_start - user_speech_end_rel`` (rounded to 3); negative =
   interruption; interruption rate = interrupted / turn-taken samples with timing; response latency = mean over
   turn-taken, non-interrupted samples;
+- **tool-call latency** = ``actual_tool_calls[0].timestamp_start - user_speech_end_rel`` (rounded to 3), mean over
+  turn-taken, non-interrupted samples that called a tool (``analyze_tool_latency.py``);
 - **task-completion latency** = user speech end -> onset of the key information (per sample, given as
-  ``task_completion_latency_s`` or ``key_info_start_s``), mean over turn-taken, non-interrupted samples;
+  ``task_completion_latency_s`` or ``key_info_start_s``; :mod:`cspan.bench.fdb_v3_analysis` produces them with an
+  LLM judge), mean over turn-taken, non-interrupted samples;
 - **filler rate** = turn-taken non-interrupted samples whose response opens with a filler sentence / turn-taken
-  non-interrupted samples whose filler analysis is present (``filler_sentence`` not ``None``).
+  non-interrupted samples whose filler analysis is present (``filler_sentence`` not ``None``), as
+  ``analyze_tool_latency.py`` prints it ("with filler / (with + without)").
 
 Argument matching without a judge: every expected key must be present; ``$``-prefixed expected values (dynamic
 references such as ``$RESULT_0.flights[0].flight_id``) match anything; strings compare after lower-casing,
@@ -40,6 +44,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cspan.bench.errors import BenchDataError, JudgeError
+from cspan.bench.seconds import Seconds, finite_or_none
 
 DEFAULT_NUMERIC_TOLERANCE = 0.05
 """Relative tolerance for numeric arguments (the judge prompt's "±5 %")."""
@@ -95,10 +100,10 @@ class V3Scenario(BaseModel):
 class V3Result(BaseModel):
     """One ``result_{provider}.json`` of a v3 run.
 
-    Times are seconds on the input's timeline. ``first_response_latency_s`` overrides the latency computed from
-    ``audio_agent_speech_start - user_speech_end_rel``; ``task_completion_latency_s`` overrides
-    ``key_info_start_s - user_speech_end_rel``. ``filler_sentence``: ``None`` = not analysed, ``""`` = analysed and
-    no filler, text = the filler sentence found before the key information.
+    Times are seconds on the input's timeline (a NaN or infinite time reads as missing). ``first_response_latency_s``
+    overrides the latency computed from ``audio_agent_speech_start - user_speech_end_rel``;
+    ``task_completion_latency_s`` overrides ``key_info_start_s - user_speech_end_rel``. ``filler_sentence``: ``None``
+    = not analysed, ``""`` = analysed and no filler, text = the filler sentence found before the key information.
     """
 
     model_config = ConfigDict(extra="allow")
@@ -108,11 +113,11 @@ class V3Result(BaseModel):
     transcript: str = ""
     asr_chunks: list[Any] = Field(default_factory=list)
     input_asr_chunks: list[Any] = Field(default_factory=list)
-    user_speech_end_rel: float | None = None
-    audio_agent_speech_start: float | None = None
-    first_response_latency_s: float | None = None
-    key_info_start_s: float | None = None
-    task_completion_latency_s: float | None = None
+    user_speech_end_rel: Seconds = None
+    audio_agent_speech_start: Seconds = None
+    first_response_latency_s: Seconds = None
+    key_info_start_s: Seconds = None
+    task_completion_latency_s: Seconds = None
     filler_sentence: str | None = None
 
 
@@ -324,13 +329,39 @@ def turn_taken(result: V3Result) -> bool:
     return bool(result.transcript.strip()) or bool(result.asr_chunks)
 
 
+def agent_speech_start(result: V3Result) -> float | None:
+    """``audio_agent_speech_start`` (the benchmark's: the first output word's start), else the earliest finite start
+    among the ``asr_chunks`` words, else ``None`` (seconds)."""
+    if result.audio_agent_speech_start is not None:
+        return result.audio_agent_speech_start
+    starts = []
+    for chunk in result.asr_chunks:
+        try:
+            start = finite_or_none(chunk["timestamp"][0])
+        except (KeyError, TypeError, IndexError):
+            start = None
+        if start is not None:
+            starts.append(start)
+    return min(starts) if starts else None
+
+
 def first_response_latency(result: V3Result) -> float | None:
-    """Agent speech start minus user speech end, seconds (rounded to 3); ``None`` without both times."""
+    """Agent speech start (:func:`agent_speech_start`) minus user speech end, seconds (rounded to 3); ``None``
+    without both times."""
     if result.first_response_latency_s is not None:
         return result.first_response_latency_s
-    if result.user_speech_end_rel is None or result.audio_agent_speech_start is None:
+    start = agent_speech_start(result)
+    if result.user_speech_end_rel is None or start is None:
         return None
-    return round(result.audio_agent_speech_start - result.user_speech_end_rel, 3)
+    return round(start - result.user_speech_end_rel, 3)
+
+
+def tool_call_latency(result: V3Result) -> float | None:
+    """First tool call's ``timestamp_start`` minus user speech end, seconds (rounded to 3); ``None`` without both."""
+    if not result.actual_tool_calls or result.user_speech_end_rel is None:
+        return None
+    start = finite_or_none((result.actual_tool_calls[0].model_extra or {}).get("timestamp_start"))
+    return None if start is None else round(start - result.user_speech_end_rel, 3)
 
 
 def task_completion_latency(result: V3Result) -> float | None:
@@ -361,6 +392,7 @@ class V3SampleScore(BaseModel):
     response_quality_explanation: str | None = None
     first_response_latency_s: float | None
     interrupted: bool | None
+    tool_call_latency_s: float | None = None
     task_completion_latency_s: float | None
     has_filler: bool | None
 
@@ -414,6 +446,7 @@ def score_sample(
         response_quality=quality,
         first_response_latency_s=latency,
         interrupted=interrupted,
+        tool_call_latency_s=tool_call_latency(result),
         task_completion_latency_s=task_completion_latency(result),
         has_filler=None if result.filler_sentence is None else bool(result.filler_sentence.strip()),
     )
@@ -427,8 +460,8 @@ class V3Summary(BaseModel):
 
     ``metrics``: ``tool_selection``, ``argument_accuracy``, ``response_quality`` (turn-taken samples),
     ``tool_selection_all``, ``argument_accuracy_all`` (all samples), ``pass_rate``, ``take_turn_rate``,
-    ``interruption_rate``, ``response_latency_s``, ``task_completion_latency_s``, ``filler_rate``; ``None`` when not
-    computable (see ``notes``). ``breakdowns``: pass rate by ``domain``, ``difficulty``, ``num_tools``,
+    ``interruption_rate``, ``response_latency_s``, ``tool_call_latency_s``, ``task_completion_latency_s``,
+    ``filler_rate``; ``None`` when not computable (see ``notes``). ``breakdowns``: pass rate by ``domain``, ``difficulty``, ``num_tools``,
     ``disfluency``, ``state_rollback``.
     """
 
@@ -450,6 +483,7 @@ METRIC_DIRECTIONS: dict[str, str] = {
     "take_turn_rate": "up",
     "interruption_rate": "down",
     "response_latency_s": "down",
+    "tool_call_latency_s": "down",
     "task_completion_latency_s": "down",
     "filler_rate": "down",
 }
@@ -490,14 +524,37 @@ def summarize(samples: Sequence[V3SampleScore], *, judged_responses: bool = Fals
     notes = []
     if not judged_responses:
         notes.append("response quality skipped: no judge configured (pass --judge-url and --judge-model)")
+    elif len(quality) < len(taken):
+        notes.append(
+            f"response quality from {len(quality)} of {len(taken)} turn-taken samples: the judge failed for the others"
+        )
     if len(timed) < len(taken):
         notes.append(
-            f"{len(taken) - len(timed)} turn-taken sample(s) lack user_speech_end_rel/audio_agent_speech_start"
+            f"{len(taken) - len(timed)} turn-taken sample(s) lack a finite user_speech_end_rel or agent speech start "
+            "(audio_agent_speech_start / asr_chunks): left out of the interruption rate and the latencies"
         )
+    calm_text = f"{len(calm)} turn-taken, non-interrupted samples"
     if calm and not completion:
-        notes.append("task-completion latency needs task_completion_latency_s or key_info_start_s in the results")
+        notes.append(
+            "task-completion latency: no sample has a key-information onset; it needs the key-information analysis "
+            "(score with --judge-url; key_info_analysis.json says why one failed) or task_completion_latency_s / "
+            "key_info_start_s in the results"
+        )
+    elif len(completion) < len(calm):
+        notes.append(
+            f"task-completion latency from {len(completion)} of {calm_text}: the others have no key-information "
+            "onset (not analysed, the judge failed, or it found no key information)"
+        )
     if calm and not filler_known:
-        notes.append("filler rate needs filler_sentence in the results")
+        notes.append(
+            "filler rate: no sample has a filler analysis; it needs the key-information analysis (score with "
+            "--judge-url; key_info_analysis.json says why one failed) or filler_sentence in the results"
+        )
+    elif len(filler_known) < len(calm):
+        notes.append(
+            f"filler rate from {len(filler_known)} of {calm_text}: the others were not analysed (no judge reply, "
+            "or bad word times; see key_info_analysis.json)"
+        )
     metrics: dict[str, float | None] = {
         "tool_selection": _avg3([s.tool_selection.score for s in taken]),
         "argument_accuracy": _avg3([s.argument_accuracy.score for s in taken]),
@@ -508,6 +565,7 @@ def summarize(samples: Sequence[V3SampleScore], *, judged_responses: bool = Fals
         "response_latency_s": _avg3(
             [s.first_response_latency_s for s in calm if s.first_response_latency_s is not None]
         ),
+        "tool_call_latency_s": _avg3([s.tool_call_latency_s for s in calm if s.tool_call_latency_s is not None]),
         "task_completion_latency_s": _avg3(completion),
         "filler_rate": _rate(sum(bool(s.has_filler) for s in filler_known), len(filler_known)),
         "tool_selection_all": _avg3([s.tool_selection.score for s in samples]),
@@ -551,7 +609,11 @@ def score_results(
     response_judge: ResponseJudge | None = None,
 ) -> tuple[V3Summary, list[V3SampleScore]]:
     """Score every result whose ``example_id`` names a scenario; the others are skipped with a note (as the
-    reference skips them)."""
+    reference skips them).
+
+    Raises:
+        BenchDataError: no result names a scenario (nothing to score).
+    """
     samples = []
     skipped = []
     for result in results:
@@ -560,6 +622,12 @@ def score_results(
             skipped.append(result.example_id)
             continue
         samples.append(score_sample(scenario, result, matcher=matcher, response_judge=response_judge))
+    if not samples:
+        named = sorted(set(skipped))
+        raise BenchDataError(
+            f"none of the {len(results)} result(s) names a known scenario (they name {named[:5]}"
+            f"{' ...' if len(named) > 5 else ''}); check --scenarios"
+        )
     summary = summarize(samples, judged_responses=response_judge is not None)
     if skipped:
         summary.notes.append(
@@ -602,31 +670,60 @@ def _parse_results(items: Any, source: str) -> list[V3Result]:
         items = [items]
     if not isinstance(items, list):
         raise BenchDataError(f"{source}: expected result objects")
+    if not items:
+        raise BenchDataError(f"{source} holds no results")
     try:
         return [V3Result.model_validate(item) for item in items]
     except ValidationError as exc:
         raise BenchDataError(f"{source}: a result is malformed: {exc}") from exc
 
 
-def load_results(path: Path) -> tuple[list[V3Result], dict[str, V3Scenario] | None]:
-    """Read v3 results and, when the file embeds them, scenarios.
+ResultEntry = tuple[Path | None, V3Result]
+"""A result and the ``result_{provider}.json`` it was read from (``None`` when it came from a combined file)."""
 
-    ``path`` may be a folder (every ``result_*.json`` below it, the benchmark's layout), a JSON list of results, a
-    single result object, or ``{"results": [...], "scenarios": [...]}`` (scenarios optional).
+RESULT_GLOB = "result_{provider}.json"
+
+
+def load_result_entries(
+    path: Path, provider: str | None = None
+) -> tuple[list[ResultEntry], dict[str, V3Scenario] | None]:
+    """Read v3 results (with the file each came from) and, when the file embeds them, scenarios.
+
+    ``path`` may be a folder (every ``result_{provider}.json`` below it, the benchmark's layout; every
+    ``result_*.json`` when ``provider`` is None), a JSON list of results, a single result object, or
+    ``{"results": [...], "scenarios": [...]}`` (scenarios optional).
+
+    Raises:
+        BenchDataError: nothing to read, or a file that is not v3 results.
     """
     if path.is_dir():
-        files = sorted(path.rglob("result_*.json"))
+        pattern = RESULT_GLOB.format(provider=provider or "*")
+        files = sorted(path.rglob(pattern))
         if not files:
-            raise BenchDataError(f"{path} holds no result_*.json files")
-        results: list[V3Result] = []
+            raise BenchDataError(f"{path} holds no {pattern} files")
+        entries: list[ResultEntry] = []
         for f in files:
-            results.extend(_parse_results(_read_json(f), str(f)))
-        return results, None
+            parsed = _parse_results(_read_json(f), str(f))
+            entries.extend((f if len(parsed) == 1 else None, r) for r in parsed)
+        return entries, None
     data = _read_json(path)
     if isinstance(data, dict) and "results" in data:
         scenarios = parse_scenarios(data["scenarios"], str(path)) if data.get("scenarios") is not None else None
-        return _parse_results(data["results"], str(path)), scenarios
-    return _parse_results(data, str(path)), None
+        return [(None, r) for r in _parse_results(data["results"], str(path))], scenarios
+    return [(None, r) for r in _parse_results(data, str(path))], None
+
+
+def results_world(results: Sequence[V3Result]) -> dict[str, Any] | None:
+    """The ``world`` the results record (whose mock APIs, tools and persona they were run with): the one they share,
+    ``{"kind": "mixed", "worlds": [...]}`` when they differ, ``None`` when none records it."""
+    worlds: list[Any] = []
+    for result in results:
+        world = (result.model_extra or {}).get("world")
+        if world is not None and world not in worlds:
+            worlds.append(world)
+    if not worlds:
+        return None
+    return worlds[0] if len(worlds) == 1 else {"kind": "mixed", "worlds": worlds}
 
 
 def write_v3_score(summary: V3Summary, samples: Sequence[V3SampleScore], out_dir: Path) -> Path:

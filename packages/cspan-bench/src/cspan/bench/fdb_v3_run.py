@@ -4,9 +4,16 @@ Input: the benchmark's released layout, ``DATA/{example_id}_{speaker_id}/input.w
 with an optional ``metadata.json``), and optionally the scenario file ``benchmark_data_v2.json``
 (``docs/reference/benchmarks.md`` section 2.2). Each recording (plus ``tail_s`` of silence, 6 s in the original)
 is played through the loop (:func:`cspan.bench.session.render`) with a router over **only** the 12 mock tools of
-the benchmark (``ToolBank.fdb_v3()``, a fresh mock world per scenario so one booking never leaks into another),
-and every tool call the router makes is recorded (:class:`cspan.bench.session.RecordingRouter`). As in the
-original system, each ``<ret>`` can produce one tool call unless ``--max-tool-calls`` lets the router chain.
+the benchmark, a fresh world per scenario so one booking never leaks into another, and every tool call the router
+makes is recorded (:class:`cspan.bench.session.RecordingRouter`). As in the original system, each ``<ret>`` can
+produce one tool call unless ``--max-tool-calls`` lets the router chain.
+
+Two worlds, recorded as ``world`` in every result and in ``summary.json``:
+
+- this project's (default): ``ToolBank.fdb_v3()`` over :mod:`cspan.backends.tools.world` and the persona
+  :data:`V3_PROMPT`; numbers are comparable in kind with the paper's, not digit for digit;
+- the benchmark's own release (``--fdb-v3-dir``, :class:`cspan.bench.fdb_v3_release.FDBv3Release`): its
+  ``mock_apis.py``, the tool declarations and the persona of its LiveKit agent, as the published rows were run.
 
 Output per scenario, next to a copy of nothing (the inputs stay where they are): ``OUT/{folder}/output_{provider}.wav``
 (the agent at 24 kHz on the input's timeline, one frame late as a client hears it) and
@@ -15,9 +22,11 @@ Output per scenario, next to a copy of nothing (the inputs stay where they are):
 ``transcript`` (the model's text stream, as the original system reported it), ``asr_chunks`` and
 ``input_asr_chunks`` (word-timed ASR of output and input), ``user_speech_end_rel`` (end of the word before the
 first inter-word gap over 2 s in the input, else its last word's end), ``audio_agent_speech_start`` (first output
-word), plus the scenario's domain, difficulty, title, ``num_expected_calls``, ``input_duration_s`` and the
-retrieval events. With scenarios, the run is scored at the end (:func:`cspan.bench.fdb_v3.score_results`) into
-``OUT/summary.json`` and ``samples.json``. Finished scenarios are kept on re-runs (same settings).
+word), plus the scenario's domain, difficulty, title, ``num_expected_calls``, ``input_duration_s``, the
+recording's ``metadata.json`` as ``recording_metadata`` (its scenario, when it has one, is what the result is scored
+against, by ``run`` and by ``score`` alike: :func:`metadata_scenarios`) and the retrieval events. With scenarios, the
+run is scored at the end (:func:`cspan.bench.fdb_v3.score_results`) into ``OUT/summary.json`` and ``samples.json``.
+Finished scenarios are kept on re-runs (same settings).
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from cspan.bench.errors import BenchDataError
-from cspan.bench.fdb_v3 import V3Result, V3Scenario
+from cspan.bench.fdb_v3 import ResultEntry, V3Result, V3Scenario
+from cspan.bench.fdb_v3_release import FDBv3Release
 from cspan.bench.session import (
     BenchSession,
     Progress,
@@ -120,6 +130,65 @@ def find_samples(data: Path, scenarios: dict[str, V3Scenario] | None = None) -> 
     return samples
 
 
+def _metadata_scenario(metadata: Any, example_id: str, where: str) -> V3Scenario | None:
+    """The scenario a recording's ``metadata.json`` defines (one with ``expected_tool_calls``), or None."""
+    from pydantic import ValidationError
+
+    if not isinstance(metadata, dict) or "expected_tool_calls" not in metadata:
+        return None
+    try:
+        return V3Scenario.model_validate({**metadata, "id": example_id})
+    except ValidationError as exc:
+        raise BenchDataError(f"{where} is not a v3 scenario: {exc}") from exc
+
+
+def scenarios_from_metadata(samples: Sequence[V3Sample]) -> dict[str, V3Scenario]:
+    """Scenarios defined by the recordings' own ``metadata.json`` (those with ``expected_tool_calls``), by id.
+
+    The benchmark's runner merges them over ``benchmark_data_v2.json`` (a folder's metadata wins).
+
+    Raises:
+        BenchDataError: a metadata file with ``expected_tool_calls`` that is not a scenario.
+    """
+    found = {}
+    for sample in samples:
+        scenario = _metadata_scenario(sample.metadata, sample.example_id, str(sample.folder / METADATA_JSON))
+        if scenario is not None:
+            found[sample.example_id] = scenario
+    return found
+
+
+def metadata_scenarios(entries: Sequence[ResultEntry], data: Path | None = None) -> dict[str, V3Scenario]:
+    """The recordings' own scenarios for already written results, by example id (a folder's metadata wins over
+    ``benchmark_data_v2.json``, as in the benchmark's runner), from the first of: the ``recording_metadata`` a result
+    records (the runner copies the recording's ``metadata.json`` there), a ``metadata.json`` next to the result file (the
+    benchmark's layout: results inside the data folders), ``data/{folder}/metadata.json``.
+
+    Raises:
+        BenchDataError: a metadata file that is not readable JSON, or not a scenario.
+    """
+    found: dict[str, V3Scenario] = {}
+    for path, result in entries:
+        extra = result.model_extra or {}
+        metadata, where = extra.get("recording_metadata"), f"recording_metadata of {path or result.example_id}"
+        if metadata is None:
+            folder = extra.get("folder") or (path.parent.name if path is not None else None)
+            candidates = [path.parent / METADATA_JSON] if path is not None else []
+            if data is not None and isinstance(folder, str):
+                candidates.append(data / folder / METADATA_JSON)
+            for candidate in candidates:
+                if candidate.is_file():
+                    try:
+                        metadata, where = json.loads(candidate.read_text(encoding="utf-8")), str(candidate)
+                    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                        raise BenchDataError(f"{candidate} is not readable JSON ({exc})") from exc
+                    break
+        scenario = _metadata_scenario(metadata, result.example_id, where)
+        if scenario is not None:
+            found[result.example_id] = scenario
+    return found
+
+
 def chunks_of(words: Sequence[Any] | None, offset_s: float = 0.0) -> list[dict[str, Any]]:
     """Transcriber words -> the benchmark's ``[{text, timestamp: [start, end]}]`` chunks."""
     return [{"text": w.text, "timestamp": [w.start_s + offset_s, w.end_s + offset_s]} for w in (words or [])]
@@ -144,6 +213,7 @@ class V3RunOptions:
         provider: the ``{provider}`` of ``result_{provider}.json`` / ``output_{provider}.wav``.
         max_tool_calls: tool calls one ``<ret>`` may chain (1 as the original).
         router_timeout_s: LLM router time limit per request.
+        release: the benchmark's released world (``--fdb-v3-dir``); None = this project's.
     """
 
     provider: str = "cspan"
@@ -159,7 +229,29 @@ class V3RunOptions:
     quiet: bool = False
     max_tool_calls: int = 1
     router_timeout_s: float = 8.0
+    release: FDBv3Release | None = None
     describe: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def persona(self) -> str:
+        """``text_prompt``, else the release agent's instructions, else :data:`V3_PROMPT`."""
+        if self.text_prompt:
+            return self.text_prompt
+        return self.release.persona if self.release is not None else V3_PROMPT
+
+    def world(self) -> dict[str, Any]:
+        """What the results record as ``world``: whose mock APIs, tools and persona the run used."""
+        if self.release is not None:
+            world = self.release.describe()
+        else:
+            world = {
+                "kind": "cspan",
+                "tools": "ToolBank.fdb_v3(): this project's 12 tools over cspan.backends.tools.world",
+                "persona": "cspan V3_PROMPT",
+            }
+        if self.text_prompt:
+            world["persona"] = "custom (--text-prompt)"
+        return world
 
 
 async def _transcribe(transcriber: Any, pcm: Any, rate: int) -> list[dict[str, Any]]:
@@ -199,8 +291,10 @@ async def run_scenario(
     provider = options.provider
     result_path = out_dir / f"result_{provider}.json"
     wav_path = out_dir / f"output_{provider}.wav"
+    world = options.world()
     settings = {
-        "prompt": options.text_prompt or V3_PROMPT,
+        "prompt": options.persona,
+        "world": world,
         "seed": options.seed,
         "tail_s": options.tail_s,
         "output_offset_frames": options.output_offset_frames,
@@ -223,7 +317,7 @@ async def run_scenario(
     native, native_rate = read_pcm(sample.folder / INPUT_WAV)
     pcm, _ = read_pcm(sample.folder / INPUT_WAV, SAMPLE_RATE)
     input_s = native.shape[0] / native_rate
-    bank = ToolBank.fdb_v3()
+    bank = await options.release.tool_bank() if options.release is not None else ToolBank.fdb_v3()
     inner = make_router(
         router_spec,
         bank,
@@ -241,7 +335,7 @@ async def run_scenario(
         rendered = await render(
             session,
             pcm,
-            text_prompt=options.text_prompt or V3_PROMPT,
+            text_prompt=options.persona,
             seed=seed_for(options.seed, sample.folder.name),
             tail_s=options.tail_s,
             transcriber=transcriber if retriever is not None else None,
@@ -271,6 +365,8 @@ async def run_scenario(
         "input_duration_s": input_s,
         "folder": sample.folder.name,
         "provider": provider,
+        "world": world,
+        "recording_metadata": sample.metadata or None,
         "retrieval_events": [
             e.model_dump(mode="json")
             for e in rendered.events

@@ -12,12 +12,18 @@
 
 Any server that speaks the chat-completions API works (OpenAI, vLLM, llama.cpp, ...). Prompts: see
 ``docs/reference/benchmarks.md`` sections 1.8 and 2.2.
+
+A judge that is down must not stall a scoring run: each request has a time limit (``timeout_s``) and a bounded
+number of tries, and after :data:`DOWN_AFTER` requests in a row failed the judge is taken as down: every later
+request fails at once (:attr:`OpenAIJudge.down`), so the run finishes, marks what was not judged and says so
+(:meth:`OpenAIJudge.trouble`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -35,6 +41,12 @@ V1_INTERRUPTION_MODEL = "gpt-4-turbo"
 """The model string the v1 reference scorer asks for (its README calls it GPT-4o)."""
 V3_MODEL = "gpt-4o"
 """The v3 reference judge model."""
+DEFAULT_TIMEOUT_S = 60.0
+"""Time limit of one request (one try), seconds."""
+DEFAULT_ATTEMPTS = 5
+"""Tries per request (connection errors, HTTP 429 and 5xx are retried)."""
+DOWN_AFTER = 2
+"""Requests in a row that failed (each after all its tries) before the judge is taken as down."""
 
 INTERRUPTION_SYSTEM_PROMPT = """
    The scenario is that the user and AI are talking in the spoken conversation.
@@ -173,12 +185,15 @@ class OpenAIJudge:
         model: the model name the server expects (reference: ``gpt-4-turbo`` for v1, ``gpt-4o`` for v3).
         api_key: bearer key; ``None`` reads the environment variable ``api_key_env``; no header when neither is set.
         api_key_env: where to read the key from (default ``OPENAI_API_KEY``).
-        timeout_s: per-request timeout, seconds.
-        max_attempts: tries per request on connection errors, HTTP 429 and 5xx (back-off ``backoff_s * 2**n``), and
-            for the v1 rating also on unparsable replies.
+        timeout_s: time limit of one try of a request, seconds (finite, > 0; connecting: at most 10 s).
+        max_attempts: tries per request on connection errors, timeouts, HTTP 429 and 5xx (back-off
+            ``backoff_s * 2**n``), and for the v1 rating also on unparsable replies.
+        down_after: after this many requests in a row failed, the judge is taken as down and every later request
+            fails at once (:attr:`down` says why).
         client: an ``httpx.Client`` to use (not closed here); default: one owned by the judge.
 
-    Raises :class:`JudgeError` (URL and cause in the message) when a request cannot be completed.
+    Raises :class:`JudgeError` (URL and cause in the message) when a request cannot be completed, and
+    :class:`ValueError` for settings out of range. ``answered`` and ``failed`` count the requests.
     """
 
     def __init__(
@@ -188,23 +203,36 @@ class OpenAIJudge:
         *,
         api_key: str | None = None,
         api_key_env: str = "OPENAI_API_KEY",
-        timeout_s: float = 120.0,
-        max_attempts: int = 5,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_attempts: int = DEFAULT_ATTEMPTS,
         backoff_s: float = 1.0,
+        down_after: int = DOWN_AFTER,
         client: httpx.Client | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise JudgeError(f"judge URL must be http(s), got {url!r}; pass e.g. --judge-url http://127.0.0.1:8000/v1")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
+        if down_after < 1:
+            raise ValueError(f"down_after must be >= 1, got {down_after}")
         self.url = chat_completions_url(url)
         self.model = model
         key = api_key if api_key is not None else os.environ.get(api_key_env)
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.max_attempts = int(max_attempts)
         self.backoff_s = float(backoff_s)
+        self.down_after = int(down_after)
+        self.answered = 0
+        """Requests that got a reply."""
+        self.failed = 0
+        """Requests that failed (including those refused at once while the judge is down)."""
+        self.down: str | None = None
+        """Why the judge is taken as down (``down_after`` requests in a row failed); None while it answers."""
+        self._failed_in_a_row = 0
         self._own_client = client is None
-        self._client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
 
     def close(self) -> None:
         """Close the HTTP client the judge opened."""
@@ -220,6 +248,19 @@ class OpenAIJudge:
     def describe(self) -> dict[str, str]:
         """``{"url", "model"}`` for score files."""
         return {"url": self.url, "model": self.model}
+
+    def trouble(self) -> str | None:
+        """Why judged numbers of this run are missing: the judge went down or failed every request; None when it
+        answered (a few failed requests are counted in ``failed``, not reported here)."""
+        if self.down is not None:
+            return (
+                f"the judge {self.url} ({self.model}) was taken as down after {self.answered} answered request(s): "
+                f"{self.down}; {self.failed} request(s) failed, their judgements are missing and are asked again "
+                "on the next run"
+            )
+        if self.failed and not self.answered:
+            return f"every request to the judge {self.url} ({self.model}) failed ({self.failed}); nothing was judged"
+        return None
 
     def chat(
         self,
@@ -237,6 +278,24 @@ class OpenAIJudge:
         for key, value in (("seed", seed), ("temperature", temperature), ("max_tokens", max_tokens)):
             if value is not None:
                 body[key] = value
+        if self.down is not None:
+            self.failed += 1
+            raise JudgeError(f"judge {self.url} is taken as down ({self.down}); not asked")
+        try:
+            content = self._request(body)
+        except JudgeError as exc:
+            self.failed += 1
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row >= self.down_after:
+                self.down = f"{self._failed_in_a_row} requests in a row failed, the last: {exc}"
+                log.error("judge %s is taken as down: %s; later requests fail at once", self.url, self.down)
+            raise
+        self.answered += 1
+        self._failed_in_a_row = 0
+        return content
+
+    def _request(self, body: dict[str, Any]) -> str:
+        """POST ``body`` with retries; the first choice's message text. Raises :class:`JudgeError`."""
         last = ""
         for attempt in range(1, self.max_attempts + 1):
             try:

@@ -13,6 +13,10 @@ model answers. Two things are judged per item against the gold answers:
   released evaluator and the original system judge it); an empty answer is left out of ``resp_acc`` and counts
   as wrong in ``resp_acc_all``.
 
+Delays (:mod:`cspan.bench.qa_timing`): MoshiRAG's time to first answer token (TTFAT), keyword delay (KD) and
+end-to-end keyword delay (E2EKD) of each answer, from word timestamps of the agent channel (a transcription of
+``output.wav`` when a transcriber is configured, else the model's text stream; ``--timing-words``).
+
 Judges: an OpenAI-compatible chat model (:class:`cspan.bench.judge.OpenAIJudge`) with one prompt style per set,
 after MoshiRAG's released judges: "[Correct] / [Incorrect]" for LlamaQ and HaluEval, a JSON ``judgment`` for
 TriviaQA and WebQ, "Yes / No" with numerical equivalence for math. The prompt texts here are this project's
@@ -39,7 +43,6 @@ import math
 import re
 import shutil
 import subprocess
-import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +50,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from cspan.bench.answer_text import normalize_answer, numbers_in
 from cspan.bench.errors import BenchDataError, BenchError, JudgeError
+from cspan.bench.qa_timing import PROMPT_VERSION as KEYWORD_PROMPT_VERSION
+from cspan.bench.qa_timing import AnswerTiming, TimedWord, measure, text_stream_words
 
 log = logging.getLogger(__name__)
 
@@ -348,83 +354,6 @@ def synthesize_espeak(text: str, path: Path, *, voice: str = "en-us", wpm: int =
 
 # --- answer matching ---------------------------------------------------------------------------------------------
 
-_UNITS = {
-    "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9,
-    "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15, "sixteen": 16,
-    "seventeen": 17, "eighteen": 18, "nineteen": 19,
-}  # fmt: skip
-_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
-_SCALES = {"hundred": 100, "thousand": 1_000, "million": 1_000_000, "billion": 1_000_000_000}
-_ARTICLES = {"a", "an", "the"}
-
-
-def _fold_numbers(tokens: list[str]) -> list[str]:
-    """Replace runs of spoken number words by their digits ("twenty five" -> "25", "one hundred and two" ->
-    "102", "three point five" -> "3.5"). A unit ends a number unless a scale word follows ("one two" stays two
-    numbers), and "and" only continues a number after a scale word."""
-    out: list[str] = []
-    i = 0
-    while i < len(tokens):
-        w = tokens[i]
-        if w not in _UNITS and w not in _TENS and w not in _SCALES:
-            out.append(w)
-            i += 1
-            continue
-        total, current, j, last = 0, 0, i, ""
-        while j < len(tokens):
-            t = tokens[j]
-            if t in _UNITS and last in ("", "tens", "scale", "and") and not (last == "tens" and _UNITS[t] >= 10):
-                current += _UNITS[t]
-                last = "unit"
-            elif t in _TENS and last in ("", "scale", "and"):
-                current += _TENS[t]
-                last = "tens"
-            elif t in _SCALES and last != "and":
-                scale = _SCALES[t]
-                if scale == 100:
-                    current = max(current, 1) * 100
-                else:
-                    total += max(current, 1) * scale
-                    current = 0
-                last = "scale"
-            elif t == "and" and last == "scale" and j + 1 < len(tokens) and tokens[j + 1] in {**_UNITS, **_TENS}:
-                last = "and"
-            else:
-                break
-            j += 1
-        value = str(total + current)
-        if j + 1 < len(tokens) and tokens[j] == "point" and tokens[j + 1] in _UNITS and _UNITS[tokens[j + 1]] < 10:
-            digits = ""
-            j += 1
-            while j < len(tokens) and tokens[j] in _UNITS and _UNITS[tokens[j]] < 10:
-                digits += str(_UNITS[tokens[j]])
-                j += 1
-            value += "." + digits
-        out.append(value)
-        i = j
-    return out
-
-
-def normalize_answer(text: str) -> list[str]:
-    """Tokens of ``text`` for matching: NFKD without accents, lower case, "&" -> "and", thousands separators and
-    punctuation removed (a decimal point between digits kept), articles dropped, spoken numbers folded to digits."""
-    text = unicodedata.normalize("NFKD", text)
-    text = "".join(ch for ch in text if not unicodedata.combining(ch)).lower().replace("&", " and ")
-    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
-    text = re.sub(r"(?<=\d)\.(?=\d)", "\u2024", text)  # protect decimal points from the punctuation pass
-    text = re.sub(r"[^\w\s\u2024]|_", " ", text).replace("\u2024", ".")
-    tokens = [t for t in text.split() if t not in _ARTICLES]
-    return _fold_numbers(tokens)
-
-
-def numbers_in(text: str) -> list[float]:
-    """Every number in ``text`` after :func:`normalize_answer` (digits and spoken numbers), in order."""
-    out = []
-    for tok in normalize_answer(text):
-        if re.fullmatch(r"-?\d+(?:\.\d+)?", tok):
-            out.append(float(tok))
-    return out
-
 
 def _contains(hay: list[str], needle: list[str]) -> bool:
     n = len(needle)
@@ -432,11 +361,18 @@ def _contains(hay: list[str], needle: list[str]) -> bool:
 
 
 class Verdict(BaseModel):
-    """One judgement: ``correct`` (None = not judgeable: empty text or a failed judge), how, and why."""
+    """One judgement: ``correct`` (None = not judgeable: empty text or a failed judge), how, and why.
+    ``judge_failed``: the judge could not be asked or gave no readable reply (asked again on the next run)."""
 
     correct: bool | None
     method: str
     explanation: str = ""
+    judge_failed: bool = False
+
+    def model_post_init(self, context: Any, /) -> None:
+        # records written before ``judge_failed`` existed say it in their explanation
+        if self.correct is None and self.explanation.startswith(("judge failed:", "unreadable judge reply:")):
+            self.judge_failed = True
 
 
 def alias_match(text: str, answers: Sequence[str], *, numeric: bool = False) -> Verdict:
@@ -535,7 +471,8 @@ def llm_judge(judge: Any, style: str, question: str, answers: Sequence[str], res
     """Ask ``judge`` (an :class:`~cspan.bench.judge.OpenAIJudge`) whether ``response`` answers ``question``.
 
     Temperature 0, seed 0; an unreadable reply is asked again up to ``judge.max_attempts`` times. Empty
-    ``response`` -> ``correct=None`` without a request. A failed judge gives ``correct=None`` with the error.
+    ``response`` -> ``correct=None`` without a request. A failed judge (or no readable reply) gives ``correct=None``
+    with the error and ``judge_failed``.
     """
     if not response.strip():
         return Verdict(correct=None, method="judge", explanation="empty text")
@@ -549,8 +486,13 @@ def llm_judge(judge: Any, style: str, question: str, answers: Sequence[str], res
             if verdict is not None:
                 return Verdict(correct=verdict, method="judge", explanation=reply.strip()[:300])
     except JudgeError as exc:
-        return Verdict(correct=None, method="judge", explanation=f"judge failed: {exc}")
-    return Verdict(correct=None, method="judge", explanation=f"unreadable judge reply: {reply.strip()[:200]!r}")
+        return Verdict(correct=None, method="judge", explanation=f"judge failed: {exc}", judge_failed=True)
+    return Verdict(
+        correct=None,
+        method="judge",
+        explanation=f"unreadable judge reply: {reply.strip()[:200]!r}",
+        judge_failed=True,
+    )
 
 
 def judge_text(judge: Any, set_name: str, item: QAItem, text: str) -> Verdict:
@@ -582,6 +524,9 @@ class QAItemResult(BaseModel):
     inj_lat_s: float | None = Field(default=None, description="first span injection minus its <ret>")
     ref: Verdict | None = None
     resp: Verdict | None = None
+    words_source: str | None = Field(default=None, description="'asr' (output.wav transcribed) or 'text' (stream)")
+    agent_words: list[TimedWord] = Field(default_factory=list, description="the agent channel's timed words")
+    timing: AnswerTiming | None = None
     seed: int = 0
     settings_key: str = ""
     judge_key: str = ""
@@ -594,7 +539,11 @@ class QASummary(BaseModel):
 
     ``metrics``: ``ref_acc`` (over items with a span), ``resp_acc`` (over items that answered), ``ref_acc_all`` and
     ``resp_acc_all`` (over all items, missing = wrong), ``resp_given_ref`` (resp. over items whose ref. was
-    correct), ``span_rate``, ``ret_rate``, ``ret_lat_s`` and ``inj_lat_s`` (means over items that have them).
+    correct), ``span_rate``, ``ret_rate``, ``ret_lat_s`` and ``inj_lat_s`` (means over items that have them);
+    MoshiRAG's delays ``ttfat_s``, ``keyword_delay_s`` and ``e2ekd_s`` (means over the same items, those whose
+    keyword was found in the words, so that E2EKD = TTFAT + KD up to rounding; seconds, 3 decimals),
+    ``ttfat_all_s`` (TTFAT over every item whose agent spoke after the question), ``keyword_found_rate`` (of the
+    items that spoke). ``notes`` say what a metric was computed from when items are missing.
     """
 
     benchmark: str = "qa"
@@ -610,6 +559,12 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _mean3(values: Sequence[float | None]) -> float | None:
+    """Mean of delays (seconds, already rounded to 3 decimals per item), rounded to 3."""
+    mean = _mean([float(v) for v in values if v is not None])
+    return None if mean is None else round(mean, 3)
+
+
 def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
     """Aggregate per-item results into :class:`QASummary` (accuracies in [0, 1])."""
     n = len(results)
@@ -617,6 +572,11 @@ def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
     resps = [r.resp.correct for r in results if r.resp is not None and r.resp.correct is not None]
     ref_ok = [r for r in results if r.ref is not None and r.ref.correct]
     given = [r.resp.correct for r in ref_ok if r.resp is not None and r.resp.correct is not None]
+    timings = [r.timing for r in results if r.timing is not None]
+    spoke = [t for t in timings if t.ttfat_s is not None]
+    keyed = [t for t in spoke if t.e2ekd_s is not None and t.keyword_delay_s is not None]
+    failed_verdicts = sum(v is not None and v.judge_failed for r in results for v in (r.ref, r.resp))
+    failed_keywords = sum(t.judge_failed for t in timings)
     metrics: dict[str, float | None] = {
         "ref_acc": _mean([float(x) for x in refs]),
         "resp_acc": _mean([float(x) for x in resps]),
@@ -627,12 +587,31 @@ def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
         "ret_rate": sum(r.n_rets > 0 for r in results) / n if n else None,
         "ret_lat_s": _mean([r.ret_lat_s for r in results if r.ret_lat_s is not None]),
         "inj_lat_s": _mean([r.inj_lat_s for r in results if r.inj_lat_s is not None]),
+        "ttfat_s": _mean3([t.ttfat_s for t in keyed]),
+        "keyword_delay_s": _mean3([t.keyword_delay_s for t in keyed]),
+        "e2ekd_s": _mean3([t.e2ekd_s for t in keyed]),
+        "ttfat_all_s": _mean3([t.ttfat_s for t in spoke]),
+        "keyword_found_rate": len(keyed) / len(spoke) if spoke else None,
     }
     notes = []
     if n and not refs:
         notes.append("no item got a judgeable reference: ref. accuracy undefined (did the model emit <ret>?)")
     if n and not resps:
         notes.append("no item got a judgeable spoken answer: resp. accuracy undefined")
+    if failed_verdicts or failed_keywords:
+        notes.append(
+            f"the judge failed for {failed_verdicts} ref./resp. verdict(s) and {failed_keywords} keyword(s): left out "
+            "of the accuracies and delays, asked again on the next run"
+        )
+    if len(timings) < n:
+        notes.append(f"{n - len(timings)} of {n} item(s) have no word times: no delays")
+    if len(spoke) < len(timings):
+        notes.append(f"{len(timings) - len(spoke)} of {len(timings)} item(s): no agent words after the question")
+    if spoke and len(keyed) < len(spoke):
+        notes.append(
+            f"TTFAT, KD and E2EKD over the {len(keyed)} of {len(spoke)} answer(s) whose keyword was found in the "
+            f"words (ttfat_all_s: TTFAT over all {len(spoke)})"
+        )
     return QASummary(
         task=set_name,
         n=n,
@@ -644,26 +623,34 @@ def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
             "resp_correct": sum(resps),
             "with_span": sum(r.n_spans > 0 for r in results),
             "with_ret": sum(r.n_rets > 0 for r in results),
+            "spoke_after_question": len(spoke),
+            "keyword_found": len(keyed),
         },
         notes=notes,
     )
 
 
 def qa_table(summaries: Sequence[QASummary]) -> str:
-    """Markdown: one row per set, ref. and resp. accuracy in percent (as MoshiRAG's and the original's tables)."""
+    """Markdown: one row per set, ref. and resp. accuracy in percent (as MoshiRAG's and the original's tables) and
+    MoshiRAG's delays in seconds."""
 
     def pct(v: float | None) -> str:
         return "–" if v is None else f"{100 * v:.1f}"
 
+    def sec(v: float | None) -> str:
+        return "–" if v is None else f"{v:.2f}"
+
     lines = [
-        "| Set | n | ref. (%) | resp. (%) | resp. all (%) | P(resp. \\| ref.) (%) | span rate | <ret> rate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| Set | n | ref. (%) | resp. (%) | resp. all (%) | P(resp. \\| ref.) (%) | span rate | <ret> rate | "
+        "TTFAT (s) | KD (s) | E2EKD (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         m = s.metrics
         lines.append(
-            f"| {s.task} | {s.n} | {pct(m['ref_acc'])} | {pct(m['resp_acc'])} | {pct(m['resp_acc_all'])} | "
-            f"{pct(m['resp_given_ref'])} | {pct(m['span_rate'])} | {pct(m['ret_rate'])} |"
+            f"| {s.task} | {s.n} | {pct(m.get('ref_acc'))} | {pct(m.get('resp_acc'))} | {pct(m.get('resp_acc_all'))} | "
+            f"{pct(m.get('resp_given_ref'))} | {pct(m.get('span_rate'))} | {pct(m.get('ret_rate'))} | "
+            f"{sec(m.get('ttfat_s'))} | {sec(m.get('keyword_delay_s'))} | {sec(m.get('e2ekd_s'))} |"
         )
     return "\n".join(lines)
 
@@ -686,6 +673,8 @@ class QARunOptions:
         config: the :class:`~cspan.core.runtime.ConversationConfig`.
         tts: ``"espeak-ng"`` to synthesise missing question audio into ``OUT/tts/``; None: missing audio is an
             error.
+        timing_words: where the delays' word times come from: ``"asr"`` (transcribe ``output.wav``), ``"text"``
+            (the model's text stream) or ``"auto"`` (``asr`` when a transcriber is configured, else ``text``).
         overwrite, quiet: re-render everything; no progress bar.
         describe: settings recorded in each result and part of the resume key.
     """
@@ -699,6 +688,7 @@ class QARunOptions:
     realtime: bool = False
     config: Any = None
     tts: str | None = None
+    timing_words: str = "auto"
     overwrite: bool = False
     quiet: bool = False
     describe: dict[str, Any] = field(default_factory=dict)
@@ -792,12 +782,61 @@ async def run_item(
     )
 
 
+def timing_source(setting: str, transcriber: Any) -> str:
+    """``--timing-words`` -> ``"asr"`` or ``"text"`` (``auto``: ``asr`` when there is a transcriber).
+
+    Raises:
+        BenchError: ``asr`` without a transcriber, or an unknown setting.
+    """
+    if setting == "auto":
+        return "asr" if transcriber is not None else "text"
+    if setting == "asr" and transcriber is None:
+        raise BenchError("--timing-words asr needs a transcriber (--asr sphinx or a server URL)")
+    if setting not in ("asr", "text"):
+        raise BenchError(f"--timing-words {setting!r}: use auto, asr or text")
+    return setting
+
+
+async def agent_channel_words(result: QAItemResult, out_dir: Path, source: str, transcriber: Any) -> list[TimedWord]:
+    """The agent's timed words of one item: ``output.wav`` transcribed (``asr``, word times as heard) or the text
+    stream of its events (``text``). A failed transcription gives no words (logged)."""
+    if source == "text":
+        return text_stream_words(result.events)
+    from cspan.bench.session import read_pcm
+    from cspan.bench.transcribe import transcribe_pcm
+
+    try:
+        pcm, rate = read_pcm(out_dir / "output.wav")
+        output = await transcribe_pcm(transcriber, pcm, rate)
+    except BenchError as exc:
+        log.warning("item %s: transcribing output.wav failed: %s", result.id, exc)
+        return []
+    return [TimedWord(text=c.text, start=c.timestamp[0], end=c.timestamp[1]) for c in output.chunks]
+
+
+def _unjudged(verdict: Verdict | None, text: str) -> bool:
+    return bool(text.strip()) and (verdict is None or verdict.judge_failed)
+
+
 def judge_item(result: QAItemResult, item: QAItem, set_name: str, judge: Any, judge_key: str) -> QAItemResult:
-    """Fill ``ref`` and ``resp`` (kept when already judged with the same ``judge_key``)."""
-    if result.judge_key == judge_key and result.ref is not None and result.resp is not None:
-        return result
-    result.ref = judge_text(judge, set_name, item, result.reference) if result.reference.strip() else None
-    result.resp = judge_text(judge, set_name, item, result.response)
+    """Fill ``ref``, ``resp`` and the delays ``timing``. Each is kept when already judged with the same
+    ``judge_key``, and judged again when the judge changed, when it failed last time (``judge_failed``), or (the
+    timing) when the agent's words changed (``timing`` was reset)."""
+    same = result.judge_key == judge_key
+    if not same or _unjudged(result.ref, result.reference):
+        result.ref = judge_text(judge, set_name, item, result.reference) if result.reference.strip() else None
+    if not same or result.resp is None or result.resp.judge_failed:
+        result.resp = judge_text(judge, set_name, item, result.response)
+    if result.words_source is not None and (result.timing is None or not same or result.timing.judge_failed):
+        result.timing = measure(
+            result.agent_words,
+            result.question_end_s,
+            question=item.question,
+            answers=item.answers,
+            numeric=set_name in MATH_SETS,
+            judge=judge,
+            words_source=result.words_source,
+        )
     result.judge_key = judge_key
     return result
 
@@ -822,6 +861,7 @@ async def run_qa(
     from cspan.bench.session import Progress, write_json
 
     judge_key = json.dumps(judge.describe(), sort_keys=True) if judge is not None else "alias"
+    source = timing_source(options.timing_words, transcriber)
     results: list[QAItemResult] = []
     with Progress(len(items), f"qa {options.set_name}", quiet=options.quiet) as bar:
         for item in items:
@@ -831,6 +871,9 @@ async def run_qa(
                 item.audio = synthesize_espeak(item.question, out / "tts" / f"{_safe(item.id)}.wav")
             item_dir = out / _safe(item.id)
             result = await run_item(session, item, item_dir, options, transcriber=transcriber, retriever=retriever)
+            if result.words_source != source:
+                result.agent_words = await agent_channel_words(result, item_dir, source, transcriber)
+                result.words_source, result.timing = source, None
             result = judge_item(result, item, options.set_name, judge, judge_key)
             write_json(item_dir / "result.json", result.model_dump(mode="json"))
             results.append(result)
@@ -839,13 +882,24 @@ async def run_qa(
     summary.config = {
         "judge": judge.describe() if judge is not None else "normalised alias match",
         "judge_style": JUDGE_STYLES[options.set_name] if judge is not None else None,
+        "timing": {
+            "words": source,
+            "keyword": (
+                {**judge.describe(), "prompt_version": KEYWORD_PROMPT_VERSION}
+                if judge is not None
+                else "earliest gold alias in the response words"
+            ),
+        },
         **options.describe,
         "question_source": options.question_source,
         "tail_s": options.tail_s,
         "force_ret": list(options.force_ret),
     }
+    trouble = judge.trouble() if judge is not None and hasattr(judge, "trouble") else None
+    if trouble is not None:
+        summary.notes.append(trouble)
     write_json(out / "summary.json", summary.model_dump(mode="json"))
-    samples = [r.model_dump(mode="json", exclude={"events"}) for r in results]
+    samples = [r.model_dump(mode="json", exclude={"events", "agent_words"}) for r in results]
     write_json(out / "samples.json", samples)
     (out / "summary.md").write_text(f"# Spoken QA: {options.set_name}\n\n{qa_table([summary])}\n", encoding="utf-8")
     return summary, results

@@ -3,8 +3,9 @@
 Inputs, found anywhere below ``RUN_DIR``:
 
 - ``summary.json`` files written by the scorers: Full-Duplex-Bench v1 (one per task,
-  :class:`cspan.bench.fdb_v1.TaskSummary`), v3 (:class:`cspan.bench.fdb_v3.V3Summary`); summaries of other
-  benchmarks are listed generically (``benchmark``, ``task``, ``metrics``);
+  :class:`cspan.bench.fdb_v1.TaskSummary`), v3 (:class:`cspan.bench.fdb_v3.V3Summary`), spoken QA (one per set,
+  :class:`cspan.bench.qa.QASummary`); summaries of other benchmarks are listed generically (``benchmark``, ``task``,
+  ``metrics``);
 - ``latency.json`` from the span-latency benchmark (or any ``*latency*.json`` holding ``rows``): ``{"gpu", "torch",
   "dtype", "rows": [{"n", "mean_ms", "sd_ms", "p99_ms"}], "step": {...}}`` (optional; its absence is noted).
 
@@ -12,6 +13,10 @@ Outputs in ``out_dir`` (default ``RUN_DIR``): ``report.md`` and, for what is pre
 ``fdb_v1_tasks.png``, ``fdb_v3_metrics.png``. The tables follow the layout of the original system's README (span
 latency: one column per span length, rows "mean ± sd, ms" and "P99, ms") and of the benchmark papers (one row per
 system, arrows mark which way is better).
+
+With ``compare`` (``"published"`` or a JSON file of :mod:`cspan.bench.published`'s format) the report opens with
+the run beside the published rows, laid out like the original paper's Tables 1-3 (:mod:`cspan.bench.compare`), and
+writes ``compare_{table}.png`` plots.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from cspan.bench.errors import BenchDataError
 from cspan.bench.fdb_v1 import METRIC_DIRECTIONS as V1_DIRECTIONS
 from cspan.bench.fdb_v1 import TaskKind, TaskSummary
 from cspan.bench.fdb_v3 import V3Summary
+from cspan.bench.qa import QASummary, qa_table
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +88,7 @@ class RunFiles:
 
     v1: list[tuple[str, TaskSummary]] = field(default_factory=list)
     v3: list[tuple[str, V3Summary]] = field(default_factory=list)
+    qa: list[tuple[str, QASummary]] = field(default_factory=list)
     other: list[tuple[str, GenericSummary]] = field(default_factory=list)
     latency: list[tuple[str, LatencyReport]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -112,6 +119,8 @@ def collect(run_dir: Path) -> RunFiles:
                 found.v1.append((_label(run_dir, path.parent.parent), TaskSummary.model_validate(data)))
             elif bench == "fdb-v3":
                 found.v3.append((_label(run_dir, path.parent), V3Summary.model_validate(data)))
+            elif bench == "qa":
+                found.qa.append((_label(run_dir, path.parent), QASummary.model_validate(data)))
             elif isinstance(bench, str):
                 found.other.append((_label(run_dir, path.parent), GenericSummary.model_validate(data)))
             else:
@@ -423,23 +432,39 @@ def plot_v3(entries: Sequence[tuple[str, V3Summary]], path: Path) -> Path:
 # --- the report ----------------------------------------------------------------------------------------------------
 
 
-def build_report(run_dir: Path, out_dir: Path | None = None, *, plots: bool = True) -> tuple[str, list[Path]]:
+def build_report(
+    run_dir: Path, out_dir: Path | None = None, *, plots: bool = True, compare: str | Path | None = None
+) -> tuple[str, list[Path]]:
     """Write ``report.md`` (and the plots) for ``run_dir`` into ``out_dir`` (default ``run_dir``).
 
+    ``compare``: ``"published"`` (the package's published rows) or a file of that format: the run beside them in
+    the original paper's layout, first in the report.
+
     Returns ``(markdown, written files)``. Raises :class:`BenchDataError` when ``run_dir`` is missing or holds no
-    score file at all.
+    score file at all, or ``compare`` is not readable.
     """
     out_dir = out_dir or run_dir
+    published = None
+    if compare is not None:
+        from cspan.bench.published import load_published
+
+        published = load_published(compare)
     found = collect(run_dir)
-    if not (found.v1 or found.v3 or found.other or found.latency):
+    if not (found.v1 or found.v3 or found.qa or found.other or found.latency):
         detail = f" (unreadable: {'; '.join(found.skipped)})" if found.skipped else ""
         raise BenchDataError(
             f"{run_dir} holds no {SUMMARY_FILE} or {LATENCY_FILE}{detail}; score a run first with "
-            "`cspan bench fdb-v1 score` or `cspan bench fdb-v3 score`"
+            "`cspan bench fdb-v1 score`, `cspan bench fdb-v3 score` or `cspan bench qa`"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     sections = [f"# Benchmark report: `{run_dir.resolve().name}`"]
+    if published is not None:
+        from cspan.bench.compare import compare_section
+
+        markdown, plotted = compare_section(found, run_dir.resolve().name, published, out_dir if plots else None)
+        sections.append(markdown)
+        written += plotted
     if found.latency:
         sections.append("## Context Span processing latency (prefill + one decoding step)")
         sections += [latency_markdown(label, rep) for label, rep in found.latency]
@@ -456,6 +481,10 @@ def build_report(run_dir: Path, out_dir: Path | None = None, *, plots: bool = Tr
         if plots:
             written.append(plot_v3(found.v3, out_dir / "fdb_v3_metrics.png"))
             sections.append("![Full-Duplex-Bench v3 metrics](fdb_v3_metrics.png)")
+    if found.qa:
+        sections += ["## Spoken QA (ref. / resp. accuracy, MoshiRAG's delays)"]
+        for label in dict.fromkeys(label for label, _ in found.qa):
+            sections += [f"Run `{label}`:", qa_table([s for lab, s in found.qa if lab == label])]
     if found.other:
         sections += ["## Other benchmarks", other_markdown(found.other)]
     if not found.latency:

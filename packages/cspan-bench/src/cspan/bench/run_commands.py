@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from pathlib import Path
@@ -17,14 +18,41 @@ from typing import Any
 # --- shared flags ------------------------------------------------------------------------------------------------
 
 
-def _non_negative(value: str) -> float:
+def _number(value: str) -> float:
     try:
         t = float(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number") from exc
-    if not t >= 0:
+    if not math.isfinite(t):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a finite number")
+    return t
+
+
+def non_negative(value: str) -> float:
+    """argparse type: a finite number >= 0 (argparse prints a one-line error and exits 2 otherwise)."""
+    t = _number(value)
+    if t < 0:
         raise argparse.ArgumentTypeError(f"{value!r} must be >= 0")
     return t
+
+
+def positive(value: str) -> float:
+    """argparse type: a finite number > 0."""
+    t = _number(value)
+    if t <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} must be > 0")
+    return t
+
+
+def at_least_one(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from exc
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} must be >= 1")
+    return n
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_help: str) -> None:
@@ -60,12 +88,12 @@ def add_loop_arguments(
         help="'local' (embedded), 'none', or an OpenAI-compatible base URL (env CSPAN_ROUTER_URL; default %(default)s)",
     )
     g.add_argument("--router-model", default=os.environ.get("CSPAN_ROUTER_MODEL"), help="model name at the router URL")
-    g.add_argument("--router-timeout-s", type=float, default=8.0, help="LLM router time limit per request")
+    g.add_argument("--router-timeout-s", type=positive, default=8.0, help="LLM router time limit per request (s, > 0)")
     g.add_argument("--knowledge", type=Path, default=None, help="folder of .txt/.md notes for the local router")
     g.add_argument("--listen-s", type=float, default=12.0, help="ASR window when no utterance transcript is usable")
     g.add_argument(
         "--span-delay-s",
-        type=_non_negative,
+        type=non_negative,
         default=0.8,
         help="offline clock: inject each reference exactly this long after it was asked (default %(default)s s)",
     )
@@ -80,9 +108,9 @@ def add_loop_arguments(
         help="also behave as if the model emitted <ret> at the end of each input (+ --force-ret-delay-s); "
         "default: only the model's own <ret>",
     )
-    g.add_argument("--force-ret-delay-s", type=_non_negative, default=0.0, help="delay of the forced <ret> (s)")
+    g.add_argument("--force-ret-delay-s", type=non_negative, default=0.0, help="delay of the forced <ret> (s)")
     g.add_argument(
-        "--tail-s", type=_non_negative, default=tail_default, help="silence after each input (s, default %(default)s)"
+        "--tail-s", type=non_negative, default=tail_default, help="silence after each input (s, default %(default)s)"
     )
 
 
@@ -170,16 +198,65 @@ def build_session_from(args: argparse.Namespace, **extra: Any) -> Any:
     )
 
 
-def _judge(args: argparse.Namespace) -> Any:
-    from cspan.bench.commands import _make_judge
+def add_judge_arguments(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:
+    """``--judge-url``, ``--judge-model``, ``--judge-key-env``, ``--judge-attempts``, ``--judge-timeout-s`` (any
+    OpenAI-compatible server); out-of-range values are one-line argparse errors (exit 2)."""
+    from cspan.bench.judge import DEFAULT_ATTEMPTS, DEFAULT_TIMEOUT_S, DOWN_AFTER
 
-    return _make_judge(args)
+    group = parser.add_argument_group("judge (any OpenAI-compatible chat-completions server)")
+    group.add_argument("--judge-url", help=f"server URL (http://host:port/v1); without it {what} is skipped")
+    group.add_argument(
+        "--judge-model", default=default_model, help="model name (default: %(default)s, the reference's)"
+    )
+    group.add_argument(
+        "--judge-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the API key (default: %(default)s)",
+    )
+    group.add_argument(
+        "--judge-attempts",
+        type=at_least_one,
+        default=DEFAULT_ATTEMPTS,
+        help="tries per judge request, >= 1 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--judge-timeout-s",
+        type=positive,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"time limit of one try, seconds (default: %(default)s); after {DOWN_AFTER} requests in a row fail "
+        "the judge is taken as down: the rest is not asked, the run says so and exits with status 1",
+    )
 
 
-def _add_judge_args(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:
-    from cspan.bench.commands import _add_judge_args as add
+def make_judge(args: argparse.Namespace) -> Any:
+    """The :class:`~cspan.bench.judge.OpenAIJudge` of ``--judge-url`` (None without it)."""
+    if not args.judge_url:
+        return None
+    from cspan.bench.judge import OpenAIJudge
 
-    add(parser, default_model, what)
+    return OpenAIJudge(
+        args.judge_url,
+        args.judge_model,
+        api_key_env=args.judge_key_env,
+        max_attempts=args.judge_attempts,
+        timeout_s=args.judge_timeout_s,
+    )
+
+
+def check_judge(judge: Any, notes: list[str]) -> None:
+    """After a run: when the judge went down or failed every request, add a note to ``notes`` (the summary's) and
+    raise, so the command prints it and exits with status 1 after the outputs are written.
+
+    Raises:
+        JudgeError: the judge's :meth:`~cspan.bench.judge.OpenAIJudge.trouble`.
+    """
+    from cspan.bench.errors import JudgeError
+
+    trouble = judge.trouble() if judge is not None else None
+    if trouble is not None:
+        if trouble not in notes:
+            notes.append(trouble)
+        raise JudgeError(f"{trouble}; check --judge-url / --judge-model and run again")
 
 
 # --- latency -----------------------------------------------------------------------------------------------------
@@ -411,7 +488,7 @@ def register_fdb_v1_run(sub: Any) -> None:
     add_model_arguments(p, prompt_help="persona prompt for every task (default: PersonaPlex's FDB prompt per task)")
     add_loop_arguments(p, router_default="local")
     add_run_arguments(p)
-    _add_judge_args(p, "gpt-4-turbo", "the user-interruption relevance rating")
+    add_judge_arguments(p, "gpt-4-turbo", "the user-interruption relevance rating")
     p.set_defaults(handler=_fdb_v1_run)
 
 
@@ -443,7 +520,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     session = build_session_from(args)
     transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
     router = retriever = bank = None
-    judge = _judge(args)
+    judge = make_judge(args)
     try:
         if args.router.lower() != "none":
             from cspan.backends.tools import ToolBank
@@ -511,23 +588,43 @@ def register_fdb_v3_run(sub: Any) -> None:
         description=(
             "Play every DATA/{example_id}_{speaker}/input.wav through the full loop with a router over the 12 mock "
             "tools (a fresh mock world per scenario) and write OUT/{folder}/output_PROVIDER.wav and "
-            "result_PROVIDER.json in the benchmark's result format. With --scenarios the results are scored into "
-            "OUT/summary.json. The router should be an LLM (--router URL --router-model NAME): the local router "
-            "calls none of the 12 tools."
+            "result_PROVIDER.json in the benchmark's result format. With --fdb-v3-dir the benchmark's own mock APIs, "
+            "tool declarations and agent persona are used (and its scenarios and data by default); otherwise this "
+            "project's world. With --judge-url each response is analysed (filler sentence, key-information onset: "
+            "latency_tool_analysis_PROVIDER.json); with scenarios the results are scored into OUT/summary.json. The "
+            "router should be an LLM (--router URL --router-model NAME): the local router calls none of the 12 tools."
         ),
     )
-    p.add_argument("--data", required=True, type=Path, help="folder of {example_id}_{speaker}/input.wav recordings")
-    p.add_argument("--out", required=True, type=Path, help="output folder")
-    p.add_argument("--scenarios", type=Path, help="benchmark_data_v2.json: metadata in the results, and scoring")
-    p.add_argument("--provider", default="cspan", help="the PROVIDER of result_PROVIDER.json (default %(default)s)")
-    p.add_argument("--max-tool-calls", type=int, default=1, help="tool calls one <ret> may chain (default 1)")
     p.add_argument(
-        "--numeric-tolerance", type=float, default=0.05, help="relative tolerance for numeric arguments (no judge)"
+        "--data",
+        type=Path,
+        help="folder of {example_id}_{speaker}/input.wav (default with --fdb-v3-dir: its fdb_v3_data_released/)",
     )
-    add_model_arguments(p, prompt_help="persona prompt (default: a description of the 12 services)")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument(
+        "--scenarios", type=Path, help="benchmark_data_v2.json: metadata in the results, and scoring (default: in DIR)"
+    )
+    p.add_argument(
+        "--fdb-v3-dir",
+        type=Path,
+        help="the benchmark's v3/ folder: run against its mock_apis.py, the tools and persona of lk_agent_tool.py "
+        "(mock_apis.py is imported and run: use a copy you trust)",
+    )
+    p.add_argument("--provider", default="cspan", help="the PROVIDER of result_PROVIDER.json (default %(default)s)")
+    p.add_argument(
+        "--max-tool-calls", type=at_least_one, default=1, help="tool calls one <ret> may chain, >= 1 (default 1)"
+    )
+    p.add_argument(
+        "--numeric-tolerance",
+        type=non_negative,
+        default=0.05,
+        help="relative tolerance for numeric arguments without a judge, >= 0 (default: %(default)s; 0 = exact)",
+    )
+    p.add_argument("--reanalyze", action="store_true", help="ask the judge again even where an analysis exists")
+    add_model_arguments(p, prompt_help="persona prompt (default: the benchmark agent's with --fdb-v3-dir, else ours)")
     add_loop_arguments(p, router_default="local", tail_default=6.0)
     add_run_arguments(p)
-    _add_judge_args(p, "gpt-4o", "response quality (arguments then use the exact/numeric rule)")
+    add_judge_arguments(p, "gpt-4o", "the response analysis and response quality (arguments use the exact rule)")
     p.set_defaults(handler=_fdb_v3_run)
 
 
@@ -535,16 +632,37 @@ def _fdb_v3_run(args: argparse.Namespace) -> int:
     return asyncio.run(_fdb_v3_run_async(args))
 
 
+def v3_inputs(args: argparse.Namespace, *, need_data: bool) -> tuple[Any, Path | None, dict[str, Any] | None]:
+    """``(release, data, scenarios)`` from ``--fdb-v3-dir`` / ``--data`` / ``--scenarios`` (explicit flags win).
+
+    Raises:
+        BenchDataError: no data folder when one is needed.
+    """
+    from cspan.bench import fdb_v3
+    from cspan.bench.errors import BenchDataError
+    from cspan.bench.fdb_v3_release import load_release
+
+    release = load_release(args.fdb_v3_dir) if getattr(args, "fdb_v3_dir", None) else None
+    data = getattr(args, "data", None) or (release.data_dir if release is not None else None)
+    if need_data and data is None:
+        raise BenchDataError("pass --data (the recordings) or --fdb-v3-dir holding fdb_v3_data_released/")
+    scenario_path = args.scenarios or (release.scenarios_path if release is not None else None)
+    scenarios = fdb_v3.load_scenarios(scenario_path) if scenario_path else None
+    return release, data, scenarios
+
+
 async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
     from cspan.bench import fdb_v3
-    from cspan.bench.errors import JudgeError
-    from cspan.bench.fdb_v3_run import V3RunOptions, find_samples, run_fdb_v3
+    from cspan.bench.fdb_v3_run import V3RunOptions, find_samples, run_fdb_v3, scenarios_from_metadata
     from cspan.bench.session import close_quietly
     from cspan.bench.transcribe import make_transcriber
 
     check_loop(args)
-    scenarios = fdb_v3.load_scenarios(args.scenarios) if args.scenarios else None
-    samples = find_samples(args.data, scenarios)
+    release, data, scenarios = v3_inputs(args, need_data=True)
+    samples = find_samples(data, scenarios)
+    from_metadata = scenarios_from_metadata(samples)
+    if from_metadata:
+        scenarios = {**(scenarios or {}), **from_metadata}  # per-folder metadata.json wins, as in the reference
     if args.router.lower() == "local":
         print(
             "note: the local router calls none of the 12 mock tools; pass --router URL --router-model NAME",
@@ -565,6 +683,7 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         max_tool_calls=args.max_tool_calls,
         router_timeout_s=args.router_timeout_s,
+        release=release,
         describe={
             "checkpoint": session.identity(),
             "asr": args.asr,
@@ -586,11 +705,54 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
     finally:
         await close_quietly(transcriber)
     print(f"fdb-v3: {len(results)} scenario recording(s), rendered {rendered}, kept {len(results) - rendered}")
-    if scenarios is None:
-        print(f"no --scenarios: results written to {args.out}; score with `cspan bench fdb-v3 score`")
-        return 0
-    judge = _judge(args)
+    entries, _ = fdb_v3.load_result_entries(args.out, args.provider)
+    summary = score_v3(
+        entries,
+        scenarios,
+        args,
+        args.out,
+        config={
+            "results": str(args.out),
+            "provider": args.provider,
+            "router": args.router,
+            "router_model": args.router_model,
+        },
+        data=data,
+    )
+    if summary is None:
+        print(f"no scenarios: results written to {args.out}; score with `cspan bench fdb-v3 score`")
+    return 0
+
+
+def score_v3(
+    entries: Any, scenarios: Any, args: argparse.Namespace, out: Path, *, config: dict[str, Any], data: Path | None
+) -> Any:
+    """Analyse the responses (with ``--judge-url``), then score against ``scenarios``; write and print.
+
+    ``run`` and ``score`` share it, so the same results score the same: the scenarios are ``scenarios`` with the
+    recordings' own ``metadata.json`` scenarios over them (:func:`~cspan.bench.fdb_v3_run.metadata_scenarios`,
+    ``data`` = the recordings folder), and ``config["world"]`` is what the results record.
+
+    Writes ``OUT/key_info_analysis.json`` when a judge ran or analyses existed, and ``OUT/summary.json`` +
+    ``samples.json`` when there are scenarios. Returns the :class:`~cspan.bench.fdb_v3.V3Summary` or None.
+
+    Raises:
+        JudgeError: after writing, when the judge went down or failed every request (exit status 1).
+    """
+    from cspan.bench import fdb_v3, fdb_v3_analysis
+    from cspan.bench.errors import JudgeError
+    from cspan.bench.fdb_v3_run import metadata_scenarios
+
+    scenarios = {**(scenarios or {}), **metadata_scenarios(entries, data)} or None
+    judge = make_judge(args)
     try:
+        results, analyses, analysis_run = fdb_v3_analysis.analyze_entries(entries, judge, reanalyze=args.reanalyze)
+        if analyses:
+            path = fdb_v3_analysis.write_report(analyses, analysis_run, out)
+            print(f"key-information analysis: {analysis_run.line()} -> {path}")
+        if scenarios is None:
+            check_judge(judge, [])
+            return None
         matcher: Any = fdb_v3.ExactArgumentMatcher(args.numeric_tolerance)
         response_judge = None
         if judge is not None:
@@ -606,18 +768,24 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
     finally:
         if judge is not None:
             judge.close()
+    world = fdb_v3.results_world(results)
+    if world is None:
+        summary.notes.append("the results record no world (whose mock APIs, tools and persona they were run with)")
     summary.config = {
-        "results": str(args.out),
-        "provider": args.provider,
+        **config,
+        "world": world,
         "judge": judge.describe() if judge is not None else None,
+        "analysis": analysis_run.model_dump(mode="json") if analyses or judge is not None else None,
         "numeric_tolerance": args.numeric_tolerance,
-        "router": args.router,
-        "router_model": args.router_model,
     }
-    path = fdb_v3.write_v3_score(summary, scored, args.out)
+    trouble = judge.trouble() if judge is not None else None
+    if trouble is not None:
+        summary.notes.append(trouble)
+    path = fdb_v3.write_v3_score(summary, scored, out)
     print_summary(f"fdb-v3 (n={summary.n})", summary)
     print(f"wrote {path}")
-    return 0
+    check_judge(judge, summary.notes)
+    return summary
 
 
 # --- qa ----------------------------------------------------------------------------------------------------------
@@ -634,7 +802,9 @@ def register_qa(sub: Any) -> None:
             "Play each spoken question of a set through the full loop (the model emits <ret>, the router's "
             "reference is injected as a Context Span, the model answers) and judge the reference (ref.) and the "
             "model's spoken answer (resp.) with an OpenAI-compatible judge (--judge-url) or a normalised alias "
-            "match. Writes OUT/{id}/output.wav + result.json, OUT/samples.json, OUT/summary.json and summary.md."
+            "match, and measure MoshiRAG's delays (TTFAT, keyword delay, end-to-end keyword delay) from the agent "
+            "channel's word times. Writes OUT/{id}/output.wav + result.json, OUT/samples.json, OUT/summary.json and "
+            "summary.md."
         ),
     )
     p.add_argument("--set", dest="qa_set", required=True, choices=QA_SETS, help="which set")
@@ -647,10 +817,17 @@ def register_qa(sub: Any) -> None:
         help="what the router is asked: 'asr' (what the loop heard, default) or 'text' (the dataset's question)",
     )
     p.add_argument("--tts", choices=("espeak-ng",), default=None, help="synthesise missing question audio")
+    p.add_argument(
+        "--timing-words",
+        choices=("auto", "asr", "text"),
+        default="auto",
+        help="word times of the delays (TTFAT, KD, E2EKD): 'asr' transcribes output.wav, 'text' uses the model's "
+        "text stream; 'auto' (default): asr when --asr is not none",
+    )
     add_model_arguments(p, prompt_help="persona prompt (default: the teacher persona of the original QA runs)")
     add_loop_arguments(p, router_default="local", tail_default=DEFAULT_TAIL_S)
     add_run_arguments(p)
-    _add_judge_args(p, "gpt-4o-2024-08-06", "the LLM judgement (a normalised alias match is used instead)")
+    add_judge_arguments(p, "gpt-4o-2024-08-06", "the LLM judgement (a normalised alias match is used instead)")
     p.set_defaults(handler=_qa)
 
 
@@ -659,15 +836,18 @@ def _qa(args: argparse.Namespace) -> int:
 
 
 async def _qa_async(args: argparse.Namespace) -> int:
-    from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa
-    from cspan.bench.session import close_quietly, make_transcriber
+    from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa, timing_source
+    from cspan.bench.session import close_quietly
+    from cspan.bench.transcribe import make_transcriber
 
     check_loop(args, text_questions=args.question_source == "text")
     items = load_qa_items(args.data, args.qa_set, limit=args.limit)
+    # word-timed: the same transcriber serves the loop and the delays' word times of output.wav
+    transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
+    timing_source(args.timing_words, transcriber)
     session = build_session_from(args)
-    transcriber = make_transcriber(args.asr, model=args.asr_model)
     router = retriever = None
-    judge = _judge(args)
+    judge = make_judge(args)
     try:
         if args.router.lower() != "none":
             from cspan.backends.tools import ToolBank
@@ -684,6 +864,7 @@ async def _qa_async(args: argparse.Namespace) -> int:
             realtime=args.realtime,
             config=loop_config(args),
             tts=args.tts,
+            timing_words=args.timing_words,
             overwrite=args.overwrite,
             quiet=args.quiet,
             describe=describe_run(args, session),
@@ -699,6 +880,7 @@ async def _qa_async(args: argparse.Namespace) -> int:
     for note in summary.notes:
         print(f"note: {note}")
     print(f"wrote {args.out / 'summary.json'} ({len(results)} item(s))")
+    check_judge(judge, summary.notes)
     return 0
 
 

@@ -1,15 +1,26 @@
-"""Audio input and output: reading any file soundfile decodes, resampling, channel choice, atomic WAV writing.
+"""Audio input and output: reading any file soundfile decodes, resampling, channel choice, atomic writing.
 
 Everything here works on float32 samples in [-1, 1]. Reading is streaming (blocks of a few seconds, resampled with
-``soxr.ResampleStream``), so an hour-long recording is processed with bounded memory. Writing goes to a temporary
-file next to the destination that is renamed into place only when complete, so a crash never leaves a partial
-file that looks finished.
+``soxr.ResampleStream``), so an hour-long recording is processed with bounded memory.
+
+Non-finite samples: wherever audio enters (files read here, ``cspan serve``'s wire frames, uploads), it goes
+through :func:`sanitize_pcm`: a NaN or infinite sample becomes 0.0 (silence) and finite samples beyond full scale
+are clipped to +-1.0, before any resampling (a NaN would otherwise spread through the filter). Readers count what
+they replaced (:attr:`AudioInfo.nonfinite`) so that callers can say so.
+
+Writing goes to a temporary ``.NAME.*.part`` file next to the destination that is renamed into place only when
+complete, so a crash never leaves a partial file that looks finished; the temporary files of a process that exits
+(an exception, SIGTERM through ``cspan``'s handler, ``sys.exit``) are removed. :func:`check_writable` tests an
+output's folder before any work. Write failures raise :class:`~cspan.core.errors.OutputError` naming the path and
+the cause (permission denied, no space left on device, read-only file system).
 """
 
 from __future__ import annotations
 
-import math
+import atexit
+import errno
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +32,7 @@ import soundfile as sf
 import soxr
 
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
-from cspan.core.errors import AudioInputError
+from cspan.core.errors import AudioInputError, OutputError
 
 SILENCE_PEAK = 10 ** (-80 / 20)
 """A file whose peak stays below -80 dBFS is treated as silent-only."""
@@ -39,7 +50,8 @@ class AudioInfo:
         channels: number of channels.
         frames: samples per channel at the native rate.
         duration_s: length in seconds.
-        peak: absolute peak of the selected channel (float32 scale).
+        peak: absolute peak of the selected channel (float32 scale) after :func:`sanitize_pcm`.
+        nonfinite: NaN or infinite samples of the selected channel, read as silence (0.0).
     """
 
     path: Path
@@ -48,6 +60,39 @@ class AudioInfo:
     frames: int
     duration_s: float
     peak: float
+    nonfinite: int = 0
+
+
+def sanitize_pcm(pcm: np.ndarray) -> tuple[np.ndarray, int]:
+    """Samples as the model takes them: float32 in [-1, 1], with non-finite samples made silent.
+
+    The one handling of NaN and infinity wherever audio enters (see the module docstring): each NaN or infinite
+    sample becomes 0.0 (a NaN has no value, and an infinite sample would be a full-scale click), and finite samples
+    beyond full scale are clipped to +-1.0, as any conversion to integer PCM does. Values are converted to float32
+    first, so a float64 beyond float32's range counts as infinite.
+
+    Args:
+        pcm: float samples of any shape, full scale 1.0 (convert int16 PCM with ``/ 32768`` first).
+
+    Returns:
+        ``(samples, nonfinite)``: float32 of the same shape (the input itself when it was float32 and already
+        clean, else a new array) and how many samples were NaN or infinite.
+
+    Raises:
+        TypeError: integer or non-numeric samples (their scale is ambiguous).
+    """
+    arr = np.asarray(pcm)
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise TypeError(f"sanitize_pcm expects float samples (full scale 1.0), got dtype {arr.dtype}")
+    with np.errstate(over="ignore"):
+        x = arr.astype(np.float32, copy=False)
+    finite = np.isfinite(x)
+    nonfinite = int(x.size - np.count_nonzero(finite))
+    if nonfinite:
+        x = np.where(finite, x, np.float32(0.0))
+    if x.size and (float(x.max()) > 1.0 or float(x.min()) < -1.0):
+        x = np.clip(x, -1.0, 1.0)
+    return x, nonfinite
 
 
 def _open(path: Path) -> sf.SoundFile:
@@ -58,7 +103,7 @@ def _open(path: Path) -> sf.SoundFile:
     if path.stat().st_size == 0:
         raise AudioInputError(f"{path}: the file is empty (0 bytes)")
     try:
-        return sf.SoundFile(str(path))
+        return sf.SoundFile(os.fsencode(path))  # bytes: a name that is not UTF-8 opens too
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioInputError(
             f"{path}: cannot decode audio ({exc}); supported are the formats libsndfile reads (WAV, FLAC, OGG)"
@@ -78,7 +123,7 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
 
     Raises:
         AudioInputError: missing, empty, undecodable, no samples, channel out of range, longer than
-            ``max_seconds``, or silent-only (peak below -80 dBFS).
+            ``max_seconds``, or silent-only (peak below -80 dBFS once non-finite samples are read as silence).
     """
     path = Path(path)
     with _open(path) as f:
@@ -93,16 +138,21 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
                 f"{path}: is {duration:.1f} s long, over the limit of {max_seconds:.0f} s (raise --max-seconds)"
             )
         peak = 0.0
+        nonfinite = 0
         try:
             for block in f.blocks(blocksize=int(sr * _BLOCK_SECONDS), dtype="float32", always_2d=True):
-                peak = max(peak, float(np.max(np.abs(block[:, channel]))) if len(block) else 0.0)
+                mono, bad = sanitize_pcm(block[:, channel])
+                nonfinite += bad
+                if len(mono):
+                    peak = max(peak, float(np.max(np.abs(mono))))
         except (sf.LibsndfileError, RuntimeError) as exc:
             raise AudioInputError(f"{path}: decoding failed part-way ({exc}); the file is damaged") from exc
-    if not math.isfinite(peak):
-        raise AudioInputError(f"{path}: contains NaN or infinite samples")
     if peak < SILENCE_PEAK:
-        raise AudioInputError(f"{path}: is silent (peak {peak:.2e}, below -80 dBFS); nothing to listen to")
-    return AudioInfo(path=path, sample_rate=sr, channels=channels, frames=frames, duration_s=duration, peak=peak)
+        why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
+        raise AudioInputError(f"{path}: is silent (peak {peak:.2e}, below -80 dBFS{why}); nothing to listen to")
+    return AudioInfo(
+        path=path, sample_rate=sr, channels=channels, frames=frames, duration_s=duration, peak=peak, nonfinite=nonfinite
+    )
 
 
 def iter_frames(
@@ -114,9 +164,10 @@ def iter_frames(
 ) -> Iterator[np.ndarray]:
     """Stream a recording as fixed-size frames at ``sample_rate``.
 
-    The file is read in blocks of a few seconds, the chosen channel is resampled with ``soxr.ResampleStream``
-    (quality "HQ"), and frames of exactly ``frame_size`` samples are yielded; the last one is zero-padded. Memory
-    stays bounded whatever the length. Call :func:`inspect_audio` first to validate the file.
+    The file is read in blocks of a few seconds, the chosen channel goes through :func:`sanitize_pcm` and is
+    resampled with ``soxr.ResampleStream`` (quality "HQ"; clipped to [-1, 1] again after it), and frames of exactly
+    ``frame_size`` samples are yielded; the last one is zero-padded. Memory stays bounded whatever the length. Call
+    :func:`inspect_audio` first to validate the file (and count its non-finite samples).
 
     Yields:
         float32 arrays of shape ``[frame_size]``.
@@ -139,9 +190,9 @@ def iter_frames(
                 last = True
             except (sf.LibsndfileError, RuntimeError) as exc:
                 raise AudioInputError(f"{path}: decoding failed part-way ({exc}); the file is damaged") from exc
-            mono = np.ascontiguousarray(block[:, channel], dtype=np.float32)
+            mono = np.ascontiguousarray(sanitize_pcm(block[:, channel])[0])
             if resampler is not None:
-                mono = resampler.resample_chunk(mono, last=last)
+                mono = np.clip(resampler.resample_chunk(mono, last=last), -1.0, 1.0)
             pending = np.concatenate([pending, mono]) if len(pending) else mono
             n_full = len(pending) // frame_size
             for i in range(n_full):
@@ -171,18 +222,19 @@ def read_audio(
     """
     inspect_audio(path, channel=channel, max_seconds=max_seconds)
     with _open(Path(path)) as f:
-        data = f.read(dtype="float32", always_2d=True)[:, channel]
+        data = sanitize_pcm(f.read(dtype="float32", always_2d=True)[:, channel])[0]
         sr = int(f.samplerate)
     if sr != sample_rate:
-        data = soxr.resample(data, sr, sample_rate, quality="HQ").astype(np.float32)
+        data = np.clip(soxr.resample(data, sr, sample_rate, quality="HQ").astype(np.float32), -1.0, 1.0)
     return np.ascontiguousarray(data, dtype=np.float32)
 
 
 def resample(pcm: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """Resample float32 mono ``[S]`` with soxr (quality "HQ")."""
+    """Resample float mono ``[S]`` with soxr (quality "HQ"), after :func:`sanitize_pcm`; float32, in [-1, 1]."""
+    clean = sanitize_pcm(pcm)[0]
     if from_rate == to_rate:
-        return np.asarray(pcm, dtype=np.float32)
-    return soxr.resample(np.asarray(pcm, dtype=np.float32), from_rate, to_rate, quality="HQ").astype(np.float32)
+        return clean
+    return np.clip(soxr.resample(clean, from_rate, to_rate, quality="HQ").astype(np.float32), -1.0, 1.0)
 
 
 def _default_mode() -> int:
@@ -192,55 +244,185 @@ def _default_mode() -> int:
     return 0o666 & ~mask
 
 
-class AtomicWavWriter:
-    """Streaming 16-bit PCM WAV writer that only publishes a complete file.
+OUTPUT_FORMATS: dict[str, tuple[str, str]] = {
+    ".wav": ("WAV", "PCM_16"),
+    ".flac": ("FLAC", "PCM_16"),
+    ".ogg": ("OGG", "VORBIS"),
+    ".mp3": ("MP3", "MPEG_LAYER_III"),
+}
+"""Audio files the writers produce, by the destination's extension: ``(soundfile format, subtype)``."""
 
-    Frames are written to a temporary file in the destination's folder; :meth:`commit` (or leaving the ``with``
-    block without an exception) renames it into place. On an exception, or :meth:`abort`, the temporary file is
-    removed and the destination is left untouched.
+_PARTS: set[Path] = set()
+"""Temporary files of unfinished outputs of this process, removed at exit if still there."""
+
+
+@atexit.register
+def _remove_parts() -> None:
+    for part in list(_PARTS):
+        part.unlink(missing_ok=True)
+    _PARTS.clear()
+
+
+def _new_part(path: Path) -> Path:
+    """A new empty temporary file next to ``path`` (registered for removal at exit)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # the folder's name is taken by a file
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    os.close(fd)
+    part = Path(tmp)
+    _PARTS.add(part)
+    return part
+
+
+def _drop_part(part: Path) -> None:
+    _PARTS.discard(part)
+    part.unlink(missing_ok=True)
+
+
+def output_format(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(format, subtype)`` that :class:`AtomicAudioWriter` writes for ``path``, from its extension.
+
+    Raises:
+        OutputError: an extension that is not in :data:`OUTPUT_FORMATS` (or that this libsndfile cannot write).
+    """
+    suffix = Path(path).suffix.lower()
+    fmt = OUTPUT_FORMATS.get(suffix)
+    if fmt is None or not sf.check_format(*fmt):
+        known = ", ".join(k for k, v in OUTPUT_FORMATS.items() if sf.check_format(*v))
+        what = f"{suffix!r} is not an audio format the writer knows" if suffix else "it has no file extension"
+        raise OutputError(f"{path}: cannot write audio there: {what}; name the file with one of {known}")
+    return fmt
+
+
+def check_writable(path: str | os.PathLike[str], *, need_bytes: int = 0) -> None:
+    """Check, before any work, that an output can be written at ``path``.
+
+    Creates the folder if missing, creates and removes a temporary file there (exactly what the atomic writers
+    do), and checks that at least ``need_bytes`` are free on its file system.
+
+    Raises:
+        OutputError: naming ``path`` and the cause (not a directory, permission denied, read-only file system, no
+            space left on device).
+    """
+    path = Path(path)
+    try:
+        _drop_part(_new_part(path))
+        free = shutil.disk_usage(path.parent).free
+    except OSError as exc:
+        raise OutputError.from_os_error(path, exc) from None
+    if free < need_bytes:
+        raise OutputError(
+            f"{path}: cannot write: no space left on device: the output needs about {need_bytes / 1e6:.1f} MB and "
+            f"{free / 1e6:.1f} MB are free in {path.parent}; free some space or write the output elsewhere"
+        )
+
+
+def _write_error(path: Path, exc: Exception) -> OutputError:
+    """The :class:`OutputError` for a failed write to ``path``. libsndfile reports every I/O failure as "System
+    error", so its cause is found by writing a probe file with Python's own I/O in the same folder."""
+    if isinstance(exc, OSError):
+        return OutputError.from_os_error(path, exc)
+    probe = None
+    try:
+        probe = _new_part(path)
+        with probe.open("wb") as f:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as cause:
+        return OutputError.from_os_error(path, cause)
+    finally:
+        if probe is not None:
+            _drop_part(probe)
+    return OutputError(f"{path}: cannot write: {exc}")
+
+
+class AtomicAudioWriter:
+    """Streaming audio writer that only publishes a complete file.
+
+    The format follows the destination's extension (:data:`OUTPUT_FORMATS`: 16-bit PCM WAV, 16-bit FLAC, Ogg
+    Vorbis, MP3). Frames are written to a temporary file in the destination's folder; :meth:`commit` (or leaving
+    the ``with`` block without an exception) renames it into place. On an exception, :meth:`abort` or the process
+    exiting first, the temporary file is removed and the destination is left untouched.
 
     Args:
         path: destination.
         sample_rate: Hz.
         channels: 1 or 2 (stereo is ``[S, 2]``, left then right).
+
+    Raises:
+        OutputError: an unknown extension; the temporary file cannot be created or written (path and cause).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, sample_rate: int = SAMPLE_RATE, channels: int = 2) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
-        os.close(fd)
-        self._tmp = Path(tmp)
-        self._file = sf.SoundFile(
-            str(self._tmp), mode="w", samplerate=sample_rate, channels=channels, subtype="PCM_16", format="WAV"
-        )
+        self.format, self.subtype = output_format(self.path)
+        try:
+            self._tmp = _new_part(self.path)
+        except OSError as exc:
+            raise OutputError.from_os_error(self.path, exc) from None
+        try:
+            self._file = sf.SoundFile(
+                os.fsencode(self._tmp),
+                mode="w",
+                samplerate=sample_rate,
+                channels=channels,
+                subtype=self.subtype,
+                format=self.format,
+            )
+        except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+            error = _write_error(self.path, exc)
+            _drop_part(self._tmp)
+            raise error from None
         self.channels = channels
         self.frames_written = 0
 
     def write(self, samples: np.ndarray) -> None:
-        """Append ``[S, channels]`` (or ``[S]`` for mono) float32 samples; values are clipped to [-1, 1]."""
+        """Append ``[S, channels]`` (or ``[S]`` for mono) float32 samples; values are clipped to [-1, 1].
+
+        Raises:
+            ValueError: wrong number of channels. OutputError: the write failed (path and cause).
+        """
         data = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
         if data.ndim == 1:
             data = data[:, None]
         if data.shape[1] != self.channels:
             raise ValueError(f"expected {self.channels} channel(s), got array of shape {data.shape}")
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+            raise _write_error(self.path, exc) from None
         self.frames_written += len(data)
 
     def commit(self) -> Path:
-        """Close and rename the temporary file onto the destination; returns the destination."""
-        self._file.close()
-        os.chmod(self._tmp, _default_mode())  # mkstemp made it private; the result is an ordinary file
-        os.replace(self._tmp, self.path)
+        """Close and rename the temporary file onto the destination; returns the destination.
+
+        Raises:
+            OutputError: closing (the last buffered bytes) or the rename failed; the temporary file is removed.
+        """
+        try:
+            self._file.close()
+            os.chmod(self._tmp, _default_mode())  # mkstemp made it private; the result is an ordinary file
+            os.replace(self._tmp, self.path)
+        except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+            error = _write_error(self.path, exc)
+            self.abort()
+            raise error from None
+        _PARTS.discard(self._tmp)
         return self.path
 
     def abort(self) -> None:
         """Close and delete the temporary file; the destination is not touched."""
         if not self._file.closed:
-            self._file.close()
-        self._tmp.unlink(missing_ok=True)
+            try:
+                self._file.close()
+            except (sf.LibsndfileError, RuntimeError, OSError):
+                pass  # the file is being thrown away; a failed flush of its last bytes does not matter
+        _drop_part(self._tmp)
 
-    def __enter__(self) -> AtomicWavWriter:
+    def __enter__(self) -> AtomicAudioWriter:
         return self
 
     def __exit__(
@@ -252,17 +434,31 @@ class AtomicWavWriter:
             self.abort()
 
 
+AtomicWavWriter = AtomicAudioWriter
+"""The former name (it wrote WAV only); kept while ``cspan.bench`` uses it."""
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write a text file through a temporary file and an atomic rename."""
+    """Write a UTF-8 text file through a temporary file and an atomic rename.
+
+    Raises:
+        OutputError: the folder or the file cannot be written (path and cause); the destination is untouched.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        part = _new_part(path)
+    except OSError as exc:
+        raise OutputError.from_os_error(path, exc) from None
+    try:
+        with part.open("w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, _default_mode())
-        os.replace(tmp, path)
+        os.chmod(part, _default_mode())
+        os.replace(part, path)
+    except OSError as exc:
+        _drop_part(part)
+        raise OutputError.from_os_error(path, exc) from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        _drop_part(part)
         raise
+    _PARTS.discard(part)
     return path

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .config import CONTEXT_SPANNING, PERSONAPLEX, PrefixLayout
 from .errors import CheckpointError
+from .voice import VoicePrompt, load_voice, load_voice_prompt
 
 if TYPE_CHECKING:
     import sentencepiece
@@ -51,6 +53,14 @@ TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
 """SentencePiece model in a base folder (``loaders.TEXT_TOKENIZER_NAME``)."""
 CONFIG_FILE = "config.json"
 VOICES_DIR = "voices"
+VOICES_ARCHIVE = "voices.tgz"
+"""PersonaPlex's voices in a base repo (``voices/NATF0.pt`` ...), extracted by :func:`extract_voices`."""
+MOSHI_LORA_FILE = "lora.safetensors"
+"""LoRA adapters as kyutai-labs/moshi-finetune saves them (next to a ``config.json`` with ``"lora": true``)."""
+EXPORT_INFO = "export.json"
+"""Written next to a fine-tune by ``cspan train``: the base it loads over and its prefix layout."""
+PREFIX_LAYOUT_KEY = "prefix_layout"
+"""Key of ``config.json`` / ``export.json`` naming the persona prefix layout (``context-spanning`` / ``personaplex``)."""
 
 DEFAULT_BASE = "nvidia/personaplex-7b-v1"
 """Base repo of the released fine-tune."""
@@ -64,12 +74,24 @@ DEFAULT_CHECKPOINT = DEFAULT_REPO
 ENV_CHECKPOINT = "CSPAN_CHECKPOINT"
 ENV_BASE = "CSPAN_BASE"
 ENV_VOICES = "CSPAN_VOICES_DIR"
+ENV_CACHE = "CSPAN_CACHE_DIR"
+"""Where extracted voice archives go (default ``$XDG_CACHE_HOME/cspan`` or ``~/.cache/cspan``)."""
 
 NUM_VOICE_CODEBOOKS = 8
 """Codebook rows of a voice prompt (the agent's 8 Mimi codebooks)."""
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_HUB_PATTERNS = [CONFIG_FILE, LM_FILE, MIMI_FILE, TOKENIZER_FILE, "*.pt", f"{VOICES_DIR}/*.pt"]
+_HUB_PATTERNS = [
+    CONFIG_FILE,
+    LM_FILE,
+    MIMI_FILE,
+    TOKENIZER_FILE,
+    "*.pt",
+    f"{VOICES_DIR}/*.pt",
+    VOICES_ARCHIVE,
+    MOSHI_LORA_FILE,
+    EXPORT_INFO,
+]
 _FIX_OFFLINE = (
     "pass a local checkpoint folder instead (--checkpoint DIR, a folder holding "
     f"{LM_FILE}, {MIMI_FILE} and {TOKENIZER_FILE}), or build a small random one with `cspan model tiny DIR` and "
@@ -111,12 +133,17 @@ class Checkpoint:
         mimi: the codec (float32, eval mode) encoding 8 codebooks (``set_num_codebooks(8)``).
         tokenizer: the SentencePiece processor of the text stream.
         lm_config / mimi_config: the configurations the models were built from.
+        archive_voices: voice name -> file of PersonaPlex's ``voices.tgz`` (extracted; ``NATF2`` ...), found by name
+            like the others but never a default (they are PersonaPlex input embeddings: :func:`load_voice_prompt`).
         voices: voice prompt name -> file (``voices/<name>.pt``; ``$CSPAN_VOICES_DIR`` over the fine-tune's over the
             base's), load one with :func:`load_voice`.
         source: what was asked for (repo id, folder or file), as given.
         files: resolved paths by role: ``lm``, ``mimi``, ``tokenizer``, and where present ``config``, ``fine_tune``.
-        fine_tune: the fine-tune ``.pt`` loaded over the base, or None.
-        lora: ``{"r", "alpha", "modules": [names]}`` when the fine-tune carries unmerged LoRA adapters, else None.
+        fine_tune: the fine-tune loaded over the base (a ``.pt`` or moshi-finetune's ``lora.safetensors``), or None.
+        lora: ``{"r", "alpha", "modules": [names]}`` when the fine-tune carries LoRA adapters kept unmerged (plus
+            ``"format": "moshi"``, ``"scaling"`` and ``"merged"``: the adapters folded into the weights at load, for
+            moshi-finetune's adapters), else None.
+        prefix_layout: the persona prefix layout the model was trained with (:func:`resolve_prefix_layout`).
     """
 
     lm: LMModel
@@ -129,10 +156,16 @@ class Checkpoint:
     files: dict[str, Path] = field(default_factory=dict)
     fine_tune: Path | None = None
     lora: dict[str, Any] | None = None
+    prefix_layout: PrefixLayout = CONTEXT_SPANNING
+    archive_voices: dict[str, Path] = field(default_factory=dict)
 
     def load_voice(self, name_or_path: str | os.PathLike[str]) -> torch.Tensor:
-        """Shorthand for :func:`load_voice` with this checkpoint: LongTensor [8, P]."""
+        """Shorthand for :func:`cspan.core.voice.load_voice` with this checkpoint: LongTensor [8, P]."""
         return load_voice(name_or_path, self)
+
+    def load_voice_prompt(self, name_or_path: str | os.PathLike[str]) -> VoicePrompt:
+        """Shorthand for :func:`cspan.core.voice.load_voice_prompt` with this checkpoint (codes or embeddings)."""
+        return load_voice_prompt(name_or_path, self)
 
 
 @dataclass
@@ -146,6 +179,11 @@ class CheckpointFiles:
         fine_tune: fine-tune ``.pt`` loaded over ``lm`` (None for a plain base).
         voices: voice prompt name -> file; the fine-tune folder's ``voices/`` win over the base's.
         base_dir: the base folder.
+        personaplex: the base is NVIDIA PersonaPlex's (its repo id, or a folder holding its ``voices.tgz``).
+        archive_voices: the voices of the base's ``voices.tgz`` (or of the ``voices/`` PersonaPlex extracted next to
+            it), name -> file.
+        fine_tune_config: moshi-finetune's ``config.json`` next to its ``lora.safetensors``, else None.
+        layout: a ``prefix_layout`` recorded for this checkpoint (``config.json`` or ``export.json``), else None.
     """
 
     source: str
@@ -156,6 +194,10 @@ class CheckpointFiles:
     fine_tune: Path | None
     voices: dict[str, Path]
     base_dir: Path
+    personaplex: bool = False
+    archive_voices: dict[str, Path] = field(default_factory=dict)
+    fine_tune_config: Path | None = None
+    layout: str | None = None
 
     def as_dict(self) -> dict[str, Path]:
         """Role -> path for the files that exist (``lm``, ``mimi``, ``tokenizer``, ``config``, ``fine_tune``)."""
@@ -312,11 +354,12 @@ def read_safetensors_header(path: str | os.PathLike[str], role: str = "checkpoin
 
 
 class _Source:
-    """One file of tensors: its key -> shape map and a per-key reader."""
+    """One file of tensors: its key -> shape map, which keys hold floating values, and a per-key reader."""
 
     path: Path
     role: str
     shapes: dict[str, tuple[int, ...]]
+    floating: dict[str, bool]
 
     def get(self, key: str) -> torch.Tensor:
         raise KeyError(key)
@@ -330,6 +373,7 @@ class _SafetensorsSource(_Source):
         self.path, self.role, self.device = Path(path), role, device
         self.header = read_safetensors_header(path, role)
         self.shapes = {k: v[1] for k, v in self.header.tensors.items()}
+        self.floating = {k: v[0].startswith(("F", "BF")) for k, v in self.header.tensors.items()}
         self._handle: Any = None
 
     def get(self, key: str) -> torch.Tensor:
@@ -353,6 +397,7 @@ class _DictSource(_Source):
     def __init__(self, path: Path, role: str, tensors: dict[str, torch.Tensor]) -> None:
         self.path, self.role, self.tensors = Path(path), role, tensors
         self.shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        self.floating = {k: bool(v.is_floating_point()) for k, v in tensors.items()}
 
     def get(self, key: str) -> torch.Tensor:
         return self.tensors[key]
@@ -403,16 +448,19 @@ def _check_and_plan(
     expected: dict[str, tuple[int, ...]],
     sources: list[_Source],
     aliases: dict[str, str] | None = None,
+    floating: dict[str, bool] | None = None,
 ) -> dict[str, tuple[_Source, str]]:
-    """Map every expected key to (source, key in that source), checking names and shapes.
+    """Map every expected key to (source, key in that source), checking names, shapes and dtype kinds.
 
     ``sources`` are in priority order (a fine-tune before its base). ``aliases`` maps an expected key to an
     alternative key that may stand for it in any source (a LoRA layer's ``x.base.weight`` <- the base's
-    ``x.weight``).
+    ``x.weight``). ``floating`` says which expected keys hold floating values (a float weight stored as an integer
+    or boolean tensor is refused).
 
     Raises:
-        CheckpointError: a key the model needs is in no source, a source has a key the model does not have, or
-            a shape differs (each names the file and the key).
+        CheckpointError: a key the model needs is in no source, a source has a key the model does not have, a
+            shape differs, or a float weight is stored as integers / an integer buffer as floats (each names the
+            file and the key).
     """
     aliases = aliases or {}
     plan: dict[str, tuple[_Source, str]] = {}
@@ -447,6 +495,13 @@ def _check_and_plan(
             raise CheckpointError(
                 f"{src.role} weights file {str(src.path)!r}, key {skey!r}: shape {list(src.shapes[skey])} but the "
                 f"model expects {list(expected[key])}; the file does not match the model config"
+            )
+        want = None if floating is None else floating.get(key)
+        if want is not None and src.floating.get(skey, want) != want:
+            stored = "integer or boolean" if want else "floating"
+            raise CheckpointError(
+                f"{src.role} weights file {str(src.path)!r}, key {skey!r}: stored as {stored} values but the model "
+                f"expects {'floating' if want else 'integer'} values; the file is corrupt or not this model's"
             )
     return plan
 
@@ -613,6 +668,78 @@ def _read_fine_tune(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     return state, lora
 
 
+def _read_moshi_lora(path: Path, config: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """moshi-finetune's adapters: (weights other than adapters, e.g. embeddings trained with ``ft_embed``;
+    ``{"r", "scaling", "adapters": {upstream module name: MoshiAdapter}}``).
+
+    Raises:
+        CheckpointError: bad config (``lora_rank``, ``lora_scaling``), unreadable file, an adapter without its
+            ``lora_B`` / ``lora_A`` half, non-float adapters (each names the file and the key).
+    """
+    from .lora import MoshiAdapter
+
+    data = _read_json(config)
+    if data.get("lora") is False:
+        raise CheckpointError(
+            f"config file {str(config)!r} says 'lora': false, but {str(path)!r} holds LoRA adapters; use the "
+            "config.json written with them"
+        )
+    rank, scaling = data.get("lora_rank"), data.get("lora_scaling")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise CheckpointError(f"config file {str(config)!r}, key 'lora_rank': expected an integer >= 1, got {rank!r}")
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or not math.isfinite(scaling):
+        raise CheckpointError(
+            f"config file {str(config)!r}, key 'lora_scaling': expected a finite number, got {scaling!r}"
+        )
+    src = _SafetensorsSource(path, "LoRA")
+    try:
+        tensors = {key: src.get(key) for key in src.shapes}
+    finally:
+        src.close()
+    tensors = strip_compile_prefixes(
+        {
+            k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): v
+            for k, v in tensors.items()
+        }
+    )
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    state: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        found = re.match(r"^(.+)\.(lora_A|lora_B)\.weight$", key)
+        if found is None:
+            state[key] = value
+            continue
+        if not value.is_floating_point():
+            raise CheckpointError(f"LoRA file {str(path)!r}, key {key!r}: dtype {value.dtype}, expected floats")
+        halves.setdefault(found.group(1), {})[found.group(2)] = value
+    adapters = {}
+    for name, pair in halves.items():
+        for half in ("lora_A", "lora_B"):
+            if half not in pair:
+                raise CheckpointError(f"LoRA file {str(path)!r}: key {name + '.' + half + '.weight'!r} missing")
+        adapters[name] = MoshiAdapter(
+            f"LoRA file {str(path)!r}, key {name + '.lora_A.weight'!r}", pair["lora_A"], pair["lora_B"]
+        )
+    if not adapters:
+        raise CheckpointError(f"LoRA file {str(path)!r} holds no '<module>.lora_A.weight' / '.lora_B.weight' key")
+    return state, {"r": int(rank), "scaling": float(scaling), "adapters": adapters}
+
+
+def _apply_moshi_lora(lm: LMModel, moshi: dict[str, Any], path: Path, fuse: bool) -> dict[str, Any]:
+    """Apply :func:`_read_moshi_lora`'s adapters; returns the :attr:`Checkpoint.lora` record."""
+    from .lora import apply_moshi_lora
+
+    try:
+        kept, merged = apply_moshi_lora(lm, moshi["adapters"], moshi["r"], moshi["scaling"], fuse=fuse)
+    except KeyError as exc:
+        raise CheckpointError(f"LoRA file {str(path)!r}: layer {exc} does not exist in this LM") from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"LoRA file {str(path)!r}: {exc}") from None
+    lm.eval()
+    r, scaling = moshi["r"], moshi["scaling"]
+    return {"format": "moshi", "r": r, "alpha": scaling * r, "scaling": scaling, "modules": kept, "merged": merged}
+
+
 def _build_lm(
     lm_cfg: LMConfig,
     base: _Source,
@@ -630,7 +757,14 @@ def _build_lm(
     if dtype is None:
         stored = base.header.float_dtype() if isinstance(base, _SafetensorsSource) else None
         dtype = getattr(torch, _ST_DTYPES[stored][1]) if stored else torch.float32
-    model = LMModel(lm_cfg, device="meta", dtype=dtype)
+    try:
+        model = LMModel(lm_cfg, device="meta", dtype=dtype)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, RuntimeError, OverflowError, IndexError, ZeroDivisionError) as exc:
+        raise CheckpointError(
+            f"the LM config cannot build a model ({type(exc).__name__}: {exc}); check config.json"
+        ) from None
     aliases: dict[str, str] = {}
     if lora is not None:
         assert fine_tune is not None
@@ -643,9 +777,11 @@ def _build_lm(
         for name in lora["modules"]:
             aliases[f"{name}.base.weight"] = f"{name}.weight"
             aliases[f"{name}.base.bias"] = f"{name}.bias"
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    reference = model.state_dict()
+    expected = {k: tuple(v.shape) for k, v in reference.items()}
+    floating = {k: bool(v.is_floating_point()) for k, v in reference.items()}
     sources = [fine_tune, base] if fine_tune is not None else [base]
-    plan = _check_and_plan(expected, sources, aliases)
+    plan = _check_and_plan(expected, sources, aliases, floating)
     try:
         _assign(model, plan, device, dtype)
     finally:
@@ -730,9 +866,16 @@ def load_mimi(
 
     cfg = config or MimiConfig.mimi_24khz()
     src = _SafetensorsSource(Path(path), "Mimi", device=_load_device(device))
-    mimi = Mimi(cfg, device="meta", dtype=torch.float32)
-    expected = {k: tuple(v.shape) for k, v in mimi.state_dict().items()}
-    plan = _check_and_plan(expected, [src])
+    try:
+        mimi = Mimi(cfg, device="meta", dtype=torch.float32)
+    except (ValueError, TypeError, RuntimeError, OverflowError, IndexError, ZeroDivisionError) as exc:
+        raise CheckpointError(
+            f"Mimi weights file {str(path)!r}: its codec config cannot build a model ({type(exc).__name__}: {exc}); "
+            "check the 'mimi_config' of config.json"
+        ) from None
+    reference = mimi.state_dict()
+    expected = {k: tuple(v.shape) for k, v in reference.items()}
+    plan = _check_and_plan(expected, [src], floating={k: bool(v.is_floating_point()) for k, v in reference.items()})
     try:
         _assign(mimi, plan, device, torch.float32)
     finally:
@@ -771,67 +914,20 @@ def load_tokenizer(path: str | os.PathLike[str]) -> sentencepiece.SentencePieceP
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _scan_voices(*dirs: Path | None) -> dict[str, Path]:
+def scan_voices(*dirs: Path | None) -> dict[str, Path]:
+    """Voice name -> file for the voice files of ``dirs`` (``<name>.pt``, or a recording ``<name>.wav`` / ``.flac`` /
+    ``.ogg`` / ``.mp3``); a ``.pt`` wins over a recording of the same name, an earlier folder over a later one."""
+    from .voice import AUDIO_SUFFIXES
+
     voices: dict[str, Path] = {}
     for d in dirs:
         if d is None or not d.is_dir():
             continue
-        for p in sorted(d.glob("*.pt")):
-            voices.setdefault(p.stem, p)
+        for suffix in (".pt", *AUDIO_SUFFIXES):
+            for p in sorted(d.glob(f"*{suffix}")):
+                if p.is_file():
+                    voices.setdefault(p.stem, p)
     return voices
-
-
-def load_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> torch.Tensor:
-    """Load a voice prompt: ``{"codes": LongTensor[8, P]}`` (agent Mimi codes, P frames at 12.5 Hz).
-
-    Args:
-        name_or_path: an existing ``.pt`` file, or a voice name (``voices/<name>.pt`` of the checkpoint, or of
-            ``$CSPAN_VOICES_DIR``).
-        checkpoint: supplies the voice names and the codebook size ``card`` the codes must stay below
-            (2048 without a checkpoint).
-
-    Returns:
-        LongTensor [8, P] on CPU.
-
-    Raises:
-        CheckpointError: unknown name (lists the known ones), unreadable file, no ``"codes"`` key, non-integer
-            dtype, shape other than [8, P] with P >= 1, values outside [0, card).
-    """
-    import torch
-
-    path = Path(name_or_path)
-    if not path.is_file():
-        name = str(name_or_path)
-        known = dict(checkpoint.voices) if checkpoint is not None else {}
-        env_dir = os.environ.get(ENV_VOICES)
-        if env_dir:
-            known = {**known, **_scan_voices(Path(env_dir))}
-        if name not in known:
-            where = f"{str(path)!r} is not a file and {name!r} is not a known voice"
-            names = ", ".join(sorted(known)) or "none"
-            raise CheckpointError(f"voice {where} (known voices: {names}); pass a .pt file holding {{'codes': [8, P]}}")
-        path = known[name]
-    obj = _torch_load(path, "voice")
-    if not isinstance(obj, dict) or "codes" not in obj:
-        raise CheckpointError(f"voice file {str(path)!r}: key 'codes' missing; expected {{'codes': LongTensor[8, P]}}")
-    codes = obj["codes"]
-    if not isinstance(codes, torch.Tensor):
-        raise CheckpointError(f"voice file {str(path)!r}, key 'codes': expected a tensor, got {type(codes).__name__}")
-    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
-        raise CheckpointError(f"voice file {str(path)!r}, key 'codes': dtype {codes.dtype}, expected an integer dtype")
-    if codes.dim() != 2 or codes.shape[0] != NUM_VOICE_CODEBOOKS or codes.shape[1] < 1:
-        raise CheckpointError(
-            f"voice file {str(path)!r}, key 'codes': shape {list(codes.shape)}, expected [{NUM_VOICE_CODEBOOKS}, P] "
-            "with P >= 1 frames"
-        )
-    card = checkpoint.lm_config.card if checkpoint is not None else 2048
-    codes = codes.to(torch.long).clone()
-    lo, hi = int(codes.min()), int(codes.max())
-    if lo < 0 or hi >= card:
-        raise CheckpointError(
-            f"voice file {str(path)!r}, key 'codes': values in [{lo}, {hi}], expected [0, {card}) (Mimi codes)"
-        )
-    return codes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -900,19 +996,61 @@ def _top_level_pt(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.pt") if p.is_file())
 
 
+def _is_personaplex(source: str, folder: Path) -> bool:
+    """NVIDIA PersonaPlex's base: its repo id (``nvidia/personaplex-*``, also in a Hugging Face cache path), or a
+    folder holding its ``voices.tgz``."""
+    text = source.lower().removeprefix("hf://")
+    return (
+        text.startswith("nvidia/personaplex")
+        or "models--nvidia--personaplex" in str(folder).lower()
+        or (folder / VOICES_ARCHIVE).is_file()
+    )
+
+
+def _recorded_layout(data: dict[str, Any], path: Path) -> str | None:
+    """The ``prefix_layout`` of a ``config.json`` / ``export.json`` dict, checked (None when absent).
+
+    Raises:
+        CheckpointError: an unknown layout name (names the file).
+    """
+    value = data.get(PREFIX_LAYOUT_KEY)
+    if value is None:
+        return None
+    try:
+        return PrefixLayout.named(str(value)).name
+    except ValueError as exc:
+        raise CheckpointError(f"file {str(path)!r}, key {PREFIX_LAYOUT_KEY!r}: {exc}") from None
+
+
+def _base_voices(folder: Path) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(the voices of a base folder's ``voices/``, the voices of its ``voices.tgz``). With an archive, a ``voices/``
+    folder beside it is the one PersonaPlex's own code extracted there (so its voices are archive voices); otherwise
+    the archive is extracted safely once (:func:`cspan.core.archive.extract_voices`)."""
+    from .archive import extract_voices
+
+    if not (folder / VOICES_ARCHIVE).is_file():
+        return scan_voices(folder / VOICES_DIR), {}
+    if (folder / VOICES_DIR).is_dir():
+        return {}, scan_voices(folder / VOICES_DIR)
+    return {}, scan_voices(extract_voices(folder / VOICES_ARCHIVE))
+
+
 def _base_files(folder: Path, source: str, lm_override: Path | None = None) -> CheckpointFiles:
     """Files of a base folder; config.json's ``moshi_name``/``mimi_name``/``tokenizer_name`` override the names."""
     names = {"lm": LM_FILE, "mimi": MIMI_FILE, "tokenizer": TOKENIZER_FILE}
     config = folder / CONFIG_FILE
+    layout = None
     if config.is_file():
         data = _read_json(config)
         for role, key in (("lm", "moshi_name"), ("mimi", "mimi_name"), ("tokenizer", "tokenizer_name")):
             value = data.get(key)
             if isinstance(value, str) and value and "/" not in value and (folder / value).is_file():
                 names[role] = value
+        layout = _recorded_layout(data, config)
     lm = lm_override or folder / names["lm"]
     mimi = folder / names["mimi"]
     tok = folder / names["tokenizer"]
+    voices, archive_voices = _base_voices(folder)
     return CheckpointFiles(
         source=source,
         lm=lm,
@@ -920,8 +1058,11 @@ def _base_files(folder: Path, source: str, lm_override: Path | None = None) -> C
         tokenizer=tok if tok.is_file() else None,
         config=config if config.is_file() else None,
         fine_tune=None,
-        voices=_scan_voices(folder / VOICES_DIR),
+        voices=voices,
+        archive_voices=archive_voices,
         base_dir=folder,
+        personaplex=_is_personaplex(source, folder),
+        layout=layout,
     )
 
 
@@ -946,38 +1087,63 @@ def _resolve_base(base: str | os.PathLike[str] | None) -> CheckpointFiles:
     return _base_files(folder, chosen)
 
 
-def _recorded_base(fine_tune: Path) -> str | None:
-    """The base recorded next to a fine-tune by ``cspan train`` (``export.json``'s ``"base"``), if any."""
-    info = fine_tune.parent / "export.json"
+def _export_info(fine_tune: Path) -> dict[str, Any]:
+    """``export.json`` next to a fine-tune (written by ``cspan train``): ``{}`` when absent.
+
+    Raises:
+        CheckpointError: unreadable or not a JSON object.
+    """
+    info = fine_tune.parent / EXPORT_INFO
     if not info.is_file():
-        return None
+        return {}
     try:
-        base = json.loads(info.read_text(encoding="utf-8")).get("base")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{info}: unreadable ({exc}); fix or delete it, or pass --base / {ENV_BASE}") from exc
-    return str(base) if base else None
+        data = json.loads(info.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{info}: unreadable ({exc}); fix or delete it, or pass --base / {ENV_BASE}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{info}: must hold a JSON object; fix or delete it, or pass --base / {ENV_BASE}")
+    return data
 
 
 def _with_fine_tune(fine_tune: Path, source: str, base: str | os.PathLike[str] | None) -> CheckpointFiles:
-    """A fine-tune file over its base; the fine-tune folder's voices take precedence over the base's.
+    """A fine-tune over its base (a ``.pt``, or moshi-finetune's ``lora.safetensors`` with its ``config.json``); the
+    fine-tune folder's voices take precedence over the base's.
 
     The base is ``base``, else ``$CSPAN_BASE``, else the one ``cspan train`` recorded in ``export.json`` next to
-    the file, else :data:`DEFAULT_BASE`.
+    the file, else :data:`DEFAULT_BASE`. The prefix layout is the one recorded for the fine-tune (``export.json``, or
+    the ``config.json`` beside ``lora.safetensors``); a ``.pt`` without one is a Context Spanning fine-tune, adapters
+    from moshi-finetune keep their base's layout.
     """
+    info = _export_info(fine_tune)
     if base is None and not os.environ.get(ENV_BASE):
-        base = _recorded_base(fine_tune)
+        recorded = info.get("base")
+        base = str(recorded) if recorded else None
     files = _resolve_base(base)
     files.source = source
     files.fine_tune = fine_tune
-    own = _scan_voices(fine_tune.parent / VOICES_DIR)
+    own = scan_voices(fine_tune.parent / VOICES_DIR)
     files.voices = {**files.voices, **own}
+    layout = _recorded_layout(info, fine_tune.parent / EXPORT_INFO)
+    if fine_tune.name == MOSHI_LORA_FILE:
+        config = fine_tune.parent / CONFIG_FILE
+        if not config.is_file():
+            raise CheckpointError(
+                f"LoRA adapters {str(fine_tune)!r} have no {CONFIG_FILE} beside them; moshi-finetune writes one with "
+                "'lora_rank' and 'lora_scaling' (copy it next to the adapters)"
+            )
+        files.fine_tune_config = config
+        layout = layout or _recorded_layout(_read_json(config), config) or files.layout
+    files.layout = layout
     return files
 
 
 def _folder_files(folder: Path, source: str, base: str | os.PathLike[str] | None) -> CheckpointFiles:
-    """A base folder, or a fine-tune folder (one top-level ``*.pt`` over a base)."""
+    """A base folder, or a fine-tune folder (one top-level ``*.pt``, or moshi-finetune's ``lora.safetensors``, over
+    a base)."""
     if (folder / LM_FILE).is_file():
         return _base_files(folder, source)
+    if (folder / MOSHI_LORA_FILE).is_file():
+        return _with_fine_tune(folder / MOSHI_LORA_FILE, source, base)
     pts = _top_level_pt(folder)
     if len(pts) > 1:
         chosen = [p for p in pts if p.name == DEFAULT_FINE_TUNE_FILE]
@@ -990,6 +1156,21 @@ def _folder_files(folder: Path, source: str, base: str | os.PathLike[str] | None
     if pts:
         return _with_fine_tune(pts[0], source, base)
     return _base_files(folder, source)  # reports the missing LM file at load time
+
+
+def resolve_prefix_layout(files: CheckpointFiles) -> PrefixLayout:
+    """The persona prefix layout of a checkpoint, decided once from its files.
+
+    In order: the ``prefix_layout`` recorded for it (``config.json`` of the base or of moshi-finetune's adapters,
+    ``export.json`` of a ``cspan train`` export); a Context Spanning fine-tune ``.pt`` -> Context Spanning; NVIDIA
+    PersonaPlex's base (its repo id, or a folder with its ``voices.tgz``) and adapters over it -> PersonaPlex;
+    anything else (Kyutai's Moshi, ``cspan model tiny``) -> Context Spanning.
+    """
+    if files.layout is not None:
+        return PrefixLayout.named(files.layout)
+    if files.fine_tune is not None and files.fine_tune.name != MOSHI_LORA_FILE:
+        return CONTEXT_SPANNING
+    return PERSONAPLEX if files.personaplex else CONTEXT_SPANNING
 
 
 def resolve_checkpoint(
@@ -1019,6 +1200,8 @@ def resolve_checkpoint(
     if path.is_file():
         if path.suffix in (".pt", ".pth"):
             return _with_fine_tune(path, text, base)
+        if path.name == MOSHI_LORA_FILE:
+            return _with_fine_tune(path, text, base)
         if path.suffix == ".safetensors":
             return _base_files(path.parent, text, lm_override=path)
         raise CheckpointError(
@@ -1034,7 +1217,9 @@ def resolve_checkpoint(
         repo_id, inner = "/".join(parts[:2]), "/".join(parts[2:])
         if not inner:
             return _repo_files(repo_id, text, revision, base)
-        folder = _hub_snapshot(repo_id, revision, [inner, *_HUB_PATTERNS[:4], f"{VOICES_DIR}/*.pt"], "repo")
+        beside = [f"{inner.rpartition('/')[0]}/{name}".lstrip("/") for name in (CONFIG_FILE, EXPORT_INFO)]
+        patterns = [inner, *beside, *_HUB_PATTERNS[:4], f"{VOICES_DIR}/*.pt", VOICES_ARCHIVE]
+        folder = _hub_snapshot(repo_id, revision, patterns, "repo")
         target = folder / inner
         if not target.is_file():
             raise CheckpointError(f"repo {repo_id!r} has no file {inner!r} (revision {revision or 'main'})")
@@ -1072,6 +1257,7 @@ def load_checkpoint(
     dtype: torch.dtype | str | None = None,
     revision: str | None = None,
     base: str | os.PathLike[str] | None = None,
+    fuse_lora: bool = False,
 ) -> Checkpoint:
     """Load the LM, Mimi, tokenizer and voice list of a checkpoint.
 
@@ -1079,6 +1265,9 @@ def load_checkpoint(
     ``HF_HUB_OFFLINE`` and ``HF_TOKEN``), ``hf://owner/repo/file``, a local folder or a file; see
     :func:`resolve_checkpoint` for the order. A fine-tune ``.pt`` is loaded over its base: keys it holds replace
     the base's, the others come from the base; LoRA adapters are kept unmerged (:class:`cspan.core.lora.LoRALinear`).
+    moshi-finetune's ``lora.safetensors`` (with its ``config.json``) loads over its base the same way
+    (:func:`cspan.core.lora.apply_moshi_lora`). The persona prefix layout is decided here, once
+    (:func:`resolve_prefix_layout`).
 
     Args:
         source: what to load; default ``$CSPAN_CHECKPOINT`` or :data:`DEFAULT_CHECKPOINT` (the released
@@ -1088,16 +1277,20 @@ def load_checkpoint(
             LM weights. Mimi is always float32.
         revision: Hub revision of ``source``.
         base: base of a fine-tune (folder or repo id); default ``$CSPAN_BASE`` or :data:`DEFAULT_BASE`.
+        fuse_lora: fold LoRA adapters into the weights (plain linear layers, upstream's ``--fuse-lora``) instead of
+            keeping them unmerged.
 
     Returns:
         A :class:`Checkpoint`.
 
     Raises:
-        CheckpointError: a file is missing, truncated or corrupt; keys are missing or unexpected; a shape differs
-            (each names the file and the key); the Hub cannot provide the files (the message says how to pass a
-            local ``--checkpoint`` folder or build one with ``cspan model tiny``).
+        CheckpointError: a file is missing, truncated or corrupt; keys are missing or unexpected; a shape or dtype
+            differs (each names the file and the key); a config that cannot build a model; the Hub cannot provide
+            the files (the message says how to pass a local ``--checkpoint`` folder or build one with
+            ``cspan model tiny``).
     """
     files = resolve_checkpoint(source, revision=revision, base=base)
+    layout = resolve_prefix_layout(files)
     missing = [
         f"{role} file {name!r}"
         for role, name, got in (
@@ -1118,14 +1311,26 @@ def load_checkpoint(
     base_src = _SafetensorsSource(files.lm, "LM", device=_load_device(device))
     ft_src: _Source | None = None
     lora = None
+    moshi = None
     keys = list(base_src.shapes)
     if files.fine_tune is not None:
-        state, lora = _read_fine_tune(files.fine_tune)
+        if files.fine_tune.name == MOSHI_LORA_FILE:
+            assert files.fine_tune_config is not None
+            state, moshi = _read_moshi_lora(files.fine_tune, files.fine_tune_config)
+        else:
+            state, lora = _read_fine_tune(files.fine_tune)
         ft_src = _DictSource(files.fine_tune, "fine-tune", state)
         keys = keys + list(state)
     lm_cfg, mimi_cfg = read_configs(files.config, keys)
     lm = _build_lm(lm_cfg, base_src, ft_src, lora, device, target)
     del ft_src
+    if moshi is not None:
+        assert files.fine_tune is not None
+        lora = _apply_moshi_lora(lm, moshi, files.fine_tune, fuse_lora)
+    elif lora is not None and fuse_lora:
+        from .lora import fuse_lora_layers
+
+        lora = {**lora, "modules": [], "merged": fuse_lora_layers(lm)}
     mimi = load_mimi(files.mimi, mimi_cfg, device=device)
     if mimi_cfg.quantizer.bins != lm_cfg.card:
         raise CheckpointError(
@@ -1142,7 +1347,7 @@ def load_checkpoint(
     voices = dict(files.voices)
     env_dir = os.environ.get(ENV_VOICES)
     if env_dir:
-        voices = {**voices, **_scan_voices(Path(env_dir))}
+        voices = {**voices, **scan_voices(Path(env_dir))}
     return Checkpoint(
         lm=lm,
         mimi=mimi,
@@ -1154,6 +1359,8 @@ def load_checkpoint(
         files=files.as_dict(),
         fine_tune=files.fine_tune,
         lora=lora,
+        prefix_layout=layout,
+        archive_voices=dict(files.archive_voices),
     )
 
 
@@ -1184,7 +1391,12 @@ def describe_checkpoint(
     header = read_safetensors_header(files.lm, "LM")
     shapes = {k: v[1] for k, v in header.tensors.items()}
     lora = None
-    if files.fine_tune is not None:
+    moshi = None
+    if files.fine_tune is not None and files.fine_tune.name == MOSHI_LORA_FILE:
+        assert files.fine_tune_config is not None
+        state, moshi = _read_moshi_lora(files.fine_tune, files.fine_tune_config)
+        shapes.update({k: tuple(v.shape) for k, v in state.items()})
+    elif files.fine_tune is not None:
         state, lora = _read_fine_tune(files.fine_tune)
         for name in (lora or {}).get("modules", []):
             shapes.pop(f"{name}.weight", None)
@@ -1208,6 +1420,11 @@ def describe_checkpoint(
     ]
     if lora is not None:
         lines.append(f"  LoRA: r {lora['r']}, alpha {lora['alpha']}, {len(lora['modules'])} layers (unmerged)")
+    if moshi is not None:
+        lines.append(
+            f"  LoRA (moshi-finetune): r {moshi['r']}, scaling {moshi['scaling']}, {len(moshi['adapters'])} adapters"
+        )
+    lines.append(f"  persona prefix layout: {resolve_prefix_layout(files).name}")
     lines += [
         "Mimi:",
         f"  sample rate {mimi_cfg.sample_rate} Hz, frame rate {mimi_cfg.frame_rate} Hz "
@@ -1223,11 +1440,36 @@ def describe_checkpoint(
     else:
         lines.append(f"tokenizer: missing ({TOKENIZER_FILE})")
     voices = dict(files.voices)
-    lines.append(f"voices: {', '.join(f'{k} ({v})' for k, v in sorted(voices.items())) or 'none'}")
+    env_dir = os.environ.get(ENV_VOICES)
+    if env_dir:
+        voices = {**voices, **scan_voices(Path(env_dir))}
+    lines.append(f"voices: {len(voices) or 'none'}")
+    lines += [f"  {name}: {_voice_kind(path)} ({path})" for name, path in sorted(voices.items())]
+    if files.archive_voices:
+        lines.append(f"voices of {VOICES_ARCHIVE}: {len(files.archive_voices)}")
+        lines += [f"  {name}: {_voice_kind(path)} ({path})" for name, path in sorted(files.archive_voices.items())]
     if load:
         ckpt = load_checkpoint(source, revision=revision, base=base, device="cpu")
         lines.append(f"load check: ok ({type(ckpt.lm).__name__}, {type(ckpt.mimi).__name__} loaded on CPU)")
     return "\n".join(lines)
+
+
+def _voice_kind(path: Path) -> str:
+    """What a voice file holds, for ``cspan model info``: ``codes, N frames``, ``PersonaPlex embeddings, E frames``,
+    ``recording``, or why it cannot be read."""
+    from .voice import _is_torch_file
+
+    try:
+        if not _is_torch_file(path):
+            return "recording"
+        obj = _torch_load(path, "voice")
+    except (CheckpointError, OSError) as exc:
+        return f"unreadable: {exc}"
+    if isinstance(obj, dict) and hasattr(obj.get("codes"), "shape"):
+        return f"codes, {obj['codes'].shape[-1]} frames"
+    if isinstance(obj, dict) and hasattr(obj.get("embeddings"), "shape"):
+        return f"PersonaPlex embeddings, {obj['embeddings'].shape[0]} frames"
+    return "not a voice file"
 
 
 def _cmd_tiny(args: argparse.Namespace) -> int:
@@ -1295,9 +1537,12 @@ __all__ = [
     "load_mimi",
     "load_tokenizer",
     "load_voice",
+    "load_voice_prompt",
     "read_configs",
     "read_safetensors_header",
     "register_model_actions",
     "resolve_checkpoint",
+    "resolve_prefix_layout",
+    "scan_voices",
     "strip_compile_prefixes",
 ]

@@ -5,13 +5,21 @@ names a callable ``register(parser: argparse.ArgumentParser) -> None`` that adds
 ``parser.set_defaults(handler=fn)`` where ``fn(args) -> int`` runs it. The first line of the callable's docstring
 is the verb's one-line help. Heavy imports (torch, FastAPI, ...) belong inside ``fn`` so that ``cspan --help``
 stays fast.
+
+An entry point may instead name a settings model: a ``pydantic_settings.BaseSettings`` subclass with a method
+``run(self) -> int``. Its flags, environment variables and settings file are then generated from the model (see
+:mod:`cspan.core.settings`), so packages that cannot import ``cspan.core`` (``cspan.backends``) declare their
+settings once too. The model's docstring's first line is the verb's help.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
@@ -37,6 +45,20 @@ def discover_commands() -> dict[str, Register]:
     return commands
 
 
+def _is_settings_command(register: object) -> bool:
+    from pydantic_settings import BaseSettings
+
+    return (
+        isinstance(register, type) and issubclass(register, BaseSettings) and callable(getattr(register, "run", None))
+    )
+
+
+def _run_settings(args: argparse.Namespace) -> int:
+    from .settings import settings_from_args
+
+    return int(settings_from_args(args).run() or 0)
+
+
 def _summary(register: Register) -> str:
     doc = (register.__doc__ or "").strip()
     return doc.splitlines()[0] if doc else ""
@@ -59,12 +81,41 @@ def build_parser(commands: dict[str, Register] | None = None) -> argparse.Argume
         verb = sub.add_parser(
             name, help=summary, description=summary, formatter_class=argparse.ArgumentDefaultsHelpFormatter
         )
-        register(verb)
+        if _is_settings_command(register):
+            from .settings import add_settings_arguments
+
+            verb.formatter_class = argparse.HelpFormatter  # the generated help already shows defaults
+            add_settings_arguments(verb, register)  # type: ignore[arg-type]
+            verb.set_defaults(handler=_run_settings)
+        else:
+            register(verb)
     return parser
 
 
+def _is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of the project's deliberate errors (its message says what and where).
+
+    ``CspanError`` and the roots of the packages that cannot import ``cspan.core`` (``cspan.backends``'
+    ``BackendError``, whose subclasses such as ``ContextDBError`` may reach a verb): any class of the exception's
+    lineage defined in a ``cspan.*.errors`` module.
+    """
+    return any(cls.__module__.startswith("cspan.") and cls.__module__.endswith(".errors") for cls in type(exc).__mro__)
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    from cspan.core.errors import Terminated
+
+    raise Terminated(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``cspan`` console script; returns the process exit status."""
+    """Entry point of the ``cspan`` console script; returns the process exit status.
+
+    Errors are one line on stderr: the project's own errors (exit status 1, or their ``exit_code``: 2 for a bad
+    setting), an ``OSError`` (the file and the cause: permission denied, no space left on device), an interrupt
+    (130) or SIGTERM (143; raised as :class:`~cspan.core.errors.Terminated` so that cleanup runs and unfinished
+    outputs are removed). ``-v`` adds the traceback of an ``OSError``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
@@ -74,21 +125,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A verb with sub-verbs (``cspan model``) and none given.
         parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
         return 2
-    from cspan.core.errors import CspanError
+    from cspan.core.errors import Terminated, describe_os_error
 
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(handler(args) or 0)
-    except CspanError as exc:
-        print(f"cspan {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    except Terminated as exc:
+        print(f"cspan {args.command}: terminated by signal {exc.signum}", file=sys.stderr)
+        return int(exc.code or 143)
     except KeyboardInterrupt:
         print(f"cspan {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as exc:
+        if _is_user_error(exc):
+            print(f"cspan {args.command}: error: {exc}", file=sys.stderr)
+            return int(getattr(exc, "exit_code", 1))
+        if isinstance(exc, OSError):
+            logging.getLogger(__name__).info("traceback of the error below", exc_info=True)
+            print(f"cspan {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,15 +7,69 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# ---------------------------------------------------------------------------------------------------------------
+# Persona prefix layouts (the layout a checkpoint was trained with; the frames are built by cspan.core.prefix)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixLayout:
+    """How a checkpoint lays out its persona prefix (``cspan.core.prefix`` lays the frames out).
+
+    Attributes:
+        name: ``"context-spanning"`` or ``"personaplex"`` (the value of ``prefix_layout`` in ``config.json`` and
+            ``export.json``).
+        silence_frames: silence frames after the voice and after the text (1, or 6 = ``int(0.5 * 12.5)``).
+        always_silence: the silences are there even without a voice / without text (PersonaPlex).
+        drop_first_frame: the first frame of the table never reaches the model (PersonaPlex's offset-0 call).
+    """
+
+    name: str
+    silence_frames: int
+    always_silence: bool
+    drop_first_frame: bool
+
+    @staticmethod
+    def named(name: str) -> PrefixLayout:
+        """The layout called ``name``.
+
+        Raises:
+            ValueError: unknown name (lists the known ones).
+        """
+        for layout in PREFIX_LAYOUTS:
+            if layout.name == name:
+                return layout
+        known = ", ".join(repr(x.name) for x in PREFIX_LAYOUTS)
+        raise ValueError(f"unknown prefix layout {name!r}; known: {known}")
+
+
+CONTEXT_SPANNING = PrefixLayout("context-spanning", silence_frames=1, always_silence=False, drop_first_frame=False)
+"""The released Context Spanning model's layout (one silence frame after the voice and after the text)."""
+PERSONAPLEX = PrefixLayout("personaplex", silence_frames=6, always_silence=True, drop_first_frame=True)
+"""NVIDIA PersonaPlex's ``step_system_prompts`` (6 silence frames after the voice and after the text)."""
+PREFIX_LAYOUTS = (CONTEXT_SPANNING, PERSONAPLEX)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # LM (owner: LM engineer)
 # ---------------------------------------------------------------------------------------------------------------
 
 _LM_NORMS = ("layer_norm", "layer_norm_f32", "rms_norm", "rms_norm_f32")
+# Upper bounds far above any released model (the 7B: dim 4096, 32 layers, card 2048, text_card 32000): a config.json
+# beyond them is corrupt, and refusing it up front keeps a model from being built with absurd sizes.
+_MAX_WIDTH = 1 << 16
+_MAX_VOCAB = 1 << 22
+_MAX_STREAMS = 256
+_MAX_HEADS = 4096
+_MAX_LAYERS = 1024
+_MAX_FFN = 1 << 20
+_MAX_CONTEXT = 1 << 24
+_MAX_DELAY = 1000
 _LM_POS_EMBS = ("none", "sin", "rope", "sin_rope")
 # Upstream config keys (kept as extras) naming features cspan's LMModel does not run: key -> feature.
 _LM_UNSUPPORTED_EXTRAS: dict[str, str] = {
@@ -46,32 +100,38 @@ class LMConfig(BaseModel):
         pydantic.ValidationError: inconsistent values (delays length, schedule length, unknown norm, ...).
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    dim: int = Field(128, ge=1, description="temporal transformer width D")
-    text_card: int = Field(32000, ge=1, description="text vocabulary; id text_card is the initial text token")
-    text_card_out: int | None = Field(None, ge=1, description="text head size (text_card when None)")
+    dim: int = Field(128, ge=1, le=_MAX_WIDTH, description="temporal transformer width D")
+    text_card: int = Field(
+        32000, ge=1, le=_MAX_VOCAB, description="text vocabulary; id text_card is the initial text token"
+    )
+    text_card_out: int | None = Field(None, ge=1, le=_MAX_VOCAB, description="text head size (text_card when None)")
     existing_text_padding_id: int = Field(3, description="text PAD id")
     existing_text_end_padding_id: int = Field(0, description="text EPAD id")
-    n_q: int = Field(8, ge=0, description="audio input streams")
-    dep_q: int = Field(8, ge=0, description="audio streams predicted by the depformer")
-    card: int = Field(1024, ge=1, description="audio codebook size; id card is the initial audio token")
-    num_heads: int = Field(8, ge=1)
-    num_layers: int = Field(6, ge=0)
-    hidden_scale: float = Field(4.0, gt=0)
-    dim_feedforward: int | None = Field(None, ge=1, description="temporal FFN width; int(hidden_scale*dim) if absent")
+    n_q: int = Field(8, ge=0, le=_MAX_STREAMS, description="audio input streams")
+    dep_q: int = Field(8, ge=0, le=_MAX_STREAMS, description="audio streams predicted by the depformer")
+    card: int = Field(1024, ge=1, le=_MAX_VOCAB, description="audio codebook size; id card is the initial audio token")
+    num_heads: int = Field(8, ge=1, le=_MAX_HEADS)
+    num_layers: int = Field(6, ge=0, le=_MAX_LAYERS)
+    hidden_scale: float = Field(4.0, gt=0, le=64)
+    dim_feedforward: int | None = Field(
+        None, ge=1, le=_MAX_FFN, description="temporal FFN width; int(hidden_scale*dim) if absent"
+    )
     causal: bool = True
     layer_scale: float | None = None
-    context: int | None = Field(None, ge=1, description="temporal attention window and KV capacity, in frames")
+    context: int | None = Field(
+        None, ge=1, le=_MAX_CONTEXT, description="temporal attention window and KV capacity, in frames"
+    )
     max_period: float = Field(10000.0, gt=0)
     gating: str = "none"
     norm: str = "layer_norm"
     positional_embedding: str = "sin"
     bias_proj: bool = False
-    depformer_dim: int = Field(256, ge=1)
+    depformer_dim: int = Field(256, ge=1, le=_MAX_WIDTH)
     depformer_dim_feedforward: int | list[int] | None = None
-    depformer_num_heads: int = Field(8, ge=1)
-    depformer_num_layers: int | None = Field(None, ge=0)
+    depformer_num_heads: int = Field(8, ge=1, le=_MAX_HEADS)
+    depformer_num_layers: int | None = Field(None, ge=0, le=_MAX_LAYERS)
     depformer_layer_scale: float | None = None
     depformer_multi_linear: bool = False
     depformer_context: int | None = Field(None, description="kept for round trips; the depformer has no window")
@@ -81,10 +141,10 @@ class LMConfig(BaseModel):
     depformer_pos_emb: str = "sin"
     depformer_weights_per_step: bool = False
     depformer_weights_per_step_schedule: list[int] | None = None
-    depformer_low_rank_embeddings: int | None = Field(None, ge=1)
+    depformer_low_rank_embeddings: int | None = Field(None, ge=1, le=_MAX_WIDTH)
     demux_second_text_stream: bool = False
     norm_emb: bool = False
-    extra_heads_num_heads: int = Field(0, ge=0)
+    extra_heads_num_heads: int = Field(0, ge=0, le=_MAX_HEADS)
     extra_heads_dim: int = Field(6, ge=1)
     delays: list[int] = Field(min_length=1, description="per stream (text, audio 1..n_q) delay in frames")
 
@@ -92,10 +152,14 @@ class LMConfig(BaseModel):
     def _consistent(self) -> LMConfig:
         if self.dim_feedforward is None:
             self.dim_feedforward = int(self.hidden_scale * self.dim)
+        dep_ff = self.depformer_dim_feedforward
+        for value in dep_ff if isinstance(dep_ff, list) else [dep_ff]:
+            if value is not None and not 1 <= value <= _MAX_FFN:
+                raise ValueError(f"depformer_dim_feedforward must be in [1, {_MAX_FFN}], got {dep_ff}")
         if len(self.delays) != self.n_q + 1:
             raise ValueError(f"delays has {len(self.delays)} entries, expected n_q + 1 = {self.n_q + 1}")
-        if any(d < 0 for d in self.delays):
-            raise ValueError(f"delays must be >= 0, got {self.delays}")
+        if any(d < 0 or d > _MAX_DELAY for d in self.delays):
+            raise ValueError(f"delays must be in [0, {_MAX_DELAY}], got {self.delays}")
         if self.dep_q > self.n_q:
             raise ValueError(f"dep_q ({self.dep_q}) cannot exceed n_q ({self.n_q})")
         if self.dim % self.num_heads != 0:
@@ -117,8 +181,10 @@ class LMConfig(BaseModel):
                 raise ValueError(
                     f"depformer_weights_per_step_schedule has {len(schedule)} entries, dep_q is {self.dep_q}"
                 )
-            if min(schedule) < 0:
-                raise ValueError(f"depformer_weights_per_step_schedule has a negative entry: {schedule}")
+            if min(schedule) < 0 or max(schedule) >= self.dep_q:
+                raise ValueError(
+                    f"depformer_weights_per_step_schedule entries must be in [0, dep_q = {self.dep_q}), got {schedule}"
+                )
         return self
 
     # --- derived values -------------------------------------------------------------------------------------
@@ -290,24 +356,26 @@ class MimiSEANetConfig(BaseModel):
     Mimi checkpoints store plain weights.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    channels: int = Field(1, ge=1, description="audio channels")
-    dimension: int = Field(512, ge=1, description="latent channels (encoder output / decoder input)")
+    channels: int = Field(1, ge=1, le=16, description="audio channels")
+    dimension: int = Field(512, ge=1, le=_MAX_WIDTH, description="latent channels (encoder output / decoder input)")
     causal: bool = True
-    n_filters: int = Field(64, ge=1, description="channels after the first conv; doubled per downsampling stage")
-    n_residual_layers: int = Field(1, ge=0)
+    n_filters: int = Field(
+        64, ge=1, le=4096, description="channels after the first conv; doubled per downsampling stage"
+    )
+    n_residual_layers: int = Field(1, ge=0, le=16)
     activation: str = "ELU"
     activation_params: dict[str, Any] = Field(default_factory=lambda: {"alpha": 1.0})
     compress: int = Field(2, ge=1, description="residual-branch width divisor")
     dilation_base: int = Field(2, ge=1)
     disable_norm_outer_blocks: int = Field(0, ge=0)
-    kernel_size: int = Field(7, ge=1)
-    residual_kernel_size: int = Field(3, ge=1)
-    last_kernel_size: int = Field(3, ge=1)
+    kernel_size: int = Field(7, ge=1, le=1024)
+    residual_kernel_size: int = Field(3, ge=1, le=1024)
+    last_kernel_size: int = Field(3, ge=1, le=1024)
     norm: str = "none"
     pad_mode: Literal["constant", "replicate"] = "constant"
-    ratios: list[int] = Field(default_factory=lambda: [8, 6, 5, 4], min_length=1)
+    ratios: list[int] = Field(default_factory=lambda: [8, 6, 5, 4], min_length=1, max_length=16)
     true_skip: bool = True
 
     @field_validator("causal")
@@ -330,8 +398,8 @@ class MimiSEANetConfig(BaseModel):
     @field_validator("ratios")
     @classmethod
     def _positive_ratios(cls, value: list[int]) -> list[int]:
-        if any(r < 1 for r in value):
-            raise ValueError(f"seanet.ratios {value} must all be >= 1")
+        if any(r < 1 or r > 64 for r in value):
+            raise ValueError(f"seanet.ratios {value} must all be in [1, 64]")
         return value
 
     @property
@@ -347,13 +415,13 @@ class MimiQuantizerConfig(BaseModel):
     (``moshi/quantization/vq.py``, ``SplitResidualVectorQuantizer``).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    dimension: int = Field(256, ge=1, description="codebook vector size")
-    n_q: int = Field(32, ge=2, description="total codebooks (semantic + acoustic)")
-    bins: int = Field(2048, ge=1, description="entries per codebook")
-    input_dimension: int = Field(512, ge=1)
-    output_dimension: int = Field(512, ge=1)
+    dimension: int = Field(256, ge=1, le=_MAX_WIDTH, description="codebook vector size")
+    n_q: int = Field(32, ge=2, le=_MAX_STREAMS, description="total codebooks (semantic + acoustic)")
+    bins: int = Field(2048, ge=1, le=_MAX_VOCAB, description="entries per codebook")
+    input_dimension: int = Field(512, ge=1, le=_MAX_WIDTH)
+    output_dimension: int = Field(512, ge=1, le=_MAX_WIDTH)
     n_q_semantic: int = Field(1, ge=1, description="codebooks of rvq_first")
 
     @model_validator(mode="after")
@@ -373,21 +441,21 @@ class MimiTransformerConfig(BaseModel):
     ``input_dimension`` / ``output_dimensions[0]`` differ from ``d_model``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    d_model: int = Field(512, ge=1)
-    num_heads: int = Field(8, ge=1)
-    num_layers: int = Field(8, ge=0)
+    d_model: int = Field(512, ge=1, le=_MAX_WIDTH)
+    num_heads: int = Field(8, ge=1, le=_MAX_HEADS)
+    num_layers: int = Field(8, ge=0, le=_MAX_LAYERS)
     causal: bool = True
     layer_scale: float | None = 0.01
-    context: int | None = Field(250, ge=1, description="attention window in 25 Hz steps (10 s)")
+    context: int | None = Field(250, ge=1, le=_MAX_CONTEXT, description="attention window in 25 Hz steps (10 s)")
     conv_layout: bool = True
     max_period: int | float = 10000
     gating: str = "none"
     norm: str = "layer_norm"
     positional_embedding: str = "rope"
-    dim_feedforward: int = Field(2048, ge=1)
-    input_dimension: int = Field(512, ge=1)
+    dim_feedforward: int = Field(2048, ge=1, le=_MAX_FFN)
+    input_dimension: int = Field(512, ge=1, le=_MAX_WIDTH)
     output_dimensions: list[int] = Field(default_factory=lambda: [512])
 
     @model_validator(mode="after")
@@ -415,11 +483,11 @@ class MimiConfig(BaseModel):
         pydantic.ValidationError: unknown keys, inconsistent dimensions, or rates that do not divide evenly.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    sample_rate: int = Field(24000, ge=1, description="Hz")
-    channels: int = Field(1, ge=1)
-    frame_rate: float = Field(12.5, gt=0, description="codec frames per second")
+    sample_rate: int = Field(24000, ge=1, le=384000, description="Hz")
+    channels: int = Field(1, ge=1, le=16)
+    frame_rate: float = Field(12.5, gt=0, le=1000, description="codec frames per second")
     seanet: MimiSEANetConfig = Field(default_factory=MimiSEANetConfig)
     quantizer: MimiQuantizerConfig = Field(default_factory=MimiQuantizerConfig)
     transformer: MimiTransformerConfig = Field(default_factory=MimiTransformerConfig)

@@ -31,10 +31,11 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .config import CONTEXT_SPANNING
 from .constants import (
     DEFAULT_MAX_SPAN_FRAMES,
     DEFAULT_TEMP,
@@ -53,6 +54,9 @@ from .prefix import PrefixReport, build_persona_prefix, prefix_block
 from .sampling import SamplingParams, sample_column
 from .sessions import EngineState, Sessions, StepBatch, build_step, fresh_seed, unpack
 from .span import ContextSpan, SpanReport, encode_span, span_report
+
+if TYPE_CHECKING:
+    from .voice import VoicePrompt
 
 
 @dataclass
@@ -231,25 +235,27 @@ class DuplexEngine:
         self,
         i: int,
         text_prompt: str | None,
-        voice_codes: torch.Tensor | str | os.PathLike[str] | None = None,
+        voice: VoicePrompt | torch.Tensor | str | os.PathLike[str] | None = None,
         user_name: str | None = None,
         user_city: str | None = None,
         *,
         seed: int | None = None,
     ) -> PrefixReport:
-        """Restart session ``i`` with a persona prefix (:mod:`cspan.core.prefix`), read by its next step.
+        """Restart session ``i`` with a persona prefix (:mod:`cspan.core.prefix`, in the checkpoint's layout), read
+        by its next step.
 
         Args:
             i: the session.
             text_prompt: the role prompt (wrapped as ``<system> ... <system>``), or None / "".
-            voice_codes: [8, N] long Mimi codes of the voice prompt, a voice name of the checkpoint or a voice file
-                (loaded with :func:`cspan.core.checkpoint.load_voice`), or None.
+            voice: a :class:`cspan.core.voice.VoicePrompt` (Mimi codes, or PersonaPlex input embeddings), [8, N]
+                long Mimi codes, a voice name of the checkpoint or a voice file
+                (:func:`cspan.core.voice.load_voice_prompt`), or None.
             user_name, user_city: appended to the prompt as "The user's name is X." / "The user is in Y.".
             seed: the session's new sampling seed (None keeps its current one).
 
         Returns:
             :class:`PrefixReport` (``prefill_ms``: the host time of building the prefix). With neither voice nor
-            text the session is only reset (P = 0).
+            text (and the Context Spanning layout) the session is only reset (P = 0).
 
         Raises:
             IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name.
@@ -257,12 +263,13 @@ class DuplexEngine:
         """
         self._check_session(i)
         t0 = time.perf_counter()
-        if isinstance(voice_codes, (str, os.PathLike)):
-            from .checkpoint import load_voice
+        if isinstance(voice, (str, os.PathLike)):
+            from .voice import load_voice_prompt
 
-            voice_codes = load_voice(voice_codes, self.checkpoint)
-        if voice_codes is not None and voice_codes.numel():
-            lo, hi = int(voice_codes.min()), int(voice_codes.max())
+            voice = load_voice_prompt(voice, self.checkpoint)
+        codes = voice if isinstance(voice, torch.Tensor) else getattr(voice, "codes", None)
+        if codes is not None and codes.numel():
+            lo, hi = int(codes.min()), int(codes.max())
             if lo < 0 or hi >= self.lm.card:
                 raise ValueError(
                     f"set_persona: voice codes in [{lo}, {hi}], expected Mimi codes in [0, {self.lm.card})"
@@ -270,14 +277,16 @@ class DuplexEngine:
         prefix = build_persona_prefix(
             self.tokenizer,
             text_prompt,
-            voice_codes,
+            voice,
+            layout=getattr(self.checkpoint, "prefix_layout", CONTEXT_SPANNING),
             user_name=user_name,
             user_city=user_city,
             num_codebooks=self.num_codebooks,
             agent_placeholder=self.agent_placeholder,
             user_placeholder=self.user_placeholder,
         )
-        P = self.set_prefix(i, prefix.frames, getattr(prefix, "embeddings", None), seed=seed)
+        embeddings = None if prefix.embeddings is None else prefix.embeddings.to(self.dtype)
+        P = self.set_prefix(i, prefix.frames, embeddings, seed=seed)
         return PrefixReport(
             session=i,
             num_frames=P,

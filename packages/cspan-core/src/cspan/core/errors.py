@@ -8,6 +8,9 @@ on ``cspan-core``), so it defines its own ``BackendError`` root with the same co
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class CspanError(Exception):
     """Root of the errors raised by cspan-core and the applications built on it."""
@@ -27,3 +30,48 @@ class ProtocolError(CspanError):
 
 class SpanError(CspanError):
     """A Context Span cannot be built or injected (for example an empty reference)."""
+
+
+class OutputError(CspanError):
+    """An output file cannot be written: names the path and the cause (permission, no space, read-only file system).
+
+    Raised before any work when an output folder is unusable, and at the end when writing fails; the outputs that
+    could be written are kept (the message says which).
+    """
+
+    @classmethod
+    def from_os_error(cls, path: object, exc: OSError, *, doing: str = "cannot write") -> OutputError:
+        """``"PATH: cannot write: no space left on device; ..."`` from the ``OSError`` of a write to ``path``."""
+        return cls(f"{path}: {doing}: {os_error_cause(exc)}{_HINTS.get(exc.errno or 0, '')}")
+
+
+class Terminated(SystemExit):
+    """The process was asked to stop (SIGTERM): raised in the main thread so that cleanup (``finally``, the atomic
+    writers' temporary files) runs before the process exits with ``128 + signal``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+_HINTS = {
+    errno.ENOSPC: "; free some space or write the output elsewhere",
+    errno.EDQUOT: "; free some space or write the output elsewhere",
+    errno.EACCES: "; choose a folder you can write, or fix its permissions",
+    errno.EPERM: "; choose a folder you can write, or fix its permissions (or attributes: lsattr)",
+    errno.EROFS: "; choose a folder on a writable file system",
+}
+
+
+def os_error_cause(exc: OSError) -> str:
+    """The cause of an ``OSError`` in words, lower case: ``"no space left on device"``, ``"permission denied"``,
+    ``"read-only file system"``... (``strerror`` of its ``errno``; the exception's text when it has none)."""
+    if exc.errno:
+        return os.strerror(exc.errno).lower()
+    return str(exc) or type(exc).__name__
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an ``OSError`` that reached the command line: the file(s) it names and the cause."""
+    files = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    return f"{files}: {os_error_cause(exc)}" if files else os_error_cause(exc)

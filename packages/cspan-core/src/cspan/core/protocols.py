@@ -58,7 +58,10 @@ class Retriever(Protocol):
     """Question (or audio to transcribe) to reference.
 
     ``retrieve`` must not raise on backend failures: it returns a result whose ``reference`` is ``None`` and whose
-    ``error`` says why. The runtime cancels the call when its deadline passes.
+    ``error`` says why. On the live clock ``deadline_s`` is what is left of the span deadline: a result with a true
+    ``late`` attribute (and the ``question`` it had) is reported as ``late``, and the runtime cancels a call still
+    running shortly after the deadline. On the offline clock ``deadline_s`` is ``math.inf`` (no wall-clock limit:
+    lateness is judged on frames) and the call is awaited.
     """
 
     async def retrieve(

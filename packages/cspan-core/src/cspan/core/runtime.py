@@ -17,14 +17,19 @@ constants): when the model emits ``<ret>`` (or one is forced),
 
 Only one retrieval is pending at a time; a ``<ret>`` meanwhile is reported as ignored. Backend calls run as
 asyncio tasks concurrently with the frame loop. A reference is injected at the head of a frame, and dropped as
-``late`` when more than ``span_deadline_s`` passed since the ``<ret>``.
+``late`` when more than ``span_deadline_s`` passed since the ``<ret>``; a ``late`` event keeps the question.
 
 Two clocks. *Live* (``span_delay_s=None``; ``serve`` and ``infer --realtime``): nothing ever blocks the frame
-loop; transcripts and references are applied at the first frame head after they arrive. *Offline*
-(``span_delay_s`` set; ``infer`` by default): deterministic frame semantics while running as fast as the hardware
-allows: utterance transcripts are awaited at the frame that asks for them, and a reference is applied exactly
-``span_delay_s`` after the retrieval was asked (the loop waits for the backend there if needed), so the same seed
-gives the same conversation whatever the machine's speed.
+loop; transcripts and references are applied at the first frame head after they arrive, and the deadline is wall
+clock: the retriever gets what is left of it as its ``deadline_s`` (and reports ``late`` itself, with the question
+it had), and a retrieval still running ``LATE_GRACE_S`` after the deadline is cancelled. *Offline*
+(``span_delay_s`` set; ``infer`` by default): backend latency acts on the frame clock only, so the same input and
+seed give the same conversation whatever the machine's speed or load: utterance transcripts are awaited at the
+frame that asks for them, a reference is applied exactly ``span_delay_s`` after the retrieval was asked (the loop
+waits for the backend there, however long it takes in wall-clock time; the backends' own timeouts bound that wait),
+the retriever is given no wall-clock deadline (``deadline_s=math.inf``, overriding any default it was built with),
+and ``late`` is judged on frames alone (``span_delay_s`` plus any wait for the question, against
+``span_deadline_s``).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from cspan.core.vad import SileroVAD, UtteranceTracker
 logger = logging.getLogger(__name__)
 
 FRAME_S = 1.0 / FRAME_RATE
+LATE_GRACE_S = 2 * FRAME_S
+"""Live clock: how long past its deadline a retrieval that has not reported ``late`` itself is left running."""
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 """A SentencePiece byte-fallback piece: one byte of a character outside the vocabulary."""
 HIDDEN_TEXT_IDS = frozenset({0, 1, 2, PAD, RET, SPAN_OPEN, SPAN_CLOSE})
@@ -82,9 +89,9 @@ class ConversationConfig:
     Attributes:
         listen_s: audio window transcribed when no utterance transcript can be used.
         span_deadline_s: a reference applied later than this after its ``<ret>`` is dropped as late
-            (``None``: never).
+            (``None``: never); wall clock when live, frames when offline.
         span_delay_s: offline clock: apply each reference exactly this long after the retrieval was asked
-            (deterministic). ``None``: live clock, apply on arrival.
+            (deterministic; the retriever gets ``deadline_s=math.inf``). ``None``: live clock, apply on arrival.
         ret_wait_s: how long a ``<ret>`` waits for the running utterance to end.
         fresh_transcript_s: a final transcript at most this old (and the user silent) is used as is.
         partial_transcripts: re-transcribe running utterances every 1.6 s (``user_text`` partials).
@@ -395,7 +402,12 @@ class Conversation:
         if question is not None:
             self._emit(QuestionEvent(frame=i, t=i * FRAME_S, text=question, ret_frame=p.ret_frame))
         deadline = self.config.span_deadline_s
-        remaining = None if deadline is None else max(0.0, deadline - (i - p.ret_frame) * FRAME_S)
+        if self.offline:
+            remaining: float | None = math.inf  # judged on the frame clock (_service_retrieval), whatever the default
+        elif deadline is None:
+            remaining = None
+        else:
+            remaining = max(0.0, deadline - (i - p.ret_frame) * FRAME_S)
         retriever = self.retriever
         assert retriever is not None
         p.task = asyncio.ensure_future(
@@ -420,29 +432,17 @@ class Conversation:
         deadline = self.config.span_deadline_s
         elapsed = (i - p.ret_frame) * FRAME_S
         if self.offline:
-            # Offline clock: the backend is judged by its own wall-clock latency against what is left of the
-            # deadline when it was asked, whatever the speed of the frame loop itself.
+            # Offline clock: the reference is due at its fixed frame, however long the backend takes in wall-clock
+            # time; lateness is a matter of frames only (below), so machine speed and load change nothing.
             if p.apply_frame is None or i < p.apply_frame:
                 return
-            waited = (p.asked_frame - p.ret_frame) * FRAME_S if p.asked_frame is not None else 0.0
-            budget = None if deadline is None else max(0.0, deadline - waited)
             if not p.task.done():
-                left = None if budget is None else max(0.0, budget - (time.monotonic() - (p.asked_wall or 0.0)))
-                await asyncio.wait([p.task], timeout=left)
-            if not p.task.done():
-                p.task.cancel()
-                self._finish_late(i, p, None, seconds=waited + time.monotonic() - (p.asked_wall or 0.0))
-                return
-            backend_s = p.backend_s
-            if budget is not None and backend_s is not None and backend_s > budget:
-                self._finish_late(i, p, p.task.result(), seconds=waited + backend_s)
-                return
-        else:
-            if not p.task.done():
-                if deadline is not None and elapsed > deadline:
-                    p.task.cancel()
-                    self._finish_late(i, p, None, seconds=elapsed)
-                return
+                await asyncio.wait([p.task])
+        elif not p.task.done():
+            if deadline is not None and elapsed > deadline + LATE_GRACE_S:
+                p.task.cancel()  # the retriever did not report late itself: stop waiting for it
+                self._finish_late(i, p, None, seconds=elapsed)
+            return
         try:
             result = p.task.result()
         except Exception as exc:
@@ -452,7 +452,7 @@ class Conversation:
         if p.question is None and getattr(result, "question", None):
             p.question = result.question
             self._emit(QuestionEvent(frame=i, t=i * FRAME_S, text=result.question or "", ret_frame=p.ret_frame))
-        if deadline is not None and elapsed > deadline and not self.offline:
+        if getattr(result, "late", False) or (deadline is not None and elapsed > deadline):
             self._finish_late(i, p, result, seconds=elapsed)
             return
         reference = (getattr(result, "reference", None) or "").strip()
@@ -479,7 +479,7 @@ class Conversation:
             LateEvent(
                 frame=i,
                 t=i * FRAME_S,
-                question=p.question,
+                question=p.question or getattr(result, "question", None) or None,
                 text=getattr(result, "reference", None) if result is not None else None,
                 source=getattr(result, "source", None) if result is not None else None,
                 seconds=seconds,

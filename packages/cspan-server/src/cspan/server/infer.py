@@ -1,12 +1,21 @@
 """``cspan infer``: play a recording through the full Context Spanning loop and write what the agent said and did.
 
-The recording (any file soundfile reads, any rate, mono or stereo) is framed at 12.5 Hz with lead and tail silence
-added, and streamed through :class:`~cspan.core.engine.DuplexEngine` frame by frame by a
+The recording (any file soundfile reads, any rate, mono or stereo) is framed at 12.5 Hz with lead and tail
+silence added, and streamed through :class:`~cspan.core.engine.DuplexEngine` frame by frame by a
 :class:`~cspan.core.runtime.Conversation`: voice activity and utterance transcripts on the user channel, every
 ``<ret>`` answered by the retriever (transcriber + router + Context DB) and injected as a Context Span. Outputs: a
-stereo 24 kHz 16-bit WAV (left = user as heard, right = agent) and, optionally, the JSON of
-:class:`~cspan.server.output.InferOutput` (``docs/OUTPUT.md``). Both are written atomically: a failed run leaves
-no output file behind.
+stereo 24 kHz audio file (left = user as heard, right = agent; 16-bit WAV, or FLAC, OGG or MP3 by the extension)
+and, optionally, the JSON of :class:`~cspan.server.output.InferOutput` (``docs/OUTPUT.md``).
+
+The settings are declared once, in :class:`InferSettings` (flags, ``CSPAN_*`` environment, ``--config`` file). The
+job checks before it loads anything: every setting's range, the outputs' folders (writable, enough free space for
+the audio), the input, the Context DB, the device; the backend URLs are checked to answer while the model loads,
+and the persona to fit the model's attention window once the tokenizer is there.
+
+Outputs are written atomically (a temporary ``.part`` file renamed into place): an interrupted or killed run
+(SIGTERM) leaves no output file behind, and one output that cannot be written never costs the other: a WAV that
+fails mid-run still gets its JSON written (``output_wav`` null), and a JSON that fails keeps the finished WAV; the
+error names the path and the cause.
 """
 
 from __future__ import annotations
@@ -15,20 +24,34 @@ import argparse
 import asyncio
 import logging
 import math
-import os
 import sys
 import time
+import zoneinfo
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+
+from cspan.core.settings import add_settings_arguments, settings_from_args
+from cspan.server.settings_common import (
+    DEFAULT_PERSONA,
+    MAX_WINDOW_S,
+    BackendSettings,
+    ModelSettings,
+    Utf8Text,
+)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PERSONA = (
-    "You are Ada, a calm and friendly assistant who helps people plan their day and find things out. "
-    "You are moshi, a capable voice assistant who also handles everyday requests such as looking things up, "
-    "the weather, times and directions; the role above is your manner, not the only thing you help with."
-)
+__all__ = ["DEFAULT_PERSONA", "InferSettings", "build_backends", "pick_device", "run_infer"]
+
+MAX_SILENCE_S = 600.0
+"""Longest ``--lead-silence`` / ``--tail-silence`` (seconds)."""
+MAX_INPUT_S = 86400.0
+"""Highest ``--max-seconds`` (one day)."""
+PROBE_TIMEOUT_S = 5.0
+"""How long a backend URL may take to answer the start-up check."""
 
 
 @dataclass(frozen=True)
@@ -39,14 +62,15 @@ class TimedText:
     text: str
 
 
-def _parse_span(value: str) -> TimedText:
+def parse_span(value: str) -> TimedText:
+    """``"1.0:The weather is..."`` -> :class:`TimedText`; ``ValueError`` saying what is expected."""
     seconds, sep, text = value.partition(":")
     try:
         t = float(seconds)
     except ValueError:
         t = float("nan")
-    if not sep or not text.strip() or not t >= 0:
-        raise argparse.ArgumentTypeError(f"--span {value!r}: expected SECONDS:TEXT with SECONDS >= 0, e.g. 1.0:Hello")
+    if not sep or not text.strip() or not (math.isfinite(t) and t >= 0):
+        raise ValueError(f"{value[:60]!r}: expected SECONDS:TEXT with SECONDS a number >= 0, e.g. 1.0:Hello")
     return TimedText(t, text.strip())
 
 
@@ -55,109 +79,143 @@ def frame_at(seconds: float) -> int:
     return math.floor(seconds * 12.5 + 1e-9)
 
 
-def _non_negative(value: str) -> float:
-    try:
-        t = float(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from exc
-    if not t >= 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be >= 0")
-    return t
+_IO = {"group": "input and output"}
+_CONV = {"group": "conversation"}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by ``infer`` and ``serve``: checkpoint, voice, persona, sampling, device."""
-    g = parser.add_argument_group("model")
-    g.add_argument(
-        "--checkpoint",
-        default=None,
-        help="Hugging Face repo id, local directory or file (default: the released Context Spanning 7B)",
-    )
-    g.add_argument("--voice", default=None, help="voice name in the checkpoint's voices/ or a .pt file of codes")
-    g.add_argument("--text-prompt", default=DEFAULT_PERSONA, help="the persona text prompt")
-    g.add_argument("--temp", type=_non_negative, default=0.8, help="audio sampling temperature (0 = greedy)")
-    g.add_argument("--temp-text", type=_non_negative, default=0.7, help="text sampling temperature (0 = greedy)")
-    g.add_argument("--seed", type=int, default=42424242, help="seed of the session's sampler")
-    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA path eagerly")
+class InferSettings(ModelSettings, BackendSettings):
+    """Run a recording through the full loop; write a stereo WAV (user | agent) and a JSON of what happened."""
 
+    input_wav: Path = Field(
+        description="the user's recording (WAV, FLAC, OGG, MP3: any file soundfile reads)",
+        json_schema_extra={**_IO, "metavar": "FILE"},
+    )
+    output_wav: Path = Field(
+        description="stereo 24 kHz audio, left user, right agent: 16-bit WAV, or FLAC, OGG or MP3 by the extension",
+        json_schema_extra={**_IO, "metavar": "FILE"},
+    )
+    output_text: Path | None = Field(
+        None, description="JSON of words, transcripts, events, timing", json_schema_extra={**_IO, "metavar": "FILE"}
+    )
+    channel: int = Field(0, ge=0, le=255, description="input channel to use (0 = left / mono)", json_schema_extra=_IO)
+    max_seconds: float = Field(
+        3600.0,
+        gt=0.0,
+        le=MAX_INPUT_S,
+        allow_inf_nan=False,
+        description=f"refuse longer inputs (s; at most {MAX_INPUT_S:g})",
+        json_schema_extra=_IO,
+    )
+    lead_silence: float = Field(
+        4.0,
+        ge=0.0,
+        le=MAX_SILENCE_S,
+        allow_inf_nan=False,
+        description=f"seconds of silence before the input (at most {MAX_SILENCE_S:g})",
+        json_schema_extra=_CONV,
+    )
+    tail_silence: float = Field(
+        8.0,
+        ge=0.0,
+        le=MAX_SILENCE_S,
+        allow_inf_nan=False,
+        description=f"seconds of silence after the input (at most {MAX_SILENCE_S:g})",
+        json_schema_extra=_CONV,
+    )
+    user_name: Utf8Text = Field(
+        "", max_length=200, description="the user's name (persona prefix and profile)", json_schema_extra=_CONV
+    )
+    user_city: Utf8Text = Field(
+        "", max_length=200, description="the user's city (persona prefix and profile)", json_schema_extra=_CONV
+    )
+    user_tz: str = Field(
+        "", description="the user's IANA time zone, e.g. Europe/London (profile)", json_schema_extra=_CONV
+    )
+    span: list[Utf8Text] = Field(
+        default_factory=list,
+        description="inject TEXT as a Context Span at SECONDS of the input (no backend); repeatable",
+        json_schema_extra={**_CONV, "metavar": "SECONDS:TEXT"},
+    )
+    force_ret_at: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(
+        default_factory=list,
+        description="behave as if the model emitted <ret> at SECONDS of the input; repeatable",
+        json_schema_extra={**_CONV, "metavar": "SECONDS"},
+    )
+    realtime: bool = Field(
+        False,
+        description="pace the loop to 80 ms per frame and apply references as they arrive (wall clock)",
+        json_schema_extra=_CONV,
+    )
+    span_delay_s: float = Field(
+        0.8,
+        ge=0.0,
+        le=MAX_WINDOW_S,
+        allow_inf_nan=False,
+        description="offline clock: apply each reference this long (s) after it was asked, whatever the backend's "
+        "wall-clock latency (deterministic; ignored with --realtime)",
+        json_schema_extra=_CONV,
+    )
+    quiet: bool = Field(False, description="no progress bar or summary", json_schema_extra=_CONV)
 
-def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by ``infer`` and ``serve``: transcriber, router, knowledge, Context DB."""
-    g = parser.add_argument_group("backends")
-    g.add_argument(
-        "--asr",
-        default=os.environ.get("CSPAN_ASR_URL", "sphinx"),
-        help="'sphinx' (embedded), 'none', or a server URL (env CSPAN_ASR_URL)",
-    )
-    g.add_argument("--asr-model", default=os.environ.get("CSPAN_ASR_MODEL"), help="model name for OpenAI-style ASR")
-    g.add_argument(
-        "--router",
-        default=os.environ.get("CSPAN_ROUTER_URL", "local"),
-        help="'local' (embedded), 'none', or an OpenAI-compatible base URL (env CSPAN_ROUTER_URL)",
-    )
-    g.add_argument(
-        "--router-model",
-        default=os.environ.get("CSPAN_ROUTER_MODEL", "google/gemma-4-26B-A4B-it"),
-        help="model name at the router URL (env CSPAN_ROUTER_MODEL)",
-    )
-    g.add_argument("--knowledge", type=Path, default=None, help="folder of .txt/.md notes for the local router")
-    g.add_argument("--db", default=":memory:", help="Context DB SQLite file (default: in memory)")
-    g.add_argument("--listen-s", type=float, default=12.0, help="ASR window when no utterance transcript is usable")
-    g.add_argument("--span-deadline-s", type=float, default=2.5, help="drop a span arriving later than this")
+    @field_validator("output_wav")
+    @classmethod
+    def _check_output_format(cls, value: Path) -> Path:
+        from cspan.core.audio import output_format
+        from cspan.core.errors import OutputError
+
+        if value.is_dir():
+            raise ValueError("is a directory; pass a file path for the output")
+        try:
+            output_format(value)
+        except OutputError as exc:
+            raise ValueError(str(exc).removeprefix(f"{value}: ")) from None
+        return value
+
+    @field_validator("user_tz")
+    @classmethod
+    def _check_time_zone(cls, value: str) -> str:
+        if value:
+            try:
+                zoneinfo.ZoneInfo(value)
+            except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+                raise ValueError(f"{value!r} is not an IANA time zone name (e.g. Europe/London)") from None
+        return value
+
+    @field_validator("span")
+    @classmethod
+    def _check_spans(cls, value: list[str]) -> list[str]:
+        for item in value:
+            parse_span(item)
+        return value
+
+    @property
+    def spans(self) -> list[TimedText]:
+        """``--span`` values, parsed."""
+        return [parse_span(v) for v in self.span]
+
+    @property
+    def outputs(self) -> list[Path]:
+        return [self.output_wav] + ([self.output_text] if self.output_text is not None else [])
 
 
 def infer_command(parser: argparse.ArgumentParser) -> None:
     """Run a recording through the full loop; write a stereo WAV (user | agent) and a JSON of what happened."""
-    parser.add_argument("--input-wav", required=True, type=Path, help="the user's recording (WAV, FLAC, OGG)")
-    parser.add_argument("--output-wav", required=True, type=Path, help="stereo 24 kHz WAV: left user, right agent")
-    parser.add_argument("--output-text", type=Path, default=None, help="JSON of words, transcripts, events, timing")
-    parser.add_argument("--channel", type=int, default=0, help="input channel to use (0 = left / mono)")
-    parser.add_argument("--max-seconds", type=float, default=3600.0, help="refuse longer inputs")
-    parser.add_argument("--lead-silence", type=_non_negative, default=4.0, help="seconds of silence before input")
-    parser.add_argument("--tail-silence", type=_non_negative, default=8.0, help="seconds of silence after input")
-    parser.add_argument("--user-name", default="", help="the user's name (persona prefix and profile)")
-    parser.add_argument("--user-city", default="", help="the user's city (persona prefix and profile)")
-    parser.add_argument("--user-tz", default="", help="the user's IANA timezone (profile)")
-    parser.add_argument(
-        "--span",
-        action="append",
-        type=_parse_span,
-        default=[],
-        metavar="SECONDS:TEXT",
-        help="inject TEXT as a Context Span at SECONDS of the input (no backend); repeatable",
-    )
-    parser.add_argument(
-        "--force-ret-at",
-        action="append",
-        type=_non_negative,
-        default=[],
-        metavar="SECONDS",
-        help="behave as if the model emitted <ret> at SECONDS of the input; repeatable",
-    )
-    parser.add_argument("--realtime", action="store_true", help="pace the loop to 80 ms per frame (live clock)")
-    parser.add_argument(
-        "--span-delay-s",
-        type=_non_negative,
-        default=0.8,
-        help="offline clock: apply each reference this long after it was asked (deterministic; ignored with "
-        "--realtime, where references apply on arrival)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    add_model_arguments(parser)
-    parser.add_argument(
-        "--kv-dtype",
-        choices=("auto", "bf16", "fp16", "fp32", "fp8"),
-        default="auto",
-        help="KV cache storage (fp8: half)",
-    )
-    add_backend_arguments(parser)
+    parser.formatter_class = argparse.HelpFormatter  # the generated help shows the defaults itself
+    add_settings_arguments(parser, InferSettings)
     parser.set_defaults(handler=_handle)
 
 
 def _handle(args: argparse.Namespace) -> int:
-    asyncio.run(run_infer(args))
+    asyncio.run(run_infer(settings_from_args(args)))
     return 0
+
+
+# ------------------------------------------------------------------------------------------- kept for cspan serve
+# ``cspan serve`` still builds its flags with argparse from these two functions; once it declares its settings with
+# ModelSettings and BackendSettings (cspan.server.settings_common) they go.
+
+
+# ------------------------------------------------------------------------------------------------ the pieces
 
 
 @dataclass
@@ -192,11 +250,13 @@ def pick_device(name: str | None) -> tuple[Any, Any]:
 
 
 def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
-    """Refuse output paths that are folders, collide with each other, or would overwrite an input.
+    """Refuse output paths that are folders, collide with each other, or would overwrite an input; then check that
+    each one's folder can be written (created if missing), before any work.
 
     Raises:
-        CspanError: naming the offending path.
+        CspanError: naming the offending path. OutputError: a folder that cannot be written (path and cause).
     """
+    from cspan.core.audio import check_writable
     from cspan.core.errors import CspanError
 
     seen: dict[Path, Path] = {}
@@ -205,40 +265,129 @@ def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
         real = out.resolve()
         if real.is_dir():
             raise CspanError(f"{out}: is a directory; pass a file path for the output")
+        if real.exists() and not real.is_file():
+            raise CspanError(f"{out}: is not a regular file (a device, pipe or socket); pass a file path")
         if real in resolved_inputs:
             raise CspanError(f"{out}: is also the input; refusing to overwrite the recording")
         if real in seen:
             raise CspanError(f"{out}: given for two outputs ({seen[real]} and {out}); use two different files")
         seen[real] = out
+    for out in outputs:
+        check_writable(out)
 
 
-def build_backends(args: argparse.Namespace, *, profile: Any, db: Any) -> tuple[Any, Any]:
-    """``(transcriber, retriever)`` from the flags (either may be ``None`` when disabled)."""
+def build_backends(settings: Any, *, profile: Any, db: Any) -> tuple[Any, Any]:
+    """``(transcriber, retriever)`` from the settings (either may be ``None`` when disabled).
+
+    Args:
+        settings: anything with the :class:`~cspan.server.settings_common.BackendSettings` attributes.
+        profile: unused (the conversation passes the profile per retrieval).
+        db: the Context DB.
+
+    Raises:
+        CspanError: an ``--asr`` or ``--router`` value no backend accepts.
+    """
     from cspan.backends.asr import transcriber_from_url
     from cspan.backends.retriever import Retriever
     from cspan.backends.router import LLMRouter, LocalRouter
     from cspan.backends.tools import ToolBank
     from cspan.core.errors import CspanError
 
+    del profile
     transcriber = None
     try:
-        if args.asr and args.asr.lower() != "none":
-            transcriber = transcriber_from_url(args.asr, model=args.asr_model)
-        if not args.router or args.router.lower() == "none":
+        if settings.asr and settings.asr.lower() != "none":
+            transcriber = transcriber_from_url(settings.asr, model=settings.asr_model)
+        if not settings.router or settings.router.lower() == "none":
             return transcriber, None
         tools = ToolBank.default()
-        if args.router.lower() == "local":
-            router = LocalRouter(tools=tools, db=db, knowledge_dir=args.knowledge)
-        elif args.router.startswith(("http://", "https://")):
-            router = LLMRouter(args.router, args.router_model, tools)
+        if settings.router.lower() == "local":
+            router = LocalRouter(tools=tools, db=db, knowledge_dir=settings.knowledge)
+        elif settings.router.startswith(("http://", "https://")):
+            router = LLMRouter(settings.router, settings.router_model, tools)
         else:
             raise ValueError(
-                f"--router {args.router!r}: use 'local', 'none' or an http(s) URL of an OpenAI-compatible server"
+                f"--router {settings.router!r}: use 'local', 'none' or an http(s) URL of an OpenAI-compatible server"
             )
     except ValueError as exc:
         raise CspanError(str(exc)) from exc
-    retriever = Retriever(transcriber, router, db, deadline_s=args.span_deadline_s)
+    retriever = Retriever(transcriber, router, db, deadline_s=settings.span_deadline_s)
     return transcriber, retriever
+
+
+async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Check that the backend URLs (``--asr``, ``--router``) answer, all at once: any HTTP response counts.
+
+    Raises:
+        CspanError: a URL where nothing answers (refused, unknown host, no answer within ``timeout_s``), with the
+            flag, the URL and what to do.
+    """
+    import httpx
+
+    from cspan.core.errors import CspanError
+
+    checks = [
+        (flag, url, fallback)
+        for flag, url, fallback in (
+            ("--asr", settings.asr_url, "sphinx"),
+            ("--router", settings.router_url, "local"),
+        )
+        if url is not None
+    ]
+    if not checks:
+        return
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False) as client:
+        answers = await asyncio.gather(
+            *(client.get(url.removeprefix("openai+")) for _, url, _ in checks), return_exceptions=True
+        )
+    problems = []
+    for (flag, url, fallback), answer in zip(checks, answers, strict=True):
+        if isinstance(answer, httpx.TimeoutException):
+            why = f"no answer within {timeout_s:g} s"
+        elif isinstance(answer, Exception):
+            why = _network_cause(answer)
+        else:
+            continue
+        problems.append(
+            f"{flag} {url}: nothing answers there ({why}); start the server (`cspan backends start`, "
+            f"`cspan asr-serve`) or fix the URL, or use {flag} {fallback}"
+        )
+    if problems:
+        raise CspanError("; ".join(problems))
+
+
+def _network_cause(exc: BaseException) -> str:
+    """The root cause of a failed request in words ("connection refused", "name or service not known"): the first
+    ``OSError`` with an errno along the exception's chain, else the exception's own text."""
+    from cspan.core.errors import os_error_cause
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os_error_cause(seen) if seen.errno > 0 else str(seen.strerror or seen).lower()
+        seen = seen.__cause__ or seen.__context__
+    return str(exc) or type(exc).__name__
+
+
+def open_context_db(path: str) -> Any:
+    """Open (or create) the Context DB of ``--db``.
+
+    Raises:
+        CspanError: the file is not a Context DB, is of a newer schema, or its folder cannot be created.
+    """
+    from cspan.backends.context_db import ContextDB, ContextDBError
+    from cspan.core.errors import CspanError, os_error_cause
+
+    try:
+        return ContextDB(path)
+    except ContextDBError as exc:
+        cause = str(exc.__cause__ or exc).replace("--context-db", "--db")
+        raise CspanError(
+            f"--db {path}: cannot open the Context DB: {cause}; pass a Context DB file or a new path"
+        ) from None
+    except OSError as exc:
+        cause = "a file is in the way of its folder" if isinstance(exc, FileExistsError) else os_error_cause(exc)
+        raise CspanError(f"--db {path}: cannot create the Context DB there: {cause}") from None
 
 
 def resolve_voice(checkpoint: Any, voice: str | None) -> Any:
@@ -264,67 +413,142 @@ def checkpoint_identity(checkpoint: Any, device: Any, dtype: Any) -> dict[str, A
     }
 
 
-async def run_infer(args: argparse.Namespace) -> InferResult:
-    """The whole ``cspan infer`` job. Raises ``CspanError`` subclasses on bad input (before writing anything)."""
+def persona_frames(checkpoint: Any, settings: InferSettings, voice_codes: Any) -> dict[str, Any]:
+    """How much of the attention window the persona prefix takes; refuses one that leaves too little to talk.
+
+    A persona may take at most half the checkpoint's ``context`` (the 7B's 3000 positions: 1500 frames = 120 s),
+    so that at least as much remains for the conversation before the prefix starts leaving the window.
+
+    Returns:
+        ``{"frames", "voice_frames", "text_tokens", "window"}`` (``window`` None for an unbounded context).
+
+    Raises:
+        CspanError: the persona is longer than that, with its size and what to shorten.
+    """
+    from cspan.core.errors import CspanError
+    from cspan.core.prefix import build_persona_prefix
+
+    prefix = build_persona_prefix(
+        checkpoint.tokenizer,
+        settings.text_prompt,
+        voice_codes,
+        user_name=settings.user_name or None,
+        user_city=settings.user_city or None,
+        **({"num_codebooks": int(voice_codes.shape[0])} if voice_codes is not None else {}),
+    )
+    window = checkpoint.lm_config.context
+    info = {
+        "frames": prefix.num_frames,
+        "voice_frames": prefix.voice_frames,
+        "text_tokens": len(prefix.text_ids),
+        "window": window,
+    }
+    if window is not None and prefix.num_frames > window // 2:
+        raise CspanError(
+            f"--text-prompt: the persona takes {prefix.num_frames} frames ({prefix.voice_frames} of voice prompt, "
+            f"{len(prefix.text_ids)} text tokens from {len(settings.text_prompt)} characters) of the model's "
+            f"{window}-position attention window; at most {window // 2} leave room to talk. Shorten the text prompt"
+        )
+    return info
+
+
+def _json_text(value: Any) -> Any:
+    """Strings as the JSON can hold them: a path with bytes that are not UTF-8 keeps them as ``\\xNN``."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return value
+    if isinstance(value, dict):
+        return {k: _json_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_text(v) for v in value]
+    return value
+
+
+async def run_infer(settings: InferSettings) -> InferResult:
+    """The whole ``cspan infer`` job (see the module docstring for the order of the checks).
+
+    Raises:
+        CspanError: bad input, a backend URL where nothing answers, a persona too long for the window (all
+            before any output is written). OutputError: an output that cannot be written (names the path and the
+            cause; the other output is kept).
+    """
     import numpy as np
     import torch
 
-    from cspan.core.audio import AtomicWavWriter, inspect_audio, iter_frames, write_text_atomic
+    from cspan.core.audio import AtomicAudioWriter, check_writable, inspect_audio, iter_frames, write_text_atomic
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
-    from cspan.core.errors import CspanError
+    from cspan.core.errors import CspanError, OutputError
     from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
     from cspan.core.runtime import Conversation, ConversationConfig
-    from cspan.server.output import AgentWord, InferOutput, Timing, UserTranscript, timing_stats
+    from cspan.server.output import AgentWord, InferOutput, PersonaInfo, Timing, UserTranscript, timing_stats
     from cspan.server.records import db_recorder
 
-    info = inspect_audio(args.input_wav, channel=args.channel, max_seconds=args.max_seconds)
-    outputs = [args.output_wav] + ([args.output_text] if args.output_text is not None else [])
-    check_outputs([args.input_wav], outputs)
-    lead = math.ceil(args.lead_silence * FRAME_RATE - 1e-9)
-    tail = math.ceil(args.tail_silence * FRAME_RATE - 1e-9)
+    s = settings
+    # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
+    check_outputs([s.input_wav], s.outputs)
+    info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
+    if info.nonfinite:
+        logger.warning("%s: %d NaN or infinite samples read as silence", s.input_wav, info.nonfinite)
+    lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
+    tail = math.ceil(s.tail_silence * FRAME_RATE - 1e-9)
     n_input = -(-round(info.duration_s * SAMPLE_RATE) // FRAME_SIZE)
     total = lead + n_input + tail
     last_s = (n_input + tail) / FRAME_RATE
-    for label, t in [*(("--span", s.seconds) for s in args.span), *(("--force-ret-at", t) for t in args.force_ret_at)]:
+    for label, t in [*(("--span", x.seconds) for x in s.spans), *(("--force-ret-at", t) for t in s.force_ret_at)]:
         if t >= last_s:
             raise CspanError(
                 f"{label} at {t:g} s is past the end of the conversation (input {info.duration_s:.2f} s + "
-                f"{args.tail_silence:g} s tail); use a time below {last_s:.2f} s"
+                f"{s.tail_silence:g} s tail); use a time below {last_s:.2f} s"
             )
-    device, dtype = pick_device(args.device)
-    source = args.checkpoint or DEFAULT_CHECKPOINT
-    checkpoint = load_checkpoint(source, device=device, dtype=dtype)
+    check_writable(s.output_wav, need_bytes=total * FRAME_SIZE * 2 * 2 + 65536)  # 16-bit stereo, the WAV bound
+    device, dtype = pick_device(s.device)
+    source = s.checkpoint or DEFAULT_CHECKPOINT
+
+    from cspan.backends.context_db import Profile
+
+    db = open_context_db(s.db)
+    profile = Profile(name=s.user_name, city=s.user_city, timezone=s.user_tz)
+    try:
+        db.put_profile(profile)
+        conversation_id = db.start_conversation(
+            profile.user_id, checkpoint=str(source), settings={"input": _json_text(str(s.input_wav))}
+        )
+    except Exception as exc:  # sqlite3 errors: a read-only or locked database file
+        raise CspanError(f"--db {s.db}: cannot write to the Context DB: {exc}") from None
+    transcriber, retriever = build_backends(s, profile=profile, db=db)
+
+    # 2. the backend URLs must answer (all checked at once, in milliseconds when they do), then the model loads
+    await probe_backends(s)
+    checkpoint = await asyncio.to_thread(load_checkpoint, source, device=device, dtype=dtype)
+    voice_codes = resolve_voice(checkpoint, s.voice)
+    persona = persona_frames(checkpoint, s, voice_codes)
     engine = DuplexEngine(
         checkpoint,
         batch_size=1,
-        temp=args.temp,
-        temp_text=args.temp_text,
-        cuda_graphs=False if args.no_cuda_graphs else None,
-        kv_dtype=args.kv_dtype,
+        temp=s.temp,
+        temp_text=s.temp_text,
+        cuda_graphs=None if s.cuda_graphs else False,
         predict_user=False,  # the user's codes come from the input audio every frame
     )
-    engine.reset(0, seed=args.seed)
-    voice_codes = resolve_voice(checkpoint, args.voice)
-    engine.set_persona(
-        0, args.text_prompt, voice_codes, user_name=args.user_name or None, user_city=args.user_city or None
-    )
-
-    from cspan.backends.context_db import ContextDB, Profile
-
-    db = ContextDB(args.db)
-    profile = Profile(name=args.user_name, city=args.user_city, timezone=args.user_tz)
-    db.put_profile(profile)
-    conversation_id = db.start_conversation(
-        profile.user_id, checkpoint=str(source), settings={"input": str(args.input_wav)}
-    )
-    transcriber, retriever = build_backends(args, profile=profile, db=db)
+    engine.reset(0, seed=s.seed)
+    engine.set_persona(0, s.text_prompt, voice_codes, user_name=s.user_name or None, user_city=s.user_city or None)
+    if not s.quiet:
+        window = f" of the {persona['window']}-position window" if persona["window"] else ""
+        print(
+            f"persona: {persona['frames']} frames{window} ({persona['voice_frames']} of voice prompt, "
+            f"{persona['text_tokens']} text tokens)",
+            file=sys.stderr,
+        )
 
     config = ConversationConfig(
-        listen_s=args.listen_s,
-        span_deadline_s=args.span_deadline_s,
-        span_delay_s=None if args.realtime else args.span_delay_s,
+        listen_s=s.listen_s,
+        span_deadline_s=s.span_deadline_s,
+        span_delay_s=None if s.realtime else s.span_delay_s,
     )
     conversation = Conversation(
         engine,
@@ -337,21 +561,21 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         conversation_id=conversation_id,
         on_event=db_recorder(db, conversation_id),
     )
-    for span in args.span:
+    for span in s.spans:
         conversation.schedule_span(lead + frame_at(span.seconds), span.text)
-    for t in args.force_ret_at:
+    for t in s.force_ret_at:
         conversation.schedule_ret(lead + frame_at(t))
 
     def frames() -> Any:
         silence = np.zeros(FRAME_SIZE, dtype=np.float32)
         for _ in range(lead):
             yield silence
-        yield from iter_frames(args.input_wav, channel=args.channel)
+        yield from iter_frames(s.input_wav, channel=s.channel)
         for _ in range(tail):
             yield silence
 
     progress = None
-    if not args.quiet:
+    if not s.quiet:
         from tqdm import tqdm
 
         progress = tqdm(total=total, unit="frame", desc="infer", file=sys.stderr, leave=False)
@@ -364,8 +588,10 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         sync()
         return out
 
+    # 3. the conversation; the audio streams into a temporary file
     started = time.monotonic()
-    writer = AtomicWavWriter(args.output_wav, sample_rate=SAMPLE_RATE, channels=2)
+    writer: AtomicAudioWriter | None = AtomicAudioWriter(s.output_wav, sample_rate=SAMPLE_RATE, channels=2)
+    wav_error: OutputError | None = None
     try:
         for k, user in enumerate(frames()):
             await conversation.before_step(user)
@@ -375,10 +601,20 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
             valid = bool(out.valid[0])
             await conversation.after_step(int(out.text_token[0]) if valid else None, bool(out.is_ret[0]))
             agent = out.agent_pcm[0].detach().float().cpu().numpy()
-            writer.write(np.stack([user, agent], axis=1))
+            if writer is not None:
+                try:
+                    writer.write(np.stack([user, agent], axis=1))
+                except OutputError as exc:
+                    # The audio is lost (its partial file goes now, which also frees the space); the conversation
+                    # goes on so that the JSON is complete. Without a JSON there is nothing left to save.
+                    writer.abort()
+                    writer, wav_error = None, exc
+                    if s.output_text is None:
+                        raise
+                    logger.error("%s; the conversation goes on for %s", exc, s.output_text)
             if progress is not None:
                 progress.update(1)
-            if args.realtime:
+            if s.realtime:
                 delay = started + (k + 1) / FRAME_RATE - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -386,13 +622,20 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
                 await asyncio.sleep(0)
         await conversation.finish()
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         raise
     finally:
         if progress is not None:
             progress.close()
     wall = time.monotonic() - started
 
+    # 4. the outputs: each one written on its own, so that one failing never costs the other
+    if writer is not None:
+        try:
+            writer.commit()
+        except OutputError as exc:
+            wav_error = exc
     events = conversation.events
     words: list[AgentWord] = []
     for ev in events:
@@ -408,14 +651,14 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
         if isinstance(ev, UserTextEvent) and ev.final
     ]
     prefills = [ev.prefill_ms for ev in events if isinstance(ev, SpanEvent)]
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "handler"}
-    settings["span"] = [{"seconds": s.seconds, "text": s.text} for s in args.span]
     output = InferOutput(
-        input=str(args.input_wav),
-        output_wav=str(args.output_wav),
+        input=_json_text(str(s.input_wav)),
+        output_wav=None if wav_error is not None else _json_text(str(s.output_wav)),
         sample_rate=SAMPLE_RATE,
         duration_s=total / FRAME_RATE,
         input_offset_s=lead / FRAME_RATE,
+        input_nonfinite_samples=info.nonfinite,
+        persona=PersonaInfo(**persona),
         agent_text=conversation.agent_text(),
         agent_words=words,
         user_transcripts=transcripts,
@@ -426,23 +669,29 @@ async def run_infer(args: argparse.Namespace) -> InferResult:
             prefill=timing_stats(prefills),
             realtime_factor=(total / FRAME_RATE) / max(wall, 1e-9),
         ),
-        settings=settings,
+        settings=_json_text(s.model_dump(mode="json")),
         checkpoint=checkpoint_identity(checkpoint, device, dtype),
     )
+    text_error: OutputError | None = None
+    if s.output_text is not None:
+        try:
+            write_text_atomic(s.output_text, output.model_dump_json(indent=2) + "\n")
+        except OutputError as exc:
+            text_error = exc
     try:
-        if args.output_text is not None:
-            write_text_atomic(args.output_text, output.model_dump_json(indent=2) + "\n")
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
-    db.end_conversation(conversation_id)
-    db.close()
-    if not args.quiet:
+        db.end_conversation(conversation_id)
+        db.close()
+    except Exception as exc:  # the outputs matter more than the Context DB's bookkeeping
+        logger.warning("--db %s: could not record the end of the conversation: %s", s.db, exc)
+    if wav_error is not None or text_error is not None:
+        kept = [str(p) for p, e in ((s.output_wav, wav_error), (s.output_text, text_error)) if p and e is None]
+        lines = [str(e) for e in (wav_error, text_error) if e is not None]
+        raise OutputError("; ".join(lines) + (f" ({', '.join(kept)} written)" if kept else ""))
+    if not s.quiet:
         spans = sum(isinstance(e, SpanEvent) for e in events)
         print(
-            f"wrote {args.output_wav} ({total / FRAME_RATE:.1f} s, stereo: left user, right agent)"
-            + (f" and {args.output_text}" if args.output_text else "")
+            f"wrote {s.output_wav} ({total / FRAME_RATE:.1f} s, stereo: left user, right agent)"
+            + (f" and {s.output_text}" if s.output_text else "")
             + f"; {spans} span(s); agent said: {output.agent_text[:120]!r}",
             file=sys.stderr,
         )

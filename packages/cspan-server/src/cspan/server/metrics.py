@@ -1,20 +1,24 @@
 """Prometheus metrics of ``cspan serve`` (``GET /metrics``, text exposition format via ``prometheus-client``).
 
 Each app owns its own :class:`prometheus_client.CollectorRegistry`, so several apps in one process (tests) never
-share counters. Names follow the Prometheus conventions: ``_total`` counters, ``_seconds`` histograms.
+share counters. Names follow the Prometheus conventions: ``_total`` counters, ``_seconds`` histograms. Per-session
+counters carry the wire protocol as the label ``protocol`` (``cspan`` for ``/ws``, ``moshi`` for ``/api/chat``, ...:
+each adapter's ``name``).
 
 | metric | type | what |
 |---|---|---|
 | ``cspan_sessions_active`` | gauge | sessions holding an engine slot |
 | ``cspan_session_slots`` | gauge | engine batch size (``--max-sessions``) |
-| ``cspan_sessions_started_total`` | counter | sessions that reached ``ready`` |
-| ``cspan_sessions_ended_total{reason}`` | counter | sessions ended: stop, idle, disconnect, shutdown, slow_client, error |
-| ``cspan_sessions_busy_total`` | counter | ``start`` refused with ``busy`` |
-| ``cspan_auth_failures_total{reason}`` | counter | handshakes closed with 4401 / 4403 |
+| ``cspan_sessions_started_total{protocol}`` | counter | sessions that reached ``ready`` |
+| ``cspan_sessions_ended_total{protocol,reason}`` | counter | sessions ended: stop, idle, disconnect, shutdown, slow_client, error |
+| ``cspan_sessions_busy_total{protocol}`` | counter | ``start`` refused with ``busy`` |
+| ``cspan_auth_failures_total{protocol,reason}`` | counter | handshakes refused: ``token`` (4401), ``origin`` (4403) |
+| ``cspan_host_refused_total`` | counter | requests refused for their ``Host`` header (403, DNS rebinding) |
 | ``cspan_frames_total`` | counter | batched engine steps (one per 80 ms tick with a live session) |
-| ``cspan_session_frames_total`` | counter | agent frames sent (summed over sessions) |
-| ``cspan_user_frames_total`` | counter | user frames received |
-| ``cspan_user_frames_dropped_total`` | counter | user frames dropped (queue full: audio faster than real time) |
+| ``cspan_session_frames_total{protocol}`` | counter | agent frames sent (summed over sessions) |
+| ``cspan_user_frames_total{protocol}`` | counter | user frames received |
+| ``cspan_user_frames_dropped_total{protocol}`` | counter | user frames dropped (queue full: audio faster than real time) |
+| ``cspan_wire_bytes_total{protocol,direction}`` | counter | WebSocket payload bytes, ``in`` (from clients) and ``out`` |
 | ``cspan_silence_frames_total`` | counter | session frames with no user frame queued (silence fed) |
 | ``cspan_clock_resyncs_total`` | counter | ticks more than one frame late: the clock skipped ahead instead of bursting |
 | ``cspan_step_seconds`` | histogram | wall time of one batched engine step |
@@ -22,10 +26,12 @@ share counters. Names follow the Prometheus conventions: ``_total`` counters, ``
 | ``cspan_persona_prefill_seconds`` | histogram | wall time of one persona prefix read |
 | ``cspan_spans_total{outcome}`` | counter | retrieval outcomes: injected, late, no_span |
 | ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
-| ``cspan_protocol_errors_total{code}`` | counter | ``error`` messages sent for client mistakes |
+| ``cspan_protocol_errors_total{protocol,code}`` | counter | ``error`` messages sent for client mistakes |
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -34,23 +40,33 @@ _PREFILL_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 
 class ServerMetrics:
-    """The metric objects of one app, registered in their own registry (see the module table)."""
+    """The metric objects of one app, registered in their own registry (see the module table).
 
-    def __init__(self, max_sessions: int) -> None:
+    Args:
+        max_sessions: the engine's batch size (``cspan_session_slots``).
+        protocols: the adapters' names, whose per-protocol series are created at 0.
+    """
+
+    def __init__(self, max_sessions: int, protocols: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.sessions_active = Gauge("cspan_sessions_active", "Sessions holding an engine slot", registry=r)
         self.session_slots = Gauge("cspan_session_slots", "Engine batch size (--max-sessions)", registry=r)
         self.session_slots.set(max_sessions)
-        self.sessions_started = Counter("cspan_sessions_started", "Sessions that reached ready", registry=r)
-        self.sessions_ended = Counter("cspan_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
-        self.sessions_busy = Counter("cspan_sessions_busy", "start refused with busy", registry=r)
-        self.auth_failures = Counter("cspan_auth_failures", "Handshakes refused", ["reason"], registry=r)
+        p = ["protocol"]
+        self.sessions_started = Counter("cspan_sessions_started", "Sessions that reached ready", p, registry=r)
+        self.sessions_ended = Counter("cspan_sessions_ended", "Sessions ended, by reason", [*p, "reason"], registry=r)
+        self.sessions_busy = Counter("cspan_sessions_busy", "start refused with busy", p, registry=r)
+        self.auth_failures = Counter("cspan_auth_failures", "Handshakes refused", [*p, "reason"], registry=r)
+        self.host_refused = Counter("cspan_host_refused", "Requests refused for their Host header", registry=r)
         self.frames = Counter("cspan_frames", "Batched engine steps", registry=r)
-        self.session_frames = Counter("cspan_session_frames", "Agent frames sent, summed over sessions", registry=r)
-        self.user_frames = Counter("cspan_user_frames", "User frames received", registry=r)
+        self.session_frames = Counter("cspan_session_frames", "Agent frames sent, summed over sessions", p, registry=r)
+        self.user_frames = Counter("cspan_user_frames", "User frames received", p, registry=r)
         self.user_frames_dropped = Counter(
-            "cspan_user_frames_dropped", "User frames dropped because the session queue was full", registry=r
+            "cspan_user_frames_dropped", "User frames dropped because the session queue was full", p, registry=r
+        )
+        self.wire_bytes = Counter(
+            "cspan_wire_bytes", "WebSocket payload bytes, by direction", [*p, "direction"], registry=r
         )
         self.silence_frames = Counter(
             "cspan_silence_frames", "Session frames with no queued user frame (silence fed)", registry=r
@@ -73,10 +89,15 @@ class ServerMetrics:
         self.spans = Counter("cspan_spans", "Retrieval outcomes", ["outcome"], registry=r)
         self.backend_errors = Counter("cspan_backend_errors", "Backend failures, by stage", ["stage"], registry=r)
         self.protocol_errors = Counter(
-            "cspan_protocol_errors", "error messages for client mistakes", ["code"], registry=r
+            "cspan_protocol_errors", "error messages for client mistakes", [*p, "code"], registry=r
         )
         for outcome in ("injected", "late", "no_span"):
             self.spans.labels(outcome)
+        for name in protocols:  # every protocol's series exist from the start (0 rather than absent)
+            for metric in (self.sessions_started, self.sessions_busy, self.session_frames, self.user_frames):
+                metric.labels(name)
+            for direction in ("in", "out"):
+                self.wire_bytes.labels(name, direction)
 
     def render(self) -> tuple[bytes, str]:
         """``(body, content_type)`` of the Prometheus text exposition."""

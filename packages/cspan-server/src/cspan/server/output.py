@@ -52,6 +52,15 @@ class Timing(BaseModel):
     realtime_factor: float = Field(description="audio seconds processed per wall-clock second")
 
 
+class PersonaInfo(BaseModel):
+    """How much of the model's attention window the persona prefix takes (frames of 80 ms)."""
+
+    frames: int = Field(description="P: voice prompt + silences + text prompt frames")
+    voice_frames: int
+    text_tokens: int
+    window: int | None = Field(description="the checkpoint's attention window in positions (None: unbounded)")
+
+
 class CheckpointIdentity(BaseModel):
     """Which model produced the output."""
 
@@ -70,10 +79,12 @@ class InferOutput(BaseModel):
 
     version: int = OUTPUT_VERSION
     input: str
-    output_wav: str
+    output_wav: str | None = Field(description="the audio written; None when it could not be written")
     sample_rate: int
     duration_s: float
     input_offset_s: float
+    input_nonfinite_samples: int = Field(0, description="NaN or infinite input samples, read as silence")
+    persona: PersonaInfo | None = None
     agent_text: str
     agent_words: list[AgentWord]
     user_transcripts: list[UserTranscript]

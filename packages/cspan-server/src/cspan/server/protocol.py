@@ -1,6 +1,6 @@
-"""The WebSocket wire protocol of ``cspan serve`` as typed models (the prose is ``docs/PROTOCOL.md``).
+"""The ``/ws`` wire protocol of ``cspan serve`` (its own protocol) as typed models (prose: ``docs/PROTOCOL.md``).
 
-Two kinds of WebSocket messages travel on ``/ws``:
+The adapter that speaks it is :mod:`cspan.server.adapters.ws`. Two kinds of WebSocket messages travel on ``/ws``:
 
 - **binary**: audio, one 80 ms frame per message, 1920 samples at 24 kHz mono, in both directions. The server
   sends float32 little-endian (7680 bytes). The client may send float32 little-endian (7680 bytes) or signed
@@ -10,24 +10,22 @@ Two kinds of WebSocket messages travel on ``/ws``:
   :class:`SlotMessage`, :class:`ErrorMessage`, and the conversation events of :mod:`cspan.core.events` (``text``,
   ``user_text``, ``ret``, ``question``, ``span``, ``late``, ``no_span``), sent as they are.
 
-Every client message is validated here; a violation raises :class:`~cspan.core.errors.ProtocolError` carrying a
+Every client message is validated here; a violation raises :class:`~cspan.server.session.ClientError` carrying a
 machine-readable ``code`` (:data:`ERROR_CODES`) that the server sends back in an ``error`` message. The session
-always continues after a protocol error.
+always continues after a protocol error. The data models shared with the session core (``ProfileFields``,
+``PersonaInfo``, ``ProfileInfo``, ``SessionStats``) live in :mod:`cspan.server.session`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import zoneinfo
-from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
-from cspan.core.errors import ProtocolError
 from cspan.core.events import (
     ErrorEvent,
     LateEvent,
@@ -37,6 +35,13 @@ from cspan.core.events import (
     SpanEvent,
     TextEvent,
     UserTextEvent,
+)
+from cspan.server.session import (
+    ClientError,
+    PersonaInfo,
+    ProfileFields,
+    ProfileInfo,
+    SessionStats,
 )
 
 PROTOCOL_VERSION = 1
@@ -52,26 +57,26 @@ MAX_BINARY_MESSAGE_BYTES = 64 * 1024
 """Binary messages above this size get ``error too_large`` (smaller wrong sizes get ``bad_frame``)."""
 MAX_WEBSOCKET_MESSAGE_BYTES = 16 * 1024 * 1024
 """The WebSocket layer closes the connection (code 1009) on messages above this size."""
+CODECS = ("opus", "pcm")
+"""Audio codecs of ``/ws``, negotiated in ``start.codecs`` (``ready.codec``). ``pcm``: one 80 ms frame per binary
+message (float32 LE from the server; float32 or int16 LE from the client). ``opus``: Ogg/Opus at 24 kHz mono both
+ways, a binary message holds Ogg bytes (the server sends the page(s) of one agent frame per message, the first with
+the stream headers; the client may send pages in any chunking)."""
 TOKEN_SUBPROTOCOL_PREFIX = "cspan.token."
 """A client may authenticate by offering the subprotocol ``cspan.token.<token>``; the server echoes it."""
-
-CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001
-CLOSE_POLICY = 1008
-CLOSE_TRY_AGAIN_LATER = 1013
-CLOSE_UNAUTHORIZED = 4401
-CLOSE_FORBIDDEN_ORIGIN = 4403
 
 ERROR_CODES: dict[str, str] = {
     "bad_json": "a text message is not a JSON object",
     "unknown_type": "a JSON message whose type is not a client message type",
     "invalid_message": "a known message type with missing, unknown or out-of-range fields",
     "too_large": "a text or binary message above the size limit",
-    "bad_frame": "a binary message that is not one frame (7680 bytes float32 or 3840 bytes int16)",
+    "bad_frame": "a binary message that is not one frame (7680 bytes float32 or 3840 bytes int16) in a pcm session",
     "not_started": "audio or context before start",
     "already_started": "a second start in the same connection",
     "stopping": "audio after stop (ignored)",
     "bad_voice": "a voice name the server does not have",
+    "bad_audio": "audio that cannot be used: NaN or infinite samples (replaced by silence; reported once per "
+    "session), or bytes that are not Ogg/Opus in an opus session (the decoder starts over)",
     "audio_overflow": "audio arrives faster than real time: the oldest queued frames are being dropped",
     "persona_failed": "the persona prefix could not be read; send start again",
     "backend": "a backend stage (asr, retrieval, span) failed; the conversation goes on",
@@ -85,34 +90,6 @@ ERROR_CODES: dict[str, str] = {
 
 class _ClientModel(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
-
-
-@lru_cache(maxsize=1)
-def _timezones() -> frozenset[str]:
-    return frozenset(zoneinfo.available_timezones())
-
-
-class ProfileFields(_ClientModel):
-    """Who the user is (all optional). ``location`` is a free-text place ("London"), ``timezone`` an IANA name.
-
-    ``user_id`` names the Context DB profile (a browser keeps a random id so that its memory persists across
-    conversations); without one each session gets its own profile.
-    """
-
-    user_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
-    name: str | None = Field(default=None, max_length=80)
-    location: str | None = Field(default=None, max_length=120)
-    timezone: str | None = Field(default=None, max_length=64)
-    lat: float | None = Field(default=None, ge=-90.0, le=90.0)
-    lon: float | None = Field(default=None, ge=-180.0, le=180.0)
-    notes: str | None = Field(default=None, max_length=2000)
-
-    @field_validator("timezone")
-    @classmethod
-    def _known_timezone(cls, value: str | None) -> str | None:
-        if value and value not in _timezones():
-            raise ValueError(f"unknown IANA timezone {value!r} (for example 'Europe/London')")
-        return value or None
 
 
 class ScheduledSpan(_ClientModel):
@@ -136,7 +113,8 @@ class StartMessage(_ClientModel):
     """``start``: begin the conversation. The server answers ``ready`` (or ``busy`` when all slots are taken).
 
     ``voice``: a name from ``GET /info``'s ``voices``; ``""`` for no voice prompt; omitted/null for the server's
-    default. ``text_prompt``: the persona; omitted/null for the server's default, ``""`` for none.
+    default. ``text_prompt``: the persona; omitted/null for the server's default, ``""`` for none. ``codecs``: see
+    :data:`CODECS`.
     """
 
     type: Literal["start"]
@@ -144,6 +122,12 @@ class StartMessage(_ClientModel):
     profile: ProfileFields = Field(default_factory=ProfileFields)
     voice: str | None = Field(default=None, max_length=64)
     text_prompt: str | None = Field(default=None, max_length=4000)
+    codecs: list[Annotated[str, Field(max_length=32)]] = Field(
+        default_factory=lambda: ["pcm"],
+        max_length=8,
+        description="audio codecs the client can use both ways, preferred first: 'opus' (Ogg/Opus), 'pcm'; the "
+        "server picks the first it has (unknown names are skipped; none known: pcm) and says which in ready.codec",
+    )
     test: StartHooks | None = None
 
 
@@ -166,13 +150,8 @@ CLIENT_MESSAGE_TYPES = ("start", "context", "stop")
 _client_adapter: TypeAdapter[Any] = TypeAdapter(ClientMessage)
 
 
-class ProtocolCodeError(ProtocolError):
-    """A :class:`ProtocolError` with the ``error.code`` to send back (one of :data:`ERROR_CODES`)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+ProtocolCodeError = ClientError
+"""The error of a refused client message (``code`` from :data:`ERROR_CODES`); the session core's ``ClientError``."""
 
 
 def _describe(exc: ValidationError, kind: str) -> str:
@@ -193,7 +172,7 @@ def parse_client_message(text: str) -> StartMessage | ContextMessage | StopMessa
         The validated model.
 
     Raises:
-        ProtocolError: with ``code`` ``too_large``, ``bad_json``, ``unknown_type`` or ``invalid_message`` and a
+        ClientError: with ``code`` ``too_large``, ``bad_json``, ``unknown_type`` or ``invalid_message`` and a
             message naming the field and the fix.
     """
     if len(text.encode("utf-8", errors="surrogatepass")) > MAX_TEXT_MESSAGE_BYTES:
@@ -218,20 +197,18 @@ def parse_client_message(text: str) -> StartMessage | ContextMessage | StopMessa
 
 
 def decode_audio_frame(data: bytes) -> np.ndarray:
-    """One client audio frame -> float32 ``[1920]`` in [-1, 1].
+    """One client audio frame -> float32 ``[1920]``.
 
-    Accepts 7680 bytes (float32 little-endian) or 3840 bytes (int16 little-endian, scaled by 1/32768).
-    Non-finite samples become 0 and float samples are clipped to [-1, 1].
+    Accepts 7680 bytes (float32 little-endian) or 3840 bytes (int16 little-endian, scaled by 1/32768). The samples
+    are returned as sent; the session core replaces non-finite ones by silence and clips to [-1, 1]
+    (:func:`cspan.core.audio.sanitize_pcm`).
 
     Raises:
-        ProtocolError: ``too_large`` above :data:`MAX_BINARY_MESSAGE_BYTES`, ``bad_frame`` for any other length.
+        ClientError: ``too_large`` above :data:`MAX_BINARY_MESSAGE_BYTES`, ``bad_frame`` for any other length.
     """
     n = len(data)
     if n == FLOAT32_FRAME_BYTES:
-        pcm = np.frombuffer(data, dtype="<f4").astype(np.float32)
-        if not np.isfinite(pcm).all():
-            pcm = np.nan_to_num(pcm, nan=0.0, posinf=0.0, neginf=0.0)
-        return np.clip(pcm, -1.0, 1.0)
+        return np.frombuffer(data, dtype="<f4").astype(np.float32)
     if n == INT16_FRAME_BYTES:
         return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
     if n > MAX_BINARY_MESSAGE_BYTES:
@@ -258,26 +235,6 @@ class _ServerModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PersonaInfo(_ServerModel):
-    """The persona the session was started with."""
-
-    text_prompt: str
-    voice: str | None
-    prefix_frames: int = Field(description="frames of the persona prefix read before frame 0")
-    prefill_ms: float = Field(description="wall-clock time of the prefix forward (ms)")
-
-
-class ProfileInfo(_ServerModel):
-    """The profile the router and the Context DB see."""
-
-    user_id: str
-    name: str = ""
-    location: str = ""
-    timezone: str = ""
-    lat: float | None = None
-    lon: float | None = None
-
-
 class ReadyMessage(_ServerModel):
     """``ready``: the session is live; frame 0 of its timeline is the next frame the server sends."""
 
@@ -289,7 +246,10 @@ class ReadyMessage(_ServerModel):
     sample_rate: int = SAMPLE_RATE
     frame_size: int = FRAME_SIZE
     frame_rate: float = FRAME_RATE
-    audio_formats: list[str] = Field(default_factory=lambda: ["f32le", "s16le"])
+    codec: str = Field(default="pcm", description="the audio codec of this session, both ways (see CODECS)")
+    audio_formats: list[str] = Field(
+        default_factory=lambda: ["f32le", "s16le"], description="what the client may send: f32le/s16le, or ogg-opus"
+    )
     max_queued_frames: int
     idle_timeout_s: float
     seed: int
@@ -303,19 +263,6 @@ class BusyMessage(_ServerModel):
     type: Literal["busy"] = "busy"
     max_sessions: int
     message: str
-
-
-class SessionStats(_ServerModel):
-    """Counters of one session (frames are 80 ms)."""
-
-    frames: int = Field(default=0, description="agent frames sent (frames the session was live)")
-    user_frames: int = Field(default=0, description="user audio frames received and queued")
-    consumed_frames: int = Field(default=0, description="user frames fed to the model")
-    dropped_frames: int = Field(default=0, description="user frames dropped because the queue was full")
-    silence_frames: int = Field(default=0, description="frames the model heard silence (no user frame queued)")
-    spans: int = Field(default=0, description="Context Spans read")
-    errors: int = Field(default=0, description="error messages sent")
-    duration_s: float = Field(default=0.0, description="frames * 0.08")
 
 
 class ByeMessage(_ServerModel):
@@ -421,6 +368,7 @@ def _finite(value: Any) -> Any:
 
 __all__ = [
     "CLIENT_MESSAGE_TYPES",
+    "CODECS",
     "ERROR_CODES",
     "FLOAT32_FRAME_BYTES",
     "INT16_FRAME_BYTES",

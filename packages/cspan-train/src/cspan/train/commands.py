@@ -141,6 +141,12 @@ def train_command(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--export-dtype", default=None, choices=("float32", "bfloat16"), help="exported weights (default: --dtype)"
     )
+    g.add_argument(
+        "--export-format",
+        default="cspan",
+        choices=("cspan", "moshi"),
+        help="export/ as context_spanning.pt (cspan) or, for LoRA, moshi-finetune's lora.safetensors + config.json",
+    )
     parser.set_defaults(handler=_train)
 
 
@@ -180,6 +186,7 @@ def _train(args: argparse.Namespace) -> int:
         log_every=args.log_every,
         keep_checkpoints=args.keep_checkpoints,
         export_dtype=args.export_dtype,
+        export_format=args.export_format,
         start_delay_s=args.start_delay_s,
         end_gap_s=args.end_gap_s,
         random_sampling_proba=args.random_delay_proba,

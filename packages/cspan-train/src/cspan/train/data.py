@@ -345,11 +345,13 @@ class PrepareOptions:
         max_span_frames: longest Context Span block (ids with the markers); longer references are truncated.
         default_persona: persona text for dialogues without one (None: no text prompt).
         default_voice: voice for dialogues without one (None: no voice prompt).
+        prefix_layout: the persona prefix layout (the checkpoint's: ``Checkpoint.prefix_layout``).
     """
 
     max_span_frames: int = 600
     default_persona: str | None = None
     default_voice: str | None = None
+    prefix_layout: str = "context-spanning"
 
 
 def load_one(json_path: Path, tokenizer: Any, voices: VoiceResolver, options: PrepareOptions) -> LoadedDialogue:
@@ -358,6 +360,7 @@ def load_one(json_path: Path, tokenizer: Any, voices: VoiceResolver, options: Pr
     Raises:
         DataError / AudioInputError: the dialogue is bad (names the file and the field).
     """
+    from cspan.core.config import PrefixLayout
     from cspan.core.prefix import build_persona_prefix
 
     where = str(json_path)
@@ -377,6 +380,7 @@ def load_one(json_path: Path, tokenizer: Any, voices: VoiceResolver, options: Pr
         tokenizer,
         persona,
         voice,
+        layout=PrefixLayout.named(options.prefix_layout),
         user_name=profile.name if profile else None,
         user_city=profile.city if profile else None,
     )
@@ -517,24 +521,54 @@ class PrepareSummary:
     out_dir: Path
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes (read in 1 MiB chunks)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def codec_fingerprint(mimi_file: Path, mimi_config: Any) -> str:
+    """What decides a dataset's codes: the sha256 of the Mimi weights file and of its configuration (JSON)."""
+    config = json.dumps(mimi_config.to_upstream(), sort_keys=True)
+    return hashlib.sha256(f"{file_sha256(mimi_file)}:{config}".encode()).hexdigest()
 
 
 def _write_dataset_info(out_dir: Path, info: dict[str, Any]) -> None:
+    """Write ``dataset.json``; a folder prepared before is resumed only with the same tokenizer, codec and prefix
+    layout (older folders without the codec fingerprint: the same codebooks and card).
+
+    Raises:
+        DataError: the folder was prepared with another tokenizer, codec or layout (names both).
+    """
     path = out_dir / DATASET_FILE
     if path.is_file():
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             old = {}
+        if not isinstance(old, dict):
+            old = {}
+        fix = "prepare into a new --out-dir, or delete the old one"
         if old.get("tokenizer_sha256") not in (None, info["tokenizer_sha256"]):
             raise DataError(
-                f"{str(out_dir)!r} was prepared with another tokenizer (sha256 {old.get('tokenizer_sha256')}); "
-                "prepare into a new --out-dir, or delete the old one"
+                f"{str(out_dir)!r} was prepared with another tokenizer (sha256 {old.get('tokenizer_sha256')}); {fix}"
             )
         if old.get("num_codebooks") not in (None, info["num_codebooks"]) or old.get("card") not in (None, info["card"]):
-            raise DataError(f"{str(out_dir)!r} was prepared with another codec; prepare into a new --out-dir")
+            raise DataError(f"{str(out_dir)!r} was prepared with another codec; {fix}")
+        if old.get("codec_sha256") not in (None, info["codec_sha256"]):
+            raise DataError(
+                f"{str(out_dir)!r} was prepared with another codec (Mimi of {old.get('checkpoint')!r}, fingerprint "
+                f"{str(old.get('codec_sha256'))[:12]}; this checkpoint's is {info['codec_sha256'][:12]}): its codes "
+                f"would mix two codecs; {fix}"
+            )
+        if old.get("prefix_layout", info["prefix_layout"]) != info["prefix_layout"]:
+            raise DataError(
+                f"{str(out_dir)!r} was prepared with the {old.get('prefix_layout')!r} persona prefix layout, this "
+                f"checkpoint uses {info['prefix_layout']!r}; {fix}"
+            )
     path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
@@ -597,7 +631,15 @@ def run_prepare(
         DataError: ``in_dir`` has no dialogue, or ``out_dir`` was prepared with another tokenizer.
         CheckpointError: the checkpoint lacks Mimi or the tokenizer.
     """
-    from cspan.core.checkpoint import load_mimi, load_tokenizer, read_configs, resolve_checkpoint
+    from dataclasses import replace
+
+    from cspan.core.checkpoint import (
+        load_mimi,
+        load_tokenizer,
+        read_configs,
+        resolve_checkpoint,
+        resolve_prefix_layout,
+    )
     from cspan.core.errors import CheckpointError
 
     options = options or PrepareOptions()
@@ -616,6 +658,8 @@ def run_prepare(
             "checkpoint folder in the released layout (--checkpoint DIR)"
         )
     _, mimi_cfg = read_configs(files.config, [])
+    layout = resolve_prefix_layout(files)
+    options = replace(options, prefix_layout=layout.name)
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mimi = load_mimi(files.mimi, mimi_cfg, device=dev)
     tokenizer = load_tokenizer(files.tokenizer)
@@ -627,7 +671,9 @@ def run_prepare(
             "num_codebooks": NUM_CODEBOOKS,
             "card": int(mimi.cardinality),
             "text_vocab": int(tokenizer.vocab_size()),
-            "tokenizer_sha256": _sha256(files.tokenizer),
+            "tokenizer_sha256": file_sha256(files.tokenizer),
+            "codec_sha256": codec_fingerprint(files.mimi, mimi_cfg),
+            "prefix_layout": layout.name,
             "checkpoint": str(files.source),
             "max_span_frames": options.max_span_frames,
         },

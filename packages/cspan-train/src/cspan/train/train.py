@@ -13,7 +13,15 @@ One optimizer step (``docs/TRAINING.md``):
    transformer layer), backward per micro-batch (gradients synchronised on the last one), clipping at ``--clip``,
    AdamW, warm-up + cosine learning rate;
 4. metrics to ``metrics.jsonl`` (and TensorBoard when installed); every ``--ckpt-every`` steps a checkpoint that
-   resumes exactly (trainable weights, optimizer, scheduler, RNG states, step = data position).
+   resumes exactly, on any number of processes (:func:`save_train_state`: trainable weights and optimizer state as a
+   ``torch.distributed.checkpoint`` that every rank writes its shards of and any world size reads; scheduler; the
+   step, which is the data position; the RNGs are reseeded from ``(seed, rank, step)`` at every step, so they need
+   no saving).
+
+Resuming on another world size: the samples of step ``s`` are the global indices ``[s * G, (s + 1) * G)`` with
+``G = batch_size * accum * world``, whichever rank draws each, and the loss is normalised over the global batch; so
+a run resumed with the same ``G`` (e.g. 4 processes x ``--accum 1`` -> 2 processes x ``--accum 2``) takes the same
+next step, up to the order of floating-point sums (``docs/TRAINING.md``).
 
 Full fine-tuning or LoRA (``--lora-rank``); single process, DDP or FSDP2 (``fully_shard``, ``--fsdp``) under
 ``torchrun``. At the end the model is exported in the released layout (``OUT/export/``: a fine-tune ``.pt`` holding
@@ -41,6 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cspan.core.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
+from cspan.core.checkpoint import EXPORT_INFO, MOSHI_LORA_FILE
+from cspan.core.config import CONTEXT_SPANNING
+
 from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
 from .errors import TrainError
 from .lora import ALL_LINEAR, add_lora, freeze_all_but_lora, lora_spec, resolve_targets
@@ -51,6 +63,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS_DIR = "checkpoints"
 EXPORT_DIR = "export"
 EXPORT_FILE = "context_spanning.pt"
+EXPORT_FORMATS = ("cspan", "moshi")
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "train_config.json"
 COMPLETE_FILE = "COMPLETE"
@@ -105,6 +118,8 @@ class TrainConfig:
         log_every: steps between log lines on stderr (metrics.jsonl gets every step).
         keep_checkpoints: how many of the latest checkpoints to keep (0 = all).
         export_dtype: dtype of the exported weights (default: the parameter dtype).
+        export_format: ``cspan`` (``context_spanning.pt``, the released fine-tune layout) or ``moshi``
+            (``lora.safetensors`` + ``config.json`` as kyutai-labs/moshi-finetune writes them; LoRA only).
         start_delay_s, end_gap_s, random_sampling_proba: the MoshiRAG delay sampler.
     """
 
@@ -139,6 +154,7 @@ class TrainConfig:
     log_every: int = 10
     keep_checkpoints: int = 2
     export_dtype: str | None = None
+    export_format: str = "cspan"
     start_delay_s: float = 1.0
     end_gap_s: float = 1.0
     random_sampling_proba: float = 0.2
@@ -160,9 +176,15 @@ class TrainConfig:
             (cfg.context >= 2, f"--context must be >= 2 positions, got {cfg.context}"),
             (cfg.ckpt_every >= 1, f"--ckpt-every must be >= 1, got {cfg.ckpt_every}"),
             (cfg.lora_rank >= 0, f"--lora-rank must be >= 0, got {cfg.lora_rank}"),
+            (cfg.seed >= 0, f"--seed must be >= 0, got {cfg.seed}"),
             (cfg.clip > 0, f"--clip must be > 0, got {cfg.clip}"),
             (0.0 <= cfg.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}"),
             (cfg.autocast in ("auto", "bf16", "none"), f"--autocast must be auto, bf16 or none, got {cfg.autocast}"),
+            (cfg.export_format in EXPORT_FORMATS, f"--export-format must be cspan or moshi, got {cfg.export_format}"),
+            (
+                cfg.export_format != "moshi" or cfg.lora_rank >= 1,
+                "--export-format moshi writes LoRA adapters (moshi-finetune's lora.safetensors); give --lora-rank R",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -332,6 +354,114 @@ def _grad_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
+def build_optimizer(
+    module: nn.Module,
+    *,
+    lr: float,
+    lr_depformer: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters of ``module`` in two groups: the temporal transformer and embeddings at
+    ``lr``, the depformer and its heads at ``lr_depformer``. The fused CUDA kernel on GPUs (no full-size temporaries:
+    one step of the 7B on one GPU fits), the ``foreach`` one elsewhere."""
+    temporal, depth = [], []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            (depth if _is_depformer(_strip(name)) else temporal).append(p)
+    groups = [g for g in ({"params": temporal, "lr": lr}, {"params": depth, "lr": lr_depformer}) if g["params"]]
+    fused = all(p.device.type == "cuda" for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes a single process whenever no process group exists: that is the intent here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        yield
+
+
+def _sharded_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # sharded (DTensor) entries under FSDP2, plain tensors otherwise; frozen weights (LoRA's base) are not training
+    # state: they come from the checkpoint being fine-tuned
+    return StateDictOptions(full_state_dict=False, ignore_frozen_params=True, strict=False)
+
+
+def save_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write the trainable weights and the optimizer state of ``module`` to ``folder`` as a
+    ``torch.distributed.checkpoint`` (``.metadata`` + ``__R_I.distcp`` files): every rank writes its own FSDP2 shards
+    (replicated tensors once), no rank gathers the whole model. Keys are the parameters' fully qualified names
+    (``model.lm.<name>``, ``optimizer.state.lm.<name>.exp_avg``, ...) whatever the wrapping (none, DDP or FSDP2), so
+    :func:`load_train_state` reads it on any number of processes and either wrapping. A collective: every rank calls
+    it, with ``folder`` on a file system that all ranks share."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=_sharded_options())
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=folder, no_dist=not dist.is_initialized())
+
+
+def load_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore what :func:`save_train_state` wrote into ``module`` and ``optimizer``, resharding to this job's
+    layout (each rank reads the slices of its own shards). A collective, as the save.
+
+    Raises:
+        TrainError: ``folder`` is not such a checkpoint, or lacks a trainable weight of ``module``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not (folder / ".metadata").is_file():
+        raise TrainError(
+            f"{str(folder)!r} is not a torch.distributed.checkpoint folder (no .metadata); a checkpoint of an older "
+            "cspan train (model.pt, optimizer.pt) cannot be resumed: start a new --out-dir"
+        )
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=_sharded_options())
+    state = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    except Exception as exc:  # DCP raises CheckpointException (a RuntimeError) listing each rank's failure
+        raise TrainError(f"cannot read the training state in {str(folder)!r}: {exc}") from exc
+    set_state_dict(
+        module,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_sharded_options(),
+    )
+
+
+def read_train_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a :func:`save_train_state` folder, whole, in one process without a process group (inspection
+    and tests): ``{"model.lm.<name>": weight, "optimizer.state.lm.<name>.exp_avg": ..., ...}`` on the CPU.
+
+    Raises:
+        TrainError: ``folder`` is not such a checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not (folder / ".metadata").is_file():
+        raise TrainError(f"{str(folder)!r} is not a torch.distributed.checkpoint folder (no .metadata)")
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
+    return state
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------------
@@ -407,31 +537,50 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
-        temporal, depth = [], []
-        for name, p in self.module.named_parameters():
-            if p.requires_grad:
-                (depth if _is_depformer(_strip(name)) else temporal).append(p)
-        groups = [
-            g for g in ({"params": temporal, "lr": cfg.lr}, {"params": depth, "lr": cfg.lr_depformer}) if g["params"]
-        ]
-        self.optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-        assert cfg.warmup_steps is not None
+        assert cfg.lr is not None and cfg.lr_depformer is not None and cfg.warmup_steps is not None
+        self.optimizer = build_optimizer(
+            self.module,
+            lr=cfg.lr,
+            lr_depformer=cfg.lr_depformer,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+        )
         warmup, total, ratio = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total, ratio))
 
     def _check_data(self) -> None:
+        from .data import codec_fingerprint, file_sha256
+
         info = self.dataset.info
         lm = self.lm
+        where = f"dataset {str(self.cfg.data_dir)!r}"
         if int(info.get("card", lm.card)) != lm.card or 2 * int(info.get("num_codebooks", 8)) + 1 != lm.num_codebooks:
             raise TrainError(
-                f"dataset {str(self.cfg.data_dir)!r} was encoded with {info.get('num_codebooks')} codebooks of "
-                f"{info.get('card')} codes, the model reads {lm.n_q} streams of {lm.card}; prepare the data with this "
-                "checkpoint's codec"
+                f"{where} was encoded with {info.get('num_codebooks')} codebooks of {info.get('card')} codes, the "
+                f"model reads {lm.n_q} streams of {lm.card}; prepare the data with this checkpoint's codec"
+            )
+        files = self.ckpt.files
+        recorded = info.get("codec_sha256")
+        if recorded is not None and "mimi" in files:
+            mine = codec_fingerprint(Path(files["mimi"]), self.ckpt.mimi_config)
+            if recorded != mine:
+                raise TrainError(
+                    f"{where} was encoded with another codec (Mimi fingerprint {recorded[:12]}, prepared from "
+                    f"{info.get('checkpoint')!r}) than this checkpoint's ({mine[:12]}, {self.ckpt.source!r}): its "
+                    "codes mean other sounds to this model; prepare the data with this checkpoint (cspan prepare "
+                    "--checkpoint ...)"
+                )
+        recorded = info.get("tokenizer_sha256")
+        if recorded is not None and "tokenizer" in files and recorded != file_sha256(Path(files["tokenizer"])):
+            raise TrainError(
+                f"{where} was tokenised with another tokenizer (sha256 {recorded[:12]}) than this checkpoint's; prepare "
+                "the data with this checkpoint (cspan prepare --checkpoint ...)"
             )
         if int(info.get("text_vocab", 0)) > lm.text_card:
             raise TrainError(
-                f"dataset {str(self.cfg.data_dir)!r} was tokenised with a {info.get('text_vocab')}-piece vocabulary, "
-                f"larger than the model's text_card {lm.text_card}; prepare it with this checkpoint's tokenizer"
+                f"{where} was tokenised with a {info.get('text_vocab')}-piece vocabulary, larger than the model's "
+                f"text_card {lm.text_card}; prepare it with this checkpoint's tokenizer"
             )
         ctx = lm.cfg.context
         if ctx is not None and self.cfg.context > ctx:
@@ -450,35 +599,25 @@ class Trainer:
         done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_FILE).is_file())
         return done[-1] if done else None
 
-    def _state_options(self, *, full: bool = True, frozen: bool = True) -> Any:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(
-            full_state_dict=full, cpu_offload=self.dist.enabled, ignore_frozen_params=not frozen, strict=False
-        )
-
     def save_checkpoint(self, step: int) -> Path:
-        """Write ``checkpoints/step_{step:08d}/`` (trainable weights, optimizer, scheduler, RNG per rank) atomically
-        and prune old ones."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options(frozen=False))
+        """Write ``checkpoints/step_{step:08d}/`` atomically (a temporary folder, renamed once every rank is done) and
+        prune old ones: the trainable weights and optimizer state (:func:`save_train_state`, every rank writes its
+        shards), ``trainer.pt`` (step, scheduler) and ``COMPLETE`` (step, world size, global batch, options)."""
         root = self._ckpt_root()
         final = root / f"step_{step:08d}"
         tmp = root / f".step_{step:08d}.tmp"
         if self.dist.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
-            (tmp / "rng").mkdir(parents=True)
+            tmp.mkdir(parents=True)
         self.dist.barrier()
-        torch.save(_rng_state(), tmp / "rng" / f"rank{self.dist.rank}.pt")
+        save_train_state(tmp, self.module, self.optimizer)
         if self.dist.is_main:
-            torch.save({"model": model_sd}, tmp / "model.pt")
-            torch.save(optim_sd, tmp / "optimizer.pt")
             torch.save({"step": step, "scheduler": self.scheduler.state_dict()}, tmp / "trainer.pt")
         self.dist.barrier()
         if self.dist.is_main:
-            meta = {"step": step, "world": self.dist.world, "config": self._config_record()}
+            record = self._config_record()
+            meta = {"step": step, "world": self.dist.world, "global_batch": record["global_batch"], "config": record}
             (tmp / COMPLETE_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
             if final.exists():
                 shutil.rmtree(final)
@@ -492,38 +631,35 @@ class Trainer:
         return final
 
     def load_checkpoint(self, folder: Path) -> int:
-        """Restore weights, optimizer, scheduler and this rank's RNG from ``folder``; returns its step.
+        """Restore the trainable weights, optimizer and scheduler from ``folder``, written by any number of processes
+        with or without FSDP2; returns its step.
 
         Raises:
-            TrainError: the folder was written with options that change the samples or the optimisation.
+            TrainError: the folder was written with options that change the samples or the optimisation (the global
+                batch included: a run on another number of processes must keep ``batch_size x accum x world``).
         """
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         meta = json.loads((folder / COMPLETE_FILE).read_text(encoding="utf-8"))
         saved = meta.get("config", {})
         now = self._config_record()
         changed = [k for k in _RESUME_KEYS if k in saved and saved[k] != now.get(k)]
         if changed:
             details = ", ".join(f"{k}: {saved[k]!r} -> {now.get(k)!r}" for k in changed)
-            raise TrainError(
-                f"cannot resume {str(folder)!r}: {details} changed since it was written; rerun with the same options "
-                "or use a new --out-dir"
-            )
-        model_sd = torch.load(folder / "model.pt", map_location="cpu", weights_only=True)["model"]
-        optim_sd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
-        set_state_dict(
-            self.module,
-            self.optimizer,
-            model_state_dict=model_sd,
-            optim_state_dict=optim_sd,
-            options=self._state_options(),
-        )
+            hint = "rerun with the same options or use a new --out-dir"
+            if "global_batch" in changed:
+                hint = self._global_batch_hint(int(saved["global_batch"]), int(saved.get("world", 1))) + "; " + hint
+            raise TrainError(f"cannot resume {str(folder)!r}: {details} changed since it was written; {hint}")
+        load_train_state(folder, self.module, self.optimizer)
         trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(trainer["scheduler"])
-        rng_file = folder / "rng" / f"rank{self.dist.rank}.pt"
-        if rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
         return int(trainer["step"])
+
+    def _global_batch_hint(self, saved: int, saved_world: int) -> str:
+        cfg, world = self.cfg, self.dist.world
+        where = f"it was written by {saved_world} process(es) with a global batch of {saved} (batch x accum x world)"
+        if saved % (cfg.batch_size * world) == 0:
+            accum = saved // (cfg.batch_size * world)
+            return f"{where}: with {world} process(es) and --batch-size {cfg.batch_size} use --accum {accum}"
+        return f"{where}: choose --batch-size and --accum with batch x accum x {world} = {saved}"
 
     def _config_record(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -545,9 +681,10 @@ class Trainer:
         training checkpoint was itself a fine-tune over its base -- every other weight too (``<name>.base.weight``
         included), so the file loads over that base. The checkpoint's voices are copied to ``voices/``.
         """
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.module, options=self._state_options())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.dist.enabled)
+        full = get_model_state_dict(self.module, options=options)
         out = self.cfg.out_dir / EXPORT_DIR
         if self.dist.is_main:
             spec = lora_spec(self.lm)
@@ -560,21 +697,28 @@ class Trainer:
                     continue
                 value = value.detach().cpu()
                 state[name] = value.to(dtype) if value.is_floating_point() else value
-            payload: dict[str, Any] = {"model": state}
-            if spec is not None:
-                payload["lora"] = spec
             out.mkdir(parents=True, exist_ok=True)
-            tmp = out / f".{EXPORT_FILE}.part"
-            torch.save(payload, tmp)
-            os.replace(tmp, out / EXPORT_FILE)
+            if self.cfg.export_format == "moshi":
+                self._write_moshi(out, state, spec)
+            else:
+                payload: dict[str, Any] = {"model": state}
+                if spec is not None:
+                    payload["lora"] = spec
+                tmp = out / f".{EXPORT_FILE}.part"
+                torch.save(payload, tmp)
+                os.replace(tmp, out / EXPORT_FILE)
             if self.ckpt.voices:
                 (out / "voices").mkdir(exist_ok=True)
                 for name, path in sorted(self.ckpt.voices.items()):
-                    shutil.copyfile(path, out / "voices" / f"{name}.pt")
-            files = {k: str(v) for k, v in self.ckpt.files.items()}
+                    shutil.copyfile(path, out / "voices" / f"{name}{path.suffix}")
+            files = {k: str(Path(v).absolute()) for k, v in self.ckpt.files.items()}
             # The base this export loads over (read by load_checkpoint when neither --base nor CSPAN_BASE is given):
-            # the folder of the base model's weights, which the training checkpoint was itself loaded from.
-            base = str(Path(self.ckpt.files["lm"]).parent) if "lm" in self.ckpt.files else str(self.ckpt.source)
+            # the folder of the base model's weights, which the training checkpoint was itself loaded from, as an
+            # absolute path, so that the export loads from any working directory.
+            if "lm" in self.ckpt.files:
+                base = str(Path(self.ckpt.files["lm"]).parent.resolve())
+            else:
+                base = str(self.ckpt.source)
             info = {
                 "step": step,
                 "base": base,
@@ -582,12 +726,31 @@ class Trainer:
                 "base_files": files,
                 "lora": spec,
                 "adapters_only": adapters_only,
+                "format": self.cfg.export_format,
+                "prefix_layout": self.dataset.info.get("prefix_layout", CONTEXT_SPANNING.name),
                 "dtype": str(dtype).removeprefix("torch."),
-                "load": "cspan infer --checkpoint " + str(out),
+                "load": "cspan infer --checkpoint " + str(out.resolve()),
             }
-            (out / "export.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+            (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         self.dist.barrier()
         return out
+
+    def _write_moshi(self, out: Path, state: dict[str, torch.Tensor], spec: dict[str, Any] | None) -> None:
+        """``lora.safetensors`` + ``config.json`` as kyutai-labs/moshi-finetune writes them (LoRA adapters)."""
+        from safetensors.torch import save_file
+
+        from cspan.core.lora import moshi_lora_state
+
+        assert spec is not None  # resolved() requires --lora-rank for this format
+        r, scaling = int(spec["r"]), float(spec["alpha"]) / int(spec["r"])
+        tensors = moshi_lora_state(state, self.lm, r=r, scaling=scaling)
+        config = self.ckpt.lm_config.to_upstream()
+        config.update(lora=True, lora_rank=r, lora_scaling=scaling)
+        config["prefix_layout"] = self.dataset.info.get("prefix_layout", CONTEXT_SPANNING.name)
+        tmp = out / f".{MOSHI_LORA_FILE}.part"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out / MOSHI_LORA_FILE)
+        (out / MODEL_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
 
@@ -648,7 +811,7 @@ class Trainer:
     def _run(self) -> TrainResult:
         cfg, info = self.cfg, self.dist
         self.device = pick_device(cfg.device, info)
-        _seed_everything(cfg.seed + info.rank)
+        seed_rngs(cfg.seed, info.rank)
         self.dataset = PreparedDataset(cfg.data_dir)
         self._load_model()
         self._check_data()
@@ -689,6 +852,7 @@ class Trainer:
         try:
             while step < cfg.steps:
                 t0 = time.perf_counter()
+                seed_rngs(cfg.seed, info.rank, step)
                 record = self._train_step(step)
                 step += 1
                 record["step"] = step
@@ -780,40 +944,16 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict[str, Any]:
-    """The RNG states of this process as tensors, ints and lists (loadable with ``weights_only=True``)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    version, py_state, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": [
-            str(name),
-            torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ],
-        "python": [int(version), torch.tensor(py_state, dtype=torch.int64), gauss],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    version, py_state, gauss = state["python"]
-    random.setstate((version, tuple(int(v) for v in py_state.tolist()), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def seed_rngs(seed: int, rank: int, *keys: int) -> None:
+    """Seed Python's, NumPy's and torch's (CPU and every CUDA device) global generators from
+    ``(seed, rank, *keys)`` through :class:`numpy.random.SeedSequence`. The trainer calls it before every step with
+    ``keys = (step,)``: the RNG state is a function of the step, so a checkpoint needs none and stays valid for another
+    number of processes (nothing in a step draws from these generators today -- samples have their own -- but
+    dropout or the like would then be reproducible on a resume with the same world size)."""
+    value = int(np.random.SeedSequence([seed, rank, *keys]).generate_state(1)[0])
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)
 
 
 def run_training(cfg: TrainConfig) -> TrainResult:
@@ -828,7 +968,12 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "apply_fsdp",
+    "build_optimizer",
     "enable_activation_checkpointing",
+    "load_train_state",
     "lr_factor",
+    "read_train_state",
     "run_training",
+    "save_train_state",
+    "seed_rngs",
 ]

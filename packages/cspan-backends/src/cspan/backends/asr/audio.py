@@ -28,10 +28,21 @@ class AudioTooLongError(AudioFormatError):
         self.limit_s = limit_s
 
 
+MIN_SAMPLE_RATE = 1_000
+"""Lowest sample rate accepted anywhere audio enters the backends, in Hz."""
+MAX_SAMPLE_RATE = 768_000
+"""Highest sample rate accepted, in Hz (the highest that audio hardware records; a header claiming more is bogus)."""
+
+
 def check_sample_rate(sample_rate: int) -> int:
-    """Return ``sample_rate`` as an int, raising :class:`AudioFormatError` unless it is a positive integer (Hz)."""
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int | np.integer) or sample_rate <= 0:
-        raise AudioFormatError(f"sample_rate must be a positive integer in Hz, got {sample_rate!r}")
+    """Return ``sample_rate`` as an int, raising :class:`AudioFormatError` unless it is an integer number of Hz
+    between :data:`MIN_SAMPLE_RATE` and :data:`MAX_SAMPLE_RATE`."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int | np.integer):
+        raise AudioFormatError(f"sample_rate must be an integer in Hz, got {sample_rate!r}")
+    if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
+        raise AudioFormatError(
+            f"sample rate {int(sample_rate)} Hz is outside {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz; resample the audio"
+        )
     return int(sample_rate)
 
 
@@ -95,7 +106,8 @@ def decode_audio(data: bytes, *, max_seconds: float | None = None, name: str = "
 
     Raises:
         AudioTooLongError: the audio lasts longer than ``max_seconds``.
-        AudioFormatError: the bytes are empty or not a readable audio file, or the samples are not finite.
+        AudioFormatError: the bytes are empty or not a readable audio file, the header's sample rate is outside
+            1 kHz..768 kHz, or the samples are not finite (NaN or infinite: refused, never repaired).
     """
     if not data:
         raise AudioFormatError(f"{name} is empty; send a WAV, FLAC or OGG file")
@@ -103,19 +115,26 @@ def decode_audio(data: bytes, *, max_seconds: float | None = None, name: str = "
         with sf.SoundFile(io.BytesIO(data)) as f:
             sample_rate = int(f.samplerate)
             frames = int(f.frames)
-            if sample_rate <= 0:
-                raise AudioFormatError(f"{name} declares a sample rate of {sample_rate} Hz")
+            if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
+                raise AudioFormatError(
+                    f"{name} declares a sample rate of {sample_rate} Hz, outside {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} "
+                    "Hz; send audio recorded at a usual rate (8000 to 48000 Hz)"
+                )
             _check_duration(frames / sample_rate, max_seconds, name)
             samples = f.read(dtype="float32", always_2d=True)
     except AudioFormatError:
         raise
     except (sf.SoundFileError, RuntimeError, TypeError, ValueError, EOFError) as exc:
         reason = getattr(exc, "error_string", None) or str(exc)  # libsndfile's own words, without the BytesIO repr
+        if reason.strip(" .").lower() in ("system error", "internal psf_fseek() failed"):
+            reason = "the data ends early or is damaged"  # what libsndfile's generic I/O failures mean for bytes
         raise AudioFormatError(
             f"{name} ({len(data)} bytes) is not a readable audio file ({reason}); send WAV, FLAC or OGG"
         ) from exc
     # Some containers report no frame count up front; check again on what was actually read.
     _check_duration(samples.shape[0] / sample_rate, max_seconds, name)
+    if samples.shape[0] == 0:
+        raise AudioFormatError(f"{name} ({len(data)} bytes) holds no audio samples; send a clip with sound in it")
     pcm = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
     return as_mono_float32(pcm), sample_rate
 

@@ -10,8 +10,10 @@ Endpoints:
 - ``GET /health`` -> ``{"ok": true, "engine", "model", ...}``.
 
 Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "code"}}``: 400 undecodable or malformed
-upload, 413 too long (``--max-seconds``) or too big (``--max-upload-mb``), 415 unsupported content type, 503 when
-the queue is full, 500 when the engine fails. A bad upload never stops the server.
+upload (a header sample rate outside 1 kHz..768 kHz, NaN samples), 413 too long (``--max-seconds``) or too big
+(``--max-upload-mb``), 415 unsupported content type, 421/403 a Host or Origin that is not this server's
+(DNS-rebinding protection on a loopback bind), 503 when the queue is full, 500 when the engine fails. A bad upload
+never stops the server, and a client that abandons its upload costs one log line, no traceback.
 
 Concurrency: at most ``max_concurrency`` clips are recognised at once, each in a worker thread (the event loop
 stays free to accept and decode uploads); up to ``max_queue`` more wait; beyond that requests get 503 at once.
@@ -24,6 +26,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
@@ -63,10 +66,21 @@ class ASRServerSettings:
     max_queue: int = 32
     token: str | None = None
     """When set, every request but ``GET /health`` needs ``Authorization: Bearer <token>`` (401 otherwise)."""
+    bind_host: str = "127.0.0.1"
+    """The address the server binds: on a loopback one, only loopback Host names are answered
+    (:class:`~cspan.backends.hostguard.HostGuard`)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """More Host names to answer (``NAME``, ``NAME:PORT`` or ``*``)."""
 
     def __post_init__(self) -> None:
+        limits = (self.max_seconds, self.max_upload_bytes, self.max_concurrency, self.max_queue)
+        if not all(math.isfinite(v) for v in limits):
+            raise ValueError(f"invalid ASR server limits (not finite): {limits}")
         if self.max_seconds <= 0 or self.max_upload_bytes <= 0 or self.max_concurrency < 1 or self.max_queue < 0:
             raise ValueError(f"invalid ASR server limits: {self}")
+        from cspan.backends.hostguard import HostGuard
+
+        HostGuard(lambda *a: None, bind_host=self.bind_host, allowed_hosts=self.allowed_hosts)  # raises if malformed
 
 
 class ApiError(Exception):
@@ -85,6 +99,10 @@ class ApiError(Exception):
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its upload was complete."""
 
 
 class BodyLimitMiddleware:
@@ -179,13 +197,16 @@ class _Gate:
 def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any:
     """Build the FastAPI application serving ``engine`` (see the module docstring for the endpoints).
 
-    Requires the ``server`` extra (fastapi, python-multipart). Returns the ASGI app (``fastapi.FastAPI``), already
-    wrapped in :class:`BodyLimitMiddleware`.
+    Requires the ``server`` extra (fastapi, python-multipart). Returns the ASGI app (``fastapi.FastAPI``), wrapped
+    in :class:`BodyLimitMiddleware` and :class:`~cspan.backends.hostguard.HostGuard` (DNS-rebinding protection).
     """
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
     from starlette.datastructures import UploadFile
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
+
+    from cspan.backends.hostguard import HostGuard
 
     settings = settings or ASRServerSettings()
     executor = ThreadPoolExecutor(max_workers=settings.max_concurrency, thread_name_prefix="asr-engine")
@@ -222,6 +243,12 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.payload(), status_code=exc.status)
 
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(request: Request, exc: _ClientGone) -> Response:
+        # Nobody is listening any more: log one line, answer nothing useful (the server never sends it).
+        log.info("%s %s: the client went away during the upload", request.method, request.url.path)
+        return Response(status_code=400)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = ApiError(exc.status_code, "http_error", f"{request.method} {request.url.path}: {exc.detail}")
@@ -235,7 +262,7 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
             if ctype == "multipart/form-data":
                 try:
                     form = await request.form(max_files=1, max_fields=32)
-                except _BodyTooLarge:
+                except (_BodyTooLarge, ClientDisconnect):
                     raise
                 except Exception as exc:  # starlette's MultiPartException, malformed boundaries, ...
                     raise ApiError(400, "malformed_multipart", f"could not parse the multipart body: {exc}") from exc
@@ -262,6 +289,8 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
                 raise ApiError(415, "unsupported_media_type", f"content type {ctype or 'none'!r}: send {expected}")
         except _BodyTooLarge as exc:
             raise ApiError(413, "upload_too_large", _too_large_message(None, limit)) from exc
+        except ClientDisconnect as exc:
+            raise _ClientGone() from exc
         if len(data) > limit:
             raise ApiError(413, "upload_too_large", _too_large_message(len(data), limit))
         return data, fields
@@ -284,6 +313,11 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
         except (BackendError, RuntimeError) as exc:
             log.exception("engine %s failed on a %.2f s clip", engine.name, duration_s)
             raise ApiError(500, "engine_error", f"the {engine.name} engine failed: {exc}") from exc
+        except Exception as exc:  # a bug, not the client's fault: JSON 500 with the cause, full traceback in the log
+            log.exception("engine %s failed unexpectedly on a %.2f s clip", engine.name, duration_s)
+            raise ApiError(
+                500, "engine_error", f"the {engine.name} engine failed: {type(exc).__name__}: {exc}"
+            ) from exc
         log.info("transcribed %.2f s in %.2f s: %r", duration_s, time.perf_counter() - started, transcript.text[:80])
         return transcript, duration_s
 
@@ -345,7 +379,11 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
             body["segments"] = [{"id": 0, "start": 0.0, "end": duration_s, "text": transcript.text}]
         return JSONResponse(body)
 
-    return BodyLimitMiddleware(app, settings.max_upload_bytes)
+    return HostGuard(
+        BodyLimitMiddleware(app, settings.max_upload_bytes),
+        bind_host=settings.bind_host,
+        allowed_hosts=settings.allowed_hosts,
+    )
 
 
 def _engine_call(engine: Engine, pcm: np.ndarray, sample_rate: int, language: str | None) -> Transcript:

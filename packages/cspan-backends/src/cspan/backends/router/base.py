@@ -16,7 +16,7 @@ nothing        ``None`` (no span is injected)
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
@@ -42,6 +42,8 @@ class ToolCall(BaseModel):
     """An earlier tool call of this conversation, with its result, as the router is shown it.
 
     ``result`` is the spoken clause the tool returned (or "" when it failed; ``error`` then says why).
+    ``status`` is ``"done"`` for a call that ran, ``"awaiting_confirmation"`` for an action tool the router held
+    back until the user confirms (see ``docs/OPERATORS.md``, "Actions need a confirmation").
     """
 
     question: str = ""
@@ -49,6 +51,7 @@ class ToolCall(BaseModel):
     arguments: dict[str, Any] = Field(default_factory=dict)
     result: str = ""
     error: str | None = None
+    status: Literal["done", "awaiting_confirmation"] = "done"
 
 
 class RouteRequest(BaseModel):
@@ -80,7 +83,10 @@ class RouteResult(BaseModel):
         latency_s: seconds spent in ``route`` (LLM requests and the tool call).
         error: why there is no reference when something failed (unknown tool, invalid arguments, tool error).
         calls: every tool call made for this request, in order (more than one only when the router may chain
-            calls, ``max_tool_calls > 1``); ``tool``/``arguments`` are those of the last one.
+            calls, ``max_tool_calls > 1``); ``tool``/``arguments`` are those of the last one. An action held back
+            for confirmation is a call with ``status="awaiting_confirmation"`` (and ``source`` ``confirm:<name>``).
+        llm_s: seconds spent waiting for the router LLM (0 for routers without one).
+        tool_s: seconds spent in tool calls.
     """
 
     reference: str | None = None
@@ -90,6 +96,8 @@ class RouteResult(BaseModel):
     latency_s: float = 0.0
     error: str | None = None
     calls: list[ToolCall] = Field(default_factory=list)
+    llm_s: float = 0.0
+    tool_s: float = 0.0
 
 
 @runtime_checkable

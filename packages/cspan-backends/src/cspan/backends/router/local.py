@@ -18,27 +18,41 @@ Tool results become ``"(tool result) <clause>"``; notes are returned as plain se
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import sqlite3
-import threading
 import time
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cspan.backends.context_db import ContextDB, Profile, fact_sentence
+from cspan.backends.context_db import Profile, fact_sentence
 from cspan.backends.errors import ToolError
+from cspan.backends.knowledge import (
+    KNOWLEDGE_SUFFIXES,
+    STOPWORDS,
+    KnowledgeBase,
+    NotesIndex,
+    content_words,
+    read_knowledge_file,
+    split_sentences,
+)
 from cspan.backends.router.base import RouteRequest, RouteResult, ToolCall, tool_reference
 
 if TYPE_CHECKING:
+    from cspan.backends.context_db import ContextDB, UserMemory
     from cspan.backends.tools import ToolBank
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "KNOWLEDGE_SUFFIXES",
+    "STOPWORDS",
+    "LocalRouter",
+    "content_words",
+    "read_knowledge_file",
+    "spoken_arithmetic",
+    "timezone_for_place",
+]
 
-KNOWLEDGE_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------- clock
 
@@ -309,164 +323,6 @@ _ARITH_CUE = re.compile(
     re.I,
 )
 
-# --------------------------------------------------------------------------------------------- notes search
-
-_STOPWORD_TEXT = """
-a about above after again against all am an and any are aren't as at be because been before being below
-between both but by can can't cannot could couldn't did didn't do does doesn't doing don't down during each
-few for from further had hadn't has hasn't have haven't having he he'd he'll he's her here here's hers herself
-him himself his how how's i i'd i'll i'm i've if in into is isn't it it's its itself let's me more most
-mustn't my myself no nor not of off on once only or other ought our ours ourselves out over own same shan't she
-she'd she'll she's should shouldn't so some such than that that's the their theirs them themselves then there
-there's these they they'd they'll they're they've this those through to too under until up very was wasn't we
-we'd we'll we're we've were weren't what what's when when's where where's which while who who's whom why why's
-with won't would wouldn't you you'd you'll you're you've your yours yourself yourselves
-um uh er erm ah oh hmm hey hi hello well like just really actually basically okay ok so yeah yes yep please
-tell know think wonder wondering want wanna gonna going got get give let say said says maybe mean guess
-anything something thing things kind sort lot bit quite also now right sure thanks thank again much many
-whats thats dont im ive id youre
-"""
-STOPWORDS = frozenset(_STOPWORD_TEXT.split())
-"""English function words, question words and speech fillers left out of note searches."""
-
-
-def content_words(question: str) -> list[str]:
-    """The question's content words, lower-case, in order, without repeats or stopwords (:data:`STOPWORDS`)."""
-    words: list[str] = []
-    for w in re.findall(r"[^\W_]+(?:'[^\W_]+)?", question.lower()):
-        w = w.replace("'s", "") if w.endswith("'s") else w
-        if len(w) < 2 or w in STOPWORDS or w in words:
-            continue
-        words.append(w)
-    return words
-
-
-def _required_matches(n_terms: int) -> int:
-    return 1 if n_terms <= 1 else 2 if n_terms <= 5 else 3
-
-
-_SENTENCE_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
-_MD_MARKUP = re.compile(r"(\*\*|__|`|\[([^\]]*)\]\([^)]*\))")
-
-
-def split_sentences(text: str) -> list[str]:
-    """Sentences of a paragraph (split after . ! ? followed by a capital or a digit); whitespace collapsed."""
-    text = " ".join(text.split())
-    return [s.strip() for s in _SENTENCE_SPLIT.split(text) if s.strip()]
-
-
-def read_knowledge_file(path: Path) -> list[tuple[str, list[str]]]:
-    """``[(title, sentences)]`` per paragraph of a text or Markdown file.
-
-    Paragraphs are separated by blank lines; a Markdown heading sets the title of what follows (prefixed by the
-    file's stem); list bullets, emphasis and link targets are removed.
-    """
-    stem = re.sub(r"[_\-]+", " ", path.stem).strip()
-    title = stem
-    paragraphs: list[tuple[str, list[str]]] = []
-    lines: list[str] = []
-
-    def flush() -> None:
-        if lines:
-            text = _MD_MARKUP.sub(lambda m: m.group(2) or "", " ".join(lines))
-            sentences = split_sentences(text)
-            if sentences:
-                paragraphs.append((title, sentences))
-            lines.clear()
-
-    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        line = raw.strip()
-        heading = re.match(r"^#{1,6}\s+(.*)$", line)
-        if heading:
-            flush()
-            title = f"{stem} {heading.group(1).strip('# ')}".strip()
-        elif not line or re.fullmatch(r"[-=*_]{3,}", line):
-            flush()
-        else:
-            item = re.match(r"^(?:[-*+]|\d+[.)])\s+(.*)$", line)
-            if item:  # each list item is a paragraph of its own
-                flush()
-                lines.append(item.group(1))
-                flush()
-            else:
-                lines.append(line)
-    flush()
-    return paragraphs
-
-
-@dataclass
-class _Hit:
-    rowid: int
-    text: str
-    source: str
-    matched: int
-    score: float
-
-
-class _NotesIndex:
-    """An in-memory FTS5 index of knowledge sentences plus the per-request notes and facts (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._conn = sqlite3.connect(":memory:", check_same_thread=False)
-        self._conn.execute(
-            "CREATE VIRTUAL TABLE notes USING fts5(text, title, source UNINDEXED, tokenize='porter unicode61')"
-        )
-        self._next: dict[int, int] = {}  # rowid -> rowid of the next sentence in the same paragraph
-        self.files = 0
-        self.sentences = 0
-
-    def add_knowledge(self, folder: Path) -> None:
-        paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in KNOWLEDGE_SUFFIXES)
-        with self._lock:
-            for path in paths:
-                try:
-                    paragraphs = read_knowledge_file(path)
-                except OSError as exc:
-                    log.warning("skipping knowledge file %s: %s", path, exc)
-                    continue
-                self.files += 1
-                for title, sentences in paragraphs:
-                    previous: int | None = None
-                    for sentence in sentences:
-                        cur = self._conn.execute(
-                            "INSERT INTO notes (text, title, source) VALUES (?, ?, 'knowledge')", (sentence, title)
-                        )
-                        rowid = int(cur.lastrowid)
-                        if previous is not None:
-                            self._next[previous] = rowid
-                        previous = rowid
-                        self.sentences += 1
-
-    def search(self, terms: list[str], extra: list[tuple[str, str]]) -> _Hit | None:
-        """Best sentence for ``terms`` among the knowledge and ``extra`` ``[(text, source)]`` rows."""
-        if not terms:
-            return None
-        with self._lock:
-            self._conn.execute("DELETE FROM notes WHERE source != 'knowledge'")
-            for text, source in extra:
-                self._conn.execute("INSERT INTO notes (text, title, source) VALUES (?, '', ?)", (text, source))
-            matched: dict[int, int] = {}
-            for term in terms:
-                for (rowid,) in self._conn.execute("SELECT rowid FROM notes WHERE notes MATCH ?", (f'"{term}"',)):
-                    matched[rowid] = matched.get(rowid, 0) + 1
-            need = _required_matches(len(terms))
-            good = {rowid for rowid, n in matched.items() if n >= need}
-            if not good:
-                return None
-            query = " OR ".join(f'"{t}"' for t in terms)
-            rows = self._conn.execute(
-                "SELECT rowid, text, source, bm25(notes, 1.0, 0.5) FROM notes WHERE notes MATCH ? ORDER BY rank",
-                (query,),
-            ).fetchall()
-            hits = [_Hit(r[0], r[1], r[2], matched[r[0]], r[3]) for r in rows if r[0] in good]
-            best = max(hits, key=lambda h: (h.matched, -h.score))
-            if best.source == "knowledge" and len(best.text) < 80 and best.rowid in self._next:
-                nxt = self._conn.execute("SELECT text FROM notes WHERE rowid = ?", (self._next[best.rowid],)).fetchone()
-                if nxt and len(best.text) + 1 + len(nxt[0]) <= 300:
-                    best.text = f"{best.text} {nxt[0]}"
-            return best
-
 
 def _cap(text: str, limit: int = 300) -> str:
     text = " ".join(text.split())
@@ -482,45 +338,46 @@ class LocalRouter:
     Args:
         tools: a :class:`~cspan.backends.tools.ToolBank` with ``get_time`` and ``calculate`` (either may be
             missing; that route is then skipped). None disables both.
-        db: the Context DB whose facts (and stored profile, when the request has none) are searched.
+        db: the memory whose facts (and stored profile, when the request has none) are searched: a
+            :class:`~cspan.backends.context_db.UserMemory` (one principal's), or, deprecated, a whole
+            :class:`~cspan.backends.context_db.ContextDB` (then the request profile's ``user_id`` picks the user).
         knowledge_dir: a folder of ``.txt`` / ``.md`` files, read recursively and indexed once at first use.
+        knowledge: an already built :class:`~cspan.backends.knowledge.KnowledgeBase` to share instead.
 
     Raises:
         ValueError: ``knowledge_dir`` is given but is not a folder.
+
+    :meth:`with_bank` makes the per-session router of a server: another bank (the session's tools) and another
+    memory (the session principal's), sharing the knowledge index.
     """
 
     def __init__(
         self,
         tools: ToolBank | None = None,
-        db: ContextDB | None = None,
+        db: UserMemory | ContextDB | None = None,
         knowledge_dir: str | Path | None = None,
+        *,
+        knowledge: KnowledgeBase | None = None,
     ) -> None:
         self.tools = tools
         self.db = db
-        self.knowledge_dir = Path(knowledge_dir).expanduser() if knowledge_dir is not None else None
-        if self.knowledge_dir is not None and not self.knowledge_dir.is_dir():
-            raise ValueError(
-                f"knowledge folder {str(self.knowledge_dir)!r} does not exist or is not a folder. Fix: pass "
-                "--knowledge DIR with .txt or .md files."
-            )
-        self._index: _NotesIndex | None = None
-        self._index_lock = asyncio.Lock()
+        self.knowledge = knowledge if knowledge is not None else KnowledgeBase(knowledge_dir)
+        self.knowledge_dir = self.knowledge.folder
+
+    def with_bank(self, tools: ToolBank | None = None, *, memory: UserMemory | None = None) -> LocalRouter:
+        """A router like this one with another tool bank and/or memory, sharing the knowledge index (cheap)."""
+        return LocalRouter(
+            tools if tools is not None else self.tools,
+            memory if memory is not None else self.db,
+            knowledge=self.knowledge,
+        )
 
     def _has(self, name: str) -> bool:
         return self.tools is not None and name in self.tools.names()
 
-    async def index(self) -> _NotesIndex:
-        """Build (once) and return the notes index; the knowledge folder is read in a worker thread."""
-        async with self._index_lock:
-            if self._index is None:
-                index = _NotesIndex()
-                if self.knowledge_dir is not None:
-                    await asyncio.to_thread(index.add_knowledge, self.knowledge_dir)
-                    log.info(
-                        "indexed %d sentences from %d files in %s", index.sentences, index.files, self.knowledge_dir
-                    )
-                self._index = index
-            return self._index
+    async def index(self) -> NotesIndex:
+        """The notes index, built once (the knowledge folder is read in a worker thread)."""
+        return await self.knowledge.index()
 
     async def route(self, req: RouteRequest) -> RouteResult:
         """Answer ``req`` from the clock, arithmetic or the notes; ``reference=None`` when none of them applies.
@@ -555,12 +412,13 @@ class LocalRouter:
 
     async def _call(self, name: str, arguments: dict, question: str) -> RouteResult:
         assert self.tools is not None
+        t0 = time.perf_counter()
         try:
             result = await self.tools.call(name, arguments)
         except ToolError as exc:
-            return RouteResult(tool=name, arguments=arguments, source="none", error=str(exc))
-        if result.error:
-            return RouteResult(tool=name, arguments=result.arguments, source="none", error=result.error)
+            return RouteResult(
+                tool=name, arguments=arguments, source="none", error=str(exc), tool_s=time.perf_counter() - t0
+            )
         call = ToolCall(question=question, name=name, arguments=result.arguments, result=result.text)
         return RouteResult(
             reference=tool_reference(result.text),
@@ -568,24 +426,30 @@ class LocalRouter:
             arguments=result.arguments,
             source=f"tool:{name}",
             calls=[call],
+            tool_s=time.perf_counter() - t0,
         )
 
+    def _memory(self, profile: Profile | None) -> UserMemory | None:
+        from cspan.backends.context_db import ContextDB
+
+        if isinstance(self.db, ContextDB):  # deprecated: the request names the user
+            return self.db.user(profile.user_id if profile else "default")
+        return self.db
+
     async def _notes(self, question: str, profile: Profile | None) -> RouteResult:
-        terms = content_words(question)
-        if not terms:
+        if not content_words(question):
             return RouteResult(source="none")
-        user_id = profile.user_id if profile else "default"
-        if profile is None and self.db is not None:
-            profile = await self.db.aget_profile(user_id)
+        memory = self._memory(profile)
+        if profile is None and memory is not None:
+            profile = await memory.aget_profile()
         extra: list[tuple[str, str]] = []
         if profile is not None and profile.notes:
             extra.extend((s, "notes") for s in split_sentences(profile.notes))
-        if self.db is not None:
-            for fact in await self.db.afacts(user_id):
+        if memory is not None:
+            for fact in await memory.afacts():
                 sentence = fact_sentence(fact.key, fact.value)
                 extra.append((sentence[:1].upper() + sentence[1:] + ".", "facts"))
-        index = await self.index()
-        hit = await asyncio.to_thread(index.search, terms, extra)
+        hit = await self.knowledge.search(question, extra)
         if hit is None:
             return RouteResult(source="none")
         return RouteResult(reference=_cap(hit.text), source=f"local:{hit.source}")

@@ -1,8 +1,11 @@
 """Tool bank: what the router can call when the model emits ``<ret>``.
 
-- :class:`ToolBank`, :class:`Tool`, :class:`ToolResult` (:mod:`.bank`): validation, coercion, timeouts, spoken
-  results; ``ToolBank.default()`` has ``get_time``, ``calculate``, ``get_weather`` and the 12 Full-Duplex-Bench v3
-  tools; ``ToolBank.fdb_v3()`` only the latter; ``await ToolBank.from_mcp(...)`` mounts any MCP server.
+- :class:`ToolBank`, :class:`Tool`, :class:`ToolResult` (:mod:`.bank`): the registry: validation, coercion,
+  timeouts, spoken results, :meth:`ToolBank.derive` for a session's view.
+- :mod:`.catalog`: tools as configuration: built-in sets by name (clock, calculator, weather, knowledge, memory;
+  the Full-Duplex-Bench v3 mock world only as ``fdb-v3``), ``--mcp`` specs with allow lists, ``build_bank``,
+  ``session_bank``, ``callback_tool``. ``ToolBank.fdb_v3()`` is the benchmark's bank; ``ToolBank.default()`` is
+  deprecated (it contains the mock world).
 - :mod:`.world`: the deterministic SQLite mock world behind the Full-Duplex-Bench v3 tools.
 - :mod:`.builtin` (clock, calculator), :mod:`.weather` (Open-Meteo), :mod:`.mcp_bridge` (MCP client and server).
 - ``cspan tools serve|list|call`` (:mod:`.cli`).

@@ -93,11 +93,14 @@ class Tool:
         fn: async callable taking the validated fields as keyword arguments and returning a ``str`` clause, a
             JSON-serialisable ``dict``/``list`` (rendered with :func:`render_clause`) or a :class:`ToolOutput`.
             A plain (sync) callable is run in a worker thread.
-        kind: ``"read"`` (looks something up) or ``"action"`` (changes state: books, writes, buys).
+        kind: ``"read"`` (looks something up) or ``"action"`` (changes state: books, pays, cancels, writes).
+            Routers run actions only after the user confirms (see :class:`~cspan.backends.router.LLMRouter`).
         timeout_s: seconds one call may take before it fails with :class:`ToolError`.
         domain: optional group name (e.g. ``"travel_identity"``) for routers that pick a domain first.
         schema: optional JSON Schema to advertise instead of the one generated from ``parameters`` (used for MCP
             tools, whose server-side schema is the authority).
+        confirm: whether the router must get the user's confirmation before running it; ``None`` (default):
+            exactly the actions. ``False`` on an action marks a low-risk, reversible one (remembering a fact).
     """
 
     name: str
@@ -108,6 +111,12 @@ class Tool:
     timeout_s: float = 10.0
     domain: str = ""
     schema: dict[str, Any] | None = field(default=None, repr=False)
+    confirm: bool | None = None
+
+    @property
+    def needs_confirmation(self) -> bool:
+        """Whether a router must hold this tool back until the user confirms."""
+        return self.kind == "action" if self.confirm is None else self.confirm
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -250,15 +259,21 @@ class ToolBank:
     Args:
         tools: tools to register at once.
         max_chars: cap on :attr:`ToolResult.text` in characters (default 400).
+        confirm_actions: whether routers hold back tools that need confirmation (:attr:`Tool.needs_confirmation`)
+            until the user confirms; on by default, off only in the benchmark's mock world (:meth:`fdb_v3`).
 
-    Build one with :meth:`default`, :meth:`fdb_v3` or ``await`` :meth:`from_mcp`, combine with :meth:`merge`,
-    and release sockets, subprocesses and database handles with ``await bank.aclose()`` (or ``async with``).
+    Build one from configuration with :mod:`cspan.backends.tools.catalog` (``build_bank(ToolsSpec)``: built-in
+    sets by name and MCP servers), combine with :meth:`merge`, make a session's view with :meth:`derive`, and
+    release sockets, subprocesses and database handles with ``await bank.aclose()`` (or ``async with``).
     """
 
-    def __init__(self, tools: Iterable[Tool] = (), *, max_chars: int = DEFAULT_MAX_CHARS) -> None:
+    def __init__(
+        self, tools: Iterable[Tool] = (), *, max_chars: int = DEFAULT_MAX_CHARS, confirm_actions: bool = True
+    ) -> None:
         if max_chars < 8:
             raise ToolError(f"max_chars must be at least 8, got {max_chars}")
         self.max_chars = max_chars
+        self.confirm_actions = confirm_actions
         self._tools: dict[str, Tool] = {}
         self._closers: list[Callable[[], Awaitable[None]]] = []
         for tool in tools:
@@ -275,79 +290,42 @@ class ToolBank:
         geocoding_base_url: str | None = None,
         max_chars: int = DEFAULT_MAX_CHARS,
     ) -> ToolBank:
-        """Bank with ``get_time``, ``calculate``, ``get_weather`` and the 12 Full-Duplex-Bench v3 tools.
+        """Deprecated: ``get_time``, ``calculate``, ``get_weather`` and the 12 tools of the benchmark's mock world.
 
-        Args:
-            world_db: SQLite file of the mock world (built at first use); ``None`` keeps the world in memory.
-            weather_base_url: Open-Meteo forecast base URL (default env ``CSPAN_WEATHER_URL`` or
-                ``https://api.open-meteo.com``).
-            geocoding_base_url: Open-Meteo geocoding base URL (default env ``CSPAN_GEOCODING_URL``, else
-                ``weather_base_url`` when that was given, else ``https://geocoding-api.open-meteo.com``).
-            max_chars: cap on result text.
+        The mock world answers from fabricated data (a live router would "book" flights that do not exist). Use
+        ``cspan.backends.tools.catalog.build_bank(ToolsSpec(...))``: its live default has no mock world.
         """
-        from cspan.backends.tools.builtin import calculate_tool, get_time_tool
-        from cspan.backends.tools.weather import WeatherClient
+        import warnings
 
-        bank = cls.fdb_v3(world_db, max_chars=max_chars)
-        bank.register(get_time_tool())
-        bank.register(calculate_tool())
-        weather = WeatherClient(base_url=weather_base_url, geocoding_base_url=geocoding_base_url)
-        bank.register(weather.tool())
+        from cspan.backends.tools import catalog
+
+        warnings.warn(
+            "ToolBank.default() includes the Full-Duplex-Bench v3 mock world; use "
+            "cspan.backends.tools.catalog.build_bank(ToolsSpec(...)) (no mock world unless 'fdb-v3' is named)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        bank = catalog.fdb_v3_bank(world_db, max_chars=max_chars, confirm_actions=True)
+        for tool in catalog.builtin_tools(
+            ["clock", "calculator", "weather"], weather_url=weather_base_url, geocoding_url=geocoding_base_url
+        ):
+            bank.register(tool)
         return bank
 
     @classmethod
     def fdb_v3(cls, world_db: str | Path | None = None, *, max_chars: int = DEFAULT_MAX_CHARS) -> ToolBank:
-        """Bank with only the 12 Full-Duplex-Bench v3 tools over the mock world (see :mod:`.fdb_v3`)."""
-        from cspan.backends.tools.fdb_v3 import fdb_v3_tools
-        from cspan.backends.tools.world import MockWorld
+        """The benchmark's bank: the 12 Full-Duplex-Bench v3 tools over the mock world, actions unconfirmed
+        (see :func:`cspan.backends.tools.catalog.fdb_v3_bank`)."""
+        from cspan.backends.tools.catalog import fdb_v3_bank
 
-        world = MockWorld(world_db)
-        bank = cls(fdb_v3_tools(world), max_chars=max_chars)
-        bank.add_closer(world.aclose)
-        return bank
+        return fdb_v3_bank(world_db, max_chars=max_chars, confirm_actions=False)
 
     @classmethod
-    async def from_mcp(
-        cls,
-        command: list[str] | None = None,
-        *,
-        url: str | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | Path | None = None,
-        prefix: str = "",
-        timeout_s: float = 10.0,
-        connect_timeout_s: float = 20.0,
-        max_chars: int = DEFAULT_MAX_CHARS,
-    ) -> ToolBank:
-        """Mount the tools of an MCP server (official ``mcp`` SDK) and keep the session open until :meth:`aclose`.
+    async def from_mcp(cls, command: list[str] | None = None, **kwargs: Any) -> ToolBank:
+        """Mount an MCP server's tools (see :func:`cspan.backends.tools.catalog.mount_mcp`, same arguments)."""
+        from cspan.backends.tools.catalog import mount_mcp
 
-        Args:
-            command: argv of a stdio server, e.g. ``["cspan", "tools", "serve"]``.
-            url: streamable-HTTP endpoint instead, e.g. ``"http://127.0.0.1:8765/mcp"``.
-            env: extra environment for the stdio subprocess.
-            cwd: working directory of the stdio subprocess.
-            prefix: prepended to every tool name (to avoid clashes when merging banks).
-            timeout_s: per-call timeout of the mounted tools.
-            connect_timeout_s: limit for spawning/connecting, the handshake and listing the tools.
-            max_chars: cap on result text.
-
-        Raises:
-            ToolError: neither or both of ``command``/``url``, the ``mcp`` package missing, or the server could not
-                be started, reached or listed.
-        """
-        from cspan.backends.tools.mcp_bridge import MCPConnection
-
-        conn = MCPConnection(command=command, url=url, env=env, cwd=cwd, connect_timeout_s=connect_timeout_s)
-        await conn.start()
-        bank = cls(max_chars=max_chars)
-        bank.add_closer(conn.aclose)
-        try:
-            for tool in conn.tools(prefix=prefix, timeout_s=timeout_s):
-                bank.register(tool)
-        except BaseException:
-            await bank.aclose()
-            raise
-        return bank
+        return await mount_mcp(command, **kwargs)
 
     def register(self, tool: Tool, *, replace: bool = False) -> None:
         """Add ``tool``; a second tool with the same name raises :class:`ToolError` unless ``replace``."""
@@ -362,6 +340,21 @@ class ToolBank:
     def add_closer(self, closer: Callable[[], Awaitable[None]]) -> None:
         """Run ``await closer()`` in :meth:`aclose` (resources the bank owns: sessions, databases)."""
         self._closers.append(closer)
+
+    def derive(self, extra: Iterable[Tool] = (), *, replace: bool = False) -> ToolBank:
+        """A new bank with this bank's tools plus ``extra`` (a session's own tools), same settings.
+
+        The new bank shares this one's tools but owns none of its resources: closing it closes only what was
+        added to it with :meth:`add_closer`. Cheap (a dict copy); a server makes one per session.
+
+        Raises:
+            ToolError: an ``extra`` tool's name exists already and ``replace`` is false.
+        """
+        bank = ToolBank(max_chars=self.max_chars, confirm_actions=self.confirm_actions)
+        bank._tools = dict(self._tools)
+        for tool in extra:
+            bank.register(tool, replace=replace)
+        return bank
 
     def merge(self, other: ToolBank, *, replace: bool = False) -> ToolBank:
         """Add ``other``'s tools to this bank and take ownership of its resources; returns ``self``.
@@ -439,6 +432,8 @@ class ToolBank:
                 "parameters": t.json_schema(),
                 "kind": t.kind,
             }
+            if t.needs_confirmation and self.confirm_actions:
+                item["needs_confirmation"] = True
             if t.domain:
                 item["domain"] = t.domain
             items.append(item)

@@ -7,10 +7,15 @@ the arguments and sets ``handler``). This module imports nothing heavy at import
 
 Examples::
 
-    cspan tools serve                                   # MCP over stdio (mount with ToolBank.from_mcp)
+    cspan tools serve                                   # MCP over stdio (mount with --mcp "cspan tools serve")
     cspan tools serve --transport http --port 8765      # streamable HTTP at http://127.0.0.1:8765/mcp
-    cspan tools list --fdb-v3-only
-    cspan tools call get_exchange_rate '{"amount": 100, "from_currency": "USD", "to_currency": "EUR"}'
+    cspan tools list --tools fdb-v3
+    cspan tools call get_exchange_rate '{"amount": 100, "from_currency": "USD", "to_currency": "EUR"}' --tools fdb-v3
+
+The tools are chosen by name as everywhere (``--tools``, see :mod:`cspan.backends.tools.catalog`); the default is
+clock, calculator and weather (plus ``search_notes`` with ``--knowledge``). ``memory`` is per session and is not
+served here. Over HTTP on a loopback bind only loopback Host names are answered (DNS-rebinding protection,
+:mod:`cspan.backends.hostguard`; ``--allowed-host`` adds names).
 """
 
 from __future__ import annotations
@@ -24,32 +29,66 @@ from typing import Any
 __all__ = ["register"]
 
 
+SERVED_DEFAULT = "clock,calculator,weather,knowledge"
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
+    return int(text)
+
+
+def _max_chars(text: str) -> int:
+    if not text.isdigit() or not 40 <= int(text) <= 4000:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of characters from 40 to 4000")
+    return int(text)
+
+
 def _add_bank_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tools",
+        metavar="NAME,...",
+        default=None,
+        help="tool sets: clock, calculator, weather, knowledge (needs --knowledge), fdb-v3 (the benchmark's mock "
+        f"world, fabricated data); default {SERVED_DEFAULT}",
+    )
+    parser.add_argument("--knowledge", metavar="DIR", default=None, help="notes folder for search_notes")
     parser.add_argument(
         "--world-db",
         metavar="PATH",
         default=None,
         help="SQLite file of the mock world (built at first use; default: in memory, lost at exit)",
     )
-    parser.add_argument(
-        "--fdb-v3-only", action="store_true", help="only the 12 Full-Duplex-Bench v3 tools (no time/calc/weather)"
-    )
+    parser.add_argument("--fdb-v3-only", action="store_true", help="same as --tools fdb-v3 (older spelling)")
     parser.add_argument("--weather-url", default=None, help="Open-Meteo forecast base URL (env CSPAN_WEATHER_URL)")
     parser.add_argument("--geocoding-url", default=None, help="Open-Meteo geocoding base URL (env CSPAN_GEOCODING_URL)")
-    parser.add_argument("--max-chars", type=int, default=400, help="cap on result text in characters (default 400)")
+    parser.add_argument(
+        "--max-chars", type=_max_chars, default=400, help="cap on result text in characters (default 400)"
+    )
 
 
-def _bank(args: argparse.Namespace) -> Any:
-    from cspan.backends.tools.bank import ToolBank
+async def _bank(args: argparse.Namespace) -> Any:
+    from cspan.backends.tools.catalog import ToolsSpec, build_bank
 
-    if args.fdb_v3_only:
-        return ToolBank.fdb_v3(args.world_db, max_chars=args.max_chars)
-    return ToolBank.default(
+    tools = "fdb-v3" if args.fdb_v3_only else args.tools or SERVED_DEFAULT
+    spec = ToolsSpec.from_flags(
+        tools,
+        knowledge=args.knowledge,
         world_db=args.world_db,
-        weather_base_url=args.weather_url,
-        geocoding_base_url=args.geocoding_url,
+        weather_url=args.weather_url,
+        geocoding_url=args.geocoding_url,
         max_chars=args.max_chars,
     )
+    if "memory" in spec.sets:
+        from cspan.backends.errors import ToolError
+
+        raise ToolError("--tools memory: memory tools act for one signed-in user; cspan tools cannot serve them")
+    return await build_bank(spec)
+
+
+def _fail(verb: str, exc: Exception) -> int:
+    print(f"cspan tools {verb}: error: {exc}", file=sys.stderr)
+    return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -62,10 +101,11 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from cspan.backends.errors import ToolError
     from cspan.backends.tools.mcp_bridge import serve_http, serve_stdio
 
     async def main() -> None:
-        bank = _bank(args)
+        bank = await _bank(args)
         try:
             if args.transport == "stdio":
                 await serve_stdio(bank)
@@ -75,7 +115,9 @@ def _serve(args: argparse.Namespace) -> int:
                     f"with {len(bank)} tools",
                     file=sys.stderr,
                 )
-                await serve_http(bank, host=args.host, port=args.port, path=args.path)
+                await serve_http(
+                    bank, host=args.host, port=args.port, path=args.path, allowed_hosts=args.allowed_host or ()
+                )
         finally:
             await bank.aclose()
 
@@ -83,12 +125,19 @@ def _serve(args: argparse.Namespace) -> int:
         asyncio.run(main())
     except KeyboardInterrupt:
         return 130
+    except (ToolError, ValueError) as exc:
+        return _fail("serve", exc)
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
+    from cspan.backends.errors import ToolError
+
     async def main() -> int:
-        bank = _bank(args)
+        try:
+            bank = await _bank(args)
+        except (ToolError, ValueError) as exc:
+            return _fail("list", exc)
         try:
             if args.json:
                 print(json.dumps(bank.openai_tools(), indent=2, ensure_ascii=False))
@@ -96,7 +145,8 @@ def _list(args: argparse.Namespace) -> int:
                 for tool in bank.tools():
                     fields = ", ".join(tool.json_schema().get("properties", {}))
                     where = f" [{tool.domain}]" if tool.domain else ""
-                    print(f"{tool.name}({fields})  {tool.kind}{where}")
+                    confirm = " (needs confirmation)" if tool.needs_confirmation and bank.confirm_actions else ""
+                    print(f"{tool.name}({fields})  {tool.kind}{where}{confirm}")
         finally:
             await bank.aclose()
         return 0
@@ -108,7 +158,10 @@ def _call(args: argparse.Namespace) -> int:
     from cspan.backends.errors import ToolError
 
     async def main() -> int:
-        bank = _bank(args)
+        try:
+            bank = await _bank(args)
+        except (ToolError, ValueError) as exc:
+            return _fail("call", exc)
         try:
             result = await bank.call(args.name, args.arguments, timeout_s=args.timeout)
         except ToolError as exc:
@@ -137,7 +190,14 @@ def register(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow --transport http on a non-loopback address (the MCP endpoint has no authentication)",
     )
-    serve.add_argument("--port", type=int, default=8765, help="HTTP port (default 8765)")
+    serve.add_argument("--port", type=_port, default=8765, help="HTTP port (default 8765)")
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME[:PORT]",
+        help="another Host name the HTTP server answers to (repeatable; '*' turns the check off); on a loopback "
+        "bind only localhost, 127.0.0.1 and [::1] with the bound port are accepted otherwise",
+    )
     serve.add_argument("--path", default="/mcp", help="HTTP endpoint path (default /mcp)")
     _add_bank_args(serve)
     serve.set_defaults(handler=_serve)

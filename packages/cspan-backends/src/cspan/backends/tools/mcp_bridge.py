@@ -24,19 +24,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import keyword
 import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union
-
-from pydantic import BaseModel, Field, create_model
+from typing import TYPE_CHECKING, Any
 
 from cspan.backends.errors import ToolError
-from cspan.backends.tools.bank import Tool, ToolArgs, ToolBank, ToolOutput, render_clause
+from cspan.backends.tools.bank import Tool, ToolBank, ToolOutput, render_clause
+from cspan.backends.tools.schema import model_from_json_schema
 
 if TYPE_CHECKING:
     from mcp.server.lowlevel import Server
@@ -47,15 +45,6 @@ log = logging.getLogger(__name__)
 
 _META_KIND = "cspan/kind"
 _META_DOMAIN = "cspan/domain"
-_JSON_TYPES: dict[str, Any] = {
-    "string": str,
-    "integer": int,
-    "number": float,
-    "boolean": bool,
-    "object": dict[str, Any],
-    "array": list[Any],
-    "null": type(None),
-}
 
 
 def _require_mcp() -> None:
@@ -73,110 +62,6 @@ def _attr(obj: Any, snake: str, camel: str, default: Any = None) -> Any:
     if value is None:
         value = getattr(obj, camel, default)
     return value if value is not None else default
-
-
-# --------------------------------------------------------------------------------------------- JSON Schema -> model
-
-
-def _annotation(schema: Any, depth: int = 0) -> tuple[Any, bool]:
-    """Python annotation for a JSON Schema node, and whether ``null`` is allowed."""
-    if not isinstance(schema, dict) or depth > 8:
-        return Any, True
-    if "const" in schema:
-        return Literal[schema["const"]], schema["const"] is None  # type: ignore[valid-type]
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        values = [v for v in schema["enum"] if isinstance(v, str | int | float | bool) or v is None]
-        if values:
-            non_null = tuple(v for v in values if v is not None)
-            return (Literal[non_null] if non_null else type(None)), None in values  # type: ignore[valid-type]
-    for combinator in ("anyOf", "oneOf"):
-        if isinstance(schema.get(combinator), list):
-            parts = [_annotation(s, depth + 1) for s in schema[combinator]]
-            nullable = any(n for _, n in parts) or any(
-                isinstance(s, dict) and s.get("type") == "null" for s in schema[combinator]
-            )
-            types_ = [a for a, _ in parts if a is not type(None)]
-            if not types_:
-                return Any, True
-            return (Union[tuple(types_)] if len(types_) > 1 else types_[0]), nullable  # noqa: UP007
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        nullable = "null" in kind
-        parts = [_annotation({**schema, "type": k}, depth + 1)[0] for k in kind if k != "null"]
-        if not parts:
-            return type(None), True
-        return (Union[tuple(parts)] if len(parts) > 1 else parts[0]), nullable  # noqa: UP007
-    if kind == "array":
-        item, _ = _annotation(schema.get("items"), depth + 1)
-        return list[item], False  # type: ignore[valid-type]
-    if kind == "null":
-        return type(None), True
-    if kind in _JSON_TYPES:
-        return _JSON_TYPES[kind], False
-    return Any, True
-
-
-def _safe_field_name(name: str, index: int) -> str:
-    if (
-        name.isidentifier()
-        and not keyword.iskeyword(name)
-        and not name.startswith("_")
-        and not hasattr(BaseModel, name)
-    ):
-        return name
-    return f"arg{index}_{re.sub(r'[^0-9a-zA-Z_]', '_', name)}".rstrip("_")
-
-
-def model_from_json_schema(name: str, schema: Mapping[str, Any] | None) -> type[ToolArgs]:
-    """A :class:`ToolArgs` model equivalent to an object JSON Schema (an MCP tool's ``inputSchema``).
-
-    Each property becomes a field: JSON types map to ``str``/``int``/``float``/``bool``/``list``/``dict``,
-    ``enum`` to ``Literal``, ``anyOf``/``oneOf``/type lists to unions; ``minimum``/``maximum``,
-    ``exclusiveMinimum``/``exclusiveMaximum``, ``minLength``/``maxLength`` become constraints; a property not in
-    ``required`` is optional (its schema default, else ``None``). Property names that are not valid Python
-    identifiers are kept as aliases, so arguments and dumps use the server's names.
-
-    Raises:
-        ToolError: the schema is not an object schema.
-    """
-    schema = dict(schema or {})
-    if schema.get("type", "object") != "object":
-        raise ToolError(f"tool {name!r}: inputSchema must describe an object, got type {schema.get('type')!r}")
-    props = schema.get("properties") or {}
-    required = set(schema.get("required") or [])
-    fields: dict[str, Any] = {}
-    for index, (prop, sub) in enumerate(props.items()):
-        sub = sub if isinstance(sub, dict) else {}
-        annotation, nullable = _annotation(sub)
-        constraints: dict[str, Any] = {}
-        for key, target in (
-            ("minimum", "ge"),
-            ("maximum", "le"),
-            ("exclusiveMinimum", "gt"),
-            ("exclusiveMaximum", "lt"),
-            ("minLength", "min_length"),
-            ("maxLength", "max_length"),
-        ):
-            if isinstance(sub.get(key), int | float) and not isinstance(sub.get(key), bool):
-                constraints[target] = sub[key]
-        # bounds apply to plain numbers, lengths to plain strings; unions and containers keep none
-        allowed = {int: ("ge", "le", "gt", "lt"), float: ("ge", "le", "gt", "lt"), str: ("min_length", "max_length")}
-        constraints = {k: v for k, v in constraints.items() if k in allowed.get(annotation, ())}
-        if prop in required:
-            default: Any = ...
-        else:
-            default = sub.get("default")
-            nullable = True
-        if nullable and annotation is not Any:
-            annotation = annotation | None
-        field_name = _safe_field_name(prop, index)
-        alias = prop if field_name != prop else None
-        fields[field_name] = (
-            annotation,
-            Field(default, description=sub.get("description"), alias=alias, **constraints),
-        )
-    model_name = "".join(part.capitalize() for part in re.split(r"[^0-9a-zA-Z]+", name) if part) + "Args"
-    return create_model(model_name or "McpToolArgs", __base__=ToolArgs, **fields)
 
 
 # --------------------------------------------------------------------------------------------- client
@@ -305,20 +190,56 @@ class MCPConnection:
         finally:
             self._session = None
 
-    def tools(self, *, prefix: str = "", timeout_s: float = 10.0) -> list[Tool]:
+    def remote_names(self) -> list[str]:
+        """The names of the tools the server listed, as it spells them."""
+        return [remote.name for remote in self._tools]
+
+    def tools(
+        self,
+        *,
+        prefix: str = "",
+        timeout_s: float = 10.0,
+        allow: Iterable[str] | None = None,
+        read_only: Iterable[str] = (),
+    ) -> list[Tool]:
         """The server's tools as :class:`Tool` objects (names prefixed, characters outside ``[A-Za-z0-9_-]``
-        replaced by ``_``)."""
+        replaced by ``_``).
+
+        Args:
+            prefix: prepended to every local name.
+            timeout_s: per-call timeout.
+            allow: only these tools (the server's names); None for all.
+            read_only: tools to treat as reads whatever their annotations say (the operator vouches for them).
+
+        A tool's kind follows its MCP annotations as the specification defines them: ``readOnlyHint`` true is a
+        read; anything else may change state (``readOnlyHint`` defaults to false, ``destructiveHint`` to true) and
+        is an action, which the router runs only after the user confirms. ``_meta["cspan/kind"]`` (set by
+        ``cspan tools serve``) wins over both.
+
+        Raises:
+            ToolError: ``allow`` or ``read_only`` names a tool the server does not have (the message lists them).
+        """
+        listed = self.remote_names()
+        chosen = set(listed) if allow is None else set(allow)
+        trusted = set(read_only)
+        unknown = sorted((chosen | trusted) - set(listed))
+        if unknown:
+            raise ToolError(
+                f"MCP server {self.where} has no tool(s) {unknown}; it lists: {', '.join(listed) or '(none)'}"
+            )
         out = []
         for remote in self._tools:
             name = remote.name
+            if name not in chosen:
+                continue
             local = (prefix + re.sub(r"[^A-Za-z0-9_-]", "_", name))[:64]
             schema = dict(_attr(remote, "input_schema", "inputSchema", {}) or {"type": "object"})
             meta = _attr(remote, "meta", "_meta", {}) or {}
             annotations = _attr(remote, "annotations", "annotations")
-            read_only = _attr(annotations, "read_only_hint", "readOnlyHint") if annotations is not None else None
+            read_hint = _attr(annotations, "read_only_hint", "readOnlyHint") if annotations is not None else None
             kind = meta.get(_META_KIND) if meta.get(_META_KIND) in ("read", "action") else None
             if kind is None:
-                kind = "action" if read_only is False else "read"
+                kind = "read" if read_hint is True or name in trusted else "action"
             out.append(
                 Tool(
                     name=local,
@@ -441,7 +362,9 @@ def build_mcp_server(bank: ToolBank, *, name: str = "cspan-tools") -> Server:
                     description=tool.description,
                     input_schema=tool.json_schema(),
                     annotations=types.ToolAnnotations(
-                        read_only_hint=tool.kind == "read", destructive_hint=False, open_world_hint=False
+                        read_only_hint=tool.kind == "read",
+                        destructive_hint=tool.kind == "action",
+                        open_world_hint=False,
                     ),
                     meta=meta,
                 )
@@ -479,13 +402,41 @@ async def serve_stdio(bank: ToolBank, *, name: str = "cspan-tools") -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
+def http_app(
+    bank: ToolBank,
+    *,
+    host: str = "127.0.0.1",
+    path: str = "/mcp",
+    allowed_hosts: Iterable[str] = (),
+    name: str = "cspan-tools",
+) -> Any:
+    """The streamable-HTTP ASGI app serving ``bank`` at ``path``, behind :class:`~cspan.backends.hostguard.HostGuard`
+    (the SDK's own Host check is replaced by it: one rule, the bound port included, for every route)."""
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    from cspan.backends.hostguard import HostGuard
+
+    server = build_mcp_server(bank, name=name)
+    app = server.streamable_http_app(
+        streamable_http_path=path,
+        host=host,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    return HostGuard(app, bind_host=host, allowed_hosts=allowed_hosts)
+
+
 async def serve_http(
-    bank: ToolBank, *, host: str = "127.0.0.1", port: int = 8765, path: str = "/mcp", name: str = "cspan-tools"
+    bank: ToolBank,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    path: str = "/mcp",
+    allowed_hosts: Iterable[str] = (),
+    name: str = "cspan-tools",
 ) -> None:
     """Serve ``bank`` over streamable HTTP at ``http://host:port{path}`` with uvicorn until interrupted."""
     import uvicorn
 
-    server = build_mcp_server(bank, name=name)
-    app = server.streamable_http_app(streamable_http_path=path, host=host)
+    app = http_app(bank, host=host, path=path, allowed_hosts=allowed_hosts, name=name)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     await uvicorn.Server(config).serve()

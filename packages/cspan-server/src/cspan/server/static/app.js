@@ -1,8 +1,9 @@
 // The cspan serve page: microphone -> WebSocket -> agent audio, transcripts and Context Spans.
-// Protocol: docs/PROTOCOL.md (binary = one 80 ms frame of float32 LE samples at 24 kHz; text = JSON events).
+// Protocol: docs/PROTOCOL.md (binary = Ogg/Opus where the browser has WebCodecs, else one 80 ms frame of float32
+// LE samples at 24 kHz, negotiated in start.codecs; text = JSON events). Ogg/Opus: ogg-opus.js.
 // URL parameters: ?token=... (sent as the WebSocket subprotocol cspan.token.<token>), ?aec=0 (no echo
-// cancellation), ?raw=1 (no noise suppression or automatic gain), ?test={json} (test-only: sent as start.test,
-// accepted only by a server started with test hooks).
+// cancellation), ?raw=1 (no noise suppression or automatic gain), ?codec=pcm (no Opus), ?test={json} (test-only:
+// sent as start.test, accepted only by a server started with test hooks).
 "use strict";
 
 (() => {
@@ -36,6 +37,7 @@
     json: $("download-json"),
     levelUser: $("level-user"),
     levelAgent: $("level-agent"),
+    transport: $("transport"),
   };
 
   let info = null;
@@ -237,6 +239,7 @@
       case "ready":
         s.ready = msg;
         s.readyAt = performance.now();
+        startCodec(s, msg.codec || "pcm");
         setStatus("listening");
         notice("");
         break;
@@ -272,7 +275,7 @@
         if (msg.code === "backend") {
           spanItem("none", [txt(`${msg.stage} failed: ${msg.message}`)]);
         } else if (msg.code === "audio_overflow") {
-          notice("The server is behind real time: some of your audio was dropped.", "warn");
+          notice("The server is behind real time: some of your audio was dropped.", "warn behind");
         } else {
           notice(`Server: ${msg.message} (${msg.code})`, "warn");
         }
@@ -317,6 +320,14 @@
       agentBubble: null,
       userBubbles: new Map(),
       byeWaiter: null,
+      opus: false, // the browser can encode and decode Opus (WebCodecs)
+      codec: "pcm", // what the server chose (ready.codec)
+      sender: null, // OggOpus.Sender
+      receiver: null, // OggOpus.Receiver
+      agentPcm: new Float32Array(0), // decoded agent samples not yet a whole frame
+      bytesSent: 0,
+      bytesReceived: 0,
+      transportTimer: null,
     };
   }
 
@@ -388,6 +399,7 @@
       };
       session.mic.port.onmessage = (e) => onMicFrame(session, e.data);
       await ctx.resume();
+      session.opus = params.get("codec") !== "pcm" && window.OggOpus && (await window.OggOpus.supported());
     } catch (e) {
       notice("Microphone or audio setup failed: " + e, "bad");
       await teardown(session);
@@ -409,6 +421,7 @@
         profile: profile(),
         voice: ui.voice.value,
         text_prompt: ui.prompt.value,
+        codecs: session.opus ? ["opus", "pcm"] : ["pcm"],
       };
       if (params.get("test")) {
         try {
@@ -432,11 +445,14 @@
         if (msg.type === "bye" && session.byeWaiter) session.byeWaiter();
         return;
       }
+      session.bytesReceived += e.data.byteLength;
+      if (session.receiver) {
+        session.receiver.push(new Uint8Array(e.data));
+        return;
+      }
       const frame = new Float32Array(e.data);
       if (frame.length !== FRAME) return;
-      session.agentFrames.push(frame.slice());
-      ui.levelAgent.value = level(frame);
-      session.player.port.postMessage(frame, [frame.buffer]);
+      onAgentFrame(session, frame);
     };
     ws.onclose = (e) => {
       if (session.byeWaiter) session.byeWaiter();
@@ -449,12 +465,79 @@
     };
   }
 
+  function onAgentFrame(session, frame) {
+    session.agentFrames.push(frame.slice());
+    ui.levelAgent.value = level(frame);
+    session.player.port.postMessage(frame, [frame.buffer]);
+  }
+
+  // Decoded Opus arrives in 20 ms pieces: cut it into the 80 ms frames the player and the recording use.
+  function onAgentPcm(session, pcm) {
+    const joined = new Float32Array(session.agentPcm.length + pcm.length);
+    joined.set(session.agentPcm, 0);
+    joined.set(pcm, session.agentPcm.length);
+    let o = 0;
+    for (; o + FRAME <= joined.length; o += FRAME) onAgentFrame(session, joined.slice(o, o + FRAME));
+    session.agentPcm = joined.slice(o);
+  }
+
+  function startCodec(session, codec) {
+    session.codec = codec;
+    if (codec === "opus") {
+      const failed = (e) => {
+        session.pageEvents.push({ t_page: (performance.now() - session.t0) / 1000, type: "codec_error", error: String(e) });
+        notice("Opus failed in this browser (" + e + "); reload with ?codec=pcm.", "bad");
+      };
+      session.sender = new window.OggOpus.Sender((bytes) => {
+        const ws = session.ws;
+        if (ws && ws.readyState === WebSocket.OPEN) {
+          ws.send(bytes);
+          session.bytesSent += bytes.length;
+        }
+      }, failed);
+      session.receiver = new window.OggOpus.Receiver((pcm) => onAgentPcm(session, pcm), failed);
+    }
+    session.transportTimer = setInterval(() => showTransport(session), 1000);
+  }
+
+  function transport(session) {
+    const seconds = session.readyAt ? (performance.now() - session.readyAt) / 1000 : 0;
+    // per second of audio carried (machine independent), and per second of wall clock
+    const sentAudio = (session.micFrames.length * FRAME) / RATE;
+    const receivedAudio = (session.agentFrames.length * FRAME) / RATE;
+    const rate = (bytes, s) => (s > 0 ? Math.round(bytes / s) : null);
+    return {
+      codec: session.codec,
+      seconds: Math.round(seconds * 1000) / 1000,
+      bytes_sent: session.bytesSent,
+      bytes_received: session.bytesReceived,
+      audio_seconds_sent: sentAudio,
+      audio_seconds_received: receivedAudio,
+      sent_bytes_per_audio_s: rate(session.bytesSent, sentAudio),
+      received_bytes_per_audio_s: rate(session.bytesReceived, receivedAudio),
+      sent_bytes_per_s: rate(session.bytesSent, seconds),
+      received_bytes_per_s: rate(session.bytesReceived, seconds),
+    };
+  }
+
+  function showTransport(session) {
+    const t = transport(session);
+    const kbit = (b) => (b === null ? "–" : ((b * 8) / 1000).toFixed(0));
+    ui.transport.textContent = `${t.codec} ↑${kbit(t.sent_bytes_per_s)} ↓${kbit(t.received_bytes_per_s)} kbit/s`;
+    ui.transport.dataset.codec = t.codec;
+  }
+
   function onMicFrame(session, frame) {
     ui.levelUser.value = level(frame);
     const ws = session.ws;
     if (!session.ready || session.stopping || !ws || ws.readyState !== WebSocket.OPEN) return;
     session.micFrames.push(frame);
+    if (session.sender) {
+      session.sender.encode(frame);
+      return;
+    }
     ws.send(frame.buffer);
+    session.bytesSent += frame.byteLength;
   }
 
   function sendContext() {
@@ -468,8 +551,17 @@
     if (!session || session.stopping) return;
     session.stopping = true;
     ui.stop.disabled = true;
+    if (ui.notice.classList.contains("behind")) notice(""); // nothing is sent any more: no longer behind
     setStatus("stopping", "connecting");
     const ws = session.ws;
+    if (session.sender) {
+      try {
+        await session.sender.encoder.flush(); // the last microphone audio goes out before stop
+      } catch (e) {
+        /* the encoder failed or closed: nothing left to send */
+      }
+      session.sender.flush();
+    }
     if (ws && ws.readyState === WebSocket.OPEN) {
       const got = new Promise((resolve) => {
         session.byeWaiter = resolve;
@@ -485,6 +577,9 @@
   }
 
   async function teardown(session) {
+    if (session.transportTimer) clearInterval(session.transportTimer);
+    if (session.ready) showTransport(session);
+    for (const codec of [session.sender, session.receiver]) if (codec) codec.close();
     if (session.stream) session.stream.getTracks().forEach((t) => t.stop());
     if (session.ctx && session.ctx.state !== "closed") {
       try {
@@ -499,6 +594,7 @@
     if (session.finished) return;
     session.finished = true;
     session.stopping = true;
+    if (ui.notice.classList.contains("behind")) notice(""); // about the live session only
     await teardown(session);
     ui.stop.disabled = true;
     ui.start.disabled = false;
@@ -556,6 +652,7 @@
       persona: session.ready ? session.ready.persona : null,
       profile: session.ready ? session.ready.profile : profile(),
       stats: session.bye ? session.bye.stats : null,
+      transport: transport(session),
       agent_text: session.agentText.trim(),
       turns: session.turns.filter((t) => t.text),
       events: session.events,

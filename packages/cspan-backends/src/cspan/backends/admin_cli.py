@@ -1,0 +1,242 @@
+"""``cspan users`` (issue, list, revoke per-user tokens) and ``cspan db`` (export, forget, prune, info).
+
+Both open the Context DB named by ``--db`` (a file, ``:memory:`` or a PostgreSQL URL; default ``$CSPAN_DB``, else
+the file in the platform's data directory, see :func:`cspan.backends.context_db.default_db_path`). Registered
+under ``[project.entry-points."cspan.commands"]``; nothing heavy is imported until a handler runs, and
+``cspan.core`` never is. Errors print one line and exit 1 (2 for bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["db_command", "users_command"]
+
+
+def _add_db(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--db",
+        metavar="TARGET",
+        default=None,
+        help="Context DB: a SQLite file, ':memory:' or postgresql://user@host:port/dbname "
+        "(default: $CSPAN_DB, else context.sqlite in the platform's data directory)",
+    )
+
+
+def _days(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of days") from None
+    if not math.isfinite(value) or value <= 0 or value > 36500:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of days above 0 and at most 36500")
+    return value
+
+
+def _handler(verb: str, fn: Callable[[argparse.Namespace, Any], int]) -> Callable[[argparse.Namespace], int]:
+    """Open the Context DB, run ``fn(args, db)``, close it; one-line errors."""
+
+    def run(args: argparse.Namespace) -> int:
+        from cspan.backends.context_db import ContextDB
+        from cspan.backends.errors import BackendError
+
+        try:
+            db = ContextDB(args.db)
+        except (BackendError, OSError, ValueError) as exc:
+            print(f"cspan {verb}: error: {exc}", file=sys.stderr)
+            return 1
+        try:
+            return fn(args, db)
+        except (BackendError, OSError, ValueError) as exc:
+            print(f"cspan {verb}: error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            db.close()
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------- cspan users
+
+
+def _users_add(args: argparse.Namespace, db: Any) -> int:
+    from cspan.backends.identity import issue_token
+
+    record, token = issue_token(db, args.user, scopes=args.scope or ("session",), label=args.label)
+    print(token)
+    print(
+        f"issued token {record.id} for {record.user_id} (scopes: {', '.join(record.scopes)}) in {db.where}; "
+        "it is shown only now: give it to the user (Authorization: Bearer TOKEN)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _users_list(args: argparse.Namespace, db: Any) -> int:
+    import time
+
+    records = db.tokens(args.user, revoked=args.all)
+    if args.json:
+        print(json.dumps([r.model_dump() for r in records], indent=2))
+        return 0
+    if not records:
+        print("no tokens" + (f" for {args.user}" if args.user else ""), file=sys.stderr)
+        return 0
+
+    def when(t: float | None) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "-"
+
+    print(f"{'TOKEN ID':14s} {'USER':20s} {'SCOPES':16s} {'CREATED':16s} {'LAST USED':16s} {'REVOKED':16s} LABEL")
+    for r in records:
+        print(
+            f"{r.id:14s} {r.user_id:20s} {','.join(r.scopes):16s} {when(r.created_at):16s} "
+            f"{when(r.last_used_at):16s} {when(r.revoked_at):16s} {r.label}"
+        )
+    return 0
+
+
+def _users_revoke(args: argparse.Namespace, db: Any) -> int:
+    if (args.token_id is None) == (args.user is None):
+        print("cspan users revoke: error: give a TOKEN_ID or --user USER (one of them)", file=sys.stderr)
+        return 2
+    count = db.revoke_tokens(token_id=args.token_id, user_id=args.user)
+    what = f"token {args.token_id}" if args.token_id else f"tokens of {args.user}"
+    if count == 0:
+        print(f"cspan users revoke: error: no valid {what} in {db.where}", file=sys.stderr)
+        return 1
+    print(f"revoked {count} token(s) ({what})")
+    return 0
+
+
+def _users_hash(args: argparse.Namespace) -> int:
+    from cspan.backends.identity import hash_token
+
+    token = sys.stdin.readline().strip()
+    if len(token) < 16:
+        print("cspan users hash: error: write the token (16 characters or more) on standard input", file=sys.stderr)
+        return 2
+    print(hash_token(token))
+    return 0
+
+
+def users_command(parser: argparse.ArgumentParser) -> None:
+    """Per-user tokens: issue (add), list and revoke them; print a token's hash for a token file."""
+    from cspan.backends.identity import SCOPES
+
+    sub = parser.add_subparsers(dest="users_action", metavar="ACTION", title="actions")
+    sub.required = True
+    add = sub.add_parser("add", help="issue a new token for USER and print it (once)")
+    add.add_argument("user", help="the user id the token authenticates as (keys all their Context DB rows)")
+    add.add_argument(
+        "--scope",
+        action="append",
+        choices=sorted(SCOPES),
+        help="permission granted, repeatable (default: session). " + "; ".join(f"{k}: {v}" for k, v in SCOPES.items()),
+    )
+    add.add_argument("--label", default="", help="a note for `users list` (which device, who)")
+    _add_db(add)
+    add.set_defaults(handler=_handler("users add", _users_add))
+
+    lister = sub.add_parser("list", help="list issued tokens (ids and metadata, never the tokens)")
+    lister.add_argument("user", nargs="?", default=None, help="only this user's tokens")
+    lister.add_argument("--all", action="store_true", help="include revoked tokens")
+    lister.add_argument("--json", action="store_true", help="print JSON")
+    _add_db(lister)
+    lister.set_defaults(handler=_handler("users list", _users_list))
+
+    revoke = sub.add_parser("revoke", help="revoke one token (TOKEN_ID) or all of a user's (--user)")
+    revoke.add_argument("token_id", nargs="?", default=None, help="the token id shown by `users list`")
+    revoke.add_argument("--user", default=None, help="revoke every token of this user")
+    _add_db(revoke)
+    revoke.set_defaults(handler=_handler("users revoke", _users_revoke))
+
+    hasher = sub.add_parser("hash", help="read a token on standard input, print its sha256 for a token file")
+    hasher.set_defaults(handler=_users_hash)
+
+
+# --------------------------------------------------------------------------------------------- cspan db
+
+
+def _db_export(args: argparse.Namespace, db: Any) -> int:
+    if args.user not in db.users():
+        print(f"cspan db export: error: nothing is stored about {args.user!r} in {db.where}", file=sys.stderr)
+        return 1
+    text = json.dumps(db.export_user(args.user), indent=2, ensure_ascii=False)
+    if args.out is None:
+        print(text)
+        return 0
+    out: Path = args.out
+    tmp = out.with_name(out.name + ".part")
+    try:
+        tmp.write_text(text + "\n", encoding="utf-8")
+        tmp.replace(out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"cspan db export: error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"wrote everything stored about {args.user} to {out}", file=sys.stderr)
+    return 0
+
+
+def _db_forget(args: argparse.Namespace, db: Any) -> int:
+    if not args.yes:
+        print(
+            f"cspan db forget: error: this deletes everything remembered about {args.user!r} in {db.where}; "
+            "pass --yes to confirm",
+            file=sys.stderr,
+        )
+        return 2
+    counts = db.forget_user(args.user, tokens=args.tokens)
+    print(f"forgot {args.user}: " + ", ".join(f"{n} {table}" for table, n in counts.items()))
+    return 0
+
+
+def _db_prune(args: argparse.Namespace, db: Any) -> int:
+    counts = db.prune(args.days)
+    print(f"removed rows older than {args.days:g} days: " + ", ".join(f"{n} {t}" for t, n in counts.items()))
+    return 0
+
+
+def _db_info(args: argparse.Namespace, db: Any) -> int:
+    info = {
+        "db": db.where,
+        "engine": db.dialect,
+        "journal_mode": db.journal_mode,
+        "schema_version": db.schema_version(),
+        "users": len(db.users()),
+    }
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def db_command(parser: argparse.ArgumentParser) -> None:
+    """The Context DB: export or forget what is stored about a user, apply retention, show where it is."""
+    sub = parser.add_subparsers(dest="db_action", metavar="ACTION", title="actions")
+    sub.required = True
+    export = sub.add_parser("export", help="print (or write) everything stored about USER as JSON")
+    export.add_argument("user", help="user id")
+    export.add_argument("--out", type=Path, default=None, help="write the JSON to this file instead of stdout")
+    _add_db(export)
+    export.set_defaults(handler=_handler("db export", _db_export))
+
+    forget = sub.add_parser("forget", help="delete everything remembered about USER (profile, facts, conversations)")
+    forget.add_argument("user", help="user id")
+    forget.add_argument("--tokens", action="store_true", help="also delete the user's issued tokens")
+    forget.add_argument("--yes", action="store_true", help="confirm the deletion")
+    _add_db(forget)
+    forget.set_defaults(handler=_handler("db forget", _db_forget))
+
+    prune = sub.add_parser("prune", help="remove rows older than --days (the retention setting, run once)")
+    prune.add_argument("--days", type=_days, required=True, help="age limit in days (above 0)")
+    _add_db(prune)
+    prune.set_defaults(handler=_handler("db prune", _db_prune))
+
+    info = sub.add_parser("info", help="where the Context DB is, its engine, schema version and user count")
+    _add_db(info)
+    info.set_defaults(handler=_handler("db info", _db_info))

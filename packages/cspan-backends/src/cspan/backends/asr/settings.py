@@ -1,0 +1,150 @@
+"""``cspan asr-serve``: its settings, declared once (flags, ``CSPAN_ASR_SERVE_*`` environment, settings file).
+
+The ``cspan`` command builds the verb from :class:`ASRServeSettings` (``cspan.core.cli`` reads a
+``pydantic_settings.BaseSettings`` entry point with a ``run()`` method): every field is one flag with its type,
+range and help, and a value out of range from any source is a one-line error (exit 2) before anything loads. This
+module cannot import ``cspan.core``; it uses the same ``model_config`` values as ``cspan.core.settings``, with its
+own environment prefix so that ``CSPAN_PORT`` (``cspan serve``) or ``CSPAN_ASR_MODEL`` (the model name clients send)
+never reconfigure this server. ``CSPAN_ASR_TOKEN`` is still read for the token.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["ASRServeSettings"]
+
+
+class ASRServeSettings(BaseSettings):
+    """Serve speech recognition over HTTP (POST /transcribe and the OpenAI /v1/audio/transcriptions)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CSPAN_ASR_SERVE_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_avoid_json=True,
+        extra="forbid",
+        validate_default=True,
+    )
+
+    engine: Literal["sphinx", "transformers"] = Field(
+        "sphinx",
+        description="sphinx: embedded pocketsphinx, English, low accuracy, no download; transformers: a local "
+        "transformers speech-recognition model directory given with --model",
+    )
+    model: str | None = Field(
+        None,
+        description="model directory: for transformers, a speech-recognition checkpoint (the released setup uses "
+        "Qwen3-ASR-1.7B); for sphinx, an optional Sphinx model folder (default: the bundled en-us model)",
+        json_schema_extra={"metavar": "PATH"},
+    )
+    host: str = Field("127.0.0.1", min_length=1, description="interface to bind (127.0.0.1: this machine only)")
+    port: int = Field(8990, ge=1, le=65535, description="TCP port")
+    token: str | None = Field(
+        None,
+        min_length=8,
+        description="require 'Authorization: Bearer TOKEN' on every request but /health (also read from "
+        "CSPAN_ASR_TOKEN); clients send it with OPENAI_API_KEY / api_key",
+    )
+    insecure_no_token: bool = Field(
+        False,
+        description="allow binding a non-loopback address without --token (anyone who reaches the port can use it)",
+    )
+    allowed_host: list[str] = Field(
+        default_factory=list,
+        description="another Host name this server answers to (NAME or NAME:PORT, repeatable; '*' turns the check "
+        "off); on a loopback bind only localhost, 127.0.0.1 and [::1] with the bound port are accepted otherwise "
+        "(DNS-rebinding protection)",
+        json_schema_extra={"metavar": "NAME[:PORT]"},
+    )
+    concurrency: int = Field(2, ge=1, le=64, description="clips recognised at the same time, one worker thread each")
+    max_queue: int = Field(32, ge=0, le=10_000, description="requests that may wait for a worker; more get HTTP 503")
+    max_seconds: float = Field(
+        120.0, gt=0, le=3600, allow_inf_nan=False, description="longest accepted clip in seconds; longer gets 413"
+    )
+    max_upload_mb: float = Field(
+        50.0, gt=0, le=2048, allow_inf_nan=False, description="largest accepted upload in MiB; larger gets 413"
+    )
+    device: str = Field("auto", description="transformers engine: torch device, e.g. cpu or cuda:0")
+    trust_remote_code: bool = Field(
+        False,
+        description="transformers engine: allow a model directory's own Python code to run (only for models you trust)",
+    )
+
+    @field_validator("allowed_host")
+    @classmethod
+    def _host_names(cls, names: list[str]) -> list[str]:
+        from cspan.backends.hostguard import parse_host
+
+        for name in names:
+            if name.strip() != "*" and parse_host(name) is None:
+                raise ValueError(f"allowed host {name!r}: use NAME or NAME:PORT (e.g. voice.example.org:443)")
+        return names
+
+    @model_validator(mode="after")
+    def _token_from_older_variable(self) -> ASRServeSettings:
+        if self.token is None and os.environ.get("CSPAN_ASR_TOKEN"):
+            self.token = os.environ["CSPAN_ASR_TOKEN"]
+        return self
+
+    def run(self) -> int:
+        """Load the engine and serve until interrupted; returns the exit status (2 for a refused configuration)."""
+        prog = "cspan asr-serve"
+        try:
+            import fastapi  # noqa: F401  (fail here, with the fix, rather than half-way through startup)
+            import uvicorn  # noqa: F401
+
+            from cspan.backends.asr.server import ASRServerSettings, serve
+        except ImportError as exc:
+            print(
+                f"{prog}: error: the ASR server needs FastAPI and uvicorn ({exc}): pip install 'cspan-backends[server]'",
+                file=sys.stderr,
+            )
+            return 2
+        from cspan.backends.asr.engines import EngineLoadError, load_engine
+        from cspan.backends.hostguard import is_loopback
+
+        if not is_loopback(self.host) and not self.token and not self.insecure_no_token:
+            print(
+                f"{prog}: error: refusing to bind {self.host} (reachable from other machines) without --token; "
+                "set --token (or CSPAN_ASR_TOKEN), bind 127.0.0.1, or pass --insecure-no-token",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            settings = ASRServerSettings(
+                max_seconds=self.max_seconds,
+                max_upload_bytes=int(self.max_upload_mb * 1024 * 1024),
+                max_concurrency=self.concurrency,
+                max_queue=self.max_queue,
+                token=self.token or None,
+                bind_host=self.host,
+                allowed_hosts=tuple(self.allowed_host),
+            )
+        except ValueError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            engine = load_engine(
+                self.engine,
+                model=self.model,
+                workers=self.concurrency,
+                device=self.device,
+                trust_remote_code=self.trust_remote_code,
+            )
+        except EngineLoadError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
+        print(
+            f"{prog}: {engine.name} engine ({engine.model}) on http://{self.host}:{self.port} "
+            "(POST /transcribe, POST /v1/audio/transcriptions, GET /health)",
+            file=sys.stderr,
+        )
+        serve(engine, host=self.host, port=self.port, settings=settings)
+        return 0

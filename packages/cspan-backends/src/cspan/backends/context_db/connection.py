@@ -1,0 +1,224 @@
+"""One database connection for the Context DB: SQLite (a file or ``:memory:``) or PostgreSQL (psycopg 3).
+
+Both expose the same small surface: :meth:`Connection.read` (one statement, rows as dicts) and
+:meth:`Connection.write` (a transaction whose :meth:`Transaction.execute` returns rows and the row count). SQL is
+written once with ``?`` parameters (see :mod:`.schema`); the PostgreSQL side turns them into ``%s``.
+
+Concurrency: each connection serialises its statements under a lock, so one instance may be used from many
+threads (the ``a``-methods of the Context DB run in worker threads). Several instances or processes may share one
+database: SQLite's WAL lets readers go on during a write and ``busy_timeout`` makes writers wait their turn
+(``BEGIN IMMEDIATE`` takes the write lock up front); PostgreSQL is built for it. A PostgreSQL connection that broke
+(server restart, network) is opened again at the next statement.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from cspan.backends.context_db.models import ContextDBError
+from cspan.backends.context_db.schema import Dialect
+
+
+@dataclass
+class Result:
+    """What one statement gave: its rows (dicts, for statements that return rows) and the affected row count."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    rowcount: int = 0
+
+
+class Transaction:
+    """A write transaction handed out by :meth:`Connection.write`."""
+
+    def __init__(self, run: Any, dialect: Dialect) -> None:
+        self._run = run
+        self.dialect: Dialect = dialect
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Result:
+        """Run one statement inside the transaction."""
+        return self._run(sql, params)
+
+
+class Connection:
+    """Base of the two engines; :func:`connect` picks one from the target."""
+
+    dialect: Dialect
+    where: str
+    """The database in words, for messages (a PostgreSQL URL without its password)."""
+    journal_mode: str = ""
+
+    def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def write(self) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SQLiteConnection(Connection):
+    """SQLite in WAL mode, ``synchronous=NORMAL`` (a power cut may lose the last commits, never corrupt the file),
+    foreign keys on."""
+
+    dialect: Dialect = "sqlite"
+
+    def __init__(self, path: str, *, busy_timeout_s: float) -> None:
+        self.where = path
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        try:
+            self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+            self._conn.row_factory = _dict_row
+            self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            self.journal_mode = str(next(iter(self._conn.execute("PRAGMA journal_mode = WAL").fetchone().values())))
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._conn.execute("PRAGMA foreign_keys = ON")
+        except sqlite3.DatabaseError as exc:
+            raise ContextDBError(
+                f"cannot open Context DB {path!r}: {exc}. Fix: point --db at a Context DB file or a new path."
+            ) from exc
+        self.journal_mode = self.journal_mode.lower()
+
+    def _run(self, sql: str, params: tuple[Any, ...]) -> Result:
+        cur = self._conn.execute(sql, params)
+        rows = cur.fetchall() if cur.description else []
+        return Result(rows, cur.rowcount)
+
+    def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            return self._run(sql, params).rows
+
+    @contextmanager
+    def write(self) -> Iterator[Transaction]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield Transaction(self._run, self.dialect)
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def _dict_row(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> dict[str, Any]:
+    return {col[0]: value for col, value in zip(cursor.description, row, strict=True)}
+
+
+_PARAM = re.compile(r"\?")
+
+
+class PostgresConnection(Connection):
+    """PostgreSQL through psycopg 3 (autocommit for reads, one transaction per write)."""
+
+    dialect: Dialect = "postgresql"
+
+    def __init__(self, url: str, *, connect_timeout_s: float) -> None:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError as exc:
+            raise ContextDBError(
+                f"the Context DB at {redact(url)} needs psycopg 3: pip install 'psycopg[binary]' ({exc})"
+            ) from exc
+        self.url = url
+        self.where = redact(url)
+        self.connect_timeout_s = connect_timeout_s
+        self.journal_mode = "postgresql"
+        self._lock = threading.RLock()
+        self._conn: Any = None
+        self._connect()
+
+    def _connect(self) -> Any:
+        import psycopg
+        from psycopg.rows import dict_row
+
+        if self._conn is not None and not self._conn.closed and not self._conn.broken:
+            return self._conn
+        try:
+            self._conn = psycopg.connect(
+                self.url,
+                autocommit=True,
+                row_factory=dict_row,
+                connect_timeout=max(1, round(self.connect_timeout_s)),
+                application_name="cspan-context-db",
+            )
+        except psycopg.Error as exc:
+            raise ContextDBError(
+                f"cannot connect to the Context DB at {self.where}: {str(exc).strip()}. Fix: check that the server "
+                "is running and the URL (host, port, database, user) in --db."
+            ) from exc
+        return self._conn
+
+    def _run(self, sql: str, params: tuple[Any, ...]) -> Result:
+        cur = self._conn.execute(_PARAM.sub("%s", sql), params, prepare=False)
+        rows = cur.fetchall() if cur.description else []
+        return Result(rows, cur.rowcount)
+
+    def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        import psycopg
+
+        with self._lock:
+            self._connect()
+            try:
+                return self._run(sql, params).rows
+            except psycopg.OperationalError as exc:
+                raise ContextDBError(f"the Context DB at {self.where} failed: {str(exc).strip()}") from exc
+
+    @contextmanager
+    def write(self) -> Iterator[Transaction]:
+        import psycopg
+
+        with self._lock:
+            conn = self._connect()
+            try:
+                with conn.transaction():
+                    yield Transaction(self._run, self.dialect)
+            except psycopg.OperationalError as exc:
+                raise ContextDBError(f"the Context DB at {self.where} failed: {str(exc).strip()}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+
+
+def redact(url: str) -> str:
+    """``url`` without its password ("postgresql://ada:***@db:5432/cspan")."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def is_postgres_url(target: str) -> bool:
+    """Whether ``target`` names a PostgreSQL database (``postgresql://`` or ``postgres://`` URL)."""
+    return target.startswith(("postgresql://", "postgres://", "postgresql+psycopg://"))
+
+
+def connect(target: str, *, busy_timeout_s: float = 10.0) -> Connection:
+    """Open ``target``: a PostgreSQL URL, ``sqlite:///PATH``, ``:memory:`` or a file path.
+
+    Raises:
+        ContextDBError: the database cannot be opened or reached (the message names it, without a password).
+    """
+    if is_postgres_url(target):
+        return PostgresConnection(target.replace("postgresql+psycopg://", "postgresql://", 1), connect_timeout_s=10.0)
+    if target.startswith("sqlite://"):  # SQLAlchemy's form: sqlite:///relative.db, sqlite:////absolute.db
+        target = target.removeprefix("sqlite://").removeprefix("/") or ":memory:"
+    if target != ":memory:":
+        target = str(Path(target).expanduser())
+    return SQLiteConnection(target, busy_timeout_s=busy_timeout_s)

@@ -1,0 +1,540 @@
+"""``UserMemory``: everything the Context DB holds about one principal, and no way to reach anyone else's rows.
+
+Every statement here carries ``user_id = ?`` bound to the principal the memory was opened for
+(:meth:`ContextDB.user`); ids that come from outside (a conversation id from a client, a span id from an event)
+only ever select among this user's rows. A conversation id is unique per user: two users may both have a
+conversation "c1", and they are different rows. Asking for another user's conversation or span behaves exactly as
+asking for one that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from cspan.backends.context_db.facts import extract_facts, fact_sentence, normalised
+from cspan.backends.context_db.models import (
+    ContextDBError,
+    Conversation,
+    DropReason,
+    Fact,
+    Profile,
+    SpanRecord,
+    TokenRecord,
+    Turn,
+    TurnRole,
+)
+from cspan.backends.context_db.schema import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from cspan.backends.context_db.connection import Connection, Transaction
+
+MAX_ID_CHARS = 200
+"""Longest accepted user or conversation id, in characters."""
+
+
+def check_id(value: object, what: str) -> str:
+    """``value`` if it is a usable id (a non-empty string of at most :data:`MAX_ID_CHARS` printable characters).
+
+    Raises:
+        ValueError: naming ``what`` and the problem.
+    """
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise ValueError(f"{what} must be 1 to {MAX_ID_CHARS} printable characters, got {value!r:.80}")
+    return value
+
+
+def _conversation(r: dict[str, Any]) -> Conversation:
+    return Conversation(
+        id=r["id"],
+        user_id=r["user_id"],
+        started_at=r["started_at"],
+        ended_at=r["ended_at"],
+        checkpoint=r["checkpoint"],
+        settings=json.loads(r["settings"] or "{}"),
+    )
+
+
+def _turn(r: dict[str, Any]) -> Turn:
+    return Turn(
+        id=r["id"],
+        conversation_id=r["conversation_id"],
+        role=r["role"],
+        text=r["text"],
+        t=r["t"],
+        frame=r["frame"],
+        meta=json.loads(r["meta"] or "{}"),
+    )
+
+
+def _span(r: dict[str, Any]) -> SpanRecord:
+    return SpanRecord(
+        id=r["id"],
+        conversation_id=r["conversation_id"],
+        question=r["question"],
+        text=r["text"],
+        tool=r["tool"],
+        arguments=json.loads(r["arguments"] or "{}"),
+        source=r["source"],
+        asked_at=r["asked_at"],
+        injected_at=r["injected_at"],
+        frame=r["frame"],
+        dropped=r["dropped"],
+        latency_s=r["latency_s"],
+        error=r["error"],
+    )
+
+
+def token_record(r: dict[str, Any]) -> TokenRecord:
+    """A ``tokens`` row as a :class:`TokenRecord` (the hash is left out)."""
+    return TokenRecord(
+        id=r["id"],
+        user_id=r["user_id"],
+        scopes=[s for s in (r["scopes"] or "").split(",") if s],
+        label=r["label"],
+        created_at=r["created_at"],
+        last_used_at=r["last_used_at"],
+        revoked_at=r["revoked_at"],
+    )
+
+
+class UserMemory:
+    """The Context DB as one user sees it: profile, facts, conversations, turns and spans of ``user_id`` only.
+
+    Get one from :meth:`ContextDB.user` (with a :class:`~cspan.backends.identity.Principal` or a user id); it is a
+    cheap view over the store's connection, so a server makes one per session. The ``a``-prefixed coroutines run the
+    matching method in a worker thread (:func:`asyncio.to_thread`), which is how async code should call it.
+    """
+
+    def __init__(self, conn: Connection, user_id: str) -> None:
+        self._conn = conn
+        self.user_id = check_id(user_id, "user id")
+
+    def __repr__(self) -> str:
+        return f"UserMemory(user_id={self.user_id!r}, db={self._conn.where!r})"
+
+    # ------------------------------------------------------------------ profile and facts
+
+    def put_profile(self, profile: Profile) -> Profile:
+        """Insert or replace this user's profile; its name and city also become facts. Returns the stored profile
+        (``user_id`` is this memory's, whatever ``profile.user_id`` said)."""
+        profile = profile.model_copy(update={"user_id": self.user_id})
+        now = time.time()
+        with self._conn.write() as tx:
+            tx.execute(
+                "INSERT INTO profiles (user_id, name, city, timezone, lat, lon, notes, persona, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (user_id) DO UPDATE SET name = excluded.name, "
+                "city = excluded.city, timezone = excluded.timezone, lat = excluded.lat, lon = excluded.lon, "
+                "notes = excluded.notes, persona = excluded.persona, updated_at = excluded.updated_at",
+                (
+                    self.user_id,
+                    profile.name,
+                    profile.city,
+                    profile.timezone,
+                    profile.lat,
+                    profile.lon,
+                    profile.notes,
+                    profile.persona,
+                    now,
+                ),
+            )
+            for key, value in (("name", profile.name), ("city", profile.city)):
+                if value:
+                    self._upsert_fact(tx, key, value, "profile", now)
+        return profile
+
+    def get_profile(self) -> Profile | None:
+        """This user's stored profile, or None."""
+        rows = self._conn.read("SELECT * FROM profiles WHERE user_id = ?", (self.user_id,))
+        if not rows:
+            return None
+        r = rows[0]
+        return Profile(
+            user_id=r["user_id"],
+            name=r["name"],
+            city=r["city"],
+            timezone=r["timezone"],
+            lat=r["lat"],
+            lon=r["lon"],
+            notes=r["notes"],
+            persona=r["persona"],
+        )
+
+    def _upsert_fact(self, tx: Transaction, key: str, value: str, source: str, t: float) -> None:
+        tx.execute(
+            "INSERT INTO facts (user_id, key, value, source, t) VALUES (?, ?, ?, ?, ?) ON CONFLICT (user_id, key) "
+            "DO UPDATE SET value = excluded.value, source = excluded.source, t = excluded.t",
+            (self.user_id, key, value, source, t),
+        )
+
+    def set_fact(self, key: str, value: str, *, source: str = "user") -> None:
+        """Remember ``key = value`` (replacing an older value of the same key)."""
+        with self._conn.write() as tx:
+            self._upsert_fact(tx, key, value, source, time.time())
+
+    def forget_fact(self, key: str) -> bool:
+        """Forget one fact; True when there was one."""
+        with self._conn.write() as tx:
+            return tx.execute("DELETE FROM facts WHERE user_id = ? AND key = ?", (self.user_id, key)).rowcount > 0
+
+    def facts(self) -> list[Fact]:
+        """All of this user's facts, oldest first."""
+        rows = self._conn.read(
+            "SELECT key, value, source, t FROM facts WHERE user_id = ? ORDER BY t, id", (self.user_id,)
+        )
+        return [Fact(key=r["key"], value=r["value"], source=r["source"], t=r["t"]) for r in rows]
+
+    # ------------------------------------------------------------------ conversations and turns
+
+    def start_conversation(
+        self,
+        conversation_id: str | None = None,
+        *,
+        checkpoint: str = "",
+        settings: dict[str, Any] | None = None,
+        started_at: float | None = None,
+    ) -> str:
+        """Create a conversation of this user and return its id (a new uuid4 hex unless ``conversation_id`` is given).
+
+        Starting an id this user already has is a no-op that returns the id, so a reconnecting client can resume.
+
+        Raises:
+            ValueError: ``conversation_id`` is empty, too long or not printable.
+        """
+        cid = check_id(conversation_id, "conversation id") if conversation_id is not None else uuid.uuid4().hex
+        with self._conn.write() as tx:
+            tx.execute(
+                "INSERT INTO conversations (user_id, id, started_at, checkpoint, settings) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (user_id, id) DO NOTHING",
+                (self.user_id, cid, started_at or time.time(), checkpoint, json.dumps(settings or {})),
+            )
+        return cid
+
+    def end_conversation(self, conversation_id: str, *, ended_at: float | None = None) -> bool:
+        """Record when the conversation ended (epoch seconds, default now); False when this user has no such one."""
+        with self._conn.write() as tx:
+            cur = tx.execute(
+                "UPDATE conversations SET ended_at = ? WHERE user_id = ? AND id = ?",
+                (ended_at or time.time(), self.user_id, conversation_id),
+            )
+        return cur.rowcount > 0
+
+    def get_conversation(self, conversation_id: str) -> Conversation | None:
+        """This user's conversation ``conversation_id``, or None."""
+        rows = self._conn.read(
+            "SELECT * FROM conversations WHERE user_id = ? AND id = ?", (self.user_id, conversation_id)
+        )
+        return _conversation(rows[0]) if rows else None
+
+    def conversations(self) -> list[Conversation]:
+        """This user's conversations, oldest first."""
+        rows = self._conn.read("SELECT * FROM conversations WHERE user_id = ? ORDER BY started_at, id", (self.user_id,))
+        return [_conversation(r) for r in rows]
+
+    def _require_conversation(self, tx: Transaction, conversation_id: str) -> None:
+        found = tx.execute(
+            "SELECT 1 AS found FROM conversations WHERE user_id = ? AND id = ?", (self.user_id, conversation_id)
+        ).rows
+        if not found:
+            raise ContextDBError(
+                f"conversation {conversation_id!r} is not in the Context DB {self._conn.where!r} for this user. "
+                "Fix: call start_conversation() first."
+            )
+
+    def add_turn(
+        self,
+        conversation_id: str,
+        role: TurnRole,
+        text: str,
+        *,
+        t: float | None = None,
+        frame: int | None = None,
+        meta: dict[str, Any] | None = None,
+        dedupe: bool = False,
+    ) -> int:
+        """Append a turn and return its id.
+
+        User turns also update this user's facts (:func:`extract_facts`). With ``dedupe``, a turn whose text equals
+        (case and punctuation aside) the latest turn of the same role is not added again; that turn's id is
+        returned instead.
+
+        Raises:
+            ContextDBError: this user has no such conversation (start it with :meth:`start_conversation`).
+            ValueError: ``role`` is not user / agent / tool.
+        """
+        if role not in ("user", "agent", "tool"):
+            raise ValueError(f"turn role must be 'user', 'agent' or 'tool', got {role!r}")
+        now = time.time() if t is None else t
+        with self._conn.write() as tx:
+            self._require_conversation(tx, conversation_id)
+            if dedupe:
+                last = tx.execute(
+                    "SELECT id, text FROM turns WHERE user_id = ? AND conversation_id = ? AND role = ? "
+                    "ORDER BY id DESC LIMIT 1",
+                    (self.user_id, conversation_id, role),
+                ).rows
+                if last and normalised(last[0]["text"]) == normalised(text):
+                    return int(last[0]["id"])
+            rows = tx.execute(
+                "INSERT INTO turns (user_id, conversation_id, role, text, t, frame, meta) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (self.user_id, conversation_id, role, text, now, frame, json.dumps(meta or {})),
+            ).rows
+            if role == "user":
+                for key, value in extract_facts(text).items():
+                    self._upsert_fact(tx, key, value, "user", now)
+            return int(rows[0]["id"])
+
+    def turns(self, conversation_id: str, *, last: int | None = None) -> list[Turn]:
+        """The conversation's turns in order (only the ``last`` n when given); [] for a conversation not this user's."""
+        where = "WHERE user_id = ? AND conversation_id = ?"
+        if last is None:
+            rows = self._conn.read(f"SELECT * FROM turns {where} ORDER BY id", (self.user_id, conversation_id))
+        else:
+            rows = self._conn.read(
+                f"SELECT * FROM (SELECT * FROM turns {where} ORDER BY id DESC LIMIT ?) AS recent ORDER BY id",
+                (self.user_id, conversation_id, max(0, int(last))),
+            )
+        return [_turn(r) for r in rows]
+
+    def last_user_text(self, conversation_id: str) -> str:
+        """Text of the latest user turn of the conversation, or ""."""
+        rows = self._conn.read(
+            "SELECT text FROM turns WHERE user_id = ? AND conversation_id = ? AND role = 'user' "
+            "ORDER BY id DESC LIMIT 1",
+            (self.user_id, conversation_id),
+        )
+        return rows[0]["text"] if rows else ""
+
+    # ------------------------------------------------------------------ spans
+
+    def add_span(
+        self,
+        conversation_id: str,
+        *,
+        question: str,
+        text: str | None,
+        tool: str | None = None,
+        arguments: dict[str, Any] | None = None,
+        source: str = "none",
+        asked_at: float | None = None,
+        latency_s: float | None = None,
+        error: str | None = None,
+        dropped: DropReason | None = None,
+    ) -> int:
+        """Record one retrieval and return its id. ``text`` is the reference (None when there was none);
+        ``dropped`` may be set at once (e.g. "no_span"), or later with :meth:`mark_span_dropped`.
+
+        Raises:
+            ContextDBError: this user has no such conversation.
+        """
+        with self._conn.write() as tx:
+            self._require_conversation(tx, conversation_id)
+            rows = tx.execute(
+                "INSERT INTO spans (user_id, conversation_id, question, text, tool, arguments, source, asked_at, "
+                "latency_s, error, dropped) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (
+                    self.user_id,
+                    conversation_id,
+                    question,
+                    text,
+                    tool,
+                    json.dumps(arguments or {}, ensure_ascii=False, default=str),
+                    source,
+                    asked_at if asked_at is not None else time.time(),
+                    latency_s,
+                    error,
+                    dropped,
+                ),
+            ).rows
+            return int(rows[0]["id"])
+
+    def mark_span_injected(self, span_id: int, *, injected_at: float | None = None, frame: int | None = None) -> None:
+        """Record that span ``span_id`` was injected (epoch seconds, default now; ``frame`` at 12.5 Hz).
+
+        Raises:
+            ContextDBError: this user has no such span.
+        """
+        self._update_span(span_id, "injected_at = ?, frame = ?, dropped = NULL", (injected_at or time.time(), frame))
+
+    def mark_span_dropped(self, span_id: int, reason: DropReason, *, error: str | None = None) -> None:
+        """Record that span ``span_id`` was not injected: "late" (past the deadline), "no_span" (nothing to
+        say) or "error" (a backend failed; ``error`` says how).
+
+        Raises:
+            ContextDBError: this user has no such span.
+            ValueError: unknown reason.
+        """
+        if reason not in ("late", "no_span", "error"):
+            raise ValueError(f"drop reason must be 'late', 'no_span' or 'error', got {reason!r}")
+        if error is None:
+            self._update_span(span_id, "dropped = ?, injected_at = NULL", (reason,))
+        else:
+            self._update_span(span_id, "dropped = ?, injected_at = NULL, error = ?", (reason, error))
+
+    def _update_span(self, span_id: int, assignments: str, params: tuple[Any, ...]) -> None:
+        with self._conn.write() as tx:
+            cur = tx.execute(
+                f"UPDATE spans SET {assignments} WHERE user_id = ? AND id = ?", (*params, self.user_id, span_id)
+            )
+        if cur.rowcount == 0:
+            raise ContextDBError(f"span {span_id} is not in the Context DB {self._conn.where!r} for this user")
+
+    def spans(self, conversation_id: str, *, last: int | None = None) -> list[SpanRecord]:
+        """The conversation's spans in order (only the ``last`` n when given)."""
+        where = "WHERE user_id = ? AND conversation_id = ?"
+        if last is None:
+            rows = self._conn.read(f"SELECT * FROM spans {where} ORDER BY id", (self.user_id, conversation_id))
+        else:
+            rows = self._conn.read(
+                f"SELECT * FROM (SELECT * FROM spans {where} ORDER BY id DESC LIMIT ?) AS recent ORDER BY id",
+                (self.user_id, conversation_id, max(0, int(last))),
+            )
+        return [_span(r) for r in rows]
+
+    # ------------------------------------------------------------------ router view
+
+    def profile_line(self, profile: Profile | None = None) -> str:
+        """``profile: user=Ada, place=Leeds, timezone=Europe/London, the user's ...`` from the profile and facts."""
+        profile = profile or self.get_profile() or Profile(user_id=self.user_id)
+        parts: list[str] = []
+        if profile.name:
+            parts.append(f"user={profile.name}")
+        if profile.place_label():
+            parts.append(f"place={profile.place_label()}")
+        if profile.timezone:
+            parts.append(f"timezone={profile.timezone}")
+        shown = {profile.name.lower(), profile.city.lower()}
+        for fact in self.facts():
+            if fact.value.lower() not in shown:
+                parts.append(fact_sentence(fact.key, fact.value))
+        if profile.notes:
+            parts.append("notes=" + " ".join(profile.notes.split()))
+        return "profile: " + ", ".join(parts) if parts else ""
+
+    def working_text(
+        self,
+        conversation_id: str,
+        *,
+        max_chars: int = 1400,
+        recent: int = 10,
+        profile: Profile | None = None,
+    ) -> str:
+        """What the router reads about this conversation, at most ``max_chars`` characters.
+
+        One ``profile: ...`` line (user, place, timezone, facts, notes) then the last ``recent`` turns as
+        ``user: ...`` / ``agent: ...`` / ``tool: ...`` lines, oldest first. When over budget the oldest turns are
+        dropped first; the profile line is kept (cut to the budget if it alone is too long). ``profile``
+        overrides the stored profile (e.g. the page's live settings). Unknown conversations give the profile
+        line only, or "".
+        """
+        head = self.profile_line(profile)[:max_chars]
+        lines = [f"{t.role}: {' '.join(t.text.split())}" for t in self.turns(conversation_id, last=recent)]
+        budget = max_chars - (len(head) + 1 if head else 0)
+        kept: list[str] = []
+        for line in reversed(lines):
+            if len(line) + 1 > budget:
+                break
+            kept.append(line)
+            budget -= len(line) + 1
+        return "\n".join(([head] if head else []) + list(reversed(kept)))
+
+    # ------------------------------------------------------------------ export and forget
+
+    def export(self) -> dict[str, Any]:
+        """Everything stored about this user as one JSON-serialisable object (``cspan db export USER``).
+
+        Keys: ``user_id``, ``exported_at`` (epoch s), ``schema_version``, ``profile`` (or None), ``facts``,
+        ``conversations`` (each with its ``turns`` and ``spans``) and ``tokens`` (issued tokens' ids, scopes,
+        labels and times; never a token or its hash).
+        """
+        profile = self.get_profile()
+        conversations = []
+        for conv in self.conversations():
+            item = conv.model_dump()
+            item["turns"] = [t.model_dump() for t in self.turns(conv.id)]
+            item["spans"] = [s.model_dump() for s in self.spans(conv.id)]
+            conversations.append(item)
+        tokens = self._conn.read("SELECT * FROM tokens WHERE user_id = ? ORDER BY created_at, id", (self.user_id,))
+        return {
+            "user_id": self.user_id,
+            "exported_at": time.time(),
+            "schema_version": SCHEMA_VERSION,
+            "profile": profile.model_dump() if profile else None,
+            "facts": [f.model_dump() for f in self.facts()],
+            "conversations": conversations,
+            "tokens": [token_record(r).model_dump() for r in tokens],
+        }
+
+    def forget(self) -> dict[str, int]:
+        """Delete everything remembered about this user: profile, facts, conversations with their turns and spans.
+
+        Issued tokens are kept (they are access, not memory; revoke them with ``cspan users revoke``). Returns the
+        number of rows deleted per table.
+        """
+        counts: dict[str, int] = {}
+        with self._conn.write() as tx:
+            for table in ("spans", "turns", "conversations", "facts", "profiles"):
+                counts[table] = tx.execute(f"DELETE FROM {table} WHERE user_id = ?", (self.user_id,)).rowcount
+        return counts
+
+    # ------------------------------------------------------------------ async wrappers (run in a worker thread)
+
+    async def aput_profile(self, profile: Profile) -> Profile:
+        """:meth:`put_profile` in a worker thread."""
+        return await asyncio.to_thread(self.put_profile, profile)
+
+    async def aget_profile(self) -> Profile | None:
+        """:meth:`get_profile` in a worker thread."""
+        return await asyncio.to_thread(self.get_profile)
+
+    async def aset_fact(self, key: str, value: str, *, source: str = "user") -> None:
+        """:meth:`set_fact` in a worker thread."""
+        await asyncio.to_thread(self.set_fact, key, value, source=source)
+
+    async def afacts(self) -> list[Fact]:
+        """:meth:`facts` in a worker thread."""
+        return await asyncio.to_thread(self.facts)
+
+    async def astart_conversation(self, conversation_id: str | None = None, **kwargs: Any) -> str:
+        """:meth:`start_conversation` in a worker thread."""
+        return await asyncio.to_thread(self.start_conversation, conversation_id, **kwargs)
+
+    async def aend_conversation(self, conversation_id: str, **kwargs: Any) -> bool:
+        """:meth:`end_conversation` in a worker thread."""
+        return await asyncio.to_thread(self.end_conversation, conversation_id, **kwargs)
+
+    async def aget_conversation(self, conversation_id: str) -> Conversation | None:
+        """:meth:`get_conversation` in a worker thread."""
+        return await asyncio.to_thread(self.get_conversation, conversation_id)
+
+    async def aadd_turn(self, conversation_id: str, role: TurnRole, text: str, **kwargs: Any) -> int:
+        """:meth:`add_turn` in a worker thread."""
+        return await asyncio.to_thread(self.add_turn, conversation_id, role, text, **kwargs)
+
+    async def aturns(self, conversation_id: str, *, last: int | None = None) -> list[Turn]:
+        """:meth:`turns` in a worker thread."""
+        return await asyncio.to_thread(self.turns, conversation_id, last=last)
+
+    async def aadd_span(self, conversation_id: str, **kwargs: Any) -> int:
+        """:meth:`add_span` in a worker thread."""
+        return await asyncio.to_thread(self.add_span, conversation_id, **kwargs)
+
+    async def amark_span_injected(self, span_id: int, **kwargs: Any) -> None:
+        """:meth:`mark_span_injected` in a worker thread."""
+        await asyncio.to_thread(self.mark_span_injected, span_id, **kwargs)
+
+    async def amark_span_dropped(self, span_id: int, reason: DropReason, **kwargs: Any) -> None:
+        """:meth:`mark_span_dropped` in a worker thread."""
+        await asyncio.to_thread(self.mark_span_dropped, span_id, reason, **kwargs)
+
+    async def aspans(self, conversation_id: str, *, last: int | None = None) -> list[SpanRecord]:
+        """:meth:`spans` in a worker thread."""
+        return await asyncio.to_thread(self.spans, conversation_id, last=last)
+
+    async def aworking_text(self, conversation_id: str, **kwargs: Any) -> str:
+        """:meth:`working_text` in a worker thread."""
+        return await asyncio.to_thread(self.working_text, conversation_id, **kwargs)

@@ -1,0 +1,266 @@
+"""Identity: credentials map to principals, and a session's user comes from its credential only.
+
+A :class:`Principal` is who is calling (a user id and the scopes granted). :meth:`Authenticator.authenticate`
+turns the credential a client presented (the bearer token) into a principal, or ``None`` when it is unknown.
+Three sources, tried in this order:
+
+1. **Issued tokens** (``cspan users add USER``): stored in the Context DB as a SHA-256 hash beside a public token
+   id; the token reads ``cspan.<id>.<secret>`` (256 random bits). Lookup is by id, then the hashes are compared with
+   :func:`hmac.compare_digest`. Revoked tokens (``cspan users revoke``) no longer authenticate.
+2. **A token file** (TOML, one ``[[token]]`` table per credential)::
+
+       [[token]]
+       user = "ada"
+       sha256 = "3b7c...e9"        # sha256 of the token (`cspan users hash` prints it); or token = "..." (plain)
+       scopes = ["session"]        # optional, default ["session"]
+
+   Every entry is compared (constant time, no early exit), so timing does not tell which entry, if any, matched.
+3. **A shared token** (``cspan serve --token``): one credential for one user id (``shared_user``, default ``local``).
+
+Tokens are random, not passwords, so one SHA-256 suffices (a slow password hash buys nothing against 256 random
+bits); what is stored never lets anyone log in. Scopes: :data:`SCOPES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cspan.backends.errors import BackendError
+
+if TYPE_CHECKING:
+    from cspan.backends.context_db import ContextDB, TokenRecord
+
+SCOPES: dict[str, str] = {
+    "session": "talk to the model over any protocol; the session's memory is this principal's",
+    "admin": "operator routes (/metrics, /info) and other users' data (export, forget)",
+}
+"""The scopes a credential may grant, with what each allows."""
+
+DEFAULT_SCOPES: tuple[str, ...] = ("session",)
+"""Scopes of a token when none are given."""
+
+TOKEN_PREFIX = "cspan"
+MAX_CREDENTIAL_CHARS = 512
+"""Longer credentials are refused without hashing."""
+
+
+class IdentityError(BackendError):
+    """A token file or token request is invalid (the message names the file, the entry and the fix)."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: ``user_id`` keys every Context DB row of theirs; ``scopes`` are what they may do.
+
+    ``source`` says how they were recognised: ``"token"`` (issued with ``cspan users``), ``"token-file"``,
+    ``"shared-token"`` or ``"local"`` (no authentication configured; a single-user machine).
+    ``token_id`` is the issued token's public id (``"token"`` source only).
+    """
+
+    user_id: str
+    scopes: frozenset[str] = field(default_factory=lambda: frozenset(DEFAULT_SCOPES))
+    source: str = "local"
+    token_id: str | None = None
+
+    def allows(self, scope: str) -> bool:
+        """Whether this principal was granted ``scope``."""
+        return scope in self.scopes
+
+    @classmethod
+    def local(cls, user_id: str = "local") -> Principal:
+        """The principal of an unauthenticated, single-user set-up (a loopback server without tokens): all scopes."""
+        return cls(user_id=user_id, scopes=frozenset(SCOPES), source="local")
+
+
+def hash_token(token: str) -> str:
+    """SHA-256 of ``token`` as 64 hex digits (what a token file's ``sha256`` and the Context DB store)."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def check_scopes(scopes: Iterable[str], where: str = "scopes") -> list[str]:
+    """``scopes`` de-duplicated in order, each one of :data:`SCOPES`.
+
+    Raises:
+        IdentityError: an unknown scope (the message lists the known ones).
+    """
+    out: list[str] = []
+    for scope in scopes:
+        if scope not in SCOPES:
+            raise IdentityError(f"{where}: unknown scope {scope!r}; known scopes: {', '.join(SCOPES)}")
+        if scope not in out:
+            out.append(scope)
+    return out
+
+
+def issue_token(
+    db: ContextDB, user_id: str, *, scopes: Iterable[str] = DEFAULT_SCOPES, label: str = ""
+) -> tuple[TokenRecord, str]:
+    """Make a new token for ``user_id``, store its hash, and return ``(record, token)``.
+
+    The token (``cspan.<id>.<secret>``) is returned once and never stored; it fits HTTP headers, URLs and WebSocket
+    subprotocol names (``A-Z a-z 0-9 . _ -``).
+
+    Raises:
+        IdentityError: an unknown scope.
+        ValueError: an unusable user id.
+    """
+    chosen = check_scopes(scopes) or list(DEFAULT_SCOPES)
+    token_id = secrets.token_hex(6)
+    token = f"{TOKEN_PREFIX}.{token_id}.{secrets.token_urlsafe(32)}"
+    record = db.add_token(token_id, user_id, hash_token(token), scopes=chosen, label=label)
+    return record, token
+
+
+@dataclass(frozen=True)
+class _FileEntry:
+    digest: bytes
+    principal: Principal
+
+
+def load_token_file(path: str | Path) -> list[_FileEntry]:
+    """Read a token file (see the module docstring).
+
+    Raises:
+        IdentityError: unreadable or not TOML, or an entry without ``user``, with neither or both of ``token`` and
+            ``sha256``, a malformed hash or an unknown scope (the message names the file and the entry).
+    """
+    from cspan.backends.context_db.user import check_id
+
+    path = Path(path).expanduser()
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IdentityError(f"token file {path} does not exist") from None
+    except OSError as exc:
+        raise IdentityError(f"token file {path} cannot be read: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise IdentityError(f"token file {path} is not valid TOML: {exc}") from None
+    tables = data.get("token", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise IdentityError(f"token file {path}: write one [[token]] table per credential")
+    entries = []
+    for n, table in enumerate(tables, start=1):
+        where = f"token file {path}, [[token]] #{n}"
+        unknown = set(table) - {"user", "token", "sha256", "scopes"}
+        if unknown:
+            raise IdentityError(f"{where}: unknown key(s) {sorted(unknown)}; use user, sha256 (or token), scopes")
+        try:
+            user = check_id(table.get("user"), "user")
+        except ValueError as exc:
+            raise IdentityError(f"{where}: {exc}") from None
+        if ("token" in table) == ("sha256" in table):
+            raise IdentityError(f'{where}: give exactly one of sha256 = "..." (preferred) or token = "..."')
+        if "token" in table:
+            if not isinstance(table["token"], str) or len(table["token"]) < 16:
+                raise IdentityError(f"{where}: token must be a string of at least 16 characters")
+            digest = hash_token(table["token"])
+        else:
+            digest = str(table["sha256"]).strip().lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise IdentityError(f"{where}: sha256 must be 64 hex digits (`cspan users hash` prints it)")
+        scopes = table.get("scopes", list(DEFAULT_SCOPES))
+        if not isinstance(scopes, list):
+            raise IdentityError(f'{where}: scopes must be a list such as ["session"]')
+        chosen = check_scopes(scopes, where)
+        principal = Principal(user_id=user, scopes=frozenset(chosen), source="token-file")
+        entries.append(_FileEntry(bytes.fromhex(digest), principal))
+    return entries
+
+
+class Authenticator:
+    """Credential -> :class:`Principal` (see the module docstring for the sources and their order).
+
+    Args:
+        db: the Context DB holding issued tokens (``None``: issued tokens are not accepted).
+        token_file: a token file (read now; :meth:`reload` reads it again).
+        shared_token: one shared credential (``cspan serve --token``), for ``shared_user``.
+        shared_user: the user id of the shared token.
+        record_use: stamp ``last_used_at`` of an issued token when it authenticates.
+
+    Raises:
+        IdentityError: the token file is invalid.
+    """
+
+    def __init__(
+        self,
+        *,
+        db: ContextDB | None = None,
+        token_file: str | Path | None = None,
+        shared_token: str | None = None,
+        shared_user: str = "local",
+        record_use: bool = True,
+    ) -> None:
+        self.db = db
+        self.token_file = Path(token_file).expanduser() if token_file is not None else None
+        self.record_use = record_use
+        self._shared = (
+            _FileEntry(
+                hashlib.sha256(shared_token.encode("utf-8")).digest(),
+                Principal(user_id=shared_user, scopes=frozenset(SCOPES), source="shared-token"),
+            )
+            if shared_token
+            else None
+        )
+        self._entries: list[_FileEntry] = []
+        self.reload()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any credential source is configured (else a server runs as :meth:`Principal.local`)."""
+        return self.db is not None or self.token_file is not None or self._shared is not None
+
+    def reload(self) -> None:
+        """Read the token file again (a server calls this on SIGHUP); the old entries stay if it is invalid.
+
+        Raises:
+            IdentityError: the token file is invalid.
+        """
+        if self.token_file is not None:
+            self._entries = load_token_file(self.token_file)
+
+    def authenticate(self, credential: str | None) -> Principal | None:
+        """The principal ``credential`` (a bearer token, without the ``Bearer`` word) belongs to, or None.
+
+        Never raises for a bad credential; a database failure is raised (the caller answers 503, not 401).
+        """
+        if not credential or len(credential) > MAX_CREDENTIAL_CHARS:
+            return None
+        credential = credential.strip()
+        digest = hashlib.sha256(credential.encode("utf-8", "surrogatepass")).digest()
+        found = self._issued(credential, digest)
+        if found is not None:
+            return found
+        match: Principal | None = None
+        for entry in [*self._entries, *([self._shared] if self._shared else [])]:
+            if hmac.compare_digest(digest, entry.digest):  # every entry compared: no early exit
+                match = match or entry.principal
+        return match
+
+    async def aauthenticate(self, credential: str | None) -> Principal | None:
+        """:meth:`authenticate` in a worker thread (it may read the Context DB)."""
+        return await asyncio.to_thread(self.authenticate, credential)
+
+    def _issued(self, credential: str, digest: bytes) -> Principal | None:
+        if self.db is None:
+            return None
+        prefix, _, rest = credential.partition(".")
+        token_id, _, secret = rest.partition(".")
+        if prefix != TOKEN_PREFIX or not token_id or not secret:
+            return None
+        row = self.db.token_hash(token_id)
+        if row is None:
+            return None
+        record, stored = row
+        if not hmac.compare_digest(digest, bytes.fromhex(stored)):
+            return None
+        if self.record_use:
+            self.db.touch_token(token_id)
+        return Principal(user_id=record.user_id, scopes=frozenset(record.scopes), source="token", token_id=token_id)

@@ -1,0 +1,247 @@
+"""Settings declared once: a pydantic-settings model is the single declaration of a verb's settings.
+
+Each field of a :class:`pydantic_settings.BaseSettings` model declares one setting: its name, type, range
+(``Field(ge=..., le=...)``, finite numbers with ``allow_inf_nan=False``), default and help (``description``). From
+that one declaration this module generates
+
+- the command-line flags of the verb (kebab-case, ``--name``; booleans as ``--name/--no-name``; lists repeat the
+  flag), through pydantic-settings' :class:`~pydantic_settings.CliSettingsSource`;
+- the environment variables (``CSPAN_NAME``, the model's ``env_prefix``);
+- a settings file: ``--config FILE.toml`` (or ``CSPAN_CONFIG``), whose keys are the field names (snake or kebab
+  case), at the top level or in a table named after the verb (``[serve]``), so one file can hold several verbs.
+
+Precedence: command line, then environment, then the settings file, then the declared default. A value out of
+range, whatever its source, is reported as one line naming the flag, the environment variable or the file key, and
+the command exits with status 2 before any work starts (:class:`SettingsError`).
+
+A repeatable flag (a ``list`` field) takes each value verbatim: ``--span "1.0:Hello, world"`` is one item, commas,
+brackets and quotes included (pydantic-settings' own list syntax, which splits on commas and reads JSON, applies
+only to the environment and the settings file).
+
+Field extras (``Field(json_schema_extra={...})``) refine the generated flag: ``group`` (the help section),
+``metavar``, ``hidden`` (not listed in ``--help``).
+
+Usage, in a verb's ``register(parser)``::
+
+    add_settings_arguments(parser, ServeSettings)
+    parser.set_defaults(handler=lambda args: run(settings_from_args(args)))
+
+Models that live where ``cspan.core`` cannot be imported (``cspan.backends``) declare ``SETTINGS_CONFIG``-like
+configuration themselves; :mod:`cspan.core.cli` builds their verbs from the model (see ``SettingsCommand`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
+
+from .errors import CspanError
+
+SETTINGS_CONFIG = SettingsConfigDict(
+    env_prefix="CSPAN_",
+    cli_kebab_case=True,
+    cli_implicit_flags=True,
+    cli_hide_none_type=True,
+    cli_avoid_json=True,
+    extra="forbid",
+    validate_default=True,
+)
+"""The ``model_config`` every settings model of the project uses (``CSPAN_`` environment, kebab-case flags)."""
+
+CONFIG_ENV = "CSPAN_CONFIG"
+"""Environment variable naming a settings file when ``--config`` is not given."""
+
+S = TypeVar("S", bound=BaseSettings)
+
+_MODEL = "_settings_model"
+_SOURCE = "_settings_source"
+_VERB = "_settings_verb"
+
+
+class SettingsError(CspanError):
+    """A setting is invalid (out of range, wrong type, unknown key in a settings file); the message names its source."""
+
+    exit_code = 2
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env(model: type[BaseSettings], name: str) -> str:
+    return f"{model.model_config.get('env_prefix', '')}{name}".upper()
+
+
+def add_settings_arguments(
+    parser: argparse.ArgumentParser, model: type[BaseSettings], *, config_file: bool = True
+) -> None:
+    """Add one flag per field of ``model`` to ``parser`` (and ``--config``); :func:`settings_from_args` reads them.
+
+    Args:
+        parser: the verb's parser.
+        model: the settings model (a ``BaseSettings`` subclass; ``SETTINGS_CONFIG`` as its ``model_config``).
+        config_file: also add ``--config FILE`` (a TOML settings file).
+    """
+    groups: dict[str, Any] = {}
+
+    def add_argument(target: Any, *names: str, **kwargs: Any) -> Any:
+        field = model.model_fields.get(kwargs.get("dest", ""))
+        extra = field.json_schema_extra if field is not None and isinstance(field.json_schema_extra, dict) else {}
+        if "metavar" in kwargs:  # a name the reader knows (PORT, ORIGIN) rather than a type (int, list[str])
+            default_name = (
+                kwargs.get("dest", "value").upper().removesuffix("S")
+                if kwargs.get("action") == "append"
+                else kwargs.get("dest", "value").upper()
+            )
+            kwargs["metavar"] = extra.get("metavar") or default_name.replace("_", "-")
+        if isinstance(kwargs.get("help"), str):
+            kwargs["help"] = kwargs["help"].replace(" (default factory: list)", "")
+        if extra.get("hidden"):
+            kwargs["help"] = argparse.SUPPRESS
+        elif field is not None and field.description and (not kwargs.get("help") or "(default:" in field.description):
+            kwargs["help"] = field.description  # a description that says its default itself replaces the generated one
+        group = extra.get("group")
+        if group and target is parser:
+            if group not in groups:
+                groups[group] = parser.add_argument_group(str(group))
+            target = groups[group]
+        return target.add_argument(*names, **kwargs)
+
+    source = CliSettingsSource(model, root_parser=parser, add_argument_method=add_argument)
+    if config_file:
+        parser.add_argument(
+            "--config",
+            type=Path,
+            default=None,
+            metavar="FILE",
+            help=f"settings file (TOML: keys as the flags' names, top level or under [{parser.prog.split()[-1]}]; "
+            f"env {CONFIG_ENV}); flags and CSPAN_* variables override it",
+        )
+    parser.set_defaults(**{_MODEL: model, _SOURCE: source, _VERB: parser.prog.split()[-1]})
+
+
+def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SettingsError(f"settings file {path} does not exist") from None
+    except OSError as exc:
+        raise SettingsError(f"settings file {path} cannot be read: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"settings file {path} is not valid TOML: {exc}") from None
+    section = data.get(verb)
+    table = section if isinstance(section, dict) else {k: v for k, v in data.items() if not isinstance(v, dict)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in model.model_fields:
+            known = ", ".join(sorted(n.replace("_", "-") for n in model.model_fields))
+            raise SettingsError(f"settings file {path}: unknown key {key!r} for `cspan {verb}` (known: {known})")
+        values[name] = value
+    return values
+
+
+def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str, str]) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        name = str(err["loc"][0]) if err["loc"] else ""
+        where = sources.get(name, _flag(name))
+        given = err.get("input")
+        shown = ""
+        if given is not None and not isinstance(given, dict):
+            text = repr(given)
+            shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
+        message = (
+            "required, and not given" if err["type"] == "missing" else str(err["msg"]).removeprefix("Value error, ")
+        )
+        lines.append(f"{where}: {message}{shown}")
+    return "; ".join(lines) or str(exc)
+
+
+def load_settings(
+    model: type[S],
+    cli: dict[str, Any] | None = None,
+    *,
+    config: Path | None = None,
+    verb: str = "",
+    cli_source: CliSettingsSource[Any] | None = None,
+    parsed_args: argparse.Namespace | None = None,
+) -> S:
+    """Build ``model`` from the command line, the environment, a settings file and the defaults (in that order).
+
+    Args:
+        model: the settings model.
+        cli: values given in Python (highest precedence; used by tests and embedding code).
+        config: a TOML settings file (default: ``$CSPAN_CONFIG`` when set).
+        verb: the verb whose ``[verb]`` table the file may hold.
+        cli_source, parsed_args: the parsed command line (from :func:`add_settings_arguments`).
+
+    Raises:
+        SettingsError: an invalid value (the message names the flag, variable or file key) or a bad settings file.
+    """
+    if config is None and os.environ.get(CONFIG_ENV):
+        config = Path(os.environ[CONFIG_ENV])
+    sources = {name: f"{_flag(name)} / {_env(model, name)}" for name in model.model_fields}
+    values: dict[str, Any] = {}
+    if config is not None:
+        file_values = _read_config(config, verb, model)
+        env_values = EnvSettingsSource(model)()
+        for name, value in file_values.items():
+            if name not in env_values:
+                values[name] = value
+                sources[name] = f"{config}: {name.replace('_', '-')}"
+    values.update(cli or {})
+    try:
+        if cli_source is not None and parsed_args is not None:
+            return model(_cli_settings_source=cli_source(parsed_args=parsed_args), **values)  # type: ignore[call-arg]
+        return model(**values)
+    except ValidationError as exc:
+        raise SettingsError(_describe(model, exc, sources)) from None
+    except SourceError as exc:  # a value pydantic-settings could not decode (a malformed list in CSPAN_*)
+        match = re.search(r'field "(\w+)"', str(exc))
+        where = sources.get(match.group(1), "") if match else ""
+        raise SettingsError(f"{where}: {exc}" if where else str(exc)) from None
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The settings model built from arguments parsed by a parser set up with :func:`add_settings_arguments`.
+
+    Raises:
+        SettingsError: as :func:`load_settings`.
+    """
+    model = getattr(args, _MODEL)
+    # Repeated flags are taken verbatim (validated by pydantic), not through the CLI source's list syntax, which
+    # would split "1.0:Hello, world" at the comma and read "[x]" as a list.
+    parsed = argparse.Namespace(**vars(args))
+    repeated: dict[str, Any] = {}
+    for name in model.model_fields:
+        value = getattr(parsed, name, None)
+        if isinstance(value, list):
+            repeated[name] = value
+            delattr(parsed, name)
+    return load_settings(
+        model,
+        repeated,
+        config=getattr(args, "config", None),
+        verb=getattr(args, _VERB, ""),
+        cli_source=getattr(args, _SOURCE),
+        parsed_args=parsed,
+    )
+
+
+__all__ = [
+    "CONFIG_ENV",
+    "SETTINGS_CONFIG",
+    "SettingsError",
+    "add_settings_arguments",
+    "load_settings",
+    "settings_from_args",
+]

@@ -1,0 +1,528 @@
+"""Voice prompts: Mimi codes, PersonaPlex embedding voices, and voices made from a recording (``cspan voice``).
+
+A voice prompt is one of:
+
+- **codes**: ``{"codes": LongTensor[8, N]}``, the agent's Mimi codes of N frames (this project's format, the
+  Context Spanning release's ``voices/*.pt``);
+- **embeddings**: ``{"embeddings": [E, 1, 1, D], "cache": LongTensor[1, K, R]}``, what NVIDIA PersonaPlex saves from
+  a voice recording (``LMGen._step_voice_prompt_core`` with ``save_voice_prompt_embeddings``, moshi/models/lm.py) and
+  ships as ``voices.tgz`` (``NATF0.pt`` ...): the input embeddings the model read at positions ``0 .. E - 1``
+  (E = N - 1: the voice's first frame never reaches the model) and ``LMGen``'s token ring after the voice, whose
+  last columns hold the codes the model reads from position E on;
+- **audio** (any file soundfile reads, 2 to 30 s): loudness-normalised to -24 LUFS and Mimi-encoded as PersonaPlex's
+  ``LMGen.load_voice_prompt`` does (``normalize_audio``: pyloudnorm's integrated loudness, gain applied in float64),
+  giving codes.
+
+``cspan voice encode IN OUT`` writes a recording's voice as a ``.pt`` holding ``codes``, plus ``embeddings`` and
+``cache`` when the checkpoint uses PersonaPlex's prefix layout, so the one file loads here and in PersonaPlex.
+
+Only ``torch.load(weights_only=True)`` reads voice files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .constants import FRAME_SIZE, NUM_CODEBOOKS, PAD, SAMPLE_RATE, SINE_TOKENS
+from .errors import AudioInputError, CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+VOICE_MIN_SECONDS = 2.0
+"""Shortest recording accepted as a voice."""
+VOICE_MAX_SECONDS = 30.0
+"""Longest recording accepted as a voice."""
+VOICE_TARGET_LUFS = -24.0
+"""Loudness a voice recording is normalised to (PersonaPlex's ``load_voice_prompt``)."""
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
+"""File suffixes taken as recordings when a voice is named by its stem."""
+DEFAULT_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+"""Per-stream delays of the 7B (text, agent cb0..7, user cb0..7), used when no checkpoint is given."""
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """A loaded voice prompt: Mimi codes, or PersonaPlex input embeddings with the frames that follow them.
+
+    Attributes:
+        source: the file it was read from.
+        codes: [C, N] long Mimi codes (codes and audio voices), else None.
+        embeddings: [E, D] float input embeddings of positions ``0 .. E - 1`` (embedding voices), else None.
+        frames: [K, E] long frames in the model's coordinates (embedding voices): frame j is read at position
+            ``j + 1 + delay``; the entries that reach positions >= E come from the stored token ring, the others
+            are PersonaPlex's dummy frame (text PAD, audio initial token) and are never read as tokens.
+    """
+
+    source: Path
+    codes: torch.Tensor | None = None
+    embeddings: torch.Tensor | None = None
+    frames: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"codes"`` or ``"embeddings"``."""
+        return "codes" if self.codes is not None else "embeddings"
+
+    @property
+    def num_frames(self) -> int:
+        """N for codes, E for embeddings."""
+        return int(self.codes.shape[-1]) if self.codes is not None else int(self.embeddings.shape[0])  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding and reading voice files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _known_voices(checkpoint: Checkpoint | None) -> dict[str, Path]:
+    from .checkpoint import ENV_VOICES, scan_voices
+
+    known = {}
+    if checkpoint is not None:
+        known = {**getattr(checkpoint, "archive_voices", {}), **checkpoint.voices}
+    env_dir = os.environ.get(ENV_VOICES)
+    if env_dir:
+        known = {**known, **scan_voices(Path(env_dir))}
+    return known
+
+
+def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> Path:
+    """The file of a voice: an existing file, a voice name of the checkpoint (or ``$CSPAN_VOICES_DIR``), or such a
+    name with its file suffix (``NATF2.pt``, as PersonaPlex's ``--voice-prompt`` takes it).
+
+    Raises:
+        CheckpointError: neither a file nor a known voice (lists the known ones).
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    name = str(name_or_path)
+    known = _known_voices(checkpoint)
+    if name in known:
+        return known[name]
+    stem = Path(name).stem
+    if Path(name).suffix in (".pt", *AUDIO_SUFFIXES) and stem in known and "/" not in name:
+        return known[stem]
+    names = ", ".join(sorted(known)) or "none"
+    raise CheckpointError(
+        f"voice {str(path)!r} is not a file and {name!r} is not a known voice (known voices: {names}); pass a voice "
+        "name, a .pt voice file, or a 2-30 s recording"
+    )
+
+
+def _is_torch_file(path: Path) -> bool:
+    """A zip archive (``torch.save``) or a legacy pickle, by its first bytes."""
+    with path.open("rb") as fh:
+        head = fh.read(4)
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+
+
+def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> VoicePrompt:
+    """Load a voice prompt in any of its forms (module docstring).
+
+    Args:
+        name_or_path: a voice name (``voices/<name>.pt`` of the checkpoint, of ``voices.tgz``, or of
+            ``$CSPAN_VOICES_DIR``), a ``.pt`` voice file, or a recording.
+        checkpoint: supplies the voice names, the LM sizes the file must match (``card``, ``dim``, delays) and the
+            Mimi codec that encodes a recording (2048 / the 7B's layout without one; a recording then fails).
+
+    Returns:
+        A :class:`VoicePrompt` on the CPU; codes are preferred where a file holds both forms.
+
+    Raises:
+        CheckpointError: unknown name, unreadable file, keys or shapes or values that do not fit the model (each
+            names the file and the key), a recording without a checkpoint to encode it.
+        AudioInputError: a recording that is too short, too long, silent or not audio.
+    """
+    path = find_voice(name_or_path, checkpoint)
+    if not _is_torch_file(path):
+        if checkpoint is None or getattr(checkpoint, "mimi", None) is None:
+            raise CheckpointError(
+                f"voice file {str(path)!r} is not a torch file; a voice from a recording needs the checkpoint's "
+                "Mimi codec to encode it (load it with a checkpoint, or run `cspan voice encode` first)"
+            )
+        codes, _ = encode_voice_audio(path, checkpoint.mimi)
+        return VoicePrompt(source=path, codes=codes)
+    from .checkpoint import _torch_load
+
+    obj = _torch_load(path, "voice")
+    if not isinstance(obj, dict) or not ({"codes"} <= set(obj) or {"embeddings", "cache"} <= set(obj)):
+        keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
+        raise CheckpointError(
+            f"voice file {str(path)!r}: key 'codes' missing (it holds {keys}); expected {{'codes': LongTensor[8, P]}} "
+            "(this project's voices) or {'embeddings', 'cache'} (a PersonaPlex voice)"
+        )
+    cfg = checkpoint.lm_config if checkpoint is not None else None
+    if "codes" in obj:
+        card = cfg.card if cfg is not None else 2048
+        return VoicePrompt(source=path, codes=_check_codes(obj["codes"], path, card))
+    return _embedding_voice(path, obj["embeddings"], obj["cache"], cfg)
+
+
+def load_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> torch.Tensor:
+    """The Mimi codes of a voice: ``{"codes": LongTensor[8, P]}``, or a recording encoded with the checkpoint's Mimi.
+
+    A PersonaPlex embedding voice has no codes; when a recording of the same name lies next to it (``NATF2.wav``
+    beside ``NATF2.pt``), that recording is encoded instead (PersonaPlex derived the ``.pt`` from it, and both give
+    the same prefix from the voice's last frame on); otherwise use :func:`load_voice_prompt`.
+
+    Args:
+        name_or_path: see :func:`load_voice_prompt`.
+        checkpoint: supplies the voice names, ``card`` and the Mimi codec (for recordings).
+
+    Returns:
+        LongTensor [8, P] on CPU.
+
+    Raises:
+        CheckpointError: as :func:`load_voice_prompt`; an embedding voice without a recording beside it.
+        AudioInputError: a bad recording.
+    """
+    voice = load_voice_prompt(name_or_path, checkpoint)
+    if voice.codes is not None:
+        return voice.codes
+    for suffix in AUDIO_SUFFIXES:
+        audio = voice.source.with_suffix(suffix)
+        if audio.is_file() and checkpoint is not None and getattr(checkpoint, "mimi", None) is not None:
+            return encode_voice_audio(audio, checkpoint.mimi)[0]
+    raise CheckpointError(
+        f"voice file {str(voice.source)!r} is a PersonaPlex voice (input embeddings and a token cache), not Mimi "
+        "codes; load it with load_voice_prompt() for the engine, or make a codes voice from a recording with "
+        "`cspan voice encode IN.wav OUT.pt`"
+    )
+
+
+def _check_codes(codes: Any, path: Path, card: int) -> torch.Tensor:
+    import torch
+
+    where = f"voice file {str(path)!r}, key 'codes'"
+    if not isinstance(codes, torch.Tensor):
+        raise CheckpointError(f"{where}: expected a tensor, got {type(codes).__name__}")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise CheckpointError(f"{where}: dtype {codes.dtype}, expected an integer dtype")
+    if codes.dim() != 2 or codes.shape[0] != NUM_CODEBOOKS or codes.shape[1] < 1:
+        raise CheckpointError(f"{where}: shape {list(codes.shape)}, expected [{NUM_CODEBOOKS}, P] with P >= 1 frames")
+    codes = codes.to(torch.long).clone()
+    lo, hi = int(codes.min()), int(codes.max())
+    if lo < 0 or hi >= card:
+        raise CheckpointError(f"{where}: values in [{lo}, {hi}], expected [0, {card}) (Mimi codes)")
+    return codes
+
+
+def _embedding_voice(path: Path, embeddings: Any, cache: Any, cfg: Any | None) -> VoicePrompt:
+    """Validate a PersonaPlex ``{"embeddings", "cache"}`` voice and restore its frames from the token ring."""
+    import torch
+
+    where = f"voice file {str(path)!r}"
+    if not isinstance(embeddings, torch.Tensor) or not embeddings.is_floating_point():
+        raise CheckpointError(f"{where}, key 'embeddings': expected a floating tensor [E, 1, 1, D]")
+    if embeddings.dim() < 2 or embeddings.shape[0] < 1 or math.prod(embeddings.shape[1:-1]) != 1:
+        raise CheckpointError(f"{where}, key 'embeddings': shape {list(embeddings.shape)}, expected [E, 1, 1, D]")
+    emb = embeddings.reshape(embeddings.shape[0], embeddings.shape[-1]).clone()
+    if not bool(torch.isfinite(emb.float()).all()):
+        raise CheckpointError(f"{where}, key 'embeddings': contains NaN or infinite values")
+    if cfg is not None and emb.shape[1] != cfg.dim:
+        raise CheckpointError(
+            f"{where}, key 'embeddings': width {emb.shape[1]}, but the LM's dim is {cfg.dim}; the voice was made for "
+            "another model"
+        )
+    delays = list(cfg.delays) if cfg is not None else list(DEFAULT_DELAYS)
+    card = cfg.card if cfg is not None else 2048
+    text_card = cfg.text_card if cfg is not None else 32000
+    K = len(delays)
+    if not isinstance(cache, torch.Tensor) or cache.is_floating_point() or cache.dtype == torch.bool:
+        raise CheckpointError(f"{where}, key 'cache': expected an integer tensor [1, {K}, R]")
+    ring = cache.reshape(cache.shape[-2], cache.shape[-1]) if cache.dim() == 3 and cache.shape[0] == 1 else cache
+    if ring.dim() != 2 or ring.shape[0] != K or ring.shape[1] < max(delays) + 1:
+        raise CheckpointError(
+            f"{where}, key 'cache': shape {list(cache.shape)}, expected [1, {K}, R] with R > {max(delays)} (the "
+            "token ring of the model's streams)"
+        )
+    ring = ring.to(torch.long)
+    limits = torch.tensor([text_card] + [card] * (K - 1))[:, None]
+    if bool((ring < 0).any()) or bool((ring > limits).any()):
+        raise CheckpointError(
+            f"{where}, key 'cache': token ids outside [0, text_card {text_card}] / [0, card {card}]; the voice was "
+            "made for another model"
+        )
+    initial = [text_card] + [card] * (K - 1)
+    frames = frames_from_ring(ring, emb.shape[0], delays, initial)
+    return VoicePrompt(source=path, embeddings=emb, frames=frames)
+
+
+def frames_from_ring(
+    ring: torch.Tensor, num_embeddings: int, delays: Sequence[int], initial: Sequence[int]
+) -> torch.Tensor:
+    """The frames [K, E] of an embedding voice in the model's coordinates, from PersonaPlex's token ring.
+
+    PersonaPlex's frame f (0 .. N-1, N = E + 1 voice calls) row k sits in ring column ``(f + delays[k]) mod R`` and
+    is read at position ``f + delays[k]``; our frame j is its frame j + 1 (its frame 0 never reaches the model).
+    Entries read at positions >= E (after the embeddings) come from the ring; the others get PersonaPlex's dummy
+    frame of ``step_embeddings``: text PAD, audio ``initial`` (they are read as embeddings, never as tokens).
+
+    Args:
+        ring: [K, R] long, ``LMGen``'s token cache after the voice calls.
+        num_embeddings: E.
+        delays: K per-stream delays.
+        initial: K initial token ids (text_card, card ...), the dummy audio.
+
+    Returns:
+        [K, E] long.
+    """
+    import torch
+
+    R = ring.shape[1]
+    E = int(num_embeddings)
+    frames = torch.tensor(initial, dtype=torch.long)[:, None].repeat(1, E)
+    frames[0] = PAD
+    for k, d in enumerate(delays):
+        for j in range(E):
+            position = j + 1 + d  # PersonaPlex frame f = j + 1 is read at position f + d
+            if position >= E:
+                frames[k, j] = ring[k, position % R]
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A voice from a recording
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VoiceAudio:
+    """A recording prepared as PersonaPlex prepares a voice prompt.
+
+    Attributes:
+        pcm: float32 [N * 1920] at 24 kHz, loudness-normalised and zero-padded to whole frames (what Mimi encodes).
+        samples: samples before padding.
+        loudness_lufs: integrated loudness of the read samples (ITU-R BS.1770-4, pyloudnorm).
+        gain: linear gain applied (``10 ** ((-24 - loudness) / 20)``).
+    """
+
+    pcm: Any
+    samples: int
+    loudness_lufs: float
+    gain: float
+
+    @property
+    def num_frames(self) -> int:
+        """N."""
+        return len(self.pcm) // FRAME_SIZE
+
+
+def prepare_voice_audio(path: str | os.PathLike[str], *, sample_rate: int = SAMPLE_RATE) -> VoiceAudio:
+    """Read a recording as a voice prompt: channel 0, resampled to 24 kHz (soxr), loudness-normalised to -24 LUFS
+    with pyloudnorm (``Meter(24000).integrated_loudness``, then ``normalize.loudness``; the gain is applied in float64
+    and the result rounded to float32, as PersonaPlex's ``normalize_audio`` with NumPy 2), zero-padded to whole
+    1920-sample frames.
+
+    Raises:
+        AudioInputError: not audio, shorter than 2 s, longer than 30 s, silent, NaN or infinite samples.
+    """
+    import numpy as np
+    import pyloudnorm
+    import soundfile as sf
+
+    from .audio import SILENCE_PEAK, _open, resample
+
+    path = Path(path)
+    with _open(path) as f:
+        rate, frames = int(f.samplerate), int(f.frames)
+        if frames / rate > VOICE_MAX_SECONDS:
+            raise AudioInputError(
+                f"{path}: is {frames / rate:.1f} s long, over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; "
+                f"use {VOICE_MIN_SECONDS:.0f} to {VOICE_MAX_SECONDS:.0f} s of speech"
+            )
+        try:
+            data = f.read(dtype="float32", always_2d=True)[:, 0]
+        except (sf.LibsndfileError, RuntimeError) as exc:
+            raise AudioInputError(f"{path}: decoding failed part-way ({exc}); the file is damaged") from None
+    if not np.isfinite(data).all():
+        raise AudioInputError(f"{path}: contains NaN or infinite samples; it cannot be a voice")
+    pcm = resample(np.ascontiguousarray(data), rate, sample_rate)
+    if not len(pcm) or float(np.max(np.abs(pcm))) < SILENCE_PEAK:
+        raise AudioInputError(f"{path}: is silent (peak below -80 dBFS); record some speech")
+    seconds = len(pcm) / sample_rate
+    if seconds < VOICE_MIN_SECONDS:
+        raise AudioInputError(
+            f"{path}: is {seconds:.2f} s long; a voice needs {VOICE_MIN_SECONDS:.0f} to {VOICE_MAX_SECONDS:.0f} s "
+            "of speech"
+        )
+    loudness = float(pyloudnorm.Meter(sample_rate).integrated_loudness(pcm))
+    if not math.isfinite(loudness):
+        raise AudioInputError(f"{path}: is silent (no loudness above the -70 LUFS gate); record some speech")
+    import warnings
+
+    with warnings.catch_warnings():  # pyloudnorm warns about clipping; the codec takes any float
+        warnings.simplefilter("ignore")
+        normalised = pyloudnorm.normalize.loudness(pcm.astype(np.float64), loudness, VOICE_TARGET_LUFS)
+    gain = float(np.power(10.0, (VOICE_TARGET_LUFS - loudness) / 20.0))
+    frames = -(-len(pcm) // FRAME_SIZE)
+    out = np.zeros(frames * FRAME_SIZE, dtype=np.float32)
+    out[: len(pcm)] = normalised.astype(np.float32)
+    return VoiceAudio(pcm=out, samples=len(pcm), loudness_lufs=loudness, gain=gain)
+
+
+def encode_voice_audio(path: str | os.PathLike[str], mimi: Any) -> tuple[torch.Tensor, VoiceAudio]:
+    """A recording's voice codes: :func:`prepare_voice_audio`, then Mimi (one causal pass from a fresh state, the
+    same codes as PersonaPlex's frame-by-frame streaming encode).
+
+    Returns:
+        (LongTensor [8, N] on CPU, the prepared :class:`VoiceAudio`).
+
+    Raises:
+        AudioInputError: see :func:`prepare_voice_audio`.
+    """
+    import torch
+
+    audio = prepare_voice_audio(path, sample_rate=int(mimi.sample_rate))
+    device = next(mimi.parameters()).device
+    with torch.no_grad():
+        codes = mimi.encode(torch.from_numpy(audio.pcm).to(device)[None, None])  # [1, C, N]
+    return codes[0, :NUM_CODEBOOKS].to("cpu", torch.long).clone(), audio
+
+
+def voice_embeddings_form(
+    codes: torch.Tensor,
+    lm: Any,
+    *,
+    user_placeholder: Sequence[int] = SINE_TOKENS,
+) -> dict[str, torch.Tensor]:
+    """PersonaPlex's ``{"embeddings", "cache"}`` of a voice given as codes, as ``LMGen`` saves it after
+    ``load_voice_prompt`` with ``save_voice_prompt_embeddings``.
+
+    ``embeddings`` [N - 1, 1, 1, D] (the LM's dtype) are the input embeddings of positions ``0 .. N - 2`` of the voice
+    frames ``[PAD, codes, SINE]`` laid out as PersonaPlex feeds them; ``cache`` [1, K, R] (R = max delay + 3) is
+    ``LMGen``'s token ring after the N voice calls.
+
+    Raises:
+        ValueError: fewer than 2 frames (PersonaPlex needs one call that runs the model).
+    """
+    import torch
+
+    from .streams import delay_tokens
+
+    codes = torch.as_tensor(codes).long().cpu()
+    C, N = codes.shape
+    if N < 2:
+        raise ValueError(f"a voice needs at least 2 frames for the embeddings form, got {N}")
+    delays = list(lm.delays)
+    K = len(delays)
+    initial = [lm.text_initial_token_id] + [lm.initial_token_id] * (K - 1)
+    frames = torch.tensor([PAD] + [0] * C + list(user_placeholder), dtype=torch.long)[:, None].repeat(1, N)
+    frames[1 : 1 + C] = codes
+    positions = delay_tokens(frames[:, 1:], delays, initial)[:, : N - 1]  # PersonaPlex's positions 0 .. N-2
+    with torch.no_grad():
+        embeddings = lm.embed(positions[None].to(lm.device))[0]  # [N - 1, D]
+    R = max(delays) + 3
+    ring = torch.full((K, R), -2, dtype=torch.long)
+    for offset in range(N):  # LMGen.prepare_step_input of each voice call
+        for k, d in enumerate(delays):
+            ring[k, (offset + d) % R] = frames[k, offset]
+            if offset <= d:
+                ring[k, offset % R] = initial[k]
+    return {"embeddings": embeddings.detach().cpu()[:, None, None].clone(), "cache": ring[None].clone()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `cspan voice encode`
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _cmd_encode(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_checkpoint, load_mimi, read_configs, resolve_checkpoint, resolve_prefix_layout
+    from .prefix import PERSONAPLEX
+
+    out = Path(args.output)
+    if out.suffix != ".pt":
+        raise CheckpointError(f"output {str(out)!r}: a voice file ends in .pt")
+    if out.exists() and out.is_dir():
+        raise CheckpointError(f"output {str(out)!r} is a folder; give a file name ending in .pt")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"output folder {str(out.parent)!r} does not exist")
+    files = resolve_checkpoint(args.checkpoint, base=args.base)
+    layout = resolve_prefix_layout(files)
+    embeddings = layout == PERSONAPLEX if args.embeddings is None else args.embeddings
+    device = args.device or "cpu"
+    if embeddings:
+        ckpt = load_checkpoint(args.checkpoint, base=args.base, device=device)
+        mimi, lm = ckpt.mimi, ckpt.lm
+    else:
+        if files.mimi is None:
+            raise CheckpointError(f"checkpoint {files.source!r} has no Mimi weights to encode the recording with")
+        _, mimi_cfg = read_configs(files.config, [])
+        mimi, lm = load_mimi(files.mimi, mimi_cfg, device=device), None
+    codes, audio = encode_voice_audio(args.input, mimi)
+    payload: dict[str, torch.Tensor] = {"codes": codes}
+    if lm is not None:
+        payload.update(voice_embeddings_form(codes, lm))
+    tmp = out.with_name(f".{out.name}.part")
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
+    forms = "codes" + (" + PersonaPlex embeddings" if lm is not None else "")
+    print(
+        f"wrote {out}: {audio.num_frames} frames ({audio.samples / SAMPLE_RATE:.2f} s, loudness "
+        f"{audio.loudness_lufs:.1f} LUFS -> {VOICE_TARGET_LUFS:.0f} LUFS), {forms}; use it with --voice {out}"
+    )
+    return 0
+
+
+def voice_command(parser: argparse.ArgumentParser) -> None:
+    """Voice prompts: make one from a recording (2-30 s), loudness-normalised and Mimi-encoded."""
+    sub = parser.add_subparsers(dest="voice_command", metavar="ACTION", title="actions")
+    sub.required = True
+    enc = sub.add_parser(
+        "encode",
+        help="encode a recording as a voice prompt file",
+        description=(
+            "Encode a 2-30 s recording (any format soundfile reads, any rate; channel 0) as a voice prompt: "
+            "loudness-normalised to -24 LUFS and Mimi-encoded as PersonaPlex does. OUT.pt holds {'codes': [8, N]} "
+            "and, for checkpoints with PersonaPlex's prefix layout, PersonaPlex's {'embeddings', 'cache'} too."
+        ),
+    )
+    enc.add_argument("input", metavar="IN", help="the recording (WAV, FLAC, OGG ...)")
+    enc.add_argument("output", metavar="OUT", help="the voice file to write (.pt)")
+    enc.add_argument("--checkpoint", default=None, help="checkpoint whose Mimi encodes (default: the released one)")
+    enc.add_argument("--base", default=None, help="base of a fine-tune checkpoint")
+    enc.add_argument("--device", default=None, help="where Mimi (and the LM) run (default cpu)")
+    enc.add_argument(
+        "--embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also write PersonaPlex's embeddings form (default: when the checkpoint uses PersonaPlex's layout)",
+    )
+    enc.set_defaults(handler=_cmd_encode)
+
+
+__all__ = [
+    "VOICE_MAX_SECONDS",
+    "VOICE_MIN_SECONDS",
+    "VOICE_TARGET_LUFS",
+    "VoiceAudio",
+    "VoicePrompt",
+    "encode_voice_audio",
+    "find_voice",
+    "frames_from_ring",
+    "load_voice",
+    "load_voice_prompt",
+    "prepare_voice_audio",
+    "voice_command",
+    "voice_embeddings_form",
+]

@@ -1,0 +1,113 @@
+"""Wire protocol adapters of ``cspan serve``: one module per protocol, each only translating messages.
+
+To add a protocol, add one module here that defines a :class:`ProtocolAdapter` subclass and names it
+``ADAPTER = MyAdapter``; :func:`discover_adapters` finds it and the app serves it at its ``path``. The session
+core, and what an adapter may call and must render, is described in :mod:`cspan.server.session` ("Adapter
+contract").
+
+Protocols here: ``ws`` (``/ws``, this project's own protocol), ``moshi`` (``/api/chat``, Kyutai's Moshi protocol)
+and ``realtime`` (``/v1/realtime``, the OpenAI Realtime API); ``docs/PROTOCOL.md`` has a section for each. Ogg/Opus
+for any adapter: :mod:`cspan.server.opus`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from cspan.server.session import Outbound, Session
+
+
+@dataclass(frozen=True)
+class Connection:
+    """What the WebSocket handshake said (read-only).
+
+    Attributes:
+        path: the route.
+        query: query parameters (the last value of a repeated one).
+        headers: request headers (lower-case names).
+        subprotocols: the subprotocols the client offered, in order.
+    """
+
+    path: str
+    query: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    subprotocols: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Credential:
+    """Where a protocol's client put its credential.
+
+    Attributes:
+        token: the credential (None: the client gave none).
+        subprotocol: the subprotocol to accept the WebSocket with (browsers require the server to echo one of
+            theirs), or None.
+    """
+
+    token: str | None = None
+    subprotocol: str | None = None
+
+
+class ProtocolAdapter:
+    """One wire protocol: translates its messages into session calls, and session outputs into its messages.
+
+    One instance per accepted connection, created by the app with the connection's :class:`Session` (state
+    ``connected``). Subclasses set :attr:`name` and :attr:`path` and implement :meth:`receive` and :meth:`render`;
+    :meth:`credential` and :meth:`opened` have defaults. Nothing here may block the event loop for long (the frame
+    loop shares it): decode and encode per message, keep state per connection.
+    """
+
+    name: ClassVar[str]
+    """The protocol's label in metrics and logs (``cspan``, ``moshi``, ``realtime``)."""
+    path: ClassVar[str]
+    """The WebSocket route (``/ws``, ``/api/chat``, ``/v1/realtime``)."""
+
+    def __init__(self, session: Session, connection: Connection) -> None:
+        self.session = session
+        self.connection = connection
+
+    @classmethod
+    def credential(cls, connection: Connection) -> Credential:
+        """Where this protocol's client puts its credential; default: the query parameter ``token``."""
+        return Credential(token=connection.query.get("token"))
+
+    async def opened(self) -> None:
+        """Called once the connection is accepted, before the first message (e.g. start from query parameters)."""
+
+    async def receive(self, data: bytes | str) -> None:
+        """Handle one client message: call the session (``start``, ``push_audio``, ``update_profile``, ``stop``).
+
+        Raise :class:`~cspan.server.session.ClientError` for a bad message: the app reports it through
+        :meth:`render` (an :class:`~cspan.server.session.ErrorOut`) and the session goes on.
+        """
+        raise NotImplementedError
+
+    def render(self, item: Outbound) -> list[bytes | str]:
+        """The wire messages for one session output (in order; empty to send nothing for it)."""
+        raise NotImplementedError
+
+
+def discover_adapters() -> list[type[ProtocolAdapter]]:
+    """The adapter of every module of this package (its ``ADAPTER``), by module name.
+
+    Raises:
+        RuntimeError: two adapters share a ``path`` or a ``name``.
+    """
+    found: list[type[ProtocolAdapter]] = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module: Any = importlib.import_module(f"{__name__}.{info.name}")
+        adapter = getattr(module, "ADAPTER", None)
+        if isinstance(adapter, type) and issubclass(adapter, ProtocolAdapter):
+            found.append(adapter)
+    for attr in ("path", "name"):
+        values = [getattr(a, attr) for a in found]
+        if len(values) != len(set(values)):
+            raise RuntimeError(f"two protocol adapters share a {attr}: {values}")
+    return found
+
+
+__all__ = ["Connection", "Credential", "ProtocolAdapter", "discover_adapters"]

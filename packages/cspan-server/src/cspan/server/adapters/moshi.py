@@ -1,0 +1,163 @@
+"""``/api/chat``: the Moshi protocol, as upstream Moshi and PersonaPlex serve it (reference digest, section 6), so
+that their clients (``python -m moshi.client``, the Moshi and PersonaPlex web UIs) talk to ``cspan serve``.
+
+Every WebSocket message is binary; its first byte is the kind:
+
+====  ==========  ======================================================================================
+byte  kind        here
+====  ==========  ======================================================================================
+0x00  handshake   server -> client, the single byte, once the persona is read (as PersonaPlex: upstream sends
+                  it at once); clients treat any 0x00 as "connected"
+0x01  audio       both ways: Ogg/Opus pages, 24 kHz mono (sphn, as upstream)
+0x02  text        server -> client: one UTF-8 piece of the agent's text (word-start marks as spaces)
+0x03  control     client -> server: accepted and ignored (as upstream)
+0x04  metadata    server -> client: UTF-8 JSON: ``{"type": "session", ...}`` after the handshake, then the
+                  conversation events other than text (``span`` with the reference, ``user_text``, ``ret``,
+                  ``question``, ``late``, ``no_span``, backend ``error``), and ``{"type": "bye", ...}`` at the end;
+                  upstream clients ignore these
+0x05  error       server -> client: UTF-8 ``"<code>: <message>"``; the session goes on (after a refused start
+                  the connection closes)
+====  ==========  ======================================================================================
+
+Query parameters (PersonaPlex's): ``text_prompt``, ``voice_prompt`` (a voice name, with or without ``.pt`` /
+``.wav``), ``seed`` (else ``text_seed``, else ``audio_seed``; the engine has one generator per session). Sampling
+parameters (``text_temperature``, ``text_topk``, ``audio_temperature``, ``audio_topk``, ``repetition_penalty``,
+``repetition_penalty_context``, ``pad_mult``) are engine-wide here and not applied per session: the ``session``
+metadata lists them under ``not_applied`` (PersonaPlex ignores them silently). ``token``: the server's token when it
+has one (or ``Authorization: Bearer``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cspan.core.events import TextEvent
+from cspan.server.adapters import Connection, Credential, ProtocolAdapter
+from cspan.server.auth import bearer_token
+from cspan.server.opus import OggOpusDecoder, OggOpusEncoder
+from cspan.server.protocol import dumps
+from cspan.server.session import (
+    CLOSE_POLICY,
+    AgentAudio,
+    Busy,
+    ClientError,
+    Ended,
+    ErrorOut,
+    Outbound,
+    Ready,
+    Session,
+    StartRequest,
+    Timing,
+)
+
+HANDSHAKE, AUDIO, TEXT, CONTROL, METADATA, ERROR = 0, 1, 2, 3, 4, 5
+SAMPLING_PARAMETERS = (
+    "text_temperature",
+    "text_topk",
+    "audio_temperature",
+    "audio_topk",
+    "repetition_penalty",
+    "repetition_penalty_context",
+    "pad_mult",
+)
+MAX_SEED = 2**63 - 1
+
+
+class MoshiAdapter(ProtocolAdapter):
+    """``/api/chat``: Kyutai's Moshi protocol (see the module docstring)."""
+
+    name = "moshi"
+    path = "/api/chat"
+
+    def __init__(self, session: Session, connection: Connection) -> None:
+        super().__init__(session, connection)
+        self._decoder = OggOpusDecoder()
+        self._encoder = OggOpusEncoder()
+        self._not_applied = sorted(k for k in SAMPLING_PARAMETERS if k in connection.query)
+
+    @classmethod
+    def credential(cls, connection: Connection) -> Credential:
+        """``?token=`` (what a browser can send), else ``Authorization: Bearer``."""
+        token = connection.query.get("token") or bearer_token(connection.headers.get("authorization"))
+        return Credential(token=token)
+
+    async def opened(self) -> None:
+        """Start at once from the query parameters (the protocol has no start message)."""
+        try:
+            await self.session.start(self._start_request())
+        except ClientError as exc:
+            self.session.client_error(exc.code, exc.message)
+            await self.session.end("error", code=CLOSE_POLICY, message=exc.message)
+
+    async def receive(self, data: bytes | str) -> None:
+        if isinstance(data, str) or not data:
+            raise ClientError("bad_message", "send binary messages whose first byte is the kind (0x01 audio)")
+        kind = data[0]
+        if kind == AUDIO:
+            pcm, problem = self._decoder.decode(data[1:])
+            self.session.push_audio(pcm)
+            if problem:
+                raise ClientError("bad_audio", problem)
+        elif kind != CONTROL:  # control (start, endTurn, pause, restart) is ignored, as upstream
+            raise ClientError("bad_message", f"message kind 0x{kind:02x}: a client sends 0x01 audio (or 0x03 control)")
+
+    def render(self, item: Outbound) -> list[bytes | str]:
+        if isinstance(item, AgentAudio):
+            data = self._encoder.encode(item.pcm)
+            return [bytes([AUDIO]) + data] if data else []
+        if isinstance(item, TextEvent):
+            return [bytes([TEXT]) + item.text.encode("utf-8")]
+        if isinstance(item, Ready):
+            info = {
+                "type": "session",
+                "session_id": item.session_id,
+                "conversation_id": item.conversation_id,
+                "seed": item.seed,
+                "persona": item.persona.model_dump(),
+                "not_applied": self._not_applied,
+            }
+            return [bytes([HANDSHAKE]), _metadata(info)]
+        if isinstance(item, Busy):
+            return [bytes([ERROR]) + f"busy: {item.message}".encode()]
+        if isinstance(item, ErrorOut):
+            return [bytes([ERROR]) + f"{item.code}: {item.message}".encode()]
+        if isinstance(item, Ended):
+            info = {"type": "bye", "reason": item.reason, "message": item.message, "stats": item.stats.model_dump()}
+            return [_metadata(info)]
+        if isinstance(item, Timing):
+            return []
+        return [bytes([METADATA]) + dumps(item).encode("utf-8")]  # span (with its reference), user_text, ...
+
+    def _start_request(self) -> StartRequest:
+        q = self.connection.query
+        voice = q.get("voice_prompt")
+        if voice is not None:
+            voice = voice.strip()
+            for suffix in (".pt", ".wav"):
+                voice = voice.removesuffix(suffix)
+        seed = None
+        for name in ("seed", "text_seed", "audio_seed"):
+            if q.get(name) not in (None, ""):
+                seed = _seed(name, q[name])
+                break
+        return StartRequest(voice=voice, text_prompt=q.get("text_prompt"), seed=seed)
+
+
+def _seed(name: str, value: str) -> int | None:
+    try:
+        seed = int(value)
+    except ValueError:
+        raise ClientError("invalid_message", f"{name}={value!r}: not an integer") from None
+    if seed < 0:  # PersonaPlex's UI sends -1 for "no seed"
+        return None
+    if seed > MAX_SEED:
+        raise ClientError("invalid_message", f"{name}={value!r}: above 2**63 - 1")
+    return seed
+
+
+def _metadata(info: dict[str, Any]) -> bytes:
+    return bytes([METADATA]) + json.dumps(info, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+ADAPTER = MoshiAdapter

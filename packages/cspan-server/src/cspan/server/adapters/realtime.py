@@ -1,0 +1,684 @@
+"""``/v1/realtime``: the OpenAI Realtime API (WebSocket, the published event schema), with the client's tools.
+
+Point an OpenAI SDK at the server (``base_url="http://HOST:PORT/v1"``) and use its realtime client; the prose is
+``docs/PROTOCOL.md`` ("OpenAI Realtime API"), the events :mod:`cspan.server.realtime_events`, the audio formats
+:mod:`cspan.server.realtime_audio`, the grouping into items and responses :mod:`cspan.server.realtime_turns`.
+
+The session starts at the first ``input_audio_buffer.append`` (or ``response.create``): the persona prefix is then
+read with the ``instructions`` and ``voice`` of the ``session.update``\\ s so far, and the model listens and speaks
+full duplex from there. The client's function ``tools`` join the router's tool bank for this session: when a
+``<ret>``'s router picks one, the call goes to the client as a ``function_call`` item, and the
+``function_call_output`` it sends back is read as a Context Span, as is (after ``(tool result)``); a call that
+fails or is not answered within ``--client-tool-timeout-s`` is read as the abstain clause, and the conversation goes
+on. Everything sent to the client goes through the session's outbox, in order with the agent's frames.
+
+Credentials: ``Authorization: Bearer <token>`` (the SDKs send their API key there), the subprotocol
+``openai-insecure-api-key.<token>`` (browsers), or ``?token=``. The beta event names are spoken to a client that
+sends ``OpenAI-Beta: realtime=v1`` or offers the subprotocol ``openai-beta.realtime-v1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cspan.core.events import (
+    ErrorEvent as CoreErrorEvent,
+)
+from cspan.core.events import (
+    LateEvent,
+    NoSpanEvent,
+    QuestionEvent,
+    RetEvent,
+    SpanEvent,
+    TextEvent,
+    UserTextEvent,
+)
+from cspan.server.adapters import Connection, Credential, ProtocolAdapter
+from cspan.server.auth import bearer_token
+from cspan.server.realtime_audio import GA_FORMATS, GA_NAMES, AudioFormat, InputAudio, OutputAudio
+from cspan.server.realtime_events import (
+    BETA_SUBPROTOCOL,
+    INSECURE_KEY_SUBPROTOCOL_PREFIX,
+    ConversationCreated,
+    ConversationItemCreate,
+    ConversationItemDelete,
+    ConversationItemRetrieve,
+    ConversationItemTruncate,
+    CspanEvent,
+    Dialect,
+    ErrorDetail,
+    ErrorEvent,
+    FunctionCallItem,
+    FunctionCallItemIn,
+    FunctionCallOutputItem,
+    FunctionCallOutputItemIn,
+    FunctionTool,
+    InputAudioBufferAppend,
+    InputAudioBufferClear,
+    InputAudioBufferCommit,
+    ItemDeleted,
+    ItemEvent,
+    ItemTruncated,
+    MessageItem,
+    OutputAudioBufferClear,
+    RealtimeEventError,
+    ResponseCancel,
+    ResponseCreate,
+    ServerEvent,
+    SessionConfig,
+    SessionEvent,
+    SessionUpdate,
+    dump_event,
+    function_tools,
+    new_id,
+    parse_client_event,
+)
+from cspan.server.realtime_events import (
+    Cleared as ClearedEvent,
+)
+from cspan.server.realtime_events import (
+    ContentPart as ContentPartOut,
+)
+from cspan.server.realtime_turns import ItemLog, ResponseStream, UserSpeech
+from cspan.server.session import (
+    AdapterItem,
+    AgentAudio,
+    Busy,
+    ClientError,
+    Ended,
+    ErrorOut,
+    Outbound,
+    ProfileFields,
+    Ready,
+    StartRequest,
+    Timing,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVER_ERROR_CODES = frozenset({"internal", "persona_failed", "busy", "backend", "session_ended"})
+"""Codes sent with ``error.type`` ``server_error`` (the others are ``invalid_request_error``)."""
+
+
+@dataclass
+class _Config:
+    """The session's effective configuration (what ``session.updated`` reports)."""
+
+    instructions: str | None = None
+    voice: str | None = None
+    input_format: AudioFormat = "pcm16"
+    output_format: AudioFormat = "pcm16"
+    modality: Literal["audio", "text"] = "audio"
+    tools: list[FunctionTool] = field(default_factory=list)
+    tool_choice: Any = "auto"
+    events: bool = False
+    profile: ProfileFields = field(default_factory=ProfileFields)
+    test: Any = None
+
+
+@dataclass
+class _Call:
+    """A client function call in flight: made by the router's tool, answered by ``function_call_output``."""
+
+    name: str
+    arguments: dict[str, Any]
+    future: asyncio.Future[str]
+    call_id: str | None = None
+    timed_out: bool = False
+
+
+@dataclass
+class _Emit(AdapterItem):
+    """Server events decided by ``receive``, sent in order with the session's outputs."""
+
+    events: list[ServerEvent]
+
+
+@dataclass
+class _Command(AdapterItem):
+    """``response.create`` / ``response.cancel`` / ``output_audio_buffer.clear``: their effect depends on where
+    the agent's output stands (applied when rendered)."""
+
+    event: Any
+
+
+@dataclass
+class _Output(AdapterItem):
+    """The client changed the output format or modality (applied from the next agent frame rendered)."""
+
+    format: AudioFormat
+    modality: Literal["audio", "text"]
+
+
+@dataclass
+class _FunctionCall(AdapterItem):
+    """The router called a client tool (its ``function_call`` item is made when rendered)."""
+
+    call: _Call
+
+
+def _dialect(connection: Connection) -> Dialect:
+    beta = "realtime=v1" in connection.headers.get("openai-beta", "") or BETA_SUBPROTOCOL in connection.subprotocols
+    return "beta" if beta else "ga"
+
+
+def _function_call_output(item: FunctionCallOutputItemIn) -> str:
+    """The text read for a function's output: as is, or "" (the abstain clause) for a failed call."""
+    if item.status == "incomplete":
+        return ""
+    text = item.output
+    with contextlib.suppress(ValueError):
+        data = json.loads(text)
+        if isinstance(data, dict) and data.get("error"):
+            return ""
+    return text
+
+
+class RealtimeAdapter(ProtocolAdapter):
+    """``/v1/realtime``: OpenAI Realtime client events in, server events out (see the module docstring)."""
+
+    name = "realtime"
+    path = "/v1/realtime"
+
+    @classmethod
+    def credential(cls, connection: Connection) -> Credential:
+        """``Authorization: Bearer``, else the subprotocol ``openai-insecure-api-key.<token>``, else ``?token=``.
+        Browsers need one offered subprotocol echoed: ``realtime`` when offered (what OpenAI's server echoes)."""
+        offered = connection.subprotocols
+        key = next((p for p in offered if p.startswith(INSECURE_KEY_SUBPROTOCOL_PREFIX)), None)
+        token = (
+            bearer_token(connection.headers.get("authorization"))
+            or (key[len(INSECURE_KEY_SUBPROTOCOL_PREFIX) :] if key else None)
+            or connection.query.get("token")
+        )
+        echo = "realtime" if "realtime" in offered else next((p for p in offered if p != key), key)
+        return Credential(token=token, subprotocol=echo)
+
+    def __init__(self, session: Any, connection: Connection) -> None:
+        super().__init__(session, connection)
+        self.dialect = _dialect(connection)
+        self.hub = session.hub
+        self.config = _Config()
+        self.items = ItemLog()
+        self.user = UserSpeech(self.items)
+        self.responses = ResponseStream(
+            self.items, conversation_id=f"conv_{session.id}", audio_config=self._audio_output()
+        )
+        self.audio_in = InputAudio(self.config.input_format)
+        self.audio_out = OutputAudio(self.config.output_format)
+        self.session_id = f"sess_{session.id}"
+        self._calls: dict[str, _Call] = {}
+        self._last_call: dict[str, str] = {}
+        self._client_tools: list[Any] = []
+
+    # -- inbound ------------------------------------------------------------------------------------------------
+
+    async def opened(self) -> None:
+        """``session.created`` (with this server's defaults) and ``conversation.created``."""
+        self._emit(
+            SessionEvent(type="session.created", session=self._session_object()),
+            ConversationCreated(conversation={"id": f"conv_{self.session.id}", "object": "realtime.conversation"}),
+        )
+
+    async def receive(self, data: bytes | str) -> None:
+        event_id = None
+        try:
+            if isinstance(data, bytes):
+                raise RealtimeEventError(
+                    "binary_message", "binary messages are not Realtime events: send JSON text (audio as base64)"
+                )
+            event = parse_client_event(data)
+            event_id = event.event_id
+            await self._handle(event)
+        except RealtimeEventError as exc:
+            self._error(exc)
+        except ClientError as exc:  # the session core refused (not_started, audio_overflow, bad_voice, ...)
+            self._error(RealtimeEventError(exc.code, exc.message, event_id=event_id))
+
+    async def _handle(self, event: Any) -> None:
+        if isinstance(event, InputAudioBufferAppend):
+            await self._append(event)
+        elif isinstance(event, SessionUpdate):
+            self._session_update(event.session, event.event_id)
+        elif isinstance(event, ConversationItemCreate):
+            self._item_create(event)
+        elif isinstance(event, ResponseCreate):
+            await self._ensure_started()
+            self.session.put(_Command(event))
+        elif isinstance(event, (ResponseCancel, OutputAudioBufferClear)):
+            self.session.put(_Command(event))
+        elif isinstance(event, InputAudioBufferClear):
+            self.audio_in.clear()
+            self._emit(ClearedEvent(type="input_audio_buffer.cleared"))
+        elif isinstance(event, InputAudioBufferCommit):
+            raise RealtimeEventError(
+                "unsupported",
+                "the server detects the user's turns itself (server VAD, always on): input_audio_buffer.commit has "
+                "no effect",
+                event_id=event.event_id,
+            )
+        elif isinstance(event, ConversationItemTruncate):
+            item = self.items.get(event.item_id, event_id=event.event_id)
+            if not (isinstance(item, MessageItem) and item.role == "assistant"):
+                raise RealtimeEventError(
+                    "unknown_item", f"{event.item_id!r} is not an assistant message", event_id=event.event_id
+                )
+            self._emit(
+                ItemTruncated(item_id=item.id, content_index=event.content_index, audio_end_ms=event.audio_end_ms)
+            )
+        elif isinstance(event, ConversationItemDelete):
+            self.items.delete(event.item_id, event_id=event.event_id)
+            self._emit(ItemDeleted(item_id=event.item_id))
+        elif isinstance(event, ConversationItemRetrieve):
+            item = self.items.get(event.item_id, event_id=event.event_id)
+            self._emit(ItemEvent(type="conversation.item.retrieved", item=item))
+
+    async def _append(self, event: InputAudioBufferAppend) -> None:
+        try:
+            raw = base64.b64decode(event.audio, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise RealtimeEventError(
+                "bad_audio", f"audio is not base64 ({exc})", event_id=event.event_id, param="audio"
+            ) from None
+        await self._ensure_started()
+        pcm = self.audio_in.decode(raw)
+        if pcm.size:
+            self.session.push_audio(pcm)
+
+    async def _ensure_started(self) -> None:
+        """Start the conversation (read the persona) if it has not started yet."""
+        if self.session.state != "connected":
+            return
+        c = self.config
+        test = c.test
+        await self.session.start(
+            StartRequest(
+                voice=c.voice,
+                text_prompt=c.instructions,
+                profile=c.profile,
+                seed=test.seed if test is not None else None,
+                force_ret_at=list(test.force_ret_at) if test is not None else [],
+                spans=[(t, text) for t, text in test.spans] if test is not None else [],
+                test=test is not None,
+                tools=self._client_tools,
+            )
+        )
+
+    def _session_update(self, new: SessionConfig, event_id: str | None) -> None:
+        """Apply every valid field, then ``session.updated``, then one ``error`` per field not applied (a voice this
+        server does not have, instructions or voice after the persona was read, ...)."""
+        c = self.config
+        settings = self.hub.settings
+        started = self.session.state != "connected"
+        problems: list[RealtimeEventError] = []
+
+        def refuse(code: str, message: str, param: str) -> None:
+            problems.append(RealtimeEventError(code, message, event_id=event_id, param=param))
+
+        if new.type == "transcription":
+            raise RealtimeEventError(
+                "unsupported", "transcription-only sessions are not supported", event_id=event_id, param="session.type"
+            )
+        try:
+            tools = function_tools(new, event_id)
+            bank_tools = self._bank_tools(tools, event_id) if tools is not None else []
+        except RealtimeEventError as exc:
+            problems.append(exc)
+            tools = None
+        if new.instructions is not None and new.instructions != c.instructions:
+            if len(new.instructions) > settings.max_text_prompt_chars:
+                refuse(
+                    "invalid_instructions",
+                    f"instructions of {len(new.instructions)} characters, over this server's limit of "
+                    f"{settings.max_text_prompt_chars}; not applied",
+                    "session.instructions",
+                )
+            elif started:
+                refuse(
+                    "session_live",
+                    "instructions changed after the conversation started: the persona was read with the earlier "
+                    "ones (send session.update before the first audio); not applied",
+                    "session.instructions",
+                )
+            else:
+                c.instructions = new.instructions
+        voice = new.voice
+        if voice is None and new.audio is not None and new.audio.output is not None:
+            voice = new.audio.output.voice
+        voice_name = voice.get("id") if isinstance(voice, dict) else voice
+        if voice_name is not None and voice_name != (c.voice or self.hub.default_voice):
+            if voice_name not in self.hub.voice_names:
+                refuse(
+                    "bad_voice",
+                    f"voice {voice_name!r} is not a voice of this server ({', '.join(self.hub.voice_names) or 'none'}); "
+                    "not applied",
+                    "session.voice",
+                )
+            elif started:
+                refuse(
+                    "session_live",
+                    "voice changed after the conversation started: the persona was read with the earlier one; not "
+                    "applied",
+                    "session.voice",
+                )
+            else:
+                c.voice = voice_name
+        audio_in = new.audio.input if new.audio is not None else None
+        audio_out = new.audio.output if new.audio is not None else None
+        in_fmt = new.input_audio_format or (GA_FORMATS[audio_in.format.type] if audio_in and audio_in.format else None)
+        out_fmt = new.output_audio_format or (
+            GA_FORMATS[audio_out.format.type] if audio_out and audio_out.format else None
+        )
+        if in_fmt is not None and in_fmt != c.input_format:
+            c.input_format = in_fmt
+            self.audio_in = InputAudio(in_fmt)
+        modalities = new.output_modalities or new.modalities
+        modality = c.modality if not modalities else "audio" if "audio" in modalities else "text"
+        if (out_fmt is not None and out_fmt != c.output_format) or modality != c.modality:
+            c.output_format = out_fmt or c.output_format
+            c.modality = modality
+            self.session.put(_Output(c.output_format, modality))  # frames already queued keep their format
+        if new.tool_choice is not None:
+            c.tool_choice = new.tool_choice
+        if tools is not None:
+            c.tools = tools
+            self._client_tools = bank_tools
+            self.session.set_tools(bank_tools)
+        options = new.cspan
+        if options is not None:
+            if options.events is not None:
+                c.events = options.events
+            if options.test is not None:
+                if not settings.test_hooks:
+                    refuse("invalid_event", "test hooks are disabled on this server; not applied", "session.cspan.test")
+                elif started:
+                    refuse(
+                        "session_live", "test hooks must come before the first audio; not applied", "session.cspan.test"
+                    )
+                else:
+                    c.test = options.test
+            if options.profile is not None:
+                fields = ProfileFields(**options.profile.model_dump(exclude_unset=True))
+                c.profile = c.profile.model_copy(update=fields.model_dump(exclude_unset=True))
+                if started:
+                    self.session.update_profile(fields)
+        self._emit(SessionEvent(type="session.updated", session=self._session_object()))
+        for exc in problems:
+            self._error(exc)
+
+    def _item_create(self, event: ConversationItemCreate) -> None:
+        if event.previous_item_id is not None and event.previous_item_id != "root":
+            self.items.get(event.previous_item_id, event_id=event.event_id, param="previous_item_id")
+        item = event.item
+        if isinstance(item, FunctionCallOutputItemIn):
+            call = self._calls.get(item.call_id)
+            if call is None:
+                raise RealtimeEventError(
+                    "unknown_call_id",
+                    f"no function call {item.call_id!r} in this session",
+                    event_id=event.event_id,
+                    param="item.call_id",
+                )
+            if call.timed_out or call.future.done():
+                raise RealtimeEventError(
+                    "late_call_output",
+                    f"call {item.call_id!r} was not answered within {self.hub.settings.client_tool_timeout_s:g} s "
+                    "(or was answered already): the abstain clause was read",
+                    event_id=event.event_id,
+                    param="item.call_id",
+                )
+            stored: Any = FunctionCallOutputItem(id=item.id or new_id("item"), call_id=item.call_id, output=item.output)
+            call.future.set_result(_function_call_output(item))
+        elif isinstance(item, FunctionCallItemIn):
+            stored = FunctionCallItem(
+                id=item.id or new_id("item"),
+                call_id=item.call_id or new_id("call"),
+                name=item.name,
+                arguments=item.arguments,
+            )
+        else:  # a message: kept in the conversation's items; the model hears audio only
+            parts = [
+                ContentPartOut(type=p.get("type"), text=p.get("text"), transcript=p.get("transcript"))
+                for p in item.content
+                if p.get("type") in ("input_text", "output_text", "input_audio", "output_audio")
+            ]
+            stored = MessageItem(id=item.id or new_id("item"), role=item.role, content=parts)
+        previous = self.items.add(stored)
+        self._emit(
+            ItemEvent(type="conversation.item.added", item=stored, previous_item_id=previous),
+            ItemEvent(type="conversation.item.done", item=stored, previous_item_id=previous),
+        )
+
+    # -- client tools -------------------------------------------------------------------------------------------
+
+    def _bank_tools(self, specs: list[FunctionTool], event_id: str | None) -> list[Any]:
+        """The client's function tools as tools of the router's bank (their execution is a call to the client).
+
+        Raises:
+            RealtimeEventError: ``invalid_event`` for a name the server's own tool bank has, or parameters that are
+                not an object schema.
+        """
+        from cspan.backends.errors import ToolError
+        from cspan.backends.tools.catalog import callback_tool
+
+        router = getattr(self.hub.retriever, "router", None)
+        taken = set(router.tools.names()) if getattr(router, "tools", None) is not None else set()
+        timeout = self.hub.settings.client_tool_timeout_s
+        tools = []
+        for i, spec in enumerate(specs):
+            if spec.name in taken:
+                raise RealtimeEventError(
+                    "invalid_event",
+                    f"session.tools[{i}]: {spec.name!r} is the name of one of this server's own tools; rename it "
+                    "(tools not applied)",
+                    event_id=event_id,
+                    param=f"session.tools[{i}].name",
+                )
+
+            async def call(arguments: dict[str, Any], name: str = spec.name) -> str:
+                return await self._call_client(name, arguments)
+
+            try:
+                tools.append(callback_tool(spec.name, spec.description, spec.parameters, call, timeout_s=timeout + 1.0))
+            except ToolError as exc:
+                raise RealtimeEventError(
+                    "invalid_event",
+                    f"session.tools[{i}].parameters: {exc} (tools not applied)",
+                    event_id=event_id,
+                    param=f"session.tools[{i}].parameters",
+                ) from None
+        return tools
+
+    async def _call_client(self, name: str, arguments: dict[str, Any]) -> str:
+        """Send the call to the client and wait for its output (``""``, the abstain clause, on timeout or failure)."""
+        call = _Call(name, arguments, asyncio.get_running_loop().create_future())
+        self.session.put(_FunctionCall(call))
+        try:
+            return await asyncio.wait_for(asyncio.shield(call.future), self.hub.settings.client_tool_timeout_s)
+        except TimeoutError:
+            call.timed_out = True
+            logger.info("session %s: function %s (%s) not answered in time", self.session.id, name, call.call_id)
+            return ""
+
+    # -- outbound -----------------------------------------------------------------------------------------------
+
+    def render(self, item: Outbound) -> list[bytes | str]:
+        events = self._events(item)
+        return [text for text in (dump_event(e, self.dialect) for e in events) if text is not None]
+
+    def _events(self, item: Outbound) -> list[ServerEvent]:
+        if isinstance(item, AgentAudio):
+            events = self.responses.audio(self.audio_out.encode(item.pcm))
+            conversation = self.session.conversation
+            if conversation is not None:
+                events += self.user.poll(conversation.utterances)
+            return events
+        if isinstance(item, TextEvent):
+            return self.responses.text(item.text)
+        if isinstance(item, UserTextEvent):
+            return self.user.transcript(
+                item.utterance, item.text, final=item.final, start_s=item.start_s, end_s=item.end_s
+            )
+        if isinstance(item, _Emit):
+            return item.events
+        if isinstance(item, _FunctionCall):
+            call = item.call
+            events, call.call_id, _ = self.responses.function_call(call.name, call.arguments)
+            self._calls[call.call_id] = call
+            self._last_call[call.name] = call.call_id
+            return events
+        if isinstance(item, _Command):
+            return self._command(item.event)
+        if isinstance(item, _Output):
+            events = self.responses.finish() if item.modality != self.responses.modality else []
+            self.audio_out = OutputAudio(item.format)
+            self.responses.modality = item.modality
+            self.responses.audio_config = self._audio_output()
+            return events
+        if isinstance(item, ErrorOut):
+            detail = item.detail
+            kind = "server_error" if item.code in SERVER_ERROR_CODES else "invalid_request_error"
+            return [
+                ErrorEvent(
+                    error=ErrorDetail(
+                        type=kind,
+                        code=item.code,
+                        message=item.message,
+                        param=detail.get("param"),
+                        event_id=detail.get("event_id"),
+                    )
+                )
+            ]
+        if isinstance(item, CoreErrorEvent):
+            return [
+                ErrorEvent(
+                    error=ErrorDetail(type="server_error", code="backend", message=f"{item.stage}: {item.message}")
+                )
+            ]
+        if isinstance(item, Ready):
+            return self._extension("cspan.ready", {k: getattr(item, k) for k in ("conversation_id", "seed", "slot")})
+        if isinstance(item, SpanEvent):
+            data = item.model_dump(mode="json", exclude={"type"})
+            data["call_id"] = self._last_call.get(item.tool) if item.tool else None
+            return self._extension("cspan.span", data)
+        if isinstance(item, (RetEvent, QuestionEvent, LateEvent, NoSpanEvent)):
+            return self._extension(f"cspan.{item.type}", item.model_dump(mode="json", exclude={"type"}))
+        if isinstance(item, Timing):
+            return self._extension("cspan.slot", dataclasses.asdict(item))
+        if isinstance(item, Busy):
+            return [ErrorEvent(error=ErrorDetail(type="server_error", code="busy", message=item.message))]
+        if isinstance(item, Ended):
+            for call in self._calls.values():
+                if not call.future.done():
+                    call.future.set_result("")
+            return [
+                *self.responses.finish(),
+                ErrorEvent(
+                    error=ErrorDetail(
+                        type="server_error",
+                        code="session_ended",
+                        message=f"the session ended ({item.reason}){': ' + item.message if item.message else ''}",
+                        param=item.reason,
+                    )
+                ),
+            ]
+        return []
+
+    def _command(self, event: Any) -> list[ServerEvent]:
+        """A client event applied where the agent's output stands (see :class:`_Command`)."""
+        try:
+            if isinstance(event, ResponseCreate):
+                params = event.response
+                return self.responses.create(params.metadata if params else None, event_id=event.event_id)
+            if isinstance(event, ResponseCancel):
+                return self.responses.cancel(event.response_id, event_id=event.event_id)
+            if isinstance(event, OutputAudioBufferClear):
+                events = self.responses.cancel(event_id=event.event_id) if self.responses.active else []
+                return [*events, ClearedEvent(type="output_audio_buffer.cleared")]
+        except RealtimeEventError as exc:
+            self._error(exc)
+        return []
+
+    def _extension(self, kind: str, data: dict[str, Any]) -> list[ServerEvent]:
+        return [CspanEvent(type=kind, **data)] if self.config.events else []
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+
+    def _emit(self, *events: ServerEvent) -> None:
+        self.session.put(_Emit(list(events)))
+
+    def _error(self, exc: RealtimeEventError) -> None:
+        """Count the refused event and send its ``error`` (with the event's id) after what is queued."""
+        self.session.client_error(exc.code, exc.message, {"event_id": exc.event_id, "param": exc.param})
+
+    def _audio_output(self) -> dict[str, Any]:
+        return {"format": self._format(self.config.output_format), "voice": self.config.voice or self.hub.default_voice}
+
+    @staticmethod
+    def _format(fmt: AudioFormat) -> dict[str, Any]:
+        return {"type": GA_NAMES[fmt], "rate": 24000} if fmt == "pcm16" else {"type": GA_NAMES[fmt]}
+
+    def _session_object(self) -> dict[str, Any]:
+        """The effective session as ``session.created`` / ``session.updated`` report it (in the dialect's shape)."""
+        c = self.config
+        settings = self.hub.settings
+        voice = c.voice or self.hub.default_voice
+        instructions = settings.text_prompt if c.instructions is None else c.instructions
+        transcription = {"model": "cspan"} if self.hub.transcriber is not None else None
+        turn_detection = {
+            "type": "server_vad",
+            "threshold": 0.5,
+            "prefix_padding_ms": 0,
+            "silence_duration_ms": 720,
+            "create_response": True,
+            "interrupt_response": False,
+        }
+        tools = [t.model_dump() for t in c.tools]
+        common = {
+            "id": self.session_id,
+            "object": "realtime.session",
+            "model": self.hub.model_name,
+            "instructions": instructions,
+            "tools": tools,
+            "tool_choice": c.tool_choice,
+        }
+        if self.dialect == "beta":
+            return {
+                **common,
+                "modalities": ["audio", "text"] if c.modality == "audio" else ["text"],
+                "voice": voice,
+                "input_audio_format": c.input_format,
+                "output_audio_format": c.output_format,
+                "input_audio_transcription": transcription,
+                "turn_detection": turn_detection,
+                "temperature": settings.temp,
+                "max_response_output_tokens": "inf",
+            }
+        return {
+            "type": "realtime",
+            **common,
+            "output_modalities": [c.modality],
+            "audio": {
+                "input": {
+                    "format": self._format(c.input_format),
+                    "transcription": transcription,
+                    "turn_detection": turn_detection,
+                    "noise_reduction": None,
+                },
+                "output": {"format": self._format(c.output_format), "voice": voice, "speed": 1.0},
+            },
+            "max_output_tokens": "inf",
+            "tracing": None,
+            "truncation": "disabled",
+        }
+
+
+ADAPTER = RealtimeAdapter

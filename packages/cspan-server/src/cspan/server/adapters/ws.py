@@ -1,0 +1,161 @@
+"""``/ws``: this project's own protocol (JSON events; PCM frames or Ogg/Opus, negotiated in ``start``;
+``docs/PROTOCOL.md``, models in :mod:`cspan.server.protocol`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from cspan.server.adapters import Connection, Credential, ProtocolAdapter
+from cspan.server.opus import OGG_CAPTURE, OggOpusDecoder, OggOpusEncoder
+from cspan.server.protocol import (
+    CODECS,
+    MAX_BINARY_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    TOKEN_SUBPROTOCOL_PREFIX,
+    BusyMessage,
+    ByeMessage,
+    ContextMessage,
+    ErrorMessage,
+    ProtocolCodeError,
+    ReadyMessage,
+    SlotMessage,
+    StartMessage,
+    decode_audio_frame,
+    dumps,
+    encode_audio_frame,
+    event_to_wire,
+    parse_client_message,
+)
+from cspan.server.session import (
+    AgentAudio,
+    Busy,
+    Ended,
+    ErrorOut,
+    Outbound,
+    Ready,
+    Session,
+    StartRequest,
+    Timing,
+)
+
+
+class CspanAdapter(ProtocolAdapter):
+    """``/ws``: binary messages are one 80 ms PCM frame each way, text messages are JSON (``start``, ``context``,
+    ``stop`` in; ``ready``, ``busy``, ``slot``, ``error``, ``bye`` and the conversation events out)."""
+
+    name = "cspan"
+    path = "/ws"
+
+    def __init__(self, session: Session, connection: Connection) -> None:
+        super().__init__(session, connection)
+        self.codec = "pcm"
+        self._decoder: OggOpusDecoder | None = None
+        self._encoder: OggOpusEncoder | None = None
+
+    @classmethod
+    def credential(cls, connection: Connection) -> Credential:
+        """The subprotocol ``cspan.token.<token>`` (echoed, as browsers require), else the query ``?token=``."""
+        offered = [p for p in connection.subprotocols if p.startswith(TOKEN_SUBPROTOCOL_PREFIX)]
+        if offered:
+            return Credential(token=offered[0][len(TOKEN_SUBPROTOCOL_PREFIX) :], subprotocol=offered[0])
+        return Credential(token=connection.query.get("token"))
+
+    async def receive(self, data: bytes | str) -> None:
+        if isinstance(data, bytes):
+            self._audio(data)
+            return
+        msg = parse_client_message(data)
+        if isinstance(msg, StartMessage):
+            request = _start_request(msg)
+            if self.session.state == "connected":
+                self._negotiate(msg.codecs)
+            await self.session.start(request)
+        elif isinstance(msg, ContextMessage):
+            self.session.update_profile(msg.profile)
+        else:
+            await self.session.stop()
+
+    def render(self, item: Outbound) -> list[bytes | str]:
+        if isinstance(item, AgentAudio):
+            if self._encoder is not None:
+                data = self._encoder.encode(item.pcm)
+                return [data] if data else []
+            return [encode_audio_frame(item.pcm)]
+        message = _message(item)
+        if isinstance(message, ReadyMessage) and self.codec == "opus":
+            message = message.model_copy(update={"codec": "opus", "audio_formats": ["ogg-opus"]})
+        return [dumps(message)]
+
+    def _negotiate(self, offered: list[str]) -> None:
+        """The first offered codec this server has (``pcm`` when none is known)."""
+        self.codec = next((c for c in offered if c in CODECS), "pcm")
+        if self.codec == "opus":
+            self._decoder, self._encoder = OggOpusDecoder(), OggOpusEncoder()
+        else:
+            self._decoder = self._encoder = None
+
+    def _audio(self, data: bytes) -> None:
+        if len(data) > MAX_BINARY_MESSAGE_BYTES:
+            raise ProtocolCodeError(
+                "too_large", f"binary message of {len(data)} bytes, over {MAX_BINARY_MESSAGE_BYTES}; send less at once"
+            )
+        if self._decoder is None:
+            if data[:4] == OGG_CAPTURE:
+                raise ProtocolCodeError(
+                    "bad_frame", "an Ogg page in a pcm session: offer 'opus' in start.codecs to send Ogg/Opus"
+                )
+            self.session.push_audio(decode_audio_frame(data))
+            return
+        pcm, problem = self._decoder.decode(data)
+        self.session.push_audio(pcm)
+        if problem:
+            raise ProtocolCodeError("bad_audio", problem)
+
+
+def _start_request(msg: StartMessage) -> StartRequest:
+    if msg.version is not None and msg.version != PROTOCOL_VERSION:
+        raise ProtocolCodeError(
+            "invalid_message", f"start.version {msg.version}: this server speaks protocol {PROTOCOL_VERSION}"
+        )
+    hooks = msg.test
+    return StartRequest(
+        voice=msg.voice,
+        text_prompt=msg.text_prompt,
+        profile=msg.profile,
+        seed=hooks.seed if hooks is not None else None,
+        force_ret_at=list(hooks.force_ret_at) if hooks is not None else [],
+        spans=[(s.at, s.text) for s in hooks.spans] if hooks is not None else [],
+        test=hooks is not None,
+    )
+
+
+def _message(item: Outbound) -> BaseModel:
+    if isinstance(item, Ready):
+        return ReadyMessage(
+            session_id=item.session_id,
+            conversation_id=item.conversation_id,
+            slot=item.slot,
+            max_queued_frames=item.max_queued_frames,
+            idle_timeout_s=item.idle_timeout_s,
+            seed=item.seed,
+            persona=item.persona,
+            profile=item.profile,
+        )
+    if isinstance(item, Busy):
+        return BusyMessage(max_sessions=item.max_sessions, message=item.message)
+    if isinstance(item, Timing):
+        return SlotMessage(**item.__dict__)
+    if isinstance(item, ErrorOut):
+        return ErrorMessage(code=item.code, message=item.message)
+    if isinstance(item, Ended):
+        return ByeMessage(
+            reason=item.reason,  # type: ignore[arg-type]
+            message=item.message,
+            session_id=item.session_id,
+            conversation_id=item.conversation_id,
+            stats=item.stats,
+        )
+    return event_to_wire(item)  # a conversation event, sent as it is
+
+
+ADAPTER = CspanAdapter

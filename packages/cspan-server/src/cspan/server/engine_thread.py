@@ -1,0 +1,164 @@
+"""Every call into the ``DuplexEngine`` of ``cspan serve``, on one dedicated thread.
+
+The event loop of the server never touches the engine: persona prefixes, Context Spans and the batched step all
+run on the single worker thread of :class:`EngineThread`, in the order the frame loop asks for them. Nothing else
+calls the engine.
+
+Context Spans reach the engine through :class:`SpanHandoff`, the object a
+:class:`~cspan.core.runtime.Conversation` is given as its ``engine``: its ``inject_span`` only queues the reference
+(on the event loop, at the head of a frame) and returns a :class:`QueuedSpan` standing in for the engine's
+``SpanReport``; the queued spans of a frame are handed to :meth:`EngineThread.frame`, which reads them into their
+sessions on the engine thread right before that frame's step, and fills in each ``QueuedSpan`` (the report, or the
+error). The session core then completes the frame's ``span`` events from those reports before they are sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class QueuedSpan:
+    """A Context Span queued for session ``slot`` at the head of a frame (until :meth:`EngineThread.frame` reads it).
+
+    Until then ``n``, ``prefill_ms``, ``truncated``, ``deferred`` and ``prefix_in_window`` are placeholders (what a
+    ``Conversation`` reads from a report right away); afterwards ``report`` is the engine's
+    :class:`~cspan.core.span.SpanReport`, or ``error`` says why the engine refused the span.
+    """
+
+    slot: int
+    text: str
+    report: Any = None
+    error: BaseException | None = None
+    n: int = 0
+    prefill_ms: float = 0.0
+    truncated: bool = False
+    deferred: bool = False
+    prefix_in_window: bool = True
+
+
+class SpanHandoff:
+    """What a session's ``Conversation`` sees as its engine: ``inject_span`` queues on :class:`EngineThread`."""
+
+    def __init__(self, engine_thread: EngineThread) -> None:
+        self._engine_thread = engine_thread
+
+    def inject_span(self, i: int, text: str) -> QueuedSpan:
+        """Queue ``text`` for session ``i``; it is read right before the next step (see the module docstring)."""
+        span = QueuedSpan(slot=i, text=text)
+        self._engine_thread.queued_spans.append(span)
+        return span
+
+
+@dataclass
+class FrameResult:
+    """One batched step, as host arrays.
+
+    Attributes:
+        agent_pcm: [B, 1920] float32, the agent frame of every row.
+        text_token: [B] int64 (-1 where ``valid`` is False).
+        is_ret: [B] bool.
+        valid: [B] bool, whether the row returned a frame (False on a row's first call after its reset).
+        step_ms: wall-clock milliseconds of the engine step (spans read before it not included).
+    """
+
+    agent_pcm: np.ndarray
+    text_token: np.ndarray
+    is_ret: np.ndarray
+    valid: np.ndarray
+    step_ms: float
+
+
+class EngineThread:
+    """The engine and the one thread that calls it.
+
+    Args:
+        engine: a :class:`~cspan.core.engine.DuplexEngine`.
+
+    Attributes:
+        queued_spans: spans queued by :class:`SpanHandoff` since the last :meth:`take_spans`.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.batch_size: int = engine.batch_size
+        self.queued_spans: list[QueuedSpan] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cspan-engine")
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def take_spans(self) -> list[QueuedSpan]:
+        """The spans queued since the last call (to pass to :meth:`frame`)."""
+        spans, self.queued_spans = self.queued_spans, []
+        return spans
+
+    async def prepare(
+        self,
+        slot: int,
+        *,
+        seed: int,
+        text_prompt: str | None,
+        voice_codes: Any,
+        user_name: str | None,
+        user_city: str | None,
+    ) -> Any:
+        """Reset row ``slot`` with ``seed`` and read its persona prefix; the engine's ``PrefixReport``."""
+        return await self._call(self._prepare, slot, seed, text_prompt, voice_codes, user_name, user_city)
+
+    async def frame(self, pcm: np.ndarray, spans: list[QueuedSpan]) -> FrameResult:
+        """Read ``spans`` into their rows, then one batched step of ``pcm`` [B, 1920] float32."""
+        return await self._call(self._frame, pcm, spans)
+
+    async def shutdown(self) -> None:
+        """Let the running call finish and stop the thread."""
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+
+    # -- on the engine thread ---------------------------------------------------------------------------------------
+
+    def _prepare(
+        self, slot: int, seed: int, text_prompt: str | None, voice_codes: Any, name: str | None, city: str | None
+    ) -> Any:
+        import torch
+
+        engine = self.engine
+        engine.reset(slot, seed=seed)
+        if isinstance(voice_codes, torch.Tensor):
+            voice_codes = voice_codes.to(engine.device)
+        return engine.set_persona(slot, text_prompt or None, voice_codes, user_name=name, user_city=city)
+
+    def _frame(self, pcm: np.ndarray, spans: list[QueuedSpan]) -> FrameResult:
+        import torch
+
+        engine = self.engine
+        for span in spans:
+            try:
+                report = engine.inject_span(span.slot, span.text)
+            except Exception as exc:  # reported as the span's error event; the session goes on
+                span.error = exc
+                continue
+            span.report = report
+            span.n = int(report.n)
+            span.prefill_ms = float(getattr(report, "prefill_ms", 0.0))
+            span.truncated = bool(getattr(report, "truncated", False))
+            span.deferred = bool(getattr(report, "deferred", False))
+            span.prefix_in_window = bool(getattr(report, "prefix_in_window", True))
+        t0 = time.perf_counter()
+        out = engine.step(torch.from_numpy(pcm))
+        return FrameResult(
+            agent_pcm=out.agent_pcm.detach().float().cpu().numpy(),
+            text_token=out.text_token.cpu().numpy(),
+            is_ret=out.is_ret.cpu().numpy(),
+            valid=out.valid.cpu().numpy(),
+            step_ms=(time.perf_counter() - t0) * 1000.0,
+        )
+
+
+__all__ = ["EngineThread", "FrameResult", "QueuedSpan", "SpanHandoff"]

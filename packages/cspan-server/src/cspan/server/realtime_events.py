@@ -1,0 +1,761 @@
+"""The OpenAI Realtime API events ``/v1/realtime`` accepts and sends, as our own pydantic models.
+
+Source of the schema: the event types of the official ``openai`` Python SDK (``openai.types.realtime`` for the GA
+interface, ``openai.types.beta.realtime`` for the beta one, which clients select with the header
+``OpenAI-Beta: realtime=v1`` or the subprotocol ``openai-beta.realtime-v1``). The prose is ``docs/PROTOCOL.md``,
+section "OpenAI Realtime API".
+
+**Client events** are parsed by :func:`parse_client_event`. Unknown fields are ignored (SDKs add fields faster than
+servers drop them); a field we read with the wrong type, a missing required field, invalid JSON or an unknown event
+type raise :class:`RealtimeEventError`, which the adapter answers with an ``error`` event carrying the offending
+``event_id``. The session goes on.
+
+**Server events** are the GA names and shapes; :func:`dump_event` writes one for a connection's dialect: the beta
+dialect renames ``response.output_audio.*`` to ``response.audio.*``, ``response.output_audio_transcript.*`` to
+``response.audio_transcript.*``, ``response.output_text.*`` to ``response.text.*``, ``conversation.item.added`` to
+``conversation.item.created`` (and drops ``conversation.item.done``, which beta does not have), the assistant
+content type ``output_audio`` to ``audio``, and ``output_modalities`` to ``modalities``.
+
+**Extensions** (``cspan.*``): a client may add ``session.cspan`` to ``session.update`` (:class:`CspanOptions`: our
+conversation events as ``cspan.<type>`` server events, the user's profile, test hooks); other clients never see
+anything that is not in the published schema.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+Dialect = Literal["ga", "beta"]
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+"""The subprotocol a browser offers to select the beta interface (headers cannot be set from a browser)."""
+INSECURE_KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+"""A browser client puts its key in the subprotocol ``openai-insecure-api-key.<key>``."""
+
+ERROR_CODES: dict[str, str] = {
+    "bad_json": "a text message that is not a JSON object",
+    "unknown_event": "a JSON object whose type is not a client event this server knows",
+    "invalid_event": "a known event with a missing or ill-typed field (``param`` names it)",
+    "binary_message": "a binary WebSocket message (Realtime events are JSON text)",
+    "bad_audio": "``input_audio_buffer.append`` whose ``audio`` is not base64 of the session's format",
+    "unsupported": "a field value or event this server does not implement (MCP tools, text-only output, ...)",
+    "unknown_call_id": "a ``function_call_output`` whose ``call_id`` is not a call of this session",
+    "late_call_output": "a ``function_call_output`` after its call timed out (the abstain clause was read)",
+    "unknown_item": "an ``item_id`` that is not an item of this session",
+    "no_active_response": "``response.cancel`` while no response is in progress",
+    "active_response": "``response.create`` while a response is in progress",
+    "session_live": "``instructions`` or ``voice`` changed after the persona was read (not applied)",
+    "invalid_instructions": "``instructions`` longer than the server allows",
+    "bad_voice": "a voice name the server does not have",
+}
+"""Every ``error.code`` the Realtime adapter sends for a client event, with its meaning (the session core's own
+codes, e.g. ``audio_overflow`` or ``persona_failed``, pass through)."""
+
+
+def new_id(prefix: str) -> str:
+    """A random id like the API's (``event_...``, ``resp_...``, ``item_...``, ``call_...``)."""
+    return f"{prefix}_{secrets.token_hex(10)}"
+
+
+class RealtimeEventError(Exception):
+    """A client event was refused: sent back as an ``error`` event (``code`` from :data:`ERROR_CODES`)."""
+
+    def __init__(self, code: str, message: str, *, event_id: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.event_id = event_id
+        self.param = param
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionTool(_In):
+    """A function tool the client runs (``session.tools[]``): its JSON Schema joins the router's tool bank."""
+
+    type: Literal["function"] = "function"
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str = Field(default="", max_length=4096)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class AudioFormatSpec(_In):
+    """GA ``audio.*.format``: ``audio/pcm`` (24 kHz), ``audio/pcmu`` or ``audio/pcma`` (8 kHz)."""
+
+    type: Literal["audio/pcm", "audio/pcmu", "audio/pcma"]
+    rate: Literal[24000] | None = None
+
+
+class AudioInputConfig(_In):
+    format: AudioFormatSpec | None = None
+    transcription: dict[str, Any] | None = None
+    turn_detection: dict[str, Any] | None = None
+
+
+class AudioOutputConfig(_In):
+    format: AudioFormatSpec | None = None
+    voice: str | dict[str, Any] | None = None
+    speed: float | None = None
+
+
+class AudioConfig(_In):
+    input: AudioInputConfig | None = None
+    output: AudioOutputConfig | None = None
+
+
+class ProfileOption(_In):
+    """``session.cspan.profile``: who the user is, for the router and the Context DB (see ``/ws`` ``start``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, max_length=80)
+    location: str | None = Field(default=None, max_length=120)
+    timezone: str | None = Field(default=None, max_length=64)
+    lat: float | None = Field(default=None, ge=-90.0, le=90.0)
+    lon: float | None = Field(default=None, ge=-180.0, le=180.0)
+    notes: str | None = Field(default=None, max_length=2000)
+
+
+class TestHooksOption(BaseModel):
+    """``session.cspan.test``: forced ``<ret>`` and scheduled spans (seconds on the session's timeline: frame 0 is
+    the first frame after the persona was read), and the seed. Refused unless the server has test hooks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    force_ret_at: list[Annotated[float, Field(ge=0.0, le=3600.0)]] = Field(default_factory=list, max_length=16)
+    spans: list[tuple[Annotated[float, Field(ge=0.0, le=3600.0)], Annotated[str, Field(min_length=1)]]] = Field(
+        default_factory=list, max_length=16
+    )
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+
+class CspanOptions(BaseModel):
+    """``session.cspan``: this server's extensions (ignored by the published schema).
+
+    Attributes:
+        events: also send our conversation events (``ret``, ``question``, ``span``, ``late``, ``no_span``) as
+            ``cspan.ret``, ``cspan.span``, ... server events, and ``cspan.ready`` when the persona was read.
+        profile: the user's profile.
+        test: test hooks.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    events: bool | None = None
+    profile: ProfileOption | None = None
+    test: TestHooksOption | None = None
+
+
+class SessionConfig(_In):
+    """``session.update``'s ``session``: the GA fields and the beta ones (either dialect's client may send either).
+
+    Only what this server uses is typed; other fields are accepted and ignored.
+    """
+
+    type: Literal["realtime", "transcription"] | None = None
+    model: str | None = None
+    instructions: str | None = None
+    voice: str | dict[str, Any] | None = None
+    input_audio_format: Literal["pcm16", "g711_ulaw", "g711_alaw"] | None = None
+    output_audio_format: Literal["pcm16", "g711_ulaw", "g711_alaw"] | None = None
+    audio: AudioConfig | None = None
+    output_modalities: list[Literal["text", "audio"]] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    input_audio_transcription: dict[str, Any] | None = None
+    turn_detection: dict[str, Any] | None = None
+    cspan: CspanOptions | None = None
+
+
+def function_tools(config: SessionConfig, event_id: str | None = None) -> list[FunctionTool] | None:
+    """The validated function tools of a ``session.update`` (None: ``tools`` not given; ``[]`` clears them).
+
+    Raises:
+        RealtimeEventError: ``invalid_event`` for a malformed or repeated tool, ``unsupported`` for another tool
+            type (``mcp``: the server's own tools come from its tool bank).
+    """
+    if config.tools is None:
+        return None
+    tools: list[FunctionTool] = []
+    for i, raw in enumerate(config.tools):
+        kind = raw.get("type", "function")
+        if kind != "function":
+            raise RealtimeEventError(
+                "unsupported",
+                f"session.tools[{i}]: tools of type {kind!r} are not supported; give function tools (the server's "
+                "own tools are in its tool bank)",
+                event_id=event_id,
+                param=f"session.tools[{i}].type",
+            )
+        try:
+            tool = FunctionTool.model_validate(raw)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise RealtimeEventError(
+                "invalid_event",
+                f"session.tools[{i}].{where}: {err['msg']}",
+                event_id=event_id,
+                param=f"session.tools[{i}].{where}",
+            ) from None
+        if any(t.name == tool.name for t in tools):
+            raise RealtimeEventError(
+                "invalid_event",
+                f"session.tools[{i}]: a second tool named {tool.name!r}",
+                event_id=event_id,
+                param=f"session.tools[{i}].name",
+            )
+        tools.append(tool)
+    return tools
+
+
+class _Event(_In):
+    event_id: str | None = Field(default=None, max_length=512)
+
+
+class SessionUpdate(_Event):
+    type: Literal["session.update"]
+    session: SessionConfig
+
+
+class InputAudioBufferAppend(_Event):
+    type: Literal["input_audio_buffer.append"]
+    audio: str
+
+
+class InputAudioBufferCommit(_Event):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class InputAudioBufferClear(_Event):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class OutputAudioBufferClear(_Event):
+    type: Literal["output_audio_buffer.clear"]
+
+
+class MessageItemIn(_In):
+    type: Literal["message"]
+    id: str | None = None
+    role: Literal["user", "assistant", "system"]
+    content: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class FunctionCallItemIn(_In):
+    type: Literal["function_call"]
+    id: str | None = None
+    call_id: str | None = None
+    name: str
+    arguments: str = ""
+
+
+class FunctionCallOutputItemIn(_In):
+    """The client's result of a function call: ``output`` is read as a Context Span, as is. ``status``
+    ``incomplete``, or an ``output`` that is a JSON object with an ``error`` key, is a failed call."""
+
+    type: Literal["function_call_output"]
+    id: str | None = None
+    call_id: str
+    output: str
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+
+
+ItemIn = Annotated[MessageItemIn | FunctionCallItemIn | FunctionCallOutputItemIn, Field(discriminator="type")]
+
+
+class ConversationItemCreate(_Event):
+    type: Literal["conversation.item.create"]
+    previous_item_id: str | None = None
+    item: ItemIn
+
+
+class ConversationItemTruncate(_Event):
+    type: Literal["conversation.item.truncate"]
+    item_id: str
+    content_index: int = Field(ge=0)
+    audio_end_ms: int = Field(ge=0)
+
+
+class ConversationItemDelete(_Event):
+    type: Literal["conversation.item.delete"]
+    item_id: str
+
+
+class ConversationItemRetrieve(_Event):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str
+
+
+class ResponseParams(_In):
+    metadata: dict[str, str] | None = None
+    conversation: str | None = None
+    output_modalities: list[Literal["text", "audio"]] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+
+
+class ResponseCreate(_Event):
+    type: Literal["response.create"]
+    response: ResponseParams | None = None
+
+
+class ResponseCancel(_Event):
+    type: Literal["response.cancel"]
+    response_id: str | None = None
+
+
+ClientEvent = Annotated[
+    SessionUpdate
+    | InputAudioBufferAppend
+    | InputAudioBufferCommit
+    | InputAudioBufferClear
+    | OutputAudioBufferClear
+    | ConversationItemCreate
+    | ConversationItemTruncate
+    | ConversationItemDelete
+    | ConversationItemRetrieve
+    | ResponseCreate
+    | ResponseCancel,
+    Field(discriminator="type"),
+]
+CLIENT_EVENT_TYPES = (
+    "session.update",
+    "input_audio_buffer.append",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "output_audio_buffer.clear",
+    "conversation.item.create",
+    "conversation.item.truncate",
+    "conversation.item.delete",
+    "conversation.item.retrieve",
+    "response.create",
+    "response.cancel",
+)
+_client_adapter: TypeAdapter[Any] = TypeAdapter(ClientEvent)
+
+
+def parse_client_event(text: str) -> Any:
+    """Parse one client event (a JSON text message).
+
+    Returns:
+        The event's model (one of :data:`ClientEvent`).
+
+    Raises:
+        RealtimeEventError: ``bad_json``, ``unknown_event`` or ``invalid_event``, with the event's ``event_id`` when
+            it has one and, for a bad field, ``param`` (its dotted path).
+    """
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise RealtimeEventError("bad_json", f"the message is not valid JSON ({exc}); send one JSON object") from None
+    if not isinstance(data, dict):
+        raise RealtimeEventError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")
+    event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+    kind = data.get("type")
+    if kind not in CLIENT_EVENT_TYPES:
+        raise RealtimeEventError(
+            "unknown_event",
+            f"unknown client event type {kind!r}; this server accepts {', '.join(CLIENT_EVENT_TYPES)}",
+            event_id=event_id,
+            param="type",
+        )
+    try:
+        return _client_adapter.validate_python(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = [str(p) for p in err["loc"] if str(p) != kind]
+        if len(loc) >= 2 and loc[0] == "item" and loc[1] in ("message", "function_call", "function_call_output"):
+            del loc[1]  # the union's tag, not a field
+        param = ".".join(loc) or None
+        more = len(exc.errors()) - 1
+        message = f"{kind}: {param or '(event)'}: {err['msg']}" + (f" (and {more} more)" if more > 0 else "")
+        raise RealtimeEventError("invalid_event", message, event_id=event_id, param=param) from None
+
+
+# ---------------------------------------------------------------------------------------------------- server
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ContentPart(_Out):
+    """A content part of a message item (``input_audio`` for the user, ``output_audio`` for the agent)."""
+
+    type: Literal["input_audio", "output_audio", "input_text", "output_text"]
+    transcript: str | None = None
+    text: str | None = None
+
+
+class MessageItem(_Out):
+    id: str
+    object: Literal["realtime.item"] = "realtime.item"
+    type: Literal["message"] = "message"
+    status: Literal["completed", "incomplete", "in_progress"] = "completed"
+    role: Literal["user", "assistant", "system"]
+    content: list[ContentPart] = Field(default_factory=list)
+
+
+class FunctionCallItem(_Out):
+    id: str
+    object: Literal["realtime.item"] = "realtime.item"
+    type: Literal["function_call"] = "function_call"
+    status: Literal["completed", "incomplete", "in_progress"] = "completed"
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Out):
+    id: str
+    object: Literal["realtime.item"] = "realtime.item"
+    type: Literal["function_call_output"] = "function_call_output"
+    status: Literal["completed", "incomplete", "in_progress"] = "completed"
+    call_id: str
+    output: str
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class ErrorDetail(_Out):
+    type: Literal["invalid_request_error", "server_error"] = "invalid_request_error"
+    code: str
+    message: str
+    param: str | None = None
+    event_id: str | None = Field(default=None, description="the client event that caused the error")
+
+
+class StatusDetails(_Out):
+    type: Literal["completed", "cancelled", "incomplete", "failed"]
+    reason: Literal["turn_detected", "client_cancelled", "max_output_tokens", "content_filter"] | None = None
+    error: dict[str, Any] | None = None
+
+
+class Usage(_Out):
+    """Token counts of a response: text tokens are the agent's text tokens, audio tokens its 80 ms frames."""
+
+    total_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_token_details: dict[str, int] = Field(
+        default_factory=lambda: {"text_tokens": 0, "audio_tokens": 0, "cached_tokens": 0}
+    )
+    output_token_details: dict[str, int] = Field(default_factory=lambda: {"text_tokens": 0, "audio_tokens": 0})
+
+
+class Response(_Out):
+    id: str
+    object: Literal["realtime.response"] = "realtime.response"
+    status: Literal["in_progress", "completed", "cancelled", "incomplete", "failed"] = "in_progress"
+    status_details: StatusDetails | None = None
+    output: list[Item] = Field(default_factory=list)
+    conversation_id: str | None = None
+    output_modalities: list[str] = Field(default_factory=lambda: ["audio"])
+    audio: dict[str, Any] | None = None
+    max_output_tokens: int | Literal["inf"] = "inf"
+    metadata: dict[str, str] | None = None
+    usage: Usage | None = None
+
+
+class _ServerEvent(_Out):
+    event_id: str = Field(default_factory=lambda: new_id("event"))
+
+
+class ErrorEvent(_ServerEvent):
+    type: Literal["error"] = "error"
+    error: ErrorDetail
+
+
+class SessionEvent(_ServerEvent):
+    type: Literal["session.created", "session.updated"]
+    session: dict[str, Any]
+
+
+class ConversationCreated(_ServerEvent):
+    type: Literal["conversation.created"] = "conversation.created"
+    conversation: dict[str, Any]
+
+
+class SpeechStarted(_ServerEvent):
+    type: Literal["input_audio_buffer.speech_started"] = "input_audio_buffer.speech_started"
+    audio_start_ms: int
+    item_id: str
+
+
+class SpeechStopped(_ServerEvent):
+    type: Literal["input_audio_buffer.speech_stopped"] = "input_audio_buffer.speech_stopped"
+    audio_end_ms: int
+    item_id: str
+
+
+class Committed(_ServerEvent):
+    type: Literal["input_audio_buffer.committed"] = "input_audio_buffer.committed"
+    item_id: str
+    previous_item_id: str | None = None
+
+
+class Cleared(_ServerEvent):
+    type: Literal["input_audio_buffer.cleared", "output_audio_buffer.cleared"] = "input_audio_buffer.cleared"
+
+
+class ItemEvent(_ServerEvent):
+    """``conversation.item.added`` / ``conversation.item.done`` (beta: ``conversation.item.created`` / not sent)."""
+
+    type: Literal["conversation.item.added", "conversation.item.done", "conversation.item.retrieved"]
+    item: Item
+    previous_item_id: str | None = None
+
+
+class ItemTruncated(_ServerEvent):
+    type: Literal["conversation.item.truncated"] = "conversation.item.truncated"
+    item_id: str
+    content_index: int
+    audio_end_ms: int
+
+
+class ItemDeleted(_ServerEvent):
+    type: Literal["conversation.item.deleted"] = "conversation.item.deleted"
+    item_id: str
+
+
+class TranscriptionDelta(_ServerEvent):
+    type: Literal["conversation.item.input_audio_transcription.delta"] = (
+        "conversation.item.input_audio_transcription.delta"
+    )
+    item_id: str
+    content_index: int = 0
+    delta: str
+
+
+class TranscriptionCompleted(_ServerEvent):
+    type: Literal["conversation.item.input_audio_transcription.completed"] = (
+        "conversation.item.input_audio_transcription.completed"
+    )
+    item_id: str
+    content_index: int = 0
+    transcript: str
+    usage: dict[str, Any] = Field(description="``{type: duration, seconds}``: the utterance's length")
+
+
+class TranscriptionFailed(_ServerEvent):
+    type: Literal["conversation.item.input_audio_transcription.failed"] = (
+        "conversation.item.input_audio_transcription.failed"
+    )
+    item_id: str
+    content_index: int = 0
+    error: dict[str, Any]
+
+
+class ResponseEvent(_ServerEvent):
+    type: Literal["response.created", "response.done"]
+    response: Response
+
+
+class OutputItemEvent(_ServerEvent):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    response_id: str
+    output_index: int
+    item: Item
+
+
+class ContentPartEvent(_ServerEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    part: dict[str, Any]
+
+
+class AudioDelta(_ServerEvent):
+    type: Literal["response.output_audio.delta"] = "response.output_audio.delta"
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str = Field(description="base64 audio in the session's output format")
+
+
+class AudioDone(_ServerEvent):
+    type: Literal["response.output_audio.done"] = "response.output_audio.done"
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+
+
+class TranscriptDelta(_ServerEvent):
+    type: Literal["response.output_audio_transcript.delta"] = "response.output_audio_transcript.delta"
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class TranscriptDone(_ServerEvent):
+    type: Literal["response.output_audio_transcript.done"] = "response.output_audio_transcript.done"
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    transcript: str
+
+
+class TextDelta(_ServerEvent):
+    """``response.output_text.delta``: the agent's text when the client asked for text output only."""
+
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class TextDone(_ServerEvent):
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class ArgumentsDelta(_ServerEvent):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    delta: str
+
+
+class ArgumentsDone(_ServerEvent):
+    type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
+class CspanEvent(_ServerEvent):
+    """An extension event (``cspan.ready``, ``cspan.span``, ...), sent only to clients that asked for them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+ServerEvent = (
+    ErrorEvent
+    | SessionEvent
+    | ConversationCreated
+    | SpeechStarted
+    | SpeechStopped
+    | Committed
+    | Cleared
+    | ItemEvent
+    | ItemTruncated
+    | ItemDeleted
+    | TranscriptionDelta
+    | TranscriptionCompleted
+    | TranscriptionFailed
+    | ResponseEvent
+    | OutputItemEvent
+    | ContentPartEvent
+    | AudioDelta
+    | AudioDone
+    | TranscriptDelta
+    | TranscriptDone
+    | TextDelta
+    | TextDone
+    | ArgumentsDelta
+    | ArgumentsDone
+    | CspanEvent
+)
+
+_BETA_TYPES = {
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
+    "conversation.item.added": "conversation.item.created",
+}
+_BETA_CONTENT = {"output_audio": "audio", "output_text": "text"}
+
+
+def _beta_item(item: dict[str, Any]) -> dict[str, Any]:
+    for part in item.get("content") or ():
+        part["type"] = _BETA_CONTENT.get(part["type"], part["type"])
+    return item
+
+
+def event_dict(event: ServerEvent, dialect: Dialect = "ga") -> dict[str, Any] | None:
+    """A server event as the JSON object sent to a client of ``dialect`` (None: not sent in that dialect)."""
+    data = event.model_dump(mode="json", exclude_none=True)
+    if dialect == "ga":
+        return data
+    kind = data["type"]
+    if kind == "conversation.item.done":
+        return None
+    data["type"] = _BETA_TYPES.get(kind, kind)
+    if "item" in data:
+        _beta_item(data["item"])
+    if isinstance(data.get("part"), dict):
+        part = data["part"]
+        part["type"] = _BETA_CONTENT.get(part.get("type"), part.get("type"))
+    if "response" in data:
+        response = data["response"]
+        response["modalities"] = response.pop("output_modalities", ["audio", "text"])
+        response.pop("audio", None)
+        response["max_output_tokens"] = response.get("max_output_tokens", "inf")
+        for item in response.get("output") or ():
+            _beta_item(item)
+    return data
+
+
+def dump_event(event: ServerEvent, dialect: Dialect = "ga") -> str | None:
+    """:func:`event_dict` as compact JSON text (None: not sent in that dialect)."""
+    data = event_dict(event, dialect)
+    return None if data is None else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def error_event(exc: RealtimeEventError) -> ErrorEvent:
+    """The ``error`` event for a refused client event."""
+    return ErrorEvent(error=ErrorDetail(code=exc.code, message=exc.message, param=exc.param, event_id=exc.event_id))
+
+
+__all__ = [
+    "BETA_SUBPROTOCOL",
+    "CLIENT_EVENT_TYPES",
+    "ERROR_CODES",
+    "INSECURE_KEY_SUBPROTOCOL_PREFIX",
+    "ClientEvent",
+    "CspanOptions",
+    "Dialect",
+    "FunctionTool",
+    "RealtimeEventError",
+    "ServerEvent",
+    "SessionConfig",
+    "dump_event",
+    "error_event",
+    "event_dict",
+    "function_tools",
+    "new_id",
+    "parse_client_event",
+]

@@ -1,0 +1,458 @@
+"""Grouping a full-duplex conversation into the OpenAI Realtime API's items and responses (small state machines).
+
+The Realtime API is turn-based: the user's speech becomes *user message items*, and the model answers in
+*responses* (``response.created`` ... ``response.done``) whose output items carry the audio and its transcript. A
+full-duplex model has no turns of its own: it produces one 80 ms agent frame and at most one text token every
+frame, whether it speaks or not. The machines here draw the turns:
+
+:class:`ResponseStream` (the agent). A response opens at the first rendered text piece of the agent (its inner
+monologue runs a little ahead of its voice), with the frame of audio just before it, and closes after
+:data:`QUIET_FRAMES` frames without a text piece (the audio of those frames, the voice's tail, is part of it).
+Agent frames outside a response (silence) are not sent, as the API sends nothing while the model is silent. The
+client may also open a response (``response.create``: it closes the same way, empty if the agent says nothing) or
+cancel one (``response.cancel``: the response ends ``cancelled`` and the agent's output is dropped until its turn
+ends). A function call of the router ends the open response with a ``function_call`` item, as the API's responses
+that call a function end with the call.
+
+:class:`UserSpeech` (the user). The session's voice activity tracker (:class:`cspan.core.vad.UtteranceTracker`)
+gives ``input_audio_buffer.speech_started`` / ``speech_stopped``; an utterance that ended is committed as a user
+message item, and the transcriber's transcripts become ``conversation.item.input_audio_transcription.delta`` /
+``completed`` for that item.
+
+Both write to one :class:`ItemLog` (the conversation's item order, for ``previous_item_id``, and the items a client
+may truncate, delete or retrieve). Every method returns the server events to send, in order; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+from typing import Any, Literal, Protocol
+
+from cspan.core.constants import FRAME_RATE
+from cspan.server.realtime_events import (
+    ArgumentsDelta,
+    ArgumentsDone,
+    AudioDelta,
+    AudioDone,
+    Committed,
+    ContentPart,
+    ContentPartEvent,
+    FunctionCallItem,
+    Item,
+    ItemEvent,
+    MessageItem,
+    OutputItemEvent,
+    RealtimeEventError,
+    Response,
+    ResponseEvent,
+    ServerEvent,
+    SpeechStarted,
+    SpeechStopped,
+    StatusDetails,
+    TextDelta,
+    TextDone,
+    TranscriptDelta,
+    TranscriptDone,
+    TranscriptionCompleted,
+    TranscriptionDelta,
+    Usage,
+    new_id,
+)
+
+FRAME_MS = 1000.0 / FRAME_RATE
+QUIET_FRAMES = 10
+"""A response closes after this many frames (0.8 s) without agent text: a pause long enough to end a turn, and
+long enough for the voice to finish the last word it wrote."""
+ITEM_LOG_SIZE = 1000
+"""Items remembered for ``conversation.item.truncate`` / ``delete`` / ``retrieve`` (oldest forgotten first)."""
+
+
+class ItemLog:
+    """The conversation's items in order (the last :data:`ITEM_LOG_SIZE`)."""
+
+    def __init__(self) -> None:
+        self.items: collections.OrderedDict[str, Item] = collections.OrderedDict()
+        self.last_id: str | None = None
+
+    def add(self, item: Item) -> str | None:
+        """Record ``item`` as the newest; returns the id of the item before it (``previous_item_id``)."""
+        previous = self.last_id
+        self.items[item.id] = item
+        self.last_id = item.id
+        while len(self.items) > ITEM_LOG_SIZE:
+            self.items.popitem(last=False)
+        return previous
+
+    def get(self, item_id: str, *, event_id: str | None = None, param: str = "item_id") -> Item:
+        """The item ``item_id``. Raises :class:`RealtimeEventError` ``unknown_item``."""
+        item = self.items.get(item_id)
+        if item is None:
+            raise RealtimeEventError(
+                "unknown_item", f"no item {item_id!r} in this conversation", event_id=event_id, param=param
+            )
+        return item
+
+    def delete(self, item_id: str, *, event_id: str | None = None) -> None:
+        self.get(item_id, event_id=event_id)
+        del self.items[item_id]
+        if self.last_id == item_id:
+            self.last_id = next(reversed(self.items), None)
+
+
+class ResponseStream:
+    """The agent's side: frames and text pieces in, response events out (see the module docstring).
+
+    Args:
+        log: the conversation's :class:`ItemLog`.
+        conversation_id: echoed in every response.
+        modality: ``"audio"`` (audio deltas with transcript deltas) or ``"text"`` (text deltas only).
+        audio_config: the response's ``audio.output`` (format and voice), echoed.
+        quiet_frames: frames without text that close a response.
+
+    Call, in the order the frames happened: :meth:`audio` for every agent frame, :meth:`text` for every rendered
+    text piece of that frame; and :meth:`create`, :meth:`cancel`, :meth:`function_call`, :meth:`finish` when the
+    client or the router asks.
+    """
+
+    def __init__(
+        self,
+        log: ItemLog,
+        *,
+        conversation_id: str | None = None,
+        modality: Literal["audio", "text"] = "audio",
+        audio_config: dict[str, Any] | None = None,
+        quiet_frames: int = QUIET_FRAMES,
+    ) -> None:
+        self.log = log
+        self.conversation_id = conversation_id
+        self.modality = modality
+        self.audio_config = audio_config
+        self.quiet_frames = quiet_frames
+        self.response: Response | None = None
+        self._message: MessageItem | None = None
+        self._pieces: list[str] = []
+        self._quiet = 0
+        self._muted = False
+        self._pre_roll: bytes | None = None
+        self._text_tokens = 0
+        self._audio_frames = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether a response is in progress."""
+        return self.response is not None
+
+    # -- inputs from the conversation ---------------------------------------------------------------------------
+
+    def audio(self, data: bytes) -> list[ServerEvent]:
+        """One agent frame, already in the client's output format."""
+        if self._muted:
+            self._quiet += 1
+            if self._quiet >= self.quiet_frames:
+                self._muted = False
+            return []
+        if self.response is None:
+            self._pre_roll = data
+            return []
+        if self._quiet >= self.quiet_frames:
+            self._pre_roll = data
+            return self._close("completed")
+        self._quiet += 1
+        return self._audio_delta(data)
+
+    def text(self, piece: str) -> list[ServerEvent]:
+        """One rendered text piece of the agent (the frame's :meth:`audio` came first)."""
+        self._quiet = 0
+        if self._muted:
+            return []
+        events: list[ServerEvent] = []
+        if self.response is None:
+            events += self._open(None)
+        if self._message is None:
+            events += self._open_message()
+            if self._pre_roll is not None:
+                events += self._audio_delta(self._pre_roll)
+        self._pre_roll = None
+        if not self._pieces:
+            piece = piece.lstrip()
+        if not piece:
+            return events
+        self._pieces.append(piece)
+        self._text_tokens += 1
+        msg = self._message
+        assert msg is not None and self.response is not None
+        fields = dict(response_id=self.response.id, item_id=msg.id, output_index=len(self.response.output) - 1)
+        if self.modality == "text":
+            events.append(TextDelta(content_index=0, delta=piece, **fields))
+        else:
+            events.append(TranscriptDelta(content_index=0, delta=piece, **fields))
+        return events
+
+    # -- inputs from the client and the router ------------------------------------------------------------------
+
+    def create(self, metadata: dict[str, str] | None = None, *, event_id: str | None = None) -> list[ServerEvent]:
+        """``response.create``: open a response now (it fills with the agent's next words).
+
+        Raises:
+            RealtimeEventError: ``active_response`` while one is in progress.
+        """
+        if self.response is not None:
+            raise RealtimeEventError(
+                "active_response",
+                f"response {self.response.id} is in progress; wait for response.done or send response.cancel",
+                event_id=event_id,
+            )
+        self._muted = False
+        self._quiet = 0
+        return self._open(metadata)
+
+    def cancel(self, response_id: str | None = None, *, event_id: str | None = None) -> list[ServerEvent]:
+        """``response.cancel``: end the response ``cancelled``; the agent's output is dropped until its turn ends.
+
+        Raises:
+            RealtimeEventError: ``no_active_response`` when none is in progress (or ``response_id`` is another).
+        """
+        if self.response is None or (response_id is not None and response_id != self.response.id):
+            which = f"response {response_id!r} is not" if response_id else "no response is"
+            raise RealtimeEventError(
+                "no_active_response", f"{which} in progress", event_id=event_id, param="response_id"
+            )
+        events = self._close("cancelled", reason="client_cancelled")
+        self._muted = True
+        self._quiet = 0
+        return events
+
+    def function_call(self, name: str, arguments: dict[str, Any] | str) -> tuple[list[ServerEvent], str, str]:
+        """The router called the client's tool ``name``: the open response (or a new one) ends with the call.
+
+        Returns:
+            ``(events, call_id, item_id)``.
+        """
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        events: list[ServerEvent] = []
+        if self.response is None:
+            events += self._open(None)
+        events += self._close_message()
+        response = self.response
+        assert response is not None
+        call_id = new_id("call")
+        item = FunctionCallItem(id=new_id("item"), call_id=call_id, name=name, arguments="", status="in_progress")
+        index = len(response.output)
+        response.output.append(item)
+        previous = self.log.add(item)
+        events += [
+            OutputItemEvent(type="response.output_item.added", response_id=response.id, output_index=index, item=item),
+            ItemEvent(type="conversation.item.added", item=item, previous_item_id=previous),
+        ]
+        done = item.model_copy(update={"arguments": args, "status": "completed"})
+        response.output[index] = done
+        self.log.items[item.id] = done
+        fields = dict(response_id=response.id, item_id=item.id, output_index=index, call_id=call_id)
+        events += [
+            ArgumentsDelta(delta=args, **fields),
+            ArgumentsDone(name=name, arguments=args, **fields),
+            OutputItemEvent(type="response.output_item.done", response_id=response.id, output_index=index, item=done),
+            ItemEvent(type="conversation.item.done", item=done, previous_item_id=previous),
+        ]
+        events += self._close("completed")
+        return events, call_id, item.id
+
+    def finish(self) -> list[ServerEvent]:
+        """The session ends: an open response ends ``incomplete``."""
+        return self._close("incomplete") if self.response is not None else []
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _open(self, metadata: dict[str, str] | None) -> list[ServerEvent]:
+        self.response = Response(
+            id=new_id("resp"),
+            conversation_id=self.conversation_id,
+            output_modalities=[self.modality],
+            audio={"output": self.audio_config} if self.audio_config and self.modality == "audio" else None,
+            metadata=metadata,
+        )
+        self._text_tokens = self._audio_frames = 0
+        self._quiet = 0
+        return [ResponseEvent(type="response.created", response=self.response.model_copy(deep=True))]
+
+    def _open_message(self) -> list[ServerEvent]:
+        response = self.response
+        assert response is not None
+        kind = "output_text" if self.modality == "text" else "output_audio"
+        self._message = MessageItem(id=new_id("item"), role="assistant", status="in_progress", content=[])
+        self._pieces = []
+        index = len(response.output)
+        response.output.append(self._message)
+        previous = self.log.add(self._message)
+        part = {"type": "text", "text": ""} if kind == "output_text" else {"type": "audio", "transcript": ""}
+        return [
+            OutputItemEvent(
+                type="response.output_item.added", response_id=response.id, output_index=index, item=self._message
+            ),
+            ItemEvent(type="conversation.item.added", item=self._message, previous_item_id=previous),
+            ContentPartEvent(
+                type="response.content_part.added",
+                response_id=response.id,
+                item_id=self._message.id,
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
+        ]
+
+    def _audio_delta(self, data: bytes) -> list[ServerEvent]:
+        if self.modality == "text":
+            return []
+        events: list[ServerEvent] = []
+        if self._message is None:
+            events += self._open_message()
+        response, msg = self.response, self._message
+        assert response is not None and msg is not None
+        self._audio_frames += 1
+        events.append(
+            AudioDelta(
+                response_id=response.id,
+                item_id=msg.id,
+                output_index=len(response.output) - 1,
+                content_index=0,
+                delta=base64.b64encode(data).decode("ascii"),
+            )
+        )
+        return events
+
+    def _close_message(self) -> list[ServerEvent]:
+        msg, response = self._message, self.response
+        if msg is None or response is None:
+            return []
+        self._message = None
+        text = "".join(self._pieces)
+        index = response.output.index(msg)
+        fields = dict(response_id=response.id, item_id=msg.id, output_index=index, content_index=0)
+        if self.modality == "text":
+            content = ContentPart(type="output_text", text=text)
+            events: list[ServerEvent] = [TextDone(text=text, **fields)]
+            part = {"type": "text", "text": text}
+        else:
+            content = ContentPart(type="output_audio", transcript=text)
+            events = [AudioDone(**fields), TranscriptDone(transcript=text, **fields)]
+            part = {"type": "audio", "transcript": text}
+        done = msg.model_copy(update={"status": "completed", "content": [content]})
+        response.output[index] = done
+        if msg.id in self.log.items:
+            self.log.items[msg.id] = done
+        events += [
+            ContentPartEvent(type="response.content_part.done", part=part, **fields),
+            OutputItemEvent(type="response.output_item.done", response_id=response.id, output_index=index, item=done),
+            ItemEvent(type="conversation.item.done", item=done),
+        ]
+        return events
+
+    def _close(self, status: str, *, reason: str | None = None) -> list[ServerEvent]:
+        events = self._close_message()
+        response = self.response
+        if response is None:
+            return events
+        self.response = None
+        self._pre_roll = None
+        response.status = status  # type: ignore[assignment]
+        if status != "completed":
+            response.status_details = StatusDetails(type=status, reason=reason)  # type: ignore[arg-type]
+        text_tokens = self._text_tokens
+        response.usage = Usage(
+            total_tokens=text_tokens + self._audio_frames,
+            output_tokens=text_tokens + self._audio_frames,
+            output_token_details={"text_tokens": text_tokens, "audio_tokens": self._audio_frames},
+        )
+        events.append(ResponseEvent(type="response.done", response=response))
+        return events
+
+
+class _Utterance(Protocol):
+    index: int
+    start: int
+    end: int | None
+
+
+class _Tracker(Protocol):
+    current: _Utterance | None
+    finished: list[Any]
+
+
+class UserSpeech:
+    """The user's side: voice activity and transcripts in, speech and user-item events out.
+
+    Args:
+        log: the conversation's :class:`ItemLog`.
+    """
+
+    def __init__(self, log: ItemLog) -> None:
+        self.log = log
+        self._item_ids: dict[int, str] = {}
+        self._active: _Utterance | None = None
+        self._committed: set[int] = set()
+        self._partials: dict[int, str] = {}
+
+    def item_id(self, utterance: int) -> str:
+        """The user item id of utterance ``utterance`` (made on first use)."""
+        if utterance not in self._item_ids:
+            self._item_ids[utterance] = new_id("item")
+        return self._item_ids[utterance]
+
+    def poll(self, tracker: _Tracker) -> list[ServerEvent]:
+        """Compare the voice activity tracker with what was reported; call once per frame."""
+        events: list[ServerEvent] = []
+        current = tracker.current
+        active = self._active
+        if active is not None and current is not active:
+            self._active = None
+            end = active.end if active.end is not None else active.start
+            events.append(SpeechStopped(audio_end_ms=round(end * FRAME_MS), item_id=self.item_id(active.index)))
+            # an utterance too short to count (not in ``finished``) is not committed
+            if any(u is active for u in tracker.finished[-4:]) and active.index not in self._committed:
+                events += self._commit(active.index)
+        if current is not None and self._active is None:
+            self._active = current
+            events.append(
+                SpeechStarted(audio_start_ms=round(current.start * FRAME_MS), item_id=self.item_id(current.index))
+            )
+        return events
+
+    def transcript(
+        self, utterance: int, text: str, *, final: bool, start_s: float, end_s: float | None
+    ) -> list[ServerEvent]:
+        """A transcript of the utterance (``final``: of the whole utterance, else of its beginning)."""
+        events: list[ServerEvent] = []
+        item_id = self.item_id(utterance)
+        if final:
+            if utterance not in self._committed:
+                events += self._commit(utterance)
+            seconds = max(0.0, (end_s if end_s is not None else start_s) - start_s)
+            events.append(
+                TranscriptionCompleted(
+                    item_id=item_id, transcript=text, usage={"type": "duration", "seconds": round(seconds, 3)}
+                )
+            )
+            self._partials.pop(utterance, None)
+            return events
+        before = self._partials.get(utterance, "")
+        if text.startswith(before) and len(text) > len(before):
+            events.append(TranscriptionDelta(item_id=item_id, delta=text[len(before) :]))
+            self._partials[utterance] = text
+        return events
+
+    def _commit(self, utterance: int) -> list[ServerEvent]:
+        self._committed.add(utterance)
+        item = MessageItem(
+            id=self.item_id(utterance), role="user", content=[ContentPart(type="input_audio", transcript=None)]
+        )
+        previous = self.log.add(item)
+        return [
+            Committed(item_id=item.id, previous_item_id=previous),
+            ItemEvent(type="conversation.item.added", item=item, previous_item_id=previous),
+            ItemEvent(type="conversation.item.done", item=item, previous_item_id=previous),
+        ]
+
+
+__all__ = ["FRAME_MS", "ITEM_LOG_SIZE", "QUIET_FRAMES", "ItemLog", "ResponseStream", "UserSpeech"]

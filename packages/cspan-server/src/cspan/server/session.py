@@ -1,0 +1,1130 @@
+r"""The session core of ``cspan serve``: slots, the 80 ms frame loop, personas, Context Spans and records, behind
+protocol-neutral inputs and outputs. Each wire protocol is a thin adapter (:mod:`cspan.server.adapters`).
+
+Architecture (one process, one event loop)::
+
+    client --protocol--> adapter (translates messages only) --inputs--> Session (per connection)
+                                                                   |  start -> reserve a slot -> persona read
+                                                                   v
+    SessionHub frame loop (one asyncio task, 80 ms monotonic clock)
+        for each live session: one queued user frame (or silence) -> Conversation.before_step (spans queued)
+        ONE EngineThread.frame(pcm [N, 1920], spans) for all N slots (spans read, then one batched step)
+        for each live session: Conversation.after_step -> outputs (agent frame, events) -> its outbox
+    Session outbox --outputs--> adapter.render -> wire messages -> client
+
+The engine has ``batch_size = --max-sessions``; slot i of the batch belongs to at most one session. Slots with no
+live session are fed silence and their outputs are discarded; a slot is reset (``engine.reset`` + ``set_persona``)
+when a session starts on it. The clock never waits for a client: a session whose queue is empty hears silence for
+that frame; a session sending faster than real time has its oldest queued frames dropped (and counted) once the
+queue holds ``--max-queued-frames``. When the loop falls more than one frame behind (a slow step, a long persona
+prefix), it skips ahead instead of bursting through the missed frames. Every engine call (persona prefixes,
+Context Spans, steps) runs on the engine thread (:mod:`cspan.server.engine_thread`); nothing is read into the
+model on the event loop.
+
+Adapter contract
+================
+
+An adapter is one module in ``cspan/server/adapters/`` defining a subclass of
+:class:`cspan.server.adapters.ProtocolAdapter` (``name``: the metrics label; ``path``: the WebSocket route). For
+each accepted connection the app opens a :class:`Session` (``SessionHub.open``) and creates one adapter instance
+holding it (``adapter.session``). The app does everything that is the same for all protocols: the Host and Origin
+checks, the token (from ``adapter.credentials``, compared in constant time), accept, the receive loop and message
+size limit, the sender task, the idle watchdog, the end of the session when the client leaves, and metrics labelled
+by protocol.
+
+What an adapter calls (inputs), from its ``opened()`` and ``receive(data)``:
+
+- ``await session.start(StartRequest(...))``: reserve a slot and read the persona. The outcome arrives as an output:
+  :class:`Ready` (the session is live; frame 0 is the next agent frame), or :class:`Busy` then :class:`Close`. An
+  invalid request raises :class:`ClientError` (the session stays ``connected``).
+- ``session.push_audio(pcm)``: the user's audio, float32 mono at 24 kHz, any length (cut into 1920-sample frames
+  here; non-finite samples handled by :func:`cspan.core.audio.sanitize_pcm`). Raises :class:`ClientError`
+  ``not_started`` before ``start``.
+- ``session.update_profile(ProfileFields(...))``: new profile fields mid-conversation (router and Context DB).
+- ``await session.stop()``: end gracefully: queued audio is played through, a running utterance is transcribed,
+  then :class:`Ended` and :class:`Close`.
+- ``session.client_error(code, message, detail)``: report a client mistake the adapter found (counted, sent as
+  :class:`ErrorOut`; ``detail`` is for the adapter's own rendering, e.g. the offending event's id).
+  :class:`ClientError` raised from ``receive`` is reported the same way by the app.
+- ``session.set_tools(tools)``: this session's own tools (a client's functions) from now on (also
+  ``StartRequest.tools``).
+- ``session.put(item)`` with an :class:`AdapterItem`: the adapter's own output, handed back to its ``render`` in
+  order with the session's outputs (e.g. what must follow the agent frames already queued).
+
+What an adapter renders (outputs): ``adapter.render(item) -> list[str | bytes]`` is called by the sender, in order,
+for every item of :data:`Outbound` except :class:`Close`: :class:`Ready`, :class:`Busy`, :class:`AgentAudio`
+(one per frame), the conversation events of :mod:`cspan.core.events` (``text``, ``user_text``, ``ret``,
+``question``, ``span``, ``late``, ``no_span``, ``error``), :class:`Timing`, :class:`ErrorOut`, :class:`Ended`, and
+the adapter's own :class:`AdapterItem`\ s.
+It returns the wire messages to send (none to skip an item). :class:`Close` is done by the app: the socket closes
+with its code once everything before it was sent.
+
+The original server this replaces served one conversation at a time and stepped once per received frame
+(reference digest, section 5.1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+import uuid
+import zoneinfo
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cspan.core.audio import sanitize_pcm
+from cspan.core.constants import FRAME_RATE, FRAME_SIZE
+from cspan.core.errors import ProtocolError
+from cspan.core.events import ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
+from cspan.server.auth import Principal
+from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
+
+logger = logging.getLogger(__name__)
+
+FRAME_S = 1.0 / FRAME_RATE
+OUTBOX_LIMIT = 500
+"""Outputs waiting for a client that does not read; above this the session ends with ``slow_client``."""
+FINISH_TIMEOUT_S = 3.0
+"""How long the end of a session waits for outstanding transcripts before ``Ended``."""
+OVERFLOW_REPORT_FRAMES = 50
+"""At most one ``audio_overflow`` error per this many frames (4 s) while frames are being dropped."""
+STOP_FLUSH_FRAMES = 12
+"""After ``stop``, at most this many frames of silence are fed to end a running utterance (its final transcript)."""
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_FORBIDDEN_ORIGIN = 4403
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+
+
+class ClientError(ProtocolError):
+    """A client mistake, with the machine-readable ``code`` every protocol reports (``error`` on ``/ws``).
+
+    Codes: ``not_started``, ``already_started``, ``stopping``, ``invalid_message``, ``bad_voice``,
+    ``audio_overflow``, ``persona_failed``, ``internal``, and those of the adapters (``bad_json``, ``bad_frame``,
+    ``too_large``, ``bad_audio``, ...). The session always goes on.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Fields(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+
+
+@lru_cache(maxsize=1)
+def _timezones() -> frozenset[str]:
+    return frozenset(zoneinfo.available_timezones())
+
+
+class ProfileFields(_Fields):
+    """Who the user is (all optional). ``location`` is a free-text place ("London"), ``timezone`` an IANA name.
+
+    ``user_id`` names the Context DB profile (a browser keeps a random id so that its memory persists across
+    conversations); without one each session gets its own profile. A credential that names a user
+    (:class:`~cspan.server.auth.Principal`) overrides it.
+    """
+
+    user_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    name: str | None = Field(default=None, max_length=80)
+    location: str | None = Field(default=None, max_length=120)
+    timezone: str | None = Field(default=None, max_length=64)
+    lat: float | None = Field(default=None, ge=-90.0, le=90.0)
+    lon: float | None = Field(default=None, ge=-180.0, le=180.0)
+    notes: str | None = Field(default=None, max_length=2000)
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, value: str | None) -> str | None:
+        if value and value not in _timezones():
+            raise ValueError(f"unknown IANA timezone {value!r} (for example 'Europe/London')")
+        return value or None
+
+
+@dataclass
+class StartRequest:
+    """What a client asks for when it starts a conversation (every protocol maps its own fields here).
+
+    Attributes:
+        voice: a voice name of the server; None: the server's default; "": no voice prompt.
+        text_prompt: the persona; None: the server's default; "": none.
+        profile: the user's profile fields.
+        seed: the session's sampling seed (None: the server's next seed).
+        force_ret_at, spans: test hooks (seconds on the session's timeline): forced ``<ret>``, and
+            ``(seconds, text)`` Context Spans injected without a backend. Refused unless the server has test hooks.
+        test: the client used its protocol's test hooks (refused unless the server has them).
+        tools: this session's own tools (:class:`~cspan.backends.tools.bank.Tool`, e.g. a Realtime client's
+            functions made with ``callback_tool``), added to the router's tool bank for this session only; the span
+            deadline grows by ``--client-tool-timeout-s`` while there are any.
+    """
+
+    voice: str | None = None
+    text_prompt: str | None = None
+    profile: ProfileFields = field(default_factory=ProfileFields)
+    seed: int | None = None
+    force_ret_at: list[float] = field(default_factory=list)
+    spans: list[tuple[float, str]] = field(default_factory=list)
+    test: bool = False
+    tools: list[Any] = field(default_factory=list)
+
+    @property
+    def has_test_hooks(self) -> bool:
+        return bool(self.test or self.force_ret_at or self.spans)
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PersonaInfo(_Data):
+    """The persona the session was started with."""
+
+    text_prompt: str
+    voice: str | None
+    prefix_frames: int = Field(description="frames of the persona prefix read before frame 0")
+    prefill_ms: float = Field(description="wall-clock time of the prefix forward (ms)")
+
+
+class ProfileInfo(_Data):
+    """The profile the router and the Context DB see."""
+
+    user_id: str
+    name: str = ""
+    location: str = ""
+    timezone: str = ""
+    lat: float | None = None
+    lon: float | None = None
+
+
+class SessionStats(_Data):
+    """Counters of one session (frames are 80 ms)."""
+
+    frames: int = Field(default=0, description="agent frames sent (frames the session was live)")
+    user_frames: int = Field(default=0, description="user audio frames received and queued")
+    consumed_frames: int = Field(default=0, description="user frames fed to the model")
+    dropped_frames: int = Field(default=0, description="user frames dropped because the queue was full")
+    silence_frames: int = Field(default=0, description="frames the model heard silence (no user frame queued)")
+    spans: int = Field(default=0, description="Context Spans read")
+    errors: int = Field(default=0, description="error messages sent")
+    duration_s: float = Field(default=0.0, description="frames * 0.08")
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The session is live: the persona was read; frame 0 is the next agent frame."""
+
+    session_id: str
+    conversation_id: str
+    slot: int
+    seed: int
+    max_queued_frames: int
+    idle_timeout_s: float
+    persona: PersonaInfo
+    profile: ProfileInfo
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Every slot is taken (a :class:`Close` with 1013 follows)."""
+
+    max_sessions: int
+    message: str
+
+
+@dataclass(frozen=True)
+class AgentAudio:
+    """The agent's frame ``frame``: ``pcm`` float32 [1920] at 24 kHz."""
+
+    frame: int
+    pcm: np.ndarray
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Timing of one frame (for every frame at whose head a span was read, and every ``--slot-every`` frames)."""
+
+    frame: int
+    t: float
+    step_ms: float
+    prefill_ms: float
+    total_ms: float
+    over_budget: bool
+    live_sessions: int
+    queued: int
+    dropped_frames: int
+    silence_frames: int
+
+
+@dataclass(frozen=True)
+class ErrorOut:
+    """A client mistake or a server failure in this session (``code`` as :class:`ClientError`); it goes on.
+    ``detail``: what the adapter that reported it attached (e.g. the offending event's id)."""
+
+    code: str
+    message: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The session ended (``reason``: stop, idle, shutdown, slow_client, error); a :class:`Close` follows."""
+
+    reason: str
+    message: str
+    session_id: str
+    conversation_id: str | None
+    stats: SessionStats
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the connection with ``code`` once everything before was sent (done by the app, not rendered)."""
+
+    code: int
+    reason: str
+
+
+class AdapterItem:
+    """Base of the items an adapter queues itself with :meth:`Session.put`; they reach its ``render`` in order with
+    the session's outputs."""
+
+
+Outbound = Ready | Busy | AgentAudio | ConversationEvent | Timing | ErrorOut | Ended | Close | AdapterItem
+"""Every item a session puts in its outbox."""
+
+
+# ---------------------------------------------------------------------------------------------------- sessions
+
+
+@dataclass
+class _Start:
+    request: StartRequest
+    voice_name: str | None
+    voice_codes: Any
+    text_prompt: str
+    seed: int
+    vad: Any = None
+
+
+class Session:
+    """One connection's conversation: the state machine, the bounded audio queue, the outbox, the idle clock.
+
+    States: ``connected`` (no slot) -> ``starting`` (slot reserved, persona being read) -> ``live`` (in the frame
+    loop) -> ``stopping`` (``stop`` received; queued audio is played through) -> ``closed``.
+
+    Args:
+        hub: the :class:`SessionHub`.
+        protocol: the adapter's name (metrics label).
+        principal: who the connection's credential says the client is.
+    """
+
+    def __init__(self, hub: SessionHub, protocol: str, principal: Principal) -> None:
+        self.hub = hub
+        self.protocol = protocol
+        self.principal = principal
+        self.id = uuid.uuid4().hex
+        self.state = "connected"
+        self.slot: int | None = None
+        self.inbox: collections.deque[np.ndarray] = collections.deque()
+        self.outbox: asyncio.Queue[Outbound] = asyncio.Queue()
+        self.stats = SessionStats()
+        self.last_audio = time.monotonic()
+        self.conversation: Any = None
+        self.conversation_id: str | None = None
+        self.profile: Any = None
+        self.profile_fields = ProfileFields()
+        self.ending = False
+        self.ended = False
+        self.gone = False
+        self._start: _Start | None = None
+        self._events: list[ConversationEvent] = []
+        self._recorder: Callable[[Any], None] | None = None
+        self._partial = np.zeros(0, dtype=np.float32)
+        self._last_overflow_report = -(10**9)
+        self._stopping_reported = False
+        self._nonfinite_reported = False
+        self._flushed = 0
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # -- outputs ----------------------------------------------------------------------------------------------
+
+    def put(self, item: Outbound) -> None:
+        """Queue one output for the adapter (a client that stops reading ends the session: ``slow_client``)."""
+        if self.gone:
+            return
+        if self.outbox.qsize() >= OUTBOX_LIMIT and not isinstance(item, Close):
+            if not self.ending:
+                logger.warning(
+                    "session %s: client does not read (%d outputs waiting); ending it", self.id, OUTBOX_LIMIT
+                )
+                while not self.outbox.empty():
+                    self.outbox.get_nowait()
+                self.ending = True
+                self.spawn(self.end("slow_client", code=CLOSE_POLICY, message="the client did not read its messages"))
+            return
+        self.outbox.put_nowait(item)
+
+    def client_error(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
+        """Report a client mistake (or a failure in this session): counted, and sent as :class:`ErrorOut`."""
+        self.stats.errors += 1
+        self.hub.metrics.protocol_errors.labels(self.protocol, code).inc()
+        self.put(ErrorOut(code=code, message=message, detail=detail or {}))
+
+    def _close(self, code: int, reason: str) -> None:
+        self.outbox.put_nowait(Close(code, reason[:120]))
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task the session waits for when the connection ends."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        return task
+
+    def _on_event(self, event: ConversationEvent) -> None:
+        """``Conversation.on_event``: collected, then published by the frame loop (after the step completes them)."""
+        self._events.append(event)
+
+    def _take_events(self) -> list[ConversationEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _publish(self, events: list[ConversationEvent], *, send: bool = True) -> None:
+        """Count, record in the Context DB and (unless ``send`` is False) queue conversation events."""
+        for ev in events:
+            self.hub.observe_event(self, ev)
+            if self._recorder is not None:
+                self._recorder(ev)
+            if isinstance(ev, ErrorEvent):
+                self.stats.errors += 1
+            if send:
+                self.put(ev)
+
+    # -- inputs -----------------------------------------------------------------------------------------------
+
+    def push_audio(self, pcm: np.ndarray) -> None:
+        """Queue user audio: float32 mono at 24 kHz, any length (cut into frames of 1920 samples).
+
+        Raises:
+            ClientError: ``not_started`` before ``start``. After ``stop`` audio is ignored (reported once, code
+                ``stopping``); NaN or infinite samples become silence (reported once, code ``bad_audio``).
+        """
+        if self.state == "connected":
+            raise ClientError("not_started", "audio before start: start the conversation and wait until it is ready")
+        if self.state in ("stopping", "closed"):
+            if not self._stopping_reported:
+                self._stopping_reported = True
+                self.client_error("stopping", "audio after stop is ignored")
+            return
+        self.last_audio = time.monotonic()
+        pcm, nonfinite = sanitize_pcm(np.asarray(pcm, dtype=np.float32).reshape(-1))
+        if nonfinite and not self._nonfinite_reported:
+            self._nonfinite_reported = True
+            self.client_error(
+                "bad_audio", f"{nonfinite} NaN or infinite samples were replaced by silence (reported once)"
+            )
+        if self._partial.size:
+            pcm = np.concatenate([self._partial, pcm])
+        whole = pcm.size // FRAME_SIZE
+        self._partial = pcm[whole * FRAME_SIZE :].copy()
+        for k in range(whole):
+            self._queue_frame(pcm[k * FRAME_SIZE : (k + 1) * FRAME_SIZE])
+
+    def _queue_frame(self, frame: np.ndarray) -> None:
+        hub = self.hub
+        self.stats.user_frames += 1
+        hub.metrics.user_frames.labels(self.protocol).inc()
+        limit = hub.settings.max_queued_frames
+        if len(self.inbox) >= limit:
+            self.inbox.popleft()
+            self.stats.dropped_frames += 1
+            hub.metrics.user_frames_dropped.labels(self.protocol).inc()
+            if self.stats.frames - self._last_overflow_report >= OVERFLOW_REPORT_FRAMES:
+                self._last_overflow_report = self.stats.frames
+                self.client_error(
+                    "audio_overflow",
+                    f"audio arrives faster than the session consumes it (one frame per 80 ms tick): the queue holds "
+                    f"{limit} frames and the oldest are dropped ({self.stats.dropped_frames} so far)",
+                )
+        self.inbox.append(frame)
+
+    async def start(self, request: StartRequest) -> None:
+        """Reserve a slot and have the frame loop read the persona (then :class:`Ready`), or :class:`Busy`.
+
+        Raises:
+            ClientError: ``already_started``, ``invalid_message`` (test hooks on a server without them, a persona
+                over ``--max-text-prompt-chars``), ``bad_voice``, ``internal`` (the voice activity detector failed).
+        """
+        hub = self.hub
+        settings = hub.settings
+        if self.state != "connected":
+            raise ClientError("already_started", f"start while the session is {self.state}; stop first")
+        if request.has_test_hooks and not settings.test_hooks:
+            raise ClientError("invalid_message", "test hooks are disabled on this server")
+        if request.seed is not None and not (0 <= request.seed < 2**63):
+            raise ClientError("invalid_message", f"seed {request.seed}: must be in [0, 2**63)")
+        prompt = settings.text_prompt if request.text_prompt is None else request.text_prompt
+        if request.text_prompt is not None and len(prompt) > settings.max_text_prompt_chars:
+            raise ClientError(
+                "invalid_message",
+                f"text_prompt: {len(prompt)} characters, over this server's limit of {settings.max_text_prompt_chars}",
+            )
+        try:
+            voice_name, voice_codes = hub.voice(request.voice)
+        except KeyError:
+            raise ClientError(
+                "bad_voice", f"voice {request.voice!r}: not a voice of this server; use one of {hub.voice_names}"
+            ) from None
+        self.profile_fields = request.profile
+        seed = request.seed if request.seed is not None else hub.next_seed()
+        if hub.reserve(self) is None:
+            hub.metrics.sessions_busy.labels(self.protocol).inc()
+            self.put(
+                Busy(
+                    max_sessions=settings.max_sessions,
+                    message=f"all {settings.max_sessions} conversation slots are in use; try again later",
+                )
+            )
+            self.state = "closed"
+            self.ending = self.ended = True
+            self._close(CLOSE_TRY_AGAIN_LATER, "busy")
+            return
+        self.state = "starting"
+        self.last_audio = time.monotonic()
+        start = _Start(request, voice_name, voice_codes, prompt, seed)
+        try:
+            start.vad = await asyncio.to_thread(hub.make_vad)
+        except Exception as exc:
+            logger.exception("session %s: voice activity detector failed to load", self.id)
+            hub.release(self)
+            self.state = "connected"
+            raise ClientError("internal", f"voice activity detector failed: {exc}") from None
+        if self.state != "starting":  # stopped or gone while the detector loaded
+            return
+        self._start = start
+        hub.request_start(self)
+
+    def set_tools(self, tools: list[Any]) -> None:
+        """This session's own tools from now on (see ``StartRequest.tools``); ``[]`` removes them. A retrieval
+        already running keeps the tools it started with."""
+        if self._start is not None:
+            self._start.request.tools = list(tools)
+        if self.conversation is not None:
+            self.conversation.retriever = self.hub.retriever_for(self, tools)
+            self.conversation.config.span_deadline_s = self.hub.span_deadline_s(tools)
+
+    def update_profile(self, fields: ProfileFields) -> None:
+        """Replace the given profile fields; the router and the Context DB see them from the next retrieval on.
+
+        Raises:
+            ClientError: ``not_started`` before ``start``; ``invalid_message`` when ``user_id`` changes.
+        """
+        if self.state not in ("starting", "live", "stopping"):
+            raise ClientError("not_started", f"profile update while the session is {self.state}; start first")
+        if fields.user_id is not None and fields.user_id != self.profile_fields.user_id:
+            raise ClientError("invalid_message", "profile.user_id cannot change during a conversation")
+        self.profile_fields = self.profile_fields.model_copy(update=fields.model_dump(exclude_unset=True))
+        if self.conversation is not None:
+            self.profile = self.hub.make_profile(self, self._start.text_prompt if self._start else "")
+            self.conversation.profile = self.profile
+            self.hub.put_profile(self.profile)
+
+    async def stop(self) -> None:
+        """End the conversation: queued audio is played through (and a running utterance ended), then ``Ended``."""
+        if self.state == "live":
+            self.state = "stopping"  # the frame loop plays the queue through, then ends the session
+        elif self.state in ("connected", "starting"):
+            await self.end("stop")
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    async def watchdog(self) -> None:
+        """End the session after ``idle_timeout_s`` without audio (also a connection that never starts). The idle
+        time counts from the last audio received or, while audio is still queued, from now."""
+        timeout = self.hub.settings.idle_timeout_s
+        while not self.ending:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            if self.state == "starting" or self.inbox:  # reading the persona, or playing queued audio: not idle
+                self.last_audio = time.monotonic()
+            elif not self.ending and time.monotonic() - self.last_audio > timeout:
+                await self.end("idle", message=f"no audio for {timeout:g} s")
+                return
+
+    async def end(self, reason: str, *, code: int = CLOSE_NORMAL, message: str = "") -> None:
+        """End the session once: free the slot, finish the conversation, record, :class:`Ended` and :class:`Close`.
+
+        ``reason`` ``disconnect`` (the client is gone) records everything but sends nothing.
+        """
+        if self.ended:
+            return
+        self.ended = True
+        self.ending = True
+        hub = self.hub
+        hub.release(self)
+        self.state = "closed"
+        if self.conversation is not None:
+            try:
+                await asyncio.wait_for(self.conversation.finish(), timeout=FINISH_TIMEOUT_S)
+            except TimeoutError:
+                logger.info(
+                    "session %s: transcripts still running after %.0f s; not waited for", self.id, FINISH_TIMEOUT_S
+                )
+            except Exception:
+                logger.exception("session %s: finishing the conversation failed", self.id)
+            self._publish(self._take_events(), send=reason != "disconnect")
+        hub.end_conversation(self)
+        hub.metrics.sessions_ended.labels(self.protocol, reason).inc()
+        self.stats.duration_s = round(self.stats.frames * FRAME_S, 3)
+        if reason != "disconnect" and not self.gone:
+            self.put(
+                Ended(
+                    reason=reason,
+                    message=message,
+                    session_id=self.id,
+                    conversation_id=self.conversation_id,
+                    stats=self.stats.model_copy(),
+                )
+            )
+            self._close(code, reason)
+        logger.info("session %s (%s) ended (%s): %s", self.id, self.protocol, reason, self.stats.model_dump())
+
+    async def disconnected(self) -> None:
+        """The client is gone: end the session (recording what happened) and wait for its tasks."""
+        self.gone = True
+        await self.end("disconnect")
+        self.hub.sessions.discard(self)
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+# ---------------------------------------------------------------------------------------------------- the hub
+
+
+class SessionHub:
+    """The engine, its slots, the shared backends and the frame loop.
+
+    Args:
+        settings: :class:`~cspan.server.serve_settings.ServeSettings`.
+        checkpoint: the loaded :class:`~cspan.core.checkpoint.Checkpoint`.
+        engine: a :class:`~cspan.core.engine.DuplexEngine` with ``batch_size == settings.max_sessions``.
+        transcriber, retriever: shared by all sessions (either may be None).
+        db: the :class:`~cspan.backends.context_db.ContextDB`.
+        metrics: :class:`~cspan.server.metrics.ServerMetrics`.
+    """
+
+    def __init__(
+        self,
+        settings: Any,
+        checkpoint: Any,
+        engine: Any,
+        transcriber: Any,
+        retriever: Any,
+        db: Any,
+        metrics: Any,
+    ) -> None:
+        self.settings = settings
+        self.checkpoint = checkpoint
+        self.engine = engine
+        self.engine_thread = EngineThread(engine)
+        self.transcriber = transcriber
+        self.retriever = retriever
+        self.db = db
+        self.metrics = metrics
+        self.slots: list[Session | None] = [None] * engine.batch_size
+        self.sessions: set[Session] = set()
+        self._starts: collections.deque[Session] = collections.deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._session_counter = 0
+        self._silence = np.zeros(FRAME_SIZE, dtype=np.float32)
+        self._voices: dict[str, Any] = {}
+        self.voice_files: dict[str, Any] = dict(getattr(checkpoint, "voices", {}) or {})
+        default = settings.voice
+        if default and default not in self.voice_files:
+            path = Path(default).expanduser()
+            if not path.is_file():
+                from cspan.core.errors import CheckpointError
+
+                raise CheckpointError(
+                    f"--voice {default!r}: neither a voice of the checkpoint ({sorted(self.voice_files)}) nor a file"
+                )
+            self.voice_files[path.stem] = path
+            default = path.stem
+        if default is None and self.voice_files:
+            default = min(self.voice_files)
+        self.default_voice: str | None = default or None  # "" (--voice ''): no voice prompt by default
+        self.model_name = str(settings.checkpoint or getattr(checkpoint, "source", None) or "default")
+        self.voice(None)  # load the default voice now: a broken file fails at start-up, not in a session
+
+    @property
+    def running(self) -> bool:
+        """Whether the frame loop runs."""
+        return self._task is not None and not self._task.done()
+
+    def open(self, protocol: str, principal: Principal) -> Session:
+        """A new session for an accepted connection of ``protocol``."""
+        session = Session(self, protocol, principal)
+        self.sessions.add(session)
+        return session
+
+    # -- voices, profiles, records -----------------------------------------------------------------------------
+
+    @property
+    def voice_names(self) -> list[str]:
+        return sorted(self.voice_files)
+
+    def voice(self, requested: str | None) -> tuple[str | None, Any]:
+        """``(name, codes [8, P])`` of a requested voice (None: the default, "": none). Raises KeyError."""
+        name = self.default_voice if requested is None else requested
+        if not name:
+            return None, None
+        if name not in self.voice_files:
+            raise KeyError(name)
+        if name not in self._voices:
+            from cspan.core.checkpoint import load_voice
+
+            self._voices[name] = load_voice(self.voice_files[name], self.checkpoint)
+        return name, self._voices[name]
+
+    def next_seed(self) -> int:
+        self._session_counter += 1
+        return self.settings.seed + self._session_counter - 1
+
+    def retriever_for(self, session: Session, tools: list[Any]) -> Any:
+        """The retriever of ``session`` with its own ``tools``: the shared one, its router seeing the shared tool bank
+        plus ``tools`` (an LLM router; the local router picks its tools by rule and never calls a client's), its
+        memory the session user's. Without tools: the shared retriever."""
+        base = self.retriever
+        router = getattr(base, "router", None)
+        if not tools or base is None or getattr(router, "tools", None) is None:
+            return base
+        memory = None
+        if getattr(base, "db", None) is not None and session.profile is not None:
+            memory = self.db.user(session.profile.user_id)
+        own = router.with_bank(router.tools.derive(tools))
+        if isinstance(getattr(own, "timeout_s", None), float):  # a client's function is part of the routing time
+            own.timeout_s += self.settings.client_tool_timeout_s
+        return base.scoped(memory, router=own)
+
+    def span_deadline_s(self, tools: list[Any]) -> float:
+        """The span deadline of a session: ``--span-deadline-s``, plus ``--client-tool-timeout-s`` while the session
+        has tools of its own (a client's function call is part of the retrieval)."""
+        return self.settings.span_deadline_s + (self.settings.client_tool_timeout_s if tools else 0.0)
+
+    def make_vad(self) -> Any:
+        from cspan.core.vad import SileroVAD
+
+        return SileroVAD()
+
+    def make_profile(self, session: Session, text_prompt: str) -> Any:
+        from cspan.backends.context_db import Profile
+
+        f = session.profile_fields
+        return Profile(
+            user_id=session.principal.user_id or f.user_id or f"session-{session.id[:12]}",
+            name=f.name or "",
+            city=f.location or "",
+            timezone=f.timezone or "",
+            lat=f.lat,
+            lon=f.lon,
+            notes=f.notes or "",
+            persona=text_prompt,
+        )
+
+    def put_profile(self, profile: Any) -> None:
+        try:
+            self.db.put_profile(profile)
+        except Exception as exc:
+            logger.warning("Context DB: could not store the profile: %s", exc)
+
+    def end_conversation(self, session: Session) -> None:
+        if session.conversation_id is None:
+            return
+        try:
+            self.db.end_conversation(session.conversation_id)
+        except Exception as exc:
+            logger.warning("Context DB: could not end conversation %s: %s", session.conversation_id, exc)
+
+    def observe_event(self, session: Session, event: ConversationEvent) -> None:
+        """Metrics and per-session counters of a conversation event."""
+        m = self.metrics
+        if isinstance(event, SpanEvent):
+            session.stats.spans += 1
+            m.spans.labels("injected").inc()
+            m.prefill_seconds.observe(event.prefill_ms / 1000.0)
+        elif isinstance(event, LateEvent):
+            m.spans.labels("late").inc()
+        elif isinstance(event, NoSpanEvent):
+            m.spans.labels("no_span").inc()
+            if event.error:
+                m.backend_errors.labels("retrieval").inc()
+        elif isinstance(event, ErrorEvent):
+            m.backend_errors.labels(event.stage).inc()
+
+    # -- slots --------------------------------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return sum(s is None for s in self.slots)
+
+    def reserve(self, session: Session) -> int | None:
+        """Give ``session`` a free engine slot; None when all are taken."""
+        for i, s in enumerate(self.slots):
+            if s is None:
+                self.slots[i] = session
+                session.slot = i
+                self.metrics.sessions_active.set(len(self.slots) - self.free_slots())
+                return i
+        return None
+
+    def release(self, session: Session) -> None:
+        """Free the session's slot (idempotent). Its engine row is reset when the next session starts on it."""
+        i = session.slot
+        if i is not None and self.slots[i] is session:
+            self.slots[i] = None
+        session.slot = None
+        with contextlib.suppress(ValueError):
+            self._starts.remove(session)
+        self.metrics.sessions_active.set(len(self.slots) - self.free_slots())
+
+    def request_start(self, session: Session) -> None:
+        """Queue the persona prefix read of a session that reserved a slot (done by the frame loop)."""
+        self._starts.append(session)
+        self._wake.set()
+
+    # -- the frame loop -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the frame loop task (in the running event loop)."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+
+    def _live(self) -> list[Session]:
+        return [s for s in self.slots if s is not None and s.state in ("live", "stopping")]
+
+    async def _run(self) -> None:
+        next_t: float | None = None
+        while not self._closing:
+            try:
+                if self._starts:
+                    await self._start_session(self._starts.popleft())
+                    continue
+                if not self._live():
+                    self._wake.clear()
+                    if not self._starts and not self._live():
+                        await self._wake.wait()
+                    next_t = None
+                    continue
+                now = time.monotonic()
+                if next_t is None:
+                    next_t = now
+                elif now < next_t:
+                    await asyncio.sleep(next_t - now)
+                await self._tick()
+                next_t += FRAME_S
+                if time.monotonic() - next_t > FRAME_S:
+                    self.metrics.clock_resyncs.inc()
+                    next_t = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("frame loop: unexpected error; the loop goes on")
+                await asyncio.sleep(FRAME_S)
+
+    async def _start_session(self, session: Session) -> None:
+        from cspan.core.runtime import Conversation, ConversationConfig
+        from cspan.server.records import db_recorder
+
+        req = session._start
+        slot = session.slot
+        if req is None or slot is None or session.state != "starting":
+            return
+        f = session.profile_fields
+        t0 = time.perf_counter()
+        try:
+            report = await self.engine_thread.prepare(
+                slot,
+                seed=req.seed,
+                text_prompt=req.text_prompt,
+                voice_codes=req.voice_codes,
+                user_name=f.name or None,
+                user_city=f.location or None,
+            )
+        except Exception as exc:
+            logger.exception("session %s: persona prefix failed", session.id)
+            self.release(session)
+            if session.state == "starting":
+                session.state = "connected"
+                session.client_error(
+                    "persona_failed", f"the persona prefix could not be read ({type(exc).__name__}: {exc})"
+                )
+            return
+        self.metrics.persona_prefill_seconds.observe(time.perf_counter() - t0)
+        if session.state != "starting" or session.slot != slot:
+            return
+        profile = self.make_profile(session, req.text_prompt)
+        self.put_profile(profile)
+        try:
+            conversation_id = self.db.start_conversation(
+                profile.user_id,
+                checkpoint=self.model_name,
+                settings={
+                    "session_id": session.id,
+                    "protocol": session.protocol,
+                    "voice": req.voice_name,
+                    "seed": req.seed,
+                    "app": "serve",
+                },
+            )
+        except Exception as exc:
+            logger.warning("Context DB: could not start a conversation: %s", exc)
+            conversation_id = f"unrecorded-{session.id}"
+        session.profile = profile
+        session.conversation_id = conversation_id
+        session._recorder = db_recorder(self.db, conversation_id)
+        tools = req.request.tools
+        config = ConversationConfig(
+            listen_s=self.settings.listen_s, span_deadline_s=self.span_deadline_s(tools), span_delay_s=None
+        )
+        conversation = Conversation(
+            SpanHandoff(self.engine_thread),
+            slot,
+            tokenizer=getattr(self.checkpoint, "tokenizer", None),
+            transcriber=self.transcriber,
+            retriever=self.retriever_for(session, tools),
+            config=config,
+            profile=profile,
+            conversation_id=conversation_id,
+            vad=req.vad,
+            on_event=session._on_event,
+        )
+        for t in req.request.force_ret_at:
+            conversation.schedule_ret(round(t * FRAME_RATE))
+        for t, text in req.request.spans:
+            conversation.schedule_span(round(t * FRAME_RATE), text)
+        session.conversation = conversation
+        session.state = "live"
+        session.last_audio = time.monotonic()  # the idle clock starts when the session is live
+        self.metrics.sessions_started.labels(session.protocol).inc()
+        session.put(
+            Ready(
+                session_id=session.id,
+                conversation_id=conversation_id,
+                slot=slot,
+                seed=req.seed,
+                max_queued_frames=self.settings.max_queued_frames,
+                idle_timeout_s=self.settings.idle_timeout_s,
+                persona=PersonaInfo(
+                    text_prompt=req.text_prompt,
+                    voice=req.voice_name,
+                    prefix_frames=int(report.num_frames),
+                    prefill_ms=float(report.prefill_ms),
+                ),
+                profile=ProfileInfo(
+                    user_id=profile.user_id,
+                    name=profile.name,
+                    location=profile.city,
+                    timezone=profile.timezone,
+                    lat=profile.lat,
+                    lon=profile.lon,
+                ),
+            )
+        )
+
+    def _next_frame(self, s: Session) -> np.ndarray | None:
+        """The user frame ``s`` feeds at this tick: its oldest queued frame, or silence; None once a stopping
+        session is done (its queue played through and no utterance left running)."""
+        if s.inbox:
+            s.stats.consumed_frames += 1
+            return s.inbox.popleft()
+        if s.state == "stopping":
+            utterances = getattr(s.conversation, "utterances", None)
+            if utterances is None or utterances.current is None or s._flushed >= STOP_FLUSH_FRAMES:
+                return None
+            utterances.request_cut()  # silence until the running utterance ends: its final transcript
+            s._flushed += 1
+        s.stats.silence_frames += 1
+        self.metrics.silence_frames.inc()
+        return self._silence
+
+    async def _tick(self) -> None:
+        """One 80 ms frame for every live session (see the module docstring)."""
+        t0 = time.perf_counter()
+        pcm = np.zeros((self.engine_thread.batch_size, FRAME_SIZE), dtype=np.float32)
+        heads: dict[Session, tuple[int, list[ConversationEvent]]] = {}
+        for s in self._live():
+            frame = self._next_frame(s)
+            if frame is None:
+                self.release(s)
+                s.spawn(s.end("stop"))
+                continue
+            pcm[s.slot] = frame
+            k = s.conversation.frame
+            try:
+                await s.conversation.before_step(frame)
+            except Exception as exc:
+                logger.exception("session %s: frame head failed", s.id)
+                self._fail(s, f"frame {k}: {type(exc).__name__}: {exc}")
+                continue
+            heads[s] = (k, s._take_events())
+        spans = [q for q in self.engine_thread.take_spans() if any(s.slot == q.slot for s in heads)]
+        if not heads:
+            return
+        try:
+            result: FrameResult = await self.engine_thread.frame(pcm, spans)
+        except Exception as exc:  # the engine failed: end the sessions of this step rather than loop on the error
+            logger.exception("frame loop: the engine step failed; ending %d session(s)", len(heads))
+            for s in heads:
+                self._fail(s, f"the engine failed ({type(exc).__name__}: {exc})")
+            return
+        self.metrics.frames.inc()
+        self.metrics.step_seconds.observe(result.step_ms / 1000.0)
+        live_count = len(heads)
+        for s, (k, head) in heads.items():
+            i = s.slot
+            if i is None or s.state not in ("live", "stopping"):
+                continue  # ended while the engine stepped
+            head = _complete_spans(head, [q for q in spans if q.slot == i])
+            valid = bool(result.valid[i])
+            try:
+                await s.conversation.after_step(
+                    int(result.text_token[i]) if valid else None, bool(result.is_ret[i]) if valid else False
+                )
+            except Exception as exc:
+                logger.exception("session %s: frame tail failed", s.id)
+                s.client_error("internal", f"frame {k}: {type(exc).__name__}: {exc}")
+            tail = s._take_events()
+            s._publish(head)
+            s.put(AgentAudio(frame=k, pcm=result.agent_pcm[i]))
+            s.stats.frames += 1
+            self.metrics.session_frames.labels(s.protocol).inc()
+            spans_here = [ev for ev in head if isinstance(ev, SpanEvent)]
+            every = self.settings.slot_every
+            if spans_here or (every and k % every == 0):
+                total_ms = (time.perf_counter() - t0) * 1000.0
+                s.put(
+                    Timing(
+                        frame=k,
+                        t=round(k * FRAME_S, 3),
+                        step_ms=round(result.step_ms, 3),
+                        prefill_ms=round(sum(ev.prefill_ms for ev in spans_here), 3),
+                        total_ms=round(total_ms, 3),
+                        over_budget=total_ms > FRAME_S * 1000.0,
+                        live_sessions=live_count,
+                        queued=len(s.inbox),
+                        dropped_frames=s.stats.dropped_frames,
+                        silence_frames=s.stats.silence_frames,
+                    )
+                )
+            s._publish(tail)
+
+    def _fail(self, s: Session, message: str) -> None:
+        """End ``s`` after a server failure in its frame (reason ``error``)."""
+        s._publish(s._take_events())
+        s.client_error("internal", message)
+        self.release(s)
+        s.spawn(s.end("error", code=CLOSE_INTERNAL, message=message))
+
+    # -- shutdown -------------------------------------------------------------------------------------------------
+
+    async def end_all(self, reason: str = "shutdown", *, flush_s: float = 2.0) -> None:
+        """End every session with ``Ended`` (``reason``) and give their senders ``flush_s`` to deliver it."""
+        sessions = list(self.sessions)
+        for s in sessions:
+            with contextlib.suppress(Exception):
+                await s.end(reason, code=CLOSE_GOING_AWAY, message="the server is shutting down")
+        deadline = time.monotonic() + flush_s
+        while any(not s.outbox.empty() and not s.gone for s in sessions) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def shutdown(self) -> None:
+        """End every session (reason ``shutdown``), stop the loop, release the engine thread and backends."""
+        await self.end_all("shutdown")
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await self.engine_thread.shutdown()
+        router = getattr(self.retriever, "router", None)
+        for obj in (self.transcriber, router, getattr(router, "tools", None)):
+            aclose = getattr(obj, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+def _complete_spans(head: list[ConversationEvent], spans: list[QueuedSpan]) -> list[ConversationEvent]:
+    """The head events of a frame with each ``span`` event completed from the engine's report of its
+    :class:`QueuedSpan` (in order), or replaced by an ``error`` event (stage ``span``) where the engine refused it."""
+    queue = collections.deque(spans)
+    out: list[ConversationEvent] = []
+    for ev in head:
+        if isinstance(ev, SpanEvent) and queue:
+            q = queue.popleft()
+            if q.error is not None:
+                out.append(
+                    ErrorEvent(frame=ev.frame, t=ev.t, stage="span", message=f"{type(q.error).__name__}: {q.error}")
+                )
+                continue
+            ev = ev.model_copy(
+                update={
+                    "n_frames": q.n,
+                    "prefill_ms": q.prefill_ms,
+                    "truncated": q.truncated,
+                    "deferred": q.deferred,
+                    "prefix_in_window": q.prefix_in_window,
+                }
+            )
+        out.append(ev)
+    return out
+
+
+__all__ = [
+    "CLOSE_FORBIDDEN_ORIGIN",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_INTERNAL",
+    "CLOSE_NORMAL",
+    "CLOSE_POLICY",
+    "CLOSE_TRY_AGAIN_LATER",
+    "CLOSE_UNAUTHORIZED",
+    "AdapterItem",
+    "AgentAudio",
+    "Busy",
+    "ClientError",
+    "Close",
+    "Ended",
+    "ErrorOut",
+    "Outbound",
+    "PersonaInfo",
+    "ProfileFields",
+    "ProfileInfo",
+    "Ready",
+    "Session",
+    "SessionHub",
+    "SessionStats",
+    "StartRequest",
+    "Timing",
+]

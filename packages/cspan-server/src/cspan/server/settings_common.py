@@ -1,0 +1,305 @@
+"""Settings shared by ``cspan infer`` and ``cspan serve``: the model and the backends, each declared once.
+
+:class:`ModelSettings` and :class:`BackendSettings` are pydantic-settings mixins (``cspan.core.settings``): a verb's
+settings model inherits them next to its own fields, and its flags, ``CSPAN_*`` environment variables and
+``--config`` keys are generated from these declarations, ranges and checks included, so a bad value is refused in
+one line (exit status 2) before anything is loaded.
+
+Besides ``CSPAN_ASR`` and ``CSPAN_ROUTER``, the names ``cspan backends env`` prints are read too: ``CSPAN_ASR_URL``
+and ``CSPAN_ROUTER_URL`` (below the ``CSPAN_ASR`` / ``CSPAN_ROUTER`` variables and a settings file).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+from cspan.core.settings import SETTINGS_CONFIG
+
+DEFAULT_PERSONA = (
+    "You are Ada, a calm and friendly assistant who helps people plan their day and find things out. "
+    "You are moshi, a capable voice assistant who also handles everyday requests such as looking things up, "
+    "the weather, times and directions; the role above is your manner, not the only thing you help with."
+)
+
+MAX_TEXT_PROMPT_CHARS = 4000
+"""Longest persona text prompt accepted (characters); whether it fits the model's window is checked on its frames."""
+MAX_TEMPERATURE = 10.0
+"""Highest sampling temperature accepted (beyond about 2 the output is noise already)."""
+MIN_TEMPERATURE = 1e-3
+"""Lowest positive sampling temperature (smaller ones overflow ``logits / temperature``); 0 means greedy."""
+MAX_SEED = 2**63 - 1
+"""Seeds are 0 .. 2**63 - 1 (a non-negative int64, what ``torch.Generator.manual_seed`` keeps)."""
+MAX_WINDOW_S = 60.0
+"""Longest ``--listen-s`` (seconds)."""
+MAX_DEADLINE_S = 600.0
+"""Longest ``--span-deadline-s`` (seconds): a slow backend on a slow machine (tests on a loaded CPU) still fits."""
+
+LEGACY_ENV = {"asr": "CSPAN_ASR_URL", "router": "CSPAN_ROUTER_URL"}
+"""Environment names that ``cspan backends env`` prints, read below the generated ``CSPAN_ASR`` / ``CSPAN_ROUTER``."""
+
+
+def utf8_text(value: Any) -> Any:
+    """Refuse text that is not valid UTF-8 (a command-line argument in another encoding arrives with lone
+    surrogates, which the tokenizer and the JSON output cannot take)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = value.encode("utf-8", "surrogateescape")
+        bad = value[exc.start].encode("utf-8", "surrogateescape")
+        raise ValueError(
+            f"not valid UTF-8 text (byte 0x{bad[0]:02x} after {len(value[: exc.start].encode('utf-8', 'replace'))} "
+            f"bytes of {len(raw)}); give it in UTF-8 (the terminal's or the file's encoding is another)"
+        ) from None
+    return value
+
+
+def _temperature(value: float) -> float:
+    if 0.0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"use 0 for greedy decoding or a temperature of at least {MIN_TEMPERATURE:g}")
+    return value
+
+
+Utf8Text = Annotated[str, BeforeValidator(utf8_text)]
+"""A text setting: any string that is valid UTF-8."""
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False), AfterValidator(_temperature)]
+"""A sampling temperature: 0 (greedy) or MIN_TEMPERATURE .. MAX_TEMPERATURE."""
+
+
+def check_http_url(value: str) -> str:
+    """``value`` if it is an http(s) URL with a host and a valid port; ``ValueError`` saying what is wrong."""
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # raises ValueError when out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"{value!r} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL with a host name")
+    return value
+
+
+class ModelSettings(BaseSettings):
+    """The model: checkpoint, voice, persona, sampling, device (``cspan infer`` and ``cspan serve``)."""
+
+    model_config = SETTINGS_CONFIG
+
+    checkpoint: str | None = Field(
+        None,
+        description="Hugging Face repo id, local directory or file (default: the released Context Spanning 7B)",
+        json_schema_extra={"group": "model"},
+    )
+    voice: Utf8Text | None = Field(
+        None,
+        description="voice name in the checkpoint's voices/ or a .pt file of codes (default: the first voice)",
+        json_schema_extra={"group": "model"},
+    )
+    text_prompt: Utf8Text = Field(
+        DEFAULT_PERSONA,
+        max_length=MAX_TEXT_PROMPT_CHARS,
+        description=f"the persona text prompt (at most {MAX_TEXT_PROMPT_CHARS} characters, and at most half the "
+        "model's attention window with the voice prompt) (default: Ada, a calm and friendly assistant)",
+        json_schema_extra={"group": "model", "metavar": "TEXT"},
+    )
+    temp: Temperature = Field(
+        0.8,
+        description=f"audio sampling temperature (0 = greedy, else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})",
+        json_schema_extra={"group": "model"},
+    )
+    temp_text: Temperature = Field(
+        0.7,
+        description=f"text sampling temperature (0 = greedy, else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g})",
+        json_schema_extra={"group": "model"},
+    )
+    seed: int = Field(
+        42424242,
+        ge=0,
+        le=MAX_SEED,
+        description="seed of the session's sampler (0 to 2**63 - 1)",
+        json_schema_extra={"group": "model"},
+    )
+    device: str | None = Field(
+        None, description="cuda, cuda:1, cpu (default: cuda if available)", json_schema_extra={"group": "model"}
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="capture the CUDA step as a graph (--no-cuda-graphs runs it eagerly)",
+        json_schema_extra={"group": "model"},
+    )
+
+
+class _LegacyEnv(PydanticBaseSettingsSource):
+    """``CSPAN_ASR_URL`` / ``CSPAN_ROUTER_URL`` (see :data:`LEGACY_ENV`)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        var = LEGACY_ENV.get(field_name)
+        return (os.environ.get(var) if var else None), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {
+            name: os.environ[var]
+            for name, var in LEGACY_ENV.items()
+            if name in self.settings_cls.model_fields and os.environ.get(var)
+        }
+
+
+class BackendSettings(BaseSettings):
+    """The backends: transcriber, router, knowledge notes, Context DB, retrieval timing."""
+
+    model_config = SETTINGS_CONFIG
+
+    asr: str = Field(
+        "sphinx",
+        description="transcriber: 'sphinx' (embedded), 'none', a /transcribe server URL or an OpenAI-style URL "
+        "(http://host:port/v1 or openai+URL); env CSPAN_ASR or CSPAN_ASR_URL",
+        json_schema_extra={"group": "backends", "metavar": "sphinx|none|URL"},
+    )
+    asr_model: str | None = Field(
+        None,
+        description="model name for an OpenAI-style ASR server (default: qwen3-asr)",
+        json_schema_extra={"group": "backends"},
+    )
+    router: str = Field(
+        "local",
+        description="router: 'local' (embedded), 'none', or an OpenAI-compatible base URL; env CSPAN_ROUTER or "
+        "CSPAN_ROUTER_URL",
+        json_schema_extra={"group": "backends", "metavar": "local|none|URL"},
+    )
+    router_model: str = Field(
+        "google/gemma-4-26B-A4B-it", description="model name at the router URL", json_schema_extra={"group": "backends"}
+    )
+    knowledge: Path | None = Field(
+        None,
+        description="folder of .txt/.md notes for the local router (default: none)",
+        json_schema_extra={"group": "backends", "metavar": "DIR"},
+    )
+    db: str = Field(
+        ":memory:", description="Context DB SQLite file (default: in memory)", json_schema_extra={"group": "backends"}
+    )
+    listen_s: float = Field(
+        12.0,
+        gt=0.0,
+        le=MAX_WINDOW_S,
+        allow_inf_nan=False,
+        description=f"ASR window (s) when no utterance transcript is usable (at most {MAX_WINDOW_S:g})",
+        json_schema_extra={"group": "backends"},
+    )
+    span_deadline_s: float = Field(
+        2.5,
+        gt=0.0,
+        le=MAX_DEADLINE_S,
+        allow_inf_nan=False,
+        description=f"drop a reference applied later than this (s) after its <ret> (at most {MAX_DEADLINE_S:g})",
+        json_schema_extra={"group": "backends"},
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _LegacyEnv(settings_cls), dotenv_settings, file_secret_settings
+
+    @field_validator("asr")
+    @classmethod
+    def _check_asr(cls, value: str) -> str:
+        spec = value.strip()
+        if spec.lower() in ("sphinx", "pocketsphinx", "none"):
+            return spec.lower()
+        check_http_url(spec.removeprefix("openai+"))
+        return spec
+
+    @field_validator("router")
+    @classmethod
+    def _check_router(cls, value: str) -> str:
+        spec = value.strip()
+        if spec.lower() in ("local", "none"):
+            return spec.lower()
+        if not spec.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r}: use 'local', 'none' or an http(s) URL of an OpenAI-compatible server")
+        return check_http_url(spec)
+
+    @field_validator("knowledge")
+    @classmethod
+    def _check_knowledge(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return None
+        if not value.exists():
+            raise ValueError(f"{value}: no such folder")
+        if not value.is_dir():
+            raise ValueError(f"{value}: is a file; pass the folder that holds the .txt/.md notes")
+        if not os.access(value, os.R_OK | os.X_OK):
+            raise ValueError(f"{value}: cannot be read (permission denied)")
+        return value
+
+    @property
+    def asr_url(self) -> str | None:
+        """The transcriber's URL, or None for the embedded engine or none."""
+        return None if self.asr in ("sphinx", "pocketsphinx", "none") else self.asr
+
+    @property
+    def router_url(self) -> str | None:
+        """The router's URL, or None for the local router or none."""
+        return None if self.router in ("local", "none") else self.router
+
+    def backend_urls(self) -> dict[str, str]:
+        """``{flag: url}`` of the backends given as URLs."""
+        urls = {}
+        for flag, value in (("--asr", self.asr), ("--router", self.router)):
+            if value.startswith(("http://", "https://", "openai+")):
+                urls[flag] = value.removeprefix("openai+")
+        return urls
+
+
+def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]:
+    """Ask every backend URL of ``settings`` (a :class:`BackendSettings`) whether something answers HTTP there.
+
+    Any HTTP answer counts (a 404 still means a server listens); a refused connection, a name that does not resolve
+    or no answer within ``timeout_s`` does not. Runs the requests concurrently (threads); meant to run while the
+    model loads.
+
+    Returns:
+        One line per backend that does not answer, naming the flag, the URL and the cause (empty: all answer).
+    """
+    import concurrent.futures
+
+    import httpx
+
+    def probe(item: tuple[str, str]) -> str | None:
+        flag, url = item
+        try:
+            httpx.get(url, timeout=timeout_s, follow_redirects=False)
+        except httpx.TimeoutException:
+            return f"{flag} {url}: no answer within {timeout_s:g} s"
+        except httpx.HTTPError as exc:
+            cause = str(exc) or type(exc).__name__
+            return f"{flag} {url}: does not answer ({cause}); start that server or choose another {flag}"
+        return None
+
+    items = list(settings.backend_urls().items())
+    if not items:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(items)) as pool:
+        return [line for line in pool.map(probe, items) if line]
+
+
+__all__ = [
+    "DEFAULT_PERSONA",
+    "BackendSettings",
+    "ModelSettings",
+    "Temperature",
+    "Utf8Text",
+    "check_backends_answer",
+    "check_http_url",
+]

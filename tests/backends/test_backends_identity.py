@@ -1,0 +1,131 @@
+"""Identity: issued tokens (stored hashed), token files, the shared token, and the `cspan users` / `cspan db` verbs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cspan.backends.context_db import ContextDB
+from cspan.backends.identity import Authenticator, IdentityError, Principal, hash_token, issue_token
+
+
+def test_issued_tokens_authenticate_their_user_until_revoked(tmp_path: Path) -> None:
+    db = ContextDB(tmp_path / "c.sqlite")
+    record, token = issue_token(db, "ada", scopes=["session"], label="phone")
+    _, admin_token = issue_token(db, "root", scopes=["session", "admin"])
+    auth = Authenticator(db=db)
+    who = auth.authenticate(token)
+    assert who == Principal(user_id="ada", scopes=frozenset({"session"}), source="token", token_id=record.id)
+    assert who.allows("session") and not who.allows("admin")
+    assert auth.authenticate(admin_token).allows("admin")
+    # the token itself is stored nowhere: only its hash
+    raw = (tmp_path / "c.sqlite").read_bytes() + (tmp_path / "c.sqlite-wal").read_bytes()
+    assert token.encode() not in raw and hash_token(token).encode() in raw
+    assert db.tokens("ada")[0].last_used_at is not None
+    for bad in (None, "", token + "x", token[:-1] + ("A" if token[-1] != "A" else "B"), "cspan.nope.x", "x" * 5000):
+        assert auth.authenticate(bad) is None
+    assert db.revoke_tokens(token_id=record.id) == 1
+    assert auth.authenticate(token) is None and db.tokens("ada") == [] and len(db.tokens("ada", revoked=True)) == 1
+    with pytest.raises(IdentityError, match="unknown scope"):
+        issue_token(db, "ada", scopes=["root"])
+    db.close()
+
+
+def test_token_file_and_shared_token(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        f"""
+[[token]]
+user = "ada"
+sha256 = "{hash_token("ada-token-0123456789")}"
+
+[[token]]
+user = "ops"
+token = "ops-token-0123456789"
+scopes = ["session", "admin"]
+"""
+    )
+    auth = Authenticator(token_file=tokens, shared_token="shared-secret-123", shared_user="kiosk")
+    assert auth.authenticate("ada-token-0123456789") == Principal("ada", frozenset({"session"}), "token-file")
+    assert auth.authenticate("ops-token-0123456789").allows("admin")
+    assert auth.authenticate("shared-secret-123").user_id == "kiosk"
+    assert auth.authenticate("ada-token-012345678") is None
+    assert Authenticator().enabled is False and auth.enabled
+
+    for body, message in [
+        ('[[token]]\nuser = "a"\n', "exactly one of sha256"),
+        ('[[token]]\nuser = "a"\nsha256 = "abc"\n', "64 hex digits"),
+        ('[[token]]\nuser = "a"\ntoken = "short"\n', "at least 16"),
+        ('[[token]]\nuser = "a"\ntoken = "0123456789abcdefg"\nscopes = ["god"]\n', "unknown scope"),
+        ('[[token]]\ntoken = "0123456789abcdefg"\n', "user"),
+        ("[[token]\n", "not valid TOML"),
+    ]:
+        tokens.write_text(body)
+        with pytest.raises(IdentityError, match=message) as info:
+            Authenticator(token_file=tokens)
+        assert str(tokens) in str(info.value)
+
+
+def _cspan(*args: str, db: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CSPAN_DB": str(db)}
+    return subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        input=stdin,
+    )
+
+
+def test_users_and_db_verbs(tmp_path: Path) -> None:
+    db_path = tmp_path / "ctx.sqlite"
+    added = _cspan("users", "add", "ada", "--label", "laptop", db=db_path)
+    assert added.returncode == 0, added.stderr
+    token = added.stdout.strip()
+    assert token.startswith("cspan.") and "shown only now" in added.stderr
+    listed = _cspan("users", "list", "--json", db=db_path)
+    rows = json.loads(listed.stdout)
+    assert [(r["user_id"], r["label"], r["scopes"]) for r in rows] == [("ada", "laptop", ["session"])]
+    assert token not in listed.stdout
+
+    with ContextDB(db_path) as db:
+        assert Authenticator(db=db).authenticate(token).user_id == "ada"
+        memory = db.user("ada")
+        memory.start_conversation("c1")
+        memory.add_turn("c1", "user", "my name is Ada")
+
+    hashed = _cspan("users", "hash", db=db_path, stdin=token + "\n")
+    assert hashed.stdout.strip() == hash_token(token)
+
+    exported = _cspan("db", "export", "ada", db=db_path)
+    data = json.loads(exported.stdout)
+    assert data["conversations"][0]["turns"][0]["text"] == "my name is Ada"
+    assert data["tokens"][0]["label"] == "laptop" and token not in exported.stdout
+    out = tmp_path / "ada.json"
+    assert _cspan("db", "export", "ada", "--out", str(out), db=db_path).returncode == 0
+    assert json.loads(out.read_text())["user_id"] == "ada"
+    missing = _cspan("db", "export", "nobody", db=db_path)
+    assert missing.returncode == 1 and "nothing is stored" in missing.stderr
+
+    refused = _cspan("db", "forget", "ada", db=db_path)
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    forgot = _cspan("db", "forget", "ada", "--yes", db=db_path)
+    assert forgot.returncode == 0 and "1 turns" in forgot.stdout
+    bad_days = _cspan("db", "prune", "--days", "inf", db=db_path)
+    assert bad_days.returncode == 2 and "Traceback" not in bad_days.stderr
+    assert _cspan("db", "prune", "--days", "30", db=db_path).returncode == 0
+
+    revoked = _cspan("users", "revoke", rows[0]["id"], db=db_path)
+    assert revoked.returncode == 0 and "revoked 1" in revoked.stdout
+    again = _cspan("users", "revoke", rows[0]["id"], db=db_path)
+    assert again.returncode == 1 and "no valid token" in again.stderr
+    info = json.loads(_cspan("db", "info", db=db_path).stdout)
+    assert info["schema_version"] == 2 and info["engine"] == "sqlite"
+    broken = _cspan("db", "info", db=tmp_path)  # a folder is no database
+    assert broken.returncode == 1 and "Traceback" not in broken.stderr

@@ -1,0 +1,108 @@
+"""Settings declared once (cspan.core.settings): flags, environment and settings file from one pydantic model."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from cspan.core import cli
+from cspan.core.settings import SETTINGS_CONFIG, SettingsError, load_settings
+
+
+class DemoSettings(BaseSettings):
+    """A demo verb."""
+
+    model_config = SETTINGS_CONFIG
+
+    host: str = Field("127.0.0.1", description="address", json_schema_extra={"group": "server"})
+    port: int = Field(8080, ge=0, le=65535, description="port", json_schema_extra={"group": "server"})
+    temp: float = Field(0.8, ge=0, allow_inf_nan=False, description="temperature")
+    allow_origin: list[str] = Field(default_factory=list, description="origins")
+    test_hooks: bool = Field(False, description="hooks", json_schema_extra={"hidden": True})
+
+    def run(self) -> int:
+        print(
+            f"RUN host={self.host} port={self.port} temp={self.temp} origins={self.allow_origin} "
+            f"hooks={self.test_hooks}"
+        )
+        return 0
+
+
+def _main(argv: list[str]) -> int:
+    parser = cli.build_parser({"demo": DemoSettings})
+    args = parser.parse_args(argv)
+    return int(args.handler(args))
+
+
+def test_flags_are_generated_and_parsed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _main(["demo", "--port", "9001", "--allow-origin", "a", "--allow-origin", "b", "--test-hooks"]) == 0
+    assert "RUN host=127.0.0.1 port=9001 temp=0.8 origins=['a', 'b'] hooks=True" in capsys.readouterr().out
+
+
+def test_help_lists_groups_and_hides_hidden(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "server:" in out and "--port" in out and "--config FILE" in out
+    assert "--test-hooks" not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--temp", "inf"], "--temp"),
+        (["--temp", "nan"], "--temp"),
+        (["--temp", "-0.5"], "--temp"),
+        (["--port", "eighty"], "--port"),
+    ],
+)
+def test_out_of_range_values_name_the_flag(argv: list[str], expect: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        _main(["demo", *argv])
+    assert expect in str(info.value)
+    assert info.value.exit_code == 2
+
+
+def test_cli_main_exits_2_with_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(cli, "discover_commands", lambda: {"demo": DemoSettings})
+    assert cli.main(["demo", "--port", "70000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cspan demo: error: --port") and "Traceback" not in err
+
+
+def test_precedence_cli_env_file_default(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    conf = tmp_path / "cspan.toml"
+    conf.write_text('port = 1\n[demo]\nport = 2\ntemp = 0.25\nallow-origin = ["x"]\n', encoding="utf-8")
+    assert _main(["demo", "--config", str(conf)]) == 0
+    assert "port=2 temp=0.25 origins=['x']" in capsys.readouterr().out  # the [demo] table wins over the top level
+    monkeypatch.setenv("CSPAN_PORT", "3")
+    assert _main(["demo", "--config", str(conf)]) == 0
+    assert "port=3 temp=0.25" in capsys.readouterr().out  # environment over file
+    assert _main(["demo", "--config", str(conf), "--port", "4"]) == 0
+    assert "port=4 temp=0.25" in capsys.readouterr().out  # command line over environment
+
+
+def test_bad_settings_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port = [", encoding="utf-8")
+    with pytest.raises(SettingsError, match="not valid TOML"):
+        load_settings(DemoSettings, config=bad, verb="demo")
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("prot = 1\n", encoding="utf-8")
+    with pytest.raises(SettingsError, match="unknown key 'prot'"):
+        load_settings(DemoSettings, config=unknown, verb="demo")
+    ranged = tmp_path / "range.toml"
+    ranged.write_text("port = 99999\n", encoding="utf-8")
+    with pytest.raises(SettingsError, match=r"range\.toml: port"):
+        load_settings(DemoSettings, config=ranged, verb="demo")
+    with pytest.raises(SettingsError, match="does not exist"):
+        load_settings(DemoSettings, config=tmp_path / "missing.toml", verb="demo")
+
+
+def test_environment_values_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CSPAN_TEMP", "inf")
+    with pytest.raises(SettingsError, match="CSPAN_TEMP"):
+        load_settings(DemoSettings)

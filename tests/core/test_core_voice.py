@@ -1,0 +1,152 @@
+"""Voices from recordings (`cspan voice encode`, `--voice file.wav`), the Context Spanning layout with an embedding
+voice, and the clear errors of bad recordings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from cspan.core.config import CONTEXT_SPANNING, PERSONAPLEX
+from cspan.core.errors import AudioInputError, CheckpointError
+from cspan.core.prefix import build_persona_prefix, prefix_frames
+from cspan.core.voice import (
+    VoicePrompt,
+    encode_voice_audio,
+    load_voice,
+    load_voice_prompt,
+    voice_embeddings_form,
+)
+
+
+@pytest.fixture(scope="module")
+def greeting(fixture_file) -> Path:
+    return fixture_file("audio", "greeting_24k.wav")
+
+
+def _cli(capsys, *args: str) -> SimpleNamespace:
+    """``cspan ARGS`` in this process (a subprocess would pay torch's start-up for each call)."""
+    from cspan.core.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+
+def test_wav_as_voice_is_encoded_not_called_corrupt(tiny_checkpoint, greeting: Path) -> None:
+    codes = load_voice(greeting, tiny_checkpoint)
+    assert codes.shape == (8, 46) and codes.dtype == torch.long  # 3.65 s -> 46 frames of 1920 samples
+    direct, audio = encode_voice_audio(greeting, tiny_checkpoint.mimi)
+    assert torch.equal(codes, direct) and audio.loudness_lufs < 0
+    assert tiny_checkpoint.load_voice_prompt(greeting).kind == "codes"
+    with pytest.raises(CheckpointError, match="needs the checkpoint's Mimi"):  # no codec to encode it with
+        load_voice(greeting)
+
+
+def test_voice_encode_cli_round_trip(tiny_checkpoint_dir, tiny_checkpoint, greeting: Path, tmp_path, capsys) -> None:
+    out = tmp_path / "mine.pt"
+    done = _cli(capsys, "voice", "encode", str(greeting), str(out), "--checkpoint", str(tiny_checkpoint_dir))
+    assert done.returncode == 0, done.stderr
+    assert "46 frames" in done.stdout and "-24 LUFS" in done.stdout
+    stored = torch.load(out, weights_only=True)
+    assert set(stored) == {"codes"}  # the tiny checkpoint uses the Context Spanning layout: codes only
+    assert torch.equal(stored["codes"], load_voice(greeting, tiny_checkpoint))
+    assert torch.equal(load_voice(out, tiny_checkpoint), stored["codes"])
+    # with PersonaPlex's form too: the same codes, plus embeddings and the token ring PersonaPlex's loader reads
+    both = tmp_path / "both.pt"
+    done = _cli(
+        capsys, "voice", "encode", str(greeting), str(both), "--checkpoint", str(tiny_checkpoint_dir), "--embeddings"
+    )
+    assert done.returncode == 0, done.stderr
+    stored = torch.load(both, weights_only=True)
+    assert set(stored) == {"codes", "embeddings", "cache"}
+    assert stored["embeddings"].shape == (45, 1, 1, 64) and stored["cache"].shape == (1, 17, 4)
+    assert load_voice_prompt(both, tiny_checkpoint).kind == "codes"  # codes are preferred where both are stored
+
+
+def _write(path: Path, pcm: np.ndarray, rate: int = 24000, subtype: str = "PCM_16") -> Path:
+    sf.write(path, pcm, rate, subtype=subtype)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "expect"),
+    [
+        (lambda d, g: _write(d / "short.wav", sf.read(g, dtype="float32")[0][:24000]), "1.00 s long"),
+        (lambda d, g: _write(d / "long.wav", np.tile(sf.read(g, dtype="float32")[0], 9)), "over the limit of 30 s"),
+        (lambda d, g: _write(d / "silent.wav", np.zeros(72000, dtype=np.float32)), "silent"),
+        (lambda d, g: _write(d / "quiet.wav", np.full(72000, 1e-5, dtype=np.float32)), "silent"),
+        (lambda d, g: (d / "text.wav").write_text("not audio at all\n") and d / "text.wav", "cannot decode audio"),
+        (
+            lambda d, g: _write(d / "nan.wav", np.full(72000, np.nan, dtype=np.float32), subtype="FLOAT"),
+            "NaN or infinite",
+        ),
+    ],
+)
+def test_bad_recording_gives_a_clear_error(tiny_checkpoint, greeting, tmp_path, make, expect) -> None:
+    path = make(tmp_path, greeting)
+    with pytest.raises(AudioInputError, match=expect) as err:
+        load_voice(path, tiny_checkpoint)
+    assert str(path) in str(err.value)
+
+
+def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: Path, tmp_path: Path, capsys) -> None:
+    short = _write(tmp_path / "short.wav", sf.read(greeting, dtype="float32")[0][:30000])
+    out = tmp_path / "v.pt"
+    for args, expect in (
+        ((str(short), str(out)), "a voice needs 2 to 30 s"),
+        ((str(tmp_path / "missing.wav"), str(out)), "no such file"),
+        ((str(greeting), str(tmp_path / "v.wav")), "ends in .pt"),
+        ((str(greeting), str(tmp_path / "nowhere" / "v.pt")), "does not exist"),
+    ):
+        done = _cli(capsys, "voice", "encode", *args, "--checkpoint", str(tiny_checkpoint_dir))
+        assert done.returncode == 1 and expect in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not out.exists() and not list(tmp_path.glob(".*.part"))
+
+
+@torch.no_grad()
+def test_context_spanning_layout_with_an_embedding_voice(tiny_checkpoint) -> None:
+    """An embedding voice opens the prefix with its E frames in both layouts; reading it gives the same state as the
+    codes it was made from, from position E on (the embeddings are those codes' input embeddings)."""
+    lm = tiny_checkpoint.lm
+    codes = tiny_checkpoint.load_voice("tiny1")[:, :6]
+    form = voice_embeddings_form(codes, lm)
+    from cspan.core.voice import frames_from_ring
+
+    initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
+    voice = VoicePrompt(
+        source=Path("x.pt"),
+        embeddings=form["embeddings"][:, 0, 0],
+        frames=frames_from_ring(form["cache"][0], 5, lm.delays, initial),
+    )
+    tok = tiny_checkpoint.tokenizer
+    cs = build_persona_prefix(tok, "Be kind.", voice, layout=CONTEXT_SPANNING)
+    L = len(cs.text_ids)
+    assert cs.num_frames == 5 + 1 + L + 1 and cs.voice_frames == 5 and cs.embeddings.shape == (5, 64)
+    pp = build_persona_prefix(tok, "Be kind.", voice, layout=PERSONAPLEX)
+    assert pp.num_frames == 5 + 6 + L + 6
+    by_codes = build_persona_prefix(tok, "Be kind.", codes, layout=PERSONAPLEX)
+    assert by_codes.num_frames == pp.num_frames and by_codes.voice_frames == 5
+    from cspan.core.prefix import prefix_inputs
+    from cspan.core.streams import delay_tokens
+
+    def hidden(prefix):
+        delayed = delay_tokens(prefix.frames, lm.delays, initial)[:, : prefix.num_frames + 1]
+        x = prefix_inputs(lm, delayed, prefix.embeddings)
+        return lm.temporal(None, lm.new_state(1), embeddings=x)[0]
+
+    assert torch.equal(hidden(pp)[:, 5:], hidden(by_codes)[:, 5:])
+
+
+def test_layout_frame_counts() -> None:
+    voice = torch.full((8, 4), 9)
+    assert prefix_frames([7, 8], voice, layout=PERSONAPLEX).shape == (17, 4 - 1 + 6 + 2 + 6)
+    assert prefix_frames([], None, layout=PERSONAPLEX).shape == (17, 11)  # silences always; frame 0 dropped
+    assert prefix_frames([], None, layout=CONTEXT_SPANNING).shape == (17, 0)
+    with pytest.raises(ValueError, match="not both"):
+        prefix_frames([], voice, voice_frames=torch.zeros(17, 2, dtype=torch.long))

@@ -1,0 +1,268 @@
+"""``cspan serve`` against hostile or careless input (issue 22): DNS rebinding (Host check on every route and
+protocol), non-finite wire audio, numeric and backend settings refused before anything loads, trickling HTTP
+headers, and a stop in the middle of a sentence."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from serve_client import Client, load_frames
+
+from cspan.core import cli
+
+HTTP_ROUTES = ["/", "/info", "/metrics", "/health", "/static/app.js"]
+
+
+def refused_hosts(port: int) -> list[str]:
+    """``Host`` values a rebinding page (or a confused proxy) could send to a loopback server on ``port``."""
+    return [
+        f"rebind.example:{port}",
+        "rebind.example",
+        f"127.0.0.1:{port + 1}",
+        "localhost",  # port 80, not the bound port
+        f"localhost.rebind.example:{port}",
+        f"127.0.0.1.nip.io:{port}",
+        f"127.0.0.1:{port}@rebind.example",
+        f"[::1]:{port + 1}",
+        "",
+    ]
+
+
+def allowed_hosts(port: int) -> list[str]:
+    return [f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}", f"127.9.9.9:{port}", f"[::1]:{port}"]
+
+
+async def ws_status(port: int, host: str, path: str = "/ws", **kwargs) -> int | str:
+    """Open a WebSocket to 127.0.0.1:``port`` whose handshake says ``Host: host``: "open", or the HTTP status of a
+    refused handshake."""
+    try:
+        async with websockets.connect(f"ws://{host or 'x'}{path}", host="127.0.0.1", port=port, **kwargs) as ws:
+            if not host:  # websockets always derives Host from the URI: an empty one is checked over HTTP only
+                return "skipped"
+            await ws.send(json.dumps({"type": "stop"}))
+            return "open"
+    except websockets.exceptions.InvalidStatus as exc:
+        return exc.response.status_code
+
+
+async def test_dns_rebinding_is_refused_on_every_route(serve) -> None:
+    server = serve()
+    port = server.port
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        for host in refused_hosts(port):
+            for route in HTTP_ROUTES:
+                r = await http.get(route, headers={"Host": host})
+                assert r.status_code == 403, (host, route, r.status_code)
+                assert "--allow-host" in r.text
+            if host:
+                assert await ws_status(port, host, origin=f"http://{host}") == 403, host
+        for host in allowed_hosts(port):
+            for route in HTTP_ROUTES:
+                assert (await http.get(route, headers={"Host": host})).status_code == 200, (host, route)
+            assert await ws_status(port, host) == "open", host
+        metrics = (await http.get("/metrics")).text
+    refused = (len(refused_hosts(port)) * (len(HTTP_ROUTES) + 1)) - 1
+    assert f"cspan_host_refused_total {float(refused)}" in metrics
+    assert server.hub.free_slots() == 1  # no session work for a refused handshake
+
+
+async def test_listed_hosts_are_answered(serve) -> None:
+    server = serve(allow_host=["talk.example.org", "proxy.internal:8443"])
+    port = server.port
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        for host, status in [
+            ("talk.example.org", 200),
+            (f"talk.example.org:{port}", 200),
+            ("proxy.internal:8443", 200),
+            ("proxy.internal:8444", 403),
+            ("other.example.org", 403),
+            (f"127.0.0.1:{port}", 200),
+        ]:
+            assert (await http.get("/info", headers={"Host": host})).status_code == status, host
+    assert await ws_status(port, "talk.example.org", origin="https://talk.example.org") == "open"
+
+
+def test_host_rule_on_other_binds() -> None:
+    from cspan.server.auth import host_allowed
+
+    for host in ("anything.example", "10.0.0.5:8080", "localhost:1"):
+        assert host_allowed(host, bind_host="0.0.0.0", port=8080)
+    assert host_allowed("talk.example.org", bind_host="0.0.0.0", port=8080, allowed=["talk.example.org"])
+    assert not host_allowed("evil.example", bind_host="0.0.0.0", port=8080, allowed=["talk.example.org"])
+    assert host_allowed("evil.example", bind_host="127.0.0.1", port=8080, allowed=["*"])
+    assert not host_allowed(None, bind_host="127.0.0.1", port=8080)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda x: x.__setitem__(0, np.nan), id="nan-first"),
+        pytest.param(lambda x: x.__setitem__(slice(100, 200), np.inf), id="inf-block"),
+        pytest.param(lambda x: x.__setitem__(slice(None), -np.inf), id="all-neg-inf"),
+        pytest.param(lambda x: x.__setitem__(slice(None, None, 2), np.nan), id="nan-every-other"),
+    ],
+)
+async def test_non_finite_wire_audio_becomes_silence(serve, fixture_file, bad) -> None:
+    server = serve()
+    frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))[:8]
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start())["type"] == "ready"
+        poisoned = []
+        for k, frame in enumerate(frames):
+            frame = frame.copy()
+            if k in (1, 4):
+                bad(frame)
+            poisoned.append(frame)
+        await client.stream(poisoned)
+        bye = await client.stop()
+    errors = client.received.json("error")
+    assert [e["code"] for e in errors] == ["bad_audio"]  # reported once, the session went on
+    assert "NaN or infinite" in errors[0]["message"]
+    assert bye["stats"]["consumed_frames"] == 8 and bye["stats"]["errors"] == 1
+    assert all(np.isfinite(a).all() and np.abs(a).max() <= 1.0 for a in client.received.audio())
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--max-sessions", "300"], "--max-sessions"),
+        (["--max-sessions", "0"], "--max-sessions"),
+        (["--idle-timeout-s", "inf"], "--idle-timeout-s"),
+        (["--idle-timeout-s", "nan"], "--idle-timeout-s"),
+        (["--max-queued-frames", "1e9"], "--max-queued-frames"),
+        (["--temp", "-1"], "--temp"),
+        (["--span-deadline-s", "inf"], "--span-deadline-s"),
+        (["--listen-s", "0"], "--listen-s"),
+        (["--seed", str(2**64)], "--seed"),
+        (["--header-timeout-s", "0"], "--header-timeout-s"),
+        (["--max-text-prompt-chars", "99999"], "--max-text-prompt-chars"),
+        (["--asr", "whisper"], "--asr"),
+        (["--asr", "ftp://host/x"], "--asr"),
+        (["--router", "gpt"], "--router"),
+        (["--router", "http://host:99999/v1"], "--router"),
+        (["--knowledge", "/nonexistent/notes"], "--knowledge"),
+        (["--token", "short"], "--token"),
+    ],
+)
+def test_bad_settings_exit_2_before_loading(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # --checkpoint points nowhere: reaching the model would fail differently (exit 1), so exit 2 proves the
+    # setting was refused before anything loaded
+    assert cli.main(["serve", "--checkpoint", "/nonexistent/ckpt", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan serve: error: {names}"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_settings_file_and_environment_ranges(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    conf = tmp_path / "serve.toml"
+    conf.write_text("[serve]\nmax-sessions = 1000\n", encoding="utf-8")
+    assert cli.main(["serve", "--checkpoint", "/nonexistent/ckpt", "--config", str(conf)]) == 2
+    assert "serve.toml: max-sessions" in capsys.readouterr().err
+    monkeypatch.setenv("CSPAN_PORT", "123456")
+    assert cli.main(["serve", "--checkpoint", "/nonexistent/ckpt"]) == 2
+    assert "CSPAN_PORT" in capsys.readouterr().err
+
+
+def test_backend_urls_that_do_not_answer_stop_the_start(tiny_checkpoint_dir: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    argv = ["serve", "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--port", "0"]
+    for backend in (["--router", f"http://127.0.0.1:{dead}/v1"], ["--asr", f"http://127.0.0.1:{dead}"]):
+        assert cli.main([*argv, *backend]) == 1
+        err = capsys.readouterr().err
+        assert f"{backend[0]} http://127.0.0.1:{dead}" in err and "does not answer" in err, err
+        assert "Traceback" not in err
+
+
+def test_a_bad_context_db_is_one_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    for bad in ("not a database\n" * 100, "\x00" * 4096):
+        path = tmp_path / "db.sqlite"
+        path.write_text(bad, encoding="utf-8")
+        assert cli.main(["serve", "--checkpoint", "/nonexistent/ckpt", "--db", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("cspan serve: error: backends") and "Context DB" in err, err
+        assert "Traceback" not in err
+
+
+async def test_trickling_headers_are_cut_off(serve) -> None:
+    """200 connections sending a request line byte by byte are closed after the header timeout; the server
+    answers a normal request meanwhile and afterwards."""
+    server = serve(header_timeout_s=1.0)
+
+    async def trickle() -> float:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            for byte in b"GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                if await _closed(reader, 0.25):
+                    return loop.time() - t0
+            return float("inf")
+        except ConnectionError:
+            return loop.time() - t0
+        finally:
+            writer.close()
+
+    tasks = [asyncio.ensure_future(trickle()) for _ in range(200)]
+    await asyncio.sleep(0.3)
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        assert (await http.get("/health")).status_code == 200
+    held = await asyncio.gather(*tasks)
+    assert all(t < 10.0 for t in held), sorted(held)[-5:]
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        assert (await http.get("/health")).status_code == 200
+
+
+async def _closed(reader: asyncio.StreamReader, wait_s: float) -> bool:
+    try:
+        data = await asyncio.wait_for(reader.read(1), wait_s)
+    except TimeoutError:
+        return False
+    return data == b""
+
+
+@pytest.mark.timeout(300)
+async def test_stop_mid_sentence_still_gives_the_final_transcript(serve, fixture_file) -> None:
+    server = serve(asr="sphinx")
+    frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
+    speech = [k for k, f in enumerate(frames) if np.abs(f).max() > 0.05]
+    cut = speech[len(speech) * 2 // 3]  # two thirds into the question: the user is speaking
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start())["type"] == "ready"
+        await client.stream(frames[:cut])
+        bye = await client.stop()
+    finals = [m for m in client.received.json("user_text") if m["final"]]
+    assert len(finals) == 1 and finals[0]["text"], client.received.json("user_text")
+    assert client.received.types().index("user_text") < client.received.types().index("bye")
+    stats = bye["stats"]
+    assert stats["consumed_frames"] == cut and stats["silence_frames"] <= 12
+
+
+def test_legacy_backend_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cspan backends env`` exports CSPAN_ASR_URL / CSPAN_ROUTER_URL: still read, below CSPAN_ASR and the flag."""
+    from cspan.core.settings import load_settings
+    from cspan.server.serve_settings import ServeSettings
+
+    monkeypatch.setenv("CSPAN_ASR_URL", "http://asr.local:8990/v1")
+    monkeypatch.setenv("CSPAN_ROUTER_URL", "http://llm.local:8000/v1")
+    s = load_settings(ServeSettings)
+    assert (s.asr, s.router) == ("http://asr.local:8990/v1", "http://llm.local:8000/v1")
+    assert s.backend_urls() == {"--asr": "http://asr.local:8990/v1", "--router": "http://llm.local:8000/v1"}
+    monkeypatch.setenv("CSPAN_ASR", "none")
+    assert load_settings(ServeSettings).asr == "none"
+    assert load_settings(ServeSettings, {"router": "local"}).router == "local"

@@ -1,0 +1,173 @@
+"""Ogg/Opus on ``/ws``: negotiated in ``start.codecs`` (PCM the fallback), both ways through sphn; packet loss, corrupt
+pages and the wrong codec get an ``error`` and never end the session."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import websockets
+from serve_client import load_frames
+
+FRAME = 1920
+
+
+class OpusClient:
+    """A ``/ws`` client that speaks Ogg/Opus (sphn both ways) and keeps what it received."""
+
+    def __init__(self, ws) -> None:  # type: ignore[no-untyped-def]
+        import sphn
+
+        self.ws = ws
+        self.writer = sphn.OpusStreamWriter(24000)
+        self.reader = sphn.OpusStreamReader(24000)
+        self.pcm: list[np.ndarray] = []
+        self.binary_bytes = 0
+        self.events: list[dict] = []
+
+    async def recv(self) -> tuple[str, object]:
+        data = await self.ws.recv()
+        if isinstance(data, bytes):
+            self.binary_bytes += len(data)
+            pcm = self.reader.append_bytes(data)
+            self.pcm.append(pcm)
+            return "audio", pcm
+        msg = json.loads(data)
+        self.events.append(msg)
+        return "json", msg
+
+    async def until(self, predicate) -> dict:  # type: ignore[no-untyped-def]
+        while True:
+            kind, msg = await self.recv()
+            if kind == "json" and predicate(msg):
+                return msg  # type: ignore[return-value]
+
+    def page(self, frame: np.ndarray) -> bytes:
+        return self.writer.append_pcm(np.ascontiguousarray(frame, dtype=np.float32))
+
+    def samples(self) -> int:
+        return sum(p.size for p in self.pcm)
+
+    def errors(self) -> list[str]:
+        return [m["code"] for m in self.events if m["type"] == "error"]
+
+
+@pytest.mark.timeout(300)
+async def test_opus_both_ways(serve, fixture_file) -> None:
+    server = serve()
+    frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        c = OpusClient(ws)
+        await ws.send(json.dumps({"type": "start", "codecs": ["opus", "pcm"]}))
+        ready = await c.until(lambda m: m["type"] in ("ready", "error"))
+        assert (ready["type"], ready["codec"], ready["audio_formats"]) == ("ready", "opus", ["ogg-opus"])
+        data = b"".join(c.page(f) for f in frames)
+        for k in range(0, len(data), 700):  # Ogg bytes in any chunking
+            await ws.send(data[k : k + 700])
+        await ws.send(json.dumps({"type": "stop"}))
+        bye = await c.until(lambda m: m["type"] == "bye")
+    stats = bye["stats"]
+    assert stats["user_frames"] == stats["consumed_frames"] == len(frames)
+    assert stats["errors"] == 0 and not c.errors()
+    assert c.samples() == stats["frames"] * FRAME  # every agent frame, decoded to the sample
+    assert c.binary_bytes < stats["frames"] * FRAME * 4 / 8  # far below float32 PCM (7680 bytes a frame)
+    audio = np.concatenate(c.pcm)
+    assert np.isfinite(audio).all() and np.abs(audio).max() <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("codecs", "expect"),
+    [(None, "pcm"), (["pcm"], "pcm"), (["flac", "opus"], "opus"), (["flac", "aac"], "pcm"), ([], "pcm")],
+)
+async def test_codec_negotiation_falls_back_to_pcm(serve, codecs, expect) -> None:  # type: ignore[no-untyped-def]
+    server = serve()
+    start: dict = {"type": "start"}
+    if codecs is not None:
+        start["codecs"] = codecs
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        await ws.send(json.dumps(start))
+        while True:
+            msg = await ws.recv()
+            if isinstance(msg, str) and json.loads(msg)["type"] == "ready":
+                break
+        assert json.loads(msg)["codec"] == expect
+        audio = await ws.recv()
+        assert isinstance(audio, bytes) and (len(audio) == 7680) == (expect == "pcm")
+
+
+@pytest.mark.timeout(300)
+async def test_loss_corruption_and_wrong_codec_keep_the_session(serve, fixture_file) -> None:
+    server = serve()
+    frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))[:20]
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        c = OpusClient(ws)
+        await ws.send(json.dumps({"type": "start", "codecs": ["opus"]}))
+        await c.until(lambda m: m["type"] == "ready")
+        pages = [c.page(f) for f in frames]
+        corrupt = bytearray(pages[6])
+        corrupt[30:42] = b"\xff" * 12
+        bad = {
+            3: None,  # lost in transit
+            6: bytes(corrupt),  # a corrupt page
+            9: frames[9].astype("<f4").tobytes(),  # PCM in an opus session (the wrong codec)
+            12: b"hello",
+        }
+        for k, page in enumerate(pages):
+            if k in bad:
+                if bad[k] is not None:
+                    await ws.send(bad[k])
+                continue
+            await ws.send(page)
+        await ws.send(json.dumps({"type": "stop"}))
+        bye = await c.until(lambda m: m["type"] == "bye")
+    assert c.errors() == ["bad_audio", "bad_audio", "bad_audio"], c.events
+    messages = [m["message"] for m in c.events if m["type"] == "error"]
+    assert re.search(r"a corrupt Ogg page \(checksum mismatch, page \d+\)$", messages[0]), messages[0]
+    assert "7680 bytes that are not an Ogg page were dropped" in messages[1]
+    assert "5 bytes that are not an Ogg page were dropped" in messages[2]
+    stats = bye["stats"]
+    assert stats["errors"] == 3
+    assert stats["consumed_frames"] == stats["user_frames"] == len(frames) - len(bad)  # the good pages, all of them
+
+
+async def test_ogg_in_a_pcm_session_says_how_to_negotiate(serve) -> None:
+    import sphn
+
+    server = serve()
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        await ws.send(json.dumps({"type": "start"}))
+        while True:
+            msg = await ws.recv()
+            if isinstance(msg, str) and json.loads(msg)["type"] == "ready":
+                break
+        await ws.send(sphn.OpusStreamWriter(24000).append_pcm(np.zeros(FRAME, np.float32)))
+        while True:
+            msg = await ws.recv()
+            if isinstance(msg, str) and json.loads(msg)["type"] == "error":
+                break
+    error = json.loads(msg)
+    assert error["code"] == "bad_frame" and "start.codecs" in error["message"]
+
+
+def test_ogg_checksum_matches_sphn_pages() -> None:
+    """Our page checksum (which the decoder checks) agrees with what sphn writes, and catches one flipped bit."""
+    import sphn
+
+    from cspan.server.opus import OggOpusDecoder, ogg_crc
+
+    writer = sphn.OpusStreamWriter(24000)
+    data = b"".join(writer.append_pcm(np.full(FRAME, 0.1 * k, np.float32)) for k in range(5))
+    pages = [b"OggS" + p for p in data.split(b"OggS")[1:]]
+    assert len(pages) >= 6
+    for page in pages:
+        assert ogg_crc(page) == int.from_bytes(page[22:26], "little")
+        flipped = bytearray(page)
+        flipped[-1] ^= 0x01
+        assert ogg_crc(flipped) != int.from_bytes(page[22:26], "little")
+    decoder = OggOpusDecoder()
+    pcm, problem = decoder.decode(data[:50])  # part of a page: nothing yet, nothing wrong
+    assert pcm.size == 0 and problem is None
+    pcm, problem = decoder.decode(data[50:])
+    assert pcm.size == 5 * FRAME and problem is None

@@ -1,0 +1,353 @@
+"""The pieces of ``/v1/realtime`` that need no server: audio formats, event models, and the turn state machines."""
+
+from __future__ import annotations
+
+import base64
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from cspan.core.vad import UtteranceTracker
+from cspan.server.realtime_audio import InputAudio, OutputAudio, decode_samples, encode_samples
+from cspan.server.realtime_events import (
+    FunctionCallOutputItemIn,
+    RealtimeEventError,
+    SessionUpdate,
+    dump_event,
+    error_event,
+    event_dict,
+    function_tools,
+    parse_client_event,
+)
+from cspan.server.realtime_turns import QUIET_FRAMES, ItemLog, ResponseStream, UserSpeech
+
+SR = 24000
+
+# ---------------------------------------------------------------------------------------------------- audio
+
+
+def test_g711_known_codes_and_round_trip() -> None:
+    # silence and full scale (ITU-T G.711: u-law 0 -> 0xFF, A-law 0 -> 0xD5; u-law +-max -> 0x80 / 0x00)
+    assert encode_samples(np.array([0.0], np.float32), "g711_ulaw") == b"\xff"
+    assert encode_samples(np.array([0.0], np.float32), "g711_alaw") == b"\xd5"
+    assert encode_samples(np.array([1.0, -1.0], np.float32), "g711_ulaw") == b"\x80\x00"
+    x = np.linspace(-0.9, 0.9, 2001, dtype=np.float32)
+    for fmt in ("g711_ulaw", "g711_alaw"):
+        y = decode_samples(encode_samples(x, fmt), fmt)
+        # logarithmic quantisation: the error grows with the amplitude, about 1/32 of it at most
+        assert np.all(np.abs(y - x) <= np.abs(x) / 28 + 2e-3), fmt
+    pcm = decode_samples(encode_samples(x, "pcm16"), "pcm16")
+    assert np.max(np.abs(pcm - x)) <= 1 / 32768
+
+
+def test_g711_tables_equal_the_reference_implementation() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        audioop = pytest.importorskip("audioop")  # Python <= 3.12: Sun's g711.c
+    ints = np.arange(-32768, 32768, dtype="<i2")
+    floats = ints.astype(np.float32) / 32768.0
+    for fmt, enc, dec in (
+        ("g711_ulaw", audioop.lin2ulaw, audioop.ulaw2lin),
+        ("g711_alaw", audioop.lin2alaw, audioop.alaw2lin),
+    ):
+        assert encode_samples(floats, fmt) == enc(ints.tobytes(), 2), fmt
+        ref = np.frombuffer(dec(bytes(range(256)), 2), dtype="<i2")
+        assert np.array_equal(np.rint(decode_samples(bytes(range(256)), fmt) * 32768).astype(np.int16), ref), fmt
+
+
+def _peak_hz(x: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(x * np.hanning(len(x))))
+    return float(np.argmax(spectrum) * rate / len(x))
+
+
+def test_input_audio_pcm16_keeps_a_split_sample() -> None:
+    x = (np.arange(100, dtype=np.int16) * 100).astype("<i2").tobytes()
+    stream = InputAudio("pcm16")
+    a = stream.decode(x[:51])  # 25 samples and one byte of the 26th
+    b = stream.decode(x[51:])
+    assert len(a) == 25 and len(b) == 75
+    assert np.array_equal(np.rint(np.concatenate([a, b]) * 32768).astype(np.int16), np.arange(100) * 100)
+
+
+@pytest.mark.parametrize("fmt", ["g711_ulaw", "g711_alaw"])
+def test_g711_streams_resample_8k_both_ways(fmt: str) -> None:
+    tone = (0.5 * np.sin(2 * np.pi * 440 * np.arange(SR) / SR)).astype(np.float32)  # 1 s at 24 kHz
+    out = OutputAudio(fmt)
+    wire = b"".join(out.encode(tone[i : i + 1920]) for i in range(0, SR, 1920))
+    assert 7000 <= len(wire) <= 8000  # 8 kHz, one byte per sample, less the resampler's delay
+    assert _peak_hz(decode_samples(wire, fmt), 8000) == pytest.approx(440, abs=4)
+    back = InputAudio(fmt)
+    pcm = np.concatenate([back.decode(wire[i : i + 333]) for i in range(0, len(wire), 333)])
+    assert 3 * len(wire) - 2400 <= len(pcm) <= 3 * len(wire)  # the stream holds back at most 100 ms
+    assert _peak_hz(pcm, SR) == pytest.approx(440, abs=4)
+
+
+# ---------------------------------------------------------------------------------------------------- events
+
+
+@pytest.mark.parametrize(
+    ("text", "code", "event_id", "param"),
+    [
+        ("{", "bad_json", None, None),
+        ("[1, 2]", "bad_json", None, None),
+        ('{"type": "response.explode", "event_id": "e1"}', "unknown_event", "e1", "type"),
+        ('{"event_id": "e2"}', "unknown_event", "e2", "type"),
+        ('{"type": "input_audio_buffer.append", "event_id": "e3"}', "invalid_event", "e3", "audio"),
+        (
+            '{"type": "conversation.item.create", "event_id": "e4", "item": {"type": "function_call_output", '
+            '"call_id": "c", "output": 7}}',
+            "invalid_event",
+            "e4",
+            "item.output",
+        ),
+        (
+            '{"type": "session.update", "event_id": "e5", "session": {"input_audio_format": "mp3"}}',
+            "invalid_event",
+            "e5",
+            "session.input_audio_format",
+        ),
+        (
+            '{"type": "session.update", "event_id": "e6", "session": {"audio": {"input": {"format": '
+            '{"type": "audio/pcm", "rate": 16000}}}}}',
+            "invalid_event",
+            "e6",
+            "session.audio.input.format.rate",
+        ),
+    ],
+)
+def test_malformed_client_events(text: str, code: str, event_id: str | None, param: str | None) -> None:
+    with pytest.raises(RealtimeEventError) as info:
+        parse_client_event(text)
+    assert (info.value.code, info.value.event_id, info.value.param) == (code, event_id, param)
+    sent = json.loads(dump_event(error_event(info.value)) or "")
+    assert sent["type"] == "error" and sent["event_id"].startswith("event_")
+    assert sent["error"]["code"] == code and sent["error"].get("event_id") == event_id
+    assert sent["error"]["type"] == "invalid_request_error" and sent["error"]["message"]
+
+
+def test_session_update_ga_and_beta_fields_and_tools() -> None:
+    ga = parse_client_event(
+        json.dumps(
+            {
+                "type": "session.update",
+                "session": {
+                    "type": "realtime",
+                    "instructions": "Be brief.",
+                    "audio": {"input": {"format": {"type": "audio/pcmu"}}, "output": {"voice": "marin"}},
+                    "tools": [{"type": "function", "name": "lookup_order", "parameters": {"type": "object"}}],
+                    "tracing": "auto",  # a field this server does not use: ignored
+                },
+            }
+        )
+    )
+    assert isinstance(ga, SessionUpdate)
+    assert ga.session.audio.input.format.type == "audio/pcmu"  # type: ignore[union-attr]
+    (tool,) = function_tools(ga.session) or []
+    assert tool.name == "lookup_order" and tool.parameters == {"type": "object"}
+    beta = parse_client_event(
+        '{"type": "session.update", "session": {"input_audio_format": "g711_alaw", "voice": "alloy", "tools": []}}'
+    )
+    assert beta.session.input_audio_format == "g711_alaw" and function_tools(beta.session) == []
+    for tools, code, param in [
+        ([{"type": "mcp", "server_label": "x"}], "unsupported", "session.tools[0].type"),
+        ([{"type": "function", "name": "has space"}], "invalid_event", "session.tools[0].name"),
+        ([{"name": "a"}, {"name": "a"}], "invalid_event", "session.tools[1].name"),
+    ]:
+        update = parse_client_event(
+            json.dumps({"type": "session.update", "event_id": "u", "session": {"tools": tools}})
+        )
+        with pytest.raises(RealtimeEventError) as info:
+            function_tools(update.session, "u")
+        assert (info.value.code, info.value.param, info.value.event_id) == (code, param, "u")
+
+
+def test_function_call_output_item() -> None:
+    event = parse_client_event(
+        '{"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "call_1", '
+        '"output": "{\\"status\\": \\"shipped\\"}"}}'
+    )
+    assert isinstance(event.item, FunctionCallOutputItemIn)
+    assert event.item.call_id == "call_1" and event.item.output == '{"status": "shipped"}'
+
+
+# ---------------------------------------------------------------------------------------------------- turns
+
+
+def _types(events: list) -> list[str]:
+    return [e.type for e in events]
+
+
+def _frame(stream: ResponseStream, text: str | None = None, data: bytes = b"\x01\x02") -> list:
+    events = stream.audio(data)
+    if text is not None:
+        events += stream.text(text)
+    return events
+
+
+def test_a_turn_is_one_response_with_audio_and_transcript() -> None:
+    log = ItemLog()
+    stream = ResponseStream(log, conversation_id="conv_1", audio_config={"voice": "v"})
+    assert _frame(stream) == [] and _frame(stream) == []  # silence before the turn: nothing is sent
+    opening = _frame(stream, " Hello", data=b"\x00\x01")
+    assert _types(opening) == [
+        "response.created",
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.content_part.added",
+        "response.output_audio.delta",  # the frame just before the first word
+        "response.output_audio_transcript.delta",
+    ]
+    response_id = opening[0].response.id
+    item_id = opening[1].item.id
+    assert opening[4].delta == base64.b64encode(b"\x00\x01").decode()
+    assert opening[5].delta == "Hello"  # the turn's leading space is dropped
+    middle = _frame(stream, " there") + _frame(stream, "!")
+    assert _types(middle) == ["response.output_audio.delta", "response.output_audio_transcript.delta"] * 2
+    assert {e.response_id for e in middle} == {response_id} and {e.item_id for e in middle} == {item_id}
+    tail = []
+    for _ in range(QUIET_FRAMES):
+        tail += _frame(stream)
+    assert _types(tail) == ["response.output_audio.delta"] * QUIET_FRAMES  # the voice's tail is in the response
+    closing = _frame(stream)
+    assert _types(closing) == [
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.done",
+    ]
+    assert closing[1].transcript == "Hello there!"
+    done = closing[-1].response
+    assert done.id == response_id and done.status == "completed" and done.conversation_id == "conv_1"
+    (item,) = done.output
+    assert item.id == item_id and item.content[0].transcript == "Hello there!" and item.status == "completed"
+    assert done.usage.output_token_details == {"text_tokens": 3, "audio_tokens": 1 + 2 + QUIET_FRAMES}
+    assert log.last_id == item_id
+    # the next words open the next response
+    again = _frame(stream, " Bye")
+    assert again[0].type == "response.created" and again[0].response.id != response_id
+
+
+def test_function_call_ends_the_response_and_cancel_mutes_the_turn() -> None:
+    log = ItemLog()
+    stream = ResponseStream(log)
+    _frame(stream, "Let")
+    _frame(stream, " me")
+    events, call_id, item_id = stream.function_call("lookup_order", {"order_id": "A1"})
+    assert _types(events) == [
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.done",
+    ]
+    args_done = events[8]
+    assert (args_done.call_id, args_done.item_id, args_done.name) == (call_id, item_id, "lookup_order")
+    assert json.loads(args_done.arguments) == {"order_id": "A1"} and args_done.output_index == 1
+    message, call = events[-1].response.output
+    assert message.content[0].transcript == "Let me" and call.call_id == call_id and call.arguments
+    assert not stream.active
+    # a call with no response open opens and closes one of its own
+    alone, _, _ = stream.function_call("f", "{}")
+    assert _types(alone)[0] == "response.created" and _types(alone)[-1] == "response.done"
+    # cancel: the response ends cancelled, and the rest of the turn is dropped
+    _frame(stream, "One")
+    cancelled = stream.cancel()
+    assert cancelled[-1].response.status == "cancelled"
+    assert cancelled[-1].response.status_details.reason == "client_cancelled"
+    assert _frame(stream, " two") == [] and _frame(stream) == []
+    for _ in range(QUIET_FRAMES):
+        assert _frame(stream) == []
+    assert _frame(stream, "Three")[0].type == "response.created"
+    with pytest.raises(RealtimeEventError) as info:
+        stream.create(event_id="c1")
+    assert info.value.code == "active_response" and info.value.event_id == "c1"
+
+
+def test_client_created_response_closes_empty_when_the_agent_is_silent() -> None:
+    stream = ResponseStream(ItemLog())
+    with pytest.raises(RealtimeEventError) as info:
+        stream.cancel(event_id="x")
+    assert info.value.code == "no_active_response"
+    created = stream.create({"client_event_id": "abc"})
+    assert created[0].response.metadata == {"client_event_id": "abc"}
+    events = []
+    for _ in range(QUIET_FRAMES + 1):
+        events += stream.audio(b"\x00\x00")
+    assert events[0].type == "response.output_item.added"  # the agent's frames fill the response it was asked for
+    assert events[-1].type == "response.done" and events[-1].response.status == "completed"
+
+
+def test_text_modality_sends_text_deltas_only() -> None:
+    stream = ResponseStream(ItemLog(), modality="text")
+    events = _frame(stream, "Hi") + _frame(stream, " you")
+    for _ in range(QUIET_FRAMES + 1):
+        events += _frame(stream)
+    kinds = _types(events)
+    assert "response.output_audio.delta" not in kinds
+    assert [e.delta for e in events if e.type == "response.output_text.delta"] == ["Hi", " you"]
+    done = events[-1].response
+    assert done.output_modalities == ["text"] and done.output[0].content[0].text == "Hi you"
+
+
+def test_beta_dialect_names() -> None:
+    stream = ResponseStream(ItemLog(), audio_config={"voice": "v"})
+    events = _frame(stream, "Hi")
+    for _ in range(QUIET_FRAMES + 1):
+        events += _frame(stream)
+    beta = [event_dict(e, "beta") for e in events]
+    kinds = [d["type"] for d in beta if d is not None]
+    assert "response.audio.delta" in kinds and "response.audio_transcript.delta" in kinds
+    assert "conversation.item.created" in kinds and "conversation.item.done" not in kinds
+    assert "response.output_audio.delta" not in kinds
+    done = beta[-1]
+    assert done["response"]["modalities"] == ["audio"] and "audio" not in done["response"]
+    assert done["response"]["output"][0]["content"][0]["type"] == "audio"
+    ga = event_dict(events[-1], "ga")
+    assert ga["response"]["output"][0]["content"][0]["type"] == "output_audio"
+
+
+def test_user_speech_items_follow_the_voice_activity_tracker() -> None:
+    log = ItemLog()
+    user = UserSpeech(log)
+    tracker = UtteranceTracker()
+    events: list = []
+    voiced = [False] * 5 + [True] * 10 + [False] * 12
+    for i, v in enumerate(voiced):
+        tracker.update(i, v)
+        events += user.poll(tracker)
+    assert _types(events) == [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.done",
+    ]
+    started, stopped, committed, added, _ = events
+    assert started.audio_start_ms == 400 and stopped.audio_end_ms == 1200
+    assert started.item_id == stopped.item_id == committed.item_id == added.item.id
+    assert added.item.role == "user" and added.item.content[0].type == "input_audio"
+    partial = user.transcript(0, "what is", final=False, start_s=0.4, end_s=None)
+    more = user.transcript(0, "what is the", final=False, start_s=0.4, end_s=None)
+    assert [e.delta for e in partial + more] == ["what is", " the"]
+    (completed,) = user.transcript(0, "what is the time", final=True, start_s=0.4, end_s=1.2)
+    assert completed.type == "conversation.item.input_audio_transcription.completed"
+    assert completed.item_id == started.item_id and completed.transcript == "what is the time"
+    assert completed.usage == {"type": "duration", "seconds": 0.8}
+    # a blip too short to be an utterance starts and stops, and is not committed
+    blip: list = []
+    for i, v in enumerate([True] + [False] * 12, start=len(voiced)):
+        tracker.update(i, v)
+        blip += user.poll(tracker)
+    assert _types(blip) == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped"]
+    assert log.last_id == started.item_id

@@ -1,0 +1,151 @@
+"""Issue 22 items 8 and 10 and issue 17's LoRA export: ``export.json`` records the resolved base; ``cspan prepare``
+refuses to resume into a dataset of another codec / tokenizer / prefix layout; ``cspan train`` refuses another
+checkpoint's codes; ``--export-format moshi`` writes moshi-finetune's layout, which loads as the cspan export does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cspan.core.checkpoint import load_checkpoint
+from cspan.core.cli import main
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--context", "120", "--lr", "3e-3", "--log-every", "5", "--keep-checkpoints", "0", "--seed", "7"]
+ONE_STEP = ["--steps", "2", "--batch-size", "1", "--accum", "1"]
+
+
+def _run(*args: str) -> int:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def other_codec(tmp_path_factory, tiny_dir: Path) -> Path:
+    """The tiny checkpoint with another seed's Mimi (same card, same tokenizer): other codes for the same audio."""
+    from cspan.core.tiny import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp_path_factory.mktemp("other") / "tiny-seed1", seed=1)
+    for name in ("model.safetensors", "tokenizer_spm_32k_3.model", "config.json"):
+        shutil.copyfile(tiny_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory, tiny_dir: Path, fixture_file) -> Path:
+    folder = tmp_path_factory.mktemp("othertok") / "tiny"
+    shutil.copytree(tiny_dir, folder)
+    shutil.copyfile(
+        fixture_file("reference", "personaplex-prefix", "tokenizer.model"), folder / "tokenizer_spm_32k_3.model"
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def other_layout(tmp_path_factory, tiny_dir: Path) -> Path:
+    folder = tmp_path_factory.mktemp("otherlayout") / "tiny"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "prefix_layout": "personaplex"}))
+    return folder
+
+
+def test_dataset_records_codec_and_layout(prepared_dir: Path) -> None:
+    info = json.loads((prepared_dir / "dataset.json").read_text())
+    assert len(info["codec_sha256"]) == 64 and info["prefix_layout"] == "context-spanning"
+
+
+@pytest.mark.parametrize(
+    ("which", "expect"),
+    [("other_codec", "another codec"), ("other_tokenizer", "another tokenizer"), ("other_layout", "prefix layout")],
+)
+def test_prepare_refuses_to_resume_with_another_checkpoint(
+    request, which: str, expect: str, prepared_dir: Path, espeak_dir: Path, tmp_path: Path, capsys
+) -> None:
+    other = request.getfixturevalue(which)
+    out = tmp_path / "data"
+    shutil.copytree(prepared_dir, out)
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--checkpoint", str(other)]
+    assert _run(*argv, "--device", "cpu", "--quiet") == 1
+    err = capsys.readouterr().err
+    assert expect in err and str(out) in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing changed
+
+
+@pytest.mark.parametrize(("which", "expect"), [("other_codec", "another codec"), ("other_tokenizer", "tokenizer")])
+def test_train_refuses_another_checkpoints_codes(request, which: str, expect: str, prepared_dir, tmp_path, capsys):
+    other = request.getfixturevalue(which)
+    out = tmp_path / "run"
+    argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(out), "--checkpoint", str(other), *COMMON]
+    assert _run(*argv, *ONE_STEP) == 1
+    err = capsys.readouterr().err
+    assert expect in err and "cspan prepare" in err and "Traceback" not in err
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("spelling", ["{name}", "./{name}", "sub/../{name}"])
+def test_export_records_the_resolved_base(
+    spelling: str, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, monkeypatch
+):
+    """A relative --checkpoint is stored resolved: the export loads from any working directory."""
+    (tiny_dir.parent / "sub").mkdir(exist_ok=True)
+    monkeypatch.chdir(tiny_dir.parent)
+    out = tmp_path / "run"
+    checkpoint = spelling.format(name=tiny_dir.name)
+    argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(out), "--checkpoint", checkpoint, *COMMON]
+    assert _run(*argv, *ONE_STEP, "--lora-rank", "2") == 0
+    info = json.loads((out / "export" / "export.json").read_text())
+    assert info["base"] == str(tiny_dir.resolve()) and os.path.isabs(info["base_files"]["lm"])
+    assert info["prefix_layout"] == "context-spanning" and info["format"] == "cspan"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CSPAN_BASE", raising=False)
+    ckpt = load_checkpoint(out / "export", dtype=torch.float32)
+    assert ckpt.files["lm"].parent.resolve() == tiny_dir.resolve() and ckpt.lora is not None
+
+
+def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    args = ["--data-dir", str(prepared_dir), "--checkpoint", str(tiny_dir), *COMMON, *ONE_STEP]
+    lora = [
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lora-targets",
+        "transformer.layers.*,depformer.layers.0.*,linears.1",
+    ]
+    assert _run("train", "--out-dir", str(tmp_path / "a"), *args, *lora) == 0
+    assert _run("train", "--out-dir", str(tmp_path / "b"), *args, *lora, "--export-format", "moshi") == 0
+    export = tmp_path / "b" / "export"
+    assert sorted(p.name for p in export.iterdir() if p.is_file()) == ["config.json", "export.json", "lora.safetensors"]
+    config = json.loads((export / "config.json").read_text())
+    assert config["lora"] is True and config["lora_rank"] == 4 and config["lora_scaling"] == 2.0
+    from safetensors.torch import load_file
+
+    keys = set(load_file(export / "lora.safetensors"))
+    assert "depformer.layers.0.self_attn.out_projs.15.lora_A.weight" in keys  # per-step out_proj -> 16 adapters
+    assert "transformer.layers.0.self_attn.out_projs.0.lora_B.weight" in keys and "linears.1.lora_A.weight" in keys
+    cspan = load_checkpoint(tmp_path / "a" / "export", dtype=torch.float32)
+    moshi = load_checkpoint(export, dtype=torch.float32)
+    fused = load_checkpoint(export, dtype=torch.float32, fuse_lora=True)
+    assert moshi.lora["format"] == "moshi" and cspan.prefix_layout == moshi.prefix_layout
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 1000, (1, 17, 6), generator=gen)
+    with torch.no_grad():
+        outs = [m.lm(codes) for m in (cspan, moshi, fused)]
+    for other in outs[1:]:
+        torch.testing.assert_close(other.text_logits, outs[0].text_logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(other.logits.nan_to_num(), outs[0].logits.nan_to_num(), atol=1e-5, rtol=0)
+    # the moshi format needs adapters
+    assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 1
+    assert "--lora-rank" in capsys.readouterr().err
