@@ -84,14 +84,20 @@ def _flashinfer():
 def attention() -> None:
     """Decode over a full ring per batch size, and a 600-token ragged prefill over a full ring (B = 1, and 1 of 64
     sessions), per layer in microseconds (LAYERS layers' rings per timed graph)."""
+    from cspan.core.modules import fused
+
     fi = _flashinfer()
-    candidates = [
-        (bn, splits, waves, warps, stages)
-        for bn in (32, 64)
-        for (splits, waves) in ((64, 8), (128, 16))
-        for warps in (4, 8)
-        for stages in (2, 3, 4)
-    ]
+    candidates = sorted(
+        {
+            *((bn, splits, waves, warps, stages, lanes)
+              for bn in (32, 64)
+              for (splits, waves) in ((64, 8), (16, 2))
+              for warps in (4, 8)
+              for stages in (2, 3, 4)
+              for lanes in (0, 1)),
+            *(cfg for _, cfg in fused.DECODE_CONFIGS),
+        }
+    )  # fmt: skip
     best_table = []
     print(f"decode over a full ring of {RING} positions, {HEADS} heads x {HEAD_DIM}, bf16, us per layer:")
     for B in (1, 8, 32, 64, 80, 128):
@@ -394,12 +400,15 @@ def summary(folder: str) -> None:
     if tests.exists():
         last = [line for line in tests.read_text().splitlines() if "passed" in line or "failed" in line]
         print("tests:", last[-1] if last else "(no result line)")
-    for name in ("latency.json", "latency_fp8.json", "latency_fresh.json"):
+    for name in ("latency.json", "latency_fp8.json", "latency_fresh.json", "latency_triton.json"):
         doc = load(name)
         if not doc:
             continue
         cfg = doc["config"]
-        print(f"{name}: kv {cfg.get('kv_dtype')}, fill {cfg.get('fill')}, fused {cfg.get('fused')}")
+        print(
+            f"{name}: kv {cfg.get('kv_dtype')}, fill {cfg.get('fill')}, fused {cfg.get('fused')}, decode "
+            f"{cfg.get('decode_attention')}"
+        )
         print(f"  B=1 step p50/p99 {stats(doc['step'])}/{stats(doc['step'], 'p99_ms')}, 16 codebooks p50 "
               f"{stats(doc.get('step_predict_user'))}, frame p50 {stats(doc.get('frame'))}")  # fmt: skip
         for r in doc["rows"]:

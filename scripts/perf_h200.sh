@@ -12,7 +12,7 @@
 # (all git-ignored). Then, on the device, with carry [".whl", ".device"]:
 #   bash scripts/perf_h200.sh            # the default stages below, about 9 minutes
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh baseline attention capacity fp8
-#                                        #         profile tune-conv
+#                                        #         triton profile tune-conv
 # Exits non-zero when a stage fails or is unknown (after running the others).
 set -u
 if [ "${1:-}" = "prepare" ]; then
@@ -36,7 +36,9 @@ stages=${*:-env tests bench bench-fp8 baseline attention capacity fp8}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/perf/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite .whl/flashinfer/*.whl \
   || echo "flashinfer wheels did not install: the attention stage runs without it"
-export PYTHONPATH=/tmp/site:$PWD/packages/cspan-core/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
+# FlashInfer on the path: the engine reads full rings with it from 8 rows on (cspan.core.attention; the `triton`
+# stage times the engine with CSPAN_ATTENTION=triton)
+export PYTHONPATH=/tmp/site:/tmp/fisite:$PWD/packages/cspan-core/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
 export PYTHONUNBUFFERED=1
 if [ -d .device/fixtures ]; then mkdir -p ../shared/fixtures/reference && cp -r .device/fixtures/* ../shared/fixtures/reference/; fi
 BENCH="python3 scripts/perf_h200.py bench"
@@ -71,7 +73,10 @@ for stage in $stages; do
       run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,32,64,80 SPANS=600 \
         PREFILL_GRAPH=1 ITERS=20 WARM=3 SPAN_ITERS=10 python3 .device/moshi_baseline.py ;;
     attention)
-      TAIL=3 PYTHONPATH=/tmp/fisite:$PYTHONPATH run attention 170 python3 scripts/perf_h200.py attention ;;
+      TAIL=3 run attention 170 python3 scripts/perf_h200.py attention ;;
+    triton)  # the engine with its own decode kernel everywhere (no FlashInfer), B = 32 / 64 / 80 on full rings
+      CSPAN_ATTENTION=triton run triton 150 $BENCH latency --random-7b --n 0 600 --iters 20 --warmup 3 \
+        --batch-size 32 64 80 --no-frame --out "$LOGS/latency_triton.json" ;;
     capacity)
       run capacity 150 $BENCH capacity --random-7b --batch-size 64 80 --kv-dtype auto --frames 100 \
         --warmup 10 --out "$LOGS/capacity_bf16.json"

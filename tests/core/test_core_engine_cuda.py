@@ -120,3 +120,33 @@ def test_cuda_graphs_need_cuda(reference_lm) -> None:
         DuplexEngine(lm, cuda_graphs=True, agent_placeholder=[1] * 8, user_placeholder=[2] * 8)
     engine = DuplexEngine(lm, agent_placeholder=[1] * 8, user_placeholder=[2] * 8)
     assert engine.cuda_graphs is False and engine.plan.fused is False
+
+
+@pytest.mark.gpu
+def test_flashinfer_decode_equals_the_triton_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where FlashInfer is installed, its paged decode over the ring (one page per row, min(p + 1, C) slots) gives
+    the Triton kernel's text logits on the same forced history (personas, spans across the window, idle rows)."""
+    from cspan.core import attention
+
+    if not attention.available():
+        pytest.skip("flashinfer is not installed (scripts/perf_h200.sh carries it in .whl/flashinfer)")
+    lm = _lm(16, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    users = torch.randint(0, 2048, (16, 3, 8), generator=g)
+    forced = torch.randint(0, 2048, (16, 3, 17), generator=g)
+    forced[:, :, 0] = torch.randint(0, 200, (16, 3), generator=g)
+    logits = []
+    for backend in ("triton", "flashinfer"):
+        monkeypatch.setenv("CSPAN_ATTENTION", backend)
+        engine = DuplexEngine(lm, batch_size=3, cuda_graphs=True, temp=0, temp_text=0)
+        assert (engine.plan.library_rows is not None) is (backend == "flashinfer")
+        engine.set_persona(0, None, torch.randint(0, 2048, (8, 5), generator=torch.Generator().manual_seed(1)))
+        got = []
+        for t in range(16):
+            if t in (3, 9):
+                engine.inject_span(1, ContextSpan.from_ids(list(range(20, 50))))  # crosses the window of 24
+            engine.set_live(2, not 6 <= t < 8)
+            got.append(engine.step_tokens(users[t], forced[t]).text_logits.float())
+        logits.append(torch.stack(got))
+    rel = ((logits[0] - logits[1]).norm() / logits[0].norm()).item()
+    assert rel < 5e-2, rel

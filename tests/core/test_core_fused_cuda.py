@@ -76,7 +76,7 @@ def test_attention_kernels_equal_the_eager_cache_path(dtype: torch.dtype, T: int
         ragged = fused.Ragged.uniform(rows, T, C).at(cache.offset)
         got = fused.prefill_attention(q2, k2, v2, cache.keys[0], cache.values[0], ragged, window, scales)
         got = got.view(Bq, T, H * Dh)
-        fused.kv_write(k2, v2, cache.keys[0], cache.values[0], ragged, scales)
+        fused.kv_write(k2, v2, cache.keys[0], cache.values[0], ragged.tok_row, ragged.store_pos, scales)
     cache.advance_by(T, rows)
     torch.cuda.synchronize()
     tol = 1e-5 if dtype == torch.float32 and kv == "model" else 1e-2 if kv == "model" else 6e-2
@@ -124,7 +124,7 @@ def test_ragged_prefill_of_several_rows_equals_each_row_alone(dtype: torch.dtype
         tok_row=tok_row.to(dev), tok_j=tok_j.to(dev), tok_keep=tok_j.to(dev) >= 0, block_m=bm,
     ).at(cache.offset)  # fmt: skip
     got = fused.prefill_attention(q, k, v, cache.keys[0], cache.values[0], ragged, window)
-    fused.kv_write(k, v, cache.keys[0], cache.values[0], ragged)
+    fused.kv_write(k, v, cache.keys[0], cache.values[0], ragged.tok_row, ragged.store_pos)
     for r, s0, n in zip(rows, starts, lengths, strict=True):
         sl = slice(s0, s0 + n)
         st = ref.begin(n, torch.tensor([r], device=dev))

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .attention import FlashInferDecode
 from .config import CONTEXT_SPANNING
 from .constants import (
     DEFAULT_MAX_SPAN_FRAMES,
@@ -207,6 +208,12 @@ class DuplexEngine:
         initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
         self.state = EngineState(lm, mimi, batch_size, self.plan, (lm.delays, initial, self.user_rows))
         self.sessions = Sessions([fresh_seed() if seed is None else seed + i for i in range(batch_size)])
+        self._library = None  # the library decode attention, where the plan chose it
+        if self.plan.library_rows is not None:
+            cfg = lm.cfg
+            self._library = FlashInferDecode(
+                self.device, cfg.num_heads, cfg.dim // cfg.num_heads, cfg.context, self.dtype, self.plan.cuda_graphs
+            )
         self._step_graphs = GraphCache(self._token_step, self.plan.cuda_graphs)
         self._frame_graphs = GraphCache(self._frame, self.plan.cuda_graphs)
         self._silence = torch.tensor(self.agent_placeholder, dtype=torch.long, device=self.device)
@@ -445,10 +452,15 @@ class DuplexEngine:
             for block in queued:
                 self.state.grid.splice(row, block.tokens)
         prefixes = {row: r.prefix for row, r in restarts.items() if r.prefix is not None}
-        return build_step(
+        batch = build_step(
             rows, blocks, prefixes, self.sessions.position, self.state.grid.max_delay, self.num_streams,
             self.state.scratch, self.state.lm.transformer.cache.capacity, self.plan, self.dtype,
         )  # fmt: skip
+        if batch.shape.library and self._library is not None:  # the rows and positions its kernels read (host)
+            pad = batch.shape.rows - len(rows)
+            positions = [self.sessions.position[r] for r in rows] + [0] * pad
+            self._library.plan(rows + [self.state.scratch] * pad, positions)
+        return batch
 
     def _idle(self) -> TokenStepOutput:
         """The output of a step in which no session is live."""
@@ -476,6 +488,7 @@ class DuplexEngine:
         """The token step on device tensors (CUDA-graph capturable): blocks and next positions in one forward,
         sampling, commit; outputs scattered to all B sessions."""
         io = unpack(packed.to(self.device, non_blocking=True), shape, self.num_streams)
+        io.layout.decode = self._library if shape.library else None
         rows, grid, state = io.rows, self.state.grid, self.state
         if user is not None:
             grid.write_user(user.index_select(0, rows.clamp_max(self.batch_size - 1)), rows, io.write_user)

@@ -4,7 +4,8 @@ vLLM picks its attention backend once (``get_attn_backend``) and hands it to the
 here: :func:`resolve_plan` looks at the model, the device, the arguments and the environment (the switches of
 :func:`cspan.core.modules.fused.settings_from_env`, and ``NO_CUDA_GRAPH``) when the engine is built, and the step,
 the transformer and the sampler only read the resulting :class:`ExecutionPlan`: nothing on the per-frame path
-reads the environment or decides a kernel path again.
+reads the environment or decides a kernel path again. That includes the decode attention: the project's Triton
+kernel, or FlashInfer's (:mod:`cspan.core.attention`) for steps of many rows when it is installed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import attention
 from .kv_cache import FP8
 from .modules import fused as kernels
 
@@ -41,6 +43,9 @@ class ExecutionPlan:
         kv_dtype: the KV cache's storage dtype (the model's, or ``torch.float8_e4m3fn``).
         decode_config: :func:`cspan.core.modules.fused.decode_attention`'s config for every batch size (tuning
             runs), or None for :data:`cspan.core.modules.fused.DECODE_CONFIGS`.
+        library_rows: steps of at least this many rows read the ring with FlashInfer's decode
+            (:mod:`cspan.core.attention`), None: never (not installed, ``CSPAN_ATTENTION=triton``, an FP8 cache, or
+            the eager path).
         row_buckets, block_buckets: the graph buckets (:data:`ROW_BUCKETS`, :data:`BLOCK_BUCKETS`).
     """
 
@@ -50,13 +55,18 @@ class ExecutionPlan:
     pdl: bool
     cuda_graphs: bool
     kv_dtype: torch.dtype
-    decode_config: tuple[int, int, int, int, int] | None = None
+    decode_config: tuple[int, int, int, int, int, int] | None = None
+    library_rows: int | None = None
     row_buckets: tuple[int, ...] = ROW_BUCKETS
     block_buckets: tuple[int, ...] = BLOCK_BUCKETS
 
     @property
     def fp8(self) -> bool:
         return self.kv_dtype == FP8
+
+    def library_decode(self, rows: int) -> bool:
+        """Whether a step of ``rows`` (padded) rows reads the ring with the library decode."""
+        return self.library_rows is not None and rows >= self.library_rows
 
     def rows_bucket(self, rows: int) -> int:
         """The padded row count of a step of ``rows`` live rows (``rows`` itself without graphs)."""
@@ -127,14 +137,21 @@ def resolve_plan(
         )
     else:
         fused_on = bool(fused)
+    kv = parse_kv_dtype(kv_dtype, lm.dtype)
+    library_rows = None
+    window_is_ring = lm.cfg.context is not None  # the temporal cache holds exactly the window
+    library_ok = fused_on and device.type == "cuda" and kv in (torch.bfloat16, torch.float16) and window_is_ring
+    if library_ok and settings.attention != "triton" and attention.available():
+        library_rows = 1 if settings.attention == "flashinfer" else attention.MIN_ROWS
     return ExecutionPlan(
         device=device,
         fused=fused_on,
         depformer_gemv=fused_on and settings.gemv,
         pdl=fused_on and settings.pdl and not settings.interpret and kernels.pdl_supported(device),
         cuda_graphs=bool(cuda_graphs),
-        kv_dtype=parse_kv_dtype(kv_dtype, lm.dtype),
+        kv_dtype=kv,
         decode_config=settings.decode_config,
+        library_rows=library_rows,
     )
 
 

@@ -169,20 +169,21 @@ class EngineState:
 @dataclass(frozen=True)
 class StepShape:
     """The static shape of one step (a CUDA-graph key, with the kind of call): padded rows b, padded block columns
-    N, queries per prefill block, whether input embeddings come with the blocks; and the host layout of the blocks
-    (used by the eager path only)."""
+    N, queries per prefill block, prefill query blocks, whether input embeddings come with the blocks, whether the
+    library decode reads the ring; and the host layout of the blocks (used by the eager path only)."""
 
     rows: int
     columns: int
     block_m: int
     queries: int
     embeddings: bool
+    library: bool = False
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
     first_rows: int = field(default=0, compare=False)
 
     @property
-    def key(self) -> tuple[int, int, int, int, bool]:
-        return (self.rows, self.columns, self.block_m, self.queries, self.embeddings)
+    def key(self) -> tuple[int, int, int, int, bool, bool]:
+        return (self.rows, self.columns, self.block_m, self.queries, self.embeddings, self.library)
 
 
 @dataclass
@@ -255,7 +256,8 @@ def build_step(
     Q = 0 if N == 0 else -(-N // block_m) + b if graphed else sum(-(-n // block_m) for _, _, n in row_blocks)
     has_emb = any(blk.embeddings is not None for blk in parts)
     in_order = not graphed and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
-    shape = StepShape(b, N, block_m, Q, has_emb, tuple(row_blocks), b_live if in_order else 0)
+    library = plan.library_decode(b)
+    shape = StepShape(b, N, block_m, Q, has_emb, library, tuple(row_blocks), b_live if in_order else 0)
 
     pad = b - b_live
     row_t = torch.tensor(rows + [scratch] * pad, dtype=torch.long)

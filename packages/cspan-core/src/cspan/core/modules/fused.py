@@ -44,7 +44,8 @@ Switches (read once, by :func:`settings_from_env`; the duplex engine reads them 
 :mod:`cspan.core.plan`): ``CSPAN_FUSED=0`` turns every kernel off (the eager modules run instead), ``CSPAN_FUSED=1``
 also runs them in float32 and, with ``TRITON_INTERPRET=1``, on CPU tensors through Triton's interpreter (tests);
 ``CSPAN_PDL=0`` launches without PDL; ``CSPAN_GEMV=0`` keeps the depformer's products on cuBLAS;
-``CSPAN_DECODE_CONFIG="block_n,max_splits,waves,warps,stages"`` overrides :data:`DECODE_CONFIGS` (tuning runs).
+``CSPAN_DECODE_CONFIG="block_n,max_splits,waves,warps,stages,lanes"`` overrides :data:`DECODE_CONFIGS` (tuning);
+``CSPAN_ATTENTION=triton|flashinfer`` chooses the engine's decode attention (:mod:`cspan.core.attention`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class KernelSettings:
         pdl: False with ``CSPAN_PDL=0``.
         gemv: False with ``CSPAN_GEMV=0``.
         decode_config: ``CSPAN_DECODE_CONFIG`` parsed, or None.
+        attention: ``CSPAN_ATTENTION``: "auto" (default), "triton" or "flashinfer" (:mod:`cspan.core.attention`).
     """
 
     enabled: bool
@@ -96,7 +98,8 @@ class KernelSettings:
     interpret: bool
     pdl: bool
     gemv: bool
-    decode_config: tuple[int, int, int, int, int] | None
+    decode_config: tuple[int, int, int, int, int, int] | None
+    attention: str = "auto"
 
 
 def settings_from_env() -> KernelSettings:
@@ -108,14 +111,17 @@ def settings_from_env() -> KernelSettings:
     fused = os.environ.get("CSPAN_FUSED")
     env = os.environ.get("CSPAN_DECODE_CONFIG")
     config = None
+    attention = os.environ.get("CSPAN_ATTENTION", "auto")
+    if attention not in ("auto", "triton", "flashinfer"):
+        raise ValueError(f"CSPAN_ATTENTION must be auto, triton or flashinfer, got {attention!r}")
     if env:
         try:
-            bn, splits, waves, warps, stages = (int(v) for v in env.split(","))
+            bn, splits, waves, warps, stages, lanes = (int(v) for v in env.split(","))
         except ValueError as exc:
             raise ValueError(
-                f"CSPAN_DECODE_CONFIG must be five integers 'block_n,max_splits,waves,warps,stages', got {env!r}"
+                f"CSPAN_DECODE_CONFIG must be six integers 'block_n,max_splits,waves,warps,stages,lanes', got {env!r}"
             ) from exc
-        config = (bn, splits, waves, warps, stages)
+        config = (bn, splits, waves, warps, stages, lanes)
     return KernelSettings(
         enabled=fused != "0",
         forced=fused == "1",
@@ -123,6 +129,7 @@ def settings_from_env() -> KernelSettings:
         pdl=os.environ.get("CSPAN_PDL") != "0",
         gemv=os.environ.get("CSPAN_GEMV") != "0",
         decode_config=config,
+        attention=attention,
     )
 
 
@@ -189,14 +196,21 @@ def _launch_opts(device: torch.device, pdl: bool | None = None, **opts):
     return opts
 
 
-DECODE_CONFIGS: tuple[tuple[int, tuple[int, int, int, int, int]], ...] = ((1, (32, 64, 8, 4, 3)),)
-"""(smallest batch, (block_n, max_splits, waves, num_warps, num_stages)) of :func:`decode_attention` for head
-dimensions > 64 (block_n is 64 for smaller heads), the last entry whose batch is at most the step's row count
-applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages.
-``scripts/perf_h200.py tune-decode`` measures the candidates on a full ring per batch size."""
+DecodeConfig = tuple[int, int, int, int, int, int]
+DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
+    (1, (32, 64, 8, 4, 3, 0)),
+    (8, (128, 16, 2, 8, 3, 0)),
+    (16, (64, 16, 2, 4, 3, 0)),
+)
+"""(smallest batch, (block_n, max_splits, waves, num_warps, num_stages, lanes)) of :func:`decode_attention` for
+head dimensions > 64 (block_n is 64 for smaller heads); the last entry whose batch is at most the step's row count
+applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages, and
+``lanes`` 1 for one online softmax per key slot of a block (no reduction across warps inside the loop) or 0 for one
+per program. The defaults are the fastest of round 4's full-ring measurements (docs/perf/round4, lanes 0);
+``scripts/perf_h200.py attention`` measures every candidate per batch size and prints the table to paste."""
 
 
-def decode_config(rows: int) -> tuple[int, int, int, int, int]:
+def decode_config(rows: int) -> DecodeConfig:
     """The :data:`DECODE_CONFIGS` entry for a step of ``rows`` query rows."""
     chosen = DECODE_CONFIGS[0][1]
     for smallest, config in DECODE_CONFIGS:
@@ -377,6 +391,7 @@ if HAVE_TRITON:
         BN: tl.constexpr,
         SPLITS: tl.constexpr,
         STAGES: tl.constexpr,
+        LANES: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_start(PDL)
@@ -422,11 +437,18 @@ if HAVE_TRITON:
                 tl.store(kc_ptr + cache + slot * stride_cs + d, k_store)
                 tl.store(vc_ptr + cache + slot * stride_cs + d, v_store)
 
-        m_i = tl.full((), -1.0e30, tl.float32)
-        l_i = tl.full((), 0.0, tl.float32)
-        acc = tl.zeros((DH,), tl.float32)
         n_ring = tl.minimum(pos, C)
         last = pos - 1
+        if LANES:
+            # one online softmax per key slot of the block (a BN-way split inside the program): the loop has no
+            # reduction across warps; the BN states are merged once, after it
+            m_v = tl.full((BN,), -1.0e30, tl.float32)
+            l_v = tl.zeros((BN,), tl.float32)
+            acc_v = tl.zeros((BN, DH), tl.float32)
+        else:
+            m_i = tl.full((), -1.0e30, tl.float32)
+            l_i = tl.full((), 0.0, tl.float32)
+            acc = tl.zeros((DH,), tl.float32)
         # split s takes key blocks s, s + SPLITS, ...: the work spreads over the splits however full the ring is
         for blk in tl.range(sid, tl.cdiv(n_ring, BN), SPLITS, num_stages=STAGES):
             slots = blk * BN + tl.arange(0, BN)
@@ -441,10 +463,26 @@ if HAVE_TRITON:
                 ksc = tl.load(ks_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
                 vsc = tl.load(vs_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
                 scores = scores * ksc
-            m_i, l_i, alpha, p = _softmax_update_1d(m_i, l_i, scores, visible)
-            if FP8:
-                p = p * vsc
-            acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+            if LANES:
+                scores = tl.where(visible, scores, -1.0e30)
+                m_new = tl.maximum(m_v, scores)
+                alpha_v = tl.exp2(m_v - m_new)
+                p = tl.where(visible, tl.exp2(scores - m_new), 0.0)
+                l_v = l_v * alpha_v + p
+                if FP8:
+                    p = p * vsc
+                acc_v = acc_v * alpha_v[:, None] + p[:, None] * vb.to(tl.float32)
+                m_v = m_new
+            else:
+                m_i, l_i, alpha, p = _softmax_update_1d(m_i, l_i, scores, visible)
+                if FP8:
+                    p = p * vsc
+                acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+        if LANES:  # merge the BN softmax states
+            m_i = tl.max(m_v, axis=0)
+            w = tl.where(l_v > 0.0, tl.exp2(m_v - m_i), 0.0)
+            l_i = tl.sum(l_v * w, axis=0)
+            acc = tl.sum(acc_v * w[:, None], axis=0)
         if sid == SPLITS - 1:  # the new key: always visible to its own query
             score = tl.sum(q * k, axis=0) * scale_log2
             m_new = tl.maximum(m_i, score)
@@ -894,7 +932,7 @@ def decode_attention(
     window: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: DecodeConfig | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """Attention of ONE new position per query row over its cache row's ring, with the new key/value written in.
@@ -907,7 +945,7 @@ def decode_attention(
         window: attention window in positions (<= C).
         rope: (cos, sin) [b, Dh/2] from :func:`rope_tables`, or None (no RoPE).
         scales: (key_scale, value_scale) [B, H, C] float32 of an FP8 cache, else None.
-        config: (block_n, max_splits, waves, num_warps, num_stages); default :func:`decode_config`.
+        config: (block_n, max_splits, waves, num_warps, num_stages, lanes); default :func:`decode_config`.
         pdl: launch with PDL (None: :func:`pdl_enabled`).
 
     Returns:
@@ -919,7 +957,7 @@ def decode_attention(
     b = qkv2.shape[0]
     _, H, C, DH = keys.shape
     out = torch.empty(b, H * DH, device=qkv.device, dtype=qkv.dtype)
-    BN, max_splits, waves, warps, stages = config or DEFAULT.decode_config or decode_config(b)
+    BN, max_splits, waves, warps, stages, lanes = config or DEFAULT.decode_config or decode_config(b)
     if config is None and DEFAULT.decode_config is None and DH <= 64:
         BN = 64
     splits = _splits(qkv.device, b * H, triton.cdiv(C, BN), max_splits, waves)
@@ -933,7 +971,7 @@ def decode_attention(
         qkv2, cos, sin, keys, values, ks, vs, rows, positions, out, part_o, part_lse,
         H, C, int(window), _LOG2E / math.sqrt(DH), qkv2.stride(0), *keys.stride()[:3], *scale_strides,
         **_launch_opts(qkv.device, pdl, ROPE=rope is not None, FP8=scales is not None, DH=DH, BN=BN, SPLITS=splits,
-                       STAGES=stages, num_warps=warps),
+                       STAGES=stages, LANES=bool(lanes), num_warps=warps),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(b * H,)](
@@ -1105,18 +1143,19 @@ def kv_write(
     v: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    ragged: Ragged,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool | None = None,
 ) -> None:
     """Store new keys/values k, v [N, H, Dh] into the ring buffers [B, H, C, Dh] (FP8 with ``scales``): token t at
-    slot ``store_pos[t] % C`` of row ``tok_row[t]``, where ``store_pos[t] >= 0`` (:meth:`Ragged.at`)."""
+    slot ``positions[t] % C`` of row ``rows[t]``, where ``positions[t] >= 0`` (a ragged block: ``Ragged.tok_row``
+    and ``Ragged.store_pos``)."""
     N, H, DH = k.shape
     C = keys.shape[2]
     ks, vs, *scale_strides = _scale_args(keys, scales)
-    assert ragged.store_pos is not None, "kv_write needs the positions: Ragged.at(offset)"
     _kv_write_kernel[(N, H)](
-        k, v, keys, values, ks, vs, ragged.tok_row, ragged.store_pos, H, C, *keys.stride()[:3], *scale_strides,
+        k, v, keys, values, ks, vs, rows, positions, H, C, *keys.stride()[:3], *scale_strides,
         **_launch_opts(k.device, pdl, FP8=scales is not None, DH=DH, num_warps=1 if DH <= 64 else 2),
     )  # fmt: skip
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -262,7 +262,7 @@ class MultiheadAttention(nn.Module):
             q, k, v = fused.rope_split(qkv.reshape(B * T, -1), self.num_heads, flat, pdl=pdl)
             ragged = fused.Ragged.uniform(rows, T, cache.capacity).at(cache.offset)
             out = fused.prefill_attention(q, k, v, keys, values, ragged, window, scales, pdl=pdl).view(B, T, -1)
-            fused.kv_write(k, v, keys, values, ragged, scales, pdl=pdl)
+            fused.kv_write(k, v, keys, values, ragged.tok_row, ragged.store_pos, scales, pdl=pdl)
         return F.linear(out, w_out)
 
 
@@ -820,10 +820,17 @@ class StreamingTransformer(nn.Module):
                 q, k, v = fused.rope_split(qkv[b:], self.num_heads, block_rope, pdl=pdl)
                 if i < last:
                     parts.append(fused.prefill_attention(q, k, v, keys, values, ragged, window, scales, pdl=pdl))
-                fused.kv_write(k, v, keys, values, ragged, scales, pdl=pdl)
+                fused.kv_write(k, v, keys, values, ragged.tok_row, ragged.store_pos, scales, pdl=pdl)
             next_rope = None if rope is None else (rope[0][:b], rope[1][:b])
-            config = plan.decode_config
-            attn = fused.decode_attention(qkv[:b], keys, values, next_pos, rows, window, next_rope, scales, config, pdl)
+            if layout.decode is not None:  # a library's decode (cspan.core.attention): write first, then read
+                q, k, v = fused.rope_split(qkv[:b], self.num_heads, next_rope, pdl=pdl)
+                fused.kv_write(k, v, keys, values, rows, next_pos, scales, pdl=pdl)
+                attn = layout.decode.run(q, keys, values)
+            else:
+                config = plan.decode_config
+                attn = fused.decode_attention(
+                    qkv[:b], keys, values, next_pos, rows, window, next_rope, scales, config, pdl
+                )
             if i == last:  # only the next positions' outputs are used
                 x = x[:b]
             else:
@@ -851,6 +858,8 @@ class StepLayout:
             the step adds them), None without block tokens.
         first_rows: b when ``rows`` is ``0 .. b - 1`` in order (the eager path then reads the rings as views),
             else 0.
+        decode: a library decode (:class:`cspan.core.attention.FlashInferDecode`, planned for this step) for the
+            next positions, or None for :func:`cspan.core.modules.fused.decode_attention`.
     """
 
     rows: torch.Tensor
@@ -858,6 +867,7 @@ class StepLayout:
     blocks: list[tuple[int, int, int]]
     ragged: fused.Ragged | None = None
     first_rows: int = 0
+    decode: Any = None
 
 
 def _feed_forward(layer: StreamingTransformerLayer, h: torch.Tensor, sets: list[int] | None, pdl: bool | None):
