@@ -147,43 +147,32 @@ def _decode_at(B: int, candidates: list, fi) -> tuple:
             torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v)
 
     line += f"  sdpa {_events_ms(_graph(run_sdpa), 10) * 1000 / LAYERS:7.1f}"
-    if fi is not None:
-        check = (keys[0].transpose(1, 2).contiguous(), values[0].transpose(1, 2).contiguous())  # its NHD layout
-        del keys, values
-        for page in (8, 40):
-            try:
-                us, err = _flashinfer_decode(fi, B, page, q, check, ref)
-                line += f"  flashinfer(page {page}) {us:7.1f} (max |diff| {err:.2e})"
-            except Exception as exc:
-                line += f"  flashinfer(page {page}) failed: {type(exc).__name__}: {str(exc)[:160]}"
+    if fi is not None:  # the engine's use (cspan.core.attention): the rings as HND pages, one per row, zero copy
+        try:
+            us, err = _flashinfer_decode(fi, B, q, keys, values, ref)
+            line += f"  flashinfer(HND, page = ring) {us:7.1f} (max |diff| {err:.2e})"
+        except Exception as exc:
+            line += f"  flashinfer failed: {type(exc).__name__}: {str(exc)[:160]}"
     print(line, flush=True)
     return best
 
 
-def _flashinfer_decode(fi, B: int, page: int, q, check, ref) -> tuple[float, float]:
-    """FlashInfer's paged decode (NHD pages of ``page`` slots, its own buffers of LAYERS full rings); the output
-    checked against ours on the same ring (``check``: layer 0 in NHD)."""
+def _flashinfer_decode(fi, B: int, q, keys, values, ref) -> tuple[float, float]:
+    """FlashInfer's paged decode over the same rings: [B, H, C, Dh] per layer = HND pages of C slots, one per row
+    (as cspan.core.attention runs it); its output checked against ours on layer 0."""
     dev = q.device
-    pages = RING // page
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-    indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages
-    indices = torch.arange(B * pages, dtype=torch.int32, device=dev)
-    last = torch.full((B,), page, dtype=torch.int32, device=dev)
-    wrapper.plan(indptr, indices, last, HEADS, HEADS, HEAD_DIM, page, q_data_type=torch.bfloat16,
-                 kv_data_type=torch.bfloat16)  # fmt: skip
-    out = wrapper.run(
-        q, (check[0].view(B * pages, page, HEADS, HEAD_DIM), check[1].view(B * pages, page, HEADS, HEAD_DIM))
-    )
-    err = (out.float() - ref.float()).abs().max().item()
-    paged = [
-        tuple(torch.randn(B * pages, page, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(2))
-        for _ in range(LAYERS - 1)
-    ]
-    paged.append((check[0].view(B * pages, page, HEADS, HEAD_DIM), check[1].view(B * pages, page, HEADS, HEAD_DIM)))
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+    wrapper.plan(
+        torch.arange(B + 1, dtype=torch.int32), torch.arange(B, dtype=torch.int32),
+        torch.full((B,), RING, dtype=torch.int32), HEADS, HEADS, HEAD_DIM, RING, q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )  # fmt: skip
+    out = wrapper.run(q, (keys[0], values[0]))
+    err = (out.float().reshape(ref.shape) - ref.float()).abs().max().item()
 
     def run():
-        for kv in paged:
+        for kv in zip(keys, values, strict=True):
             wrapper.run(q, kv)
 
     for _ in range(3):
