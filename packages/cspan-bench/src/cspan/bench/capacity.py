@@ -23,7 +23,16 @@ import numpy as np
 import torch
 
 from cspan.bench.errors import BenchError
-from cspan.bench.latency import ROOM_TONE_STD, Models, environment, fill_history, make_engine, span_body, summarize_ms
+from cspan.bench.latency import (
+    ROOM_TONE_STD,
+    Models,
+    environment,
+    fill_history,
+    make_engine,
+    release_device_memory,
+    span_body,
+    summarize_ms,
+)
 from cspan.bench.session import synchronize
 
 FRAME_BUDGET_MS = 80.0
@@ -135,8 +144,7 @@ def run_candidate(
             span_frames += bool(plan[f])
     stats = summarize_ms(times)
     del engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory(device)
     return {
         "batch_size": batch_size,
         "kv_dtype": kv_dtype,
