@@ -66,8 +66,9 @@ for stage in $stages; do
         python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__)";
         date -u +%FT%TZ; python3 scripts/perf_h200.py ceilings' ;;
     tests)
-      run tests 200 python3 -m pytest tests/core/test_core_fused_cuda.py tests/core/test_core_engine_cuda.py \
-        tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py -m gpu -q -p no:cacheprovider ;;
+      # TESTS (optional): the test ids to run instead of every gpu-marked test
+      run tests 200 python3 -m pytest ${TESTS:-tests/core/test_core_fused_cuda.py tests/core/test_core_engine_cuda.py \
+        tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py} -m gpu -q -rP -p no:cacheprovider ;;
     bench)  # full rings: B = 1 table, then B = 32 / 64 / 80 with a 600-column span into 1 session of the frame
       run bench 150 $BENCH latency --random-7b --n 0 16 600 --iters 20 --warmup 3 --batch-size 32 64 80 \
         --span-sessions 1 --out "$LOGS/latency.json" ;;
@@ -85,10 +86,11 @@ for stage in $stages; do
       CSPAN_ATTENTION=triton run triton 150 $BENCH latency --random-7b --n 0 600 --iters 20 --warmup 3 \
         --batch-size 32 64 80 --no-frame --out "$LOGS/latency_triton.json" ;;
     capacity)
-      run capacity 150 $BENCH capacity --random-7b --batch-size 64 80 --kv-dtype auto --frames 100 \
+      # CAPACITY_BF16 / CAPACITY_FP8 (optional): the batch sizes tried
+      run capacity 150 $BENCH capacity --random-7b --batch-size ${CAPACITY_BF16:-64 80} --kv-dtype auto --frames 100 \
         --warmup 10 --out "$LOGS/capacity_bf16.json"
-      run capacity-fp8 150 $BENCH capacity --random-7b --batch-size 112 128 --kv-dtype fp8 --frames 100 \
-        --warmup 10 --out "$LOGS/capacity_fp8.json" ;;
+      run capacity-fp8 150 $BENCH capacity --random-7b --batch-size ${CAPACITY_FP8:-112 128} --kv-dtype fp8 \
+        --frames 100 --warmup 10 --out "$LOGS/capacity_fp8.json" ;;
     fp8)
       run fp8 90 python3 scripts/fp8_kv.py --random-7b --steps 500 --out "$LOGS/fp8_kv.json" ;;
     profile)

@@ -14,10 +14,10 @@ from cspan.core.lm import LMModel
 from cspan.core.span import ContextSpan
 
 
-def _lm(dep_q: int, dtype: torch.dtype) -> LMModel:
+def _lm(dep_q: int, dtype: torch.dtype, head_dim: int = 16) -> LMModel:
     data = LMConfig.personaplex_7b().to_upstream()
     data.update(
-        dim=64,
+        dim=4 * head_dim,
         num_heads=4,
         num_layers=2,
         text_card=200,

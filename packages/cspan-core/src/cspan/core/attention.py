@@ -28,6 +28,8 @@ import torch
 MIN_ROWS = 8
 """Steps of at least this many rows use FlashInfer's decode (below it the Triton kernel, which splits the keys)."""
 WORKSPACE_BYTES = 128 << 20
+HEAD_DIMS = (64, 128, 256)
+"""Head sizes FlashInfer's decode kernels are built for (others: the Triton kernel)."""
 
 
 def available() -> bool:

@@ -140,7 +140,13 @@ def resolve_plan(
     kv = parse_kv_dtype(kv_dtype, lm.dtype)
     library_rows = None
     window_is_ring = lm.cfg.context is not None  # the temporal cache holds exactly the window
-    library_ok = fused_on and device.type == "cuda" and kv in (torch.bfloat16, torch.float16) and window_is_ring
+    library_ok = (
+        fused_on
+        and device.type == "cuda"
+        and kv in (torch.bfloat16, torch.float16)
+        and window_is_ring
+        and lm.transformer.head_dim in attention.HEAD_DIMS
+    )
     if library_ok and settings.attention != "triton" and attention.available():
         library_rows = 1 if settings.attention == "flashinfer" else attention.MIN_ROWS
     return ExecutionPlan(
