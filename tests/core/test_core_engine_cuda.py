@@ -130,7 +130,7 @@ def test_flashinfer_decode_equals_the_triton_decode(monkeypatch: pytest.MonkeyPa
 
     if not attention.available():
         pytest.skip("flashinfer is not installed (scripts/perf_h200.sh carries it in .whl/flashinfer)")
-    lm = _lm(16, torch.bfloat16)
+    lm = _lm(16, torch.bfloat16, head_dim=64)  # a head size FlashInfer is built for (attention.HEAD_DIMS)
     g = torch.Generator().manual_seed(3)
     users = torch.randint(0, 2048, (16, 3, 8), generator=g)
     forced = torch.randint(0, 2048, (16, 3, 17), generator=g)
