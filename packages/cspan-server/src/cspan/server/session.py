@@ -527,7 +527,7 @@ class Session:
             voice_name, voice_codes = hub.voice(request.voice)
         except KeyError:
             raise ClientError(
-                "bad_voice", f"voice {request.voice!r}: not a voice of this server; use one of {hub.voice_names}"
+                "bad_voice", f"voice {brief(request.voice)}: not a voice of this server; use one of {hub.voice_names}"
             ) from None
         self.profile_fields = request.profile
         seed = request.seed if request.seed is not None else hub.next_seed()
