@@ -2,13 +2,15 @@
 
 Subcommands:
   ceilings   device-to-device copy bandwidth and the bf16 matmul rate (random data), the two roofline numbers
-  breakdown  the random 7B (PersonaPlex dimensions, bf16): CUDA-graph replay times of the temporal step, the
-             depformer + sampling, the span prefill graphs (full ring), Mimi encode / decode, at B = 1 and 32;
-             then a kernel profile of one eager step and one 600-position prefill
-  profile    kernel profiles of the graphed depformer + sampling, temporal step, Mimi encode / decode, frame
+  attention  decode attention over a full 3000-position ring at B = 1..128 and a 600-position ragged prefill over
+             it: the project's Triton kernels (every candidate config of fused.DECODE_CONFIGS) side by side with
+             FlashInfer (when importable: carried wheels) and PyTorch SDPA, with the bytes floor; prints the
+             fastest per shape and the DECODE_CONFIGS table to paste
+  profile    kernel profiles of the engine's graphed step on a full ring (B = 1 and 64: a plain step, and a step
+             reading a 600-column span in one session)
   tune-conv  the fused streaming convolutions against cuDNN, per convolution of a Mimi frame
-  tune       variants for choosing defaults (PDL, temporal GEMV configs, decode attention configs, span host time)
   bench      ``cspan bench ...`` without installed entry points (arguments follow)
+  summary    DIR: the compact summary of a perf_h200.sh run's logs and JSON
 
 Timing: CUDA events around back-to-back graph replays after warm-up; the median of 5 runs of N replays.
 """
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
@@ -64,150 +65,176 @@ def ceilings() -> None:
     print(f"ceiling bf16 matmul: {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s (8192^3 in {ms:.3f} ms, random data)")
 
 
+RING = 3000
+HEADS, HEAD_DIM = 32, 128
+LAYERS = 8  # rings per timed graph: far more than the 60 MB L2 at every batch size
+
+
+def _flashinfer():
+    try:
+        import flashinfer
+    except Exception as exc:  # not carried, or its JIT cannot build: reported, the rest goes on
+        print(f"flashinfer: not available ({type(exc).__name__}: {str(exc)[:200]})")
+        return None
+    print(f"flashinfer {flashinfer.__version__}")
+    return flashinfer
+
+
 @torch.no_grad()
-def breakdown() -> None:
-    from cspan.bench.latency import random_lm, random_mimi
-    from cspan.core.config import LMConfig, MimiConfig
-    from cspan.core.sampling import SamplingParams, make_generator, sample_column
-    from cspan.core.span import PrefillGraphs, span_block
-
-    t0 = time.perf_counter()
-    lm = random_lm(LMConfig.personaplex_7b(), "cuda", torch.bfloat16)
-    mimi = random_mimi(MimiConfig.mimi_24khz(), "cuda")
-    nbytes = sum(p.numel() * p.element_size() for p in lm.parameters())
-    temporal_bytes = sum(p.numel() * p.element_size() for p in lm.transformer.parameters())
-    print(
-        f"model: {nbytes / 1e9:.2f} GB of weights ({temporal_bytes / 1e9:.2f} GB temporal), {time.perf_counter() - t0:.1f} s"
-    )
-    K = lm.num_codebooks
-    text, audio = SamplingParams.text(), SamplingParams.audio()
-    for B in (1, 32):
-        state = lm.new_state(B)
-        column = torch.randint(0, 2048, (B, K, 1), device="cuda")
-        replay = _graph(lambda: lm.temporal(column, state))  # noqa: B023 (used in this iteration)
-        t_temporal = _events_ms(replay, 50)
-        hidden = torch.randn(B, lm.cfg.dim, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(B, lm.text_card, device="cuda", dtype=torch.bfloat16)
-        target = torch.full((B, K), -2, dtype=torch.long, device="cuda")
-        dep = lm.new_depformer_state(B)
-        gens = [make_generator("cuda", i) for i in range(B)]
-        replay = _graph(
-            lambda: sample_column(lm, hidden, logits, target, dep, text=text, audio=audio, generators=gens),  # noqa: B023
-            gens,
-        )
-        t_dep = _events_ms(replay, 50)
-        print(f"B={B}: temporal step {t_temporal:.3f} ms, depformer + sampling {t_dep:.3f} ms (graph replays)")
-        del state
-    torch.cuda.empty_cache()
-
-    # span prefill graphs on a full ring (3000 positions of random keys): the bench's steady state
-    state = lm.new_state(1)
-    cache = state.transformer.cache
-    cache.keys.normal_()
-    cache.values.normal_()
-    cache.offset.fill_(3000)
-    graphs = PrefillGraphs(lm, 600)
-    for n in (16, 64, 256, 600):
-        block = span_block(list(range(100, 100 + n)), device="cuda")
-        graphs.run(state, block, 0)
-        ms = _events_ms(lambda block=block: graphs.run(state, block, 0), 10)
-        flop = 2 * temporal_bytes / 2 * n
-        print(f"prefill n={n}: {ms:.3f} ms graph replay (bucket {next(s for s in graphs.buckets if s >= n)}), "
-              f"{flop / ms / 1e9:.0f} TFLOP/s on the weights")  # fmt: skip
-
-    # prefill attention alone, full ring, T = 600 and 16: block-size sweep (block_m, block_n, warps, stages)
+def attention() -> None:
+    """Decode over a full ring per batch size, and a 600-token ragged prefill over a full ring (B = 1, and 1 of 64
+    sessions), per layer in microseconds (LAYERS layers' rings per timed graph)."""
     from cspan.core.modules import fused
 
-    H, Dh = lm.cfg.num_heads, lm.cfg.dim // lm.cfg.num_heads
-    for T in (600, 16):
-        q, k, v = (torch.randn(1, H, T, Dh, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        off = torch.full((1,), 3000, dtype=torch.long, device="cuda")
-        flop = 4 * T * (3000 + T / 2) * H * Dh
-        configs = [
-            None,
-            (64, 64, 4, 3),
-            (128, 64, 8, 3),
-            (128, 64, 8, 2),
-            (64, 128, 8, 2),
-            (128, 128, 8, 2),
-            (64, 32, 4, 3),
-        ]
-        for cfg in configs if T > 16 else [None, (16, 64, 4, 3), (16, 128, 4, 2), (16, 32, 4, 2)]:
-            try:
-                args = (q, k, v, cache.keys[0], cache.values[0], off, 3000)
-                ms = _events_ms(lambda args=args, cfg=cfg: fused.prefill_attention(*args, config=cfg), 20)
-                print(f"prefill attention T={T} config {cfg}: {ms * 1000:.1f} us, {flop / ms / 1e9:.0f} TFLOP/s")
-            except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
-                print(f"prefill attention T={T} config {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
+    fi = _flashinfer()
+    candidates = sorted(
+        {
+            *((bn, splits, waves, warps, stages, lanes)
+              for bn in (32, 64)
+              for (splits, waves) in ((64, 8), (16, 2))
+              for warps in (4, 8)
+              for stages in (2, 3, 4)
+              for lanes in (0, 1)),
+            *(cfg for _, cfg in fused.DECODE_CONFIGS),
+        }
+    )  # fmt: skip
+    best_table = []
+    print(f"decode over a full ring of {RING} positions, {HEADS} heads x {HEAD_DIM}, bf16, us per layer:")
+    for B in (1, 8, 32, 64, 80, 128):
+        best_table.append((B, _decode_at(B, candidates, fi)))
+        torch.cuda.empty_cache()
+    print("DECODE_CONFIGS = (" + ", ".join(f"({b}, {cfg})" for b, cfg in best_table) + ")")
 
-    # one depformer-sized product, fused GEMV kernel vs cuBLAS, 20 calls per graph replay (B = 1)
-    import torch.nn.functional as F
+    print(f"ragged prefill of 600 positions over a full ring of {RING}, us per layer:")
+    for B in (1, 64):
+        _prefill_side_by_side(fi, B)
 
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    alpha = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
-    for n, kdim, gate in ((3072, 1024, False), (1024, 1024, False), (5632, 1024, True), (1024, 2816, False)):
-        w = torch.randn(n, kdim, device="cuda", dtype=torch.bfloat16) / 32
-        xk = x if kdim == 1024 else torch.randn(1, kdim, device="cuda", dtype=torch.bfloat16)
 
-        def ours(w=w, xk=xk, gate=gate):
-            for _ in range(20):
-                fused.gemv(xk, w, norm=(alpha, 1e-8) if gate else None, gate=gate)
+def _decode_at(B: int, candidates: list, fi) -> tuple:
+    """One batch size: every candidate config, SDPA and FlashInfer; prints the line, returns the best config."""
+    from cspan.core.modules import fused
 
-        def cublas(w=w, xk=xk):
-            for _ in range(20):
-                F.linear(xk, w)
+    dev = torch.device("cuda")
+    keys = [torch.randn(B, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    values = [torch.randn_like(k) for k in keys]
+    qkv = torch.randn(B, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    rows = torch.arange(B, device=dev)
+    positions = torch.full((B,), 10 * RING + 7, dtype=torch.long, device=dev)  # a wrapped, full ring
+    rope = fused.rope_tables(positions, HEAD_DIM, 10_000.0)
+    floor = B * RING * HEADS * HEAD_DIM * 2 * 2 / 4.25e12 * 1e6
+    results = {}
+    for cfg in candidates:
 
-        t_ours, t_cublas = (_events_ms(_graph(f), 20) / 20 * 1000 for f in (ours, cublas))
-        print(f"gemv {n}x{kdim}{' +norm+gate' if gate else ''}: fused {t_ours:.2f} us, cuBLAS linear {t_cublas:.2f} us, "
-              f"{n * kdim * 2 / t_ours / 1e6:.2f} TB/s")  # fmt: skip
+        def run(cfg=cfg):
+            for k, v in zip(keys, values, strict=True):
+                fused.decode_attention(qkv, k, v, positions, rows, RING, rope, config=cfg)
 
-    # depformer with and without the fused GEMV layers (B = 1)
-    hidden = torch.randn(1, lm.cfg.dim, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(1, lm.text_card, device="cuda", dtype=torch.bfloat16)
-    target = torch.full((1, K), -2, dtype=torch.long, device="cuda")
-    dep = lm.new_depformer_state(1)
-    gens = [make_generator("cuda", 0)]
-    for gemv in (True, False):
-        lm.depformer.gemv = gemv
-        replay = _graph(
-            lambda: sample_column(lm, hidden, logits, target, dep, text=text, audio=audio, generators=gens), gens
-        )
-        print(f"depformer + sampling B=1, gemv={gemv}: {_events_ms(replay, 50):.3f} ms")
-    lm.depformer.gemv = None
+        try:
+            results[cfg] = _events_ms(_graph(run), 10) * 1000 / LAYERS
+        except Exception as exc:
+            print(f"  B={B} {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
+    best = min(results, key=results.get)
+    default = fused.decode_config(B)
+    line = (
+        f"B={B:4d}: floor {floor:7.1f}  ours default {default} {results.get(default, float('nan')):7.1f}  "
+        f"ours best {best} {results[best]:7.1f}"
+    )
+    q = fused.rope_split(qkv, HEADS, rope)[0]  # [B, H, Dh], rotated
+    ref = fused.decode_attention(qkv, keys[0], values[0], positions, rows, RING, rope).view(B, HEADS, HEAD_DIM)
 
-    # Mimi streaming under graphs, B = 1
-    enc, dec = mimi.new_encoder_state(1), mimi.new_decoder_state(1)
-    pcm = torch.randn(1, 1, 1920, device="cuda") * 1e-3
-    codes = torch.randint(0, 2048, (1, 8, 1), device="cuda")
-    print(f"mimi encode {_events_ms(_graph(lambda: mimi.encode_step(pcm, enc)), 50):.3f} ms, "
-          f"decode {_events_ms(_graph(lambda: mimi.decode_step(codes, dec)), 50):.3f} ms (graph replays, B=1)")  # fmt: skip
+    def run_sdpa():
+        for k, v in zip(keys, values, strict=True):
+            torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v)
 
-    # kernel profile: one eager step, one eager 600-position prefill
-    from torch.profiler import ProfilerActivity, profile
+    line += f"  sdpa {_events_ms(_graph(run_sdpa), 10) * 1000 / LAYERS:7.1f}"
+    if fi is not None:  # the engine's use (cspan.core.attention): the rings as HND pages, one per row, zero copy
+        try:
+            us, err = _flashinfer_decode(fi, B, q, keys, values, ref)
+            line += f"  flashinfer(HND, page = ring) {us:7.1f} (max |diff| {err:.2e})"
+        except Exception as exc:
+            line += f"  flashinfer failed: {type(exc).__name__}: {str(exc)[:160]}"
+    print(line, flush=True)
+    return best
 
-    from cspan.core.engine import DuplexEngine
 
-    engine = DuplexEngine(lm, batch_size=1, cuda_graphs=False, seed=0)
-    user = torch.randint(0, 2048, (1, 8), device="cuda")
+def _flashinfer_decode(fi, B: int, q, keys, values, ref) -> tuple[float, float]:
+    """FlashInfer's paged decode over the same rings: [B, H, C, Dh] per layer = HND pages of C slots, one per row
+    (as cspan.core.attention runs it); its output checked against ours on layer 0."""
+    dev = q.device
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+    wrapper.plan(
+        torch.arange(B + 1, dtype=torch.int32), torch.arange(B, dtype=torch.int32),
+        torch.full((B,), RING, dtype=torch.int32), HEADS, HEADS, HEAD_DIM, RING, q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )  # fmt: skip
+    out = wrapper.run(q, (keys[0], values[0]))
+    err = (out.float().reshape(ref.shape) - ref.float()).abs().max().item()
+
+    def run():
+        for kv in zip(keys, values, strict=True):
+            wrapper.run(q, kv)
+
     for _ in range(3):
-        engine.step_tokens(user)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.step_tokens(user)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    busy = sum(e.device_time for e in kernels) / 1000
-    print(f"eager step: {len(kernels)} GPU kernels/copies, {busy:.3f} ms GPU busy (sum of kernel times)")
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=60))
-    for n in (600, 16):
-        block = span_block(list(range(100, 100 + n)), device="cuda")
-        engine.inject_span(0, _span(block))  # warm-up
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.inject_span(0, _span(block))
-            torch.cuda.synchronize()
-        print(f"eager prefill n={n}:")
-        print(prof.key_averages().table(sort_by="device_time_total", row_limit=10, max_name_column_width=60))
+        run()
+    return _events_ms(run, 10) * 1000 / LAYERS, err
+
+
+def _prefill_side_by_side(fi, B: int) -> None:
+    from cspan.core.modules import fused
+
+    dev = torch.device("cuda")
+    n = 600
+    keys = [torch.randn(B, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+    values = [torch.randn_like(k) for k in keys]
+    q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    offset = torch.full((B,), 10 * RING, dtype=torch.long, device=dev)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    bm = fused.block_m_for(n)
+    per = -(-n // bm)
+    ragged = fused.Ragged(
+        seq_row=t([0]), seq_start=t([0]), seq_len=t([n]), qb_seq=t([0] * per), qb_j=t([j * bm for j in range(per)]),
+        tok_row=t([0] * n), tok_j=t(list(range(n))), tok_keep=t([1] * n).bool(), block_m=bm,
+    ).at(offset)  # fmt: skip
+    # the ring's positions + the block's, as the engine's step reads them
+    flops = 4 * n * (RING + n / 2) * HEADS * HEAD_DIM
+
+    def run():
+        for kk, vv in zip(keys, values, strict=True):
+            fused.prefill_attention(q, k, v, kk, vv, ragged, RING)
+
+    us = _events_ms(_graph(run), 10) * 1000 / len(keys)
+    line = f"B={B:3d} (span in 1 session): ours {us:7.1f} ({flops / us / 1e6:.0f} TFLOP/s)"
+    if fi is not None:
+        try:
+            pages = RING // 8
+            workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            qo_indptr = torch.tensor([0, n], dtype=torch.int32, device=dev)
+            kv_indptr = torch.tensor([0, pages], dtype=torch.int32, device=dev)
+            indices = torch.arange(pages, dtype=torch.int32, device=dev)
+            last = torch.tensor([8], dtype=torch.int32, device=dev)
+            wrapper.plan(qo_indptr, kv_indptr, indices, last, HEADS, HEADS, HEAD_DIM, 8, causal=True,
+                         q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+            paged = [
+                (
+                    kk[:1].transpose(1, 2).reshape(pages, 8, HEADS, HEAD_DIM),
+                    vv[:1].transpose(1, 2).reshape(pages, 8, HEADS, HEAD_DIM),
+                )
+                for kk, vv in zip(keys, values, strict=True)
+            ]  # fmt: skip (its NHD layout: a copy)
+
+            def run_fi():
+                for kv in paged:
+                    wrapper.run(q, kv)
+
+            for _ in range(3):
+                run_fi()
+            us_fi = _events_ms(run_fi, 10) * 1000 / len(keys)
+            line += f"  flashinfer (kv {RING} causal, page 8) {us_fi:7.1f}"
+        except Exception as exc:
+            line += f"  flashinfer failed: {type(exc).__name__}: {str(exc)[:160]}"
+    print(line, flush=True)
 
 
 def _kernel_profile(title: str, fn, reps: int = 5) -> None:
@@ -242,48 +269,40 @@ def _kernel_profile(title: str, fn, reps: int = 5) -> None:
 
 
 @torch.no_grad()
-def profile_graphs() -> None:
-    """Kernel profiles of the graphed pieces of a frame (B = 1): depformer + sampling (8 and 16 codebooks),
-    temporal step, Mimi encode, Mimi decode, and the whole engine frame."""
-    from cspan.bench.latency import random_lm, random_mimi
-    from cspan.core.config import LMConfig, MimiConfig
-    from cspan.core.sampling import SamplingParams, make_generator, sample_column
+def profile() -> None:
+    """Kernel profiles of the engine's graphed token step on a full ring: B = 1 and 64, a plain step and a step in
+    which one session reads a 600-column span."""
+    from cspan.bench.latency import random_lm
+    from cspan.core.config import LMConfig
 
     lm = random_lm(LMConfig.personaplex_7b(), "cuda", torch.bfloat16)
-    mimi = random_mimi(MimiConfig.mimi_24khz(), "cuda")
-    K = lm.num_codebooks
-    text, audio = SamplingParams.text(), SamplingParams.audio()
-    hidden = torch.randn(1, lm.cfg.dim, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(1, lm.text_card, device="cuda", dtype=torch.bfloat16)
-    target = torch.full((1, K), -2, dtype=torch.long, device="cuda")
-    dep = lm.new_depformer_state(1)
-    gens = [make_generator("cuda", 0)]
-    for steps in (lm.dep_q, lm.dep_q // 2):
-        replay = _graph(
-            lambda steps=steps: sample_column(
-                lm, hidden, logits, target, dep, text=text, audio=audio, generators=gens, depformer_steps=steps
-            ),
-            gens,
-        )
-        print(f"depformer + sampling, {steps} codebooks: {_events_ms(replay, 50):.3f} ms graph replay")
-        _kernel_profile(f"depformer + sampling, {steps} codebooks (graph)", replay)
-    state = lm.new_state(1)
-    column = torch.randint(0, 2048, (1, K, 1), device="cuda")
-    replay = _graph(lambda: lm.temporal(column, state))
-    _kernel_profile("temporal step (graph)", replay)
-    enc, dec = mimi.new_encoder_state(1), mimi.new_decoder_state(1)
-    pcm = torch.randn(1, 1, 1920, device="cuda") * 1e-3
-    codes = torch.randint(0, 2048, (1, 8, 1), device="cuda")
-    _kernel_profile("mimi encode (graph)", _graph(lambda: mimi.encode_step(pcm, enc)))
-    _kernel_profile("mimi decode (graph)", _graph(lambda: mimi.decode_step(codes, dec)))
+    for B in (1, 64):
+        _profile_at(lm, B)
+        torch.cuda.empty_cache()
 
+
+def _profile_at(lm, B: int) -> None:
+    from cspan.bench.latency import fill_history, span_body
     from cspan.core.engine import DuplexEngine
+    from cspan.core.span import ContextSpan
 
-    engine = DuplexEngine(lm, mimi=mimi, batch_size=1, cuda_graphs=True, seed=0, predict_user=False)
-    frame = torch.randn(1, 1920) * 1e-2  # host PCM, as the bench and the server pass it
-    for _ in range(4):
-        engine.step(frame)
-    _kernel_profile("engine.step (frame graph + host)", lambda: engine.step(frame))
+    engine = DuplexEngine(lm, batch_size=B, cuda_graphs=True, seed=0, predict_user=False)
+    user = torch.randint(0, 2048, (B, 8), device="cuda")
+    for _ in range(2):
+        engine.step_tokens(user)
+    fill_history(engine, RING)
+    for _ in range(3):
+        engine.step_tokens(user)
+    _kernel_profile(f"B={B} plain step on a full ring (graph + host)", lambda: engine.step_tokens(user))
+    span = ContextSpan.from_ids(span_body(600, lm.text_card))
+
+    def with_span():
+        engine.inject_span(0, span)
+        engine.step_tokens(user)
+
+    for _ in range(3):
+        with_span()
+    _kernel_profile(f"B={B} step reading a 600-column span in session 0", with_span)
 
 
 @torch.no_grad()
@@ -348,173 +367,82 @@ def tune_conv() -> None:
         print(f"sum over the frame's convolutions, {name}: {value:.1f} us")
 
 
-@torch.no_grad()
-def tune_prefill() -> None:
-    """Prefill attention over a full 3000-position ring, 32 layers' rings per graph (like one prefill): tile
-    configs x key splits, for T = 257 and 601 (a span of 256 / 600 with the next position)."""
-    from cspan.core.modules import fused
+def summary(folder: str) -> None:
+    """A compact summary of a perf_h200.sh run's logs and JSON (printed last, so the call's output ends with it)."""
+    import json
+    from pathlib import Path
 
-    L, H, C, Dh = 32, 32, 3000, 128
-    keys = torch.randn(L, 1, H, C, Dh, device="cuda", dtype=torch.bfloat16)
-    values = torch.randn_like(keys)
-    off = torch.full((1,), 3000, dtype=torch.long, device="cuda")
-    for T in (601, 257):
-        q, k, v = (torch.randn(1, H, T, Dh, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flop = 4 * T * (C + T / 2) * H * Dh
-        results = []
-        for cfg in (None, (64, 64, 4, 2), (128, 64, 8, 3), (32, 64, 4, 3)):
-            for sp in (None, 1, 2, 3, 4, 6):
-                try:
+    root = Path(folder)
 
-                    def layers(cfg=cfg, sp=sp, q=q, k=k, v=v):
-                        for i in range(L):
-                            fused.prefill_attention(q, k, v, keys[i], values[i], off, C, None, cfg, sp)
+    def load(name):
+        path = root / name
+        return json.loads(path.read_text()) if path.exists() else None
 
-                    us = _events_ms(_graph(layers), 5) * 1000 / L
-                    results.append((us, cfg, sp))
-                except Exception as exc:
-                    print(f"prefill T={T} config {cfg} splits {sp}: failed {type(exc).__name__}: {str(exc)[:100]}")
-        results.sort(key=lambda r: r[0])
-        auto = {cfg: us for us, cfg, sp in results if sp is None}
-        print(f"prefill attention T={T}: default {auto.get(None, float('nan')):.1f} us per layer")
-        for us, cfg, sp in results[:6]:
-            print(f"  {us:.1f} us ({flop / us / 1e6:.0f} TFLOP/s) config {cfg} splits {sp}")
+    def stats(d, key="p50_ms"):
+        return "-" if not d else f"{d[key]:.2f}"
 
-
-@torch.no_grad()
-def tune() -> None:
-    """Variants for choosing defaults: PDL on/off, the temporal step through cuBLAS or the fused GEMV (several
-    tile configs), the depformer, decode attention configs over a full and a short ring, and where the host time
-    of one graphed span injection goes."""
-    import os
-
-    from cspan.bench.latency import random_lm
-    from cspan.core.config import LMConfig
-    from cspan.core.engine import DuplexEngine
-    from cspan.core.modules import fused
-    from cspan.core.sampling import SamplingParams, make_generator, sample_column
-    from cspan.core.span import span_block
-
-    lm = random_lm(LMConfig.personaplex_7b(), "cuda", torch.bfloat16)
-    K = lm.num_codebooks
-    text, audio = SamplingParams.text(), SamplingParams.audio()
-    column = torch.randint(0, 2048, (1, K, 1), device="cuda")
-    hidden = torch.randn(1, lm.cfg.dim, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(1, lm.text_card, device="cuda", dtype=torch.bfloat16)
-    target = torch.full((1, K), -2, dtype=torch.long, device="cuda")
-    default_large = fused.GEMV_LARGE_CONFIG
-    for pdl in ("1", "0"):
-        os.environ["CSPAN_PDL"] = pdl
-        for temporal_gemv, cfg in ((False, None), (True, (16384, 8)), (True, (8192, 4)), (True, (32768, 8)),
-                                   (True, (16384, 4)), (True, (32768, 16))):  # fmt: skip
-            if pdl == "0" and cfg not in (None, default_large):
-                continue
-            lm.transformer.gemv = temporal_gemv
-            fused.GEMV_LARGE_CONFIG = cfg or default_large
-            try:
-                state = lm.new_state(1)
-                replay = _graph(lambda state=state: lm.temporal(column, state))
-                ms = _events_ms(replay, 30)
-                print(f"temporal step pdl={pdl} gemv={temporal_gemv} config={cfg}: {ms:.3f} ms")
-                del state, replay
-            except Exception as exc:
-                print(f"temporal step pdl={pdl} gemv={temporal_gemv} config={cfg}: failed {type(exc).__name__}: {exc}")
-        lm.transformer.gemv = None
-        fused.GEMV_LARGE_CONFIG = default_large
-        dep = lm.new_depformer_state(1)
-        gens = [make_generator("cuda", 0)]
-        replay = _graph(
-            lambda dep=dep, gens=gens: sample_column(
-                lm, hidden, logits, target, dep, text=text, audio=audio, generators=gens
-            ),
-            gens,
+    print("##### summary")
+    env = root / "env.log"
+    if env.exists():
+        print("\n".join(line for line in env.read_text().splitlines() if line.strip())[-600:])
+    tests = root / "tests.log"
+    if tests.exists():
+        last = [line for line in tests.read_text().splitlines() if "passed" in line or "failed" in line]
+        print("tests:", last[-1] if last else "(no result line)")
+    for name in ("latency.json", "latency_fp8.json", "latency_fresh.json", "latency_triton.json"):
+        doc = load(name)
+        if not doc:
+            continue
+        cfg = doc["config"]
+        print(
+            f"{name}: kv {cfg.get('kv_dtype')}, fill {cfg.get('fill')}, fused {cfg.get('fused')}, decode "
+            f"{cfg.get('decode_attention')}"
         )
-        print(f"depformer + sampling pdl={pdl}: {_events_ms(replay, 30):.3f} ms")
-        torch.cuda.empty_cache()
-    os.environ.pop("CSPAN_PDL", None)
-
-    # decode attention, 32 layers' rings (like one step), full (3000) and short (200) caches
-    state = lm.new_state(1)
-    cache = state.transformer.cache
-    cache.keys.normal_()
-    cache.values.normal_()
-    qkv = torch.randn(1, 1, 3 * lm.cfg.dim, device="cuda", dtype=torch.bfloat16)
-    configs = [None, (64, 32, 4, 4), (64, 32, 4, 8), (128, 32, 4, 8), (64, 64, 8, 4), (32, 64, 8, 4), (128, 16, 4, 8),
-               (64, 16, 4, 4), (128, 64, 8, 8)]  # fmt: skip
-    totals: dict = {}
-    for filled in (3000, 200):
-        cache.offset.fill_(filled)
-        for cfg in configs:
-            try:
-
-                def layers(cfg=cfg, c=cache):
-                    for i in range(len(lm.transformer.layers)):
-                        fused.decode_attention(qkv, c.keys[i], c.values[i], c.offset, 3000, None, None, cfg)
-
-                us = _events_ms(_graph(layers), 20) * 1000 / len(lm.transformer.layers)
-                totals[cfg] = totals.get(cfg, 0.0) + us
-                print(f"decode attention ring={filled} config {cfg}: {us:.1f} us per layer")
-            except Exception as exc:
-                print(f"decode attention ring={filled} config {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
-    best = min(totals, key=lambda c: totals[c])
-    print(f"decode attention best (sum over both rings): {best}, {totals[best]:.1f} us")
-    del state, cache
-    torch.cuda.empty_cache()
-
-    # Mimi streaming frame under graphs, attention kernels on (default) and off (eager attention), B = 1
-    from cspan.bench.latency import random_mimi
-    from cspan.core.config import MimiConfig
-
-    mimi = random_mimi(MimiConfig.mimi_24khz(), "cuda")
-    pcm = torch.randn(1, 1, 1920, device="cuda") * 1e-3
-    codes = torch.randint(0, 2048, (1, 8, 1), device="cuda")
-    for on in (True, False):
-        for tr in (mimi.encoder_transformer, mimi.decoder_transformer):
-            tr.transformer.fused = on
-        enc, dec = mimi.new_encoder_state(1), mimi.new_decoder_state(1)
-        t_enc = _events_ms(_graph(lambda enc=enc: mimi.encode_step(pcm, enc)), 30)
-        t_dec = _events_ms(_graph(lambda dec=dec: mimi.decode_step(codes, dec)), 30)
-        print(f"mimi fused attention {on}: encode {t_enc:.3f} ms, decode {t_dec:.3f} ms (graph replays, B=1)")
-    for tr in (mimi.encoder_transformer, mimi.decoder_transformer):
-        tr.transformer.fused = True
-
-    # host time of one graphed span injection (n = 16), piece by piece, after the graphs exist
-    engine = DuplexEngine(lm, batch_size=1, cuda_graphs=True, seed=0)
-    user = torch.randint(0, 2048, (1, 8), device="cuda")
-    for _ in range(3):
-        engine.step_tokens(user)
-    block = span_block(list(range(100, 116)), device="cuda")
-    span = _span(block)
-    for _ in range(3):
-        engine.inject_span(0, span)
-        engine.step_tokens(user)
-    inj = engine.injector
-    parts: dict[str, list[float]] = {}
-
-    def timed(name, fn):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        parts.setdefault(name, []).append((time.perf_counter() - t0) * 1000)
-        return out
-
-    for _ in range(20):
-        blk, _ids, _ = timed("block_for", lambda: inj.block_for(span, engine.grid.num_rows))
-        blk_d = timed("block to device", lambda blk=blk: blk.to("cuda"))
-        timed("rows tensor", lambda: torch.tensor([0], dtype=torch.long, device="cuda"))
-        timed("graphs.run", lambda blk_d=blk_d: inj.graphs.run(engine.lm_state, blk_d, 0))
-        timed("grid.splice", lambda blk_d=blk_d: engine.grid.splice(0, blk_d))
-        timed("inject_span (all)", lambda: engine.inject_span(0, span))
-        timed("step after", lambda: engine.step_tokens(user))
-    for name, values in parts.items():
-        print(f"inject n=16 {name}: median {statistics.median(values):.3f} ms")
-
-
-def _span(block: torch.Tensor):
-    from cspan.core.span import ContextSpan
-
-    return ContextSpan.from_ids(block[0].tolist(), markers=False)
+        print(f"  B=1 step p50/p99 {stats(doc['step'])}/{stats(doc['step'], 'p99_ms')}, 16 codebooks p50 "
+              f"{stats(doc.get('step_predict_user'))}, frame p50 {stats(doc.get('frame'))}")  # fmt: skip
+        for r in doc["rows"]:
+            print(f"  B=1 n={r['n']}: mean {r['mean_ms']:.2f} p99 {r['p99_ms']:.2f}")
+        for r in doc["batch"]["rows"]:
+            f = r.get("frame") or {}
+            line = (
+                f"  B={r['batch_size']}: step p50/p99 {stats(r['step'])}/{stats(r['step'], 'p99_ms')}, frame "
+                f"p50/p99 {stats(f)}/{stats(f, 'p99_ms') if f else '-'}"
+            )
+            for sp in r.get("spans", []):
+                line += (
+                    f"; span {sp['n']} into {sp['sessions']}: frame p99 {sp['frame']['p99_ms']:.2f} "
+                    f"({sp['minus_plain_p99_ms']:+.2f})"
+                )
+            print(line)
+    for path in sorted(root.glob("baseline_depq*.json")):
+        doc = json.loads(path.read_text())
+        print(f"{path.name}: copy {doc.get('copy_TBps', 0):.2f} TB/s, floor {doc.get('floor_ms_per_frame', 0):.2f} ms")
+        for key, val in doc.items():
+            if key.startswith("moshi_b") and isinstance(val, dict):
+                parts = [f"n={k} p50 {v['p50']:.2f} p99 {v['p99']:.2f}" for k, v in val.items() if isinstance(v, dict)]
+                print(f"  {key}: " + "; ".join(parts))
+            elif key.startswith("moshi_b"):
+                print(f"  {key}: {str(val)[:160]}")
+    att = root / "attention.log"
+    if att.exists():
+        for line in att.read_text().splitlines():
+            if line.startswith(("B=", "DECODE_CONFIGS", "flashinfer", "decode over", "ragged prefill")):
+                print(line[:400])
+    for name in ("capacity_bf16.json", "capacity_fp8.json"):
+        doc = load(name)
+        if doc:
+            rows = [
+                f"B={r['batch_size']} p99 {r['frame']['p99_ms']:.1f}"
+                if r.get("fits", True)
+                else f"B={r['batch_size']} no fit"
+                for r in doc["results"]
+            ]
+            print(f"{name}: capacity {doc['capacity']} ({', '.join(rows)})")
+    doc = load("fp8_kv.json")
+    if doc:
+        for model, r in doc.items():
+            print(f"fp8 {model}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                               for k, v in r.items() if k != "spans"))  # fmt: skip
 
 
 def bench(argv: list[str]) -> int:
@@ -526,19 +454,14 @@ def bench(argv: list[str]) -> int:
     return main(["bench", *argv])
 
 
-SUBCOMMANDS = {
-    "ceilings": ceilings,
-    "breakdown": breakdown,
-    "profile": profile_graphs,
-    "tune-conv": tune_conv,
-    "tune": tune,
-    "tune-prefill": tune_prefill,
-}
+SUBCOMMANDS = {"ceilings": ceilings, "attention": attention, "profile": profile, "tune-conv": tune_conv}
 
 if __name__ == "__main__":
     cmd, rest = sys.argv[1], sys.argv[2:]
     if cmd == "bench":
         sys.exit(bench(rest))
+    if cmd == "summary":
+        sys.exit(summary(rest[0]))
     if cmd not in SUBCOMMANDS:
         sys.exit(f"unknown subcommand {cmd!r}: {', '.join(SUBCOMMANDS)}, bench")
     SUBCOMMANDS[cmd]()

@@ -1,73 +1,104 @@
 #!/usr/bin/env bash
-# One device call (see docs/PERFORMANCE.md): environment, ceilings, GPU tests, component breakdown, and
-# `cspan bench latency --random-7b` with the fused kernels (default) and without them (CSPAN_FUSED=0: the eager
-# modules of the current code; the "committed core before this work" of PERFORMANCE.md is the `orig` stage).
-# Run from the repository root on the GPU machine with `.whl` and `.device` carried; logs go to $OUT.
-# Preparing them here: `pip download --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64
-# --platform manylinux_2_28_x86_64 -d .whl/perf pydantic soundfile soxr` and `cp -r ../shared/fixtures/reference
-# .device/fixtures/` (both paths are git-ignored).
+# One device call (see docs/PERFORMANCE.md): environment and ceilings, the GPU tests, the bench on full rings
+# (B = 1 / 32 / 64 / 80 in bf16, 128 with the FP8 cache, spans into k of B sessions), the upstream baseline in the
+# same call, decode / prefill attention side by side with FlashInfer, capacity (bf16 and FP8 KV) and the FP8
+# divergence on the random 7B. Every stage prints its duration, exit status and the end of its log; the call ends
+# with a summary of every result (`scripts/perf_h200.py summary`) and $OUT/perf-logs.tgz (all logs and JSON).
+#
+# Prepare here (not on the device), from the repository root, once:   bash scripts/perf_h200.sh prepare
+#   .whl/perf       pydantic, soundfile, soxr (+ their needs) and moshi==0.2.13 for the upstream baseline
+#   .whl/flashinfer flashinfer-python==0.6.0 (JIT: nvcc builds its kernels on the device) + apache-tvm-ffi
+#   .device/        ../shared/fixtures/reference (for the GPU tests) and ../shared/bench/moshi_baseline.py
+# (all git-ignored). Then, on the device, with carry [".whl", ".device"]:
+#   bash scripts/perf_h200.sh            # call 1: env tests bench baseline attention (about 8.5 minutes)
+#   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
+#   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh baseline attention capacity fp8
+#                                        #         triton profile tune-conv
+# A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
+# what is left, so the summary and the tarball always come back inside the device's 10-minute call.
 # Exits non-zero when a stage fails or is unknown (after running the others).
-# Usage: bash scripts/perf_h200.sh [STAGES...]
-#   stages: env tests breakdown profile tune-conv tune tune-prefill bench immediate nopdl unfused nogemv orig
-#   (default: env tests breakdown bench unfused; keep one call under the device's 10-minute limit)
-# orig: the same bench on an older core copied to .device/orig (git archive COMMIT packages/cspan-core/src).
 set -u
+if [ "${1:-}" = "prepare" ]; then
+  set -e
+  plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+    --platform manylinux_2_24_x86_64 --platform any"
+  rm -rf .whl .device && mkdir -p .whl/perf .whl/flashinfer .device
+  python3 -m pip download -q --no-deps $plat -d .whl/perf pydantic pydantic-core pydantic-settings python-dotenv \
+    annotated-types typing-inspection typing-extensions soundfile cffi pycparser soxr moshi==0.2.13
+  python3 -m pip download -q --no-deps $plat -d .whl/flashinfer flashinfer-python==0.6.0 "apache-tvm-ffi<0.2,>=0.1.6"
+  cp -r ../shared/fixtures/reference .device/fixtures
+  cp ../shared/bench/moshi_baseline.py .device/
+  du -sh .whl .device
+  exit 0
+fi
 OUT=${OUT:-/tmp/perf-out}
-mkdir -p "$OUT"
-stages=${*:-env tests breakdown bench unfused}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+stages=${*:-env tests bench baseline attention}
+BUDGET=${BUDGET:-520}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/perf/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/packages/cspan-core/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite .whl/flashinfer/*.whl \
+  || echo "flashinfer wheels did not install: the attention stage runs without it"
+# FlashInfer on the path: the engine reads full rings with it from 8 rows on (cspan.core.attention; the `triton`
+# stage times the engine with CSPAN_ATTENTION=triton)
+export PYTHONPATH=/tmp/site:/tmp/fisite:$PWD/packages/cspan-core/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
 export PYTHONUNBUFFERED=1
-if [ -d .device/fixtures ]; then mkdir -p ../shared/fixtures && cp -r .device/fixtures/* ../shared/fixtures/; fi
+if [ -d .device/fixtures ]; then mkdir -p ../shared/fixtures/reference && cp -r .device/fixtures/* ../shared/fixtures/reference/; fi
+BENCH="python3 scripts/perf_h200.py bench"
 failed=0
-run() {  # name, command...: log to $OUT/name.log, print the tail
-  local name=$1; shift
+run() {  # name, limit seconds, command...: log to $LOGS/name.log, print the tail
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET + 30 - SECONDS))
+  if [ "$left" -lt 20 ]; then echo "=== $name: skipped (the call's time budget is spent)"; failed=1; return; fi
+  [ "$left" -lt "$limit" ] && limit=$left
   local t0=$SECONDS
-  "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
   echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
-  tail -n "${TAIL:-25}" "$OUT/$name.log"
+  tail -n "${TAIL:-6}" "$LOGS/$name.log"
   [ "$rc" -eq 0 ] || failed=1
 }
 for stage in $stages; do
   case $stage in
     env)
-      run env bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv;
+      run env 60 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem --format=csv;
         python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__)";
         date -u +%FT%TZ; python3 scripts/perf_h200.py ceilings' ;;
     tests)
-      TAIL=12 run tests python3 -m pytest tests/core/test_core_fused_cuda.py tests/core/test_core_engine_cuda.py \
-        tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py -m gpu -q -p no:cacheprovider ;;
-    breakdown)
-      TAIL=80 run breakdown python3 scripts/perf_h200.py breakdown ;;
+      run tests 200 python3 -m pytest tests/core/test_core_fused_cuda.py tests/core/test_core_engine_cuda.py \
+        tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py -m gpu -q -p no:cacheprovider -x ;;
+    bench)  # full rings: B = 1 table, then B = 32 / 64 / 80 with a 600-column span into 1 session of the frame
+      run bench 150 $BENCH latency --random-7b --n 0 16 600 --iters 20 --warmup 3 --batch-size 32 64 80 \
+        --span-sessions 1 --out "$LOGS/latency.json" ;;
+    bench-fp8)
+      run bench-fp8 120 $BENCH latency --random-7b --kv-dtype fp8 --n 0 600 --iters 20 --warmup 3 \
+        --batch-size 128 --span-sessions 2 --out "$LOGS/latency_fp8.json" ;;
+    fresh)  # freshly reset streams: the batch-1 before/after table (no regression beyond 3 %)
+      run fresh 120 $BENCH latency --random-7b --fresh --iters 50 --out "$LOGS/latency_fresh.json" ;;
+    baseline)  # upstream moshi 0.2.13 in the same call (copied into .device by `prepare`)
+      run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,32,64,80 SPANS=600 \
+        PREFILL_GRAPH=1 ITERS=20 WARM=3 SPAN_ITERS=10 python3 .device/moshi_baseline.py ;;
+    attention)
+      TAIL=3 run attention 170 python3 scripts/perf_h200.py attention ;;
+    triton)  # the engine with its own decode kernel everywhere (no FlashInfer), B = 32 / 64 / 80 on full rings
+      CSPAN_ATTENTION=triton run triton 150 $BENCH latency --random-7b --n 0 600 --iters 20 --warmup 3 \
+        --batch-size 32 64 80 --no-frame --out "$LOGS/latency_triton.json" ;;
+    capacity)
+      run capacity 150 $BENCH capacity --random-7b --batch-size 64 80 --kv-dtype auto --frames 100 \
+        --warmup 10 --out "$LOGS/capacity_bf16.json"
+      run capacity-fp8 150 $BENCH capacity --random-7b --batch-size 112 128 --kv-dtype fp8 --frames 100 \
+        --warmup 10 --out "$LOGS/capacity_fp8.json" ;;
+    fp8)
+      run fp8 90 python3 scripts/fp8_kv.py --random-7b --steps 500 --out "$LOGS/fp8_kv.json" ;;
     profile)
-      TAIL=150 run profile python3 scripts/perf_h200.py profile ;;
+      TAIL=80 run profile 150 python3 scripts/perf_h200.py profile ;;
     tune-conv)
-      TAIL=80 run tune-conv python3 scripts/perf_h200.py tune-conv ;;
-    tune)
-      TAIL=60 run tune python3 scripts/perf_h200.py tune ;;
-    tune-prefill)
-      TAIL=40 run tune-prefill python3 scripts/perf_h200.py tune-prefill ;;
-    immediate)
-      TAIL=12 run immediate python3 scripts/perf_h200.py bench latency --random-7b --n 16 64 256 600 --iters 50 \
-        --warmup 5 --no-frame --no-defer-spans --out "$OUT/latency_immediate.json" ;;
-    nopdl)
-      TAIL=20 CSPAN_PDL=0 run nopdl python3 scripts/perf_h200.py bench latency --random-7b --iters 50 --warmup 5 \
-        --out "$OUT/latency_nopdl.json" ;;
-    bench)
-      TAIL=40 run bench python3 scripts/perf_h200.py bench latency --random-7b --batch-size 8 32 --out "$OUT/latency.json" ;;
-    unfused)
-      TAIL=20 CSPAN_FUSED=0 run unfused python3 scripts/perf_h200.py bench latency --random-7b --n 0 16 600 --iters 30 \
-        --warmup 5 --batch-size 32 --out "$OUT/latency_unfused.json" ;;
-    nogemv)
-      TAIL=12 CSPAN_GEMV=0 run nogemv python3 scripts/perf_h200.py bench latency --random-7b --n 0 16 --iters 50 \
-        --no-frame --out "$OUT/latency_nogemv.json" ;;
-    orig)
-      TAIL=20 PYTHONPATH=/tmp/site:$PWD/.device/orig/packages/cspan-core/src:$PWD/packages/cspan-bench/src run orig \
-        python3 scripts/perf_h200.py bench latency --random-7b --iters 30 --warmup 5 --batch-size 8 32 \
-        --out "$OUT/latency_orig.json" ;;
+      TAIL=80 run tune-conv 150 python3 scripts/perf_h200.py tune-conv ;;
     *)
       echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac
 done
+python3 scripts/perf_h200.py summary "$LOGS"
+tar czf "$OUT/perf-logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit $failed

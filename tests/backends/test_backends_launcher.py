@@ -96,9 +96,9 @@ def test_start_status_env_stop_with_sphinx_asr_and_a_local_router(env, tmp_path)
         assert f"export CSPAN_ASR_URL=http://127.0.0.1:{asr_port}/v1" in exports
         # `eval "$(cspan backends env)"` makes cspan infer default to these servers
         probe = (
-            "from cspan.core.cli import build_parser; "
-            "a = build_parser().parse_args(['infer', '--input-wav', 'x', '--output-wav', 'y']); "
-            "print(a.router, a.router_model, a.asr)"
+            "from cspan.core.cli import build_parser; from cspan.core.settings import settings_from_args; "
+            "s = settings_from_args(build_parser().parse_args(['infer', '--input-wav', 'x', '--output-wav', 'y.wav'])); "
+            "print(s.router, s.router_model, s.asr)"
         )
         shell = f'eval "$({shlex.join(CSPAN)} backends env)"; {shlex.quote(sys.executable)} -c {shlex.quote(probe)}'
         seen = subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=120)

@@ -38,7 +38,7 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     out = tmp_path / "run" / "latency.json"
     rc = cli(
         "bench", "latency", "--checkpoint", str(tiny_checkpoint_dir), "--iters", "3", "--warmup", "1",
-        "--gap-steps", "1", "--n", "0", "16", "64", "--batch-size", "2", "--out", str(out), "--quiet",
+        "--gap-steps", "1", "--n", "0", "16", "64", "--batch-size", "2", "--fresh", "--out", str(out), "--quiet",
     )  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
@@ -65,12 +65,19 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     assert cfg["source"] == str(tiny_checkpoint_dir) and cfg["random_weights"] is False
     assert cfg["lm"]["dep_q"] == 16 and cfg["lm"]["num_parameters"] > 0 and cfg["mimi"]["sample_rate"] == 24000
     assert cfg["cuda_graphs"] is False and cfg["span_lengths"] == [0, 16, 64]
-    # serve's engine settings: user-stream predictions skipped (and the step also timed with them), spans read at
-    # injection on the CPU (deferral needs CUDA graphs)
-    assert cfg["predict_user"] is False and cfg["defer_spans"] is False
+    # serve's engine settings: user-stream predictions skipped (and the step also timed with them), spans read in
+    # the step that follows them; --fresh: no history
+    assert cfg["predict_user"] is False and cfg["defer_spans"] is True and cfg["fill"] == 0
+    assert cfg["kv_dtype"] == "float32" and cfg["span_sessions"] == 1
     _check_stats(doc["step_predict_user"], 3)
     assert "Plain step with the depformer's user-stream predictions" in printed
-    assert "Engine: user-stream predictions skipped, spans read at injection." in printed
+    assert "Engine: user-stream predictions skipped, spans read with the next step (deferred)." in printed
+    # the batch row: a span into 1 of the 2 sessions in the timed frame, for each n > 0
+    assert [(sp["n"], sp["sessions"]) for sp in batch["spans"]] == [(16, 1), (64, 1)]
+    for sp in batch["spans"]:
+        _check_stats(sp["frame"], 3)
+        assert sp["minus_plain_p99_ms"] == pytest.approx(sp["frame"]["p99_ms"] - batch["frame"]["p99_ms"])
+    assert "| batch | span n | sessions with a span |" in printed
 
     # the report finds and renders it
     found = report.collect(out.parent)
@@ -111,6 +118,7 @@ def test_options_reject_impossible_settings() -> None:
         LatencyOptions(row_step="both"),
         LatencyOptions(batch_sizes=(0,)),
         LatencyOptions(fill=-1),
+        LatencyOptions(batch_sizes=(4,), span_sessions=5),
     ):
         with pytest.raises(BenchError):
             bad.check()
@@ -153,7 +161,7 @@ def test_random_models_materialise_on_the_device_and_time_end_to_end() -> None:
     assert torch.equal(again.text_emb.weight, lm.text_emb.weight)
 
     models = Models(lm=lm, mimi=mimi, tokenizer=None, source="random tiny", random=True)
-    options = LatencyOptions(span_lengths=(0, 16), iters=2, warmup=1, gap_steps=0)
+    options = LatencyOptions(span_lengths=(0, 16), iters=2, warmup=1, gap_steps=0, fill=0)
     doc = run_latency(models, options, device=torch.device("cpu"), dtype=torch.float32)
     assert [r["n"] for r in doc["rows"]] == [0, 16]
     for row in doc["rows"]:
@@ -173,13 +181,50 @@ def test_fill_brings_every_session_to_that_much_history() -> None:
     context = lm.cfg.context
     for fill in (40, context + 30):
         options = LatencyOptions(span_lengths=(0,), iters=2, warmup=0, gap_steps=0, fill=fill, frame=False)
-        engine = make_engine(models, 2, torch.device("cpu"), torch.float32, options.span_lengths)
+        engine = make_engine(models, 2, options.span_lengths)
         bench = LatencyBench(engine, options)
         bench.restart()
-        assert all(fill <= p < fill + engine.injector.max_span_frames + 2 for p in engine.positions), engine.positions
-        offsets = engine.lm_state.offset.tolist()
+        assert all(fill <= p < fill + engine.max_span_frames + 2 for p in engine.positions), engine.positions
+        offsets = engine.lm_state.offset[:2].tolist()
         assert all(o >= fill for o in offsets), offsets
+    assert LatencyBench(engine, LatencyOptions()).fill == context  # the default: a full ring
     doc = run_latency(models, LatencyOptions(span_lengths=(0,), iters=2, warmup=0, fill=40), device=torch.device("cpu"),
                       dtype=torch.float32)  # fmt: skip
     assert doc["config"]["fill"] == 40
     assert "every series starts from 40 positions of history" in latency_table(doc)
+
+
+def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
+    """`cspan bench capacity` (run_capacity): full rings, Poisson span arrivals, frame p99 per batch size and KV
+    dtype; the search stops at the first batch size over the budget (tiny random model, context 64)."""
+    import numpy as np
+
+    from cspan.bench.capacity import CapacityOptions, arrivals, capacity_table, kv_bytes_per_session, run_capacity
+    from cspan.core.tiny import tiny_lm_config, tiny_mimi_config
+
+    lm = random_lm(tiny_lm_config().model_copy(update={"context": 64}), "cpu", torch.float32, seed=3)
+    models = Models(lm=lm, mimi=random_mimi(tiny_mimi_config(), "cpu", seed=4), tokenizer=None, source="tiny",
+                    random=True)  # fmt: skip
+    options = CapacityOptions(batch_sizes=(1, 2), frames=4, warmup=1, span_interval_s=0.2, span_length=16,
+                              max_span=40, budget_ms=60000.0)  # fmt: skip
+    doc = run_capacity(models, options, device=torch.device("cpu"), dtype=torch.float32)
+    assert doc["capacity"] == {"auto": 2, "fp8": 2}
+    assert [(r["kv_dtype"], r["batch_size"]) for r in doc["results"]] == [("auto", 1), ("auto", 2), ("fp8", 1),
+                                                                           ("fp8", 2)]  # fmt: skip
+    for r in doc["results"]:
+        _check_stats(r["frame"], 4)
+        assert r["real_time"] and r["spans"] > 0  # 0.2 s between spans: ~2.5 spans per session in 5 frames
+    assert "Sessions per device at frame P99 < 60000 ms: auto: 2, fp8: 2." in capacity_table(doc)
+    strict = run_capacity(models, CapacityOptions(batch_sizes=(1, 2), frames=2, warmup=0, budget_ms=1e-3),
+                          device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    assert strict["capacity"] == {"auto": None, "fp8": None} and len(strict["results"]) == 2  # stops at B = 1
+    # arrivals: Poisson with the configured rate, lengths within [16, max_span]
+    opts = CapacityOptions(span_interval_s=8.0, span_length=256, max_span=600)
+    plan = arrivals(50, 2000, opts, 12.5, np.random.default_rng(0))
+    lengths = [n for frame in plan for _, n in frame]
+    assert abs(len(lengths) / (50 * 2000) - 1 / 100) < 0.002 and min(lengths) >= 16 and max(lengths) <= 600
+    from cspan.core.config import LMConfig
+
+    big = random_lm(LMConfig.personaplex_7b(), "meta", torch.bfloat16)
+    assert kv_bytes_per_session(big, "auto") == 2 * 3000 * 32 * 4096 * 2  # 1.57 GB of bf16 keys and values
+    assert kv_bytes_per_session(big, "fp8") == 2 * 3000 * 32 * 32 * (128 + 4)

@@ -26,10 +26,9 @@ from cspan.core.checkpoint import (
     resolve_prefix_layout,
 )
 from cspan.core.config import CONTEXT_SPANNING, PERSONAPLEX
+from cspan.core.engine import DuplexEngine
 from cspan.core.errors import CheckpointError
-from cspan.core.prefix import build_persona_prefix, read_prefix
-from cspan.core.sampling import SamplingParams, sample_column
-from cspan.core.streams import TokenGrid
+from cspan.core.prefix import build_persona_prefix
 from cspan.core.voice import voice_embeddings_form
 
 REPO = "nvidia/personaplex-7b-v1"
@@ -118,27 +117,15 @@ def test_personaplex_snapshot_loads_and_runs_with_natf2(offline_hub) -> None:
         load_voice("NATF2", ckpt)
 
     # a session reads the PersonaPlex prefix with NATF2 and streams on: the same as the codes it was made from
-    lm = ckpt.lm
-    initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
-    greedy = {"text": SamplingParams.text(0.0, 25), "audio": SamplingParams.audio(0.0, 250)}
     user = torch.randint(0, 2048, (1, 8, 6), generator=torch.Generator().manual_seed(5))
 
     def session(v):
         prefix = build_persona_prefix(ckpt.tokenizer, "You are Ada.", v, layout=ckpt.prefix_layout)
-        grid = TokenGrid(lm.delays, initial, list(range(9, 17)), 1)
-        state, dep = lm.new_state(1), lm.new_depformer_state(1)
-
-        def tail(h, t, target):
-            return sample_column(lm, h, t, target, dep, **greedy)
-
-        read_prefix(lm, state, grid, 0, prefix.frames, tail, prefix.embeddings)
-        out = []
-        for j in range(user.shape[-1]):
-            grid.write_user(user[:, :, j])
-            hidden, logits = lm.temporal(grid.input_column()[:, :, None], state)
-            column = sample_column(lm, hidden[:, -1], logits[:, -1], grid.target_column(), dep, **greedy)
-            out.append(grid.commit(column)[0][0])
-        return prefix, torch.stack(out)
+        engine = DuplexEngine(ckpt, temp=0, temp_text=0)
+        report = engine.set_persona(0, "You are Ada.", v)
+        assert report.num_frames == prefix.num_frames
+        engine.step_tokens(user[:, :, 0])  # the prefix's step (PersonaPlex's conversation call 0)
+        return prefix, torch.stack([engine.step_tokens(user[:, :, j]).frame[0] for j in range(user.shape[-1])])
 
     prefix, frames = session(voice)
     assert prefix.num_frames == 11 + 12 + len(prefix.text_ids) and prefix.embeddings is not None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cspan.core.constants import FRAME_SIZE, RET
-from cspan.core.engine import DuplexEngine
+from cspan.core.engine import DuplexEngine, TokenStepOutput
 from cspan.core.errors import CheckpointError
 
 PROMPTS = ["You are kind.", "You like the weather.", "Hi."]
@@ -71,71 +71,116 @@ def test_skipping_the_user_predictions_changes_no_output(tiny_checkpoint) -> Non
         engine.step_tokens(None)  # would feed the skipped user prediction
 
 
-def _forced_columns(engine: DuplexEngine, count: int, seed: int) -> list[torch.Tensor]:
-    """Whole target columns to force (valid text and audio ids), so two engines see the same token history."""
-    gen = torch.Generator().manual_seed(seed)
-    cols = []
-    for _ in range(count):
-        col = torch.randint(0, int(engine.lm.card), (1, engine.num_streams), generator=gen)
-        col[:, 0] = torch.randint(0, int(engine.lm.text_card), (1,), generator=gen)
-        cols.append(col)
-    return cols
+def _user(frames: int, batch: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2048, (frames, batch, 8), generator=torch.Generator().manual_seed(seed))
 
 
-def test_deferred_spans_equal_immediate_injection(tiny_checkpoint) -> None:
-    """defer_spans reads a block in the next step's forward: same KV cache, offsets, positions, reports and
-    logits as reading it at inject_span, also for two blocks injected before one step and after a reset."""
-    runs = []
-    for defer in (False, True):
-        engine = DuplexEngine(tiny_checkpoint, batch_size=1, seed=1, defer_spans=defer)
-        assert engine.defer_spans is defer
-        forced = _forced_columns(engine, 12, seed=4)
-        user = torch.randint(0, 2048, (12, 1, 8), generator=torch.Generator().manual_seed(5))
-        reports, outs = [], []
-        engine.set_persona(0, PROMPTS[0])
-        for t in range(12):
-            if t == 7:
-                engine.reset(0, seed=2)
-                engine.set_persona(0, PROMPTS[1])
-            if t in (2, 5):
-                reports.append(engine.inject_span(0, SPANS[1][1]))
-            if t in (5, 9):
-                reports.append(engine.inject_span(0, SPANS[2][1]))
-            outs.append(engine.step_tokens(user[t], forced[t]))
-        cache = engine.lm_state.transformer.cache
-        runs.append((reports, outs, cache.offset.clone(), cache.keys.clone(), list(engine.positions)))
-    (ra, oa, off_a, ka, pa), (rb, ob, off_b, kb, pb) = runs
-    assert torch.equal(off_a, off_b) and pa == pb
-    assert all(r.deferred for r in rb) and not any(r.deferred for r in ra)
-    for x, y in zip(ra, rb, strict=True):
-        assert (x.n, x.ids, x.first_position, x.next_position) == (y.n, y.ids, y.first_position, y.next_position)
-    assert torch.allclose(ka, kb, atol=1e-4, rtol=1e-4)
-    for t, (x, y) in enumerate(zip(oa, ob, strict=True)):
-        assert torch.equal(x.column, y.column) and torch.equal(x.position, y.position), f"step {t}"
-        assert torch.allclose(x.text_logits, y.text_logits, atol=1e-4, rtol=1e-4), f"step {t}"
+def _script(engine: DuplexEngine, sessions: list[int], user: torch.Tensor) -> list[TokenStepOutput]:
+    """Session s of MIXED in batch row i: personas, spans (several rows in the same step, two spans before one
+    step), a reset with a new persona while other rows read spans, an idle stretch; returns each step's output."""
+    outs = []
+    for t in range(user.shape[0]):
+        for row, s in enumerate(sessions):
+            for kind, arg in MIXED[s].get(t, []):
+                if kind == "persona":
+                    engine.set_persona(row, PROMPTS[arg], seed=100 + s)
+                elif kind == "span":
+                    engine.inject_span(row, arg)
+                elif kind == "live":
+                    engine.set_live(row, arg)
+        outs.append(engine.step_tokens(user[t, sessions]))
+    return outs
 
 
-def test_deferred_span_in_a_pcm_frame_and_flush_when_too_long(tiny_checkpoint) -> None:
-    """The whole-frame path reads a deferred block too; a block that would not fit the longest combined read
-    with the pending one makes the pending one be read at once. Same frames as immediate injection."""
-    pcm = _pcm(6, 1, seed=6)
-    frames = []
-    for defer in (False, True):
-        engine = DuplexEngine(tiny_checkpoint, batch_size=1, seed=3, defer_spans=defer, max_span_frames=8)
-        engine.set_persona(0, PROMPTS[2], seed=3)
+MIXED = {
+    0: {0: [("persona", 0)], 2: [("span", "It is sunny.")], 4: [("span", "Yes."), ("span", "No, it rains.")]},
+    1: {0: [("persona", 1)], 2: [("span", "The time is ten past nine.")], 4: [("persona", 2)]},
+    2: {1: [("persona", 2)], 2: [("live", False)], 4: [("live", True), ("span", "Hi.")]},
+    3: {},
+}
+
+
+def test_mixed_batch_rows_equal_each_session_alone(tiny_checkpoint) -> None:
+    """One step for every case: in the same steps some rows read Context Spans, one a persona prefix after a reset,
+    one is idle, one steps plainly; every row equals the batch-1 engine running that session alone (sampling on:
+    the noise of a session depends on its seed and positions only)."""
+    user = _user(7, 4, seed=8)
+    batched = _script(DuplexEngine(tiny_checkpoint, batch_size=4, seed=0), [0, 1, 2, 3], user)
+    for s in range(4):
+        alone = _script(DuplexEngine(tiny_checkpoint, batch_size=1, seed=s), [s], user)
+        for t, (a, b) in enumerate(zip(alone, batched, strict=True)):
+            assert torch.equal(a.frame[0], b.frame[s]), f"session {s}, step {t}"
+            assert torch.equal(a.valid[0], b.valid[s]) and torch.equal(a.column[0], b.column[s])
+            torch.testing.assert_close(a.text_logits[0], b.text_logits[s], atol=1e-5, rtol=0)
+    idle = [o.valid[2].item() for o in batched]
+    assert idle[2:4] == [False, False] and batched[2].position[2] == -1  # not stepped while idle
+
+
+def test_an_idle_session_keeps_its_state(tiny_checkpoint) -> None:
+    engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=1)
+    user = _user(5, 2, seed=2)
+    engine.step_tokens(user[0])
+    engine.set_live(1, False)
+    offset = engine.lm_state.offset.clone()
+    engine.inject_span(1, "It is sunny.")  # queued until the session is live again
+    for t in (1, 2):
+        out = engine.step_tokens(user[t])
+        assert out.valid.tolist() == [True, False] and out.frame[1].eq(-2).all()
+    assert engine.live == [True, False] and int(engine.lm_state.offset[1]) == int(offset[1]) == 1
+    engine.set_live([1])
+    out = engine.step_tokens(user[3])
+    n = engine.positions[1] - 1 - 1
+    assert out.valid.tolist() == [True, True] and int(engine.lm_state.offset[1]) == 1 + n + 1
+
+
+def test_prefix_input_embeddings_replace_the_token_embeddings(tiny_checkpoint) -> None:
+    """A prefix block may carry input embeddings for its first E positions (PersonaPlex voices stored as
+    embeddings): the embeddings the tokens would give change nothing; others change the outputs."""
+    from cspan.core.prefix import prefix_block
+
+    lm = tiny_checkpoint.lm
+    voice = tiny_checkpoint.load_voice("tiny1")[:, :6]
+    engine = DuplexEngine(tiny_checkpoint, temp=0, temp_text=0)
+    frames = build_frames(engine, voice)
+    E = 5
+    block = prefix_block(frames, lm.delays, engine.grid.initial_t)
+    same = lm.embed(block.block.tokens[None, :, :E])[0]
+    outs = []
+    for emb in (None, same, same + 0.5):
+        engine = DuplexEngine(tiny_checkpoint, temp=0, temp_text=0)
+        assert engine.set_prefix(0, frames, emb) == frames.shape[1]
+        outs.append(engine.step_tokens(torch.zeros(1, 8, dtype=torch.long)).text_logits)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    assert (outs[0] - outs[2]).abs().max() > 1e-3
+
+
+def build_frames(engine: DuplexEngine, voice: torch.Tensor) -> torch.Tensor:
+    from cspan.core.prefix import build_persona_prefix
+
+    prefix = build_persona_prefix(
+        engine.tokenizer, "Be kind.", voice, agent_placeholder=engine.agent_placeholder,
+        user_placeholder=engine.user_placeholder,
+    )  # fmt: skip
+    return prefix.frames
+
+
+def test_fp8_kv_cache_runs_close_to_the_float_cache(tiny_checkpoint) -> None:
+    """kv_dtype="fp8": e4m3 codes with a scale per position and head, dequantized by the eager attention."""
+    user = _user(8, 1, seed=4)
+    logits = []
+    for kv in ("auto", "fp8"):
+        engine = DuplexEngine(tiny_checkpoint, temp=0, temp_text=0, kv_dtype=kv)
+        engine.set_persona(0, "Be kind.")
         got = []
-        for t in range(6):
-            if t == 2:
-                first = engine.inject_span(0, "It is sunny.")
-                second = engine.inject_span(0, "Yes.")
-                assert first.n + second.n + 1 > engine._span_buckets[-1]
-                if defer:  # the first block was read when the second came; the second waits for the step
-                    assert engine._pending[0] is not None and engine._pending[0].shape[-1] == second.n
-            got.append(engine.step(pcm[t]).tokens.frame)
-        frames.append(torch.stack(got))
-    assert torch.equal(frames[0], frames[1])
-    with pytest.raises(ValueError, match="defer_spans needs batch_size 1"):
-        DuplexEngine(tiny_checkpoint, batch_size=2, defer_spans=True)
+        for t in range(8):
+            if t == 3:
+                engine.inject_span(0, "It is sunny in Sydney.")
+            got.append(engine.step_tokens(user[t]).text_logits.float())
+        logits.append(torch.stack(got))
+        cache = engine.lm_state.transformer.cache
+        assert cache.keys.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
+    diff = (logits[0] - logits[1]).abs().max().item()
+    assert 0 < diff < 0.5 * logits[0].abs().max().item()
 
 
 def test_a_seed_reproduces_a_conversation(tiny_checkpoint) -> None:
@@ -202,8 +247,8 @@ def test_is_ret_follows_the_text_token(tiny_checkpoint) -> None:
     assert out.text_token.tolist() == [RET] and out.is_ret.tolist() == [True]
 
 
-def test_engine_from_a_checkpoint_folder_and_errors(tiny_checkpoint_dir, reference_lm) -> None:
-    engine = DuplexEngine(str(tiny_checkpoint_dir), device="cpu", dtype=torch.float32)
+def test_engine_from_a_loaded_checkpoint_and_errors(tiny_checkpoint, reference_lm) -> None:
+    engine = DuplexEngine(tiny_checkpoint)
     assert engine.dtype == torch.float32 and engine.tokenizer is not None and engine.mimi is not None
     assert engine.num_streams == 17 and engine.dep_q == 16 and engine.context == 3000
     report = engine.set_persona(0, "Hi.", "tiny0")  # a voice name of the loaded checkpoint
@@ -215,5 +260,14 @@ def test_engine_from_a_checkpoint_folder_and_errors(tiny_checkpoint_dir, referen
     bare = DuplexEngine(reference_lm("lm-moshi-shaped"), agent_placeholder=[1] * 8, user_placeholder=[2] * 8)
     with pytest.raises(CheckpointError, match="Mimi"):
         bare.step(torch.zeros(1, FRAME_SIZE))
-    with pytest.raises(TypeError):
-        DuplexEngine(42)
+    with pytest.raises(TypeError, match="loaded Checkpoint"):
+        DuplexEngine("path/to/a/checkpoint")
+
+
+def test_a_step_with_every_session_idle_computes_nothing(tiny_checkpoint) -> None:
+    engine = DuplexEngine(tiny_checkpoint, batch_size=2)
+    engine.step(torch.zeros(2, FRAME_SIZE))
+    engine.set_live([0, 1], False)
+    out = engine.step(torch.zeros(2, FRAME_SIZE))
+    assert not out.valid.any() and (out.agent_pcm == 0).all() and out.text_token.tolist() == [-1, -1]
+    assert engine.positions == [1, 1] and engine.step_tokens(torch.zeros(2, 8, dtype=torch.long)).frame.eq(-2).all()

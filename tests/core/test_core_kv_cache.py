@@ -133,7 +133,8 @@ def test_capacity_larger_than_window_and_unbounded_window() -> None:
 
 
 def test_rows_at_different_offsets() -> None:
-    """Rows advance independently; a `rows` subset leaves the other rows' cache and offset untouched."""
+    """Rows advance independently; a `rows` subset leaves the other rows' cache and offset untouched; a reset row
+    sees none of its old keys."""
     context, n = 4, 14
     q, k, v = _qkv(3, n, seed=11)
     refs = [_reference(q[b : b + 1], k[b : b + 1], v[b : b + 1], context) for b in range(3)]
@@ -162,7 +163,9 @@ def test_rows_at_different_offsets() -> None:
 
     cache.reset(torch.tensor([1]))
     assert cache.offset.tolist() == [11, 0, 7]
-    assert torch.count_nonzero(cache.keys[:, 1]) == 0
-    assert torch.count_nonzero(cache.keys[:, 0]) > 0
+    assert (cache.begin(1, torch.tensor([1])).key_positions[:, 1:] == -1).all()  # only the new slot is visible
+    q1, k1, v1 = _qkv(1, 1, seed=12)
+    out = _attend(cache, q1, k1, v1, context, rows=torch.tensor([1]))  # a reset row attends to its new key only
+    torch.testing.assert_close(out, v1)
     cache.reset()
     assert cache.offset.tolist() == [0, 0, 0]

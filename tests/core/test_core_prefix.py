@@ -51,18 +51,22 @@ def test_build_persona_prefix_uses_the_tokenizer(tiny_checkpoint) -> None:
         build_persona_prefix(None, "You are kind.")
 
 
-def _force_prefix_stepwise(engine: DuplexEngine, frames: torch.Tensor) -> None:
+def _force_prefix_stepwise(engine: DuplexEngine, frames: torch.Tensor) -> list:
     """The reference: P + 1 ordinary calls, call c given user frame c - 1 and forcing target column c + 1."""
     P = frames.shape[1]
     delayed = delay_tokens(frames, engine.grid.delays, engine.grid.initial_t)  # [K, P + 2]
     rows = engine.user_rows
+    outs = []
     for c in range(P + 1):
         user = frames[rows, c - 1] if c >= 1 else torch.tensor(engine.user_placeholder)
-        engine.step_tokens(user[None], delayed[:, c + 1][None])
+        outs.append(engine.step_tokens(user[None], delayed[:, c + 1][None]))
+    return outs
 
 
 @pytest.mark.parametrize("model", ["tiny", "lm-moshi-shaped"])
 def test_prefix_in_one_forward_equals_stepwise_forcing(model, tiny_checkpoint, reference_lm) -> None:
+    """set_persona queues the prefix; the session's next step reads it (positions 0..P - 1 as a block, position P
+    as its next position) and samples position P + 1: the same state and frames as P + 1 forced calls."""
     g = torch.Generator().manual_seed(0)
     if model == "tiny":
         kwargs: dict = {}
@@ -91,12 +95,17 @@ def test_prefix_in_one_forward_equals_stepwise_forcing(model, tiny_checkpoint, r
     )
     P = prefix.num_frames
     assert report.num_frames == P and report.voice_frames == voice.shape[1]
-    assert report.positions == P + 1 and report.next_position == P + 1 and one.positions == [P + 1]
-    _force_prefix_stepwise(ref, prefix.frames)
-    assert ref.positions == one.positions
+    assert report.positions == P + 1 and report.next_position == P + 1 and one.positions == [P]
+    assert int(one.lm_state.offset[0]) == 0  # queued: read by the next step
+    ignored = torch.randint(0, card, (1, 8), generator=g)  # the prefix step's user audio is not used
+    first = one.step_tokens(ignored)
+    want = _force_prefix_stepwise(ref, prefix.frames)[-1]
+    assert ref.positions == one.positions == [P + 1]
+    assert torch.equal(first.frame, want.frame) and bool(first.valid[0])  # the prefix's last frame
+    torch.testing.assert_close(first.text_logits, want.text_logits, atol=1e-5, rtol=0)
 
     k1, k2 = one.lm_state.transformer.cache, ref.lm_state.transformer.cache
-    assert k1.offset.tolist() == k2.offset.tolist() == [P + 1]
+    assert k1.offset.tolist() == k2.offset.tolist() == [P + 1, 0]
     torch.testing.assert_close(k1.keys, k2.keys, atol=1e-5, rtol=0)
     torch.testing.assert_close(k1.values, k2.values, atol=1e-5, rtol=0)
     assert torch.equal(one.grid.buffer, ref.grid.buffer) and torch.equal(one.grid.position, ref.grid.position)
@@ -133,4 +142,4 @@ def test_voice_by_name_and_bad_voice_codes(tiny_checkpoint) -> None:
         engine.set_persona(0, None, torch.full((8, 2), 2048))
     with pytest.raises(CheckpointError, match="not a known voice"):
         engine.set_persona(0, None, "nobody")
-    assert engine.positions == [report.num_frames + 1]  # failed calls leave the session as it was
+    assert engine.positions == [report.num_frames]  # failed calls leave the session as it was (prefix queued)

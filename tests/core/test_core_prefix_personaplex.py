@@ -3,9 +3,9 @@
 The fixture runs ``LMGen.step_system_prompts`` (voice, 6 silence frames, ``<system>``-wrapped text, 6 silence frames)
 and 20 greedy conversation calls on the tiny PersonaPlex-shaped LM, with the voice from a wav, from the ``.pt``
 PersonaPlex saved from it, and without a voice. Here the same prefix is laid out by
-:func:`cspan.core.prefix.build_persona_prefix` (``PERSONAPLEX``), read in ONE forward by
-:func:`cspan.core.prefix.read_prefix`, and the conversation continues through the token grid and the sampler the
-engine uses. Integers (frames, positions, token ring, voice codes, returned tokens) must match exactly, the voice PCM
+:func:`cspan.core.prefix.build_persona_prefix` (``PERSONAPLEX``), read in ONE step by the engine
+(:meth:`cspan.core.engine.DuplexEngine.set_prefix`, embedding voices included), and the conversation continues
+through the engine's steps. Integers (frames, positions, token ring, voice codes, returned tokens) must match exactly, the voice PCM
 bit for bit; floats within the README's tolerances (logits 5e-5; hidden states, input embeddings, KV 2e-5).
 
 Coordinates: PersonaPlex's frame 0 never reaches the model, so our prefix is its frames ``1 .. P-1`` (P' = P - 1
@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 
 from cspan.core.checkpoint import load_mimi, load_tokenizer
 from cspan.core.config import PERSONAPLEX, MimiConfig
-from cspan.core.prefix import build_persona_prefix, prefix_inputs, read_prefix
-from cspan.core.sampling import SamplingParams, sample_column
-from cspan.core.streams import TokenGrid, delay_tokens
+from cspan.core.engine import DuplexEngine
+from cspan.core.prefix import build_persona_prefix, prefix_inputs
+from cspan.core.streams import delay_tokens
 from cspan.core.voice import load_voice_prompt, prepare_voice_audio, voice_embeddings_form
 
 ATOL_LOGITS = 5e-5
@@ -170,37 +170,26 @@ def test_prefix_frames_and_positions_match(pp, run: str) -> None:
 # --- one forward: the state after the prompt and the conversation -------------------------------------------------
 
 
-def _greedy() -> dict:
-    return {"text": SamplingParams.text(0.0, 25), "audio": SamplingParams.audio(0.0, 250)}
-
-
 @torch.no_grad()
 def _run(pp, prefix, calls: int):
-    """read_prefix in one forward, then ``calls`` live calls as the engine makes them; returns what they saw."""
+    """The engine reads the prefix in one step (``set_prefix`` + its next step: PersonaPlex's prompt calls and its
+    conversation call 0), then makes ``calls`` live calls; returns what each step saw (its hidden state, caught at
+    ``out_norm``; text logits; column), the live frames and the KV cache right after the prefix's step."""
     lm = pp.lm
-    grid = TokenGrid(lm.delays, _initial(lm), list(range(9, 17)), 1)
-    state = lm.new_state(1)
-    dep = lm.new_depformer_state(1)
-    outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden, text logits, column)
-
-    def tail(hidden, text_logits, target):
-        column = sample_column(lm, hidden, text_logits, target, dep, **_greedy())
-        outputs.append((hidden[0].clone(), text_logits[0].clone(), column[0].clone()))
-        return column
-
-    read_prefix(lm, state, grid, 0, prefix.frames, tail, prefix.embeddings)
-    kv = (state.transformer.cache.keys.clone(), state.transformer.cache.values.clone())
-    frames = []
-    for j in range(calls):
-        grid.write_user(pp.user_codes[:, :, j])
-        column_in = grid.input_column().clone()
-        hidden, text_logits = lm.temporal(column_in[:, :, None], state)
-        column = sample_column(lm, hidden[:, -1], text_logits[:, -1], grid.target_column(), dep, **_greedy())
-        frame, valid = grid.commit(column)
-        assert bool(valid[0])
-        outputs.append((hidden[0, -1].clone(), text_logits[0, -1].clone(), column[0].clone()))
-        frames.append(frame[0].clone())
-    return outputs, torch.stack(frames), kv
+    engine = DuplexEngine(lm, temp=0, temp_text=0, agent_placeholder=pp.Z, user_placeholder=pp.S)
+    hidden: list[torch.Tensor] = []
+    hook = lm.out_norm.register_forward_hook(lambda _m, _i, out: hidden.append(out[0].clone()))
+    try:
+        engine.set_prefix(0, prefix.frames, prefix.embeddings)
+        steps = [engine.step_tokens(pp.user_codes[:, :, 0])]  # the prefix's step: its user codes are not used
+        cache = engine.lm_state.transformer.cache
+        kv = (cache.keys.clone(), cache.values.clone())
+        steps += [engine.step_tokens(pp.user_codes[:, :, j]) for j in range(calls)]
+    finally:
+        hook.remove()
+    assert all(bool(o.valid[0]) for o in steps)
+    outputs = [(h, o.text_logits[0].clone(), o.column[0].clone()) for h, o in zip(hidden, steps, strict=True)]
+    return outputs, torch.stack([o.frame[0] for o in steps[1:]]), kv
 
 
 @pytest.mark.parametrize("run", RUNS)

@@ -1,4 +1,4 @@
-"""Context Spans: block layout, splicing, and SpanInjector == forcing the spliced sequence step by step.
+"""Context Spans: block layout, splicing, and a block read in the step == forcing the spliced sequence step by step.
 
 Most tests run on the reference fixture LMs (card 64, text_card 100), so the placeholder codes are taken modulo 64
 and span ids are given directly; one test runs the real tokenizer and placeholders on the tiny checkpoint.
@@ -149,6 +149,8 @@ def test_window_status() -> None:
     ],
 )
 def test_inject_equals_forcing_the_spliced_sequence_step_by_step(reference_lm, name, n, context, calls) -> None:
+    """inject_span queues the block (host only); the next step reads it with the session's next position in one
+    forward. KV cache, grid, frames and logits equal forcing the spliced sequence one ordinary call at a time."""
     lm = reference_lm(name, **({} if context is None else {"context": context}))
     g = torch.Generator().manual_seed(n)
     user = torch.randint(0, 64, (calls + 3, 1, 8), generator=g)
@@ -165,42 +167,27 @@ def test_inject_equals_forcing_the_spliced_sequence_step_by_step(reference_lm, n
         calls + n - 1,
         calls + n,
     )
-    assert live.positions == [calls + n] and live.grid.position.tolist() == [calls + n]
+    assert live.positions == [calls + n] and report.deferred
+    assert int(live.lm_state.offset[0]) == calls  # nothing read yet: queued on the host
 
-    # the recorded delayed sequence with the block spliced in = what the engine now holds
+    # the recorded delayed sequence with the block spliced in, forced one ordinary call at a time
     seq = splice_block(torch.stack([*inputs, pending], dim=1), calls, _block(ids))  # [K, calls + n + 1]
-    assert torch.equal(live.grid.row_state(0)[0][:, live.grid.pending], seq[:, -1])
-
     ref = _engine(lm)
     _force_stepwise(ref, seq)
     assert ref.positions == live.positions
-    k_live, v_live, off_live = _kv(live)
-    k_ref, v_ref, off_ref = _kv(ref)
-    assert off_live == off_ref == calls + n
-    torch.testing.assert_close(k_live, k_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(v_live, v_ref, atol=1e-5, rtol=0)
-    assert torch.equal(live.grid.buffer, ref.grid.buffer)
-    # the next frames: same logits, same tokens
     for c in range(calls, calls + 3):
         a, b = live.step_tokens(user[c]), ref.step_tokens(user[c])
-        if c == calls:  # no swallowed frame: the frame sampled before the block comes out, text included
+        if c == calls:  # the step that read the block fed the spliced pending column; no swallowed frame
+            assert torch.equal(a.input[0], b.input[0]) and a.position.tolist() == [calls + n]
             assert torch.equal(a.frame[0, :2], outs[-1].column[0, :2])
+            k_live, v_live, off_live = _kv(live)
+            k_ref, v_ref, off_ref = _kv(ref)
+            assert off_live == off_ref == calls + n + 1
+            torch.testing.assert_close(k_live, k_ref, atol=1e-5, rtol=0)
+            torch.testing.assert_close(v_live, v_ref, atol=1e-5, rtol=0)
+            assert torch.equal(live.grid.buffer, ref.grid.buffer)
         torch.testing.assert_close(a.text_logits, b.text_logits, atol=1e-5, rtol=0)
         assert torch.equal(a.frame, b.frame) and torch.equal(a.column, b.column)
-
-
-def test_chunked_prefill_equals_one_forward(reference_lm) -> None:
-    lm = reference_lm("lm-moshi-shaped", context=16)
-    user = torch.randint(0, 64, (8, 1, 8), generator=torch.Generator().manual_seed(1))
-    span = ContextSpan.from_ids(list(range(20, 45)))
-    engines = [_engine(lm), _engine(lm)]
-    for e, chunk in zip(engines, (None, 1), strict=True):
-        for c in range(5):
-            e.step_tokens(user[c])
-        e.inject_span(0, span, chunk=chunk)
-    torch.testing.assert_close(_kv(engines[0])[0], _kv(engines[1])[0], atol=1e-5, rtol=0)
-    a, b = engines[0].step_tokens(user[5]), engines[1].step_tokens(user[5])
-    torch.testing.assert_close(a.text_logits, b.text_logits, atol=1e-5, rtol=0)
 
 
 def test_injected_stream_equals_the_training_forward_on_spliced_frames(reference_lm) -> None:

@@ -88,16 +88,17 @@ def test_weather_question_goes_through_the_full_loop(weather_run):
     assert "cloudy with light rain" in span.text and span.source.startswith("local")
     assert span.n_frames > 0 and span.injected_at > span.asked_at
 
-    # the span's tokens went through the engine's SpanInjector: the report's ids are [12] + spm(text) + [13]
+    # the span's tokens went through the engine's inject_span: the report's ids are [12] + spm(text) + [13]
     reports = result.conversation.span_reports
     assert len(reports) == 1
     tok = result.engine.tokenizer
     assert list(reports[0].ids) == [12, *tok.encode(span.text), 13]
     assert reports[0].n == span.n_frames
-    # and the KV stream holds them: positions 0..P read the P-frame prefix, then one per frame plus the span's columns
+    # and the KV stream holds them: the first frame reads the P-frame prefix (positions 0..P), then one position per
+    # frame plus the span's columns
     frames = int(doc.duration_s * 12.5)
     prefix_frames = int(result.engine.prefix_end[0])
-    assert int(result.engine.positions[0]) == prefix_frames + 1 + frames + reports[0].n
+    assert int(result.engine.positions[0]) == prefix_frames + frames + reports[0].n
 
 
 def test_given_span_is_injected_without_any_backend(tiny_checkpoint_dir, fixtures_dir, tmp_path):

@@ -135,7 +135,7 @@ def test_engine_feeds_the_training_sequence_with_a_span(lm: LMModel) -> None:
     f = 10
     ids = [SPAN_OPEN, *body, SPAN_CLOSE]
     seq = assemble_sequence(codes, prefix, [(f, ids)], lm.delays, _initials(lm))
-    engine = DuplexEngine(lm, batch_size=1, device="cpu", temp=0.0, temp_text=0.0, seed=0)
+    engine = DuplexEngine(lm, batch_size=1, temp=0.0, temp_text=0.0, seed=0)
     frames = torch.cat([prefix, codes], 1)
     c = P + f + 1
     fed, logits = _run_engine(lm, frames, 0, {c: body}, engine)
@@ -154,11 +154,13 @@ def test_set_persona_then_teacher_forcing_equals_training(lm: LMModel) -> None:
     voice = torch.randint(0, 2048, (8, 4), generator=torch.Generator().manual_seed(5))
     prefix = build_persona_prefix(tok, "You are Ada.", voice, user_name="Priya", user_city="Sydney")
     P = prefix.num_frames
-    engine = DuplexEngine(lm, batch_size=1, device="cpu", temp=0.0, temp_text=0.0, seed=0, tokenizer=tok)
+    engine = DuplexEngine(lm, batch_size=1, temp=0.0, temp_text=0.0, seed=0, tokenizer=tok)
     report = engine.set_persona(0, "You are Ada.", voice, user_name="Priya", user_city="Sydney")
     assert report.num_frames == P and report.text_ids == prefix.text_ids
     codes = _dialogue(lm, 16, 4)
-    # the prefix's sampling tail chose the text and semantic code of frame P: the dialogue starts with them
+    # the session's next step reads the prefix (its user codes unused); its sampling tail chose the text and semantic
+    # code of frame P: the dialogue starts with them
+    engine.step_tokens(torch.zeros(1, 8, dtype=torch.long))
     pending, position = engine.grid.row_state(0)
     assert int(position) == P + 1
     codes[0, 0] = pending[0, engine.grid.pending]

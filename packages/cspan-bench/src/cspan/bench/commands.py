@@ -3,12 +3,12 @@
 Layout of the command tree, built from lists of register functions so that a new action is one function plus one
 list entry:
 
-- :data:`BENCH_ACTIONS` -- the actions of ``cspan bench`` (``latency``, ``fdb-v1``, ``fdb-v3``, ``qa``, ``report``,
-  ``serve``: the load client of :mod:`cspan.bench.serve_load`);
+- :data:`BENCH_ACTIONS` -- the actions of ``cspan bench`` (``latency``, ``capacity``, ``fdb-v1``, ``fdb-v3``, ``qa``,
+  ``report``, ``serve``: the load client of :mod:`cspan.bench.serve_load`);
 - :data:`FDB_V1_ACTIONS` -- the sub-actions of ``cspan bench fdb-v1`` (``score``, ``run``);
 - :data:`FDB_V3_ACTIONS` -- the sub-actions of ``cspan bench fdb-v3`` (``score``, ``run``).
 
-The measuring and rendering actions (``latency``, ``fdb-v1 run``, ``fdb-v3 run``, ``qa``) live in
+The measuring and rendering actions (``latency``, ``capacity``, ``fdb-v1 run``, ``fdb-v3 run``, ``qa``) live in
 :mod:`cspan.bench.run_commands`.
 
 Each register function receives the ``add_subparsers()`` object of its group, adds one parser and sets its
@@ -27,6 +27,7 @@ from cspan.bench.run_commands import (
     add_judge_arguments,
     make_judge,
     print_summary,
+    register_capacity,
     register_fdb_v1_run,
     register_fdb_v3_run,
     register_latency,
@@ -339,6 +340,7 @@ FDB_V1_ACTIONS: list[ActionRegister] = [register_fdb_v1_score, register_fdb_v1_r
 FDB_V3_ACTIONS: list[ActionRegister] = [register_fdb_v3_score, register_fdb_v3_run]
 BENCH_ACTIONS: list[ActionRegister] = [
     register_latency,
+    register_capacity,
     register_fdb_v1,
     register_fdb_v3,
     register_qa,

@@ -1,26 +1,30 @@
-"""``cspan bench latency``: the Context Span processing latency table, the plain step and the whole frame.
+"""``cspan bench latency``: the Context Span latency table, the plain step, the whole frame, and batch rows on a full
+ring with spans arriving into k of B sessions.
 
 What is timed (wall clock between two device synchronisations, ``torch.cuda.synchronize`` on CUDA):
 
 - **rows**, one per span length ``n`` (default 0, 16, 64, 256, 600 as in the original README's "Context Span
   processing latency" table, ``docs/reference/context-spanning-original.md`` sections 3.2 and 7.5): for ``n > 0``
   ``DuplexEngine.inject_span`` of a block of exactly ``n`` columns (``[12] + (n - 2) tokens + [13]``) followed by
-  one decoding step (with the engine's deferred spans, the block is read in that step's forward: the row's
-  ``prefill`` is then the injection's host time and ``next_step`` the combined forward); ``n = 0`` is a plain step. The decoding step is the LM step (``step_tokens``: temporal
+  one decoding step, which reads the block in its forward (the row's ``prefill`` is the injection's host time and
+  ``next_step`` the step); ``n = 0`` is a plain step. The decoding step is the LM step (``step_tokens``: temporal
   transformer, text sampling, depformer) by default, or the whole frame with ``row_step="frame"``;
 - **step**: the plain LM step alone (and, for dep_q = 16 models with ``predict_user`` off, **step_predict_user**:
   the same step sampling the depformer's user-stream codebooks as well, as upstream PersonaPlex does);
 - **frame**: the whole 80 ms frame as a server runs it: Mimi streaming encode of the user PCM, the LM step, Mimi
   streaming decode, and reading the text token and the agent PCM back to the host;
-- **batch** (optional): the plain step and the whole frame at batch sizes B > 1 (all sessions in lock step).
+- **batch** (optional): at batch sizes B > 1 (all sessions in lock step) the plain step, the whole frame, and for
+  each span length ``n > 0`` the whole frame in which ``span_sessions`` (k) of the B sessions each read an n-column
+  span (injected just before it, as a server does between two frames), with that frame's excess over a plain
+  frame.
 
-Each series runs ``warmup`` unmeasured iterations and then ``iters`` measured ones, reporting mean, sample
-standard deviation, P50 and P99 (linear interpolation), min and max in milliseconds. Between two span iterations
-``gap_steps`` unmeasured plain steps run, so every block is read into a live stream. Sessions are reset before each
-series; the KV cache is a ring of ``context`` positions, so a long series of spans never runs out of room. A reset
-stream holds only a few positions, so the attention reads a short cache; ``fill`` brings every session to that many
-positions of history first (blocks of ordinary text ids read like spans, untimed), to time the step late in a
-conversation (``fill >= context``: a full ring).
+Every series starts from sessions holding ``fill`` positions of history: by default the model's context, a full
+ring (a served conversation is there after four minutes: 3000 positions = 240 s), so the attention reads what it
+reads late in a conversation; ``fill = 0`` times freshly reset streams (short KV caches). The history is read as
+blocks of ordinary text ids (untimed). Each series runs ``warmup`` unmeasured iterations and then ``iters``
+measured ones, reporting mean, sample standard deviation, P50 and P99 (linear interpolation), min and max in
+milliseconds. Between two span iterations ``gap_steps`` unmeasured plain steps run, so every block is read into a
+live stream; the ring keeps ``context`` positions, so a long series of spans never runs out of room.
 
 The model comes from a checkpoint, or is built at the real 7B dimensions (``LMConfig.personaplex_7b()``, with
 ``MimiConfig.mimi_24khz()``) with random weights: built on the ``meta`` device and materialised directly on the
@@ -166,7 +170,7 @@ class LatencyOptions:
     """What :func:`run_latency` measures.
 
     Attributes:
-        span_lengths: the ``n`` of the rows (0 = plain step; others >= 3).
+        span_lengths: the ``n`` of the rows (0 = plain step; others >= 3); the batch rows time the ``n > 0`` ones.
         iters: measured iterations per series.
         warmup: unmeasured iterations before each series (and warm-up frames at the start).
         gap_steps: unmeasured plain steps between two span iterations.
@@ -178,9 +182,10 @@ class LatencyOptions:
         predict_user: the engine samples the depformer's user-stream codebooks too (upstream PersonaPlex); False
             (the default, as ``cspan serve`` and ``cspan infer`` run) skips them, since the user's codes arrive
             every frame. With False the plain step is also timed with them (``step_predict_user``).
-        defer_spans: the engine reads a span block together with the next position (``DuplexEngine``'s
-            ``defer_spans``; None: its default, on for one session with CUDA graphs); False reads it at injection.
-        fill: positions of history every session holds before each series (0: a freshly reset stream).
+        fill: positions of history every session holds before each series (None: the model's context, a full ring;
+            0: a freshly reset stream).
+        span_sessions: k, the sessions of a batch that read a span in the same frame (batch rows).
+        kv_dtype: the engine's KV cache storage ("auto", "bf16", "fp8", ...).
     """
 
     span_lengths: Sequence[int] = DEFAULT_SPAN_LENGTHS
@@ -193,8 +198,9 @@ class LatencyOptions:
     seed: int = 0
     cuda_graphs: bool | None = None
     predict_user: bool = False
-    defer_spans: bool | None = None
-    fill: int = 0
+    fill: int | None = None
+    span_sessions: int = 1
+    kv_dtype: str = "auto"
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible settings."""
@@ -209,8 +215,12 @@ class LatencyOptions:
             raise BenchError(f"--row-step {self.row_step!r}: use 'lm' or 'frame'")
         if any(b < 1 for b in self.batch_sizes):
             raise BenchError(f"--batch-size {list(self.batch_sizes)}: batch sizes must be >= 1")
-        if self.fill < 0:
+        if self.fill is not None and self.fill < 0:
             raise BenchError(f"--fill must be >= 0 positions, got {self.fill}")
+        if self.span_sessions < 0 or any(self.span_sessions > b for b in self.batch_sizes):
+            raise BenchError(
+                f"--span-sessions {self.span_sessions}: between 0 and the smallest batch size {list(self.batch_sizes)}"
+            )
 
 
 @dataclass
@@ -250,6 +260,40 @@ def span_body(n: int, text_card: int, seed: int = 0) -> list[int]:
     return torch.randint(low, text_card, (n - 2,), generator=gen).tolist()
 
 
+FILL_TOKENS_PER_STEP = 8192
+"""History filling reads at most this many block columns per step (all sessions together)."""
+
+
+def fill_history(engine: Any, positions: int, seed: int = 0, step: Callable[[], Any] | None = None) -> None:
+    """Bring every session of ``engine`` to at least ``positions`` positions of history: blocks of ordinary text
+    ids (at most ``max_span_frames`` each) read as Context Spans, at most :data:`FILL_TOKENS_PER_STEP` columns per
+    step, one step after each round (untimed). ``step`` steps the engine (default: ``step_tokens`` with zero user
+    codes)."""
+    from cspan.core.span import ContextSpan
+
+    longest = max(3, int(engine.max_span_frames))
+    text_card = int(engine.lm.text_card)
+    if step is None:
+        zeros = torch.zeros(engine.batch_size, engine.num_codebooks, dtype=torch.long, device=engine.device)
+
+        def step() -> Any:
+            return engine.step_tokens(zeros)
+
+    while True:
+        short = [i for i in range(engine.batch_size) if engine.positions[i] + 1 < positions]
+        if not short:
+            break
+        budget = FILL_TOKENS_PER_STEP
+        for i in short:
+            n = min(longest, max(3, positions - engine.positions[i] - 1))
+            if n > budget and budget < FILL_TOKENS_PER_STEP:
+                break
+            engine.inject_span(i, ContextSpan.from_ids(span_body(n, text_card, seed + i)))
+            budget -= n
+        step()
+    synchronize(engine.device)
+
+
 @dataclass
 class _Series:
     total: list[float] = field(default_factory=list)
@@ -267,6 +311,8 @@ class LatencyBench:
         self.timer = Timer(self.device)
         count = max(8, options.iters + options.warmup)
         self.inputs = _inputs(engine, count, options.seed)
+        context = engine.context or 0
+        self.fill = context if options.fill is None else options.fill
 
     # -- primitives --------------------------------------------------------------------------------------------
 
@@ -282,30 +328,12 @@ class LatencyBench:
 
     def restart(self) -> None:
         """Reset every session and start its stream with a few frames (a span needs a running stream), then fill
-        its history to ``options.fill`` positions."""
+        its history to the bench's fill (a full ring by default)."""
         for i in range(self.engine.batch_size):
             self.engine.reset(i, seed=self.options.seed + i)
         for _ in range(max(2, self.engine.max_delay + 1)):
             self.lm_step()
-        self.fill_history()
-
-    def fill_history(self) -> None:
-        """Bring every session to at least ``options.fill`` positions: blocks of at most ``max_span_frames`` ordinary
-        text ids read as Context Spans, one step after each round (untimed)."""
-        from cspan.core.span import ContextSpan
-
-        engine = self.engine
-        longest = max(3, int(engine.injector.max_span_frames))
-        text_card = int(engine.lm.text_card)
-        while True:
-            short = [i for i in range(engine.batch_size) if engine.positions[i] + 1 < self.options.fill]
-            if not short:
-                break
-            for i in short:
-                n = min(longest, max(3, self.options.fill - engine.positions[i] - 1))
-                engine.inject_span(i, ContextSpan.from_ids(span_body(n, text_card, self.options.seed + i)))
-            self.lm_step()
-        synchronize(self.device)
+        fill_history(self.engine, self.fill, self.options.seed, self.lm_step)
 
     def series(self, fn: Callable[[], Any]) -> list[float]:
         """``warmup`` unmeasured then ``iters`` measured runs of ``fn`` (ms)."""
@@ -314,27 +342,28 @@ class LatencyBench:
         synchronize(self.device)
         return [self.timer(fn) for _ in range(self.options.iters)]
 
-    def span_series(self, n: int) -> _Series:
-        """Span of ``n`` columns + one step, ``warmup`` + ``iters`` times, with ``gap_steps`` steps between."""
+    def span_series(self, n: int, sessions: Sequence[int] = (0,), step: Callable[[], Any] | None = None) -> _Series:
+        """Spans of ``n`` columns into ``sessions`` + one step, ``warmup`` + ``iters`` times, with ``gap_steps``
+        steps between."""
         from cspan.core.span import ContextSpan
 
         body = span_body(n, int(self.engine.lm.text_card), self.options.seed)
         span = ContextSpan.from_ids(body)
-        step = self.frame if self.options.row_step == "frame" else self.lm_step
+        if step is None:
+            step = self.frame if self.options.row_step == "frame" else self.lm_step
         result = _Series()
         for k in range(self.options.warmup + self.options.iters):
             for _ in range(self.options.gap_steps):
                 self.lm_step()
             synchronize(self.device)
             t0 = time.perf_counter()
-            report = self.engine.inject_span(0, span)
-            synchronize(self.device)
+            reports = [self.engine.inject_span(i, span) for i in sessions]
             t1 = time.perf_counter()
             step()
             synchronize(self.device)
             t2 = time.perf_counter()
-            if report.n != n:
-                raise BenchError(f"span of {n} columns was read as {report.n}; raise --max-span-frames")
+            if any(r.n != n for r in reports):
+                raise BenchError(f"span of {n} columns was read as {reports[0].n}; raise --max-span-frames")
             if k >= self.options.warmup:
                 result.total.append((t2 - t0) * 1000.0)
                 result.prefill.append((t1 - t0) * 1000.0)
@@ -387,17 +416,36 @@ class LatencyBench:
             )
         return {"rows": rows, "step": step, "step_predict_user": step_predict_user, "frame": frame}
 
-    def run_batch(self) -> dict[str, Any]:
-        """Plain step (and whole frame) for all sessions of this engine; ``per_session_mean_ms`` = mean / B."""
+    def run_batch(self, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Plain step, whole frame and span frames for all sessions of this engine (``per_session_mean_ms`` = mean
+        / B; ``spans``: k sessions read an n-column span in the timed frame, with its excess over a plain frame)."""
+        say = progress or (lambda _msg: None)
+        B = self.engine.batch_size
         self.restart()
         step = summarize_ms(self.series(self.lm_step))
-        B = self.engine.batch_size
         out: dict[str, Any] = {"batch_size": B, "step": step, "step_per_session_mean_ms": step["mean_ms"] / B}
+        timed = self.frame if self.options.frame and self.engine.mimi is not None else self.lm_step
         if self.options.frame and self.engine.mimi is not None:
-            self.restart()
             frame = summarize_ms(self.series(self.frame))
             out["frame"] = frame
             out["frame_per_session_mean_ms"] = frame["mean_ms"] / B
+        plain = out.get("frame", step)
+        k = self.options.span_sessions
+        spans = []
+        for n in [n for n in self.options.span_lengths if n > 0] if k else []:
+            say(f"batch {B}: spans of {n} columns into {k} sessions")
+            sessions = [(j * B) // k for j in range(k)]  # spread over the batch
+            s = summarize_ms(self.span_series(n, sessions, timed).total)
+            spans.append(
+                {
+                    "n": n,
+                    "sessions": k,
+                    "frame": s,
+                    "minus_plain_p50_ms": s["p50_ms"] - plain["p50_ms"],
+                    "minus_plain_p99_ms": s["p99_ms"] - plain["p99_ms"],
+                }
+            )
+        out["spans"] = spans
         return out
 
 
@@ -523,12 +571,10 @@ def load_models(
 def make_engine(
     models: Models,
     batch_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    span_lengths: Sequence[int],
+    span_lengths: Sequence[int] = (),
     cuda_graphs: bool | None = None,
     predict_user: bool = False,
-    defer_spans: bool | None = None,
+    kv_dtype: str = "auto",
 ) -> Any:
     """A :class:`~cspan.core.engine.DuplexEngine` over ``models`` whose ``max_span_frames`` admits every length
     (``cuda_graphs`` None: the engine's default, on for CUDA)."""
@@ -538,15 +584,13 @@ def make_engine(
     return DuplexEngine(
         models.lm,
         batch_size=batch_size,
-        device=device,
-        dtype=dtype,
         seed=0,
         mimi=models.mimi,
         tokenizer=models.tokenizer,
         max_span_frames=max([DEFAULT_MAX_SPAN_FRAMES, *span_lengths]),
         cuda_graphs=cuda_graphs,
         predict_user=predict_user,
-        defer_spans=defer_spans if batch_size == 1 else None,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -561,19 +605,19 @@ def run_latency(
     """Run every series and return the JSON document (see the module docstring)."""
     options.check()
     say = progress or (lambda _msg: None)
-    engine = make_engine(
-        models, 1, device, dtype, options.span_lengths, options.cuda_graphs, options.predict_user, options.defer_spans
-    )
-    measured = LatencyBench(engine, options).run(progress=say)
+    kw = {"cuda_graphs": options.cuda_graphs, "predict_user": options.predict_user, "kv_dtype": options.kv_dtype}
+    engine = make_engine(models, 1, options.span_lengths, **kw)
+    bench = LatencyBench(engine, options)
+    measured = bench.run(progress=say)
+    plan = engine.plan
+    del engine
     batch_rows = []
     for B in options.batch_sizes:
         if B == 1:
             continue
         say(f"batch {B}")
-        batch_engine = make_engine(
-            models, B, device, dtype, options.span_lengths, options.cuda_graphs, options.predict_user
-        )
-        batch_rows.append(LatencyBench(batch_engine, options).run_batch())
+        batch_engine = make_engine(models, B, options.span_lengths, **kw)
+        batch_rows.append(LatencyBench(batch_engine, options).run_batch(progress=say))
         del batch_engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -589,10 +633,14 @@ def run_latency(
         "warmup": options.warmup,
         "gap_steps": options.gap_steps,
         "row_step": options.row_step,
-        "cuda_graphs": bool(engine.cuda_graphs),
+        "cuda_graphs": bool(plan.cuda_graphs),
+        "fused": bool(plan.fused),
+        "kv_dtype": str(plan.kv_dtype).replace("torch.", ""),
+        "decode_attention": "triton" if plan.library_rows is None else f"flashinfer from {plan.library_rows} rows",
         "predict_user": options.predict_user,
-        "defer_spans": bool(engine.defer_spans),
-        "fill": options.fill,
+        "defer_spans": True,  # a span is read in the step that follows it (the engine's only way)
+        "fill": bench.fill,
+        "span_sessions": options.span_sessions,
         "timing": "wall clock between device synchronisations (torch.cuda.synchronize on CUDA)",
         "span_ids": "[12] + (n - 2) random ordinary text ids + [13]",
     }
@@ -633,6 +681,20 @@ def latency_table(doc: dict[str, Any], label: str = "latency") -> str:
                 f"{r['step_per_session_mean_ms']:.2f} | {frame_cells} |"
             )
         parts.append("\n".join(lines))
+        span_lines = []
+        for r in rows:
+            for sp in r.get("spans") or []:
+                f = sp["frame"]
+                span_lines.append(
+                    f"| {r['batch_size']} | {sp['n']} | {sp['sessions']} | {f['p50_ms']:.1f} | {f['p99_ms']:.1f} | "
+                    f"{sp['minus_plain_p50_ms']:+.1f} | {sp['minus_plain_p99_ms']:+.1f} |"
+                )
+        if span_lines:
+            head = (
+                "| batch | span n | sessions with a span | frame P50, ms | frame P99, ms | minus plain P50 | "
+                "minus plain P99 |"
+            )
+            parts.append("\n".join([head, "|---:|---:|---:|---:|---:|---:|---:|", *span_lines]))
     return "\n\n".join(parts)
 
 
@@ -642,9 +704,11 @@ __all__ = [
     "LatencyOptions",
     "Models",
     "environment",
+    "fill_history",
     "init_cheap_",
     "latency_table",
     "load_models",
+    "make_engine",
     "parse_dtype",
     "random_lm",
     "random_mimi",

@@ -344,12 +344,25 @@ def register_latency(sub: Any) -> None:
         default=[],
         help="also time the plain step and the whole frame at these batch sizes B > 1 (B = 1 is the main table)",
     )
-    p.add_argument(
+    history = p.add_mutually_exclusive_group()
+    history.add_argument(
         "--fill",
         type=int,
-        default=0,
-        help="positions of history every session holds before each series (default 0: a freshly reset stream, "
-        "short KV cache; the model's context or more: a full ring, as late in a conversation)",
+        default=None,
+        help="positions of history every session holds before each series (default: the model's context, a full "
+        "ring, as after four minutes of conversation)",
+    )
+    history.add_argument(
+        "--fresh", action="store_true", help="time freshly reset streams (short KV caches) instead of a full ring"
+    )
+    p.add_argument(
+        "--span-sessions",
+        type=int,
+        default=1,
+        help="batch rows: the sessions that each read a span in the timed frame (k of B; default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-dtype", choices=("auto", "bf16", "fp16", "fp32", "fp8"), default="auto", help="KV cache storage"
     )
     p.add_argument("--no-frame", action="store_true", help="skip the whole-frame series")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
@@ -358,12 +371,6 @@ def register_latency(sub: Any) -> None:
         action="store_true",
         help="sample the depformer's user-stream codebooks in every step, as upstream PersonaPlex does (default: "
         "skipped, as cspan serve / infer run, and the plain step is timed both ways)",
-    )
-    p.add_argument(
-        "--no-defer-spans",
-        action="store_true",
-        help="read each span at injection instead of together with the next step (default: the engine's, deferred "
-        "for one session with CUDA graphs)",
     )
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
@@ -394,8 +401,9 @@ def _latency(args: argparse.Namespace) -> int:
         seed=args.seed,
         cuda_graphs=False if args.no_cuda_graphs else None,
         predict_user=args.predict_user,
-        defer_spans=False if args.no_defer_spans else None,
-        fill=args.fill,
+        fill=0 if args.fresh else args.fill,
+        span_sessions=args.span_sessions,
+        kv_dtype=args.kv_dtype,
     )
     options.check()
 
@@ -409,6 +417,76 @@ def _latency(args: argparse.Namespace) -> int:
     say(f"model ready on {device} ({str(dtype).replace('torch.', '')}): {models.source}")
     doc = run_latency(models, options, device=device, dtype=dtype, progress=say)
     print(latency_table(doc, label=(args.out.parent.name or args.out.stem) if args.out else "latency"))
+    if args.out is not None:
+        write_json(args.out, doc)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def register_capacity(sub: Any) -> None:
+    """``cspan bench capacity``."""
+    p = sub.add_parser(
+        "capacity",
+        help="sessions per device at frame p99 < 80 ms on full rings with Context Spans arriving",
+        description=(
+            "For growing batch sizes and each KV cache dtype: fill every session's ring to the model's context, "
+            "then time whole frames while spans arrive as a Poisson process (default one per session per 30 s, "
+            "mean 256 columns, at most 600). Prints the largest batch whose frame p99 stays under the budget."
+        ),
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="Hugging Face repo id, local folder or file")
+    src.add_argument("--random-7b", action="store_true", help="the real 7B dimensions with random weights (GPU)")
+    p.add_argument("--allow-cpu", action="store_true", help="let --random-7b build the 8 B model on the CPU")
+    p.add_argument("--batch-size", type=int, nargs="+", default=list(DEFAULT_CAPACITY_BATCHES))
+    p.add_argument("--kv-dtype", nargs="+", choices=("auto", "bf16", "fp16", "fp8"), default=["auto", "fp8"])
+    p.add_argument("--frames", type=int, default=250, help="timed frames per batch size (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed frames first (default %(default)s)")
+    p.add_argument("--span-interval", type=float, default=30.0, help="mean seconds between a session's spans")
+    p.add_argument("--span-length", type=int, default=256, help="mean span length in columns")
+    p.add_argument("--max-span", type=int, default=600, help="the longest span in columns")
+    p.add_argument("--budget-ms", type=float, default=80.0, help="frame p99 budget (default: the 80 ms frame)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here (e.g. RUN/capacity.json)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(handler=_capacity)
+
+
+DEFAULT_CAPACITY_BATCHES = (16, 32, 48, 64, 80, 96, 112, 128)
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    from cspan.bench.capacity import CapacityOptions, capacity_table, run_capacity
+    from cspan.bench.latency import load_models
+    from cspan.bench.session import pick_device, write_json
+
+    device, dtype = pick_device(args.device, args.dtype)
+    options = CapacityOptions(
+        batch_sizes=args.batch_size,
+        kv_dtypes=args.kv_dtype,
+        frames=args.frames,
+        warmup=args.warmup,
+        span_interval_s=args.span_interval,
+        span_length=args.span_length,
+        max_span=args.max_span,
+        budget_ms=args.budget_ms,
+        seed=args.seed,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+    )
+    options.check()
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(f"capacity: {msg}", file=sys.stderr, flush=True)
+
+    models = load_models(
+        args.checkpoint, random_7b=args.random_7b, device=device, dtype=dtype, allow_cpu=args.allow_cpu, seed=args.seed
+    )
+    doc = run_capacity(models, options, device=device, dtype=dtype, progress=say)
+    print(capacity_table(doc))
     if args.out is not None:
         write_json(args.out, doc)
         print(f"wrote {args.out}")
@@ -853,6 +931,7 @@ __all__ = [
     "build_session_from",
     "check_loop",
     "loop_config",
+    "register_capacity",
     "register_fdb_v1_run",
     "register_fdb_v3_run",
     "register_latency",

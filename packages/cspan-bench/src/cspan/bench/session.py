@@ -175,7 +175,7 @@ def build_session(
     }
     if max_span_frames is not None:
         kwargs["max_span_frames"] = max_span_frames
-    engine = DuplexEngine(ckpt, batch_size=1, device=dev, dtype=dt, **kwargs)
+    engine = DuplexEngine(ckpt, batch_size=1, **kwargs)
     codes = None
     name = None
     if not no_voice:

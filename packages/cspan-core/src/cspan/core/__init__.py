@@ -27,7 +27,7 @@ _LAZY: dict[str, str] = {
     "FrameOutput": "engine",
     "TokenStepOutput": "engine",
     "ContextSpan": "span",
-    "SpanInjector": "span",
+    "Block": "span",
     "SpanReport": "span",
     "span_block": "span",
     "splice_block": "span",

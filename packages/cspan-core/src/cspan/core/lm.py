@@ -29,6 +29,7 @@ Two ways to run it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,7 +39,10 @@ from .errors import CheckpointError
 from .modules import fused
 from .modules.embedding import ZERO_TOKEN_ID, ScaledEmbedding
 from .modules.norms import RMSNorm, make_norm
-from .modules.transformer import StreamingTransformer, TransformerState
+from .modules.transformer import StepLayout, StreamingTransformer, TransformerState
+
+if TYPE_CHECKING:
+    from .plan import ExecutionPlan
 
 UNGENERATED_TOKEN_ID = -2
 
@@ -256,11 +260,12 @@ class LMModel(nn.Module):
 
     # --- building blocks ---------------------------------------------------------------------------------------
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, plan: ExecutionPlan | None = None) -> torch.Tensor:
         """Temporal transformer input: audio embeddings summed in codebook order, then the text embedding.
 
         Args:
             tokens: [B, K, T] long (-1 gives a zero contribution).
+            plan: a duplex engine's kernel choices (the lookups as one fused kernel each when ``plan.fused``).
 
         Returns:
             [B, T, D] in the model dtype.
@@ -270,6 +275,12 @@ class LMModel(nn.Module):
         """
         if tokens.dim() != 3 or tokens.shape[1] != self.num_codebooks:
             raise ValueError(f"tokens must be [B, {self.num_codebooks}, T], got {list(tokens.shape)}")
+        if plan is not None and plan.fused:
+            x = None
+            for k, table in enumerate([*self.emb, self.text_emb]):
+                x = fused.embed_add(x, table.weight, tokens[:, (k + 1) % self.num_codebooks], plan.pdl)
+            assert x is not None
+            return x
         x: torch.Tensor | None = None
         for k in range(self.n_q):
             x = self.emb[k].add_to(x, tokens[:, k + 1])
@@ -281,27 +292,28 @@ class LMModel(nn.Module):
         schedule = self.cfg.depformer_weights_per_step_schedule
         return schedule[k] if schedule else k
 
-    def _depformer_head(self, k: int, y: torch.Tensor) -> torch.Tensor:
+    def _depformer_head(self, k: int, y: torch.Tensor, plan: ExecutionPlan | None = None) -> torch.Tensor:
         norm = None if self.depformer_norms is None else self.depformer_norms[k]
-        if self._head_gemv(k, y, norm):  # one launch: the norm as the GEMV's prologue
+        if self._head_gemv(k, y, norm, plan):  # one launch: the norm as the GEMV's prologue
             fused_norm = None if norm is None else (norm.alpha, norm.eps)
-            return fused.gemv(y, self.linears[k].weight, norm=fused_norm)
+            return fused.gemv(y, self.linears[k].weight, norm=fused_norm, pdl=None if plan is None else plan.pdl)
         if norm is not None:
             y = norm(y)
         return self.linears[k](y)
 
-    def _head_gemv(self, k: int, y: torch.Tensor, norm: nn.Module | None) -> bool:
+    def _head_gemv(self, k: int, y: torch.Tensor, norm: nn.Module | None, plan: ExecutionPlan | None) -> bool:
         """Whether a depformer head runs as :func:`cspan.core.modules.fused.gemv` (streaming inference on the GPU,
         when the depformer's own layers do: see :attr:`StreamingTransformer.gemv`)."""
         if y.dim() != 2 or self.cfg.bias_proj or y.shape[0] > fused.GEMV_MAX_ROWS:
             return False
         if norm is not None and not (isinstance(norm, RMSNorm) and norm.compute_dtype == torch.float32):
             return False
-        sets = self.depformer.weight_sets(k, 1)
-        return fused.usable(y, self.linears[k].weight) and self.depformer.gemv_path(y[:, None], sets)
+        if plan is None and not fused.usable(y, self.linears[k].weight):
+            return False
+        return self.depformer.gemv_path(y[:, None], self.depformer.weight_sets(k, 1), plan)
 
-    def depformer_projections(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Every depformer input projection of one frame in one matrix product (GPU inference).
+    def depformer_projections(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every depformer input projection of one frame in one matrix product (streaming inference).
 
         The dep_q projections ``depformer_in[k'](hidden)`` do not depend on the sampled tokens, so one product over
         the stacked weights replaces dep_q small ones inside the sequential depformer loop. The stack is a copy of
@@ -311,12 +323,9 @@ class LMModel(nn.Module):
             hidden: [B, D] temporal output of the frame.
 
         Returns:
-            [B, P, Dd] with P = ``len(depformer_in)`` (pass to :meth:`depformer_logits` as ``projected``), or None
-            where the eager per-step projections are used instead (CPU, autograd, no fused path).
+            [B, P, Dd] with P = ``len(depformer_in)`` (pass to :meth:`depformer_logits` as ``projected``).
         """
         weights = [lin.weight for lin in self.depformer_in]
-        if not fused.usable(hidden, weights[0]):
-            return None
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
         cached = getattr(self, "_dep_in_stack", None)
         if cached is None or cached[0] != key:
@@ -427,11 +436,15 @@ class LMModel(nn.Module):
     # --- streaming -----------------------------------------------------------------------------------------------
 
     def new_state(
-        self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+        self,
+        batch_size: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> LMState:
         """Empty temporal streaming state for ``batch_size`` rows (KV capacity = ``context``; device and dtype
-        default to the parameters')."""
-        return LMState(self.transformer.new_state(batch_size, device, dtype))
+        default to the parameters'; ``kv_dtype`` is the cache's storage dtype, e.g. ``torch.float8_e4m3fn``)."""
+        return LMState(self.transformer.new_state(batch_size, device, dtype, kv_dtype=kv_dtype))
 
     def temporal(
         self,
@@ -465,52 +478,34 @@ class LMModel(nn.Module):
         hidden = self.out_norm(self.transformer(x, state.transformer, rows))
         return hidden, self.text_linear(hidden)
 
-    def prefill(
+    def temporal_step(
         self,
         tokens: torch.Tensor,
         state: LMState,
-        rows: torch.Tensor | None = None,
-        n_valid: torch.Tensor | None = None,
-    ) -> None:
-        """Append T positions to the temporal KV cache without computing outputs (a Context Span block).
-
-        Same keys and values as :meth:`temporal` over the same tokens; on the fused GPU path the last layer's
-        feed-forward, ``out_norm`` and ``text_linear`` (which feed nothing but the outputs) are skipped.
-
-        Args:
-            tokens: [B', K, T] long model input columns.
-            state: from :meth:`new_state`.
-            rows: [B'] long rows of ``state`` to advance (None: all rows).
-            n_valid: [1] long device tensor, the real length of a block padded to T (CUDA graphs at fixed
-                lengths; see :class:`cspan.core.span.PrefillGraphs`), or None (all T are real).
-
-        Raises:
-            ValueError: ``n_valid`` off the fused path (see ``StreamingTransformer.forward``).
-        """
-        self.transformer(self.embed(tokens), state.transformer, rows, n_valid=n_valid, need_output=False)
-
-    def temporal_last(
-        self, tokens: torch.Tensor, state: LMState, n_valid: torch.Tensor | None = None
+        layout: StepLayout,
+        plan: ExecutionPlan,
+        embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Streaming temporal forward over T positions of every row, with outputs at the last real one only.
-
-        A Context Span block read together with the next position (``DuplexEngine`` with deferred spans): the
-        same keys, values and last-position outputs as :meth:`prefill` of the block followed by :meth:`temporal`
-        of that position, in one pass over the weights.
+        """The duplex engine's temporal step: every session's block and next position in ONE ragged forward.
 
         Args:
-            tokens: [B, K, T] long model input columns.
-            state: from :meth:`new_state` (every row advances).
-            n_valid: [1] long device tensor, the real length of columns padded to T (fused GPU path only; see
-                :meth:`prefill`), or None (all T are real).
+            tokens: [K, T] long input columns: the b rows' next positions, then their block columns
+                (:class:`cspan.core.modules.transformer.StepLayout` says where each goes).
+            state: from :meth:`new_state`; the rows' offsets advance by ``block_len + 1``.
+            layout: the step's layout.
+            plan: the engine's kernel choices.
+            embeddings: (values [N, D], use [N] bool) for the N block columns: input embeddings that replace the
+                token embeddings of the columns marked in ``use`` (a persona prefix's stored voice embeddings), or
+                None.
 
         Returns:
-            (hidden [B, D] after ``out_norm``, text_logits [B, text_card]) of position ``n_valid - 1`` (or T - 1).
+            (hidden [b, D] after ``out_norm``, text_logits [b, text_card]) at the next positions.
         """
-        x = self.transformer(self.embed(tokens), state.transformer, None, n_valid=n_valid)
-        assert x is not None
-        last = x[:, -1] if n_valid is None else x.index_select(1, n_valid - 1)[:, 0]
-        hidden = self.out_norm(last)
+        x = self.embed(tokens[None], plan)[0]  # [T, D]
+        if embeddings is not None:
+            b = layout.rows.shape[0]
+            x = torch.cat([x[:b], torch.where(embeddings[1][:, None], embeddings[0], x[b:])])
+        hidden = self.out_norm(self.transformer.forward_step(x, state.transformer, layout, plan))
         return hidden, self.text_linear(hidden)
 
     def new_depformer_state(
@@ -526,6 +521,7 @@ class LMModel(nn.Module):
         prev_token: torch.Tensor,
         dep_state: TransformerState,
         projected: torch.Tensor | None = None,
+        plan: ExecutionPlan | None = None,
     ) -> torch.Tensor:
         """Depformer step k of the current frame (upstream ``LMModel.forward_depformer``).
 
@@ -541,6 +537,7 @@ class LMModel(nn.Module):
             dep_state: from :meth:`new_depformer_state`.
             projected: this frame's :meth:`depformer_projections` (the same values, computed once per frame), or
                 None to project here.
+            plan: a duplex engine's kernel choices (None: the modules decide, see ``StreamingTransformer.fused``).
 
         Returns:
             [B, card] logits of codebook k, in the model dtype.
@@ -553,9 +550,12 @@ class LMModel(nn.Module):
         index = self._depformer_in_index(k)
         x = self.depformer_in[index](hidden) if projected is None else projected[:, index]  # [B, Dd]
         emb = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
-        x = emb.add_to(x, prev_token)
-        y = self.depformer(x[:, None], dep_state, step=k)[:, 0]  # [B, Dd]
-        return self._depformer_head(k, y)
+        if plan is not None and plan.fused and emb.low_rank is None:
+            x = fused.embed_add(x, emb.weight, prev_token, plan.pdl)
+        else:
+            x = emb.add_to(x, prev_token)
+        y = self.depformer(x[:, None], dep_state, step=k, plan=plan)[:, 0]  # [B, Dd]
+        return self._depformer_head(k, y, plan)
 
     # --- initialisation --------------------------------------------------------------------------------------
 

@@ -30,19 +30,19 @@ the positions ``0 .. E - 1`` plus the frames [K, E] that the model reads from po
 token ring). Such a voice takes the first E columns of ``frames`` in both layouts, and :attr:`PersonaPrefix.embeddings`
 holds the E input embeddings that replace those positions' token embeddings.
 
-Reading it (see ``docs/ENGINE.md``): the prefix has P frames, so it covers calls ``0 .. P`` of the session: the
-positions ``0 .. P`` of the delayed sequence (:func:`cspan.core.streams.delay_tokens`) go through the temporal
-transformer in one forward, then the sampling tail runs once on the hidden state of position P (text and agent
-semantic codes of frame P sampled, the acoustic codes of frame P - 1 forced). The session is then exactly where
-P + 1 calls forcing the same columns would have left it (KV cache, token grid, next frames), and the first live
-call feeds position P + 1 with user frame P. In PersonaPlex's terms, the forward covers the P prompt calls plus its
-first conversation call (which feeds the last silence frame and returns it).
+Reading it (see ``docs/ENGINE.md`` and :func:`prefix_block`): the prefix has P frames, so it covers calls
+``0 .. P`` of the session. The engine reads positions ``0 .. P - 1`` of the delayed sequence
+(:func:`cspan.core.streams.delay_tokens`) as a block in the session's next step, together with position P, whose
+outputs are sampled (text and agent semantic codes of frame P; the acoustic codes of frame P - 1 are forced); that
+step returns frame P - 1, the prefix's last frame. The session is then exactly where P + 1 calls forcing the same
+columns would have left it (KV cache, token grid, next frames), and its next call feeds position P + 1 with user
+frame P. In PersonaPlex's terms, the step covers the P prompt calls plus its first conversation call (which feeds
+the last silence frame and returns it).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +51,8 @@ import torch
 from .config import CONTEXT_SPANNING, PERSONAPLEX, PREFIX_LAYOUTS, PrefixLayout
 from .constants import NUM_CODEBOOKS, PAD, SILENCE_TOKENS, SINE_TOKENS
 from .errors import CheckpointError
-from .streams import TokenGrid, delay_tokens
+from .span import Block
+from .streams import delay_tokens
 
 if TYPE_CHECKING:
     from .voice import VoicePrompt
@@ -267,8 +268,22 @@ class PrefixReport:
     prefill_ms: float
 
 
-TailSampler = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(hidden [1, D], text_logits [1, V], target [1, K]) -> column [1, K]``: the sampling tail of one call."""
+@dataclass(frozen=True)
+class PrefixBlock:
+    """A persona prefix as the engine reads it: the block before the session's first position (see
+    :func:`prefix_block`).
+
+    Attributes:
+        block: positions ``0 .. P - 1`` of the delayed prefix (:class:`cspan.core.span.Block`, with the prefix's
+            input embeddings of its first E positions when it has them).
+        delayed: [K, P + 1 + D] long, the whole delayed prefix: the session's token grid is loaded from it with
+            pending position P.
+        pending: P, the position the step that reads the block feeds (the prefix's last column).
+    """
+
+    block: Block
+    delayed: torch.Tensor
+    pending: int
 
 
 def prefix_inputs(lm: Any, delayed: torch.Tensor, embeddings: torch.Tensor | None) -> torch.Tensor:
@@ -292,51 +307,38 @@ def prefix_inputs(lm: Any, delayed: torch.Tensor, embeddings: torch.Tensor | Non
     return x
 
 
-@torch.no_grad()
-def read_prefix(
-    lm: Any,
-    lm_state: Any,
-    grid: TokenGrid,
-    row: int,
+def prefix_block(
     frames: torch.Tensor,
-    tail: TailSampler,
+    delays: Sequence[int],
+    initial_tokens: Sequence[int] | torch.Tensor,
     embeddings: torch.Tensor | None = None,
-) -> float:
-    """Read prefix frames into session ``row`` (freshly reset) in one temporal forward plus one sampling tail.
+) -> PrefixBlock:
+    """How a freshly reset session reads a persona prefix: in ONE step of the engine.
+
+    The prefix covers calls ``0 .. P`` of the session. The step that reads it (``DuplexEngine.set_prefix``, then
+    the session's next step) restarts the session with its grid at pending position P, reads positions
+    ``0 .. P - 1`` as a block together with position P in the step's forward (all forced), and samples the target
+    column ``P + 1`` from position P's outputs (text and agent semantic code of frame P; the acoustic codes of frame
+    ``P - 1`` are the prefix's). It returns frame ``P - 1`` (the prefix's last frame). The session is then exactly
+    where P + 1 calls forcing the same columns leave it (KV cache, token grid, next frames; tested in float32), and
+    its next call, given user frame P, is call P + 1.
 
     Args:
-        lm: the :class:`cspan.core.lm.LMModel`.
-        lm_state: the engine's temporal state; row ``row`` must be empty (offset 0).
-        grid: the engine's token grid; row ``row`` is overwritten.
-        row: the session.
         frames: [K, P] long undelayed prefix frames, P >= 1.
-        tail: samples the target column (the engine's own sampler, with the session's generator).
-        embeddings: [E, D] input embeddings of positions ``0 .. E - 1`` (:attr:`PersonaPrefix.embeddings`), or None.
-
-    Returns:
-        Wall-clock milliseconds (after device synchronisation).
+        delays, initial_tokens: the model's K delays and initial ids.
+        embeddings: [E, D] input embeddings of positions ``0 .. E - 1`` (E <= P; a PersonaPlex voice stored as
+            embeddings, which the temporal transformer reads instead of the token embeddings), or None.
 
     Raises:
-        ValueError: P == 0, or embeddings that do not fit.
+        ValueError: P == 0, or more embeddings than block positions.
     """
     P = frames.shape[-1]
     if P < 1:
-        raise ValueError("read_prefix needs at least one frame")
-    device = grid.device
-    delayed = delay_tokens(frames.to(device), grid.delays, grid.initial_t)  # [K, P + 1 + D]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    grid.load(row, delayed, pending_position=P)
-    rows = torch.tensor([row], dtype=torch.long, device=device)
-    x = prefix_inputs(lm, delayed[:, : P + 1], embeddings)  # positions 0..P
-    hidden, text_logits = lm.temporal(None, lm_state, rows=rows, embeddings=x)
-    target = grid.buffer[row, :, grid.target][None]  # position P + 1: acoustics of frame P - 1 known
-    column = tail(hidden[:, -1], text_logits[:, -1], target)
-    grid.commit_row(row, column[0])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) * 1000.0
+        raise ValueError("prefix_block needs at least one frame")
+    if embeddings is not None and (embeddings.dim() != 2 or embeddings.shape[0] > P):
+        raise ValueError(f"prefix_block: input embeddings must be [E <= {P}, D], got {list(embeddings.shape)}")
+    delayed = delay_tokens(frames.cpu(), delays, torch.as_tensor(initial_tokens).cpu())  # [K, P + 1 + D]
+    return PrefixBlock(block=Block(delayed[:, :P].contiguous(), embeddings), delayed=delayed, pending=P)
 
 
 __all__ = [
@@ -344,11 +346,12 @@ __all__ = [
     "PERSONAPLEX",
     "PREFIX_LAYOUTS",
     "PersonaPrefix",
+    "PrefixBlock",
     "PrefixLayout",
     "PrefixReport",
     "build_persona_prefix",
     "persona_text",
+    "prefix_block",
     "prefix_frames",
     "prefix_inputs",
-    "read_prefix",
 ]

@@ -1,23 +1,34 @@
-"""Temperature / top-k sampling with one ``torch.Generator`` per session and no host synchronisation.
+"""Temperature / top-k sampling with per-session noise and no host synchronisation.
 
 Source: kyutai-labs/moshi ``moshi/utils/sampling.py`` (``sample_token``, ``_sample_top_k``, ``_multinomial``):
 ``probs = softmax(logits_fp32 / temperature)``, keep the ``top_k`` largest probabilities (not renormalised),
 then draw with the "exponential race" ``argmax(probs / q)``, ``q ~ Exp(1)``, which is a multinomial draw that
 needs no host synchronisation. Greedy (``temperature <= 0``) is the argmax of the float32 logits, first index on
-ties. The one difference from upstream: the noise of batch row ``b`` is drawn from ``generators[b]``, so a
-session's tokens depend only on its own seed and never on the other sessions of the batch.
+ties.
+
+Two forms of the noise:
+
+- :func:`sample_token` draws it from one ``torch.Generator`` per batch row (upstream's function, per row);
+- the duplex engine uses :func:`sample_race` with *counter-based* noise (:func:`cspan.core.modules.fused.race_noise`):
+  entry v of stream s (0 text, 1 + k depformer codebook k) at a session's frame counter f is a pure function of
+  (the session's seed, f, s, v). A session's tokens then depend only on its seed and its own history, never on its
+  batch neighbours, its batch row, a CUDA graph's captured generators or which rows are live; and the GPU kernel
+  (:func:`cspan.core.modules.fused.sample_top_k`) computes the same integers in-kernel, with no noise tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .constants import DEFAULT_TEMP, DEFAULT_TEMP_TEXT, DEFAULT_TOP_K, DEFAULT_TOP_K_TEXT, UNGENERATED
 from .modules import fused
+
+if TYPE_CHECKING:
+    from .plan import ExecutionPlan
 
 
 def sample_token(
@@ -65,6 +76,34 @@ def sample_token(
     return indices.gather(-1, choice[:, None])[:, 0]
 
 
+def sample_race(logits: torch.Tensor, temperature: float, top_k: int, noise: torch.Tensor | None) -> torch.Tensor:
+    """Draw one token per row from given Exp(1) noise: ``argmax_{v in top-k} softmax(logits / T)_v / noise_v``.
+
+    The rule of :func:`sample_token` with one noise entry per vocabulary entry (rather than per top-k rank), and
+    every logit tied with the k-th largest kept in the race: the same distribution. The GPU kernel
+    :func:`cspan.core.modules.fused.sample_top_k` applies this rule.
+
+    Args:
+        logits: [B, V] in any float dtype (upcast to float32).
+        temperature: ``<= 0`` means greedy (argmax, first index on ties; ``noise`` unused).
+        top_k: keep the ``top_k`` largest (clamped to V); ``<= 0`` keeps all.
+        noise: [B, V] float32 Exp(1) draws (:func:`cspan.core.modules.fused.race_noise`), or None when greedy.
+
+    Returns:
+        [B] long.
+    """
+    x = logits.float()
+    if temperature <= 0:
+        return x.argmax(dim=-1)
+    assert noise is not None, "sample_race needs noise when the temperature is > 0"
+    s = x / temperature
+    weight = torch.exp(s - s.max(dim=-1, keepdim=True).values) / noise
+    if 0 < top_k < s.shape[-1]:
+        kth = torch.topk(s, top_k, dim=-1).values[:, -1:]
+        weight = torch.where(s >= kth, weight, -1.0)
+    return weight.argmax(dim=-1)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Temperature and top-k of one stream kind (text, or audio codebooks).
@@ -102,21 +141,19 @@ def sample_column(
     *,
     text: SamplingParams,
     audio: SamplingParams,
-    generators: Sequence[torch.Generator] | None = None,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+    plan: ExecutionPlan,
     depformer_steps: int | None = None,
 ) -> torch.Tensor:
     """Sample one target column: the text token, then the depformer's dep_q codebooks in order.
 
     Where ``target`` already holds a token (forced, or user codes) that token is kept *and* is what conditions
-    the next depformer step; the sampled value is discarded (NVIDIA/personaplex ``LMGen`` "provided" tokens).
-    Noise is still drawn for forced entries, so the generators advance the same whatever is forced. Source of the
-    order: kyutai-labs/moshi ``LMGen._step`` (text first, then ``depformer_step`` over codebooks 0..dep_q-1, each
-    conditioned on the previous one).
-
-    On the GPU each audio codebook is sampled, forced and stored by one kernel
-    (:func:`cspan.core.modules.fused.sample_top_k`), with the frame's audio noise drawn once per session
-    (``[dep_q, card]`` Exp(1) values from ``generators[b]``): the same distribution as :func:`sample_token`,
-    other draws for a given seed (as CUDA and CPU generators differ anyway).
+    the next depformer step; the sampled value is discarded (NVIDIA/personaplex ``LMGen`` "provided" tokens). Source
+    of the order: kyutai-labs/moshi ``LMGen._step`` (text first, then ``depformer_step`` over codebooks
+    0..dep_q-1, each conditioned on the previous one). The noise of row b is the counter-based noise of
+    ``(seed[b], counter[b])`` (module docstring); on the fused path each audio codebook is sampled, forced and
+    stored by one kernel.
 
     Args:
         lm: the :class:`cspan.core.lm.LMModel` (``depformer_logits``, ``dep_q``).
@@ -125,12 +162,12 @@ def sample_column(
         target: [B, K] long, the known entries of the target column (-2 = sample).
         dep_state: a depformer state for B rows (``lm.new_depformer_state(B)``); reset here.
         text, audio: sampling parameters.
-        generators: one per row (see :func:`sample_token`).
+        seed, counter: [B] long, each row's session seed and frame counter.
+        plan: the engine's kernel choices.
         depformer_steps: run only the first ``depformer_steps`` codebooks (default all dep_q). The depformer is
-            causal over codebooks, so the earlier ones are sampled exactly as in a full run (the noise of every
-            codebook is still drawn); the entries of the skipped codebooks keep ``target`` where it is known and
-            are -1 (zero embedding) where it is not. For the duplex engine's user-stream predictions, which the
-            user's real codes replace before they are ever fed.
+            causal over codebooks, so the earlier ones are sampled exactly as in a full run; the entries of the
+            skipped codebooks keep ``target`` where it is known and are -1 (zero embedding) where it is not. For the
+            duplex engine's user-stream predictions, which the user's real codes replace before they are ever fed.
 
     Returns:
         [B, K] long: ``target`` with rows 0..dep_q filled (rows past dep_q are copied from ``target``).
@@ -141,44 +178,32 @@ def sample_column(
     if steps < lm.dep_q:
         skipped = column[:, 1 + steps : 1 + lm.dep_q]
         skipped.masked_fill_(skipped == UNGENERATED, -1)
-    token = text.sample(text_logits, generators)
+
+    def noise(stream: int, vocab: int, params: SamplingParams) -> torch.Tensor | None:
+        if params.greedy:
+            return None
+        if plan.fused:
+            return fused.race_noise_fused(seed, counter, stream, vocab, plan.pdl)
+        return fused.race_noise(seed, counter, stream, vocab)
+
+    token = sample_race(text_logits, text.temperature, text.top_k, noise(0, text_logits.shape[-1], text))
     token = torch.where(known[:, 0], target[:, 0], token)
     column[:, 0] = token
     dep_state.reset()
-    if fused.usable(hidden) and lm.card <= fused.SAMPLE_MAX_VOCAB:
-        noise = None if audio.greedy else _frame_noise(hidden.shape[0], lm.dep_q, lm.card, hidden.device, generators)
-        projected = lm.depformer_projections(hidden)
-        for k in range(steps):
-            logits = lm.depformer_logits(k, hidden, token, dep_state, projected)
-            step_noise = None if noise is None else noise[:, k]
-            token = fused.sample_top_k(
-                logits, audio.temperature, audio.top_k, step_noise, target[:, 1 + k], column[:, 1 + k]
-            )
-        return column
+    in_kernel = plan.fused and lm.card <= fused.SAMPLE_MAX_VOCAB
+    projected = lm.depformer_projections(hidden) if plan.fused else None
     for k in range(steps):
-        logits = lm.depformer_logits(k, hidden, token, dep_state)
-        token = audio.sample(logits, generators)
+        logits = lm.depformer_logits(k, hidden, token, dep_state, projected, plan)
+        if in_kernel:
+            token = fused.sample_top_k(
+                logits, audio.temperature, audio.top_k, seed, counter, 1 + k, target[:, 1 + k], column[:, 1 + k],
+                plan.pdl,
+            )  # fmt: skip
+            continue
+        token = sample_race(logits, audio.temperature, audio.top_k, noise(1 + k, logits.shape[-1], audio))
         token = torch.where(known[:, 1 + k], target[:, 1 + k], token)
         column[:, 1 + k] = token
-    if steps < lm.dep_q and generators is not None:  # draw the skipped codebooks' noise: the same later frames
-        placeholder = torch.zeros(hidden.shape[0], lm.card, device=hidden.device)
-        for _ in range(steps, lm.dep_q):
-            audio.sample(placeholder, generators)
     return column
-
-
-def _frame_noise(
-    batch: int, steps: int, vocab: int, device: torch.device, generators: Sequence[torch.Generator] | None
-) -> torch.Tensor:
-    """[B, steps, vocab] float32 Exp(1) noise of one frame, row b drawn from ``generators[b]`` (one launch per
-    session instead of one per session and codebook)."""
-    noise = torch.empty(batch, steps, vocab, device=device, dtype=torch.float32)
-    if generators is None:
-        noise.exponential_(1.0)
-    else:
-        for b, gen in enumerate(generators):
-            noise[b].exponential_(1.0, generator=gen)
-    return noise
 
 
 def make_generator(device: torch.device | str, seed: int | None = None) -> torch.Generator:
@@ -191,4 +216,4 @@ def make_generator(device: torch.device | str, seed: int | None = None) -> torch
     return gen
 
 
-__all__ = ["SamplingParams", "make_generator", "sample_column", "sample_token"]
+__all__ = ["SamplingParams", "make_generator", "sample_column", "sample_race", "sample_token"]

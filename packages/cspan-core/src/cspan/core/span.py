@@ -1,4 +1,4 @@
-"""Context Spans: the block layout shared by inference and training, and the injector that reads a block in one pass.
+"""Context Spans: the block layout shared by inference and training, and what a session reads before a position.
 
 A reference text becomes the text ids ``[SPAN_OPEN] + spm.encode(text.strip()) + [SPAN_CLOSE]`` (12 ... 13), one
 id per column. The block is n constant columns in DELAYED coordinates (see :mod:`cspan.core.streams`): text row =
@@ -6,9 +6,10 @@ the ids, agent rows = ``SILENCE_TOKENS``, user rows = ``SINE_TOKENS`` (:func:`sp
 delayed token sequence before a position (:func:`splice_block`), and the block columns are no training target
 (:func:`splice_mask`).
 
-Inference (:class:`SpanInjector`) inserts the block between two calls, before the pending position ``c``: ONE
-temporal forward over the n block positions (KV append n; no depformer, no sampling, no audio), then the session's
-token grid is spliced the same way, so the next call feeds the column it would have fed, n positions later. In
+At inference a block is one :class:`Block` queued for a session (``DuplexEngine.inject_span``, host only): the
+engine's next step splices it before the session's pending position ``c`` and reads it in the step's one ragged
+forward, together with the session's next position and every other session's (no depformer, no sampling, no
+audio for the block columns), so the next call feeds the column it would have fed, n positions later. In
 undelayed terms (7B delays) this is the MOVE convention of MindLogic's Context Spanning / MoshiRAG training
 (``assemble_training_sequence``): the block goes before frame ``f = c - 1`` and the acoustic codes of frame
 ``f - 1`` are read right after the block. Nothing is lost: frame ``c - 1``'s text and audio, sampled before the
@@ -20,14 +21,13 @@ diagram.
 from __future__ import annotations
 
 import array
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from .constants import DEFAULT_MAX_SPAN_FRAMES, SILENCE_TOKENS, SINE_TOKENS, SPAN_CLOSE, SPAN_OPEN
+from .constants import SILENCE_TOKENS, SINE_TOKENS, SPAN_CLOSE, SPAN_OPEN
 from .errors import SpanError
 
 
@@ -160,7 +160,7 @@ def splice_block(delayed_tokens: torch.Tensor, position: int, block: torch.Tenso
 
     ``out[..., :position] = tokens[..., :position]``, ``out[..., position:position+n] = block``,
     ``out[..., position+n:] = tokens[..., position:]``. This is the one definition of where a Context Span goes,
-    used by :class:`SpanInjector` (on the session's grid window) and by ``cspan train`` (on whole sequences). At
+    used by the engine (:meth:`TokenGrid.splice` on the session's grid window) and by ``cspan train`` (on whole sequences). At
     inference ``position`` is the pending position (the position the next call feeds).
 
     Args:
@@ -247,16 +247,16 @@ class SpanReport:
         ids: the block's text ids.
         first_position, last_position: the KV positions the block occupies (``last = first + n - 1``).
         next_position: the position the next call feeds (``last_position + 1``).
-        prefill_ms: wall-clock milliseconds of the block's forward (after device synchronisation); for a deferred
-            block, the host time of the injection only (its forward is part of the next step).
+        prefill_ms: host milliseconds of the injection (building and queueing the block; its forward is part of
+            the session's next step).
         context: the attention window in positions (None = unbounded).
         window_positions_left: positions that can still be fed before position 0 (the start of the persona
             prefix) leaves the window of the next query (``max(0, context - 1 - next_position)``; None when
             unbounded).
         prefix_in_window: whether the end of the persona prefix (its last position) is still visible to the
             next query (``next_position - prefix_end < context``); False also when there is no prefix.
-        deferred: the block was not read yet: the engine reads it in ONE forward together with the session's
-            next position, at its next step (``DuplexEngine(defer_spans=...)``).
+        deferred: the block is read by the session's next step (always True: kept for readers of earlier
+            reports).
     """
 
     session: int
@@ -286,243 +286,89 @@ def window_status(next_position: int, context: int | None, prefix_end: int | Non
     return left, in_window
 
 
-class SpanInjector:
-    """Reads a Context Span block into one session's KV cache in ONE temporal forward and splices its token grid.
+@dataclass(frozen=True)
+class Block:
+    """Columns a session reads before its next position, in the engine's next step (delayed coordinates).
 
-    Args:
-        lm: the :class:`cspan.core.lm.LMModel` (uses ``temporal`` and ``cfg.context``).
-        max_span_frames: longest block (default 600); longer references are truncated and the report says so.
-        tokenizer: SentencePiece processor for text spans.
-        agent_placeholder, user_placeholder: the block's audio codes (SILENCE / SINE).
-
-    The result equals forcing the same n columns one call at a time (KV cache and the next frame's logits), and
-    equals :func:`splice_block` on the recorded delayed sequence (tests/core/test_core_span.py).
+    Attributes:
+        tokens: [K, n] long (on the host).
+        embeddings: [E, D] input embeddings of the first E columns (E <= n; a persona prefix's stored voice
+            embeddings, read instead of the token embeddings, whose columns are then only bookkeeping), or None.
     """
 
-    def __init__(
-        self,
-        lm: Any,
-        *,
-        max_span_frames: int = DEFAULT_MAX_SPAN_FRAMES,
-        tokenizer: Any | None = None,
-        agent_placeholder: Sequence[int] = SILENCE_TOKENS,
-        user_placeholder: Sequence[int] = SINE_TOKENS,
-        cuda_graphs: bool = False,
-    ) -> None:
-        if max_span_frames < 3:
-            raise SpanError(f"max_span_frames is {max_span_frames}; it must be at least 3 (12, one token, 13)")
-        self.lm = lm
-        self.max_span_frames = int(max_span_frames)
-        self.graphs = PrefillGraphs(lm, self.max_span_frames) if cuda_graphs else None
-        self.tokenizer = tokenizer
-        self.agent_placeholder = tuple(agent_placeholder)
-        self.user_placeholder = tuple(user_placeholder)
+    tokens: torch.Tensor
+    embeddings: torch.Tensor | None = None
 
-    def block_for(self, span: ContextSpan | str, num_streams: int) -> tuple[torch.Tensor, list[int], bool]:
-        """(block [K, n] on the CPU, ids, truncated) for a span or a reference string."""
-        if isinstance(span, str):
-            span = ContextSpan(span)
-        ids, truncated = span.encode(self.tokenizer, self.max_span_frames)
-        text_card = getattr(self.lm, "text_card", None)
-        if text_card is not None and (min(ids) < 0 or max(ids) >= text_card):
-            raise SpanError(
-                f"Context Span ids must be text ids in [0, {text_card}); got values in [{min(ids)}, {max(ids)}] "
-                "(was the reference tokenised with another tokenizer?)"
-            )
-        block = span_block(
-            ids,
-            num_streams=num_streams,
-            agent_placeholder=self.agent_placeholder,
-            user_placeholder=self.user_placeholder,
-        )
-        return block, ids, truncated
-
-    @torch.no_grad()
-    def inject(
-        self,
-        lm_state: Any,
-        grid: Any,
-        row: int,
-        span: ContextSpan | str,
-        *,
-        position: int,
-        prefix_end: int | None = None,
-        chunk: int | None = None,
-    ) -> SpanReport:
-        """Insert ``span`` before session ``row``'s pending position.
-
-        Args:
-            lm_state: the engine's temporal state (``LMModel.new_state``).
-            grid: the engine's :class:`cspan.core.streams.TokenGrid`.
-            row: the session (batch row).
-            span: the reference.
-            position: the session's pending position (host copy; the block takes positions
-                ``position .. position + n - 1``).
-            prefix_end: last position of the session's persona prefix, or None.
-            chunk: None (default) reads the block in ONE forward; an int reads it ``chunk`` positions per forward
-                (``chunk=1`` is the step-by-step reference; the result is the same up to float rounding).
-
-        Returns:
-            :class:`SpanReport`.
-
-        Raises:
-            SpanError: empty reference (see :meth:`ContextSpan.encode`), ids outside the text vocabulary.
-        """
-        block, ids, truncated = self.block_for(span, grid.num_rows)
-        device = grid.device
-        block_d = block.to(device)
-        _synchronize(device)
-        t0 = time.perf_counter()
-        self.read(lm_state, row, block_d, chunk=chunk)
-        grid.splice(row, block_d)
-        _synchronize(device)
-        return self.report(row, ids, truncated, position, prefix_end, (time.perf_counter() - t0) * 1000.0)
-
-    def read(self, lm_state: Any, row: int, block: torch.Tensor, *, chunk: int | None = None) -> None:
-        """The forward part of :meth:`inject`: append ``block`` [K, n] (device, long) to row ``row``'s KV cache,
-        through the bucket graphs when they serve it (the grid is not touched)."""
-        n = block.shape[-1]
-        graphed = chunk is None and self.graphs is not None and self.graphs.run(lm_state, block, row)
-        if not graphed:
-            rows = torch.tensor([row], dtype=torch.long, device=block.device)
-            step = n if chunk is None else max(1, int(chunk))
-            for start in range(0, n, step):
-                self.lm.prefill(block[None, :, start : start + step], lm_state, rows=rows)
-
-    def report(
-        self,
-        row: int,
-        ids: Sequence[int],
-        truncated: bool,
-        position: int,
-        prefix_end: int | None,
-        prefill_ms: float,
-        deferred: bool = False,
-    ) -> SpanReport:
-        """The :class:`SpanReport` of a block of ``ids`` inserted at ``position`` of session ``row``."""
-        n = len(ids)
-        next_position = position + n
-        context = getattr(getattr(self.lm, "cfg", None), "context", None)
-        left, in_window = window_status(next_position, context, prefix_end)
-        return SpanReport(
-            session=row,
-            n=n,
-            truncated=truncated,
-            ids=tuple(ids),
-            first_position=position,
-            last_position=position + n - 1,
-            next_position=next_position,
-            prefill_ms=prefill_ms,
-            context=context,
-            window_positions_left=left,
-            prefix_in_window=in_window,
-            deferred=deferred,
-        )
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[-1])
 
 
-def prefill_buckets(max_len: int) -> list[int]:
-    """The padded lengths of :class:`PrefillGraphs`: 16, 32, 64, then multiples of 128, and ``max_len`` itself
-    (for the default 600: 16, 32, 64, 128, 256, 384, 512, 600); a block runs at the smallest one that holds it."""
-    sizes = [16, 32, 64, *range(128, max_len, 128)]
-    return [s for s in sizes if s < max_len] + [max_len]
+def encode_span(
+    span: ContextSpan | str,
+    *,
+    tokenizer: Any | None,
+    max_frames: int,
+    text_card: int | None,
+    num_streams: int,
+    agent_placeholder: Sequence[int] = SILENCE_TOKENS,
+    user_placeholder: Sequence[int] = SINE_TOKENS,
+) -> tuple[Block, list[int], bool]:
+    """(block, ids, truncated) of a span or a reference string (see :meth:`ContextSpan.encode`, :func:`span_block`).
 
-
-@dataclass
-class _PrefillGraph:
-    graph: torch.cuda.CUDAGraph
-    state: Any
-    tokens: torch.Tensor  # [1, K, size] long
-    rows: torch.Tensor  # [1] long
-    n_valid: torch.Tensor  # [1] long
-
-
-class PrefillGraphs:
-    """CUDA graphs of :meth:`cspan.core.lm.LMModel.prefill` for one session at a few fixed block lengths.
-
-    A block of n columns is padded to the smallest bucket (:func:`prefill_buckets`) that holds it; the row and n
-    are device tensors read by the kernels, so one graph per bucket serves every session and length. The padded
-    columns come after the real ones (invisible to them under causal attention), are not written to the KV cache
-    and do not advance the offset (``n_valid``, see :mod:`cspan.core.modules.fused`). A bucket is captured on its
-    first use, after one warm-up run with ``n_valid = 0`` (which changes no state). Eager prefill of the same
-    block gives the same cache up to the padding's effect on rounding: none (the real positions see the same keys).
-
-    Args:
-        lm: the :class:`cspan.core.lm.LMModel` (on CUDA).
-        max_len: the longest block (the injector's ``max_span_frames``).
+    Raises:
+        SpanError: empty reference, no tokenizer for text, ids outside ``[0, text_card)``.
     """
-
-    def __init__(self, lm: Any, max_len: int) -> None:
-        self.lm = lm
-        self.buckets = prefill_buckets(max_len)
-        self._graphs: dict[int, _PrefillGraph] = {}
-        self._pool: Any = None
-
-    def usable(self, lm_state: Any) -> bool:
-        """Whether this state's prefill can be graphed (CUDA and the fused transformer path)."""
-        weight = self.lm.text_emb.weight
-        return lm_state.offset.is_cuda and self.lm.transformer.fused_path(weight)
-
-    def run(self, lm_state: Any, block: torch.Tensor, row: int) -> bool:
-        """Read ``block`` [K, n] (device, long) into row ``row`` of ``lm_state`` by replaying the bucket's graph.
-
-        Returns:
-            False (nothing done) when the graphs cannot serve it: no fused path, or n beyond the largest bucket.
-        """
-        n = block.shape[-1]
-        if n > self.buckets[-1] or not self.usable(lm_state):
-            return False
-        size = next(s for s in self.buckets if s >= n)
-        entry = self._graphs.get(size)
-        if entry is None or entry.state is not lm_state:
-            entry = self._capture(lm_state, size, block.shape[0])
-            self._graphs[size] = entry
-        entry.tokens[0, :, :n].copy_(block)
-        if n < size:
-            entry.tokens[0, :, n:].copy_(block[:, -1:].expand(-1, size - n))
-        entry.rows.fill_(row)
-        entry.n_valid.fill_(n)
-        entry.graph.replay()
-        return True
-
-    def _capture(self, lm_state: Any, size: int, num_streams: int) -> _PrefillGraph:
-        device = lm_state.offset.device
-        tokens = torch.zeros(1, num_streams, size, dtype=torch.long, device=device)
-        rows = torch.zeros(1, dtype=torch.long, device=device)
-        n_valid = torch.zeros(1, dtype=torch.long, device=device)
-        warm_prefill(self.lm, lm_state, tokens)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.lm.prefill(tokens, lm_state, rows, n_valid)
-        return _PrefillGraph(graph=graph, state=lm_state, tokens=tokens, rows=rows, n_valid=n_valid)
+    if isinstance(span, str):
+        span = ContextSpan(span)
+    ids, truncated = span.encode(tokenizer, max_frames)
+    if text_card is not None and (min(ids) < 0 or max(ids) >= text_card):
+        raise SpanError(
+            f"Context Span ids must be text ids in [0, {text_card}); got values in [{min(ids)}, {max(ids)}] "
+            "(was the reference tokenised with another tokenizer?)"
+        )
+    tokens = span_block(
+        ids, num_streams=num_streams, agent_placeholder=agent_placeholder, user_placeholder=user_placeholder
+    )
+    return Block(tokens), ids, truncated
 
 
-def warm_prefill(lm: Any, lm_state: Any, tokens: torch.Tensor) -> None:
-    """Run ``lm.prefill`` of ``tokens`` [1, K, T] (CUDA) on a side stream with ``n_valid = 0``: it compiles and
-    initialises the kernels of this length before a graph capture, and changes no state (nothing is stored and no
-    offset moves)."""
-    device = tokens.device
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        lm.prefill(tokens, lm_state, zero, zero)
-    torch.cuda.current_stream(device).wait_stream(side)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def span_report(
+    row: int,
+    ids: Sequence[int],
+    truncated: bool,
+    position: int,
+    context: int | None,
+    prefix_end: int | None,
+    prefill_ms: float,
+) -> SpanReport:
+    """The :class:`SpanReport` of a block of ``ids`` inserted at ``position`` of session ``row``."""
+    n = len(ids)
+    next_position = position + n
+    left, in_window = window_status(next_position, context, prefix_end)
+    return SpanReport(
+        session=row,
+        n=n,
+        truncated=truncated,
+        ids=tuple(ids),
+        first_position=position,
+        last_position=position + n - 1,
+        next_position=next_position,
+        prefill_ms=prefill_ms,
+        context=context,
+        window_positions_left=left,
+        prefix_in_window=in_window,
+        deferred=True,
+    )
 
 
 __all__ = [
+    "Block",
     "ContextSpan",
-    "PrefillGraphs",
-    "SpanInjector",
     "SpanReport",
-    "prefill_buckets",
+    "encode_span",
     "span_block",
+    "span_report",
     "splice_block",
     "splice_mask",
     "splice_span_frames",

@@ -150,13 +150,7 @@ class TokenGrid:
         self.initial_t = torch.tensor(list(initial_tokens), dtype=torch.long, device=dev)  # [K]
         self._user_rows_t = torch.tensor(self.user_rows, dtype=torch.long, device=dev)  # [U]
         self._user_cols_t = self.pending + self.delays_t[self._user_rows_t]  # [U] buffer column of each user row
-        U = len(self.user_rows)
-        self._user_index = (
-            torch.arange(batch_size, device=dev)[:, None].expand(batch_size, U),
-            self._user_rows_t[None, :].expand(batch_size, U),
-            self._user_cols_t[None, :].expand(batch_size, U),
-        )
-        self._user_initial_t = self.initial_t[self._user_rows_t][None, :].expand(batch_size, U)
+        self._user_initial_t = self.initial_t[self._user_rows_t][None, :]  # [1, U]
         # buffer column of row k of the returned frame (frame c - D): position c - D + 1 + delay_k
         self._frame_cols_t = self.pending - self.max_delay + 1 + self.delays_t  # [K]
         # position offset of every buffer column relative to the pending position
@@ -207,87 +201,84 @@ class TokenGrid:
 
     # -- the per-frame path (tensor ops only) ------------------------------------------------------------------
 
-    def write_user(self, user_codes: torch.Tensor) -> None:
+    def _take(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows is None:
+            return self.buffer, self.position
+        return self.buffer.index_select(0, rows), self.position.index_select(0, rows)
+
+    def write_user(
+        self, user_codes: torch.Tensor, rows: torch.Tensor | None = None, write: torch.Tensor | None = None
+    ) -> None:
         """Write the user codes given to this call (user frame ``c - 1``): row r with delay d at position ``c + d``.
 
         Where that position is <= the row's delay (only at call 0) the initial token is kept.
 
         Args:
-            user_codes: [B, U] long, U = ``len(user_rows)``, codebook order.
+            user_codes: [b, U] long, U = ``len(user_rows)``, codebook order.
+            rows: [b] long sessions (None: all B, in order).
+            write: [b] bool, the sessions to write (None: all); the others keep their user rows (a session whose
+                persona prefix this call reads has them from the prefix).
         """
-        keep_initial = self.position[:, None] <= 0  # position c + d <= d
+        buffer, position = self._take(rows)
+        b = buffer.shape[0]
+        index = (torch.arange(b, device=self.device)[:, None], self._user_rows_t[None, :], self._user_cols_t[None, :])
+        keep_initial = position[:, None] <= 0  # position c + d <= d
         values = torch.where(keep_initial, self._user_initial_t, user_codes.to(self.device, torch.long))
-        self.buffer[self._user_index] = values
+        if write is not None:
+            values = torch.where(write[:, None], values, buffer[index])
+        buffer[index] = values
+        if rows is not None:
+            self.buffer.index_copy_(0, rows, buffer)
 
-    def input_column(self) -> torch.Tensor:
-        """[B, K] long: the pending column (position ``c`` of each session), what this call feeds."""
-        return self.buffer[:, :, self.pending]
+    def input_column(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, K] long: the pending column (position ``c`` of each session), what this call feeds."""
+        return self._take(rows)[0][:, :, self.pending]
 
-    def target_column(self, forced: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, K] long: what is already known of position ``c + 1`` (-2 = to be sampled), with ``forced`` applied.
+    def target_column(self, forced: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, K] long: what is already known of position ``c + 1`` (-2 = to be sampled), with ``forced`` applied.
 
         Args:
-            forced: [B, K] long tokens for position ``c + 1`` in delayed coordinates (-2 = no forcing), or None.
+            forced: [b, K] long tokens for position ``c + 1`` in delayed coordinates (-2 = no forcing), or None.
                 Row k then holds frame ``c - delays[k]``: for the 7B, text and semantic codes of frame c and
                 acoustic codes of frame ``c - 1``.
+            rows: [b] long sessions (None: all).
         """
-        target = self.buffer[:, :, self.target]
+        target = self._take(rows)[0][:, :, self.target]
         if forced is None:
             return target.clone()
         forced = forced.to(self.device, torch.long)
         return torch.where(forced != UNGENERATED, forced, target)
 
-    def commit(self, column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the target column, return the finished frame, advance every session by one position.
+    def commit(self, column: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the target column, return the finished frame, advance the sessions by one position.
 
         Args:
-            column: [B, K] long tokens of position ``c + 1`` (entries at positions <= their row's delay are stored
+            column: [b, K] long tokens of position ``c + 1`` (entries at positions <= their row's delay are stored
                 as the initial token).
+            rows: [b] long sessions (None: all).
 
         Returns:
-            (frame [B, K] long, valid [B] bool): frame ``c - D`` undelayed (row k read at position
+            (frame [b, K] long, valid [b] bool): frame ``c - D`` undelayed (row k read at position
             ``c - D + 1 + delays[k]``), -2 where not valid (``c < D``: the first call after a reset).
         """
-        target_pos = (self.position + 1)[:, None]  # [B, 1]
-        keep_initial = target_pos <= self.delays_t[None, :]  # [B, K]
+        buffer, position = self._take(rows)
+        keep_initial = (position + 1)[:, None] <= self.delays_t[None, :]  # [b, K]
         column = torch.where(keep_initial, self.initial_t[None, :].expand_as(column), column)
-        self.buffer[:, :, self.target] = column
-        idx = self._frame_cols_t[None, :, None].expand(self.batch_size, -1, 1)
-        frame = self.buffer.gather(2, idx)[:, :, 0]
-        valid = self.position >= self.max_delay
+        buffer = buffer.clone() if rows is None else buffer
+        buffer[:, :, self.target] = column
+        frame = buffer.gather(2, self._frame_cols_t[None, :, None].expand(buffer.shape[0], -1, 1))[:, :, 0]
+        valid = position >= self.max_delay
         frame = torch.where(valid[:, None], frame, torch.full_like(frame, UNGENERATED))
-        self._shift()
+        shifted = torch.cat([buffer[:, :, 1:], torch.full_like(buffer[:, :, :1], UNGENERATED)], dim=2)
+        if rows is None:
+            self.buffer.copy_(shifted)
+            self.position.add_(1)
+        else:
+            self.buffer.index_copy_(0, rows, shifted)
+            self.position.index_copy_(0, rows, position + 1)
         return frame, valid
-
-    def _shift(self) -> None:
-        self.buffer[:, :, :-1] = self.buffer[:, :, 1:].clone()
-        self.buffer[:, :, -1] = UNGENERATED
-        self.position.add_(1)
 
     # -- per-session operations (between calls) ------------------------------------------------------------
-
-    def commit_row(self, row: int, column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`commit` for one session only (the persona prefix's sampling tail).
-
-        Args:
-            row: the session.
-            column: [K] long tokens of its position ``c + 1``.
-
-        Returns:
-            (frame [K] long, valid [] bool) as :meth:`commit`.
-        """
-        position = self.position[row]
-        keep_initial = (position + 1) <= self.delays_t
-        column = torch.where(keep_initial, self.initial_t, column.to(self.device, torch.long))
-        buf = self.buffer[row].clone()
-        buf[:, self.target] = column
-        frame = buf.gather(1, self._frame_cols_t[:, None])[:, 0]
-        valid = position >= self.max_delay
-        frame = torch.where(valid, frame, torch.full_like(frame, UNGENERATED))
-        buf = torch.cat([buf[:, 1:], torch.full_like(buf[:, :1], UNGENERATED)], dim=1)
-        self.buffer[row] = buf
-        self.position[row] = position + 1
-        return frame, valid
 
     def splice(self, row: int, block: torch.Tensor) -> None:
         """Insert n columns before the pending position of session ``row`` (a Context Span block).

@@ -79,19 +79,14 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
     from cspan.core.runtime import use_cpu_threads
     from cspan.server.infer import pick_device
 
-    device, dtype = pick_device(settings.device)
     if checkpoint is None:
+        device, dtype = pick_device(settings.device)
         checkpoint = load_checkpoint(settings.checkpoint or DEFAULT_CHECKPOINT, device=device, dtype=dtype)
-    else:
-        device = getattr(checkpoint.lm, "device", device)
-        dtype = getattr(checkpoint.lm, "dtype", dtype)
-    if device.type == "cpu":
+    if checkpoint.lm.device.type == "cpu":
         use_cpu_threads()  # before the engine thread's first operation: it takes the count then
     engine = DuplexEngine(
         checkpoint,
         batch_size=settings.max_sessions,
-        device=device,
-        dtype=dtype,
         temp=settings.temp,
         temp_text=settings.temp_text,
         cuda_graphs=None if settings.cuda_graphs else False,

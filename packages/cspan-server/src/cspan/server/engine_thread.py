@@ -90,6 +90,7 @@ class EngineThread:
         self.engine = engine
         self.batch_size: int = engine.batch_size
         self.queued_spans: list[QueuedSpan] = []
+        self._live = [True] * self.batch_size  # the engine's own flags, as last set (every session starts live)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cspan-engine")
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -113,9 +114,10 @@ class EngineThread:
         """Reset row ``slot`` with ``seed`` and read its persona prefix; the engine's ``PrefixReport``."""
         return await self._call(self._prepare, slot, seed, text_prompt, voice_codes, user_name, user_city)
 
-    async def frame(self, pcm: np.ndarray, spans: list[QueuedSpan]) -> FrameResult:
-        """Read ``spans`` into their rows, then one batched step of ``pcm`` [B, 1920] float32."""
-        return await self._call(self._frame, pcm, spans)
+    async def frame(self, pcm: np.ndarray, spans: list[QueuedSpan], live: list[bool] | None = None) -> FrameResult:
+        """Read ``spans`` into their rows, then one batched step of ``pcm`` [B, 1920] float32 over the ``live`` rows
+        (default: all); the other rows are idle: not stepped, no compute (``DuplexEngine.set_live``)."""
+        return await self._call(self._frame, pcm, spans, live)
 
     async def shutdown(self) -> None:
         """Let the running call finish and stop the thread."""
@@ -134,10 +136,14 @@ class EngineThread:
             voice_codes = voice_codes.to(engine.device)
         return engine.set_persona(slot, text_prompt or None, voice_codes, user_name=name, user_city=city)
 
-    def _frame(self, pcm: np.ndarray, spans: list[QueuedSpan]) -> FrameResult:
+    def _frame(self, pcm: np.ndarray, spans: list[QueuedSpan], live: list[bool] | None) -> FrameResult:
         import torch
 
         engine = self.engine
+        for row, flag in enumerate(live if live is not None else [True] * self.batch_size):
+            if flag != self._live[row]:
+                engine.set_live(row, flag)
+                self._live[row] = flag
         for span in spans:
             try:
                 report = engine.inject_span(span.slot, span.text)

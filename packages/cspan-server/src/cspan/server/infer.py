@@ -532,8 +532,6 @@ async def _converse(
     engine = DuplexEngine(
         checkpoint,
         batch_size=1,
-        device=device,
-        dtype=dtype,
         temp=s.temp,
         temp_text=s.temp_text,
         cuda_graphs=None if s.cuda_graphs else False,

@@ -1103,7 +1103,11 @@ class SessionHub:
         if not heads:
             return
         try:
-            result: FrameResult = await self.engine_thread.frame(pcm, spans)
+            live = [False] * self.engine_thread.batch_size
+            for s in heads:
+                if s.slot is not None:
+                    live[s.slot] = True
+            result: FrameResult = await self.engine_thread.frame(pcm, spans, live)
         except Exception as exc:  # the engine failed: end the sessions of this step rather than loop on the error
             logger.exception("frame loop: the engine step failed; ending %d session(s)", len(heads))
             for s in heads:

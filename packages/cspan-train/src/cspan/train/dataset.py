@@ -11,7 +11,7 @@ text, rows 1..8 the agent's Mimi codes, rows 9..16 the user's) and its persona p
    False for every entry belonging to a prefix frame (or to no frame).
 3. For each span (``<ret>`` at dialogue frame r, deadline frame D), a delay d is drawn by :func:`sample_rag_delay`
    and the block goes before dialogue frame ``f = r + max(1, d)``, i.e. before delayed position ``c = P + f + 1``
-   -- exactly where :class:`cspan.core.span.SpanInjector` puts it when the reference arrives between the call that
+   -- exactly where ``DuplexEngine.inject_span`` puts it when the reference arrives between the call that
    returned frame ``f - 1`` and the next one. The block is :func:`cspan.core.span.span_block` of the reference ids;
    it is inserted with :func:`cspan.core.span.splice_block` into the inputs (before position c) AND into the targets
    (before target index c), and :func:`cspan.core.span.splice_mask` marks its n columns as no target. Splicing the
@@ -347,7 +347,7 @@ def assemble_sequence(
         spans: (f, ids) per block: the block goes before dialogue frame f (0 <= f < T) with text ids ``ids``.
         delays: K per-row delays.
         initial_tokens: K initial ids.
-        agent_placeholder, user_placeholder: the block's audio codes (as the engine's ``SpanInjector``).
+        agent_placeholder, user_placeholder: the block's audio codes (as the engine's ``inject_span``).
 
     Returns:
         :class:`TrainingSequence` with ``L = P + T + sum(n)`` positions.

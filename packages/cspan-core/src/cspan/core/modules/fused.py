@@ -1,47 +1,59 @@
-"""Fused GPU kernels (Triton) for the streaming transformer's per-frame step and its span prefill.
+"""Fused GPU kernels (Triton) for the streaming transformers: the duplex engine's ragged step, the depformer, Mimi.
 
 Why: a PersonaPlex frame is one temporal position through 32 layers plus 16 depformer steps of 6 layers each. In
 eager PyTorch that is about 5,000 kernel launches (RoPE alone is ~25 element-wise kernels per layer), so even
 replayed from a CUDA graph the step costs ~12 ms on an H200 for ~4 ms of weight reading. The kernels here cut a
-layer to eight launches (four matrix products through cuBLAS plus four of these) without changing the model:
+layer to a few launches (the matrix products through cuBLAS plus these) without changing the model:
 
 - :func:`rms_norm` -- float32 RMSNorm in one pass, optionally adding the residual branch first (``x + h`` rounded
   to the activation dtype, exactly what ``x = x + update`` does in the eager layer);
 - :func:`silu_gate` -- the gated FFN's ``silu(a) * b``;
-- :func:`decode_attention` -- one new position per row (the frame step): RoPE on q and k, the write of k and v
-  into the ring KV cache, and attention over the ring plus the new key, in one kernel (split over the keys when
-  few rows and heads would leave the GPU idle: flash-decoding, Dao et al. 2023, "Flash-Decoding for long-context
-  inference", with a second small kernel that merges the splits by their log-sum-exp);
-- :func:`rope_split`, :func:`prefill_attention`, :func:`kv_write` -- T > 1 new positions (a span or prompt
-  prefill): RoPE, FlashAttention-2 style attention (Dao 2023, arXiv:2307.08691, algorithm 1: online softmax over
-  key blocks) over the old ring *and* the new keys, then the write of the new keys. Reading the ring in place
-  avoids the copy and concatenation of the whole cache that the eager path needs.
+- :func:`decode_attention` -- one new position per query row (every session's next position in the engine's
+  step): RoPE on q and k, the write of k and v into the ring KV cache, and attention over the ring, in one kernel
+  (split over the keys when few rows and heads would leave the GPU idle: flash-decoding, Dao et al. 2023,
+  "Flash-Decoding for long-context inference", with a second small kernel that merges the splits by their
+  log-sum-exp);
+- :func:`rope_split`, :func:`prefill_attention`, :func:`kv_write` -- blocks of new positions (Context Spans,
+  persona prefixes, Mimi's chunks), RAGGED: any number of rows, each with its own length, in one launch each:
+  RoPE, FlashAttention-2 style attention (Dao 2023, arXiv:2307.08691, algorithm 1: online softmax over key
+  blocks) over each row's old ring *and* its own new keys, then the write of the new keys (:class:`Ragged`
+  describes the rows; the layout of vLLM's / FlashAttention's varlen kernels);
+- :func:`sample_top_k`, :func:`race_noise` -- temperature / top-k sampling with counter-based noise (a pure
+  function of the session's seed, its frame counter, the stream and the vocabulary index: :func:`noise_keys`), so
+  a session's draws never depend on which batch row, graph or device it runs in;
+- :func:`embed_add`, :func:`gemv` -- embedding lookups, and the depformer's small products with their norm, gate
+  and residual fused in.
 
 Masking is computed in the kernels from absolute positions, with the eager path's rule
 (:func:`cspan.core.kv_cache.attention_mask`): a key at position p is visible to a query at q iff p was written and
 ``0 <= q - p < window``. Ring slot s of a row that has written ``end`` positions holds position
 ``end - 1 - ((end - 1 - s) mod C)`` (:func:`cspan.core.kv_cache.slot_positions`); only the first ``min(end, C)``
-slots are read, so a short stream in a long cache costs what it holds, not the capacity. Prefill lengths can be
-padded (CUDA graphs at a few fixed lengths): ``n_valid`` (a device tensor) limits the KV writes, and padded
-positions, which come after every real one, are invisible to real queries.
+slots are read, so a short stream in a long cache costs what it holds, not the capacity. The cache layout is the
+one of :class:`cspan.core.kv_cache.KVCache`: ``[B, H, C, Dh]`` per layer, optionally FP8 (e4m3 codes with one
+float32 scale per position and head, dequantized as they are loaded).
 
 Numerics: the same roundings as the eager modules (RMSNorm and RoPE in float32, results rounded to the activation
 dtype where eager rounds them); reductions and the softmax run in another order, so results match eager within
 the dtype's rounding, not bit for bit. Every kernel is deterministic (no atomics), so a graph replay equals an
 eager run of the same path exactly.
 
-On Hopper and later every kernel is launched with programmatic dependent launch (:func:`pdl_enabled`): it may
-start while its predecessor finishes, and waits for it before touching its outputs.
+On Hopper and later every kernel is launched with programmatic dependent launch (``pdl``): it may start while its
+predecessor finishes, and waits for it before touching its outputs.
 
-Used on CUDA tensors in inference (no autograd) when Triton imports. ``CSPAN_FUSED=0`` turns every kernel off
-(the eager modules run instead); with ``TRITON_INTERPRET=1`` and ``CSPAN_FUSED=1`` they also run on CPU tensors
-through Triton's interpreter (tests).
+Switches (read once, by :func:`settings_from_env`; the duplex engine reads them when it is built, see
+:mod:`cspan.core.plan`): ``CSPAN_FUSED=0`` turns every kernel off (the eager modules run instead), ``CSPAN_FUSED=1``
+also runs them in float32 and, with ``TRITON_INTERPRET=1``, on CPU tensors through Triton's interpreter (tests);
+``CSPAN_PDL=0`` launches without PDL; ``CSPAN_GEMV=0`` keeps the depformer's products on cuBLAS;
+``CSPAN_DECODE_CONFIG="block_n,max_splits,waves,warps,stages,lanes"`` overrides :data:`DECODE_CONFIGS` (tuning);
+``CSPAN_ATTENTION=triton|flashinfer`` chooses the engine's decode attention (:mod:`cspan.core.attention`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -67,19 +79,81 @@ except ImportError:  # pragma: no cover - depends on the installation
 _LOG2E = 1.4426950408889634
 
 
+@dataclass(frozen=True)
+class KernelSettings:
+    """The kernel switches of the environment (see the module docstring), read by :func:`settings_from_env`.
+
+    Attributes:
+        enabled: False with ``CSPAN_FUSED=0``.
+        forced: True with ``CSPAN_FUSED=1`` (float32 too; CPU tensors under the interpreter).
+        interpret: ``TRITON_INTERPRET=1`` and ``CSPAN_FUSED=1``: CPU tensors run through Triton's interpreter.
+        pdl: False with ``CSPAN_PDL=0``.
+        gemv: False with ``CSPAN_GEMV=0``.
+        decode_config: ``CSPAN_DECODE_CONFIG`` parsed, or None.
+        attention: ``CSPAN_ATTENTION``: "auto" (default), "triton" or "flashinfer" (:mod:`cspan.core.attention`).
+    """
+
+    enabled: bool
+    forced: bool
+    interpret: bool
+    pdl: bool
+    gemv: bool
+    decode_config: tuple[int, int, int, int, int, int] | None
+    attention: str = "auto"
+
+
+def settings_from_env() -> KernelSettings:
+    """The switches as the environment sets them now (the one place they are read).
+
+    Raises:
+        ValueError: ``CSPAN_DECODE_CONFIG`` is not five integers.
+    """
+    fused = os.environ.get("CSPAN_FUSED")
+    env = os.environ.get("CSPAN_DECODE_CONFIG")
+    config = None
+    attention = os.environ.get("CSPAN_ATTENTION", "auto")
+    if attention not in ("auto", "triton", "flashinfer"):
+        raise ValueError(f"CSPAN_ATTENTION must be auto, triton or flashinfer, got {attention!r}")
+    if env:
+        try:
+            bn, splits, waves, warps, stages, lanes = (int(v) for v in env.split(","))
+        except ValueError as exc:
+            raise ValueError(
+                f"CSPAN_DECODE_CONFIG must be six integers 'block_n,max_splits,waves,warps,stages,lanes', got {env!r}"
+            ) from exc
+        config = (bn, splits, waves, warps, stages, lanes)
+    return KernelSettings(
+        enabled=fused != "0",
+        forced=fused == "1",
+        interpret=os.environ.get("TRITON_INTERPRET") == "1" and fused == "1",
+        pdl=os.environ.get("CSPAN_PDL") != "0",
+        gemv=os.environ.get("CSPAN_GEMV") != "0",
+        decode_config=config,
+        attention=attention,
+    )
+
+
+DEFAULT = settings_from_env()
+"""The switches at import: what modules that are not given an execution plan use (Mimi, norms, embeddings)."""
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("CSPAN_FUSED") == "1"
+    return DEFAULT.interpret
+
+
+def runs_on(device: torch.device, settings: KernelSettings = DEFAULT) -> bool:
+    """Whether the kernels can run on ``device``: Triton present, not disabled, CUDA (or CPU under the interpreter)."""
+    if not HAVE_TRITON or not settings.enabled:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and settings.interpret)
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the fused kernels may run on these tensors: Triton present, not disabled (``CSPAN_FUSED=0``), CUDA
-    tensors (or CPU ones under the interpreter), and no autograd through them (training keeps the eager modules)."""
-    if not HAVE_TRITON or os.environ.get("CSPAN_FUSED") == "0":
+    """Whether the fused kernels may run on these tensors (:func:`runs_on` their device with :data:`DEFAULT`) with no
+    autograd through them (training keeps the eager modules)."""
+    if not runs_on(tensors[0].device):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    first = tensors[0]
-    return first.is_cuda or (first.device.type == "cpu" and _interpreting())
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 @lru_cache(maxsize=8)
@@ -90,12 +164,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 @lru_cache(maxsize=8)
-def _pdl_device(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with programmatic dependent launch (PDL, Hopper and later).
+def pdl_supported(device: torch.device) -> bool:
+    """Whether ``device`` can launch with programmatic dependent launch (PDL: Hopper and later, Triton >= 3.3).
 
     With PDL a kernel may start while the one before it in the stream is still running: every kernel here first
     signals ``griddepcontrol.launch_dependents`` (its successor may be scheduled), and waits
@@ -103,38 +173,50 @@ def pdl_enabled(device: torch.device) -> bool:
     before it reads or writes anything a predecessor produces or reads. Only :func:`gemv` does work before the
     wait: it loads its weights, which no kernel writes, so the weight stream of one product overlaps the tail of
     the previous one. CUDA graphs keep these programmatic edges. Kernels after a non-PDL launch (cuBLAS, PyTorch)
-    still wait for it to finish, so the result is the same with PDL on or off. ``CSPAN_PDL=0`` turns it off.
+    still wait for it to finish, so the result is the same with PDL on or off.
     Source: CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; PTX ISA, griddepcontrol.
     """
-    return HAVE_GDC and os.environ.get("CSPAN_PDL") != "0" and not _interpreting() and _pdl_device(device)
+    return HAVE_GDC and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _launch_opts(device: torch.device, **opts):
-    """Launch keyword arguments plus the PDL switch (the ``PDL`` constexpr and Triton's ``launch_pdl``)."""
-    if pdl_enabled(device):
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL for kernels launched without an explicit choice (:data:`DEFAULT` and :func:`pdl_supported`)."""
+    return DEFAULT.pdl and not DEFAULT.interpret and pdl_supported(device)
+
+
+def _launch_opts(device: torch.device, pdl: bool | None = None, **opts):
+    """Launch keyword arguments plus the PDL switch (the ``PDL`` constexpr and Triton's ``launch_pdl``); ``pdl``
+    None takes :func:`pdl_enabled`."""
+    if pdl is None:
+        pdl = pdl_enabled(device)
+    if pdl:
         opts.update(PDL=True, launch_pdl=True)
     else:
         opts["PDL"] = False
     return opts
 
 
-DECODE_CONFIG = (32, 64, 8, 4)
-"""(block_n, max_splits, waves, num_warps) of :func:`decode_attention` for head dimensions > 64 (block_n is 64
-for smaller heads): key block, the most key splits, the waves of programs the splits aim for, warps."""
+DecodeConfig = tuple[int, int, int, int, int, int]
+DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
+    (1, (32, 64, 8, 4, 3, 0)),
+    (8, (128, 16, 2, 8, 3, 0)),
+    (16, (64, 16, 2, 4, 3, 0)),
+)
+"""(smallest batch, (block_n, max_splits, waves, num_warps, num_stages, lanes)) of :func:`decode_attention` for
+head dimensions > 64 (block_n is 64 for smaller heads); the last entry whose batch is at most the step's row count
+applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages, and
+``lanes`` 1 for one online softmax per key slot of a block (no reduction across warps inside the loop) or 0 for one
+per program. The defaults are the fastest of round 4's full-ring measurements (docs/perf/round4, lanes 0);
+``scripts/perf_h200.py attention`` measures every candidate per batch size and prints the table to paste."""
 
 
-def _decode_config() -> tuple[int, int, int, int]:
-    """:data:`DECODE_CONFIG`, or ``CSPAN_DECODE_CONFIG="block_n,max_splits,waves,warps"`` (for tuning runs)."""
-    env = os.environ.get("CSPAN_DECODE_CONFIG")
-    if not env:
-        return DECODE_CONFIG
-    try:
-        bn, splits, waves, warps = (int(v) for v in env.split(","))
-    except ValueError as exc:
-        raise ValueError(
-            f"CSPAN_DECODE_CONFIG must be four integers 'block_n,max_splits,waves,warps', got {env!r}"
-        ) from exc
-    return bn, splits, waves, warps
+def decode_config(rows: int) -> DecodeConfig:
+    """The :data:`DECODE_CONFIGS` entry for a step of ``rows`` query rows."""
+    chosen = DECODE_CONFIGS[0][1]
+    for smallest, config in DECODE_CONFIGS:
+        if rows >= smallest:
+            chosen = config
+    return chosen
 
 
 def _splits(device: torch.device, programs: int, key_blocks: int, max_splits: int = 16, waves: int = 2) -> int:
@@ -144,6 +226,46 @@ def _splits(device: torch.device, programs: int, key_blocks: int, max_splits: in
     if programs * 2 >= target:
         return 1
     return max(1, min(max_splits, triton.cdiv(target, programs), triton.cdiv(key_blocks, 2)))
+
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (wrapping products, logical shifts), Steele et al. 2014, "Fast
+    splittable pseudorandom number generators"."""
+    z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * _MIX1
+    z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * _MIX2
+    return z ^ ((z >> 31) & 0x1FFFFFFFF)
+
+
+def noise_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.Tensor:
+    """[b] int64 keys of the noise of (session seed, frame counter, stream) for :func:`race_noise`."""
+    return _mix64(_mix64(seed + _GOLDEN) + counter * 64 + stream + _GOLDEN)
+
+
+def race_noise(seed: torch.Tensor, counter: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
+    """Exp(1) noise of the exponential race: entry v of row r is ``-log(u)``, ``u`` the top 24 bits of
+    ``mix64(key_r + (v + 1) * golden) + 1/2`` over 2^24, ``key_r`` = :func:`noise_keys` (seed_r, counter_r, stream).
+
+    The same integers on every device (and in :func:`sample_top_k`'s kernel), so the draws of a session depend only
+    on its seed, its frame counter, the stream (0 text, 1 + k depformer codebook k) and the entry.
+
+    Args:
+        seed, counter: [b] long.
+        stream: 0 .. 63.
+        vocab: V.
+
+    Returns:
+        [b, V] float32.
+    """
+    keys = noise_keys(seed, counter, stream)
+    v = (torch.arange(1, vocab + 1, device=seed.device, dtype=torch.long) * _GOLDEN)[None, :]
+    z = _mix64(keys[:, None] + v)
+    u = (((z >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
 
 
 if HAVE_TRITON:
@@ -159,6 +281,22 @@ if HAVE_TRITON:
         """Wait until the previous kernel in the stream has finished and its writes are visible (PDL)."""
         if PDL:
             gdc_wait()
+
+    @triton.jit
+    def _mix64_tl(z):
+        """:func:`_mix64` on int64 values."""
+        z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * -4658895280553007687
+        z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * -7723592293110705685
+        return z ^ ((z >> 31) & 0x1FFFFFFFF)
+
+    @triton.jit
+    def _race_noise_tl(seed, counter, stream, v):
+        """:func:`race_noise` of entries ``v`` (int64 tensor) for one row."""
+        golden = -7046029254386353131
+        key = _mix64_tl(_mix64_tl(seed + golden) + counter * 64 + stream + golden)
+        z = _mix64_tl(key + (v + 1) * golden)
+        u = (((z >> 40) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        return -tl.log(u)
 
     @triton.jit
     def _rms_norm_kernel(
@@ -216,14 +354,23 @@ if HAVE_TRITON:
         return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
 
     @triton.jit
+    def _quantize_fp8(x, FP8_TY: tl.constexpr):
+        """(e4m3 codes, float32 scale) of one vector: ``x ~ codes * scale``, scale = max|x| / 448."""
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1.1754943508222875e-38)
+        codes = tl.minimum(tl.maximum(x / scale, -448.0), 448.0).to(FP8_TY)
+        return codes, scale
+
+    @triton.jit
     def _decode_attn_kernel(
         qkv_ptr,
         cos_ptr,
         sin_ptr,
         kc_ptr,
         vc_ptr,
+        ks_ptr,
+        vs_ptr,
         rows_ptr,
-        offset_ptr,
+        pos_ptr,
         out_ptr,
         part_o_ptr,
         part_lse_ptr,
@@ -231,14 +378,20 @@ if HAVE_TRITON:
         C,
         window,
         scale_log2,
+        stride_q,
         stride_cb,
         stride_ch,
         stride_cs,
-        HAS_ROWS: tl.constexpr,
+        stride_sb,
+        stride_sh,
+        stride_ss,
         ROPE: tl.constexpr,
+        FP8: tl.constexpr,
         DH: tl.constexpr,
         BN: tl.constexpr,
         SPLITS: tl.constexpr,
+        STAGES: tl.constexpr,
+        LANES: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_start(PDL)
@@ -247,10 +400,10 @@ if HAVE_TRITON:
         sid = tl.program_id(1)
         b = pid // H
         h = pid % H
-        row = tl.load(rows_ptr + b) if HAS_ROWS else b.to(tl.int64)
-        offset = tl.load(offset_ptr + row).to(tl.int32)  # this query's position; the ring holds < offset
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        pos = tl.load(pos_ptr + b).to(tl.int32)  # this query's position; the ring holds positions < pos
         d = tl.arange(0, DH)
-        base = qkv_ptr + b.to(tl.int64) * 3 * H * DH + h * DH
+        base = qkv_ptr + b.to(tl.int64) * stride_q + h * DH
         q = tl.load(base + d).to(tl.float32)
         k = tl.load(base + H * DH + d).to(tl.float32)
         v = tl.load(base + 2 * H * DH + d)
@@ -260,40 +413,83 @@ if HAVE_TRITON:
             s = tl.load(sin_ptr + b * (DH // 2) + d // 2)
             q = _rotate(q, tl.load(base + (d ^ 1)).to(tl.float32), c, s, even)
             k = _rotate(k, tl.load(base + H * DH + (d ^ 1)).to(tl.float32), c, s, even)
-        q = q.to(kc_ptr.dtype.element_ty).to(tl.float32)
-        k_store = k.to(kc_ptr.dtype.element_ty)
-        k = k_store.to(tl.float32)
+        q = q.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        k = k.to(qkv_ptr.dtype.element_ty).to(tl.float32)
         cache = row * stride_cb + h * stride_ch
-        if sid == 0:
-            # the slot of position ``offset`` held position offset - C, which no query from now on can see
-            slot = offset % C
-            tl.store(kc_ptr + cache + slot * stride_cs + d, k_store)
-            tl.store(vc_ptr + cache + slot * stride_cs + d, v.to(vc_ptr.dtype.element_ty))
+        scales = row * stride_sb + h * stride_sh
+        slot = pos % C  # held position pos - C, which no query from now on can see
+        if FP8:
+            k_code, k_scale = _quantize_fp8(k, kc_ptr.dtype.element_ty)
+            v_code, v_scale = _quantize_fp8(v.to(tl.float32), vc_ptr.dtype.element_ty)
+            k = k_code.to(tl.float32) * k_scale
+            v_new = v_code.to(tl.float32) * v_scale
+            if sid == 0:
+                tl.store(kc_ptr + cache + slot * stride_cs + d, k_code)
+                tl.store(vc_ptr + cache + slot * stride_cs + d, v_code)
+                tl.store(ks_ptr + scales + slot * stride_ss, k_scale)
+                tl.store(vs_ptr + scales + slot * stride_ss, v_scale)
+        else:
+            k_store = k.to(kc_ptr.dtype.element_ty)
+            v_store = v.to(vc_ptr.dtype.element_ty)
+            k = k_store.to(tl.float32)
+            v_new = v_store.to(tl.float32)
+            if sid == 0:
+                tl.store(kc_ptr + cache + slot * stride_cs + d, k_store)
+                tl.store(vc_ptr + cache + slot * stride_cs + d, v_store)
 
-        m_i = tl.full((), -1.0e30, tl.float32)
-        l_i = tl.full((), 0.0, tl.float32)
-        acc = tl.zeros((DH,), tl.float32)
-        n_ring = tl.minimum(offset, C)
-        last = offset - 1
+        n_ring = tl.minimum(pos, C)
+        last = pos - 1
+        if LANES:
+            # one online softmax per key slot of the block (a BN-way split inside the program): the loop has no
+            # reduction across warps; the BN states are merged once, after it
+            m_v = tl.full((BN,), -1.0e30, tl.float32)
+            l_v = tl.zeros((BN,), tl.float32)
+            acc_v = tl.zeros((BN, DH), tl.float32)
+        else:
+            m_i = tl.full((), -1.0e30, tl.float32)
+            l_i = tl.full((), 0.0, tl.float32)
+            acc = tl.zeros((DH,), tl.float32)
         # split s takes key blocks s, s + SPLITS, ...: the work spreads over the splits however full the ring is
-        for blk in range(sid, tl.cdiv(n_ring, BN), SPLITS):
+        for blk in tl.range(sid, tl.cdiv(n_ring, BN), SPLITS, num_stages=STAGES):
             slots = blk * BN + tl.arange(0, BN)
             smask = slots < n_ring
-            pos = last - ((last - slots) % C)
-            visible = smask & ((offset - pos) < window)
+            p_k = last - ((last - slots) % C)
+            visible = smask & ((pos - p_k) < window)
             # both loads issued before any arithmetic: two blocks of memory in flight per iteration
             kb = tl.load(kc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
             vb = tl.load(vc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
             scores = tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale_log2
-            m_i, l_i, alpha, p = _softmax_update_1d(m_i, l_i, scores, visible)
-            acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+            if FP8:
+                ksc = tl.load(ks_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
+                vsc = tl.load(vs_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
+                scores = scores * ksc
+            if LANES:
+                scores = tl.where(visible, scores, -1.0e30)
+                m_new = tl.maximum(m_v, scores)
+                alpha_v = tl.exp2(m_v - m_new)
+                p = tl.where(visible, tl.exp2(scores - m_new), 0.0)
+                l_v = l_v * alpha_v + p
+                if FP8:
+                    p = p * vsc
+                acc_v = acc_v * alpha_v[:, None] + p[:, None] * vb.to(tl.float32)
+                m_v = m_new
+            else:
+                m_i, l_i, alpha, p = _softmax_update_1d(m_i, l_i, scores, visible)
+                if FP8:
+                    p = p * vsc
+                acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+        if LANES:  # merge the BN softmax states
+            m_i = tl.max(m_v, axis=0)
+            w = tl.where(l_v > 0.0, tl.exp2(m_v - m_i), 0.0)
+            l_i = tl.sum(l_v * w, axis=0)
+            acc = tl.sum(acc_v * w[:, None], axis=0)
         if sid == SPLITS - 1:  # the new key: always visible to its own query
             score = tl.sum(q * k, axis=0) * scale_log2
             m_new = tl.maximum(m_i, score)
             alpha = tl.exp2(m_i - m_new)
             p1 = tl.exp2(score - m_new)
             l_i = l_i * alpha + p1
-            acc = acc * alpha + p1 * v.to(tl.float32)
+            acc = acc * alpha + p1 * v_new
             m_i = m_new
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / safe_l
@@ -308,18 +504,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(
-        part_o_ptr,
-        part_lse_ptr,
-        out_ptr,
-        R,
-        H,
-        T,
-        DH: tl.constexpr,
-        SPLITS: tl.constexpr,
-        SP2: tl.constexpr,
+        part_o_ptr, part_lse_ptr, out_ptr, R, DH: tl.constexpr, SPLITS: tl.constexpr, SP2: tl.constexpr,
         PDL: tl.constexpr,
-    ):
-        """Merge SPLITS partial attention outputs of one (row, head, query) by their log-sum-exp (base 2)."""
+    ):  # fmt: skip
+        """Merge SPLITS partial attention outputs of one (query, head) r by their log-sum-exp (base 2) into
+        ``out[r]`` (out is [R, DH]: queries x heads, head-minor)."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
         r = tl.program_id(0)
@@ -330,35 +519,28 @@ if HAVE_TRITON:
         w = tl.where(smask, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)
         o = tl.load(part_o_ptr + (sp[:, None] * R + r).to(tl.int64) * DH + d[None, :], mask=smask[:, None], other=0.0)
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-        bh = r // T
-        i = r % T
-        b = bh // H
-        h = bh % H
-        dst = ((b * T + i) * H + h).to(tl.int64) * DH + d
-        tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + r.to(tl.int64) * DH + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _rope_split_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, T, ROPE: tl.constexpr, DH: tl.constexpr, PDL: tl.constexpr
+        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, ROPE: tl.constexpr, DH: tl.constexpr, PDL: tl.constexpr
     ):
         _pdl_start(PDL)
         _pdl_wait(PDL)
-        pid = tl.program_id(0)  # (row, position)
+        t = tl.program_id(0)  # token
         h = tl.program_id(1)
-        b = pid // T
-        t = pid % T
         d = tl.arange(0, DH)
-        base = qkv_ptr + pid.to(tl.int64) * 3 * H * DH + h * DH
+        base = qkv_ptr + t.to(tl.int64) * 3 * H * DH + h * DH
         q = tl.load(base + d).to(tl.float32)
         k = tl.load(base + H * DH + d).to(tl.float32)
         v = tl.load(base + 2 * H * DH + d)
         if ROPE:
             even = (d % 2) == 0
-            c = tl.load(cos_ptr + pid * (DH // 2) + d // 2)
-            s = tl.load(sin_ptr + pid * (DH // 2) + d // 2)
+            c = tl.load(cos_ptr + t * (DH // 2) + d // 2)
+            s = tl.load(sin_ptr + t * (DH // 2) + d // 2)
             q = _rotate(q, tl.load(base + (d ^ 1)).to(tl.float32), c, s, even)
             k = _rotate(k, tl.load(base + H * DH + (d ^ 1)).to(tl.float32), c, s, even)
-        dst = ((b * H + h) * T + t).to(tl.int64) * DH + d
+        dst = (t.to(tl.int64) * H + h) * DH + d
         tl.store(q_ptr + dst, q.to(q_ptr.dtype.element_ty))
         tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty))
         tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty))
@@ -370,22 +552,31 @@ if HAVE_TRITON:
         v_ptr,
         kc_ptr,
         vc_ptr,
-        rows_ptr,
-        offset_ptr,
+        ks_ptr,
+        vs_ptr,
+        seq_row_ptr,
+        seq_start_ptr,
+        seq_len_ptr,
+        seq_pos_ptr,
+        qb_seq_ptr,
+        qb_j_ptr,
         out_ptr,
         part_o_ptr,
         part_lse_ptr,
         H,
-        T,
         C,
         window,
         scale_log2,
         stride_cb,
         stride_ch,
         stride_cs,
+        stride_sb,
+        stride_sh,
+        stride_ss,
         blocks_per_split,
-        HAS_ROWS: tl.constexpr,
+        n_tokens,
         IEEE: tl.constexpr,
+        FP8: tl.constexpr,
         DH: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
@@ -394,49 +585,61 @@ if HAVE_TRITON:
     ):
         _pdl_start(PDL)
         _pdl_wait(PDL)
-        pid_bh = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        qb = tl.program_id(0)
+        h = tl.program_id(1)
         sid = tl.program_id(2)
-        b = pid_bh // H
-        h = pid_bh % H
-        row = tl.load(rows_ptr + b) if HAS_ROWS else b.to(tl.int64)
-        offset = tl.load(offset_ptr + row).to(tl.int32)  # new key 0's position; the ring holds < offset
+        seq_raw = tl.load(qb_seq_ptr + qb)
+        live = seq_raw >= 0  # padding programs (fixed grids of CUDA graphs) do nothing
+        seq = tl.maximum(seq_raw, 0)
+        j0 = tl.load(qb_j_ptr + qb).to(tl.int32)
+        row = tl.load(seq_row_ptr + seq).to(tl.int64)
+        start = tl.load(seq_start_ptr + seq).to(tl.int64)
+        L = tl.where(live, tl.load(seq_len_ptr + seq).to(tl.int32), 0)
+        pos0 = tl.load(seq_pos_ptr + seq).to(tl.int32)  # the first new position; the ring holds < pos0
         d = tl.arange(0, DH)
-        i = pid_m * BM + tl.arange(0, BM)
-        imask = i < T
-        head = pid_bh.to(tl.int64) * T
-        q = tl.load(q_ptr + (head + i)[:, None] * DH + d[None, :], mask=imask[:, None], other=0.0)
-        qpos = offset + i
+        i = j0 + tl.arange(0, BM)
+        imask = i < L
+        tok = start + i
+        q = tl.load(q_ptr + (tok * H + h)[:, None] * DH + d[None, :], mask=imask[:, None], other=0.0)
+        qpos = pos0 + i
         m_i = tl.full((BM,), -1.0e30, tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, DH), tl.float32)
         cache = row * stride_cb + h * stride_ch
-        n_ring = tl.minimum(offset, C)
-        last = offset - 1
+        scales = row * stride_sb + h * stride_sh
+        n_ring = tl.where(live, tl.minimum(pos0, C), 0)
+        last = pos0 - 1
         lo = sid * blocks_per_split * BN
         hi = tl.minimum(lo + blocks_per_split * BN, n_ring)
-        for start in range(lo, hi, BN):
-            slots = start + tl.arange(0, BN)
+        for start_k in range(lo, hi, BN):
+            slots = start_k + tl.arange(0, BN)
             smask = slots < hi
-            pos = last - ((last - slots) % C)
+            p_k = last - ((last - slots) % C)
             kb = tl.load(kc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
+            vb = tl.load(vc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
+            if FP8:
+                ksc = tl.load(ks_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
+                vsc = tl.load(vs_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
+                kb = (kb.to(tl.float32) * ksc[:, None]).to(q_ptr.dtype.element_ty)
+                vb = (vb.to(tl.float32) * vsc[:, None]).to(q_ptr.dtype.element_ty)
             if IEEE:
                 scores = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale_log2
             else:
                 scores = tl.dot(q, tl.trans(kb)) * scale_log2
-            visible = smask[None, :] & ((qpos[:, None] - pos[None, :]) < window)
+            visible = smask[None, :] & ((qpos[:, None] - p_k[None, :]) < window)
             m_i, l_i, alpha, p = _softmax_update_2d(m_i, l_i, scores, visible)
-            vb = tl.load(vc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-        if sid == SPLITS - 1:  # the new keys, causal: up to the last query of this block
-            hi_new = tl.minimum(T, (pid_m + 1) * BM)
-            for start in range(0, hi_new, BN):
-                j = start + tl.arange(0, BN)
-                jmask = j < T
-                kb = tl.load(k_ptr + (head + j)[:, None] * DH + d[None, :], mask=jmask[:, None], other=0.0)
+        if sid == SPLITS - 1:  # the row's own new keys, causal: up to the last query of this block
+            hi_new = tl.minimum(L, j0 + BM)
+            for start_j in range(0, hi_new, BN):
+                j = start_j + tl.arange(0, BN)
+                jmask = j < L
+                src = ((start + j) * H + h)[:, None] * DH + d[None, :]
+                kb = tl.load(k_ptr + src, mask=jmask[:, None], other=0.0)
+                vb = tl.load(v_ptr + src, mask=jmask[:, None], other=0.0)
                 if IEEE:
                     scores = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale_log2
                 else:
@@ -444,19 +647,17 @@ if HAVE_TRITON:
                 delta = i[:, None] - j[None, :]
                 visible = jmask[None, :] & (delta >= 0) & (delta < window)
                 m_i, l_i, alpha, p = _softmax_update_2d(m_i, l_i, scores, visible)
-                vb = tl.load(v_ptr + (head + j)[:, None] * DH + d[None, :], mask=jmask[:, None], other=0.0)
                 if IEEE:
                     acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / safe_l[:, None]
+        r = tok * H + h  # (token, head) row of the [n_tokens * H, DH] output
         if SPLITS == 1:
-            dst = ((b * T + i) * H + h).to(tl.int64)[:, None] * DH + d[None, :]
-            tl.store(out_ptr + dst, o.to(out_ptr.dtype.element_ty), mask=imask[:, None])
+            tl.store(out_ptr + r[:, None] * DH + d[None, :], o.to(out_ptr.dtype.element_ty), mask=imask[:, None])
         else:
-            n_rows = tl.num_programs(0) * T
-            idx = (sid * n_rows + head + i).to(tl.int64)
+            idx = sid * n_tokens * H + r
             tl.store(part_o_ptr + idx[:, None] * DH + d[None, :], o, mask=imask[:, None])
             lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), -1.0e30)
             tl.store(part_lse_ptr + idx, lse, mask=imask)
@@ -467,37 +668,45 @@ if HAVE_TRITON:
         v_ptr,
         kc_ptr,
         vc_ptr,
-        rows_ptr,
-        offset_ptr,
-        n_valid_ptr,
+        ks_ptr,
+        vs_ptr,
+        tok_row_ptr,
+        tok_pos_ptr,
         H,
-        T,
         C,
         stride_cb,
         stride_ch,
         stride_cs,
-        HAS_ROWS: tl.constexpr,
-        HAS_N: tl.constexpr,
+        stride_sb,
+        stride_sh,
+        stride_ss,
+        FP8: tl.constexpr,
         DH: tl.constexpr,
-        BT: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_start(PDL)
         _pdl_wait(PDL)
-        pid_bh = tl.program_id(0)
-        b = pid_bh // H
-        h = pid_bh % H
-        row = tl.load(rows_ptr + b) if HAS_ROWS else b.to(tl.int64)
-        offset = tl.load(offset_ptr + row).to(tl.int32)
-        n = tl.load(n_valid_ptr).to(tl.int32) if HAS_N else T
-        d = tl.arange(0, DH)
-        j = tl.program_id(1) * BT + tl.arange(0, BT)
-        jmask = (j < n) & (j >= n - C)  # a chunk longer than the ring keeps its last C positions
-        slots = (offset + j) % C
-        src = (pid_bh.to(tl.int64) * T + j)[:, None] * DH + d[None, :]
-        dst = row * stride_cb + h * stride_ch + slots[:, None] * stride_cs + d[None, :]
-        tl.store(kc_ptr + dst, tl.load(k_ptr + src, mask=jmask[:, None], other=0.0), mask=jmask[:, None])
-        tl.store(vc_ptr + dst, tl.load(v_ptr + src, mask=jmask[:, None], other=0.0), mask=jmask[:, None])
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        pos = tl.load(tok_pos_ptr + t)
+        if pos >= 0:  # -1: not stored (padding, or overwritten by a later position of the same chunk)
+            row = tl.load(tok_row_ptr + t).to(tl.int64)
+            d = tl.arange(0, DH)
+            src = (t.to(tl.int64) * H + h) * DH + d
+            dst = row * stride_cb + h * stride_ch + (pos % C) * stride_cs + d
+            k = tl.load(k_ptr + src)
+            v = tl.load(v_ptr + src)
+            if FP8:
+                k_code, k_scale = _quantize_fp8(k.to(tl.float32), kc_ptr.dtype.element_ty)
+                v_code, v_scale = _quantize_fp8(v.to(tl.float32), vc_ptr.dtype.element_ty)
+                tl.store(kc_ptr + dst, k_code)
+                tl.store(vc_ptr + dst, v_code)
+                sdst = row * stride_sb + h * stride_sh + (pos % C) * stride_ss
+                tl.store(ks_ptr + sdst, k_scale)
+                tl.store(vs_ptr + sdst, v_scale)
+            else:
+                tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty))
+                tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
 
     @triton.jit
     def _embed_add_kernel(
@@ -526,18 +735,28 @@ if HAVE_TRITON:
         tl.store(out_ptr + r.to(tl.int64) * D + cols, e, mask=mask)
 
     @triton.jit
+    def _noise_kernel(seed_ptr, counter_ptr, out_ptr, V, stream, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
+        b = tl.program_id(0)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        q = _race_noise_tl(tl.load(seed_ptr + b), tl.load(counter_ptr + b), stream, i.to(tl.int64))
+        tl.store(out_ptr + b.to(tl.int64) * V + i, q, mask=i < V)
+
+    @triton.jit
     def _sample_kernel(
         logits_ptr,
-        noise_ptr,
+        seed_ptr,
+        counter_ptr,
         target_ptr,
         out_ptr,
         V,
         stride_l,
-        stride_n,
         stride_t,
         stride_o,
         temperature,
         top_k,
+        stream,
         GREEDY: tl.constexpr,
         KEY16: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -575,7 +794,7 @@ if HAVE_TRITON:
                 hi = tl.where(enough, hi, mid)
             in_top = mask & (key >= lo)
             p = tl.exp(s - tl.max(s, axis=0))
-            q = tl.load(noise_ptr + b * stride_n + i, mask=mask, other=1.0)
+            q = _race_noise_tl(tl.load(seed_ptr + b), tl.load(counter_ptr + b), stream, i.to(tl.int64))
             choice = tl.argmax(tl.where(in_top, p / q, -1.0), axis=0)
         known = tl.load(target_ptr + b * stride_t)
         token = tl.where(known != -2, known, choice.to(tl.int64))
@@ -637,12 +856,12 @@ if HAVE_TRITON:
 # --- wrappers ------------------------------------------------------------------------------------------------------
 
 
-def _rows_arg(rows: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return like if rows is None else rows
-
-
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 RMSNorm of ``x + residual`` (or of ``x``): ``y = s * (w * rsqrt(mean(s^2) + eps))``.
 
@@ -666,12 +885,12 @@ def rms_norm(
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, res, s, weight.reshape(-1), y, D, float(eps),
-        **_launch_opts(x.device, HAS_RES=residual is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4),
+        **_launch_opts(x.device, pdl, HAS_RES=residual is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4),
     )  # fmt: skip
     return s.view(x.shape), y.view(x.shape)
 
 
-def silu_gate(h: torch.Tensor) -> torch.Tensor:
+def silu_gate(h: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
     """``silu(h[..., :H]) * h[..., H:]`` of a gated FFN's input projection h [..., 2H] -> [..., H] (the SiLU result
     rounded to h's dtype before the product, as the eager module)."""
     H = h.shape[-1] // 2
@@ -679,13 +898,13 @@ def silu_gate(h: torch.Tensor) -> torch.Tensor:
     y = torch.empty(h2.shape[0], H, device=h.device, dtype=h.dtype)
     block = 1024
     _silu_gate_kernel[(h2.shape[0], triton.cdiv(H, block))](
-        h2, y, H, **_launch_opts(h.device, BLOCK=block, num_warps=4)
+        h2, y, H, **_launch_opts(h.device, pdl, BLOCK=block, num_warps=4)
     )
     return y.view(*h.shape[:-1], H)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [B, T, Dh/2] float32 of the RoPE angles of ``positions`` [B, T], computed as
+    """(cos, sin) [..., Dh/2] float32 of the RoPE angles of ``positions`` [...], computed as
     :func:`cspan.core.modules.rope.apply_rope` does (once per forward, shared by every layer)."""
     half = head_dim // 2
     ds = torch.arange(half, device=positions.device, dtype=torch.float32)
@@ -694,78 +913,163 @@ def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float) -> tu
     return torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
 
 
+def _scale_args(
+    keys: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """(key_scale, value_scale, strides over rows, heads, slots) of [B, H, C] scales: dummies without FP8."""
+    if scales is None:
+        return keys, keys, 0, 0, 0
+    ks, vs = scales
+    return ks, vs, ks.stride(0), ks.stride(1), ks.stride(2)
+
+
 def decode_attention(
     qkv: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    offset: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor,
     window: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    rows: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: DecodeConfig | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """Attention of ONE new position per row over its ring KV cache, with the new key/value written in.
+    """Attention of ONE new position per query row over its cache row's ring, with the new key/value written in.
 
     Args:
-        qkv: [B', 1, 3 * H * Dh] the fused projection's output ([q; k; v], head-major).
-        keys, values: one layer's ring buffers [B, H, C, Dh] (updated in place at slot ``offset % C``).
-        offset: [B] long, each row's position count before this step (the new position).
+        qkv: [b, 3 * H * Dh] (or [b, 1, 3 * H * Dh]) the fused projection's output ([q; k; v], head-major).
+        keys, values: one layer's ring buffers [B, H, C, Dh] (updated in place at slot ``position % C``).
+        positions: [b] long, each query's position; its cache row holds positions ``< position`` (and keeps them).
+        rows: [b] long cache rows.
         window: attention window in positions (<= C).
-        rope: (cos, sin) [B', 1, Dh/2] from :func:`rope_tables`, or None (no RoPE).
-        rows: [B'] long rows of the cache, None for all rows.
-        config: (block_n, max_splits, waves, num_warps) for tuning (default :data:`DECODE_CONFIG`).
+        rope: (cos, sin) [b, Dh/2] from :func:`rope_tables`, or None (no RoPE).
+        scales: (key_scale, value_scale) [B, H, C] float32 of an FP8 cache, else None.
+        config: (block_n, max_splits, waves, num_warps, num_stages, lanes); default :func:`decode_config`.
+        pdl: launch with PDL (None: :func:`pdl_enabled`).
 
     Returns:
-        [B', 1, H * Dh] attention output (heads concatenated), in qkv's dtype.
+        [b, H * Dh] (heads concatenated; [b, 1, H * Dh] for a 3-D qkv), in qkv's dtype.
     """
-    Bq = qkv.shape[0]
+    qkv2 = qkv.reshape(-1, qkv.shape[-1])
+    if qkv2.stride(-1) != 1:
+        qkv2 = qkv2.contiguous()
+    b = qkv2.shape[0]
     _, H, C, DH = keys.shape
-    qkv = qkv.contiguous()
-    out = torch.empty(Bq, 1, H * DH, device=qkv.device, dtype=qkv.dtype)
-    BN, max_splits, waves, warps = config or _decode_config()
-    if config is None and DH <= 64:
+    out = torch.empty(b, H * DH, device=qkv.device, dtype=qkv.dtype)
+    BN, max_splits, waves, warps, stages, lanes = config or DEFAULT.decode_config or decode_config(b)
+    if config is None and DEFAULT.decode_config is None and DH <= 64:
         BN = 64
-    key_blocks = triton.cdiv(C, BN)
-    splits = _splits(qkv.device, Bq * H, key_blocks, max_splits, waves)
+    splits = _splits(qkv.device, b * H, triton.cdiv(C, BN), max_splits, waves)
     part_o = part_lse = out
     if splits > 1:
-        part_o = torch.empty(splits, Bq * H, DH, device=qkv.device, dtype=torch.float32)
-        part_lse = torch.empty(splits, Bq * H, device=qkv.device, dtype=torch.float32)
+        part_o = torch.empty(splits, b * H, DH, device=qkv.device, dtype=torch.float32)
+        part_lse = torch.empty(splits, b * H, device=qkv.device, dtype=torch.float32)
     cos, sin = rope if rope is not None else (out, out)
-    _decode_attn_kernel[(Bq * H, splits)](
-        qkv, cos, sin, keys, values, _rows_arg(rows, offset), offset, out, part_o, part_lse,
-        H, C, int(window), _LOG2E / math.sqrt(DH), keys.stride(0), keys.stride(1), keys.stride(2),
-        **_launch_opts(qkv.device, HAS_ROWS=rows is not None, ROPE=rope is not None, DH=DH, BN=BN, SPLITS=splits,
-                       num_warps=warps),
+    ks, vs, *scale_strides = _scale_args(keys, scales)
+    _decode_attn_kernel[(b * H, splits)](
+        qkv2, cos, sin, keys, values, ks, vs, rows, positions, out, part_o, part_lse,
+        H, C, int(window), _LOG2E / math.sqrt(DH), qkv2.stride(0), *keys.stride()[:3], *scale_strides,
+        **_launch_opts(qkv.device, pdl, ROPE=rope is not None, FP8=scales is not None, DH=DH, BN=BN, SPLITS=splits,
+                       STAGES=stages, LANES=bool(lanes), num_warps=warps),
     )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(Bq * H,)](
-            part_o, part_lse, out, Bq * H, H, 1,
-            **_launch_opts(qkv.device, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits), num_warps=4),
+        _combine_kernel[(b * H,)](
+            part_o, part_lse, out, b * H,
+            **_launch_opts(qkv.device, pdl, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits), num_warps=4),
         )  # fmt: skip
-    return out
+    return out.view(*qkv.shape[:-1], H * DH)
 
 
 def rope_split(
-    qkv: torch.Tensor, num_heads: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    qkv: torch.Tensor, num_heads: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split the fused projection [B', T, 3 * H * Dh] into q, k, v [B', H, T, Dh] (contiguous), RoPE applied to q
-    and k when ``rope`` (cos, sin [B', T, Dh/2]) is given, rounded to qkv's dtype."""
-    Bq, T, three_d = qkv.shape
+    """Split the fused projection [N, 3 * H * Dh] of N tokens into q, k, v [N, H, Dh] (contiguous), RoPE applied to
+    q and k when ``rope`` (cos, sin [N, Dh/2]) is given, rounded to qkv's dtype."""
+    N, three_d = qkv.shape
     DH = three_d // (3 * num_heads)
     qkv = qkv.contiguous()
-    q, k, v = (torch.empty(Bq, num_heads, T, DH, device=qkv.device, dtype=qkv.dtype) for _ in range(3))
+    q, k, v = (torch.empty(N, num_heads, DH, device=qkv.device, dtype=qkv.dtype) for _ in range(3))
     cos, sin = rope if rope is not None else (qkv, qkv)
-    _rope_split_kernel[(Bq * T, num_heads)](
-        qkv, cos, sin, q, k, v, num_heads, T,
-        **_launch_opts(qkv.device, ROPE=rope is not None, DH=DH, num_warps=1 if DH <= 64 else 2),
+    _rope_split_kernel[(N, num_heads)](
+        qkv, cos, sin, q, k, v, num_heads,
+        **_launch_opts(qkv.device, pdl, ROPE=rope is not None, DH=DH, num_warps=1 if DH <= 64 else 2),
     )  # fmt: skip
     return q, k, v
 
 
+def block_m_for(length: int) -> int:
+    """Queries per block of :func:`prefill_attention` for sequences of at most ``length`` new tokens."""
+    return 16 if length <= 16 else 32 if length <= 32 else PREFILL_CONFIG[0]
+
+
+@dataclass
+class Ragged:
+    """S sequences of new tokens of some cache rows, laid out one after the other along the token dimension of
+    q / k / v (the varlen layout of FlashAttention and vLLM), for :func:`prefill_attention` and :func:`kv_write`.
+
+    Build it with :meth:`uniform` (B' rows of T tokens each, on the device) or from host tables (the duplex
+    engine's step, :func:`cspan.core.sessions.build_step`), then :meth:`at` adds the positions.
+
+    Attributes:
+        seq_row, seq_start, seq_len: [S] long: each sequence's cache row, first token index, and token count.
+        qb_seq, qb_j: [Q] long: the sequence of each query block of ``block_m`` queries (-1: an idle program of a
+            fixed-size grid) and the index of its first query within the sequence.
+        tok_row, tok_j: [N] long: each token's cache row and index within its sequence (-1: padding).
+        tok_keep: [N] bool: the token is stored (not padding, and not overwritten by a later position of the same
+            sequence in a ring of C slots).
+        block_m: queries per block (:func:`block_m_for`).
+        seq_pos: [S] long, the sequences' first positions (their rows' offsets), from :meth:`at`.
+        tok_pos: [N] long, each token's position, from :meth:`at`.
+        store_pos: [N] long, ``tok_pos`` where the token is stored, else -1, from :meth:`at`.
+    """
+
+    seq_row: torch.Tensor
+    seq_start: torch.Tensor
+    seq_len: torch.Tensor
+    qb_seq: torch.Tensor
+    qb_j: torch.Tensor
+    tok_row: torch.Tensor
+    tok_j: torch.Tensor
+    tok_keep: torch.Tensor
+    block_m: int
+    seq_pos: torch.Tensor | None = None
+    tok_pos: torch.Tensor | None = None
+    store_pos: torch.Tensor | None = None
+
+    def at(self, offset: torch.Tensor) -> Ragged:
+        """This layout with the positions of cache offsets ``offset`` [B] (device ops only)."""
+        seq_pos = offset.index_select(0, self.seq_row)
+        tok_pos = offset.index_select(0, self.tok_row) + self.tok_j.clamp_min(0)
+        store_pos = torch.where(self.tok_keep, tok_pos, -1)
+        return dataclasses.replace(self, seq_pos=seq_pos, tok_pos=tok_pos, store_pos=store_pos)
+
+    @classmethod
+    def uniform(cls, rows: torch.Tensor, num_tokens: int, capacity: int) -> Ragged:
+        """B' = ``len(rows)`` sequences of ``num_tokens`` (T) tokens each, row-major (token ``b * T + j``)."""
+        dev = rows.device
+        T = num_tokens
+        bm = block_m_for(T)
+        per = -(-T // bm)
+        Bq = rows.shape[0]
+        qb = torch.arange(Bq * per, device=dev)
+        j = torch.arange(T, device=dev)
+        return cls(
+            seq_row=rows,
+            seq_start=torch.arange(Bq, device=dev) * T,
+            seq_len=torch.full((Bq,), T, device=dev, dtype=torch.long),
+            qb_seq=qb // per,
+            qb_j=(qb % per) * bm,
+            tok_row=rows.repeat_interleave(T),
+            tok_j=j.repeat(Bq),
+            tok_keep=(j >= T - capacity).repeat(Bq),  # a chunk longer than the ring keeps its last C
+            block_m=bm,
+        )
+
+
 PREFILL_CONFIG = (64, 64, 4, 3)
 """(block_m, block_n, num_warps, num_stages) of :func:`prefill_attention` (the best of scripts/perf_h200.py's
-sweep on the H200, see docs/PERFORMANCE.md)."""
+sweep on the H200, see docs/PERFORMANCE.md; block_m is smaller for short sequences, :func:`block_m_for`)."""
 PREFILL_WAVES = 4
 """Key splits of :func:`prefill_attention` aim at this many programs per multiprocessor: with two resident per
 SM, a 601-position span (10 query blocks x 32 heads) then runs in two splits, 14% faster than in one
@@ -778,53 +1082,58 @@ def prefill_attention(
     v: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    offset: torch.Tensor,
+    ragged: Ragged,
     window: int,
-    rows: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: tuple[int, int, int, int] | None = None,
     splits: int | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """Causal attention of T new positions per row over the ring (read in place, not modified) and themselves.
+    """Causal attention of ragged sequences of new tokens, each over its cache row's ring (read in place, not
+    modified) and its own new tokens.
 
     Args:
-        q, k, v: [B', H, T, Dh] new queries/keys/values (RoPE applied), new position j at ``offset[row] + j``.
+        q, k, v: [N, H, Dh] new queries/keys/values (RoPE applied), laid out as ``ragged`` says.
         keys, values: one layer's ring buffers [B, H, C, Dh].
-        offset: [B] long position counts before this forward.
+        ragged: the sequences, with positions (:meth:`Ragged.at`).
         window: attention window in positions (<= C).
-        rows: [B'] long rows of the cache, None for all rows.
-        config: (block_m, block_n, num_warps, num_stages) for tuning (default :data:`PREFILL_CONFIG`, block_m
-            shrunk to 16 / 32 for short chunks).
+        scales: (key_scale, value_scale) [B, H, C] of an FP8 cache, else None.
+        config: (block_m, block_n, num_warps, num_stages) for tuning; block_m must be ``ragged.block_m``
+            (default :data:`PREFILL_CONFIG`).
         splits: key splits per query block, for tuning (default: see :data:`PREFILL_WAVES`).
+        pdl: launch with PDL (None: :func:`pdl_enabled`).
 
     Returns:
-        [B', T, H * Dh] in q's dtype.
+        [N, H * Dh] in q's dtype (rows of padding tokens are undefined).
     """
-    Bq, H, T, DH = q.shape
+    N, H, DH = q.shape
     C = keys.shape[2]
-    out = torch.empty(Bq, T, H * DH, device=q.device, dtype=q.dtype)
-    BM, BN, warps, stages = config or PREFILL_CONFIG
-    if config is None and T <= 32:
-        BM = 16 if T <= 16 else 32
-    m_blocks = triton.cdiv(T, BM)
+    out = torch.empty(N, H * DH, device=q.device, dtype=q.dtype)
+    _, BN, warps, stages = config or PREFILL_CONFIG
+    BM = ragged.block_m
+    Q = ragged.qb_seq.shape[0]
     key_blocks = triton.cdiv(C, BN)
     if splits is None:  # about PREFILL_WAVES waves of programs, each split at least two key blocks long
         target = PREFILL_WAVES * _num_sms(q.device)
-        splits = max(1, min(16, triton.cdiv(target, Bq * H * m_blocks), triton.cdiv(key_blocks, 2)))
+        splits = max(1, min(16, triton.cdiv(target, Q * H), triton.cdiv(key_blocks, 2)))
     per = triton.cdiv(key_blocks, splits)
     part_o = part_lse = out
     if splits > 1:
-        part_o = torch.empty(splits, Bq * H * T, DH, device=q.device, dtype=torch.float32)
-        part_lse = torch.empty(splits, Bq * H * T, device=q.device, dtype=torch.float32)
-    _prefill_attn_kernel[(Bq * H, m_blocks, splits)](
-        q, k, v, keys, values, _rows_arg(rows, offset), offset, out, part_o, part_lse,
-        H, T, C, int(window), _LOG2E / math.sqrt(DH), keys.stride(0), keys.stride(1), keys.stride(2), per,
-        **_launch_opts(q.device, HAS_ROWS=rows is not None, IEEE=q.dtype == torch.float32, DH=DH, BM=BM, BN=BN,
+        part_o = torch.empty(splits, N * H, DH, device=q.device, dtype=torch.float32)
+        part_lse = torch.full((splits, N * H), -1.0e30, device=q.device, dtype=torch.float32)
+    ks, vs, *scale_strides = _scale_args(keys, scales)
+    assert ragged.seq_pos is not None, "prefill_attention needs the positions: Ragged.at(offset)"
+    _prefill_attn_kernel[(Q, H, splits)](
+        q, k, v, keys, values, ks, vs, ragged.seq_row, ragged.seq_start, ragged.seq_len, ragged.seq_pos,
+        ragged.qb_seq, ragged.qb_j, out, part_o, part_lse,
+        H, C, int(window), _LOG2E / math.sqrt(DH), *keys.stride()[:3], *scale_strides, per, N,
+        **_launch_opts(q.device, pdl, IEEE=q.dtype == torch.float32, FP8=scales is not None, DH=DH, BM=BM, BN=BN,
                        SPLITS=splits, num_warps=warps, num_stages=stages),
     )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(Bq * H * T,)](
-            part_o, part_lse, out, Bq * H * T, H, T,
-            **_launch_opts(q.device, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits), num_warps=4),
+        _combine_kernel[(N * H,)](
+            part_o, part_lse, out, N * H,
+            **_launch_opts(q.device, pdl, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits), num_warps=4),
         )  # fmt: skip
     return out
 
@@ -834,24 +1143,24 @@ def kv_write(
     v: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    offset: torch.Tensor,
-    rows: torch.Tensor | None = None,
-    n_valid: torch.Tensor | None = None,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool | None = None,
 ) -> None:
-    """Store new keys/values k, v [B', H, T, Dh] (position ``offset[row] + j``) into the ring buffers [B, H, C, Dh]
-    at slots ``(offset + j) % C``; only ``j < n_valid`` ([1] long device tensor; all T when None), and of those the
-    last C."""
-    Bq, H, T, DH = k.shape
+    """Store new keys/values k, v [N, H, Dh] into the ring buffers [B, H, C, Dh] (FP8 with ``scales``): token t at
+    slot ``positions[t] % C`` of row ``rows[t]``, where ``positions[t] >= 0`` (a ragged block: ``Ragged.tok_row``
+    and ``Ragged.store_pos``)."""
+    N, H, DH = k.shape
     C = keys.shape[2]
-    BT = 16
-    _kv_write_kernel[(Bq * H, triton.cdiv(T, BT))](
-        k, v, keys, values, _rows_arg(rows, offset), offset, offset if n_valid is None else n_valid,
-        H, T, C, keys.stride(0), keys.stride(1), keys.stride(2),
-        **_launch_opts(k.device, HAS_ROWS=rows is not None, HAS_N=n_valid is not None, DH=DH, BT=BT, num_warps=2),
+    ks, vs, *scale_strides = _scale_args(keys, scales)
+    _kv_write_kernel[(N, H)](
+        k, v, keys, values, ks, vs, rows, positions, H, C, *keys.stride()[:3], *scale_strides,
+        **_launch_opts(k.device, pdl, FP8=scales is not None, DH=DH, num_warps=1 if DH <= 64 else 2),
     )  # fmt: skip
 
 
-def embed_add(x: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def embed_add(x: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
     """``x + table[ids]`` with id -1 giving a zero row (``ScaledEmbedding`` without low rank), the sum rounded to
     the table's dtype as ``x + e`` is; ``table[ids]`` alone when x is None.
 
@@ -871,7 +1180,7 @@ def embed_add(x: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor) ->
     block = min(1024, triton.next_power_of_2(D))
     _embed_add_kernel[(B * T, triton.cdiv(D, block))](
         xc, table, ids2, out, D, T, ids2.stride(0), ids2.stride(1),
-        **_launch_opts(table.device, HAS_X=x is not None, BLOCK=block, num_warps=4),
+        **_launch_opts(table.device, pdl, HAS_X=x is not None, BLOCK=block, num_warps=4),
     )  # fmt: skip
     return out if ids.dim() == 2 else out[:, 0]
 
@@ -880,38 +1189,54 @@ SAMPLE_MAX_VOCAB = 8192
 """Largest vocabulary :func:`sample_top_k` handles (one program holds a row in registers): the audio codebooks."""
 
 
+def race_noise_fused(
+    seed: torch.Tensor, counter: torch.Tensor, stream: int, vocab: int, pdl: bool | None = None
+) -> torch.Tensor:
+    """:func:`race_noise` in one kernel: [b, V] float32."""
+    b = seed.shape[0]
+    out = torch.empty(b, vocab, device=seed.device, dtype=torch.float32)
+    block = 1024
+    _noise_kernel[(b, triton.cdiv(vocab, block))](
+        seed, counter, out, vocab, int(stream), **_launch_opts(seed.device, pdl, BLOCK=block, num_warps=4)
+    )
+    return out
+
+
 def sample_top_k(
     logits: torch.Tensor,
     temperature: float,
     top_k: int,
-    noise: torch.Tensor | None,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+    stream: int,
     known: torch.Tensor,
     out: torch.Tensor,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """One token per row in one kernel: temperature / top-k exponential-race sampling, or greedy, then forcing.
 
-    The same rule as :func:`cspan.core.sampling.sample_token` (kyutai-labs/moshi ``sample_token``):
-    ``argmax_{i in top-k} softmax(logits / T)_i / q_i`` with ``q_i ~ Exp(1)``, which is a draw from the top-k
-    distribution; greedy (``temperature <= 0``) is the first argmax. Here the noise has one entry per vocabulary
-    entry (drawn by the caller, e.g. once per frame) rather than one per top-k rank, and logits tied with the k-th
-    largest all stay in the race: the same distribution, other random draws than the eager function for one seed.
+    The rule of :func:`cspan.core.sampling.sample_race` (kyutai-labs/moshi ``sample_token``: ``argmax_{i in top-k}
+    softmax(logits / T)_i / q_i`` with ``q_i ~ Exp(1)``, a draw from the top-k distribution; logits tied with the
+    k-th largest all stay in the race); greedy (``temperature <= 0``) is the first argmax. The noise ``q`` is
+    :func:`race_noise` of (seed, counter, stream), computed in the kernel.
 
     Args:
         logits: [B, V] (V <= :data:`SAMPLE_MAX_VOCAB`).
-        temperature, top_k: as :func:`sample_token` (top_k <= 0 or >= V keeps all).
-        noise: [B, V] float32 Exp(1) draws (rows may be strided), None when greedy.
+        temperature, top_k: top_k <= 0 or >= V keeps all.
+        seed, counter: [B] long, each row's session seed and frame counter.
+        stream: the noise stream (1 + k for depformer codebook k).
         known: [B] long, the token to keep where it is not -2 (forced entries), any stride.
         out: [B] long destination (any stride, e.g. a column of the frame being built); also returned.
+        pdl: launch with PDL (None: :func:`pdl_enabled`).
     """
     B, V = logits.shape
     greedy = temperature <= 0
     k = V if top_k <= 0 or top_k >= V else int(top_k)
-    noise_arg = logits if noise is None else noise
     _sample_kernel[(B,)](
-        logits, noise_arg, known, out, V, logits.stride(0), noise_arg.stride(0), known.stride(0), out.stride(0),
-        float(temperature) if not greedy else 1.0, k,
-        **_launch_opts(logits.device, GREEDY=greedy, KEY16=logits.element_size() == 2, BLOCK=triton.next_power_of_2(V),
-                       num_warps=4),
+        logits, seed, counter, known, out, V, logits.stride(0), known.stride(0), out.stride(0),
+        float(temperature) if not greedy else 1.0, k, int(stream),
+        **_launch_opts(logits.device, pdl, GREEDY=greedy, KEY16=logits.element_size() == 2,
+                       BLOCK=triton.next_power_of_2(V), num_warps=4),
     )  # fmt: skip
     return out
 
@@ -938,6 +1263,7 @@ def gemv(
     residual: torch.Tensor | None = None,
     gate: bool = False,
     config: tuple[int, int] | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``y = x @ weight.T`` for a few rows, with the layer's neighbours fused in (one launch instead of two or
     three, for the small launch-bound layers of the depformer).
@@ -971,28 +1297,38 @@ def gemv(
     alpha, eps = norm if norm is not None else (x, 0.0)
     _gemv_kernel[(triton.cdiv(N, BN),)](
         x, weight, y, y if residual is None else residual.contiguous(), alpha.reshape(-1), M, N, K, float(eps),
-        **_launch_opts(x.device, NORM=norm is not None, RES=residual is not None, GATE=gate, BM=BM, BN=BN, BK=BK,
+        **_launch_opts(x.device, pdl, NORM=norm is not None, RES=residual is not None, GATE=gate, BM=BM, BN=BN, BK=BK,
                        num_warps=warps),
     )  # fmt: skip
     return y
 
 
 __all__ = [
-    "DECODE_CONFIG",
+    "DECODE_CONFIGS",
     "GEMV_MAX_K",
     "GEMV_MAX_ROWS",
     "HAVE_TRITON",
     "SAMPLE_MAX_VOCAB",
+    "KernelSettings",
+    "Ragged",
+    "block_m_for",
     "decode_attention",
+    "decode_config",
     "embed_add",
     "gemv",
     "kv_write",
+    "noise_keys",
     "pdl_enabled",
+    "pdl_supported",
     "prefill_attention",
+    "race_noise",
+    "race_noise_fused",
     "rms_norm",
     "rope_split",
     "rope_tables",
+    "runs_on",
     "sample_top_k",
+    "settings_from_env",
     "silu_gate",
     "usable",
 ]

@@ -28,9 +28,9 @@ the stream since the last reset, i.e. the codebook index inside a frame) uses we
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from ..kv_cache import CacheStep, KVCache, attention_mask
 from . import fused
 from .norms import RMSNorm, make_norm
 from .rope import apply_rope, sin_embedding
+
+if TYPE_CHECKING:
+    from ..plan import ExecutionPlan
 
 POSITIONAL_EMBEDDINGS = ("none", "sin", "rope", "sin_rope")
 
@@ -224,14 +227,14 @@ class MultiheadAttention(nn.Module):
         layer: int,
         window: int,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
-        rows: torch.Tensor | None,
-        n_valid: torch.Tensor | None,
+        rows: torch.Tensor,
+        pdl: bool | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` with a KV cache through the kernels of :mod:`cspan.core.modules.fused` (GPU).
 
-        One position (the frame step): projection, one kernel for RoPE + cache write + attention, projection. T
-        positions (a prefill): projection, RoPE split, attention over the ring and the new keys, cache write of
-        the first ``n_valid`` positions (all when None), projection. The cache offsets are not advanced here.
+        One position (a frame step): projection, one kernel for RoPE + cache write + attention, projection. T
+        positions (a chunk): projection, RoPE split, attention over the ring and the new keys, cache write,
+        projection. The cache offsets are not advanced here.
 
         Args:
             x: [B', T, D] normalised input.
@@ -239,21 +242,27 @@ class MultiheadAttention(nn.Module):
             cache, layer: the KV cache and this layer's index in it.
             window: attention window in positions.
             rope: (cos, sin) [B', T, Dh/2] or None.
-            rows: [B'] long cache rows (None: all).
-            n_valid: [1] long device tensor, positions of the chunk that are real (padded prefill), or None.
+            rows: [B'] long cache rows.
+            pdl: launch with programmatic dependent launch (None: the kernels' default).
 
         Returns:
             [B', T, D].
         """
+        B, T, _ = x.shape
         w_in, w_out = self.weights(weight_set)
         qkv = F.linear(x, w_in)  # [B', T, 3D]
         keys, values = cache.keys[layer], cache.values[layer]
-        if x.shape[1] == 1 and n_valid is None:
-            out = fused.decode_attention(qkv, keys, values, cache.offset, window, rope, rows)
+        scales = cache.layer_scales(layer)
+        if T == 1:
+            cos_sin = None if rope is None else (rope[0][:, 0], rope[1][:, 0])
+            positions = cache.offset.index_select(0, rows)
+            out = fused.decode_attention(qkv, keys, values, positions, rows, window, cos_sin, scales, pdl=pdl)
         else:
-            q, k, v = fused.rope_split(qkv, self.num_heads, rope)
-            out = fused.prefill_attention(q, k, v, keys, values, cache.offset, window, rows)
-            fused.kv_write(k, v, keys, values, cache.offset, rows, n_valid)
+            flat = None if rope is None else (rope[0].reshape(B * T, -1), rope[1].reshape(B * T, -1))
+            q, k, v = fused.rope_split(qkv.reshape(B * T, -1), self.num_heads, flat, pdl=pdl)
+            ragged = fused.Ragged.uniform(rows, T, cache.capacity).at(cache.offset)
+            out = fused.prefill_attention(q, k, v, keys, values, ragged, window, scales, pdl=pdl).view(B, T, -1)
+            fused.kv_write(k, v, keys, values, ragged.tok_row, ragged.store_pos, scales, pdl=pdl)
         return F.linear(out, w_out)
 
 
@@ -481,10 +490,12 @@ class StreamingTransformer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         capacity: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> TransformerState:
         """Fresh streaming state: empty KV cache of ``capacity`` slots per row (:meth:`default_capacity` when None).
 
-        ``device``/``dtype`` default to those of the parameters.
+        ``device``/``dtype`` default to those of the parameters; ``kv_dtype`` (default ``dtype``) is the cache's
+        storage dtype (``torch.float8_e4m3fn``: FP8, see :class:`cspan.core.kv_cache.KVCache`).
 
         Raises:
             ValueError: capacity smaller than the context (the sliding window would lose keys).
@@ -498,7 +509,9 @@ class StreamingTransformer(nn.Module):
             device = param.device if param is not None else "cpu"
         if dtype is None:
             dtype = param.dtype if param is not None else torch.float32
-        cache = KVCache(len(self.layers), batch_size, self.num_heads, self.head_dim, capacity, device, dtype)
+        cache = KVCache(
+            len(self.layers), batch_size, self.num_heads, self.head_dim, capacity, device, kv_dtype or dtype, dtype
+        )
         return TransformerState(cache=cache)
 
     def weight_sets(self, first_step: int, num_positions: int) -> list[int] | None:
@@ -521,34 +534,28 @@ class StreamingTransformer(nn.Module):
         return [self.weights_per_step_schedule[s] for s in steps]
 
     fused: bool | None = None
-    """Run streaming forwards (with a state) through :mod:`cspan.core.modules.fused`: None (default) does so for
-    bfloat16/float16 activations on CUDA when Triton is present; True also for float32; False never."""
+    """Run streaming forwards given no execution plan (Mimi) through :mod:`cspan.core.modules.fused`: None
+    (default) does so for bfloat16/float16 activations on CUDA when Triton is present; True also for float32; False
+    never. With a plan (the duplex engine's LM) the plan decides."""
 
     gemv: bool | None = None
-    """On the fused path, run one-position steps of at most ``fused.GEMV_MAX_ROWS`` rows as five launches per
+    """Given no execution plan, run one-position steps of at most ``fused.GEMV_MAX_ROWS`` rows as five launches per
     layer (:func:`cspan.core.modules.fused.gemv` with the norms, residuals and gate fused in, plus the attention
-    kernel): None (default) for models of width <= 2048 (the depformer, whose small layers are launch-bound),
-    True / False to force (``CSPAN_GEMV=0`` turns the default off, ``CSPAN_GEMV=all`` on for every width)."""
+    kernel): None (default) for models of width <= 2048 unless ``CSPAN_GEMV=0``, True / False to force."""
 
-    def _gemv_ok(self, x: torch.Tensor, sets: list[int] | None) -> bool:
-        if x.shape[1] != 1 or x.shape[0] > fused.GEMV_MAX_ROWS:
+    def fused_supported(self, sets: list[int] | None = None) -> bool:
+        """Whether the fused kernels can run this transformer's streaming forward (its structure only): causal,
+        RoPE or no positional embedding, a power-of-two head dimension of at least 16, one weight set per call."""
+        if not self.causal or self.positional_embedding not in ("rope", "none"):
             return False
-        env = os.environ.get("CSPAN_GEMV")
-        auto = env != "0" and (self.d_model <= 2048 or env == "all")
-        if not (self.gemv if self.gemv is not None else auto):
+        if sets is not None and len(set(sets)) > 1:
             return False
+        return self.head_dim >= 16 and not self.head_dim & (self.head_dim - 1)
+
+    def _gemv_layers_ok(self, sets: list[int] | None) -> bool:
+        """Whether every layer has the shape :func:`cspan.core.modules.fused.gemv` fuses: float32 RMSNorms, no
+        LayerScale, a SiLU-gated FFN, widths up to ``fused.GEMV_MAX_K``."""
         for layer in self.layers:
-            widths = [layer.self_attn.dim]
-            gating = layer.gating
-            for g in gating if isinstance(gating, nn.ModuleList) else [gating]:
-                widths.append(getattr(g, "hidden", 1 << 30))
-            if max(widths) > fused.GEMV_MAX_K:
-                return False
-            norms = (layer.norm1, layer.norm2)
-            if not all(isinstance(n, RMSNorm) and n.compute_dtype == torch.float32 for n in norms):
-                return False
-            if not isinstance(layer.layer_scale_1, nn.Identity) or not isinstance(layer.layer_scale_2, nn.Identity):
-                return False
             gating = layer.gating
             if isinstance(gating, nn.ModuleList):
                 if sets is None:
@@ -556,25 +563,35 @@ class StreamingTransformer(nn.Module):
                 gating = gating[sets[0]]
             if not isinstance(gating, ActivationGating) or gating.activation_name != "silu":
                 return False
+            if max(layer.self_attn.dim, gating.hidden) > fused.GEMV_MAX_K:
+                return False
+            norms = (layer.norm1, layer.norm2)
+            if not all(isinstance(n, RMSNorm) and n.compute_dtype == torch.float32 for n in norms):
+                return False
+            if not isinstance(layer.layer_scale_1, nn.Identity) or not isinstance(layer.layer_scale_2, nn.Identity):
+                return False
         return True
 
-    def gemv_path(self, x: torch.Tensor, sets: list[int] | None = None) -> bool:
+    def _paths(self, x: torch.Tensor, sets: list[int] | None, plan: ExecutionPlan | None) -> tuple[bool, bool]:
+        """(fused, gemv) for a streaming forward of x [B, T, D]: from the plan when given (the duplex engine), else
+        from :attr:`fused` / :attr:`gemv` and the kernels' defaults."""
+        if not self.fused_supported(sets):
+            return False, False
+        one_row = x.shape[1] == 1 and x.shape[0] <= fused.GEMV_MAX_ROWS and self.d_model <= 2048
+        if plan is not None:
+            on = plan.fused
+            gemv = on and plan.depformer_gemv and one_row
+        else:
+            use = self.fused if self.fused is not None else x.dtype in (torch.bfloat16, torch.float16)
+            on = bool(use) and fused.usable(x, self.layers[0].self_attn.in_proj_weight)
+            auto = fused.DEFAULT.gemv and self.d_model <= 2048
+            gemv = on and x.shape[1] == 1 and x.shape[0] <= fused.GEMV_MAX_ROWS
+            gemv = gemv and (self.gemv if self.gemv is not None else auto)
+        return on, bool(gemv and self._gemv_layers_ok(sets))
+
+    def gemv_path(self, x: torch.Tensor, sets: list[int] | None = None, plan: ExecutionPlan | None = None) -> bool:
         """Whether a streaming one-position forward of ``x`` [B, 1, D] runs as GEMV launches (see :attr:`gemv`)."""
-        return self._fused_ok(x, sets) and self._gemv_ok(x, sets)
-
-    def fused_path(self, x: torch.Tensor, sets: list[int] | None = None) -> bool:
-        """Whether a streaming forward of activations like ``x`` (dtype, device) takes the fused GPU path."""
-        return self._fused_ok(x, sets)
-
-    def _fused_ok(self, x: torch.Tensor, sets: list[int] | None) -> bool:
-        if not self.causal or self.positional_embedding not in ("rope", "none"):
-            return False
-        if sets is not None and len(set(sets)) > 1:
-            return False
-        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
-            return False
-        use = self.fused if self.fused is not None else x.dtype in (torch.bfloat16, torch.float16)
-        return bool(use) and fused.usable(x, self.layers[0].self_attn.in_proj_weight)
+        return self._paths(x, sets, plan)[1]
 
     def forward(
         self,
@@ -583,9 +600,8 @@ class StreamingTransformer(nn.Module):
         rows: torch.Tensor | None = None,
         step: int | None = None,
         *,
-        n_valid: torch.Tensor | None = None,
-        need_output: bool = True,
-    ) -> torch.Tensor | None:
+        plan: ExecutionPlan | None = None,
+    ) -> torch.Tensor:
         """Run the stack over T new positions.
 
         Args:
@@ -597,18 +613,14 @@ class StreamingTransformer(nn.Module):
                 None means all rows.
             step: index of the first position for weights-per-step transformers (default 0 without a state,
                 ``state.step`` with one).
-            n_valid: [1] long device tensor: only the first ``n_valid`` of the T positions are real (a prefill
-                padded to a fixed length for a CUDA graph); only their keys/values are stored and the offsets
-                advance by ``n_valid``. Needs the fused path (see :attr:`fused`).
-            need_output: False when only the KV cache matters (span prefill): the last layer's feed-forward is
-                skipped on the fused path and None is returned.
+            plan: the kernel choices of a duplex engine (:class:`cspan.core.plan.ExecutionPlan`); None decides as
+                :attr:`fused` and :attr:`gemv` say.
 
         Returns:
-            [B, T, D] (None when ``need_output`` is False and the fused path ran).
+            [B, T, D].
 
         Raises:
-            ValueError: weights-per-step with ``rows`` and no explicit ``step``; steps beyond ``weights_per_step``;
-                ``n_valid`` without a state or off the fused path.
+            ValueError: weights-per-step with ``rows`` and no explicit ``step``; steps beyond ``weights_per_step``.
         """
         T, D = x.shape[1], x.shape[2]
         cache: KVCache | None = None
@@ -628,17 +640,13 @@ class StreamingTransformer(nn.Module):
             first_step = step
         sets = self.weight_sets(first_step, T)
 
-        if state is not None and self._fused_ok(x, sets):
-            out = self._fused_forward(x, state, rows, sets, n_valid, need_output)
-            if rows is None:
-                state.step += T
-            return out
-        if n_valid is not None:
-            raise ValueError(
-                "n_valid (a padded prefill) needs the fused GPU path: a streaming state, a causal RoPE/no-position "
-                "transformer, CUDA with Triton, and bfloat16/float16 activations (or StreamingTransformer.fused=True)"
-            )
         if state is not None:
+            on, gemv = self._paths(x, sets, plan)
+            if on:
+                out = self._fused_forward(x, state, rows, sets, gemv, None if plan is None else plan.pdl)
+                if rows is None:
+                    state.step += T
+                return out
             cache = state.cache
             cache_step = cache.begin(T, rows)
             positions = cache_step.positions  # [B', T]
@@ -662,54 +670,223 @@ class StreamingTransformer(nn.Module):
         state: TransformerState,
         rows: torch.Tensor | None,
         sets: list[int] | None,
-        n_valid: torch.Tensor | None,
-        need_output: bool,
-    ) -> torch.Tensor | None:
+        gemv: bool,
+        pdl: bool | None,
+    ) -> torch.Tensor:
         """The streaming forward through :mod:`cspan.core.modules.fused`: per layer, residual add + RMSNorm in one
-        kernel, the attention block (:meth:`MultiheadAttention.fused_forward`), residual add + RMSNorm, the FFN.
-        Same function as the eager path up to rounding order."""
+        kernel, the attention block (:meth:`MultiheadAttention.fused_forward`), residual add + RMSNorm, the FFN;
+        with ``gemv``, five launches per layer. Same function as the eager path up to rounding order."""
         cache = state.cache
-        T = x.shape[1]
+        B, T = x.shape[:2]
         window = self.context if self.context is not None else cache.capacity
+        cache_rows = torch.arange(B, device=x.device) if rows is None else rows
         rope = None
         if self.positional_embedding == "rope":
-            start = cache.offset if rows is None else cache.offset.index_select(0, rows)
+            start = cache.offset.index_select(0, cache_rows)
             positions = start[:, None] + torch.arange(T, device=x.device, dtype=torch.long)
             rope = fused.rope_tables(positions, self.head_dim, self.max_period)
         weight_set = None if sets is None else sets[0]
-        if self._gemv_ok(x, sets):
+        if gemv:
             h = x[:, 0].contiguous()  # [B', D]
+            cos_sin = None if rope is None else (rope[0][:, 0], rope[1][:, 0])
+            positions = cache.offset.index_select(0, cache_rows)
             for i, layer in enumerate(self.layers):
                 w_in, w_out = layer.self_attn.weights(weight_set)
-                qkv = fused.gemv(h, w_in, norm=(layer.norm1.alpha, layer.norm1.eps))
+                qkv = fused.gemv(h, w_in, norm=(layer.norm1.alpha, layer.norm1.eps), pdl=pdl)
                 keys, values = cache.keys[i], cache.values[i]
-                attn = fused.decode_attention(qkv[:, None], keys, values, cache.offset, window, rope, rows)
-                h = fused.gemv(attn[:, 0], w_out, residual=h)
+                attn = fused.decode_attention(
+                    qkv, keys, values, positions, cache_rows, window, cos_sin, cache.layer_scales(i), pdl=pdl
+                )
+                h = fused.gemv(attn, w_out, residual=h, pdl=pdl)
                 ffn = layer.gating[weight_set] if isinstance(layer.gating, nn.ModuleList) else layer.gating
-                g = fused.gemv(h, ffn.linear_in.weight, norm=(layer.norm2.alpha, layer.norm2.eps), gate=True)
-                h = fused.gemv(g, ffn.linear_out.weight, residual=h)
+                g = fused.gemv(h, ffn.linear_in.weight, norm=(layer.norm2.alpha, layer.norm2.eps), gate=True, pdl=pdl)
+                h = fused.gemv(g, ffn.linear_out.weight, residual=h, pdl=pdl)
             cache.advance_by(1, rows)
             return h[:, None]
         update: torch.Tensor | None = None
-        last = len(self.layers) - 1
-        out: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x, h = _add_norm(x, update, layer.norm1)
-            attn = layer.self_attn.fused_forward(h, weight_set, cache, i, window, rope, rows, n_valid)
-            x, h = _add_norm(x, layer.layer_scale_1(attn), layer.norm2)
-            if i == last and not need_output:
-                break
-            update = layer.layer_scale_2(layer.feed_forward(h, sets))
-            if i == last:
-                out = x + update
-        cache.advance_by(T if n_valid is None else n_valid, rows)
+            x, h = _add_norm(x, update, layer.norm1, pdl)
+            attn = layer.self_attn.fused_forward(h, weight_set, cache, i, window, rope, cache_rows, pdl)
+            x, h = _add_norm(x, layer.layer_scale_1(attn), layer.norm2, pdl)
+            update = layer.layer_scale_2(_feed_forward(layer, h, sets, pdl))
+        cache.advance_by(T, rows)
+        assert update is not None
+        return x + update
+
+    def forward_step(
+        self, x: torch.Tensor, state: TransformerState, layout: StepLayout, plan: ExecutionPlan
+    ) -> torch.Tensor:
+        """The duplex engine's step: every row's block (if any) and next position in ONE ragged forward.
+
+        ``x`` holds T = b + N token inputs: token ``i < b`` is the next position of cache row ``layout.rows[i]``,
+        at ``offset + block_len[i]``; the N block tokens follow, one row's block after the other
+        (``layout.blocks``), at ``offset, offset + 1, ...`` of their row. Every matrix product runs once over all
+        T tokens (the weights are read once: the mixed prefill/decode batches of vLLM and Sarathi-Serve, Agrawal et
+        al. 2024). Per layer, each block attends to its row's ring and causally to itself and is then written
+        into the ring (exactly as a chunk of :meth:`forward`), and then every next position attends to its row's
+        ring, which now holds the block (exactly as one step of :meth:`forward`). So a row's result is the result
+        of reading its block and then stepping, whatever the other rows do. The last layer computes its
+        attention output and feed-forward for the b next positions only (the blocks only need their keys and
+        values). Offsets advance by ``block_len + 1``.
+
+        Args:
+            x: [T, D] input embeddings.
+            state: the temporal state (its cache holds every row).
+            layout: where the tokens go (:class:`StepLayout`).
+            plan: the engine's kernel choices.
+
+        Returns:
+            [b, D]: the outputs at the b next positions.
+        """
+        if not self.fused_supported():
+            raise ValueError("the engine's step needs a causal transformer with RoPE or no positional embedding")
+        cache = state.cache
+        rows = layout.rows
+        rows.shape[0]
+        window = self.context if self.context is not None else cache.capacity
+        next_pos = cache.offset.index_select(0, rows) + layout.block_len  # [b]
+        if plan.fused:
+            out = self._fused_step(x, cache, layout, next_pos, window, plan)
+        else:
+            out = self._eager_step(x, cache, layout, next_pos, window)
+        cache.advance_by(layout.block_len + 1, rows)
         return out
 
+    def _eager_step(
+        self, x: torch.Tensor, cache: KVCache, layout: StepLayout, next_pos: torch.Tensor, window: int
+    ) -> torch.Tensor:
+        """:meth:`forward_step` with the eager modules (every row's block as its own chunk; CPU, tests)."""
+        rows = layout.rows
+        b, T = rows.shape[0], x.shape[0]
+        H, Dh = self.num_heads, self.head_dim
+        b0 = layout.first_rows  # rows 0 .. b - 1 in order: the rings are read as views, not copied
+        decode = cache.begin(1, slice(0, b) if b0 == b else rows, start=next_pos)
+        chunks = [(slice(b + s, b + s + n), cache.begin(n, rows[i : i + 1])) for i, s, n in layout.blocks]
+        positions = torch.cat([next_pos, *(c.positions[0] for _, c in chunks)])[None]  # [1, T]
+        if positions.shape[1] != T:
+            raise ValueError(f"forward_step: {T} tokens but the layout places {positions.shape[1]}")
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h = layer.norm1(x)
+            qkv = F.linear(h, layer.self_attn.in_proj_weight).view(T, 3, H, Dh).permute(1, 2, 0, 3)  # [3, H, T, Dh]
+            q, k, v = qkv[0][None], qkv[1][None], qkv[2][None]  # [1, H, T, Dh]
+            if self.positional_embedding == "rope":
+                q, k = apply_rope(q, k, positions, self.max_period)
+            out = torch.zeros(1, H, T, Dh, dtype=x.dtype, device=x.device)
+            for sl, step in chunks:  # blocks: attend to the old ring and themselves, then stored
+                keys, values = cache.update(i, k[:, :, sl], v[:, :, sl], step)
+                if i < last:
+                    mask = attention_mask(step.positions, step.key_positions, window)
+                    out[:, :, sl] = F.scaled_dot_product_attention(q[:, :, sl], keys, values, attn_mask=mask)
+            keys, values = cache.update(i, k[0, :, :b, None].transpose(0, 1), v[0, :, :b, None].transpose(0, 1), decode)
+            mask = attention_mask(decode.positions, decode.key_positions, window)
+            q_next = q[0, :, :b, None].transpose(0, 1)  # [b, H, 1, Dh]
+            o_next = F.scaled_dot_product_attention(q_next, keys, values, attn_mask=mask)  # [b, H, 1, Dh]
+            out[0, :, :b] = o_next[:, :, 0].transpose(0, 1)
+            attn = F.linear(out[0].transpose(0, 1).reshape(T, H * Dh), layer.self_attn.out_proj.weight)
+            if i == last:  # only the next positions' outputs are used
+                x, attn = x[:b], attn[:b]
+            x = x + layer.layer_scale_1(attn)
+            x = x + layer.layer_scale_2(layer.feed_forward(layer.norm2(x), None))
+        return x
 
-def _add_norm(x: torch.Tensor, update: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, norm(s)) with ``s = x + update`` (``x`` when update is None): one kernel for a float32 RMSNorm."""
-    if isinstance(norm, RMSNorm) and norm.compute_dtype == torch.float32 and fused.usable(x, norm.alpha):
-        return fused.rms_norm(x, norm.alpha, norm.eps, update)
+    def _fused_step(
+        self,
+        x: torch.Tensor,
+        cache: KVCache,
+        layout: StepLayout,
+        next_pos: torch.Tensor,
+        window: int,
+        plan: ExecutionPlan,
+    ) -> torch.Tensor:
+        """:meth:`forward_step` through the kernels: per layer one product over all tokens, the blocks' ragged
+        attention and cache write, the next positions' decode attention (which writes their keys), one product."""
+        rows, pdl = layout.rows, plan.pdl
+        b, T = rows.shape[0], x.shape[0]
+        ragged = None if b == T else layout.ragged.at(cache.offset)
+        positions = next_pos if ragged is None else torch.cat([next_pos, ragged.tok_pos])
+        rope = None
+        if self.positional_embedding == "rope":
+            rope = fused.rope_tables(positions, self.head_dim, self.max_period)
+        last = len(self.layers) - 1
+        update: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            x, h = _add_norm(x, update, layer.norm1, pdl)
+            qkv = F.linear(h, layer.self_attn.in_proj_weight)  # [T, 3D]
+            keys, values, scales = cache.keys[i], cache.values[i], cache.layer_scales(i)
+            parts = []
+            if ragged is not None:
+                block_rope = None if rope is None else (rope[0][b:], rope[1][b:])
+                q, k, v = fused.rope_split(qkv[b:], self.num_heads, block_rope, pdl=pdl)
+                if i < last:
+                    parts.append(fused.prefill_attention(q, k, v, keys, values, ragged, window, scales, pdl=pdl))
+                fused.kv_write(k, v, keys, values, ragged.tok_row, ragged.store_pos, scales, pdl=pdl)
+            next_rope = None if rope is None else (rope[0][:b], rope[1][:b])
+            if layout.decode is not None:  # a library's decode (cspan.core.attention): write first, then read
+                q, k, v = fused.rope_split(qkv[:b], self.num_heads, next_rope, pdl=pdl)
+                fused.kv_write(k, v, keys, values, rows, next_pos, scales, pdl=pdl)
+                attn = layout.decode.run(q, keys, values)
+            else:
+                config = plan.decode_config
+                attn = fused.decode_attention(
+                    qkv[:b], keys, values, next_pos, rows, window, next_rope, scales, config, pdl
+                )
+            if i == last:  # only the next positions' outputs are used
+                x = x[:b]
+            else:
+                attn = torch.cat([attn, *parts]) if parts else attn
+            attn = F.linear(attn, layer.self_attn.out_proj.weight)
+            x, h = _add_norm(x, layer.layer_scale_1(attn), layer.norm2, pdl)
+            update = layer.layer_scale_2(_feed_forward(layer, h, None, pdl))
+        assert update is not None
+        return x + update
+
+
+@dataclass
+class StepLayout:
+    """Where the tokens of one duplex-engine step go (:meth:`StreamingTransformer.forward_step`).
+
+    Tokens ``0 .. b-1`` are the next positions of cache rows ``rows``; tokens ``b ..`` are the rows' blocks, one
+    after the other, then padding (CUDA graphs run at a few fixed sizes).
+
+    Attributes:
+        rows: [b] long cache rows (padding rows point at a scratch row).
+        block_len: [b] long block columns each row reads before its next position (0: none).
+        blocks: (i, start, n) on the host: row ``rows[i]``'s block is tokens ``b + start .. b + start + n - 1``
+            (the eager path reads them row by row).
+        ragged: the block tokens for the kernels (:class:`cspan.core.modules.fused.Ragged`, without positions:
+            the step adds them), None without block tokens.
+        first_rows: b when ``rows`` is ``0 .. b - 1`` in order (the eager path then reads the rings as views),
+            else 0.
+        decode: a library decode (:class:`cspan.core.attention.FlashInferDecode`, planned for this step) for the
+            next positions, or None for :func:`cspan.core.modules.fused.decode_attention`.
+    """
+
+    rows: torch.Tensor
+    block_len: torch.Tensor
+    blocks: list[tuple[int, int, int]]
+    ragged: fused.Ragged | None = None
+    first_rows: int = 0
+    decode: Any = None
+
+
+def _feed_forward(layer: StreamingTransformerLayer, h: torch.Tensor, sets: list[int] | None, pdl: bool | None):
+    """The layer's FFN on the fused path: a SiLU gate through :func:`cspan.core.modules.fused.silu_gate`."""
+    gating = layer.gating
+    if isinstance(gating, nn.ModuleList):
+        gating = gating[sets[0]] if sets is not None else None
+    if isinstance(gating, ActivationGating) and gating.activation_name == "silu":
+        return gating.linear_out(fused.silu_gate(gating.linear_in(h), pdl))
+    return layer.feed_forward(h, sets)
+
+
+def _add_norm(
+    x: torch.Tensor, update: torch.Tensor | None, norm: nn.Module, pdl: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, norm(s)) with ``s = x + update`` (``x`` when update is None): one kernel for a float32 RMSNorm (callers
+    are on the fused path)."""
+    if isinstance(norm, RMSNorm) and norm.compute_dtype == torch.float32:
+        return fused.rms_norm(x, norm.alpha, norm.eps, update, pdl)
     if update is not None:
         x = x + update
     return x, norm(x)

@@ -1,0 +1,223 @@
+"""``cspan bench capacity``: how many sessions one device serves in real time, late in conversations, with Context
+Spans arriving.
+
+For each candidate batch size B (ascending) and each KV cache dtype: an engine of B sessions, every session
+brought to a full ring (the model's context: a conversation four minutes in), then ``frames`` whole frames (Mimi
+encode, the step, Mimi decode, the text token and PCM read back) during which Context Spans arrive as a Poisson
+process: each session receives one span per ``span_interval_s`` seconds on average (default 30 s, i.e. a rate of
+1 / 375 per frame), of a length drawn from an exponential distribution of mean ``span_length`` columns (default
+256) clipped to ``[16, max_span]`` (default 600). Spans are injected right before the frame that reads them, as a
+server does on its engine thread, and the injection is part of the frame's time. The frame's p99 decides: B
+serves in real time when it stays under the 80 ms frame. The capacity is the largest such B; the search stops at
+the first B over the budget (or that does not fit in memory).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cspan.bench.errors import BenchError
+from cspan.bench.latency import ROOM_TONE_STD, Models, environment, fill_history, make_engine, span_body, summarize_ms
+from cspan.bench.session import synchronize
+
+FRAME_BUDGET_MS = 80.0
+DEFAULT_BATCH_SIZES = (16, 32, 48, 64, 80, 96, 112, 128)
+
+
+@dataclass
+class CapacityOptions:
+    """What :func:`run_capacity` measures (see the module docstring).
+
+    Attributes:
+        batch_sizes: candidates, tried in ascending order.
+        kv_dtypes: KV cache storages ("bf16" / "auto", "fp8").
+        frames: timed frames per candidate (after ``warmup`` frames).
+        warmup: untimed frames (with the same span arrivals) before the timed ones.
+        span_interval_s: mean seconds between two spans of one session (Poisson arrivals).
+        span_length: mean span length in columns (exponential, clipped to ``[16, max_span]``).
+        max_span: the longest span.
+        budget_ms: the frame p99 a batch size must stay under.
+        seed: arrivals, lengths and data.
+        cuda_graphs: as the engine's.
+    """
+
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES
+    kv_dtypes: Sequence[str] = ("auto", "fp8")
+    frames: int = 250
+    warmup: int = 20
+    span_interval_s: float = 30.0
+    span_length: int = 256
+    max_span: int = 600
+    budget_ms: float = FRAME_BUDGET_MS
+    seed: int = 0
+    cuda_graphs: bool | None = None
+
+    def check(self) -> None:
+        """Raise :class:`BenchError` for impossible settings."""
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise BenchError(f"--batch-size {list(self.batch_sizes)}: give batch sizes >= 1")
+        if self.frames < 1 or self.warmup < 0:
+            raise BenchError("--frames must be >= 1 and --warmup >= 0")
+        if self.span_interval_s <= 0 or not 16 <= self.span_length <= self.max_span:
+            raise BenchError("--span-interval must be > 0 s and 16 <= --span-length <= --max-span")
+
+
+def arrivals(
+    batch_size: int, frames: int, options: CapacityOptions, frame_rate: float, gen: np.random.Generator
+) -> list[list[tuple[int, int]]]:
+    """Per frame, the (session, span length) pairs arriving before it: each session's spans a Poisson process of
+    rate ``1 / span_interval_s`` (per frame: ``1 / (span_interval_s * frame_rate)``), lengths exponential of mean
+    ``span_length`` clipped to ``[16, max_span]``."""
+    rate = 1.0 / (options.span_interval_s * frame_rate)
+    counts = gen.poisson(rate, size=(frames, batch_size))
+    out: list[list[tuple[int, int]]] = []
+    for f in range(frames):
+        pairs = []
+        for session in np.nonzero(counts[f])[0].tolist():
+            for _ in range(int(counts[f, session])):
+                n = int(np.clip(round(gen.exponential(options.span_length)), 16, options.max_span))
+                pairs.append((session, n))
+        out.append(pairs)
+    return out
+
+
+def kv_bytes_per_session(lm: Any, kv_dtype: str) -> int:
+    """Bytes of one session's full temporal KV cache (keys and values of every layer, plus FP8 scales)."""
+    cfg = lm.cfg
+    slots = cfg.context * cfg.num_layers * cfg.num_heads
+    if kv_dtype == "fp8":
+        return 2 * slots * (cfg.dim // cfg.num_heads + 4)
+    return 2 * slots * (cfg.dim // cfg.num_heads) * lm.dtype.itemsize
+
+
+def run_candidate(
+    models: Models, batch_size: int, kv_dtype: str, options: CapacityOptions, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Time one batch size with one KV dtype: its frame statistics and the spans it read."""
+    from cspan.core.constants import FRAME_RATE
+    from cspan.core.span import ContextSpan
+
+    engine = make_engine(models, batch_size, (options.max_span,), options.cuda_graphs, False, kv_dtype)
+    device = engine.device
+    gen = np.random.default_rng(options.seed + batch_size)
+    total = options.warmup + options.frames
+    plan = arrivals(batch_size, total, options, FRAME_RATE, gen)
+    pcm = torch.from_numpy(
+        (gen.standard_normal((8, batch_size, 1920)) * ROOM_TONE_STD).astype(np.float32)
+    )  # a few frames of room tone, cycled
+    text_card = int(models.lm.text_card)
+    zeros = torch.zeros(batch_size, engine.num_codebooks, dtype=torch.long, device=device)
+    for _ in range(max(2, engine.max_delay + 1)):
+        engine.step_tokens(zeros)
+    progress(f"B = {batch_size}, {kv_dtype}: filling {batch_size} rings to {engine.context} positions")
+    fill_history(engine, engine.context or 0, options.seed)
+    times: list[float] = []
+    span_frames = 0
+    spans = 0
+    for f in range(total):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for session, n in plan[f]:
+            engine.inject_span(session, ContextSpan.from_ids(span_body(n, text_card, options.seed + f)))
+        out = engine.step(pcm[f % pcm.shape[0]])
+        out.text_token.cpu()
+        out.agent_pcm.cpu()
+        synchronize(device)
+        if f >= options.warmup:
+            times.append((time.perf_counter() - t0) * 1000.0)
+            spans += len(plan[f])
+            span_frames += bool(plan[f])
+    stats = summarize_ms(times)
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "batch_size": batch_size,
+        "kv_dtype": kv_dtype,
+        "frame": stats,
+        "spans": spans,
+        "frames_with_spans": span_frames,
+        "real_time": stats["p99_ms"] < options.budget_ms,
+    }
+
+
+def run_capacity(
+    models: Models,
+    options: CapacityOptions,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Every candidate per KV dtype until one misses the budget or does not fit; the JSON document."""
+    options.check()
+    say = progress or (lambda _msg: None)
+    results: list[dict[str, Any]] = []
+    capacity: dict[str, int | None] = {}
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    for kv in options.kv_dtypes:
+        best = None
+        for B in sorted(options.batch_sizes):
+            need = B * kv_bytes_per_session(models.lm, kv)
+            if free is not None and need > 0.95 * free:
+                say(f"B = {B}, {kv}: {need / 2**30:.1f} GiB of KV cache does not fit ({free / 2**30:.1f} GiB free)")
+                results.append({"batch_size": B, "kv_dtype": kv, "fits": False, "kv_gib": need / 2**30})
+                break
+            say(f"B = {B}, {kv}")
+            row = run_candidate(models, B, kv, options, say)
+            row["fits"] = True
+            row["kv_gib"] = need / 2**30
+            results.append(row)
+            say(f"B = {B}, {kv}: frame p50 {row['frame']['p50_ms']:.1f} ms, p99 {row['frame']['p99_ms']:.1f} ms")
+            if not row["real_time"]:
+                break
+            best = B
+        capacity[kv] = best
+    doc: dict[str, Any] = environment(device, dtype)
+    doc["config"] = {
+        "source": models.source,
+        "random_weights": models.random,
+        "batch_sizes": list(options.batch_sizes),
+        "kv_dtypes": list(options.kv_dtypes),
+        "frames": options.frames,
+        "warmup": options.warmup,
+        "span_interval_s": options.span_interval_s,
+        "span_length": options.span_length,
+        "max_span": options.max_span,
+        "budget_ms": options.budget_ms,
+        "fill": "the model's context (a full ring)",
+        "timing": "whole frames (spans injected before them, Mimi, step, host reads), device synchronised",
+    }
+    doc["results"] = results
+    doc["capacity"] = capacity
+    return doc
+
+
+def capacity_table(doc: dict[str, Any]) -> str:
+    """Markdown of a capacity document."""
+    budget = doc["config"]["budget_ms"]
+    lines = [
+        f"| KV cache | batch | KV GiB | frame P50, ms | frame P99, ms | spans read | under {budget:g} ms |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in doc["results"]:
+        if not r.get("fits", True):
+            lines.append(f"| {r['kv_dtype']} | {r['batch_size']} | {r['kv_gib']:.1f} | – | – | – | does not fit |")
+            continue
+        f = r["frame"]
+        ok = "yes" if r["real_time"] else "no"
+        lines.append(
+            f"| {r['kv_dtype']} | {r['batch_size']} | {r['kv_gib']:.1f} | {f['p50_ms']:.1f} | {f['p99_ms']:.1f} | "
+            f"{r['spans']} | {ok} |"
+        )
+    cap = ", ".join(f"{kv}: {b if b is not None else 'none'}" for kv, b in doc["capacity"].items())
+    return "\n".join(lines) + f"\n\nSessions per device at frame P99 < {budget:g} ms: {cap}."
+
+
+__all__ = ["CapacityOptions", "arrivals", "capacity_table", "kv_bytes_per_session", "run_capacity"]

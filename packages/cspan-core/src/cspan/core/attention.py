@@ -1,0 +1,102 @@
+"""Library decode attention for the engine's step: FlashInfer's paged decode over the ring KV cache, zero copy.
+
+The ring of one layer, ``[B, H, C, Dh]`` (:class:`cspan.core.kv_cache.KVCache`), is FlashInfer's paged cache in its
+``HND`` layout with one page of C slots per row: row r is page r, and a query at position ``p`` attends to the
+``min(p + 1, C)`` first slots of its page (the slots holding positions ``<= p`` while the ring fills; all C, every
+one in the window, once it is full). That is the engine's rule when the window equals the ring (the temporal
+transformer's: 3000 and 3000), and the page table is just the rows. The new position's key and value are written
+first (:func:`cspan.core.modules.fused.kv_write`), so the ring holds them when FlashInfer reads it.
+
+Measured on an H200 (docs/perf/round4, full 3000-slot rings, bf16): FlashInfer reads the ring at the copy
+bandwidth from 8 rows on (B = 64: 699 us per 32-head layer against a 736 us floor at 4.27 TB/s, the project's
+Triton kernel 871), but one page per row leaves it no key split at one row (41 us against 27). So the plan uses it
+for steps of at least :data:`MIN_ROWS` rows when ``flashinfer`` imports and the cache is bf16 / fp16
+(:func:`cspan.core.plan.resolve_plan`; ``CSPAN_ATTENTION=triton`` keeps the Triton kernel everywhere). FlashInfer
+compiles its kernels on first use (nvcc, a few seconds). Source: FlashInfer, ``BatchDecodeWithPagedKVCacheWrapper``
+(flashinfer-ai/flashinfer, ``flashinfer/decode.py``).
+
+``plan`` runs on the host before each step (the rows and their key counts are host-known); with CUDA graphs the
+wrapper of a row bucket keeps fixed buffers that the captured kernels read, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MIN_ROWS = 8
+"""Steps of at least this many rows use FlashInfer's decode (below it the Triton kernel, which splits the keys)."""
+WORKSPACE_BYTES = 128 << 20
+
+
+def available() -> bool:
+    """Whether FlashInfer imports."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+class FlashInferDecode:
+    """FlashInfer decode over the engine's ring KV cache (see the module docstring).
+
+    Args:
+        device: the CUDA device.
+        num_heads, head_dim, capacity: of the cache (H, Dh, C).
+        dtype: of the queries and the cache (bf16 / fp16).
+        cuda_graphs: keep one wrapper per row count with fixed buffers (for graph capture).
+    """
+
+    def __init__(
+        self, device: torch.device, num_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, cuda_graphs: bool
+    ) -> None:
+        import flashinfer
+
+        self._flashinfer = flashinfer
+        self.device, self.num_heads, self.head_dim, self.capacity = device, num_heads, head_dim, capacity
+        self.dtype, self.cuda_graphs = dtype, cuda_graphs
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrappers: dict[int, Any] = {}
+
+    def _wrapper(self, rows: int) -> Any:
+        if rows not in self._wrappers:
+            fi = self._flashinfer
+            if self.cuda_graphs:
+                self._wrappers[rows] = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace,
+                    "HND",
+                    use_cuda_graph=True,
+                    paged_kv_indptr_buffer=torch.zeros(rows + 1, dtype=torch.int32, device=self.device),
+                    paged_kv_indices_buffer=torch.zeros(rows, dtype=torch.int32, device=self.device),
+                    paged_kv_last_page_len_buffer=torch.zeros(rows, dtype=torch.int32, device=self.device),
+                )
+            else:
+                self._wrappers[rows] = fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "HND")
+        return self._wrappers[rows]
+
+    def plan(self, rows: list[int], positions: list[int]) -> None:
+        """Before a step (host): the cache rows of its b queries (padding rows included) and the position each
+        query feeds; the query attends to ``min(position + 1, C)`` slots of its row."""
+        b = len(rows)
+        lengths = [min(p + 1, self.capacity) for p in positions]
+        self._wrapper(b).plan(
+            torch.arange(b + 1, dtype=torch.int32),
+            torch.tensor(rows, dtype=torch.int32),
+            torch.tensor(lengths, dtype=torch.int32),
+            self.num_heads,
+            self.num_heads,
+            self.head_dim,
+            self.capacity,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def run(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """q [b, H, Dh] (RoPE applied) over one layer's rings [B, H, C, Dh] -> [b, H * Dh]."""
+        out = self._wrapper(q.shape[0]).run(q, (keys, values))
+        return out.reshape(q.shape[0], -1)
+
+
+__all__ = ["MIN_ROWS", "FlashInferDecode", "available"]

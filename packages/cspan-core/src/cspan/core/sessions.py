@@ -1,0 +1,348 @@
+"""The duplex engine's sessions: their device state in one object, their host mirrors in one record, and the
+host-built layout of one step.
+
+- :class:`EngineState` holds every device tensor of all B sessions: the temporal KV cache, the token grid, the
+  sampling seeds and the Mimi codec states (row B of the cache, grid and seeds is a scratch row that the padding
+  rows of a CUDA-graph bucket compute on).
+- :class:`Sessions` holds what the host knows of each session (pending position, whether it started, its prefix
+  end, seed, whether it is live) and what is queued for its next step (a restart with an optional persona prefix,
+  Context Span blocks). Queueing is host-only, so a server may call it between steps from any thread.
+- :class:`StepBatch` is one step's host-built inputs: the live rows, their queued block columns and the ragged
+  layout of those columns, packed into one integer tensor that the step (graphed or eager) unpacks on the device
+  (:func:`unpack`).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .modules import fused
+from .modules.transformer import StepLayout
+from .plan import ExecutionPlan
+from .prefix import PrefixBlock
+from .span import Block
+from .streams import TokenGrid
+
+
+def fresh_seed() -> int:
+    """A non-deterministic 63-bit seed."""
+    return random.SystemRandom().getrandbits(63)
+
+
+@dataclass
+class Restart:
+    """A queued restart of one session: its new seed, and the persona prefix its next step reads (or None)."""
+
+    seed: int
+    prefix: PrefixBlock | None = None
+
+
+class Sessions:
+    """Host mirrors of all B sessions and what is queued for their next step (one lock guards the queue).
+
+    Attributes:
+        position: each session's pending position: the position its next step feeds (its queued blocks included).
+        started: a persona or a step since its reset (a Context Span needs a running stream).
+        prefix_end: the last position of its persona prefix, or None.
+        seeds: its sampling seed.
+        live: stepped by the engine (idle rows cost nothing and keep their queue; see ``DuplexEngine.set_live``).
+        restarts: row -> :class:`Restart` applied at the head of its next step.
+        blocks: row -> queued Context Span blocks, read by its next step in order.
+        after_prefix: row -> blocks queued behind a persona prefix not read yet: they are read by the step after
+            the prefix's, so that they follow the whole prefix (as they would once it has been read).
+    """
+
+    def __init__(self, seeds: Sequence[int]) -> None:
+        B = len(seeds)
+        self.batch_size = B
+        self.position = [0] * B
+        self.started = [False] * B
+        self.prefix_end: list[int | None] = [None] * B
+        self.seeds = [int(s) for s in seeds]
+        self.live = [True] * B
+        self.restarts: dict[int, Restart] = {i: Restart(self.seeds[i]) for i in range(B)}
+        self.blocks: dict[int, list[Block]] = {}
+        self.after_prefix: dict[int, list[Block]] = {}
+        self.lock = threading.Lock()
+
+    def reset(self, rows: Sequence[int], seeds: Sequence[int | None], prefix: PrefixBlock | None = None) -> None:
+        """Restart ``rows`` (fresh seeds where None), optionally with a persona prefix (the same for all rows)."""
+        with self.lock:
+            for row, seed in zip(rows, seeds, strict=True):
+                self.seeds[row] = fresh_seed() if seed is None else int(seed)
+                self.restarts[row] = Restart(self.seeds[row], prefix)
+                self.blocks.pop(row, None)
+                self.after_prefix.pop(row, None)
+                self.position[row] = 0 if prefix is None else prefix.pending
+                self.prefix_end[row] = None if prefix is None else prefix.pending
+                self.started[row] = prefix is not None
+
+    def queue(self, row: int, block: Block) -> int:
+        """Queue a block for ``row``; returns its first position."""
+        with self.lock:
+            restart = self.restarts.get(row)
+            if restart is not None and restart.prefix is not None:  # after the prefix's own step
+                waiting = self.after_prefix.setdefault(row, [])
+                first = self.position[row] + 1 + sum(blk.n for blk in waiting)
+                waiting.append(block)
+                return first
+            first = self.position[row]
+            self.blocks.setdefault(row, []).append(block)
+            self.position[row] += block.n
+            return first
+
+    def take(self) -> tuple[list[int], dict[int, Restart], dict[int, list[Block]]]:
+        """The head of a step: (live rows, their queued restarts, their queued blocks), emptied."""
+        with self.lock:
+            rows = [i for i in range(self.batch_size) if self.live[i]]
+            restarts = {i: self.restarts.pop(i) for i in rows if i in self.restarts}
+            blocks = {i: self.blocks.pop(i) for i in rows if i in self.blocks}
+            return rows, restarts, blocks
+
+    def advance(self, rows: Sequence[int]) -> None:
+        """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now."""
+        with self.lock:
+            for row in rows:
+                self.position[row] += 1
+                self.started[row] = True
+                for block in self.after_prefix.pop(row, []):
+                    self.blocks.setdefault(row, []).append(block)
+                    self.position[row] += block.n
+
+
+class EngineState:
+    """Device tensors of all B sessions (row B of the cache, grid and seeds: the scratch row).
+
+    Args:
+        lm: the :class:`cspan.core.lm.LMModel`.
+        mimi: the Mimi codec, or None.
+        batch_size: B.
+        plan: the engine's plan (KV dtype).
+        grid: the token grid's delays, initial tokens and user rows as ``(delays, initial, user_rows)``.
+
+    Attributes:
+        lm: the temporal KV cache (:class:`cspan.core.lm.LMState`), B + 1 rows.
+        grid: the :class:`cspan.core.streams.TokenGrid`, B + 1 rows.
+        seed: [B + 1] long, each session's sampling seed.
+        encoder, decoder: the Mimi streaming states (B rows), or None.
+    """
+
+    def __init__(
+        self, lm: Any, mimi: Any | None, batch_size: int, plan: ExecutionPlan, grid: tuple[list, list, list]
+    ) -> None:
+        B = batch_size
+        self.batch_size = B
+        self.scratch = B
+        self._lm_model = lm
+        self.lm = lm.new_state(B + 1, kv_dtype=plan.kv_dtype)
+        self.grid = TokenGrid(grid[0], grid[1], grid[2], B + 1, lm.device)
+        self.seed = torch.zeros(B + 1, dtype=torch.long, device=lm.device)
+        self.encoder = mimi.new_encoder_state(B) if mimi is not None else None
+        self.decoder = mimi.new_decoder_state(B) if mimi is not None else None
+        self._depformer: dict[int, Any] = {}
+
+    def depformer(self, rows: int) -> Any:
+        """The depformer's per-frame state for ``rows`` rows (one per step size, kept)."""
+        if rows not in self._depformer:
+            self._depformer[rows] = self._lm_model.new_depformer_state(rows)
+        return self._depformer[rows]
+
+    def restart(self, row: int, restart: Restart) -> None:
+        """Apply a queued restart to ``row`` (device work, between steps)."""
+        rows = torch.tensor([row], dtype=torch.long, device=self.seed.device)
+        self.lm.reset(rows)
+        self.grid.reset(rows)
+        self.seed[row] = restart.seed
+        for codec in (self.encoder, self.decoder):
+            if codec is not None:
+                codec.reset(rows)
+        if restart.prefix is not None:
+            self.grid.load(row, restart.prefix.delayed, restart.prefix.pending)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The static shape of one step (a CUDA-graph key, with the kind of call): padded rows b, padded block columns
+    N, queries per prefill block, prefill query blocks, whether input embeddings come with the blocks, whether the
+    library decode reads the ring; and the host layout of the blocks (used by the eager path only)."""
+
+    rows: int
+    columns: int
+    block_m: int
+    queries: int
+    embeddings: bool
+    library: bool = False
+    blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
+    first_rows: int = field(default=0, compare=False)
+
+    @property
+    def key(self) -> tuple[int, int, int, int, bool, bool]:
+        return (self.rows, self.columns, self.block_m, self.queries, self.embeddings, self.library)
+
+
+@dataclass
+class StepBatch:
+    """One step's host-built inputs (see the module docstring).
+
+    Attributes:
+        rows: the live rows stepped (before padding).
+        shape: the static shape.
+        packed: [*] long on the host: :func:`unpack`'s fields, concatenated.
+        embeddings: (values [N, D], use [N] bool) of the block columns, or None.
+        first_call: rows whose step is their first call after a reset (they return nothing).
+    """
+
+    rows: list[int]
+    shape: StepShape
+    packed: torch.Tensor
+    embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    first_call: list[int]
+
+
+def build_step(
+    rows: list[int],
+    blocks: dict[int, list[Block]],
+    prefixes: dict[int, PrefixBlock],
+    positions: list[int],
+    max_delay: int,
+    num_streams: int,
+    scratch: int,
+    capacity: int,
+    plan: ExecutionPlan,
+    dtype: torch.dtype,
+) -> StepBatch:
+    """Lay out one step: the live ``rows`` (padded to the plan's row bucket with the scratch row), each row's block
+    (its prefix's block, then its queued spans), the ragged tables of the block columns (padded to the block
+    bucket; no bucket serves it: laid out unpadded, and the step runs eagerly).
+
+    Args:
+        rows: the live rows.
+        blocks: row -> queued span blocks.
+        prefixes: row -> the persona prefix its restart reads.
+        positions: each session's pending position after its blocks (host mirror).
+        max_delay: the grid's largest delay (a row at a pending position below it returns nothing).
+        num_streams: K.
+        scratch: the scratch row.
+        capacity: the KV ring's slots C.
+        plan: the engine's plan.
+        dtype: of the input embeddings.
+    """
+    b_live = len(rows)
+    parts: list[Block] = []
+    row_blocks: list[tuple[int, int, int]] = []  # (i, start, n)
+    lens = [0] * b_live
+    start = 0
+    for i, row in enumerate(rows):
+        mine = ([prefixes[row].block] if row in prefixes else []) + blocks.get(row, [])
+        n = sum(blk.n for blk in mine)
+        if n:
+            row_blocks.append((i, start, n))
+            parts.extend(mine)
+            lens[i] = n
+            start += n
+    N_real = start
+    bucket = plan.block_bucket(N_real)
+    graphed = plan.cuda_graphs and bucket is not None  # padded to the graph buckets
+    N = bucket if graphed else N_real
+    b = plan.rows_bucket(b_live) if graphed else b_live
+    block_m = 0 if N == 0 else fused.block_m_for(N if graphed else max(lens))
+    # query blocks of the prefill grid: enough for any lengths that fit a graphed bucket, else exactly these
+    Q = 0 if N == 0 else -(-N // block_m) + b if graphed else sum(-(-n // block_m) for _, _, n in row_blocks)
+    has_emb = any(blk.embeddings is not None for blk in parts)
+    in_order = not graphed and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
+    library = plan.library_decode(b)
+    shape = StepShape(b, N, block_m, Q, has_emb, library, tuple(row_blocks), b_live if in_order else 0)
+
+    pad = b - b_live
+    row_t = torch.tensor(rows + [scratch] * pad, dtype=torch.long)
+    len_t = torch.tensor(lens + [0] * pad, dtype=torch.long)
+    write = torch.tensor([int(row not in prefixes) for row in rows] + [0] * pad, dtype=torch.long)
+    fields = [row_t, len_t, write]
+    if N:
+        tokens = torch.zeros(num_streams, N, dtype=torch.long)
+        if parts:
+            tokens[:, :N_real] = torch.cat([blk.tokens for blk in parts], dim=1)
+        seq_row = torch.full((b,), scratch, dtype=torch.long)
+        seq_start = torch.zeros(b, dtype=torch.long)
+        seq_len = torch.zeros(b, dtype=torch.long)
+        tok_row = torch.full((N,), scratch, dtype=torch.long)
+        tok_j = torch.full((N,), -1, dtype=torch.long)
+        tok_keep = torch.zeros(N, dtype=torch.long)
+        qb_seq: list[int] = []
+        qb_j: list[int] = []
+        for s, (i, st, n) in enumerate(row_blocks):
+            seq_row[s], seq_start[s], seq_len[s] = rows[i], st, n
+            tok_row[st : st + n] = rows[i]
+            j = torch.arange(n)
+            tok_j[st : st + n] = j
+            tok_keep[st : st + n] = (j >= n - capacity).long()
+            per = -(-n // block_m)
+            qb_seq += [s] * per
+            qb_j += [q * block_m for q in range(per)]
+        qb_seq_t = torch.full((Q,), -1, dtype=torch.long)
+        qb_j_t = torch.zeros(Q, dtype=torch.long)
+        qb_seq_t[: len(qb_seq)] = torch.tensor(qb_seq, dtype=torch.long)
+        qb_j_t[: len(qb_j)] = torch.tensor(qb_j, dtype=torch.long)
+        fields += [tokens.view(-1), seq_row, seq_start, seq_len, qb_seq_t, qb_j_t, tok_row, tok_j, tok_keep]
+    embeddings = None
+    if has_emb:
+        width = next(blk.embeddings.shape[-1] for blk in parts if blk.embeddings is not None)
+        values = torch.zeros(N, width, dtype=dtype)
+        use = torch.zeros(N, dtype=torch.bool)
+        at = 0
+        for blk in parts:
+            if blk.embeddings is not None:
+                E = blk.embeddings.shape[0]
+                values[at : at + E] = blk.embeddings.to(dtype)
+                use[at : at + E] = True
+            at += blk.n
+        embeddings = (values, use)
+    first_call = [row for row in rows if positions[row] < max_delay]
+    packed = torch.cat(fields)
+    if plan.device.type == "cuda":  # page-locked: the step's copy to the device is asynchronous (no host sync)
+        packed = packed.pin_memory()
+        embeddings = None if embeddings is None else (embeddings[0].pin_memory(), embeddings[1].pin_memory())
+    return StepBatch(rows=rows, shape=shape, packed=packed, embeddings=embeddings, first_call=first_call)
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the device (views of the packed tensor): rows [b], write_user [b] bool, block tokens
+    [K, N], and the transformer's :class:`StepLayout`."""
+
+    rows: torch.Tensor
+    write_user: torch.Tensor
+    tokens: torch.Tensor
+    layout: StepLayout
+
+
+def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInputs:
+    """The views of a packed :class:`StepBatch` tensor (on the device)."""
+    b, N, Q = shape.rows, shape.columns, shape.queries
+    sizes = [b, b, b]
+    if N:
+        sizes += [num_streams * N, b, b, b, Q, Q, N, N, N]
+    parts = torch.split(packed, sizes)
+    rows, block_len, write = parts[0], parts[1], parts[2].bool()
+    ragged = None
+    tokens = packed.new_zeros(num_streams, 0)
+    if N:
+        tokens = parts[3].view(num_streams, N)
+        seq_row, seq_start, seq_len, qb_seq, qb_j, tok_row, tok_j, tok_keep = parts[4:]
+        ragged = fused.Ragged(
+            seq_row=seq_row, seq_start=seq_start, seq_len=seq_len, qb_seq=qb_seq, qb_j=qb_j,
+            tok_row=tok_row, tok_j=tok_j, tok_keep=tok_keep.bool(), block_m=shape.block_m,
+        )  # fmt: skip
+    layout = StepLayout(
+        rows=rows, block_len=block_len, blocks=list(shape.blocks), ragged=ragged, first_rows=shape.first_rows
+    )
+    return StepInputs(rows=rows, write_user=write, tokens=tokens, layout=layout)
+
+
+__all__ = ["EngineState", "Restart", "Sessions", "StepBatch", "StepInputs", "StepShape", "build_step", "unpack"]
