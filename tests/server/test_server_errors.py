@@ -74,7 +74,8 @@ async def test_bad_messages_get_errors_and_the_session_goes_on(serve, fixture_fi
             (b"\x00" * (10 * 1024 * 1024), "too_large"),
             (b"\x00" * 1000, "bad_frame"),
             (b"\x00" * 7681, "bad_frame"),
-            ("x" * (70 * 1024), "too_large"),
+            ("x" * (300 * 1024), "too_large"),  # above --max-message-kib (256)
+            ("x" * (70 * 1024), "bad_json"),  # under it: read
             (json.dumps({"type": "start"}), "already_started"),
             (json.dumps({"type": "context", "profile": {"lat": 500}}), "invalid_message"),
             (json.dumps({"type": "context", "profile": {"timezone": "Mars/Olympus"}}), "invalid_message"),

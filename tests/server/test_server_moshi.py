@@ -102,8 +102,9 @@ def decoded_samples(connection: Any) -> int:
     return queued + rest
 
 
-def moshi_metric(server: Any, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
+def moshi_metric(server: Any, name: str, token: str | None = None) -> float:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    text = httpx.get(server.url + "/metrics", headers=headers).text
     for line in text.splitlines():
         if line.startswith(f'{name}{{protocol="moshi"}}'):
             return float(line.split()[-1])
@@ -138,6 +139,26 @@ async def test_kyutai_client_holds_a_conversation(serve, fixture_file, moshi_cli
     assert ("warning", "unknown message kind 0") in printer.logs  # the handshake, which this client only logs
     assert not [m for level, m in printer.logs if level == "error"], printer.logs
     assert server.hub.free_slots() == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scheme", ["ws://", "http://"])
+async def test_kyutai_client_reaches_a_server_with_a_token_through_its_url(
+    serve, fixture_file, moshi_client, monkeypatch, scheme
+) -> None:
+    """``moshi.client`` has no token option and appends ``/api/chat`` to ``--url``: the address with the token and a
+    final ``#`` (docs/PROTOCOL.md) reaches a server that requires a token."""
+    token = "moshi-url-token-123"
+    server = serve(token=token, idle_timeout_s=1.0)
+    frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))[:12]
+    monkeypatch.setattr(FakeStream, "feed", frames)
+    printer = CapturingPrinter()
+    url = f"{scheme}127.0.0.1:{server.port}/api/chat?token={token}#"
+    args = argparse.Namespace(url=url, host=None, port=None, https=False)
+    await asyncio.wait_for(moshi_client.run(printer, args), timeout=240)
+    assert ("info", "connected!") in printer.logs
+    assert not [m for level, m in printer.logs if level == "error"], printer.logs
+    assert moshi_metric(server, "cspan_user_frames_total", token) == len(frames)
 
 
 async def raw_connect(server: Any, query: str = "") -> Any:
@@ -249,11 +270,15 @@ async def test_span_goes_out_as_metadata(serve, fixture_file) -> None:
 
 
 async def test_refused_starts_close_with_a_reason(serve) -> None:
-    server = serve()
+    """A start refused for what the client asked: ``0x05`` naming it, the ``bye`` metadata with reason ``refused``
+    (not ``error``, which is a server failure), close 1008."""
+    server = serve(max_text_prompt_chars=100)
     for query, expect in [
         ("?voice_prompt=NATF2.pt", "bad_voice"),
         ("?seed=banana", "invalid_message"),
         ("?seed=" + str(2**64), "invalid_message"),
+        ("?text_seed=" + "9" * 5000, "invalid_message"),
+        ("?text_prompt=" + "a" * 101, "invalid_message"),
     ]:
         http, ws = await raw_connect(server, query)
         try:
@@ -262,9 +287,15 @@ async def test_refused_starts_close_with_a_reason(serve) -> None:
             await ws.close()
             await http.close()
         assert got[0][0] == 5 and got[0][1:].decode().startswith(expect), (query, got[:2])
+        assert len(got[0]) < 300  # the client's value is quoted cut short
+        bye = json.loads(got[1][1:])
+        assert got[1][0] == 4 and (bye["type"], bye["reason"]) == ("bye", "refused"), bye
         assert got[-1] == b""  # closed by the server
         assert ws.close_code == 1008
     assert server.hub.free_slots() == 1
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'cspan_sessions_ended_total{protocol="moshi",reason="refused"} 5.0' in metrics
+    assert 'reason="error"' not in metrics
 
 
 async def test_token_and_busy(serve) -> None:

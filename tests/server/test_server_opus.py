@@ -171,3 +171,58 @@ def test_ogg_checksum_matches_sphn_pages() -> None:
     assert pcm.size == 0 and problem is None
     pcm, problem = decoder.decode(data[50:])
     assert pcm.size == 5 * FRAME and problem is None
+
+
+def _bitwise_ogg_crc(page: bytes) -> int:
+    """RFC 3533's checksum, bit by bit (polynomial 0x04C11DB7, MSB first, initial 0, no final xor)."""
+    crc = 0
+    for i, byte in enumerate(page):
+        crc ^= (0 if 22 <= i < 26 else byte) << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if crc & 0x80000000 else (crc << 1) & 0xFFFFFFFF
+    return crc
+
+
+@pytest.mark.parametrize("size", [27, 28, 31, 282, 4097])
+def test_ogg_checksum_is_rfc_3533s(size: int) -> None:
+    from cspan.server.opus import ogg_crc
+
+    rng = np.random.default_rng(size)
+    for _ in range(3):
+        page = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert ogg_crc(page) == _bitwise_ogg_crc(page)
+        assert ogg_crc(bytearray(page)) == ogg_crc(page[:22] + b"\xff\xff\xff\xff" + page[26:])  # field ignored
+
+
+@pytest.mark.parametrize("bad_pages", [1, 3, 4, 2000])
+def test_decoder_reports_the_first_problems_and_a_count(bad_pages: int) -> None:
+    """Corrupt pages among good ones: the good ones decode, and the report names at most three problems whatever
+    the number (an error never grows with the input)."""
+    import sphn
+
+    from cspan.server.opus import OggOpusDecoder
+
+    writer = sphn.OpusStreamWriter(24000)
+    good = b"".join(writer.append_pcm(np.full(FRAME, 0.1, np.float32)) for _ in range(3))
+    corrupt = b"OggS" + b"\x00" * 22 + b"\x00"  # 27 bytes, no segments, checksum 0 (wrong)
+    cut = good.index(b"OggS", good.index(b"OggS", 4) + 4)  # after the two header pages
+    pcm, problem = OggOpusDecoder().decode(good[:cut] + corrupt * bad_pages + good[cut:])
+    assert pcm.size == 3 * FRAME
+    assert problem is not None and problem.count("a corrupt Ogg page") == min(bad_pages, 3)
+    assert len(problem) < 400
+    if bad_pages > 3:
+        assert problem.endswith(f"(and {bad_pages - 3} more problems in this message)")
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_decoder_keeps_a_capture_pattern_split_across_messages(split: int) -> None:
+    import sphn
+
+    from cspan.server.opus import OggOpusDecoder
+
+    data = b"".join(sphn.OpusStreamWriter(24000).append_pcm(np.full(FRAME, 0.1, np.float32)) for _ in range(2))
+    decoder = OggOpusDecoder()
+    pcm, problem = decoder.decode(b"garbage" + data[:split])
+    assert pcm.size == 0 and problem is not None and "7 bytes that are not an Ogg page" in problem
+    pcm, problem = decoder.decode(data[split:])
+    assert pcm.size == 2 * FRAME and problem is None

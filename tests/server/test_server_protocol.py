@@ -86,13 +86,30 @@ def test_client_messages_parse() -> None:
         ('{"type": "start", "profile": {"user_id": "ada"}}', "invalid_message"),
         ('{"type": "start", "test": {"force_ret_at": [-1]}}', "invalid_message"),
         ('{"type": "start", "text_prompt": "' + "x" * 5000 + '"}', "invalid_message"),
-        ('{"type": "stop", "pad": "' + "x" * 70000 + '"}', "too_large"),
-        ("[" * 100000 + "]" * 100000, "too_large"),
+        ("[" * 100000 + "]" * 100000, "bad_json"),
         ("[" * 20000 + "]" * 20000, "bad_json"),
+        ('{"type": "start", "profile": {"lat": NaN}}', "bad_json"),  # not JSON (Python's parser takes it)
+        ('{"type": "start", "profile": {"lon": -Infinity}}', "bad_json"),
+        ('{"type": "start", "profile": {"name": "Ada"}, "x": Infinity}', "bad_json"),
     ],
 )
 def test_client_message_errors(text: str, code: str) -> None:
     assert code_of(text) == code
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "k" * 100_000},
+        {"type": "start", "k" * 100_000: 1},
+        {"type": "start", **{f"extra{i}": i for i in range(1000)}},
+        {"type": "start", "profile": {f"x{i}" * 1000: i for i in range(100)}, "codecs": [5] * 8},
+    ],
+)
+def test_client_message_errors_do_not_grow_with_the_input(message: dict) -> None:
+    with pytest.raises(ProtocolCodeError) as info:
+        parse_client_message(json.dumps(message))
+    assert len(info.value.message) < 600, info.value.message[:200]
 
 
 def test_audio_frames() -> None:
@@ -106,10 +123,14 @@ def test_audio_frames() -> None:
     assert pcm16[:4].tolist() == [-1.0, 0.0, 0.5, 32767 / 32768]
     y = np.sin(np.arange(1920, dtype=np.float32))
     assert np.array_equal(np.frombuffer(encode_audio_frame(y), dtype="<f4"), y)
-    for n, code in [(0, "bad_frame"), (7679, "bad_frame"), (1920, "bad_frame"), (64 * 1024 + 1, "too_large")]:
+    for n in (0, 7679, 1920, 64 * 1024 + 1):  # sizes above --max-message-kib never get here (the app refuses them)
         with pytest.raises(ProtocolCodeError) as info:
             decode_audio_frame(b"\x00" * n)
-        assert info.value.code == code
+        assert info.value.code == "bad_frame" and "JSON" not in info.value.message
+    for data in (b'{"type":"start"}', b'{"type": "stop"}', b'{"type": "start", "codecs": ["opus"]}'):  # JSON as binary
+        with pytest.raises(ProtocolCodeError) as info:
+            decode_audio_frame(data)
+        assert info.value.code == "bad_frame" and "send JSON messages" in info.value.message
 
 
 @pytest.mark.parametrize(
@@ -156,6 +177,12 @@ def test_protocol_doc_covers_every_message_and_code(repo_root: Path) -> None:
         assert kind in rows, f"message type {kind!r} has no row in docs/PROTOCOL.md"
     for code in ERROR_CODES:
         assert code in rows, f"error code {code!r} has no row in docs/PROTOCOL.md"
+    from cspan.server.realtime_events import ERROR_CODES as REALTIME_CODES
+    from cspan.server.realtime_events import WARNING_CODES
+
+    for code in (*REALTIME_CODES, *WARNING_CODES):
+        assert f"`{code}`" in doc, f"Realtime code {code!r} is not in docs/PROTOCOL.md"
+    assert "`--max-message-kib`" in doc
 
 
 async def test_token_checks() -> None:

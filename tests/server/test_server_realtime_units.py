@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from cspan.core.vad import UtteranceTracker
-from cspan.server.realtime_audio import InputAudio, OutputAudio, decode_samples, encode_samples
+from cspan.server.realtime_audio import Decimator, InputAudio, OutputAudio, decode_samples, encode_samples
 from cspan.server.realtime_events import (
+    MAX_TOOL_SCHEMA_NODES,
+    FunctionCallItem,
     FunctionCallOutputItemIn,
+    MessageItem,
     RealtimeEventError,
     SessionUpdate,
     dump_event,
@@ -76,7 +79,7 @@ def test_g711_streams_resample_8k_both_ways(fmt: str) -> None:
     tone = (0.5 * np.sin(2 * np.pi * 440 * np.arange(SR) / SR)).astype(np.float32)  # 1 s at 24 kHz
     out = OutputAudio(fmt)
     wire = b"".join(out.encode(tone[i : i + 1920]) for i in range(0, SR, 1920))
-    assert 7000 <= len(wire) <= 8000  # 8 kHz, one byte per sample, less the resampler's delay
+    assert len(wire) == 8000  # 8 kHz, one byte per sample
     assert _peak_hz(decode_samples(wire, fmt), 8000) == pytest.approx(440, abs=4)
     back = InputAudio(fmt)
     pcm = np.concatenate([back.decode(wire[i : i + 333]) for i in range(0, len(wire), 333)])
@@ -102,18 +105,35 @@ def test_g711_streams_resample_8k_both_ways(fmt: str) -> None:
             "e4",
             "item.output",
         ),
+        ('{"type": "session.update", "event_id": "e5", "session": [1]}', "invalid_event", "e5", "session"),
         (
-            '{"type": "session.update", "event_id": "e5", "session": {"input_audio_format": "mp3"}}',
+            '{"type": "session.update", "event_id": "e6", "session": {}, "event_id": 7}',
             "invalid_event",
-            "e5",
-            "session.input_audio_format",
+            None,
+            "event_id",
+        ),
+        ('{"type": "session.update", "session": {"cspan": {"profile": {"lat": NaN}}}}', "bad_json", None, None),
+        ('{"type": "response.cancel", "event_id": "e7", "response_id": Infinity}', "bad_json", None, None),
+        (
+            '{"type": "conversation.item.create", "event_id": "e8", "item": {"type": "message", "role": "user", '
+            '"content": [{"type": "input_text", "text": 5}]}}',
+            "invalid_event",
+            "e8",
+            "item.content.0.text",
         ),
         (
-            '{"type": "session.update", "event_id": "e6", "session": {"audio": {"input": {"format": '
-            '{"type": "audio/pcm", "rate": 16000}}}}}',
+            '{"type": "conversation.item.create", "event_id": "e9", "item": {"type": "message", "role": "user", '
+            '"content": [{"type": "input_audio", "transcript": ["x"]}]}}',
             "invalid_event",
-            "e6",
-            "session.audio.input.format.rate",
+            "e9",
+            "item.content.0.transcript",
+        ),
+        (
+            '{"type": "conversation.item.create", "event_id": "e10", "item": {"type": "message", "id": "", '
+            '"role": "user"}}',
+            "invalid_event",
+            "e10",
+            "item.id",
         ),
     ],
 )
@@ -125,6 +145,93 @@ def test_malformed_client_events(text: str, code: str, event_id: str | None, par
     assert sent["type"] == "error" and sent["event_id"].startswith("event_")
     assert sent["error"]["code"] == code and sent["error"].get("event_id") == event_id
     assert sent["error"]["type"] == "invalid_request_error" and sent["error"]["message"]
+
+
+def test_error_messages_do_not_grow_with_the_input() -> None:
+    """A huge type, event id, key or list gets an error of bounded size: client values cut short, the first few
+    problems named and the rest counted."""
+
+    def parts(n: int) -> str:
+        content = [{"type": "input_text", "text": k} for k in range(n)]
+        return json.dumps(
+            {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": content}}
+        )
+
+    cases = [
+        json.dumps({"type": "x" * 100_000, "event_id": "e" * 100_000}),
+        json.dumps({"type": {"k" * 50_000: 1}}),
+        json.dumps({"type": "conversation.item.truncate", "item_id": "i" * 100_000, "content_index": -1}),
+        parts(60),
+        parts(5000),
+    ]
+    for text in cases:
+        with pytest.raises(RealtimeEventError) as info:
+            parse_client_event(text)
+        sent = dump_event(error_event(info.value)) or ""
+        assert len(sent) < 1500, (text[:60], len(sent))
+        assert info.value.event_id is None or len(info.value.event_id) <= 512
+    with pytest.raises(RealtimeEventError) as info:
+        parse_client_event(parts(60))
+    assert info.value.message.endswith("(and 56 more)") and info.value.param == "item.content.0.text"
+
+
+@pytest.mark.parametrize(
+    ("session", "applied", "problems"),
+    [
+        ({"instructions": "MIXED", "input_audio_format": "mp3"}, {"instructions": "MIXED"}, ["input_audio_format"]),
+        (
+            {"instructions": "x", "modalities": ["video"], "tool_choice": 42, "voice": 5},
+            {"instructions": "x"},
+            ["modalities", "tool_choice", "voice"],
+        ),
+        (  # a bad leaf leaves its siblings: the voice of the same audio object is applied
+            {"audio": {"input": {"format": {"type": "audio/mp3"}}, "output": {"voice": "marin"}}},
+            {"audio": {"input": {}, "output": {"voice": "marin"}}},
+            ["audio.input.format.type"],
+        ),
+        (
+            {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}},
+            {"audio": {"input": {"format": {"type": "audio/pcm"}}}},
+            ["audio.input.format.rate"],
+        ),
+        (  # the profile is checked as /ws's: an unknown IANA timezone is that field alone
+            {"cspan": {"events": True, "profile": {"name": "Ada", "timezone": "Mars/Base"}}},
+            {"cspan": {"events": True, "profile": {"name": "Ada"}}},
+            ["cspan.profile.timezone"],
+        ),
+        ({"cspan": {"profile": {"name": "Ada", "user_id": "u1"}}}, {"cspan": {}}, ["cspan.profile"]),
+        ({"tools": [{"name": "a"}, 7], "instructions": "y"}, {"instructions": "y"}, ["tools"]),
+    ],
+)
+def test_session_update_is_read_field_by_field(session: dict, applied: dict, problems: list[str]) -> None:
+    event = parse_client_event(json.dumps({"type": "session.update", "event_id": "u1", "session": session}))
+    assert isinstance(event, SessionUpdate)
+    assert event.session.model_dump(exclude_none=True, exclude_unset=True) == applied
+    assert sorted(p for p, _ in event.problems) == sorted(f"session.{p}" for p in problems)
+    for param, message in event.problems:
+        assert message.startswith(f"session.update: {param}: ") and message.endswith("not applied")
+
+
+def test_session_update_with_many_bad_fields_names_a_few() -> None:
+    profile = {f"k{i}": i for i in range(500)}
+    event = parse_client_event(json.dumps({"type": "session.update", "session": {"cspan": {"profile": profile}}}))
+    assert len(event.problems) == 4 and event.problems[-1] == (
+        "session",
+        "session.update: 497 more invalid fields not applied",
+    )
+
+
+def test_tool_schemas_are_bounded() -> None:
+    def update(properties: int, tools: int = 1) -> SessionUpdate:
+        params = {"type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(properties)}}
+        specs = [{"type": "function", "name": f"t{i}", "parameters": params} for i in range(tools)]
+        return parse_client_event(json.dumps({"type": "session.update", "session": {"tools": specs}}))
+
+    assert len(function_tools(update(100, 20).session) or []) == 20  # 20 * 102 objects
+    for properties, tools in [(MAX_TOOL_SCHEMA_NODES, 1), (300, 8)]:
+        with pytest.raises(RealtimeEventError) as info:
+            function_tools(update(properties, tools).session, "u")
+        assert (info.value.code, info.value.param) == ("invalid_event", "session.tools")
 
 
 def test_session_update_ga_and_beta_fields_and_tools() -> None:
@@ -271,14 +378,18 @@ def test_function_call_ends_the_response_and_cancel_mutes_the_turn() -> None:
     assert _frame(stream, "Three")[0].type == "response.created"
     with pytest.raises(RealtimeEventError) as info:
         stream.create(event_id="c1")
-    assert info.value.code == "active_response" and info.value.event_id == "c1"
+    assert info.value.code == "conversation_already_has_active_response" and info.value.event_id == "c1"
+    assert info.value.message.startswith("Conversation already has an active response in progress: resp_")
 
 
 def test_client_created_response_closes_empty_when_the_agent_is_silent() -> None:
     stream = ResponseStream(ItemLog())
     with pytest.raises(RealtimeEventError) as info:
         stream.cancel(event_id="x")
-    assert info.value.code == "no_active_response"
+    assert (info.value.code, info.value.message) == (
+        "response_cancel_not_active",
+        "Cancellation failed: no active response found",  # OpenAI's words, which LiveKit's plugin ignores
+    )
     created = stream.create({"client_event_id": "abc"})
     assert created[0].response.metadata == {"client_event_id": "abc"}
     events = []
@@ -351,3 +462,62 @@ def test_user_speech_items_follow_the_voice_activity_tracker() -> None:
         blip += user.poll(tracker)
     assert _types(blip) == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped"]
     assert log.last_id == started.item_id
+
+
+def test_cancel_of_another_response_cancels_nothing() -> None:
+    stream = ResponseStream(ItemLog())
+    created = stream.create()[0].response.id
+    for wrong in ("resp_nope", "r" * 10_000):
+        with pytest.raises(RealtimeEventError) as info:
+            stream.cancel(wrong, event_id="c1")
+        assert (info.value.code, info.value.param, info.value.event_id) == (
+            "response_cancel_not_active",
+            "response_id",
+            "c1",
+        )
+        assert info.value.message.startswith("Cancellation failed:") and created in info.value.message
+        assert len(info.value.message) < 250 and stream.active  # still in progress
+    done = stream.cancel(created)
+    assert done[-1].response.id == created and done[-1].response.status == "cancelled"
+
+
+def test_item_log_ids_are_unique_and_audio_is_counted_per_message() -> None:
+    log = ItemLog()
+    stream = ResponseStream(log)
+    stream.create()
+    for _ in range(3):
+        stream.audio(b"\x00" * 4)
+    (message,) = [i for i in log.items.values() if isinstance(i, MessageItem)]
+    assert log.audio_ms(message.id) == 240 and log.audio_ms("item_other") == 0
+    with pytest.raises(ValueError):
+        log.add(message)
+    call = FunctionCallItem(id="item_c", call_id="call_mine", name="f", arguments="{}")
+    log.add(call)
+    assert log.function_call("call_mine") is call and log.function_call("call_other") is None
+    log.delete(message.id)
+    assert log.audio_ms(message.id) == 0
+
+
+@pytest.mark.parametrize("fmt", ["g711_ulaw", "g711_alaw", "pcm16"])
+def test_every_agent_frame_is_80_ms_on_the_wire(fmt: str) -> None:
+    out = OutputAudio(fmt)
+    rng = np.random.default_rng(0)
+    sizes = {len(out.encode((rng.standard_normal(1920) * 0.1).astype(np.float32))) for _ in range(40)}
+    assert sizes == ({3840} if fmt == "pcm16" else {640})
+
+
+def test_decimator_filters_before_it_drops_samples() -> None:
+    """24 -> 8 kHz: the telephone band passes, what would fold into it is 70 dB down, any chunking."""
+
+    def level_db(hz: float, chunk: int) -> float:
+        x = np.sin(2 * np.pi * hz * np.arange(2 * SR) / SR).astype(np.float32)
+        d = Decimator()
+        y = np.concatenate([d(x[i : i + chunk]) for i in range(0, len(x), chunk)])
+        assert len(y) == len(x) // 3
+        return float(20 * np.log10(np.sqrt(np.mean(y[400:] ** 2)) / np.sqrt(0.5)))
+
+    for chunk in (1920, 7, 1000):
+        for hz in (300.0, 1000.0, 3400.0):
+            assert abs(level_db(hz, chunk)) < 0.1, (hz, chunk)
+        for hz in (4600.0, 6000.0, 9000.0, 11000.0):
+            assert level_db(hz, chunk) < -70.0, (hz, chunk)

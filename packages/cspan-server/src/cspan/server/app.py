@@ -444,6 +444,7 @@ async def serve_connection(
         await websocket.close(code=CLOSE_UNAUTHORIZED, reason=f"unauthorized: {reason}")
         return
     await websocket.accept(subprotocol=credential.subprotocol)
+    limit = hub.settings.max_message_kib * 1024
     session = hub.open(adapter_cls.name, principal)
     adapter = adapter_cls(session, connection)
     sender = asyncio.ensure_future(_send(websocket, session, adapter, metrics))
@@ -460,6 +461,14 @@ async def serve_connection(
             if data is None:
                 continue
             metrics.wire_bytes.labels(adapter_cls.name, "in").inc(len(data))
+            size = _message_bytes(data, limit)
+            if size > limit:  # refused before any adapter work: decoding scales with the message
+                session.client_error(
+                    "too_large",
+                    f"a message of {size} bytes, over this server's limit of {limit} (--max-message-kib); send less "
+                    "at once",
+                )
+                continue
             await _handle(session, adapter.receive(data))
     except Exception as exc:
         logger.debug("session %s: receive ended: %s", session.id, exc)
@@ -469,6 +478,14 @@ async def serve_connection(
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sender
+
+
+def _message_bytes(data: bytes | str, limit: int) -> int:
+    """The size of a message in bytes (text: UTF-8), exact wherever it may exceed ``limit`` (a text too short or too
+    long to need it is not encoded)."""
+    if isinstance(data, bytes) or len(data) > limit or len(data) * 4 <= limit:
+        return len(data)
+    return len(data.encode("utf-8", errors="surrogatepass"))
 
 
 async def _handle(session: Session, call: Any) -> None:

@@ -42,6 +42,7 @@ from cspan.server.session import (
     ProfileFields,
     ProfileInfo,
     SessionStats,
+    brief,
 )
 
 PROTOCOL_VERSION = 1
@@ -51,12 +52,9 @@ FLOAT32_FRAME_BYTES = FRAME_SIZE * 4
 """7680: one frame of float32 little-endian samples."""
 INT16_FRAME_BYTES = FRAME_SIZE * 2
 """3840: one frame of signed 16-bit little-endian samples (client to server only)."""
-MAX_TEXT_MESSAGE_BYTES = 64 * 1024
-"""Longest JSON text message a client may send; longer ones get ``error too_large``."""
-MAX_BINARY_MESSAGE_BYTES = 64 * 1024
-"""Binary messages above this size get ``error too_large`` (smaller wrong sizes get ``bad_frame``)."""
 MAX_WEBSOCKET_MESSAGE_BYTES = 16 * 1024 * 1024
-"""The WebSocket layer closes the connection (code 1009) on messages above this size."""
+"""The WebSocket layer closes the connection (code 1009) on messages above this size; below it, messages above
+``--max-message-kib`` get ``error too_large`` on every protocol (refused by the app before any adapter reads them)."""
 CODECS = ("opus", "pcm")
 """Audio codecs of ``/ws``, negotiated in ``start.codecs`` (``ready.codec``). ``pcm``: one 80 ms frame per binary
 message (float32 LE from the server; float32 or int16 LE from the client). ``opus``: Ogg/Opus at 24 kHz mono both
@@ -69,7 +67,7 @@ ERROR_CODES: dict[str, str] = {
     "bad_json": "a text message is not a JSON object",
     "unknown_type": "a JSON message whose type is not a client message type",
     "invalid_message": "a known message type with missing, unknown or out-of-range fields",
-    "too_large": "a text or binary message above the size limit",
+    "too_large": "a message above the server's size limit (--max-message-kib)",
     "bad_frame": "a binary message that is not one frame (7680 bytes float32 or 3840 bytes int16) in a pcm session",
     "not_started": "audio or context before start",
     "already_started": "a second start in the same connection",
@@ -154,12 +152,32 @@ ProtocolCodeError = ClientError
 """The error of a refused client message (``code`` from :data:`ERROR_CODES`); the session core's ``ClientError``."""
 
 
+MAX_REPORTED_PROBLEMS = 4
+"""An ``invalid_message`` error names this many problems and counts the rest."""
+
+
 def _describe(exc: ValidationError, kind: str) -> str:
+    errors = exc.errors(include_url=False)
     parts = []
-    for err in exc.errors()[:4]:
-        where = ".".join(str(p) for p in err["loc"] if p != kind) or "(message)"
+    for err in errors[:MAX_REPORTED_PROBLEMS]:
+        where = ".".join(str(p)[:64] for p in err["loc"] if p != kind) or "(message)"
         parts.append(f"{where}: {err['msg']}")
-    return f"{kind}: " + "; ".join(parts)
+    more = len(errors) - len(parts)
+    return f"{kind}: " + "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _not_a_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads(text: str) -> Any:
+    """``json.loads`` of a client's message, refusing ``NaN`` and ``Infinity`` (not JSON; Python's parser takes them).
+
+    Raises:
+        ValueError: not valid JSON (``json.JSONDecodeError`` is one).
+        RecursionError: nested too deeply.
+    """
+    return json.loads(text, parse_constant=_not_a_number)
 
 
 def parse_client_message(text: str) -> StartMessage | ContextMessage | StopMessage:
@@ -172,23 +190,20 @@ def parse_client_message(text: str) -> StartMessage | ContextMessage | StopMessa
         The validated model.
 
     Raises:
-        ClientError: with ``code`` ``too_large``, ``bad_json``, ``unknown_type`` or ``invalid_message`` and a
-            message naming the field and the fix.
+        ClientError: with ``code`` ``bad_json``, ``unknown_type`` or ``invalid_message`` and a message naming the
+            field and the fix (its size bounded: the first problems and a count).
     """
-    if len(text.encode("utf-8", errors="surrogatepass")) > MAX_TEXT_MESSAGE_BYTES:
-        raise ProtocolCodeError(
-            "too_large", f"text message over {MAX_TEXT_MESSAGE_BYTES} bytes; send smaller JSON messages"
-        )
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+        data = loads(text)
+    except (ValueError, RecursionError) as exc:
         raise ProtocolCodeError("bad_json", f"text message is not valid JSON ({exc}); send one JSON object") from None
     if not isinstance(data, dict):
         raise ProtocolCodeError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")
     kind = data.get("type")
     if kind not in CLIENT_MESSAGE_TYPES:
         raise ProtocolCodeError(
-            "unknown_type", f"unknown message type {kind!r}; client messages are {', '.join(CLIENT_MESSAGE_TYPES)}"
+            "unknown_type",
+            f"unknown message type {brief(kind)}; client messages are {', '.join(CLIENT_MESSAGE_TYPES)}",
         )
     try:
         return _client_adapter.validate_python(data)
@@ -204,17 +219,18 @@ def decode_audio_frame(data: bytes) -> np.ndarray:
     (:func:`cspan.core.audio.sanitize_pcm`).
 
     Raises:
-        ClientError: ``too_large`` above :data:`MAX_BINARY_MESSAGE_BYTES`, ``bad_frame`` for any other length.
+        ClientError: ``bad_frame`` for any other length (saying so when the bytes look like a JSON message).
     """
     n = len(data)
     if n == FLOAT32_FRAME_BYTES:
         return np.frombuffer(data, dtype="<f4").astype(np.float32)
     if n == INT16_FRAME_BYTES:
         return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-    if n > MAX_BINARY_MESSAGE_BYTES:
+    if data[:1] == b"{":
         raise ProtocolCodeError(
-            "too_large",
-            f"binary message of {n} bytes; send one 80 ms frame per message ({FLOAT32_FRAME_BYTES} bytes float32)",
+            "bad_frame",
+            f"a binary message of {n} bytes that looks like JSON: send JSON messages (start, context, stop) as text "
+            "WebSocket messages; binary messages are audio",
         )
     raise ProtocolCodeError(
         "bad_frame",
@@ -390,6 +406,7 @@ __all__ = [
     "dumps",
     "encode_audio_frame",
     "event_to_wire",
+    "loads",
     "parse_client_message",
     "parse_server_message",
 ]

@@ -12,8 +12,11 @@ GA name         beta name                    sample rate      bytes
 ==============  ===========================  ===============  ===========================================
 
 :class:`InputAudio` turns the client's chunks (any length, even split inside a sample) into float32 at 24 kHz;
-:class:`OutputAudio` turns the agent's 80 ms frames into the client's bytes. G.711 audio is resampled with soxr's
-streaming resampler (one stream per direction, so chunk boundaries leave no clicks; :data:`RESAMPLE_QUALITY`).
+:class:`OutputAudio` turns each of the agent's 80 ms frames into exactly 80 ms of the client's bytes (3840 bytes of
+pcm16, 640 of G.711). G.711 input is resampled to 24 kHz with soxr's streaming resampler (one stream per session,
+so chunk boundaries leave no clicks; :data:`RESAMPLE_QUALITY`). G.711 output is 24 kHz decimated by 3
+(:class:`Decimator`, a linear-phase FIR low-pass and every third sample): soxr's stream delivers in blocks of about
+66 ms, so its output for one frame is 66 or 131 ms, not 80.
 
 The G.711 tables follow ITU-T Recommendation G.711 as implemented in Sun Microsystems' public-domain ``g711.c``
 (the code behind Python's former ``audioop.lin2ulaw`` / ``lin2alaw``): 65 536-entry encode tables and 256-entry
@@ -38,7 +41,8 @@ GA_NAMES: dict[AudioFormat, str] = {v: k for k, v in GA_FORMATS.items()}
 FORMAT_RATES: dict[AudioFormat, int] = {"pcm16": SAMPLE_RATE, "g711_ulaw": 8000, "g711_alaw": 8000}
 """Sample rate (Hz) of each format on the wire."""
 RESAMPLE_QUALITY = "MQ"
-"""soxr's medium quality: about 24 ms of stream delay each way (HQ adds 71 ms), ample for 8 kHz telephone audio."""
+"""soxr's medium quality for G.711 input (8 -> 24 kHz): about 24 ms of stream delay (HQ adds 71 ms), ample for 8 kHz
+telephone audio."""
 FORMAT_BYTES_PER_SAMPLE: dict[AudioFormat, int] = {"pcm16": 2, "g711_ulaw": 1, "g711_alaw": 1}
 
 
@@ -114,6 +118,50 @@ def decode_samples(data: bytes, fmt: AudioFormat) -> np.ndarray:
     return _DECODE[fmt][np.frombuffer(data, dtype=np.uint8)]
 
 
+# ---------------------------------------------------------------------------------------------------- decimation
+
+
+def lowpass_taps(rate: int, passband_hz: float, stopband_hz: float, attenuation_db: float) -> np.ndarray:
+    """A linear-phase low-pass FIR filter: a windowed sinc cut off half-way between the band edges, with a Kaiser
+    window whose ``beta`` and length follow Kaiser's design formulas (Oppenheim and Schafer, *Discrete-Time Signal
+    Processing*, 3rd ed., section 7.6). Returns float32 taps (an odd number; unit gain at 0 Hz)."""
+    a = attenuation_db
+    beta = 0.1102 * (a - 8.7) if a > 50 else 0.5842 * (a - 21) ** 0.4 + 0.07886 * (a - 21) if a >= 21 else 0.0
+    width = 2 * np.pi * (stopband_hz - passband_hz) / rate
+    order = int(np.ceil((a - 8) / (2.285 * width)))
+    order += order % 2  # even order: an odd length, a whole-sample delay of order / 2
+    cutoff = (passband_hz + stopband_hz) / 2 / rate  # cycles per sample
+    n = np.arange(order + 1) - order / 2
+    taps = 2 * cutoff * np.sinc(2 * cutoff * n) * np.kaiser(order + 1, beta)
+    return (taps / taps.sum()).astype(np.float32)
+
+
+DECIMATE_TAPS = lowpass_taps(SAMPLE_RATE, 3400.0, 4600.0, 70.0)
+"""24 -> 8 kHz anti-aliasing filter: passband to 3400 Hz (G.711's telephone band), 70 dB down from 4600 Hz (what
+would fold below 3400 Hz at 8 kHz); 89 taps, a delay of 44 samples (1.8 ms)."""
+
+
+class Decimator:
+    """A stream at 24 kHz -> every third sample of it low-pass filtered (:data:`DECIMATE_TAPS`): 8 kHz, exactly one
+    output sample per three input samples whatever the chunking (1920 in -> 640 out)."""
+
+    def __init__(self, factor: int = 3, taps: np.ndarray = DECIMATE_TAPS) -> None:
+        self.factor = factor
+        self._taps = taps
+        self._history = np.zeros(len(taps) - 1, dtype=np.float32)
+        self._phase = 0
+        """Index, in the next chunk, of the next sample kept."""
+
+    def __call__(self, pcm: np.ndarray) -> np.ndarray:
+        """float32 ``[n]`` at the input rate -> float32 ``[ceil((n - phase) / factor)]``."""
+        buf = np.concatenate([self._history, np.asarray(pcm, dtype=np.float32).reshape(-1)])
+        filtered = np.convolve(buf, self._taps, mode="valid")  # one value per input sample of this chunk
+        out = filtered[self._phase :: self.factor]
+        self._phase = (self._phase - (len(buf) - len(self._history))) % self.factor
+        self._history = buf[len(buf) - len(self._history) :]
+        return out.astype(np.float32, copy=False)
+
+
 # ---------------------------------------------------------------------------------------------------- streams
 
 
@@ -158,35 +206,31 @@ class InputAudio:
 
 
 class OutputAudio:
-    """The agent's float32 frames at 24 kHz -> wire bytes of one format (a streaming resampler for G.711)."""
+    """The agent's float32 frames at 24 kHz -> wire bytes of one format (decimated to 8 kHz for G.711)."""
 
     def __init__(self, fmt: AudioFormat) -> None:
-        import soxr
-
         self.format = fmt
         rate = FORMAT_RATES[fmt]
-        self._resampler = (
-            None
-            if rate == SAMPLE_RATE
-            else soxr.ResampleStream(SAMPLE_RATE, rate, 1, dtype="float32", quality=RESAMPLE_QUALITY)
-        )
+        self._decimate = None if rate == SAMPLE_RATE else Decimator(SAMPLE_RATE // rate)
 
     def encode(self, pcm: np.ndarray) -> bytes:
-        """One agent frame float32 ``[1920]`` -> bytes (3840 for pcm16; about 640 for G.711, the resampler's
-        stream delay aside)."""
+        """One agent frame float32 ``[1920]`` -> its 80 ms of bytes (3840 for pcm16, 640 for G.711)."""
         pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
-        if self._resampler is not None:
-            pcm = self._resampler.resample_chunk(pcm)
+        if self._decimate is not None:
+            pcm = self._decimate(pcm)
         return encode_samples(pcm, self.format)
 
 
 __all__ = [
+    "DECIMATE_TAPS",
     "FORMAT_RATES",
     "GA_FORMATS",
     "GA_NAMES",
     "AudioFormat",
+    "Decimator",
     "InputAudio",
     "OutputAudio",
     "decode_samples",
     "encode_samples",
+    "lowpass_taps",
 ]

@@ -8,7 +8,9 @@ section "OpenAI Realtime API".
 **Client events** are parsed by :func:`parse_client_event`. Unknown fields are ignored (SDKs add fields faster than
 servers drop them); a field we read with the wrong type, a missing required field, invalid JSON or an unknown event
 type raise :class:`RealtimeEventError`, which the adapter answers with an ``error`` event carrying the offending
-``event_id``. The session goes on.
+``event_id``. The session goes on. ``session.update`` is parsed field by field: an invalid field is left out
+(:attr:`SessionUpdate.problems`) and the valid ones are applied. Error messages are bounded in size whatever the
+input (the first problems and a count; client values cut short).
 
 **Server events** are the GA names and shapes; :func:`dump_event` writes one for a connection's dialect: the beta
 dialect renames ``response.output_audio.*`` to ``response.audio.*``, ``response.output_audio_transcript.*`` to
@@ -29,14 +31,32 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from cspan.server.protocol import loads
+from cspan.server.session import ProfileFields, brief
+
 Dialect = Literal["ga", "beta"]
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 """The subprotocol a browser offers to select the beta interface (headers cannot be set from a browser)."""
 INSECURE_KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 """A browser client puts its key in the subprotocol ``openai-insecure-api-key.<key>``."""
 
+OPENAI_VOICES = frozenset(
+    {"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage", "shimmer", "verse"}
+)
+"""The voice names of OpenAI's Realtime models: clients (LiveKit's plugin, pipecat) send one by default. A
+``session.update`` naming one keeps this server's voice with a ``voice_not_applied`` warning instead of an error."""
+MAX_EVENT_ID_CHARS = 512
+"""Longest ``event_id`` a client event may have (a longer one is not echoed in the error)."""
+MAX_TOOL_SCHEMA_NODES = 2048
+"""JSON Schema objects (a tool's parameters, each property, ...) that the function tools of one ``session.update``
+may have in all: each becomes a validated field of the router's tool bank, built on a worker thread (about 0.1 ms
+each)."""
+MAX_REPORTED_PROBLEMS = 4
+"""An ``invalid_event`` error names this many problems of an event and counts the rest."""
+
 ERROR_CODES: dict[str, str] = {
     "bad_json": "a text message that is not a JSON object",
+    "too_large": "a message above the server's size limit (``--max-message-kib``; sent without an ``event_id``)",
     "unknown_event": "a JSON object whose type is not a client event this server knows",
     "invalid_event": "a known event with a missing or ill-typed field (``param`` names it)",
     "binary_message": "a binary WebSocket message (Realtime events are JSON text)",
@@ -45,14 +65,24 @@ ERROR_CODES: dict[str, str] = {
     "unknown_call_id": "a ``function_call_output`` whose ``call_id`` is not a call of this session",
     "late_call_output": "a ``function_call_output`` after its call timed out (the abstain clause was read)",
     "unknown_item": "an ``item_id`` that is not an item of this session",
-    "no_active_response": "``response.cancel`` while no response is in progress",
-    "active_response": "``response.create`` while a response is in progress",
+    "response_cancel_not_active": "``response.cancel`` while no response is in progress, or naming another one "
+    "(OpenAI's code)",
+    "conversation_already_has_active_response": "``response.create`` while a response is in progress (OpenAI's code)",
     "session_live": "``instructions`` or ``voice`` changed after the persona was read (not applied)",
     "invalid_instructions": "``instructions`` longer than the server allows",
-    "bad_voice": "a voice name the server does not have",
+    "bad_voice": "a voice name the server does not have (nor one of OpenAI's: those get a warning)",
 }
 """Every ``error.code`` the Realtime adapter sends for a client event, with its meaning (the session core's own
 codes, e.g. ``audio_overflow`` or ``persona_failed``, pass through)."""
+
+WARNING_CODES: dict[str, str] = {
+    "voice_not_applied": "an OpenAI voice name (``alloy``, ``marin``, ...): this server's voice is kept",
+    "tools_inert": "function tools on a server whose router never calls a client's function (``--router local`` "
+    "or ``none``): accepted, never called",
+}
+"""What a ``cspan.warning`` extension event may say (sent to clients that asked for ``session.cspan.events``; the
+server logs each once per session): something accepted that will not do what the client may expect. Warnings are
+not ``error`` events because some clients (pipecat) end the session on any ``error`` they do not know."""
 
 
 def new_id(prefix: str) -> str:
@@ -111,19 +141,6 @@ class AudioConfig(_In):
     output: AudioOutputConfig | None = None
 
 
-class ProfileOption(_In):
-    """``session.cspan.profile``: who the user is, for the router and the Context DB (see ``/ws`` ``start``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str | None = Field(default=None, max_length=80)
-    location: str | None = Field(default=None, max_length=120)
-    timezone: str | None = Field(default=None, max_length=64)
-    lat: float | None = Field(default=None, ge=-90.0, le=90.0)
-    lon: float | None = Field(default=None, ge=-180.0, le=180.0)
-    notes: str | None = Field(default=None, max_length=2000)
-
-
 class TestHooksOption(BaseModel):
     """``session.cspan.test``: forced ``<ret>`` and scheduled spans (seconds on the session's timeline: frame 0 is
     the first frame after the persona was read), and the seed. Refused unless the server has test hooks."""
@@ -143,14 +160,14 @@ class CspanOptions(BaseModel):
     Attributes:
         events: also send our conversation events (``ret``, ``question``, ``span``, ``late``, ``no_span``) as
             ``cspan.ret``, ``cspan.span``, ... server events, and ``cspan.ready`` when the persona was read.
-        profile: the user's profile.
+        profile: the user's profile (the fields of ``/ws``'s ``profile``, checked the same way).
         test: test hooks.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     events: bool | None = None
-    profile: ProfileOption | None = None
+    profile: ProfileFields | None = None
     test: TestHooksOption | None = None
 
 
@@ -191,8 +208,8 @@ def function_tools(config: SessionConfig, event_id: str | None = None) -> list[F
         if kind != "function":
             raise RealtimeEventError(
                 "unsupported",
-                f"session.tools[{i}]: tools of type {kind!r} are not supported; give function tools (the server's "
-                "own tools are in its tool bank)",
+                f"session.tools[{i}]: tools of type {brief(kind)} are not supported; give function tools (the "
+                "server's own tools are in its tool bank)",
                 event_id=event_id,
                 param=f"session.tools[{i}].type",
             )
@@ -200,7 +217,7 @@ def function_tools(config: SessionConfig, event_id: str | None = None) -> list[F
             tool = FunctionTool.model_validate(raw)
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in err["loc"])
+            where = ".".join(str(p)[:64] for p in err["loc"])
             raise RealtimeEventError(
                 "invalid_event",
                 f"session.tools[{i}].{where}: {err['msg']}",
@@ -215,16 +232,42 @@ def function_tools(config: SessionConfig, event_id: str | None = None) -> list[F
                 param=f"session.tools[{i}].name",
             )
         tools.append(tool)
+    nodes = sum(_json_objects(t.parameters) for t in tools)
+    if nodes > MAX_TOOL_SCHEMA_NODES:
+        raise RealtimeEventError(
+            "invalid_event",
+            f"session.tools: the parameter schemas have {nodes} JSON objects in all (each property is one), over this "
+            f"server's limit of {MAX_TOOL_SCHEMA_NODES}; send fewer or smaller tools (tools not applied)",
+            event_id=event_id,
+            param="session.tools",
+        )
     return tools
 
 
+def _json_objects(value: Any) -> int:
+    """How many JSON objects a JSON value holds, itself included (iterative: any depth)."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            count += 1
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
 class _Event(_In):
-    event_id: str | None = Field(default=None, max_length=512)
+    event_id: str | None = Field(default=None, max_length=MAX_EVENT_ID_CHARS)
 
 
 class SessionUpdate(_Event):
+    """``session.update``. ``problems``: ``(param, message)`` of each field left out because it was invalid (set
+    by :func:`parse_client_event`, which reads the session field by field); the others are in ``session``."""
+
     type: Literal["session.update"]
     session: SessionConfig
+    problems: list[tuple[str, str]] = Field(default_factory=list, exclude=True)
 
 
 class InputAudioBufferAppend(_Event):
@@ -244,18 +287,32 @@ class OutputAudioBufferClear(_Event):
     type: Literal["output_audio_buffer.clear"]
 
 
+ItemId = Annotated[str, Field(min_length=1, max_length=64)]
+"""A client-chosen item or call id (unique in the session)."""
+
+
+class ContentPartIn(_In):
+    """A content part of a client's message item; ``input_text`` / ``output_text`` carry ``text``, ``input_audio`` /
+    ``output_audio`` a ``transcript`` (their audio is not read: the model hears the session's audio only); other
+    types are accepted and left out."""
+
+    type: str = Field(max_length=64)
+    text: str | None = None
+    transcript: str | None = None
+
+
 class MessageItemIn(_In):
     type: Literal["message"]
-    id: str | None = None
+    id: ItemId | None = None
     role: Literal["user", "assistant", "system"]
-    content: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ContentPartIn] = Field(default_factory=list, max_length=64)
 
 
 class FunctionCallItemIn(_In):
     type: Literal["function_call"]
-    id: str | None = None
-    call_id: str | None = None
-    name: str
+    id: ItemId | None = None
+    call_id: ItemId | None = None
+    name: str = Field(max_length=64)
     arguments: str = ""
 
 
@@ -264,8 +321,8 @@ class FunctionCallOutputItemIn(_In):
     ``incomplete``, or an ``output`` that is a JSON object with an ``error`` key, is a failed call."""
 
     type: Literal["function_call_output"]
-    id: str | None = None
-    call_id: str
+    id: ItemId | None = None
+    call_id: ItemId
     output: str
     status: Literal["completed", "incomplete", "in_progress"] | None = None
 
@@ -275,25 +332,25 @@ ItemIn = Annotated[MessageItemIn | FunctionCallItemIn | FunctionCallOutputItemIn
 
 class ConversationItemCreate(_Event):
     type: Literal["conversation.item.create"]
-    previous_item_id: str | None = None
+    previous_item_id: ItemId | None = None
     item: ItemIn
 
 
 class ConversationItemTruncate(_Event):
     type: Literal["conversation.item.truncate"]
-    item_id: str
+    item_id: ItemId
     content_index: int = Field(ge=0)
     audio_end_ms: int = Field(ge=0)
 
 
 class ConversationItemDelete(_Event):
     type: Literal["conversation.item.delete"]
-    item_id: str
+    item_id: ItemId
 
 
 class ConversationItemRetrieve(_Event):
     type: Literal["conversation.item.retrieve"]
-    item_id: str
+    item_id: ItemId
 
 
 class ResponseParams(_In):
@@ -310,7 +367,7 @@ class ResponseCreate(_Event):
 
 class ResponseCancel(_Event):
     type: Literal["response.cancel"]
-    response_id: str | None = None
+    response_id: str | None = Field(default=None, max_length=64)
 
 
 ClientEvent = Annotated[
@@ -347,38 +404,115 @@ def parse_client_event(text: str) -> Any:
     """Parse one client event (a JSON text message).
 
     Returns:
-        The event's model (one of :data:`ClientEvent`).
+        The event's model (one of :data:`ClientEvent`). A ``session.update`` is read field by field: a field that
+        is not valid is left out of its ``session`` and named in its ``problems``.
 
     Raises:
         RealtimeEventError: ``bad_json``, ``unknown_event`` or ``invalid_event``, with the event's ``event_id`` when
-            it has one and, for a bad field, ``param`` (its dotted path).
+            it has one and, for a bad field, ``param`` (its dotted path); the message names at most
+            :data:`MAX_REPORTED_PROBLEMS` problems and counts the others.
     """
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+        data = loads(text)
+    except (ValueError, RecursionError) as exc:
         raise RealtimeEventError("bad_json", f"the message is not valid JSON ({exc}); send one JSON object") from None
     if not isinstance(data, dict):
         raise RealtimeEventError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")
-    event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+    raw_id = data.get("event_id")
+    event_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= MAX_EVENT_ID_CHARS else None
     kind = data.get("type")
-    if kind not in CLIENT_EVENT_TYPES:
+    if not isinstance(kind, str) or kind not in CLIENT_EVENT_TYPES:
         raise RealtimeEventError(
             "unknown_event",
-            f"unknown client event type {kind!r}; this server accepts {', '.join(CLIENT_EVENT_TYPES)}",
+            f"unknown client event type {brief(kind)}; this server accepts {', '.join(CLIENT_EVENT_TYPES)}",
             event_id=event_id,
             param="type",
         )
+    if kind == "session.update":
+        return _session_update(data, event_id)
     try:
         return _client_adapter.validate_python(data)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        loc = [str(p) for p in err["loc"] if str(p) != kind]
-        if len(loc) >= 2 and loc[0] == "item" and loc[1] in ("message", "function_call", "function_call_output"):
-            del loc[1]  # the union's tag, not a field
-        param = ".".join(loc) or None
-        more = len(exc.errors()) - 1
-        message = f"{kind}: {param or '(event)'}: {err['msg']}" + (f" (and {more} more)" if more > 0 else "")
-        raise RealtimeEventError("invalid_event", message, event_id=event_id, param=param) from None
+        raise _invalid(exc, kind, event_id) from None
+
+
+_ITEM_TAGS = ("message", "function_call", "function_call_output")
+
+
+def _param(loc: tuple[Any, ...], kind: str) -> str | None:
+    """A pydantic error location as the field's dotted path (union tags left out, each part cut short)."""
+    parts = [str(p)[:64] for p in loc if str(p) != kind]
+    if len(parts) >= 2 and parts[0] == "item" and parts[1] in _ITEM_TAGS:
+        del parts[1]  # the union's tag, not a field
+    return ".".join(parts) or None
+
+
+def _invalid(exc: ValidationError, kind: str, event_id: str | None) -> RealtimeEventError:
+    errors = exc.errors(include_url=False)
+    parts = [f"{_param(e['loc'], kind) or '(event)'}: {e['msg']}" for e in errors[:MAX_REPORTED_PROBLEMS]]
+    more = len(errors) - len(parts)
+    message = f"{kind}: " + "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+    return RealtimeEventError("invalid_event", message, event_id=event_id, param=_param(errors[0]["loc"], kind))
+
+
+_MAX_ROUNDS = 32
+
+
+def _session_update(data: dict[str, Any], event_id: str | None) -> SessionUpdate:
+    """``session.update`` with every invalid field of its ``session`` left out (and named in ``problems``)."""
+    session = data.get("session")
+    if not isinstance(session, dict):
+        raise RealtimeEventError(
+            "invalid_event", "session.update: session: Input should be an object", event_id=event_id, param="session"
+        )
+    try:
+        envelope = SessionUpdate.model_validate({**data, "session": {}})
+    except ValidationError as exc:
+        raise _invalid(exc, "session.update", event_id) from None
+    problems: list[tuple[str, str]] = []
+    for _ in range(_MAX_ROUNDS):
+        try:
+            config = SessionConfig.model_validate(session)
+            break
+        except ValidationError as exc:
+            for err in exc.errors(include_url=False):
+                path = _drop(session, err["loc"])
+                if path is None or any(_related(path, p) for p, _ in problems):
+                    continue  # removed already, or the consequence of an earlier removal
+                problems.append((path, f"session.update: session.{path}: {err['msg']}; not applied"))
+    else:
+        raise RealtimeEventError(
+            "invalid_event", "session.update: the session could not be read", event_id=event_id, param="session"
+        )
+    if len(problems) > MAX_REPORTED_PROBLEMS:
+        rest = len(problems) - MAX_REPORTED_PROBLEMS + 1
+        problems[MAX_REPORTED_PROBLEMS - 1 :] = [("session", f"session.update: {rest} more invalid fields not applied")]
+    problems = [("session" if p == "session" else f"session.{p}", m) for p, m in problems]
+    return envelope.model_copy(update={"session": config, "problems": problems})
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _drop(root: dict[str, Any], loc: tuple[Any, ...]) -> str | None:
+    """Remove what a validation error points at from ``root``: the deepest object member on its path, or the list
+    on its path (a list is taken whole). Returns its dotted path (None: nothing left to remove there)."""
+    parent: dict[str, Any] | None = None
+    key = ""
+    node: Any = root
+    path: list[str] = []
+    for part in loc:
+        if not (isinstance(node, dict) and isinstance(part, str) and part in node):
+            break
+        parent, key, node = node, part, node[part]
+        path.append(part[:64])
+        if isinstance(node, list):
+            break
+    if parent is None:
+        return None
+    del parent[key]
+    return ".".join(path)
 
 
 # ---------------------------------------------------------------------------------------------------- server
@@ -745,6 +879,9 @@ __all__ = [
     "CLIENT_EVENT_TYPES",
     "ERROR_CODES",
     "INSECURE_KEY_SUBPROTOCOL_PREFIX",
+    "MAX_TOOL_SCHEMA_NODES",
+    "OPENAI_VOICES",
+    "WARNING_CODES",
     "ClientEvent",
     "CspanOptions",
     "Dialect",

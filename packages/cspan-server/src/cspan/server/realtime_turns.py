@@ -60,6 +60,7 @@ from cspan.server.realtime_events import (
     Usage,
     new_id,
 )
+from cspan.server.session import brief
 
 FRAME_MS = 1000.0 / FRAME_RATE
 QUIET_FRAMES = 10
@@ -70,20 +71,41 @@ ITEM_LOG_SIZE = 1000
 
 
 class ItemLog:
-    """The conversation's items in order (the last :data:`ITEM_LOG_SIZE`)."""
+    """The conversation's items in order (the last :data:`ITEM_LOG_SIZE`), and the audio frames sent for each
+    assistant message."""
 
     def __init__(self) -> None:
         self.items: collections.OrderedDict[str, Item] = collections.OrderedDict()
         self.last_id: str | None = None
+        self._audio_frames: dict[str, int] = {}
 
     def add(self, item: Item) -> str | None:
-        """Record ``item`` as the newest; returns the id of the item before it (``previous_item_id``)."""
+        """Record ``item`` as the newest; returns the id of the item before it (``previous_item_id``).
+
+        Raises:
+            ValueError: an item with this id is in the log already (ids are unique; callers check client ids).
+        """
+        if item.id in self.items:
+            raise ValueError(f"item {item.id!r} is in the conversation already")
         previous = self.last_id
         self.items[item.id] = item
         self.last_id = item.id
         while len(self.items) > ITEM_LOG_SIZE:
-            self.items.popitem(last=False)
+            old, _ = self.items.popitem(last=False)
+            self._audio_frames.pop(old, None)
         return previous
+
+    def function_call(self, call_id: str) -> FunctionCallItem | None:
+        """The ``function_call`` item of ``call_id`` in the log (the router's or the client's), if any."""
+        return next((i for i in self.items.values() if isinstance(i, FunctionCallItem) and i.call_id == call_id), None)
+
+    def add_audio_frame(self, item_id: str) -> None:
+        """One more 80 ms audio delta was sent for the assistant message ``item_id``."""
+        self._audio_frames[item_id] = self._audio_frames.get(item_id, 0) + 1
+
+    def audio_ms(self, item_id: str) -> int:
+        """Milliseconds of audio sent for the assistant message ``item_id`` (what a truncation may keep)."""
+        return round(self._audio_frames.get(item_id, 0) * FRAME_MS)
 
     def get(self, item_id: str, *, event_id: str | None = None, param: str = "item_id") -> Item:
         """The item ``item_id``. Raises :class:`RealtimeEventError` ``unknown_item``."""
@@ -97,6 +119,7 @@ class ItemLog:
     def delete(self, item_id: str, *, event_id: str | None = None) -> None:
         self.get(item_id, event_id=event_id)
         del self.items[item_id]
+        self._audio_frames.pop(item_id, None)
         if self.last_id == item_id:
             self.last_id = next(reversed(self.items), None)
 
@@ -196,12 +219,14 @@ class ResponseStream:
         """``response.create``: open a response now (it fills with the agent's next words).
 
         Raises:
-            RealtimeEventError: ``active_response`` while one is in progress.
+            RealtimeEventError: ``conversation_already_has_active_response`` (OpenAI's code and wording) while one is
+                in progress.
         """
         if self.response is not None:
             raise RealtimeEventError(
-                "active_response",
-                f"response {self.response.id} is in progress; wait for response.done or send response.cancel",
+                "conversation_already_has_active_response",
+                f"Conversation already has an active response in progress: {self.response.id}. Wait until the "
+                "response is finished before creating a new one (or send response.cancel).",
                 event_id=event_id,
             )
         self._muted = False
@@ -212,12 +237,20 @@ class ResponseStream:
         """``response.cancel``: end the response ``cancelled``; the agent's output is dropped until its turn ends.
 
         Raises:
-            RealtimeEventError: ``no_active_response`` when none is in progress (or ``response_id`` is another).
+            RealtimeEventError: ``response_cancel_not_active`` (OpenAI's code; its messages begin "Cancellation
+                failed", as OpenAI's do) when none is in progress or ``response_id`` names another.
         """
-        if self.response is None or (response_id is not None and response_id != self.response.id):
-            which = f"response {response_id!r} is not" if response_id else "no response is"
+        if self.response is None:
             raise RealtimeEventError(
-                "no_active_response", f"{which} in progress", event_id=event_id, param="response_id"
+                "response_cancel_not_active", "Cancellation failed: no active response found", event_id=event_id
+            )
+        if response_id is not None and response_id != self.response.id:
+            raise RealtimeEventError(
+                "response_cancel_not_active",
+                f"Cancellation failed: {brief(response_id)} is not the response in progress ({self.response.id}); "
+                "nothing was cancelled",
+                event_id=event_id,
+                param="response_id",
             )
         events = self._close("cancelled", reason="client_cancelled")
         self._muted = True
@@ -311,6 +344,7 @@ class ResponseStream:
         response, msg = self.response, self._message
         assert response is not None and msg is not None
         self._audio_frames += 1
+        self.log.add_audio_frame(msg.id)
         events.append(
             AudioDelta(
                 response_id=response.id,
@@ -390,6 +424,7 @@ class UserSpeech:
     def __init__(self, log: ItemLog) -> None:
         self.log = log
         self._item_ids: dict[int, str] = {}
+        self._reserved: set[str] = set()
         self._active: _Utterance | None = None
         self._committed: set[int] = set()
         self._partials: dict[int, str] = {}
@@ -398,7 +433,12 @@ class UserSpeech:
         """The user item id of utterance ``utterance`` (made on first use)."""
         if utterance not in self._item_ids:
             self._item_ids[utterance] = new_id("item")
+            self._reserved.add(self._item_ids[utterance])
         return self._item_ids[utterance]
+
+    def reserved(self, item_id: str) -> bool:
+        """Whether ``item_id`` is the id of a user utterance (committed or still to be): a client may not take it."""
+        return item_id in self._reserved
 
     def poll(self, tracker: _Tracker) -> list[ServerEvent]:
         """Compare the voice activity tracker with what was reported; call once per frame."""

@@ -44,6 +44,12 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     max_queued_frames: int = Field(
         25, ge=1, le=12500, description="per-session audio queue bound (frames of 80 ms)", json_schema_extra=_SERVER
     )
+    max_message_kib: int = Field(
+        256, ge=16, le=16384,
+        description="largest WebSocket message a client may send, on every protocol (KiB): a larger one is refused "
+        "with a too_large error before it is read, and the session goes on",
+        json_schema_extra=_SERVER,
+    )  # fmt: skip
     slot_every: int = Field(
         0, ge=0, le=100000, description="also send a slot timing message every N frames (0: only with spans)",
         json_schema_extra=_SERVER,

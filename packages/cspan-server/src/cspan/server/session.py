@@ -131,6 +131,16 @@ class ClientError(ProtocolError):
         self.message = message
 
 
+MAX_ERROR_CHARS = 1000
+"""Longest error message sent to a client (longer ones are cut): an error never grows with the input."""
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters (a client's value may be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text)} characters)"
+
+
 class _Fields(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
@@ -300,7 +310,8 @@ class ErrorOut:
 
 @dataclass(frozen=True)
 class Ended:
-    """The session ended (``reason``: stop, idle, shutdown, slow_client, error); a :class:`Close` follows."""
+    """The session ended (``reason``: stop, idle, shutdown, slow_client, error, refused: a start refused on a protocol
+    whose connection is its start, ``/api/chat``); a :class:`Close` follows."""
 
     reason: str
     message: str
@@ -401,10 +412,18 @@ class Session:
         self.outbox.put_nowait(item)
 
     def client_error(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
-        """Report a client mistake (or a failure in this session): counted, and sent as :class:`ErrorOut`."""
+        """Report a client mistake (or a failure in this session): counted, and sent as :class:`ErrorOut` (the
+        message cut to :data:`MAX_ERROR_CHARS`)."""
+        self.count_error(code)
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[: MAX_ERROR_CHARS - 1] + "…"
+        self.put(ErrorOut(code=code, message=message, detail=detail or {}))
+
+    def count_error(self, code: str) -> None:
+        """Count a client mistake that the adapter reports in its own rendering (:meth:`client_error` counts and
+        sends)."""
         self.stats.errors += 1
         self.hub.metrics.protocol_errors.labels(self.protocol, code).inc()
-        self.put(ErrorOut(code=code, message=message, detail=detail or {}))
 
     def _close(self, code: int, reason: str) -> None:
         self.outbox.put_nowait(Close(code, reason[:120]))
@@ -508,7 +527,7 @@ class Session:
             voice_name, voice_codes = hub.voice(request.voice)
         except KeyError:
             raise ClientError(
-                "bad_voice", f"voice {request.voice!r}: not a voice of this server; use one of {hub.voice_names}"
+                "bad_voice", f"voice {brief(request.voice)}: not a voice of this server; use one of {hub.voice_names}"
             ) from None
         self.profile_fields = request.profile
         seed = request.seed if request.seed is not None else hub.next_seed()
@@ -1222,4 +1241,5 @@ __all__ = [
     "SessionStats",
     "StartRequest",
     "Timing",
+    "brief",
 ]

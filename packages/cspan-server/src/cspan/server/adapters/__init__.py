@@ -12,13 +12,30 @@ for any adapter: :mod:`cspan.server.opus`.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from cspan.server.session import Outbound, Session
+
+T = TypeVar("T")
+
+OFFLOAD_BYTES = 8 * 1024
+"""Work on a message above this size runs on a worker thread (:func:`off_loop`); below it, inline (a thread hop
+costs more than decoding one frame's page or chunk, and the work is bounded by this size)."""
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` for a message of ``size`` bytes: on a worker thread (``asyncio.to_thread``) above
+    :data:`OFFLOAD_BYTES`, so that the event loop, which runs every session's 80 ms frame clock, never waits on one
+    client's large message; inline otherwise. ``fn``'s exceptions propagate. An adapter awaits it inside
+    ``receive``, so its messages are still handled one at a time and in order."""
+    if size <= OFFLOAD_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 @dataclass(frozen=True)
@@ -58,7 +75,9 @@ class ProtocolAdapter:
     One instance per accepted connection, created by the app with the connection's :class:`Session` (state
     ``connected``). Subclasses set :attr:`name` and :attr:`path` and implement :meth:`receive` and :meth:`render`;
     :meth:`credential` and :meth:`opened` have defaults. Nothing here may block the event loop for long (the frame
-    loop shares it): decode and encode per message, keep state per connection.
+    loop shares it): decode and encode per message, keep state per connection, and run what grows with a message
+    (decoding its audio, validating a large event) through :func:`off_loop`. The app refuses messages above
+    ``--max-message-kib`` before they reach :meth:`receive`.
     """
 
     name: ClassVar[str]
@@ -110,4 +129,4 @@ def discover_adapters() -> list[type[ProtocolAdapter]]:
     return found
 
 
-__all__ = ["Connection", "Credential", "ProtocolAdapter", "discover_adapters"]
+__all__ = ["OFFLOAD_BYTES", "Connection", "Credential", "ProtocolAdapter", "discover_adapters", "off_loop"]

@@ -16,7 +16,7 @@ byte  kind        here
                   ``question``, ``late``, ``no_span``, backend ``error``), and ``{"type": "bye", ...}`` at the end;
                   upstream clients ignore these
 0x05  error       server -> client: UTF-8 ``"<code>: <message>"``; the session goes on (after a refused start
-                  the connection closes)
+                  the bye metadata says ``refused`` and the connection closes with 1008)
 ====  ==========  ======================================================================================
 
 Query parameters (PersonaPlex's): ``text_prompt``, ``voice_prompt`` (a voice name, with or without ``.pt`` /
@@ -33,7 +33,7 @@ import json
 from typing import Any
 
 from cspan.core.events import TextEvent
-from cspan.server.adapters import Connection, Credential, ProtocolAdapter
+from cspan.server.adapters import Connection, Credential, ProtocolAdapter, off_loop
 from cspan.server.auth import bearer_token
 from cspan.server.opus import OggOpusDecoder, OggOpusEncoder
 from cspan.server.protocol import dumps
@@ -49,6 +49,7 @@ from cspan.server.session import (
     Session,
     StartRequest,
     Timing,
+    brief,
 )
 
 HANDSHAKE, AUDIO, TEXT, CONTROL, METADATA, ERROR = 0, 1, 2, 3, 4, 5
@@ -88,14 +89,14 @@ class MoshiAdapter(ProtocolAdapter):
             await self.session.start(self._start_request())
         except ClientError as exc:
             self.session.client_error(exc.code, exc.message)
-            await self.session.end("error", code=CLOSE_POLICY, message=exc.message)
+            await self.session.end("refused", code=CLOSE_POLICY, message=exc.message)
 
     async def receive(self, data: bytes | str) -> None:
         if isinstance(data, str) or not data:
             raise ClientError("bad_message", "send binary messages whose first byte is the kind (0x01 audio)")
         kind = data[0]
         if kind == AUDIO:
-            pcm, problem = self._decoder.decode(data[1:])
+            pcm, problem = await off_loop(len(data), self._decoder.decode, data[1:])
             self.session.push_audio(pcm)
             if problem:
                 raise ClientError("bad_audio", problem)
@@ -148,11 +149,11 @@ def _seed(name: str, value: str) -> int | None:
     try:
         seed = int(value)
     except ValueError:
-        raise ClientError("invalid_message", f"{name}={value!r}: not an integer") from None
+        raise ClientError("invalid_message", f"{name}={brief(value)}: not an integer") from None
     if seed < 0:  # PersonaPlex's UI sends -1 for "no seed"
         return None
     if seed > MAX_SEED:
-        raise ClientError("invalid_message", f"{name}={value!r}: above 2**63 - 1")
+        raise ClientError("invalid_message", f"{name}={brief(value)}: above 2**63 - 1")
     return seed
 
 

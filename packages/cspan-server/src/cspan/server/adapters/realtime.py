@@ -29,6 +29,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from cspan.core.events import (
     ErrorEvent as CoreErrorEvent,
 )
@@ -41,12 +43,13 @@ from cspan.core.events import (
     TextEvent,
     UserTextEvent,
 )
-from cspan.server.adapters import Connection, Credential, ProtocolAdapter
+from cspan.server.adapters import Connection, Credential, ProtocolAdapter, off_loop
 from cspan.server.auth import bearer_token
 from cspan.server.realtime_audio import GA_FORMATS, GA_NAMES, AudioFormat, InputAudio, OutputAudio
 from cspan.server.realtime_events import (
     BETA_SUBPROTOCOL,
     INSECURE_KEY_SUBPROTOCOL_PREFIX,
+    OPENAI_VOICES,
     ConversationCreated,
     ConversationItemCreate,
     ConversationItemDelete,
@@ -77,6 +80,7 @@ from cspan.server.realtime_events import (
     SessionEvent,
     SessionUpdate,
     dump_event,
+    error_event,
     function_tools,
     new_id,
     parse_client_event,
@@ -100,6 +104,7 @@ from cspan.server.session import (
     Ready,
     StartRequest,
     Timing,
+    brief,
 )
 
 logger = logging.getLogger(__name__)
@@ -218,6 +223,7 @@ class RealtimeAdapter(ProtocolAdapter):
         self._calls: dict[str, _Call] = {}
         self._last_call: dict[str, str] = {}
         self._client_tools: list[Any] = []
+        self._warned: set[str] = set()
 
     # -- inbound ------------------------------------------------------------------------------------------------
 
@@ -235,19 +241,22 @@ class RealtimeAdapter(ProtocolAdapter):
                 raise RealtimeEventError(
                     "binary_message", "binary messages are not Realtime events: send JSON text (audio as base64)"
                 )
-            event = parse_client_event(data)
+            event = await off_loop(len(data), parse_client_event, data)
             event_id = event.event_id
             await self._handle(event)
         except RealtimeEventError as exc:
             self._error(exc)
         except ClientError as exc:  # the session core refused (not_started, audio_overflow, bad_voice, ...)
             self._error(RealtimeEventError(exc.code, exc.message, event_id=event_id))
+        except Exception as exc:  # a bug: reported with the event's id, and the session goes on
+            logger.exception("session %s: a realtime event failed", self.session.id)
+            self._error(RealtimeEventError("internal", f"{type(exc).__name__}: {exc}", event_id=event_id))
 
     async def _handle(self, event: Any) -> None:
         if isinstance(event, InputAudioBufferAppend):
             await self._append(event)
         elif isinstance(event, SessionUpdate):
-            self._session_update(event.session, event.event_id)
+            await self._session_update(event)
         elif isinstance(event, ConversationItemCreate):
             self._item_create(event)
         elif isinstance(event, ResponseCreate):
@@ -266,14 +275,7 @@ class RealtimeAdapter(ProtocolAdapter):
                 event_id=event.event_id,
             )
         elif isinstance(event, ConversationItemTruncate):
-            item = self.items.get(event.item_id, event_id=event.event_id)
-            if not (isinstance(item, MessageItem) and item.role == "assistant"):
-                raise RealtimeEventError(
-                    "unknown_item", f"{event.item_id!r} is not an assistant message", event_id=event.event_id
-                )
-            self._emit(
-                ItemTruncated(item_id=item.id, content_index=event.content_index, audio_end_ms=event.audio_end_ms)
-            )
+            self._truncate(event)
         elif isinstance(event, ConversationItemDelete):
             self.items.delete(event.item_id, event_id=event.event_id)
             self._emit(ItemDeleted(item_id=event.item_id))
@@ -282,16 +284,20 @@ class RealtimeAdapter(ProtocolAdapter):
             self._emit(ItemEvent(type="conversation.item.retrieved", item=item))
 
     async def _append(self, event: InputAudioBufferAppend) -> None:
-        try:
-            raw = base64.b64decode(event.audio, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise RealtimeEventError(
-                "bad_audio", f"audio is not base64 ({exc})", event_id=event.event_id, param="audio"
-            ) from None
+        pcm = await off_loop(len(event.audio), self._decode_audio, event.audio, event.event_id)
         await self._ensure_started()
-        pcm = self.audio_in.decode(raw)
         if pcm.size:
             self.session.push_audio(pcm)
+
+    def _decode_audio(self, audio: str, event_id: str | None) -> np.ndarray:
+        """Base64 audio of the input format -> float32 at 24 kHz (cost grows with the chunk: run by off_loop)."""
+        try:
+            raw = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise RealtimeEventError(
+                "bad_audio", f"audio is not base64 ({exc})", event_id=event_id, param="audio"
+            ) from None
+        return self.audio_in.decode(raw)
 
     async def _ensure_started(self) -> None:
         """Start the conversation (read the persona) if it has not started yet."""
@@ -312,27 +318,31 @@ class RealtimeAdapter(ProtocolAdapter):
             )
         )
 
-    def _session_update(self, new: SessionConfig, event_id: str | None) -> None:
-        """Apply every valid field, then ``session.updated``, then one ``error`` per field not applied (a voice this
-        server does not have, instructions or voice after the persona was read, ...)."""
-        c = self.config
-        settings = self.hub.settings
-        started = self.session.state != "connected"
-        problems: list[RealtimeEventError] = []
-
-        def refuse(code: str, message: str, param: str) -> None:
-            problems.append(RealtimeEventError(code, message, event_id=event_id, param=param))
-
+    async def _session_update(self, event: SessionUpdate) -> None:
+        """Apply every valid field, then ``session.updated``, then one ``error`` per field not applied (invalid, a
+        voice this server does not have, instructions or voice after the persona was read, ...) and a
+        ``cspan.warning`` per field accepted that will not do what the client may expect."""
+        new, event_id = event.session, event.event_id
         if new.type == "transcription":
             raise RealtimeEventError(
                 "unsupported", "transcription-only sessions are not supported", event_id=event_id, param="session.type"
             )
-        try:
-            tools = function_tools(new, event_id)
-            bank_tools = self._bank_tools(tools, event_id) if tools is not None else []
-        except RealtimeEventError as exc:
-            problems.append(exc)
-            tools = None
+        problems = [RealtimeEventError("invalid_event", m, event_id=event_id, param=p) for p, m in event.problems]
+        warnings: list[tuple[str, str, str]] = []
+
+        def refuse(code: str, message: str, param: str) -> None:
+            problems.append(RealtimeEventError(code, message, event_id=event_id, param=param))
+
+        tools: list[FunctionTool] | None = None
+        bank_tools: list[Any] = []
+        if new.tools is not None:
+            try:  # schemas become validated models: cost grows with them, so off the event loop
+                tools, bank_tools = await asyncio.to_thread(self._tools_of, new, event_id, self.hub.tool_names())
+            except RealtimeEventError as exc:
+                problems.append(exc)
+        c = self.config
+        settings = self.hub.settings
+        started = self.session.state != "connected"
         if new.instructions is not None and new.instructions != c.instructions:
             if len(new.instructions) > settings.max_text_prompt_chars:
                 refuse(
@@ -354,14 +364,25 @@ class RealtimeAdapter(ProtocolAdapter):
         if voice is None and new.audio is not None and new.audio.output is not None:
             voice = new.audio.output.voice
         voice_name = voice.get("id") if isinstance(voice, dict) else voice
-        if voice_name is not None and voice_name != (c.voice or self.hub.default_voice):
-            if voice_name not in self.hub.voice_names:
-                refuse(
-                    "bad_voice",
-                    f"voice {voice_name!r} is not a voice of this server ({', '.join(self.hub.voice_names) or 'none'}); "
-                    "not applied",
-                    "session.voice",
-                )
+        current = c.voice or self.hub.default_voice
+        if voice_name is not None and voice_name != current:
+            if not isinstance(voice_name, str) or voice_name not in self.hub.voice_names:
+                if isinstance(voice_name, str) and voice_name in OPENAI_VOICES:
+                    warnings.append(
+                        (
+                            "voice_not_applied",
+                            f"voice {voice_name!r} is one of OpenAI's; this server speaks with its own voices "
+                            f"({', '.join(self.hub.voice_names) or 'none'}) and keeps {current!r}",
+                            "session.voice",
+                        )
+                    )
+                else:
+                    refuse(
+                        "bad_voice",
+                        f"voice {brief(voice_name)} is not a voice of this server "
+                        f"({', '.join(self.hub.voice_names) or 'none'}); not applied",
+                        "session.voice",
+                    )
             elif started:
                 refuse(
                     "session_live",
@@ -392,6 +413,15 @@ class RealtimeAdapter(ProtocolAdapter):
             c.tools = tools
             self._client_tools = bank_tools
             self.session.set_tools(bank_tools)
+            if tools and self._tools_inert():
+                warnings.append(
+                    (
+                        "tools_inert",
+                        "this server's router never calls a client's function (--router local or none; an LLM "
+                        "router, --router URL, does): the tools are accepted and will not be called",
+                        "session.tools",
+                    )
+                )
         options = new.cspan
         if options is not None:
             if options.events is not None:
@@ -406,49 +436,69 @@ class RealtimeAdapter(ProtocolAdapter):
                 else:
                     c.test = options.test
             if options.profile is not None:
-                fields = ProfileFields(**options.profile.model_dump(exclude_unset=True))
-                c.profile = c.profile.model_copy(update=fields.model_dump(exclude_unset=True))
-                if started:
-                    self.session.update_profile(fields)
+                try:
+                    if started:
+                        self.session.update_profile(options.profile)
+                    c.profile = c.profile.model_copy(update=options.profile.model_dump(exclude_unset=True))
+                except ClientError as exc:
+                    refuse(exc.code, f"{exc.message}; not applied", "session.cspan.profile")
         self._emit(SessionEvent(type="session.updated", session=self._session_object()))
         for exc in problems:
             self._error(exc)
+        for code, message, param in warnings:
+            self._warn(code, message, param, event_id)
 
     def _item_create(self, event: ConversationItemCreate) -> None:
+        event_id = event.event_id
         if event.previous_item_id is not None and event.previous_item_id != "root":
-            self.items.get(event.previous_item_id, event_id=event.event_id, param="previous_item_id")
+            self.items.get(event.previous_item_id, event_id=event_id, param="previous_item_id")
         item = event.item
+        if item.id is not None and (item.id in self.items.items or self.user.reserved(item.id)):
+            raise RealtimeEventError(
+                "invalid_event",
+                f"an item with id {item.id!r} is in this conversation already: give a new id, or none",
+                event_id=event_id,
+                param="item.id",
+            )
         if isinstance(item, FunctionCallOutputItemIn):
             call = self._calls.get(item.call_id)
-            if call is None:
+            if call is None and self.items.function_call(item.call_id) is None:
                 raise RealtimeEventError(
                     "unknown_call_id",
                     f"no function call {item.call_id!r} in this session",
-                    event_id=event.event_id,
+                    event_id=event_id,
                     param="item.call_id",
                 )
-            if call.timed_out or call.future.done():
-                raise RealtimeEventError(
-                    "late_call_output",
-                    f"call {item.call_id!r} was not answered within {self.hub.settings.client_tool_timeout_s:g} s "
-                    "(or was answered already): the abstain clause was read",
-                    event_id=event.event_id,
-                    param="item.call_id",
-                )
+            if call is not None:  # the router's call, waiting for this output (else the client's own call item)
+                if call.timed_out or call.future.done():
+                    why = (
+                        f"was not answered within {self.hub.settings.client_tool_timeout_s:g} s: the abstain clause "
+                        "was read instead"
+                        if call.timed_out
+                        else "has an output already: the first one was read"
+                    )
+                    raise RealtimeEventError(
+                        "late_call_output", f"call {item.call_id!r} {why}", event_id=event_id, param="item.call_id"
+                    )
+                call.future.set_result(_function_call_output(item))
             stored: Any = FunctionCallOutputItem(id=item.id or new_id("item"), call_id=item.call_id, output=item.output)
-            call.future.set_result(_function_call_output(item))
         elif isinstance(item, FunctionCallItemIn):
+            call_id = item.call_id or new_id("call")
+            if call_id in self._calls or self.items.function_call(call_id) is not None:
+                raise RealtimeEventError(
+                    "invalid_event",
+                    f"a function call {call_id!r} is in this conversation already: give a new call_id",
+                    event_id=event_id,
+                    param="item.call_id",
+                )
             stored = FunctionCallItem(
-                id=item.id or new_id("item"),
-                call_id=item.call_id or new_id("call"),
-                name=item.name,
-                arguments=item.arguments,
+                id=item.id or new_id("item"), call_id=call_id, name=item.name, arguments=item.arguments
             )
         else:  # a message: kept in the conversation's items; the model hears audio only
             parts = [
-                ContentPartOut(type=p.get("type"), text=p.get("text"), transcript=p.get("transcript"))
+                ContentPartOut(type=p.type, text=p.text, transcript=p.transcript)  # type: ignore[arg-type]
                 for p in item.content
-                if p.get("type") in ("input_text", "output_text", "input_audio", "output_audio")
+                if p.type in ("input_text", "output_text", "input_audio", "output_audio")
             ]
             stored = MessageItem(id=item.id or new_id("item"), role=item.role, content=parts)
         previous = self.items.add(stored)
@@ -457,19 +507,63 @@ class RealtimeAdapter(ProtocolAdapter):
             ItemEvent(type="conversation.item.done", item=stored, previous_item_id=previous),
         )
 
+    def _truncate(self, event: ConversationItemTruncate) -> None:
+        """``conversation.item.truncate``: acknowledged for an assistant message's audio part within the audio sent
+        (the model's context keeps what it said; a client truncates what its user heard)."""
+        item = self.items.get(event.item_id, event_id=event.event_id)
+        if not (isinstance(item, MessageItem) and item.role == "assistant"):
+            raise RealtimeEventError(
+                "unknown_item", f"{event.item_id!r} is not an assistant message", event_id=event.event_id
+            )
+        if event.content_index != 0:
+            raise RealtimeEventError(
+                "invalid_event",
+                f"content_index {event.content_index}: an assistant message of this server has one content part (0)",
+                event_id=event.event_id,
+                param="content_index",
+            )
+        sent_ms = self.items.audio_ms(item.id)
+        if event.audio_end_ms > sent_ms:
+            raise RealtimeEventError(
+                "invalid_event",
+                f"audio_end_ms {event.audio_end_ms} is past the end of the {sent_ms} ms of audio sent for {item.id!r}",
+                event_id=event.event_id,
+                param="audio_end_ms",
+            )
+        self._emit(ItemTruncated(item_id=item.id, content_index=0, audio_end_ms=event.audio_end_ms))
+
     # -- client tools -------------------------------------------------------------------------------------------
 
-    def _bank_tools(self, specs: list[FunctionTool], event_id: str | None) -> list[Any]:
+    def _tools_of(
+        self, new: SessionConfig, event_id: str | None, taken: set[str]
+    ) -> tuple[list[FunctionTool], list[Any]]:
+        """The function tools of a ``session.update`` and the router-bank tools made of them (runs on a worker thread:
+        each schema becomes a validated model).
+
+        Raises:
+            RealtimeEventError: see :func:`~cspan.server.realtime_events.function_tools` and :meth:`_bank_tools`.
+        """
+        tools = function_tools(new, event_id) or []
+        return tools, self._bank_tools(tools, event_id, taken)
+
+    def _tools_inert(self) -> bool:
+        """Whether this server's router never calls a client's function (no router, or the local one: it picks its
+        own tools by rule)."""
+        from cspan.backends.router import LocalRouter
+
+        retriever = self.hub.retriever
+        return retriever is None or isinstance(getattr(retriever, "router", None), LocalRouter)
+
+    def _bank_tools(self, specs: list[FunctionTool], event_id: str | None, taken: set[str]) -> list[Any]:
         """The client's function tools as tools of the router's bank (their execution is a call to the client).
 
         Raises:
-            RealtimeEventError: ``invalid_event`` for a name the server's own tool bank has, or parameters that are
-                not an object schema.
+            RealtimeEventError: ``invalid_event`` for a name in ``taken`` (the server's own tools), or parameters
+                that are not an object schema.
         """
         from cspan.backends.errors import ToolError
         from cspan.backends.tools.catalog import callback_tool
 
-        taken = self.hub.tool_names()
         timeout = self.hub.settings.client_tool_timeout_s
         tools = []
         for i, spec in enumerate(specs):
@@ -602,8 +696,9 @@ class RealtimeAdapter(ProtocolAdapter):
             if isinstance(event, OutputAudioBufferClear):
                 events = self.responses.cancel(event_id=event.event_id) if self.responses.active else []
                 return [*events, ClearedEvent(type="output_audio_buffer.cleared")]
-        except RealtimeEventError as exc:
-            self._error(exc)
+        except RealtimeEventError as exc:  # sent here, in order with this command's place in the output
+            self.session.count_error(exc.code)
+            return [error_event(exc)]
         return []
 
     def _extension(self, kind: str, data: dict[str, Any]) -> list[ServerEvent]:
@@ -617,6 +712,16 @@ class RealtimeAdapter(ProtocolAdapter):
     def _error(self, exc: RealtimeEventError) -> None:
         """Count the refused event and send its ``error`` (with the event's id) after what is queued."""
         self.session.client_error(exc.code, exc.message, {"event_id": exc.event_id, "param": exc.param})
+
+    def _warn(self, code: str, message: str, param: str, event_id: str | None) -> None:
+        """A ``cspan.warning`` (to a client that asked for ``session.cspan.events``) for something accepted that will
+        not do what the client may expect; logged once per session and code. Never an ``error`` event: some clients
+        (pipecat) end the session on an error they do not know."""
+        if code not in self._warned:
+            self._warned.add(code)
+            logger.warning("session %s (realtime): %s: %s", self.session.id, code, message)
+        data = {"code": code, "message": message, "param": param, "event_id": event_id}
+        self._emit(*self._extension("cspan.warning", data))
 
     def _audio_output(self) -> dict[str, Any]:
         return {"format": self._format(self.config.output_format), "voice": self.config.voice or self.hub.default_voice}

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from cspan.server.adapters import Connection, Credential, ProtocolAdapter
+from cspan.server.adapters import Connection, Credential, ProtocolAdapter, off_loop
 from cspan.server.opus import OGG_CAPTURE, OggOpusDecoder, OggOpusEncoder
 from cspan.server.protocol import (
     CODECS,
-    MAX_BINARY_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     TOKEN_SUBPROTOCOL_PREFIX,
     BusyMessage,
@@ -62,9 +61,9 @@ class CspanAdapter(ProtocolAdapter):
 
     async def receive(self, data: bytes | str) -> None:
         if isinstance(data, bytes):
-            self._audio(data)
+            await self._audio(data)
             return
-        msg = parse_client_message(data)
+        msg = await off_loop(len(data), parse_client_message, data)
         if isinstance(msg, StartMessage):
             request = _start_request(msg)
             if self.session.state == "connected":
@@ -94,11 +93,7 @@ class CspanAdapter(ProtocolAdapter):
         else:
             self._decoder = self._encoder = None
 
-    def _audio(self, data: bytes) -> None:
-        if len(data) > MAX_BINARY_MESSAGE_BYTES:
-            raise ProtocolCodeError(
-                "too_large", f"binary message of {len(data)} bytes, over {MAX_BINARY_MESSAGE_BYTES}; send less at once"
-            )
+    async def _audio(self, data: bytes) -> None:
         if self._decoder is None:
             if data[:4] == OGG_CAPTURE:
                 raise ProtocolCodeError(
@@ -106,9 +101,14 @@ class CspanAdapter(ProtocolAdapter):
                 )
             self.session.push_audio(decode_audio_frame(data))
             return
-        pcm, problem = self._decoder.decode(data)
+        pcm, problem = await off_loop(len(data), self._decoder.decode, data)
         self.session.push_audio(pcm)
         if problem:
+            if data[:1] == b"{":
+                problem += (
+                    " (this binary message looks like JSON: send JSON messages as text WebSocket messages; binary "
+                    "messages are Ogg/Opus audio in this session)"
+                )
             raise ProtocolCodeError("bad_audio", problem)
 
 

@@ -1,0 +1,299 @@
+"""``/v1/realtime`` event handling against a real server (tiny checkpoint, raw WebSocket client): a
+``session.update`` applies its valid fields and names each invalid one, OpenAI's voice names and inert client tools
+get warnings rather than errors, item operations are checked as OpenAI checks them, and a command's error comes in
+order with the responses around it."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+TOOL = {
+    "type": "function",
+    "name": "lookup_order",
+    "description": "Look up an order.",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+}
+
+
+@pytest.fixture(scope="module")
+def stub_llm() -> Iterator[Any]:
+    """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``)."""
+    path = Path(__file__).resolve().parents[1] / "backends" / "router_stub.py"
+    spec = importlib.util.spec_from_file_location("router_stub", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stub = module.StubLLM().start()
+    yield stub
+    stub.stop()
+
+
+class Client:
+    """A raw Realtime connection that keeps every event it received."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.events: list[dict[str, Any]] = []
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def until(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> dict[str, Any]:
+        while True:
+            event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+            self.events.append(event)
+            if predicate(event):
+                return event
+
+
+def errors(events: list[dict[str, Any]]) -> list[tuple[str, str | None, str | None]]:
+    return [
+        (e["error"]["code"], e["error"].get("param"), e["error"].get("event_id"))
+        for e in events
+        if e["type"] == "error"
+    ]
+
+
+async def connect(server: Any) -> tuple[Any, Client]:
+    ws = await websockets.connect(server.url.replace("http://", "ws://") + "/v1/realtime", max_size=None)
+    client = Client(ws)
+    await client.until(lambda e: e["type"] == "conversation.created")
+    return ws, client
+
+
+async def update(client: Client, event_id: str, session: dict[str, Any]) -> tuple[dict[str, Any], list[dict]]:
+    """Send a session.update; its session.updated and what followed it before the next marker."""
+    start = len(client.events)
+    await client.send({"type": "session.update", "event_id": event_id, "session": session})
+    await client.send({"type": "input_audio_buffer.clear", "event_id": "marker"})
+    await client.until(lambda e: e["type"] == "input_audio_buffer.cleared")
+    got = client.events[start:-1]
+    (updated,) = [e for e in got if e["type"] == "session.updated"]
+    assert got[0] is updated  # first the effective session, then the errors and warnings
+    return updated["session"], got[1:]
+
+
+def metric(server: Any, name: str) -> float:
+    line = next((x for x in httpx.get(server.url + "/metrics").text.splitlines() if x.startswith(name + " ")), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+@pytest.mark.timeout(300)
+async def test_session_update_applies_every_valid_field_and_names_each_invalid_one(serve) -> None:
+    server = serve()
+    ws, client = await connect(server)
+    try:
+        cases: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = [
+            (  # a bad profile timezone (was: a traceback and "internal", the other fields applied silently)
+                {"instructions": "Profile test", "cspan": {"profile": {"name": "Ada", "timezone": "Mars/Base"}}},
+                {"instructions": "Profile test"},
+                ["session.cspan.profile.timezone"],
+            ),
+            (  # one schema-invalid field no longer refuses the event
+                {"instructions": "MIXED", "input_audio_format": "mp3"},
+                {"instructions": "MIXED"},
+                ["session.input_audio_format"],
+            ),
+            (
+                {
+                    "instructions": "Three",
+                    "modalities": ["video"],
+                    "tool_choice": 42,
+                    "output_audio_format": "g711_alaw",
+                },
+                {"instructions": "Three", "audio.output.format.type": "audio/pcma"},
+                ["session.modalities", "session.tool_choice"],
+            ),
+            (  # a bad leaf leaves its siblings
+                {"audio": {"input": {"format": {"type": "audio/mp3"}}, "output": {"voice": "tiny1"}}},
+                {"audio.output.voice": "tiny1", "audio.input.format.type": "audio/pcm"},
+                ["session.audio.input.format.type"],
+            ),
+        ]
+        for k, (session, applied, params) in enumerate(cases):
+            effective, after = await update(client, f"u{k}", session)
+            for path, value in applied.items():
+                node: Any = effective
+                for key in path.split("."):
+                    node = node[key]
+                assert node == value, (k, path, effective)
+            assert errors(after) == [("invalid_event", p, f"u{k}") for p in params], after
+            assert all(e["error"]["type"] == "invalid_request_error" for e in after)
+        effective, _ = await update(client, "u9", {})
+        assert effective["instructions"] == "Three" and effective["audio"]["output"]["voice"] == "tiny1"
+
+        # items: content parts of the wrong type are refused, with the event and the field named
+        for k, part in enumerate([{"type": "input_text", "text": 5}, {"type": "input_audio", "transcript": ["x"]}]):
+            item = {"type": "message", "role": "user", "content": [part]}
+            await client.send({"type": "conversation.item.create", "event_id": f"i{k}", "item": item})
+            error = (await client.until(lambda e: e["type"] == "error"))["error"]
+            field = "text" if k == 0 else "transcript"
+            assert (error["code"], error["param"], error["event_id"]) == (
+                "invalid_event",
+                f"item.content.0.{field}",
+                f"i{k}",
+            )
+    finally:
+        await ws.close()
+    assert metric(server, 'cspan_protocol_errors_total{code="internal",protocol="realtime"}') == 0
+
+
+@pytest.mark.timeout(300)
+async def test_openai_voice_names_are_kept_out_with_a_warning(serve) -> None:
+    """LiveKit's and pipecat's plugins send an OpenAI voice with their updates: the server's voice stays, with a
+    ``cspan.warning`` (for clients that asked for events) instead of an ``error`` (fatal to pipecat); another unknown
+    name is still ``bad_voice``; one of the server's voices is applied."""
+    server = serve()
+    ws, client = await connect(server)
+    try:
+        for voice in ("alloy", "marin", {"id": "verse"}):
+            effective, after = await update(client, "v1", {"voice": voice})
+            assert effective["audio"]["output"]["voice"] == "tiny0" and after == []  # no error; no warning unasked
+        effective, after = await update(
+            client, "v2", {"cspan": {"events": True}, "audio": {"output": {"voice": "ash"}}}
+        )
+        assert effective["audio"]["output"]["voice"] == "tiny0"
+        (warning,) = after
+        assert (warning["type"], warning["code"], warning["param"], warning["event_id"]) == (
+            "cspan.warning",
+            "voice_not_applied",
+            "session.voice",
+            "v2",
+        )
+        effective, after = await update(client, "v3", {"voice": "nova-prime"})
+        assert effective["audio"]["output"]["voice"] == "tiny0" and errors(after) == [
+            ("bad_voice", "session.voice", "v3")
+        ]
+        effective, after = await update(client, "v4", {"voice": "tiny1"})
+        assert effective["audio"]["output"]["voice"] == "tiny1" and after == []
+    finally:
+        await ws.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("router", ["none", "local", "llm"])
+async def test_client_tools_on_a_router_that_never_calls_them_get_a_warning(serve, stub_llm, router) -> None:
+    server = serve(router=stub_llm.url if router == "llm" else router)
+    ws, client = await connect(server)
+    try:
+        effective, after = await update(client, "t1", {"tools": [TOOL], "cspan": {"events": True}})
+        assert [t["name"] for t in effective["tools"]] == ["lookup_order"]  # accepted either way
+        warnings = [(e["code"], e["param"], e["event_id"]) for e in after if e["type"] == "cspan.warning"]
+        assert errors(after) == []
+        assert warnings == ([] if router == "llm" else [("tools_inert", "session.tools", "t1")])
+        _, after = await update(client, "t2", {"tools": []})  # no tools: nothing to warn about
+        assert after == []
+    finally:
+        await ws.close()
+
+
+async def _assistant_item(client: Client) -> str:
+    """Open a response (``response.create`` starts the conversation) and wait for its assistant message and some of
+    its audio; the item's id."""
+    await client.send({"type": "response.create", "event_id": "r0"})
+    added = await client.until(lambda e: e["type"] == "response.output_item.added" and e["item"]["type"] == "message")
+    for _ in range(3):
+        await client.until(lambda e: e["type"] == "response.output_audio.delta")
+    return added["item"]["id"]
+
+
+@pytest.mark.timeout(300)
+async def test_item_operations_are_checked_as_openai_checks_them(serve) -> None:
+    server = serve(idle_timeout_s=600.0)
+    ws, client = await connect(server)
+    try:
+        item_id = await _assistant_item(client)
+        sent_ms = 80 * sum(
+            1 for e in client.events if e["type"] == "response.output_audio.delta" and e["item_id"] == item_id
+        )
+        for event_id, fields, expect in [
+            ("t1", {"content_index": 7, "audio_end_ms": 0}, ("invalid_event", "content_index")),
+            ("t2", {"content_index": 0, "audio_end_ms": 10**9}, ("invalid_event", "audio_end_ms")),
+            ("t3", {"content_index": 0, "audio_end_ms": sent_ms}, None),
+            ("t4", {"content_index": 0, "audio_end_ms": 0}, None),
+        ]:
+            await client.send(
+                {"type": "conversation.item.truncate", "event_id": event_id, "item_id": item_id, **fields}
+            )
+            got = await client.until(lambda e: e["type"] in ("error", "conversation.item.truncated"))
+            if expect is None:
+                assert got["type"] == "conversation.item.truncated" and got["audio_end_ms"] == fields["audio_end_ms"]
+            else:
+                assert (got["error"]["code"], got["error"]["param"], got["error"]["event_id"]) == (*expect, event_id)
+
+        async def create(event_id: str, item: dict[str, Any]) -> dict[str, Any]:
+            await client.send({"type": "conversation.item.create", "event_id": event_id, "item": item})
+            return await client.until(lambda e: e["type"] in ("error", "conversation.item.done"))
+
+        message = {"type": "message", "id": "item_mine", "role": "user", "content": []}
+        first = await create("c1", message)
+        assert first["type"] == "conversation.item.done" and first["item"]["id"] == "item_mine"
+        again = await create("c2", message)  # (was: accepted, its previous_item_id itself)
+        assert (again["error"]["code"], again["error"]["param"], again["error"]["event_id"]) == (
+            "invalid_event",
+            "item.id",
+            "c2",
+        )
+        empty = await create("c3", {**message, "id": ""})
+        assert (empty["error"]["code"], empty["error"]["param"]) == ("invalid_event", "item.id")
+        # the client's own function call (a history being restored) and its output: both kept
+        call = {"type": "function_call", "call_id": "call_mine", "name": "f", "arguments": "{}"}
+        assert (await create("c4", call))["item"]["call_id"] == "call_mine"
+        output = await create("c5", {"type": "function_call_output", "call_id": "call_mine", "output": "ok"})
+        assert output["type"] == "conversation.item.done" and output["item"]["output"] == "ok"
+        same_call = await create("c6", call)
+        assert (same_call["error"]["code"], same_call["error"]["param"]) == ("invalid_event", "item.call_id")
+        unknown = await create("c7", {"type": "function_call_output", "call_id": "call_other", "output": "x"})
+        assert unknown["error"]["code"] == "unknown_call_id"
+    finally:
+        await ws.close()
+
+
+@pytest.mark.timeout(300)
+async def test_a_cancel_error_comes_in_order_with_the_responses(serve) -> None:
+    """``response.cancel`` naming another response cancels nothing, says which is in progress, and arrives before
+    the events of the next command (errors of commands are no longer queued behind them)."""
+    server = serve(idle_timeout_s=600.0)
+    ws, client = await connect(server)
+    try:
+        await client.send({"type": "response.create", "event_id": "r1"})
+        created = await client.until(lambda e: e["type"] == "response.created")
+        response_id = created["response"]["id"]
+        for event in (
+            {"type": "response.create", "event_id": "r2"},
+            {"type": "response.cancel", "event_id": "c1", "response_id": "resp_nope"},
+            {"type": "response.cancel", "event_id": "c2"},
+            {"type": "response.cancel", "event_id": "c3"},
+        ):
+            await client.send(event)
+        await client.until(lambda e: e["type"] == "error" and e["error"]["event_id"] == "c3")
+        seen = [
+            (e["error"]["code"], e["error"]["event_id"])
+            if e["type"] == "error"
+            else (e["type"], e["response"]["status"])
+            for e in client.events
+            if e["type"] == "error" or (e["type"] == "response.done")
+        ]
+        assert seen == [
+            ("conversation_already_has_active_response", "r2"),
+            ("response_cancel_not_active", "c1"),
+            ("response.done", "cancelled"),
+            ("response_cancel_not_active", "c3"),
+        ]
+        by_id = {e["error"]["event_id"]: e["error"] for e in client.events if e["type"] == "error"}
+        assert response_id in by_id["c1"]["message"] and by_id["c1"]["param"] == "response_id"
+        assert by_id["c3"]["message"] == "Cancellation failed: no active response found"
+        assert by_id["r2"]["message"].startswith(
+            f"Conversation already has an active response in progress: {response_id}"
+        )
+    finally:
+        await ws.close()
