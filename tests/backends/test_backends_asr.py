@@ -262,7 +262,7 @@ async def test_read_timeout_is_not_retried(weather) -> None:
     t = OpenAITranscriber(
         "http://asr.local", api_key="", timeout_s=1.5, client=httpx.AsyncClient(transport=httpx.MockTransport(handler))
     )
-    with pytest.raises(TranscriberError, match=r"no answer within 1\.5 s"):
+    with pytest.raises(TranscriberError, match=r"no complete reply within 1\.5 s"):
         await t.transcribe(*weather)
     assert len(calls) == 1
 
