@@ -1,4 +1,4 @@
-"""Backends against a hostile HTTP server (tests/backends/hostile_http.py, real sockets on 127.0.0.1): every reply
+"""Backends against a hostile HTTP server (tests/hostile_http.py, real sockets on 127.0.0.1): every reply
 is bounded in time (one overall deadline) and in size (gzip bombs included), and every malformed reply gives a
 one-line error that names what is wrong, never a Python internal."""
 
