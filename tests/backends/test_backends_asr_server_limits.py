@@ -37,6 +37,7 @@ class BlockingEngine:
 
     def transcribe(self, pcm: np.ndarray, sample_rate: int, *, language: str | None = None) -> Transcript:
         self.started += 1
+        self.last = pcm
         self.release.wait(30)
         return Transcript(text="hello")
 
@@ -125,3 +126,19 @@ def test_trickled_request_headers_are_cut_off_at_the_header_timeout(server) -> N
     # an ordinary request still works
     r = httpx.post(f"{url}/transcribe", files={"file": ("a.wav", _wav(), "audio/wav")}, timeout=30)
     assert r.status_code == 200 and r.json()["text"] == "hello"
+
+
+def test_an_upload_with_non_finite_samples_is_read_with_them_silent(server, caplog) -> None:
+    """The project's one rule (cspan.core.audio.sanitize_pcm): NaN / infinite samples become silence, counted."""
+    url, engine = server
+    engine.release.set()
+    x = (0.1 * np.sin(np.arange(16000) / 5.0)).astype(np.float32)
+    x[:10] = np.nan
+    x[500:503] = np.inf
+    buf = io.BytesIO()
+    sf.write(buf, x, 16000, format="WAV", subtype="FLOAT")
+    with caplog.at_level(logging.WARNING, logger="cspan.backends.asr.audio"):
+        r = httpx.post(f"{url}/transcribe", files={"file": ("nan.wav", buf.getvalue(), "audio/wav")}, timeout=30)
+    assert r.status_code == 200 and r.json()["text"] == "hello"
+    assert np.isfinite(engine.last).all() and (engine.last[:10] == 0).all() and engine.last.shape == (16000,)
+    assert "the upload: 13 NaN or infinite samples read as silence" in caplog.messages
