@@ -1,6 +1,7 @@
-"""The start-up check that ``--asr`` / ``--router`` answer (``cspan infer`` awaits it, ``cspan serve`` runs it while
-the model loads) against a hostile server: it reads headers only, so a trickling or endless body cannot hold it,
-and a server that sends no headers fails at the deadline."""
+"""``cspan serve`` / ``cspan infer`` against a hostile backend (tests/hostile_http.py): the start-up check that
+``--asr`` / ``--router`` answer reads headers only, so a trickling or endless body cannot hold it, and a server that
+sends no headers fails at the deadline; in a live session a transcriber that trickles its reply ends in a ``late``
+event that says which step was running."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import socket
 import time
 
 import httpx
+import numpy as np
 import pytest
+import websockets
 from hostile_http import HostileServer
+from serve_client import Client
 
+from cspan.backends.asr import OpenAITranscriber
 from cspan.server.settings_common import backend_answers, check_backends_answer
 
 
@@ -47,3 +52,20 @@ def test_check_backends_answer_names_the_flag_and_the_cause(hostile) -> None:
     lines = check_backends_answer(Settings(), timeout_s=0.5)
     assert lines[0] == f"--router {hostile.url('stall')}: no answer within 0.5 s"
     assert lines[1].startswith(f"--mcp {closed}: does not answer (") and len(lines) == 2
+
+
+async def test_a_trickling_transcriber_in_a_session_is_a_late_event_that_says_why(serve, hostile) -> None:
+    transcriber = OpenAITranscriber(hostile.url("trickle"), api_key="", timeout_s=30.0)
+    server = serve(transcriber=transcriber, router="local", span_deadline_s=0.5)
+    silence = [np.zeros(1920, dtype=np.float32)] * 30
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start(test={"force_ret_at": [0.3]}))["type"] == "ready"
+        await client.stream(silence)
+        if not client.received.json("late"):
+            await client.recv_until(lambda k, m: k == "json" and m["type"] in ("late", "span", "no_span"), timeout=30)
+        await client.stop()
+    (late,) = client.received.json("late")
+    assert late["error"].startswith("retrieval missed its 0.5 s deadline in the asr step"), late
+    assert not client.received.json("span") and not client.received.json("no_span")
+    await transcriber.aclose()
