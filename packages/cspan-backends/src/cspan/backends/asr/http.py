@@ -220,7 +220,7 @@ def _failure_message(exc: HTTPFailure) -> str:
     if exc.kind == "connect":
         return f"{exc}; is the ASR server running? Start one with `cspan asr-serve` or fix the URL"
     if exc.kind == "deadline":
-        return f"{exc}; the server is overloaded or the clip is too long for it; raise the timeout or check the server"
+        return f"{exc}; check the server, or raise the transcriber's timeout for long clips"
     return str(exc)
 
 
