@@ -64,15 +64,15 @@ def loads(text: str | bytes) -> Any:
 
 
 def json_kind(value: Any) -> str:
-    """A parsed JSON value's type in JSON's words (``"null"``, ``"boolean"``, ``"number"``, ``"string"``,
-    ``"array"``, ``"object"``), for errors about data of the wrong shape."""
+    """A parsed JSON value's type in JSON's words, with its article (``"null"``, ``"a boolean"``, ``"a number"``,
+    ``"a string"``, ``"an array"``, ``"an object"``), for errors about data of the wrong shape."""
     if value is None:
         return "null"
     if isinstance(value, bool):
-        return "boolean"
+        return "a boolean"
     if isinstance(value, int | float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
 
 
 def sanitize_text(text: str, max_chars: int) -> str:

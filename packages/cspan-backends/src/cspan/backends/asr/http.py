@@ -142,10 +142,10 @@ class RemoteTranscriber:
             ) from None
         if not isinstance(payload, dict):
             raise self._error(
-                f"the answer is a JSON {json_kind(payload)}, not an object with a field 'text'", status=reply.status
+                f"the answer is {json_kind(payload)}, not an object with a field 'text'", status=reply.status
             )
         if not isinstance(payload.get("text"), str):
-            what = "has no field 'text'" if "text" not in payload else f"has 'text' as a {json_kind(payload['text'])}"
+            what = "has no field 'text'" if "text" not in payload else f"has 'text' as {json_kind(payload['text'])}"
             raise self._error(f"the answer {what}; a transcript needs 'text' as a string", status=reply.status)
         return payload
 
@@ -155,7 +155,7 @@ class RemoteTranscriber:
         if items is None:
             return None
         if not isinstance(items, list):
-            raise self._error(f"'words' is a {json_kind(items)}, not a list of word objects", status=status)
+            raise self._error(f"'words' is {json_kind(items)}, not a list of word objects", status=status)
         words = []
         for i, w in enumerate(items[:MAX_TRANSCRIPT_WORDS]):
             try:

@@ -249,10 +249,10 @@ def message_text(content: Any) -> str | _Decision | None:
                     return _Decision(error=f"router LLM sent content[{i}] of type text without a string 'text'")
                 texts.append(part["text"])
             elif not isinstance(part, dict):
-                return _Decision(error=f"router LLM sent content[{i}] as a {json_kind(part)}, not a content part")
+                return _Decision(error=f"router LLM sent content[{i}] as {json_kind(part)}, not a content part")
         return "".join(texts)
     return _Decision(
-        error=f"router LLM sent the message content as a {json_kind(content)}, not text or a list of text parts"
+        error=f"router LLM sent the message content as {json_kind(content)}, not text or a list of text parts"
     )
 
 
@@ -556,7 +556,7 @@ class LLMRouter:
             ) from None
         if not isinstance(message, dict):
             raise RouterError(
-                f"router LLM at {self.url} answered HTTP {status} where the message is a {json_kind(message)}, not "
+                f"router LLM at {self.url} answered HTTP {status} where the message is {json_kind(message)}, not "
                 "an object. Fix: use an OpenAI-compatible chat-completions endpoint."
             )
         return message
@@ -618,17 +618,17 @@ class LLMRouter:
         calls = message.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
-                return _Decision(error=f"router LLM sent tool_calls as a {json_kind(calls)}, not a list of calls")
+                return _Decision(error=f"router LLM sent tool_calls as {json_kind(calls)}, not a list of calls")
             if len(calls) > 1:
                 log.info("router LLM asked for %d tools at once; running the first only", len(calls))
             call = calls[0]
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict):
-                what = f"a {json_kind(call)}" if not isinstance(call, dict) else f"'function' as a {json_kind(fn)}"
+                what = json_kind(call) if not isinstance(call, dict) else f"'function' as {json_kind(fn)}"
                 return _Decision(error=f"router LLM sent tool_calls[0] with {what}, not an object with 'function'")
             name = fn.get("name")
             if not isinstance(name, str) or not name.strip():
-                return _Decision(error=f"router LLM made a tool call without a name (name is a {json_kind(name)})")
+                return _Decision(error=f"router LLM made a tool call without a name (name is {json_kind(name)})")
             return _Decision(name=name.strip(), arguments=fn.get("arguments") or {})
         # no tool call: a direct answer, nothing, or JSON the server's missing tool parser left in the content
         content = message_text(message.get("content"))
@@ -825,7 +825,7 @@ class LLMRouter:
             return RouteResult(
                 tool=name,
                 source="none",
-                error=f"router LLM gave {name} arguments as a {json_kind(arguments)}, not an object",
+                error=f"router LLM gave {name} arguments as {json_kind(arguments)}, not an object",
             )
         args: dict[str, Any] = {}
         try:
