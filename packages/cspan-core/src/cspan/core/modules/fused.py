@@ -1142,8 +1142,11 @@ def prefill_attention(
     Q = ragged.qb_seq.shape[0]
     key_blocks = triton.cdiv(C, BN)
     if splits is None:  # about PREFILL_WAVES waves of programs, each split at least two key blocks long
+        # counted over the query blocks that N tokens fill, not the grid: a graph's grid has room for any split of
+        # its bucket across its rows, mostly idle programs (a 640-token bucket of 64 rows: 74 blocks, about 10 live)
         target = PREFILL_WAVES * _num_sms(q.device)
-        splits = max(1, min(16, triton.cdiv(target, Q * H), triton.cdiv(key_blocks, 2)))
+        live = max(1, min(Q, triton.cdiv(N, BM)))
+        splits = max(1, min(16, triton.cdiv(target, live * H), triton.cdiv(key_blocks, 2)))
     per = triton.cdiv(key_blocks, splits)
     part_o = part_lse = out
     if splits > 1:
