@@ -248,14 +248,14 @@ def build_step(
             start += n
     N_real = start
     bucket = plan.block_bucket(N_real)
-    graphed = plan.cuda_graphs and bucket is not None  # padded to the graph buckets
-    N = bucket if graphed else N_real
-    b = plan.rows_bucket(b_live) if graphed else b_live
-    block_m = 0 if N == 0 else fused.block_m_for(N if graphed else max(lens))
-    # query blocks of the prefill grid: enough for any lengths that fit a graphed bucket, else exactly these
-    Q = 0 if N == 0 else -(-N // block_m) + b if graphed else sum(-(-n // block_m) for _, _, n in row_blocks)
+    padded = plan.buckets and bucket is not None  # padded to the graph buckets
+    N = bucket if padded else N_real
+    b = plan.rows_bucket(b_live) if padded else b_live
+    block_m = 0 if N == 0 else fused.block_m_for(N if padded else max(lens))
+    # query blocks of the prefill grid: enough for any lengths that fit a padded bucket, else exactly these
+    Q = 0 if N == 0 else -(-N // block_m) + b if padded else sum(-(-n // block_m) for _, _, n in row_blocks)
     has_emb = any(blk.embeddings is not None for blk in parts)
-    in_order = not graphed and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
+    in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
     library = plan.library_decode(b)
     shape = StepShape(b, N, block_m, Q, has_emb, library, tuple(row_blocks), b_live if in_order else 0)
 
