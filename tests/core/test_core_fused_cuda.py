@@ -214,6 +214,17 @@ def test_sample_kernel_is_the_top_k_exponential_race(dtype: torch.dtype) -> None
     want_greedy = logits.float().argmax(-1)
     want_greedy[3] = 5
     assert greedy.tolist() == want_greedy.tolist()
+    # per-row parameters (each session's own): row r equals the one-parameter call for that row
+    temps = torch.tensor([0.8, 0.0, 1.3, 0.5, 0.7, 0.0, 2.0, 0.9], device=dev)
+    top_ks = torch.tensor([250, 25, 1, 0, 2048, 7, 3, 500], device=dev)
+    rows = fused.sample_top_k(
+        logits, temps, top_ks, seed, counter, 3, known, torch.empty(8, dtype=torch.long, device=dev)
+    )
+    assert rows.tolist() == sample_race(logits, temps, top_ks, noise).where(known == -2, known).tolist()
+    for r in range(8):
+        one = fused.sample_top_k(logits[r : r + 1], float(temps[r]), int(top_ks[r]), seed[r : r + 1],
+                                 counter[r : r + 1], 3, known[r : r + 1], torch.empty(1, dtype=torch.long, device=dev))  # fmt: skip
+        assert rows[r].item() == one.item(), r
     # the same integers on the CPU; -log of them agrees to float32 rounding (the two devices' log may differ by an ulp)
     torch.testing.assert_close(noise.cpu(), fused.race_noise(seed.cpu(), counter.cpu(), 3, 2048), rtol=1e-6, atol=0)
 
