@@ -125,6 +125,9 @@ def test_bad_sampling_is_refused_and_changes_nothing(tiny_checkpoint, text, audi
         engine.set_persona(
             0, None, None, sampling=SessionSampling(text or SamplingParams.text(), audio or SamplingParams.audio())
         )
+    assert engine.sampling == before
+    with pytest.raises(ValueError, match="temperature 11"):
+        DuplexEngine(tiny_checkpoint, batch_size=1, temp=11.0)
 
 
 def test_top_k_at_or_above_the_vocabulary_keeps_all(tiny_checkpoint) -> None:

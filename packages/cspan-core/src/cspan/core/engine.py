@@ -246,10 +246,14 @@ class DuplexEngine:
                 (:meth:`cspan.core.sampling.SamplingParams.check`; nothing is changed).
         """
         self._check_session(i)
+        self.sessions.set_sampling(i, self._checked_sampling(i, text, audio))
+
+    def _checked_sampling(self, i: int, text: SamplingParams | None, audio: SamplingParams | None) -> SessionSampling:
+        """Session ``i``'s current sampling with ``text`` / ``audio`` (where not None) checked and put in."""
         current = self.sessions.sampling[i]
         text = current.text if text is None else text.check("text", self.lm.text_linear.out_features)
         audio = current.audio if audio is None else audio.check("audio", self.lm.card)
-        self.sessions.set_sampling(i, SessionSampling(text, audio))
+        return SessionSampling(text, audio)
 
     def set_live(self, rows: Sequence[int] | int, live: bool = True) -> None:
         """Mark sessions live (stepped) or idle (not stepped: no compute, no KV reads; their outputs are invalid
@@ -293,8 +297,8 @@ class DuplexEngine:
         """
         self._check_session(i)
         t0 = time.perf_counter()
-        if sampling is not None:
-            self.set_sampling(i, sampling.text, sampling.audio)
+        if sampling is not None:  # checked first, applied with the prefix: a failing call changes nothing
+            sampling = self._checked_sampling(i, sampling.text, sampling.audio)
         if isinstance(voice, (str, os.PathLike)):
             from .voice import load_voice_prompt
 
@@ -318,6 +322,8 @@ class DuplexEngine:
             user_placeholder=self.user_placeholder,
         )
         embeddings = None if prefix.embeddings is None else prefix.embeddings.to(self.dtype)
+        if sampling is not None:
+            self.sessions.set_sampling(i, sampling)
         P = self.set_prefix(i, prefix.frames, embeddings, seed=seed)
         return PrefixReport(
             session=i,
