@@ -114,27 +114,22 @@ def sample_race(
         [B] long.
     """
     x = logits.float()
-    V = x.shape[-1]
-    if not isinstance(temperature, torch.Tensor):
-        if temperature <= 0:
-            return x.argmax(dim=-1)
-        greedy = None
-        s = x / temperature
-    else:
-        greedy = temperature <= 0
-        s = x / torch.where(greedy, 1.0, temperature)[:, None]
-    assert noise is not None, "sample_race needs noise when a temperature is > 0"
+    if isinstance(temperature, torch.Tensor) or isinstance(top_k, torch.Tensor):
+        rows = (x.shape[0],)
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full(rows, float(temperature), device=x.device)
+        if not isinstance(top_k, torch.Tensor):
+            top_k = torch.full(rows, int(top_k), dtype=torch.long, device=x.device)
+        return RowSampling(temperature, top_k).race(x, noise, max_top_k)
+    if temperature <= 0:
+        return x.argmax(dim=-1)
+    assert noise is not None, "sample_race needs noise when the temperature is > 0"
+    s = x / temperature
     weight = torch.exp(s - s.max(dim=-1, keepdim=True).values) / noise
-    if isinstance(top_k, torch.Tensor):
-        K = min(V, max_top_k)
-        k = top_k.to(torch.long)[:, None]
-        kth = torch.topk(s, K, dim=-1).values.gather(1, (k - 1).clamp(0, K - 1))
-        weight = torch.where((k <= 0) | (k >= V) | (s >= kth), weight, -1.0)
-    elif 0 < top_k < V:
+    if 0 < top_k < s.shape[-1]:
         kth = torch.topk(s, top_k, dim=-1).values[:, -1:]
         weight = torch.where(s >= kth, weight, -1.0)
-    choice = weight.argmax(dim=-1)
-    return choice if greedy is None else torch.where(greedy, x.argmax(dim=-1), choice)
+    return weight.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -215,6 +210,36 @@ class RowSampling:
 
     temperature: torch.Tensor
     top_k: torch.Tensor
+    _rules: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+
+    def _rule(self, vocab: int, top: int) -> tuple[torch.Tensor, ...]:
+        """(greedy [b], divisor [b, 1], index of the k-th largest among the top ``top`` [b, 1], keeps all [b, 1]):
+        computed once per vocabulary size, shared by the calls of a step (the depformer's codebooks)."""
+        key = (vocab, top)
+        if key not in self._rules:
+            greedy = self.temperature <= 0
+            k = self.top_k.to(torch.long)[:, None]
+            self._rules[key] = (
+                greedy,
+                torch.where(greedy, 1.0, self.temperature.float())[:, None],
+                (k - 1).clamp(0, top - 1),
+                (k <= 0) | (k >= vocab),
+            )
+        return self._rules[key]
+
+    def race(self, logits: torch.Tensor, noise: torch.Tensor | None, max_top_k: int = MAX_TOP_K) -> torch.Tensor:
+        """:func:`sample_race` with each row's own parameters: logits [b, V] -> [b] long (static shapes: one top-k
+        of ``min(V, max_top_k)`` entries, each row masked at its own k; a greedy row takes its argmax)."""
+        assert noise is not None, "a per-row race needs noise (greedy rows ignore theirs)"
+        x = logits.float()
+        V = x.shape[-1]
+        top = min(V, max_top_k)
+        greedy, divisor, index, keep_all = self._rule(V, top)
+        s = x / divisor
+        weight = torch.exp(s - s.max(dim=-1, keepdim=True).values) / noise
+        kth = torch.topk(s, top, dim=-1).values.gather(1, index).masked_fill_(keep_all, float("-inf"))
+        choice = torch.where(s >= kth, weight, -1.0).argmax(dim=-1)
+        return torch.where(greedy, x.argmax(dim=-1), choice)
 
 
 @torch.no_grad()
@@ -271,7 +296,7 @@ def sample_column(
             return fused.race_noise_fused(seed, counter, stream, vocab, plan.pdl)
         return fused.race_noise(seed, counter, stream, vocab)
 
-    token = sample_race(text_logits, text.temperature, text.top_k, noise(0, text_logits.shape[-1]))
+    token = text.race(text_logits, noise(0, text_logits.shape[-1]))
     token = torch.where(known[:, 0], target[:, 0], token)
     column[:, 0] = token
     dep_state.reset()
@@ -285,7 +310,7 @@ def sample_column(
                 plan.pdl,
             )  # fmt: skip
             continue
-        token = sample_race(logits, audio.temperature, audio.top_k, noise(1 + k, logits.shape[-1]))
+        token = audio.race(logits, noise(1 + k, logits.shape[-1]))
         token = torch.where(known[:, 1 + k], target[:, 1 + k], token)
         column[:, 1 + k] = token
     return column
