@@ -194,7 +194,7 @@ async def test_query_parameters_handshake_metadata_and_errors(serve, fixture_fil
     frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
     query = (
         "?text_prompt=You%20answer%20briefly.&voice_prompt=tiny1.pt&seed=7&text_temperature=0.9"
-        "&audio_topk=100&email=x%40y.z&worker_auth_id=1"
+        "&audio_topk=100&text_topk=&pad_mult=0&repetition_penalty=1.0&email=x%40y.z&worker_auth_id=1"
     )
     http, ws = await raw_connect(server, query)
     try:
@@ -203,7 +203,13 @@ async def test_query_parameters_handshake_metadata_and_errors(serve, fixture_fil
         info = json.loads(got[1][1:])
         assert info["type"] == "session" and info["seed"] == 7
         assert info["persona"]["voice"] == "tiny1" and info["persona"]["text_prompt"] == "You answer briefly."
-        assert info["not_applied"] == ["audio_topk", "text_temperature"]
+        assert info["not_applied"] == ["pad_mult", "repetition_penalty"]
+        engine = server.hub.engine
+        defaults = {"text_topk": engine.text_params.top_k, "audio_temperature": engine.audio_params.temperature}
+        assert info["sampling"] == {"text_temperature": 0.9, "audio_topk": 100, **defaults}
+        (session,) = engine.sampling  # a one-session server: slot 0
+        assert (session.text.temperature, session.audio.top_k) == (0.9, 100)
+        assert session.audio.temperature == engine.audio_params.temperature
 
         writer = sphn.OpusStreamWriter(24000)
         bad = [b"", b"\x07abc", b"\x01" + b"not ogg at all", b"\x01" + frames[0].tobytes()]
@@ -232,6 +238,10 @@ async def test_query_parameters_handshake_metadata_and_errors(serve, fixture_fil
             "bad_message",
         ]
         assert server.hub.free_slots() == 0  # still live after every bad message
+        # the session's row of the engine has sampled with them (device tensors, written at its first step)
+        state = engine.state
+        assert state.text_temp[0].item() == pytest.approx(0.9) and state.audio_top_k[0].item() == 100
+        assert state.text_top_k[0].item() == engine.text_params.top_k
     finally:
         await ws.close()
         await http.close()
@@ -279,6 +289,9 @@ async def test_refused_starts_close_with_a_reason(serve) -> None:
         ("?seed=" + str(2**64), "invalid_message"),
         ("?text_seed=" + "9" * 5000, "invalid_message"),
         ("?text_prompt=" + "a" * 101, "invalid_message"),
+        ("?text_temperature=hot", "invalid_message: text_temperature='hot': Input should be a valid number"),
+        ("?audio_topk=501", "invalid_message: audio_topk='501': Input should be less than or equal to 500"),
+        ("?audio_temperature=0.0001", "invalid_message: audio_temperature='0.0001': Value error, use 0 for greedy"),
     ]:
         http, ws = await raw_connect(server, query)
         try:
@@ -294,7 +307,7 @@ async def test_refused_starts_close_with_a_reason(serve) -> None:
         assert ws.close_code == 1008
     assert server.hub.free_slots() == 1
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'cspan_sessions_ended_total{protocol="moshi",reason="refused"} 5.0' in metrics
+    assert 'cspan_sessions_ended_total{protocol="moshi",reason="refused"} 8.0' in metrics
     assert 'reason="error"' not in metrics
 
 

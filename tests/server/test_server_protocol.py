@@ -63,6 +63,13 @@ def test_client_messages_parse() -> None:
     assert isinstance(parse_client_message('{"type": "stop"}'), StopMessage)
     ctx = parse_client_message('{"type": "context", "profile": {"timezone": "Asia/Tokyo"}}')
     assert isinstance(ctx, ContextMessage) and ctx.profile.model_dump(exclude_unset=True) == {"timezone": "Asia/Tokyo"}
+    sampled = parse_client_message('{"type":"start","sampling":{"text_temperature":0,"audio_topk":500}}')
+    assert sampled.sampling.model_dump() == {
+        "text_temperature": 0.0,
+        "text_topk": None,
+        "audio_temperature": None,
+        "audio_topk": 500,
+    }
     hooks = parse_client_message('{"type":"start","test":{"force_ret_at":[1.5],"spans":[{"at":2,"text":"Hi."}]}}')
     assert hooks.test.force_ret_at == [1.5] and hooks.test.spans[0].text == "Hi."
 
@@ -85,6 +92,11 @@ def test_client_messages_parse() -> None:
         ('{"type": "start", "profile": {"user_id": "../etc"}}', "invalid_message"),
         ('{"type": "start", "profile": {"user_id": "ada"}}', "invalid_message"),
         ('{"type": "start", "test": {"force_ret_at": [-1]}}', "invalid_message"),
+        ('{"type": "start", "sampling": {"text_temperature": 0.0001}}', "invalid_message"),
+        ('{"type": "start", "sampling": {"audio_temperature": 11}}', "invalid_message"),
+        ('{"type": "start", "sampling": {"audio_topk": 501}}', "invalid_message"),
+        ('{"type": "start", "sampling": {"text_topk": -1}}', "invalid_message"),
+        ('{"type": "start", "sampling": {"top_p": 0.9}}', "invalid_message"),
         ('{"type": "start", "text_prompt": "' + "x" * 5000 + '"}', "invalid_message"),
         ("[" * 100000 + "]" * 100000, "bad_json"),
         ("[" * 20000 + "]" * 20000, "bad_json"),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import websockets
 
@@ -295,5 +296,37 @@ async def test_a_cancel_error_comes_in_order_with_the_responses(serve) -> None:
         assert by_id["r2"]["message"].startswith(
             f"Conversation already has an active response in progress: {response_id}"
         )
+    finally:
+        await ws.close()
+
+
+@pytest.mark.timeout(300)
+async def test_temperature_is_the_sessions_audio_temperature(serve) -> None:
+    """``session.temperature`` (the beta field) samples this session's speech at that temperature: given before
+    the conversation starts it is read with the persona, after it applies from the next frame; out of range it is
+    named in an error and not applied. The text keeps the server's temperature."""
+    import base64
+
+    server = serve()
+    engine = server.hub.engine
+    ws, client = await connect(server)
+    try:
+        _, after = await update(client, "t1", {"temperature": 0.6})
+        assert errors(after) == []
+        _, after = await update(client, "t2", {"temperature": 20})
+        assert errors(after) == [("invalid_event", "session.temperature", "t2")]
+        audio = base64.b64encode(np.zeros(4800, dtype="<i2").tobytes()).decode()
+        await client.send({"type": "input_audio_buffer.append", "audio": audio})
+        (session,) = server.hub.sessions
+        for _ in range(1200):  # the persona is read on the engine thread
+            if session.state == "live":
+                break
+            await asyncio.sleep(0.05)
+        assert session.state == "live"
+        assert engine.sampling[session.slot].audio.temperature == 0.6
+        assert engine.sampling[session.slot].text == engine.text_params
+        _, after = await update(client, "t3", {"temperature": 1.1})
+        assert errors(after) == []
+        assert engine.sampling[session.slot].audio.temperature == 1.1
     finally:
         await ws.close()

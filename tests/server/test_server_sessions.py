@@ -149,3 +149,27 @@ async def test_health_info_page_and_static_files(serve) -> None:
         metrics = await http.get("/metrics")
         assert metrics.headers["content-type"].startswith("text/plain")
         assert "cspan_session_slots 1.0" in metrics.text
+
+
+@pytest.mark.timeout(300)
+async def test_start_sampling_is_the_sessions_own(serve) -> None:
+    """``start.sampling`` gives the session its own temperatures and top-k (``ready.sampling`` says what is in
+    effect, the server's defaults for what was not given); the engine row samples with them; bad values get
+    ``invalid_message`` naming the field."""
+    server = serve()
+    engine = server.hub.engine
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        bad = await client.start(sampling={"audio_topk": 501})
+        assert bad["type"] == "error" and bad["code"] == "invalid_message" and "audio_topk" in bad["message"]
+        ready = await client.start(sampling={"text_temperature": 0, "audio_topk": 7})
+        assert ready["type"] == "ready"
+        assert ready["sampling"] == {
+            "text_temperature": 0.0,
+            "text_topk": engine.text_params.top_k,
+            "audio_temperature": engine.audio_params.temperature,
+            "audio_topk": 7,
+        }
+        own = engine.sampling[ready["slot"]]
+        assert (own.text.temperature, own.audio.top_k) == (0.0, 7)
+        await client.stop()

@@ -39,6 +39,7 @@ _LAZY: dict[str, str] = {
     "undelay_tokens": "streams",
     "sample_token": "sampling",
     "SamplingParams": "sampling",
+    "SessionSampling": "sampling",
     "Checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "load_lm": "checkpoint",

@@ -50,6 +50,13 @@ DEFAULT_TEMP: float = 0.8
 DEFAULT_TOP_K: int = 250
 DEFAULT_TEMP_TEXT: float = 0.7
 DEFAULT_TOP_K_TEXT: int = 25
+MIN_TEMPERATURE: float = 1e-3
+"""Lowest positive sampling temperature (smaller ones overflow ``logits / temperature``); 0 means greedy."""
+MAX_TEMPERATURE: float = 10.0
+"""Highest sampling temperature accepted (beyond about 2 the output is noise already)."""
+MAX_TOP_K: int = 500
+"""Largest top-k a session may ask for below the vocabulary size (0, or the vocabulary size or more, keeps every
+token): the engine's batched sampler takes one top-k of this size per row and masks each row at its own k."""
 
 # --- Context Span ---------------------------------------------------------------------------------------------
 DEFAULT_MAX_SPAN_FRAMES: int = 600
@@ -66,6 +73,9 @@ __all__ = [
     "EPAD",
     "FRAME_RATE",
     "FRAME_SIZE",
+    "MAX_TEMPERATURE",
+    "MAX_TOP_K",
+    "MIN_TEMPERATURE",
     "NUM_CODEBOOKS",
     "PAD",
     "RET",

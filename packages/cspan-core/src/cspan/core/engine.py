@@ -52,7 +52,7 @@ from .errors import CheckpointError, SpanError
 from .graphs import GraphCache
 from .plan import resolve_plan
 from .prefix import PrefixReport, build_persona_prefix, prefix_block
-from .sampling import SamplingParams, sample_column
+from .sampling import SamplingParams, SessionSampling, sample_column
 from .sessions import EngineState, Sessions, StepBatch, build_step, fresh_seed, unpack
 from .span import ContextSpan, SpanReport, encode_span, span_report
 
@@ -120,8 +120,9 @@ class DuplexEngine:
             (token-level use: :meth:`step_tokens`, voice-only personas, spans from ids; give ``mimi=`` /
             ``tokenizer=`` to enable the rest). The engine runs on the LM's device and dtype; Mimi in float32.
         batch_size: B, the number of sessions.
-        temp, top_k: audio sampling (0.8 / 250); ``temp <= 0`` is greedy.
-        temp_text, top_k_text: text sampling (0.7 / 25); ``temp_text <= 0`` is greedy.
+        temp, top_k: audio sampling (0.8 / 250); ``temp <= 0`` is greedy; ``top_k`` 0 keeps all.
+        temp_text, top_k_text: text sampling (0.7 / 25); ``temp_text <= 0`` is greedy. These are every session's
+            defaults; :meth:`set_sampling` gives a session its own (a reset restores the defaults).
         max_span_frames: longest Context Span block (600 positions = 48 s of frames).
         seed: session i's sampling seed is ``seed + i``; None draws fresh seeds.
         mimi, tokenizer: used with a bare LM.
@@ -142,11 +143,13 @@ class DuplexEngine:
         lm, mimi, tokenizer, checkpoint: the models in use (``checkpoint`` None for a bare LM).
         plan: the :class:`cspan.core.plan.ExecutionPlan`; ``state``: the device state of all sessions
             (:class:`cspan.core.sessions.EngineState`: ``lm_state``, ``grid``); ``sessions``: the host record
-            (``positions``, ``started``, ``prefix_end``, ``seeds``, ``live``).
+            (``positions``, ``started``, ``prefix_end``, ``seeds``, ``sampling``, ``live``).
+        text_params, audio_params: the sessions' default sampling (:class:`cspan.core.sampling.SamplingParams`).
 
     Raises:
         CheckpointError: the model is not a duplex model (K must be 1 + 2 * C streams).
-        TypeError: ``checkpoint`` is neither a checkpoint nor an LM. ValueError: bad options.
+        TypeError: ``checkpoint`` is neither a checkpoint nor an LM. ValueError: bad options (sampling parameters:
+            :meth:`cspan.core.sampling.SamplingParams.check`).
     """
 
     def __init__(
@@ -200,14 +203,15 @@ class DuplexEngine:
         self.agent_placeholder = tuple(int(t) for t in agent_placeholder)
         self.user_placeholder = tuple(int(t) for t in user_placeholder)
         self.max_span_frames = int(max_span_frames)
-        self.text_params = SamplingParams.text(temp_text, top_k_text)
-        self.audio_params = SamplingParams.audio(temp, top_k)
+        self.text_params = SamplingParams.text(temp_text, top_k_text).check("text", lm.text_linear.out_features)
+        self.audio_params = SamplingParams.audio(temp, top_k).check("audio", lm.card)
         self.predict_user = bool(predict_user)
 
         self.plan = resolve_plan(lm, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, fused=fused)
         initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
         self.state = EngineState(lm, mimi, batch_size, self.plan, (lm.delays, initial, self.user_rows))
-        self.sessions = Sessions([fresh_seed() if seed is None else seed + i for i in range(batch_size)])
+        seeds = [fresh_seed() if seed is None else seed + i for i in range(batch_size)]
+        self.sessions = Sessions(seeds, SessionSampling(self.text_params, self.audio_params))
         self._library = None  # the library decode attention, where the plan chose it
         if self.plan.library_rows is not None:
             cfg = lm.cfg
@@ -222,13 +226,34 @@ class DuplexEngine:
 
     def reset(self, i: int, seed: int | None = None) -> None:
         """Start session ``i`` again at its next step: empty KV cache row, fresh grid row (position 0), fresh codec
-        states, and sampling seed ``seed`` (a fresh random seed when None; see ``seeds[i]``).
+        states, sampling seed ``seed`` (a fresh random seed when None; see ``seeds[i]``) and the engine's default
+        sampling parameters.
 
         Raises:
             IndexError: no such session.
         """
         self._check_session(i)
         self.sessions.reset([i], [seed])
+        self.sessions.set_sampling(i, SessionSampling(self.text_params, self.audio_params))
+
+    def set_sampling(self, i: int, text: SamplingParams | None = None, audio: SamplingParams | None = None) -> None:
+        """Sample session ``i``'s text and audio with these parameters from its next step on (None keeps that
+        kind's current ones; :meth:`reset` restores the engine's defaults). All sessions are sampled in the same
+        batched step, each row with its own temperature and top-k, so this costs nothing per step.
+
+        Raises:
+            IndexError: no such session. ValueError: a bad temperature or top-k
+                (:meth:`cspan.core.sampling.SamplingParams.check`; nothing is changed).
+        """
+        self._check_session(i)
+        self.sessions.set_sampling(i, self._checked_sampling(i, text, audio))
+
+    def _checked_sampling(self, i: int, text: SamplingParams | None, audio: SamplingParams | None) -> SessionSampling:
+        """Session ``i``'s current sampling with ``text`` / ``audio`` (where not None) checked and put in."""
+        current = self.sessions.sampling[i]
+        text = current.text if text is None else text.check("text", self.lm.text_linear.out_features)
+        audio = current.audio if audio is None else audio.check("audio", self.lm.card)
+        return SessionSampling(text, audio)
 
     def set_live(self, rows: Sequence[int] | int, live: bool = True) -> None:
         """Mark sessions live (stepped) or idle (not stepped: no compute, no KV reads; their outputs are invalid
@@ -247,6 +272,7 @@ class DuplexEngine:
         user_city: str | None = None,
         *,
         seed: int | None = None,
+        sampling: SessionSampling | None = None,
     ) -> PrefixReport:
         """Restart session ``i`` with a persona prefix (:mod:`cspan.core.prefix`, in the checkpoint's layout), read
         by its next step.
@@ -259,6 +285,7 @@ class DuplexEngine:
                 (:func:`cspan.core.voice.load_voice_prompt`), or None.
             user_name, user_city: appended to the prompt as "The user's name is X." / "The user is in Y.".
             seed: the session's new sampling seed (None keeps its current one).
+            sampling: the session's sampling parameters (None keeps its current ones; see :meth:`set_sampling`).
 
         Returns:
             :class:`PrefixReport` (``prefill_ms``: the host time of building the prefix). With neither voice nor
@@ -266,10 +293,12 @@ class DuplexEngine:
 
         Raises:
             IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name.
-            ValueError: voice codes not [8, N] or outside [0, card).
+            ValueError: voice codes not [8, N] or outside [0, card); bad sampling parameters.
         """
         self._check_session(i)
         t0 = time.perf_counter()
+        if sampling is not None:  # checked first, applied with the prefix: a failing call changes nothing
+            sampling = self._checked_sampling(i, sampling.text, sampling.audio)
         if isinstance(voice, (str, os.PathLike)):
             from .voice import load_voice_prompt
 
@@ -293,6 +322,8 @@ class DuplexEngine:
             user_placeholder=self.user_placeholder,
         )
         embeddings = None if prefix.embeddings is None else prefix.embeddings.to(self.dtype)
+        if sampling is not None:
+            self.sessions.set_sampling(i, sampling)
         P = self.set_prefix(i, prefix.frames, embeddings, seed=seed)
         return PrefixReport(
             session=i,
@@ -445,7 +476,9 @@ class DuplexEngine:
 
     def _prepare(self) -> StepBatch:
         """The head of a step: apply the live sessions' queued restarts and blocks to the device state, lay them out."""
-        rows, restarts, blocks = self.sessions.take()
+        rows, restarts, blocks, sampling = self.sessions.take()
+        if sampling:
+            self.state.set_sampling(sampling)
         for row, restart in restarts.items():
             self.state.restart(row, restart)
         for row, queued in blocks.items():
@@ -501,14 +534,15 @@ class DuplexEngine:
         hidden, text_logits = self.lm.temporal_step(tokens, state.lm, io.layout, self.plan, emb)
         forced_rows = None if forced is None else forced.index_select(0, rows.clamp_max(self.batch_size - 1))
         target = grid.target_column(forced_rows, rows)
+        text_sampling, audio_sampling = state.row_sampling(rows)
         column = sample_column(
             self.lm,
             hidden,
             text_logits,
             target,
             state.depformer(rows.shape[0]),
-            text=self.text_params,
-            audio=self.audio_params,
+            text=text_sampling,
+            audio=audio_sampling,
             seed=state.seed.index_select(0, rows),
             counter=position,
             plan=self.plan,
@@ -598,6 +632,11 @@ class DuplexEngine:
     @property
     def seeds(self) -> list[int]:
         return list(self.sessions.seeds)
+
+    @property
+    def sampling(self) -> list[SessionSampling]:
+        """Each session's sampling parameters (from its next step on)."""
+        return list(self.sessions.sampling)
 
     @property
     def live(self) -> list[bool]:

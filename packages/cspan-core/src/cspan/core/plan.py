@@ -40,6 +40,9 @@ class ExecutionPlan:
             ``kernels.GEMV_MAX_ROWS`` rows).
         pdl: programmatic dependent launch for every kernel (Hopper and later).
         cuda_graphs: replay the step (and the whole frame) from CUDA graphs keyed by static shapes.
+        buckets: lay every step out padded to the graph buckets (live rows padded with the scratch row, block
+            columns with padding columns): on with ``cuda_graphs``; on without them only to run a graph's exact
+            layout eagerly (tests: ``dataclasses.replace(engine.plan, buckets=True)``).
         kv_dtype: the KV cache's storage dtype (the model's, or ``torch.float8_e4m3fn``).
         decode_config: :func:`cspan.core.modules.fused.decode_attention`'s config for every batch size (tuning
             runs), or None for :data:`cspan.core.modules.fused.DECODE_CONFIGS`.
@@ -59,6 +62,7 @@ class ExecutionPlan:
     library_rows: int | None = None
     row_buckets: tuple[int, ...] = ROW_BUCKETS
     block_buckets: tuple[int, ...] = BLOCK_BUCKETS
+    buckets: bool = False
 
     @property
     def fp8(self) -> bool:
@@ -69,15 +73,15 @@ class ExecutionPlan:
         return self.library_rows is not None and rows >= self.library_rows
 
     def rows_bucket(self, rows: int) -> int:
-        """The padded row count of a step of ``rows`` live rows (``rows`` itself without graphs)."""
-        if not self.cuda_graphs:
+        """The padded row count of a step of ``rows`` live rows (``rows`` itself without buckets)."""
+        if not self.buckets:
             return rows
         return next((b for b in self.row_buckets if b >= rows), rows)
 
     def block_bucket(self, columns: int) -> int | None:
-        """The padded block column count of a step reading ``columns`` block columns (``columns`` without graphs),
-        or None when no graph serves it (the step runs eagerly)."""
-        if not self.cuda_graphs:
+        """The padded block column count of a step reading ``columns`` block columns (``columns`` without buckets),
+        or None when no graph serves it (the step runs eagerly, unpadded)."""
+        if not self.buckets:
             return columns
         if not self.fused and columns:  # the eager path lays blocks out on the host: graphed without blocks only
             return None
@@ -158,6 +162,7 @@ def resolve_plan(
         kv_dtype=kv,
         decode_config=settings.decode_config,
         library_rows=library_rows,
+        buckets=bool(cuda_graphs),
     )
 
 

@@ -18,13 +18,23 @@ Two forms of the noise:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .constants import DEFAULT_TEMP, DEFAULT_TEMP_TEXT, DEFAULT_TOP_K, DEFAULT_TOP_K_TEXT, UNGENERATED
+from .constants import (
+    DEFAULT_TEMP,
+    DEFAULT_TEMP_TEXT,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_K_TEXT,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_TEMPERATURE,
+    UNGENERATED,
+)
 from .modules import fused
 
 if TYPE_CHECKING:
@@ -76,7 +86,13 @@ def sample_token(
     return indices.gather(-1, choice[:, None])[:, 0]
 
 
-def sample_race(logits: torch.Tensor, temperature: float, top_k: int, noise: torch.Tensor | None) -> torch.Tensor:
+def sample_race(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_k: int | torch.Tensor,
+    noise: torch.Tensor | None,
+    max_top_k: int = MAX_TOP_K,
+) -> torch.Tensor:
     """Draw one token per row from given Exp(1) noise: ``argmax_{v in top-k} softmax(logits / T)_v / noise_v``.
 
     The rule of :func:`sample_token` with one noise entry per vocabulary entry (rather than per top-k rank), and
@@ -85,14 +101,26 @@ def sample_race(logits: torch.Tensor, temperature: float, top_k: int, noise: tor
 
     Args:
         logits: [B, V] in any float dtype (upcast to float32).
-        temperature: ``<= 0`` means greedy (argmax, first index on ties; ``noise`` unused).
-        top_k: keep the ``top_k`` largest (clamped to V); ``<= 0`` keeps all.
-        noise: [B, V] float32 Exp(1) draws (:func:`cspan.core.modules.fused.race_noise`), or None when greedy.
+        temperature: one for all rows, or [B] float32 per row; ``<= 0`` means greedy (argmax, first index on
+            ties; the row's noise unused).
+        top_k: keep the ``top_k`` largest; ``<= 0`` or ``>= V`` keeps all. One for all rows, or [B] long per row
+            (static shapes: one top-k of ``min(V, max_top_k)`` entries, each row masked at its own k; a row's k
+            above ``max_top_k`` counts as ``max_top_k``).
+        noise: [B, V] float32 Exp(1) draws (:func:`cspan.core.modules.fused.race_noise`); None only with a scalar
+            temperature ``<= 0``.
+        max_top_k: see ``top_k``.
 
     Returns:
         [B] long.
     """
     x = logits.float()
+    if isinstance(temperature, torch.Tensor) or isinstance(top_k, torch.Tensor):
+        rows = (x.shape[0],)
+        if not isinstance(temperature, torch.Tensor):
+            temperature = torch.full(rows, float(temperature), device=x.device)
+        if not isinstance(top_k, torch.Tensor):
+            top_k = torch.full(rows, int(top_k), dtype=torch.long, device=x.device)
+        return RowSampling(temperature, top_k).race(x, noise, max_top_k)
     if temperature <= 0:
         return x.argmax(dim=-1)
     assert noise is not None, "sample_race needs noise when the temperature is > 0"
@@ -109,6 +137,12 @@ class SamplingParams:
     """Temperature and top-k of one stream kind (text, or audio codebooks).
 
     Defaults: text 0.7 / 25 (:meth:`text`), audio 0.8 / 250 (:meth:`audio`), as upstream ``LMGen``.
+
+    Attributes:
+        temperature: 0 (or below) is greedy; the engine's sessions (:meth:`check`) take 0 or
+            :data:`~cspan.core.constants.MIN_TEMPERATURE` .. :data:`~cspan.core.constants.MAX_TEMPERATURE`.
+        top_k: keep the ``top_k`` most probable tokens; 0 (or below), or the vocabulary size or more, keeps all.
+            The engine's sessions take 0 .. :data:`~cspan.core.constants.MAX_TOP_K`, or the vocabulary size or more.
     """
 
     temperature: float
@@ -126,9 +160,86 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    def check(self, what: str, vocab: int | None = None) -> SamplingParams:
+        """These parameters with a temperature of 0 for a negative one, if a session of the engine can use them.
+
+        Args:
+            what: the name in error messages ("text", "audio").
+            vocab: the stream's vocabulary size (a top-k at or above it keeps all), or None.
+
+        Raises:
+            ValueError: a temperature that is not a number, infinite, between 0 and MIN_TEMPERATURE or above
+                MAX_TEMPERATURE; a top-k that is not an integer, or above MAX_TOP_K and below the vocabulary.
+        """
+        t, k = self.temperature, self.top_k
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t > MAX_TEMPERATURE:
+            raise ValueError(f"{what} temperature {t!r}: give 0 (greedy) or {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(
+                f"{what} temperature {t!r}: use 0 for greedy decoding or a temperature of at least {MIN_TEMPERATURE:g}"
+            )
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ValueError(f"{what} top_k {k!r}: give an integer (0 keeps every token)")
+        if k > MAX_TOP_K and (vocab is None or k < vocab):
+            raise ValueError(
+                f"{what} top_k {k}: at most {MAX_TOP_K} (the engine's batched top-k), or 0 to keep every token"
+            )
+        return SamplingParams(max(0.0, float(t)), max(0, k))
+
     def sample(self, logits: torch.Tensor, generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
         """:func:`sample_token` with these parameters: logits [B, V] -> [B] long."""
         return sample_token(logits, self.temperature, self.top_k, generators)
+
+
+@dataclass(frozen=True)
+class SessionSampling:
+    """One session's sampling: text and audio :class:`SamplingParams` (defaults: upstream ``LMGen``'s)."""
+
+    text: SamplingParams = field(default_factory=SamplingParams.text)
+    audio: SamplingParams = field(default_factory=SamplingParams.audio)
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling parameters of one stream kind, on the device (the duplex engine's step).
+
+    Attributes:
+        temperature: [b] float32 (``<= 0``: greedy).
+        top_k: [b] long (``<= 0`` or ``>= V``: all).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    _rules: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+
+    def _rule(self, vocab: int, top: int) -> tuple[torch.Tensor, ...]:
+        """(greedy [b], divisor [b, 1], index of the k-th largest among the top ``top`` [b, 1], keeps all [b, 1]):
+        computed once per vocabulary size, shared by the calls of a step (the depformer's codebooks)."""
+        key = (vocab, top)
+        if key not in self._rules:
+            greedy = self.temperature <= 0
+            k = self.top_k.to(torch.long)[:, None]
+            self._rules[key] = (
+                greedy,
+                torch.where(greedy, 1.0, self.temperature.float())[:, None],
+                (k - 1).clamp(0, top - 1),
+                (k <= 0) | (k >= vocab),
+            )
+        return self._rules[key]
+
+    def race(self, logits: torch.Tensor, noise: torch.Tensor | None, max_top_k: int = MAX_TOP_K) -> torch.Tensor:
+        """:func:`sample_race` with each row's own parameters: logits [b, V] -> [b] long (static shapes: one top-k
+        of ``min(V, max_top_k)`` entries, each row masked at its own k; a greedy row takes its argmax)."""
+        assert noise is not None, "a per-row race needs noise (greedy rows ignore theirs)"
+        x = logits.float()
+        V = x.shape[-1]
+        top = min(V, max_top_k)
+        greedy, divisor, index, keep_all = self._rule(V, top)
+        s = x / divisor
+        weight = torch.exp(s - s.max(dim=-1, keepdim=True).values) / noise
+        kth = torch.topk(s, top, dim=-1).values.gather(1, index).masked_fill_(keep_all, float("-inf"))
+        choice = torch.where(s >= kth, weight, -1.0).argmax(dim=-1)
+        return torch.where(greedy, x.argmax(dim=-1), choice)
 
 
 @torch.no_grad()
@@ -139,8 +250,8 @@ def sample_column(
     target: torch.Tensor,
     dep_state: Any,
     *,
-    text: SamplingParams,
-    audio: SamplingParams,
+    text: RowSampling,
+    audio: RowSampling,
     seed: torch.Tensor,
     counter: torch.Tensor,
     plan: ExecutionPlan,
@@ -153,7 +264,8 @@ def sample_column(
     of the order: kyutai-labs/moshi ``LMGen._step`` (text first, then ``depformer_step`` over codebooks
     0..dep_q-1, each conditioned on the previous one). The noise of row b is the counter-based noise of
     ``(seed[b], counter[b])`` (module docstring); on the fused path each audio codebook is sampled, forced and
-    stored by one kernel.
+    stored by one kernel. Each row samples with its own temperature and top-k (its session's); a greedy row
+    ignores its noise.
 
     Args:
         lm: the :class:`cspan.core.lm.LMModel` (``depformer_logits``, ``dep_q``).
@@ -161,7 +273,7 @@ def sample_column(
         text_logits: [B, text_card] text logits of that position.
         target: [B, K] long, the known entries of the target column (-2 = sample).
         dep_state: a depformer state for B rows (``lm.new_depformer_state(B)``); reset here.
-        text, audio: sampling parameters.
+        text, audio: each row's sampling parameters ([B] tensors).
         seed, counter: [B] long, each row's session seed and frame counter.
         plan: the engine's kernel choices.
         depformer_steps: run only the first ``depformer_steps`` codebooks (default all dep_q). The depformer is
@@ -179,14 +291,12 @@ def sample_column(
         skipped = column[:, 1 + steps : 1 + lm.dep_q]
         skipped.masked_fill_(skipped == UNGENERATED, -1)
 
-    def noise(stream: int, vocab: int, params: SamplingParams) -> torch.Tensor | None:
-        if params.greedy:
-            return None
+    def noise(stream: int, vocab: int) -> torch.Tensor:
         if plan.fused:
             return fused.race_noise_fused(seed, counter, stream, vocab, plan.pdl)
         return fused.race_noise(seed, counter, stream, vocab)
 
-    token = sample_race(text_logits, text.temperature, text.top_k, noise(0, text_logits.shape[-1], text))
+    token = text.race(text_logits, noise(0, text_logits.shape[-1]))
     token = torch.where(known[:, 0], target[:, 0], token)
     column[:, 0] = token
     dep_state.reset()
@@ -200,7 +310,7 @@ def sample_column(
                 plan.pdl,
             )  # fmt: skip
             continue
-        token = sample_race(logits, audio.temperature, audio.top_k, noise(1 + k, logits.shape[-1], audio))
+        token = audio.race(logits, noise(1 + k, logits.shape[-1]))
         token = torch.where(known[:, 1 + k], target[:, 1 + k], token)
         column[:, 1 + k] = token
     return column
@@ -216,4 +326,12 @@ def make_generator(device: torch.device | str, seed: int | None = None) -> torch
     return gen
 
 
-__all__ = ["SamplingParams", "make_generator", "sample_column", "sample_race", "sample_token"]
+__all__ = [
+    "RowSampling",
+    "SamplingParams",
+    "SessionSampling",
+    "make_generator",
+    "sample_column",
+    "sample_race",
+    "sample_token",
+]

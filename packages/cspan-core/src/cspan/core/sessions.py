@@ -2,11 +2,12 @@
 host-built layout of one step.
 
 - :class:`EngineState` holds every device tensor of all B sessions: the temporal KV cache, the token grid, the
-  sampling seeds and the Mimi codec states (row B of the cache, grid and seeds is a scratch row that the padding
-  rows of a CUDA-graph bucket compute on).
+  sampling seeds and parameters and the Mimi codec states (row B of the cache, grid, seeds and parameters is a
+  scratch row that the padding rows of a CUDA-graph bucket compute on).
 - :class:`Sessions` holds what the host knows of each session (pending position, whether it started, its prefix
-  end, seed, whether it is live) and what is queued for its next step (a restart with an optional persona prefix,
-  Context Span blocks). Queueing is host-only, so a server may call it between steps from any thread.
+  end, seed, sampling parameters, whether it is live) and what is queued for its next step (a restart with an
+  optional persona prefix, Context Span blocks, new sampling parameters). Queueing is host-only, so a server may
+  call it between steps from any thread.
 - :class:`StepBatch` is one step's host-built inputs: the live rows, their queued block columns and the ragged
   layout of those columns, packed into one integer tensor that the step (graphed or eager) unpacks on the device
   (:func:`unpack`).
@@ -26,6 +27,7 @@ from .modules import fused
 from .modules.transformer import StepLayout
 from .plan import ExecutionPlan
 from .prefix import PrefixBlock
+from .sampling import RowSampling, SessionSampling
 from .span import Block
 from .streams import TokenGrid
 
@@ -51,20 +53,24 @@ class Sessions:
         started: a persona or a step since its reset (a Context Span needs a running stream).
         prefix_end: the last position of its persona prefix, or None.
         seeds: its sampling seed.
+        sampling: its sampling parameters (:class:`cspan.core.sampling.SessionSampling`).
         live: stepped by the engine (idle rows cost nothing and keep their queue; see ``DuplexEngine.set_live``).
         restarts: row -> :class:`Restart` applied at the head of its next step.
         blocks: row -> queued Context Span blocks, read by its next step in order.
         after_prefix: row -> blocks queued behind a persona prefix not read yet: they are read by the step after
             the prefix's, so that they follow the whole prefix (as they would once it has been read).
+        sampling_changed: rows whose sampling parameters the device state does not have yet.
     """
 
-    def __init__(self, seeds: Sequence[int]) -> None:
+    def __init__(self, seeds: Sequence[int], sampling: SessionSampling) -> None:
         B = len(seeds)
         self.batch_size = B
         self.position = [0] * B
         self.started = [False] * B
         self.prefix_end: list[int | None] = [None] * B
         self.seeds = [int(s) for s in seeds]
+        self.sampling = [sampling] * B
+        self.sampling_changed = set(range(B))
         self.live = [True] * B
         self.restarts: dict[int, Restart] = {i: Restart(self.seeds[i]) for i in range(B)}
         self.blocks: dict[int, list[Block]] = {}
@@ -83,6 +89,12 @@ class Sessions:
                 self.prefix_end[row] = None if prefix is None else prefix.pending
                 self.started[row] = prefix is not None
 
+    def set_sampling(self, row: int, sampling: SessionSampling) -> None:
+        """Sample ``row`` with ``sampling`` from its next step on."""
+        with self.lock:
+            self.sampling[row] = sampling
+            self.sampling_changed.add(row)
+
     def queue(self, row: int, block: Block) -> int:
         """Queue a block for ``row``; returns its first position."""
         with self.lock:
@@ -97,13 +109,16 @@ class Sessions:
             self.position[row] += block.n
             return first
 
-    def take(self) -> tuple[list[int], dict[int, Restart], dict[int, list[Block]]]:
-        """The head of a step: (live rows, their queued restarts, their queued blocks), emptied."""
+    def take(self) -> tuple[list[int], dict[int, Restart], dict[int, list[Block]], dict[int, SessionSampling]]:
+        """The head of a step: (live rows, their queued restarts, their queued blocks, new sampling parameters of
+        any row), emptied."""
         with self.lock:
             rows = [i for i in range(self.batch_size) if self.live[i]]
             restarts = {i: self.restarts.pop(i) for i in rows if i in self.restarts}
             blocks = {i: self.blocks.pop(i) for i in rows if i in self.blocks}
-            return rows, restarts, blocks
+            sampling = {i: self.sampling[i] for i in sorted(self.sampling_changed)}
+            self.sampling_changed.clear()
+            return rows, restarts, blocks, sampling
 
     def advance(self, rows: Sequence[int]) -> None:
         """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now."""
@@ -130,6 +145,8 @@ class EngineState:
         lm: the temporal KV cache (:class:`cspan.core.lm.LMState`), B + 1 rows.
         grid: the :class:`cspan.core.streams.TokenGrid`, B + 1 rows.
         seed: [B + 1] long, each session's sampling seed.
+        text_temp, audio_temp: [B + 1] float32, each session's sampling temperatures (0: greedy).
+        text_top_k, audio_top_k: [B + 1] long, each session's top-k (0: all).
         encoder, decoder: the Mimi streaming states (B rows), or None.
     """
 
@@ -143,6 +160,10 @@ class EngineState:
         self.lm = lm.new_state(B + 1, kv_dtype=plan.kv_dtype)
         self.grid = TokenGrid(grid[0], grid[1], grid[2], B + 1, lm.device)
         self.seed = torch.zeros(B + 1, dtype=torch.long, device=lm.device)
+        self.text_temp = torch.zeros(B + 1, dtype=torch.float32, device=lm.device)
+        self.audio_temp = torch.zeros(B + 1, dtype=torch.float32, device=lm.device)
+        self.text_top_k = torch.zeros(B + 1, dtype=torch.long, device=lm.device)
+        self.audio_top_k = torch.zeros(B + 1, dtype=torch.long, device=lm.device)
         self.encoder = mimi.new_encoder_state(B) if mimi is not None else None
         self.decoder = mimi.new_decoder_state(B) if mimi is not None else None
         self._depformer: dict[int, Any] = {}
@@ -152,6 +173,25 @@ class EngineState:
         if rows not in self._depformer:
             self._depformer[rows] = self._lm_model.new_depformer_state(rows)
         return self._depformer[rows]
+
+    def set_sampling(self, sampling: dict[int, SessionSampling]) -> None:
+        """Write the sampling parameters of some rows (device work, between steps; one copy per tensor)."""
+        rows = torch.tensor(list(sampling), dtype=torch.long, device=self.seed.device)
+        values = list(sampling.values())
+        for tensor, column in (
+            (self.text_temp, [p.text.temperature for p in values]),
+            (self.audio_temp, [p.audio.temperature for p in values]),
+            (self.text_top_k, [p.text.top_k for p in values]),
+            (self.audio_top_k, [p.audio.top_k for p in values]),
+        ):
+            tensor.index_copy_(0, rows, torch.tensor(column, dtype=tensor.dtype).to(tensor.device))
+
+    def row_sampling(self, rows: torch.Tensor) -> tuple[RowSampling, RowSampling]:
+        """(text, audio) sampling parameters of ``rows`` [b] (device ops only)."""
+        return (
+            RowSampling(self.text_temp.index_select(0, rows), self.text_top_k.index_select(0, rows)),
+            RowSampling(self.audio_temp.index_select(0, rows), self.audio_top_k.index_select(0, rows)),
+        )
 
     def restart(self, row: int, restart: Restart) -> None:
         """Apply a queued restart to ``row`` (device work, between steps)."""
@@ -248,14 +288,14 @@ def build_step(
             start += n
     N_real = start
     bucket = plan.block_bucket(N_real)
-    graphed = plan.cuda_graphs and bucket is not None  # padded to the graph buckets
-    N = bucket if graphed else N_real
-    b = plan.rows_bucket(b_live) if graphed else b_live
-    block_m = 0 if N == 0 else fused.block_m_for(N if graphed else max(lens))
-    # query blocks of the prefill grid: enough for any lengths that fit a graphed bucket, else exactly these
-    Q = 0 if N == 0 else -(-N // block_m) + b if graphed else sum(-(-n // block_m) for _, _, n in row_blocks)
+    padded = plan.buckets and bucket is not None  # padded to the graph buckets
+    N = bucket if padded else N_real
+    b = plan.rows_bucket(b_live) if padded else b_live
+    block_m = 0 if N == 0 else fused.block_m_for(N if padded else max(lens))
+    # query blocks of the prefill grid: enough for any lengths that fit a padded bucket, else exactly these
+    Q = 0 if N == 0 else -(-N // block_m) + b if padded else sum(-(-n // block_m) for _, _, n in row_blocks)
     has_emb = any(blk.embeddings is not None for blk in parts)
-    in_order = not graphed and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
+    in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
     library = plan.library_decode(b)
     shape = StepShape(b, N, block_m, Q, has_emb, library, tuple(row_blocks), b_live if in_order else 0)
 

@@ -106,13 +106,20 @@ class EngineThread:
         slot: int,
         *,
         seed: int,
+        sampling: Any = None,
         text_prompt: str | None,
         voice_codes: Any,
         user_name: str | None,
         user_city: str | None,
     ) -> Any:
-        """Reset row ``slot`` with ``seed`` and read its persona prefix; the engine's ``PrefixReport``."""
-        return await self._call(self._prepare, slot, seed, text_prompt, voice_codes, user_name, user_city)
+        """Reset row ``slot`` with ``seed`` and ``sampling`` (a :class:`cspan.core.sampling.SessionSampling`, None:
+        the engine's defaults) and read its persona prefix; the engine's ``PrefixReport``."""
+        return await self._call(self._prepare, slot, seed, sampling, text_prompt, voice_codes, user_name, user_city)
+
+    async def set_sampling(self, slot: int, sampling: Any) -> None:
+        """Sample row ``slot`` with ``sampling`` (a :class:`cspan.core.sampling.SessionSampling`) from the engine's
+        next step on (after any prepare queued before)."""
+        await self._call(self.engine.set_sampling, slot, sampling.text, sampling.audio)
 
     async def frame(self, pcm: np.ndarray, spans: list[QueuedSpan], live: list[bool] | None = None) -> FrameResult:
         """Read ``spans`` into their rows, then one batched step of ``pcm`` [B, 1920] float32 over the ``live`` rows
@@ -126,7 +133,14 @@ class EngineThread:
     # -- on the engine thread ---------------------------------------------------------------------------------------
 
     def _prepare(
-        self, slot: int, seed: int, text_prompt: str | None, voice_codes: Any, name: str | None, city: str | None
+        self,
+        slot: int,
+        seed: int,
+        sampling: Any,
+        text_prompt: str | None,
+        voice_codes: Any,
+        name: str | None,
+        city: str | None,
     ) -> Any:
         import torch
 
@@ -134,7 +148,9 @@ class EngineThread:
         engine.reset(slot, seed=seed)
         if isinstance(voice_codes, torch.Tensor):
             voice_codes = voice_codes.to(engine.device)
-        return engine.set_persona(slot, text_prompt or None, voice_codes, user_name=name, user_city=city)
+        return engine.set_persona(
+            slot, text_prompt or None, voice_codes, user_name=name, user_city=city, sampling=sampling
+        )
 
     def _frame(self, pcm: np.ndarray, spans: list[QueuedSpan], live: list[bool] | None) -> FrameResult:
         import torch

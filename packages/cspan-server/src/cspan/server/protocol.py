@@ -42,6 +42,8 @@ from cspan.server.session import (
     PersonaInfo,
     ProfileFields,
     ProfileInfo,
+    SamplingInfo,
+    SamplingOptions,
     SessionStats,
     brief,
 )
@@ -126,6 +128,11 @@ class StartMessage(_ClientModel):
         max_length=8,
         description="audio codecs the client can use both ways, preferred first: 'opus' (Ogg/Opus), 'pcm'; the "
         "server picks the first it has (unknown names are skipped; none known: pcm) and says which in ready.codec",
+    )
+    sampling: SamplingOptions | None = Field(
+        default=None,
+        description="this session's sampling: text_temperature, text_topk, audio_temperature, audio_topk (each "
+        "omitted: the server's default; temperature 0 = greedy, else 0.001 to 10; top-k 0 = every token, up to 500)",
     )
     test: StartHooks | None = None
 
@@ -258,6 +265,7 @@ class ReadyMessage(_ServerModel):
     seed: int
     persona: PersonaInfo
     profile: ProfileInfo
+    sampling: SamplingInfo = Field(description="the sampling parameters the session runs with")
 
 
 class BusyMessage(_ServerModel):

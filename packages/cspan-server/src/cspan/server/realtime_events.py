@@ -190,6 +190,7 @@ class SessionConfig(_In):
     tool_choice: str | dict[str, Any] | None = None
     input_audio_transcription: dict[str, Any] | None = None
     turn_detection: dict[str, Any] | None = None
+    temperature: float | None = None
     cspan: CspanOptions | None = None
 
 

@@ -87,6 +87,7 @@ from cspan.core.constants import FRAME_RATE, FRAME_SIZE
 from cspan.core.errors import ProtocolError
 from cspan.core.events import ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
 from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
+from cspan.server.settings_common import Temperature, TopK
 
 if TYPE_CHECKING:
     from cspan.backends.identity import Principal
@@ -190,6 +191,7 @@ class StartRequest:
         text_prompt: the persona; None: the server's default; "": none.
         profile: the user's profile fields.
         seed: the session's sampling seed (None: the server's next seed).
+        sampling: the session's sampling temperatures and top-k (each None: the server's default).
         force_ret_at, spans: test hooks (seconds on the session's timeline): forced ``<ret>``, and
             ``(seconds, text)`` Context Spans injected without a backend. Refused unless the server has test hooks.
         test: the client used its protocol's test hooks (refused unless the server has them).
@@ -202,6 +204,7 @@ class StartRequest:
     text_prompt: str | None = None
     profile: ProfileFields = field(default_factory=ProfileFields)
     seed: int | None = None
+    sampling: SamplingOptions = field(default_factory=lambda: SamplingOptions())
     force_ret_at: list[float] = field(default_factory=list)
     spans: list[tuple[float, str]] = field(default_factory=list)
     test: bool = False
@@ -217,6 +220,38 @@ class StartRequest:
 
 class _Data(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class SamplingOptions(BaseModel):
+    """A client's sampling parameters for its session (PersonaPlex's names; each None: the server's default).
+    Temperatures: 0 (greedy) or 0.001 to 10; top-k: 0 (every token) to ``cspan.core.constants.MAX_TOP_K``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text_temperature: Temperature | None = None
+    text_topk: TopK | None = None
+    audio_temperature: Temperature | None = None
+    audio_topk: TopK | None = None
+
+
+class SamplingInfo(_Data):
+    """The sampling parameters a session runs with (its own, or the server's defaults)."""
+
+    text_temperature: float
+    text_topk: int
+    audio_temperature: float
+    audio_topk: int
+
+    @classmethod
+    def of(cls, sampling: Any) -> SamplingInfo:
+        """From a :class:`cspan.core.sampling.SessionSampling`."""
+        text, audio = sampling.text, sampling.audio
+        return cls(
+            text_temperature=text.temperature,
+            text_topk=text.top_k,
+            audio_temperature=audio.temperature,
+            audio_topk=audio.top_k,
+        )
 
 
 class PersonaInfo(_Data):
@@ -264,6 +299,7 @@ class Ready:
     idle_timeout_s: float
     persona: PersonaInfo
     profile: ProfileInfo
+    sampling: SamplingInfo
 
 
 @dataclass(frozen=True)
@@ -347,6 +383,7 @@ class _Start:
     voice_codes: Any
     text_prompt: str
     seed: int
+    sampling: Any  # cspan.core.sampling.SessionSampling
     vad: Any = None
 
 
@@ -531,6 +568,7 @@ class Session:
             ) from None
         self.profile_fields = request.profile
         seed = request.seed if request.seed is not None else hub.next_seed()
+        sampling = hub.sampling(request.sampling)
         if hub.draining or hub.reserve(self) is None:
             hub.metrics.sessions_busy.labels(self.protocol).inc()
             message = (
@@ -545,7 +583,7 @@ class Session:
             return
         self.state = "starting"
         self.last_audio = time.monotonic()
-        start = _Start(request, voice_name, voice_codes, prompt, seed)
+        start = _Start(request, voice_name, voice_codes, prompt, seed, sampling)
         try:
             start.vad = await asyncio.to_thread(hub.make_vad)
         except Exception as exc:
@@ -570,6 +608,23 @@ class Session:
         if self.conversation is not None:
             self.conversation.retriever = self.hub.retriever_for(self, tools)
             self.conversation.config.span_deadline_s = self.hub.span_deadline_s(tools)
+
+    async def set_sampling(self, options: SamplingOptions) -> SamplingInfo:
+        """Change the given sampling parameters of this started session, from the engine's next step on (before
+        ``start``, give them in :class:`StartRequest`). Returns the parameters now in effect.
+
+        Raises:
+            ClientError: ``not_started`` before the start was accepted; ``invalid_message`` for values the engine
+                refuses.
+        """
+        start = self._start
+        if start is None or self.slot is None or self.state not in ("starting", "live", "stopping"):
+            raise ClientError(
+                "not_started", f"sampling change while the session is {self.state}; give it with the start"
+            )
+        start.sampling = self.hub.sampling(options, start.sampling)
+        await self.hub.engine_thread.set_sampling(self.slot, start.sampling)
+        return SamplingInfo.of(start.sampling)
 
     def update_profile(self, fields: ProfileFields) -> None:
         """Replace the given profile fields; the router and the Context DB see them from the next retrieval on.
@@ -778,6 +833,34 @@ class SessionHub:
     def voice_names(self) -> list[str]:
         return sorted(self.voice_files)
 
+    def sampling(self, options: SamplingOptions, base: Any = None) -> Any:
+        """The :class:`cspan.core.sampling.SessionSampling` of ``options`` over ``base`` (default: the engine's
+        defaults, from ``--temp`` / ``--temp-text``).
+
+        Raises:
+            ClientError: ``invalid_message`` for values the engine refuses.
+        """
+        from cspan.core.sampling import SamplingParams, SessionSampling
+
+        engine = self.engine
+        if base is None:
+            base = SessionSampling(engine.text_params, engine.audio_params)
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        o = options
+        try:
+            text = SamplingParams(
+                pick(o.text_temperature, base.text.temperature), pick(o.text_topk, base.text.top_k)
+            ).check("text", engine.lm.text_linear.out_features)
+            audio = SamplingParams(
+                pick(o.audio_temperature, base.audio.temperature), pick(o.audio_topk, base.audio.top_k)
+            ).check("audio", engine.lm.card)
+        except ValueError as exc:
+            raise ClientError("invalid_message", str(exc)) from None
+        return SessionSampling(text, audio)
+
     def voice(self, requested: str | None) -> tuple[str | None, Any]:
         """``(name, codes [8, P])`` of a requested voice (None: the default, "": none). Raises KeyError."""
         name = self.default_voice if requested is None else requested
@@ -961,6 +1044,7 @@ class SessionHub:
             report = await self.engine_thread.prepare(
                 slot,
                 seed=req.seed,
+                sampling=req.sampling,
                 text_prompt=req.text_prompt,
                 voice_codes=req.voice_codes,
                 user_name=profile.name or None,
@@ -1043,6 +1127,7 @@ class SessionHub:
                     lat=profile.lat,
                     lon=profile.lon,
                 ),
+                sampling=SamplingInfo.of(req.sampling),
             )
         )
 

@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec, ToolsSpec, parse_mcp, parse_tools
+from cspan.core.constants import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE
 from cspan.core.settings import SETTINGS_CONFIG
 
 DEFAULT_PERSONA = (
@@ -34,10 +35,6 @@ DEFAULT_PERSONA = (
 
 MAX_TEXT_PROMPT_CHARS = 4000
 """Longest persona text prompt accepted (characters); whether it fits the model's window is checked on its frames."""
-MAX_TEMPERATURE = 10.0
-"""Highest sampling temperature accepted (beyond about 2 the output is noise already)."""
-MIN_TEMPERATURE = 1e-3
-"""Lowest positive sampling temperature (smaller ones overflow ``logits / temperature``); 0 means greedy."""
 MAX_SEED = 2**63 - 1
 """Seeds are 0 .. 2**63 - 1 (a non-negative int64, what ``torch.Generator.manual_seed`` keeps)."""
 MAX_WINDOW_S = 60.0
@@ -76,6 +73,8 @@ Utf8Text = Annotated[str, BeforeValidator(utf8_text)]
 """A text setting: any string that is valid UTF-8."""
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False), AfterValidator(_temperature)]
 """A sampling temperature: 0 (greedy) or MIN_TEMPERATURE .. MAX_TEMPERATURE."""
+TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
+"""A sampling top-k: 0 (every token) to MAX_TOP_K."""
 
 
 def check_http_url(value: str) -> str:

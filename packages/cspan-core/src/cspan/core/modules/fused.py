@@ -766,6 +766,8 @@ if HAVE_TRITON:
     @triton.jit
     def _sample_kernel(
         logits_ptr,
+        temp_ptr,
+        top_k_ptr,
         seed_ptr,
         counter_ptr,
         target_ptr,
@@ -774,10 +776,7 @@ if HAVE_TRITON:
         stride_l,
         stride_t,
         stride_o,
-        temperature,
-        top_k,
         stream,
-        GREEDY: tl.constexpr,
         KEY16: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
@@ -789,33 +788,34 @@ if HAVE_TRITON:
         mask = i < V
         raw = tl.load(logits_ptr + b * stride_l + i, mask=mask, other=float("-inf"))
         x = raw.to(tl.float32)
-        if GREEDY:
-            choice = tl.argmax(x, axis=0)
+        temperature = tl.load(temp_ptr + b)
+        greedy = temperature <= 0.0
+        top_k = tl.load(top_k_ptr + b).to(tl.int32)
+        top_k = tl.where((top_k <= 0) | (top_k >= V), V, top_k)
+        s = x / tl.where(greedy, 1.0, temperature)
+        # order-preserving integer key of each float, then the k-th largest key by bisection. Dividing by the
+        # temperature keeps the order of 16-bit logits strictly (8 or 11 significant bits become 24), so their
+        # own bit patterns serve as keys: 16 halvings instead of 32.
+        if KEY16:
+            bits = raw.to(tl.int16, bitcast=True).to(tl.int64)
+            key = tl.where(bits < 0, -1 - (bits + 32768), bits)
+            lo = tl.full((), -32768, tl.int64)
+            hi = tl.full((), 32768, tl.int64)
         else:
-            s = x / temperature
-            # order-preserving integer key of each float, then the k-th largest key by bisection. Dividing by the
-            # temperature keeps the order of 16-bit logits strictly (8 or 11 significant bits become 24), so their
-            # own bit patterns serve as keys: 16 halvings instead of 32.
-            if KEY16:
-                bits = raw.to(tl.int16, bitcast=True).to(tl.int64)
-                key = tl.where(bits < 0, -1 - (bits + 32768), bits)
-                lo = tl.full((), -32768, tl.int64)
-                hi = tl.full((), 32768, tl.int64)
-            else:
-                bits = s.to(tl.int32, bitcast=True).to(tl.int64)
-                key = tl.where(bits < 0, -1 - (bits + 2147483648), bits)
-                lo = tl.full((), -2147483648, tl.int64)
-                hi = tl.full((), 2147483648, tl.int64)
-            key = tl.where(mask, key, -(1 << 40))
-            for _ in tl.static_range(16 if KEY16 else 32):
-                mid = (lo + hi) >> 1
-                enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= top_k
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid)
-            in_top = mask & (key >= lo)
-            p = tl.exp(s - tl.max(s, axis=0))
-            q = _race_noise_tl(tl.load(seed_ptr + b), tl.load(counter_ptr + b), stream, i.to(tl.int64))
-            choice = tl.argmax(tl.where(in_top, p / q, -1.0), axis=0)
+            bits = s.to(tl.int32, bitcast=True).to(tl.int64)
+            key = tl.where(bits < 0, -1 - (bits + 2147483648), bits)
+            lo = tl.full((), -2147483648, tl.int64)
+            hi = tl.full((), 2147483648, tl.int64)
+        key = tl.where(mask, key, -(1 << 40))
+        for _ in tl.static_range(16 if KEY16 else 32):
+            mid = (lo + hi) >> 1
+            enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= top_k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        in_top = mask & (key >= lo)
+        p = tl.exp(s - tl.max(s, axis=0))
+        q = _race_noise_tl(tl.load(seed_ptr + b), tl.load(counter_ptr + b), stream, i.to(tl.int64))
+        choice = tl.where(greedy, tl.argmax(x, axis=0), tl.argmax(tl.where(in_top, p / q, -1.0), axis=0))
         known = tl.load(target_ptr + b * stride_t)
         token = tl.where(known != -2, known, choice.to(tl.int64))
         tl.store(out_ptr + b * stride_o, token)
@@ -1236,8 +1236,8 @@ def race_noise_fused(
 
 def sample_top_k(
     logits: torch.Tensor,
-    temperature: float,
-    top_k: int,
+    temperature: float | torch.Tensor,
+    top_k: int | torch.Tensor,
     seed: torch.Tensor,
     counter: torch.Tensor,
     stream: int,
@@ -1250,11 +1250,13 @@ def sample_top_k(
     The rule of :func:`cspan.core.sampling.sample_race` (kyutai-labs/moshi ``sample_token``: ``argmax_{i in top-k}
     softmax(logits / T)_i / q_i`` with ``q_i ~ Exp(1)``, a draw from the top-k distribution; logits tied with the
     k-th largest all stay in the race); greedy (``temperature <= 0``) is the first argmax. The noise ``q`` is
-    :func:`race_noise` of (seed, counter, stream), computed in the kernel.
+    :func:`race_noise` of (seed, counter, stream), computed in the kernel. Each row reads its own temperature and
+    top-k (the k-th largest found by bisection over the row, so any k costs the same).
 
     Args:
         logits: [B, V] (V <= :data:`SAMPLE_MAX_VOCAB`).
-        temperature, top_k: top_k <= 0 or >= V keeps all.
+        temperature: [B] float32 per row, or one for all rows; ``<= 0``: greedy.
+        top_k: [B] long per row, or one for all rows; ``<= 0`` or ``>= V`` keeps all.
         seed, counter: [B] long, each row's session seed and frame counter.
         stream: the noise stream (1 + k for depformer codebook k).
         known: [B] long, the token to keep where it is not -2 (forced entries), any stride.
@@ -1262,13 +1264,15 @@ def sample_top_k(
         pdl: launch with PDL (None: :func:`pdl_enabled`).
     """
     B, V = logits.shape
-    greedy = temperature <= 0
-    k = V if top_k <= 0 or top_k >= V else int(top_k)
+    if not isinstance(temperature, torch.Tensor):
+        temperature = torch.full((B,), float(temperature), device=logits.device, dtype=torch.float32)
+    if not isinstance(top_k, torch.Tensor):
+        top_k = torch.full((B,), int(top_k), device=logits.device, dtype=torch.long)
     _sample_kernel[(B,)](
-        logits, seed, counter, known, out, V, logits.stride(0), known.stride(0), out.stride(0),
-        float(temperature) if not greedy else 1.0, k, int(stream),
-        **_launch_opts(logits.device, pdl, GREEDY=greedy, KEY16=logits.element_size() == 2,
-                       BLOCK=triton.next_power_of_2(V), num_warps=4),
+        logits, temperature.float().contiguous(), top_k.contiguous(), seed, counter, known, out, V,
+        logits.stride(0), known.stride(0), out.stride(0), int(stream),
+        **_launch_opts(logits.device, pdl, KEY16=logits.element_size() == 2, BLOCK=triton.next_power_of_2(V),
+                       num_warps=4),
     )  # fmt: skip
     return out
 

@@ -20,17 +20,20 @@ byte  kind        here
 ====  ==========  ======================================================================================
 
 Query parameters (PersonaPlex's): ``text_prompt``, ``voice_prompt`` (a voice name, with or without ``.pt`` /
-``.wav``), ``seed`` (else ``text_seed``, else ``audio_seed``; the engine has one generator per session). Sampling
-parameters (``text_temperature``, ``text_topk``, ``audio_temperature``, ``audio_topk``, ``repetition_penalty``,
-``repetition_penalty_context``, ``pad_mult``) are engine-wide here and not applied per session: the ``session``
-metadata lists them under ``not_applied`` (PersonaPlex ignores them silently). ``token``: the server's token when it
-has one (or ``Authorization: Bearer``).
+``.wav``), ``seed`` (else ``text_seed``, else ``audio_seed``; the engine has one generator per session), and the
+session's sampling: ``text_temperature``, ``text_topk``, ``audio_temperature``, ``audio_topk`` (PersonaPlex ignores
+them; here each session samples with its own, in the same batched step; a bad value refuses the start with a
+``0x05`` error). ``repetition_penalty``, ``repetition_penalty_context`` and ``pad_mult`` are not applied: the
+``session`` metadata lists them under ``not_applied`` and gives the sampling in effect under ``sampling``.
+``token``: the server's token when it has one (or ``Authorization: Bearer``).
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from pydantic import ValidationError
 
 from cspan.core.events import TextEvent
 from cspan.server.adapters import Connection, Credential, ProtocolAdapter, off_loop
@@ -46,6 +49,7 @@ from cspan.server.session import (
     ErrorOut,
     Outbound,
     Ready,
+    SamplingOptions,
     Session,
     StartRequest,
     Timing,
@@ -53,15 +57,10 @@ from cspan.server.session import (
 )
 
 HANDSHAKE, AUDIO, TEXT, CONTROL, METADATA, ERROR = 0, 1, 2, 3, 4, 5
-SAMPLING_PARAMETERS = (
-    "text_temperature",
-    "text_topk",
-    "audio_temperature",
-    "audio_topk",
-    "repetition_penalty",
-    "repetition_penalty_context",
-    "pad_mult",
-)
+SAMPLING_PARAMETERS = ("text_temperature", "text_topk", "audio_temperature", "audio_topk")
+"""PersonaPlex's sampling query parameters, applied to the session (:class:`SamplingOptions`)."""
+NOT_APPLIED = ("repetition_penalty", "repetition_penalty_context", "pad_mult")
+"""PersonaPlex's query parameters that change nothing here (PersonaPlex ignores them too)."""
 MAX_SEED = 2**63 - 1
 
 
@@ -75,7 +74,7 @@ class MoshiAdapter(ProtocolAdapter):
         super().__init__(session, connection)
         self._decoder = OggOpusDecoder()
         self._encoder = OggOpusEncoder()
-        self._not_applied = sorted(k for k in SAMPLING_PARAMETERS if k in connection.query)
+        self._not_applied = sorted(k for k in NOT_APPLIED if k in connection.query)
 
     @classmethod
     def credential(cls, connection: Connection) -> Credential:
@@ -116,6 +115,7 @@ class MoshiAdapter(ProtocolAdapter):
                 "conversation_id": item.conversation_id,
                 "seed": item.seed,
                 "persona": item.persona.model_dump(),
+                "sampling": item.sampling.model_dump(),
                 "not_applied": self._not_applied,
             }
             return [bytes([HANDSHAKE]), _metadata(info)]
@@ -142,7 +142,22 @@ class MoshiAdapter(ProtocolAdapter):
             if q.get(name) not in (None, ""):
                 seed = _seed(name, q[name])
                 break
-        return StartRequest(voice=voice, text_prompt=q.get("text_prompt"), seed=seed)
+        return StartRequest(voice=voice, text_prompt=q.get("text_prompt"), seed=seed, sampling=_sampling(q))
+
+
+def _sampling(query: Any) -> SamplingOptions:
+    """The sampling query parameters (empty ones: the server's defaults).
+
+    Raises:
+        ClientError: ``invalid_message`` naming the parameter, its value and the accepted range.
+    """
+    given = {name: query[name] for name in SAMPLING_PARAMETERS if query.get(name) not in (None, "")}
+    try:
+        return SamplingOptions.model_validate(given)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        name = str(err["loc"][0])
+        raise ClientError("invalid_message", f"{name}={brief(given.get(name, ''))}: {err['msg']}") from None
 
 
 def _seed(name: str, value: str) -> int | None:

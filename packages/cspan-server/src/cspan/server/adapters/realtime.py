@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+from pydantic import ValidationError
 
 from cspan.backends.untrusted import JSONInputError, loads
 from cspan.core.events import (
@@ -102,6 +103,7 @@ from cspan.server.session import (
     Outbound,
     ProfileFields,
     Ready,
+    SamplingOptions,
     StartRequest,
     Timing,
     brief,
@@ -126,6 +128,7 @@ class _Config:
     tool_choice: Any = "auto"
     events: bool = False
     profile: ProfileFields = field(default_factory=ProfileFields)
+    temperature: float | None = None
     test: Any = None
 
 
@@ -311,6 +314,7 @@ class RealtimeAdapter(ProtocolAdapter):
                 text_prompt=c.instructions,
                 profile=c.profile,
                 seed=test.seed if test is not None else None,
+                sampling=SamplingOptions(audio_temperature=c.temperature),
                 force_ret_at=list(test.force_ret_at) if test is not None else [],
                 spans=[(t, text) for t, text in test.spans] if test is not None else [],
                 test=test is not None,
@@ -409,6 +413,19 @@ class RealtimeAdapter(ProtocolAdapter):
             self.session.put(_Output(c.output_format, modality))  # frames already queued keep their format
         if new.tool_choice is not None:
             c.tool_choice = new.tool_choice
+        if new.temperature is not None and new.temperature != c.temperature:
+            try:  # the speech's sampling temperature (the text keeps the server's)
+                options = SamplingOptions(audio_temperature=new.temperature)
+                if started:
+                    await self.session.set_sampling(options)
+                c.temperature = options.audio_temperature
+            except ValidationError as exc:
+                message = exc.errors(include_url=False)[0]["msg"]
+                refuse(
+                    "invalid_event", f"temperature {new.temperature!r}: {message}; not applied", "session.temperature"
+                )
+            except ClientError as exc:
+                refuse(exc.code, f"temperature: {exc.message}; not applied", "session.temperature")
         if tools is not None:
             c.tools = tools
             self._client_tools = bank_tools
@@ -763,7 +780,7 @@ class RealtimeAdapter(ProtocolAdapter):
                 "output_audio_format": c.output_format,
                 "input_audio_transcription": transcription,
                 "turn_detection": turn_detection,
-                "temperature": settings.temp,
+                "temperature": c.temperature if c.temperature is not None else self.hub.engine.audio_params.temperature,
                 "max_response_output_tokens": "inf",
             }
         return {

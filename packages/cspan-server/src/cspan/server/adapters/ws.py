@@ -32,6 +32,7 @@ from cspan.server.session import (
     ErrorOut,
     Outbound,
     Ready,
+    SamplingOptions,
     Session,
     StartRequest,
     Timing,
@@ -123,6 +124,7 @@ def _start_request(msg: StartMessage) -> StartRequest:
         text_prompt=msg.text_prompt,
         profile=msg.profile,
         seed=hooks.seed if hooks is not None else None,
+        sampling=msg.sampling or SamplingOptions(),
         force_ret_at=list(hooks.force_ret_at) if hooks is not None else [],
         spans=[(s.at, s.text) for s in hooks.spans] if hooks is not None else [],
         test=hooks is not None,
@@ -140,6 +142,7 @@ def _message(item: Outbound) -> BaseModel:
             seed=item.seed,
             persona=item.persona,
             profile=item.profile,
+            sampling=item.sampling,
         )
     if isinstance(item, Busy):
         return BusyMessage(max_sessions=item.max_sessions, message=item.message)

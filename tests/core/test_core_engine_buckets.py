@@ -1,0 +1,111 @@
+"""The CUDA graphs' padded step layout (row and block-column buckets, the scratch row) changes no result: run eagerly
+in float32 on the CPU it equals the unpadded step within rounding, with spans, a persona prefix with input
+embeddings and idle rows mixed in the same steps (the GPU test ``test_7b_mixed_ragged_steps_graphed_equal_eager_and
+_stepwise`` compares the same layouts in bf16, where rounding may flip greedy tokens)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from padded_steps import differences, load_case, mixed_run, padded, scenario, session
+
+from cspan.core.constants import FRAME_SIZE
+from cspan.core.engine import DuplexEngine
+
+TOL = 1e-5
+
+
+def _assert_same(diff: dict) -> None:
+    assert diff["offsets_equal"] and diff["columns_equal"] and diff["grid_equal"], diff
+    assert diff["logits"] <= TOL and diff["keys"] <= TOL and diff["values"] <= TOL, diff
+
+
+def test_the_plan_pads_only_with_buckets(tiny_checkpoint) -> None:
+    engine = DuplexEngine(tiny_checkpoint, batch_size=3)
+    assert not engine.plan.buckets and engine.plan.rows_bucket(3) == 3 and engine.plan.block_bucket(100) == 100
+    plan = padded(engine).plan
+    assert plan.rows_bucket(3) == 4 and plan.rows_bucket(5) == 8
+    assert plan.block_bucket(0) == 0 and plan.block_bucket(100) is None  # eager modules: blocks are never padded
+    engine.sessions.live[0] = False
+    batch = engine._prepare()
+    assert batch.rows == [1, 2] and batch.shape.rows == 2  # bucket 2: no padding row
+    engine.sessions.live[1] = False
+    batch = engine._prepare()
+    assert batch.rows == [2] and batch.shape.rows == 1
+
+
+@pytest.mark.parametrize("model", ["tiny", "wrapped", "personaplex"])
+def test_padded_mixed_steps_equal_the_unpadded_and_batch1(model: str, tiny_checkpoint, fixtures_dir: Path) -> None:
+    """Mixed steps (spans in two rows, a persona prefix in a third, plain steps, idle rows, live rows out of order)
+    laid out padded to the buckets equal the unpadded layout, and every session equals itself run alone (batch
+    1, the same seed): "tiny" the tiny checkpoint (prefix with input embeddings), "wrapped" a ring of 16 slots
+    that spans of 20 columns wrap, "personaplex" the GPU test's shapes (dep_q 16, spans of 64 and 40, a prefix
+    of codes only)."""
+    if model == "tiny":
+        lm, kw = tiny_checkpoint.lm, {"seed": 3}
+        users, spans, prefix = scenario(lm, 7, (20, 9))
+    else:
+        lm, users, spans, prefix, kw = load_case(fixtures_dir / "reference", model)
+    a = mixed_run(DuplexEngine(lm, batch_size=4, **kw), users, spans, prefix)
+    b = mixed_run(padded(DuplexEngine(lm, batch_size=4, **kw)), users, spans, prefix)
+    _assert_same(differences(a, b, sessions=4))
+    for s in range(4):
+        alone = padded(DuplexEngine(lm, batch_size=1, **{**kw, "seed": kw["seed"] + s}))
+        _assert_same(differences(mixed_run(alone, users, spans, prefix, (s,)), session(b, s), sessions=1))
+
+
+def test_padded_frames_equal_the_unpadded_frames(tiny_checkpoint) -> None:
+    """Whole frames (Mimi in and out) with one session idle and one restarted: padded rows change nothing."""
+    pcm = 0.1 * torch.randn(4, 3, FRAME_SIZE, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for engine in (
+        DuplexEngine(tiny_checkpoint, batch_size=3, seed=1),
+        padded(DuplexEngine(tiny_checkpoint, batch_size=3, seed=1)),
+    ):
+        frames = []
+        for t in range(pcm.shape[0]):
+            engine.set_live(1, t != 2)
+            if t == 2:
+                engine.reset(0, seed=9)
+            out = engine.step(pcm[t])
+            frames.append((out.agent_pcm.clone(), out.tokens.frame.clone(), out.tokens.text_logits.clone()))
+        outs.append(frames)
+    for t, (a, b) in enumerate(zip(*outs, strict=True)):
+        assert torch.equal(a[1], b[1]), f"frame {t}"
+        torch.testing.assert_close(a[0], b[0], atol=TOL, rtol=0)
+        torch.testing.assert_close(a[2], b[2], atol=TOL, rtol=0)
+
+
+INTERPRETER = pytest.mark.skipif(
+    os.environ.get("CSPAN_TEST_INTERPRETER") != "1",
+    reason="minutes of Triton's interpreter: opt in with CSPAN_TEST_INTERPRETER=1 (needs triton installed)",
+)
+
+
+@pytest.mark.slow
+@INTERPRETER
+def test_padded_fused_step_equals_the_unpadded_under_the_interpreter(fixtures_dir: Path, repo_root: Path) -> None:
+    """The fused kernels' path with the ragged tables padded to the block bucket and rows to the row bucket, for
+    both cases of ``padded_steps.CASES`` (a wrapped ring; the GPU test's shapes), against the unpadded layout and
+    batch 1: Triton's interpreter, float32, in a subprocess (the interpreter is chosen at import)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CSPAN_FUSED": "1"}
+    script = repo_root / "tests" / "core" / "padded_steps.py"
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script), str(fixtures_dir / "reference")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case in json.loads(proc.stdout.strip().splitlines()[-1]).values():
+        _assert_same(case["padded"])
+        for diff in case["batch1"]:
+            _assert_same(diff)
