@@ -197,12 +197,18 @@ def run_capacity(
         best = None
         for B in sorted(options.batch_sizes):
             need = B * kv_bytes_per_session(models.lm, kv)
-            if free is not None and need > 0.95 * free:
+            if free is not None and need > free:  # certain not to fit; near the limit, trying is the only test
                 say(f"B = {B}, {kv}: {need / 2**30:.1f} GiB of KV cache does not fit ({free / 2**30:.1f} GiB free)")
                 results.append({"batch_size": B, "kv_dtype": kv, "fits": False, "kv_gib": need / 2**30})
                 break
             say(f"B = {B}, {kv}")
-            row = run_candidate(models, B, kv, options, say)
+            try:
+                row = run_candidate(models, B, kv, options, say)
+            except torch.OutOfMemoryError:
+                release_device_memory(device)
+                say(f"B = {B}, {kv}: out of device memory ({need / 2**30:.1f} GiB of KV cache)")
+                results.append({"batch_size": B, "kv_dtype": kv, "fits": False, "kv_gib": need / 2**30})
+                break
             row["fits"] = True
             row["kv_gib"] = need / 2**30
             results.append(row)
