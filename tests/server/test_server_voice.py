@@ -132,6 +132,24 @@ async def test_personaplex_voices_are_listed_and_spoken_with(personaplex, fixtur
         await http.close()
 
 
+@pytest.mark.timeout(300)
+async def test_serve_voice_recording_is_the_default_voice(serve, tiny_checkpoint, greeting) -> None:
+    """``cspan serve --voice greeting_24k.wav``: the recording, encoded at start-up, is the default voice (named by
+    its stem) and speaks as ``cspan infer --voice greeting_24k.wav`` does."""
+    server = serve(voice=str(greeting))
+    info = httpx.get(server.url + "/info").json()
+    assert info["default_voice"] == "greeting_24k" and "greeting_24k" in info["voices"]
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        ready = await client.start()
+        assert ready["persona"]["voice"] == "greeting_24k"
+        assert ready["persona"]["prefix_frames"] == 46 + 1 + _text_tokens(tiny_checkpoint) + 1
+        (session,) = server.hub.sessions
+        expected = tiny_checkpoint.load_voice_prompt(greeting).codes
+        assert torch.equal(session._start.voice.prompt.codes, expected)
+        await client.stop()
+
+
 # ------------------------------------------------------------------------------------------------ /ws
 
 
@@ -244,15 +262,21 @@ async def test_moshi_voice_recording(serve, tiny_checkpoint, recordings) -> None
         await http.close()
     await _until_free(server)
 
-    # a silent one: 0x05 bad_voice_audio, and the conversation starts with voice_prompt's voice
-    got, http, ws = await _moshi_with_recording(server, recordings["silent"], "&voice_prompt=tiny1")
-    try:
-        assert got[0].startswith(b"\x05bad_voice_audio: ") and b"is silent" in got[0]
-        assert json.loads(got[-1][1:])["persona"]["voice"] == "tiny1"
-    finally:
-        await ws.close()
-        await http.close()
-    await _until_free(server)
+    # every bad kind: 0x05 bad_voice_audio saying what is wrong, and the conversation starts with voice_prompt's voice
+    for kind, says in [
+        ("silent", b"is silent"),
+        ("short", b"1.00 s long"),
+        ("long", b"over the limit of 30 s"),
+        ("not_audio", b"cannot decode audio"),
+    ]:
+        got, http, ws = await _moshi_with_recording(server, recordings[kind], "&voice_prompt=tiny1")
+        try:
+            assert got[0].startswith(b"\x05bad_voice_audio: ") and says in got[0], (kind, got[0])
+            assert json.loads(got[-1][1:])["persona"]["voice"] == "tiny1", kind
+        finally:
+            await ws.close()
+            await http.close()
+        await _until_free(server)
 
     http, ws = await raw_connect(server, "?voice_audio=lots")
     try:
@@ -276,6 +300,7 @@ async def _until_free(server: ServerThread) -> None:
 
 @pytest.mark.timeout(300)
 async def test_realtime_voice_recording(serve, recordings, fixture_file) -> None:
+    """The recording's base64 must fit --max-message-kib (1024 here, for the 31 s WAV, refused for its length)."""
     server = serve(max_message_kib=1024)
     good = recordings["good"]
     ws, client = await realtime_connect(server)
@@ -291,6 +316,8 @@ async def test_realtime_voice_recording(serve, recordings, fixture_file) -> None
                 ("@@not base64@@", "not base64"),
                 (base64.b64encode(recordings["silent"]).decode(), "is silent"),
                 (base64.b64encode(recordings["short"]).decode(), "1.00 s long"),
+                (base64.b64encode(recordings["long"]).decode(), "over the limit of 30 s"),
+                (base64.b64encode(recordings["not_audio"]).decode(), "cannot decode audio"),
             ]
         ):
             effective, after = await update(client, f"b{k}", {"cspan": {"voice_audio": value}})

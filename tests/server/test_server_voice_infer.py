@@ -1,6 +1,6 @@
 """``cspan infer`` with every voice form: PersonaPlex's ``--voice NATF2`` from a Hub snapshot's ``voices.tgz`` (a
 subprocess, as a user runs it), a voice cloned from a recording (``--voice greeting.wav``) and its round trip through
-``cspan voice encode``, a bad recording refused before anything loads, and ``--fuse-lora``."""
+``cspan voice encode``, a bad recording refused before anything loads (``infer`` and ``serve``), and ``--fuse-lora``."""
 
 from __future__ import annotations
 
@@ -153,17 +153,22 @@ def _not_audio(greeting: Path, path: Path) -> None:
     path.write_bytes(b"RIFF not really a wave file" * 10)
 
 
+@pytest.mark.parametrize("command", ["infer", "serve"])
 @pytest.mark.parametrize(
     ("make", "expect"),
     [(_short, "1.00 s long"), (_silent, "is silent"), (_not_audio, "cannot decode audio")],
     ids=["short", "silent", "not-audio"],
 )
 def test_bad_recording_as_voice_is_refused_before_loading(
-    make, expect: str, greeting: Path, tmp_path: Path, capsys
+    command: str, make, expect: str, greeting: Path, tmp_path: Path, capsys
 ) -> None:
     voice = tmp_path / "voice.wav"
     make(greeting, voice)
-    argv = _argv(tmp_path, greeting, "--checkpoint", str(tmp_path / "no-such-checkpoint"), "--voice", str(voice))
+    missing = ("--checkpoint", str(tmp_path / "no-such-checkpoint"), "--voice", str(voice))
+    if command == "infer":
+        argv = _argv(tmp_path, greeting, *missing)
+    else:
+        argv = ["serve", *missing, "--asr", "none", "--router", "none", "--db", ":memory:"]
     done = _cli(capsys, *argv)
     assert done.returncode == 2, done.stderr  # a bad setting: refused before the (missing) checkpoint is looked at
     assert "--voice" in done.stderr and expect in done.stderr and "Traceback" not in done.stderr
