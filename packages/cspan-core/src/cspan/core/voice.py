@@ -116,9 +116,17 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     if Path(name).suffix in (".pt", *AUDIO_SUFFIXES) and stem in known and "/" not in name:
         return known[stem]
     names = ", ".join(sorted(known)) or "none"
+    missing_archive = ""
+    layout = getattr(checkpoint, "prefix_layout", None)
+    if layout is not None and layout.name == "personaplex" and not getattr(checkpoint, "archive_voices", None):
+        missing_archive = (
+            "; this checkpoint has PersonaPlex's prefix layout but no voices.tgz came with it (with HF_HUB_OFFLINE, a "
+            "Hugging Face cache that lacks it: fetch it once online, e.g. `hf download nvidia/personaplex-7b-v1 "
+            "voices.tgz`)"
+        )
     raise CheckpointError(
         f"voice {str(path)!r} is not a file and {name!r} is not a known voice (known voices: {names}); pass a voice "
-        "name, a .pt voice file, or a 2-30 s recording"
+        f"name, a .pt voice file, or a 2-30 s recording{missing_archive}"
     )
 
 
