@@ -96,6 +96,8 @@ def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_p
             expected = tiny_checkpoint.load_voice_prompt(greeting).codes
             assert torch.equal(session.recorded_voice.prompt.codes, expected)
             assert session.conversation is not None and session._start.voice.name == session.recorded_voice.name
+            page.click("#record-voice")  # not during a conversation: its persona is read already
+            assert "record it after Stop" in page.inner_text("#voice-status.bad")
             _talk_and_stop(page)
 
             # 3. a file the browser cannot read: sent as it is, refused by the server, the voice before is used

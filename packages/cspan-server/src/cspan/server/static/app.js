@@ -205,7 +205,11 @@
   }
 
   async function recordVoice() {
-    if (recording || (s && !s.finished)) return;
+    if (recording) return;
+    if (s && !s.finished) {
+      voiceStatus("A voice is read when a conversation starts: record it after Stop, for the next one.", true);
+      return;
+    }
     if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
       ui.insecure.hidden = false;
       voiceStatus("The microphone is not available on this page.", true);
