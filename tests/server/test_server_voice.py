@@ -225,10 +225,16 @@ async def test_ws_voice_recording_becomes_the_persona_voice(serve, tiny_checkpoi
 
 @pytest.mark.timeout(300)
 async def test_ws_start_voice_name_replaces_the_recording(serve, recordings) -> None:
+    """A voice name in start wins over the recording; a connection may send at most 8 recordings."""
     server = serve()
     async with websockets.connect(server.ws_url, max_size=None) as ws:
         client = Client(ws)
         assert (await _send_recording(client, recordings["good"]))["type"] == "voice"
+        for _ in range(7):
+            assert "1.00 s long" in (await _send_recording(client, recordings["short"]))["message"]
+        answer = await _send_recording(client, recordings["good"])
+        assert answer["code"] == "bad_voice_audio" and "more than 8 voice recordings" in answer["message"]
+        assert f"keeps its voice ({_name(recordings['good'])})" in answer["message"]
         ready = await client.start(voice="tiny1")
         assert ready["persona"]["voice"] == "tiny1"
         await client.stop()

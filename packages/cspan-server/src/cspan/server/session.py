@@ -92,7 +92,7 @@ from cspan.core.errors import ProtocolError
 from cspan.core.events import ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
 from cspan.core.voice import VoicePrompt
 from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
-from cspan.server.voices import Voice, VoiceCatalog, prepare_recording, recording_name
+from cspan.server.voices import VOICE_RECORDINGS_PER_SESSION, Voice, VoiceCatalog, prepare_recording, recording_name
 
 if TYPE_CHECKING:
     from cspan.backends.identity import Principal
@@ -416,6 +416,7 @@ class Session:
         self._flushed = 0
         self._tasks: list[asyncio.Task[Any]] = []
         self.recorded_voice: Voice | None = None
+        self.voice_recordings = 0  # recordings the client sent (each is decoded, and a good one Mimi-encoded)
 
     # -- outputs ----------------------------------------------------------------------------------------------
 
@@ -534,8 +535,9 @@ class Session:
 
         Raises:
             ClientError: ``already_started`` after ``start`` (the persona is read already); ``bad_voice_audio``: too
-                large, not audio, too short or too long, silent (the message says which); the session keeps the
-                voice it had.
+                large, not audio, too short or too long, silent (the message says which), or more than
+                :data:`~cspan.server.voices.VOICE_RECORDINGS_PER_SESSION` on one session; the session keeps the voice
+                it had.
         """
         from cspan.core.errors import AudioInputError
 
@@ -545,10 +547,17 @@ class Session:
                 f"a voice recording while the session is {self.state}: the persona is read with the voice it had; "
                 "send the recording before start",
             )
+        kept = f" ({self.recorded_voice.name})" if self.recorded_voice is not None else ""
+        self.voice_recordings += 1
+        if self.voice_recordings > VOICE_RECORDINGS_PER_SESSION:
+            raise ClientError(
+                "bad_voice_audio",
+                f"more than {VOICE_RECORDINGS_PER_SESSION} voice recordings on one connection (each is decoded and "
+                f"encoded on the server); the session keeps its voice{kept}",
+            )
         try:
             audio = await asyncio.to_thread(prepare_recording, data)
         except AudioInputError as exc:
-            kept = f" ({self.recorded_voice.name})" if self.recorded_voice is not None else ""
             raise ClientError("bad_voice_audio", f"{exc}; the session keeps its voice{kept}") from None
         codes = await self.hub.engine_thread.encode_voice(audio)
         name = recording_name(data)

@@ -28,6 +28,10 @@ from typing import Any
 VOICE_AUDIO_MAX_BYTES = 8 * 1024 * 1024
 """Largest recording a client may send as its voice (8 MiB: 30 s of 48 kHz stereo 16-bit WAV fits)."""
 
+VOICE_RECORDINGS_PER_SESSION = 8
+"""Recordings one connection may send: each is decoded on a worker thread and a good one Mimi-encoded on the engine
+thread that every session's frame clock shares, so a client cannot keep it busy."""
+
 
 @dataclass(frozen=True)
 class Voice:
@@ -159,6 +163,7 @@ class VoiceCatalog:
 
 __all__ = [
     "VOICE_AUDIO_MAX_BYTES",
+    "VOICE_RECORDINGS_PER_SESSION",
     "Voice",
     "VoiceCatalog",
     "VoiceUpload",
