@@ -344,15 +344,16 @@ def prepare_voice_audio(
         name: what the error messages call the recording (default: the file's path, or "the voice recording").
 
     Raises:
-        AudioInputError: not audio, shorter than 2 s, longer than 30 s, silent, NaN or infinite samples. At most
-            30 s of samples are ever decoded (a file whose header under-states its length is refused when the
-            samples run past the limit).
+        AudioInputError: not audio, a sample rate outside 1 kHz..768 kHz, shorter than 2 s, longer than 30 s, or
+            silent. NaN or infinite samples are read as silence and counted in a warning
+            (:func:`cspan.core.audio.sanitize_pcm`). At most 30 s of samples are ever decoded (a file whose header
+            under-states its length is refused when the samples run past the limit).
     """
     import numpy as np
     import pyloudnorm
     import soundfile as sf
 
-    from .audio import SILENCE_PEAK, _open, resample
+    from .audio import SILENCE_PEAK, _open, check_sample_rate, resample, sanitize_pcm
 
     if isinstance(source, (str, os.PathLike)):
         label = name or str(source)
@@ -365,6 +366,11 @@ def prepare_voice_audio(
             raise AudioInputError(
                 f"{label}: cannot decode audio ({exc}); send a recording libsndfile reads (WAV, FLAC, OGG, MP3)"
             ) from None
+        try:
+            check_sample_rate(int(opened.samplerate), label)
+        except AudioInputError:
+            opened.close()
+            raise
     longest = f"{VOICE_MIN_SECONDS:.0f} to {VOICE_MAX_SECONDS:.0f} s of speech"
     with opened as f:
         rate, frames = int(f.samplerate), int(f.frames)
@@ -380,11 +386,13 @@ def prepare_voice_audio(
             raise AudioInputError(f"{label}: decoding failed part-way ({exc}); the file is damaged") from None
     if len(data) > limit:
         raise AudioInputError(f"{label}: is over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; use {longest}")
-    if not np.isfinite(data).all():
-        raise AudioInputError(f"{label}: contains NaN or infinite samples; it cannot be a voice")
+    data, nonfinite = sanitize_pcm(data)
+    if nonfinite:
+        log.warning("%s: %d NaN or infinite samples read as silence", label, nonfinite)
     pcm = resample(np.ascontiguousarray(data), rate, sample_rate)
     if not len(pcm) or float(np.max(np.abs(pcm))) < SILENCE_PEAK:
-        raise AudioInputError(f"{label}: is silent (peak below -80 dBFS); record some speech")
+        why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
+        raise AudioInputError(f"{label}: is silent (peak below -80 dBFS{why}); record some speech")
     seconds = len(pcm) / sample_rate
     if seconds < VOICE_MIN_SECONDS:
         raise AudioInputError(f"{label}: is {seconds:.2f} s long; a voice needs {longest}")

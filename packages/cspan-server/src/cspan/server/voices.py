@@ -57,7 +57,8 @@ def prepare_recording(data: bytes) -> Any:
     event loop: it decodes, resamples and measures up to 30 s of audio).
 
     Raises:
-        AudioInputError: too large, not audio, shorter than 2 s, longer than 30 s, silent, NaN or infinite samples.
+        AudioInputError: too large, not audio, a sample rate outside 1 kHz..768 kHz, shorter than 2 s, longer than
+            30 s, or silent.
     """
     from cspan.core.errors import AudioInputError
     from cspan.core.voice import prepare_voice_audio
