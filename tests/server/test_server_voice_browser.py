@@ -88,7 +88,10 @@ def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_p
             page.set_input_files("#voice-file", str(short))
             page.locator("#voice-status.bad").wait_for()
             assert "is 1.0 s long; a voice needs 2 to 30 s" in page.inner_text("#voice-status")
-            page.set_input_files("#voice-file", str(greeting))
+            with page.expect_file_chooser() as chooser:  # the upload button works from the keyboard too
+                page.focus("label[for=voice-file]")
+                page.keyboard.press("Enter")
+            chooser.value.set_files(str(greeting))
             page.locator("#voice-status", has_text="Your voice is ready").wait_for()
             page.click("#start")
             page.wait_for_selector("#status-dot.listening", timeout=120_000)

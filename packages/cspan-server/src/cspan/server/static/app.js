@@ -854,6 +854,14 @@
 
   ui.start.addEventListener("click", start);
   ui.recordVoice.addEventListener("click", recordVoice);
+  for (const label of ui.voiceFile.labels) {
+    // the file input is hidden: its label is the button, reachable from the keyboard too
+    label.addEventListener("keydown", (e) => {
+      if (e.key !== "Enter" && e.key !== " ") return;
+      e.preventDefault();
+      ui.voiceFile.click();
+    });
+  }
   ui.voiceFile.addEventListener("change", () => {
     uploadVoice(ui.voiceFile.files[0]).catch((e) => voiceStatus("The file could not be read: " + e, true));
     ui.voiceFile.value = ""; // the same file chosen again is read again
