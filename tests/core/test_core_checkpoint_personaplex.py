@@ -175,14 +175,20 @@ def test_layout_recorded_in_config_and_for_fine_tunes(tiny_checkpoint_dir: Path,
         resolve_checkpoint(base)
 
 
-def test_unreachable_hub_gives_a_clear_error(tmp_path: Path) -> None:
-    """Downloading PersonaPlex's repo with no network and no cache: a CheckpointError that says what to do."""
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [({}, "could not be reached"), ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set")],
+    ids=["unreachable", "offline"],
+)
+def test_unreachable_hub_gives_a_clear_error(tmp_path: Path, extra: dict[str, str], why: str) -> None:
+    """PersonaPlex's repo with no network (or HF_HUB_OFFLINE) and no cache: a CheckpointError that says what to do."""
     env = {
         "HF_HOME": str(tmp_path / "hf"),
         "HF_ENDPOINT": "http://127.0.0.1:9",
         "HF_HUB_ETAG_TIMEOUT": "2",
         "HF_HUB_DOWNLOAD_TIMEOUT": "2",
         "PATH": "/usr/bin:/bin",
+        **extra,
     }
     done = subprocess.run(
         [sys.executable, "-m", "cspan.core.cli", "model", "info", REPO],
@@ -193,7 +199,7 @@ def test_unreachable_hub_gives_a_clear_error(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert REPO in done.stderr and "--checkpoint DIR" in done.stderr
+    assert REPO in done.stderr and "--checkpoint DIR" in done.stderr and why in done.stderr
 
 
 # --- voices.tgz is extracted safely --------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from cspan.core.prefix import build_persona_prefix, prefix_frames
 from cspan.core.voice import (
     VoicePrompt,
     encode_voice_audio,
+    find_voice,
     load_voice,
     load_voice_prompt,
     voice_embeddings_form,
@@ -150,3 +151,14 @@ def test_layout_frame_counts() -> None:
     assert prefix_frames([], None, layout=CONTEXT_SPANNING).shape == (17, 0)
     with pytest.raises(ValueError, match="not both"):
         prefix_frames([], voice, voice_frames=torch.zeros(17, 2, dtype=torch.long))
+
+
+def test_unknown_voice_of_a_personaplex_checkpoint_without_its_archive_says_why(tmp_path: Path) -> None:
+    """``--voice NATF2`` on a PersonaPlex checkpoint whose voices.tgz is missing (an offline cache that lacks it)."""
+    pp = SimpleNamespace(prefix_layout=PERSONAPLEX, archive_voices={}, voices={})
+    with pytest.raises(CheckpointError, match=r"known voices: none.*no voices\.tgz came with it.*HF_HUB_OFFLINE"):
+        find_voice("NATF2", pp)
+    cs = SimpleNamespace(prefix_layout=CONTEXT_SPANNING, archive_voices={}, voices={})
+    with pytest.raises(CheckpointError, match="known voices: none") as err:
+        find_voice("NATF2", cs)
+    assert "voices.tgz" not in str(err.value)

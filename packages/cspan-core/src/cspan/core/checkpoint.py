@@ -1457,10 +1457,10 @@ def describe_checkpoint(
 def _voice_kind(path: Path) -> str:
     """What a voice file holds, for ``cspan model info``: ``codes, N frames``, ``PersonaPlex embeddings, E frames``,
     ``recording``, or why it cannot be read."""
-    from .voice import _is_torch_file
+    from .voice import is_torch_file
 
     try:
-        if not _is_torch_file(path):
+        if not is_torch_file(path):
             return "recording"
         obj = _torch_load(path, "voice")
     except (CheckpointError, OSError) as exc:

@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .constants import FRAME_SIZE, NUM_CODEBOOKS, PAD, SAMPLE_RATE, SINE_TOKENS
 from .errors import AudioInputError, CheckpointError
@@ -116,13 +116,21 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     if Path(name).suffix in (".pt", *AUDIO_SUFFIXES) and stem in known and "/" not in name:
         return known[stem]
     names = ", ".join(sorted(known)) or "none"
+    missing_archive = ""
+    layout = getattr(checkpoint, "prefix_layout", None)
+    if layout is not None and layout.name == "personaplex" and not getattr(checkpoint, "archive_voices", None):
+        missing_archive = (
+            "; this checkpoint has PersonaPlex's prefix layout but no voices.tgz came with it (with HF_HUB_OFFLINE, a "
+            "Hugging Face cache that lacks it: fetch it once online, e.g. `hf download nvidia/personaplex-7b-v1 "
+            "voices.tgz`)"
+        )
     raise CheckpointError(
         f"voice {str(path)!r} is not a file and {name!r} is not a known voice (known voices: {names}); pass a voice "
-        "name, a .pt voice file, or a 2-30 s recording"
+        f"name, a .pt voice file, or a 2-30 s recording{missing_archive}"
     )
 
 
-def _is_torch_file(path: Path) -> bool:
+def is_torch_file(path: Path) -> bool:
     """A zip archive (``torch.save``) or a legacy pickle, by its first bytes."""
     with path.open("rb") as fh:
         head = fh.read(4)
@@ -147,7 +155,7 @@ def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoi
         AudioInputError: a recording that is too short, too long, silent or not audio.
     """
     path = find_voice(name_or_path, checkpoint)
-    if not _is_torch_file(path):
+    if not is_torch_file(path):
         if checkpoint is None or getattr(checkpoint, "mimi", None) is None:
             raise CheckpointError(
                 f"voice file {str(path)!r} is not a torch file; a voice from a recording needs the checkpoint's "
@@ -321,51 +329,76 @@ class VoiceAudio:
         return len(self.pcm) // FRAME_SIZE
 
 
-def prepare_voice_audio(path: str | os.PathLike[str], *, sample_rate: int = SAMPLE_RATE) -> VoiceAudio:
+def prepare_voice_audio(
+    source: str | os.PathLike[str] | BinaryIO, *, sample_rate: int = SAMPLE_RATE, name: str | None = None
+) -> VoiceAudio:
     """Read a recording as a voice prompt: channel 0, resampled to 24 kHz (soxr), loudness-normalised to -24 LUFS
     with pyloudnorm (``Meter(24000).integrated_loudness``, then ``normalize.loudness``; the gain is applied in float64
     and the result rounded to float32, as PersonaPlex's ``normalize_audio`` with NumPy 2), zero-padded to whole
     1920-sample frames.
 
+    Args:
+        source: a file, or a binary file object holding one (bytes a client sent: ``io.BytesIO(data)``); any format
+            libsndfile reads (WAV, FLAC, OGG Vorbis/Opus, MP3 ...).
+        sample_rate: the codec's rate.
+        name: what the error messages call the recording (default: the file's path, or "the voice recording").
+
     Raises:
         AudioInputError: not audio, a sample rate outside 1 kHz..768 kHz, shorter than 2 s, longer than 30 s, or
             silent. NaN or infinite samples are read as silence and counted in a warning
-            (:func:`cspan.core.audio.sanitize_pcm`).
+            (:func:`cspan.core.audio.sanitize_pcm`). At most 30 s of samples are ever decoded (a file whose header
+            under-states its length is refused when the samples run past the limit).
     """
     import numpy as np
     import pyloudnorm
     import soundfile as sf
 
-    from .audio import SILENCE_PEAK, _open, resample, sanitize_pcm
+    from .audio import SILENCE_PEAK, _open, check_sample_rate, resample, sanitize_pcm
 
-    path = Path(path)
-    with _open(path) as f:
-        rate, frames = int(f.samplerate), int(f.frames)
-        if frames / rate > VOICE_MAX_SECONDS:
+    if isinstance(source, (str, os.PathLike)):
+        label = name or str(source)
+        opened = _open(Path(source))
+    else:
+        label = name or "the voice recording"
+        try:
+            opened = sf.SoundFile(source)
+        except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
             raise AudioInputError(
-                f"{path}: is {frames / rate:.1f} s long, over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; "
-                f"use {VOICE_MIN_SECONDS:.0f} to {VOICE_MAX_SECONDS:.0f} s of speech"
+                f"{label}: cannot decode audio ({exc}); send a recording libsndfile reads (WAV, FLAC, OGG, MP3)"
+            ) from None
+        try:
+            check_sample_rate(int(opened.samplerate), label)
+        except AudioInputError:
+            opened.close()
+            raise
+    longest = f"{VOICE_MIN_SECONDS:.0f} to {VOICE_MAX_SECONDS:.0f} s of speech"
+    with opened as f:
+        rate, frames = int(f.samplerate), int(f.frames)
+        limit = math.ceil(VOICE_MAX_SECONDS * rate)
+        if frames > limit:
+            raise AudioInputError(
+                f"{label}: is {frames / rate:.1f} s long, over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; "
+                f"use {longest}"
             )
         try:
-            data = f.read(dtype="float32", always_2d=True)[:, 0]
+            data = f.read(frames=limit + 1, dtype="float32", always_2d=True)[:, 0]
         except (sf.LibsndfileError, RuntimeError) as exc:
-            raise AudioInputError(f"{path}: decoding failed part-way ({exc}); the file is damaged") from None
+            raise AudioInputError(f"{label}: decoding failed part-way ({exc}); the file is damaged") from None
+    if len(data) > limit:
+        raise AudioInputError(f"{label}: is over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; use {longest}")
     data, nonfinite = sanitize_pcm(data)
     if nonfinite:
-        log.warning("%s: %d NaN or infinite samples read as silence", path, nonfinite)
+        log.warning("%s: %d NaN or infinite samples read as silence", label, nonfinite)
     pcm = resample(np.ascontiguousarray(data), rate, sample_rate)
     if not len(pcm) or float(np.max(np.abs(pcm))) < SILENCE_PEAK:
         why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
-        raise AudioInputError(f"{path}: is silent (peak below -80 dBFS{why}); record some speech")
+        raise AudioInputError(f"{label}: is silent (peak below -80 dBFS{why}); record some speech")
     seconds = len(pcm) / sample_rate
     if seconds < VOICE_MIN_SECONDS:
-        raise AudioInputError(
-            f"{path}: is {seconds:.2f} s long; a voice needs {VOICE_MIN_SECONDS:.0f} to {VOICE_MAX_SECONDS:.0f} s "
-            "of speech"
-        )
+        raise AudioInputError(f"{label}: is {seconds:.2f} s long; a voice needs {longest}")
     loudness = float(pyloudnorm.Meter(sample_rate).integrated_loudness(pcm))
     if not math.isfinite(loudness):
-        raise AudioInputError(f"{path}: is silent (no loudness above the -70 LUFS gate); record some speech")
+        raise AudioInputError(f"{label}: is silent (no loudness above the -70 LUFS gate); record some speech")
     import warnings
 
     with warnings.catch_warnings():  # pyloudnorm warns about clipping; the codec takes any float
@@ -378,9 +411,23 @@ def prepare_voice_audio(path: str | os.PathLike[str], *, sample_rate: int = SAMP
     return VoiceAudio(pcm=out, samples=len(pcm), loudness_lufs=loudness, gain=gain)
 
 
-def encode_voice_audio(path: str | os.PathLike[str], mimi: Any) -> tuple[torch.Tensor, VoiceAudio]:
-    """A recording's voice codes: :func:`prepare_voice_audio`, then Mimi (one causal pass from a fresh state, the
-    same codes as PersonaPlex's frame-by-frame streaming encode).
+def encode_voice_pcm(audio: VoiceAudio, mimi: Any) -> torch.Tensor:
+    """The Mimi codes of a prepared recording (:func:`prepare_voice_audio`): one causal pass from a fresh state, the
+    same codes as PersonaPlex's frame-by-frame streaming encode.
+
+    Returns:
+        LongTensor [8, N] on CPU.
+    """
+    import torch
+
+    device = next(mimi.parameters()).device
+    with torch.no_grad():
+        codes = mimi.encode(torch.from_numpy(audio.pcm).to(device)[None, None])  # [1, C, N]
+    return codes[0, :NUM_CODEBOOKS].to("cpu", torch.long).clone()
+
+
+def encode_voice_audio(path: str | os.PathLike[str] | BinaryIO, mimi: Any) -> tuple[torch.Tensor, VoiceAudio]:
+    """A recording's voice codes: :func:`prepare_voice_audio`, then :func:`encode_voice_pcm`.
 
     Returns:
         (LongTensor [8, N] on CPU, the prepared :class:`VoiceAudio`).
@@ -388,13 +435,8 @@ def encode_voice_audio(path: str | os.PathLike[str], mimi: Any) -> tuple[torch.T
     Raises:
         AudioInputError: see :func:`prepare_voice_audio`.
     """
-    import torch
-
     audio = prepare_voice_audio(path, sample_rate=int(mimi.sample_rate))
-    device = next(mimi.parameters()).device
-    with torch.no_grad():
-        codes = mimi.encode(torch.from_numpy(audio.pcm).to(device)[None, None])  # [1, C, N]
-    return codes[0, :NUM_CODEBOOKS].to("cpu", torch.long).clone(), audio
+    return encode_voice_pcm(audio, mimi), audio
 
 
 def voice_embeddings_form(
@@ -522,8 +564,10 @@ __all__ = [
     "VoiceAudio",
     "VoicePrompt",
     "encode_voice_audio",
+    "encode_voice_pcm",
     "find_voice",
     "frames_from_ring",
+    "is_torch_file",
     "load_voice",
     "load_voice_prompt",
     "prepare_voice_audio",

@@ -19,6 +19,7 @@ from typing import Any
 
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
 from cspan.core.errors import CspanError
+from cspan.core.voice import VOICE_MAX_SECONDS, VOICE_MIN_SECONDS
 from cspan.server.adapters import Connection, ProtocolAdapter, discover_adapters
 from cspan.server.auth import (
     Authenticator,
@@ -42,6 +43,7 @@ from cspan.server.session import (
     Session,
     SessionHub,
 )
+from cspan.server.voices import VOICE_AUDIO_MAX_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,9 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
 
     if checkpoint is None:
         device, dtype = pick_device(settings.device)
-        checkpoint = load_checkpoint(settings.checkpoint or DEFAULT_CHECKPOINT, device=device, dtype=dtype)
+        checkpoint = load_checkpoint(
+            settings.checkpoint or DEFAULT_CHECKPOINT, device=device, dtype=dtype, fuse_lora=settings.fuse_lora
+        )
     if checkpoint.lm.device.type == "cpu":
         use_cpu_threads()  # before the engine thread's first operation: it takes the count then
     engine = DuplexEngine(
@@ -373,6 +377,11 @@ def create_app(
             "max_sessions": settings.max_sessions,
             "voices": hub.voice_names,
             "default_voice": hub.default_voice,
+            "voice_recording": {
+                "min_seconds": VOICE_MIN_SECONDS,
+                "max_seconds": VOICE_MAX_SECONDS,
+                "max_bytes": VOICE_AUDIO_MAX_BYTES,
+            },
             "text_prompt": settings.text_prompt,
             "max_text_prompt_chars": settings.max_text_prompt_chars,
             "token_required": await authenticator.required(),

@@ -1,8 +1,8 @@
 """Every call into the ``DuplexEngine`` of ``cspan serve``, on one dedicated thread.
 
-The event loop of the server never touches the engine: persona prefixes, Context Spans and the batched step all
-run on the single worker thread of :class:`EngineThread`, in the order the frame loop asks for them. Nothing else
-calls the engine.
+The event loop of the server never touches the engine: persona prefixes, Context Spans, the batched step and the
+Mimi encoding of voices all run on the single worker thread of :class:`EngineThread`, in the order they are asked
+for. Nothing else calls the engine or its models.
 
 Context Spans reach the engine through :class:`SpanHandoff`, the object a
 :class:`~cspan.core.runtime.Conversation` is given as its ``engine``: its ``inject_span`` only queues the reference
@@ -108,18 +108,33 @@ class EngineThread:
         seed: int,
         sampling: Any = None,
         text_prompt: str | None,
-        voice_codes: Any,
+        voice: Any,
         user_name: str | None,
         user_city: str | None,
     ) -> Any:
         """Reset row ``slot`` with ``seed`` and ``sampling`` (a :class:`cspan.core.sampling.SessionSampling`, None:
-        the engine's defaults) and read its persona prefix; the engine's ``PrefixReport``."""
-        return await self._call(self._prepare, slot, seed, sampling, text_prompt, voice_codes, user_name, user_city)
+        the engine's defaults) and read its persona prefix (``voice``: a :class:`~cspan.core.voice.VoicePrompt`, [8, N]
+        codes or None); the engine's ``PrefixReport``."""
+        return await self._call(self._prepare, slot, seed, sampling, text_prompt, voice, user_name, user_city)
 
     async def set_sampling(self, slot: int, sampling: Any) -> None:
         """Sample row ``slot`` with ``sampling`` (a :class:`cspan.core.sampling.SessionSampling`) from the engine's
         next step on (after any prepare queued before)."""
         await self._call(self.engine.set_sampling, slot, sampling.text, sampling.audio)
+
+    async def load_voice(self, path: Any, checkpoint: Any) -> Any:
+        """:func:`cspan.core.voice.load_voice_prompt` of a voice file (a recording is Mimi-encoded: on this thread,
+        between two steps)."""
+        from cspan.core.voice import load_voice_prompt
+
+        return await self._call(load_voice_prompt, path, checkpoint)
+
+    async def encode_voice(self, audio: Any) -> Any:
+        """The Mimi codes [8, N] (CPU) of a prepared recording (:func:`cspan.core.voice.encode_voice_pcm`), between
+        two steps."""
+        from cspan.core.voice import encode_voice_pcm
+
+        return await self._call(encode_voice_pcm, audio, self.engine.mimi)
 
     async def frame(self, pcm: np.ndarray, spans: list[QueuedSpan], live: list[bool] | None = None) -> FrameResult:
         """Read ``spans`` into their rows, then one batched step of ``pcm`` [B, 1920] float32 over the ``live`` rows
@@ -138,19 +153,13 @@ class EngineThread:
         seed: int,
         sampling: Any,
         text_prompt: str | None,
-        voice_codes: Any,
+        voice: Any,
         name: str | None,
         city: str | None,
     ) -> Any:
-        import torch
-
         engine = self.engine
         engine.reset(slot, seed=seed)
-        if isinstance(voice_codes, torch.Tensor):
-            voice_codes = voice_codes.to(engine.device)
-        return engine.set_persona(
-            slot, text_prompt or None, voice_codes, user_name=name, user_city=city, sampling=sampling
-        )
+        return engine.set_persona(slot, text_prompt or None, voice, user_name=name, user_city=city, sampling=sampling)
 
     def _frame(self, pcm: np.ndarray, spans: list[QueuedSpan], live: list[bool] | None) -> FrameResult:
         import torch

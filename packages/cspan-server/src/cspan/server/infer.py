@@ -354,14 +354,24 @@ def open_context_db(settings: ContextDBSettings) -> Any:
 
 
 def resolve_voice(checkpoint: Any, voice: str | None) -> Any:
-    """Voice codes ``[8, P]`` for ``--voice`` (a name in the checkpoint or a file); the first voice by default."""
-    from cspan.core.checkpoint import load_voice
+    """The :class:`~cspan.core.voice.VoicePrompt` of ``--voice``: a voice name of the checkpoint (its ``voices/`` or
+    PersonaPlex's ``voices.tgz``), a ``.pt`` voice file (codes or PersonaPlex embeddings) or a recording (encoded
+    with the checkpoint's Mimi); the first voice of ``voices/`` by default, None when there is none.
+
+    Raises:
+        CspanError: the voice cannot be found or read (the message starts with ``--voice``).
+    """
+    from cspan.core.errors import CspanError
+    from cspan.core.voice import load_voice_prompt
 
     if voice is None:
         if not checkpoint.voices:
             return None
         voice = sorted(checkpoint.voices)[0]
-    return load_voice(voice, checkpoint)
+    try:
+        return load_voice_prompt(voice, checkpoint)
+    except CspanError as exc:
+        raise CspanError(f"--voice {voice}: {exc}") from None
 
 
 def checkpoint_identity(checkpoint: Any, device: Any, dtype: Any) -> dict[str, Any]:
@@ -376,8 +386,9 @@ def checkpoint_identity(checkpoint: Any, device: Any, dtype: Any) -> dict[str, A
     }
 
 
-def persona_frames(checkpoint: Any, settings: InferSettings, voice_codes: Any) -> dict[str, Any]:
-    """How much of the attention window the persona prefix takes; refuses one that leaves too little to talk.
+def persona_frames(checkpoint: Any, settings: InferSettings, voice: Any) -> dict[str, Any]:
+    """How much of the attention window the persona prefix (in the checkpoint's layout, with ``voice``, a
+    :class:`~cspan.core.voice.VoicePrompt` or None) takes; refuses one that leaves too little to talk.
 
     A persona may take at most half the checkpoint's ``context`` (the 7B's 3000 positions: 1500 frames = 120 s),
     so that at least as much remains for the conversation before the prefix starts leaving the window.
@@ -394,10 +405,10 @@ def persona_frames(checkpoint: Any, settings: InferSettings, voice_codes: Any) -
     prefix = build_persona_prefix(
         checkpoint.tokenizer,
         settings.text_prompt,
-        voice_codes,
+        voice,
+        layout=checkpoint.prefix_layout,
         user_name=settings.user_name or None,
         user_city=settings.user_city or None,
-        **({"num_codebooks": int(voice_codes.shape[0])} if voice_codes is not None else {}),
     )
     window = checkpoint.lm_config.context
     info = {
@@ -524,9 +535,9 @@ async def _converse(
     total = lead + n_input + tail
     transcriber = backends.transcriber
     retriever = backends.for_session(memory)
-    checkpoint = await asyncio.to_thread(load_checkpoint, source, device=device, dtype=dtype)
-    voice_codes = resolve_voice(checkpoint, s.voice)
-    persona = persona_frames(checkpoint, s, voice_codes)
+    checkpoint = await asyncio.to_thread(load_checkpoint, source, device=device, dtype=dtype, fuse_lora=s.fuse_lora)
+    voice = resolve_voice(checkpoint, s.voice)
+    persona = persona_frames(checkpoint, s, voice)
     engine = DuplexEngine(
         checkpoint,
         batch_size=1,
@@ -536,7 +547,7 @@ async def _converse(
         predict_user=False,  # the user's codes come from the input audio every frame
     )
     engine.reset(0, seed=s.seed)
-    engine.set_persona(0, s.text_prompt, voice_codes, user_name=s.user_name or None, user_city=s.user_city or None)
+    engine.set_persona(0, s.text_prompt, voice, user_name=s.user_name or None, user_city=s.user_city or None)
     if not s.quiet:
         window = f" of the {persona['window']}-position window" if persona["window"] else ""
         print(

@@ -27,6 +27,7 @@ each adapter's ``name``).
 | ``cspan_spans_total{outcome}`` | counter | retrieval outcomes: injected, late, no_span |
 | ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
 | ``cspan_protocol_errors_total{protocol,code}`` | counter | ``error`` messages sent for client mistakes |
+| ``cspan_voice_recordings_total{protocol}`` | counter | recordings clients sent that became a session's voice |
 | ``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ... | gauge, counter | the server process (Linux; prometheus-client's process collector) |
 """
 
@@ -100,6 +101,9 @@ class ServerMetrics:
         self.backend_errors = Counter("cspan_backend_errors", "Backend failures, by stage", ["stage"], registry=r)
         self.protocol_errors = Counter(
             "cspan_protocol_errors", "error messages for client mistakes", [*p, "code"], registry=r
+        )
+        self.voice_recordings = Counter(
+            "cspan_voice_recordings", "Recordings clients sent that became a session's voice", p, registry=r
         )
         for outcome in ("injected", "late", "no_span"):
             self.spans.labels(outcome)

@@ -4,11 +4,13 @@ The adapter that speaks it is :mod:`cspan.server.adapters.ws`. Two kinds of WebS
 
 - **binary**: audio, one 80 ms frame per message, 1920 samples at 24 kHz mono, in both directions. The server
   sends float32 little-endian (7680 bytes). The client may send float32 little-endian (7680 bytes) or signed
-  16-bit little-endian (3840 bytes); the two lengths cannot be confused, so no header is needed.
-- **text**: one JSON object with a ``type`` key. Client messages are :class:`StartMessage`, :class:`ContextMessage`
-  and :class:`StopMessage`; server messages are :class:`ReadyMessage`, :class:`BusyMessage`, :class:`ByeMessage`,
-  :class:`SlotMessage`, :class:`ErrorMessage`, and the conversation events of :mod:`cspan.core.events` (``text``,
-  ``user_text``, ``ret``, ``question``, ``span``, ``late``, ``no_span``), sent as they are.
+  16-bit little-endian (3840 bytes); the two lengths cannot be confused, so no header is needed. Before ``start``,
+  after a :class:`VoiceAudioMessage`, binary messages carry the bytes of the client's voice recording instead.
+- **text**: one JSON object with a ``type`` key. Client messages are :class:`StartMessage`,
+  :class:`VoiceAudioMessage`, :class:`ContextMessage` and :class:`StopMessage`; server messages are
+  :class:`ReadyMessage`, :class:`BusyMessage`, :class:`VoiceMessage`, :class:`ByeMessage`, :class:`SlotMessage`,
+  :class:`ErrorMessage`, and the conversation events of :mod:`cspan.core.events` (``text``, ``user_text``, ``ret``,
+  ``question``, ``span``, ``late``, ``no_span``), sent as they are.
 
 Every client message is validated here; a violation raises :class:`~cspan.server.session.ClientError` carrying a
 machine-readable ``code`` (:data:`ERROR_CODES`) that the server sends back in an ``error`` message. The session
@@ -47,6 +49,7 @@ from cspan.server.session import (
     SessionStats,
     brief,
 )
+from cspan.server.voices import VOICE_AUDIO_MAX_BYTES
 
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the messages below (added optional fields are compatible)."""
@@ -76,6 +79,8 @@ ERROR_CODES: dict[str, str] = {
     "already_started": "a second start in the same connection",
     "stopping": "audio after stop (ignored)",
     "bad_voice": "a voice name the server does not have",
+    "bad_voice_audio": "a voice recording that cannot be a voice: over the size limit, not audio, shorter than 2 s or "
+    "longer than 30 s, silent, or not the size announced; the session keeps its voice",
     "bad_audio": "audio that cannot be used: NaN or infinite samples (replaced by silence; reported once per "
     "session), or bytes that are not Ogg/Opus in an opus session (the decoder starts over)",
     "audio_overflow": "audio arrives faster than real time: the oldest queued frames are being dropped",
@@ -113,9 +118,9 @@ class StartHooks(_ClientModel):
 class StartMessage(_ClientModel):
     """``start``: begin the conversation. The server answers ``ready`` (or ``busy`` when all slots are taken).
 
-    ``voice``: a name from ``GET /info``'s ``voices``; ``""`` for no voice prompt; omitted/null for the server's
-    default. ``text_prompt``: the persona; omitted/null for the server's default, ``""`` for none. ``codecs``: see
-    :data:`CODECS`.
+    ``voice``: a name from ``GET /info``'s ``voices``; ``""`` for no voice prompt; omitted/null for the recording
+    sent with ``voice_audio``, else the server's default. ``text_prompt``: the persona; omitted/null for the server's
+    default, ``""`` for none. ``codecs``: see :data:`CODECS`.
     """
 
     type: Literal["start"]
@@ -137,6 +142,17 @@ class StartMessage(_ClientModel):
     test: StartHooks | None = None
 
 
+class VoiceAudioMessage(_ClientModel):
+    """``voice_audio``: before ``start``, a recording of the user's voice to speak with: the next binary messages
+    carry its ``size`` bytes (the file as it is: 2 to 30 s of speech, any format libsndfile reads: WAV, FLAC, OGG
+    Vorbis/Opus, MP3; in pieces of any size up to ``--max-message-kib``). Once they have all arrived the server
+    answers ``voice`` (the recording is the session's voice for a ``start`` without a voice name) or ``error``
+    ``bad_voice_audio`` (the session keeps its voice). A new ``voice_audio`` drops an unfinished one."""
+
+    type: Literal["voice_audio"]
+    size: int = Field(ge=1, le=VOICE_AUDIO_MAX_BYTES, description="bytes of the recording that follow")
+
+
 class ContextMessage(_ClientModel):
     """``context``: update the profile mid-conversation (fields given replace the current ones). The persona prefix
     already read is not changed; the new profile is what the router and the Context DB see from now on."""
@@ -151,8 +167,8 @@ class StopMessage(_ClientModel):
     type: Literal["stop"]
 
 
-ClientMessage = Annotated[StartMessage | ContextMessage | StopMessage, Field(discriminator="type")]
-CLIENT_MESSAGE_TYPES = ("start", "context", "stop")
+ClientMessage = Annotated[StartMessage | VoiceAudioMessage | ContextMessage | StopMessage, Field(discriminator="type")]
+CLIENT_MESSAGE_TYPES = ("start", "voice_audio", "context", "stop")
 _client_adapter: TypeAdapter[Any] = TypeAdapter(ClientMessage)
 
 
@@ -174,7 +190,7 @@ def _describe(exc: ValidationError, kind: str) -> str:
     return f"{kind}: " + "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
-def parse_client_message(text: str) -> StartMessage | ContextMessage | StopMessage:
+def parse_client_message(text: str) -> StartMessage | VoiceAudioMessage | ContextMessage | StopMessage:
     """Parse one JSON text message from a client.
 
     Args:
@@ -276,6 +292,16 @@ class BusyMessage(_ServerModel):
     message: str
 
 
+class VoiceMessage(_ServerModel):
+    """``voice``: the recording sent with ``voice_audio`` is the session's voice now."""
+
+    type: Literal["voice"] = "voice"
+    voice: str = Field(description="its name: recording- and 12 hex digits of its SHA-256 (ready.persona.voice)")
+    frames: int = Field(description="Mimi frames of the voice prompt (12.5 per second)")
+    seconds: float = Field(description="length of the recording")
+    loudness_lufs: float = Field(description="its loudness before it was normalised to -24 LUFS")
+
+
 class ByeMessage(_ServerModel):
     """``bye``: the session ended; the server closes the connection right after."""
 
@@ -319,6 +345,7 @@ class ErrorMessage(_ServerModel):
 ServerMessage = Annotated[
     ReadyMessage
     | BusyMessage
+    | VoiceMessage
     | ByeMessage
     | SlotMessage
     | ErrorMessage
@@ -334,6 +361,7 @@ ServerMessage = Annotated[
 SERVER_MESSAGE_TYPES = (
     "ready",
     "busy",
+    "voice",
     "bye",
     "slot",
     "error",
@@ -397,6 +425,8 @@ __all__ = [
     "StartHooks",
     "StartMessage",
     "StopMessage",
+    "VoiceAudioMessage",
+    "VoiceMessage",
     "decode_audio_frame",
     "dumps",
     "encode_audio_frame",

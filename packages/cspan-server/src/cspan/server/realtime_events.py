@@ -19,7 +19,7 @@ dialect renames ``response.output_audio.*`` to ``response.audio.*``, ``response.
 content type ``output_audio`` to ``audio``, and ``output_modalities`` to ``modalities``.
 
 **Extensions** (``cspan.*``): a client may add ``session.cspan`` to ``session.update`` (:class:`CspanOptions`: our
-conversation events as ``cspan.<type>`` server events, the user's profile, test hooks); other clients never see
+conversation events as ``cspan.<type>`` server events, the user's profile, a voice recording, test hooks); other clients never see
 anything that is not in the published schema.
 """
 
@@ -68,9 +68,12 @@ ERROR_CODES: dict[str, str] = {
     "response_cancel_not_active": "``response.cancel`` while no response is in progress, or naming another one "
     "(OpenAI's code)",
     "conversation_already_has_active_response": "``response.create`` while a response is in progress (OpenAI's code)",
-    "session_live": "``instructions`` or ``voice`` changed after the persona was read (not applied)",
+    "session_live": "``instructions``, ``voice`` or ``cspan.voice_audio`` changed after the persona was read (not "
+    "applied)",
     "invalid_instructions": "``instructions`` longer than the server allows",
     "bad_voice": "a voice name the server does not have (nor one of OpenAI's: those get a warning)",
+    "bad_voice_audio": "``session.cspan.voice_audio`` that cannot be a voice (not base64, not audio, shorter than 2 s "
+    "or longer than 30 s, silent): the session keeps its voice",
 }
 """Every ``error.code`` the Realtime adapter sends for a client event, with its meaning (the session core's own
 codes, e.g. ``audio_overflow`` or ``persona_failed``, pass through)."""
@@ -162,6 +165,8 @@ class CspanOptions(BaseModel):
             ``cspan.ret``, ``cspan.span``, ... server events, and ``cspan.ready`` when the persona was read.
         profile: the user's profile (the fields of ``/ws``'s ``profile``, checked the same way).
         test: test hooks.
+        voice_audio: a recording of the user's voice to speak with, base64 of a file (2 to 30 s of speech, any
+            format libsndfile reads), before the first audio; it replaces ``voice``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -169,6 +174,7 @@ class CspanOptions(BaseModel):
     events: bool | None = None
     profile: ProfileFields | None = None
     test: TestHooksOption | None = None
+    voice_audio: str | None = Field(default=None, min_length=1)
 
 
 class SessionConfig(_In):

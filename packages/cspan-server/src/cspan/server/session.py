@@ -38,6 +38,9 @@ What an adapter calls (inputs), from its ``opened()`` and ``receive(data)``:
 - ``await session.start(StartRequest(...))``: reserve a slot and read the persona. The outcome arrives as an output:
   :class:`Ready` (the session is live; frame 0 is the next agent frame), or :class:`Busy` then :class:`Close`. An
   invalid request raises :class:`ClientError` (the session stays ``connected``).
+- ``await session.set_voice_audio(data)``: before ``start``, a recording the client sent (the bytes of a file, any
+  format libsndfile reads) as the session's voice (:mod:`cspan.server.voices`): :class:`VoiceSet` is queued (and
+  returned), or :class:`ClientError` ``bad_voice_audio`` raised and the session keeps its voice.
 - ``session.push_audio(pcm)``: the user's audio, float32 mono at 24 kHz, any length (cut into 1920-sample frames
   here; non-finite samples handled by :func:`cspan.core.audio.sanitize_pcm`). Raises :class:`ClientError`
   ``not_started`` before ``start``.
@@ -53,7 +56,8 @@ What an adapter calls (inputs), from its ``opened()`` and ``receive(data)``:
   order with the session's outputs (e.g. what must follow the agent frames already queued).
 
 What an adapter renders (outputs): ``adapter.render(item) -> list[str | bytes]`` is called by the sender, in order,
-for every item of :data:`Outbound` except :class:`Close`: :class:`Ready`, :class:`Busy`, :class:`AgentAudio`
+for every item of :data:`Outbound` except :class:`Close`: :class:`Ready`, :class:`Busy`, :class:`VoiceSet`,
+:class:`AgentAudio`
 (one per frame), the conversation events of :mod:`cspan.core.events` (``text``, ``user_text``, ``ret``,
 ``question``, ``span``, ``late``, ``no_span``, ``error``), :class:`Timing`, :class:`ErrorOut`, :class:`Ended`, and
 the adapter's own :class:`AdapterItem`\ s.
@@ -83,11 +87,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cspan.core.audio import sanitize_pcm
-from cspan.core.constants import FRAME_RATE, FRAME_SIZE
+from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
 from cspan.core.errors import ProtocolError
 from cspan.core.events import ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
+from cspan.core.voice import VoicePrompt
 from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
 from cspan.server.settings_common import Temperature, TopK
+from cspan.server.voices import VOICE_RECORDINGS_PER_SESSION, Voice, VoiceCatalog, prepare_recording, recording_name
 
 if TYPE_CHECKING:
     from cspan.backends.identity import Principal
@@ -121,7 +127,7 @@ CLOSE_FORBIDDEN_ORIGIN = 4403
 class ClientError(ProtocolError):
     """A client mistake, with the machine-readable ``code`` every protocol reports (``error`` on ``/ws``).
 
-    Codes: ``not_started``, ``already_started``, ``stopping``, ``invalid_message``, ``bad_voice``,
+    Codes: ``not_started``, ``already_started``, ``stopping``, ``invalid_message``, ``bad_voice``, ``bad_voice_audio``,
     ``audio_overflow``, ``persona_failed``, ``internal``, and those of the adapters (``bad_json``, ``bad_frame``,
     ``too_large``, ``bad_audio``, ...). The session always goes on.
     """
@@ -187,7 +193,8 @@ class StartRequest:
     """What a client asks for when it starts a conversation (every protocol maps its own fields here).
 
     Attributes:
-        voice: a voice name of the server; None: the server's default; "": no voice prompt.
+        voice: a voice name of the server; None: the recording the client sent (:meth:`Session.set_voice_audio`),
+            else the server's default; "": no voice prompt.
         text_prompt: the persona; None: the server's default; "": none.
         profile: the user's profile fields.
         seed: the session's sampling seed (None: the server's next seed).
@@ -311,6 +318,23 @@ class Busy:
 
 
 @dataclass(frozen=True)
+class VoiceSet:
+    """A recording the client sent is the session's voice now (for a start without a voice name).
+
+    Attributes:
+        voice: its name, ``recording-`` and 12 hex digits of its SHA-256 (``PersonaInfo.voice`` once started).
+        frames: Mimi frames of the voice prompt (12.5 per second).
+        seconds: length of the recording.
+        loudness_lufs: its integrated loudness before it was normalised to -24 LUFS.
+    """
+
+    voice: str
+    frames: int
+    seconds: float
+    loudness_lufs: float
+
+
+@dataclass(frozen=True)
 class AgentAudio:
     """The agent's frame ``frame``: ``pcm`` float32 [1920] at 24 kHz."""
 
@@ -369,7 +393,7 @@ class AdapterItem:
     the session's outputs."""
 
 
-Outbound = Ready | Busy | AgentAudio | ConversationEvent | Timing | ErrorOut | Ended | Close | AdapterItem
+Outbound = Ready | Busy | VoiceSet | AgentAudio | ConversationEvent | Timing | ErrorOut | Ended | Close | AdapterItem
 """Every item a session puts in its outbox."""
 
 
@@ -379,8 +403,7 @@ Outbound = Ready | Busy | AgentAudio | ConversationEvent | Timing | ErrorOut | E
 @dataclass
 class _Start:
     request: StartRequest
-    voice_name: str | None
-    voice_codes: Any
+    voice: Voice | None
     text_prompt: str
     seed: int
     sampling: Any  # cspan.core.sampling.SessionSampling
@@ -429,6 +452,8 @@ class Session:
         self._nonfinite_reported = False
         self._flushed = 0
         self._tasks: list[asyncio.Task[Any]] = []
+        self.recorded_voice: Voice | None = None
+        self.voice_recordings = 0  # recordings the client sent (each is decoded, and a good one Mimi-encoded)
 
     # -- outputs ----------------------------------------------------------------------------------------------
 
@@ -539,6 +564,53 @@ class Session:
                 )
         self.inbox.append(frame)
 
+    async def set_voice_audio(self, data: bytes) -> VoiceSet:
+        """Make a recording the client sent (the bytes of a file: 2 to 30 s of speech, any format libsndfile reads,
+        at most :data:`~cspan.server.voices.VOICE_AUDIO_MAX_BYTES`) the voice of this session's persona, for a
+        ``start`` without a voice name, and queue :class:`VoiceSet` (also returned). Read off the event loop;
+        Mimi-encoded on the engine thread.
+
+        Raises:
+            ClientError: ``already_started`` after ``start`` (the persona is read already); ``bad_voice_audio``: too
+                large, not audio, too short or too long, silent (the message says which), or more than
+                :data:`~cspan.server.voices.VOICE_RECORDINGS_PER_SESSION` on one session; the session keeps the voice
+                it had.
+        """
+        from cspan.core.errors import AudioInputError
+
+        if self.state != "connected":
+            raise ClientError(
+                "already_started",
+                f"a voice recording while the session is {self.state}: the persona is read with the voice it had; "
+                "send the recording before start",
+            )
+        kept = f" ({self.recorded_voice.name})" if self.recorded_voice is not None else ""
+        self.voice_recordings += 1
+        if self.voice_recordings > VOICE_RECORDINGS_PER_SESSION:
+            raise ClientError(
+                "bad_voice_audio",
+                f"more than {VOICE_RECORDINGS_PER_SESSION} voice recordings on one connection (each is decoded and "
+                f"encoded on the server); the session keeps its voice{kept}",
+            )
+        try:
+            audio = await asyncio.to_thread(prepare_recording, data)
+        except AudioInputError as exc:
+            raise ClientError("bad_voice_audio", f"{exc}; the session keeps its voice{kept}") from None
+        codes = await self.hub.engine_thread.encode_voice(audio)
+        name = recording_name(data)
+        voice = Voice(name, VoicePrompt(source=Path(name), codes=codes))
+        if self.state == "connected":  # not started (or gone) while it was read
+            self.recorded_voice = voice
+        self.hub.metrics.voice_recordings.labels(self.protocol).inc()
+        done = VoiceSet(
+            voice=name,
+            frames=int(codes.shape[-1]),
+            seconds=round(audio.samples / SAMPLE_RATE, 3),
+            loudness_lufs=round(audio.loudness_lufs, 2),
+        )
+        self.put(done)
+        return done
+
     async def start(self, request: StartRequest) -> None:
         """Reserve a slot and have the frame loop read the persona (then :class:`Ready`), or :class:`Busy`.
 
@@ -560,12 +632,10 @@ class Session:
                 "invalid_message",
                 f"text_prompt: {len(prompt)} characters, over this server's limit of {settings.max_text_prompt_chars}",
             )
-        try:
-            voice_name, voice_codes = hub.voice(request.voice)
-        except KeyError:
-            raise ClientError(
-                "bad_voice", f"voice {brief(request.voice)}: not a voice of this server; use one of {hub.voice_names}"
-            ) from None
+        if request.voice is None and self.recorded_voice is not None:
+            voice: Voice | None = self.recorded_voice
+        else:
+            voice = await hub.voice(request.voice)
         self.profile_fields = request.profile
         seed = request.seed if request.seed is not None else hub.next_seed()
         sampling = hub.sampling(request.sampling)
@@ -583,7 +653,7 @@ class Session:
             return
         self.state = "starting"
         self.last_audio = time.monotonic()
-        start = _Start(request, voice_name, voice_codes, prompt, seed, sampling)
+        start = _Start(request, voice, prompt, seed, sampling)
         try:
             start.vad = await asyncio.to_thread(hub.make_vad)
         except Exception as exc:
@@ -754,24 +824,8 @@ class SessionHub:
         self._closing = False
         self._session_counter = 0
         self._silence = np.zeros(FRAME_SIZE, dtype=np.float32)
-        self._voices: dict[str, Any] = {}
-        self.voice_files: dict[str, Any] = dict(getattr(checkpoint, "voices", {}) or {})
-        default = settings.voice
-        if default and default not in self.voice_files:
-            path = Path(default).expanduser()
-            if not path.is_file():
-                from cspan.core.errors import CheckpointError
-
-                raise CheckpointError(
-                    f"--voice {default!r}: neither a voice of the checkpoint ({sorted(self.voice_files)}) nor a file"
-                )
-            self.voice_files[path.stem] = path
-            default = path.stem
-        if default is None and self.voice_files:
-            default = min(self.voice_files)
-        self.default_voice: str | None = default or None  # "" (--voice ''): no voice prompt by default
+        self.voices = VoiceCatalog(checkpoint, settings.voice)  # the default is loaded now: a broken file fails here
         self.model_name = str(settings.checkpoint or getattr(checkpoint, "source", None) or "default")
-        self.voice(None)  # load the default voice now: a broken file fails at start-up, not in a session
 
     @property
     def running(self) -> bool:
@@ -831,7 +885,8 @@ class SessionHub:
 
     @property
     def voice_names(self) -> list[str]:
-        return sorted(self.voice_files)
+        """The server's named voices (``GET /info``)."""
+        return self.voices.names
 
     def sampling(self, options: SamplingOptions, base: Any = None) -> Any:
         """The :class:`cspan.core.sampling.SessionSampling` of ``options`` over ``base`` (default: the engine's
@@ -861,18 +916,28 @@ class SessionHub:
             raise ClientError("invalid_message", str(exc)) from None
         return SessionSampling(text, audio)
 
-    def voice(self, requested: str | None) -> tuple[str | None, Any]:
-        """``(name, codes [8, P])`` of a requested voice (None: the default, "": none). Raises KeyError."""
-        name = self.default_voice if requested is None else requested
-        if not name:
-            return None, None
-        if name not in self.voice_files:
-            raise KeyError(name)
-        if name not in self._voices:
-            from cspan.core.checkpoint import load_voice
+    @property
+    def default_voice(self) -> str | None:
+        """The voice of a session that names none (None: no voice prompt)."""
+        return self.voices.default
 
-            self._voices[name] = load_voice(self.voice_files[name], self.checkpoint)
-        return name, self._voices[name]
+    async def voice(self, requested: str | None) -> Voice | None:
+        """The named voice ``requested`` (None: the default; "": none), loaded the first time it is asked for.
+
+        Raises:
+            ClientError: ``bad_voice``: not a voice of this server, or its file cannot be read.
+        """
+        from cspan.core.errors import CspanError
+
+        try:
+            return await self.voices.get(requested, self.engine_thread)
+        except KeyError:
+            raise ClientError(
+                "bad_voice", f"voice {brief(requested)}: not a voice of this server; use one of {self.voice_names}"
+            ) from None
+        except CspanError as exc:
+            logger.error("voice %s cannot be loaded: %s", requested, exc)
+            raise ClientError("bad_voice", f"voice {brief(requested)} cannot be loaded on this server: {exc}") from None
 
     def next_seed(self) -> int:
         self._session_counter += 1
@@ -1046,7 +1111,7 @@ class SessionHub:
                 seed=req.seed,
                 sampling=req.sampling,
                 text_prompt=req.text_prompt,
-                voice_codes=req.voice_codes,
+                voice=req.voice.prompt if req.voice is not None else None,
                 user_name=profile.name or None,
                 user_city=profile.city or None,
             )
@@ -1070,7 +1135,7 @@ class SessionHub:
                 settings={
                     "session_id": session.id,
                     "protocol": session.protocol,
-                    "voice": req.voice_name,
+                    "voice": req.voice.name if req.voice is not None else None,
                     "seed": req.seed,
                     "app": "serve",
                 },
@@ -1115,7 +1180,7 @@ class SessionHub:
                 idle_timeout_s=self.settings.idle_timeout_s,
                 persona=PersonaInfo(
                     text_prompt=req.text_prompt,
-                    voice=req.voice_name,
+                    voice=req.voice.name if req.voice is not None else None,
                     prefix_frames=int(report.num_frames),
                     prefill_ms=float(report.prefill_ms),
                 ),
@@ -1326,5 +1391,6 @@ __all__ = [
     "SessionStats",
     "StartRequest",
     "Timing",
+    "VoiceSet",
     "brief",
 ]

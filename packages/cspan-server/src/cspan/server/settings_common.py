@@ -101,7 +101,9 @@ class ModelSettings(BaseSettings):
     )
     voice: Utf8Text | None = Field(
         None,
-        description="voice name in the checkpoint's voices/ or a .pt file of codes (default: the first voice)",
+        description="voice prompt: a voice name of the checkpoint (its voices/, or PersonaPlex's voices.tgz: NATF2), "
+        "a .pt voice file (codes, or PersonaPlex's embeddings), or a 2-30 s recording (WAV, FLAC, OGG, MP3) to clone "
+        "(default: the first voice of the checkpoint's voices/)",
         json_schema_extra={"group": "model"},
     )
     text_prompt: Utf8Text = Field(
@@ -128,6 +130,12 @@ class ModelSettings(BaseSettings):
         description="seed of the session's sampler (0 to 2**63 - 1)",
         json_schema_extra={"group": "model"},
     )
+    fuse_lora: bool = Field(
+        False,
+        description="fold a fine-tune's LoRA adapters (its own, or moshi-finetune's lora.safetensors) into the weights "
+        "at load: plain linear layers, faster steps (upstream's --fuse-lora)",
+        json_schema_extra={"group": "model"},
+    )
     device: str | None = Field(
         None, description="cuda, cuda:1, cpu (default: cuda if available)", json_schema_extra={"group": "model"}
     )
@@ -136,6 +144,24 @@ class ModelSettings(BaseSettings):
         description="capture the CUDA step as a graph (--no-cuda-graphs runs it eagerly)",
         json_schema_extra={"group": "model"},
     )
+
+    @field_validator("voice")
+    @classmethod
+    def _check_voice_recording(cls, value: str | None) -> str | None:
+        """A recording given as the voice is read now (2-30 s, not silent, audio at all), before any model loads."""
+        if value:
+            from cspan.core.errors import AudioInputError, os_error_cause
+            from cspan.core.voice import is_torch_file, prepare_voice_audio
+
+            path = Path(value).expanduser()
+            try:
+                if path.is_file() and not is_torch_file(path):
+                    prepare_voice_audio(path)
+            except AudioInputError as exc:
+                raise ValueError(str(exc)) from None
+            except OSError as exc:
+                raise ValueError(f"{value}: cannot be read ({os_error_cause(exc)})") from None
+        return value
 
 
 class _LegacyEnv(PydanticBaseSettingsSource):

@@ -17,6 +17,8 @@ byte  kind        here
                   upstream clients ignore these
 0x05  error       server -> client: UTF-8 ``"<code>: <message>"``; the session goes on (after a refused start
                   the bye metadata says ``refused`` and the connection closes with 1008)
+0x06  voice       client -> server (this server's addition): a piece of the voice recording announced with
+                  ``?voice_audio=BYTES``
 ====  ==========  ======================================================================================
 
 Query parameters (PersonaPlex's): ``text_prompt``, ``voice_prompt`` (a voice name, with or without ``.pt`` /
@@ -25,11 +27,16 @@ session's sampling: ``text_temperature``, ``text_topk``, ``audio_temperature``, 
 them; here each session samples with its own, in the same batched step; a bad value refuses the start with a
 ``0x05`` error). ``repetition_penalty``, ``repetition_penalty_context`` and ``pad_mult`` are not applied: the
 ``session`` metadata lists them under ``not_applied`` and gives the sampling in effect under ``sampling``.
+This server's addition: ``voice_audio=BYTES``, a recording of the user's voice (a file of that many
+bytes, 2 to 30 s of speech, any format libsndfile reads) that the client sends as ``0x06`` messages before anything
+else; the conversation starts once it has arrived, with that voice (a ``0x04`` ``{"type": "voice", ...}`` says
+so), or, when it cannot be a voice, with the ``voice_prompt`` or default voice after a ``0x05 bad_voice_audio``.
 ``token``: the server's token when it has one (or ``Authorization: Bearer``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -53,10 +60,12 @@ from cspan.server.session import (
     Session,
     StartRequest,
     Timing,
+    VoiceSet,
     brief,
 )
+from cspan.server.voices import VOICE_AUDIO_MAX_BYTES, VoiceUpload
 
-HANDSHAKE, AUDIO, TEXT, CONTROL, METADATA, ERROR = 0, 1, 2, 3, 4, 5
+HANDSHAKE, AUDIO, TEXT, CONTROL, METADATA, ERROR, VOICE = 0, 1, 2, 3, 4, 5, 6
 SAMPLING_PARAMETERS = ("text_temperature", "text_topk", "audio_temperature", "audio_topk")
 """PersonaPlex's sampling query parameters, applied to the session (:class:`SamplingOptions`)."""
 NOT_APPLIED = ("repetition_penalty", "repetition_penalty_context", "pad_mult")
@@ -75,6 +84,7 @@ class MoshiAdapter(ProtocolAdapter):
         self._decoder = OggOpusDecoder()
         self._encoder = OggOpusEncoder()
         self._not_applied = sorted(k for k in NOT_APPLIED if k in connection.query)
+        self._upload: VoiceUpload | None = None
 
     @classmethod
     def credential(cls, connection: Connection) -> Credential:
@@ -83,18 +93,66 @@ class MoshiAdapter(ProtocolAdapter):
         return Credential(token=token)
 
     async def opened(self) -> None:
-        """Start at once from the query parameters (the protocol has no start message)."""
+        """Start at once from the query parameters (the protocol has no start message), or once the voice recording
+        of ``?voice_audio=BYTES`` has arrived."""
+        size = self.connection.query.get("voice_audio")
+        if size is None:
+            await self._start()
+            return
+        try:
+            bytes_ = int(size)
+        except ValueError:
+            bytes_ = 0
+        if not 1 <= bytes_ <= VOICE_AUDIO_MAX_BYTES:
+            message = f"voice_audio={brief(size)}: the recording's size in bytes, 1 to {VOICE_AUDIO_MAX_BYTES}"
+            self.session.client_error("invalid_message", message)
+            await self.session.end("refused", code=CLOSE_POLICY, message=message)
+            return
+        self._upload = VoiceUpload(bytes_)
+
+    async def _start(self) -> None:
         try:
             await self.session.start(self._start_request())
         except ClientError as exc:
             self.session.client_error(exc.code, exc.message)
             await self.session.end("refused", code=CLOSE_POLICY, message=exc.message)
 
+    async def _voice_piece(self, data: bytes) -> None:
+        """One ``0x06`` piece of the recording; once it is whole (or refused), the conversation starts."""
+        upload = self._upload
+        if upload is None:
+            raise ClientError(
+                "bad_message", "0x06 voice: announce a recording with ?voice_audio=BYTES and send it before audio"
+            )
+        try:
+            whole = upload.add(data)
+        except ValueError as exc:
+            self._upload = None
+            self.session.client_error("bad_voice_audio", f"{exc}: the recording is dropped")
+            await self._start()
+            return
+        if whole is None:
+            return
+        self._upload = None
+        try:
+            await self.session.set_voice_audio(whole)
+        except ClientError as exc:
+            self.session.client_error(exc.code, exc.message)
+        await self._start()
+
     async def receive(self, data: bytes | str) -> None:
         if isinstance(data, str) or not data:
             raise ClientError("bad_message", "send binary messages whose first byte is the kind (0x01 audio)")
         kind = data[0]
-        if kind == AUDIO:
+        if kind == VOICE:
+            await self._voice_piece(data[1:])
+        elif self._upload is not None:
+            raise ClientError(
+                "not_started",
+                f"message kind 0x{kind:02x} while the voice recording is being sent ({self._upload.received} of "
+                f"{self._upload.size} bytes): send all of it (0x06) first",
+            )
+        elif kind == AUDIO:
             pcm, problem = await off_loop(len(data), self._decoder.decode, data[1:])
             self.session.push_audio(pcm)
             if problem:
@@ -128,11 +186,13 @@ class MoshiAdapter(ProtocolAdapter):
             return [_metadata(info)]
         if isinstance(item, Timing):
             return []
+        if isinstance(item, VoiceSet):
+            return [_metadata({"type": "voice", **dataclasses.asdict(item)})]
         return [bytes([METADATA]) + dumps(item).encode("utf-8")]  # span (with its reference), user_text, ...
 
     def _start_request(self) -> StartRequest:
         q = self.connection.query
-        voice = q.get("voice_prompt")
+        voice = q.get("voice_prompt") if self.session.recorded_voice is None else None
         if voice is not None:
             voice = voice.strip()
             for suffix in (".pt", ".wav"):

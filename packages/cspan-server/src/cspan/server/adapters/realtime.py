@@ -106,6 +106,7 @@ from cspan.server.session import (
     SamplingOptions,
     StartRequest,
     Timing,
+    VoiceSet,
     brief,
 )
 
@@ -176,6 +177,18 @@ class _FunctionCall(AdapterItem):
 def _dialect(connection: Connection) -> Dialect:
     beta = "realtime=v1" in connection.headers.get("openai-beta", "") or BETA_SUBPROTOCOL in connection.subprotocols
     return "beta" if beta else "ga"
+
+
+def _base64(text: str) -> bytes:
+    """Base64 text -> bytes (``session.cspan.voice_audio``).
+
+    Raises:
+        ClientError: ``bad_voice_audio`` when it is not base64.
+    """
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ClientError("bad_voice_audio", f"not base64 ({exc}); the session keeps its voice") from None
 
 
 def _function_call_output(item: FunctionCallOutputItemIn) -> str:
@@ -339,6 +352,7 @@ class RealtimeAdapter(ProtocolAdapter):
 
         tools: list[FunctionTool] | None = None
         bank_tools: list[Any] = []
+        recorded: VoiceSet | None = None
         if new.tools is not None:
             try:  # schemas become validated models: cost grows with them, so off the event loop
                 tools, bank_tools = await asyncio.to_thread(self._tools_of, new, event_id, self.hub.tool_names())
@@ -368,7 +382,7 @@ class RealtimeAdapter(ProtocolAdapter):
         if voice is None and new.audio is not None and new.audio.output is not None:
             voice = new.audio.output.voice
         voice_name = voice.get("id") if isinstance(voice, dict) else voice
-        current = c.voice or self.hub.default_voice
+        current = self._voice()
         if voice_name is not None and voice_name != current:
             if not isinstance(voice_name, str) or voice_name not in self.hub.voice_names:
                 if isinstance(voice_name, str) and voice_name in OPENAI_VOICES:
@@ -459,7 +473,26 @@ class RealtimeAdapter(ProtocolAdapter):
                     c.profile = c.profile.model_copy(update=options.profile.model_dump(exclude_unset=True))
                 except ClientError as exc:
                     refuse(exc.code, f"{exc.message}; not applied", "session.cspan.profile")
+            if options.voice_audio is not None:
+                param = "session.cspan.voice_audio"
+                if started:
+                    refuse(
+                        "session_live",
+                        "a voice recording after the conversation started: the persona was read with the earlier "
+                        "voice; not applied",
+                        param,
+                    )
+                else:
+                    try:
+                        recorded = await self.session.set_voice_audio(
+                            await off_loop(len(options.voice_audio), _base64, options.voice_audio)
+                        )
+                        c.voice = None  # the recording is the voice from now on (a later voice name replaces it)
+                    except ClientError as exc:
+                        refuse(exc.code, exc.message, param)
         self._emit(SessionEvent(type="session.updated", session=self._session_object()))
+        if recorded is not None:
+            self._emit(*self._extension("cspan.voice", dataclasses.asdict(recorded)))
         for exc in problems:
             self._error(exc)
         for code, message, param in warnings:
@@ -673,6 +706,8 @@ class RealtimeAdapter(ProtocolAdapter):
                     error=ErrorDetail(type="server_error", code="backend", message=f"{item.stage}: {item.message}")
                 )
             ]
+        if isinstance(item, VoiceSet):  # reported after the session.updated of its session.update
+            return []
         if isinstance(item, Ready):
             return self._extension("cspan.ready", {k: getattr(item, k) for k in ("conversation_id", "seed", "slot")})
         if isinstance(item, SpanEvent):
@@ -740,8 +775,13 @@ class RealtimeAdapter(ProtocolAdapter):
         data = {"code": code, "message": message, "param": param, "event_id": event_id}
         self._emit(*self._extension("cspan.warning", data))
 
+    def _voice(self) -> str | None:
+        """The voice the persona will be read with: the one named, else the client's recording, else the default."""
+        recorded = self.session.recorded_voice
+        return self.config.voice or (recorded.name if recorded is not None else None) or self.hub.default_voice
+
     def _audio_output(self) -> dict[str, Any]:
-        return {"format": self._format(self.config.output_format), "voice": self.config.voice or self.hub.default_voice}
+        return {"format": self._format(self.config.output_format), "voice": self._voice()}
 
     @staticmethod
     def _format(fmt: AudioFormat) -> dict[str, Any]:
@@ -751,7 +791,7 @@ class RealtimeAdapter(ProtocolAdapter):
         """The effective session as ``session.created`` / ``session.updated`` report it (in the dialect's shape)."""
         c = self.config
         settings = self.hub.settings
-        voice = c.voice or self.hub.default_voice
+        voice = self._voice()
         instructions = settings.text_prompt if c.instructions is None else c.instructions
         transcription = {"model": "cspan"} if self.hub.transcriber is not None else None
         turn_detection = {

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pydantic import BaseModel
 
 from cspan.server.adapters import Connection, Credential, ProtocolAdapter, off_loop
@@ -19,6 +21,8 @@ from cspan.server.protocol import (
     ReadyMessage,
     SlotMessage,
     StartMessage,
+    VoiceAudioMessage,
+    VoiceMessage,
     decode_audio_frame,
     dumps,
     encode_audio_frame,
@@ -28,6 +32,7 @@ from cspan.server.protocol import (
 from cspan.server.session import (
     AgentAudio,
     Busy,
+    ClientError,
     Ended,
     ErrorOut,
     Outbound,
@@ -36,12 +41,15 @@ from cspan.server.session import (
     Session,
     StartRequest,
     Timing,
+    VoiceSet,
 )
+from cspan.server.voices import VoiceUpload
 
 
 class CspanAdapter(ProtocolAdapter):
-    """``/ws``: binary messages are one 80 ms PCM frame each way, text messages are JSON (``start``, ``context``,
-    ``stop`` in; ``ready``, ``busy``, ``slot``, ``error``, ``bye`` and the conversation events out)."""
+    """``/ws``: binary messages are one 80 ms PCM frame each way (or Ogg/Opus, or before ``start`` the pieces of a
+    voice recording), text messages are JSON (``start``, ``voice_audio``, ``context``, ``stop`` in; ``ready``,
+    ``busy``, ``voice``, ``slot``, ``error``, ``bye`` and the conversation events out)."""
 
     name = "cspan"
     path = "/ws"
@@ -51,6 +59,7 @@ class CspanAdapter(ProtocolAdapter):
         self.codec = "pcm"
         self._decoder: OggOpusDecoder | None = None
         self._encoder: OggOpusEncoder | None = None
+        self._upload: VoiceUpload | None = None
 
     @classmethod
     def credential(cls, connection: Connection) -> Credential:
@@ -62,10 +71,21 @@ class CspanAdapter(ProtocolAdapter):
 
     async def receive(self, data: bytes | str) -> None:
         if isinstance(data, bytes):
-            await self._audio(data)
+            if self._upload is not None:
+                await self._voice_piece(self._upload, data)
+            else:
+                await self._audio(data)
             return
         msg = await off_loop(len(data), parse_client_message, data)
-        if isinstance(msg, StartMessage):
+        if isinstance(msg, VoiceAudioMessage):
+            self._announce_voice(msg.size)
+        elif isinstance(msg, StartMessage):
+            if self._upload is not None:
+                raise ProtocolCodeError(
+                    "invalid_message",
+                    f"start while a voice recording is being sent ({self._upload.received} of {self._upload.size} "
+                    "bytes so far): send the rest of it first, or a new voice_audio",
+                )
             request = _start_request(msg)
             if self.session.state == "connected":
                 self._negotiate(msg.codecs)
@@ -74,6 +94,37 @@ class CspanAdapter(ProtocolAdapter):
             self.session.update_profile(msg.profile)
         else:
             await self.session.stop()
+
+    def _announce_voice(self, size: int) -> None:
+        """``voice_audio``: the next ``size`` bytes of binary messages are a recording (an unfinished one is
+        dropped)."""
+        if self.session.state != "connected":
+            raise ProtocolCodeError(
+                "already_started",
+                f"voice_audio while the session is {self.session.state}: the persona is read with the voice it had; "
+                "send the recording before start",
+            )
+        if self._upload is not None:
+            self.session.client_error(
+                "bad_voice_audio",
+                f"the voice recording announced before was not complete ({self._upload.received} of "
+                f"{self._upload.size} bytes): dropped for the new one",
+            )
+        self._upload = VoiceUpload(size)
+
+    async def _voice_piece(self, upload: VoiceUpload, data: bytes) -> None:
+        """One binary message of an announced voice recording; the last one makes it the session's voice."""
+        try:
+            whole = upload.add(data)
+        except ValueError as exc:
+            self._upload = None
+            raise ClientError(
+                "bad_voice_audio", f"{exc}: the recording is dropped and the session keeps its voice"
+            ) from None
+        if whole is None:
+            return
+        self._upload = None
+        await self.session.set_voice_audio(whole)
 
     def render(self, item: Outbound) -> list[bytes | str]:
         if isinstance(item, AgentAudio):
@@ -132,6 +183,8 @@ def _start_request(msg: StartMessage) -> StartRequest:
 
 
 def _message(item: Outbound) -> BaseModel:
+    if isinstance(item, VoiceSet):
+        return VoiceMessage(**dataclasses.asdict(item))
     if isinstance(item, Ready):
         return ReadyMessage(
             session_id=item.session_id,

@@ -1,6 +1,9 @@
 // The cspan serve page: microphone -> WebSocket -> agent audio, transcripts and Context Spans.
 // Protocol: docs/PROTOCOL.md (binary = Ogg/Opus where the browser has WebCodecs, else one 80 ms frame of float32
 // LE samples at 24 kHz, negotiated in start.codecs; text = JSON events). Ogg/Opus: ogg-opus.js.
+// "Use my voice": 12 s recorded from the microphone, or a 2-30 s file (decoded by the browser), is sent as a 16-bit
+// WAV at 24 kHz with voice_audio before start; the server answers voice (or error bad_voice_audio: the conversation
+// then starts with the voice chosen before).
 // URL parameters: ?token=... (sent as the WebSocket subprotocol cspan.token.<token>), ?aec=0 (no echo
 // cancellation), ?raw=1 (no noise suppression or automatic gain), ?codec=pcm (no Opus), ?test={json} (test-only:
 // sent as start.test, accepted only by a server started with test hooks).
@@ -10,6 +13,9 @@
   const PROTOCOL_VERSION = 1;
   const RATE = 24000;
   const FRAME = 1920;
+  const RECORD_SECONDS = 12;
+  const MINE = "\u2063mine"; // the select's value for "my voice" (never a server voice name)
+  const PIECE = 64 * 1024; // bytes per binary message of a voice recording
   const params = new URLSearchParams(location.search);
   const token = params.get("token");
   const $ = (id) => document.getElementById(id);
@@ -22,6 +28,9 @@
     prompt: $("text-prompt"),
     promptCount: $("prompt-count"),
     voice: $("voice"),
+    recordVoice: $("record-voice"),
+    voiceFile: $("voice-file"),
+    voiceStatus: $("voice-status"),
     name: $("name"),
     location: $("location"),
     timezone: $("timezone"),
@@ -42,6 +51,8 @@
 
   let info = null;
   let s = null; // the running session (see newSession)
+  let myVoice = null; // {wav: Uint8Array, seconds, source}: the user's own voice, in this page only
+  let recording = false;
 
   // ------------------------------------------------------------------------------------------ page state
 
@@ -125,6 +136,10 @@
       ui.voice.appendChild(o);
     }
     ui.voice.value = stored("cspan.voice", "") || info.default_voice || "";
+    if (info.voice_recording) {
+      const { min_seconds: min, max_seconds: max } = info.voice_recording;
+      for (const label of ui.voiceFile.labels) label.title = `A recording of ${min} to ${max} s of your speech`;
+    }
     if (![...ui.voice.options].some((o) => o.value === ui.voice.value)) ui.voice.value = info.default_voice || "";
     updateCount();
     if (info.token_required && !token) {
@@ -133,6 +148,154 @@
     if (info.protocol_version !== PROTOCOL_VERSION) {
       notice(`Server protocol ${info.protocol_version}, page protocol ${PROTOCOL_VERSION}: reload the page.`, "warn");
     }
+  }
+
+  // ------------------------------------------------------------------------------------------ my voice
+
+  function voiceStatus(text, bad) {
+    ui.voiceStatus.textContent = text;
+    ui.voiceStatus.className = "muted small" + (bad ? " bad" : "");
+  }
+
+  // mono float samples at 24 kHz -> 16-bit PCM WAV (x * 32768, clamped: a 16-bit file decoded by the browser
+  // comes back with the very same samples)
+  function wavMono(pcm) {
+    const buf = new ArrayBuffer(44 + pcm.length * 2);
+    const v = new DataView(buf);
+    const w = (o, str) => {
+      for (let i = 0; i < str.length; i++) v.setUint8(o + i, str.charCodeAt(i));
+    };
+    w(0, "RIFF");
+    v.setUint32(4, 36 + pcm.length * 2, true);
+    w(8, "WAVE");
+    w(12, "fmt ");
+    v.setUint32(16, 16, true);
+    v.setUint16(20, 1, true);
+    v.setUint16(22, 1, true);
+    v.setUint32(24, RATE, true);
+    v.setUint32(28, RATE * 2, true);
+    v.setUint16(32, 2, true);
+    v.setUint16(34, 16, true);
+    w(36, "data");
+    v.setUint32(40, pcm.length * 2, true);
+    for (let i = 0; i < pcm.length; i++) {
+      v.setInt16(44 + 2 * i, Math.max(-32768, Math.min(32767, Math.round(pcm[i] * 32768))), true);
+    }
+    return new Uint8Array(buf);
+  }
+
+  function limits() {
+    const r = (info && info.voice_recording) || {};
+    return { min: r.min_seconds || 2, max: r.max_seconds || 30, bytes: r.max_bytes || 8 * 1024 * 1024 };
+  }
+
+  // seconds: null when the browser could not decode the file (sent as it is)
+  function setMyVoice(wav, seconds, source) {
+    myVoice = { wav, seconds, source };
+    const what = seconds === null ? source : `${source}, ${seconds.toFixed(1)} s`;
+    let option = [...ui.voice.options].find((o) => o.value === MINE);
+    if (!option) {
+      option = document.createElement("option");
+      option.value = MINE;
+      ui.voice.appendChild(option);
+    }
+    option.textContent = `My voice (${what})`;
+    ui.voice.value = MINE;
+    voiceStatus(`Your voice is ready (${what}): it is sent with Start.`);
+  }
+
+  async function recordVoice() {
+    if (recording) return;
+    if (s && !s.finished) {
+      voiceStatus("A voice is read when a conversation starts: record it after Stop, for the next one.", true);
+      return;
+    }
+    if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
+      ui.insecure.hidden = false;
+      voiceStatus("The microphone is not available on this page.", true);
+      return;
+    }
+    recording = true;
+    ui.recordVoice.disabled = ui.start.disabled = true;
+    let stream = null;
+    let ctx = null;
+    try {
+      stream = await navigator.mediaDevices.getUserMedia({
+        audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false },
+      });
+      try {
+        ctx = new AudioContext({ sampleRate: RATE });
+      } catch (e) {
+        ctx = new AudioContext();
+      }
+      await ctx.audioWorklet.addModule("/static/mic-worklet.js");
+      const mic = new AudioWorkletNode(ctx, "mic-frames", {
+        numberOfInputs: 1,
+        numberOfOutputs: 1,
+        outputChannelCount: [1],
+        processorOptions: { frameSize: FRAME, inputRate: ctx.sampleRate, outputRate: RATE },
+      });
+      const mute = ctx.createGain();
+      mute.gain.value = 0;
+      ctx.createMediaStreamSource(stream).connect(mic).connect(mute).connect(ctx.destination);
+      const want = Math.round((RECORD_SECONDS * RATE) / FRAME);
+      const frames = [];
+      await ctx.resume();
+      await new Promise((resolve) => {
+        mic.port.onmessage = (e) => {
+          if (frames.length >= want) return;
+          frames.push(e.data);
+          ui.levelUser.value = level(e.data);
+          const left = Math.ceil(((want - frames.length) * FRAME) / RATE);
+          voiceStatus(`Recording your voice: speak for ${left} more s…`);
+          if (frames.length >= want) resolve();
+        };
+      });
+      const pcm = new Float32Array(frames.length * FRAME);
+      frames.forEach((f, i) => pcm.set(f, i * FRAME));
+      setMyVoice(wavMono(pcm), pcm.length / RATE, "recorded");
+    } catch (e) {
+      voiceStatus("Recording failed: " + e, true);
+    } finally {
+      if (stream) stream.getTracks().forEach((t) => t.stop());
+      if (ctx) ctx.close().catch(() => {});
+      ui.levelUser.value = 0;
+      recording = false;
+      ui.recordVoice.disabled = false;
+      ui.start.disabled = !!(s && !s.finished);
+    }
+  }
+
+  async function uploadVoice(file) {
+    if (!file) return;
+    const { min, max, bytes } = limits();
+    const data = new Uint8Array(await file.arrayBuffer());
+    let pcm = null;
+    try {
+      // decoded and resampled to 24 kHz by the browser (any format it plays); channel 0, as the server takes it
+      const decoded = await new OfflineAudioContext(1, 1, RATE).decodeAudioData(data.slice().buffer);
+      pcm = decoded.getChannelData(0);
+    } catch (e) {
+      if (data.length > bytes) {
+        voiceStatus(`${file.name}: this browser cannot read it, and it is too large to send as it is.`, true);
+        return;
+      }
+      setMyVoice(data, null, file.name); // sent as it is: the server reads what libsndfile reads, or says why not
+      voiceStatus(`${file.name}: this browser cannot read it; it is sent as it is and the server checks it.`);
+      return;
+    }
+    const seconds = pcm.length / RATE;
+    if (seconds < min || seconds > max) {
+      voiceStatus(`${file.name} is ${seconds.toFixed(1)} s long; a voice needs ${min} to ${max} s of speech.`, true);
+      return;
+    }
+    let peak = 0;
+    for (let i = 0; i < pcm.length; i++) peak = Math.max(peak, Math.abs(pcm[i]));
+    if (peak < 1e-4) {
+      voiceStatus(`${file.name} is silent; record some speech.`, true);
+      return;
+    }
+    setMyVoice(wavMono(pcm), seconds, file.name);
   }
 
   // ------------------------------------------------------------------------------------------ rendering
@@ -232,6 +395,10 @@
         setStatus("listening");
         notice("");
         break;
+      case "voice":
+        voiceStatus(`The server took your voice (${msg.seconds.toFixed(1)} s, ${msg.frames} frames).`);
+        if (s.pendingStart) sendStart(s, null);
+        break;
       case "busy":
         s.busy = true;
         setStatus("busy");
@@ -263,6 +430,11 @@
       case "error":
         if (msg.code === "backend") {
           spanItem("none", [txt(`${msg.stage} failed: ${msg.message}`)]);
+        } else if (msg.code === "bad_voice_audio" && s.pendingStart) {
+          const fallback = s.fallbackVoice || "no voice prompt";
+          voiceStatus(`The server did not take your voice: ${msg.message}`, true);
+          notice(`Your recording was not used (${msg.message}); the conversation starts with ${fallback}.`, "warn");
+          sendStart(s, s.fallbackVoice);
         } else if (msg.code === "audio_overflow") {
           notice("The server is behind real time: some of your audio was dropped.", "warn behind");
         } else {
@@ -317,6 +489,8 @@
       bytesSent: 0,
       bytesReceived: 0,
       transportTimer: null,
+      pendingStart: false, // start waits for the server's answer to the voice recording
+      fallbackVoice: "", // the server voice used when the recording is refused
     };
   }
 
@@ -342,10 +516,10 @@
     for (const [k, el] of [
       ["cspan.name", ui.name],
       ["cspan.location", ui.location],
-      ["cspan.voice", ui.voice],
     ]) {
       store(k, el.value.trim());
     }
+    if (ui.voice.value !== MINE) store("cspan.voice", ui.voice.value);
     store("cspan.prompt", info && ui.prompt.value === info.text_prompt ? "" : ui.prompt.value);
     try {
       session.stream = await navigator.mediaDevices.getUserMedia({
@@ -404,23 +578,12 @@
     ws.binaryType = "arraybuffer";
     session.ws = ws;
     ws.onopen = () => {
-      const msg = {
-        type: "start",
-        version: PROTOCOL_VERSION,
-        profile: profile(),
-        voice: ui.voice.value,
-        text_prompt: ui.prompt.value,
-        codecs: session.opus ? ["opus", "pcm"] : ["pcm"],
-      };
-      if (params.get("test")) {
-        try {
-          msg.test = JSON.parse(params.get("test"));
-        } catch (e) {
-          notice("?test= is not JSON: " + e, "warn");
-        }
-      }
-      ws.send(JSON.stringify(msg));
       ui.stop.disabled = false;
+      if (ui.voice.value === MINE && myVoice) {
+        sendVoice(session, myVoice.wav);
+        return;
+      }
+      sendStart(session, ui.voice.value === MINE ? stored("cspan.voice", "") : ui.voice.value);
     };
     ws.onmessage = (e) => {
       if (typeof e.data === "string") {
@@ -452,6 +615,36 @@
       else if (!session.stopping && !session.bye) notice(`Connection closed (code ${e.code}).`, "bad");
       finish(session);
     };
+  }
+
+  // voice: a server voice name, "" for none, null for the recording sent before
+  function sendStart(session, voice) {
+    session.pendingStart = false;
+    const msg = {
+      type: "start",
+      version: PROTOCOL_VERSION,
+      profile: profile(),
+      text_prompt: ui.prompt.value,
+      codecs: session.opus ? ["opus", "pcm"] : ["pcm"],
+    };
+    if (voice !== null) msg.voice = voice;
+    if (params.get("test")) {
+      try {
+        msg.test = JSON.parse(params.get("test"));
+      } catch (e) {
+        notice("?test= is not JSON: " + e, "warn");
+      }
+    }
+    session.ws.send(JSON.stringify(msg));
+  }
+
+  // the recording as voice_audio and its bytes in pieces; start follows the server's answer (onServerMessage)
+  function sendVoice(session, bytes) {
+    session.pendingStart = true;
+    session.fallbackVoice = stored("cspan.voice", "") || (info && info.default_voice) || "";
+    voiceStatus("Sending your voice…");
+    session.ws.send(JSON.stringify({ type: "voice_audio", size: bytes.length }));
+    for (let o = 0; o < bytes.length; o += PIECE) session.ws.send(bytes.subarray(o, o + PIECE));
   }
 
   function onAgentFrame(session, frame) {
@@ -660,6 +853,19 @@
   // ------------------------------------------------------------------------------------------ wiring
 
   ui.start.addEventListener("click", start);
+  ui.recordVoice.addEventListener("click", recordVoice);
+  for (const label of ui.voiceFile.labels) {
+    // the file input is hidden: its label is the button, reachable from the keyboard too
+    label.addEventListener("keydown", (e) => {
+      if (e.key !== "Enter" && e.key !== " ") return;
+      e.preventDefault();
+      ui.voiceFile.click();
+    });
+  }
+  ui.voiceFile.addEventListener("change", () => {
+    uploadVoice(ui.voiceFile.files[0]).catch((e) => voiceStatus("The file could not be read: " + e, true));
+    ui.voiceFile.value = ""; // the same file chosen again is read again
+  });
   ui.stop.addEventListener("click", stop);
   ui.prompt.addEventListener("input", updateCount);
   for (const el of [ui.name, ui.location, ui.timezone, ui.lat, ui.lon]) el.addEventListener("change", sendContext);

@@ -1,0 +1,173 @@
+"""The voices of ``cspan serve``: the server's named voices, and voices a client sends as a recording.
+
+**Named voices** (:class:`VoiceCatalog`): the checkpoint's ``voices/`` (``$CSPAN_VOICES_DIR`` over them), PersonaPlex's
+``voices.tgz`` (``NATF2`` ...: input embeddings; never a default) and the ``--voice`` file when it is not one of
+those (named by its stem). ``GET /info`` lists them; a client names one (``/ws`` ``start.voice``, ``/api/chat``
+``voice_prompt``, ``/v1/realtime`` ``session.voice``). Each is loaded once, when first asked for, on the engine
+thread (a recording among them is Mimi-encoded there); the default is loaded at start-up so that a broken file fails
+then.
+
+**A client's recording** (:meth:`cspan.server.session.Session.set_voice_audio`): 2 to 30 s of speech in any format
+libsndfile reads (WAV, FLAC, OGG Vorbis/Opus, MP3), at most :data:`VOICE_AUDIO_MAX_BYTES`. It is read, resampled and
+loudness-normalised on a worker thread (:func:`cspan.core.voice.prepare_voice_audio`, as ``cspan voice encode``),
+then Mimi-encoded on the engine thread (one pass; tens of milliseconds for 30 s on a GPU, during which the frame
+clock waits), and becomes the session's voice for its persona prefix. A recording that is too short, too long,
+silent or not audio is refused (``bad_voice_audio``) and the session keeps the voice it had. Each protocol carries
+the bytes its own way (``docs/PROTOCOL.md``); :class:`VoiceUpload` collects them when they come in pieces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VOICE_AUDIO_MAX_BYTES = 8 * 1024 * 1024
+"""Largest recording a client may send as its voice (8 MiB: 30 s of 48 kHz stereo 16-bit WAV fits)."""
+
+VOICE_RECORDINGS_PER_SESSION = 8
+"""Recordings one connection may send: each is decoded on a worker thread and a good one Mimi-encoded on the engine
+thread that every session's frame clock shares, so a client cannot keep it busy."""
+
+
+@dataclass(frozen=True)
+class Voice:
+    """A voice a session speaks with.
+
+    Attributes:
+        name: a named voice of the server, or ``recording-<12 hex digits of the recording's SHA-256>`` for a
+            recording a client sent.
+        prompt: the :class:`~cspan.core.voice.VoicePrompt` (Mimi codes, or PersonaPlex input embeddings).
+    """
+
+    name: str
+    prompt: Any
+
+
+def recording_name(data: bytes) -> str:
+    """The name of a client's recording: ``recording-`` and the first 12 hex digits of its SHA-256."""
+    return "recording-" + hashlib.sha256(data).hexdigest()[:12]
+
+
+def prepare_recording(data: bytes) -> Any:
+    """A client's recording read as a voice prompt (:func:`cspan.core.voice.prepare_voice_audio`; run it off the
+    event loop: it decodes, resamples and measures up to 30 s of audio).
+
+    Raises:
+        AudioInputError: too large, not audio, a sample rate outside 1 kHz..768 kHz, shorter than 2 s, longer than
+            30 s, or silent.
+    """
+    from cspan.core.errors import AudioInputError
+    from cspan.core.voice import prepare_voice_audio
+
+    if len(data) > VOICE_AUDIO_MAX_BYTES:
+        raise AudioInputError(
+            f"the voice recording: {len(data)} bytes, over the limit of {VOICE_AUDIO_MAX_BYTES} bytes; send 2 to 30 s "
+            "of speech (a compressed format such as FLAC, OGG or MP3 is smaller)"
+        )
+    return prepare_voice_audio(io.BytesIO(data), name="the voice recording")
+
+
+class VoiceUpload:
+    """The bytes of a recording a client announced (``size`` bytes) and sends in pieces.
+
+    Raises (from :meth:`add`):
+        ValueError: more bytes than announced.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._data = bytearray()
+
+    @property
+    def received(self) -> int:
+        return len(self._data)
+
+    @property
+    def complete(self) -> bool:
+        return len(self._data) >= self.size
+
+    def add(self, piece: bytes) -> bytes | None:
+        """Add one piece; the whole recording once complete, else None."""
+        if len(self._data) + len(piece) > self.size:
+            raise ValueError(
+                f"{len(self._data) + len(piece)} bytes of a voice recording announced as {self.size} bytes; announce "
+                "its exact size"
+            )
+        self._data += piece
+        return bytes(self._data) if self.complete else None
+
+
+class VoiceCatalog:
+    """The server's named voices (see the module docstring).
+
+    Args:
+        checkpoint: the loaded :class:`~cspan.core.checkpoint.Checkpoint` (``voices``, ``archive_voices``).
+        default: ``--voice``: a name, a ``NAME.pt`` spelling of one, a voice file or a recording; None: the first of
+            the checkpoint's ``voices/``; "": no voice prompt by default.
+
+    Raises:
+        CheckpointError: ``--voice`` names no voice or file, or its file cannot be read (the message starts with
+            ``--voice``). AudioInputError: ``--voice`` is a recording that cannot be a voice.
+    """
+
+    def __init__(self, checkpoint: Any, default: str | None) -> None:
+        from cspan.core.errors import CheckpointError, CspanError
+        from cspan.core.voice import find_voice, load_voice_prompt
+
+        self.checkpoint = checkpoint
+        own = dict(getattr(checkpoint, "voices", {}) or {})
+        self.files: dict[str, Path] = {**(getattr(checkpoint, "archive_voices", {}) or {}), **own}
+        self._prompts: dict[str, Any] = {}
+        name: str | None = min(own) if own else None
+        if default is not None:
+            name = default or None
+        if default:
+            try:
+                path = find_voice(os.path.expanduser(default), checkpoint).resolve()
+            except CheckpointError as exc:
+                raise CheckpointError(f"--voice {default}: {exc}") from None
+            name = next((n for n, f in self.files.items() if Path(f).resolve() == path), None)
+            if name is None:
+                name = path.stem if path.stem not in self.files else path.name
+                self.files[name] = path
+        self.default: str | None = name
+        if name is not None:
+            try:
+                self._prompts[name] = load_voice_prompt(self.files[name], checkpoint)
+            except CspanError as exc:
+                raise type(exc)(f"--voice {default or name}: {exc}") from None
+
+    @property
+    def names(self) -> list[str]:
+        """Every named voice, sorted."""
+        return sorted(self.files)
+
+    async def get(self, requested: str | None, engine_thread: Any) -> Voice | None:
+        """The voice ``requested`` (None: the default; "": none), loaded on ``engine_thread`` the first time.
+
+        Raises:
+            KeyError: not a voice of this server. CspanError: its file cannot be read.
+        """
+        name = self.default if requested is None else requested
+        if not name:
+            return None
+        if name not in self.files:
+            raise KeyError(name)
+        if name not in self._prompts:
+            self._prompts[name] = await engine_thread.load_voice(self.files[name], self.checkpoint)
+        return Voice(name, self._prompts[name])
+
+
+__all__ = [
+    "VOICE_AUDIO_MAX_BYTES",
+    "VOICE_RECORDINGS_PER_SESSION",
+    "Voice",
+    "VoiceCatalog",
+    "VoiceUpload",
+    "prepare_recording",
+    "recording_name",
+]

@@ -1,0 +1,118 @@
+""" "Use my voice" on the page, in Debian's headless Chromium (Playwright) with a fake microphone playing
+``greeting_24k.wav``, against a real ``cspan serve`` on the tiny checkpoint: 12 s recorded from the microphone, a
+2-30 s file uploaded (the voice the server reads is the one ``--voice greeting_24k.wav`` gives), a file the browser
+cannot read (sent as it is, refused by the server: the conversation starts with the voice chosen before), and a
+file too short (refused in the page)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+
+
+def _live_session(server: Any) -> Any:
+    (session,) = [s for s in server.hub.sessions if s.state in ("live", "stopping")]
+    return session
+
+
+def _talk_and_stop(page: Any) -> None:
+    page.wait_for_selector("#status-dot.listening", timeout=120_000)
+    page.wait_for_timeout(1000)  # a second of conversation
+    page.click("#stop")
+    page.wait_for_selector("#start:not([disabled])", timeout=60_000)
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    server = serve(asr="none", router="none", max_sessions=1)
+    greeting = fixture_file("audio", "greeting_24k.wav")
+    speech, rate = sf.read(greeting, dtype="float32")
+    mic = tmp_path / "mic.wav"  # the fake microphone loops it
+    sf.write(mic, np.concatenate([speech, np.zeros(rate // 2, dtype=np.float32)]), rate, subtype="PCM_16")
+    short = tmp_path / "short.wav"
+    sf.write(short, speech[:rate], rate, subtype="PCM_16")
+    unreadable = tmp_path / "voice.wav"
+    unreadable.write_bytes(b"RIFF this is not a wave file at all" * 20)
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={mic}",
+        "--autoplay-policy=no-user-gesture-required",
+    ]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            context = browser.new_context()
+            context.grant_permissions(["microphone"], origin=server.url)
+            page = context.new_page()
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            page.goto(server.url + "/?codec=pcm")
+            page.wait_for_function("document.querySelectorAll('#voice option').length > 1")
+            assert page.input_value("#voice") == "tiny0"
+            assert page.get_attribute("label[for=voice-file]", "title") == "A recording of 2 to 30 s of your speech"
+
+            # 1. 12 s from the microphone
+            page.click("#record-voice")
+            page.locator("#voice-status", has_text="Your voice is ready").wait_for(timeout=60_000)
+            assert "My voice (recorded, 12.0 s)" in page.inner_text("#voice")
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            session = _live_session(server)
+            assert session.recorded_voice.name.startswith("recording-")
+            assert session.recorded_voice.prompt.codes.shape == (8, 150)  # 12 s at 12.5 frames per second
+            assert session._start.voice is session.recorded_voice
+            assert "The server took your voice (12.0 s, 150 frames)" in page.inner_text("#voice-status")
+            _talk_and_stop(page)
+
+            # 2. a file: the browser decodes it, the server reads the very samples `--voice greeting.wav` reads
+            page.set_input_files("#voice-file", str(short))
+            page.locator("#voice-status.bad").wait_for()
+            assert "is 1.0 s long; a voice needs 2 to 30 s" in page.inner_text("#voice-status")
+            with page.expect_file_chooser() as chooser:  # the upload button works from the keyboard too
+                page.focus("label[for=voice-file]")
+                page.keyboard.press("Enter")
+            chooser.value.set_files(str(greeting))
+            page.locator("#voice-status", has_text="Your voice is ready").wait_for()
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            session = _live_session(server)
+            expected = tiny_checkpoint.load_voice_prompt(greeting).codes
+            assert torch.equal(session.recorded_voice.prompt.codes, expected)
+            assert session.conversation is not None and session._start.voice.name == session.recorded_voice.name
+            page.click("#record-voice")  # not during a conversation: its persona is read already
+            assert "record it after Stop" in page.inner_text("#voice-status.bad")
+            _talk_and_stop(page)
+
+            # 3. a file the browser cannot read: sent as it is, refused by the server, the voice before is used
+            page.set_input_files("#voice-file", str(unreadable))
+            page.locator("#voice-status", has_text="sent as it is").wait_for()
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            session = _live_session(server)
+            assert session.recorded_voice is None and session._start.voice.name == "tiny0"
+            assert "Your recording was not used" in page.inner_text("#notice")
+            assert "cannot decode audio" in page.inner_text("#voice-status")
+            _talk_and_stop(page)
+            assert not [c for c in console if c.startswith(("pageerror", "error"))], console
+        finally:
+            browser.close()
