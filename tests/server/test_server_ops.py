@@ -196,6 +196,52 @@ async def realtime_session(server: Any, token: str) -> tuple[dict[str, Any], str
     return span, ready["conversation_id"]
 
 
+@pytest.mark.timeout(300)
+async def test_a_revoked_credential_ends_its_running_sessions(serve, users, monkeypatch) -> None:
+    """ada (``/ws``) and bob (``/v1/realtime``) are talking; ada's token is revoked (``cspan users revoke``): her
+    session ends with ``bye`` reason ``revoked`` and close 4401 while bob's goes on; then bob is forgotten with his
+    tokens (``cspan db forget bob --tokens``): his Realtime session ends with ``session_ended`` (``revoked``)."""
+    from cspan.server import app as app_module
+
+    monkeypatch.setattr(app_module, "CREDENTIAL_RECHECK_S", 0.2)
+    server = serve(db=str(users["db"]), max_sessions=2)
+    async with (
+        websockets.connect(ws_url(server, users["ada"]), max_size=None) as ws,
+        websockets.connect(
+            f"ws://127.0.0.1:{server.port}/v1/realtime?model=cspan",
+            additional_headers={"Authorization": f"Bearer {users['bob']}"},
+        ) as rt,
+    ):
+        ada = Client(ws)
+        assert (await ada.start())["type"] == "ready"
+        assert json.loads(await rt.recv())["type"] == "session.created"
+        await asyncio.sleep(1.0)  # a few checks pass while both tokens are valid
+        assert all(not s.ending for s in server.hub.sessions)
+        with ContextDB(users["db"]) as db:  # what `cspan users revoke --user ada` does, from another process
+            assert db.revoke_tokens(user_id="ada") == 1
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await ada.recv(timeout=30)
+        assert closed.value.rcvd.code == 4401
+        (bye,) = ada.received.json("bye")
+        assert bye["reason"] == "revoked" and "revoked" in bye["message"]
+        (bob,) = [s for s in server.hub.sessions if s.principal.user_id == "bob"]
+        assert not bob.ending
+        with ContextDB(users["db"]) as db:
+            db.forget_user("bob", tokens=True)
+        ended = None
+        while ended is None:
+            event = json.loads(await asyncio.wait_for(rt.recv(), 30))
+            if event["type"] == "error" and event["error"]["code"] == "session_ended":
+                ended = event
+        assert ended["error"]["param"] == "revoked"
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await asyncio.wait_for(rt.recv(), 30)
+        assert closed.value.rcvd.code == 4401
+    assert await close_code(ws_url(server, users["ada"])) == 4401
+
+
 @pytest.fixture(scope="module")
 def stub_llm() -> Iterator[Any]:
     """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``)."""

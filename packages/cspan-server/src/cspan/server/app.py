@@ -45,6 +45,9 @@ from cspan.server.session import (
 
 logger = logging.getLogger(__name__)
 
+CREDENTIAL_RECHECK_S = 5.0
+"""How often a running session's credential is checked again: a revoked token ends its sessions within this."""
+
 STATIC_FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
@@ -449,6 +452,7 @@ async def serve_connection(
     adapter = adapter_cls(session, connection)
     sender = asyncio.ensure_future(_send(websocket, session, adapter, metrics))
     watchdog = asyncio.ensure_future(session.watchdog())
+    recheck = asyncio.ensure_future(_recheck_credential(session, authenticator, credential.token))
     try:
         await _handle(session, adapter.opened())
         while True:
@@ -474,10 +478,33 @@ async def serve_connection(
         logger.debug("session %s: receive ended: %s", session.id, exc)
     finally:
         watchdog.cancel()
+        recheck.cancel()
         await session.disconnected()
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sender
+
+
+async def _recheck_credential(session: Session, authenticator: Authenticator, token: str | None) -> None:
+    """End ``session`` (reason ``revoked``, close 4401) once its credential no longer authenticates as its principal
+    with the ``session`` scope: a token revoked with ``cspan users revoke`` (on any replica), removed from the token
+    file (SIGHUP), or its user's tokens forgotten. Checked every :data:`CREDENTIAL_RECHECK_S`; a failing Context DB
+    keeps the session (logged), as it is not the client's fault. Sessions of the local principal (no credentials
+    configured when they started) are not checked."""
+    if session.principal.source == "local":
+        return
+    while not session.ending:
+        await asyncio.sleep(CREDENTIAL_RECHECK_S)
+        try:
+            principal = await authenticator.authenticate(token)
+        except Exception as exc:
+            logger.warning("session %s: could not check its credential again: %s", session.id, exc)
+            continue
+        if principal is None or principal.user_id != session.principal.user_id:
+            if not session.ending:
+                logger.info("session %s: the credential of %s was revoked", session.id, session.principal.user_id)
+                await session.end("revoked", code=CLOSE_UNAUTHORIZED, message="the credential was revoked")
+            return
 
 
 def _message_bytes(data: bytes | str, limit: int) -> int:
