@@ -327,8 +327,8 @@ def cspan(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     )
 
 
-def test_tool_settings_from_flags_environment_and_file(tmp_path: Path) -> None:
-    from cspan.core.settings import load_settings
+def test_tool_settings_from_flags_environment_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cspan.core.settings import SettingsError, load_settings
     from cspan.server.serve_settings import ServeSettings
 
     config = tmp_path / "serve.toml"
@@ -356,6 +356,19 @@ prefix = "web_"
     assert spec.mcp[1].url == "http://127.0.0.1:8765/mcp" and spec.mcp[1].prefix == "web_"
     # the live default: every built-in set but the benchmark's mock world
     assert "fdb-v3" not in load_settings(ServeSettings, {"db": ":memory:"}).tools_spec().sets
+    # a repeatable setting from the environment: one value as it is, or a JSON list; flags win
+    monkeypatch.setenv("CSPAN_MCP", "allow=add prefix=m_ http://127.0.0.1:8765/mcp")
+    monkeypatch.setenv("CSPAN_ALLOW_HOST", "talk.example.org")
+    monkeypatch.setenv("CSPAN_ALLOW_ORIGIN", '["https://a.example", "https://b.example"]')
+    s = load_settings(ServeSettings, {"db": ":memory:"})
+    assert s.tools_spec().mcp[0].url == "http://127.0.0.1:8765/mcp" and s.tools_spec().mcp[0].prefix == "m_"
+    assert s.allow_host == ["talk.example.org"] and s.allow_origin == ["https://a.example", "https://b.example"]
+    assert load_settings(ServeSettings, {"allow_host": ["x.example"]}).allow_host == ["x.example"]
+    monkeypatch.setenv("CSPAN_ALLOW_HOST", "[talk")
+    with pytest.raises(SettingsError, match="CSPAN_ALLOW_HOST: starts with '\\[' but is not a JSON list"):
+        load_settings(ServeSettings)
+    for name in ("CSPAN_MCP", "CSPAN_ALLOW_HOST", "CSPAN_ALLOW_ORIGIN"):
+        monkeypatch.delenv(name)
 
     for args, message in [
         (["--tools", "clock,travel"], "--tools / CSPAN_TOOLS: unknown tool set 'travel'"),
