@@ -71,6 +71,8 @@ async def _bank(args: argparse.Namespace) -> Any:
     from cspan.backends.tools.catalog import ToolsSpec, build_bank
 
     tools = "fdb-v3" if args.fdb_v3_only else args.tools or SERVED_DEFAULT
+    # 'default' here is what can be served: the live default but memory (one signed-in user's)
+    tools = ",".join(SERVED_DEFAULT if name.strip().lower() == "default" else name for name in tools.split(","))
     spec = ToolsSpec.from_flags(
         tools,
         knowledge=args.knowledge,
