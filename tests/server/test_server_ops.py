@@ -242,6 +242,28 @@ async def test_a_revoked_credential_ends_its_running_sessions(serve, users, monk
     assert await close_code(ws_url(server, users["ada"])) == 4401
 
 
+async def test_a_proxied_loopback_server_requires_credentials(serve, tiny_checkpoint, tmp_path: Path) -> None:
+    """A replica on 127.0.0.1 behind HAProxy answers the public name (``--allow-host``): without a valid credential
+    it is refused at start. A loopback server whose database had issued tokens, all revoked since, stays closed
+    after a restart (token or none, through HAProxy's name or 127.0.0.1)."""
+    from cspan.server.auth import ServeConfigError
+    from cspan.server.serve import ServeSettings, create_app
+
+    path = tmp_path / "revoked.sqlite"
+    with ContextDB(path) as db:
+        token = issue_token(db, "zoe")[1]
+        db.revoke_tokens(user_id="zoe")
+    for db_target in (":memory:", str(path)):
+        settings = ServeSettings(asr="none", router="none", db=db_target, allow_host=["talk.example.org"])
+        with pytest.raises(ServeConfigError, match=r"--allow-host talk\.example\.org without a token"):
+            create_app(settings, checkpoint=tiny_checkpoint)
+    server = serve(db=str(path))  # a restart after revoking every token
+    assert httpx.get(server.url + "/info").json()["token_required"] is True
+    for url in (server.ws_url, f"{server.ws_url}?token={token}"):
+        assert await close_code(url) == 4401, url
+    assert httpx.get(server.url + "/metrics").status_code == 401
+
+
 @pytest.fixture(scope="module")
 def stub_llm() -> Iterator[Any]:
     """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``)."""

@@ -27,7 +27,7 @@ from cspan.server.auth import (
     bearer_token,
     check_bind,
     host_allowed,
-    is_loopback_host,
+    is_exposed,
     offered_subprotocols,
     origin_allowed,
 )
@@ -294,17 +294,20 @@ def create_app(
     adapters = discover_adapters()
     try:  # before the model: a bad Context DB, token file or backend fails in seconds, not minutes
         db = db if db is not None else settings.open_db()
+        exposed = is_exposed(settings.host, settings.allow_host)
         credentials: object = authenticator is not None or settings.token or settings.token_file
-        if not credentials and not is_loopback_host(settings.host) and not settings.insecure_no_token:
+        if not credentials and exposed and not settings.insecure_no_token:
             credentials = db.tokens()
-        check_bind(settings.host, credentials, insecure_no_token=settings.insecure_no_token)
+        check_bind(
+            settings.host, credentials, insecure_no_token=settings.insecure_no_token, allowed=settings.allow_host
+        )
         if authenticator is None:
             authenticator = CredentialAuthenticator(
                 db,
                 token=settings.token,
                 token_user=settings.token_user,
                 token_file=settings.token_file,
-                always=not is_loopback_host(settings.host) and not settings.insecure_no_token,
+                always=exposed and not settings.insecure_no_token,
             )
         if transcriber is _UNSET:
             transcriber = build_transcriber(settings)

@@ -87,7 +87,8 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     )
     insecure_no_token: bool = Field(
         False,
-        description="allow a non-loopback --host without credentials: every session is the user 'local' (trusted LANs)",
+        description="allow a non-loopback --host, or a public --allow-host name (behind a proxy), without "
+        "credentials: every session is the user 'local' (trusted LANs)",
         json_schema_extra=_ACCESS,
     )
     allow_origin: EnvList[str] = Field(
