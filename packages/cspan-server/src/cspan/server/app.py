@@ -206,6 +206,14 @@ async def build_backends(settings: ServeSettings, transcriber: Any) -> Backends:
         raise ServeConfigError(f"tools (--tools, --mcp): {exc}") from exc
     if settings.router == "local":
         router: Any = LocalRouter(bank, None, knowledge=knowledge)
+        idle = [n for n in bank.names() if n not in LocalRouter.TOOLS_CALLED and n != "search_notes"]
+        if idle and (settings.mcp or settings.tools is not None):  # what the operator chose, not the default
+            logger.warning(
+                "--router local calls only %s (and searches the notes and the user's memory itself): %s will not "
+                "be called; give an LLM router (--router URL) to use them",
+                " and ".join(LocalRouter.TOOLS_CALLED),
+                ", ".join(idle),
+            )
     else:
         router = LLMRouter(settings.router, settings.router_model, bank)
     retriever = Retriever(transcriber, router, None, deadline_s=settings.span_deadline_s)
