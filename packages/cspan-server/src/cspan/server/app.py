@@ -504,13 +504,17 @@ async def _recheck_credential(session: Session, authenticator: Authenticator, to
     configured when they started) are not checked."""
     if session.principal.source == "local":
         return
+    failing = False
     while not session.ending:
         await asyncio.sleep(CREDENTIAL_RECHECK_S)
         try:
             principal = await authenticator.authenticate(token)
         except Exception as exc:
-            logger.warning("session %s: could not check its credential again: %s", session.id, exc)
+            if not failing:  # once per outage, not every few seconds for every session
+                logger.warning("session %s: could not check its credential again (goes on): %s", session.id, exc)
+            failing = True
             continue
+        failing = False
         if principal is None or principal.user_id != session.principal.user_id:
             if not session.ending:
                 logger.info("session %s: the credential of %s was revoked", session.id, session.principal.user_id)
