@@ -202,6 +202,9 @@ def test_an_unwritable_place_is_a_clear_error(tmp_path: Path) -> None:
 def test_unreachable_postgres_is_a_clear_error() -> None:
     with pytest.raises(ContextDBError, match=r"cannot connect .*postgresql://u:\*\*\*@127\.0\.0\.1:1/x"):
         ContextDB("postgresql://u:secret@127.0.0.1:1/x")
+    with pytest.raises(ContextDBError) as info:  # libpq also reads the password from the query
+        ContextDB("postgresql://u@127.0.0.1:1/x?sslmode=disable&password=secret&sslpassword=secret2")
+    assert "secret" not in str(info.value) and "?sslmode=disable&password=***&sslpassword=***" in str(info.value)
 
 
 # --------------------------------------------------------------------------------------------- one user's memory

@@ -207,13 +207,20 @@ class PostgresConnection(Connection):
                 self._conn.close()
 
 
+_SECRET_PARAM = re.compile(r"(?i)((?:^|&)(?:password|sslpassword)=)[^&]*")
+
+
 def redact(url: str) -> str:
-    """``url`` without its password ("postgresql://ada:***@db:5432/cspan")."""
+    """``url`` without its password, in the user part or a ``password=`` / ``sslpassword=`` query parameter
+    (libpq reads both): "postgresql://ada:***@db:5432/cspan"."""
     parts = urlsplit(url)
-    if parts.password is None:
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    query = _SECRET_PARAM.sub(r"\1***", parts.query)
+    if (netloc, query) == (parts.netloc, parts.query):
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def is_postgres_url(target: str) -> bool:
