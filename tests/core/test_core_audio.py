@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -143,6 +145,46 @@ def test_a_file_of_only_non_finite_samples_is_silent_and_says_why(tmp_path):
     sf.write(path, np.full(24_000, np.nan, dtype=np.float32), 24_000, subtype="FLOAT")
     with pytest.raises(AudioInputError, match="24000 NaN or infinite samples count as silence"):
         inspect_audio(path)
+
+
+def _wav_claiming(rate: int, channels: int = 1, samples: int = 48_000) -> bytes:
+    """A 16-bit WAV of a tone whose header claims ``rate`` Hz (libsndfile cannot write such rates itself)."""
+    tone = (8000 * np.sin(np.arange(samples) / 3.0)).astype("<i2")
+    data = np.repeat(tone, channels).tobytes()
+    fmt = struct.pack("<IHHIIHH", 16, 1, channels, rate, (rate * 2 * channels) % 2**32, 2 * channels, 16)
+    return (
+        b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", len(data)) + data
+    )
+
+
+@pytest.mark.parametrize("rate", [2_000_000_000, 1_000_000, 999, 1])
+def test_an_absurd_header_sample_rate_is_the_same_clear_error_for_every_reader(tmp_path, rate):
+    from cspan.backends.asr.audio import AudioFormatError, decode_audio
+    from cspan.core.voice import prepare_voice_audio
+
+    path = tmp_path / "x.wav"
+    path.write_bytes(_wav_claiming(rate))
+    said = f"declares a sample rate of {rate} Hz, outside 1000..768000 Hz"
+    for read in (inspect_audio, read_audio, lambda p: list(iter_frames(p)), prepare_voice_audio):
+        with pytest.raises(AudioInputError, match=said) as err:
+            read(path)
+        assert str(err.value).startswith(f"{path}: ")
+    with pytest.raises(AudioFormatError, match=said):  # asr-serve uploads and the transcribers
+        decode_audio(path.read_bytes())
+
+
+def test_a_voice_recording_with_non_finite_samples_is_read_with_them_silent(tmp_path, caplog):
+    from cspan.core.voice import prepare_voice_audio
+
+    x = _speech_like(24_000 * 3)
+    x[1000:1010] = np.nan
+    x[5000] = np.inf
+    path = tmp_path / "voice.wav"
+    sf.write(path, x, 24_000, subtype="FLOAT")
+    with caplog.at_level("WARNING", logger="cspan.core.voice"):
+        voice = prepare_voice_audio(path)
+    assert np.isfinite(voice.pcm).all() and voice.samples == 24_000 * 3
+    assert f"{path}: 11 NaN or infinite samples read as silence" in [r.getMessage() for r in caplog.records]
 
 
 # ------------------------------------------------------------------------------------------------- writing

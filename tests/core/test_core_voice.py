@@ -84,7 +84,7 @@ def _write(path: Path, pcm: np.ndarray, rate: int = 24000, subtype: str = "PCM_1
         (lambda d, g: (d / "text.wav").write_text("not audio at all\n") and d / "text.wav", "cannot decode audio"),
         (
             lambda d, g: _write(d / "nan.wav", np.full(72000, np.nan, dtype=np.float32), subtype="FLOAT"),
-            "NaN or infinite",
+            "silent \\(peak below -80 dBFS; its 72000 NaN or infinite samples count as silence\\)",
         ),
     ],
 )

@@ -112,6 +112,16 @@ async def test_start_refusals(serve) -> None:
         ]:
             msg = await client.start(**fields)
             assert (msg["type"], msg["code"]) == ("error", code), msg
+        # JSON that Python's parser refuses after the syntax: a number past the int-conversion limit, deep nesting
+        for raw, why in [
+            ('{"type": "start", "seed": 1' + "0" * 5000 + "}", "a number is longer than 4300 digits (5001 digits)"),
+            ('{"type": "start", "text_prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+            ('{"type": "start", "seed": NaN}', "NaN is not a JSON number"),
+        ]:
+            await ws.send(raw)
+            _, msg = await client.recv_until(lambda k, m: k == "json" and m["type"] in ("ready", "error"))
+            assert (msg["type"], msg["code"]) == ("error", "bad_json"), msg
+            assert why in msg["message"] and "ValueError" not in msg["message"], msg
         ready = await client.start(voice="", text_prompt="You help.")
         assert ready["type"] == "ready"
         persona = ready["persona"]

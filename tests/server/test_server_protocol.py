@@ -92,6 +92,8 @@ def test_client_messages_parse() -> None:
         ('{"type": "start", "profile": {"lat": NaN}}', "bad_json"),  # not JSON (Python's parser takes it)
         ('{"type": "start", "profile": {"lon": -Infinity}}', "bad_json"),
         ('{"type": "start", "profile": {"name": "Ada"}, "x": Infinity}', "bad_json"),
+        ('{"type": "start", "seed": 1' + "0" * 5000 + "}", "bad_json"),  # past Python's int-conversion limit
+        ('{"type": "start", "profile": {"lat": -' + "9" * 4301 + "}}", "bad_json"),
     ],
 )
 def test_client_message_errors(text: str, code: str) -> None:

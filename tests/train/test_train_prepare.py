@@ -122,3 +122,35 @@ def test_print_schema(capsys) -> None:
     assert main(["prepare", "--print-schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert schema["title"] == "Dialogue" and "turns" in schema["properties"]
+
+
+def test_read_stereo_applies_the_audio_rules_of_every_surface(tmp_path: Path, caplog) -> None:
+    """The rules of cspan.core.audio: non-finite samples read as silence and counted; an absurd header rate refused
+    with the same words as every other reader."""
+    import struct
+
+    import numpy as np
+    import pytest
+    import soundfile as sf
+
+    from cspan.train.errors import DataError
+
+    x = (0.3 * np.sin(np.arange(24_000) / 5.0)).astype(np.float32)
+    stereo = np.stack([x, x], axis=1)
+    stereo[100:105, 0] = np.nan
+    stereo[200, 1] = -np.inf
+    path = tmp_path / "nan.wav"
+    sf.write(path, stereo, 24_000, subtype="FLOAT")
+    with caplog.at_level("WARNING", logger="cspan.train.data"):
+        user, agent, _, _ = read_stereo(path)
+    assert np.isfinite(user).all() and np.isfinite(agent).all() and (user[100:105] == 0).all() and agent[200] == 0
+    assert f"audio file {str(path)!r}: 6 NaN or infinite samples read as silence" in caplog.messages
+
+    data = bytes(4 * 4800)
+    fmt = struct.pack("<IHHIIHH", 16, 1, 2, 2_000_000_000, (2_000_000_000 * 4) % 2**32, 4, 16)
+    bogus = tmp_path / "bogus.wav"
+    bogus.write_bytes(
+        b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", len(data)) + data
+    )
+    with pytest.raises(DataError, match=r"declares a sample rate of 2000000000 Hz, outside 1000\.\.768000 Hz"):
+        read_stereo(bogus)

@@ -73,6 +73,13 @@ def test_bad_json_and_good_file(tmp_path: Path) -> None:
     bad.write_text('{"turns": [')
     with pytest.raises(DataError, match=r"x\.json.*not valid JSON \(line 1"):
         load_dialogue(bad)
+    for text, why in [
+        ('{"turns": 1' + "0" * 5000 + "}", r"not valid JSON \(a number is longer than 4300 digits\)$"),
+        ("[" * 100_000 + "]" * 100_000, r"not valid JSON \(arrays or objects nested too deeply\)$"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(DataError, match=why):
+            load_dialogue(bad)
     good = validate_dialogue(GOOD)
     assert good.turns[1].body_index == 2 and good.profile is not None and good.profile.city == "Sydney"
     unsorted = _with(("turns", 1, "words", 1, "start"), 0.5)

@@ -41,12 +41,18 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from pydantic import BaseModel, Field
 
+from cspan.backends.asr.base import MAX_TRANSCRIPT_CHARS
 from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
 from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
+from cspan.backends.untrusted import sanitize_text
 
 Stage = Literal["asr", "context", "router", "tool"]
 
 log = logging.getLogger(__name__)
+
+MAX_REFERENCE_CHARS = 4000
+"""Longest span text taken from a router, in characters (a tool clause is at most a few hundred; chained calls
+join several)."""
 
 __all__ = ["Retriever", "SpanResult"]
 
@@ -212,7 +218,8 @@ class Retriever:
                 f"(question {'known' if res.question else 'not yet known'}; {spent or 'nothing finished'})"
             )
         if route is not None and not res.late:
-            res.reference = route.reference
+            # one line without control or format characters, whatever router made it (tool output already is)
+            res.reference = sanitize_text(route.reference, MAX_REFERENCE_CHARS) if route.reference else route.reference
             res.tool = route.tool
             res.arguments = dict(route.arguments)
             res.source = route.source
@@ -240,7 +247,7 @@ class Retriever:
             question = await self._transcribe(res, audio, sample_rate)
             if question is None:
                 return None
-        res.question = " ".join(question.split())
+        res.question = sanitize_text(question, MAX_TRANSCRIPT_CHARS)
         if not res.question:
             return None
         res.stage = "context"
@@ -268,7 +275,7 @@ class Retriever:
             res.error = "retrieve() needs audio or a question"
             return None
         if self.transcriber is None:
-            res.error = "retrieve() got audio but the Retriever has no transcriber; pass one or pass question="
+            res.error = "no transcriber configured (--asr none): the question cannot be heard; pass --asr"
             return None
         if not sample_rate or sample_rate <= 0:
             res.error = f"retrieve() got audio without a valid sample_rate ({sample_rate!r})"

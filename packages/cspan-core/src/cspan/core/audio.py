@@ -3,10 +3,14 @@
 Everything here works on float32 samples in [-1, 1]. Reading is streaming (blocks of a few seconds, resampled with
 ``soxr.ResampleStream``), so an hour-long recording is processed with bounded memory.
 
-Non-finite samples: wherever audio enters (files read here, ``cspan serve``'s wire frames, uploads), it goes
-through :func:`sanitize_pcm`: a NaN or infinite sample becomes 0.0 (silence) and finite samples beyond full scale
-are clipped to +-1.0, before any resampling (a NaN would otherwise spread through the filter). Readers count what
-they replaced (:attr:`AudioInfo.nonfinite`) so that callers can say so.
+Non-finite samples, one rule on every surface: wherever audio enters (files read here, voice prompts, ``cspan
+prepare``'s dialogues, ``cspan serve``'s wire frames), it goes through :func:`sanitize_pcm`: a NaN or infinite
+sample becomes 0.0 (silence) and finite samples beyond full scale are clipped to +-1.0, before any resampling (a NaN
+would otherwise spread through the filter); how many were replaced is said once (a warning, ``cspan infer``'s
+``input_nonfinite_samples``, ``cspan serve``'s ``bad_audio`` event). ``cspan asr-serve`` uploads and the
+transcribers apply the same rule with ``cspan.backends.asr.audio.sanitize_samples`` (the backends cannot import
+this package). Sample rates: a recording must declare 1 kHz..768 kHz (:func:`check_sample_rate`, the same bounds
+as the backends'); anything else is a bogus header, refused with the same message everywhere.
 
 Writing goes to a temporary ``.NAME.*.part`` file next to the destination that is renamed into place only when
 complete, so a crash never leaves a partial file that looks finished; the temporary files of a process that exits
@@ -33,6 +37,11 @@ import soxr
 
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
 from cspan.core.errors import AudioInputError, OutputError
+
+MIN_SAMPLE_RATE = 1_000
+"""Lowest sample rate a recording may declare, in Hz (the same bounds as ``cspan.backends.asr.audio``)."""
+MAX_SAMPLE_RATE = 768_000
+"""Highest sample rate a recording may declare, in Hz (the highest audio hardware records; more is a bogus header)."""
 
 SILENCE_PEAK = 10 ** (-80 / 20)
 """A file whose peak stays below -80 dBFS is treated as silent-only."""
@@ -103,11 +112,32 @@ def _open(path: Path) -> sf.SoundFile:
     if path.stat().st_size == 0:
         raise AudioInputError(f"{path}: the file is empty (0 bytes)")
     try:
-        return sf.SoundFile(os.fsencode(path))  # bytes: a name that is not UTF-8 opens too
+        f = sf.SoundFile(os.fsencode(path))  # bytes: a name that is not UTF-8 opens too
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioInputError(
             f"{path}: cannot decode audio ({exc}); supported are the formats libsndfile reads (WAV, FLAC, OGG)"
         ) from exc
+    try:
+        check_sample_rate(int(f.samplerate), path)
+    except AudioInputError:
+        f.close()
+        raise
+    return f
+
+
+def check_sample_rate(sample_rate: int, where: str | os.PathLike[str]) -> int:
+    """``sample_rate`` when it lies in :data:`MIN_SAMPLE_RATE`..:data:`MAX_SAMPLE_RATE` Hz, the bounds every
+    surface that takes audio applies (files here, ``cspan prepare``, ``cspan asr-serve`` uploads).
+
+    Raises:
+        AudioInputError: outside the bounds, naming ``where``.
+    """
+    if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
+        raise AudioInputError(
+            f"{where}: declares a sample rate of {sample_rate} Hz, outside {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz; "
+            "use audio recorded at a usual rate (8000 to 48000 Hz)"
+        )
+    return sample_rate
 
 
 def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds: float = 3600.0) -> AudioInfo:

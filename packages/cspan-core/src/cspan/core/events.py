@@ -81,7 +81,8 @@ class SpanEvent(_Event):
 
 
 class LateEvent(_Event):
-    """A reference arrived after the deadline and was dropped."""
+    """A reference arrived after the deadline and was dropped; ``error`` says why (the step that was still running,
+    e.g. a transcriber that had not answered)."""
 
     type: Literal["late"] = "late"
     question: str | None = None
@@ -89,6 +90,7 @@ class LateEvent(_Event):
     source: str | None = None
     seconds: float
     retrieval_id: int | None = None
+    error: str | None = None
 
 
 class NoSpanEvent(_Event):

@@ -495,6 +495,8 @@ class Conversation:
                 source=getattr(result, "source", None) if result is not None else None,
                 seconds=seconds,
                 retrieval_id=getattr(result, "span_id", None) if result is not None else None,
+                error=(getattr(result, "error", None) if result is not None else None)
+                or f"the retrieval took longer than the span deadline of {self.config.span_deadline_s:g} s",
             )
         )
 

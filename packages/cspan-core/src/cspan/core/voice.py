@@ -328,13 +328,15 @@ def prepare_voice_audio(path: str | os.PathLike[str], *, sample_rate: int = SAMP
     1920-sample frames.
 
     Raises:
-        AudioInputError: not audio, shorter than 2 s, longer than 30 s, silent, NaN or infinite samples.
+        AudioInputError: not audio, a sample rate outside 1 kHz..768 kHz, shorter than 2 s, longer than 30 s, or
+            silent. NaN or infinite samples are read as silence and counted in a warning
+            (:func:`cspan.core.audio.sanitize_pcm`).
     """
     import numpy as np
     import pyloudnorm
     import soundfile as sf
 
-    from .audio import SILENCE_PEAK, _open, resample
+    from .audio import SILENCE_PEAK, _open, resample, sanitize_pcm
 
     path = Path(path)
     with _open(path) as f:
@@ -348,11 +350,13 @@ def prepare_voice_audio(path: str | os.PathLike[str], *, sample_rate: int = SAMP
             data = f.read(dtype="float32", always_2d=True)[:, 0]
         except (sf.LibsndfileError, RuntimeError) as exc:
             raise AudioInputError(f"{path}: decoding failed part-way ({exc}); the file is damaged") from None
-    if not np.isfinite(data).all():
-        raise AudioInputError(f"{path}: contains NaN or infinite samples; it cannot be a voice")
+    data, nonfinite = sanitize_pcm(data)
+    if nonfinite:
+        log.warning("%s: %d NaN or infinite samples read as silence", path, nonfinite)
     pcm = resample(np.ascontiguousarray(data), rate, sample_rate)
     if not len(pcm) or float(np.max(np.abs(pcm))) < SILENCE_PEAK:
-        raise AudioInputError(f"{path}: is silent (peak below -80 dBFS); record some speech")
+        why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
+        raise AudioInputError(f"{path}: is silent (peak below -80 dBFS{why}); record some speech")
     seconds = len(pcm) / sample_rate
     if seconds < VOICE_MIN_SECONDS:
         raise AudioInputError(

@@ -288,6 +288,7 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
     import httpx
 
     from cspan.core.errors import CspanError
+    from cspan.server.settings_common import backend_answers
 
     checks = [
         (flag, url, fallback)
@@ -299,13 +300,10 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
     ]
     if not checks:
         return
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False) as client:
-        answers = await asyncio.gather(
-            *(client.get(url.removeprefix("openai+")) for _, url, _ in checks), return_exceptions=True
-        )
+    answers = await backend_answers([url.removeprefix("openai+") for _, url, _ in checks], timeout_s)
     problems = []
     for (flag, url, fallback), answer in zip(checks, answers, strict=True):
-        if isinstance(answer, httpx.TimeoutException):
+        if isinstance(answer, TimeoutError | httpx.TimeoutException):
             why = f"no answer within {timeout_s:g} s"
         elif isinstance(answer, Exception):
             why = _network_cause(answer)

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from cspan.backends.untrusted import JSONInputError, loads
 from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
 from cspan.core.events import (
     ErrorEvent,
@@ -166,20 +167,6 @@ def _describe(exc: ValidationError, kind: str) -> str:
     return f"{kind}: " + "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 
 
-def _not_a_number(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def loads(text: str) -> Any:
-    """``json.loads`` of a client's message, refusing ``NaN`` and ``Infinity`` (not JSON; Python's parser takes them).
-
-    Raises:
-        ValueError: not valid JSON (``json.JSONDecodeError`` is one).
-        RecursionError: nested too deeply.
-    """
-    return json.loads(text, parse_constant=_not_a_number)
-
-
 def parse_client_message(text: str) -> StartMessage | ContextMessage | StopMessage:
     """Parse one JSON text message from a client.
 
@@ -195,7 +182,7 @@ def parse_client_message(text: str) -> StartMessage | ContextMessage | StopMessa
     """
     try:
         data = loads(text)
-    except (ValueError, RecursionError) as exc:
+    except JSONInputError as exc:
         raise ProtocolCodeError("bad_json", f"text message is not valid JSON ({exc}); send one JSON object") from None
     if not isinstance(data, dict):
         raise ProtocolCodeError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from cspan.server.protocol import loads
+from cspan.backends.untrusted import JSONInputError, loads
 from cspan.server.session import ProfileFields, brief
 
 Dialect = Literal["ga", "beta"]
@@ -414,7 +414,7 @@ def parse_client_event(text: str) -> Any:
     """
     try:
         data = loads(text)
-    except (ValueError, RecursionError) as exc:
+    except JSONInputError as exc:
         raise RealtimeEventError("bad_json", f"the message is not valid JSON ({exc}); send one JSON object") from None
     if not isinstance(data, dict):
         raise RealtimeEventError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")

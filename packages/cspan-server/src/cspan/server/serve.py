@@ -23,6 +23,7 @@ import signal
 import threading
 from typing import Any
 
+from cspan.backends.http_server import header_timeout_protocol, uvicorn_http
 from cspan.server.app import create_app
 from cspan.server.protocol import MAX_WEBSOCKET_MESSAGE_BYTES
 from cspan.server.serve_settings import ServeSettings
@@ -45,53 +46,6 @@ class _RedactTokens(logging.Filter):
         return True
 
 
-def header_timeout_protocol(timeout_s: float) -> type[Any]:
-    """uvicorn's httptools HTTP protocol with a header timeout: a connection whose request line and headers are not
-    complete ``timeout_s`` after it opened (or after its previous response) is closed, so that slowly trickling
-    clients cannot hold connections forever (uvicorn has no such timeout of its own).
-
-    Raises:
-        ImportError: httptools is not installed.
-    """
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class HeaderTimeoutProtocol(HttpToolsProtocol):
-        _header_timer: Any = None
-
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(timeout_s, self._header_timeout)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _header_timeout(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.logger.info("closing a connection whose request headers took over %g s", timeout_s)
-                self.transport.close()
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._arm()
-
-        def on_headers_complete(self) -> None:
-            self._disarm()
-            super().on_headers_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-    return HeaderTimeoutProtocol
-
-
 def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> Any:
     """The uvicorn configuration ``cspan serve`` uses: WebSocket size limit, no compression of audio, the header
     timeout (``settings.header_timeout_s``), tokens redacted from the access log, TLS with ``--ssl-certfile`` /
@@ -102,11 +56,7 @@ def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> Any:
         log = logging.getLogger(name)
         if not any(isinstance(f, _RedactTokens) for f in log.filters):
             log.addFilter(_RedactTokens())
-    try:
-        http: Any = header_timeout_protocol(settings.header_timeout_s)
-    except ImportError:
-        logger.warning("httptools is not installed: no HTTP header timeout (install uvicorn[standard])")
-        http = "auto"
+    http = uvicorn_http(settings.header_timeout_s)
     kwargs: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,

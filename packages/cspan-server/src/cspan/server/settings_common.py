@@ -12,6 +12,7 @@ and ``CSPAN_ROUTER_URL`` (below the ``CSPAN_ASR`` / ``CSPAN_ROUTER`` variables a
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -366,36 +367,49 @@ class ContextDBSettings(BaseSettings):
         return ContextDB(self.db, retention_days=self.retention_days)
 
 
+async def backend_answers(urls: list[str], timeout_s: float) -> list[BaseException | None]:
+    """Whether an HTTP server answers at each of ``urls``, all asked at once: ``None`` when a status line and
+    headers arrive within ``timeout_s`` (any status counts; the body is never read, so a server that trickles or
+    floods its body cannot hold the check), else the exception (``TimeoutError`` at the deadline)."""
+    import httpx
+
+    async def one(client: httpx.AsyncClient, url: str) -> BaseException | None:
+        try:
+            async with asyncio.timeout(timeout_s), client.stream("GET", url):
+                return None
+        except Exception as exc:
+            return exc
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False) as client:
+        return list(await asyncio.gather(*(one(client, url) for url in urls)))
+
+
 def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]:
-    """Ask every backend URL of ``settings`` (a :class:`BackendSettings`) whether something answers HTTP there.
+    """Ask every backend URL of ``settings`` (a :class:`BackendSettings`) whether something answers HTTP there
+    (:func:`backend_answers`; call it where no event loop runs, e.g. while the model loads in a thread).
 
     Any HTTP answer counts (a 404 still means a server listens); a refused connection, a name that does not resolve
-    or no answer within ``timeout_s`` does not. Runs the requests concurrently (threads); meant to run while the
-    model loads.
+    or no answer within ``timeout_s`` does not.
 
     Returns:
         One line per backend that does not answer, naming the flag, the URL and the cause (empty: all answer).
     """
-    import concurrent.futures
-
     import httpx
-
-    def probe(item: tuple[str, str]) -> str | None:
-        flag, url = item
-        try:
-            httpx.get(url, timeout=timeout_s, follow_redirects=False)
-        except httpx.TimeoutException:
-            return f"{flag} {url}: no answer within {timeout_s:g} s"
-        except httpx.HTTPError as exc:
-            cause = str(exc) or type(exc).__name__
-            return f"{flag} {url}: does not answer ({cause}); start that server or choose another {flag}"
-        return None
 
     items = list(settings.backend_urls().items())
     if not items:
         return []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(items)) as pool:
-        return [line for line in pool.map(probe, items) if line]
+    answers = asyncio.run(backend_answers([url for _, url in items], timeout_s))
+    lines = []
+    for (flag, url), exc in zip(items, answers, strict=True):
+        if exc is None:
+            continue
+        if isinstance(exc, TimeoutError | httpx.TimeoutException):
+            lines.append(f"{flag} {url}: no answer within {timeout_s:g} s")
+        else:
+            cause = str(exc) or type(exc).__name__
+            lines.append(f"{flag} {url}: does not answer ({cause}); start that server or choose another {flag}")
+    return lines
 
 
 __all__ = [
@@ -406,6 +420,7 @@ __all__ = [
     "Temperature",
     "ToolSettings",
     "Utf8Text",
+    "backend_answers",
     "check_backends_answer",
     "check_http_url",
 ]

@@ -264,17 +264,25 @@ def find_audio(json_path: Path) -> Path:
 def read_stereo(path: Path) -> tuple[np.ndarray, np.ndarray, int, float]:
     """(user [S], agent [S]) float32 at 24 kHz, the native rate and the duration in seconds.
 
+    NaN or infinite samples are read as silence and counted in a warning (:func:`cspan.core.audio.sanitize_pcm`,
+    the rule of every surface that takes audio).
+
     Raises:
-        DataError: unreadable, empty or not stereo.
+        DataError: unreadable, a sample rate outside 1 kHz..768 kHz, empty or not stereo.
     """
     import soundfile as sf
 
-    from cspan.core.audio import resample
+    from cspan.core.audio import check_sample_rate, resample, sanitize_pcm
+    from cspan.core.errors import AudioInputError
 
     try:
         data, rate = sf.read(str(path), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
         raise DataError(f"audio file {str(path)!r}: cannot be decoded ({exc}); give a WAV, FLAC or OGG file") from None
+    try:
+        check_sample_rate(int(rate), f"audio file {str(path)!r}")
+    except AudioInputError as exc:
+        raise DataError(str(exc)) from None
     if data.shape[0] == 0:
         raise DataError(f"audio file {str(path)!r}: holds no samples")
     if data.shape[1] != 2:
@@ -282,6 +290,9 @@ def read_stereo(path: Path) -> tuple[np.ndarray, np.ndarray, int, float]:
             f"audio file {str(path)!r}: has {data.shape[1]} channel(s); a training dialogue is stereo with the user "
             "on the left channel and the agent on the right"
         )
+    data, nonfinite = sanitize_pcm(data)
+    if nonfinite:
+        log.warning("audio file %r: %d NaN or infinite samples read as silence", str(path), nonfinite)
     user = resample(np.ascontiguousarray(data[:, 0]), int(rate), SAMPLE_RATE)
     agent = resample(np.ascontiguousarray(data[:, 1]), int(rate), SAMPLE_RATE)
     return user, agent, int(rate), data.shape[0] / float(rate)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -166,6 +167,13 @@ def load_dialogue(path: str | os.PathLike[str]) -> Dialogue:
     except json.JSONDecodeError as exc:
         raise DataError(
             f"dialogue file {str(path)!r}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
+    except RecursionError:
+        raise DataError(f"dialogue file {str(path)!r}: not valid JSON (arrays or objects nested too deeply)") from None
+    except ValueError:  # Python's integer-string conversion limit (the same reason cspan.backends.untrusted gives)
+        raise DataError(
+            f"dialogue file {str(path)!r}: not valid JSON (a number is longer than {sys.get_int_max_str_digits()} "
+            "digits)"
         ) from None
     return validate_dialogue(data, str(path))
 

@@ -38,9 +38,10 @@ def transcriber_from_url(
     """Pick a transcriber from one setting, as a ``--asr`` flag would take it.
 
     - ``"sphinx"`` (or ``"pocketsphinx"``) -> :class:`PocketSphinxTranscriber`;
-    - a URL whose path contains ``/v1`` (``http://h:8000/v1``, ``.../v1/audio/transcriptions``), or any URL
-      prefixed with ``openai+`` (``openai+http://h:8990``) -> :class:`OpenAITranscriber` (``model`` default
-      ``qwen3-asr``; ``api_key`` default ``OPENAI_API_KEY``);
+    - a URL with a ``v1`` segment anywhere in its path (``http://h:8000/v1``, ``http://gateway/asr/v1``,
+      ``.../v1/audio/transcriptions``), or any URL prefixed with ``openai+`` (``openai+http://h:8990``) ->
+      :class:`OpenAITranscriber` (``model`` default ``qwen3-asr``; ``api_key`` default ``OPENAI_API_KEY``;
+      ``/audio/transcriptions`` appended after ``/v1`` unless the URL ends with it);
     - any other ``http(s)://`` URL -> :class:`HTTPTranscriber` (``/transcribe`` appended to a bare host).
 
     Extra keyword arguments go to the transcriber (timeouts, retries). Raises ``ValueError`` for anything else.
@@ -52,8 +53,7 @@ def transcriber_from_url(
         spec = spec[len("openai+") :]
         return OpenAITranscriber(spec, model=model or "qwen3-asr", api_key=api_key, language=language, **kwargs)
     if spec.startswith(("http://", "https://")):
-        path = urlsplit(spec).path.rstrip("/")
-        if path == "/v1" or path.startswith("/v1/"):
+        if "v1" in urlsplit(spec).path.split("/"):
             return OpenAITranscriber(spec, model=model or "qwen3-asr", api_key=api_key, language=language, **kwargs)
         return HTTPTranscriber(spec, language=language, **kwargs)
     raise ValueError(

@@ -2,17 +2,25 @@
 
 Decoding uses libsndfile (``soundfile``: WAV, FLAC, OGG/Vorbis, OGG/Opus, MP3 where the library has it) and
 resampling uses libsoxr (``soxr``, its default high-quality setting). No torch.
+
+Non-finite samples follow the project's one rule (``cspan.core.audio.sanitize_pcm``, which this package cannot
+import): each NaN or infinite sample becomes 0.0 (silence) and finite samples beyond full scale are clipped to
++-1.0, before mixing or resampling; how many were replaced is logged as a warning naming the input
+(:func:`sanitize_samples`). Sample rates outside 1 kHz..768 kHz are refused here as in ``cspan.core.audio``.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 
 import numpy as np
 import soundfile as sf
 import soxr
 
 from cspan.backends.errors import BackendError
+
+log = logging.getLogger(__name__)
 
 
 class AudioFormatError(BackendError, ValueError):
@@ -46,12 +54,28 @@ def check_sample_rate(sample_rate: int) -> int:
     return int(sample_rate)
 
 
-def as_mono_float32(pcm: np.ndarray) -> np.ndarray:
+def sanitize_samples(samples: np.ndarray, name: str = "audio") -> np.ndarray:
+    """Float samples (any shape) as float32 with the project's rule for non-finite samples (the module docstring):
+    NaN / infinite -> 0.0, counted in one warning naming ``name``; finite samples clipped to [-1, 1]."""
+    with np.errstate(over="ignore"):
+        x = np.asarray(samples).astype(np.float32, copy=False)
+    finite = np.isfinite(x)
+    nonfinite = int(x.size - np.count_nonzero(finite))
+    if nonfinite:
+        log.warning("%s: %d NaN or infinite samples read as silence", name, nonfinite)
+        x = np.where(finite, x, np.float32(0.0))
+    if x.size and (float(x.max()) > 1.0 or float(x.min()) < -1.0):
+        x = np.clip(x, -1.0, 1.0)
+    return x
+
+
+def as_mono_float32(pcm: np.ndarray, name: str = "audio") -> np.ndarray:
     """Return ``pcm`` as a contiguous float32 array of shape ``[S]``.
 
     Accepts shape ``[S]`` or ``[1, S]`` / ``[1, 1, S]`` (leading singleton axes are dropped), floating dtypes
-    (cast to float32) and int16 (scaled by 1/32768). Raises :class:`AudioFormatError` for several channels
-    (mix them first), other dtypes, or non-finite samples.
+    (cast to float32) and int16 (scaled by 1/32768). Non-finite samples become silence, counted in a warning
+    naming ``name`` (:func:`sanitize_samples`). Raises :class:`AudioFormatError` for several channels (mix them
+    first) or other dtypes.
     """
     arr = np.asarray(pcm)
     while arr.ndim > 1 and arr.shape[0] == 1:
@@ -63,11 +87,9 @@ def as_mono_float32(pcm: np.ndarray) -> np.ndarray:
     if arr.dtype == np.int16:
         arr = arr.astype(np.float32) / 32768.0
     elif np.issubdtype(arr.dtype, np.floating):
-        arr = arr.astype(np.float32, copy=False)
+        arr = sanitize_samples(arr, name)
     else:
         raise AudioFormatError(f"expected float32 PCM in [-1, 1] (or int16), got dtype {arr.dtype}")
-    if arr.size and not np.isfinite(arr).all():
-        raise AudioFormatError("PCM contains NaN or infinite samples")
     return np.ascontiguousarray(arr)
 
 
@@ -107,7 +129,8 @@ def decode_audio(data: bytes, *, max_seconds: float | None = None, name: str = "
     Raises:
         AudioTooLongError: the audio lasts longer than ``max_seconds``.
         AudioFormatError: the bytes are empty or not a readable audio file, the header's sample rate is outside
-            1 kHz..768 kHz, or the samples are not finite (NaN or infinite: refused, never repaired).
+            1 kHz..768 kHz. NaN or infinite samples are read as silence and counted in a warning
+            (:func:`sanitize_samples`).
     """
     if not data:
         raise AudioFormatError(f"{name} is empty; send a WAV, FLAC or OGG file")
@@ -135,8 +158,9 @@ def decode_audio(data: bytes, *, max_seconds: float | None = None, name: str = "
     _check_duration(samples.shape[0] / sample_rate, max_seconds, name)
     if samples.shape[0] == 0:
         raise AudioFormatError(f"{name} ({len(data)} bytes) holds no audio samples; send a clip with sound in it")
+    samples = sanitize_samples(samples, name)
     pcm = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
-    return as_mono_float32(pcm), sample_rate
+    return np.ascontiguousarray(pcm), sample_rate
 
 
 def _check_duration(duration_s: float, max_seconds: float | None, name: str) -> None:

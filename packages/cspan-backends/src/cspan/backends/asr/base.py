@@ -13,6 +13,14 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cspan.backends.untrusted import sanitize_text
+
+MAX_TRANSCRIPT_CHARS = 2000
+"""Longest transcript text, in characters (about two minutes of fast speech; a question is rarely a tenth of it).
+Longer text, which only a broken or hostile transcriber produces, is cut at a word boundary and ends in ``...``."""
+MAX_TRANSCRIPT_WORDS = 1000
+"""Most word timings kept from one transcript; later ones are dropped."""
+
 
 class Word(BaseModel):
     """One recognised word and where it lies in the clip.
@@ -61,7 +69,9 @@ _ASR_SUFFIX = re.compile(r"</asr_text>\s*$", re.IGNORECASE)
 
 
 def clean_asr_text(text: str) -> str:
-    """Strip Qwen3-ASR's ``language X<asr_text>`` prefix (and a closing tag, if any) and outer whitespace."""
+    """A transcriber's text as the rest of the system reads it: Qwen3-ASR's ``language X<asr_text>`` prefix (and a
+    closing tag, if any) stripped, then made one line without control or format characters (ESC, NUL, bidi
+    overrides...) and cut to :data:`MAX_TRANSCRIPT_CHARS` (:func:`cspan.backends.untrusted.sanitize_text`)."""
     text = _ASR_PREFIX.sub("", text, count=1)
     text = _ASR_SUFFIX.sub("", text, count=1)
-    return text.strip()
+    return sanitize_text(text, MAX_TRANSCRIPT_CHARS)

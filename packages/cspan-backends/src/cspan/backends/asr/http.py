@@ -9,7 +9,9 @@ the answer is JSON ``{"text": ...}`` (``cspan asr-serve`` adds ``words``). Unlik
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,8 +20,10 @@ import httpx
 import numpy as np
 
 from cspan.backends.asr.audio import AudioFormatError, as_mono_float32, check_sample_rate, encode_wav
-from cspan.backends.asr.base import Transcript, Word, clean_asr_text
+from cspan.backends.asr.base import MAX_TRANSCRIPT_WORDS, Transcript, Word, clean_asr_text
 from cspan.backends.errors import TranscriberError
+from cspan.backends.http_client import DEFAULT_MAX_REPLY_BYTES, HTTPFailure, HTTPPolicy, HTTPReply, off_loop, request
+from cspan.backends.untrusted import JSONInputError, json_kind, loads, sanitize_text
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +31,15 @@ DEFAULT_URL = "http://127.0.0.1:8990/transcribe"
 
 
 class RemoteTranscriber:
-    """Shared HTTP plumbing: one ``httpx.AsyncClient``, timeouts, retries, error mapping.
+    """Shared HTTP plumbing: one ``httpx.AsyncClient``, the backends' request policy, error mapping, reply parsing.
 
-    Retries: only when the connection could not be made (``httpx.ConnectError``, ``httpx.ConnectTimeout``), at most
-    ``max_attempts`` tries in all, sleeping ``backoff_s * 2**(n-1)`` seconds after the n-th failure. A request that
-    reached the server is never repeated: read/write timeouts and HTTP error statuses raise at once.
+    Every request follows :mod:`cspan.backends.http_client`: connection failures retried (at most
+    ``max_attempts`` tries, sleeping ``backoff_s * 2**(n-1)`` seconds after the n-th failure; a request that reached
+    the server is never repeated), ``timeout_s`` as the overall deadline of one request (connecting, sending the
+    clip, and reading the whole reply: a server trickling its answer fails at the deadline), and the reply body
+    bounded to ``max_reply_bytes`` after decompression. The transcript's text is made one line without control
+    characters and cut to :data:`~cspan.backends.asr.base.MAX_TRANSCRIPT_CHARS`
+    (:func:`~cspan.backends.asr.base.clean_asr_text`).
 
     Use as ``async with`` or call :meth:`aclose` to release connections. A client passed in is used as is and
     never closed here.
@@ -45,19 +53,24 @@ class RemoteTranscriber:
         connect_timeout_s: float = 2.0,
         max_attempts: int = 3,
         backoff_s: float = 0.25,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         headers: Mapping[str, str] | None = None,
         client: httpx.AsyncClient | None = None,
     ) -> None:
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"transcriber endpoint must be an http(s) URL, got {endpoint!r}")
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self.endpoint = endpoint
-        self.timeout_s = float(timeout_s)
-        self.max_attempts = int(max_attempts)
-        self.backoff_s = float(backoff_s)
-        self._timeout = httpx.Timeout(self.timeout_s, connect=float(connect_timeout_s))
+        self.policy = HTTPPolicy(
+            deadline_s=float(timeout_s),
+            connect_timeout_s=float(connect_timeout_s),
+            max_attempts=int(max_attempts),
+            backoff_s=float(backoff_s),
+            max_reply_bytes=int(max_reply_bytes),
+        )
+        self.timeout_s = self.policy.deadline_s
+        self.max_attempts = self.policy.max_attempts
+        self.backoff_s = self.policy.backoff_s
         self._headers = dict(headers or {})
         self._external_client = client
         self._client: httpx.AsyncClient | None = None
@@ -69,7 +82,7 @@ class RemoteTranscriber:
         loop = asyncio.get_running_loop()
         # An AsyncClient's connections belong to the loop that opened them; a new loop gets a new client.
         if self._client is None or self._client_loop is not loop:
-            self._client = httpx.AsyncClient(timeout=self._timeout)
+            self._client = httpx.AsyncClient(timeout=self.policy.timeout())
             self._client_loop = loop
         return self._client
 
@@ -100,71 +113,67 @@ class RemoteTranscriber:
             return pcm, None
         return pcm, encode_wav(pcm, sample_rate)
 
-    async def _post(self, *, files: dict[str, Any], data: Mapping[str, Any]) -> httpx.Response:
-        """POST multipart ``files`` + ``data`` with the retry policy; returns a 2xx response.
+    async def _post(self, *, files: dict[str, Any], data: Mapping[str, Any]) -> HTTPReply:
+        """POST multipart ``files`` + ``data`` under the request policy; returns a 2xx reply.
 
         Raises:
-            TranscriberError: no connection after ``max_attempts`` tries, a timeout or transport failure after
-                connecting (``status`` None), or an HTTP status >= 400 (``status`` set, the server's message quoted).
+            TranscriberError: no connection after ``max_attempts`` tries, no complete reply within ``timeout_s``, a
+                reply over ``max_reply_bytes``, a transport failure (``status`` None), or an HTTP status >= 400
+                (``status`` set, the server's message quoted).
         """
-        client = self._get_client()
-        last_exc: Exception | None = None
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                response = await client.post(
-                    self.endpoint, files=files, data=dict(data), headers=self._headers, timeout=self._timeout
-                )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                last_exc = exc
-                if attempt < self.max_attempts:
-                    delay = self.backoff_s * 2 ** (attempt - 1)
-                    log.warning(
-                        "transcriber %s: connection failed (%s), attempt %d/%d; retrying in %.2f s",
-                        self.endpoint,
-                        exc,
-                        attempt,
-                        self.max_attempts,
-                        delay,
-                    )
-                    await asyncio.sleep(delay)
-                continue
-            except httpx.TimeoutException as exc:
-                raise self._error(
-                    f"no answer within {self.timeout_s:g} s ({type(exc).__name__}); the server is overloaded or "
-                    "the clip is too long for it; raise the timeout or check the server"
-                ) from exc
-            except httpx.HTTPError as exc:
-                raise self._error(f"request failed after connecting: {type(exc).__name__}: {exc}") from exc
-            if response.status_code >= 400:
-                raise self._error(
-                    f"HTTP {response.status_code}: {_server_message(response)}", status=response.status_code
-                )
-            return response
-        raise self._error(
-            f"could not connect after {self.max_attempts} attempt(s) ({type(last_exc).__name__}: {last_exc}); "
-            "is the ASR server running? Start one with `cspan asr-serve` or fix the URL"
-        )
-
-    def _json(self, response: httpx.Response) -> dict[str, Any]:
         try:
-            payload = response.json()
-        except ValueError as exc:
+            reply = await request(
+                self._get_client(), "POST", self.endpoint, policy=self.policy, headers=self._headers,
+                files=files, data=dict(data),
+            )  # fmt: skip
+        except HTTPFailure as exc:
+            raise self._error(_failure_message(exc)) from None
+        if reply.status >= 400:
+            raise self._error(f"HTTP {reply.status}: {_server_message(reply)}", status=reply.status)
+        return reply
+
+    def _json(self, reply: HTTPReply) -> dict[str, Any]:
+        """The reply as a JSON object with a string ``text`` (one-line errors naming what is wrong)."""
+        try:
+            payload = loads(reply.body)
+        except JSONInputError as exc:
             raise self._error(
-                f"HTTP {response.status_code} with a body that is not JSON: {response.text[:200]!r}",
-                status=response.status_code,
-            ) from exc
-        if not isinstance(payload, dict) or not isinstance(payload.get("text"), str):
-            raise self._error(f"answer has no string field 'text': {str(payload)[:200]}", status=response.status_code)
+                f"HTTP {reply.status} with a body that is not JSON ({exc}): {reply.shown(120)!r}", status=reply.status
+            ) from None
+        if not isinstance(payload, dict):
+            raise self._error(
+                f"the answer is {json_kind(payload)}, not an object with a field 'text'", status=reply.status
+            )
+        if not isinstance(payload.get("text"), str):
+            what = "has no field 'text'" if "text" not in payload else f"has 'text' as {json_kind(payload['text'])}"
+            raise self._error(f"the answer {what}; a transcript needs 'text' as a string", status=reply.status)
         return payload
 
     def _words(self, items: Any, status: int, *, text_key: str, start_key: str, end_key: str) -> list[Word] | None:
-        """Parse a JSON list of word objects; ``None`` when the server sent none."""
+        """Parse a JSON list of word objects (at most :data:`MAX_TRANSCRIPT_WORDS` kept); ``None`` when the server
+        sent none."""
         if items is None:
             return None
-        try:
-            return [Word(text=w[text_key].strip(), start_s=float(w[start_key]), end_s=float(w[end_key])) for w in items]
-        except (TypeError, KeyError, ValueError) as exc:
-            raise self._error(f"malformed 'words' in the answer ({exc}): {str(items)[:200]}", status=status) from exc
+        if not isinstance(items, list):
+            raise self._error(f"'words' is {json_kind(items)}, not a list of word objects", status=status)
+        words = []
+        for i, w in enumerate(items[:MAX_TRANSCRIPT_WORDS]):
+            try:
+                text, start, end = w[text_key], w[start_key], w[end_key]
+            except (TypeError, KeyError):
+                raise self._error(
+                    f"words[{i}] is not an object with {text_key!r}, {start_key!r} and {end_key!r}", status=status
+                ) from None
+            times_ok = all(isinstance(t, int | float) and not isinstance(t, bool) for t in (start, end))
+            if not (isinstance(text, str) and times_ok and 0 <= start <= end < math.inf):
+                raise self._error(
+                    f"words[{i}] needs a string {text_key!r} and times {start_key!r} <= {end_key!r} in seconds "
+                    f"(finite, >= 0); got {text_key}={_brief(text)}, {start_key}={_brief(start)}, "
+                    f"{end_key}={_brief(end)}",
+                    status=status,
+                )
+            words.append(Word(text=sanitize_text(text, 200), start_s=start, end_s=end))
+        return words
 
 
 class HTTPTranscriber(RemoteTranscriber):
@@ -193,28 +202,42 @@ class HTTPTranscriber(RemoteTranscriber):
         if wav is None:
             return Transcript(text="")
         data = {"language": self.language} if self.language else {}
-        response = await self._post(files={"file": ("audio.wav", wav, "audio/wav")}, data=data)
-        payload = self._json(response)
-        words = self._words(
-            payload.get("words"), response.status_code, text_key="text", start_key="start_s", end_key="end_s"
-        )
+        reply = await self._post(files={"file": ("audio.wav", wav, "audio/wav")}, data=data)
+        return await off_loop(len(reply.body), self._transcript, reply)
+
+    def _transcript(self, reply: HTTPReply) -> Transcript:
+        payload = self._json(reply)
+        words = self._words(payload.get("words"), reply.status, text_key="text", start_key="start_s", end_key="end_s")
         return Transcript(text=clean_asr_text(payload["text"]), words=words)
 
 
-def _server_message(response: httpx.Response) -> str:
-    """The error text of a failed response: OpenAI's ``error.message``, FastAPI's ``detail``, or the raw body."""
+def _brief(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, str | int | float | bool) or value is None else json_kind(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _failure_message(exc: HTTPFailure) -> str:
+    if exc.kind == "connect":
+        return f"{exc}; is the ASR server running? Start one with `cspan asr-serve` or fix the URL"
+    if exc.kind == "deadline":
+        return f"{exc}; check the server, or raise the transcriber's timeout for long clips"
+    return str(exc)
+
+
+def _server_message(reply: HTTPReply) -> str:
+    """The error text of a failed reply: OpenAI's ``error.message``, FastAPI's ``detail``, or the raw body."""
     try:
-        payload = response.json()
-    except ValueError:
-        return response.text[:300] or response.reason_phrase
+        payload = loads(reply.body)
+    except JSONInputError:
+        return sanitize_text(reply.shown(300), 300) or "(empty body)"
     if isinstance(payload, dict):
         err = payload.get("error")
         if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
+            return sanitize_text(str(err["message"]), 300)
         if isinstance(err, str) and err:
-            return err
+            return sanitize_text(err, 300)
         if payload.get("detail"):
-            return str(payload["detail"])[:300]
+            return sanitize_text(str(payload["detail"]), 300)
         if payload.get("message"):
-            return str(payload["message"])
-    return str(payload)[:300]
+            return sanitize_text(str(payload["message"]), 300)
+    return sanitize_text(str(payload)[:1000], 300)

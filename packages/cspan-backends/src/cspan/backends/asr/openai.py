@@ -19,6 +19,7 @@ import numpy as np
 from cspan.backends.asr.base import Transcript, clean_asr_text
 from cspan.backends.asr.http import RemoteTranscriber
 from cspan.backends.errors import TranscriberError
+from cspan.backends.http_client import HTTPReply, off_loop
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class OpenAITranscriber(RemoteTranscriber):
         word_timestamps: ask for word timings (``verbose_json`` + ``timestamp_granularities[]=word``). A server
             that rejects that format with HTTP 400/422 (older vLLM) is asked again with plain ``json`` once,
             and later calls go straight to ``json``; the transcript then has ``words=None``.
-        timeout_s, connect_timeout_s, max_attempts, backoff_s, client: see
+        timeout_s, connect_timeout_s, max_attempts, backoff_s, max_reply_bytes, client: see
             :class:`~cspan.backends.asr.http.RemoteTranscriber`.
 
     ``transcribe(pcm [S] float32, sample_rate Hz)`` returns a :class:`Transcript` with Qwen3-ASR's
@@ -90,21 +91,24 @@ class OpenAITranscriber(RemoteTranscriber):
         if self._verbose_ok:
             verbose = {**data, "response_format": "verbose_json", "timestamp_granularities[]": ["word"]}
             try:
-                response = await self._post(files=files, data=verbose)
+                reply = await self._post(files=files, data=verbose)
             except TranscriberError as exc:
                 if exc.status not in (400, 422):
                     raise
                 refused = exc
             else:
-                payload = self._json(response)
-                words = self._words(
-                    payload.get("words"), response.status_code, text_key="word", start_key="start", end_key="end"
-                )
-                return Transcript(text=clean_asr_text(payload["text"]), words=words)
-        response = await self._post(files=files, data={**data, "response_format": "json"})
-        payload = self._json(response)
+                return await off_loop(len(reply.body), self._transcript, reply, True)
+        reply = await self._post(files=files, data={**data, "response_format": "json"})
+        transcript = await off_loop(len(reply.body), self._transcript, reply, False)
         if refused is not None:
             # Plain json worked where verbose_json did not: the server lacks word timestamps; stop asking.
             log.info("%s refused verbose_json (%s); using plain json from now on", self.endpoint, refused)
             self._verbose_ok = False
-        return Transcript(text=clean_asr_text(payload["text"]))
+        return transcript
+
+    def _transcript(self, reply: HTTPReply, verbose: bool) -> Transcript:
+        payload = self._json(reply)
+        if not verbose:
+            return Transcript(text=clean_asr_text(payload["text"]))
+        words = self._words(payload.get("words"), reply.status, text_key="word", start_key="start", end_key="end")
+        return Transcript(text=clean_asr_text(payload["text"]), words=words)

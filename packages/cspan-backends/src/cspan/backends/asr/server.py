@@ -12,7 +12,8 @@ Endpoints:
 Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "code"}}``: 400 undecodable or malformed
 upload (a header sample rate outside 1 kHz..768 kHz, NaN samples), 413 too long (``--max-seconds``) or too big
 (``--max-upload-mb``), 415 unsupported content type, 421/403 a Host or Origin that is not this server's
-(DNS-rebinding protection on a loopback bind), 503 when the queue is full, 500 when the engine fails. A bad upload
+(DNS-rebinding protection on a loopback bind), 503 with ``Retry-After`` when the queue is full, 500 when the
+engine fails. Request headers must be complete within ``header_timeout_s`` (slowloris). A bad upload
 never stops the server, and a client that abandons its upload costs one log line, no traceback.
 
 Concurrency: at most ``max_concurrency`` clips are recognised at once, each in a worker thread (the event loop
@@ -43,6 +44,9 @@ from cspan.backends.errors import BackendError
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1
+"""The ``Retry-After`` of a 503 (queue full), in seconds."""
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -57,13 +61,16 @@ class ASRServerSettings:
         max_seconds: longest accepted clip, seconds (413 beyond).
         max_upload_bytes: largest accepted request body, bytes (413 beyond).
         max_concurrency: clips recognised at the same time (worker threads).
-        max_queue: requests allowed to wait for a worker; more get 503.
+        max_queue: requests allowed to wait for a worker; more get 503 with ``Retry-After``.
+        header_timeout_s: a connection whose request headers are not complete within this time is closed
+            (:func:`~cspan.backends.http_server.header_timeout_protocol`).
     """
 
     max_seconds: float = 120.0
     max_upload_bytes: int = 50 * 1024 * 1024
     max_concurrency: int = 2
     max_queue: int = 32
+    header_timeout_s: float = 10.0
     token: str | None = None
     """When set, every request but ``GET /health`` needs ``Authorization: Bearer <token>`` (401 otherwise)."""
     bind_host: str = "127.0.0.1"
@@ -73,10 +80,16 @@ class ASRServerSettings:
     """More Host names to answer (``NAME``, ``NAME:PORT`` or ``*``)."""
 
     def __post_init__(self) -> None:
-        limits = (self.max_seconds, self.max_upload_bytes, self.max_concurrency, self.max_queue)
+        limits = (self.max_seconds, self.max_upload_bytes, self.max_concurrency, self.max_queue, self.header_timeout_s)
         if not all(math.isfinite(v) for v in limits):
             raise ValueError(f"invalid ASR server limits (not finite): {limits}")
-        if self.max_seconds <= 0 or self.max_upload_bytes <= 0 or self.max_concurrency < 1 or self.max_queue < 0:
+        if (
+            self.max_seconds <= 0
+            or self.max_upload_bytes <= 0
+            or self.max_concurrency < 1
+            or self.max_queue < 0
+            or self.header_timeout_s <= 0
+        ):
             raise ValueError(f"invalid ASR server limits: {self}")
         from cspan.backends.hostguard import HostGuard
 
@@ -86,11 +99,12 @@ class ASRServerSettings:
 class ApiError(Exception):
     """An error answered to the client as ``{"error": {"message", "type", "code"}}`` with ``status``."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = headers
 
     def payload(self) -> dict[str, Any]:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
@@ -174,7 +188,9 @@ class _Gate:
             raise ApiError(
                 503,
                 "server_busy",
-                f"{self.running} clips are being transcribed and {self.waiting} are waiting (the limit); retry later",
+                f"{self.running} clips are being transcribed and {self.waiting} are waiting (the limit); retry "
+                f"after {RETRY_AFTER_S} s",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self.waiting += 1
         try:
@@ -241,7 +257,7 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.payload(), status_code=exc.status)
+        return JSONResponse(exc.payload(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(_ClientGone)
     async def _client_gone(request: Request, exc: _ClientGone) -> Response:
@@ -308,6 +324,8 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
         started = time.perf_counter()
         try:
             transcript = await gate.run(executor, lambda: _engine_call(engine, pcm, sample_rate, language))
+        except ApiError:  # the queue is full (503): the client's answer, not an engine failure
+            raise
         except EngineInputError as exc:
             raise ApiError(400, "unsupported_request", str(exc)) from exc
         except (BackendError, RuntimeError) as exc:
@@ -396,6 +414,26 @@ def serve(
     """Run the server in the foreground with uvicorn until interrupted (blocking)."""
     import uvicorn
 
-    app = create_app(engine, settings)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False, lifespan="on")
-    uvicorn.Server(config).run()
+    uvicorn.Server(uvicorn_config(engine, host=host, port=port, settings=settings)).run()
+
+
+def uvicorn_config(
+    engine: Engine, *, host: str = "127.0.0.1", port: int = 8990, settings: ASRServerSettings | None = None
+) -> Any:
+    """The ``uvicorn.Config`` of :func:`serve`: the app of :func:`create_app`, the header timeout
+    (``settings.header_timeout_s``), idle keep-alive connections closed after 5 s."""
+    import uvicorn
+
+    from cspan.backends.http_server import uvicorn_http
+
+    settings = settings or ASRServerSettings()
+    return uvicorn.Config(
+        create_app(engine, settings),
+        host=host,
+        port=port,
+        http=uvicorn_http(settings.header_timeout_s),
+        timeout_keep_alive=5,
+        log_level="info",
+        access_log=False,
+        lifespan="on",
+    )

@@ -65,6 +65,10 @@ class ASRServeSettings(BaseSettings):
     )
     concurrency: int = Field(2, ge=1, le=64, description="clips recognised at the same time, one worker thread each")
     max_queue: int = Field(32, ge=0, le=10_000, description="requests that may wait for a worker; more get HTTP 503")
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=600, allow_inf_nan=False,
+        description="close a connection whose request headers are not complete within this time (s)",
+    )  # fmt: skip
     max_seconds: float = Field(
         120.0, gt=0, le=3600, allow_inf_nan=False, description="longest accepted clip in seconds; longer gets 413"
     )
@@ -123,6 +127,7 @@ class ASRServeSettings(BaseSettings):
                 max_upload_bytes=int(self.max_upload_mb * 1024 * 1024),
                 max_concurrency=self.concurrency,
                 max_queue=self.max_queue,
+                header_timeout_s=self.header_timeout_s,
                 token=self.token or None,
                 bind_host=self.host,
                 allowed_hosts=tuple(self.allowed_host),

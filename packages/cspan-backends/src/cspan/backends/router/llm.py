@@ -35,8 +35,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import httpx
 
 from cspan.backends.errors import RouterError, ToolError
+from cspan.backends.http_client import DEFAULT_MAX_REPLY_BYTES, HTTPFailure, HTTPPolicy, off_loop, request
 from cspan.backends.router.base import RouteRequest, RouteResult, ToolCall, is_abstain, tool_reference
 from cspan.backends.tools.bank import render_clause
+from cspan.backends.untrusted import JSONInputError, json_kind, loads, sanitize_text
 
 if TYPE_CHECKING:
     from cspan.backends.tools import ToolBank
@@ -95,8 +97,6 @@ _ACTION_VERBS = re.compile(
     re.I,
 )
 _MAX_NAME_CHARS = 128
-_INLINE_BYTES = 16 * 1024
-"""Replies up to this size are decoded on the event loop; larger ones in a worker thread."""
 _AFFIRMATIVE = re.compile(
     r"\b(?:yes|yeah|yep|yup|sure|ok|okay|confirm\w*|go ahead|do it|please do|proceed|correct|that's right|"
     r"sounds good|absolutely|of course|book it|buy it|pay it)\b",
@@ -132,8 +132,6 @@ def _said_since(asked: str, question: str) -> str:
     return " ".join(word for word, start in zip(now, starts, strict=True) if start >= end)
 
 
-DEFAULT_MAX_REPLY_BYTES = 1 << 20
-"""Largest router LLM reply read, in bytes (decoded); longer replies are refused with :class:`RouterError`."""
 _REASONING_MODEL = re.compile(r"(?:^|/)(?:o[1-9]|gpt-5)", re.I)
 
 
@@ -218,14 +216,14 @@ def parse_reply(content: str | None) -> _Decision:
     if not text or text.lower().strip(".") in ("null", "none", "{}", "[]"):
         return _Decision()
     try:
-        obj: Any = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        obj: Any = loads(text)
+    except JSONInputError:
         start, end = text.find("{"), text.rfind("}")
         obj = None
         if 0 <= start < end and (start, end) != (0, len(text) - 1):
             try:
-                obj = json.loads(text[start : end + 1])
-            except (json.JSONDecodeError, RecursionError):
+                obj = loads(text[start : end + 1])
+            except JSONInputError:
                 obj = None
         if obj is None:
             if text[:1] in "{[":
@@ -260,6 +258,29 @@ def parse_reply(content: str | None) -> _Decision:
             answer = obj[key]
             return _Decision(answer=answer if isinstance(answer, str) else None)
     return _Decision(error=f"router LLM reply has neither a tool name nor an answer: {_head(text, 120)!r}")
+
+
+def message_text(content: Any) -> str | _Decision | None:
+    """A chat message's ``content`` as text: a string, ``null``, or OpenAI's list of content parts (the ``text`` of
+    each ``{"type": "text"}`` part, joined; other parts such as ``refusal`` are skipped). Any other shape gives a
+    :class:`_Decision` with ``error`` saying what was sent."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text":
+                if not isinstance(part.get("text"), str):
+                    return _Decision(error=f"router LLM sent content[{i}] of type text without a string 'text'")
+                texts.append(part["text"])
+            elif not isinstance(part, dict):
+                return _Decision(error=f"router LLM sent content[{i}] as {json_kind(part)}, not a content part")
+        return "".join(texts)
+    return _Decision(
+        error=f"router LLM sent the message content as {json_kind(content)}, not text or a list of text parts"
+    )
 
 
 def _normalise_name(name: str) -> str:
@@ -378,6 +399,8 @@ class LLMRouter:
         self.confirm_actions = confirm_actions
         self.action_guard = action_guard
         self.max_reply_bytes = int(max_reply_bytes)
+        # one request's deadline is the whole route's: route() holds the overall one (LLM requests plus the tool)
+        self._policy = HTTPPolicy(deadline_s=self.timeout_s, max_attempts=1, max_reply_bytes=self.max_reply_bytes)
         self.reasoning = bool(_REASONING_MODEL.search(model))
         self._shared = _Shared(client=client, own_client=client is None, use_tools_field=json_mode != "always")
         self._owner = True
@@ -508,59 +531,36 @@ class LLMRouter:
         shared = self._shared
         if shared.client is None:
             # the overall deadline (asyncio.timeout in route) governs; httpx's own limit is only a backstop
-            shared.client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s + 1.0))
+            shared.client = httpx.AsyncClient(timeout=self._policy.timeout())
             shared.own_client = True
         return shared.client
 
-    def _too_large(self, size: int | str) -> RouterError:
-        return RouterError(
-            f"router LLM at {self.url} sent a reply of {size} bytes, over the limit of {self.max_reply_bytes} "
-            "bytes; refused without reading the rest. Fix: check the server (a chat completion is a few KB), or "
-            "raise max_reply_bytes."
-        )
-
     async def _post(self, body: dict[str, Any]) -> tuple[int, bytes]:
-        """POST ``body``; returns the status and the reply's bytes, read as a stream and cut off past the limit."""
+        """POST ``body`` under the backends' request policy (:mod:`cspan.backends.http_client`: the reply read as a
+        stream, bounded to ``max_reply_bytes`` after decompression, within ``timeout_s``); returns the status and
+        the reply's bytes."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
-            async with self._http().stream("POST", self.url, json=body, headers=headers) as resp:
-                declared = resp.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > self.max_reply_bytes:
-                    raise self._too_large(declared)
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in resp.aiter_bytes():
-                    size += len(chunk)
-                    if size > self.max_reply_bytes:
-                        raise self._too_large(f"more than {self.max_reply_bytes}")
-                    chunks.append(chunk)
-                return resp.status_code, b"".join(chunks)
-        except httpx.TimeoutException as exc:
-            raise RouterError(
-                f"router LLM at {self.url} timed out ({type(exc).__name__}). Fix: check the server's load, or "
-                "raise the router timeout."
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise RouterError(
-                f"router LLM at {self.url} is unreachable: {exc!r}. Fix: start the server or pass the right --router."
-            ) from exc
+            reply = await request(self._http(), "POST", self.url, policy=self._policy, headers=headers, json=body)
+        except HTTPFailure as exc:
+            fix = {
+                "connect": "start the server or pass the right --router",
+                "deadline": "check the server's load, or raise the router timeout",
+                "too_large": "check the server (a chat completion is a few KB), or raise max_reply_bytes",
+            }.get(exc.kind, "check the server")
+            where = f"router LLM at {self.url}" + (" is unreachable" if exc.kind == "connect" else "")
+            raise RouterError(f"{where}: {exc}. Fix: {fix}.") from None
+        return reply.status, reply.body
 
     def _json(self, status: int, raw: bytes) -> Any:
         try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            shown = raw[:120].decode("utf-8", "replace")
+            return loads(raw)
+        except JSONInputError as exc:
+            shown = sanitize_text(raw[:480].decode("utf-8", "replace"), 120)
             raise RouterError(
-                f"router LLM at {self.url} answered HTTP {status} with a body that is not JSON: "
+                f"router LLM at {self.url} answered HTTP {status} with a body that is not JSON ({exc}): "
                 f"{shown!r}. Fix: point --router at an OpenAI-compatible chat endpoint."
-            ) from exc
-
-    @staticmethod
-    async def _cpu(size: int, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``, on the loop for small inputs, in a worker thread above 16 KiB (linear-time work only)."""
-        if size <= _INLINE_BYTES:
-            return fn(*args)
-        return await asyncio.to_thread(fn, *args)
+            ) from None
 
     def _body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "messages": messages}
@@ -575,18 +575,22 @@ class LLMRouter:
         data = self._json(status, raw)
         try:
             message = data["choices"][0]["message"]
-        except (KeyError, IndexError, TypeError) as exc:
+        except (KeyError, IndexError, TypeError):
             raise RouterError(
                 f"router LLM at {self.url} answered HTTP {status} without choices[0].message: "
-                f"{raw[:160].decode('utf-8', 'replace')}. Fix: use an OpenAI-compatible chat-completions endpoint."
-            ) from exc
+                f"{sanitize_text(raw[:640].decode('utf-8', 'replace'), 160)!r}. Fix: use an OpenAI-compatible "
+                "chat-completions endpoint."
+            ) from None
         if not isinstance(message, dict):
-            raise RouterError(f"router LLM at {self.url} answered a message that is not an object: {message!r}")
+            raise RouterError(
+                f"router LLM at {self.url} answered HTTP {status} where the message is {json_kind(message)}, not "
+                "an object. Fix: use an OpenAI-compatible chat-completions endpoint."
+            )
         return message
 
     def _http_error(self, status: int, raw: bytes) -> RouterError:
         return RouterError(
-            f"router LLM at {self.url} answered HTTP {status}: {raw[:200].decode('utf-8', 'replace')}. Fix: check "
+            f"router LLM at {self.url} answered HTTP {status}: {sanitize_text(raw[:800].decode('utf-8', 'replace'), 200)}. Fix: check "
             "--router, --router-model and the API key."
         )
 
@@ -594,7 +598,8 @@ class LLMRouter:
         return self._read_tool_message(self._message(status, raw))
 
     def _json_decision(self, status: int, raw: bytes) -> _Decision:
-        return parse_reply(self._message(status, raw).get("content"))
+        content = message_text(self._message(status, raw).get("content"))
+        return _Decision(error=content.error) if isinstance(content, _Decision) else parse_reply(content)
 
     async def _ask(self, req: RouteRequest, calls: list[ToolCall]) -> _Decision:
         """One decision: a request with ``tools`` (unless disabled), else in JSON mode."""
@@ -609,7 +614,7 @@ class LLMRouter:
             body["tool_choice"] = "auto"
             status, data = await self._post(body)
             if status < 400:
-                return await self._cpu(len(data), self._tool_decision, status, data)
+                return await off_loop(len(data), self._tool_decision, status, data)
             if self.json_mode == "never" or status not in (400, 422, 501):
                 raise self._http_error(status, data)
             log.warning(
@@ -634,20 +639,29 @@ class LLMRouter:
             status, data = await self._post(body)
         if status >= 400:
             raise self._http_error(status, data)
-        return await self._cpu(len(data), self._json_decision, status, data)
+        return await off_loop(len(data), self._json_decision, status, data)
 
     def _read_tool_message(self, message: dict[str, Any]) -> _Decision:
-        calls = message.get("tool_calls") or []
+        calls = message.get("tool_calls")
         if calls:
+            if not isinstance(calls, list):
+                return _Decision(error=f"router LLM sent tool_calls as {json_kind(calls)}, not a list of calls")
             if len(calls) > 1:
                 log.info("router LLM asked for %d tools at once; running the first only", len(calls))
-            fn = (calls[0] or {}).get("function") or {}
+            call = calls[0]
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict):
+                what = json_kind(call) if not isinstance(call, dict) else f"'function' as {json_kind(fn)}"
+                return _Decision(error=f"router LLM sent tool_calls[0] with {what}, not an object with 'function'")
             name = fn.get("name")
             if not isinstance(name, str) or not name.strip():
-                return _Decision(error=f"router LLM made a tool call without a name: {str(calls[0])[:160]}")
+                return _Decision(error=f"router LLM made a tool call without a name (name is {json_kind(name)})")
             return _Decision(name=name.strip(), arguments=fn.get("arguments") or {})
         # no tool call: a direct answer, nothing, or JSON the server's missing tool parser left in the content
-        decision = parse_reply(message.get("content"))
+        content = message_text(message.get("content"))
+        if isinstance(content, _Decision):
+            return content
+        decision = parse_reply(content)
         if decision.name is not None and self.json_mode == "auto":
             log.warning(
                 "router LLM at %s put a tool call in the message text (no tool parser on the server); "
@@ -728,7 +742,8 @@ class LLMRouter:
         )
 
     def _clean_answer(self, answer: str) -> str:
-        text = " ".join(answer.split()).strip().strip('"').strip()
+        # one line without control or format characters (ESC, NUL, bidi overrides), as tool output is
+        text = sanitize_text(answer, 4 * self.answer_chars + 16).strip('"').strip()
         if len(text) <= self.answer_chars:
             return text
         cut = text[: self.answer_chars]
@@ -825,18 +840,19 @@ class LLMRouter:
         arguments = decision.arguments
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
+                arguments = loads(arguments) if arguments.strip() else {}
+            except JSONInputError as exc:
                 return RouteResult(
                     tool=name,
                     source="none",
-                    error=f"router LLM gave {name} arguments that are not valid JSON: {_head(arguments, 160)!r}",
+                    error=f"router LLM gave {name} arguments that are not valid JSON ({exc}): "
+                    f"{sanitize_text(arguments, 160)!r}",
                 )
         if not isinstance(arguments, dict):
             return RouteResult(
                 tool=name,
                 source="none",
-                error=f"router LLM gave {name} arguments that are not an object: {arguments!r}",
+                error=f"router LLM gave {name} arguments as {json_kind(arguments)}, not an object",
             )
         args: dict[str, Any] = {}
         try:

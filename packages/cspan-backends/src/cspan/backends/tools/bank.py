@@ -21,7 +21,6 @@ import inspect
 import json
 import re
 import time
-import unicodedata
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from cspan.backends.errors import ToolError
+from cspan.backends.untrusted import sanitize_text
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
@@ -53,7 +53,6 @@ NO_INFORMATION = "(no information found)"
 ToolKind = Literal["read", "action"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_DROP_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"}
 
 
 class ToolArgs(BaseModel):
@@ -162,29 +161,6 @@ class ToolResult(BaseModel):
     data: Any | None = None
     latency_s: float = 0.0
     error: str | None = None
-
-
-def sanitize_text(text: str, max_chars: int = DEFAULT_MAX_CHARS) -> str:
-    """Make tool output safe to read aloud: one line, no control characters, at most ``max_chars`` characters.
-
-    Control, format (zero-width, bidi overrides), private-use and line/paragraph separator characters become
-    spaces; runs of whitespace collapse to one space. Longer text is cut at a word boundary and ends in ``...``.
-
-    Raises:
-        ValueError: ``max_chars`` < 8.
-    """
-    if max_chars < 8:
-        raise ValueError(f"max_chars must be at least 8, got {max_chars}")
-    text = unicodedata.normalize("NFC", str(text))
-    text = "".join(" " if unicodedata.category(ch) in _DROP_CATEGORIES else ch for ch in text)
-    text = " ".join(text.split())
-    if len(text) <= max_chars:
-        return text
-    cut = text[: max_chars - 3]
-    space = cut.rfind(" ")
-    if space >= int(0.6 * len(cut)):
-        cut = cut[:space]
-    return cut.rstrip(" ,;:-") + "..."
 
 
 def _fmt_value(value: Any) -> str:

@@ -434,9 +434,14 @@ async def serve_http(
     allowed_hosts: Iterable[str] = (),
     name: str = "cspan-tools",
 ) -> None:
-    """Serve ``bank`` over streamable HTTP at ``http://host:port{path}`` with uvicorn until interrupted."""
+    """Serve ``bank`` over streamable HTTP at ``http://host:port{path}`` with uvicorn until interrupted (request
+    headers must be complete within 10 s: :func:`~cspan.backends.http_server.header_timeout_protocol`)."""
     import uvicorn
 
+    from cspan.backends.http_server import uvicorn_http
+
     app = http_app(bank, host=host, path=path, allowed_hosts=allowed_hosts, name=name)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        app, host=host, port=port, http=uvicorn_http(10.0), timeout_keep_alive=5, log_level="warning", lifespan="on"
+    )
     await uvicorn.Server(config).serve()

@@ -24,13 +24,13 @@ import base64
 import binascii
 import contextlib
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
+from cspan.backends.untrusted import JSONInputError, loads
 from cspan.core.events import (
     ErrorEvent as CoreErrorEvent,
 )
@@ -180,8 +180,8 @@ def _function_call_output(item: FunctionCallOutputItemIn) -> str:
     if item.status == "incomplete":
         return ""
     text = item.output
-    with contextlib.suppress(ValueError):
-        data = json.loads(text)
+    with contextlib.suppress(JSONInputError):
+        data = loads(text)
         if isinstance(data, dict) and data.get("error"):
             return ""
     return text

@@ -1,0 +1,275 @@
+"""How the backends call another server over HTTP (the router LLM, the transcribers): one retry policy, one overall
+deadline per request, bounded replies. Each client maps :class:`HTTPFailure` to its own error type.
+
+- **Retry**: only when no connection was made (``httpx.ConnectError``, ``httpx.ConnectTimeout``): at most
+  ``max_attempts`` tries, sleeping ``backoff_s * 2**(n-1)`` seconds after the n-th failure. A request that reached
+  the server is never repeated.
+- **Deadline**: ``deadline_s`` bounds the whole request (connecting, retries and their waits, sending, the reply's
+  headers and its whole body), so a server that trickles its reply a byte at a time holds the caller no longer
+  than that. httpx's own per-read timeout is only a backstop.
+- **Size**: the reply body is read as a stream and refused as soon as it passes ``max_reply_bytes``, counted after
+  decompression: ``gzip`` and ``deflate`` are decoded here in bounded steps (a gzip bomb stops at the limit, it is
+  never inflated whole), other content codings are refused (requests ask for ``gzip, deflate`` only).
+- **CPU**: :func:`off_loop` runs linear-time work on a large reply (JSON decoding) in a worker thread, so that a
+  big reply does not stall the event loop that paces a live conversation's frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import httpx
+
+__all__ = [
+    "DEFAULT_MAX_REPLY_BYTES",
+    "INLINE_BYTES",
+    "HTTPFailure",
+    "HTTPPolicy",
+    "HTTPReply",
+    "off_loop",
+    "request",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_REPLY_BYTES = 1 << 20
+"""Largest reply body read from a backend by default, in bytes after decompression (1 MiB: a chat completion or a
+transcript with word timings is a few KB)."""
+INLINE_BYTES = 16 * 1024
+""":func:`off_loop` runs work on inputs up to this size on the event loop, larger ones in a worker thread."""
+
+FailureKind = Literal["connect", "deadline", "too_large", "transport"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class HTTPPolicy:
+    """Limits of one request to a backend.
+
+    Attributes:
+        deadline_s: the whole request, retries and reading the body included (s).
+        connect_timeout_s: one connection attempt (s).
+        max_attempts: connection attempts in all (a request that reached the server is never repeated).
+        backoff_s: wait after the first failed connection attempt (s); doubled after each further one.
+        max_reply_bytes: the largest reply body read, in bytes after decompression.
+    """
+
+    deadline_s: float = 10.0
+    connect_timeout_s: float = 2.0
+    max_attempts: int = 3
+    backoff_s: float = 0.25
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if not (math.isfinite(self.backoff_s) and self.backoff_s >= 0):
+            raise ValueError(f"backoff_s must be a finite number of seconds >= 0, got {self.backoff_s!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_reply_bytes < 1024:
+            raise ValueError(f"max_reply_bytes must be at least 1024, got {self.max_reply_bytes}")
+
+    def timeout(self) -> httpx.Timeout:
+        """The httpx timeout of a client used under this policy (a backstop: the deadline governs)."""
+        return httpx.Timeout(self.deadline_s + 1.0, connect=self.connect_timeout_s)
+
+
+@dataclass(frozen=True)
+class HTTPReply:
+    """A complete reply: ``status``, ``body`` (decompressed, at most ``max_reply_bytes``) and ``headers``."""
+
+    status: int
+    body: bytes
+    headers: httpx.Headers
+
+    def shown(self, limit: int = 200) -> str:
+        """The start of the body as text, for error messages (at most ``limit`` characters)."""
+        return self.body[: limit * 4].decode("utf-8", "replace")[:limit]
+
+
+class HTTPFailure(Exception):
+    """A request that produced no usable reply; ``str()`` is one line saying why.
+
+    Attributes:
+        kind: ``"connect"`` (no connection after every attempt), ``"deadline"`` (no complete reply within
+            ``deadline_s``), ``"too_large"`` (the body passed ``max_reply_bytes``), ``"transport"`` (the
+            connection failed after it was made, or a body that cannot be decoded).
+        attempts: connection attempts made.
+    """
+
+    def __init__(self, kind: FailureKind, message: str, *, attempts: int = 1) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.attempts = attempts
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _BoundedDecoder:
+    """Content decoding of a reply body with a cap on the decoded size (identity, gzip or deflate)."""
+
+    def __init__(self, coding: str, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self.coding = coding
+        self._z: Any = None
+        if coding in ("gzip", "x-gzip"):
+            self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif coding == "deflate":
+            self._z = zlib.decompressobj(zlib.MAX_WBITS)
+        elif coding not in ("", "identity"):
+            raise HTTPFailure("transport", f"the reply's content coding {coding!r} is not supported (gzip, deflate)")
+        self._first = True
+
+    def _count(self, data: bytes) -> bytes:
+        self.size += len(data)
+        if self.size > self.limit:
+            raise _TooLarge()
+        return data
+
+    def feed(self, data: bytes) -> bytes:
+        if self._z is None:
+            return self._count(data)
+        out = []
+        try:
+            while data:
+                try:
+                    chunk = self._z.decompress(data, self.limit - self.size + 1)
+                except zlib.error:
+                    if not (self._first and self.coding == "deflate"):
+                        raise
+                    self._z = zlib.decompressobj(-zlib.MAX_WBITS)  # raw deflate, as some servers send it
+                    chunk = self._z.decompress(data, self.limit - self.size + 1)
+                self._first = False
+                out.append(self._count(chunk))
+                data = self._z.unconsumed_tail
+        except zlib.error as exc:
+            raise HTTPFailure("transport", f"the reply's {self.coding} body is damaged ({exc})") from None
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        if self._z is None:
+            return b""
+        try:
+            return self._count(self._z.flush())
+        except zlib.error as exc:
+            raise HTTPFailure("transport", f"the reply's {self.coding} body is damaged ({exc})") from None
+
+
+async def request(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    *,
+    policy: HTTPPolicy,
+    headers: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> HTTPReply:
+    """Send one request under ``policy`` and read the whole (bounded) reply.
+
+    Args:
+        client: the HTTP client (its connection pool is reused).
+        method, url: what to request.
+        policy: retry, deadline and size limits.
+        headers: extra request headers (``Accept-Encoding`` is set here).
+        **kwargs: the body, as ``httpx.AsyncClient.stream`` takes it (``json=``, ``files=``, ``data=``).
+
+    Returns:
+        The :class:`HTTPReply`, whatever its status (the caller judges 4xx/5xx).
+
+    Raises:
+        HTTPFailure: see its ``kind``.
+    """
+    sent = {**(headers or {}), "Accept-Encoding": "gzip, deflate"}
+    attempts = 0
+    try:
+        async with asyncio.timeout(policy.deadline_s):
+            while True:
+                attempts += 1
+                try:
+                    return await _exchange(client, method, url, policy, sent, kwargs)
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    if attempts >= policy.max_attempts:
+                        raise HTTPFailure(
+                            "connect",
+                            f"could not connect after {attempts} attempt(s) ({type(exc).__name__}: {exc})",
+                            attempts=attempts,
+                        ) from None
+                    delay = policy.backoff_s * 2 ** (attempts - 1)
+                    log.warning(
+                        "%s: connection failed (%s), attempt %d/%d; retrying in %.2f s",
+                        url,
+                        exc,
+                        attempts,
+                        policy.max_attempts,
+                        delay,
+                    )
+                    await asyncio.sleep(delay)
+    except TimeoutError:
+        raise HTTPFailure(
+            "deadline",
+            f"no complete reply within {policy.deadline_s:g} s (the server is slow, overloaded, or sends its reply "
+            "too slowly)",
+            attempts=attempts,
+        ) from None
+    except httpx.TimeoutException as exc:  # httpx's backstop fired before the deadline
+        raise HTTPFailure(
+            "deadline", f"no complete reply within {policy.deadline_s:g} s ({type(exc).__name__})", attempts=attempts
+        ) from None
+    except httpx.HTTPError as exc:
+        raise HTTPFailure(
+            "transport", f"the request failed after connecting ({type(exc).__name__}: {exc})", attempts=attempts
+        ) from None
+    except _TooLarge:
+        raise HTTPFailure(
+            "too_large",
+            f"the reply is over the limit of {policy.max_reply_bytes} bytes; refused without reading the rest",
+            attempts=attempts,
+        ) from None
+
+
+async def _exchange(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    policy: HTTPPolicy,
+    headers: dict[str, str],
+    kwargs: dict[str, Any],
+) -> HTTPReply:
+    async with client.stream(method, url, headers=headers, timeout=policy.timeout(), **kwargs) as resp:
+        declared = resp.headers.get("content-length", "").strip()
+        if declared.isdigit() and int(declared) > policy.max_reply_bytes:
+            raise _TooLarge()
+        codings = [c.strip().lower() for c in resp.headers.get("content-encoding", "").split(",") if c.strip()]
+        codings = [c for c in codings if c != "identity"]
+        if len(codings) > 1:
+            raise HTTPFailure("transport", f"the reply's content codings {codings} are not supported (one at most)")
+        if resp.is_stream_consumed:  # a reply made in memory (httpx.MockTransport), already decoded by httpx
+            return HTTPReply(
+                status=resp.status_code,
+                body=_BoundedDecoder("", policy.max_reply_bytes).feed(resp.content),
+                headers=resp.headers,
+            )
+        decoder = _BoundedDecoder(codings[0] if codings else "", policy.max_reply_bytes)
+        chunks = [decoder.feed(raw) async for raw in resp.aiter_raw()]
+        chunks.append(decoder.flush())
+        return HTTPReply(status=resp.status_code, body=b"".join(chunks), headers=resp.headers)
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``: on the event loop when ``size`` <= :data:`INLINE_BYTES`, else in a worker thread (for
+    linear-time work on a reply, such as JSON decoding, whose cost grows with ``size``)."""
+    if size <= INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)

@@ -1,0 +1,102 @@
+"""Data another party wrote (a backend's reply, a client's message, a dataset file), read the same way everywhere.
+
+- :func:`loads`: JSON, refusing ``NaN`` / ``Infinity`` (not JSON, though Python's parser takes them), with a
+  one-line reason in JSON's terms when the text cannot be used: a syntax error (line and column), a number with
+  more than 4300 digits (Python's integer conversion limit), nesting deeper than the parser's recursion limit.
+  Callers catch one exception, :class:`JSONInputError` (a ``ValueError``), and never see ``RecursionError``.
+- :func:`json_kind`: a parsed value's type in JSON's words, for errors about data of the wrong shape.
+- :func:`sanitize_text`: text that will be read aloud or put into a span (tool output, router answers,
+  transcripts): one line, no control or format characters, capped in length.
+
+``cspan.server`` uses both for client messages; this module imports nothing outside the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import unicodedata
+from typing import Any
+
+__all__ = ["JSONInputError", "json_kind", "loads", "sanitize_text"]
+
+_DROP_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"}
+_BIG_INT = re.compile(r"has (\d+) digits")
+
+
+class JSONInputError(ValueError):
+    """Text that is not usable JSON; ``str()`` is one line saying why (no Python internals)."""
+
+
+def _not_a_number(name: str) -> Any:
+    raise JSONInputError(f"{name} is not a JSON number")
+
+
+def loads(text: str | bytes) -> Any:
+    """Parse JSON text from another party.
+
+    Args:
+        text: the JSON text (bytes are decoded as UTF-8, as ``json.loads`` does).
+
+    Returns:
+        The parsed value (``dict``, ``list``, ``str``, ``int``, ``float``, ``bool`` or ``None``).
+
+    Raises:
+        JSONInputError: not valid JSON (with line and column), ``NaN`` / ``Infinity``, an integer of more than
+            ``sys.get_int_max_str_digits()`` digits, nesting too deep for the parser, or bytes that are not UTF-8.
+    """
+    try:
+        return json.loads(text, parse_constant=_not_a_number)
+    except JSONInputError:
+        raise
+    except json.JSONDecodeError as exc:
+        raise JSONInputError(f"{exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    except RecursionError:
+        raise JSONInputError("arrays or objects are nested too deeply to parse") from None
+    except UnicodeDecodeError as exc:
+        raise JSONInputError(f"the bytes are not UTF-8 text (byte {exc.start})") from None
+    except ValueError as exc:  # Python's integer-string conversion limit (CVE-2020-10735)
+        found = _BIG_INT.search(str(exc))
+        size = f" ({found.group(1)} digits)" if found else ""
+        limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 4300
+        raise JSONInputError(f"a number is longer than {limit} digits{size}") from None
+
+
+def json_kind(value: Any) -> str:
+    """A parsed JSON value's type in JSON's words, with its article (``"null"``, ``"a boolean"``, ``"a number"``,
+    ``"a string"``, ``"an array"``, ``"an object"``), for errors about data of the wrong shape."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
+
+
+def sanitize_text(text: str, max_chars: int) -> str:
+    """Make text from another party safe to read aloud or inject: one line, no control characters, capped.
+
+    Control, format (zero-width, bidi overrides such as U+202E), private-use, surrogate, unassigned and
+    line/paragraph separator characters become spaces; the text is NFC-normalised and runs of whitespace collapse
+    to one space. Linear in ``len(text)`` with a per-character pass over at most ``2 * max_chars`` characters.
+    Text longer than ``max_chars`` is cut at a word boundary (when one lies in the last 40 %) and
+    ends in ``...``; the result is never longer than ``max_chars``.
+
+    Raises:
+        ValueError: ``max_chars`` < 8.
+    """
+    if max_chars < 8:
+        raise ValueError(f"max_chars must be at least 8, got {max_chars}")
+    text = " ".join(str(text).split())[: 2 * max_chars + 16]  # C-speed first: the per-character pass stays short
+    text = unicodedata.normalize("NFC", text)
+    text = "".join(" " if unicodedata.category(ch) in _DROP_CATEGORIES else ch for ch in text)
+    text = " ".join(text.split())
+    if len(text) <= max_chars:
+        return text
+    cut = text[: max_chars - 3]
+    space = cut.rfind(" ")
+    if space >= int(0.6 * len(cut)):
+        cut = cut[:space]
+    return cut.rstrip(" ,;:-") + "..."
