@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import itertools
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -126,6 +127,10 @@ def test_default_is_a_file_in_the_platform_data_dir(tmp_path: Path, monkeypatch:
     with ContextDB() as db:
         db.user("ada").set_fact("colour", "green")
         assert db.path == str(default_db_path()) and db.journal_mode == "wal"
+        # private to its owner: what users said and their tokens' hashes (the WAL and its index alike)
+        assert stat.S_IMODE(default_db_path().parent.stat().st_mode) == 0o700
+        for suffix in ("", "-wal", "-shm"):
+            assert stat.S_IMODE(Path(f"{default_db_path()}{suffix}").stat().st_mode) == 0o600, suffix
     with ContextDB() as again:  # persistent: a second open sees it
         assert [f.value for f in again.user("ada").facts()] == ["green"]
     monkeypatch.setenv("CSPAN_DB", ":memory:")
@@ -187,9 +192,19 @@ def test_not_a_database_is_refused(tmp_path: Path) -> None:
         ContextDB(path)
 
 
+def test_an_unwritable_place_is_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ContextDBError, match=r"cannot create Context DB .*Fix: point --db"):
+        ContextDB(blocker / "context.sqlite")
+
+
 def test_unreachable_postgres_is_a_clear_error() -> None:
     with pytest.raises(ContextDBError, match=r"cannot connect .*postgresql://u:\*\*\*@127\.0\.0\.1:1/x"):
         ContextDB("postgresql://u:secret@127.0.0.1:1/x")
+    with pytest.raises(ContextDBError) as info:  # libpq also reads the password from the query
+        ContextDB("postgresql://u@127.0.0.1:1/x?sslmode=disable&password=secret&sslpassword=secret2")
+    assert "secret" not in str(info.value) and "?sslmode=disable&password=***&sslpassword=***" in str(info.value)
 
 
 # --------------------------------------------------------------------------------------------- one user's memory

@@ -79,6 +79,26 @@ async def test_a_refusal_or_other_arguments_do_not_run_the_action(llm: StubLLM, 
         assert stale.source == "confirm:book_flight"
 
 
+async def test_the_yes_must_come_after_the_question(llm: StubLLM, world: ToolBank, tmp_path) -> None:
+    """A request that already says "okay" is not its own confirmation: a second ``<ret>`` reading the same words
+    (the last utterance again, or an ASR window that still holds it, transcribed a little differently) asks again;
+    only words said after it count."""
+    request = "book it for Ada Lovelace okay"
+    llm.reset(SEARCH, BOOK, BOOK, BOOK, BOOK)
+    with ContextDB(tmp_path / "ctx.sqlite") as db:
+        async with LLMRouter(llm.url, "m", world) as router:
+            retriever = Retriever(None, router, db.user("ada"))
+            await retriever.retrieve(question="find me a flight to Denver next month", conversation_id="c")
+            held = await retriever.retrieve(question=request, conversation_id="c")
+            assert held.source == "confirm:book_flight"
+            again = await retriever.retrieve(question=request, conversation_id="c")
+            assert again.source == "confirm:book_flight", again.error  # the same words: asked again, not run
+            window = await retriever.retrieve(question="um book it for ada love lace ok so", conversation_id="c")
+            assert window.source == "confirm:book_flight", window.error  # nothing new agrees
+            done = await retriever.retrieve(question="book it for Ada Lovelace, ok. Yes go ahead", conversation_id="c")
+    assert done.source == "tool:book_flight" and done.error is None, done.error
+
+
 async def test_benchmark_bank_runs_actions_at_once(llm: StubLLM) -> None:
     bank = ToolBank.fdb_v3()  # the benchmark's mock world: no confirmation step
     try:

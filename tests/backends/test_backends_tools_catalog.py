@@ -110,6 +110,26 @@ async def test_mcp_allow_list_and_annotations() -> None:
         await bank.aclose()
     with pytest.raises(ToolError, match=r"has no tool\(s\) \['nope'\]; it lists: add, shout, refuse"):
         await build_bank(ToolsSpec.from_flags("none", [f"allow=nope -- {demo}"]))
+    # a name already mounted: the fix is said in --mcp's own words
+    with pytest.raises(ToolError, match=r"tool\(s\) add are already mounted .* prefix \(prefix=NAME_\)"):
+        await build_bank(ToolsSpec.from_flags("none", [f"allow=add -- {demo}", f"allow=add,shout -- {demo}"]))
+
+
+def test_cspan_tools_default_is_what_it_can_serve() -> None:
+    """``cspan tools list --tools default``: the live default but ``memory`` (one signed-in user's); naming
+    ``memory`` itself is refused."""
+    import subprocess
+
+    def tools(*args: str) -> subprocess.CompletedProcess[str]:
+        cli = [sys.executable, "-m", "cspan.core.cli", "tools", "list", *args]
+        return subprocess.run(cli, capture_output=True, text=True, timeout=120)
+
+    listed = tools("--tools", "default,fdb-v3")
+    assert listed.returncode == 0, listed.stderr
+    names = {line.split("(")[0] for line in listed.stdout.splitlines()}
+    assert {"get_time", "calculate", "get_weather", "book_flight"} <= names and "recall_memory" not in names
+    refused = tools("--tools", "clock,memory")
+    assert refused.returncode == 2 and "cspan tools cannot serve them" in refused.stderr
 
 
 async def test_session_banks_keep_each_users_memory_apart() -> None:

@@ -229,6 +229,9 @@ def test_tools_serve_refuses_bad_ports_and_names() -> None:
         (["serve", "--transport", "http", "--port", "99999"], "not a TCP port"),
         (["list", "--tools", "clock,shopping"], "unknown tool set 'shopping'"),
         (["list", "--tools", "memory"], "memory tools act for one signed-in user"),
+        (["serve", "--transport", "http", "--host", "0.0.0.0"], "refusing to expose the tool bank on 0.0.0.0"),
+        (["serve", "--transport", "http", "--allowed-host", "tools.example.org"], "--allowed-host tools.example.org"),
+        (["serve", "--transport", "http", "--allowed-host", "*"], "refusing to expose the tool bank"),
     ]:
         out = subprocess.run(cspan_tools(*args), capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr

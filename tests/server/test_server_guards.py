@@ -73,7 +73,8 @@ async def test_dns_rebinding_is_refused_on_every_route(serve) -> None:
 
 
 async def test_listed_hosts_are_answered(serve) -> None:
-    server = serve(allow_host=["talk.example.org", "proxy.internal:8443"])
+    token = "a-test-token-123"  # a public name is served through a proxy: credentials are required
+    server = serve(allow_host=["talk.example.org", "proxy.internal:8443"], token=token)
     port = server.port
     async with httpx.AsyncClient(base_url=server.url) as http:
         for host, status in [
@@ -85,7 +86,7 @@ async def test_listed_hosts_are_answered(serve) -> None:
             (f"127.0.0.1:{port}", 200),
         ]:
             assert (await http.get("/info", headers={"Host": host})).status_code == status, host
-    assert await ws_status(port, "talk.example.org", origin="https://talk.example.org") == "open"
+    assert await ws_status(port, "talk.example.org", f"/ws?token={token}", origin="https://talk.example.org") == "open"
 
 
 def test_host_rule_on_other_binds() -> None:

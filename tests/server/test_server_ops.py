@@ -196,6 +196,74 @@ async def realtime_session(server: Any, token: str) -> tuple[dict[str, Any], str
     return span, ready["conversation_id"]
 
 
+@pytest.mark.timeout(300)
+async def test_a_revoked_credential_ends_its_running_sessions(serve, users, monkeypatch) -> None:
+    """ada (``/ws``) and bob (``/v1/realtime``) are talking; ada's token is revoked (``cspan users revoke``): her
+    session ends with ``bye`` reason ``revoked`` and close 4401 while bob's goes on; then bob is forgotten with his
+    tokens (``cspan db forget bob --tokens``): his Realtime session ends with ``session_ended`` (``revoked``)."""
+    from cspan.server import app as app_module
+
+    monkeypatch.setattr(app_module, "CREDENTIAL_RECHECK_S", 0.2)
+    server = serve(db=str(users["db"]), max_sessions=2)
+    async with (
+        websockets.connect(ws_url(server, users["ada"]), max_size=None) as ws,
+        websockets.connect(
+            f"ws://127.0.0.1:{server.port}/v1/realtime?model=cspan",
+            additional_headers={"Authorization": f"Bearer {users['bob']}"},
+        ) as rt,
+    ):
+        ada = Client(ws)
+        assert (await ada.start())["type"] == "ready"
+        assert json.loads(await rt.recv())["type"] == "session.created"
+        await asyncio.sleep(1.0)  # a few checks pass while both tokens are valid
+        assert all(not s.ending for s in server.hub.sessions)
+        with ContextDB(users["db"]) as db:  # what `cspan users revoke --user ada` does, from another process
+            assert db.revoke_tokens(user_id="ada") == 1
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await ada.recv(timeout=30)
+        assert closed.value.rcvd.code == 4401
+        (bye,) = ada.received.json("bye")
+        assert bye["reason"] == "revoked" and "revoked" in bye["message"]
+        (bob,) = [s for s in server.hub.sessions if s.principal.user_id == "bob"]
+        assert not bob.ending
+        with ContextDB(users["db"]) as db:
+            db.forget_user("bob", tokens=True)
+        ended = None
+        while ended is None:
+            event = json.loads(await asyncio.wait_for(rt.recv(), 30))
+            if event["type"] == "error" and event["error"]["code"] == "session_ended":
+                ended = event
+        assert ended["error"]["param"] == "revoked"
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await asyncio.wait_for(rt.recv(), 30)
+        assert closed.value.rcvd.code == 4401
+    assert await close_code(ws_url(server, users["ada"])) == 4401
+
+
+async def test_a_proxied_loopback_server_requires_credentials(serve, tiny_checkpoint, tmp_path: Path) -> None:
+    """A replica on 127.0.0.1 behind HAProxy answers the public name (``--allow-host``): without a valid credential
+    it is refused at start. A loopback server whose database had issued tokens, all revoked since, stays closed
+    after a restart (token or none, through HAProxy's name or 127.0.0.1)."""
+    from cspan.server.auth import ServeConfigError
+    from cspan.server.serve import ServeSettings, create_app
+
+    path = tmp_path / "revoked.sqlite"
+    with ContextDB(path) as db:
+        token = issue_token(db, "zoe")[1]
+        db.revoke_tokens(user_id="zoe")
+    for db_target in (":memory:", str(path)):
+        settings = ServeSettings(asr="none", router="none", db=db_target, allow_host=["talk.example.org"])
+        with pytest.raises(ServeConfigError, match=r"--allow-host talk\.example\.org without a token"):
+            create_app(settings, checkpoint=tiny_checkpoint)
+    server = serve(db=str(path))  # a restart after revoking every token
+    assert httpx.get(server.url + "/info").json()["token_required"] is True
+    for url in (server.ws_url, f"{server.ws_url}?token={token}"):
+        assert await close_code(url) == 4401, url
+    assert httpx.get(server.url + "/metrics").status_code == 401
+
+
 @pytest.fixture(scope="module")
 def stub_llm() -> Iterator[Any]:
     """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``)."""
@@ -281,8 +349,8 @@ def cspan(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     )
 
 
-def test_tool_settings_from_flags_environment_and_file(tmp_path: Path) -> None:
-    from cspan.core.settings import load_settings
+def test_tool_settings_from_flags_environment_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cspan.core.settings import SettingsError, load_settings
     from cspan.server.serve_settings import ServeSettings
 
     config = tmp_path / "serve.toml"
@@ -310,6 +378,19 @@ prefix = "web_"
     assert spec.mcp[1].url == "http://127.0.0.1:8765/mcp" and spec.mcp[1].prefix == "web_"
     # the live default: every built-in set but the benchmark's mock world
     assert "fdb-v3" not in load_settings(ServeSettings, {"db": ":memory:"}).tools_spec().sets
+    # a repeatable setting from the environment: one value as it is, or a JSON list; flags win
+    monkeypatch.setenv("CSPAN_MCP", "allow=add prefix=m_ http://127.0.0.1:8765/mcp")
+    monkeypatch.setenv("CSPAN_ALLOW_HOST", "talk.example.org")
+    monkeypatch.setenv("CSPAN_ALLOW_ORIGIN", '["https://a.example", "https://b.example"]')
+    s = load_settings(ServeSettings, {"db": ":memory:"})
+    assert s.tools_spec().mcp[0].url == "http://127.0.0.1:8765/mcp" and s.tools_spec().mcp[0].prefix == "m_"
+    assert s.allow_host == ["talk.example.org"] and s.allow_origin == ["https://a.example", "https://b.example"]
+    assert load_settings(ServeSettings, {"allow_host": ["x.example"]}).allow_host == ["x.example"]
+    monkeypatch.setenv("CSPAN_ALLOW_HOST", "[talk")
+    with pytest.raises(SettingsError, match="CSPAN_ALLOW_HOST: starts with '\\[' but is not a JSON list"):
+        load_settings(ServeSettings)
+    for name in ("CSPAN_MCP", "CSPAN_ALLOW_HOST", "CSPAN_ALLOW_ORIGIN"):
+        monkeypatch.delenv(name)
 
     for args, message in [
         (["--tools", "clock,travel"], "--tools / CSPAN_TOOLS: unknown tool set 'travel'"),
@@ -324,6 +405,27 @@ prefix = "web_"
     proc = cspan("serve", "--help")
     for flag in ("--tools", "--mcp", "--token-file", "--token-user", "--retention-days", "--ssl-certfile", "--drain-s"):
         assert flag in proc.stdout, flag
+
+
+async def test_tools_the_local_router_never_calls_are_named_at_start(caplog) -> None:
+    """``--router local`` (the default) calls only get_time and calculate: MCP tools and get_weather given with
+    ``--tools`` / ``--mcp`` are named in a warning at start (README's one-GPU example looked as if they were used)."""
+    from cspan.server.app import build_backends
+    from cspan.server.serve_settings import ServeSettings
+
+    settings = ServeSettings(
+        router="local", db=":memory:", tools="clock,weather", mcp=[f"allow=add -- {sys.executable} {MCP_DEMO}"]
+    )
+    with caplog.at_level("WARNING", logger="cspan.server.app"):
+        backends = await build_backends(settings, None)
+        await backends.aclose()
+    (warning,) = [r.getMessage() for r in caplog.records if "--router local" in r.getMessage()]
+    assert "get_weather, add will not be called" in warning and "--router URL" in warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cspan.server.app"):
+        backends = await build_backends(ServeSettings(router="local", db=":memory:"), None)  # the default: quiet
+        await backends.aclose()
+    assert not [r for r in caplog.records if "--router local" in r.getMessage()]
 
 
 def test_operators_page_documents_every_serve_setting() -> None:

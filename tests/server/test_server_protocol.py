@@ -17,6 +17,7 @@ from cspan.server.auth import (
     CredentialAuthenticator,
     ServeConfigError,
     check_bind,
+    is_exposed,
     is_loopback_host,
     origin_allowed,
     validate_token,
@@ -246,6 +247,14 @@ def test_bind_and_origin_rules() -> None:
             check_bind(host, None, insecure_no_token=False)
         check_bind(host, "a-token-123", insecure_no_token=False)
         check_bind(host, None, insecure_no_token=True)
+    # a loopback server answering a public name is reached through a proxy: the same rule
+    for allowed in (["talk.example.org"], ["*"], ["localhost:9000", "proxy.internal:8443"]):
+        assert is_exposed("127.0.0.1", allowed), allowed
+        with pytest.raises(ServeConfigError, match=r"--allow-host .* without a token"):
+            check_bind("127.0.0.1", None, insecure_no_token=False, allowed=allowed)
+        check_bind("127.0.0.1", "a-token-123", insecure_no_token=False, allowed=allowed)
+        check_bind("127.0.0.1", None, insecure_no_token=True, allowed=allowed)
+    assert not is_exposed("127.0.0.1", ["localhost", "127.0.0.2:8080", "[::1]"])
     assert origin_allowed(None, "127.0.0.1:8080")
     assert origin_allowed("http://127.0.0.1:8080", "127.0.0.1:8080")
     assert origin_allowed("https://talk.example.org", "talk.example.org")

@@ -13,6 +13,7 @@ import asyncio
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,20 +35,28 @@ from postgres_server import PostgresServer, postgres_binaries  # noqa: E402
 DEPLOY_CONFIG = REPO / "deploy" / "haproxy.cfg"
 
 
-def haproxy_config(port: int, servers: dict[str, int]) -> str:
+def haproxy_config(port: int, servers: dict[str, int], stats_socket: Path) -> str:
     """``deploy/haproxy.cfg`` as documented, with this test's addresses: the frontend on ``127.0.0.1:port`` without
-    TLS, the public host name ``127.0.0.1:port``, and ``servers`` (name: port on 127.0.0.1)."""
+    TLS, the public host name ``127.0.0.1:port``, and in every backend the deploy's servers in order as ``servers``
+    (name: port on 127.0.0.1); plus a stats socket for the test to read what the checks found."""
     lines = []
+    deploy_names: list[str] = []
     for line in DEPLOY_CONFIG.read_text().splitlines():
         stripped = line.strip()
-        if stripped.startswith("bind "):
+        if stripped == "global":
+            line += f"\n    stats socket {stats_socket}"
+        elif stripped.startswith("bind "):
             line = f"    bind 127.0.0.1:{port}"
         elif stripped.startswith("server "):
-            continue
+            name = stripped.split()[1]
+            if name not in deploy_names:
+                deploy_names.append(name)
+            server_port = list(servers.values())[deploy_names.index(name)]
+            line = f"    server {name} 127.0.0.1:{server_port}"
         lines.append(line.replace("cspan.example.org", f"127.0.0.1:{port}"))
-    lines += [f"    server {name} 127.0.0.1:{server_port}" for name, server_port in servers.items()]
+    assert len(deploy_names) == len(servers), deploy_names
     text = "\n".join(lines) + "\n"
-    for needed in ("balance leastconn", "option httpchk GET /health", "timeout tunnel"):
+    for needed in ("balance leastconn", "option httpchk GET /health", "timeout tunnel", "default_backend any_replica"):
         assert needed in text, needed
     return text
 
@@ -67,6 +76,24 @@ def haproxy_binary() -> str:
     if found is None:
         pytest.skip("HAProxy is not installed (.ci/run installs Debian's haproxy)")
     return found
+
+
+def servers_up(stats_socket: Path, backend: str) -> int:
+    """How many servers of ``backend`` HAProxy's checks hold up (``show stat`` on its stats socket)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(stats_socket))
+        sock.sendall(b"show stat\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    header, *rows = data.decode().splitlines()
+    fields = header.lstrip("# ").split(",")
+    stats = [dict(zip(fields, row.split(","), strict=False)) for row in rows if row]
+    return sum(
+        1
+        for r in stats
+        if r["pxname"] == backend and r["svname"] not in ("BACKEND", "FRONTEND") and r["status"] == "UP"
+    )
 
 
 def healthy(port: int, host: str) -> bool:
@@ -113,7 +140,8 @@ async def test_two_replicas_behind_haproxy_share_one_memory(
         for name, port in ports.items()
     }
     config = tmp_path / "haproxy.cfg"
-    config.write_text(haproxy_config(front, ports))
+    stats_socket = tmp_path / "haproxy.sock"
+    config.write_text(haproxy_config(front, ports, stats_socket))
     subprocess.run([haproxy_binary, "-c", "-q", "-f", str(config)], check=True, timeout=30)
     haproxy = subprocess.Popen(
         [haproxy_binary, "-db", "-f", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -158,6 +186,16 @@ async def test_two_replicas_behind_haproxy_share_one_memory(
                 r2 = await c2.start(test={"force_ret_at": [3.5]})
                 assert r2["type"] == "ready"
                 assert full() == {"a", "b"}  # sessions spread over both
+
+                # every slot taken: the page still loads through the balancer, and a third conversation gets the
+                # protocol's busy from a replica (not HAProxy's own 503)
+                await until(lambda: servers_up(stats_socket, "replicas") == 0, "HAProxy sees no free slot")
+                assert servers_up(stats_socket, "any_replica") == 2
+                page = httpx.get(f"http://{public}/", timeout=10)
+                assert page.status_code == 200 and "<html" in page.text.lower()
+                async with websockets.connect(url, max_size=None) as ws3:
+                    busy = await Client(ws3).start()
+                    assert busy["type"] == "busy", busy
                 assert (r2["profile"]["name"], r2["profile"]["location"]) == ("Ada", "Leeds")
                 await c2.stream(frames + silence)
                 if not c2.received.json("span"):
@@ -231,4 +269,8 @@ def test_compose_has_the_topology_of_haproxy_cfg() -> None:
         assert settings.host == "0.0.0.0" and settings.allow_host == ["cspan.example.org"]
         assert "postgresql://" in service["environment"]["CSPAN_DB"]
     assert "http-check send hdr Host cspan.example.org" in cfg
+    backends = re.split(r"^backend ", cfg, flags=re.M)[1:]
+    server_lists = {b.split()[0]: re.findall(r"^\s+server (\S+ \S+)$", b, flags=re.M) for b in backends}
+    assert set(server_lists) == {"replicas", "any_replica"}
+    assert server_lists["replicas"] == server_lists["any_replica"]  # two views of the same replicas
     assert set(compose["services"]["haproxy"]["depends_on"]) == set(replicas)

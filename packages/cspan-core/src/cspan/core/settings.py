@@ -33,14 +33,15 @@ configuration themselves; :mod:`cspan.core.cli` builds their verbs from the mode
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import ValidationError
-from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, SettingsConfigDict
+from pydantic import BeforeValidator, ValidationError
+from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, NoDecode, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
 from .errors import CspanError
@@ -55,6 +56,30 @@ SETTINGS_CONFIG = SettingsConfigDict(
     validate_default=True,
 )
 """The ``model_config`` every settings model of the project uses (``CSPAN_`` environment, kebab-case flags)."""
+
+
+T = TypeVar("T")
+
+
+def _one_or_json_list(value: Any) -> Any:
+    """A list setting's value as text (an environment variable): a JSON list (``'["a", "b"]'``) or, otherwise, the
+    text as one item (``CSPAN_ALLOW_HOST=talk.example.org``); lists (flags, a settings file) pass unchanged."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"starts with '[' but is not a JSON list ({exc.msg}); give one value or a JSON list"
+            ) from None
+    return [value] if text else []
+
+
+EnvList = Annotated[list[T], NoDecode, BeforeValidator(_one_or_json_list)]
+"""A repeatable setting (``--allow-host A --allow-host B``) whose environment variable takes one value as is, or a
+JSON list for several."""
 
 CONFIG_ENV = "CSPAN_CONFIG"
 """Environment variable naming a settings file when ``--config`` is not given."""
@@ -240,6 +265,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 __all__ = [
     "CONFIG_ENV",
     "SETTINGS_CONFIG",
+    "EnvList",
     "SettingsError",
     "add_settings_arguments",
     "load_settings",

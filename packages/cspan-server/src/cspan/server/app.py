@@ -28,7 +28,7 @@ from cspan.server.auth import (
     bearer_token,
     check_bind,
     host_allowed,
-    is_loopback_host,
+    is_exposed,
     offered_subprotocols,
     origin_allowed,
 )
@@ -46,6 +46,9 @@ from cspan.server.session import (
 from cspan.server.voices import VOICE_AUDIO_MAX_BYTES
 
 logger = logging.getLogger(__name__)
+
+CREDENTIAL_RECHECK_S = 5.0
+"""How often a running session's credential is checked again: a revoked token ends its sessions within this."""
 
 STATIC_FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
@@ -207,6 +210,14 @@ async def build_backends(settings: ServeSettings, transcriber: Any) -> Backends:
         raise ServeConfigError(f"tools (--tools, --mcp): {exc}") from exc
     if settings.router == "local":
         router: Any = LocalRouter(bank, None, knowledge=knowledge)
+        idle = [n for n in bank.names() if n not in LocalRouter.TOOLS_CALLED and n != "search_notes"]
+        if idle and (settings.mcp or settings.tools is not None):  # what the operator chose, not the default
+            logger.warning(
+                "--router local calls only %s (and searches the notes and the user's memory itself): %s will not "
+                "be called; give an LLM router (--router URL) to use them",
+                " and ".join(LocalRouter.TOOLS_CALLED),
+                ", ".join(idle),
+            )
     else:
         router = LLMRouter(settings.router, settings.router_model, bank)
     retriever = Retriever(transcriber, router, None, deadline_s=settings.span_deadline_s)
@@ -295,17 +306,20 @@ def create_app(
     adapters = discover_adapters()
     try:  # before the model: a bad Context DB, token file or backend fails in seconds, not minutes
         db = db if db is not None else settings.open_db()
+        exposed = is_exposed(settings.host, settings.allow_host)
         credentials: object = authenticator is not None or settings.token or settings.token_file
-        if not credentials and not is_loopback_host(settings.host) and not settings.insecure_no_token:
+        if not credentials and exposed and not settings.insecure_no_token:
             credentials = db.tokens()
-        check_bind(settings.host, credentials, insecure_no_token=settings.insecure_no_token)
+        check_bind(
+            settings.host, credentials, insecure_no_token=settings.insecure_no_token, allowed=settings.allow_host
+        )
         if authenticator is None:
             authenticator = CredentialAuthenticator(
                 db,
                 token=settings.token,
                 token_user=settings.token_user,
                 token_file=settings.token_file,
-                always=not is_loopback_host(settings.host) and not settings.insecure_no_token,
+                always=exposed and not settings.insecure_no_token,
             )
         if transcriber is _UNSET:
             transcriber = build_transcriber(settings)
@@ -458,6 +472,7 @@ async def serve_connection(
     adapter = adapter_cls(session, connection)
     sender = asyncio.ensure_future(_send(websocket, session, adapter, metrics))
     watchdog = asyncio.ensure_future(session.watchdog())
+    recheck = asyncio.ensure_future(_recheck_credential(session, authenticator, credential.token))
     try:
         await _handle(session, adapter.opened())
         while True:
@@ -483,10 +498,37 @@ async def serve_connection(
         logger.debug("session %s: receive ended: %s", session.id, exc)
     finally:
         watchdog.cancel()
+        recheck.cancel()
         await session.disconnected()
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sender
+
+
+async def _recheck_credential(session: Session, authenticator: Authenticator, token: str | None) -> None:
+    """End ``session`` (reason ``revoked``, close 4401) once its credential no longer authenticates as its principal
+    with the ``session`` scope: a token revoked with ``cspan users revoke`` (on any replica), removed from the token
+    file (SIGHUP), or its user's tokens forgotten. Checked every :data:`CREDENTIAL_RECHECK_S`; a failing Context DB
+    keeps the session (logged), as it is not the client's fault. Sessions of the local principal (no credentials
+    configured when they started) are not checked."""
+    if session.principal.source == "local":
+        return
+    failing = False
+    while not session.ending:
+        await asyncio.sleep(CREDENTIAL_RECHECK_S)
+        try:
+            principal = await authenticator.authenticate(token)
+        except Exception as exc:
+            if not failing:  # once per outage, not every few seconds for every session
+                logger.warning("session %s: could not check its credential again (goes on): %s", session.id, exc)
+            failing = True
+            continue
+        failing = False
+        if principal is None or principal.user_id != session.principal.user_id:
+            if not session.ending:
+                logger.info("session %s: the credential of %s was revoked", session.id, session.principal.user_id)
+                await session.end("revoked", code=CLOSE_UNAUTHORIZED, message="the credential was revoked")
+            return
 
 
 def _message_bytes(data: bytes | str, limit: int) -> int:

@@ -77,19 +77,45 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, credentials: object, *, insecure_no_token: bool) -> None:
-    """Refuse a non-loopback bind without credentials.
+def public_names(allowed: Iterable[str]) -> list[str]:
+    """The ``--allow-host`` values that are not loopback names (``*`` included): names a reverse proxy or balancer
+    forwards to this server, so that others reach it though it listens on loopback."""
+    names = []
+    for entry in allowed:
+        parsed = _split_host(entry, "") if entry.strip() != "*" else ("*", "")
+        if parsed is None or not is_loopback_host(parsed[0]):
+            names.append(entry.strip())
+    return names
+
+
+def is_exposed(host: str, allowed: Iterable[str] = ()) -> bool:
+    """Whether others than this machine's user can reach the server: a non-loopback bind, or a loopback one that
+    answers a public name (``--allow-host``: behind a reverse proxy or a load balancer)."""
+    return not is_loopback_host(host) or bool(public_names(allowed))
+
+
+def check_bind(host: str, credentials: object, *, insecure_no_token: bool, allowed: Iterable[str] = ()) -> None:
+    """Refuse to be reachable by others without credentials.
 
     Args:
         host: the bind address.
         credentials: truthy when some credential can authenticate (a shared token, a token file, issued tokens).
         insecure_no_token: the operator's ``--insecure-no-token``.
+        allowed: the ``--allow-host`` values (a public name makes a loopback server reachable through a proxy).
 
     Raises:
-        ServeConfigError: ``host`` is not loopback, there are no credentials, and ``insecure_no_token`` is False.
+        ServeConfigError: the server is exposed (:func:`is_exposed`), there are no credentials, and
+            ``insecure_no_token`` is False.
     """
-    if credentials or insecure_no_token or is_loopback_host(host):
+    if credentials or insecure_no_token or not is_exposed(host, allowed):
         return
+    if is_loopback_host(host):
+        raise ServeConfigError(
+            f"refusing to answer --allow-host {', '.join(public_names(allowed))} without a token: behind a proxy "
+            "or balancer anyone who reaches it could use the model as the one local user. Issue tokens with "
+            "`cspan users add USER`, set --token (or CSPAN_TOKEN) or --token-file, or pass --insecure-no-token if "
+            "the network is trusted"
+        )
     raise ServeConfigError(
         f"refusing to serve on {host!r} without a token: anyone who reaches this port could use the model. Set "
         "--token (or CSPAN_TOKEN) or --token-file, issue tokens with `cspan users add USER`, bind to 127.0.0.1, or "
@@ -192,9 +218,11 @@ class CredentialAuthenticator:
     shared ``--token`` (one principal, ``token_user``); :class:`cspan.backends.identity.Authenticator` compares
     them in constant time.
 
-    A credential is required when ``--token`` or ``--token-file`` is set, when the server listens beyond loopback
-    (unless ``insecure_no_token``), or once the Context DB has held an issued token (checked per connection until
-    then, so ``cspan users add`` takes effect at once; revoking every token later does not open the server). Otherwise (one person on 127.0.0.1) every session is
+    A credential is required when ``--token`` or ``--token-file`` is set, when others can reach the server (it
+    listens beyond loopback or answers a public ``--allow-host`` name, behind a proxy; unless ``insecure_no_token``),
+    or once the Context DB holds an issued token, revoked ones included (checked per connection until then, so
+    ``cspan users add`` takes effect at once; revoking every token later does not open the server, restart or not).
+    Otherwise (one person on 127.0.0.1) every session is
     :meth:`Principal.local() <cspan.backends.identity.Principal.local>`. A conversation needs the ``session``
     scope.
 
@@ -202,7 +230,7 @@ class CredentialAuthenticator:
         db: the Context DB holding issued tokens (None: none are accepted).
         token: the shared token; token_user: its user id.
         token_file: a token file (read now; :meth:`reload` reads it again).
-        always: require a credential whatever is configured (a non-loopback bind).
+        always: require a credential whatever is configured (an exposed server, :func:`is_exposed`).
 
     Raises:
         IdentityError: the token file is invalid.
@@ -235,7 +263,7 @@ class CredentialAuthenticator:
             logger.info("token file reloaded")
 
     def _required(self) -> bool:
-        if not self.configured and self.db is not None and self.db.tokens():
+        if not self.configured and self.db is not None and self.db.tokens(revoked=True):
             self.configured = True  # for good: revoking every token must not open the server to anyone
         return self.configured
 
@@ -277,8 +305,10 @@ __all__ = [
     "bearer_token",
     "check_bind",
     "host_allowed",
+    "is_exposed",
     "is_loopback_host",
     "offered_subprotocols",
     "origin_allowed",
+    "public_names",
     "validate_token",
 ]

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings
 
 from cspan.backends.context_db.user import check_id
-from cspan.core.settings import SETTINGS_CONFIG
+from cspan.core.settings import SETTINGS_CONFIG, EnvList
 from cspan.server.auth import TOKEN_PATTERN
 from cspan.server.settings_common import BackendSettings, ContextDBSettings, ModelSettings, ToolSettings
 
@@ -87,16 +87,17 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     )
     insecure_no_token: bool = Field(
         False,
-        description="allow a non-loopback --host without credentials: every session is the user 'local' (trusted LANs)",
+        description="allow a non-loopback --host, or a public --allow-host name (behind a proxy), without "
+        "credentials: every session is the user 'local' (trusted LANs)",
         json_schema_extra=_ACCESS,
     )
-    allow_origin: list[str] = Field(
+    allow_origin: EnvList[str] = Field(
         default_factory=list,
         description="another browser origin (scheme://host:port) allowed to open a conversation; repeatable; '*' for "
         "any",
         json_schema_extra={**_ACCESS, "metavar": "ORIGIN"},
     )
-    allow_host: list[str] = Field(
+    allow_host: EnvList[str] = Field(
         default_factory=list,
         description="another Host name (host or host:port) this server answers to; repeatable; '*' for any. On a "
         "loopback --host only localhost, 127.0.0.1 and [::1] with the bound port are answered (DNS rebinding)",

@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec, ToolsSpec, parse_mcp, parse_tools
 from cspan.core.constants import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE
-from cspan.core.settings import SETTINGS_CONFIG
+from cspan.core.settings import SETTINGS_CONFIG, EnvList
 
 DEFAULT_PERSONA = (
     "You are Ada, a calm and friendly assistant who helps people plan their day and find things out. "
@@ -304,7 +304,7 @@ class ToolSettings(BaseSettings):
         "benchmark's mock world of fabricated flights and accounts), 'none' (default: default)",
         json_schema_extra={"group": "tools", "metavar": "NAME,..."},
     )
-    mcp: list[str | MCPServerSpec] = Field(
+    mcp: EnvList[str | MCPServerSpec] = Field(
         default_factory=list,
         description="mount an MCP server's tools: a stdio command line or a streamable-HTTP URL, after optional "
         "allow=a,b (only these) read=a,b (vouch they change nothing) prefix=p_ timeout=S and '--'; repeatable",

@@ -13,6 +13,8 @@ database: SQLite's WAL lets readers go on during a write and ``busy_timeout`` ma
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import sqlite3
 import threading
@@ -67,14 +69,24 @@ class Connection:
 
 class SQLiteConnection(Connection):
     """SQLite in WAL mode, ``synchronous=NORMAL`` (a power cut may lose the last commits, never corrupt the file),
-    foreign keys on."""
+    foreign keys on. A new file is private to its owner (mode 0600; SQLite gives its ``-wal`` and ``-shm`` files the
+    same), in a folder made 0700 when it is created here: it holds what users said and their tokens' hashes."""
 
     dialect: Dialect = "sqlite"
 
     def __init__(self, path: str, *, busy_timeout_s: float) -> None:
         self.where = path
         if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                folder = Path(path).parent
+                if not folder.exists():
+                    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except OSError as exc:
+                raise ContextDBError(
+                    f"cannot create Context DB {path!r}: {exc.strerror or exc}. Fix: point --db at a writable path."
+                ) from exc
         self._lock = threading.RLock()
         try:
             self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
@@ -195,13 +207,20 @@ class PostgresConnection(Connection):
                 self._conn.close()
 
 
+_SECRET_PARAM = re.compile(r"(?i)((?:^|&)(?:password|sslpassword)=)[^&]*")
+
+
 def redact(url: str) -> str:
-    """``url`` without its password ("postgresql://ada:***@db:5432/cspan")."""
+    """``url`` without its password, in the user part or a ``password=`` / ``sslpassword=`` query parameter
+    (libpq reads both): "postgresql://ada:***@db:5432/cspan"."""
     parts = urlsplit(url)
-    if parts.password is None:
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    query = _SECRET_PARAM.sub(r"\1***", parts.query)
+    if (netloc, query) == (parts.netloc, parts.query):
         return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def is_postgres_url(target: str) -> bool:

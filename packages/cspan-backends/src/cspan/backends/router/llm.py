@@ -105,6 +105,33 @@ _AFFIRMATIVE = re.compile(
 _NEGATIVE = re.compile(
     r"\b(?:no|nope|don'?t|do not|stop|wait|cancel that|never ?mind|not now|hold on|hang on|abort)\b", re.I
 )
+_WORD = re.compile(r"[\w']+")
+
+
+def _said_since(asked: str, question: str) -> str:
+    """The words of ``question`` said after the request ``asked`` that the held-back call answered: a later
+    ``<ret>`` may read the same utterance again, or an ASR window that still holds it (transcribed a little
+    differently: "Lovelace" as "love lace"), and a "yes" inside the request itself confirms nothing.
+
+    The letters of both, without spaces or punctuation, are matched (difflib); when most of ``asked`` is found in
+    ``question``, the words starting after its last match of 3 letters or more are returned, else all of
+    ``question``. An uncertain case errs towards asking again."""
+    now = _WORD.findall(question.lower())
+    letters, starts = "", []
+    for word in now:
+        starts.append(len(letters))
+        letters += word
+    before = "".join(_WORD.findall(asked.lower()))
+    if not before:
+        return " ".join(now)
+    blocks = [b for b in difflib.SequenceMatcher(None, before, letters, autojunk=False).get_matching_blocks() if b.size]
+    if sum(b.size for b in blocks) * 10 < len(before) * 6:
+        return " ".join(now)
+    last = next((b for b in reversed(blocks) if b.size >= 3), blocks[-1])
+    end = last.b + last.size
+    return " ".join(word for word, start in zip(now, starts, strict=True) if start >= end)
+
+
 _REASONING_MODEL = re.compile(r"(?:^|/)(?:o[1-9]|gpt-5)", re.I)
 
 
@@ -309,8 +336,8 @@ class LLMRouter:
     description> with <arguments>; ask the user to confirm`` (``source`` ``confirm:<tool>``), which the speech model
     reads out as a question, and records the call as ``awaiting_confirmation``. The action runs in a later request
     only if (1) the newest earlier call of the conversation is that held-back call, (2) the LLM asks for the same
-    tool with the same validated arguments, and (3) the user's words are affirmative ("yes", "go ahead", "confirm")
-    and carry no refusal ("no", "wait", "don't"). Anything else (other arguments, another call in between, a "no")
+    tool with the same validated arguments, and (3) the user's words since the request (:func:`_said_since`) are
+    affirmative ("yes", "go ahead", "confirm") and carry no refusal ("no", "wait", "don't"). Anything else (other arguments, another call in between, a "no")
     starts over with a new confirmation.
 
     :meth:`route` raises :class:`RouterError` when the endpoint fails (connection, HTTP status, timeout, a body
@@ -784,7 +811,7 @@ class LLMRouter:
                 return False
         except ToolError:
             return False
-        words = req.question[-400:]
+        words = _said_since(held.question, req.question)[-400:]
         return bool(_AFFIRMATIVE.search(words)) and not _NEGATIVE.search(words)
 
     def _confirmation(self, req: RouteRequest, tool: Any, args: dict[str, Any]) -> ToolCall | RouteResult:

@@ -351,6 +351,9 @@ class LocalRouter:
     memory (the session principal's), sharing the knowledge index.
     """
 
+    TOOLS_CALLED: tuple[str, ...] = ("get_time", "calculate")
+    """The only tools of a bank this router calls (any other, MCP tools included, needs an LLM router)."""
+
     def __init__(
         self,
         tools: ToolBank | None = None,

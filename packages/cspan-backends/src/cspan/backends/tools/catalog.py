@@ -398,6 +398,14 @@ async def build_bank(spec: ToolsSpec, *, knowledge: KnowledgeBase | None = None)
                 allow=server.allow,
                 read_only=server.read_only,
             )
+            clash = sorted(set(bank.names()) & set(mounted.names()))
+            if clash:
+                await mounted.aclose()
+                raise ToolError(
+                    f"--mcp {server.where}: tool(s) {', '.join(clash)} are already mounted (a built-in set of --tools "
+                    "or another --mcp); give this --mcp a prefix (prefix=NAME_), leave them out with allow=, or "
+                    "leave that set out of --tools"
+                )
             try:
                 bank.merge(mounted)
             except ToolError as exc:

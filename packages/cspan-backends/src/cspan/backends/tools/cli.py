@@ -71,6 +71,8 @@ async def _bank(args: argparse.Namespace) -> Any:
     from cspan.backends.tools.catalog import ToolsSpec, build_bank
 
     tools = "fdb-v3" if args.fdb_v3_only else args.tools or SERVED_DEFAULT
+    # 'default' here is what can be served: the live default but memory (one signed-in user's)
+    tools = ",".join(SERVED_DEFAULT if name.strip().lower() == "default" else name for name in tools.split(","))
     spec = ToolsSpec.from_flags(
         tools,
         knowledge=args.knowledge,
@@ -91,13 +93,31 @@ def _fail(verb: str, exc: Exception) -> int:
     return 2
 
 
+def _public_names(allowed: list[str]) -> list[str]:
+    """The ``--allowed-host`` values that are not loopback names (``*`` included): a proxy forwards them here."""
+    from cspan.backends.hostguard import is_loopback
+
+    names = []
+    for entry in allowed:
+        text = entry.strip()
+        if text.startswith("["):
+            host = text[1:].partition("]")[0]
+        else:  # host, host:port, or a bare IPv6 address
+            host = text.partition(":")[0] if text.count(":") == 1 else text
+        if text == "*" or not is_loopback(host):
+            names.append(text)
+    return names
+
+
 def _serve(args: argparse.Namespace) -> int:
     from cspan.backends.commands import is_loopback
 
-    if args.transport == "http" and not is_loopback(args.host) and not args.insecure_no_token:
+    public = _public_names(args.allowed_host or []) if args.transport == "http" else []
+    if args.transport == "http" and (public or not is_loopback(args.host)) and not args.insecure_no_token:
+        where = f"--allowed-host {', '.join(public)} (behind a proxy)" if public else args.host
         print(
-            f"cspan tools serve: error: refusing to expose the tool bank on {args.host} without authentication; "
-            "bind 127.0.0.1 (default) or pass --insecure-no-token",
+            f"cspan tools serve: error: refusing to expose the tool bank on {where} without authentication (the "
+            "MCP endpoint has none); bind 127.0.0.1 (default) with loopback names only, or pass --insecure-no-token",
             file=sys.stderr,
         )
         return 2
@@ -188,7 +208,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--insecure-no-token",
         action="store_true",
-        help="allow --transport http on a non-loopback address (the MCP endpoint has no authentication)",
+        help="allow --transport http on a non-loopback address or with a public --allowed-host name (behind a "
+        "proxy); the MCP endpoint has no authentication",
     )
     serve.add_argument("--port", type=_port, default=8765, help="HTTP port (default 8765)")
     serve.add_argument(

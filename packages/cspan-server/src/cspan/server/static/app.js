@@ -608,7 +608,8 @@
     };
     ws.onclose = (e) => {
       if (session.byeWaiter) session.byeWaiter();
-      if (e.code === 4401) notice("The server refused the token: open the page as /?token=YOUR_TOKEN.", "bad");
+      if (session.bye && session.bye.reason === "revoked") notice("The session ended: this token was revoked.", "bad");
+      else if (e.code === 4401) notice("The server refused the token: open the page as /?token=YOUR_TOKEN.", "bad");
       else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
       else if (e.code === 1013 || session.busy) notice("All conversation slots are busy; try again later.", "bad");
       else if (session.bye && session.bye.reason === "idle") notice("The session ended: no audio for a while.", "warn");
