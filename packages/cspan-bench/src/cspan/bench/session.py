@@ -538,7 +538,7 @@ def write_wav(path: Path, pcm: np.ndarray, sample_rate: int, *, length: int | No
 
 def write_json(path: Path, payload: Any) -> Path:
     """Write ``payload`` as indented JSON through an atomic rename."""
-    from cspan.core.audio import write_text_atomic
+    from cspan.core.files import write_text_atomic
 
     return _readable(write_text_atomic(path, json.dumps(payload, indent=2, ensure_ascii=False, default=str) + "\n"))
 

@@ -8,20 +8,16 @@ through :func:`sanitize_pcm`: a NaN or infinite sample becomes 0.0 (silence) and
 are clipped to +-1.0, before any resampling (a NaN would otherwise spread through the filter). Readers count what
 they replaced (:attr:`AudioInfo.nonfinite`) so that callers can say so.
 
-Writing goes to a temporary ``.NAME.*.part`` file next to the destination that is renamed into place only when
-complete, so a crash never leaves a partial file that looks finished; the temporary files of a process that exits
-(an exception, SIGTERM through ``cspan``'s handler, ``sys.exit``) are removed. :func:`check_writable` tests an
-output's folder before any work. Write failures raise :class:`~cspan.core.errors.OutputError` naming the path and
-the cause (permission denied, no space left on device, read-only file system).
+Writing (:class:`AtomicAudioWriter`) goes through :mod:`cspan.core.files`: a temporary ``.NAME.*.part`` file next
+to the destination that is renamed into place only when complete, so a crash never leaves a partial file that looks
+finished; the temporary files of a process that exits are removed. Write failures raise
+:class:`~cspan.core.errors.OutputError` naming the path and the cause (permission denied, no space left on device,
+read-only file system).
 """
 
 from __future__ import annotations
 
-import atexit
-import errno
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +29,7 @@ import soxr
 
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
 from cspan.core.errors import AudioInputError, OutputError
+from cspan.core.files import drop_part, new_part, publish_part, write_error
 
 SILENCE_PEAK = 10 ** (-80 / 20)
 """A file whose peak stays below -80 dBFS is treated as silent-only."""
@@ -100,6 +97,10 @@ def _open(path: Path) -> sf.SoundFile:
         raise AudioInputError(f"{path}: no such file; pass an existing recording (WAV, FLAC or OGG)")
     if path.is_dir():
         raise AudioInputError(f"{path}: is a directory, not an audio file")
+    if not path.is_file():  # a FIFO, /dev/zero, a socket: no length to check, a second pass reads something else
+        raise AudioInputError(
+            f"{path}: is not a regular file (a pipe, a device or a socket); save the recording to a file first"
+        )
     if path.stat().st_size == 0:
         raise AudioInputError(f"{path}: the file is empty (0 bytes)")
     try:
@@ -237,13 +238,6 @@ def resample(pcm: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     return np.clip(soxr.resample(clean, from_rate, to_rate, quality="HQ").astype(np.float32), -1.0, 1.0)
 
 
-def _default_mode() -> int:
-    """The permissions a plain ``open(..., "w")`` would give a new file (0o666 minus the umask)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 OUTPUT_FORMATS: dict[str, tuple[str, str]] = {
     ".wav": ("WAV", "PCM_16"),
     ".flac": ("FLAC", "PCM_16"),
@@ -251,34 +245,6 @@ OUTPUT_FORMATS: dict[str, tuple[str, str]] = {
     ".mp3": ("MP3", "MPEG_LAYER_III"),
 }
 """Audio files the writers produce, by the destination's extension: ``(soundfile format, subtype)``."""
-
-_PARTS: set[Path] = set()
-"""Temporary files of unfinished outputs of this process, removed at exit if still there."""
-
-
-@atexit.register
-def _remove_parts() -> None:
-    for part in list(_PARTS):
-        part.unlink(missing_ok=True)
-    _PARTS.clear()
-
-
-def _new_part(path: Path) -> Path:
-    """A new empty temporary file next to ``path`` (registered for removal at exit)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # the folder's name is taken by a file
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    os.close(fd)
-    part = Path(tmp)
-    _PARTS.add(part)
-    return part
-
-
-def _drop_part(part: Path) -> None:
-    _PARTS.discard(part)
-    part.unlink(missing_ok=True)
 
 
 def output_format(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -294,49 +260,6 @@ def output_format(path: str | os.PathLike[str]) -> tuple[str, str]:
         what = f"{suffix!r} is not an audio format the writer knows" if suffix else "it has no file extension"
         raise OutputError(f"{path}: cannot write audio there: {what}; name the file with one of {known}")
     return fmt
-
-
-def check_writable(path: str | os.PathLike[str], *, need_bytes: int = 0) -> None:
-    """Check, before any work, that an output can be written at ``path``.
-
-    Creates the folder if missing, creates and removes a temporary file there (exactly what the atomic writers
-    do), and checks that at least ``need_bytes`` are free on its file system.
-
-    Raises:
-        OutputError: naming ``path`` and the cause (not a directory, permission denied, read-only file system, no
-            space left on device).
-    """
-    path = Path(path)
-    try:
-        _drop_part(_new_part(path))
-        free = shutil.disk_usage(path.parent).free
-    except OSError as exc:
-        raise OutputError.from_os_error(path, exc) from None
-    if free < need_bytes:
-        raise OutputError(
-            f"{path}: cannot write: no space left on device: the output needs about {need_bytes / 1e6:.1f} MB and "
-            f"{free / 1e6:.1f} MB are free in {path.parent}; free some space or write the output elsewhere"
-        )
-
-
-def _write_error(path: Path, exc: Exception) -> OutputError:
-    """The :class:`OutputError` for a failed write to ``path``. libsndfile reports every I/O failure as "System
-    error", so its cause is found by writing a probe file with Python's own I/O in the same folder."""
-    if isinstance(exc, OSError):
-        return OutputError.from_os_error(path, exc)
-    probe = None
-    try:
-        probe = _new_part(path)
-        with probe.open("wb") as f:
-            f.write(b"\0" * 65536)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as cause:
-        return OutputError.from_os_error(path, cause)
-    finally:
-        if probe is not None:
-            _drop_part(probe)
-    return OutputError(f"{path}: cannot write: {exc}")
 
 
 class AtomicAudioWriter:
@@ -360,7 +283,7 @@ class AtomicAudioWriter:
         self.path = Path(path)
         self.format, self.subtype = output_format(self.path)
         try:
-            self._tmp = _new_part(self.path)
+            self._tmp = new_part(self.path)
         except OSError as exc:
             raise OutputError.from_os_error(self.path, exc) from None
         try:
@@ -373,8 +296,8 @@ class AtomicAudioWriter:
                 format=self.format,
             )
         except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-            error = _write_error(self.path, exc)
-            _drop_part(self._tmp)
+            error = write_error(self.path, exc)
+            drop_part(self._tmp)
             raise error from None
         self.channels = channels
         self.frames_written = 0
@@ -393,7 +316,7 @@ class AtomicAudioWriter:
         try:
             self._file.write(data)
         except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-            raise _write_error(self.path, exc) from None
+            raise write_error(self.path, exc) from None
         self.frames_written += len(data)
 
     def commit(self) -> Path:
@@ -404,13 +327,11 @@ class AtomicAudioWriter:
         """
         try:
             self._file.close()
-            os.chmod(self._tmp, _default_mode())  # mkstemp made it private; the result is an ordinary file
-            os.replace(self._tmp, self.path)
+            publish_part(self._tmp, self.path)
         except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-            error = _write_error(self.path, exc)
+            error = write_error(self.path, exc)
             self.abort()
             raise error from None
-        _PARTS.discard(self._tmp)
         return self.path
 
     def abort(self) -> None:
@@ -420,7 +341,7 @@ class AtomicAudioWriter:
                 self._file.close()
             except (sf.LibsndfileError, RuntimeError, OSError):
                 pass  # the file is being thrown away; a failed flush of its last bytes does not matter
-        _drop_part(self._tmp)
+        drop_part(self._tmp)
 
     def __enter__(self) -> AtomicAudioWriter:
         return self
@@ -436,29 +357,3 @@ class AtomicAudioWriter:
 
 AtomicWavWriter = AtomicAudioWriter
 """The former name (it wrote WAV only); kept while ``cspan.bench`` uses it."""
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write a UTF-8 text file through a temporary file and an atomic rename.
-
-    Raises:
-        OutputError: the folder or the file cannot be written (path and cause); the destination is untouched.
-    """
-    path = Path(path)
-    try:
-        part = _new_part(path)
-    except OSError as exc:
-        raise OutputError.from_os_error(path, exc) from None
-    try:
-        with part.open("w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(part, _default_mode())
-        os.replace(part, path)
-    except OSError as exc:
-        _drop_part(part)
-        raise OutputError.from_os_error(path, exc) from None
-    except BaseException:
-        _drop_part(part)
-        raise
-    _PARTS.discard(part)
-    return path

@@ -258,8 +258,8 @@ def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
     Raises:
         CspanError: naming the offending path. OutputError: a folder that cannot be written (path and cause).
     """
-    from cspan.core.audio import check_writable
     from cspan.core.errors import CspanError
+    from cspan.core.files import check_writable
 
     seen: dict[Path, Path] = {}
     resolved_inputs = {p.resolve() for p in inputs}
@@ -440,10 +440,11 @@ async def run_infer(settings: InferSettings) -> InferResult:
             before any output is written). OutputError: an output that cannot be written (names the path and the
             cause; the other output is kept).
     """
-    from cspan.core.audio import check_writable, inspect_audio
+    from cspan.core.audio import inspect_audio
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.errors import CspanError
+    from cspan.core.files import check_writable
     from cspan.core.runtime import use_cpu_threads
 
     s = settings
@@ -510,12 +511,13 @@ async def _converse(
     import numpy as np
     import torch
 
-    from cspan.core.audio import AtomicAudioWriter, iter_frames, write_text_atomic
+    from cspan.core.audio import AtomicAudioWriter, iter_frames
     from cspan.core.checkpoint import load_checkpoint
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import OutputError
     from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
+    from cspan.core.files import write_text_atomic
     from cspan.core.runtime import Conversation, ConversationConfig
     from cspan.server.output import AgentWord, InferOutput, PersonaInfo, Timing, UserTranscript, timing_stats
     from cspan.server.records import db_recorder
