@@ -357,15 +357,16 @@ def _wait_for_part(folder: Path, proc: subprocess.Popen, timeout: float = 240) -
     raise AssertionError("no .part file appeared")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_killed_run_removes_its_part_file(sig, tiny_checkpoint_dir, speech, tmp_path):
+    """Issue 22 (F15): SIGHUP (a closed terminal) too."""
     argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--lead-silence", "120")  # long enough to be caught
     proc = _start(argv)
     _wait_for_part(tmp_path, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == (143 if sig == signal.SIGTERM else 130), err
-    assert "Traceback" not in err and ("terminated by signal 15" in err or "interrupted" in err)
+    assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
+    assert "Traceback" not in err and (f"terminated by signal {int(sig)}" in err or "interrupted" in err)
     assert list(tmp_path.iterdir()) == []  # neither output, no .part
 
 
