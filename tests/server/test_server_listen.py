@@ -61,3 +61,33 @@ def test_bound_socket_is_what_uvicorn_serves(tiny_checkpoint_dir: Path) -> None:
         assert httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=10).status_code == 200
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--allow-origin", "not-an-origin"),
+        ("--allow-origin", "ftp://x.example"),
+        ("--allow-origin", "https://x.example/path"),
+        ("--allow-origin", "http://x:99999"),
+        ("--allow-host", "a b/c"),
+        ("--allow-host", "http://x.example"),
+        ("--allow-host", "x.example:70000"),
+    ],
+)
+def test_allow_origin_and_allow_host_values_are_checked(flag: str, value: str, capsys) -> None:
+    """Issue 22 (F19): `--allow-origin not-an-origin` and `--allow-host 'a b/c'` were accepted and matched nothing."""
+    from cspan.core.cli import main
+
+    assert main(["serve", "--checkpoint", "none", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan serve: error: {flag} / ") and f"{value!r} is not a " in err and err.count("\n") == 1
+
+
+def test_good_allow_values_pass() -> None:
+    from cspan.server.auth import check_allow_host, check_allow_origin
+
+    assert check_allow_origin("https://app.example.com/") == "https://app.example.com"
+    assert check_allow_origin("http://[::1]:3000") == "http://[::1]:3000" and check_allow_origin("*") == "*"
+    for host in ("app.example.com", "192.168.1.5:8080", "[::1]:8080", "*", "localhost"):
+        assert check_allow_host(host) == host
