@@ -6,7 +6,7 @@ Everything here works on float32 samples in [-1, 1]. Reading is streaming (block
 Non-finite samples: wherever audio enters (files read here, ``cspan serve``'s wire frames, uploads), it goes
 through :func:`sanitize_pcm`: a NaN or infinite sample becomes 0.0 (silence) and finite samples beyond full scale
 are clipped to +-1.0, before any resampling (a NaN would otherwise spread through the filter). Readers count what
-they replaced (:attr:`AudioInfo.nonfinite`) so that callers can say so.
+they replaced or clipped (:attr:`AudioInfo.nonfinite`, :attr:`AudioInfo.clipped`) so that callers can say so.
 
 Writing (:class:`AtomicAudioWriter`) goes through :mod:`cspan.core.files`: a temporary ``.NAME.*.part`` file next
 to the destination that is renamed into place only when complete, so a crash never leaves a partial file that looks
@@ -49,6 +49,7 @@ class AudioInfo:
         duration_s: length in seconds.
         peak: absolute peak of the selected channel (float32 scale) after :func:`sanitize_pcm`.
         nonfinite: NaN or infinite samples of the selected channel, read as silence (0.0).
+        clipped: finite samples of the selected channel beyond full scale (a float file), read as +-1.0.
     """
 
     path: Path
@@ -58,6 +59,7 @@ class AudioInfo:
     duration_s: float
     peak: float
     nonfinite: int = 0
+    clipped: int = 0
 
 
 def sanitize_pcm(pcm: np.ndarray) -> tuple[np.ndarray, int]:
@@ -139,10 +141,13 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
                 f"{path}: is {duration:.1f} s long, over the limit of {max_seconds:.0f} s (raise --max-seconds)"
             )
         peak = 0.0
-        nonfinite = 0
+        nonfinite = clipped = 0
         try:
             for block in f.blocks(blocksize=int(sr * _BLOCK_SECONDS), dtype="float32", always_2d=True):
-                mono, bad = sanitize_pcm(block[:, channel])
+                column = block[:, channel]
+                with np.errstate(invalid="ignore"):
+                    clipped += int(np.count_nonzero(np.isfinite(column) & (np.abs(column) > 1.0)))
+                mono, bad = sanitize_pcm(column)
                 nonfinite += bad
                 if len(mono):
                     peak = max(peak, float(np.max(np.abs(mono))))
@@ -152,7 +157,14 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
         why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
         raise AudioInputError(f"{path}: is silent (peak {peak:.2e}, below -80 dBFS{why}); nothing to listen to")
     return AudioInfo(
-        path=path, sample_rate=sr, channels=channels, frames=frames, duration_s=duration, peak=peak, nonfinite=nonfinite
+        path=path,
+        sample_rate=sr,
+        channels=channels,
+        frames=frames,
+        duration_s=duration,
+        peak=peak,
+        nonfinite=nonfinite,
+        clipped=clipped,
     )
 
 

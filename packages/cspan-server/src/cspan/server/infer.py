@@ -453,6 +453,8 @@ async def run_infer(settings: InferSettings) -> InferResult:
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
     if info.nonfinite:
         logger.warning("%s: %d NaN or infinite samples read as silence", s.input_wav, info.nonfinite)
+    if info.clipped:
+        logger.warning("%s: %d samples beyond full scale clipped to +-1.0", s.input_wav, info.clipped)
     lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
     tail = math.ceil(s.tail_silence * FRAME_RATE - 1e-9)
     n_input = -(-round(info.duration_s * SAMPLE_RATE) // FRAME_SIZE)
@@ -662,6 +664,7 @@ async def _converse(
         duration_s=total / FRAME_RATE,
         input_offset_s=lead / FRAME_RATE,
         input_nonfinite_samples=info.nonfinite,
+        input_clipped_samples=info.clipped,
         persona=PersonaInfo(**persona),
         agent_text=conversation.agent_text(),
         agent_words=words,
