@@ -9,6 +9,8 @@ Subcommands:
   profile    kernel profiles of the engine's graphed step on a full ring (B = 1 and 64: a plain step, and a step
              reading a 600-column span in one session)
   tune-conv  the fused streaming convolutions against cuDNN, per convolution of a Mimi frame
+  tune-prefill  the ragged prefill attention of a 600- and a 256-position span over a full ring: every
+             (block_m, block_n, warps, stages) x key splits; and the block's RoPE split and KV write
   bench      ``cspan bench ...`` without installed entry points (arguments follow)
   summary    DIR: the compact summary of a perf_h200.sh run's logs and JSON
 
@@ -94,13 +96,13 @@ def attention() -> None:
               for (splits, waves) in ((64, 8), (16, 2))
               for warps in (4, 8)
               for stages in (2, 3, 4)
-              for lanes in (0, 1)),
+              for lanes in (1,)),
             *(cfg for _, cfg in fused.DECODE_CONFIGS),
         }
     )  # fmt: skip
     best_table = []
     print(f"decode over a full ring of {RING} positions, {HEADS} heads x {HEAD_DIM}, bf16, us per layer:")
-    for B in (1, 8, 32, 64, 80, 128):
+    for B in (1, 4, 8, 16, 24, 32, 48, 64, 80, 128):
         best_table.append((B, _decode_at(B, candidates, fi)))
         torch.cuda.empty_cache()
     print("DECODE_CONFIGS = (" + ", ".join(f"({b}, {cfg})" for b, cfg in best_table) + ")")
@@ -235,6 +237,70 @@ def _prefill_side_by_side(fi, B: int) -> None:
         except Exception as exc:
             line += f"  flashinfer failed: {type(exc).__name__}: {str(exc)[:160]}"
     print(line, flush=True)
+
+
+def tune_prefill() -> None:
+    """Every prefill configuration for a span of n = 600 and 256 new positions in one row of a full ring, us per
+    layer (the kernel and, with key splits, the combine), fastest first; then RoPE split + KV write of the block."""
+    from cspan.core.modules import fused
+
+    dev = torch.device("cuda")
+    keys = [torch.randn(1, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(4)]
+    values = [torch.randn_like(k) for k in keys]
+    offset = torch.full((1,), 10 * RING, dtype=torch.long, device=dev)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+
+    def one_span(n: int, bm: int):  # row 0 reads n new positions after a full ring
+        per = -(-n // bm)
+        return fused.Ragged(
+            seq_row=t([0]), seq_start=t([0]), seq_len=t([n]), qb_seq=t([0] * per), qb_j=t([j * bm for j in range(per)]),
+            tok_row=t([0] * n), tok_j=t(list(range(n))), tok_keep=t([1] * n).bool(), block_m=bm,
+        ).at(offset)  # fmt: skip
+
+    def at(n: int) -> None:
+        q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * n * (RING + n / 2) * HEADS * HEAD_DIM
+        results = {}
+        for bm in (64, 128):
+            ragged = one_span(n, bm)
+            for bn in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        for splits in (1, 2, 3):
+                            cfg = (bm, bn, warps, stages)
+
+                            def run(cfg=cfg, splits=splits, ragged=ragged):
+                                for kk, vv in zip(keys, values, strict=True):
+                                    fused.prefill_attention(q, k, v, kk, vv, ragged, RING, config=cfg, splits=splits)
+
+                            try:
+                                results[(cfg, splits)] = _events_ms(_graph(run), 10) * 1000 / len(keys)
+                            except Exception as exc:
+                                print(f"  n={n} {cfg} splits {splits}: failed {type(exc).__name__}: {str(exc)[:100]}")
+        ragged = one_span(n, fused.block_m_for(n))
+
+        def run_default(ragged=ragged):
+            for kk, vv in zip(keys, values, strict=True):
+                fused.prefill_attention(q, k, v, kk, vv, ragged, RING)
+
+        default = _events_ms(_graph(run_default), 10) * 1000 / len(keys)
+        print(f"ragged prefill n={n} over a full ring of {RING}: default {fused.PREFILL_CONFIG} {default:.1f} us "
+              f"({flops / default / 1e6:.0f} TFLOP/s); fastest:")  # fmt: skip
+        for (cfg, splits), us in sorted(results.items(), key=lambda kv: kv[1])[:8]:
+            print(f"  {cfg} splits {splits}: {us:7.1f} us ({flops / us / 1e6:.0f} TFLOP/s)")
+        qkv = torch.randn(n, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        rope = fused.rope_tables(torch.arange(n, device=dev)[None] + 10 * RING, HEAD_DIM, 10_000.0)
+        flat = (rope[0][0], rope[1][0])
+        rows, pos = t([0] * n), torch.arange(n, device=dev) + 10 * RING
+        kc = torch.zeros(64, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        us_rope = _events_ms(_graph(lambda: fused.rope_split(qkv, HEADS, flat)), 20) * 1000
+        us_kv = _events_ms(_graph(lambda: fused.kv_write(k, v, kc, vc, rows, pos)), 20) * 1000
+        gbps = 4 * n * HEADS * HEAD_DIM * 2 / us_kv / 1e3
+        print(f"  rope split {us_rope:.1f} us, kv write {us_kv:.1f} us ({gbps:.0f} GB/s)")
+
+    for n in (600, 256):
+        at(n)
 
 
 def _kernel_profile(title: str, fn, reps: int = 5) -> None:
@@ -454,7 +520,13 @@ def bench(argv: list[str]) -> int:
     return main(["bench", *argv])
 
 
-SUBCOMMANDS = {"ceilings": ceilings, "attention": attention, "profile": profile, "tune-conv": tune_conv}
+SUBCOMMANDS = {
+    "ceilings": ceilings,
+    "attention": attention,
+    "profile": profile,
+    "tune-conv": tune_conv,
+    "tune-prefill": tune_prefill,
+}
 
 if __name__ == "__main__":
     cmd, rest = sys.argv[1], sys.argv[2:]

@@ -13,7 +13,7 @@
 #   bash scripts/perf_h200.sh            # call 1: env tests bench baseline attention (about 8.5 minutes)
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh baseline attention capacity fp8
-#                                        #         triton profile tune-conv
+#                                        #         triton profile tune-conv tune-prefill
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
 # Exits non-zero when a stage fails or is unknown (after running the others).
@@ -81,7 +81,7 @@ for stage in $stages; do
       run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,32,64,80 SPANS=600 \
         PREFILL_GRAPH=1 ITERS=20 WARM=3 SPAN_ITERS=10 python3 .device/moshi_baseline.py ;;
     attention)
-      TAIL=3 run attention 170 python3 scripts/perf_h200.py attention ;;
+      TAIL=3 run attention 260 python3 scripts/perf_h200.py attention ;;
     triton)  # the engine with its own decode kernel everywhere (no FlashInfer), B = 32 / 64 / 80 on full rings
       CSPAN_ATTENTION=triton run triton 150 $BENCH latency --random-7b --n 0 600 --iters 20 --warmup 3 \
         --batch-size 32 64 80 --no-frame --out "$LOGS/latency_triton.json" ;;
@@ -97,6 +97,8 @@ for stage in $stages; do
       TAIL=80 run profile 150 python3 scripts/perf_h200.py profile ;;
     tune-conv)
       TAIL=80 run tune-conv 150 python3 scripts/perf_h200.py tune-conv ;;
+    tune-prefill)
+      TAIL=40 run tune-prefill 200 python3 scripts/perf_h200.py tune-prefill ;;
     *)
       echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac

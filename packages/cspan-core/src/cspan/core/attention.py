@@ -7,12 +7,14 @@ one in the window, once it is full). That is the engine's rule when the window e
 transformer's: 3000 and 3000), and the page table is just the rows. The new position's key and value are written
 first (:func:`cspan.core.modules.fused.kv_write`), so the ring holds them when FlashInfer reads it.
 
-Measured on an H200 (docs/perf/round4, full 3000-slot rings, bf16): FlashInfer reads the ring at the copy
-bandwidth from 8 rows on (B = 64: 699 us per 32-head layer against a 736 us floor at 4.27 TB/s, the project's
-Triton kernel 871), but one page per row leaves it no key split at one row (41 us against 27). So the plan uses it
-for steps of at least :data:`MIN_ROWS` rows when ``flashinfer`` imports and the cache is bf16 / fp16
-(:func:`cspan.core.plan.resolve_plan`; ``CSPAN_ATTENTION=triton`` keeps the Triton kernel everywhere). FlashInfer
-compiles its kernels on first use (nvcc, a few seconds). Source: FlashInfer, ``BatchDecodeWithPagedKVCacheWrapper``
+Measured on an H200 (docs/perf/round4/c8/attention.log, full 3000-slot rings, bf16, us per 32-head layer, the
+project's Triton kernel at its best configuration per batch size): FlashInfer reads the ring at the copy bandwidth
+from 8 rows on (B = 8 / 16 / 64 / 80 / 128: 90.2 / 178.3 / 681.5 / 850.4 / 1357.7 against Triton's 93.6 / 181.1 /
+689.2 / 857.8 / 1367.6; B = 32 the one exception, 367.2 against 351.6), but one page per row leaves it no key split
+at one row (41.8 against 21.3). So the plan uses it for steps of at least :data:`MIN_ROWS` rows when
+``flashinfer`` imports and the cache is bf16 / fp16 (:func:`cspan.core.plan.resolve_plan`;
+``CSPAN_ATTENTION=triton`` keeps the Triton kernel everywhere). FlashInfer compiles its kernels on first use (nvcc,
+a few seconds). Source: FlashInfer, ``BatchDecodeWithPagedKVCacheWrapper``
 (flashinfer-ai/flashinfer, ``flashinfer/decode.py``).
 
 ``plan`` runs on the host before each step (the rows and their key counts are host-known); with CUDA graphs the

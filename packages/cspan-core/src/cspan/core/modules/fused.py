@@ -198,16 +198,23 @@ def _launch_opts(device: torch.device, pdl: bool | None = None, **opts):
 
 DecodeConfig = tuple[int, int, int, int, int, int]
 DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
-    (1, (32, 64, 8, 4, 3, 0)),
-    (8, (128, 16, 2, 8, 3, 0)),
-    (16, (64, 16, 2, 4, 3, 0)),
+    (1, (64, 16, 2, 4, 2, 1)),
+    (8, (32, 16, 2, 8, 3, 1)),
+    (16, (32, 16, 2, 4, 3, 1)),
+    (24, (32, 64, 8, 4, 4, 1)),
+    (32, (32, 16, 2, 4, 3, 1)),
+    (64, (32, 64, 8, 4, 4, 1)),
+    (80, (32, 16, 2, 4, 2, 1)),
+    (128, (32, 16, 2, 4, 4, 1)),
 )
 """(smallest batch, (block_n, max_splits, waves, num_warps, num_stages, lanes)) of :func:`decode_attention` for
 head dimensions > 64 (block_n is 64 for smaller heads); the last entry whose batch is at most the step's row count
 applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages, and
 ``lanes`` 1 for one online softmax per key slot of a block (no reduction across warps inside the loop) or 0 for one
-per program. The defaults are the fastest of round 4's full-ring measurements (docs/perf/round4, lanes 0);
-``scripts/perf_h200.py attention`` measures every candidate per batch size and prints the table to paste."""
+per program. The entries are the fastest per batch size of the full-ring sweep of device call C8
+(docs/perf/round4/c8/attention.log, 32 heads x 128, 3000 slots, bf16; B = 1: 21.3 us per layer against 29.1 for
+the earlier default and an 11.6 us floor); ``scripts/perf_h200.py attention`` measures every candidate per batch
+size and prints the table to paste."""
 
 
 def decode_config(rows: int) -> DecodeConfig:
@@ -523,27 +530,33 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_split_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, ROPE: tl.constexpr, DH: tl.constexpr, PDL: tl.constexpr
-    ):
+        qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, ROPE: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One token per program: its [H, Dh] heads as one tile (BH = H rounded up to a power of two)."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
         t = tl.program_id(0)  # token
-        h = tl.program_id(1)
+        h = tl.arange(0, BH)
         d = tl.arange(0, DH)
-        base = qkv_ptr + t.to(tl.int64) * 3 * H * DH + h * DH
-        q = tl.load(base + d).to(tl.float32)
-        k = tl.load(base + H * DH + d).to(tl.float32)
-        v = tl.load(base + 2 * H * DH + d)
+        hmask = (h < H)[:, None]
+        head = h[:, None] * DH
+        base = qkv_ptr + t.to(tl.int64) * 3 * H * DH
+        q = tl.load(base + head + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+        k = tl.load(base + H * DH + head + d[None, :], mask=hmask, other=0.0).to(tl.float32)
+        v = tl.load(base + 2 * H * DH + head + d[None, :], mask=hmask, other=0.0)
         if ROPE:
-            even = (d % 2) == 0
-            c = tl.load(cos_ptr + t * (DH // 2) + d // 2)
-            s = tl.load(sin_ptr + t * (DH // 2) + d // 2)
-            q = _rotate(q, tl.load(base + (d ^ 1)).to(tl.float32), c, s, even)
-            k = _rotate(k, tl.load(base + H * DH + (d ^ 1)).to(tl.float32), c, s, even)
-        dst = (t.to(tl.int64) * H + h) * DH + d
-        tl.store(q_ptr + dst, q.to(q_ptr.dtype.element_ty))
-        tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty))
-        tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty))
+            even = ((d % 2) == 0)[None, :]
+            c = tl.load(cos_ptr + t * (DH // 2) + d // 2)[None, :]
+            s = tl.load(sin_ptr + t * (DH // 2) + d // 2)[None, :]
+            q_partner = tl.load(base + head + (d ^ 1)[None, :], mask=hmask, other=0.0).to(tl.float32)
+            k_partner = tl.load(base + H * DH + head + (d ^ 1)[None, :], mask=hmask, other=0.0).to(tl.float32)
+            q = _rotate(q, q_partner, c, s, even)
+            k = _rotate(k, k_partner, c, s, even)
+        dst = t.to(tl.int64) * H * DH + head + d[None, :]
+        tl.store(q_ptr + dst, q.to(q_ptr.dtype.element_ty), mask=hmask)
+        tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty), mask=hmask)
+        tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty), mask=hmask)
 
     @triton.jit
     def _prefill_attn_kernel(
@@ -682,31 +695,38 @@ if HAVE_TRITON:
         stride_ss,
         FP8: tl.constexpr,
         DH: tl.constexpr,
+        BH: tl.constexpr,
         PDL: tl.constexpr,
     ):
+        """One token per program: its [H, Dh] keys and values as one tile (BH = H rounded up to a power of two)."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
         t = tl.program_id(0)
-        h = tl.program_id(1)
         pos = tl.load(tok_pos_ptr + t)
         if pos >= 0:  # -1: not stored (padding, or overwritten by a later position of the same chunk)
             row = tl.load(tok_row_ptr + t).to(tl.int64)
+            h = tl.arange(0, BH)
             d = tl.arange(0, DH)
-            src = (t.to(tl.int64) * H + h) * DH + d
-            dst = row * stride_cb + h * stride_ch + (pos % C) * stride_cs + d
-            k = tl.load(k_ptr + src)
-            v = tl.load(v_ptr + src)
-            if FP8:
-                k_code, k_scale = _quantize_fp8(k.to(tl.float32), kc_ptr.dtype.element_ty)
-                v_code, v_scale = _quantize_fp8(v.to(tl.float32), vc_ptr.dtype.element_ty)
-                tl.store(kc_ptr + dst, k_code)
-                tl.store(vc_ptr + dst, v_code)
+            hmask = (h < H)[:, None]
+            src = t.to(tl.int64) * H * DH + h[:, None] * DH + d[None, :]
+            dst = row * stride_cb + h[:, None] * stride_ch + (pos % C) * stride_cs + d[None, :]
+            k = tl.load(k_ptr + src, mask=hmask, other=0.0)
+            v = tl.load(v_ptr + src, mask=hmask, other=0.0)
+            if FP8:  # one scale per (position, head): max|x| / 448 over the head's Dh values (_quantize_fp8)
+                kf = k.to(tl.float32)
+                vf = v.to(tl.float32)
+                k_scale = tl.maximum(tl.max(tl.abs(kf), axis=1) / 448.0, 1.1754943508222875e-38)
+                v_scale = tl.maximum(tl.max(tl.abs(vf), axis=1) / 448.0, 1.1754943508222875e-38)
+                k_code = tl.minimum(tl.maximum(kf / k_scale[:, None], -448.0), 448.0).to(kc_ptr.dtype.element_ty)
+                v_code = tl.minimum(tl.maximum(vf / v_scale[:, None], -448.0), 448.0).to(vc_ptr.dtype.element_ty)
+                tl.store(kc_ptr + dst, k_code, mask=hmask)
+                tl.store(vc_ptr + dst, v_code, mask=hmask)
                 sdst = row * stride_sb + h * stride_sh + (pos % C) * stride_ss
-                tl.store(ks_ptr + sdst, k_scale)
-                tl.store(vs_ptr + sdst, v_scale)
+                tl.store(ks_ptr + sdst, k_scale, mask=h < H)
+                tl.store(vs_ptr + sdst, v_scale, mask=h < H)
             else:
-                tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty))
-                tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
+                tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=hmask)
+                tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=hmask)
 
     @triton.jit
     def _embed_add_kernel(
@@ -981,6 +1001,13 @@ def decode_attention(
     return out.view(*qkv.shape[:-1], H * DH)
 
 
+def _tile_warps(elements: int) -> int:
+    """Warps for a program that moves one token's ``elements`` (H * Dh) values: about 16 per thread, 1 to 8 warps
+    (the head-per-program launch of 1-2 warps per (token, head) spent the kernel's time on scheduling: a 600-token
+    block took 25 us per layer at B = 1 and 68 us at B = 64, docs/perf/round4/c8)."""
+    return max(1, min(8, elements // 512))
+
+
 def rope_split(
     qkv: torch.Tensor, num_heads: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -991,9 +1018,10 @@ def rope_split(
     qkv = qkv.contiguous()
     q, k, v = (torch.empty(N, num_heads, DH, device=qkv.device, dtype=qkv.dtype) for _ in range(3))
     cos, sin = rope if rope is not None else (qkv, qkv)
-    _rope_split_kernel[(N, num_heads)](
+    _rope_split_kernel[(N,)](
         qkv, cos, sin, q, k, v, num_heads,
-        **_launch_opts(qkv.device, pdl, ROPE=rope is not None, DH=DH, num_warps=1 if DH <= 64 else 2),
+        **_launch_opts(qkv.device, pdl, ROPE=rope is not None, DH=DH, BH=triton.next_power_of_2(num_heads),
+                       num_warps=_tile_warps(num_heads * DH)),
     )  # fmt: skip
     return q, k, v
 
@@ -1114,8 +1142,11 @@ def prefill_attention(
     Q = ragged.qb_seq.shape[0]
     key_blocks = triton.cdiv(C, BN)
     if splits is None:  # about PREFILL_WAVES waves of programs, each split at least two key blocks long
+        # counted over the query blocks that N tokens fill, not the grid: a graph's grid has room for any split of
+        # its bucket across its rows, mostly idle programs (a 640-token bucket of 64 rows: 74 blocks, about 10 live)
         target = PREFILL_WAVES * _num_sms(q.device)
-        splits = max(1, min(16, triton.cdiv(target, Q * H), triton.cdiv(key_blocks, 2)))
+        live = max(1, min(Q, triton.cdiv(N, BM)))
+        splits = max(1, min(16, triton.cdiv(target, live * H), triton.cdiv(key_blocks, 2)))
     per = triton.cdiv(key_blocks, splits)
     part_o = part_lse = out
     if splits > 1:
@@ -1154,9 +1185,10 @@ def kv_write(
     N, H, DH = k.shape
     C = keys.shape[2]
     ks, vs, *scale_strides = _scale_args(keys, scales)
-    _kv_write_kernel[(N, H)](
+    _kv_write_kernel[(N,)](
         k, v, keys, values, ks, vs, rows, positions, H, C, *keys.stride()[:3], *scale_strides,
-        **_launch_opts(k.device, pdl, FP8=scales is not None, DH=DH, num_warps=1 if DH <= 64 else 2),
+        **_launch_opts(k.device, pdl, FP8=scales is not None, DH=DH, BH=triton.next_power_of_2(H),
+                       num_warps=_tile_warps(H * DH)),
     )  # fmt: skip
 
 
