@@ -84,7 +84,29 @@ def test_model_tiny_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("cspan model: error: ro/t: cannot write: ") and not _leftovers(tmp_path / "ro")
     with tmpfs(tmp_path / "full", size_kb=200) as full:
-        done = _cspan("model", "tiny", "full/tinyx", cwd=tmp_path)
-        assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-        assert done.stderr.startswith("cspan model: error: full/tinyx: cannot write: no space left on device")
-        assert _leftovers(full) == []
+        for target in ("full/tinyx", "full"):  # a folder on the full file system, and the mount point itself
+            done = _cspan("model", "tiny", target, cwd=tmp_path)
+            assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+            assert done.stderr.startswith(f"cspan model: error: {target}")
+            assert "cannot write: no space left on device" in done.stderr
+            assert _leftovers(full) == []
+
+
+def test_atomic_folder_into_a_mounted_empty_folder(tmp_path: Path) -> None:
+    """An existing folder (here a file system mounted on it: renaming onto it would fail) is kept and filled."""
+    with tmpfs(tmp_path / "mnt", size_kb=256) as mnt:
+        with atomic_folder(mnt) as tmp:
+            assert tmp.parent == mnt
+            (tmp / "voices").mkdir()
+            (tmp / "voices" / "a.pt").write_bytes(b"1")
+            (tmp / "config.json").write_text("{}")
+        assert sorted(p.name for p in mnt.iterdir()) == ["config.json", "voices"]
+        (mnt / "config.json").unlink()
+        (mnt / "voices" / "a.pt").unlink()
+        (mnt / "voices").rmdir()
+        with (
+            pytest.raises(OutputError, match=f"{mnt}: cannot write: no space left on device"),
+            atomic_folder(mnt) as tmp,
+        ):
+            (tmp / "big.bin").write_bytes(b"\0" * 400_000)
+        assert list(mnt.iterdir()) == []

@@ -126,13 +126,13 @@ def check_writable(path: str | os.PathLike[str], *, need_bytes: int = 0) -> None
         )
 
 
-def write_error(path: str | os.PathLike[str], exc: BaseException) -> OutputError:
+def write_error(path: str | os.PathLike[str], exc: BaseException, *, near: Path | None = None) -> OutputError:
     """The :class:`OutputError` for a failed write to ``path``.
 
     An ``OSError`` gives its own cause, and so does a library's error that quotes an ``errno`` (safetensors'
     ``SafetensorError``: "... (os error 28)"). Libraries that say nothing of the cause (libsndfile's "System
     error", ``torch.save``'s ``RuntimeError``) have it found by writing a 64 KiB probe file with Python's own I/O
-    in the same folder.
+    in the same folder (the folder of ``near`` when given: where the failed write went).
     """
     path = Path(path)
     cause = _os_error_in(exc)
@@ -140,7 +140,7 @@ def write_error(path: str | os.PathLike[str], exc: BaseException) -> OutputError
         return OutputError.from_os_error(path, cause)
     probe = None
     try:
-        probe = new_part(path)
+        probe = new_part(near if near is not None else path)
         with probe.open("wb") as f:
             f.write(b"\0" * 65536)
             f.flush()
@@ -231,10 +231,11 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
 def atomic_folder(path: str | os.PathLike[str], *, replace_files: bool = False) -> Iterator[Path]:
     """A temporary folder to build ``path``'s files in, published when the block ends without an exception.
 
-    A missing or empty ``path`` is replaced by the finished folder in one rename, so the folder never exists
-    half-written. With ``replace_files``, an existing non-empty ``path`` is kept and each finished file is moved
-    into it (one rename each; its other files stay). On any exception the temporary folder is removed, and a write
-    failure is raised as :class:`OutputError` naming ``path``.
+    A missing ``path`` appears as the finished folder in one rename, so the folder never exists half-written. An
+    existing folder (empty, or any with ``replace_files``) is kept -- its permissions, its owner, a file system
+    mounted on it -- and the files are built in a temporary folder inside it, then each moved into place (one
+    rename each; its other files stay). On any exception the temporary folder is removed, and a write failure is
+    raised as :class:`OutputError` naming ``path``.
 
     Raises:
         OutputError: ``path`` is a file, or a non-empty folder without ``replace_files``; the folder cannot be
@@ -245,13 +246,14 @@ def atomic_folder(path: str | os.PathLike[str], *, replace_files: bool = False) 
         raise OutputError(f"{path}: cannot write a folder there: it is a file")
     if path.is_dir() and any(path.iterdir()) and not replace_files:
         raise OutputError(f"{path}: cannot write a folder there: it is not empty")
+    inside = path.is_dir()  # build on the folder's own file system (it may be a mount point)
     try:
-        part = new_part(path, folder=True)
+        part = new_part(path / path.name if inside else path, folder=True)
     except OSError as exc:
         raise OutputError.from_os_error(path, exc) from None
     try:
         yield part
-        if path.is_dir() and any(path.iterdir()):
+        if inside:
             for entry in sorted(part.rglob("*")):
                 target = path / entry.relative_to(part)
                 if entry.is_dir():
@@ -268,7 +270,7 @@ def atomic_folder(path: str | os.PathLike[str], *, replace_files: bool = False) 
         drop_part(part)
         raise
     except Exception as exc:
-        error = write_error(path, exc)  # the probe goes next to the temporary folder, on its file system
+        error = write_error(path, exc, near=part)  # the probe goes next to the temporary folder, on its file system
         drop_part(part)
         raise error from exc
     except BaseException:

@@ -376,11 +376,12 @@ def build_tiny_checkpoint(
         raise CheckpointError(f"output {str(out)!r} is a file; pass a folder path for the tiny checkpoint")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise CheckpointError(f"output folder {str(out)!r} is not empty; pass --force to write into it anyway")
-    check_writable(out)  # before the models are built (the temporary folder goes next to ``out``)
+    probe = out / CONFIG_FILE if out.is_dir() else out  # where the temporary folder goes (see atomic_folder)
+    check_writable(probe)  # before the models are built
     models = make_tiny_models(dep_q, seed)
     spm_bytes = train_tiny_tokenizer(models.lm_config.text_card)
     tensors = [*models.lm_state.values(), *models.mimi_state.values()]
-    check_writable(out, need_bytes=sum(t.nbytes for t in tensors) + len(spm_bytes) + 2**20)
+    check_writable(probe, need_bytes=sum(t.nbytes for t in tensors) + len(spm_bytes) + 2**20)
     config = models.lm_config.to_upstream()
     config.update(moshi_name=LM_FILE, mimi_name=MIMI_FILE, tokenizer_name=TOKENIZER_FILE)
     config["mimi_config"] = models.mimi_config.to_upstream()
