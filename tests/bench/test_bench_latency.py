@@ -124,6 +124,44 @@ def test_options_reject_impossible_settings() -> None:
             bad.check()
 
 
+def test_sizes_beyond_the_window_and_unwritable_out_are_refused_up_front(
+    tiny_checkpoint_dir: Path, tmp_path: Path, cli, capsys
+) -> None:
+    """Issue 22 (F9, F11): `--n 100000` allocated 82 GB and crashed, `--fill 1000000` ran for hours, and a `--out`
+    that cannot be written failed after the whole table: each is one clear line before anything is timed."""
+    from fs_faults import read_only_folder
+
+    ckpt = ("--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--iters", "1", "--quiet")
+    for args, expect in (
+        (("--n", "100000"), "--n [100000]: a span must fit the model's context of 3000 positions (n <= 2999)"),
+        (("--n", "0", "3000"), "--n [3000]: a span must fit"),
+        (("--fill", "1000000", "--n", "0"), "--fill 1000000: more than the model's context of 3000 positions"),
+        (("--n", "0", "--out", str(tmp_path)), "it is a folder; --out names the JSON file"),
+    ):
+        capsys.readouterr()
+        assert cli("bench", "latency", *ckpt, *args) == 1, args
+        captured = capsys.readouterr()
+        assert expect in captured.err and not captured.out, captured.err
+    with read_only_folder(tmp_path / "ro") as ro:
+        assert (
+            cli("bench", "latency", "--checkpoint", str(tmp_path / "missing"), "--n", "0", "--out", str(ro / "l.json"))
+            == 1
+        )
+    err = capsys.readouterr().err  # refused before the (missing) checkpoint is even looked at
+    assert f"{ro / 'l.json'}: cannot write: " in err and "missing" not in err
+    missing = str(tmp_path / "missing")
+    with read_only_folder(tmp_path / "ro") as ro:
+        for action in (
+            ("qa", "--set", "webq", "--data", missing, "--checkpoint", missing),
+            ("fdb-v1", "run", "--data", missing, "--checkpoint", missing),
+            ("fdb-v3", "run", "--checkpoint", missing),
+            ("serve",),
+        ):
+            capsys.readouterr()
+            assert cli("bench", *action, "--out", str(ro / "o")) == 1, action
+            assert f"{ro / 'o' / 'summary.json'}: cannot write: " in capsys.readouterr().err, action
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_random_7b_refuses_the_cpu_without_allow_cpu(cli, capsys) -> None:
     rc = cli("bench", "latency", "--random-7b", "--iters", "2")

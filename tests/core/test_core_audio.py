@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 from fs_faults import fill, read_only_folder, tmpfs
 
-from cspan.core.audio import (
-    AtomicAudioWriter,
-    check_writable,
-    inspect_audio,
-    iter_frames,
-    read_audio,
-    sanitize_pcm,
-    write_text_atomic,
-)
+from cspan.core.audio import AtomicAudioWriter, inspect_audio, iter_frames, read_audio, sanitize_pcm
 from cspan.core.errors import AudioInputError, OutputError
+from cspan.core.files import check_writable, write_text_atomic
 
 
 def _tone(sr: int, seconds: float, channels: int = 1) -> np.ndarray:
@@ -71,6 +65,30 @@ def test_bad_inputs_raise_audio_input_error(tmp_path, case):
     with pytest.raises(AudioInputError) as err:
         inspect_audio(path, **kwargs)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "/dev/null", "socket"])
+def test_an_input_that_is_not_a_regular_file_is_called_so(tmp_path, kind):
+    """Issue 22 (F18): a pipe or a device is not "empty (0 bytes)", and opening a FIFO must not block."""
+    import os
+    import socket
+
+    if kind == "fifo":
+        path = tmp_path / "q.wav"
+        os.mkfifo(path)
+    elif kind == "socket":
+        path = tmp_path / "q.sock"
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(path))
+    else:
+        path = Path(kind)
+    try:
+        with pytest.raises(AudioInputError, match="is not a regular file") as err:
+            inspect_audio(path)
+        assert str(path) in str(err.value) and "empty" not in str(err.value)
+    finally:
+        if kind == "socket":
+            listener.close()
 
 
 def test_atomic_writer_publishes_only_complete_files(tmp_path):

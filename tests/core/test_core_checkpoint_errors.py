@@ -225,3 +225,40 @@ def test_offline_without_cache_explains_fix(tmp_path: Path, monkeypatch) -> None
     assert str(tmp_path / "hf-home") in message
     message = _error("someone/some-model")
     assert "someone/some-model" in message and "cspan model tiny DIR" in message
+
+
+@pytest.mark.parametrize("how", ["all", "one"])
+def test_non_finite_weights_refused_at_load(tiny_copy: Path, how: str) -> None:
+    """Issue 22 (F19): a checkpoint whose tensors were all NaN ran with exit 0; one NaN / inf is refused too."""
+    key = "transformer.layers.0.self_attn.in_proj_weight"
+
+    def poison(sd: dict) -> None:
+        for k, v in sd.items():
+            if v.is_floating_point() and (how == "all" or k == key):
+                v[...] = float("nan") if how == "all" else v
+        if how == "one":
+            sd[key][0, 3] = float("inf")
+
+    _rewrite(tiny_copy / LM_FILE, poison)
+    message = _error(tiny_copy)
+    assert str(tiny_copy / LM_FILE) in message and "NaN or infinite values" in message and "\n" not in message
+    assert repr(key) in message if how == "one" else "more" in message
+
+
+def test_config_errors_and_pickle_refusals_are_one_line(tiny_copy: Path, tmp_path: Path, recwarn) -> None:
+    """Issue 22 (F18): an invalid config.json gave pydantic's multi-line dump with help URLs; a pickle refusal came
+    after a torch UserWarning and quoted torch's advice to load the file unsafely."""
+    import pickle
+
+    cfg = json.loads((tiny_copy / "config.json").read_text())
+    (tiny_copy / "config.json").write_text(json.dumps({**cfg, "dim": "abc", "num_heads": -3}))
+    message = _error(tiny_copy)
+    assert "\n" not in message and "errors.pydantic.dev" not in message, message
+    assert "dim: Input should be a valid integer" in message and "(got 'abc')" in message
+    assert "num_heads: Input should be greater than or equal to 1 (got -3)" in message
+
+    evil = tmp_path / "evil.pt"  # protocol 4 with an opcode the weights-only unpickler does not know
+    evil.write_bytes(pickle.dumps({"model": {}, "x": frozenset([1])}, protocol=4))
+    message = _error(evil, base=tiny_copy)
+    assert "\n" not in message and "weights_only` set to `False`" not in message and str(evil) in message
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]

@@ -3,6 +3,7 @@ voice, and the clear errors of bad recordings."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -103,11 +104,30 @@ def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: 
         ((str(short), str(out)), "a voice needs 2 to 30 s"),
         ((str(tmp_path / "missing.wav"), str(out)), "no such file"),
         ((str(greeting), str(tmp_path / "v.wav")), "ends in .pt"),
-        ((str(greeting), str(tmp_path / "nowhere" / "v.pt")), "does not exist"),
+        ((str(greeting), str(short / "v.pt")), "not a directory"),
     ):
         done = _cli(capsys, "voice", "encode", *args, "--checkpoint", str(tiny_checkpoint_dir))
         assert done.returncode == 1 and expect in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not out.exists() and not list(tmp_path.glob(".*.part"))
+
+
+def test_voice_encode_into_a_read_only_folder_fails_before_loading(tmp_path: Path, greeting: Path, capsys) -> None:
+    """Issue 22 (F7): a folder that cannot be written is one line naming the path and the cause, found before the
+    checkpoint loads (the checkpoint here does not even exist), not torch's traceback after the encoding."""
+    from fs_faults import read_only_folder
+
+    (tmp_path / "v.pt").write_bytes(b"x")
+    for out, cause in (
+        (tmp_path / "ro" / "a.pt", "(permission denied|operation not permitted)"),
+        (tmp_path / "v.pt" / "a.pt", "not a directory"),
+    ):
+        with read_only_folder(tmp_path / "ro"):
+            done = _cli(capsys, "voice", "encode", str(greeting), str(out), "--checkpoint", str(tmp_path / "nope"))
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"cspan voice: error: {out}: cannot write: "), done.stderr
+        assert re.search(cause, lines[0]), lines[0]
+    assert not list((tmp_path / "ro").iterdir())
 
 
 @torch.no_grad()

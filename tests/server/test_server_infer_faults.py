@@ -316,10 +316,15 @@ def test_non_finite_input_samples_are_silence_and_reported(tiny_checkpoint_dir, 
     x[:50] = np.nan  # the first block: this used to read as a silent file
     x[sr // 2 : sr // 2 + 20] = np.inf  # later: this used to reach the model and the output as clicks
     x[sr : sr + 5] = -np.inf
+    x[2 * sr : 2 * sr + 7] *= 1000  # loud float samples: clipped, and counted (issue 22, F19)
+    x[2 * sr + 7 : 2 * sr + 9] = [1.5, -2.0]
     bad = tmp_path / "bad.wav"
     sf.write(bad, x, sr, subtype="FLOAT")
+    expect_clipped = int(np.count_nonzero(np.abs(x[np.isfinite(x)]) > 1.0))
+    assert expect_clipped >= 2
     result = asyncio.run(run_infer(_settings(_argv(tiny_checkpoint_dir, bad, tmp_path / "out"))))
     assert result.output.input_nonfinite_samples == 75
+    assert result.output.input_clipped_samples == expect_clipped
     audio, _ = sf.read(tmp_path / "out" / "out.wav", dtype="float32")
     lead = round(result.output.input_offset_s * 24_000)
     user = audio[lead:, 0]
@@ -357,15 +362,16 @@ def _wait_for_part(folder: Path, proc: subprocess.Popen, timeout: float = 240) -
     raise AssertionError("no .part file appeared")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_killed_run_removes_its_part_file(sig, tiny_checkpoint_dir, speech, tmp_path):
+    """Issue 22 (F15): SIGHUP (a closed terminal) too."""
     argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--lead-silence", "120")  # long enough to be caught
     proc = _start(argv)
     _wait_for_part(tmp_path, proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == (143 if sig == signal.SIGTERM else 130), err
-    assert "Traceback" not in err and ("terminated by signal 15" in err or "interrupted" in err)
+    assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
+    assert "Traceback" not in err and (f"terminated by signal {int(sig)}" in err or "interrupted" in err)
     assert list(tmp_path.iterdir()) == []  # neither output, no .part
 
 

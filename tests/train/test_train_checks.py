@@ -149,3 +149,54 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
     # the moshi format needs adapters
     assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 1
     assert "--lora-rank" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--lr", "inf"], "--lr must be a finite number, got inf"),
+        (["--lr", "-1"], "--lr must be > 0, got -1"),
+        (["--lr-depformer", "0"], "--lr-depformer must be > 0"),
+        (["--w-ret", "inf"], "--w-ret must be a finite number"),
+        (["--w-acoustic", "-0.1"], "--w-acoustic must be >= 0"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+        (["--clip", "inf"], "--clip must be a finite number"),
+        (["--context", "100000000"], "--context must be <= 1000000 positions"),
+        (["--random-delay-proba", "2"], "--random-delay-proba must be in [0, 1], got 2"),
+        (["--random-delay-proba", "nan"], "--random-delay-proba must be a finite number"),
+        (["--warmup-steps", "-10"], "--warmup-steps must be >= 0, got -10"),
+        (["--start-delay-s", "-1"], "--start-delay-s must be >= 0"),
+        (["--keep-checkpoints", "-1"], "--keep-checkpoints must be >= 0"),
+        (["--fsdp"], "--fsdp shards the model over the processes that torchrun starts"),
+    ],
+)
+def test_train_numeric_flags_are_refused_before_anything_loads(flags, expect, tmp_path, capsys, monkeypatch) -> None:
+    """Issue 22 (F10): `--lr nan` trained and exported NaN weights with exit 0; inf, negative and out-of-range values
+    were accepted or gave tracebacks; `--fsdp` outside torchrun ran as one process. Each is one line before the
+    checkpoint or the data is read (neither exists here)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = ["train", "--data-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path / "run")]
+    assert _run(*argv, "--checkpoint", str(tmp_path / "missing"), *flags) == 1
+    err = capsys.readouterr().err
+    assert err == f"cspan train: error: {expect}" + err.split(expect, 1)[1] and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_diverging_run_stops_and_never_exports_nan(
+    prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """Issue 22 (F10): a learning rate that blows the weights up stops with a clear error at the first non-finite
+    gradient, before the update, and nothing is exported."""
+    out = tmp_path / "run"
+    argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    flags = ["--context", "120", "--lr", "1e30", "--warmup-steps", "0", "--clip", "1e30", "--steps", "4"]
+    assert _run(*argv, *flags, "--batch-size", "1", "--accum", "1", "--keep-checkpoints", "0") == 1
+    err = capsys.readouterr().err
+    assert "the loss diverged (gradient norm" in err or "the weights hold NaN or inf" in err, err
+    assert "Traceback" not in err and "nothing" in err
+    assert not (out / "export").exists()
+    for ckpt in (out / "checkpoints").glob("step_*"):  # any checkpoint kept holds finite weights only
+        from cspan.train.train import read_train_state
+
+        assert all(torch.isfinite(t).all() for k, t in read_train_state(ckpt).items() if k.startswith("model."))

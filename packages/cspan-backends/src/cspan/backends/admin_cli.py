@@ -9,8 +9,10 @@ under ``[project.entry-points."cspan.commands"]``; nothing heavy is imported unt
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -117,8 +119,17 @@ def _users_revoke(args: argparse.Namespace, db: Any) -> int:
 def _users_hash(args: argparse.Namespace) -> int:
     from cspan.backends.identity import hash_token
 
-    token = sys.stdin.readline().strip()
-    if len(token) < 16:
+    raw = sys.stdin.buffer.readline(4096)
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        print(
+            "cspan users hash: error: standard input is not a token (binary or non-ASCII bytes); write the token "
+            "(16 characters or more, as `cspan users add` printed it) on one line",
+            file=sys.stderr,
+        )
+        return 2
+    if len(token) < 16 or not token.isprintable():
         print("cspan users hash: error: write the token (16 characters or more) on standard input", file=sys.stderr)
         return 2
     print(hash_token(token))
@@ -172,13 +183,16 @@ def _db_export(args: argparse.Namespace, db: Any) -> int:
         print(text)
         return 0
     out: Path = args.out
-    tmp = out.with_name(out.name + ".part")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
     try:
+        if out.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         tmp.write_text(text + "\n", encoding="utf-8")
         tmp.replace(out)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        print(f"cspan db export: error: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        cause = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        print(f"cspan db export: error: {out}: cannot write: {cause}", file=sys.stderr)
         return 1
     print(f"wrote everything stored about {args.user} to {out}", file=sys.stderr)
     return 0

@@ -9,12 +9,51 @@ settings model (:class:`cspan.backends.asr.settings.ASRServeSettings`); ``cspan 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from cspan.backends.hostguard import is_loopback
 
 __all__ = ["backends_command", "is_loopback"]
+
+
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
+    return int(text)
+
+
+def _gpus(text: str) -> str:
+    """CUDA_VISIBLE_DEVICES: device indices >= 0 separated by commas (``0``, ``2,3``)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give GPU indices >= 0 separated by commas, e.g. 0 or 2,3")
+    return ",".join(parts)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0 and at most 86400")
+    return value
+
+
+def _http_url(text: str) -> str:
+    parts = urlsplit(text)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an http(s) URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1"
+        )
+    return text
 
 
 def backends_command(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +64,11 @@ def backends_command(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     st = sub.add_parser("start", help="start the router and ASR servers detached and wait until they answer")
     st.add_argument("--router-model", default=ROUTER_MODEL, help=f"model vLLM serves (default {ROUTER_MODEL})")
-    st.add_argument("--router-gpu", default="1", help="CUDA_VISIBLE_DEVICES of the router (default 1)")
-    st.add_argument("--router-port", type=int, default=ROUTER_PORT, help=f"router port (default {ROUTER_PORT})")
-    st.add_argument("--router-url", default=None, help="use this running OpenAI-compatible server instead")
+    st.add_argument("--router-gpu", type=_gpus, default="1", help="CUDA_VISIBLE_DEVICES of the router (default 1)")
+    st.add_argument("--router-port", type=_port, default=ROUTER_PORT, help=f"router port (default {ROUTER_PORT})")
+    st.add_argument(
+        "--router-url", type=_http_url, default=None, help="use this running OpenAI-compatible server instead"
+    )
     st.add_argument(
         "--router-command",
         default=None,
@@ -36,12 +77,12 @@ def backends_command(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--no-router", action="store_true", help="start the ASR server only")
     st.add_argument("--asr-engine", choices=("vllm", "transformers", "sphinx"), default="vllm")
     st.add_argument("--asr-model", default=None, help="ASR model id or directory (vllm default Qwen/Qwen3-ASR-1.7B)")
-    st.add_argument("--asr-gpu", default="0", help="CUDA_VISIBLE_DEVICES of the ASR server (default 0)")
-    st.add_argument("--asr-port", type=int, default=ASR_PORT, help=f"ASR port (default {ASR_PORT})")
+    st.add_argument("--asr-gpu", type=_gpus, default="0", help="CUDA_VISIBLE_DEVICES of the ASR server (default 0)")
+    st.add_argument("--asr-port", type=_port, default=ASR_PORT, help=f"ASR port (default {ASR_PORT})")
     st.add_argument("--no-asr", action="store_true", help="start the router only")
     st.add_argument("--host", default="127.0.0.1", help="interface the servers bind (default 127.0.0.1)")
     st.add_argument("--log-dir", type=Path, default=None, help="where the logs go (default: the state folder)")
-    st.add_argument("--timeout-s", type=float, default=900.0, help="how long to wait for health (default 900)")
+    st.add_argument("--timeout-s", type=_seconds, default=900.0, help="how long to wait for health (default 900)")
     st.add_argument("--dry-run", action="store_true", help="print the exact command lines and exit")
     st.set_defaults(handler=_backends_start)
     sub.add_parser("status", help="show the recorded servers and whether they answer").set_defaults(

@@ -180,11 +180,13 @@ async def _transcribe_all(jobs: Sequence[tuple[list[Path], Any]], transcriber: A
 
 def _fdb_v1_score(args: argparse.Namespace) -> int:
     from cspan.bench import fdb_v1
+    from cspan.bench.session import check_out
     from cspan.bench.transcribe import make_transcriber
 
     data = Path(args.data)
     tasks = _resolve_tasks(data, args.tasks)
     out = Path(args.out) if args.out else data / "scores"
+    check_out(out, folder=True)
     jobs = []
     for _, kind, folder in tasks:
         dirs = fdb_v1.sample_dirs(folder, kind)
@@ -275,6 +277,7 @@ def _fdb_v3_score(args: argparse.Namespace) -> int:
     from cspan.bench.fdb_v3_release import release_inputs
     from cspan.bench.fdb_v3_run import metadata_scenarios
     from cspan.bench.run_commands import score_v3
+    from cspan.bench.session import check_out
 
     results_path = Path(args.results)
     entries, embedded = fdb_v3.load_result_entries(results_path, args.provider)
@@ -293,6 +296,7 @@ def _fdb_v3_score(args: argparse.Namespace) -> int:
             f"{results_path} embeds no scenarios; pass --scenarios benchmark_data_v2.json or --fdb-v3-dir DIR"
         )
     out = Path(args.out) if args.out else (results_path if results_path.is_dir() else results_path.parent)
+    check_out(out, folder=True)
     config = {"results": str(results_path), "provider": args.provider}
     score_v3(entries, scenarios, args, out, config=config, data=data)
     return 0
@@ -327,7 +331,9 @@ def register_report(sub: Any) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     from cspan.bench.report import build_report
+    from cspan.bench.session import check_out
 
+    check_out(args.out, folder=True)
     markdown, written = build_report(
         Path(args.run_dir), Path(args.out) if args.out else None, plots=not args.no_plots, compare=args.compare
     )

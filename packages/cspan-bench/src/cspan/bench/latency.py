@@ -202,8 +202,11 @@ class LatencyOptions:
     span_sessions: int = 1
     kv_dtype: str = "auto"
 
-    def check(self) -> None:
-        """Raise :class:`BenchError` for impossible settings."""
+    def check(self, context: int | None = None) -> None:
+        """Raise :class:`BenchError` for impossible settings; with the model's ``context`` (positions of its KV
+        ring), also for a span or a history that cannot fit it (a span longer than the ring cannot be read in one
+        piece, and its buffers would be sized by ``--n``; history beyond a full ring changes nothing and takes as
+        many steps as positions)."""
         if self.iters < 1:
             raise BenchError(f"--iters must be >= 1, got {self.iters}")
         if self.warmup < 0 or self.gap_steps < 0:
@@ -221,6 +224,17 @@ class LatencyOptions:
             raise BenchError(
                 f"--span-sessions {self.span_sessions}: between 0 and the smallest batch size {list(self.batch_sizes)}"
             )
+        if context:
+            long = [n for n in self.span_lengths if n > context - 1]
+            if long:
+                raise BenchError(
+                    f"--n {long}: a span must fit the model's context of {context} positions (n <= {context - 1})"
+                )
+            if self.fill is not None and self.fill > context:
+                raise BenchError(
+                    f"--fill {self.fill}: more than the model's context of {context} positions (a full ring); "
+                    f"leave --fill out for a full ring"
+                )
 
 
 @dataclass
@@ -613,7 +627,7 @@ def run_latency(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every series and return the JSON document (see the module docstring)."""
-    options.check()
+    options.check(context=models.lm.cfg.context)
     say = progress or (lambda _msg: None)
     kw = {"cuda_graphs": options.cuda_graphs, "predict_user": options.predict_user, "kv_dtype": options.kv_dtype}
     engine = make_engine(models, 1, options.span_lengths, **kw)

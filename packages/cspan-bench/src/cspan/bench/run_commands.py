@@ -385,8 +385,9 @@ def _latency(args: argparse.Namespace) -> int:
     import torch
 
     from cspan.bench.latency import LatencyOptions, latency_table, load_models, run_latency
-    from cspan.bench.session import pick_device, write_json
+    from cspan.bench.session import check_out, pick_device, write_json
 
+    check_out(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = pick_device(args.device, args.dtype)
@@ -461,8 +462,9 @@ DEFAULT_CAPACITY_BATCHES = (16, 32, 48, 64, 80, 96, 112, 128)
 def _capacity(args: argparse.Namespace) -> int:
     from cspan.bench.capacity import CapacityOptions, capacity_table, run_capacity
     from cspan.bench.latency import load_models
-    from cspan.bench.session import pick_device, write_json
+    from cspan.bench.session import check_out, pick_device, write_json
 
+    check_out(args.out)
     device, dtype = pick_device(args.device, args.dtype)
     options = CapacityOptions(
         batch_sizes=args.batch_size,
@@ -550,6 +552,9 @@ def _find_icc_gt(arg: Path | None, data: Path, tasks: Any) -> Path | None:
 
 
 def _fdb_v1_run(args: argparse.Namespace) -> int:
+    from cspan.bench.session import check_out
+
+    check_out(args.out, folder=True)
     return asyncio.run(_fdb_v1_run_async(args))
 
 
@@ -671,6 +676,9 @@ def register_fdb_v3_run(sub: Any) -> None:
 
 
 def _fdb_v3_run(args: argparse.Namespace) -> int:
+    from cspan.bench.session import check_out
+
+    check_out(args.out, folder=True)
     return asyncio.run(_fdb_v3_run_async(args))
 
 
@@ -874,6 +882,9 @@ def register_qa(sub: Any) -> None:
 
 
 def _qa(args: argparse.Namespace) -> int:
+    from cspan.bench.session import check_out
+
+    check_out(args.out, folder=True)
     return asyncio.run(_qa_async(args))
 
 

@@ -635,6 +635,7 @@ def register_serve(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from cspan.bench.errors import BenchError
+    from cspan.bench.session import check_out
 
     for name in ("clients", "seconds", "sample_s"):
         if not getattr(args, name) > 0:
@@ -642,6 +643,7 @@ def _serve(args: argparse.Namespace) -> int:
     for name in ("malformed_per_min", "disconnects_per_min", "stagger_s"):
         if not getattr(args, name) >= 0:
             raise BenchError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
+    check_out(args.out, folder=True)
     settings = LoadSettings(
         url=args.url,
         protocol=args.protocol,

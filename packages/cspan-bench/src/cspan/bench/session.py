@@ -536,9 +536,33 @@ def write_wav(path: Path, pcm: np.ndarray, sample_rate: int, *, length: int | No
     return _readable(writer.commit())
 
 
+def check_out(path: str | Path | None, *, folder: bool = False) -> None:
+    """Check, before any model loads or anything is measured, that ``--out`` can be written: a file (``folder``
+    False: the JSON of ``latency``, ``capacity``) or a folder of outputs (created if missing). ``None`` passes.
+
+    Raises:
+        OutputError: naming the path and the cause (a file where a folder is wanted or the reverse, permission
+            denied, read-only file system, not a directory).
+    """
+    from cspan.core.errors import OutputError
+    from cspan.core.files import check_writable
+
+    if path is None:
+        return
+    path = Path(path)
+    if folder:
+        if path.exists() and not path.is_dir():
+            raise OutputError(f"{path}: cannot write: it is a file; --out names a folder here")
+        check_writable(path / "summary.json")
+    else:
+        if path.is_dir():
+            raise OutputError(f"{path}: cannot write: it is a folder; --out names the JSON file here")
+        check_writable(path)
+
+
 def write_json(path: Path, payload: Any) -> Path:
     """Write ``payload`` as indented JSON through an atomic rename."""
-    from cspan.core.audio import write_text_atomic
+    from cspan.core.files import write_text_atomic
 
     return _readable(write_text_atomic(path, json.dumps(payload, indent=2, ensure_ascii=False, default=str) + "\n"))
 

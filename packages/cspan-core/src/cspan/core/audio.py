@@ -10,22 +10,19 @@ would otherwise spread through the filter); how many were replaced is said once 
 ``input_nonfinite_samples``, ``cspan serve``'s ``bad_audio`` event). ``cspan asr-serve`` uploads and the
 transcribers apply the same rule with ``cspan.backends.asr.audio.sanitize_samples`` (the backends cannot import
 this package). Sample rates: a recording must declare 1 kHz..768 kHz (:func:`check_sample_rate`, the same bounds
-as the backends'); anything else is a bogus header, refused with the same message everywhere.
+as the backends'); anything else is a bogus header, refused with the same message everywhere. Readers count what
+they replaced or clipped (:attr:`AudioInfo.nonfinite`, :attr:`AudioInfo.clipped`) so that callers can say so.
 
-Writing goes to a temporary ``.NAME.*.part`` file next to the destination that is renamed into place only when
-complete, so a crash never leaves a partial file that looks finished; the temporary files of a process that exits
-(an exception, SIGTERM through ``cspan``'s handler, ``sys.exit``) are removed. :func:`check_writable` tests an
-output's folder before any work. Write failures raise :class:`~cspan.core.errors.OutputError` naming the path and
-the cause (permission denied, no space left on device, read-only file system).
+Writing (:class:`AtomicAudioWriter`) goes through :mod:`cspan.core.files`: a temporary ``.NAME.*.part`` file next
+to the destination that is renamed into place only when complete, so a crash never leaves a partial file that looks
+finished; the temporary files of a process that exits are removed. Write failures raise
+:class:`~cspan.core.errors.OutputError` naming the path and the cause (permission denied, no space left on device,
+read-only file system).
 """
 
 from __future__ import annotations
 
-import atexit
-import errno
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +34,7 @@ import soxr
 
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
 from cspan.core.errors import AudioInputError, OutputError
+from cspan.core.files import drop_part, new_part, publish_part, write_error
 
 MIN_SAMPLE_RATE = 1_000
 """Lowest sample rate a recording may declare, in Hz (the same bounds as ``cspan.backends.asr.audio``)."""
@@ -61,6 +59,7 @@ class AudioInfo:
         duration_s: length in seconds.
         peak: absolute peak of the selected channel (float32 scale) after :func:`sanitize_pcm`.
         nonfinite: NaN or infinite samples of the selected channel, read as silence (0.0).
+        clipped: finite samples of the selected channel beyond full scale (a float file), read as +-1.0.
     """
 
     path: Path
@@ -70,6 +69,7 @@ class AudioInfo:
     duration_s: float
     peak: float
     nonfinite: int = 0
+    clipped: int = 0
 
 
 def sanitize_pcm(pcm: np.ndarray) -> tuple[np.ndarray, int]:
@@ -109,6 +109,10 @@ def _open(path: Path) -> sf.SoundFile:
         raise AudioInputError(f"{path}: no such file; pass an existing recording (WAV, FLAC or OGG)")
     if path.is_dir():
         raise AudioInputError(f"{path}: is a directory, not an audio file")
+    if not path.is_file():  # a FIFO, /dev/zero, a socket: no length to check, a second pass reads something else
+        raise AudioInputError(
+            f"{path}: is not a regular file (a pipe, a device or a socket); save the recording to a file first"
+        )
     if path.stat().st_size == 0:
         raise AudioInputError(f"{path}: the file is empty (0 bytes)")
     try:
@@ -168,10 +172,13 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
                 f"{path}: is {duration:.1f} s long, over the limit of {max_seconds:.0f} s (raise --max-seconds)"
             )
         peak = 0.0
-        nonfinite = 0
+        nonfinite = clipped = 0
         try:
             for block in f.blocks(blocksize=int(sr * _BLOCK_SECONDS), dtype="float32", always_2d=True):
-                mono, bad = sanitize_pcm(block[:, channel])
+                column = block[:, channel]
+                with np.errstate(invalid="ignore"):
+                    clipped += int(np.count_nonzero(np.isfinite(column) & (np.abs(column) > 1.0)))
+                mono, bad = sanitize_pcm(column)
                 nonfinite += bad
                 if len(mono):
                     peak = max(peak, float(np.max(np.abs(mono))))
@@ -181,7 +188,14 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
         why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
         raise AudioInputError(f"{path}: is silent (peak {peak:.2e}, below -80 dBFS{why}); nothing to listen to")
     return AudioInfo(
-        path=path, sample_rate=sr, channels=channels, frames=frames, duration_s=duration, peak=peak, nonfinite=nonfinite
+        path=path,
+        sample_rate=sr,
+        channels=channels,
+        frames=frames,
+        duration_s=duration,
+        peak=peak,
+        nonfinite=nonfinite,
+        clipped=clipped,
     )
 
 
@@ -267,13 +281,6 @@ def resample(pcm: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     return np.clip(soxr.resample(clean, from_rate, to_rate, quality="HQ").astype(np.float32), -1.0, 1.0)
 
 
-def _default_mode() -> int:
-    """The permissions a plain ``open(..., "w")`` would give a new file (0o666 minus the umask)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 OUTPUT_FORMATS: dict[str, tuple[str, str]] = {
     ".wav": ("WAV", "PCM_16"),
     ".flac": ("FLAC", "PCM_16"),
@@ -281,34 +288,6 @@ OUTPUT_FORMATS: dict[str, tuple[str, str]] = {
     ".mp3": ("MP3", "MPEG_LAYER_III"),
 }
 """Audio files the writers produce, by the destination's extension: ``(soundfile format, subtype)``."""
-
-_PARTS: set[Path] = set()
-"""Temporary files of unfinished outputs of this process, removed at exit if still there."""
-
-
-@atexit.register
-def _remove_parts() -> None:
-    for part in list(_PARTS):
-        part.unlink(missing_ok=True)
-    _PARTS.clear()
-
-
-def _new_part(path: Path) -> Path:
-    """A new empty temporary file next to ``path`` (registered for removal at exit)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # the folder's name is taken by a file
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)) from None
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    os.close(fd)
-    part = Path(tmp)
-    _PARTS.add(part)
-    return part
-
-
-def _drop_part(part: Path) -> None:
-    _PARTS.discard(part)
-    part.unlink(missing_ok=True)
 
 
 def output_format(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -324,49 +303,6 @@ def output_format(path: str | os.PathLike[str]) -> tuple[str, str]:
         what = f"{suffix!r} is not an audio format the writer knows" if suffix else "it has no file extension"
         raise OutputError(f"{path}: cannot write audio there: {what}; name the file with one of {known}")
     return fmt
-
-
-def check_writable(path: str | os.PathLike[str], *, need_bytes: int = 0) -> None:
-    """Check, before any work, that an output can be written at ``path``.
-
-    Creates the folder if missing, creates and removes a temporary file there (exactly what the atomic writers
-    do), and checks that at least ``need_bytes`` are free on its file system.
-
-    Raises:
-        OutputError: naming ``path`` and the cause (not a directory, permission denied, read-only file system, no
-            space left on device).
-    """
-    path = Path(path)
-    try:
-        _drop_part(_new_part(path))
-        free = shutil.disk_usage(path.parent).free
-    except OSError as exc:
-        raise OutputError.from_os_error(path, exc) from None
-    if free < need_bytes:
-        raise OutputError(
-            f"{path}: cannot write: no space left on device: the output needs about {need_bytes / 1e6:.1f} MB and "
-            f"{free / 1e6:.1f} MB are free in {path.parent}; free some space or write the output elsewhere"
-        )
-
-
-def _write_error(path: Path, exc: Exception) -> OutputError:
-    """The :class:`OutputError` for a failed write to ``path``. libsndfile reports every I/O failure as "System
-    error", so its cause is found by writing a probe file with Python's own I/O in the same folder."""
-    if isinstance(exc, OSError):
-        return OutputError.from_os_error(path, exc)
-    probe = None
-    try:
-        probe = _new_part(path)
-        with probe.open("wb") as f:
-            f.write(b"\0" * 65536)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as cause:
-        return OutputError.from_os_error(path, cause)
-    finally:
-        if probe is not None:
-            _drop_part(probe)
-    return OutputError(f"{path}: cannot write: {exc}")
 
 
 class AtomicAudioWriter:
@@ -390,7 +326,7 @@ class AtomicAudioWriter:
         self.path = Path(path)
         self.format, self.subtype = output_format(self.path)
         try:
-            self._tmp = _new_part(self.path)
+            self._tmp = new_part(self.path)
         except OSError as exc:
             raise OutputError.from_os_error(self.path, exc) from None
         try:
@@ -403,8 +339,8 @@ class AtomicAudioWriter:
                 format=self.format,
             )
         except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-            error = _write_error(self.path, exc)
-            _drop_part(self._tmp)
+            error = write_error(self.path, exc)
+            drop_part(self._tmp)
             raise error from None
         self.channels = channels
         self.frames_written = 0
@@ -423,7 +359,7 @@ class AtomicAudioWriter:
         try:
             self._file.write(data)
         except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-            raise _write_error(self.path, exc) from None
+            raise write_error(self.path, exc) from None
         self.frames_written += len(data)
 
     def commit(self) -> Path:
@@ -434,13 +370,11 @@ class AtomicAudioWriter:
         """
         try:
             self._file.close()
-            os.chmod(self._tmp, _default_mode())  # mkstemp made it private; the result is an ordinary file
-            os.replace(self._tmp, self.path)
+            publish_part(self._tmp, self.path)
         except (sf.LibsndfileError, RuntimeError, OSError) as exc:
-            error = _write_error(self.path, exc)
+            error = write_error(self.path, exc)
             self.abort()
             raise error from None
-        _PARTS.discard(self._tmp)
         return self.path
 
     def abort(self) -> None:
@@ -450,7 +384,7 @@ class AtomicAudioWriter:
                 self._file.close()
             except (sf.LibsndfileError, RuntimeError, OSError):
                 pass  # the file is being thrown away; a failed flush of its last bytes does not matter
-        _drop_part(self._tmp)
+        drop_part(self._tmp)
 
     def __enter__(self) -> AtomicAudioWriter:
         return self
@@ -466,29 +400,3 @@ class AtomicAudioWriter:
 
 AtomicWavWriter = AtomicAudioWriter
 """The former name (it wrote WAV only); kept while ``cspan.bench`` uses it."""
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write a UTF-8 text file through a temporary file and an atomic rename.
-
-    Raises:
-        OutputError: the folder or the file cannot be written (path and cause); the destination is untouched.
-    """
-    path = Path(path)
-    try:
-        part = _new_part(path)
-    except OSError as exc:
-        raise OutputError.from_os_error(path, exc) from None
-    try:
-        with part.open("w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(part, _default_mode())
-        os.replace(part, path)
-    except OSError as exc:
-        _drop_part(part)
-        raise OutputError.from_os_error(path, exc) from None
-    except BaseException:
-        _drop_part(part)
-        raise
-    _PARTS.discard(part)
-    return path

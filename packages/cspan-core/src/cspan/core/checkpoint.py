@@ -26,12 +26,13 @@ import math
 import os
 import re
 import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import CONTEXT_SPANNING, PERSONAPLEX, PrefixLayout
-from .errors import CheckpointError
+from .errors import CheckpointError, validation_summary
 from .voice import VoicePrompt, load_voice, load_voice_prompt
 
 if TYPE_CHECKING:
@@ -416,25 +417,37 @@ def _torch_load(path: Path, role: str) -> Any:
     def refused(exc: Exception) -> CheckpointError:
         text = str(exc)
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        detail = f"it needs {found.group(1)}" if found else (text.splitlines() or ["unpickling failed"])[0]
+        reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)  # torch's own words, after its advice
+        if found:
+            detail = f"it needs {found.group(1)}"
+        elif reason:
+            detail = reason.group(1).strip().rstrip(".")
+        else:
+            detail = (text.splitlines() or ["unpickling failed"])[0]
         return CheckpointError(
             f"{role} file {str(path)!r} holds Python objects that weights_only loading refuses ({detail}); re-save "
             "it with only tensors, dicts, lists, strings and numbers"
         )
 
+    def load(**kwargs: Any) -> Any:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it is about to refuse
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
+
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return load(mmap=True)
     except pickle.UnpicklingError as exc:
         raise refused(exc) from None
     except Exception:
         pass  # not mmap-able (legacy format) or corrupt: retry without mmap for a precise answer
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load()
     except pickle.UnpicklingError as exc:
         raise refused(exc) from None
     except Exception as exc:  # any other failure of the unpickler means the file is not what it claims to be
+        first = (str(exc).strip().splitlines() or [""])[0]
         raise CheckpointError(
-            f"{role} file {str(path)!r} is truncated or corrupt, or not a torch file ({type(exc).__name__}: {exc}); "
+            f"{role} file {str(path)!r} is truncated or corrupt, or not a torch file ({type(exc).__name__}: {first}); "
             f"{fix}"
         ) from None
 
@@ -515,10 +528,25 @@ def _assign(
     """Read the planned tensors one at a time, casting floats to ``float_dtype`` and moving each to ``device`` right
     away (so at most one transient extra tensor exists besides the single loaded copy), assign them all into the
     meta-built ``module``, then check that nothing is left on ``meta``."""
+    import torch
+
     state = {}
+    finite: list[tuple[str, torch.Tensor]] = []
     for key, (src, skey) in plan.items():
         tensor = src.get(skey)
         state[key] = tensor.to(device=device, dtype=float_dtype if tensor.is_floating_point() else tensor.dtype)
+        if state[key].is_floating_point() and state[key].numel():
+            finite.append((key, torch.isfinite(state[key]).all()))  # on the device; read back once below
+    if finite:
+        flags = torch.stack([flag for _, flag in finite]).cpu().tolist()
+        bad = [key for (key, _), ok in zip(finite, flags, strict=True) if not ok]
+        if bad:
+            files = sorted({str(plan[k][0].path) for k in bad})
+            raise CheckpointError(
+                f"{plan[bad[0]][0].role} weights file(s) {', '.join(repr(f) for f in files)}: key(s) "
+                f"{_fmt_keys([plan[k][1] for k in bad])} hold NaN or infinite values; the file is corrupt or comes "
+                "from a training run that diverged"
+            )
     module.load_state_dict(state, strict=True, assign=True)
     del state
     left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.device.type == "meta"]
@@ -588,7 +616,7 @@ def _configs_from_data(
             try:
                 mimi_cfg = MimiConfig.from_upstream(mimi_dict)
             except ValidationError as exc:
-                raise CheckpointError(f"{label}, key 'mimi_config': invalid ({exc})") from None
+                raise CheckpointError(f"{label}, key 'mimi_config': invalid: {validation_summary(exc)}") from None
         if "dim" not in data or "delays" not in data:
             log.warning("%s has no LM keyword arguments (dim, delays): using the PersonaPlex 7B configuration", label)
             lm_cfg = LMConfig.personaplex_7b()
@@ -596,7 +624,7 @@ def _configs_from_data(
             try:
                 lm_cfg = LMConfig.from_upstream(data)
             except ValidationError as exc:
-                raise CheckpointError(f"{label}: invalid LM config ({exc})") from None
+                raise CheckpointError(f"{label}: invalid LM config: {validation_summary(exc)}") from None
     heads = _count_depformer_heads(weight_keys or [])
     if heads and heads != lm_cfg.dep_q and heads <= lm_cfg.n_q:
         log.info("the weights have %d depformer heads, config dep_q is %d: using dep_q=%d", heads, lm_cfg.dep_q, heads)
@@ -606,7 +634,9 @@ def _configs_from_data(
         try:
             lm_cfg = LMConfig.model_validate(update)
         except ValidationError as exc:
-            raise CheckpointError(f"cannot use dep_q={heads} found in the weights with this config ({exc})") from None
+            raise CheckpointError(
+                f"cannot use dep_q={heads} found in the weights with this config: {validation_summary(exc)}"
+            ) from None
     return lm_cfg, mimi_cfg
 
 

@@ -102,6 +102,12 @@ def _is_user_error(exc: BaseException) -> bool:
     return any(cls.__module__.startswith("cspan.") and cls.__module__.endswith(".errors") for cls in type(exc).__mro__)
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+"""Signals that stop a verb cleanly (exit ``128 + signal``, unfinished outputs removed): a kill, a closed terminal
+(SIGHUP; ``cspan serve`` takes SIGHUP over to reload its token file), Ctrl-\\ (SIGQUIT). SIGINT is Python's
+``KeyboardInterrupt`` (130)."""
+
+
 def _raise_terminated(signum: int, _frame: object) -> None:
     from cspan.core.errors import Terminated
 
@@ -113,8 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Errors are one line on stderr: the project's own errors (exit status 1, or their ``exit_code``: 2 for a bad
     setting), an ``OSError`` (the file and the cause: permission denied, no space left on device), an interrupt
-    (130) or SIGTERM (143; raised as :class:`~cspan.core.errors.Terminated` so that cleanup runs and unfinished
-    outputs are removed). ``-v`` adds the traceback of an ``OSError``.
+    (130) or SIGTERM, SIGHUP, SIGQUIT (``128 + signal``; raised as :class:`~cspan.core.errors.Terminated` so that
+    cleanup runs and unfinished outputs are removed). ``-v`` adds the traceback of an ``OSError``.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -127,9 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from cspan.core.errors import Terminated, describe_os_error
 
-    previous = None
+    previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, _raise_terminated)
     try:
         return int(handler(args) or 0)
     except Terminated as exc:
@@ -151,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler_before in previous.items():
+            signal.signal(signum, handler_before)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":  # pragma: no cover

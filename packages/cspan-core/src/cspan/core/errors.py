@@ -71,6 +71,21 @@ def os_error_cause(exc: OSError) -> str:
     return str(exc) or type(exc).__name__
 
 
+def validation_summary(exc: Exception) -> str:
+    """One line for a pydantic ``ValidationError``: ``"dim: Input should be a valid integer (got 'abc'); ..."``
+    (field path, pydantic's message, the offending value), without pydantic's help URLs and line breaks."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return " ".join(str(exc).split())
+    parts = []
+    for error in errors():
+        where = ".".join(str(p) for p in error.get("loc", ())) or "value"
+        value = repr(error.get("input"))
+        value = value if len(value) <= 60 else value[:57] + "..."
+        parts.append(f"{where}: {error.get('msg', 'invalid')} (got {value})")
+    return "; ".join(parts)
+
+
 def describe_os_error(exc: OSError) -> str:
     """One line for an ``OSError`` that reached the command line: the file(s) it names and the cause."""
     files = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)

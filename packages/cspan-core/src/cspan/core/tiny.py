@@ -362,30 +362,38 @@ def build_tiny_checkpoint(
 
     Raises:
         CheckpointError: ``out_dir`` is a file, or a non-empty folder without ``overwrite``.
+        OutputError: the folder cannot be written (checked before the models are built) or a write failed (path and
+            cause: permission denied, no space left on device...); nothing is left at ``out_dir`` but the files
+            that were there.
         ValueError: ``dep_q`` is not 8 or 16.
     """
     from safetensors.torch import save_file
+
+    from .files import atomic_folder, check_writable
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"output {str(out)!r} is a file; pass a folder path for the tiny checkpoint")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise CheckpointError(f"output folder {str(out)!r} is not empty; pass --force to write into it anyway")
+    probe = out / CONFIG_FILE if out.is_dir() else out  # where the temporary folder goes (see atomic_folder)
+    check_writable(probe)  # before the models are built
     models = make_tiny_models(dep_q, seed)
     spm_bytes = train_tiny_tokenizer(models.lm_config.text_card)
-    (out / VOICES_DIR).mkdir(parents=True, exist_ok=True)
-    save_file(models.lm_state, str(out / LM_FILE), metadata={"format": "pt"})
-    save_file(models.mimi_state, str(out / MIMI_FILE), metadata={"format": "pt"})
-    for name in (LM_FILE, MIMI_FILE):
-        (out / name).chmod(0o644)  # safetensors writes through a private temporary file
-    (out / TOKENIZER_FILE).write_bytes(spm_bytes)
+    tensors = [*models.lm_state.values(), *models.mimi_state.values()]
+    check_writable(probe, need_bytes=sum(t.nbytes for t in tensors) + len(spm_bytes) + 2**20)
     config = models.lm_config.to_upstream()
     config.update(moshi_name=LM_FILE, mimi_name=MIMI_FILE, tokenizer_name=TOKENIZER_FILE)
     config["mimi_config"] = models.mimi_config.to_upstream()
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    for name, codes in models.voices.items():
-        torch.save({"codes": codes.clone()}, out / VOICES_DIR / f"{name}.pt")
     n_params = sum(v.numel() for v in models.lm_state.values())
     readme = _readme(dep_q, seed, models.lm_config, models.mimi_config, n_params, TINY_TEXT_CARD)
-    (out / "README.md").write_text(readme, encoding="utf-8")
+    with atomic_folder(out, replace_files=overwrite) as tmp:  # the folder appears complete, or not at all
+        (tmp / VOICES_DIR).mkdir()
+        save_file(models.lm_state, str(tmp / LM_FILE), metadata={"format": "pt"})
+        save_file(models.mimi_state, str(tmp / MIMI_FILE), metadata={"format": "pt"})
+        (tmp / TOKENIZER_FILE).write_bytes(spm_bytes)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for name, codes in models.voices.items():
+            torch.save({"codes": codes.clone()}, tmp / VOICES_DIR / f"{name}.pt")
+        (tmp / "README.md").write_text(readme, encoding="utf-8")
     return out

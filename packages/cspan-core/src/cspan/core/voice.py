@@ -490,6 +490,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_checkpoint, load_mimi, read_configs, resolve_checkpoint, resolve_prefix_layout
+    from .files import atomic_file, check_writable
     from .prefix import PERSONAPLEX
 
     out = Path(args.output)
@@ -497,8 +498,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         raise CheckpointError(f"output {str(out)!r}: a voice file ends in .pt")
     if out.exists() and out.is_dir():
         raise CheckpointError(f"output {str(out)!r} is a folder; give a file name ending in .pt")
-    if not out.parent.is_dir():
-        raise CheckpointError(f"output folder {str(out.parent)!r} does not exist")
+    check_writable(out)  # before Mimi loads: a folder that cannot be written fails now, not after the encoding
     files = resolve_checkpoint(args.checkpoint, base=args.base)
     layout = resolve_prefix_layout(files)
     embeddings = layout == PERSONAPLEX if args.embeddings is None else args.embeddings
@@ -515,13 +515,8 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     payload: dict[str, torch.Tensor] = {"codes": codes}
     if lm is not None:
         payload.update(voice_embeddings_form(codes, lm))
-    tmp = out.with_name(f".{out.name}.part")
-    try:
+    with atomic_file(out) as tmp:
         torch.save(payload, tmp)
-        os.replace(tmp, out)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
     forms = "codes" + (" + PersonaPlex embeddings" if lm is not None else "")
     print(
         f"wrote {out}: {audio.num_frames} frames ({audio.samples / SAMPLE_RATE:.2f} s, loudness "

@@ -175,6 +175,54 @@ def host_allowed(host_header: str | None, *, bind_host: str, port: int, allowed:
     return not allowed and not is_loopback_host(bind_host)
 
 
+def check_allow_origin(value: str) -> str:
+    """An ``--allow-origin`` value: ``*`` or a browser origin ``scheme://host[:port]`` (http or https, nothing
+    after the port), as browsers send it; returns it without a trailing slash.
+
+    Raises:
+        ValueError: what is wrong and an example.
+    """
+    value = value.strip()
+    if value == "*":
+        return value
+    parts = urlsplit(value)
+    try:
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        port_ok = False
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.username is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or not port_ok
+        or _split_host(parts.netloc, "") is None
+    ):
+        raise ValueError(
+            f"{value!r} is not a browser origin: give scheme://host[:port] (http or https, no path), e.g. "
+            "https://app.example.com or http://localhost:3000, or '*' for any"
+        )
+    return value.rstrip("/")
+
+
+def check_allow_host(value: str) -> str:
+    """An ``--allow-host`` value: ``*``, ``host`` or ``host:port`` (``[v6]:port`` for IPv6); returns it.
+
+    Raises:
+        ValueError: what is wrong and an example.
+    """
+    value = value.strip()
+    parsed = None if value == "*" else _split_host(value, "")
+    if value != "*" and (parsed is None or (parsed[1] and not 0 < int(parsed[1]) < 65536)):
+        raise ValueError(
+            f"{value!r} is not a host name: give host or host:port (no scheme, path or spaces), e.g. "
+            "app.example.com or 192.168.1.5:8080, or '*' for any"
+        )
+    return value
+
+
 def origin_allowed(origin: str | None, host_header: str | None, allowed: Iterable[str] = ()) -> bool:
     """Whether a WebSocket handshake's ``Origin`` may use this server.
 

@@ -258,8 +258,8 @@ def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
     Raises:
         CspanError: naming the offending path. OutputError: a folder that cannot be written (path and cause).
     """
-    from cspan.core.audio import check_writable
     from cspan.core.errors import CspanError
+    from cspan.core.files import check_writable
 
     seen: dict[Path, Path] = {}
     resolved_inputs = {p.resolve() for p in inputs}
@@ -449,10 +449,11 @@ async def run_infer(settings: InferSettings) -> InferResult:
             before any output is written). OutputError: an output that cannot be written (names the path and the
             cause; the other output is kept).
     """
-    from cspan.core.audio import check_writable, inspect_audio
+    from cspan.core.audio import inspect_audio
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.errors import CspanError
+    from cspan.core.files import check_writable
     from cspan.core.runtime import use_cpu_threads
 
     s = settings
@@ -461,6 +462,8 @@ async def run_infer(settings: InferSettings) -> InferResult:
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
     if info.nonfinite:
         logger.warning("%s: %d NaN or infinite samples read as silence", s.input_wav, info.nonfinite)
+    if info.clipped:
+        logger.warning("%s: %d samples beyond full scale clipped to +-1.0", s.input_wav, info.clipped)
     lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
     tail = math.ceil(s.tail_silence * FRAME_RATE - 1e-9)
     n_input = -(-round(info.duration_s * SAMPLE_RATE) // FRAME_SIZE)
@@ -519,12 +522,13 @@ async def _converse(
     import numpy as np
     import torch
 
-    from cspan.core.audio import AtomicAudioWriter, iter_frames, write_text_atomic
+    from cspan.core.audio import AtomicAudioWriter, iter_frames
     from cspan.core.checkpoint import load_checkpoint
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import OutputError
     from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
+    from cspan.core.files import write_text_atomic
     from cspan.core.runtime import Conversation, ConversationConfig
     from cspan.server.output import AgentWord, InferOutput, PersonaInfo, Timing, UserTranscript, timing_stats
     from cspan.server.records import db_recorder
@@ -669,6 +673,7 @@ async def _converse(
         duration_s=total / FRAME_RATE,
         input_offset_s=lead / FRAME_RATE,
         input_nonfinite_samples=info.nonfinite,
+        input_clipped_samples=info.clipped,
         persona=PersonaInfo(**persona),
         agent_text=conversation.agent_text(),
         agent_words=words,

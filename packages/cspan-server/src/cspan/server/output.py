@@ -84,6 +84,7 @@ class InferOutput(BaseModel):
     duration_s: float
     input_offset_s: float
     input_nonfinite_samples: int = Field(0, description="NaN or infinite input samples, read as silence")
+    input_clipped_samples: int = Field(0, description="finite input samples beyond full scale, clipped to +-1.0")
     persona: PersonaInfo | None = None
     agent_text: str
     agent_words: list[AgentWord]

@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import re
 import signal
+import socket
 import threading
 from typing import Any
 
 from cspan.backends.http_server import header_timeout_protocol, uvicorn_http
+from cspan.core.errors import CspanError, os_error_cause
 from cspan.server.app import create_app
 from cspan.server.protocol import MAX_WEBSOCKET_MESSAGE_BYTES
 from cspan.server.serve_settings import ServeSettings
@@ -101,6 +104,16 @@ def make_server(config: Any) -> Any:
                     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
             await super().serve(sockets=sockets)
 
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if sockets and not self.should_exit:  # uvicorn says where it listens only for sockets it bound itself
+                host, port = self.config.host, sockets[0].getsockname()[1]
+                where = f"[{host}]" if ":" in host else host
+                scheme = "https" if self.config.ssl else "http"
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", scheme, where, port
+                )
+
         async def shutdown(self, sockets: Any = None) -> None:
             app = self.config.loaded_app if self.config.loaded else self.config.app
             hub = _find_state(app, "hub")
@@ -126,6 +139,51 @@ def _find_state(app: Any, name: str) -> Any:
     return None
 
 
+class ListenError(CspanError):
+    """The server cannot listen on ``--host`` / ``--port``: a host name that does not resolve, an address this
+    machine does not have, a port in use or reserved (exit status 2, as a bad setting)."""
+
+    exit_code = 2
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (not listening yet: uvicorn listens once the model is loaded, so a
+    client meanwhile gets "connection refused" rather than a hang). Done before the model loads, so that a bad
+    ``--host`` or a busy ``--port`` is found in a second, not after minutes of loading.
+
+    Raises:
+        ListenError: naming the flag, the value and the cause.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        cause = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else "not a valid host name"
+        raise ListenError(
+            f"--host {host!r}: not an address or a host name that resolves here ({cause}); use an address such "
+            "as 127.0.0.1, 0.0.0.0 or ::1"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(
+                f"--port {port}: address already in use on {where} (another server?); stop it or pick another --port"
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ListenError(f"--host {host!r}: not an address of this machine ({os_error_cause(exc)})") from None
+        if exc.errno == errno.EACCES:
+            raise ListenError(
+                f"--port {port}: permission denied on {where} (ports below 1024 need privileges)"
+            ) from None
+        raise ListenError(f"cannot listen on {where}: {os_error_cause(exc)}") from None
+    return sock
+
+
 def serve_command(parser: argparse.ArgumentParser) -> None:
     """Serve live conversations in the browser over WebSocket (several at once on one batched engine)."""
     from cspan.core.settings import add_settings_arguments
@@ -136,12 +194,21 @@ def serve_command(parser: argparse.ArgumentParser) -> None:
 
 def _handle(args: argparse.Namespace) -> int:
     from cspan.core.settings import settings_from_args
-    from cspan.server.auth import ServeConfigError
-    from cspan.server.settings_common import check_backends_answer
 
     settings: ServeSettings = settings_from_args(args)
     if settings.test_hooks:
         logger.warning("test hooks are enabled (--test-hooks): clients may force <ret> and spans")
+    sock = bind_socket(settings.host, settings.port)  # a bad --host or a busy --port fails before the model loads
+    try:
+        return _load_and_serve(settings, sock)
+    finally:
+        sock.close()
+
+
+def _load_and_serve(settings: ServeSettings, sock: socket.socket) -> int:
+    from cspan.server.auth import ServeConfigError
+    from cspan.server.settings_common import check_backends_answer
+
     loaded: dict[str, Any] = {}
 
     def load() -> None:
@@ -159,8 +226,17 @@ def _handle(args: argparse.Namespace) -> int:
     if "error" in loaded:
         raise loaded["error"]
     app = loaded["app"]
-    make_server(uvicorn_config(app, settings)).run()
+    make_server(uvicorn_config(app, settings)).run(sockets=[sock])
     return 0
 
 
-__all__ = ["ServeSettings", "create_app", "header_timeout_protocol", "make_server", "serve_command", "uvicorn_config"]
+__all__ = [
+    "ListenError",
+    "ServeSettings",
+    "bind_socket",
+    "create_app",
+    "header_timeout_protocol",
+    "make_server",
+    "serve_command",
+    "uvicorn_config",
+]

@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings
 
 from cspan.backends.context_db.user import check_id
 from cspan.core.settings import SETTINGS_CONFIG, EnvList
-from cspan.server.auth import TOKEN_PATTERN
+from cspan.server.auth import TOKEN_PATTERN, check_allow_host, check_allow_origin
 from cspan.server.settings_common import BackendSettings, ContextDBSettings, ModelSettings, ToolSettings
 
 _SERVER = {"group": "server"}
@@ -134,6 +134,16 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
                 'generate one with: python -c "import secrets; print(secrets.token_urlsafe())"'
             )
         return value or None
+
+    @field_validator("allow_origin")
+    @classmethod
+    def _allow_origin(cls, values: list[str]) -> list[str]:
+        return [check_allow_origin(v) for v in values]
+
+    @field_validator("allow_host")
+    @classmethod
+    def _allow_host(cls, values: list[str]) -> list[str]:
+        return [check_allow_host(v) for v in values]
 
     @field_validator("token_user")
     @classmethod

@@ -186,6 +186,48 @@ class TrainConfig:
                 "--export-format moshi writes LoRA adapters (moshi-finetune's lora.safetensors); give --lora-rank R",
             ),
         ]
+        w = cfg.weights
+        finite = math.isfinite
+        numbers = [
+            ("--lr", cfg.lr, 0.0, False),
+            ("--lr-depformer", cfg.lr_depformer, 0.0, False),
+            ("--lora-alpha", cfg.lora_alpha, 0.0, False),
+            ("--weight-decay", cfg.weight_decay, 0.0, True),
+            ("--clip", cfg.clip, 0.0, False),
+            ("--min-lr-ratio", cfg.min_lr_ratio, 0.0, True),
+            ("--w-text", w.text, 0.0, True),
+            ("--w-pad", w.pad, 0.0, True),
+            ("--w-ret", w.ret, 0.0, True),
+            ("--w-semantic", w.semantic, 0.0, True),
+            ("--w-acoustic", w.acoustic, 0.0, True),
+            ("--start-delay-s", cfg.start_delay_s, 0.0, True),
+            ("--end-gap-s", cfg.end_gap_s, 0.0, True),
+            ("--random-delay-proba", cfg.random_sampling_proba, 0.0, True),
+        ]
+        for flag, value, low, inclusive in numbers:  # NaN and inf first: they pass every comparison below
+            if value is None:
+                continue
+            if not finite(value):
+                raise TrainError(f"{flag} must be a finite number, got {value}")
+            if value < low or (value == low and not inclusive):
+                raise TrainError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
+        checks += [
+            (
+                cfg.random_sampling_proba <= 1.0,
+                f"--random-delay-proba must be in [0, 1], got {cfg.random_sampling_proba}",
+            ),
+            (w.text + w.pad + w.ret > 0 or w.semantic + w.acoustic > 0, "the loss weights (--w-*) are all 0"),
+            (cfg.context <= MAX_CONTEXT, f"--context must be <= {MAX_CONTEXT} positions, got {cfg.context}"),
+            (cfg.warmup_steps is None or cfg.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {cfg.warmup_steps}"),
+            (cfg.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (0 = all), got {cfg.keep_checkpoints}"),
+            (cfg.log_every >= 1, f"--log-every must be >= 1, got {cfg.log_every}"),
+            (
+                not cfg.fsdp or "WORLD_SIZE" in os.environ,
+                "--fsdp shards the model over the processes that torchrun starts, and this process was not started "
+                "by torchrun; run `torchrun --nproc-per-node N -m cspan.core.cli train ... --fsdp`, or leave --fsdp "
+                "out for one process",
+            ),
+        ]
         for ok, message in checks:
             if not ok:
                 raise TrainError(message)
@@ -200,6 +242,11 @@ class TrainConfig:
         if cfg.stop_at is not None and not 1 <= cfg.stop_at <= cfg.steps:
             raise TrainError(f"--stop-at must be in [1, --steps], got {cfg.stop_at}")
         return cfg
+
+
+MAX_CONTEXT = 1_000_000
+"""Longest ``--context`` accepted (positions): far beyond any model's window (3000), short of a number that only
+a typo gives."""
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -599,10 +646,31 @@ class Trainer:
         done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_FILE).is_file())
         return done[-1] if done else None
 
+    def check_weights_finite(self, step: int) -> None:
+        """Refuse to save or export weights holding NaN or inf (every rank checks its shards; all stop together).
+
+        Raises:
+            TrainError: naming the step; nothing is written.
+        """
+        bad = 0.0
+        for p in self.module.parameters():
+            if p.requires_grad:
+                local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+                if not bool(torch.isfinite(local).all()):
+                    bad = 1.0
+                    break
+        if float(self.dist.all_sum(torch.tensor([bad], dtype=torch.float64, device=self.device))[0]) > 0:
+            raise TrainError(
+                f"step {step}: the weights hold NaN or inf values (the training diverged); nothing was saved or "
+                f"exported; the checkpoints in {self.cfg.out_dir / CHECKPOINTS_DIR} are kept. Lower --lr or raise "
+                "--warmup-steps"
+            )
+
     def save_checkpoint(self, step: int) -> Path:
         """Write ``checkpoints/step_{step:08d}/`` atomically (a temporary folder, renamed once every rank is done) and
         prune old ones: the trainable weights and optimizer state (:func:`save_train_state`, every rank writes its
         shards), ``trainer.pt`` (step, scheduler) and ``COMPLETE`` (step, world size, global batch, options)."""
+        self.check_weights_finite(step)
         root = self._ckpt_root()
         final = root / f"step_{step:08d}"
         tmp = root / f".step_{step:08d}.tmp"
@@ -683,6 +751,7 @@ class Trainer:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        self.check_weights_finite(step)
         options = StateDictOptions(full_state_dict=True, cpu_offload=self.dist.enabled)
         full = get_model_state_dict(self.module, options=options)
         out = self.cfg.out_dir / EXPORT_DIR
@@ -919,6 +988,12 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad], cfg.clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if not math.isfinite(float(grad_norm)):  # the global norm: every rank stops here together
+            raise TrainError(
+                f"step {step + 1}: the loss diverged (gradient norm {float(grad_norm)}); stopped before the update, "
+                f"nothing exported; the checkpoints in {cfg.out_dir / CHECKPOINTS_DIR} are kept. Lower --lr, raise "
+                "--warmup-steps, or check the data"
+            )
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.optimizer.step()
         self.scheduler.step()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,12 +40,23 @@ def default_db_path() -> Path:
 
 
 def resolve_target(target: str | os.PathLike[str] | None) -> str:
-    """The database a target names: ``None`` -> ``$CSPAN_DB``, else :func:`default_db_path`; paths expanded."""
+    """The database a target names: ``None`` -> ``$CSPAN_DB``, else :func:`default_db_path`; paths expanded.
+
+    Raises:
+        ContextDBError: a URL of another database (``mysql://...``): it would otherwise become a folder named
+            ``mysql:``.
+    """
     if target is None:
         target = os.environ.get(DB_ENV) or default_db_path()
     text = str(target)
     if text == ":memory:" or is_postgres_url(text) or text.startswith("sqlite://"):
         return text
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text)
+    if scheme:  # a URL of a database we do not speak, not a folder named "mysql:"
+        raise ContextDBError(
+            f"{re.sub(r'//[^@/]*@', '//', text)}: {scheme.group(1)!r} databases are not supported; the "
+            "Context DB is SQLite (a file path, sqlite:///PATH or :memory:) or PostgreSQL (postgresql://...)"
+        )
     return str(Path(text).expanduser())
 
 

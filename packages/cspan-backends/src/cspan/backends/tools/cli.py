@@ -38,6 +38,12 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _http_path(text: str) -> str:
+    if not text.startswith("/") or any(c in text for c in "?# \t") or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an HTTP path: give one starting with '/', e.g. /mcp")
+    return text
+
+
 def _max_chars(text: str) -> int:
     if not text.isdigit() or not 40 <= int(text) <= 4000:
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of characters from 40 to 4000")
@@ -71,6 +77,11 @@ async def _bank(args: argparse.Namespace) -> Any:
     from cspan.backends.tools.catalog import ToolsSpec, build_bank
 
     tools = "fdb-v3" if args.fdb_v3_only else args.tools or SERVED_DEFAULT
+    named = {name.strip() for name in (args.tools or "").split(",")}
+    if "knowledge" in named and not args.knowledge:
+        from cspan.backends.errors import ToolError
+
+        raise ToolError("--tools knowledge needs --knowledge DIR (the notes folder that search_notes reads)")
     # 'default' here is what can be served: the live default but memory (one signed-in user's)
     tools = ",".join(SERVED_DEFAULT if name.strip().lower() == "default" else name for name in tools.split(","))
     spec = ToolsSpec.from_flags(
@@ -219,7 +230,7 @@ def register(parser: argparse.ArgumentParser) -> None:
         help="another Host name the HTTP server answers to (repeatable; '*' turns the check off); on a loopback "
         "bind only localhost, 127.0.0.1 and [::1] with the bound port are accepted otherwise",
     )
-    serve.add_argument("--path", default="/mcp", help="HTTP endpoint path (default /mcp)")
+    serve.add_argument("--path", type=_http_path, default="/mcp", help="HTTP endpoint path (default /mcp)")
     _add_bank_args(serve)
     serve.set_defaults(handler=_serve)
 

@@ -1,0 +1,90 @@
+"""Issue 22 (F11, F13, F14, F18, F19): bad command-line input to `cspan backends start`, `cspan tools`, `cspan users`
+and `cspan db` is one line naming the flag and the fix, before anything runs; nothing is created or waited for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _cspan(*args: str, stdin: bytes = b"", cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
+    cmd = [sys.executable, "-m", "cspan.core.cli", *args]
+    return subprocess.run(cmd, input=stdin, capture_output=True, timeout=60, cwd=cwd)
+
+
+def _one_line(done: subprocess.CompletedProcess[bytes]) -> str:
+    err = done.stderr.decode()
+    lines = [line for line in err.splitlines() if not line.startswith(("usage:", " "))]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--router-url", "http://127.0.0.1:1/v1", "--no-asr", "--timeout-s", "nan"], "--timeout-s: 'nan'"),
+        (["--timeout-s", "-1"], "--timeout-s: '-1'"),
+        (["--timeout-s", "inf"], "--timeout-s: 'inf'"),
+        (["--router-url", "ftp://x", "--no-asr"], "--router-url: 'ftp://x' is not an http(s) URL"),
+        (["--router-url", "http://", "--no-asr"], "--router-url: 'http://' is not an http(s) URL"),
+        (["--router-port", "70000"], "--router-port: '70000' is not a TCP port (1 to 65535)"),
+        (["--asr-port", "0"], "--asr-port: '0' is not a TCP port"),
+        (["--asr-gpu", "-3"], "--asr-gpu: '-3': give GPU indices >= 0"),
+        (["--router-gpu", "a"], "--router-gpu: 'a'"),
+    ],
+)
+def test_backends_start_flags_are_checked(args: list[str], expect: str) -> None:
+    done = _cspan("backends", "start", *args, "--dry-run")
+    assert done.returncode == 2 and expect in _one_line(done)
+
+
+def test_backends_start_good_flags_still_pass() -> None:
+    done = _cspan("backends", "start", "--router-url", "http://127.0.0.1:8000/v1", "--asr-gpu", "2,3", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert b"(external, not started) http://127.0.0.1:8000/v1" in done.stdout
+
+
+def test_tools_flags_are_checked() -> None:
+    done = _cspan("tools", "serve", "--transport", "http", "--path", "no-slash")
+    assert done.returncode == 2 and "--path: 'no-slash' is not an HTTP path" in _one_line(done)
+    for verb in ("list", "serve"):
+        done = _cspan("tools", verb, "--tools", "knowledge")
+        assert done.returncode == 2
+        assert _one_line(done) == f"cspan tools {verb}: error: --tools knowledge needs --knowledge DIR (the notes " \
+            "folder that search_notes reads)"  # fmt: skip
+
+
+@pytest.mark.parametrize("stdin", [os.urandom(1000) + b"\xff", b"\x00" * 40 + b"\n", "é".encode() * 20])
+def test_users_hash_refuses_binary_input(stdin: bytes) -> None:
+    done = _cspan("users", "hash", stdin=stdin)
+    assert done.returncode == 2 and "cspan users hash: error: " in _one_line(done)
+
+
+def test_users_hash_of_a_token() -> None:
+    done = _cspan("users", "hash", stdin=b"abcdefghijklmnopqrstuvwxyz\n")
+    assert done.returncode == 0 and len(done.stdout.strip()) > 16
+
+
+def test_a_database_url_we_do_not_speak_is_not_a_folder(tmp_path: Path) -> None:
+    done = _cspan("users", "list", "--db", "mysql://u:secret@x/db", cwd=tmp_path)
+    line = _one_line(done)
+    assert done.returncode == 1 and "'mysql' databases are not supported" in line and "secret" not in line
+    assert list(tmp_path.iterdir()) == []  # no ./mysql:/x folder
+
+
+def test_db_export_into_a_read_only_folder_names_the_file_not_the_part(tmp_path: Path) -> None:
+    from fs_faults import read_only_folder
+
+    db = tmp_path / "db.sqlite"
+    assert _cspan("users", "add", "ada", "--db", str(db)).returncode == 0
+    with read_only_folder(tmp_path / "ro") as ro:
+        done = _cspan("db", "export", "ada", "--db", str(db), "--out", str(ro / "a.json"))
+    line = _one_line(done)
+    assert done.returncode == 1 and line.startswith(f"cspan db export: error: {ro / 'a.json'}: cannot write: ")
+    assert ".part" not in line and list(ro.iterdir()) == []
+    done = _cspan("db", "export", "ada", "--db", str(db), "--out", str(tmp_path))
+    assert done.returncode == 1 and "is a directory" in _one_line(done)
