@@ -150,7 +150,7 @@ async def test_two_replicas_behind_haproxy_share_one_memory(
         for replica in replicas.values():
             replica.start()
         await until(lambda: all(healthy(p, public) for p in ports.values()), "both replicas healthy")
-        await until(lambda: healthy(front, public), "HAProxy sees a replica up")
+        await until(lambda: servers_up(stats_socket, "replicas") == 2, "HAProxy sees both replicas up")
         url = f"ws://{public}/ws?token={token}"
         frames = load_frames(fixture_file("audio", "question_weather_24k.wav"))
         silence = [np.zeros(1920, dtype=np.float32)] * 8
@@ -180,7 +180,8 @@ async def test_two_replicas_behind_haproxy_share_one_memory(
 
             # 2. the second session goes to the other replica (least connections; the first one is full) and reads
             # what the first stored: the profile at start, the notes through a Context Span
-            await until(lambda: healthy(front, public), "HAProxy routes to the free replica")
+            # HAProxy's health check must have seen the first replica full (a request before that may still go there)
+            await until(lambda: servers_up(stats_socket, "replicas") == 1, "HAProxy sees one free replica")
             async with websockets.connect(url, max_size=None) as ws2:
                 c2 = Client(ws2)
                 r2 = await c2.start(test={"force_ret_at": [3.5]})
