@@ -56,6 +56,15 @@ class SpanHandoff:
         self._engine_thread.queued_spans.append(span)
         return span
 
+    def take_window_events(self, i: int) -> list[Any]:
+        """What session ``i``'s persona policy did since the last call (``DuplexEngine.take_window_events``: host
+        only, guarded by the sessions record's lock, so any thread may call it)."""
+        return self._engine_thread.engine.take_window_events(i)
+
+    def position(self, i: int) -> int:
+        """Session ``i``'s pending position (the engine's host mirror, updated by the engine thread)."""
+        return int(self._engine_thread.engine.positions[i])
+
 
 @dataclass
 class FrameResult:

@@ -30,6 +30,7 @@ from cspan.core.events import (
     ErrorEvent,
     LateEvent,
     NoSpanEvent,
+    PersonaEvent,
     QuestionEvent,
     RetEvent,
     SpanEvent,
@@ -333,7 +334,8 @@ ServerMessage = Annotated[
     | QuestionEvent
     | SpanEvent
     | LateEvent
-    | NoSpanEvent,
+    | NoSpanEvent
+    | PersonaEvent,
     Field(discriminator="type"),
 ]
 SERVER_MESSAGE_TYPES = (
@@ -349,6 +351,7 @@ SERVER_MESSAGE_TYPES = (
     "span",
     "late",
     "no_span",
+    "persona",
 )
 server_message_adapter: TypeAdapter[Any] = TypeAdapter(ServerMessage)
 
