@@ -350,3 +350,23 @@ def test_persona_events_and_bounded_history():
     kept = _conv(RecordingEngine())
     _run(kept, RecordingEngine(), 20, tokens={i: 20 for i in range(20)})
     assert len(kept.events) == 20  # the default keeps everything (cspan infer's JSON)
+
+
+def test_a_span_scheduled_for_a_frame_under_way_is_read_at_the_next_head():
+    """``schedule_span`` for a frame whose head already ran (a memory span that arrives during the step) is read at
+    the next frame's head, with its source."""
+    engine = RecordingEngine()
+    conv = _conv(engine)
+
+    async def go() -> None:
+        for i in range(6):
+            engine.frame = i
+            await conv.before_step(np.zeros(1920, dtype=np.float32))
+            if i == 2:
+                conv.schedule_span(conv.frame, "memory: user=Ada", source="memory")  # frame 2 is under way
+            await conv.after_step(20)
+
+    asyncio.run(go())
+    assert engine.injected == [(3, "memory: user=Ada")]
+    spans = [e for e in conv.events if isinstance(e, SpanEvent)]
+    assert [(e.frame, e.source) for e in spans] == [(3, "memory")]

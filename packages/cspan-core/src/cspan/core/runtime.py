@@ -200,8 +200,9 @@ class Conversation:
 
     # ------------------------------------------------------------------------------------------------ scheduling
     def schedule_span(self, frame: int, text: str, *, source: str = "given") -> None:
-        """Inject ``text`` as a Context Span at the head of ``frame`` without any backend (its ``span`` event says
-        ``source``: ``given`` for ``--span``, ``memory`` for a memory span)."""
+        """Inject ``text`` as a Context Span at the head of ``frame`` (or of the next frame to start, when ``frame``
+        has started already) without any backend (its ``span`` event says ``source``: ``given`` for ``--span``,
+        ``memory`` for a memory span)."""
         self._forced_spans[frame].append((text, source))
 
     def schedule_ret(self, frame: int) -> None:
@@ -233,8 +234,9 @@ class Conversation:
                 ``user_pcm`` (:func:`voice_activity` does it for many conversations in one pass); None runs it here.
         """
         i = self.frame
-        for text, source in self._forced_spans.pop(i, []):
-            self._inject(text, source=source, tool=None, arguments=None, question=None, ret_frame=None, asked=None)
+        for due in sorted(f for f in self._forced_spans if f <= i):  # a frame already under way counts as due now
+            for text, source in self._forced_spans.pop(due):
+                self._inject(text, source=source, tool=None, arguments=None, question=None, ret_frame=None, asked=None)
         await self._service_retrieval(i)
 
         frame = np.asarray(user_pcm, dtype=np.float32).reshape(-1)
