@@ -61,10 +61,6 @@ class SpanHandoff:
         only, guarded by the sessions record's lock, so any thread may call it)."""
         return self._engine_thread.engine.take_window_events(i)
 
-    def position(self, i: int) -> int:
-        """Session ``i``'s pending position (the engine's host mirror, updated by the engine thread)."""
-        return int(self._engine_thread.engine.positions[i])
-
 
 @dataclass
 class FrameResult:
