@@ -90,6 +90,12 @@ def test_memory_span_is_due_when_a_span_leaves_the_window() -> None:
     assert tracker.after_step(118).left == ["A"]
     assert tracker.after_step(128) is None and tracker.after_step(142) is None  # B left, < window / 4 after 118
     assert tracker.after_step(143).left == ["A", "B"]
+    tracker.on_event(_span(3, "summary 1", source="memory"))
+    assert tracker.after_step(150) is None
+    tracker.on_event(_span(4, "summary 2", source="memory"))
+    assert tracker.after_step(200) is None
+    assert tracker.after_step(248) is None  # summary 1 left, summary 2 is still in the window
+    assert tracker.after_step(298).spans_left == 0  # summary 2 left: read again
     assert MemorySpan(window=None).after_step(10**6) is None
 
 

@@ -6,7 +6,8 @@ the model no longer sees it. With ``--memory-span`` a session's :class:`MemorySp
 and, when one leaves the window, reads back a short summary from the Context DB (:func:`memory_summary`: the user's
 profile and facts, and the last references of the conversation) as a Context Span of ``source`` ``memory``; at
 most one per quarter of the window (spans that leave meanwhile are in the next one). The memory span leaves the
-window too; it is then read again (once per window) while there is something to remember.
+window too; it is then read again (at most once per window, and only when no newer one is still in the window)
+while there is something to remember.
 
 Everything kept is bounded over any duration: the spans still in the window (at most one per position of it), the
 last :data:`MEMORY_REFERENCES` references that left, and a count.
@@ -117,8 +118,8 @@ class MemorySpan:
             return None
         while self._in_window and position - self._in_window[0][0] >= self.window:
             _, text, source = self._in_window.popleft()
-            if source == "memory":
-                self._memory_left = True
+            if source == "memory":  # read again only when no newer memory span is still in the window
+                self._memory_left = not any(src == "memory" for _, _, src in self._in_window)
             else:
                 self._left.append(text)
                 self._spans_left += 1
