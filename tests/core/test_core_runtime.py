@@ -311,3 +311,62 @@ def test_text_events_join_byte_fallback_pieces_into_characters():
     _run(conv, engine, 9, tokens=tokens)
     texts = [(e.frame, e.text) for e in conv.events if isinstance(e, TextEvent)]
     assert texts == [(0, " caf"), (2, "é"), (3, " ok"), (6, "€"), (8, "\ufffd!")]
+
+
+class WindowEngine(RecordingEngine):
+    """A recording engine whose persona policy acts at given frames (``DuplexEngine.take_window_events``)."""
+
+    def __init__(self, at: dict[int, list]) -> None:
+        super().__init__()
+        self.at = at
+
+    def take_window_events(self, i: int) -> list:
+        return self.at.pop(self.frame, [])
+
+
+def test_persona_events_and_bounded_history():
+    """What the persona policy did becomes ``persona`` events at the step's frame; ``keep_history=False`` (serve)
+    keeps no event list and only the last ``agent_said_tokens`` text tokens, over any number of frames."""
+    from cspan.core.events import PersonaEvent
+    from cspan.core.window import WindowEvent
+
+    events = {
+        7: [WindowEvent("pin", 1, 40)],
+        30: [WindowEvent("reprefix", 3000, 39), WindowEvent("reprefix", 3039, 39)],
+    }
+    engine = WindowEngine(events)
+    seen: list = []
+    conv = _conv(engine, keep_history=False, agent_said_tokens=8)
+    conv.on_event = seen.append
+    _run(conv, engine, 400, tokens={i: 10 + i % 50 for i in range(400)})
+    persona = [e for e in seen if isinstance(e, PersonaEvent)]
+    assert [(e.frame, e.kind, e.position, e.positions) for e in persona] == [
+        (7, "pin", 1, 40),
+        (30, "reprefix", 3000, 39),
+        (30, "reprefix", 3039, 39),
+    ]
+    assert conv.events == [] and len(seen) > 380  # every event went to on_event, none was kept
+    assert conv.agent_text() == " ".join(f"w{10 + i % 50}" for i in range(392, 400))
+    kept = _conv(RecordingEngine())
+    _run(kept, RecordingEngine(), 20, tokens={i: 20 for i in range(20)})
+    assert len(kept.events) == 20  # the default keeps everything (cspan infer's JSON)
+
+
+def test_a_span_scheduled_for_a_frame_under_way_is_read_at_the_next_head():
+    """``schedule_span`` for a frame whose head already ran (a memory span that arrives during the step) is read at
+    the next frame's head, with its source."""
+    engine = RecordingEngine()
+    conv = _conv(engine)
+
+    async def go() -> None:
+        for i in range(6):
+            engine.frame = i
+            await conv.before_step(np.zeros(1920, dtype=np.float32))
+            if i == 2:
+                conv.schedule_span(conv.frame, "memory: user=Ada", source="memory")  # frame 2 is under way
+            await conv.after_step(20)
+
+    asyncio.run(go())
+    assert engine.injected == [(3, "memory: user=Ada")]
+    spans = [e for e in conv.events if isinstance(e, SpanEvent)]
+    assert [(e.frame, e.source) for e in spans] == [(3, "memory")]

@@ -18,7 +18,6 @@ from cspan.core.span import (
     splice_block,
     splice_mask,
     splice_span_frames,
-    window_status,
 )
 from cspan.core.streams import delay_tokens, undelay_tokens
 
@@ -124,14 +123,6 @@ def test_splice_in_frames_is_the_move_convention() -> None:
     assert torch.equal(out[sem], move[sem])
     assert torch.equal(out[ac], move[ac])
     assert (out != UNGENERATED).all()
-
-
-def test_window_status() -> None:
-    assert window_status(10, 16, 4) == (5, True)
-    assert window_status(19, 16, 4) == (0, True)  # 19 - 4 = 15 < 16: position 4 still visible
-    assert window_status(20, 16, 4) == (0, False)
-    assert window_status(20, None, 4) == (None, True)
-    assert window_status(3, 16, None) == (12, False)
 
 
 # -- injection == forcing step by step -------------------------------------------------------------------------------
@@ -254,15 +245,27 @@ def test_max_span_frames_truncates_and_reports(reference_lm) -> None:
 
 
 def test_report_says_when_the_prefix_leaves_the_window(reference_lm) -> None:
+    """Policy ``none``: the prefix slides out; the report says when its first position left the next query's
+    window. ``pinned`` keeps it (sink positions), ``reprefix`` queues a copy behind the span."""
     lm = reference_lm("lm-moshi-shaped", context=16)
-    engine = _engine(lm)
     voice = torch.randint(0, 64, (8, 3), generator=torch.Generator().manual_seed(2))
-    prefix = engine.set_persona(0, None, voice)  # voice only: no tokenizer needed
-    assert prefix.num_frames == 4 and prefix.next_position == 5
-    first = engine.inject_span(0, ContextSpan.from_ids([20, 21, 22, 23]))  # positions 5..10, next 11
-    assert first.prefix_in_window and first.window_positions_left == 4
-    second = engine.inject_span(0, ContextSpan.from_ids([20] * 8))  # positions 11..20, next 21: 21 - 4 >= 16
-    assert not second.prefix_in_window and second.window_positions_left == 0
+    reports = {}
+    for policy in ("none", "pinned", "reprefix"):
+        engine = _engine(lm)
+        prefix = engine.set_persona(0, None, voice, policy=policy)  # voice only: no tokenizer needed
+        assert prefix.num_frames == 4 and prefix.next_position == 5
+        engine.step_tokens(torch.zeros(1, 8, dtype=torch.long))  # the prefix (positions 0..4)
+        first = engine.inject_span(0, ContextSpan.from_ids([20, 21, 22, 23]))  # positions 5..10, next 11
+        assert first.prefix_in_window and first.window_positions_left == 4
+        second = engine.inject_span(0, ContextSpan.from_ids([20] * 8))  # positions 11..20, next 21: 21 - 0 >= 16
+        reports[policy] = (second, engine.positions[0], engine.prefix_in_window(0))
+    second, position, visible = reports["none"]
+    assert not second.prefix_in_window and second.window_positions_left == 0 and position == 21 and not visible
+    second, position, visible = reports["pinned"]
+    assert second.prefix_in_window and position == 21 and visible
+    second, position, visible = reports["reprefix"]  # a copy of positions 1..4 is read at 21..24
+    assert second.prefix_in_window and second.next_position == 21 and position == 25 and visible
+    assert second.window_positions_left == 16 - 1 - (25 - 21)
 
 
 def test_text_span_on_the_tiny_checkpoint(tiny_checkpoint) -> None:

@@ -12,7 +12,9 @@ One engine runs B independent sessions (batch rows) in lock step at 12.5 frames 
 
 Between two steps a session can be given a persona (:meth:`DuplexEngine.set_persona`), a Context Span
 (:meth:`DuplexEngine.inject_span`), a reset, or be marked idle (:meth:`DuplexEngine.set_live`): all host-only, queued
-in the sessions record and applied by the next step. The step is one function of device tensors (the state object,
+in the sessions record and applied by the next step. Past the attention window the session's persona policy keeps
+its persona prefix in the context (:mod:`cspan.core.window`: pinned sink positions, or a copy read again). The
+step is one function of device tensors (the state object,
 :class:`cspan.core.sessions.EngineState`, and the step's packed inputs), replayed from a CUDA graph per static shape
 (:class:`cspan.core.graphs.GraphCache`); how it runs (kernels, graphs, KV dtype) is decided once, when the engine is
 built (:class:`cspan.core.plan.ExecutionPlan`).
@@ -53,8 +55,9 @@ from .graphs import GraphCache
 from .plan import resolve_plan
 from .prefix import PrefixReport, build_persona_prefix, prefix_block
 from .sampling import SamplingParams, SessionSampling, sample_column
-from .sessions import EngineState, Sessions, StepBatch, build_step, fresh_seed, unpack
+from .sessions import EngineState, Persona, Sessions, StepBatch, build_step, fresh_seed, unpack
 from .span import ContextSpan, SpanReport, encode_span, span_report
+from .window import DEFAULT_PERSONA_POLICY, WindowEvent, check_policy, reprefix_block
 
 if TYPE_CHECKING:
     from .voice import VoicePrompt
@@ -138,6 +141,11 @@ class DuplexEngine:
         kv_dtype: the KV cache's storage: "auto" (the model's dtype), "bf16", "fp16", "fp32" or "fp8" (e4m3 with
             one scale per position and head: half the memory of bf16; see :mod:`cspan.core.kv_cache`).
         fused: the Triton kernels (None: for bf16/fp16 models on CUDA; see :func:`cspan.core.plan.resolve_plan`).
+        persona_policy: how a session keeps its persona prefix in the attention window once the conversation is
+            longer than the window: ``"pinned"`` (default: its keys and values stay as sink positions at the
+            window's oldest end), ``"reprefix"`` (it is read again, as a block of the batched step, before it would
+            leave) or ``"none"`` (it slides out); see :mod:`cspan.core.window`. ``set_persona(..., policy=)``
+            overrides it for one session.
 
     Attributes:
         lm, mimi, tokenizer, checkpoint: the models in use (``checkpoint`` None for a bare LM).
@@ -171,6 +179,7 @@ class DuplexEngine:
         predict_user: bool = True,
         kv_dtype: str | torch.dtype | None = None,
         fused: bool | None = None,
+        persona_policy: str = DEFAULT_PERSONA_POLICY,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"DuplexEngine: batch_size must be >= 1, got {batch_size}")
@@ -206,12 +215,13 @@ class DuplexEngine:
         self.text_params = SamplingParams.text(temp_text, top_k_text).check("text", lm.text_linear.out_features)
         self.audio_params = SamplingParams.audio(temp, top_k).check("audio", lm.card)
         self.predict_user = bool(predict_user)
+        self.persona_policy = check_policy(persona_policy)
 
         self.plan = resolve_plan(lm, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, fused=fused)
         initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
         self.state = EngineState(lm, mimi, batch_size, self.plan, (lm.delays, initial, self.user_rows))
         seeds = [fresh_seed() if seed is None else seed + i for i in range(batch_size)]
-        self.sessions = Sessions(seeds, SessionSampling(self.text_params, self.audio_params))
+        self.sessions = Sessions(seeds, SessionSampling(self.text_params, self.audio_params), context=lm.cfg.context)
         self._library = None  # the library decode attention, where the plan chose it
         if self.plan.library_rows is not None:
             cfg = lm.cfg
@@ -273,6 +283,7 @@ class DuplexEngine:
         *,
         seed: int | None = None,
         sampling: SessionSampling | None = None,
+        policy: str | None = None,
     ) -> PrefixReport:
         """Restart session ``i`` with a persona prefix (:mod:`cspan.core.prefix`, in the checkpoint's layout), read
         by its next step.
@@ -286,6 +297,7 @@ class DuplexEngine:
             user_name, user_city: appended to the prompt as "The user's name is X." / "The user is in Y.".
             seed: the session's new sampling seed (None keeps its current one).
             sampling: the session's sampling parameters (None keeps its current ones; see :meth:`set_sampling`).
+            policy: this session's persona policy (None: the engine's ``persona_policy``).
 
         Returns:
             :class:`PrefixReport` (``prefill_ms``: the host time of building the prefix). With neither voice nor
@@ -293,7 +305,8 @@ class DuplexEngine:
 
         Raises:
             IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name.
-            ValueError: voice codes not [8, N] or outside [0, card); bad sampling parameters.
+            ValueError: voice codes not [8, N] or outside [0, card); bad sampling parameters; a prefix that does not
+                fit the window.
         """
         self._check_session(i)
         t0 = time.perf_counter()
@@ -324,7 +337,7 @@ class DuplexEngine:
         embeddings = None if prefix.embeddings is None else prefix.embeddings.to(self.dtype)
         if sampling is not None:
             self.sessions.set_sampling(i, sampling)
-        P = self.set_prefix(i, prefix.frames, embeddings, seed=seed)
+        P = self.set_prefix(i, prefix.frames, embeddings, seed=seed, policy=policy)
         return PrefixReport(
             session=i,
             num_frames=P,
@@ -338,17 +351,42 @@ class DuplexEngine:
         )
 
     def set_prefix(
-        self, i: int, frames: torch.Tensor, embeddings: torch.Tensor | None = None, *, seed: int | None = None
+        self,
+        i: int,
+        frames: torch.Tensor,
+        embeddings: torch.Tensor | None = None,
+        *,
+        seed: int | None = None,
+        policy: str | None = None,
     ) -> int:
         """Restart session ``i`` with prefix frames [K, P] (and the input embeddings [E, D] of its first E
-        positions, or None), read by its next step (:func:`cspan.core.prefix.prefix_block`). P = 0 only resets.
-        ``seed`` None keeps the session's seed. Returns P."""
+        positions, or None), read by its next step (:func:`cspan.core.prefix.prefix_block`), kept in the window by
+        ``policy`` (None: the engine's ``persona_policy``). P = 0 only resets. ``seed`` None keeps the session's
+        seed. Returns P.
+
+        Raises:
+            ValueError: an unknown policy; a prefix that leaves no room in the window (P + 1 >= context) with a
+                policy that keeps it there.
+        """
         self._check_session(i)
         seed = self.sessions.seeds[i] if seed is None else seed
+        policy = self.persona_policy if policy is None else check_policy(policy)
         P = int(frames.shape[-1])
+        if not P:
+            self.sessions.reset([i], [seed])
+            return 0
+        ctx = self.context
+        if policy != "none" and ctx is not None and ctx <= P + 1:
+            raise ValueError(
+                f"set_prefix: a persona prefix of {P} frames fills the model's {ctx}-position window; the "
+                f"{policy!r} policy needs room to talk after it (shorten the prompt, or use policy 'none')"
+            )
         initial = self.state.grid.initial_t.cpu()
-        block = prefix_block(frames, self.lm.delays, initial, embeddings) if P else None
-        self.sessions.reset([i], [seed], block)
+        block = prefix_block(frames, self.lm.delays, initial, embeddings)
+        copy = None
+        if policy == "reprefix":
+            copy = reprefix_block(block, self.lm.delays, self.agent_placeholder, self.user_placeholder)
+        self.sessions.reset([i], [seed], block, Persona(policy, sinks=P + 1, copy=copy))
         return P
 
     def inject_span(self, i: int, span: ContextSpan | str) -> SpanReport:
@@ -379,7 +417,10 @@ class DuplexEngine:
         )
         first = self.sessions.queue(i, block)
         ms = (time.perf_counter() - t0) * 1000.0
-        return span_report(i, ids, truncated, first, self.context, self.sessions.prefix_end[i], ms)
+        # the position the next call feeds: after the span, and after a copy of the prefix queued behind it
+        pending = max(first + len(ids), self.sessions.position[i])
+        left, visible = self.sessions.window_left(i, pending), self.sessions.prefix_visible(i, pending)
+        return span_report(i, ids, truncated, first, self.context, left, visible, ms)
 
     # -- the step ------------------------------------------------------------------------------------------------
 
@@ -476,7 +517,7 @@ class DuplexEngine:
 
     def _prepare(self) -> StepBatch:
         """The head of a step: apply the live sessions' queued restarts and blocks to the device state, lay them out."""
-        rows, restarts, blocks, sampling = self.sessions.take()
+        rows, restarts, blocks, sampling, pins = self.sessions.take()
         if sampling:
             self.state.set_sampling(sampling)
         for row, restart in restarts.items():
@@ -484,6 +525,8 @@ class DuplexEngine:
         for row, queued in blocks.items():
             for block in queued:
                 self.state.grid.splice(row, block.tokens)
+        for row, (first, sinks) in pins.items():  # pinned prefixes: at the oldest positions of the window
+            self.state.pin(row, first, sinks)
         prefixes = {row: r.prefix for row, r in restarts.items() if r.prefix is not None}
         batch = build_step(
             rows, blocks, prefixes, self.sessions.position, self.state.grid.max_delay, self.num_streams,
@@ -648,9 +691,20 @@ class DuplexEngine:
         return self.lm.cfg.context
 
     def window_positions_left(self, i: int) -> int | None:
-        """Positions session ``i`` can still feed before its position 0 leaves the attention window."""
-        ctx = self.context
-        return None if ctx is None else max(0, ctx - 1 - self.sessions.position[i])
+        """Positions session ``i`` can still feed before the first position of its persona prefix (of the latest
+        copy; position 0 without a prefix) leaves the attention window (None: unbounded)."""
+        return self.sessions.window_left(i, self.sessions.position[i])
+
+    def prefix_in_window(self, i: int) -> bool:
+        """Whether session ``i``'s next query sees its whole persona prefix (its latest copy inside the window, or
+        its pinned entries); False without a prefix."""
+        return self.sessions.prefix_visible(i, self.sessions.position[i])
+
+    def take_window_events(self, i: int) -> list[WindowEvent]:
+        """What session ``i``'s persona policy did since the last call (:class:`cspan.core.window.WindowEvent`:
+        ``pin`` once, ``reprefix`` per copy read), oldest first. Host only, any thread."""
+        self._check_session(i)
+        return self.sessions.take_window_events(i)
 
     def _check_session(self, i: int) -> None:
         if not 0 <= i < self.batch_size:

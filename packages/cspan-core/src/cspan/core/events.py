@@ -102,6 +102,17 @@ class NoSpanEvent(_Event):
     retrieval_id: int | None = None
 
 
+class PersonaEvent(_Event):
+    """What the session's persona policy did at the head of ``frame`` (``docs/ENGINE.md``, "The persona past the
+    window"): ``pin`` (the prefix's entries became sink positions at the window's oldest end; once) or ``reprefix``
+    (a copy of the prefix was read)."""
+
+    type: Literal["persona"] = "persona"
+    kind: Literal["pin", "reprefix"]
+    position: int = Field(description="pin: the first position of the window; reprefix: the copy's first position")
+    positions: int = Field(description="the prefix's positions (sinks, or the copy's columns)")
+
+
 class ErrorEvent(_Event):
     """A stage failed; the conversation went on."""
 
@@ -111,7 +122,15 @@ class ErrorEvent(_Event):
 
 
 ConversationEvent = Annotated[
-    TextEvent | UserTextEvent | RetEvent | QuestionEvent | SpanEvent | LateEvent | NoSpanEvent | ErrorEvent,
+    TextEvent
+    | UserTextEvent
+    | RetEvent
+    | QuestionEvent
+    | SpanEvent
+    | LateEvent
+    | NoSpanEvent
+    | PersonaEvent
+    | ErrorEvent,
     Field(discriminator="type"),
 ]
 
@@ -120,6 +139,7 @@ __all__ = [
     "ErrorEvent",
     "LateEvent",
     "NoSpanEvent",
+    "PersonaEvent",
     "QuestionEvent",
     "RetEvent",
     "SpanEvent",

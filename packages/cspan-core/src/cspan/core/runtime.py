@@ -53,6 +53,7 @@ from cspan.core.events import (
     ErrorEvent,
     LateEvent,
     NoSpanEvent,
+    PersonaEvent,
     QuestionEvent,
     RetEvent,
     SpanEvent,
@@ -69,6 +70,8 @@ LATE_GRACE_S = 2 * FRAME_S
 """Live clock: how long past its deadline a retrieval that has not reported ``late`` itself is left running."""
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 """A SentencePiece byte-fallback piece: one byte of a character outside the vocabulary."""
+SPAN_REPORTS_KEPT = 256
+"""The engine's reports of the latest Context Spans a :class:`Conversation` keeps (``span_reports``)."""
 HIDDEN_TEXT_IDS = frozenset({0, 1, 2, PAD, RET, SPAN_OPEN, SPAN_CLOSE})
 """Text ids that are not rendered as agent text (EPAD, BOS, EOS, PAD, ``<ret>``, span markers)."""
 
@@ -98,6 +101,10 @@ class ConversationConfig:
         partial_transcripts: re-transcribe running utterances every 1.6 s (``user_text`` partials).
         agent_said_tokens: how many recent agent text tokens are passed to the router as "already said".
         vad_threshold: Silero speech probability for a voiced frame.
+        keep_history: keep every event (:attr:`Conversation.events`) and every agent text token (for
+            :meth:`Conversation.agent_text`), as ``cspan infer`` does for its JSON. False (``cspan serve``, where
+            events go to the client as they happen) keeps memory bounded over any duration: no event list, and only
+            the last ``agent_said_tokens`` text tokens.
     """
 
     listen_s: float = 12.0
@@ -108,6 +115,7 @@ class ConversationConfig:
     partial_transcripts: bool = True
     agent_said_tokens: int = 64
     vad_threshold: float = 0.5
+    keep_history: bool = True
 
 
 @dataclass
@@ -152,7 +160,11 @@ class Conversation:
         conversation_id: passed through to the retriever.
         vad: voice activity detector; default a :class:`~cspan.core.vad.SileroVAD`. It runs only while the
             conversation :attr:`listens` (has a transcriber or a retriever: nothing else reads it).
-        on_event: called with every event as it happens (also collected in :attr:`events`).
+        on_event: called with every event as it happens (also collected in :attr:`events` with
+            ``config.keep_history``).
+
+    What the engine's persona policy does (``engine.take_window_events``, where the engine has it: the re-reads and
+    the pin of :mod:`cspan.core.window`) is reported as ``persona`` events at the frame of the step that did it.
     """
 
     engine: Any
@@ -166,7 +178,7 @@ class Conversation:
     vad: _VoiceActivity | None = None
     on_event: Callable[[ConversationEvent], None] | None = None
     events: list[ConversationEvent] = field(default_factory=list)
-    span_reports: list[Any] = field(default_factory=list)
+    span_reports: collections.deque[Any] = field(default_factory=lambda: collections.deque(maxlen=SPAN_REPORTS_KEPT))
 
     def __post_init__(self) -> None:
         if self.vad is None:
@@ -175,19 +187,23 @@ class Conversation:
         keep_frames = math.ceil(max(self.config.listen_s, 30.0) * FRAME_RATE)
         self._audio: collections.deque[np.ndarray] = collections.deque(maxlen=keep_frames)
         self._audio_start = 0  # frame index of self._audio[0]
-        self._agent_tokens: list[int] = []
+        keep = None if self.config.keep_history else max(1, self.config.agent_said_tokens)
+        self._agent_tokens: collections.deque[int] = collections.deque(maxlen=keep)
+        self._window_events = getattr(self.engine, "take_window_events", None)
         self._utf8 = bytearray()  # byte-fallback pieces (<0xE2>...) of a character not complete yet
         self._last_final: _Final | None = None
         self._pending: _Pending | None = None
         self._asr_tasks: list[tuple[asyncio.Task[Any], int, bool, int, int | None]] = []
-        self._forced_spans: dict[int, list[str]] = collections.defaultdict(list)
+        self._forced_spans: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
         self._forced_rets: set[int] = set()
         self.frame = 0
 
     # ------------------------------------------------------------------------------------------------ scheduling
-    def schedule_span(self, frame: int, text: str) -> None:
-        """Inject ``text`` as a Context Span at the head of ``frame`` without any backend."""
-        self._forced_spans[frame].append(text)
+    def schedule_span(self, frame: int, text: str, *, source: str = "given") -> None:
+        """Inject ``text`` as a Context Span at the head of ``frame`` (or of the next frame to start, when ``frame``
+        has started already) without any backend (its ``span`` event says ``source``: ``given`` for ``--span``,
+        ``memory`` for a memory span)."""
+        self._forced_spans[frame].append((text, source))
 
     def schedule_ret(self, frame: int) -> None:
         """Behave as if the model emitted ``<ret>`` at ``frame``."""
@@ -218,8 +234,9 @@ class Conversation:
                 ``user_pcm`` (:func:`voice_activity` does it for many conversations in one pass); None runs it here.
         """
         i = self.frame
-        for text in self._forced_spans.pop(i, []):
-            self._inject(text, source="given", tool=None, arguments=None, question=None, ret_frame=None, asked=None)
+        for due in sorted(f for f in self._forced_spans if f <= i):  # a frame already under way counts as due now
+            for text, source in self._forced_spans.pop(due):
+                self._inject(text, source=source, tool=None, arguments=None, question=None, ret_frame=None, asked=None)
         await self._service_retrieval(i)
 
         frame = np.asarray(user_pcm, dtype=np.float32).reshape(-1)
@@ -252,6 +269,11 @@ class Conversation:
                 piece = self._render_piece(self.tokenizer.id_to_piece(int(text_token)))
                 if piece is not None:
                     self._emit(TextEvent(frame=i, t=i * FRAME_S, token=int(text_token), text=piece))
+        if self._window_events is not None:
+            for ev in self._window_events(self.session):
+                self._emit(
+                    PersonaEvent(frame=i, t=i * FRAME_S, kind=ev.kind, position=ev.position, positions=ev.positions)
+                )
         forced = i in self._forced_rets
         self._forced_rets.discard(i)
         if is_ret or forced:
@@ -291,7 +313,8 @@ class Conversation:
 
     # ------------------------------------------------------------------------------------------------ internals
     def _emit(self, event: ConversationEvent) -> None:
-        self.events.append(event)
+        if self.config.keep_history:
+            self.events.append(event)
         if self.on_event is not None:
             try:
                 self.on_event(event)
@@ -303,7 +326,8 @@ class Conversation:
         ``<ret>`` and span markers removed."""
         if self.tokenizer is None:
             return ""
-        tokens = self._agent_tokens if last_tokens is None else self._agent_tokens[-last_tokens:]
+        tokens = list(self._agent_tokens)
+        tokens = tokens if last_tokens is None else tokens[-last_tokens:]
         ids = [t for t in tokens if t not in HIDDEN_TEXT_IDS]
         return self.tokenizer.decode(ids).strip() if ids else ""
 

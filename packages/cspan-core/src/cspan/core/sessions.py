@@ -5,9 +5,10 @@ host-built layout of one step.
   sampling seeds and parameters and the Mimi codec states (row B of the cache, grid, seeds and parameters is a
   scratch row that the padding rows of a CUDA-graph bucket compute on).
 - :class:`Sessions` holds what the host knows of each session (pending position, whether it started, its prefix
-  end, seed, sampling parameters, whether it is live) and what is queued for its next step (a restart with an
-  optional persona prefix, Context Span blocks, new sampling parameters). Queueing is host-only, so a server may
-  call it between steps from any thread.
+  end, seed, sampling parameters, whether it is live, its persona policy: :mod:`cspan.core.window`) and what is
+  queued for its next step (a restart with an optional persona prefix, Context Span blocks, new sampling
+  parameters, a copy of the prefix). Queueing is host-only, so a server may call it between steps from any
+  thread.
 - :class:`StepBatch` is one step's host-built inputs: the live rows, their queued block columns and the ragged
   layout of those columns, packed into one integer tensor that the step (graphed or eager) unpacks on the device
   (:func:`unpack`).
@@ -15,6 +16,7 @@ host-built layout of one step.
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 from collections.abc import Sequence
@@ -30,6 +32,10 @@ from .prefix import PrefixBlock
 from .sampling import RowSampling, SessionSampling
 from .span import Block
 from .streams import TokenGrid
+from .window import PinnedPrefix, WindowEvent
+
+WINDOW_EVENTS_KEPT = 64
+"""Window events kept per session until :meth:`Sessions.take_window_events` (older ones are dropped)."""
 
 
 def fresh_seed() -> int:
@@ -45,6 +51,26 @@ class Restart:
     prefix: PrefixBlock | None = None
 
 
+@dataclass
+class Persona:
+    """How a session keeps its persona prefix in the window (:mod:`cspan.core.window`).
+
+    Attributes:
+        policy: ``pinned``, ``reprefix`` or ``none``.
+        sinks: S = P + 1, the prefix's positions ``0 .. P`` (its last column included).
+        copy: the block that reads the prefix again (``reprefix``), else None.
+        first, last: the positions of the latest copy of the prefix (``0, P`` until a re-prefix).
+        pinned: the sinks have been placed (from then on, every step places them).
+    """
+
+    policy: str
+    sinks: int
+    copy: Block | None = None
+    first: int = 0
+    last: int = 0
+    pinned: bool = False
+
+
 class Sessions:
     """Host mirrors of all B sessions and what is queued for their next step (one lock guards the queue).
 
@@ -52,6 +78,8 @@ class Sessions:
         position: each session's pending position: the position its next step feeds (its queued blocks included).
         started: a persona or a step since its reset (a Context Span needs a running stream).
         prefix_end: the last position of its persona prefix, or None.
+        persona: row -> its :class:`Persona` (rows with a prefix).
+        context: the attention window W in positions (None: unbounded; no policy acts).
         seeds: its sampling seed.
         sampling: its sampling parameters (:class:`cspan.core.sampling.SessionSampling`).
         live: stepped by the engine (idle rows cost nothing and keep their queue; see ``DuplexEngine.set_live``).
@@ -60,9 +88,10 @@ class Sessions:
         after_prefix: row -> blocks queued behind a persona prefix not read yet: they are read by the step after
             the prefix's, so that they follow the whole prefix (as they would once it has been read).
         sampling_changed: rows whose sampling parameters the device state does not have yet.
+        window_events: row -> what its persona policy did since the last :meth:`take_window_events`.
     """
 
-    def __init__(self, seeds: Sequence[int], sampling: SessionSampling) -> None:
+    def __init__(self, seeds: Sequence[int], sampling: SessionSampling, context: int | None = None) -> None:
         B = len(seeds)
         self.batch_size = B
         self.position = [0] * B
@@ -75,16 +104,30 @@ class Sessions:
         self.restarts: dict[int, Restart] = {i: Restart(self.seeds[i]) for i in range(B)}
         self.blocks: dict[int, list[Block]] = {}
         self.after_prefix: dict[int, list[Block]] = {}
+        self.persona: dict[int, Persona] = {}
+        self.context = context
+        self.window_events: dict[int, collections.deque[WindowEvent]] = {}
         self.lock = threading.Lock()
 
-    def reset(self, rows: Sequence[int], seeds: Sequence[int | None], prefix: PrefixBlock | None = None) -> None:
-        """Restart ``rows`` (fresh seeds where None), optionally with a persona prefix (the same for all rows)."""
+    def reset(
+        self,
+        rows: Sequence[int],
+        seeds: Sequence[int | None],
+        prefix: PrefixBlock | None = None,
+        persona: Persona | None = None,
+    ) -> None:
+        """Restart ``rows`` (fresh seeds where None), optionally with a persona prefix and its :class:`Persona`
+        (the same for all rows)."""
         with self.lock:
             for row, seed in zip(rows, seeds, strict=True):
                 self.seeds[row] = fresh_seed() if seed is None else int(seed)
                 self.restarts[row] = Restart(self.seeds[row], prefix)
                 self.blocks.pop(row, None)
                 self.after_prefix.pop(row, None)
+                self.window_events.pop(row, None)
+                self.persona.pop(row, None)
+                if prefix is not None and persona is not None:
+                    self.persona[row] = Persona(persona.policy, persona.sinks, persona.copy, 0, prefix.pending)
                 self.position[row] = 0 if prefix is None else prefix.pending
                 self.prefix_end[row] = None if prefix is None else prefix.pending
                 self.started[row] = prefix is not None
@@ -96,7 +139,7 @@ class Sessions:
             self.sampling_changed.add(row)
 
     def queue(self, row: int, block: Block) -> int:
-        """Queue a block for ``row``; returns its first position."""
+        """Queue a block for ``row``; returns its first position (a copy of the prefix may follow it: ``reprefix``)."""
         with self.lock:
             restart = self.restarts.get(row)
             if restart is not None and restart.prefix is not None:  # after the prefix's own step
@@ -107,18 +150,35 @@ class Sessions:
             first = self.position[row]
             self.blocks.setdefault(row, []).append(block)
             self.position[row] += block.n
+            self._keep_persona(row)
             return first
 
-    def take(self) -> tuple[list[int], dict[int, Restart], dict[int, list[Block]], dict[int, SessionSampling]]:
+    def take(
+        self,
+    ) -> tuple[
+        list[int], dict[int, Restart], dict[int, list[Block]], dict[int, SessionSampling], dict[int, tuple[int, int]]
+    ]:
         """The head of a step: (live rows, their queued restarts, their queued blocks, new sampling parameters of
-        any row), emptied."""
+        any row, and the rows whose pinned prefix is placed in this step: row -> (the first position of the window
+        its last query sees, the sink positions S)), emptied."""
         with self.lock:
             rows = [i for i in range(self.batch_size) if self.live[i]]
             restarts = {i: self.restarts.pop(i) for i in rows if i in self.restarts}
             blocks = {i: self.blocks.pop(i) for i in rows if i in self.blocks}
             sampling = {i: self.sampling[i] for i in sorted(self.sampling_changed)}
             self.sampling_changed.clear()
-            return rows, restarts, blocks, sampling
+            pins: dict[int, tuple[int, int]] = {}
+            for i in rows:
+                persona = self.persona.get(i)
+                if persona is None or persona.policy != "pinned" or self.context is None or i in restarts:
+                    continue
+                start = self.position[i] - self.context + 1  # the window of this step's last query
+                if start > 0:
+                    pins[i] = (start, persona.sinks)
+                    if not persona.pinned:
+                        persona.pinned = True
+                        self._event(i, WindowEvent("pin", start, persona.sinks))
+            return rows, restarts, blocks, sampling, pins
 
     def advance(self, rows: Sequence[int]) -> None:
         """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now."""
@@ -129,6 +189,49 @@ class Sessions:
                 for block in self.after_prefix.pop(row, []):
                     self.blocks.setdefault(row, []).append(block)
                     self.position[row] += block.n
+                self._keep_persona(row)
+
+    def _keep_persona(self, row: int) -> None:
+        """``reprefix``: queue a copy of the prefix when the next step's last query would no longer see the first
+        position of the latest copy (lock held)."""
+        persona = self.persona.get(row)
+        if persona is None or persona.copy is None or self.context is None:
+            return
+        q = self.position[row]
+        if q - persona.first < self.context:
+            return
+        self.blocks.setdefault(row, []).append(persona.copy)
+        persona.first, persona.last = q, q + persona.copy.n - 1
+        self.position[row] += persona.copy.n
+        self._event(row, WindowEvent("reprefix", q, persona.copy.n))
+
+    def _event(self, row: int, event: WindowEvent) -> None:
+        self.window_events.setdefault(row, collections.deque(maxlen=WINDOW_EVENTS_KEPT)).append(event)
+
+    def take_window_events(self, row: int) -> list[WindowEvent]:
+        """What ``row``'s persona policy did since the last call (oldest first), emptied."""
+        with self.lock:
+            events = self.window_events.pop(row, None)
+            return list(events) if events else []
+
+    def prefix_visible(self, row: int, next_position: int) -> bool:
+        """Whether the whole persona prefix (its latest copy, or its sinks) is visible to a query at
+        ``next_position`` (False without a prefix)."""
+        persona = self.persona.get(row)
+        if persona is None:
+            return False
+        if self.context is None or persona.policy == "pinned":
+            return True
+        return next_position - persona.first < self.context
+
+    def window_left(self, row: int, next_position: int) -> int | None:
+        """Positions that can still be fed after ``next_position`` before the first position of the prefix's
+        latest copy (position 0 without a prefix) leaves the window (None: unbounded)."""
+        if self.context is None:
+            return None
+        persona = self.persona.get(row)
+        first = 0 if persona is None else persona.first
+        return max(0, self.context - 1 - (next_position - first))
 
 
 class EngineState:
@@ -167,6 +270,9 @@ class EngineState:
         self.encoder = mimi.new_encoder_state(B) if mimi is not None else None
         self.decoder = mimi.new_decoder_state(B) if mimi is not None else None
         self._depformer: dict[int, Any] = {}
+        transformer = lm.transformer
+        self.rope_period = transformer.max_period if transformer.positional_embedding == "rope" else None
+        self.pinned: dict[int, PinnedPrefix] = {}  # row -> its prefix entries (``pinned`` sessions past the window)
 
     def depformer(self, rows: int) -> Any:
         """The depformer's per-frame state for ``rows`` rows (one per step size, kept)."""
@@ -193,8 +299,18 @@ class EngineState:
             RowSampling(self.audio_temp.index_select(0, rows), self.audio_top_k.index_select(0, rows)),
         )
 
+    def pin(self, row: int, first: int, sinks: int) -> None:
+        """Place ``row``'s pinned prefix (its ``sinks`` first positions) at positions ``first ..`` of its ring
+        (device work, between steps; the entries are taken from the ring the first time: see
+        :class:`cspan.core.window.PinnedPrefix`)."""
+        cache = self.lm.transformer.cache
+        if row not in self.pinned:
+            self.pinned[row] = PinnedPrefix.take(cache, row, sinks, self.rope_period)
+        self.pinned[row].place(cache, row, first)
+
     def restart(self, row: int, restart: Restart) -> None:
         """Apply a queued restart to ``row`` (device work, between steps)."""
+        self.pinned.pop(row, None)
         rows = torch.tensor([row], dtype=torch.long, device=self.seed.device)
         self.lm.reset(rows)
         self.grid.reset(rows)
@@ -385,4 +501,14 @@ def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInpu
     return StepInputs(rows=rows, write_user=write, tokens=tokens, layout=layout)
 
 
-__all__ = ["EngineState", "Restart", "Sessions", "StepBatch", "StepInputs", "StepShape", "build_step", "unpack"]
+__all__ = [
+    "EngineState",
+    "Persona",
+    "Restart",
+    "Sessions",
+    "StepBatch",
+    "StepInputs",
+    "StepShape",
+    "build_step",
+    "unpack",
+]

@@ -246,15 +246,17 @@ class SpanReport:
         truncated: the reference was cut to ``max_span_frames`` (at a token boundary, closing 13 kept).
         ids: the block's text ids.
         first_position, last_position: the KV positions the block occupies (``last = first + n - 1``).
-        next_position: the position the next call feeds (``last_position + 1``).
+        next_position: ``last_position + 1``, the position the next call feeds (unless a copy of the persona prefix
+            follows the span: the ``reprefix`` policy, :mod:`cspan.core.window`).
         prefill_ms: host milliseconds of the injection (building and queueing the block; its forward is part of
             the session's next step).
         context: the attention window in positions (None = unbounded).
-        window_positions_left: positions that can still be fed before position 0 (the start of the persona
-            prefix) leaves the window of the next query (``max(0, context - 1 - next_position)``; None when
-            unbounded).
-        prefix_in_window: whether the end of the persona prefix (its last position) is still visible to the
-            next query (``next_position - prefix_end < context``); False also when there is no prefix.
+        window_positions_left: positions that can still be fed before the first position of the persona prefix
+            (of its latest copy; position 0 without a prefix) leaves the window of the next query
+            (``max(0, context - 1 - (next - first))``; None when unbounded).
+        prefix_in_window: whether the whole persona prefix is visible to the session's next query: its latest
+            copy is inside the window, or its entries are pinned (:mod:`cspan.core.window`); False when there is
+            no prefix.
         deferred: the block is read by the session's next step (always True: kept for readers of earlier
             reports).
     """
@@ -271,19 +273,6 @@ class SpanReport:
     window_positions_left: int | None
     prefix_in_window: bool
     deferred: bool = False
-
-
-def window_status(next_position: int, context: int | None, prefix_end: int | None) -> tuple[int | None, bool]:
-    """(window_positions_left, prefix_in_window) for a session whose next query is ``next_position``.
-
-    A key at position p is visible to a query at q iff ``0 <= q - p < context`` (the temporal transformer's
-    sliding window, kyutai-labs/moshi ``StreamingMultiheadAttention``).
-    """
-    if context is None:
-        return None, prefix_end is not None
-    left = max(0, context - 1 - next_position)
-    in_window = prefix_end is not None and next_position - prefix_end < context
-    return left, in_window
 
 
 @dataclass(frozen=True)
@@ -339,13 +328,14 @@ def span_report(
     truncated: bool,
     position: int,
     context: int | None,
-    prefix_end: int | None,
+    window_left: int | None,
+    prefix_in_window: bool,
     prefill_ms: float,
 ) -> SpanReport:
-    """The :class:`SpanReport` of a block of ``ids`` inserted at ``position`` of session ``row``."""
+    """The :class:`SpanReport` of a block of ``ids`` inserted at ``position`` of session ``row`` (the window fields
+    as the session's record computes them: ``cspan.core.sessions.Sessions``)."""
     n = len(ids)
     next_position = position + n
-    left, in_window = window_status(next_position, context, prefix_end)
     return SpanReport(
         session=row,
         n=n,
@@ -356,8 +346,8 @@ def span_report(
         next_position=next_position,
         prefill_ms=prefill_ms,
         context=context,
-        window_positions_left=left,
-        prefix_in_window=in_window,
+        window_positions_left=window_left,
+        prefix_in_window=prefix_in_window,
         deferred=True,
     )
 
@@ -372,5 +362,4 @@ __all__ = [
     "splice_block",
     "splice_mask",
     "splice_span_frames",
-    "window_status",
 ]

@@ -15,6 +15,7 @@ while it runs, and after a ``<ret>`` it is cut after 0.4 s (5 frames) of silence
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ import soxr
 import torch
 
 from cspan.core.constants import SAMPLE_RATE
+
+FINISHED_KEPT = 64
+"""Finished utterances an :class:`UtteranceTracker` keeps (the latest; memory stays bounded over any duration)."""
 
 VAD_RATE = 16_000
 VAD_WINDOW = 512
@@ -181,7 +185,7 @@ class UtteranceTracker:
     min_frames: int = 3
     partial_every_frames: int = 20
     current: Utterance | None = None
-    finished: list[Utterance] = field(default_factory=list)
+    finished: collections.deque[Utterance] = field(default_factory=lambda: collections.deque(maxlen=FINISHED_KEPT))
     _count: int = 0
 
     def update(self, frame_index: int, voiced: bool) -> list[UtteranceEvent]:
@@ -223,4 +227,4 @@ class UtteranceTracker:
         self._count = 0
 
 
-__all__ = ["SileroVAD", "Utterance", "UtteranceEvent", "UtteranceTracker", "voice_probabilities"]
+__all__ = ["FINISHED_KEPT", "SileroVAD", "Utterance", "UtteranceEvent", "UtteranceTracker", "voice_probabilities"]

@@ -98,6 +98,7 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
         temp_text=settings.temp_text,
         cuda_graphs=None if settings.cuda_graphs else False,
         predict_user=False,  # the user's codes come from the microphone every frame
+        persona_policy=settings.persona_policy,
     )
     return checkpoint, engine
 

@@ -56,6 +56,11 @@ class SpanHandoff:
         self._engine_thread.queued_spans.append(span)
         return span
 
+    def take_window_events(self, i: int) -> list[Any]:
+        """What session ``i``'s persona policy did since the last call (``DuplexEngine.take_window_events``: host
+        only, guarded by the sessions record's lock, so any thread may call it)."""
+        return self._engine_thread.engine.take_window_events(i)
+
 
 @dataclass
 class FrameResult:

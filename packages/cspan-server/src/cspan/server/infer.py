@@ -27,6 +27,7 @@ import math
 import sys
 import time
 import zoneinfo
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -441,8 +442,11 @@ def _json_text(value: Any) -> Any:
     return value
 
 
-async def run_infer(settings: InferSettings) -> InferResult:
+async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], None] | None = None) -> InferResult:
     """The whole ``cspan infer`` job (see the module docstring for the order of the checks).
+
+    ``on_frame(k, engine)`` (optional) is called after frame ``k``'s step, on the event loop (for benchmarks: the
+    soak of ``scripts/long_conversation_soak.py`` samples memory there).
 
     Raises:
         CspanError: bad input, a backend URL where nothing answers, a persona too long for the window (all
@@ -501,7 +505,7 @@ async def run_infer(settings: InferSettings) -> InferResult:
     await probe_backends(s)
     backends = await build_backends(s, build_transcriber(s))
     try:
-        return await _converse(s, db, memory, profile, conversation_id, backends, info, source, device, dtype)
+        return await _converse(s, db, memory, profile, conversation_id, backends, info, source, device, dtype, on_frame)
     finally:
         await backends.aclose()
 
@@ -517,6 +521,7 @@ async def _converse(
     source: str,
     device: Any,
     dtype: Any,
+    on_frame: Callable[[int, Any], None] | None = None,
 ) -> InferResult:
     """Steps 2 (the model) to 4 (the outputs) of :func:`run_infer`, with the backends built."""
     import numpy as np
@@ -530,7 +535,16 @@ async def _converse(
     from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
     from cspan.core.files import write_text_atomic
     from cspan.core.runtime import Conversation, ConversationConfig
-    from cspan.server.output import AgentWord, InferOutput, PersonaInfo, Timing, UserTranscript, timing_stats
+    from cspan.server.memory_span import MemorySpan, memory_summary
+    from cspan.server.output import (
+        AgentWord,
+        InferOutput,
+        PersonaInfo,
+        Timing,
+        UserTranscript,
+        timing_stats,
+        window_summary,
+    )
     from cspan.server.records import db_recorder
 
     lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
@@ -549,6 +563,7 @@ async def _converse(
         temp_text=s.temp_text,
         cuda_graphs=None if s.cuda_graphs else False,
         predict_user=False,  # the user's codes come from the input audio every frame
+        persona_policy=s.persona_policy,
     )
     engine.reset(0, seed=s.seed)
     engine.set_persona(0, s.text_prompt, voice, user_name=s.user_name or None, user_city=s.user_city or None)
@@ -559,6 +574,14 @@ async def _converse(
             f"{persona['text_tokens']} text tokens)",
             file=sys.stderr,
         )
+
+    recorder = db_recorder(memory, conversation_id)
+    tracker = MemorySpan(engine.context) if s.memory_span else None
+
+    def on_event(event: Any) -> None:
+        recorder(event)
+        if tracker is not None:
+            tracker.on_event(event)
 
     config = ConversationConfig(
         listen_s=s.listen_s,
@@ -574,7 +597,7 @@ async def _converse(
         config=config,
         profile=profile,
         conversation_id=conversation_id,
-        on_event=db_recorder(memory, conversation_id),
+        on_event=on_event,
     )
     for span in s.spans:
         conversation.schedule_span(lead + frame_at(span.seconds), span.text)
@@ -594,7 +617,7 @@ async def _converse(
         from tqdm import tqdm
 
         progress = tqdm(total=total, unit="frame", desc="infer", file=sys.stderr, leave=False)
-    step_ms: list[float] = []
+    step_ms = np.zeros(total, dtype=np.float32)  # bounded by the input's length (--max-seconds), never per event
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step(pcm: torch.Tensor) -> Any:
@@ -612,9 +635,14 @@ async def _converse(
             await conversation.before_step(user)
             t0 = time.perf_counter()
             out = await asyncio.to_thread(step, torch.from_numpy(user)[None])
-            step_ms.append((time.perf_counter() - t0) * 1000)
+            step_ms[k] = (time.perf_counter() - t0) * 1000
             valid = bool(out.valid[0])
             await conversation.after_step(int(out.text_token[0]) if valid else None, bool(out.is_ret[0]))
+            due = tracker.after_step(engine.positions[0]) if tracker is not None else None
+            if due is not None:  # spans left the window: the summary is read at the head of the next frame
+                summary = memory_summary(memory, conversation_id, profile, due.left)
+                if summary:
+                    conversation.schedule_span(conversation.frame, summary, source="memory")
             agent = out.agent_pcm[0].detach().float().cpu().numpy()
             if writer is not None:
                 try:
@@ -629,6 +657,8 @@ async def _converse(
                     logger.error("%s; the conversation goes on for %s", exc, s.output_text)
             if progress is not None:
                 progress.update(1)
+            if on_frame is not None:
+                on_frame(k, engine)
             if s.realtime:
                 delay = started + (k + 1) / FRAME_RATE - time.monotonic()
                 if delay > 0:
@@ -675,13 +705,14 @@ async def _converse(
         input_nonfinite_samples=info.nonfinite,
         input_clipped_samples=info.clipped,
         persona=PersonaInfo(**persona),
+        window=window_summary(engine, events, s.persona_policy),
         agent_text=conversation.agent_text(),
         agent_words=words,
         user_transcripts=transcripts,
         events=events,
         timing=Timing(
             frames=total,
-            step=timing_stats(step_ms),
+            step=timing_stats(step_ms.tolist()),
             prefill=timing_stats(prefills),
             realtime_factor=(total / FRAME_RATE) / max(wall, 1e-9),
         ),

@@ -61,6 +61,31 @@ class PersonaInfo(BaseModel):
     window: int | None = Field(description="the checkpoint's attention window in positions (None: unbounded)")
 
 
+class WindowSummary(BaseModel):
+    """What kept the conversation inside the model's attention window (``docs/ENGINE.md``, "The persona past the
+    window"): the frames where the persona policy acted, and the memory spans read."""
+
+    persona_policy: str
+    context: int | None = Field(description="the attention window in positions (None: unbounded)")
+    positions: int = Field(description="positions the session fed (frames, persona, spans, copies)")
+    pinned_at_frame: int | None = Field(description="the frame from which the persona's entries were pinned")
+    reprefix_frames: list[int] = Field(description="the frames at whose head a copy of the persona was read")
+    memory_spans: int = Field(description="memory spans read (--memory-span)")
+
+
+def window_summary(engine: Any, events: list[Any], policy: str) -> WindowSummary:
+    """The :class:`WindowSummary` of session 0 of ``engine`` from the conversation's ``events``."""
+    persona = [e for e in events if getattr(e, "type", None) == "persona"]
+    return WindowSummary(
+        persona_policy=policy,
+        context=engine.context,
+        positions=int(engine.positions[0]),
+        pinned_at_frame=next((e.frame for e in persona if e.kind == "pin"), None),
+        reprefix_frames=[e.frame for e in persona if e.kind == "reprefix"],
+        memory_spans=sum(getattr(e, "type", None) == "span" and e.source == "memory" for e in events),
+    )
+
+
 class CheckpointIdentity(BaseModel):
     """Which model produced the output."""
 
@@ -86,6 +111,7 @@ class InferOutput(BaseModel):
     input_nonfinite_samples: int = Field(0, description="NaN or infinite input samples, read as silence")
     input_clipped_samples: int = Field(0, description="finite input samples beyond full scale, clipped to +-1.0")
     persona: PersonaInfo | None = None
+    window: WindowSummary | None = None
     agent_text: str
     agent_words: list[AgentWord]
     user_transcripts: list[UserTranscript]

@@ -33,6 +33,7 @@ from cspan.core.events import (
     ErrorEvent,
     LateEvent,
     NoSpanEvent,
+    PersonaEvent,
     QuestionEvent,
     RetEvent,
     SpanEvent,
@@ -355,7 +356,8 @@ ServerMessage = Annotated[
     | QuestionEvent
     | SpanEvent
     | LateEvent
-    | NoSpanEvent,
+    | NoSpanEvent
+    | PersonaEvent,
     Field(discriminator="type"),
 ]
 SERVER_MESSAGE_TYPES = (
@@ -372,6 +374,7 @@ SERVER_MESSAGE_TYPES = (
     "span",
     "late",
     "no_span",
+    "persona",
 )
 server_message_adapter: TypeAdapter[Any] = TypeAdapter(ServerMessage)
 

@@ -450,7 +450,7 @@ class UserSpeech:
             end = active.end if active.end is not None else active.start
             events.append(SpeechStopped(audio_end_ms=round(end * FRAME_MS), item_id=self.item_id(active.index)))
             # an utterance too short to count (not in ``finished``) is not committed
-            if any(u is active for u in tracker.finished[-4:]) and active.index not in self._committed:
+            if any(u is active for u in list(tracker.finished)[-4:]) and active.index not in self._committed:
                 events += self._commit(active.index)
         if current is not None and self._active is None:
             self._active = current

@@ -124,6 +124,12 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         description="accept start.test (forced <ret>, scheduled spans, seed): tests only",
         json_schema_extra={"hidden": True},
     )
+    unpaced: bool = Field(
+        False,
+        description="no 80 ms clock: a frame runs as soon as every live session has audio queued (or after one "
+        "frame's time without): tests only, to play long conversations faster than real time",
+        json_schema_extra={"hidden": True},
+    )
 
     @field_validator("token")
     @classmethod

@@ -446,6 +446,7 @@ class Session:
         self._start: _Start | None = None
         self._events: list[ConversationEvent] = []
         self._recorder: Callable[[Any], None] | None = None
+        self.memory_span: Any = None  # its MemorySpan (--memory-span), once live
         self._partial = np.zeros(0, dtype=np.float32)
         self._last_overflow_report = -(10**9)
         self._stopping_reported = False
@@ -500,6 +501,8 @@ class Session:
     def _on_event(self, event: ConversationEvent) -> None:
         """``Conversation.on_event``: collected, then published by the frame loop (after the step completes them)."""
         self._events.append(event)
+        if self.memory_span is not None:
+            self.memory_span.on_event(event)
 
     def _take_events(self) -> list[ConversationEvent]:
         events, self._events = self._events, []
@@ -563,6 +566,8 @@ class Session:
                     f"{limit} frames and the oldest are dropped ({self.stats.dropped_frames} so far)",
                 )
         self.inbox.append(frame)
+        if hub.unpaced:
+            hub._wake.set()
 
     async def set_voice_audio(self, data: bytes) -> VoiceSet:
         """Make a recording the client sent (the bytes of a file: 2 to 30 s of speech, any format libsndfile reads,
@@ -820,6 +825,7 @@ class SessionHub:
         self.sessions: set[Session] = set()
         self._starts: collections.deque[Session] = collections.deque()
         self._wake = asyncio.Event()
+        self.unpaced = bool(getattr(settings, "unpaced", False))  # tests: the clients' audio is the clock
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._session_counter = 0
@@ -1079,6 +1085,10 @@ class SessionHub:
                         await self._wake.wait()
                     next_t = None
                     continue
+                if self.unpaced:
+                    await self._frames_queued()
+                    await self._tick()
+                    continue
                 now = time.monotonic()
                 if next_t is None:
                     next_t = now
@@ -1094,6 +1104,18 @@ class SessionHub:
             except Exception:
                 logger.exception("frame loop: unexpected error; the loop goes on")
                 await asyncio.sleep(FRAME_S)
+
+    async def _frames_queued(self) -> None:
+        """``--unpaced`` (tests): wait until every live session has a frame queued or is stopping, or one frame's
+        time has passed without (then the tick feeds silence, as the paced loop does)."""
+        while not self._closing and not self._starts:
+            if all(s.inbox or s.state == "stopping" for s in self._live()):
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), FRAME_S)
+            except TimeoutError:
+                return
 
     async def _start_session(self, session: Session) -> None:
         from cspan.core.runtime import Conversation, ConversationConfig
@@ -1146,9 +1168,16 @@ class SessionHub:
         session.profile = profile
         session.conversation_id = conversation_id
         session._recorder = db_recorder(session.memory, conversation_id)
+        if getattr(self.settings, "memory_span", False):
+            from cspan.server.memory_span import MemorySpan
+
+            session.memory_span = MemorySpan(getattr(self.engine_thread.engine, "context", None))
         tools = req.request.tools
         config = ConversationConfig(
-            listen_s=self.settings.listen_s, span_deadline_s=self.span_deadline_s(tools), span_delay_s=None
+            listen_s=self.settings.listen_s,
+            span_deadline_s=self.span_deadline_s(tools),
+            span_delay_s=None,
+            keep_history=False,  # events go to the client as they happen: memory stays bounded over any duration
         )
         conversation = Conversation(
             SpanHandoff(self.engine_thread),
@@ -1279,6 +1308,8 @@ class SessionHub:
             except Exception as exc:
                 logger.exception("session %s: frame tail failed", s.id)
                 s.client_error("internal", f"frame {k}: {type(exc).__name__}: {exc}")
+            if s.memory_span is not None:
+                self._memory_due(s, i)
             tail = s._take_events()
             s._publish(head)
             s.put(AgentAudio(frame=k, pcm=result.agent_pcm[i]))
@@ -1303,6 +1334,28 @@ class SessionHub:
                     )
                 )
             s._publish(tail)
+
+    def _memory_due(self, s: Session, slot: int) -> None:
+        """After ``s``'s step: when its Context Spans left the window, read the memory span (off the frame loop:
+        the Context DB is read in a thread; the span is read at the first frame head after it)."""
+        due = s.memory_span.after_step(int(self.engine_thread.engine.positions[slot]))
+        if due is None:
+            return
+        s.memory_span.reading = True
+        s.spawn(self._read_memory(s, due.left))
+
+    async def _read_memory(self, s: Session, left: list[str]) -> None:
+        from cspan.server.memory_span import memory_summary
+
+        try:
+            text = await asyncio.to_thread(memory_summary, s.memory, s.conversation_id, s.profile, left)
+        except Exception as exc:  # the Context DB failed: the conversation goes on without its memory span
+            logger.warning("session %s: memory span: the Context DB failed: %s", s.id, exc)
+            text = ""
+        finally:
+            s.memory_span.reading = False
+        if text and s.conversation is not None and s.state == "live":
+            s.conversation.schedule_span(s.conversation.frame, text, source="memory")
 
     def _fail(self, s: Session, message: str) -> None:
         """End ``s`` after a server failure in its frame (reason ``error``)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator
@@ -142,6 +142,19 @@ class ModelSettings(BaseSettings):
     cuda_graphs: bool = Field(
         True,
         description="capture the CUDA step as a graph (--no-cuda-graphs runs it eagerly)",
+        json_schema_extra={"group": "model"},
+    )
+    persona_policy: Literal["pinned", "reprefix", "none"] = Field(
+        "pinned",
+        description="how the persona stays in the attention window past its end: pinned (its keys stay as sink "
+        "positions, the layout of training), reprefix (read again before it leaves) or none (it slides out); "
+        "docs/ENGINE.md, 'The persona past the window'",
+        json_schema_extra={"group": "model"},
+    )
+    memory_span: bool = Field(
+        False,
+        description="when Context Spans leave the attention window, read a short Context DB summary of the "
+        "conversation (facts, last references) back in as a span",
         json_schema_extra={"group": "model"},
     )
 

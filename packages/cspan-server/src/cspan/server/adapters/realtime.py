@@ -38,6 +38,7 @@ from cspan.core.events import (
 from cspan.core.events import (
     LateEvent,
     NoSpanEvent,
+    PersonaEvent,
     QuestionEvent,
     RetEvent,
     SpanEvent,
@@ -714,7 +715,7 @@ class RealtimeAdapter(ProtocolAdapter):
             data = item.model_dump(mode="json", exclude={"type"})
             data["call_id"] = self._last_call.get(item.tool) if item.tool else None
             return self._extension("cspan.span", data)
-        if isinstance(item, (RetEvent, QuestionEvent, LateEvent, NoSpanEvent)):
+        if isinstance(item, (RetEvent, QuestionEvent, LateEvent, NoSpanEvent, PersonaEvent)):
             return self._extension(f"cspan.{item.type}", item.model_dump(mode="json", exclude={"type"}))
         if isinstance(item, Timing):
             return self._extension("cspan.slot", dataclasses.asdict(item))
