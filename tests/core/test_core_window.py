@@ -128,7 +128,7 @@ class Recorder:
         take = engine.sessions.take
 
         def recording_take():
-            live, restarts, blocks, pins = take()
+            live, restarts, blocks, sampling, pins = take()
             for row in live:
                 if row not in self.records:
                     continue
@@ -145,7 +145,7 @@ class Recorder:
                         rec.copies.append((rec.length, block.n))
                     rec.columns.append(block.tokens)
                 self._pending[row] = (o, pins.get(row, (0, 0))[0])
-            return live, restarts, blocks, pins
+            return live, restarts, blocks, sampling, pins
 
         engine.sessions.take = recording_take
 
