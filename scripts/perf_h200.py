@@ -9,6 +9,8 @@ Subcommands:
   profile    kernel profiles of the engine's graphed step on a full ring (B = 1 and 64: a plain step, and a step
              reading a 600-column span in one session)
   tune-conv  the fused streaming convolutions against cuDNN, per convolution of a Mimi frame
+  pinned     the served step on a full ring with every session's persona pinned past the window (200-frame
+             persona prefixes, issue 18's default policy) against the same step with policy none, B = 1 and 32
   tune-prefill  the ragged prefill attention of a 600- and a 256-position span over a full ring: every
              (block_m, block_n, warps, stages) x key splits; and the block's RoPE split and KV write
   bench      ``cspan bench ...`` without installed entry points (arguments follow)
@@ -303,6 +305,41 @@ def tune_prefill() -> None:
         at(n)
 
 
+@torch.no_grad()
+def pinned() -> None:
+    """Step time (CUDA events, median of 30) with every session past the window under the ``pinned`` persona policy
+    (the sinks placed at the head of every step) against policy ``none``, 200-frame persona prefixes."""
+    from cspan.bench.latency import fill_history, random_lm
+    from cspan.core.config import LMConfig
+    from cspan.core.engine import DuplexEngine
+
+    lm = random_lm(LMConfig.personaplex_7b(), "cuda", torch.bfloat16)
+    for B in (1, 32):
+        for policy in ("none", "pinned"):
+            engine = DuplexEngine(lm, batch_size=B, cuda_graphs=True, seed=0, predict_user=False, persona_policy=policy)
+            frames = torch.randint(0, 2000, (lm.num_codebooks, 200), device="cuda")
+            for i in range(B):
+                engine.set_prefix(i, frames)
+            user = torch.randint(0, 2048, (B, 8), device="cuda")
+            engine.step_tokens(user)
+            fill_history(engine, RING + 10)
+            for _ in range(3):
+                engine.step_tokens(user)
+            times = []
+            for _ in range(30):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                engine.step_tokens(user)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            pins = sum(1 for i in range(B) for e in engine.take_window_events(i) if e.kind == "pin")
+            print(f"B={B:3d} policy {policy:6s}: step p50 {statistics.median(times):6.2f} ms, "
+                  f"max {max(times):6.2f} ms ({pins} of {B} sessions pinned)", flush=True)  # fmt: skip
+            del engine
+            torch.cuda.empty_cache()
+
+
 def _kernel_profile(title: str, fn, reps: int = 5) -> None:
     """Profile ``reps`` calls of ``fn`` (graph replays included: CUPTI reports the graph's kernels): kernel count,
     sum of kernel times, first-start-to-last-end span per call, and the kernels grouped by name."""
@@ -526,6 +563,7 @@ SUBCOMMANDS = {
     "profile": profile,
     "tune-conv": tune_conv,
     "tune-prefill": tune_prefill,
+    "pinned": pinned,
 }
 
 if __name__ == "__main__":

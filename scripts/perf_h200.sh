@@ -13,7 +13,7 @@
 #   bash scripts/perf_h200.sh            # call 1: env tests bench baseline attention (about 8.5 minutes)
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh baseline attention capacity fp8
-#                                        #         triton profile tune-conv tune-prefill
+#                                        #         triton profile tune-conv tune-prefill pinned
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
 # Exits non-zero when a stage fails or is unknown (after running the others).
@@ -97,6 +97,8 @@ for stage in $stages; do
       TAIL=80 run profile 150 python3 scripts/perf_h200.py profile ;;
     tune-conv)
       TAIL=80 run tune-conv 150 python3 scripts/perf_h200.py tune-conv ;;
+    pinned)
+      TAIL=8 run pinned 120 python3 scripts/perf_h200.py pinned ;;
     tune-prefill)
       TAIL=40 run tune-prefill 200 python3 scripts/perf_h200.py tune-prefill ;;
     *)

@@ -21,7 +21,7 @@ from cspan.core.engine import DuplexEngine
 from cspan.core.modules.rope import apply_rope
 from cspan.core.prefix import prefix_block
 from cspan.core.span import ContextSpan
-from cspan.core.window import reprefix_block, rope_rotate
+from cspan.core.window import reprefix_block, rope_frequencies, rope_rotate
 
 AGENT_PH = [t % 64 for t in SILENCE_TOKENS]
 USER_PH = [t % 64 for t in SINE_TOKENS]
@@ -313,3 +313,35 @@ def test_three_windows_on_the_tiny_checkpoint(tiny_checkpoint) -> None:
         assert len(snaps[row]) >= 15
         for k, snap in snaps[row]:
             check_ring(engine, row, snap, keys, values, rec.steps[k], S, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_pinned_prefixes_of_several_rows_are_placed_in_one_pass(kv_dtype: torch.dtype) -> None:
+    """place_pinned: rows with different sink counts and windows, one pass = each row's entries rotated to its
+    window's oldest positions (float64 reference) in the slots of those positions; FP8 within its rounding."""
+    from cspan.core.kv_cache import KVCache
+    from cspan.core.window import PinnedPrefix, place_pinned
+
+    gen = torch.Generator().manual_seed(3)
+    L, B, H, Dh, C, period = 2, 3, 2, 8, 24, 10_000.0
+    cache = KVCache(L, B, H, Dh, C, torch.device("cpu"), kv_dtype, torch.float32)
+    sinks = {0: 5, 2: 3}
+    prefixes = {}
+    for row, S in sinks.items():
+        keys = torch.randn(L, H, S, Dh, generator=gen)
+        values = torch.randn(L, H, S, Dh, generator=gen)
+        freqs = rope_frequencies(Dh, period)
+        prefixes[row] = PinnedPrefix(keys, values, period, freqs)
+    firsts = {0: 1000, 2: 77_777}
+    place_pinned(cache, prefixes, firsts)
+    tol = 1e-5 if kv_dtype == torch.float32 else 0.07
+    for row, S in sinks.items():
+        slots = (firsts[row] + torch.arange(S)) % C
+        got_k, got_v = cache.keys[:, row][:, :, slots].float(), cache.values[:, row][:, :, slots].float()
+        if cache.key_scale is not None:
+            got_k = got_k * cache.key_scale[:, row][:, :, slots][..., None]
+            got_v = got_v * cache.value_scale[:, row][:, :, slots][..., None]
+        want_k = rope_rotate(prefixes[row].keys, firsts[row], period)
+        torch.testing.assert_close(got_k, want_k, atol=tol * want_k.abs().max().item(), rtol=tol)
+        torch.testing.assert_close(got_v, prefixes[row].values, atol=tol * 4, rtol=tol)
+    assert not cache.keys[:, 1].float().abs().any()  # a row without a pinned prefix is untouched

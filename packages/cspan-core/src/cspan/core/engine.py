@@ -525,8 +525,8 @@ class DuplexEngine:
         for row, queued in blocks.items():
             for block in queued:
                 self.state.grid.splice(row, block.tokens)
-        for row, (first, sinks) in pins.items():  # pinned prefixes: at the oldest positions of the window
-            self.state.pin(row, first, sinks)
+        if pins:  # pinned prefixes: at the oldest positions of their windows
+            self.state.pin(pins)
         prefixes = {row: r.prefix for row, r in restarts.items() if r.prefix is not None}
         batch = build_step(
             rows, blocks, prefixes, self.sessions.position, self.state.grid.max_delay, self.num_streams,

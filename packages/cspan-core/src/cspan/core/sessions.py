@@ -32,7 +32,7 @@ from .prefix import PrefixBlock
 from .sampling import RowSampling, SessionSampling
 from .span import Block
 from .streams import TokenGrid
-from .window import PinnedPrefix, WindowEvent
+from .window import PinnedPrefix, WindowEvent, place_pinned
 
 WINDOW_EVENTS_KEPT = 64
 """Window events kept per session until :meth:`Sessions.take_window_events` (older ones are dropped)."""
@@ -299,14 +299,15 @@ class EngineState:
             RowSampling(self.audio_temp.index_select(0, rows), self.audio_top_k.index_select(0, rows)),
         )
 
-    def pin(self, row: int, first: int, sinks: int) -> None:
-        """Place ``row``'s pinned prefix (its ``sinks`` first positions) at positions ``first ..`` of its ring
-        (device work, between steps; the entries are taken from the ring the first time: see
-        :class:`cspan.core.window.PinnedPrefix`)."""
+    def pin(self, pins: dict[int, tuple[int, int]]) -> None:
+        """Place the pinned prefixes of some rows, row -> (the first position of the window its step's last query
+        sees, its sink positions S), in one pass (device work, between steps; a row's entries are taken from its
+        ring the first time: :class:`cspan.core.window.PinnedPrefix`, :func:`cspan.core.window.place_pinned`)."""
         cache = self.lm.transformer.cache
-        if row not in self.pinned:
-            self.pinned[row] = PinnedPrefix.take(cache, row, sinks, self.rope_period)
-        self.pinned[row].place(cache, row, first)
+        for row, (_, sinks) in pins.items():
+            if row not in self.pinned:
+                self.pinned[row] = PinnedPrefix.take(cache, row, sinks, self.rope_period)
+        place_pinned(cache, self.pinned, {row: first for row, (first, _) in pins.items()})
 
     def restart(self, row: int, restart: Restart) -> None:
         """Apply a queued restart to ``row`` (device work, between steps)."""
