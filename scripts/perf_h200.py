@@ -312,6 +312,29 @@ def pinned() -> None:
     from cspan.bench.latency import fill_history, random_lm
     from cspan.core.config import LMConfig
     from cspan.core.engine import DuplexEngine
+    from cspan.core.kv_cache import KVCache
+    from cspan.core.window import PinnedSinks
+
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):  # the kernel path against the tensor path, 3 rows, 2 placed
+        caches = []
+        for kernel in (False, True):
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            cache = KVCache(4, 3, 8, 128, 64, torch.device("cuda"), kv, torch.bfloat16)
+            cache.keys.copy_(torch.randn(cache.keys.shape, device="cuda", generator=gen).to(kv))
+            cache.values.copy_(torch.randn(cache.values.shape, device="cuda", generator=gen).to(kv))
+            if cache.key_scale is not None:
+                cache.key_scale.fill_(0.01)
+                cache.value_scale.fill_(0.01)
+            store = PinnedSinks(cache, 10_000.0, kernel=kernel)
+            for row, S in ((0, 5), (1, 9), (2, 3)):
+                store.add(row, S)
+            store.place({0: 1000, 2: 77_777})
+            caches.append(cache)
+        a, b = caches
+        scale = lambda c, x, s: x.float() * (s[..., None] if s is not None else 1.0)  # noqa: E731
+        dk = (scale(a, a.keys, a.key_scale) - scale(b, b.keys, b.key_scale)).abs().max().item()
+        dv = (scale(a, a.values, a.value_scale) - scale(b, b.values, b.value_scale)).abs().max().item()
+        print(f"PinnedSinks kernel vs tensor path, {kv}: max |key diff| {dk:.3g}, max |value diff| {dv:.3g}")
 
     lm = random_lm(LMConfig.personaplex_7b(), "cuda", torch.bfloat16)
     for B in (1, 32):

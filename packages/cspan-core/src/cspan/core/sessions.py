@@ -32,7 +32,7 @@ from .prefix import PrefixBlock
 from .sampling import RowSampling, SessionSampling
 from .span import Block
 from .streams import TokenGrid
-from .window import PinnedPrefix, WindowEvent, place_pinned
+from .window import PinnedSinks, WindowEvent
 
 WINDOW_EVENTS_KEPT = 64
 """Window events kept per session until :meth:`Sessions.take_window_events` (older ones are dropped)."""
@@ -272,7 +272,10 @@ class EngineState:
         self._depformer: dict[int, Any] = {}
         transformer = lm.transformer
         self.rope_period = transformer.max_period if transformer.positional_embedding == "rope" else None
-        self.pinned: dict[int, PinnedPrefix] = {}  # row -> its prefix entries (``pinned`` sessions past the window)
+        # the prefix entries of ``pinned`` sessions past the window, placed with the fused kernel where the plan has it
+        self.pinned = PinnedSinks(
+            self.lm.transformer.cache, self.rope_period, plan.fused and plan.device.type == "cuda"
+        )
 
     def depformer(self, rows: int) -> Any:
         """The depformer's per-frame state for ``rows`` rows (one per step size, kept)."""
@@ -301,17 +304,16 @@ class EngineState:
 
     def pin(self, pins: dict[int, tuple[int, int]]) -> None:
         """Place the pinned prefixes of some rows, row -> (the first position of the window its step's last query
-        sees, its sink positions S), in one pass (device work, between steps; a row's entries are taken from its
-        ring the first time: :class:`cspan.core.window.PinnedPrefix`, :func:`cspan.core.window.place_pinned`)."""
-        cache = self.lm.transformer.cache
+        sees, its sink positions S), in one pass (device work, between steps; a row's entries are copied from its
+        ring the first time: :class:`cspan.core.window.PinnedSinks`)."""
         for row, (_, sinks) in pins.items():
             if row not in self.pinned:
-                self.pinned[row] = PinnedPrefix.take(cache, row, sinks, self.rope_period)
-        place_pinned(cache, self.pinned, {row: first for row, (first, _) in pins.items()})
+                self.pinned.add(row, sinks)
+        self.pinned.place({row: first for row, (first, _) in pins.items()})
 
     def restart(self, row: int, restart: Restart) -> None:
         """Apply a queued restart to ``row`` (device work, between steps)."""
-        self.pinned.pop(row, None)
+        self.pinned.remove(row)
         rows = torch.tensor([row], dtype=torch.long, device=self.seed.device)
         self.lm.reset(rows)
         self.grid.reset(rows)

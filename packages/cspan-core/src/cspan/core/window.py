@@ -12,8 +12,8 @@ without its role and voice. A **persona policy**, chosen once per engine (``Dupl
     window). Once a step's last query ``q`` is at ``q >= W``, the S = P + 1 prefix entries are written, at the head
     of that step, over the slots of the window's S oldest positions ``v_j = q - W + 1 + j`` (j = 0 .. S - 1), their
     keys rotated from position ``j`` to ``v_j`` (RoPE is a rotation: ``R(v_j) k = R(v_j - j) R(j) k``;
-    :func:`place_pinned` rotates the stored float32 keys of every pinned session in one pass, the angle in float64,
-    so a placed key is the model's own key at ``v_j`` within 1e-6 relative, far under the cache dtype's rounding). The step's last query therefore sees exactly the relative distances of a training window of
+    :class:`PinnedSinks` rotates the stored keys of every pinned session in one pass, the angle in float64, the
+    product in float32, rounded once to the cache dtype). The step's last query therefore sees exactly the relative distances of a training window of
     W positions that starts with the persona: prefix entry j at distance ``W - 1 - j``, the latest ``W - S``
     conversation positions at ``0 .. W - S - 1``. The stored prefix entries are those the model computed with the
     prefix at the start of the sequence (nothing before it), as in training. The ring's slot arithmetic and every
@@ -159,13 +159,15 @@ def rope_rotate(
 
 @dataclass
 class PinnedPrefix:
-    """A session's prefix entries kept for the ``pinned`` policy: taken from the ring once, placed every step.
+    """One session's prefix entries kept for the ``pinned`` policy (views into a :class:`PinnedSinks` store, or
+    tensors of their own).
 
     Attributes:
-        keys: [L, H, S, Dh] float32, the keys of positions ``0 .. S - 1`` (after RoPE at those positions).
-        values: [L, H, S, Dh] float32.
+        keys: [L, H, S, Dh] the keys of positions ``0 .. S - 1`` (after RoPE at those positions), in the cache's
+            compute dtype (an FP8 cache's entries dequantized).
+        values: [L, H, S, Dh].
         max_period: the RoPE base (None: the model has no RoPE; the keys are placed as they are).
-        freqs: [Dh / 2] float64, the RoPE frequencies (None without RoPE), computed once.
+        freqs: [Dh / 2] float64, the RoPE frequencies (None without RoPE).
     """
 
     keys: torch.Tensor
@@ -178,63 +180,130 @@ class PinnedPrefix:
         """S, the sink positions."""
         return int(self.keys.shape[2])
 
-    @classmethod
-    def take(cls, cache: KVCache, row: int, size: int, max_period: float | None) -> PinnedPrefix:
-        """Copy the entries of positions ``0 .. size - 1`` of ``row`` (they must still be in their slots: no
-        position ``>= capacity`` written yet). FP8 entries are dequantized (float32). ``max_period``: the RoPE
-        base (None: no RoPE)."""
-        slots = torch.arange(size, device=cache.keys.device) % cache.capacity
-        out = []
-        for buf, scale in ((cache.keys, cache.key_scale), (cache.values, cache.value_scale)):
-            x = buf[:, row].index_select(2, slots).float()  # [L, H, S, Dh]
-            if scale is not None:
-                x = x * scale[:, row].index_select(2, slots)[..., None]
-            out.append(x)
-        freqs = None
-        if max_period is not None:
-            freqs = rope_frequencies(int(out[0].shape[-1]), max_period).to(out[0].device)
-        return cls(out[0], out[1], max_period, freqs)
 
+class PinnedSinks:
+    """The pinned prefixes of an engine's sessions, in one store, placed in one pass per step.
 
-def place_pinned(cache: KVCache, prefixes: dict[int, PinnedPrefix], firsts: dict[int, int]) -> None:
-    """Write every pinned row's prefix entries into its ring in one pass: row r's entry j into the slot of position
-    ``firsts[r] + j``, its key rotated by ``firsts[r]`` positions (RoPE; the keys are placed as they are without).
-
-    One set of device operations for all rows (about ten launches whatever their number): the entries of every row
-    are concatenated along the position axis ([L, H, N, Dh], N = the rows' S summed), rotated together and written
-    with one indexed store per buffer. The angle ``first * f_m`` is computed in float64 (exact at any position), its
-    cosine and sine and the product in float32: a placed key differs from the model's own key at that position by
-    less than 1e-6 relative before the cache dtype's rounding.
+    A session's S prefix entries are copied from its ring once, when it is pinned (:meth:`add`: positions
+    ``0 .. S - 1`` are still in their slots then), into a store of every pinned session's entries, ``[L, N, H, Dh]``
+    (N: their S summed) in the cache's compute dtype: S x L x H x Dh x 2 values per session (the 7B with a
+    200-frame persona: 105 MB in bf16). :meth:`place` writes the entries of the given rows at the head of a step:
+    row r's entry j into the slot of position ``first_r + j``, its key rotated by ``first_r`` positions (RoPE: the
+    angle in float64, exact at any position; the product in float32, rounded once to the cache dtype). On CUDA with
+    the fused kernels that is one :func:`cspan.core.modules.fused.kv_write` launch for every layer and session
+    (the rotation inside it); otherwise a few tensor operations (the CPU).
 
     Args:
-        cache: the temporal KV cache ([L, B, H, C, Dh] buffers).
-        prefixes: row -> its :class:`PinnedPrefix` (every row of ``firsts`` has one).
-        firsts: row -> the first position of the window its step's last query sees.
+        cache: the temporal KV cache.
+        max_period: the RoPE base (None: no RoPE).
+        kernel: place with the fused kernel (the engine's plan: CUDA with Triton).
     """
-    rows = sorted(firsts)
-    if not rows:
-        return
-    dev = cache.keys.device
-    sizes = torch.tensor([prefixes[r].size for r in rows])
-    first = torch.repeat_interleave(torch.tensor([firsts[r] for r in rows], dtype=torch.long), sizes)
-    j = torch.cat([torch.arange(int(n)) for n in sizes])
-    row_e = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), sizes).to(dev)
-    slots = ((first + j) % cache.capacity).to(dev)
-    keys = torch.cat([prefixes[r].keys for r in rows], dim=2)  # [L, H, N, Dh] float32
-    values = torch.cat([prefixes[r].values for r in rows], dim=2)
-    head = prefixes[rows[0]]
-    if head.max_period is not None:
-        angle = first.to(dev, torch.float64)[:, None] * head.freqs  # [N, Dh/2]
-        cos, sin = torch.cos(angle).float(), torch.sin(angle).float()
-        pairs = keys.reshape(*keys.shape[:-1], -1, 2)
-        re, im = pairs[..., 0], pairs[..., 1]
-        keys = torch.stack([re * cos - im * sin, re * sin + im * cos], dim=-1).reshape(keys.shape)
-    for buf, scale, x in ((cache.keys, cache.key_scale, keys), (cache.values, cache.value_scale, values)):
-        # [B, C, L, H, Dh] views: (row, slot) pairs index the entries, as x.permute(2, 0, 1, 3) lays them out
-        if scale is not None:
-            x, sc = quantize_fp8(x)
-            scale.permute(1, 3, 0, 2)[row_e, slots] = sc.permute(2, 0, 1)
-        buf.permute(1, 3, 0, 2, 4)[row_e, slots] = x.permute(2, 0, 1, 3).to(buf.dtype)
+
+    def __init__(self, cache: KVCache, max_period: float | None, kernel: bool) -> None:
+        self.cache = cache
+        self.max_period = max_period
+        self.kernel = kernel
+        L, _, H, _, Dh = cache.keys.shape
+        dev = cache.keys.device
+        self.freqs = rope_frequencies(Dh, max_period).to(dev) if max_period is not None else None
+        self.keys = torch.empty(L, 0, H, Dh, device=dev, dtype=cache.compute_dtype)
+        self.values = torch.empty_like(self.keys)
+        self.segments: dict[int, tuple[int, int]] = {}  # row -> (start, S) in the store
+        self._index()
+
+    def __contains__(self, row: int) -> bool:
+        return row in self.segments
+
+    def __getitem__(self, row: int) -> PinnedPrefix:
+        start, S = self.segments[row]
+        keys, values = (x[:, start : start + S].permute(0, 2, 1, 3) for x in (self.keys, self.values))
+        return PinnedPrefix(keys, values, self.max_period, self.freqs)
+
+    def add(self, row: int, size: int) -> None:
+        """Copy positions ``0 .. size - 1`` of ``row`` from the ring into the store (they must still be in their
+        slots: no position ``>= capacity`` written yet)."""
+        self.remove(row)
+        cache = self.cache
+        slots = torch.arange(size, device=cache.keys.device) % cache.capacity
+        new = []
+        for buf, scale in ((cache.keys, cache.key_scale), (cache.values, cache.value_scale)):
+            x = buf[:, row].index_select(2, slots)  # [L, H, S, Dh]
+            if scale is not None:
+                x = x.float() * scale[:, row].index_select(2, slots)[..., None]
+            new.append(x.to(cache.compute_dtype).permute(0, 2, 1, 3))  # [L, S, H, Dh]
+        self.segments[row] = (int(self.keys.shape[1]), int(size))
+        self.keys = torch.cat([self.keys, new[0]], dim=1)
+        self.values = torch.cat([self.values, new[1]], dim=1)
+        self._index()
+
+    def remove(self, row: int) -> None:
+        """Forget ``row``'s entries (a restart)."""
+        if row not in self.segments:
+            return
+        start, S = self.segments.pop(row)
+        self.keys = torch.cat([self.keys[:, :start], self.keys[:, start + S :]], dim=1)
+        self.values = torch.cat([self.values[:, :start], self.values[:, start + S :]], dim=1)
+        self.segments = {r: (b - S if b > start else b, n) for r, (b, n) in self.segments.items()}
+        self._index()
+
+    def _index(self) -> None:
+        """Per entry of the store: its row and its index j within its row's prefix (device), after a change."""
+        dev = self.cache.keys.device
+        row, j = [], []
+        for r, (_, S) in sorted(self.segments.items(), key=lambda item: item[1][0]):
+            row += [r] * S
+            j += list(range(S))
+        self.row = torch.tensor(row, dtype=torch.long, device=dev)
+        self.j = torch.tensor(j, dtype=torch.long, device=dev)
+
+    def place(self, firsts: dict[int, int]) -> None:
+        """Write the entries of the rows of ``firsts`` (row -> the first position of the window its step's last
+        query sees; every row must have been added): entry j at position ``first + j``."""
+        cache = self.cache
+        N = int(self.row.shape[0])
+        if not firsts or not N:
+            return
+        dev = cache.keys.device
+        B = cache.keys.shape[1]
+        per_row = torch.full((B,), -1, dtype=torch.long)
+        for r, first in firsts.items():
+            per_row[r] = first
+        first = per_row.to(dev).index_select(0, self.row)  # [N]; -1: a row not placed in this step
+        live = first >= 0
+        positions = torch.where(live, first + self.j, -1)
+        cos = sin = None
+        if self.freqs is not None:
+            angle = first.clamp_min(0).double()[:, None] * self.freqs  # [N, Dh/2]
+            cos, sin = torch.cos(angle).float(), torch.sin(angle).float()
+        L, _, H, C, Dh = cache.keys.shape
+        if self.kernel:
+            from .modules import fused
+
+            layer_rows = (torch.arange(L, device=dev)[:, None] * B + self.row[None, :]).reshape(-1)
+            scales = None
+            if cache.key_scale is not None:
+                scales = (cache.key_scale.view(L * B, H, C), cache.value_scale.view(L * B, H, C))
+            fused.kv_write(
+                self.keys.reshape(L * N, H, Dh), self.values.reshape(L * N, H, Dh),
+                cache.keys.view(L * B, H, C, Dh), cache.values.view(L * B, H, C, Dh),
+                layer_rows, positions.repeat(L), scales,
+                rope=None if cos is None else (cos, sin), rope_rows=N,
+            )  # fmt: skip
+            return
+        keys = self.keys.float()
+        if cos is not None:  # [L, N, H, Dh]: pairs rotated by each entry's angle
+            pairs = keys.reshape(L, N, H, Dh // 2, 2)
+            re, im = pairs[..., 0], pairs[..., 1]
+            c, s = cos[None, :, None], sin[None, :, None]
+            keys = torch.stack([re * c - im * s, re * s + im * c], dim=-1).reshape(L, N, H, Dh)
+        sel = live.nonzero().squeeze(1)
+        rows, slots = self.row.index_select(0, sel), positions.index_select(0, sel) % C
+        for buf, scale, x in ((cache.keys, cache.key_scale, keys), (cache.values, cache.value_scale, self.values)):
+            x = x.index_select(1, sel).permute(1, 0, 2, 3)  # [n, L, H, Dh]
+            if scale is not None:
+                x, sc = quantize_fp8(x)
+                scale.permute(1, 3, 0, 2)[rows, slots] = sc
+            buf.permute(1, 3, 0, 2, 4)[rows, slots] = x.to(buf.dtype)
 
 
 __all__ = [
@@ -242,9 +311,9 @@ __all__ = [
     "PERSONA_POLICIES",
     "PersonaPolicy",
     "PinnedPrefix",
+    "PinnedSinks",
     "WindowEvent",
     "check_policy",
-    "place_pinned",
     "reprefix_block",
     "rope_frequencies",
     "rope_rotate",

@@ -685,6 +685,9 @@ if HAVE_TRITON:
         vs_ptr,
         tok_row_ptr,
         tok_pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        NR,
         H,
         C,
         stride_cb,
@@ -694,11 +697,13 @@ if HAVE_TRITON:
         stride_sh,
         stride_ss,
         FP8: tl.constexpr,
+        ROPE: tl.constexpr,
         DH: tl.constexpr,
         BH: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """One token per program: its [H, Dh] keys and values as one tile (BH = H rounded up to a power of two)."""
+        """One token per program: its [H, Dh] keys and values as one tile (BH = H rounded up to a power of two);
+        with ROPE the keys are rotated by the token's (cos, sin) row first (float32, rounded once)."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
         t = tl.program_id(0)
@@ -712,6 +717,13 @@ if HAVE_TRITON:
             dst = row * stride_cb + h[:, None] * stride_ch + (pos % C) * stride_cs + d[None, :]
             k = tl.load(k_ptr + src, mask=hmask, other=0.0)
             v = tl.load(v_ptr + src, mask=hmask, other=0.0)
+            if ROPE:
+                even = ((d % 2) == 0)[None, :]
+                tr = (t % NR).to(tl.int64)
+                c = tl.load(cos_ptr + tr * (DH // 2) + d // 2)[None, :]
+                s = tl.load(sin_ptr + tr * (DH // 2) + d // 2)[None, :]
+                partner = tl.load(k_ptr + src + (d ^ 1)[None, :] - d[None, :], mask=hmask, other=0.0).to(tl.float32)
+                k = _rotate(k.to(tl.float32), partner, c, s, even)
             if FP8:  # one scale per (position, head): max|x| / 448 over the head's Dh values (_quantize_fp8)
                 kf = k.to(tl.float32)
                 vf = v.to(tl.float32)
@@ -1178,17 +1190,22 @@ def kv_write(
     positions: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope_rows: int | None = None,
 ) -> None:
     """Store new keys/values k, v [N, H, Dh] into the ring buffers [B, H, C, Dh] (FP8 with ``scales``): token t at
     slot ``positions[t] % C`` of row ``rows[t]``, where ``positions[t] >= 0`` (a ragged block: ``Ragged.tok_row``
-    and ``Ragged.store_pos``)."""
+    and ``Ragged.store_pos``). With ``rope`` (cos, sin [N, Dh/2] float32) each key is rotated first, as
+    :func:`rope_split` rotates (the pinned persona's sinks, :class:`cspan.core.window.PinnedSinks`); token t takes
+    row ``t % rope_rows`` of the tables (default N: its own)."""
     N, H, DH = k.shape
     C = keys.shape[2]
     ks, vs, *scale_strides = _scale_args(keys, scales)
+    cos, sin = rope if rope is not None else (k, k)
     _kv_write_kernel[(N,)](
-        k, v, keys, values, ks, vs, rows, positions, H, C, *keys.stride()[:3], *scale_strides,
-        **_launch_opts(k.device, pdl, FP8=scales is not None, DH=DH, BH=triton.next_power_of_2(H),
-                       num_warps=_tile_warps(H * DH)),
+        k, v, keys, values, ks, vs, rows, positions, cos, sin, rope_rows or N, H, C, *keys.stride()[:3], *scale_strides,
+        **_launch_opts(k.device, pdl, FP8=scales is not None, ROPE=rope is not None, DH=DH,
+                       BH=triton.next_power_of_2(H), num_warps=_tile_warps(H * DH)),
     )  # fmt: skip
 
 
