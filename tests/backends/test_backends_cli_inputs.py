@@ -88,3 +88,19 @@ def test_db_export_into_a_read_only_folder_names_the_file_not_the_part(tmp_path:
     assert ".part" not in line and list(ro.iterdir()) == []
     done = _cspan("db", "export", "ada", "--db", str(db), "--out", str(tmp_path))
     assert done.returncode == 1 and "is a directory" in _one_line(done)
+
+
+def test_db_export_onto_a_read_only_file_system_names_the_file(tmp_path: Path) -> None:
+    """Issue 22 (final trial): on a read-only mount even removing the never-written .part fails (EROFS, not ENOENT);
+    that must not replace the one-line error with "[Errno 30] Read-only file system: '.a.json.PID.part'"."""
+    from fs_faults import tmpfs
+
+    db = tmp_path / "db.sqlite"
+    assert _cspan("users", "add", "ada", "--db", str(db)).returncode == 0
+    with tmpfs(tmp_path / "ro", read_only=True) as ro:
+        done = _cspan("db", "export", "ada", "--db", str(db), "--out", str(ro / "a.json"))
+        assert list(ro.iterdir()) == []
+    line = _one_line(done)
+    assert (
+        done.returncode == 1 and line == f"cspan db export: error: {ro / 'a.json'}: cannot write: read-only file system"
+    )
