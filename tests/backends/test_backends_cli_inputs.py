@@ -104,3 +104,30 @@ def test_db_export_onto_a_read_only_file_system_names_the_file(tmp_path: Path) -
     assert (
         done.returncode == 1 and line == f"cspan db export: error: {ro / 'a.json'}: cannot write: read-only file system"
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["asr-serve", "--engine", "sphinx"],
+        ["tools", "serve", "--transport", "http"],
+    ],
+)
+def test_a_busy_port_is_one_line_before_anything_loads(args: list[str]) -> None:
+    """Issue 22 (final trial): `cspan asr-serve` and `cspan tools serve --transport http` on a port in use print one
+    line naming the flag (exit 2, as `cspan serve` does), not uvicorn's "[Errno 98] error while attempting to bind"
+    log and exit status 3."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _cspan(*args, "--port", str(port))
+    line = _one_line(done)
+    assert done.returncode == 2, done.stderr
+    verb = " ".join(args[:2]) if args[0] == "tools" else args[0]
+    assert line == (
+        f"cspan {verb}: error: --port {port}: address already in use on 127.0.0.1:{port} (another server?); "
+        "stop it or pick another --port"
+    )
