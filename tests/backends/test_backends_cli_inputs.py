@@ -88,3 +88,46 @@ def test_db_export_into_a_read_only_folder_names_the_file_not_the_part(tmp_path:
     assert ".part" not in line and list(ro.iterdir()) == []
     done = _cspan("db", "export", "ada", "--db", str(db), "--out", str(tmp_path))
     assert done.returncode == 1 and "is a directory" in _one_line(done)
+
+
+def test_db_export_onto_a_read_only_file_system_names_the_file(tmp_path: Path) -> None:
+    """Issue 22 (final trial): on a read-only mount even removing the never-written .part fails (EROFS, not ENOENT);
+    that must not replace the one-line error with "[Errno 30] Read-only file system: '.a.json.PID.part'"."""
+    from fs_faults import tmpfs
+
+    db = tmp_path / "db.sqlite"
+    assert _cspan("users", "add", "ada", "--db", str(db)).returncode == 0
+    with tmpfs(tmp_path / "ro", read_only=True) as ro:
+        done = _cspan("db", "export", "ada", "--db", str(db), "--out", str(ro / "a.json"))
+        assert list(ro.iterdir()) == []
+    line = _one_line(done)
+    assert (
+        done.returncode == 1 and line == f"cspan db export: error: {ro / 'a.json'}: cannot write: read-only file system"
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["asr-serve", "--engine", "sphinx"],
+        ["tools", "serve", "--transport", "http"],
+    ],
+)
+def test_a_busy_port_is_one_line_before_anything_loads(args: list[str]) -> None:
+    """Issue 22 (final trial): `cspan asr-serve` and `cspan tools serve --transport http` on a port in use print one
+    line naming the flag (exit 2, as `cspan serve` does), not uvicorn's "[Errno 98] error while attempting to bind"
+    log and exit status 3."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = _cspan(*args, "--port", str(port))
+    line = _one_line(done)
+    assert done.returncode == 2, done.stderr
+    verb = " ".join(args[:2]) if args[0] == "tools" else args[0]
+    assert line == (
+        f"cspan {verb}: error: --port {port}: address already in use on 127.0.0.1:{port} (another server?); "
+        "stop it or pick another --port"
+    )

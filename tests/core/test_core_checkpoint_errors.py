@@ -262,3 +262,17 @@ def test_config_errors_and_pickle_refusals_are_one_line(tiny_copy: Path, tmp_pat
     message = _error(evil, base=tiny_copy)
     assert "\n" not in message and "weights_only` set to `False`" not in message and str(evil) in message
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_a_config_without_delays_names_what_it_lacks(tiny_copy: Path, caplog) -> None:
+    """Issue 22 (final trial): a config.json with "dim" but no "delays" falls back to the 7B configuration with a
+    warning naming the missing key (it said "has no LM keyword arguments (dim, delays)" though dim was there)."""
+    from cspan.core.checkpoint import read_configs
+
+    cfg = json.loads((tiny_copy / "config.json").read_text())
+    del cfg["delays"]
+    (tiny_copy / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("WARNING", logger="cspan.core.checkpoint"):
+        lm_cfg, _ = read_configs(tiny_copy / "config.json")
+    assert lm_cfg.dim == 4096  # the PersonaPlex 7B configuration
+    assert f"config file {str(tiny_copy / 'config.json')!r} has no LM keyword argument 'delays': using" in caplog.text

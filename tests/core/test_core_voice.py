@@ -3,6 +3,7 @@ voice, and the clear errors of bad recordings."""
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -182,3 +183,20 @@ def test_unknown_voice_of_a_personaplex_checkpoint_without_its_archive_says_why(
     with pytest.raises(CheckpointError, match="known voices: none") as err:
         find_voice("NATF2", cs)
     assert "voices.tgz" not in str(err.value)
+
+
+def test_undecodable_recording_is_named_in_words(tmp_path: Path) -> None:
+    """Issue 22 (final trial): a recording libsndfile cannot open is named as the caller names it, with libsndfile's
+    reason, not soundfile's "Error opening <_io.BytesIO object at 0x...>" (a client's bytes) or the path as bytes."""
+    from cspan.core.audio import read_audio
+    from cspan.core.voice import prepare_voice_audio
+
+    with pytest.raises(AudioInputError) as err:
+        prepare_voice_audio(io.BytesIO(b"not audio at all\n" * 50))
+    assert str(err.value).startswith("the voice recording: cannot decode audio (Format not recognised.);"), err.value
+    text = tmp_path / "text.wav"
+    text.write_text("not audio at all\n")
+    with pytest.raises(AudioInputError) as err:
+        read_audio(text)
+    assert str(err.value).startswith(f"{text}: cannot decode audio (Format not recognised.);"), err.value
+    assert "b'" not in str(err.value) and "Error opening" not in str(err.value)

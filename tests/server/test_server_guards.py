@@ -72,6 +72,21 @@ async def test_dns_rebinding_is_refused_on_every_route(serve) -> None:
     assert server.hub.free_slots() == 1  # no session work for a refused handshake
 
 
+async def test_two_host_headers_are_refused(serve) -> None:
+    """Issue 22 (final trial): a request with two Host fields (a loopback one first, then another) is refused like a
+    foreign Host (it was answered from the first), as `cspan asr-serve` and `cspan tools serve` refuse it."""
+    server = serve()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(
+        f"GET /info HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nHost: rebind.example:{server.port}\r\n"
+        "Connection: close\r\n\r\n".encode()
+    )
+    await writer.drain()
+    status = (await reader.readline()).decode()
+    writer.close()
+    assert status.startswith("HTTP/1.1 403"), status
+
+
 async def test_listed_hosts_are_answered(serve) -> None:
     token = "a-test-token-123"  # a public name is served through a proxy: credentials are required
     server = serve(allow_host=["talk.example.org", "proxy.internal:8443"], token=token)

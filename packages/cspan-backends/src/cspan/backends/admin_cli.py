@@ -9,6 +9,7 @@ under ``[project.entry-points."cspan.commands"]``; nothing heavy is imported unt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import math
@@ -190,7 +191,8 @@ def _db_export(args: argparse.Namespace, db: Any) -> int:
         tmp.write_text(text + "\n", encoding="utf-8")
         tmp.replace(out)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # on a read-only mount even removing a file never made fails (EROFS)
+            tmp.unlink(missing_ok=True)
         cause = os.strerror(exc.errno).lower() if exc.errno else str(exc)
         print(f"cspan db export: error: {out}: cannot write: {cause}", file=sys.stderr)
         return 1

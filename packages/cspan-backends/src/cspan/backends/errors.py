@@ -40,3 +40,10 @@ class ToolError(BackendError):
         super().__init__(message)
         self.tool = tool
         self.field = field
+
+
+class ListenError(BackendError):
+    """A server cannot listen on ``--host`` / ``--port``: a host name that does not resolve, an address this
+    machine does not have, a port in use or reserved (exit status 2, as a bad setting)."""
+
+    exit_code = 2

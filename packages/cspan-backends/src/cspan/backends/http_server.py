@@ -2,15 +2,24 @@
 http``) adds to uvicorn: a header timeout (uvicorn has none of its own, so a client that trickles its request
 headers, "slowloris", would hold a connection for ever).
 
-``cspan.server`` imports it from here (``cspan.backends`` cannot import the server package).
+And the listening socket of all three (:func:`bind_socket`): a bad ``--host`` or a busy ``--port`` is one line
+(:class:`~cspan.backends.errors.ListenError`, exit status 2) before a model or engine loads, not uvicorn's log line
+and exit status 3.
+
+``cspan.server`` imports them from here (``cspan.backends`` cannot import the server package).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import socket
 from typing import Any
 
-__all__ = ["header_timeout_protocol", "uvicorn_http"]
+from cspan.backends.errors import ListenError
+
+__all__ = ["bind_socket", "header_timeout_protocol", "uvicorn_http"]
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +79,43 @@ def uvicorn_http(header_timeout_s: float) -> Any:
     except ImportError:
         log.warning("httptools is not installed: no HTTP header timeout (install uvicorn[standard])")
         return "auto"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port``, not listening yet (uvicorn listens once the model or engine is
+    loaded, so a client meanwhile gets "connection refused" rather than a hang): pass it as
+    ``uvicorn.Server(config).run(sockets=[sock])``. Call it before loading anything, so that a bad ``--host`` or
+    a busy ``--port`` is found in a second, not after minutes of loading.
+
+    Raises:
+        ListenError: naming the flag, the value and the cause.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        cause = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else "not a valid host name"
+        raise ListenError(
+            f"--host {host!r}: not an address or a host name that resolves here ({cause}); use an address such "
+            "as 127.0.0.1, 0.0.0.0 or ::1"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        cause = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(
+                f"--port {port}: address already in use on {where} (another server?); stop it or pick another --port"
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ListenError(f"--host {host!r}: not an address of this machine ({cause})") from None
+        if exc.errno == errno.EACCES:
+            raise ListenError(
+                f"--port {port}: permission denied on {where} (ports below 1024 need privileges)"
+            ) from None
+        raise ListenError(f"cannot listen on {where}: {cause}") from None
+    return sock

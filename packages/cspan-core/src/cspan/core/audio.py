@@ -104,6 +104,12 @@ def sanitize_pcm(pcm: np.ndarray) -> tuple[np.ndarray, int]:
     return x, nonfinite
 
 
+def decode_error(exc: BaseException) -> str:
+    """libsndfile's own words for a decoding failure ("Format not recognised."), without soundfile's "Error opening
+    <_io.BytesIO object at 0x...>:" prefix that names a Python object or repeats the path as bytes."""
+    return getattr(exc, "error_string", None) or str(exc)
+
+
 def _open(path: Path) -> sf.SoundFile:
     if not path.exists():
         raise AudioInputError(f"{path}: no such file; pass an existing recording (WAV, FLAC or OGG)")
@@ -119,7 +125,7 @@ def _open(path: Path) -> sf.SoundFile:
         f = sf.SoundFile(os.fsencode(path))  # bytes: a name that is not UTF-8 opens too
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioInputError(
-            f"{path}: cannot decode audio ({exc}); supported are the formats libsndfile reads (WAV, FLAC, OGG)"
+            f"{path}: cannot decode audio ({decode_error(exc)}); supported are the formats libsndfile reads (WAV, FLAC, OGG)"
         ) from exc
     try:
         check_sample_rate(int(f.samplerate), path)
@@ -183,7 +189,9 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
                 if len(mono):
                     peak = max(peak, float(np.max(np.abs(mono))))
         except (sf.LibsndfileError, RuntimeError) as exc:
-            raise AudioInputError(f"{path}: decoding failed part-way ({exc}); the file is damaged") from exc
+            raise AudioInputError(
+                f"{path}: decoding failed part-way ({decode_error(exc)}); the file is damaged"
+            ) from exc
     if peak < SILENCE_PEAK:
         why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
         raise AudioInputError(f"{path}: is silent (peak {peak:.2e}, below -80 dBFS{why}); nothing to listen to")
@@ -233,7 +241,9 @@ def iter_frames(
                 block = np.zeros((0, f.channels), dtype=np.float32)
                 last = True
             except (sf.LibsndfileError, RuntimeError) as exc:
-                raise AudioInputError(f"{path}: decoding failed part-way ({exc}); the file is damaged") from exc
+                raise AudioInputError(
+                    f"{path}: decoding failed part-way ({decode_error(exc)}); the file is damaged"
+                ) from exc
             mono = np.ascontiguousarray(sanitize_pcm(block[:, channel])[0])
             if resampler is not None:
                 mono = np.clip(resampler.resample_chunk(mono, last=last), -1.0, 1.0)

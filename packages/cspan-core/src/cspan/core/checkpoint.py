@@ -617,8 +617,13 @@ def _configs_from_data(
                 mimi_cfg = MimiConfig.from_upstream(mimi_dict)
             except ValidationError as exc:
                 raise CheckpointError(f"{label}, key 'mimi_config': invalid: {validation_summary(exc)}") from None
-        if "dim" not in data or "delays" not in data:
-            log.warning("%s has no LM keyword arguments (dim, delays): using the PersonaPlex 7B configuration", label)
+        missing = [key for key in ("dim", "delays") if key not in data]
+        if missing:
+            log.warning(
+                "%s has no LM keyword argument %s: using the PersonaPlex 7B configuration",
+                label,
+                " or ".join(repr(key) for key in missing),
+            )
             lm_cfg = LMConfig.personaplex_7b()
         else:
             try:

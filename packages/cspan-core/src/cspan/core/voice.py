@@ -353,7 +353,7 @@ def prepare_voice_audio(
     import pyloudnorm
     import soundfile as sf
 
-    from .audio import SILENCE_PEAK, _open, check_sample_rate, resample, sanitize_pcm
+    from .audio import SILENCE_PEAK, _open, check_sample_rate, decode_error, resample, sanitize_pcm
 
     if isinstance(source, (str, os.PathLike)):
         label = name or str(source)
@@ -364,7 +364,7 @@ def prepare_voice_audio(
             opened = sf.SoundFile(source)
         except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
             raise AudioInputError(
-                f"{label}: cannot decode audio ({exc}); send a recording libsndfile reads (WAV, FLAC, OGG, MP3)"
+                f"{label}: cannot decode audio ({decode_error(exc)}); send a recording libsndfile reads (WAV, FLAC, OGG, MP3)"
             ) from None
         try:
             check_sample_rate(int(opened.samplerate), label)
@@ -383,7 +383,9 @@ def prepare_voice_audio(
         try:
             data = f.read(frames=limit + 1, dtype="float32", always_2d=True)[:, 0]
         except (sf.LibsndfileError, RuntimeError) as exc:
-            raise AudioInputError(f"{label}: decoding failed part-way ({exc}); the file is damaged") from None
+            raise AudioInputError(
+                f"{label}: decoding failed part-way ({decode_error(exc)}); the file is damaged"
+            ) from None
     if len(data) > limit:
         raise AudioInputError(f"{label}: is over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; use {longest}")
     data, nonfinite = sanitize_pcm(data)

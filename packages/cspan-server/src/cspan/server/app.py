@@ -239,7 +239,8 @@ class HostGuard:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
-            host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), None)
+            hosts = [v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"]
+            host = hosts[0] if len(hosts) == 1 else None  # two Host fields name no one server (RFC 9112 3.2)
             server = scope.get("server") or (None, None)
             if not host_allowed(host, bind_host=self.bind_host, port=server[1], allowed=self.allowed):
                 self.metrics.host_refused.inc()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import logging
 import re
 import signal
@@ -25,8 +24,8 @@ import socket
 import threading
 from typing import Any
 
-from cspan.backends.http_server import header_timeout_protocol, uvicorn_http
-from cspan.core.errors import CspanError, os_error_cause
+from cspan.backends.errors import ListenError
+from cspan.backends.http_server import bind_socket, header_timeout_protocol, uvicorn_http
 from cspan.server.app import create_app
 from cspan.server.protocol import MAX_WEBSOCKET_MESSAGE_BYTES
 from cspan.server.serve_settings import ServeSettings
@@ -137,51 +136,6 @@ def _find_state(app: Any, name: str) -> Any:
         if app is None:
             return None
     return None
-
-
-class ListenError(CspanError):
-    """The server cannot listen on ``--host`` / ``--port``: a host name that does not resolve, an address this
-    machine does not have, a port in use or reserved (exit status 2, as a bad setting)."""
-
-    exit_code = 2
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port`` (not listening yet: uvicorn listens once the model is loaded, so a
-    client meanwhile gets "connection refused" rather than a hang). Done before the model loads, so that a bad
-    ``--host`` or a busy ``--port`` is found in a second, not after minutes of loading.
-
-    Raises:
-        ListenError: naming the flag, the value and the cause.
-    """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError, ValueError) as exc:
-        cause = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else "not a valid host name"
-        raise ListenError(
-            f"--host {host!r}: not an address or a host name that resolves here ({cause}); use an address such "
-            "as 127.0.0.1, 0.0.0.0 or ::1"
-        ) from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-        if exc.errno == errno.EADDRINUSE:
-            raise ListenError(
-                f"--port {port}: address already in use on {where} (another server?); stop it or pick another --port"
-            ) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            raise ListenError(f"--host {host!r}: not an address of this machine ({os_error_cause(exc)})") from None
-        if exc.errno == errno.EACCES:
-            raise ListenError(
-                f"--port {port}: permission denied on {where} (ports below 1024 need privileges)"
-            ) from None
-        raise ListenError(f"cannot listen on {where}: {os_error_cause(exc)}") from None
-    return sock
 
 
 def serve_command(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ import hmac
 import json
 import logging
 import math
+import socket
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
@@ -409,12 +410,25 @@ def _engine_call(engine: Engine, pcm: np.ndarray, sample_rate: int, language: st
 
 
 def serve(
-    engine: Engine, *, host: str = "127.0.0.1", port: int = 8990, settings: ASRServerSettings | None = None
+    engine: Engine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8990,
+    settings: ASRServerSettings | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Run the server in the foreground with uvicorn until interrupted (blocking)."""
+    """Run the server in the foreground with uvicorn until interrupted (blocking). ``sock``: the socket of
+    :func:`~cspan.backends.http_server.bind_socket` for ``host``:``port`` (bound here when None).
+
+    Raises:
+        ListenError: ``host``:``port`` cannot be bound (a busy port, a host name that does not resolve).
+    """
     import uvicorn
 
-    uvicorn.Server(uvicorn_config(engine, host=host, port=port, settings=settings)).run()
+    from cspan.backends.http_server import bind_socket
+
+    sock = sock or bind_socket(host, port)
+    uvicorn.Server(uvicorn_config(engine, host=host, port=port, settings=settings)).run(sockets=[sock])
 
 
 def uvicorn_config(

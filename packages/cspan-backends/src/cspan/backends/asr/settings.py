@@ -112,7 +112,9 @@ class ASRServeSettings(BaseSettings):
             )
             return 2
         from cspan.backends.asr.engines import EngineLoadError, load_engine
+        from cspan.backends.errors import ListenError
         from cspan.backends.hostguard import is_loopback
+        from cspan.backends.http_server import bind_socket
 
         if not is_loopback(self.host) and not self.token and not self.insecure_no_token:
             print(
@@ -136,6 +138,11 @@ class ASRServeSettings(BaseSettings):
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
         try:
+            sock = bind_socket(self.host, self.port)  # a bad --host or a busy --port fails before the engine loads
+        except ListenError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        try:
             engine = load_engine(
                 self.engine,
                 model=self.model,
@@ -144,6 +151,7 @@ class ASRServeSettings(BaseSettings):
                 trust_remote_code=self.trust_remote_code,
             )
         except EngineLoadError as exc:
+            sock.close()
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
         print(
@@ -151,5 +159,6 @@ class ASRServeSettings(BaseSettings):
             "(POST /transcribe, POST /v1/audio/transcriptions, GET /health)",
             file=sys.stderr,
         )
-        serve(engine, host=self.host, port=self.port, settings=settings)
+        with sock:
+            serve(engine, host=self.host, port=self.port, settings=settings, sock=sock)
         return 0

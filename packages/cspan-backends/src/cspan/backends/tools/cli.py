@@ -132,8 +132,16 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from cspan.backends.errors import ToolError
+    from cspan.backends.errors import ListenError, ToolError
+    from cspan.backends.http_server import bind_socket
     from cspan.backends.tools.mcp_bridge import serve_http, serve_stdio
+
+    sock = None
+    if args.transport == "http":
+        try:
+            sock = bind_socket(args.host, args.port)  # a bad --host or a busy --port fails before the tools start
+        except ListenError as exc:
+            return _fail("serve", exc)
 
     async def main() -> None:
         bank = await _bank(args)
@@ -147,7 +155,12 @@ def _serve(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 await serve_http(
-                    bank, host=args.host, port=args.port, path=args.path, allowed_hosts=args.allowed_host or ()
+                    bank,
+                    host=args.host,
+                    port=args.port,
+                    path=args.path,
+                    allowed_hosts=args.allowed_host or (),
+                    sock=sock,
                 )
         finally:
             await bank.aclose()
@@ -158,6 +171,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 130
     except (ToolError, ValueError) as exc:
         return _fail("serve", exc)
+    finally:
+        if sock is not None:
+            sock.close()
     return 0
 
 

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -433,15 +434,23 @@ async def serve_http(
     path: str = "/mcp",
     allowed_hosts: Iterable[str] = (),
     name: str = "cspan-tools",
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve ``bank`` over streamable HTTP at ``http://host:port{path}`` with uvicorn until interrupted (request
-    headers must be complete within 10 s: :func:`~cspan.backends.http_server.header_timeout_protocol`)."""
+    headers must be complete within 10 s: :func:`~cspan.backends.http_server.header_timeout_protocol`). ``sock``:
+    the socket of :func:`~cspan.backends.http_server.bind_socket` for ``host``:``port`` (bound here when None).
+
+    Raises:
+        ListenError: ``host``:``port`` cannot be bound (a busy port, a host name that does not resolve).
+    """
     import uvicorn
 
-    from cspan.backends.http_server import uvicorn_http
+    from cspan.backends.http_server import bind_socket, uvicorn_http
+
+    sock = sock or bind_socket(host, port)
 
     app = http_app(bank, host=host, path=path, allowed_hosts=allowed_hosts, name=name)
     config = uvicorn.Config(
         app, host=host, port=port, http=uvicorn_http(10.0), timeout_keep_alive=5, log_level="warning", lifespan="on"
     )
-    await uvicorn.Server(config).serve()
+    await uvicorn.Server(config).serve(sockets=[sock])
