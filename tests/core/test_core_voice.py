@@ -97,6 +97,21 @@ def test_bad_recording_gives_a_clear_error(tiny_checkpoint, greeting, tmp_path, 
     assert str(path) in str(err.value)
 
 
+def test_bytes_that_are_not_audio_are_refused_without_an_object_repr() -> None:
+    """A client's recording arrives as bytes: libsndfile names the file object it opened (``<_io.BytesIO object at
+    0x...>``), which must not reach the client; the cause and the formats it can send do."""
+    import io
+
+    from cspan.core.voice import prepare_voice_audio
+
+    with pytest.raises(AudioInputError) as err:
+        prepare_voice_audio(io.BytesIO(b"RIFF this is not a wave file at all" * 20))
+    message = str(err.value)
+    assert message.startswith("the voice recording: cannot decode audio (Format not recognised.)"), message
+    assert "object at 0x" not in message and "BytesIO" not in message
+    assert "MP3" in message
+
+
 def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: Path, tmp_path: Path, capsys) -> None:
     short = _write(tmp_path / "short.wav", sf.read(greeting, dtype="float32")[0][:30000])
     out = tmp_path / "v.pt"

@@ -104,9 +104,20 @@ def sanitize_pcm(pcm: np.ndarray) -> tuple[np.ndarray, int]:
     return x, nonfinite
 
 
+READABLE_FORMATS = "WAV, FLAC, OGG Vorbis/Opus, MP3"
+"""What the error messages offer: the formats the bundled libsndfile (>= 1.1) decodes."""
+
+
+def decode_error_cause(exc: BaseException) -> str:
+    """Why libsndfile could not open a file, without the name it was opened under (for a file object that is its
+    repr, ``<_io.BytesIO object at 0x...>``, which must not reach a client): ``"Format not recognised."``."""
+    cause = getattr(exc, "error_string", None)
+    return str(cause) if cause else str(exc)
+
+
 def _open(path: Path) -> sf.SoundFile:
     if not path.exists():
-        raise AudioInputError(f"{path}: no such file; pass an existing recording (WAV, FLAC or OGG)")
+        raise AudioInputError(f"{path}: no such file; pass an existing recording ({READABLE_FORMATS})")
     if path.is_dir():
         raise AudioInputError(f"{path}: is a directory, not an audio file")
     if not path.is_file():  # a FIFO, /dev/zero, a socket: no length to check, a second pass reads something else
@@ -119,7 +130,8 @@ def _open(path: Path) -> sf.SoundFile:
         f = sf.SoundFile(os.fsencode(path))  # bytes: a name that is not UTF-8 opens too
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioInputError(
-            f"{path}: cannot decode audio ({exc}); supported are the formats libsndfile reads (WAV, FLAC, OGG)"
+            f"{path}: cannot decode audio ({decode_error_cause(exc)}); supported are the formats libsndfile reads "
+            f"({READABLE_FORMATS})"
         ) from exc
     try:
         check_sample_rate(int(f.samplerate), path)

@@ -353,7 +353,15 @@ def prepare_voice_audio(
     import pyloudnorm
     import soundfile as sf
 
-    from .audio import SILENCE_PEAK, _open, check_sample_rate, resample, sanitize_pcm
+    from .audio import (
+        READABLE_FORMATS,
+        SILENCE_PEAK,
+        _open,
+        check_sample_rate,
+        decode_error_cause,
+        resample,
+        sanitize_pcm,
+    )
 
     if isinstance(source, (str, os.PathLike)):
         label = name or str(source)
@@ -364,7 +372,8 @@ def prepare_voice_audio(
             opened = sf.SoundFile(source)
         except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
             raise AudioInputError(
-                f"{label}: cannot decode audio ({exc}); send a recording libsndfile reads (WAV, FLAC, OGG, MP3)"
+                f"{label}: cannot decode audio ({decode_error_cause(exc)}); send a recording libsndfile reads "
+                f"({READABLE_FORMATS})"
             ) from None
         try:
             check_sample_rate(int(opened.samplerate), label)
