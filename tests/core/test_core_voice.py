@@ -112,6 +112,26 @@ def test_bytes_that_are_not_audio_are_refused_without_an_object_repr() -> None:
     assert "MP3" in message
 
 
+def test_a_damaged_pt_voice_is_called_damaged_not_undecodable_audio(
+    tiny_checkpoint, tiny_checkpoint_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A ``.pt`` that is not a torch file (a truncated download, a voices.tgz member gone bad) is refused as a damaged
+    voice file by the loader and listed as such by ``cspan model info``, never decoded as a recording."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_dir, folder)
+    damaged = folder / "voices" / "damaged.pt"
+    damaged.write_bytes(b"garbage, not a zip archive" * 10)
+    with pytest.raises(CheckpointError, match="named as a torch file but is not one") as err:
+        load_voice_prompt(damaged, tiny_checkpoint)
+    assert str(damaged) in str(err.value) and "decode audio" not in str(err.value)
+    info = _cli(capsys, "model", "info", str(folder))
+    assert info.returncode == 0, info.stderr
+    (line,) = [ln for ln in info.stdout.splitlines() if ln.strip().startswith("damaged:")]
+    assert "unreadable: named as a torch file but is not one" in line, line
+
+
 def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: Path, tmp_path: Path, capsys) -> None:
     short = _write(tmp_path / "short.wav", sf.read(greeting, dtype="float32")[0][:30000])
     out = tmp_path / "v.pt"

@@ -1487,11 +1487,13 @@ def describe_checkpoint(
 def _voice_kind(path: Path) -> str:
     """What a voice file holds, for ``cspan model info``: ``codes, N frames``, ``PersonaPlex embeddings, E frames``,
     ``recording``, or why it cannot be read."""
-    from .voice import is_torch_file
+    from .voice import is_recording, is_torch_file
 
     try:
-        if not is_torch_file(path):
+        if is_recording(path):
             return "recording"
+        if not is_torch_file(path):
+            return "unreadable: named as a torch file but is not one (damaged or truncated?)"
         obj = _torch_load(path, "voice")
     except (CheckpointError, OSError) as exc:
         return f"unreadable: {exc}"

@@ -47,6 +47,8 @@ VOICE_MAX_SECONDS = 30.0
 VOICE_TARGET_LUFS = -24.0
 """Loudness a voice recording is normalised to (PersonaPlex's ``load_voice_prompt``)."""
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
+TORCH_SUFFIXES = (".pt", ".pth")
+"""Names of voice files written with ``torch.save`` (never read as recordings)."""
 """File suffixes taken as recordings when a voice is named by its stem."""
 DEFAULT_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
 """Per-stream delays of the 7B (text, agent cb0..7, user cb0..7), used when no checkpoint is given."""
@@ -137,6 +139,20 @@ def is_torch_file(path: Path) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
+def is_recording(path: Path) -> bool:
+    """A voice file to encode as a recording: neither a torch file nor named as one (``.pt``, ``.pth``: a damaged one
+    is refused as a damaged voice file, not as audio that cannot be decoded)."""
+    return path.suffix.lower() not in TORCH_SUFFIXES and not is_torch_file(path)
+
+
+def _not_a_torch_file(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"voice file {str(path)!r} is named as a torch file but is not one (torch.save writes a zip archive): it is "
+        f"damaged or truncated, or not a voice; get it again, or give a recording by its audio name "
+        f"({', '.join(AUDIO_SUFFIXES)})"
+    )
+
+
 def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> VoicePrompt:
     """Load a voice prompt in any of its forms (module docstring).
 
@@ -155,7 +171,7 @@ def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoi
         AudioInputError: a recording that is too short, too long, silent or not audio.
     """
     path = find_voice(name_or_path, checkpoint)
-    if not is_torch_file(path):
+    if is_recording(path):
         if checkpoint is None or getattr(checkpoint, "mimi", None) is None:
             raise CheckpointError(
                 f"voice file {str(path)!r} is not a torch file; a voice from a recording needs the checkpoint's "
@@ -163,6 +179,8 @@ def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoi
             )
         codes, _ = encode_voice_audio(path, checkpoint.mimi)
         return VoicePrompt(source=path, codes=codes)
+    if not is_torch_file(path):
+        raise _not_a_torch_file(path)
     from .checkpoint import _torch_load
 
     obj = _torch_load(path, "voice")
@@ -571,6 +589,7 @@ __all__ = [
     "encode_voice_pcm",
     "find_voice",
     "frames_from_ring",
+    "is_recording",
     "is_torch_file",
     "load_voice",
     "load_voice_prompt",

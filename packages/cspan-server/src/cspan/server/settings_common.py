@@ -151,11 +151,11 @@ class ModelSettings(BaseSettings):
         """A recording given as the voice is read now (2-30 s, not silent, audio at all), before any model loads."""
         if value:
             from cspan.core.errors import AudioInputError, os_error_cause
-            from cspan.core.voice import is_torch_file, prepare_voice_audio
+            from cspan.core.voice import is_recording, prepare_voice_audio
 
             path = Path(value).expanduser()
             try:
-                if path.is_file() and not is_torch_file(path):
+                if path.is_file() and is_recording(path):
                     prepare_voice_audio(path)
             except AudioInputError as exc:
                 raise ValueError(str(exc)) from None
