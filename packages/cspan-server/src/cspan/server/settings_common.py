@@ -99,6 +99,12 @@ class ModelSettings(BaseSettings):
         description="Hugging Face repo id, local directory or file (default: the released Context Spanning 7B)",
         json_schema_extra={"group": "model"},
     )
+    base: str | None = Field(
+        None,
+        description="base of a fine-tune --checkpoint (a .pt, or moshi-finetune's lora.safetensors): a repo id or a "
+        "local directory (default: the base export.json records, else PersonaPlex 7B)",
+        json_schema_extra={"group": "model"},
+    )
     voice: Utf8Text | None = Field(
         None,
         description="voice prompt: a voice name of the checkpoint (its voices/, or PersonaPlex's voices.tgz: NATF2), "
