@@ -132,6 +132,12 @@ def test_a_damaged_pt_voice_is_called_damaged_not_undecodable_audio(
     assert "unreadable: named as a torch file but is not one" in line, line
 
 
+def test_a_directory_as_a_voice_is_called_a_directory(tiny_checkpoint, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="is a directory; pass a voice name") as err:
+        find_voice(tmp_path, tiny_checkpoint)
+    assert f"CSPAN_VOICES_DIR={tmp_path}" in str(err.value)
+
+
 def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: Path, tmp_path: Path, capsys) -> None:
     short = _write(tmp_path / "short.wav", sf.read(greeting, dtype="float32")[0][:30000])
     out = tmp_path / "v.pt"

@@ -105,7 +105,7 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     name with its file suffix (``NATF2.pt``, as PersonaPlex's ``--voice-prompt`` takes it).
 
     Raises:
-        CheckpointError: neither a file nor a known voice (lists the known ones).
+        CheckpointError: a directory, or neither a file nor a known voice (lists the known ones).
     """
     path = Path(name_or_path)
     if path.is_file():
@@ -117,6 +117,13 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     stem = Path(name).stem
     if Path(name).suffix in (".pt", *AUDIO_SUFFIXES) and stem in known and "/" not in name:
         return known[stem]
+    if path.is_dir():  # a voice's name wins over a folder of that name in the working directory
+        from .checkpoint import ENV_VOICES
+
+        raise CheckpointError(
+            f"voice {str(path)!r} is a directory; pass a voice name, a .pt voice file, or a 2-30 s recording (a folder "
+            f"of voices is given with {ENV_VOICES}={path})"
+        )
     names = ", ".join(sorted(known)) or "none"
     missing_archive = ""
     layout = getattr(checkpoint, "prefix_layout", None)
