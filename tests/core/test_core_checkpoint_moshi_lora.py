@@ -170,3 +170,16 @@ def test_adapters_without_config_are_refused(lora_dir: Path, tiny_checkpoint_dir
     (folder / "config.json").unlink()
     with pytest.raises(CheckpointError, match=r"no config\.json beside them"):
         load_checkpoint(folder, base=tiny_checkpoint_dir)
+
+
+def test_a_base_not_in_the_cache_names_the_base_flag(lora_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Offline, with the default base (PersonaPlex's repo) absent from the Hugging Face cache, the error is about
+    the base: its fix is ``--base DIR`` / ``CSPAN_BASE``, not the fine-tune's ``--checkpoint``."""
+    monkeypatch.delenv("CSPAN_BASE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(lora_dir)
+    message = str(err.value)
+    assert message.startswith("base repo 'nvidia/personaplex-7b-v1'") and "HF_HUB_OFFLINE is set" in message
+    assert "--base DIR or CSPAN_BASE" in message and "--checkpoint DIR" not in message, message

@@ -98,6 +98,47 @@ def test_bad_recording_gives_a_clear_error(tiny_checkpoint, greeting, tmp_path, 
     assert str(path) in str(err.value)
 
 
+def test_bytes_that_are_not_audio_are_refused_without_an_object_repr() -> None:
+    """A client's recording arrives as bytes: libsndfile names the file object it opened (``<_io.BytesIO object at
+    0x...>``), which must not reach the client; the cause and the formats it can send do."""
+    import io
+
+    from cspan.core.voice import prepare_voice_audio
+
+    with pytest.raises(AudioInputError) as err:
+        prepare_voice_audio(io.BytesIO(b"RIFF this is not a wave file at all" * 20))
+    message = str(err.value)
+    assert message.startswith("the voice recording: cannot decode audio (Format not recognised.)"), message
+    assert "object at 0x" not in message and "BytesIO" not in message
+    assert "MP3" in message
+
+
+def test_a_damaged_pt_voice_is_called_damaged_not_undecodable_audio(
+    tiny_checkpoint, tiny_checkpoint_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A ``.pt`` that is not a torch file (a truncated download, a voices.tgz member gone bad) is refused as a damaged
+    voice file by the loader and listed as such by ``cspan model info``, never decoded as a recording."""
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_dir, folder)
+    damaged = folder / "voices" / "damaged.pt"
+    damaged.write_bytes(b"garbage, not a zip archive" * 10)
+    with pytest.raises(CheckpointError, match="named as a torch file but is not one") as err:
+        load_voice_prompt(damaged, tiny_checkpoint)
+    assert str(damaged) in str(err.value) and "decode audio" not in str(err.value)
+    info = _cli(capsys, "model", "info", str(folder))
+    assert info.returncode == 0, info.stderr
+    (line,) = [ln for ln in info.stdout.splitlines() if ln.strip().startswith("damaged:")]
+    assert "unreadable: named as a torch file but is not one" in line, line
+
+
+def test_a_directory_as_a_voice_is_called_a_directory(tiny_checkpoint, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="is a directory; pass a voice name") as err:
+        find_voice(tmp_path, tiny_checkpoint)
+    assert f"CSPAN_VOICES_DIR={tmp_path}" in str(err.value)
+
+
 def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: Path, tmp_path: Path, capsys) -> None:
     short = _write(tmp_path / "short.wav", sf.read(greeting, dtype="float32")[0][:30000])
     out = tmp_path / "v.pt"

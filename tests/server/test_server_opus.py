@@ -226,3 +226,27 @@ def test_decoder_keeps_a_capture_pattern_split_across_messages(split: int) -> No
     assert pcm.size == 0 and problem is not None and "7 bytes that are not an Ogg page" in problem
     pcm, problem = decoder.decode(data[split:])
     assert pcm.size == 2 * FRAME and problem is None
+
+
+def test_another_codecs_ogg_stream_is_named_once_and_opus_decodes_after_it() -> None:
+    """An OGG/Vorbis file sent as it is (libsndfile writes it): every page refused, the report names the codec once
+    (its audio pages too, by their stream's serial number), and the Opus stream that follows decodes."""
+    import io
+
+    import soundfile as sf
+    import sphn
+
+    from cspan.server.opus import OggOpusDecoder
+
+    vorbis = io.BytesIO()
+    sf.write(vorbis, np.random.default_rng(0).normal(0, 0.1, 24000), 24000, format="OGG", subtype="VORBIS")
+    decoder = OggOpusDecoder()
+    pcm, problem = decoder.decode(vorbis.getvalue())
+    assert pcm.size == 0
+    assert problem == (
+        "audio is not a valid Ogg/Opus stream: Ogg pages of a Vorbis stream, not Opus (encode the audio as Opus, "
+        "or offer 'pcm' and send PCM)"
+    )
+    writer = sphn.OpusStreamWriter(24000)
+    pcm, problem = decoder.decode(b"".join(writer.append_pcm(np.full(FRAME, 0.1, np.float32)) for _ in range(3)))
+    assert problem is None and pcm.size == 3 * FRAME

@@ -167,7 +167,7 @@ async def test_openai_voice_names_are_kept_out_with_a_warning(serve) -> None:
         assert (warning["type"], warning["code"], warning["param"], warning["event_id"]) == (
             "cspan.warning",
             "voice_not_applied",
-            "session.voice",
+            "session.audio.output.voice",  # the field the client sent (GA), not the beta name
             "v2",
         )
         effective, after = await update(client, "v3", {"voice": "nova-prime"})

@@ -199,9 +199,14 @@ def lora_dir(tiny_checkpoint_dir: Path, tmp_path_factory) -> Path:
 def test_fuse_lora_folds_the_adapters(lora_dir: Path, tiny_checkpoint_dir: Path, greeting: Path, tmp_path, monkeypatch):
     from cspan.core.lora import LoRALinear
 
-    monkeypatch.setenv("CSPAN_BASE", str(tiny_checkpoint_dir))
+    monkeypatch.setenv("CSPAN_BASE", str(tiny_checkpoint_dir))  # the base from the environment ...
     kept = _infer(tmp_path / "kept", greeting, "--checkpoint", str(lora_dir))
-    fused = _infer(tmp_path / "fused", greeting, "--checkpoint", str(lora_dir), "--fuse-lora")
+    monkeypatch.delenv("CSPAN_BASE")  # ... and from --base, as docs/COMING-FROM-MOSHI.md gives it
+    fused = _infer(
+        tmp_path / "fused", greeting, "--checkpoint", str(lora_dir), "--base", str(tiny_checkpoint_dir), "--fuse-lora"
+    )
+    assert fused.engine.checkpoint.files["lm"] == tiny_checkpoint_dir / "model.safetensors"
+    assert fused.output.settings["base"] == str(tiny_checkpoint_dir)
     assert any(isinstance(m, LoRALinear) for m in kept.engine.lm.modules())
     assert not any(isinstance(m, LoRALinear) for m in fused.engine.lm.modules())
     assert fused.engine.checkpoint.lora["merged"] and fused.output.settings["fuse_lora"] is True

@@ -104,15 +104,20 @@ def sanitize_pcm(pcm: np.ndarray) -> tuple[np.ndarray, int]:
     return x, nonfinite
 
 
-def decode_error(exc: BaseException) -> str:
-    """libsndfile's own words for a decoding failure ("Format not recognised."), without soundfile's "Error opening
-    <_io.BytesIO object at 0x...>:" prefix that names a Python object or repeats the path as bytes."""
-    return getattr(exc, "error_string", None) or str(exc)
+READABLE_FORMATS = "WAV, FLAC, OGG Vorbis/Opus, MP3"
+"""What the error messages offer: the formats the bundled libsndfile (>= 1.1) decodes."""
+
+
+def decode_error_cause(exc: BaseException) -> str:
+    """Why libsndfile could not open a file, without the name it was opened under (for a file object that is its
+    repr, ``<_io.BytesIO object at 0x...>``, which must not reach a client): ``"Format not recognised."``."""
+    cause = getattr(exc, "error_string", None)
+    return str(cause) if cause else str(exc)
 
 
 def _open(path: Path) -> sf.SoundFile:
     if not path.exists():
-        raise AudioInputError(f"{path}: no such file; pass an existing recording (WAV, FLAC or OGG)")
+        raise AudioInputError(f"{path}: no such file; pass an existing recording ({READABLE_FORMATS})")
     if path.is_dir():
         raise AudioInputError(f"{path}: is a directory, not an audio file")
     if not path.is_file():  # a FIFO, /dev/zero, a socket: no length to check, a second pass reads something else
@@ -125,7 +130,8 @@ def _open(path: Path) -> sf.SoundFile:
         f = sf.SoundFile(os.fsencode(path))  # bytes: a name that is not UTF-8 opens too
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioInputError(
-            f"{path}: cannot decode audio ({decode_error(exc)}); supported are the formats libsndfile reads (WAV, FLAC, OGG)"
+            f"{path}: cannot decode audio ({decode_error_cause(exc)}); supported are the formats libsndfile reads "
+            f"({READABLE_FORMATS})"
         ) from exc
     try:
         check_sample_rate(int(f.samplerate), path)
@@ -190,7 +196,7 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
                     peak = max(peak, float(np.max(np.abs(mono))))
         except (sf.LibsndfileError, RuntimeError) as exc:
             raise AudioInputError(
-                f"{path}: decoding failed part-way ({decode_error(exc)}); the file is damaged"
+                f"{path}: decoding failed part-way ({decode_error_cause(exc)}); the file is damaged"
             ) from exc
     if peak < SILENCE_PEAK:
         why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
@@ -242,7 +248,7 @@ def iter_frames(
                 last = True
             except (sf.LibsndfileError, RuntimeError) as exc:
                 raise AudioInputError(
-                    f"{path}: decoding failed part-way ({decode_error(exc)}); the file is damaged"
+                    f"{path}: decoding failed part-way ({decode_error_cause(exc)}); the file is damaged"
                 ) from exc
             mono = np.ascontiguousarray(sanitize_pcm(block[:, channel])[0])
             if resampler is not None:

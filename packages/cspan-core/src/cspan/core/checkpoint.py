@@ -99,6 +99,11 @@ _FIX_OFFLINE = (
     "pass --checkpoint DIR"
 )
 
+_FIX_BASE_OFFLINE = (
+    f"this is the base of a fine-tune: pass a local copy of it (--base DIR or {ENV_BASE}, a folder holding "
+    f"{LM_FILE}, {MIMI_FILE} and {TOKENIZER_FILE})"
+)
+
 # safetensors dtype name -> (bytes per element, torch dtype attribute)
 _ST_DTYPES: dict[str, tuple[int, str]] = {
     "F64": (8, "float64"),
@@ -970,10 +975,11 @@ def scan_voices(*dirs: Path | None) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], what: str) -> Path:
+def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], what: str, fix: str = _FIX_OFFLINE) -> Path:
     """Download (or find in the cache) the files of ``repo_id`` matching ``patterns``; returns the snapshot folder.
 
-    Honours ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` as read at call time.
+    Honours ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` as read at call time. ``fix`` is what
+    the errors tell the user to do instead (a base's fix names ``--base``, not ``--checkpoint``).
 
     Raises:
         CheckpointError: offline without a cached copy, unreachable Hub, unknown or gated repo or revision.
@@ -1001,24 +1007,24 @@ def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], what:
     except GatedRepoError:
         raise CheckpointError(
             f"{label} is gated: accept its licence on huggingface.co and set HF_TOKEN to a token of that account; "
-            f"or {_FIX_OFFLINE}"
+            f"or {fix}"
         ) from None
     except RevisionNotFoundError:
         raise CheckpointError(f"{label}: no such revision on the Hub; check --revision") from None
     except RepositoryNotFoundError:
         raise CheckpointError(
-            f"{label} not found on the Hub (or it is private: set HF_TOKEN); check the name, or {_FIX_OFFLINE}"
+            f"{label} not found on the Hub (or it is private: set HF_TOKEN); check the name, or {fix}"
         ) from None
     except LocalEntryNotFoundError:
         cache = _hf_cache_dir() or "the default Hugging Face cache"
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
         raise CheckpointError(
-            f"{label} is not in the Hugging Face cache ({cache}) and {why}; {_FIX_OFFLINE}"
+            f"{label} is not in the Hugging Face cache ({cache}) and {why}; {fix}"
             + ("" if offline else "; behind a proxy or firewall, download it elsewhere and copy the folder")
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise CheckpointError(
-            f"cannot get {label} from the Hugging Face Hub ({exc}); if it is gated set HF_TOKEN, or {_FIX_OFFLINE}"
+            f"cannot get {label} from the Hugging Face Hub ({exc}); if it is gated set HF_TOKEN, or {fix}"
         ) from None
     return Path(folder)
 
@@ -1116,7 +1122,7 @@ def _resolve_base(base: str | os.PathLike[str] | None) -> CheckpointFiles:
         raise CheckpointError(
             f"base {chosen!r} is neither a folder nor a Hub repo id; pass --base DIR or set {ENV_BASE}"
         )
-    folder = _hub_snapshot(chosen, None, _HUB_PATTERNS, "base repo")
+    folder = _hub_snapshot(chosen, None, _HUB_PATTERNS, "base repo", _FIX_BASE_OFFLINE)
     if not (folder / LM_FILE).is_file():
         raise CheckpointError(f"base repo {chosen!r} has no {LM_FILE}; is it a Kyutai/PersonaPlex model repo?")
     return _base_files(folder, chosen)
@@ -1492,11 +1498,13 @@ def describe_checkpoint(
 def _voice_kind(path: Path) -> str:
     """What a voice file holds, for ``cspan model info``: ``codes, N frames``, ``PersonaPlex embeddings, E frames``,
     ``recording``, or why it cannot be read."""
-    from .voice import is_torch_file
+    from .voice import is_recording, is_torch_file
 
     try:
-        if not is_torch_file(path):
+        if is_recording(path):
             return "recording"
+        if not is_torch_file(path):
+            return "unreadable: named as a torch file but is not one (damaged or truncated?)"
         obj = _torch_load(path, "voice")
     except (CheckpointError, OSError) as exc:
         return f"unreadable: {exc}"

@@ -47,6 +47,8 @@ VOICE_MAX_SECONDS = 30.0
 VOICE_TARGET_LUFS = -24.0
 """Loudness a voice recording is normalised to (PersonaPlex's ``load_voice_prompt``)."""
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
+TORCH_SUFFIXES = (".pt", ".pth")
+"""Names of voice files written with ``torch.save`` (never read as recordings)."""
 """File suffixes taken as recordings when a voice is named by its stem."""
 DEFAULT_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
 """Per-stream delays of the 7B (text, agent cb0..7, user cb0..7), used when no checkpoint is given."""
@@ -103,7 +105,7 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     name with its file suffix (``NATF2.pt``, as PersonaPlex's ``--voice-prompt`` takes it).
 
     Raises:
-        CheckpointError: neither a file nor a known voice (lists the known ones).
+        CheckpointError: a directory, or neither a file nor a known voice (lists the known ones).
     """
     path = Path(name_or_path)
     if path.is_file():
@@ -115,6 +117,13 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     stem = Path(name).stem
     if Path(name).suffix in (".pt", *AUDIO_SUFFIXES) and stem in known and "/" not in name:
         return known[stem]
+    if path.is_dir():  # a voice's name wins over a folder of that name in the working directory
+        from .checkpoint import ENV_VOICES
+
+        raise CheckpointError(
+            f"voice {str(path)!r} is a directory; pass a voice name, a .pt voice file, or a 2-30 s recording (a folder "
+            f"of voices is given with {ENV_VOICES}={path})"
+        )
     names = ", ".join(sorted(known)) or "none"
     missing_archive = ""
     layout = getattr(checkpoint, "prefix_layout", None)
@@ -137,6 +146,20 @@ def is_torch_file(path: Path) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
+def is_recording(path: Path) -> bool:
+    """A voice file to encode as a recording: neither a torch file nor named as one (``.pt``, ``.pth``: a damaged one
+    is refused as a damaged voice file, not as audio that cannot be decoded)."""
+    return path.suffix.lower() not in TORCH_SUFFIXES and not is_torch_file(path)
+
+
+def _not_a_torch_file(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"voice file {str(path)!r} is named as a torch file but is not one (torch.save writes a zip archive): it is "
+        f"damaged or truncated, or not a voice; get it again, or give a recording by its audio name "
+        f"({', '.join(AUDIO_SUFFIXES)})"
+    )
+
+
 def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> VoicePrompt:
     """Load a voice prompt in any of its forms (module docstring).
 
@@ -155,7 +178,7 @@ def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoi
         AudioInputError: a recording that is too short, too long, silent or not audio.
     """
     path = find_voice(name_or_path, checkpoint)
-    if not is_torch_file(path):
+    if is_recording(path):
         if checkpoint is None or getattr(checkpoint, "mimi", None) is None:
             raise CheckpointError(
                 f"voice file {str(path)!r} is not a torch file; a voice from a recording needs the checkpoint's "
@@ -163,6 +186,8 @@ def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoi
             )
         codes, _ = encode_voice_audio(path, checkpoint.mimi)
         return VoicePrompt(source=path, codes=codes)
+    if not is_torch_file(path):
+        raise _not_a_torch_file(path)
     from .checkpoint import _torch_load
 
     obj = _torch_load(path, "voice")
@@ -353,7 +378,15 @@ def prepare_voice_audio(
     import pyloudnorm
     import soundfile as sf
 
-    from .audio import SILENCE_PEAK, _open, check_sample_rate, decode_error, resample, sanitize_pcm
+    from .audio import (
+        READABLE_FORMATS,
+        SILENCE_PEAK,
+        _open,
+        check_sample_rate,
+        decode_error_cause,
+        resample,
+        sanitize_pcm,
+    )
 
     if isinstance(source, (str, os.PathLike)):
         label = name or str(source)
@@ -364,7 +397,8 @@ def prepare_voice_audio(
             opened = sf.SoundFile(source)
         except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
             raise AudioInputError(
-                f"{label}: cannot decode audio ({decode_error(exc)}); send a recording libsndfile reads (WAV, FLAC, OGG, MP3)"
+                f"{label}: cannot decode audio ({decode_error_cause(exc)}); send a recording libsndfile reads "
+                f"({READABLE_FORMATS})"
             ) from None
         try:
             check_sample_rate(int(opened.samplerate), label)
@@ -384,7 +418,7 @@ def prepare_voice_audio(
             data = f.read(frames=limit + 1, dtype="float32", always_2d=True)[:, 0]
         except (sf.LibsndfileError, RuntimeError) as exc:
             raise AudioInputError(
-                f"{label}: decoding failed part-way ({decode_error(exc)}); the file is damaged"
+                f"{label}: decoding failed part-way ({decode_error_cause(exc)}); the file is damaged"
             ) from None
     if len(data) > limit:
         raise AudioInputError(f"{label}: is over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; use {longest}")
@@ -564,6 +598,7 @@ __all__ = [
     "encode_voice_pcm",
     "find_voice",
     "frames_from_ring",
+    "is_recording",
     "is_torch_file",
     "load_voice",
     "load_voice_prompt",

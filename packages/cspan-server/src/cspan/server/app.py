@@ -87,7 +87,11 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
     if checkpoint is None:
         device, dtype = pick_device(settings.device)
         checkpoint = load_checkpoint(
-            settings.checkpoint or DEFAULT_CHECKPOINT, device=device, dtype=dtype, fuse_lora=settings.fuse_lora
+            settings.checkpoint or DEFAULT_CHECKPOINT,
+            base=settings.base,
+            device=device,
+            dtype=dtype,
+            fuse_lora=settings.fuse_lora,
         )
     if checkpoint.lm.device.type == "cpu":
         use_cpu_threads()  # before the engine thread's first operation: it takes the count then

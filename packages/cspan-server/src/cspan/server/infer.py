@@ -553,7 +553,9 @@ async def _converse(
     total = lead + n_input + tail
     transcriber = backends.transcriber
     retriever = backends.for_session(memory)
-    checkpoint = await asyncio.to_thread(load_checkpoint, source, device=device, dtype=dtype, fuse_lora=s.fuse_lora)
+    checkpoint = await asyncio.to_thread(
+        load_checkpoint, source, base=s.base, device=device, dtype=dtype, fuse_lora=s.fuse_lora
+    )
     voice = resolve_voice(checkpoint, s.voice)
     persona = persona_frames(checkpoint, s, voice)
     engine = DuplexEngine(

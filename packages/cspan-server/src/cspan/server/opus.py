@@ -10,7 +10,8 @@ refusing it) and hands the good pages to sphn. So:
 - a lost page is skipped (its samples are missing; Opus streams do not need every page);
 - a corrupt page (CRC mismatch) is dropped and reported;
 - bytes that are not Ogg (another codec, garbage) are dropped up to the next ``OggS`` and reported;
-- a page sphn cannot decode is reported and sphn starts over (it decodes a stream joined mid-way).
+- a page sphn cannot decode is reported (naming the codec when its header packet names one: Vorbis, FLAC ...) and
+  sphn starts over (it decodes a stream joined mid-way).
 
 Reports come back with the samples that did decode, so the caller can queue those and then say what was wrong
 (:class:`~cspan.server.session.ClientError` ``bad_audio``); the session goes on.
@@ -34,6 +35,25 @@ _BIT_REVERSED = bytes(int(f"{i:08b}"[::-1], 2) for i in range(256))
 """Byte -> the byte with its bits in reverse order (``bytes.translate`` table)."""
 MAX_REPORTED_PROBLEMS = 3
 """A ``bad_audio`` report names this many problems of a message and counts the rest."""
+_OTHER_CODECS = (
+    (b"\x01vorbis", "Vorbis"),
+    (b"\x03vorbis", "Vorbis"),
+    (b"\x05vorbis", "Vorbis"),
+    (b"Speex   ", "Speex"),
+    (b"\x7fFLAC", "FLAC"),
+    (b"\x80theora", "Theora"),
+)
+"""Header packets (RFC 7845 section 5 lists the Ogg mappings) that name a codec other than Opus."""
+
+
+_MAX_FOREIGN_STREAMS = 16
+"""Serial numbers of other codecs' streams a decoder remembers (so their audio pages are named too)."""
+
+
+def _codec_named(page: bytes) -> str | None:
+    """The codec a page's first packet names, when it is another codec's header packet."""
+    payload = page[_HEADER + page[26] :]
+    return next((codec for magic, codec in _OTHER_CODECS if payload.startswith(magic)), None)
 
 
 def ogg_crc(page: bytes | bytearray) -> int:
@@ -62,6 +82,7 @@ class OggOpusDecoder:
         self._sphn = sphn
         self._reader = sphn.OpusStreamReader(SAMPLE_RATE)
         self._buf = bytearray()
+        self._foreign: dict[int, str] = {}  # serial number -> codec of other codecs' streams seen
 
     def decode(self, data: bytes) -> tuple[np.ndarray, str | None]:
         """``(samples, problem)``: the samples of the complete good pages so far (often 0 for a header page, 1920
@@ -71,7 +92,7 @@ class OggOpusDecoder:
         buf += data
         out: list[np.ndarray] = []
         problems: list[str] = []
-        count = 0
+        count = said = 0  # problems found; of them, those the report names
         n = len(buf)
         pos = 0
         while pos < n:
@@ -84,6 +105,7 @@ class OggOpusDecoder:
                 count += 1
                 if len(problems) < MAX_REPORTED_PROBLEMS:
                     problems.append(f"{end - pos} bytes that are not an Ogg page were dropped")
+                    said += 1
                 pos = end
                 continue
             if n - pos < _HEADER or n - pos < _HEADER + buf[pos + 26]:
@@ -99,21 +121,34 @@ class OggOpusDecoder:
                 if len(problems) < MAX_REPORTED_PROBLEMS:
                     number = int.from_bytes(page[18:22], "little")
                     problems.append(f"a corrupt Ogg page (checksum mismatch, page {number})")
+                    said += 1
                 continue
             try:
                 out.append(np.asarray(self._reader.append_bytes(page), dtype=np.float32).reshape(-1))
             except Exception as exc:  # sphn raises ValueError; its state is unusable afterwards
                 self._reader = self._sphn.OpusStreamReader(SAMPLE_RATE)
                 count += 1
-                if len(problems) < MAX_REPORTED_PROBLEMS:
-                    problems.append(f"an Ogg page that is not Opus audio ({str(exc)[:200]})")
+                serial = int.from_bytes(page[14:18], "little")
+                codec = _codec_named(page) or self._foreign.get(serial)
+                if codec is not None and len(self._foreign) < _MAX_FOREIGN_STREAMS:
+                    self._foreign[serial] = codec
+                why = (
+                    f"Ogg pages of a {codec} stream, not Opus (encode the audio as Opus, or offer 'pcm' and send PCM)"
+                    if codec is not None
+                    else f"an Ogg page that is not Opus audio ({str(exc)[:200]})"
+                )
+                if why in problems:  # another page of the same codec's stream: named once
+                    said += 1
+                elif len(problems) < MAX_REPORTED_PROBLEMS:
+                    problems.append(why)
+                    said += 1
         del buf[:pos]
         pcm = np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
         problem = None
         if count:
             problem = "audio is not a valid Ogg/Opus stream: " + "; ".join(problems)
-            if count > len(problems):
-                problem += f" (and {count - len(problems)} more problems in this message)"
+            if count > said:
+                problem += f" (and {count - said} more problems in this message)"
         return pcm, problem
 
 

@@ -450,6 +450,7 @@ class Session:
         self._partial = np.zeros(0, dtype=np.float32)
         self._last_overflow_report = -(10**9)
         self._stopping_reported = False
+        self._not_started_reported = False
         self._nonfinite_reported = False
         self._flushed = 0
         self._tasks: list[asyncio.Task[Any]] = []
@@ -525,11 +526,19 @@ class Session:
         """Queue user audio: float32 mono at 24 kHz, any length (cut into frames of 1920 samples).
 
         Raises:
-            ClientError: ``not_started`` before ``start``. After ``stop`` audio is ignored (reported once, code
-                ``stopping``); NaN or infinite samples become silence (reported once, code ``bad_audio``).
+            ClientError: ``not_started`` before ``start`` (once per connection: a client streaming its microphone
+                before a start that was refused gets one error, not one per frame; later audio before a start is
+                dropped silently). After ``stop`` audio is ignored (reported once, code ``stopping``); NaN or
+                infinite samples become silence (reported once, code ``bad_audio``).
         """
         if self.state == "connected":
-            raise ClientError("not_started", "audio before start: start the conversation and wait until it is ready")
+            if self._not_started_reported:
+                return
+            self._not_started_reported = True
+            raise ClientError(
+                "not_started",
+                "audio before start is dropped (reported once): start the conversation and wait until it is ready",
+            )
         if self.state in ("stopping", "closed"):
             if not self._stopping_reported:
                 self._stopping_reported = True

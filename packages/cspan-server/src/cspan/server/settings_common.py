@@ -99,6 +99,12 @@ class ModelSettings(BaseSettings):
         description="Hugging Face repo id, local directory or file (default: the released Context Spanning 7B)",
         json_schema_extra={"group": "model"},
     )
+    base: str | None = Field(
+        None,
+        description="base of a fine-tune --checkpoint (a .pt, or moshi-finetune's lora.safetensors): a repo id or a "
+        "local directory (default: the base export.json records, else PersonaPlex 7B)",
+        json_schema_extra={"group": "model"},
+    )
     voice: Utf8Text | None = Field(
         None,
         description="voice prompt: a voice name of the checkpoint (its voices/, or PersonaPlex's voices.tgz: NATF2), "
@@ -164,11 +170,11 @@ class ModelSettings(BaseSettings):
         """A recording given as the voice is read now (2-30 s, not silent, audio at all), before any model loads."""
         if value:
             from cspan.core.errors import AudioInputError, os_error_cause
-            from cspan.core.voice import is_torch_file, prepare_voice_audio
+            from cspan.core.voice import is_recording, prepare_voice_audio
 
             path = Path(value).expanduser()
             try:
-                if path.is_file() and not is_torch_file(path):
+                if path.is_file() and is_recording(path):
                     prepare_voice_audio(path)
             except AudioInputError as exc:
                 raise ValueError(str(exc)) from None

@@ -272,14 +272,14 @@ def read_stereo(path: Path) -> tuple[np.ndarray, np.ndarray, int, float]:
     """
     import soundfile as sf
 
-    from cspan.core.audio import check_sample_rate, decode_error, resample, sanitize_pcm
+    from cspan.core.audio import check_sample_rate, decode_error_cause, resample, sanitize_pcm
     from cspan.core.errors import AudioInputError
 
     try:
         data, rate = sf.read(str(path), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, OSError) as exc:
         raise DataError(
-            f"audio file {str(path)!r}: cannot be decoded ({decode_error(exc)}); give a WAV, FLAC or OGG file"
+            f"audio file {str(path)!r}: cannot be decoded ({decode_error_cause(exc)}); give a WAV, FLAC or OGG file"
         ) from None
     try:
         check_sample_rate(int(rate), f"audio file {str(path)!r}")

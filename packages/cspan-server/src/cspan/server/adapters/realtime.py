@@ -379,9 +379,9 @@ class RealtimeAdapter(ProtocolAdapter):
                 )
             else:
                 c.instructions = new.instructions
-        voice = new.voice
+        voice, voice_param = new.voice, "session.voice"
         if voice is None and new.audio is not None and new.audio.output is not None:
-            voice = new.audio.output.voice
+            voice, voice_param = new.audio.output.voice, "session.audio.output.voice"  # the field the client sent
         voice_name = voice.get("id") if isinstance(voice, dict) else voice
         current = self._voice()
         if voice_name is not None and voice_name != current:
@@ -392,7 +392,7 @@ class RealtimeAdapter(ProtocolAdapter):
                             "voice_not_applied",
                             f"voice {voice_name!r} is one of OpenAI's; this server speaks with its own voices "
                             f"({', '.join(self.hub.voice_names) or 'none'}) and keeps {current!r}",
-                            "session.voice",
+                            voice_param,
                         )
                     )
                 else:
@@ -400,14 +400,14 @@ class RealtimeAdapter(ProtocolAdapter):
                         "bad_voice",
                         f"voice {brief(voice_name)} is not a voice of this server "
                         f"({', '.join(self.hub.voice_names) or 'none'}); not applied",
-                        "session.voice",
+                        voice_param,
                     )
             elif started:
                 refuse(
                     "session_live",
                     "voice changed after the conversation started: the persona was read with the earlier one; not "
                     "applied",
-                    "session.voice",
+                    voice_param,
                 )
             else:
                 c.voice = voice_name
