@@ -75,7 +75,7 @@ def run(checkpoint: str, batch: int, frames: int, warmup: int, seed: int) -> dic
     from cspan.core.runtime import Conversation, voice_activity
 
     ckpt = load_checkpoint(checkpoint, device="cpu")
-    engine = DuplexEngine(ckpt, batch_size=batch, device="cpu", seed=seed, predict_user=False)  # as serve builds it
+    engine = DuplexEngine(ckpt, batch_size=batch, seed=seed, predict_user=False)  # as serve builds it (on the CPU)
     conversations = [
         Conversation(engine=engine, session=i, tokenizer=ckpt.tokenizer, transcriber=_InstantTranscriber())
         for i in range(batch)

@@ -9,11 +9,19 @@ as "well the weather like in london today") and on conversational speech it gets
 Word timings come from the decoder's segmentation (``Decoder.seg()``), whose frame indices count at the feature
 frame rate (``-frate``, 100 frames per second by default): ``start_s = start_frame / frate`` and
 ``end_s = (end_frame + 1) / frate``.
+
+pocketsphinx holds Python's GIL while it decodes (about 0.4 s of CPU per second of speech here): in a thread it
+stops every other thread of the process, the duplex engine's frame clock and the event loop included (a served
+session fell seconds behind real time on its partial transcripts). So :meth:`PocketSphinxTranscriber.transcribe`
+decodes in worker processes (``concurrent.futures.ProcessPoolExecutor``, started with ``spawn``, one decoder per
+worker); :meth:`~PocketSphinxTranscriber.transcribe_sync` still decodes in the calling thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import multiprocessing
 import queue
 import re
 import threading
@@ -202,6 +210,27 @@ class SphinxDecoderPool:
         return Transcript(text=" ".join(w.text for w in words), words=words)
 
 
+_WORKER_POOL: SphinxDecoderPool | None = None  # a worker process's decoder (set by _init_worker)
+
+
+def _init_worker(model_dir: str | None, options: dict[str, Any] | None) -> None:
+    """Initializer of a decoding process: its one decoder, loaded now."""
+    global _WORKER_POOL
+    _WORKER_POOL = SphinxDecoderPool(1, model_dir=model_dir, options=options)
+    _WORKER_POOL.warm()
+
+
+def _decode_in_worker(pcm: np.ndarray, sample_rate: int) -> tuple[str, Any]:
+    """A decode in a worker process: ``("ok", (text, [(word, start_s, end_s), ...]))`` or ``("error", message)``
+    (errors travel as text: the exception classes take keyword arguments that pickling drops)."""
+    assert _WORKER_POOL is not None
+    try:
+        t = _WORKER_POOL.decode(pcm, sample_rate)
+    except (AudioFormatError, TranscriberError) as exc:
+        return "error", f"{type(exc).__name__}: {exc}"
+    return "ok", (t.text, [(w.text, w.start_s, w.end_s) for w in t.words])
+
+
 class PocketSphinxTranscriber:
     """The embedded offline transcriber: pocketsphinx with its bundled US-English model, word timings included.
 
@@ -213,9 +242,10 @@ class PocketSphinxTranscriber:
         pool_size: how many clips may decode at the same time (one decoder each).
         options: extra pocketsphinx decoder options.
 
-    ``await transcribe(pcm [S] float32, sample_rate Hz)`` runs the decode in a worker thread so the event loop
-    stays free, and returns a :class:`Transcript` with ``words``. Raises
-    :class:`~cspan.backends.errors.TranscriberError` (``endpoint="pocketsphinx"``).
+    ``await transcribe(pcm [S] float32, sample_rate Hz)`` runs the decode in one of ``pool_size`` worker processes
+    (pocketsphinx holds the GIL: see the module docstring) and returns a :class:`Transcript` with ``words``; the
+    processes start at the first clip or at :meth:`warm`. Raises :class:`~cspan.backends.errors.TranscriberError`
+    (``endpoint="pocketsphinx"``).
     """
 
     endpoint = ENDPOINT
@@ -228,10 +258,26 @@ class PocketSphinxTranscriber:
         options: Mapping[str, Any] | None = None,
     ) -> None:
         self.pool = SphinxDecoderPool(pool_size, model_dir=model_dir, options=options)
+        self._worker_args = (None if model_dir is None else str(model_dir), dict(options) if options else None)
+        self._pool_size = int(pool_size)
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    def _processes(self) -> concurrent.futures.ProcessPoolExecutor:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ProcessPoolExecutor(
+                    max_workers=self._pool_size,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_init_worker,
+                    initargs=self._worker_args,
+                )
+            return self._executor
 
     def warm(self) -> None:
-        """Load one decoder now instead of at the first clip."""
-        self.pool.warm()
+        """Start the decoding processes and load their decoders now instead of at the first clip."""
+        futures = [self._processes().submit(_decode_in_worker, np.zeros(0, np.float32), 16_000)]
+        concurrent.futures.wait(futures)
 
     def transcribe_sync(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
         """Blocking form of :meth:`transcribe`."""
@@ -241,8 +287,27 @@ class PocketSphinxTranscriber:
             raise TranscriberError(f"pocketsphinx: cannot use this clip: {exc}", endpoint=ENDPOINT) from exc
 
     async def transcribe(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
-        """Transcribe ``pcm`` ``[S]`` float32 mono at ``sample_rate`` Hz in a worker thread."""
-        return await asyncio.to_thread(self.transcribe_sync, pcm, sample_rate)
+        """Transcribe ``pcm`` ``[S]`` float32 mono at ``sample_rate`` Hz in a worker process."""
+        try:
+            pcm = as_mono_float32(pcm)
+            sample_rate = check_sample_rate(sample_rate)
+        except AudioFormatError as exc:
+            raise TranscriberError(f"pocketsphinx: cannot use this clip: {exc}", endpoint=ENDPOINT) from exc
+        loop = asyncio.get_running_loop()
+        try:
+            status, result = await loop.run_in_executor(self._processes(), _decode_in_worker, pcm, sample_rate)
+        except concurrent.futures.process.BrokenProcessPool as exc:
+            with self._executor_lock:
+                self._executor = None  # a new one at the next clip
+            raise TranscriberError(f"pocketsphinx: the decoding process died ({exc})", endpoint=ENDPOINT) from None
+        if status != "ok":
+            raise TranscriberError(f"pocketsphinx: {result}", endpoint=ENDPOINT)
+        text, words = result
+        return Transcript(text=text, words=[Word(text=w, start_s=a, end_s=b) for w, a, b in words])
 
     async def aclose(self) -> None:
-        """Nothing to release (decoders are freed with the object); present for symmetry with the HTTP clients."""
+        """Stop the decoding processes (decoders in this process are freed with the object)."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)

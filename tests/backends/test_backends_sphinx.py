@@ -1,0 +1,45 @@
+"""The embedded pocketsphinx transcriber decodes in worker processes: the GIL it holds while decoding never stops
+the server's other threads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+
+async def test_a_decode_leaves_the_other_threads_running(fixture_file) -> None:
+    """pocketsphinx holds the GIL while it decodes; transcribe() decodes in a worker process, so a thread of this
+    process (the duplex engine's frame clock, the event loop) keeps running meanwhile: a 1 ms sleeper ticks through
+    the decodes instead of stopping for them."""
+    import threading
+    import time
+
+    import soundfile as sf
+
+    from cspan.backends.asr.sphinx import PocketSphinxTranscriber
+
+    pcm, sr = sf.read(fixture_file("audio", "question_weather_24k.wav"), dtype="float32")
+    clip = np.concatenate([pcm] * 4)
+    transcriber = PocketSphinxTranscriber()
+    try:
+        await asyncio.to_thread(transcriber.warm)
+        ticks, stop = [0], threading.Event()
+
+        def sleeper() -> None:
+            while not stop.is_set():
+                time.sleep(0.001)
+                ticks[0] += 1
+
+        thread = threading.Thread(target=sleeper)
+        thread.start()
+        t0 = time.perf_counter()
+        results = [await transcriber.transcribe(clip, sr) for _ in range(3)]
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        thread.join()
+        assert all("weather" in r.text for r in results), [r.text for r in results]
+        # in-process decoding gave about 11 ticks in 2.7 s; a free thread gets hundreds (1 ms sleeps + scheduling)
+        assert ticks[0] > 0.1 * elapsed * 1000, (ticks[0], elapsed)
+    finally:
+        await transcriber.aclose()
