@@ -419,7 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.report is not None:
         return report(args.report)
     if args.worker is not None:
-        return worker(args)
+        rc = worker(args)
+        # Every result is written and the process group destroyed: leave without the interpreter's teardown, where
+        # gloo's threads sometimes abort the process ("terminate called without an active exception", SIGABRT),
+        # which torchrun then reports as a failed run (seen on CPU in long test sessions).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     return launch(args)
 
 
