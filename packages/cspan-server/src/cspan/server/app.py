@@ -203,6 +203,9 @@ async def build_backends(settings: ServeSettings, transcriber: Any) -> Backends:
     from cspan.backends.router import LLMRouter, LocalRouter
     from cspan.backends.tools.catalog import build_bank
 
+    warm = getattr(transcriber, "warm", None)
+    if warm is not None:  # the embedded transcriber's decoding processes start now, not at a session's first clip
+        await asyncio.to_thread(warm)
     if settings.router == "none":
         if settings.mcp or settings.tools is not None:
             logger.warning("--router none: no router calls tools; --tools and --mcp are not used")

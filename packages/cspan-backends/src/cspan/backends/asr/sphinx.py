@@ -14,12 +14,13 @@ pocketsphinx holds Python's GIL while it decodes (about 0.4 s of CPU per second 
 stops every other thread of the process, the duplex engine's frame clock and the event loop included (a served
 session fell seconds behind real time on its partial transcripts). So :meth:`PocketSphinxTranscriber.transcribe`
 decodes in worker processes (``concurrent.futures.ProcessPoolExecutor``, started with ``spawn``, one decoder per
-worker); :meth:`~PocketSphinxTranscriber.transcribe_sync` still decodes in the calling thread.
+worker, shared by the transcribers of one model in a process); :meth:`~PocketSphinxTranscriber.transcribe_sync` still decodes in the calling thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import multiprocessing
 import queue
@@ -210,6 +211,40 @@ class SphinxDecoderPool:
         return Transcript(text=" ".join(w.text for w in words), words=words)
 
 
+_PROCESSES: dict[tuple[Any, ...], concurrent.futures.ProcessPoolExecutor] = {}
+"""The decoding processes of this process, per (model folder, options, pool size): shared by every transcriber of
+the same model, started once (spawn and a decoder load take seconds), ended at interpreter exit."""
+_PROCESSES_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_processes() -> None:
+    """Stop the decoding processes before the interpreter tears its modules down (an executor collected later logs
+    an ignored exception)."""
+    with _PROCESSES_LOCK:
+        executors = list(_PROCESSES.values())
+        _PROCESSES.clear()
+    for executor in executors:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _processes(key: tuple[Any, ...], *, replace: bool = False) -> concurrent.futures.ProcessPoolExecutor:
+    """The process pool of ``key`` = (model_dir, options, pool size), started at the first call (``replace``: a new
+    one, after a worker died)."""
+    with _PROCESSES_LOCK:
+        if replace:
+            _PROCESSES.pop(key, None)
+        if key not in _PROCESSES:
+            model_dir, options, size = key
+            _PROCESSES[key] = concurrent.futures.ProcessPoolExecutor(
+                max_workers=size,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(model_dir, dict(options) if options else None),
+            )
+        return _PROCESSES[key]
+
+
 _WORKER_POOL: SphinxDecoderPool | None = None  # a worker process's decoder (set by _init_worker)
 
 
@@ -244,7 +279,8 @@ class PocketSphinxTranscriber:
 
     ``await transcribe(pcm [S] float32, sample_rate Hz)`` runs the decode in one of ``pool_size`` worker processes
     (pocketsphinx holds the GIL: see the module docstring) and returns a :class:`Transcript` with ``words``; the
-    processes start at the first clip or at :meth:`warm`. Raises :class:`~cspan.backends.errors.TranscriberError`
+    processes start at the first clip or at :meth:`warm` (``cspan serve`` and ``cspan infer`` warm it when they
+    build their backends). Raises :class:`~cspan.backends.errors.TranscriberError`
     (``endpoint="pocketsphinx"``).
     """
 
@@ -258,25 +294,12 @@ class PocketSphinxTranscriber:
         options: Mapping[str, Any] | None = None,
     ) -> None:
         self.pool = SphinxDecoderPool(pool_size, model_dir=model_dir, options=options)
-        self._worker_args = (None if model_dir is None else str(model_dir), dict(options) if options else None)
-        self._pool_size = int(pool_size)
-        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
-        self._executor_lock = threading.Lock()
-
-    def _processes(self) -> concurrent.futures.ProcessPoolExecutor:
-        with self._executor_lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self._pool_size,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_init_worker,
-                    initargs=self._worker_args,
-                )
-            return self._executor
+        options_key = tuple(sorted((options or {}).items()))
+        self._processes_key = (None if model_dir is None else str(model_dir), options_key, int(pool_size))
 
     def warm(self) -> None:
         """Start the decoding processes and load their decoders now instead of at the first clip."""
-        futures = [self._processes().submit(_decode_in_worker, np.zeros(0, np.float32), 16_000)]
+        futures = [_processes(self._processes_key).submit(_decode_in_worker, np.zeros(0, np.float32), 16_000)]
         concurrent.futures.wait(futures)
 
     def transcribe_sync(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
@@ -295,10 +318,11 @@ class PocketSphinxTranscriber:
             raise TranscriberError(f"pocketsphinx: cannot use this clip: {exc}", endpoint=ENDPOINT) from exc
         loop = asyncio.get_running_loop()
         try:
-            status, result = await loop.run_in_executor(self._processes(), _decode_in_worker, pcm, sample_rate)
+            status, result = await loop.run_in_executor(
+                _processes(self._processes_key), _decode_in_worker, pcm, sample_rate
+            )
         except concurrent.futures.process.BrokenProcessPool as exc:
-            with self._executor_lock:
-                self._executor = None  # a new one at the next clip
+            _processes(self._processes_key, replace=True)  # a new one for the next clip
             raise TranscriberError(f"pocketsphinx: the decoding process died ({exc})", endpoint=ENDPOINT) from None
         if status != "ok":
             raise TranscriberError(f"pocketsphinx: {result}", endpoint=ENDPOINT)
@@ -306,8 +330,5 @@ class PocketSphinxTranscriber:
         return Transcript(text=text, words=[Word(text=w, start_s=a, end_s=b) for w, a, b in words])
 
     async def aclose(self) -> None:
-        """Stop the decoding processes (decoders in this process are freed with the object)."""
-        with self._executor_lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: decoders are freed with the object, and the decoding processes are shared by every
+        transcriber of the same model in this process (they end with it)."""

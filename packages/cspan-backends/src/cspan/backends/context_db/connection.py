@@ -18,6 +18,7 @@ import os
 import re
 import sqlite3
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class Transaction:
         return self._run(sql, params)
 
 
-class Connection:
+class Connection(ABC):
     """Base of the two engines; :func:`connect` picks one from the target."""
 
     dialect: Dialect
@@ -57,14 +58,17 @@ class Connection:
     """The database in words, for messages (a PostgreSQL URL without its password)."""
     journal_mode: str = ""
 
+    @abstractmethod
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """The rows of one read-only statement, as dicts."""
 
+    @abstractmethod
     def write(self) -> Any:
-        raise NotImplementedError
+        """A context manager around one write transaction (:class:`Transaction`)."""
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Close the connection(s)."""
 
 
 class SQLiteConnection(Connection):

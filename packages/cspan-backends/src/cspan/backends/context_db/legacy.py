@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,13 +74,14 @@ def _in_thread(sync: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-class LegacyMethods:
+class LegacyMethods(ABC):
     """The deprecated per-call-user methods of :class:`~cspan.backends.context_db.ContextDB` (see the module)."""
 
     _conn: Connection
 
-    def user(self, principal: Any) -> UserMemory:  # pragma: no cover - provided by ContextDB
-        raise NotImplementedError
+    @abstractmethod
+    def user(self, principal: Any) -> UserMemory:
+        """One principal's memory (:meth:`ContextDB.user <cspan.backends.context_db.ContextDB.user>`)."""
 
     def _memory_of_conversation(self, conversation_id: str) -> UserMemory:
         """The memory of the user owning ``conversation_id`` (an unknown id reads as user "default"'s: empty)."""

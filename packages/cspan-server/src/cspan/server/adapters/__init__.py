@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import pkgutil
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -69,7 +70,7 @@ class Credential:
     subprotocol: str | None = None
 
 
-class ProtocolAdapter:
+class ProtocolAdapter(ABC):
     """One wire protocol: translates its messages into session calls, and session outputs into its messages.
 
     One instance per accepted connection, created by the app with the connection's :class:`Session` (state
@@ -94,20 +95,20 @@ class ProtocolAdapter:
         """Where this protocol's client puts its credential; default: the query parameter ``token``."""
         return Credential(token=connection.query.get("token"))
 
-    async def opened(self) -> None:
+    async def opened(self) -> None:  # noqa: B027 - an optional hook: most protocols start with a message
         """Called once the connection is accepted, before the first message (e.g. start from query parameters)."""
 
+    @abstractmethod
     async def receive(self, data: bytes | str) -> None:
         """Handle one client message: call the session (``start``, ``push_audio``, ``update_profile``, ``stop``).
 
         Raise :class:`~cspan.server.session.ClientError` for a bad message: the app reports it through
         :meth:`render` (an :class:`~cspan.server.session.ErrorOut`) and the session goes on.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def render(self, item: Outbound) -> list[bytes | str]:
         """The wire messages for one session output (in order; empty to send nothing for it)."""
-        raise NotImplementedError
 
 
 def discover_adapters() -> list[type[ProtocolAdapter]]:
