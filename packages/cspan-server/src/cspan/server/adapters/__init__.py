@@ -95,7 +95,7 @@ class ProtocolAdapter(ABC):
         """Where this protocol's client puts its credential; default: the query parameter ``token``."""
         return Credential(token=connection.query.get("token"))
 
-    async def opened(self) -> None:  # noqa: B027 - an optional hook: most protocols start with a message
+    async def opened(self) -> None:  # noqa: B027 (an optional hook)
         """Called once the connection is accepted, before the first message (e.g. start from query parameters)."""
 
     @abstractmethod
