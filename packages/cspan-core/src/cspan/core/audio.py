@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import soundfile as sf
@@ -126,15 +127,25 @@ def _open(path: Path) -> sf.SoundFile:
         )
     if path.stat().st_size == 0:
         raise AudioInputError(f"{path}: the file is empty (0 bytes)")
+    # bytes: a name that is not UTF-8 opens too
+    return open_decoder(os.fsencode(path), path, "supported are the formats libsndfile reads")
+
+
+def open_decoder(source: Any, label: str | os.PathLike[str], hint: str) -> sf.SoundFile:
+    """libsndfile's reader of ``source`` (a file name or a binary file object) whose sample rate is plausible.
+
+    Raises:
+        AudioInputError: not decodable ("<label>: cannot decode audio (<libsndfile's reason>); <hint> (formats)"),
+            or a sample rate outside :data:`MIN_SAMPLE_RATE`..:data:`MAX_SAMPLE_RATE`.
+    """
     try:
-        f = sf.SoundFile(os.fsencode(path))  # bytes: a name that is not UTF-8 opens too
+        f = sf.SoundFile(source)
     except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
         raise AudioInputError(
-            f"{path}: cannot decode audio ({decode_error_cause(exc)}); supported are the formats libsndfile reads "
-            f"({READABLE_FORMATS})"
-        ) from exc
+            f"{label}: cannot decode audio ({decode_error_cause(exc)}); {hint} ({READABLE_FORMATS})"
+        ) from None
     try:
-        check_sample_rate(int(f.samplerate), path)
+        check_sample_rate(int(f.samplerate), label)
     except AudioInputError:
         f.close()
         raise

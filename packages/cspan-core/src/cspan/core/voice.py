@@ -378,33 +378,14 @@ def prepare_voice_audio(
     import pyloudnorm
     import soundfile as sf
 
-    from .audio import (
-        READABLE_FORMATS,
-        SILENCE_PEAK,
-        _open,
-        check_sample_rate,
-        decode_error_cause,
-        resample,
-        sanitize_pcm,
-    )
+    from .audio import SILENCE_PEAK, _open, decode_error_cause, open_decoder, resample, sanitize_pcm
 
     if isinstance(source, (str, os.PathLike)):
         label = name or str(source)
         opened = _open(Path(source))
     else:
         label = name or "the voice recording"
-        try:
-            opened = sf.SoundFile(source)
-        except (sf.LibsndfileError, RuntimeError, TypeError) as exc:
-            raise AudioInputError(
-                f"{label}: cannot decode audio ({decode_error_cause(exc)}); send a recording libsndfile reads "
-                f"({READABLE_FORMATS})"
-            ) from None
-        try:
-            check_sample_rate(int(opened.samplerate), label)
-        except AudioInputError:
-            opened.close()
-            raise
+        opened = open_decoder(source, label, "send a recording libsndfile reads")
     longest = f"{VOICE_MIN_SECONDS:.0f} to {VOICE_MAX_SECONDS:.0f} s of speech"
     with opened as f:
         rate, frames = int(f.samplerate), int(f.frames)

@@ -204,6 +204,21 @@
     voiceStatus(`Your voice is ready (${what}): it is sent with Start.`);
   }
 
+  // The microphone as 80 ms frames at RATE (the mic-frames worklet resamples), kept running through a muted output.
+  async function micFrames(ctx, source) {
+    await ctx.audioWorklet.addModule("/static/mic-worklet.js");
+    const mic = new AudioWorkletNode(ctx, "mic-frames", {
+      numberOfInputs: 1,
+      numberOfOutputs: 1,
+      outputChannelCount: [1],
+      processorOptions: { frameSize: FRAME, inputRate: ctx.sampleRate, outputRate: RATE },
+    });
+    const mute = ctx.createGain();
+    mute.gain.value = 0;
+    source.connect(mic).connect(mute).connect(ctx.destination);
+    return mic;
+  }
+
   async function recordVoice() {
     if (recording) return;
     if (s && !s.finished) {
@@ -228,16 +243,7 @@
       } catch (e) {
         ctx = new AudioContext();
       }
-      await ctx.audioWorklet.addModule("/static/mic-worklet.js");
-      const mic = new AudioWorkletNode(ctx, "mic-frames", {
-        numberOfInputs: 1,
-        numberOfOutputs: 1,
-        outputChannelCount: [1],
-        processorOptions: { frameSize: FRAME, inputRate: ctx.sampleRate, outputRate: RATE },
-      });
-      const mute = ctx.createGain();
-      mute.gain.value = 0;
-      ctx.createMediaStreamSource(stream).connect(mic).connect(mute).connect(ctx.destination);
+      const mic = await micFrames(ctx, ctx.createMediaStreamSource(stream));
       const want = Math.round((RECORD_SECONDS * RATE) / FRAME);
       const frames = [];
       await ctx.resume();
@@ -536,18 +542,8 @@
         session.ctx = new AudioContext({ latencyHint: "interactive" }); // resampled in the worklets
       }
       const ctx = session.ctx;
-      await ctx.audioWorklet.addModule("/static/mic-worklet.js");
       await ctx.audioWorklet.addModule("/static/player-worklet.js");
-      const source = ctx.createMediaStreamSource(session.stream);
-      session.mic = new AudioWorkletNode(ctx, "mic-frames", {
-        numberOfInputs: 1,
-        numberOfOutputs: 1,
-        outputChannelCount: [1],
-        processorOptions: { frameSize: FRAME, inputRate: ctx.sampleRate, outputRate: RATE },
-      });
-      const mute = ctx.createGain();
-      mute.gain.value = 0;
-      source.connect(session.mic).connect(mute).connect(ctx.destination);
+      session.mic = await micFrames(ctx, ctx.createMediaStreamSource(session.stream));
       session.player = new AudioWorkletNode(ctx, "agent-player", {
         numberOfInputs: 0,
         numberOfOutputs: 1,
