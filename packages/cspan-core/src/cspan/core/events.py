@@ -7,7 +7,7 @@ times 0.08 s); ``frame`` is the 12.5 Hz frame index.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -121,20 +121,22 @@ class ErrorEvent(_Event):
     message: str
 
 
-ConversationEvent = Annotated[
-    TextEvent
-    | UserTextEvent
-    | RetEvent
-    | QuestionEvent
-    | SpanEvent
-    | LateEvent
-    | NoSpanEvent
-    | PersonaEvent
-    | ErrorEvent,
-    Field(discriminator="type"),
-]
+EVENT_MODELS = (
+    TextEvent,
+    UserTextEvent,
+    RetEvent,
+    QuestionEvent,
+    SpanEvent,
+    LateEvent,
+    NoSpanEvent,
+    PersonaEvent,
+    ErrorEvent,
+)
+"""Every conversation event model (a new event is added here, and every protocol's message union follows)."""
+ConversationEvent = Annotated[Union[EVENT_MODELS], Field(discriminator="type")]  # noqa: UP007 (a tuple of models)
 
 __all__ = [
+    "EVENT_MODELS",
     "ConversationEvent",
     "ErrorEvent",
     "LateEvent",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -30,15 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from cspan.backends.untrusted import JSONInputError, loads
 from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
 from cspan.core.events import (
+    EVENT_MODELS,
     ErrorEvent,
-    LateEvent,
-    NoSpanEvent,
-    PersonaEvent,
-    QuestionEvent,
-    RetEvent,
-    SpanEvent,
-    TextEvent,
-    UserTextEvent,
 )
 from cspan.server.session import (
     ClientError,
@@ -343,39 +336,18 @@ class ErrorMessage(_ServerModel):
     t: float | None = None
 
 
-ServerMessage = Annotated[
-    ReadyMessage
-    | BusyMessage
-    | VoiceMessage
-    | ByeMessage
-    | SlotMessage
-    | ErrorMessage
-    | TextEvent
-    | UserTextEvent
-    | RetEvent
-    | QuestionEvent
-    | SpanEvent
-    | LateEvent
-    | NoSpanEvent
-    | PersonaEvent,
-    Field(discriminator="type"),
-]
-SERVER_MESSAGE_TYPES = (
-    "ready",
-    "busy",
-    "voice",
-    "bye",
-    "slot",
-    "error",
-    "text",
-    "user_text",
-    "ret",
-    "question",
-    "span",
-    "late",
-    "no_span",
-    "persona",
+SERVER_MODELS = (
+    ReadyMessage,
+    BusyMessage,
+    VoiceMessage,
+    ByeMessage,
+    SlotMessage,
+    ErrorMessage,
+    *(event for event in EVENT_MODELS if event is not ErrorEvent),  # a backend failure goes out as ErrorMessage
 )
+"""Every message model the server sends on ``/ws``."""
+ServerMessage = Annotated[Union[SERVER_MODELS], Field(discriminator="type")]  # noqa: UP007 (a tuple of models)
+SERVER_MESSAGE_TYPES = tuple(model.model_fields["type"].default for model in SERVER_MODELS)
 server_message_adapter: TypeAdapter[Any] = TypeAdapter(ServerMessage)
 
 
