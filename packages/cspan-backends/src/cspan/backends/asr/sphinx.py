@@ -13,21 +13,24 @@ frame rate (``-frate``, 100 frames per second by default): ``start_s = start_fra
 pocketsphinx holds Python's GIL while it decodes (about 0.4 s of CPU per second of speech here): in a thread it
 stops every other thread of the process, the duplex engine's frame clock and the event loop included (a served
 session fell seconds behind real time on its partial transcripts). So :meth:`PocketSphinxTranscriber.transcribe`
-decodes in worker processes (``concurrent.futures.ProcessPoolExecutor``, started with ``spawn``, one decoder per
-worker, shared by the transcribers of one model in a process); :meth:`~PocketSphinxTranscriber.transcribe_sync` still decodes in the calling thread.
+decodes in worker processes (:class:`SphinxWorker`: ``python -m cspan.backends.asr.sphinx_worker``, one decoder
+each, shared by the transcribers of one model in a process; the calling thread waits on a pipe, GIL released); :meth:`~PocketSphinxTranscriber.transcribe_sync` still decodes in the calling thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
-import multiprocessing
+import json
 import queue
 import re
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -211,59 +214,137 @@ class SphinxDecoderPool:
         return Transcript(text=" ".join(w.text for w in words), words=words)
 
 
-_PROCESSES: dict[tuple[Any, ...], concurrent.futures.ProcessPoolExecutor] = {}
-"""The decoding processes of this process, per (model folder, options, pool size): shared by every transcriber of
-the same model, started once (spawn and a decoder load take seconds), ended at interpreter exit."""
-_PROCESSES_LOCK = threading.Lock()
+class SphinxWorker:
+    """One decoding process: ``python -m cspan.backends.asr.sphinx_worker`` with one decoder, spoken to over its
+    standard input and output (a JSON line of settings once; then per clip 8 bytes ``<samples, rate>`` (uint32 little
+    endian) and the float32 samples; back one JSON line ``{"text", "words": [[word, start_s, end_s], ...]}`` or
+    ``{"error": ...}``). A plain subprocess: nothing of the caller's ``__main__`` is imported, nothing is unpickled.
+
+    Raises:
+        TranscriberError: the process could not start or died (its last stderr lines are in the message).
+    """
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key  # (model_dir, options as sorted pairs)
+        model_dir, options = key
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cspan.backends.asr.sphinx_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self._send(json.dumps({"model_dir": model_dir, "options": dict(options)}).encode() + b"\n")
+        self._reply()  # the decoder is loaded
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.process.stdin.write(data)
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._died()
+
+    def _reply(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()
+        if not line:
+            self._died()
+        return json.loads(line)
+
+    def _died(self) -> None:
+        self.process.kill()
+        tail = self.process.stderr.read().decode(errors="replace").strip().splitlines()[-3:]
+        raise TranscriberError(f"pocketsphinx: the decoding process ended ({' / '.join(tail) or 'no message'})",
+                               endpoint=ENDPOINT)  # fmt: skip
+
+    def decode(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
+        """Transcribe float32 ``pcm`` [S] at ``sample_rate`` Hz in the process (blocking; one clip at a time)."""
+        pcm = np.ascontiguousarray(pcm, dtype="<f4")
+        self._send(struct.pack("<II", pcm.size, sample_rate) + pcm.tobytes())
+        reply = self._reply()
+        if "error" in reply:
+            raise TranscriberError(f"pocketsphinx: {reply['error']}", endpoint=ENDPOINT)
+        words = [Word(text=w, start_s=a, end_s=b) for w, a, b in reply["words"]]
+        return Transcript(text=reply["text"], words=words)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self) -> None:
+        if self.alive:
+            self.process.stdin.close()  # the worker leaves at the end of its input
+            try:
+                self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+_WORKERS: dict[tuple[Any, ...], queue.Queue[SphinxWorker]] = {}
+"""Idle decoding processes of this process, per (model folder, options): shared by every transcriber of the same
+model (a process and its decoder take seconds to start), ended at interpreter exit."""
+_ALL_WORKERS: list[SphinxWorker] = []
+_WORKERS_LOCK = threading.Lock()
 
 
 @atexit.register
-def _stop_processes() -> None:
-    """Stop the decoding processes before the interpreter tears its modules down (an executor collected later logs
-    an ignored exception)."""
-    with _PROCESSES_LOCK:
-        executors = list(_PROCESSES.values())
-        _PROCESSES.clear()
-    for executor in executors:
-        executor.shutdown(wait=True, cancel_futures=True)
+def _stop_workers() -> None:
+    with _WORKERS_LOCK:
+        workers = list(_ALL_WORKERS)
+        _ALL_WORKERS.clear()
+        _WORKERS.clear()
+    for worker in workers:
+        worker.close()
 
 
-def _processes(key: tuple[Any, ...], *, replace: bool = False) -> concurrent.futures.ProcessPoolExecutor:
-    """The process pool of ``key`` = (model_dir, options, pool size), started at the first call (``replace``: a new
-    one, after a worker died)."""
-    with _PROCESSES_LOCK:
-        if replace:
-            _PROCESSES.pop(key, None)
-        if key not in _PROCESSES:
-            model_dir, options, size = key
-            _PROCESSES[key] = concurrent.futures.ProcessPoolExecutor(
-                max_workers=size,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(model_dir, dict(options) if options else None),
-            )
-        return _PROCESSES[key]
+@dataclass(eq=False)
+class _Starting:
+    """A place taken by a worker being started."""
+
+    key: tuple[Any, ...]
+
+    def close(self) -> None:
+        pass
 
 
-_WORKER_POOL: SphinxDecoderPool | None = None  # a worker process's decoder (set by _init_worker)
-
-
-def _init_worker(model_dir: str | None, options: dict[str, Any] | None) -> None:
-    """Initializer of a decoding process: its one decoder, loaded now."""
-    global _WORKER_POOL
-    _WORKER_POOL = SphinxDecoderPool(1, model_dir=model_dir, options=options)
-    _WORKER_POOL.warm()
-
-
-def _decode_in_worker(pcm: np.ndarray, sample_rate: int) -> tuple[str, Any]:
-    """A decode in a worker process: ``("ok", (text, [(word, start_s, end_s), ...]))`` or ``("error", message)``
-    (errors travel as text: the exception classes take keyword arguments that pickling drops)."""
-    assert _WORKER_POOL is not None
+@contextmanager
+def _worker(key: tuple[Any, ...], size: int) -> Iterator[SphinxWorker]:
+    """Borrow a decoding process of ``key`` = (model_dir, options); at most ``size`` of them run at once."""
+    while True:
+        with _WORKERS_LOCK:
+            idle = _WORKERS.setdefault(key, queue.Queue())
+            try:
+                worker = idle.get_nowait()
+                break
+            except queue.Empty:
+                pass
+            start = sum(1 for w in _ALL_WORKERS if w.key == key) < size
+            if start:
+                _ALL_WORKERS.append(placeholder := _Starting(key))
+        if start:
+            try:
+                worker = SphinxWorker(key)
+            finally:
+                with _WORKERS_LOCK:
+                    _ALL_WORKERS.remove(placeholder)
+            with _WORKERS_LOCK:
+                _ALL_WORKERS.append(worker)
+            break
+        try:  # wake up now and then: a worker that died frees a place to start a new one
+            worker = idle.get(timeout=0.5)
+            break
+        except queue.Empty:
+            continue
+    ok = False
     try:
-        t = _WORKER_POOL.decode(pcm, sample_rate)
-    except (AudioFormatError, TranscriberError) as exc:
-        return "error", f"{type(exc).__name__}: {exc}"
-    return "ok", (t.text, [(w.text, w.start_s, w.end_s) for w in t.words])
+        yield worker
+        ok = True
+    finally:
+        if ok and worker.alive:
+            idle.put(worker)
+        else:
+            worker.close()
+            with _WORKERS_LOCK:
+                if worker in _ALL_WORKERS:
+                    _ALL_WORKERS.remove(worker)
 
 
 class PocketSphinxTranscriber:
@@ -294,13 +375,13 @@ class PocketSphinxTranscriber:
         options: Mapping[str, Any] | None = None,
     ) -> None:
         self.pool = SphinxDecoderPool(pool_size, model_dir=model_dir, options=options)
-        options_key = tuple(sorted((options or {}).items()))
-        self._processes_key = (None if model_dir is None else str(model_dir), options_key, int(pool_size))
+        self._worker_key = (None if model_dir is None else str(model_dir), tuple(sorted((options or {}).items())))
+        self._pool_size = int(pool_size)
 
     def warm(self) -> None:
-        """Start the decoding processes and load their decoders now instead of at the first clip."""
-        futures = [_processes(self._processes_key).submit(_decode_in_worker, np.zeros(0, np.float32), 16_000)]
-        concurrent.futures.wait(futures)
+        """Start a decoding process and load its decoder now instead of at the first clip."""
+        with _worker(self._worker_key, self._pool_size):
+            pass
 
     def transcribe_sync(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
         """Blocking form of :meth:`transcribe`."""
@@ -316,18 +397,11 @@ class PocketSphinxTranscriber:
             sample_rate = check_sample_rate(sample_rate)
         except AudioFormatError as exc:
             raise TranscriberError(f"pocketsphinx: cannot use this clip: {exc}", endpoint=ENDPOINT) from exc
-        loop = asyncio.get_running_loop()
-        try:
-            status, result = await loop.run_in_executor(
-                _processes(self._processes_key), _decode_in_worker, pcm, sample_rate
-            )
-        except concurrent.futures.process.BrokenProcessPool as exc:
-            _processes(self._processes_key, replace=True)  # a new one for the next clip
-            raise TranscriberError(f"pocketsphinx: the decoding process died ({exc})", endpoint=ENDPOINT) from None
-        if status != "ok":
-            raise TranscriberError(f"pocketsphinx: {result}", endpoint=ENDPOINT)
-        text, words = result
-        return Transcript(text=text, words=[Word(text=w, start_s=a, end_s=b) for w, a, b in words])
+        return await asyncio.to_thread(self._decode_in_process, pcm, sample_rate)
+
+    def _decode_in_process(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
+        with _worker(self._worker_key, self._pool_size) as worker:
+            return worker.decode(pcm, sample_rate)
 
     async def aclose(self) -> None:
         """Nothing to release: decoders are freed with the object, and the decoding processes are shared by every
