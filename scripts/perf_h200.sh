@@ -12,7 +12,7 @@
 # (all git-ignored). Then, on the device, with carry [".whl", ".device"]:
 #   bash scripts/perf_h200.sh            # call 1: env tests bench baseline attention (about 8.5 minutes)
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
-#   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh baseline attention capacity fp8
+#   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before baseline attention capacity fp8
 #                                        #         triton profile tune-conv tune-prefill pinned
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -29,6 +29,9 @@ if [ "${1:-}" = "prepare" ]; then
   python3 -m pip download -q --no-deps $plat -d .whl/flashinfer flashinfer-python==0.6.0 "apache-tvm-ffi<0.2,>=0.1.6"
   cp -r ../shared/fixtures/reference .device/fixtures
   cp ../shared/bench/moshi_baseline.py .device/
+  mkdir -p .device/before  # the engine before v2, for the `before` stage
+  git archive 9236a36 packages/cspan-core/src packages/cspan-bench/src packages/cspan-backends/src scripts/perf_h200.py \
+    | tar -x -C .device/before
   du -sh .whl .device
   exit 0
 fi
@@ -77,6 +80,9 @@ for stage in $stages; do
         --batch-size 128 --span-sessions 2 --out "$LOGS/latency_fp8.json" ;;
     fresh)  # freshly reset streams: the batch-1 before/after table (no regression beyond 3 %)
       run fresh 120 $BENCH latency --random-7b --fresh --iters 50 --out "$LOGS/latency_fresh.json" ;;
+    before)  # the same fresh-stream table on the engine before v2 (9236a36; `prepare` copies it to .device/before)
+      run before 120 env PYTHONPATH=/tmp/site:$PWD/.device/before/packages/cspan-core/src:$PWD/.device/before/packages/cspan-bench/src:$PWD/.device/before/packages/cspan-backends/src \
+        python3 .device/before/scripts/perf_h200.py bench latency --random-7b --iters 50 --out "$LOGS/latency_fresh_before.json" ;;
     baseline)  # upstream moshi 0.2.13 in the same call (copied into .device by `prepare`)
       run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,32,64,80 SPANS=600 \
         PREFILL_GRAPH=1 ITERS=20 WARM=3 SPAN_ITERS=10 python3 .device/moshi_baseline.py ;;

@@ -40,6 +40,29 @@ def test_the_plan_pads_only_with_buckets(tiny_checkpoint) -> None:
     assert batch.rows == [2] and batch.shape.rows == 1
 
 
+def test_the_library_decode_follows_the_measured_sweep(tiny_checkpoint) -> None:
+    """FlashInfer's decode where C8's sweep found it at least as fast (8 rows and more except 25 to 32), the Triton
+    kernel elsewhere; forced either way by CSPAN_ATTENTION; never when the plan chose no library."""
+    import dataclasses
+
+    plan = DuplexEngine(tiny_checkpoint, batch_size=1).plan
+    assert plan.library is None and not plan.library_decode(64)  # CPU: no library
+    measured = dataclasses.replace(plan, library="measured")
+    assert [r for r in (1, 2, 4, 5, 8, 16, 24, 25, 32, 33, 48, 64, 80, 128, 200) if measured.library_decode(r)] == [
+        5,
+        8,
+        16,
+        24,
+        33,
+        48,
+        64,
+        80,
+        128,
+        200,
+    ]
+    assert all(dataclasses.replace(plan, library="always").library_decode(r) for r in (1, 32, 128))
+
+
 @pytest.mark.parametrize("model", ["tiny", "wrapped", "personaplex"])
 def test_padded_mixed_steps_equal_the_unpadded_and_batch1(model: str, tiny_checkpoint, fixtures_dir: Path) -> None:
     """Mixed steps (spans in two rows, a persona prefix in a third, plain steps, idle rows, live rows out of order)

@@ -139,7 +139,7 @@ def test_flashinfer_decode_equals_the_triton_decode(monkeypatch: pytest.MonkeyPa
     for backend in ("triton", "flashinfer"):
         monkeypatch.setenv("CSPAN_ATTENTION", backend)
         engine = DuplexEngine(lm, batch_size=3, cuda_graphs=True, temp=0, temp_text=0)
-        assert (engine.plan.library_rows is not None) is (backend == "flashinfer")
+        assert (engine.plan.library is not None) is (backend == "flashinfer")
         engine.set_persona(0, None, torch.randint(0, 2048, (8, 5), generator=torch.Generator().manual_seed(1)))
         got = []
         for t in range(16):

@@ -665,7 +665,7 @@ def run_latency(
         "cuda_graphs": bool(plan.cuda_graphs),
         "fused": bool(plan.fused),
         "kv_dtype": str(plan.kv_dtype).replace("torch.", ""),
-        "decode_attention": "triton" if plan.library_rows is None else f"flashinfer from {plan.library_rows} rows",
+        "decode_attention": "triton" if plan.library is None else f"flashinfer ({plan.library})",
         "predict_user": options.predict_user,
         "defer_spans": True,  # a span is read in the step that follows it (the engine's only way)
         "fill": fill,

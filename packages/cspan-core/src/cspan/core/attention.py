@@ -9,11 +9,12 @@ first (:func:`cspan.core.modules.fused.kv_write`), so the ring holds them when F
 
 Measured on an H200 (docs/perf/round4/c8/attention.log, full 3000-slot rings, bf16, us per 32-head layer, the
 project's Triton kernel at its best configuration per batch size): FlashInfer reads the ring at the copy bandwidth
-from 8 rows on (B = 8 / 16 / 64 / 80 / 128: 90.2 / 178.3 / 681.5 / 850.4 / 1357.7 against Triton's 93.6 / 181.1 /
-689.2 / 857.8 / 1367.6; B = 32 the one exception, 367.2 against 351.6), but one page per row leaves it no key split
-at one row (41.8 against 21.3). So the plan uses it for steps of at least :data:`MIN_ROWS` rows when
-``flashinfer`` imports and the cache is bf16 / fp16 (:func:`cspan.core.plan.resolve_plan`;
-``CSPAN_ATTENTION=triton`` keeps the Triton kernel everywhere). FlashInfer compiles its kernels on first use (nvcc,
+from 8 rows on (B = 8 / 16 / 24 / 48 / 64 / 80 / 128: 90.2 / 178.3 / 264.6 / 519.4 / 681.5 / 850.4 / 1357.7 against
+Triton's 93.6 / 181.1 / 268.5 / 521.4 / 689.2 / 857.8 / 1367.6), except at 32 rows (367.2 against 351.6); one page
+per row leaves it no key split at one row (41.8 against 21.3). :data:`FASTER_ROWS` holds that sweep, and the plan
+uses FlashInfer for a step of b rows when it was at least as fast at the smallest measured size >= b, it imports,
+and the cache is bf16 / fp16 (:func:`cspan.core.plan.resolve_plan`; ``CSPAN_ATTENTION=triton`` keeps the Triton
+kernel everywhere, ``=flashinfer`` uses FlashInfer everywhere). FlashInfer compiles its kernels on first use (nvcc,
 a few seconds). Source: FlashInfer, ``BatchDecodeWithPagedKVCacheWrapper``
 (flashinfer-ai/flashinfer, ``flashinfer/decode.py``).
 
@@ -27,11 +28,28 @@ from typing import Any
 
 import torch
 
-MIN_ROWS = 8
-"""Steps of at least this many rows use FlashInfer's decode (below it the Triton kernel, which splits the keys)."""
+FASTER_ROWS = (
+    (1, False),
+    (4, False),
+    (8, True),
+    (16, True),
+    (24, True),
+    (32, False),
+    (48, True),
+    (64, True),
+    (80, True),
+    (128, True),
+)
+"""(rows, FlashInfer at least as fast as the Triton kernel) per batch size of the C8 sweep (module docstring)."""
 WORKSPACE_BYTES = 128 << 20
 HEAD_DIMS = (64, 128, 256)
 """Head sizes FlashInfer's decode kernels are built for (others: the Triton kernel)."""
+
+
+def library_faster(rows: int) -> bool:
+    """Whether FlashInfer's decode was at least as fast as the Triton kernel for a step of ``rows`` rows: the
+    measurement at the smallest swept size >= rows (the largest beyond the sweep)."""
+    return next((faster for size, faster in FASTER_ROWS if size >= rows), FASTER_ROWS[-1][1])
 
 
 def available() -> bool:
@@ -103,4 +121,4 @@ class FlashInferDecode:
         return out.reshape(q.shape[0], -1)
 
 
-__all__ = ["MIN_ROWS", "FlashInferDecode", "available"]
+__all__ = ["FASTER_ROWS", "FlashInferDecode", "available", "library_faster"]

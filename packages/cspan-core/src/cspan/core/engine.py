@@ -223,7 +223,7 @@ class DuplexEngine:
         seeds = [fresh_seed() if seed is None else seed + i for i in range(batch_size)]
         self.sessions = Sessions(seeds, SessionSampling(self.text_params, self.audio_params), context=lm.cfg.context)
         self._library = None  # the library decode attention, where the plan chose it
-        if self.plan.library_rows is not None:
+        if self.plan.library is not None:
             cfg = lm.cfg
             self._library = FlashInferDecode(
                 self.device, cfg.num_heads, cfg.dim // cfg.num_heads, cfg.context, self.dtype, self.plan.cuda_graphs

@@ -46,9 +46,10 @@ class ExecutionPlan:
         kv_dtype: the KV cache's storage dtype (the model's, or ``torch.float8_e4m3fn``).
         decode_config: :func:`cspan.core.modules.fused.decode_attention`'s config for every batch size (tuning
             runs), or None for :data:`cspan.core.modules.fused.DECODE_CONFIGS`.
-        library_rows: steps of at least this many rows read the ring with FlashInfer's decode
-            (:mod:`cspan.core.attention`), None: never (not installed, ``CSPAN_ATTENTION=triton``, an FP8 cache, or
-            the eager path).
+        library: which steps read the ring with FlashInfer's decode (:mod:`cspan.core.attention`): "measured" (the
+            row counts where it was at least as fast, :func:`cspan.core.attention.library_faster`), "always"
+            (``CSPAN_ATTENTION=flashinfer``), or None: never (not installed, ``CSPAN_ATTENTION=triton``, an FP8
+            cache, or the eager path).
         row_buckets, block_buckets: the graph buckets (:data:`ROW_BUCKETS`, :data:`BLOCK_BUCKETS`).
     """
 
@@ -59,7 +60,7 @@ class ExecutionPlan:
     cuda_graphs: bool
     kv_dtype: torch.dtype
     decode_config: tuple[int, int, int, int, int, int] | None = None
-    library_rows: int | None = None
+    library: str | None = None
     row_buckets: tuple[int, ...] = ROW_BUCKETS
     block_buckets: tuple[int, ...] = BLOCK_BUCKETS
     buckets: bool = False
@@ -70,7 +71,9 @@ class ExecutionPlan:
 
     def library_decode(self, rows: int) -> bool:
         """Whether a step of ``rows`` (padded) rows reads the ring with the library decode."""
-        return self.library_rows is not None and rows >= self.library_rows
+        if self.library is None:
+            return False
+        return self.library == "always" or attention.library_faster(rows)
 
     def rows_bucket(self, rows: int) -> int:
         """The padded row count of a step of ``rows`` live rows (``rows`` itself without buckets)."""
@@ -142,7 +145,7 @@ def resolve_plan(
     else:
         fused_on = bool(fused)
     kv = parse_kv_dtype(kv_dtype, lm.dtype)
-    library_rows = None
+    library = None
     window_is_ring = lm.cfg.context is not None  # the temporal cache holds exactly the window
     library_ok = (
         fused_on
@@ -152,7 +155,7 @@ def resolve_plan(
         and lm.transformer.head_dim in attention.HEAD_DIMS
     )
     if library_ok and settings.attention != "triton" and attention.available():
-        library_rows = 1 if settings.attention == "flashinfer" else attention.MIN_ROWS
+        library = "always" if settings.attention == "flashinfer" else "measured"
     return ExecutionPlan(
         device=device,
         fused=fused_on,
@@ -161,7 +164,7 @@ def resolve_plan(
         cuda_graphs=bool(cuda_graphs),
         kv_dtype=kv,
         decode_config=settings.decode_config,
-        library_rows=library_rows,
+        library=library,
         buckets=bool(cuda_graphs),
     )
 
