@@ -93,3 +93,49 @@ def test_frame_step_has_no_host_sync_and_replays_from_a_cuda_graph(dtype: torch.
             assert torch.allclose(out_logits.float(), ref_logits.float(), atol=atol, rtol=0), t
             assert torch.equal(out_tokens, ref_tokens), t
         assert g_state.offset.tolist() == [steps] * B
+
+
+@pytest.mark.gpu
+def test_a_capture_survives_garbage_collection_of_another_graph() -> None:
+    """A graph that becomes garbage (in a reference cycle: a dropped engine's) while another graph is captured is
+    not destroyed inside the capture: destroying it there is a call CUDA refuses while a stream captures, which
+    invalidated the capture (C13's GPU run, "operation not permitted when stream is capturing (function reset)").
+    Collector thresholds of 1 make every allocation of the captured code a full collection point."""
+    import gc
+
+    from cspan.core.graphs import GraphCache
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.randn(64, 64, device="cuda")
+
+    def work(a: torch.Tensor) -> torch.Tensor:
+        out = a
+        for _ in range(20):
+            out = [out @ a][0] / 64  # Python objects: chances to collect
+        return out
+
+    old = GraphCache(work)
+    for _ in range(3):
+        old(("k",), x)
+    assert old.graphs[("k",)] is not None
+    old.cycle = old  # type: ignore[attr-defined]  # collectable only by the cycle collector
+    holder = [old]
+    del old
+
+    def drop_then_work(a: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            holder.clear()  # the old graph's cache is garbage from here, inside the capture
+        return work(a)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        new = GraphCache(drop_then_work)
+        for _ in range(3):
+            got = new(("k",), x)
+    finally:
+        gc.set_threshold(*threshold)
+    assert not holder and new.graphs[("k",)] is not None
+    torch.testing.assert_close(got, work(x))
+    gc.collect()

@@ -11,6 +11,7 @@ token step per (live-row bucket, block-column bucket, kind of call) and the whol
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -80,8 +81,18 @@ class GraphCache:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):  # records only: no state moves until the replay
-            outputs = self.fn(*static)
+        # No garbage collection inside the capture (torch.cuda.graph collects before it starts): a collection
+        # triggered by the captured code's allocations could destroy another graph (a dropped engine's, in a
+        # reference cycle), a call CUDA refuses while a stream captures, which invalidates this capture (seen in
+        # the GPU test run C13: "operation not permitted when stream is capturing (function reset)").
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):  # records only: no state moves until the replay
+                outputs = self.fn(*static)
+        finally:
+            if collecting:
+                gc.enable()
         return _Captured(graph, static, outputs)
 
 
