@@ -97,10 +97,11 @@ def test_frame_step_has_no_host_sync_and_replays_from_a_cuda_graph(dtype: torch.
 
 @pytest.mark.gpu
 def test_a_capture_survives_garbage_collection_of_another_graph() -> None:
-    """A graph that becomes garbage (in a reference cycle: a dropped engine's) while another graph is captured is
-    not destroyed inside the capture: destroying it there is a call CUDA refuses while a stream captures, which
-    invalidated the capture (C13's GPU run, "operation not permitted when stream is capturing (function reset)").
-    Collector thresholds of 1 make every allocation of the captured code a full collection point."""
+    """A graph that becomes garbage (in a reference cycle: a dropped engine's) while another graph is captured does
+    not break the capture, and the capture replays the eager result. (C13's GPU run lost a capture to "operation not
+    permitted when stream is capturing (function reset)", a graph destroyed mid-capture, after earlier tests had
+    dropped engines; this test did not reproduce that cascade on the code before the fix, C15: it guards the
+    property, with collector thresholds of 1.)"""
     import gc
 
     from cspan.core.graphs import GraphCache
