@@ -110,9 +110,9 @@ class ConversationConfig:
         agent_said_tokens: how many recent agent text tokens are passed to the router as "already said".
         vad_threshold: Silero speech probability for a voiced frame.
         keep_history: keep every event (:attr:`Conversation.events`) and every agent text token (for
-            :meth:`Conversation.agent_text`), as ``cspan infer`` does for its JSON. False (``cspan serve``, where
-            events go to the client as they happen) keeps memory bounded over any duration: no event list, and only
-            the last ``agent_said_tokens`` text tokens.
+            :meth:`Conversation.agent_text`), as the benchmarks' short sessions do. False (``cspan serve``, where
+            events go to the client as they happen, and ``cspan infer``, which spools them next to its JSON) keeps
+            memory bounded over any duration: no event list, and only the last ``agent_said_tokens`` text tokens.
     """
 
     listen_s: float = 12.0

@@ -15,7 +15,9 @@ and the persona to fit the model's attention window once the tokenizer is there.
 Outputs are written atomically (a temporary ``.part`` file renamed into place): an interrupted or killed run
 (SIGTERM) leaves no output file behind, and one output that cannot be written never costs the other: a WAV that
 fails mid-run still gets its JSON written (``output_wav`` null), and a JSON that fails keeps the finished WAV; the
-error names the path and the cause.
+error names the path and the cause. Memory stays bounded over any duration: the conversation keeps no history, the
+JSON's growing lists are spooled next to it as they happen (:class:`~cspan.server.output.InferJsonStream`), and
+what stays per frame is two 4-byte arrays (the step times and the agent's text tokens).
 """
 
 from __future__ import annotations
