@@ -160,3 +160,15 @@ def test_a_full_disk_while_spooling_is_an_error_naming_the_json_and_leaves_nothi
         with pytest.raises(OutputError, match="no space left on device"):
             stream.write(_document(agent_words=[], user_transcripts=[], events=[]))
         assert list(small.iterdir()) == []
+
+
+def test_infer_result_reads_its_json_on_first_use_and_says_when_there_is_none(tmp_path: Path) -> None:
+    from cspan.core.errors import CspanError
+    from cspan.server.infer import InferResult
+
+    path = tmp_path / "out.json"
+    path.write_text(_document(agent_words=[], user_transcripts=[], events=_events()).model_dump_json(indent=2))
+    result = InferResult(output_text=path, engine=None, conversation=None)
+    assert result.output.events == _events() and result.output is result.output  # read once
+    with pytest.raises(CspanError, match="no --output-text"):
+        _ = InferResult(output_text=None, engine=None, conversation=None).output
