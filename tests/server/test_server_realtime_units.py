@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from cspan.core.vad import UtteranceTracker
+from cspan.server.adapters import Connection
 from cspan.server.realtime_audio import Decimator, InputAudio, OutputAudio, decode_samples, encode_samples
 from cspan.server.realtime_events import (
     MAX_TOOL_SCHEMA_NODES,
@@ -24,7 +27,14 @@ from cspan.server.realtime_events import (
     function_tools,
     parse_client_event,
 )
-from cspan.server.realtime_turns import QUIET_FRAMES, ItemLog, ResponseStream, UserSpeech
+from cspan.server.realtime_turns import (
+    ITEM_LOG_SIZE,
+    QUIET_FRAMES,
+    UTTERANCES_KEPT,
+    ItemLog,
+    ResponseStream,
+    UserSpeech,
+)
 
 SR = 24000
 
@@ -466,6 +476,50 @@ def test_user_speech_items_follow_the_voice_activity_tracker() -> None:
     assert log.last_id == started.item_id
 
 
+def _utterance(tracker: UtteranceTracker, user: UserSpeech, start: int) -> tuple[list, int]:
+    """One utterance of 10 voiced frames then 12 silent ones from frame ``start``: its events, the next frame."""
+    events: list = []
+    for i, v in enumerate([True] * 10 + [False] * 12, start=start):
+        tracker.update(i, v)
+        events += user.poll(tracker)
+    return events, start + 22
+
+
+def test_user_speech_records_stay_bounded_over_many_utterances() -> None:
+    """Issue 18: the per-utterance records are the latest UTTERANCES_KEPT; every utterance still gets the same
+    events (a new unique id, committed after the previous one, its transcripts), and the ids kept stay reserved."""
+    log = ItemLog()
+    user = UserSpeech(log)
+    tracker = UtteranceTracker()
+    frame, previous, ids = 0, None, []
+    for k in range(UTTERANCES_KEPT + 200):
+        events, frame = _utterance(tracker, user, frame)
+        events += user.transcript(k, "hello", final=False, start_s=0.0, end_s=None)
+        events += user.transcript(k, "hello there", final=False, start_s=0.0, end_s=None)
+        events += user.transcript(k, "hello there", final=True, start_s=0.0, end_s=0.8)
+        assert _types(events) == [
+            "input_audio_buffer.speech_started",
+            "input_audio_buffer.speech_stopped",
+            "input_audio_buffer.committed",
+            "conversation.item.added",
+            "conversation.item.done",
+            "conversation.item.input_audio_transcription.delta",
+            "conversation.item.input_audio_transcription.delta",
+            "conversation.item.input_audio_transcription.completed",
+        ]
+        item_id = events[0].item_id
+        assert all(getattr(e, "item_id", item_id) == item_id for e in events) and events[3].item.id == item_id
+        assert events[2].previous_item_id == previous and [e.delta for e in events[5:7]] == ["hello", " there"]
+        previous = item_id
+        ids.append(item_id)
+        assert len(user._utterances) <= UTTERANCES_KEPT and len(user._ids) <= UTTERANCES_KEPT
+    assert len(set(ids)) == len(ids)
+    assert all(user.reserved(i) for i in ids[-UTTERANCES_KEPT:]) and not any(user.reserved(i) for i in ids[:200])
+    # a transcript of an utterance forgotten long ago (none comes so late) is dropped, never given a new id
+    assert user.transcript(3, "late", final=True, start_s=0.0, end_s=0.8) == []
+    assert len(user._utterances) == UTTERANCES_KEPT and len(log.items) == ITEM_LOG_SIZE
+
+
 def test_cancel_of_another_response_cancels_nothing() -> None:
     stream = ResponseStream(ItemLog())
     created = stream.create()[0].response.id
@@ -523,3 +577,62 @@ def test_decimator_filters_before_it_drops_samples() -> None:
             assert abs(level_db(hz, chunk)) < 0.1, (hz, chunk)
         for hz in (4600.0, 6000.0, 9000.0, 11000.0):
             assert level_db(hz, chunk) < -70.0, (hz, chunk)
+
+
+class _Session:
+    """What :class:`RealtimeAdapter` reads of its session when it renders calls and takes client items."""
+
+    id = "s1"
+    recorded_voice = None
+    hub = SimpleNamespace(settings=SimpleNamespace(client_tool_timeout_s=5.0), default_voice="tiny0")
+
+    def __init__(self) -> None:
+        self.queued: list = []
+        self.put = self.queued.append
+
+
+def test_client_function_calls_are_forgotten_past_the_bound_never_while_waiting() -> None:
+    """Issue 18: the adapter remembers the latest CALLS_KEPT calls that are over, and every call still waiting;
+    a second output of a remembered call is still ``late_call_output``."""
+    from cspan.server.adapters.realtime import CALLS_KEPT, RealtimeAdapter, _Call, _FunctionCall
+
+    adapter = RealtimeAdapter(_Session(), Connection(path="/v1/realtime"))
+    loop = asyncio.new_event_loop()
+    try:
+
+        def call(k: int) -> _Call:
+            made = _Call("lookup", {"k": k}, loop.create_future())
+            events = adapter._events(_FunctionCall(made))
+            (item,) = [e.item for e in events if e.type == "response.output_item.done"]
+            assert item.type == "function_call" and item.call_id == made.call_id
+            return made
+
+        def output(call_id: str, event_id: str) -> None:
+            adapter._item_create(
+                parse_client_event(
+                    json.dumps(
+                        {
+                            "type": "conversation.item.create",
+                            "event_id": event_id,
+                            "item": {"type": "function_call_output", "call_id": call_id, "output": "ok"},
+                        }
+                    )
+                )
+            )
+
+        waiting = call(-1)  # never answered: the router still waits for it
+        calls = []
+        for k in range(CALLS_KEPT + 50):
+            calls.append(call(k))
+            output(calls[-1].call_id, f"e{k}")
+            assert calls[-1].future.result() == "ok"
+            assert len(adapter._calls) <= CALLS_KEPT + 1
+        assert waiting.call_id in adapter._calls and not waiting.future.done()
+        assert calls[0].call_id not in adapter._calls and calls[-1].call_id in adapter._calls
+        with pytest.raises(RealtimeEventError) as late:
+            output(calls[-1].call_id, "again")
+        assert late.value.code == "late_call_output" and "has an output already" in late.value.message
+        output(waiting.call_id, "finally")  # its item left the log long ago; the call is still answered
+        assert waiting.future.result() == "ok" and waiting.call_id in adapter._calls
+    finally:
+        loop.close()

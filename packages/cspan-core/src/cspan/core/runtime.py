@@ -81,6 +81,14 @@ class _Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+def decode_agent_text(tokenizer: _Tokenizer, tokens: Iterable[int]) -> str:
+    """The agent's text tokens (ids >= 0, in the order it said them), decoded as one text: specials, ``<ret>`` and
+    span markers removed, the ends stripped. The one rule for what "the agent said" renders to
+    (:meth:`Conversation.agent_text`, ``cspan infer``'s ``agent_text``)."""
+    ids = [t for t in tokens if t not in HIDDEN_TEXT_IDS]
+    return tokenizer.decode(ids).strip() if ids else ""
+
+
 class _VoiceActivity(Protocol):
     def is_voiced(self, frame: np.ndarray) -> bool: ...
     def reset(self) -> None: ...
@@ -102,9 +110,9 @@ class ConversationConfig:
         agent_said_tokens: how many recent agent text tokens are passed to the router as "already said".
         vad_threshold: Silero speech probability for a voiced frame.
         keep_history: keep every event (:attr:`Conversation.events`) and every agent text token (for
-            :meth:`Conversation.agent_text`), as ``cspan infer`` does for its JSON. False (``cspan serve``, where
-            events go to the client as they happen) keeps memory bounded over any duration: no event list, and only
-            the last ``agent_said_tokens`` text tokens.
+            :meth:`Conversation.agent_text`), as the benchmarks' short sessions do. False (``cspan serve``, where
+            events go to the client as they happen, and ``cspan infer``, which spools them next to its JSON) keeps
+            memory bounded over any duration: no event list, and only the last ``agent_said_tokens`` text tokens.
     """
 
     listen_s: float = 12.0
@@ -327,9 +335,7 @@ class Conversation:
         if self.tokenizer is None:
             return ""
         tokens = list(self._agent_tokens)
-        tokens = tokens if last_tokens is None else tokens[-last_tokens:]
-        ids = [t for t in tokens if t not in HIDDEN_TEXT_IDS]
-        return self.tokenizer.decode(ids).strip() if ids else ""
+        return decode_agent_text(self.tokenizer, tokens if last_tokens is None else tokens[-last_tokens:])
 
     def agent_said(self) -> str:
         """What the agent already said, for the router: its last ``agent_said_tokens`` text tokens, decoded."""

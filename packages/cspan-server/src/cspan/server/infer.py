@@ -15,18 +15,22 @@ and the persona to fit the model's attention window once the tokenizer is there.
 Outputs are written atomically (a temporary ``.part`` file renamed into place): an interrupted or killed run
 (SIGTERM) leaves no output file behind, and one output that cannot be written never costs the other: a WAV that
 fails mid-run still gets its JSON written (``output_wav`` null), and a JSON that fails keeps the finished WAV; the
-error names the path and the cause.
+error names the path and the cause. Memory stays bounded over any duration: the conversation keeps no history, the
+JSON's growing lists are spooled next to it as they happen (:class:`~cspan.server.output.InferJsonStream`), and
+what stays per frame is two 4-byte arrays (the step times and the agent's text tokens).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import math
 import sys
 import time
 import zoneinfo
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,11 +227,26 @@ def _handle(args: argparse.Namespace) -> int:
 
 @dataclass
 class InferResult:
-    """What :func:`run_infer` produced: the JSON model, and the live objects (for tests and embedding)."""
+    """What :func:`run_infer` produced: where the JSON went, and the live objects (for tests and embedding)."""
 
-    output: Any
+    output_text: Path | None
     engine: Any
     conversation: Any
+
+    @functools.cached_property
+    def output(self) -> Any:
+        """The JSON document (:class:`~cspan.server.output.InferOutput`), read from ``output_text`` on first use
+        (the run keeps no event list in memory).
+
+        Raises:
+            CspanError: the run wrote no JSON (no ``--output-text``).
+        """
+        from cspan.core.errors import CspanError
+        from cspan.server.output import InferOutput
+
+        if self.output_text is None:
+            raise CspanError("this run wrote no JSON document (it had no --output-text): there is no output to read")
+        return InferOutput.model_validate_json(self.output_text.read_bytes())
 
 
 def pick_device(name: str | None) -> tuple[Any, Any]:
@@ -532,19 +551,9 @@ async def _converse(
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import OutputError
-    from cspan.core.events import SpanEvent, TextEvent, UserTextEvent
-    from cspan.core.files import write_text_atomic
-    from cspan.core.runtime import Conversation, ConversationConfig
+    from cspan.core.runtime import Conversation, ConversationConfig, decode_agent_text
     from cspan.server.memory_span import MemorySpan, memory_summary
-    from cspan.server.output import (
-        AgentWord,
-        InferOutput,
-        PersonaInfo,
-        Timing,
-        UserTranscript,
-        timing_stats,
-        window_summary,
-    )
+    from cspan.server.output import InferJsonStream, InferOutput, PersonaInfo, Timing, timing_stats
     from cspan.server.records import db_recorder
 
     lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
@@ -584,11 +593,13 @@ async def _converse(
         recorder(event)
         if tracker is not None:
             tracker.on_event(event)
+        stream.on_event(event)
 
     config = ConversationConfig(
         listen_s=s.listen_s,
         span_deadline_s=s.span_deadline_s,
         span_delay_s=None if s.realtime else s.span_delay_s,
+        keep_history=False,  # the events go to the stream as they happen: memory stays bounded over any duration
     )
     conversation = Conversation(
         engine,
@@ -620,6 +631,7 @@ async def _converse(
 
         progress = tqdm(total=total, unit="frame", desc="infer", file=sys.stderr, leave=False)
     step_ms = np.zeros(total, dtype=np.float32)  # bounded by the input's length (--max-seconds), never per event
+    agent_tokens = array("i")  # the agent's text tokens, 4 bytes a frame (agent_text is decoded from them at the end)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step(pcm: torch.Tensor) -> Any:
@@ -631,15 +643,23 @@ async def _converse(
     # 3. the conversation; the audio streams into a temporary file
     started = time.monotonic()
     writer: AtomicAudioWriter | None = AtomicAudioWriter(s.output_wav, sample_rate=SAMPLE_RATE, channels=2)
+    try:
+        stream = InferJsonStream(s.output_text)  # the JSON's lists, spooled next to it: nothing grows in memory
+    except BaseException:
+        writer.abort()
+        raise
     wav_error: OutputError | None = None
+    text_error_said = False
     try:
         for k, user in enumerate(frames()):
             await conversation.before_step(user)
             t0 = time.perf_counter()
             out = await asyncio.to_thread(step, torch.from_numpy(user)[None])
             step_ms[k] = (time.perf_counter() - t0) * 1000
-            valid = bool(out.valid[0])
-            await conversation.after_step(int(out.text_token[0]) if valid else None, bool(out.is_ret[0]))
+            token = int(out.text_token[0]) if bool(out.valid[0]) else None
+            if token is not None and token >= 0:
+                agent_tokens.append(token)
+            await conversation.after_step(token, bool(out.is_ret[0]))
             due = tracker.after_step(engine.positions[0]) if tracker is not None else None
             if due is not None:  # spans left the window: the summary is read at the head of the next frame
                 summary = memory_summary(memory, conversation_id, profile, due.left)
@@ -654,9 +674,14 @@ async def _converse(
                     # goes on so that the JSON is complete. Without a JSON there is nothing left to save.
                     writer.abort()
                     writer, wav_error = None, exc
-                    if s.output_text is None:
-                        raise
-                    logger.error("%s; the conversation goes on for %s", exc, s.output_text)
+                    if stream.spooling:
+                        logger.error("%s; the conversation goes on for %s", exc, s.output_text)
+            if stream.error is not None and not text_error_said:  # the JSON's spool cannot be written (a full disk)
+                text_error_said = True
+                if writer is not None:
+                    logger.error("%s; the conversation goes on for %s", stream.error, s.output_wav)
+            if writer is None and not stream.spooling:  # no output is left to save
+                raise OutputError("; ".join(str(e) for e in (wav_error, stream.error) if e is not None))
             if progress is not None:
                 progress.update(1)
             if on_frame is not None:
@@ -671,6 +696,7 @@ async def _converse(
     except BaseException:
         if writer is not None:
             writer.abort()
+        stream.drop()
         raise
     finally:
         if progress is not None:
@@ -683,50 +709,39 @@ async def _converse(
             writer.commit()
         except OutputError as exc:
             wav_error = exc
-    events = conversation.events
-    words: list[AgentWord] = []
-    for ev in events:
-        if isinstance(ev, TextEvent):
-            if ev.text.startswith(" ") or not words:
-                words.append(AgentWord(text=ev.text.strip(), start_s=ev.t, frame=ev.frame))
-            else:
-                words[-1].text += ev.text
-    words = [w for w in words if w.text]
-    transcripts = [
-        UserTranscript(utterance=ev.utterance, start_s=ev.start_s, end_s=ev.end_s, text=ev.text)
-        for ev in events
-        if isinstance(ev, UserTextEvent) and ev.final
-    ]
-    prefills = [ev.prefill_ms for ev in events if isinstance(ev, SpanEvent)]
-    output = InferOutput(
-        input=_json_text(str(s.input_wav)),
-        output_wav=None if wav_error is not None else _json_text(str(s.output_wav)),
-        sample_rate=SAMPLE_RATE,
-        duration_s=total / FRAME_RATE,
-        input_offset_s=lead / FRAME_RATE,
-        input_nonfinite_samples=info.nonfinite,
-        input_clipped_samples=info.clipped,
-        persona=PersonaInfo(**persona),
-        window=window_summary(engine, events, s.persona_policy),
-        agent_text=conversation.agent_text(),
-        agent_words=words,
-        user_transcripts=transcripts,
-        events=events,
-        timing=Timing(
-            frames=total,
-            step=timing_stats(step_ms.tolist()),
-            prefill=timing_stats(prefills),
-            realtime_factor=(total / FRAME_RATE) / max(wall, 1e-9),
-        ),
-        settings=_json_text(s.model_dump(mode="json", exclude={"mcp": {"__all__": {"env"}}})),  # env: secrets
-        checkpoint=checkpoint_identity(checkpoint, device, dtype),
-    )
-    text_error: OutputError | None = None
-    if s.output_text is not None:
-        try:
-            write_text_atomic(s.output_text, output.model_dump_json(indent=2) + "\n")
-        except OutputError as exc:
-            text_error = exc
+    try:
+        agent_text = decode_agent_text(checkpoint.tokenizer, agent_tokens)
+        text_error: OutputError | None = None
+        if s.output_text is not None:
+            document = InferOutput(
+                input=_json_text(str(s.input_wav)),
+                output_wav=None if wav_error is not None else _json_text(str(s.output_wav)),
+                sample_rate=SAMPLE_RATE,
+                duration_s=total / FRAME_RATE,
+                input_offset_s=lead / FRAME_RATE,
+                input_nonfinite_samples=info.nonfinite,
+                input_clipped_samples=info.clipped,
+                persona=PersonaInfo(**persona),
+                window=stream.window(engine, s.persona_policy),
+                agent_text=agent_text,
+                agent_words=[],  # the stream's spooled lists take their places
+                user_transcripts=[],
+                events=[],
+                timing=Timing(
+                    frames=total,
+                    step=timing_stats(step_ms.tolist()),
+                    prefill=timing_stats(stream.prefill_ms.tolist()),
+                    realtime_factor=(total / FRAME_RATE) / max(wall, 1e-9),
+                ),
+                settings=_json_text(s.model_dump(mode="json", exclude={"mcp": {"__all__": {"env"}}})),  # env: secrets
+                checkpoint=checkpoint_identity(checkpoint, device, dtype),
+            )
+            try:
+                stream.write(document)
+            except OutputError as exc:
+                text_error = exc
+    finally:
+        stream.drop()  # written or failed, the spool goes
     try:
         memory.end_conversation(conversation_id)
         db.close()
@@ -737,11 +752,10 @@ async def _converse(
         lines = [str(e) for e in (wav_error, text_error) if e is not None]
         raise OutputError("; ".join(lines) + (f" ({', '.join(kept)} written)" if kept else ""))
     if not s.quiet:
-        spans = sum(isinstance(e, SpanEvent) for e in events)
         print(
             f"wrote {s.output_wav} ({total / FRAME_RATE:.1f} s, stereo: left user, right agent)"
             + (f" and {s.output_text}" if s.output_text else "")
-            + f"; {spans} span(s); agent said: {output.agent_text[:120]!r}",
+            + f"; {stream.spans} span(s); agent said: {agent_text[:120]!r}",
             file=sys.stderr,
         )
-    return InferResult(output=output, engine=engine, conversation=conversation)
+    return InferResult(output_text=s.output_text, engine=engine, conversation=conversation)

@@ -1,4 +1,5 @@
-"""The JSON written by ``cspan infer --output-text`` (documented in ``docs/OUTPUT.md``).
+"""The JSON written by ``cspan infer --output-text`` (documented in ``docs/OUTPUT.md``), and
+:class:`InferJsonStream`, which writes it with memory bounded over any duration.
 
 Times are seconds on the output recording's timeline (``t = 0`` at the first sample of the output WAV, which
 starts with ``lead_silence_s`` of silence before the input); ``input_offset_s`` converts to the input's own
@@ -7,11 +8,16 @@ timeline (``t_input = t - input_offset_s``). Frame indices are 12.5 Hz frames of
 
 from __future__ import annotations
 
-from typing import Any
+import shutil
+from array import array
+from pathlib import Path
+from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cspan.core.events import ConversationEvent
+from cspan.core.errors import OutputError
+from cspan.core.events import ConversationEvent, PersonaEvent, SpanEvent, TextEvent, UserTextEvent
+from cspan.core.files import atomic_file, drop_part, new_part, write_error
 
 OUTPUT_VERSION = 1
 
@@ -73,19 +79,6 @@ class WindowSummary(BaseModel):
     memory_spans: int = Field(description="memory spans read (--memory-span)")
 
 
-def window_summary(engine: Any, events: list[Any], policy: str) -> WindowSummary:
-    """The :class:`WindowSummary` of session 0 of ``engine`` from the conversation's ``events``."""
-    persona = [e for e in events if getattr(e, "type", None) == "persona"]
-    return WindowSummary(
-        persona_policy=policy,
-        context=engine.context,
-        positions=int(engine.positions[0]),
-        pinned_at_frame=next((e.frame for e in persona if e.kind == "pin"), None),
-        reprefix_frames=[e.frame for e in persona if e.kind == "reprefix"],
-        memory_spans=sum(getattr(e, "type", None) == "span" and e.source == "memory" for e in events),
-    )
-
-
 class CheckpointIdentity(BaseModel):
     """Which model produced the output."""
 
@@ -135,3 +128,169 @@ def timing_stats(values_ms: list[float]) -> TimingStats | None:
         p99_ms=float(np.percentile(arr, 99)),
         max_ms=float(arr.max()),
     )
+
+
+SPOOLED = ("agent_words", "user_transcripts", "events")
+"""The lists of :class:`InferOutput` that grow with the conversation, in the document's field order."""
+_ITEM_INDENT = " " * 4
+"""A list item's indent in ``InferOutput.model_dump_json(indent=2)``: its lines sit two levels deep."""
+
+
+class InferJsonStream:
+    """What ``cspan infer`` reports of a conversation, gathered event by event with memory bounded over any duration.
+
+    Give it every :class:`~cspan.core.events.ConversationEvent` as it happens (:meth:`on_event`, the
+    conversation's ``on_event`` hook). The lists that grow with the conversation (``agent_words``,
+    ``user_transcripts``, ``events``) go to spool files in a temporary folder next to the JSON's destination
+    (:func:`cspan.core.files.new_part`: on the output's file system, removed if the process exits or is killed),
+    each item already formatted as :meth:`write` places it. In memory stay only the word being said, the counters,
+    the span prefill times (one float per span) and the frames where the persona policy acted (one per window).
+    :meth:`write` publishes the JSON (temporary file and rename), copying the spool files in pieces; the file is
+    byte for byte ``InferOutput(...).model_dump_json(indent=2) + "\\n"`` of the same values.
+
+    With ``path`` None (no ``--output-text``) nothing is spooled; the counters are kept.
+
+    A spool file that cannot be written (a full disk) is not fatal: the spool is removed, the conversation goes on,
+    and :attr:`error` holds the :class:`OutputError` naming ``path``, which :meth:`write` raises.
+
+    Raises:
+        OutputError: (constructor) the spool folder cannot be made next to ``path``.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.error: OutputError | None = None
+        self.spans = 0
+        self.memory_spans = 0
+        self.pinned_at_frame: int | None = None
+        self.reprefix_frames: list[int] = []
+        self.prefill_ms = array("d")
+        self.counts = dict.fromkeys(SPOOLED, 0)
+        self._word: AgentWord | None = None
+        self._spool: Path | None = None
+        self._files: dict[str, IO[bytes]] = {}
+        if path is not None:
+            try:
+                self._spool = new_part(path, folder=True)
+                self._files = {name: (self._spool / name).open("wb") for name in SPOOLED}
+            except OSError as exc:
+                self.drop()
+                raise OutputError.from_os_error(path, exc) from None
+
+    @property
+    def spooling(self) -> bool:
+        """Whether the lists are being written (a ``path``, and no write failed)."""
+        return self._spool is not None
+
+    def on_event(self, event: ConversationEvent) -> None:
+        """Count ``event`` and spool it (and the word or transcript it makes)."""
+        if isinstance(event, TextEvent):
+            if event.text.startswith(" ") or self._word is None:
+                self._end_word()
+                self._word = AgentWord(text=event.text.strip(), start_s=event.t, frame=event.frame)
+            else:
+                self._word.text += event.text
+        elif isinstance(event, UserTextEvent) and event.final:
+            transcript = UserTranscript(
+                utterance=event.utterance, start_s=event.start_s, end_s=event.end_s, text=event.text
+            )
+            self._spool_item("user_transcripts", transcript)
+        elif isinstance(event, SpanEvent):
+            self.spans += 1
+            self.memory_spans += event.source == "memory"
+            self.prefill_ms.append(event.prefill_ms)
+        elif isinstance(event, PersonaEvent):
+            if event.kind == "pin" and self.pinned_at_frame is None:
+                self.pinned_at_frame = event.frame
+            elif event.kind == "reprefix":
+                self.reprefix_frames.append(event.frame)
+        self._spool_item("events", event)
+
+    def window(self, engine: Any, policy: str) -> WindowSummary:
+        """The :class:`WindowSummary` of session 0 of ``engine`` (its ``context`` and ``positions``)."""
+        return WindowSummary(
+            persona_policy=policy,
+            context=engine.context,
+            positions=int(engine.positions[0]),
+            pinned_at_frame=self.pinned_at_frame,
+            reprefix_frames=list(self.reprefix_frames),
+            memory_spans=self.memory_spans,
+        )
+
+    def write(self, document: InferOutput) -> None:
+        """Write the JSON to ``path``: ``document`` (with its spooled lists empty) with the spooled lists in their
+        places, through a temporary file renamed into place; the spool is removed either way.
+
+        Raises:
+            OutputError: the spool or the file could not be written (names ``path`` and the cause).
+        """
+        assert self.path is not None, "nothing to write: the stream has no path"
+        try:
+            self._end_word()
+            self._close_files()
+            if self.error is not None:
+                raise self.error
+            assert self._spool is not None
+            text = document.model_dump_json(indent=2) + "\n"
+            with atomic_file(self.path) as part, part.open("wb") as out:
+                done = 0
+                for name in SPOOLED:
+                    empty = f'\n  "{name}": []'  # a top-level key: no JSON string holds a raw newline
+                    at = text.index(empty, done) + len(empty) - 1  # the list's "]"
+                    out.write(text[done:at].encode("utf-8"))
+                    done = at
+                    if self.counts[name]:
+                        out.write(b"\n")
+                        with (self._spool / name).open("rb") as items:
+                            shutil.copyfileobj(items, out)
+                        out.write(b"\n  ")
+                out.write(text[done:].encode("utf-8"))
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        """Close and remove the spool (a failed or interrupted run; :meth:`write` does it too)."""
+        try:
+            self._close_files()
+        except OSError:
+            pass
+        if self._spool is not None:
+            drop_part(self._spool)
+            self._spool = None
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _end_word(self) -> None:
+        word, self._word = self._word, None
+        if word is not None and word.text:
+            self._spool_item("agent_words", word)
+
+    def _spool_item(self, name: str, item: BaseModel) -> None:
+        if self._spool is None:
+            return
+        separator = ",\n" if self.counts[name] else ""
+        text = separator + _ITEM_INDENT + item.model_dump_json(indent=2).replace("\n", "\n" + _ITEM_INDENT)
+        try:
+            self._files[name].write(text.encode("utf-8"))
+        except Exception as exc:  # a full disk, or any failure to write: the JSON is lost, the conversation goes on
+            self._fail(exc)
+            return
+        self.counts[name] += 1
+
+    def _close_files(self) -> None:
+        files, self._files = self._files, {}
+        try:
+            for f in files.values():
+                f.close()  # flushes: a full disk says so here too
+        except Exception as exc:
+            for f in files.values():
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        assert self.path is not None
+        if self.error is None:
+            self.error = write_error(self.path, exc, near=self._spool)
+        self.drop()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import collections
 import json
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from cspan.core.constants import FRAME_RATE
@@ -68,6 +69,9 @@ QUIET_FRAMES = 10
 long enough for the voice to finish the last word it wrote."""
 ITEM_LOG_SIZE = 1000
 """Items remembered for ``conversation.item.truncate`` / ``delete`` / ``retrieve`` (oldest forgotten first)."""
+UTTERANCES_KEPT = ITEM_LOG_SIZE
+"""User utterances whose item id and transcript state :class:`UserSpeech` remembers (the latest; each committed one
+is an item of the log, so an utterance forgotten here is past anything a client can still refer to)."""
 
 
 class ItemLog:
@@ -414,8 +418,20 @@ class _Tracker(Protocol):
     finished: list[Any]
 
 
+@dataclass
+class _UserUtterance:
+    """What :class:`UserSpeech` reported of one utterance."""
+
+    item_id: str
+    committed: bool = False
+    partial: str = ""
+
+
 class UserSpeech:
     """The user's side: voice activity and transcripts in, speech and user-item events out.
+
+    Memory is bounded over any duration: the records of the latest :data:`UTTERANCES_KEPT` utterances are kept
+    (their item ids stay reserved); a transcript of an utterance older than that (none comes so late) is dropped.
 
     Args:
         log: the conversation's :class:`ItemLog`.
@@ -423,22 +439,32 @@ class UserSpeech:
 
     def __init__(self, log: ItemLog) -> None:
         self.log = log
-        self._item_ids: dict[int, str] = {}
-        self._reserved: set[str] = set()
+        self._utterances: collections.OrderedDict[int, _UserUtterance] = collections.OrderedDict()
+        self._ids: dict[str, int] = {}  # item id -> utterance, of the utterances kept
+        self._newest = -1
         self._active: _Utterance | None = None
-        self._committed: set[int] = set()
-        self._partials: dict[int, str] = {}
 
     def item_id(self, utterance: int) -> str:
         """The user item id of utterance ``utterance`` (made on first use)."""
-        if utterance not in self._item_ids:
-            self._item_ids[utterance] = new_id("item")
-            self._reserved.add(self._item_ids[utterance])
-        return self._item_ids[utterance]
+        return self._record(utterance).item_id
 
     def reserved(self, item_id: str) -> bool:
         """Whether ``item_id`` is the id of a user utterance (committed or still to be): a client may not take it."""
-        return item_id in self._reserved
+        return item_id in self._ids
+
+    def _forgotten(self, utterance: int) -> bool:
+        return utterance <= self._newest - UTTERANCES_KEPT and utterance not in self._utterances
+
+    def _record(self, utterance: int) -> _UserUtterance:
+        record = self._utterances.get(utterance)
+        if record is None:
+            record = self._utterances[utterance] = _UserUtterance(new_id("item"))
+            self._ids[record.item_id] = utterance
+            self._newest = max(self._newest, utterance)
+            while len(self._utterances) > UTTERANCES_KEPT:
+                _, old = self._utterances.popitem(last=False)
+                del self._ids[old.item_id]
+        return record
 
     def poll(self, tracker: _Tracker) -> list[ServerEvent]:
         """Compare the voice activity tracker with what was reported; call once per frame."""
@@ -450,7 +476,7 @@ class UserSpeech:
             end = active.end if active.end is not None else active.start
             events.append(SpeechStopped(audio_end_ms=round(end * FRAME_MS), item_id=self.item_id(active.index)))
             # an utterance too short to count (not in ``finished``) is not committed
-            if any(u is active for u in list(tracker.finished)[-4:]) and active.index not in self._committed:
+            if any(u is active for u in list(tracker.finished)[-4:]) and not self._record(active.index).committed:
                 events += self._commit(active.index)
         if current is not None and self._active is None:
             self._active = current
@@ -464,9 +490,12 @@ class UserSpeech:
     ) -> list[ServerEvent]:
         """A transcript of the utterance (``final``: of the whole utterance, else of its beginning)."""
         events: list[ServerEvent] = []
-        item_id = self.item_id(utterance)
+        if self._forgotten(utterance):
+            return events
+        record = self._record(utterance)
+        item_id = record.item_id
         if final:
-            if utterance not in self._committed:
+            if not record.committed:
                 events += self._commit(utterance)
             seconds = max(0.0, (end_s if end_s is not None else start_s) - start_s)
             events.append(
@@ -474,19 +503,18 @@ class UserSpeech:
                     item_id=item_id, transcript=text, usage={"type": "duration", "seconds": round(seconds, 3)}
                 )
             )
-            self._partials.pop(utterance, None)
+            record.partial = ""
             return events
-        before = self._partials.get(utterance, "")
+        before = record.partial
         if text.startswith(before) and len(text) > len(before):
             events.append(TranscriptionDelta(item_id=item_id, delta=text[len(before) :]))
-            self._partials[utterance] = text
+            record.partial = text
         return events
 
     def _commit(self, utterance: int) -> list[ServerEvent]:
-        self._committed.add(utterance)
-        item = MessageItem(
-            id=self.item_id(utterance), role="user", content=[ContentPart(type="input_audio", transcript=None)]
-        )
+        record = self._record(utterance)
+        record.committed = True
+        item = MessageItem(id=record.item_id, role="user", content=[ContentPart(type="input_audio", transcript=None)])
         previous = self.log.add(item)
         return [
             Committed(item_id=item.id, previous_item_id=previous),
@@ -495,4 +523,4 @@ class UserSpeech:
         ]
 
 
-__all__ = ["FRAME_MS", "ITEM_LOG_SIZE", "QUIET_FRAMES", "ItemLog", "ResponseStream", "UserSpeech"]
+__all__ = ["FRAME_MS", "ITEM_LOG_SIZE", "QUIET_FRAMES", "UTTERANCES_KEPT", "ItemLog", "ResponseStream", "UserSpeech"]

@@ -93,7 +93,7 @@ from cspan.server.realtime_events import (
 from cspan.server.realtime_events import (
     ContentPart as ContentPartOut,
 )
-from cspan.server.realtime_turns import ItemLog, ResponseStream, UserSpeech
+from cspan.server.realtime_turns import ITEM_LOG_SIZE, ItemLog, ResponseStream, UserSpeech
 from cspan.server.session import (
     AdapterItem,
     AgentAudio,
@@ -132,6 +132,12 @@ class _Config:
     profile: ProfileFields = field(default_factory=ProfileFields)
     temperature: float | None = None
     test: Any = None
+
+
+CALLS_KEPT = ITEM_LOG_SIZE
+"""Answered (or timed-out) client function calls remembered, to refuse a second or late output for them with
+``late_call_output`` (the latest; each call is a ``function_call`` item of the log, so a call forgotten here has
+left the log too, and an output for it is ``unknown_call_id`` like any call the conversation no longer holds)."""
 
 
 @dataclass
@@ -678,6 +684,7 @@ class RealtimeAdapter(ProtocolAdapter):
             events, call.call_id, _ = self.responses.function_call(call.name, call.arguments)
             self._calls[call.call_id] = call
             self._last_call[call.name] = call.call_id
+            self._forget_calls()
             return events
         if isinstance(item, _Command):
             return self._command(item.event)
@@ -737,6 +744,15 @@ class RealtimeAdapter(ProtocolAdapter):
                 ),
             ]
         return []
+
+    def _forget_calls(self) -> None:
+        """Keep the latest :data:`CALLS_KEPT` calls that are over (answered or timed out) and every one still
+        waiting: the record stays bounded over any duration."""
+        excess = len(self._calls) - CALLS_KEPT
+        if excess > 0:
+            over = [call_id for call_id, c in self._calls.items() if c.timed_out or c.future.done()]
+            for call_id in over[:excess]:
+                del self._calls[call_id]
 
     def _command(self, event: Any) -> list[ServerEvent]:
         """A client event applied where the agent's output stands (see :class:`_Command`)."""
