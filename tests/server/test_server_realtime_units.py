@@ -520,6 +520,25 @@ def test_user_speech_records_stay_bounded_over_many_utterances() -> None:
     assert len(user._utterances) == UTTERANCES_KEPT and len(log.items) == ITEM_LOG_SIZE
 
 
+def test_a_response_without_pause_ends_at_its_token_bound_and_the_next_words_open_another() -> None:
+    """An agent that never pauses: each response ends ``incomplete`` (max_output_tokens) at the bound, with its
+    transcript, and the next one opens at once, so every agent frame is still sent (one transcript never grows for
+    the whole session)."""
+    log = ItemLog()
+    stream = ResponseStream(log, max_text_tokens=5)
+    events = []
+    for i in range(12):
+        events += stream.audio(b"\x00" * 4)
+        events += stream.text(f" w{i}")
+    done = [e.response for e in events if e.type == "response.done"]
+    assert [(r.status, r.status_details.reason) for r in done] == [("incomplete", "max_output_tokens")] * 2
+    assert [r.usage.output_token_details["text_tokens"] for r in done] == [5, 5]
+    transcripts = [e.transcript for e in events if e.type == "response.output_audio_transcript.done"]
+    assert transcripts == ["w0 w1 w2 w3 w4", "w5 w6 w7 w8 w9"]
+    assert stream.active and len([e for e in events if e.type == "response.created"]) == 3
+    assert len([e for e in events if e.type == "response.output_audio.delta"]) == 12  # every agent frame
+
+
 def test_cancel_of_another_response_cancels_nothing() -> None:
     stream = ResponseStream(ItemLog())
     created = stream.create()[0].response.id

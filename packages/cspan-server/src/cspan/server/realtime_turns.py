@@ -67,6 +67,11 @@ FRAME_MS = 1000.0 / FRAME_RATE
 QUIET_FRAMES = 10
 """A response closes after this many frames (0.8 s) without agent text: a pause long enough to end a turn, and
 long enough for the voice to finish the last word it wrote."""
+MAX_RESPONSE_TEXT_TOKENS = 4096
+"""A response that reaches this many text tokens without a pause ends ``incomplete`` (reason ``max_output_tokens``,
+OpenAI's status for a response cut at its token limit) and a new one carries on at once: an agent that
+never pauses would otherwise grow one transcript for the whole session (4096 tokens: over five minutes of speech
+at 12.5 text tokens per second at most)."""
 ITEM_LOG_SIZE = 1000
 """Items remembered for ``conversation.item.truncate`` / ``delete`` / ``retrieve`` (oldest forgotten first)."""
 UTTERANCES_KEPT = ITEM_LOG_SIZE
@@ -137,6 +142,7 @@ class ResponseStream:
         modality: ``"audio"`` (audio deltas with transcript deltas) or ``"text"`` (text deltas only).
         audio_config: the response's ``audio.output`` (format and voice), echoed.
         quiet_frames: frames without text that close a response.
+        max_text_tokens: text tokens that end a response ``incomplete`` (:data:`MAX_RESPONSE_TEXT_TOKENS`).
 
     Call, in the order the frames happened: :meth:`audio` for every agent frame, :meth:`text` for every rendered
     text piece of that frame; and :meth:`create`, :meth:`cancel`, :meth:`function_call`, :meth:`finish` when the
@@ -151,8 +157,10 @@ class ResponseStream:
         modality: Literal["audio", "text"] = "audio",
         audio_config: dict[str, Any] | None = None,
         quiet_frames: int = QUIET_FRAMES,
+        max_text_tokens: int = MAX_RESPONSE_TEXT_TOKENS,
     ) -> None:
         self.log = log
+        self.max_text_tokens = max_text_tokens
         self.conversation_id = conversation_id
         self.modality = modality
         self.audio_config = audio_config
@@ -215,6 +223,8 @@ class ResponseStream:
             events.append(TextDelta(content_index=0, delta=piece, **fields))
         else:
             events.append(TranscriptDelta(content_index=0, delta=piece, **fields))
+        if self._text_tokens >= self.max_text_tokens:  # the agent goes on in a new response: no audio frame lost
+            events += self._close("incomplete", reason="max_output_tokens") + self._open(None)
         return events
 
     # -- inputs from the client and the router ------------------------------------------------------------------
