@@ -240,6 +240,8 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
     inp.write_bytes((fixtures_dir / "audio" / "greeting_24k.wav").read_bytes())
     folder = tmp_path / "adir"
     folder.mkdir()
+    db = folder / "memory.sqlite"  # an existing Context DB (a fresh user trial overwrote one with the JSON)
+    db.write_bytes(b"SQLite format 3\x00 keep me")
     cases = [
         (["--output-wav", str(folder)], "is a directory"),
         (["--output-wav", str(inp)], "is also the input"),
@@ -247,6 +249,8 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
         (["--span", "60:too late"], "past the end"),
         (["--force-ret-at", "60"], "past the end"),
         (["--router", "notaurl"], "--router"),
+        (["--db", str(db), "--output-text", str(db)], "is the Context DB"),
+        (["--db", f"sqlite://{db}", "--output-text", f"{db}-wal"], "is the Context DB"),
     ]
     for extra, message in cases:
         argv = ["infer", "--input-wav", str(inp), "--output-wav", str(tmp_path / "o.wav"),
@@ -254,4 +258,5 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
         with pytest.raises(CspanError, match=message):
             asyncio.run(run_infer(settings_from_args(build_parser().parse_args(argv))))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "in.wav"]
+    assert db.read_bytes() == b"SQLite format 3\x00 keep me"
     assert inp.read_bytes() == (fixtures_dir / "audio" / "greeting_24k.wav").read_bytes()

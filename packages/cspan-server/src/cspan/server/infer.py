@@ -271,9 +271,28 @@ def pick_device(name: str | None) -> tuple[Any, Any]:
     return device, dtype
 
 
-def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
-    """Refuse output paths that are folders, collide with each other, or would overwrite an input; then check that
-    each one's folder can be written (created if missing), before any work.
+DB_FILES = ("", "-wal", "-shm", "-journal")
+"""The files of a SQLite database (the file, its write-ahead log and shared memory, its rollback journal)."""
+
+
+def sqlite_file(db: str | None) -> Path | None:
+    """The SQLite file ``--db`` names (the default one when None), or None: ``:memory:``, a PostgreSQL URL, an
+    unsupported URL (reported when the DB is opened)."""
+    from cspan.backends.context_db import ContextDBError, resolve_target
+
+    try:
+        where = resolve_target(db)
+    except ContextDBError:
+        return None
+    if where.startswith("sqlite://"):
+        where = where[len("sqlite://") :]
+    return None if where in ("", ":memory:") or "://" in where else Path(where)
+
+
+def check_outputs(inputs: list[Path], outputs: list[Path], context_db: Path | None = None) -> None:
+    """Refuse output paths that are folders, collide with each other, or would overwrite an input or the Context
+    DB file ``context_db`` (or its journal files); then check that each one's folder can be written (created if
+    missing), before any work.
 
     Raises:
         CspanError: naming the offending path. OutputError: a folder that cannot be written (path and cause).
@@ -291,6 +310,8 @@ def check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
             raise CspanError(f"{out}: is not a regular file (a device, pipe or socket); pass a file path")
         if real in resolved_inputs:
             raise CspanError(f"{out}: is also the input; refusing to overwrite the recording")
+        if context_db is not None and real in {context_db.resolve().with_name(context_db.name + x) for x in DB_FILES}:
+            raise CspanError(f"{out}: is the Context DB (--db {context_db}); refusing to overwrite its memory")
         if real in seen:
             raise CspanError(f"{out}: given for two outputs ({seen[real]} and {out}); use two different files")
         seen[real] = out
@@ -481,7 +502,7 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
 
     s = settings
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
-    check_outputs([s.input_wav], s.outputs)
+    check_outputs([s.input_wav], s.outputs, sqlite_file(s.db))
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
     if info.nonfinite:
         logger.warning("%s: %d NaN or infinite samples read as silence", s.input_wav, info.nonfinite)
