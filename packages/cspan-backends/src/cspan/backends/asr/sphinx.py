@@ -291,8 +291,13 @@ def _stop_workers() -> None:
         workers = list(_ALL_WORKERS)
         _ALL_WORKERS.clear()
         _WORKERS.clear()
-    for worker in workers:
-        worker.close()
+    try:
+        for worker in workers:
+            worker.close()
+    except KeyboardInterrupt:  # a second Ctrl-C while leaving: end the rest at once, without a traceback
+        for worker in workers:
+            if isinstance(worker, SphinxWorker) and worker.alive:
+                worker.process.kill()
 
 
 @dataclass(eq=False)
