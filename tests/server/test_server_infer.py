@@ -250,7 +250,7 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
         (["--force-ret-at", "60"], "past the end"),
         (["--router", "notaurl"], "--router"),
         (["--db", str(db), "--output-text", str(db)], "is the Context DB"),
-        (["--db", f"sqlite://{db}", "--output-text", f"{db}-wal"], "is the Context DB"),
+        (["--db", f"sqlite:///{db}", "--output-text", f"{db}-wal"], "is the Context DB"),  # sqlite:////ABS
     ]
     for extra, message in cases:
         argv = ["infer", "--input-wav", str(inp), "--output-wav", str(tmp_path / "o.wav"),

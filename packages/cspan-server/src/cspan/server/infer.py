@@ -275,18 +275,16 @@ DB_FILES = ("", "-wal", "-shm", "-journal")
 """The files of a SQLite database (the file, its write-ahead log and shared memory, its rollback journal)."""
 
 
-def sqlite_file(db: str | None) -> Path | None:
+def context_db_file(db: str | None) -> Path | None:
     """The SQLite file ``--db`` names (the default one when None), or None: ``:memory:``, a PostgreSQL URL, an
     unsupported URL (reported when the DB is opened)."""
-    from cspan.backends.context_db import ContextDBError, resolve_target
+    from cspan.backends.context_db import ContextDBError, resolve_target, sqlite_file
 
     try:
-        where = resolve_target(db)
+        path = sqlite_file(resolve_target(db))
     except ContextDBError:
         return None
-    if where.startswith("sqlite://"):
-        where = where[len("sqlite://") :]
-    return None if where in ("", ":memory:") or "://" in where else Path(where)
+    return None if path is None else Path(path)
 
 
 def check_outputs(inputs: list[Path], outputs: list[Path], context_db: Path | None = None) -> None:
@@ -502,7 +500,7 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
 
     s = settings
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
-    check_outputs([s.input_wav], s.outputs, sqlite_file(s.db))
+    check_outputs([s.input_wav], s.outputs, context_db_file(s.db))
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
     if info.nonfinite:
         logger.warning("%s: %d NaN or infinite samples read as silence", s.input_wav, info.nonfinite)

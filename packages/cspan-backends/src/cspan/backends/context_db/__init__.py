@@ -15,6 +15,7 @@ The original system (mindlogic-ai/Context-Spanning, ``duetaspan/runtime/backend/
 in Python lists that vanished with the process.
 """
 
+from cspan.backends.context_db.connection import sqlite_file
 from cspan.backends.context_db.facts import extract_facts, fact_sentence
 from cspan.backends.context_db.models import (
     ContextDBError,
@@ -50,4 +51,5 @@ __all__ = [
     "extract_facts",
     "fact_sentence",
     "resolve_target",
+    "sqlite_file",
 ]

@@ -232,6 +232,16 @@ def is_postgres_url(target: str) -> bool:
     return target.startswith(("postgresql://", "postgres://", "postgresql+psycopg://"))
 
 
+def sqlite_file(target: str) -> str | None:
+    """The SQLite file ``target`` opens (a file path, or SQLAlchemy's ``sqlite:///relative.db`` /
+    ``sqlite:////absolute.db``), ``~`` expanded; None for a PostgreSQL URL or ``:memory:``."""
+    if is_postgres_url(target):
+        return None
+    if target.startswith("sqlite://"):
+        target = target.removeprefix("sqlite://").removeprefix("/") or ":memory:"
+    return None if target == ":memory:" else str(Path(target).expanduser())
+
+
 def connect(target: str, *, busy_timeout_s: float = 10.0) -> Connection:
     """Open ``target``: a PostgreSQL URL, ``sqlite:///PATH``, ``:memory:`` or a file path.
 
@@ -240,8 +250,4 @@ def connect(target: str, *, busy_timeout_s: float = 10.0) -> Connection:
     """
     if is_postgres_url(target):
         return PostgresConnection(target.replace("postgresql+psycopg://", "postgresql://", 1), connect_timeout_s=10.0)
-    if target.startswith("sqlite://"):  # SQLAlchemy's form: sqlite:///relative.db, sqlite:////absolute.db
-        target = target.removeprefix("sqlite://").removeprefix("/") or ":memory:"
-    if target != ":memory:":
-        target = str(Path(target).expanduser())
-    return SQLiteConnection(target, busy_timeout_s=busy_timeout_s)
+    return SQLiteConnection(sqlite_file(target) or ":memory:", busy_timeout_s=busy_timeout_s)
