@@ -59,3 +59,25 @@ def test_defaults_and_errors() -> None:
         sample_token(torch.zeros(2, 4), 1.0, 0, [make_generator("cpu", 0)])
     with pytest.raises(ValueError, match=r"\[B, V\]"):
         sample_token(torch.zeros(4), 1.0)
+
+
+def test_the_static_text_top_k_size_covers_every_row_and_draws_the_same_tokens() -> None:
+    from cspan.core.constants import MAX_TOP_K
+    from cspan.core.modules.fused import race_noise
+    from cspan.core.sampling import RowSampling, top_k_bound
+
+    V = 32000
+    assert top_k_bound([25, 25], V) == 64
+    assert top_k_bound([25, 64], V) == 64
+    assert top_k_bound([25, 65], V) == MAX_TOP_K
+    assert top_k_bound([0, V, V + 5], V) == 64  # rows that keep every token need no top-k
+    assert top_k_bound([], V) == 64
+    assert top_k_bound([40], 50) == 50  # never above the vocabulary
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, V, generator=g) * 3
+    rows = RowSampling(torch.tensor([0.7, 0.0, 1.0, 0.5]), torch.tensor([25, 25, 0, 64]))
+    noise = race_noise(torch.arange(4), torch.full((4,), 7), 0, V)
+    small = rows.race(logits, noise, top_k_bound(rows.top_k.tolist(), V))
+    large = RowSampling(rows.temperature, rows.top_k).race(logits, noise, MAX_TOP_K)
+    assert small.tolist() == large.tolist()
+    assert small[1].item() == logits[1].argmax().item()

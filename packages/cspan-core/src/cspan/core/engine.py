@@ -54,7 +54,7 @@ from .errors import CheckpointError, SpanError
 from .graphs import GraphCache
 from .plan import resolve_plan
 from .prefix import PrefixReport, build_persona_prefix, prefix_block
-from .sampling import SamplingParams, SessionSampling, sample_column
+from .sampling import SamplingParams, SessionSampling, sample_column, top_k_bound
 from .sessions import EngineState, Persona, Sessions, StepBatch, build_step, fresh_seed, unpack
 from .span import ContextSpan, SpanReport, encode_span, span_report
 from .window import DEFAULT_PERSONA_POLICY, WindowEvent, check_policy, reprefix_block
@@ -531,6 +531,7 @@ class DuplexEngine:
         batch = build_step(
             rows, blocks, prefixes, self.sessions.position, self.state.grid.max_delay, self.num_streams,
             self.state.scratch, self.state.lm.transformer.cache.capacity, self.plan, self.dtype,
+            top_k_bound([self.sessions.sampling[r].text.top_k for r in rows], self.lm.text_card),
         )  # fmt: skip
         if batch.shape.library and self._library is not None:  # the rows and positions its kernels read (host)
             pad = batch.shape.rows - len(rows)
@@ -590,6 +591,7 @@ class DuplexEngine:
             counter=position,
             plan=self.plan,
             depformer_steps=None if self.predict_user or user is None else self.num_codebooks,
+            text_top=shape.text_top,
         )
         frame, valid = grid.commit(column, rows)
         state.lm.transformer.cache.offset[state.scratch :] = 0  # padding rows leave the scratch row empty

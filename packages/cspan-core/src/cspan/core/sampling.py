@@ -242,6 +242,20 @@ class RowSampling:
         return torch.where(greedy, x.argmax(dim=-1), choice)
 
 
+TOP_K_BOUNDS: tuple[int, ...] = (64, MAX_TOP_K)
+"""The static top-k sizes of the engine's batched text sampler (:meth:`RowSampling.race`): the smallest that covers
+every stepped row's k is part of the step's graph key. A top-k of 500 over the 32000 text entries is a radix sort
+(21.7 us on the H200, ``scripts/step_anatomy.py``), of 64 a bitonic one (about 5 us); the default text k is 25."""
+
+
+def top_k_bound(top_ks: Sequence[int], vocab: int) -> int:
+    """The smallest of :data:`TOP_K_BOUNDS` (capped at ``vocab``) covering each of ``top_ks`` that is below the
+    vocabulary (a k ``<= 0`` or ``>= vocab`` keeps every token and needs no top-k): the ``max_top_k`` to pass to
+    :meth:`RowSampling.race` for these rows."""
+    need = max((k for k in top_ks if 0 < k < vocab), default=1)
+    return min(vocab, next((b for b in TOP_K_BOUNDS if b >= need), MAX_TOP_K))
+
+
 @torch.no_grad()
 def sample_column(
     lm: Any,
@@ -256,6 +270,7 @@ def sample_column(
     counter: torch.Tensor,
     plan: ExecutionPlan,
     depformer_steps: int | None = None,
+    text_top: int = MAX_TOP_K,
 ) -> torch.Tensor:
     """Sample one target column: the text token, then the depformer's dep_q codebooks in order.
 
@@ -280,6 +295,8 @@ def sample_column(
             causal over codebooks, so the earlier ones are sampled exactly as in a full run; the entries of the
             skipped codebooks keep ``target`` where it is known and are -1 (zero embedding) where it is not. For the
             duplex engine's user-stream predictions, which the user's real codes replace before they are ever fed.
+        text_top: the text sampler's static top-k size, at least every row's text k below the vocabulary
+            (:func:`top_k_bound`).
 
     Returns:
         [B, K] long: ``target`` with rows 0..dep_q filled (rows past dep_q are copied from ``target``).
@@ -296,7 +313,7 @@ def sample_column(
             return fused.race_noise_fused(seed, counter, stream, vocab, plan.pdl)
         return fused.race_noise(seed, counter, stream, vocab)
 
-    token = text.race(text_logits, noise(0, text_logits.shape[-1]))
+    token = text.race(text_logits, noise(0, text_logits.shape[-1]), text_top)
     token = torch.where(known[:, 0], target[:, 0], token)
     column[:, 0] = token
     dep_state.reset()
@@ -327,6 +344,7 @@ def make_generator(device: torch.device | str, seed: int | None = None) -> torch
 
 
 __all__ = [
+    "TOP_K_BOUNDS",
     "RowSampling",
     "SamplingParams",
     "SessionSampling",
@@ -334,4 +352,5 @@ __all__ = [
     "sample_column",
     "sample_race",
     "sample_token",
+    "top_k_bound",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .constants import MAX_TOP_K
 from .modules import fused
 from .modules.transformer import StepLayout
 from .plan import ExecutionPlan
@@ -329,7 +330,8 @@ class EngineState:
 class StepShape:
     """The static shape of one step (a CUDA-graph key, with the kind of call): padded rows b, padded block columns
     N, queries per prefill block, prefill query blocks, whether input embeddings come with the blocks, whether the
-    library decode reads the ring; and the host layout of the blocks (used by the eager path only)."""
+    library decode reads the ring, the text sampler's top-k size; and the host layout of the blocks (used by the
+    eager path only)."""
 
     rows: int
     columns: int
@@ -337,12 +339,13 @@ class StepShape:
     queries: int
     embeddings: bool
     library: bool = False
+    text_top: int = MAX_TOP_K
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
     first_rows: int = field(default=0, compare=False)
 
     @property
-    def key(self) -> tuple[int, int, int, int, bool, bool]:
-        return (self.rows, self.columns, self.block_m, self.queries, self.embeddings, self.library)
+    def key(self) -> tuple[int, int, int, int, bool, bool, int]:
+        return (self.rows, self.columns, self.block_m, self.queries, self.embeddings, self.library, self.text_top)
 
 
 @dataclass
@@ -375,6 +378,7 @@ def build_step(
     capacity: int,
     plan: ExecutionPlan,
     dtype: torch.dtype,
+    text_top: int = MAX_TOP_K,
 ) -> StepBatch:
     """Lay out one step: the live ``rows`` (padded to the plan's row bucket with the scratch row), each row's block
     (its prefix's block, then its queued spans), the ragged tables of the block columns (padded to the block
@@ -391,6 +395,7 @@ def build_step(
         capacity: the KV ring's slots C.
         plan: the engine's plan.
         dtype: of the input embeddings.
+        text_top: the text sampler's top-k size for these rows (:func:`cspan.core.sampling.top_k_bound`).
     """
     b_live = len(rows)
     parts: list[Block] = []
@@ -416,7 +421,7 @@ def build_step(
     has_emb = any(blk.embeddings is not None for blk in parts)
     in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
     library = plan.library_decode(b)
-    shape = StepShape(b, N, block_m, Q, has_emb, library, tuple(row_blocks), b_live if in_order else 0)
+    shape = StepShape(b, N, block_m, Q, has_emb, library, text_top, tuple(row_blocks), b_live if in_order else 0)
 
     pad = b - b_live
     row_t = torch.tensor(rows + [scratch] * pad, dtype=torch.long)

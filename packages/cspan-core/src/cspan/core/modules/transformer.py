@@ -228,6 +228,7 @@ class MultiheadAttention(nn.Module):
         window: int,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         rows: torch.Tensor,
+        where: torch.Tensor | fused.Ragged,
         pdl: bool | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` with a KV cache through the kernels of :mod:`cspan.core.modules.fused` (GPU).
@@ -243,6 +244,9 @@ class MultiheadAttention(nn.Module):
             window: attention window in positions.
             rope: (cos, sin) [B', T, Dh/2] or None.
             rows: [B'] long cache rows.
+            where: one position: [B'] long, each row's position (its cache offset); a chunk: the rows' T tokens
+                as a :class:`cspan.core.modules.fused.Ragged` with positions (``Ragged.uniform(rows, T, C).at``).
+                Built once per forward by the caller, not per layer.
             pdl: launch with programmatic dependent launch (None: the kernels' default).
 
         Returns:
@@ -253,16 +257,14 @@ class MultiheadAttention(nn.Module):
         qkv = F.linear(x, w_in)  # [B', T, 3D]
         keys, values = cache.keys[layer], cache.values[layer]
         scales = cache.layer_scales(layer)
-        if T == 1:
+        if isinstance(where, torch.Tensor):  # one position
             cos_sin = None if rope is None else (rope[0][:, 0], rope[1][:, 0])
-            positions = cache.offset.index_select(0, rows)
-            out = fused.decode_attention(qkv, keys, values, positions, rows, window, cos_sin, scales, pdl=pdl)
+            out = fused.decode_attention(qkv, keys, values, where, rows, window, cos_sin, scales, pdl=pdl)
         else:
             flat = None if rope is None else (rope[0].reshape(B * T, -1), rope[1].reshape(B * T, -1))
             q, k, v = fused.rope_split(qkv.reshape(B * T, -1), self.num_heads, flat, pdl=pdl)
-            ragged = fused.Ragged.uniform(rows, T, cache.capacity).at(cache.offset)
-            out = fused.prefill_attention(q, k, v, keys, values, ragged, window, scales, pdl=pdl).view(B, T, -1)
-            fused.kv_write(k, v, keys, values, ragged.tok_row, ragged.store_pos, scales, pdl=pdl)
+            out = fused.prefill_attention(q, k, v, keys, values, where, window, scales, pdl=pdl).view(B, T, -1)
+            fused.kv_write(k, v, keys, values, where.tok_row, where.store_pos, scales, pdl=pdl)
         return F.linear(out, w_out)
 
 
@@ -680,22 +682,21 @@ class StreamingTransformer(nn.Module):
         B, T = x.shape[:2]
         window = self.context if self.context is not None else cache.capacity
         cache_rows = torch.arange(B, device=x.device) if rows is None else rows
+        start = cache.offset.index_select(0, cache_rows)  # [B'] each row's first new position
         rope = None
         if self.positional_embedding == "rope":
-            start = cache.offset.index_select(0, cache_rows)
             positions = start[:, None] + torch.arange(T, device=x.device, dtype=torch.long)
             rope = fused.rope_tables(positions, self.head_dim, self.max_period)
         weight_set = None if sets is None else sets[0]
         if gemv:
             h = x[:, 0].contiguous()  # [B', D]
             cos_sin = None if rope is None else (rope[0][:, 0], rope[1][:, 0])
-            positions = cache.offset.index_select(0, cache_rows)
             for i, layer in enumerate(self.layers):
                 w_in, w_out = layer.self_attn.weights(weight_set)
                 qkv = fused.gemv(h, w_in, norm=(layer.norm1.alpha, layer.norm1.eps), pdl=pdl)
                 keys, values = cache.keys[i], cache.values[i]
                 attn = fused.decode_attention(
-                    qkv, keys, values, positions, cache_rows, window, cos_sin, cache.layer_scales(i), pdl=pdl
+                    qkv, keys, values, start, cache_rows, window, cos_sin, cache.layer_scales(i), pdl=pdl
                 )
                 h = fused.gemv(attn, w_out, residual=h, pdl=pdl)
                 ffn = layer.gating[weight_set] if isinstance(layer.gating, nn.ModuleList) else layer.gating
@@ -703,10 +704,11 @@ class StreamingTransformer(nn.Module):
                 h = fused.gemv(g, ffn.linear_out.weight, residual=h, pdl=pdl)
             cache.advance_by(1, rows)
             return h[:, None]
+        where = start if T == 1 else fused.Ragged.uniform(cache_rows, T, cache.capacity).at(cache.offset)
         update: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             x, h = _add_norm(x, update, layer.norm1, pdl)
-            attn = layer.self_attn.fused_forward(h, weight_set, cache, i, window, rope, cache_rows, pdl)
+            attn = layer.self_attn.fused_forward(h, weight_set, cache, i, window, rope, cache_rows, where, pdl)
             x, h = _add_norm(x, layer.layer_scale_1(attn), layer.norm2, pdl)
             update = layer.layer_scale_2(_feed_forward(layer, h, sets, pdl))
         cache.advance_by(T, rows)
