@@ -533,10 +533,11 @@ class DuplexEngine:
             self.state.scratch, self.state.lm.transformer.cache.capacity, self.plan, self.dtype,
             top_k_bound([self.sessions.sampling[r].text.top_k for r in rows], self.lm.text_card),
         )  # fmt: skip
-        if batch.shape.library and self._library is not None:  # the rows and positions its kernels read (host)
-            pad = batch.shape.rows - len(rows)
-            positions = [self.sessions.position[r] for r in rows] + [0] * pad
-            self._library.plan(rows + [self.state.scratch] * pad, positions)
+        if batch.shape.library and self._library is not None:  # the decode slots' rows and positions (host)
+            scratch, pad = self.state.scratch, batch.shape.rows - len(rows)
+            dummy = {i for i, _, _ in batch.shape.blocks}  # a block row's slot: its next position is in its block
+            slot_rows = [scratch if i in dummy else r for i, r in enumerate(rows)] + [scratch] * pad
+            self._library.plan(slot_rows, [0 if r == scratch else self.sessions.position[r] for r in slot_rows])
         return batch
 
     def _idle(self) -> TokenStepOutput:
@@ -571,7 +572,12 @@ class DuplexEngine:
             grid.write_user(user.index_select(0, rows.clamp_max(self.batch_size - 1)), rows, io.write_user)
         position = grid.position.index_select(0, rows)  # the position each row feeds (after its block)
         column_in = grid.input_column(rows)  # [b, K]
-        tokens = torch.cat([column_in.T, io.tokens], dim=1)  # [K, b + N]
+        tokens = io.tokens  # [K, N]: the ragged tokens; a block row's next position is its sequence's last
+        if io.fold is not None:  # (every written value of a duplicate index is that column's own)
+            at = io.fold.clamp_min(0)
+            tokens = tokens.index_copy(1, at, torch.where(io.fold >= 0, column_in.T, tokens.index_select(1, at)))
+        if shape.slots:
+            tokens = torch.cat([column_in.T, tokens], dim=1)  # [K, b + N]: the decode slots first
         emb = None
         if emb_values is not None and emb_use is not None:
             emb = (emb_values.to(self.device, non_blocking=True), emb_use.to(self.device, non_blocking=True))

@@ -489,12 +489,12 @@ class LMModel(nn.Module):
         """The duplex engine's temporal step: every session's block and next position in ONE ragged forward.
 
         Args:
-            tokens: [K, T] long input columns: the b rows' next positions, then their block columns
-                (:class:`cspan.core.modules.transformer.StepLayout` says where each goes).
+            tokens: [K, T] long input columns: the decode slots, then the ragged tokens (the rows' blocks and
+                their next positions; :class:`cspan.core.modules.transformer.StepLayout` says where each goes).
             state: from :meth:`new_state`; the rows' offsets advance by ``block_len + 1``.
             layout: the step's layout.
             plan: the engine's kernel choices.
-            embeddings: (values [N, D], use [N] bool) for the N block columns: input embeddings that replace the
+            embeddings: (values [N, D], use [N] bool) for the N ragged tokens: input embeddings that replace the
                 token embeddings of the columns marked in ``use`` (a persona prefix's stored voice embeddings), or
                 None.
 
@@ -503,8 +503,8 @@ class LMModel(nn.Module):
         """
         x = self.embed(tokens[None], plan)[0]  # [T, D]
         if embeddings is not None:
-            b = layout.rows.shape[0]
-            x = torch.cat([x[:b], torch.where(embeddings[1][:, None], embeddings[0], x[b:])])
+            d = layout.slots
+            x = torch.cat([x[:d], torch.where(embeddings[1][:, None], embeddings[0], x[d:])])
         hidden = self.out_norm(self.transformer.forward_step(x, state.transformer, layout, plan))
         return hidden, self.text_linear(hidden)
 

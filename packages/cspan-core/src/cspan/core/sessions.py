@@ -328,10 +328,11 @@ class EngineState:
 
 @dataclass(frozen=True)
 class StepShape:
-    """The static shape of one step (a CUDA-graph key, with the kind of call): padded rows b, padded block columns
+    """The static shape of one step (a CUDA-graph key, with the kind of call): padded rows b, padded ragged tokens
     N, queries per prefill block, prefill query blocks, whether input embeddings come with the blocks, whether the
-    library decode reads the ring, the text sampler's top-k size; and the host layout of the blocks (used by the
-    eager path only)."""
+    library decode reads the ring, the text sampler's top-k size, whether the step has one decode slot per row
+    (False: every row reads a block, so every next position is the last token of its row's ragged sequence); and
+    the host layout of the blocks (used by the eager path only)."""
 
     rows: int
     columns: int
@@ -340,12 +341,16 @@ class StepShape:
     embeddings: bool
     library: bool = False
     text_top: int = MAX_TOP_K
+    slots: bool = True
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
     first_rows: int = field(default=0, compare=False)
 
     @property
-    def key(self) -> tuple[int, int, int, int, bool, bool, int]:
-        return (self.rows, self.columns, self.block_m, self.queries, self.embeddings, self.library, self.text_top)
+    def key(self) -> tuple[int, int, int, int, bool, bool, int, bool]:
+        return (
+            self.rows, self.columns, self.block_m, self.queries, self.embeddings, self.library, self.text_top,
+            self.slots,
+        )  # fmt: skip
 
 
 @dataclass
@@ -356,7 +361,7 @@ class StepBatch:
         rows: the live rows stepped (before padding).
         shape: the static shape.
         packed: [*] long on the host: :func:`unpack`'s fields, concatenated.
-        embeddings: (values [N, D], use [N] bool) of the block columns, or None.
+        embeddings: (values [N, D], use [N] bool) of the ragged tokens, or None.
         first_call: rows whose step is their first call after a reset (they return nothing).
     """
 
@@ -380,9 +385,16 @@ def build_step(
     dtype: torch.dtype,
     text_top: int = MAX_TOP_K,
 ) -> StepBatch:
-    """Lay out one step: the live ``rows`` (padded to the plan's row bucket with the scratch row), each row's block
-    (its prefix's block, then its queued spans), the ragged tables of the block columns (padded to the block
-    bucket; no bucket serves it: laid out unpadded, and the step runs eagerly).
+    """Lay out one step: the live ``rows`` (padded to the plan's row bucket with the scratch row) and each row's
+    block (its prefix's block, then its queued spans).
+
+    A row with a block reads it and its next position as ONE ragged sequence of n + 1 tokens (the block's columns,
+    then the next position's column, which the device fills in): the next position's attention is part of the
+    block's prefill, as a batch-1 chunk of n + 1 positions would be. The ragged tokens of all rows follow one
+    another, padded to the plan's block bucket (no bucket serves them: laid out unpadded, and the step runs
+    eagerly). Rows without a block have a decode slot each (token i of the step is row i's next position); when
+    every row has a block, the step has no decode slots. A block row's decode slot, when the step has slots, is a
+    dummy on the scratch row.
 
     Args:
         rows: the live rows.
@@ -398,8 +410,8 @@ def build_step(
         text_top: the text sampler's top-k size for these rows (:func:`cspan.core.sampling.top_k_bound`).
     """
     b_live = len(rows)
-    parts: list[Block] = []
-    row_blocks: list[tuple[int, int, int]] = []  # (i, start, n)
+    parts: list[tuple[int, Block]] = []  # (ragged token index of its first column, block)
+    row_blocks: list[tuple[int, int, int]] = []  # (i, start, n): n block columns, then the next position
     lens = [0] * b_live
     start = 0
     for i, row in enumerate(rows):
@@ -407,21 +419,28 @@ def build_step(
         n = sum(blk.n for blk in mine)
         if n:
             row_blocks.append((i, start, n))
-            parts.extend(mine)
+            at = start
+            for blk in mine:
+                parts.append((at, blk))
+                at += blk.n
             lens[i] = n
-            start += n
+            start += n + 1
     N_real = start
     bucket = plan.block_bucket(N_real)
     padded = plan.buckets and bucket is not None  # padded to the graph buckets
     N = bucket if padded else N_real
     b = plan.rows_bucket(b_live) if padded else b_live
-    block_m = 0 if N == 0 else fused.block_m_for(N if padded else max(lens))
+    slots = not (row_blocks and len(row_blocks) == b)  # every row reads a block: no decode slots
+    d = b if slots else 0
+    block_m = 0 if N == 0 else fused.block_m_for(N if padded else max(lens) + 1)
     # query blocks of the prefill grid: enough for any lengths that fit a padded bucket, else exactly these
-    Q = 0 if N == 0 else -(-N // block_m) + b if padded else sum(-(-n // block_m) for _, _, n in row_blocks)
-    has_emb = any(blk.embeddings is not None for blk in parts)
+    Q = 0 if N == 0 else -(-N // block_m) + b if padded else sum(-(-(n + 1) // block_m) for _, _, n in row_blocks)
+    has_emb = any(blk.embeddings is not None for _, blk in parts)
     in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
-    library = plan.library_decode(b)
-    shape = StepShape(b, N, block_m, Q, has_emb, library, text_top, tuple(row_blocks), b_live if in_order else 0)
+    library = slots and plan.library_decode(b)
+    shape = StepShape(
+        b, N, block_m, Q, has_emb, library, text_top, slots, tuple(row_blocks), b_live if in_order else 0
+    )  # fmt: skip
 
     pad = b - b_live
     row_t = torch.tensor(rows + [scratch] * pad, dtype=torch.long)
@@ -430,42 +449,51 @@ def build_step(
     fields = [row_t, len_t, write]
     if N:
         tokens = torch.zeros(num_streams, N, dtype=torch.long)
-        if parts:
-            tokens[:, :N_real] = torch.cat([blk.tokens for blk in parts], dim=1)
+        for at, blk in parts:
+            tokens[:, at : at + blk.n] = blk.tokens
+        slot_row = row_t.clone()  # the decode slots' rows: a block row's is a dummy on the scratch row
+        fold = torch.full((b,), -1, dtype=torch.long)  # each block row's next position, as a ragged token index
+        final = torch.arange(b, dtype=torch.long)  # each row's next position, as a token index of the step
         seq_row = torch.full((b,), scratch, dtype=torch.long)
         seq_start = torch.zeros(b, dtype=torch.long)
         seq_len = torch.zeros(b, dtype=torch.long)
         tok_row = torch.full((N,), scratch, dtype=torch.long)
         tok_j = torch.full((N,), -1, dtype=torch.long)
         tok_keep = torch.zeros(N, dtype=torch.long)
+        last_seq = torch.full((b,), -1, dtype=torch.long)  # the query block holding each sequence's last token
+        last_j = torch.zeros(b, dtype=torch.long)
         qb_seq: list[int] = []
         qb_j: list[int] = []
         for s, (i, st, n) in enumerate(row_blocks):
-            seq_row[s], seq_start[s], seq_len[s] = rows[i], st, n
-            tok_row[st : st + n] = rows[i]
-            j = torch.arange(n)
-            tok_j[st : st + n] = j
-            tok_keep[st : st + n] = (j >= n - capacity).long()
-            per = -(-n // block_m)
+            L = n + 1
+            slot_row[i] = scratch
+            fold[i] = st + n
+            final[i] = d + st + n
+            seq_row[s], seq_start[s], seq_len[s] = rows[i], st, L
+            tok_row[st : st + L] = rows[i]
+            j = torch.arange(L)
+            tok_j[st : st + L] = j
+            tok_keep[st : st + L] = (j >= L - capacity).long()
+            per = -(-L // block_m)
             qb_seq += [s] * per
             qb_j += [q * block_m for q in range(per)]
+            last_seq[s], last_j[s] = s, (per - 1) * block_m
         qb_seq_t = torch.full((Q,), -1, dtype=torch.long)
         qb_j_t = torch.zeros(Q, dtype=torch.long)
         qb_seq_t[: len(qb_seq)] = torch.tensor(qb_seq, dtype=torch.long)
         qb_j_t[: len(qb_j)] = torch.tensor(qb_j, dtype=torch.long)
-        fields += [tokens.view(-1), seq_row, seq_start, seq_len, qb_seq_t, qb_j_t, tok_row, tok_j, tok_keep]
+        fields += [tokens.view(-1), slot_row, fold, final, seq_row, seq_start, seq_len, qb_seq_t, qb_j_t, last_seq,
+                   last_j, tok_row, tok_j, tok_keep]  # fmt: skip
     embeddings = None
     if has_emb:
-        width = next(blk.embeddings.shape[-1] for blk in parts if blk.embeddings is not None)
+        width = next(blk.embeddings.shape[-1] for _, blk in parts if blk.embeddings is not None)
         values = torch.zeros(N, width, dtype=dtype)
         use = torch.zeros(N, dtype=torch.bool)
-        at = 0
-        for blk in parts:
+        for at, blk in parts:
             if blk.embeddings is not None:
                 E = blk.embeddings.shape[0]
                 values[at : at + E] = blk.embeddings.to(dtype)
                 use[at : at + E] = True
-            at += blk.n
         embeddings = (values, use)
     first_call = [row for row in rows if positions[row] < max_delay]
     packed = torch.cat(fields)
@@ -477,12 +505,15 @@ def build_step(
 
 @dataclass
 class StepInputs:
-    """One step's inputs on the device (views of the packed tensor): rows [b], write_user [b] bool, block tokens
-    [K, N], and the transformer's :class:`StepLayout`."""
+    """One step's inputs on the device (views of the packed tensor): rows [b], write_user [b] bool, the ragged
+    tokens' columns [K, N] (a block row's next position column left to fill), each block row's next position as a
+    ragged token index ``fold`` [b] (-1: no block; None without ragged tokens), and the transformer's
+    :class:`StepLayout`."""
 
     rows: torch.Tensor
     write_user: torch.Tensor
     tokens: torch.Tensor
+    fold: torch.Tensor | None
     layout: StepLayout
 
 
@@ -491,22 +522,32 @@ def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInpu
     b, N, Q = shape.rows, shape.columns, shape.queries
     sizes = [b, b, b]
     if N:
-        sizes += [num_streams * N, b, b, b, Q, Q, N, N, N]
+        sizes += [num_streams * N, b, b, b, b, b, b, Q, Q, b, b, N, N, N]
     parts = torch.split(packed, sizes)
     rows, block_len, write = parts[0], parts[1], parts[2].bool()
-    ragged = None
+    ragged = last = fold = None
+    slot_rows, final = rows, None
     tokens = packed.new_zeros(num_streams, 0)
     if N:
         tokens = parts[3].view(num_streams, N)
-        seq_row, seq_start, seq_len, qb_seq, qb_j, tok_row, tok_j, tok_keep = parts[4:]
+        slot_rows, fold, final = parts[4:7]
+        seq_row, seq_start, seq_len, qb_seq, qb_j, last_seq, last_j, tok_row, tok_j, tok_keep = parts[7:]
         ragged = fused.Ragged(
             seq_row=seq_row, seq_start=seq_start, seq_len=seq_len, qb_seq=qb_seq, qb_j=qb_j,
             tok_row=tok_row, tok_j=tok_j, tok_keep=tok_keep.bool(), block_m=shape.block_m,
         )  # fmt: skip
+        last = (last_seq, last_j)
     layout = StepLayout(
-        rows=rows, block_len=block_len, blocks=list(shape.blocks), ragged=ragged, first_rows=shape.first_rows
+        rows=rows,
+        block_len=block_len,
+        slot_rows=slot_rows if shape.slots else None,
+        final=final,
+        blocks=list(shape.blocks),
+        ragged=ragged,
+        last_queries=last,
+        first_rows=shape.first_rows,
     )
-    return StepInputs(rows=rows, write_user=write, tokens=tokens, layout=layout)
+    return StepInputs(rows=rows, write_user=write, tokens=tokens, fold=fold, layout=layout)
 
 
 __all__ = [

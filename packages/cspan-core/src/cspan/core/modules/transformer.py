@@ -27,9 +27,10 @@ the stream since the last reset, i.e. the codebook index inside a frame) uses we
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -720,16 +721,18 @@ class StreamingTransformer(nn.Module):
     ) -> torch.Tensor:
         """The duplex engine's step: every row's block (if any) and next position in ONE ragged forward.
 
-        ``x`` holds T = b + N token inputs: token ``i < b`` is the next position of cache row ``layout.rows[i]``,
-        at ``offset + block_len[i]``; the N block tokens follow, one row's block after the other
-        (``layout.blocks``), at ``offset, offset + 1, ...`` of their row. Every matrix product runs once over all
-        T tokens (the weights are read once: the mixed prefill/decode batches of vLLM and Sarathi-Serve, Agrawal et
-        al. 2024). Per layer, each block attends to its row's ring and causally to itself and is then written
-        into the ring (exactly as a chunk of :meth:`forward`), and then every next position attends to its row's
-        ring, which now holds the block (exactly as one step of :meth:`forward`). So a row's result is the result
-        of reading its block and then stepping, whatever the other rows do. The last layer computes its
-        attention output and feed-forward for the b next positions only (the blocks only need their keys and
-        values). Offsets advance by ``block_len + 1``.
+        ``x`` holds T = d + N token inputs. The d decode slots come first (d = b, or 0 when every row reads a
+        block): slot i is the next position of cache row ``layout.slot_rows[i]``. The N ragged tokens follow, one
+        sequence per row with a block: its n block columns at ``offset, offset + 1, ...`` of its row, then its next
+        position at ``offset + n`` (that row's decode slot is a dummy on the scratch row). Every matrix product
+        runs once over all T tokens (the weights are read once: the mixed prefill/decode batches of vLLM and
+        Sarathi-Serve, Agrawal et al. 2024). Per layer, each ragged sequence attends to its row's ring and causally
+        to itself and is then written into the ring (exactly as a chunk of :meth:`forward`: a row's block and next
+        position read as one sequence of n + 1 positions), and each decode slot attends to its row's ring with its
+        own key written in (exactly as one step of :meth:`forward`). So a row's result is the result of reading its
+        block and then stepping, whatever the other rows do. The last layer computes its attention output and
+        feed-forward for the b next positions only (``layout.final``; the blocks only need their keys and values).
+        Offsets advance by ``block_len + 1``.
 
         Args:
             x: [T, D] input embeddings.
@@ -738,35 +741,41 @@ class StreamingTransformer(nn.Module):
             plan: the engine's kernel choices.
 
         Returns:
-            [b, D]: the outputs at the b next positions.
+            [b, D]: the outputs at the b rows' next positions, in the order of ``layout.rows``.
         """
         if not self.fused_supported():
             raise ValueError("the engine's step needs a causal transformer with RoPE or no positional embedding")
         cache = state.cache
-        rows = layout.rows
-        rows.shape[0]
         window = self.context if self.context is not None else cache.capacity
-        next_pos = cache.offset.index_select(0, rows) + layout.block_len  # [b]
         if plan.fused:
-            out = self._fused_step(x, cache, layout, next_pos, window, plan)
+            out = self._fused_step(x, cache, layout, window, plan)
         else:
-            out = self._eager_step(x, cache, layout, next_pos, window)
-        cache.advance_by(layout.block_len + 1, rows)
+            out = self._eager_step(x, cache, layout, window)
+        cache.advance_by(layout.block_len + 1, layout.rows)
         return out
 
-    def _eager_step(
-        self, x: torch.Tensor, cache: KVCache, layout: StepLayout, next_pos: torch.Tensor, window: int
-    ) -> torch.Tensor:
-        """:meth:`forward_step` with the eager modules (every row's block as its own chunk; CPU, tests)."""
+    def _eager_step(self, x: torch.Tensor, cache: KVCache, layout: StepLayout, window: int) -> torch.Tensor:
+        """:meth:`forward_step` with the eager modules (each row's ragged sequence as its own chunk, the decode
+        slots of the rows without a block as one step; CPU, tests). Dummy slots compute nothing."""
         rows = layout.rows
         b, T = rows.shape[0], x.shape[0]
         H, Dh = self.num_heads, self.head_dim
-        b0 = layout.first_rows  # rows 0 .. b - 1 in order: the rings are read as views, not copied
-        decode = cache.begin(1, slice(0, b) if b0 == b else rows, start=next_pos)
-        chunks = [(slice(b + s, b + s + n), cache.begin(n, rows[i : i + 1])) for i, s, n in layout.blocks]
-        positions = torch.cat([next_pos, *(c.positions[0] for _, c in chunks)])[None]  # [1, T]
-        if positions.shape[1] != T:
-            raise ValueError(f"forward_step: {T} tokens but the layout places {positions.shape[1]}")
+        d = layout.slots
+        plain = sorted(set(range(d)) - {i for i, _, _ in layout.blocks})
+        decode = None
+        if plain:
+            if layout.first_rows == b and len(plain) == b:  # rows 0 .. b - 1 in order: the rings read as views
+                decode = cache.begin(1, slice(0, b))
+            else:
+                decode = cache.begin(1, rows[plain])
+        chunks = [(slice(d + s, d + s + n + 1), cache.begin(n + 1, rows[i : i + 1])) for i, s, n in layout.blocks]
+        positions = torch.zeros(T, dtype=torch.long, device=x.device)
+        if decode is not None:
+            positions[plain] = decode.positions[:, 0]
+        for sl, chunk in chunks:
+            positions[sl] = chunk.positions[0]
+        positions = positions[None]  # [1, T]
+        final = list(range(b)) if layout.final is None else layout.final.tolist()
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = layer.norm1(x)
@@ -775,38 +784,38 @@ class StreamingTransformer(nn.Module):
             if self.positional_embedding == "rope":
                 q, k = apply_rope(q, k, positions, self.max_period)
             out = torch.zeros(1, H, T, Dh, dtype=x.dtype, device=x.device)
-            for sl, step in chunks:  # blocks: attend to the old ring and themselves, then stored
-                keys, values = cache.update(i, k[:, :, sl], v[:, :, sl], step)
-                if i < last:
-                    mask = attention_mask(step.positions, step.key_positions, window)
-                    out[:, :, sl] = F.scaled_dot_product_attention(q[:, :, sl], keys, values, attn_mask=mask)
-            keys, values = cache.update(i, k[0, :, :b, None].transpose(0, 1), v[0, :, :b, None].transpose(0, 1), decode)
-            mask = attention_mask(decode.positions, decode.key_positions, window)
-            q_next = q[0, :, :b, None].transpose(0, 1)  # [b, H, 1, Dh]
-            o_next = F.scaled_dot_product_attention(q_next, keys, values, attn_mask=mask)  # [b, H, 1, Dh]
-            out[0, :, :b] = o_next[:, :, 0].transpose(0, 1)
+            for sl, chunk in chunks:  # a block and its next position: the ring and themselves, then stored
+                keys, values = cache.update(i, k[:, :, sl], v[:, :, sl], chunk)
+                mask = attention_mask(chunk.positions, chunk.key_positions, window)
+                out[:, :, sl] = F.scaled_dot_product_attention(q[:, :, sl], keys, values, attn_mask=mask)
+            if decode is not None:  # one position per plain row
+                k_next = k[0, :, plain, None].transpose(0, 1)  # [p, H, 1, Dh]
+                keys, values = cache.update(i, k_next, v[0, :, plain, None].transpose(0, 1), decode)
+                mask = attention_mask(decode.positions, decode.key_positions, window)
+                q_next = q[0, :, plain, None].transpose(0, 1)
+                o_next = F.scaled_dot_product_attention(q_next, keys, values, attn_mask=mask)  # [p, H, 1, Dh]
+                out[0, :, plain] = o_next[:, :, 0].transpose(0, 1)
             attn = F.linear(out[0].transpose(0, 1).reshape(T, H * Dh), layer.self_attn.out_proj.weight)
             if i == last:  # only the next positions' outputs are used
-                x, attn = x[:b], attn[:b]
+                x, attn = x[final], attn[final]
             x = x + layer.layer_scale_1(attn)
             x = x + layer.layer_scale_2(layer.feed_forward(layer.norm2(x), None))
         return x
 
     def _fused_step(
-        self,
-        x: torch.Tensor,
-        cache: KVCache,
-        layout: StepLayout,
-        next_pos: torch.Tensor,
-        window: int,
-        plan: ExecutionPlan,
+        self, x: torch.Tensor, cache: KVCache, layout: StepLayout, window: int, plan: ExecutionPlan
     ) -> torch.Tensor:
-        """:meth:`forward_step` through the kernels: per layer one product over all tokens, the blocks' ragged
-        attention and cache write, the next positions' decode attention (which writes their keys), one product."""
-        rows, pdl = layout.rows, plan.pdl
-        b, T = rows.shape[0], x.shape[0]
-        ragged = None if b == T else layout.ragged.at(cache.offset)
-        positions = next_pos if ragged is None else torch.cat([next_pos, ragged.tok_pos])
+        """:meth:`forward_step` through the kernels: per layer one product over all tokens, the decode slots'
+        attention (which writes their keys), the ragged sequences' attention and cache write, one product."""
+        pdl, d = plan.pdl, layout.slots
+        slot_rows = layout.slot_rows
+        slot_pos = None if slot_rows is None else cache.offset.index_select(0, slot_rows)  # [d]
+        ragged = last_ragged = None
+        if layout.ragged is not None:
+            ragged = layout.ragged.at(cache.offset)
+            assert layout.last_queries is not None
+            last_ragged = dataclasses.replace(ragged, qb_seq=layout.last_queries[0], qb_j=layout.last_queries[1])
+        positions = torch.cat([p for p in (slot_pos, None if ragged is None else ragged.tok_pos) if p is not None])
         rope = None
         if self.positional_embedding == "rope":
             rope = fused.rope_tables(positions, self.head_dim, self.max_period)
@@ -817,26 +826,28 @@ class StreamingTransformer(nn.Module):
             qkv = F.linear(h, layer.self_attn.in_proj_weight)  # [T, 3D]
             keys, values, scales = cache.keys[i], cache.values[i], cache.layer_scales(i)
             parts = []
+            if slot_pos is not None:
+                slot_rope = None if rope is None else (rope[0][:d], rope[1][:d])
+                if layout.decode is not None:  # a library's decode (cspan.core.attention): write first, then read
+                    q, k, v = fused.rope_split(qkv[:d], self.num_heads, slot_rope, pdl=pdl)
+                    fused.kv_write(k, v, keys, values, slot_rows, slot_pos, scales, pdl=pdl)
+                    parts.append(layout.decode.run(q, keys, values))
+                else:
+                    config = plan.decode_config
+                    parts.append(
+                        fused.decode_attention(
+                            qkv[:d], keys, values, slot_pos, slot_rows, window, slot_rope, scales, config, pdl
+                        )
+                    )
             if ragged is not None:
-                block_rope = None if rope is None else (rope[0][b:], rope[1][b:])
-                q, k, v = fused.rope_split(qkv[b:], self.num_heads, block_rope, pdl=pdl)
-                if i < last:
-                    parts.append(fused.prefill_attention(q, k, v, keys, values, ragged, window, scales, pdl=pdl))
+                block_rope = None if rope is None else (rope[0][d:], rope[1][d:])
+                q, k, v = fused.rope_split(qkv[d:], self.num_heads, block_rope, pdl=pdl)
+                queries = ragged if i < last else last_ragged  # the last layer: the next positions' blocks only
+                parts.append(fused.prefill_attention(q, k, v, keys, values, queries, window, scales, pdl=pdl))
                 fused.kv_write(k, v, keys, values, ragged.tok_row, ragged.store_pos, scales, pdl=pdl)
-            next_rope = None if rope is None else (rope[0][:b], rope[1][:b])
-            if layout.decode is not None:  # a library's decode (cspan.core.attention): write first, then read
-                q, k, v = fused.rope_split(qkv[:b], self.num_heads, next_rope, pdl=pdl)
-                fused.kv_write(k, v, keys, values, rows, next_pos, scales, pdl=pdl)
-                attn = layout.decode.run(q, keys, values)
-            else:
-                config = plan.decode_config
-                attn = fused.decode_attention(
-                    qkv[:b], keys, values, next_pos, rows, window, next_rope, scales, config, pdl
-                )
-            if i == last:  # only the next positions' outputs are used
-                x = x[:b]
-            else:
-                attn = torch.cat([attn, *parts]) if parts else attn
+            attn = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if i == last and layout.final is not None:  # only the next positions' outputs are used
+                x, attn = x.index_select(0, layout.final), attn.index_select(0, layout.final)
             attn = F.linear(attn, layer.self_attn.out_proj.weight)
             x, h = _add_norm(x, layer.layer_scale_1(attn), layer.norm2, pdl)
             update = layer.layer_scale_2(_feed_forward(layer, h, None, pdl))
@@ -848,28 +859,43 @@ class StreamingTransformer(nn.Module):
 class StepLayout:
     """Where the tokens of one duplex-engine step go (:meth:`StreamingTransformer.forward_step`).
 
-    Tokens ``0 .. b-1`` are the next positions of cache rows ``rows``; tokens ``b ..`` are the rows' blocks, one
-    after the other, then padding (CUDA graphs run at a few fixed sizes).
+    Tokens ``0 .. d-1`` are decode slots (d = b, or 0 when every row reads a block); the ragged tokens follow:
+    each row's block columns then its next position, one row after the other, then padding (CUDA graphs run at a
+    few fixed sizes).
 
     Attributes:
         rows: [b] long cache rows (padding rows point at a scratch row).
         block_len: [b] long block columns each row reads before its next position (0: none).
-        blocks: (i, start, n) on the host: row ``rows[i]``'s block is tokens ``b + start .. b + start + n - 1``
-            (the eager path reads them row by row).
-        ragged: the block tokens for the kernels (:class:`cspan.core.modules.fused.Ragged`, without positions:
-            the step adds them), None without block tokens.
+        slot_rows: [d] long, the decode slots' cache rows (a block row's slot, and a padding row's, is a dummy on
+            the scratch row), or None without decode slots.
+        final: [b] long, each row's next position as a token index (its slot, or the last token of its ragged
+            sequence), or None without ragged tokens (then token i is row i's next position).
+        blocks: (i, start, n) on the host: row ``rows[i]``'s block is ragged tokens ``start .. start + n - 1`` and
+            its next position ragged token ``start + n`` (the eager path reads them row by row).
+        ragged: the ragged tokens for the kernels (:class:`cspan.core.modules.fused.Ragged`, without positions:
+            the step adds them), None without ragged tokens.
+        last_queries: (qb_seq, qb_j) of the last layer's prefill: the query block holding each sequence's last
+            token (the next position), or None.
         first_rows: b when ``rows`` is ``0 .. b - 1`` in order (the eager path then reads the rings as views),
             else 0.
         decode: a library decode (:class:`cspan.core.attention.FlashInferDecode`, planned for this step) for the
-            next positions, or None for :func:`cspan.core.modules.fused.decode_attention`.
+            decode slots, or None for :func:`cspan.core.modules.fused.decode_attention`.
     """
 
     rows: torch.Tensor
     block_len: torch.Tensor
-    blocks: list[tuple[int, int, int]]
+    slot_rows: torch.Tensor | None
+    final: torch.Tensor | None = None
+    blocks: list[tuple[int, int, int]] = field(default_factory=list)
     ragged: fused.Ragged | None = None
+    last_queries: tuple[torch.Tensor, torch.Tensor] | None = None
     first_rows: int = 0
     decode: Any = None
+
+    @property
+    def slots(self) -> int:
+        """d: the decode slots (b, or 0 when every row reads a block)."""
+        return 0 if self.slot_rows is None else self.slot_rows.shape[0]
 
 
 def _feed_forward(layer: StreamingTransformerLayer, h: torch.Tensor, sets: list[int] | None, pdl: bool | None):
