@@ -78,14 +78,32 @@ def anatomy(name: str, fn, sync, calls: int = 20, reps: int = 50) -> dict:
         f"{kernels:.0f} kernels/call, host-only {row['wall_p50_ms'] - busy:.3f} ms"
     )
     print(host)
+    if HOST_PROFILE:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+            sync()
+        profiler.disable()
+        print(f"-- {name}: host functions (cProfile over {calls} calls, by own time)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
     return row
+
+
+HOST_PROFILE = False
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--spans", type=int, nargs="*", default=[16, 600])
+    ap.add_argument("--host-profile", action="store_true", help="also profile the host functions (cProfile)")
     args = ap.parse_args()
+    global HOST_PROFILE
+    HOST_PROFILE = args.host_profile
     from cspan.bench.latency import _inputs, load_models, make_engine, span_body
     from cspan.core.span import ContextSpan
 

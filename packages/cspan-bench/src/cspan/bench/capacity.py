@@ -112,12 +112,13 @@ def prewarm(engine: Any, pcm: torch.Tensor, text_card: int, max_span: int, seed:
     seconds, not milliseconds)."""
     from cspan.core.span import ContextSpan
 
-    buckets = [b for b in engine.plan.block_buckets if 16 <= b <= max(16, max_span)]
-    if buckets and buckets[-1] < max_span:
-        buckets.append(max_span)
-    for n in buckets:
+    # a span of n columns is n + 1 ragged tokens (its columns and the next position)
+    lengths = [b - 1 for b in engine.plan.block_buckets if 16 < b <= max(16, max_span) + 1]
+    if not lengths or lengths[-1] < max_span:
+        lengths.append(max_span)
+    for n in lengths:
         for _ in range(3):
-            engine.inject_span(0, ContextSpan.from_ids(span_body(min(n, max_span), text_card, seed)))
+            engine.inject_span(0, ContextSpan.from_ids(span_body(n, text_card, seed)))
             engine.step(pcm)
     for _ in range(3):
         for session in range(min(2, engine.batch_size)):

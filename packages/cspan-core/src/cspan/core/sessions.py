@@ -443,47 +443,37 @@ def build_step(
     )  # fmt: skip
 
     pad = b - b_live
-    row_t = torch.tensor(rows + [scratch] * pad, dtype=torch.long)
-    len_t = torch.tensor(lens + [0] * pad, dtype=torch.long)
-    write = torch.tensor([int(row not in prefixes) for row in rows] + [0] * pad, dtype=torch.long)
-    fields = [row_t, len_t, write]
-    if N:
+    row_list = rows + [scratch] * pad
+    head = row_list + lens + [0] * pad + [int(row not in prefixes) for row in rows] + [0] * pad  # rows, lens, write
+    fields = [torch.tensor(head, dtype=torch.long)]
+    if N:  # per-row tables as host lists, per-token ones as tensor slices: a few torch calls per block row
         tokens = torch.zeros(num_streams, N, dtype=torch.long)
         for at, blk in parts:
             tokens[:, at : at + blk.n] = blk.tokens
-        slot_row = row_t.clone()  # the decode slots' rows: a block row's is a dummy on the scratch row
-        fold = torch.full((b,), -1, dtype=torch.long)  # each block row's next position, as a ragged token index
-        final = torch.arange(b, dtype=torch.long)  # each row's next position, as a token index of the step
-        seq_row = torch.full((b,), scratch, dtype=torch.long)
-        seq_start = torch.zeros(b, dtype=torch.long)
-        seq_len = torch.zeros(b, dtype=torch.long)
-        tok_row = torch.full((N,), scratch, dtype=torch.long)
-        tok_j = torch.full((N,), -1, dtype=torch.long)
-        tok_keep = torch.zeros(N, dtype=torch.long)
-        last_seq = torch.full((b,), -1, dtype=torch.long)  # the query block holding each sequence's last token
-        last_j = torch.zeros(b, dtype=torch.long)
-        qb_seq: list[int] = []
-        qb_j: list[int] = []
+        slot_row = list(row_list)  # the decode slots' rows: a block row's is a dummy on the scratch row
+        fold = [-1] * b  # each block row's next position, as a ragged token index
+        final = list(range(b))  # each row's next position, as a token index of the step
+        seq_row, seq_start, seq_len = [scratch] * b, [0] * b, [0] * b
+        last_seq, last_j = [-1] * b, [0] * b  # the query block holding each sequence's last token
+        qb_seq, qb_j = [-1] * Q, [0] * Q
+        tok = torch.empty(3, N, dtype=torch.long)  # tok_row, tok_j, tok_keep
+        tok[0], tok[1], tok[2] = scratch, -1, 0
+        j = torch.arange(max((n for _, _, n in row_blocks), default=0) + 1)
+        q = 0
         for s, (i, st, n) in enumerate(row_blocks):
             L = n + 1
-            slot_row[i] = scratch
-            fold[i] = st + n
-            final[i] = d + st + n
+            slot_row[i], fold[i], final[i] = scratch, st + n, d + st + n
             seq_row[s], seq_start[s], seq_len[s] = rows[i], st, L
-            tok_row[st : st + L] = rows[i]
-            j = torch.arange(L)
-            tok_j[st : st + L] = j
-            tok_keep[st : st + L] = (j >= L - capacity).long()
+            tok[0, st : st + L] = rows[i]
+            tok[1, st : st + L] = j[:L]
+            tok[2, st + max(0, L - capacity) : st + L] = 1  # a sequence longer than the ring keeps its last C
             per = -(-L // block_m)
-            qb_seq += [s] * per
-            qb_j += [q * block_m for q in range(per)]
+            qb_seq[q : q + per] = [s] * per
+            qb_j[q : q + per] = range(0, per * block_m, block_m)
+            q += per
             last_seq[s], last_j[s] = s, (per - 1) * block_m
-        qb_seq_t = torch.full((Q,), -1, dtype=torch.long)
-        qb_j_t = torch.zeros(Q, dtype=torch.long)
-        qb_seq_t[: len(qb_seq)] = torch.tensor(qb_seq, dtype=torch.long)
-        qb_j_t[: len(qb_j)] = torch.tensor(qb_j, dtype=torch.long)
-        fields += [tokens.view(-1), slot_row, fold, final, seq_row, seq_start, seq_len, qb_seq_t, qb_j_t, last_seq,
-                   last_j, tok_row, tok_j, tok_keep]  # fmt: skip
+        tables = slot_row + fold + final + seq_row + seq_start + seq_len + qb_seq + qb_j + last_seq + last_j
+        fields += [tokens.view(-1), torch.tensor(tables, dtype=torch.long), tok.view(-1)]
     embeddings = None
     if has_emb:
         width = next(blk.embeddings.shape[-1] for _, blk in parts if blk.embeddings is not None)
@@ -496,7 +486,7 @@ def build_step(
                 use[at : at + E] = True
         embeddings = (values, use)
     first_call = [row for row in rows if positions[row] < max_delay]
-    packed = torch.cat(fields)
+    packed = torch.cat(fields) if len(fields) > 1 else fields[0]
     if plan.device.type == "cuda":  # page-locked: the step's copy to the device is asynchronous (no host sync)
         packed = packed.pin_memory()
         embeddings = None if embeddings is None else (embeddings[0].pin_memory(), embeddings[1].pin_memory())

@@ -761,13 +761,16 @@ class StreamingTransformer(nn.Module):
         b, T = rows.shape[0], x.shape[0]
         H, Dh = self.num_heads, self.head_dim
         d = layout.slots
-        plain = sorted(set(range(d)) - {i for i, _, _ in layout.blocks})
+        # the decode slots of the rows without a block: all b of them (no host tables: a CUDA graph may capture
+        # this step), or a subset (a step with blocks, never graphed on the eager path)
+        plain: slice | torch.Tensor = slice(0, d)
         decode = None
-        if plain:
-            if layout.first_rows == b and len(plain) == b:  # rows 0 .. b - 1 in order: the rings read as views
-                decode = cache.begin(1, slice(0, b))
-            else:
-                decode = cache.begin(1, rows[plain])
+        if not layout.blocks:
+            decode = cache.begin(1, slice(0, b) if layout.first_rows == b else rows)  # in order: rings as views
+        elif d:
+            block_rows = {i for i, _, _ in layout.blocks}
+            plain = torch.tensor([i for i in range(d) if i not in block_rows], dtype=torch.long, device=x.device)
+            decode = cache.begin(1, rows.index_select(0, plain)) if plain.numel() else None
         chunks = [(slice(d + s, d + s + n + 1), cache.begin(n + 1, rows[i : i + 1])) for i, s, n in layout.blocks]
         positions = torch.zeros(T, dtype=torch.long, device=x.device)
         if decode is not None:
@@ -775,7 +778,7 @@ class StreamingTransformer(nn.Module):
         for sl, chunk in chunks:
             positions[sl] = chunk.positions[0]
         positions = positions[None]  # [1, T]
-        final = list(range(b)) if layout.final is None else layout.final.tolist()
+        final = slice(0, b) if layout.final is None else layout.final
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = layer.norm1(x)
