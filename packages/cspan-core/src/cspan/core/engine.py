@@ -567,45 +567,51 @@ class DuplexEngine:
         sampling, commit; outputs scattered to all B sessions."""
         io = unpack(packed.to(self.device, non_blocking=True), shape, self.num_streams)
         io.layout.decode = self._library if shape.library else None
-        rows, grid, state = io.rows, self.state.grid, self.state
+        grid, state, B = self.state.grid, self.state, self.batch_size
+        rows: torch.Tensor | slice = slice(0, B) if shape.identity else io.rows  # a slice: views, no gathers
+
+        def take(x: torch.Tensor) -> torch.Tensor:  # the stepped rows of a [B, ...] input
+            return x if shape.identity else x.index_select(0, io.rows.clamp_max(B - 1))
+
         if user is not None:
-            grid.write_user(user.index_select(0, rows.clamp_max(self.batch_size - 1)), rows, io.write_user)
-        position = grid.position.index_select(0, rows)  # the position each row feeds (after its block)
+            grid.write_user(take(user), rows, io.write_user)
+        position = grid.position.index_select(0, io.rows)  # the position each row feeds (after its block)
         column_in = grid.input_column(rows)  # [b, K]
         tokens = io.tokens  # [K, N]: the ragged tokens; a block row's next position is its sequence's last
         if io.fold is not None:  # (every written value of a duplicate index is that column's own)
             at = io.fold.clamp_min(0)
             tokens = tokens.index_copy(1, at, torch.where(io.fold >= 0, column_in.T, tokens.index_select(1, at)))
-        if shape.slots:
-            tokens = torch.cat([column_in.T, tokens], dim=1)  # [K, b + N]: the decode slots first
+        if shape.slots:  # [K, b + N]: the decode slots first
+            tokens = torch.cat([column_in.T, tokens], dim=1) if shape.columns else column_in.T.contiguous()
         emb = None
         if emb_values is not None and emb_use is not None:
             emb = (emb_values.to(self.device, non_blocking=True), emb_use.to(self.device, non_blocking=True))
         hidden, text_logits = self.lm.temporal_step(tokens, state.lm, io.layout, self.plan, emb)
-        forced_rows = None if forced is None else forced.index_select(0, rows.clamp_max(self.batch_size - 1))
-        target = grid.target_column(forced_rows, rows)
+        target = grid.target_column(None if forced is None else take(forced), rows)
         text_sampling, audio_sampling = state.row_sampling(rows)
         column = sample_column(
             self.lm,
             hidden,
             text_logits,
             target,
-            state.depformer(rows.shape[0]),
+            state.depformer(shape.rows),
             text=text_sampling,
             audio=audio_sampling,
-            seed=state.seed.index_select(0, rows),
+            seed=state.seed[rows] if shape.identity else state.seed.index_select(0, io.rows),
             counter=position,
             plan=self.plan,
             depformer_steps=None if self.predict_user or user is None else self.num_codebooks,
             text_top=shape.text_top,
         )
         frame, valid = grid.commit(column, rows)
-        state.lm.transformer.cache.offset[state.scratch :] = 0  # padding rows leave the scratch row empty
-        B = self.batch_size
+        if not shape.identity:
+            state.lm.transformer.cache.offset[state.scratch :] = 0  # padding rows leave the scratch row empty
 
-        def scatter(x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+        def scatter(x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:  # to all B sessions
+            if shape.identity:
+                return x
             full = torch.full((B + 1, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
-            return full.index_copy_(0, rows, x)[:B]
+            return full.index_copy_(0, io.rows, x)[:B]
 
         return TokenStepOutput(
             frame=scatter(frame, -2),

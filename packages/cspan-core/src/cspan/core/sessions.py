@@ -296,11 +296,15 @@ class EngineState:
         ):
             tensor.index_copy_(0, rows, torch.tensor(column, dtype=tensor.dtype).to(tensor.device))
 
-    def row_sampling(self, rows: torch.Tensor) -> tuple[RowSampling, RowSampling]:
-        """(text, audio) sampling parameters of ``rows`` [b] (device ops only)."""
+    def row_sampling(self, rows: torch.Tensor | slice) -> tuple[RowSampling, RowSampling]:
+        """(text, audio) sampling parameters of ``rows`` [b] or a slice of rows (device ops only)."""
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
         return (
-            RowSampling(self.text_temp.index_select(0, rows), self.text_top_k.index_select(0, rows)),
-            RowSampling(self.audio_temp.index_select(0, rows), self.audio_top_k.index_select(0, rows)),
+            RowSampling(take(self.text_temp), take(self.text_top_k)),
+            RowSampling(take(self.audio_temp), take(self.audio_top_k)),
         )
 
     def pin(self, pins: dict[int, tuple[int, int]]) -> None:
@@ -332,7 +336,9 @@ class StepShape:
     N, queries per prefill block, prefill query blocks, whether input embeddings come with the blocks, whether the
     library decode reads the ring, the text sampler's top-k size, whether the step has one decode slot per row
     (False: every row reads a block, so every next position is the last token of its row's ragged sequence); and
-    the host layout of the blocks (used by the eager path only)."""
+    whether the rows are every session in order (0 .. B - 1, no padding: the step reads the sessions' state as
+    views and returns its outputs as they are, no gather or scatter); and the host layout of the blocks (used by
+    the eager path only)."""
 
     rows: int
     columns: int
@@ -342,14 +348,15 @@ class StepShape:
     library: bool = False
     text_top: int = MAX_TOP_K
     slots: bool = True
+    identity: bool = False
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
     first_rows: int = field(default=0, compare=False)
 
     @property
-    def key(self) -> tuple[int, int, int, int, bool, bool, int, bool]:
+    def key(self) -> tuple[int, int, int, int, bool, bool, int, bool, bool]:
         return (
             self.rows, self.columns, self.block_m, self.queries, self.embeddings, self.library, self.text_top,
-            self.slots,
+            self.slots, self.identity,
         )  # fmt: skip
 
 
@@ -438,8 +445,9 @@ def build_step(
     has_emb = any(blk.embeddings is not None for _, blk in parts)
     in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
     library = slots and plan.library_decode(b)
+    identity = b == b_live == scratch and rows == list(range(b))  # every session, in order (the scratch row is B)
     shape = StepShape(
-        b, N, block_m, Q, has_emb, library, text_top, slots, tuple(row_blocks), b_live if in_order else 0
+        b, N, block_m, Q, has_emb, library, text_top, slots, identity, tuple(row_blocks), b_live if in_order else 0
     )  # fmt: skip
 
     pad = b - b_live

@@ -201,13 +201,16 @@ class TokenGrid:
 
     # -- the per-frame path (tensor ops only) ------------------------------------------------------------------
 
-    def _take(self, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _take(self, rows: torch.Tensor | slice | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buffer, position) of ``rows``: copies for a tensor of rows, views for a slice or all (None)."""
         if rows is None:
             return self.buffer, self.position
+        if isinstance(rows, slice):
+            return self.buffer[rows], self.position[rows]
         return self.buffer.index_select(0, rows), self.position.index_select(0, rows)
 
     def write_user(
-        self, user_codes: torch.Tensor, rows: torch.Tensor | None = None, write: torch.Tensor | None = None
+        self, user_codes: torch.Tensor, rows: torch.Tensor | slice | None = None, write: torch.Tensor | None = None
     ) -> None:
         """Write the user codes given to this call (user frame ``c - 1``): row r with delay d at position ``c + d``.
 
@@ -215,7 +218,7 @@ class TokenGrid:
 
         Args:
             user_codes: [b, U] long, U = ``len(user_rows)``, codebook order.
-            rows: [b] long sessions (None: all B, in order).
+            rows: [b] long sessions, or a slice of them (None: all B, in order).
             write: [b] bool, the sessions to write (None: all); the others keep their user rows (a session whose
                 persona prefix this call reads has them from the prefix).
         """
@@ -227,21 +230,24 @@ class TokenGrid:
         if write is not None:
             values = torch.where(write[:, None], values, buffer[index])
         buffer[index] = values
-        if rows is not None:
+        if isinstance(rows, torch.Tensor):  # (a slice's buffer is a view: written in place)
             self.buffer.index_copy_(0, rows, buffer)
 
-    def input_column(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[b, K] long: the pending column (position ``c`` of each session), what this call feeds."""
-        return self._take(rows)[0][:, :, self.pending]
+    def input_column(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """[b, K] long: the pending column (position ``c`` of each session), what this call feeds (a copy)."""
+        column = self._take(rows)[0][:, :, self.pending]
+        return column if isinstance(rows, torch.Tensor) else column.clone()
 
-    def target_column(self, forced: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def target_column(
+        self, forced: torch.Tensor | None = None, rows: torch.Tensor | slice | None = None
+    ) -> torch.Tensor:
         """[b, K] long: what is already known of position ``c + 1`` (-2 = to be sampled), with ``forced`` applied.
 
         Args:
             forced: [b, K] long tokens for position ``c + 1`` in delayed coordinates (-2 = no forcing), or None.
                 Row k then holds frame ``c - delays[k]``: for the 7B, text and semantic codes of frame c and
                 acoustic codes of frame ``c - 1``.
-            rows: [b] long sessions (None: all).
+            rows: [b] long sessions, or a slice of them (None: all).
         """
         target = self._take(rows)[0][:, :, self.target]
         if forced is None:
@@ -249,13 +255,15 @@ class TokenGrid:
         forced = forced.to(self.device, torch.long)
         return torch.where(forced != UNGENERATED, forced, target)
 
-    def commit(self, column: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def commit(
+        self, column: torch.Tensor, rows: torch.Tensor | slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the target column, return the finished frame, advance the sessions by one position.
 
         Args:
             column: [b, K] long tokens of position ``c + 1`` (entries at positions <= their row's delay are stored
                 as the initial token).
-            rows: [b] long sessions (None: all).
+            rows: [b] long sessions, or a slice of them (None: all).
 
         Returns:
             (frame [b, K] long, valid [b] bool): frame ``c - D`` undelayed (row k read at position
@@ -264,18 +272,19 @@ class TokenGrid:
         buffer, position = self._take(rows)
         keep_initial = (position + 1)[:, None] <= self.delays_t[None, :]  # [b, K]
         column = torch.where(keep_initial, self.initial_t[None, :].expand_as(column), column)
-        buffer = buffer.clone() if rows is None else buffer
+        buffer = buffer if isinstance(rows, torch.Tensor) else buffer.clone()  # (a copy, not a view)
         buffer[:, :, self.target] = column
         frame = buffer.gather(2, self._frame_cols_t[None, :, None].expand(buffer.shape[0], -1, 1))[:, :, 0]
         valid = position >= self.max_delay
         frame = torch.where(valid[:, None], frame, torch.full_like(frame, UNGENERATED))
         shifted = torch.cat([buffer[:, :, 1:], torch.full_like(buffer[:, :, :1], UNGENERATED)], dim=2)
-        if rows is None:
-            self.buffer.copy_(shifted)
-            self.position.add_(1)
-        else:
+        if isinstance(rows, torch.Tensor):
             self.buffer.index_copy_(0, rows, shifted)
             self.position.index_copy_(0, rows, position + 1)
+        else:
+            every = slice(None) if rows is None else rows
+            self.buffer[every] = shifted
+            self.position[every] += 1
         return frame, valid
 
     # -- per-session operations (between calls) ------------------------------------------------------------

@@ -533,11 +533,11 @@ if HAVE_TRITON:
         qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, H, ROPE: tl.constexpr, DH: tl.constexpr, BH: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
-        """One token per program: its [H, Dh] heads as one tile (BH = H rounded up to a power of two)."""
+        """Program (t, g): token t's heads g * BH .. g * BH + BH - 1 as one tile (:func:`_head_tiles`)."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
         t = tl.program_id(0)  # token
-        h = tl.arange(0, BH)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
         d = tl.arange(0, DH)
         hmask = (h < H)[:, None]
         head = h[:, None] * DH
@@ -702,15 +702,16 @@ if HAVE_TRITON:
         BH: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """One token per program: its [H, Dh] keys and values as one tile (BH = H rounded up to a power of two);
-        with ROPE the keys are rotated by the token's (cos, sin) row first (float32, rounded once)."""
+        """Program (t, g): token t's keys and values of heads g * BH .. g * BH + BH - 1 as one tile
+        (:func:`_head_tiles`); with ROPE the keys are rotated by the token's (cos, sin) row first (float32, rounded
+        once)."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
         t = tl.program_id(0)
         pos = tl.load(tok_pos_ptr + t)
         if pos >= 0:  # -1: not stored (padding, or overwritten by a later position of the same chunk)
             row = tl.load(tok_row_ptr + t).to(tl.int64)
-            h = tl.arange(0, BH)
+            h = tl.program_id(1) * BH + tl.arange(0, BH)
             d = tl.arange(0, DH)
             hmask = (h < H)[:, None]
             src = t.to(tl.int64) * H * DH + h[:, None] * DH + d[None, :]
@@ -1014,10 +1015,22 @@ def decode_attention(
 
 
 def _tile_warps(elements: int) -> int:
-    """Warps for a program that moves one token's ``elements`` (H * Dh) values: about 16 per thread, 1 to 8 warps
-    (the head-per-program launch of 1-2 warps per (token, head) spent the kernel's time on scheduling: a 600-token
-    block took 25 us per layer at B = 1 and 68 us at B = 64, docs/perf/round4/c8)."""
+    """Warps for a program that moves ``elements`` values of one token: about 16 per thread, 1 to 8 warps."""
     return max(1, min(8, elements // 512))
+
+
+def _head_tiles(device: torch.device, tokens: int, heads: int) -> tuple[int, int]:
+    """(heads per program BH, head groups G) of a per-token kernel over ``tokens`` tokens: whole tokens (G = 1,
+    BH = H rounded up to a power of two) once they fill about two programs per multiprocessor, else the heads
+    split into G power-of-two groups until they do. A head per program spent a 600-token block's time on
+    scheduling (25 us per layer at B = 1, 68 at B = 64, docs/perf/round4/c8); a token per program left a 17-token
+    block on 17 multiprocessors (6 us per layer against 1.7, ``scripts/step_anatomy.py``, 2026-12-02)."""
+    if heads & (heads - 1):  # not a power of two: whole tokens, masked
+        return triton.next_power_of_2(heads), 1
+    groups = 1
+    while groups < heads and tokens * groups < 2 * _num_sms(device):
+        groups *= 2
+    return heads // groups, groups
 
 
 def rope_split(
@@ -1030,10 +1043,10 @@ def rope_split(
     qkv = qkv.contiguous()
     q, k, v = (torch.empty(N, num_heads, DH, device=qkv.device, dtype=qkv.dtype) for _ in range(3))
     cos, sin = rope if rope is not None else (qkv, qkv)
-    _rope_split_kernel[(N,)](
+    BH, G = _head_tiles(qkv.device, N, num_heads)
+    _rope_split_kernel[(N, G)](
         qkv, cos, sin, q, k, v, num_heads,
-        **_launch_opts(qkv.device, pdl, ROPE=rope is not None, DH=DH, BH=triton.next_power_of_2(num_heads),
-                       num_warps=_tile_warps(num_heads * DH)),
+        **_launch_opts(qkv.device, pdl, ROPE=rope is not None, DH=DH, BH=BH, num_warps=_tile_warps(BH * DH)),
     )  # fmt: skip
     return q, k, v
 
@@ -1144,7 +1157,8 @@ def prefill_attention(
         pdl: launch with PDL (None: :func:`pdl_enabled`).
 
     Returns:
-        [N, H * Dh] in q's dtype (rows of padding tokens are undefined).
+        [N, H * Dh] in q's dtype (rows of padding tokens, and of tokens outside ``ragged``'s query blocks, are
+        undefined).
     """
     N, H, DH = q.shape
     C = keys.shape[2]
@@ -1163,7 +1177,9 @@ def prefill_attention(
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty(splits, N * H, DH, device=q.device, dtype=torch.float32)
-        part_lse = torch.full((splits, N * H), -1.0e30, device=q.device, dtype=torch.float32)
+        # every live query block writes all its splits' partials; a padding token's (and, at the last layer, a
+        # token outside the query blocks asked for) are left unwritten: its output is undefined, as documented
+        part_lse = torch.empty(splits, N * H, device=q.device, dtype=torch.float32)
     ks, vs, *scale_strides = _scale_args(keys, scales)
     assert ragged.seq_pos is not None, "prefill_attention needs the positions: Ragged.at(offset)"
     _prefill_attn_kernel[(Q, H, splits)](
@@ -1202,10 +1218,11 @@ def kv_write(
     C = keys.shape[2]
     ks, vs, *scale_strides = _scale_args(keys, scales)
     cos, sin = rope if rope is not None else (k, k)
-    _kv_write_kernel[(N,)](
+    BH, G = _head_tiles(k.device, N, H)
+    _kv_write_kernel[(N, G)](
         k, v, keys, values, ks, vs, rows, positions, cos, sin, rope_rows or N, H, C, *keys.stride()[:3], *scale_strides,
-        **_launch_opts(k.device, pdl, FP8=scales is not None, ROPE=rope is not None, DH=DH,
-                       BH=triton.next_power_of_2(H), num_warps=_tile_warps(H * DH)),
+        **_launch_opts(k.device, pdl, FP8=scales is not None, ROPE=rope is not None, DH=DH, BH=BH,
+                       num_warps=_tile_warps(BH * DH)),
     )  # fmt: skip
 
 
