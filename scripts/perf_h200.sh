@@ -14,6 +14,7 @@
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before baseline attention capacity fp8
 #                                        #         triton profile tune-conv tune-prefill pinned
+# BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
 # Exits non-zero when a stage fails or is unknown (after running the others).
@@ -73,7 +74,7 @@ for stage in $stages; do
       run tests 330 python3 -m pytest ${TESTS:-tests/core/test_core_fused_cuda.py tests/core/test_core_engine_cuda.py \
         tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py} -m gpu -q -rP -p no:cacheprovider ;;
     bench)  # full rings: B = 1 table, then B = 32 / 64 / 80 with a 600-column span into 1 session of the frame
-      run bench 150 $BENCH latency --random-7b --n 0 16 600 --iters 20 --warmup 3 --batch-size 32 64 80 \
+      run bench 150 $BENCH latency --random-7b --n 0 16 600 --iters 20 --warmup 3 --batch-size ${BATCHES:-32 64 80} \
         --span-sessions 1 --out "$LOGS/latency.json" ;;
     bench-fp8)
       run bench-fp8 120 $BENCH latency --random-7b --kv-dtype fp8 --n 0 600 --iters 20 --warmup 3 \
@@ -84,7 +85,8 @@ for stage in $stages; do
       run before 120 env PYTHONPATH=/tmp/site:$PWD/.device/before/packages/cspan-core/src:$PWD/.device/before/packages/cspan-bench/src:$PWD/.device/before/packages/cspan-backends/src \
         python3 .device/before/scripts/perf_h200.py bench latency --random-7b --iters 50 --out "$LOGS/latency_fresh_before.json" ;;
     baseline)  # upstream moshi 0.2.13 in the same call (copied into .device by `prepare`)
-      run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,32,64,80 SPANS=600 \
+      b=${BATCHES:-32 64 80}
+      run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,${b// /,} SPANS=600 \
         PREFILL_GRAPH=1 ITERS=20 WARM=3 SPAN_ITERS=10 python3 .device/moshi_baseline.py ;;
     attention)
       TAIL=3 run attention 260 python3 scripts/perf_h200.py attention ;;
