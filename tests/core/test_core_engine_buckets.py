@@ -132,3 +132,51 @@ def test_padded_fused_step_equals_the_unpadded_under_the_interpreter(fixtures_di
         _assert_same(case["padded"])
         for diff in case["batch1"]:
             _assert_same(diff)
+
+
+def test_a_block_row_reads_its_next_position_as_the_last_token_of_its_sequence() -> None:
+    """The step's layout (sessions.build_step): a row with a block of n columns is one ragged sequence of n + 1
+    tokens (its next position last, its decode slot a dummy on the scratch row); a step where every row reads a
+    block has no decode slots; the buckets hold n + 1 tokens; a step over every session in order is `identity`."""
+    import dataclasses
+
+    from cspan.core.plan import ExecutionPlan
+    from cspan.core.sessions import build_step, unpack
+    from cspan.core.span import Block
+
+    plan = ExecutionPlan(
+        device=torch.device("cpu"), fused=True, depformer_gemv=False, pdl=False, cuda_graphs=False,
+        kv_dtype=torch.float32, decode_config=None, library=None, buckets=True,
+    )  # fmt: skip
+    K, scratch = 3, 4  # four sessions: the scratch row is 4
+
+    def block(n: int) -> Block:
+        return Block(torch.arange(K * n).view(K, n) + 1)
+
+    def layout(rows: list[int], blocks: dict[int, list[Block]], p: ExecutionPlan = plan):
+        batch = build_step(rows, blocks, {}, [10] * 4, 1, K, scratch, 3000, p, torch.float32)
+        return batch.shape, unpack(batch.packed, batch.shape, K)
+
+    shape, io = layout([0, 1], {0: [block(16)], 1: [block(5), block(3)]})
+    assert not shape.slots and io.layout.slots == 0 and io.layout.slot_rows is None
+    assert shape.rows == 2 and shape.columns == 33 and not shape.identity  # 17 + 9 tokens, bucket 33; 2 of 4 rows
+    assert io.fold.tolist() == [16, 25] and io.layout.final.tolist() == [16, 25]
+    ragged = io.layout.ragged
+    assert ragged.seq_len[:2].tolist() == [17, 9] and ragged.seq_start[:2].tolist() == [0, 17]
+    assert ragged.tok_row[:26].tolist() == [0] * 17 + [1] * 9 and (ragged.tok_row[26:] == scratch).all()
+    assert ragged.tok_j[:26].tolist() == [*range(17), *range(9)] and (ragged.tok_j[26:] == -1).all()
+    assert torch.equal(io.tokens[:, 17:22], block(5).tokens) and torch.equal(io.tokens[:, 22:25], block(3).tokens)
+    assert (io.tokens[:, [16, 25]] == 0).all()  # the next positions' columns: the device writes them
+    last_seq, last_j = io.layout.last_queries
+    assert last_seq[:2].tolist() == [0, 1] and last_j[:2].tolist() == [0, 0]  # block_m 32: one block each
+
+    shape, io = layout([0, 1, 2, 3], {2: [block(64)]})
+    assert shape.slots and shape.identity and shape.columns == 65 and shape.rows == 4
+    assert io.layout.slot_rows.tolist() == [0, 1, scratch, 3]  # row 2's next position is in its sequence
+    assert io.layout.final.tolist() == [0, 1, 4 + 64, 3]
+
+    shape, io = layout([1, 2, 3], {})  # no blocks: one decode slot per row, padded to the row bucket
+    assert shape.slots and shape.columns == 0 and shape.rows == 4 and not shape.identity
+    assert io.layout.final is None and io.rows.tolist() == [1, 2, 3, scratch]
+    eager = dataclasses.replace(plan, buckets=False)
+    assert layout([0, 1, 2, 3], {}, eager)[0].identity

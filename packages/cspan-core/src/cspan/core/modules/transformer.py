@@ -818,7 +818,11 @@ class StreamingTransformer(nn.Module):
             ragged = layout.ragged.at(cache.offset)
             assert layout.last_queries is not None
             last_ragged = dataclasses.replace(ragged, qb_seq=layout.last_queries[0], qb_j=layout.last_queries[1])
-        positions = torch.cat([p for p in (slot_pos, None if ragged is None else ragged.tok_pos) if p is not None])
+        if ragged is None:
+            assert slot_pos is not None, "a step has decode slots, ragged tokens, or both"
+            positions = slot_pos
+        else:
+            positions = ragged.tok_pos if slot_pos is None else torch.cat([slot_pos, ragged.tok_pos])
         rope = None
         if self.positional_embedding == "rope":
             rope = fused.rope_tables(positions, self.head_dim, self.max_period)
