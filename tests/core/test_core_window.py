@@ -129,7 +129,8 @@ class Recorder:
         take = engine.sessions.take
 
         def recording_take():
-            live, restarts, blocks, sampling, pins = take()
+            head = take()
+            live, restarts, blocks, pins = head.rows, head.restarts, head.blocks, head.pins
             for row in live:
                 if row not in self.records:
                     continue
@@ -146,7 +147,7 @@ class Recorder:
                         rec.copies.append((rec.length, block.n))
                     rec.columns.append(block.tokens)
                 self._pending[row] = (o, pins.get(row, (0, 0))[0])
-            return live, restarts, blocks, sampling, pins
+            return head
 
         engine.sessions.take = recording_take
 

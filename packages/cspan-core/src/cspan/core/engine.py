@@ -517,9 +517,10 @@ class DuplexEngine:
 
     def _prepare(self) -> StepBatch:
         """The head of a step: apply the live sessions' queued restarts and blocks to the device state, lay them out."""
-        rows, restarts, blocks, sampling, pins = self.sessions.take()
-        if sampling:
-            self.state.set_sampling(sampling)
+        head = self.sessions.take()
+        rows, restarts, blocks, pins = head.rows, head.restarts, head.blocks, head.pins
+        if head.sampling:
+            self.state.set_sampling(head.sampling)
         for row, restart in restarts.items():
             self.state.restart(row, restart)
         for row, queued in blocks.items():
@@ -531,7 +532,7 @@ class DuplexEngine:
         batch = build_step(
             rows, blocks, prefixes, self.sessions.position, self.state.grid.max_delay, self.num_streams,
             self.state.scratch, self.state.lm.transformer.cache.capacity, self.plan, self.dtype,
-            top_k_bound([self.sessions.sampling[r].text.top_k for r in rows], self.lm.text_card),
+            top_k_bound(head.text_top_k, self.lm.text_linear.out_features),
         )  # fmt: skip
         if batch.shape.library and self._library is not None:  # the decode slots' rows and positions (host)
             scratch, pad = self.state.scratch, batch.shape.rows - len(rows)

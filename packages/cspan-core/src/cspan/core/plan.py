@@ -26,7 +26,8 @@ BLOCK_BUCKETS = tuple(sorted((0, 17, 33, 65, *range(129, 1026, 64), 601, 1281, 1
 """Ragged tokens per step (every block row's n columns and its next position: n + 1 per row, all rows together)
 the graphs are captured at; a step with more runs eagerly. One row's block of 16, 32, 64, 128, ... 1024 columns
 or of the default longest span (600) fits exactly; from 129 on the step is compute-bound (its products grow with
-the tokens), so the buckets are 64 apart: a step pads at most 63 tokens there (a bucket 50 % too large cost a
+the tokens), so the buckets are 64 apart up to 1025: a step pads at most 63 tokens there (past 1025, several rows'
+blocks together, 255 to 511) (a bucket 50 % too large cost a
 256-column span 2.5 ms, 22 %, in the device call of 2026-12-02)."""
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
 

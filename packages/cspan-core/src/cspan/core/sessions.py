@@ -72,6 +72,28 @@ class Persona:
     pinned: bool = False
 
 
+@dataclass
+class StepHead:
+    """What the sessions record hands a step (:meth:`Sessions.take`), all read under one lock.
+
+    Attributes:
+        rows: the live rows.
+        restarts: their queued restarts.
+        blocks: their queued Context Span blocks.
+        sampling: new sampling parameters of any row (to write into the device state).
+        pins: rows whose pinned prefix is placed in this step: row -> (the first position of the window its last
+            query sees, the sink positions S).
+        text_top_k: each live row's text top-k (the step's static top-k size covers them).
+    """
+
+    rows: list[int]
+    restarts: dict[int, Restart]
+    blocks: dict[int, list[Block]]
+    sampling: dict[int, SessionSampling]
+    pins: dict[int, tuple[int, int]]
+    text_top_k: list[int]
+
+
 class Sessions:
     """Host mirrors of all B sessions and what is queued for their next step (one lock guards the queue).
 
@@ -154,14 +176,8 @@ class Sessions:
             self._keep_persona(row)
             return first
 
-    def take(
-        self,
-    ) -> tuple[
-        list[int], dict[int, Restart], dict[int, list[Block]], dict[int, SessionSampling], dict[int, tuple[int, int]]
-    ]:
-        """The head of a step: (live rows, their queued restarts, their queued blocks, new sampling parameters of
-        any row, and the rows whose pinned prefix is placed in this step: row -> (the first position of the window
-        its last query sees, the sink positions S)), emptied."""
+    def take(self) -> StepHead:
+        """The head of a step (:class:`StepHead`), its queues emptied, read under the sessions' lock."""
         with self.lock:
             rows = [i for i in range(self.batch_size) if self.live[i]]
             restarts = {i: self.restarts.pop(i) for i in rows if i in self.restarts}
@@ -179,7 +195,8 @@ class Sessions:
                     if not persona.pinned:
                         persona.pinned = True
                         self._event(i, WindowEvent("pin", start, persona.sinks))
-            return rows, restarts, blocks, sampling, pins
+            text_top_k = [self.sampling[i].text.top_k for i in rows]
+            return StepHead(rows, restarts, blocks, sampling, pins, text_top_k)
 
     def advance(self, rows: Sequence[int]) -> None:
         """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now."""
@@ -554,6 +571,7 @@ __all__ = [
     "Restart",
     "Sessions",
     "StepBatch",
+    "StepHead",
     "StepInputs",
     "StepShape",
     "build_step",
