@@ -12,8 +12,8 @@
 # (all git-ignored). Then, on the device, with carry [".whl", ".device"]:
 #   bash scripts/perf_h200.sh            # call 1: env tests bench baseline attention (about 8.5 minutes)
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
-#   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before baseline attention capacity fp8
-#                                        #         triton profile tune-conv tune-prefill pinned
+#   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
+#                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -84,6 +84,10 @@ for stage in $stages; do
     before)  # the same fresh-stream table on the engine before v2 (9236a36; `prepare` copies it to .device/before)
       run before 120 env PYTHONPATH=/tmp/site:$PWD/.device/before/packages/cspan-core/src:$PWD/.device/before/packages/cspan-bench/src:$PWD/.device/before/packages/cspan-backends/src \
         python3 .device/before/scripts/perf_h200.py bench latency --random-7b --iters 50 --out "$LOGS/latency_fresh_before.json" ;;
+    anatomy)  # batch-1 GPU busy time against host time and kernels per call, this tree and the engine before v2
+      run anatomy 150 python3 scripts/step_anatomy.py --spans 16 64 600 --json "$LOGS/anatomy.json"
+      run anatomy-before 150 env PYTHONPATH=/tmp/site:$PWD/.device/before/packages/cspan-core/src:$PWD/.device/before/packages/cspan-bench/src:$PWD/.device/before/packages/cspan-backends/src \
+        python3 scripts/step_anatomy.py --spans 16 64 600 --json "$LOGS/anatomy_before.json" ;;
     baseline)  # upstream moshi 0.2.13 in the same call (copied into .device by `prepare`)
       b=${BATCHES:-32 64 80}
       run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,${b// /,} SPANS=600 \
