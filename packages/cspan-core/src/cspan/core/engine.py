@@ -535,10 +535,8 @@ class DuplexEngine:
             top_k_bound(head.text_top_k, self.lm.text_linear.out_features),
         )  # fmt: skip
         if batch.shape.library and self._library is not None:  # the decode slots' rows and positions (host)
-            scratch, pad = self.state.scratch, batch.shape.rows - len(rows)
-            dummy = {i for i, _, _ in batch.shape.blocks}  # a block row's slot: its next position is in its block
-            slot_rows = [scratch if i in dummy else r for i, r in enumerate(rows)] + [scratch] * pad
-            self._library.plan(slot_rows, [0 if r == scratch else self.sessions.position[r] for r in slot_rows])
+            scratch, position = self.state.scratch, self.sessions.position
+            self._library.plan(batch.slot_rows, [0 if r == scratch else position[r] for r in batch.slot_rows])
         return batch
 
     def _idle(self) -> TokenStepOutput:
@@ -553,7 +551,7 @@ class DuplexEngine:
         """The graph key of a step (None: run eagerly, the block columns fit no bucket)."""
         if self.plan.block_bucket(batch.shape.columns) is None:
             return None
-        return (kind, *batch.shape.key, no_user, no_forced, self.predict_user)
+        return (kind, batch.shape, no_user, no_forced, self.predict_user)
 
     def _token_step(
         self,

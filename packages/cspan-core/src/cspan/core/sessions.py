@@ -349,7 +349,8 @@ class EngineState:
 
 @dataclass(frozen=True)
 class StepShape:
-    """The static shape of one step (a CUDA-graph key, with the kind of call): padded rows b, padded ragged tokens
+    """The static shape of one step (hashed into the CUDA-graph key with the kind of call, by every field but the
+    eager path's host layout): padded rows b, padded ragged tokens
     N, queries per prefill block, prefill query blocks, whether input embeddings come with the blocks, whether the
     library decode reads the ring, the text sampler's top-k size, whether the step has one decode slot per row
     (False: every row reads a block, so every next position is the last token of its row's ragged sequence); and
@@ -369,13 +370,6 @@ class StepShape:
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
     first_rows: int = field(default=0, compare=False)
 
-    @property
-    def key(self) -> tuple[int, int, int, int, bool, bool, int, bool, bool]:
-        return (
-            self.rows, self.columns, self.block_m, self.queries, self.embeddings, self.library, self.text_top,
-            self.slots, self.identity,
-        )  # fmt: skip
-
 
 @dataclass
 class StepBatch:
@@ -387,6 +381,8 @@ class StepBatch:
         packed: [*] long on the host: :func:`unpack`'s fields, concatenated.
         embeddings: (values [N, D], use [N] bool) of the ragged tokens, or None.
         first_call: rows whose step is their first call after a reset (they return nothing).
+        slot_rows: the decode slots' cache rows on the host (b; a block row's and a padding row's: the scratch row),
+            empty without slots (a library decode plans its reads from them).
     """
 
     rows: list[int]
@@ -394,6 +390,7 @@ class StepBatch:
     packed: torch.Tensor
     embeddings: tuple[torch.Tensor, torch.Tensor] | None
     first_call: list[int]
+    slot_rows: list[int]
 
 
 def build_step(
@@ -469,13 +466,15 @@ def build_step(
 
     pad = b - b_live
     row_list = rows + [scratch] * pad
+    slot_row = list(row_list)  # the decode slots' rows: a block row's is a dummy on the scratch row
+    for i, _, _ in row_blocks:
+        slot_row[i] = scratch
     head = row_list + lens + [0] * pad + [int(row not in prefixes) for row in rows] + [0] * pad  # rows, lens, write
     fields = [torch.tensor(head, dtype=torch.long)]
     if N:  # per-row tables as host lists, per-token ones as tensor slices: a few torch calls per block row
         tokens = torch.zeros(num_streams, N, dtype=torch.long)
         for at, blk in parts:
             tokens[:, at : at + blk.n] = blk.tokens
-        slot_row = list(row_list)  # the decode slots' rows: a block row's is a dummy on the scratch row
         fold = [-1] * b  # each block row's next position, as a ragged token index
         final = list(range(b))  # each row's next position, as a token index of the step
         seq_row, seq_start, seq_len = [scratch] * b, [0] * b, [0] * b
@@ -487,7 +486,7 @@ def build_step(
         q = 0
         for s, (i, st, n) in enumerate(row_blocks):
             L = n + 1
-            slot_row[i], fold[i], final[i] = scratch, st + n, d + st + n
+            fold[i], final[i] = st + n, d + st + n
             seq_row[s], seq_start[s], seq_len[s] = rows[i], st, L
             tok[0, st : st + L] = rows[i]
             tok[1, st : st + L] = j[:L]
@@ -515,7 +514,10 @@ def build_step(
     if plan.device.type == "cuda":  # page-locked: the step's copy to the device is asynchronous (no host sync)
         packed = packed.pin_memory()
         embeddings = None if embeddings is None else (embeddings[0].pin_memory(), embeddings[1].pin_memory())
-    return StepBatch(rows=rows, shape=shape, packed=packed, embeddings=embeddings, first_call=first_call)
+    return StepBatch(
+        rows=rows, shape=shape, packed=packed, embeddings=embeddings, first_call=first_call,
+        slot_rows=slot_row if slots else [],
+    )  # fmt: skip
 
 
 @dataclass
