@@ -39,6 +39,51 @@ def _busy_ms(trace: dict, calls: int) -> tuple[float, float]:
     return busy / 1000.0 / calls, count / calls
 
 
+def _timeline(trace: dict, name: str) -> dict:
+    """Per profiled call (a ``call`` range): the host lead before its first kernel, the GPU's idle gaps between its
+    kernels, and each kernel's exclusive time (the part of its interval no earlier kernel covers, so a kernel
+    launched early under PDL is charged only for what it adds). Prints the totals and the largest gaps."""
+    events = trace["traceEvents"]
+    calls = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "call" and e.get("cat") == "user_annotation"
+    )
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][:70])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    exclusive: dict[str, float] = {}
+    gaps: list[tuple[float, str, str]] = []
+    lead = 0.0
+    starts = [c0 for c0, _ in calls] + [float("inf")]
+    for i, (c0, _) in enumerate(calls):  # a call's kernels start before the next call (a sync separates them)
+        mine = [k for k in kernels if c0 <= k[0] < starts[i + 1]]
+        if not mine:
+            continue
+        lead += mine[0][0] - c0
+        end, prev = mine[0][0], "(call start)"
+        for a, b, kname in mine:
+            if a > end:
+                gaps.append((a - end, prev, kname))
+            exclusive[kname] = exclusive.get(kname, 0.0) + max(0.0, b - max(a, end))
+            if b > end:
+                end, prev = b, kname
+    n = max(1, len(calls))
+    print(
+        f"-- {name}: timeline per call: host lead {lead / n:.1f} us, idle gaps {sum(g for g, _, _ in gaps) / n:.1f} us"
+    )
+    for g, a, b in sorted(gaps, reverse=True)[:12]:
+        print(f"   gap {g:7.1f} us  after {a[:45]:45s} before {b[:45]}")
+    print(f"-- {name}: exclusive time per call (us)")
+    for k, us in sorted(exclusive.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"   {us / n:9.1f}  {k}")
+    return {
+        "lead_us": lead / n,
+        "gaps_us": sum(g for g, _, _ in gaps) / n,
+        "exclusive_us": {k: v / n for k, v in exclusive.items()},
+    }
+
+
 def anatomy(name: str, fn, sync, calls: int = 20, reps: int = 50) -> dict:
     for _ in range(5):
         fn()
@@ -50,11 +95,12 @@ def anatomy(name: str, fn, sync, calls: int = 20, reps: int = 50) -> dict:
         fn()
         sync()
         wall.append((time.perf_counter() - t0) * 1000.0)
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            fn()
+            with record_function("call"):
+                fn()
             sync()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -62,6 +108,7 @@ def anatomy(name: str, fn, sync, calls: int = 20, reps: int = 50) -> dict:
         with open(path) as f:
             trace = json.load(f)
     busy, kernels = _busy_ms(trace, calls)
+    timeline = _timeline(trace, name)
     per_name: dict[str, list[float]] = {}
     for e in trace["traceEvents"]:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -72,7 +119,7 @@ def anatomy(name: str, fn, sync, calls: int = 20, reps: int = 50) -> dict:
     for k, (c, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:45]:
         print(f"   {c / calls:7.1f} {us / calls:9.1f}  {k}")
     host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
-    row = {"name": name, "wall_p50_ms": statistics.median(wall), "gpu_busy_ms": busy, "kernels": kernels}
+    row = {"name": name, "wall_p50_ms": statistics.median(wall), "gpu_busy_ms": busy, "kernels": kernels, **timeline}
     print(
         f"== {name}: wall p50 {row['wall_p50_ms']:.3f} ms, GPU busy {busy:.3f} ms/call, "
         f"{kernels:.0f} kernels/call, host-only {row['wall_p50_ms'] - busy:.3f} ms"

@@ -17,7 +17,7 @@ from padded_steps import padded
 from cspan.core.constants import MAX_TOP_K
 from cspan.core.engine import DuplexEngine
 from cspan.core.modules import fused
-from cspan.core.sampling import SamplingParams, SessionSampling, sample_race
+from cspan.core.sampling import RowSampling, SamplingParams, SessionSampling, sample_race
 
 PARAMS = [
     SessionSampling(SamplingParams(0.0, 0), SamplingParams(0.0, 0)),  # greedy
@@ -99,10 +99,22 @@ def test_sampling_follows_set_persona_and_reset(tiny_checkpoint) -> None:
     state = engine.state
     assert state.text_temp[:2].tolist() == pytest.approx([0.5, 0.9]) and state.text_top_k[:2].tolist() == [7, 3]
     assert state.audio_temp[:2].tolist() == pytest.approx([0.6, 0.0]) and state.audio_top_k[:2].tolist() == [40, 0]
+    _assert_text_rules_follow(state)
     engine.reset(1)  # a new session starts from the engine's defaults
     assert engine.sampling[1] == defaults
     engine.step_tokens(torch.zeros(2, engine.num_codebooks, dtype=torch.long))
     assert state.text_top_k[:2].tolist() == [7, 7]
+    _assert_text_rules_follow(state)
+
+
+def _assert_text_rules_follow(state) -> None:
+    """The text rules the engine keeps (a step reads them) are those of its current parameters, for every
+    static top-k size."""
+    fresh = RowSampling(state.text_temp, state.text_top_k)
+    assert state.text_rules, "the engine keeps its text rules"
+    for (vocab, top), kept in state.text_rules.items():
+        for a, b in zip(kept, fresh.rule(vocab, top), strict=True):
+            assert torch.equal(a, b), (vocab, top)
 
 
 @pytest.mark.parametrize(

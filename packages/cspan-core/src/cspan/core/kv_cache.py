@@ -157,6 +157,8 @@ class KVCache:
             self.key_scale = torch.zeros(shape[:-1], device=device, dtype=torch.float32)
             self.value_scale = torch.zeros(shape[:-1], device=device, dtype=torch.float32)
         self.offset = torch.zeros(batch_size, device=device, dtype=torch.long)
+        self.rows = torch.arange(batch_size, device=device)
+        """[B] long: every row (built once: a forward over all rows gathers nothing)."""
 
     @property
     def batch_size(self) -> int:

@@ -210,22 +210,24 @@ class RowSampling:
 
     temperature: torch.Tensor
     top_k: torch.Tensor
-    _rules: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+    rules: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+    """:meth:`rule`'s results by (vocab, top): filled on first use, or given (the engine keeps its text rules with
+    the parameters, :class:`cspan.core.sessions.EngineState`)."""
 
-    def _rule(self, vocab: int, top: int) -> tuple[torch.Tensor, ...]:
+    def rule(self, vocab: int, top: int) -> tuple[torch.Tensor, ...]:
         """(greedy [b], divisor [b, 1], index of the k-th largest among the top ``top`` [b, 1], keeps all [b, 1]):
         computed once per vocabulary size, shared by the calls of a step (the depformer's codebooks)."""
         key = (vocab, top)
-        if key not in self._rules:
+        if key not in self.rules:
             greedy = self.temperature <= 0
             k = self.top_k.to(torch.long)[:, None]
-            self._rules[key] = (
+            self.rules[key] = (
                 greedy,
                 torch.where(greedy, 1.0, self.temperature.float())[:, None],
                 (k - 1).clamp(0, top - 1),
                 (k <= 0) | (k >= vocab),
             )
-        return self._rules[key]
+        return self.rules[key]
 
     def race(self, logits: torch.Tensor, noise: torch.Tensor | None, max_top_k: int = MAX_TOP_K) -> torch.Tensor:
         """:func:`sample_race` with each row's own parameters: logits [b, V] -> [b] long (static shapes: one top-k
@@ -234,10 +236,11 @@ class RowSampling:
         x = logits.float()
         V = x.shape[-1]
         top = min(V, max_top_k)
-        greedy, divisor, index, keep_all = self._rule(V, top)
+        greedy, divisor, index, keep_all = self.rule(V, top)
         s = x / divisor
-        weight = torch.exp(s - s.max(dim=-1, keepdim=True).values) / noise
-        kth = torch.topk(s, top, dim=-1).values.gather(1, index).masked_fill_(keep_all, float("-inf"))
+        ranked = torch.topk(s, top, dim=-1).values  # [b, top], largest first: its first column is the row's max
+        weight = torch.exp(s - ranked[:, :1]) / noise
+        kth = ranked.gather(1, index).masked_fill_(keep_all, float("-inf"))
         choice = torch.where(s >= kth, weight, -1.0).argmax(dim=-1)
         return torch.where(greedy, x.argmax(dim=-1), choice)
 

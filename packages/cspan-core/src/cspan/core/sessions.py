@@ -30,7 +30,7 @@ from .modules import fused
 from .modules.transformer import StepLayout
 from .plan import ExecutionPlan
 from .prefix import PrefixBlock
-from .sampling import RowSampling, SessionSampling
+from .sampling import TOP_K_BOUNDS, RowSampling, SessionSampling
 from .span import Block
 from .streams import TokenGrid
 from .window import PinnedSinks, WindowEvent
@@ -268,6 +268,9 @@ class EngineState:
         seed: [B + 1] long, each session's sampling seed.
         text_temp, audio_temp: [B + 1] float32, each session's sampling temperatures (0: greedy).
         text_top_k, audio_top_k: [B + 1] long, each session's top-k (0: all).
+        text_rules: the text sampler's per-row rules, kept with the parameters (a step reads them, it does not
+            derive them): ``(vocab, top)`` -> :meth:`RowSampling.rule`'s tensors over the B + 1 rows, for every
+            static top-k size ``top`` of :data:`cspan.core.sampling.TOP_K_BOUNDS`.
         encoder, decoder: the Mimi streaming states (B rows), or None.
     """
 
@@ -285,6 +288,9 @@ class EngineState:
         self.audio_temp = torch.zeros(B + 1, dtype=torch.float32, device=lm.device)
         self.text_top_k = torch.zeros(B + 1, dtype=torch.long, device=lm.device)
         self.audio_top_k = torch.zeros(B + 1, dtype=torch.long, device=lm.device)
+        vocab = lm.text_linear.out_features
+        text = RowSampling(self.text_temp, self.text_top_k)
+        self.text_rules = {(vocab, top): text.rule(vocab, top) for top in {min(vocab, b) for b in TOP_K_BOUNDS}}
         self.encoder = mimi.new_encoder_state(B) if mimi is not None else None
         self.decoder = mimi.new_decoder_state(B) if mimi is not None else None
         self._depformer: dict[int, Any] = {}
@@ -312,6 +318,10 @@ class EngineState:
             (self.audio_top_k, [p.audio.top_k for p in values]),
         ):
             tensor.index_copy_(0, rows, torch.tensor(column, dtype=tensor.dtype).to(tensor.device))
+        text = RowSampling(self.text_temp[rows], self.text_top_k[rows])
+        for (vocab, top), rule in self.text_rules.items():
+            for kept, value in zip(rule, text.rule(vocab, top), strict=True):
+                kept.index_copy_(0, rows, value)
 
     def row_sampling(self, rows: torch.Tensor | slice) -> tuple[RowSampling, RowSampling]:
         """(text, audio) sampling parameters of ``rows`` [b] or a slice of rows (device ops only)."""
@@ -319,8 +329,9 @@ class EngineState:
         def take(t: torch.Tensor) -> torch.Tensor:
             return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
+        rules = {key: tuple(take(t) for t in rule) for key, rule in self.text_rules.items()}
         return (
-            RowSampling(take(self.text_temp), take(self.text_top_k)),
+            RowSampling(take(self.text_temp), take(self.text_top_k), rules),
             RowSampling(take(self.audio_temp), take(self.audio_top_k)),
         )
 
@@ -454,8 +465,9 @@ def build_step(
     slots = not (row_blocks and len(row_blocks) == b)  # every row reads a block: no decode slots
     d = b if slots else 0
     block_m = 0 if N == 0 else fused.block_m_for(N if padded else max(lens) + 1)
-    # query blocks of the prefill grid: enough for any lengths that fit a padded bucket, else exactly these
-    Q = 0 if N == 0 else -(-N // block_m) + b if padded else sum(-(-(n + 1) // block_m) for _, _, n in row_blocks)
+    # query blocks of the prefill grid: enough for any s <= b sequences that fit a padded bucket (each sequence
+    # adds at most one partial block: sum ceil(L_i / m) <= ceil(N / m) + s - 1), else exactly these
+    Q = 0 if N == 0 else -(-N // block_m) + b - 1 if padded else sum(-(-(n + 1) // block_m) for _, _, n in row_blocks)
     has_emb = any(blk.embeddings is not None for _, blk in parts)
     in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
     library = slots and plan.library_decode(b)
@@ -469,9 +481,9 @@ def build_step(
     slot_row = list(row_list)  # the decode slots' rows: a block row's is a dummy on the scratch row
     for i, _, _ in row_blocks:
         slot_row[i] = scratch
-    head = row_list + lens + [0] * pad + [int(row not in prefixes) for row in rows] + [0] * pad  # rows, lens, write
-    fields = [torch.tensor(head, dtype=torch.long)]
-    if N:  # per-row tables as host lists, per-token ones as tensor slices: a few torch calls per block row
+    ints = row_list + lens + [0] * pad + [int(row not in prefixes) for row in rows] + [0] * pad  # rows, lens, write
+    tokens = None
+    if N:  # every table as one host list (one tensor built from it), the block columns by slices
         tokens = torch.zeros(num_streams, N, dtype=torch.long)
         for at, blk in parts:
             tokens[:, at : at + blk.n] = blk.tokens
@@ -480,24 +492,23 @@ def build_step(
         seq_row, seq_start, seq_len = [scratch] * b, [0] * b, [0] * b
         last_seq, last_j = [-1] * b, [0] * b  # the query block holding each sequence's last token
         qb_seq, qb_j = [-1] * Q, [0] * Q
-        tok = torch.empty(3, N, dtype=torch.long)  # tok_row, tok_j, tok_keep
-        tok[0], tok[1], tok[2] = scratch, -1, 0
-        j = torch.arange(max((n for _, _, n in row_blocks), default=0) + 1)
+        tok_row, tok_j, tok_keep = [scratch] * N, [-1] * N, [0] * N
         q = 0
         for s, (i, st, n) in enumerate(row_blocks):
             L = n + 1
             fold[i], final[i] = st + n, d + st + n
             seq_row[s], seq_start[s], seq_len[s] = rows[i], st, L
-            tok[0, st : st + L] = rows[i]
-            tok[1, st : st + L] = j[:L]
-            tok[2, st + max(0, L - capacity) : st + L] = 1  # a sequence longer than the ring keeps its last C
+            tok_row[st : st + L] = [rows[i]] * L
+            tok_j[st : st + L] = range(L)
+            keep = min(L, capacity)  # a sequence longer than the ring keeps its last C
+            tok_keep[st + L - keep : st + L] = [1] * keep
             per = -(-L // block_m)
             qb_seq[q : q + per] = [s] * per
             qb_j[q : q + per] = range(0, per * block_m, block_m)
             q += per
             last_seq[s], last_j[s] = s, (per - 1) * block_m
-        tables = slot_row + fold + final + seq_row + seq_start + seq_len + qb_seq + qb_j + last_seq + last_j
-        fields += [tokens.view(-1), torch.tensor(tables, dtype=torch.long), tok.view(-1)]
+        ints += slot_row + fold + final + seq_row + seq_start + seq_len + qb_seq + qb_j + last_seq + last_j
+        ints += tok_row + tok_j + tok_keep
     embeddings = None
     if has_emb:
         width = next(blk.embeddings.shape[-1] for _, blk in parts if blk.embeddings is not None)
@@ -510,7 +521,9 @@ def build_step(
                 use[at : at + E] = True
         embeddings = (values, use)
     first_call = [row for row in rows if positions[row] < max_delay]
-    packed = torch.cat(fields) if len(fields) > 1 else fields[0]
+    packed = torch.tensor(ints, dtype=torch.long)
+    if tokens is not None:
+        packed = torch.cat([packed, tokens.view(-1)])
     if plan.device.type == "cuda":  # page-locked: the step's copy to the device is asynchronous (no host sync)
         packed = packed.pin_memory()
         embeddings = None if embeddings is None else (embeddings[0].pin_memory(), embeddings[1].pin_memory())
@@ -539,16 +552,16 @@ def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInpu
     b, N, Q = shape.rows, shape.columns, shape.queries
     sizes = [b, b, b]
     if N:
-        sizes += [num_streams * N, b, b, b, b, b, b, Q, Q, b, b, N, N, N]
+        sizes += [b, b, b, b, b, b, Q, Q, b, b, N, N, N, num_streams * N]
     parts = torch.split(packed, sizes)
     rows, block_len, write = parts[0], parts[1], parts[2].bool()
     ragged = last = fold = None
     slot_rows, final = rows, None
     tokens = packed.new_zeros(num_streams, 0)
     if N:
-        tokens = parts[3].view(num_streams, N)
-        slot_rows, fold, final = parts[4:7]
-        seq_row, seq_start, seq_len, qb_seq, qb_j, last_seq, last_j, tok_row, tok_j, tok_keep = parts[7:]
+        slot_rows, fold, final = parts[3:6]
+        seq_row, seq_start, seq_len, qb_seq, qb_j, last_seq, last_j, tok_row, tok_j, tok_keep = parts[6:16]
+        tokens = parts[16].view(num_streams, N)
         ragged = fused.Ragged(
             seq_row=seq_row, seq_start=seq_start, seq_len=seq_len, qb_seq=qb_seq, qb_j=qb_j,
             tok_row=tok_row, tok_j=tok_j, tok_keep=tok_keep.bool(), block_m=shape.block_m,

@@ -305,8 +305,14 @@ class TokenGrid:
         # splice_block(buffer[row], P, block)[:, n : n + W]: the columns from the pending one on keep their place
         # in the window; the P history columns become the last P of (history + block)
         if P > 0:
-            history = torch.cat([self.buffer[row, :, :P], block.to(self.device, torch.long)], dim=1)[:, -P:]
-            self.buffer[row, :, :P] = history
+            block = block.to(torch.long)
+            if self.buffer.is_cuda and block.device.type == "cpu":  # page-locked: no host synchronisation
+                block = block.pin_memory()
+            if n >= P:  # the history becomes the block's last P columns
+                self.buffer[row, :, :P].copy_(block[:, n - P :], non_blocking=True)
+            else:
+                block = block.to(self.device, non_blocking=True)
+                self.buffer[row, :, :P] = torch.cat([self.buffer[row, :, :P], block], dim=1)[:, -P:]
         self.position[row : row + 1].add_(n)
 
     def row_state(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:

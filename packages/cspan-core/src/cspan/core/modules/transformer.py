@@ -680,10 +680,11 @@ class StreamingTransformer(nn.Module):
         kernel, the attention block (:meth:`MultiheadAttention.fused_forward`), residual add + RMSNorm, the FFN;
         with ``gemv``, five launches per layer. Same function as the eager path up to rounding order."""
         cache = state.cache
-        B, T = x.shape[:2]
+        T = x.shape[1]
         window = self.context if self.context is not None else cache.capacity
-        cache_rows = torch.arange(B, device=x.device) if rows is None else rows
-        start = cache.offset.index_select(0, cache_rows)  # [B'] each row's first new position
+        cache_rows = cache.rows if rows is None else rows
+        # [B'] each row's first new position (all rows: the offsets themselves, read before advance_by below)
+        start = cache.offset if rows is None else cache.offset.index_select(0, rows)
         rope = None
         if self.positional_embedding == "rope":
             positions = start[:, None] + torch.arange(T, device=x.device, dtype=torch.long)
