@@ -21,6 +21,7 @@ Timing: CUDA events around back-to-back graph replays after warm-up; the median 
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 
@@ -112,6 +113,66 @@ def attention() -> None:
     print(f"ragged prefill of 600 positions over a full ring of {RING}, us per layer:")
     for B in (1, 64):
         _prefill_side_by_side(fi, B)
+
+
+def attention_fp8() -> None:
+    """Decode over full FP8 rings (e4m3, one scale per position and head, as the engine's FP8 cache) per batch size,
+    every candidate config of the engine's Triton kernel, us per layer against the FP8 bytes floor."""
+    from cspan.core.modules import fused
+
+    candidates = sorted(
+        {
+            *((bn, splits, waves, warps, stages, lanes)
+              for bn in (32, 64)
+              for (splits, waves) in ((64, 8), (16, 2))
+              for warps in (4, 8)
+              for stages in (2, 3, 4)
+              for lanes in (0, 1)),
+            *(cfg for _, cfg in fused.DECODE_CONFIGS),
+        }
+    )  # fmt: skip
+    print(f"FP8 decode over a full ring of {RING} positions, {HEADS} heads x {HEAD_DIM}, us per layer:")
+    for B in (64, 96, 128):
+        best = _fp8_decode_at(B, candidates)
+        if B == 128 and os.environ.get("FP8_BEST"):  # the best config at 128 rows, for CSPAN_DECODE_CONFIG
+            with open(os.environ["FP8_BEST"], "w") as f:
+                f.write(",".join(str(x) for x in best))
+        torch.cuda.empty_cache()
+
+
+def _fp8_decode_at(B: int, candidates: list) -> tuple:
+    """One batch size of :func:`attention_fp8`: prints the line, returns the best config."""
+    from cspan.core.modules import fused
+
+    dev = torch.device("cuda")
+    keys = [torch.randn(B, HEADS, RING, HEAD_DIM, device=dev).to(torch.float8_e4m3fn) for _ in range(LAYERS)]
+    values = [torch.randn(B, HEADS, RING, HEAD_DIM, device=dev).to(torch.float8_e4m3fn) for _ in range(LAYERS)]
+    scales = [(torch.rand(B, HEADS, RING, device=dev) + 0.5, torch.rand(B, HEADS, RING, device=dev) + 0.5)
+              for _ in range(LAYERS)]  # fmt: skip
+    qkv = torch.randn(B, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    rows = torch.arange(B, device=dev)
+    positions = torch.full((B,), 10 * RING + 7, dtype=torch.long, device=dev)
+    rope = fused.rope_tables(positions, HEAD_DIM, 10_000.0)
+    floor = B * RING * HEADS * (HEAD_DIM + 4) * 2 / 4.25e12 * 1e6
+    results = {}
+    for cfg in candidates:
+
+        def run(cfg=cfg):
+            for k, v, sc in zip(keys, values, scales, strict=True):
+                fused.decode_attention(qkv, k, v, positions, rows, RING, rope, sc, config=cfg)
+
+        try:
+            results[cfg] = _events_ms(_graph(run), 10) * 1000 / LAYERS
+        except Exception as exc:
+            print(f"  B={B} {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
+    ranked = sorted(results, key=results.get)
+    default = fused.decode_config(B)
+    print(
+        f"B={B:4d}: floor {floor:7.1f}  default {default} {results.get(default, float('nan')):7.1f}  best "
+        + "  ".join(f"{cfg} {results[cfg]:7.1f}" for cfg in ranked[:4]),
+        flush=True,
+    )
+    return ranked[0]
 
 
 def _decode_at(B: int, candidates: list, fi) -> tuple:
@@ -583,6 +644,7 @@ def bench(argv: list[str]) -> int:
 SUBCOMMANDS = {
     "ceilings": ceilings,
     "attention": attention,
+    "attention-fp8": attention_fp8,
     "profile": profile,
     "tune-conv": tune_conv,
     "tune-prefill": tune_prefill,

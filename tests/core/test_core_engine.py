@@ -8,6 +8,7 @@ import torch
 from cspan.core.constants import FRAME_SIZE, RET
 from cspan.core.engine import DuplexEngine, TokenStepOutput
 from cspan.core.errors import CheckpointError
+from cspan.core.span import ContextSpan
 
 PROMPTS = ["You are kind.", "You like the weather.", "Hi."]
 SPANS = {0: (2, "It is sunny."), 1: (4, "The time is ten past nine."), 2: (3, "Yes.")}
@@ -271,3 +272,49 @@ def test_a_step_with_every_session_idle_computes_nothing(tiny_checkpoint) -> Non
     out = engine.step(torch.zeros(2, FRAME_SIZE))
     assert not out.valid.any() and (out.agent_pcm == 0).all() and out.text_token.tolist() == [-1, -1]
     assert engine.positions == [1, 1] and engine.step_tokens(torch.zeros(2, 8, dtype=torch.long)).frame.eq(-2).all()
+
+
+def _budget_script(engine: DuplexEngine, sessions: list[int], user: torch.Tensor, plan: dict) -> list:
+    """Steps with, before step t, the spans / personas ``plan[t]`` lists as (session, kind, arg) for the sessions
+    in ``sessions`` (batch row = index); returns each step's output."""
+    outs = []
+    for t in range(user.shape[0]):
+        for s, kind, arg in plan.get(t, []):
+            if s not in sessions:
+                continue
+            row = sessions.index(s)
+            if kind == "span":
+                engine.inject_span(row, ContextSpan.from_ids(arg))
+            else:
+                engine.set_persona(row, PROMPTS[arg], seed=100 + s)
+        outs.append(engine.step_tokens(user[t, sessions]))
+    return outs
+
+
+def test_a_column_budget_reads_held_back_spans_in_later_steps(tiny_checkpoint) -> None:
+    """max_block_columns: a step reads the queued spans of as many sessions as fit, oldest waiting first; the
+    others wait, whole and in order, and each session equals the batch-1 engine that received its span as many
+    steps later as it waited. A persona prefix is never held back (it takes the budget first)."""
+    span = [100 + i for i in range(6)]  # 8 columns with the markers
+    batched_plan = {
+        1: [(0, "span", span), (1, "span", span), (2, "span", span)],  # 24 columns against 10: three steps
+        4: [(3, "persona", 0), (1, "span", span)],  # the prefix is read now, the span waits one step
+    }
+    user = _user(8, 4, seed=3)
+    engine = DuplexEngine(tiny_checkpoint, batch_size=4, seed=0, max_block_columns=10)
+    batched = _budget_script(engine, [0, 1, 2, 3], user, batched_plan)
+    assert engine.sessions.waiting == [] and engine.sessions.blocks == {}
+    alone_plans = {  # when each session reads its span(s) in the batch
+        0: {1: [(0, "span", span)]},
+        1: {2: [(1, "span", span)], 5: [(1, "span", span)]},
+        2: {3: [(2, "span", span)]},
+        3: {4: [(3, "persona", 0)]},
+    }
+    for s in range(4):
+        alone = _budget_script(DuplexEngine(tiny_checkpoint, batch_size=1, seed=s), [s], user, alone_plans[s])
+        for t, (a, b) in enumerate(zip(alone, batched, strict=True)):
+            assert torch.equal(a.frame[0], b.frame[s]), f"session {s}, step {t}"
+            assert torch.equal(a.position[0], b.position[s]), f"session {s}, step {t}"
+            torch.testing.assert_close(a.text_logits[0], b.text_logits[s], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_block_columns"):
+        DuplexEngine(tiny_checkpoint, batch_size=1, max_block_columns=0)

@@ -34,6 +34,7 @@ from cspan.bench.latency import (
     summarize_ms,
 )
 from cspan.bench.session import synchronize
+from cspan.core.constants import SERVE_MAX_BLOCK_COLUMNS
 
 FRAME_BUDGET_MS = 80.0
 DEFAULT_BATCH_SIZES = (16, 32, 48, 64, 80, 96, 112, 128)
@@ -54,6 +55,8 @@ class CapacityOptions:
         budget_ms: the frame p99 a batch size must stay under.
         seed: arrivals, lengths and data.
         cuda_graphs: as the engine's.
+        max_block_columns: the engine's step budget of span columns (default: the servers',
+            :data:`cspan.core.constants.SERVE_MAX_BLOCK_COLUMNS`; None: no budget).
     """
 
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES
@@ -66,6 +69,7 @@ class CapacityOptions:
     budget_ms: float = FRAME_BUDGET_MS
     seed: int = 0
     cuda_graphs: bool | None = None
+    max_block_columns: int | None = SERVE_MAX_BLOCK_COLUMNS
 
     def check(self) -> None:
         """Raise :class:`BenchError` for impossible settings."""
@@ -135,7 +139,9 @@ def run_candidate(
     from cspan.core.constants import FRAME_RATE
     from cspan.core.span import ContextSpan
 
-    engine = make_engine(models, batch_size, (options.max_span,), options.cuda_graphs, False, kv_dtype)
+    engine = make_engine(
+        models, batch_size, (options.max_span,), options.cuda_graphs, False, kv_dtype, options.max_block_columns
+    )
     device = engine.device
     gen = np.random.default_rng(options.seed + batch_size)
     total = options.warmup + options.frames
@@ -230,6 +236,7 @@ def run_capacity(
         "span_length": options.span_length,
         "max_span": options.max_span,
         "budget_ms": options.budget_ms,
+        "max_block_columns": options.max_block_columns,
         "fill": "the model's context (a full ring)",
         "timing": "whole frames (spans injected before them, Mimi, step, host reads), device synchronised",
     }

@@ -589,9 +589,11 @@ def make_engine(
     cuda_graphs: bool | None = None,
     predict_user: bool = False,
     kv_dtype: str = "auto",
+    max_block_columns: int | None = None,
 ) -> Any:
     """A :class:`~cspan.core.engine.DuplexEngine` over ``models`` whose ``max_span_frames`` admits every length
-    (``cuda_graphs`` None: the engine's default, on for CUDA)."""
+    (``cuda_graphs`` None: the engine's default, on for CUDA; ``max_block_columns``: its step budget of span
+    columns, None for none)."""
     from cspan.core.constants import DEFAULT_MAX_SPAN_FRAMES
     from cspan.core.engine import DuplexEngine
 
@@ -605,6 +607,7 @@ def make_engine(
         cuda_graphs=cuda_graphs,
         predict_user=predict_user,
         kv_dtype=kv_dtype,
+        max_block_columns=max_block_columns,
     )
 
 

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cspan.core.constants import SERVE_MAX_BLOCK_COLUMNS
+
 # --- shared flags ------------------------------------------------------------------------------------------------
 
 
@@ -447,6 +449,13 @@ def register_capacity(sub: Any) -> None:
     p.add_argument("--span-length", type=int, default=256, help="mean span length in columns")
     p.add_argument("--max-span", type=int, default=600, help="the longest span in columns")
     p.add_argument("--budget-ms", type=float, default=80.0, help="frame p99 budget (default: the 80 ms frame)")
+    p.add_argument(
+        "--max-block-columns",
+        type=int,
+        default=SERVE_MAX_BLOCK_COLUMNS,
+        help="span columns one step reads, the rest waiting for the next frames, as cspan serve's "
+        "--max-block-columns (default %(default)s; 0: no limit)",
+    )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
@@ -477,6 +486,7 @@ def _capacity(args: argparse.Namespace) -> int:
         budget_ms=args.budget_ms,
         seed=args.seed,
         cuda_graphs=False if args.no_cuda_graphs else None,
+        max_block_columns=args.max_block_columns or None,
     )
     options.check()
 

@@ -61,6 +61,10 @@ token): the engine's batched sampler takes one top-k of this size per row and ma
 # --- Context Span ---------------------------------------------------------------------------------------------
 DEFAULT_MAX_SPAN_FRAMES: int = 600
 """Longest Context Span block (in columns / positions, including the two markers) before it is truncated."""
+SERVE_MAX_BLOCK_COLUMNS: int = 640
+"""The servers' budget of Context Span columns per step (``DuplexEngine(max_block_columns=)``; the library's
+default is no budget): one longest span, or two of the 256-column mean length, per 80 ms frame; a frame where more
+arrive reads the rest in the next frames instead of doubling its own time (docs/PERFORMANCE.md, capacity)."""
 
 __all__ = [
     "BOS",
@@ -80,6 +84,7 @@ __all__ = [
     "PAD",
     "RET",
     "SAMPLE_RATE",
+    "SERVE_MAX_BLOCK_COLUMNS",
     "SILENCE_TOKENS",
     "SINE_TOKENS",
     "SPAN_CLOSE",

@@ -146,6 +146,12 @@ class DuplexEngine:
             window's oldest end), ``"reprefix"`` (it is read again, as a block of the batched step, before it would
             leave) or ``"none"`` (it slides out); see :mod:`cspan.core.window`. ``set_persona(..., policy=)``
             overrides it for one session.
+        max_block_columns: the most Context Span columns one step reads (None: all that are queued). Spans past it
+            wait for the next step, oldest first (a step always reads at least one session's; persona prefixes and
+            their copies are never held back): the frame that two long spans would double is shared out between
+            frames, as a chunked-prefill token budget does (:class:`cspan.core.sessions.Sessions`). A held-back
+            span starts one position later per step it waits (its :class:`SpanReport` gives the position at
+            injection).
 
     Attributes:
         lm, mimi, tokenizer, checkpoint: the models in use (``checkpoint`` None for a bare LM).
@@ -180,9 +186,12 @@ class DuplexEngine:
         kv_dtype: str | torch.dtype | None = None,
         fused: bool | None = None,
         persona_policy: str = DEFAULT_PERSONA_POLICY,
+        max_block_columns: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"DuplexEngine: batch_size must be >= 1, got {batch_size}")
+        if max_block_columns is not None and max_block_columns < 1:
+            raise ValueError(f"DuplexEngine: max_block_columns must be >= 1 or None, got {max_block_columns}")
         if max_span_frames < 3:
             raise SpanError(f"max_span_frames is {max_span_frames}; it must be at least 3 (12, one token, 13)")
         if hasattr(checkpoint, "lm") and hasattr(checkpoint, "mimi"):
@@ -221,7 +230,9 @@ class DuplexEngine:
         initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
         self.state = EngineState(lm, mimi, batch_size, self.plan, (lm.delays, initial, self.user_rows))
         seeds = [fresh_seed() if seed is None else seed + i for i in range(batch_size)]
-        self.sessions = Sessions(seeds, SessionSampling(self.text_params, self.audio_params), context=lm.cfg.context)
+        self.sessions = Sessions(
+            seeds, SessionSampling(self.text_params, self.audio_params), lm.cfg.context, max_block_columns
+        )
         self._library = None  # the library decode attention, where the plan chose it
         if self.plan.library is not None:
             cfg = lm.cfg
@@ -530,12 +541,12 @@ class DuplexEngine:
             self.state.pin(pins)
         prefixes = {row: r.prefix for row, r in restarts.items() if r.prefix is not None}
         batch = build_step(
-            rows, blocks, prefixes, self.sessions.position, self.state.grid.max_delay, self.num_streams,
+            rows, blocks, prefixes, head.positions, self.state.grid.max_delay, self.num_streams,
             self.state.scratch, self.state.lm.transformer.cache.capacity, self.plan, self.dtype,
             top_k_bound(head.text_top_k, self.lm.text_linear.out_features),
         )  # fmt: skip
         if batch.shape.library and self._library is not None:  # the decode slots' rows and positions (host)
-            scratch, position = self.state.scratch, self.sessions.position
+            scratch, position = self.state.scratch, head.positions
             self._library.plan(batch.slot_rows, [0 if r == scratch else position[r] for r in batch.slot_rows])
         return batch
 

@@ -84,6 +84,9 @@ class StepHead:
         pins: rows whose pinned prefix is placed in this step: row -> (the first position of the window its last
             query sees, the sink positions S).
         text_top_k: each live row's text top-k (the step's static top-k size covers them).
+        positions: each session's position in this step (the pending one, less the columns of the blocks left
+            queued for a later step by the step's column budget).
+        deferred: rows whose queued blocks wait for a later step -> their columns.
     """
 
     rows: list[int]
@@ -92,6 +95,8 @@ class StepHead:
     sampling: dict[int, SessionSampling]
     pins: dict[int, tuple[int, int]]
     text_top_k: list[int]
+    positions: list[int]
+    deferred: dict[int, int] = field(default_factory=dict)
 
 
 class Sessions:
@@ -112,9 +117,20 @@ class Sessions:
             the prefix's, so that they follow the whole prefix (as they would once it has been read).
         sampling_changed: rows whose sampling parameters the device state does not have yet.
         window_events: row -> what its persona policy did since the last :meth:`take_window_events`.
+        max_block_columns: the step's budget of block columns (None: no limit). A step takes the queued Context
+            Spans of as many rows as fit, oldest waiting first; the others wait for a later step (a row's spans
+            stay together and in order; a step always takes at least one row's, and never holds back a persona
+            prefix or a re-prefix copy, so the prefix stays in the window). Chunked prefill's token budget
+            (Sarathi-Serve, Agrawal et al. 2024): two long spans in one frame no longer double that frame.
     """
 
-    def __init__(self, seeds: Sequence[int], sampling: SessionSampling, context: int | None = None) -> None:
+    def __init__(
+        self,
+        seeds: Sequence[int],
+        sampling: SessionSampling,
+        context: int | None = None,
+        max_block_columns: int | None = None,
+    ) -> None:
         B = len(seeds)
         self.batch_size = B
         self.position = [0] * B
@@ -130,6 +146,8 @@ class Sessions:
         self.persona: dict[int, Persona] = {}
         self.context = context
         self.window_events: dict[int, collections.deque[WindowEvent]] = {}
+        self.max_block_columns = max_block_columns
+        self.waiting: list[int] = []  # rows whose spans the budget held back, oldest first
         self.lock = threading.Lock()
 
     def reset(
@@ -181,7 +199,8 @@ class Sessions:
         with self.lock:
             rows = [i for i in range(self.batch_size) if self.live[i]]
             restarts = {i: self.restarts.pop(i) for i in rows if i in self.restarts}
-            blocks = {i: self.blocks.pop(i) for i in rows if i in self.blocks}
+            blocks, deferred = self._take_blocks(rows, restarts)
+            positions = [p - deferred.get(i, 0) for i, p in enumerate(self.position)]
             sampling = {i: self.sampling[i] for i in sorted(self.sampling_changed)}
             self.sampling_changed.clear()
             pins: dict[int, tuple[int, int]] = {}
@@ -189,14 +208,43 @@ class Sessions:
                 persona = self.persona.get(i)
                 if persona is None or persona.policy != "pinned" or self.context is None or i in restarts:
                     continue
-                start = self.position[i] - self.context + 1  # the window of this step's last query
+                start = positions[i] - self.context + 1  # the window of this step's last query
                 if start > 0:
                     pins[i] = (start, persona.sinks)
                     if not persona.pinned:
                         persona.pinned = True
                         self._event(i, WindowEvent("pin", start, persona.sinks))
             text_top_k = [self.sampling[i].text.top_k for i in rows]
-            return StepHead(rows, restarts, blocks, sampling, pins, text_top_k)
+            return StepHead(rows, restarts, blocks, sampling, pins, text_top_k, positions, deferred)
+
+    def _take_blocks(
+        self, rows: list[int], restarts: dict[int, Restart]
+    ) -> tuple[dict[int, list[Block]], dict[int, int]]:
+        """(the queued blocks this step reads, row -> the columns left queued): see ``max_block_columns``
+        (lock held)."""
+        budget = self.max_block_columns
+        if budget is None:
+            return {i: self.blocks.pop(i) for i in rows if i in self.blocks}, {}
+        used = sum(r.prefix.block.n for r in restarts.values() if r.prefix is not None)
+        live = set(rows)
+        order = [i for i in self.waiting if i in live] + [i for i in rows if i not in self.waiting]
+        taken: dict[int, list[Block]] = {}
+        deferred: dict[int, int] = {}
+        for i in order:
+            queued = self.blocks.get(i)
+            if not queued:
+                continue
+            n = sum(blk.n for blk in queued)
+            persona = self.persona.get(i)
+            copy = persona.copy if persona is not None else None
+            movable = i not in restarts and all(blk is not copy for blk in queued)
+            if movable and used > 0 and used + n > budget:
+                deferred[i] = n
+                continue
+            taken[i] = self.blocks.pop(i)
+            used += n
+        self.waiting = [i for i in order if i in deferred] + [i for i in self.waiting if i not in live]
+        return taken, deferred
 
     def advance(self, rows: Sequence[int]) -> None:
         """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now."""

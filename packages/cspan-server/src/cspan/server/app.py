@@ -103,6 +103,7 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
         cuda_graphs=None if settings.cuda_graphs else False,
         predict_user=False,  # the user's codes come from the microphone every frame
         persona_policy=settings.persona_policy,
+        max_block_columns=settings.max_block_columns or None,
     )
     return checkpoint, engine
 

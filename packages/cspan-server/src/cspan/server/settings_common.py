@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec, ToolsSpec, parse_mcp, parse_tools
-from cspan.core.constants import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE
+from cspan.core.constants import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, SERVE_MAX_BLOCK_COLUMNS
 from cspan.core.settings import SETTINGS_CONFIG, EnvList
 
 DEFAULT_PERSONA = (
@@ -155,6 +155,13 @@ class ModelSettings(BaseSettings):
         description="how the persona stays in the attention window past its end: pinned (its keys stay as sink "
         "positions, the layout of training), reprefix (read again before it leaves) or none (it slides out); "
         "docs/ENGINE.md, 'The persona past the window'",
+        json_schema_extra={"group": "model"},
+    )
+    max_block_columns: int = Field(
+        SERVE_MAX_BLOCK_COLUMNS,
+        ge=0,
+        description="the most Context Span columns one step reads across all sessions (0: no limit); spans past it "
+        "wait for the next frames, oldest first, instead of making one frame long for every session",
         json_schema_extra={"group": "model"},
     )
     memory_span: bool = Field(
