@@ -266,3 +266,17 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
     big = random_lm(LMConfig.personaplex_7b(), "meta", torch.bfloat16)
     assert kv_bytes_per_session(big, "auto") == 2 * 3000 * 32 * 4096 * 2  # 1.57 GB of bf16 keys and values
     assert kv_bytes_per_session(big, "fp8") == 2 * 3000 * 32 * 32 * (128 + 4)
+
+
+def test_capacity_prewarm_fills_every_block_bucket_a_frame_can_reach() -> None:
+    """The capacity bench captures every block bucket before its timed frames: one span per bucket while one is
+    long enough, then two (the longest and the rest) while the step budget lets them be read in one step."""
+    from cspan.bench.capacity import prewarm_spans
+    from cspan.core.plan import BLOCK_BUCKETS
+
+    spans = prewarm_spans(BLOCK_BUCKETS, 600, 640)
+    assert spans[0] == [16] and [577] in spans and spans[-2:] == [[600, 3], [600, 40]]
+    filled = sorted({next(b for b in BLOCK_BUCKETS if b >= sum(n + 1 for n in s)) for s in spans})
+    assert filled == [b for b in BLOCK_BUCKETS if 17 <= b <= 705]  # 640 columns + 2 next positions: bucket 705
+    assert all(sum(s) <= 640 for s in spans)
+    assert prewarm_spans(BLOCK_BUCKETS, 600, None)[-1] == [600, 424]  # no budget: two longest spans, bucket 1281

@@ -110,26 +110,41 @@ def kv_bytes_per_session(lm: Any, kv_dtype: str) -> int:
 
 
 def prewarm(engine: Any, pcm: torch.Tensor, text_card: int, max_span: int, seed: int) -> None:
-    """Run every shape the measured frames can take once eagerly, once to capture and once replayed: one span of
-    each block bucket up to ``max_span`` (and two spans in one frame), so that no kernel compilation or graph
-    capture falls inside the timed frames (a server does the same at start-up; the first use of a shape costs
-    seconds, not milliseconds)."""
+    """Run every shape the measured frames can take once eagerly, once to capture and once replayed: every block
+    bucket a frame can fill (one span, or two in two sessions, as the engine's step budget lets them be read
+    together), so that no kernel compilation or graph capture falls inside the timed frames (a server does the same
+    at start-up; the first use of a shape costs seconds, not milliseconds)."""
     from cspan.core.span import ContextSpan
 
-    # a span of n columns is n + 1 ragged tokens (its columns and the next position)
-    lengths = [b - 1 for b in engine.plan.block_buckets if 16 < b <= max(16, max_span) + 1]
-    if not lengths or lengths[-1] < max_span:
-        lengths.append(max_span)
-    for n in lengths:
+    for spans in prewarm_spans(engine.plan.block_buckets, max_span, engine.sessions.max_block_columns):
         for _ in range(3):
-            engine.inject_span(0, ContextSpan.from_ids(span_body(n, text_card, seed)))
+            for session, n in enumerate(spans[: engine.batch_size]):
+                engine.inject_span(session, ContextSpan.from_ids(span_body(n, text_card, seed)))
             engine.step(pcm)
     for _ in range(3):
-        for session in range(min(2, engine.batch_size)):
-            engine.inject_span(session, ContextSpan.from_ids(span_body(256, text_card, seed)))
         engine.step(pcm)
-    for _ in range(3):
-        engine.step(pcm)
+
+
+def prewarm_spans(buckets: Sequence[int], max_span: int, budget: int | None) -> list[list[int]]:
+    """Span lengths read in one frame that fill each block bucket (a span of n columns is n + 1 ragged tokens):
+    the smallest token count of each bucket above 16, by one span while one is long enough, then by two (the
+    longest and the rest, while the step budget ``budget`` lets both be read in one step)."""
+    out: list[list[int]] = []
+    lower = 1
+    for bucket in sorted(b for b in buckets if b > 0):
+        tokens, lower = max(lower, 17), bucket + 1
+        if tokens > bucket:
+            continue
+        if tokens - 1 <= max_span:
+            out.append([tokens - 1])
+            continue
+        rest = tokens - 2 - max_span
+        if rest < 3:
+            rest, tokens = 3, max_span + 5
+        if tokens > bucket or rest > max_span or (budget is not None and max_span + rest > budget):
+            break
+        out.append([max_span, rest])
+    return out
 
 
 def run_candidate(
