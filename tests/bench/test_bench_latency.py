@@ -280,3 +280,20 @@ def test_capacity_prewarm_fills_every_block_bucket_a_frame_can_reach() -> None:
     assert filled == [b for b in BLOCK_BUCKETS if 17 <= b <= 705]  # 640 columns + 2 next positions: bucket 705
     assert all(sum(s) <= 640 for s in spans)
     assert prewarm_spans(BLOCK_BUCKETS, 600, None)[-1] == [600, 424]  # no budget: two longest spans, bucket 1281
+
+
+def test_fill_history_reads_every_span_an_engine_budget_holds_back(tiny_checkpoint_dir: Path) -> None:
+    """With a step budget of span columns the fill still leaves nothing queued: every ring is full when it returns."""
+    from cspan.bench.latency import fill_history
+    from cspan.core.checkpoint import load_checkpoint
+    from cspan.core.engine import DuplexEngine
+
+    checkpoint = load_checkpoint(tiny_checkpoint_dir, device="cpu", dtype=torch.float32)
+    engine = DuplexEngine(checkpoint, batch_size=4, seed=0, max_block_columns=64)
+    zeros = torch.zeros(4, engine.num_codebooks, dtype=torch.long)
+    for _ in range(3):
+        engine.step_tokens(zeros)
+    fill_history(engine, 200)
+    assert engine.sessions.blocks == {} and engine.sessions.waiting == []
+    assert all(p >= 199 for p in engine.positions)
+    assert engine.state.grid.position[:4].tolist() == engine.positions

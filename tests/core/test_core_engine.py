@@ -299,13 +299,14 @@ def test_a_column_budget_reads_held_back_spans_in_later_steps(tiny_checkpoint) -
     batched_plan = {
         1: [(0, "span", span), (1, "span", span), (2, "span", span)],  # 24 columns against 10: three steps
         4: [(3, "persona", 0), (1, "span", span)],  # the prefix is read now, the span waits one step
+        6: [(0, "span", span), (0, "span", span)],  # one session's two spans: the second waits one step
     }
-    user = _user(8, 4, seed=3)
+    user = _user(9, 4, seed=3)
     engine = DuplexEngine(tiny_checkpoint, batch_size=4, seed=0, max_block_columns=10)
     batched = _budget_script(engine, [0, 1, 2, 3], user, batched_plan)
     assert engine.sessions.waiting == [] and engine.sessions.blocks == {}
     alone_plans = {  # when each session reads its span(s) in the batch
-        0: {1: [(0, "span", span)]},
+        0: {1: [(0, "span", span)], 6: [(0, "span", span)], 7: [(0, "span", span)]},
         1: {2: [(1, "span", span)], 5: [(1, "span", span)]},
         2: {3: [(2, "span", span)]},
         3: {4: [(3, "persona", 0)]},

@@ -282,7 +282,8 @@ def fill_history(engine: Any, positions: int, seed: int = 0, step: Callable[[], 
     """Bring every session of ``engine`` to at least ``positions`` positions of history: blocks of ordinary text
     ids (at most ``max_span_frames`` each) read as Context Spans, at most :data:`FILL_TOKENS_PER_STEP` columns per
     step, one step after each round (untimed). ``step`` steps the engine (default: ``step_tokens`` with zero user
-    codes)."""
+    codes). Returns once every span is read (an engine with a ``max_block_columns`` budget reads them over more
+    steps)."""
     from cspan.core.span import ContextSpan
 
     longest = max(3, int(engine.max_span_frames))
@@ -304,6 +305,8 @@ def fill_history(engine: Any, positions: int, seed: int = 0, step: Callable[[], 
                 break
             engine.inject_span(i, ContextSpan.from_ids(span_body(n, text_card, seed + i)))
             budget -= n
+        step()
+    while engine.sessions.blocks:  # spans an engine's step budget held back (the positions above count them)
         step()
     synchronize(engine.device)
 

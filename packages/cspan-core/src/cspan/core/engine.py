@@ -147,8 +147,8 @@ class DuplexEngine:
             leave) or ``"none"`` (it slides out); see :mod:`cspan.core.window`. ``set_persona(..., policy=)``
             overrides it for one session.
         max_block_columns: the most Context Span columns one step reads (None: all that are queued). Spans past it
-            wait for the next step, oldest first (a step always reads at least one session's; persona prefixes and
-            their copies are never held back): the frame that two long spans would double is shared out between
+            wait for the next step, in order, the sessions held back longest first (a step that reads no persona
+            prefix always reads at least one span; prefixes and re-prefix copies are never held back): the frame that two long spans would double is shared out between
             frames, as a chunked-prefill token budget does (:class:`cspan.core.sessions.Sessions`). A held-back
             span starts one position later per step it waits (its :class:`SpanReport` gives the position at
             injection).
@@ -598,7 +598,7 @@ class DuplexEngine:
             emb = (emb_values.to(self.device, non_blocking=True), emb_use.to(self.device, non_blocking=True))
         hidden, text_logits = self.lm.temporal_step(tokens, state.lm, io.layout, self.plan, emb)
         target = grid.target_column(None if forced is None else take(forced), rows)
-        text_sampling, audio_sampling = state.row_sampling(rows)
+        text_sampling, audio_sampling = state.row_sampling(rows, shape.text_top)
         column = sample_column(
             self.lm,
             hidden,

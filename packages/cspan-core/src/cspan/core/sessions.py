@@ -118,10 +118,10 @@ class Sessions:
         sampling_changed: rows whose sampling parameters the device state does not have yet.
         window_events: row -> what its persona policy did since the last :meth:`take_window_events`.
         max_block_columns: the step's budget of block columns (None: no limit). A step takes the queued Context
-            Spans of as many rows as fit, oldest waiting first; the others wait for a later step (a row's spans
-            stay together and in order; a step always takes at least one row's, and never holds back a persona
-            prefix or a re-prefix copy, so the prefix stays in the window). Chunked prefill's token budget
-            (Sarathi-Serve, Agrawal et al. 2024): two long spans in one frame no longer double that frame.
+            Spans of as many rows as fit, oldest waiting first; the rest wait for a later step, in order (a step
+            that reads no persona prefix always reads at least one span; a persona prefix, and a row whose queue
+            holds a re-prefix copy, are never held back, so the prefix stays in the window). Chunked prefill's
+            token budget (Sarathi-Serve, Agrawal et al. 2024): two long spans in one frame no longer double it.
     """
 
     def __init__(
@@ -231,18 +231,24 @@ class Sessions:
         taken: dict[int, list[Block]] = {}
         deferred: dict[int, int] = {}
         for i in order:
-            queued = self.blocks.get(i)
+            queued = self.blocks.pop(i, None)
             if not queued:
                 continue
-            n = sum(blk.n for blk in queued)
             persona = self.persona.get(i)
             copy = persona.copy if persona is not None else None
-            movable = i not in restarts and all(blk is not copy for blk in queued)
-            if movable and used > 0 and used + n > budget:
-                deferred[i] = n
-                continue
-            taken[i] = self.blocks.pop(i)
-            used += n
+            k = len(queued)  # a restart's row, or one with a re-prefix copy queued, is read whole
+            if i not in restarts and all(blk is not copy for blk in queued):
+                k = 0  # its spans in order while they fit (the first of a step's always does)
+                while k < len(queued) and (used == 0 or used + queued[k].n <= budget):
+                    used += queued[k].n
+                    k += 1
+            else:
+                used += sum(blk.n for blk in queued)
+            if k:
+                taken[i] = queued[:k]
+            if k < len(queued):
+                self.blocks[i] = queued[k:]
+                deferred[i] = sum(blk.n for blk in queued[k:])
         self.waiting = [i for i in order if i in deferred] + [i for i in self.waiting if i not in live]
         return taken, deferred
 
@@ -371,13 +377,18 @@ class EngineState:
             for kept, value in zip(rule, text.rule(vocab, top), strict=True):
                 kept.index_copy_(0, rows, value)
 
-    def row_sampling(self, rows: torch.Tensor | slice) -> tuple[RowSampling, RowSampling]:
-        """(text, audio) sampling parameters of ``rows`` [b] or a slice of rows (device ops only)."""
+    def row_sampling(self, rows: torch.Tensor | slice, text_top: int) -> tuple[RowSampling, RowSampling]:
+        """(text, audio) sampling parameters of ``rows`` [b] or a slice of rows (device ops only), with the text
+        rules of the step's static top-k size ``text_top``."""
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
-        rules = {key: tuple(take(t) for t in rule) for key, rule in self.text_rules.items()}
+        rules = {
+            (vocab, top): tuple(take(t) for t in rule)
+            for (vocab, top), rule in self.text_rules.items()
+            if top == min(vocab, text_top)
+        }
         return (
             RowSampling(take(self.text_temp), take(self.text_top_k), rules),
             RowSampling(take(self.audio_temp), take(self.audio_top_k)),
@@ -480,7 +491,7 @@ def build_step(
         rows: the live rows.
         blocks: row -> queued span blocks.
         prefixes: row -> the persona prefix its restart reads.
-        positions: each session's pending position after its blocks (host mirror).
+        positions: each session's position in this step, after the blocks it reads (``StepHead.positions``).
         max_delay: the grid's largest delay (a row at a pending position below it returns nothing).
         num_streams: K.
         scratch: the scratch row.

@@ -306,10 +306,12 @@ class TokenGrid:
         # in the window; the P history columns become the last P of (history + block)
         if P > 0:
             block = block.to(torch.long)
-            if self.buffer.is_cuda and block.device.type == "cpu":  # page-locked: no host synchronisation
-                block = block.pin_memory()
             if n >= P:  # the history becomes the block's last P columns
-                self.buffer[row, :, :P].copy_(block[:, n - P :], non_blocking=True)
+                block = block[:, n - P :]
+            if self.buffer.is_cuda and block.device.type == "cpu":  # page-locked: no host synchronisation
+                block = block.contiguous().pin_memory()
+            if n >= P:
+                self.buffer[row, :, :P].copy_(block, non_blocking=True)
             else:
                 block = block.to(self.device, non_blocking=True)
                 self.buffer[row, :, :P] = torch.cat([self.buffer[row, :, :P], block], dim=1)[:, -P:]
