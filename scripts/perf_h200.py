@@ -166,7 +166,7 @@ def _fp8_decode_at(B: int, candidates: list) -> tuple:
         except Exception as exc:
             print(f"  B={B} {cfg}: failed {type(exc).__name__}: {str(exc)[:120]}")
     ranked = sorted(results, key=results.get)
-    default = fused.decode_config(B)
+    default = fused.decode_config(B, fp8=True)
     print(
         f"B={B:4d}: floor {floor:7.1f}  default {default} {results.get(default, float('nan')):7.1f}  best "
         + "  ".join(f"{cfg} {results[cfg]:7.1f}" for cfg in ranked[:4]),

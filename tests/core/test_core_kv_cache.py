@@ -169,3 +169,15 @@ def test_rows_at_different_offsets() -> None:
     torch.testing.assert_close(out, v1)
     cache.reset()
     assert cache.offset.tolist() == [0, 0, 0]
+
+
+def test_fp8_rings_take_their_own_decode_configs_from_64_rows() -> None:
+    """The decode kernel's config per step size: FP8 rings from 64 rows on use the FP8 sweep's table (C27), below it
+    and for bf16 rings the bf16 one; the last entry at or below the row count applies."""
+    from cspan.core.modules import fused
+
+    assert fused.decode_config(96, fp8=True) == (32, 64, 8, 4, 3, 1)
+    assert fused.decode_config(127, fp8=True) == (32, 64, 8, 4, 3, 1)
+    assert fused.decode_config(200, fp8=True) == fused.decode_config(128, fp8=True) == (32, 16, 2, 4, 4, 1)
+    assert fused.decode_config(96) == fused.decode_config(80) != fused.decode_config(96, fp8=True)
+    assert fused.decode_config(32, fp8=True) == fused.decode_config(32)

@@ -217,10 +217,23 @@ the earlier default and an 11.6 us floor); ``scripts/perf_h200.py attention`` me
 size and prints the table to paste."""
 
 
-def decode_config(rows: int) -> DecodeConfig:
-    """The :data:`DECODE_CONFIGS` entry for a step of ``rows`` query rows."""
-    chosen = DECODE_CONFIGS[0][1]
-    for smallest, config in DECODE_CONFIGS:
+DECODE_CONFIGS_FP8: tuple[tuple[int, DecodeConfig], ...] = (
+    (64, (32, 16, 2, 4, 4, 1)),
+    (96, (32, 64, 8, 4, 3, 1)),
+    (128, (32, 16, 2, 4, 4, 1)),
+)
+"""Entries of :data:`DECODE_CONFIGS`' form for FP8 rings (e4m3 with one scale per position and head) from 64 rows
+on: the fastest of device call C27's sweep (``scripts/perf_h200.py attention-fp8``, docs/perf/round4/c27, full
+3000-slot rings; B = 64 / 96 / 128: 384.2 / 582.5 / 769.4 us per layer against FP8 bytes floors of 381.7 / 572.5 /
+763.3; at 96 rows the bf16 table's entry took 663.8). Below 64 rows FP8 rings use :data:`DECODE_CONFIGS`."""
+
+
+def decode_config(rows: int, fp8: bool = False) -> DecodeConfig:
+    """The :data:`DECODE_CONFIGS` entry for a step of ``rows`` query rows (FP8 rings from 64 rows on:
+    :data:`DECODE_CONFIGS_FP8`)."""
+    table = DECODE_CONFIGS_FP8 if fp8 and rows >= DECODE_CONFIGS_FP8[0][0] else DECODE_CONFIGS
+    chosen = table[0][1]
+    for smallest, config in table:
         if rows >= smallest:
             chosen = config
     return chosen
@@ -990,7 +1003,9 @@ def decode_attention(
     b = qkv2.shape[0]
     _, H, C, DH = keys.shape
     out = torch.empty(b, H * DH, device=qkv.device, dtype=qkv.dtype)
-    BN, max_splits, waves, warps, stages, lanes = config or DEFAULT.decode_config or decode_config(b)
+    BN, max_splits, waves, warps, stages, lanes = (
+        config or DEFAULT.decode_config or decode_config(b, fp8=scales is not None)
+    )
     if config is None and DEFAULT.decode_config is None and DH <= 64:
         BN = 64
     splits = _splits(qkv.device, b * H, triton.cdiv(C, BN), max_splits, waves)
@@ -1375,6 +1390,7 @@ def gemv(
 
 __all__ = [
     "DECODE_CONFIGS",
+    "DECODE_CONFIGS_FP8",
     "GEMV_MAX_K",
     "GEMV_MAX_ROWS",
     "HAVE_TRITON",
