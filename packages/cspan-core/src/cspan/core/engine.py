@@ -148,8 +148,9 @@ class DuplexEngine:
             overrides it for one session.
         max_block_columns: the most Context Span columns one step reads (None: all that are queued). Spans past it
             wait for the next step, in order, the sessions held back longest first (a step that reads no persona
-            prefix always reads at least one span; prefixes and re-prefix copies are never held back): the frame that two long spans would double is shared out between
-            frames, as a chunked-prefill token budget does (:class:`cspan.core.sessions.Sessions`). A held-back
+            prefix always reads at least one span; prefixes and re-prefix copies are never held back): the frame
+            that two long spans would double is shared out between frames, as a chunked-prefill token budget does
+            (:class:`cspan.core.sessions.Sessions`). A held-back
             span starts one position later per step it waits (its :class:`SpanReport` gives the position at
             injection).
 

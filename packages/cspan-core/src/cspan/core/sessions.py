@@ -86,7 +86,6 @@ class StepHead:
         text_top_k: each live row's text top-k (the step's static top-k size covers them).
         positions: each session's position in this step (the pending one, less the columns of the blocks left
             queued for a later step by the step's column budget).
-        deferred: rows whose queued blocks wait for a later step -> their columns.
     """
 
     rows: list[int]
@@ -96,7 +95,6 @@ class StepHead:
     pins: dict[int, tuple[int, int]]
     text_top_k: list[int]
     positions: list[int]
-    deferred: dict[int, int] = field(default_factory=dict)
 
 
 class Sessions:
@@ -200,7 +198,9 @@ class Sessions:
             rows = [i for i in range(self.batch_size) if self.live[i]]
             restarts = {i: self.restarts.pop(i) for i in rows if i in self.restarts}
             blocks, deferred = self._take_blocks(rows, restarts)
-            positions = [p - deferred.get(i, 0) for i, p in enumerate(self.position)]
+            positions = list(self.position)
+            for i, n in deferred.items():
+                positions[i] -= n
             sampling = {i: self.sampling[i] for i in sorted(self.sampling_changed)}
             self.sampling_changed.clear()
             pins: dict[int, tuple[int, int]] = {}
@@ -215,7 +215,7 @@ class Sessions:
                         persona.pinned = True
                         self._event(i, WindowEvent("pin", start, persona.sinks))
             text_top_k = [self.sampling[i].text.top_k for i in rows]
-            return StepHead(rows, restarts, blocks, sampling, pins, text_top_k, positions, deferred)
+            return StepHead(rows, restarts, blocks, sampling, pins, text_top_k, positions)
 
     def _take_blocks(
         self, rows: list[int], restarts: dict[int, Restart]
@@ -223,7 +223,7 @@ class Sessions:
         """(the queued blocks this step reads, row -> the columns left queued): see ``max_block_columns``
         (lock held)."""
         budget = self.max_block_columns
-        if budget is None:
+        if budget is None or not self.blocks:
             return {i: self.blocks.pop(i) for i in rows if i in self.blocks}, {}
         used = sum(r.prefix.block.n for r in restarts.values() if r.prefix is not None)
         live = set(rows)
@@ -342,7 +342,7 @@ class EngineState:
         self.audio_temp = torch.zeros(B + 1, dtype=torch.float32, device=lm.device)
         self.text_top_k = torch.zeros(B + 1, dtype=torch.long, device=lm.device)
         self.audio_top_k = torch.zeros(B + 1, dtype=torch.long, device=lm.device)
-        vocab = lm.text_linear.out_features
+        self.text_vocab = vocab = lm.text_linear.out_features
         text = RowSampling(self.text_temp, self.text_top_k)
         self.text_rules = {(vocab, top): text.rule(vocab, top) for top in {min(vocab, b) for b in TOP_K_BOUNDS}}
         self.encoder = mimi.new_encoder_state(B) if mimi is not None else None
@@ -384,11 +384,8 @@ class EngineState:
         def take(t: torch.Tensor) -> torch.Tensor:
             return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
-        rules = {
-            (vocab, top): tuple(take(t) for t in rule)
-            for (vocab, top), rule in self.text_rules.items()
-            if top == min(vocab, text_top)
-        }
+        key = (self.text_vocab, min(self.text_vocab, text_top))
+        rules = {key: tuple(take(t) for t in self.text_rules[key])}
         return (
             RowSampling(take(self.text_temp), take(self.text_top_k), rules),
             RowSampling(take(self.audio_temp), take(self.audio_top_k)),
