@@ -457,30 +457,31 @@ def _kernel_profile(title: str, fn, reps: int = 5) -> None:
 
 @torch.no_grad()
 def profile() -> None:
-    """Kernel profiles of the engine's graphed token step on a full ring: B = 1 and 64, a plain step and a step in
-    which one session reads a 600-column span."""
+    """Kernel profiles of the engine's graphed token step on a full ring: B = 1 and 64 (``PROFILE_B``, e.g.
+    ``"112"``), a plain step and a step in which one session reads a 600-column span; ``PROFILE_KV=fp8`` for the
+    FP8 KV cache."""
     from cspan.bench.latency import random_lm
     from cspan.core.config import LMConfig
 
     lm = random_lm(LMConfig.personaplex_7b(), "cuda", torch.bfloat16)
-    for B in (1, 64):
-        _profile_at(lm, B)
+    for B in [int(b) for b in os.environ.get("PROFILE_B", "1 64").split()]:
+        _profile_at(lm, B, os.environ.get("PROFILE_KV", "auto"))
         torch.cuda.empty_cache()
 
 
-def _profile_at(lm, B: int) -> None:
+def _profile_at(lm, B: int, kv_dtype: str = "auto") -> None:
     from cspan.bench.latency import fill_history, span_body
     from cspan.core.engine import DuplexEngine
     from cspan.core.span import ContextSpan
 
-    engine = DuplexEngine(lm, batch_size=B, cuda_graphs=True, seed=0, predict_user=False)
+    engine = DuplexEngine(lm, batch_size=B, cuda_graphs=True, seed=0, predict_user=False, kv_dtype=kv_dtype)
     user = torch.randint(0, 2048, (B, 8), device="cuda")
     for _ in range(2):
         engine.step_tokens(user)
     fill_history(engine, RING)
     for _ in range(3):
         engine.step_tokens(user)
-    _kernel_profile(f"B={B} plain step on a full ring (graph + host)", lambda: engine.step_tokens(user))
+    _kernel_profile(f"B={B} {kv_dtype} KV plain step on a full ring (graph + host)", lambda: engine.step_tokens(user))
     span = ContextSpan.from_ids(span_body(600, lm.text_card))
 
     def with_span():

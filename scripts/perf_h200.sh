@@ -98,11 +98,11 @@ for stage in $stages; do
       CSPAN_ATTENTION=triton run triton 150 $BENCH latency --random-7b --n 0 600 --iters 20 --warmup 3 \
         --batch-size 32 64 80 --no-frame --out "$LOGS/latency_triton.json" ;;
     capacity)
-      # CAPACITY_BF16 / CAPACITY_FP8 (optional): the batch sizes tried
-      run capacity 150 $BENCH capacity --random-7b --batch-size ${CAPACITY_BF16:-64 80} --kv-dtype auto --frames 100 \
-        --warmup 10 --out "$LOGS/capacity_bf16.json"
-      run capacity-fp8 150 $BENCH capacity --random-7b --batch-size ${CAPACITY_FP8:-112 128} --kv-dtype fp8 \
-        --frames 100 --warmup 10 --out "$LOGS/capacity_fp8.json" ;;
+      # CAPACITY_BF16 / CAPACITY_FP8 (optional): the batch sizes tried ("none": skip that KV dtype)
+      [ "${CAPACITY_BF16:-}" = none ] || run capacity 150 $BENCH capacity --random-7b \
+        --batch-size ${CAPACITY_BF16:-64 80} --kv-dtype auto --frames 100 --warmup 10 --out "$LOGS/capacity_bf16.json"
+      [ "${CAPACITY_FP8:-}" = none ] || run capacity-fp8 150 $BENCH capacity --random-7b \
+        --batch-size ${CAPACITY_FP8:-112 128} --kv-dtype fp8 --frames 100 --warmup 10 --out "$LOGS/capacity_fp8.json" ;;
     fp8)
       run fp8 90 python3 scripts/fp8_kv.py --random-7b --steps 500 --out "$LOGS/fp8_kv.json" ;;
     profile)

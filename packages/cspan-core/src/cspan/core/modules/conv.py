@@ -22,7 +22,7 @@ frame synchronises with the host, so the step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -142,6 +142,21 @@ class ConvTrState:
             self.counter.zero_()
 
 
+CUDNN_MAX_ROWS = 80
+"""The most batch rows one cuDNN convolution call takes; larger batches run in chunks of this many rows (the same
+function: every row is computed independently). Above 80 rows cuDNN's algorithm heuristics picked FFT convolutions
+for two of the SEANet convolutions (float32, TF32 off), which took 40 ms of a 112-row engine frame on an H200
+against about 4 ms for all of them at 80 rows (docs/PERFORMANCE.md, C30 / C31); at 80 rows and below they pick
+implicit-GEMM kernels."""
+
+
+def cudnn_rows(conv: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``conv(x)`` for ``x`` ``[B, ...]``, in chunks of at most :data:`CUDNN_MAX_ROWS` rows on CUDA."""
+    if x.shape[0] <= CUDNN_MAX_ROWS or not x.is_cuda:
+        return conv(x)
+    return torch.cat([conv(part) for part in x.split(CUDNN_MAX_ROWS)])
+
+
 class NormConv1d(nn.Module):
     """Holder of a plain ``nn.Conv1d`` named ``conv`` (upstream's weight-norm wrapper, norm folded away)."""
 
@@ -151,7 +166,7 @@ class NormConv1d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, C_in, T] -> [B, C_out, T_out]``."""
-        return self.conv(x)
+        return cudnn_rows(self.conv, x)
 
 
 class NormConvTranspose1d(nn.Module):
@@ -163,7 +178,7 @@ class NormConvTranspose1d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, C_in, T] -> [B, C_out, (T-1)*s + k]``."""
-        return self.convtr(x)
+        return cudnn_rows(self.convtr, x)
 
 
 def _param_device_dtype(module: nn.Module, device, dtype) -> tuple[torch.device, torch.dtype]:
@@ -317,7 +332,7 @@ class StreamingConv1d(nn.Module):
                 previous = torch.where(state.first.view(-1, 1, 1), x[..., :1], previous)
             x = torch.cat([previous, x], dim=-1)
         conv = self.conv.conv  # the kernel nn.Conv1d calls, without two module calls per frame
-        y = F.conv1d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+        y = cudnn_rows(lambda z: F.conv1d(z, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups), x)
         if pad > 0:
             state.previous.copy_(x[..., -pad:])
             if self.pad_mode == "replicate":
