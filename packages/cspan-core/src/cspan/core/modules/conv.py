@@ -142,19 +142,28 @@ class ConvTrState:
             self.counter.zero_()
 
 
-CUDNN_MAX_ROWS = 80
-"""The most batch rows one cuDNN convolution call takes; larger batches run in chunks of this many rows (the same
-function: every row is computed independently). Above 80 rows cuDNN's algorithm heuristics picked FFT convolutions
-for two of the SEANet convolutions (float32, TF32 off), which took 40 ms of a 112-row engine frame on an H200
-against about 4 ms for all of them at 80 rows (docs/PERFORMANCE.md, C30 / C31); at 80 rows and below they pick
-implicit-GEMM kernels."""
+CUDNN_TIMED_ROWS = 64
+"""cuDNN convolution calls on more than this many batch rows time their algorithms (``cudnn.benchmark`` for the
+call) instead of taking cuDNN's heuristic choice. With free device memory for their workspaces, the heuristics
+picked FFT convolutions for two of the SEANet convolutions at 80 and more rows (float32, TF32 off, as Mimi runs):
+40 ms of a 112-row engine frame on an H200, where the timed choice took 39.5 ms for the whole frame
+(docs/PERFORMANCE.md, C28–C32; chunks of 80 rows did not help: the 80-row call picked FFT too once the FP8 cache
+left the memory free). At 64 rows and below (the bench's B = 32 / 64 frames, the exactness tests) the heuristics'
+choice is kept. The timing runs at a shape's first call, which the engine's CUDA graphs make eagerly before they
+capture (:class:`cspan.core.graphs.GraphCache`)."""
 
 
-def cudnn_rows(conv: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """``conv(x)`` for ``x`` ``[B, ...]``, in chunks of at most :data:`CUDNN_MAX_ROWS` rows on CUDA."""
-    if x.shape[0] <= CUDNN_MAX_ROWS or not x.is_cuda:
+def cudnn_conv(conv: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``conv(x)`` for ``x`` ``[B, ...]``, with cuDNN timing its algorithms when B > :data:`CUDNN_TIMED_ROWS` on
+    CUDA (the same function within float32 rounding)."""
+    if x.shape[0] <= CUDNN_TIMED_ROWS or not x.is_cuda:
         return conv(x)
-    return torch.cat([conv(part) for part in x.split(CUDNN_MAX_ROWS)])
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        return conv(x)
+    finally:
+        torch.backends.cudnn.benchmark = saved
 
 
 class NormConv1d(nn.Module):
@@ -166,7 +175,7 @@ class NormConv1d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, C_in, T] -> [B, C_out, T_out]``."""
-        return cudnn_rows(self.conv, x)
+        return cudnn_conv(self.conv, x)
 
 
 class NormConvTranspose1d(nn.Module):
@@ -178,7 +187,7 @@ class NormConvTranspose1d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``[B, C_in, T] -> [B, C_out, (T-1)*s + k]``."""
-        return cudnn_rows(self.convtr, x)
+        return cudnn_conv(self.convtr, x)
 
 
 def _param_device_dtype(module: nn.Module, device, dtype) -> tuple[torch.device, torch.dtype]:
@@ -332,7 +341,7 @@ class StreamingConv1d(nn.Module):
                 previous = torch.where(state.first.view(-1, 1, 1), x[..., :1], previous)
             x = torch.cat([previous, x], dim=-1)
         conv = self.conv.conv  # the kernel nn.Conv1d calls, without two module calls per frame
-        y = cudnn_rows(lambda z: F.conv1d(z, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups), x)
+        y = cudnn_conv(lambda z: F.conv1d(z, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups), x)
         if pad > 0:
             state.previous.copy_(x[..., -pad:])
             if self.pad_mode == "replicate":
