@@ -260,3 +260,32 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "in.wav"]
     assert db.read_bytes() == b"SQLite format 3\x00 keep me"
     assert inp.read_bytes() == (fixtures_dir / "audio" / "greeting_24k.wav").read_bytes()
+
+
+def test_kv_dtype_reaches_the_engine_of_infer_and_serve(tiny_checkpoint_dir, tiny_checkpoint, fixtures_dir, tmp_path):
+    """``--kv-dtype``: declared once for both commands with the engine's choices; an FP8 cache runs a whole
+    ``cspan infer`` (a given span read) and is what ``cspan serve`` builds."""
+    import typing
+
+    import torch
+
+    from cspan.core.plan import KV_DTYPES
+    from cspan.core.settings import SettingsError
+    from cspan.server.app import build_engine
+    from cspan.server.settings_common import ModelSettings
+
+    field = ModelSettings.model_fields["kv_dtype"]
+    assert typing.get_args(field.annotation) == KV_DTYPES and field.default == "auto"
+    text = "The weather in Sydney is 24 degrees."
+    result = _infer(
+        tiny_checkpoint_dir, fixtures_dir / "audio" / "greeting_24k.wav", tmp_path,
+        "--asr", "none", "--router", "none", "--span", f"1.0:{text}", "--kv-dtype", "fp8",
+    )  # fmt: skip
+    assert result.engine.kv_dtype == torch.float8_e4m3fn
+    assert [e.text for e in result.output.events if e.type == "span"] == [text]
+    assert (tmp_path / "out.wav").stat().st_size > 0 and json.loads((tmp_path / "out.json").read_text())["events"]
+    serve = settings_from_args(build_parser().parse_args(["serve", "--kv-dtype", "fp8", "--max-sessions", "2"]))
+    _, engine = build_engine(serve, tiny_checkpoint)
+    assert engine.kv_dtype == torch.float8_e4m3fn and engine.batch_size == 2
+    with pytest.raises(SettingsError, match=r"--kv-dtype / CSPAN_KV_DTYPE"):
+        settings_from_args(build_parser().parse_args(["serve", "--kv-dtype", "int4"]))

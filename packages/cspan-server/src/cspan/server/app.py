@@ -104,6 +104,7 @@ def build_engine(settings: ServeSettings, checkpoint: Any) -> tuple[Any, Any]:
         predict_user=False,  # the user's codes come from the microphone every frame
         persona_policy=settings.persona_policy,
         max_block_columns=settings.max_block_columns or None,
+        kv_dtype=settings.kv_dtype,
     )
     return checkpoint, engine
 

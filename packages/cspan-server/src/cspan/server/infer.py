@@ -595,6 +595,7 @@ async def _converse(
         predict_user=False,  # the user's codes come from the input audio every frame
         persona_policy=s.persona_policy,
         max_block_columns=s.max_block_columns or None,
+        kv_dtype=s.kv_dtype,
     )
     engine.reset(0, seed=s.seed)
     engine.set_persona(0, s.text_prompt, voice, user_name=s.user_name or None, user_city=s.user_city or None)

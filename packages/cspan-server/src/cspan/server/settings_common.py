@@ -164,6 +164,13 @@ class ModelSettings(BaseSettings):
         "wait for the next frames, oldest first, instead of making one frame long for every session",
         json_schema_extra={"group": "model"},
     )
+    kv_dtype: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = Field(
+        "auto",
+        description="the KV cache's storage: auto (the model's dtype), bf16, fp16, fp32, or fp8 (e4m3 with a scale "
+        "per position and head: half the memory of bf16, 128 sessions per H200 against 80; its divergence from "
+        "bf16 is in docs/PERFORMANCE.md, 'FP8 KV cache: what it changes')",
+        json_schema_extra={"group": "model"},
+    )
     memory_span: bool = Field(
         False,
         description="when Context Spans leave the attention window, read a short Context DB summary of the "
