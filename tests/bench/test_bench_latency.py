@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -253,7 +254,7 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
         _check_stats(r["frame"], 4)
         assert r["real_time"] and r["spans"] > 0  # 0.2 s between spans: ~2.5 spans per session in 5 frames
     assert "Sessions per device at frame P99 < 60000 ms: auto: 2, fp8: 2." in capacity_table(doc)
-    strict = run_capacity(models, CapacityOptions(batch_sizes=(1, 2), frames=2, warmup=0, budget_ms=1e-3),
+    strict = run_capacity(models, CapacityOptions(batch_sizes=(1, 2), frames=2, warmup=0, budget_ms=1e-3, max_span=40, span_length=16),
                           device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
     assert strict["capacity"] == {"auto": None, "fp8": None} and len(strict["results"]) == 2  # stops at B = 1
     # arrivals: Poisson with the configured rate, lengths within [16, max_span]
@@ -266,6 +267,35 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
     big = random_lm(LMConfig.personaplex_7b(), "meta", torch.bfloat16)
     assert kv_bytes_per_session(big, "auto") == 2 * 3000 * 32 * 4096 * 2  # 1.57 GB of bf16 keys and values
     assert kv_bytes_per_session(big, "fp8") == 2 * 3000 * 32 * 32 * (128 + 4)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"span_interval_s": -1.0}, "--span-interval -1: give a number of seconds > 0"),
+        ({"max_span": 2}, "--max-span 2: give at least 16 columns"),
+        ({"span_length": 0}, r"--span-length 0: give 16 to --max-span \(600\) columns"),
+        ({"budget_ms": float("nan")}, "--budget-ms nan: give a number of milliseconds > 0"),
+        ({"budget_ms": 0.0}, "--budget-ms 0: give"),
+        ({"max_block_columns": -3}, "--max-block-columns -3: give >= 1 columns, or 0 for no limit"),
+    ],
+)
+def test_capacity_options_name_the_setting_they_refuse(change: dict, message: str) -> None:
+    from cspan.bench.capacity import CapacityOptions
+
+    with pytest.raises(BenchError, match=message):
+        dataclasses.replace(CapacityOptions(), **change).check()
+
+
+def test_capacity_refuses_spans_longer_than_the_context() -> None:
+    from cspan.bench.capacity import CapacityOptions, run_capacity
+    from cspan.core.tiny import tiny_lm_config
+
+    lm = random_lm(tiny_lm_config().model_copy(update={"context": 64}), "cpu", torch.float32, seed=3)
+    models = Models(lm=lm, mimi=None, tokenizer=None, source="tiny", random=True)
+    with pytest.raises(BenchError, match=r"--max-span 65: longer than the model's context \(64 positions\)"):
+        run_capacity(models, CapacityOptions(batch_sizes=(1,), max_span=65, span_length=16),
+                     device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
 
 
 def test_capacity_prewarm_fills_every_block_bucket_a_frame_can_reach() -> None:

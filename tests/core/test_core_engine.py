@@ -256,6 +256,10 @@ def test_engine_from_a_loaded_checkpoint_and_errors(tiny_checkpoint, reference_l
     assert report.voice_frames == 20 and report.text_frames > 0 and engine.started == [True]
     with pytest.raises(ValueError, match=r"\[1, 1920\]"):
         engine.step(torch.zeros(1, 960))
+    with pytest.raises(TypeError, match=r"float torch\.Tensor .* got ndarray"):
+        engine.step(torch.zeros(1, FRAME_SIZE).numpy())
+    with pytest.raises(TypeError, match=r"got a torch\.int16 tensor"):
+        engine.step(torch.zeros(1, FRAME_SIZE, dtype=torch.int16))
     with pytest.raises(IndexError):
         engine.reset(1)
     bare = DuplexEngine(reference_lm("lm-moshi-shaped"), agent_placeholder=[1] * 8, user_placeholder=[2] * 8)

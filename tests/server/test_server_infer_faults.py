@@ -264,6 +264,7 @@ def test_a_backend_url_where_nothing_answers_is_refused_before_the_model_loads(
     with pytest.raises(CspanError, match=f"{which} {url}: nothing answers there") as err:
         asyncio.run(run_infer(_settings(argv)))
     assert "cspan backends start" in str(err.value)
+    assert ("cspan asr-serve" in str(err.value)) == (which == "--asr")  # the router is not an ASR server
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -273,7 +274,7 @@ def test_an_unreachable_backend_through_the_cli_is_one_line_and_a_clean_exit(tin
     assert proc.returncode == 1, proc.stderr  # not an abort of a thread still loading the model
     assert proc.stderr == (
         f"cspan infer: error: --router {url}: nothing answers there (connection refused); start the "
-        "server (`cspan backends start`, `cspan asr-serve`) or fix the URL, or use --router local\n"
+        "server (`cspan backends start`) or fix the URL, or use --router local\n"
     )
 
 

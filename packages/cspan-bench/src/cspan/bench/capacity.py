@@ -14,6 +14,7 @@ the first B over the budget (or that does not fit in memory).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,8 +78,16 @@ class CapacityOptions:
             raise BenchError(f"--batch-size {list(self.batch_sizes)}: give batch sizes >= 1")
         if self.frames < 1 or self.warmup < 0:
             raise BenchError("--frames must be >= 1 and --warmup >= 0")
-        if self.span_interval_s <= 0 or not 16 <= self.span_length <= self.max_span:
-            raise BenchError("--span-interval must be > 0 s and 16 <= --span-length <= --max-span")
+        if not (math.isfinite(self.span_interval_s) and self.span_interval_s > 0):
+            raise BenchError(f"--span-interval {self.span_interval_s:g}: give a number of seconds > 0")
+        if self.max_span < 16:
+            raise BenchError(f"--max-span {self.max_span}: give at least 16 columns")
+        if not 16 <= self.span_length <= self.max_span:
+            raise BenchError(f"--span-length {self.span_length}: give 16 to --max-span ({self.max_span}) columns")
+        if not (math.isfinite(self.budget_ms) and self.budget_ms > 0):
+            raise BenchError(f"--budget-ms {self.budget_ms:g}: give a number of milliseconds > 0")
+        if self.max_block_columns is not None and self.max_block_columns < 1:
+            raise BenchError(f"--max-block-columns {self.max_block_columns}: give >= 1 columns, or 0 for no limit")
 
 
 def arrivals(
@@ -211,6 +220,9 @@ def run_capacity(
 ) -> dict[str, Any]:
     """Every candidate per KV dtype until one misses the budget or does not fit; the JSON document."""
     options.check()
+    context = models.lm.cfg.context
+    if context is not None and options.max_span > context:
+        raise BenchError(f"--max-span {options.max_span}: longer than the model's context ({context} positions)")
     say = progress or (lambda _msg: None)
     results: list[dict[str, Any]] = []
     capacity: dict[str, int | None] = {}

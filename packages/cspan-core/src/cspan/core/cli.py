@@ -64,6 +64,17 @@ def _summary(register: Register) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
+class VerbParser(argparse.ArgumentParser):
+    """A verb's parser (and its sub-verbs'): an argument it does not know is refused with the verb's own usage line
+    (argparse leaves unknown arguments to the top-level parser, whose usage names no verb's flags)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser(commands: dict[str, Register] | None = None) -> argparse.ArgumentParser:
     """Build the top-level parser with one sub-parser per installed verb."""
     if commands is None:
@@ -74,7 +85,7 @@ def build_parser(commands: dict[str, Register] | None = None) -> argparse.Argume
         epilog="Installed verbs come from the installed cspan-* distributions. `cspan VERB --help` for details.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
-    sub = parser.add_subparsers(dest="command", metavar="VERB", title="verbs")
+    sub = parser.add_subparsers(dest="command", metavar="VERB", title="verbs", parser_class=VerbParser)
     sub.required = True
     for name, register in commands.items():
         summary = _summary(register)

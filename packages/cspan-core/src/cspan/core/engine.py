@@ -497,13 +497,17 @@ class DuplexEngine:
             :class:`FrameOutput` (device tensors; read ``text_token`` to the host once per frame).
 
         Raises:
-            CheckpointError: the engine has no Mimi codec. ValueError: wrong PCM shape.
+            CheckpointError: the engine has no Mimi codec. TypeError: not a floating-point tensor. ValueError: wrong
+            PCM shape.
         """
         if self.mimi is None:
             raise CheckpointError(
                 "DuplexEngine.step needs the Mimi codec; build the engine from a checkpoint or pass mimi=, or use "
                 "step_tokens() for token-level streaming"
             )
+        if not isinstance(user_pcm, torch.Tensor) or not user_pcm.is_floating_point():
+            got = f"a {user_pcm.dtype} tensor" if isinstance(user_pcm, torch.Tensor) else type(user_pcm).__name__
+            raise TypeError(f"step: user_pcm must be a float torch.Tensor of samples in [-1, 1], got {got}")
         B = self.batch_size
         pcm = user_pcm[:, 0] if user_pcm.dim() == 3 and user_pcm.shape[1] == 1 else user_pcm
         if tuple(pcm.shape) != (B, FRAME_SIZE):

@@ -180,13 +180,15 @@ def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str
         name = str(err["loc"][0]) if err["loc"] else ""
         where = sources.get(name, _flag(name))
         given = err.get("input")
-        shown = ""
-        if given is not None and not isinstance(given, dict):
-            text = repr(given)
-            shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
         message = (
             "required, and not given" if err["type"] == "missing" else str(err["msg"]).removeprefix("Value error, ")
         )
+        if isinstance(given, list | tuple) and len(given) == 1:  # a repeatable flag given once
+            given = given[0]
+        shown = ""
+        if given is not None and not isinstance(given, dict) and repr(given)[:60] not in message:
+            text = repr(given)
+            shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
         lines.append(f"{where}: {message}{shown}")
     return "; ".join(lines) or str(exc)
 

@@ -330,18 +330,18 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
     from cspan.server.settings_common import backend_answers
 
     checks = [
-        (flag, url, fallback)
-        for flag, url, fallback in (
-            ("--asr", settings.asr_url, "sphinx"),
-            ("--router", settings.router_url, "local"),
+        (flag, url, fallback, start)
+        for flag, url, fallback, start in (
+            ("--asr", settings.asr_url, "sphinx", "`cspan backends start` or `cspan asr-serve`"),
+            ("--router", settings.router_url, "local", "`cspan backends start`"),
         )
         if url is not None
     ]
     if not checks:
         return
-    answers = await backend_answers([url.removeprefix("openai+") for _, url, _ in checks], timeout_s)
+    answers = await backend_answers([url.removeprefix("openai+") for _, url, _, _ in checks], timeout_s)
     problems = []
-    for (flag, url, fallback), answer in zip(checks, answers, strict=True):
+    for (flag, url, fallback, start), answer in zip(checks, answers, strict=True):
         if isinstance(answer, TimeoutError | httpx.TimeoutException):
             why = f"no answer within {timeout_s:g} s"
         elif isinstance(answer, Exception):
@@ -349,8 +349,8 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
         else:
             continue
         problems.append(
-            f"{flag} {url}: nothing answers there ({why}); start the server (`cspan backends start`, "
-            f"`cspan asr-serve`) or fix the URL, or use {flag} {fallback}"
+            f"{flag} {url}: nothing answers there ({why}); start the server ({start}) or fix the URL, or use "
+            f"{flag} {fallback}"
         )
     if problems:
         raise CspanError("; ".join(problems))
