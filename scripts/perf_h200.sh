@@ -13,7 +13,7 @@
 #   bash scripts/perf_h200.sh            # call 1: env tests bench baseline attention (about 8.5 minutes)
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
-#                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned
+#                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -103,6 +103,8 @@ for stage in $stages; do
         --batch-size ${CAPACITY_BF16:-64 80} --kv-dtype auto --frames 100 --warmup 10 --out "$LOGS/capacity_bf16.json"
       [ "${CAPACITY_FP8:-}" = none ] || run capacity-fp8 150 $BENCH capacity --random-7b \
         --batch-size ${CAPACITY_FP8:-112 128} --kv-dtype fp8 --frames 100 --warmup 10 --out "$LOGS/capacity_fp8.json" ;;
+    fi-prefill)  # FlashInfer's paged prefill over the ring through position-ordered page lists (docs/PERFORMANCE.md)
+      TAIL=8 run fi-prefill 150 python3 scripts/flashinfer_prefill.py ;;
     fp8)
       run fp8 90 python3 scripts/fp8_kv.py --random-7b --steps 500 --out "$LOGS/fp8_kv.json" ;;
     profile)
