@@ -272,7 +272,7 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"span_interval_s": -1.0}, "--span-interval -1: give a number of seconds > 0"),
+        ({"span_interval_s": -1.0}, r"--span-interval -1: give a number of seconds > 0 \(inf: no spans\)"),
         ({"max_span": 2}, "--max-span 2: give at least 16 columns"),
         ({"span_length": 0}, r"--span-length 0: give 16 to --max-span \(600\) columns"),
         ({"budget_ms": float("nan")}, "--budget-ms nan: give a number of milliseconds > 0"),

@@ -186,7 +186,8 @@ def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str
         if isinstance(given, list | tuple) and len(given) == 1:  # a repeatable flag given once
             given = given[0]
         shown = ""
-        if given is not None and not isinstance(given, dict) and repr(given)[:60] not in message:
+        quoted = isinstance(given, str) and repr(given)[:60] in message  # the validator's message names it
+        if given is not None and not isinstance(given, dict) and not quoted:
             text = repr(given)
             shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
         lines.append(f"{where}: {message}{shown}")
