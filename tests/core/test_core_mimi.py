@@ -304,3 +304,38 @@ def test_convolutions_of_more_than_64_rows_equal_the_rows_computed_alone() -> No
         assert whole.shape[0] == x.shape[0]
         assert torch.backends.cudnn.benchmark == benchmark  # set for the call only
         torch.testing.assert_close(whole, alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_frame_steps_of_more_than_64_rows_replay_in_cuda_graphs_as_run_eagerly(fixture_file, ref) -> None:
+    """Above ``CUDNN_TIMED_ROWS`` rows cuDNN times its algorithms at a shape's first (eager) call; a graph captured
+    after it replays the same kernels: its codes and audio equal an eager run of the same frames."""
+    from cspan.core.modules.conv import CUDNN_TIMED_ROWS
+
+    cfg = MimiConfig.from_upstream(json.loads(fixture_file("reference", "mimi-small", "config.json").read_text()))
+    dev = torch.device("cuda")
+    model = Mimi(cfg, device=dev).eval()
+    model.load_state_dict(load_file(fixture_file("reference", "mimi-small", "model.safetensors")), strict=True)
+    B, frames = CUDNN_TIMED_ROWS + 32, 6
+    pcm = (
+        ref["pcm"].to(dev)[..., : frames * FRAME].expand(B, 1, -1)
+        * torch.linspace(0.2, 1.0, B, device=dev)[:, None, None]
+    )
+    codes = ref["codes"].to(dev)[..., :frames].expand(B, -1, -1).contiguous()
+    with torch.inference_mode():
+        enc, dec = model.new_encoder_state(B), model.new_decoder_state(B)
+        eager = [(model.encode_step(pcm[..., t * FRAME : (t + 1) * FRAME].contiguous(), enc),
+                  model.decode_step(codes[..., t : t + 1], dec)) for t in range(frames)]  # fmt: skip
+        enc, dec = model.new_encoder_state(B), model.new_decoder_state(B)
+        pcm_in = torch.zeros(B, 1, FRAME, device=dev)
+        codes_in = torch.zeros(B, 8, 1, dtype=torch.long, device=dev)
+        enc_graph, codes_out = _capture(model.encode_step, pcm_in, enc)
+        dec_graph, pcm_out = _capture(model.decode_step, codes_in, dec)
+        for t in range(frames):
+            pcm_in.copy_(pcm[..., t * FRAME : (t + 1) * FRAME])
+            codes_in.copy_(codes[..., t : t + 1])
+            enc_graph.replay()
+            dec_graph.replay()
+            assert torch.equal(codes_out, eager[t][0]), t
+            assert torch.equal(pcm_out, eager[t][1]), t
+    assert torch.backends.cudnn.benchmark is False
