@@ -148,9 +148,9 @@ call) instead of taking cuDNN's heuristic choice. At 112 rows (FP8 KV cache, mos
 heuristics picked FFT convolutions for two of the SEANet convolutions (float32, TF32 off, as Mimi runs): 40 ms of
 the engine frame on an H200, where with the timed choice the whole frame took 39.5 ms (docs/PERFORMANCE.md,
 C28–C33). Calls in chunks of 80 rows did not help (C32), although a bf16 80-row frame with 20 GiB free had no FFT:
-the choice depends on the workspace that fits, so it is timed. At 64 rows and below (the bench's B = 32 / 64 frames, the exactness tests) the heuristics'
-choice is kept. The timing runs at a shape's first call, which the engine's CUDA graphs make eagerly before they
-capture (:class:`cspan.core.graphs.GraphCache`)."""
+the choice depends on the workspace that fits, so it is timed. At 64 rows and below (the bench's B = 32 / 64
+frames, the exactness tests) the heuristics' choice is kept. The timing runs at a shape's first call, which the
+engine's CUDA graphs make eagerly before they capture (:class:`cspan.core.graphs.GraphCache`)."""
 
 
 def cudnn_conv(conv: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
