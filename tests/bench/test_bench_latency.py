@@ -254,8 +254,10 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
         _check_stats(r["frame"], 4)
         assert r["real_time"] and r["spans"] > 0  # 0.2 s between spans: ~2.5 spans per session in 5 frames
     assert "Sessions per device at frame P99 < 60000 ms: auto: 2, fp8: 2." in capacity_table(doc)
-    strict = run_capacity(models, CapacityOptions(batch_sizes=(1, 2), frames=2, warmup=0, budget_ms=1e-3, max_span=40, span_length=16),
-                          device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    strict_options = CapacityOptions(
+        batch_sizes=(1, 2), frames=2, warmup=0, budget_ms=1e-3, max_span=40, span_length=16
+    )
+    strict = run_capacity(models, strict_options, device=torch.device("cpu"), dtype=torch.float32)
     assert strict["capacity"] == {"auto": None, "fp8": None} and len(strict["results"]) == 2  # stops at B = 1
     # arrivals: Poisson with the configured rate, lengths within [16, max_span]
     opts = CapacityOptions(span_interval_s=8.0, span_length=256, max_span=600)
