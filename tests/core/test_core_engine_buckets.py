@@ -168,12 +168,15 @@ def test_a_block_row_reads_its_next_position_as_the_last_token_of_its_sequence()
     assert torch.equal(io.tokens[:, 17:22], block(5).tokens) and torch.equal(io.tokens[:, 22:25], block(3).tokens)
     assert (io.tokens[:, [16, 25]] == 0).all()  # the next positions' columns: the device writes them
     last_seq, last_j = io.layout.last_queries
-    assert last_seq[:2].tolist() == [0, 1] and last_j[:2].tolist() == [0, 0]  # block_m 32: one block each
+    assert last_seq.tolist() == [0, 1] and last_j.tolist() == [0, 0]  # block_m 64: one block each
+    # the prefill grids have room for the step's 2 sequences, not for every row: ceil(33 / 64) + 2 - 1 query blocks
+    assert shape.sequences == 2 and shape.queries == 2 and ragged.seq_row.tolist() == [0, 1]
 
     shape, io = layout([0, 1, 2, 3], {2: [block(64)]})
     assert shape.slots and shape.identity and shape.columns == 65 and shape.rows == 4
     assert io.layout.slot_rows.tolist() == [0, 1, scratch, 3]  # row 2's next position is in its sequence
     assert io.layout.final.tolist() == [0, 1, 4 + 64, 3]
+    assert shape.sequences == 1 and shape.queries == 2  # 65 tokens: two blocks of 64 queries, one sequence
 
     shape, io = layout([1, 2, 3], {})  # no blocks: one decode slot per row, padded to the row bucket
     assert shape.slots and shape.columns == 0 and shape.rows == 4 and not shape.identity

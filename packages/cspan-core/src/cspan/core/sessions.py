@@ -420,7 +420,8 @@ class StepShape:
     eager path's host layout): padded rows b, padded ragged tokens
     N, queries per prefill block, prefill query blocks, whether input embeddings come with the blocks, whether the
     library decode reads the ring, the text sampler's top-k size, whether the step has one decode slot per row
-    (False: every row reads a block, so every next position is the last token of its row's ragged sequence); and
+    (False: every row reads a block, so every next position is the last token of its row's ragged sequence), the
+    ragged sequences (rows with a block: the prefill grids have room for this many, not for b); and
     whether the rows are every session in order (0 .. B - 1, no padding: the step reads the sessions' state as
     views and returns its outputs as they are, no gather or scatter); and the host layout of the blocks (used by
     the eager path only)."""
@@ -434,6 +435,7 @@ class StepShape:
     text_top: int = MAX_TOP_K
     slots: bool = True
     identity: bool = False
+    sequences: int = 0
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
     first_rows: int = field(default=0, compare=False)
 
@@ -521,15 +523,18 @@ def build_step(
     slots = not (row_blocks and len(row_blocks) == b)  # every row reads a block: no decode slots
     d = b if slots else 0
     block_m = 0 if N == 0 else fused.block_m_for(N if padded else max(lens) + 1)
-    # query blocks of the prefill grid: enough for any s <= b sequences that fit a padded bucket (each sequence
-    # adds at most one partial block: sum ceil(L_i / m) <= ceil(N / m) + s - 1), else exactly these
-    Q = 0 if N == 0 else -(-N // block_m) + b - 1 if padded else sum(-(-(n + 1) // block_m) for _, _, n in row_blocks)
+    # query blocks of the prefill grid: enough for the S sequences whatever their lengths in the padded bucket (each
+    # adds at most one partial block: sum ceil(L_i / m) <= ceil(N / m) + S - 1), else exactly these. S is part of the
+    # graph key: a grid sized for b sequences would launch mostly idle programs (a 16-column span into 1 of 64
+    # sessions: 64 query blocks x 32 heads x 16 key splits, 63 of 64 idle, +6 ms a frame on the H200)
+    S = len(row_blocks)
+    Q = 0 if N == 0 else -(-N // block_m) + S - 1 if padded else sum(-(-(n + 1) // block_m) for _, _, n in row_blocks)
     has_emb = any(blk.embeddings is not None for _, blk in parts)
     in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
     library = slots and plan.library_decode(b)
     identity = b == b_live == scratch and rows == list(range(b))  # every session, in order (the scratch row is B)
     shape = StepShape(
-        b, N, block_m, Q, has_emb, library, text_top, slots, identity, tuple(row_blocks), b_live if in_order else 0
+        b, N, block_m, Q, has_emb, library, text_top, slots, identity, S, tuple(row_blocks), b_live if in_order else 0
     )  # fmt: skip
 
     pad = b - b_live
@@ -545,8 +550,8 @@ def build_step(
             tokens[:, at : at + blk.n] = blk.tokens
         fold = [-1] * b  # each block row's next position, as a ragged token index
         final = list(range(b))  # each row's next position, as a token index of the step
-        seq_row, seq_start, seq_len = [scratch] * b, [0] * b, [0] * b
-        last_seq, last_j = [-1] * b, [0] * b  # the query block holding each sequence's last token
+        seq_row, seq_start, seq_len = [scratch] * S, [0] * S, [0] * S
+        last_seq, last_j = [-1] * S, [0] * S  # the query block holding each sequence's last token
         qb_seq, qb_j = [-1] * Q, [0] * Q
         tok_row, tok_j, tok_keep = [scratch] * N, [-1] * N, [0] * N
         q = 0
@@ -605,10 +610,10 @@ class StepInputs:
 
 def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInputs:
     """The views of a packed :class:`StepBatch` tensor (on the device)."""
-    b, N, Q = shape.rows, shape.columns, shape.queries
+    b, N, Q, S = shape.rows, shape.columns, shape.queries, shape.sequences
     sizes = [b, b, b]
     if N:
-        sizes += [b, b, b, b, b, b, Q, Q, b, b, N, N, N, num_streams * N]
+        sizes += [b, b, b, S, S, S, Q, Q, S, S, N, N, N, num_streams * N]
     parts = torch.split(packed, sizes)
     rows, block_len, write = parts[0], parts[1], parts[2].bool()
     ragged = last = fold = None

@@ -572,6 +572,45 @@ if HAVE_TRITON:
         tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty), mask=hmask)
 
     @triton.jit
+    def _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, valid, C, d, stride_cs, stride_ss,
+                    FP8: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+        """Keys and values [BN, DH] of ring keys ``t`` in position order (slot ``(first_slot + t) % C``), in DTYPE
+        (an FP8 ring dequantized by its per-slot scales); zero where not ``valid``."""
+        slots = first_slot + t
+        slots = tl.where(slots >= C, slots - C, slots)
+        at = cache + slots[:, None] * stride_cs + d[None, :]
+        kb = tl.load(kc_ptr + at, mask=valid[:, None], other=0.0)
+        vb = tl.load(vc_ptr + at, mask=valid[:, None], other=0.0)
+        if FP8:
+            ksc = tl.load(ks_ptr + scales + slots * stride_ss, mask=valid, other=0.0)
+            vsc = tl.load(vs_ptr + scales + slots * stride_ss, mask=valid, other=0.0)
+            kb = (kb.to(tl.float32) * ksc[:, None]).to(DTYPE)
+            vb = (vb.to(tl.float32) * vsc[:, None]).to(DTYPE)
+        return kb, vb
+
+    @triton.jit
+    def _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, MASKED: tl.constexpr, IEEE: tl.constexpr):
+        """One online-softmax step (base 2) of queries q [BM, DH] over keys / values [BN, DH]: (m, l, acc). With
+        MASKED the scores where ``visible`` [BM, BN] is False are left out; without, every score counts and
+        ``visible`` is not read (the caller's keys are all visible to all queries)."""
+        if IEEE:
+            scores = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale_log2
+        else:
+            scores = tl.dot(q, tl.trans(kb)) * scale_log2
+        if MASKED:
+            m_i, l_i, alpha, p = _softmax_update_2d(m_i, l_i, scores, visible)
+        else:
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            m_i, l_i = m_new, l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _prefill_attn_kernel(
         q_ptr,
         k_ptr,
@@ -633,31 +672,33 @@ if HAVE_TRITON:
         acc = tl.zeros((BM, DH), tl.float32)
         cache = row * stride_cb + h * stride_ch
         scales = row * stride_sb + h * stride_sh
+        # the ring's keys in position order: key t (0 <= t < n_ring) is position first + t, in slot (first + t) % C
         n_ring = tl.where(live, tl.minimum(pos0, C), 0)
-        last = pos0 - 1
+        first = pos0 - n_ring
+        first_slot = first % C
         lo = sid * blocks_per_split * BN
         hi = tl.minimum(lo + blocks_per_split * BN, n_ring)
-        for start_k in range(lo, hi, BN):
-            slots = start_k + tl.arange(0, BN)
-            smask = slots < hi
-            p_k = last - ((last - slots) % C)
-            kb = tl.load(kc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
-            vb = tl.load(vc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
-            if FP8:
-                ksc = tl.load(ks_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
-                vsc = tl.load(vs_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
-                kb = (kb.to(tl.float32) * ksc[:, None]).to(q_ptr.dtype.element_ty)
-                vb = (vb.to(tl.float32) * vsc[:, None]).to(q_ptr.dtype.element_ty)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale_log2
-            else:
-                scores = tl.dot(q, tl.trans(kb)) * scale_log2
-            visible = smask[None, :] & ((qpos[:, None] - p_k[None, :]) < window)
-            m_i, l_i, alpha, p = _softmax_update_2d(m_i, l_i, scores, visible)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+        # query i sees key t iff t > i + n_ring - window: every query of this block sees every key from t_all on,
+        # so the keys [lo, t_all) take the window mask, [t_all, t_tail) none (whole blocks), [t_tail, hi) the end's
+        t_all = tl.minimum(tl.maximum(j0 + BM + n_ring - window, lo), hi)
+        t_tail = t_all + (hi - t_all) // BN * BN
+        for start_k in range(lo, t_all, BN):
+            t = start_k + tl.arange(0, BN)
+            kb, vb = _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, t < t_all, C, d,
+                                 stride_cs, stride_ss, FP8, q_ptr.dtype.element_ty)  # fmt: skip
+            visible = (t < t_all)[None, :] & ((qpos[:, None] - (first + t)[None, :]) < window)
+            m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, True, IEEE)
+        for start_k in range(t_all, t_tail, BN):
+            t = start_k + tl.arange(0, BN)
+            kb, vb = _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, t < t_tail, C, d,
+                                 stride_cs, stride_ss, FP8, q_ptr.dtype.element_ty)  # fmt: skip
+            m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, t < t_tail, False, IEEE)
+        for start_k in range(t_tail, hi, BN):
+            t = start_k + tl.arange(0, BN)
+            kb, vb = _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, t < hi, C, d,
+                                 stride_cs, stride_ss, FP8, q_ptr.dtype.element_ty)  # fmt: skip
+            visible = (t < hi)[None, :] & ((qpos[:, None] - (first + t)[None, :]) < window)
+            m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, True, IEEE)
         if sid == SPLITS - 1:  # the row's own new keys, causal: up to the last query of this block
             hi_new = tl.minimum(L, j0 + BM)
             for start_j in range(0, hi_new, BN):
@@ -666,17 +707,9 @@ if HAVE_TRITON:
                 src = ((start + j) * H + h)[:, None] * DH + d[None, :]
                 kb = tl.load(k_ptr + src, mask=jmask[:, None], other=0.0)
                 vb = tl.load(v_ptr + src, mask=jmask[:, None], other=0.0)
-                if IEEE:
-                    scores = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale_log2
-                else:
-                    scores = tl.dot(q, tl.trans(kb)) * scale_log2
                 delta = i[:, None] - j[None, :]
                 visible = jmask[None, :] & (delta >= 0) & (delta < window)
-                m_i, l_i, alpha, p = _softmax_update_2d(m_i, l_i, scores, visible)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, vb.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+                m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, True, IEEE)
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         o = acc / safe_l[:, None]
         r = tok * H + h  # (token, head) row of the [n_tokens * H, DH] output
