@@ -138,6 +138,44 @@ def test_ragged_prefill_of_several_rows_equals_each_row_alone(dtype: torch.dtype
     assert _rel(cache.keys.float(), ref.keys.float()) < 1e-6 and _rel(cache.values.float(), ref.values.float()) < 1e-6
 
 
+@pytest.mark.parametrize("kv", ["model", "fp8"])
+def test_ragged_prefill_does_not_depend_on_the_queries_per_block(kv: str) -> None:
+    """The same sequences through query blocks of 16, 32 and 64 (a padded step's block_m differs from the unpadded
+    step's) give bit-identical outputs: the key blocks, masked or not, sit at the same offsets whatever the query
+    block, so every query adds the same scores in the same order (a window of 72 over a wrapped ring of 96, whose
+    masked keys end off the key-block grid; 1 and 2 key splits). Graphed steps must equal eager ones exactly."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(3)
+    H, Dh, C, window = 4, 128, 96, 72
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    cache = KVCache(1, 4, H, Dh, C, dev, kv_dtype, torch.bfloat16)
+    cache.offset.copy_(torch.tensor([300, 20, 96, 1235], device=dev))
+    fill = torch.randn(4, H, C, Dh, device=dev, generator=gen)
+    cache.keys[0].copy_(fill.to(kv_dtype))
+    cache.values[0].copy_(fill.flip(-1).to(kv_dtype))
+    if kv == "fp8":  # per-slot scales that vary
+        cache.key_scale.copy_(torch.rand(cache.key_scale.shape, device=dev, generator=gen) + 0.5)
+        cache.value_scale.copy_(torch.rand(cache.value_scale.shape, device=dev, generator=gen) + 0.5)
+    lengths, rows = [17, 40], [3, 1]
+    n = sum(lengths)
+    q, k, v = (torch.randn(n, H, Dh, device=dev, generator=gen).bfloat16() for _ in range(3))
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    outs = {}
+    for bm in (16, 32, 64):
+        qb = [(s, j) for s in range(2) for j in range(0, lengths[s], bm)]
+        ragged = fused.Ragged(
+            seq_row=t(rows), seq_start=t([0, lengths[0]]), seq_len=t(lengths), qb_seq=t([s for s, _ in qb]),
+            qb_j=t([j for _, j in qb]), tok_row=t([r for r, m in zip(rows, lengths, strict=True) for _ in range(m)]),
+            tok_j=t([j for m in lengths for j in range(m)]), tok_keep=t([1] * n).bool(), block_m=bm,
+        ).at(cache.offset)  # fmt: skip
+        for splits in (1, 2):
+            outs[bm, splits] = fused.prefill_attention(
+                q, k, v, cache.keys[0], cache.values[0], ragged, window, cache.layer_scales(0), (bm, 64, 4, 2), splits
+            )
+    for (bm, splits), out in outs.items():
+        assert torch.equal(out, outs[16, splits]), (bm, splits)
+
+
 def test_norm_and_gate_kernels_equal_the_eager_arithmetic() -> None:
     dev = torch.device("cuda")
     x = torch.randn(5, 4096, device=dev).bfloat16()

@@ -678,15 +678,19 @@ if HAVE_TRITON:
         first_slot = first % C
         lo = sid * blocks_per_split * BN
         hi = tl.minimum(lo + blocks_per_split * BN, n_ring)
-        # query i sees key t iff t > i + n_ring - window: every query of this block sees every key from t_all on,
-        # so the keys [lo, t_all) take the window mask, [t_all, t_tail) none (whole blocks), [t_tail, hi) the end's
-        t_all = tl.minimum(tl.maximum(j0 + BM + n_ring - window, lo), hi)
-        t_tail = t_all + (hi - t_all) // BN * BN
+        # query i sees key t iff t > i + n_ring - window, so every query of this block sees every key from
+        # j0 + BM + n_ring - window on. The key blocks stay at lo + k * BN whatever BM (a padded step's BM differs
+        # from the unpadded one's, and both must add the same scores in the same order): the whole blocks before the
+        # first one past that bound take the window mask, the whole blocks after it none, the partial last block
+        # (keys up to hi) the mask of its end
+        whole = tl.maximum(hi - lo, 0) // BN  # (hi < lo: a split past a short ring's keys, nothing to read)
+        t_all = lo + tl.minimum(tl.cdiv(tl.maximum(j0 + BM + n_ring - window - lo, 0), BN), whole) * BN
+        t_tail = lo + whole * BN
         for start_k in range(lo, t_all, BN):
             t = start_k + tl.arange(0, BN)
-            kb, vb = _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, t < t_all, C, d,
+            kb, vb = _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, t < hi, C, d,
                                  stride_cs, stride_ss, FP8, q_ptr.dtype.element_ty)  # fmt: skip
-            visible = (t < t_all)[None, :] & ((qpos[:, None] - (first + t)[None, :]) < window)
+            visible = (t < hi)[None, :] & ((qpos[:, None] - (first + t)[None, :]) < window)
             m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, True, IEEE)
         for start_k in range(t_all, t_tail, BN):
             t = start_k + tl.arange(0, BN)
