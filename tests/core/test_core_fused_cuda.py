@@ -139,17 +139,24 @@ def test_ragged_prefill_of_several_rows_equals_each_row_alone(dtype: torch.dtype
 
 
 @pytest.mark.parametrize("kv", ["model", "fp8"])
-def test_ragged_prefill_does_not_depend_on_the_queries_per_block(kv: str) -> None:
+@pytest.mark.parametrize(
+    ("C", "window", "offsets"), [(96, 72, [300, 20, 96, 1235]), (512, 480, [5000, 480, 512, 7000])]
+)
+def test_ragged_prefill_does_not_depend_on_the_queries_per_block(
+    kv: str, C: int, window: int, offsets: list[int]
+) -> None:
     """The same sequences through query blocks of 16, 32 and 64 (a padded step's block_m differs from the unpadded
     step's) give bit-identical outputs: the key blocks, masked or not, sit at the same offsets whatever the query
-    block, so every query adds the same scores in the same order (a window of 72 over a wrapped ring of 96, whose
-    masked keys end off the key-block grid; 1 and 2 key splits). Graphed steps must equal eager ones exactly."""
+    block, and a key block rounds alike in the masked and the unmasked loop (no FMA contraction), so every query adds
+    the same scores in the same order. Windows below the ring whose masked keys end off the key-block grid (96 / 72:
+    only masked blocks; 512 / 480: the block [64, 128) is unmasked at block_m 16 and masked at 64), wrapped and
+    filling rings, 1 and 2 key splits. Graphed steps must equal eager ones exactly."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(3)
-    H, Dh, C, window = 4, 128, 96, 72
+    H, Dh = 4, 128
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     cache = KVCache(1, 4, H, Dh, C, dev, kv_dtype, torch.bfloat16)
-    cache.offset.copy_(torch.tensor([300, 20, 96, 1235], device=dev))
+    cache.offset.copy_(torch.tensor(offsets, device=dev))
     fill = torch.randn(4, H, C, Dh, device=dev, generator=gen)
     cache.keys[0].copy_(fill.to(kv_dtype))
     cache.values[0].copy_(fill.flip(-1).to(kv_dtype))

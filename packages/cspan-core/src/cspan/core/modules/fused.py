@@ -1234,12 +1234,14 @@ def prefill_attention(
         part_lse = torch.empty(splits, N * H, device=q.device, dtype=torch.float32)
     ks, vs, *scale_strides = _scale_args(keys, scales)
     assert ragged.seq_pos is not None, "prefill_attention needs the positions: Ragged.at(offset)"
+    # no FMA contraction: the masked and the unmasked key loops must round a score alike (a fused multiply-subtract
+    # in one and not the other made a key block's result depend on which loop took it, hence on BM)
     _prefill_attn_kernel[(Q, H, splits)](
         q, k, v, keys, values, ks, vs, ragged.seq_row, ragged.seq_start, ragged.seq_len, ragged.seq_pos,
         ragged.qb_seq, ragged.qb_j, out, part_o, part_lse,
         H, C, int(window), _LOG2E / math.sqrt(DH), *keys.stride()[:3], *scale_strides, per, N,
         **_launch_opts(q.device, pdl, IEEE=q.dtype == torch.float32, FP8=scales is not None, DH=DH, BM=BM, BN=BN,
-                       SPLITS=splits, num_warps=warps, num_stages=stages),
+                       SPLITS=splits, num_warps=warps, num_stages=stages, enable_fp_fusion=False),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(N * H,)](
