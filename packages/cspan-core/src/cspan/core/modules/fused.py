@@ -572,10 +572,15 @@ if HAVE_TRITON:
         tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty), mask=hmask)
 
     @triton.jit
-    def _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, valid, C, d, stride_cs, stride_ss,
-                    FP8: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-        """Keys and values [BN, DH] of ring keys ``t`` in position order (slot ``(first_slot + t) % C``), in DTYPE
-        (an FP8 ring dequantized by its per-slot scales); zero where not ``valid``."""
+    def _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first, first_slot, start_k, end,
+                   qpos, window, C, d, stride_cs, stride_ss, scale_log2, BN: tl.constexpr, FP8: tl.constexpr,
+                   IEEE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+        """One key block of the ring in position order: keys ``t = start_k .. start_k + BN - 1`` below ``end``
+        (position ``first + t``, slot ``(first_slot + t) % C``, ``first_slot = first % C``; an FP8 ring dequantized
+        by its per-slot scales), then :func:`_attend_block` (with MASKED, each query's window
+        ``0 <= qpos - position < window``): (m, l, acc)."""
+        t = start_k + tl.arange(0, BN)
+        valid = t < end
         slots = first_slot + t
         slots = tl.where(slots >= C, slots - C, slots)
         at = cache + slots[:, None] * stride_cs + d[None, :]
@@ -584,9 +589,10 @@ if HAVE_TRITON:
         if FP8:
             ksc = tl.load(ks_ptr + scales + slots * stride_ss, mask=valid, other=0.0)
             vsc = tl.load(vs_ptr + scales + slots * stride_ss, mask=valid, other=0.0)
-            kb = (kb.to(tl.float32) * ksc[:, None]).to(DTYPE)
-            vb = (vb.to(tl.float32) * vsc[:, None]).to(DTYPE)
-        return kb, vb
+            kb = (kb.to(tl.float32) * ksc[:, None]).to(q.dtype)
+            vb = (vb.to(tl.float32) * vsc[:, None]).to(q.dtype)
+        visible = valid[None, :] & ((qpos[:, None] - (first + t)[None, :]) < window)
+        return _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, MASKED, IEEE)
 
     @triton.jit
     def _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, MASKED: tl.constexpr, IEEE: tl.constexpr):
@@ -687,22 +693,17 @@ if HAVE_TRITON:
         t_all = lo + tl.minimum(tl.cdiv(tl.maximum(j0 + BM + n_ring - window - lo, 0), BN), whole) * BN
         t_tail = lo + whole * BN
         for start_k in range(lo, t_all, BN):
-            t = start_k + tl.arange(0, BN)
-            kb, vb = _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, t < hi, C, d,
-                                 stride_cs, stride_ss, FP8, q_ptr.dtype.element_ty)  # fmt: skip
-            visible = (t < hi)[None, :] & ((qpos[:, None] - (first + t)[None, :]) < window)
-            m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, True, IEEE)
-        for start_k in range(t_all, t_tail, BN):
-            t = start_k + tl.arange(0, BN)
-            kb, vb = _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, t < t_tail, C, d,
-                                 stride_cs, stride_ss, FP8, q_ptr.dtype.element_ty)  # fmt: skip
-            m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, t < t_tail, False, IEEE)
+            m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
+                                       first_slot, start_k, hi, qpos, window, C, d, stride_cs, stride_ss, scale_log2,
+                                       BN, FP8, IEEE, True)  # fmt: skip
+        for start_k in range(t_all, t_tail, BN):  # whole blocks every query sees
+            m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
+                                       first_slot, start_k, t_tail, qpos, window, C, d, stride_cs, stride_ss,
+                                       scale_log2, BN, FP8, IEEE, False)  # fmt: skip
         for start_k in range(t_tail, hi, BN):
-            t = start_k + tl.arange(0, BN)
-            kb, vb = _ring_block(kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first_slot, t, t < hi, C, d,
-                                 stride_cs, stride_ss, FP8, q_ptr.dtype.element_ty)  # fmt: skip
-            visible = (t < hi)[None, :] & ((qpos[:, None] - (first + t)[None, :]) < window)
-            m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, True, IEEE)
+            m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
+                                       first_slot, start_k, hi, qpos, window, C, d, stride_cs, stride_ss, scale_log2,
+                                       BN, FP8, IEEE, True)  # fmt: skip
         if sid == SPLITS - 1:  # the row's own new keys, causal: up to the last query of this block
             hi_new = tl.minimum(L, j0 + BM)
             for start_j in range(0, hi_new, BN):
