@@ -146,11 +146,13 @@ def test_ragged_prefill_does_not_depend_on_the_queries_per_block(
     kv: str, C: int, window: int, offsets: list[int]
 ) -> None:
     """The same sequences through query blocks of 16, 32 and 64 (a padded step's block_m differs from the unpadded
-    step's) give bit-identical outputs: the key blocks, masked or not, sit at the same offsets whatever the query
-    block, and a key block rounds alike in the masked and the unmasked loop (no FMA contraction), so every query adds
-    the same scores in the same order. Windows below the ring whose masked keys end off the key-block grid (96 / 72:
-    only masked blocks; 512 / 480: the block [64, 128) is unmasked at block_m 16 and masked at 64), wrapped and
-    filling rings, 1 and 2 key splits. Graphed steps must equal eager ones exactly."""
+    step's): the key blocks sit at the same offsets whatever the query block, and whether a key block takes the
+    window mask is decided per group of 64 queries, so every query adds the same scores in the same order. Blocks of
+    16 and 32 queries give bit-identical outputs; 64 within one bf16 rounding step: its products run as Hopper's
+    warpgroup MMA (64 rows), the smaller blocks' as mma.sync, and the tensor cores' float32 sums differ in the last
+    bits (device calls C40 / C41: only block_m 64 differed, with the mask decision already the same for all).
+    Windows below the ring whose masked keys end off the key-block grid (96 / 72: only masked blocks; 512 / 480:
+    masked, unmasked and partial blocks), wrapped and filling rings, 1 and 2 key splits."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(3)
     H, Dh = 4, 128
@@ -180,7 +182,10 @@ def test_ragged_prefill_does_not_depend_on_the_queries_per_block(
                 q, k, v, cache.keys[0], cache.values[0], ragged, window, cache.layer_scales(0), (bm, 64, 4, 2), splits
             )
     for (bm, splits), out in outs.items():
-        assert torch.equal(out, outs[16, splits]), (bm, splits)
+        if bm == 64:
+            torch.testing.assert_close(out.float(), outs[16, splits].float(), atol=0.02, rtol=0.01)
+        else:
+            assert torch.equal(out, outs[16, splits]), (bm, splits)
 
 
 def test_norm_and_gate_kernels_equal_the_eager_arithmetic() -> None:

@@ -651,6 +651,7 @@ if HAVE_TRITON:
         DH: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
+        QG: tl.constexpr,
         SPLITS: tl.constexpr,
         PDL: tl.constexpr,
     ):
@@ -684,13 +685,17 @@ if HAVE_TRITON:
         first_slot = first % C
         lo = sid * blocks_per_split * BN
         hi = tl.minimum(lo + blocks_per_split * BN, n_ring)
-        # query i sees key t iff t > i + n_ring - window, so every query of this block sees every key from
-        # j0 + BM + n_ring - window on. The key blocks stay at lo + k * BN whatever BM (a padded step's BM differs
-        # from the unpadded one's, and both must add the same scores in the same order): the whole blocks before the
-        # first one past that bound take the window mask, the whole blocks after it none, the partial last block
-        # (keys up to hi) the mask of its end
+        # query i sees key t iff t > i + n_ring - window, so every query of the QG-query group holding this block
+        # sees every key from group end + n_ring - window on. A padded step's BM differs from the unpadded one's,
+        # and both should add the same scores in the same order, so what a query's key block goes through must not
+        # depend on BM: the key blocks stay at lo + k * BN, and the bound is the group's (QG, a multiple of every
+        # BM), not the block's (the masked and the unmasked loop may round a block differently: on sm_90 a score's
+        # multiply-subtract contracts to an FMA in one and not the other). The whole blocks before the first one
+        # past that bound take the window mask, the whole blocks after it none, the partial last block (keys up to
+        # hi) the mask of its end
         whole = tl.maximum(hi - lo, 0) // BN  # (hi < lo: a split past a short ring's keys, nothing to read)
-        t_all = lo + tl.minimum(tl.cdiv(tl.maximum(j0 + BM + n_ring - window - lo, 0), BN), whole) * BN
+        j_end = (j0 // QG + 1) * QG
+        t_all = lo + tl.minimum(tl.cdiv(tl.maximum(j_end + n_ring - window - lo, 0), BN), whole) * BN
         t_tail = lo + whole * BN
         for start_k in range(lo, t_all, BN):
             m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
@@ -1235,14 +1240,15 @@ def prefill_attention(
         part_lse = torch.empty(splits, N * H, device=q.device, dtype=torch.float32)
     ks, vs, *scale_strides = _scale_args(keys, scales)
     assert ragged.seq_pos is not None, "prefill_attention needs the positions: Ragged.at(offset)"
-    # no FMA contraction: the masked and the unmasked key loops must round a score alike (a fused multiply-subtract
-    # in one and not the other made a key block's result depend on which loop took it, hence on BM)
+    # the loop a key block goes through is decided per group of QG queries, the same for every BM up to 64 (the
+    # masked and the unmasked loop may round a block differently: see the kernel)
+    QG = max(BM, 64)
     _prefill_attn_kernel[(Q, H, splits)](
         q, k, v, keys, values, ks, vs, ragged.seq_row, ragged.seq_start, ragged.seq_len, ragged.seq_pos,
         ragged.qb_seq, ragged.qb_j, out, part_o, part_lse,
         H, C, int(window), _LOG2E / math.sqrt(DH), *keys.stride()[:3], *scale_strides, per, N,
         **_launch_opts(q.device, pdl, IEEE=q.dtype == torch.float32, FP8=scales is not None, DH=DH, BM=BM, BN=BN,
-                       SPLITS=splits, num_warps=warps, num_stages=stages, enable_fp_fusion=False),
+                       QG=QG, SPLITS=splits, num_warps=warps, num_stages=stages),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(N * H,)](
