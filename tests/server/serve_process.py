@@ -16,6 +16,13 @@ from pathlib import Path
 import httpx
 
 
+def sigint_default() -> None:
+    """``preexec_fn`` of a child the test may stop with SIGINT: SIGINT back to its default before exec, so Python
+    turns it into KeyboardInterrupt (exit 130) even when the test runner was started with SIGINT ignored (a
+    background job of a non-interactive shell passes SIG_IGN down, and Python then installs no handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,7 +45,9 @@ class ServeProcess:
 
     def start(self, timeout: float = 240.0) -> ServeProcess:
         cmd = [sys.executable, "-m", "cspan.core.cli", "serve", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env, preexec_fn=sigint_default
+        )
         threading.Thread(target=self._read, daemon=True).start()
         if not self._found.wait(timeout) or self.port is None:
             self.kill()

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
+from serve_process import sigint_default
 
 TOKEN = "cli-token-abcdef123"
 
@@ -60,7 +61,12 @@ async def test_serve_subprocess(tiny_checkpoint_dir: Path, tmp_path: Path) -> No
            "--port", "0", "--asr", "none", "--router", "none", "--max-sessions", "1",
            "--db", str(tmp_path / "db.sqlite"), "--device", "cpu"]  # fmt: skip
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "CSPAN_TOKEN": TOKEN}
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "CSPAN_TOKEN": TOKEN},
+        preexec_fn=sigint_default,
     )
     lines: list[str] = []
     port: list[int] = []

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from fs_faults import fill, read_only_folder, tmpfs
+from serve_process import sigint_default
 
 from cspan.core import cli
 from cspan.core.errors import CspanError, OutputError
@@ -342,6 +343,7 @@ def _start(argv: list[str], **kwargs) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_default,
         **kwargs,
     )
 
