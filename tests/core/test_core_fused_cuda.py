@@ -138,6 +138,60 @@ def test_ragged_prefill_of_several_rows_equals_each_row_alone(dtype: torch.dtype
     assert _rel(cache.keys.float(), ref.keys.float()) < 1e-6 and _rel(cache.values.float(), ref.values.float()) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_splits_past_a_short_rings_keys_are_left_out(dtype: torch.dtype) -> None:
+    """Rings far from full in a large capacity (fresh sessions): most key splits of the prefill and decode kernels
+    see no key, write their log-sum-exp only, and the combine must not read their (unwritten) outputs. The memory
+    those outputs land in is poisoned with NaN first; prefill in 9 splits and decode in the default split count
+    equal the eager cache path, and prefill in 9 splits equals 1 split to float32 rounding."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(11)
+    B, H, Dh, C, window = 3, 4, 128, 1024, 1000
+    cache, ref = (KVCache(1, B, H, Dh, C, dev, dtype, dtype) for _ in range(2))
+    offsets = [0, 5, 100]
+    for r, hist in enumerate(offsets):
+        if hist:
+            rows = torch.tensor([r], device=dev)
+            k0, v0 = (torch.randn(1, H, hist, Dh, device=dev, generator=gen).to(dtype) for _ in range(2))
+            for c in (cache, ref):
+                st = c.begin(hist, rows)
+                c._write(0, k0, v0, st)
+                c.advance(st)
+    rows = torch.arange(B, device=dev)
+    for T in (65, 1):
+        qkv = torch.randn(B, T, 3 * H * Dh, device=dev, generator=gen).to(dtype)
+        pos = ref.offset[rows][:, None] + torch.arange(T, device=dev)
+        q, k, v = qkv.view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, k, pos, 10_000.0)
+        st = ref.begin(T, rows)
+        keys, values = ref.update(0, k, v, st)
+        mask = attention_mask(st.positions, st.key_positions, window)
+        want = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask)
+        want = want.transpose(1, 2).reshape(B, T, H * Dh)
+        ref.advance(st)
+        cos, sin = fused.rope_tables(pos, Dh, 10_000.0)
+        poison = torch.full((1 << 24,), float("nan"), device=dev)  # the partials' memory, once freed, holds NaN
+        del poison
+        if T == 1:
+            got = fused.decode_attention(
+                qkv, cache.keys[0], cache.values[0], cache.offset[rows], rows, window, (cos[:, 0], sin[:, 0])
+            ).view(B, 1, H * Dh)
+        else:
+            flat = (cos.reshape(B * T, -1), sin.reshape(B * T, -1))
+            q2, k2, v2 = fused.rope_split(qkv.reshape(B * T, -1), H, flat)
+            ragged = fused.Ragged.uniform(rows, T, C).at(cache.offset)
+            config = (ragged.block_m, 64, 4, 3)
+            got = fused.prefill_attention(q2, k2, v2, cache.keys[0], cache.values[0], ragged, window, None, config, 9)
+            one = fused.prefill_attention(q2, k2, v2, cache.keys[0], cache.values[0], ragged, window, None, config, 1)
+            torch.testing.assert_close(got, one, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+            got = got.view(B, T, H * Dh)
+            fused.kv_write(k2, v2, cache.keys[0], cache.values[0], ragged.tok_row, ragged.store_pos)
+        cache.advance_by(T, rows)
+        torch.cuda.synchronize()
+        assert not got.isnan().any(), T
+        assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2), T
+
+
 @pytest.mark.parametrize("kv", ["model", "fp8"])
 @pytest.mark.parametrize(
     ("C", "window", "offsets"), [(96, 72, [300, 20, 96, 1235]), (512, 480, [5000, 480, 512, 7000])]

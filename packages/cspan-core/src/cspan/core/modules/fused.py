@@ -518,7 +518,7 @@ if HAVE_TRITON:
         else:
             n_rows = tl.num_programs(0)
             idx = sid * n_rows + pid
-            tl.store(part_o_ptr + idx.to(tl.int64) * DH + d, o)
+            tl.store(part_o_ptr + idx.to(tl.int64) * DH + d, o, mask=(l_i > 0.0) & (d < DH))  # none: lse only
             lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), -1.0e30)
             tl.store(part_lse_ptr + idx, lse)
 
@@ -537,7 +537,9 @@ if HAVE_TRITON:
         d = tl.arange(0, DH)
         lse = tl.load(part_lse_ptr + sp * R + r, mask=smask, other=-1.0e30)
         w = tl.where(smask, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)
-        o = tl.load(part_o_ptr + (sp[:, None] * R + r).to(tl.int64) * DH + d[None, :], mask=smask[:, None], other=0.0)
+        # a split that saw no key wrote its lse only (-1e30, weight 0): its output is not read
+        seen = smask & (lse > -1.0e29)
+        o = tl.load(part_o_ptr + (sp[:, None] * R + r).to(tl.int64) * DH + d[None, :], mask=seen[:, None], other=0.0)
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
         tl.store(out_ptr + r.to(tl.int64) * DH + d, out.to(out_ptr.dtype.element_ty))
 
@@ -672,7 +674,6 @@ if HAVE_TRITON:
         i = j0 + tl.arange(0, BM)
         imask = i < L
         tok = start + i
-        q = tl.load(q_ptr + (tok * H + h)[:, None] * DH + d[None, :], mask=imask[:, None], other=0.0)
         qpos = pos0 + i
         m_i = tl.full((BM,), -1.0e30, tl.float32)
         l_i = tl.zeros((BM,), tl.float32)
@@ -697,6 +698,9 @@ if HAVE_TRITON:
         j_end = (j0 // QG + 1) * QG
         t_all = lo + tl.minimum(tl.cdiv(tl.maximum(j_end + n_ring - window - lo, 0), BN), whole) * BN
         t_tail = lo + whole * BN
+        # a split past a short ring's keys (most of a fresh ring's splits) reads nothing, not even its queries
+        work = (hi > lo) | (sid == SPLITS - 1)
+        q = tl.load(q_ptr + (tok * H + h)[:, None] * DH + d[None, :], mask=imask[:, None] & work, other=0.0)
         for start_k in range(lo, t_all, BN):
             m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
                                        first_slot, start_k, hi, qpos, window, C, d, stride_cs, stride_ss, scale_log2,
@@ -727,7 +731,9 @@ if HAVE_TRITON:
             tl.store(out_ptr + r[:, None] * DH + d[None, :], o.to(out_ptr.dtype.element_ty), mask=imask[:, None])
         else:
             idx = sid * n_tokens * H + r
-            tl.store(part_o_ptr + idx[:, None] * DH + d[None, :], o, mask=imask[:, None])
+            # a query that saw no key in this split writes its lse only (the combine reads no output for it): a
+            # fresh ring's empty splits would otherwise write SPLITS x n_tokens x H x DH float32 zeros per layer
+            tl.store(part_o_ptr + idx[:, None] * DH + d[None, :], o, mask=(imask & (l_i > 0.0))[:, None])
             lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), -1.0e30)
             tl.store(part_lse_ptr + idx, lse, mask=imask)
 
