@@ -12,7 +12,8 @@ layer to a few launches (the matrix products through cuBLAS plus these) without 
   step): RoPE on q and k, the write of k and v into the ring KV cache, and attention over the ring, in one kernel
   (split over the keys when few rows and heads would leave the GPU idle: flash-decoding, Dao et al. 2023,
   "Flash-Decoding for long-context inference", with a second small kernel that merges the splits by their
-  log-sum-exp);
+  log-sum-exp; a split that saw no key, as most of a short ring's do, writes its log-sum-exp alone and the merge
+  reads nothing else of it);
 - :func:`rope_split`, :func:`prefill_attention`, :func:`kv_write` -- blocks of new positions (Context Spans,
   persona prefixes, Mimi's chunks), RAGGED: any number of rows, each with its own length, in one launch each:
   RoPE, FlashAttention-2 style attention (Dao 2023, arXiv:2307.08691, algorithm 1: online softmax over key
