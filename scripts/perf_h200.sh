@@ -71,7 +71,7 @@ for stage in $stages; do
         date -u +%FT%TZ; python3 scripts/perf_h200.py ceilings' ;;
     tests)
       # TESTS (optional): the test ids to run instead of every gpu-marked test
-      run tests 330 python3 -m pytest ${TESTS:-tests/core/test_core_fused_cuda.py tests/core/test_core_engine_cuda.py \
+      run tests 450 python3 -m pytest ${TESTS:-tests/core/test_core_fused_cuda.py tests/core/test_core_engine_cuda.py \
         tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py} -m gpu -q -rP -p no:cacheprovider ;;
     bench)  # full rings: B = 1 table, then B = 32 / 64 / 80 with a 600-column span into 1 session of the frame
       run bench 150 $BENCH latency --random-7b --n 0 16 600 --iters 20 --warmup 3 --batch-size ${BATCHES:-32 64 80} \
