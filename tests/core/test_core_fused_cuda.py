@@ -28,6 +28,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _eager_step(
+    ref: KVCache, qkv: torch.Tensor, rows: torch.Tensor, H: int, window: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager cache path for T new positions of ``rows`` ([b, T, 3 * H * Dh] projections): RoPE, the write into
+    ``ref`` (advanced), masked SDPA in float64. Returns (attention [b, T, H * Dh], q after RoPE [b, H, T, Dh], the
+    positions [b, T])."""
+    b, T = qkv.shape[:2]
+    Dh = qkv.shape[-1] // (3 * H)
+    pos = ref.offset[rows][:, None] + torch.arange(T, device=qkv.device)
+    q, k, v = qkv.view(b, T, 3, H, Dh).permute(2, 0, 3, 1, 4)
+    q, k = apply_rope(q, k, pos, 10_000.0)
+    st = ref.begin(T, rows)
+    keys, values = ref.update(0, k, v, st)
+    mask = attention_mask(st.positions, st.key_positions, window)
+    want = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask)
+    ref.advance(st)
+    return want.transpose(1, 2).reshape(b, T, H * Dh), q, pos
+
+
 @pytest.mark.parametrize("kv", ["model", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T", [1, 7, 100])
@@ -51,16 +70,7 @@ def test_attention_kernels_equal_the_eager_cache_path(dtype: torch.dtype, T: int
     rows = torch.tensor([1], device=dev) if subset else torch.arange(B, device=dev)
     Bq = rows.shape[0]
     qkv = torch.randn(Bq, T, 3 * H * Dh, device=dev, generator=gen).to(dtype)
-    pos = ref.offset[rows][:, None] + torch.arange(T, device=dev)
-    q, k, v = qkv.view(Bq, T, 3, H, Dh).permute(2, 0, 3, 1, 4)
-    q, k = apply_rope(q, k, pos, 10_000.0)
-    st = ref.begin(T, rows)
-    keys, values = ref.update(0, k, v, st)
-    mask = attention_mask(st.positions, st.key_positions, window)
-    want = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask)
-    want = want.transpose(1, 2).reshape(Bq, T, H * Dh)
-    ref.advance(st)
-
+    want, q, pos = _eager_step(ref, qkv, rows, H, window)
     cos, sin = fused.rope_tables(pos, Dh, 10_000.0)
     tol_rope = 1e-2 if dtype == torch.bfloat16 else 1e-6
     scales = cache.layer_scales(0)
@@ -160,15 +170,7 @@ def test_splits_past_a_short_rings_keys_are_left_out(dtype: torch.dtype) -> None
     rows = torch.arange(B, device=dev)
     for T in (65, 1):
         qkv = torch.randn(B, T, 3 * H * Dh, device=dev, generator=gen).to(dtype)
-        pos = ref.offset[rows][:, None] + torch.arange(T, device=dev)
-        q, k, v = qkv.view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, k, pos, 10_000.0)
-        st = ref.begin(T, rows)
-        keys, values = ref.update(0, k, v, st)
-        mask = attention_mask(st.positions, st.key_positions, window)
-        want = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask)
-        want = want.transpose(1, 2).reshape(B, T, H * Dh)
-        ref.advance(st)
+        want, _, pos = _eager_step(ref, qkv, rows, H, window)
         cos, sin = fused.rope_tables(pos, Dh, 10_000.0)
         poison = torch.full((1 << 24,), float("nan"), device=dev)  # the partials' memory, once freed, holds NaN
         del poison
