@@ -1188,10 +1188,14 @@ class Ragged:
 PREFILL_CONFIG = (64, 64, 4, 3)
 """(block_m, block_n, num_warps, num_stages) of :func:`prefill_attention` (the best of scripts/perf_h200.py's
 sweep on the H200, see docs/PERFORMANCE.md; block_m is smaller for short sequences, :func:`block_m_for`)."""
-PREFILL_WAVES = 4
-"""Key splits of :func:`prefill_attention` aim at this many programs per multiprocessor: with two resident per
-SM, a 601-position span (10 query blocks x 32 heads) then runs in two splits, 14% faster than in one
-(``scripts/perf_h200.py tune-prefill``)."""
+PREFILL_WAVES = 2
+"""Key splits of :func:`prefill_attention`: the live query blocks' programs times the splits aim at about this many
+programs per multiprocessor (two are resident per SM: one wave), rounded down, and at least two splits while the
+programs without splits are fewer than two waves. On the H200 (C46, ``scripts/prefill_splits.py``, us per layer, a
+full 3000-position ring / a fresh one) a 17-token block takes 8 splits (23.3 / 10.5 against 29.8 / 16.2 with the
+16 that four programs per SM gave), 65 tokens 4 (30.8 / 15.5 against 39.6 / 22.2), 257 tokens 2 (71.9 / 28.6 against
+88.6 / 46.9), a 601-token span still 2 (14% faster than 1, ``scripts/perf_h200.py tune-prefill``); a split count
+is a launch constant, sized for a full ring."""
 
 
 def prefill_attention(
@@ -1232,12 +1236,13 @@ def prefill_attention(
     BM = ragged.block_m
     Q = ragged.qb_seq.shape[0]
     key_blocks = triton.cdiv(C, BN)
-    if splits is None:  # about PREFILL_WAVES waves of programs, each split at least two key blocks long
+    if splits is None:  # see PREFILL_WAVES; each split at least two key blocks long
         # counted over the query blocks that N tokens fill, not the grid: a graph's grid has room for any split of
         # its bucket across its rows, mostly idle programs (a 640-token bucket of 64 rows: 74 blocks, about 10 live)
         target = PREFILL_WAVES * _num_sms(q.device)
-        live = max(1, min(Q, triton.cdiv(N, BM)))
-        splits = max(1, min(16, triton.cdiv(target, live * H), triton.cdiv(key_blocks, 2)))
+        programs = max(1, min(Q, triton.cdiv(N, BM))) * H
+        splits = max(target // programs, 2 if programs < 2 * target else 1)
+        splits = max(1, min(16, splits, triton.cdiv(key_blocks, 2)))
     per = triton.cdiv(key_blocks, splits)
     part_o = part_lse = out
     if splits > 1:

@@ -1,0 +1,83 @@
+"""Key splits of the block's prefill attention for short blocks: us per layer by split count and ring fill.
+
+A batch-1 step that reads a 16-column span (17 new tokens: the block and the next position) on a freshly reset
+stream ran about 0.4 ms slower than the engine before v2 (C43, C45), most of it in the prefill attention and its
+combine: :func:`cspan.core.modules.fused.prefill_attention` sizes its key splits from the ring's capacity (a CUDA
+graph cannot key on the fill), 16 for a 17-token block, so on a short ring 15 of 16 splits find no key. This times
+the kernel and its combine (CUDA graph of ``LAYERS`` layers, CUDA events) for blocks of 17 / 65 / 257 tokens at
+ring fills from fresh to full, for each split count, then the whole batch-1 span step on fresh streams and on a
+full ring for each ``PREFILL_WAVES``. Usage (on the device): ``python scripts/prefill_splits.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from perf_h200 import HEAD_DIM, HEADS, RING, _events_ms, _graph
+
+LAYERS = 8
+
+
+def kernel_table() -> None:
+    from cspan.core.modules import fused
+
+    dev = torch.device("cuda")
+    keys = [torch.randn(1, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    values = [torch.randn_like(k) for k in keys]
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    print("prefill attention + combine, us per layer (B = 1, one block of n tokens)")
+    for n in (17, 65, 257):
+        bm = fused.block_m_for(n)
+        per = -(-n // bm)
+        q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        for fill in (16, 200, 1000, RING):
+            ragged = fused.Ragged(
+                seq_row=t([0]), seq_start=t([0]), seq_len=t([n]), qb_seq=t([0] * per),
+                qb_j=t([j * bm for j in range(per)]), tok_row=t([0] * n), tok_j=t(list(range(n))),
+                tok_keep=t([1] * n).bool(), block_m=bm,
+            ).at(t([fill]))  # fmt: skip
+            row = []
+            for splits in (None, 1, 2, 4, 8, 16):
+
+                def run(splits=splits, ragged=ragged, q=q, k=k, v=v):
+                    for kk, vv in zip(keys, values, strict=True):
+                        fused.prefill_attention(q, k, v, kk, vv, ragged, RING, splits=splits)
+
+                us = _events_ms(_graph(run), 20) * 1000 / LAYERS
+                row.append(f"{'default' if splits is None else splits}: {us:6.1f}")
+            print(f"  n = {n:3d} fill {fill:4d}:  " + "  ".join(row), flush=True)
+
+
+def step_table() -> None:
+    from cspan.bench.latency import LatencyBench, LatencyOptions, load_models, make_engine, release_device_memory
+    from cspan.core.modules import fused
+
+    dev = torch.device("cuda")
+    models = load_models(None, random_7b=True, device=dev, dtype=torch.bfloat16)
+    print("batch-1 span n + step, mean ms (fresh: freshly reset streams; full: a full ring)")
+    for waves in (4, 2, 1):
+        fused.PREFILL_WAVES = waves
+        out = []
+        for fill, lengths in ((0, (16, 64, 600)), (None, (16, 600))):
+            engine = make_engine(models, 1, span_lengths=lengths)
+            bench = LatencyBench(engine, LatencyOptions(span_lengths=lengths, iters=30, warmup=3, fill=fill))
+            for n in lengths:
+                bench.restart()
+                s = bench.span_series(n)
+                out.append(f"{'fresh' if fill == 0 else 'full'} n={n} {sum(s.total) / len(s.total):6.3f}")
+            bench.restart()
+            plain = bench.series(bench.lm_step)
+            out.append(f"{'fresh' if fill == 0 else 'full'} plain {sorted(plain)[len(plain) // 2]:6.3f}")
+            del bench, engine
+            release_device_memory(dev)
+        print(f"  PREFILL_WAVES {waves}: " + "  ".join(out), flush=True)
+
+
+if __name__ == "__main__":
+    kernel_table()
+    if "--kernels-only" not in sys.argv:
+        step_table()
