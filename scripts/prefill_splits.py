@@ -1,7 +1,7 @@
 """Key splits of the block's prefill attention for short blocks: us per layer by split count and ring fill.
 
 A batch-1 step that reads a 16-column span (17 new tokens: the block and the next position) on a freshly reset
-stream ran about 0.4 ms slower than the engine before v2 (C43, C45), most of it in the prefill attention and its
+stream ran 0.3–0.9 ms slower than the engine before v2 (C43, C46), much of it in the prefill attention and its
 combine: :func:`cspan.core.modules.fused.prefill_attention` sizes its key splits from the ring's capacity (a CUDA
 graph cannot key on the fill), 16 for a 17-token block, so on a short ring 15 of 16 splits find no key. This times
 the kernel and its combine (CUDA graph of ``LAYERS`` layers, CUDA events) for blocks of 17 / 65 / 257 tokens at
