@@ -1191,7 +1191,7 @@ sweep on the H200, see docs/PERFORMANCE.md; block_m is smaller for short sequenc
 PREFILL_WAVES = 2
 """Key splits of :func:`prefill_attention`: the live query blocks' programs times the splits aim at about this many
 programs per multiprocessor (two are resident per SM: one wave), rounded down, and at least two splits while the
-programs without splits are fewer than two waves. On the H200 (C47, ``scripts/prefill_splits.py``, us per layer, a
+programs without splits are fewer than two waves. On the H200 (C47, ``scripts/attention_splits.py``, us per layer, a
 full 3000-position ring / a fresh one) a 17-token block takes 8 splits (23.3 / 10.5 against 29.8 / 16.2 with the
 16 that four programs per SM gave), 65 tokens 4 (30.8 / 15.5 against 39.6 / 22.2), 257 tokens 2 (71.9 / 28.6 against
 88.6 / 46.9), a 601-token span still 2 (14% faster than 1, ``scripts/perf_h200.py tune-prefill``); a split count

@@ -1,4 +1,4 @@
-"""Key splits of the block's prefill attention for short blocks: us per layer by split count and ring fill.
+"""Key splits of the split attention kernels: us per layer by split count and ring fill (device only).
 
 A batch-1 step that reads a 16-column span (17 new tokens: the block and the next position) on a freshly reset
 stream ran 0.3–0.9 ms slower than the engine before v2 (C43, C46), much of it in the prefill attention and its
@@ -6,7 +6,9 @@ combine: :func:`cspan.core.modules.fused.prefill_attention` sizes its key splits
 graph cannot key on the fill), 16 for a 17-token block, so on a short ring 15 of 16 splits find no key. This times
 the kernel and its combine (CUDA graph of ``LAYERS`` layers, CUDA events) for blocks of 17 / 65 / 257 tokens at
 ring fills from fresh to full, for each split count, then the whole batch-1 span step on fresh streams and on a
-full ring for each ``PREFILL_WAVES``. Usage (on the device): ``python scripts/prefill_splits.py``.
+full ring for each ``PREFILL_WAVES``. ``--decode`` times the decode kernel instead (one new position per row over
+its ring, B = 1 / 4 / 8, the same fills, each most-splits bound; the graphs of a step size their splits for a full
+ring the same way). Usage (on the device): ``python scripts/attention_splits.py [--kernels-only | --decode]``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,33 @@ def kernel_table() -> None:
             print(f"  n = {n:3d} fill {fill:4d}:  " + "  ".join(row), flush=True)
 
 
+def decode_table() -> None:
+    from cspan.core.modules import fused
+
+    dev = torch.device("cuda")
+    print("decode attention (+ combine), us per layer, by the most key splits allowed (default: DECODE_CONFIGS)")
+    for b in (1, 4, 8):
+        keys = [torch.randn(b, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        values = [torch.randn_like(k) for k in keys]
+        qkv = torch.randn(b, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        rows = torch.arange(b, device=dev)
+        base = fused.decode_config(b)
+        for fill in (16, 200, 1000, RING + 5):
+            positions = torch.full((b,), fill, dtype=torch.long, device=dev)
+            row = []
+            for most in (None, 1, 2, 4, 8, 16, 64):
+                config = None if most is None else (base[0], most, max(base[2], 8), *base[3:])
+
+                def run(config=config, positions=positions, keys=keys, values=values, qkv=qkv, rows=rows):
+                    for kk, vv in zip(keys, values, strict=True):
+                        fused.decode_attention(qkv, kk, vv, positions, rows, RING, config=config)
+
+                us = _events_ms(_graph(run), 20) * 1000 / LAYERS
+                row.append(f"{'default' if most is None else most}: {us:6.1f}")
+            print(f"  B = {b:2d} fill {min(fill, RING):4d}:  " + "  ".join(row), flush=True)
+        del keys, values
+
+
 def step_table() -> None:
     from cspan.bench.latency import LatencyBench, LatencyOptions, load_models, make_engine, release_device_memory
     from cspan.core.modules import fused
@@ -78,6 +107,9 @@ def step_table() -> None:
 
 
 if __name__ == "__main__":
-    kernel_table()
-    if "--kernels-only" not in sys.argv:
-        step_table()
+    if "--decode" in sys.argv:
+        decode_table()
+    else:
+        kernel_table()
+        if "--kernels-only" not in sys.argv:
+            step_table()
