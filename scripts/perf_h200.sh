@@ -13,7 +13,7 @@
 #   bash scripts/perf_h200.sh            # call 1: env tests bench baseline attention (about 8.5 minutes)
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
-#                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill
+#                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -115,6 +115,8 @@ for stage in $stages; do
       TAIL=8 run pinned 120 python3 scripts/perf_h200.py pinned ;;
     tune-prefill)
       TAIL=40 run tune-prefill 200 python3 scripts/perf_h200.py tune-prefill ;;
+    splits)  # the split attention kernels by split count and ring fill (scripts/attention_splits.py: C47, C50)
+      TAIL=30 run splits 120 bash -c 'python3 scripts/attention_splits.py --kernels-only && python3 scripts/attention_splits.py --decode' ;;
     *)
       echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac
