@@ -30,18 +30,12 @@ def kernel_table() -> None:
     dev = torch.device("cuda")
     keys = [torch.randn(1, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
     values = [torch.randn_like(k) for k in keys]
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    row0 = torch.zeros(1, dtype=torch.long, device=dev)
     print("prefill attention + combine, us per layer (B = 1, one block of n tokens)")
     for n in (17, 65, 257):
-        bm = fused.block_m_for(n)
-        per = -(-n // bm)
         q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
         for fill in (16, 200, 1000, RING):
-            ragged = fused.Ragged(
-                seq_row=t([0]), seq_start=t([0]), seq_len=t([n]), qb_seq=t([0] * per),
-                qb_j=t([j * bm for j in range(per)]), tok_row=t([0] * n), tok_j=t(list(range(n))),
-                tok_keep=t([1] * n).bool(), block_m=bm,
-            ).at(t([fill]))  # fmt: skip
+            ragged = fused.Ragged.uniform(row0, n, RING).at(torch.full((1,), fill, device=dev))
             row = []
             for splits in (None, 1, 2, 4, 8, 16):
 
@@ -88,6 +82,7 @@ def step_table() -> None:
     dev = torch.device("cuda")
     models = load_models(None, random_7b=True, device=dev, dtype=torch.bfloat16)
     print("batch-1 span n + step, mean ms (fresh: freshly reset streams; full: a full ring)")
+    kept = fused.PREFILL_WAVES
     for waves in (4, 2, 1):
         fused.PREFILL_WAVES = waves
         out = []
@@ -104,6 +99,7 @@ def step_table() -> None:
             del bench, engine
             release_device_memory(dev)
         print(f"  PREFILL_WAVES {waves}: " + "  ".join(out), flush=True)
+    fused.PREFILL_WAVES = kept
 
 
 if __name__ == "__main__":
