@@ -577,7 +577,8 @@ def summary(folder: str) -> None:
     if tests.exists():
         last = [line for line in tests.read_text().splitlines() if "passed" in line or "failed" in line]
         print("tests:", last[-1] if last else "(no result line)")
-    for name in ("latency.json", "latency_fp8.json", "latency_fresh.json", "latency_triton.json"):
+    variants = sorted(p.name for p in root.glob("latency_*-[0-9]*.json"))  # the `variants` stage's runs
+    for name in ("latency.json", "latency_fp8.json", "latency_fresh.json", "latency_triton.json", *variants):
         doc = load(name)
         if not doc:
             continue
@@ -590,7 +591,7 @@ def summary(folder: str) -> None:
               f"{stats(doc.get('step_predict_user'))}, frame p50 {stats(doc.get('frame'))}")  # fmt: skip
         for r in doc["rows"]:
             print(f"  B=1 n={r['n']}: mean {r['mean_ms']:.2f} p99 {r['p99_ms']:.2f}")
-        for r in doc["batch"]["rows"]:
+        for r in (doc.get("batch") or {}).get("rows", []):
             f = r.get("frame") or {}
             line = (
                 f"  B={r['batch_size']}: step p50/p99 {stats(r['step'])}/{stats(r['step'], 'p99_ms')}, frame "

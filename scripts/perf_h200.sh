@@ -14,6 +14,7 @@
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
+#                                        #         variants
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -117,6 +118,28 @@ for stage in $stages; do
       TAIL=40 run tune-prefill 200 python3 scripts/perf_h200.py tune-prefill ;;
     splits)  # the split attention kernels by split count and ring fill (scripts/attention_splits.py: C47, C50)
       TAIL=30 run splits 120 bash -c 'python3 scripts/attention_splits.py --kernels-only && python3 scripts/attention_splits.py --decode' ;;
+    variants)  # A/B of engine variants in one call, in ROUNDS (default 2) rounds of alternating order: this tree
+      # ("tree"), the engine before v2 ("before", fresh streams only) and .device/variants/NAME/src (a git archive of a
+      # branch's packages/cspan-core/src). VARIANTS (optional) names them (default: tree, then every .device/variants
+      # folder). Per variant and round: the fresh-stream table (B = 1, spans N, default "0 16 64 600") and, with
+      # RING=1 (default), the full-ring B = 1 step with a 600-column span.
+      names=${VARIANTS:-tree $(cd .device/variants 2>/dev/null && ls -d */ | tr -d /)}
+      for r in $(seq 1 "${ROUNDS:-2}"); do
+        order=$names; [ $((r % 2)) -eq 0 ] && order=$(echo $names | tr ' ' '\n' | tac | tr '\n' ' ')
+        for v in $order; do
+          core=$PWD/packages/cspan-core/src bench=$BENCH fresh=--fresh ring=${RING:-1}
+          [ -d ".device/variants/$v" ] && core=$PWD/.device/variants/$v/src
+          if [ "$v" = before ]; then  # its bench timed fresh streams by default
+            b=$PWD/.device/before/packages; core=$b/cspan-core/src:$b/cspan-bench/src:$b/cspan-backends/src
+            bench="python3 .device/before/scripts/perf_h200.py bench" fresh= ring=0
+          fi
+          vpath=/tmp/site:/tmp/fisite:$core:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
+          TAIL=0 run "fresh-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b $fresh --n ${N:-0 16 64 600} \
+            --iters ${ITERS:-30} --warmup 5 --no-frame --out "$LOGS/latency_fresh_$v-$r.json"
+          [ "$ring" = 1 ] && TAIL=0 run "ring-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b --n 0 600 \
+            --iters 20 --warmup 3 --no-frame --out "$LOGS/latency_ring_$v-$r.json"
+        done
+      done ;;
     *)
       echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac
