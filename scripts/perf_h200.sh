@@ -9,7 +9,9 @@
 #   .whl/perf       pydantic, soundfile, soxr (+ their needs) and moshi==0.2.13 for the upstream baseline
 #   .whl/flashinfer flashinfer-python==0.6.0 (JIT: nvcc builds its kernels on the device) + apache-tvm-ffi
 #   .device/        ../shared/fixtures/reference (for the GPU tests) and ../shared/bench/moshi_baseline.py
-# (all git-ignored). Then, on the device, with carry [".whl", ".device"]:
+# (all git-ignored). A branch to time against this tree in the `variants` stage, once per branch:
+#   bash scripts/perf_h200.sh prepare-variant NAME GIT-REF   # REF's cspan-core as .device/variants/NAME/src
+# Then, on the device, with carry [".whl", ".device"]:
 #   bash scripts/perf_h200.sh            # call 1: env tests bench baseline attention (about 8.5 minutes)
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
@@ -20,6 +22,13 @@
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
 # Exits non-zero when a stage fails or is unknown (after running the others).
 set -u
+if [ "${1:-}" = "prepare-variant" ]; then  # NAME REF: REF's packages/cspan-core/src as .device/variants/NAME/src
+  set -e
+  [ $# -eq 3 ] || { echo "usage: bash scripts/perf_h200.sh prepare-variant NAME GIT-REF" >&2; exit 2; }
+  rm -rf ".device/variants/$2" && mkdir -p ".device/variants/$2/src"
+  git archive "$3" packages/cspan-core/src | tar -x --strip-components=3 -C ".device/variants/$2/src"
+  exit 0
+fi
 if [ "${1:-}" = "prepare" ]; then
   set -e
   plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
@@ -51,6 +60,8 @@ export PYTHONPATH=/tmp/site:/tmp/fisite:$PWD/packages/cspan-core/src:$PWD/packag
 export PYTHONUNBUFFERED=1
 if [ -d .device/fixtures ]; then mkdir -p ../shared/fixtures/reference && cp -r .device/fixtures/* ../shared/fixtures/reference/; fi
 BENCH="python3 scripts/perf_h200.py bench"
+old=$PWD/.device/before/packages  # the engine before v2 on the path (the `before`, `anatomy` and `variants` stages)
+BEFORE_PATH=/tmp/site:$old/cspan-core/src:$old/cspan-bench/src:$old/cspan-backends/src
 failed=0
 run() {  # name, limit seconds, command...: log to $LOGS/name.log, print the tail
   local name=$1 limit=$2; shift 2
@@ -83,11 +94,11 @@ for stage in $stages; do
     fresh)  # freshly reset streams: the batch-1 before/after table (no regression beyond 3 %)
       run fresh 120 $BENCH latency --random-7b --fresh --iters 50 --out "$LOGS/latency_fresh.json" ;;
     before)  # the same fresh-stream table on the engine before v2 (9236a36; `prepare` copies it to .device/before)
-      run before 120 env PYTHONPATH=/tmp/site:$PWD/.device/before/packages/cspan-core/src:$PWD/.device/before/packages/cspan-bench/src:$PWD/.device/before/packages/cspan-backends/src \
+      run before 120 env PYTHONPATH=$BEFORE_PATH \
         python3 .device/before/scripts/perf_h200.py bench latency --random-7b --iters 50 --out "$LOGS/latency_fresh_before.json" ;;
     anatomy)  # batch-1 GPU busy time against host time and kernels per call, this tree and the engine before v2
       run anatomy 150 python3 scripts/step_anatomy.py --spans 16 64 600 --json "$LOGS/anatomy.json"
-      run anatomy-before 150 env PYTHONPATH=/tmp/site:$PWD/.device/before/packages/cspan-core/src:$PWD/.device/before/packages/cspan-bench/src:$PWD/.device/before/packages/cspan-backends/src \
+      run anatomy-before 150 env PYTHONPATH=$BEFORE_PATH \
         python3 scripts/step_anatomy.py --spans 16 64 600 --json "$LOGS/anatomy_before.json" ;;
     baseline)  # upstream moshi 0.2.13 in the same call (copied into .device by `prepare`)
       b=${BATCHES:-32 64 80}
@@ -130,8 +141,7 @@ for stage in $stages; do
           core=$PWD/packages/cspan-core/src bench=$BENCH fresh=--fresh ring=${RING:-1}
           [ -d ".device/variants/$v" ] && core=$PWD/.device/variants/$v/src
           if [ "$v" = before ]; then  # its bench timed fresh streams by default
-            b=$PWD/.device/before/packages; core=$b/cspan-core/src:$b/cspan-bench/src:$b/cspan-backends/src
-            bench="python3 .device/before/scripts/perf_h200.py bench" fresh= ring=0
+            core=$BEFORE_PATH bench="python3 .device/before/scripts/perf_h200.py bench" fresh= ring=0
           fi
           vpath=/tmp/site:/tmp/fisite:$core:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
           TAIL=0 run "fresh-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b $fresh --n ${N:-0 16 64 600} \
