@@ -17,6 +17,8 @@ from padded_steps import differences, load_case, mixed_run, padded, scenario, se
 
 from cspan.core.constants import FRAME_SIZE
 from cspan.core.engine import DuplexEngine
+from cspan.core.sampling import SamplingParams
+from cspan.core.span import ContextSpan
 
 TOL = 1e-5
 
@@ -103,6 +105,51 @@ def test_padded_frames_equal_the_unpadded_frames(tiny_checkpoint) -> None:
         assert torch.equal(a[1], b[1]), f"frame {t}"
         torch.testing.assert_close(a[0], b[0], atol=TOL, rtol=0)
         torch.testing.assert_close(a[2], b[2], atol=TOL, rtol=0)
+
+
+def test_plain_steps_reuse_their_inputs_and_anything_else_builds_new_ones(tiny_checkpoint, monkeypatch) -> None:
+    """A plain step of the same rows reuses the last plain step's host inputs (no new tensor per frame); a first call,
+    a span, a reset or a row going idle builds them again; the tokens equal those of an engine that builds them
+    every step."""
+    import cspan.core.engine as engine_module
+
+    built: list[list[int]] = []
+    real = engine_module.build_step
+
+    def counting(rows, *args, **kwargs):
+        built.append(list(rows))
+        return real(rows, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "build_step", counting)
+    codes = torch.randint(0, 32, (12, 2, 8), generator=torch.Generator().manual_seed(4))
+
+    def run(reuse: bool) -> list[torch.Tensor]:
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=1)
+        frames = []
+        for t in range(codes.shape[0]):
+            if t == 5:
+                engine.inject_span(0, ContextSpan.from_ids([12, 40, 41, 13]))
+            if t == 8:
+                engine.set_live(1, False)
+            if t == 9:
+                engine.set_sampling(0, text=SamplingParams.text(0.7, 5))
+            if t == 10:
+                engine.reset(0, seed=3)
+            if not reuse:
+                engine._plain_batch = None
+            frames.append(engine.step_tokens(codes[t]).frame.clone())
+        return frames
+
+    reused = run(reuse=True)
+    delay = DuplexEngine(tiny_checkpoint, batch_size=2, seed=1).max_delay
+    assert built[: delay + 1] == [[0, 1]] * (delay + 1)  # the first calls, then the first plain step
+    # built again: the span's step and the plain step after it, the idle row, the reset and its first calls
+    assert built[delay + 1 :] == [[0, 1], [0, 1], [0]] + [[0]] * (1 + delay), built
+    before = len(built)
+    rebuilt = run(reuse=False)
+    assert len(built) - before == codes.shape[0]
+    for t, (a, b) in enumerate(zip(reused, rebuilt, strict=True)):
+        assert torch.equal(a, b), f"step {t}"
 
 
 INTERPRETER = pytest.mark.skipif(

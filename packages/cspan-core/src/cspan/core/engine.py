@@ -240,6 +240,7 @@ class DuplexEngine:
             self._library = FlashInferDecode(
                 self.device, cfg.num_heads, cfg.dim // cfg.num_heads, cfg.context, self.dtype, self.plan.cuda_graphs
             )
+        self._plain_batch: tuple[tuple, StepBatch] | None = None  # (rows and top-k, the inputs) of the last plain step
         self._step_graphs = GraphCache(self._token_step, self.plan.cuda_graphs)
         self._frame_graphs = GraphCache(self._frame, self.plan.cuda_graphs)
         self._silence = torch.tensor(self.agent_placeholder, dtype=torch.long, device=self.device)
@@ -545,11 +546,20 @@ class DuplexEngine:
         if pins:  # pinned prefixes: at the oldest positions of their windows
             self.state.pin(pins)
         prefixes = {row: r.prefix for row, r in restarts.items() if r.prefix is not None}
-        batch = build_step(
-            rows, blocks, prefixes, head.positions, self.state.grid.max_delay, self.num_streams,
-            self.state.scratch, self.state.lm.transformer.cache.capacity, self.plan, self.dtype,
-            top_k_bound(head.text_top_k, self.lm.text_linear.out_features),
-        )  # fmt: skip
+        text_top = top_k_bound(head.text_top_k, self.lm.text_linear.out_features)
+        max_delay = self.state.grid.max_delay
+        # a plain step (no block, no restart, no first call) of the same rows as the last one has the same inputs:
+        # reuse them (on CUDA: the same page-locked tensor, not a new one per frame)
+        plain = not restarts and not blocks and all(head.positions[r] >= max_delay for r in rows)
+        key = (tuple(rows), text_top)
+        if plain and self._plain_batch is not None and self._plain_batch[0] == key:
+            batch = self._plain_batch[1]
+        else:
+            batch = build_step(
+                rows, blocks, prefixes, head.positions, max_delay, self.num_streams, self.state.scratch,
+                self.state.lm.transformer.cache.capacity, self.plan, self.dtype, text_top,
+            )  # fmt: skip
+            self._plain_batch = (key, batch) if plain else None
         if batch.shape.library and self._library is not None:  # the decode slots' rows and positions (host)
             scratch, position = self.state.scratch, head.positions
             self._library.plan(batch.slot_rows, [0 if r == scratch else position[r] for r in batch.slot_rows])
