@@ -16,7 +16,7 @@
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
-#                                        #         variants
+#                                        #         variants probe
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -150,6 +150,10 @@ for stage in $stages; do
             --iters 20 --warmup 3 --no-frame --out "$LOGS/latency_ring_$v-$r.json"
         done
       done ;;
+    probe)  # the depformer's chain of products: one launch per product against one persistent CUDA kernel
+      # (scripts/depformer_chain_probe.cu, built here with nvcc; 1, 8 and 16 codebooks)
+      TAIL=24 run probe 150 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; nvcc -O3 -std=c++17 -arch=sm_90a \
+        -o /tmp/depformer_chain_probe scripts/depformer_chain_probe.cu && for c in 1 8 16; do /tmp/depformer_chain_probe $c 30; done' ;;
     *)
       echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac
