@@ -13,7 +13,9 @@
 //   persistent one cooperative launch, one block per SM, a grid barrier between products; each block streams its
 //              slice of the NEXT product's weights into shared memory (cp.async, two stages) before it waits at the
 //              barrier for the current product's input, so weight reads overlap the barriers;
-//   persistent+cg  the same with cooperative_groups' grid.sync() instead of the hand-written barrier.
+//   persistent+cg  the same with cooperative_groups' grid.sync() instead of the hand-written barrier;
+//   and two references for the persistent kernel: without the prefetch (each product's weights requested after its
+//   barrier) and the barriers alone (no loads, no products).
 //
 // Prints microseconds per codebook for each and the floor (one streaming read of the same weights), and checks that
 // the persistent kernel's last output equals the chain's (float32 sums in another order).
@@ -147,13 +149,17 @@ __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned target) {
   __syncthreads();
 }
 
-template <bool CG_SYNC>
+// MODE: how products follow one another in the persistent kernel
+enum { PREFETCH = 0, PREFETCH_CG = 1, NO_PREFETCH = 2, BARRIERS_ONLY = 3 };
+
+template <int MODE>
 __global__ void __launch_bounds__(PT, 1)
     gemv_persistent(int G, int stage_bytes, const float* x0, float* y0, float* y1, unsigned* count) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* xs = reinterpret_cast<float*>(smem);
   unsigned char* stages = smem + XS_BYTES;
   const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  constexpr bool ahead = MODE == PREFETCH || MODE == PREFETCH_CG;
 
   auto prefetch = [&](int g) {  // this block's rows of product g into stage g % 2
     const Gemv& m = c_gemvs[g];
@@ -165,24 +171,26 @@ __global__ void __launch_bounds__(PT, 1)
     cp_async_commit();
   };
 
-  prefetch(0);
+  if (ahead) prefetch(0);
   unsigned epoch = 0;
   for (int g = 0; g < G; ++g) {
     __syncthreads();  // every warp is done with stage (g + 1) % 2 (product g - 1)
-    if (g + 1 < G) prefetch(g + 1);
+    if (ahead && g + 1 < G) prefetch(g + 1);  // the next product's weights stream in across the barrier
     if (g > 0) {  // the previous product's outputs, from every block
-      if (CG_SYNC) {
+      if (MODE == PREFETCH_CG) {
         __threadfence();
         cg::this_grid().sync();
       } else {
         grid_barrier(count, (++epoch) * nb);
       }
     }
+    if (MODE == BARRIERS_ONLY) continue;
+    if (!ahead) prefetch(g);  // this product's weights, only now
     const Gemv& m = c_gemvs[g];
     const float* prev = g == 0 ? x0 : ((g - 1) & 1 ? y1 : y0);
     float* out = (g & 1) ? y1 : y0;
     load_x(xs, prev, m.cols, m.gated);
-    if (g + 1 < G) cp_async_wait<1>(); else cp_async_wait<0>();
+    if (ahead && g + 1 < G) cp_async_wait<1>(); else cp_async_wait<0>();
     __syncthreads();
     const int per = (m.rows + nb - 1) / nb, r0 = min(m.rows, b * per), r1 = min(m.rows, r0 + per);
     const unsigned char* stage = stages + (size_t)(g & 1) * stage_bytes;
@@ -315,11 +323,16 @@ int main(int argc, char** argv) {
   }
 
   const int smem = XS_BYTES + 2 * stage_bytes;
-  for (int use_cg = 0; use_cg < 2; ++use_cg) {
-    auto kernel = use_cg ? gemv_persistent<true> : gemv_persistent<false>;
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const struct { void (*kernel)(int, int, const float*, float*, float*, unsigned*); const char* name; } modes[] = {
+      {gemv_persistent<BARRIERS_ONLY>, "persistent, barriers only:"},
+      {gemv_persistent<NO_PREFETCH>, "persistent, no prefetch:"},
+      {gemv_persistent<PREFETCH_CG>, "persistent + cg grid.sync:"},
+      {gemv_persistent<PREFETCH>, "persistent, own barrier:"},  // last: its outputs are checked below
+  };
+  for (const auto& mode : modes) {
+    CK(cudaFuncSetAttribute(mode.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int blocks_per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, PT, smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, mode.kernel, PT, smem));
     if (blocks_per_sm < 1) {
       printf("persistent kernel does not fit one block per SM (%d bytes of shared memory)\n", smem);
       return 1;
@@ -328,10 +341,10 @@ int main(int argc, char** argv) {
     void* args[] = {&g_arg, &sb, &x0, &y0, &y1, &count};
     float us = time_us([&] {
       CK(cudaMemsetAsync(count, 0, 4, s));
-      CK(cudaLaunchCooperativeKernel((const void*)kernel, dim3(nsm), dim3(PT), args, smem, s));
+      CK(cudaLaunchCooperativeKernel((const void*)mode.kernel, dim3(nsm), dim3(PT), args, smem, s));
     });
-    printf("%-34s %7.1f us per codebook (%.2f us per product; %d KB of shared memory)\n",
-           use_cg ? "persistent + cg grid.sync:" : "persistent, own barrier:", us, us / PER_CODEBOOK, smem / 1024);
+    printf("%-34s %7.1f us per codebook (%.2f us per product; %d KB of shared memory)\n", mode.name, us,
+           us / PER_CODEBOOK, smem / 1024);
   }
   CK(cudaStreamSynchronize(s));
 
