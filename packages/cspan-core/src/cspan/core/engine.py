@@ -547,19 +547,18 @@ class DuplexEngine:
             self.state.pin(pins)
         prefixes = {row: r.prefix for row, r in restarts.items() if r.prefix is not None}
         text_top = top_k_bound(head.text_top_k, self.lm.text_linear.out_features)
-        max_delay = self.state.grid.max_delay
-        # a plain step (no block, no restart, no first call) of the same rows as the last one has the same inputs:
-        # reuse them (on CUDA: the same page-locked tensor, not a new one per frame)
-        plain = not restarts and not blocks and all(head.positions[r] >= max_delay for r in rows)
-        key = (tuple(rows), text_top)
-        if plain and self._plain_batch is not None and self._plain_batch[0] == key:
+        # a plain step (no block, no restart, no first call) of the same rows as the last plain step has the same
+        # inputs: reuse them (on CUDA: the same page-locked tensor, not a new one per frame). Without a restart in
+        # between, a row past its first calls stays past them, so the cached step's own first_call decides.
+        key, unchanged = (tuple(rows), text_top), not restarts and not blocks
+        if unchanged and self._plain_batch is not None and self._plain_batch[0] == key:
             batch = self._plain_batch[1]
         else:
             batch = build_step(
-                rows, blocks, prefixes, head.positions, max_delay, self.num_streams, self.state.scratch,
-                self.state.lm.transformer.cache.capacity, self.plan, self.dtype, text_top,
+                rows, blocks, prefixes, head.positions, self.state.grid.max_delay, self.num_streams,
+                self.state.scratch, self.state.lm.transformer.cache.capacity, self.plan, self.dtype, text_top,
             )  # fmt: skip
-            self._plain_batch = (key, batch) if plain else None
+            self._plain_batch = (key, batch) if unchanged and not batch.first_call else None
         if batch.shape.library and self._library is not None:  # the decode slots' rows and positions (host)
             scratch, position = self.state.scratch, head.positions
             self._library.plan(batch.slot_rows, [0 if r == scratch else position[r] for r in batch.slot_rows])
