@@ -16,7 +16,7 @@
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
-#                                        #         variants probe
+#                                        #         variants probe gemv
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -133,7 +133,8 @@ for stage in $stages; do
       # ("tree"), the engine before v2 ("before", fresh streams only) and .device/variants/NAME/src (a git archive of a
       # branch's packages/cspan-core/src). VARIANTS (optional) names them (default: tree, then every .device/variants
       # folder). Per variant and round: the fresh-stream table (B = 1, spans N, default "0 16 64 600") and, with
-      # RING=1 (default), the full-ring B = 1 step with a 600-column span.
+      # RING=1 (default), the full-ring B = 1 step with a 600-column span (RING_BATCHES, optional: also these batch
+      # sizes on full rings, the span into 1 session of the frame). FRESH=0 skips the fresh-stream table.
       names=${VARIANTS:-tree $(cd .device/variants 2>/dev/null && ls -d */ | tr -d /)}
       for r in $(seq 1 "${ROUNDS:-2}"); do
         order=$names; [ $((r % 2)) -eq 0 ] && order=$(echo $names | tr ' ' '\n' | tac | tr '\n' ' ')
@@ -144,16 +145,25 @@ for stage in $stages; do
             core=$BEFORE_PATH bench="python3 .device/before/scripts/perf_h200.py bench" fresh= ring=0
           fi
           vpath=/tmp/site:/tmp/fisite:$core:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
-          TAIL=0 run "fresh-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b $fresh --n ${N:-0 16 64 600} \
+          [ "${FRESH:-1}" = 1 ] && TAIL=0 run "fresh-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b $fresh --n ${N:-0 16 64 600} \
             --iters ${ITERS:-30} --warmup 5 --no-frame --out "$LOGS/latency_fresh_$v-$r.json"
           [ "$ring" = 1 ] && TAIL=0 run "ring-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b --n 0 600 \
-            --iters 20 --warmup 3 --no-frame --out "$LOGS/latency_ring_$v-$r.json"
+            --iters 20 --warmup 3 --no-frame ${RING_BATCHES:+--batch-size $RING_BATCHES --span-sessions 1} \
+            --out "$LOGS/latency_ring_$v-$r.json"
         done
       done ;;
     probe)  # the depformer's chain of products: one launch per product against one persistent CUDA kernel
       # (scripts/depformer_chain_probe.cu, built here with nvcc; 1, 8 and 16 codebooks)
       TAIL=24 run probe 150 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; nvcc -O3 -std=c++17 -arch=sm_90a \
         -o /tmp/depformer_chain_probe scripts/depformer_chain_probe.cu && for c in 1 8 16; do /tmp/depformer_chain_probe $c 30; done' ;;
+    gemv)  # the temporal products at B = 1: cuBLAS against a hand-written GEMV with and without PDL
+      # (scripts/temporal_gemv_probe.cu, built here with nvcc; libcublas from torch's nvidia wheels, opened at run time)
+      libs=$(python3 -c 'import pathlib, torch; site = pathlib.Path(torch.__file__).parent.parent
+roots = [site / "nvidia", site / "torch" / "lib", pathlib.Path("/usr/local/cuda/lib64")]
+print(":".join(sorted({str(p.parent) for r in roots if r.exists() for p in r.rglob("libcublas.so*")})))')
+      TAIL=12 run gemv 120 bash -c "export PATH=\$PATH:/usr/local/cuda/bin; nvcc -O3 -std=c++17 -arch=sm_90a \
+        -o /tmp/temporal_gemv_probe scripts/temporal_gemv_probe.cu -ldl && echo libcublas in: $libs && \
+        LD_LIBRARY_PATH=$libs:\${LD_LIBRARY_PATH:-} /tmp/temporal_gemv_probe 20" ;;
     *)
       echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac
