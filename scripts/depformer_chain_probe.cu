@@ -148,7 +148,9 @@ __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned target) {
 
 // MODE: how products follow one another in the persistent kernel
 // (RESIDENT: no weight loads at all, the products read whatever the stages hold: barrier + input + compute alone)
-enum { PREFETCH = 0, PREFETCH_CG = 1, NO_PREFETCH = 2, BARRIERS_ONLY = 3, RESIDENT = 4 };
+// (TMA_PREFETCH, bf16 version only: the next product's weights as ONE bulk copy per block by the tensor memory
+// accelerator, completed on an mbarrier, so the critical path's input loads do not queue behind them)
+enum { PREFETCH = 0, PREFETCH_CG = 1, NO_PREFETCH = 2, BARRIERS_ONLY = 3, RESIDENT = 4, TMA_PREFETCH = 5 };
 
 template <int MODE>
 __global__ void __launch_bounds__(PT, 1)
@@ -236,6 +238,22 @@ __device__ __forceinline__ uint4 silu_gate8(uint4 g, uint4 u) {  // silu(gate) *
   return r;
 }
 
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void tma_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  if (bytes)
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
 template <int MODE>
 __global__ void __launch_bounds__(PT, 1) gemv_persistent_bf16(int G, int stage_bytes, const __nv_bfloat16* x0,
                                                               __nv_bfloat16* y0, __nv_bfloat16* y1, unsigned* count) {
@@ -243,13 +261,26 @@ __global__ void __launch_bounds__(PT, 1) gemv_persistent_bf16(int G, int stage_b
   uint4* xs = reinterpret_cast<uint4*>(smem);  // the input, 8 bf16 per vector
   unsigned char* stages = smem + XS_BYTES;
   const int nb = gridDim.x, b = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  constexpr bool ahead = MODE == PREFETCH;
+  constexpr bool tma = MODE == TMA_PREFETCH, ahead = MODE == PREFETCH || tma;
+  __shared__ __align__(8) unsigned long long bars[2];  // one per stage (TMA_PREFETCH)
+  if (tma && tid == 0) {
+    for (int i = 0; i < 2; ++i) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bars + i)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (tma) __syncthreads();
 
   auto prefetch = [&](int g) {
     const Gemv& m = c_gemvs[g];
     const int per = (m.rows + nb - 1) / nb, r0 = min(m.rows, b * per), r1 = min(m.rows, r0 + per);
     const char* src = reinterpret_cast<const char*>(m.w + (size_t)r0 * m.cols);
     unsigned char* dst = stages + (size_t)(g & 1) * stage_bytes;
+    if (tma) {  // this block's rows are one contiguous run of bytes: one bulk copy
+      if (tid == 0) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the stage's last reads came first
+        tma_load(dst, src, (unsigned)((r1 - r0) * m.cols * 2), bars + (g & 1));
+      }
+      return;
+    }
     const int n16 = (r1 - r0) * m.cols / 8;
     for (int i = tid; i < n16; i += PT) cp_async16(dst + 16 * (size_t)i, src + 16 * (size_t)i);
     cp_async_commit();
@@ -271,7 +302,9 @@ __global__ void __launch_bounds__(PT, 1) gemv_persistent_bf16(int G, int stage_b
       const uint4* p = reinterpret_cast<const uint4*>(prev);
       xs[tid] = m.gated ? silu_gate8(__ldcg(p + tid), __ldcg(p + F / 8 + tid)) : __ldcg(p + tid);
     }
-    if (ahead && g + 1 < G) cp_async_wait<1>(); else if (MODE != RESIDENT) cp_async_wait<0>();
+    if (tma) mbar_wait(bars + (g & 1), (g >> 1) & 1);  // the stage's (g >> 1)-th fill
+    else if (ahead && g + 1 < G) cp_async_wait<1>();
+    else if (MODE != RESIDENT) cp_async_wait<0>();
     __syncthreads();
     const int per = (m.rows + nb - 1) / nb, r0 = min(m.rows, b * per), r1 = min(m.rows, r0 + per);
     const unsigned char* stage = stages + (size_t)(g & 1) * stage_bytes;
@@ -441,7 +474,8 @@ int main(int argc, char** argv) {
                  const char* name; } bf16_modes[] = {
       {gemv_persistent_bf16<RESIDENT>, "bf16 acts, no weight loads:"},
       {gemv_persistent_bf16<NO_PREFETCH>, "bf16 acts, no prefetch:"},
-      {gemv_persistent_bf16<PREFETCH>, "bf16 acts, prefetch, own barrier:"},  // last: checked below
+      {gemv_persistent_bf16<PREFETCH>, "bf16 acts, prefetch, own barrier:"},
+      {gemv_persistent_bf16<TMA_PREFETCH>, "bf16 acts, TMA prefetch:"},  // last: checked below
   };
   for (const auto& mode : bf16_modes) {
     CK(cudaFuncSetAttribute(mode.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
