@@ -254,7 +254,11 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
                  : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 
-template <int MODE>
+// FLAGS: instead of the grid barrier, one arrival counter per product (zeroed before the launch): a block's
+// threads write their outputs, meet at __syncthreads, and one thread adds 1 with release semantics (no fence by
+// every thread); before product g one thread polls product g - 1's counter with acquire loads until every block
+// has arrived (no epoch, no reset)
+template <int MODE, bool FLAGS = false>
 __global__ void __launch_bounds__(PT, 1) gemv_persistent_bf16(int G, int stage_bytes, const __nv_bfloat16* x0,
                                                               __nv_bfloat16* y0, __nv_bfloat16* y1, unsigned* count) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -291,8 +295,20 @@ __global__ void __launch_bounds__(PT, 1) gemv_persistent_bf16(int G, int stage_b
   for (int g = 0; g < G; ++g) {
     __syncthreads();
     if (ahead && g + 1 < G) prefetch(g + 1);
-    if (g > 0) grid_barrier(count, (++epoch) * nb);
-    if (MODE == BARRIERS_ONLY) continue;
+    if (g > 0 && !FLAGS) grid_barrier(count, (++epoch) * nb);
+    if (g > 0 && FLAGS) {
+      if (tid == 0) {
+        unsigned v;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(count + g - 1) : "memory");
+        } while (v < (unsigned)nb);
+      }
+      __syncthreads();
+    }
+    if (MODE == BARRIERS_ONLY) {
+      if (FLAGS && tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count + g) : "memory");
+      continue;
+    }
     if (MODE == NO_PREFETCH) prefetch(g);
     const Gemv& m = c_gemvs[g];
     const __nv_bfloat16* prev = g == 0 ? x0 : ((g - 1) & 1 ? y1 : y0);
@@ -315,6 +331,10 @@ __global__ void __launch_bounds__(PT, 1) gemv_persistent_bf16(int G, int stage_b
       for (int c = lane; c < nv; c += 32) s += dot8bf(wrow[c], xs[c]);
       s = warp_sum(s);
       if (lane == 0) out[r] = __float2bfloat16(s);
+    }
+    if (FLAGS) {  // this block's rows of product g are written
+      __syncthreads();
+      if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count + g) : "memory");
     }
   }
 }
@@ -463,6 +483,8 @@ int main(int argc, char** argv) {
            us / PER_CODEBOOK, smem / 1024);
   }
   // the third version (bf16 activations): its own buffers, its input the chain's x0 rounded to bf16
+  unsigned* flags;
+  CK(cudaMalloc(&flags, G * 4));
   __nv_bfloat16 *bx0, *by0, *by1;
   for (__nv_bfloat16** p : {&bx0, &by0, &by1}) CK(cudaMalloc(p, MAX_ROWS * 2));
   {
@@ -474,15 +496,19 @@ int main(int argc, char** argv) {
                  const char* name; } bf16_modes[] = {
       {gemv_persistent_bf16<RESIDENT>, "bf16 acts, no weight loads:"},
       {gemv_persistent_bf16<NO_PREFETCH>, "bf16 acts, no prefetch:"},
+      {gemv_persistent_bf16<BARRIERS_ONLY, true>, "bf16 acts, flags, exchange only:"},
+      {gemv_persistent_bf16<RESIDENT, true>, "bf16 acts, flags, no weight loads:"},
+      {gemv_persistent_bf16<NO_PREFETCH, true>, "bf16 acts, flags, no prefetch:"},
+      {gemv_persistent_bf16<PREFETCH, true>, "bf16 acts, flags, prefetch:"},
       {gemv_persistent_bf16<PREFETCH>, "bf16 acts, prefetch, own barrier:"},
       {gemv_persistent_bf16<TMA_PREFETCH>, "bf16 acts, TMA prefetch:"},  // last: checked below
   };
   for (const auto& mode : bf16_modes) {
     CK(cudaFuncSetAttribute(mode.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int g_arg = G, sb = stage_bytes;
-    void* args[] = {&g_arg, &sb, &bx0, &by0, &by1, &count};
+    void* args[] = {&g_arg, &sb, &bx0, &by0, &by1, &flags};
     float us = time_us([&] {
-      CK(cudaMemsetAsync(count, 0, 4, s));
+      CK(cudaMemsetAsync(flags, 0, G * 4, s));  // the barrier's counter is flags[0]; FLAGS uses one per product
       CK(cudaLaunchCooperativeKernel((const void*)mode.kernel, dim3(nsm), dim3(PT), args, smem, s));
     });
     printf("%-34s %7.1f us per codebook (%.2f us per product)\n", mode.name, us, us / PER_CODEBOOK);
