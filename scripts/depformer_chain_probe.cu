@@ -15,7 +15,10 @@
 //              barrier for the current product's input, so weight reads overlap the barriers;
 //   persistent+cg  the same with cooperative_groups' grid.sync() instead of the hand-written barrier;
 //   and two references for the persistent kernel: without the prefetch (each product's weights requested after its
-//   barrier) and the barriers alone (no loads, no products).
+//   barrier) and the barriers alone (no loads, no products); then a version with bf16 activations (the input of a
+//   product in one 16-byte load per thread), with the weights by TMA bulk copies, and with one arrival counter per
+//   product instead of the grid barrier (docs/PERFORMANCE.md, C59-C64: the counters with prefetch are the only form
+//   under the PDL chain, 95 against 122 us per codebook).
 //
 // Prints microseconds per codebook for each and the floor (one streaming read of the same weights), and checks that
 // the persistent kernel's last output equals the chain's (float32 sums in another order).
