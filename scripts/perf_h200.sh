@@ -160,7 +160,8 @@ for stage in $stages; do
       # (scripts/temporal_gemv_probe.cu, built here with nvcc; libcublas from torch's nvidia wheels, opened at run time)
       libs=$(python3 -c 'import pathlib, torch; site = pathlib.Path(torch.__file__).parent.parent
 roots = [site / "nvidia", site / "torch" / "lib", pathlib.Path("/usr/local/cuda/lib64")]
-print(":".join(sorted({str(p.parent) for r in roots if r.exists() for p in r.rglob("libcublas.so*")})))')
+print(":".join(sorted({str(p.parent) for r in roots if r.exists() for p in r.rglob("libcublas.so*")
+                       if "stubs" not in p.parts})))')
       TAIL=12 run gemv 120 bash -c "export PATH=\$PATH:/usr/local/cuda/bin; nvcc -O3 -std=c++17 -arch=sm_90a \
         -o /tmp/temporal_gemv_probe scripts/temporal_gemv_probe.cu -ldl && echo libcublas in: $libs && \
         LD_LIBRARY_PATH=$libs:\${LD_LIBRARY_PATH:-} /tmp/temporal_gemv_probe 20" ;;
