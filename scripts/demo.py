@@ -3,8 +3,8 @@
 Builds the tiny demo checkpoint if absent (``demo/tiny-checkpoint``, random weights in the released layout: the
 real 7B is not reachable offline), then runs ``cspan infer`` on the repository's own recording
 (``assets/question_library_24k.wav``: "When does the library open on Sunday?") with the embedded transcriber
-(pocketsphinx), the embedded router over ``assets/knowledge/``, and a ``<ret>`` forced right after the question,
-and prints where the outputs are. Pass ``--checkpoint SOURCE`` to use a real checkpoint instead.
+(pocketsphinx), the embedded router over ``assets/knowledge/`` and an in-memory Context DB (nothing is remembered
+between runs), and a ``<ret>`` forced right after the question, and prints where the outputs are. Pass ``--checkpoint SOURCE`` to use a real checkpoint instead.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def main() -> int:
         "--asr", "sphinx",
         "--router", "local",
         "--knowledge", str(ROOT / "assets" / "knowledge"),
+        "--db", ":memory:",  # a demo keeps no memory (a plain `cspan infer` remembers in the platform's data folder)
         "--force-ret-at", "3.0",
         "--lead-silence", "1",
         "--tail-silence", "4",

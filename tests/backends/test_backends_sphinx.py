@@ -43,3 +43,16 @@ async def test_a_decode_leaves_the_other_threads_running(fixture_file) -> None:
         assert ticks[0] > 0.1 * elapsed * 1000, (ticks[0], elapsed)
     finally:
         await transcriber.aclose()
+
+
+def test_digital_silence_is_no_words_and_speech_still_is() -> None:
+    """Two seconds of zeros (or of samples that round to 0 in 16-bit PCM) give no text; the decoder guessed a
+    word there before. A quiet tone above the 16-bit floor is still decoded (whatever it hears)."""
+    from cspan.backends.asr.sphinx import SphinxDecoderPool
+
+    pool = SphinxDecoderPool(1)
+    for pcm in (np.zeros(32_000, dtype=np.float32), np.full(32_000, 1e-6, dtype=np.float32)):
+        transcript = pool.decode(pcm, 16_000)
+        assert transcript.text == "" and transcript.words == []
+    tone = (0.01 * np.sin(np.arange(32_000) * 0.2)).astype(np.float32)
+    assert isinstance(pool.decode(tone, 16_000).text, str)

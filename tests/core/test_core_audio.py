@@ -44,7 +44,7 @@ def test_48k_stereo_flac_resampled_and_channel_selected(tmp_path):
     np.testing.assert_allclose(right, 0.5 * left, atol=2e-4)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "garbage", "silent", "too_long", "bad_channel", "directory"])
+@pytest.mark.parametrize("case", ["missing", "empty", "garbage", "silent", "too_long", "directory"])
 def test_bad_inputs_raise_audio_input_error(tmp_path, case):
     path = tmp_path / "x.wav"
     kwargs = {}
@@ -57,9 +57,6 @@ def test_bad_inputs_raise_audio_input_error(tmp_path, case):
     elif case == "too_long":
         sf.write(path, _tone(8_000, 3.0), 8_000)
         kwargs["max_seconds"] = 2.0
-    elif case == "bad_channel":
-        sf.write(path, _tone(24_000, 0.5), 24_000)
-        kwargs["channel"] = 1
     elif case == "directory":
         path = tmp_path
     with pytest.raises(AudioInputError) as err:
@@ -156,6 +153,30 @@ def test_non_finite_samples_in_a_file_are_read_as_silence(tmp_path, bad, rate):
     assert np.isfinite(whole).all()
     if rate == 24_000:
         assert (frames[:100] == 0).all() and (frames[24_000 * 5 : 24_000 * 5 + 10] == 0).all()
+
+
+def test_a_channel_the_recording_lacks_is_a_bad_setting(tmp_path):
+    from cspan.core.errors import SettingsError
+
+    path = tmp_path / "mono.wav"
+    sf.write(path, _tone(24_000, 0.5), 24_000)
+    with pytest.raises(SettingsError, match=rf"^--channel 1: {path} has 1 channel\(s\), numbered 0 to 0$") as err:
+        inspect_audio(path, channel=1)
+    assert err.value.exit_code == 2
+
+
+def test_a_silent_channel_points_at_the_channel_that_has_sound(tmp_path):
+    """A stereo recording whose speech is on the right: reading the left (the default) says to pass --channel 1;
+    when every channel is silent it says so."""
+    path = tmp_path / "right.wav"
+    tone = _tone(24_000, 0.5)
+    sf.write(path, np.stack([np.zeros_like(tone), tone], axis=1), 24_000)
+    with pytest.raises(AudioInputError, match=r"channel 0 of 2 is silent .*; channel 1 has sound: pass --channel 1$"):
+        inspect_audio(path)
+    assert inspect_audio(path, channel=1).peak > 0.1
+    sf.write(path, np.zeros((24_000, 2), dtype=np.float32), 24_000)
+    with pytest.raises(AudioInputError, match=r"channel 1 of 2 is silent .*; so are its other channels$"):
+        inspect_audio(path, channel=1)
 
 
 def test_a_file_of_only_non_finite_samples_is_silent_and_says_why(tmp_path):

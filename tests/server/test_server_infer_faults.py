@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -115,6 +116,7 @@ BAD_SETTINGS = [
     (["--user-name", "n" * 500], "--user-name"),
     (["--output-wav", "OUT.m4a"], "--output-wav"),
     (["--output-wav", "out"], "--output-wav"),
+    (["--checkpoint", ""], "--checkpoint"),  # an unset variable in a script, not a request for the default
 ]
 
 
@@ -125,6 +127,29 @@ def test_bad_settings_are_one_line_exit_2_before_anything(extra, flag, speech, t
     err = capsys.readouterr().err
     assert err.startswith(f"cspan infer: error: {flag} / CSPAN_"), err
     assert err.count("\n") == 1 and len(err) < 600 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--channel", "1"], "--channel 1: .* has 1 channel\\(s\\), numbered 0 to 0"),
+        (["--span", "99:too late"], "--span at 99 s is past the end of the conversation"),
+        (["--force-ret-at", "500"], "--force-ret-at at 500 s is past the end of the conversation"),
+        (["--voice", "nosuchvoice"], "--voice nosuchvoice: .*not a known voice \\(known voices: tiny0, tiny1\\)"),
+    ],
+    ids=["channel", "span", "force-ret-at", "voice"],
+)
+def test_settings_that_do_not_fit_the_input_or_the_checkpoint_exit_2(extra, message, speech, tiny_checkpoint_dir,
+                                                                      tmp_path, capsys):  # fmt: skip
+    """A bad setting is exit status 2 with its flag first, whether its range is wrong or it does not fit the
+    recording (a channel it lacks, a time past its end) or the checkpoint (a voice it does not have)."""
+    argv = ["infer", "--input-wav", str(speech), "--output-wav", str(tmp_path / "o.wav"), "--asr", "none",
+            "--router", "none", "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--quiet", *extra]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.match(f"cspan infer: error: {message}", err), err
+    assert err.count("\n") == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
 
 

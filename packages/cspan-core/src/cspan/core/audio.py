@@ -34,7 +34,7 @@ import soundfile as sf
 import soxr
 
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
-from cspan.core.errors import AudioInputError, OutputError
+from cspan.core.errors import AudioInputError, OutputError, SettingsError
 from cspan.core.files import drop_part, new_part, publish_part, write_error
 
 MIN_SAMPLE_RATE = 1_000
@@ -179,14 +179,16 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
         An :class:`AudioInfo`.
 
     Raises:
-        AudioInputError: missing, empty, undecodable, no samples, channel out of range, longer than
-            ``max_seconds``, or silent-only (peak below -80 dBFS once non-finite samples are read as silence).
+        AudioInputError: missing, empty, undecodable, no samples, longer than ``max_seconds``, or silent-only on
+            the chosen channel (peak below -80 dBFS once non-finite samples are read as silence; the message names a
+            channel that has sound, if any).
+        SettingsError: ``channel`` is not one of the recording's (a bad ``--channel``: exit status 2).
     """
     path = Path(path)
     with _open(path) as f:
         sr, channels, frames = int(f.samplerate), int(f.channels), int(f.frames)
         if not 0 <= channel < channels:
-            raise AudioInputError(f"{path}: has {channels} channel(s); --channel {channel} does not exist")
+            raise SettingsError(f"--channel {channel}: {path} has {channels} channel(s), numbered 0 to {channels - 1}")
         if frames <= 0:
             raise AudioInputError(f"{path}: contains no audio samples")
         duration = frames / sr
@@ -194,24 +196,31 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
             raise AudioInputError(
                 f"{path}: is {duration:.1f} s long, over the limit of {max_seconds:.0f} s (raise --max-seconds)"
             )
-        peak = 0.0
+        peaks = np.zeros(channels)  # every channel's, to point at another one when the chosen one is silent
         nonfinite = clipped = 0
         try:
             for block in f.blocks(blocksize=int(sr * _BLOCK_SECONDS), dtype="float32", always_2d=True):
                 column = block[:, channel]
                 with np.errstate(invalid="ignore"):
                     clipped += int(np.count_nonzero(np.isfinite(column) & (np.abs(column) > 1.0)))
-                mono, bad = sanitize_pcm(column)
-                nonfinite += bad
-                if len(mono):
-                    peak = max(peak, float(np.max(np.abs(mono))))
+                if len(block):
+                    clean, bad = sanitize_pcm(block)  # every channel as the model would take it
+                    nonfinite += int(np.count_nonzero(~np.isfinite(column))) if bad else 0
+                    peaks = np.maximum(peaks, np.abs(clean).max(axis=0))
         except (sf.LibsndfileError, RuntimeError) as exc:
             raise AudioInputError(
                 f"{path}: decoding failed part-way ({decode_error_cause(exc)}); the file is damaged"
             ) from exc
+    peak = float(peaks[channel])
     if peak < SILENCE_PEAK:
         why = f"; its {nonfinite} NaN or infinite samples count as silence" if nonfinite else ""
-        raise AudioInputError(f"{path}: is silent (peak {peak:.2e}, below -80 dBFS{why}); nothing to listen to")
+        if channels == 1:
+            raise AudioInputError(f"{path}: is silent (peak {peak:.2e}, below -80 dBFS{why}); nothing to listen to")
+        loud = [c for c in range(channels) if peaks[c] >= SILENCE_PEAK]
+        hint = f"; channel {loud[0]} has sound: pass --channel {loud[0]}" if loud else "; so are its other channels"
+        raise AudioInputError(
+            f"{path}: channel {channel} of {channels} is silent (peak {peak:.2e}, below -80 dBFS{why}){hint}"
+        )
     return AudioInfo(
         path=path,
         sample_rate=sr,

@@ -492,7 +492,8 @@ class DuplexEngine:
         """One 80 ms frame for every session: user PCM in, agent PCM and text out.
 
         Args:
-            user_pcm: [B, 1920] (or [B, 1, 1920]) float32 in [-1, 1] at 24 kHz, each session's next user frame.
+            user_pcm: [B, 1920] (or [B, 1, 1920]) float samples in [-1, 1] at 24 kHz (any float dtype, read as
+                float32), each session's next user frame.
 
         Returns:
             :class:`FrameOutput` (device tensors; read ``text_token`` to the host once per frame).
@@ -513,7 +514,7 @@ class DuplexEngine:
         pcm = user_pcm[:, 0] if user_pcm.dim() == 3 and user_pcm.shape[1] == 1 else user_pcm
         if tuple(pcm.shape) != (B, FRAME_SIZE):
             raise ValueError(
-                f"step: user_pcm must be [{B}, {FRAME_SIZE}] float32 at 24 kHz, got {tuple(user_pcm.shape)}"
+                f"step: user_pcm must be [{B}, {FRAME_SIZE}] float samples at 24 kHz, got {tuple(user_pcm.shape)}"
             )
         batch = self._prepare()
         if not batch.rows:  # every session idle: nothing to compute

@@ -16,6 +16,14 @@ class CspanError(Exception):
     """Root of the errors raised by cspan-core and the applications built on it."""
 
 
+class SettingsError(CspanError):
+    """A setting is invalid: out of range, wrong type, an unknown key in a settings file, or a value that does not
+    fit what it names (a channel the recording lacks, a time past its end, a voice that cannot be read). The
+    message names its source (flag, variable or file key); the ``cspan`` command exits with status 2."""
+
+    exit_code = 2
+
+
 class CheckpointError(CspanError):
     """A checkpoint file is missing, truncated, corrupt, or does not match the model (names the file and key)."""
 

@@ -44,7 +44,7 @@ from pydantic import BeforeValidator, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, NoDecode, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
-from .errors import CspanError
+from .errors import SettingsError
 
 SETTINGS_CONFIG = SettingsConfigDict(
     env_prefix="CSPAN_",
@@ -89,12 +89,6 @@ S = TypeVar("S", bound=BaseSettings)
 _MODEL = "_settings_model"
 _SOURCE = "_settings_source"
 _VERB = "_settings_verb"
-
-
-class SettingsError(CspanError):
-    """A setting is invalid (out of range, wrong type, unknown key in a settings file); the message names its source."""
-
-    exit_code = 2
 
 
 def _flag(name: str) -> str:

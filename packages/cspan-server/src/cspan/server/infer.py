@@ -398,9 +398,9 @@ def resolve_voice(checkpoint: Any, voice: str | None) -> Any:
     with the checkpoint's Mimi); the first voice of ``voices/`` by default, None when there is none.
 
     Raises:
-        CspanError: the voice cannot be found or read (the message starts with ``--voice``).
+        SettingsError: the voice cannot be found or read (the message starts with ``--voice``; exit status 2).
     """
-    from cspan.core.errors import CspanError
+    from cspan.core.errors import CspanError, SettingsError
     from cspan.core.voice import load_voice_prompt
 
     if voice is None:
@@ -410,7 +410,7 @@ def resolve_voice(checkpoint: Any, voice: str | None) -> Any:
     try:
         return load_voice_prompt(voice, checkpoint)
     except CspanError as exc:
-        raise CspanError(f"--voice {voice}: {exc}") from None
+        raise SettingsError(f"--voice {voice}: {exc}") from None
 
 
 def checkpoint_identity(checkpoint: Any, device: Any, dtype: Any) -> dict[str, Any]:
@@ -494,7 +494,7 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
     from cspan.core.audio import inspect_audio
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
-    from cspan.core.errors import CspanError
+    from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
     from cspan.core.runtime import use_cpu_threads
 
@@ -513,7 +513,7 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
     last_s = (n_input + tail) / FRAME_RATE
     for label, t in [*(("--span", x.seconds) for x in s.spans), *(("--force-ret-at", t) for t in s.force_ret_at)]:
         if t >= last_s:
-            raise CspanError(
+            raise SettingsError(
                 f"{label} at {t:g} s is past the end of the conversation (input {info.duration_s:.2f} s + "
                 f"{s.tail_silence:g} s tail); use a time below {last_s:.2f} s"
             )

@@ -178,6 +178,14 @@ class ModelSettings(BaseSettings):
         json_schema_extra={"group": "model"},
     )
 
+    @field_validator("checkpoint", "base")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        """An empty value is a mistake (an unset variable in a script), not a request for the default."""
+        if value is not None and not value.strip():
+            raise ValueError("is empty; leave it out for the default, or give a repo id, a folder or a file")
+        return value
+
     @field_validator("voice")
     @classmethod
     def _check_voice_recording(cls, value: str | None) -> str | None:

@@ -193,7 +193,9 @@ class SphinxDecoderPool:
         """
         pcm = as_mono_float32(pcm)
         sample_rate = check_sample_rate(sample_rate)
-        if pcm.size == 0:
+        if pcm.size == 0 or float(np.max(np.abs(pcm))) < 1 / 32768:
+            # nothing, or digital silence (every sample rounds to 0 in the decoder's 16-bit input), on which the
+            # decoder would still guess a word ("i'm" on 2 s of zeros)
             return Transcript(text="", words=[])
         with self.decoder() as decoder:
             raw = to_int16(resample(pcm, sample_rate, self.sample_rate)).tobytes()
