@@ -165,6 +165,21 @@ def test_a_channel_the_recording_lacks_is_a_bad_setting(tmp_path):
     assert err.value.exit_code == 2
 
 
+def test_framing_a_file_without_samples_or_without_the_channel_says_so(tmp_path):
+    """``iter_frames`` (the README's quickstart calls it directly, without :func:`inspect_audio`): a WAV with a
+    header and no samples, or a channel it lacks, is an error before the first frame, not zero frames."""
+    from cspan.core.errors import SettingsError
+
+    empty = tmp_path / "empty.wav"
+    sf.write(empty, np.zeros(0, dtype=np.float32), 24_000)
+    with pytest.raises(AudioInputError, match="contains no audio samples"):
+        next(iter_frames(empty))
+    mono = tmp_path / "mono.wav"
+    sf.write(mono, _tone(24_000, 0.5), 24_000)
+    with pytest.raises(SettingsError, match=r"--channel 1: .* has 1 channel"):
+        next(iter_frames(mono, channel=1))
+
+
 def test_a_silent_channel_points_at_the_channel_that_has_sound(tmp_path):
     """A stereo recording whose speech is on the right: reading the left (the default) says to pass --channel 1;
     when every channel is silent it says so."""

@@ -251,11 +251,18 @@ def iter_frames(
         float32 arrays of shape ``[frame_size]``.
 
     Raises:
-        AudioInputError: the file cannot be opened or decoded.
+        AudioInputError: the file cannot be opened or decoded, or holds no samples.
+        SettingsError: ``channel`` is not one of the file's.
     """
     path = Path(path)
     with _open(path) as f:
         sr = int(f.samplerate)
+        if not 0 <= channel < f.channels:
+            raise SettingsError(
+                f"--channel {channel}: {path} has {f.channels} channel(s), numbered 0 to {f.channels - 1}"
+            )
+        if f.frames == 0:
+            raise AudioInputError(f"{path}: contains no audio samples")
         resampler = None if sr == sample_rate else soxr.ResampleStream(sr, sample_rate, 1, dtype="float32")
         pending = np.zeros(0, dtype=np.float32)
         blocks = f.blocks(blocksize=int(sr * _BLOCK_SECONDS), dtype="float32", always_2d=True)
