@@ -167,6 +167,15 @@ def check_sample_rate(sample_rate: int, where: str | os.PathLike[str]) -> int:
     return sample_rate
 
 
+def _check_layout(path: Path, f: sf.SoundFile, channel: int) -> None:
+    """The header's checks shared by :func:`inspect_audio` and :func:`iter_frames`: the channel exists (else a
+    :class:`SettingsError`, a bad ``--channel``) and the file holds samples (else :class:`AudioInputError`)."""
+    if not 0 <= channel < f.channels:
+        raise SettingsError(f"--channel {channel}: {path} has {f.channels} channel(s), numbered 0 to {f.channels - 1}")
+    if f.frames <= 0:
+        raise AudioInputError(f"{path}: contains no audio samples")
+
+
 def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds: float = 3600.0) -> AudioInfo:
     """Validate a recording and measure it in one streaming pass.
 
@@ -186,11 +195,8 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
     """
     path = Path(path)
     with _open(path) as f:
+        _check_layout(path, f, channel)
         sr, channels, frames = int(f.samplerate), int(f.channels), int(f.frames)
-        if not 0 <= channel < channels:
-            raise SettingsError(f"--channel {channel}: {path} has {channels} channel(s), numbered 0 to {channels - 1}")
-        if frames <= 0:
-            raise AudioInputError(f"{path}: contains no audio samples")
         duration = frames / sr
         if duration > max_seconds:
             raise AudioInputError(
@@ -201,12 +207,12 @@ def inspect_audio(path: str | os.PathLike[str], *, channel: int = 0, max_seconds
         try:
             for block in f.blocks(blocksize=int(sr * _BLOCK_SECONDS), dtype="float32", always_2d=True):
                 column = block[:, channel]
+                finite = np.isfinite(column)
                 with np.errstate(invalid="ignore"):
-                    clipped += int(np.count_nonzero(np.isfinite(column) & (np.abs(column) > 1.0)))
-                if len(block):
-                    clean, bad = sanitize_pcm(block)  # every channel as the model would take it
-                    nonfinite += int(np.count_nonzero(~np.isfinite(column))) if bad else 0
-                    peaks = np.maximum(peaks, np.abs(clean).max(axis=0))
+                    clipped += int(np.count_nonzero(finite & (np.abs(column) > 1.0)))
+                nonfinite += column.size - int(np.count_nonzero(finite))
+                if len(block):  # every channel as the model would take it
+                    peaks = np.maximum(peaks, np.abs(sanitize_pcm(block)[0]).max(axis=0))
         except (sf.LibsndfileError, RuntimeError) as exc:
             raise AudioInputError(
                 f"{path}: decoding failed part-way ({decode_error_cause(exc)}); the file is damaged"
@@ -256,13 +262,8 @@ def iter_frames(
     """
     path = Path(path)
     with _open(path) as f:
+        _check_layout(path, f, channel)
         sr = int(f.samplerate)
-        if not 0 <= channel < f.channels:
-            raise SettingsError(
-                f"--channel {channel}: {path} has {f.channels} channel(s), numbered 0 to {f.channels - 1}"
-            )
-        if f.frames == 0:
-            raise AudioInputError(f"{path}: contains no audio samples")
         resampler = None if sr == sample_rate else soxr.ResampleStream(sr, sample_rate, 1, dtype="float32")
         pending = np.zeros(0, dtype=np.float32)
         blocks = f.blocks(blocksize=int(sr * _BLOCK_SECONDS), dtype="float32", always_2d=True)
