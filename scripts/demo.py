@@ -4,7 +4,8 @@ Builds the tiny demo checkpoint if absent (``demo/tiny-checkpoint``, random weig
 real 7B is not reachable offline), then runs ``cspan infer`` on the repository's own recording
 (``assets/question_library_24k.wav``: "When does the library open on Sunday?") with the embedded transcriber
 (pocketsphinx), the embedded router over ``assets/knowledge/`` and an in-memory Context DB (nothing is remembered
-between runs), and a ``<ret>`` forced right after the question, and prints where the outputs are. Pass ``--checkpoint SOURCE`` to use a real checkpoint instead.
+between runs), and a ``<ret>`` forced right after the question, and prints where the outputs are. Pass
+``--checkpoint SOURCE`` to use a real checkpoint instead.
 """
 
 from __future__ import annotations
