@@ -13,6 +13,8 @@ Subcommands:
              persona prefixes, issue 18's default policy) against the same step with policy none, B = 1 and 32
   tune-prefill  the ragged prefill attention of a 600- and a 256-position span over a full ring: every
              (block_m, block_n, warps, stages) x key splits; and the block's RoPE split and KV write
+  overlap    a 601-token block's attention beside B = 64 rows' decode attention on two streams, against one after
+             the other, for several configs of both kernels (and FlashInfer's decode)
   bench      ``cspan bench ...`` without installed entry points (arguments follow)
   summary    DIR: the compact summary of a perf_h200.sh run's logs and JSON
 
@@ -314,11 +316,7 @@ def tune_prefill() -> None:
     t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
 
     def one_span(n: int, bm: int):  # row 0 reads n new positions after a full ring
-        per = -(-n // bm)
-        return fused.Ragged(
-            seq_row=t([0]), seq_start=t([0]), seq_len=t([n]), qb_seq=t([0] * per), qb_j=t([j * bm for j in range(per)]),
-            tok_row=t([0] * n), tok_j=t(list(range(n))), tok_keep=t([1] * n).bool(), block_m=bm,
-        ).at(offset)  # fmt: skip
+        return _one_span(n, bm, offset)
 
     def at(n: int) -> None:
         q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
@@ -364,6 +362,103 @@ def tune_prefill() -> None:
 
     for n in (600, 256):
         at(n)
+
+
+def _one_span(n: int, bm: int, offset: torch.Tensor):
+    """The ragged layout of row 0 reading n new positions after its ring (``offset`` [1] positions so far)."""
+    from cspan.core.modules import fused
+
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=offset.device)  # noqa: E731
+    per = -(-n // bm)
+    return fused.Ragged(
+        seq_row=t([0]), seq_start=t([0]), seq_len=t([n]), qb_seq=t([0] * per), qb_j=t([j * bm for j in range(per)]),
+        tok_row=t([0] * n), tok_j=t(list(range(n))), tok_keep=t([1] * n).bool(), block_m=bm,
+    ).at(offset)  # fmt: skip
+
+
+@torch.no_grad()
+def overlap() -> None:
+    """Does the GPU run a block's attention and other rows' decode attention at once? A 601-token block over one
+    full ring and B = 64 rows' decode over full rings, per layer (LAYERS layers per graph, the block's layer before
+    the decode's as the engine orders them): each alone, one after the other, and the block on a second stream of
+    high priority beside the decode (fork and join per layer), for several configs of both kernels and FlashInfer's
+    decode. Microseconds per layer; "hidden" is how much of the shorter kernel the two streams saved."""
+    from cspan.core.modules import fused
+
+    fi = _flashinfer()
+    dev = torch.device("cuda")
+    B, n = 64, 601
+    dkeys = [torch.randn(B, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    dvalues = [torch.randn_like(k) for k in dkeys]
+    pkeys = [torch.randn(1, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    pvalues = [torch.randn_like(k) for k in pkeys]
+    qkv = torch.randn(B, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    rows = torch.arange(B, device=dev)
+    positions = torch.full((B,), 10 * RING + 7, dtype=torch.long, device=dev)
+    rope = fused.rope_tables(positions, HEAD_DIM, 10_000.0)
+    q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    offset = torch.full((1,), 10 * RING, dtype=torch.long, device=dev)
+    side = torch.cuda.Stream(dev, priority=-1)
+    decoders = {f"triton {cfg}": cfg for cfg in ((32, 64, 8, 4, 4, 1), (32, 16, 2, 4, 3, 1), (32, 16, 2, 4, 2, 1),
+                                                  (64, 16, 2, 4, 2, 1), (32, 8, 1, 4, 2, 1))}  # fmt: skip
+    wrapper = None
+    if fi is not None:
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+        wrapper.plan(
+            torch.arange(B + 1, dtype=torch.int32), torch.arange(B, dtype=torch.int32),
+            torch.full((B,), RING, dtype=torch.int32), HEADS, HEADS, HEAD_DIM, RING, q_data_type=torch.bfloat16,
+            kv_data_type=torch.bfloat16,
+        )  # fmt: skip
+        decoders["flashinfer"] = None
+    q_fi = qkv[:, : HEADS * HEAD_DIM].reshape(B, HEADS, HEAD_DIM).contiguous()
+    prefills = [((64, 64, 4, 3), None), ((64, 64, 4, 2), None), ((64, 32, 4, 2), None), ((64, 64, 4, 3), 1),
+                ((128, 64, 8, 2), None)]  # fmt: skip
+
+    def decode(name: str, i: int) -> None:
+        if decoders[name] is None:
+            wrapper.run(q_fi, (dkeys[i], dvalues[i]))
+        else:
+            fused.decode_attention(qkv, dkeys[i], dvalues[i], positions, rows, RING, rope, config=decoders[name])
+
+    def prefill(pcfg, splits, ragged, i: int) -> None:
+        fused.prefill_attention(q, k, v, pkeys[i], pvalues[i], ragged, RING, config=pcfg, splits=splits)
+
+    def timed(fn) -> float:
+        return _events_ms(_graph(fn), 10) * 1000 / LAYERS
+
+    print(f"B = {B} decode beside a {n}-token block, full rings of {RING}, us per layer:")
+    print("| decode | block (config, splits) | decode alone | block alone | one after the other | beside | hidden |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name in decoders:
+        alone_d = timed(lambda name=name: [decode(name, i) for i in range(LAYERS)])
+        for pcfg, splits in prefills:
+            ragged = _one_span(n, pcfg[0], offset)
+
+            def apart(name=name, pcfg=pcfg, splits=splits, ragged=ragged):
+                for i in range(LAYERS):
+                    prefill(pcfg, splits, ragged, i)
+                    decode(name, i)
+
+            def beside(name=name, pcfg=pcfg, splits=splits, ragged=ragged):
+                main = torch.cuda.current_stream()
+                for i in range(LAYERS):
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        prefill(pcfg, splits, ragged, i)
+                    decode(name, i)
+                    main.wait_stream(side)
+
+            try:
+                alone_p = timed(lambda pcfg=pcfg, splits=splits, ragged=ragged: [
+                    prefill(pcfg, splits, ragged, i) for i in range(LAYERS)])  # fmt: skip
+                t_apart, t_beside = timed(apart), timed(beside)
+            except Exception as exc:
+                print(f"| {name} | {pcfg}, {splits} | failed: {type(exc).__name__}: {str(exc)[:100]} |")
+                continue
+            hidden = (t_apart - t_beside) / min(alone_d, alone_p)
+            print(f"| {name} | {pcfg}, {splits} | {alone_d:.1f} | {alone_p:.1f} | {t_apart:.1f} | {t_beside:.1f} | "
+                  f"{hidden:.0%} |", flush=True)  # fmt: skip
 
 
 @torch.no_grad()
@@ -651,6 +746,7 @@ SUBCOMMANDS = {
     "tune-conv": tune_conv,
     "tune-prefill": tune_prefill,
     "pinned": pinned,
+    "overlap": overlap,
 }
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
+#                                        #         bench-apart
 #                                        #         variants probe gemv
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
@@ -86,8 +87,14 @@ for stage in $stages; do
       run tests 450 python3 -m pytest ${TESTS:-tests/core/test_core_fused_cuda.py tests/core/test_core_engine_cuda.py \
         tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py} -m gpu -q -rP -p no:cacheprovider ;;
     bench)  # full rings: B = 1 table, then B = 32 / 64 / 80 with a 600-column span into 1 session of the frame
-      run bench 150 $BENCH latency --random-7b --n 0 16 600 --iters 20 --warmup 3 --batch-size ${BATCHES:-32 64 80} \
+      # SPANS (optional, default "0 16 600"): the span lengths, at B = 1 and into 1 session of each batch
+      run bench 180 $BENCH latency --random-7b --n ${SPANS:-0 16 600} --iters 20 --warmup 3 --batch-size ${BATCHES:-32 64 80} \
         --span-sessions 1 --out "$LOGS/latency.json" ;;
+    bench-apart)  # spans into 1 session of B with the block attention after the decode attention, not beside it
+      CSPAN_SPAN_OVERLAP=0 run bench-apart 150 $BENCH latency --random-7b --n 600 --iters 20 --warmup 3 \
+        --batch-size ${BATCHES:-32 64 80} --span-sessions 1 --out "$LOGS/latency_apart.json" ;;
+    overlap)  # a block's attention beside 64 rows' decode attention on two streams, per kernel config
+      TAIL=40 run overlap 200 python3 scripts/perf_h200.py overlap ;;
     bench-fp8)
       run bench-fp8 120 $BENCH latency --random-7b --kv-dtype fp8 --n 0 600 --iters 20 --warmup 3 \
         --batch-size 128 --span-sessions 2 --out "$LOGS/latency_fp8.json" ;;

@@ -401,6 +401,46 @@ def test_7b_graph_step_is_the_same_with_and_without_pdl(lm7b: LMModel, monkeypat
         assert torch.equal(a.text_logits, b.text_logits), f"frame {t}"
 
 
+def test_7b_block_attention_beside_the_decode_attention_changes_nothing(
+    lm7b: LMModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's block attention on the plan's second stream, beside the other rows' decode attention (FlashInfer's
+    from 8 rows, where installed), gives the same columns, text logits and sessions' cache rows as the two one after
+    the other (``CSPAN_SPAN_OVERLAP=0``), bit for bit: graphed, 8 sessions, spans of 600 and 40 columns into two
+    of them (row 8, the scratch row, takes the padding and block rows' dummy slots, several writes to one slot)."""
+    kw = {"batch_size": 8, "temp": 0.0, "temp_text": 0.0, "seed": 0, "cuda_graphs": True}
+    gen = torch.Generator().manual_seed(9)
+    users = [torch.randint(0, 2048, (8, 8), generator=gen).cuda() for _ in range(9)]
+    spans = [ContextSpan.from_ids(torch.randint(32, 32000, (n - 2,), generator=gen).tolist()) for n in (600, 40)]
+
+    def run(engine: DuplexEngine) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for t in range(9):
+            if t in (2, 4, 6):  # the third use of a graph key replays it
+                engine.inject_span(0, spans[0])
+                engine.inject_span(5, spans[1])
+            o = engine.step_tokens(users[t])
+            out.append((o.column, o.text_logits))
+        return out
+
+    monkeypatch.setenv("CSPAN_SPAN_OVERLAP", "0")
+    apart = DuplexEngine(lm7b, **kw)
+    assert apart.plan.attention_stream is None
+    want = run(apart)
+    monkeypatch.delenv("CSPAN_SPAN_OVERLAP")
+    beside = DuplexEngine(lm7b, **kw)
+    assert beside.plan.attention_stream is not None
+    got = run(beside)
+    for t, ((ca, la), (cb, lb)) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(ca, cb), f"step {t}: the columns differ"
+        assert torch.equal(la, lb), f"step {t}: the text logits differ"
+    a, b = apart.lm_state.transformer.cache, beside.lm_state.transformer.cache
+    assert torch.equal(a.offset, b.offset)
+    rows = slice(0, 8)  # the sessions' rows
+    assert torch.equal(a.keys[:, rows], b.keys[:, rows]), "the keys differ"
+    assert torch.equal(a.values[:, rows], b.values[:, rows]), "the values differ"
+
+
 def test_7b_mixed_ragged_steps_graphed_equal_eager_and_stepwise(lm7b: LMModel) -> None:
     """Four sessions; in the same steps one reads a 64-column span, one a 40-column span, one a persona prefix, one
     steps plainly (and later is idle). The graphed engine equals the eager fused engine laid out as the graphs lay

@@ -54,6 +54,9 @@ class ExecutionPlan:
             row counts where it was at least as fast, :func:`cspan.core.attention.library_faster`), "always"
             (``CSPAN_ATTENTION=flashinfer``), or None: never (not installed, ``CSPAN_ATTENTION=triton``, an FP8
             cache, or the eager path).
+        attention_stream: the CUDA stream a step's ragged sequences' attention runs on beside the decode slots'
+            attention (:meth:`cspan.core.modules.transformer.StreamingTransformer.forward_step`), or None: one
+            after the other (CPU, the eager path, ``CSPAN_SPAN_OVERLAP=0``).
         row_buckets, block_buckets: the graph buckets (:data:`ROW_BUCKETS`, :data:`BLOCK_BUCKETS`).
     """
 
@@ -65,6 +68,7 @@ class ExecutionPlan:
     kv_dtype: torch.dtype
     decode_config: tuple[int, int, int, int, int, int] | None = None
     library: str | None = None
+    attention_stream: torch.cuda.Stream | None = None
     row_buckets: tuple[int, ...] = ROW_BUCKETS
     block_buckets: tuple[int, ...] = BLOCK_BUCKETS
     buckets: bool = False
@@ -149,6 +153,7 @@ def resolve_plan(
     else:
         fused_on = bool(fused)
     kv = parse_kv_dtype(kv_dtype, lm.dtype)
+    overlap = fused_on and device.type == "cuda" and settings.span_overlap != "0"
     library = None
     window_is_ring = lm.cfg.context is not None  # the temporal cache holds exactly the window
     library_ok = (
@@ -169,6 +174,7 @@ def resolve_plan(
         kv_dtype=kv,
         decode_config=settings.decode_config,
         library=library,
+        attention_stream=torch.cuda.Stream(device, priority=-1) if overlap else None,
         buckets=bool(cuda_graphs),
     )
 

@@ -92,6 +92,8 @@ class KernelSettings:
         gemv: False with ``CSPAN_GEMV=0``.
         decode_config: ``CSPAN_DECODE_CONFIG`` parsed, or None.
         attention: ``CSPAN_ATTENTION``: "auto" (default), "triton" or "flashinfer" (:mod:`cspan.core.attention`).
+        span_overlap: ``CSPAN_SPAN_OVERLAP``: "1" (default) runs a step's block attention beside its decode
+            attention on a second stream, "0" one after the other (:class:`cspan.core.plan.ExecutionPlan`).
     """
 
     enabled: bool
@@ -101,6 +103,7 @@ class KernelSettings:
     gemv: bool
     decode_config: tuple[int, int, int, int, int, int] | None
     attention: str = "auto"
+    span_overlap: str = "1"
 
 
 def settings_from_env() -> KernelSettings:
@@ -115,6 +118,9 @@ def settings_from_env() -> KernelSettings:
     attention = os.environ.get("CSPAN_ATTENTION", "auto")
     if attention not in ("auto", "triton", "flashinfer"):
         raise ValueError(f"CSPAN_ATTENTION must be auto, triton or flashinfer, got {attention!r}")
+    span_overlap = os.environ.get("CSPAN_SPAN_OVERLAP", "1")
+    if span_overlap not in ("0", "1"):
+        raise ValueError(f"CSPAN_SPAN_OVERLAP must be 0 or 1, got {span_overlap!r}")
     if env:
         try:
             bn, splits, waves, warps, stages, lanes = (int(v) for v in env.split(","))
@@ -131,6 +137,7 @@ def settings_from_env() -> KernelSettings:
         gemv=os.environ.get("CSPAN_GEMV") != "0",
         decode_config=config,
         attention=attention,
+        span_overlap=span_overlap,
     )
 
 
@@ -1210,6 +1217,7 @@ def prefill_attention(
     config: tuple[int, int, int, int] | None = None,
     splits: int | None = None,
     pdl: bool | None = None,
+    beside_decode: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ragged sequences of new tokens, each over its cache row's ring (read in place, not
     modified) and its own new tokens.
@@ -1224,6 +1232,8 @@ def prefill_attention(
             (default :data:`PREFILL_CONFIG`).
         splits: key splits per query block, for tuning (default: see :data:`PREFILL_WAVES`).
         pdl: launch with PDL (None: :func:`pdl_enabled`).
+        beside_decode: the step also has decode slots, whose attention may run beside this one (default splits
+            only): one key split per query block once the query blocks alone give every SM a program.
 
     Returns:
         [N, H * Dh] in q's dtype (rows of padding tokens, and of tokens outside ``ragged``'s query blocks, are
@@ -1243,6 +1253,11 @@ def prefill_attention(
         programs = max(1, min(Q, triton.cdiv(N, BM))) * H
         splits = max(target // programs, 2 if programs < 2 * target else 1)
         splits = max(1, min(16, splits, triton.cdiv(key_blocks, 2)))
+        if beside_decode and programs >= _num_sms(q.device):
+            # fewer, longer programs, which share the SMs with the decode attention's (C73 / C74: 46-52 % of a
+            # 600-column block's attention hidden under 64 rows' decode, against 0-6 % with the splits above);
+            # a short block keeps its splits (its few programs would each walk the whole ring)
+            splits = 1
     per = triton.cdiv(key_blocks, splits)
     part_o = part_lse = out
     if splits > 1:

@@ -810,7 +810,14 @@ class StreamingTransformer(nn.Module):
         self, x: torch.Tensor, cache: KVCache, layout: StepLayout, window: int, plan: ExecutionPlan
     ) -> torch.Tensor:
         """:meth:`forward_step` through the kernels: per layer one product over all tokens, the decode slots'
-        attention (which writes their keys), the ragged sequences' attention and cache write, one product."""
+        attention (which writes their keys), the ragged sequences' attention and cache write, one product.
+
+        In a step with both decode slots and ragged tokens, the ragged sequences' attention runs on
+        ``plan.attention_stream`` (when the plan has one) while the decode slots' attention runs on the current
+        stream: the first is bound by the matrix units, the second by the memory (it streams every slot row's
+        ring), and they touch different cache rows, so the GPU runs them at once (the idea of POD-Attention, Kamath
+        et al. 2025, with two kernels on two streams instead of one fused kernel). Each kernel computes what it
+        computes alone: the results are the same bit for bit."""
         pdl, d = plan.pdl, layout.slots
         slot_rows = layout.slot_rows
         slot_pos = None if slot_rows is None else cache.offset.index_select(0, slot_rows)  # [d]
@@ -829,10 +836,24 @@ class StreamingTransformer(nn.Module):
             rope = fused.rope_tables(positions, self.head_dim, self.max_period)
         last = len(self.layers) - 1
         update: torch.Tensor | None = None
+        block_rope = None if rope is None else (rope[0][d:], rope[1][d:])
+        side = plan.attention_stream if ragged is not None and slot_pos is not None else None
+        beside_decode = slot_pos is not None  # the block attention's key splits (fused.prefill_attention)
+        main = None if side is None else torch.cuda.current_stream(x.device)
         for i, layer in enumerate(self.layers):
             x, h = _add_norm(x, update, layer.norm1, pdl)
             qkv = F.linear(h, layer.self_attn.in_proj_weight)  # [T, 3D]
             keys, values, scales = cache.keys[i], cache.values[i], cache.layer_scales(i)
+            blocks = None
+            if ragged is not None:
+                queries = ragged if i < last else last_ragged  # the last layer: the next positions' blocks only
+                block = (qkv[d:], self.num_heads, block_rope, queries, keys, values, scales, window, beside_decode, pdl)
+                if side is not None:  # beside the decode slots' attention below
+                    # the side stream waits for everything queued on the main one, so memory the allocator hands it
+                    # again (its own tensors, last used on the main stream before this point) is free by then
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        blocks = _block_attention(*block)
             parts = []
             if slot_pos is not None:
                 slot_rope = None if rope is None else (rope[0][:d], rope[1][:d])
@@ -848,11 +869,9 @@ class StreamingTransformer(nn.Module):
                         )
                     )
             if ragged is not None:
-                block_rope = None if rope is None else (rope[0][d:], rope[1][d:])
-                q, k, v = fused.rope_split(qkv[d:], self.num_heads, block_rope, pdl=pdl)
-                queries = ragged if i < last else last_ragged  # the last layer: the next positions' blocks only
-                parts.append(fused.prefill_attention(q, k, v, keys, values, queries, window, scales, pdl=pdl))
-                fused.kv_write(k, v, keys, values, ragged.tok_row, ragged.store_pos, scales, pdl=pdl)
+                if side is not None:
+                    main.wait_stream(side)
+                parts.append(_block_attention(*block) if blocks is None else blocks)
             attn = torch.cat(parts) if len(parts) > 1 else parts[0]
             if i == last and layout.final is not None:  # only the next positions' outputs are used
                 x, attn = x.index_select(0, layout.final), attn.index_select(0, layout.final)
@@ -904,6 +923,26 @@ class StepLayout:
     def slots(self) -> int:
         """d: the decode slots (b, or 0 when every row reads a block)."""
         return 0 if self.slot_rows is None else self.slot_rows.shape[0]
+
+
+def _block_attention(
+    qkv: torch.Tensor,
+    heads: int,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    queries: fused.Ragged,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int,
+    beside_decode: bool,
+    pdl: bool | None,
+) -> torch.Tensor:
+    """The ragged sequences' attention of one layer (their ``qkv`` [n, 3D]; ``beside_decode``: the step has decode
+    slots too), then their keys and values written into the ring: [n, H, Dh]."""
+    q, k, v = fused.rope_split(qkv, heads, rope, pdl=pdl)
+    out = fused.prefill_attention(q, k, v, keys, values, queries, window, scales, pdl=pdl, beside_decode=beside_decode)
+    fused.kv_write(k, v, keys, values, queries.tok_row, queries.store_pos, scales, pdl=pdl)
+    return out
 
 
 def _feed_forward(layer: StreamingTransformerLayer, h: torch.Tensor, sets: list[int] | None, pdl: bool | None):
