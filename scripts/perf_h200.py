@@ -519,13 +519,19 @@ def pinned() -> None:
             torch.cuda.empty_cache()
 
 
-def _kernel_profile(title: str, fn, reps: int = 5) -> None:
+def _kernel_profile(title: str, fn, reps: int = 5, trace: str | None = None) -> None:
     """Profile ``reps`` calls of ``fn`` (graph replays included: CUPTI reports the graph's kernels): kernel count,
-    sum of kernel times, first-start-to-last-end span per call, and the kernels grouped by name."""
+    sum of kernel times, first-start-to-last-end span per call, and the kernels grouped by name. ``trace``: also
+    write one call's Chrome trace (kernels with their streams and times) to this path."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
+    if trace:
+        with profile(activities=[ProfilerActivity.CUDA]) as one:
+            fn()
+            torch.cuda.synchronize()
+        one.export_chrome_trace(trace)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
@@ -585,7 +591,9 @@ def _profile_at(lm, B: int, kv_dtype: str = "auto") -> None:
 
     for _ in range(3):
         with_span()
-    _kernel_profile(f"B={B} step reading a 600-column span in session 0", with_span)
+    traces = os.environ.get("PROFILE_TRACE")  # a folder: one call's Chrome trace of the span step per B
+    trace = f"{traces}/trace_span_B{B}.json" if traces else None
+    _kernel_profile(f"B={B} step reading a 600-column span in session 0", with_span, trace=trace)
 
 
 @torch.no_grad()

@@ -871,7 +871,11 @@ class StreamingTransformer(nn.Module):
             if ragged is not None:
                 if side is not None:
                     main.wait_stream(side)
-                parts.append(_block_attention(*block) if blocks is None else blocks)
+                out, k, v = _block_attention(*block) if blocks is None else blocks
+                # the block's keys and values into the ring after its attention (which reads the ring entries they
+                # replace), on this stream: beside the decode it would wait for the decode's SMs
+                fused.kv_write(k, v, keys, values, queries.tok_row, queries.store_pos, scales, pdl=pdl)
+                parts.append(out)
             attn = torch.cat(parts) if len(parts) > 1 else parts[0]
             if i == last and layout.final is not None:  # only the next positions' outputs are used
                 x, attn = x.index_select(0, layout.final), attn.index_select(0, layout.final)
@@ -936,13 +940,12 @@ def _block_attention(
     window: int,
     beside_decode: bool,
     pdl: bool | None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ragged sequences' attention of one layer (their ``qkv`` [n, 3D]; ``beside_decode``: the step has decode
-    slots too), then their keys and values written into the ring: [n, H, Dh]."""
+    slots too): the output [n, H, Dh] and the rotated keys and the values [n, H, Dh] for the ring."""
     q, k, v = fused.rope_split(qkv, heads, rope, pdl=pdl)
     out = fused.prefill_attention(q, k, v, keys, values, queries, window, scales, pdl=pdl, beside_decode=beside_decode)
-    fused.kv_write(k, v, keys, values, queries.tok_row, queries.store_pos, scales, pdl=pdl)
-    return out
+    return out, k, v
 
 
 def _feed_forward(layer: StreamingTransformerLayer, h: torch.Tensor, sets: list[int] | None, pdl: bool | None):
