@@ -814,7 +814,7 @@ class StreamingTransformer(nn.Module):
 
         In a step with both decode slots and ragged tokens, the ragged sequences' attention runs on
         ``plan.attention_stream`` (when the plan has one) while the decode slots' attention runs on the current
-        stream: the first is bound by the matrix units, the second by the memory (it streams every slot row's
+        stream (the ragged keys and values are written after the join, on the current stream): the first is bound by the matrix units, the second by the memory (it streams every slot row's
         ring), and they touch different cache rows, so the GPU runs them at once (the idea of POD-Attention, Kamath
         et al. 2025, with two kernels on two streams instead of one fused kernel). Each kernel computes what it
         computes alone: the results are the same bit for bit."""
