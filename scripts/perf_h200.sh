@@ -140,8 +140,9 @@ for stage in $stages; do
       # ("tree"), the engine before v2 ("before", fresh streams only) and .device/variants/NAME/src (a git archive of a
       # branch's packages/cspan-core/src). VARIANTS (optional) names them (default: tree, then every .device/variants
       # folder). Per variant and round: the fresh-stream table (B = 1, spans N, default "0 16 64 600") and, with
-      # RING=1 (default), the full-ring B = 1 step with a 600-column span (RING_BATCHES, optional: also these batch
-      # sizes on full rings, the span into 1 session of the frame). FRESH=0 skips the fresh-stream table.
+      # RING=1 (default), the full-ring B = 1 step with a 600-column span (RING_N, optional: the span lengths, default
+      # "0 600"; RING_BATCHES, optional: also these batch sizes on full rings, the span into 1 session of the frame).
+      # FRESH=0 skips the fresh-stream table.
       names=${VARIANTS:-tree $(cd .device/variants 2>/dev/null && ls -d */ | tr -d /)}
       for r in $(seq 1 "${ROUNDS:-2}"); do
         order=$names; [ $((r % 2)) -eq 0 ] && order=$(echo $names | tr ' ' '\n' | tac | tr '\n' ' ')
@@ -154,7 +155,7 @@ for stage in $stages; do
           vpath=/tmp/site:/tmp/fisite:$core:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src
           [ "${FRESH:-1}" = 1 ] && TAIL=0 run "fresh-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b $fresh --n ${N:-0 16 64 600} \
             --iters ${ITERS:-30} --warmup 5 --no-frame --out "$LOGS/latency_fresh_$v-$r.json"
-          [ "$ring" = 1 ] && TAIL=0 run "ring-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b --n 0 600 \
+          [ "$ring" = 1 ] && TAIL=0 run "ring-$v-$r" 120 env PYTHONPATH=$vpath $bench latency --random-7b --n ${RING_N:-0 600} \
             --iters 20 --warmup 3 --no-frame ${RING_BATCHES:+--batch-size $RING_BATCHES --span-sessions 1} \
             --out "$LOGS/latency_ring_$v-$r.json"
         done
