@@ -594,6 +594,49 @@ def _profile_at(lm, B: int, kv_dtype: str = "auto") -> None:
     traces = os.environ.get("PROFILE_TRACE")  # a folder: one call's Chrome trace of the span step per B
     trace = f"{traces}/trace_span_B{B}.json" if traces else None
     _kernel_profile(f"B={B} step reading a 600-column span in session 0", with_span, trace=trace)
+    if trace:
+        trace_summary(trace)
+
+
+def trace_summary(path: str) -> None:
+    """What one span step's Chrome trace (``PROFILE_TRACE``; ``.json`` or ``.json.gz``) says about the block's
+    attention beside the decode attention, per layer: when each decode attention starts after its inputs are ready
+    (the end of the kernel before it on its stream), how long it and the block's attention run, and the step's idle
+    time (no kernel on any stream). C77: the decode started 71 us per layer late behind the block's programs.
+    Usage (anywhere, no GPU): ``python3 scripts/perf_h200.py trace docs/perf/round4/c77/trace_span_B64.json.gz``."""
+    import gzip
+    import json
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        print(f"{path}: no kernels")
+        return
+    start, end = kernels[0]["ts"], max(e["ts"] + e["dur"] for e in kernels)
+    busy, (lo, hi) = 0.0, (kernels[0]["ts"], kernels[0]["ts"] + kernels[0]["dur"])
+    for e in kernels[1:]:
+        if e["ts"] > hi:
+            busy, lo = busy + hi - lo, e["ts"]
+        hi = max(hi, e["ts"] + e["dur"])
+    busy += hi - lo
+    late, decode = [], []
+    for i, e in enumerate(kernels):
+        if "BatchDecode" not in e["name"]:  # FlashInfer's decode: the temporal rows' from 8 rows on
+            continue
+        before = [k for k in kernels[:i] if k["args"].get("stream") == e["args"].get("stream")]
+        if before:
+            late.append(e["ts"] - (before[-1]["ts"] + before[-1]["dur"]))
+            decode.append(e["dur"])
+    block = [e["dur"] for e in kernels if "prefill_attn" in e["name"]]
+    print(
+        f"{path}: {len(kernels)} kernels, first start to last end {end - start:.1f} us, idle {end - start - busy:.1f} us"
+    )
+    if late:
+        print(f"  decode attention: {len(late)} launches, starts {statistics.mean(late):.1f} us after its inputs "
+              f"(max {max(late):.1f}, {sum(late):.1f} per step), runs {statistics.mean(decode):.1f} us")  # fmt: skip
+    if block:
+        print(f"  block attention: {len(block)} launches, runs {statistics.mean(block):.1f} us")
 
 
 @torch.no_grad()
@@ -763,6 +806,8 @@ if __name__ == "__main__":
         sys.exit(bench(rest))
     if cmd == "summary":
         sys.exit(summary(rest[0]))
+    if cmd == "trace":
+        sys.exit(trace_summary(rest[0]))
     if cmd not in SUBCOMMANDS:
         sys.exit(f"unknown subcommand {cmd!r}: {', '.join(SUBCOMMANDS)}, bench")
     SUBCOMMANDS[cmd]()
