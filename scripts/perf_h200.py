@@ -15,6 +15,7 @@ Subcommands:
              (block_m, block_n, warps, stages) x key splits; and the block's RoPE split and KV write
   overlap    a 601-token block's attention beside B = 64 rows' decode attention on two streams, against one after
              the other, for several configs of both kernels (and FlashInfer's decode)
+  trace      FILE: a span step's Chrome trace (``profile`` with PROFILE_TRACE) read per layer, no GPU needed
   bench      ``cspan bench ...`` without installed entry points (arguments follow)
   summary    DIR: the compact summary of a perf_h200.sh run's logs and JSON
 
@@ -224,10 +225,9 @@ def _decode_at(B: int, candidates: list, fi) -> tuple:
     return best
 
 
-def _flashinfer_decode(fi, B: int, q, keys, values, ref) -> tuple[float, float]:
-    """FlashInfer's paged decode over the same rings: [B, H, C, Dh] per layer = HND pages of C slots, one per row
-    (as cspan.core.attention runs it); its output checked against ours on layer 0."""
-    dev = q.device
+def _flashinfer_decode_wrapper(fi, B: int, dev: torch.device):
+    """FlashInfer's paged decode planned for B full rings: [B, H, C, Dh] per layer = HND pages of C slots, one per
+    row (as cspan.core.attention runs it)."""
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
     wrapper.plan(
@@ -235,6 +235,13 @@ def _flashinfer_decode(fi, B: int, q, keys, values, ref) -> tuple[float, float]:
         torch.full((B,), RING, dtype=torch.int32), HEADS, HEADS, HEAD_DIM, RING, q_data_type=torch.bfloat16,
         kv_data_type=torch.bfloat16,
     )  # fmt: skip
+    return wrapper
+
+
+def _flashinfer_decode(fi, B: int, q, keys, values, ref) -> tuple[float, float]:
+    """FlashInfer's paged decode over the same rings: [B, H, C, Dh] per layer = HND pages of C slots, one per row
+    (as cspan.core.attention runs it); its output checked against ours on layer 0."""
+    wrapper = _flashinfer_decode_wrapper(fi, B, q.device)
     out = wrapper.run(q, (keys[0], values[0]))
     err = (out.float().reshape(ref.shape) - ref.float()).abs().max().item()
 
@@ -256,13 +263,7 @@ def _prefill_side_by_side(fi, B: int) -> None:
     values = [torch.randn_like(k) for k in keys]
     q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
     offset = torch.full((B,), 10 * RING, dtype=torch.long, device=dev)
-    t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-    bm = fused.block_m_for(n)
-    per = -(-n // bm)
-    ragged = fused.Ragged(
-        seq_row=t([0]), seq_start=t([0]), seq_len=t([n]), qb_seq=t([0] * per), qb_j=t([j * bm for j in range(per)]),
-        tok_row=t([0] * n), tok_j=t(list(range(n))), tok_keep=t([1] * n).bool(), block_m=bm,
-    ).at(offset)  # fmt: skip
+    ragged = _one_span(n, fused.block_m_for(n), offset)
     # the ring's positions + the block's, as the engine's step reads them
     flops = 4 * n * (RING + n / 2) * HEADS * HEAD_DIM
 
@@ -315,15 +316,12 @@ def tune_prefill() -> None:
     offset = torch.full((1,), 10 * RING, dtype=torch.long, device=dev)
     t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
 
-    def one_span(n: int, bm: int):  # row 0 reads n new positions after a full ring
-        return _one_span(n, bm, offset)
-
     def at(n: int) -> None:
         q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * n * (RING + n / 2) * HEADS * HEAD_DIM
         results = {}
         for bm in (64, 128):
-            ragged = one_span(n, bm)
+            ragged = _one_span(n, bm, offset)
             for bn in (32, 64, 128):
                 for warps in (4, 8):
                     for stages in (2, 3):
@@ -338,7 +336,7 @@ def tune_prefill() -> None:
                                 results[(cfg, splits)] = _events_ms(_graph(run), 10) * 1000 / len(keys)
                             except Exception as exc:
                                 print(f"  n={n} {cfg} splits {splits}: failed {type(exc).__name__}: {str(exc)[:100]}")
-        ragged = one_span(n, fused.block_m_for(n))
+        ragged = _one_span(n, fused.block_m_for(n), offset)
 
         def run_default(ragged=ragged):
             for kk, vv in zip(keys, values, strict=True):
@@ -365,7 +363,7 @@ def tune_prefill() -> None:
 
 
 def _one_span(n: int, bm: int, offset: torch.Tensor):
-    """The ragged layout of row 0 reading n new positions after its ring (``offset`` [1] positions so far)."""
+    """The ragged layout of row 0 reading n new positions after its ring (``offset`` [B] positions so far)."""
     from cspan.core.modules import fused
 
     t = lambda x: torch.tensor(x, dtype=torch.long, device=offset.device)  # noqa: E731
@@ -401,15 +399,8 @@ def overlap() -> None:
     side = torch.cuda.Stream(dev, priority=-1)
     decoders = {f"triton {cfg}": cfg for cfg in ((32, 64, 8, 4, 4, 1), (32, 16, 2, 4, 3, 1), (32, 16, 2, 4, 2, 1),
                                                   (64, 16, 2, 4, 2, 1), (32, 8, 1, 4, 2, 1))}  # fmt: skip
-    wrapper = None
-    if fi is not None:
-        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
-        wrapper.plan(
-            torch.arange(B + 1, dtype=torch.int32), torch.arange(B, dtype=torch.int32),
-            torch.full((B,), RING, dtype=torch.int32), HEADS, HEADS, HEAD_DIM, RING, q_data_type=torch.bfloat16,
-            kv_data_type=torch.bfloat16,
-        )  # fmt: skip
+    wrapper = None if fi is None else _flashinfer_decode_wrapper(fi, B, dev)
+    if wrapper is not None:
         decoders["flashinfer"] = None
     q_fi = qkv[:, : HEADS * HEAD_DIM].reshape(B, HEADS, HEAD_DIM).contiguous()
     prefills = [((64, 64, 4, 3), None), ((64, 64, 4, 2), None), ((64, 32, 4, 2), None), ((64, 64, 4, 3), 1),
@@ -620,14 +611,13 @@ def trace_summary(path: str) -> None:
             busy, lo = busy + hi - lo, e["ts"]
         hi = max(hi, e["ts"] + e["dur"])
     busy += hi - lo
-    late, decode = [], []
-    for i, e in enumerate(kernels):
-        if "BatchDecode" not in e["name"]:  # FlashInfer's decode: the temporal rows' from 8 rows on
-            continue
-        before = [k for k in kernels[:i] if k["args"].get("stream") == e["args"].get("stream")]
-        if before:
-            late.append(e["ts"] - (before[-1]["ts"] + before[-1]["dur"]))
+    late, decode, ready = [], [], {}  # ready: stream -> the end of its last kernel so far
+    for e in kernels:
+        stream = e["args"].get("stream")
+        if "BatchDecode" in e["name"] and stream in ready:  # FlashInfer's decode: the temporal rows' from 8 rows on
+            late.append(e["ts"] - ready[stream])
             decode.append(e["dur"])
+        ready[stream] = e["ts"] + e["dur"]
     block = [e["dur"] for e in kernels if "prefill_attn" in e["name"]]
     print(
         f"{path}: {len(kernels)} kernels, first start to last end {end - start:.1f} us, idle {end - start - busy:.1f} us"

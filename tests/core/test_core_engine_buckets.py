@@ -65,6 +65,21 @@ def test_the_library_decode_follows_the_measured_sweep(tiny_checkpoint) -> None:
     assert all(dataclasses.replace(plan, library="always").library_decode(r) for r in (1, 32, 128))
 
 
+def test_the_span_overlap_switch(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CSPAN_SPAN_OVERLAP: on by default, off with 0, anything else refused; never a second stream on the CPU."""
+    from cspan.core.modules.fused import settings_from_env
+
+    monkeypatch.delenv("CSPAN_SPAN_OVERLAP", raising=False)
+    assert settings_from_env().span_overlap
+    monkeypatch.setenv("CSPAN_SPAN_OVERLAP", "0")
+    assert not settings_from_env().span_overlap
+    monkeypatch.setenv("CSPAN_SPAN_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="CSPAN_SPAN_OVERLAP must be 0 or 1, got 'yes'"):
+        settings_from_env()
+    monkeypatch.delenv("CSPAN_SPAN_OVERLAP")
+    assert DuplexEngine(tiny_checkpoint, batch_size=2).plan.attention_stream is None
+
+
 @pytest.mark.parametrize("model", ["tiny", "wrapped", "personaplex"])
 def test_padded_mixed_steps_equal_the_unpadded_and_batch1(model: str, tiny_checkpoint, fixtures_dir: Path) -> None:
     """Mixed steps (spans in two rows, a persona prefix in a third, plain steps, idle rows, live rows out of order)

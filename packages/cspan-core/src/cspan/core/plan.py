@@ -153,7 +153,7 @@ def resolve_plan(
     else:
         fused_on = bool(fused)
     kv = parse_kv_dtype(kv_dtype, lm.dtype)
-    overlap = fused_on and device.type == "cuda" and settings.span_overlap != "0"
+    overlap = fused_on and device.type == "cuda" and settings.span_overlap
     library = None
     window_is_ring = lm.cfg.context is not None  # the temporal cache holds exactly the window
     library_ok = (

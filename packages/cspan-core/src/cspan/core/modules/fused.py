@@ -92,8 +92,8 @@ class KernelSettings:
         gemv: False with ``CSPAN_GEMV=0``.
         decode_config: ``CSPAN_DECODE_CONFIG`` parsed, or None.
         attention: ``CSPAN_ATTENTION``: "auto" (default), "triton" or "flashinfer" (:mod:`cspan.core.attention`).
-        span_overlap: ``CSPAN_SPAN_OVERLAP``: "1" (default) runs a step's block attention beside its decode
-            attention on a second stream, "0" one after the other (:class:`cspan.core.plan.ExecutionPlan`).
+        span_overlap: False with ``CSPAN_SPAN_OVERLAP=0``: a step's block attention runs after its decode attention
+            instead of beside it on a second stream (:class:`cspan.core.plan.ExecutionPlan`).
     """
 
     enabled: bool
@@ -103,7 +103,7 @@ class KernelSettings:
     gemv: bool
     decode_config: tuple[int, int, int, int, int, int] | None
     attention: str = "auto"
-    span_overlap: str = "1"
+    span_overlap: bool = True
 
 
 def settings_from_env() -> KernelSettings:
@@ -137,7 +137,7 @@ def settings_from_env() -> KernelSettings:
         gemv=os.environ.get("CSPAN_GEMV") != "0",
         decode_config=config,
         attention=attention,
-        span_overlap=span_overlap,
+        span_overlap=span_overlap == "1",
     )
 
 

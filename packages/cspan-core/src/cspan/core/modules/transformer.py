@@ -814,10 +814,11 @@ class StreamingTransformer(nn.Module):
 
         In a step with both decode slots and ragged tokens, the ragged sequences' attention runs on
         ``plan.attention_stream`` (when the plan has one) while the decode slots' attention runs on the current
-        stream (the ragged keys and values are written after the join, on the current stream): the first is bound by the matrix units, the second by the memory (it streams every slot row's
-        ring), and they touch different cache rows, so the GPU runs them at once (the idea of POD-Attention, Kamath
-        et al. 2025, with two kernels on two streams instead of one fused kernel). Each kernel computes what it
-        computes alone: the results are the same bit for bit."""
+        stream; the ragged keys and values are written after the join, on the current stream. The first attention
+        is bound by the matrix units, the second by the memory (it streams every slot row's ring), and they touch
+        different cache rows, so the GPU runs them at once (the idea of POD-Attention, Kamath et al. 2025, with two
+        kernels on two streams instead of one fused kernel). Each kernel computes what it computes alone: the
+        results are the same bit for bit."""
         pdl, d = plan.pdl, layout.slots
         slot_rows = layout.slot_rows
         slot_pos = None if slot_rows is None else cache.offset.index_select(0, slot_rows)  # [d]
