@@ -16,7 +16,7 @@
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
-#                                        #         bench-apart
+#                                        #         bench-apart span-jitter paced
 #                                        #         variants probe gemv
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
@@ -93,6 +93,36 @@ for stage in $stages; do
     bench-apart)  # spans into 1 session of B with the block attention after the decode attention, not beside it
       CSPAN_SPAN_OVERLAP=0 run bench-apart 150 $BENCH latency --random-7b --n 600 --iters 20 --warmup 3 \
         --batch-size ${BATCHES:-32 64 80} --span-sessions 1 --out "$LOGS/latency_apart.json" ;;
+    span-jitter)  # where the span frame's p99 comes from: a 600-column span into 1 of 64 sessions, ITERS (default 60)
+      # frames, each frame's time and its injection part in the JSON (frame_samples_ms, inject_samples_ms); the block
+      # beside the decode, after it (CSPAN_SPAN_OVERLAP=0), and beside it with Python's GC off; the GPU's clocks,
+      # power and clock-event reasons every 20 ms meanwhile ($LOGS/smi-jitter.csv); JITTER_VARIANTS (optional): the same
+      # frames on .device/variants/NAME (see `variants`)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+        --format=csv -lms 20 >"$LOGS/smi-jitter.csv" 2>&1 & smi=$!
+      jit="latency --random-7b --n 600 --iters ${ITERS:-60} --warmup 5 --no-frame --batch-size 64 --span-sessions 1"
+      run jitter-beside 120 $BENCH $jit --out "$LOGS/latency_jitter_beside.json"
+      CSPAN_SPAN_OVERLAP=0 run jitter-apart 120 $BENCH $jit --out "$LOGS/latency_jitter_apart.json"
+      run jitter-nogc 120 python3 -c 'import gc, runpy, sys; gc.disable(); sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $jit --out "$LOGS/latency_jitter_nogc.json"
+      for v in ${JITTER_VARIANTS:-}; do  # .device/variants/NAME/src in place of this tree's cspan-core, block beside
+        run "jitter-$v" 120 env PYTHONPATH=/tmp/site:/tmp/fisite:$PWD/.device/variants/$v/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src \
+          $BENCH $jit --out "$LOGS/latency_jitter_$v.json"
+      done
+      kill $smi ;;
+    paced)  # frames on an 80 ms clock as a server runs them (--pace-ms 80) against back to back, B = 1 and BATCHES
+      # (default "32 64"), spans of 16 / 600 columns into 1 session, ITERS (default 40); the GPU's clocks and power
+      # every 20 ms meanwhile ($LOGS/smi-paced.csv); PACED_VARIANTS (optional): .device/variants/NAME paced too
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+        --format=csv -lms 20 >"$LOGS/smi-paced.csv" 2>&1 & smi=$!
+      pac="latency --random-7b --n 16 600 --iters ${ITERS:-40} --warmup 5 --no-frame --batch-size ${BATCHES:-32 64} --span-sessions 1"
+      run paced 240 $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced.json"
+      run unpaced 150 $BENCH $pac --out "$LOGS/latency_unpaced.json"
+      for v in ${PACED_VARIANTS:-}; do
+        run "paced-$v" 240 env PYTHONPATH=/tmp/site:/tmp/fisite:$PWD/.device/variants/$v/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src \
+          $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced_$v.json"
+      done
+      kill $smi ;;
     overlap)  # a block's attention beside 64 rows' decode attention on two streams, per kernel config
       TAIL=40 run overlap 200 python3 scripts/perf_h200.py overlap ;;
     bench-fp8)

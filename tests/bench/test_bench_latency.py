@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,10 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     for sp in batch["spans"]:
         _check_stats(sp["frame"], 3)
         assert sp["minus_plain_p99_ms"] == pytest.approx(sp["frame"]["p99_ms"] - batch["frame"]["p99_ms"])
+        # every timed frame, in order, with its host injection part (where a p99 comes from)
+        frames, injects = sp["frame_samples_ms"], sp["inject_samples_ms"]
+        assert len(frames) == len(injects) == 3 and all(0 < i < f for i, f in zip(injects, frames, strict=True))
+        assert max(frames) == pytest.approx(sp["frame"]["max_ms"], abs=1e-3)
     assert "| batch | span n | sessions with a span |" in printed
 
     # the report finds and renders it
@@ -120,6 +126,7 @@ def test_options_reject_impossible_settings() -> None:
         LatencyOptions(batch_sizes=(0,)),
         LatencyOptions(fill=-1),
         LatencyOptions(batch_sizes=(4,), span_sessions=5),
+        LatencyOptions(pace_ms=-80),
     ):
         with pytest.raises(BenchError):
             bad.check()
@@ -231,6 +238,36 @@ def test_fill_brings_every_session_to_that_much_history() -> None:
                       dtype=torch.float32)  # fmt: skip
     assert doc["config"]["fill"] == 40
     assert "every series starts from 40 positions of history" in latency_table(doc)
+
+
+def test_pace_starts_every_call_on_the_frame_clock() -> None:
+    """--pace-ms: every call of a series, the warm-up and a span series' gap steps included, starts one period after
+    the one before (a server's frame clock; only lower bounds are asserted, the host may run late), and the JSON
+    says so; without it the calls run back to back."""
+    from cspan.bench.latency import LatencyBench, make_engine
+    from cspan.core.tiny import tiny_lm_config
+
+    lm = random_lm(tiny_lm_config(), "cpu", torch.float32, seed=3)
+    models = Models(lm=lm, mimi=None, tokenizer=None, source="random tiny", random=True)
+    options = LatencyOptions(span_lengths=(0, 8), iters=3, warmup=2, gap_steps=1, fill=0, frame=False, pace_ms=30)
+    bench = LatencyBench(make_engine(models, 1, options.span_lengths), options)
+    bench.restart()
+    starts: list[float] = []
+    step = bench.lm_step
+
+    def timed_step() -> None:
+        starts.append(time.perf_counter())
+        step()
+
+    bench.lm_step = timed_step  # the span series' gap steps and timed steps go through it
+    bench.series(timed_step)
+    assert len(starts) == 5
+    bench.span_series(8, (0,), timed_step)
+    assert len(starts) == 5 + (2 + 3) * 2  # a gap step and the span's step per iteration
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert min(gaps) >= 0.029, gaps  # a clock: one start late by the sleep's overshoot leaves the next one closer
+    doc = run_latency(models, options, device=torch.device("cpu"), dtype=torch.float32)
+    assert doc["config"]["pace_ms"] == 30
 
 
 def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:

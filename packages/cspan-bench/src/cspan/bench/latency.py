@@ -24,7 +24,10 @@ reads late in a conversation; ``fill = 0`` times freshly reset streams (short KV
 blocks of ordinary text ids (untimed). Each series runs ``warmup`` unmeasured iterations and then ``iters``
 measured ones, reporting mean, sample standard deviation, P50 and P99 (linear interpolation), min and max in
 milliseconds. Between two span iterations ``gap_steps`` unmeasured plain steps run, so every block is read into a
-live stream; the ring keeps ``context`` positions, so a long series of spans never runs out of room.
+live stream; the ring keeps ``context`` positions, so a long series of spans never runs out of room. By default
+the calls run back to back (the GPU never idles); ``pace_ms`` (80: a server's frame clock) starts every call, timed or
+not, on a clock of that period, as a server in real time does, so the GPU idles between frames as it does when
+serving: a step that fills the frame back to back can hold a GPU at its power limit, where its clock drops (C81).
 
 The model comes from a checkpoint, or is built at the real 7B dimensions (``LMConfig.personaplex_7b()``, with
 ``MimiConfig.mimi_24khz()``) with random weights: built on the ``meta`` device and materialised directly on the
@@ -186,6 +189,8 @@ class LatencyOptions:
             0: a freshly reset stream).
         span_sessions: k, the sessions of a batch that read a span in the same frame (batch rows).
         kv_dtype: the engine's KV cache storage ("auto", "bf16", "fp8", ...).
+        pace_ms: start every call, timed or not, on a clock of this period in ms (80: real time, a server's frame
+            clock); 0 (the default): back to back. A call that overruns the period starts the next one at once.
     """
 
     span_lengths: Sequence[int] = DEFAULT_SPAN_LENGTHS
@@ -201,6 +206,7 @@ class LatencyOptions:
     fill: int | None = None
     span_sessions: int = 1
     kv_dtype: str = "auto"
+    pace_ms: float = 0.0
 
     def check(self, context: int | None = None) -> None:
         """Raise :class:`BenchError` for impossible settings; with the model's ``context`` (positions of its KV
@@ -218,6 +224,8 @@ class LatencyOptions:
             raise BenchError(f"--row-step {self.row_step!r}: use 'lm' or 'frame'")
         if any(b < 1 for b in self.batch_sizes):
             raise BenchError(f"--batch-size {list(self.batch_sizes)}: batch sizes must be >= 1")
+        if self.pace_ms < 0:
+            raise BenchError(f"--pace-ms must be >= 0 ms, got {self.pace_ms}")
         if self.fill is not None and self.fill < 0:
             raise BenchError(f"--fill must be >= 0 positions, got {self.fill}")
         if self.span_sessions < 0 or any(self.span_sessions > b for b in self.batch_sizes):
@@ -330,6 +338,7 @@ class LatencyBench:
         self.inputs = _inputs(engine, count, options.seed)
         context = engine.context or 0
         self.fill = context if options.fill is None else options.fill
+        self._tick: float | None = None  # when the next paced call may start (time.perf_counter)
 
     # -- primitives --------------------------------------------------------------------------------------------
 
@@ -343,6 +352,17 @@ class LatencyBench:
         out.text_token.cpu()
         out.agent_pcm.cpu()
 
+    def pace(self) -> None:
+        """With ``pace_ms``: wait for the next tick of the frame clock (none when the last call overran it)."""
+        period = self.options.pace_ms / 1000.0
+        if not period:
+            return
+        now = time.perf_counter()
+        if self._tick is not None and now < self._tick:
+            time.sleep(self._tick - now)
+            now = self._tick
+        self._tick = now + period
+
     def restart(self) -> None:
         """Reset every session and start its stream with a few frames (a span needs a running stream), then fill
         its history to the bench's fill (a full ring by default)."""
@@ -355,9 +375,14 @@ class LatencyBench:
     def series(self, fn: Callable[[], Any]) -> list[float]:
         """``warmup`` unmeasured then ``iters`` measured runs of ``fn`` (ms)."""
         for _ in range(self.options.warmup):
+            self.pace()
             fn()
         synchronize(self.device)
-        return [self.timer(fn) for _ in range(self.options.iters)]
+        times = []
+        for _ in range(self.options.iters):
+            self.pace()
+            times.append(self.timer(fn))
+        return times
 
     def span_series(self, n: int, sessions: Sequence[int] = (0,), step: Callable[[], Any] | None = None) -> _Series:
         """Spans of ``n`` columns into ``sessions`` + one step, ``warmup`` + ``iters`` times, with ``gap_steps``
@@ -371,7 +396,9 @@ class LatencyBench:
         result = _Series()
         for k in range(self.options.warmup + self.options.iters):
             for _ in range(self.options.gap_steps):
+                self.pace()
                 self.lm_step()
+            self.pace()
             synchronize(self.device)
             t0 = time.perf_counter()
             reports = [self.engine.inject_span(i, span) for i in sessions]
@@ -452,7 +479,8 @@ class LatencyBench:
         for n in [n for n in self.options.span_lengths if n > 0] if k else []:
             say(f"batch {B}: spans of {n} columns into {k} sessions")
             sessions = [(j * B) // k for j in range(k)]  # spread over the batch
-            s = summarize_ms(self.span_series(n, sessions, timed).total)
+            series = self.span_series(n, sessions, timed)
+            s = summarize_ms(series.total)
             spans.append(
                 {
                     "n": n,
@@ -460,6 +488,9 @@ class LatencyBench:
                     "frame": s,
                     "minus_plain_p50_ms": s["p50_ms"] - plain["p50_ms"],
                     "minus_plain_p99_ms": s["p99_ms"] - plain["p99_ms"],
+                    # each timed frame in order, and its injection (host) part: where a p99 comes from
+                    "frame_samples_ms": [round(x, 3) for x in series.total],
+                    "inject_samples_ms": [round(x, 3) for x in series.prefill],
                 }
             )
         out["spans"] = spans
@@ -676,6 +707,7 @@ def run_latency(
         "defer_spans": True,  # a span is read in the step that follows it (the engine's only way)
         "fill": fill,
         "span_sessions": options.span_sessions,
+        "pace_ms": options.pace_ms,
         "timing": "wall clock between device synchronisations (torch.cuda.synchronize on CUDA)",
         "span_ids": "[12] + (n - 2) random ordinary text ids + [13]",
     }

@@ -366,6 +366,13 @@ def register_latency(sub: Any) -> None:
     p.add_argument(
         "--kv-dtype", choices=("auto", "bf16", "fp16", "fp32", "fp8"), default="auto", help="KV cache storage"
     )
+    p.add_argument(
+        "--pace-ms",
+        type=float,
+        default=0.0,
+        help="start every call on a clock of this period (80: real time, as a server's frame clock; default: back "
+        "to back, the GPU never idles)",
+    )
     p.add_argument("--no-frame", action="store_true", help="skip the whole-frame series")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
     p.add_argument(
@@ -407,6 +414,7 @@ def _latency(args: argparse.Namespace) -> int:
         fill=0 if args.fresh else args.fill,
         span_sessions=args.span_sessions,
         kv_dtype=args.kv_dtype,
+        pace_ms=args.pace_ms,
     )
     options.check()
 
