@@ -16,7 +16,7 @@
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
-#                                        #         bench-apart span-jitter paced
+#                                        #         bench-apart span-jitter paced phases
 #                                        #         variants probe gemv
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
@@ -110,6 +110,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $ji
           $BENCH $jit --out "$LOGS/latency_jitter_$v.json"
       done
       kill $smi ;;
+    phases)  # the host phases of a span step (scripts/span_phases.py; PHASES, default: B = 64 on full rings)
+      TAIL=12 run phases 180 python3 scripts/span_phases.py ${PHASES:---batch-size 64 --fill 3000 --spans 16 600 --reps 20} ;;
     paced)  # frames on an 80 ms clock as a server runs them (--pace-ms 80) against back to back, B = 1 and BATCHES
       # (default "32 64"), spans of 16 / 600 columns into 1 session, ITERS (default 40); the GPU's clocks and power
       # every 20 ms meanwhile ($LOGS/smi-paced.csv); PACED_VARIANTS (optional): .device/variants/NAME paced too

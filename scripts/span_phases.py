@@ -1,11 +1,13 @@
-"""Where the host time of a batch-1 span step goes, phase by phase, without a profiler (device only).
+"""Where the host time of a span step goes, phase by phase, without a profiler (device only).
 
 The span series of ``scripts/step_anatomy.py`` (``inject_span`` + one step on a freshly reset stream) spends about
 0.5 ms more host time than a plain step (C43). This times, for the plain step and for spans of n columns, each part
 of the call with a device synchronisation after it: ``inject_span`` (host), ``_prepare`` (the splice's device ops
 and the host tables), the copies into the graph's static inputs, ``replay`` (the host's ``cudaGraphLaunch``, then
 the wait for the GPU), and the output clones; and, for each graph, its replay alone, timed by the host and by CUDA
-events (launch latency + execution). Usage (on the device): ``python scripts/span_phases.py [--spans 16 64 600]``.
+events (launch latency + execution). Usage (on the device): ``python scripts/span_phases.py [--spans 16 64 600]
+[--batch-size B] [--fill POSITIONS]``: B sessions (default 1), the span into session 0, every session holding
+``--fill`` positions of history first (default 0, a fresh stream; 3000 a full ring).
 """
 
 from __future__ import annotations
@@ -21,19 +23,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--spans", type=int, nargs="*", default=[16, 64, 600])
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--fill", type=int, default=0, help="positions of history per session first (3000: a full ring)")
     args = ap.parse_args()
-    from cspan.bench.latency import _inputs, load_models, make_engine, span_body
+    from cspan.bench.latency import _inputs, fill_history, load_models, make_engine, span_body
     from cspan.core.graphs import clone_outputs
     from cspan.core.span import ContextSpan
 
     device = torch.device("cuda")
     models = load_models(None, random_7b=True, device=device, dtype=torch.bfloat16)
-    engine = make_engine(models, 1, span_lengths=args.spans)
+    engine = make_engine(models, args.batch_size, span_lengths=args.spans)
     inputs = _inputs(engine, 64, 0)
     sync = torch.cuda.synchronize
-    engine.reset(0, seed=0)
+    for i in range(args.batch_size):
+        engine.reset(i, seed=i)
     for _ in range(4):
         engine.step_tokens(inputs.next_codes())
+    if args.fill:
+        fill_history(engine, args.fill, 0, lambda: engine.step_tokens(inputs.next_codes()))
+    print(
+        f"batch size {args.batch_size}, history {min(engine.positions)}-{max(engine.positions)} positions per session"
+    )
 
     def phases(span: ContextSpan | None) -> dict[str, float]:
         t = {}
