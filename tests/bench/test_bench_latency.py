@@ -244,7 +244,7 @@ def test_pace_starts_every_call_on_the_frame_clock() -> None:
     """--pace-ms: every call of a series, the warm-up and a span series' gap steps included, starts one period after
     the one before (a server's frame clock; only lower bounds are asserted, the host may run late), and the JSON
     says so; without it the calls run back to back."""
-    from cspan.bench.latency import LatencyBench, make_engine
+    from cspan.bench.latency import LatencyBench, latency_table, make_engine
     from cspan.core.tiny import tiny_lm_config
 
     lm = random_lm(tiny_lm_config(), "cpu", torch.float32, seed=3)
@@ -268,6 +268,7 @@ def test_pace_starts_every_call_on_the_frame_clock() -> None:
     assert min(gaps) >= 0.029, gaps  # a clock: one start late by the sleep's overshoot leaves the next one closer
     doc = run_latency(models, options, device=torch.device("cpu"), dtype=torch.float32)
     assert doc["config"]["pace_ms"] == 30
+    assert "Every call started on a 30 ms clock (--pace-ms)" in latency_table(doc)
 
 
 def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:

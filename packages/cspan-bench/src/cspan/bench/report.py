@@ -235,6 +235,11 @@ def latency_markdown(label: str, report: LatencyReport) -> str:
             f"{'with the next step (deferred)' if config.get('defer_spans') else 'at injection'}"
             + (f"; every series starts from {config['fill']} positions of history." if config.get("fill") else "."),
         ]
+    if config.get("pace_ms"):
+        parts += [
+            "",
+            f"Every call started on a {config['pace_ms']:g} ms clock (--pace-ms), as a server in real time runs.",
+        ]
     over = [r.n for r in rows if r.p99_ms > FRAME_BUDGET_MS]
     if over:
         parts += ["", f"P99 over the {FRAME_BUDGET_MS:g} ms frame budget at n = {', '.join(map(str, over))}."]
