@@ -76,6 +76,13 @@ run() {  # name, limit seconds, command...: log to $LOGS/name.log, print the tai
   tail -n "${TAIL:-6}" "$LOGS/$name.log"
   [ "$rc" -eq 0 ] || failed=1
 }
+smi_log() {  # FILE: the GPU's clocks, power and clock-event reasons every 20 ms into FILE, in the background
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
+    --format=csv -lms 20 >"$1" 2>&1 &
+}
+variant_path() {  # NAME: the PYTHONPATH with .device/variants/NAME/src in place of this tree's cspan-core
+  echo "/tmp/site:/tmp/fisite:$PWD/.device/variants/$1/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src"
+}
 for stage in $stages; do
   case $stage in
     env)
@@ -98,16 +105,14 @@ for stage in $stages; do
       # beside the decode, after it (CSPAN_SPAN_OVERLAP=0), and beside it with Python's GC off; the GPU's clocks,
       # power and clock-event reasons every 20 ms meanwhile ($LOGS/smi-jitter.csv); JITTER_VARIANTS (optional): the same
       # frames on .device/variants/NAME (see `variants`)
-      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-        --format=csv -lms 20 >"$LOGS/smi-jitter.csv" 2>&1 & smi=$!
+      smi_log "$LOGS/smi-jitter.csv"; smi=$!
       jit="latency --random-7b --n 600 --iters ${ITERS:-60} --warmup 5 --no-frame --batch-size 64 --span-sessions 1"
       run jitter-beside 120 $BENCH $jit --out "$LOGS/latency_jitter_beside.json"
       CSPAN_SPAN_OVERLAP=0 run jitter-apart 120 $BENCH $jit --out "$LOGS/latency_jitter_apart.json"
       run jitter-nogc 120 python3 -c 'import gc, runpy, sys; gc.disable(); sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $jit --out "$LOGS/latency_jitter_nogc.json"
-      for v in ${JITTER_VARIANTS:-}; do  # .device/variants/NAME/src in place of this tree's cspan-core, block beside
-        run "jitter-$v" 120 env PYTHONPATH=/tmp/site:/tmp/fisite:$PWD/.device/variants/$v/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src \
-          $BENCH $jit --out "$LOGS/latency_jitter_$v.json"
+      for v in ${JITTER_VARIANTS:-}; do
+        run "jitter-$v" 120 env PYTHONPATH="$(variant_path "$v")" $BENCH $jit --out "$LOGS/latency_jitter_$v.json"
       done
       kill $smi ;;
     phases)  # the host phases of a span step (scripts/span_phases.py; PHASES, default: B = 64 on full rings)
@@ -115,14 +120,12 @@ runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $ji
     paced)  # frames on an 80 ms clock as a server runs them (--pace-ms 80) against back to back, B = 1 and BATCHES
       # (default "32 64"), spans of 16 / 600 columns into 1 session, ITERS (default 40); the GPU's clocks and power
       # every 20 ms meanwhile ($LOGS/smi-paced.csv); PACED_VARIANTS (optional): .device/variants/NAME paced too
-      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active \
-        --format=csv -lms 20 >"$LOGS/smi-paced.csv" 2>&1 & smi=$!
+      smi_log "$LOGS/smi-paced.csv"; smi=$!
       pac="latency --random-7b --n 16 600 --iters ${ITERS:-40} --warmup 5 --no-frame --batch-size ${BATCHES:-32 64} --span-sessions 1"
       run paced 240 $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced.json"
       run unpaced 150 $BENCH $pac --out "$LOGS/latency_unpaced.json"
       for v in ${PACED_VARIANTS:-}; do
-        run "paced-$v" 240 env PYTHONPATH=/tmp/site:/tmp/fisite:$PWD/.device/variants/$v/src:$PWD/packages/cspan-bench/src:$PWD/packages/cspan-backends/src \
-          $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced_$v.json"
+        run "paced-$v" 240 env PYTHONPATH="$(variant_path "$v")" $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced_$v.json"
       done
       kill $smi ;;
     overlap)  # a block's attention beside 64 rows' decode attention on two streams, per kernel config

@@ -26,21 +26,17 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--fill", type=int, default=0, help="positions of history per session first (3000: a full ring)")
     args = ap.parse_args()
-    from cspan.bench.latency import _inputs, fill_history, load_models, make_engine, span_body
+    from cspan.bench.latency import LatencyBench, LatencyOptions, load_models, make_engine, span_body
     from cspan.core.graphs import clone_outputs
     from cspan.core.span import ContextSpan
 
     device = torch.device("cuda")
     models = load_models(None, random_7b=True, device=device, dtype=torch.bfloat16)
     engine = make_engine(models, args.batch_size, span_lengths=args.spans)
-    inputs = _inputs(engine, 64, 0)
     sync = torch.cuda.synchronize
-    for i in range(args.batch_size):
-        engine.reset(i, seed=i)
-    for _ in range(4):
-        engine.step_tokens(inputs.next_codes())
-    if args.fill:
-        fill_history(engine, args.fill, 0, lambda: engine.step_tokens(inputs.next_codes()))
+    bench = LatencyBench(engine, LatencyOptions(span_lengths=args.spans, iters=64, fill=args.fill))
+    bench.restart()  # every session reset, started, and given --fill positions of history
+    inputs = bench.inputs
     print(
         f"batch size {args.batch_size}, history {min(engine.positions)}-{max(engine.positions)} positions per session"
     )
