@@ -16,7 +16,7 @@
 #   bash scripts/perf_h200.sh env bench-fp8 capacity fp8 triton     # call 2 (about 6 minutes)
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
-#                                        #         bench-apart span-jitter paced phases
+#                                        #         bench-apart span-jitter paced phases early
 #                                        #         variants probe gemv
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
@@ -117,13 +117,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $ji
       kill $smi ;;
     phases)  # the host phases of a span step (scripts/span_phases.py; PHASES, default: B = 64 on full rings)
       TAIL=12 run phases 180 python3 scripts/span_phases.py ${PHASES:---batch-size 64 --fill 3000 --spans 16 600 --reps 20} ;;
-    paced)  # frames on an 80 ms clock as a server runs them (--pace-ms 80) against back to back, B = 1 and BATCHES
-      # (default "32 64"), spans of 16 / 600 columns into 1 session, ITERS (default 40); the GPU's clocks and power
-      # every 20 ms meanwhile ($LOGS/smi-paced.csv); PACED_VARIANTS (optional): .device/variants/NAME paced too
+    early)  # a span frame on an 80 ms clock with its host work before the tick, against at the tick (EARLY, default B = 64)
+      TAIL=12 run early 300 python3 scripts/span_early.py ${EARLY:---batch-size 64 --spans 16 600 --iters 30} ;;
+    paced)  # frames on an 80 ms clock as a server runs them (--pace-ms 80), B = 1 and PACED_BATCHES (default "32 64"),
+      # spans of 16 / 600 columns into 1 session, ITERS (default 40): the spans arriving between frames (injected and
+      # their step prepared then, as cspan serve reads them), at the frame's tick (--span-at-tick), and back to back;
+      # the GPU's clocks and power every 20 ms meanwhile ($LOGS/smi-paced.csv); PACED_VARIANTS (optional):
+      # .device/variants/NAME paced too
       smi_log "$LOGS/smi-paced.csv"; smi=$!
-      pac="latency --random-7b --n 16 600 --iters ${ITERS:-40} --warmup 5 --no-frame --batch-size ${BATCHES:-32 64} --span-sessions 1"
+      pac="latency --random-7b --n 16 600 --iters ${ITERS:-40} --warmup 5 --no-frame --batch-size ${PACED_BATCHES:-32 64} --span-sessions 1"
       run paced 240 $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced.json"
-      run unpaced 150 $BENCH $pac --out "$LOGS/latency_unpaced.json"
+      run paced-at-tick 240 $BENCH $pac --pace-ms 80 --span-at-tick --out "$LOGS/latency_paced_at_tick.json"
+      [ -n "${NO_UNPACED:-}" ] || run unpaced 150 $BENCH $pac --out "$LOGS/latency_unpaced.json"
       for v in ${PACED_VARIANTS:-}; do
         run "paced-$v" 240 env PYTHONPATH="$(variant_path "$v")" $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced_$v.json"
       done

@@ -71,7 +71,7 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     # serve's engine settings: user-stream predictions skipped (and the step also timed with them), spans read in
     # the step that follows them; --fresh: no history
     assert cfg["predict_user"] is False and cfg["defer_spans"] is True and cfg["fill"] == 0
-    assert cfg["kv_dtype"] == "float32" and cfg["span_sessions"] == 1
+    assert cfg["kv_dtype"] == "float32" and cfg["span_sessions"] == 1 and cfg["span_at_tick"] is False
     _check_stats(doc["step_predict_user"], 3)
     assert "Plain step with the depformer's user-stream predictions" in printed
     assert "Engine: user-stream predictions skipped, spans read with the next step (deferred)." in printed
@@ -80,11 +80,13 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     for sp in batch["spans"]:
         _check_stats(sp["frame"], 3)
         assert sp["minus_plain_p99_ms"] == pytest.approx(sp["frame"]["p99_ms"] - batch["frame"]["p99_ms"])
-        # every timed frame, in order, with its host injection part (where a p99 comes from)
+        # every timed frame, in order, and the host time of its span's arrival (injection and the step prepared,
+        # before the frame: not part of it)
         frames, injects = sp["frame_samples_ms"], sp["inject_samples_ms"]
-        assert len(frames) == len(injects) == 3 and all(0 < i < f for i, f in zip(injects, frames, strict=True))
+        assert len(frames) == len(injects) == 3 and all(i > 0 for i in injects)
         assert max(frames) == pytest.approx(sp["frame"]["max_ms"], abs=1e-3)
     assert "| batch | span n | sessions with a span |" in printed
+    assert "The spans arrived between two frames, as cspan serve reads them" in printed
 
     # the report finds and renders it
     found = report.collect(out.parent)
@@ -266,6 +268,16 @@ def test_pace_starts_every_call_on_the_frame_clock() -> None:
     assert len(starts) == 5 + (2 + 3) * 2  # a gap step and the span's step per iteration
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert min(gaps) >= 0.029, gaps  # a clock: one start late by the sleep's overshoot leaves the next one closer
+    # a span arriving between frames (the batch rows' default): injected and its step prepared before the tick,
+    # the step alone timed from it; the clock holds
+    engine = bench.engine
+    prepared: list[int] = []
+    prepare = engine.prepare
+    engine.prepare = lambda: prepared.append(len(starts)) or prepare()
+    series = bench.span_series(8, (0,), timed_step, arrive_early=True)
+    assert len(starts) == 15 + 10 and prepared == list(range(16, 26, 2))  # after each gap step, before the tick
+    assert min(b - a for a, b in itertools.pairwise(starts[15:])) >= 0.029
+    assert series.total == series.next_step and all(p > 0 for p in series.prefill)
     doc = run_latency(models, options, device=torch.device("cpu"), dtype=torch.float32)
     assert doc["config"]["pace_ms"] == 30
     assert "Every call started on a 30 ms clock (--pace-ms)" in latency_table(doc)

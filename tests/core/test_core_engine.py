@@ -76,11 +76,16 @@ def _user(frames: int, batch: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2048, (frames, batch, 8), generator=torch.Generator().manual_seed(seed))
 
 
-def _script(engine: DuplexEngine, sessions: list[int], user: torch.Tensor) -> list[TokenStepOutput]:
+def _script(
+    engine: DuplexEngine, sessions: list[int], user: torch.Tensor, prepare: str | None = None
+) -> list[TokenStepOutput]:
     """Session s of MIXED in batch row i: personas, spans (several rows in the same step, two spans before one
-    step), a reset with a new persona while other rows read spans, an idle stretch; returns each step's output."""
+    step), a reset with a new persona while other rows read spans, an idle stretch; returns each step's output.
+    ``prepare``: call ``engine.prepare()`` "before" or "after" each step's changes (None: never)."""
     outs = []
     for t in range(user.shape[0]):
+        if prepare == "before":
+            engine.prepare()
         for row, s in enumerate(sessions):
             for kind, arg in MIXED[s].get(t, []):
                 if kind == "persona":
@@ -89,6 +94,8 @@ def _script(engine: DuplexEngine, sessions: list[int], user: torch.Tensor) -> li
                     engine.inject_span(row, arg)
                 elif kind == "live":
                     engine.set_live(row, arg)
+        if prepare == "after":
+            engine.prepare()
         outs.append(engine.step_tokens(user[t, sessions]))
     return outs
 
@@ -278,11 +285,15 @@ def test_a_step_with_every_session_idle_computes_nothing(tiny_checkpoint) -> Non
     assert engine.positions == [1, 1] and engine.step_tokens(torch.zeros(2, 8, dtype=torch.long)).frame.eq(-2).all()
 
 
-def _budget_script(engine: DuplexEngine, sessions: list[int], user: torch.Tensor, plan: dict) -> list:
+def _budget_script(
+    engine: DuplexEngine, sessions: list[int], user: torch.Tensor, plan: dict, prepare: str | None = None
+) -> list:
     """Steps with, before step t, the spans / personas ``plan[t]`` lists as (session, kind, arg) for the sessions
-    in ``sessions`` (batch row = index); returns each step's output."""
+    in ``sessions`` (batch row = index); returns each step's output (``prepare``: as in :func:`_script`)."""
     outs = []
     for t in range(user.shape[0]):
+        if prepare == "before":
+            engine.prepare()
         for s, kind, arg in plan.get(t, []):
             if s not in sessions:
                 continue
@@ -291,6 +302,8 @@ def _budget_script(engine: DuplexEngine, sessions: list[int], user: torch.Tensor
                 engine.inject_span(row, ContextSpan.from_ids(arg))
             else:
                 engine.set_persona(row, PROMPTS[arg], seed=100 + s)
+        if prepare == "after":
+            engine.prepare()
         outs.append(engine.step_tokens(user[t, sessions]))
     return outs
 
@@ -323,3 +336,47 @@ def test_a_column_budget_reads_held_back_spans_in_later_steps(tiny_checkpoint) -
             torch.testing.assert_close(a.text_logits[0], b.text_logits[s], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="max_block_columns"):
         DuplexEngine(tiny_checkpoint, batch_size=1, max_block_columns=0)
+
+
+def test_a_prepared_step_equals_the_step_it_prepares(tiny_checkpoint, monkeypatch) -> None:
+    """``prepare()`` between frames builds the next step's inputs ahead of it: the step reads them when nothing
+    changed since (no second build), and builds its own when a span, persona, live flag or step came in between;
+    either way every output equals the engine that never prepares (mixed batches with personas, spans, an idle
+    stretch; a column budget holding spans back)."""
+    import cspan.core.engine as engine_module
+
+    builds = []
+    build_step = engine_module.build_step
+    monkeypatch.setattr(engine_module, "build_step", lambda *a, **k: builds.append(1) or build_step(*a, **k))
+    user = _user(7, 4, seed=8)
+    expected = _script(DuplexEngine(tiny_checkpoint, batch_size=4, seed=0), [0, 1, 2, 3], user)
+    unprepared = len(builds)
+    for prepare in ("after", "before"):
+        engine = DuplexEngine(tiny_checkpoint, batch_size=4, seed=0)
+        builds.clear()
+        got = _script(engine, [0, 1, 2, 3], user, prepare)
+        for t, (a, b) in enumerate(zip(expected, got, strict=True)):
+            assert torch.equal(a.frame, b.frame) and torch.equal(a.column, b.column), f"{prepare}, step {t}"
+            assert torch.equal(a.text_logits, b.text_logits) and torch.equal(a.position, b.position)
+        # "after": each step read the inputs prepared for it (no build twice); "before": the changes came after
+        # prepare, so the steps with changes built theirs again
+        assert len(builds) == unprepared if prepare == "after" else len(builds) > unprepared, prepare
+    span = [100 + i for i in range(6)]
+    plan = {1: [(0, "span", span), (1, "span", span), (2, "span", span)], 4: [(3, "persona", 0), (1, "span", span)]}
+    user = _user(6, 4, seed=3)
+    outs = []
+    for prepare in (None, "after", "before"):
+        engine = DuplexEngine(tiny_checkpoint, batch_size=4, seed=0, max_block_columns=10)
+        outs.append(_budget_script(engine, [0, 1, 2, 3], user, plan, prepare))
+    for t, steps in enumerate(zip(*outs, strict=True)):
+        for other in steps[1:]:
+            assert torch.equal(steps[0].frame, other.frame) and torch.equal(steps[0].position, other.position), t
+    engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=0)
+    engine.step_tokens(user[0, :2])
+    engine.inject_span(0, ContextSpan.from_ids(span))
+    engine.prepare()
+    version = engine.sessions.version
+    engine.prepare()  # preparing again reads the same head and changes nothing
+    assert engine.sessions.version == version and engine.sessions.blocks  # still queued for the step
+    out = engine.step_tokens(user[1, :2])
+    assert int(out.position[0]) == 1 + len(span) + 2 and not engine.sessions.blocks  # after the 8 columns

@@ -145,8 +145,37 @@ def test_flashinfer_decode_equals_the_triton_decode(monkeypatch: pytest.MonkeyPa
         for t in range(16):
             if t in (3, 9):
                 engine.inject_span(1, ContextSpan.from_ids(list(range(20, 50))))  # crosses the window of 24
+                engine.prepare()  # its step's inputs and decode plan built ahead (read as they are)
             engine.set_live(2, not 6 <= t < 8)
             got.append(engine.step_tokens(users[t], forced[t]).text_logits.float())
         logits.append(torch.stack(got))
     rel = ((logits[0] - logits[1]).norm() / logits[0].norm()).item()
     assert rel < 5e-2, rel
+
+
+@pytest.mark.gpu
+def test_flashinfer_plan_equal_to_the_last_is_not_made_again() -> None:
+    """``FlashInferDecode.plan`` skips a plan equal to the last one (the shared workspace still holds it) and makes
+    one again after another plan: the outputs equal a fresh plan's."""
+    from cspan.core import attention
+
+    if not attention.available():
+        pytest.skip("flashinfer is not installed (scripts/perf_h200.sh carries it in .whl/flashinfer)")
+    H, Dh, C = 4, 128, 64
+    decode = attention.FlashInferDecode(torch.device("cuda"), H, Dh, C, torch.bfloat16, cuda_graphs=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    keys, values = (torch.randn(5, H, C, Dh, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q = torch.randn(3, H, Dh, device="cuda", dtype=torch.bfloat16, generator=g)
+    calls = []
+    wrapper = decode._wrapper(3)
+    plan = wrapper.plan
+    wrapper.plan = lambda *a, **k: calls.append(1) or plan(*a, **k)
+    decode.plan([0, 2, 4], [C + 10, 20, 3])
+    first = decode.run(q, keys, values).clone()
+    decode.plan([0, 2, 4], [C + 10, 20, 3])  # the same: skipped
+    assert len(calls) == 1 and torch.equal(decode.run(q, keys, values), first)
+    decode.plan([1, 2, 3], [5, 6, 7])  # another plan over the shared workspace
+    other = decode.run(q, keys, values).clone()
+    decode.plan([0, 2, 4], [C + 10, 20, 3])  # made again
+    assert len(calls) == 3 and torch.equal(decode.run(q, keys, values), first)
+    assert not torch.equal(other, first)

@@ -249,7 +249,9 @@ async def test_query_parameters_handshake_metadata_and_errors(serve, fixture_fil
 
 @pytest.mark.timeout(300)
 async def test_span_goes_out_as_metadata(serve, fixture_file) -> None:
-    """A Context Span (here scheduled by the server's test hook) reaches the Moshi client as 0x04 JSON."""
+    """A Context Span (here scheduled by the server's test hook) reaches the Moshi client as 0x04 JSON. The server
+    reads it between two frames: injected and its step prepared on the engine thread after the frame before, so the
+    step that reads it builds nothing itself (``DuplexEngine.prepare``)."""
     import sphn
 
     server = serve()
@@ -258,7 +260,35 @@ async def test_span_goes_out_as_metadata(serve, fixture_file) -> None:
     try:
         await messages_until(ws, lambda m: m[0] == 4)
         hub = server.hub
+        engine = hub.engine_thread.engine
+        built: list[str] = []  # who built the inputs of a step reading a block: "prepare" or "step"
+        step_inputs, prepare = engine._step_inputs, engine.prepare
+        where = ["step"]
+
+        def spy_inputs(head):
+            if head.blocks:
+                built.append(where[0])
+            return step_inputs(head)
+
+        def spy_prepare():
+            where[0] = "prepare"
+            try:
+                prepare()
+            finally:
+                where[0] = "step"
+
+        engine._step_inputs, engine.prepare = spy_inputs, spy_prepare
         (session,) = [s for s in hub.sessions if s.protocol == "moshi"]
+        order: list[str] = []  # the frame heads (event loop) and the preparations (engine thread), in order
+        before_step = session.conversation.before_step
+
+        async def spy_head(*args, **kwargs):
+            order.append("head")
+            return await before_step(*args, **kwargs)
+
+        session.conversation.before_step = spy_head
+        spied_prepare = engine.prepare
+        engine.prepare = lambda: order.append("prepare") or spied_prepare()
         session.conversation.schedule_span(session.conversation.frame + 3, "The library opens at ten.")
         writer = sphn.OpusStreamWriter(24000)
         spans: list[dict] = []
@@ -274,6 +304,8 @@ async def test_span_goes_out_as_metadata(serve, fixture_file) -> None:
             await ws.send_bytes(b"\x01" + writer.append_pcm(frame))
         await messages_until(ws, span)
         assert spans[0]["text"] == "The library opens at ten." and spans[0]["n_frames"] > 2
+        assert built == ["prepare"]  # the span's step was prepared, and read as prepared
+        assert order.count("prepare") == 1 and order[order.index("prepare") + 1] == "head"  # before the frame's head
     finally:
         await ws.close()
         await http.close()

@@ -15,8 +15,10 @@ What is timed (wall clock between two device synchronisations, ``torch.cuda.sync
   streaming decode, and reading the text token and the agent PCM back to the host;
 - **batch** (optional): at batch sizes B > 1 (all sessions in lock step) the plain step, the whole frame, and for
   each span length ``n > 0`` the whole frame in which ``span_sessions`` (k) of the B sessions each read an n-column
-  span (injected just before it, as a server does between two frames), with that frame's excess over a plain
-  frame.
+  span, with that frame's excess over a plain frame. The spans arrive as ``cspan serve`` reads them: injected and
+  their step prepared (``DuplexEngine.prepare``) between two frames, then the frame is timed from its start (its
+  host tables and decode plan were built while the device idled); ``span_at_tick`` injects them inside the timed
+  frame instead, right before its step.
 
 Every series starts from sessions holding ``fill`` positions of history: by default the model's context, a full
 ring (a served conversation is there after four minutes: 3000 positions = 240 s), so the attention reads what it
@@ -191,6 +193,10 @@ class LatencyOptions:
         kv_dtype: the engine's KV cache storage ("auto", "bf16", "fp8", ...).
         pace_ms: start every call, timed or not, on a clock of this period in ms (80: real time, a server's frame
             clock); 0 (the default): back to back. A call that overruns the period starts the next one at once.
+        span_at_tick: in the batch span frames, inject the spans inside the timed frame, right before its step
+            (the step then builds its inputs itself); False (the default): as ``cspan serve`` reads a span, injected
+            and its step prepared (``DuplexEngine.prepare``) when it arrives, between two frames, and the frame
+            timed from its start. Either way the injection's host time is reported (``inject_samples_ms``).
     """
 
     span_lengths: Sequence[int] = DEFAULT_SPAN_LENGTHS
@@ -207,6 +213,7 @@ class LatencyOptions:
     span_sessions: int = 1
     kv_dtype: str = "auto"
     pace_ms: float = 0.0
+    span_at_tick: bool = False
 
     def check(self, context: int | None = None) -> None:
         """Raise :class:`BenchError` for impossible settings; with the model's ``context`` (positions of its KV
@@ -384,9 +391,17 @@ class LatencyBench:
             times.append(self.timer(fn))
         return times
 
-    def span_series(self, n: int, sessions: Sequence[int] = (0,), step: Callable[[], Any] | None = None) -> _Series:
+    def span_series(
+        self,
+        n: int,
+        sessions: Sequence[int] = (0,),
+        step: Callable[[], Any] | None = None,
+        arrive_early: bool = False,
+    ) -> _Series:
         """Spans of ``n`` columns into ``sessions`` + one step, ``warmup`` + ``iters`` times, with ``gap_steps``
-        steps between."""
+        steps between. ``arrive_early``: the spans are injected and the step prepared before the step's tick (as
+        ``cspan serve`` does when a span arrives between frames), and only the step is timed (``total``); else
+        the injection is timed with the step (``total`` = ``prefill`` + ``next_step``)."""
         from cspan.core.span import ContextSpan
 
         body = span_body(n, int(self.engine.lm.text_card), self.options.seed)
@@ -398,11 +413,22 @@ class LatencyBench:
             for _ in range(self.options.gap_steps):
                 self.pace()
                 self.lm_step()
-            self.pace()
-            synchronize(self.device)
-            t0 = time.perf_counter()
-            reports = [self.engine.inject_span(i, span) for i in sessions]
-            t1 = time.perf_counter()
+            if arrive_early:  # between two frames: the span arrives, its step is prepared; then the frame's tick
+                synchronize(self.device)
+                ta = time.perf_counter()
+                reports = [self.engine.inject_span(i, span) for i in sessions]
+                self.engine.prepare()
+                arrival = (time.perf_counter() - ta) * 1000.0
+                self.pace()
+                synchronize(self.device)
+                t0 = t1 = time.perf_counter()
+            else:
+                self.pace()
+                synchronize(self.device)
+                t0 = time.perf_counter()
+                reports = [self.engine.inject_span(i, span) for i in sessions]
+                t1 = time.perf_counter()
+                arrival = (t1 - t0) * 1000.0
             step()
             synchronize(self.device)
             t2 = time.perf_counter()
@@ -410,7 +436,7 @@ class LatencyBench:
                 raise BenchError(f"span of {n} columns was read as {reports[0].n}; raise --max-span-frames")
             if k >= self.options.warmup:
                 result.total.append((t2 - t0) * 1000.0)
-                result.prefill.append((t1 - t0) * 1000.0)
+                result.prefill.append(arrival)
                 result.next_step.append((t2 - t1) * 1000.0)
         return result
 
@@ -479,7 +505,7 @@ class LatencyBench:
         for n in [n for n in self.options.span_lengths if n > 0] if k else []:
             say(f"batch {B}: spans of {n} columns into {k} sessions")
             sessions = [(j * B) // k for j in range(k)]  # spread over the batch
-            series = self.span_series(n, sessions, timed)
+            series = self.span_series(n, sessions, timed, arrive_early=not self.options.span_at_tick)
             s = summarize_ms(series.total)
             spans.append(
                 {
@@ -488,7 +514,8 @@ class LatencyBench:
                     "frame": s,
                     "minus_plain_p50_ms": s["p50_ms"] - plain["p50_ms"],
                     "minus_plain_p99_ms": s["p99_ms"] - plain["p99_ms"],
-                    # each timed frame in order, and its injection (host) part: where a p99 comes from
+                    # each timed frame in order, and the host time of its injection (with the step's preparation
+                    # when the spans arrive before the frame, the default; else part of the frame): a p99's source
                     "frame_samples_ms": [round(x, 3) for x in series.total],
                     "inject_samples_ms": [round(x, 3) for x in series.prefill],
                 }
@@ -708,6 +735,7 @@ def run_latency(
         "fill": fill,
         "span_sessions": options.span_sessions,
         "pace_ms": options.pace_ms,
+        "span_at_tick": options.span_at_tick,
         "timing": "wall clock between device synchronisations (torch.cuda.synchronize on CUDA)",
         "span_ids": "[12] + (n - 2) random ordinary text ids + [13]",
     }
@@ -762,6 +790,13 @@ def latency_table(doc: dict[str, Any], label: str = "latency") -> str:
                 "minus plain P99 |"
             )
             parts.append("\n".join([head, "|---:|---:|---:|---:|---:|---:|---:|", *span_lines]))
+            at_tick = (doc.get("config") or {}).get("span_at_tick")
+            parts.append(
+                "The spans were injected inside the timed frame, right before its step (--span-at-tick)."
+                if at_tick
+                else "The spans arrived between two frames, as cspan serve reads them: injected and their step "
+                "prepared then, the frame timed from its start."
+            )
     return "\n\n".join(parts)
 
 

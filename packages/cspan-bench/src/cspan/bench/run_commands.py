@@ -373,6 +373,12 @@ def register_latency(sub: Any) -> None:
         help="start every call on a clock of this period (80: real time, as a server's frame clock; default: back "
         "to back, the GPU never idles)",
     )
+    p.add_argument(
+        "--span-at-tick",
+        action="store_true",
+        help="batch rows: inject the spans inside the timed frame, right before its step (default: as cspan serve "
+        "reads a span, injected and its step prepared between frames, when it arrives)",
+    )
     p.add_argument("--no-frame", action="store_true", help="skip the whole-frame series")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
     p.add_argument(
@@ -415,6 +421,7 @@ def _latency(args: argparse.Namespace) -> int:
         span_sessions=args.span_sessions,
         kv_dtype=args.kv_dtype,
         pace_ms=args.pace_ms,
+        span_at_tick=args.span_at_tick,
     )
     options.check()
 

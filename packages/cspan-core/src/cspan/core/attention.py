@@ -18,8 +18,9 @@ kernel everywhere, ``=flashinfer`` uses FlashInfer everywhere). FlashInfer compi
 a few seconds). Source: FlashInfer, ``BatchDecodeWithPagedKVCacheWrapper``
 (flashinfer-ai/flashinfer, ``flashinfer/decode.py``).
 
-``plan`` runs on the host before each step (the rows and their key counts are host-known); with CUDA graphs the
-wrapper of a row bucket keeps fixed buffers that the captured kernels read, as vLLM does.
+``plan`` runs on the host before each step (the rows and their key counts are host-known; a plan equal to the last
+one is skipped); with CUDA graphs the wrapper of a row bucket keeps fixed buffers that the captured kernels read, as
+vLLM does.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class FlashInferDecode:
         self.dtype, self.cuda_graphs = dtype, cuda_graphs
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrappers: dict[int, Any] = {}
+        self._planned: tuple | None = None  # (rows, lengths) of the plan the workspace holds
 
     def _wrapper(self, rows: int) -> Any:
         if rows not in self._wrappers:
@@ -100,9 +102,17 @@ class FlashInferDecode:
 
     def plan(self, rows: list[int], positions: list[int]) -> None:
         """Before a step (host): the cache rows of its b queries (padding rows included) and the position each
-        query feeds; the query attends to ``min(position + 1, C)`` slots of its row."""
+        query feeds; the query attends to ``min(position + 1, C)`` slots of its row.
+
+        A plan equal to the last one is not made again: the wrappers share one workspace, which still holds it
+        (on full rings every plain step's plan is the last one's: about 0.6 ms of host time per step at 64 rows on
+        the H200's host, C83)."""
         b = len(rows)
         lengths = [min(p + 1, self.capacity) for p in positions]
+        key = (tuple(rows), tuple(lengths))
+        if key == self._planned:
+            return
+        self._planned = None  # until the plan below has been made
         self._wrapper(b).plan(
             torch.arange(b + 1, dtype=torch.int32),
             torch.tensor(rows, dtype=torch.int32),
@@ -114,6 +124,7 @@ class FlashInferDecode:
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+        self._planned = key
 
     def run(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """q [b, H, Dh] (RoPE applied) over one layer's rings [B, H, C, Dh] -> [b, H * Dh]."""

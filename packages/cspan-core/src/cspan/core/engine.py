@@ -12,7 +12,8 @@ One engine runs B independent sessions (batch rows) in lock step at 12.5 frames 
 
 Between two steps a session can be given a persona (:meth:`DuplexEngine.set_persona`), a Context Span
 (:meth:`DuplexEngine.inject_span`), a reset, or be marked idle (:meth:`DuplexEngine.set_live`): all host-only, queued
-in the sessions record and applied by the next step. Past the attention window the session's persona policy keeps
+in the sessions record and applied by the next step (:meth:`DuplexEngine.prepare` builds that step's inputs ahead
+of it, between frames, while the device idles). Past the attention window the session's persona policy keeps
 its persona prefix in the context (:mod:`cspan.core.window`: pinned sink positions, or a copy read again). The
 step is one function of device tensors (the state object,
 :class:`cspan.core.sessions.EngineState`, and the step's packed inputs), replayed from a CUDA graph per static shape
@@ -55,7 +56,7 @@ from .graphs import GraphCache
 from .plan import resolve_plan
 from .prefix import PrefixReport, build_persona_prefix, prefix_block
 from .sampling import SamplingParams, SessionSampling, sample_column, top_k_bound
-from .sessions import EngineState, Persona, Sessions, StepBatch, build_step, fresh_seed, unpack
+from .sessions import EngineState, Persona, Sessions, StepBatch, StepHead, build_step, fresh_seed, unpack
 from .span import ContextSpan, SpanReport, encode_span, span_report
 from .window import DEFAULT_PERSONA_POLICY, WindowEvent, check_policy, reprefix_block
 
@@ -241,6 +242,7 @@ class DuplexEngine:
                 self.device, cfg.num_heads, cfg.dim // cfg.num_heads, cfg.context, self.dtype, self.plan.cuda_graphs
             )
         self._plain_batch: tuple[tuple, StepBatch] | None = None  # (rows and top-k, the inputs) of the last plain step
+        self._prepared: tuple[int, StepBatch] | None = None  # (the sessions' version, the inputs): see prepare()
         self._step_graphs = GraphCache(self._token_step, self.plan.cuda_graphs)
         self._frame_graphs = GraphCache(self._frame, self.plan.cuda_graphs)
         self._silence = torch.tensor(self.agent_placeholder, dtype=torch.long, device=self.device)
@@ -283,7 +285,7 @@ class DuplexEngine:
         and their state stays as it is). Every session starts live."""
         for i in [rows] if isinstance(rows, int) else rows:
             self._check_session(i)
-            self.sessions.live[i] = bool(live)
+            self.sessions.set_live(i, live)
 
     @torch.no_grad()
     def set_persona(
@@ -533,19 +535,41 @@ class DuplexEngine:
             self.state.decoder.reset(torch.tensor(batch.first_call, dtype=torch.long, device=self.device))
         return out
 
+    def prepare(self) -> None:
+        """Build the next step's inputs now, between two frames: its ragged layout and tables (host), and the
+        decode attention's plan. A server calls this when a Context Span or a persona arrives, while the device
+        is idle between frames, so that the frame reading it starts its device work at once (on an 80 ms frame
+        clock the host work of a 600-column span's step is about 1.5 ms at B = 64: docs/PERFORMANCE.md, C83).
+
+        The prepared inputs are the next step's only while nothing changes in between: any reset, persona,
+        span, sampling or live change after this call, or a step, makes the next step build its own (nothing is
+        applied to the device state here; the step applies the queued restarts and blocks as always). Call it
+        after the previous step's outputs were read (the decode plan rewrites the buffers the previous step read).
+        """
+        head = self.sessions.peek()
+        self._prepared = (head.version, self._step_inputs(head))
+
     def _prepare(self) -> StepBatch:
-        """The head of a step: apply the live sessions' queued restarts and blocks to the device state, lay them out."""
+        """The head of a step: apply the live sessions' queued restarts and blocks to the device state; their
+        layout (the inputs :meth:`prepare` built, when nothing changed since)."""
         head = self.sessions.take()
-        rows, restarts, blocks, pins = head.rows, head.restarts, head.blocks, head.pins
         if head.sampling:
             self.state.set_sampling(head.sampling)
-        for row, restart in restarts.items():
+        for row, restart in head.restarts.items():
             self.state.restart(row, restart)
-        for row, queued in blocks.items():
+        for row, queued in head.blocks.items():
             for block in queued:
                 self.state.grid.splice(row, block.tokens)
-        if pins:  # pinned prefixes: at the oldest positions of their windows
-            self.state.pin(pins)
+        if head.pins:  # pinned prefixes: at the oldest positions of their windows
+            self.state.pin(head.pins)
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == head.version:
+            return prepared[1]
+        return self._step_inputs(head)
+
+    def _step_inputs(self, head: StepHead) -> StepBatch:
+        """The host-built inputs of the step that reads ``head`` (host only: the device state is not touched)."""
+        rows, restarts, blocks = head.rows, head.restarts, head.blocks
         prefixes = {row: r.prefix for row, r in restarts.items() if r.prefix is not None}
         text_top = top_k_bound(head.text_top_k, self.lm.text_linear.out_features)
         # a plain step (no block, no restart, no first call) of the same rows as the last plain step has the same

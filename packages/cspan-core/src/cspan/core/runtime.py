@@ -242,10 +242,7 @@ class Conversation:
                 ``user_pcm`` (:func:`voice_activity` does it for many conversations in one pass); None runs it here.
         """
         i = self.frame
-        for due in sorted(f for f in self._forced_spans if f <= i):  # a frame already under way counts as due now
-            for text, source in self._forced_spans.pop(due):
-                self._inject(text, source=source, tool=None, arguments=None, question=None, ret_frame=None, asked=None)
-        await self._service_retrieval(i)
+        await self.read_spans()
 
         frame = np.asarray(user_pcm, dtype=np.float32).reshape(-1)
         if len(self._audio) == self._audio.maxlen:
@@ -261,6 +258,18 @@ class Conversation:
                 await self._transcribe(utt.index, utt.start, utt.end, final=True)
         await self._collect_transcripts(block=False)
         await self._service_wait(i)
+
+    async def read_spans(self) -> None:
+        """Inject what is due at the head of frame :attr:`frame` (the next to run): the spans scheduled for it and a
+        finished retrieval, with their events at that frame. :meth:`before_step` does it first; a server may call
+        it earlier, between the previous frame and this one, so the engine reads the span's step ready-made
+        (``DuplexEngine.prepare``) when the frame starts. A retrieval that finishes after this call is injected by
+        the next one (:meth:`before_step`'s)."""
+        i = self.frame
+        for due in sorted(f for f in self._forced_spans if f <= i):  # a frame already under way counts as due now
+            for text, source in self._forced_spans.pop(due):
+                self._inject(text, source=source, tool=None, arguments=None, question=None, ret_frame=None, asked=None)
+        await self._service_retrieval(i)
 
     async def after_step(self, text_token: int | None, is_ret: bool = False) -> None:
         """Tail of the frame: record the agent's text token and handle ``<ret>`` (emitted or forced).

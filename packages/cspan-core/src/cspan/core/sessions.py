@@ -86,6 +86,8 @@ class StepHead:
         text_top_k: each live row's text top-k (the step's static top-k size covers them).
         positions: each session's position in this step (the pending one, less the columns of the blocks left
             queued for a later step by the step's column budget).
+        version: :attr:`Sessions.version` when the head was read (a head read by :meth:`Sessions.peek` is the one
+            :meth:`Sessions.take` would hand while the version stays the same).
     """
 
     rows: list[int]
@@ -95,6 +97,7 @@ class StepHead:
     pins: dict[int, tuple[int, int]]
     text_top_k: list[int]
     positions: list[int]
+    version: int = 0
 
 
 class Sessions:
@@ -115,6 +118,8 @@ class Sessions:
             the prefix's, so that they follow the whole prefix (as they would once it has been read).
         sampling_changed: rows whose sampling parameters the device state does not have yet.
         window_events: row -> what its persona policy did since the last :meth:`take_window_events`.
+        version: counts the changes of what the next step reads (every reset, sampling change, queued block, live
+            flag, taken head and step): a head :meth:`peek` read stays the next step's while it is unchanged.
         max_block_columns: the step's budget of block columns (None: no limit). A step takes the queued Context
             Spans of as many rows as fit, oldest waiting first; the rest wait for a later step, in order (a step
             that reads no persona prefix always reads at least one span; a persona prefix, and a row whose queue
@@ -146,6 +151,7 @@ class Sessions:
         self.window_events: dict[int, collections.deque[WindowEvent]] = {}
         self.max_block_columns = max_block_columns
         self.waiting: list[int] = []  # rows whose spans the budget held back, oldest first
+        self.version = 0
         self.lock = threading.Lock()
 
     def reset(
@@ -158,6 +164,7 @@ class Sessions:
         """Restart ``rows`` (fresh seeds where None), optionally with a persona prefix and its :class:`Persona`
         (the same for all rows)."""
         with self.lock:
+            self.version += 1
             for row, seed in zip(rows, seeds, strict=True):
                 self.seeds[row] = fresh_seed() if seed is None else int(seed)
                 self.restarts[row] = Restart(self.seeds[row], prefix)
@@ -174,12 +181,21 @@ class Sessions:
     def set_sampling(self, row: int, sampling: SessionSampling) -> None:
         """Sample ``row`` with ``sampling`` from its next step on."""
         with self.lock:
+            self.version += 1
             self.sampling[row] = sampling
             self.sampling_changed.add(row)
+
+    def set_live(self, row: int, live: bool) -> None:
+        """Step ``row`` (live) or leave it idle from the next step on."""
+        with self.lock:
+            if self.live[row] != bool(live):
+                self.version += 1
+                self.live[row] = bool(live)
 
     def queue(self, row: int, block: Block) -> int:
         """Queue a block for ``row``; returns its first position (a copy of the prefix may follow it: ``reprefix``)."""
         with self.lock:
+            self.version += 1
             restart = self.restarts.get(row)
             if restart is not None and restart.prefix is not None:  # after the prefix's own step
                 waiting = self.after_prefix.setdefault(row, [])
@@ -195,43 +211,60 @@ class Sessions:
     def take(self) -> StepHead:
         """The head of a step (:class:`StepHead`), its queues emptied, read under the sessions' lock."""
         with self.lock:
-            rows = [i for i in range(self.batch_size) if self.live[i]]
-            restarts = {i: self.restarts.pop(i) for i in rows if i in self.restarts}
-            blocks, deferred = self._take_blocks(rows, restarts)
-            positions = list(self.position)
-            for i, n in deferred.items():
-                positions[i] -= n
-            sampling = {i: self.sampling[i] for i in sorted(self.sampling_changed)}
+            return self._head(commit=True)
+
+    def peek(self) -> StepHead:
+        """The head :meth:`take` would hand now, nothing changed (to prepare a step ahead of it: the head is
+        still the next step's while :attr:`version` equals ``head.version``)."""
+        with self.lock:
+            return self._head(commit=False)
+
+    def _head(self, commit: bool) -> StepHead:
+        """The next step's head; ``commit``: empty the queues it takes and note its pins (lock held)."""
+        version = self.version
+        rows = [i for i in range(self.batch_size) if self.live[i]]
+        restarts = {i: self.restarts[i] for i in rows if i in self.restarts}
+        blocks, deferred, left, waiting = self._take_blocks(rows, restarts)
+        positions = list(self.position)
+        for i, n in deferred.items():
+            positions[i] -= n
+        sampling = {i: self.sampling[i] for i in sorted(self.sampling_changed)}
+        pins: dict[int, tuple[int, int]] = {}
+        for i in rows:
+            persona = self.persona.get(i)
+            if persona is None or persona.policy != "pinned" or self.context is None or i in restarts:
+                continue
+            start = positions[i] - self.context + 1  # the window of this step's last query
+            if start > 0:
+                pins[i] = (start, persona.sinks)
+                if commit and not persona.pinned:
+                    persona.pinned = True
+                    self._event(i, WindowEvent("pin", start, persona.sinks))
+        if commit:
+            for i in restarts:
+                del self.restarts[i]
+            self.blocks, self.waiting = left, waiting
             self.sampling_changed.clear()
-            pins: dict[int, tuple[int, int]] = {}
-            for i in rows:
-                persona = self.persona.get(i)
-                if persona is None or persona.policy != "pinned" or self.context is None or i in restarts:
-                    continue
-                start = positions[i] - self.context + 1  # the window of this step's last query
-                if start > 0:
-                    pins[i] = (start, persona.sinks)
-                    if not persona.pinned:
-                        persona.pinned = True
-                        self._event(i, WindowEvent("pin", start, persona.sinks))
-            text_top_k = [self.sampling[i].text.top_k for i in rows]
-            return StepHead(rows, restarts, blocks, sampling, pins, text_top_k, positions)
+            self.version += 1
+        text_top_k = [self.sampling[i].text.top_k for i in rows]
+        return StepHead(rows, restarts, blocks, sampling, pins, text_top_k, positions, version)
 
     def _take_blocks(
         self, rows: list[int], restarts: dict[int, Restart]
-    ) -> tuple[dict[int, list[Block]], dict[int, int]]:
-        """(the queued blocks this step reads, row -> the columns left queued): see ``max_block_columns``
-        (lock held)."""
+    ) -> tuple[dict[int, list[Block]], dict[int, int], dict[int, list[Block]], list[int]]:
+        """(the queued blocks this step reads, row -> the columns left queued, the queues left, the rows held back
+        oldest first): see ``max_block_columns`` (lock held; nothing changed here)."""
         budget = self.max_block_columns
-        if budget is None or not self.blocks:
-            return {i: self.blocks.pop(i) for i in rows if i in self.blocks}, {}
+        left = dict(self.blocks)
+        if budget is None or not left:
+            return {i: left.pop(i) for i in rows if i in left}, {}, left, self.waiting
         used = sum(r.prefix.block.n for r in restarts.values() if r.prefix is not None)
         live = set(rows)
         order = [i for i in self.waiting if i in live] + [i for i in rows if i not in self.waiting]
         taken: dict[int, list[Block]] = {}
         deferred: dict[int, int] = {}
         for i in order:
-            queued = self.blocks.pop(i, None)
+            queued = left.pop(i, None)
             if not queued:
                 continue
             persona = self.persona.get(i)
@@ -247,14 +280,15 @@ class Sessions:
             if k:
                 taken[i] = queued[:k]
             if k < len(queued):
-                self.blocks[i] = queued[k:]
+                left[i] = queued[k:]
                 deferred[i] = sum(blk.n for blk in queued[k:])
-        self.waiting = [i for i in order if i in deferred] + [i for i in self.waiting if i not in live]
-        return taken, deferred
+        waiting = [i for i in order if i in deferred] + [i for i in self.waiting if i not in live]
+        return taken, deferred, left, waiting
 
     def advance(self, rows: Sequence[int]) -> None:
         """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now."""
         with self.lock:
+            self.version += 1
             for row in rows:
                 self.position[row] += 1
                 self.started[row] = True

@@ -5,16 +5,19 @@ Mimi encoding of voices all run on the single worker thread of :class:`EngineThr
 for. Nothing else calls the engine or its models.
 
 Context Spans reach the engine through :class:`SpanHandoff`, the object a
-:class:`~cspan.core.runtime.Conversation` is given as its ``engine``: its ``inject_span`` only queues the reference
-(on the event loop, at the head of a frame) and returns a :class:`QueuedSpan` standing in for the engine's
-``SpanReport``; the queued spans of a frame are handed to :meth:`EngineThread.frame`, which reads them into their
-sessions on the engine thread right before that frame's step, and fills in each ``QueuedSpan`` (the report, or the
-error). The session core then completes the frame's ``span`` events from those reports before they are sent.
+:class:`~cspan.core.runtime.Conversation` is given as its ``engine``: its ``inject_span`` (on the event loop) hands
+the reference to the engine thread at once and returns a :class:`QueuedSpan` standing in for the engine's
+``SpanReport``. On the engine thread, in order with every other call, the span is injected into its session and the
+next step prepared (``DuplexEngine.prepare``: its tables and decode plan built while the device idles between two
+frames, so the frame that reads the span starts its device work at once); the ``QueuedSpan`` gets the report, or
+the error. The frame loop hands spans over between frames (``Conversation.read_spans`` after each frame), and the
+session core completes the next frame's ``span`` events from those reports before they are sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,15 +50,16 @@ class QueuedSpan:
 
 
 class SpanHandoff:
-    """What a session's ``Conversation`` sees as its engine: ``inject_span`` queues on :class:`EngineThread`."""
+    """What a session's ``Conversation`` sees as its engine: ``inject_span`` hands the span to :class:`EngineThread`."""
 
     def __init__(self, engine_thread: EngineThread) -> None:
         self._engine_thread = engine_thread
 
     def inject_span(self, i: int, text: str) -> QueuedSpan:
-        """Queue ``text`` for session ``i``; it is read right before the next step (see the module docstring)."""
+        """Hand ``text`` for session ``i`` to the engine thread, which injects it before any later call (so the next
+        step reads it) and prepares that step (see the module docstring)."""
         span = QueuedSpan(slot=i, text=text)
-        self._engine_thread.queued_spans.append(span)
+        self._engine_thread.read_span(span)
         return span
 
     def take_window_events(self, i: int) -> list[Any]:
@@ -88,7 +94,8 @@ class EngineThread:
         engine: a :class:`~cspan.core.engine.DuplexEngine`.
 
     Attributes:
-        queued_spans: spans queued by :class:`SpanHandoff` since the last :meth:`take_spans`.
+        queued_spans: spans handed over by :class:`SpanHandoff` since the last :meth:`take_spans` (each read on the
+            engine thread, or being read: a frame asked for afterwards runs after it).
     """
 
     def __init__(self, engine: Any) -> None:
@@ -102,9 +109,15 @@ class EngineThread:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def take_spans(self) -> list[QueuedSpan]:
-        """The spans queued since the last call (to pass to :meth:`frame`)."""
+        """The spans handed over since the last call (read by the engine before any frame asked for after them)."""
         spans, self.queued_spans = self.queued_spans, []
         return spans
+
+    def read_span(self, span: QueuedSpan) -> None:
+        """Inject ``span`` on the engine thread, after the calls asked for before it and before any asked for after
+        it, then prepare the next step; its report (or error) is filled in there. Called on the event loop."""
+        self.queued_spans.append(span)
+        self._executor.submit(self._read_span, span)
 
     async def prepare(
         self,
@@ -141,10 +154,10 @@ class EngineThread:
 
         return await self._call(encode_voice_pcm, audio, self.engine.mimi)
 
-    async def frame(self, pcm: np.ndarray, spans: list[QueuedSpan], live: list[bool] | None = None) -> FrameResult:
-        """Read ``spans`` into their rows, then one batched step of ``pcm`` [B, 1920] float32 over the ``live`` rows
-        (default: all); the other rows are idle: not stepped, no compute (``DuplexEngine.set_live``)."""
-        return await self._call(self._frame, pcm, spans, live)
+    async def frame(self, pcm: np.ndarray, live: list[bool] | None = None) -> FrameResult:
+        """One batched step of ``pcm`` [B, 1920] float32 over the ``live`` rows (default: all), reading every span
+        handed over before it; the other rows are idle: not stepped, no compute (``DuplexEngine.set_live``)."""
+        return await self._call(self._frame, pcm, live)
 
     async def shutdown(self) -> None:
         """Let the running call finish and stop the thread."""
@@ -166,7 +179,25 @@ class EngineThread:
         engine.reset(slot, seed=seed)
         return engine.set_persona(slot, text_prompt or None, voice, user_name=name, user_city=city, sampling=sampling)
 
-    def _frame(self, pcm: np.ndarray, spans: list[QueuedSpan], live: list[bool] | None) -> FrameResult:
+    def _read_span(self, span: QueuedSpan) -> None:
+        engine = self.engine
+        try:
+            report = engine.inject_span(span.slot, span.text)
+        except Exception as exc:  # reported as the span's error event; the session goes on
+            span.error = exc
+            return
+        span.n = int(report.n)
+        span.prefill_ms = float(getattr(report, "prefill_ms", 0.0))
+        span.truncated = bool(getattr(report, "truncated", False))
+        span.deferred = bool(getattr(report, "deferred", False))
+        span.prefix_in_window = bool(getattr(report, "prefix_in_window", True))
+        span.report = report
+        try:
+            engine.prepare()  # the step that reads it, built now (a later change makes the step build its own)
+        except Exception:
+            logger.exception("engine thread: preparing the step after a span failed (the step builds its own)")
+
+    def _frame(self, pcm: np.ndarray, live: list[bool] | None) -> FrameResult:
         import torch
 
         engine = self.engine
@@ -174,18 +205,6 @@ class EngineThread:
             if flag != self._live[row]:
                 engine.set_live(row, flag)
                 self._live[row] = flag
-        for span in spans:
-            try:
-                report = engine.inject_span(span.slot, span.text)
-            except Exception as exc:  # reported as the span's error event; the session goes on
-                span.error = exc
-                continue
-            span.report = report
-            span.n = int(report.n)
-            span.prefill_ms = float(getattr(report, "prefill_ms", 0.0))
-            span.truncated = bool(getattr(report, "truncated", False))
-            span.deferred = bool(getattr(report, "deferred", False))
-            span.prefix_in_window = bool(getattr(report, "prefix_in_window", True))
         t0 = time.perf_counter()
         out = engine.step(torch.from_numpy(pcm))
         return FrameResult(

@@ -9,8 +9,10 @@ Architecture (one process, one event loop)::
     SessionHub frame loop (one asyncio task, 80 ms monotonic clock)
         for each live session: one queued user frame (or silence); their voice activity in one pass
                                -> Conversation.before_step (spans queued)
-        ONE EngineThread.frame(pcm [N, 1920], spans) for all N slots (spans read, then one batched step)
+        ONE EngineThread.frame(pcm [N, 1920]) for all N slots (one batched step; the spans already read)
         for each live session: Conversation.after_step -> outputs (agent frame, events) -> its outbox
+        for each live session: Conversation.read_spans (the next frame's spans, read and their step prepared
+                               on the engine thread while the device idles until the next tick)
     Session outbox --outputs--> adapter.render -> wire messages -> client
 
 The engine has ``batch_size = --max-sessions``; slot i of the batch belongs to at most one session. Slots with no
@@ -1295,7 +1297,7 @@ class SessionHub:
             for s in heads:
                 if s.slot is not None:
                     live[s.slot] = True
-            result: FrameResult = await self.engine_thread.frame(pcm, spans, live)
+            result: FrameResult = await self.engine_thread.frame(pcm, live)
         except Exception as exc:  # the engine failed: end the sessions of this step rather than loop on the error
             logger.exception("frame loop: the engine step failed; ending %d session(s)", len(heads))
             for s in heads:
@@ -1343,6 +1345,14 @@ class SessionHub:
                     )
                 )
             s._publish(tail)
+        for s in heads:  # the next frame's spans, handed to the engine now: it prepares their step between frames
+            if s.conversation is None or s.state not in ("live", "stopping"):
+                continue
+            try:
+                await s.conversation.read_spans()
+            except Exception as exc:
+                logger.exception("session %s: reading spans failed", s.id)
+                self._fail(s, f"frame {s.conversation.frame}: {type(exc).__name__}: {exc}")
 
     def _memory_due(self, s: Session, slot: int) -> None:
         """After ``s``'s step: when its Context Spans left the window, read the memory span (off the frame loop:
