@@ -7,6 +7,8 @@ full rings and a span into session 0, four kinds of frame interleaved round by r
 - ``plain``: a plain step;
 - ``late``: ``inject_span`` at the tick, then the step (what ``cspan bench latency --pace-ms`` times);
 - ``inject-early``: ``inject_span`` between the previous frame and the tick, then the step at the tick;
+- ``prepared``: ``inject_span`` and ``DuplexEngine.prepare`` between the previous frame and the tick (what
+  ``cspan serve`` does); at the tick the step takes the head, applies its splice and reads the prepared inputs;
 - ``prepare-early``: ``inject_span`` and the step's head (``DuplexEngine._prepare``: the queue taken, the block
   spliced on the device, the host tables, the decode plan) between the previous frame and the tick; at the tick
   the step runs on that kept batch.
@@ -61,9 +63,11 @@ def main() -> None:
         sync()
         early = 0.0
         kept = None
-        if kind in ("inject-early", "prepare-early"):
+        if kind in ("inject-early", "prepared", "prepare-early"):
             t0 = time.perf_counter()
             engine.inject_span(0, span)
+            if kind == "prepared":
+                engine.prepare()
             if kind == "prepare-early":
                 kept = prepare()
             sync()
@@ -81,13 +85,13 @@ def main() -> None:
         sync()
         return (time.perf_counter() - t0) * 1000.0, early
 
-    kinds = ["plain", "late", "inject-early", "prepare-early"]
+    kinds = ["plain", "late", "inject-early", "prepared", "prepare-early"]
     for n in args.spans:
         span = ContextSpan.from_ids(span_body(n, int(engine.lm.text_card), 0))
         times: dict[str, list[float]] = {k: [] for k in kinds}
         early: dict[str, list[float]] = {k: [] for k in kinds}
         for it in range(args.warmup + args.iters):
-            order = kinds[it % 4 :] + kinds[: it % 4]  # rotate the order round by round
+            order = kinds[it % len(kinds) :] + kinds[: it % len(kinds)]  # rotate the order round by round
             for kind in order:
                 ms, host = frame(kind, span)
                 if it >= args.warmup:

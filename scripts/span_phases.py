@@ -4,7 +4,7 @@ The span series of ``scripts/step_anatomy.py`` (``inject_span`` + one step on a 
 0.5 ms more host time than a plain step (C43). This times, for the plain step and for spans of n columns, each part
 of the call with a device synchronisation after it: ``inject_span`` (host), ``_prepare`` (the splice's device ops
 and the host tables), the copies into the graph's static inputs, ``replay`` (the host's ``cudaGraphLaunch``, then
-the wait for the GPU), and the output clones; and, for each graph, its replay alone, timed by the host and by CUDA
+the wait for the GPU), and the output clones (with ``--prepared``: ``DuplexEngine.prepare`` after the injection, ``prepare_ahead``, and ``_prepare`` then reads what it built); and, for each graph, its replay alone, timed by the host and by CUDA
 events (launch latency + execution). Usage (on the device): ``python scripts/span_phases.py [--spans 16 64 600]
 [--batch-size B] [--fill POSITIONS]``: B sessions (default 1), the span into session 0, every session holding
 ``--fill`` positions of history first (default 0, a fresh stream; 3000 a full ring).
@@ -25,6 +25,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--fill", type=int, default=0, help="positions of history per session first (3000: a full ring)")
+    ap.add_argument(
+        "--prepared", action="store_true", help="DuplexEngine.prepare() after the injection (prepare_ahead)"
+    )
     args = ap.parse_args()
     from cspan.bench.latency import LatencyBench, LatencyOptions, load_models, make_engine, span_body
     from cspan.core.graphs import clone_outputs
@@ -47,6 +50,9 @@ def main() -> None:
         t0 = time.perf_counter()
         if span is not None:
             engine.inject_span(0, span)
+        ta = time.perf_counter()
+        if args.prepared:
+            engine.prepare()
         t1 = time.perf_counter()
         batch = engine._prepare()
         t2 = time.perf_counter()
@@ -81,7 +87,7 @@ def main() -> None:
         t10 = time.perf_counter()
         ms = 1000.0
         t.update(
-            inject=(t1 - t0) * ms, prepare_host=(t2 - t1) * ms, prepare_sync=(t3 - t2) * ms,
+            inject=(ta - t0) * ms, prepare_ahead=(t1 - ta) * ms, prepare_host=(t2 - t1) * ms, prepare_sync=(t3 - t2) * ms,
             copies_host=(t5 - t4) * ms, copies_sync=(t6 - t5) * ms, launch_host=(t7 - t6) * ms,
             replay_rest=(t8 - t7) * ms, clone=(t9 - t8) * ms, advance=(t10 - t9) * ms, total=(t10 - t0) * ms,
         )  # fmt: skip
