@@ -91,6 +91,10 @@ def test_sampling_follows_set_persona_and_reset(tiny_checkpoint) -> None:
     defaults = SessionSampling(SamplingParams(0.5, 7), SamplingParams(0.6, 40))
     assert engine.sampling == [defaults, defaults]
     mine = SessionSampling(SamplingParams(0.9, 3), SamplingParams(1.1, 100))
+    too_long = torch.zeros(8, engine.context, dtype=torch.long)  # a voice prefix that fills the window
+    with pytest.raises(ValueError, match="fills the model's"):
+        engine.set_persona(1, None, too_long, sampling=mine)
+    assert engine.sampling == [defaults, defaults]  # the failing call changed nothing
     engine.set_persona(1, None, None, sampling=mine)
     assert engine.sampling == [defaults, mine]
     engine.set_sampling(1, audio=SamplingParams(0.0, 0))

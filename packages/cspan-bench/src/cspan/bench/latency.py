@@ -518,6 +518,9 @@ class LatencyBench:
                     # when the spans arrive before the frame, the default; else part of the frame): a p99's source
                     "frame_samples_ms": [round(x, 3) for x in series.total],
                     "inject_samples_ms": [round(x, 3) for x in series.prefill],
+                    "inject_samples_cover": "inject_span, inside the frame"
+                    if self.options.span_at_tick
+                    else "inject_span + DuplexEngine.prepare, between frames (not part of the frame)",
                 }
             )
         out["spans"] = spans

@@ -350,9 +350,9 @@ class DuplexEngine:
             user_placeholder=self.user_placeholder,
         )
         embeddings = None if prefix.embeddings is None else prefix.embeddings.to(self.dtype)
+        P = self.set_prefix(i, prefix.frames, embeddings, seed=seed, policy=policy)  # raises before any change
         if sampling is not None:
             self.sessions.set_sampling(i, sampling)
-        P = self.set_prefix(i, prefix.frames, embeddings, seed=seed, policy=policy)
         return PrefixReport(
             session=i,
             num_frames=P,
@@ -544,7 +544,9 @@ class DuplexEngine:
         The prepared inputs are the next step's only while nothing changes in between: any reset, persona,
         span, sampling or live change after this call, or a step, makes the next step build its own (nothing is
         applied to the device state here; the step applies the queued restarts and blocks as always). Call it
-        after the previous step's outputs were read (the decode plan rewrites the buffers the previous step read).
+        once the previous step's outputs have reached the host (as a server's frame reads its text and audio), or
+        after ``torch.cuda.synchronize()``: like the head of every step, FlashInfer's decode plan rewrites a
+        page-locked buffer whose copy to the device the previous step queued.
         """
         head = self.sessions.peek()
         self._prepared = (head.version, self._step_inputs(head))
