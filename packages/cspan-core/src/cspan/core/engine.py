@@ -537,8 +537,8 @@ class DuplexEngine:
 
     def prepare(self) -> None:
         """Build the next step's inputs now, between two frames: its ragged layout and tables (host), and the
-        decode attention's plan. A server calls this when a Context Span or a persona arrives, while the device
-        is idle between frames, so that the frame reading it starts its device work at once (on an 80 ms frame
+        decode attention's plan. A server calls this when a Context Span arrives, while the device is idle
+        between frames, so that the frame reading it starts its device work at once (on an 80 ms frame
         clock the host work of a 600-column span's step is 0.5-1.9 ms at B = 64: docs/PERFORMANCE.md, C83-C85).
 
         The prepared inputs are the next step's only while nothing changes in between: any reset, persona,

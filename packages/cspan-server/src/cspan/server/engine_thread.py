@@ -31,11 +31,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class QueuedSpan:
-    """A Context Span queued for session ``slot`` at the head of a frame (until :meth:`EngineThread.frame` reads it).
+    """A Context Span handed to the engine thread for session ``slot`` (:meth:`EngineThread.read_span`).
 
-    Until then ``n``, ``prefill_ms``, ``truncated``, ``deferred`` and ``prefix_in_window`` are placeholders (what a
-    ``Conversation`` reads from a report right away); afterwards ``report`` is the engine's
-    :class:`~cspan.core.span.SpanReport`, or ``error`` says why the engine refused the span.
+    Until the engine thread has injected it, ``n``, ``prefill_ms``, ``truncated``, ``deferred`` and
+    ``prefix_in_window`` are placeholders (what a ``Conversation`` reads from a report right away); afterwards
+    ``report`` is the engine's :class:`~cspan.core.span.SpanReport`, or ``error`` says why the engine refused the
+    span. Either is set before any frame asked for after the handoff runs.
     """
 
     slot: int
