@@ -397,14 +397,16 @@ def overlap() -> None:
     q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
     offset = torch.full((1,), 10 * RING, dtype=torch.long, device=dev)
     side = torch.cuda.Stream(dev, priority=-1)
-    decoders = {f"triton {cfg}": cfg for cfg in ((32, 64, 8, 4, 4, 1), (32, 16, 2, 4, 3, 1), (32, 16, 2, 4, 2, 1),
-                                                  (64, 16, 2, 4, 2, 1), (32, 8, 1, 4, 2, 1))}  # fmt: skip
+    decoders = {f"triton {cfg}": cfg for cfg in ((32, 64, 8, 4, 4, 1),)}  # the engine's at 64 rows (C73: four others)
     wrapper = None if fi is None else _flashinfer_decode_wrapper(fi, B, dev)
     if wrapper is not None:
         decoders["flashinfer"] = None
     q_fi = qkv[:, : HEADS * HEAD_DIM].reshape(B, HEADS, HEAD_DIM).contiguous()
-    prefills = [((64, 64, 4, 3), None), ((64, 64, 4, 2), None), ((64, 32, 4, 2), None), ((64, 64, 4, 3), 1),
-                ((128, 64, 8, 2), None)]  # fmt: skip
+    # (config, key splits, programs): C73's configs beside the default one and one split, then one split on fewer
+    # programs than tiles (each loops over its share: fused.PREFILL_BESIDE_PROGRAMS), per SM
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    prefills = [((64, 64, 4, 3), None, None), ((64, 64, 4, 3), 1, None)]
+    prefills += [((64, 64, 4, 3), 1, int(f * sms)) for f in (0.5, 1, 1.5, 2)]
 
     def decode(name: str, i: int) -> None:
         if decoders[name] is None:
@@ -412,44 +414,46 @@ def overlap() -> None:
         else:
             fused.decode_attention(qkv, dkeys[i], dvalues[i], positions, rows, RING, rope, config=decoders[name])
 
-    def prefill(pcfg, splits, ragged, i: int) -> None:
-        fused.prefill_attention(q, k, v, pkeys[i], pvalues[i], ragged, RING, config=pcfg, splits=splits)
+    def prefill(pcfg, splits, programs, ragged, i: int) -> None:
+        fused.prefill_attention(q, k, v, pkeys[i], pvalues[i], ragged, RING, config=pcfg, splits=splits,
+                                programs=programs)  # fmt: skip
 
     def timed(fn) -> float:
         return _events_ms(_graph(fn), 10) * 1000 / LAYERS
 
     print(f"B = {B} decode beside a {n}-token block, full rings of {RING}, us per layer:")
-    print("| decode | block (config, splits) | decode alone | block alone | one after the other | beside | hidden |")
+    print("| decode | block (config, splits, programs) | decode alone | block alone | one after the other | beside "
+          "| hidden |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in decoders:
         alone_d = timed(lambda name=name: [decode(name, i) for i in range(LAYERS)])
-        for pcfg, splits in prefills:
+        for pcfg, splits, programs in prefills:
             ragged = _one_span(n, pcfg[0], offset)
+            args = (pcfg, splits, programs, ragged)
 
-            def apart(name=name, pcfg=pcfg, splits=splits, ragged=ragged):
+            def apart(name=name, args=args):
                 for i in range(LAYERS):
-                    prefill(pcfg, splits, ragged, i)
+                    prefill(*args, i)
                     decode(name, i)
 
-            def beside(name=name, pcfg=pcfg, splits=splits, ragged=ragged):
+            def beside(name=name, args=args):
                 main = torch.cuda.current_stream()
                 for i in range(LAYERS):
                     side.wait_stream(main)
                     with torch.cuda.stream(side):
-                        prefill(pcfg, splits, ragged, i)
+                        prefill(*args, i)
                     decode(name, i)
                     main.wait_stream(side)
 
             try:
-                alone_p = timed(lambda pcfg=pcfg, splits=splits, ragged=ragged: [
-                    prefill(pcfg, splits, ragged, i) for i in range(LAYERS)])  # fmt: skip
+                alone_p = timed(lambda args=args: [prefill(*args, i) for i in range(LAYERS)])
                 t_apart, t_beside = timed(apart), timed(beside)
             except Exception as exc:
-                print(f"| {name} | {pcfg}, {splits} | failed: {type(exc).__name__}: {str(exc)[:100]} |")
+                print(f"| {name} | {pcfg}, {splits}, {programs} | failed: {type(exc).__name__}: {str(exc)[:100]} |")
                 continue
             hidden = (t_apart - t_beside) / min(alone_d, alone_p)
-            print(f"| {name} | {pcfg}, {splits} | {alone_d:.1f} | {alone_p:.1f} | {t_apart:.1f} | {t_beside:.1f} | "
-                  f"{hidden:.0%} |", flush=True)  # fmt: skip
+            print(f"| {name} | {pcfg}, {splits}, {programs} | {alone_d:.1f} | {alone_p:.1f} | {t_apart:.1f} | "
+                  f"{t_beside:.1f} | {hidden:.0%} |", flush=True)  # fmt: skip
 
 
 @torch.no_grad()

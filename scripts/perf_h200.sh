@@ -123,11 +123,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $ji
       # spans of 16 / 600 columns into 1 session, ITERS (default 40): the spans arriving between frames (injected and
       # their step prepared then, as cspan serve reads them), at the frame's tick (--span-at-tick), and back to back;
       # the GPU's clocks and power every 20 ms meanwhile ($LOGS/smi-paced.csv); PACED_VARIANTS (optional):
-      # .device/variants/NAME paced too
+      # .device/variants/NAME paced too; NO_AT_TICK / NO_UNPACED (optional): skip those series
       smi_log "$LOGS/smi-paced.csv"; smi=$!
       pac="latency --random-7b --n 16 600 --iters ${ITERS:-40} --warmup 5 --no-frame --batch-size ${PACED_BATCHES:-32 64} --span-sessions 1"
       run paced 240 $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced.json"
-      run paced-at-tick 240 $BENCH $pac --pace-ms 80 --span-at-tick --out "$LOGS/latency_paced_at_tick.json"
+      [ -n "${NO_AT_TICK:-}" ] || run paced-at-tick 240 $BENCH $pac --pace-ms 80 --span-at-tick --out "$LOGS/latency_paced_at_tick.json"
       [ -n "${NO_UNPACED:-}" ] || run unpaced 150 $BENCH $pac --out "$LOGS/latency_unpaced.json"
       for v in ${PACED_VARIANTS:-}; do
         run "paced-$v" 240 env PYTHONPATH="$(variant_path "$v")" $BENCH $pac --pace-ms 80 --out "$LOGS/latency_paced_$v.json"

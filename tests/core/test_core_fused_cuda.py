@@ -208,7 +208,8 @@ def test_ragged_prefill_does_not_depend_on_the_queries_per_block(
     warpgroup MMA (64 rows), the smaller blocks' as mma.sync, and the tensor cores' float32 sums differ in the last
     bits (device calls C40 / C41: only block_m 64 differed, with the mask decision already the same for all).
     Windows below the ring whose masked keys end off the key-block grid (96 / 72: only masked blocks; 512 / 480:
-    masked, unmasked and partial blocks), wrapped and filling rings, 1 and 2 key splits."""
+    masked, unmasked and partial blocks), wrapped and filling rings, 1 and 2 key splits. Fewer programs than tiles
+    (each looping over its share, as beside a decode attention) give the same bits as one program per tile."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(3)
     H, Dh = 4, 128
@@ -234,9 +235,11 @@ def test_ragged_prefill_does_not_depend_on_the_queries_per_block(
             tok_j=t([j for m in lengths for j in range(m)]), tok_keep=t([1] * n).bool(), block_m=bm,
         ).at(cache.offset)  # fmt: skip
         for splits in (1, 2):
-            outs[bm, splits] = fused.prefill_attention(
-                q, k, v, cache.keys[0], cache.values[0], ragged, window, cache.layer_scales(0), (bm, 64, 4, 2), splits
-            )
+            args = (q, k, v, cache.keys[0], cache.values[0], ragged, window, cache.layer_scales(0), (bm, 64, 4, 2))
+            outs[bm, splits] = fused.prefill_attention(*args, splits)
+            for programs in (1, 3, 7):
+                looped = fused.prefill_attention(*args, splits, programs=programs)
+                assert torch.equal(looped, outs[bm, splits]), (bm, splits, programs)
     for (bm, splits), out in outs.items():
         if bm == 64:
             torch.testing.assert_close(out.float(), outs[16, splits].float(), atol=0.02, rtol=0.01)
