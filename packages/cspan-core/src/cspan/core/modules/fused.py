@@ -627,6 +627,123 @@ if HAVE_TRITON:
         return m_i, l_i, acc
 
     @triton.jit
+    def _prefill_tile(
+        qb,
+        h,
+        sid,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        kc_ptr,
+        vc_ptr,
+        ks_ptr,
+        vs_ptr,
+        seq_row_ptr,
+        seq_start_ptr,
+        seq_len_ptr,
+        seq_pos_ptr,
+        qb_seq_ptr,
+        qb_j_ptr,
+        out_ptr,
+        part_o_ptr,
+        part_lse_ptr,
+        H,
+        C,
+        window,
+        scale_log2,
+        stride_cb,
+        stride_ch,
+        stride_cs,
+        stride_sb,
+        stride_sh,
+        stride_ss,
+        blocks_per_split,
+        n_tokens,
+        IEEE: tl.constexpr,
+        FP8: tl.constexpr,
+        DH: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        QG: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        """Tile (query block qb, head h, key split sid) of :func:`_prefill_attn_kernel`."""
+        seq_raw = tl.load(qb_seq_ptr + qb)
+        live = seq_raw >= 0  # padding programs (fixed grids of CUDA graphs) do nothing
+        seq = tl.maximum(seq_raw, 0)
+        j0 = tl.load(qb_j_ptr + qb).to(tl.int32)
+        row = tl.load(seq_row_ptr + seq).to(tl.int64)
+        start = tl.load(seq_start_ptr + seq).to(tl.int64)
+        L = tl.where(live, tl.load(seq_len_ptr + seq).to(tl.int32), 0)
+        pos0 = tl.load(seq_pos_ptr + seq).to(tl.int32)  # the first new position; the ring holds < pos0
+        d = tl.arange(0, DH)
+        i = j0 + tl.arange(0, BM)
+        imask = i < L
+        tok = start + i
+        qpos = pos0 + i
+        m_i = tl.full((BM,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, DH), tl.float32)
+        cache = row * stride_cb + h * stride_ch
+        scales = row * stride_sb + h * stride_sh
+        # the ring's keys in position order: key t (0 <= t < n_ring) is position first + t, in slot (first + t) % C
+        n_ring = tl.where(live, tl.minimum(pos0, C), 0)
+        first = pos0 - n_ring
+        first_slot = first % C
+        lo = sid * blocks_per_split * BN
+        hi = tl.minimum(lo + blocks_per_split * BN, n_ring)
+        # query i sees key t iff t > i + n_ring - window, so every query of the QG-query group holding this block
+        # sees every key from group end + n_ring - window on. A padded step's BM differs from the unpadded one's,
+        # and both should add the same scores in the same order, so what a query's key block goes through must not
+        # depend on BM: the key blocks stay at lo + k * BN, and the bound is the group's (QG, a multiple of every
+        # BM), not the block's (the masked and the unmasked loop may round a block differently: on sm_90 a score's
+        # multiply-subtract contracts to an FMA in one and not the other). The whole blocks before the first one
+        # past that bound take the window mask, the whole blocks after it none, the partial last block (keys up to
+        # hi) the mask of its end
+        whole = tl.maximum(hi - lo, 0) // BN  # (hi < lo: a split past a short ring's keys, nothing to read)
+        j_end = (j0 // QG + 1) * QG
+        t_all = lo + tl.minimum(tl.cdiv(tl.maximum(j_end + n_ring - window - lo, 0), BN), whole) * BN
+        t_tail = lo + whole * BN
+        # a split past a short ring's keys (most of a fresh ring's splits) reads nothing, not even its queries
+        work = (hi > lo) | (sid == SPLITS - 1)
+        q = tl.load(q_ptr + (tok * H + h)[:, None] * DH + d[None, :], mask=imask[:, None] & work, other=0.0)
+        for start_k in range(lo, t_all, BN):
+            m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
+                                       first_slot, start_k, hi, qpos, window, C, d, stride_cs, stride_ss, scale_log2,
+                                       BN, FP8, IEEE, True)  # fmt: skip
+        for start_k in range(t_all, t_tail, BN):  # whole blocks every query sees
+            m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
+                                       first_slot, start_k, t_tail, qpos, window, C, d, stride_cs, stride_ss,
+                                       scale_log2, BN, FP8, IEEE, False)  # fmt: skip
+        for start_k in range(t_tail, hi, BN):
+            m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
+                                       first_slot, start_k, hi, qpos, window, C, d, stride_cs, stride_ss, scale_log2,
+                                       BN, FP8, IEEE, True)  # fmt: skip
+        if sid == SPLITS - 1:  # the row's own new keys, causal: up to the last query of this block
+            hi_new = tl.minimum(L, j0 + BM)
+            for start_j in range(0, hi_new, BN):
+                j = start_j + tl.arange(0, BN)
+                jmask = j < L
+                src = ((start + j) * H + h)[:, None] * DH + d[None, :]
+                kb = tl.load(k_ptr + src, mask=jmask[:, None], other=0.0)
+                vb = tl.load(v_ptr + src, mask=jmask[:, None], other=0.0)
+                delta = i[:, None] - j[None, :]
+                visible = jmask[None, :] & (delta >= 0) & (delta < window)
+                m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, True, IEEE)
+        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / safe_l[:, None]
+        r = tok * H + h  # (token, head) row of the [n_tokens * H, DH] output
+        if SPLITS == 1:
+            tl.store(out_ptr + r[:, None] * DH + d[None, :], o.to(out_ptr.dtype.element_ty), mask=imask[:, None])
+        else:
+            idx = sid * n_tokens * H + r
+            # a query that saw no key in this split writes its lse only (the combine reads no output for it): a
+            # fresh ring's empty splits would otherwise write SPLITS x n_tokens x H x DH float32 zeros per layer
+            tl.store(part_o_ptr + idx[:, None] * DH + d[None, :], o, mask=(imask & (l_i > 0.0))[:, None])
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), -1.0e30)
+            tl.store(part_lse_ptr + idx, lse, mask=imask)
+
+    @triton.jit
     def _prefill_attn_kernel(
         q_ptr,
         k_ptr,
@@ -665,91 +782,31 @@ if HAVE_TRITON:
         BN: tl.constexpr,
         QG: tl.constexpr,
         SPLITS: tl.constexpr,
+        PERSISTENT: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """Tiles (query block, head, key split), query block fastest, ``tile = (sid * H + h) * n_qb + qb``: program
-        p runs tiles p, p + P, ... of the n_tiles with P programs (one tile each when P = n_tiles; fewer programs
-        loop over them, see :func:`prefill_attention`'s ``programs``). A tile's arithmetic does not depend on P."""
+        """Program (qb, h, sid): query block qb of ``block_m`` queries, head h, key split sid; with PERSISTENT a 1-D
+        grid of P programs, program p running the tiles p, p + P, ... of the n_tiles (query block fastest: ``tile =
+        (sid * H + h) * n_qb + qb``; see :func:`prefill_attention`'s ``programs``). A tile computes the same either
+        way."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
-        for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-            qb = tile % n_qb
-            h = (tile // n_qb) % H
-            sid = tile // (n_qb * H)
-            seq_raw = tl.load(qb_seq_ptr + qb)
-            live = seq_raw >= 0  # padding programs (fixed grids of CUDA graphs) do nothing
-            seq = tl.maximum(seq_raw, 0)
-            j0 = tl.load(qb_j_ptr + qb).to(tl.int32)
-            row = tl.load(seq_row_ptr + seq).to(tl.int64)
-            start = tl.load(seq_start_ptr + seq).to(tl.int64)
-            L = tl.where(live, tl.load(seq_len_ptr + seq).to(tl.int32), 0)
-            pos0 = tl.load(seq_pos_ptr + seq).to(tl.int32)  # the first new position; the ring holds < pos0
-            d = tl.arange(0, DH)
-            i = j0 + tl.arange(0, BM)
-            imask = i < L
-            tok = start + i
-            qpos = pos0 + i
-            m_i = tl.full((BM,), -1.0e30, tl.float32)
-            l_i = tl.zeros((BM,), tl.float32)
-            acc = tl.zeros((BM, DH), tl.float32)
-            cache = row * stride_cb + h * stride_ch
-            scales = row * stride_sb + h * stride_sh
-            # the ring's keys in position order: key t (0 <= t < n_ring) is position first + t, in slot (first + t) % C
-            n_ring = tl.where(live, tl.minimum(pos0, C), 0)
-            first = pos0 - n_ring
-            first_slot = first % C
-            lo = sid * blocks_per_split * BN
-            hi = tl.minimum(lo + blocks_per_split * BN, n_ring)
-            # query i sees key t iff t > i + n_ring - window, so every query of the QG-query group holding this block
-            # sees every key from group end + n_ring - window on. A padded step's BM differs from the unpadded one's,
-            # and both should add the same scores in the same order, so what a query's key block goes through must not
-            # depend on BM: the key blocks stay at lo + k * BN, and the bound is the group's (QG, a multiple of every
-            # BM), not the block's (the masked and the unmasked loop may round a block differently: on sm_90 a score's
-            # multiply-subtract contracts to an FMA in one and not the other). The whole blocks before the first one
-            # past that bound take the window mask, the whole blocks after it none, the partial last block (keys up to
-            # hi) the mask of its end
-            whole = tl.maximum(hi - lo, 0) // BN  # (hi < lo: a split past a short ring's keys, nothing to read)
-            j_end = (j0 // QG + 1) * QG
-            t_all = lo + tl.minimum(tl.cdiv(tl.maximum(j_end + n_ring - window - lo, 0), BN), whole) * BN
-            t_tail = lo + whole * BN
-            # a split past a short ring's keys (most of a fresh ring's splits) reads nothing, not even its queries
-            work = (hi > lo) | (sid == SPLITS - 1)
-            q = tl.load(q_ptr + (tok * H + h)[:, None] * DH + d[None, :], mask=imask[:, None] & work, other=0.0)
-            for start_k in range(lo, t_all, BN):
-                m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
-                                           first_slot, start_k, hi, qpos, window, C, d, stride_cs, stride_ss, scale_log2,
-                                           BN, FP8, IEEE, True)  # fmt: skip
-            for start_k in range(t_all, t_tail, BN):  # whole blocks every query sees
-                m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
-                                           first_slot, start_k, t_tail, qpos, window, C, d, stride_cs, stride_ss,
-                                           scale_log2, BN, FP8, IEEE, False)  # fmt: skip
-            for start_k in range(t_tail, hi, BN):
-                m_i, l_i, acc = _ring_step(q, m_i, l_i, acc, kc_ptr, vc_ptr, ks_ptr, vs_ptr, cache, scales, first,
-                                           first_slot, start_k, hi, qpos, window, C, d, stride_cs, stride_ss, scale_log2,
-                                           BN, FP8, IEEE, True)  # fmt: skip
-            if sid == SPLITS - 1:  # the row's own new keys, causal: up to the last query of this block
-                hi_new = tl.minimum(L, j0 + BM)
-                for start_j in range(0, hi_new, BN):
-                    j = start_j + tl.arange(0, BN)
-                    jmask = j < L
-                    src = ((start + j) * H + h)[:, None] * DH + d[None, :]
-                    kb = tl.load(k_ptr + src, mask=jmask[:, None], other=0.0)
-                    vb = tl.load(v_ptr + src, mask=jmask[:, None], other=0.0)
-                    delta = i[:, None] - j[None, :]
-                    visible = jmask[None, :] & (delta >= 0) & (delta < window)
-                    m_i, l_i, acc = _attend_block(q, kb, vb, m_i, l_i, acc, scale_log2, visible, True, IEEE)
-            safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-            o = acc / safe_l[:, None]
-            r = tok * H + h  # (token, head) row of the [n_tokens * H, DH] output
-            if SPLITS == 1:
-                tl.store(out_ptr + r[:, None] * DH + d[None, :], o.to(out_ptr.dtype.element_ty), mask=imask[:, None])
-            else:
-                idx = sid * n_tokens * H + r
-                # a query that saw no key in this split writes its lse only (the combine reads no output for it): a
-                # fresh ring's empty splits would otherwise write SPLITS x n_tokens x H x DH float32 zeros per layer
-                tl.store(part_o_ptr + idx[:, None] * DH + d[None, :], o, mask=(imask & (l_i > 0.0))[:, None])
-                lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), -1.0e30)
-                tl.store(part_lse_ptr + idx, lse, mask=imask)
+        if PERSISTENT:
+            for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+                qb, h, sid = tile % n_qb, (tile // n_qb) % H, tile // (n_qb * H)
+                _prefill_tile(
+                    qb, h, sid, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, seq_row_ptr, seq_start_ptr,
+                    seq_len_ptr, seq_pos_ptr, qb_seq_ptr, qb_j_ptr, out_ptr, part_o_ptr, part_lse_ptr, H, C, window,
+                    scale_log2, stride_cb, stride_ch, stride_cs, stride_sb, stride_sh, stride_ss, blocks_per_split,
+                    n_tokens, IEEE, FP8, DH, BM, BN, QG, SPLITS,
+                )  # fmt: skip
+        else:
+            _prefill_tile(
+                tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr,
+                vs_ptr, seq_row_ptr, seq_start_ptr, seq_len_ptr, seq_pos_ptr, qb_seq_ptr, qb_j_ptr, out_ptr, part_o_ptr,
+                part_lse_ptr, H, C, window, scale_log2, stride_cb, stride_ch, stride_cs, stride_sb, stride_sh,
+                stride_ss, blocks_per_split, n_tokens, IEEE, FP8, DH, BM, BN, QG, SPLITS,
+            )  # fmt: skip
 
     @triton.jit
     def _kv_write_kernel(
@@ -1289,12 +1346,13 @@ def prefill_attention(
     # the loop a key block goes through is decided per group of QG queries, the same for every BM up to 64 (the
     # masked and the unmasked loop may round a block differently: see the kernel)
     QG = max(BM, 64)
-    _prefill_attn_kernel[(programs,)](
+    persistent = programs < tiles
+    _prefill_attn_kernel[(programs,) if persistent else (Q, H, splits)](
         q, k, v, keys, values, ks, vs, ragged.seq_row, ragged.seq_start, ragged.seq_len, ragged.seq_pos,
         ragged.qb_seq, ragged.qb_j, out, part_o, part_lse,
         H, C, int(window), _LOG2E / math.sqrt(DH), *keys.stride()[:3], *scale_strides, per, N, Q, tiles,
         **_launch_opts(q.device, pdl, IEEE=q.dtype == torch.float32, FP8=scales is not None, DH=DH, BM=BM, BN=BN,
-                       QG=QG, SPLITS=splits, num_warps=warps, num_stages=stages),
+                       QG=QG, SPLITS=splits, PERSISTENT=persistent, num_warps=warps, num_stages=stages),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(N * H,)](
