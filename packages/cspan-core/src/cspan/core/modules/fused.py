@@ -1273,6 +1273,41 @@ kernel needs most of an SM's shared memory per program; a full grid of them take
 starts late, C77: 71 us per layer)."""
 
 
+def prefill_grid(
+    query_blocks: int,
+    tokens: int,
+    block_m: int,
+    heads: int,
+    key_blocks: int,
+    sms: int,
+    beside_decode: bool = False,
+    splits: int | None = None,
+    programs: int | None = None,
+) -> tuple[int, int]:
+    """(key splits, programs) of :func:`prefill_attention`'s launch: Q = ``query_blocks`` query blocks of the grid
+    (``tokens`` N fill at most ``ceil(N / block_m)`` of them), ``heads`` heads, a ring of ``key_blocks`` key
+    blocks, ``sms`` multiprocessors. Given splits / programs are kept (programs at most the tiles); the defaults:
+    splits as :data:`PREFILL_WAVES` says; one split and :data:`PREFILL_BESIDE_PROGRAMS` programs per SM beside a
+    decode attention once the live query blocks alone give every SM a program; one program per tile of (query
+    block, head, key split) otherwise."""
+    if splits is None:  # see PREFILL_WAVES; each split at least two key blocks long
+        # counted over the query blocks that N tokens fill, not the grid: a graph's grid has room for any split of
+        # its bucket across its rows, mostly idle programs (a 640-token bucket of 64 rows: 74 blocks, about 10 live)
+        target = PREFILL_WAVES * sms
+        live = max(1, min(query_blocks, -(-tokens // block_m))) * heads
+        splits = max(target // live, 2 if live < 2 * target else 1)
+        splits = max(1, min(16, splits, -(-key_blocks // 2)))
+        if beside_decode and live >= sms:
+            # fewer, longer programs, which share the SMs with the decode attention's (C73 / C74: 46-52 % of a
+            # 600-column block's attention hidden under 64 rows' decode, against 0-6 % with the splits above);
+            # a short block keeps its splits (its few programs would each walk the whole ring)
+            splits = 1
+            if programs is None:
+                programs = PREFILL_BESIDE_PROGRAMS * sms
+    tiles = query_blocks * heads * splits
+    return splits, tiles if programs is None else max(1, min(programs, tiles))
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1318,23 +1353,9 @@ def prefill_attention(
     BM = ragged.block_m
     Q = ragged.qb_seq.shape[0]
     key_blocks = triton.cdiv(C, BN)
-    if splits is None:  # see PREFILL_WAVES; each split at least two key blocks long
-        # counted over the query blocks that N tokens fill, not the grid: a graph's grid has room for any split of
-        # its bucket across its rows, mostly idle programs (a 640-token bucket of 64 rows: 74 blocks, about 10 live)
-        target = PREFILL_WAVES * _num_sms(q.device)
-        programs = max(1, min(Q, triton.cdiv(N, BM))) * H
-        splits = max(target // programs, 2 if programs < 2 * target else 1)
-        splits = max(1, min(16, splits, triton.cdiv(key_blocks, 2)))
-        if beside_decode and programs >= _num_sms(q.device):
-            # fewer, longer programs, which share the SMs with the decode attention's (C73 / C74: 46-52 % of a
-            # 600-column block's attention hidden under 64 rows' decode, against 0-6 % with the splits above);
-            # a short block keeps its splits (its few programs would each walk the whole ring)
-            splits = 1
-            if programs is None:
-                programs = PREFILL_BESIDE_PROGRAMS * _num_sms(q.device)
+    splits, programs = prefill_grid(Q, N, BM, H, key_blocks, _num_sms(q.device), beside_decode, splits, programs)
     per = triton.cdiv(key_blocks, splits)
     tiles = Q * H * splits
-    programs = tiles if programs is None else max(1, min(programs, tiles))
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty(splits, N * H, DH, device=q.device, dtype=torch.float32)
@@ -1557,6 +1578,7 @@ __all__ = [
     "pdl_enabled",
     "pdl_supported",
     "prefill_attention",
+    "prefill_grid",
     "race_noise",
     "race_noise_fused",
     "rms_norm",
