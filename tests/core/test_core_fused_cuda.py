@@ -209,7 +209,8 @@ def test_ragged_prefill_does_not_depend_on_the_queries_per_block(
     bits (device calls C40 / C41: only block_m 64 differed, with the mask decision already the same for all).
     Windows below the ring whose masked keys end off the key-block grid (96 / 72: only masked blocks; 512 / 480:
     masked, unmasked and partial blocks), wrapped and filling rings, 1 and 2 key splits. Fewer programs than tiles
-    (each looping over its share, as beside a decode attention) give the same bits as one program per tile."""
+    (each looping over its share, as beside a decode attention) give the same bits as one program per tile, with the
+    test's config and with the engine's (PREFILL_CONFIG)."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(3)
     H, Dh = 4, 128
@@ -240,6 +241,11 @@ def test_ragged_prefill_does_not_depend_on_the_queries_per_block(
             for programs in (1, 3, 7):
                 looped = fused.prefill_attention(*args, splits, programs=programs)
                 assert torch.equal(looped, outs[bm, splits]), (bm, splits, programs)
+            if bm == fused.PREFILL_CONFIG[0]:  # the engine's own config (its pipeline stages) loops the same way
+                engine = fused.prefill_attention(*args[:-1], None, splits)
+                for programs in (1, 5, 2 * H * splits - 1):  # the tiles: 2 query blocks x H x splits
+                    looped = fused.prefill_attention(*args[:-1], None, splits, programs=programs)
+                    assert torch.equal(looped, engine), ("engine config", splits, programs)
     for (bm, splits), out in outs.items():
         if bm == 64:
             torch.testing.assert_close(out.float(), outs[16, splits].float(), atol=0.02, rtol=0.01)

@@ -743,7 +743,7 @@ if HAVE_TRITON:
             lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), -1.0e30)
             tl.store(part_lse_ptr + idx, lse, mask=imask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_qb", "n_tiles"])  # one compiled kernel whatever the grid's size
     def _prefill_attn_kernel(
         q_ptr,
         k_ptr,
@@ -787,8 +787,10 @@ if HAVE_TRITON:
     ):
         """Program (qb, h, sid): query block qb of ``block_m`` queries, head h, key split sid; with PERSISTENT a 1-D
         grid of P programs, program p running the tiles p, p + P, ... of the n_tiles (query block fastest: ``tile =
-        (sid * H + h) * n_qb + qb``; see :func:`prefill_attention`'s ``programs``). A tile computes the same either
-        way."""
+        (sid * H + h) * n_qb + qb``, so the programs running at once share a head's ring in the L2; see
+        :func:`prefill_attention`'s ``programs``). A tile computes the same either way. A padded grid's idle query
+        blocks (at most one per sequence past the first, and the bucket's padding: under 64 tokens) take their turn
+        in that order too, so a program may get one or two more live tiles than an even share would give."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
         if PERSISTENT:
@@ -1269,8 +1271,10 @@ is a launch constant, sized for a full ring."""
 PREFILL_BESIDE_PROGRAMS = 1
 """Programs per SM of :func:`prefill_attention` beside a decode attention (one key split per query block): each
 loops over its share of the tiles, so every SM keeps room for the decode's programs from the start (the block's
-kernel needs most of an SM's shared memory per program; a full grid of them takes the SMs first and the decode
-starts late, C77: 71 us per layer)."""
+kernel's program needs about half an SM's shared memory, 112 KB, so two fit per SM; a full grid of them takes the
+SMs first and the decode starts late, C77: 71 us per layer). Used only while the decode attention really runs at
+the same time (a second stream, ``ExecutionPlan.attention_stream``): alone, the looping grid is slower than one
+program per tile (C89: 190 against 159 us per layer)."""
 
 
 def prefill_grid(
@@ -1283,16 +1287,24 @@ def prefill_grid(
     beside_decode: bool = False,
     splits: int | None = None,
     programs: int | None = None,
+    concurrent: bool = True,
 ) -> tuple[int, int]:
     """(key splits, programs) of :func:`prefill_attention`'s launch: Q = ``query_blocks`` query blocks of the grid
     (``tokens`` N fill at most ``ceil(N / block_m)`` of them), ``heads`` heads, a ring of ``key_blocks`` key
-    blocks, ``sms`` multiprocessors. Given splits / programs are kept (programs at most the tiles); the defaults:
-    splits as :data:`PREFILL_WAVES` says; one split and :data:`PREFILL_BESIDE_PROGRAMS` programs per SM beside a
-    decode attention once the live query blocks alone give every SM a program; one program per tile of (query
-    block, head, key split) otherwise."""
+    blocks, ``sms`` multiprocessors.
+
+    Given splits / programs are kept (programs at most the tiles; ValueError if below 1). The defaults: splits as
+    :data:`PREFILL_WAVES` says; beside a decode attention (``beside_decode``), once the live query blocks times the
+    heads are at least the SMs, one split, and, if the decode runs at the same time (``concurrent``),
+    :data:`PREFILL_BESIDE_PROGRAMS` programs per SM; one program per tile of (query block, head, key split)
+    otherwise. (With ``concurrent`` False the decode runs after the block: one split still, so that both orders
+    give the same bits, on the full grid, which is faster alone.)"""
+    if programs is not None and programs < 1:
+        raise ValueError(f"prefill_grid: programs must be at least 1, got {programs}")
     if splits is None:  # see PREFILL_WAVES; each split at least two key blocks long
         # counted over the query blocks that N tokens fill, not the grid: a graph's grid has room for any split of
-        # its bucket across its rows, mostly idle programs (a 640-token bucket of 64 rows: 74 blocks, about 10 live)
+        # its bucket across its S sequences, ceil(N / block_m) + S - 1 blocks (a 641-token bucket of 8 sequences: 18
+        # blocks, 11 counted)
         target = PREFILL_WAVES * sms
         live = max(1, min(query_blocks, -(-tokens // block_m))) * heads
         splits = max(target // live, 2 if live < 2 * target else 1)
@@ -1302,10 +1314,10 @@ def prefill_grid(
             # 600-column block's attention hidden under 64 rows' decode, against 0-6 % with the splits above);
             # a short block keeps its splits (its few programs would each walk the whole ring)
             splits = 1
-            if programs is None:
+            if programs is None and concurrent:
                 programs = PREFILL_BESIDE_PROGRAMS * sms
     tiles = query_blocks * heads * splits
-    return splits, tiles if programs is None else max(1, min(programs, tiles))
+    return splits, tiles if programs is None else min(programs, tiles)
 
 
 def prefill_attention(
@@ -1322,6 +1334,7 @@ def prefill_attention(
     pdl: bool | None = None,
     beside_decode: bool = False,
     programs: int | None = None,
+    concurrent: bool = True,
 ) -> torch.Tensor:
     """Causal attention of ragged sequences of new tokens, each over its cache row's ring (read in place, not
     modified) and its own new tokens.
@@ -1341,6 +1354,11 @@ def prefill_attention(
             program, and then :data:`PREFILL_BESIDE_PROGRAMS` programs per SM.
         programs: the grid's programs, for tuning (default: one per tile of (query block, head, key split), or
             as ``beside_decode`` says); fewer loop over the tiles, with the same results.
+        concurrent: with ``beside_decode``, the decode attention runs at the same time (another stream); False:
+            after this one (:func:`prefill_grid`).
+
+    Raises:
+        ValueError: ``programs`` below 1.
 
     Returns:
         [N, H * Dh] in q's dtype (rows of padding tokens, and of tokens outside ``ragged``'s query blocks, are
@@ -1353,7 +1371,8 @@ def prefill_attention(
     BM = ragged.block_m
     Q = ragged.qb_seq.shape[0]
     key_blocks = triton.cdiv(C, BN)
-    splits, programs = prefill_grid(Q, N, BM, H, key_blocks, _num_sms(q.device), beside_decode, splits, programs)
+    sms = _num_sms(q.device)
+    splits, programs = prefill_grid(Q, N, BM, H, key_blocks, sms, beside_decode, splits, programs, concurrent)
     per = triton.cdiv(key_blocks, splits)
     tiles = Q * H * splits
     part_o = part_lse = out

@@ -839,7 +839,8 @@ class StreamingTransformer(nn.Module):
         update: torch.Tensor | None = None
         block_rope = None if rope is None else (rope[0][d:], rope[1][d:])
         side = plan.attention_stream if ragged is not None and slot_pos is not None else None
-        beside_decode = slot_pos is not None  # the block attention's key splits (fused.prefill_attention)
+        # the block attention's grid (fused.prefill_grid): beside decode slots, running at the same time or not
+        beside = (slot_pos is not None, side is not None)
         main = None if side is None else torch.cuda.current_stream(x.device)
         for i, layer in enumerate(self.layers):
             x, h = _add_norm(x, update, layer.norm1, pdl)
@@ -848,7 +849,7 @@ class StreamingTransformer(nn.Module):
             blocks = None
             if ragged is not None:
                 queries = ragged if i < last else last_ragged  # the last layer: the next positions' blocks only
-                block = (qkv[d:], self.num_heads, block_rope, queries, keys, values, scales, window, beside_decode, pdl)
+                block = (qkv[d:], self.num_heads, block_rope, queries, keys, values, scales, window, *beside, pdl)
                 if side is not None:  # beside the decode slots' attention below
                     # the side stream waits for everything queued on the main one, so memory the allocator hands it
                     # again (its own tensors, last used on the main stream before this point) is free by then
@@ -940,12 +941,16 @@ def _block_attention(
     scales: tuple[torch.Tensor, torch.Tensor] | None,
     window: int,
     beside_decode: bool,
+    concurrent: bool,
     pdl: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ragged sequences' attention of one layer (their ``qkv`` [n, 3D]; ``beside_decode``: the step has decode
-    slots too): the output [n, H, Dh] and the rotated keys and the values [n, H, Dh] for the ring."""
+    slots too, whose attention runs at the same time if ``concurrent``): the output [n, H, Dh] and the rotated keys
+    and the values [n, H, Dh] for the ring."""
     q, k, v = fused.rope_split(qkv, heads, rope, pdl=pdl)
-    out = fused.prefill_attention(q, k, v, keys, values, queries, window, scales, pdl=pdl, beside_decode=beside_decode)
+    out = fused.prefill_attention(
+        q, k, v, keys, values, queries, window, scales, pdl=pdl, beside_decode=beside_decode, concurrent=concurrent
+    )
     return out, k, v
 
 
