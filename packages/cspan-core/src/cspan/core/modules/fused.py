@@ -364,6 +364,13 @@ if HAVE_TRITON:
         return tl.where(even, x * c - partner * s, partner * s + x * c)
 
     @triton.jit
+    def _rotate_pairs(x, c, s, BH: tl.constexpr, DH: tl.constexpr):
+        """:func:`_rotate` of BH head vectors x [BH, DH] at once (c, s [1, DH / 2]), each pair split from the
+        vector it was loaded in instead of loaded again at ``d ^ 1``: the same products, sums and rounding."""
+        even, odd = tl.split(tl.reshape(x, (BH, DH // 2, 2)))
+        return tl.reshape(tl.join(even * c - odd * s, even * s + odd * c), (BH, DH))
+
+    @triton.jit
     def _softmax_update_1d(m_i, l_i, scores, visible):
         """One online-softmax step (base 2) of one query over a block of key scores [BN]: (m, l, rescale, p)."""
         scores = tl.where(visible, scores, -1.0e30)
@@ -569,13 +576,10 @@ if HAVE_TRITON:
         k = tl.load(base + H * DH + head + d[None, :], mask=hmask, other=0.0).to(tl.float32)
         v = tl.load(base + 2 * H * DH + head + d[None, :], mask=hmask, other=0.0)
         if ROPE:
-            even = ((d % 2) == 0)[None, :]
-            c = tl.load(cos_ptr + t * (DH // 2) + d // 2)[None, :]
-            s = tl.load(sin_ptr + t * (DH // 2) + d // 2)[None, :]
-            q_partner = tl.load(base + head + (d ^ 1)[None, :], mask=hmask, other=0.0).to(tl.float32)
-            k_partner = tl.load(base + H * DH + head + (d ^ 1)[None, :], mask=hmask, other=0.0).to(tl.float32)
-            q = _rotate(q, q_partner, c, s, even)
-            k = _rotate(k, k_partner, c, s, even)
+            c = tl.load(cos_ptr + t * (DH // 2) + tl.arange(0, DH // 2))[None, :]
+            s = tl.load(sin_ptr + t * (DH // 2) + tl.arange(0, DH // 2))[None, :]
+            q = _rotate_pairs(q, c, s, BH, DH)
+            k = _rotate_pairs(k, c, s, BH, DH)
         dst = t.to(tl.int64) * H * DH + head + d[None, :]
         tl.store(q_ptr + dst, q.to(q_ptr.dtype.element_ty), mask=hmask)
         tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty), mask=hmask)
