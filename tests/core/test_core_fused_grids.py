@@ -50,6 +50,13 @@ def test_a_graphs_idle_query_blocks_do_not_count_as_live() -> None:
     assert fused.prefill_grid(18, 641, 64, HEADS, RING_BLOCKS, SMS, beside_decode=True) == (1, SMS)
 
 
+def test_a_padded_grid_of_few_live_blocks_beside_a_decode_keeps_its_splits() -> None:
+    """A graph's grid of 74 query blocks (74 x 32 programs: more than the SMs) holding a 17-token block: only
+    ceil(17 / 16) = 2 blocks are live, 64 programs, fewer than the SMs, so beside a decode it keeps the splits sized for
+    them (2 x 132 // 64 = 4) and one program per tile: the decision counts live blocks, not the grid's."""
+    assert fused.prefill_grid(74, 17, 16, HEADS, RING_BLOCKS, SMS, beside_decode=True) == (4, 74 * HEADS * 4)
+
+
 def test_the_looping_grid_starts_where_the_live_blocks_give_every_sm_a_program() -> None:
     """Beside a decode: 4 live query blocks x 32 heads = 128 programs, fewer than 132 SMs, keep their splits and the
     full grid; 5 blocks (160 programs) take one split and one program per SM."""

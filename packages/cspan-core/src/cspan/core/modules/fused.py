@@ -794,7 +794,8 @@ if HAVE_TRITON:
         (sid * H + h) * n_qb + qb``, so the programs running at once share a head's ring in the L2; see
         :func:`prefill_attention`'s ``programs``). A tile computes the same either way. A padded grid's idle query
         blocks (at most one per sequence past the first, and the bucket's padding: under 64 tokens) take their turn
-        in that order too, so a program may get one or two more live tiles than an even share would give."""
+        in that order too, so a program may get up to about 1.5 times an even share of the live tiles (18 blocks, 11
+        of them live, 132 programs: 4 against 2.7)."""
         _pdl_start(PDL)
         _pdl_wait(PDL)
         if PERSISTENT:
