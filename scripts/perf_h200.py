@@ -91,28 +91,36 @@ def _flashinfer():
 @torch.no_grad()
 def attention() -> None:
     """Decode over a full ring per batch size, and a 600-token ragged prefill over a full ring (B = 1, and 1 of 64
-    sessions), per layer in microseconds (LAYERS layers' rings per timed graph)."""
+    sessions), per layer in microseconds (LAYERS layers' rings per timed graph). ATTN_B (optional): the batch sizes
+    (default 1 4 8 16 24 32 48 64 80 128); ATTN_PREFILL=0 skips the prefill comparison."""
     from cspan.core.modules import fused
 
     fi = _flashinfer()
     candidates = sorted(
         {
-            *((bn, splits, waves, warps, stages, lanes)
+            *((bn, splits, waves, warps, stages, 1)
               for bn in (32, 64)
               for (splits, waves) in ((64, 8), (16, 2))
               for warps in (4, 8)
-              for stages in (2, 3, 4)
-              for lanes in (1,)),
+              for stages in (2, 3, 4)),
+            *((bn, splits, waves, warps, stages, 2)  # the tensor-core form
+              for bn in (32, 64, 128)
+              for (splits, waves) in ((64, 8), (16, 2))
+              for warps in (1, 2, 4)
+              for stages in (2, 3)),
             *(cfg for _, cfg in fused.DECODE_CONFIGS),
         }
     )  # fmt: skip
     best_table = []
     print(f"decode over a full ring of {RING} positions, {HEADS} heads x {HEAD_DIM}, bf16, us per layer:")
-    for B in (1, 4, 8, 16, 24, 32, 48, 64, 80, 128):
+    sizes = [int(b) for b in os.environ.get("ATTN_B", "1 4 8 16 24 32 48 64 80 128").split()]
+    for B in sizes:
         best_table.append((B, _decode_at(B, candidates, fi)))
         torch.cuda.empty_cache()
     print("DECODE_CONFIGS = (" + ", ".join(f"({b}, {cfg})" for b, cfg in best_table) + ")")
 
+    if os.environ.get("ATTN_PREFILL") == "0":
+        return
     print(f"ragged prefill of 600 positions over a full ring of {RING}, us per layer:")
     for B in (1, 64):
         _prefill_side_by_side(fi, B)
@@ -209,6 +217,13 @@ def _decode_at(B: int, candidates: list, fi) -> tuple:
     )
     q = fused.rope_split(qkv, HEADS, rope)[0]  # [B, H, Dh], rotated
     ref = fused.decode_attention(qkv, keys[0], values[0], positions, rows, RING, rope).view(B, HEADS, HEAD_DIM)
+    for form in (1, 2):  # the fastest configs of each loop form, and the best one's largest difference from default
+        ranked = sorted((c for c in results if c[5] == form), key=results.get)[:3]
+        if ranked:
+            got = fused.decode_attention(qkv, keys[0], values[0], positions, rows, RING, rope, config=ranked[0])
+            err = (got.view_as(ref).float() - ref.float()).abs().max().item()
+            print(f"  B={B} form {form}: " + "  ".join(f"{c} {results[c]:6.1f}" for c in ranked)
+                  + f"  (max |diff| from default {err:.2e})", flush=True)  # fmt: skip
 
     def run_sdpa():
         for k, v in zip(keys, values, strict=True):

@@ -156,7 +156,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $ji
       run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,${b// /,} SPANS=600 \
         PREFILL_GRAPH=1 ITERS=20 WARM=3 SPAN_ITERS=10 python3 .device/moshi_baseline.py ;;
     attention)
-      TAIL=3 run attention 260 python3 scripts/perf_h200.py attention ;;
+      TAIL=${TAIL:-3} run attention 260 python3 scripts/perf_h200.py attention ;;
     triton)  # the engine with its own decode kernel everywhere (no FlashInfer), B = 32 / 64 / 80 on full rings
       CSPAN_ATTENTION=triton run triton 150 $BENCH latency --random-7b --n 0 600 --iters 20 --warmup 3 \
         --batch-size 32 64 80 --no-frame --out "$LOGS/latency_triton.json" ;;

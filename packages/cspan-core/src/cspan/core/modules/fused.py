@@ -427,6 +427,7 @@ if HAVE_TRITON:
         SPLITS: tl.constexpr,
         STAGES: tl.constexpr,
         LANES: tl.constexpr,
+        MMA: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_start(PDL)
@@ -474,7 +475,16 @@ if HAVE_TRITON:
 
         n_ring = tl.minimum(pos, C)
         last = pos - 1
-        if LANES:
+        if MMA:
+            # the query as row 0 of a 16-row tile (rows 1-15 zero): both products on tensor cores, the key and value
+            # blocks staged through shared memory by the loop's pipeline (FlashAttention's decode as a prefill of
+            # one query); the other rows' softmax states are computed and discarded
+            row0 = tl.arange(0, 16) == 0
+            q16 = tl.where(row0[:, None], q[None, :], 0.0).to(kc_ptr.dtype.element_ty)
+            m_2 = tl.full((16,), -1.0e30, tl.float32)
+            l_2 = tl.zeros((16,), tl.float32)
+            acc_2 = tl.zeros((16, DH), tl.float32)
+        elif LANES:
             # one online softmax per key slot of the block (a BN-way split inside the program): the loop has no
             # reduction across warps; the BN states are merged once, after it
             m_v = tl.full((BN,), -1.0e30, tl.float32)
@@ -493,27 +503,35 @@ if HAVE_TRITON:
             # both loads issued before any arithmetic: two blocks of memory in flight per iteration
             kb = tl.load(kc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
             vb = tl.load(vc_ptr + cache + slots[:, None] * stride_cs + d[None, :], mask=smask[:, None], other=0.0)
-            scores = tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale_log2
-            if FP8:
-                ksc = tl.load(ks_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
-                vsc = tl.load(vs_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
-                scores = scores * ksc
-            if LANES:
-                scores = tl.where(visible, scores, -1.0e30)
-                m_new = tl.maximum(m_v, scores)
-                alpha_v = tl.exp2(m_v - m_new)
-                p = tl.where(visible, tl.exp2(scores - m_new), 0.0)
-                l_v = l_v * alpha_v + p
-                if FP8:
-                    p = p * vsc
-                acc_v = acc_v * alpha_v[:, None] + p[:, None] * vb.to(tl.float32)
-                m_v = m_new
+            if MMA:
+                m_2, l_2, acc_2 = _attend_block(q16, kb, vb, m_2, l_2, acc_2, scale_log2, visible[None, :], True, False)
             else:
-                m_i, l_i, alpha, p = _softmax_update_1d(m_i, l_i, scores, visible)
+                scores = tl.sum(kb.to(tl.float32) * q[None, :], axis=1) * scale_log2
                 if FP8:
-                    p = p * vsc
-                acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
-        if LANES:  # merge the BN softmax states
+                    ksc = tl.load(ks_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
+                    vsc = tl.load(vs_ptr + scales + slots * stride_ss, mask=smask, other=0.0)
+                    scores = scores * ksc
+                if LANES:
+                    scores = tl.where(visible, scores, -1.0e30)
+                    m_new = tl.maximum(m_v, scores)
+                    alpha_v = tl.exp2(m_v - m_new)
+                    p = tl.where(visible, tl.exp2(scores - m_new), 0.0)
+                    l_v = l_v * alpha_v + p
+                    if FP8:
+                        p = p * vsc
+                    acc_v = acc_v * alpha_v[:, None] + p[:, None] * vb.to(tl.float32)
+                    m_v = m_new
+                else:
+                    m_i, l_i, alpha, p = _softmax_update_1d(m_i, l_i, scores, visible)
+                    if FP8:
+                        p = p * vsc
+                    acc = acc * alpha + tl.sum(p[:, None] * vb.to(tl.float32), axis=0)
+        if MMA:  # row 0's state
+            w0 = row0.to(tl.float32)
+            m_i = tl.max(tl.where(row0, m_2, -1.0e30), axis=0)
+            l_i = tl.sum(l_2 * w0, axis=0)
+            acc = tl.sum(acc_2 * w0[:, None], axis=0)
+        elif LANES:  # merge the BN softmax states
             m_i = tl.max(m_v, axis=0)
             w = tl.where(l_v > 0.0, tl.exp2(m_v - m_i), 0.0)
             l_i = tl.sum(l_v * w, axis=0)
@@ -1136,6 +1154,8 @@ def decode_attention(
     if config is None and DEFAULT.decode_config is None and DH <= 64:
         BN = 64
     splits = _splits(qkv.device, b * H, triton.cdiv(C, BN), max_splits, waves)
+    # the tensor-core form takes 16-bit rings; FP8 and float32 rings run the per-slot form instead
+    mma = lanes == 2 and scales is None and keys.dtype in (torch.bfloat16, torch.float16)
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty(splits, b * H, DH, device=qkv.device, dtype=torch.float32)
@@ -1146,7 +1166,7 @@ def decode_attention(
         qkv2, cos, sin, keys, values, ks, vs, rows, positions, out, part_o, part_lse,
         H, C, int(window), _LOG2E / math.sqrt(DH), qkv2.stride(0), *keys.stride()[:3], *scale_strides,
         **_launch_opts(qkv.device, pdl, ROPE=rope is not None, FP8=scales is not None, DH=DH, BN=BN, SPLITS=splits,
-                       STAGES=stages, LANES=bool(lanes), num_warps=warps),
+                       STAGES=stages, LANES=bool(lanes), MMA=mma, num_warps=warps),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(b * H,)](
