@@ -92,22 +92,26 @@ def _flashinfer():
 def attention() -> None:
     """Decode over a full ring per batch size, and a 600-token ragged prefill over a full ring (B = 1, and 1 of 64
     sessions), per layer in microseconds (LAYERS layers' rings per timed graph). ATTN_B (optional): the batch sizes
-    (default 1 4 8 16 24 32 48 64 80 128); ATTN_PREFILL=0 skips the prefill comparison."""
+    (default 1 4 8 16 24 32 48 64 80 128); ATTN_PREFILL=0 skips the prefill comparison; ATTN_FORMS (optional, default
+    "1 2"): the loop forms swept (the last field of a config; DECODE_CONFIGS' own entries are always timed)."""
     from cspan.core.modules import fused
 
     fi = _flashinfer()
+    forms = os.environ.get("ATTN_FORMS", "1 2").split()
     candidates = sorted(
         {
             *((bn, splits, waves, warps, stages, 1)
               for bn in (32, 64)
               for (splits, waves) in ((64, 8), (16, 2))
               for warps in (4, 8)
-              for stages in (2, 3, 4)),
+              for stages in (2, 3, 4)
+              if "1" in forms),
             *((bn, splits, waves, warps, stages, 2)  # the tensor-core form
               for bn in (32, 64, 128)
               for (splits, waves) in ((64, 8), (16, 2))
               for warps in (1, 2, 4)
-              for stages in (2, 3)),
+              for stages in (2, 3)
+              if "2" in forms),
             *(cfg for _, cfg in fused.DECODE_CONFIGS),
         }
     )  # fmt: skip
