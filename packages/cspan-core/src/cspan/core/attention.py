@@ -10,8 +10,9 @@ first (:func:`cspan.core.modules.fused.kv_write`), so the ring holds them when F
 Measured on an H200 (docs/perf/round4/c8/attention.log, full 3000-slot rings, bf16, us per 32-head layer, the
 project's Triton kernel at its best configuration per batch size): FlashInfer reads the ring at the copy bandwidth
 from 8 rows on (B = 8 / 16 / 24 / 48 / 64 / 80 / 128: 90.2 / 178.3 / 264.6 / 519.4 / 681.5 / 850.4 / 1357.7 against
-Triton's 93.6 / 181.1 / 268.5 / 521.4 / 689.2 / 857.8 / 1367.6), except at 32 rows (367.2 against 351.6); one page
-per row leaves it no key split at one row (41.8 against 21.3). :data:`FASTER_ROWS` holds that sweep, and the plan
+Triton's 93.6 / 181.1 / 268.5 / 521.4 / 689.2 / 857.8 / 1367.6), except at 32 rows (367.2 against 351.6; C101, the
+Triton kernel's tensor-core form: 376.9 against 345.6); one page per row leaves it no key split at one row (41.8
+against 21.3; C101: 41.9 against 18.5). :data:`FASTER_ROWS` holds that sweep, and the plan
 uses FlashInfer for a step of b rows when it was at least as fast at the smallest measured size >= b, it imports,
 and the cache is bf16 / fp16 (:func:`cspan.core.plan.resolve_plan`; ``CSPAN_ATTENTION=triton`` keeps the Triton
 kernel everywhere, ``=flashinfer`` uses FlashInfer everywhere). FlashInfer compiles its kernels on first use (nvcc,

@@ -45,7 +45,7 @@ Switches (read once, by :func:`settings_from_env`; the duplex engine reads them 
 :mod:`cspan.core.plan`): ``CSPAN_FUSED=0`` turns every kernel off (the eager modules run instead), ``CSPAN_FUSED=1``
 also runs them in float32 and, with ``TRITON_INTERPRET=1``, on CPU tensors through Triton's interpreter (tests);
 ``CSPAN_PDL=0`` launches without PDL; ``CSPAN_GEMV=0`` keeps the depformer's products on cuBLAS;
-``CSPAN_DECODE_CONFIG="block_n,max_splits,waves,warps,stages,lanes"`` overrides :data:`DECODE_CONFIGS` (tuning);
+``CSPAN_DECODE_CONFIG="block_n,max_splits,waves,warps,stages,form"`` overrides :data:`DECODE_CONFIGS` (tuning);
 ``CSPAN_ATTENTION=triton|flashinfer`` chooses the engine's decode attention (:mod:`cspan.core.attention`).
 """
 
@@ -110,7 +110,7 @@ def settings_from_env() -> KernelSettings:
     """The switches as the environment sets them now (the one place they are read).
 
     Raises:
-        ValueError: ``CSPAN_DECODE_CONFIG`` is not five integers.
+        ValueError: ``CSPAN_DECODE_CONFIG`` is not six integers.
     """
     fused = os.environ.get("CSPAN_FUSED")
     env = os.environ.get("CSPAN_DECODE_CONFIG")
@@ -123,12 +123,12 @@ def settings_from_env() -> KernelSettings:
         raise ValueError(f"CSPAN_SPAN_OVERLAP must be 0 or 1, got {span_overlap!r}")
     if env:
         try:
-            bn, splits, waves, warps, stages, lanes = (int(v) for v in env.split(","))
+            bn, splits, waves, warps, stages, form = (int(v) for v in env.split(","))
         except ValueError as exc:
             raise ValueError(
-                f"CSPAN_DECODE_CONFIG must be six integers 'block_n,max_splits,waves,warps,stages,lanes', got {env!r}"
+                f"CSPAN_DECODE_CONFIG must be six integers 'block_n,max_splits,waves,warps,stages,form', got {env!r}"
             ) from exc
-        config = (bn, splits, waves, warps, stages, lanes)
+        config = (bn, splits, waves, warps, stages, form)
     return KernelSettings(
         enabled=fused != "0",
         forced=fused == "1",
@@ -206,40 +206,49 @@ def _launch_opts(device: torch.device, pdl: bool | None = None, **opts):
 
 DecodeConfig = tuple[int, int, int, int, int, int]
 DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
+    (1, (64, 64, 8, 4, 2, 2)),
+    (4, (64, 16, 2, 4, 3, 2)),
+    (8, (32, 16, 2, 8, 3, 1)),
+    (16, (32, 16, 2, 4, 3, 1)),
+    (24, (32, 64, 8, 4, 4, 1)),
+    (32, (64, 16, 2, 4, 2, 2)),
+    (64, (32, 64, 8, 4, 4, 1)),
+    (80, (32, 16, 2, 4, 2, 1)),
+    (128, (32, 16, 2, 4, 4, 1)),
+)
+"""(smallest batch, (block_n, max_splits, waves, num_warps, num_stages, form)) of :func:`decode_attention` for
+head dimensions > 64 (block_n is 64 for smaller heads); the last entry whose batch is at most the step's row count
+applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages, and the
+loop's ``form``: 0 one online softmax per program, 1 one per key slot of a block (no reduction across warps inside
+the loop), 2 the query as row 0 of a 16-row tile through tensor-core products, the key and value blocks staged in
+shared memory (bf16 / fp16 rings; other rings run form 1 with the same fields). The entries are the fastest per
+batch size of the full-ring sweeps (``scripts/perf_h200.py attention``, 32 heads x 128, 3000 slots, bf16): device
+call C8 for forms 0 / 1 (docs/perf/round4/c8/attention.log), C101 for form 2 at 1 / 4 / 32 rows
+(docs/perf/round4/c101/attention.log: 18.5 / 52.8 / 345.6 us per layer against 21.4 / 53.4 / 351.9 for form 1's
+best, SDPA 18.3 / 48.7 / 345.7; the floor at one row 11.6). The engine runs this kernel at 1 to 7 and 25 to 32 rows
+(:data:`cspan.core.attention.FASTER_ROWS`), FlashInfer's decode elsewhere."""
+
+
+DECODE_CONFIGS_FP8: tuple[tuple[int, DecodeConfig], ...] = (
     (1, (64, 16, 2, 4, 2, 1)),
     (8, (32, 16, 2, 8, 3, 1)),
     (16, (32, 16, 2, 4, 3, 1)),
     (24, (32, 64, 8, 4, 4, 1)),
     (32, (32, 16, 2, 4, 3, 1)),
-    (64, (32, 64, 8, 4, 4, 1)),
-    (80, (32, 16, 2, 4, 2, 1)),
-    (128, (32, 16, 2, 4, 4, 1)),
-)
-"""(smallest batch, (block_n, max_splits, waves, num_warps, num_stages, lanes)) of :func:`decode_attention` for
-head dimensions > 64 (block_n is 64 for smaller heads); the last entry whose batch is at most the step's row count
-applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages, and
-``lanes`` 1 for one online softmax per key slot of a block (no reduction across warps inside the loop) or 0 for one
-per program. The entries are the fastest per batch size of the full-ring sweep of device call C8
-(docs/perf/round4/c8/attention.log, 32 heads x 128, 3000 slots, bf16; B = 1: 21.3 us per layer against 29.1 for
-the earlier default and an 11.6 us floor); ``scripts/perf_h200.py attention`` measures every candidate per batch
-size and prints the table to paste."""
-
-
-DECODE_CONFIGS_FP8: tuple[tuple[int, DecodeConfig], ...] = (
     (64, (32, 16, 2, 4, 4, 1)),
     (96, (32, 64, 8, 4, 3, 1)),
     (128, (32, 16, 2, 4, 4, 1)),
 )
-"""Entries of :data:`DECODE_CONFIGS`' form for FP8 rings (e4m3 with one scale per position and head) from 64 rows
-on: the fastest of device call C27's sweep (``scripts/perf_h200.py attention-fp8``, docs/perf/round4/c27, full
+"""Entries of :data:`DECODE_CONFIGS`' form for FP8 rings (e4m3 with one scale per position and head): from 64 rows
+on the fastest of device call C27's sweep (``scripts/perf_h200.py attention-fp8``, docs/perf/round4/c27, full
 3000-slot rings; B = 64 / 96 / 128: 384.2 / 582.5 / 769.4 us per layer against FP8 bytes floors of 381.7 / 572.5 /
-763.3; at 96 rows the bf16 table's entry took 663.8). Below 64 rows FP8 rings use :data:`DECODE_CONFIGS`."""
+763.3; at 96 rows the bf16 table's entry took 663.8); below 64 rows C8's per-slot entries (form 2 takes 16-bit
+rings only, and no FP8 sweep timed it)."""
 
 
 def decode_config(rows: int, fp8: bool = False) -> DecodeConfig:
-    """The :data:`DECODE_CONFIGS` entry for a step of ``rows`` query rows (FP8 rings from 64 rows on:
-    :data:`DECODE_CONFIGS_FP8`)."""
-    table = DECODE_CONFIGS_FP8 if fp8 and rows >= DECODE_CONFIGS_FP8[0][0] else DECODE_CONFIGS
+    """The :data:`DECODE_CONFIGS` entry for a step of ``rows`` query rows (FP8 rings: :data:`DECODE_CONFIGS_FP8`)."""
+    table = DECODE_CONFIGS_FP8 if fp8 else DECODE_CONFIGS
     chosen = table[0][1]
     for smallest, config in table:
         if rows >= smallest:
@@ -1140,7 +1149,7 @@ def decode_attention(
         window: attention window in positions (<= C).
         rope: (cos, sin) [b, Dh/2] from :func:`rope_tables`, or None (no RoPE).
         scales: (key_scale, value_scale) [B, H, C] float32 of an FP8 cache, else None.
-        config: (block_n, max_splits, waves, num_warps, num_stages, lanes); default :func:`decode_config`.
+        config: (block_n, max_splits, waves, num_warps, num_stages, form); default :func:`decode_config`.
         pdl: launch with PDL (None: :func:`pdl_enabled`).
 
     Returns:
@@ -1152,14 +1161,14 @@ def decode_attention(
     b = qkv2.shape[0]
     _, H, C, DH = keys.shape
     out = torch.empty(b, H * DH, device=qkv.device, dtype=qkv.dtype)
-    BN, max_splits, waves, warps, stages, lanes = (
+    BN, max_splits, waves, warps, stages, form = (
         config or DEFAULT.decode_config or decode_config(b, fp8=scales is not None)
     )
     if config is None and DEFAULT.decode_config is None and DH <= 64:
         BN = 64
     splits = _splits(qkv.device, b * H, triton.cdiv(C, BN), max_splits, waves)
     # the tensor-core form takes 16-bit rings; FP8 and float32 rings run the per-slot form instead
-    mma = lanes == 2 and scales is None and keys.dtype in (torch.bfloat16, torch.float16)
+    mma = form == 2 and scales is None and keys.dtype in (torch.bfloat16, torch.float16)
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty(splits, b * H, DH, device=qkv.device, dtype=torch.float32)
@@ -1170,7 +1179,7 @@ def decode_attention(
         qkv2, cos, sin, keys, values, ks, vs, rows, positions, out, part_o, part_lse,
         H, C, int(window), _LOG2E / math.sqrt(DH), qkv2.stride(0), *keys.stride()[:3], *scale_strides,
         **_launch_opts(qkv.device, pdl, ROPE=rope is not None, FP8=scales is not None, DH=DH, BN=BN, SPLITS=splits,
-                       STAGES=stages, LANES=bool(lanes), MMA=mma, num_warps=warps),
+                       STAGES=stages, LANES=form > 0, MMA=mma, num_warps=warps),
     )  # fmt: skip
     if splits > 1:
         _combine(part_o, part_lse, out, b * H, splits, pdl)
