@@ -143,7 +143,7 @@ def attention_fp8() -> None:
               for warps in (4, 8)
               for stages in (2, 3, 4)
               for lanes in (0, 1)),
-            *(cfg for _, cfg in fused.DECODE_CONFIGS),
+            *(cfg for _, cfg in fused.DECODE_CONFIGS_FP8),
         }
     )  # fmt: skip
     print(f"FP8 decode over a full ring of {RING} positions, {HEADS} heads x {HEAD_DIM}, us per layer:")

@@ -212,6 +212,7 @@ DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
     (16, (32, 16, 2, 4, 3, 1)),
     (24, (32, 64, 8, 4, 4, 1)),
     (32, (64, 16, 2, 4, 2, 2)),
+    (33, (32, 16, 2, 4, 3, 1)),
     (64, (32, 64, 8, 4, 4, 1)),
     (80, (32, 16, 2, 4, 2, 1)),
     (128, (32, 16, 2, 4, 4, 1)),
@@ -221,12 +222,13 @@ head dimensions > 64 (block_n is 64 for smaller heads); the last entry whose bat
 applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages, and the
 loop's ``form``: 0 one online softmax per program, 1 one per key slot of a block (no reduction across warps inside
 the loop), 2 the query as row 0 of a 16-row tile through tensor-core products, the key and value blocks staged in
-shared memory (bf16 / fp16 rings; other rings run form 1 with the same fields). The entries are the fastest per
-batch size of the full-ring sweeps (``scripts/perf_h200.py attention``, 32 heads x 128, 3000 slots, bf16): device
-call C8 for forms 0 / 1 (docs/perf/round4/c8/attention.log), C101 for form 2 at 1 / 4 / 32 rows
-(docs/perf/round4/c101/attention.log: 18.5 / 52.8 / 345.6 us per layer against 21.4 / 53.4 / 351.9 for form 1's
-best, SDPA 18.3 / 48.7 / 345.7; the floor at one row 11.6). The engine runs this kernel at 1 to 7 and 25 to 32 rows
-(:data:`cspan.core.attention.FASTER_ROWS`), FlashInfer's decode elsewhere."""
+shared memory (a bf16 / fp16 ring of the query's dtype; other rings run form 1 with the same fields). The entries
+are the fastest per batch size of the full-ring sweeps (``scripts/perf_h200.py attention``, 32 heads x 128, 3000
+slots, bf16): device call C8 for forms 0 / 1 (docs/perf/round4/c8/attention.log), C101 for form 2 at 1 / 4 / 32 rows
+(docs/perf/round4/c101/attention.log: 18.5 / 52.8 / 345.6 us per layer against 21.4 / 53.4 / 351.9 for this
+table's form-1 entries, SDPA 18.3 / 48.7 / 345.7; the floor at one row 11.6); from 33 rows C8's entries. With
+FlashInfer installed the engine runs this kernel for steps of 1 to 4 and 25 to 32 rows (graphed steps pad rows to
+the buckets 1 / 2 / 4 / 32; :data:`cspan.core.attention.FASTER_ROWS`), FlashInfer's decode for the others."""
 
 
 DECODE_CONFIGS_FP8: tuple[tuple[int, DecodeConfig], ...] = (
@@ -1168,7 +1170,7 @@ def decode_attention(
         BN = 64
     splits = _splits(qkv.device, b * H, triton.cdiv(C, BN), max_splits, waves)
     # the tensor-core form takes 16-bit rings; FP8 and float32 rings run the per-slot form instead
-    mma = form == 2 and scales is None and keys.dtype in (torch.bfloat16, torch.float16)
+    mma = form == 2 and scales is None and keys.dtype in (torch.bfloat16, torch.float16) and keys.dtype == qkv.dtype
     part_o = part_lse = out
     if splits > 1:
         part_o = torch.empty(splits, b * H, DH, device=qkv.device, dtype=torch.float32)
@@ -1435,22 +1437,25 @@ def prefill_attention(
 
 
 COMBINE_ROWS = 16
-"""Most (query, head) rows one program of the split combine merges: rows per program double from 1 while the grid
-keeps at least two programs per SM (a 601-token block's 19,232 rows: 16 per program, against one program per row
-before, 16.3 us per layer at two splits, device call C96)."""
+"""Most (query, head) rows one program of the split combine merges."""
+COMBINE_TILE = 32
+"""Rows times split slots (splits rounded up to a power of two) one program of the split combine holds: 16 rows of
+a two-split prefill (a 601-token block's 19,232 rows in 1,202 programs instead of one program per row, whose
+combine took 16.3 us a layer in device call C96; the 600-column span at one row −0.62 ms in C100), 4 of an
+eight-split one, 1 of the one-row decode's 24 splits. The rows per program follow from the split count alone, never
+from the number of rows, so a step padded to its graph bucket computes every row with the same instructions as the
+unpadded step."""
 
 
 def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, rows: int, splits: int, pdl) -> None:
     """Merge the key splits' partial outputs [splits, rows, DH] (float32) by their log-sum-exp [splits, rows] into
-    out [rows, DH] (``_combine_kernel``)."""
-    br, target = 1, 2 * _num_sms(out.device)
-    while br < COMBINE_ROWS and triton.cdiv(rows, 2 * br) >= target:
-        br *= 2
+    out [rows, DH] (``_combine_kernel``; rows per program: :data:`COMBINE_TILE`)."""
+    sp2 = triton.next_power_of_2(splits)
+    br = min(COMBINE_ROWS, max(1, COMBINE_TILE // sp2))
     DH = part_o.shape[-1]
     _combine_kernel[(triton.cdiv(rows, br),)](
         part_o, part_lse, out, rows,
-        **_launch_opts(out.device, pdl, DH=DH, SPLITS=splits, SP2=triton.next_power_of_2(splits), BR=br,
-                       num_warps=4),
+        **_launch_opts(out.device, pdl, DH=DH, SPLITS=splits, SP2=sp2, BR=br, num_warps=4),
     )  # fmt: skip
 
 
