@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import interpreter_shims
 import torch
 
 from cspan.core.modules import fused
@@ -35,26 +36,8 @@ def _reference(qkv, keys, values, pos, window):
     return out.view(B, H * Dh)
 
 
-def _keep_splat_masks_boolean() -> None:
-    """Triton 3.6's interpreter gives a comparison's result its operand's dtype, so splatting a scalar comparison
-    (the decode kernel's ``(l_i > 0.0) & (d < DH)`` store mask) turns it into float32 and the ``&`` then fails in
-    numpy. Keep boolean data boolean when splatted (the compiled kernel is not affected)."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    splat = interpreter.InterpreterBuilder.create_splat
-
-    def create_splat(self, ret_ty, arg):
-        out = splat(self, ret_ty, arg)
-        if np.asarray(arg.data).dtype == np.bool_:
-            out.data = out.data.astype(np.bool_)
-        return out
-
-    interpreter.InterpreterBuilder.create_splat = create_splat
-
-
 def main() -> None:
-    _keep_splat_masks_boolean()
+    interpreter_shims.apply()
     torch.manual_seed(0)
     worst = 0.0
     cases = [  # B, H, Dh, C, position, window

@@ -18,6 +18,7 @@ import json
 import sys
 from typing import Any
 
+import interpreter_shims
 import torch
 
 
@@ -118,24 +119,6 @@ def scenario(lm: Any, steps: int, span_lengths: tuple[int, int], seed: int = 8) 
     return users, spans, (frames, embeddings)
 
 
-def _interpreter_index_shim() -> None:
-    """Triton's interpreter turns a loaded scalar used as a loop bound into an int with ``int(array)``, which NumPy
-    >= 2.4 refuses for a 1-element array: take its element instead (the interpreter only; a no-op elsewhere)."""
-    try:
-        import triton.runtime.interpreter as interpreter
-    except ImportError:
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:
-        return
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 CASES = {
     "wrapped": ("lm-moshi-shaped", 16, True, 6, (20, 9)),
     "personaplex": ("lm-personaplex-shaped", None, False, 8, (64, 40)),
@@ -168,7 +151,7 @@ def main() -> None:
     """The fused path under the interpreter, for each of :data:`CASES`: the padded layout against the unpadded
     one (4 sessions), and each session of the padded run against that session alone (batch 1); prints
     ``{case: {"padded": differences, "batch1": [differences per session]}}`` as JSON."""
-    _interpreter_index_shim()
+    interpreter_shims.apply()
     from pathlib import Path
 
     from cspan.core.engine import DuplexEngine
