@@ -221,8 +221,9 @@ DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
 head dimensions > 64 (block_n is 64 for smaller heads); the last entry whose batch is at most the step's row count
 applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages, and the
 loop's ``form``: 0 one online softmax per program, 1 one per key slot of a block (no reduction across warps inside
-the loop), 2 the query as row 0 of a 16-row tile through tensor-core products, the key and value blocks staged in
-shared memory (a bf16 / fp16 ring of the query's dtype; other rings run form 1 with the same fields). The entries
+the loop), 2 the query as row 0 of a 16-row tile through tensor-core products (a bf16 / fp16 ring of the query's
+dtype; other rings run form 1 with the same fields; its stages field changes nothing: Triton 3.6 does not stage these
+masked loads through shared memory, the sm_90 PTX has no ``cp.async``). The entries
 are the fastest per batch size of the full-ring sweeps (``scripts/perf_h200.py attention``, 32 heads x 128, 3000
 slots, bf16): device call C8 for forms 0 / 1 (docs/perf/round4/c8/attention.log), C101 for form 2 at 1 / 4 / 32 rows
 (docs/perf/round4/c101/attention.log: 18.5 / 52.8 / 345.6 us per layer against 21.4 / 53.4 / 351.9 for this
@@ -487,9 +488,9 @@ if HAVE_TRITON:
         n_ring = tl.minimum(pos, C)
         last = pos - 1
         if MMA:
-            # the query as row 0 of a 16-row tile (rows 1-15 zero): both products on tensor cores, the key and value
-            # blocks staged through shared memory by the loop's pipeline (FlashAttention's decode as a prefill of
-            # one query); the other rows' softmax states are computed and discarded
+            # the query as row 0 of a 16-row tile (rows 1-15 zero): both products on tensor cores (FlashAttention's
+            # decode as a prefill of one query), the scores' and the output's reductions in the MMA units instead of
+            # across threads; the other rows' softmax states are computed and discarded
             row0 = tl.arange(0, 16) == 0
             q16 = tl.where(row0[:, None], q[None, :], 0.0).to(kc_ptr.dtype.element_ty)
             m_2 = tl.full((16,), -1.0e30, tl.float32)
