@@ -222,8 +222,7 @@ head dimensions > 64 (block_n is 64 for smaller heads); the last entry whose bat
 applies: key block, the most key splits, the waves of programs the splits aim for, warps, pipeline stages, and the
 loop's ``form``: 0 one online softmax per program, 1 one per key slot of a block (no reduction across warps inside
 the loop), 2 the query as row 0 of a 16-row tile through tensor-core products (a bf16 / fp16 ring of the query's
-dtype; other rings run form 1 with the same fields; its stages field changes nothing: Triton 3.6 does not stage these
-masked loads through shared memory, the sm_90 PTX has no ``cp.async``). The entries
+dtype; other rings run form 1 with the same fields). The entries
 are the fastest per batch size of the full-ring sweeps (``scripts/perf_h200.py attention``, 32 heads x 128, 3000
 slots, bf16): device call C8 for forms 0 / 1 (docs/perf/round4/c8/attention.log), C101 for form 2 at 1 / 4 / 32 rows
 (docs/perf/round4/c101/attention.log: 18.5 / 52.8 / 345.6 us per layer against 21.4 / 53.4 / 351.9 for this
