@@ -106,9 +106,9 @@ def attention() -> None:
               for warps in (4, 8)
               for stages in (2, 3, 4)
               if "1" in forms),
-            *((bn, splits, waves, warps, stages, 2)  # the tensor-core form
-              for bn in (32, 64, 128)
-              for (splits, waves) in ((64, 8), (16, 2))
+            *((bn, splits, waves, warps, stages, 2)  # the tensor-core form (16 / 8 splits at 8 waves: a wave of
+              for bn in (32, 64, 128)                  # 4 programs an SM at one row, docs/perf/round4/ptx)
+              for (splits, waves) in ((64, 8), (16, 8), (8, 8), (16, 2))
               for warps in (1, 2, 4)
               for stages in (2, 3)
               if "2" in forms),
