@@ -14,12 +14,13 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
+from prefill_kernel_ptx import compile_sm90
 
 from cspan.core.modules import fused
 
-RUNTIME_MULTIPLES_OF_16 = {"H": 32, "stride_q": 3 * 32 * 128, "stride_cb": 32 * 3000 * 128, "stride_ch": 3000 * 128,
-                           "stride_cs": 128}  # fmt: skip
+RUNTIME_MULTIPLES_OF_16 = {"H", "stride_q", "stride_cb", "stride_ch", "stride_cs"}
+"""The integer arguments the 7B's decode passes as multiples of 16 (H = 32, strides of 3 x 32 x 128 and of rings of
+3000 x 128); C = 3000 and the window are not."""
 CONFIGS = {  # name: (block_n, warps, stages, mma, key splits at one row of 32 heads)
     "form 1 (64, 16, 2, 4, 2, 1)": (64, 4, 2, False, 9),
     "form 1 (32, 16, 2, 4, 3, 1)": (32, 4, 3, False, 9),
@@ -30,33 +31,20 @@ CONFIGS = {  # name: (block_n, warps, stages, mma, key splits at one row of 32 h
 }
 
 
-def compile_decode(bn: int, warps: int, stages: int, mma: bool, splits: int) -> tuple[str, int]:
-    """(PTX, shared bytes) of ``_decode_attn_kernel`` for sm_90: bf16 ring, RoPE, head size 128, PDL on."""
+def compile_decode(bn: int, warps: int, stages: int, mma: bool, splits: int):
+    """``_decode_attn_kernel`` compiled for sm_90: bf16 ring, RoPE, head size 128, PDL on, the run-time hints."""
     kernel = fused._decode_attn_kernel
     constants = dict(ROPE=True, FP8=False, DH=128, BN=bn, SPLITS=splits, STAGES=stages, LANES=True, MMA=mma, PDL=True)
-    bf16 = {"qkv_ptr", "kc_ptr", "vc_ptr", "out_ptr"}
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = (
-                "*bf16" if name in bf16 else "*fp32" if name != "rows_ptr" and name != "pos_ptr" else "*i64"
-            )
-        else:
-            signature[name] = "fp32" if name == "scale_log2" else "i32"
-        if name.endswith("_ptr") or name in RUNTIME_MULTIPLES_OF_16:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    constexprs = {(kernel.arg_names.index(n),): v for n, v in constants.items()}
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return compiled.asm["ptx"], compiled.metadata.shared
+    pointers = {name for name in kernel.arg_names if name.endswith("_ptr")}
+    return compile_sm90(kernel, constants, {"qkv_ptr", "kc_ptr", "vc_ptr", "out_ptr"}, {"rows_ptr", "pos_ptr"},
+                        pointers | RUNTIME_MULTIPLES_OF_16, num_warps=warps)  # fmt: skip
 
 
 def main() -> None:
     ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     for name, args in CONFIGS.items():
-        ptx, shared = compile_decode(*args)
+        compiled = compile_decode(*args)
+        ptx, shared = compiled.asm["ptx"], compiled.metadata.shared
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
             f.write(ptx)
             f.flush()

@@ -38,11 +38,34 @@ def body(ptx: str) -> list[str]:
     return lines
 
 
-def compile_kernel(splits: int, persistent: bool) -> str:
-    """PTX of ``_prefill_attn_kernel`` for sm_90 with the engine's prefill config, bf16, PDL on."""
+def compile_sm90(
+    kernel, constants: dict, bf16: set[str], int64: set[str] = frozenset(), divisible: set[str] = frozenset(), **options
+):
+    """``kernel`` compiled for sm_90 by Triton's own LLVM (no GPU): pointers named in ``bf16`` are bf16, in ``int64``
+    int64, the others float32; ``scale_log2`` is a float, every other argument an int32; the arguments named in
+    ``divisible`` carry the divisibility by 16 that Triton's launcher specializes at run time (none: code that may
+    differ from what runs, but a stable way to compare two trees). Returns the compiled kernel (``.asm["ptx"]``,
+    ``.metadata.shared``)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*bf16" if name in bf16 else "*i64" if name in int64 else "*fp32"
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+        if name in divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {(kernel.arg_names.index(n),): v for n, v in constants.items()}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_kernel(splits: int, persistent: bool) -> str:
+    """PTX of ``_prefill_attn_kernel`` for sm_90 with the engine's prefill config, bf16, PDL on."""
     from cspan.core.modules import fused
 
     kernel = fused._prefill_attn_kernel
@@ -52,22 +75,10 @@ def compile_kernel(splits: int, persistent: bool) -> str:
     elif persistent:
         raise SystemExit("this tree's kernel has no persistent grid")
     bf16 = {"q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "out_ptr"}
-    fp32 = {"part_o_ptr", "part_lse_ptr", "ks_ptr", "vs_ptr"}
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = "*bf16" if name in bf16 else "*fp32" if name in fp32 else "*i64"
-        else:
-            signature[name] = "fp32" if name == "scale_log2" else "i32"
-    constexprs = {(kernel.arg_names.index(n),): v for n, v in constants.items()}
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    int64 = {name for name in kernel.arg_names if name.endswith("_ptr")} - bf16 - {"part_o_ptr", "part_lse_ptr",
+                                                                                   "ks_ptr", "vs_ptr"}  # fmt: skip
     _, _, warps, stages = fused.PREFILL_CONFIG
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
-    )
-    return compiled.asm["ptx"]
+    return compile_sm90(kernel, constants, bf16, int64, num_warps=warps, num_stages=stages).asm["ptx"]
 
 
 def main() -> None:

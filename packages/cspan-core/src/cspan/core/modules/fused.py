@@ -1436,8 +1436,6 @@ def prefill_attention(
     return out
 
 
-COMBINE_ROWS = 16
-"""Most (query, head) rows one program of the split combine merges."""
 COMBINE_TILE = 32
 """Rows times split slots (splits rounded up to a power of two) one program of the split combine holds: 16 rows of
 a two-split prefill (a 601-token block's 19,232 rows in 1,202 programs instead of one program per row, whose
@@ -1451,7 +1449,7 @@ def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, ro
     """Merge the key splits' partial outputs [splits, rows, DH] (float32) by their log-sum-exp [splits, rows] into
     out [rows, DH] (``_combine_kernel``; rows per program: :data:`COMBINE_TILE`)."""
     sp2 = triton.next_power_of_2(splits)
-    br = min(COMBINE_ROWS, max(1, COMBINE_TILE // sp2))
+    br = max(1, COMBINE_TILE // sp2)  # splits >= 2 here: at most 16 rows
     DH = part_o.shape[-1]
     _combine_kernel[(triton.cdiv(rows, br),)](
         part_o, part_lse, out, rows,
