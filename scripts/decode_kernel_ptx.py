@@ -28,6 +28,8 @@ CONFIGS = {  # name: (block_n, warps, stages, mma, key splits at one row of 32 h
     "form 2 (64, 64, 8, 2, 3, 2)": (64, 2, 3, True, 24),
     "form 2 (64, 16, 8, 4, 2, 2)": (64, 4, 2, True, 16),
     "form 2 (64, 16, 2, 4, 3, 2)": (64, 4, 3, True, 3),
+    "form 2 (32, 8, 8, 2, 3, 2)": (32, 2, 3, True, 8),
+    "form 2 (32, 16, 2, 2, 3, 2)": (32, 2, 3, True, 3),
 }
 
 

@@ -245,3 +245,48 @@ def test_a_block_row_reads_its_next_position_as_the_last_token_of_its_sequence()
     assert io.layout.final is None and io.rows.tolist() == [1, 2, 3, scratch]
     eager = dataclasses.replace(plan, buckets=False)
     assert layout([0, 1, 2, 3], {}, eager)[0].identity
+
+
+def test_an_unpadded_step_is_sized_as_its_graph_bucket() -> None:
+    """An eager step laid out unpadded sizes its attention launches (the decode's rows, the prefill's live query
+    blocks, hence their key splits) as the CUDA-graph bucket it would pad to, so it gives the graph's bits: the GPU
+    test's step of two spans and a prefix beside a plain row (114 ragged tokens, bucket 129), and three rows after
+    one went idle (bucket 4). Without the sizing the H200's grids differ (device call C106: 4 key splits against 2
+    for the block, 11 against 3 for the decode)."""
+    import dataclasses
+
+    from cspan.core.modules import fused
+    from cspan.core.plan import ExecutionPlan
+    from cspan.core.sessions import build_step, unpack
+    from cspan.core.span import Block
+
+    graphs = ExecutionPlan(
+        device=torch.device("cpu"), fused=True, depformer_gemv=False, pdl=False, cuda_graphs=False,
+        kv_dtype=torch.float32, decode_config=None, library=None, buckets=True,
+    )  # fmt: skip
+    eager = dataclasses.replace(graphs, buckets=False)
+    K, scratch, heads, sms, key_blocks = 3, 4, 32, 132, 47  # the H200 and the 7B's full ring in 64-slot blocks
+
+    def shapes(rows: list[int], blocks: dict[int, list[Block]]):
+        out = []
+        for plan in (eager, graphs):
+            batch = build_step(rows, blocks, {}, [10] * 4, 1, K, scratch, 3000, plan, torch.float32)
+            out.append((batch.shape, unpack(batch.packed, batch.shape, K).layout))
+        return out
+
+    block = {n: Block(torch.ones(K, n, dtype=torch.long)) for n in (64, 40, 7, 65)}
+    (e, e_io), (g, g_io) = shapes([0, 1, 2, 3], {0: [block[64]], 1: [block[40]], 2: [block[7]]})
+    assert (e.columns, e.queries, g.columns, g.queries) == (114, 4, 129, 5)
+    assert e.sized_rows == g.sized_rows == 4 and e.live_blocks == g.live_blocks == 3
+
+    def grid(shape, ragged) -> tuple[int, int]:
+        q = ragged.qb_seq.shape[0]
+        return fused.prefill_grid(q, shape.columns, shape.block_m, heads, key_blocks, sms, True, None, None, True,
+                                  ragged.live_blocks)  # fmt: skip
+
+    assert grid(e, e_io.ragged) == (2, 4 * heads * 2) and grid(g, g_io.ragged) == (2, 5 * heads * 2)
+    assert fused.prefill_grid(4, 114, 64, heads, key_blocks, sms, True)[0] == 4  # sized by its own tokens
+    (e, _), (g, _) = shapes([0], {0: [block[65]]})  # one block of 66 tokens: 2 query blocks, its bucket's 3
+    assert (e.queries, g.queries, e.live_blocks, g.live_blocks) == (2, 3, 3, 3)
+    (e, e_io), (g, g_io) = shapes([0, 1, 3], {})  # three rows after one went idle: sized as the bucket of 4
+    assert (e.rows, g.rows, e_io.sized_rows, g_io.sized_rows) == (3, 4, 4, 4)

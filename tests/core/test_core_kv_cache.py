@@ -173,7 +173,7 @@ def test_rows_at_different_offsets() -> None:
 
 def test_fp8_rings_take_their_own_decode_configs() -> None:
     """The decode kernel's config per step size: FP8 rings use the FP8 table (C27's sweep from 64 rows on, C8's
-    per-slot entries below), 16-bit rings the bf16 one (the tensor-core form at 1-7 and 32 rows, C101); the last
+    per-slot entries below), 16-bit rings the bf16 one (the tensor-core form at 1-7 and 32 rows, C101 / C106); the last
     entry at or below the row count applies."""
     from cspan.core.modules import fused
 
@@ -181,7 +181,7 @@ def test_fp8_rings_take_their_own_decode_configs() -> None:
     assert fused.decode_config(127, fp8=True) == (32, 64, 8, 4, 3, 1)
     assert fused.decode_config(200, fp8=True) == fused.decode_config(128, fp8=True) == (32, 16, 2, 4, 4, 1)
     assert fused.decode_config(96) == fused.decode_config(80) != fused.decode_config(96, fp8=True)
-    assert fused.decode_config(1) == fused.decode_config(3) == (64, 64, 8, 4, 2, 2)
+    assert fused.decode_config(1) == fused.decode_config(3) == (32, 8, 8, 2, 3, 2)
     assert fused.decode_config(32) == (64, 16, 2, 4, 2, 2) != fused.decode_config(32, fp8=True) == (32, 16, 2, 4, 3, 1)
     assert fused.decode_config(33) == fused.decode_config(63) == (32, 16, 2, 4, 3, 1)  # form 2 timed at 32 only
     assert all(config[-1] < 2 for _, config in fused.DECODE_CONFIGS_FP8)  # form 2 reads 16-bit rings only

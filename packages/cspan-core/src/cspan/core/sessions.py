@@ -457,8 +457,11 @@ class StepShape:
     (False: every row reads a block, so every next position is the last token of its row's ragged sequence), the
     ragged sequences (rows with a block: the prefill grids have room for this many, not for b); and
     whether the rows are every session in order (0 .. B - 1, no padding: the step reads the sessions' state as
-    views and returns its outputs as they are, no gather or scatter); and the host layout of the blocks (used by
-    the eager path only)."""
+    views and returns its outputs as they are, no gather or scatter); the host layout of the blocks (used by
+    the eager path only); and the sizes the attention launches are sized for (the decode's rows, the prefill's
+    live query blocks): those of the CUDA-graph buckets the step pads to, also when it is laid out unpadded, so
+    that an eager step and its graph split the keys alike and give the same bits (functions of the other fields
+    when padded, so not part of the key)."""
 
     rows: int
     columns: int
@@ -472,6 +475,8 @@ class StepShape:
     sequences: int = 0
     blocks: tuple[tuple[int, int, int], ...] = field(default=(), compare=False)
     first_rows: int = field(default=0, compare=False)
+    sized_rows: int = field(default=0, compare=False)
+    live_blocks: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -567,8 +572,13 @@ def build_step(
     in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
     library = slots and plan.library_decode(b)
     identity = b == b_live == scratch and rows == list(range(b))  # every session, in order (the scratch row is B)
+    # the launches are sized as the graph buckets' (the same when padded): an unpadded step then has its graph's bits
+    sized_rows = next((r for r in plan.row_buckets if r >= b_live), b_live)
+    N_sized = next((n for n in plan.block_buckets if n >= N_real), N_real)
+    live_blocks = -(-N_sized // fused.block_m_for(N_sized)) if N_real else 0
     shape = StepShape(
-        b, N, block_m, Q, has_emb, library, text_top, slots, identity, S, tuple(row_blocks), b_live if in_order else 0
+        b, N, block_m, Q, has_emb, library, text_top, slots, identity, S, tuple(row_blocks), b_live if in_order else 0,
+        sized_rows, live_blocks,
     )  # fmt: skip
 
     pad = b - b_live
@@ -660,6 +670,7 @@ def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInpu
         ragged = fused.Ragged(
             seq_row=seq_row, seq_start=seq_start, seq_len=seq_len, qb_seq=qb_seq, qb_j=qb_j,
             tok_row=tok_row, tok_j=tok_j, tok_keep=tok_keep.bool(), block_m=shape.block_m,
+            live_blocks=shape.live_blocks,
         )  # fmt: skip
         last = (last_seq, last_j)
     layout = StepLayout(
@@ -671,6 +682,7 @@ def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInpu
         ragged=ragged,
         last_queries=last,
         first_rows=shape.first_rows,
+        sized_rows=shape.sized_rows,
     )
     return StepInputs(rows=rows, write_user=write, tokens=tokens, fold=fold, layout=layout)
 

@@ -206,8 +206,8 @@ def _launch_opts(device: torch.device, pdl: bool | None = None, **opts):
 
 DecodeConfig = tuple[int, int, int, int, int, int]
 DECODE_CONFIGS: tuple[tuple[int, DecodeConfig], ...] = (
-    (1, (64, 64, 8, 4, 2, 2)),
-    (4, (64, 16, 2, 4, 3, 2)),
+    (1, (32, 8, 8, 2, 3, 2)),
+    (4, (32, 16, 2, 2, 3, 2)),
     (8, (32, 16, 2, 8, 3, 1)),
     (16, (32, 16, 2, 4, 3, 1)),
     (24, (32, 64, 8, 4, 4, 1)),
@@ -224,9 +224,11 @@ loop's ``form``: 0 one online softmax per program, 1 one per key slot of a block
 the loop), 2 the query as row 0 of a 16-row tile through tensor-core products (a bf16 / fp16 ring of the query's
 dtype; other rings run form 1 with the same fields). The entries
 are the fastest per batch size of the full-ring sweeps (``scripts/perf_h200.py attention``, 32 heads x 128, 3000
-slots, bf16): device call C8 for forms 0 / 1 (docs/perf/round4/c8/attention.log), C101 for form 2 at 1 / 4 / 32 rows
-(docs/perf/round4/c101/attention.log: 18.5 / 52.8 / 345.6 us per layer against 21.4 / 53.4 / 351.9 for this
-table's form-1 entries, SDPA 18.3 / 48.7 / 345.7; the floor at one row 11.6); from 33 rows C8's entries. With
+slots, bf16): device call C8 for forms 0 / 1 (docs/perf/round4/c8/attention.log), C101 for form 2 at 32 rows
+(docs/perf/round4/c101/attention.log: 345.6 us per layer against 351.9 for the form-1 entry, SDPA 345.7), C106 for
+form 2 at 1 and 4 rows with 8 and 16 key splits in the sweep (docs/perf/round4/c106/attention.log: 17.6 / 51.0
+against 19.1 / 52.4 for C101's entries, (64, 64, 8, 4, 2, 2) / (64, 16, 2, 4, 3, 2), and 21.6 / 54.0 for form 1's
+best; SDPA 18.6 / 49.7; the floor at one row 11.6); from 33 rows C8's entries. With
 FlashInfer installed the engine runs this kernel for steps of 1 to 4 and 25 to 32 rows (graphed steps pad rows to
 the buckets 1 / 2 / 4 / 32; :data:`cspan.core.attention.FASTER_ROWS`), FlashInfer's decode for the others."""
 
@@ -1140,6 +1142,7 @@ def decode_attention(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: DecodeConfig | None = None,
     pdl: bool | None = None,
+    sized_rows: int | None = None,
 ) -> torch.Tensor:
     """Attention of ONE new position per query row over its cache row's ring, with the new key/value written in.
 
@@ -1153,6 +1156,9 @@ def decode_attention(
         scales: (key_scale, value_scale) [B, H, C] float32 of an FP8 cache, else None.
         config: (block_n, max_splits, waves, num_warps, num_stages, form); default :func:`decode_config`.
         pdl: launch with PDL (None: :func:`pdl_enabled`).
+        sized_rows: the row count the launch is sized for (the default config and the key splits), default b.
+            The duplex step sizes an unpadded step as the CUDA-graph row bucket it would pad to, so that a row's
+            keys are split the same way in both and its result has the same bits.
 
     Returns:
         [b, H * Dh] (heads concatenated; [b, 1, H * Dh] for a 3-D qkv), in qkv's dtype.
@@ -1161,14 +1167,15 @@ def decode_attention(
     if qkv2.stride(-1) != 1:
         qkv2 = qkv2.contiguous()
     b = qkv2.shape[0]
+    sized = sized_rows or b
     _, H, C, DH = keys.shape
     out = torch.empty(b, H * DH, device=qkv.device, dtype=qkv.dtype)
     BN, max_splits, waves, warps, stages, form = (
-        config or DEFAULT.decode_config or decode_config(b, fp8=scales is not None)
+        config or DEFAULT.decode_config or decode_config(sized, fp8=scales is not None)
     )
     if config is None and DEFAULT.decode_config is None and DH <= 64:
         BN = 64
-    splits = _splits(qkv.device, b * H, triton.cdiv(C, BN), max_splits, waves)
+    splits = _splits(qkv.device, sized * H, triton.cdiv(C, BN), max_splits, waves)
     # the tensor-core form takes 16-bit rings; FP8 and float32 rings run the per-slot form instead
     mma = form == 2 and scales is None and keys.dtype in (torch.bfloat16, torch.float16) and keys.dtype == qkv.dtype
     part_o = part_lse = out
@@ -1249,6 +1256,9 @@ class Ragged:
         seq_pos: [S] long, the sequences' first positions (their rows' offsets), from :meth:`at`.
         tok_pos: [N] long, each token's position, from :meth:`at`.
         store_pos: [N] long, ``tok_pos`` where the token is stored, else -1, from :meth:`at`.
+        live_blocks: the live query blocks :func:`prefill_attention`'s key splits are sized for, or None: those
+            the tokens fill (:func:`prefill_grid`). The duplex step sizes an unpadded step as the CUDA-graph bucket
+            it would pad to, so that both lay the keys out in the same splits and give the same bits.
     """
 
     seq_row: torch.Tensor
@@ -1263,6 +1273,7 @@ class Ragged:
     seq_pos: torch.Tensor | None = None
     tok_pos: torch.Tensor | None = None
     store_pos: torch.Tensor | None = None
+    live_blocks: int | None = None
 
     def at(self, offset: torch.Tensor) -> Ragged:
         """This layout with the positions of cache offsets ``offset`` [B] (device ops only)."""
@@ -1325,10 +1336,12 @@ def prefill_grid(
     splits: int | None = None,
     programs: int | None = None,
     concurrent: bool = True,
+    live_blocks: int | None = None,
 ) -> tuple[int, int]:
     """(key splits, programs) of :func:`prefill_attention`'s launch: Q = ``query_blocks`` query blocks of the grid
-    (``tokens`` N fill at most ``ceil(N / block_m)`` of them), ``heads`` heads, a ring of ``key_blocks`` key
-    blocks, ``sms`` multiprocessors.
+    (``tokens`` N fill at most ``ceil(N / block_m)`` of them; ``live_blocks``, if given, is the count the splits are
+    sized for instead: :attr:`Ragged.live_blocks`), ``heads`` heads, a ring of ``key_blocks`` key blocks, ``sms``
+    multiprocessors.
 
     Given splits / programs are kept (programs at most the tiles; ValueError if below 1). The defaults: splits as
     :data:`PREFILL_WAVES` says; beside a decode attention (``beside_decode``), once the live query blocks times the
@@ -1343,7 +1356,7 @@ def prefill_grid(
         # its bucket across its S sequences, ceil(N / block_m) + S - 1 blocks (a 641-token bucket of 8 sequences: 18
         # blocks, 11 counted)
         target = PREFILL_WAVES * sms
-        live = max(1, min(query_blocks, -(-tokens // block_m))) * heads
+        live = (live_blocks or max(1, min(query_blocks, -(-tokens // block_m)))) * heads
         splits = max(target // live, 2 if live < 2 * target else 1)
         splits = max(1, min(16, splits, -(-key_blocks // 2)))
         if beside_decode and live >= sms:
@@ -1409,7 +1422,9 @@ def prefill_attention(
     Q = ragged.qb_seq.shape[0]
     key_blocks = triton.cdiv(C, BN)
     sms = _num_sms(q.device)
-    splits, programs = prefill_grid(Q, N, BM, H, key_blocks, sms, beside_decode, splits, programs, concurrent)
+    splits, programs = prefill_grid(
+        Q, N, BM, H, key_blocks, sms, beside_decode, splits, programs, concurrent, ragged.live_blocks
+    )
     per = triton.cdiv(key_blocks, splits)
     tiles = Q * H * splits
     part_o = part_lse = out

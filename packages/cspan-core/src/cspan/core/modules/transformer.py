@@ -826,7 +826,9 @@ class StreamingTransformer(nn.Module):
         if layout.ragged is not None:
             ragged = layout.ragged.at(cache.offset)
             assert layout.last_queries is not None
-            last_ragged = dataclasses.replace(ragged, qb_seq=layout.last_queries[0], qb_j=layout.last_queries[1])
+            last_qb = layout.last_queries[0]
+            live = ragged.live_blocks and min(ragged.live_blocks, last_qb.shape[0])  # at most one per sequence
+            last_ragged = dataclasses.replace(ragged, qb_seq=last_qb, qb_j=layout.last_queries[1], live_blocks=live)
         if ragged is None:
             assert slot_pos is not None, "a step has decode slots, ragged tokens, or both"
             positions = slot_pos
@@ -864,12 +866,11 @@ class StreamingTransformer(nn.Module):
                     fused.kv_write(k, v, keys, values, slot_rows, slot_pos, scales, pdl=pdl)
                     parts.append(layout.decode.run(q, keys, values))
                 else:
-                    config = plan.decode_config
-                    parts.append(
-                        fused.decode_attention(
-                            qkv[:d], keys, values, slot_pos, slot_rows, window, slot_rope, scales, config, pdl
-                        )
-                    )
+                    attn = fused.decode_attention(
+                        qkv[:d], keys, values, slot_pos, slot_rows, window, slot_rope, scales,
+                        plan.decode_config, pdl, layout.sized_rows,
+                    )  # fmt: skip
+                    parts.append(attn)
             if ragged is not None:
                 if side is not None:
                     main.wait_stream(side)
@@ -911,6 +912,8 @@ class StepLayout:
             token (the next position), or None.
         first_rows: b when ``rows`` is ``0 .. b - 1`` in order (the eager path then reads the rings as views),
             else 0.
+        sized_rows: the rows the decode slots' attention is sized for (:class:`cspan.core.sessions.StepShape`),
+            or 0: the slots.
         decode: a library decode (:class:`cspan.core.attention.FlashInferDecode`, planned for this step) for the
             decode slots, or None for :func:`cspan.core.modules.fused.decode_attention`.
     """
@@ -923,6 +926,7 @@ class StepLayout:
     ragged: fused.Ragged | None = None
     last_queries: tuple[torch.Tensor, torch.Tensor] | None = None
     first_rows: int = 0
+    sized_rows: int = 0
     decode: Any = None
 
     @property
