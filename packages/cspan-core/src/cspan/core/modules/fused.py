@@ -1455,9 +1455,10 @@ COMBINE_TILE = 32
 """Rows times split slots (splits rounded up to a power of two) one program of the split combine holds: 16 rows of
 a two-split prefill (a 601-token block's 19,232 rows in 1,202 programs instead of one program per row, whose
 combine took 16.3 us a layer in device call C96; the 600-column span at one row −0.62 ms in C100), 4 of an
-eight-split one, 1 of the one-row decode's 24 splits. The rows per program follow from the split count alone, never
-from the number of rows, so a step padded to its graph bucket computes every row with the same instructions as the
-unpadded step."""
+eight-split one (the one-row decode's), 1 from 17 splits on. The rows per program follow from the split count alone,
+never from the number of rows, so a step padded to its graph bucket computes every row with the same instructions
+as the unpadded step (given the same split count: the step sizes both layouts' launches alike,
+:attr:`Ragged.live_blocks`)."""
 
 
 def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, rows: int, splits: int, pdl) -> None:
