@@ -290,3 +290,22 @@ def test_an_unpadded_step_is_sized_as_its_graph_bucket() -> None:
     assert (e.queries, g.queries, e.live_blocks, g.live_blocks) == (2, 3, 3, 3)
     (e, e_io), (g, g_io) = shapes([0, 1, 3], {})  # three rows after one went idle: sized as the bucket of 4
     assert (e.rows, g.rows, e_io.sized_rows, g_io.sized_rows) == (3, 4, 4, 4)
+
+    # every live row reads a block, but the bucket of 4 rows has a padding row's dummy decode slot: the graph's block
+    # runs beside a decode (one key split once its programs fill the SMs), and the unpadded step is sized the same
+    block[200] = Block(torch.ones(K, 200, dtype=torch.long))
+    (e, e_io), (g, g_io) = shapes([0, 1, 2], {r: [block[200]] for r in range(3)})
+    assert (e.slots, g.slots, e_io.sized_slots, g_io.sized_slots) == (False, True, True, True)
+    beside = [io.slots > 0 or io.sized_slots for io in (e_io, g_io)]  # as StreamingTransformer.forward_step
+    grids = [
+        fused.prefill_grid(io.ragged.qb_seq.shape[0], shape.columns, shape.block_m, heads, key_blocks, sms, side,
+                           None, None, False, io.ragged.live_blocks)
+        for (shape, io), side in zip(((e, e_io), (g, g_io)), beside, strict=True)
+    ]  # fmt: skip
+    assert grids[0][0] == grids[1][0] == 1
+    assert fused.prefill_grid(e_io.ragged.qb_seq.shape[0], e.columns, e.block_m, heads, key_blocks, sms)[0] == 2
+
+    # a step no block bucket serves (more than 2049 ragged tokens) runs unpadded in both and keeps its own sizes
+    block[2100] = Block(torch.ones(K, 2100, dtype=torch.long))
+    (e, e_io), (g, g_io) = shapes([0, 1, 2], {0: [block[2100]]})
+    assert e == g and (e.rows, e.sized_rows, e.live_blocks, e.sized_slots) == (3, 3, 0, True)

@@ -458,10 +458,10 @@ class StepShape:
     ragged sequences (rows with a block: the prefill grids have room for this many, not for b); and
     whether the rows are every session in order (0 .. B - 1, no padding: the step reads the sessions' state as
     views and returns its outputs as they are, no gather or scatter); the host layout of the blocks (used by
-    the eager path only); and the sizes the attention launches are sized for (the decode's rows, the prefill's
-    live query blocks): those of the CUDA-graph buckets the step pads to, also when it is laid out unpadded, so
-    that an eager step and its graph split the keys alike and give the same bits (functions of the other fields
-    when padded, so not part of the key)."""
+    the eager path only); and what the temporal attention launches are sized for (the decode's rows, the block's
+    live query blocks, and whether the block shares the step with decode slots): the CUDA-graph buckets' the step
+    pads to, also when it is laid out unpadded (a step no bucket serves: its own tokens), so that an eager step and
+    its graph split every row's keys alike (functions of the other fields when padded, so not part of the key)."""
 
     rows: int
     columns: int
@@ -477,6 +477,7 @@ class StepShape:
     first_rows: int = field(default=0, compare=False)
     sized_rows: int = field(default=0, compare=False)
     live_blocks: int = field(default=0, compare=False)
+    sized_slots: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -572,13 +573,17 @@ def build_step(
     in_order = not padded and rows == list(range(b_live))  # eager: the rings of rows 0 .. b - 1 read as views
     library = slots and plan.library_decode(b)
     identity = b == b_live == scratch and rows == list(range(b))  # every session, in order (the scratch row is B)
-    # the launches are sized as the graph buckets' (the same when padded): an unpadded step then has its graph's bits
-    sized_rows = next((r for r in plan.row_buckets if r >= b_live), b_live)
-    N_sized = next((n for n in plan.block_buckets if n >= N_real), N_real)
-    live_blocks = -(-N_sized // fused.block_m_for(N_sized)) if N_real else 0
+    # the temporal attention's launches sized as the graph's that the step pads to (the same when padded): an unpadded
+    # step then splits every row's keys as its graph does; a step no block bucket serves keeps its own sizes
+    N_sized = next((n for n in plan.block_buckets if n >= N_real), None)
+    sized_rows, live_blocks, sized_slots = b_live, 0, slots
+    if N_sized is not None:
+        sized_rows = next((r for r in plan.row_buckets if r >= b_live), b_live)
+        live_blocks = -(-N_sized // fused.block_m_for(N_sized)) if N_real else 0
+        sized_slots = not (row_blocks and len(row_blocks) == sized_rows)  # a padding row's dummy slot: mixed
     shape = StepShape(
         b, N, block_m, Q, has_emb, library, text_top, slots, identity, S, tuple(row_blocks), b_live if in_order else 0,
-        sized_rows, live_blocks,
+        sized_rows, live_blocks, sized_slots,
     )  # fmt: skip
 
     pad = b - b_live
@@ -683,6 +688,7 @@ def unpack(packed: torch.Tensor, shape: StepShape, num_streams: int) -> StepInpu
         last_queries=last,
         first_rows=shape.first_rows,
         sized_rows=shape.sized_rows,
+        sized_slots=shape.sized_slots,
     )
     return StepInputs(rows=rows, write_user=write, tokens=tokens, fold=fold, layout=layout)
 

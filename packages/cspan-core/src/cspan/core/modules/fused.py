@@ -1158,7 +1158,7 @@ def decode_attention(
         pdl: launch with PDL (None: :func:`pdl_enabled`).
         sized_rows: the row count the launch is sized for (the default config and the key splits), default b.
             The duplex step sizes an unpadded step as the CUDA-graph row bucket it would pad to, so that a row's
-            keys are split the same way in both and its result has the same bits.
+            keys are split the same way in both.
 
     Returns:
         [b, H * Dh] (heads concatenated; [b, 1, H * Dh] for a 3-D qkv), in qkv's dtype.
@@ -1258,7 +1258,7 @@ class Ragged:
         store_pos: [N] long, ``tok_pos`` where the token is stored, else -1, from :meth:`at`.
         live_blocks: the live query blocks :func:`prefill_attention`'s key splits are sized for, or None: those
             the tokens fill (:func:`prefill_grid`). The duplex step sizes an unpadded step as the CUDA-graph bucket
-            it would pad to, so that both lay the keys out in the same splits and give the same bits.
+            it would pad to, so that both split the keys alike.
     """
 
     seq_row: torch.Tensor
@@ -1457,8 +1457,8 @@ a two-split prefill (a 601-token block's 19,232 rows in 1,202 programs instead o
 combine took 16.3 us a layer in device call C96; the 600-column span at one row −0.62 ms in C100), 4 of an
 eight-split one (the one-row decode's), 1 from 17 splits on. The rows per program follow from the split count alone,
 never from the number of rows, so a step padded to its graph bucket computes every row with the same instructions
-as the unpadded step (given the same split count: the step sizes both layouts' launches alike,
-:attr:`Ragged.live_blocks`)."""
+as the unpadded step when both split the keys alike (the duplex step sizes an unpadded step's attention as its
+graph's: :attr:`Ragged.live_blocks`, :func:`decode_attention`'s ``sized_rows``)."""
 
 
 def _combine(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, rows: int, splits: int, pdl) -> None:

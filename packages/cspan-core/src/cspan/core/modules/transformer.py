@@ -841,8 +841,9 @@ class StreamingTransformer(nn.Module):
         update: torch.Tensor | None = None
         block_rope = None if rope is None else (rope[0][d:], rope[1][d:])
         side = plan.attention_stream if ragged is not None and slot_pos is not None else None
-        # the block attention's grid (fused.prefill_grid): beside decode slots, running at the same time or not
-        beside = (slot_pos is not None, side is not None)
+        # the block attention's grid (fused.prefill_grid): beside decode slots (as sized: an unpadded step whose
+        # graph has a padding row's slot splits its keys as that graph does), running at the same time or not
+        beside = (slot_pos is not None or layout.sized_slots, side is not None)
         main = None if side is None else torch.cuda.current_stream(x.device)
         for i, layer in enumerate(self.layers):
             x, h = _add_norm(x, update, layer.norm1, pdl)
@@ -914,6 +915,8 @@ class StepLayout:
             else 0.
         sized_rows: the rows the decode slots' attention is sized for (:class:`cspan.core.sessions.StepShape`),
             or 0: the slots.
+        sized_slots: size the ragged sequences' attention as beside decode slots even without slots here (the
+            step's graph bucket has them, if only a padding row's dummy).
         decode: a library decode (:class:`cspan.core.attention.FlashInferDecode`, planned for this step) for the
             decode slots, or None for :func:`cspan.core.modules.fused.decode_attention`.
     """
@@ -927,6 +930,7 @@ class StepLayout:
     last_queries: tuple[torch.Tensor, torch.Tensor] | None = None
     first_rows: int = 0
     sized_rows: int = 0
+    sized_slots: bool = False
     decode: Any = None
 
     @property
