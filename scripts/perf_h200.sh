@@ -96,7 +96,9 @@ for stage in $stages; do
       shard1="tests/core/test_core_fused_cuda.py"
       shard2="tests/core/test_core_engine_cuda.py tests/core/test_core_lm_cuda_graph.py tests/core/test_core_mimi.py"
       case ${TESTS_SHARD:-all} in 1) all=$shard1 ;; 2) all=$shard2 ;; *) all="$shard1 $shard2" ;; esac
-      run tests 560 python3 -m pytest ${TESTS:-$all} -m gpu -v -rP -p no:cacheprovider ;;
+      # -s: a test's printed readings go to the log as it runs (a stage cut by its limit keeps them; -rP printed them
+      # only at the end, and C107 lost the mixed test's reading that way)
+      run tests 560 python3 -m pytest ${TESTS:-$all} -m gpu -v -s -p no:cacheprovider ;;
     bench)  # full rings: B = 1 table, then B = 32 / 64 / 80 with a 600-column span into 1 session of the frame
       # SPANS (optional, default "0 16 600"): the span lengths, at B = 1 and into 1 session of each batch
       run bench 180 $BENCH latency --random-7b --n ${SPANS:-0 16 600} --iters 20 --warmup 3 --batch-size ${BATCHES:-32 64 80} \
