@@ -83,11 +83,17 @@ class ExecutionPlan:
             return False
         return self.library == "always" or attention.library_faster(rows)
 
+    def graph_rows(self, rows: int) -> int:
+        """The row bucket of ``rows`` live rows (``rows`` itself past the largest), with or without :attr:`buckets`."""
+        return next((b for b in self.row_buckets if b >= rows), rows)
+
+    def graph_tokens(self, tokens: int) -> int | None:
+        """The block bucket of ``tokens`` ragged tokens, or None past the largest, with or without :attr:`buckets`."""
+        return next((b for b in self.block_buckets if b >= tokens), None)
+
     def rows_bucket(self, rows: int) -> int:
         """The padded row count of a step of ``rows`` live rows (``rows`` itself without buckets)."""
-        if not self.buckets:
-            return rows
-        return next((b for b in self.row_buckets if b >= rows), rows)
+        return self.graph_rows(rows) if self.buckets else rows
 
     def block_bucket(self, columns: int) -> int | None:
         """The padded block column count of a step reading ``columns`` block columns (``columns`` without buckets),
@@ -96,7 +102,7 @@ class ExecutionPlan:
             return columns
         if not self.fused and columns:  # the eager path lays blocks out on the host: graphed without blocks only
             return None
-        return next((b for b in self.block_buckets if b >= columns), None)
+        return self.graph_tokens(columns)
 
 
 def parse_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:

@@ -459,8 +459,8 @@ class StepShape:
     whether the rows are every session in order (0 .. B - 1, no padding: the step reads the sessions' state as
     views and returns its outputs as they are, no gather or scatter); the host layout of the blocks (used by
     the eager path only); and what the temporal attention launches are sized for (the decode's rows, the block's
-    live query blocks, and whether the block shares the step with decode slots): the CUDA-graph buckets' the step
-    pads to, also when it is laid out unpadded (a step no bucket serves: its own tokens), so that an eager step and
+    live query blocks, and whether the block shares the step with decode slots): those of the CUDA-graph bucket the
+    step pads to, also when it is laid out unpadded (a step no bucket serves: its own), so that an eager step and
     its graph split every row's keys alike (functions of the other fields when padded, so not part of the key)."""
 
     rows: int
@@ -575,11 +575,11 @@ def build_step(
     identity = b == b_live == scratch and rows == list(range(b))  # every session, in order (the scratch row is B)
     # the temporal attention's launches sized as the graph's that the step pads to (the same when padded): an unpadded
     # step then splits every row's keys as its graph does; a step no block bucket serves keeps its own sizes
-    N_sized = next((n for n in plan.block_buckets if n >= N_real), None)
+    N_graph = plan.graph_tokens(N_real)
     sized_rows, live_blocks, sized_slots = b_live, 0, slots
-    if N_sized is not None:
-        sized_rows = next((r for r in plan.row_buckets if r >= b_live), b_live)
-        live_blocks = -(-N_sized // fused.block_m_for(N_sized)) if N_real else 0
+    if N_graph is not None:
+        sized_rows = plan.graph_rows(b_live)
+        live_blocks = -(-N_graph // fused.block_m_for(N_graph)) if N_real else 0
         sized_slots = not (row_blocks and len(row_blocks) == sized_rows)  # a padding row's dummy slot: mixed
     shape = StepShape(
         b, N, block_m, Q, has_emb, library, text_top, slots, identity, S, tuple(row_blocks), b_live if in_order else 0,
