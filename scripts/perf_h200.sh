@@ -17,7 +17,7 @@
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
 #                                        #         bench-apart span-jitter paced phases early
-#                                        #         variants probe gemv
+#                                        #         variants probe gemv tgemv
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -219,6 +219,10 @@ print(":".join(sorted({str(p.parent) for r in roots if r.exists() for p in r.rgl
       TAIL=12 run gemv 120 bash -c "export PATH=\$PATH:/usr/local/cuda/bin; nvcc -O3 -std=c++17 -arch=sm_90a \
         -o /tmp/temporal_gemv_probe scripts/temporal_gemv_probe.cu -ldl && echo libcublas in: $libs && \
         LD_LIBRARY_PATH=$libs:\${LD_LIBRARY_PATH:-} /tmp/temporal_gemv_probe 20" ;;
+    tgemv)  # the temporal step of 1 / 2 / 4 rows on full rings: the engine's cuBLAS products, norms and SiLU gate
+      # against the same layers as fused.gemv launches with the norm, gate and residual inside, per GEMV config
+      # (scripts/temporal_gemv_sweep.py; the engine path is branch exp/temporal-gemv: prepare-variant, then variants)
+      TAIL=30 run tgemv 240 python3 scripts/temporal_gemv_sweep.py ${TGEMV_ARGS:-} --out "$LOGS/tgemv.json" ;;
     *)
       echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac

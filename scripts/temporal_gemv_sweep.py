@@ -1,0 +1,198 @@
+"""The temporal transformer's step of one to four rows on a full ring, without blocks: the engine's kernels (cuBLAS
+products with their split-K reduces, the fused RMS norms and SiLU gate) against the same layers as
+:func:`cspan.core.modules.fused.gemv` launches that take the norm, gate and residual in (the ``CSPAN_GEMV=all``
+path of branch ``exp/temporal-gemv``), per GEMV config. Both chains run the engine's decode attention over each
+row's full ring, so PDL overlaps and launch gaps are what the engine's step sees. Every chain is timed from one
+CUDA graph (events around ``--iters`` replays). Also each product kind alone, 32 in a chain (the engine's form:
+the product with its norm or gate kernel; the GEMV form: one launch), to tell which kind each config suits.
+
+    python3 scripts/temporal_gemv_sweep.py                       # the 7B's shapes on the GPU (bf16, 3000-slot rings)
+    TRITON_INTERPRET=1 CSPAN_FUSED=1 python3 scripts/temporal_gemv_sweep.py --tiny --no-graph   # a CPU smoke test
+
+Prints µs per step and per product, the max |difference| of the chains' outputs, and writes ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from cspan.core.modules import fused
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--configs", nargs="+", default=["8192,4", "16384,8", "16384,4", "32768,8"],
+                   help="GEMV configs 'elements,warps' (fused.gemv's config)")  # fmt: skip
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
+    p.add_argument("--no-graph", action="store_true", help="time eager calls (CPU)")
+    p.add_argument("--no-kinds", action="store_true", help="skip the per-kind chains")
+    p.add_argument("--out", default=None)
+    return p.parse_args()
+
+
+class Layers:
+    """Random weights of the temporal layers (7B shapes: D 4096, 32 heads of 128, gated hidden 11264) and each
+    row's full ring."""
+
+    def __init__(self, n: int, rows: int, tiny: bool, device: torch.device, dtype: torch.dtype) -> None:
+        D, H, hidden, C = (64, 4, 176, 32) if tiny else (4096, 32, 11264, 3000)
+        self.D, self.H, self.Dh, self.C, self.hidden = D, H, D // H, C, hidden
+        g = torch.Generator(device="cpu").manual_seed(0)
+
+        def w(n_out: int, n_in: int) -> torch.Tensor:
+            return (torch.randn(n_out, n_in, generator=g) / math.sqrt(n_in)).to(device, dtype)
+
+        self.layers = [
+            dict(qkv=w(3 * D, D), out=w(D, D), gate=w(2 * hidden, D), down=w(D, hidden),
+                 a1=(1 + 0.1 * torch.randn(D, generator=g)).to(device), a2=(1 + 0.1 * torch.randn(D, generator=g)).to(device))
+            for _ in range(n)
+        ]  # fmt: skip
+        self.keys = [torch.randn(rows, H, C, self.Dh, generator=g).to(device, dtype) for _ in range(n)]
+        self.values = [torch.randn(rows, H, C, self.Dh, generator=g).to(device, dtype) for _ in range(n)]
+        self.rows = torch.arange(rows, device=device)
+        self.pos = torch.full((rows,), C, dtype=torch.long, device=device)  # a full ring: C earlier positions
+        self.rope = fused.rope_tables(self.pos, self.Dh, 10000.0)
+        self.eps = 1e-8
+        self.x = torch.randn(rows, D, generator=g).to(device, dtype)
+
+    def attention(self, i: int, qkv: torch.Tensor, rows: int) -> torch.Tensor:
+        return fused.decode_attention(
+            qkv, self.keys[i], self.values[i], self.pos, self.rows, self.C, self.rope, None, None, None, rows
+        )
+
+    def engine_chain(self, x: torch.Tensor) -> torch.Tensor:
+        """The engine's step today (``StreamingTransformer._fused_step`` without blocks)."""
+        update = None
+        for i, L in enumerate(self.layers):
+            x, h = fused.rms_norm(x, L["a1"], self.eps, update)
+            attn = self.attention(i, F.linear(h, L["qkv"]), x.shape[0])
+            x, h = fused.rms_norm(x, L["a2"], self.eps, F.linear(attn, L["out"]))
+            update = F.linear(fused.silu_gate(F.linear(h, L["gate"])), L["down"])
+        return x + update
+
+    def gemv_chain(self, x: torch.Tensor, config: tuple[int, int]) -> torch.Tensor:
+        """The same layers as GEMV launches (``StreamingTransformer._gemv_step`` of branch exp/temporal-gemv)."""
+        h = x
+        for i, L in enumerate(self.layers):
+            qkv = fused.gemv(h, L["qkv"], norm=(L["a1"], self.eps), config=config)
+            attn = self.attention(i, qkv, x.shape[0])
+            h = fused.gemv(attn, L["out"], residual=h, config=config)
+            g = fused.gemv(h, L["gate"], norm=(L["a2"], self.eps), gate=True, config=config)
+            h = fused.gemv(g, L["down"], residual=h, config=config)
+        return h
+
+    def kind_chain(self, kind: str, x: torch.Tensor, config: tuple[int, int] | None) -> torch.Tensor:
+        """32 products of one kind, each on its own layer's weights, from the same input (config None: the
+        engine's form, the product with the kernel the GEMV takes in)."""
+        outs = []
+        for L in self.layers:
+            if kind == "qkv":
+                y = F.linear(fused.rms_norm(x, L["a1"], self.eps)[1], L["qkv"]) if config is None else \
+                    fused.gemv(x, L["qkv"], norm=(L["a1"], self.eps), config=config)  # fmt: skip
+            elif kind == "out":
+                y = fused.rms_norm(x, L["a2"], self.eps, F.linear(x, L["out"]))[0] if config is None else \
+                    fused.gemv(x, L["out"], residual=x, config=config)  # fmt: skip
+            elif kind == "gate":
+                y = fused.silu_gate(F.linear(fused.rms_norm(x, L["a2"], self.eps)[1], L["gate"])) if config is None \
+                    else fused.gemv(x, L["gate"], norm=(L["a2"], self.eps), gate=True, config=config)  # fmt: skip
+            else:
+                xh = self.hidden_input(x)
+                y = (
+                    x + F.linear(xh, L["down"])
+                    if config is None
+                    else fused.gemv(xh, L["down"], residual=x, config=config)
+                )
+            outs.append(y)
+        return outs[-1]
+
+    def hidden_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "_xh") or self._xh.shape[0] != x.shape[0]:
+            self._xh = torch.randn(x.shape[0], self.hidden, device=x.device).to(x.dtype)
+        return self._xh
+
+
+def _time(fn, iters: int, graph: bool) -> tuple[float, torch.Tensor]:
+    """µs per call of ``fn()`` (from one CUDA graph when ``graph``) and its output."""
+    out = fn()
+    if not graph:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        return (time.perf_counter() - t0) / iters * 1e6, out
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph_ = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph_):
+        out = fn()
+    graph_.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(3):
+        start.record()
+        for _ in range(iters):
+            graph_.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / iters)
+    return best, out
+
+
+def _sweep(L: Layers, a: argparse.Namespace, configs: list[tuple[int, ...]], graph: bool) -> dict:
+    """One row count: the whole step in both forms per config, then each product kind alone."""
+    x, rows = L.x, L.x.shape[0]
+    base_us, base = _time(lambda: L.engine_chain(x), a.iters, graph)
+    line: dict = {"engine": round(base_us, 1)}
+    print(f"\nrows {rows}: {a.layers} layers, ring {L.C}, engine's kernels {base_us:.1f} us a step")
+    for c in configs:
+        us, out = _time(lambda c=c: L.gemv_chain(x, c), a.iters, graph)
+        diff = float((out.float() - base.float()).abs().max())
+        line[f"gemv {c[0]},{c[1]}"] = round(us, 1)
+        print(f"  gemv {c[0]:>6},{c[1]}: {us:8.1f} us a step ({us - base_us:+7.1f}), max |out - engine's| {diff:.3g}"
+              f" (max |out| {float(base.float().abs().max()):.3g})")  # fmt: skip
+    if not a.no_kinds:
+        for kind in ("qkv", "out", "gate", "down"):
+            k_us, _ = _time(lambda kind=kind: L.kind_chain(kind, x, None), a.iters, graph)
+            cells = {"engine": round(k_us / a.layers, 2)}
+            for c in configs:
+                us, _ = _time(lambda kind=kind, c=c: L.kind_chain(kind, x, c), a.iters, graph)
+                cells[f"gemv {c[0]},{c[1]}"] = round(us / a.layers, 2)
+            line[kind] = cells
+            print(f"  {kind:5s} us per product: " + ", ".join(f"{k} {v}" for k, v in cells.items()))
+    return line
+
+
+def main() -> None:
+    a = _args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    graph = device.type == "cuda" and not a.no_graph
+    configs = [tuple(int(v) for v in c.split(",")) for c in a.configs]
+    if device.type == "cuda":
+        print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, PDL {fused.pdl_enabled(device)}")
+    results: dict = {"rows": {}, "configs": a.configs}
+    for rows in a.rows:
+        results["rows"][str(rows)] = _sweep(Layers(a.layers, rows, a.tiny, device, dtype), a, configs, graph)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
