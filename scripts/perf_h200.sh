@@ -220,9 +220,12 @@ print(":".join(sorted({str(p.parent) for r in roots if r.exists() for p in r.rgl
         -o /tmp/temporal_gemv_probe scripts/temporal_gemv_probe.cu -ldl && echo libcublas in: $libs && \
         LD_LIBRARY_PATH=$libs:\${LD_LIBRARY_PATH:-} /tmp/temporal_gemv_probe 20" ;;
     tgemv)  # the temporal step of 1 / 2 / 4 rows on full rings: the engine's cuBLAS products, norms and SiLU gate
-      # against the same layers as fused.gemv launches with the norm, gate and residual inside, per GEMV config
-      # (scripts/temporal_gemv_sweep.py; the engine path is branch exp/temporal-gemv: prepare-variant, then variants)
-      TAIL=30 run tgemv 240 python3 scripts/temporal_gemv_sweep.py ${TGEMV_ARGS:-} --out "$LOGS/tgemv.json" ;;
+      # against the same layers as fused.gemv launches with the norm, gate and residual inside, per GEMV config;
+      # then the depformer's 48 layers of a served B = 1 step per GEMV config (scripts/temporal_gemv_sweep.py; the
+      # engine path is branch exp/temporal-gemv: prepare-variant, then variants). TGEMV_ARGS: the first run's options
+      TAIL=30 run tgemv 240 python3 scripts/temporal_gemv_sweep.py --iters 30 ${TGEMV_ARGS:-} --out "$LOGS/tgemv.json"
+      TAIL=12 run tgemv-depformer 120 python3 scripts/temporal_gemv_sweep.py --model depformer --rows 1 --iters 30 \
+        --out "$LOGS/tgemv_depformer.json" ;;
     *)
       echo "=== unknown stage $stage (see the header)"; failed=1 ;;
   esac
