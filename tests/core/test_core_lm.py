@@ -163,3 +163,19 @@ def test_7b_presets_on_meta(preset: str, dep_q: int, params: int, keys: int) -> 
     assert sd["out_norm.alpha"].shape == (1, 1, 4096)
     assert sd[f"depformer_emb.{dep_q - 2}.weight"].shape == (2049, 1024)
     assert not any(k.endswith(".bias") for k in sd)
+
+
+def test_depformer_projections_of_the_first_codebooks(fixture_file) -> None:
+    """A frame that runs only the first codebooks (the served step: the agent's 8 of 16) projects only the
+    depformer inputs they use, with the values of the full product."""
+    cfg = _config(fixture_file, "lm-personaplex-shaped")
+    model = LMModel(cfg, dtype=torch.float32)
+    hidden = torch.randn(3, cfg.dim)
+    full = model.depformer_projections(hidden)
+    assert full.shape == (3, cfg.dep_q, cfg.depformer_dim)
+    for k in range(cfg.dep_q):
+        assert torch.allclose(full[:, k], model.depformer_in[k](hidden), atol=1e-5)
+    for steps, used in ((8, 8), (1, 1), (0, 1), (cfg.dep_q, cfg.dep_q), (None, cfg.dep_q)):
+        part = model.depformer_projections(hidden, steps)
+        assert part.shape == (3, used, cfg.depformer_dim)
+        assert torch.allclose(part, full[:, :used], atol=1e-6)

@@ -312,18 +312,22 @@ class LMModel(nn.Module):
             return False
         return self.depformer.gemv_path(y[:, None], self.depformer.weight_sets(k, 1), plan)
 
-    def depformer_projections(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Every depformer input projection of one frame in one matrix product (streaming inference).
+    def depformer_projections(self, hidden: torch.Tensor, steps: int | None = None) -> torch.Tensor:
+        """The depformer input projections of one frame in one matrix product (streaming inference).
 
-        The dep_q projections ``depformer_in[k'](hidden)`` do not depend on the sampled tokens, so one product over
+        The projections ``depformer_in[k'](hidden)`` do not depend on the sampled tokens, so one product over
         the stacked weights replaces dep_q small ones inside the sequential depformer loop. The stack is a copy of
-        the ``depformer_in`` weights (rebuilt when one of them is replaced or modified in place).
+        the ``depformer_in`` weights (rebuilt when one of them is replaced or modified in place). A frame that runs
+        only the first ``steps`` codebooks (the duplex engine's served step skips the user's) projects only the
+        leading weight blocks those codebooks use (a view of the stack: half its bytes at dep_q = 16 and 8 steps).
 
         Args:
             hidden: [B, D] temporal output of the frame.
+            steps: the codebooks the frame runs (None: all dep_q).
 
         Returns:
-            [B, P, Dd] with P = ``len(depformer_in)`` (pass to :meth:`depformer_logits` as ``projected``).
+            [B, P, Dd] with P = ``len(depformer_in)``, or fewer for ``steps`` (pass to :meth:`depformer_logits` as
+            ``projected``: codebook k reads entry ``k'`` of the schedule, present for every k < steps).
         """
         weights = [lin.weight for lin in self.depformer_in]
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
@@ -332,8 +336,12 @@ class LMModel(nn.Module):
             with torch.no_grad():
                 cached = (key, torch.cat([w.detach() for w in weights]))
             self._dep_in_stack = cached
-        y = nn.functional.linear(hidden, cached[1])  # [B, P * Dd]
-        return y.view(hidden.shape[0], len(weights), -1)
+        used = len(weights)
+        if steps is not None and steps < self.dep_q:
+            used = max(self._depformer_in_index(k) for k in range(max(1, steps))) + 1
+        rows = used * weights[0].shape[0]
+        y = nn.functional.linear(hidden, cached[1][:rows])  # [B, used * Dd]
+        return y.view(hidden.shape[0], used, -1)
 
     # --- training forward ------------------------------------------------------------------------------------
 

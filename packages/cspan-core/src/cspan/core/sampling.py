@@ -321,7 +321,7 @@ def sample_column(
     column[:, 0] = token
     dep_state.reset()
     in_kernel = plan.fused and lm.card <= fused.SAMPLE_MAX_VOCAB
-    projected = lm.depformer_projections(hidden) if plan.fused else None
+    projected = lm.depformer_projections(hidden, steps) if plan.fused else None
     for k in range(steps):
         logits = lm.depformer_logits(k, hidden, token, dep_state, projected, plan)
         if in_kernel:
