@@ -268,6 +268,27 @@ def test_norm_and_gate_kernels_equal_the_eager_arithmetic() -> None:
     assert ((fused.silu_gate(h).float() - want).abs() <= 2**-7 * want.abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_embed_sum_equals_the_chain_of_lookups(dtype: torch.dtype) -> None:
+    """fused.embed_sum (the temporal input in one launch) equals the chain of fused.embed_add it replaced, bit for
+    bit: 16 audio tables and the text table (another vocabulary), streams 1..16 then 0, ids of -1, strided ids
+    (a ragged step's [1, K, T] view of the [K, T] columns), one and 601 positions."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(17)
+    K, D = 17, 4096
+    tables = [torch.randn(2049 if k < K - 1 else 32001, D, device=dev, generator=gen).to(dtype) for k in range(K)]
+    for B, T in ((1, 1), (3, 1), (1, 601)):
+        columns = torch.randint(-1, 2049, (K, B * T), device=dev, generator=gen)
+        columns[0] = torch.randint(-1, 32001, (B * T,), device=dev, generator=gen)
+        ids = columns.view(K, B, T).transpose(0, 1)  # [B, K, T], not contiguous
+        x = None
+        for k, table in enumerate(tables):
+            x = fused.embed_add(x, table, ids[:, (k + 1) % K])
+        assert torch.equal(fused.embed_sum(tables, ids), x)
+    with pytest.raises(ValueError, match="16 tables for 17 streams"):
+        fused.embed_sum(tables[:16], ids)
+
+
 @pytest.mark.parametrize(
     ("M", "N", "K", "norm", "gate", "residual"),
     [

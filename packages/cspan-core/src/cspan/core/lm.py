@@ -265,7 +265,7 @@ class LMModel(nn.Module):
 
         Args:
             tokens: [B, K, T] long (-1 gives a zero contribution).
-            plan: a duplex engine's kernel choices (the lookups as one fused kernel each when ``plan.fused``).
+            plan: a duplex engine's kernel choices (every lookup in one fused kernel when ``plan.fused``).
 
         Returns:
             [B, T, D] in the model dtype.
@@ -275,12 +275,8 @@ class LMModel(nn.Module):
         """
         if tokens.dim() != 3 or tokens.shape[1] != self.num_codebooks:
             raise ValueError(f"tokens must be [B, {self.num_codebooks}, T], got {list(tokens.shape)}")
-        if plan is not None and plan.fused:
-            x = None
-            for k, table in enumerate([*self.emb, self.text_emb]):
-                x = fused.embed_add(x, table.weight, tokens[:, (k + 1) % self.num_codebooks], plan.pdl)
-            assert x is not None
-            return x
+        if plan is not None and plan.fused:  # one launch for every table
+            return fused.embed_sum([table.weight for table in [*self.emb, self.text_emb]], tokens, plan.pdl)
         x: torch.Tensor | None = None
         for k in range(self.n_q):
             x = self.emb[k].add_to(x, tokens[:, k + 1])

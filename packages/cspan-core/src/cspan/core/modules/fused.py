@@ -22,8 +22,8 @@ layer to a few launches (the matrix products through cuBLAS plus these) without 
 - :func:`sample_top_k`, :func:`race_noise` -- temperature / top-k sampling with counter-based noise (a pure
   function of the session's seed, its frame counter, the stream and the vocabulary index: :func:`noise_keys`), so
   a session's draws never depend on which batch row, graph or device it runs in;
-- :func:`embed_add`, :func:`gemv` -- embedding lookups, and the depformer's small products with their norm, gate
-  and residual fused in.
+- :func:`embed_add`, :func:`embed_sum`, :func:`gemv` -- embedding lookups (the temporal input's K tables in one
+  launch), and the depformer's small products with their norm, gate and residual fused in.
 
 Masking is computed in the kernels from absolute positions, with the eager path's rule
 (:func:`cspan.core.kv_cache.attention_mask`): a key at position p is visible to a query at q iff p was written and
@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -943,6 +944,38 @@ if HAVE_TRITON:
         tl.store(out_ptr + r.to(tl.int64) * D + cols, e, mask=mask)
 
     @triton.jit
+    def _embed_sum_kernel(
+        tables,
+        ids_ptr,
+        out_ptr,
+        D,
+        T,
+        stride_ib,
+        stride_ik,
+        stride_it,
+        NT: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """Row r's input embedding: ``tables[i]`` looked up at stream ``(i + 1) % NT``, summed in table order and
+        rounded to the output dtype after every add (the chain of :func:`embed_add`). Every lookup is independent,
+        so all NT rows are in flight at once."""
+        _pdl_start(PDL)
+        _pdl_wait(PDL)
+        r = tl.program_id(0)  # (row, position)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < D
+        ids = ids_ptr + (r // T) * stride_ib + (r % T) * stride_it
+        idx = tl.load(ids + (1 % NT) * stride_ik)
+        acc = tl.load(tables[0] + tl.maximum(idx, 0).to(tl.int64) * D + cols, mask=mask & (idx != -1), other=0.0)
+        acc = acc.to(tl.float32)
+        for i in tl.static_range(1, NT):
+            idx = tl.load(ids + ((i + 1) % NT) * stride_ik)
+            e = tl.load(tables[i] + tl.maximum(idx, 0).to(tl.int64) * D + cols, mask=mask & (idx != -1), other=0.0)
+            acc = (acc + e.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + r.to(tl.int64) * D + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _noise_kernel(seed_ptr, counter_ptr, out_ptr, V, stream, BLOCK: tl.constexpr, PDL: tl.constexpr):
         _pdl_start(PDL)
         _pdl_wait(PDL)
@@ -1527,6 +1560,31 @@ def embed_add(x: torch.Tensor | None, table: torch.Tensor, ids: torch.Tensor, pd
     return out if ids.dim() == 2 else out[:, 0]
 
 
+def embed_sum(tables: Sequence[torch.Tensor], ids: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
+    """The temporal transformer's input in one launch: ``tables[i][ids[:, (i + 1) % K]]`` summed over the K tables
+    in their order (id -1 a zero row), rounded to the tables' dtype after every add: the same values as the chain
+    of :func:`embed_add` it replaces (audio codebooks 1..K-1, then the text stream 0: upstream ``LMModel`` order).
+
+    Args:
+        tables: K tables [V_i, D] of one dtype (vocabularies may differ).
+        ids: [B, K, T] long ids in [-1, V_i), any strides.
+
+    Returns:
+        [B, T, D] in the tables' dtype.
+    """
+    B, K, T = ids.shape
+    if len(tables) != K:
+        raise ValueError(f"embed_sum: {len(tables)} tables for {K} streams of ids")
+    D = tables[0].shape[1]
+    out = torch.empty(B, T, D, device=tables[0].device, dtype=tables[0].dtype)
+    block = min(1024, triton.next_power_of_2(D))
+    _embed_sum_kernel[(B * T, triton.cdiv(D, block))](
+        tuple(tables), ids, out, D, T, *ids.stride(),
+        **_launch_opts(out.device, pdl, NT=K, BLOCK=block, num_warps=4),
+    )  # fmt: skip
+    return out
+
+
 SAMPLE_MAX_VOCAB = 8192
 """Largest vocabulary :func:`sample_top_k` handles (one program holds a row in registers): the audio codebooks."""
 
@@ -1662,6 +1720,7 @@ __all__ = [
     "decode_attention",
     "decode_config",
     "embed_add",
+    "embed_sum",
     "gemv",
     "kv_write",
     "noise_keys",
