@@ -224,6 +224,40 @@ def test_reset_restarts_one_session_only(tiny_checkpoint) -> None:
     assert torch.equal(torch.stack(got1), torch.stack(ref1))  # user audio, codec states, KV, grid, generator
 
 
+def test_non_finite_user_audio_is_silence_and_loud_audio_is_clipped(tiny_checkpoint) -> None:
+    """step() reads its PCM by sanitize_pcm's rule: a frame of NaN / infinite samples gives exactly what a silent
+    frame gives, samples beyond full scale what +-1.0 gives, and the session keeps hearing afterwards (a NaN in
+    the codec's state made it deaf for good, reset included); the other session never notices."""
+    pcm = _pcm(8, 2, seed=4)
+    bad, clean = pcm.clone(), pcm.clone()
+    bad[2, 0, :100], clean[2, 0, :100] = float("nan"), 0.0
+    bad[2, 0, 100:200], clean[2, 0, 100:200] = float("inf"), 0.0
+    bad[3, 0] = 1e30 * torch.sign(pcm[3, 0])
+    clean[3, 0] = torch.sign(pcm[3, 0])
+    runs = []
+    for frames in (bad, clean):
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=1)
+        runs.append(torch.stack([engine.step(frames[t]).tokens.frame for t in range(8)]))
+    assert torch.equal(runs[0], runs[1])
+    assert len(set(runs[0][4:, 0, 9:].flatten().tolist())) > 1  # user codes still follow the audio
+
+
+def test_a_codec_reset_clears_what_reached_its_state(tiny_checkpoint) -> None:
+    """Mimi's streaming encoder fed a NaN directly (past the engine's sanitizing), then reset: the row encodes as
+    a fresh state does (the transformer's KV rows are zeroed, not only their offsets)."""
+    mimi = tiny_checkpoint.mimi
+    pcm = _pcm(4, 2, seed=6)
+    state, fresh = mimi.new_encoder_state(2), mimi.new_encoder_state(1)
+    poisoned = pcm[0].clone()
+    poisoned[0, :50] = float("nan")
+    mimi.encode_step(poisoned[:, None], state)
+    state.reset(torch.tensor([0]))
+    for t in range(1, 4):
+        got = mimi.encode_step(pcm[t][:, None], state)
+        want = mimi.encode_step(pcm[t][:1, None], fresh)
+        assert torch.equal(got[:1], want), f"frame {t}"
+
+
 def test_step_outputs_and_frame_alignment(tiny_checkpoint) -> None:
     """Call 0 returns nothing; from call 1 on, call c returns agent frame c - 1, decoded by the streaming decoder
     exactly as a whole-sequence decode of the returned codes would."""

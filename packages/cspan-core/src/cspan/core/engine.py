@@ -495,7 +495,9 @@ class DuplexEngine:
 
         Args:
             user_pcm: [B, 1920] (or [B, 1, 1920]) float samples in [-1, 1] at 24 kHz (any float dtype, read as
-                float32), each session's next user frame.
+                float32), each session's next user frame. As everywhere audio enters
+                (:func:`cspan.core.audio.sanitize_pcm`), NaN and infinite samples are read as silence and samples
+                beyond full scale are clipped.
 
         Returns:
             :class:`FrameOutput` (device tensors; read ``text_token`` to the host once per frame).
@@ -684,6 +686,9 @@ class DuplexEngine:
         """The whole frame on device tensors (CUDA-graph capturable): pcm [B, 1920] float32."""
         assert self.mimi is not None and self.state.encoder is not None and self.state.decoder is not None
         C = self.num_codebooks
+        # the rule of cspan.core.audio.sanitize_pcm: a NaN or infinite sample is silence, the rest clipped to full
+        # scale (a NaN in the codec's state would make the session deaf)
+        pcm = torch.nan_to_num(pcm, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-1.0, 1.0)
         user_codes = self.mimi.encode_step(pcm[:, None, :], self.state.encoder)[:, :C, 0]  # [B, C]
         out = self._token_step(shape, packed, user_codes, None, emb_values, emb_use)
         agent_codes, valid = out.frame[:, 1 : 1 + C], out.valid

@@ -164,15 +164,29 @@ class KVCache:
     def batch_size(self) -> int:
         return self.offset.shape[0]
 
-    def reset(self, rows: torch.Tensor | None = None) -> None:
+    def reset(self, rows: torch.Tensor | None = None, clear: bool = False) -> None:
         """Empty the chosen rows (all when None): offset 0. No host synchronisation.
 
-        The buffers keep their old (finite) contents: no read ever looks at a slot past a row's offset.
+        The buffers keep their old contents unless ``clear``: the kernels never read a slot past a row's offset,
+        but the eager path's masked attention multiplies them by zero weights, so a NaN that reached a row (from
+        input that was not sanitized) would stay in its outputs after a reset. ``clear`` zeroes the rows' buffers
+        too: cheap for small caches (Mimi's), a full ring's bytes for the LM's.
         """
         if rows is None:
             self.offset.zero_()
         else:
-            self.offset[rows.to(self.offset.device)] = 0
+            rows = rows.to(self.offset.device)
+            self.offset[rows] = 0
+        if clear:
+            for buf in (self.keys, self.values, self.key_scale, self.value_scale):
+                if buf is None:
+                    continue
+                if rows is None:
+                    buf.zero_()
+                elif rows.dtype == torch.bool:  # a row mask [B]
+                    buf.masked_fill_(rows.view(1, -1, *([1] * (buf.dim() - 2))), 0)
+                else:
+                    buf.index_fill_(1, rows, 0)
 
     def begin(
         self, num_positions: int, rows: torch.Tensor | slice | None = None, start: torch.Tensor | None = None

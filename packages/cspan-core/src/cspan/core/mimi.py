@@ -158,7 +158,7 @@ class MimiEncoderState:
             rows: row indices (list of ints or LongTensor ``[B']``), a bool mask ``[B]``, or None.
         """
         self.seanet.reset(rows)
-        self.transformer.reset(_as_row_index(rows, self.transformer.offset.device))
+        self.transformer.reset(_as_row_index(rows, self.transformer.offset.device), clear=True)
         if self.downsample is not None:
             self.downsample.reset(rows)
 
@@ -185,7 +185,7 @@ class MimiDecoderState:
         """
         if self.upsample is not None:
             self.upsample.reset(rows)
-        self.transformer.reset(_as_row_index(rows, self.transformer.offset.device))
+        self.transformer.reset(_as_row_index(rows, self.transformer.offset.device), clear=True)
         self.seanet.reset(rows)
 
 

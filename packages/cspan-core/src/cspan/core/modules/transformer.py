@@ -376,9 +376,10 @@ class TransformerState:
     def batch_size(self) -> int:
         return self.cache.batch_size
 
-    def reset(self, rows: torch.Tensor | None = None) -> None:
-        """Empty the chosen rows ([B'] long; all rows when None): offset 0, cache empty."""
-        self.cache.reset(rows)
+    def reset(self, rows: torch.Tensor | None = None, clear: bool = False) -> None:
+        """Empty the chosen rows ([B'] long; all rows when None): offset 0, cache empty (its buffers zeroed with
+        ``clear``: :meth:`cspan.core.kv_cache.KVCache.reset`)."""
+        self.cache.reset(rows, clear)
         if rows is None:
             self.step = 0
 
