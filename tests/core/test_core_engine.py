@@ -172,11 +172,14 @@ def build_frames(engine: DuplexEngine, voice: torch.Tensor) -> torch.Tensor:
     return prefix.frames
 
 
-def test_fp8_kv_cache_runs_close_to_the_float_cache(tiny_checkpoint) -> None:
-    """kv_dtype="fp8": e4m3 codes with a scale per position and head, dequantized by the eager attention."""
+@pytest.mark.parametrize("storage", ["fp8", "fp16", "bf16"])
+def test_a_narrower_kv_cache_runs_close_to_the_float_cache(tiny_checkpoint, storage: str) -> None:
+    """kv_dtype="fp8": e4m3 codes with a scale per position and head, dequantized by the eager attention; "fp16" /
+    "bf16" of a float32 model: the ring stored in 16 bits, read back as float32."""
     user = _user(8, 1, seed=4)
     logits = []
-    for kv in ("auto", "fp8"):
+    stored = {"fp8": torch.float8_e4m3fn, "fp16": torch.float16, "bf16": torch.bfloat16, "auto": torch.float32}
+    for kv in ("auto", storage):
         engine = DuplexEngine(tiny_checkpoint, temp=0, temp_text=0, kv_dtype=kv)
         engine.set_persona(0, "Be kind.")
         got = []
@@ -186,7 +189,7 @@ def test_fp8_kv_cache_runs_close_to_the_float_cache(tiny_checkpoint) -> None:
             got.append(engine.step_tokens(user[t]).text_logits.float())
         logits.append(torch.stack(got))
         cache = engine.lm_state.transformer.cache
-        assert cache.keys.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
+        assert cache.keys.dtype == stored[kv]
     diff = (logits[0] - logits[1]).abs().max().item()
     assert 0 < diff < 0.5 * logits[0].abs().max().item()
 

@@ -278,6 +278,8 @@ class KVCache:
             x = take(buf[layer])
             if scale is not None:
                 x = (x.float() * take(scale[layer])[..., None]).to(self.compute_dtype)
+            elif x.dtype != self.compute_dtype:  # a 16-bit cache of a float32 model
+                x = x.to(self.compute_dtype)
             out.append(x)
         return out[0], out[1]
 
