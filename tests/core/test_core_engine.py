@@ -313,6 +313,35 @@ def test_engine_from_a_loaded_checkpoint_and_errors(tiny_checkpoint, reference_l
         DuplexEngine("path/to/a/checkpoint")
 
 
+def test_bad_session_arguments_change_nothing(tiny_checkpoint) -> None:
+    """Indices that are no session (out of range, negative, bool, str) raise for every per-session method, and
+    set_live checks every row before it changes any; a batch size that is no int, a span that is no text, a
+    negative top-k raise; a span longer than the attention window says that its head is out of sight."""
+    engine = DuplexEngine(tiny_checkpoint, batch_size=2)
+    for method in (engine.window_positions_left, engine.prefix_in_window, engine.take_window_events, engine.reset):
+        for bad in (2, -1):
+            with pytest.raises(IndexError, match=rf"session {bad} is outside 0\.\.1"):
+                method(bad)
+        for bad in (True, "0", 0.0):
+            with pytest.raises(TypeError, match="a session is an int index"):
+                method(bad)
+    with pytest.raises(IndexError, match="session 7"):
+        engine.set_live([0, 7], False)
+    assert engine.live == [True, True]
+    engine.step(torch.zeros(2, FRAME_SIZE))
+    with pytest.raises(TypeError, match="a ContextSpan or a str, got NoneType"):
+        engine.inject_span(0, None)
+    with pytest.raises(TypeError, match="batch_size must be an int"):
+        DuplexEngine(tiny_checkpoint, batch_size=1.5)
+    with pytest.raises(ValueError, match="top_k -5: give an integer of at least 1"):
+        DuplexEngine(tiny_checkpoint, top_k=-5)
+    assert engine.inject_span(0, "It is sunny.").span_in_window
+    wide = DuplexEngine(tiny_checkpoint, max_span_frames=10**7)
+    wide.step(torch.zeros(1, FRAME_SIZE))
+    report = wide.inject_span(0, "It is sunny in Sydney today. " * 600)
+    assert report.n >= wide.context and not report.truncated and not report.span_in_window
+
+
 def test_a_step_with_every_session_idle_computes_nothing(tiny_checkpoint) -> None:
     engine = DuplexEngine(tiny_checkpoint, batch_size=2)
     engine.step(torch.zeros(2, FRAME_SIZE))

@@ -127,7 +127,9 @@ class DuplexEngine:
         temp, top_k: audio sampling (0.8 / 250); ``temp <= 0`` is greedy; ``top_k`` 0 keeps all.
         temp_text, top_k_text: text sampling (0.7 / 25); ``temp_text <= 0`` is greedy. These are every session's
             defaults; :meth:`set_sampling` gives a session its own (a reset restores the defaults).
-        max_span_frames: longest Context Span block (600 positions = 48 s of frames).
+        max_span_frames: longest Context Span block (600 positions = 48 s of frames); longer references are
+            truncated. A block as long as the attention window or longer is read exactly, but its first columns
+            are out of sight of the session's next position (:attr:`SpanReport.span_in_window` says so).
         seed: session i's sampling seed is ``seed + i``; None draws fresh seeds.
         mimi, tokenizer: used with a bare LM.
         agent_placeholder, user_placeholder: the audio codes of span blocks and prefix text/silence frames
@@ -190,6 +192,8 @@ class DuplexEngine:
         persona_policy: str = DEFAULT_PERSONA_POLICY,
         max_block_columns: int | None = None,
     ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise TypeError(f"DuplexEngine: batch_size must be an int, got {batch_size!r}")
         if batch_size < 1:
             raise ValueError(f"DuplexEngine: batch_size must be >= 1, got {batch_size}")
         if max_block_columns is not None and max_block_columns < 1:
@@ -282,9 +286,15 @@ class DuplexEngine:
 
     def set_live(self, rows: Sequence[int] | int, live: bool = True) -> None:
         """Mark sessions live (stepped) or idle (not stepped: no compute, no KV reads; their outputs are invalid
-        and their state stays as it is). Every session starts live."""
-        for i in [rows] if isinstance(rows, int) else rows:
+        and their state stays as it is). Every session starts live.
+
+        Raises:
+            IndexError, TypeError: a row that is no session (then no row is changed).
+        """
+        chosen = [rows] if isinstance(rows, int) else list(rows)
+        for i in chosen:  # every row checked before any changes
             self._check_session(i)
+        for i in chosen:
             self.sessions.set_live(i, live)
 
     @torch.no_grad()
@@ -415,6 +425,8 @@ class DuplexEngine:
                 ids outside the text vocabulary.
         """
         self._check_session(i)
+        if not isinstance(span, (ContextSpan, str)):
+            raise TypeError(f"inject_span: the span is a ContextSpan or a str, got {type(span).__name__}")
         if not self.sessions.started[i]:
             raise SpanError(
                 f"session {i} has not started: a Context Span goes between two frames of a running stream; "
@@ -763,11 +775,13 @@ class DuplexEngine:
     def window_positions_left(self, i: int) -> int | None:
         """Positions session ``i`` can still feed before the first position of its persona prefix (of the latest
         copy; position 0 without a prefix) leaves the attention window (None: unbounded)."""
+        self._check_session(i)
         return self.sessions.window_left(i, self.sessions.position[i])
 
     def prefix_in_window(self, i: int) -> bool:
         """Whether session ``i``'s next query sees its whole persona prefix (its latest copy inside the window, or
         its pinned entries); False without a prefix."""
+        self._check_session(i)
         return self.sessions.prefix_visible(i, self.sessions.position[i])
 
     def take_window_events(self, i: int) -> list[WindowEvent]:
@@ -777,6 +791,8 @@ class DuplexEngine:
         return self.sessions.take_window_events(i)
 
     def _check_session(self, i: int) -> None:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"a session is an int index, got {i!r}")
         if not 0 <= i < self.batch_size:
             raise IndexError(f"session {i} is outside 0..{self.batch_size - 1} (engine batch_size {self.batch_size})")
 

@@ -169,7 +169,8 @@ class SamplingParams:
 
         Raises:
             ValueError: a temperature that is not a number, infinite, between 0 and MIN_TEMPERATURE or above
-                MAX_TEMPERATURE; a top-k that is not an integer, or above MAX_TOP_K and below the vocabulary.
+                MAX_TEMPERATURE; a top-k that is not an integer, negative, or above MAX_TOP_K and below the
+                vocabulary.
         """
         t, k = self.temperature, self.top_k
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t > MAX_TEMPERATURE:
@@ -178,13 +179,13 @@ class SamplingParams:
             raise ValueError(
                 f"{what} temperature {t!r}: use 0 for greedy decoding or a temperature of at least {MIN_TEMPERATURE:g}"
             )
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise ValueError(f"{what} top_k {k!r}: give an integer (0 keeps every token)")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"{what} top_k {k!r}: give an integer of at least 1, or 0 to keep every token")
         if k > MAX_TOP_K and (vocab is None or k < vocab):
             raise ValueError(
                 f"{what} top_k {k}: at most {MAX_TOP_K} (the engine's batched top-k), or 0 to keep every token"
             )
-        return SamplingParams(max(0.0, float(t)), max(0, k))
+        return SamplingParams(max(0.0, float(t)), k)
 
     def sample(self, logits: torch.Tensor, generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
         """:func:`sample_token` with these parameters: logits [B, V] -> [B] long."""

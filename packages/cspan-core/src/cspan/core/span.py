@@ -274,6 +274,13 @@ class SpanReport:
     prefix_in_window: bool
     deferred: bool = False
 
+    @property
+    def span_in_window(self) -> bool:
+        """Whether the block's first column (its opening marker) is inside the window of the session's next query
+        (a block as long as the window or longer is read, but its head is out of sight: shorten it or lower
+        ``max_span_frames``)."""
+        return self.context is None or self.next_position - self.first_position < self.context
+
 
 @dataclass(frozen=True)
 class Block:
