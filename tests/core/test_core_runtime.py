@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from cspan.core.constants import RET
+from cspan.core.constants import FRAME_SIZE, RET
 from cspan.core.events import (
     LateEvent,
     NoSpanEvent,
@@ -23,7 +23,7 @@ from cspan.core.events import (
     TextEvent,
     UserTextEvent,
 )
-from cspan.core.runtime import Conversation, ConversationConfig
+from cspan.core.runtime import TRAILING_FRAMES, Conversation, ConversationConfig
 
 
 @dataclass
@@ -153,6 +153,8 @@ def test_fresh_final_transcript_is_the_question_and_span_lands_after_the_delay()
     _run(conv, engine, 80, ret_frames={40})
     finals = [e for e in conv.events if isinstance(e, UserTextEvent) and e.final]
     assert [(e.start_s, e.end_s, e.text) for e in finals] == [(0.4, 2.4, "when does the library open")]
+    # the recognizer hears the utterance and TRAILING_FRAMES after its last voiced frame (the end of the last word)
+    assert asr.calls[-1] == (30 + TRAILING_FRAMES - 5) * FRAME_SIZE
     rets = [e for e in conv.events if isinstance(e, RetEvent)]
     assert [(r.frame, r.plan) for r in rets] == [(40, "cache")]
     q = [e for e in conv.events if isinstance(e, QuestionEvent)]
