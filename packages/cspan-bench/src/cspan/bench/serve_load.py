@@ -665,7 +665,8 @@ def _serve(args: argparse.Namespace) -> int:
     plot(report, args.out / "serve-load.png")
     s = report.summary
     print(
-        f"{s['sessions']} session(s), {s['refused']} refused, {s['disconnects_injected']} disconnects injected; "
+        f"{settings.clients} client(s): {s['sessions']} session attempt(s), {s['refused']} refused (a refused client "
+        f"tries again 1 s later), {s['disconnects_injected']} disconnects injected; "
         f"lateness p50 {s['lateness_ms']['p50']} ms, p99 {s['lateness_ms']['p99']} ms; dropped {s['dropped_frames']}; "
         f"spans {s['spans']}; errors {s['errors']} ({s['malformed_sent']} malformed sent); "
         f"-> {args.out / 'serve-load.json'}"
