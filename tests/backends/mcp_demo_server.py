@@ -6,9 +6,12 @@ bank is tested against schemas it did not generate itself:
 - ``add(a: int, b: int) -> int``
 - ``shout(text: str, times: int = 1) -> str`` (upper-cases ``text``, repeats it)
 - ``refuse(reason: str)`` always fails with a deliberate tool error, so the bank must surface the server's message.
+- ``crash(code: int = 3)`` ends the server process at once, without a reply (as a crash would).
 """
 
 from __future__ import annotations
+
+import os
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -32,6 +35,12 @@ def shout(text: str, times: int = 1) -> str:
 def refuse(reason: str) -> str:
     """Always fails with the given reason."""
     raise ToolError(f"refused: {reason}")
+
+
+@server.tool()
+def crash(code: int = 3) -> str:
+    """Ends the server process at once, without a reply."""
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ async def test_mcp_allow_list_and_annotations() -> None:
         assert (await bank.call("demo_add", {"a": 2, "b": 3})).text == "5"
     finally:
         await bank.aclose()
-    with pytest.raises(ToolError, match=r"has no tool\(s\) \['nope'\]; it lists: add, shout, refuse"):
+    with pytest.raises(ToolError, match=r"has no tool\(s\) \['nope'\]; it lists: add, shout, refuse, crash"):
         await build_bank(ToolsSpec.from_flags("none", [f"allow=nope -- {demo}"]))
     # a name already mounted: the fix is said in --mcp's own words
     with pytest.raises(ToolError, match=r"tool\(s\) add are already mounted .* prefix \(prefix=NAME_\)"):

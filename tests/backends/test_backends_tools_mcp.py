@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cspan.backends.errors import ToolError
-from cspan.backends.tools import ToolBank
+from cspan.backends.tools import ToolBank, mcp_bridge
 from cspan.backends.tools.catalog import ToolsSpec, build_bank
 from cspan.backends.tools.mcp_bridge import model_from_json_schema
 from cspan.backends.tools.world import MockWorld
@@ -100,6 +102,63 @@ async def test_mount_a_third_party_stdio_server_and_merge() -> None:
         assert info.value.field == "b"
         entry = next(t for t in bank.openai_tools() if t["function"]["name"] == "demo_add")
         assert entry["function"]["description"] == "Add two integers."
+    finally:
+        await bank.aclose()
+
+
+async def test_a_stdio_server_that_exits_is_restarted_for_the_next_call(caplog: pytest.LogCaptureFixture) -> None:
+    """The call that kills the server fails; the loss is logged once, naming the server; the next calls (the
+    crashed tool's and the others') run on a new subprocess, concurrent ones sharing one reconnect."""
+    demo = [sys.executable, str(HERE / "mcp_demo_server.py")]
+    bank = await ToolBank.from_mcp(demo, connect_timeout_s=CONNECT_S, timeout_s=60)
+    try:
+        assert (await bank.call("add", {"a": 1, "b": 2})).text == "3"
+        with caplog.at_level(logging.WARNING, logger="cspan.backends.tools.mcp_bridge"):
+            with pytest.raises(ToolError, match=r"'crash' on .*mcp_demo_server\.py failed: the server closed the"):
+                await bank.call("crash", {})
+            sums = await asyncio.gather(*(bank.call("add", {"a": i, "b": 40}) for i in range(3)))
+            assert [s.text for s in sums] == ["40", "41", "42"]
+            with pytest.raises(ToolError, match="closed the connection"):
+                await bank.call("crash", {"code": 0})
+            assert (await bank.call("shout", {"text": "back"})).text == "BACK"
+        lost = [r.getMessage() for r in caplog.records if "closed the connection" in r.getMessage()]
+        assert len(lost) == 2 and all("mcp_demo_server.py" in m for m in lost)
+        assert sum("reconnected" in r.getMessage() for r in caplog.records) == 2
+    finally:
+        await bank.aclose()
+    with pytest.raises(ToolError, match="not connected"):
+        await bank.call("add", {"a": 1, "b": 2})
+
+
+async def test_a_server_that_cannot_restart_is_given_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that exits at every start after the first: reconnects are tried after a back-off, and after
+    three failures in a row no more (the error says so)."""
+    monkeypatch.setattr(mcp_bridge, "_RESTART_BACKOFF_S", 0.2)
+    started = tmp_path / "started"
+    once = tmp_path / "once.py"
+    once.write_text(
+        "import os, runpy, sys\n"
+        "if os.path.exists(sys.argv[1]):\n"
+        "    sys.exit(3)\n"
+        "open(sys.argv[1], 'w').close()\n"
+        "runpy.run_path(sys.argv[2], run_name='__main__')\n"
+    )
+    command = [sys.executable, str(once), str(started), str(HERE / "mcp_demo_server.py")]
+    bank = await ToolBank.from_mcp(command, connect_timeout_s=CONNECT_S, timeout_s=60)
+    try:
+        with pytest.raises(ToolError, match="closed the connection"):
+            await bank.call("crash", {})
+        with pytest.raises(ToolError, match=r"is down \(cannot connect to MCP server|did not finish the handshake"):
+            await bank.call("add", {"a": 1, "b": 2})
+        with pytest.raises(ToolError, match=r"is down \(last reconnect: .*\); the next is tried in 0\.\d s"):
+            await bank.call("add", {"a": 1, "b": 2})  # within the back-off: no new subprocess
+        for _ in range(2):
+            await asyncio.sleep(1.0)  # past the back-off (0.2 s, then 0.4 s)
+            with pytest.raises(ToolError, match="is down"):
+                await bank.call("add", {"a": 1, "b": 2})
+        await asyncio.sleep(1.0)
+        with pytest.raises(ToolError, match=r"is down: 3 reconnects in a row failed, no more are tried \(last: "):
+            await bank.call("add", {"a": 1, "b": 2})
     finally:
         await bank.aclose()
 

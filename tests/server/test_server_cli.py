@@ -44,6 +44,25 @@ def test_weak_token_is_refused() -> None:
     assert proc.returncode == 2 and "CSPAN_TOKEN" in proc.stderr and "8 to 256 characters" in proc.stderr
 
 
+def test_a_voice_that_cannot_be_had_is_a_bad_setting(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:
+    """``--voice``: a file that is not there (refused before the model loads) or a name the checkpoint lacks (once
+    it has loaded) is exit status 2 with one line naming the flag, as for ``cspan infer``."""
+    base = ["serve", "--checkpoint", str(tiny_checkpoint_dir), "--port", "0", "--asr", "none", "--router", "none",
+            "--db", str(tmp_path / "db.sqlite"), "--device", "cpu"]  # fmt: skip
+    missing = tmp_path / "missing.wav"
+    proc = cspan(*base, "--voice", str(missing))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        f"cspan serve: error: --voice {missing}: no such file; pass a voice name, a .pt voice file, or a 2-30 s "
+        "recording\n"
+    )
+    proc = cspan(*base, "--voice", "nosuchvoice")
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(r"^cspan serve: error: --voice nosuchvoice: .*not a known voice \(known voices: tiny0, tiny1\)",
+                     proc.stderr, re.M), proc.stderr  # fmt: skip
+    assert "Traceback" not in proc.stderr
+
+
 def test_help_lists_the_flags_but_not_the_test_hooks() -> None:
     proc = cspan("serve", "--help")
     assert proc.returncode == 0

@@ -101,6 +101,19 @@ def test_weather_question_goes_through_the_full_loop(weather_run):
     assert int(result.engine.positions[0]) == prefix_frames + frames + reports[0].n
 
 
+def test_event_times_are_written_rounded(weather_run):
+    """The times in the JSON are written to the microsecond: frame * 0.08 in floating point would read
+    3.7600000000000002 at frame 47."""
+    _, out, _ = weather_run
+    raw = json.loads((out / "out.json").read_text())
+    assert all(event["t"] == round(event["frame"] * 0.08, 6) for event in raw["events"])
+    keys = ("t", "start_s", "end_s", "asked_at", "injected_at")
+    items = [*raw["events"], *raw["agent_words"], *raw["user_transcripts"]]
+    times = [item[key] for item in items for key in keys if isinstance(item.get(key), float)]
+    assert len(times) > 50 and any(t == 3.76 for t in times)
+    assert [t for t in times if len(repr(t).partition(".")[2]) > 6] == []
+
+
 def test_given_span_is_injected_without_any_backend(tiny_checkpoint_dir, fixtures_dir, tmp_path):
     inp = fixtures_dir / "audio" / "greeting_24k.wav"
     text = "The weather in Sydney is 24 degrees."
@@ -245,7 +258,7 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
     cases = [
         (["--output-wav", str(folder)], "is a directory"),
         (["--output-wav", str(inp)], "is also the input"),
-        (["--output-wav", str(tmp_path / "x.wav"), "--output-text", str(tmp_path / "x.wav")], "two outputs"),
+        (["--output-wav", str(tmp_path / "x.wav"), "--output-text", str(tmp_path / "x.wav")], "the same file"),
         (["--span", "60:too late"], "past the end"),
         (["--force-ret-at", "60"], "past the end"),
         (["--router", "notaurl"], "--router"),

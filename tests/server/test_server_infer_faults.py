@@ -194,6 +194,28 @@ def test_a_text_prompt_that_is_not_utf8_is_refused_in_one_line(raw, speech, tmp_
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--device", "tpu"], r"--device tpu: not a device torch knows; use cpu, cuda or cuda:N"),
+        (["--voice", "no/such/voice.wav"], r"--voice no/such/voice\.wav: no such file; pass a voice name, "),
+        (["--output-text", "{out}/out.wav"], r"--output-wav and --output-text are the same file: .*/out\.wav; use "),
+    ],
+    ids=["device", "voice-file", "same-output"],
+)
+def test_settings_refused_before_loading_name_their_flag_and_exit_2(extra, message, speech, tiny_checkpoint_dir,
+                                                                     tmp_path, capsys, no_model_load):  # fmt: skip
+    """A device torch does not know, a --voice file that is not there, one file for both outputs: bad settings
+    (exit status 2), one short line naming the flag, before the model loads."""
+    extra = [arg.format(out=tmp_path / "out") for arg in extra]
+    argv = [*_argv(tiny_checkpoint_dir, speech, tmp_path / "out"), *extra]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(f"cspan infer: error: {message}.*\n", err), err
+    assert err.count("\n") == 1 and len(err) < 300
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # the outputs' folder may have been made
+
+
 # ------------------------------------------------------------------------------ outputs, before anything loads
 
 
@@ -262,6 +284,16 @@ def test_context_db_error_through_the_cli_is_one_line(tiny_checkpoint_dir, speec
     assert "--context-db" not in proc.stderr
 
 
+def test_a_postgresql_server_that_refuses_is_one_line(tiny_checkpoint_dir, speech, tmp_path, capsys, no_model_load):
+    """psycopg's message has a second, tab-indented line ("Is the server running on that host..."): joined."""
+    pytest.importorskip("psycopg")
+    url = f"postgresql://u@127.0.0.1:{_closed_port()}/db"
+    assert cli.main(_argv(tiny_checkpoint_dir, speech, tmp_path / "out", "--db", url)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan infer: error: --db {url}: cannot open the Context DB: "), err
+    assert err.count("\n") == 1 and "\t" not in err and "Is the server running" in err
+
+
 def test_backend_errors_reaching_the_cli_are_one_line(monkeypatch, capsys):
     """Any verb: the backends' own errors (roots that cannot derive from CspanError) print like CspanError."""
     from cspan.backends.context_db import ContextDBError
@@ -279,6 +311,19 @@ def test_backend_errors_reaching_the_cli_are_one_line(monkeypatch, capsys):
         assert cli.main(["demo"]) == 1
         err = capsys.readouterr().err
         assert err == f"cspan demo: error: {exc}\n"
+    # a cause of several lines (a library's message quoted in ours) is joined into one
+    for exc in (ContextDBError("--db x: failed: refused\n\tIs it running?\n"), OSError("line one\r\n  line two")):
+
+        def fail(args, exc=exc):
+            raise exc
+
+        def register(parser, fail=fail):
+            parser.set_defaults(handler=fail)
+
+        monkeypatch.setattr(cli, "discover_commands", lambda register=register: {"demo": register})
+        assert cli.main(["demo"]) == 1
+        one = "--db x: failed: refused Is it running?" if isinstance(exc, ContextDBError) else "line one line two"
+        assert capsys.readouterr().err == f"cspan demo: error: {one}\n"
 
 
 @pytest.mark.parametrize("which", ["--router", "--asr"])

@@ -196,6 +196,45 @@ async def realtime_session(server: Any, token: str) -> tuple[dict[str, Any], str
     return span, ready["conversation_id"]
 
 
+async def refusal(url: str, **kwargs: Any) -> tuple[int, str]:
+    """Connect, then wait for the server to close; the close code and reason."""
+    async with websockets.connect(url, **kwargs) as ws:
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await ws.recv()
+    return info.value.rcvd.code, info.value.rcvd.reason
+
+
+@pytest.mark.timeout(300)
+async def test_two_credentials_that_differ_are_refused_on_every_protocol(serve, users) -> None:
+    """A handshake carrying two different tokens (ada's and bob's, in two places or twice in one) is closed with
+    4401 "conflicting credentials" on ``/ws``, ``/api/chat`` and ``/v1/realtime``, before any session; the same
+    token twice is one credential. An admin-only token is told it lacks the ``session`` scope."""
+    server = serve(db=str(users["db"]))
+    ada, bob = users["ada"], users["bob"]
+    base = f"ws://127.0.0.1:{server.port}"
+    conflicting = (4401, "unauthorized: conflicting credentials (two different tokens); give one")
+    as_ada = {"additional_headers": {"Authorization": f"Bearer {ada}"}}
+    attempts = [
+        (f"{base}/ws?token={bob}", {"subprotocols": [f"cspan.token.{ada}"]}),
+        (f"{base}/ws", {"subprotocols": [f"cspan.token.{ada}", f"cspan.token.{bob}"]}),
+        (f"{base}/ws?token={ada}&token={bob}", {}),
+        (f"{base}/api/chat?token={bob}", as_ada),
+        (f"{base}/v1/realtime?model=cspan&token={bob}", as_ada),
+        (f"{base}/v1/realtime?model=cspan", {**as_ada, "subprotocols": ["realtime", f"openai-insecure-api-key.{bob}"]}),
+    ]
+    for url, kwargs in attempts:
+        assert await refusal(url, **kwargs) == conflicting, (url, kwargs)
+    assert await refusal(f"{base}/ws?token={users['ops']}") == (4401, "unauthorized: the token lacks the session scope")
+    assert await refusal(f"{base}/ws?token={ada}x") == (4401, "unauthorized: wrong token")
+    assert server.hub.free_slots() == 1 and not server.hub.sessions
+
+    async with websockets.connect(f"{base}/ws?token={ada}", subprotocols=[f"cspan.token.{ada}"]) as ws:
+        assert ws.subprotocol == f"cspan.token.{ada}"
+        ready = await Client(ws).start()
+        assert ready["type"] == "ready" and ready["profile"]["user_id"] == "ada"
+        await Client(ws).stop()
+
+
 @pytest.mark.timeout(300)
 async def test_a_revoked_credential_ends_its_running_sessions(serve, users, monkeypatch) -> None:
     """ada (``/ws``) and bob (``/v1/realtime``) are talking; ada's token is revoked (``cspan users revoke``): her

@@ -128,8 +128,8 @@ def _raise_terminated(signum: int, _frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cspan`` console script; returns the process exit status.
 
-    Errors are one line on stderr: the project's own errors (exit status 1, or their ``exit_code``: 2 for a bad
-    setting), an ``OSError`` (the file and the cause: permission denied, no space left on device), an interrupt
+    Errors are one line on stderr (a message of several lines, such as a library's cause quoted in it, is joined
+    into one): the project's own errors (exit status 1, or their ``exit_code``: 2 for a bad setting), an ``OSError`` (the file and the cause: permission denied, no space left on device), an interrupt
     (130) or SIGTERM, SIGHUP, SIGQUIT (``128 + signal``; raised as :class:`~cspan.core.errors.Terminated` so that
     cleanup runs and unfinished outputs are removed). ``-v`` adds the traceback of an ``OSError``.
     """
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A verb with sub-verbs (``cspan model``) and none given.
         parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
         return 2
-    from cspan.core.errors import Terminated, describe_os_error
+    from cspan.core.errors import Terminated, describe_os_error, one_line
 
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
@@ -161,11 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except Exception as exc:
         if _is_user_error(exc):
-            print(f"cspan {args.command}: error: {exc}", file=sys.stderr)
+            print(f"cspan {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
             return int(getattr(exc, "exit_code", 1))
         if isinstance(exc, OSError):
             logging.getLogger(__name__).info("traceback of the error below", exc_info=True)
-            print(f"cspan {args.command}: error: {describe_os_error(exc)}", file=sys.stderr)
+            print(f"cspan {args.command}: error: {one_line(describe_os_error(exc))}", file=sys.stderr)
             return 1
         raise
     finally:

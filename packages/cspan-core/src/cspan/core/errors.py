@@ -94,6 +94,12 @@ def validation_summary(exc: Exception) -> str:
     return "; ".join(parts)
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line: its lines (a library's message such as psycopg's, with a tab-indented hint) joined by
+    spaces, blank ones dropped."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def describe_os_error(exc: OSError) -> str:
     """One line for an ``OSError`` that reached the command line: the file(s) it names and the cause."""
     files = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)

@@ -2,20 +2,24 @@
 
 The same models are written to ``cspan infer``'s JSON (``docs/OUTPUT.md``) and sent over ``cspan serve``'s
 WebSocket (``docs/PROTOCOL.md``). Times are seconds (float) on the conversation's own timeline (frame index
-times 0.08 s); ``frame`` is the 12.5 Hz frame index.
+times 0.08 s), rounded to the microsecond (:data:`Seconds`); ``frame`` is the 12.5 Hz frame index.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+Seconds = Annotated[float, AfterValidator(lambda value: round(value, 6))]
+"""A time on the conversation's timeline, rounded to the microsecond: ``frame * 0.08`` in binary floating point is
+``3.7600000000000002`` at frame 47; an event holds (and writes) ``3.76``."""
 
 
 class _Event(BaseModel):
     model_config = ConfigDict(extra="forbid")
     frame: int = Field(description="frame index (12.5 Hz) at which the event happened")
-    t: float = Field(description="time in seconds, frame * 0.08")
+    t: Seconds = Field(description="time in seconds, frame * 0.08")
 
 
 class TextEvent(_Event):
@@ -32,8 +36,8 @@ class UserTextEvent(_Event):
     type: Literal["user_text"] = "user_text"
     utterance: int
     final: bool
-    start_s: float
-    end_s: float | None
+    start_s: Seconds
+    end_s: Seconds | None
     text: str
 
 
@@ -65,8 +69,8 @@ class SpanEvent(_Event):
     source: str | None = None
     question: str | None = None
     ret_frame: int | None = None
-    asked_at: float | None = Field(default=None, description="time the retrieval was asked (s)")
-    injected_at: float = Field(description="time the span was read (s)")
+    asked_at: Seconds | None = Field(default=None, description="time the retrieval was asked (s)")
+    injected_at: Seconds = Field(description="time the span was read (s)")
     backend_s: float | None = Field(default=None, description="wall-clock latency of the backend call (s)")
     n_frames: int
     truncated: bool = False
@@ -144,6 +148,7 @@ __all__ = [
     "PersonaEvent",
     "QuestionEvent",
     "RetEvent",
+    "Seconds",
     "SpanEvent",
     "TextEvent",
     "UserTextEvent",

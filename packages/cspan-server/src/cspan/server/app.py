@@ -464,16 +464,26 @@ async def serve_connection(
         await websocket.accept(subprotocol=credential.subprotocol)
         await websocket.close(code=CLOSE_FORBIDDEN_ORIGIN, reason="origin not allowed (see --allow-origin)")
         return
+    if credential.conflicting or len(set(websocket.query_params.getlist("token"))) > 1:
+        metrics.auth_failures.labels(adapter_cls.name, "token").inc()
+        await websocket.accept(subprotocol=credential.subprotocol)
+        await websocket.close(
+            code=CLOSE_UNAUTHORIZED, reason="unauthorized: conflicting credentials (two different tokens); give one"
+        )
+        return
     try:
-        principal = await authenticator.authenticate(credential.token)
+        principal = await authenticator.authenticate(credential.token, scope=None)
     except Exception as exc:  # the Context DB holding the tokens failed: not the client's fault
         logger.error("could not check a credential: %s", exc)
         await websocket.accept(subprotocol=credential.subprotocol)
         await websocket.close(code=CLOSE_TRY_AGAIN_LATER, reason="credentials cannot be checked now; try again")
         return
-    if principal is None:
+    if principal is None or not principal.allows("session"):
         metrics.auth_failures.labels(adapter_cls.name, "token").inc()
-        reason = "missing token" if credential.token is None else "wrong token"
+        if principal is not None:
+            reason = "the token lacks the session scope"
+        else:
+            reason = "missing token" if credential.token is None else "wrong token"
         await websocket.accept(subprotocol=credential.subprotocol)
         await websocket.close(code=CLOSE_UNAUTHORIZED, reason=f"unauthorized: {reason}")
         return

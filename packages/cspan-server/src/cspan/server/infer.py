@@ -201,8 +201,12 @@ class InferSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         return [parse_span(v) for v in self.span]
 
     @property
-    def outputs(self) -> list[Path]:
-        return [self.output_wav] + ([self.output_text] if self.output_text is not None else [])
+    def outputs(self) -> dict[str, Path]:
+        """The output files by their flag."""
+        outputs = {"--output-wav": self.output_wav}
+        if self.output_text is not None:
+            outputs["--output-text"] = self.output_text
+        return outputs
 
 
 def infer_command(parser: argparse.ArgumentParser) -> None:
@@ -253,16 +257,17 @@ def pick_device(name: str | None) -> tuple[Any, Any]:
     """``(device, dtype)``: CUDA in bf16 when available (or asked), else CPU in float32.
 
     Raises:
-        CspanError: an unknown device name, or CUDA asked for where torch has none.
+        SettingsError: a device name torch does not know (exit status 2). CspanError: CUDA asked for where torch
+            has none.
     """
     import torch
 
-    from cspan.core.errors import CspanError
+    from cspan.core.errors import CspanError, SettingsError
 
     try:
         device = torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    except RuntimeError as exc:
-        raise CspanError(f"--device {name!r}: {exc}; use cpu, cuda or cuda:N") from exc
+    except RuntimeError:
+        raise SettingsError(f"--device {name}: not a device torch knows; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CspanError(
             f"--device {name}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
@@ -287,20 +292,21 @@ def context_db_file(db: str | None) -> Path | None:
     return None if path is None else Path(path)
 
 
-def check_outputs(inputs: list[Path], outputs: list[Path], context_db: Path | None = None) -> None:
-    """Refuse output paths that are folders, collide with each other, or would overwrite an input or the Context
-    DB file ``context_db`` (or its journal files); then check that each one's folder can be written (created if
-    missing), before any work.
+def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path | None = None) -> None:
+    """Refuse output paths (``outputs``: by their flag) that are folders, collide with each other, or would
+    overwrite an input or the Context DB file ``context_db`` (or its journal files); then check that each one's
+    folder can be written (created if missing), before any work.
 
     Raises:
-        CspanError: naming the offending path. OutputError: a folder that cannot be written (path and cause).
+        SettingsError: two flags name the same file (both flags and the file). CspanError: naming the offending
+            path. OutputError: a folder that cannot be written (path and cause).
     """
-    from cspan.core.errors import CspanError
+    from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
 
-    seen: dict[Path, Path] = {}
+    seen: dict[Path, str] = {}
     resolved_inputs = {p.resolve() for p in inputs}
-    for out in outputs:
+    for flag, out in outputs.items():
         real = out.resolve()
         if real.is_dir():
             raise CspanError(f"{out}: is a directory; pass a file path for the output")
@@ -311,9 +317,9 @@ def check_outputs(inputs: list[Path], outputs: list[Path], context_db: Path | No
         if context_db is not None and real in {context_db.resolve().with_name(context_db.name + x) for x in DB_FILES}:
             raise CspanError(f"{out}: is the Context DB (--db {context_db}); refusing to overwrite its memory")
         if real in seen:
-            raise CspanError(f"{out}: given for two outputs ({seen[real]} and {out}); use two different files")
-        seen[real] = out
-    for out in outputs:
+            raise SettingsError(f"{seen[real]} and {flag} are the same file: {out}; use two different files")
+        seen[real] = flag
+    for out in outputs.values():
         check_writable(out)
 
 
@@ -390,6 +396,25 @@ def open_context_db(settings: ContextDBSettings) -> Any:
     except OSError as exc:
         cause = "a file is in the way of its folder" if isinstance(exc, FileExistsError) else os_error_cause(exc)
         raise CspanError(f"--db {where}: cannot create the Context DB there: {cause}") from None
+
+
+def check_voice_path(voice: str | None) -> None:
+    """Refuse, before the model loads, a ``--voice`` that is a path (it holds a ``/``: voice names do not) where no
+    file is; a name is checked against the checkpoint's voices once it is loaded.
+
+    Raises:
+        SettingsError: the message starts with ``--voice`` (exit status 2).
+    """
+    from cspan.core.errors import SettingsError
+
+    if voice and "/" in voice:
+        path = Path(voice).expanduser()
+        if not path.exists():
+            raise SettingsError(
+                f"--voice {voice}: no such file; pass a voice name, a .pt voice file, or a 2-30 s recording"
+            )
+        if path.is_dir():
+            raise SettingsError(f"--voice {voice}: is a directory; pass a .pt voice file or a 2-30 s recording")
 
 
 def resolve_voice(checkpoint: Any, voice: str | None) -> Any:
@@ -501,6 +526,7 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
     s = settings
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
     check_outputs([s.input_wav], s.outputs, context_db_file(s.db))
+    check_voice_path(s.voice)
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
     if info.nonfinite:
         logger.warning("%s: %d NaN or infinite samples read as silence", s.input_wav, info.nonfinite)

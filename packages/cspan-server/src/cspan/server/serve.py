@@ -148,8 +148,10 @@ def serve_command(parser: argparse.ArgumentParser) -> None:
 
 def _handle(args: argparse.Namespace) -> int:
     from cspan.core.settings import settings_from_args
+    from cspan.server.infer import check_voice_path
 
     settings: ServeSettings = settings_from_args(args)
+    check_voice_path(settings.voice)  # a --voice file that is not there fails before the model loads
     if settings.test_hooks:
         logger.warning("test hooks are enabled (--test-hooks): clients may force <ret> and spans")
     sock = bind_socket(settings.host, settings.port)  # a bad --host or a busy --port fails before the model loads

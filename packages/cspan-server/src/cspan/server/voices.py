@@ -110,12 +110,12 @@ class VoiceCatalog:
             the checkpoint's ``voices/``; "": no voice prompt by default.
 
     Raises:
-        CheckpointError: ``--voice`` names no voice or file, or its file cannot be read (the message starts with
-            ``--voice``). AudioInputError: ``--voice`` is a recording that cannot be a voice.
+        SettingsError: ``--voice`` names no voice or file, its file cannot be read, or it is a recording that
+            cannot be a voice (the message starts with ``--voice``; exit status 2, as for ``cspan infer``).
     """
 
     def __init__(self, checkpoint: Any, default: str | None) -> None:
-        from cspan.core.errors import CheckpointError, CspanError
+        from cspan.core.errors import CheckpointError, CspanError, SettingsError
         from cspan.core.voice import find_voice, load_voice_prompt
 
         self.checkpoint = checkpoint
@@ -129,7 +129,7 @@ class VoiceCatalog:
             try:
                 path = find_voice(os.path.expanduser(default), checkpoint).resolve()
             except CheckpointError as exc:
-                raise CheckpointError(f"--voice {default}: {exc}") from None
+                raise SettingsError(f"--voice {default}: {exc}") from None
             name = next((n for n, f in self.files.items() if Path(f).resolve() == path), None)
             if name is None:
                 name = path.stem if path.stem not in self.files else path.name
@@ -139,7 +139,7 @@ class VoiceCatalog:
             try:
                 self._prompts[name] = load_voice_prompt(self.files[name], checkpoint)
             except CspanError as exc:
-                raise type(exc)(f"--voice {default or name}: {exc}") from None
+                raise SettingsError(f"--voice {default or name}: {exc}") from None
 
     @property
     def names(self) -> list[str]:

@@ -93,7 +93,8 @@ _PLACEHOLDER = re.compile(r"^\s*(?:<[^<>]*>|\{[^{}]*\}|\[[^\[\]]*\]|your[_ ]\w+|
 _ACTION_VERBS = re.compile(
     r"\b(?:book\w*|buy\w*|purchas\w*|order\w*|pay\w*|reserv\w*|add\w*|put|update\w*|chang\w*|modif\w*|set\w*|"
     r"switch\w*|cancel\w*|schedul\w*|transfer\w*|send\w*|make|use|renew\w*|replac\w*|remov\w*|delet\w*|"
-    r"confirm\w*|apply|applied|enabl\w*|disabl\w*|turn|move|go ahead|do it|yes|yeah|yep|sure|okay|ok|please)\b",
+    r"confirm\w*|apply|applied|enabl\w*|disabl\w*|turn|move|go ahead|do it|yes|yeah|yep|sure|okay|ok|please|"
+    r"rememb\w*|memori[sz]\w*|sav(?:e|es|ed|ing)|stor(?:e|es|ed|ing)|note|jot|keep in mind|forget\w*)\b",
     re.I,
 )
 _MAX_NAME_CHARS = 128

@@ -5,9 +5,10 @@ that ``import cspan.backends`` works without it.
 
 Client (:class:`MCPConnection`, used by ``await ToolBank.from_mcp(...)``): a stdio subprocess
 (``mcp.client.stdio.stdio_client``) or a streamable-HTTP endpoint (``mcp.client.streamable_http``), one
-``ClientSession`` kept open until ``aclose()``. The transport and session live in an ``AsyncExitStack`` inside one
-background task that the bank owns: the SDK's anyio cancel scopes must be left by the task that entered them, and
-this way a bank opened in one task (a fixture, a server lifespan) can be used and closed from others. Each MCP
+``ClientSession`` kept open until ``aclose()``; one found closed (the subprocess exited, the endpoint dropped the
+connection) is logged and reconnected at the next call. The transport and session live in an ``AsyncExitStack``
+inside one background task that the bank owns: the SDK's anyio cancel scopes must be left by the task that entered
+them, and this way a bank opened in one task (a fixture, a server lifespan) can be used and closed from others. Each MCP
 tool's ``inputSchema`` becomes a pydantic model (:func:`model_from_json_schema`) so that validation and coercion are
 the same as for local tools, while the advertised schema stays the server's own.
 
@@ -29,6 +30,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 
 _META_KIND = "cspan/kind"
 _META_DOMAIN = "cspan/domain"
+_MAX_RESTARTS = 3  # failed reconnects in a row before a lost server is given up
+_RESTART_BACKOFF_S = 2.0  # the wait after the n-th failed reconnect is this times 2**(n - 1)
 
 
 def _require_mcp() -> None:
@@ -79,6 +83,11 @@ class MCPConnection:
         cwd: working directory of the subprocess.
         connect_timeout_s: limit for spawning/connecting, the MCP handshake and listing the tools (seconds).
 
+    A session found closed (a call answered "connection closed", or the session's task ended) is logged once and
+    replaced at the next call by a new connection (a new subprocess); that call waits for it. A reconnect that
+    fails is tried again only after a back-off (2, 4 s) and, after ``_MAX_RESTARTS`` failures in a row, no more:
+    calls then fail with a :class:`ToolError` that says so.
+
     Raises:
         ToolError: neither or both of ``command`` and ``url``, an empty command, or ``mcp`` not installed.
     """
@@ -108,6 +117,12 @@ class MCPConnection:
         self._ready = asyncio.Event()
         self._closing = asyncio.Event()
         self._error: BaseException | None = None
+        self._closed = False  # aclose() was called: no reconnects
+        self._lost = False  # the session was found closed: reconnect before the next call
+        self._failures = 0  # failed reconnects in a row
+        self._retry_at = 0.0  # time.monotonic() before which no reconnect is tried
+        self._restart_error = ""  # why the last reconnect failed
+        self._restarting: asyncio.Task[None] | None = None
 
     @property
     def where(self) -> str:
@@ -131,16 +146,16 @@ class MCPConnection:
             )
         except BaseException:  # cancelled while connecting: do not leave the subprocess behind
             waiter.cancel()
-            await asyncio.shield(self.aclose())
+            await asyncio.shield(self._stop())
             raise
         waiter.cancel()
         if self._ready.is_set() and self._error is None:
             return
         if not done:
-            await self.aclose()
+            await self._stop()
             raise ToolError(f"MCP server {self.where} did not finish the handshake within {self.connect_timeout_s:g} s")
         error = self._error
-        await self.aclose()
+        await self._stop()
         raise ToolError(f"cannot connect to MCP server {self.where}: {_describe(error)}") from error
 
     async def _run(self) -> None:
@@ -267,19 +282,22 @@ class MCPConnection:
         """Call a tool on the server; the text blocks joined are the clause, ``structuredContent`` the data.
 
         Raises:
-            ToolError: the session is closed or broke, or the server reported an error result.
+            ToolError: the connection is closed (``aclose``), or was lost and could not be reconnected; the
+                connection closed during this call; or the server reported an error result.
         """
-        session = self._session
-        if session is None or self._task is None or self._task.done():
-            raise ToolError(
-                f"MCP server {self.where} is not connected ({_describe(self._error) if self._error else 'closed'})",
-                tool=remote_name,
-            )
+        session = await self._connected(remote_name)
         try:
             result = await session.call_tool(remote_name, arguments)
         except ToolError:
             raise
         except Exception as exc:
+            if _connection_closed(exc):
+                self._lose(session, exc)
+                raise ToolError(
+                    f"MCP call {remote_name!r} on {self.where} failed: the server closed the connection "
+                    "(it is reconnected for the next call)",
+                    tool=remote_name,
+                ) from exc
             raise ToolError(
                 f"MCP call {remote_name!r} on {self.where} failed: {_describe(exc)}", tool=remote_name
             ) from exc
@@ -297,8 +315,85 @@ class MCPConnection:
             text = render_clause(data)
         return ToolOutput(text, data)
 
+    async def _connected(self, tool: str) -> Any:
+        """The open session, after reconnecting one found closed (one reconnect at a time, shared by the callers
+        and not cancelled with them).
+
+        Raises:
+            ToolError: closed by ``aclose``, or the reconnect failed, waits out its back-off or was given up.
+        """
+        session = self._session
+        if self._closed:
+            raise ToolError(f"MCP server {self.where} is not connected (closed)", tool=tool)
+        if not self._lost:
+            if session is not None and self._task is not None and not self._task.done():
+                return session
+            self._lose(session, self._error)
+        if self._failures >= _MAX_RESTARTS:
+            raise ToolError(
+                f"MCP server {self.where} is down: {self._failures} reconnects in a row failed, no more are tried "
+                f"(last: {self._restart_error})",
+                tool=tool,
+            )
+        if self._restarting is None:
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                raise ToolError(
+                    f"MCP server {self.where} is down (last reconnect: {self._restart_error}); "
+                    f"the next is tried in {wait:.1f} s",
+                    tool=tool,
+                )
+            self._restarting = asyncio.create_task(self._restart(), name=f"mcp-reconnect {self.where}")
+        await asyncio.shield(self._restarting)
+        if self._closed:
+            raise ToolError(f"MCP server {self.where} is not connected (closed)", tool=tool)
+        if self._lost or self._session is None:
+            raise ToolError(f"MCP server {self.where} is down ({self._restart_error})", tool=tool)
+        return self._session
+
+    def _lose(self, session: Any, cause: BaseException | None) -> None:
+        """Mark ``session`` closed (logged once per session) so that the next call reconnects."""
+        if session is not self._session or self._lost or self._closed:
+            return
+        self._lost = True
+        log.warning(
+            "MCP server %s closed the connection (%s); reconnecting at the next call",
+            self.where,
+            _describe(cause) if cause is not None else "the session ended",
+        )
+
+    async def _restart(self) -> None:
+        """Replace the lost session by a new connection; a failure is counted and sets the back-off."""
+        try:
+            await self._stop()
+            self._ready, self._closing, self._error = asyncio.Event(), asyncio.Event(), None
+            await self.start()
+        except ToolError as exc:
+            self._failures += 1
+            self._restart_error = str(exc)
+            self._retry_at = time.monotonic() + _RESTART_BACKOFF_S * 2 ** (self._failures - 1)
+            if self._failures >= _MAX_RESTARTS:
+                log.error("%s (reconnect %d of %d; no more are tried)", exc, self._failures, _MAX_RESTARTS)
+            else:
+                log.warning("%s (reconnect %d of %d)", exc, self._failures, _MAX_RESTARTS)
+        else:
+            self._failures, self._lost = 0, False
+            log.warning("MCP server %s reconnected", self.where)
+        finally:
+            self._restarting = None
+
     async def aclose(self) -> None:
-        """Close the session and the transport (ends the subprocess); idempotent."""
+        """Close the session and the transport (ends the subprocess); idempotent. No reconnect follows."""
+        self._closed = True
+        restarting = self._restarting
+        if restarting is not None:
+            restarting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await restarting
+        await self._stop()
+
+    async def _stop(self) -> None:
+        """End the session's task (it leaves the session and transport, ending the subprocess)."""
         task, self._task = self._task, None
         if task is None:
             return
@@ -322,6 +417,13 @@ def _errlog(stack: contextlib.AsyncExitStack) -> Any:
         sink = open(os.devnull, "w")  # noqa: SIM115 - closed by the exit stack
         stack.callback(sink.close)
         return sink
+
+
+def _connection_closed(exc: BaseException) -> bool:
+    """Whether a call failed because the connection is gone (the SDK's CONNECTION_CLOSED error)."""
+    from mcp.types import CONNECTION_CLOSED
+
+    return getattr(getattr(exc, "error", None), "code", None) == CONNECTION_CLOSED
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -64,10 +64,20 @@ class Credential:
         token: the credential (None: the client gave none).
         subprotocol: the subprotocol to accept the WebSocket with (browsers require the server to echo one of
             theirs), or None.
+        conflicting: the client gave two tokens that differ (in two places, or twice in one): refused, as the
+            server cannot tell whose connection it is.
     """
 
     token: str | None = None
     subprotocol: str | None = None
+    conflicting: bool = False
+
+    @classmethod
+    def first_of(cls, *tokens: str | None, subprotocol: str | None = None) -> Credential:
+        """The first token given of ``tokens`` (the protocol's places, in its order of preference); ``conflicting``
+        when two of those given differ."""
+        given = [token for token in tokens if token]
+        return cls(token=given[0] if given else None, subprotocol=subprotocol, conflicting=len(set(given)) > 1)
 
 
 class ProtocolAdapter(ABC):

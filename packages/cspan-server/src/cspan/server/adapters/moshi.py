@@ -88,9 +88,8 @@ class MoshiAdapter(ProtocolAdapter):
 
     @classmethod
     def credential(cls, connection: Connection) -> Credential:
-        """``?token=`` (what a browser can send), else ``Authorization: Bearer``."""
-        token = connection.query.get("token") or bearer_token(connection.headers.get("authorization"))
-        return Credential(token=token)
+        """``?token=`` (what a browser can send), else ``Authorization: Bearer``; two that differ conflict."""
+        return Credential.first_of(connection.query.get("token"), bearer_token(connection.headers.get("authorization")))
 
     async def opened(self) -> None:
         """Start at once from the query parameters (the protocol has no start message), or once the voice recording

@@ -218,17 +218,19 @@ class RealtimeAdapter(ProtocolAdapter):
 
     @classmethod
     def credential(cls, connection: Connection) -> Credential:
-        """``Authorization: Bearer``, else the subprotocol ``openai-insecure-api-key.<token>``, else ``?token=``.
-        Browsers need one offered subprotocol echoed: ``realtime`` when offered (what OpenAI's server echoes)."""
+        """``Authorization: Bearer``, else the subprotocol ``openai-insecure-api-key.<token>``, else ``?token=``;
+        two that differ conflict. Browsers need one offered subprotocol echoed: ``realtime`` when offered (what
+        OpenAI's server echoes)."""
         offered = connection.subprotocols
-        key = next((p for p in offered if p.startswith(INSECURE_KEY_SUBPROTOCOL_PREFIX)), None)
-        token = (
-            bearer_token(connection.headers.get("authorization"))
-            or (key[len(INSECURE_KEY_SUBPROTOCOL_PREFIX) :] if key else None)
-            or connection.query.get("token")
-        )
+        keys = [p for p in offered if p.startswith(INSECURE_KEY_SUBPROTOCOL_PREFIX)]
+        key = keys[0] if keys else None
         echo = "realtime" if "realtime" in offered else next((p for p in offered if p != key), key)
-        return Credential(token=token, subprotocol=echo)
+        return Credential.first_of(
+            bearer_token(connection.headers.get("authorization")),
+            *(k[len(INSECURE_KEY_SUBPROTOCOL_PREFIX) :] for k in keys),
+            connection.query.get("token"),
+            subprotocol=echo,
+        )
 
     def __init__(self, session: Any, connection: Connection) -> None:
         super().__init__(session, connection)

@@ -63,11 +63,11 @@ class CspanAdapter(ProtocolAdapter):
 
     @classmethod
     def credential(cls, connection: Connection) -> Credential:
-        """The subprotocol ``cspan.token.<token>`` (echoed, as browsers require), else the query ``?token=``."""
+        """The subprotocol ``cspan.token.<token>`` (echoed, as browsers require), else the query ``?token=``; two
+        that differ conflict."""
         offered = [p for p in connection.subprotocols if p.startswith(TOKEN_SUBPROTOCOL_PREFIX)]
-        if offered:
-            return Credential(token=offered[0][len(TOKEN_SUBPROTOCOL_PREFIX) :], subprotocol=offered[0])
-        return Credential(token=connection.query.get("token"))
+        tokens = [p[len(TOKEN_SUBPROTOCOL_PREFIX) :] for p in offered]
+        return Credential.first_of(*tokens, connection.query.get("token"), subprotocol=offered[0] if offered else None)
 
     async def receive(self, data: bytes | str) -> None:
         if isinstance(data, bytes):
