@@ -45,6 +45,18 @@ def bench_command(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     for register in BENCH_ACTIONS:
         register(sub)
+    _remove_empty_out_on_failure(sub)
+
+
+def _remove_empty_out_on_failure(sub: Any) -> None:
+    """Wrap the handler of every action of ``sub``: a failed run removes the ``--out`` folder it created and wrote
+    nothing into (:func:`~cspan.bench.session.removing_empty_out`)."""
+    from cspan.bench.session import removing_empty_out
+
+    for parser in sub.choices.values():
+        handler = parser.get_default("handler")
+        if handler is not None:
+            parser.set_defaults(handler=removing_empty_out(handler))
 
 
 def _group(sub: Any, name: str, help_text: str, actions: Sequence[ActionRegister], dest: str) -> None:
@@ -53,6 +65,7 @@ def _group(sub: Any, name: str, help_text: str, actions: Sequence[ActionRegister
     inner.required = True
     for register in actions:
         register(inner)
+    _remove_empty_out_on_failure(inner)
 
 
 def register_fdb_v1(sub: Any) -> None:
@@ -180,12 +193,16 @@ async def _transcribe_all(jobs: Sequence[tuple[list[Path], Any]], transcriber: A
 
 def _fdb_v1_score(args: argparse.Namespace) -> int:
     from cspan.bench import fdb_v1
-    from cspan.bench.session import check_out
+    from cspan.bench.session import check_out, check_out_apart
     from cspan.bench.transcribe import make_transcriber
 
     data = Path(args.data)
     tasks = _resolve_tasks(data, args.tasks)
     out = Path(args.out) if args.out else data / "scores"
+    if args.out:  # the default DATA/scores is a folder of its own next to the task folders
+        check_out_apart(out, data, inside=False)
+        for _, _, folder in tasks:
+            check_out_apart(out, folder, what="the task folder")
     check_out(out, folder=True)
     jobs = []
     for _, kind, folder in tasks:

@@ -577,8 +577,9 @@ def _find_icc_gt(arg: Path | None, data: Path, tasks: Any) -> Path | None:
 
 
 def _fdb_v1_run(args: argparse.Namespace) -> int:
-    from cspan.bench.session import check_out
+    from cspan.bench.session import check_out, check_out_apart
 
+    check_out_apart(args.out, args.data)
     check_out(args.out, folder=True)
     return asyncio.run(_fdb_v1_run_async(args))
 
@@ -701,8 +702,10 @@ def register_fdb_v3_run(sub: Any) -> None:
 
 
 def _fdb_v3_run(args: argparse.Namespace) -> int:
-    from cspan.bench.session import check_out
+    from cspan.bench.session import check_out, check_out_apart
 
+    if args.data is not None:
+        check_out_apart(args.out, args.data)
     check_out(args.out, folder=True)
     return asyncio.run(_fdb_v3_run_async(args))
 
