@@ -25,6 +25,7 @@ from typing import Any
 
 from cspan.bench.run_commands import (
     add_judge_arguments,
+    check_judge,
     make_judge,
     print_summary,
     register_capacity,
@@ -217,6 +218,7 @@ def _fdb_v1_score(args: argparse.Namespace) -> int:
         print(f"transcribing {n} output.wav file(s) with {getattr(transcriber, 'endpoint', args.asr)} ...")
         transcribed = asyncio.run(_transcribe_all(jobs, transcriber, args.retranscribe))
     judge = make_judge(args)
+    scores = []
     try:
         for name, kind, folder in tasks:
             icc_gt = None
@@ -234,11 +236,17 @@ def _fdb_v1_score(args: argparse.Namespace) -> int:
                 folder, kind, task=name, icc_gt=icc_gt, judge=judge, reuse_ratings=args.reuse_ratings
             )
             score.summary.config = config
-            path = fdb_v1.write_task_score(score, out)
-            print_summary(f"{name} ({kind.value}, n={score.summary.n})", score.summary, f" -> {path}")
+            scores.append((name, kind, score))
     finally:
         if judge is not None:
             judge.close()
+    trouble = judge.trouble() if judge is not None else None
+    for name, kind, score in scores:
+        if trouble is not None:  # every summary says the judge went down (docs/BENCH.md, Judges)
+            score.summary.notes.append(trouble)
+        path = fdb_v1.write_task_score(score, out)
+        print_summary(f"{name} ({kind.value}, n={score.summary.n})", score.summary, f" -> {path}")
+    check_judge(judge, [])
     return 0
 
 

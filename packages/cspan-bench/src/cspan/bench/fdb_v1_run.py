@@ -394,9 +394,15 @@ async def run_fdb_v1(
             score.summary.config["icc_gt"] = str(icc_gt_path)
         if task.kind is TaskKind.USER_INTERRUPTION:
             score.summary.config["judge"] = judge.describe() if judge is not None else None
-        write_task_score(score, out)
-        _add_scores(score, task_out)
         result.scores.append((task, score))
+    trouble = judge.trouble() if judge is not None else None
+    for task, score in result.scores:
+        if score is None:
+            continue
+        if trouble is not None:  # every summary says the judge went down (docs/BENCH.md, Judges)
+            score.summary.notes.append(trouble)
+        write_task_score(score, out)
+        _add_scores(score, out / task.name)
         entries.append((out.resolve().name, score.summary))
     markdown = "# Full-Duplex-Bench v1\n\n" + v1_markdown(entries) + "\n"
     result.summary_md = out / SUMMARY_MD

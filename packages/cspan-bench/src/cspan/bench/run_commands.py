@@ -639,6 +639,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     if result.summary_md is not None:
         print(result.summary_md.read_text(encoding="utf-8"))
         print(f"wrote {result.summary_md}")
+    check_judge(judge, [])
     return 0
 
 
