@@ -115,3 +115,108 @@ def test_fdb_v1_score_with_a_judge_that_is_down_finishes_and_records_failures(
     pause = json.loads((out / "pause_handling_example" / "summary.json").read_text())
     assert pause["metrics"] == {"tor": 1.0} and "taken as down" in pause["notes"][-1]
     assert not list(task.glob("*/rating.json"))  # a failed judgement is never stored as an answer
+
+
+@pytest.mark.parametrize(
+    ("verb", "flag", "value", "message"),
+    [
+        ("latency", "--pace-ms", "nan", "'nan' is not a finite number"),
+        ("latency", "--pace-ms", "inf", "'inf' is not a finite number"),
+        ("latency", "--pace-ms", "-1", "'-1' is out of range: give 0 to 60000"),
+        ("latency", "--threads", "-1", "'-1' is out of range: give 1 to 1024"),
+        ("latency", "--threads", "0", "'0' is out of range: give 1 to 1024"),
+        ("latency", "--iters", "0", "'0' is out of range: give >= 1"),
+        ("latency", "--n", "-1", "'-1' is out of range: give 0 or >= 3"),
+        ("latency", "--n", "2", "'2' is out of range: give 0 or >= 3"),
+        ("latency", "--fill", "-1", "'-1' is out of range: give >= 0"),
+        ("latency", "--seed", "-1", "'-1' is out of range: give 0 to 9223372036854775807"),
+        ("capacity", "--frames", "0", "'0' is out of range: give >= 1"),
+        ("capacity", "--batch-size", "0", "'0' must be >= 1"),
+        ("fdb-v1 run", "--output-rate", "-16000", "'-16000' is out of range: give 8000 to 192000"),
+        ("fdb-v1 run", "--output-rate", "0", "'0' is out of range: give 8000 to 192000"),
+        ("fdb-v1 run", "--output-rate", "10000000", "'10000000' is out of range: give 8000 to 192000"),
+        ("fdb-v1 run", "--tail-s", "1e9", "'1e9' is out of range: give 0 to 600"),
+        ("fdb-v1 run", "--temp", "nan", "'nan' is not a finite number"),
+        ("fdb-v1 run", "--temp", "-1", "'-1' is out of range: give 0 or 0.001 to 10"),
+        ("fdb-v1 run", "--temp-text", "0.0001", "'0.0001' is out of range: give 0 or 0.001 to 10"),
+        ("fdb-v1 run", "--output-offset-frames", "-1", "'-1' is out of range: give 0 to 125"),
+        ("fdb-v1 run", "--output-offset-frames", "100000", "'100000' is out of range: give 0 to 125"),
+        ("fdb-v1 run", "--seed", "-1", "'-1' is out of range: give 0 to 9223372036854775807"),
+        ("fdb-v1 run", "--seed", str(2**63), f"'{2**63}' is out of range: give 0 to 9223372036854775807"),
+        ("fdb-v1 run", "--limit", "0", "'0' must be >= 1"),
+        ("fdb-v1 run", "--limit", "-1", "'-1' must be >= 1"),
+        ("serve", "--clients", "0", "'0' is out of range: give 1 to 1024"),
+        ("serve", "--clients", "2000", "'2000' is out of range: give 1 to 1024"),
+        ("serve", "--seconds", "1e9", "'1e9' is out of range: give 0.1 to 86400"),
+        ("serve", "--seconds", "nan", "'nan' is not a finite number"),
+    ],
+)
+def test_bench_settings_out_of_range_exit_2_naming_the_flag(
+    tmp_path: Path, cli, capsys, verb: str, flag: str, value: str, message: str
+) -> None:
+    """`--pace-ms nan` wrote NaN into latency.json, `--pace-ms inf` and `--threads -1` were tracebacks, `--output-rate`
+    / `--tail-s` / `--temp` out of range failed late or ran silently with another value: all are refused up front."""
+    base = {
+        "latency": ["--checkpoint", str(tmp_path / "m"), "--out", str(tmp_path / "o" / "l.json")],
+        "capacity": ["--checkpoint", str(tmp_path / "m")],
+        "fdb-v1 run": ["--data", str(tmp_path), "--checkpoint", str(tmp_path / "m"), "--out", str(tmp_path / "o")],
+        "serve": ["--out", str(tmp_path / "o")],
+    }[verb]
+    with pytest.raises(SystemExit) as exc:
+        cli("bench", *verb.split(), *base, flag, value)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"argument {flag}: {message}"), err  # argparse's usage, then the one-line error
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_range_errors_of_combined_settings_exit_2(tiny_checkpoint_dir: Path, tmp_path: Path, cli, capsys) -> None:
+    """--span-sessions beyond the batch, --n beyond the model's context, --tasks naming no task: exit 2 (was 1)."""
+    out = tmp_path / "o" / "l.json"
+    latency = ["bench", "latency", "--checkpoint", str(tiny_checkpoint_dir), "--out", str(out), "--quiet"]
+    assert cli(*latency, "--batch-size", "2", "--span-sessions", "3") == 2
+    assert "--span-sessions 3: between 0 and the smallest batch size [2]" in capsys.readouterr().err
+    assert cli(*latency, "--n", "100000", "--iters", "1") == 2
+    assert "--n [100000]: a span must fit the model's context" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # the failed run left no empty --out folder
+    assert cli("bench", "capacity", "--checkpoint", str(tiny_checkpoint_dir), "--span-interval", "-1") == 2
+    assert "--span-interval -1: give a number of seconds > 0" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    for verb in (["run", "--checkpoint", str(tiny_checkpoint_dir)], ["score"]):
+        assert cli("bench", "fdb-v1", *verb, "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"),
+                   "--tasks", "bogus") == 2  # fmt: skip
+        assert "--tasks 'bogus': cannot tell the task from the name; write bogus=KIND" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_serve_without_any_session_exits_1(tmp_path: Path, cli, capsys) -> None:
+    """A server that answers /health but where no session ran reported success ('lateness p50 None', exit 0)."""
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        return {"status": "ok", "free_slots": 4}
+
+    port = _closed_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        out = tmp_path / "sl"
+        rc = cli("bench", "serve", "--url", f"http://127.0.0.1:{port}", "--clients", "1", "--seconds", "0.5",
+                 "--sample-s", "0.2", "--out", str(out))  # fmt: skip
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no session ran against" in err[0] and "(0 attempt(s), 0 refused)" in err[0], err
+    assert not out.exists()  # nothing written that reads as a result

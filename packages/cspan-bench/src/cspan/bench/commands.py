@@ -126,7 +126,7 @@ def register_fdb_v1_score(sub: Any) -> None:
 
 
 def _resolve_tasks(data: Path, specs: Sequence[str] | None) -> list[tuple[str, Any, Path]]:
-    from cspan.bench.errors import BenchDataError
+    from cspan.bench.errors import BenchDataError, BenchSettingsError
     from cspan.bench.fdb_v1 import TaskKind, infer_task_kind, sample_dirs
 
     if not data.is_dir():
@@ -139,12 +139,14 @@ def _resolve_tasks(data: Path, specs: Sequence[str] | None) -> list[tuple[str, A
                 kind = TaskKind(kind_name) if kind_name else infer_task_kind(name)
             except ValueError as exc:
                 choices = ", ".join(k.value for k in TaskKind)
-                raise BenchDataError(f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}") from exc
+                raise BenchSettingsError(
+                    f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}"
+                ) from exc
             if kind is None:
-                raise BenchDataError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
+                raise BenchSettingsError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
             folder = data / name
             if not folder.is_dir():
-                raise BenchDataError(f"--tasks {name!r}: {folder} is not a folder")
+                raise BenchSettingsError(f"--tasks {name!r}: {folder} is not a folder")
             resolved.append((name, kind, folder))
         return resolved
     for folder in sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".")):

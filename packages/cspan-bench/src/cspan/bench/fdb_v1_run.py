@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cspan.bench.errors import BenchDataError
+from cspan.bench.errors import BenchDataError, BenchSettingsError
 from cspan.bench.fdb_v1 import (
     ICC_GT_JSON,
     OUTPUT_JSON,
@@ -110,7 +110,8 @@ def resolve_input_tasks(data: Path, specs: Sequence[str] | None = None) -> list[
             user_interruption); default every folder whose name names a task.
 
     Raises:
-        BenchDataError: no such folder, an unknown scorer, or no task with samples.
+        BenchDataError: no such folder, or no task with samples.
+        BenchSettingsError: a ``--tasks`` entry with an unknown scorer or no such folder (exit status 2).
     """
     if not data.is_dir():
         raise BenchDataError(f"--data {data} is not a folder")
@@ -122,12 +123,14 @@ def resolve_input_tasks(data: Path, specs: Sequence[str] | None = None) -> list[
                 kind = TaskKind(kind_name) if kind_name else infer_task_kind(name)
             except ValueError as exc:
                 choices = ", ".join(k.value for k in TaskKind)
-                raise BenchDataError(f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}") from exc
+                raise BenchSettingsError(
+                    f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}"
+                ) from exc
             if kind is None:
-                raise BenchDataError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
+                raise BenchSettingsError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
             folder = data / name if (data / name).is_dir() else (data if data.name == name else data / name)
             if not folder.is_dir():
-                raise BenchDataError(f"--tasks {name!r}: {data / name} is not a folder")
+                raise BenchSettingsError(f"--tasks {name!r}: {data / name} is not a folder")
             tasks.append(TaskInput(name, kind, folder, input_samples(folder, kind)))
     else:
         for folder in sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".")):
