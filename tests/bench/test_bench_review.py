@@ -220,3 +220,15 @@ def test_bench_serve_without_any_session_exits_1(tmp_path: Path, cli, capsys) ->
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no session ran against" in err[0] and "(0 attempt(s), 0 refused)" in err[0], err
     assert not out.exists()  # nothing written that reads as a result
+
+
+def test_report_names_a_file_given_as_run_folder_and_the_file_it_writes(tmp_path: Path, cli, capsys) -> None:
+    (tmp_path / "dlg").mkdir()
+    (tmp_path / "dlg" / "d1.json").write_text("{}")
+    assert cli("bench", "report", str(tmp_path / "dlg" / "d1.json")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"run folder {tmp_path / 'dlg' / 'd1.json'} is a file, not a folder; give the folder that "
+                        "holds the run's summary.json and latency.json files"), err  # fmt: skip
+    assert cli("bench", "report", str(tmp_path / "dlg"), "--out", "/proc/rep") == 1
+    err = capsys.readouterr().err.strip()
+    assert "/proc/rep/report.md: cannot write" in err and "summary.json" not in err, err

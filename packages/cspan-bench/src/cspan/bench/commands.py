@@ -360,7 +360,7 @@ def _report(args: argparse.Namespace) -> int:
     from cspan.bench.report import build_report
     from cspan.bench.session import check_out
 
-    check_out(args.out, folder=True)
+    check_out(args.out, folder=True, first_file="report.md")
     markdown, written = build_report(
         Path(args.run_dir), Path(args.out) if args.out else None, plots=not args.no_plots, compare=args.compare
     )

@@ -536,9 +536,11 @@ def write_wav(path: Path, pcm: np.ndarray, sample_rate: int, *, length: int | No
     return _readable(writer.commit())
 
 
-def check_out(path: str | Path | None, *, folder: bool = False) -> None:
+def check_out(path: str | Path | None, *, folder: bool = False, first_file: str = "summary.json") -> None:
     """Check, before any model loads or anything is measured, that ``--out`` can be written: a file (``folder``
     False: the JSON of ``latency``, ``capacity``) or a folder of outputs (created if missing). ``None`` passes.
+
+    ``first_file``: a file the command writes into the folder, named in the message when it cannot be written.
 
     Raises:
         OutputError: naming the path and the cause (a file where a folder is wanted or the reverse, permission
@@ -554,7 +556,7 @@ def check_out(path: str | Path | None, *, folder: bool = False) -> None:
         if path.exists() and not path.is_dir():
             raise OutputError(f"{path}: cannot write: it is a file; --out names a folder here")
         _note_missing_folders(path)
-        check_writable(path / "summary.json")
+        check_writable(path / first_file)
     else:
         if path.is_dir():
             raise OutputError(f"{path}: cannot write: it is a folder; --out names the JSON file here")
