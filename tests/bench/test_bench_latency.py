@@ -142,14 +142,14 @@ def test_sizes_beyond_the_window_and_unwritable_out_are_refused_up_front(
     from fs_faults import read_only_folder
 
     ckpt = ("--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--iters", "1", "--quiet")
-    for args, expect in (
-        (("--n", "100000"), "--n [100000]: a span must fit the model's context of 3000 positions (n <= 2999)"),
-        (("--n", "0", "3000"), "--n [3000]: a span must fit"),
-        (("--fill", "1000000", "--n", "0"), "--fill 1000000: more than the model's context of 3000 positions"),
-        (("--n", "0", "--out", str(tmp_path)), "it is a folder; --out names the JSON file"),
+    for args, expect, status in (  # a setting out of range: exit 2; an unwritable output: 1
+        (("--n", "100000"), "--n [100000]: a span must fit the model's context of 3000 positions (n <= 2999)", 2),
+        (("--n", "0", "3000"), "--n [3000]: a span must fit", 2),
+        (("--fill", "1000000", "--n", "0"), "--fill 1000000: more than the model's context of 3000 positions", 2),
+        (("--n", "0", "--out", str(tmp_path)), "it is a folder; --out names the JSON file", 1),
     ):
         capsys.readouterr()
-        assert cli("bench", "latency", *ckpt, *args) == 1, args
+        assert cli("bench", "latency", *ckpt, *args) == status, args
         captured = capsys.readouterr()
         assert expect in captured.err and not captured.out, captured.err
     with read_only_folder(tmp_path / "ro") as ro:

@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 import soxr
 
-from cspan.bench.errors import BenchDataError
+from cspan.bench.errors import BenchDataError, BenchSettingsError
 from cspan.bench.fdb_v1 import TaskKind
 from cspan.bench.fdb_v1_run import resolve_input_tasks, task_prompt
 
@@ -100,7 +100,7 @@ def test_resolve_input_tasks(tmp_path: Path, fixture_file) -> None:
     shutil.copytree(data / "candor_turn_taking", data / "mine")
     (named,) = resolve_input_tasks(data, ["mine=pause_handling"])
     assert named.kind is TaskKind.PAUSE_HANDLING and len(named.samples) == 2
-    with pytest.raises(BenchDataError, match="KIND"):
+    with pytest.raises(BenchSettingsError, match="KIND"):  # a bad --tasks: exit status 2
         resolve_input_tasks(data, ["mine"])
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cspan.bench.errors import BenchError
+from cspan.bench.errors import BenchSettingsError
 from cspan.bench.latency import (
     ROOM_TONE_STD,
     Models,
@@ -73,21 +73,27 @@ class CapacityOptions:
     max_block_columns: int | None = SERVE_MAX_BLOCK_COLUMNS
 
     def check(self) -> None:
-        """Raise :class:`BenchError` for impossible settings."""
+        """Raise :class:`BenchSettingsError` (exit status 2) for impossible settings."""
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
-            raise BenchError(f"--batch-size {list(self.batch_sizes)}: give batch sizes >= 1")
+            raise BenchSettingsError(f"--batch-size {list(self.batch_sizes)}: give batch sizes >= 1")
         if self.frames < 1 or self.warmup < 0:
-            raise BenchError("--frames must be >= 1 and --warmup >= 0")
+            raise BenchSettingsError("--frames must be >= 1 and --warmup >= 0")
         if not self.span_interval_s > 0:  # NaN fails too; inf: no spans
-            raise BenchError(f"--span-interval {self.span_interval_s:g}: give a number of seconds > 0 (inf: no spans)")
+            raise BenchSettingsError(
+                f"--span-interval {self.span_interval_s:g}: give a number of seconds > 0 (inf: no spans)"
+            )
         if self.max_span < 16:
-            raise BenchError(f"--max-span {self.max_span}: give at least 16 columns")
+            raise BenchSettingsError(f"--max-span {self.max_span}: give at least 16 columns")
         if not 16 <= self.span_length <= self.max_span:
-            raise BenchError(f"--span-length {self.span_length}: give 16 to --max-span ({self.max_span}) columns")
+            raise BenchSettingsError(
+                f"--span-length {self.span_length}: give 16 to --max-span ({self.max_span}) columns"
+            )
         if not (math.isfinite(self.budget_ms) and self.budget_ms > 0):
-            raise BenchError(f"--budget-ms {self.budget_ms:g}: give a number of milliseconds > 0")
+            raise BenchSettingsError(f"--budget-ms {self.budget_ms:g}: give a number of milliseconds > 0")
         if self.max_block_columns is not None and self.max_block_columns < 1:
-            raise BenchError(f"--max-block-columns {self.max_block_columns}: give >= 1 columns, or 0 for no limit")
+            raise BenchSettingsError(
+                f"--max-block-columns {self.max_block_columns}: give >= 1 columns, or 0 for no limit"
+            )
 
 
 def arrivals(
@@ -222,7 +228,9 @@ def run_capacity(
     options.check()
     context = models.lm.cfg.context
     if context is not None and options.max_span > context:
-        raise BenchError(f"--max-span {options.max_span}: longer than the model's context ({context} positions)")
+        raise BenchSettingsError(
+            f"--max-span {options.max_span}: longer than the model's context ({context} positions)"
+        )
     say = progress or (lambda _msg: None)
     results: list[dict[str, Any]] = []
     capacity: dict[str, int | None] = {}

@@ -25,6 +25,7 @@ from typing import Any
 
 from cspan.bench.run_commands import (
     add_judge_arguments,
+    check_judge,
     make_judge,
     print_summary,
     register_capacity,
@@ -45,6 +46,18 @@ def bench_command(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     for register in BENCH_ACTIONS:
         register(sub)
+    _remove_empty_out_on_failure(sub)
+
+
+def _remove_empty_out_on_failure(sub: Any) -> None:
+    """Wrap the handler of every action of ``sub``: a failed run removes the ``--out`` folder it created and wrote
+    nothing into (:func:`~cspan.bench.session.removing_empty_out`)."""
+    from cspan.bench.session import removing_empty_out
+
+    for parser in sub.choices.values():
+        handler = parser.get_default("handler")
+        if handler is not None:
+            parser.set_defaults(handler=removing_empty_out(handler))
 
 
 def _group(sub: Any, name: str, help_text: str, actions: Sequence[ActionRegister], dest: str) -> None:
@@ -53,6 +66,7 @@ def _group(sub: Any, name: str, help_text: str, actions: Sequence[ActionRegister
     inner.required = True
     for register in actions:
         register(inner)
+    _remove_empty_out_on_failure(inner)
 
 
 def register_fdb_v1(sub: Any) -> None:
@@ -112,7 +126,7 @@ def register_fdb_v1_score(sub: Any) -> None:
 
 
 def _resolve_tasks(data: Path, specs: Sequence[str] | None) -> list[tuple[str, Any, Path]]:
-    from cspan.bench.errors import BenchDataError
+    from cspan.bench.errors import BenchDataError, BenchSettingsError
     from cspan.bench.fdb_v1 import TaskKind, infer_task_kind, sample_dirs
 
     if not data.is_dir():
@@ -125,12 +139,14 @@ def _resolve_tasks(data: Path, specs: Sequence[str] | None) -> list[tuple[str, A
                 kind = TaskKind(kind_name) if kind_name else infer_task_kind(name)
             except ValueError as exc:
                 choices = ", ".join(k.value for k in TaskKind)
-                raise BenchDataError(f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}") from exc
+                raise BenchSettingsError(
+                    f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}"
+                ) from exc
             if kind is None:
-                raise BenchDataError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
+                raise BenchSettingsError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
             folder = data / name
             if not folder.is_dir():
-                raise BenchDataError(f"--tasks {name!r}: {folder} is not a folder")
+                raise BenchSettingsError(f"--tasks {name!r}: {folder} is not a folder")
             resolved.append((name, kind, folder))
         return resolved
     for folder in sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -180,12 +196,16 @@ async def _transcribe_all(jobs: Sequence[tuple[list[Path], Any]], transcriber: A
 
 def _fdb_v1_score(args: argparse.Namespace) -> int:
     from cspan.bench import fdb_v1
-    from cspan.bench.session import check_out
+    from cspan.bench.session import check_out, check_out_apart
     from cspan.bench.transcribe import make_transcriber
 
     data = Path(args.data)
     tasks = _resolve_tasks(data, args.tasks)
     out = Path(args.out) if args.out else data / "scores"
+    if args.out:  # the default DATA/scores is a folder of its own next to the task folders
+        check_out_apart(out, data, inside=False)
+        for _, _, folder in tasks:
+            check_out_apart(out, folder, what="the task folder")
     check_out(out, folder=True)
     jobs = []
     for _, kind, folder in tasks:
@@ -200,6 +220,7 @@ def _fdb_v1_score(args: argparse.Namespace) -> int:
         print(f"transcribing {n} output.wav file(s) with {getattr(transcriber, 'endpoint', args.asr)} ...")
         transcribed = asyncio.run(_transcribe_all(jobs, transcriber, args.retranscribe))
     judge = make_judge(args)
+    scores = []
     try:
         for name, kind, folder in tasks:
             icc_gt = None
@@ -217,11 +238,17 @@ def _fdb_v1_score(args: argparse.Namespace) -> int:
                 folder, kind, task=name, icc_gt=icc_gt, judge=judge, reuse_ratings=args.reuse_ratings
             )
             score.summary.config = config
-            path = fdb_v1.write_task_score(score, out)
-            print_summary(f"{name} ({kind.value}, n={score.summary.n})", score.summary, f" -> {path}")
+            scores.append((name, kind, score))
     finally:
         if judge is not None:
             judge.close()
+    trouble = judge.trouble() if judge is not None else None
+    for name, kind, score in scores:
+        if trouble is not None:  # every summary says the judge went down (docs/BENCH.md, Judges)
+            score.summary.notes.append(trouble)
+        path = fdb_v1.write_task_score(score, out)
+        print_summary(f"{name} ({kind.value}, n={score.summary.n})", score.summary, f" -> {path}")
+    check_judge(judge, [])
     return 0
 
 
@@ -333,7 +360,7 @@ def _report(args: argparse.Namespace) -> int:
     from cspan.bench.report import build_report
     from cspan.bench.session import check_out
 
-    check_out(args.out, folder=True)
+    check_out(args.out, folder=True, first_file="report.md")
     markdown, written = build_report(
         Path(args.run_dir), Path(args.out) if args.out else None, plots=not args.no_plots, compare=args.compare
     )

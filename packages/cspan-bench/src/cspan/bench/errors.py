@@ -5,11 +5,15 @@ Messages say what was wrong, where (the file or URL), and how to fix it.
 
 from __future__ import annotations
 
-from cspan.core.errors import CspanError
+from cspan.core.errors import CspanError, SettingsError
 
 
 class BenchError(CspanError):
     """Root of the benchmark errors."""
+
+
+class BenchSettingsError(BenchError, SettingsError):
+    """A bench setting is out of range or does not fit what it names (names the flag); exit status 2."""
 
 
 class BenchDataError(BenchError):

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cspan.bench.errors import BenchDataError
+from cspan.bench.errors import BenchDataError, JudgeError
 
 # --- constants of the reference scorers ----------------------------------------------------------------------------
 
@@ -195,6 +195,9 @@ class InterruptionSample(BaseModel):
     interrupt_end_s: float
     rating: int | None = None
     analysis: str | None = None
+    judge_failed: bool = False
+    """The judge was asked for the rating and failed (a request error, or no readable reply): no rating, and it is
+    asked again on the next run with a judge."""
 
 
 class BackchannelSample(BaseModel):
@@ -658,7 +661,9 @@ def score_task(
 
     Raises:
         BenchDataError: a folder or file is missing or malformed (named in the message).
-        JudgeError: the judge failed (see :mod:`cspan.bench.judge`).
+
+    A rating the judge failed to give (:class:`~cspan.bench.errors.JudgeError`) is recorded as ``judge_failed`` on
+    the sample and in the summary's notes; the other samples are still scored.
     """
     name = task or task_dir.name
     dirs = sample_dirs(task_dir, kind)
@@ -709,6 +714,7 @@ def _score_interruption_task(
     samples: list[InterruptionSample] = []
     notes: list[str] = []
     unrated = 0
+    last_failure = ""
     for d in dirs:
         info = read_interrupt(d / INTERRUPT_JSON)
         output = read_output_json(d / OUTPUT_JSON)
@@ -722,15 +728,26 @@ def _score_interruption_task(
                 except (KeyError, TypeError, ValueError) as exc:
                     raise BenchDataError(f"{rating_path}: expected {{analysis, rating}} ({exc})") from exc
             elif judge is not None:
-                verdict = judge.rate_interruption(info.context, info.interrupt, output.text)
-                sample.rating, sample.analysis = int(verdict.rating), str(verdict.analysis)
-                if write_ratings:
-                    rating_path.write_text(
-                        json.dumps({"analysis": sample.analysis, "rating": sample.rating}), encoding="utf-8"
-                    )
+                try:
+                    verdict = judge.rate_interruption(info.context, info.interrupt, output.text)
+                except JudgeError as exc:  # recorded as failed; the run goes on (the judge may be taken as down)
+                    sample.judge_failed = True
+                    last_failure = str(exc)
+                else:
+                    sample.rating, sample.analysis = int(verdict.rating), str(verdict.analysis)
+                    if write_ratings:
+                        rating_path.write_text(
+                            json.dumps({"analysis": sample.analysis, "rating": sample.rating}), encoding="utf-8"
+                        )
             else:
                 unrated += 1
         samples.append(sample)
+    failed = sum(s.judge_failed for s in samples)
+    if failed:
+        notes.append(
+            f"relevance rating failed for {failed} sample(s) (judge_failed in samples.json; not in the mean, asked "
+            f"again on the next run): {last_failure}"
+        )
     if unrated:
         notes.append(
             f"relevance rating skipped for {unrated} sample(s): no judge configured "

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cspan.bench.errors import BenchDataError
+from cspan.bench.errors import BenchDataError, BenchSettingsError
 from cspan.bench.fdb_v1 import (
     ICC_GT_JSON,
     OUTPUT_JSON,
@@ -110,7 +110,8 @@ def resolve_input_tasks(data: Path, specs: Sequence[str] | None = None) -> list[
             user_interruption); default every folder whose name names a task.
 
     Raises:
-        BenchDataError: no such folder, an unknown scorer, or no task with samples.
+        BenchDataError: no such folder, or no task with samples.
+        BenchSettingsError: a ``--tasks`` entry with an unknown scorer or no such folder (exit status 2).
     """
     if not data.is_dir():
         raise BenchDataError(f"--data {data} is not a folder")
@@ -122,12 +123,14 @@ def resolve_input_tasks(data: Path, specs: Sequence[str] | None = None) -> list[
                 kind = TaskKind(kind_name) if kind_name else infer_task_kind(name)
             except ValueError as exc:
                 choices = ", ".join(k.value for k in TaskKind)
-                raise BenchDataError(f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}") from exc
+                raise BenchSettingsError(
+                    f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}"
+                ) from exc
             if kind is None:
-                raise BenchDataError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
+                raise BenchSettingsError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
             folder = data / name if (data / name).is_dir() else (data if data.name == name else data / name)
             if not folder.is_dir():
-                raise BenchDataError(f"--tasks {name!r}: {data / name} is not a folder")
+                raise BenchSettingsError(f"--tasks {name!r}: {data / name} is not a folder")
             tasks.append(TaskInput(name, kind, folder, input_samples(folder, kind)))
     else:
         for folder in sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -394,9 +397,15 @@ async def run_fdb_v1(
             score.summary.config["icc_gt"] = str(icc_gt_path)
         if task.kind is TaskKind.USER_INTERRUPTION:
             score.summary.config["judge"] = judge.describe() if judge is not None else None
-        write_task_score(score, out)
-        _add_scores(score, task_out)
         result.scores.append((task, score))
+    trouble = judge.trouble() if judge is not None else None
+    for task, score in result.scores:
+        if score is None:
+            continue
+        if trouble is not None:  # every summary says the judge went down (docs/BENCH.md, Judges)
+            score.summary.notes.append(trouble)
+        write_task_score(score, out)
+        _add_scores(score, out / task.name)
         entries.append((out.resolve().name, score.summary))
     markdown = "# Full-Duplex-Bench v1\n\n" + v1_markdown(entries) + "\n"
     result.summary_md = out / SUMMARY_MD

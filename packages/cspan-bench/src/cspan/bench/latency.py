@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cspan.bench.errors import BenchError
+from cspan.bench.errors import BenchError, BenchSettingsError
 from cspan.bench.session import parse_dtype, synchronize
 
 DEFAULT_SPAN_LENGTHS = (0, 16, 64, 256, 600)
@@ -216,37 +216,39 @@ class LatencyOptions:
     span_at_tick: bool = False
 
     def check(self, context: int | None = None) -> None:
-        """Raise :class:`BenchError` for impossible settings; with the model's ``context`` (positions of its KV
+        """Raise :class:`BenchSettingsError` (exit status 2) for impossible settings; with the model's ``context`` (positions of its KV
         ring), also for a span or a history that cannot fit it (a span longer than the ring cannot be read in one
         piece, and its buffers would be sized by ``--n``; history beyond a full ring changes nothing and takes as
         many steps as positions)."""
         if self.iters < 1:
-            raise BenchError(f"--iters must be >= 1, got {self.iters}")
+            raise BenchSettingsError(f"--iters must be >= 1, got {self.iters}")
         if self.warmup < 0 or self.gap_steps < 0:
-            raise BenchError("--warmup and --gap-steps must be >= 0")
+            raise BenchSettingsError("--warmup and --gap-steps must be >= 0")
         bad = [n for n in self.span_lengths if n != 0 and n < 3]
         if bad or any(n < 0 for n in self.span_lengths):
-            raise BenchError(f"--n {bad or list(self.span_lengths)}: a span needs n >= 3 columns (12, token, 13)")
+            raise BenchSettingsError(
+                f"--n {bad or list(self.span_lengths)}: a span needs n >= 3 columns (12, token, 13)"
+            )
         if self.row_step not in ("lm", "frame"):
-            raise BenchError(f"--row-step {self.row_step!r}: use 'lm' or 'frame'")
+            raise BenchSettingsError(f"--row-step {self.row_step!r}: use 'lm' or 'frame'")
         if any(b < 1 for b in self.batch_sizes):
-            raise BenchError(f"--batch-size {list(self.batch_sizes)}: batch sizes must be >= 1")
-        if self.pace_ms < 0:
-            raise BenchError(f"--pace-ms must be >= 0 ms, got {self.pace_ms}")
+            raise BenchSettingsError(f"--batch-size {list(self.batch_sizes)}: batch sizes must be >= 1")
+        if not (math.isfinite(self.pace_ms) and self.pace_ms >= 0):
+            raise BenchSettingsError(f"--pace-ms must be a finite number >= 0 ms, got {self.pace_ms}")
         if self.fill is not None and self.fill < 0:
-            raise BenchError(f"--fill must be >= 0 positions, got {self.fill}")
+            raise BenchSettingsError(f"--fill must be >= 0 positions, got {self.fill}")
         if self.span_sessions < 0 or any(self.span_sessions > b for b in self.batch_sizes):
-            raise BenchError(
+            raise BenchSettingsError(
                 f"--span-sessions {self.span_sessions}: between 0 and the smallest batch size {list(self.batch_sizes)}"
             )
         if context:
             long = [n for n in self.span_lengths if n > context - 1]
             if long:
-                raise BenchError(
+                raise BenchSettingsError(
                     f"--n {long}: a span must fit the model's context of {context} positions (n <= {context - 1})"
                 )
             if self.fill is not None and self.fill > context:
-                raise BenchError(
+                raise BenchSettingsError(
                     f"--fill {self.fill}: more than the model's context of {context} positions (a full ring); "
                     f"leave --fill out for a full ring"
                 )

@@ -107,6 +107,11 @@ def collect(run_dir: Path) -> RunFiles:
     Raises:
         BenchDataError: ``run_dir`` is not a folder.
     """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise BenchDataError(
+            f"run folder {run_dir} is a file, not a folder; give the folder that holds the run's summary.json and "
+            "latency.json files"
+        )
     if not run_dir.is_dir():
         raise BenchDataError(f"run folder {run_dir} does not exist")
     found = RunFiles()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cspan.core.constants import SERVE_MAX_BLOCK_COLUMNS
+from cspan.core.constants import MAX_TEMPERATURE, MIN_TEMPERATURE, SERVE_MAX_BLOCK_COLUMNS
 
 # --- shared flags ------------------------------------------------------------------------------------------------
 
@@ -57,6 +57,53 @@ def at_least_one(value: str) -> int:
     return n
 
 
+def in_range(
+    low: float, high: float | None = None, *, integer: bool = False, zero: bool = False, unit: str = ""
+) -> Any:
+    """argparse type: a finite number (an integer with ``integer``) from ``low`` to ``high`` (None: no upper bound),
+    or 0 with ``zero``.
+
+    The one place a bench flag's range is declared: out of it, argparse prints one line naming the flag and the
+    range and the command exits with status 2 before anything runs."""
+
+    def show(v: float) -> str:
+        return str(int(v)) if integer else f"{v:g}"
+
+    span = f"{show(low)} to {show(high)}{unit}" if high is not None else f">= {show(low)}{unit}"
+    wanted = f"0 or {span}" if zero else span
+
+    def parse(value: str) -> float | int:
+        if integer:
+            try:
+                t: float | int = int(value)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from exc
+        else:
+            t = _number(value)
+        if not ((low <= t and (high is None or t <= high)) or (zero and t == 0)):
+            raise argparse.ArgumentTypeError(f"{value!r} is out of range: give {wanted}")
+        return t
+
+    parse.__name__ = "integer" if integer else "number"
+    return parse
+
+
+MAX_SEED = 2**63 - 1
+"""Seeds: 0 to 2**63 - 1, as ``cspan infer`` / ``cspan serve``."""
+MIN_OUTPUT_RATE, MAX_OUTPUT_RATE = 8_000, 192_000
+"""Sample rates of a written output.wav (Hz): telephone band to studio audio."""
+MAX_TAIL_S = 600.0
+"""Silence after an input (s), as ``cspan infer``'s ``--tail-silence``."""
+MAX_OFFSET_FRAMES = 125
+"""80 ms frames of silence before the agent's first frame: at most 10 s."""
+MAX_PACE_MS = 60_000.0
+"""``cspan bench latency --pace-ms``: a clock period of at most a minute."""
+temperature = in_range(MIN_TEMPERATURE, MAX_TEMPERATURE, zero=True)
+"""argparse type of a sampling temperature: 0 (greedy) or 0.001 to 10, as ``cspan infer``."""
+seed = in_range(0, MAX_SEED, integer=True)
+"""argparse type of a seed: 0 to 2**63 - 1."""
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_help: str) -> None:
     """``--checkpoint`` (required), voice, persona prompt, sampling, seed, device, dtype."""
     g = parser.add_argument_group("model")
@@ -64,9 +111,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_help: str) ->
     g.add_argument("--voice", default=None, help="voice name in the checkpoint's voices/ or a .pt file of codes")
     g.add_argument("--no-voice", action="store_true", help="no voice prompt (persona text only)")
     g.add_argument("--text-prompt", default=None, help=prompt_help)
-    g.add_argument("--temp", type=float, default=0.8, help="audio sampling temperature (0 = greedy)")
-    g.add_argument("--temp-text", type=float, default=0.7, help="text sampling temperature (0 = greedy)")
-    g.add_argument("--seed", type=int, default=42424242, help="base seed; each item gets base + hash(item id)")
+    temps = f"0 = greedy, else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}"
+    g.add_argument("--temp", type=temperature, default=0.8, help=f"audio sampling temperature ({temps})")
+    g.add_argument("--temp-text", type=temperature, default=0.7, help=f"text sampling temperature ({temps})")
+    g.add_argument(
+        "--seed", type=seed, default=42424242, help="base seed, 0 to 2**63-1; each item gets base + hash(item id)"
+    )
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     g.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly")
@@ -137,14 +187,17 @@ def add_loop_arguments(
     )
     g.add_argument("--force-ret-delay-s", type=non_negative, default=0.0, help="delay of the forced <ret> (s)")
     g.add_argument(
-        "--tail-s", type=non_negative, default=tail_default, help="silence after each input (s, default %(default)s)"
+        "--tail-s",
+        type=in_range(0, MAX_TAIL_S),
+        default=tail_default,
+        help=f"silence after each input (s, 0 to {MAX_TAIL_S:g}; default %(default)s)",
     )
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Resuming, limits and progress."""
     g = parser.add_argument_group("run")
-    g.add_argument("--limit", type=int, default=None, help="only the first N items (in ID order)")
+    g.add_argument("--limit", type=at_least_one, default=None, help="only the first N items (in ID order), >= 1")
     g.add_argument("--overwrite", action="store_true", help="render again even where a finished output exists")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -329,10 +382,21 @@ def register_latency(sub: Any) -> None:
         "directly on the GPU",
     )
     p.add_argument("--allow-cpu", action="store_true", help="let --random-7b build the 8 B model on the CPU")
-    p.add_argument("--n", type=int, nargs="+", default=[0, 16, 64, 256, 600], help="span lengths (0 = plain step)")
-    p.add_argument("--iters", type=int, default=100, help="measured iterations per series (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=10, help="unmeasured iterations before each series")
-    p.add_argument("--gap-steps", type=int, default=2, help="plain steps between two timed spans")
+    p.add_argument(
+        "--n",
+        type=in_range(3, integer=True, zero=True),
+        nargs="+",
+        default=[0, 16, 64, 256, 600],
+        help="span lengths in columns (0 = plain step, else >= 3 and within the model's context)",
+    )
+    p.add_argument("--iters", type=in_range(1, integer=True), default=100, help="measured iterations per series, >= 1")
+    p.add_argument(
+        "--warmup",
+        type=in_range(0, integer=True),
+        default=10,
+        help="unmeasured iterations before each series",
+    )
+    p.add_argument("--gap-steps", type=in_range(0, integer=True), default=2, help="plain steps between two timed spans")
     p.add_argument(
         "--row-step",
         choices=("lm", "frame"),
@@ -341,7 +405,7 @@ def register_latency(sub: Any) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=at_least_one,
         nargs="+",
         default=[],
         help="also time the plain step and the whole frame at these batch sizes B > 1 (B = 1 is the main table)",
@@ -349,7 +413,7 @@ def register_latency(sub: Any) -> None:
     history = p.add_mutually_exclusive_group()
     history.add_argument(
         "--fill",
-        type=int,
+        type=in_range(0, integer=True),
         default=None,
         help="positions of history every session holds before each series (default: the model's context, a full "
         "ring, as after four minutes of conversation)",
@@ -359,7 +423,7 @@ def register_latency(sub: Any) -> None:
     )
     p.add_argument(
         "--span-sessions",
-        type=int,
+        type=in_range(0, integer=True),
         default=1,
         help="batch rows: the sessions that each read a span in the timed frame (k of B; default %(default)s)",
     )
@@ -368,10 +432,10 @@ def register_latency(sub: Any) -> None:
     )
     p.add_argument(
         "--pace-ms",
-        type=float,
+        type=in_range(0, MAX_PACE_MS),
         default=0.0,
-        help="start every call on a clock of this period (80: real time, as a server's frame clock; default: back "
-        "to back, the GPU never idles)",
+        help=f"start every call on a clock of this period, 0 to {MAX_PACE_MS:g} ms (80: real time, as a server's "
+        "frame clock; default 0: back to back, the GPU never idles)",
     )
     p.add_argument(
         "--span-at-tick",
@@ -389,8 +453,13 @@ def register_latency(sub: Any) -> None:
     )
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=in_range(1, 1024, integer=True),
+        default=None,
+        help="torch CPU threads, 1 to 1024 (default: torch's)",
+    )
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and inputs, 0 to 2**63-1")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (e.g. RUN/latency.json)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(handler=_latency)
@@ -403,7 +472,7 @@ def _latency(args: argparse.Namespace) -> int:
     from cspan.bench.session import check_out, pick_device, write_json
 
     check_out(args.out)
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device, dtype = pick_device(args.device, args.dtype)
     options = LatencyOptions(
@@ -456,10 +525,10 @@ def register_capacity(sub: Any) -> None:
     src.add_argument("--checkpoint", help="Hugging Face repo id, local folder or file")
     src.add_argument("--random-7b", action="store_true", help="the real 7B dimensions with random weights (GPU)")
     p.add_argument("--allow-cpu", action="store_true", help="let --random-7b build the 8 B model on the CPU")
-    p.add_argument("--batch-size", type=int, nargs="+", default=list(DEFAULT_CAPACITY_BATCHES))
+    p.add_argument("--batch-size", type=at_least_one, nargs="+", default=list(DEFAULT_CAPACITY_BATCHES))
     p.add_argument("--kv-dtype", nargs="+", choices=("auto", "bf16", "fp16", "fp8"), default=["auto", "fp8"])
-    p.add_argument("--frames", type=int, default=250, help="timed frames per batch size (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=20, help="untimed frames first (default %(default)s)")
+    p.add_argument("--frames", type=in_range(1, integer=True), default=250, help="timed frames per batch size, >= 1")
+    p.add_argument("--warmup", type=in_range(0, integer=True), default=20, help="untimed frames first (default 20)")
     p.add_argument("--span-interval", type=float, default=30.0, help="mean seconds between a session's spans")
     p.add_argument("--span-length", type=int, default=256, help="mean span length in columns")
     p.add_argument("--max-span", type=int, default=600, help="the longest span in columns")
@@ -474,7 +543,7 @@ def register_capacity(sub: Any) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and arrivals, 0 to 2**63-1")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (e.g. RUN/capacity.json)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(handler=_capacity)
@@ -546,15 +615,17 @@ def register_fdb_v1_run(sub: Any) -> None:
     p.add_argument("--icc-gt", type=Path, help="backchannel ground truth (default: looked up in DATA)")
     p.add_argument(
         "--output-rate",
-        type=int,
+        type=in_range(MIN_OUTPUT_RATE, MAX_OUTPUT_RATE, integer=True),
         default=None,
-        help="sample rate of output.wav (default: the input's, 16 kHz for most of the benchmark)",
+        help=f"sample rate of output.wav, {MIN_OUTPUT_RATE} to {MAX_OUTPUT_RATE} Hz (default: the input's, 16 kHz "
+        "for most of the benchmark)",
     )
     p.add_argument(
         "--output-offset-frames",
-        type=int,
+        type=in_range(0, MAX_OFFSET_FRAMES, integer=True),
         default=1,
-        help="80 ms frames of silence before the agent's first frame (default 1, as a live client hears it)",
+        help=f"80 ms frames of silence before the agent's first frame, 0 to {MAX_OFFSET_FRAMES} (default 1, as a "
+        "live client hears it)",
     )
     add_model_arguments(p, prompt_help="persona prompt for every task (default: PersonaPlex's FDB prompt per task)")
     add_loop_arguments(p, router_default="local", tools_default="default")
@@ -577,8 +648,9 @@ def _find_icc_gt(arg: Path | None, data: Path, tasks: Any) -> Path | None:
 
 
 def _fdb_v1_run(args: argparse.Namespace) -> int:
-    from cspan.bench.session import check_out
+    from cspan.bench.session import check_out, check_out_apart
 
+    check_out_apart(args.out, args.data)
     check_out(args.out, folder=True)
     return asyncio.run(_fdb_v1_run_async(args))
 
@@ -638,6 +710,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     if result.summary_md is not None:
         print(result.summary_md.read_text(encoding="utf-8"))
         print(f"wrote {result.summary_md}")
+    check_judge(judge, [])
     return 0
 
 
@@ -701,8 +774,10 @@ def register_fdb_v3_run(sub: Any) -> None:
 
 
 def _fdb_v3_run(args: argparse.Namespace) -> int:
-    from cspan.bench.session import check_out
+    from cspan.bench.session import check_out, check_out_apart
 
+    if args.data is not None:
+        check_out_apart(args.out, args.data)
     check_out(args.out, folder=True)
     return asyncio.run(_fdb_v3_run_async(args))
 

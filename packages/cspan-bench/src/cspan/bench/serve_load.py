@@ -607,8 +607,16 @@ def plot(report: LoadReport, out: Path) -> None:
 # --------------------------------------------------------------------------------------------- the command
 
 
+MAX_CLIENTS = 1024
+"""``--clients``: at most this many concurrent clients."""
+MIN_SECONDS, MAX_SECONDS = 0.1, 86_400.0
+"""``--seconds``: the run's length, a tenth of a second to 24 h."""
+
+
 def register_serve(sub: Any) -> None:
     """``cspan bench serve``."""
+    from cspan.bench.run_commands import in_range, non_negative, positive
+
     p = sub.add_parser(
         "serve",
         help="load a running cspan serve with N real-time clients (lateness, drops, spans, errors, memory)",
@@ -616,16 +624,32 @@ def register_serve(sub: Any) -> None:
     )
     p.add_argument("--url", default="http://127.0.0.1:8080", help="the server (default %(default)s; https for TLS)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="ws", help="wire protocol (default %(default)s)")
-    p.add_argument("--clients", type=int, default=4, help="concurrent clients (default %(default)s)")
-    p.add_argument("--seconds", type=float, default=30.0, help="length of the run (default %(default)s)")
+    p.add_argument(
+        "--clients",
+        type=in_range(1, MAX_CLIENTS, integer=True),
+        default=4,
+        help=f"concurrent clients, 1 to {MAX_CLIENTS} (default %(default)s)",
+    )
+    p.add_argument(
+        "--seconds",
+        type=in_range(MIN_SECONDS, MAX_SECONDS),
+        default=30.0,
+        help=f"length of the run, {MIN_SECONDS:g} s to {MAX_SECONDS:g} s (24 h; default %(default)s)",
+    )
     p.add_argument(
         "--audio", type=Path, action="append", default=[], help="a recording to play (repeatable; default: silence)"
     )
     p.add_argument("--token", default=None, help="credential (a session token; an admin one also reads /metrics)")
-    p.add_argument("--malformed-per-min", type=float, default=0.0, help="malformed messages per client per minute")
-    p.add_argument("--disconnects-per-min", type=float, default=0.0, help="abrupt disconnects per client per minute")
-    p.add_argument("--stagger-s", type=float, default=0.25, help="delay between client starts (default %(default)s)")
-    p.add_argument("--sample-s", type=float, default=1.0, help="server sampling period (default %(default)s)")
+    p.add_argument(
+        "--malformed-per-min", type=non_negative, default=0.0, help="malformed messages per client per minute"
+    )
+    p.add_argument(
+        "--disconnects-per-min", type=non_negative, default=0.0, help="abrupt disconnects per client per minute"
+    )
+    p.add_argument(
+        "--stagger-s", type=non_negative, default=0.25, help="delay between client starts (default %(default)s)"
+    )
+    p.add_argument("--sample-s", type=positive, default=1.0, help="server sampling period (default %(default)s)")
     p.add_argument("--server-pid", type=int, default=None, help="read the server's memory from /proc/PID")
     p.add_argument("--cafile", type=Path, default=None, help="CA certificate to verify an https/wss server with")
     p.add_argument("--seed", type=int, default=0, help="seed of the injections and recording offsets")
@@ -637,12 +661,6 @@ def _serve(args: argparse.Namespace) -> int:
     from cspan.bench.errors import BenchError
     from cspan.bench.session import check_out
 
-    for name in ("clients", "seconds", "sample_s"):
-        if not getattr(args, name) > 0:
-            raise BenchError(f"--{name.replace('_', '-')} must be above 0, got {getattr(args, name)}")
-    for name in ("malformed_per_min", "disconnects_per_min", "stagger_s"):
-        if not getattr(args, name) >= 0:
-            raise BenchError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     check_out(args.out, folder=True)
     settings = LoadSettings(
         url=args.url,
@@ -660,10 +678,15 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     report = asyncio.run(run_load(settings))
+    s = report.summary
+    if s["sessions"] - s["refused"] <= 0:  # nothing was measured: no report that reads as a result
+        raise BenchError(
+            f"no session ran against {args.url} in {args.seconds:g} s ({s['sessions']} attempt(s), {s['refused']} "
+            "refused): is cspan serve running there, and is --token a session token? nothing written"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve-load.json").write_text(report.model_dump_json(indent=2) + "\n", encoding="utf-8")
     plot(report, args.out / "serve-load.png")
-    s = report.summary
     print(
         f"{settings.clients} client(s): {s['sessions']} session attempt(s), {s['refused']} refused (a refused client "
         f"tries again 1 s later), {s['disconnects_injected']} disconnects injected; "

@@ -536,9 +536,11 @@ def write_wav(path: Path, pcm: np.ndarray, sample_rate: int, *, length: int | No
     return _readable(writer.commit())
 
 
-def check_out(path: str | Path | None, *, folder: bool = False) -> None:
+def check_out(path: str | Path | None, *, folder: bool = False, first_file: str = "summary.json") -> None:
     """Check, before any model loads or anything is measured, that ``--out`` can be written: a file (``folder``
     False: the JSON of ``latency``, ``capacity``) or a folder of outputs (created if missing). ``None`` passes.
+
+    ``first_file``: a file the command writes into the folder, named in the message when it cannot be written.
 
     Raises:
         OutputError: naming the path and the cause (a file where a folder is wanted or the reverse, permission
@@ -553,11 +555,90 @@ def check_out(path: str | Path | None, *, folder: bool = False) -> None:
     if folder:
         if path.exists() and not path.is_dir():
             raise OutputError(f"{path}: cannot write: it is a file; --out names a folder here")
-        check_writable(path / "summary.json")
+        _note_missing_folders(path)
+        check_writable(path / first_file)
     else:
         if path.is_dir():
             raise OutputError(f"{path}: cannot write: it is a folder; --out names the JSON file here")
+        _note_missing_folders(path.parent)
         check_writable(path)
+
+
+_CREATED_OUT: list[Path] = []
+"""Folders :func:`check_out` created for ``--out`` (innermost first), removed again by :func:`remove_empty_out` when
+the command fails before writing anything into them."""
+
+
+def _note_missing_folders(folder: Path) -> None:
+    missing = []
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    _CREATED_OUT.extend(missing)
+
+
+def remove_empty_out() -> None:
+    """Remove the folders :func:`check_out` created that are still empty (a failed run leaves no empty ``--out``)."""
+    while _CREATED_OUT:
+        folder = _CREATED_OUT.pop(0)
+        try:
+            folder.rmdir()  # only an empty folder; one holding outputs stays
+        except OSError:
+            pass
+
+
+def removing_empty_out(handler: Any) -> Any:
+    """``handler`` (``fn(args) -> int``) that, when it fails (an exception or a non-zero status), removes the
+    ``--out`` folders :func:`check_out` created and nothing was written into."""
+    import functools
+
+    @functools.wraps(handler)
+    def run(args: Any) -> int:
+        _CREATED_OUT.clear()
+        try:
+            status = int(handler(args) or 0)
+        except BaseException:
+            remove_empty_out()
+            raise
+        if status != 0:
+            remove_empty_out()
+        _CREATED_OUT.clear()
+        return status
+
+    return run
+
+
+def check_out_apart(
+    out: str | Path,
+    data: str | Path,
+    *,
+    out_flag: str = "--out",
+    what: str = "the --data folder",
+    inside: bool = True,
+) -> None:
+    """Refuse an output folder that would write over the input dataset: ``out`` is the ``data`` folder (``what``
+    names it in the message), contains it or (``inside``) lies inside it. Paths are compared resolved (symlinks,
+    ``..``).
+
+    Raises:
+        SettingsError: naming the flag and why (exit status 2), before anything is read or written.
+    """
+    from cspan.core.errors import SettingsError
+
+    real_out, real_data = Path(out).resolve(), Path(data).resolve()
+    why = None
+    if real_out == real_data:
+        why = f"is {what} {data}"
+    elif real_data.is_relative_to(real_out):
+        why = f"contains {what} {data}"
+    elif inside and real_out.is_relative_to(real_data):
+        why = f"is inside {what} {data}"
+    if why is not None:
+        raise SettingsError(
+            f"{out_flag} {out}: {why}; the outputs would be written among the benchmark's own files: choose an "
+            f"{out_flag} folder outside {data}"
+        )
 
 
 def write_json(path: Path, payload: Any) -> Path:

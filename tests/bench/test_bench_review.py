@@ -1,0 +1,234 @@
+"""Defects of the bench review: outputs written into the dataset, a judge that is down, settings out of range, a
+load run without sessions, the report's messages and empty --out folders left behind by failed runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def v1_copy(fixtures_dir: Path, tmp_path: Path) -> Path:
+    """A writable copy of the fdb-v1 fixture (the shared one is read-only input)."""
+    source = fixtures_dir / "fdb-v1"
+    if not source.is_dir():
+        pytest.skip(f"fixture not found: {source}")
+    copy = tmp_path / "data"
+    shutil.copytree(source, copy)
+    for root, dirs, files in os.walk(copy):
+        for name in [*dirs, *files]:
+            os.chmod(os.path.join(root, name), 0o755 if name in dirs else 0o644)
+    os.chmod(copy, 0o755)
+    return copy
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_fdb_v1_out_over_the_data_is_refused(v1_copy: Path, tmp_path: Path, cli, capsys) -> None:
+    """`fdb-v1 run --out DATA` overwrote the benchmark's output.wav / output.json and added run.json into DATA."""
+    before = _listing(v1_copy)
+    link = tmp_path / "link"
+    link.symlink_to(v1_copy)
+    cases = {
+        str(v1_copy): "is the --data folder",
+        str(v1_copy / "pause_handling_example" / ".." / "."): "is the --data folder",
+        str(link): "is the --data folder",
+        str(v1_copy / "pause_handling_example" / "out"): "is inside the --data folder",
+        str(tmp_path): "contains the --data folder",
+    }
+    run = ["bench", "fdb-v1", "run", "--data", str(v1_copy), "--checkpoint", str(tmp_path / "no-model"),
+           "--tasks", "pause_handling_example"]  # fmt: skip
+    for out, why in cases.items():
+        assert cli(*run, "--out", out) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--out {out}: {why}" in err, err
+    score = ["bench", "fdb-v1", "score", "--data", str(v1_copy), "--reuse-ratings"]
+    for out, why in [
+        (str(v1_copy), "is the --data folder"),
+        (str(link), "is the --data folder"),
+        (str(tmp_path), "contains the --data folder"),
+        (str(v1_copy / "pause_handling_example" / "1" / "s"), "is inside the task folder"),
+    ]:
+        assert cli(*score, "--out", out) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--out {out}: {why}" in err, err
+    assert _listing(v1_copy) == before  # nothing written, nothing overwritten
+    # a folder of its own next to the task folders (the default DATA/scores) is fine
+    assert cli(*score, "--tasks", "pause_handling_example", "--out", str(v1_copy / "scores2")) == 0
+    assert (v1_copy / "scores2" / "pause_handling_example" / "summary.json").is_file()
+
+
+def test_failed_run_leaves_no_empty_out_folder(tmp_path: Path, cli, capsys) -> None:
+    out = tmp_path / "a" / "b"
+    assert cli("bench", "fdb-v1", "score", "--data", str(tmp_path / "missing"), "--out", str(out)) == 1
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "run").mkdir()
+    assert cli("bench", "report", str(tmp_path / "run"), "--out", str(out)) == 1  # nothing to report
+    capsys.readouterr()
+    assert not (tmp_path / "a").exists() and (tmp_path / "run").is_dir()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again when this returns: nothing listens there
+
+
+def test_fdb_v1_score_with_a_judge_that_is_down_finishes_and_records_failures(
+    v1_copy: Path, tmp_path: Path, cli, capsys
+) -> None:
+    """The judge on a closed port aborted the run (exit 1, nothing written); with several items and
+    --judge-attempts 1 it stopped at the first failed request. docs/BENCH.md: the run finishes with what it has,
+    every summary says so, each failed judgement is recorded as failed, and the judge is given up after two requests
+    in a row failed."""
+    import json
+
+    task = v1_copy / "user_interruption_example"
+    for i in ("2", "3", "4"):
+        shutil.copytree(task / "1", task / i)
+    for rating in task.glob("*/rating.json"):
+        rating.unlink()
+    out = tmp_path / "fs2"
+    url = f"http://127.0.0.1:{_closed_port()}/v1"
+    rc = cli("bench", "fdb-v1", "score", "--data", str(v1_copy), "--out", str(out), "--tasks",
+             "user_interruption_example", "pause_handling_example", "--judge-url", url, "--judge-timeout-s", "1",
+             "--judge-attempts", "1")  # fmt: skip
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "was taken as down after 0 answered request(s): 2 requests in a row failed" in err[-1]
+    samples = json.loads((out / "user_interruption_example" / "samples.json").read_text())
+    assert [(s["id"], s["tor"], s["rating"], s["judge_failed"]) for s in samples] == [
+        (i, 1, None, True) for i in ("1", "2", "3", "4")
+    ]
+    summary = json.loads((out / "user_interruption_example" / "summary.json").read_text())
+    assert summary["metrics"] == {"tor": 1.0, "latency_s": 4.08, "rating": None}
+    assert summary["counts"] == {"took_turn": 4, "rated": 0}
+    assert summary["notes"][0].startswith("relevance rating failed for 4 sample(s)")
+    assert "4 request(s) failed" in summary["notes"][1]  # 2 sent, 2 refused at once while the judge was down
+    pause = json.loads((out / "pause_handling_example" / "summary.json").read_text())
+    assert pause["metrics"] == {"tor": 1.0} and "taken as down" in pause["notes"][-1]
+    assert not list(task.glob("*/rating.json"))  # a failed judgement is never stored as an answer
+
+
+@pytest.mark.parametrize(
+    ("verb", "flag", "value", "message"),
+    [
+        ("latency", "--pace-ms", "nan", "'nan' is not a finite number"),
+        ("latency", "--pace-ms", "inf", "'inf' is not a finite number"),
+        ("latency", "--pace-ms", "-1", "'-1' is out of range: give 0 to 60000"),
+        ("latency", "--threads", "-1", "'-1' is out of range: give 1 to 1024"),
+        ("latency", "--threads", "0", "'0' is out of range: give 1 to 1024"),
+        ("latency", "--iters", "0", "'0' is out of range: give >= 1"),
+        ("latency", "--n", "-1", "'-1' is out of range: give 0 or >= 3"),
+        ("latency", "--n", "2", "'2' is out of range: give 0 or >= 3"),
+        ("latency", "--fill", "-1", "'-1' is out of range: give >= 0"),
+        ("latency", "--seed", "-1", "'-1' is out of range: give 0 to 9223372036854775807"),
+        ("capacity", "--frames", "0", "'0' is out of range: give >= 1"),
+        ("capacity", "--batch-size", "0", "'0' must be >= 1"),
+        ("fdb-v1 run", "--output-rate", "-16000", "'-16000' is out of range: give 8000 to 192000"),
+        ("fdb-v1 run", "--output-rate", "0", "'0' is out of range: give 8000 to 192000"),
+        ("fdb-v1 run", "--output-rate", "10000000", "'10000000' is out of range: give 8000 to 192000"),
+        ("fdb-v1 run", "--tail-s", "1e9", "'1e9' is out of range: give 0 to 600"),
+        ("fdb-v1 run", "--temp", "nan", "'nan' is not a finite number"),
+        ("fdb-v1 run", "--temp", "-1", "'-1' is out of range: give 0 or 0.001 to 10"),
+        ("fdb-v1 run", "--temp-text", "0.0001", "'0.0001' is out of range: give 0 or 0.001 to 10"),
+        ("fdb-v1 run", "--output-offset-frames", "-1", "'-1' is out of range: give 0 to 125"),
+        ("fdb-v1 run", "--output-offset-frames", "100000", "'100000' is out of range: give 0 to 125"),
+        ("fdb-v1 run", "--seed", "-1", "'-1' is out of range: give 0 to 9223372036854775807"),
+        ("fdb-v1 run", "--seed", str(2**63), f"'{2**63}' is out of range: give 0 to 9223372036854775807"),
+        ("fdb-v1 run", "--limit", "0", "'0' must be >= 1"),
+        ("fdb-v1 run", "--limit", "-1", "'-1' must be >= 1"),
+        ("serve", "--clients", "0", "'0' is out of range: give 1 to 1024"),
+        ("serve", "--clients", "2000", "'2000' is out of range: give 1 to 1024"),
+        ("serve", "--seconds", "1e9", "'1e9' is out of range: give 0.1 to 86400"),
+        ("serve", "--seconds", "nan", "'nan' is not a finite number"),
+    ],
+)
+def test_bench_settings_out_of_range_exit_2_naming_the_flag(
+    tmp_path: Path, cli, capsys, verb: str, flag: str, value: str, message: str
+) -> None:
+    """`--pace-ms nan` wrote NaN into latency.json, `--pace-ms inf` and `--threads -1` were tracebacks, `--output-rate`
+    / `--tail-s` / `--temp` out of range failed late or ran silently with another value: all are refused up front."""
+    base = {
+        "latency": ["--checkpoint", str(tmp_path / "m"), "--out", str(tmp_path / "o" / "l.json")],
+        "capacity": ["--checkpoint", str(tmp_path / "m")],
+        "fdb-v1 run": ["--data", str(tmp_path), "--checkpoint", str(tmp_path / "m"), "--out", str(tmp_path / "o")],
+        "serve": ["--out", str(tmp_path / "o")],
+    }[verb]
+    with pytest.raises(SystemExit) as exc:
+        cli("bench", *verb.split(), *base, flag, value)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"argument {flag}: {message}"), err  # argparse's usage, then the one-line error
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_range_errors_of_combined_settings_exit_2(tiny_checkpoint_dir: Path, tmp_path: Path, cli, capsys) -> None:
+    """--span-sessions beyond the batch, --n beyond the model's context, --tasks naming no task: exit 2 (was 1)."""
+    out = tmp_path / "o" / "l.json"
+    latency = ["bench", "latency", "--checkpoint", str(tiny_checkpoint_dir), "--out", str(out), "--quiet"]
+    assert cli(*latency, "--batch-size", "2", "--span-sessions", "3") == 2
+    assert "--span-sessions 3: between 0 and the smallest batch size [2]" in capsys.readouterr().err
+    assert cli(*latency, "--n", "100000", "--iters", "1") == 2
+    assert "--n [100000]: a span must fit the model's context" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # the failed run left no empty --out folder
+    assert cli("bench", "capacity", "--checkpoint", str(tiny_checkpoint_dir), "--span-interval", "-1") == 2
+    assert "--span-interval -1: give a number of seconds > 0" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    for verb in (["run", "--checkpoint", str(tiny_checkpoint_dir)], ["score"]):
+        assert cli("bench", "fdb-v1", *verb, "--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"),
+                   "--tasks", "bogus") == 2  # fmt: skip
+        assert "--tasks 'bogus': cannot tell the task from the name; write bogus=KIND" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_serve_without_any_session_exits_1(tmp_path: Path, cli, capsys) -> None:
+    """A server that answers /health but where no session ran reported success ('lateness p50 None', exit 0)."""
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        return {"status": "ok", "free_slots": 4}
+
+    port = _closed_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        out = tmp_path / "sl"
+        rc = cli("bench", "serve", "--url", f"http://127.0.0.1:{port}", "--clients", "1", "--seconds", "0.5",
+                 "--sample-s", "0.2", "--out", str(out))  # fmt: skip
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no session ran against" in err[0] and "(0 attempt(s), 0 refused)" in err[0], err
+    assert not out.exists()  # nothing written that reads as a result
+
+
+def test_report_names_a_file_given_as_run_folder_and_the_file_it_writes(tmp_path: Path, cli, capsys) -> None:
+    (tmp_path / "dlg").mkdir()
+    (tmp_path / "dlg" / "d1.json").write_text("{}")
+    assert cli("bench", "report", str(tmp_path / "dlg" / "d1.json")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"run folder {tmp_path / 'dlg' / 'd1.json'} is a file, not a folder; give the folder that "
+                        "holds the run's summary.json and latency.json files"), err  # fmt: skip
+    assert cli("bench", "report", str(tmp_path / "dlg"), "--out", "/proc/rep") == 1
+    err = capsys.readouterr().err.strip()
+    assert "/proc/rep/report.md: cannot write" in err and "summary.json" not in err, err
