@@ -21,7 +21,11 @@ def bench_serve(server, out: Path, *args: str) -> dict:
            "--clients", "2", "--out", str(out), *args]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ})
     assert proc.returncode == 0, proc.stderr
-    assert "session(s)" in proc.stdout and (out / "serve-load.png").stat().st_size > 10_000
+    assert (
+        "2 client(s): " in proc.stdout
+        and " session attempt(s), 0 refused" in proc.stdout
+        and (out / "serve-load.png").stat().st_size > 10_000
+    )
     return json.loads((out / "serve-load.json").read_text())
 
 
