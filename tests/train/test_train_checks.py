@@ -200,3 +200,35 @@ def test_a_diverging_run_stops_and_never_exports_nan(
         from cspan.train.train import read_train_state
 
         assert all(torch.isfinite(t).all() for k, t in read_train_state(ckpt).items() if k.startswith("model."))
+
+
+@pytest.mark.parametrize(
+    ("device", "code", "expect"),
+    [
+        ("bogus", 2, "--device bogus: not a device torch knows; use cpu, cuda or cuda:N"),
+        ("meta", 2, "--device meta: cspan runs on the CPU or CUDA only"),
+        pytest.param(
+            "cuda",
+            1,
+            "--device cuda: this torch has no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA"),
+        ),
+    ],
+)
+@pytest.mark.parametrize("verb", ["prepare", "train"])
+def test_a_bad_device_is_one_line_before_anything_is_written(
+    verb, device, code, expect, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`cspan prepare|train --device cuda|bogus` gave tracebacks (AssertionError 'Torch not compiled with CUDA
+    enabled', AttributeError _cuda_setDevice, RuntimeError 'Expected one of cpu, cuda...'); now one line through
+    cspan.core.devices.parse_device, exit 2 for a name torch does not know, 1 for CUDA where there is none."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "out"
+    if verb == "prepare":
+        argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--quiet"]
+    else:
+        argv = ["train", "--data-dir", str(tmp_path / "none"), "--out-dir", str(out), *ONE_STEP]
+    assert _run(*argv, "--checkpoint", str(tiny_dir), "--device", device) == code
+    err = capsys.readouterr().err
+    assert err == f"cspan {verb}: error: {expect}" + err.split(expect, 1)[1] and err.count("\n") == 1, err
+    assert not out.exists()

@@ -262,16 +262,9 @@ def pick_device(name: str | None) -> tuple[Any, Any]:
     """
     import torch
 
-    from cspan.core.errors import CspanError, SettingsError
+    from cspan.core.devices import parse_device
 
-    try:
-        device = torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    except RuntimeError:
-        raise SettingsError(f"--device {name}: not a device torch knows; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CspanError(
-            f"--device {name}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
-        )
+    device = parse_device(name or None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, dtype
 

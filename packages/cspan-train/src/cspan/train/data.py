@@ -653,9 +653,11 @@ def run_prepare(
         resolve_checkpoint,
         resolve_prefix_layout,
     )
+    from cspan.core.devices import parse_device
     from cspan.core.errors import CheckpointError
 
     options = options or PrepareOptions()
+    dev = parse_device(device or None)  # before anything is read or created
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     if not in_dir.is_dir():
         raise DataError(f"--in-dir {str(in_dir)!r} is not a folder; give the folder of NAME.json + NAME.wav pairs")
@@ -673,7 +675,6 @@ def run_prepare(
     _, mimi_cfg = read_configs(files.config, [])
     layout = resolve_prefix_layout(files)
     options = replace(options, prefix_layout=layout.name)
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mimi = load_mimi(files.mimi, mimi_cfg, device=dev)
     tokenizer = load_tokenizer(files.tokenizer)
     _write_dataset_info(

@@ -303,19 +303,6 @@ def init_distributed(device: torch.device | None) -> DistInfo:
     return info
 
 
-def pick_device(name: str | None, info: DistInfo) -> torch.device:
-    """``--device``, else ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if name:
-        dev = torch.device(name)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", info.local_rank)
-    else:
-        dev = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return dev
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------------------------------
@@ -866,9 +853,12 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Train (resuming from the latest checkpoint in ``out_dir``) and export; returns a :class:`TrainResult`."""
+        from cspan.core.devices import parse_device
+
         cfg = self.cfg
-        requested = torch.device(cfg.device) if cfg.device else None
-        self.dist = init_distributed(requested)
+        # --device (a bare cuda is cuda:LOCAL_RANK), else cuda:LOCAL_RANK when CUDA is available, else the CPU
+        self.device = parse_device(cfg.device or None, cuda_index=int(os.environ.get("LOCAL_RANK", "0")))
+        self.dist = init_distributed(self.device)
         try:
             return self._run()
         finally:
@@ -879,7 +869,8 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         cfg, info = self.cfg, self.dist
-        self.device = pick_device(cfg.device, info)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         seed_rngs(cfg.seed, info.rank)
         self.dataset = PreparedDataset(cfg.data_dir)
         self._load_model()
