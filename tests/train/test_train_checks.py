@@ -146,8 +146,8 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
     for other in outs[1:]:
         torch.testing.assert_close(other.text_logits, outs[0].text_logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(other.logits.nan_to_num(), outs[0].logits.nan_to_num(), atol=1e-5, rtol=0)
-    # the moshi format needs adapters
-    assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 1
+    # the moshi format needs adapters: a bad setting (exit status 2)
+    assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 2
     assert "--lora-rank" in capsys.readouterr().err
 
 
@@ -169,15 +169,23 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
         (["--start-delay-s", "-1"], "--start-delay-s must be >= 0"),
         (["--keep-checkpoints", "-1"], "--keep-checkpoints must be >= 0"),
         (["--fsdp"], "--fsdp shards the model over the processes that torchrun starts"),
+        (["--clip", "0"], "--clip must be > 0, got 0.0"),
+        (["--context", "0"], "--context must be >= 2 positions, got 0"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0, got -1"),
+        (["--stop-at", "0"], "--stop-at must be in [1, --steps], got 0"),
+        (["--out-dir", "FILE"], "--out-dir 'FILE' is a file; give a folder (a new one, or a run to resume)"),
     ],
 )
 def test_train_numeric_flags_are_refused_before_anything_loads(flags, expect, tmp_path, capsys, monkeypatch) -> None:
     """Issue 22 (F10): `--lr nan` trained and exported NaN weights with exit 0; inf, negative and out-of-range values
     were accepted or gave tracebacks; `--fsdp` outside torchrun ran as one process. Each is one line before the
-    checkpoint or the data is read (neither exists here)."""
+    checkpoint or the data is read (neither exists here), as a bad setting: exit status 2 (range checks gave 1)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    Path("FILE").write_text("not a folder")
     argv = ["train", "--data-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path / "run")]
-    assert _run(*argv, "--checkpoint", str(tmp_path / "missing"), *flags) == 1
+    assert _run(*argv, "--checkpoint", str(tmp_path / "missing"), *flags) == 2
     err = capsys.readouterr().err
     assert err == f"cspan train: error: {expect}" + err.split(expect, 1)[1] and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -154,3 +155,46 @@ def test_read_stereo_applies_the_audio_rules_of_every_surface(tmp_path: Path, ca
     )
     with pytest.raises(DataError, match=r"declares a sample rate of 2000000000 Hz, outside 1000\.\.768000 Hz"):
         read_stereo(bogus)
+
+
+def test_missing_or_damaged_shards_are_named_by_train_and_encoded_again_by_prepare(
+    prepared_dir: Path, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A missing shard made `cspan train` say "run `cspan prepare` again (it re-encodes what is missing)", and
+    prepare then said "already done" and wrote nothing; a truncated shard gave a SafetensorError traceback in train
+    (and an out folder behind) and prepare did not notice. Train now names the file in one line before anything is
+    written; prepare checks the shards it counts as done (header, size, tensors) and encodes their dialogues again."""
+    import os
+
+    out = tmp_path / "copy"
+    shutil.copytree(prepared_dir, out)
+    records = {r.name: r for r in read_manifest(out / "manifest.jsonl")}
+    damaged = out / records["cafe"].shard
+    missing = out / records["weather"].shard
+    assert damaged != missing
+    os.truncate(damaged, damaged.stat().st_size - 10)  # the header still parses: the size gives it away
+    missing.unlink()
+
+    run = tmp_path / "run"
+    argv = ["train", "--data-dir", str(out), "--out-dir", str(run), "--checkpoint", str(tiny_dir), "--context", "120"]
+    assert main([*argv, "--steps", "1", "--accum", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"cspan train: error: shard {str(damaged)!r} is damaged (") and "truncated" in err, err
+    assert "(and 1 other shard(s))" in err and "run `cspan prepare` again" in err
+    assert not run.exists()
+
+    argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    assert main([*argv, "--device", "cpu", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"shard {str(damaged)!r} is damaged (" in err and f"shard {str(missing)!r} is missing" in err, err
+    assert "3 dialogue(s) prepared" in err and "already done" not in err, err
+    after = {r.name: r for r in read_manifest(out / "manifest.jsonl")}
+    assert sorted(after) == ["cafe", "chat", "weather"]
+    dataset = PreparedDataset(out)  # every shard whole again
+    original = {r.name: r for r in read_manifest(prepared_dir / "manifest.jsonl")}
+    for name, rec in after.items():
+        codes, prefix = _tensors(out, rec.shard, name)
+        assert torch.equal(codes, _tensors(prepared_dir, original[name].shard, name)[0])
+        assert prefix.shape[1] == rec.prefix_frames
+    assert len(dataset) == 3

@@ -16,7 +16,9 @@ For each ``NAME.json`` in ``--in-dir`` (format: :mod:`cspan.train.schema`) with 
    (``shards/shard-00000.safetensors``, int16 where the ids fit) and, once the shard is written, one line per
    dialogue to ``manifest.jsonl``.
 
-Resumable: dialogues already in the manifest are skipped, so an interrupted run continues where it stopped. A bad
+Resumable: dialogues already in the manifest are skipped, so an interrupted run continues where it stopped; a
+shard of the manifest that is missing or damaged (its safetensors header, its size or its tensors do not match) is
+reported and its dialogues are encoded again. A bad
 dialogue (invalid JSON field, missing or mono audio, words after the end of the audio...) is reported on stderr
 and in ``errors.jsonl`` with its file and field, and skipped; the others are prepared.
 """
@@ -44,7 +46,15 @@ import torch
 from cspan.core.constants import EPAD, FRAME_RATE, FRAME_SIZE, NUM_CODEBOOKS, PAD, RET, SAMPLE_RATE
 from cspan.core.errors import CspanError
 
-from .dataset import DATASET_FILE, DATASET_FORMAT, MANIFEST_FILE, DialogueRecord, SpanRecord, read_manifest
+from .dataset import (
+    DATASET_FILE,
+    DATASET_FORMAT,
+    MANIFEST_FILE,
+    DialogueRecord,
+    SpanRecord,
+    read_manifest,
+    shard_problems,
+)
 from .errors import DataError
 from .schema import Dialogue, load_dialogue
 
@@ -585,6 +595,37 @@ def _write_dataset_info(out_dir: Path, info: dict[str, Any]) -> None:
     path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
+def _check_shards(out_dir: Path, inputs: set[str]) -> list[DialogueRecord]:
+    """The manifest's records whose shard is there and whole (:func:`cspan.train.dataset.shard_problems`).
+
+    The records of a missing or damaged shard are dropped from the manifest (rewritten atomically) and the damaged
+    file removed, so that their dialogues are encoded again into a new shard; each such shard is reported on stderr.
+    """
+    from cspan.core.files import write_text_atomic
+
+    records = read_manifest(out_dir / MANIFEST_FILE)
+    problems = shard_problems(out_dir, records)
+    if not problems:
+        return records
+    for shard, problem in problems.items():
+        names = [r.name for r in records if r.shard == shard]
+        lost = [n for n in names if n not in inputs]
+        note = (
+            f"cspan prepare: shard {str(out_dir / shard)!r} is {problem}: encoding its {len(names)} dialogue(s) again"
+        )
+        if lost:
+            note += f"; {len(lost)} of them ({', '.join(lost[:5])}) are not in --in-dir and leave the dataset"
+        print(note, file=sys.stderr)
+    kept = [r for r in records if r.shard not in problems]
+    write_text_atomic(
+        out_dir / MANIFEST_FILE, "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in kept)
+    )
+    for shard, problem in problems.items():
+        if problem.startswith("damaged"):  # unusable: a new shard replaces it
+            (out_dir / shard).unlink(missing_ok=True)
+    return kept
+
+
 def iter_loaded(
     paths: Sequence[Path], load: Any, workers: int
 ) -> Iterator[tuple[Path, LoadedDialogue | None, str | None]]:
@@ -693,7 +734,7 @@ def run_prepare(
         },
     )
 
-    done = {r.name for r in read_manifest(out_dir / MANIFEST_FILE)}
+    done = {r.name for r in _check_shards(out_dir, {p.stem for p in paths})}
     todo = [p for p in paths if p.stem not in done]
     skipped = len(paths) - len(todo)
     if skipped:

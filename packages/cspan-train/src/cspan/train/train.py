@@ -52,6 +52,7 @@ from torch import nn
 from cspan.core.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
 from cspan.core.checkpoint import EXPORT_INFO, MOSHI_LORA_FILE
 from cspan.core.config import CONTEXT_SPANNING
+from cspan.core.errors import SettingsError
 
 from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
 from .errors import TrainError
@@ -163,7 +164,7 @@ class TrainConfig:
         """A copy with the defaults that depend on other options filled in.
 
         Raises:
-            TrainError: an option out of range.
+            SettingsError: an option out of range (exit status 2), naming the flag.
         """
         import copy
 
@@ -208,9 +209,9 @@ class TrainConfig:
             if value is None:
                 continue
             if not finite(value):
-                raise TrainError(f"{flag} must be a finite number, got {value}")
+                raise SettingsError(f"{flag} must be a finite number, got {value}")
             if value < low or (value == low and not inclusive):
-                raise TrainError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
+                raise SettingsError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
         checks += [
             (
                 cfg.random_sampling_proba <= 1.0,
@@ -222,6 +223,10 @@ class TrainConfig:
             (cfg.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (0 = all), got {cfg.keep_checkpoints}"),
             (cfg.log_every >= 1, f"--log-every must be >= 1, got {cfg.log_every}"),
             (
+                not cfg.out_dir.exists() or cfg.out_dir.is_dir(),
+                f"--out-dir {str(cfg.out_dir)!r} is a file; give a folder (a new one, or a run to resume)",
+            ),
+            (
                 not cfg.fsdp or "WORLD_SIZE" in os.environ,
                 "--fsdp shards the model over the processes that torchrun starts, and this process was not started "
                 "by torchrun; run `torchrun --nproc-per-node N -m cspan.core.cli train ... --fsdp`, or leave --fsdp "
@@ -230,7 +235,7 @@ class TrainConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise TrainError(message)
+                raise SettingsError(message)
         if cfg.lr is None:
             cfg.lr = 1e-4 if cfg.lora_rank else 2e-6
         if cfg.lr_depformer is None:
@@ -240,7 +245,7 @@ class TrainConfig:
         if cfg.warmup_steps is None:
             cfg.warmup_steps = max(1, round(0.05 * cfg.steps))
         if cfg.stop_at is not None and not 1 <= cfg.stop_at <= cfg.steps:
-            raise TrainError(f"--stop-at must be in [1, --steps], got {cfg.stop_at}")
+            raise SettingsError(f"--stop-at must be in [1, --steps], got {cfg.stop_at}")
         return cfg
 
 
@@ -888,7 +893,19 @@ class Trainer:
             ),
         )
         self._build_optimizer()
+        created = not cfg.out_dir.exists()
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._train()
+        except BaseException:
+            # a run that stopped (error, Ctrl-C) before its first checkpoint leaves no folder that looks like a run
+            if created and info.is_main and self.latest_checkpoint() is None:
+                shutil.rmtree(cfg.out_dir, ignore_errors=True)
+            raise
+
+    def _train(self) -> TrainResult:
+        """Resume from the latest checkpoint of ``out_dir`` (created), train, checkpoint and export."""
+        cfg, info = self.cfg, self.dist
         start = 0
         latest = self.latest_checkpoint()
         if latest is not None:
