@@ -240,3 +240,57 @@ def test_a_bad_device_is_one_line_before_anything_is_written(
     err = capsys.readouterr().err
     assert err == f"cspan {verb}: error: {expect}" + err.split(expect, 1)[1] and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["dcp", "trainer.pt"])
+def test_ctrl_c_while_a_checkpoint_is_saved_is_an_interrupt(
+    where: str, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Ctrl-C during a checkpoint's save printed a traceback (DCP's CheckpointException wrapping the
+    KeyboardInterrupt, torch.save's RuntimeError 'unexpected pos') and exited 1, leaving `.step_NNNNNNNN.tmp`. A real
+    SIGINT is sent to this process in the middle of the second save (while DCP writes, or while torch.save writes
+    trainer.pt): the run ends as any interrupted one, 'interrupted' and 130, the first checkpoint whole, no temporary
+    folder, and the same command resumes from it."""
+    import signal
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    calls = {"n": 0}
+
+    def interrupt_on_second_save() -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    if where == "dcp":
+        real_write = FileSystemWriter.write_data
+
+        def write_data(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            interrupt_on_second_save()
+            return real_write(self, *args, **kwargs)
+
+        monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    else:
+        import cspan.train.train as train_module
+
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(f).endswith("trainer.pt"):
+                interrupt_on_second_save()
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(train_module.torch, "save", save)
+    out = tmp_path / "run"
+    argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    argv += [*COMMON, "--steps", "3", "--batch-size", "1", "--accum", "1", "--ckpt-every", "1"]
+    assert _run(*argv) == 130
+    err = capsys.readouterr().err
+    assert err.endswith("cspan train: interrupted\n") and "Traceback" not in err, err
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000001"]  # no .step_00000002.tmp
+    assert (checkpoints / "step_00000001" / "COMPLETE").is_file() and not (out / "export").exists()
+    monkeypatch.undo()
+    assert _run(*argv) == 0
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "(step 1 of 3)" in err and (out / "export" / "context_spanning.pt").is_file()

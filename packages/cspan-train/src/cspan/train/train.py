@@ -415,6 +415,48 @@ def build_optimizer(
 
 
 @contextmanager
+def _stop_signals_seen() -> Iterator[list[int]]:
+    """Record the stop signals (SIGINT, and ``cspan``'s SIGTERM, SIGHUP, SIGQUIT) that land while the block runs;
+    each still raises as before (``KeyboardInterrupt``, :class:`~cspan.core.errors.Terminated`). A library that
+    catches that exception and raises its own instead (DCP's ``CheckpointException`` wrapping the
+    ``KeyboardInterrupt``, torch.save's ``unexpected pos``) cannot hide that the run was stopped: the caller reads
+    the list. Only signals whose handler is a Python function are watched (the main thread's)."""
+    import signal
+    import threading
+
+    from cspan.core.cli import STOP_SIGNALS
+
+    seen: list[int] = []
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, *STOP_SIGNALS):
+            old = signal.getsignal(signum)
+            if callable(old):
+
+                def handler(num: int, frame: Any, _old: Any = old) -> None:
+                    seen.append(num)
+                    _old(num, frame)
+
+                previous[signum] = signal.signal(signum, handler)
+    try:
+        yield seen
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _raise_stop(signum: int) -> None:
+    """Raise what stopping on ``signum`` raises: ``KeyboardInterrupt`` (SIGINT) or ``Terminated``."""
+    import signal
+
+    from cspan.core.errors import Terminated
+
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(signum)
+
+
+@contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it assumes a single process whenever no process group exists: that is the intent here."""
     import warnings
@@ -666,6 +708,31 @@ class Trainer:
         root = self._ckpt_root()
         final = root / f"step_{step:08d}"
         tmp = root / f".step_{step:08d}.tmp"
+        with _stop_signals_seen() as stopped:
+            try:
+                self._write_checkpoint(step, tmp, final)
+            except BaseException:
+                # an interrupted or failed save leaves no temporary folder (a resume would remove it anyway); a
+                # signal that a library turned into its own error (DCP's CheckpointException, torch.save's
+                # 'unexpected pos') is raised as what it is, so the run ends as any interrupted one (exit 130)
+                if self.dist.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if stopped:
+                    _raise_stop(stopped[0])
+                raise
+        if stopped:  # the signal was swallowed inside the save, which completed: stop now, the checkpoint is whole
+            _raise_stop(stopped[0])
+        if self.dist.is_main:
+            keep = self.cfg.keep_checkpoints
+            if keep > 0:
+                done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_FILE).is_file())
+                for old in done[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.dist.barrier()
+        return final
+
+    def _write_checkpoint(self, step: int, tmp: Path, final: Path) -> None:
+        """Write the checkpoint of ``step`` into ``tmp`` and rename it to ``final`` once every rank is done."""
         if self.dist.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -682,13 +749,6 @@ class Trainer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            keep = self.cfg.keep_checkpoints
-            if keep > 0:
-                done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_FILE).is_file())
-                for old in done[:-keep]:
-                    shutil.rmtree(old, ignore_errors=True)
-        self.dist.barrier()
-        return final
 
     def load_checkpoint(self, folder: Path) -> int:
         """Restore the trainable weights, optimizer and scheduler from ``folder``, written by any number of processes
