@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -198,3 +199,61 @@ def test_missing_or_damaged_shards_are_named_by_train_and_encoded_again_by_prepa
         assert torch.equal(codes, _tensors(prepared_dir, original[name].shard, name)[0])
         assert prefix.shape[1] == rec.prefix_frames
     assert len(dataset) == 3
+
+
+LONG_PERSONA = " ".join(["word"] * 5000)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--max-span-frames", "0"], "--max-span-frames 0: must be at least 3 (a Context Span block holds"),
+        (
+            ["--voice", "nosuchvoice"],
+            "--voice 'nosuchvoice': neither a voice file nor a voice of the checkpoint (known: tiny0, tiny1)",
+        ),
+        (
+            ["--persona", LONG_PERSONA],
+            "--persona: the persona takes 15017 frames (0 of voice prompt, 15016 text tokens from 24999 characters) "
+            "of the model's 3000-position attention window; at most 1500 leave room to talk; shorten it",
+        ),
+        (["--out-dir", "FILE"], "--out-dir 'FILE' is a file; give a folder (a new one, or one to resume)"),
+    ],
+)
+def test_global_flags_are_checked_up_front(
+    flags, expect, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`--max-span-frames 0` skipped every grounded dialogue ("must be at least 3") and exited 0; `--voice
+    nosuchvoice` blamed each dialogue's voice field; a 5000-word `--persona` gave 15017 prefix frames against a
+    3000-position window. Each is now one line naming the flag, exit status 2, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    Path("FILE").write_text("not a folder")
+    argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(tmp_path / "data"), "--checkpoint", str(tiny_dir)]
+    assert main([*argv, "--device", "cpu", "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan prepare: error: {expect}") and err.count("\n") == 1, err
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--max-span-frames", "300"], "--max-span-frames 300: {out} was prepared with --max-span-frames 600"),
+        (["--persona", "You are Bob."], "--persona 'You are Bob.': {out} was prepared with --persona none (not given)"),
+        (["--voice", "tiny1"], "--voice 'tiny1': {out} was prepared with --voice none (not given)"),
+    ],
+)
+def test_resuming_with_other_encoding_settings_is_refused(
+    flags, expect, prepared_dir: Path, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """Resuming with another --max-span-frames (or default persona or voice) was accepted and dataset.json rewritten:
+    one dataset would hold dialogues encoded two ways. Refused naming the flag and both values; nothing changes."""
+    out = tmp_path / "copy"
+    shutil.copytree(prepared_dir, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    assert main([*argv, "--device", "cpu", "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan prepare: error: {expect.format(out=repr(str(out)))}") and err.count("\n") == 1, err
+    assert "resume with that value, or prepare into a new --out-dir" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

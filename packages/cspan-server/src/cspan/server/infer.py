@@ -474,12 +474,9 @@ def persona_frames(checkpoint: Any, settings: InferSettings, voice: Any) -> dict
         "text_tokens": len(prefix.text_ids),
         "window": window,
     }
-    if window is not None and prefix.num_frames > window // 2:
-        raise CspanError(
-            f"--text-prompt: the persona takes {prefix.num_frames} frames ({prefix.voice_frames} of voice prompt, "
-            f"{len(prefix.text_ids)} text tokens from {len(settings.text_prompt)} characters) of the model's "
-            f"{window}-position attention window; at most {window // 2} leave room to talk. Shorten the text prompt"
-        )
+    too_long = prefix.too_long_for(window, characters=len(settings.text_prompt))
+    if too_long is not None:
+        raise CspanError(f"--text-prompt: {too_long}. Shorten the text prompt")
     return info
 
 
