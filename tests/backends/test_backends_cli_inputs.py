@@ -146,3 +146,12 @@ def test_users_add_refuses_a_bad_user_id_as_a_bad_setting(user: str, shown: str,
     err = done.stderr.decode()
     assert err == f"cspan users add: error: user id must be 1 to 200 printable characters, got {shown}\n"
     assert done.stdout == b""
+
+
+def test_backends_start_names_a_file_given_as_log_dir(tmp_path: Path) -> None:
+    """A file as --log-dir gave only 'file exists'."""
+    log = tmp_path / "log"
+    log.write_text("a file")
+    done = _cspan("backends", "start", "--log-dir", str(log), "--no-asr", "--no-router")
+    assert done.returncode == 2
+    assert done.stderr.decode() == f"cspan backends start: error: --log-dir {str(log)!r} is a file; give a folder\n"

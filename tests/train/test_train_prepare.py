@@ -257,3 +257,14 @@ def test_resuming_with_other_encoding_settings_is_refused(
     assert err.startswith(f"cspan prepare: error: {expect.format(out=repr(str(out)))}") and err.count("\n") == 1, err
     assert "resume with that value, or prepare into a new --out-dir" in err
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize("verb", ["prepare", "train"])
+def test_help_states_each_default_once(verb: str, capsys) -> None:
+    """`cspan prepare --help` showed '(4) (default: 4)': the help lines say their defaults, the formatter added them
+    again."""
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "threads reading and aligning dialogues (4)" in out or verb == "train"
+    assert "(default: 4)" not in out and "(default: 1000)" not in out and "(default: None)" not in out, out

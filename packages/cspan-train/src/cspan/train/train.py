@@ -476,7 +476,7 @@ def _sharded_options() -> Any:
 
 def save_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the trainable weights and the optimizer state of ``module`` to ``folder`` as a
-    ``torch.distributed.checkpoint`` (``.metadata`` + ``__R_I.distcp`` files): every rank writes its own FSDP2 shards
+    ``torch.distributed.checkpoint`` (``.metadata`` + ``__RANK_I.distcp`` files, ``__0_0.distcp`` for one process): every rank writes its own FSDP2 shards
     (replicated tensors once), no rank gathers the whole model. Keys are the parameters' fully qualified names
     (``model.lm.<name>``, ``optimizer.state.lm.<name>.exp_avg``, ...) whatever the wrapping (none, DDP or FSDP2), so
     :func:`load_train_state` reads it on any number of processes and either wrapping. A collective: every rank calls
