@@ -131,3 +131,27 @@ def test_a_busy_port_is_one_line_before_anything_loads(args: list[str]) -> None:
         f"cspan {verb}: error: --port {port}: address already in use on 127.0.0.1:{port} (another server?); "
         "stop it or pick another --port"
     )
+
+
+@pytest.mark.parametrize(
+    ("user", "shown"),
+    [("", "''"), ("x" * 10000, "'" + "x" * 56 + "... (10000 characters)"), ("a\tb", "'a\\tb'")],
+)
+def test_users_add_refuses_a_bad_user_id_as_a_bad_setting(user: str, shown: str, tmp_path: Path) -> None:
+    """`cspan users add ""` exited 1 as if the database had failed, and a 10000-character id was echoed in full:
+    a bad id is a bad argument (exit status 2), the message cut with the id's length, and no token is issued."""
+    db = tmp_path / "ctx.sqlite"
+    done = _cspan("users", "add", user, "--db", str(db))
+    assert done.returncode == 2, done.stderr
+    err = done.stderr.decode()
+    assert err == f"cspan users add: error: user id must be 1 to 200 printable characters, got {shown}\n"
+    assert done.stdout == b""
+
+
+def test_backends_start_names_a_file_given_as_log_dir(tmp_path: Path) -> None:
+    """A file as --log-dir gave only 'file exists'."""
+    log = tmp_path / "log"
+    log.write_text("a file")
+    done = _cspan("backends", "start", "--log-dir", str(log), "--no-asr", "--no-router")
+    assert done.returncode == 2
+    assert done.stderr.decode() == f"cspan backends start: error: --log-dir {str(log)!r} is a file; give a folder\n"

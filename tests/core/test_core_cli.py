@@ -21,3 +21,26 @@ def test_an_unknown_argument_is_refused_with_the_verbs_usage(argv, prog, unknown
     assert exit_.value.code == 2
     assert err.startswith(f"usage: {prog} ") and err.endswith(f"{prog}: error: unrecognized arguments: {unknown}\n")
     assert not (tmp_path / "tiny").exists()
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "18446744073709551615"])
+def test_model_tiny_refuses_a_seed_that_would_wrap(seed: str, capsys, tmp_path) -> None:
+    """`cspan model tiny --seed -1`, `4294967295` and `18446744073709551615` wrote identical weights (torch's CPU
+    generator keeps 32 bits of the seed): a seed outside 0 .. 2**32 - 1 is a bad setting, before anything is written."""
+    assert main(["model", "tiny", str(tmp_path / "tiny"), "--seed", seed]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"cspan model: error: --seed {seed}: must be 0 to 4294967295 (2**32 - 1); a seed outside that range would "
+        "repeat another's weights\n"
+    )
+    assert not (tmp_path / "tiny").exists()
+
+
+def test_model_tiny_refuses_an_empty_path(capsys, tmp_path, monkeypatch) -> None:
+    """`cspan model tiny ""` wrote the checkpoint into the working folder."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["model", "tiny", ""]) == 2
+    assert capsys.readouterr().err == (
+        "cspan model: error: OUT_DIR is empty; give the folder to write the tiny checkpoint into\n"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -146,8 +146,8 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
     for other in outs[1:]:
         torch.testing.assert_close(other.text_logits, outs[0].text_logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(other.logits.nan_to_num(), outs[0].logits.nan_to_num(), atol=1e-5, rtol=0)
-    # the moshi format needs adapters
-    assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 1
+    # the moshi format needs adapters: a bad setting (exit status 2)
+    assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 2
     assert "--lora-rank" in capsys.readouterr().err
 
 
@@ -169,15 +169,23 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
         (["--start-delay-s", "-1"], "--start-delay-s must be >= 0"),
         (["--keep-checkpoints", "-1"], "--keep-checkpoints must be >= 0"),
         (["--fsdp"], "--fsdp shards the model over the processes that torchrun starts"),
+        (["--clip", "0"], "--clip must be > 0, got 0.0"),
+        (["--context", "0"], "--context must be >= 2 positions, got 0"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0, got -1"),
+        (["--stop-at", "0"], "--stop-at must be in [1, --steps], got 0"),
+        (["--out-dir", "FILE"], "--out-dir 'FILE' is a file; give a folder (a new one, or a run to resume)"),
     ],
 )
 def test_train_numeric_flags_are_refused_before_anything_loads(flags, expect, tmp_path, capsys, monkeypatch) -> None:
     """Issue 22 (F10): `--lr nan` trained and exported NaN weights with exit 0; inf, negative and out-of-range values
     were accepted or gave tracebacks; `--fsdp` outside torchrun ran as one process. Each is one line before the
-    checkpoint or the data is read (neither exists here)."""
+    checkpoint or the data is read (neither exists here), as a bad setting: exit status 2 (range checks gave 1)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    Path("FILE").write_text("not a folder")
     argv = ["train", "--data-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path / "run")]
-    assert _run(*argv, "--checkpoint", str(tmp_path / "missing"), *flags) == 1
+    assert _run(*argv, "--checkpoint", str(tmp_path / "missing"), *flags) == 2
     err = capsys.readouterr().err
     assert err == f"cspan train: error: {expect}" + err.split(expect, 1)[1] and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
@@ -200,3 +208,89 @@ def test_a_diverging_run_stops_and_never_exports_nan(
         from cspan.train.train import read_train_state
 
         assert all(torch.isfinite(t).all() for k, t in read_train_state(ckpt).items() if k.startswith("model."))
+
+
+@pytest.mark.parametrize(
+    ("device", "code", "expect"),
+    [
+        ("bogus", 2, "--device bogus: not a device torch knows; use cpu, cuda or cuda:N"),
+        ("meta", 2, "--device meta: cspan runs on the CPU or CUDA only"),
+        pytest.param(
+            "cuda",
+            1,
+            "--device cuda: this torch has no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA"),
+        ),
+    ],
+)
+@pytest.mark.parametrize("verb", ["prepare", "train"])
+def test_a_bad_device_is_one_line_before_anything_is_written(
+    verb, device, code, expect, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`cspan prepare|train --device cuda|bogus` gave tracebacks (AssertionError 'Torch not compiled with CUDA
+    enabled', AttributeError _cuda_setDevice, RuntimeError 'Expected one of cpu, cuda...'); now one line through
+    cspan.core.devices.parse_device, exit 2 for a name torch does not know, 1 for CUDA where there is none."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "out"
+    if verb == "prepare":
+        argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--quiet"]
+    else:
+        argv = ["train", "--data-dir", str(tmp_path / "none"), "--out-dir", str(out), *ONE_STEP]
+    assert _run(*argv, "--checkpoint", str(tiny_dir), "--device", device) == code
+    err = capsys.readouterr().err
+    assert err == f"cspan {verb}: error: {expect}" + err.split(expect, 1)[1] and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["dcp", "trainer.pt"])
+def test_ctrl_c_while_a_checkpoint_is_saved_is_an_interrupt(
+    where: str, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Ctrl-C during a checkpoint's save printed a traceback (DCP's CheckpointException wrapping the
+    KeyboardInterrupt, torch.save's RuntimeError 'unexpected pos') and exited 1, leaving `.step_NNNNNNNN.tmp`. A real
+    SIGINT is sent to this process in the middle of the second save (while DCP writes, or while torch.save writes
+    trainer.pt): the run ends as any interrupted one, 'interrupted' and 130, the first checkpoint whole, no temporary
+    folder, and the same command resumes from it."""
+    import signal
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    calls = {"n": 0}
+
+    def interrupt_on_second_save() -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    if where == "dcp":
+        real_write = FileSystemWriter.write_data
+
+        def write_data(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            interrupt_on_second_save()
+            return real_write(self, *args, **kwargs)
+
+        monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    else:
+        import cspan.train.train as train_module
+
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(f).endswith("trainer.pt"):
+                interrupt_on_second_save()
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(train_module.torch, "save", save)
+    out = tmp_path / "run"
+    argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    argv += [*COMMON, "--steps", "3", "--batch-size", "1", "--accum", "1", "--ckpt-every", "1"]
+    assert _run(*argv) == 130
+    err = capsys.readouterr().err
+    assert err.endswith("cspan train: interrupted\n") and "Traceback" not in err, err
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000001"]  # no .step_00000002.tmp
+    assert (checkpoints / "step_00000001" / "COMPLETE").is_file() and not (out / "export").exists()
+    monkeypatch.undo()
+    assert _run(*argv) == 0
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "(step 1 of 3)" in err and (out / "export" / "context_spanning.pt").is_file()

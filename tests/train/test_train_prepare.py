@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -154,3 +156,115 @@ def test_read_stereo_applies_the_audio_rules_of_every_surface(tmp_path: Path, ca
     )
     with pytest.raises(DataError, match=r"declares a sample rate of 2000000000 Hz, outside 1000\.\.768000 Hz"):
         read_stereo(bogus)
+
+
+def test_missing_or_damaged_shards_are_named_by_train_and_encoded_again_by_prepare(
+    prepared_dir: Path, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A missing shard made `cspan train` say "run `cspan prepare` again (it re-encodes what is missing)", and
+    prepare then said "already done" and wrote nothing; a truncated shard gave a SafetensorError traceback in train
+    (and an out folder behind) and prepare did not notice. Train now names the file in one line before anything is
+    written; prepare checks the shards it counts as done (header, size, tensors) and encodes their dialogues again."""
+    import os
+
+    out = tmp_path / "copy"
+    shutil.copytree(prepared_dir, out)
+    records = {r.name: r for r in read_manifest(out / "manifest.jsonl")}
+    damaged = out / records["cafe"].shard
+    missing = out / records["weather"].shard
+    assert damaged != missing
+    os.truncate(damaged, damaged.stat().st_size - 10)  # the header still parses: the size gives it away
+    missing.unlink()
+
+    run = tmp_path / "run"
+    argv = ["train", "--data-dir", str(out), "--out-dir", str(run), "--checkpoint", str(tiny_dir), "--context", "120"]
+    assert main([*argv, "--steps", "1", "--accum", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"cspan train: error: shard {str(damaged)!r} is damaged (") and "truncated" in err, err
+    assert "(and 1 other shard(s))" in err and "run `cspan prepare` again" in err
+    assert not run.exists()
+
+    argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    assert main([*argv, "--device", "cpu", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"shard {str(damaged)!r} is damaged (" in err and f"shard {str(missing)!r} is missing" in err, err
+    assert "3 dialogue(s) prepared" in err and "already done" not in err, err
+    after = {r.name: r for r in read_manifest(out / "manifest.jsonl")}
+    assert sorted(after) == ["cafe", "chat", "weather"]
+    dataset = PreparedDataset(out)  # every shard whole again
+    original = {r.name: r for r in read_manifest(prepared_dir / "manifest.jsonl")}
+    for name, rec in after.items():
+        codes, prefix = _tensors(out, rec.shard, name)
+        assert torch.equal(codes, _tensors(prepared_dir, original[name].shard, name)[0])
+        assert prefix.shape[1] == rec.prefix_frames
+    assert len(dataset) == 3
+
+
+LONG_PERSONA = " ".join(["word"] * 5000)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--max-span-frames", "0"], "--max-span-frames 0: must be at least 3 (a Context Span block holds"),
+        (
+            ["--voice", "nosuchvoice"],
+            "--voice 'nosuchvoice': neither a voice file nor a voice of the checkpoint (known: tiny0, tiny1)",
+        ),
+        (
+            ["--persona", LONG_PERSONA],
+            "--persona: the persona takes 15017 frames (0 of voice prompt, 15016 text tokens from 24999 characters) "
+            "of the model's 3000-position attention window; at most 1500 leave room to talk; shorten it",
+        ),
+        (["--out-dir", "FILE"], "--out-dir 'FILE' is a file; give a folder (a new one, or one to resume)"),
+    ],
+)
+def test_global_flags_are_checked_up_front(
+    flags, expect, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`--max-span-frames 0` skipped every grounded dialogue ("must be at least 3") and exited 0; `--voice
+    nosuchvoice` blamed each dialogue's voice field; a 5000-word `--persona` gave 15017 prefix frames against a
+    3000-position window. Each is now one line naming the flag, exit status 2, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    Path("FILE").write_text("not a folder")
+    argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(tmp_path / "data"), "--checkpoint", str(tiny_dir)]
+    assert main([*argv, "--device", "cpu", "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan prepare: error: {expect}") and err.count("\n") == 1, err
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--max-span-frames", "300"], "--max-span-frames 300: {out} was prepared with --max-span-frames 600"),
+        (["--persona", "You are Bob."], "--persona 'You are Bob.': {out} was prepared with --persona none (not given)"),
+        (["--voice", "tiny1"], "--voice 'tiny1': {out} was prepared with --voice none (not given)"),
+    ],
+)
+def test_resuming_with_other_encoding_settings_is_refused(
+    flags, expect, prepared_dir: Path, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """Resuming with another --max-span-frames (or default persona or voice) was accepted and dataset.json rewritten:
+    one dataset would hold dialogues encoded two ways. Refused naming the flag and both values; nothing changes."""
+    out = tmp_path / "copy"
+    shutil.copytree(prepared_dir, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    assert main([*argv, "--device", "cpu", "--quiet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan prepare: error: {expect.format(out=repr(str(out)))}") and err.count("\n") == 1, err
+    assert "resume with that value, or prepare into a new --out-dir" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize("verb", ["prepare", "train"])
+def test_help_states_each_default_once(verb: str, capsys) -> None:
+    """`cspan prepare --help` showed '(4) (default: 4)': the help lines say their defaults, the formatter added them
+    again."""
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "threads reading and aligning dialogues (4)" in out or verb == "train"
+    assert "(default: 4)" not in out and "(default: 1000)" not in out and "(default: None)" not in out, out

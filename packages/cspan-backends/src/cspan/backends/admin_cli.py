@@ -69,8 +69,14 @@ def _handler(verb: str, fn: Callable[[argparse.Namespace, Any], int]) -> Callabl
 
 
 def _users_add(args: argparse.Namespace, db: Any) -> int:
+    from cspan.backends.context_db.user import check_id
     from cspan.backends.identity import issue_token
 
+    try:
+        check_id(args.user, "user id")
+    except ValueError as exc:  # a bad argument: exit status 2, as argparse's own refusals
+        print(f"cspan users add: error: {exc}", file=sys.stderr)
+        return 2
     record, token = issue_token(db, args.user, scopes=args.scope or ("session",), label=args.label)
     print(token)
     print(

@@ -119,6 +119,9 @@ def _specs(args: argparse.Namespace) -> list:
 def _backends_start(args: argparse.Namespace) -> int:
     from cspan.backends.launcher import LauncherError, format_command, start, state_dir
 
+    if args.log_dir is not None and args.log_dir.exists() and not args.log_dir.is_dir():
+        print(f"cspan backends start: error: --log-dir {str(args.log_dir)!r} is a file; give a folder", file=sys.stderr)
+        return 2
     try:
         specs = _specs(args)
         if args.dry_run:

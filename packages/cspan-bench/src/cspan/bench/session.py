@@ -72,13 +72,12 @@ def pick_device(name: str | None = None, dtype: str | None = None) -> tuple[Any,
     """``(device, dtype)``: ``name`` or CUDA when available, else CPU; dtype from :func:`parse_dtype`.
 
     Raises:
-        BenchError: CUDA was asked for but is not available, or an unknown dtype.
+        SettingsError: a device torch does not know (:func:`cspan.core.devices.parse_device`). CspanError: CUDA
+            was asked for but is not available. BenchError: an unknown dtype.
     """
-    import torch
+    from cspan.core.devices import parse_device
 
-    device = torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BenchError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    device = parse_device(name or None)
     return device, parse_dtype(dtype, device)
 
 

@@ -180,6 +180,25 @@ class PersonaPrefix:
         """P."""
         return int(self.frames.shape[-1])
 
+    def too_long_for(self, window: int | None, *, characters: int | None = None) -> str | None:
+        """None when the prefix takes at most half of a ``window``-position attention window (None: unbounded),
+        so that at least as much remains for the conversation; else why not, in words (``"the persona takes 15017
+        frames (...) of the model's 3000-position attention window; at most 1500 leave room to talk"``). The one
+        rule of ``cspan infer``, ``serve`` and ``prepare``.
+
+        Args:
+            window: the model's context (``LMConfig.context``).
+            characters: the length of the persona text, for the message.
+        """
+        if window is None or self.num_frames <= window // 2:
+            return None
+        chars = f" from {characters} characters" if characters is not None else ""
+        return (
+            f"the persona takes {self.num_frames} frames ({self.voice_frames} of voice prompt, {len(self.text_ids)} "
+            f"text tokens{chars}) of the model's {window}-position attention window; at most {window // 2} leave "
+            "room to talk"
+        )
+
 
 def build_persona_prefix(
     tokenizer: Any | None,

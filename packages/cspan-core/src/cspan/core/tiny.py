@@ -158,6 +158,13 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+MAX_SEED = 2**32 - 1
+"""The largest seed. torch's CPU generator (mt19937) keeps the low 32 bits of its seed, and :func:`_generator`'s map
+``seed * 1_000_003 + stream * 7919`` (an odd multiplier) is one-to-one modulo 2**32: each seed of ``0 .. MAX_SEED``
+has its own weights, and any other integer repeats one of theirs (-1, 2**63 - 1 and 2**64 - 1 wrote the weights of
+4294967295)."""
+
+
 def _generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + stream * 7919) % (2**63))
 
@@ -361,6 +368,7 @@ def build_tiny_checkpoint(
         The folder.
 
     Raises:
+        SettingsError: ``out_dir`` is empty, or ``seed`` outside ``0 .. MAX_SEED`` (exit status 2).
         CheckpointError: ``out_dir`` is a file, or a non-empty folder without ``overwrite``.
         OutputError: the folder cannot be written (checked before the models are built) or a write failed (path and
             cause: permission denied, no space left on device...); nothing is left at ``out_dir`` but the files
@@ -369,8 +377,16 @@ def build_tiny_checkpoint(
     """
     from safetensors.torch import save_file
 
+    from .errors import SettingsError
     from .files import atomic_folder, check_writable
 
+    if not os.fspath(out_dir):  # Path("") is the working folder: never write into it by accident
+        raise SettingsError("OUT_DIR is empty; give the folder to write the tiny checkpoint into")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise SettingsError(
+            f"--seed {seed}: must be 0 to {MAX_SEED} (2**32 - 1); a seed outside that range would repeat another's "
+            "weights"
+        )
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"output {str(out)!r} is a file; pass a folder path for the tiny checkpoint")

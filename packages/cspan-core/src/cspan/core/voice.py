@@ -507,9 +507,11 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_checkpoint, load_mimi, read_configs, resolve_checkpoint, resolve_prefix_layout
+    from .devices import parse_device
     from .files import atomic_file, check_writable
     from .prefix import PERSONAPLEX
 
+    device = parse_device(args.device or "cpu")  # a bad --device is refused before anything is read or written
     out = Path(args.output)
     if out.suffix != ".pt":
         raise CheckpointError(f"output {str(out)!r}: a voice file ends in .pt")
@@ -519,7 +521,6 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     files = resolve_checkpoint(args.checkpoint, base=args.base)
     layout = resolve_prefix_layout(files)
     embeddings = layout == PERSONAPLEX if args.embeddings is None else args.embeddings
-    device = args.device or "cpu"
     if embeddings:
         ckpt = load_checkpoint(args.checkpoint, base=args.base, device=device)
         mimi, lm = ckpt.mimi, ckpt.lm

@@ -262,16 +262,9 @@ def pick_device(name: str | None) -> tuple[Any, Any]:
     """
     import torch
 
-    from cspan.core.errors import CspanError, SettingsError
+    from cspan.core.devices import parse_device
 
-    try:
-        device = torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    except RuntimeError:
-        raise SettingsError(f"--device {name}: not a device torch knows; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CspanError(
-            f"--device {name}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
-        )
+    device = parse_device(name or None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return device, dtype
 
@@ -481,12 +474,9 @@ def persona_frames(checkpoint: Any, settings: InferSettings, voice: Any) -> dict
         "text_tokens": len(prefix.text_ids),
         "window": window,
     }
-    if window is not None and prefix.num_frames > window // 2:
-        raise CspanError(
-            f"--text-prompt: the persona takes {prefix.num_frames} frames ({prefix.voice_frames} of voice prompt, "
-            f"{len(prefix.text_ids)} text tokens from {len(settings.text_prompt)} characters) of the model's "
-            f"{window}-position attention window; at most {window // 2} leave room to talk. Shorten the text prompt"
-        )
+    too_long = prefix.too_long_for(window, characters=len(settings.text_prompt))
+    if too_long is not None:
+        raise CspanError(f"--text-prompt: {too_long}. Shorten the text prompt")
     return info
 
 

@@ -24,6 +24,7 @@ def _positive_int(value: str) -> int:
 
 def prepare_command(parser: argparse.ArgumentParser) -> None:
     """Encode training dialogues (JSON + stereo audio) into Mimi-code shards and a manifest for `cspan train`."""
+    parser.formatter_class = argparse.HelpFormatter  # each help line says its default already
     parser.add_argument("--in-dir", type=Path, help="folder of NAME.json + NAME.wav dialogues (docs/TRAINING.md)")
     parser.add_argument("--out-dir", type=Path, help="dataset folder to write (an existing one is resumed)")
     parser.add_argument(
@@ -86,6 +87,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def train_command(parser: argparse.ArgumentParser) -> None:
     """Fine-tune on prepared dialogues with Context Spans spliced in (full or LoRA; torchrun for DDP / FSDP2)."""
+    parser.formatter_class = argparse.HelpFormatter  # each help line says its default already
     parser.add_argument("--data-dir", type=Path, required=True, help="a folder written by `cspan prepare`")
     parser.add_argument(
         "--out-dir", type=Path, required=True, help="checkpoints, metrics and export (resumed if present)"
@@ -130,7 +132,7 @@ def train_command(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp", action="store_true", help="shard with FSDP2 fully_shard under torchrun (default DDP)")
     g.add_argument("--device", default=None, help="cuda, cpu (default: cuda:LOCAL_RANK if available)")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype (float32)")
-    g.add_argument("--autocast", default="auto", choices=("auto", "bf16", "none"), help="auto = bf16 on CUDA")
+    g.add_argument("--autocast", default="auto", choices=("auto", "bf16", "none"), help="auto (default) = bf16 on CUDA")
     g.add_argument(
         "--no-activation-checkpointing", action="store_true", help="keep activations instead of recomputing them"
     )

@@ -16,7 +16,9 @@ For each ``NAME.json`` in ``--in-dir`` (format: :mod:`cspan.train.schema`) with 
    (``shards/shard-00000.safetensors``, int16 where the ids fit) and, once the shard is written, one line per
    dialogue to ``manifest.jsonl``.
 
-Resumable: dialogues already in the manifest are skipped, so an interrupted run continues where it stopped. A bad
+Resumable: dialogues already in the manifest are skipped, so an interrupted run continues where it stopped; a
+shard of the manifest that is missing or damaged (its safetensors header, its size or its tensors do not match) is
+reported and its dialogues are encoded again. A bad
 dialogue (invalid JSON field, missing or mono audio, words after the end of the audio...) is reported on stderr
 and in ``errors.jsonl`` with its file and field, and skipped; the others are prepared.
 """
@@ -42,9 +44,17 @@ import numpy as np
 import torch
 
 from cspan.core.constants import EPAD, FRAME_RATE, FRAME_SIZE, NUM_CODEBOOKS, PAD, RET, SAMPLE_RATE
-from cspan.core.errors import CspanError
+from cspan.core.errors import CspanError, SettingsError
 
-from .dataset import DATASET_FILE, DATASET_FORMAT, MANIFEST_FILE, DialogueRecord, SpanRecord, read_manifest
+from .dataset import (
+    DATASET_FILE,
+    DATASET_FORMAT,
+    MANIFEST_FILE,
+    DialogueRecord,
+    SpanRecord,
+    read_manifest,
+    shard_problems,
+)
 from .errors import DataError
 from .schema import Dialogue, load_dialogue
 
@@ -329,8 +339,6 @@ class VoiceResolver:
         Raises:
             DataError: unknown voice or bad file (names the dialogue file and the ``voice`` field).
         """
-        from cspan.core.checkpoint import load_voice
-
         candidate = (json_path.parent / voice).resolve()
         if candidate.is_file():
             path = candidate
@@ -342,11 +350,21 @@ class VoiceResolver:
                 f"dialogue file {str(json_path)!r}, field voice: {voice!r} is neither a file next to the dialogue nor "
                 f"a voice of the checkpoint (known: {known})"
             )
+        try:
+            return self.load(path)
+        except CspanError as exc:
+            raise DataError(f"dialogue file {str(json_path)!r}, field voice: {exc}") from None
+
+    def load(self, path: Path) -> torch.Tensor:
+        """[8, N] long codes of the voice file ``path`` (cached).
+
+        Raises:
+            CspanError: the file is not a voice (names it).
+        """
+        from cspan.core.checkpoint import load_voice
+
         if path not in self._cache:
-            try:
-                self._cache[path] = load_voice(path)
-            except CspanError as exc:
-                raise DataError(f"dialogue file {str(json_path)!r}, field voice: {exc}") from None
+            self._cache[path] = load_voice(path)
         return self._cache[path]
 
 
@@ -359,12 +377,26 @@ class PrepareOptions:
         default_persona: persona text for dialogues without one (None: no text prompt).
         default_voice: voice for dialogues without one (None: no voice prompt).
         prefix_layout: the persona prefix layout (the checkpoint's: ``Checkpoint.prefix_layout``).
+        window: the model's attention window in positions (its ``context``; None: unbounded): a persona prefix may
+            take at most half of it (:meth:`cspan.core.prefix.PersonaPrefix.too_long_for`, the rule of ``infer``).
     """
 
     max_span_frames: int = 600
     default_persona: str | None = None
     default_voice: str | None = None
     prefix_layout: str = "context-spanning"
+    window: int | None = None
+
+
+MIN_SPAN_FRAMES = 3
+"""The shortest Context Span block: ``<span>`` (12), one token, ``</span>`` (13)."""
+
+RECORDED_OPTIONS = (
+    ("max_span_frames", "--max-span-frames"),
+    ("default_persona", "--persona"),
+    ("default_voice", "--voice"),
+)
+"""Options that change the encoded data (dataset.json key, flag): a resumed run must keep them."""
 
 
 def load_one(json_path: Path, tokenizer: Any, voices: VoiceResolver, options: PrepareOptions) -> LoadedDialogue:
@@ -397,6 +429,10 @@ def load_one(json_path: Path, tokenizer: Any, voices: VoiceResolver, options: Pr
         user_name=profile.name if profile else None,
         user_city=profile.city if profile else None,
     )
+    too_long = prefix.too_long_for(options.window, characters=len(persona or ""))
+    if too_long is not None:
+        field_name = "persona" if dialogue.persona is not None else "persona (from --persona)"
+        raise DataError(f"dialogue file {where!r}, field {field_name}: {too_long}; shorten it")
     extra = {
         "json": str(json_path),
         "audio": str(audio_path),
@@ -549,12 +585,62 @@ def codec_fingerprint(mimi_file: Path, mimi_config: Any) -> str:
     return hashlib.sha256(f"{file_sha256(mimi_file)}:{config}".encode()).hexdigest()
 
 
+def _shown(value: Any) -> str:
+    """A setting's value in a message: ``none`` for None, a long text cut to 60 characters."""
+    if value is None:
+        return "none (not given)"
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_defaults(options: PrepareOptions, voices: VoiceResolver, tokenizer: Any, in_dir: Path) -> PrepareOptions:
+    """Check ``--voice`` and ``--persona`` once, before any dialogue (they apply to many): the voice is a file (from
+    the working folder or ``--in-dir``) or a voice of the checkpoint, and readable; the persona with that voice fits
+    half the attention window. Returns the options with a voice file's path made absolute.
+
+    Raises:
+        SettingsError: naming the flag (exit status 2).
+    """
+    from dataclasses import replace
+
+    from cspan.core.config import PrefixLayout
+    from cspan.core.prefix import build_persona_prefix
+
+    voice, codes = options.default_voice, None
+    if voice is not None:
+        files = [p for p in (Path(voice).expanduser(), in_dir / voice) if p.is_file()]
+        if files:
+            voice = str(files[0].resolve())
+            path = Path(voice)
+        elif voice in voices.voices:
+            path = voices.voices[voice]
+        else:
+            known = ", ".join(sorted(voices.voices)) or "none"
+            raise SettingsError(
+                f"--voice {voice!r}: neither a voice file nor a voice of the checkpoint (known: {known})"
+            )
+        try:
+            codes = voices.load(path)
+        except CspanError as exc:
+            raise SettingsError(f"--voice {options.default_voice!r}: {exc}") from None
+        options = replace(options, default_voice=voice)
+    if options.default_persona is not None or codes is not None:
+        prefix = build_persona_prefix(
+            tokenizer, options.default_persona, codes, layout=PrefixLayout.named(options.prefix_layout)
+        )
+        too_long = prefix.too_long_for(options.window, characters=len(options.default_persona or ""))
+        if too_long is not None:
+            raise SettingsError(f"--persona: {too_long}; shorten it")
+    return options
+
+
 def _write_dataset_info(out_dir: Path, info: dict[str, Any]) -> None:
     """Write ``dataset.json``; a folder prepared before is resumed only with the same tokenizer, codec and prefix
     layout (older folders without the codec fingerprint: the same codebooks and card).
 
     Raises:
         DataError: the folder was prepared with another tokenizer, codec or layout (names both).
+        SettingsError: it was prepared with other :data:`RECORDED_OPTIONS` (names the flag and both values).
     """
     path = out_dir / DATASET_FILE
     if path.is_file():
@@ -582,7 +668,44 @@ def _write_dataset_info(out_dir: Path, info: dict[str, Any]) -> None:
                 f"{str(out_dir)!r} was prepared with the {old.get('prefix_layout')!r} persona prefix layout, this "
                 f"checkpoint uses {info['prefix_layout']!r}; {fix}"
             )
+        for key, flag in RECORDED_OPTIONS:
+            if key in old and old[key] != info[key]:
+                raise SettingsError(
+                    f"{flag} {_shown(info[key])}: {str(out_dir)!r} was prepared with {flag} {_shown(old[key])}, and "
+                    f"its dialogues must all be encoded alike; resume with that value, or {fix}"
+                )
     path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+
+
+def _check_shards(out_dir: Path, inputs: set[str]) -> list[DialogueRecord]:
+    """The manifest's records whose shard is there and whole (:func:`cspan.train.dataset.shard_problems`).
+
+    The records of a missing or damaged shard are dropped from the manifest (rewritten atomically) and the damaged
+    file removed, so that their dialogues are encoded again into a new shard; each such shard is reported on stderr.
+    """
+    from cspan.core.files import write_text_atomic
+
+    records = read_manifest(out_dir / MANIFEST_FILE)
+    problems = shard_problems(out_dir, records)
+    if not problems:
+        return records
+    for shard, problem in problems.items():
+        names = [r.name for r in records if r.shard == shard]
+        lost = [n for n in names if n not in inputs]
+        note = (
+            f"cspan prepare: shard {str(out_dir / shard)!r} is {problem}: encoding its {len(names)} dialogue(s) again"
+        )
+        if lost:
+            note += f"; {len(lost)} of them ({', '.join(lost[:5])}) are not in --in-dir and leave the dataset"
+        print(note, file=sys.stderr)
+    kept = [r for r in records if r.shard not in problems]
+    write_text_atomic(
+        out_dir / MANIFEST_FILE, "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in kept)
+    )
+    for shard, problem in problems.items():
+        if problem.startswith("damaged"):  # unusable: a new shard replaces it
+            (out_dir / shard).unlink(missing_ok=True)
+    return kept
 
 
 def iter_loaded(
@@ -653,16 +776,24 @@ def run_prepare(
         resolve_checkpoint,
         resolve_prefix_layout,
     )
+    from cspan.core.devices import parse_device
     from cspan.core.errors import CheckpointError
 
     options = options or PrepareOptions()
+    dev = parse_device(device or None)  # before anything is read or created
+    if options.max_span_frames < MIN_SPAN_FRAMES:
+        raise SettingsError(
+            f"--max-span-frames {options.max_span_frames}: must be at least {MIN_SPAN_FRAMES} (a Context Span block "
+            "holds <span>, at least one token and </span>)"
+        )
     in_dir, out_dir = Path(in_dir), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SettingsError(f"--out-dir {str(out_dir)!r} is a file; give a folder (a new one, or one to resume)")
     if not in_dir.is_dir():
         raise DataError(f"--in-dir {str(in_dir)!r} is not a folder; give the folder of NAME.json + NAME.wav pairs")
     paths = sorted(p for p in in_dir.glob("*.json") if p.is_file())
     if not paths:
         raise DataError(f"--in-dir {str(in_dir)!r} holds no *.json dialogue file (format: docs/TRAINING.md)")
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     files = resolve_checkpoint(checkpoint, base=base)
     if files.mimi is None or files.tokenizer is None:
@@ -670,12 +801,14 @@ def run_prepare(
             f"checkpoint {files.source!r} lacks the Mimi weights or the tokenizer that `cspan prepare` needs; pass a "
             "checkpoint folder in the released layout (--checkpoint DIR)"
         )
-    _, mimi_cfg = read_configs(files.config, [])
+    lm_cfg, mimi_cfg = read_configs(files.config, [])
     layout = resolve_prefix_layout(files)
-    options = replace(options, prefix_layout=layout.name)
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    mimi = load_mimi(files.mimi, mimi_cfg, device=dev)
+    options = replace(options, prefix_layout=layout.name, window=lm_cfg.context)
     tokenizer = load_tokenizer(files.tokenizer)
+    voices = VoiceResolver(files.voices)
+    options = _check_defaults(options, voices, tokenizer, in_dir)
+    mimi = load_mimi(files.mimi, mimi_cfg, device=dev)
+    out_dir.mkdir(parents=True, exist_ok=True)
     _write_dataset_info(
         out_dir,
         {
@@ -689,15 +822,16 @@ def run_prepare(
             "prefix_layout": layout.name,
             "checkpoint": str(files.source),
             "max_span_frames": options.max_span_frames,
+            "default_persona": options.default_persona,
+            "default_voice": options.default_voice,
         },
     )
 
-    done = {r.name for r in read_manifest(out_dir / MANIFEST_FILE)}
+    done = {r.name for r in _check_shards(out_dir, {p.stem for p in paths})}
     todo = [p for p in paths if p.stem not in done]
     skipped = len(paths) - len(todo)
     if skipped:
         print(f"cspan prepare: resuming, {skipped} of {len(paths)} dialogues are already prepared", file=sys.stderr)
-    voices = VoiceResolver(files.voices)
     writer = ShardWriter(out_dir, shard_size)
     failed: list[tuple[str, str]] = []
     prepared = 0

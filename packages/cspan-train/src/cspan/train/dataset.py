@@ -179,6 +179,70 @@ def read_manifest(path: str | Path) -> list[DialogueRecord]:
     return list(records.values())
 
 
+SAFETENSORS_HEADER_MAX = 100 << 20
+"""The longest safetensors JSON header read (safetensors' own limit is 100 MB)."""
+
+
+def shard_problem(path: Path, records: Sequence[DialogueRecord]) -> str | None:
+    """What is wrong with the shard file ``path`` that should hold ``records``' tensors, or None when nothing is.
+
+    Reads the safetensors header only (no tensor data): the file exists, its header parses, its size is the header's
+    plus the tensors' bytes (a truncated or padded file is caught), and it holds ``{name}/codes`` [K, frames] and
+    ``{name}/prefix`` [K, prefix_frames] of every record with the manifest's sizes.
+    """
+    import struct
+
+    if not path.is_file():
+        return "missing"
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"damaged ({size} bytes, no safetensors header)"
+            (n,) = struct.unpack("<Q", head)
+            if n > min(SAFETENSORS_HEADER_MAX, size - 8):
+                return f"damaged (its header claims {n} bytes, the file has {size})"
+            header = json.loads(fh.read(n))
+    except OSError as exc:
+        from cspan.core.errors import os_error_cause
+
+        return f"unreadable ({os_error_cause(exc)})"
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "damaged (its safetensors header is not valid JSON)"
+    if not isinstance(header, dict):
+        return "damaged (its safetensors header is not a JSON object)"
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "damaged (its safetensors header lacks tensor offsets)"
+    if size != 8 + n + end:
+        return f"damaged ({size} bytes where its header describes {8 + n + end}: truncated or overwritten)"
+    for rec in records:
+        for key, frames in ((f"{rec.name}/codes", rec.frames), (f"{rec.name}/prefix", rec.prefix_frames)):
+            entry = header.get(key)
+            shape = entry.get("shape") if isinstance(entry, dict) else None
+            if not isinstance(shape, list) or len(shape) != 2 or shape[1] != frames:
+                return (
+                    f"damaged (tensor {key!r} is {'missing' if entry is None else f'of shape {shape}'}; the "
+                    f"manifest says [K, {frames}])"
+                )
+    return None
+
+
+def shard_problems(root: Path, records: Sequence[DialogueRecord]) -> dict[str, str]:
+    """``{shard: problem}`` of the shards ``records`` name that are missing or damaged (:func:`shard_problem`)."""
+    by_shard: dict[str, list[DialogueRecord]] = {}
+    for rec in records:
+        by_shard.setdefault(rec.shard, []).append(rec)
+    problems = {}
+    for shard, recs in sorted(by_shard.items()):
+        problem = shard_problem(root / shard, recs)
+        if problem is not None:
+            problems[shard] = problem
+    return problems
+
+
 class PreparedDataset:
     """A folder written by ``cspan prepare``: ``dataset.json``, ``manifest.jsonl`` and ``shards/*.safetensors``.
 
@@ -214,12 +278,16 @@ class PreparedDataset:
                 f"{str(self.root)!r}: the manifest lists no prepared dialogue; check `cspan prepare`'s report "
                 "(errors.jsonl) and its --in-dir"
             )
-        for rec in self.records:
-            if not (self.root / rec.shard).is_file():
-                raise DataError(
-                    f"{str(self.root)!r}: dialogue {rec.name!r} is in shard {rec.shard!r}, which is missing; run "
-                    "`cspan prepare` again (it re-encodes what is missing)"
-                )
+        problems = shard_problems(self.root, self.records)
+        if problems:
+            shard, problem = next(iter(problems.items()))
+            names = [r.name for r in self.records if r.shard == shard]
+            more = f" (and {len(problems) - 1} other shard(s))" if len(problems) > 1 else ""
+            raise DataError(
+                f"shard {str(self.root / shard)!r} is {problem}{more}; it holds dialogue(s) "
+                f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}: run `cspan prepare` again into "
+                f"{str(self.root)!r} with the same --in-dir (it re-encodes them)"
+            )
         self._open = safe_open
         self._handles: dict[str, Any] = {}
 
@@ -229,12 +297,18 @@ class PreparedDataset:
     def load(self, index: int) -> tuple[torch.Tensor, torch.Tensor, DialogueRecord]:
         """(codes [K, T] long, prefix [K, P] long, record) of dialogue ``index`` (sorted by name)."""
         rec = self.records[index]
-        handle = self._handles.get(rec.shard)
-        if handle is None:
-            handle = self._open(str(self.root / rec.shard), framework="pt", device="cpu")
-            self._handles[rec.shard] = handle
-        codes = handle.get_tensor(f"{rec.name}/codes").long()
-        prefix = handle.get_tensor(f"{rec.name}/prefix").long()
+        try:
+            handle = self._handles.get(rec.shard)
+            if handle is None:
+                handle = self._open(str(self.root / rec.shard), framework="pt", device="cpu")
+                self._handles[rec.shard] = handle
+            codes = handle.get_tensor(f"{rec.name}/codes").long()
+            prefix = handle.get_tensor(f"{rec.name}/prefix").long()
+        except Exception as exc:  # changed under a running job: safetensors' SafetensorError, OSError
+            raise DataError(
+                f"shard {str(self.root / rec.shard)!r} cannot be read ({type(exc).__name__}: {exc}); run `cspan "
+                f"prepare` again into {str(self.root)!r} with the same --in-dir (it re-encodes it)"
+            ) from None
         return codes, prefix, rec
 
 

@@ -52,6 +52,7 @@ from torch import nn
 from cspan.core.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
 from cspan.core.checkpoint import EXPORT_INFO, MOSHI_LORA_FILE
 from cspan.core.config import CONTEXT_SPANNING
+from cspan.core.errors import SettingsError
 
 from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
 from .errors import TrainError
@@ -163,7 +164,7 @@ class TrainConfig:
         """A copy with the defaults that depend on other options filled in.
 
         Raises:
-            TrainError: an option out of range.
+            SettingsError: an option out of range (exit status 2), naming the flag.
         """
         import copy
 
@@ -208,9 +209,9 @@ class TrainConfig:
             if value is None:
                 continue
             if not finite(value):
-                raise TrainError(f"{flag} must be a finite number, got {value}")
+                raise SettingsError(f"{flag} must be a finite number, got {value}")
             if value < low or (value == low and not inclusive):
-                raise TrainError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
+                raise SettingsError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
         checks += [
             (
                 cfg.random_sampling_proba <= 1.0,
@@ -222,6 +223,10 @@ class TrainConfig:
             (cfg.keep_checkpoints >= 0, f"--keep-checkpoints must be >= 0 (0 = all), got {cfg.keep_checkpoints}"),
             (cfg.log_every >= 1, f"--log-every must be >= 1, got {cfg.log_every}"),
             (
+                not cfg.out_dir.exists() or cfg.out_dir.is_dir(),
+                f"--out-dir {str(cfg.out_dir)!r} is a file; give a folder (a new one, or a run to resume)",
+            ),
+            (
                 not cfg.fsdp or "WORLD_SIZE" in os.environ,
                 "--fsdp shards the model over the processes that torchrun starts, and this process was not started "
                 "by torchrun; run `torchrun --nproc-per-node N -m cspan.core.cli train ... --fsdp`, or leave --fsdp "
@@ -230,7 +235,7 @@ class TrainConfig:
         ]
         for ok, message in checks:
             if not ok:
-                raise TrainError(message)
+                raise SettingsError(message)
         if cfg.lr is None:
             cfg.lr = 1e-4 if cfg.lora_rank else 2e-6
         if cfg.lr_depformer is None:
@@ -240,7 +245,7 @@ class TrainConfig:
         if cfg.warmup_steps is None:
             cfg.warmup_steps = max(1, round(0.05 * cfg.steps))
         if cfg.stop_at is not None and not 1 <= cfg.stop_at <= cfg.steps:
-            raise TrainError(f"--stop-at must be in [1, --steps], got {cfg.stop_at}")
+            raise SettingsError(f"--stop-at must be in [1, --steps], got {cfg.stop_at}")
         return cfg
 
 
@@ -301,19 +306,6 @@ def init_distributed(device: torch.device | None) -> DistInfo:
         cuda = (device is None and torch.cuda.is_available()) or (device is not None and device.type == "cuda")
         dist.init_process_group("nccl" if cuda else "gloo")
     return info
-
-
-def pick_device(name: str | None, info: DistInfo) -> torch.device:
-    """``--device``, else ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if name:
-        dev = torch.device(name)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", info.local_rank)
-    else:
-        dev = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return dev
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -423,6 +415,48 @@ def build_optimizer(
 
 
 @contextmanager
+def _stop_signals_seen() -> Iterator[list[int]]:
+    """Record the stop signals (SIGINT, and ``cspan``'s SIGTERM, SIGHUP, SIGQUIT) that land while the block runs;
+    each still raises as before (``KeyboardInterrupt``, :class:`~cspan.core.errors.Terminated`). A library that
+    catches that exception and raises its own instead (DCP's ``CheckpointException`` wrapping the
+    ``KeyboardInterrupt``, torch.save's ``unexpected pos``) cannot hide that the run was stopped: the caller reads
+    the list. Only signals whose handler is a Python function are watched (the main thread's)."""
+    import signal
+    import threading
+
+    from cspan.core.cli import STOP_SIGNALS
+
+    seen: list[int] = []
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, *STOP_SIGNALS):
+            old = signal.getsignal(signum)
+            if callable(old):
+
+                def handler(num: int, frame: Any, _old: Any = old) -> None:
+                    seen.append(num)
+                    _old(num, frame)
+
+                previous[signum] = signal.signal(signum, handler)
+    try:
+        yield seen
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _raise_stop(signum: int) -> None:
+    """Raise what stopping on ``signum`` raises: ``KeyboardInterrupt`` (SIGINT) or ``Terminated``."""
+    import signal
+
+    from cspan.core.errors import Terminated
+
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(signum)
+
+
+@contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it assumes a single process whenever no process group exists: that is the intent here."""
     import warnings
@@ -442,7 +476,7 @@ def _sharded_options() -> Any:
 
 def save_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the trainable weights and the optimizer state of ``module`` to ``folder`` as a
-    ``torch.distributed.checkpoint`` (``.metadata`` + ``__R_I.distcp`` files): every rank writes its own FSDP2 shards
+    ``torch.distributed.checkpoint`` (``.metadata`` + ``__RANK_I.distcp`` files, ``__0_0.distcp`` for one process): every rank writes its own FSDP2 shards
     (replicated tensors once), no rank gathers the whole model. Keys are the parameters' fully qualified names
     (``model.lm.<name>``, ``optimizer.state.lm.<name>.exp_avg``, ...) whatever the wrapping (none, DDP or FSDP2), so
     :func:`load_train_state` reads it on any number of processes and either wrapping. A collective: every rank calls
@@ -674,6 +708,31 @@ class Trainer:
         root = self._ckpt_root()
         final = root / f"step_{step:08d}"
         tmp = root / f".step_{step:08d}.tmp"
+        with _stop_signals_seen() as stopped:
+            try:
+                self._write_checkpoint(step, tmp, final)
+            except BaseException:
+                # an interrupted or failed save leaves no temporary folder (a resume would remove it anyway); a
+                # signal that a library turned into its own error (DCP's CheckpointException, torch.save's
+                # 'unexpected pos') is raised as what it is, so the run ends as any interrupted one (exit 130)
+                if self.dist.is_main:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if stopped:
+                    _raise_stop(stopped[0])
+                raise
+        if stopped:  # the signal was swallowed inside the save, which completed: stop now, the checkpoint is whole
+            _raise_stop(stopped[0])
+        if self.dist.is_main:
+            keep = self.cfg.keep_checkpoints
+            if keep > 0:
+                done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_FILE).is_file())
+                for old in done[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.dist.barrier()
+        return final
+
+    def _write_checkpoint(self, step: int, tmp: Path, final: Path) -> None:
+        """Write the checkpoint of ``step`` into ``tmp`` and rename it to ``final`` once every rank is done."""
         if self.dist.is_main:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -690,13 +749,6 @@ class Trainer:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            keep = self.cfg.keep_checkpoints
-            if keep > 0:
-                done = sorted(p for p in root.glob("step_*") if (p / COMPLETE_FILE).is_file())
-                for old in done[:-keep]:
-                    shutil.rmtree(old, ignore_errors=True)
-        self.dist.barrier()
-        return final
 
     def load_checkpoint(self, folder: Path) -> int:
         """Restore the trainable weights, optimizer and scheduler from ``folder``, written by any number of processes
@@ -866,9 +918,12 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Train (resuming from the latest checkpoint in ``out_dir``) and export; returns a :class:`TrainResult`."""
+        from cspan.core.devices import parse_device
+
         cfg = self.cfg
-        requested = torch.device(cfg.device) if cfg.device else None
-        self.dist = init_distributed(requested)
+        # --device (a bare cuda is cuda:LOCAL_RANK), else cuda:LOCAL_RANK when CUDA is available, else the CPU
+        self.device = parse_device(cfg.device or None, cuda_index=int(os.environ.get("LOCAL_RANK", "0")))
+        self.dist = init_distributed(self.device)
         try:
             return self._run()
         finally:
@@ -879,7 +934,8 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         cfg, info = self.cfg, self.dist
-        self.device = pick_device(cfg.device, info)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         seed_rngs(cfg.seed, info.rank)
         self.dataset = PreparedDataset(cfg.data_dir)
         self._load_model()
@@ -897,7 +953,19 @@ class Trainer:
             ),
         )
         self._build_optimizer()
+        created = not cfg.out_dir.exists()
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._train()
+        except BaseException:
+            # a run that stopped (error, Ctrl-C) before its first checkpoint leaves no folder that looks like a run
+            if created and info.is_main and self.latest_checkpoint() is None:
+                shutil.rmtree(cfg.out_dir, ignore_errors=True)
+            raise
+
+    def _train(self) -> TrainResult:
+        """Resume from the latest checkpoint of ``out_dir`` (created), train, checkpoint and export."""
+        cfg, info = self.cfg, self.dist
         start = 0
         latest = self.latest_checkpoint()
         if latest is not None:

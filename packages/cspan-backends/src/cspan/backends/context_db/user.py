@@ -43,7 +43,10 @@ def check_id(value: object, what: str) -> str:
         ValueError: naming ``what`` and the problem.
     """
     if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS or not value.isprintable():
-        raise ValueError(f"{what} must be 1 to {MAX_ID_CHARS} printable characters, got {value!r:.80}")
+        shown = repr(value)
+        if len(shown) > 60:  # a long value is cut in the message, its length said
+            shown = f"{shown[:57]}... ({len(value)} characters)" if isinstance(value, str) else shown[:57] + "..."
+        raise ValueError(f"{what} must be 1 to {MAX_ID_CHARS} printable characters, got {shown}")
     return value
 
 

@@ -1,0 +1,66 @@
+"""``--device``: the one parser of a device flag, for every command that runs torch (``infer``, ``serve``,
+``bench``, ``prepare``, ``train``, ``voice encode``).
+
+A name torch does not know (``bogus``, ``tpu``) or one cspan does not run on (``meta``, ``mps``) is a bad setting
+(:class:`~cspan.core.errors.SettingsError`, exit status 2); CUDA asked for where this torch has no CUDA device, or a
+CUDA index past the machine's devices, is a :class:`~cspan.core.errors.CspanError` (exit status 1): the setting is
+well formed, the machine lacks it. Either way one line, before any model loads, instead of torch's
+``AssertionError: Torch not compiled with CUDA enabled`` or ``RuntimeError: Expected one of cpu, cuda, ...``
+traceback.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import CspanError, SettingsError
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_TYPES = ("cpu", "cuda")
+"""The device types cspan runs on."""
+
+
+def parse_device(name: str | None, *, flag: str = "--device", cuda_index: int | None = None) -> torch.device:
+    """The torch device that ``name`` (a ``--device`` value) names, checked against this machine.
+
+    Args:
+        name: ``cpu``, ``cuda``, ``cuda:N``; None: CUDA when this torch has a device, else the CPU.
+        flag: the flag (or variable) named in messages.
+        cuda_index: the index given to a bare ``cuda`` (and to the default), e.g. ``LOCAL_RANK`` under torchrun;
+            None leaves it bare.
+
+    Raises:
+        SettingsError: ``name`` is not a device torch knows, or not one cspan runs on (exit status 2).
+        CspanError: CUDA asked for where this torch has none, or ``cuda:N`` past the machine's devices.
+    """
+    import torch
+
+    if name is None:
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        name = "cuda"
+    hint = "use cpu, cuda or cuda:N"
+    shown = name if name and name == name.strip() else repr(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise SettingsError(f"{flag} {shown}: not a device torch knows; {hint}") from None
+    if device.type not in DEVICE_TYPES:
+        raise SettingsError(f"{flag} {shown}: cspan runs on the CPU or CUDA only; {hint}")
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise CspanError(f"{flag} {name}: this torch has no CUDA device (torch {torch.__version__}); use {flag} cpu")
+    if device.index is None and cuda_index is not None:
+        device = torch.device("cuda", cuda_index)
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise CspanError(
+            f"{flag} {name}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); choose one of them"
+        )
+    return device
+
+
+__all__ = ["DEVICE_TYPES", "parse_device"]
