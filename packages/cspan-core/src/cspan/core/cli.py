@@ -129,9 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cspan`` console script; returns the process exit status.
 
     Errors are one line on stderr (a message of several lines, such as a library's cause quoted in it, is joined
-    into one): the project's own errors (exit status 1, or their ``exit_code``: 2 for a bad setting), an ``OSError`` (the file and the cause: permission denied, no space left on device), an interrupt
-    (130) or SIGTERM, SIGHUP, SIGQUIT (``128 + signal``; raised as :class:`~cspan.core.errors.Terminated` so that
-    cleanup runs and unfinished outputs are removed). ``-v`` adds the traceback of an ``OSError``.
+    into one): the project's own errors (exit status 1, or their ``exit_code``: 2 for a bad setting), an
+    ``OSError`` (the file and the cause: permission denied, no space left on device), an interrupt (130) or
+    SIGTERM, SIGHUP, SIGQUIT (``128 + signal``; raised as :class:`~cspan.core.errors.Terminated` so that cleanup
+    runs and unfinished outputs are removed). ``-v`` adds the traceback of an ``OSError``.
     """
     parser = build_parser()
     args = parser.parse_args(argv)

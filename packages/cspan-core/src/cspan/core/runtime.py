@@ -67,12 +67,12 @@ logger = logging.getLogger(__name__)
 
 FRAME_S = 1.0 / FRAME_RATE
 LATE_GRACE_S = 2 * FRAME_S
+"""Live clock: how long past its deadline a retrieval that has not reported ``late`` itself is left running."""
 TRAILING_FRAMES = 4
 """Frames of audio past an utterance's last voiced frame that its final transcript is given (0.32 s; the silence
 that ended it is at least 5 frames, so they are always there): the end of the last word, which the detector's
 drop can cut (the demo's question read "... does not like really open on sunday" cut there, "... does the library
 open on sunday" with this tail)."""
-"""Live clock: how long past its deadline a retrieval that has not reported ``late`` itself is left running."""
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 """A SentencePiece byte-fallback piece: one byte of a character outside the vocabulary."""
 SPAN_REPORTS_KEPT = 256
@@ -260,7 +260,7 @@ class Conversation:
             if ev.kind == "partial" and self.config.partial_transcripts:
                 await self._transcribe(utt.index, utt.start, i + 1, final=False)
             elif ev.kind == "ended":
-                await self._transcribe(utt.index, utt.start, utt.end, final=True, tail=i + 1)
+                await self._transcribe(utt.index, utt.start, utt.end, final=True)
         await self._collect_transcripts(block=False)
         await self._service_wait(i)
 
@@ -363,19 +363,15 @@ class Conversation:
         frames = [self._audio[k - self._audio_start] for k in range(start, end)]
         return np.concatenate(frames)
 
-    async def _transcribe(
-        self, utterance: int, start: int, end: int | None, *, final: bool, tail: int | None = None
-    ) -> None:
-        """Transcribe frames ``start .. end - 1`` (to the current frame when ``end`` is None); a finished
-        utterance's audio runs :data:`TRAILING_FRAMES` past its last voiced frame, up to ``tail`` (the frames heard
-        so far): voice activity ends an utterance where the detector's probability drops, which can be inside its
-        last syllable, and a recognizer given the audio cut there misreads the last words."""
+    async def _transcribe(self, utterance: int, start: int, end: int | None, *, final: bool) -> None:
+        """Transcribe frames ``start .. end - 1`` and :data:`TRAILING_FRAMES` more where they were heard already
+        (to the current frame when ``end`` is None): voice activity ends an utterance where the detector's
+        probability drops, which can be inside its last syllable, and a recognizer given the audio cut there misreads
+        the last words."""
         if self.transcriber is None:
             return
-        audio_end = end if end is not None else self.frame + 1
-        if end is not None and tail is not None:
-            audio_end = min(end + TRAILING_FRAMES, tail)
-        pcm = self._user_audio(start, audio_end)
+        heard = self.frame + 1
+        pcm = self._user_audio(start, heard if end is None else min(end + TRAILING_FRAMES, heard))
         task = asyncio.ensure_future(self.transcriber.transcribe(pcm, SAMPLE_RATE))
         self._asr_tasks.append((task, utterance, final, start, end))
         if self.offline:
