@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from perf_h200 import _events_ms, _graph
 
 from cspan.core.modules import fused
 
@@ -143,35 +144,17 @@ class Layers:
 
 
 def _time(fn, iters: int, graph: bool) -> tuple[float, torch.Tensor]:
-    """µs per call of ``fn()`` (from one CUDA graph when ``graph``) and its output."""
-    out = fn()
+    """µs per call of ``fn()`` and its output: from one CUDA graph (``perf_h200._graph``, timed with its
+    ``_events_ms``: the median of 3 runs of ``iters`` replays) when ``graph``, else eager calls (CPU smoke test)."""
     if not graph:
         t0 = time.perf_counter()
         for _ in range(iters):
             out = fn()
         return (time.perf_counter() - t0) / iters * 1e6, out
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph_ = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph_):
-        out = fn()
-    graph_.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(3):
-        start.record()
-        for _ in range(iters):
-            graph_.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / iters)
-    return best, out
+    held: dict[str, torch.Tensor] = {}
+    replay = _graph(lambda: held.__setitem__("out", fn()))  # the captured call leaves the graph's output here
+    replay()
+    return _events_ms(replay, iters, runs=3) * 1000, held["out"]
 
 
 Config = tuple[int, int] | str | None
