@@ -299,29 +299,25 @@ def test_backend_errors_reaching_the_cli_are_one_line(monkeypatch, capsys):
     from cspan.backends.context_db import ContextDBError
     from cspan.backends.errors import RouterError
 
-    for exc in (ContextDBError("cannot open Context DB 'x'"), RouterError("router at http://h answered 500")):
+    def failing_verb(exc: BaseException) -> int:
+        """``cspan demo`` whose handler raises ``exc``; returns its exit status."""
 
-        def fail(args, exc=exc):
+        def fail(args):
             raise exc
 
-        def register(parser, fail=fail):
+        def register(parser):
             parser.set_defaults(handler=fail)
 
-        monkeypatch.setattr(cli, "discover_commands", lambda register=register: {"demo": register})
-        assert cli.main(["demo"]) == 1
+        monkeypatch.setattr(cli, "discover_commands", lambda: {"demo": register})
+        return cli.main(["demo"])
+
+    for exc in (ContextDBError("cannot open Context DB 'x'"), RouterError("router at http://h answered 500")):
+        assert failing_verb(exc) == 1
         err = capsys.readouterr().err
         assert err == f"cspan demo: error: {exc}\n"
     # a cause of several lines (a library's message quoted in ours) is joined into one
     for exc in (ContextDBError("--db x: failed: refused\n\tIs it running?\n"), OSError("line one\r\n  line two")):
-
-        def fail(args, exc=exc):
-            raise exc
-
-        def register(parser, fail=fail):
-            parser.set_defaults(handler=fail)
-
-        monkeypatch.setattr(cli, "discover_commands", lambda register=register: {"demo": register})
-        assert cli.main(["demo"]) == 1
+        assert failing_verb(exc) == 1
         one = "--db x: failed: refused Is it running?" if isinstance(exc, ContextDBError) else "line one line two"
         assert capsys.readouterr().err == f"cspan demo: error: {one}\n"
 
