@@ -339,21 +339,24 @@ class VoiceResolver:
         Raises:
             DataError: unknown voice or bad file (names the dialogue file and the ``voice`` field).
         """
-        candidate = (json_path.parent / voice).resolve()
-        if candidate.is_file():
-            path = candidate
-        elif voice in self.voices:
-            path = self.voices[voice]
-        else:
-            known = ", ".join(sorted(self.voices)) or "none"
+        path = self.find(voice, json_path.parent / voice)
+        if path is None:
             raise DataError(
                 f"dialogue file {str(json_path)!r}, field voice: {voice!r} is neither a file next to the dialogue nor "
-                f"a voice of the checkpoint (known: {known})"
+                f"a voice of the checkpoint (known: {self.known()})"
             )
         try:
             return self.load(path)
         except CspanError as exc:
             raise DataError(f"dialogue file {str(json_path)!r}, field voice: {exc}") from None
+
+    def find(self, voice: str, *files: Path) -> Path | None:
+        """The first of ``files`` that exists (resolved), else the checkpoint's voice named ``voice``, else None."""
+        return next((f.resolve() for f in files if f.is_file()), None) or self.voices.get(voice)
+
+    def known(self) -> str:
+        """The checkpoint's voice names, for messages."""
+        return ", ".join(sorted(self.voices)) or "none"
 
     def load(self, path: Path) -> torch.Tensor:
         """[8, N] long codes of the voice file ``path`` (cached).
@@ -608,17 +611,13 @@ def _check_defaults(options: PrepareOptions, voices: VoiceResolver, tokenizer: A
 
     voice, codes = options.default_voice, None
     if voice is not None:
-        files = [p for p in (Path(voice).expanduser(), in_dir / voice) if p.is_file()]
-        if files:
-            voice = str(files[0].resolve())
-            path = Path(voice)
-        elif voice in voices.voices:
-            path = voices.voices[voice]
-        else:
-            known = ", ".join(sorted(voices.voices)) or "none"
+        path = voices.find(voice, Path(voice).expanduser(), in_dir / voice)
+        if path is None:
             raise SettingsError(
-                f"--voice {voice!r}: neither a voice file nor a voice of the checkpoint (known: {known})"
+                f"--voice {voice!r}: neither a voice file nor a voice of the checkpoint (known: {voices.known()})"
             )
+        if path != voices.voices.get(voice):  # a file: recorded by its absolute path
+            voice = str(path)
         try:
             codes = voices.load(path)
         except CspanError as exc:
