@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,15 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def v1_dir(fixtures_dir: Path) -> Path:
+    """The Full-Duplex-Bench v1 fixture (read-only input: copy it before writing next to it)."""
+    path = fixtures_dir / "fdb-v1"
+    if not path.is_dir():
+        pytest.skip(f"fixture not found: {path}")
+    return path
 
 
 def run_cli(*argv: str) -> int:

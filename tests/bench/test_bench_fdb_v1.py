@@ -22,14 +22,6 @@ def words(*spans: tuple[float | None, float | None], prefix: str = "w") -> Outpu
 
 
 @pytest.fixture(scope="module")
-def v1_dir(fixtures_dir: Path) -> Path:
-    path = fixtures_dir / "fdb-v1"
-    if not path.is_dir():
-        pytest.skip(f"fixture not found: {path}")
-    return path
-
-
-@pytest.fixture(scope="module")
 def icc_gt(v1_dir: Path) -> dict[str, list[float]]:
     return fdb_v1.load_icc_gt(v1_dir / "icc_gt_distribution.json")
 

@@ -26,10 +26,7 @@ LATENCY = {
 
 
 @pytest.fixture
-def run_dir(tmp_path: Path, fixtures_dir: Path) -> Path:
-    v1 = fixtures_dir / "fdb-v1"
-    if not v1.is_dir():
-        pytest.skip(f"fixture not found: {v1}")
+def run_dir(tmp_path: Path, v1_dir: Path) -> Path:
     run = tmp_path / "model-a"
     scores = run / "fdb-v1"
     for name, kind in [
@@ -37,7 +34,7 @@ def run_dir(tmp_path: Path, fixtures_dir: Path) -> Path:
         ("smooth_turn_taking_example", fdb_v1.TaskKind.TURN_TAKING),
         ("user_interruption_example", fdb_v1.TaskKind.USER_INTERRUPTION),
     ]:
-        fdb_v1.write_task_score(fdb_v1.score_task(v1 / name, kind, reuse_ratings=True, write_ratings=False), scores)
+        fdb_v1.write_task_score(fdb_v1.score_task(v1_dir / name, kind, reuse_ratings=True, write_ratings=False), scores)
     gt = [1.0 / 51] * 51
     bc = [
         fdb_v1.score_backchannel("0", [(1.0, 1.4)], fdb_v1.OutputTranscript(), 10.0, gt),

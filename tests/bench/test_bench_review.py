@@ -11,13 +11,10 @@ import pytest
 
 
 @pytest.fixture
-def v1_copy(fixtures_dir: Path, tmp_path: Path) -> Path:
+def v1_copy(v1_dir: Path, tmp_path: Path) -> Path:
     """A writable copy of the fdb-v1 fixture (the shared one is read-only input)."""
-    source = fixtures_dir / "fdb-v1"
-    if not source.is_dir():
-        pytest.skip(f"fixture not found: {source}")
     copy = tmp_path / "data"
-    shutil.copytree(source, copy)
+    shutil.copytree(v1_dir, copy)
     for root, dirs, files in os.walk(copy):
         for name in [*dirs, *files]:
             os.chmod(os.path.join(root, name), 0o755 if name in dirs else 0o644)
