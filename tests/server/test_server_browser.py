@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -18,6 +19,20 @@ import pytest
 import soundfile as sf
 
 SPAN_TEXT = "The Riverside Library opens at ten on Sunday."
+
+
+def _wait_until(page, expression: str, timeout_s: float) -> None:
+    """Polls a JavaScript expression from here, one `page.evaluate` at a time.
+
+    Not `page.wait_for_function`: its in-page polling re-runs an eval, which the page's CSP
+    (script-src 'self') refuses after the first call.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {timeout_s} s: {expression}"
+        page.wait_for_timeout(100)
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
 
 
@@ -66,7 +81,8 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
             page.goto(server.url + "/?" + urlencode({"test": hooks}))
             assert page.evaluate("window.isSecureContext") is True
             assert page.is_hidden("#notice-insecure")
-            page.wait_for_function("document.querySelectorAll('#voice option').length > 1")
+            # a locator, not wait_for_function: the page's CSP (script-src 'self') blocks the eval that its polling needs
+            page.locator("#voice option").nth(1).wait_for(state="attached")
             assert page.input_value("#voice") == "tiny0"
             assert page.input_value("#timezone")  # prefilled from the browser
             page.fill("#name", "Ada")
@@ -75,9 +91,10 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
             page.click("#start")
             page.wait_for_selector("#status-dot.listening", timeout=120_000)
             page.wait_for_selector("#thread .bubble.user.final", timeout=180_000)
-            page.wait_for_function(
+            _wait_until(
+                page,
                 "[...document.querySelectorAll('#thread .bubble.agent .text')].some(e => e.textContent.length > 0)",
-                timeout=60_000,
+                60.0,
             )
             page.wait_for_selector("#spans li.span", timeout=60_000)
             assert SPAN_TEXT in page.inner_text("#spans li.span")

@@ -67,7 +67,8 @@ def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_p
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
             page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
             page.goto(server.url + "/?codec=pcm")
-            page.wait_for_function("document.querySelectorAll('#voice option').length > 1")
+            # a locator, not wait_for_function: the page's CSP (script-src 'self') blocks the eval that its polling needs
+            page.locator("#voice option").nth(1).wait_for(state="attached")
             assert page.input_value("#voice") == "tiny0"
             assert page.get_attribute("label[for=voice-file]", "title") == "A recording of 2 to 30 s of your speech"
 
