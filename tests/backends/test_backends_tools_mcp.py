@@ -69,6 +69,7 @@ async def test_mount_cspan_tools_serve_over_stdio(tmp_path: Path) -> None:
             await bank.call("get_weather", {"city": "Busan"})  # the server is offline for weather
     finally:
         await bank.aclose()
+    assert bank.mcp_states() == {"up": 0, "reconnecting": 0, "down": 0}  # closed: its connections are no longer its
     with pytest.raises(ToolError, match="not connected"):
         await bank.get("calculate").fn(expression="1+1")
 
@@ -113,14 +114,17 @@ async def test_a_stdio_server_that_exits_is_restarted_for_the_next_call(caplog: 
     bank = await ToolBank.from_mcp(demo, connect_timeout_s=CONNECT_S, timeout_s=60)
     try:
         assert (await bank.call("add", {"a": 1, "b": 2})).text == "3"
+        assert bank.mcp_states() == {"up": 1, "reconnecting": 0, "down": 0}
         with caplog.at_level(logging.WARNING, logger="cspan.backends.tools.mcp_bridge"):
             with pytest.raises(ToolError, match=r"'crash' on .*mcp_demo_server\.py failed: the server closed the"):
                 await bank.call("crash", {})
+            assert bank.mcp_states() == {"up": 0, "reconnecting": 1, "down": 0}
             sums = await asyncio.gather(*(bank.call("add", {"a": i, "b": 40}) for i in range(3)))
             assert [s.text for s in sums] == ["40", "41", "42"]
             with pytest.raises(ToolError, match="closed the connection"):
                 await bank.call("crash", {"code": 0})
             assert (await bank.call("shout", {"text": "back"})).text == "BACK"
+            assert bank.mcp_states() == {"up": 1, "reconnecting": 0, "down": 0}
         lost = [r.getMessage() for r in caplog.records if "closed the connection" in r.getMessage()]
         assert len(lost) == 2 and all("mcp_demo_server.py" in m for m in lost)
         assert sum("reconnected" in r.getMessage() for r in caplog.records) == 2
@@ -159,6 +163,7 @@ async def test_a_server_that_cannot_restart_is_given_up(tmp_path: Path, monkeypa
         await asyncio.sleep(1.0)
         with pytest.raises(ToolError, match=r"is down: 3 reconnects in a row failed, no more are tried \(last: "):
             await bank.call("add", {"a": 1, "b": 2})
+        assert bank.mcp_states() == {"up": 0, "reconnecting": 0, "down": 1}
     finally:
         await bank.aclose()
 

@@ -9,6 +9,8 @@ import asyncio
 import base64
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ import websockets
 from serve_client import Client
 
 from cspan.backends.context_db import ContextDB
+from cspan.backends.errors import ToolError
 from cspan.backends.identity import issue_token
 
 REPO = Path(__file__).resolve().parents[2]
@@ -354,6 +357,26 @@ async def test_tools_are_configuration_and_actions_wait_for_a_confirmation(serve
         assert {f.key: f.value for f in db.user("ada").facts()}["favourite_colour"] == "green"
         assert "favourite_colour" not in {f.key for f in db.user("bob").facts()}
 
+    # the operator sees the MCP server's state on /metrics (a lost one is reconnected at the next call)
+    def mcp_gauge() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {users['ops']}"}).text
+        return {s: float(re.search(rf'^cspan_mcp_servers{{state="{s}"}} (\S+)$', text, re.M)[1]) for s in STATES}
+
+    STATES = ("up", "reconnecting", "down")
+    assert mcp_gauge() == {"up": 1.0, "reconnecting": 0.0, "down": 0.0}
+    (pid,) = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _runs(d, MCP_DEMO)]
+    os.kill(pid, signal.SIGKILL)  # the MCP server dies between calls: the next call finds it gone
+
+    def shout(text: str) -> str:  # a router's call, on the server's event loop (the MCP session's)
+        call = asyncio.run_coroutine_threadsafe(bank.call("shout", {"text": text}), bank.mcp[0]._task.get_loop())
+        return call.result(timeout=60).text
+
+    with pytest.raises(ToolError, match="closed the connection"):
+        shout("lost")
+    assert mcp_gauge() == {"up": 0.0, "reconnecting": 1.0, "down": 0.0}
+    assert shout("again") == "AGAIN"
+    assert mcp_gauge() == {"up": 1.0, "reconnecting": 0.0, "down": 0.0}
+
 
 @pytest.mark.timeout(300)
 async def test_health_tells_a_balancer_when_to_send_no_more(serve) -> None:
@@ -376,6 +399,15 @@ async def test_health_tells_a_balancer_when_to_send_no_more(serve) -> None:
     async with websockets.connect(server.ws_url) as ws:
         busy = await Client(ws).start()
         assert busy["type"] == "busy" and "shutting down" in busy["message"]
+
+
+def _runs(proc: Path, script: Path) -> bool:
+    """Whether the process of ``/proc/PID`` is a child of this one running ``script``."""
+    try:
+        parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        return parent == os.getpid() and str(script) in (proc / "cmdline").read_bytes().decode().split("\0")
+    except (OSError, ValueError, IndexError):  # gone, or not ours
+        return False
 
 
 def cspan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -379,7 +379,9 @@ def create_app(
     @app.get("/health")
     async def health():
         """Liveness and capacity, for load balancers: 200 while a slot is free, 503 when full, draining or stopped
-        (the body says which)."""
+        (the body says which). An ``--mcp`` server that is down does not make it unhealthy (conversations go on,
+        its tools answer with an error): ``cspan_mcp_servers`` of ``/metrics`` counts them by state; ``/health``
+        needs no token and says nothing of the backends."""
         status, free = hub.health()
         body = {
             "status": status,
@@ -427,7 +429,7 @@ def create_app(
                     status_code=401 if principal is None else 403,
                     headers={"WWW-Authenticate": "Bearer"} if principal is None else None,
                 )
-        body, content_type = metrics.render()
+        body, content_type = metrics.render(hub.mcp_states())
         return Response(body, media_type=content_type)
 
     app.router.add_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)

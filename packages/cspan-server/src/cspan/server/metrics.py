@@ -28,12 +28,13 @@ each adapter's ``name``).
 | ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
 | ``cspan_protocol_errors_total{protocol,code}`` | counter | ``error`` messages sent for client mistakes |
 | ``cspan_voice_recordings_total{protocol}`` | counter | recordings clients sent that became a session's voice |
+| ``cspan_mcp_servers{state}`` | gauge | ``--mcp`` servers ``up``, ``reconnecting`` (lost: the next call reconnects) and ``down`` (given up after 3 failed reconnects) |
 | ``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ... | gauge, counter | the server process (Linux; prometheus-client's process collector) |
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -105,6 +106,9 @@ class ServerMetrics:
         self.voice_recordings = Counter(
             "cspan_voice_recordings", "Recordings clients sent that became a session's voice", p, registry=r
         )
+        self.mcp_servers = Gauge(
+            "cspan_mcp_servers", "--mcp servers by state: up, reconnecting, down (given up)", ["state"], registry=r
+        )
         for outcome in ("injected", "late", "no_span"):
             self.spans.labels(outcome)
         for name in protocols:  # every protocol's series exist from the start (0 rather than absent)
@@ -113,8 +117,11 @@ class ServerMetrics:
             for direction in ("in", "out"):
                 self.wire_bytes.labels(name, direction)
 
-    def render(self) -> tuple[bytes, str]:
-        """``(body, content_type)`` of the Prometheus text exposition."""
+    def render(self, mcp_states: Mapping[str, int] | None = None) -> tuple[bytes, str]:
+        """``(body, content_type)`` of the Prometheus text exposition, with ``cspan_mcp_servers`` set from
+        ``mcp_states`` (``{state: count}``, read at the scrape) first."""
+        for state, count in (mcp_states or {"up": 0, "reconnecting": 0, "down": 0}).items():
+            self.mcp_servers.labels(state).set(count)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

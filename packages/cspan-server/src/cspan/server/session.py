@@ -883,6 +883,12 @@ class SessionHub:
         one)."""
         return self.backends.tool_names() if self.backends is not None else set()
 
+    def mcp_states(self) -> dict[str, int]:
+        """How many ``--mcp`` servers are ``up``, ``reconnecting`` and ``down`` (all 0 without any, or before
+        :meth:`prepare`)."""
+        bank = getattr(self.backends, "bank", None)
+        return bank.mcp_states() if bank is not None else {"up": 0, "reconnecting": 0, "down": 0}
+
     def health(self) -> tuple[str, int]:
         """``(status, free slots)``: ``ok`` (a slot is free), ``full``, ``draining`` (shutting down) or ``stopped``."""
         free = self.free_slots()

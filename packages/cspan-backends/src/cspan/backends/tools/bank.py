@@ -252,6 +252,7 @@ class ToolBank:
         self.confirm_actions = confirm_actions
         self._tools: dict[str, Tool] = {}
         self._closers: list[Callable[[], Awaitable[None]]] = []
+        self.mcp: list[Any] = []  # the MCP connections its tools call (:class:`~.mcp_bridge.MCPConnection`)
         for tool in tools:
             self.register(tool)
 
@@ -328,6 +329,7 @@ class ToolBank:
         """
         bank = ToolBank(max_chars=self.max_chars, confirm_actions=self.confirm_actions)
         bank._tools = dict(self._tools)
+        bank.mcp = self.mcp  # shared, not owned (their closers stay with this bank)
         for tool in extra:
             bank.register(tool, replace=replace)
         return bank
@@ -345,8 +347,17 @@ class ToolBank:
         for tool in other._tools.values():
             self.register(tool, replace=True)
         self._closers.extend(other._closers)
-        other._closers = []
+        self.mcp.extend(other.mcp)
+        other._closers, other.mcp = [], []
         return self
+
+    def mcp_states(self) -> dict[str, int]:
+        """How many of the bank's MCP servers are ``up``, ``reconnecting`` and ``down`` (see
+        :attr:`cspan.backends.tools.mcp_bridge.MCPConnection.state`); every key is present."""
+        states = {"up": 0, "reconnecting": 0, "down": 0}
+        for conn in self.mcp:
+            states[conn.state] += 1
+        return states
 
     # ------------------------------------------------------------------ lookup
 
@@ -552,7 +563,7 @@ class ToolBank:
 
     async def aclose(self) -> None:
         """Release what the bank owns (MCP sessions and subprocesses, the world database); idempotent."""
-        closers, self._closers = self._closers, []
+        closers, self._closers, self.mcp = self._closers, [], []
         errors: list[BaseException] = []
         for closer in reversed(closers):
             try:

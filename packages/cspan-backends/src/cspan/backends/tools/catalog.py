@@ -353,6 +353,7 @@ async def mount_mcp(
     await conn.start()
     bank = ToolBank(max_chars=max_chars)
     bank.add_closer(conn.aclose)
+    bank.mcp.append(conn)
     try:
         for tool in conn.tools(prefix=prefix, timeout_s=timeout_s, allow=allow, read_only=read_only):
             bank.register(tool)

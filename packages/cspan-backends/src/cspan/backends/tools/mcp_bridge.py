@@ -125,6 +125,18 @@ class MCPConnection:
         self._restarting: asyncio.Task[None] | None = None
 
     @property
+    def state(self) -> str:
+        """``up`` (connected), ``reconnecting`` (the connection was lost: the next call reconnects, after the
+        back-off if a reconnect failed) or ``down`` (reconnects given up, or closed by :meth:`aclose`).
+
+        What the calls found: a server that exits between calls reads ``up`` until the next call finds it gone."""
+        if self._closed or self._failures >= _MAX_RESTARTS:
+            return "down"
+        if self._lost or self._session is None or self._task is None or self._task.done():
+            return "reconnecting"
+        return "up"
+
+    @property
     def where(self) -> str:
         """The server, in words, for messages."""
         return " ".join(self.command) if self.command is not None else str(self.url)
