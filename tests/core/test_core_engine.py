@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cspan.core.checkpoint import load_checkpoint
 from cspan.core.constants import FRAME_SIZE, RET
 from cspan.core.engine import DuplexEngine, TokenStepOutput
 from cspan.core.errors import CheckpointError
@@ -340,6 +341,63 @@ def test_bad_session_arguments_change_nothing(tiny_checkpoint) -> None:
     wide.step(torch.zeros(1, FRAME_SIZE))
     report = wide.inject_span(0, "It is sunny in Sydney today. " * 600)
     assert report.n >= wide.context and not report.truncated and not report.span_in_window
+
+
+def test_bad_seeds_and_tokens_are_refused_before_anything_changes(tiny_checkpoint) -> None:
+    """A seed the device cannot hold (past 2**63 - 1, negative, or seed + i past it for the constructor's B
+    sessions) or that is no int raises at the call, not at the next step after the restart was queued; float
+    tokens, and tokens the embedding tables do not hold, raise in step_tokens with the place named."""
+    engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=5)
+    for _ in range(3):
+        engine.step(torch.zeros(2, FRAME_SIZE))
+    for call in (
+        lambda seed: engine.reset(0, seed=seed),
+        lambda seed: engine.set_persona(0, "Be brief.", seed=seed),
+        lambda seed: engine.set_prefix(0, torch.zeros(17, 0, dtype=torch.long), seed=seed),
+    ):
+        with pytest.raises(ValueError, match=r"seed 18446744073709551616 is outside 0 \.\. 2\*\*63 - 1"):
+            call(2**64)
+        with pytest.raises(ValueError, match="seed -1 is outside"):
+            call(-1)
+        for bad in ("7", 1.9, True):
+            with pytest.raises(TypeError, match="a seed is an int or None"):
+                call(bad)
+    assert engine.seeds == [5, 6] and engine.positions == [3, 3]  # nothing queued
+    engine.reset(0, seed=2**63 - 1)
+    engine.step(torch.zeros(2, FRAME_SIZE))
+    assert engine.seeds == [2**63 - 1, 6] and engine.positions == [1, 4]
+    with pytest.raises(ValueError, match=r"seed \+ i for 2 sessions"):
+        DuplexEngine(tiny_checkpoint, batch_size=2, seed=2**63 - 1)
+
+    card, K = engine.lm.card, engine.num_streams
+    with pytest.raises(ValueError, match=r"user_codes\[1, 2\] = -7 is outside 0 \.\. " + str(card)):
+        engine.step_tokens(
+            torch.zeros(2, 8, dtype=torch.long).index_put_((torch.tensor(1), torch.tensor(2)), torch.tensor(-7))
+        )
+    with pytest.raises(ValueError, match="user_codes must be an integer"):
+        engine.step_tokens(torch.zeros(2, 8))
+    forced = torch.full((2, K), -2, dtype=torch.long)
+    forced[0, 0] = 99999
+    with pytest.raises(ValueError, match=r"forced\[0, 0\] = 99999 is outside 0 \.\. \d+ or -2 \(sample\)"):
+        engine.step_tokens(torch.zeros(2, 8, dtype=torch.long), forced)
+    with pytest.raises(ValueError, match=r"voice codes are Mimi codes .* got torch\.float32"):
+        engine.set_persona(0, None, torch.full((8, 5), 7.9))
+    assert engine.positions == [1, 4]
+    assert engine.step_tokens(torch.full((2, 8), card, dtype=torch.long)).valid.all()  # the placeholder id is held
+
+
+def test_load_checkpoint_names_a_device_or_dtype_it_cannot_use(tiny_checkpoint_dir) -> None:
+    from cspan.core.errors import CspanError
+
+    with pytest.raises(CheckpointError, match=r"dtype torch\.float64: the model runs in bfloat16, float16 or float32"):
+        load_checkpoint(tiny_checkpoint_dir, dtype=torch.float64)
+    with pytest.raises(CheckpointError, match=r"dtype torch\.int8"):
+        load_checkpoint(tiny_checkpoint_dir, dtype=torch.int8)
+    with pytest.raises(CspanError, match="device tpu: not a device torch knows"):
+        load_checkpoint(tiny_checkpoint_dir, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(CspanError, match="device cuda: this torch has no CUDA device"):
+            load_checkpoint(tiny_checkpoint_dir, device="cuda")
 
 
 def test_a_step_with_every_session_idle_computes_nothing(tiny_checkpoint) -> None:

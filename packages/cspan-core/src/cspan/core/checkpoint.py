@@ -221,7 +221,7 @@ def _torch_dtype(dtype: Any) -> torch.dtype | None:
     """``None``, a ``torch.dtype`` or a name (``bf16``, ``bfloat16``, ``fp16``, ``float16``, ``fp32``, ``float32``)."""
     import torch
 
-    if dtype is None or isinstance(dtype, torch.dtype):
+    if dtype is None:
         return dtype
     names = {
         "bf16": torch.bfloat16,
@@ -235,7 +235,7 @@ def _torch_dtype(dtype: Any) -> torch.dtype | None:
     }
     key = str(dtype).lower().removeprefix("torch.")
     if key not in names:
-        raise CheckpointError(f"unknown dtype {dtype!r}; use one of bfloat16, float16, float32")
+        raise CheckpointError(f"dtype {dtype!r}: the model runs in bfloat16, float16 or float32")
     return names[key]
 
 
@@ -872,10 +872,17 @@ def load_lm(
 
 
 def _load_device(device: str | torch.device) -> str:
-    """The device string safetensors reads tensors onto (the target device itself: no extra CPU copy)."""
+    """The device string safetensors reads tensors onto (the target device itself: no extra CPU copy).
+
+    Raises:
+        CspanError: a device torch does not know or cspan does not run on, or CUDA this machine lacks
+            (:func:`cspan.core.devices.parse_device`), one line instead of torch's assertion.
+    """
     import torch
 
-    dev = torch.device(device)
+    from .devices import parse_device
+
+    dev = parse_device(str(device), flag="device")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return str(dev)

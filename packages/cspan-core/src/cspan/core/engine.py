@@ -56,7 +56,17 @@ from .graphs import GraphCache
 from .plan import resolve_plan
 from .prefix import PrefixReport, build_persona_prefix, prefix_block
 from .sampling import SamplingParams, SessionSampling, sample_column, top_k_bound
-from .sessions import EngineState, Persona, Sessions, StepBatch, StepHead, build_step, fresh_seed, unpack
+from .sessions import (
+    EngineState,
+    Persona,
+    Sessions,
+    StepBatch,
+    StepHead,
+    build_step,
+    check_seed,
+    fresh_seed,
+    unpack,
+)
 from .span import ContextSpan, SpanReport, encode_span, span_report
 from .window import DEFAULT_PERSONA_POLICY, WindowEvent, check_policy, reprefix_block
 
@@ -235,6 +245,7 @@ class DuplexEngine:
         self.plan = resolve_plan(lm, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, fused=fused)
         initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
         self.state = EngineState(lm, mimi, batch_size, self.plan, (lm.delays, initial, self.user_rows))
+        check_seed(seed, "DuplexEngine", span=batch_size)
         seeds = [fresh_seed() if seed is None else seed + i for i in range(batch_size)]
         self.sessions = Sessions(
             seeds, SessionSampling(self.text_params, self.audio_params), lm.cfg.context, max_block_columns
@@ -259,10 +270,10 @@ class DuplexEngine:
         sampling parameters.
 
         Raises:
-            IndexError: no such session.
+            IndexError: no such session. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
         """
         self._check_session(i)
-        self.sessions.reset([i], [seed])
+        self.sessions.reset([i], [check_seed(seed, "reset")])
         self.sessions.set_sampling(i, SessionSampling(self.text_params, self.audio_params))
 
     def set_sampling(self, i: int, text: SamplingParams | None = None, audio: SamplingParams | None = None) -> None:
@@ -285,8 +296,10 @@ class DuplexEngine:
         return SessionSampling(text, audio)
 
     def set_live(self, rows: Sequence[int] | int, live: bool = True) -> None:
-        """Mark sessions live (stepped) or idle (not stepped: no compute, no KV reads; their outputs are invalid
-        and their state stays as it is). Every session starts live.
+        """Mark sessions live (stepped) or idle (not stepped: no compute, no KV reads; their outputs are invalid,
+        their model state and queue stay as they are). Every session starts live. Mimi's streaming state moves on
+        for idle rows (the frame encodes the PCM passed for them and decodes silence): pass zeros, and a resumed
+        session continues as after a silent pause.
 
         Raises:
             IndexError, TypeError: a row that is no session (then no row is changed).
@@ -330,10 +343,11 @@ class DuplexEngine:
 
         Raises:
             IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name.
-            ValueError: voice codes not [8, N] or outside [0, card); bad sampling parameters; a prefix that does not
-                fit the window.
+            ValueError: voice codes not [8, N] integers in [0, card); bad sampling parameters; a prefix that does
+                not fit the window; a seed outside 0 .. 2**63 - 1 (TypeError: not an int).
         """
         self._check_session(i)
+        check_seed(seed, "set_persona")
         t0 = time.perf_counter()
         if sampling is not None:  # checked first, applied with the prefix: a failing call changes nothing
             sampling = self._checked_sampling(i, sampling.text, sampling.audio)
@@ -342,6 +356,8 @@ class DuplexEngine:
 
             voice = load_voice_prompt(voice, self.checkpoint)
         codes = voice if isinstance(voice, torch.Tensor) else getattr(voice, "codes", None)
+        if codes is not None and (codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool):
+            raise ValueError(f"set_persona: voice codes are Mimi codes (an integer tensor), got {codes.dtype}")
         if codes is not None and codes.numel():
             lo, hi = int(codes.min()), int(codes.max())
             if lo < 0 or hi >= self.lm.card:
@@ -391,10 +407,10 @@ class DuplexEngine:
 
         Raises:
             ValueError: an unknown policy; a prefix that leaves no room in the window (P + 1 >= context) with a
-                policy that keeps it there.
+                policy that keeps it there. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
         """
         self._check_session(i)
-        seed = self.sessions.seeds[i] if seed is None else seed
+        seed = self.sessions.seeds[i] if seed is None else check_seed(seed, "set_prefix")
         policy = self.persona_policy if policy is None else check_policy(policy)
         P = int(frames.shape[-1])
         if not P:
@@ -469,7 +485,8 @@ class DuplexEngine:
 
         Raises:
             ValueError: wrong shapes, or no user codes for a model that does not predict them (or for an engine
-                built with ``predict_user=False``).
+                built with ``predict_user=False``); not integer tensors; tokens out of range (checked for tensors
+                on the CPU: reading device tensors' values would make every step wait for the GPU).
         """
         B, K = self.batch_size, self.num_streams
         if user_codes is None:
@@ -490,6 +507,9 @@ class DuplexEngine:
             )
         if forced is not None and tuple(forced.shape) != (B, K):
             raise ValueError(f"step_tokens: forced must be [{B}, {K}], got {tuple(forced.shape)}")
+        card, text_card = self.lm.card, self.lm.cfg.text_card
+        self._check_tokens("user_codes", user_codes, 0, [card + 1] * self.num_codebooks)
+        self._check_tokens("forced", forced, -2, [text_card + 1] + [card + 1] * (K - 1))
         batch = self._prepare()
         if not batch.rows:  # every session idle: nothing to compute
             return self._idle()
@@ -789,6 +809,22 @@ class DuplexEngine:
         ``pin`` once, ``reprefix`` per copy read), oldest first. Host only, any thread."""
         self._check_session(i)
         return self.sessions.take_window_events(i)
+
+    @staticmethod
+    def _check_tokens(name: str, tokens: torch.Tensor | None, low: int, highs: list[int]) -> None:
+        """``tokens`` [B, len(highs)]: an integer tensor; on the CPU, column j in ``low`` (-2: "sample") or
+        0 .. highs[j] - 1 (the rows its embedding table has)."""
+        if tokens is None:
+            return
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ValueError(f"step_tokens: {name} must be an integer (long) tensor, got {tokens.dtype}")
+        if tokens.device.type != "cpu" or not tokens.numel():
+            return
+        bad = (tokens >= torch.tensor(highs)) | ((tokens < 0) & (tokens != low))
+        if bool(bad.any()):
+            row, col = (int(v) for v in bad.nonzero()[0])
+            allowed = f"0 .. {highs[col] - 1}" + (" or -2 (sample)" if low == -2 else "")
+            raise ValueError(f"step_tokens: {name}[{row}, {col}] = {int(tokens[row, col])} is outside {allowed}")
 
     def _check_session(self, i: int) -> None:
         if isinstance(i, bool) or not isinstance(i, int):

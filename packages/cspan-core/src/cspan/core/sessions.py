@@ -39,9 +39,26 @@ WINDOW_EVENTS_KEPT = 64
 """Window events kept per session until :meth:`Sessions.take_window_events` (older ones are dropped)."""
 
 
+MAX_SEED = 2**63 - 1
+"""The largest sampling seed (the device holds seeds as int64)."""
+
+
 def fresh_seed() -> int:
     """A non-deterministic 63-bit seed."""
     return random.SystemRandom().getrandbits(63)
+
+
+def check_seed(seed: object, where: str, span: int = 1) -> int | None:
+    """``seed`` (None, or an int with ``seed + span - 1`` in 0 .. :data:`MAX_SEED`), else a ValueError / TypeError
+    naming ``where``: a seed the device cannot hold would fail only at the next step, after the restart was queued."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where}: a seed is an int or None, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed <= MAX_SEED - (span - 1):
+        top = "2**63 - 1" if span == 1 else f"2**63 - {span} (seed + i for {span} sessions)"
+        raise ValueError(f"{where}: seed {seed} is outside 0 .. {top}")
+    return seed
 
 
 @dataclass
