@@ -116,6 +116,8 @@ BAD_SETTINGS = [
     (["--user-name", "n" * 500], "--user-name"),
     (["--output-wav", "OUT.m4a"], "--output-wav"),
     (["--output-wav", "out"], "--output-wav"),
+    (["--output-wav", "."], "--output-wav"),  # a folder: the same exit status and flag for both outputs
+    (["--output-text", "."], "--output-text"),
     (["--checkpoint", ""], "--checkpoint"),  # an unset variable in a script, not a request for the default
 ]
 
@@ -151,6 +153,16 @@ def test_settings_that_do_not_fit_the_input_or_the_checkpoint_exit_2(extra, mess
     assert re.match(f"cspan infer: error: {message}", err), err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_made_after_the_settings_were_read_is_refused_with_its_flag(tmp_path):
+    from cspan.core.errors import SettingsError
+    from cspan.server.infer import check_outputs
+
+    folder = tmp_path / "o.json"
+    folder.mkdir()
+    with pytest.raises(SettingsError, match=rf"^--output-text {re.escape(str(folder))}: is a directory"):
+        check_outputs([], {"--output-wav": tmp_path / "o.wav", "--output-text": folder})
 
 
 def test_bad_settings_from_the_environment_and_a_settings_file(speech, tmp_path, monkeypatch, capsys, no_model_load):

@@ -178,6 +178,13 @@ class InferSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
             raise ValueError(str(exc).removeprefix(f"{value}: ")) from None
         return value
 
+    @field_validator("output_text")
+    @classmethod
+    def _check_output_text(cls, value: Path | None) -> Path | None:
+        if value is not None and value.is_dir():
+            raise ValueError("is a directory; pass a file path for the output")
+        return value
+
     @field_validator("user_tz")
     @classmethod
     def _check_time_zone(cls, value: str) -> str:
@@ -291,8 +298,8 @@ def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path
     folder can be written (created if missing), before any work.
 
     Raises:
-        SettingsError: two flags name the same file (both flags and the file). CspanError: naming the offending
-            path. OutputError: a folder that cannot be written (path and cause).
+        SettingsError: a folder, or two flags naming the same file (the flags and the file). CspanError: naming
+            the offending path. OutputError: a folder that cannot be written (path and cause).
     """
     from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
@@ -301,8 +308,8 @@ def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path
     resolved_inputs = {p.resolve() for p in inputs}
     for flag, out in outputs.items():
         real = out.resolve()
-        if real.is_dir():
-            raise CspanError(f"{out}: is a directory; pass a file path for the output")
+        if real.is_dir():  # the settings refuse one too; this catches a folder made since
+            raise SettingsError(f"{flag} {out}: is a directory; pass a file path for the output")
         if real.exists() and not real.is_file():
             raise CspanError(f"{out}: is not a regular file (a device, pipe or socket); pass a file path")
         if real in resolved_inputs:
