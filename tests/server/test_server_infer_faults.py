@@ -165,6 +165,20 @@ def test_a_folder_made_after_the_settings_were_read_is_refused_with_its_flag(tmp
         check_outputs([], {"--output-wav": tmp_path / "o.wav", "--output-text": folder})
 
 
+def test_past_the_end_says_the_times_are_rounded_to_whole_frames(tmp_path, capsys, no_model_load):
+    """A 2.74 s input and a 0.5 s tail are 35 and 7 frames: 2.80 s + 0.56 s, which is the 3.36 s limit given."""
+    inp = tmp_path / "in.wav"
+    sf.write(inp, np.full(65_760, 0.1, dtype=np.float32), 24_000)  # 2.74 s
+    argv = ["infer", "--input-wav", str(inp), "--output-wav", str(tmp_path / "o.wav"), "--lead-silence", "0.5",
+            "--tail-silence", "0.5", "--asr", "none", "--router", "none", "--span", "100:x"]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "cspan infer: error: --span at 100 s is past the end of the conversation (input 2.74 s + 0.5 s tail, each "
+        "rounded up to whole 80 ms frames: 2.80 s + 0.56 s); use a time below 3.36 s\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.wav"]
+
+
 def test_bad_settings_from_the_environment_and_a_settings_file(speech, tmp_path, monkeypatch, capsys, no_model_load):
     base = ["infer", "--input-wav", str(speech), "--output-wav", str(tmp_path / "o.wav")]
     monkeypatch.setenv("CSPAN_LEAD_SILENCE", "inf")

@@ -538,7 +538,8 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
         if t >= last_s:
             raise SettingsError(
                 f"{label} at {t:g} s is past the end of the conversation (input {info.duration_s:.2f} s + "
-                f"{s.tail_silence:g} s tail); use a time below {last_s:.2f} s"
+                f"{s.tail_silence:g} s tail, each rounded up to whole 80 ms frames: {n_input / FRAME_RATE:.2f} s + "
+                f"{tail / FRAME_RATE:.2f} s); use a time below {last_s:.2f} s"
             )
     check_writable(s.output_wav, need_bytes=total * FRAME_SIZE * 2 * 2 + 65536)  # 16-bit stereo, the WAV bound
     device, dtype = pick_device(s.device)
