@@ -510,3 +510,23 @@ def test_file_names_that_are_not_utf8_work_and_are_shown_escaped(tiny_checkpoint
     assert sf.info(os.fsencode(out / "out.wav")).frames == round(result.output.duration_s * 24_000)
     doc = json.loads((out / "out.json").read_bytes())
     assert doc["input"].endswith("caf\\xe9.wav") and doc["settings"]["input_wav"] == doc["input"]
+
+
+# ------------------------------------------------------------------------------ what reaches the terminal
+
+
+def test_forced_rets_in_one_frame_are_one_ret_with_a_warning(tiny_checkpoint_dir, speech, tmp_path, caplog):
+    """As for ``--span`` (spans at one frame are all injected, nothing refused), times that fall in one frame are
+    kept; but a frame holds one ``<ret>``, so they are one forced ``ret``, and a warning names them."""
+    argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--force-ret-at", "1.0", "--force-ret-at", "1.0",
+                 "--force-ret-at", "1.01", "--force-ret-at", "2.0")  # fmt: skip
+    with caplog.at_level("WARNING", logger="cspan.server.infer"):
+        result = asyncio.run(run_infer(_settings(argv)))
+    warnings = [r.getMessage() for r in caplog.records if "--force-ret-at" in r.getMessage()]
+    assert warnings == [
+        "--force-ret-at 1, 1, 1.01 s fall in the same 80 ms frame (0.96 to 1.04 s of the input): one <ret> is "
+        "forced there"
+    ]
+    offset = result.output.input_offset_s
+    forced = [round(e.t - offset, 2) for e in result.output.events if e.type == "ret" and e.forced]
+    assert forced == [0.96, 2.0]

@@ -86,6 +86,14 @@ def frame_at(seconds: float) -> int:
     return math.floor(seconds * 12.5 + 1e-9)
 
 
+def same_frame_times(times: list[float]) -> list[list[float]]:
+    """The groups of ``times`` (in order, each of two or more) that fall in the same 12.5 Hz frame."""
+    frames: dict[int, list[float]] = {}
+    for t in times:
+        frames.setdefault(frame_at(t), []).append(t)
+    return [group for group in frames.values() if len(group) > 1]
+
+
 _IO = {"group": "input and output"}
 _CONV = {"group": "conversation"}
 
@@ -541,6 +549,14 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
                 f"{s.tail_silence:g} s tail, each rounded up to whole 80 ms frames: {n_input / FRAME_RATE:.2f} s + "
                 f"{tail / FRAME_RATE:.2f} s); use a time below {last_s:.2f} s"
             )
+    for group in same_frame_times(s.force_ret_at):  # spans at one frame are all injected; a <ret> is one event
+        k = frame_at(group[0])
+        logger.warning(
+            "--force-ret-at %s s fall in the same 80 ms frame (%.2f to %.2f s of the input): one <ret> is forced there",
+            ", ".join(f"{t:g}" for t in group),
+            k / FRAME_RATE,
+            (k + 1) / FRAME_RATE,
+        )
     check_writable(s.output_wav, need_bytes=total * FRAME_SIZE * 2 * 2 + 65536)  # 16-bit stereo, the WAV bound
     device, dtype = pick_device(s.device)
     if device.type == "cpu":
