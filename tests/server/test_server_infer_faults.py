@@ -530,3 +530,22 @@ def test_forced_rets_in_one_frame_are_one_ret_with_a_warning(tiny_checkpoint_dir
     offset = result.output.input_offset_s
     forced = [round(e.t - offset, 2) for e in result.output.events if e.type == "ret" and e.forced]
     assert forced == [0.96, 2.0]
+
+
+def test_the_end_of_run_line_escapes_what_a_terminal_would_act_on(tiny_checkpoint_dir, speech, tmp_path, capsys,
+                                                                  monkeypatch):  # fmt: skip
+    """Random weights say anything (``\\x12``, escape sequences): the summary line shows them escaped, on one line;
+    the JSON keeps the text as it was."""
+    import cspan.core.runtime as runtime
+
+    said = "hi\x12\x0e \x1b[31mred\nnext \u202eback caf\u00e9 it's"
+    monkeypatch.setattr(runtime, "decode_agent_text", lambda tokenizer, tokens: said)
+    out = tmp_path / os.fsdecode(b"o\x1b[2J\xe9")
+    argv = [a for a in _argv(tiny_checkpoint_dir, speech, out) if a != "--quiet"]
+    asyncio.run(run_infer(_settings(argv)))
+    line = capsys.readouterr().err.rsplit("\r", 1)[-1]  # after the progress bar
+    escaped = "'hi\\x12\\x0e \\x1b[31mred\\nnext \\u202eback caf\u00e9 it's'"
+    assert line.endswith(f"; 0 span(s); agent said: {escaped}\n"), line
+    assert line.startswith(f"wrote {tmp_path}/o\\x1b[2J\\xe9/out.wav (")
+    assert line.count("\n") == 1 and not any(c in line for c in "\x12\x0e\x1b\u202e")
+    assert json.loads((out / "out.json").read_bytes())["agent_text"] == said

@@ -86,6 +86,20 @@ def frame_at(seconds: float) -> int:
     return math.floor(seconds * 12.5 + 1e-9)
 
 
+def printable(text: str) -> str:
+    r"""``text`` for a terminal: each character that is not printable (controls such as ``\x1b``, line breaks,
+    format characters) written as its Python escape (``\x12``, ``\n``, ``\u202e``), a file name's byte that is
+    not UTF-8 as ``\xNN`` (as the JSON keeps it), so that what a random-weight model or a file name holds can never
+    move the cursor or recolour the terminal."""
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    if "\udc80" <= c <= "\udcff":  # os.fsdecode's stand-in for an undecodable byte
+        return f"\\x{ord(c) - 0xDC00:02x}"
+    return c.encode("unicode_escape").decode("ascii")
+
+
 def same_frame_times(times: list[float]) -> list[list[float]]:
     """The groups of ``times`` (in order, each of two or more) that fall in the same 12.5 Hz frame."""
     frames: dict[int, list[float]] = {}
@@ -814,9 +828,9 @@ async def _converse(
         raise OutputError("; ".join(lines) + (f" ({', '.join(kept)} written)" if kept else ""))
     if not s.quiet:
         print(
-            f"wrote {s.output_wav} ({total / FRAME_RATE:.1f} s, stereo: left user, right agent)"
-            + (f" and {s.output_text}" if s.output_text else "")
-            + f"; {stream.spans} span(s); agent said: {agent_text[:120]!r}",
+            f"wrote {printable(str(s.output_wav))} ({total / FRAME_RATE:.1f} s, stereo: left user, right agent)"
+            + (f" and {printable(str(s.output_text))}" if s.output_text else "")
+            + f"; {stream.spans} span(s); agent said: '{printable(agent_text[:120])}'",
             file=sys.stderr,
         )
     return InferResult(output_text=s.output_text, engine=engine, conversation=conversation)
