@@ -179,6 +179,17 @@ def test_past_the_end_says_the_times_are_rounded_to_whole_frames(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.wav"]
 
 
+def test_without_seed_the_seed_is_fixed_and_help_and_docs_say_how_to_vary_it(speech, tmp_path, capsys, repo_root):
+    """PersonaPlex's ``--seed -1`` (no seed) is refused here (above): the default is a fixed seed, so the help and
+    docs/COMING-FROM-MOSHI.md say how to get a different one each run."""
+    assert _settings(["infer", "--input-wav", str(speech), "--output-wav", str(tmp_path / "o.wav")]).seed == 42424242
+    with pytest.raises(SystemExit):
+        cli.main(["infer", "--help"])
+    assert "e.g. --seed $RANDOM" in " ".join(capsys.readouterr().out.split())
+    row = next(r for r in (repo_root / "docs" / "COMING-FROM-MOSHI.md").read_text().splitlines() if "--seed N" in r)
+    assert "no `-1`" in row and "fixed default" in row and "`--seed $RANDOM`" in row
+
+
 def test_bad_settings_from_the_environment_and_a_settings_file(speech, tmp_path, monkeypatch, capsys, no_model_load):
     base = ["infer", "--input-wav", str(speech), "--output-wav", str(tmp_path / "o.wav")]
     monkeypatch.setenv("CSPAN_LEAD_SILENCE", "inf")
