@@ -116,6 +116,8 @@ BAD_SETTINGS = [
     (["--user-name", "n" * 500], "--user-name"),
     (["--output-wav", "OUT.m4a"], "--output-wav"),
     (["--output-wav", "out"], "--output-wav"),
+    (["--output-wav", "."], "--output-wav"),  # a folder: the same exit status and flag for both outputs
+    (["--output-text", "."], "--output-text"),
     (["--checkpoint", ""], "--checkpoint"),  # an unset variable in a script, not a request for the default
 ]
 
@@ -151,6 +153,41 @@ def test_settings_that_do_not_fit_the_input_or_the_checkpoint_exit_2(extra, mess
     assert re.match(f"cspan infer: error: {message}", err), err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_made_after_the_settings_were_read_is_refused_with_its_flag(tmp_path):
+    from cspan.core.errors import SettingsError
+    from cspan.server.infer import check_outputs
+
+    folder = tmp_path / "o.json"
+    folder.mkdir()
+    with pytest.raises(SettingsError, match=rf"^--output-text {re.escape(str(folder))}: is a directory"):
+        check_outputs([], {"--output-wav": tmp_path / "o.wav", "--output-text": folder})
+
+
+def test_past_the_end_says_the_times_are_rounded_to_whole_frames(tmp_path, capsys, no_model_load):
+    """A 2.74 s input and a 0.5 s tail are 35 and 7 frames: 2.80 s + 0.56 s, which is the 3.36 s limit given."""
+    inp = tmp_path / "in.wav"
+    sf.write(inp, np.full(65_760, 0.1, dtype=np.float32), 24_000)  # 2.74 s
+    argv = ["infer", "--input-wav", str(inp), "--output-wav", str(tmp_path / "o.wav"), "--lead-silence", "0.5",
+            "--tail-silence", "0.5", "--asr", "none", "--router", "none", "--span", "100:x"]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "cspan infer: error: --span at 100 s is past the end of the conversation (input 2.74 s + 0.5 s tail, each "
+        "rounded up to whole 80 ms frames: 2.80 s + 0.56 s); use a time below 3.36 s\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.wav"]
+
+
+def test_without_seed_the_seed_is_fixed_and_help_and_docs_say_how_to_vary_it(speech, tmp_path, capsys, repo_root):
+    """PersonaPlex's ``--seed -1`` (no seed) is refused here (above): the default is a fixed seed, so the help and
+    docs/COMING-FROM-MOSHI.md say how to get a different one each run."""
+    assert _settings(["infer", "--input-wav", str(speech), "--output-wav", str(tmp_path / "o.wav")]).seed == 42424242
+    with pytest.raises(SystemExit):
+        cli.main(["infer", "--help"])
+    assert "e.g. --seed $RANDOM" in " ".join(capsys.readouterr().out.split())
+    row = next(r for r in (repo_root / "docs" / "COMING-FROM-MOSHI.md").read_text().splitlines() if "--seed N" in r)
+    assert "no `-1`" in row and "fixed default" in row and "`--seed $RANDOM`" in row
 
 
 def test_bad_settings_from_the_environment_and_a_settings_file(speech, tmp_path, monkeypatch, capsys, no_model_load):
@@ -484,3 +521,42 @@ def test_file_names_that_are_not_utf8_work_and_are_shown_escaped(tiny_checkpoint
     assert sf.info(os.fsencode(out / "out.wav")).frames == round(result.output.duration_s * 24_000)
     doc = json.loads((out / "out.json").read_bytes())
     assert doc["input"].endswith("caf\\xe9.wav") and doc["settings"]["input_wav"] == doc["input"]
+
+
+# ------------------------------------------------------------------------------ what reaches the terminal
+
+
+def test_forced_rets_in_one_frame_are_one_ret_with_a_warning(tiny_checkpoint_dir, speech, tmp_path, caplog):
+    """As for ``--span`` (spans at one frame are all injected, nothing refused), times that fall in one frame are
+    kept; but a frame holds one ``<ret>``, so they are one forced ``ret``, and a warning names them."""
+    argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--force-ret-at", "1.0", "--force-ret-at", "1.0",
+                 "--force-ret-at", "1.01", "--force-ret-at", "2.0")  # fmt: skip
+    with caplog.at_level("WARNING", logger="cspan.server.infer"):
+        result = asyncio.run(run_infer(_settings(argv)))
+    warnings = [r.getMessage() for r in caplog.records if "--force-ret-at" in r.getMessage()]
+    assert warnings == [
+        "--force-ret-at 1, 1, 1.01 s fall in the same 80 ms frame (0.96 to 1.04 s of the input): one <ret> is "
+        "forced there"
+    ]
+    offset = result.output.input_offset_s
+    forced = [round(e.t - offset, 2) for e in result.output.events if e.type == "ret" and e.forced]
+    assert forced == [0.96, 2.0]
+
+
+def test_the_end_of_run_line_escapes_what_a_terminal_would_act_on(tiny_checkpoint_dir, speech, tmp_path, capsys,
+                                                                  monkeypatch):  # fmt: skip
+    """Random weights say anything (``\\x12``, escape sequences): the summary line shows them escaped, on one line;
+    the JSON keeps the text as it was."""
+    import cspan.core.runtime as runtime
+
+    said = "hi\x12\x0e \x1b[31mred\nnext \u202eback caf\u00e9 it's"
+    monkeypatch.setattr(runtime, "decode_agent_text", lambda tokenizer, tokens: said)
+    out = tmp_path / os.fsdecode(b"o\x1b[2J\xe9")
+    argv = [a for a in _argv(tiny_checkpoint_dir, speech, out) if a != "--quiet"]
+    asyncio.run(run_infer(_settings(argv)))
+    line = capsys.readouterr().err.rsplit("\r", 1)[-1]  # after the progress bar
+    escaped = "'hi\\x12\\x0e \\x1b[31mred\\nnext \\u202eback caf\u00e9 it's'"
+    assert line.endswith(f"; 0 span(s); agent said: {escaped}\n"), line
+    assert line.startswith(f"wrote {tmp_path}/o\\x1b[2J\\xe9/out.wav (")
+    assert line.count("\n") == 1 and not any(c in line for c in "\x12\x0e\x1b\u202e")
+    assert json.loads((out / "out.json").read_bytes())["agent_text"] == said

@@ -86,6 +86,28 @@ def frame_at(seconds: float) -> int:
     return math.floor(seconds * 12.5 + 1e-9)
 
 
+def printable(text: str) -> str:
+    r"""``text`` for a terminal: each character that is not printable (controls such as ``\x1b``, line breaks,
+    format characters) written as its Python escape (``\x12``, ``\n``, ``\u202e``), a file name's byte that is
+    not UTF-8 as ``\xNN`` (as the JSON keeps it), so that what a random-weight model or a file name holds can never
+    move the cursor or recolour the terminal."""
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    if "\udc80" <= c <= "\udcff":  # os.fsdecode's stand-in for an undecodable byte
+        return f"\\x{ord(c) - 0xDC00:02x}"
+    return c.encode("unicode_escape").decode("ascii")
+
+
+def same_frame_times(times: list[float]) -> list[list[float]]:
+    """The groups of ``times`` (in order, each of two or more) that fall in the same 12.5 Hz frame."""
+    frames: dict[int, list[float]] = {}
+    for t in times:
+        frames.setdefault(frame_at(t), []).append(t)
+    return [group for group in frames.values() if len(group) > 1]
+
+
 _IO = {"group": "input and output"}
 _CONV = {"group": "conversation"}
 
@@ -176,6 +198,13 @@ class InferSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
             output_format(value)
         except OutputError as exc:
             raise ValueError(str(exc).removeprefix(f"{value}: ")) from None
+        return value
+
+    @field_validator("output_text")
+    @classmethod
+    def _check_output_text(cls, value: Path | None) -> Path | None:
+        if value is not None and value.is_dir():
+            raise ValueError("is a directory; pass a file path for the output")
         return value
 
     @field_validator("user_tz")
@@ -291,8 +320,8 @@ def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path
     folder can be written (created if missing), before any work.
 
     Raises:
-        SettingsError: two flags name the same file (both flags and the file). CspanError: naming the offending
-            path. OutputError: a folder that cannot be written (path and cause).
+        SettingsError: a folder, or two flags naming the same file (the flags and the file). CspanError: naming
+            the offending path. OutputError: a folder that cannot be written (path and cause).
     """
     from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
@@ -301,8 +330,8 @@ def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path
     resolved_inputs = {p.resolve() for p in inputs}
     for flag, out in outputs.items():
         real = out.resolve()
-        if real.is_dir():
-            raise CspanError(f"{out}: is a directory; pass a file path for the output")
+        if real.is_dir():  # the settings refuse one too; this catches a folder made since
+            raise SettingsError(f"{flag} {out}: is a directory; pass a file path for the output")
         if real.exists() and not real.is_file():
             raise CspanError(f"{out}: is not a regular file (a device, pipe or socket); pass a file path")
         if real in resolved_inputs:
@@ -531,8 +560,17 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
         if t >= last_s:
             raise SettingsError(
                 f"{label} at {t:g} s is past the end of the conversation (input {info.duration_s:.2f} s + "
-                f"{s.tail_silence:g} s tail); use a time below {last_s:.2f} s"
+                f"{s.tail_silence:g} s tail, each rounded up to whole 80 ms frames: {n_input / FRAME_RATE:.2f} s + "
+                f"{tail / FRAME_RATE:.2f} s); use a time below {last_s:.2f} s"
             )
+    for group in same_frame_times(s.force_ret_at):  # spans at one frame are all injected; a <ret> is one event
+        k = frame_at(group[0])
+        logger.warning(
+            "--force-ret-at %s s fall in the same 80 ms frame (%.2f to %.2f s of the input): one <ret> is forced there",
+            ", ".join(f"{t:g}" for t in group),
+            k / FRAME_RATE,
+            (k + 1) / FRAME_RATE,
+        )
     check_writable(s.output_wav, need_bytes=total * FRAME_SIZE * 2 * 2 + 65536)  # 16-bit stereo, the WAV bound
     device, dtype = pick_device(s.device)
     if device.type == "cpu":
@@ -790,9 +828,9 @@ async def _converse(
         raise OutputError("; ".join(lines) + (f" ({', '.join(kept)} written)" if kept else ""))
     if not s.quiet:
         print(
-            f"wrote {s.output_wav} ({total / FRAME_RATE:.1f} s, stereo: left user, right agent)"
-            + (f" and {s.output_text}" if s.output_text else "")
-            + f"; {stream.spans} span(s); agent said: {agent_text[:120]!r}",
+            f"wrote {printable(str(s.output_wav))} ({total / FRAME_RATE:.1f} s, stereo: left user, right agent)"
+            + (f" and {printable(str(s.output_text))}" if s.output_text else "")
+            + f"; {stream.spans} span(s); agent said: '{printable(agent_text[:120])}'",
             file=sys.stderr,
         )
     return InferResult(output_text=s.output_text, engine=engine, conversation=conversation)

@@ -133,7 +133,8 @@ class ModelSettings(BaseSettings):
         42424242,
         ge=0,
         le=MAX_SEED,
-        description="seed of the session's sampler (0 to 2**63 - 1)",
+        description="seed of the session's sampler (0 to 2**63 - 1); the default is fixed, so runs repeat: for a "
+        "different one each run (PersonaPlex's --seed -1) pass a fresh one, e.g. --seed $RANDOM",
         json_schema_extra={"group": "model"},
     )
     fuse_lora: bool = Field(
