@@ -88,11 +88,22 @@ def make_server(config: Any) -> Any:
     - reads the token file again on SIGHUP;
     - on SIGTERM/SIGINT drains for ``--drain-s`` (``/health`` answers 503, new conversations are refused, running
       ones go on), then ends every session (reason ``shutdown``, close 1001) before uvicorn closes the connections
-      (plain uvicorn would close them with 1012 first).
+      (plain uvicorn would close them with 1012 first);
+    - ends the drain at once on a second SIGTERM or SIGINT, the rest of the shutdown as orderly as after the drain
+      (plain uvicorn forces its exit on a second SIGINT, skipping the app's shutdown, and ignores a second SIGTERM);
+      a third SIGINT forces the exit.
     """
     import uvicorn
 
     class _ServeServer(uvicorn.Server):
+        drain_ended = False  # a second signal came: the drain ends at once
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit and not self.drain_ended:
+                self.drain_ended = True
+                return
+            super().handle_exit(sig, frame)
+
         async def serve(self, sockets: Any = None) -> None:
             hub = _find_state(self.config.app, "hub")
             if isinstance(hub, SessionHub):
@@ -118,7 +129,7 @@ def make_server(config: Any) -> Any:
             hub = _find_state(app, "hub")
             if isinstance(hub, SessionHub):
                 with contextlib.suppress(Exception):
-                    await hub.drain(hub.settings.drain_s, give_up=lambda: self.force_exit)
+                    await hub.drain(hub.settings.drain_s, give_up=lambda: self.drain_ended or self.force_exit)
                     await hub.end_all("shutdown")
             await super().shutdown(sockets=sockets)
 
