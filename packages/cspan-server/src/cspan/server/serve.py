@@ -22,6 +22,7 @@ import re
 import signal
 import socket
 import threading
+import urllib.parse
 from typing import Any
 
 from cspan.backends.errors import ListenError
@@ -35,16 +36,22 @@ logger = logging.getLogger(__name__)
 
 
 class _RedactTokens(logging.Filter):
-    """Remove ``token=...`` from uvicorn's access log lines, and leave out the lines of ``GET /health`` (a load
-    balancer asks every second or so)."""
+    """Remove from uvicorn's access log lines the value of every ``key=value`` whose key, percent-decoded as the
+    server decodes it, ends with ``token`` in any case (``?tok%65n=`` is ``?token=`` to the server), and leave out
+    the lines of ``GET /health`` (a load balancer asks every second or so)."""
 
-    _pattern = re.compile(r"(token=)[^&\s\"]*")
+    _pair = re.compile(r"([^=&?;\s\"]*)=([^&\s\"]*)")
+
+    @staticmethod
+    def _redact(match: re.Match[str]) -> str:
+        key = match.group(1)
+        return f"{key}=***" if urllib.parse.unquote_plus(key).lower().endswith("token") else match.group(0)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
             if len(record.args) >= 3 and record.args[1] == "GET" and record.args[2] == "/health":
                 return False
-            record.args = tuple(self._pattern.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(self._pair.sub(self._redact, a) if isinstance(a, str) else a for a in record.args)
         return True
 
 
