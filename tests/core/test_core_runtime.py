@@ -372,3 +372,53 @@ def test_a_span_scheduled_for_a_frame_under_way_is_read_at_the_next_head():
     assert engine.injected == [(3, "memory: user=Ada")]
     spans = [e for e in conv.events if isinstance(e, SpanEvent)]
     assert [(e.frame, e.source) for e in spans] == [(3, "memory")]
+
+
+class GatedTranscriber:
+    """Answers its k-th request ``t{k}``; a request in ``held`` waits until :meth:`release` (a recognizer shared
+    with other sessions answers late)."""
+
+    def __init__(self, held: set[int]) -> None:
+        self.held = held
+        self.gates: dict[int, asyncio.Event] = {}
+        self.calls = 0
+
+    async def transcribe(self, pcm: np.ndarray, sample_rate: int) -> _Transcript:
+        k, self.calls = self.calls, self.calls + 1
+        if k in self.held:
+            await self.gates.setdefault(k, asyncio.Event()).wait()
+        return _Transcript(f"t{k}")
+
+    def release(self) -> None:
+        for k in self.held:
+            self.gates.setdefault(k, asyncio.Event()).set()
+
+
+@pytest.mark.parametrize(
+    ("held", "release_at", "shown"),
+    [
+        ({1}, 75, [(False, "t0"), (True, "t2")]),  # the second partial finishes after the final
+        ({0}, 52, [(False, "t1"), (True, "t2")]),  # the first partial finishes after the second
+    ],
+)
+def test_a_transcript_older_than_one_emitted_is_dropped(held, release_at, shown):
+    """An utterance voiced 5..49 asks two partials (frames 25, 45) and its final (frame 58, requests t0, t1, t2):
+    a partial that finishes after a later transcript of its utterance was emitted is not emitted, so the text of
+    an utterance never goes back (was: ``final`` then a stale ``final: false``)."""
+    engine, asr = RecordingEngine(), GatedTranscriber(held)
+    conv = _conv(engine, voiced=range(5, 50), transcriber=asr, span_delay_s=None)
+
+    async def go() -> None:
+        for i in range(90):
+            engine.frame = i
+            if i == release_at:
+                asr.release()
+            await conv.before_step(np.zeros(1920, dtype=np.float32))
+            await conv.after_step(3)
+            await asyncio.sleep(0)
+        await conv.finish()
+
+    asyncio.run(go())
+    got = [(e.final, e.text) for e in conv.events if isinstance(e, UserTextEvent)]
+    assert asr.calls == 3 and got == shown
+    assert conv._asr_tasks == [] and conv._asr_shown == {}  # nothing kept once the utterance is done

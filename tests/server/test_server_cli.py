@@ -75,7 +75,7 @@ def test_help_lists_the_flags_but_not_the_test_hooks() -> None:
 @pytest.mark.timeout(300)
 async def test_serve_subprocess(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:
     """``cspan serve`` as operators run it: starts, serves the page and a session with the token, keeps the token
-    out of its logs, says bye to a live session on SIGINT and shuts down cleanly."""
+    out of its logs (however its key is spelled), says bye to a live session on SIGINT and shuts down cleanly."""
     cmd = [sys.executable, "-m", "cspan.core.cli", "serve", "--checkpoint", str(tiny_checkpoint_dir),
            "--port", "0", "--asr", "none", "--router", "none", "--max-sessions", "1",
            "--db", str(tmp_path / "db.sqlite"), "--device", "cpu"]  # fmt: skip
@@ -112,6 +112,8 @@ async def test_serve_subprocess(tiny_checkpoint_dir: Path, tmp_path: Path) -> No
             assert health["model"] == str(tiny_checkpoint_dir)
             assert (await http.get("/info")).json()["token_required"] is True
             assert "Context Spanning" in (await http.get("/")).text
+            for query in (f"tok%65n={TOKEN}", f"x=1&%74oken={TOKEN}"):  # keys the server decodes to "token"
+                assert (await http.get(f"/metrics?{query}")).status_code == 200
         async with websockets.connect(f"ws://127.0.0.1:{port[0]}/ws?token={TOKEN}") as ws:
             await ws.send(json.dumps({"type": "start"}))
             ready = json.loads(await ws.recv())
@@ -130,5 +132,6 @@ async def test_serve_subprocess(tiny_checkpoint_dir: Path, tmp_path: Path) -> No
         reader.join(timeout=10)
     log = "".join(lines)
     assert "/ws?token=***" in log  # the access log line is there, redacted
+    assert "/metrics?tok%65n=***" in log and "/metrics?x=1&%74oken=***" in log  # so are percent-encoded keys
     assert TOKEN not in log
     assert "Traceback" not in log and "Application shutdown complete" in log

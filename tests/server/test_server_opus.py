@@ -132,6 +132,24 @@ async def test_loss_corruption_and_wrong_codec_keep_the_session(serve, fixture_f
     assert stats["consumed_frames"] == stats["user_frames"] == len(frames) - len(bad)  # the good pages, all of them
 
 
+@pytest.mark.timeout(300)
+async def test_a_vorbis_file_in_two_messages_is_one_error(serve) -> None:
+    """PROTOCOL.md: another codec's Ogg stream is named once per session, however it is cut into messages."""
+    server = serve()
+    vorbis = _vorbis_file()
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        c = OpusClient(ws)
+        await ws.send(json.dumps({"type": "start", "codecs": ["opus"]}))
+        await c.until(lambda m: m["type"] == "ready")
+        await ws.send(vorbis[: len(vorbis) // 2])
+        await ws.send(vorbis[len(vorbis) // 2 :])
+        await ws.send(json.dumps({"type": "stop"}))
+        bye = await c.until(lambda m: m["type"] == "bye")
+    assert c.errors() == ["bad_audio"] and bye["stats"]["errors"] == 1, c.events
+    (error,) = [m for m in c.events if m["type"] == "error"]
+    assert "Ogg pages of a Vorbis stream, not Opus" in error["message"]
+
+
 async def test_ogg_in_a_pcm_session_says_how_to_negotiate(serve) -> None:
     import sphn
 
@@ -228,25 +246,35 @@ def test_decoder_keeps_a_capture_pattern_split_across_messages(split: int) -> No
     assert pcm.size == 2 * FRAME and problem is None
 
 
-def test_another_codecs_ogg_stream_is_named_once_and_opus_decodes_after_it() -> None:
-    """An OGG/Vorbis file sent as it is (libsndfile writes it): every page refused, the report names the codec once
-    (its audio pages too, by their stream's serial number), and the Opus stream that follows decodes."""
+def _vorbis_file() -> bytes:
+    """A second of noise as an OGG/Vorbis file (as libsndfile writes it)."""
     import io
 
     import soundfile as sf
+
+    vorbis = io.BytesIO()
+    sf.write(vorbis, np.random.default_rng(0).normal(0, 0.1, 24000), 24000, format="OGG", subtype="VORBIS")
+    return vorbis.getvalue()
+
+
+def test_another_codecs_ogg_stream_is_named_once_and_opus_decodes_after_it() -> None:
+    """An OGG/Vorbis file sent as it is, in two messages: every page refused, the codec named once (its audio pages
+    are known by their stream's serial number, in the next message too: was a second report there), and the Opus
+    stream that follows decodes."""
     import sphn
 
     from cspan.server.opus import OggOpusDecoder
 
-    vorbis = io.BytesIO()
-    sf.write(vorbis, np.random.default_rng(0).normal(0, 0.1, 24000), 24000, format="OGG", subtype="VORBIS")
+    vorbis = _vorbis_file()
     decoder = OggOpusDecoder()
-    pcm, problem = decoder.decode(vorbis.getvalue())
+    pcm, problem = decoder.decode(vorbis[: len(vorbis) // 2])
     assert pcm.size == 0
     assert problem == (
         "audio is not a valid Ogg/Opus stream: Ogg pages of a Vorbis stream, not Opus (encode the audio as Opus, "
         "or offer 'pcm' and send PCM)"
     )
+    pcm, problem = decoder.decode(vorbis[len(vorbis) // 2 :])
+    assert pcm.size == 0 and problem is None
     writer = sphn.OpusStreamWriter(24000)
     pcm, problem = decoder.decode(b"".join(writer.append_pcm(np.full(FRAME, 0.1, np.float32)) for _ in range(3)))
     assert problem is None and pcm.size == 3 * FRAME

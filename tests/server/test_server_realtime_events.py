@@ -71,10 +71,12 @@ async def connect(server: Any) -> tuple[Any, Client]:
     return ws, client
 
 
-async def update(client: Client, event_id: str, session: dict[str, Any]) -> tuple[dict[str, Any], list[dict]]:
-    """Send a session.update; its session.updated and what followed it before the next marker."""
+async def update(client: Client, event_id: str | None, session: dict[str, Any]) -> tuple[dict[str, Any], list[dict]]:
+    """Send a session.update (without an ``event_id`` for ``None``, as the openai SDK sends it); its
+    session.updated and what followed it before the next marker."""
     start = len(client.events)
-    await client.send({"type": "session.update", "event_id": event_id, "session": session})
+    id_field = {} if event_id is None else {"event_id": event_id}
+    await client.send({"type": "session.update", **id_field, "session": session})
     await client.send({"type": "input_audio_buffer.clear", "event_id": "marker"})
     await client.until(lambda e: e["type"] == "input_audio_buffer.cleared")
     got = client.events[start:-1]
@@ -195,6 +197,32 @@ async def test_client_tools_on_a_router_that_never_calls_them_get_a_warning(serv
         assert after == []
     finally:
         await ws.close()
+
+
+@pytest.mark.timeout(300)
+async def test_warnings_for_an_update_without_an_event_id(serve) -> None:
+    """The openai SDK sends ``session.update`` without an ``event_id``: its warnings still come (each with an id of
+    its own, as every server event), not an ``internal`` error (was: a validation error of the warning event)."""
+    server = serve(router="local")
+    ws, client = await connect(server)
+    try:
+        session = {"type": "realtime", "cspan": {"events": True}, "voice": "alloy", "tools": [TOOL]}
+        effective, after = await update(client, None, session)
+        assert effective["audio"]["output"]["voice"] == "tiny0" and errors(after) == []
+        assert [(e["type"], e["code"], e["param"]) for e in after] == [
+            ("cspan.warning", "voice_not_applied", "session.voice"),
+            ("cspan.warning", "tools_inert", "session.tools"),
+        ]
+        assert all(e["event_id"].startswith("event_") for e in after)
+        # the errors that echo a client event's id: none without one
+        await client.send({"type": "conversation.item.delete", "item_id": "nope"})
+        await client.send({"type": "response.cancel"})
+        for code in ("unknown_item", "response_cancel_not_active"):
+            error = (await client.until(lambda e: e["type"] == "error"))["error"]
+            assert (error["code"], error.get("event_id")) == (code, None)
+    finally:
+        await ws.close()
+    assert metric(server, 'cspan_protocol_errors_total{code="internal",protocol="realtime"}') == 0
 
 
 async def _assistant_item(client: Client) -> str:

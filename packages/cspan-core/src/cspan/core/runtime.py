@@ -139,6 +139,19 @@ class _Final:
 
 
 @dataclass
+class _Transcription:
+    """A transcript asked of the transcriber: ``seq`` orders the requests (a later one heard more of the
+    utterance)."""
+
+    task: asyncio.Task[Any]
+    utterance: int
+    final: bool
+    start: int
+    end: int | None
+    seq: int
+
+
+@dataclass
 class _Pending:
     ret_frame: int
     forced: bool
@@ -206,7 +219,9 @@ class Conversation:
         self._utf8 = bytearray()  # byte-fallback pieces (<0xE2>...) of a character not complete yet
         self._last_final: _Final | None = None
         self._pending: _Pending | None = None
-        self._asr_tasks: list[tuple[asyncio.Task[Any], int, bool, int, int | None]] = []
+        self._asr_tasks: list[_Transcription] = []
+        self._asr_seq = 0  # the next request's seq
+        self._asr_shown: dict[int, int] = {}  # utterance -> seq of its newest transcript emitted (while others wait)
         self._forced_spans: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
         self._forced_rets: set[int] = set()
         self.frame = 0
@@ -373,14 +388,18 @@ class Conversation:
         heard = self.frame + 1
         pcm = self._user_audio(start, heard if end is None else min(end + TRAILING_FRAMES, heard))
         task = asyncio.ensure_future(self.transcriber.transcribe(pcm, SAMPLE_RATE))
-        self._asr_tasks.append((task, utterance, final, start, end))
+        self._asr_tasks.append(_Transcription(task, utterance, final, start, end, self._asr_seq))
+        self._asr_seq += 1
         if self.offline:
             await self._collect_transcripts(block=True)
 
     async def _collect_transcripts(self, *, block: bool) -> None:
-        still: list[tuple[asyncio.Task[Any], int, bool, int, int | None]] = []
+        """Emit the transcripts finished (all of them with ``block``). They finish in any order (a recognizer
+        shared by sessions answers as it can): one older than a transcript of its utterance already emitted (a
+        partial after its final, or after a later partial) is dropped, so a client never sees the text go back."""
+        still: list[_Transcription] = []
         for entry in self._asr_tasks:
-            task, utterance, final, start, end = entry
+            task, utterance, final, start, end = entry.task, entry.utterance, entry.final, entry.start, entry.end
             if block and not task.done():
                 await asyncio.wait([task])
             if not task.done():
@@ -392,6 +411,9 @@ class Conversation:
             except Exception as exc:
                 self._emit(ErrorEvent(frame=i, t=i * FRAME_S, stage="asr", message=f"{type(exc).__name__}: {exc}"))
                 continue
+            if entry.seq < self._asr_shown.get(utterance, -1):
+                continue
+            self._asr_shown[utterance] = entry.seq
             self._emit(
                 UserTextEvent(
                     frame=i,
@@ -406,6 +428,8 @@ class Conversation:
             if final and text and end is not None:
                 self._last_final = _Final(text=text, end_frame=end, utterance=utterance)
         self._asr_tasks = still
+        waiting = {entry.utterance for entry in still}
+        self._asr_shown = {u: seq for u, seq in self._asr_shown.items() if u in waiting}
 
     async def _on_ret(self, i: int, *, forced: bool) -> None:
         if self._pending is not None:
@@ -417,7 +441,7 @@ class Conversation:
         fresh_frames = self.config.fresh_transcript_s * FRAME_RATE
         last = self._last_final
         speaking = self.utterances.current is not None
-        final_on_its_way = any(final for _, _, final, _, _ in self._asr_tasks)
+        final_on_its_way = any(entry.final for entry in self._asr_tasks)
         if last is not None and not speaking and not final_on_its_way and (i + 1 - last.end_frame) <= fresh_frames:
             self._emit(RetEvent(frame=i, t=i * FRAME_S, forced=forced, plan="cache"))
             self._pending = _Pending(ret_frame=i, forced=forced, plan="cache")
@@ -438,7 +462,7 @@ class Conversation:
             return
         last = self._last_final
         recent = last is not None and last.end_frame > p.ret_frame - self.config.fresh_transcript_s * FRAME_RATE
-        quiet = self.utterances.current is None and not any(f for _, _, f, _, _ in self._asr_tasks)
+        quiet = self.utterances.current is None and not any(entry.final for entry in self._asr_tasks)
         if recent and quiet:
             self._ask(question=last.text)
             return

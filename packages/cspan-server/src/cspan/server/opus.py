@@ -10,8 +10,9 @@ refusing it) and hands the good pages to sphn. So:
 - a lost page is skipped (its samples are missing; Opus streams do not need every page);
 - a corrupt page (CRC mismatch) is dropped and reported;
 - bytes that are not Ogg (another codec, garbage) are dropped up to the next ``OggS`` and reported;
-- a page sphn cannot decode is reported (naming the codec when its header packet names one: Vorbis, FLAC ...) and
-  sphn starts over (it decodes a stream joined mid-way).
+- a page sphn cannot decode is reported (naming the codec when its header packet names one: Vorbis, FLAC ...; such a
+  stream is named once per decoder, its later pages dropped without a report) and sphn starts over (it decodes a
+  stream joined mid-way).
 
 Reports come back with the samples that did decode, so the caller can queue those and then say what was wrong
 (:class:`~cspan.server.session.ClientError` ``bad_audio``); the session goes on.
@@ -47,7 +48,8 @@ _OTHER_CODECS = (
 
 
 _MAX_FOREIGN_STREAMS = 16
-"""Serial numbers of other codecs' streams a decoder remembers (so their audio pages are named too)."""
+"""Serial numbers of other codecs' streams a decoder remembers (so their audio pages are known as theirs and not
+reported again)."""
 
 
 def _codec_named(page: bytes) -> str | None:
@@ -127,9 +129,11 @@ class OggOpusDecoder:
                 out.append(np.asarray(self._reader.append_bytes(page), dtype=np.float32).reshape(-1))
             except Exception as exc:  # sphn raises ValueError; its state is unusable afterwards
                 self._reader = self._sphn.OpusStreamReader(SAMPLE_RATE)
-                count += 1
                 serial = int.from_bytes(page[14:18], "little")
-                codec = _codec_named(page) or self._foreign.get(serial)
+                if serial in self._foreign:  # a stream of another codec, named already (in this message or before)
+                    continue
+                count += 1
+                codec = _codec_named(page)
                 if codec is not None and len(self._foreign) < _MAX_FOREIGN_STREAMS:
                     self._foreign[serial] = codec
                 why = (
@@ -137,7 +141,7 @@ class OggOpusDecoder:
                     if codec is not None
                     else f"an Ogg page that is not Opus audio ({str(exc)[:200]})"
                 )
-                if why in problems:  # another page of the same codec's stream: named once
+                if why in problems:  # another stream of the same codec: named once
                     said += 1
                 elif len(problems) < MAX_REPORTED_PROBLEMS:
                     problems.append(why)

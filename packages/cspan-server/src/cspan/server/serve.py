@@ -22,6 +22,7 @@ import re
 import signal
 import socket
 import threading
+import urllib.parse
 from typing import Any
 
 from cspan.backends.errors import ListenError
@@ -35,16 +36,22 @@ logger = logging.getLogger(__name__)
 
 
 class _RedactTokens(logging.Filter):
-    """Remove ``token=...`` from uvicorn's access log lines, and leave out the lines of ``GET /health`` (a load
-    balancer asks every second or so)."""
+    """Remove from uvicorn's access log lines the value of every ``key=value`` whose key, percent-decoded as the
+    server decodes it, ends with ``token`` in any case (``?tok%65n=`` is ``?token=`` to the server), and leave out
+    the lines of ``GET /health`` (a load balancer asks every second or so)."""
 
-    _pattern = re.compile(r"(token=)[^&\s\"]*")
+    _pair = re.compile(r"([^=&?;\s\"]*)=([^&\s\"]*)")
+
+    @staticmethod
+    def _redact(match: re.Match[str]) -> str:
+        key = match.group(1)
+        return f"{key}=***" if urllib.parse.unquote_plus(key).lower().endswith("token") else match.group(0)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
             if len(record.args) >= 3 and record.args[1] == "GET" and record.args[2] == "/health":
                 return False
-            record.args = tuple(self._pattern.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(self._pair.sub(self._redact, a) if isinstance(a, str) else a for a in record.args)
         return True
 
 
@@ -88,11 +95,22 @@ def make_server(config: Any) -> Any:
     - reads the token file again on SIGHUP;
     - on SIGTERM/SIGINT drains for ``--drain-s`` (``/health`` answers 503, new conversations are refused, running
       ones go on), then ends every session (reason ``shutdown``, close 1001) before uvicorn closes the connections
-      (plain uvicorn would close them with 1012 first).
+      (plain uvicorn would close them with 1012 first);
+    - ends the drain at once on a second SIGTERM or SIGINT, the rest of the shutdown as orderly as after the drain
+      (plain uvicorn forces its exit on a second SIGINT, skipping the app's shutdown, and ignores a second SIGTERM);
+      a third SIGINT forces the exit.
     """
     import uvicorn
 
     class _ServeServer(uvicorn.Server):
+        drain_ended = False  # a second signal came: the drain ends at once
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit and not self.drain_ended:
+                self.drain_ended = True
+                return
+            super().handle_exit(sig, frame)
+
         async def serve(self, sockets: Any = None) -> None:
             hub = _find_state(self.config.app, "hub")
             if isinstance(hub, SessionHub):
@@ -118,7 +136,7 @@ def make_server(config: Any) -> Any:
             hub = _find_state(app, "hub")
             if isinstance(hub, SessionHub):
                 with contextlib.suppress(Exception):
-                    await hub.drain(hub.settings.drain_s, give_up=lambda: self.force_exit)
+                    await hub.drain(hub.settings.drain_s, give_up=lambda: self.drain_ended or self.force_exit)
                     await hub.end_all("shutdown")
             await super().shutdown(sockets=sockets)
 
