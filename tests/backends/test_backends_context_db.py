@@ -22,6 +22,7 @@ from cspan.backends.context_db import (
     ContextDB,
     ContextDBError,
     Profile,
+    UserForgotten,
     UserMemory,
     default_db_path,
     extract_facts,
@@ -155,7 +156,7 @@ def test_migrates_the_first_schema_forward(tmp_path: Path) -> None:
         )
         raw.execute("INSERT INTO facts (user_id, key, value, t) VALUES ('ada', 'name', 'Ada', 10)")
     with ContextDB(path) as db:
-        assert db.schema_version() == SCHEMA_VERSION == 2
+        assert db.schema_version() == SCHEMA_VERSION == 3
         ada, bob = db.user("ada"), db.user("bob")
         assert [t.text for t in ada.turns("a1")] == ["hi from ada"] and ada.turns("b1") == []
         assert [t.text for t in bob.turns("b1")] == ["hi from bob"]
@@ -345,6 +346,7 @@ def test_no_method_reaches_another_users_rows(target: str) -> None:
     exported = attempt("export")
     assert "secret" not in str(exported) and "Leeds" not in str(exported)
     assert attempt("forget")["facts"] == 1
+    assert attempt("was_forgotten") is False and not ada.was_forgotten()  # Bob's erase is his own, his memory goes on
     attempt("start_conversation", "c2")
 
     # every public method of UserMemory was tried (async twins run the same code in a thread)
@@ -409,6 +411,90 @@ def test_export_forget_and_retention(target: str) -> None:
     db.close()
     with ContextDB(target, retention_days=30) as again:  # retention applies at open
         assert again.retention_days == 30
+
+
+def test_a_memory_opened_before_forget_writes_nothing(target: str) -> None:
+    """A session's memory (one process) and ``cspan db forget`` (another): once ada is forgotten, every write through
+    the memory opened before is refused and nothing it held comes back; a memory opened after starts afresh."""
+    server, cli = ContextDB(target), ContextDB(target)
+    try:
+        session = server.user("ada")
+        session.put_profile(Profile(name="Ada", notes="forget me"))
+        session.start_conversation("c1")
+        session.add_turn("c1", "user", "I live in Leeds")
+        span = session.add_span("c1", question="q", text="r")
+        server.user("bob").set_fact("city", "Paris")
+        assert not session.was_forgotten()
+
+        assert cli.forget_user("ada")["profiles"] == 1
+        assert session.was_forgotten() and not server.user("bob").was_forgotten()
+        writes = [
+            lambda: session.put_profile(Profile(name="Ada again", notes="forget me")),
+            lambda: session.set_fact("name", "Ada"),
+            lambda: session.forget_fact("city"),
+            lambda: session.start_conversation("c2"),
+            lambda: session.end_conversation("c1"),
+            lambda: session.add_turn("c1", "user", "my name is Ada"),
+            lambda: session.add_span("c1", question="q2", text=None),
+            lambda: session.mark_span_injected(span),
+            lambda: session.mark_span_dropped(span, "late"),
+        ]
+        for write in writes:
+            with pytest.raises(UserForgotten, match=r"'ada' was forgotten .*nothing was written.*new session"):
+                write()
+        exported = cli.export_user("ada")
+        assert (exported["profile"], exported["facts"], exported["conversations"]) == (None, [], [])
+        assert cli.users() == ["bob"]
+
+        fresh = server.user("ada")  # a new session: a fresh start at the new generation
+        assert fresh.get_profile() is None
+        fresh.put_profile(Profile(name="Ada anew"))
+        assert fresh.start_conversation("c1") == "c1" and not fresh.was_forgotten()
+        assert cli.user("ada").get_profile().notes == "" and session.was_forgotten()
+        with pytest.raises(UserForgotten):
+            session.put_profile(Profile(name="Ada again"))
+
+        cli.forget_user("ada")  # forgotten twice: the second session is refused too
+        with pytest.raises(UserForgotten):
+            fresh.add_turn("c1", "user", "hello")
+        assert server.user("ada").get_profile() is None and server.user("bob").facts()[0].value == "Paris"
+    finally:
+        server.close()
+        cli.close()
+
+
+def test_no_write_that_raced_an_erase_survives_it(target: str) -> None:
+    """Writers of a session keep writing while another connection forgets the user: after ``forget`` returns nothing
+    is left (a write either committed before the erase and was deleted by it, or was refused)."""
+    import threading
+
+    for _ in range(5):
+        server, cli = ContextDB(target), ContextDB(target)
+        try:
+            session = server.user("ada")
+            cid = session.start_conversation()
+            started = threading.Event()
+
+            def write(memory: UserMemory = session, cid: str = cid, started: threading.Event = started) -> None:
+                try:
+                    for i in range(10_000):
+                        memory.put_profile(Profile(name=f"Ada {i}", notes="forget me"))
+                        memory.add_turn(cid, "user", f"my name is Ada{i}")
+                        started.set()
+                except UserForgotten:
+                    return
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            assert started.wait(30)
+            cli.forget_user("ada")
+            writer.join(60)
+            assert not writer.is_alive()
+            exported = cli.export_user("ada")
+            assert (exported["profile"], exported["facts"], exported["conversations"]) == (None, [], [])
+        finally:
+            server.close()
+            cli.close()
 
 
 def test_deprecated_methods_still_work_and_warn() -> None:

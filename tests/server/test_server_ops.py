@@ -284,6 +284,93 @@ async def test_a_revoked_credential_ends_its_running_sessions(serve, users, monk
     assert await close_code(ws_url(server, users["ada"])) == 4401
 
 
+@pytest.mark.timeout(300)
+async def test_forget_ends_the_users_running_sessions_and_nothing_comes_back(serve, users, monkeypatch) -> None:
+    """ada talks on ``/ws`` with a stored profile whose notes say "forget me"; ``cspan db forget ada --yes`` runs in
+    another process; her session then sends a profile update. Nothing written before the erase comes back (the
+    session's copy of the profile is refused, not written back), her session ends with ``bye`` reason ``forgotten``
+    and close 4410, and bob's session goes on. A new session of ada afterwards starts from nothing and is stored as
+    usual."""
+    from cspan.backends.context_db import Profile
+    from cspan.server import app as app_module
+
+    monkeypatch.setattr(app_module, "CREDENTIAL_RECHECK_S", 2.0)
+    with ContextDB(users["db"]) as db:
+        db.user("ada").put_profile(Profile(name="Ada", city="Leeds", notes="forget me"))
+    server = serve(db=str(users["db"]), max_sessions=2)
+    env = {"CSPAN_DB": str(users["db"])}
+    async with (
+        websockets.connect(ws_url(server, users["ada"]), max_size=None) as ws,
+        websockets.connect(ws_url(server, users["bob"]), max_size=None) as ws_bob,
+    ):
+        ada, bob = Client(ws), Client(ws_bob)
+        ready = await ada.start()
+        assert ready["type"] == "ready" and ready["profile"]["name"] == "Ada"
+        assert (await bob.start())["type"] == "ready"
+        forgot = await asyncio.to_thread(cspan, "db", "forget", "ada", "--yes", env=env)
+        assert forgot.returncode == 0 and "1 profiles" in forgot.stdout, forgot.stderr
+        await ada.send_json({"type": "context", "profile": {"name": "Ada again"}})  # refused: ends the session
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await ada.recv(timeout=30)
+        assert closed.value.rcvd.code == 4410
+        (bye,) = ada.received.json("bye")
+        assert bye["reason"] == "forgotten" and "cspan db forget" in bye["message"]
+        (bob_session,) = [s for s in server.hub.sessions if s.principal.user_id == "bob"]
+        assert not bob_session.ending
+        await asyncio.sleep(2 * app_module.CREDENTIAL_RECHECK_S)  # bob's memory was not erased: his checks pass
+        assert not bob_session.ending
+        assert (await bob.stop())["reason"] == "stop"
+
+    exported = json.loads((await asyncio.to_thread(cspan, "db", "export", "ada", env=env)).stdout)
+    assert exported["profile"] is None and exported["facts"] == [] and exported["conversations"] == []
+    assert "forget me" not in json.dumps(exported) and "Ada again" not in json.dumps(exported)
+    with ContextDB(users["db"]) as db:
+        assert db.user("bob").get_profile() is not None and len(db.user("bob").conversations()) == 1
+
+    async with websockets.connect(ws_url(server, users["ada"]), max_size=None) as ws:  # a fresh start
+        ada = Client(ws)
+        ready = await ada.start(profile={"name": "Ada anew"})
+        assert ready["type"] == "ready" and ready["profile"]["name"] == "Ada anew"
+        assert ready["profile"]["location"] == ""  # not Leeds: nothing from before the erase
+        await ada.send_json({"type": "context", "profile": {"location": "York"}})
+        await ada.stream(SILENCE[:5])
+        assert (await ada.stop())["reason"] == "stop"
+    with ContextDB(users["db"]) as db:
+        profile = db.user("ada").get_profile()
+        assert (profile.name, profile.city, profile.notes) == ("Ada anew", "York", "")
+        (conversation,) = db.user("ada").conversations()
+        assert conversation.ended_at is not None
+
+
+@pytest.mark.timeout(300)
+async def test_forget_ends_a_local_session_that_writes_nothing(serve, tmp_path: Path, monkeypatch) -> None:
+    """Without credentials every session is ``local``; forgetting ``local`` (another connection to the database) ends
+    its running session by the periodic check alone (the client sends nothing): ``bye`` ``forgotten``, close 4410."""
+    from cspan.server import app as app_module
+
+    monkeypatch.setattr(app_module, "CREDENTIAL_RECHECK_S", 0.2)
+    path = tmp_path / "local.sqlite"
+    server = serve(db=str(path))
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start(profile={"name": "Lo", "notes": "forget me"}))["type"] == "ready"
+        await asyncio.sleep(1.0)  # a few checks pass while nothing was forgotten
+        (session,) = server.hub.sessions
+        assert not session.ending
+        with ContextDB(path) as db:
+            assert db.user("local").get_profile().notes == "forget me"
+            db.forget_user("local")
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await client.recv(timeout=30)
+        assert closed.value.rcvd.code == 4410
+        (bye,) = client.received.json("bye")
+        assert bye["reason"] == "forgotten"
+    with ContextDB(path) as db:
+        assert db.users() == [] and db.user("local").get_profile() is None
+
+
 async def test_a_proxied_loopback_server_requires_credentials(serve, tiny_checkpoint, tmp_path: Path) -> None:
     """A replica on 127.0.0.1 behind HAProxy answers the public name (``--allow-host``): without a valid credential
     it is refused at start. A loopback server whose database had issued tokens, all revoked since, stays closed

@@ -5,7 +5,8 @@ sharing one Context DB on a real PostgreSQL server, behind a real HAProxy (Debia
 
 Sessions spread over both replicas; a fact remembered through one is read through the other (profile, and a
 Context Span from the user's notes); the issued token works on both; when a replica is stopped (SIGTERM) its client
-gets a clean close (``bye``, 1001) through the balancer and new sessions go only to the other one."""
+gets a clean close (``bye``, 1001) through the balancer and new sessions go only to the other one. A user forgotten
+(``cspan db forget``) has her sessions on both replicas ended and nothing they held written back."""
 
 from __future__ import annotations
 
@@ -275,3 +276,67 @@ def test_compose_has_the_topology_of_haproxy_cfg() -> None:
     assert set(server_lists) == {"replicas", "any_replica"}
     assert server_lists["replicas"] == server_lists["any_replica"]  # two views of the same replicas
     assert set(compose["services"]["haproxy"]["depends_on"]) == set(replicas)
+
+
+@pytest.mark.timeout(300)
+async def test_forget_ends_the_users_sessions_on_every_replica(serve, postgres: PostgresServer, monkeypatch) -> None:
+    """Two replicas (in this process) share one PostgreSQL database; ada talks on both. ``cspan db forget ada --yes``
+    (another process) ends both sessions (``bye`` ``forgotten``, 4410) while bob's goes on; what either session held
+    (the profile and its notes) is not written back, and ada's next session starts from nothing."""
+    import json
+    import os
+
+    import psycopg
+
+    from cspan.backends.context_db import ContextDB, Profile
+    from cspan.backends.identity import issue_token
+    from cspan.server import app as app_module
+
+    monkeypatch.setattr(app_module, "CREDENTIAL_RECHECK_S", 0.5)
+    with psycopg.connect(postgres.url, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE forget_replicas")
+    url = postgres.url.rsplit("/", 1)[0] + "/forget_replicas"
+    with ContextDB(url) as db:
+        tokens = {user: issue_token(db, user)[1] for user in ("ada", "bob")}
+        db.user("ada").put_profile(Profile(name="Ada", city="Leeds", notes="forget me"))
+    a, b = serve(db=url, max_sessions=2), serve(db=url, max_sessions=2)
+
+    def cspan(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cspan.core.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "CSPAN_DB": url},
+        )
+
+    async with (
+        websockets.connect(f"{a.ws_url}?token={tokens['ada']}", max_size=None) as ws_a,
+        websockets.connect(f"{b.ws_url}?token={tokens['ada']}", max_size=None) as ws_b,
+        websockets.connect(f"{b.ws_url}?token={tokens['bob']}", max_size=None) as ws_bob,
+    ):
+        on_a, on_b, bob = Client(ws_a), Client(ws_b), Client(ws_bob)
+        for client in (on_a, on_b):
+            ready = await client.start()
+            assert ready["type"] == "ready" and ready["profile"]["location"] == "Leeds"
+        assert (await bob.start(profile={"name": "Bob"}))["type"] == "ready"
+        forgot = await asyncio.to_thread(cspan, "db", "forget", "ada", "--yes")
+        assert forgot.returncode == 0, forgot.stderr
+        for client in (on_a, on_b):
+            closed = await read_all(client)
+            assert closed.rcvd is not None and closed.rcvd.code == 4410
+            assert [m["reason"] for m in client.received.json("bye")] == ["forgotten"]
+        await asyncio.sleep(1.0)
+        assert [s.ending for s in b.hub.sessions if s.principal.user_id == "bob"] == [False]
+        assert (await bob.stop())["reason"] == "stop"
+
+    exported = json.loads((await asyncio.to_thread(cspan, "db", "export", "ada")).stdout)
+    assert (exported["profile"], exported["facts"], exported["conversations"]) == (None, [], [])
+    async with websockets.connect(f"{b.ws_url}?token={tokens['ada']}", max_size=None) as ws:  # a fresh start
+        client = Client(ws)
+        ready = await client.start(profile={"name": "Ada anew"})
+        assert ready["type"] == "ready" and ready["profile"]["location"] == ""
+        assert (await client.stop())["reason"] == "stop"
+    with ContextDB(url) as db:
+        profile = db.user("ada").get_profile()
+        assert (profile.name, profile.notes) == ("Ada anew", "") and len(db.user("ada").conversations()) == 1

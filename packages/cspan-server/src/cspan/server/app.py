@@ -48,7 +48,8 @@ from cspan.server.voices import VOICE_AUDIO_MAX_BYTES
 logger = logging.getLogger(__name__)
 
 CREDENTIAL_RECHECK_S = 5.0
-"""How often a running session's credential is checked again: a revoked token ends its sessions within this."""
+"""How often a running session's credential and its user's erase generation are checked again: a revoked token, or
+its user forgotten (``cspan db forget``), ends its sessions within this."""
 
 STATIC_FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
@@ -495,7 +496,7 @@ async def serve_connection(
     adapter = adapter_cls(session, connection)
     sender = asyncio.ensure_future(_send(websocket, session, adapter, metrics))
     watchdog = asyncio.ensure_future(session.watchdog())
-    recheck = asyncio.ensure_future(_recheck_credential(session, authenticator, credential.token))
+    recheck = asyncio.ensure_future(_recheck(session, authenticator, credential.token))
     try:
         await _handle(session, adapter.opened())
         while True:
@@ -528,29 +529,41 @@ async def serve_connection(
             await sender
 
 
-async def _recheck_credential(session: Session, authenticator: Authenticator, token: str | None) -> None:
-    """End ``session`` (reason ``revoked``, close 4401) once its credential no longer authenticates as its principal
-    with the ``session`` scope: a token revoked with ``cspan users revoke`` (on any replica), removed from the token
-    file (SIGHUP), or its user's tokens forgotten. Checked every :data:`CREDENTIAL_RECHECK_S`; a failing Context DB
-    keeps the session (logged), as it is not the client's fault. Sessions of the local principal (no credentials
-    configured when they started) are not checked."""
-    if session.principal.source == "local":
-        return
+async def _recheck(session: Session, authenticator: Authenticator, token: str | None) -> None:
+    """Every :data:`CREDENTIAL_RECHECK_S` while ``session`` runs, check again what it stands on:
+
+    - its credential: once it no longer authenticates as its principal with the ``session`` scope (a token revoked
+      with ``cspan users revoke`` on any replica, removed from the token file after SIGHUP, or its user's tokens
+      forgotten), end it with reason ``revoked``, close 4401. Not for the local principal (no credentials configured
+      when it started).
+    - its user's memory: once the user was forgotten (``cspan db forget``, from any process or replica) after the
+      session first read or wrote it, end it with reason ``forgotten``, close 4410 (its writes are refused already).
+
+    A failing Context DB keeps the session (logged once per outage), as it is not the client's fault."""
     failing = False
     while not session.ending:
         await asyncio.sleep(CREDENTIAL_RECHECK_S)
         try:
-            principal = await authenticator.authenticate(token)
+            revoked = False
+            if session.principal.source != "local":
+                principal = await authenticator.authenticate(token)
+                revoked = principal is None or principal.user_id != session.principal.user_id
+            forgotten = not revoked and await session.memory.awas_forgotten()
         except Exception as exc:
             if not failing:  # once per outage, not every few seconds for every session
-                logger.warning("session %s: could not check its credential again (goes on): %s", session.id, exc)
+                logger.warning(
+                    "session %s: could not check its credential and memory again (goes on): %s", session.id, exc
+                )
             failing = True
             continue
         failing = False
-        if principal is None or principal.user_id != session.principal.user_id:
+        if revoked:
             if not session.ending:
                 logger.info("session %s: the credential of %s was revoked", session.id, session.principal.user_id)
                 await session.end("revoked", code=CLOSE_UNAUTHORIZED, message="the credential was revoked")
+            return
+        if forgotten:
+            await session.end_forgotten()
             return
 
 

@@ -11,10 +11,15 @@ from cspan.core.events import ConversationEvent, LateEvent, SpanEvent, UserTextE
 logger = logging.getLogger(__name__)
 
 
-def db_recorder(db: Any, conversation_id: str) -> Callable[[ConversationEvent], None]:
+def db_recorder(
+    db: Any, conversation_id: str, *, on_forgotten: Callable[[], None] | None = None
+) -> Callable[[ConversationEvent], None]:
     """An ``on_event`` callback that writes final user transcripts as user turns and marks each retrieval's span
     row (created by the retriever) as injected or dropped late (``no_span`` rows are marked by the retriever
-    itself). Database failures are logged, never raised."""
+    itself). Database failures are logged, never raised; a write refused because the user was forgotten since
+    (:class:`~cspan.backends.context_db.UserForgotten`) calls ``on_forgotten`` instead (``cspan serve`` ends the
+    session)."""
+    from cspan.backends.context_db import UserForgotten
 
     def record(event: ConversationEvent) -> None:
         try:
@@ -24,6 +29,11 @@ def db_recorder(db: Any, conversation_id: str) -> Callable[[ConversationEvent], 
                 db.mark_span_injected(event.retrieval_id, frame=event.frame)
             elif isinstance(event, LateEvent) and event.retrieval_id is not None:
                 db.mark_span_dropped(event.retrieval_id, "late")
+        except UserForgotten as exc:
+            if on_forgotten is None:
+                logger.warning("Context DB: could not record %s event: %s", event.type, exc)
+            else:
+                on_forgotten()
         except Exception as exc:
             logger.warning("Context DB: could not record %s event: %s", event.type, exc)
 

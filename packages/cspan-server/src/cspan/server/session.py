@@ -121,6 +121,8 @@ CLOSE_INTERNAL = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_FORBIDDEN_ORIGIN = 4403
+CLOSE_FORGOTTEN = 4410
+FORGOTTEN_MESSAGE = "everything remembered about this user was erased (cspan db forget); start a new session"
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
@@ -372,8 +374,8 @@ class ErrorOut:
 
 @dataclass(frozen=True)
 class Ended:
-    """The session ended (``reason``: stop, idle, shutdown, slow_client, error, refused: a start refused on a protocol
-    whose connection is its start, ``/api/chat``); a :class:`Close` follows."""
+    """The session ended (``reason``: stop, idle, shutdown, slow_client, revoked, forgotten, error, refused: a start
+    refused on a protocol whose connection is its start, ``/api/chat``); a :class:`Close` follows."""
 
     reason: str
     message: str
@@ -785,6 +787,18 @@ class Session:
             self._close(code, reason)
         logger.info("session %s (%s) ended (%s): %s", self.id, self.protocol, reason, self.stats.model_dump())
 
+    async def end_forgotten(self) -> None:
+        """End the session because its user was forgotten (``cspan db forget``) after it began: reason ``forgotten``,
+        close 4410. The Context DB refuses its writes already, so nothing it holds is written back."""
+        if not self.ending:
+            logger.info("session %s: %s was forgotten (cspan db forget); ending it", self.id, self.principal.user_id)
+            await self.end("forgotten", code=CLOSE_FORGOTTEN, message=FORGOTTEN_MESSAGE)
+
+    def forgotten(self) -> None:
+        """A write of this session was refused because its user was forgotten: :meth:`end_forgotten` (in a task)."""
+        if not self.ending:
+            self.spawn(self.end_forgotten())
+
     async def disconnected(self) -> None:
         """The client is gone: end the session (recording what happened) and wait for its tasks."""
         self.gone = True
@@ -1000,16 +1014,24 @@ class SessionHub:
         )
 
     def put_profile(self, session: Session, profile: Any) -> None:
+        from cspan.backends.context_db import UserForgotten
+
         try:
             session.memory.put_profile(profile)
+        except UserForgotten:  # refused: the session's copy would undo the erase
+            session.forgotten()
         except Exception as exc:
             logger.warning("Context DB: could not store the profile: %s", exc)
 
     def end_conversation(self, session: Session) -> None:
+        from cspan.backends.context_db import UserForgotten
+
         if session.conversation_id is None:
             return
         try:
             session.memory.end_conversation(session.conversation_id)
+        except UserForgotten:
+            logger.debug("session %s: its conversation was forgotten", session.id)
         except Exception as exc:
             logger.warning("Context DB: could not end conversation %s: %s", session.conversation_id, exc)
 
@@ -1166,8 +1188,12 @@ class SessionHub:
         self.metrics.persona_prefill_seconds.observe(time.perf_counter() - t0)
         if session.state != "starting" or session.slot != slot:
             return
+        from cspan.backends.context_db import UserForgotten
+
         profile = self.make_profile(session, req.text_prompt)  # the client may have updated it meanwhile
         self.put_profile(session, profile)
+        if session.ending:  # its user was forgotten since the start read the profile
+            return
         try:
             conversation_id = session.memory.start_conversation(
                 checkpoint=self.model_name,
@@ -1179,12 +1205,15 @@ class SessionHub:
                     "app": "serve",
                 },
             )
+        except UserForgotten:
+            session.forgotten()
+            return
         except Exception as exc:
             logger.warning("Context DB: could not start a conversation: %s", exc)
             conversation_id = f"unrecorded-{session.id}"
         session.profile = profile
         session.conversation_id = conversation_id
-        session._recorder = db_recorder(session.memory, conversation_id)
+        session._recorder = db_recorder(session.memory, conversation_id, on_forgotten=session.forgotten)
         if getattr(self.settings, "memory_span", False):
             from cspan.server.memory_span import MemorySpan
 

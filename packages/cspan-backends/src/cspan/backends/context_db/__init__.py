@@ -27,6 +27,7 @@ from cspan.backends.context_db.models import (
     TokenRecord,
     Turn,
     TurnRole,
+    UserForgotten,
 )
 from cspan.backends.context_db.schema import MIGRATIONS, SCHEMA_VERSION
 from cspan.backends.context_db.store import DB_ENV, ContextDB, default_db_path, resolve_target
@@ -46,6 +47,7 @@ __all__ = [
     "TokenRecord",
     "Turn",
     "TurnRole",
+    "UserForgotten",
     "UserMemory",
     "default_db_path",
     "extract_facts",

@@ -17,6 +17,13 @@ class ContextDBError(BackendError):
     (unknown conversation or span); the message names the database and the fix."""
 
 
+class UserForgotten(ContextDBError):
+    """A write through a memory opened before its user was forgotten (``cspan db forget``): refused, nothing written.
+
+    A session that began before the erase holds what it read then (the profile, its conversation); writing any of it
+    back would undo the erase, so the session must end and a new one start from nothing."""
+
+
 class Profile(BaseModel):
     """Who the user is, as the page or the command line tells us.
 

@@ -9,6 +9,8 @@ seconds need a double) and ``@SERIAL@`` (an auto-increment integer primary key).
 Version 1 is the schema of the first release (one user column on profiles, facts and conversations only).
 Version 2 keys every row by its user (``user_id`` on turns and spans too; a conversation id is unique per user),
 numbers facts in the order they were first learnt, and adds the table of issued tokens.
+Version 3 adds ``erasures``: per user, how many times it was forgotten (``generation``) and when last. A memory
+opened before an erase sees another generation and its writes are refused (:class:`~.models.UserForgotten`).
 """
 
 from __future__ import annotations
@@ -190,6 +192,15 @@ CREATE INDEX tokens_user ON tokens(user_id)
 """
 
 
+_V3 = """
+CREATE TABLE erasures (
+    user_id    TEXT PRIMARY KEY,
+    generation INTEGER NOT NULL,
+    erased_at  @FLOAT@ NOT NULL
+)
+"""
+
+
 def _v1(tx: Executor) -> None:
     run_script(tx, V1)
 
@@ -204,6 +215,10 @@ def _v2(tx: Executor) -> None:
             )
 
 
+def _v3(tx: Executor) -> None:
+    run_script(tx, _V3)
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step: ``apply`` brings version ``version - 1`` to ``version``."""
@@ -216,6 +231,7 @@ class Migration:
 MIGRATIONS: list[Migration] = [
     Migration(1, "profiles, conversations, turns, spans, facts", _v1),
     Migration(2, "every row keyed by its user; conversation ids unique per user; issued tokens", _v2),
+    Migration(3, "erasures: each user's erase generation (writes of a memory opened before an erase are refused)", _v3),
 ]
 """The migration list, oldest first; append a step (never edit a released one) when the schema changes."""
 

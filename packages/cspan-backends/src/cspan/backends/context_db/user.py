@@ -5,12 +5,20 @@ Every statement here carries ``user_id = ?`` bound to the principal the memory w
 only ever select among this user's rows. A conversation id is unique per user: two users may both have a
 conversation "c1", and they are different rows. Asking for another user's conversation or span behaves exactly as
 asking for one that does not exist.
+
+Erasure: :meth:`UserMemory.forget` (``cspan db forget``, from any process or replica) raises the user's generation
+in ``erasures``. A memory takes the generation it sees at its first read or write; once the stored one differs, its
+writes raise :class:`UserForgotten` and nothing is written, so a session that began before the erase cannot write
+back what it held (``cspan serve`` then ends it). Every write checks the generation in its own transaction: SQLite
+serialises writers (``BEGIN IMMEDIATE``); on PostgreSQL writers take a shared advisory lock on the user and
+``forget`` an exclusive one, so no write that checked before an erase commits after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -26,6 +34,7 @@ from cspan.backends.context_db.models import (
     TokenRecord,
     Turn,
     TurnRole,
+    UserForgotten,
 )
 from cspan.backends.context_db.schema import SCHEMA_VERSION
 
@@ -34,6 +43,8 @@ if TYPE_CHECKING:
 
 MAX_ID_CHARS = 200
 """Longest accepted user or conversation id, in characters."""
+
+_ERASE_LOCK = 0x63737062  # PostgreSQL advisory lock class of one user's erase (with hashtext(user_id)): "cspb"
 
 
 def check_id(value: object, what: str) -> str:
@@ -115,9 +126,54 @@ class UserMemory:
     def __init__(self, conn: Connection, user_id: str) -> None:
         self._conn = conn
         self.user_id = check_id(user_id, "user id")
+        self._generation: int | None = None  # the erase generation this memory belongs to: set at first use
+        self._pin_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"UserMemory(user_id={self.user_id!r}, db={self._conn.where!r})"
+
+    # ------------------------------------------------------------------ erase generation
+
+    def _stored_generation(self, rows: list[dict[str, Any]]) -> int:
+        return int(rows[0]["generation"]) if rows else 0
+
+    def _pin(self, generation: int | None = None) -> int:
+        """The generation of this memory: the first one seen (``generation``, else read now)."""
+        if self._generation is None:
+            with self._pin_lock:
+                if self._generation is None:
+                    if generation is None:
+                        generation = self._stored_generation(
+                            self._conn.read("SELECT generation FROM erasures WHERE user_id = ?", (self.user_id,))
+                        )
+                    self._generation = generation
+        return self._generation
+
+    def _lock_user(self, tx: Transaction, *, exclusive: bool = False) -> None:
+        if tx.dialect == "postgresql":  # SQLite: BEGIN IMMEDIATE already serialises every writer
+            kind = "" if exclusive else "_shared"
+            tx.execute(f"SELECT pg_advisory_xact_lock{kind}(?::integer, hashtext(?))", (_ERASE_LOCK, self.user_id))
+
+    def _guard(self, tx: Transaction) -> None:
+        """Start of every write: refuse it (:class:`UserForgotten`) when the user was forgotten since this memory's
+        first use. Held until the transaction ends (PostgreSQL: a shared lock an erase waits for)."""
+        self._lock_user(tx)
+        stored = self._stored_generation(
+            tx.execute("SELECT generation FROM erasures WHERE user_id = ?", (self.user_id,)).rows
+        )
+        if self._pin(stored) != stored:
+            raise UserForgotten(
+                f"user {self.user_id!r} was forgotten (cspan db forget) after this memory was opened; nothing was "
+                f"written to the Context DB {self._conn.where!r}. Fix: start a new session."
+            )
+
+    def was_forgotten(self) -> bool:
+        """Whether this user was forgotten since this memory's first read or write (its writes are then refused);
+        False for a memory not used yet."""
+        if self._generation is None:
+            return False
+        rows = self._conn.read("SELECT generation FROM erasures WHERE user_id = ?", (self.user_id,))
+        return self._stored_generation(rows) != self._generation
 
     # ------------------------------------------------------------------ profile and facts
 
@@ -127,6 +183,7 @@ class UserMemory:
         profile = profile.model_copy(update={"user_id": self.user_id})
         now = time.time()
         with self._conn.write() as tx:
+            self._guard(tx)
             tx.execute(
                 "INSERT INTO profiles (user_id, name, city, timezone, lat, lon, notes, persona, updated_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (user_id) DO UPDATE SET name = excluded.name, "
@@ -151,6 +208,7 @@ class UserMemory:
 
     def get_profile(self) -> Profile | None:
         """This user's stored profile, or None."""
+        self._pin()
         rows = self._conn.read("SELECT * FROM profiles WHERE user_id = ?", (self.user_id,))
         if not rows:
             return None
@@ -176,15 +234,18 @@ class UserMemory:
     def set_fact(self, key: str, value: str, *, source: str = "user") -> None:
         """Remember ``key = value`` (replacing an older value of the same key)."""
         with self._conn.write() as tx:
+            self._guard(tx)
             self._upsert_fact(tx, key, value, source, time.time())
 
     def forget_fact(self, key: str) -> bool:
         """Forget one fact; True when there was one."""
         with self._conn.write() as tx:
+            self._guard(tx)
             return tx.execute("DELETE FROM facts WHERE user_id = ? AND key = ?", (self.user_id, key)).rowcount > 0
 
     def facts(self) -> list[Fact]:
         """All of this user's facts, oldest first."""
+        self._pin()
         rows = self._conn.read(
             "SELECT key, value, source, t FROM facts WHERE user_id = ? ORDER BY t, id", (self.user_id,)
         )
@@ -209,6 +270,7 @@ class UserMemory:
         """
         cid = check_id(conversation_id, "conversation id") if conversation_id is not None else uuid.uuid4().hex
         with self._conn.write() as tx:
+            self._guard(tx)
             tx.execute(
                 "INSERT INTO conversations (user_id, id, started_at, checkpoint, settings) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (user_id, id) DO NOTHING",
@@ -219,6 +281,7 @@ class UserMemory:
     def end_conversation(self, conversation_id: str, *, ended_at: float | None = None) -> bool:
         """Record when the conversation ended (epoch seconds, default now); False when this user has no such one."""
         with self._conn.write() as tx:
+            self._guard(tx)
             cur = tx.execute(
                 "UPDATE conversations SET ended_at = ? WHERE user_id = ? AND id = ?",
                 (ended_at or time.time(), self.user_id, conversation_id),
@@ -227,6 +290,7 @@ class UserMemory:
 
     def get_conversation(self, conversation_id: str) -> Conversation | None:
         """This user's conversation ``conversation_id``, or None."""
+        self._pin()
         rows = self._conn.read(
             "SELECT * FROM conversations WHERE user_id = ? AND id = ?", (self.user_id, conversation_id)
         )
@@ -234,6 +298,7 @@ class UserMemory:
 
     def conversations(self) -> list[Conversation]:
         """This user's conversations, oldest first."""
+        self._pin()
         rows = self._conn.read("SELECT * FROM conversations WHERE user_id = ? ORDER BY started_at, id", (self.user_id,))
         return [_conversation(r) for r in rows]
 
@@ -272,6 +337,7 @@ class UserMemory:
             raise ValueError(f"turn role must be 'user', 'agent' or 'tool', got {role!r}")
         now = time.time() if t is None else t
         with self._conn.write() as tx:
+            self._guard(tx)
             self._require_conversation(tx, conversation_id)
             if dedupe:
                 last = tx.execute(
@@ -293,6 +359,7 @@ class UserMemory:
 
     def turns(self, conversation_id: str, *, last: int | None = None) -> list[Turn]:
         """The conversation's turns in order (only the ``last`` n when given); [] for a conversation not this user's."""
+        self._pin()
         where = "WHERE user_id = ? AND conversation_id = ?"
         if last is None:
             rows = self._conn.read(f"SELECT * FROM turns {where} ORDER BY id", (self.user_id, conversation_id))
@@ -305,6 +372,7 @@ class UserMemory:
 
     def last_user_text(self, conversation_id: str) -> str:
         """Text of the latest user turn of the conversation, or ""."""
+        self._pin()
         rows = self._conn.read(
             "SELECT text FROM turns WHERE user_id = ? AND conversation_id = ? AND role = 'user' "
             "ORDER BY id DESC LIMIT 1",
@@ -335,6 +403,7 @@ class UserMemory:
             ContextDBError: this user has no such conversation.
         """
         with self._conn.write() as tx:
+            self._guard(tx)
             self._require_conversation(tx, conversation_id)
             rows = tx.execute(
                 "INSERT INTO spans (user_id, conversation_id, question, text, tool, arguments, source, asked_at, "
@@ -380,6 +449,7 @@ class UserMemory:
 
     def _update_span(self, span_id: int, assignments: str, params: tuple[Any, ...]) -> None:
         with self._conn.write() as tx:
+            self._guard(tx)
             cur = tx.execute(
                 f"UPDATE spans SET {assignments} WHERE user_id = ? AND id = ?", (*params, self.user_id, span_id)
             )
@@ -388,6 +458,7 @@ class UserMemory:
 
     def spans(self, conversation_id: str, *, last: int | None = None) -> list[SpanRecord]:
         """The conversation's spans in order (only the ``last`` n when given)."""
+        self._pin()
         where = "WHERE user_id = ? AND conversation_id = ?"
         if last is None:
             rows = self._conn.read(f"SELECT * FROM spans {where} ORDER BY id", (self.user_id, conversation_id))
@@ -475,13 +546,28 @@ class UserMemory:
     def forget(self) -> dict[str, int]:
         """Delete everything remembered about this user: profile, facts, conversations with their turns and spans.
 
-        Issued tokens are kept (they are access, not memory; revoke them with ``cspan users revoke``). Returns the
-        number of rows deleted per table.
+        In the same transaction the user's erase generation goes up (``erasures``: the user id, the generation and
+        when), so every other memory of this user opened before (a running session, on any replica) has its writes
+        refused from now on; this memory goes on at the new generation. Issued tokens are kept (they are access, not
+        memory; revoke them with ``cspan users revoke``). Returns the number of rows deleted per table.
         """
         counts: dict[str, int] = {}
         with self._conn.write() as tx:
+            self._lock_user(tx, exclusive=True)
+            generation = (
+                self._stored_generation(
+                    tx.execute("SELECT generation FROM erasures WHERE user_id = ?", (self.user_id,)).rows
+                )
+                + 1
+            )
+            tx.execute(
+                "INSERT INTO erasures (user_id, generation, erased_at) VALUES (?, ?, ?) ON CONFLICT (user_id) "
+                "DO UPDATE SET generation = excluded.generation, erased_at = excluded.erased_at",
+                (self.user_id, generation, time.time()),
+            )
             for table in ("spans", "turns", "conversations", "facts", "profiles"):
                 counts[table] = tx.execute(f"DELETE FROM {table} WHERE user_id = ?", (self.user_id,)).rowcount
+        self._generation = generation
         return counts
 
     # ------------------------------------------------------------------ async wrappers (run in a worker thread)
@@ -541,3 +627,7 @@ class UserMemory:
     async def aworking_text(self, conversation_id: str, **kwargs: Any) -> str:
         """:meth:`working_text` in a worker thread."""
         return await asyncio.to_thread(self.working_text, conversation_id, **kwargs)
+
+    async def awas_forgotten(self) -> bool:
+        """:meth:`was_forgotten` in a worker thread."""
+        return await asyncio.to_thread(self.was_forgotten)

@@ -605,6 +605,7 @@
     ws.onclose = (e) => {
       if (session.byeWaiter) session.byeWaiter();
       if (session.bye && session.bye.reason === "revoked") notice("The session ended: this token was revoked.", "bad");
+      else if (session.bye && session.bye.reason === "forgotten") notice("The session ended: everything remembered about you was erased. Start again for a fresh session.", "bad");
       else if (e.code === 4401) notice("The server refused the token: open the page as /?token=YOUR_TOKEN.", "bad");
       else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
       else if (e.code === 1013 || session.busy) notice("All conversation slots are busy; try again later.", "bad");
