@@ -458,15 +458,66 @@ def test_a_memory_opened_before_forget_writes_nothing(target: str) -> None:
         with pytest.raises(UserForgotten):
             fresh.add_turn("c1", "user", "hello")
         assert server.user("ada").get_profile() is None and server.user("bob").facts()[0].value == "Paris"
+        session.forget()  # an erase through a stale memory erases, and leaves it stale (it may hold old rows)
+        with pytest.raises(UserForgotten):
+            session.put_profile(Profile(name="Ada again", notes="forget me"))
+        erasures = cli._conn.read("SELECT * FROM erasures")  # the erased user's id is not kept, only its hash
+        assert len(erasures) == 1 and "ada" not in repr(erasures) and erasures[0]["generation"] == 3
     finally:
         server.close()
         cli.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_memory_first_used_by_a_read_and_a_write_at_once_does_not_deadlock(target: str) -> None:
+    """The first use pins the erase generation: a write pins it holding the connection's lock, a read takes that
+    lock to read it; neither may wait on the other (was: a lock-order deadlock that froze the event loop)."""
+
+    async def both(memory: UserMemory) -> None:
+        await asyncio.wait_for(asyncio.gather(memory.aset_fact("k", "v"), memory.aget_profile()), timeout=20)
+
+    with ContextDB(target) as db:
+        for i in range(20):
+            asyncio.run(both(db.user(f"u{i}")))
+        assert [f.value for f in db.user("u19").facts()] == ["v"]
+
+
+def test_a_write_during_an_erase_is_refused_without_waiting(postgres: PostgresServer) -> None:
+    """PostgreSQL: a write of a user whose erase holds the lock is refused at once (it would be refused after the
+    erase anyway), instead of holding up its replica until the erase commits."""
+    import time
+
+    import psycopg
+
+    from cspan.backends.context_db.user import _ERASE_LOCK
+
+    url = _fresh_postgres(postgres)
+    with ContextDB(url) as db, psycopg.connect(url) as eraser:
+        session = db.user("ada")
+        session.put_profile(Profile(name="Ada"))
+        eraser.execute("SELECT pg_advisory_xact_lock(%s::integer, hashtext(%s))", (_ERASE_LOCK, "ada"))
+        t0 = time.monotonic()
+        with pytest.raises(UserForgotten, match="'ada' is being forgotten"):
+            session.set_fact("name", "Ada")
+        assert time.monotonic() - t0 < 5
+        db.user("bob").set_fact("city", "Paris")  # another user's writes go on
+        eraser.rollback()
+        session.set_fact("name", "Ada")  # no erase happened: the write goes through
+
+
 def test_no_write_that_raced_an_erase_survives_it(target: str) -> None:
     """Writers of a session keep writing while another connection forgets the user: after ``forget`` returns nothing
-    is left (a write either committed before the erase and was deleted by it, or was refused)."""
+    is left (a write either committed before the erase and was deleted by it, or was refused). On PostgreSQL the
+    database's default isolation is repeatable read here: the Context DB's connections read committed whatever
+    the default (a snapshot taken before a write waited for the erase would miss it)."""
     import threading
+
+    if target.startswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(target, autocommit=True) as conn:
+            name = target.rsplit("/", 1)[1]
+            conn.execute(f"ALTER DATABASE {name} SET default_transaction_isolation = 'repeatable read'")
 
     for _ in range(5):
         server, cli = ContextDB(target), ContextDB(target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -368,6 +369,10 @@ def test_bad_seeds_and_tokens_are_refused_before_anything_changes(tiny_checkpoin
     assert engine.seeds == [2**63 - 1, 6] and engine.positions == [1, 4]
     with pytest.raises(ValueError, match=r"seed \+ i for 2 sessions"):
         DuplexEngine(tiny_checkpoint, batch_size=2, seed=2**63 - 1)
+    assert DuplexEngine(tiny_checkpoint, batch_size=2, seed=np.int64(9)).seeds == [9, 10]  # numpy's ints are ints
+    other = DuplexEngine(tiny_checkpoint, batch_size=1)
+    other.reset(0, seed=torch.tensor(11))
+    assert other.seeds == [11] and type(other.seeds[0]) is int
 
     card, K = engine.lm.card, engine.num_streams
     with pytest.raises(ValueError, match=r"user_codes\[1, 2\] = -7 is outside 0 \.\. " + str(card)):

@@ -166,7 +166,8 @@ async def test_openai_voice_names_are_kept_out_with_a_warning(serve) -> None:
         )
         assert effective["audio"]["output"]["voice"] == "tiny0"
         (warning,) = after
-        assert (warning["type"], warning["code"], warning["param"], warning["event_id"]) == (
+        assert warning["event_id"].startswith("event_")  # its own, as every server event's
+        assert (warning["type"], warning["code"], warning["param"], warning["client_event_id"]) == (
             "cspan.warning",
             "voice_not_applied",
             "session.audio.output.voice",  # the field the client sent (GA), not the beta name
@@ -190,7 +191,7 @@ async def test_client_tools_on_a_router_that_never_calls_them_get_a_warning(serv
     try:
         effective, after = await update(client, "t1", {"tools": [TOOL], "cspan": {"events": True}})
         assert [t["name"] for t in effective["tools"]] == ["lookup_order"]  # accepted either way
-        warnings = [(e["code"], e["param"], e["event_id"]) for e in after if e["type"] == "cspan.warning"]
+        warnings = [(e["code"], e["param"], e["client_event_id"]) for e in after if e["type"] == "cspan.warning"]
         assert errors(after) == []
         assert warnings == ([] if router == "llm" else [("tools_inert", "session.tools", "t1")])
         _, after = await update(client, "t2", {"tools": []})  # no tools: nothing to warn about
@@ -202,7 +203,8 @@ async def test_client_tools_on_a_router_that_never_calls_them_get_a_warning(serv
 @pytest.mark.timeout(300)
 async def test_warnings_for_an_update_without_an_event_id(serve) -> None:
     """The openai SDK sends ``session.update`` without an ``event_id``: its warnings still come (each with an id of
-    its own, as every server event), not an ``internal`` error (was: a validation error of the warning event)."""
+    its own, as every server event, and no ``client_event_id``), not an ``internal`` error (was: a validation
+    error of the warning event)."""
     server = serve(router="local")
     ws, client = await connect(server)
     try:
@@ -213,7 +215,8 @@ async def test_warnings_for_an_update_without_an_event_id(serve) -> None:
             ("cspan.warning", "voice_not_applied", "session.voice"),
             ("cspan.warning", "tools_inert", "session.tools"),
         ]
-        assert all(e["event_id"].startswith("event_") for e in after)
+        assert all(e["event_id"].startswith("event_") and "client_event_id" not in e for e in after)
+        assert len({e["event_id"] for e in after}) == 2
         # the errors that echo a client event's id: none without one
         await client.send({"type": "conversation.item.delete", "item_id": "nope"})
         await client.send({"type": "response.cancel"})

@@ -245,7 +245,7 @@ class DuplexEngine:
         self.plan = resolve_plan(lm, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, fused=fused)
         initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
         self.state = EngineState(lm, mimi, batch_size, self.plan, (lm.delays, initial, self.user_rows))
-        check_seed(seed, "DuplexEngine", span=batch_size)
+        seed = check_seed(seed, "DuplexEngine", span=batch_size)
         seeds = [fresh_seed() if seed is None else seed + i for i in range(batch_size)]
         self.sessions = Sessions(
             seeds, SessionSampling(self.text_params, self.audio_params), lm.cfg.context, max_block_columns

@@ -17,6 +17,7 @@ host-built layout of one step.
 from __future__ import annotations
 
 import collections
+import operator
 import random
 import threading
 from collections.abc import Sequence
@@ -53,8 +54,12 @@ def check_seed(seed: object, where: str, span: int = 1) -> int | None:
     naming ``where``: a seed the device cannot hold would fail only at the next step, after the restart was queued."""
     if seed is None:
         return None
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{where}: a seed is an int or None, got {type(seed).__name__} {seed!r}")
+    try:
+        if isinstance(seed, bool):
+            raise TypeError
+        seed = operator.index(seed)  # an int, numpy's and torch's integers included
+    except TypeError:
+        raise TypeError(f"{where}: a seed is an int or None, got {type(seed).__name__} {seed!r}") from None
     if not 0 <= seed <= MAX_SEED - (span - 1):
         top = "2**63 - 1" if span == 1 else f"2**63 - {span} (seed + i for {span} sessions)"
         raise ValueError(f"{where}: seed {seed} is outside 0 .. {top}")

@@ -819,9 +819,12 @@ async def _converse(
         stream.drop()  # written or failed, the spool goes
     try:
         memory.end_conversation(conversation_id)
-        db.close()
-    except Exception as exc:  # the outputs matter more than the Context DB's bookkeeping
+    except Exception as exc:  # the outputs matter more than the Context DB's bookkeeping (a forgotten user too)
         logger.warning("--db %s: could not record the end of the conversation: %s", db.where, exc)
+    try:
+        db.close()
+    except Exception as exc:
+        logger.warning("--db %s: could not close it: %s", db.where, exc)
     if wav_error is not None or text_error is not None:
         kept = [str(p) for p, e in ((s.output_wav, wav_error), (s.output_text, text_error)) if p and e is None]
         lines = [str(e) for e in (wav_error, text_error) if e is not None]

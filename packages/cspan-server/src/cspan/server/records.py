@@ -18,10 +18,15 @@ def db_recorder(
     row (created by the retriever) as injected or dropped late (``no_span`` rows are marked by the retriever
     itself). Database failures are logged, never raised; a write refused because the user was forgotten since
     (:class:`~cspan.backends.context_db.UserForgotten`) calls ``on_forgotten`` instead (``cspan serve`` ends the
-    session)."""
+    session); after the first refusal nothing more is recorded (every later write would be refused too)."""
     from cspan.backends.context_db import UserForgotten
 
+    refused = False
+
     def record(event: ConversationEvent) -> None:
+        nonlocal refused
+        if refused:
+            return
         try:
             if isinstance(event, UserTextEvent) and event.final and event.text:
                 db.add_turn(conversation_id, "user", event.text, frame=event.frame, dedupe=True)
@@ -30,8 +35,9 @@ def db_recorder(
             elif isinstance(event, LateEvent) and event.retrieval_id is not None:
                 db.mark_span_dropped(event.retrieval_id, "late")
         except UserForgotten as exc:
+            refused = True
             if on_forgotten is None:
-                logger.warning("Context DB: could not record %s event: %s", event.type, exc)
+                logger.warning("Context DB: %s; nothing more of this conversation is recorded", exc)
             else:
                 on_forgotten()
         except Exception as exc:

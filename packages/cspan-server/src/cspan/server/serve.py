@@ -96,18 +96,23 @@ def make_server(config: Any) -> Any:
     - on SIGTERM/SIGINT drains for ``--drain-s`` (``/health`` answers 503, new conversations are refused, running
       ones go on), then ends every session (reason ``shutdown``, close 1001) before uvicorn closes the connections
       (plain uvicorn would close them with 1012 first);
-    - ends the drain at once on a second SIGTERM or SIGINT, the rest of the shutdown as orderly as after the drain
-      (plain uvicorn forces its exit on a second SIGINT, skipping the app's shutdown, and ignores a second SIGTERM);
-      a third SIGINT forces the exit.
+    - ends the drain at once on a SIGTERM or SIGINT that comes during it, the rest of the shutdown as orderly as
+      after the drain (plain uvicorn forces its exit on a second SIGINT, skipping the app's shutdown, and ignores a
+      second SIGTERM); outside the drain (``--drain-s 0``, or after it) a signal does what it does in uvicorn: a
+      further SIGINT forces the exit.
     """
     import uvicorn
 
     class _ServeServer(uvicorn.Server):
-        drain_ended = False  # a second signal came: the drain ends at once
+        draining = False  # hub.drain is running
+        drain_ended = False  # a signal came during the drain: it ends at once
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if self.should_exit and not self.drain_ended:
+            if self.draining and not self.drain_ended:  # only then: before and after the drain, uvicorn's rules
                 self.drain_ended = True
+                captured = getattr(self, "_captured_signals", None)
+                if isinstance(captured, list):  # re-raised at the exit (status 128 + the signal)
+                    captured.append(sig)
                 return
             super().handle_exit(sig, frame)
 
@@ -136,7 +141,11 @@ def make_server(config: Any) -> Any:
             hub = _find_state(app, "hub")
             if isinstance(hub, SessionHub):
                 with contextlib.suppress(Exception):
-                    await hub.drain(hub.settings.drain_s, give_up=lambda: self.drain_ended or self.force_exit)
+                    self.draining = True
+                    try:
+                        await hub.drain(hub.settings.drain_s, give_up=lambda: self.drain_ended or self.force_exit)
+                    finally:
+                        self.draining = False
                     await hub.end_all("shutdown")
             await super().shutdown(sockets=sockets)
 

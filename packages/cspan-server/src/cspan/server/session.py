@@ -445,6 +445,7 @@ class Session:
         self.profile: Any = None
         self.profile_fields = ProfileFields()
         self.ending = False
+        self.user_forgotten = False  # a write was refused: its user was forgotten since the session began
         self.ended = False
         self.gone = False
         self._start: _Start | None = None
@@ -795,8 +796,10 @@ class Session:
             await self.end("forgotten", code=CLOSE_FORGOTTEN, message=FORGOTTEN_MESSAGE)
 
     def forgotten(self) -> None:
-        """A write of this session was refused because its user was forgotten: :meth:`end_forgotten` (in a task)."""
-        if not self.ending:
+        """A write of this session was refused because its user was forgotten: :meth:`end_forgotten` in a task,
+        spawned once (later refusals, before the task runs, only find the flag set)."""
+        if not self.ending and not self.user_forgotten:
+            self.user_forgotten = True
             self.spawn(self.end_forgotten())
 
     async def disconnected(self) -> None:
@@ -1192,7 +1195,7 @@ class SessionHub:
 
         profile = self.make_profile(session, req.text_prompt)  # the client may have updated it meanwhile
         self.put_profile(session, profile)
-        if session.ending:  # its user was forgotten since the start read the profile
+        if session.ending or session.user_forgotten:  # its user was forgotten since the start read the profile
             return
         try:
             conversation_id = session.memory.start_conversation(

@@ -171,6 +171,9 @@ class PostgresConnection(Connection):
                 connect_timeout=max(1, round(self.connect_timeout_s)),
                 application_name="cspan-context-db",
             )
+            # read committed whatever the database's default: a write's erase check must see an erase that
+            # committed while it waited (a snapshot taken at its first statement would not)
+            self._conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         except psycopg.Error as exc:
             raise ContextDBError(
                 f"cannot connect to the Context DB at {self.where}: {str(exc).strip()}. Fix: check that the server "

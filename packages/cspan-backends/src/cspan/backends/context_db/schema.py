@@ -9,7 +9,8 @@ seconds need a double) and ``@SERIAL@`` (an auto-increment integer primary key).
 Version 1 is the schema of the first release (one user column on profiles, facts and conversations only).
 Version 2 keys every row by its user (``user_id`` on turns and spans too; a conversation id is unique per user),
 numbers facts in the order they were first learnt, and adds the table of issued tokens.
-Version 3 adds ``erasures``: per user, how many times it was forgotten (``generation``) and when last. A memory
+Version 3 adds ``erasures``: per user (keyed by the SHA-256 of the user id, so an erased user's id is not kept), how
+many times it was forgotten (``generation``) and when last. A memory
 opened before an erase sees another generation and its writes are refused (:class:`~.models.UserForgotten`).
 """
 
@@ -194,7 +195,7 @@ CREATE INDEX tokens_user ON tokens(user_id)
 
 _V3 = """
 CREATE TABLE erasures (
-    user_id    TEXT PRIMARY KEY,
+    user_hash  TEXT PRIMARY KEY,
     generation INTEGER NOT NULL,
     erased_at  @FLOAT@ NOT NULL
 )

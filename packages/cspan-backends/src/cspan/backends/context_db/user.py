@@ -10,13 +10,17 @@ Erasure: :meth:`UserMemory.forget` (``cspan db forget``, from any process or rep
 in ``erasures``. A memory takes the generation it sees at its first read or write; once the stored one differs, its
 writes raise :class:`UserForgotten` and nothing is written, so a session that began before the erase cannot write
 back what it held (``cspan serve`` then ends it). Every write checks the generation in its own transaction: SQLite
-serialises writers (``BEGIN IMMEDIATE``); on PostgreSQL writers take a shared advisory lock on the user and
-``forget`` an exclusive one, so no write that checked before an erase commits after it.
+serialises writers (``BEGIN IMMEDIATE``); on PostgreSQL (read committed) a write takes a shared advisory lock on the
+user without waiting (refused while an erase holds it) and ``forget`` an exclusive one, so no write that checked
+before an erase commits after it. A memory belongs to one session: after an erase, open a new one
+(``ContextDB.user(id)``); a memory made per call (the deprecated ``ContextDB`` methods) pins at each call and is
+never refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 import time
@@ -134,33 +138,56 @@ class UserMemory:
 
     # ------------------------------------------------------------------ erase generation
 
+    @property
+    def _erase_key(self) -> str:
+        """The user's key in ``erasures``: the SHA-256 of the user id (an erased user's id is not kept)."""
+        return hashlib.sha256(self.user_id.encode()).hexdigest()
+
     def _stored_generation(self, rows: list[dict[str, Any]]) -> int:
         return int(rows[0]["generation"]) if rows else 0
 
+    def _read_generation(self, tx: Transaction | None = None) -> int:
+        """The stored erase generation (0: never forgotten), in ``tx`` or by a read of its own."""
+        query, params = "SELECT generation FROM erasures WHERE user_hash = ?", (self._erase_key,)
+        return self._stored_generation(
+            tx.execute(query, params).rows if tx is not None else self._conn.read(query, params)
+        )
+
     def _pin(self, generation: int | None = None) -> int:
-        """The generation of this memory: the first one seen (``generation``, else read now)."""
+        """The generation of this memory: the first one seen (``generation``, else read now). The read runs
+        outside ``_pin_lock``: a write holds the connection's lock when it pins, a read takes it."""
         if self._generation is None:
+            seen = self._read_generation() if generation is None else generation
             with self._pin_lock:
                 if self._generation is None:
-                    if generation is None:
-                        generation = self._stored_generation(
-                            self._conn.read("SELECT generation FROM erasures WHERE user_id = ?", (self.user_id,))
-                        )
-                    self._generation = generation
+                    self._generation = seen
         return self._generation
 
     def _lock_user(self, tx: Transaction, *, exclusive: bool = False) -> None:
-        if tx.dialect == "postgresql":  # SQLite: BEGIN IMMEDIATE already serialises every writer
-            kind = "" if exclusive else "_shared"
-            tx.execute(f"SELECT pg_advisory_xact_lock{kind}(?::integer, hashtext(?))", (_ERASE_LOCK, self.user_id))
+        """PostgreSQL: the user's erase lock for this transaction, exclusive for :meth:`forget` (it waits for the
+        writes under way), shared for a write, which does not wait: an erase holding it means the write would be
+        refused anyway, and a blocked write would hold up its replica's event loop for the erase's length.
+        SQLite serialises writers already (``BEGIN IMMEDIATE``)."""
+        if tx.dialect != "postgresql":
+            return
+        if exclusive:
+            tx.execute("SELECT pg_advisory_xact_lock(?::integer, hashtext(?))", (_ERASE_LOCK, self.user_id))
+            return
+        rows = tx.execute(
+            "SELECT pg_try_advisory_xact_lock_shared(?::integer, hashtext(?)) AS got", (_ERASE_LOCK, self.user_id)
+        ).rows
+        if not rows[0]["got"]:
+            raise UserForgotten(
+                f"user {self.user_id!r} is being forgotten (cspan db forget); nothing was written to the Context DB "
+                f"{self._conn.where!r}. Fix: start a new session."
+            )
 
     def _guard(self, tx: Transaction) -> None:
         """Start of every write: refuse it (:class:`UserForgotten`) when the user was forgotten since this memory's
-        first use. Held until the transaction ends (PostgreSQL: a shared lock an erase waits for)."""
+        first use, or is being forgotten now (PostgreSQL: the shared lock it holds until the transaction ends
+        keeps an erase waiting until this write is done)."""
         self._lock_user(tx)
-        stored = self._stored_generation(
-            tx.execute("SELECT generation FROM erasures WHERE user_id = ?", (self.user_id,)).rows
-        )
+        stored = self._read_generation(tx)
         if self._pin(stored) != stored:
             raise UserForgotten(
                 f"user {self.user_id!r} was forgotten (cspan db forget) after this memory was opened; nothing was "
@@ -172,8 +199,7 @@ class UserMemory:
         False for a memory not used yet."""
         if self._generation is None:
             return False
-        rows = self._conn.read("SELECT generation FROM erasures WHERE user_id = ?", (self.user_id,))
-        return self._stored_generation(rows) != self._generation
+        return self._read_generation() != self._generation
 
     # ------------------------------------------------------------------ profile and facts
 
@@ -546,28 +572,26 @@ class UserMemory:
     def forget(self) -> dict[str, int]:
         """Delete everything remembered about this user: profile, facts, conversations with their turns and spans.
 
-        In the same transaction the user's erase generation goes up (``erasures``: the user id, the generation and
-        when), so every other memory of this user opened before (a running session, on any replica) has its writes
-        refused from now on; this memory goes on at the new generation. Issued tokens are kept (they are access, not
-        memory; revoke them with ``cspan users revoke``). Returns the number of rows deleted per table.
+        In the same transaction the user's erase generation goes up (``erasures``: the SHA-256 of the user id, the
+        generation and when), so every other memory of this user opened before (a running session, on any replica)
+        has its writes refused from now on; this memory goes on at the new generation (unless it was stale
+        already). Issued tokens are kept (they are access, not memory; revoke them with ``cspan users revoke``).
+        Returns the number of rows deleted per table.
         """
         counts: dict[str, int] = {}
         with self._conn.write() as tx:
             self._lock_user(tx, exclusive=True)
-            generation = (
-                self._stored_generation(
-                    tx.execute("SELECT generation FROM erasures WHERE user_id = ?", (self.user_id,)).rows
-                )
-                + 1
-            )
+            before = self._read_generation(tx)
             tx.execute(
-                "INSERT INTO erasures (user_id, generation, erased_at) VALUES (?, ?, ?) ON CONFLICT (user_id) "
+                "INSERT INTO erasures (user_hash, generation, erased_at) VALUES (?, ?, ?) ON CONFLICT (user_hash) "
                 "DO UPDATE SET generation = excluded.generation, erased_at = excluded.erased_at",
-                (self.user_id, generation, time.time()),
+                (self._erase_key, before + 1, time.time()),
             )
             for table in ("spans", "turns", "conversations", "facts", "profiles"):
                 counts[table] = tx.execute(f"DELETE FROM {table} WHERE user_id = ?", (self.user_id,)).rowcount
-        self._generation = generation
+        with self._pin_lock:
+            if self._generation in (None, before):  # a memory already stale stays refused: it may hold old rows
+                self._generation = before + 1
         return counts
 
     # ------------------------------------------------------------------ async wrappers (run in a worker thread)

@@ -329,7 +329,7 @@ class ToolBank:
         """
         bank = ToolBank(max_chars=self.max_chars, confirm_actions=self.confirm_actions)
         bank._tools = dict(self._tools)
-        bank.mcp = self.mcp  # shared, not owned (their closers stay with this bank)
+        bank.mcp = list(self.mcp)  # listed, not owned (their closers stay with this bank)
         for tool in extra:
             bank.register(tool, replace=replace)
         return bank

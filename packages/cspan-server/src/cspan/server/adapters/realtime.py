@@ -787,14 +787,13 @@ class RealtimeAdapter(ProtocolAdapter):
     def _warn(self, code: str, message: str, param: str, event_id: str | None) -> None:
         """A ``cspan.warning`` (to a client that asked for ``session.cspan.events``) for something accepted that will
         not do what the client may expect; logged once per session and code. Never an ``error`` event: some clients
-        (pipecat) end the session on an error they do not know. Its ``event_id`` is the client event's; a client
-        event without one (the openai SDK sends none) leaves the warning its own, as every server event has."""
+        (pipecat) end the session on an error they do not know. Its ``event_id`` is its own, as every server
+        event's; ``client_event_id`` is the client event's (left out when it had none: the openai SDK sends none),
+        as an ``error`` event's ``error.event_id``."""
         if code not in self._warned:
             self._warned.add(code)
             logger.warning("session %s (realtime): %s: %s", self.session.id, code, message)
-        data: dict[str, Any] = {"code": code, "message": message, "param": param}
-        if event_id is not None:
-            data["event_id"] = event_id
+        data = {"code": code, "message": message, "param": param, "client_event_id": event_id}
         self._emit(*self._extension("cspan.warning", data))
 
     def _voice(self) -> str | None:
