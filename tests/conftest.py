@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = (REPO_ROOT.parent / "shared" / "fixtures").resolve()
+FIXTURES = Path(os.environ.get("CSPAN_FIXTURES") or REPO_ROOT.parent / "shared" / "fixtures").expanduser().resolve()
 
 # The Context DB defaults to a file in the user's data directory (persistent memory): tests, and the commands they
 # run as subprocesses, keep theirs in memory unless they name a file.
@@ -50,7 +50,7 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    """The shared fixtures folder (``../shared/fixtures`` from the repository root)."""
+    """The shared fixtures folder (``$CSPAN_FIXTURES``, else ``../shared/fixtures`` from the repository root)."""
     if not FIXTURES.is_dir():
         pytest.skip(f"fixtures folder not found at {FIXTURES}")
     return FIXTURES

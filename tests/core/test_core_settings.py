@@ -102,6 +102,30 @@ def test_bad_settings_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
         load_settings(DemoSettings, config=tmp_path / "missing.toml", verb="demo")
 
 
+def test_a_home_folder_in_a_settings_file_is_expanded(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from cspan.server.serve_settings import ServeSettings
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "notes").mkdir()
+    config = tmp_path / "serve.toml"
+    config.write_text('[serve]\nknowledge = "~/notes"\n', encoding="utf-8")
+    assert load_settings(ServeSettings, config=config, verb="serve").knowledge == tmp_path / "notes"
+
+
+def test_test_switches_come_from_the_command_line_only(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A hidden field (``--test-hooks``) in a settings file or the environment is refused, not applied: a stray
+    file or variable must not turn test hooks on for a public server."""
+    hooks = tmp_path / "hooks.toml"
+    hooks.write_text("[demo]\ntest-hooks = true\n", encoding="utf-8")
+    with pytest.raises(SettingsError, match=r"unknown key 'test-hooks' .*\(known: allow-origin, host, port, temp\)"):
+        load_settings(DemoSettings, config=hooks, verb="demo")
+    monkeypatch.setenv("CSPAN_TEST_HOOKS", "1")
+    with pytest.raises(SettingsError, match="CSPAN_TEST_HOOKS: --test-hooks is a test switch, taken from the command"):
+        load_settings(DemoSettings)
+    monkeypatch.delenv("CSPAN_TEST_HOOKS")
+    assert load_settings(DemoSettings, {"test_hooks": True}).test_hooks
+
+
 def test_environment_values_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CSPAN_TEMP", "inf")
     with pytest.raises(SettingsError, match="CSPAN_TEMP"):

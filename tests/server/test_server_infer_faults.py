@@ -23,6 +23,7 @@ import soundfile as sf
 from fs_faults import fill, read_only_folder, tmpfs
 from serve_process import sigint_default
 
+from cspan.backends.context_db import ContextDB
 from cspan.core import cli
 from cspan.core.errors import CspanError, OutputError
 from cspan.core.settings import settings_from_args
@@ -395,10 +396,13 @@ def test_model_tiny_into_a_folder_that_cannot_be_written_is_one_line(tmp_path):
 
 def test_a_persona_too_long_for_the_window_is_refused_with_its_size(tiny_checkpoint_dir, speech, tmp_path):
     prompt = "You are a helpful assistant who answers in full sentences. " * 66  # ~3900 characters
-    argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--text-prompt", prompt)
+    db = tmp_path.parent / f"{tmp_path.name}-db" / "context.sqlite"
+    argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--text-prompt", prompt, "--db", str(db))
     with pytest.raises(CspanError, match=r"--text-prompt: the persona takes (\d+) frames .* of the model's 3000-posi"):
         asyncio.run(run_infer(_settings(argv)))
     assert list(tmp_path.iterdir()) == []
+    with ContextDB(db) as memory:  # a run that never talked leaves no conversation (the profile is the user's)
+        assert memory.user("local").conversations() == []
 
 
 # ------------------------------------------------------------------------------------- output formats, NaN input

@@ -37,6 +37,7 @@ import json
 import os
 import re
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -99,6 +100,16 @@ def _env(model: type[BaseSettings], name: str) -> str:
     return f"{model.model_config.get('env_prefix', '')}{name}".upper()
 
 
+def _hidden(model: type[BaseSettings]) -> set[str]:
+    """The fields marked ``hidden`` (test switches): taken from the command line (or Python) only, never from a
+    settings file or the environment, where a stray value could turn them on for a public server."""
+    return {
+        name
+        for name, field in model.model_fields.items()
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("hidden")
+    }
+
+
 def add_settings_arguments(
     parser: argparse.ArgumentParser, model: type[BaseSettings], *, config_file: bool = True
 ) -> None:
@@ -159,13 +170,21 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
     section = data.get(verb)
     table = section if isinstance(section, dict) else {k: v for k, v in data.items() if not isinstance(v, dict)}
     values: dict[str, Any] = {}
+    hidden = _hidden(model)
     for key, value in table.items():
         name = key.replace("-", "_")
-        if name not in model.model_fields:
-            known = ", ".join(sorted(n.replace("_", "-") for n in model.model_fields))
+        if name not in model.model_fields or name in hidden:
+            known = ", ".join(sorted(n.replace("_", "-") for n in model.model_fields if n not in hidden))
             raise SettingsError(f"settings file {path}: unknown key {key!r} for `cspan {verb}` (known: {known})")
+        if isinstance(value, str) and value.startswith("~") and _is_path(model.model_fields[name].annotation):
+            value = str(Path(value).expanduser())  # a shell expands ~ in a flag, nothing does in a file
         values[name] = value
     return values
+
+
+def _is_path(annotation: Any) -> bool:
+    """Whether a field's type is a path (``Path``, ``Path | None``)."""
+    return annotation is Path or Path in typing.get_args(annotation)
 
 
 def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str, str]) -> str:
@@ -212,6 +231,11 @@ def load_settings(
     if config is None and os.environ.get(CONFIG_ENV):
         config = Path(os.environ[CONFIG_ENV])
     sources = {name: f"{_flag(name)} / {_env(model, name)}" for name in model.model_fields}
+    for name in _hidden(model):
+        if _env(model, name) in os.environ:
+            raise SettingsError(
+                f"{_env(model, name)}: {_flag(name)} is a test switch, taken from the command line only (unset it)"
+            )
     values: dict[str, Any] = {}
     if config is not None:
         file_values = _read_config(config, verb, model)

@@ -584,11 +584,8 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
     db = open_context_db(s)
     memory = db.user(Principal.local())  # one person at this machine: the local user, as `cspan serve` without tokens
     profile = Profile(user_id=memory.user_id, name=s.user_name, city=s.user_city, timezone=s.user_tz)
-    try:
+    try:  # the write that shows the database takes writes; the conversation is recorded once the model reads it
         memory.put_profile(profile)
-        conversation_id = memory.start_conversation(
-            checkpoint=str(source), settings={"input": _json_text(str(s.input_wav))}
-        )
     except Exception as exc:  # sqlite3 errors: a read-only or locked database file
         raise CspanError(f"--db {db.where}: cannot write to the Context DB: {exc}") from None
 
@@ -597,7 +594,7 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
     await probe_backends(s)
     backends = await build_backends(s, build_transcriber(s))
     try:
-        return await _converse(s, db, memory, profile, conversation_id, backends, info, source, device, dtype, on_frame)
+        return await _converse(s, db, memory, profile, backends, info, source, device, dtype, on_frame)
     finally:
         await backends.aclose()
 
@@ -607,7 +604,6 @@ async def _converse(
     db: Any,
     memory: Any,
     profile: Any,
-    conversation_id: str,
     backends: Any,
     info: Any,
     source: str,
@@ -623,7 +619,7 @@ async def _converse(
     from cspan.core.checkpoint import load_checkpoint
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
-    from cspan.core.errors import OutputError
+    from cspan.core.errors import CspanError, OutputError
     from cspan.core.runtime import Conversation, ConversationConfig, decode_agent_text
     from cspan.server.memory_span import MemorySpan, memory_summary
     from cspan.server.output import InferJsonStream, InferOutput, PersonaInfo, Timing, timing_stats
@@ -661,6 +657,12 @@ async def _converse(
             file=sys.stderr,
         )
 
+    try:  # after the model and the persona: a run that fails before it talks leaves no conversation behind
+        conversation_id = memory.start_conversation(
+            checkpoint=str(source), settings={"input": _json_text(str(s.input_wav))}
+        )
+    except Exception as exc:
+        raise CspanError(f"--db {db.where}: cannot write to the Context DB: {exc}") from None
     recorder = db_recorder(memory, conversation_id)
     tracker = MemorySpan(engine.context) if s.memory_span else None
 

@@ -1107,9 +1107,21 @@ class SessionHub:
         """Take no new conversation (``/health`` answers 503, ``start`` answers busy) and wait up to ``timeout_s``
         (or until ``give_up()``) for the running ones to end."""
         self.draining = True
-        deadline = time.monotonic() + timeout_s
+        running = len(self.slots) - self.free_slots()
+        if running and timeout_s > 0:
+            logger.info(
+                "draining: no new conversations; %d running may go on for up to %g s (a second SIGTERM or Ctrl-C "
+                "ends them now)",
+                running,
+                timeout_s,
+            )
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         while self.free_slots() < len(self.slots) and time.monotonic() < deadline and not give_up():
             await asyncio.sleep(0.1)
+        left = len(self.slots) - self.free_slots()
+        if running:
+            logger.info("drained after %.1f s: %d conversation(s) still running end now", time.monotonic() - t0, left)
 
     def _live(self) -> list[Session]:
         return [s for s in self.slots if s is not None and s.state in ("live", "stopping")]
