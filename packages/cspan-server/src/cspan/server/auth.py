@@ -47,6 +47,12 @@ class ServeConfigError(CspanError):
     """``cspan serve`` was configured unsafely or inconsistently (names the flag and the fix)."""
 
 
+class UnsafeBindError(ServeConfigError):
+    """A bind address (or ``--allow-host``) that others can reach, with no credentials: a bad setting (exit 2)."""
+
+    exit_code = 2
+
+
 def validate_token(token: str) -> str:
     """Check a configured token's alphabet and length; returns it.
 
@@ -104,19 +110,19 @@ def check_bind(host: str, credentials: object, *, insecure_no_token: bool, allow
         allowed: the ``--allow-host`` values (a public name makes a loopback server reachable through a proxy).
 
     Raises:
-        ServeConfigError: the server is exposed (:func:`is_exposed`), there are no credentials, and
+        UnsafeBindError: the server is exposed (:func:`is_exposed`), there are no credentials, and
             ``insecure_no_token`` is False.
     """
     if credentials or insecure_no_token or not is_exposed(host, allowed):
         return
     if is_loopback_host(host):
-        raise ServeConfigError(
+        raise UnsafeBindError(
             f"refusing to answer --allow-host {', '.join(public_names(allowed))} without a token: behind a proxy "
             "or balancer anyone who reaches it could use the model as the one local user. Issue tokens with "
             "`cspan users add USER`, set --token (or CSPAN_TOKEN) or --token-file, or pass --insecure-no-token if "
             "the network is trusted"
         )
-    raise ServeConfigError(
+    raise UnsafeBindError(
         f"refusing to serve on {host!r} without a token: anyone who reaches this port could use the model. Set "
         "--token (or CSPAN_TOKEN) or --token-file, issue tokens with `cspan users add USER`, bind to 127.0.0.1, or "
         "pass --insecure-no-token if the network is trusted"

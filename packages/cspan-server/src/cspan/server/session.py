@@ -1108,8 +1108,9 @@ class SessionHub:
         (or until ``give_up()``) for the running ones to end."""
         self.draining = True
         running = len(self.slots) - self.free_slots()
+        shown = logging.getLogger("uvicorn.error")  # beside uvicorn's own shutdown lines, shown by default
         if running and timeout_s > 0:
-            logger.info(
+            shown.info(
                 "draining: no new conversations; %d running may go on for up to %g s (a second SIGTERM or Ctrl-C "
                 "ends them now)",
                 running,
@@ -1121,7 +1122,7 @@ class SessionHub:
             await asyncio.sleep(0.1)
         left = len(self.slots) - self.free_slots()
         if running:
-            logger.info("drained after %.1f s: %d conversation(s) still running end now", time.monotonic() - t0, left)
+            shown.info("drained after %.1f s: %d conversation(s) still running end now", time.monotonic() - t0, left)
 
     def _live(self) -> list[Session]:
         return [s for s in self.slots if s is not None and s.state in ("live", "stopping")]
