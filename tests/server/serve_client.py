@@ -101,6 +101,17 @@ class Client:
             if predicate(kind, msg):
                 return kind, msg
 
+    async def until_closed(self, timeout: float = 60.0) -> Any:
+        """Receive until the server closes the connection (``timeout``: the longest wait for one message); returns
+        how it closed (the ``websockets.ConnectionClosed``)."""
+        import websockets
+
+        try:
+            while True:
+                await self.recv(timeout=timeout)
+        except websockets.ConnectionClosed as closed:
+            return closed
+
     async def start(self, **fields: Any) -> dict[str, Any]:
         await self.send_json({"type": "start", **fields})
         _, ready = await self.recv_until(lambda k, m: k == "json" and m["type"] in ("ready", "busy", "error"))

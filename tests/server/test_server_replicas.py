@@ -104,15 +104,6 @@ def healthy(port: int, host: str) -> bool:
         return False
 
 
-async def read_all(client: Client) -> websockets.ConnectionClosed:
-    """Receive until the server closes the connection; returns how it closed."""
-    try:
-        while True:
-            await client.recv(timeout=600)
-    except websockets.ConnectionClosed as closed:
-        return closed
-
-
 async def until(predicate: Any, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -175,7 +166,9 @@ async def test_two_replicas_behind_haproxy_share_one_memory(
             r1 = await c1.start(profile={"name": "Ada", "location": "Leeds", "notes": notes})
             assert r1["type"] == "ready" and r1["profile"]["user_id"] == "ada"
             await c1.stream(silence)
-            reading = asyncio.ensure_future(read_all(c1))  # a live client keeps reading (pings are answered)
+            reading = asyncio.ensure_future(
+                c1.until_closed(timeout=600)
+            )  # a live client keeps reading (pings are answered)
             (first,) = full()
             other = "b" if first == "a" else "a"
 
@@ -323,7 +316,7 @@ async def test_forget_ends_the_users_sessions_on_every_replica(serve, postgres: 
         forgot = await asyncio.to_thread(cspan, "db", "forget", "ada", "--yes")
         assert forgot.returncode == 0, forgot.stderr
         for client in (on_a, on_b):
-            closed = await read_all(client)
+            closed = await client.until_closed(timeout=600)
             assert closed.rcvd is not None and closed.rcvd.code == 4410
             assert [m["reason"] for m in client.received.json("bye")] == ["forgotten"]
         await asyncio.sleep(1.0)

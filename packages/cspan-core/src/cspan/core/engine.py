@@ -356,7 +356,7 @@ class DuplexEngine:
 
             voice = load_voice_prompt(voice, self.checkpoint)
         codes = voice if isinstance(voice, torch.Tensor) else getattr(voice, "codes", None)
-        if codes is not None and (codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool):
+        if codes is not None and not _integer(codes):
             raise ValueError(f"set_persona: voice codes are Mimi codes (an integer tensor), got {codes.dtype}")
         if codes is not None and codes.numel():
             lo, hi = int(codes.min()), int(codes.max())
@@ -816,7 +816,7 @@ class DuplexEngine:
         0 .. highs[j] - 1 (the rows its embedding table has)."""
         if tokens is None:
             return
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        if not _integer(tokens):
             raise ValueError(f"step_tokens: {name} must be an integer (long) tensor, got {tokens.dtype}")
         if tokens.device.type != "cpu" or not tokens.numel():
             return
@@ -831,6 +831,11 @@ class DuplexEngine:
             raise TypeError(f"a session is an int index, got {i!r}")
         if not 0 <= i < self.batch_size:
             raise IndexError(f"session {i} is outside 0..{self.batch_size - 1} (engine batch_size {self.batch_size})")
+
+
+def _integer(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds integers (token ids, codes): not a float, complex or bool tensor."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 __all__ = ["DuplexEngine", "FrameOutput", "PrefixReport", "SpanReport", "TokenStepOutput"]

@@ -37,9 +37,8 @@ import json
 import os
 import re
 import tomllib
-import typing
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, get_args
 
 from pydantic import BeforeValidator, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, NoDecode, SettingsConfigDict
@@ -184,7 +183,7 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
 
 def _is_path(annotation: Any) -> bool:
     """Whether a field's type is a path (``Path``, ``Path | None``)."""
-    return annotation is Path or Path in typing.get_args(annotation)
+    return annotation is Path or Path in get_args(annotation)
 
 
 def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str, str]) -> str:

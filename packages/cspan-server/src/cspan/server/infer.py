@@ -186,25 +186,23 @@ class InferSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     )
     quiet: bool = Field(False, description="no progress bar or summary", json_schema_extra=_CONV)
 
+    @field_validator("output_wav", "output_text")
+    @classmethod
+    def _check_output_file(cls, value: Path | None) -> Path | None:
+        if value is not None and value.is_dir():
+            raise ValueError("is a directory; pass a file path for the output")
+        return value
+
     @field_validator("output_wav")
     @classmethod
     def _check_output_format(cls, value: Path) -> Path:
         from cspan.core.audio import output_format
         from cspan.core.errors import OutputError
 
-        if value.is_dir():
-            raise ValueError("is a directory; pass a file path for the output")
         try:
             output_format(value)
         except OutputError as exc:
             raise ValueError(str(exc).removeprefix(f"{value}: ")) from None
-        return value
-
-    @field_validator("output_text")
-    @classmethod
-    def _check_output_text(cls, value: Path | None) -> Path | None:
-        if value is not None and value.is_dir():
-            raise ValueError("is a directory; pass a file path for the output")
         return value
 
     @field_validator("user_tz")

@@ -46,6 +46,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from cspan.backends.tools.bank import MCP_STATES
+
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.2, 0.5, 1.0, 2.5)
 _PREFILL_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -109,6 +111,8 @@ class ServerMetrics:
         self.mcp_servers = Gauge(
             "cspan_mcp_servers", "--mcp servers by state: up, reconnecting, down (given up)", ["state"], registry=r
         )
+        for state in MCP_STATES:
+            self.mcp_servers.labels(state)
         for outcome in ("injected", "late", "no_span"):
             self.spans.labels(outcome)
         for name in protocols:  # every protocol's series exist from the start (0 rather than absent)
@@ -120,7 +124,7 @@ class ServerMetrics:
     def render(self, mcp_states: Mapping[str, int] | None = None) -> tuple[bytes, str]:
         """``(body, content_type)`` of the Prometheus text exposition, with ``cspan_mcp_servers`` set from
         ``mcp_states`` (``{state: count}``, read at the scrape) first."""
-        for state, count in (mcp_states or {"up": 0, "reconnecting": 0, "down": 0}).items():
+        for state, count in (mcp_states or {}).items():
             self.mcp_servers.labels(state).set(count)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

@@ -40,7 +40,7 @@ class _RedactTokens(logging.Filter):
     server decodes it, ends with ``token`` in any case (``?tok%65n=`` is ``?token=`` to the server), and leave out
     the lines of ``GET /health`` (a load balancer asks every second or so)."""
 
-    _pair = re.compile(r"([^=&?;\s\"]*)=([^&\s\"]*)")
+    _pair = re.compile(r"([^=&?;\s\"]*)=[^&\s\"]*")
 
     @staticmethod
     def _redact(match: re.Match[str]) -> str:

@@ -903,8 +903,10 @@ class SessionHub:
     def mcp_states(self) -> dict[str, int]:
         """How many ``--mcp`` servers are ``up``, ``reconnecting`` and ``down`` (all 0 without any, or before
         :meth:`prepare`)."""
+        from cspan.backends.tools.bank import MCP_STATES
+
         bank = getattr(self.backends, "bank", None)
-        return bank.mcp_states() if bank is not None else {"up": 0, "reconnecting": 0, "down": 0}
+        return bank.mcp_states() if bank is not None else dict.fromkeys(MCP_STATES, 0)
 
     def health(self) -> tuple[str, int]:
         """``(status, free slots)``: ``ok`` (a slot is free), ``full``, ``draining`` (shutting down) or ``stopped``."""

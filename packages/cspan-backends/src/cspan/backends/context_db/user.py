@@ -20,11 +20,13 @@ never refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from cspan.backends.context_db.facts import extract_facts, fact_sentence, normalised
@@ -132,26 +134,18 @@ class UserMemory:
         self.user_id = check_id(user_id, "user id")
         self._generation: int | None = None  # the erase generation this memory belongs to: set at first use
         self._pin_lock = threading.Lock()
+        self._erase_key = hashlib.sha256(self.user_id.encode()).hexdigest()  # its key in erasures (not the id)
 
     def __repr__(self) -> str:
         return f"UserMemory(user_id={self.user_id!r}, db={self._conn.where!r})"
 
     # ------------------------------------------------------------------ erase generation
 
-    @property
-    def _erase_key(self) -> str:
-        """The user's key in ``erasures``: the SHA-256 of the user id (an erased user's id is not kept)."""
-        return hashlib.sha256(self.user_id.encode()).hexdigest()
-
-    def _stored_generation(self, rows: list[dict[str, Any]]) -> int:
-        return int(rows[0]["generation"]) if rows else 0
-
     def _read_generation(self, tx: Transaction | None = None) -> int:
         """The stored erase generation (0: never forgotten), in ``tx`` or by a read of its own."""
         query, params = "SELECT generation FROM erasures WHERE user_hash = ?", (self._erase_key,)
-        return self._stored_generation(
-            tx.execute(query, params).rows if tx is not None else self._conn.read(query, params)
-        )
+        rows = tx.execute(query, params).rows if tx is not None else self._conn.read(query, params)
+        return int(rows[0]["generation"]) if rows else 0
 
     def _pin(self, generation: int | None = None) -> int:
         """The generation of this memory: the first one seen (``generation``, else read now). The read runs
@@ -194,6 +188,13 @@ class UserMemory:
                 f"written to the Context DB {self._conn.where!r}. Fix: start a new session."
             )
 
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[Transaction]:
+        """A write transaction of this user's rows, refused by :meth:`_guard` before anything is written."""
+        with self._conn.write() as tx:
+            self._guard(tx)
+            yield tx
+
     def was_forgotten(self) -> bool:
         """Whether this user was forgotten since this memory's first read or write (its writes are then refused);
         False for a memory not used yet."""
@@ -208,8 +209,7 @@ class UserMemory:
         (``user_id`` is this memory's, whatever ``profile.user_id`` said)."""
         profile = profile.model_copy(update={"user_id": self.user_id})
         now = time.time()
-        with self._conn.write() as tx:
-            self._guard(tx)
+        with self._write() as tx:
             tx.execute(
                 "INSERT INTO profiles (user_id, name, city, timezone, lat, lon, notes, persona, updated_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (user_id) DO UPDATE SET name = excluded.name, "
@@ -259,14 +259,12 @@ class UserMemory:
 
     def set_fact(self, key: str, value: str, *, source: str = "user") -> None:
         """Remember ``key = value`` (replacing an older value of the same key)."""
-        with self._conn.write() as tx:
-            self._guard(tx)
+        with self._write() as tx:
             self._upsert_fact(tx, key, value, source, time.time())
 
     def forget_fact(self, key: str) -> bool:
         """Forget one fact; True when there was one."""
-        with self._conn.write() as tx:
-            self._guard(tx)
+        with self._write() as tx:
             return tx.execute("DELETE FROM facts WHERE user_id = ? AND key = ?", (self.user_id, key)).rowcount > 0
 
     def facts(self) -> list[Fact]:
@@ -295,8 +293,7 @@ class UserMemory:
             ValueError: ``conversation_id`` is empty, too long or not printable.
         """
         cid = check_id(conversation_id, "conversation id") if conversation_id is not None else uuid.uuid4().hex
-        with self._conn.write() as tx:
-            self._guard(tx)
+        with self._write() as tx:
             tx.execute(
                 "INSERT INTO conversations (user_id, id, started_at, checkpoint, settings) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (user_id, id) DO NOTHING",
@@ -306,8 +303,7 @@ class UserMemory:
 
     def end_conversation(self, conversation_id: str, *, ended_at: float | None = None) -> bool:
         """Record when the conversation ended (epoch seconds, default now); False when this user has no such one."""
-        with self._conn.write() as tx:
-            self._guard(tx)
+        with self._write() as tx:
             cur = tx.execute(
                 "UPDATE conversations SET ended_at = ? WHERE user_id = ? AND id = ?",
                 (ended_at or time.time(), self.user_id, conversation_id),
@@ -362,8 +358,7 @@ class UserMemory:
         if role not in ("user", "agent", "tool"):
             raise ValueError(f"turn role must be 'user', 'agent' or 'tool', got {role!r}")
         now = time.time() if t is None else t
-        with self._conn.write() as tx:
-            self._guard(tx)
+        with self._write() as tx:
             self._require_conversation(tx, conversation_id)
             if dedupe:
                 last = tx.execute(
@@ -428,8 +423,7 @@ class UserMemory:
         Raises:
             ContextDBError: this user has no such conversation.
         """
-        with self._conn.write() as tx:
-            self._guard(tx)
+        with self._write() as tx:
             self._require_conversation(tx, conversation_id)
             rows = tx.execute(
                 "INSERT INTO spans (user_id, conversation_id, question, text, tool, arguments, source, asked_at, "
@@ -474,8 +468,7 @@ class UserMemory:
             self._update_span(span_id, "dropped = ?, injected_at = NULL, error = ?", (reason, error))
 
     def _update_span(self, span_id: int, assignments: str, params: tuple[Any, ...]) -> None:
-        with self._conn.write() as tx:
-            self._guard(tx)
+        with self._write() as tx:
             cur = tx.execute(
                 f"UPDATE spans SET {assignments} WHERE user_id = ? AND id = ?", (*params, self.user_id, span_id)
             )

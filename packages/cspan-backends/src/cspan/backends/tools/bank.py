@@ -229,6 +229,10 @@ def _field_path(loc: Iterable[Any]) -> str:
     return ".".join(str(part) for part in loc) or "(arguments)"
 
 
+MCP_STATES = ("up", "reconnecting", "down")
+"""The states of an MCP server's connection (:attr:`cspan.backends.tools.mcp_bridge.MCPConnection.state`)."""
+
+
 class ToolBank:
     """A set of tools by name, with validation, coercion, timeouts and spoken results.
 
@@ -354,7 +358,7 @@ class ToolBank:
     def mcp_states(self) -> dict[str, int]:
         """How many of the bank's MCP servers are ``up``, ``reconnecting`` and ``down`` (see
         :attr:`cspan.backends.tools.mcp_bridge.MCPConnection.state`); every key is present."""
-        states = {"up": 0, "reconnecting": 0, "down": 0}
+        states = dict.fromkeys(MCP_STATES, 0)
         for conn in self.mcp:
             states[conn.state] += 1
         return states
