@@ -64,7 +64,9 @@ from .sessions import (
     StepHead,
     build_step,
     check_seed,
+    check_tokens,
     fresh_seed,
+    is_integer,
     unpack,
 )
 from .span import ContextSpan, SpanReport, encode_span, span_report
@@ -356,7 +358,7 @@ class DuplexEngine:
 
             voice = load_voice_prompt(voice, self.checkpoint)
         codes = voice if isinstance(voice, torch.Tensor) else getattr(voice, "codes", None)
-        if codes is not None and not _integer(codes):
+        if codes is not None and not is_integer(codes):
             raise ValueError(f"set_persona: voice codes are Mimi codes (an integer tensor), got {codes.dtype}")
         if codes is not None and codes.numel():
             lo, hi = int(codes.min()), int(codes.max())
@@ -508,8 +510,8 @@ class DuplexEngine:
         if forced is not None and tuple(forced.shape) != (B, K):
             raise ValueError(f"step_tokens: forced must be [{B}, {K}], got {tuple(forced.shape)}")
         card, text_card = self.lm.card, self.lm.cfg.text_card
-        self._check_tokens("user_codes", user_codes, 0, [card + 1] * self.num_codebooks)
-        self._check_tokens("forced", forced, -2, [text_card + 1] + [card + 1] * (K - 1))
+        check_tokens("step_tokens: user_codes", user_codes, 0, [card + 1] * self.num_codebooks)
+        check_tokens("step_tokens: forced", forced, -2, [text_card + 1] + [card + 1] * (K - 1))
         batch = self._prepare()
         if not batch.rows:  # every session idle: nothing to compute
             return self._idle()
@@ -810,32 +812,11 @@ class DuplexEngine:
         self._check_session(i)
         return self.sessions.take_window_events(i)
 
-    @staticmethod
-    def _check_tokens(name: str, tokens: torch.Tensor | None, low: int, highs: list[int]) -> None:
-        """``tokens`` [B, len(highs)]: an integer tensor; on the CPU, column j in ``low`` (-2: "sample") or
-        0 .. highs[j] - 1 (the rows its embedding table has)."""
-        if tokens is None:
-            return
-        if not _integer(tokens):
-            raise ValueError(f"step_tokens: {name} must be an integer (long) tensor, got {tokens.dtype}")
-        if tokens.device.type != "cpu" or not tokens.numel():
-            return
-        bad = (tokens >= torch.tensor(highs)) | ((tokens < 0) & (tokens != low))
-        if bool(bad.any()):
-            row, col = (int(v) for v in bad.nonzero()[0])
-            allowed = f"0 .. {highs[col] - 1}" + (" or -2 (sample)" if low == -2 else "")
-            raise ValueError(f"step_tokens: {name}[{row}, {col}] = {int(tokens[row, col])} is outside {allowed}")
-
     def _check_session(self, i: int) -> None:
         if isinstance(i, bool) or not isinstance(i, int):
             raise TypeError(f"a session is an int index, got {i!r}")
         if not 0 <= i < self.batch_size:
             raise IndexError(f"session {i} is outside 0..{self.batch_size - 1} (engine batch_size {self.batch_size})")
-
-
-def _integer(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds integers (token ids, codes): not a float, complex or bool tensor."""
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 __all__ = ["DuplexEngine", "FrameOutput", "PrefixReport", "SpanReport", "TokenStepOutput"]

@@ -66,6 +66,28 @@ def check_seed(seed: object, where: str, span: int = 1) -> int | None:
     return seed
 
 
+def is_integer(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds integers (token ids, codes): not a float, complex or bool tensor."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def check_tokens(where: str, tokens: torch.Tensor | None, low: int, highs: list[int]) -> None:
+    """``tokens`` [B, len(highs)] (or None): an integer tensor, else a ValueError naming ``where``; on the CPU also
+    column j in ``low`` (-2: "sample") or 0 .. highs[j] - 1 (the rows its embedding table has). A device tensor's
+    values are not read: that would make every step wait for the GPU."""
+    if tokens is None:
+        return
+    if not is_integer(tokens):
+        raise ValueError(f"{where} must be an integer (long) tensor, got {tokens.dtype}")
+    if tokens.device.type != "cpu" or not tokens.numel():
+        return
+    bad = (tokens >= torch.tensor(highs)) | ((tokens < 0) & (tokens != low))
+    if bool(bad.any()):
+        row, col = (int(v) for v in bad.nonzero()[0])
+        allowed = f"0 .. {highs[col] - 1}" + (" or -2 (sample)" if low == -2 else "")
+        raise ValueError(f"{where}[{row}, {col}] = {int(tokens[row, col])} is outside {allowed}")
+
+
 @dataclass
 class Restart:
     """A queued restart of one session: its new seed, and the persona prefix its next step reads (or None)."""
