@@ -391,6 +391,60 @@ def test_bad_seeds_and_tokens_are_refused_before_anything_changes(tiny_checkpoin
     assert engine.step_tokens(torch.full((2, 8), card, dtype=torch.long)).valid.all()  # the placeholder id is held
 
 
+def test_a_bad_prefix_or_input_is_refused_at_the_call_and_loses_no_other_work(tiny_checkpoint) -> None:
+    """A prefix whose ids no embedding table holds, float frames, embeddings of the wrong width, a sparse or meta
+    PCM tensor: each raises at the call, before the step takes the queued work, so the next step reads every
+    session's queued persona and span and the whole batch equals a run that never saw the bad calls."""
+    import numpy as np
+
+    from cspan.core.sampling import SamplingParams
+
+    def run(bad_calls: bool) -> tuple[torch.Tensor, list[int]]:
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=3)
+        engine.set_persona(1, "You are kind.", "tiny0")
+        pcm, texts = torch.zeros(2, FRAME_SIZE), []
+        for _ in range(3):
+            texts.append(engine.step(pcm).text_token)
+        engine.inject_span(1, "The museum opens at nine.")
+        engine.set_persona(0, "Be brief.")
+        if bad_calls:
+            K, D = engine.num_streams, engine.lm.cfg.dim
+            with pytest.raises(ValueError, match=r"set_prefix: frames\[0, 0\] = 99999 is outside -1 \.\. \d+"):
+                engine.set_prefix(0, torch.full((K, 5), 99999, dtype=torch.long))
+            with pytest.raises(ValueError, match=rf"frames must be \[{K}, P\] integer ids, got torch.float32"):
+                engine.set_prefix(0, torch.zeros(K, 5))
+            with pytest.raises(ValueError, match=rf"embeddings must be \[E <= 5, {D}\] floats"):
+                engine.set_prefix(0, torch.zeros(K, 5, dtype=torch.long), torch.zeros(7, 3))
+            with pytest.raises(TypeError, match=r"frames must be a torch\.Tensor, got list"):
+                engine.set_prefix(0, [[1]])
+            for bad_pcm, kind in ((pcm.to_sparse(), "sparse_coo"), (torch.zeros(2, FRAME_SIZE, device="meta"), "meta")):
+                with pytest.raises(TypeError, match=f"user_pcm must be a dense tensor with data, got a.*{kind}"):
+                    engine.step(bad_pcm)
+            with pytest.raises(TypeError, match=r"user_codes must be a torch\.Tensor, got ndarray"):
+                engine.step_tokens(np.zeros((2, 8), np.int64))
+            for call, message in (
+                (lambda: engine.set_persona(1, 123), "text_prompt is a str or None, got int"),
+                (lambda: engine.set_persona(1, "hi", user_name=5), "user_name is a str or None, got int"),
+                (lambda: engine.set_persona(1, "hi", np.zeros((8, 5), np.int64)), "voice is a VoicePrompt"),
+                (lambda: engine.set_persona(1, "hi", sampling=(0.5, 10)), "sampling is a SessionSampling"),
+                (lambda: engine.set_sampling(1, text=(0.5, 5)), "text sampling is a SamplingParams"),
+                (lambda: engine.set_live(1, "no"), "live is True or False, got str"),
+                (lambda: engine.set_live(0.0), "a session is an int index, got float"),
+            ):
+                with pytest.raises(TypeError, match=message):
+                    call()
+            engine.set_sampling(np.int64(1), text=SamplingParams.text(0.7, 25))  # numpy's ints are session indices
+            engine.set_live(torch.tensor([0, 1]), True)
+        for _ in range(4):
+            texts.append(engine.step(pcm).text_token)
+        return torch.stack(texts), engine.positions
+
+    (texts, positions), (clean_texts, clean_positions) = run(True), run(False)
+    assert torch.equal(texts, clean_texts) and positions == clean_positions
+    with pytest.raises(TypeError, match=r"max_span_frames must be an int, got 10\.5"):
+        DuplexEngine(tiny_checkpoint, max_span_frames=10.5)
+
+
 def test_load_checkpoint_names_a_device_or_dtype_it_cannot_use(tiny_checkpoint_dir) -> None:
     from cspan.core.errors import CspanError
 

@@ -279,3 +279,41 @@ def test_text_span_on_the_tiny_checkpoint(tiny_checkpoint) -> None:
     assert report.first_position == 1 and engine.positions == [1 + len(expected)]
     out = engine.step_tokens(None)
     assert bool(out.valid[0]) and out.position.tolist() == [1 + len(expected)]
+
+
+class _ByteFallback:
+    """A tokenizer without normalisation: every UTF-8 byte is its byte piece (id 4 + byte, as SentencePiece's byte
+    fallback numbers them after the four specials)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [4 + b for b in text.encode()]
+
+
+def test_control_characters_never_become_ret_or_a_span_marker(tiny_checkpoint) -> None:
+    """With SentencePiece's byte fallback a control character its normaliser keeps becomes its byte piece, and
+    <0x00>, <0x08>, <0x09> are <ret> and the span markers in the released vocabulary (and the tiny one, whose
+    normaliser keeps the NUL). A reference, a persona prompt and a training word read every control character but
+    the newline as a space, and ids given directly may not hold <ret> or a marker inside the markers."""
+    from cspan.core.constants import RET
+    from cspan.core.prefix import build_persona_prefix
+    from cspan.core.span import encode_text
+
+    specials = {RET, SPAN_OPEN, SPAN_CLOSE}
+    raw = _ByteFallback()
+    assert set(raw.encode("a\x00b\x08c\td")) >= specials  # what a tokenizer alone can make of them
+    assert encode_text(raw, "a\x00b\x08c\td") == raw.encode("a b c d")
+    assert encode_text(raw, "line one\nline two") == raw.encode("line one\nline two")  # the newline is text
+    spm = tiny_checkpoint.tokenizer
+    assert RET in spm.encode("a\x00b")
+    engine = DuplexEngine(tiny_checkpoint, batch_size=1)
+    engine.step_tokens(None)
+    report = engine.inject_span(0, "\x00city\ttemp\x08 Sydney\t24\x7f\x85")
+    assert list(report.ids) == [SPAN_OPEN, *spm.encode("city temp  Sydney 24"), SPAN_CLOSE]
+    assert not specials & set(report.ids[1:-1])
+    with pytest.raises(SpanError, match=r"hold \[4, 13\] \(<ret>, span open, span close\)"):
+        ContextSpan.from_ids([20, 13, 4]).encode()
+    assert ContextSpan.from_ids([20, 13, 4], markers=False).encode() == ([20, 13, 4], False)  # a whole block: as given
+    prefix = build_persona_prefix(spm, "Be kind\x00.", None)
+    assert RET not in prefix.text_ids and prefix.text_ids == build_persona_prefix(spm, "Be kind .", None).text_ids
+    with pytest.raises(TypeError, match="reference text is a str, got NoneType"):
+        ContextSpan(None)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from serve_process import sigint_default
 
 from cspan.backends.context_db import ContextDB
 from cspan.core import cli
-from cspan.core.errors import CspanError, OutputError
+from cspan.core.errors import CspanError, OutputError, SettingsError
 from cspan.core.settings import settings_from_args
 from cspan.server.infer import run_infer
 from cspan.server.output import InferOutput
@@ -398,7 +398,9 @@ def test_a_persona_too_long_for_the_window_is_refused_with_its_size(tiny_checkpo
     prompt = "You are a helpful assistant who answers in full sentences. " * 66  # ~3900 characters
     db = tmp_path.parent / f"{tmp_path.name}-db" / "context.sqlite"
     argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--text-prompt", prompt, "--db", str(db))
-    with pytest.raises(CspanError, match=r"--text-prompt: the persona takes (\d+) frames .* of the model's 3000-posi"):
+    with pytest.raises(
+        SettingsError, match=r"--text-prompt: the persona takes (\d+) frames .* of the model's 3000-pos"
+    ):
         asyncio.run(run_infer(_settings(argv)))
     assert list(tmp_path.iterdir()) == []
     with ContextDB(db) as memory:  # a run that never talked leaves no conversation (the profile is the user's)

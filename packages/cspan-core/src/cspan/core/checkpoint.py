@@ -94,9 +94,9 @@ _HUB_PATTERNS = [
     EXPORT_INFO,
 ]
 _FIX_OFFLINE = (
-    "pass a local checkpoint folder instead (--checkpoint DIR, a folder holding "
-    f"{LM_FILE}, {MIMI_FILE} and {TOKENIZER_FILE}), or build a small random one with `cspan model tiny DIR` and "
-    "pass --checkpoint DIR"
+    f"pass a local checkpoint folder instead (a folder holding {LM_FILE}, {MIMI_FILE} and {TOKENIZER_FILE}: "
+    "--checkpoint DIR on the command line, load_checkpoint(DIR) in Python), or build a small random one with "
+    "`cspan model tiny DIR`"
 )
 
 _FIX_BASE_OFFLINE = (
@@ -1241,8 +1241,10 @@ def resolve_checkpoint(
     Raises:
         CheckpointError: nothing at that path, unsupported file type, Hub errors (offline, gated, not found).
     """
+    origin = ""  # where a source that was not passed came from, for the messages
     if source is None:
         source = os.environ.get(ENV_CHECKPOINT) or DEFAULT_CHECKPOINT
+        origin = f" (from ${ENV_CHECKPOINT})" if os.environ.get(ENV_CHECKPOINT) else ""
     text = str(source)
     path = Path(text).expanduser()
     if path.is_file():
@@ -1277,7 +1279,7 @@ def resolve_checkpoint(
     if _is_repo_id(text):
         return _repo_files(text, text, revision, base)
     raise CheckpointError(
-        f"checkpoint {text!r} does not exist: it is not a file, not a folder and not a Hub repo id (owner/name); "
+        f"checkpoint {text!r}{origin} does not exist: it is not a file, not a folder and not a Hub repo id (owner/name); "
         f"check the path, or {_FIX_OFFLINE}"
     )
 

@@ -30,6 +30,7 @@ last frame); its next call is call P + 1, given user frame P.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ from .constants import (
     RET,
     SILENCE_TOKENS,
     SINE_TOKENS,
+    ZERO_TOKEN,
 )
 from .errors import CheckpointError, SpanError
 from .graphs import GraphCache
@@ -64,6 +66,7 @@ from .sessions import (
     StepHead,
     build_step,
     check_seed,
+    check_tensor,
     check_tokens,
     fresh_seed,
     is_integer,
@@ -172,8 +175,10 @@ class DuplexEngine:
     Attributes:
         lm, mimi, tokenizer, checkpoint: the models in use (``checkpoint`` None for a bare LM).
         plan: the :class:`cspan.core.plan.ExecutionPlan`; ``state``: the device state of all sessions
-            (:class:`cspan.core.sessions.EngineState`: ``lm_state``, ``grid``); ``sessions``: the host record
-            (``positions``, ``started``, ``prefix_end``, ``seeds``, ``sampling``, ``live``).
+            (:class:`cspan.core.sessions.EngineState`: ``lm``, the KV cache, as :attr:`lm_state`; ``grid``, as
+            :attr:`grid`); ``sessions``: the host record (:class:`cspan.core.sessions.Sessions`: ``position``,
+            ``started``, ``prefix_end``, ``seeds``, ``sampling``, ``live``; read them as the properties
+            :attr:`positions`, :attr:`started`, ...).
         text_params, audio_params: the sessions' default sampling (:class:`cspan.core.sampling.SamplingParams`).
 
     Raises:
@@ -210,6 +215,9 @@ class DuplexEngine:
             raise ValueError(f"DuplexEngine: batch_size must be >= 1, got {batch_size}")
         if max_block_columns is not None and max_block_columns < 1:
             raise ValueError(f"DuplexEngine: max_block_columns must be >= 1 or None, got {max_block_columns}")
+        for name, value in (("max_span_frames", max_span_frames), ("max_block_columns", max_block_columns)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"DuplexEngine: {name} must be an int, got {value!r}")
         if max_span_frames < 3:
             raise SpanError(f"max_span_frames is {max_span_frames}; it must be at least 3 (12, one token, 13)")
         if hasattr(checkpoint, "lm") and hasattr(checkpoint, "mimi"):
@@ -274,7 +282,7 @@ class DuplexEngine:
         Raises:
             IndexError: no such session. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
         """
-        self._check_session(i)
+        i = self._check_session(i)
         self.sessions.reset([i], [check_seed(seed, "reset")])
         self.sessions.set_sampling(i, SessionSampling(self.text_params, self.audio_params))
 
@@ -287,11 +295,16 @@ class DuplexEngine:
             IndexError: no such session. ValueError: a bad temperature or top-k
                 (:meth:`cspan.core.sampling.SamplingParams.check`; nothing is changed).
         """
-        self._check_session(i)
+        i = self._check_session(i)
         self.sessions.set_sampling(i, self._checked_sampling(i, text, audio))
 
     def _checked_sampling(self, i: int, text: SamplingParams | None, audio: SamplingParams | None) -> SessionSampling:
         """Session ``i``'s current sampling with ``text`` / ``audio`` (where not None) checked and put in."""
+        for kind, params in (("text", text), ("audio", audio)):
+            if params is not None and not isinstance(params, SamplingParams):
+                raise TypeError(
+                    f"{kind} sampling is a SamplingParams (SamplingParams.{kind}(temp, top_k)), got {params!r}"
+                )
         current = self.sessions.sampling[i]
         text = current.text if text is None else text.check("text", self.lm.text_linear.out_features)
         audio = current.audio if audio is None else audio.check("audio", self.lm.card)
@@ -304,11 +317,12 @@ class DuplexEngine:
         session continues as after a silent pause.
 
         Raises:
-            IndexError, TypeError: a row that is no session (then no row is changed).
+            IndexError, TypeError: a row that is no session, or ``live`` not a bool (then no row is changed).
         """
-        chosen = [rows] if isinstance(rows, int) else list(rows)
-        for i in chosen:  # every row checked before any changes
-            self._check_session(i)
+        if not isinstance(live, bool):
+            raise TypeError(f"set_live: live is True or False, got {type(live).__name__} {live!r}")
+        many = isinstance(rows, Sequence) or (isinstance(rows, torch.Tensor) and rows.dim() == 1)
+        chosen = [self._check_session(i) for i in (rows if many else [rows])]  # all checked before any change
         for i in chosen:
             self.sessions.set_live(i, live)
 
@@ -346,10 +360,18 @@ class DuplexEngine:
         Raises:
             IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name.
             ValueError: voice codes not [8, N] integers in [0, card); bad sampling parameters; a prefix that does
-                not fit the window; a seed outside 0 .. 2**63 - 1 (TypeError: not an int).
+                not fit the window; a seed outside 0 .. 2**63 - 1. TypeError: an argument of another type (text
+                that is no str, a seed that is no int, ``sampling`` that is no SessionSampling, ...).
         """
-        self._check_session(i)
+        i = self._check_session(i)
         check_seed(seed, "set_persona")
+        for name, value in (("text_prompt", text_prompt), ("user_name", user_name), ("user_city", user_city)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"set_persona: {name} is a str or None, got {type(value).__name__}")
+        if sampling is not None and not isinstance(sampling, SessionSampling):
+            raise TypeError(
+                f"set_persona: sampling is a SessionSampling(text=SamplingParams, audio=SamplingParams), got {sampling!r}"
+            )
         t0 = time.perf_counter()
         if sampling is not None:  # checked first, applied with the prefix: a failing call changes nothing
             sampling = self._checked_sampling(i, sampling.text, sampling.audio)
@@ -357,6 +379,11 @@ class DuplexEngine:
             from .voice import load_voice_prompt
 
             voice = load_voice_prompt(voice, self.checkpoint)
+        elif voice is not None and not isinstance(voice, torch.Tensor) and not hasattr(voice, "codes"):
+            raise TypeError(
+                "set_persona: voice is a VoicePrompt, a [8, N] torch tensor of Mimi codes, a voice name or a voice "
+                f"file, got {type(voice).__name__}"
+            )
         codes = voice if isinstance(voice, torch.Tensor) else getattr(voice, "codes", None)
         if codes is not None and not is_integer(codes):
             raise ValueError(f"set_persona: voice codes are Mimi codes (an integer tensor), got {codes.dtype}")
@@ -408,12 +435,15 @@ class DuplexEngine:
         seed. Returns P.
 
         Raises:
-            ValueError: an unknown policy; a prefix that leaves no room in the window (P + 1 >= context) with a
-                policy that keeps it there. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
+            ValueError: frames that are not [K, P] integers with each row's ids in its embedding table (-1: no
+                input), embeddings that are not [E <= P, D] floats; an unknown policy; a prefix that leaves no
+                room in the window (P + 1 >= context) with a policy that keeps it there. TypeError: no tensor. TypeError,
+                ValueError: a seed that is no int in 0 .. 2**63 - 1. Nothing is changed when it raises.
         """
-        self._check_session(i)
+        i = self._check_session(i)
         seed = self.sessions.seeds[i] if seed is None else check_seed(seed, "set_prefix")
         policy = self.persona_policy if policy is None else check_policy(policy)
+        self._check_prefix(frames, embeddings)
         P = int(frames.shape[-1])
         if not P:
             self.sessions.reset([i], [seed])
@@ -432,6 +462,31 @@ class DuplexEngine:
         self.sessions.reset([i], [seed], block, Persona(policy, sinks=P + 1, copy=copy))
         return P
 
+    def _check_prefix(self, frames: object, embeddings: object) -> None:
+        """A ValueError / TypeError unless ``frames`` [K, P] and ``embeddings`` [E <= P, D] can be read: a bad
+        prefix found by the step would fail every session's step and lose what was queued with it."""
+        K, D = self.num_streams, self.lm.cfg.dim
+        frames = check_tensor("set_prefix: frames", frames)
+        if frames.dim() != 2 or frames.shape[0] != K or not is_integer(frames):
+            raise ValueError(
+                f"set_prefix: frames must be [{K}, P] integer ids, got {frames.dtype} {list(frames.shape)}"
+            )
+        if frames.numel():
+            highs = torch.tensor([self.lm.cfg.text_card + 1] + [self.lm.card + 1] * (K - 1))[:, None]
+            bad = (frames.cpu() >= highs) | (frames.cpu() < ZERO_TOKEN)
+            if bool(bad.any()):
+                k, p = (int(v) for v in bad.nonzero()[0])
+                raise ValueError(
+                    f"set_prefix: frames[{k}, {p}] = {int(frames[k, p])} is outside -1 .. {int(highs[k, 0]) - 1}"
+                )
+        if embeddings is not None:
+            emb = check_tensor("set_prefix: embeddings", embeddings)
+            if emb.dim() != 2 or emb.shape[0] > frames.shape[1] or emb.shape[1] != D or not emb.is_floating_point():
+                raise ValueError(
+                    f"set_prefix: embeddings must be [E <= {frames.shape[1]}, {D}] floats, got {emb.dtype} "
+                    f"{list(emb.shape)}"
+                )
+
     def inject_span(self, i: int, span: ContextSpan | str) -> SpanReport:
         """Queue a Context Span for session ``i``: its next step reads the block before its next position, in the
         step's one forward (host work only here; the session continues n positions later, see :mod:`cspan.core.span`).
@@ -442,13 +497,14 @@ class DuplexEngine:
             SpanError: the session has not started (no persona and no step since its reset), an empty reference,
                 ids outside the text vocabulary.
         """
-        self._check_session(i)
+        i = self._check_session(i)
         if not isinstance(span, (ContextSpan, str)):
             raise TypeError(f"inject_span: the span is a ContextSpan or a str, got {type(span).__name__}")
         if not self.sessions.started[i]:
             raise SpanError(
                 f"session {i} has not started: a Context Span goes between two frames of a running stream; "
-                "call set_persona(i, ...) or step() first"
+                "give it a persona (set_persona(i, ...) with a voice or a text prompt: with neither it is only "
+                "reset) or step() first"
             )
         t0 = time.perf_counter()
         block, ids, truncated = encode_span(
@@ -491,6 +547,9 @@ class DuplexEngine:
                 on the CPU: reading device tensors' values would make every step wait for the GPU).
         """
         B, K = self.batch_size, self.num_streams
+        for where, t in (("step_tokens: user_codes", user_codes), ("step_tokens: forced", forced)):
+            if t is not None:
+                check_tensor(where, t)
         if user_codes is None:
             if self.dep_q < self.lm.n_q:
                 raise ValueError(
@@ -537,8 +596,9 @@ class DuplexEngine:
             :class:`FrameOutput` (device tensors; read ``text_token`` to the host once per frame).
 
         Raises:
-            CheckpointError: the engine has no Mimi codec. TypeError: not a floating-point tensor. ValueError: wrong
-            PCM shape.
+            CheckpointError: the engine has no Mimi codec. TypeError: not a dense floating-point tensor. ValueError:
+            wrong PCM shape. The inputs are checked before the step takes the queued work, so a call that raises
+            for its input changes nothing.
         """
         if self.mimi is None:
             raise CheckpointError(
@@ -548,6 +608,7 @@ class DuplexEngine:
         if not isinstance(user_pcm, torch.Tensor) or not user_pcm.is_floating_point():
             got = f"a {user_pcm.dtype} tensor" if isinstance(user_pcm, torch.Tensor) else type(user_pcm).__name__
             raise TypeError(f"step: user_pcm must be a float torch.Tensor of samples in [-1, 1], got {got}")
+        check_tensor("step: user_pcm", user_pcm)
         B = self.batch_size
         pcm = user_pcm[:, 0] if user_pcm.dim() == 3 and user_pcm.shape[1] == 1 else user_pcm
         if tuple(pcm.shape) != (B, FRAME_SIZE):
@@ -797,26 +858,32 @@ class DuplexEngine:
     def window_positions_left(self, i: int) -> int | None:
         """Positions session ``i`` can still feed before the first position of its persona prefix (of the latest
         copy; position 0 without a prefix) leaves the attention window (None: unbounded)."""
-        self._check_session(i)
+        i = self._check_session(i)
         return self.sessions.window_left(i, self.sessions.position[i])
 
     def prefix_in_window(self, i: int) -> bool:
         """Whether session ``i``'s next query sees its whole persona prefix (its latest copy inside the window, or
         its pinned entries); False without a prefix."""
-        self._check_session(i)
+        i = self._check_session(i)
         return self.sessions.prefix_visible(i, self.sessions.position[i])
 
     def take_window_events(self, i: int) -> list[WindowEvent]:
         """What session ``i``'s persona policy did since the last call (:class:`cspan.core.window.WindowEvent`:
         ``pin`` once, ``reprefix`` per copy read), oldest first. Host only, any thread."""
-        self._check_session(i)
+        i = self._check_session(i)
         return self.sessions.take_window_events(i)
 
-    def _check_session(self, i: int) -> None:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"a session is an int index, got {i!r}")
+    def _check_session(self, i: object) -> int:
+        """``i`` as an int (numpy's and torch's integers too), else TypeError / IndexError."""
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            i = operator.index(i)
+        except TypeError:
+            raise TypeError(f"a session is an int index, got {type(i).__name__} {i!r}") from None
         if not 0 <= i < self.batch_size:
             raise IndexError(f"session {i} is outside 0..{self.batch_size - 1} (engine batch_size {self.batch_size})")
+        return i
 
 
 __all__ = ["DuplexEngine", "FrameOutput", "PrefixReport", "SpanReport", "TokenStepOutput"]

@@ -51,7 +51,7 @@ import torch
 from .config import CONTEXT_SPANNING, PERSONAPLEX, PREFIX_LAYOUTS, PrefixLayout
 from .constants import NUM_CODEBOOKS, PAD, SILENCE_TOKENS, SINE_TOKENS
 from .errors import CheckpointError
-from .span import Block
+from .span import Block, encode_text
 from .streams import delay_tokens
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def build_persona_prefix(
                 "set_persona: a text prompt needs the checkpoint's SentencePiece tokenizer, and this engine has none; "
                 "load the engine from a checkpoint (load_checkpoint) or pass tokenizer="
             )
-        ids = [int(i) for i in tokenizer.encode(text)]
+        ids = encode_text(tokenizer, text)
     codes = voice if isinstance(voice, torch.Tensor) or voice is None else voice.codes
     block = None if isinstance(voice, torch.Tensor) or voice is None else voice.frames
     embeddings = None if isinstance(voice, torch.Tensor) or voice is None else voice.embeddings

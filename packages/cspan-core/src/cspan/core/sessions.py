@@ -66,18 +66,30 @@ def check_seed(seed: object, where: str, span: int = 1) -> int | None:
     return seed
 
 
+def check_tensor(where: str, t: object) -> torch.Tensor:
+    """``t`` if it is a dense torch.Tensor with data (TypeError naming ``where`` otherwise): a sparse or a meta
+    tensor passes the shape and dtype checks but fails inside the step, after the queued work was taken."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided or t.is_meta:
+        kind = "a meta" if t.is_meta else f"a {t.layout}"
+        raise TypeError(f"{where} must be a dense tensor with data, got {kind} tensor")
+    return t
+
+
 def is_integer(t: torch.Tensor) -> bool:
     """Whether ``t`` holds integers (token ids, codes): not a float, complex or bool tensor."""
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def check_tokens(where: str, tokens: torch.Tensor | None, low: int, highs: list[int]) -> None:
-    """``tokens`` [B, len(highs)] (or None): an integer tensor, else a ValueError naming ``where``; on the CPU also
+    """``tokens`` [B, len(highs)] (or None): an integer tensor, else a ValueError (TypeError: no dense tensor, see
+    :func:`check_tensor`) naming ``where``; on the CPU also
     column j in ``low`` (-2: "sample") or 0 .. highs[j] - 1 (the rows its embedding table has). A device tensor's
     values are not read: that would make every step wait for the GPU."""
     if tokens is None:
         return
-    if not is_integer(tokens):
+    if not is_integer(check_tensor(where, tokens)):
         raise ValueError(f"{where} must be an integer (long) tensor, got {tokens.dtype}")
     if tokens.device.type != "cpu" or not tokens.numel():
         return

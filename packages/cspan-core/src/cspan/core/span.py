@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .constants import SILENCE_TOKENS, SINE_TOKENS, SPAN_CLOSE, SPAN_OPEN
+from .constants import RET, SILENCE_TOKENS, SINE_TOKENS, SPAN_CLOSE, SPAN_OPEN
 from .errors import SpanError
 
 
@@ -37,9 +37,20 @@ class TextTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    ids = tokenizer.encode(text)
-    return [int(i) for i in ids]
+_CONTROLS = {c: " " for c in [*range(0x20), *range(0x7F, 0xA0)] if c != 0x0A}
+"""Unicode's control characters (category Cc) but the newline, each read as a space."""
+
+_SPECIAL_IDS = frozenset((RET, SPAN_OPEN, SPAN_CLOSE))
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text)`` with the text's control characters (NUL, backspace, tab, ...; not the newline)
+    read as spaces. With SentencePiece's byte fallback a control character that the tokenizer's normaliser keeps
+    becomes its byte piece, and in the released vocabulary ``<0x00>``, ``<0x08>`` and ``<0x09>`` are ``<ret>`` and
+    the span markers (ids 4, 12, 13; the tiny tokenizer turns a NUL into ``<ret>``): a tool's output could ask
+    for a reference or close its span. Text is data, never control tokens, so every text the model reads
+    (references, persona prompts, training words) goes through here."""
+    return [int(i) for i in tokenizer.encode(text.translate(_CONTROLS))]
 
 
 @dataclass(frozen=True)
@@ -54,12 +65,17 @@ class ContextSpan:
             (for experiments and tests of other block contents).
 
     Raises:
-        SpanError: (from :meth:`encode`) an empty reference.
+        SpanError: (from :meth:`encode`) an empty reference; with the markers, ``token_ids`` holding ``<ret>`` or a
+            marker (4, 12, 13). TypeError: ``text`` that is no str.
     """
 
     text: str
     token_ids: tuple[int, ...] | None = field(default=None)
     markers: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"ContextSpan: the reference text is a str, got {type(self.text).__name__}")
 
     @classmethod
     def from_ids(cls, token_ids: Sequence[int], text: str = "", markers: bool = True) -> ContextSpan:
@@ -67,7 +83,8 @@ class ContextSpan:
         return cls(text=text, token_ids=tuple(int(i) for i in token_ids), markers=markers)
 
     def encode(self, tokenizer: Any | None = None, max_frames: int | None = None) -> tuple[list[int], bool]:
-        """The block's text ids ``[12] + spm.encode(text.strip()) + [13]`` and whether they were truncated.
+        """The block's text ids ``[12] + spm.encode(text.strip()) + [13]`` (:func:`encode_text`) and whether they
+        were truncated.
 
         Args:
             tokenizer: a SentencePiece processor (anything with ``encode(str) -> list[int]``); unused with
@@ -84,8 +101,14 @@ class ContextSpan:
         """
         if self.token_ids is not None:
             body = list(self.token_ids)
+            special = sorted(_SPECIAL_IDS.intersection(body)) if self.markers else []
+            if special:
+                raise SpanError(
+                    f"ContextSpan: the reference ids hold {special} (<ret>, span open, span close); a reference is "
+                    "data between the markers, which encode() adds"
+                )
         else:
-            text = self.text.strip()
+            text = self.text.translate(_CONTROLS).strip()  # a control character is a space
             if not text:
                 raise SpanError(
                     "ContextSpan: the reference text is empty; give the backend's answer (or skip the injection)"
@@ -95,7 +118,7 @@ class ContextSpan:
                     "ContextSpan.encode: a text span needs the checkpoint's SentencePiece tokenizer; pass it or use "
                     "ContextSpan.from_ids"
                 )
-            body = _encode(tokenizer, text)
+            body = encode_text(tokenizer, text)
         if not body:
             raise SpanError(
                 f"ContextSpan: the reference {self.text!r} encodes to no tokens; give a non-empty reference"
@@ -364,6 +387,7 @@ __all__ = [
     "ContextSpan",
     "SpanReport",
     "encode_span",
+    "encode_text",
     "span_block",
     "span_report",
     "splice_block",

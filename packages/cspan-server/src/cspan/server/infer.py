@@ -76,8 +76,10 @@ def parse_span(value: str) -> TimedText:
         t = float(seconds)
     except ValueError:
         t = float("nan")
-    if not sep or not text.strip() or not (math.isfinite(t) and t >= 0):
+    if not sep or not (math.isfinite(t) and t >= 0):
         raise ValueError(f"{value[:60]!r}: expected SECONDS:TEXT with SECONDS a number >= 0, e.g. 1.0:Hello")
+    if not text.strip():
+        raise ValueError(f"{value[:60]!r}: the reference TEXT after {seconds}: is empty, e.g. 1.0:Hello")
     return TimedText(t, text.strip())
 
 
@@ -318,8 +320,9 @@ def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path
     folder can be written (created if missing), before any work.
 
     Raises:
-        SettingsError: a folder, or two flags naming the same file (the flags and the file). CspanError: naming
-            the offending path. OutputError: a folder that cannot be written (path and cause).
+        SettingsError: a folder, two flags naming the same file, an input or the Context DB (the flag and the
+            file; exit status 2). CspanError: a path that is no regular file. OutputError: a folder that cannot be
+            written (path and cause).
     """
     from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
@@ -333,9 +336,11 @@ def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path
         if real.exists() and not real.is_file():
             raise CspanError(f"{out}: is not a regular file (a device, pipe or socket); pass a file path")
         if real in resolved_inputs:
-            raise CspanError(f"{out}: is also the input; refusing to overwrite the recording")
+            raise SettingsError(f"{flag} {out}: is also the input; refusing to overwrite the recording")
         if context_db is not None and real in {context_db.resolve().with_name(context_db.name + x) for x in DB_FILES}:
-            raise CspanError(f"{out}: is the Context DB (--db {context_db}); refusing to overwrite its memory")
+            raise SettingsError(
+                f"{flag} {out}: is the Context DB (--db {context_db}); refusing to overwrite its memory"
+            )
         if real in seen:
             raise SettingsError(f"{seen[real]} and {flag} are the same file: {out}; use two different files")
         seen[real] = flag
@@ -481,9 +486,9 @@ def persona_frames(checkpoint: Any, settings: InferSettings, voice: Any) -> dict
         ``{"frames", "voice_frames", "text_tokens", "window"}`` (``window`` None for an unbounded context).
 
     Raises:
-        CspanError: the persona is longer than that, with its size and what to shorten.
+        SettingsError: the persona is longer than that, with its size and what to shorten (exit status 2).
     """
-    from cspan.core.errors import CspanError
+    from cspan.core.errors import SettingsError
     from cspan.core.prefix import build_persona_prefix
 
     prefix = build_persona_prefix(
@@ -503,7 +508,7 @@ def persona_frames(checkpoint: Any, settings: InferSettings, voice: Any) -> dict
     }
     too_long = prefix.too_long_for(window, characters=len(settings.text_prompt))
     if too_long is not None:
-        raise CspanError(f"--text-prompt: {too_long}. Shorten the text prompt")
+        raise SettingsError(f"--text-prompt: {too_long}. Shorten the text prompt")
     return info
 
 

@@ -165,7 +165,7 @@ def build_text_row(
     Raises:
         DataError: a grounded turn whose first word has no frame before it, or whose words fall after the audio.
     """
-    from cspan.core.span import ContextSpan
+    from cspan.core.span import ContextSpan, encode_text
 
     words: list[tuple[list[int], float]] = []
     index: dict[tuple[int, int], int] = {}
@@ -174,7 +174,7 @@ def build_text_row(
             continue
         for wi, word in enumerate(turn.words):
             index[(ti, wi)] = len(words)
-            words.append(([int(t) for t in tokenizer.encode(word.word.strip())], word.start))
+            words.append((encode_text(tokenizer, word.word.strip()), word.start))
     aligned = align_text(words, num_frames)
     tokens = list(aligned.tokens)
     spans: list[SpanRecord] = []
