@@ -176,3 +176,48 @@ async def test_errors_do_not_grow_with_the_input(serve) -> None:
             while '"type":"error"' not in text:
                 text = await asyncio.wait_for(ws.recv(), 60)
             assert len(text) < 1500, len(text)
+
+
+@pytest.mark.timeout(120)
+async def test_a_client_over_its_message_budget_is_read_later_and_the_session_goes_on(serve) -> None:
+    """``--max-messages-per-s``: a client that sends faster than its budget (one second's worth at once, then the
+    rate) is read at the budget's pace, so the flood costs the event loop that runs every session's frame clock no
+    more than the budget; nothing is dropped or refused, and the held-back time is on /metrics."""
+    import httpx
+
+    rate, burst, extra = 10, 10, 21
+    server = serve(max_messages_per_s=rate)
+    loop = asyncio.get_running_loop()
+    async with websockets.connect(ws_url(server, "/v1/realtime")) as ws:
+        await json_until(ws, "session.created")
+        t0 = loop.time()
+        for i in range(burst + extra - 1):
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "event_id": f"a{i}", "audio": "AAAA"}))
+        await ws.send(json.dumps({"type": "input_audio_buffer.clear", "event_id": "last"}))
+        await json_until(ws, "input_audio_buffer.cleared")  # read after every append before it
+        elapsed = loop.time() - t0
+    assert elapsed >= 0.95 * extra / rate  # 2.1 s: the burst at once, the rest at the rate
+    metrics = httpx.get(server.url + "/metrics").text
+    line = next(
+        x for x in metrics.splitlines() if x.startswith('cspan_client_throttled_seconds_total{protocol="realtime"}')
+    )
+    assert float(line.split()[-1]) >= 0.9 * extra / rate
+    assert 'cspan_client_throttled_seconds_total{protocol="cspan"} 0.0' in metrics
+
+
+def test_the_message_budget_refills_at_its_rates() -> None:
+    """Token buckets that run into debt: the wait is the time until both the message and the byte budget are
+    back at zero, and idle time refills them up to their bursts, never beyond."""
+    from cspan.server.throttle import BYTE_BURST_MESSAGES, BYTE_RATE_MESSAGES, ClientBudget
+
+    now = [0.0]
+    budget = ClientBudget(100, 1000, clock=lambda: now[0])
+    assert [budget.charge(10) for _ in range(100)] == [0.0] * 100  # the burst: one second's worth
+    assert budget.charge(10) == pytest.approx(0.01)  # one message of debt at 100 a second
+    now[0] += 10.0  # idle: back to the burst, not ten seconds' worth
+    assert all(budget.charge(0) == 0.0 for _ in range(100)) and budget.charge(0) > 0.0
+    now[0] += 10.0
+    big = BYTE_BURST_MESSAGES * 1000
+    assert budget.charge(big) == 0.0  # the byte burst at once
+    assert budget.charge(BYTE_RATE_MESSAGES * 1000) == pytest.approx(1.0)  # then a second per 16 largest messages
+    assert ClientBudget(100, 1000, min_burst_bytes=10**6, clock=lambda: 0.0).charge(10**6) == 0.0

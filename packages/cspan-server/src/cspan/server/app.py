@@ -43,6 +43,7 @@ from cspan.server.session import (
     Session,
     SessionHub,
 )
+from cspan.server.throttle import ClientBudget
 from cspan.server.voices import VOICE_AUDIO_MAX_BYTES
 
 logger = logging.getLogger(__name__)
@@ -492,6 +493,7 @@ async def serve_connection(
         return
     await websocket.accept(subprotocol=credential.subprotocol)
     limit = hub.settings.max_message_kib * 1024
+    budget = ClientBudget(hub.settings.max_messages_per_s, limit, VOICE_AUDIO_MAX_BYTES + limit)
     session = hub.open(adapter_cls.name, principal)
     adapter = adapter_cls(session, connection)
     sender = asyncio.ensure_future(_send(websocket, session, adapter, metrics))
@@ -510,6 +512,10 @@ async def serve_connection(
                 continue
             metrics.wire_bytes.labels(adapter_cls.name, "in").inc(len(data))
             size = _message_bytes(data, limit)
+            wait = budget.charge(size)
+            if wait > 0.0:  # over its budget: read later, so TCP slows the client and the frame clock keeps time
+                metrics.throttled_seconds.labels(adapter_cls.name).inc(wait)
+                await asyncio.sleep(wait)
             if size > limit:  # refused before any adapter work: decoding scales with the message
                 session.client_error(
                     "too_large",

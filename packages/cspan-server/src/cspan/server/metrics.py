@@ -19,6 +19,7 @@ each adapter's ``name``).
 | ``cspan_user_frames_total{protocol}`` | counter | user frames received |
 | ``cspan_user_frames_dropped_total{protocol}`` | counter | user frames dropped (queue full: audio faster than real time) |
 | ``cspan_wire_bytes_total{protocol,direction}`` | counter | WebSocket payload bytes, ``in`` (from clients) and ``out`` |
+| ``cspan_client_throttled_seconds_total{protocol}`` | counter | time clients' messages were held back for sending faster than ``--max-messages-per-s`` (or its byte budget) |
 | ``cspan_silence_frames_total`` | counter | session frames with no user frame queued (silence fed) |
 | ``cspan_clock_resyncs_total`` | counter | ticks more than one frame late: the clock skipped ahead instead of bursting |
 | ``cspan_step_seconds`` | histogram | wall time of one batched engine step |
@@ -82,6 +83,9 @@ class ServerMetrics:
         self.wire_bytes = Counter(
             "cspan_wire_bytes", "WebSocket payload bytes, by direction", [*p, "direction"], registry=r
         )
+        self.throttled_seconds = Counter(
+            "cspan_client_throttled_seconds", "Time client messages were held back (over their budget)", p, registry=r
+        )
         self.silence_frames = Counter(
             "cspan_silence_frames", "Session frames with no queued user frame (silence fed)", registry=r
         )
@@ -116,7 +120,13 @@ class ServerMetrics:
         for outcome in ("injected", "late", "no_span"):
             self.spans.labels(outcome)
         for name in protocols:  # every protocol's series exist from the start (0 rather than absent)
-            for metric in (self.sessions_started, self.sessions_busy, self.session_frames, self.user_frames):
+            for metric in (
+                self.sessions_started,
+                self.sessions_busy,
+                self.session_frames,
+                self.user_frames,
+                self.throttled_seconds,
+            ):
                 metric.labels(name)
             for direction in ("in", "out"):
                 self.wire_bytes.labels(name, direction)

@@ -50,6 +50,13 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         "with a too_large error before it is read, and the session goes on",
         json_schema_extra=_SERVER,
     )  # fmt: skip
+    max_messages_per_s: int = Field(
+        200, ge=10, le=100000,
+        description="messages a client may send a second, on every protocol (a burst of one second's worth; bytes: "
+        "16 of the largest messages a second): a faster client is read more slowly, so that it cannot take the "
+        "frame clock from the other sessions",
+        json_schema_extra=_SERVER,
+    )  # fmt: skip
     slot_every: int = Field(
         0, ge=0, le=100000, description="also send a slot timing message every N frames (0: only with spans)",
         json_schema_extra=_SERVER,
