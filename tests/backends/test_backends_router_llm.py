@@ -157,9 +157,33 @@ async def test_endpoint_failures_raise_router_error(llm: StubLLM, fdb_bank: Tool
 
 
 async def test_unreachable_endpoint_raises_router_error(fdb_bank: ToolBank) -> None:
-    async with LLMRouter("http://127.0.0.1:9", "m", fdb_bank, timeout_s=2) as router:
-        with pytest.raises(RouterError, match="unreachable"):
+    """The message names the endpoint without the credential its URL may carry."""
+    async with LLMRouter(
+        "http://bob:hunter2pw@127.0.0.1:9/v1?api_key=SECRET1&v=2", "m", fdb_bank, timeout_s=2
+    ) as router:
+        with pytest.raises(RouterError, match="unreachable") as err:
             await router.route(RouteRequest(question="hello"))
+    assert "bob:***@127.0.0.1:9" in str(err.value) and "api_key=***&v=2" in str(err.value)
+    assert "hunter2pw" not in str(err.value) and "SECRET1" not in str(err.value)
+
+
+def test_urls_in_messages_lose_their_credentials() -> None:
+    from cspan.backends.urls import redact_url
+
+    cases = {
+        "postgresql://ada:pw@db:5432/cspan?sslpassword=x&sslmode=require": (
+            "postgresql://ada:***@db:5432/cspan?sslpassword=***&sslmode=require"
+        ),
+        "https://x/mcp?access_token=a&token=b&sig=c&model=m&apiKey=d": (
+            "https://x/mcp?access_token=***&token=***&sig=***&model=m&apiKey=***"
+        ),
+        "http://127.0.0.1:8000/v1": "http://127.0.0.1:8000/v1",
+        "http://user@host/": "http://user@host/",
+        "sphinx": "sphinx",
+        "http://[::1:80/": "http://[::1:80/",  # no URL: as it is
+    }
+    for url, shown in cases.items():
+        assert redact_url(url) == shown
 
 
 @pytest.mark.parametrize(

@@ -221,6 +221,10 @@ async def test_from_mcp_failures_are_tool_errors(tmp_path: Path) -> None:
         await ToolBank.from_mcp()
     with pytest.raises(ToolError, match="exactly one of"):
         await ToolBank.from_mcp(["x"], url="http://127.0.0.1:1/mcp")
+    with pytest.raises(
+        ToolError, match=r"cannot connect to MCP server http://bob:\*\*\*@127\.0\.0\.1:1/mcp\?key=\*\*\*"
+    ):
+        await ToolBank.from_mcp(url="http://bob:pw@127.0.0.1:1/mcp?key=SECRET1", connect_timeout_s=10)
     with pytest.raises(ToolError, match="cannot connect to MCP server"):
         await ToolBank.from_mcp([str(tmp_path / "no-such-server")], connect_timeout_s=30)
     with pytest.raises(ToolError, match=r"cannot connect to MCP server|did not finish the handshake"):

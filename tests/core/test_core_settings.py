@@ -83,6 +83,15 @@ def test_precedence_cli_env_file_default(tmp_path, monkeypatch: pytest.MonkeyPat
     assert "port=3 temp=0.25" in capsys.readouterr().out  # environment over file
     assert _main(["demo", "--config", str(conf), "--port", "4"]) == 0
     assert "port=4 temp=0.25" in capsys.readouterr().out  # command line over environment
+    monkeypatch.delenv("CSPAN_PORT")
+    conf.write_text("temp = 0.5\n[demo]\nport = 2\n[other]\nport = 9\n", encoding="utf-8")
+    assert _main(["demo", "--config", str(conf)]) == 0
+    assert "port=2 temp=0.5" in capsys.readouterr().out  # the top level is read beside the [demo] table
+    conf.write_text('input-wav = "a.wav"\n[demo]\nport = 2\n', encoding="utf-8")
+    with pytest.raises(
+        SettingsError, match=r"unknown key 'input-wav' at the top level, which every command reads, for `cspan demo`"
+    ):
+        load_settings(DemoSettings, config=conf, verb="demo")
 
 
 def test_bad_settings_files(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -135,3 +135,15 @@ async def test_serve_subprocess(tiny_checkpoint_dir: Path, tmp_path: Path) -> No
     assert "/metrics?tok%65n=***" in log and "/metrics?x=1&%74oken=***" in log  # so are percent-encoded keys
     assert TOKEN not in log
     assert "Traceback" not in log and "Application shutdown complete" in log
+
+
+def test_a_refused_token_is_not_echoed() -> None:
+    """A ``--token`` (or ``CSPAN_TOKEN``) that is refused is not repeated in the error: it is a credential, and the
+    error goes to a terminal, a log or a CI page."""
+    from cspan.core.cli import build_parser
+    from cspan.core.settings import SettingsError, settings_from_args
+
+    for token in ("short", "has spaces in it"):
+        with pytest.raises(SettingsError, match="--token / CSPAN_TOKEN: must be 8 to 256 characters") as err:
+            settings_from_args(build_parser().parse_args(["serve", "--token", token]))
+        assert token not in str(err.value)

@@ -61,3 +61,39 @@ async def test_wss_with_a_self_signed_certificate(serve, certificate) -> None:
         async with websockets.connect(f"ws://{base}/ws", open_timeout=10):
             pass
     assert server.hub.free_slots() == 1
+
+
+def test_tls_files_that_cannot_serve_are_bad_settings(certificate, tmp_path) -> None:
+    """A certificate file without a certificate, a missing or mismatched key, an encrypted key: each is refused
+    when the settings are read (exit status 2), with the flag and the file named, instead of OpenSSL's ``PEM lib``
+    at start-up (which cspan serve used to print as ``unknown error 524297``)."""
+    from cspan.core.cli import build_parser
+    from cspan.core.settings import SettingsError, settings_from_args
+
+    cert, key = certificate
+    other_key = tmp_path / "other.pem"
+    encrypted = tmp_path / "encrypted.pem"
+    openssl = shutil.which("openssl")
+    assert openssl is not None
+    subprocess.run([openssl, "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(other_key)], check=True)
+    subprocess.run(
+        [openssl, "pkey", "-in", str(key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted)], check=True
+    )
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    cases = [
+        (["--ssl-certfile", str(garbage)], rf"--ssl-certfile .*: {garbage}: holds no PEM certificate"),
+        (["--ssl-certfile", str(key), "--ssl-keyfile", str(key)], "holds no PEM certificate"),
+        (["--ssl-certfile", str(cert)], rf"--ssl-keyfile .*: not given, and {cert} holds no private key"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(garbage)], "holds no PEM private key"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)], "is not the private key of the certificate"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(encrypted)], "the private key is encrypted"),
+        (["--ssl-keyfile", str(key)], "needs --ssl-certfile"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SettingsError, match=message):
+            settings_from_args(build_parser().parse_args(["serve", *argv]))
+    settings = settings_from_args(
+        build_parser().parse_args(["serve", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
+    )
+    assert settings.tls

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
+from cspan.backends.urls import redact_url
 from cspan.bench.errors import JudgeError
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,7 @@ class OpenAIJudge:
         if down_after < 1:
             raise ValueError(f"down_after must be >= 1, got {down_after}")
         self.url = chat_completions_url(url)
+        self.where = redact_url(self.url)  # for messages: no credential in the URL
         self.model = model
         key = api_key if api_key is not None else os.environ.get(api_key_env)
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -247,19 +249,19 @@ class OpenAIJudge:
 
     def describe(self) -> dict[str, str]:
         """``{"url", "model"}`` for score files."""
-        return {"url": self.url, "model": self.model}
+        return {"url": self.where, "model": self.model}
 
     def trouble(self) -> str | None:
         """Why judged numbers of this run are missing: the judge went down or failed every request; None when it
         answered (a few failed requests are counted in ``failed``, not reported here)."""
         if self.down is not None:
             return (
-                f"the judge {self.url} ({self.model}) was taken as down after {self.answered} answered request(s): "
+                f"the judge {self.where} ({self.model}) was taken as down after {self.answered} answered request(s): "
                 f"{self.down}; {self.failed} request(s) failed, their judgements are missing and are asked again "
                 "on the next run"
             )
         if self.failed and not self.answered:
-            return f"every request to the judge {self.url} ({self.model}) failed ({self.failed}); nothing was judged"
+            return f"every request to the judge {self.where} ({self.model}) failed ({self.failed}); nothing was judged"
         return None
 
     def chat(
@@ -280,7 +282,7 @@ class OpenAIJudge:
                 body[key] = value
         if self.down is not None:
             self.failed += 1
-            raise JudgeError(f"judge {self.url} is taken as down ({self.down}); not asked")
+            raise JudgeError(f"judge {self.where} is taken as down ({self.down}); not asked")
         try:
             content = self._request(body)
         except JudgeError as exc:
@@ -288,7 +290,7 @@ class OpenAIJudge:
             self._failed_in_a_row += 1
             if self._failed_in_a_row >= self.down_after:
                 self.down = f"{self._failed_in_a_row} requests in a row failed, the last: {exc}"
-                log.error("judge %s is taken as down: %s; later requests fail at once", self.url, self.down)
+                log.error("judge %s is taken as down: %s; later requests fail at once", self.where, self.down)
             raise
         self.answered += 1
         self._failed_in_a_row = 0
@@ -307,7 +309,7 @@ class OpenAIJudge:
                     last = f"HTTP {response.status_code}: {response.text[:200]}"
                 elif response.status_code >= 400:
                     raise JudgeError(
-                        f"judge {self.url} answered HTTP {response.status_code}: {response.text[:300]}; check "
+                        f"judge {self.where} answered HTTP {response.status_code}: {response.text[:300]}; check "
                         f"--judge-model ({self.model!r}) and the API key"
                     )
                 else:
@@ -316,7 +318,7 @@ class OpenAIJudge:
                 delay = self.backoff_s * 2 ** (attempt - 1)
                 log.warning(
                     "judge %s: %s (attempt %d/%d); retrying in %.1f s",
-                    self.url,
+                    self.where,
                     last,
                     attempt,
                     self.max_attempts,
@@ -324,7 +326,7 @@ class OpenAIJudge:
                 )
                 time.sleep(delay)
         raise JudgeError(
-            f"judge {self.url} failed after {self.max_attempts} attempt(s): {last}; is the server running?"
+            f"judge {self.where} failed after {self.max_attempts} attempt(s): {last}; is the server running?"
         )
 
     def _content(self, response: httpx.Response) -> str:
@@ -332,10 +334,10 @@ class OpenAIJudge:
             content = response.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise JudgeError(
-                f"judge {self.url} answered without choices[0].message.content: {response.text[:200]!r}"
+                f"judge {self.where} answered without choices[0].message.content: {response.text[:200]!r}"
             ) from exc
         if not isinstance(content, str):
-            raise JudgeError(f"judge {self.url} answered a non-text message: {content!r:.200}")
+            raise JudgeError(f"judge {self.where} answered a non-text message: {content!r:.200}")
         return content
 
     # --- Full-Duplex-Bench v1 -------------------------------------------------------------------------------------
@@ -356,9 +358,9 @@ class OpenAIJudge:
             parsed = parse_interruption_rating(reply)
             if parsed is not None:
                 return parsed
-            log.warning("judge %s: reply without a rating, asking again: %r", self.url, reply[:200])
+            log.warning("judge %s: reply without a rating, asking again: %r", self.where, reply[:200])
         raise JudgeError(
-            f'judge {self.url} ({self.model}) never answered in the format "Analysis: ..." / "I would rate the '
+            f'judge {self.where} ({self.model}) never answered in the format "Analysis: ..." / "I would rate the '
             f"AI's response as N\" in {self.max_attempts} tries; last reply: {reply[:200]!r}"
         )
 

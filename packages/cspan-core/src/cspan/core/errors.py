@@ -73,7 +73,10 @@ _HINTS = {
 
 def os_error_cause(exc: OSError) -> str:
     """The cause of an ``OSError`` in words, lower case: ``"no space left on device"``, ``"permission denied"``,
-    ``"read-only file system"``... (``strerror`` of its ``errno``; the exception's text when it has none)."""
+    ``"read-only file system"``... (``strerror`` of its ``errno``; the exception's text when it has none). An
+    ``ssl.SSLError``'s errno is OpenSSL's code, not the system's: its reason is given (``"key values mismatch"``)."""
+    if type(exc).__module__ == "ssl":
+        return (getattr(exc, "reason", None) or str(exc) or type(exc).__name__).replace("_", " ").lower()
     if exc.errno:
         return os.strerror(exc.errno).lower()
     return str(exc) or type(exc).__name__

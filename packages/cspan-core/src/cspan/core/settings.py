@@ -8,7 +8,8 @@ that one declaration this module generates
   flag), through pydantic-settings' :class:`~pydantic_settings.CliSettingsSource`;
 - the environment variables (``CSPAN_NAME``, the model's ``env_prefix``);
 - a settings file: ``--config FILE.toml`` (or ``CSPAN_CONFIG``), whose keys are the field names (snake or kebab
-  case), at the top level or in a table named after the verb (``[serve]``), so one file can hold several verbs.
+  case), at the top level (read by every verb given the file, so each must know them) and in a table named after
+  the verb (``[serve]``), whose keys add to and override the top level's: one file can hold several verbs.
 
 Precedence: command line, then environment, then the settings file, then the declared default. A value out of
 range, whatever its source, is reported as one line naming the flag, the environment variable or the file key, and
@@ -151,7 +152,8 @@ def add_settings_arguments(
             type=Path,
             default=None,
             metavar="FILE",
-            help=f"settings file (TOML: keys as the flags' names, top level or under [{parser.prog.split()[-1]}]; "
+            help=f"settings file (TOML: keys as the flags' names, top level and/or under [{parser.prog.split()[-1]}], "
+            "which overrides the top level; "
             f"env {CONFIG_ENV}); flags and CSPAN_* variables override it",
         )
     parser.set_defaults(**{_MODEL: model, _SOURCE: source, _VERB: parser.prog.split()[-1]})
@@ -167,14 +169,18 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise SettingsError(f"settings file {path} is not valid TOML: {exc}") from None
     section = data.get(verb)
-    table = section if isinstance(section, dict) else {k: v for k, v in data.items() if not isinstance(v, dict)}
+    top = [(k, v) for k, v in data.items() if not isinstance(v, dict)]  # for every command that reads the file
+    own = list(section.items()) if isinstance(section, dict) else []  # the [verb] table: adds and overrides
     values: dict[str, Any] = {}
     hidden = _hidden(model)
-    for key, value in table.items():
+    for key, value in top + own:
         name = key.replace("-", "_")
         if name not in model.model_fields or name in hidden:
             known = ", ".join(sorted(n.replace("_", "-") for n in model.model_fields if n not in hidden))
-            raise SettingsError(f"settings file {path}: unknown key {key!r} for `cspan {verb}` (known: {known})")
+            place = f"under [{verb}]" if (key, value) in own else "at the top level, which every command reads"
+            raise SettingsError(
+                f"settings file {path}: unknown key {key!r} {place}, for `cspan {verb}` (known: {known})"
+            )
         if isinstance(value, str) and value.startswith("~") and _is_path(model.model_fields[name].annotation):
             value = str(Path(value).expanduser())  # a shell expands ~ in a flag, nothing does in a file
         values[name] = value
@@ -199,7 +205,9 @@ def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str
             given = given[0]
         shown = ""
         quoted = isinstance(given, str) and repr(given)[:60] in message  # the validator's message names it
-        if given is not None and not isinstance(given, dict) and not quoted:
+        field = model.model_fields.get(name)
+        secret = field is not None and bool((field.json_schema_extra or {}).get("secret"))  # a credential: not echoed
+        if given is not None and not isinstance(given, dict) and not quoted and not secret:
             text = repr(given)
             shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
         lines.append(f"{where}: {message}{shown}")

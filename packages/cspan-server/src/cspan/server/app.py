@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from cspan.backends.urls import redact_url
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
 from cspan.core.errors import CspanError
 from cspan.core.voice import VOICE_MAX_SECONDS, VOICE_MIN_SECONDS
@@ -189,7 +190,7 @@ def build_transcriber(settings: ServeSettings) -> Any:
     try:
         return transcriber_from_url(settings.asr, model=settings.asr_model)
     except (ValueError, CspanError) as exc:
-        raise ServeConfigError(f"--asr {settings.asr}: {exc}") from exc
+        raise ServeConfigError(f"--asr {redact_url(settings.asr)}: {exc}") from exc
 
 
 async def build_backends(settings: ServeSettings, transcriber: Any) -> Backends:

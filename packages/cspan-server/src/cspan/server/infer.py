@@ -38,6 +38,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 
+from cspan.backends.urls import redact_url
 from cspan.core.settings import add_settings_arguments, settings_from_args
 from cspan.server.settings_common import (
     DEFAULT_PERSONA,
@@ -380,7 +381,7 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
         else:
             continue
         problems.append(
-            f"{flag} {url}: nothing answers there ({why}); start the server ({start}) or fix the URL, or use "
+            f"{flag} {redact_url(url)}: nothing answers there ({why}); start the server ({start}) or fix the URL, or use "
             f"{flag} {fallback}"
         )
     if problems:

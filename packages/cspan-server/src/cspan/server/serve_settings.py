@@ -79,7 +79,7 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         None,
         description="a shared credential: one user (--token-user) with every scope (env CSPAN_TOKEN); open the page "
         "as /?token=...",
-        json_schema_extra=_ACCESS,
+        json_schema_extra={**_ACCESS, "secret": True},  # never echoed in an error
     )
     token_user: str = Field(
         "local",
@@ -119,6 +119,7 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         None,
         description="the PEM private key of --ssl-certfile (not needed when the certificate file holds it)",
         json_schema_extra={**_SERVER, "metavar": "FILE"},
+        validate_default=True,  # the pair is loaded once both are known (below), with or without this flag
     )
     drain_s: float = Field(
         0.0, ge=0.0, le=86400.0, allow_inf_nan=False,
@@ -173,11 +174,23 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
             raise ValueError(f"{str(value)!r} is not a file")
         return path
 
+    @field_validator("ssl_certfile")
+    @classmethod
+    def _certificate(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            _check_certificate(value)
+        return value
+
     @field_validator("ssl_keyfile")
     @classmethod
     def _key_needs_certificate(cls, value: Path | None, info: ValidationInfo) -> Path | None:
-        if value is not None and info.data.get("ssl_certfile") is None:
+        certfile = info.data.get("ssl_certfile")
+        if value is not None and certfile is None and "ssl_certfile" not in info.data:
+            return value  # the certificate flag failed on its own, and says so
+        if value is not None and certfile is None:
             raise ValueError("needs --ssl-certfile (the certificate this key belongs to)")
+        if certfile is not None:
+            check_tls_files(certfile, value)
         return value
 
     @property
@@ -186,4 +199,47 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         return self.ssl_certfile is not None
 
 
-__all__ = ["ServeSettings"]
+def check_tls_files(certfile: Path, keyfile: Path | None) -> None:
+    """Load the certificate chain and its key as uvicorn will, so that files that cannot serve TLS are a bad
+    setting named here (exit 2) rather than OpenSSL's ``PEM lib`` error at start-up. The certificate file alone is
+    checked by ``--ssl-certfile``'s validator (:func:`_check_certificate`), the pair by ``--ssl-keyfile``'s.
+
+    Raises:
+        ValueError: what is wrong and in which file (no key, a key of another certificate, an encrypted key).
+    """
+    import ssl
+
+    def encrypted() -> bytes:
+        raise ValueError(
+            f"{keyfile or certfile}: the private key is encrypted; cspan serve reads an unencrypted key (openssl "
+            "pkey -in KEY -out plain-key.pem, readable by the server's user only)"
+        )
+
+    if keyfile is None and b"PRIVATE KEY-----" not in certfile.read_bytes():
+        raise ValueError(f"not given, and {certfile} holds no private key; pass the key with --ssl-keyfile")
+    if keyfile is not None and b"PRIVATE KEY-----" not in keyfile.read_bytes():
+        raise ValueError(f"{keyfile}: holds no PEM private key (-----BEGIN ... PRIVATE KEY-----)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=encrypted)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(
+                f"{keyfile or certfile}: is not the private key of the certificate in {certfile}"
+            ) from None
+        raise ValueError(f"{certfile} with {keyfile or 'its key'}: cannot serve TLS ({exc.reason or exc})") from None
+
+
+def _check_certificate(certfile: Path) -> None:
+    """ValueError unless ``certfile`` holds a PEM certificate that OpenSSL reads."""
+    import ssl
+
+    text = certfile.read_bytes()
+    if b"-----BEGIN CERTIFICATE-----" not in text:
+        raise ValueError(f"{certfile}: holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cadata=text.decode("ascii", "replace"))
+    except ssl.SSLError as exc:
+        raise ValueError(f"{certfile}: its certificate cannot be read ({exc.reason or exc})") from None
+
+
+__all__ = ["ServeSettings", "check_tls_files"]

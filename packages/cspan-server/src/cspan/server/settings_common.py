@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec, ToolsSpec, parse_mcp, parse_tools
+from cspan.backends.urls import redact_url
 from cspan.core.constants import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, SERVE_MAX_BLOCK_COLUMNS
 from cspan.core.settings import SETTINGS_CONFIG, EnvList
 
@@ -472,10 +473,12 @@ def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]
         if exc is None:
             continue
         if isinstance(exc, TimeoutError | httpx.TimeoutException):
-            lines.append(f"{flag} {url}: no answer within {timeout_s:g} s")
+            lines.append(f"{flag} {redact_url(url)}: no answer within {timeout_s:g} s")
         else:
             cause = str(exc) or type(exc).__name__
-            lines.append(f"{flag} {url}: does not answer ({cause}); start that server or choose another {flag}")
+            lines.append(
+                f"{flag} {redact_url(url)}: does not answer ({cause}); start that server or choose another {flag}"
+            )
     return lines
 
 

@@ -24,10 +24,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from cspan.backends.context_db.models import ContextDBError
 from cspan.backends.context_db.schema import Dialect
+from cspan.backends.urls import redact_url
 
 
 @dataclass
@@ -147,10 +147,10 @@ class PostgresConnection(Connection):
             import psycopg  # noqa: F401
         except ImportError as exc:
             raise ContextDBError(
-                f"the Context DB at {redact(url)} needs psycopg 3: pip install 'psycopg[binary]' ({exc})"
+                f"the Context DB at {redact_url(url)} needs psycopg 3: pip install 'psycopg[binary]' ({exc})"
             ) from exc
         self.url = url
-        self.where = redact(url)
+        self.where = redact_url(url)
         self.connect_timeout_s = connect_timeout_s
         self.journal_mode = "postgresql"
         self._lock = threading.RLock()
@@ -212,22 +212,6 @@ class PostgresConnection(Connection):
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
-
-
-_SECRET_PARAM = re.compile(r"(?i)((?:^|&)(?:password|sslpassword)=)[^&]*")
-
-
-def redact(url: str) -> str:
-    """``url`` without its password, in the user part or a ``password=`` / ``sslpassword=`` query parameter
-    (libpq reads both): "postgresql://ada:***@db:5432/cspan"."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
-    query = _SECRET_PARAM.sub(r"\1***", parts.query)
-    if (netloc, query) == (parts.netloc, parts.query):
-        return url
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def is_postgres_url(target: str) -> bool:

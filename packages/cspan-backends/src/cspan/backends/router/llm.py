@@ -39,6 +39,7 @@ from cspan.backends.http_client import DEFAULT_MAX_REPLY_BYTES, HTTPFailure, HTT
 from cspan.backends.router.base import RouteRequest, RouteResult, ToolCall, is_abstain, tool_reference
 from cspan.backends.tools.bank import render_clause
 from cspan.backends.untrusted import JSONInputError, json_kind, loads, sanitize_text
+from cspan.backends.urls import redact_url
 
 if TYPE_CHECKING:
     from cspan.backends.tools import ToolBank
@@ -384,6 +385,7 @@ class LLMRouter:
         if max_reply_bytes < 1024:
             raise ValueError(f"max_reply_bytes must be at least 1024, got {max_reply_bytes}")
         self.url = chat_url(base_url)
+        self.where = redact_url(self.url)  # for messages and logs: no credential in the URL
         self.model = model
         self.tools = tools
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY") or None
@@ -549,7 +551,7 @@ class LLMRouter:
                 "deadline": "check the server's load, or raise the router timeout",
                 "too_large": "check the server (a chat completion is a few KB), or raise max_reply_bytes",
             }.get(exc.kind, "check the server")
-            where = f"router LLM at {self.url}" + (" is unreachable" if exc.kind == "connect" else "")
+            where = f"router LLM at {self.where}" + (" is unreachable" if exc.kind == "connect" else "")
             raise RouterError(f"{where}: {exc}. Fix: {fix}.") from None
         return reply.status, reply.body
 
@@ -559,7 +561,7 @@ class LLMRouter:
         except JSONInputError as exc:
             shown = sanitize_text(raw[:480].decode("utf-8", "replace"), 120)
             raise RouterError(
-                f"router LLM at {self.url} answered HTTP {status} with a body that is not JSON ({exc}): "
+                f"router LLM at {self.where} answered HTTP {status} with a body that is not JSON ({exc}): "
                 f"{shown!r}. Fix: point --router at an OpenAI-compatible chat endpoint."
             ) from None
 
@@ -578,20 +580,20 @@ class LLMRouter:
             message = data["choices"][0]["message"]
         except (KeyError, IndexError, TypeError):
             raise RouterError(
-                f"router LLM at {self.url} answered HTTP {status} without choices[0].message: "
+                f"router LLM at {self.where} answered HTTP {status} without choices[0].message: "
                 f"{sanitize_text(raw[:640].decode('utf-8', 'replace'), 160)!r}. Fix: use an OpenAI-compatible "
                 "chat-completions endpoint."
             ) from None
         if not isinstance(message, dict):
             raise RouterError(
-                f"router LLM at {self.url} answered HTTP {status} where the message is {json_kind(message)}, not "
+                f"router LLM at {self.where} answered HTTP {status} where the message is {json_kind(message)}, not "
                 "an object. Fix: use an OpenAI-compatible chat-completions endpoint."
             )
         return message
 
     def _http_error(self, status: int, raw: bytes) -> RouterError:
         return RouterError(
-            f"router LLM at {self.url} answered HTTP {status}: {sanitize_text(raw[:800].decode('utf-8', 'replace'), 200)}. Fix: check "
+            f"router LLM at {self.where} answered HTTP {status}: {sanitize_text(raw[:800].decode('utf-8', 'replace'), 200)}. Fix: check "
             "--router, --router-model and the API key."
         )
 
@@ -620,7 +622,7 @@ class LLMRouter:
                 raise self._http_error(status, data)
             log.warning(
                 "router LLM at %s rejected the tools field (HTTP %s: %s); using JSON mode from now on",
-                self.url,
+                self.where,
                 status,
                 data[:120].decode("utf-8", "replace"),
             )
@@ -634,7 +636,7 @@ class LLMRouter:
             body["response_format"] = {"type": "json_object"}
         status, data = await self._post(body)
         if status >= 400 and self._use_response_format and status in (400, 422, 501):
-            log.warning("router LLM at %s rejected response_format (HTTP %s); retrying without it", self.url, status)
+            log.warning("router LLM at %s rejected response_format (HTTP %s); retrying without it", self.where, status)
             self._use_response_format = False
             body.pop("response_format")
             status, data = await self._post(body)
@@ -667,7 +669,7 @@ class LLMRouter:
             log.warning(
                 "router LLM at %s put a tool call in the message text (no tool parser on the server); "
                 "using JSON mode from now on",
-                self.url,
+                self.where,
             )
             self._use_tools_field = False
         return decision
@@ -686,7 +688,7 @@ class LLMRouter:
                 result = await self._route(req)
         except TimeoutError as exc:
             raise RouterError(
-                f"router at {self.url} did not finish within {self.timeout_s:g} s (LLM requests plus the tool "
+                f"router at {self.where} did not finish within {self.timeout_s:g} s (LLM requests plus the tool "
                 "call). Fix: check the server's load or raise the router timeout."
             ) from exc
         result.latency_s = time.perf_counter() - t0

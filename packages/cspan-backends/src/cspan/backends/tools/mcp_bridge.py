@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.bank import Tool, ToolBank, ToolOutput, render_clause
 from cspan.backends.tools.schema import model_from_json_schema
+from cspan.backends.urls import redact_url
 
 if TYPE_CHECKING:
     from mcp.server.lowlevel import Server
@@ -139,7 +140,7 @@ class MCPConnection:
     @property
     def where(self) -> str:
         """The server, in words, for messages."""
-        return " ".join(self.command) if self.command is not None else str(self.url)
+        return " ".join(self.command) if self.command is not None else redact_url(str(self.url))
 
     async def start(self) -> None:
         """Connect, handshake and list the tools; returns when the session is ready.
