@@ -148,6 +148,23 @@ def test_users_add_refuses_a_bad_user_id_as_a_bad_setting(user: str, shown: str,
     assert done.stdout == b""
 
 
+def test_user_ids_with_white_space_at_an_end_are_refused_and_forget_says_when_it_found_nothing(tmp_path: Path) -> None:
+    """`cspan users add " "` issued a token for a blank user, and " ada" would be a user apart from "ada" that no
+    one can tell from it; `cspan db forget` of an id with nothing stored said only "0 ..." (a typo looked done)."""
+    db = tmp_path / "ctx.sqlite"
+    for user in (" ", " ada", "ada\n"):
+        done = _cspan("users", "add", user, "--db", str(db))
+        assert done.returncode == 2 and done.stdout == b"", done.stderr
+        assert (
+            done.stderr.decode()
+            == f"cspan users add: error: user id must not start or end with white space, got {user!r}\n"
+        )
+    done = _cspan("db", "forget", "adaa", "--yes", "--db", str(db))
+    assert done.returncode == 0
+    assert done.stdout.decode().startswith("forgot adaa: 0 spans")
+    assert "nothing was stored about 'adaa'" in done.stderr.decode() and "check the user id" in done.stderr.decode()
+
+
 def test_backends_start_names_a_file_given_as_log_dir(tmp_path: Path) -> None:
     """A file as --log-dir gave only 'file exists'."""
     log = tmp_path / "log"

@@ -45,7 +45,8 @@ async def test_a_second_signal_ends_the_drain_at_once(tiny_checkpoint_dir: Path,
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await client.recv(timeout=30)
             assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
-        assert server.wait(timeout=60) == 128 + sig  # a clean exit, then the signal re-raised
+        # SIGTERM is how a supervisor stops a server: 0 after the orderly shutdown; Ctrl-C: 130 as for any command
+        assert server.wait(timeout=60) == (0 if sig == signal.SIGTERM else 128 + sig)
         assert "Traceback" not in server.log and "Application shutdown complete" in server.log
     finally:
         print(server.log)  # shown when the test fails

@@ -28,6 +28,7 @@ async def test_token_required(serve) -> None:
     assert await closed_code(server.ws_url) == 4401
     assert await closed_code(server.ws_url + "?token=wrong-token-000") == 4401
     assert await closed_code(server.ws_url, subprotocols=["cspan.token.wrong-token-000"]) == 4401
+    assert await closed_code(server.ws_url, additional_headers={"Authorization": "Bearer wrong-token-000"}) == 4401
     assert server.hub.free_slots() == 1  # refused before any session work
 
     async with websockets.connect(server.ws_url + f"?token={TOKEN}", max_size=None) as ws:
@@ -36,10 +37,14 @@ async def test_token_required(serve) -> None:
     async with websockets.connect(server.ws_url, subprotocols=[f"cspan.token.{TOKEN}"], max_size=None) as ws:
         assert ws.subprotocol == f"cspan.token.{TOKEN}"  # echoed, as browsers require
         assert (await Client(ws).start())["type"] == "ready"
+        await Client(ws).stop()
+    headers = {"Authorization": f"Bearer {TOKEN}"}  # what a program sends, as on the other protocols
+    async with websockets.connect(server.ws_url, additional_headers=headers, max_size=None) as ws:
+        assert (await Client(ws).start())["type"] == "ready"
 
     assert httpx.get(server.url + "/metrics").status_code == 401  # operators' numbers: the token's admin scope
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
-    assert 'cspan_auth_failures_total{protocol="cspan",reason="token"} 3.0' in metrics
+    assert 'cspan_auth_failures_total{protocol="cspan",reason="token"} 4.0' in metrics
 
 
 async def test_foreign_origin_refused(serve) -> None:

@@ -140,6 +140,9 @@ async def test_health_info_page_and_static_files(serve) -> None:
             "free_slots": 1,
             "protocol_version": 1,
         }
+        for path in ("/health", "/"):  # HEAD, as some balancers check: the status and headers, no body
+            head = await http.head(path)
+            assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
         info = (await http.get("/info")).json()
         assert info["voices"] == ["tiny0", "tiny1"] and info["default_voice"] == "tiny0"
         assert info["token_required"] is False

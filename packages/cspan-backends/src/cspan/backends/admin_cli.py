@@ -216,6 +216,12 @@ def _db_forget(args: argparse.Namespace, db: Any) -> int:
         return 2
     counts = db.forget_user(args.user, tokens=args.tokens)
     print(f"forgot {args.user}: " + ", ".join(f"{n} {table}" for table, n in counts.items()))
+    if not any(counts.values()):  # still recorded as forgotten (a running session ends): the erasure is idempotent
+        print(
+            f"cspan db forget: nothing was stored about {args.user!r} in {db.where}; check the user id "
+            "(`cspan users list` names the users with tokens)",
+            file=sys.stderr,
+        )
     return 0
 
 

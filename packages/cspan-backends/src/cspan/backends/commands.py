@@ -177,5 +177,8 @@ def _backends_env(args: argparse.Namespace) -> int:
     except LauncherError as exc:
         print(f"cspan backends env: error: {exc}", file=sys.stderr)
         return 1
+    if not lines:  # on standard error: `eval "$(cspan backends env)"` still sets nothing, and says why
+        print("cspan backends env: no backends are running (start them with `cspan backends start`)", file=sys.stderr)
+        return 0
     print("\n".join(lines))
     return 0

@@ -369,7 +369,7 @@ def create_app(
 
     # Route functions carry no annotations: this module postpones them (PEP 563) and FastAPI would have to
     # resolve names that are imported lazily, above.
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index():
         return static("index.html")
 
@@ -379,7 +379,7 @@ def create_app(
             return JSONResponse({"detail": "not found"}, status_code=404)
         return static(name)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some balancers' checks send
     async def health():
         """Liveness and capacity, for load balancers: 200 while a slot is free, 503 when full, draining or stopped
         (the body says which). An ``--mcp`` server that is down does not make it unhealthy (conversations go on,

@@ -209,8 +209,15 @@ def _load_and_serve(settings: ServeSettings, sock: socket.socket) -> int:
     if "error" in loaded:
         raise loaded["error"]
     app = loaded["app"]
-    make_server(uvicorn_config(app, settings)).run(sockets=[sock])
-    return 0
+    from cspan.core.errors import Terminated
+
+    try:
+        make_server(uvicorn_config(app, settings)).run(sockets=[sock])
+    except Terminated as exc:  # uvicorn re-raises the signal once it has shut down
+        if exc.signum != signal.SIGTERM:
+            raise
+        logger.info("stopped on SIGTERM after an orderly shutdown")
+    return 0  # SIGTERM is how a supervisor (systemd, Kubernetes, docker stop) asks a server to stop: a clean exit
 
 
 __all__ = [

@@ -422,6 +422,8 @@ class ContextDBSettings(BaseSettings):
         value = value.strip()
         if not value:
             raise ValueError("empty; give a file, ':memory:' or a postgresql:// URL (or leave it out)")
+        if "://" not in value and Path(value).expanduser().is_dir():
+            raise ValueError("is a folder; give the Context DB's file (e.g. FOLDER/context.sqlite), ':memory:' or a URL")
         return value
 
     def open_db(self) -> Any:

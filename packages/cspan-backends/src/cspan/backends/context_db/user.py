@@ -54,11 +54,14 @@ _ERASE_LOCK = 0x63737062  # PostgreSQL advisory lock class of one user's erase (
 
 
 def check_id(value: object, what: str) -> str:
-    """``value`` if it is a usable id (a non-empty string of at most :data:`MAX_ID_CHARS` printable characters).
+    """``value`` if it is a usable id (a non-empty string of at most :data:`MAX_ID_CHARS` printable characters,
+    without spaces at either end: ``" ada"`` would be a user apart from ``"ada"`` that no one can tell from it).
 
     Raises:
         ValueError: naming ``what`` and the problem.
     """
+    if isinstance(value, str) and value and value != value.strip():
+        raise ValueError(f"{what} must not start or end with white space, got {value[:60]!r}")
     if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS or not value.isprintable():
         shown = repr(value)
         if len(shown) > 60:  # a long value is cut in the message, its length said

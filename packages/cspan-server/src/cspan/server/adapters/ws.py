@@ -8,6 +8,7 @@ import dataclasses
 from pydantic import BaseModel
 
 from cspan.server.adapters import Connection, Credential, ProtocolAdapter, off_loop
+from cspan.server.auth import bearer_token
 from cspan.server.opus import OGG_CAPTURE, OggOpusDecoder, OggOpusEncoder
 from cspan.server.protocol import (
     CODECS,
@@ -63,11 +64,17 @@ class CspanAdapter(ProtocolAdapter):
 
     @classmethod
     def credential(cls, connection: Connection) -> Credential:
-        """The subprotocol ``cspan.token.<token>`` (echoed, as browsers require), else the query ``?token=``; two
-        that differ conflict."""
+        """The subprotocol ``cspan.token.<token>`` (echoed, as browsers require), else the query ``?token=``, else
+        ``Authorization: Bearer`` (what a program other than a browser sends, as on the other protocols); two that
+        differ conflict."""
         offered = [p for p in connection.subprotocols if p.startswith(TOKEN_SUBPROTOCOL_PREFIX)]
         tokens = [p[len(TOKEN_SUBPROTOCOL_PREFIX) :] for p in offered]
-        return Credential.first_of(*tokens, connection.query.get("token"), subprotocol=offered[0] if offered else None)
+        return Credential.first_of(
+            *tokens,
+            connection.query.get("token"),
+            bearer_token(connection.headers.get("authorization")),
+            subprotocol=offered[0] if offered else None,
+        )
 
     async def receive(self, data: bytes | str) -> None:
         if isinstance(data, bytes):
