@@ -271,3 +271,7 @@ def test_summary_counts_missing_answers_as_wrong_in_the_all_variants() -> None:
     assert m["resp_acc"] == 1.0 and m["resp_acc_all"] == pytest.approx(2 / 3)
     assert m["resp_given_ref"] == 1.0 and m["span_rate"] == pytest.approx(2 / 3) and m["ret_rate"] == 1.0
     assert m["ret_lat_s"] == 0.5 and m["inj_lat_s"] == 1.0
+    failed = result("4", True, True, 1)
+    failed.ref = Verdict(correct=None, method="judge", explanation="judge failed: HTTP 500", judge_failed=True)
+    m = summarize_qa("llamaq", [result("1", True, True, 1), result("3", None, None, 0), failed]).metrics
+    assert m["ref_acc_all"] == 0.5 and m["resp_acc_all"] == pytest.approx(2 / 3)  # an unrated item is left out

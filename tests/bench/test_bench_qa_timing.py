@@ -238,6 +238,10 @@ def test_failed_judgements_are_asked_again(fake_chat_server) -> None:
     assert all(r.ref.judge_failed and r.resp.judge_failed and r.timing.judge_failed for r in judged)
     summary = summarize_qa("llamaq", judged)
     assert summary.metrics["resp_acc"] is None and summary.metrics["e2ekd_s"] is None
+    # nothing rated is nothing measured, not 0 %: a dead judge is not the model's miss
+    assert summary.metrics["ref_acc_all"] is None and summary.metrics["resp_acc_all"] is None
+    assert "the judge rated none of the 3 spoken answer(s) it was asked: resp. accuracy not measured" in summary.notes
+    assert not any("did the model emit <ret>" in n for n in summary.notes)
     assert any(n.startswith("the judge failed for 6 ref./resp. verdict(s) and 3 keyword(s)") for n in summary.notes)
     # the next run (same judge): everything that failed is asked again
     state["up"] = True

@@ -60,6 +60,31 @@ def test_fdb_v1_out_over_the_data_is_refused(v1_copy: Path, tmp_path: Path, cli,
     assert (v1_copy / "scores2" / "pause_handling_example" / "summary.json").is_file()
 
 
+def test_qa_out_over_the_data_and_a_dead_backend_are_refused_before_any_work(tmp_path: Path, cli, capsys) -> None:
+    """`bench qa --out DATA` wrote q1/ and summary.json into the dataset, and a `--router` URL where nothing answers
+    played every item and scored 0 % (fdb-v1 / fdb-v3 runs alike): both are refused before anything loads, the URL
+    shown without its credentials."""
+    data = tmp_path / "set"
+    (data / "audios").mkdir(parents=True)
+    (data / "meta.json").write_text('[{"id": "q1", "question": "Capital of France?", "answers": ["Paris"]}]')
+    qa = ["bench", "qa", "--set", "llamaq", "--data", str(data), "--checkpoint", str(tmp_path / "no-model")]
+    for out, why in ((data, "is the --data folder"), (data / "out", "is inside the --data folder")):
+        assert cli(*qa, "--out", str(out)) == 2
+        assert f"--out {out}: {why}" in capsys.readouterr().err
+    dead = "http://bob:hunter2pw@127.0.0.1:9/v1"
+    assert cli(*qa, "--out", str(tmp_path / "o"), "--router", dead, "--router-model", "m") == 1
+    err = capsys.readouterr().err.strip()
+    assert "--router http://bob:***@127.0.0.1:9/v1: nothing answers there" in err and "hunter2pw" not in err
+    (tmp_path / "v1").mkdir()
+    run = ["bench", "fdb-v1", "run", "--data", str(tmp_path / "v1"), "--checkpoint", str(tmp_path / "m"), "--out"]
+    assert cli(*run, str(tmp_path / "o2"), "--asr", "http://127.0.0.1:9/v1/audio") == 1
+    assert "--asr http://127.0.0.1:9/v1/audio: nothing answers there" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["set", "v1"] and sorted(p.name for p in data.iterdir()) == [
+        "audios",
+        "meta.json",
+    ]
+
+
 def test_failed_run_leaves_no_empty_out_folder(tmp_path: Path, cli, capsys) -> None:
     out = tmp_path / "a" / "b"
     assert cli("bench", "fdb-v1", "score", "--data", str(tmp_path / "missing"), "--out", str(out)) == 1
@@ -140,6 +165,8 @@ def test_fdb_v1_score_with_a_judge_that_is_down_finishes_and_records_failures(
         ("fdb-v1 run", "--output-offset-frames", "100000", "'100000' is out of range: give 0 to 125"),
         ("fdb-v1 run", "--seed", "-1", "'-1' is out of range: give 0 to 9223372036854775807"),
         ("fdb-v1 run", "--seed", str(2**63), f"'{2**63}' is out of range: give 0 to 9223372036854775807"),
+        ("fdb-v1 run", "--listen-s", "100", "'100' is out of range: give 0.001 to 60"),  # infer's ranges
+        ("fdb-v1 run", "--span-deadline-s", "1e9", "'1e9' is out of range: give 0.001 to 600"),
         ("fdb-v1 run", "--limit", "0", "'0' must be >= 1"),
         ("fdb-v1 run", "--limit", "-1", "'-1' must be >= 1"),
         ("serve", "--clients", "0", "'0' is out of range: give 1 to 1024"),

@@ -16,7 +16,8 @@ from hostile_http import HostileServer
 from serve_client import Client
 
 from cspan.backends.asr import OpenAITranscriber
-from cspan.server.settings_common import backend_answers, check_backends_answer
+from cspan.backends.http_client import backend_answers
+from cspan.server.settings_common import check_backends_answer
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ __all__ = [
     "HTTPFailure",
     "HTTPPolicy",
     "HTTPReply",
+    "backend_answers",
     "off_loop",
     "request",
 ]
@@ -273,3 +274,20 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
     if size <= INLINE_BYTES:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
+
+
+async def backend_answers(urls: list[str], timeout_s: float) -> list[BaseException | None]:
+    """Whether an HTTP server answers at each of ``urls``, all asked at once: ``None`` when a status line and
+    headers arrive within ``timeout_s`` (any status counts; the body is never read, so a server that trickles or
+    floods its body cannot hold the check), else the exception (``TimeoutError`` at the deadline)."""
+    import httpx
+
+    async def one(client: httpx.AsyncClient, url: str) -> BaseException | None:
+        try:
+            async with asyncio.timeout(timeout_s), client.stream("GET", url):
+                return None
+        except Exception as exc:
+            return exc
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False) as client:
+        return list(await asyncio.gather(*(one(client, url) for url in urls)))

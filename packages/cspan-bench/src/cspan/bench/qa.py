@@ -8,7 +8,8 @@ original) is played through the loop (:func:`cspan.bench.session.render`): the m
 model answers. Two things are judged per item against the gold answers:
 
 - **ref.**: the reference the router produced (the text of the injected spans); items without a span have no ref.
-  verdict and are left out of ``ref_acc`` (``ref_acc_all`` counts them as wrong);
+  verdict and are left out of ``ref_acc`` (``ref_acc_all`` counts them as wrong; an item the judge failed to rate
+  is left out of both);
 - **resp.**: the model's spoken answer, read from its text stream with the special tokens removed (as MoshiRAG's
   released evaluator and the original system judge it); an empty answer is left out of ``resp_acc`` and counts
   as wrong in ``resp_acc_all``.
@@ -575,13 +576,18 @@ def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
     timings = [r.timing for r in results if r.timing is not None]
     spoke = [t for t in timings if t.ttfat_s is not None]
     keyed = [t for t in spoke if t.e2ekd_s is not None and t.keyword_delay_s is not None]
-    failed_verdicts = sum(v is not None and v.judge_failed for r in results for v in (r.ref, r.resp))
+    ref_failed = sum(r.ref is not None and r.ref.judge_failed for r in results)
+    resp_failed = sum(r.resp is not None and r.resp.judge_failed for r in results)
+    failed_verdicts = ref_failed + resp_failed
     failed_keywords = sum(t.judge_failed for t in timings)
+    # "all": over every item, one without a reference (answer) counted wrong; one the judge could not rate is not
+    # the model's miss: it is left out, and with none rated the accuracy is not measured (None), not 0
+    ref_rated, resp_rated = n - ref_failed, n - resp_failed
     metrics: dict[str, float | None] = {
         "ref_acc": _mean([float(x) for x in refs]),
         "resp_acc": _mean([float(x) for x in resps]),
-        "ref_acc_all": sum(refs) / n if n else None,
-        "resp_acc_all": sum(resps) / n if n else None,
+        "ref_acc_all": sum(refs) / ref_rated if ref_rated else None,
+        "resp_acc_all": sum(resps) / resp_rated if resp_rated else None,
         "resp_given_ref": _mean([float(x) for x in given]),
         "span_rate": sum(r.n_spans > 0 for r in results) / n if n else None,
         "ret_rate": sum(r.n_rets > 0 for r in results) / n if n else None,
@@ -594,9 +600,15 @@ def summarize_qa(set_name: str, results: Sequence[QAItemResult]) -> QASummary:
         "keyword_found_rate": len(keyed) / len(spoke) if spoke else None,
     }
     notes = []
-    if n and not refs:
+    if n and not refs and ref_failed:
+        notes.append(f"the judge rated none of the {ref_failed} reference(s) it was asked: ref. accuracy not measured")
+    elif n and not refs:
         notes.append("no item got a judgeable reference: ref. accuracy undefined (did the model emit <ret>?)")
-    if n and not resps:
+    if n and not resps and resp_failed:
+        notes.append(
+            f"the judge rated none of the {resp_failed} spoken answer(s) it was asked: resp. accuracy not measured"
+        )
+    elif n and not resps:
         notes.append("no item got a judgeable spoken answer: resp. accuracy undefined")
     if failed_verdicts or failed_keywords:
         notes.append(

@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cspan.core.constants import MAX_TEMPERATURE, MIN_TEMPERATURE, SERVE_MAX_BLOCK_COLUMNS
+from cspan.core.constants import (
+    MAX_LISTEN_S,
+    MAX_SPAN_DEADLINE_S,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    SERVE_MAX_BLOCK_COLUMNS,
+)
 
 # --- shared flags ------------------------------------------------------------------------------------------------
 
@@ -167,7 +173,12 @@ def add_loop_arguments(
             help="mount an MCP server's tools: a stdio command line or a streamable-HTTP URL, after optional "
             "allow=a,b read=a,b prefix=p_ timeout=S and '--' (repeatable; see docs/OPERATORS.md)",
         )
-    g.add_argument("--listen-s", type=float, default=12.0, help="ASR window when no utterance transcript is usable")
+    g.add_argument(
+        "--listen-s",
+        type=in_range(0.001, MAX_LISTEN_S),
+        default=12.0,
+        help=f"ASR window when no utterance transcript is usable (s, at most {MAX_LISTEN_S:g}; as cspan infer)",
+    )
     g.add_argument(
         "--span-delay-s",
         type=non_negative,
@@ -175,7 +186,10 @@ def add_loop_arguments(
         help="offline clock: inject each reference exactly this long after it was asked (default %(default)s s)",
     )
     g.add_argument(
-        "--span-deadline-s", type=float, default=10.0, help="drop a reference later than this after <ret> (s)"
+        "--span-deadline-s",
+        type=in_range(0.001, MAX_SPAN_DEADLINE_S),
+        default=10.0,
+        help=f"drop a reference later than this after <ret> (s, at most {MAX_SPAN_DEADLINE_S:g}; as cspan infer)",
     )
     g.add_argument("--realtime", action="store_true", help="live clock: pace to 80 ms per frame, apply on arrival")
     g.add_argument(
@@ -277,6 +291,39 @@ def check_loop(args: argparse.Namespace, *, text_questions: bool = False) -> Non
             f"--router {args.router} needs the user's words: with --asr none no <ret> can be answered; pass --asr "
             "sphinx (or a transcription server URL), or --router none to run without retrieval"
         )
+
+
+async def check_backends(args: argparse.Namespace, *, timeout_s: float = 5.0) -> None:
+    """Ask the ``--router`` and ``--asr`` URLs (when they are URLs) whether something answers HTTP there, before
+    any model loads, as ``cspan infer`` does: a run against a dead backend would otherwise play every item, answer
+    no ``<ret>``, and score as if the model had asked nothing.
+
+    Raises:
+        BenchError: naming the flag, the URL (without its credentials) and the cause.
+    """
+    import httpx
+
+    from cspan.backends.http_client import backend_answers
+    from cspan.backends.urls import redact_url
+    from cspan.bench.errors import BenchError
+
+    urls = {
+        flag: value.removeprefix("openai+")
+        for flag, value in (("--router", args.router), ("--asr", args.asr))
+        if "://" in value
+    }
+    if not urls:
+        return
+    answers = await backend_answers(list(urls.values()), timeout_s)
+    problems = []
+    for (flag, url), answer in zip(urls.items(), answers, strict=True):
+        if answer is None:
+            continue
+        timed_out = isinstance(answer, TimeoutError | httpx.TimeoutException)
+        why = f"no answer within {timeout_s:g} s" if timed_out else str(answer) or type(answer).__name__
+        problems.append(f"{flag} {redact_url(url)}: nothing answers there ({why}); start that server or fix the URL")
+    if problems:
+        raise BenchError("; ".join(problems))
 
 
 def build_session_from(args: argparse.Namespace, **extra: Any) -> Any:
@@ -661,6 +708,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     from cspan.bench.transcribe import make_transcriber
 
     check_loop(args)
+    await check_backends(args)
     tasks = resolve_input_tasks(args.data, args.tasks)
     icc_gt = _find_icc_gt(args.icc_gt, args.data, tasks)
     session = build_session_from(args)
@@ -808,6 +856,7 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
     from cspan.bench.transcribe import make_transcriber
 
     check_loop(args)
+    await check_backends(args)
     release, data, scenarios = v3_inputs(args, need_data=True)
     samples = find_samples(data, scenarios)
     from_metadata = scenarios_from_metadata(samples)
@@ -921,6 +970,11 @@ def score_v3(
     world = fdb_v3.results_world(results)
     if world is None:
         summary.notes.append("the results record no world (whose mock APIs, tools and persona they were run with)")
+    if str(config.get("router", "")).lower() == "local":
+        summary.notes.append(
+            "run with the local router, which calls none of the 12 mock tools: tool selection and argument accuracy "
+            "measure the router, not the model (pass --router URL --router-model NAME)"
+        )
     summary.config = {
         **config,
         "world": world,
@@ -958,7 +1012,12 @@ def register_qa(sub: Any) -> None:
         ),
     )
     p.add_argument("--set", dest="qa_set", required=True, choices=QA_SETS, help="which set")
-    p.add_argument("--data", required=True, type=Path, help="the set's folder or question file (see the docs)")
+    p.add_argument(
+        "--data",
+        required=True,
+        type=Path,
+        help='the set\'s folder or question file (docs/BENCH.md, "Spoken QA: the data --data reads")',
+    )
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument(
         "--question-source",
@@ -982,8 +1041,12 @@ def register_qa(sub: Any) -> None:
 
 
 def _qa(args: argparse.Namespace) -> int:
-    from cspan.bench.session import check_out
+    from cspan.bench.session import check_out, check_out_apart
 
+    if args.data.is_dir():  # a set's folder (meta.json, audios/): nothing of a run goes in it
+        check_out_apart(args.out, args.data)
+    else:  # a question file: not over its folder (its audios/ beside it)
+        check_out_apart(args.out, args.data.parent, what="the folder of --data")
     check_out(args.out, folder=True)
     return asyncio.run(_qa_async(args))
 
@@ -994,6 +1057,7 @@ async def _qa_async(args: argparse.Namespace) -> int:
     from cspan.bench.transcribe import make_transcriber
 
     check_loop(args, text_questions=args.question_source == "text")
+    await check_backends(args)
     items = load_qa_items(args.data, args.qa_set, limit=args.limit)
     # word-timed: the same transcriber serves the loop and the delays' word times of output.wav
     transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None

@@ -66,6 +66,13 @@ SERVE_MAX_BLOCK_COLUMNS: int = 640
 default is no budget): one longest span, or two of the 256-column mean length, per 80 ms frame; a frame where more
 arrive reads the rest in the next frames instead of doubling its own time (docs/PERFORMANCE.md, capacity)."""
 
+# --- the conversation loop's limits (``--listen-s``, ``--span-deadline-s`` of infer, serve and the bench runners) ---
+MAX_LISTEN_S: float = 60.0
+"""Longest ASR window when no utterance transcript is usable (seconds)."""
+MAX_SPAN_DEADLINE_S: float = 600.0
+"""Longest deadline of a reference after its ``<ret>`` (seconds): a slow backend on a slow machine (tests on a loaded
+CPU) still fits."""
+
 __all__ = [
     "BOS",
     "DEFAULT_MAX_SPAN_FRAMES",
@@ -77,6 +84,8 @@ __all__ = [
     "EPAD",
     "FRAME_RATE",
     "FRAME_SIZE",
+    "MAX_LISTEN_S",
+    "MAX_SPAN_DEADLINE_S",
     "MAX_TEMPERATURE",
     "MAX_TOP_K",
     "MIN_TEMPERATURE",

@@ -358,8 +358,8 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
     """
     import httpx
 
+    from cspan.backends.http_client import backend_answers
     from cspan.core.errors import CspanError
-    from cspan.server.settings_common import backend_answers
 
     checks = [
         (flag, url, fallback, start)

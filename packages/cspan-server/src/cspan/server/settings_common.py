@@ -25,6 +25,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec, ToolsSpec, parse_mcp, parse_tools
 from cspan.backends.urls import redact_url
+from cspan.core.constants import MAX_LISTEN_S as MAX_WINDOW_S
+from cspan.core.constants import MAX_SPAN_DEADLINE_S as MAX_DEADLINE_S
 from cspan.core.constants import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, SERVE_MAX_BLOCK_COLUMNS
 from cspan.core.settings import SETTINGS_CONFIG, EnvList
 
@@ -38,10 +40,6 @@ MAX_TEXT_PROMPT_CHARS = 4000
 """Longest persona text prompt accepted (characters); whether it fits the model's window is checked on its frames."""
 MAX_SEED = 2**63 - 1
 """Seeds are 0 .. 2**63 - 1 (a non-negative int64, what ``torch.Generator.manual_seed`` keeps)."""
-MAX_WINDOW_S = 60.0
-"""Longest ``--listen-s`` (seconds)."""
-MAX_DEADLINE_S = 600.0
-"""Longest ``--span-deadline-s`` (seconds): a slow backend on a slow machine (tests on a loaded CPU) still fits."""
 
 LEGACY_ENV = {"asr": "CSPAN_ASR_URL", "router": "CSPAN_ROUTER_URL"}
 """Environment names that ``cspan backends env`` prints, read below the generated ``CSPAN_ASR`` / ``CSPAN_ROUTER``."""
@@ -423,7 +421,9 @@ class ContextDBSettings(BaseSettings):
         if not value:
             raise ValueError("empty; give a file, ':memory:' or a postgresql:// URL (or leave it out)")
         if "://" not in value and Path(value).expanduser().is_dir():
-            raise ValueError("is a folder; give the Context DB's file (e.g. FOLDER/context.sqlite), ':memory:' or a URL")
+            raise ValueError(
+                "is a folder; give the Context DB's file (e.g. FOLDER/context.sqlite), ':memory:' or a URL"
+            )
         return value
 
     def open_db(self) -> Any:
@@ -437,26 +437,9 @@ class ContextDBSettings(BaseSettings):
         return ContextDB(self.db, retention_days=self.retention_days)
 
 
-async def backend_answers(urls: list[str], timeout_s: float) -> list[BaseException | None]:
-    """Whether an HTTP server answers at each of ``urls``, all asked at once: ``None`` when a status line and
-    headers arrive within ``timeout_s`` (any status counts; the body is never read, so a server that trickles or
-    floods its body cannot hold the check), else the exception (``TimeoutError`` at the deadline)."""
-    import httpx
-
-    async def one(client: httpx.AsyncClient, url: str) -> BaseException | None:
-        try:
-            async with asyncio.timeout(timeout_s), client.stream("GET", url):
-                return None
-        except Exception as exc:
-            return exc
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False) as client:
-        return list(await asyncio.gather(*(one(client, url) for url in urls)))
-
-
 def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]:
     """Ask every backend URL of ``settings`` (a :class:`BackendSettings`) whether something answers HTTP there
-    (:func:`backend_answers`; call it where no event loop runs, e.g. while the model loads in a thread).
+    (:func:`cspan.backends.http_client.backend_answers`; call it where no event loop runs, e.g. while the model loads in a thread).
 
     Any HTTP answer counts (a 404 still means a server listens); a refused connection, a name that does not resolve
     or no answer within ``timeout_s`` does not.
@@ -469,6 +452,8 @@ def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]
     items = list(settings.backend_urls().items())
     if not items:
         return []
+    from cspan.backends.http_client import backend_answers
+
     answers = asyncio.run(backend_answers([url for _, url in items], timeout_s))
     lines = []
     for (flag, url), exc in zip(items, answers, strict=True):
@@ -492,7 +477,6 @@ __all__ = [
     "Temperature",
     "ToolSettings",
     "Utf8Text",
-    "backend_answers",
     "check_backends_answer",
     "check_http_url",
 ]
