@@ -85,6 +85,31 @@ def test_qa_out_over_the_data_and_a_dead_backend_are_refused_before_any_work(tmp
     ]
 
 
+def test_a_broken_example_stops_a_run_before_its_first_item(v1_copy: Path, tmp_path: Path, cli, capsys) -> None:
+    """A corrupt input.wav in the second example stopped `fdb-v1 run` after the first was rendered (no summary), and
+    a missing question audio stopped `qa` after q1: every input is checked before anything renders."""
+    second = v1_copy / "smooth_turn_taking_example" / "1" / "input.wav"
+    second.write_bytes(b"RIFF\x00\x00\x00\x00WAVEjunk")
+    out = tmp_path / "o"
+    run = ["bench", "fdb-v1", "run", "--data", str(v1_copy), "--checkpoint", str(tmp_path / "no-model")]
+    assert cli(*run, "--out", str(out), "--asr", "none", "--router", "none") == 1
+    err = capsys.readouterr().err
+    assert f"1 of 3 input file(s) cannot be played: {second} is not readable audio" in err, err
+    assert "nothing was rendered" in err and not out.exists()
+    data = tmp_path / "set"
+    data.mkdir()
+    (data / "meta.json").write_text(
+        '[{"id": "q1", "question": "Capital of France?", "answers": ["Paris"]},'
+        ' {"id": "q2", "question": "Capital of Italy?", "answers": ["Rome"]}]'
+    )
+    (data / "audios").mkdir()
+    shutil.copyfile(v1_copy / "pause_handling_example" / "1" / "input.wav", data / "audios" / "q1.wav")
+    qa = ["bench", "qa", "--set", "llamaq", "--data", str(data), "--out", str(out), "--asr", "none"]
+    assert cli(*qa, "--router", "none", "--checkpoint", str(tmp_path / "no-model")) == 1
+    err = capsys.readouterr().err
+    assert "1 of 2 item(s) have no audio: ['q2']" in err and not out.exists()
+
+
 def test_failed_run_leaves_no_empty_out_folder(tmp_path: Path, cli, capsys) -> None:
     out = tmp_path / "a" / "b"
     assert cli("bench", "fdb-v1", "score", "--data", str(tmp_path / "missing"), "--out", str(out)) == 1

@@ -50,6 +50,7 @@ from cspan.bench.session import (
     TEACHER_PROMPT,
     BenchSession,
     Progress,
+    check_audio_inputs,
     read_pcm,
     render,
     seed_for,
@@ -354,6 +355,7 @@ async def run_fdb_v1(
             f"backchannel scoring needs {ICC_GT_JSON} (the benchmark's v1_v1.5/evaluation folder); put it in the "
             "data folder or pass --icc-gt PATH (or --asr none to render only)"
         )
+    check_audio_inputs([d / INPUT_WAV for t in tasks for d in t.samples[: options.limit]])
     result = V1RunResult()
     total = sum(len(t.samples[: options.limit]) for t in tasks)
     with Progress(total, "fdb-v1 render", quiet=options.quiet) as bar:

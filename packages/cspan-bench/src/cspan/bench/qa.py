@@ -334,6 +334,28 @@ def load_qa_items(data: Path, set_name: str, *, limit: int | None = None) -> lis
     return items[:limit] if limit is not None else items
 
 
+def check_qa_audio(items: Sequence[QAItem], tts: str | None) -> None:
+    """Every item's question audio readable, or synthesisable with ``tts``, before the first item renders (a missing
+    one found halfway used to stop a run after the items before it).
+
+    Raises:
+        BenchError: a ``tts`` other than espeak-ng. BenchDataError: items without audio (and no ``tts``), audio
+            files that cannot be read (:func:`cspan.bench.session.check_audio_inputs`).
+    """
+    from cspan.bench.session import check_audio_inputs
+
+    if tts and tts != "espeak-ng":
+        raise BenchError(f"--tts {tts!r}: only espeak-ng is supported")
+    unvoiced = [item.id for item in items if item.audio is None]
+    if unvoiced and not tts:
+        more = f" (and {len(unvoiced) - 5} more)" if len(unvoiced) > 5 else ""
+        raise BenchDataError(
+            f"{len(unvoiced)} of {len(items)} item(s) have no audio: {unvoiced[:5]}{more}; put audios/<id>.wav beside "
+            "the question file, or pass --tts espeak-ng to synthesise them (nothing was rendered)"
+        )
+    check_audio_inputs([item.audio for item in items if item.audio is not None], "question audio")
+
+
 def synthesize_espeak(text: str, path: Path, *, voice: str = "en-us", wpm: int = 150) -> Path:
     """Speak ``text`` with espeak-ng into a WAV file (espeak-ng's 22.05 kHz mono) and return its path.
 
@@ -872,14 +894,13 @@ async def run_qa(
     """
     from cspan.bench.session import Progress, write_json
 
+    check_qa_audio(items, options.tts)
     judge_key = json.dumps(judge.describe(), sort_keys=True) if judge is not None else "alias"
     source = timing_source(options.timing_words, transcriber)
     results: list[QAItemResult] = []
     with Progress(len(items), f"qa {options.set_name}", quiet=options.quiet) as bar:
         for item in items:
             if item.audio is None and options.tts:
-                if options.tts != "espeak-ng":
-                    raise BenchError(f"--tts {options.tts!r}: only espeak-ng is supported")
                 item.audio = synthesize_espeak(item.question, out / "tts" / f"{_safe(item.id)}.wav")
             item_dir = out / _safe(item.id)
             result = await run_item(session, item, item_dir, options, transcriber=transcriber, retriever=retriever)

@@ -703,13 +703,14 @@ def _fdb_v1_run(args: argparse.Namespace) -> int:
 
 
 async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
-    from cspan.bench.fdb_v1_run import V1RunOptions, resolve_input_tasks, run_fdb_v1
-    from cspan.bench.session import close_quietly
+    from cspan.bench.fdb_v1_run import INPUT_WAV, V1RunOptions, resolve_input_tasks, run_fdb_v1
+    from cspan.bench.session import check_audio_inputs, close_quietly
     from cspan.bench.transcribe import make_transcriber
 
     check_loop(args)
     await check_backends(args)
     tasks = resolve_input_tasks(args.data, args.tasks)
+    check_audio_inputs([d / INPUT_WAV for t in tasks for d in t.samples[: args.limit]])  # before the model loads
     icc_gt = _find_icc_gt(args.icc_gt, args.data, tasks)
     session = build_session_from(args)
     transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
@@ -1045,20 +1046,21 @@ def _qa(args: argparse.Namespace) -> int:
 
     if args.data.is_dir():  # a set's folder (meta.json, audios/): nothing of a run goes in it
         check_out_apart(args.out, args.data)
-    else:  # a question file: not over its folder (its audios/ beside it)
-        check_out_apart(args.out, args.data.parent, what="the folder of --data")
+    elif args.data.is_file():  # a question file: not its folder or one holding it (its audios/ are beside it)
+        check_out_apart(args.out, args.data.parent, what="the folder of --data", inside=False)
     check_out(args.out, folder=True)
     return asyncio.run(_qa_async(args))
 
 
 async def _qa_async(args: argparse.Namespace) -> int:
-    from cspan.bench.qa import QARunOptions, load_qa_items, qa_table, run_qa, timing_source
+    from cspan.bench.qa import QARunOptions, check_qa_audio, load_qa_items, qa_table, run_qa, timing_source
     from cspan.bench.session import close_quietly
     from cspan.bench.transcribe import make_transcriber
 
     check_loop(args, text_questions=args.question_source == "text")
     await check_backends(args)
     items = load_qa_items(args.data, args.qa_set, limit=args.limit)
+    check_qa_audio(items, args.tts)  # before the model loads
     # word-timed: the same transcriber serves the loop and the delays' word times of output.wav
     transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
     timing_source(args.timing_words, transcriber)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from cspan.bench.errors import BenchError
+from cspan.bench.errors import BenchDataError, BenchError
 
 log = logging.getLogger(__name__)
 
@@ -514,6 +514,36 @@ def read_pcm(path: Path, sample_rate: int | None = None) -> tuple[np.ndarray, in
 
         pcm, sr = resample(pcm, sr, sample_rate), sample_rate
     return pcm, sr
+
+
+def check_audio_inputs(paths: Sequence[Path], what: str = "input") -> None:
+    """Refuse a run whose inputs are not all readable audio, before its first item renders: one broken example
+    found halfway used to stop a run with half its outputs written and no summary. Only the headers are read
+    (``soundfile.info``), so a long dataset is checked in a moment.
+
+    Raises:
+        BenchDataError: naming the first few missing or unreadable files and how many there are.
+    """
+    import soundfile as sf
+
+    bad = []
+    for path in paths:
+        if not path.is_file():
+            bad.append(f"{path} is missing")
+            continue
+        try:
+            info = sf.info(str(path))
+        except (RuntimeError, sf.LibsndfileError, OSError) as exc:
+            bad.append(f"{path} is not readable audio ({exc})")
+            continue
+        if info.frames <= 0 or info.samplerate <= 0:
+            bad.append(f"{path} holds no audio")
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise BenchDataError(
+            f"{len(bad)} of {len(paths)} {what} file(s) cannot be played: {'; '.join(bad[:3])}{more}; fix or remove "
+            "them (nothing was rendered)"
+        )
 
 
 def write_wav(path: Path, pcm: np.ndarray, sample_rate: int, *, length: int | None = None) -> Path:
