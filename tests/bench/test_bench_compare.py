@@ -226,3 +226,28 @@ def test_compare_with_a_file_and_bad_files(run: Path, tmp_path: Path) -> None:
         build_report(run, compare=mine)
     with pytest.raises(BenchDataError, match="not readable"):
         build_report(run, compare=tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ({"tables": {}}, "mine.json is not published-results JSON: sources: Field required (got {'tables': {}})"),
+        (
+            {"sources": {"lab": {"title": "t"}}},
+            "mine.json is not published-results JSON: sources.lab.where: Field required (got {'title': 't'})",
+        ),
+        ({"sources": {}, "tables": []}, "mine.json is not published-results JSON: tables: Input should be a valid"),
+        ("{not json", "mine.json is not JSON: Expecting property name enclosed in double quotes: line 1 column 2"),
+    ],
+)
+def test_a_bad_compare_file_is_one_line_naming_the_file_and_the_field(
+    run: Path, tmp_path: Path, content: dict | str, message: str
+) -> None:
+    from cspan.bench.report import build_report
+
+    mine = tmp_path / "mine.json"
+    mine.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(BenchDataError) as caught:
+        build_report(run, compare=mine)
+    assert str(caught.value).startswith(f"{tmp_path}/{message}") and "\n" not in str(caught.value)
+    assert "validation error" not in str(caught.value)

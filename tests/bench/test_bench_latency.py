@@ -306,6 +306,7 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
         _check_stats(r["frame"], 4)
         assert r["real_time"] and r["spans"] > 0  # 0.2 s between spans: ~2.5 spans per session in 5 frames
     assert "Sessions per device at frame P99 < 60000 ms: auto: 2, fp8: 2." in capacity_table(doc)
+    assert doc["notes"] == [] and "Note:" not in capacity_table(doc)  # every row read spans
     strict_options = CapacityOptions(
         batch_sizes=(1, 2), frames=2, warmup=0, budget_ms=1e-3, max_span=40, span_length=16
     )
@@ -321,6 +322,30 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
     big = random_lm(LMConfig.personaplex_7b(), "meta", torch.bfloat16)
     assert kv_bytes_per_session(big, "auto") == 2 * 3000 * 32 * 4096 * 2  # 1.57 GB of bf16 keys and values
     assert kv_bytes_per_session(big, "fp8") == 2 * 3000 * 32 * 32 * (128 + 4)
+
+
+def test_capacity_notes_rows_without_spans_and_says_no_graphs_on_the_cpu() -> None:
+    """A row that read no span is noted in the JSON and the printed result (its capacity says nothing about spans);
+    on the CPU the progress says there are no CUDA graphs instead of "compiling and capturing"."""
+    from cspan.bench.capacity import CapacityOptions, capacity_table, run_capacity
+    from cspan.core.tiny import tiny_lm_config, tiny_mimi_config
+
+    lm = random_lm(tiny_lm_config().model_copy(update={"context": 64}), "cpu", torch.float32, seed=3)
+    models = Models(lm=lm, mimi=random_mimi(tiny_mimi_config(), "cpu", seed=4), tokenizer=None, source="tiny",
+                    random=True)  # fmt: skip
+    options = CapacityOptions(batch_sizes=(1,), kv_dtypes=("auto",), frames=3, warmup=0, span_interval_s=math.inf,
+                              span_length=16, max_span=40, budget_ms=60000.0)  # fmt: skip
+    said: list[str] = []
+    doc = run_capacity(models, options, device=torch.device("cpu"), dtype=torch.float32, progress=said.append)
+    assert doc["capacity"] == {"auto": 1} and doc["results"][0]["spans"] == 0
+    note = (
+        "auto, B = 1: no span arrived in its 3 timed frames (spans read 0): its frame times, and a capacity resting "
+        "on them, say nothing about spans; time more --frames or give a shorter --span-interval"
+    )
+    assert doc["notes"] == [note]
+    assert capacity_table(doc).endswith(f"Sessions per device at frame P99 < 60000 ms: auto: 1.\n\nNote: {note}.")
+    assert "B = 1, auto: warming every block bucket up to 40 (no CUDA graphs on CPU)" in said
+    assert not any("capturing" in line for line in said)
 
 
 @pytest.mark.parametrize(

@@ -154,3 +154,21 @@ def test_latency_file_names(tmp_path: Path) -> None:
     assert "| n (frames) | 16 |" in markdown
     assert "fdb_latency" not in markdown
     assert "Skipped files" not in markdown
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ("[]", "not a span-latency report (no 'rows' list in a JSON object)"),
+        ('{"gpu": "cpu"}', "not a span-latency report (no 'rows' list in a JSON object)"),
+        ('{"rows": []}', "no span-latency rows ('rows' is empty)"),
+        ('{"rows": [{"n": 16}]}', "not a span-latency report (rows.0.mean_ms: Field required"),
+    ],
+)
+def test_an_unusable_latency_json_is_listed_as_skipped(tmp_path: Path, content: str, reason: str) -> None:
+    summary = fdb_v1.summarize_pause("synthetic_pause_handling", [fdb_v1.PauseSample(id="1", tor=0, n_words=0)])
+    fdb_v1.write_task_score(fdb_v1.TaskScore(summary, []), tmp_path)
+    (tmp_path / "latency.json").write_text(content)
+    markdown, _ = report.build_report(tmp_path, plots=False)
+    assert "_No usable latency.json in this run (see Skipped files): span latency not measured._" in markdown
+    assert f"Skipped files:\n\n- {tmp_path / 'latency.json'}: {reason}" in markdown

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -67,3 +68,62 @@ def test_load_client_reports_lateness_drops_errors_and_memory(serve, fixture_fil
 
     health = httpx.get(server.url + "/health").json()  # unharmed: every slot free again
     assert health["status"] == "ok" and health["free_slots"] == 2
+
+
+@pytest.mark.timeout(200)
+def test_load_client_stops_flooding_a_server_that_died_and_fails(serve, tmp_path: Path) -> None:
+    """The server stops in the middle of the run: each client backs off (1 s, 2 s, 4 s...) instead of reconnecting
+    in a loop, the failed attempts are counted and folded into one record, and the command exits with status 1
+    naming the cause (the report of what ran is written)."""
+    server = serve(max_sessions=2, token=TOKEN, idle_timeout_s=30.0)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "cspan.core.cli", "bench", "serve", "--url", server.url, "--token", TOKEN,
+           "--protocol", "moshi", "--clients", "2", "--seconds", "10", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health").json()["free_slots"] > 0:  # both sessions are live
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        server.stop()  # its socket closes: every connection from now on is refused
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stderr
+    assert stderr.count("\n") == 1 and stderr.startswith(
+        f"cspan bench: error: --url {server.url}: the server stopped answering during the run (2 session(s) completed, "
+    )
+    assert "failed: error (ConnectionRefusedError" in stderr and f"{out / 'serve-load.json'} covers what ran" in stderr
+    report = json.loads((out / "serve-load.json").read_text())
+    summary, sessions = report["summary"], report["sessions"]
+    failed = [s for s in sessions if s["ended"].startswith("error")]
+    # one record per client for its refused connections, retried after 1, 2, 4 s: at most 4 tries in the ~7 s left
+    assert sorted(s["client"] for s in failed) == [0, 1] and all(1 <= s["repeats"] <= 4 for s in failed)
+    assert summary["session_errors"] == sum(s["repeats"] for s in failed) and summary["server_answering"] is False
+    assert (
+        summary["completed"] == 2 and summary["sessions"] == 2 + summary["session_errors"] and summary["refused"] == 0
+    )
+    assert summary["first_session_error"].startswith("error (ConnectionRefusedError")
+    assert f"2 client(s): {summary['sessions']} session attempt(s), 0 refused, {summary['session_errors']} failed" in (
+        stdout
+    )
+    assert (out / "serve-load.json").stat().st_size < 20_000
+
+
+def test_load_client_backs_off_from_a_dead_url_and_folds_its_failures() -> None:
+    """A client of a port where nothing listens: tries at 0, 1 and 3 s (waits 1 s, then 2 s, capped by the run's
+    end), one record of three attempts."""
+    import asyncio
+    import socket
+
+    from cspan.bench.serve_load import Client, LoadSettings, load_frames
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    client = Client(0, LoadSettings(url=f"http://127.0.0.1:{port}", protocol="ws"), load_frames([]), time.monotonic())
+    t0 = time.monotonic()
+    asyncio.run(client.run(t0 + 5.0))
+    assert 3.9 <= time.monotonic() - t0 < 4.5
+    [record] = client.records
+    assert record.repeats == 3 and record.ended.startswith("error (ConnectionRefusedError") and record.failed

@@ -9,7 +9,9 @@ process: each session receives one span per ``span_interval_s`` seconds on avera
 256) clipped to ``[16, max_span]`` (default 600). Spans are injected right before the frame that reads them, as a
 server does on its engine thread, and the injection is part of the frame's time. The frame's p99 decides: B
 serves in real time when it stays under the 80 ms frame. The capacity is the largest such B; the search stops at
-the first B over the budget (or that does not fit in memory).
+the first B over the budget (or that does not fit in memory). A row in whose timed frames no span arrived (few
+frames, a long interval) is noted in the document's ``notes`` and under the printed table: its frame times say
+nothing about spans.
 """
 
 from __future__ import annotations
@@ -185,7 +187,11 @@ def run_candidate(
         engine.step_tokens(zeros)
     progress(f"B = {batch_size}, {kv_dtype}: filling {batch_size} rings to {engine.context} positions")
     fill_history(engine, engine.context or 0, options.seed)
-    progress(f"B = {batch_size}, {kv_dtype}: compiling and capturing every block bucket up to {options.max_span}")
+    if engine.plan.cuda_graphs:
+        progress(f"B = {batch_size}, {kv_dtype}: compiling and capturing every block bucket up to {options.max_span}")
+    else:
+        why = "without CUDA graphs" if device.type == "cuda" else f"no CUDA graphs on {device.type.upper()}"
+        progress(f"B = {batch_size}, {kv_dtype}: warming every block bucket up to {options.max_span} ({why})")
     prewarm(engine, pcm[0], text_card, options.max_span, options.seed)
     times: list[float] = []
     span_frames = 0
@@ -259,6 +265,13 @@ def run_capacity(
                 break
             best = B
         capacity[kv] = best
+    notes = [
+        f"{r['kv_dtype']}, B = {r['batch_size']}: no span arrived in its {options.frames} timed frames (spans read 0): "
+        "its frame times, and a capacity resting on them, say nothing about spans; time more --frames or give a "
+        "shorter --span-interval"
+        for r in results
+        if r.get("fits") and r["spans"] == 0
+    ]
     doc: dict[str, Any] = environment(device, dtype)
     doc["config"] = {
         "source": models.source,
@@ -277,6 +290,7 @@ def run_capacity(
     }
     doc["results"] = results
     doc["capacity"] = capacity
+    doc["notes"] = notes
     return doc
 
 
@@ -298,7 +312,8 @@ def capacity_table(doc: dict[str, Any]) -> str:
             f"{r['spans']} | {ok} |"
         )
     cap = ", ".join(f"{kv}: {b if b is not None else 'none'}" for kv, b in doc["capacity"].items())
-    return "\n".join(lines) + f"\n\nSessions per device at frame P99 < {budget:g} ms: {cap}."
+    notes = "".join(f"\n\nNote: {note}." for note in doc.get("notes", []))
+    return "\n".join(lines) + f"\n\nSessions per device at frame P99 < {budget:g} ms: {cap}." + notes
 
 
 __all__ = ["CapacityOptions", "arrivals", "capacity_table", "kv_bytes_per_session", "run_capacity"]

@@ -25,6 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, ValidationError
 
 from cspan.bench.errors import BenchDataError
+from cspan.core.errors import validation_summary
 
 PUBLISHED = "published"
 """``--compare published``: the data shipped with the package."""
@@ -255,6 +256,8 @@ def load_published(spec: str | Path = PUBLISHED) -> PublishedData:
             raise BenchDataError(f"--compare {path}: not readable ({exc}); use 'published' or a JSON file") from exc
     try:
         data = PublishedData.model_validate(json.loads(text))
-    except (json.JSONDecodeError, ValidationError) as exc:
-        raise BenchDataError(f"{where} is not published-results JSON: {str(exc).splitlines()[0]}") from exc
+    except json.JSONDecodeError as exc:
+        raise BenchDataError(f"{where} is not JSON: {exc}") from exc
+    except ValidationError as exc:
+        raise BenchDataError(f"{where} is not published-results JSON: {validation_summary(exc)}") from exc
     return data.check(where)

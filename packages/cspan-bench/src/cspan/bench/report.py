@@ -7,7 +7,8 @@ Inputs, found anywhere below ``RUN_DIR``:
   :class:`cspan.bench.qa.QASummary`); summaries of other benchmarks are listed generically (``benchmark``, ``task``,
   ``metrics``);
 - ``latency.json`` from the span-latency benchmark (or any ``*latency*.json`` holding ``rows``): ``{"gpu", "torch",
-  "dtype", "rows": [{"n", "mean_ms", "sd_ms", "p99_ms"}], "step": {...}}`` (optional; its absence is noted).
+  "dtype", "rows": [{"n", "mean_ms", "sd_ms", "p99_ms"}], "step": {...}}`` (optional; its absence is noted, and a
+  ``latency.json`` that is not such a report, or has no rows, is listed under "Skipped files" with the reason).
 
 Outputs in ``out_dir`` (default ``RUN_DIR``): ``report.md`` and, for what is present, ``latency_vs_span.png``,
 ``fdb_v1_tasks.png``, ``fdb_v3_metrics.png``. The tables follow the layout of the original system's README (span
@@ -35,6 +36,7 @@ from cspan.bench.fdb_v1 import METRIC_DIRECTIONS as V1_DIRECTIONS
 from cspan.bench.fdb_v1 import TaskKind, TaskSummary
 from cspan.bench.fdb_v3 import V3Summary
 from cspan.bench.qa import QASummary, qa_table
+from cspan.core.errors import validation_summary
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +138,18 @@ def collect(run_dir: Path) -> RunFiles:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             if not (isinstance(data, dict) and isinstance(data.get("rows"), list)):
+                if path.name == LATENCY_FILE:  # named as ours but unusable: say so
+                    found.skipped.append(f"{path}: not a span-latency report (no 'rows' list in a JSON object)")
                 continue  # another benchmark's latency file (no span-latency rows): not ours to report
-            found.latency.append((_label(run_dir, path.parent), LatencyReport.model_validate(data)))
-        except (OSError, json.JSONDecodeError, ValidationError) as exc:
+            report = LatencyReport.model_validate(data)
+            if not report.rows:
+                found.skipped.append(f"{path}: no span-latency rows ('rows' is empty)")
+                continue
+            found.latency.append((_label(run_dir, path.parent), report))
+        except (OSError, json.JSONDecodeError) as exc:
             found.skipped.append(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        except ValidationError as exc:
+            found.skipped.append(f"{path}: not a span-latency report ({validation_summary(exc)})")
     return found
 
 
@@ -498,7 +508,9 @@ def build_report(
     if found.other:
         sections += ["## Other benchmarks", other_markdown(found.other)]
     if not found.latency:
-        sections.append(f"_No {LATENCY_FILE} in this run: span latency not measured._")
+        unusable = next(run_dir.rglob(LATENCY_FILE), None) is not None  # there is one, listed as skipped
+        what = f"usable {LATENCY_FILE} in this run (see Skipped files)" if unusable else f"{LATENCY_FILE} in this run"
+        sections.append(f"_No {what}: span latency not measured._")
     if found.skipped:
         sections += ["Skipped files:", "\n".join(f"- {s}" for s in found.skipped)]
     markdown = "\n\n".join(sections) + "\n"

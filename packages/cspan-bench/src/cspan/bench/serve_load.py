@@ -21,6 +21,13 @@ What is measured, per session (one WebSocket connection that started a conversat
 - **agent gaps**: agent frames that never came on ``/ws`` and ``/api/chat`` (the server's clock skipped ahead);
 - spans, errors (answers to injected malformed messages counted apart), refusals (busy, 4401) and how it ended.
 
+A client whose session was refused, or failed (``ended`` ``error (...)``: the connection refused or reset, no
+``ready``), waits :data:`RETRY_S` before the next; after failures in a row twice as long each time, up to
+:data:`RETRY_MAX_S`. Identical failed attempts in a row are one record (``repeats``), so that a dead server does not
+fill the report. The summary counts failed attempts (``session_errors``) beside the server's error answers
+(``errors``); the command exits with status 1 when no session completed, or when the server stopped answering
+(``/health`` after the run), saying why in one line (the report of what ran is written then).
+
 Server side, every ``--sample-s``: the process's resident memory (``process_resident_memory_bytes`` of
 ``/metrics``, or ``/proc/PID/status`` with ``--server-pid``) and the live sessions (``cspan_sessions_active``);
 and the difference of every ``cspan_*`` counter between the start and the end of the run.
@@ -52,6 +59,8 @@ FRAME_S = 0.08
 SAMPLE_RATE = 24000
 FRAMES_PER_MINUTE = 60.0 / FRAME_S
 PROTOCOLS = ("ws", "ws-opus", "moshi", "realtime")
+RETRY_S, RETRY_MAX_S = 1.0, 8.0
+"""A refused or failed client's wait before its next session; failures in a row double it, up to the second."""
 
 MALFORMED: dict[str, list[bytes | str]] = {
     "ws": ['{"type": "hello"}', "not json", b"\x00\x01\x02", '{"type": "context", "profile": {"lat": 500}}'],
@@ -87,6 +96,16 @@ class SessionRecord(BaseModel):
     errors: int = 0
     malformed_sent: int = 0
     ended: str = Field("", description="stop, disconnect (injected), closed (code reason), refused (why), error")
+    repeats: int = Field(1, description="attempts this record stands for: identical failed ones in a row are folded")
+
+    @property
+    def failed(self) -> bool:
+        """The session never got going or broke: the connection was refused or reset, or no ``ready`` came."""
+        return self.ended.startswith("error")
+
+    @property
+    def refused(self) -> bool:
+        return self.ended.startswith("refused")
 
 
 class ServerSample(BaseModel):
@@ -217,6 +236,7 @@ class Client:
         self.cursor = self.rng.randrange(len(frames))  # clients do not all say the same thing at the same time
 
     async def run(self, deadline: float) -> None:
+        failures = 0  # failed sessions in a row
         while time.monotonic() < deadline - 1.0:
             record = SessionRecord(
                 client=self.index, protocol=self.s.protocol, started_s=round(time.monotonic() - self.epoch, 3)
@@ -235,8 +255,19 @@ class Client:
             if self.s.protocol in ("ws", "ws-opus", "moshi") and run.runs[0]:
                 expected = round((run.runs[0][-1] - run.runs[0][0]) / FRAME_S) + 1
                 record.agent_gaps = max(0, expected - len(run.runs[0]))
-            if record.ended.startswith("refused"):
-                await asyncio.sleep(1.0)
+            failures = failures + 1 if record.failed else 0
+            previous = self.records[-2] if len(self.records) > 1 else None
+            if (
+                previous is not None
+                and (previous.failed or previous.refused)
+                and previous.ended == record.ended
+                and not (previous.frames_sent or record.frames_sent)
+            ):
+                previous.repeats += 1  # the same failure again: one record
+                self.records.pop()
+            if record.failed or record.refused:
+                wait = min(RETRY_S * 2 ** max(0, failures - 1), RETRY_MAX_S)
+                await asyncio.sleep(max(0.0, min(wait, deadline - 1.0 - time.monotonic())))
 
     async def _session(self, run: _Run, deadline: float) -> None:
         import websockets
@@ -498,6 +529,10 @@ async def run_load(settings: LoadSettings) -> LoadReport:
             task.result()
         await asyncio.sleep(0.5)  # the server records the ends
         after = await _sample(settings, http, samples, epoch)
+        try:
+            answering = (await http.get("/health")).status_code in (200, 503)
+        except httpx.HTTPError:
+            answering = False
     sessions = [r for c in clients for r in c.records]
     values = [v for c in clients for v in c.lateness_values]
     deltas = {
@@ -508,10 +543,17 @@ async def run_load(settings: LoadSettings) -> LoadReport:
         and after[k] != before.get(k, 0.0)
     }
     live = [s for s in sessions if s.agent_frames]
+    attempts = sum(s.repeats for s in sessions)
+    refused = sum(s.repeats for s in sessions if s.refused)
+    failed = sum(s.repeats for s in sessions if s.failed)
     summary = {
-        "sessions": len(sessions),
+        "sessions": attempts,
         "sessions_with_audio": len(live),
-        "refused": sum(s.ended.startswith("refused") for s in sessions),
+        "completed": attempts - refused - failed,
+        "refused": refused,
+        "session_errors": failed,
+        "first_session_error": next((s.ended for s in sessions if s.failed), None),
+        "server_answering": answering,
         "disconnects_injected": sum(s.ended == "disconnect" for s in sessions),
         "frames_sent": sum(s.frames_sent for s in sessions),
         "agent_frames": sum(s.agent_frames for s in sessions),
@@ -679,21 +721,28 @@ def _serve(args: argparse.Namespace) -> int:
     )
     report = asyncio.run(run_load(settings))
     s = report.summary
-    if s["sessions"] - s["refused"] <= 0:  # nothing was measured: no report that reads as a result
+    failure = f", {s['session_errors']} failed: {s['first_session_error']}" if s["session_errors"] else ""
+    if s["completed"] <= 0:  # nothing was measured: no report that reads as a result
         raise BenchError(
             f"no session ran against {args.url} in {args.seconds:g} s ({s['sessions']} attempt(s), {s['refused']} "
-            "refused): is cspan serve running there, and is --token a session token? nothing written"
+            f"refused{failure}): is cspan serve running there, and is --token a session token? nothing written"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve-load.json").write_text(report.model_dump_json(indent=2) + "\n", encoding="utf-8")
     plot(report, args.out / "serve-load.png")
     print(
-        f"{settings.clients} client(s): {s['sessions']} session attempt(s), {s['refused']} refused (a refused client "
-        f"tries again 1 s later), {s['disconnects_injected']} disconnects injected; "
+        f"{settings.clients} client(s): {s['sessions']} session attempt(s), {s['refused']} refused, "
+        f"{s['session_errors']} failed (such a client tries again {RETRY_S:g} s later, up to {RETRY_MAX_S:g} s "
+        f"after failures in a row), {s['disconnects_injected']} disconnects injected; "
         f"lateness p50 {s['lateness_ms']['p50']} ms, p99 {s['lateness_ms']['p99']} ms; dropped {s['dropped_frames']}; "
         f"spans {s['spans']}; errors {s['errors']} ({s['malformed_sent']} malformed sent); "
         f"-> {args.out / 'serve-load.json'}"
     )
+    if not s["server_answering"]:
+        raise BenchError(
+            f"--url {args.url}: the server stopped answering during the run ({s['completed']} session(s) completed"
+            f"{failure}); {args.out / 'serve-load.json'} covers what ran"
+        )
     return 0
 
 
