@@ -237,6 +237,7 @@ class TrainConfig:
                 raise SettingsError(f"{flag} must be a finite number, got {value}")
             if value < low or (value == low and not inclusive):
                 raise SettingsError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
+        real_out, real_data = cfg.out_dir.resolve(), cfg.data_dir.resolve()  # symlinks and '..' resolved
         checks += [
             (
                 cfg.random_sampling_proba <= 1.0,
@@ -250,6 +251,12 @@ class TrainConfig:
             (
                 not cfg.out_dir.exists() or cfg.out_dir.is_dir(),
                 f"--out-dir {str(cfg.out_dir)!r} is a file; give a folder (a new one, or a run to resume)",
+            ),
+            (
+                not real_out.is_relative_to(real_data),
+                f"--out-dir {str(cfg.out_dir)!r} {'is' if real_out == real_data else 'is inside'} the --data-dir "
+                f"{str(cfg.data_dir)!r}: the checkpoints and the export would be written into the dataset; choose an "
+                "--out-dir outside it",
             ),
             (
                 not cfg.fsdp or "WORLD_SIZE" in os.environ,
