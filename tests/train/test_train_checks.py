@@ -175,15 +175,25 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
         (["--lora-rank", "-1"], "--lora-rank must be >= 0, got -1"),
         (["--stop-at", "0"], "--stop-at must be in [1, --steps], got 0"),
         (["--out-dir", "FILE"], "--out-dir 'FILE' is a file; give a folder (a new one, or a run to resume)"),
+        (
+            ["--data-dir", "data", "--out-dir", "data/run"],
+            "--out-dir 'data/run' is inside the --data-dir 'data': the checkpoints and the export would be written "
+            "into the dataset; choose an --out-dir outside it",
+        ),
+        (["--data-dir", "data", "--out-dir", "run/../data"], "--out-dir 'run/../data' is the --data-dir 'data': "),
+        (["--data-dir", "link", "--out-dir", "data/x"], "--out-dir 'data/x' is inside the --data-dir 'link': "),
     ],
 )
 def test_train_numeric_flags_are_refused_before_anything_loads(flags, expect, tmp_path, capsys, monkeypatch) -> None:
     """Issue 22 (F10): `--lr nan` trained and exported NaN weights with exit 0; inf, negative and out-of-range values
     were accepted or gave tracebacks; `--fsdp` outside torchrun ran as one process. Each is one line before the
-    checkpoint or the data is read (neither exists here), as a bad setting: exit status 2 (range checks gave 1)."""
+    checkpoint or the data is read (neither exists here), as a bad setting: exit status 2 (range checks gave 1). An
+    --out-dir equal to the --data-dir or inside it (after symlinks and '..') wrote the checkpoints and the export into
+    the dataset: refused as the bench runners refuse --out inside --data."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.chdir(tmp_path)
     Path("FILE").write_text("not a folder")
+    Path("link").symlink_to("data")
     argv = ["train", "--data-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path / "run")]
     assert _run(*argv, "--checkpoint", str(tmp_path / "missing"), *flags) == 2
     err = capsys.readouterr().err

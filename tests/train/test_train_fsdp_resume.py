@@ -119,6 +119,7 @@ def test_fsdp_checkpoint_resumes_on_another_world_size(
     # another global batch is refused, with the --accum that keeps it
     capsys.readouterr()
     again = _copy_until(straight, tmp_path / "again", 2)
-    assert main(_args(prepared_dir, again, tiny_dir, "--batch-size", "1", "--accum", "2")) == 1
+    assert main(_args(prepared_dir, again, tiny_dir, "--batch-size", "1", "--accum", "2")) == 2
     err = capsys.readouterr().err
-    assert "global_batch: 4 -> 2" in err and "written by 4 process(es)" in err and "use --accum 4" in err
+    assert "global batch (--batch-size x --accum x processes) 4 (now 2)" in err, err
+    assert "written by 4 process(es)" in err and "use --accum 4" in err

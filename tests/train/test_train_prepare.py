@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -118,6 +119,47 @@ def test_resume_skips_finished_dialogues(
     assert torch.equal(
         _tensors(out, records["chat"].shard, "chat")[0], _tensors(prepared_dir, original.shard, "chat")[0]
     )
+
+
+def test_a_dialogue_edited_since_it_was_prepared_is_prepared_again(
+    prepared_dir: Path, espeak_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """After a dialogue's JSON was edited (its reference text), a rerun said "3 already done" and kept the old span,
+    although the manifest records json_sha256. A dialogue whose file changed since is now prepared again (its old
+    record leaves the manifest even when the new file is bad); the unchanged ones are skipped as before."""
+    dialogues, out = tmp_path / "dialogues", tmp_path / "data"
+    shutil.copytree(espeak_dir, dialogues)  # another folder: unchanged files are recognised by their contents
+    shutil.copytree(prepared_dir, out)
+    cafe = json.loads((dialogues / "cafe.json").read_text())
+    cafe["turns"][1]["reference"] = "The Silver Spoon Cafe opens at nine AM tomorrow."
+    (dialogues / "cafe.json").write_text(json.dumps(cafe))
+    weather = json.loads((dialogues / "weather.json").read_text())
+    weather["turns"][1]["body_word"] = 99  # past the turn's words: now a bad dialogue
+    (dialogues / "weather.json").write_text(json.dumps(weather))
+    argv = ["prepare", "--in-dir", str(dialogues), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    argv += ["--device", "cpu", "--quiet"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "2 dialogue(s) changed since they were prepared (cafe.json, weather.json): preparing them again" in err
+    assert "resuming, 1 of 5 dialogues are already prepared" in err
+    assert f"1 dialogue(s) prepared into {out}, 1 already done, 1 changed since, prepared again, 3 bad" in err, err
+    assert "skipped weather.json: " in err
+    before = {r.name: r for r in read_manifest(prepared_dir / "manifest.jsonl")}
+    after = {r.name: r for r in read_manifest(out / "manifest.jsonl")}
+    assert sorted(after) == ["cafe", "chat"]  # weather's stale record left with its edit
+    assert after["chat"] == before["chat"]
+    assert after["cafe"].shard == "shards/shard-00002.safetensors" != before["cafe"].shard
+    assert after["cafe"].spans[0].reference == "The Silver Spoon Cafe opens at nine AM tomorrow."
+    assert before["cafe"].spans[0].reference == "The Silver Spoon Cafe opens at seven thirty AM tomorrow."
+    assert after["cafe"].spans[0].ids != before["cafe"].spans[0].ids
+    assert after["cafe"].extra["json_sha256"] == hashlib.sha256((dialogues / "cafe.json").read_bytes()).hexdigest()
+    codes, _ = _tensors(out, after["cafe"].shard, "cafe")  # same audio: same codes
+    assert torch.equal(codes[1:], _tensors(prepared_dir, before["cafe"].shard, "cafe")[0][1:])
+    assert len(PreparedDataset(out)) == 2
+    # nothing changed since: all skipped
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"0 dialogue(s) prepared into {out}, 2 already done, 3 bad" in err and "changed" not in err, err
 
 
 def test_print_schema(capsys) -> None:

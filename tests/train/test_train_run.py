@@ -115,9 +115,52 @@ def test_stop_and_resume_is_exact(trained: Path, prepared_dir: Path, tiny_dir: P
     oa, ob = _state(trained, 20, "optimizer"), _state(out, 20, "optimizer")
     assert set(oa) == set(ob) and any(k.endswith(".exp_avg_sq") for k in oa)
     assert all(torch.equal(oa[k], ob[k]) for k in oa)
+    # --stop-at may change on resume; train_config.json holds the options of the invocation that ran last
+    config = json.loads((out / "train_config.json").read_text())
+    assert config["stop_at"] == 20 and config["clip"] == 1.0 and config["weights"]["ret"] == 5.0
     # options that change the samples cannot be changed on resume
-    assert main([a if a != "7" else "8" for a in args]) == 1  # fails before training: no thread setting needed
-    assert "seed: 7 -> 8" in capsys.readouterr().err
+    assert main([a if a != "7" else "8" for a in args]) == 2  # fails before training: no thread setting needed
+    err = capsys.readouterr().err
+    assert f"--out-dir {str(out)!r} holds a run trained with other settings (checkpoint step_00000020): " in err
+    assert "--seed 7 (now 8); resume with the recorded values, or start over in a new --out-dir" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (
+            ["--w-ret", "1", "--w-acoustic", "1", "--clip", "100"],
+            "--clip 1.0 (now 100.0), --w-ret 5.0 (now 1.0), --w-acoustic 0.02 (now 1.0)",
+        ),
+        (["--w-text", "2", "--w-pad", "1", "--w-semantic", "0.5"], "--w-text 1.0 (now 2.0), --w-pad 0.5 (now 1.0)"),
+        (["--lr-depformer", "1e-3", "--min-lr-ratio", "0"], "--lr-depformer 0.006 (now 0.001), --min-lr-ratio 0.1"),
+        (["--warmup-steps", "3", "--steps", "5"], "--steps 4 (now 5), --warmup-steps 1 (now 3)"),
+        (["--start-delay-s", "0.5", "--end-gap-s", "2"], "--start-delay-s 1.0 (now 0.5), --end-gap-s 1.0 (now 2.0)"),
+        (["--random-delay-proba", "1"], "--random-delay-proba 0.2 (now 1.0)"),
+        (["--accum", "2"], "global batch (--batch-size x --accum x processes) 1 (now 2); it was written by 1"),
+    ],
+)
+def test_resuming_with_other_optimisation_settings_is_refused(
+    flags, expect, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """Resuming with other loss weights, --clip or delay sampler settings was accepted (only the seed, batch,
+    context, LoRA, learning rates, schedule and weight decay were compared): the run went on with a loss it was not
+    started with and train_config.json still claimed the first values. Every option that changes the samples or the
+    optimisation is now compared: one line naming each flag with its recorded and its new value, exit 2, before the
+    model loads, and nothing in the run changes."""
+    from cspan.core.cli import main
+
+    out = tmp_path / "run"
+    args = _train_args(prepared_dir, out, tiny_dir, "--steps", "4", "--batch-size", "1", "--accum", "1")
+    _train(*args, "--stop-at", "1")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*args, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan train: error: --out-dir {str(out)!r} holds a run trained with other settings ("), err
+    assert expect in err and err.count("\n") == 1, err
+    assert err.rstrip().endswith(f"start over in a new --out-dir (or delete {str(out)!r})"), err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_lora_adapters_export_in_the_loader_layout(prepared_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:

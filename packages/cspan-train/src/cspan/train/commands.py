@@ -79,6 +79,8 @@ def _prepare(args: argparse.Namespace) -> int:
     line = f"cspan prepare: {summary.prepared} dialogue(s) prepared into {summary.out_dir}"
     if summary.skipped:
         line += f", {summary.skipped} already done"
+    if summary.changed:
+        line += f", {summary.changed} changed since, prepared again"
     if summary.failed:
         line += f", {len(summary.failed)} bad dialogue(s) skipped (listed in {summary.out_dir / 'errors.jsonl'})"
     print(line, file=sys.stderr)

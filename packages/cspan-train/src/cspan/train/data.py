@@ -18,7 +18,8 @@ For each ``NAME.json`` in ``--in-dir`` (format: :mod:`cspan.train.schema`) with 
 
 Resumable: dialogues already in the manifest are skipped, so an interrupted run continues where it stopped; a
 shard of the manifest that is missing or damaged (its safetensors header, its size or its tensors do not match) is
-reported and its dialogues are encoded again. A bad
+reported and its dialogues are encoded again, and so is a dialogue whose JSON file changed since it was prepared
+(its sha256 is not the manifest's ``json_sha256``). A bad
 dialogue (invalid JSON field, missing or mono audio, words after the end of the audio...) is reported on stderr
 and in ``errors.jsonl`` with its file and field, and skipped; the others are prepared.
 """
@@ -562,15 +563,18 @@ class PrepareSummary:
 
     Attributes:
         prepared: dialogues encoded by this run.
-        skipped: dialogues already in the manifest (a resumed run).
+        skipped: dialogues already in the manifest and unchanged since (a resumed run).
         failed: (file, message) of each bad dialogue.
         out_dir: the dataset folder.
+        changed: of ``prepared``, the dialogues of the manifest whose JSON file changed since they were prepared
+            (one whose new file is bad is in ``failed`` instead; either way its old data left the dataset).
     """
 
     prepared: int
     skipped: int
     failed: list[tuple[str, str]]
     out_dir: Path
+    changed: int = 0
 
 
 def file_sha256(path: Path) -> str:
@@ -707,6 +711,40 @@ def _check_shards(out_dir: Path, inputs: set[str]) -> list[DialogueRecord]:
     return kept
 
 
+def _drop_changed(out_dir: Path, records: list[DialogueRecord], paths: Sequence[Path]) -> list[DialogueRecord]:
+    """The ``records`` whose dialogue file among ``paths`` changed since it was prepared (its sha256 is not
+    the recorded ``json_sha256``; an unreadable file counts as changed), after dropping them from the manifest
+    (rewritten atomically) so that they are prepared again; a record without ``json_sha256`` counts as unchanged.
+    Their old tensors stay in their shard, unreferenced."""
+    from cspan.core.files import write_text_atomic
+
+    by_name = {p.stem: p for p in paths}
+    changed = []
+    for rec in records:
+        recorded, path = rec.extra.get("json_sha256"), by_name.get(rec.name)
+        if recorded is None or path is None:
+            continue
+        try:
+            same = file_sha256(path) == recorded
+        except OSError:
+            same = False
+        if not same:
+            changed.append(rec)
+    if changed:
+        names = {r.name for r in changed}
+        kept = [r for r in records if r.name not in names]
+        write_text_atomic(
+            out_dir / MANIFEST_FILE, "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in kept)
+        )
+        shown = ", ".join(f"{r.name}.json" for r in changed[:5]) + (", ..." if len(changed) > 5 else "")
+        print(
+            f"cspan prepare: {len(changed)} dialogue(s) changed since they were prepared ({shown}): preparing them "
+            "again",
+            file=sys.stderr,
+        )
+    return changed
+
+
 def iter_loaded(
     paths: Sequence[Path], load: Any, workers: int
 ) -> Iterator[tuple[Path, LoadedDialogue | None, str | None]]:
@@ -826,7 +864,9 @@ def run_prepare(
         },
     )
 
-    done = {r.name for r in _check_shards(out_dir, {p.stem for p in paths})}
+    records = _check_shards(out_dir, {p.stem for p in paths})
+    changed = _drop_changed(out_dir, records, paths)
+    done = {r.name for r in records} - {r.name for r in changed}
     todo = [p for p in paths if p.stem not in done]
     skipped = len(paths) - len(todo)
     if skipped:
@@ -879,7 +919,8 @@ def run_prepare(
     with (out_dir / ERRORS_FILE).open("w", encoding="utf-8") as fh:
         for path_s, message in failed:
             fh.write(json.dumps({"file": path_s, "error": message}, ensure_ascii=False) + "\n")
-    return PrepareSummary(prepared=prepared, skipped=skipped, failed=failed, out_dir=out_dir)
+    again = {r.name for r in changed} - {Path(f).stem for f, _ in failed}
+    return PrepareSummary(prepared=prepared, skipped=skipped, failed=failed, out_dir=out_dir, changed=len(again))
 
 
 __all__ = [

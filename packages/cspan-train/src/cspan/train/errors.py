@@ -6,7 +6,7 @@ Messages say what is wrong, where (the file, and for dialogue files the JSON fie
 
 from __future__ import annotations
 
-from cspan.core.errors import CspanError
+from cspan.core.errors import CspanError, SettingsError
 
 
 class DataError(CspanError):
@@ -17,4 +17,9 @@ class TrainError(CspanError):
     """A training run cannot start or resume (bad options, incompatible checkpoint or dataset)."""
 
 
-__all__ = ["DataError", "TrainError"]
+class TrainSettingsError(TrainError, SettingsError):
+    """A ``cspan train`` setting does not fit the run it names (resuming with options that change the result): names
+    the flag and both values; exit status 2."""
+
+
+__all__ = ["DataError", "TrainError", "TrainSettingsError"]

@@ -55,7 +55,7 @@ from cspan.core.config import CONTEXT_SPANNING
 from cspan.core.errors import SettingsError
 
 from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
-from .errors import TrainError
+from .errors import TrainError, TrainSettingsError
 from .lora import ALL_LINEAR, add_lora, freeze_all_but_lora, lora_spec, resolve_targets
 from .loss import LossWeights, token_weights, weighted_cross_entropy
 
@@ -69,21 +69,46 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "train_config.json"
 COMPLETE_FILE = "COMPLETE"
 
-# options that define the sample stream and the optimisation: a resumed run must not change them
+# options that define the sample stream and the optimisation, as (key of the config record, flag): a resumed run
+# must not change them (the others -- --stop-at, --ckpt-every, --log-every, --keep-checkpoints, --device, --dtype,
+# --autocast, --fsdp, activation checkpointing, the export options, the number of processes at the same global
+# batch -- say where, how fast or in which precision it runs, not what it learns)
 _RESUME_KEYS = (
-    "seed",
-    "context",
-    "global_batch",
-    "lora_rank",
-    "lora_alpha",
-    "lora_targets",
-    "lr",
-    "lr_depformer",
-    "warmup_steps",
-    "min_lr_ratio",
-    "weight_decay",
-    "steps",
+    ("seed", "--seed"),
+    ("context", "--context"),
+    ("global_batch", "global batch (--batch-size x --accum x processes)"),
+    ("lora_rank", "--lora-rank"),
+    ("lora_alpha", "--lora-alpha"),
+    ("lora_targets", "--lora-targets"),
+    ("steps", "--steps"),
+    ("lr", "--lr"),
+    ("lr_depformer", "--lr-depformer"),
+    ("warmup_steps", "--warmup-steps"),
+    ("min_lr_ratio", "--min-lr-ratio"),
+    ("weight_decay", "--weight-decay"),
+    ("betas", "betas"),
+    ("eps", "eps"),
+    ("clip", "--clip"),
+    ("weights.text", "--w-text"),
+    ("weights.pad", "--w-pad"),
+    ("weights.ret", "--w-ret"),
+    ("weights.semantic", "--w-semantic"),
+    ("weights.acoustic", "--w-acoustic"),
+    ("start_delay_s", "--start-delay-s"),
+    ("end_gap_s", "--end-gap-s"),
+    ("random_sampling_proba", "--random-delay-proba"),
 )
+_MISSING = object()
+
+
+def _record_value(record: dict[str, Any], key: str) -> Any:
+    """``record[key]``, where a dotted key reads a nested dict (``weights.ret``); :data:`_MISSING` when absent."""
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
 
 
 @dataclass
@@ -212,6 +237,7 @@ class TrainConfig:
                 raise SettingsError(f"{flag} must be a finite number, got {value}")
             if value < low or (value == low and not inclusive):
                 raise SettingsError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
+        real_out, real_data = cfg.out_dir.resolve(), cfg.data_dir.resolve()  # symlinks and '..' resolved
         checks += [
             (
                 cfg.random_sampling_proba <= 1.0,
@@ -225,6 +251,12 @@ class TrainConfig:
             (
                 not cfg.out_dir.exists() or cfg.out_dir.is_dir(),
                 f"--out-dir {str(cfg.out_dir)!r} is a file; give a folder (a new one, or a run to resume)",
+            ),
+            (
+                not real_out.is_relative_to(real_data),
+                f"--out-dir {str(cfg.out_dir)!r} {'is' if real_out == real_data else 'is inside'} the --data-dir "
+                f"{str(cfg.data_dir)!r}: the checkpoints and the export would be written into the dataset; choose an "
+                "--out-dir outside it",
             ),
             (
                 not cfg.fsdp or "WORLD_SIZE" in os.environ,
@@ -252,6 +284,15 @@ class TrainConfig:
 MAX_CONTEXT = 1_000_000
 """Longest ``--context`` accepted (positions): far beyond any model's window (3000), short of a number that only
 a typo gives."""
+
+
+def _shown(value: Any) -> str:
+    """A recorded or given setting in a message: ``none`` for None, lists as ``a,b``, numbers as Python writes them."""
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_shown(v) for v in value)
+    return str(value)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -755,23 +796,45 @@ class Trainer:
         with or without FSDP2; returns its step.
 
         Raises:
-            TrainError: the folder was written with options that change the samples or the optimisation (the global
-                batch included: a run on another number of processes must keep ``batch_size x accum x world``).
+            TrainSettingsError: the folder was written with options that change the samples or the optimisation
+                (:meth:`check_resume`).
         """
-        meta = json.loads((folder / COMPLETE_FILE).read_text(encoding="utf-8"))
-        saved = meta.get("config", {})
-        now = self._config_record()
-        changed = [k for k in _RESUME_KEYS if k in saved and saved[k] != now.get(k)]
-        if changed:
-            details = ", ".join(f"{k}: {saved[k]!r} -> {now.get(k)!r}" for k in changed)
-            hint = "rerun with the same options or use a new --out-dir"
-            if "global_batch" in changed:
-                hint = self._global_batch_hint(int(saved["global_batch"]), int(saved.get("world", 1))) + "; " + hint
-            raise TrainError(f"cannot resume {str(folder)!r}: {details} changed since it was written; {hint}")
+        self.check_resume(folder)
         load_train_state(folder, self.module, self.optimizer)
         trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(trainer["scheduler"])
         return int(trainer["step"])
+
+    def check_resume(self, folder: Path) -> None:
+        """Refuse to resume the checkpoint ``folder`` with options that change the samples or the optimisation
+        (:data:`_RESUME_KEYS`, the global batch included: a run on another number of processes must keep
+        ``batch_size x accum x world``); cheap, so called before the model loads as well.
+
+        Raises:
+            TrainSettingsError: naming each such flag with its recorded and its new value (exit status 2).
+        """
+        try:
+            meta = json.loads((folder / COMPLETE_FILE).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TrainError(f"{str(folder / COMPLETE_FILE)!r}: unreadable ({exc}); remove {str(folder)!r}") from None
+        saved = meta.get("config", {}) if isinstance(meta, dict) else {}
+        now = self._config_record()
+        changed = []
+        for key, flag in _RESUME_KEYS:
+            old, new = _record_value(saved, key), _record_value(now, key)
+            if old is not _MISSING and old != new:
+                changed.append((key, flag, old, new))
+        if not changed:
+            return
+        out = str(self.cfg.out_dir)
+        details = ", ".join(f"{flag} {_shown(old)} (now {_shown(new)})" for _, flag, old, new in changed)
+        hint = f"resume with the recorded values, or start over in a new --out-dir (or delete {out!r})"
+        keys = [key for key, *_ in changed]
+        if "global_batch" in keys:
+            hint = self._global_batch_hint(int(saved["global_batch"]), int(saved.get("world", 1))) + "; " + hint
+        raise TrainSettingsError(
+            f"--out-dir {out!r} holds a run trained with other settings (checkpoint {folder.name}): {details}; {hint}"
+        )
 
     def _global_batch_hint(self, saved: int, saved_world: int) -> str:
         cfg, world = self.cfg, self.dist.world
@@ -937,6 +1000,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         seed_rngs(cfg.seed, info.rank)
+        latest = self.latest_checkpoint()
+        if latest is not None:  # options that a resume refuses: before the data and the model load
+            self.check_resume(latest)
         self.dataset = PreparedDataset(cfg.data_dir)
         self._load_model()
         self._check_data()
@@ -972,7 +1038,7 @@ class Trainer:
             start = self.load_checkpoint(latest)
             if info.is_main:
                 print(f"cspan train: resuming from {latest} (step {start} of {cfg.steps})", file=sys.stderr)
-        elif info.is_main:
+        if info.is_main:  # this invocation's options: on a resume they differ from the first's in the runtime ones only
             (cfg.out_dir / CONFIG_FILE).write_text(json.dumps(self._config_record(), indent=2) + "\n", encoding="utf-8")
         if info.is_main:
             mode = f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha}" if cfg.lora_rank else "full fine-tuning"
