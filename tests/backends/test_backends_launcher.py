@@ -135,3 +135,18 @@ def test_server_exiting_at_startup_fails_with_its_log_tail(env, tmp_path):
     assert "missing" in out.stderr  # the server's own message, from its log
     assert time.monotonic() - t0 < 120
     assert _run(["backends", "status"], env).stdout.startswith("no servers recorded")
+
+
+def test_an_external_router_that_does_not_answer_fails_in_seconds_and_nothing_is_recorded(env):
+    """`--router-url` of a server that is not there waited the whole --timeout-s (900 s) and stayed in
+    backends.json, so `cspan backends env` exported it; starting nothing said "all healthy"."""
+    t0 = time.monotonic()
+    out = _run(["backends", "start", "--no-asr", "--router-url", f"http://127.0.0.1:{_free_port()}/v1"], env)
+    assert out.returncode == 1 and time.monotonic() - t0 < 60
+    assert (
+        "router: nothing healthy answers http://127.0.0.1:" in out.stderr and "only checked, not started" in out.stderr
+    )
+    env_out = _run(["backends", "env"], env)
+    assert env_out.stdout == "" and "no backends are running" in env_out.stderr
+    nothing = _run(["backends", "start", "--no-asr", "--no-router"], env)
+    assert nothing.returncode == 2 and "nothing to start" in nothing.stderr

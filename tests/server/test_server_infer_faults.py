@@ -394,6 +394,18 @@ def test_model_tiny_into_a_folder_that_cannot_be_written_is_one_line(tmp_path):
 # --------------------------------------------------------------------------------------- the persona's length
 
 
+def test_a_voice_prompt_too_long_for_the_window_is_named_as_the_voice(tiny_checkpoint_dir, speech, tmp_path):
+    """A 5000-frame voice file was blamed on --text-prompt ("Shorten the text prompt")."""
+    import torch
+
+    huge = tmp_path.parent / f"{tmp_path.name}-huge.pt"
+    torch.save({"codes": torch.zeros(8, 5000, dtype=torch.long)}, huge)
+    argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--voice", str(huge))
+    with pytest.raises(SettingsError, match=rf"--voice {huge}: the persona takes \d+ frames \(5000 of voice prompt"):
+        asyncio.run(run_infer(_settings(argv)))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_persona_too_long_for_the_window_is_refused_with_its_size(tiny_checkpoint_dir, speech, tmp_path):
     prompt = "You are a helpful assistant who answers in full sentences. " * 66  # ~3900 characters
     db = tmp_path.parent / f"{tmp_path.name}-db" / "context.sqlite"

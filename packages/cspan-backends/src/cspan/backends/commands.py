@@ -122,6 +122,9 @@ def _backends_start(args: argparse.Namespace) -> int:
     if args.log_dir is not None and args.log_dir.exists() and not args.log_dir.is_dir():
         print(f"cspan backends start: error: --log-dir {str(args.log_dir)!r} is a file; give a folder", file=sys.stderr)
         return 2
+    if args.no_router and args.no_asr:
+        print("cspan backends start: error: nothing to start: both --no-router and --no-asr", file=sys.stderr)
+        return 2
     try:
         specs = _specs(args)
         if args.dry_run:

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from cspan.backends.errors import BackendError
+from cspan.backends.urls import redact_url
 
 ROUTER_MODEL = "google/gemma-4-26B-A4B-it"
 ASR_MODEL = "Qwen/Qwen3-ASR-1.7B"
@@ -224,6 +225,21 @@ def _same_process(record: ServerRecord) -> bool:
     return cmd[len(cmd) - len(tail) :] == tail and any(Path(c).name == program for c in head)
 
 
+EXTERNAL_CHECK_S = 10.0
+"""How long ``start`` gives an external server (``--router-url``) to pass its health check."""
+
+
+def _answers_soon(url: str, within_s: float) -> bool:
+    """Whether ``url`` passes :func:`healthy` within ``within_s`` seconds (asked every half second)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if healthy(url, timeout_s=min(2.0, within_s)):
+            return True
+        if time.monotonic() + 0.5 > deadline:
+            return False
+        time.sleep(0.5)
+
+
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
     """Whether ``url`` answers HTTP 2xx."""
     try:
@@ -275,7 +291,15 @@ def start(
     clash = {r.name for r in existing} & {s.name for s in specs}
     if clash:
         raise LauncherError(f"already running: {', '.join(sorted(clash))}; run `cspan backends stop` first")
+    if not specs:
+        raise LauncherError("nothing to start: every server is turned off (--no-asr, --no-router)")
     check_requirements(specs)
+    for spec in specs:  # an external server is there already, or it is a mistake: no wait, nothing recorded
+        if not spec.managed and not _answers_soon(spec.health_url, EXTERNAL_CHECK_S):
+            raise LauncherError(
+                f"{spec.name}: nothing healthy answers {redact_url(spec.health_url)} within {EXTERNAL_CHECK_S:g} s "
+                f"(an external --{spec.name}-url is only checked, not started); start that server first or fix the URL"
+            )
     for spec in specs:
         if spec.managed and healthy(spec.health_url, timeout_s=1.0):
             raise LauncherError(
@@ -328,6 +352,8 @@ def start(
         if not pending:
             break
         if time.monotonic() > deadline:
+            if progress:
+                print(file=sys.stderr)  # end the progress line before the error
             names = ", ".join(sorted(pending))
             tails = "\n".join(f"--- {r.name} ({r.log}):\n{_log_tail(r.log)}" for r in pending.values())
             stop(records)

@@ -508,6 +508,9 @@ def persona_frames(checkpoint: Any, settings: InferSettings, voice: Any) -> dict
         "window": window,
     }
     too_long = prefix.too_long_for(window, characters=len(settings.text_prompt))
+    if too_long is not None and window is not None and prefix.voice_frames >= len(prefix.text_ids):
+        voice_name = settings.voice or "(the checkpoint's default voice)"
+        raise SettingsError(f"--voice {voice_name}: {too_long}. Use a shorter voice prompt (2-30 s)")
     if too_long is not None:
         raise SettingsError(f"--text-prompt: {too_long}. Shorten the text prompt")
     return info

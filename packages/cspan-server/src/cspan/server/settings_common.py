@@ -108,7 +108,8 @@ class ModelSettings(BaseSettings):
         None,
         description="voice prompt: a voice name of the checkpoint (its voices/, or PersonaPlex's voices.tgz: NATF2), "
         "a .pt voice file (codes, or PersonaPlex's embeddings), or a 2-30 s recording (WAV, FLAC, OGG, MP3) to clone "
-        "(default: the first voice of the checkpoint's voices/)",
+        "(default: the first voice of the checkpoint's voices/ folder; none for voices.tgz, which holds a choice: name "
+        "one)",
         json_schema_extra={"group": "model"},
     )
     text_prompt: Utf8Text = Field(
