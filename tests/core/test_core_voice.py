@@ -241,3 +241,10 @@ def test_undecodable_recording_is_named_in_words(tmp_path: Path) -> None:
         read_audio(text)
     assert str(err.value).startswith(f"{text}: cannot decode audio (Format not recognised.);"), err.value
     assert "b'" not in str(err.value) and "Error opening" not in str(err.value)
+
+
+def test_a_voices_dir_that_is_no_folder_is_said(tiny_checkpoint, tmp_path: Path, monkeypatch) -> None:
+    """$CSPAN_VOICES_DIR naming a missing folder was ignored without a word: every voice name of it was unknown."""
+    monkeypatch.setenv("CSPAN_VOICES_DIR", str(tmp_path / "typo"))
+    with pytest.raises(CheckpointError, match=rf"CSPAN_VOICES_DIR={tmp_path / 'typo'}: not a folder"):
+        find_voice("NATF2", tiny_checkpoint)

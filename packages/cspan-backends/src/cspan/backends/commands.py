@@ -173,13 +173,19 @@ def _backends_stop(args: argparse.Namespace) -> int:
 
 
 def _backends_env(args: argparse.Namespace) -> int:
-    from cspan.backends.launcher import LauncherError, env_lines
+    from cspan.backends.launcher import LauncherError, env_lines, not_running
 
     try:
-        lines = env_lines()
+        lines, gone = env_lines(), not_running()
     except LauncherError as exc:
         print(f"cspan backends env: error: {exc}", file=sys.stderr)
         return 1
+    for name in gone:  # still exported (a supervisor may restart it), but said
+        print(
+            f"cspan backends env: warning: {name} is recorded but its process is gone; `cspan backends status`, "
+            "or start it again",
+            file=sys.stderr,
+        )
     if not lines:  # on standard error: `eval "$(cspan backends env)"` still sets nothing, and says why
         print("cspan backends env: no backends are running (start them with `cspan backends start`)", file=sys.stderr)
         return 0

@@ -420,6 +420,11 @@ def status() -> list[dict[str, object]]:
     return rows
 
 
+def not_running() -> list[str]:
+    """The names of recorded servers this launcher started whose process is gone (no health check: quick)."""
+    return [r.name for r in load_state() if r.managed and not _same_process(r)]
+
+
 def env_lines() -> list[str]:
     """``export`` lines telling ``cspan infer`` / ``cspan serve`` where the recorded servers are."""
     out = []

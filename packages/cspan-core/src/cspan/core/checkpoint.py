@@ -961,6 +961,22 @@ def load_tokenizer(path: str | os.PathLike[str]) -> sentencepiece.SentencePieceP
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def env_voices() -> dict[str, Path]:
+    """The voices of ``$CSPAN_VOICES_DIR`` (:func:`scan_voices`; empty when it is unset).
+
+    Raises:
+        CheckpointError: the variable names no folder (a typo there would leave every voice name unknown with no
+            word about why).
+    """
+    env_dir = os.environ.get(ENV_VOICES)
+    if not env_dir:
+        return {}
+    folder = Path(env_dir).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{ENV_VOICES}={env_dir}: not a folder; point it at a folder of voice files or unset it")
+    return scan_voices(folder)
+
+
 def scan_voices(*dirs: Path | None) -> dict[str, Path]:
     """Voice name -> file for the voice files of ``dirs`` (``<name>.pt``, or a recording ``<name>.wav`` / ``.flac`` /
     ``.ogg`` / ``.mp3``); a ``.pt`` wins over a recording of the same name, an earlier folder over a later one."""
@@ -1394,10 +1410,7 @@ def load_checkpoint(
             f"tokenizer file {str(files.tokenizer)!r} has {vocab} pieces but the LM's text_card is "
             f"{lm_cfg.text_card}; the tokenizer does not belong to this LM"
         )
-    voices = dict(files.voices)
-    env_dir = os.environ.get(ENV_VOICES)
-    if env_dir:
-        voices = {**voices, **scan_voices(Path(env_dir))}
+    voices = {**files.voices, **env_voices()}
     return Checkpoint(
         lm=lm,
         mimi=mimi,
@@ -1489,10 +1502,7 @@ def describe_checkpoint(
         lines += [f"  {i:>3} {name}: {sp.id_to_piece(i)!r}" for name, i in specials if i < sp.vocab_size()]
     else:
         lines.append(f"tokenizer: missing ({TOKENIZER_FILE})")
-    voices = dict(files.voices)
-    env_dir = os.environ.get(ENV_VOICES)
-    if env_dir:
-        voices = {**voices, **scan_voices(Path(env_dir))}
+    voices = {**files.voices, **env_voices()}
     lines.append(f"voices: {len(voices) or 'none'}")
     lines += [f"  {name}: {_voice_kind(path)} ({path})" for name, path in sorted(voices.items())]
     if files.archive_voices:
@@ -1584,6 +1594,7 @@ __all__ = [
     "CheckpointFiles",
     "SafetensorsHeader",
     "describe_checkpoint",
+    "env_voices",
     "load_checkpoint",
     "load_lm",
     "load_mimi",

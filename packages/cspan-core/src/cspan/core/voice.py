@@ -89,15 +89,12 @@ class VoicePrompt:
 
 
 def _known_voices(checkpoint: Checkpoint | None) -> dict[str, Path]:
-    from .checkpoint import ENV_VOICES, scan_voices
+    from .checkpoint import env_voices
 
     known = {}
     if checkpoint is not None:
         known = {**getattr(checkpoint, "archive_voices", {}), **checkpoint.voices}
-    env_dir = os.environ.get(ENV_VOICES)
-    if env_dir:
-        known = {**known, **scan_voices(Path(env_dir))}
-    return known
+    return {**known, **env_voices()}
 
 
 def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> Path:
