@@ -100,13 +100,12 @@ def test_load_client_stops_flooding_a_server_that_died_and_fails(serve, tmp_path
     # one record per client for its refused connections, retried after 1, 2, 4 s: at most 4 tries in the ~7 s left
     assert sorted(s["client"] for s in failed) == [0, 1] and all(1 <= s["repeats"] <= 4 for s in failed)
     assert summary["session_errors"] == sum(s["repeats"] for s in failed) and summary["server_answering"] is False
-    assert (
-        summary["completed"] == 2 and summary["sessions"] == 2 + summary["session_errors"] and summary["refused"] == 0
-    )
+    # a client that reconnects while the server shuts down may be refused ("shutting down") before the socket closes
+    assert summary["completed"] == 2 and summary["refused"] <= 2
+    assert summary["sessions"] == 2 + summary["refused"] + summary["session_errors"]
     assert summary["first_session_error"].startswith("error (ConnectionRefusedError")
-    assert f"2 client(s): {summary['sessions']} session attempt(s), 0 refused, {summary['session_errors']} failed" in (
-        stdout
-    )
+    line = f"2 client(s): {summary['sessions']} session attempt(s), {summary['refused']} refused, "
+    assert f"{line}{summary['session_errors']} failed" in stdout
     assert (out / "serve-load.json").stat().st_size < 20_000
 
 
