@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import httpx
 
@@ -32,9 +33,12 @@ __all__ = [
     "HTTPFailure",
     "HTTPPolicy",
     "HTTPReply",
+    "NoAnswer",
     "backend_answers",
+    "network_cause",
     "off_loop",
     "request",
+    "unanswered",
 ]
 
 log = logging.getLogger(__name__)
@@ -291,3 +295,35 @@ async def backend_answers(urls: list[str], timeout_s: float) -> list[BaseExcepti
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False) as client:
         return list(await asyncio.gather(*(one(client, url) for url in urls)))
+
+
+def network_cause(exc: BaseException) -> str:
+    """The root cause of a failed request in words ("connection refused", "name or service not known"): the first
+    ``OSError`` with an errno along the exception's chain, else the exception's own text."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os.strerror(seen.errno).lower() if seen.errno > 0 else str(seen.strerror or seen).lower()
+        seen = seen.__cause__ or seen.__context__
+    return str(exc) or type(exc).__name__
+
+
+class NoAnswer(NamedTuple):
+    """Why nothing answered at a backend URL: ``why`` in words, ``timed_out`` when it was the deadline."""
+
+    why: str
+    timed_out: bool
+
+
+async def unanswered(urls: Mapping[str, str], timeout_s: float) -> dict[str, NoAnswer]:
+    """Of ``urls`` (``{flag: url}``; an ``openai+`` prefix is dropped), those where nothing answers HTTP within
+    ``timeout_s`` (:func:`backend_answers`), by flag. The one start-up check of a backend URL (``cspan infer``,
+    ``serve`` and the bench runners phrase what to do)."""
+    answers = await backend_answers([url.removeprefix("openai+") for url in urls.values()], timeout_s)
+    found = {}
+    for flag, answer in zip(urls, answers, strict=True):
+        if isinstance(answer, TimeoutError | httpx.TimeoutException):
+            found[flag] = NoAnswer(f"no answer within {timeout_s:g} s", True)
+        elif answer is not None:
+            found[flag] = NoAnswer(network_cause(answer), False)
+    return found

@@ -301,29 +301,19 @@ async def check_backends(args: argparse.Namespace, *, timeout_s: float = 5.0) ->
     Raises:
         BenchError: naming the flag, the URL (without its credentials) and the cause.
     """
-    import httpx
-
-    from cspan.backends.http_client import backend_answers
+    from cspan.backends.http_client import unanswered
     from cspan.backends.urls import redact_url
     from cspan.bench.errors import BenchError
 
-    urls = {
-        flag: value.removeprefix("openai+")
-        for flag, value in (("--router", args.router), ("--asr", args.asr))
-        if "://" in value
-    }
-    if not urls:
-        return
-    answers = await backend_answers(list(urls.values()), timeout_s)
-    problems = []
-    for (flag, url), answer in zip(urls.items(), answers, strict=True):
-        if answer is None:
-            continue
-        timed_out = isinstance(answer, TimeoutError | httpx.TimeoutException)
-        why = f"no answer within {timeout_s:g} s" if timed_out else str(answer) or type(answer).__name__
-        problems.append(f"{flag} {redact_url(url)}: nothing answers there ({why}); start that server or fix the URL")
-    if problems:
-        raise BenchError("; ".join(problems))
+    urls = {flag: value for flag, value in (("--router", args.router), ("--asr", args.asr)) if "://" in value}
+    why = await unanswered(urls, timeout_s) if urls else {}
+    if why:
+        raise BenchError(
+            "; ".join(
+                f"{flag} {redact_url(urls[flag])}: nothing answers there ({no.why}); start that server or fix the URL"
+                for flag, no in why.items()
+            )
+        )
 
 
 def build_session_from(args: argparse.Namespace, **extra: Any) -> Any:

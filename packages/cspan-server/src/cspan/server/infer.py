@@ -356,49 +356,28 @@ async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_
         CspanError: a URL where nothing answers (refused, unknown host, no answer within ``timeout_s``), with the
             flag, the URL and what to do.
     """
-    import httpx
-
-    from cspan.backends.http_client import backend_answers
+    from cspan.backends.http_client import unanswered
     from cspan.core.errors import CspanError
 
-    checks = [
-        (flag, url, fallback, start)
+    checks = {
+        flag: (url, fallback, start)
         for flag, url, fallback, start in (
             ("--asr", settings.asr_url, "sphinx", "`cspan backends start` or `cspan asr-serve`"),
             ("--router", settings.router_url, "local", "`cspan backends start`"),
         )
         if url is not None
-    ]
+    }
     if not checks:
         return
-    answers = await backend_answers([url.removeprefix("openai+") for _, url, _, _ in checks], timeout_s)
-    problems = []
-    for (flag, url, fallback, start), answer in zip(checks, answers, strict=True):
-        if isinstance(answer, TimeoutError | httpx.TimeoutException):
-            why = f"no answer within {timeout_s:g} s"
-        elif isinstance(answer, Exception):
-            why = _network_cause(answer)
-        else:
-            continue
-        problems.append(
-            f"{flag} {redact_url(url)}: nothing answers there ({why}); start the server ({start}) or fix the URL, or use "
-            f"{flag} {fallback}"
-        )
+    why = await unanswered({flag: url for flag, (url, _, _) in checks.items()}, timeout_s)
+    problems = [
+        f"{flag} {redact_url(url)}: nothing answers there ({why[flag].why}); start the server ({start}) or fix the URL, "
+        f"or use {flag} {fallback}"
+        for flag, (url, fallback, start) in checks.items()
+        if flag in why
+    ]
     if problems:
         raise CspanError("; ".join(problems))
-
-
-def _network_cause(exc: BaseException) -> str:
-    """The root cause of a failed request in words ("connection refused", "name or service not known"): the first
-    ``OSError`` with an errno along the exception's chain, else the exception's own text."""
-    from cspan.core.errors import os_error_cause
-
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno:
-            return os_error_cause(seen) if seen.errno > 0 else str(seen.strerror or seen).lower()
-        seen = seen.__cause__ or seen.__context__
-    return str(exc) or type(exc).__name__
 
 
 def open_context_db(settings: ContextDBSettings) -> Any:

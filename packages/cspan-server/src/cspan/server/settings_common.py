@@ -440,7 +440,8 @@ class ContextDBSettings(BaseSettings):
 
 def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]:
     """Ask every backend URL of ``settings`` (a :class:`BackendSettings`) whether something answers HTTP there
-    (:func:`cspan.backends.http_client.backend_answers`; call it where no event loop runs, e.g. while the model loads in a thread).
+    (:func:`cspan.backends.http_client.unanswered`; call it where no event loop runs, e.g. while the model loads in a
+    thread).
 
     Any HTTP answer counts (a 404 still means a server listens); a refused connection, a name that does not resolve
     or no answer within ``timeout_s`` does not.
@@ -448,26 +449,15 @@ def check_backends_answer(settings: Any, *, timeout_s: float = 5.0) -> list[str]
     Returns:
         One line per backend that does not answer, naming the flag, the URL and the cause (empty: all answer).
     """
-    import httpx
+    from cspan.backends.http_client import unanswered
 
-    items = list(settings.backend_urls().items())
-    if not items:
-        return []
-    from cspan.backends.http_client import backend_answers
-
-    answers = asyncio.run(backend_answers([url for _, url in items], timeout_s))
-    lines = []
-    for (flag, url), exc in zip(items, answers, strict=True):
-        if exc is None:
-            continue
-        if isinstance(exc, TimeoutError | httpx.TimeoutException):
-            lines.append(f"{flag} {redact_url(url)}: no answer within {timeout_s:g} s")
-        else:
-            cause = str(exc) or type(exc).__name__
-            lines.append(
-                f"{flag} {redact_url(url)}: does not answer ({cause}); start that server or choose another {flag}"
-            )
-    return lines
+    urls = settings.backend_urls()
+    why = asyncio.run(unanswered(urls, timeout_s)) if urls else {}
+    return [
+        f"{flag} {redact_url(urls[flag])}: "
+        + (no.why if no.timed_out else f"does not answer ({no.why}); start that server or choose another {flag}")
+        for flag, no in why.items()
+    ]
 
 
 __all__ = [
