@@ -30,7 +30,6 @@ last frame); its next call is call P + 1, given user frame P.
 
 from __future__ import annotations
 
-import operator
 import os
 import time
 from collections.abc import Sequence
@@ -64,6 +63,7 @@ from .sessions import (
     Sessions,
     StepBatch,
     StepHead,
+    as_index,
     build_step,
     check_seed,
     check_tensor,
@@ -213,11 +213,11 @@ class DuplexEngine:
             raise TypeError(f"DuplexEngine: batch_size must be an int, got {batch_size!r}")
         if batch_size < 1:
             raise ValueError(f"DuplexEngine: batch_size must be >= 1, got {batch_size}")
-        if max_block_columns is not None and max_block_columns < 1:
-            raise ValueError(f"DuplexEngine: max_block_columns must be >= 1 or None, got {max_block_columns}")
         for name, value in (("max_span_frames", max_span_frames), ("max_block_columns", max_block_columns)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"DuplexEngine: {name} must be an int, got {value!r}")
+        if max_block_columns is not None and max_block_columns < 1:
+            raise ValueError(f"DuplexEngine: max_block_columns must be >= 1 or None, got {max_block_columns}")
         if max_span_frames < 3:
             raise SpanError(f"max_span_frames is {max_span_frames}; it must be at least 3 (12, one token, 13)")
         if hasattr(checkpoint, "lm") and hasattr(checkpoint, "mimi"):
@@ -473,11 +473,12 @@ class DuplexEngine:
             )
         if frames.numel():
             highs = torch.tensor([self.lm.cfg.text_card + 1] + [self.lm.card + 1] * (K - 1))[:, None]
-            bad = (frames.cpu() >= highs) | (frames.cpu() < ZERO_TOKEN)
+            ids = frames.cpu()
+            bad = (ids >= highs) | (ids < ZERO_TOKEN)
             if bool(bad.any()):
                 k, p = (int(v) for v in bad.nonzero()[0])
                 raise ValueError(
-                    f"set_prefix: frames[{k}, {p}] = {int(frames[k, p])} is outside -1 .. {int(highs[k, 0]) - 1}"
+                    f"set_prefix: frames[{k}, {p}] = {int(ids[k, p])} is outside -1 .. {int(highs[k, 0]) - 1}"
                 )
         if embeddings is not None:
             emb = check_tensor("set_prefix: embeddings", embeddings)
@@ -875,12 +876,10 @@ class DuplexEngine:
 
     def _check_session(self, i: object) -> int:
         """``i`` as an int (numpy's and torch's integers too), else TypeError / IndexError."""
-        try:
-            if isinstance(i, bool):
-                raise TypeError
-            i = operator.index(i)
-        except TypeError:
-            raise TypeError(f"a session is an int index, got {type(i).__name__} {i!r}") from None
+        index = as_index(i)
+        if index is None:
+            raise TypeError(f"a session is an int index, got {type(i).__name__} {i!r}")
+        i = index
         if not 0 <= i < self.batch_size:
             raise IndexError(f"session {i} is outside 0..{self.batch_size - 1} (engine batch_size {self.batch_size})")
         return i

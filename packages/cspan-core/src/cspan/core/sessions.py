@@ -54,16 +54,25 @@ def check_seed(seed: object, where: str, span: int = 1) -> int | None:
     naming ``where``: a seed the device cannot hold would fail only at the next step, after the restart was queued."""
     if seed is None:
         return None
-    try:
-        if isinstance(seed, bool):
-            raise TypeError
-        seed = operator.index(seed)  # an int, numpy's and torch's integers included
-    except TypeError:
-        raise TypeError(f"{where}: a seed is an int or None, got {type(seed).__name__} {seed!r}") from None
+    value = as_index(seed)
+    if value is None:
+        raise TypeError(f"{where}: a seed is an int or None, got {type(seed).__name__} {seed!r}")
+    seed = value
     if not 0 <= seed <= MAX_SEED - (span - 1):
         top = "2**63 - 1" if span == 1 else f"2**63 - {span} (seed + i for {span} sessions)"
         raise ValueError(f"{where}: seed {seed} is outside 0 .. {top}")
     return seed
+
+
+def as_index(value: object) -> int | None:
+    """``value`` as an int when it is an integer (numpy's and torch's too, through ``operator.index``; not a bool),
+    else None: a session index, a seed."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_tensor(where: str, t: object) -> torch.Tensor:
@@ -83,13 +92,12 @@ def is_integer(t: torch.Tensor) -> bool:
 
 
 def check_tokens(where: str, tokens: torch.Tensor | None, low: int, highs: list[int]) -> None:
-    """``tokens`` [B, len(highs)] (or None): an integer tensor, else a ValueError (TypeError: no dense tensor, see
-    :func:`check_tensor`) naming ``where``; on the CPU also
-    column j in ``low`` (-2: "sample") or 0 .. highs[j] - 1 (the rows its embedding table has). A device tensor's
-    values are not read: that would make every step wait for the GPU."""
+    """``tokens`` [B, len(highs)] (or None; a dense tensor: :func:`check_tensor`): an integer tensor, else a
+    ValueError naming ``where``; on the CPU also column j in ``low`` (-2: "sample") or 0 .. highs[j] - 1 (the rows its
+    embedding table has). A device tensor's values are not read: that would make every step wait for the GPU."""
     if tokens is None:
         return
-    if not is_integer(check_tensor(where, tokens)):
+    if not is_integer(tokens):
         raise ValueError(f"{where} must be an integer (long) tensor, got {tokens.dtype}")
     if tokens.device.type != "cpu" or not tokens.numel():
         return

@@ -50,7 +50,12 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     the span markers (ids 4, 12, 13; the tiny tokenizer turns a NUL into ``<ret>``): a tool's output could ask
     for a reference or close its span. Text is data, never control tokens, so every text the model reads
     (references, persona prompts, training words) goes through here."""
-    return [int(i) for i in tokenizer.encode(text.translate(_CONTROLS))]
+    return _encode(tokenizer, text.translate(_CONTROLS))
+
+
+def _encode(tokenizer: Any, clean: str) -> list[int]:
+    """The ids of a text whose control characters are already spaces."""
+    return [int(i) for i in tokenizer.encode(clean)]
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ class ContextSpan:
                     "ContextSpan.encode: a text span needs the checkpoint's SentencePiece tokenizer; pass it or use "
                     "ContextSpan.from_ids"
                 )
-            body = encode_text(tokenizer, text)
+            body = _encode(tokenizer, text)  # its control characters read as spaces above
         if not body:
             raise SpanError(
                 f"ContextSpan: the reference {self.text!r} encodes to no tokens; give a non-empty reference"

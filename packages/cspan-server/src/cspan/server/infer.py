@@ -39,10 +39,10 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 
 from cspan.backends.urls import redact_url
+from cspan.core.constants import MAX_LISTEN_S
 from cspan.core.settings import add_settings_arguments, settings_from_args
 from cspan.server.settings_common import (
     DEFAULT_PERSONA,
-    MAX_WINDOW_S,
     BackendSettings,
     ContextDBSettings,
     ModelSettings,
@@ -181,7 +181,7 @@ class InferSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     span_delay_s: float = Field(
         0.8,
         ge=0.0,
-        le=MAX_WINDOW_S,
+        le=MAX_LISTEN_S,
         allow_inf_nan=False,
         description="offline clock: apply each reference this long (s) after it was asked, whatever the backend's "
         "wall-clock latency (deterministic; ignored with --realtime)",

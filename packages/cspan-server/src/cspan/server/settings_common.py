@@ -25,9 +25,14 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec, ToolsSpec, parse_mcp, parse_tools
 from cspan.backends.urls import redact_url
-from cspan.core.constants import MAX_LISTEN_S as MAX_WINDOW_S
-from cspan.core.constants import MAX_SPAN_DEADLINE_S as MAX_DEADLINE_S
-from cspan.core.constants import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, SERVE_MAX_BLOCK_COLUMNS
+from cspan.core.constants import (
+    MAX_LISTEN_S,
+    MAX_SPAN_DEADLINE_S,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_TEMPERATURE,
+    SERVE_MAX_BLOCK_COLUMNS,
+)
 from cspan.core.settings import SETTINGS_CONFIG, EnvList
 
 DEFAULT_PERSONA = (
@@ -254,17 +259,17 @@ class BackendSettings(BaseSettings):
     listen_s: float = Field(
         12.0,
         gt=0.0,
-        le=MAX_WINDOW_S,
+        le=MAX_LISTEN_S,
         allow_inf_nan=False,
-        description=f"ASR window (s) when no utterance transcript is usable (at most {MAX_WINDOW_S:g})",
+        description=f"ASR window (s) when no utterance transcript is usable (at most {MAX_LISTEN_S:g})",
         json_schema_extra={"group": "backends"},
     )
     span_deadline_s: float = Field(
         2.5,
         gt=0.0,
-        le=MAX_DEADLINE_S,
+        le=MAX_SPAN_DEADLINE_S,
         allow_inf_nan=False,
-        description=f"drop a reference applied later than this (s) after its <ret> (at most {MAX_DEADLINE_S:g})",
+        description=f"drop a reference applied later than this (s) after its <ret> (at most {MAX_SPAN_DEADLINE_S:g})",
         json_schema_extra={"group": "backends"},
     )
 
