@@ -793,13 +793,8 @@ class Trainer:
 
     def load_checkpoint(self, folder: Path) -> int:
         """Restore the trainable weights, optimizer and scheduler from ``folder``, written by any number of processes
-        with or without FSDP2; returns its step.
-
-        Raises:
-            TrainSettingsError: the folder was written with options that change the samples or the optimisation
-                (:meth:`check_resume`).
-        """
-        self.check_resume(folder)
+        with or without FSDP2; returns its step. Its options were checked against this run's before the model loaded
+        (:meth:`check_resume`, in :meth:`run`)."""
         load_train_state(folder, self.module, self.optimizer)
         trainer = torch.load(folder / "trainer.pt", map_location="cpu", weights_only=True)
         self.scheduler.load_state_dict(trainer["scheduler"])
