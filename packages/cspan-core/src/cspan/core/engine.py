@@ -50,12 +50,11 @@ from .constants import (
     RET,
     SILENCE_TOKENS,
     SINE_TOKENS,
-    ZERO_TOKEN,
 )
 from .errors import CheckpointError, SpanError
 from .graphs import GraphCache
 from .plan import resolve_plan
-from .prefix import PrefixReport, build_persona_prefix, prefix_block
+from .prefix import PrefixReport, build_persona_prefix, check_prefix, prefix_block
 from .sampling import SamplingParams, SessionSampling, sample_column, top_k_bound
 from .sessions import (
     EngineState,
@@ -443,7 +442,8 @@ class DuplexEngine:
         i = self._check_session(i)
         seed = self.sessions.seeds[i] if seed is None else check_seed(seed, "set_prefix")
         policy = self.persona_policy if policy is None else check_policy(policy)
-        self._check_prefix(frames, embeddings)
+        rows = [self.lm.cfg.text_card + 1] + [self.lm.card + 1] * (self.num_streams - 1)  # each stream's table
+        check_prefix(frames, embeddings, rows, self.lm.cfg.dim)
         P = int(frames.shape[-1])
         if not P:
             self.sessions.reset([i], [seed])
@@ -461,32 +461,6 @@ class DuplexEngine:
             copy = reprefix_block(block, self.lm.delays, self.agent_placeholder, self.user_placeholder)
         self.sessions.reset([i], [seed], block, Persona(policy, sinks=P + 1, copy=copy))
         return P
-
-    def _check_prefix(self, frames: object, embeddings: object) -> None:
-        """A ValueError / TypeError unless ``frames`` [K, P] and ``embeddings`` [E <= P, D] can be read: a bad
-        prefix found by the step would fail every session's step and lose what was queued with it."""
-        K, D = self.num_streams, self.lm.cfg.dim
-        frames = check_tensor("set_prefix: frames", frames)
-        if frames.dim() != 2 or frames.shape[0] != K or not is_integer(frames):
-            raise ValueError(
-                f"set_prefix: frames must be [{K}, P] integer ids, got {frames.dtype} {list(frames.shape)}"
-            )
-        if frames.numel():
-            highs = torch.tensor([self.lm.cfg.text_card + 1] + [self.lm.card + 1] * (K - 1))[:, None]
-            ids = frames.cpu()
-            bad = (ids >= highs) | (ids < ZERO_TOKEN)
-            if bool(bad.any()):
-                k, p = (int(v) for v in bad.nonzero()[0])
-                raise ValueError(
-                    f"set_prefix: frames[{k}, {p}] = {int(ids[k, p])} is outside -1 .. {int(highs[k, 0]) - 1}"
-                )
-        if embeddings is not None:
-            emb = check_tensor("set_prefix: embeddings", embeddings)
-            if emb.dim() != 2 or emb.shape[0] > frames.shape[1] or emb.shape[1] != D or not emb.is_floating_point():
-                raise ValueError(
-                    f"set_prefix: embeddings must be [E <= {frames.shape[1]}, {D}] floats, got {emb.dtype} "
-                    f"{list(emb.shape)}"
-                )
 
     def inject_span(self, i: int, span: ContextSpan | str) -> SpanReport:
         """Queue a Context Span for session ``i``: its next step reads the block before its next position, in the

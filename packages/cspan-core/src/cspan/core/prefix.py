@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import CONTEXT_SPANNING, PERSONAPLEX, PREFIX_LAYOUTS, PrefixLayout
-from .constants import NUM_CODEBOOKS, PAD, SILENCE_TOKENS, SINE_TOKENS
+from .constants import NUM_CODEBOOKS, PAD, SILENCE_TOKENS, SINE_TOKENS, ZERO_TOKEN
 from .errors import CheckpointError
 from .span import Block, encode_text
 from .streams import delay_tokens
@@ -326,6 +326,32 @@ def prefix_inputs(lm: Any, delayed: torch.Tensor, embeddings: torch.Tensor | Non
     return x
 
 
+def check_prefix(frames: object, embeddings: object, rows: Sequence[int], dim: int) -> None:
+    """A TypeError / ValueError unless ``frames`` are [K, P] integer ids, row k below ``rows[k]`` (the rows of its
+    embedding table; -1: no input), and ``embeddings`` (or None) [E <= P, ``dim``] floats: a prefix found bad by the
+    step would fail every session's step and lose what was queued with it."""
+    from .sessions import check_tensor, is_integer
+
+    K = len(rows)
+    frames = check_tensor("set_prefix: frames", frames)
+    if frames.dim() != 2 or frames.shape[0] != K or not is_integer(frames):
+        raise ValueError(f"set_prefix: frames must be [{K}, P] integer ids, got {frames.dtype} {list(frames.shape)}")
+    if frames.numel():
+        highs = torch.tensor(list(rows))[:, None]
+        ids = frames.cpu()
+        bad = (ids >= highs) | (ids < ZERO_TOKEN)
+        if bool(bad.any()):
+            k, p = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"set_prefix: frames[{k}, {p}] = {int(ids[k, p])} is outside -1 .. {rows[k] - 1}")
+    if embeddings is not None:
+        emb = check_tensor("set_prefix: embeddings", embeddings)
+        if emb.dim() != 2 or emb.shape[0] > frames.shape[1] or emb.shape[1] != dim or not emb.is_floating_point():
+            raise ValueError(
+                f"set_prefix: embeddings must be [E <= {frames.shape[1]}, {dim}] floats, got {emb.dtype} "
+                f"{list(emb.shape)}"
+            )
+
+
 def prefix_block(
     frames: torch.Tensor,
     delays: Sequence[int],
@@ -369,6 +395,7 @@ __all__ = [
     "PrefixLayout",
     "PrefixReport",
     "build_persona_prefix",
+    "check_prefix",
     "persona_text",
     "prefix_block",
     "prefix_frames",
