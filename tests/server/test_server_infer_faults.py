@@ -332,6 +332,20 @@ def test_a_postgresql_server_that_refuses_is_one_line(tiny_checkpoint_dir, speec
     assert err.count("\n") == 1 and "\t" not in err and "Is the server running" in err
 
 
+def test_a_postgresql_url_s_password_stays_out_of_the_error(
+    tiny_checkpoint_dir, speech, tmp_path, capsys, no_model_load
+):
+    """The --db URL's password and secret query parameters are redacted (as serve, db and users do), and the fix
+    named is the server's, not 'pass a Context DB file' (was the URL as given, password and all)."""
+    pytest.importorskip("psycopg")
+    url = f"postgresql://dave:pw9999@127.0.0.1:{_closed_port()}/db?sslpassword=zzz"
+    assert cli.main(_argv(tiny_checkpoint_dir, speech, tmp_path / "out", "--db", url)) == 1
+    err = capsys.readouterr().err
+    assert "pw9999" not in err and "zzz" not in err, err
+    assert err.startswith("cspan infer: error: --db postgresql://dave:***@127.0.0.1:"), err
+    assert "check that the server is running" in err and "Context DB file" not in err, err
+
+
 def test_backend_errors_reaching_the_cli_are_one_line(monkeypatch, capsys):
     """Any verb: the backends' own errors (roots that cannot derive from CspanError) print like CspanError."""
     from cspan.backends.context_db import ContextDBError

@@ -388,16 +388,21 @@ def open_context_db(settings: ContextDBSettings) -> Any:
         CspanError: the file is not a Context DB, is of a newer schema, or its folder cannot be created.
     """
     from cspan.backends.context_db import ContextDBError, resolve_target
+    from cspan.backends.context_db.connection import is_postgres_url
     from cspan.core.errors import CspanError, os_error_cause
 
-    where = resolve_target(settings.db)
+    target = resolve_target(settings.db)
+    where = redact_url(target)  # a PostgreSQL URL's password stays out of the message
     try:
         return settings.open_db()
     except ContextDBError as exc:
         cause = str(exc.__cause__ or exc).replace("--context-db", "--db")
-        raise CspanError(
-            f"--db {where}: cannot open the Context DB: {cause}; pass a Context DB file or a new path"
-        ) from None
+        fix = (
+            "check that the server is running and the URL (host, port, database, user)"
+            if is_postgres_url(target)
+            else "pass a Context DB file or a new path"
+        )
+        raise CspanError(f"--db {where}: cannot open the Context DB: {cause}; {fix}") from None
     except OSError as exc:
         cause = "a file is in the way of its folder" if isinstance(exc, FileExistsError) else os_error_cause(exc)
         raise CspanError(f"--db {where}: cannot create the Context DB there: {cause}") from None
