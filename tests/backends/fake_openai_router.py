@@ -20,7 +20,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:
-        if self.path.rstrip("/") == "/v1/models":
+        if self.path.partition("?")[0].rstrip("/") == "/v1/models":  # a query (?api-version=...) is ignored
             self._json({"object": "list", "data": [{"id": "fake-router", "object": "model"}]})
         else:
             self._json({"error": "not found"}, 404)

@@ -159,3 +159,18 @@ def test_an_external_router_that_does_not_answer_fails_in_seconds_and_nothing_is
     assert env_out.stdout == "" and "no backends are running" in env_out.stderr
     nothing = _run(["backends", "start", "--no-asr", "--no-router"], env)
     assert nothing.returncode == 2 and "nothing to start" in nothing.stderr
+
+
+def test_an_external_router_url_with_a_query_is_checked_and_exported_with_it(env):
+    """The query of --router-url (Azure's ?api-version=...) stays at the end of the URLs checked and exported (was
+    appended to: http://h/v1?api-version=2/v1/models, never healthy)."""
+    port = _free_port()
+    router = subprocess.Popen([sys.executable, str(HERE / "fake_openai_router.py"), "--port", str(port)])
+    try:
+        url = f"http://127.0.0.1:{port}/v1?api-version=2"
+        out = _run(["backends", "start", "--no-asr", "--router-url", url], env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"export CSPAN_ROUTER_URL={shlex.quote(url)}" in _run(["backends", "env"], env).stdout.splitlines()
+    finally:
+        router.terminate()
+        router.wait(timeout=30)

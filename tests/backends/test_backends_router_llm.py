@@ -383,3 +383,5 @@ def test_parse_reply_and_urls() -> None:
     assert chat_url("http://h:1") == "http://h:1/v1/chat/completions"
     assert chat_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
     assert chat_url("http://h:1/v1/chat/completions") == "http://h:1/v1/chat/completions"
+    # a query stays at the end (was "http://h:1/v1?api-version=2/v1/chat/completions")
+    assert chat_url("http://h:1/v1?api-version=2") == "http://h:1/v1/chat/completions?api-version=2"

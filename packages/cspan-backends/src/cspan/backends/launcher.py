@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -101,9 +102,11 @@ def router_spec(
     """The router server: vLLM serving ``model`` (released settings), a custom ``command`` (``{port}``/``{host}``/
     ``{model}`` substituted), or an external ``url`` that is only health-checked."""
     if url:
-        base = url.rstrip("/")
-        base = base[: -len("/v1")] if base.endswith("/v1") else base
-        return ServerSpec("router", [], {}, f"{base}/v1/models", f"{base}/v1", model, managed=False)
+        parts = urlsplit(url)  # a query (?api-version=...) stays at the end of each URL
+        path = parts.path.rstrip("/")
+        path = path[: -len("/v1")] if path.endswith("/v1") else path
+        models, v1 = (urlunsplit(parts._replace(path=f"{path}/v1{end}")) for end in ("/models", ""))
+        return ServerSpec("router", [], {}, models, v1, model, managed=False)
     if command:
         cmd = [part.format(port=port, host=host, model=model) for part in shlex.split(command)]
     else:

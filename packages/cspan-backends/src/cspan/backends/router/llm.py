@@ -31,6 +31,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -182,13 +183,13 @@ def _head(text: str, cap: int) -> str:
 
 
 def chat_url(base_url: str) -> str:
-    """The chat-completions URL for ``base_url`` ("http://h:8004", ".../v1" or the full URL all work)."""
-    url = base_url.rstrip("/")
-    if url.endswith("/chat/completions"):
-        return url
-    if url.endswith("/v1"):
-        return url + "/chat/completions"
-    return url + "/v1/chat/completions"
+    """The chat-completions URL for ``base_url`` ("http://h:8004", ".../v1" or the full URL all work; a query such
+    as ``?api-version=...`` stays at the end)."""
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    if not path.endswith("/chat/completions"):
+        path += "/chat/completions" if path.endswith("/v1") else "/v1/chat/completions"
+    return urlunsplit(parts._replace(path=path))
 
 
 def strip_fences(text: str) -> str:
