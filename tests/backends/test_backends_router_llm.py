@@ -167,6 +167,21 @@ async def test_unreachable_endpoint_raises_router_error(fdb_bank: ToolBank) -> N
     assert "hunter2pw" not in str(err.value) and "SECRET1" not in str(err.value)
 
 
+async def test_request_logs_name_the_endpoint_without_its_credential(
+    llm: StubLLM, fdb_bank: ToolBank, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx logs every request's URL at INFO (``cspan -v``): the password and the secret query parameters of a
+    backend URL are redacted there too (were logged as given: 'HTTP Request: POST http://bob:hunter2pw@...')."""
+    llm.script = [{"content": "It is sunny."}]
+    url = llm.url.replace("http://", "http://bob:hunter2pw@") + "/v1?api_key=SECRET1&v=2"
+    with caplog.at_level("INFO", logger="httpx"):
+        async with LLMRouter(url, "m", fdb_bank) as router:
+            await router.route(RouteRequest(question="hello"))
+    requests = [r.getMessage() for r in caplog.records if r.name == "httpx"]
+    assert requests and all("bob:***@127.0.0.1" in m and "api_key=***&v=2" in m for m in requests), requests
+    assert not any("hunter2pw" in m or "SECRET1" in m for m in requests), requests
+
+
 def test_urls_in_messages_lose_their_credentials() -> None:
     from cspan.backends.urls import redact_url
 

@@ -7,6 +7,10 @@ protocols of ``cspan.core`` structurally.
 
 __version__ = "0.1.0"
 
+from cspan.backends.urls import redact_http_logs as _redact_http_logs
+
+_redact_http_logs()  # the HTTP clients' request logs (-v) name backend URLs without their credentials
+
 # Public names, imported on first use so that ``import cspan.backends`` stays cheap (and never pulls in httpx,
 # sqlite or a tool bank until asked). Add a row per re-exported name: "name": "module".
 _LAZY = {

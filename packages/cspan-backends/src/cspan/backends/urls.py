@@ -7,6 +7,7 @@ its user part (``https://bob:pw@host/``) or a query parameter (``?api_key=...``,
 
 from __future__ import annotations
 
+import logging
 import re
 from urllib.parse import urlsplit, urlunsplit
 
@@ -33,4 +34,34 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
-__all__ = ["SECRET_PARAM", "redact_url"]
+HTTP_LOGGERS = ("httpx", "httpx2")
+"""The HTTP clients' loggers that name every request's URL at INFO (``cspan -v``): httpx, and the MCP SDK's httpx2."""
+
+
+class RedactURLs(logging.Filter):
+    """A log filter that passes every record with the URLs among its arguments shown by :func:`redact_url`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(_names_url(a) for a in args):
+            record.args = tuple(redact_url(str(a)) if _names_url(a) else a for a in args)
+        return True
+
+
+def _names_url(value: object) -> bool:
+    """Whether ``value`` is a URL (httpx's ``URL``, or a string of one) that may carry a credential."""
+    if type(value).__name__ == "URL":
+        return True
+    return isinstance(value, str) and "://" in value[:16]
+
+
+def redact_http_logs() -> None:
+    """Put :class:`RedactURLs` on the loggers of :data:`HTTP_LOGGERS` (once): ``cspan -v`` logs every request's URL,
+    which would otherwise show a backend URL's password and secret query parameters."""
+    for name in HTTP_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactURLs) for f in logger.filters):
+            logger.addFilter(RedactURLs())
+
+
+__all__ = ["HTTP_LOGGERS", "SECRET_PARAM", "RedactURLs", "redact_http_logs", "redact_url"]
