@@ -79,6 +79,9 @@ def test_tls_files_that_cannot_serve_are_bad_settings(certificate, tmp_path) -> 
     subprocess.run(
         [openssl, "pkey", "-in", str(key), "-aes256", "-passout", "pass:secret", "-out", str(encrypted)], check=True
     )
+    # a key of another type than the certificate's (EC): was "cannot serve TLS (NO_CERTIFICATE_ASSIGNED)"
+    rsa_key = tmp_path / "rsa.pem"
+    subprocess.run([openssl, "genpkey", "-algorithm", "RSA", "-out", str(rsa_key)], check=True, capture_output=True)
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
     cases = [
@@ -87,6 +90,7 @@ def test_tls_files_that_cannot_serve_are_bad_settings(certificate, tmp_path) -> 
         (["--ssl-certfile", str(cert)], rf"--ssl-keyfile .*: not given, and {cert} holds no private key"),
         (["--ssl-certfile", str(cert), "--ssl-keyfile", str(garbage)], "holds no PEM private key"),
         (["--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)], "is not the private key of the certificate"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(rsa_key)], "is not the private key of the certificate"),
         (["--ssl-certfile", str(cert), "--ssl-keyfile", str(encrypted)], "the private key is encrypted"),
         (["--ssl-keyfile", str(key)], "needs --ssl-certfile"),
     ]

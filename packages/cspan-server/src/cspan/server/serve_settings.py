@@ -222,7 +222,7 @@ def check_tls_files(certfile: Path, keyfile: Path | None) -> None:
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=encrypted)
     except ssl.SSLError as exc:
-        if exc.reason == "KEY_VALUES_MISMATCH":
+        if exc.reason in ("KEY_VALUES_MISMATCH", "NO_CERTIFICATE_ASSIGNED"):  # another key; or one of another type
             raise ValueError(
                 f"{keyfile or certfile}: is not the private key of the certificate in {certfile}"
             ) from None
