@@ -391,6 +391,20 @@ def test_bad_seeds_and_tokens_are_refused_before_anything_changes(tiny_checkpoin
     assert engine.step_tokens(torch.full((2, 8), card, dtype=torch.long)).valid.all()  # the placeholder id is held
 
 
+def test_a_prefix_of_any_integer_dtype_is_read_as_its_ids(tiny_checkpoint) -> None:
+    """uint8 frames were refused with a wrong message ("frames[0, 0] = 0 is outside -1 .. 1000": the -1 of the
+    check wrapped to 255), and an int8 prefix was read with its delayed columns' initial tokens (1000, 2048)
+    wrapped; any integer dtype whose values are in range reads the same as long frames."""
+    outputs = []
+    for dtype in (torch.long, torch.uint8, torch.int16, torch.int8):
+        engine = DuplexEngine(tiny_checkpoint, batch_size=1, seed=5)
+        K = engine.num_streams
+        frames = torch.arange(6 * K).reshape(K, 6) % 120
+        assert engine.set_prefix(0, frames.to(dtype)) == 6
+        outputs.append(torch.stack([engine.step(torch.zeros(1, FRAME_SIZE)).agent_pcm for _ in range(2)]))
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
 def test_a_bad_prefix_or_input_is_refused_at_the_call_and_loses_no_other_work(tiny_checkpoint) -> None:
     """A prefix whose ids no embedding table holds, float frames, embeddings of the wrong width, a sparse or meta
     PCM tensor: each raises at the call, before the step takes the queued work, so the next step reads every

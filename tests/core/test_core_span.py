@@ -317,3 +317,22 @@ def test_control_characters_never_become_ret_or_a_span_marker(tiny_checkpoint) -
     assert RET not in prefix.text_ids and prefix.text_ids == build_persona_prefix(spm, "Be kind .", None).text_ids
     with pytest.raises(TypeError, match="reference text is a str, got NoneType"):
         ContextSpan(None)  # type: ignore[arg-type]
+
+
+def test_span_ids_are_ints_or_refused() -> None:
+    """Ids given directly are read as Python ints (numpy's and torch's too), and anything else is a TypeError: a
+    float id was rounded, a bool read as 0 / 1, and numpy or torch scalars reached the SpanReport's ids."""
+    import numpy as np
+
+    assert ContextSpan.from_ids(np.array([5, 6])).token_ids == (5, 6)
+    assert ContextSpan("x", token_ids=torch.tensor([5, 6])).encode() == ([12, 5, 6, 13], False)  # type: ignore[arg-type]
+    assert all(type(i) is int for i in ContextSpan.from_ids(torch.tensor([7, 8])).token_ids or ())
+    for ids, message in (
+        ([5.7], "token ids are ints, got float 5.7"),
+        ([True], "token ids are ints, got bool True"),
+        (torch.tensor([5.0]), "token ids are ints, got Tensor"),
+        ("56", "token_ids is a sequence of ints, got str"),
+        (5, "token_ids is a sequence of ints, got int"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            ContextSpan.from_ids(ids)  # type: ignore[arg-type]

@@ -338,7 +338,7 @@ def check_prefix(frames: object, embeddings: object, rows: Sequence[int], dim: i
         raise ValueError(f"set_prefix: frames must be [{K}, P] integer ids, got {frames.dtype} {list(frames.shape)}")
     if frames.numel():
         highs = torch.tensor(list(rows))[:, None]
-        ids = frames.cpu()
+        ids = frames.cpu().long()  # uint8 ids compared with -1 would wrap to 255
         bad = (ids >= highs) | (ids < ZERO_TOKEN)
         if bool(bad.any()):
             k, p = (int(v) for v in bad.nonzero()[0])
@@ -382,7 +382,8 @@ def prefix_block(
         raise ValueError("prefix_block needs at least one frame")
     if embeddings is not None and (embeddings.dim() != 2 or embeddings.shape[0] > P):
         raise ValueError(f"prefix_block: input embeddings must be [E <= {P}, D], got {list(embeddings.shape)}")
-    delayed = delay_tokens(frames.cpu(), delays, torch.as_tensor(initial_tokens).cpu())  # [K, P + 1 + D]
+    # long ids: the initial tokens (text_card, card) do not fit a uint8 or int8 frame tensor
+    delayed = delay_tokens(frames.cpu().long(), delays, torch.as_tensor(initial_tokens).cpu())  # [K, P + 1 + D]
     return PrefixBlock(block=Block(delayed[:, :P].contiguous(), embeddings), delayed=delayed, pending=P)
 
 

@@ -21,6 +21,7 @@ diagram.
 from __future__ import annotations
 
 import array
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,6 +59,23 @@ def _encode(tokenizer: Any, clean: str) -> list[int]:
     return [int(i) for i in tokenizer.encode(clean)]
 
 
+def _int_ids(token_ids: object) -> tuple[int, ...]:
+    """``token_ids`` as a tuple of Python ints (numpy's and torch's integers through ``operator.index``); a
+    TypeError for anything else (a float id was silently rounded, a bool read as 0 or 1, a str read letter by
+    letter, and numpy or torch scalars reached the report's ids)."""
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise TypeError(f"ContextSpan: token_ids is a sequence of ints, got {type(token_ids).__name__}")
+    ids = []
+    for value in token_ids:  # type: ignore[attr-defined]
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            ids.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"ContextSpan: token ids are ints, got {type(value).__name__} {str(value)[:40]}") from None
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class ContextSpan:
     """A reference to write into the model's context, as-is, as text tokens.
@@ -71,7 +89,8 @@ class ContextSpan:
 
     Raises:
         SpanError: (from :meth:`encode`) an empty reference; with the markers, ``token_ids`` holding ``<ret>`` or a
-            marker (4, 12, 13). TypeError: ``text`` that is no str.
+            marker (4, 12, 13). TypeError: ``text`` that is no str, ``token_ids`` that are not integers (numpy's and
+            torch's are read as ints; a float or a bool is refused, not rounded).
     """
 
     text: str
@@ -81,11 +100,13 @@ class ContextSpan:
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):
             raise TypeError(f"ContextSpan: the reference text is a str, got {type(self.text).__name__}")
+        if self.token_ids is not None:
+            object.__setattr__(self, "token_ids", _int_ids(self.token_ids))
 
     @classmethod
     def from_ids(cls, token_ids: Sequence[int], text: str = "", markers: bool = True) -> ContextSpan:
         """A span from reference token ids (the markers are added by :meth:`encode` unless ``markers`` is False)."""
-        return cls(text=text, token_ids=tuple(int(i) for i in token_ids), markers=markers)
+        return cls(text=text, token_ids=token_ids, markers=markers)  # type: ignore[arg-type]  # __post_init__: ints
 
     def encode(self, tokenizer: Any | None = None, max_frames: int | None = None) -> tuple[list[int], bool]:
         """The block's text ids ``[12] + spm.encode(text.strip()) + [13]`` (:func:`encode_text`) and whether they
