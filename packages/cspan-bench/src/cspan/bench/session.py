@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from cspan.backends.urls import redact_url
 from cspan.bench.errors import BenchDataError, BenchError
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ def make_transcriber(spec: str | None, *, model: str | None = None) -> Any:
     try:
         return transcriber_from_url(spec, model=model)
     except ValueError as exc:
-        raise BenchError(f"--asr {spec!r}: {exc}") from exc
+        raise BenchError(f"--asr {redact_url(spec)!r}: {exc}") from exc
 
 
 def make_router(
@@ -230,9 +231,11 @@ def make_router(
         except ValueError as exc:
             raise BenchError(str(exc)) from exc
     if not spec.startswith(("http://", "https://")):
-        raise BenchError(f"--router {spec!r}: use 'local', 'none' or an OpenAI-compatible URL (http://host:port/v1)")
+        raise BenchError(
+            f"--router {redact_url(spec)!r}: use 'local', 'none' or an OpenAI-compatible URL (http://host:port/v1)"
+        )
     if not model:
-        raise BenchError(f"--router {spec}: pass --router-model NAME (the model the server serves)")
+        raise BenchError(f"--router {redact_url(spec)}: pass --router-model NAME (the model the server serves)")
     return LLMRouter(spec, model, tools, max_tool_calls=max_tool_calls, timeout_s=timeout_s)
 
 

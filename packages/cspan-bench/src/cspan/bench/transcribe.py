@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from cspan.backends.urls import redact_url
 from cspan.bench.errors import BenchDataError, BenchError
 from cspan.bench.fdb_v1 import (
     INTERRUPT_JSON,
@@ -165,5 +166,5 @@ def make_transcriber(spec: str = DEFAULT_ASR, *, model: str | None = None, langu
                 transcriber.endpoint, model=transcriber.model, language=language, word_timestamps=True
             )
     except (ValueError, BackendError) as exc:
-        raise BenchError(f"--asr {spec!r}: {exc}") from exc
+        raise BenchError(f"--asr {redact_url(spec)!r}: {exc}") from exc
     return transcriber
