@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import socket
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -255,6 +256,24 @@ async def test_connection_refused_is_retried_with_backoff_then_raises(weather, c
     assert "after 3 attempt(s)" in str(info.value) and "cspan asr-serve" in str(info.value)
 
 
+async def test_a_credential_in_the_url_stays_out_of_errors_and_retry_logs(weather, caplog) -> None:
+    """The ASR URL's password and secret query parameters were in the TranscriberError (and its endpoint) and in
+    the WARNING line of every retry; the query stays at the end of the endpoint (was '...?key=x/transcribe')."""
+    url = f"http://ann:pw4321@127.0.0.1:{_closed_port()}?api_key=SECRET3"
+    retry = {"max_attempts": 2, "backoff_s": 0.01}
+    for t in (HTTPTranscriber(url, **retry), transcriber_from_url(url.replace("?", "/v1?"), api_key="", **retry)):
+        endpoint = urlsplit(t.endpoint)
+        assert endpoint.query == "api_key=SECRET3", t.endpoint
+        assert endpoint.path in ("/transcribe", "/v1/audio/transcriptions"), t.endpoint
+        with caplog.at_level(logging.WARNING), pytest.raises(TranscriberError) as info:
+            await t.transcribe(*weather)
+        await t.aclose()
+        said = [str(info.value), info.value.endpoint or "", *(r.getMessage() for r in caplog.records)]
+        assert "ann:***@127.0.0.1" in str(info.value) and "api_key=***" in str(info.value), said
+        assert not any("pw4321" in m or "SECRET3" in m for m in said), said
+        caplog.clear()
+
+
 async def test_read_timeout_is_not_retried(weather) -> None:
     calls = []
 
@@ -278,6 +297,7 @@ def test_transcriber_from_url_and_endpoint_normalisation() -> None:
     o = transcriber_from_url("openai+http://h:8990", model="whisper-1", api_key="")
     assert o.endpoint == "http://h:8990/v1/audio/transcriptions" and o.model == "whisper-1"
     assert transcriptions_url("http://h/v1/audio/transcriptions/") == "http://h/v1/audio/transcriptions"
+    assert transcriptions_url("http://h/v1?api-version=2") == "http://h/v1/audio/transcriptions?api-version=2"
     with pytest.raises(ValueError, match="sphinx"):
         transcriber_from_url("ftp://h")
     assert json.loads(Transcript(text="a", words=[Word(text="a", start_s=0, end_s=0.1)]).model_dump_json())["words"]

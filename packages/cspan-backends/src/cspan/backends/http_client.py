@@ -27,6 +27,8 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import httpx
 
+from cspan.backends.urls import redact_url
+
 __all__ = [
     "DEFAULT_MAX_REPLY_BYTES",
     "INLINE_BYTES",
@@ -214,7 +216,7 @@ async def request(
                     delay = policy.backoff_s * 2 ** (attempts - 1)
                     log.warning(
                         "%s: connection failed (%s), attempt %d/%d; retrying in %.2f s",
-                        url,
+                        redact_url(url),
                         exc,
                         attempts,
                         policy.max_attempts,

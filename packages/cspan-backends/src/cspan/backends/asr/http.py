@@ -14,7 +14,7 @@ import logging
 import math
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import numpy as np
@@ -24,6 +24,7 @@ from cspan.backends.asr.base import MAX_TRANSCRIPT_WORDS, Transcript, Word, clea
 from cspan.backends.errors import TranscriberError
 from cspan.backends.http_client import DEFAULT_MAX_REPLY_BYTES, HTTPFailure, HTTPPolicy, HTTPReply, off_loop, request
 from cspan.backends.untrusted import JSONInputError, json_kind, loads, sanitize_text
+from cspan.backends.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class RemoteTranscriber:
     ) -> None:
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"transcriber endpoint must be an http(s) URL, got {endpoint!r}")
+            raise ValueError(f"transcriber endpoint must be an http(s) URL, got {redact_url(endpoint)!r}")
         self.endpoint = endpoint
         self.policy = HTTPPolicy(
             deadline_s=float(timeout_s),
@@ -100,7 +101,8 @@ class RemoteTranscriber:
         await self.aclose()
 
     def _error(self, message: str, status: int | None = None) -> TranscriberError:
-        return TranscriberError(f"{self.endpoint}: {message}", endpoint=self.endpoint, status=status)
+        where = redact_url(self.endpoint)  # messages and logs: no credential in the URL
+        return TranscriberError(f"{where}: {message}", endpoint=where, status=status)
 
     def _wav_upload(self, pcm: np.ndarray, sample_rate: int) -> tuple[np.ndarray, bytes | None]:
         """Validate the clip and encode it; returns ``(pcm [S], wav bytes)`` or ``(pcm, None)`` for an empty clip."""
@@ -191,8 +193,8 @@ class HTTPTranscriber(RemoteTranscriber):
 
     def __init__(self, url: str = DEFAULT_URL, *, language: str | None = None, **kwargs: Any) -> None:
         parts = urlsplit(url)
-        if parts.path in ("", "/"):
-            url = url.rstrip("/") + "/transcribe"
+        if parts.path in ("", "/"):  # a bare host; a query stays at the end
+            url = urlunsplit(parts._replace(path="/transcribe"))
         super().__init__(url, **kwargs)
         self.language = language
 

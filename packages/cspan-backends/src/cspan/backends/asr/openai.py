@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from cspan.backends.asr.base import Transcript, clean_asr_text
 from cspan.backends.asr.http import RemoteTranscriber
 from cspan.backends.errors import TranscriberError
 from cspan.backends.http_client import HTTPReply, off_loop
+from cspan.backends.urls import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,13 @@ API_PATH = "/v1/audio/transcriptions"
 
 
 def transcriptions_url(base_url: str) -> str:
-    """``http://h:p`` / ``http://h:p/v1`` / the full endpoint -> ``http://h:p/v1/audio/transcriptions``."""
-    url = base_url.rstrip("/")
-    if url.endswith(API_PATH):
-        return url
-    if url.endswith("/v1"):
-        return url + API_PATH[len("/v1") :]
-    return url + API_PATH
+    """``http://h:p`` / ``http://h:p/v1`` / the full endpoint -> ``http://h:p/v1/audio/transcriptions`` (a query
+    stays at the end)."""
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    if not path.endswith(API_PATH):
+        path += API_PATH[len("/v1") :] if path.endswith("/v1") else API_PATH
+    return urlunsplit(parts._replace(path=path))
 
 
 class OpenAITranscriber(RemoteTranscriber):
@@ -72,7 +73,7 @@ class OpenAITranscriber(RemoteTranscriber):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         super().__init__(transcriptions_url(base_url), headers=headers, **kwargs)
         if not urlsplit(self.endpoint).path.endswith(API_PATH):
-            raise ValueError(f"not an OpenAI transcription endpoint: {self.endpoint!r}")
+            raise ValueError(f"not an OpenAI transcription endpoint: {redact_url(self.endpoint)!r}")
         self.model = model
         self.language = language
         self.word_timestamps = word_timestamps
@@ -102,7 +103,7 @@ class OpenAITranscriber(RemoteTranscriber):
         transcript = await off_loop(len(reply.body), self._transcript, reply, False)
         if refused is not None:
             # Plain json worked where verbose_json did not: the server lacks word timestamps; stop asking.
-            log.info("%s refused verbose_json (%s); using plain json from now on", self.endpoint, refused)
+            log.info("%s refused verbose_json (%s); using plain json from now on", redact_url(self.endpoint), refused)
             self._verbose_ok = False
         return transcript
 
