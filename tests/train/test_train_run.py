@@ -163,6 +163,35 @@ def test_resuming_with_other_optimisation_settings_is_refused(
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_resuming_on_another_dataset_is_refused_and_on_a_moved_one_goes_on(
+    prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A resume with a --data-dir holding other dialogues (here one fewer) was accepted and trained on other
+    samples; the checkpoint records the dataset's fingerprint (its manifest records without shard or source paths),
+    so the same dataset copied elsewhere resumes and another one is refused like any other changed setting."""
+    import shutil
+
+    from cspan.core.cli import main
+
+    out = tmp_path / "run"
+    extra = ["--steps", "3", "--batch-size", "1", "--accum", "1"]
+    _train(*_train_args(prepared_dir, out, tiny_dir, *extra), "--stop-at", "1")
+    moved, fewer = tmp_path / "moved", tmp_path / "fewer"
+    shutil.copytree(prepared_dir, moved)
+    shutil.copytree(prepared_dir, fewer)
+    lines = (fewer / "manifest.jsonl").read_text().splitlines(keepends=True)
+    assert len(lines) > 1
+    (fewer / "manifest.jsonl").write_text("".join(lines[:-1]))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(_train_args(fewer, out, tiny_dir, *extra)) == 2
+    err = capsys.readouterr().err
+    assert "holds a run trained with other settings" in err and "--data-dir (its prepared dialogues, sha256) " in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    _train(*_train_args(moved, out, tiny_dir, *extra), "--stop-at", "2")
+    assert "resuming from" in capsys.readouterr().err
+
+
 def test_lora_adapters_export_in_the_loader_layout(prepared_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "lora"
     args = _train_args(prepared_dir, out, tiny_dir, "--steps", "4", "--batch-size", "1", "--accum", "1")

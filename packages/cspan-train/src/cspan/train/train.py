@@ -97,8 +97,33 @@ _RESUME_KEYS = (
     ("start_delay_s", "--start-delay-s"),
     ("end_gap_s", "--end-gap-s"),
     ("random_sampling_proba", "--random-delay-proba"),
+    ("dataset_sha256", "--data-dir (its prepared dialogues, sha256)"),
 )
 _MISSING = object()
+
+
+def dataset_fingerprint(data_dir: str | Path) -> str | None:
+    """What a prepared dataset trains on, as 16 hex digits of a sha256: its dialogues' manifest records sorted by
+    name, without where their files lie (shard, source paths: a moved or re-encoded dataset is the same one). None
+    when the manifest cannot be read or lists nothing (:class:`PreparedDataset` names that problem)."""
+    import hashlib
+
+    from .dataset import MANIFEST_FILE, read_manifest
+
+    try:
+        records = read_manifest(Path(data_dir) / MANIFEST_FILE)
+    except Exception:
+        return None
+    if not records:
+        return None
+    rows = []
+    for rec in sorted(records, key=lambda r: r.name):
+        row = rec.to_json()
+        for where in ("shard", "json", "audio"):
+            row.pop(where, None)
+        rows.append(row)
+    text = json.dumps(rows, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _record_value(record: dict[str, Any], key: str) -> Any:
@@ -817,7 +842,7 @@ class Trainer:
         changed = []
         for key, flag in _RESUME_KEYS:
             old, new = _record_value(saved, key), _record_value(now, key)
-            if old is not _MISSING and old != new:
+            if old is not _MISSING and new is not _MISSING and old != new:  # new: a dataset that cannot be read
                 changed.append((key, flag, old, new))
         if not changed:
             return
@@ -846,6 +871,10 @@ class Trainer:
         record["betas"] = list(cfg.betas)
         record["global_batch"] = cfg.batch_size * cfg.accum * self.dist.world
         record["world"] = self.dist.world
+        if not hasattr(self, "_dataset_sha256"):  # once: the dataset a run trains on does not change under it
+            self._dataset_sha256 = dataset_fingerprint(cfg.data_dir)
+        if self._dataset_sha256 is not None:
+            record["dataset_sha256"] = self._dataset_sha256
         return record
 
     # -- export -----------------------------------------------------------------------------------------------------
