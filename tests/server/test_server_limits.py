@@ -205,6 +205,46 @@ async def test_a_client_over_its_message_budget_is_read_later_and_the_session_go
     assert 'cspan_client_throttled_seconds_total{protocol="cspan"} 0.0' in metrics
 
 
+@pytest.mark.timeout(120)
+async def test_a_client_that_stays_over_its_budget_is_ended_with_the_reason(serve, monkeypatch) -> None:
+    """A client that never comes back within its budget is ended after ``OVER_BUDGET_END_S`` (here 2 s) with reason
+    ``over_budget``, a message naming the budget, and close 1008; held back for ever, its keepalive pongs would wait
+    behind its own messages and the WebSocket layer would close it as a server failure (1011)."""
+    from cspan.server import throttle
+
+    monkeypatch.setattr(throttle, "OVER_BUDGET_END_S", 2.0)
+    server = serve(max_messages_per_s=10)
+    loop = asyncio.get_running_loop()
+    async with websockets.connect(ws_url(server, "/v1/realtime")) as ws:
+        await json_until(ws, "session.created")
+        append = json.dumps({"type": "input_audio_buffer.append", "audio": "AAAA"})
+
+        async def flood() -> None:
+            while True:
+                await ws.send(append)
+
+        t0 = loop.time()
+        flooding = asyncio.ensure_future(flood())
+        try:
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                if event["type"] == "error" and event["error"].get("param") == "over_budget":
+                    break
+            elapsed = loop.time() - t0
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                while True:
+                    await asyncio.wait_for(ws.recv(), 30)
+        finally:
+            flooding.cancel()
+    assert 2.0 <= elapsed < 10.0, elapsed  # the burst (1 s), then 2 s over the budget
+    assert "more than 10 messages a second" in event["error"]["message"]
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    import httpx
+
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'cspan_sessions_ended_total{protocol="realtime",reason="over_budget"} 1.0' in metrics
+
+
 def test_the_message_budget_refills_at_its_rates() -> None:
     """Token buckets that run into debt: the wait is the time until both the message and the byte budget are
     back at zero, and idle time refills them up to their bursts, never beyond."""
@@ -221,3 +261,15 @@ def test_the_message_budget_refills_at_its_rates() -> None:
     assert budget.charge(big) == 0.0  # the byte burst at once
     assert budget.charge(BYTE_RATE_MESSAGES * 1000) == pytest.approx(1.0)  # then a second per 16 largest messages
     assert ClientBudget(100, 1000, min_burst_bytes=10**6, clock=lambda: 0.0).charge(10**6) == 0.0
+    now[0] = 100.0
+    budget = ClientBudget(10, 1000, clock=lambda: now[0])
+    for _ in range(10):
+        budget.charge(1)
+    assert budget.over_s() == 0.0  # the burst: within the budget
+    for _ in range(30):  # 20 a second against 10: over the budget from the first, without a break
+        budget.charge(1)
+        now[0] += 0.05
+    assert budget.over_s() == pytest.approx(1.45)
+    now[0] += 5.0  # a pause: back within the budget
+    budget.charge(1)
+    assert budget.over_s() == 0.0

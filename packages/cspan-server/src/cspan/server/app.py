@@ -21,6 +21,7 @@ from cspan.backends.urls import redact_url
 from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
 from cspan.core.errors import CspanError
 from cspan.core.voice import VOICE_MAX_SECONDS, VOICE_MIN_SECONDS
+from cspan.server import throttle
 from cspan.server.adapters import Connection, ProtocolAdapter, discover_adapters
 from cspan.server.auth import (
     Authenticator,
@@ -37,6 +38,7 @@ from cspan.server.protocol import PROTOCOL_VERSION
 from cspan.server.serve_settings import ServeSettings
 from cspan.server.session import (
     CLOSE_FORBIDDEN_ORIGIN,
+    CLOSE_POLICY,
     CLOSE_TRY_AGAIN_LATER,
     CLOSE_UNAUTHORIZED,
     ClientError,
@@ -515,6 +517,9 @@ async def serve_connection(
             size = _message_bytes(data, limit)
             wait = budget.charge(size)
             if wait > 0.0:  # over its budget: read later, so TCP slows the client and the frame clock keeps time
+                if budget.over_s() >= throttle.OVER_BUDGET_END_S:
+                    await _end_over_budget(session, sender, hub.settings.max_messages_per_s)
+                    break
                 metrics.throttled_seconds.labels(adapter_cls.name).inc(wait)
                 await asyncio.sleep(wait)
             if size > limit:  # refused before any adapter work: decoding scales with the message
@@ -534,6 +539,20 @@ async def serve_connection(
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sender
+
+
+async def _end_over_budget(session: Session, sender: asyncio.Future[None], messages_per_s: float) -> None:
+    """End a session whose client stayed over its message budget for :data:`throttle.OVER_BUDGET_END_S`: reason
+    ``over_budget``, close 1008, and wait (a few seconds at most) for the sender to deliver both."""
+    logger.warning("session %s: the client stayed over its message budget; ending it", session.id)
+    await session.end(
+        "over_budget",
+        code=CLOSE_POLICY,
+        message=f"more than {messages_per_s:g} messages a second (or 16 of the largest a second in bytes) for "
+        f"{throttle.OVER_BUDGET_END_S:g} s; send fewer, larger messages (audio in 20-100 ms pieces)",
+    )
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(sender), timeout=5.0)
 
 
 async def _recheck(session: Session, authenticator: Authenticator, token: str | None) -> None:

@@ -10,7 +10,7 @@ each adapter's ``name``).
 | ``cspan_sessions_active`` | gauge | sessions holding an engine slot |
 | ``cspan_session_slots`` | gauge | engine batch size (``--max-sessions``) |
 | ``cspan_sessions_started_total{protocol}`` | counter | sessions that reached ``ready`` |
-| ``cspan_sessions_ended_total{protocol,reason}`` | counter | sessions ended: stop, idle, disconnect, shutdown, slow_client, revoked, forgotten, error, refused (`/api/chat`) |
+| ``cspan_sessions_ended_total{protocol,reason}`` | counter | sessions ended: stop, idle, disconnect, shutdown, slow_client, over_budget, revoked, forgotten, error, refused (`/api/chat`) |
 | ``cspan_sessions_busy_total{protocol}`` | counter | ``start`` refused with ``busy`` |
 | ``cspan_auth_failures_total{protocol,reason}`` | counter | handshakes refused: ``token`` (4401), ``origin`` (4403) |
 | ``cspan_host_refused_total`` | counter | requests refused for their ``Host`` header (403, DNS rebinding) |

@@ -300,7 +300,7 @@ class ByeMessage(_ServerModel):
     """``bye``: the session ended; the server closes the connection right after."""
 
     type: Literal["bye"] = "bye"
-    reason: Literal["stop", "idle", "shutdown", "slow_client", "revoked", "forgotten", "error"]
+    reason: Literal["stop", "idle", "shutdown", "slow_client", "over_budget", "revoked", "forgotten", "error"]
     message: str = ""
     session_id: str | None = None
     conversation_id: str | None = None

@@ -374,8 +374,8 @@ class ErrorOut:
 
 @dataclass(frozen=True)
 class Ended:
-    """The session ended (``reason``: stop, idle, shutdown, slow_client, revoked, forgotten, error, refused: a start
-    refused on a protocol whose connection is its start, ``/api/chat``); a :class:`Close` follows."""
+    """The session ended (``reason``: stop, idle, shutdown, slow_client, over_budget, revoked, forgotten, error,
+    refused: a start refused on a protocol whose connection is its start, ``/api/chat``); a :class:`Close` follows."""
 
     reason: str
     message: str
