@@ -16,6 +16,8 @@
   const RECORD_SECONDS = 12;
   const MINE = "\u2063mine"; // the select's value for "my voice" (never a server voice name)
   const PIECE = 64 * 1024; // bytes per binary message of a voice recording
+  // errors that answer start before ready: the conversation did not start (docs/PROTOCOL.md, "Error codes")
+  const START_REFUSALS = new Set(["invalid_message", "bad_voice", "persona_failed", "unknown_type", "bad_json"]);
   const params = new URLSearchParams(location.search);
   const token = params.get("token");
   const $ = (id) => document.getElementById(id);
@@ -441,6 +443,13 @@
           voiceStatus(`The server did not take your voice: ${msg.message}`, true);
           notice(`Your recording was not used (${msg.message}); the conversation starts with ${fallback}.`, "warn");
           sendStart(s, s.fallbackVoice);
+        } else if (!s.ready && !s.stopping && START_REFUSALS.has(msg.code)) {
+          // start was refused (a profile field, the persona, a voice): say why and end, Start can be pressed again
+          s.refused = true;
+          notice(`The server did not start the conversation: ${msg.message}`, "bad");
+          setStatus("error");
+          if (s.ws && s.ws.readyState === WebSocket.OPEN) s.ws.close(1000, "refused");
+          finish(s);
         } else if (msg.code === "audio_overflow") {
           notice("The server is behind real time: some of your audio was dropped.", "warn behind");
         } else {
@@ -497,6 +506,7 @@
       transportTimer: null,
       pendingStart: false, // start waits for the server's answer to the voice recording
       fallbackVoice: "", // the server voice used when the recording is refused
+      refused: false, // the server refused start (or the connection could not be opened): the notice says why
     };
   }
 
@@ -570,7 +580,18 @@
   }
 
   function connect(session) {
-    const ws = token ? new WebSocket(wsUrl(), ["cspan.token." + token]) : new WebSocket(wsUrl());
+    let ws;
+    try {
+      ws = token ? new WebSocket(wsUrl(), ["cspan.token." + token]) : new WebSocket(wsUrl());
+    } catch (e) {
+      // a ?token= with characters a WebSocket subprotocol cannot carry (a space, a comma, ...)
+      const why = token ? "check the ?token= in the address (letters, digits and . _ ~ - only)" : String(e);
+      notice(`Cannot connect to the server: ${why}.`, "bad");
+      session.refused = true;
+      setStatus("error");
+      finish(session);
+      return;
+    }
     ws.binaryType = "arraybuffer";
     session.ws = ws;
     ws.onopen = () => {
@@ -604,7 +625,9 @@
     };
     ws.onclose = (e) => {
       if (session.byeWaiter) session.byeWaiter();
-      if (session.bye && session.bye.reason === "revoked") notice("The session ended: this token was revoked.", "bad");
+      if (session.refused) {
+        /* the notice already says why the server refused the start */
+      } else if (session.bye && session.bye.reason === "revoked") notice("The session ended: this token was revoked.", "bad");
       else if (session.bye && session.bye.reason === "forgotten") notice("The session ended: everything remembered about you was erased. Start again for a fresh session.", "bad");
       else if (e.code === 4401) notice("The server refused the token: open the page as /?token=YOUR_TOKEN.", "bad");
       else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
@@ -622,10 +645,11 @@
       type: "start",
       version: PROTOCOL_VERSION,
       profile: profile(),
-      text_prompt: ui.prompt.value,
       codecs: session.opus ? ["opus", "pcm"] : ["pcm"],
     };
     if (voice !== null) msg.voice = voice;
+    // the server's own persona is left out (null: its default), which may be longer than a client may send
+    if (!info || ui.prompt.value !== info.text_prompt) msg.text_prompt = ui.prompt.value;
     if (params.get("test")) {
       try {
         msg.test = JSON.parse(params.get("test"));
@@ -778,7 +802,7 @@
     await teardown(session);
     ui.stop.disabled = true;
     ui.start.disabled = false;
-    if (!session.busy) setStatus("idle");
+    if (!session.busy && !session.refused) setStatus("idle");
     if (session.micFrames.length || session.agentFrames.length) offerDownloads(session);
   }
 
