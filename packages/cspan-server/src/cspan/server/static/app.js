@@ -662,11 +662,13 @@
 
   // the recording as voice_audio and its bytes in pieces; start follows the server's answer (onServerMessage)
   function sendVoice(session, bytes) {
+    // pieces within the server's message limit (--max-message-kib: a larger one is refused, the upload never ends)
+    const piece = Math.min(PIECE, (info && info.max_message_bytes) || PIECE);
     session.pendingStart = true;
     session.fallbackVoice = stored("cspan.voice", "") || (info && info.default_voice) || "";
     voiceStatus("Sending your voice…");
     session.ws.send(JSON.stringify({ type: "voice_audio", size: bytes.length }));
-    for (let o = 0; o < bytes.length; o += PIECE) session.ws.send(bytes.subarray(o, o + PIECE));
+    for (let o = 0; o < bytes.length; o += piece) session.ws.send(bytes.subarray(o, o + piece));
   }
 
   function onAgentFrame(session, frame) {
