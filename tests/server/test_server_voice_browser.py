@@ -111,6 +111,7 @@ def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_p
             page.wait_for_selector("#status-dot.listening", timeout=120_000)
             session = _live_session(server)
             assert session.recorded_voice is None and session._start.voice.name == "tiny0"
+            assert page.is_visible("#notice")  # not hidden by ready: the conversation runs without the recording
             assert "Your recording was not used" in page.inner_text("#notice")
             assert "cannot decode audio" in page.inner_text("#voice-status")
             _talk_and_stop(page)

@@ -401,7 +401,7 @@
         s.readyAt = performance.now();
         startCodec(s, msg.codec || "pcm");
         setStatus("listening");
-        notice("");
+        if (!s.voiceRefused) notice(""); // a refused recording stays said: the conversation runs without it
         break;
       case "voice":
         voiceStatus(`The server took your voice (${msg.seconds.toFixed(1)} s, ${msg.frames} frames).`);
@@ -442,6 +442,7 @@
           const fallback = s.fallbackVoice || "no voice prompt";
           voiceStatus(`The server did not take your voice: ${msg.message}`, true);
           notice(`Your recording was not used (${msg.message}); the conversation starts with ${fallback}.`, "warn");
+          s.voiceRefused = true;
           sendStart(s, s.fallbackVoice);
         } else if (!s.ready && !s.stopping && START_REFUSALS.has(msg.code)) {
           // start was refused (a profile field, the persona, a voice): say why and end, Start can be pressed again
@@ -506,6 +507,7 @@
       transportTimer: null,
       pendingStart: false, // start waits for the server's answer to the voice recording
       fallbackVoice: "", // the server voice used when the recording is refused
+      voiceRefused: false, // the server refused the recording: the conversation started with the voice before
       refused: false, // the server refused start (or the connection could not be opened): the notice says why
     };
   }
