@@ -2,10 +2,11 @@
 serve`` on the tiny checkpoint: a ``?token=`` that no WebSocket can carry, a start the server refuses (a timezone
 it does not know), and a server whose own persona is longer than what a client may send. Each says why at once and
 gives Start back; none waits for the server's idle timeout (the page used to sit in "connecting" until then, and
-then said "no audio for a while")."""
+then said "no audio for a while"). And a conversation the server ends (shutting down) says so."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -80,6 +81,15 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
             assert session._start.text_prompt == persona
             page.click("#stop")
             page.wait_for_selector("#start:not([disabled])", timeout=60_000)
+            assert page.is_hidden("#notice")  # a conversation the user stopped: nothing to say
+
+            # 4. the server shuts down mid-conversation (bye "shutdown", close 1001): the page used to go idle silently
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            loop = server.hub._task.get_loop()
+            asyncio.run_coroutine_threadsafe(server.hub.end_all("shutdown"), loop).result(timeout=30)
+            page.wait_for_selector("#start:not([disabled])", timeout=30_000)
+            assert page.is_visible("#notice") and "the server is shutting down" in page.inner_text("#notice")
             assert not [c for c in console if c.startswith(("pageerror", "error"))], console
         finally:
             browser.close()

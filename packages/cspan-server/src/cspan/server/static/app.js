@@ -635,6 +635,11 @@
       else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
       else if (e.code === 1013 || session.busy) notice("All conversation slots are busy; try again later.", "bad");
       else if (session.bye && session.bye.reason === "idle") notice("The session ended: no audio for a while.", "warn");
+      else if (session.bye && session.bye.reason === "shutdown") notice("The session ended: the server is shutting down; Start again in a moment.", "warn");
+      else if (session.bye && session.bye.reason !== "stop" && !session.stopping) {
+        // slow_client, error, and reasons this page does not know yet: never end without a word
+        notice(`The session ended (${session.bye.reason}${session.bye.message ? ": " + session.bye.message : ""}).`, "bad");
+      }
       else if (!session.stopping && !session.bye) notice(`Connection closed (code ${e.code}).`, "bad");
       finish(session);
     };
