@@ -115,6 +115,17 @@ def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_p
             assert "Your recording was not used" in page.inner_text("#notice")
             assert "cannot decode audio" in page.inner_text("#voice-status")
             _talk_and_stop(page)
+
+            # 4. "(no voice prompt)" chosen before: a refused recording falls back to it, not to the default voice
+            page.select_option("#voice", "")
+            page.set_input_files("#voice-file", str(unreadable))
+            page.locator("#voice-status", has_text="sent as it is").wait_for()
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            session = _live_session(server)
+            assert session.recorded_voice is None and session._start.voice is None
+            assert "the conversation starts with no voice prompt" in page.inner_text("#notice")
+            _talk_and_stop(page)
             assert not [c for c in console if c.startswith(("pageerror", "error"))], console
         finally:
             browser.close()

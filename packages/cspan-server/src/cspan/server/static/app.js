@@ -55,6 +55,7 @@
   let s = null; // the running session (see newSession)
   let myVoice = null; // {wav: Uint8Array, seconds, source}: the user's own voice, in this page only
   let recording = false;
+  let chosenVoice = ""; // the server voice chosen in the list ("" for none): what a refused recording falls back to
 
   // ------------------------------------------------------------------------------------------ page state
 
@@ -143,6 +144,7 @@
       for (const label of ui.voiceFile.labels) label.title = `A recording of ${min} to ${max} s of your speech`;
     }
     if (![...ui.voice.options].some((o) => o.value === ui.voice.value)) ui.voice.value = info.default_voice || "";
+    chosenVoice = ui.voice.value;
     updateCount();
     if (info.token_required && !token) {
       notice("This server requires a token: open the page as /?token=YOUR_TOKEN.", "warn");
@@ -202,6 +204,7 @@
       ui.voice.appendChild(option);
     }
     option.textContent = `My voice (${what})`;
+    if (ui.voice.value !== MINE) chosenVoice = ui.voice.value;
     ui.voice.value = MINE;
     voiceStatus(`Your voice is ready (${what}): it is sent with Start.`);
   }
@@ -602,7 +605,7 @@
         sendVoice(session, myVoice.wav);
         return;
       }
-      sendStart(session, ui.voice.value === MINE ? stored("cspan.voice", "") : ui.voice.value);
+      sendStart(session, ui.voice.value === MINE ? chosenVoice : ui.voice.value);
     };
     ws.onmessage = (e) => {
       if (typeof e.data === "string") {
@@ -672,7 +675,7 @@
     // pieces within the server's message limit (--max-message-kib: a larger one is refused, the upload never ends)
     const piece = Math.min(PIECE, (info && info.max_message_bytes) || PIECE);
     session.pendingStart = true;
-    session.fallbackVoice = stored("cspan.voice", "") || (info && info.default_voice) || "";
+    session.fallbackVoice = chosenVoice;
     voiceStatus("Sending your voice…");
     session.ws.send(JSON.stringify({ type: "voice_audio", size: bytes.length }));
     for (let o = 0; o < bytes.length; o += piece) session.ws.send(bytes.subarray(o, o + piece));
@@ -898,6 +901,9 @@
     ui.voiceFile.value = ""; // the same file chosen again is read again
   });
   ui.stop.addEventListener("click", stop);
+  ui.voice.addEventListener("change", () => {
+    if (ui.voice.value !== MINE) chosenVoice = ui.voice.value;
+  });
   ui.prompt.addEventListener("input", updateCount);
   for (const el of [ui.name, ui.location, ui.timezone, ui.lat, ui.lon]) el.addEventListener("change", sendContext);
   ui.timezone.addEventListener("change", () => store("cspan.tz", ui.timezone.value.trim()));
