@@ -21,6 +21,7 @@ from cspan.core.checkpoint import (
     read_safetensors_header,
 )
 from cspan.core.errors import CheckpointError
+from cspan.core.voice import load_voice_prompt
 
 
 @pytest.fixture
@@ -262,6 +263,33 @@ def test_config_errors_and_pickle_refusals_are_one_line(tiny_copy: Path, tmp_pat
     message = _error(evil, base=tiny_copy)
     assert "\n" not in message and "weights_only` set to `False`" not in message and str(evil) in message
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+class _RunsACommand:
+    """What a malicious voice file pickles: unpickling it would run a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_voice_file_that_would_run_code_is_refused_in_one_safe_line(tiny_checkpoint, tmp_path: Path) -> None:
+    """A ``.pt`` voice whose pickle calls ``os.system`` is never unpickled; torch 2.13 words that refusal
+    "Trying to load unsupported GLOBAL posix.system whose module posix is blocked" (not "Unsupported global: ..."),
+    and the message quoted torch's first line instead: its advice to re-run with ``weights_only`` set to False."""
+    marker = tmp_path / "ran"
+    evil = tmp_path / "voice.pt"
+    torch.save({"codes": _RunsACommand(marker)}, evil)
+    with pytest.raises(CheckpointError) as info:
+        load_voice_prompt(evil, tiny_checkpoint)
+    message = str(info.value)
+    assert not marker.exists()
+    assert "\n" not in message and "weights_only` set to `False`" not in message, message
+    assert str(evil) in message and "it needs posix.system" in message, message
 
 
 def test_a_config_without_delays_names_what_it_lacks(tiny_copy: Path, caplog) -> None:

@@ -98,6 +98,41 @@ def test_bad_recording_gives_a_clear_error(tiny_checkpoint, greeting, tmp_path, 
     assert str(path) in str(err.value)
 
 
+def test_a_many_channel_high_rate_recording_is_decoded_one_channel_at_a_time(tmp_path: Path) -> None:
+    """A client's recording is at most 8 MiB, but a compressed file of many channels at a high rate decodes to far
+    more: 8 channels at 655 kHz for 29 s is 3 MB of FLAC and 690 MB of float32. Only channel 0 is kept, so the
+    other channels are read a block at a time instead of all at once; the samples are those of channel 0 alone."""
+    import tracemalloc
+
+    from cspan.core.voice import prepare_voice_audio
+
+    rate, seconds, channels = 96_000, 29, 8
+    t = np.arange(rate * seconds) / rate
+    voice = (0.1 * np.sin(2 * np.pi * 220 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    many, mono = tmp_path / "many.flac", tmp_path / "mono.flac"
+    sf.write(mono, voice, rate, subtype="PCM_16")
+    with sf.SoundFile(many, "w", rate, channels, subtype="PCM_16") as f:
+        for o in range(0, len(voice), rate):
+            block = np.zeros((len(voice[o : o + rate]), channels), dtype=np.float32)
+            block[:, 0] = voice[o : o + rate]
+            f.write(block)
+
+    def peak_of(path: Path) -> tuple[object, int]:
+        data = path.read_bytes()
+        tracemalloc.start()
+        try:
+            return prepare_voice_audio(io.BytesIO(data)), tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    prepare_voice_audio(mono)  # imports and first-call caches are not what is measured
+    expected, mono_peak = peak_of(mono)
+    got, peak = peak_of(many)
+    all_channels = len(voice) * channels * 4  # 89 MB: what reading every channel at once took
+    assert peak < mono_peak + all_channels / 4, (peak, mono_peak, all_channels)
+    assert np.array_equal(got.pcm, expected.pcm) and got.loudness_lufs == expected.loudness_lufs
+
+
 def test_bytes_that_are_not_audio_are_refused_without_an_object_repr() -> None:
     """A client's recording arrives as bytes: libsndfile names the file object it opened (``<_io.BytesIO object at
     0x...>``), which must not reach the client; the cause and the formats it can send do."""

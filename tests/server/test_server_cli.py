@@ -63,6 +63,23 @@ def test_a_voice_that_cannot_be_had_is_a_bad_setting(tiny_checkpoint_dir: Path, 
     assert "Traceback" not in proc.stderr
 
 
+def test_a_default_persona_with_no_room_to_talk_is_a_bad_setting(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:
+    """A ``--voice`` (or ``--text-prompt``) whose persona takes more than half the attention window is refused at
+    start, as ``cspan infer`` refuses it: ``serve`` started, and every conversation with its default voice failed
+    (``persona_failed``, a traceback in the log)."""
+    import torch
+
+    base = ["serve", "--checkpoint", str(tiny_checkpoint_dir), "--port", "0", "--asr", "none", "--router", "none",
+            "--db", ":memory:", "--device", "cpu"]  # fmt: skip
+    voice = tmp_path / "long.pt"
+    torch.save({"codes": torch.zeros(8, 2000, dtype=torch.long)}, voice)  # 160 s of codes
+    proc = cspan(*base, "--voice", str(voice), "--text-prompt", "You are kind.")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"cspan serve: error: --voice {voice}: the persona takes "), proc.stderr
+    assert "2000 of voice prompt" in proc.stderr and "at most 1500 leave room to talk" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
 def test_help_lists_the_flags_but_not_the_test_hooks() -> None:
     proc = cspan("serve", "--help")
     assert proc.returncode == 0

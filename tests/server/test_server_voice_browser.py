@@ -111,9 +111,72 @@ def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_p
             page.wait_for_selector("#status-dot.listening", timeout=120_000)
             session = _live_session(server)
             assert session.recorded_voice is None and session._start.voice.name == "tiny0"
+            assert page.is_visible("#notice")  # not hidden by ready: the conversation runs without the recording
             assert "Your recording was not used" in page.inner_text("#notice")
             assert "cannot decode audio" in page.inner_text("#voice-status")
             _talk_and_stop(page)
+
+            # 4. "(no voice prompt)" chosen before: a refused recording falls back to it, not to the default voice
+            page.select_option("#voice", "")
+            page.set_input_files("#voice-file", str(unreadable))
+            page.locator("#voice-status", has_text="sent as it is").wait_for()
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            session = _live_session(server)
+            assert session.recorded_voice is None and session._start.voice is None
+            assert "the conversation starts with no voice prompt" in page.inner_text("#notice")
+            _talk_and_stop(page)
             assert not [c for c in console if c.startswith(("pageerror", "error"))], console
+        finally:
+            browser.close()
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_page_sends_a_voice_within_a_small_message_limit(serve, tiny_checkpoint, fixture_file, tmp_path: Path) -> None:
+    """With ``--max-message-kib 16`` the page sent the recording in 64 KiB pieces: each was refused (``too_large``),
+    the upload never completed and the page sat in "Sending your voice…" until the idle timeout. It now cuts the
+    recording to ``/info``'s ``max_message_bytes``."""
+    import httpx
+    from playwright.sync_api import sync_playwright
+
+    server = serve(asr="none", router="none", max_sessions=1, max_message_kib=16)
+    assert httpx.get(server.url + "/info").json()["max_message_bytes"] == 16 * 1024
+    greeting = fixture_file("audio", "greeting_24k.wav")  # 3.6 s: a 175 kB WAV at 24 kHz, 11 pieces
+    mic = tmp_path / "mic.wav"
+    sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={mic}",
+        "--autoplay-policy=no-user-gesture-required",
+    ]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            context = browser.new_context()
+            context.grant_permissions(["microphone"], origin=server.url)
+            page = context.new_page()
+            console: list[str] = []
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            page.goto(server.url + "/?codec=pcm")
+            page.locator("#voice option").nth(1).wait_for(state="attached")
+            page.set_input_files("#voice-file", str(greeting))
+            page.locator("#voice-status", has_text="Your voice is ready").wait_for()
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=30_000)  # the idle timeout is 60 s
+            session = _live_session(server)
+            assert torch.equal(session.recorded_voice.prompt.codes, tiny_checkpoint.load_voice_prompt(greeting).codes)
+            assert "The server took your voice" in page.inner_text("#voice-status")
+            assert page.is_hidden("#notice"), page.inner_text("#notice")
+            _talk_and_stop(page)
+            assert not console, console
         finally:
             browser.close()

@@ -421,14 +421,17 @@ def _torch_load(path: Path, role: str) -> Any:
 
     def refused(exc: Exception) -> CheckpointError:
         text = str(exc)
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        # "Unsupported global: GLOBAL argparse.Namespace ..." or, for a blocked module (os.system in a malicious
+        # file), "Trying to load unsupported GLOBAL posix.system whose module posix is blocked"
+        found = re.search(r"unsupported (?:global: )?GLOBAL ([\w.]+)", text, re.IGNORECASE)
         reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)  # torch's own words, after its advice
         if found:
             detail = f"it needs {found.group(1)}"
         elif reason:
             detail = reason.group(1).strip().rstrip(".")
-        else:
-            detail = (text.splitlines() or ["unpickling failed"])[0]
+        else:  # never torch's first line: it advises loading the file with weights_only=False
+            lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line]
+            detail = lines[0].rstrip(".") if lines else "unpickling failed"
         return CheckpointError(
             f"{role} file {str(path)!r} holds Python objects that weights_only loading refuses ({detail}); re-save "
             "it with only tensors, dicts, lists, strings and numbers"

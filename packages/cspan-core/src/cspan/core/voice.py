@@ -46,6 +46,8 @@ VOICE_MAX_SECONDS = 30.0
 """Longest recording accepted as a voice."""
 VOICE_TARGET_LUFS = -24.0
 """Loudness a voice recording is normalised to (PersonaPlex's ``load_voice_prompt``)."""
+READ_BLOCK_FRAMES = 1 << 16
+"""Frames a recording is decoded in (all its channels at a time; channel 0 is kept)."""
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
 TORCH_SUFFIXES = (".pt", ".pth")
 """Names of voice files written with ``torch.save`` (never read as recordings)."""
@@ -392,12 +394,21 @@ def prepare_voice_audio(
                 f"{label}: is {frames / rate:.1f} s long, over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; "
                 f"use {longest}"
             )
+        # channel 0 only, a block at a time: a small compressed file of many channels at a high rate (8 channels at
+        # 655 kHz: 3 MB of FLAC) would otherwise decode to every channel at once (690 MB for 30 s)
+        parts, got = [], 0
         try:
-            data = f.read(frames=limit + 1, dtype="float32", always_2d=True)[:, 0]
+            while got <= limit:
+                block = f.read(frames=min(READ_BLOCK_FRAMES, limit + 1 - got), dtype="float32", always_2d=True)
+                if not len(block):
+                    break
+                parts.append(np.array(block[:, 0], dtype=np.float32))
+                got += len(block)
         except (sf.LibsndfileError, RuntimeError) as exc:
             raise AudioInputError(
                 f"{label}: decoding failed part-way ({decode_error_cause(exc)}); the file is damaged"
             ) from None
+        data = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
     if len(data) > limit:
         raise AudioInputError(f"{label}: is over the limit of {VOICE_MAX_SECONDS:.0f} s for a voice; use {longest}")
     data, nonfinite = sanitize_pcm(data)

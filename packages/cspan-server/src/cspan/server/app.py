@@ -416,6 +416,7 @@ def create_app(
             },
             "text_prompt": settings.text_prompt,
             "max_text_prompt_chars": settings.max_text_prompt_chars,
+            "max_message_bytes": settings.max_message_kib * 1024,
             "token_required": await authenticator.required(),
             "asr": hub.transcriber is not None,
             "retrieval": hub.retriever is not None,

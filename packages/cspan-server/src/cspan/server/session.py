@@ -859,6 +859,7 @@ class SessionHub:
         self._session_counter = 0
         self._silence = np.zeros(FRAME_SIZE, dtype=np.float32)
         self.voices = VoiceCatalog(checkpoint, settings.voice)  # the default is loaded now: a broken file fails here
+        self.voices.check_default_persona(settings.text_prompt)  # and one that leaves no room to talk
         self.model_name = str(settings.checkpoint or getattr(checkpoint, "source", None) or "default")
 
     @property

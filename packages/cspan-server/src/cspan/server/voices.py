@@ -135,11 +135,39 @@ class VoiceCatalog:
                 name = path.stem if path.stem not in self.files else path.name
                 self.files[name] = path
         self.default: str | None = name
+        self._given = default  # as --voice spelled it, for messages
         if name is not None:
             try:
                 self._prompts[name] = load_voice_prompt(self.files[name], checkpoint)
             except CspanError as exc:
                 raise SettingsError(f"--voice {default or name}: {exc}") from None
+
+    def check_default_persona(self, text_prompt: str) -> None:
+        """Refuse a default persona (the default voice and ``--text-prompt``) that takes more than half of the
+        model's attention window, as ``cspan infer`` does (:meth:`cspan.core.prefix.PersonaPrefix.too_long_for`):
+        every conversation that keeps the server's defaults would fail to start.
+
+        Raises:
+            SettingsError: the message starts with ``--voice`` (the voice takes most of it) or ``--text-prompt``.
+        """
+        from cspan.core.errors import SettingsError
+        from cspan.core.prefix import build_persona_prefix
+
+        checkpoint = self.checkpoint
+        window = getattr(getattr(checkpoint, "lm_config", None), "context", None)
+        layout = getattr(checkpoint, "prefix_layout", None)
+        if window is None or layout is None:
+            return
+        voice = self._prompts.get(self.default) if self.default else None
+        prefix = build_persona_prefix(getattr(checkpoint, "tokenizer", None), text_prompt, voice, layout=layout)
+        too_long = prefix.too_long_for(window, characters=len(text_prompt))
+        if too_long is None:
+            return
+        if voice is not None and prefix.voice_frames >= len(prefix.text_ids):
+            raise SettingsError(
+                f"--voice {self._given or self.default}: {too_long}. Use a shorter voice prompt (2-30 s)"
+            )
+        raise SettingsError(f"--text-prompt: {too_long}. Shorten the text prompt")
 
     @property
     def names(self) -> list[str]:

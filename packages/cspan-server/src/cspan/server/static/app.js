@@ -16,6 +16,8 @@
   const RECORD_SECONDS = 12;
   const MINE = "\u2063mine"; // the select's value for "my voice" (never a server voice name)
   const PIECE = 64 * 1024; // bytes per binary message of a voice recording
+  // errors that answer start before ready: the conversation did not start (docs/PROTOCOL.md, "Error codes")
+  const START_REFUSALS = new Set(["invalid_message", "bad_voice", "persona_failed", "unknown_type", "bad_json"]);
   const params = new URLSearchParams(location.search);
   const token = params.get("token");
   const $ = (id) => document.getElementById(id);
@@ -53,6 +55,7 @@
   let s = null; // the running session (see newSession)
   let myVoice = null; // {wav: Uint8Array, seconds, source}: the user's own voice, in this page only
   let recording = false;
+  let chosenVoice = ""; // the server voice chosen in the list ("" for none): what a refused recording falls back to
 
   // ------------------------------------------------------------------------------------------ page state
 
@@ -141,6 +144,7 @@
       for (const label of ui.voiceFile.labels) label.title = `A recording of ${min} to ${max} s of your speech`;
     }
     if (![...ui.voice.options].some((o) => o.value === ui.voice.value)) ui.voice.value = info.default_voice || "";
+    chosenVoice = ui.voice.value;
     updateCount();
     if (info.token_required && !token) {
       notice("This server requires a token: open the page as /?token=YOUR_TOKEN.", "warn");
@@ -200,6 +204,7 @@
       ui.voice.appendChild(option);
     }
     option.textContent = `My voice (${what})`;
+    if (ui.voice.value !== MINE) chosenVoice = ui.voice.value;
     ui.voice.value = MINE;
     voiceStatus(`Your voice is ready (${what}): it is sent with Start.`);
   }
@@ -399,7 +404,7 @@
         s.readyAt = performance.now();
         startCodec(s, msg.codec || "pcm");
         setStatus("listening");
-        notice("");
+        if (!s.voiceRefused) notice(""); // a refused recording stays said: the conversation runs without it
         break;
       case "voice":
         voiceStatus(`The server took your voice (${msg.seconds.toFixed(1)} s, ${msg.frames} frames).`);
@@ -440,7 +445,15 @@
           const fallback = s.fallbackVoice || "no voice prompt";
           voiceStatus(`The server did not take your voice: ${msg.message}`, true);
           notice(`Your recording was not used (${msg.message}); the conversation starts with ${fallback}.`, "warn");
+          s.voiceRefused = true;
           sendStart(s, s.fallbackVoice);
+        } else if (!s.ready && !s.stopping && START_REFUSALS.has(msg.code)) {
+          // start was refused (a profile field, the persona, a voice): say why and end, Start can be pressed again
+          s.refused = true;
+          notice(`The server did not start the conversation: ${msg.message}`, "bad");
+          setStatus("error");
+          if (s.ws && s.ws.readyState === WebSocket.OPEN) s.ws.close(1000, "refused");
+          finish(s);
         } else if (msg.code === "audio_overflow") {
           notice("The server is behind real time: some of your audio was dropped.", "warn behind");
         } else {
@@ -497,6 +510,8 @@
       transportTimer: null,
       pendingStart: false, // start waits for the server's answer to the voice recording
       fallbackVoice: "", // the server voice used when the recording is refused
+      voiceRefused: false, // the server refused the recording: the conversation started with the voice before
+      refused: false, // the server refused start (or the connection could not be opened): the notice says why
     };
   }
 
@@ -570,7 +585,18 @@
   }
 
   function connect(session) {
-    const ws = token ? new WebSocket(wsUrl(), ["cspan.token." + token]) : new WebSocket(wsUrl());
+    let ws;
+    try {
+      ws = token ? new WebSocket(wsUrl(), ["cspan.token." + token]) : new WebSocket(wsUrl());
+    } catch (e) {
+      // a ?token= with characters a WebSocket subprotocol cannot carry (a space, a comma, ...)
+      const why = token ? "check the ?token= in the address (letters, digits and . _ ~ - only)" : String(e);
+      notice(`Cannot connect to the server: ${why}.`, "bad");
+      session.refused = true;
+      setStatus("error");
+      finish(session);
+      return;
+    }
     ws.binaryType = "arraybuffer";
     session.ws = ws;
     ws.onopen = () => {
@@ -579,7 +605,7 @@
         sendVoice(session, myVoice.wav);
         return;
       }
-      sendStart(session, ui.voice.value === MINE ? stored("cspan.voice", "") : ui.voice.value);
+      sendStart(session, ui.voice.value === MINE ? chosenVoice : ui.voice.value);
     };
     ws.onmessage = (e) => {
       if (typeof e.data === "string") {
@@ -604,12 +630,19 @@
     };
     ws.onclose = (e) => {
       if (session.byeWaiter) session.byeWaiter();
-      if (session.bye && session.bye.reason === "revoked") notice("The session ended: this token was revoked.", "bad");
+      if (session.refused) {
+        /* the notice already says why the server refused the start */
+      } else if (session.bye && session.bye.reason === "revoked") notice("The session ended: this token was revoked.", "bad");
       else if (session.bye && session.bye.reason === "forgotten") notice("The session ended: everything remembered about you was erased. Start again for a fresh session.", "bad");
       else if (e.code === 4401) notice("The server refused the token: open the page as /?token=YOUR_TOKEN.", "bad");
       else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
       else if (e.code === 1013 || session.busy) notice("All conversation slots are busy; try again later.", "bad");
       else if (session.bye && session.bye.reason === "idle") notice("The session ended: no audio for a while.", "warn");
+      else if (session.bye && session.bye.reason === "shutdown") notice("The session ended: the server is shutting down; Start again in a moment.", "warn");
+      else if (session.bye && session.bye.reason !== "stop" && !session.stopping) {
+        // slow_client, error, and reasons this page does not know yet: never end without a word
+        notice(`The session ended (${session.bye.reason}${session.bye.message ? ": " + session.bye.message : ""}).`, "bad");
+      }
       else if (!session.stopping && !session.bye) notice(`Connection closed (code ${e.code}).`, "bad");
       finish(session);
     };
@@ -622,10 +655,11 @@
       type: "start",
       version: PROTOCOL_VERSION,
       profile: profile(),
-      text_prompt: ui.prompt.value,
       codecs: session.opus ? ["opus", "pcm"] : ["pcm"],
     };
     if (voice !== null) msg.voice = voice;
+    // the server's own persona is left out (null: its default), which may be longer than a client may send
+    if (!info || ui.prompt.value !== info.text_prompt) msg.text_prompt = ui.prompt.value;
     if (params.get("test")) {
       try {
         msg.test = JSON.parse(params.get("test"));
@@ -638,11 +672,13 @@
 
   // the recording as voice_audio and its bytes in pieces; start follows the server's answer (onServerMessage)
   function sendVoice(session, bytes) {
+    // pieces within the server's message limit (--max-message-kib: a larger one is refused, the upload never ends)
+    const piece = Math.min(PIECE, (info && info.max_message_bytes) || PIECE);
     session.pendingStart = true;
-    session.fallbackVoice = stored("cspan.voice", "") || (info && info.default_voice) || "";
+    session.fallbackVoice = chosenVoice;
     voiceStatus("Sending your voice…");
     session.ws.send(JSON.stringify({ type: "voice_audio", size: bytes.length }));
-    for (let o = 0; o < bytes.length; o += PIECE) session.ws.send(bytes.subarray(o, o + PIECE));
+    for (let o = 0; o < bytes.length; o += piece) session.ws.send(bytes.subarray(o, o + piece));
   }
 
   function onAgentFrame(session, frame) {
@@ -778,7 +814,7 @@
     await teardown(session);
     ui.stop.disabled = true;
     ui.start.disabled = false;
-    if (!session.busy) setStatus("idle");
+    if (!session.busy && !session.refused) setStatus("idle");
     if (session.micFrames.length || session.agentFrames.length) offerDownloads(session);
   }
 
@@ -865,6 +901,9 @@
     ui.voiceFile.value = ""; // the same file chosen again is read again
   });
   ui.stop.addEventListener("click", stop);
+  ui.voice.addEventListener("change", () => {
+    if (ui.voice.value !== MINE) chosenVoice = ui.voice.value;
+  });
   ui.prompt.addEventListener("input", updateCount);
   for (const el of [ui.name, ui.location, ui.timezone, ui.lat, ui.lon]) el.addEventListener("change", sendContext);
   ui.timezone.addEventListener("change", () => store("cspan.tz", ui.timezone.value.trim()));

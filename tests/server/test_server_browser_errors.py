@@ -1,0 +1,95 @@
+"""The page when a conversation cannot start, in Debian's headless Chromium (Playwright) against a real ``cspan
+serve`` on the tiny checkpoint: a ``?token=`` that no WebSocket can carry, a start the server refuses (a timezone
+it does not know), and a server whose own persona is longer than what a client may send. Each says why at once and
+gives Start back; none waits for the server's idle timeout (the page used to sit in "connecting" until then, and
+then said "no audio for a while"). And a conversation the server ends (shutting down) says so."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+TOKEN = "browser-token-0123"
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    persona = "You are a patient assistant who answers questions about the library's opening hours."
+    server = serve(text_prompt=persona, max_text_prompt_chars=40, token=TOKEN)
+    mic = tmp_path / "mic.wav"
+    sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
+    args = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--use-fake-ui-for-media-stream",
+        "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={mic}",
+        "--autoplay-policy=no-user-gesture-required",
+    ]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            context = browser.new_context()
+            context.grant_permissions(["microphone"], origin=server.url)
+            page = context.new_page()
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+
+            # 1. a token with a space: `new WebSocket` throws; the page said nothing and kept Start disabled
+            page.goto(server.url + "/?codec=pcm&token=not%20a%20token")
+            page.locator("#voice option").nth(1).wait_for(state="attached")
+            page.click("#start")
+            page.wait_for_selector("#status-dot.error", timeout=10_000)
+            assert "check the ?token= in the address" in page.inner_text("#notice")
+            assert page.is_enabled("#start") and page.is_disabled("#stop")
+
+            # 2. a start the server refuses (invalid_message): the reason, at once, and Start again
+            page.goto(server.url + f"/?codec=pcm&token={TOKEN}")
+            page.locator("#voice option").nth(1).wait_for(state="attached")
+            # the server's persona is longer than a client may send: the page shows it and leaves it to the server
+            assert page.input_value("#text-prompt") == persona
+            page.fill("#timezone", "Mars/Olympus")
+            page.click("#start")
+            page.wait_for_selector("#status-dot.error", timeout=10_000)  # the idle timeout is 60 s
+            text = page.inner_text("#notice")
+            assert "did not start the conversation" in text and "unknown IANA timezone 'Mars/Olympus'" in text, text
+            assert page.is_visible("#notice") and page.is_enabled("#start") and page.is_disabled("#stop")
+            page.wait_for_timeout(500)
+            assert server.hub.free_slots() == 1 and not server.hub.sessions
+
+            # 3. a good timezone: the conversation starts with the server's own persona, too long to be sent back
+            page.fill("#timezone", "Europe/London")
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            assert page.is_hidden("#notice")
+            (session,) = [s for s in server.hub.sessions if s.state == "live"]
+            assert session._start.text_prompt == persona
+            page.click("#stop")
+            page.wait_for_selector("#start:not([disabled])", timeout=60_000)
+            assert page.is_hidden("#notice")  # a conversation the user stopped: nothing to say
+
+            # 4. the server shuts down mid-conversation (bye "shutdown", close 1001): the page used to go idle silently
+            page.click("#start")
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            loop = server.hub._task.get_loop()
+            asyncio.run_coroutine_threadsafe(server.hub.end_all("shutdown"), loop).result(timeout=30)
+            page.wait_for_selector("#start:not([disabled])", timeout=30_000)
+            assert page.is_visible("#notice") and "the server is shutting down" in page.inner_text("#notice")
+            assert not [c for c in console if c.startswith(("pageerror", "error"))], console
+        finally:
+            browser.close()
