@@ -174,3 +174,15 @@ def test_an_external_router_url_with_a_query_is_checked_and_exported_with_it(env
     finally:
         router.terminate()
         router.wait(timeout=30)
+
+
+def test_router_spec_takes_each_form_of_the_router_url() -> None:
+    """--router-url as the server, its /v1 or its chat-completions endpoint (the three forms the router's chat_url
+    takes): the same /v1/models check and /v1 base (the full endpoint had been checked at
+    .../chat/completions/v1/models, never healthy)."""
+    from cspan.backends.launcher import router_spec
+
+    for given in ("http://h:8/x", "http://h:8/x/", "http://h:8/x/v1", "http://h:8/x/v1/chat/completions"):
+        for query in ("", "?api-version=2"):
+            spec = router_spec(url=given + query)
+            assert (spec.health_url, spec.url) == (f"http://h:8/x/v1/models{query}", f"http://h:8/x/v1{query}"), given

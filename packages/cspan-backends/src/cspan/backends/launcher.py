@@ -104,7 +104,8 @@ def router_spec(
     if url:
         parts = urlsplit(url)  # a query (?api-version=...) stays at the end of each URL
         path = parts.path.rstrip("/")
-        path = path[: -len("/v1")] if path.endswith("/v1") else path
+        for end in ("/chat/completions", "/v1"):  # the base, whichever of the three forms chat_url takes is given
+            path = path[: -len(end)] if path.endswith(end) else path
         models, v1 = (urlunsplit(parts._replace(path=f"{path}/v1{end}")) for end in ("/models", ""))
         return ServerSpec("router", [], {}, models, v1, model, managed=False)
     if command:
