@@ -165,6 +165,22 @@ def test_user_ids_with_white_space_at_an_end_are_refused_and_forget_says_when_it
     assert "nothing was stored about 'adaa'" in done.stderr.decode() and "check the user id" in done.stderr.decode()
 
 
+def test_db_verbs_refuse_a_sqlite_file_that_does_not_exist_and_create_nothing(tmp_path: Path) -> None:
+    """`cspan db forget --db MISTYPED.sqlite --yes` created an empty Context DB at the mistyped path and reported
+    nothing stored: every verb but `users add` (which starts a new DB) now refuses a file that does not exist."""
+    missing = tmp_path / "typo.sqlite"
+    for verb in (("db", "forget", "ada", "--yes"), ("db", "info"), ("db", "export", "ada"), ("users", "list")):
+        done = _cspan(*verb, "--db", str(missing))
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.decode() == (
+            f"cspan {verb[0]} {verb[1]}: error: no Context DB at {missing} (nothing was ever stored there); check "
+            "--db or $CSPAN_DB\n"
+        )
+        assert not missing.exists()
+    done = _cspan("users", "add", "ada", "--db", str(missing))
+    assert done.returncode == 0 and missing.exists()
+
+
 def test_backends_start_names_a_file_given_as_log_dir(tmp_path: Path) -> None:
     """A file as --log-dir gave only 'file exists'."""
     log = tmp_path / "log"

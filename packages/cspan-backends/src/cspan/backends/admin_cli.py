@@ -42,14 +42,37 @@ def _days(text: str) -> float:
     return value
 
 
-def _handler(verb: str, fn: Callable[[argparse.Namespace, Any], int]) -> Callable[[argparse.Namespace], int]:
-    """Open the Context DB, run ``fn(args, db)``, close it; one-line errors."""
+def _missing_file(target: str | None) -> str | None:
+    """The SQLite file ``target`` names (``--db``, ``$CSPAN_DB`` or the default) when it does not exist, else None
+    (also for ``:memory:`` and PostgreSQL)."""
+    from cspan.backends.context_db.store import resolve_target
+
+    path = resolve_target(target)
+    if path == ":memory:" or ("://" in path and not path.startswith("sqlite://")):
+        return None
+    path = path.removeprefix("sqlite://")
+    return None if os.path.exists(path) else path
+
+
+def _handler(
+    verb: str, fn: Callable[[argparse.Namespace, Any], int], *, creates: bool = False
+) -> Callable[[argparse.Namespace], int]:
+    """Open the Context DB, run ``fn(args, db)``, close it; one-line errors. Only a verb that ``creates`` (``users
+    add``) may name a SQLite file that does not exist yet: the others would create an empty one at a mistyped path."""
 
     def run(args: argparse.Namespace) -> int:
         from cspan.backends.context_db import ContextDB
         from cspan.backends.errors import BackendError
 
         try:
+            missing = None if creates else _missing_file(args.db)
+            if missing is not None:
+                print(
+                    f"cspan {verb}: error: no Context DB at {missing} (nothing was ever stored there); check --db or "
+                    "$CSPAN_DB",
+                    file=sys.stderr,
+                )
+                return 1
             db = ContextDB(args.db)
         except (BackendError, OSError, ValueError) as exc:
             print(f"cspan {verb}: error: {exc}", file=sys.stderr)
@@ -159,7 +182,7 @@ def users_command(parser: argparse.ArgumentParser) -> None:
     )
     add.add_argument("--label", default="", help="a note for `users list` (which device, who)")
     _add_db(add)
-    add.set_defaults(handler=_handler("users add", _users_add))
+    add.set_defaults(handler=_handler("users add", _users_add, creates=True))
 
     lister = sub.add_parser("list", help="list issued tokens (ids and metadata, never the tokens)")
     lister.add_argument("user", nargs="?", default=None, help="only this user's tokens")
