@@ -2,7 +2,8 @@
 serve`` on the tiny checkpoint: a ``?token=`` that no WebSocket can carry, a start the server refuses (a timezone
 it does not know), and a server whose own persona is longer than what a client may send. Each says why at once and
 gives Start back; none waits for the server's idle timeout (the page used to sit in "connecting" until then, and
-then said "no audio for a while"). And a conversation the server ends (shutting down) says so."""
+then said "no audio for a while"). And a conversation the server ends (shutting down) says so, and a server that is
+gone is named as the cause (not the microphone)."""
 
 from __future__ import annotations
 
@@ -91,5 +92,13 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
             page.wait_for_selector("#start:not([disabled])", timeout=30_000)
             assert page.is_visible("#notice") and "the server is shutting down" in page.inner_text("#notice")
             assert not [c for c in console if c.startswith(("pageerror", "error"))], console
+
+            # 5. the server is gone: Start said "Microphone or audio setup failed: ... (Network error)"
+            server.stop()
+            page.click("#start")
+            page.wait_for_selector("#status-dot.error", timeout=30_000)
+            text = page.inner_text("#notice")
+            assert text.startswith("Cannot reach the server") and "Microphone" not in text, text
+            assert page.is_enabled("#start")
         finally:
             browser.close()

@@ -209,9 +209,21 @@
     voiceStatus(`Your voice is ready (${what}): it is sent with Start.`);
   }
 
+  // An audio worklet's module, from the server: one that does not load means the server is not answering (the
+  // microphone was granted before), so the message says that instead of blaming the audio setup.
+  async function addWorklet(ctx, url) {
+    try {
+      await ctx.audioWorklet.addModule(url);
+    } catch (e) {
+      throw Object.assign(new Error(`${url} could not be loaded from the server (${(e && e.message) || e})`), {
+        unreachable: true,
+      });
+    }
+  }
+
   // The microphone as 80 ms frames at RATE (the mic-frames worklet resamples), kept running through a muted output.
   async function micFrames(ctx, source) {
-    await ctx.audioWorklet.addModule("/static/mic-worklet.js");
+    await addWorklet(ctx, "/static/mic-worklet.js");
     const mic = new AudioWorkletNode(ctx, "mic-frames", {
       numberOfInputs: 1,
       numberOfOutputs: 1,
@@ -557,7 +569,7 @@
         session.ctx = new AudioContext({ latencyHint: "interactive" }); // resampled in the worklets
       }
       const ctx = session.ctx;
-      await ctx.audioWorklet.addModule("/static/player-worklet.js");
+      await addWorklet(ctx, "/static/player-worklet.js");
       session.mic = await micFrames(ctx, ctx.createMediaStreamSource(session.stream));
       session.player = new AudioWorkletNode(ctx, "agent-player", {
         numberOfInputs: 0,
@@ -575,7 +587,8 @@
       await ctx.resume();
       session.opus = params.get("codec") !== "pcm" && window.OggOpus && (await window.OggOpus.supported());
     } catch (e) {
-      notice("Microphone or audio setup failed: " + e, "bad");
+      if (e && e.unreachable) notice(`Cannot reach the server: ${e.message}. Is cspan serve still running?`, "bad");
+      else notice("Microphone or audio setup failed: " + e, "bad");
       await teardown(session);
       setStatus("error");
       ui.start.disabled = false;
