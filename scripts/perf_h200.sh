@@ -211,14 +211,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $ji
       TAIL=24 run probe 150 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; nvcc -O3 -std=c++17 -arch=sm_90a \
         -o /tmp/depformer_chain_probe scripts/depformer_chain_probe.cu && for c in 1 8 16; do /tmp/depformer_chain_probe $c 30; done' ;;
     cprobe)  # the depformer in clusters: 12 grid exchanges per codebook instead of 24
-      # (scripts/depformer_cluster_probe.cu, built here with nvcc): 16 clusters of 4 on 64 SMs and 64 clusters of 2
-      # on 128 (16 of 8 and 32 of 4 do not fit at once on an H200: C116, C117), 8 and 16 codebooks; then the chain
-      # probe's launch chain and persistent forms at 8 codebooks beside them
-      TAIL=60 run cprobe 240 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; set -e; for f in "4 64" "2 128"; do \
-        set -- $f; nvcc -O3 -std=c++17 -arch=sm_90a -DCLUSTER=$1 -DBLOCKS=$2 -o /tmp/dcp_$1_$2 \
-        scripts/depformer_cluster_probe.cu; done; nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/depformer_chain_probe \
-        scripts/depformer_chain_probe.cu; for f in "4 64" "2 128"; do set -- $f; for c in 8 16; do \
-        /tmp/dcp_$1_$2 $c 30; done; done; /tmp/depformer_chain_probe 8 30' ;;
+      # (scripts/depformer_cluster_probe.cu, built here with nvcc): 16 clusters of 4 on 64 SMs, the one form that
+      # fits an H200 at once (16 of 8 and 32 of 4 do not: C116, C117), 8 and 16 codebooks; then the chain probe's
+      # launch chain and persistent forms at 8 codebooks beside it (C118: the clusters lose)
+      TAIL=60 run cprobe 240 bash -c 'export PATH=$PATH:/usr/local/cuda/bin; set -e; nvcc -O3 -std=c++17 \
+        -arch=sm_90a -DCLUSTER=4 -DBLOCKS=64 -o /tmp/dcp scripts/depformer_cluster_probe.cu; nvcc -O3 -std=c++17 \
+        -arch=sm_90a -o /tmp/depformer_chain_probe scripts/depformer_chain_probe.cu; for c in 8 16; do \
+        /tmp/dcp $c 30; done; /tmp/depformer_chain_probe 8 30' ;;
     gemv)  # the temporal products at B = 1: cuBLAS against a hand-written GEMV with and without PDL
       # (scripts/temporal_gemv_probe.cu, built here with nvcc; libcublas from torch's nvidia wheels, opened at run time)
       libs=$(python3 -c 'import pathlib, torch; site = pathlib.Path(torch.__file__).parent.parent
