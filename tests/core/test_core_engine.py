@@ -429,6 +429,10 @@ def test_a_bad_prefix_or_input_is_refused_at_the_call_and_loses_no_other_work(ti
                 engine.set_prefix(0, torch.zeros(K, 5))
             with pytest.raises(ValueError, match=rf"embeddings must be \[E <= 5, {D}\] floats"):
                 engine.set_prefix(0, torch.zeros(K, 5, dtype=torch.long), torch.zeros(7, 3))
+            nan = torch.zeros(3, D)
+            nan[2, 1] = float("nan")
+            with pytest.raises(ValueError, match=r"set_prefix: embeddings\[2\] holds NaN or infinite values"):
+                engine.set_prefix(0, torch.zeros(K, 5, dtype=torch.long), nan)
             with pytest.raises(TypeError, match=r"frames must be a torch\.Tensor, got list"):
                 engine.set_prefix(0, [[1]])
             for bad_pcm, kind in ((pcm.to_sparse(), "sparse_coo"), (torch.zeros(2, FRAME_SIZE, device="meta"), "meta")):
