@@ -80,7 +80,7 @@ def test_qa_out_over_the_data_and_a_dead_backend_are_refused_before_any_work(tmp
     assert cli(*run, str(tmp_path / "o2"), "--asr", "http://127.0.0.1:9/v1/audio") == 1
     assert "--asr http://127.0.0.1:9/v1/audio: nothing answers there" in capsys.readouterr().err
     # a router without a transcriber is refused with the URL redacted too (was shown as given)
-    assert cli(*run, str(tmp_path / "o3"), "--asr", "none", "--router", dead + "?api_key=SECRET2") == 1
+    assert cli(*run, str(tmp_path / "o3"), "--asr", "none", "--router", dead + "?api_key=SECRET2") == 2
     err = capsys.readouterr().err
     assert "--router http://bob:***@127.0.0.1:9/v1?api_key=*** needs the user's words" in err, err
     assert "hunter2pw" not in err and "SECRET2" not in err, err

@@ -282,13 +282,13 @@ def check_loop(args: argparse.Namespace, *, text_questions: bool = False) -> Non
     (unless the questions are given as text).
 
     Raises:
-        BenchError: ``--router`` is set and ``--asr none``.
+        BenchSettingsError: ``--router`` is set and ``--asr none``.
     """
     from cspan.backends.urls import redact_url
-    from cspan.bench.errors import BenchError
+    from cspan.bench.errors import BenchSettingsError
 
     if args.router.lower() != "none" and args.asr.lower() == "none" and not text_questions:
-        raise BenchError(
+        raise BenchSettingsError(
             f"--router {redact_url(args.router)} needs the user's words: with --asr none no <ret> can be answered; pass --asr "
             "sphinx (or a transcription server URL), or --router none to run without retrieval"
         )

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from cspan.backends.urls import redact_url
-from cspan.bench.errors import BenchDataError, BenchError
+from cspan.bench.errors import BenchDataError, BenchError, BenchSettingsError
 
 log = logging.getLogger(__name__)
 
@@ -231,11 +231,11 @@ def make_router(
         except ValueError as exc:
             raise BenchError(str(exc)) from exc
     if not spec.startswith(("http://", "https://")):
-        raise BenchError(
+        raise BenchSettingsError(
             f"--router {redact_url(spec)!r}: use 'local', 'none' or an OpenAI-compatible URL (http://host:port/v1)"
         )
     if not model:
-        raise BenchError(f"--router {redact_url(spec)}: pass --router-model NAME (the model the server serves)")
+        raise BenchSettingsError(f"--router {redact_url(spec)}: pass --router-model NAME (the model the server serves)")
     return LLMRouter(spec, model, tools, max_tool_calls=max_tool_calls, timeout_s=timeout_s)
 
 
