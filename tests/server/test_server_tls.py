@@ -93,6 +93,9 @@ def test_tls_files_that_cannot_serve_are_bad_settings(certificate, tmp_path) -> 
         (["--ssl-certfile", str(cert), "--ssl-keyfile", str(rsa_key)], "is not the private key of the certificate"),
         (["--ssl-certfile", str(cert), "--ssl-keyfile", str(encrypted)], "the private key is encrypted"),
         (["--ssl-keyfile", str(key)], "needs --ssl-certfile"),
+        # a relative path (a settings file's, typically) says where it was looked for
+        (["--ssl-certfile", "certs/x.pem"], r"'certs/x.pem' is not a file \(a relative path is read from the working "),
+        ([f"--ssl-certfile={tmp_path}/none.pem"], rf"'{tmp_path}/none.pem' is not a file$"),
     ]
     for argv, message in cases:
         with pytest.raises(SettingsError, match=message):

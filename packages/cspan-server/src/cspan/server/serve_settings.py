@@ -171,7 +171,9 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
             return None
         path = value.expanduser()
         if not path.is_file():
-            raise ValueError(f"{str(value)!r} is not a file")
+            # a relative path in a settings file is read from the working directory, not from the file's folder
+            where = "" if path.is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+            raise ValueError(f"{str(value)!r} is not a file{where}")
         return path
 
     @field_validator("ssl_certfile")
