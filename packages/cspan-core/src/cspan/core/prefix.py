@@ -328,8 +328,8 @@ def prefix_inputs(lm: Any, delayed: torch.Tensor, embeddings: torch.Tensor | Non
 
 def check_prefix(frames: object, embeddings: object, rows: Sequence[int], dim: int) -> None:
     """A TypeError / ValueError unless ``frames`` are [K, P] integer ids, row k below ``rows[k]`` (the rows of its
-    embedding table; -1: no input), and ``embeddings`` (or None) [E <= P, ``dim``] finite floats: a prefix found bad
-    by the step would fail every session's step and lose what was queued with it."""
+    embedding table; -1: no input), and ``embeddings`` (or None) [E <= P, ``dim``] floats, finite when on the host: a
+    prefix found bad by the step would fail every session's step and lose what was queued with it."""
     from .sessions import check_tensor, is_integer
 
     K = len(rows)
@@ -350,8 +350,10 @@ def check_prefix(frames: object, embeddings: object, rows: Sequence[int], dim: i
                 f"set_prefix: embeddings must be [E <= {frames.shape[1]}, {dim}] floats, got {emb.dtype} "
                 f"{list(emb.shape)}"
             )
-        finite = torch.isfinite(emb).all(dim=1)
-        if not bool(finite.all()):  # a NaN read into the KV cache would poison every later token of the session
+        # a NaN read into the KV cache would poison every later token of the session; only host tensors are read
+        # (voice files load there): a device tensor's values would cost a synchronisation with the running step
+        finite = torch.isfinite(emb).all(dim=1) if emb.device.type == "cpu" else None
+        if finite is not None and not bool(finite.all()):
             row = int((~finite).nonzero()[0])
             raise ValueError(f"set_prefix: embeddings[{row}] holds NaN or infinite values")
 
