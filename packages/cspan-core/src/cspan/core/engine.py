@@ -435,9 +435,10 @@ class DuplexEngine:
 
         Raises:
             ValueError: frames that are not [K, P] integers with each row's ids in its embedding table (-1: no
-                input), embeddings that are not [E <= P, D] floats; an unknown policy; a prefix that leaves no
-                room in the window (P + 1 >= context) with a policy that keeps it there. TypeError: no tensor. TypeError,
-                ValueError: a seed that is no int in 0 .. 2**63 - 1. Nothing is changed when it raises.
+                input), embeddings that are not [E <= P, D] floats (or, on the host, hold NaN or infinities); an
+                unknown policy; a prefix that leaves no room in the window (P + 1 >= context) with a policy that keeps
+                it there. TypeError: no tensor. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
+                Nothing is changed when it raises.
         """
         i = self._check_session(i)
         seed = self.sessions.seeds[i] if seed is None else check_seed(seed, "set_prefix")
