@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cspan.backends.errors import ToolError
-from cspan.backends.tools.bank import Tool, ToolBank, ToolOutput, render_clause
+from cspan.backends.tools.bank import MAX_QUOTED_CHARS, Tool, ToolBank, ToolOutput, render_clause, sanitize_text
 from cspan.backends.tools.schema import model_from_json_schema
 from cspan.backends.urls import redact_url
 
@@ -323,7 +323,8 @@ class MCPConnection:
         text = " ".join(t.strip() for t in texts if t and t.strip())
         data = _attr(result, "structured_content", "structuredContent")
         if _attr(result, "is_error", "isError", False):
-            raise ToolError(f"MCP tool {remote_name!r} reported an error: {text or 'no details'}", tool=remote_name)
+            said = sanitize_text(text, MAX_QUOTED_CHARS) or "no details"  # the server's words: data, capped
+            raise ToolError(f"MCP tool {remote_name!r} reported an error: {said}", tool=remote_name)
         if not text and data is not None:
             text = render_clause(data)
         return ToolOutput(text, data)
