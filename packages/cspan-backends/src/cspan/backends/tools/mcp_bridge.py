@@ -257,11 +257,19 @@ class MCPConnection:
                 f"MCP server {self.where} has no tool(s) {unknown}; it lists: {', '.join(listed) or '(none)'}"
             )
         out = []
+        taken: dict[str, str] = {}  # local name -> the server's name
         for remote in self._tools:
             name = remote.name
             if name not in chosen:
                 continue
             local = (prefix + re.sub(r"[^A-Za-z0-9_-]", "_", name))[:64]
+            if local in taken:
+                raise ToolError(
+                    f"MCP server {self.where} lists tools {taken[local]!r} and {name!r}, which both become "
+                    f"{local!r} here (characters outside A-Z a-z 0-9 _ - become _, names are cut to 64); "
+                    "mount one of them only (allow=)"
+                )
+            taken[local] = name
             schema = dict(_attr(remote, "input_schema", "inputSchema", {}) or {"type": "object"})
             meta = _attr(remote, "meta", "_meta", {}) or {}
             annotations = _attr(remote, "annotations", "annotations")
