@@ -3,6 +3,7 @@ and `cspan db` is one line naming the flag and the fix, before anything runs; no
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,6 +75,24 @@ def test_a_database_url_we_do_not_speak_is_not_a_folder(tmp_path: Path) -> None:
     line = _one_line(done)
     assert done.returncode == 1 and "'mysql' databases are not supported" in line and "secret" not in line
     assert list(tmp_path.iterdir()) == []  # no ./mysql:/x folder
+
+
+def test_db_export_to_a_file_is_private_to_its_owner(tmp_path: Path) -> None:
+    """``db export --out`` writes everything stored about a person: the file is 0600 as the database is, whatever
+    the umask (it was 0644 under the usual 022: readable by every local user), also when it replaces one."""
+    db = tmp_path / "db.sqlite"
+    assert _cspan("users", "add", "ada", "--db", str(db)).returncode == 0
+    out = tmp_path / "ada.json"
+    out.write_text("old")
+    out.chmod(0o644)
+    old = os.umask(0o022)
+    try:
+        for _ in range(2):
+            assert _cspan("db", "export", "ada", "--db", str(db), "--out", str(out)).returncode == 0
+            assert out.stat().st_mode & 0o777 == 0o600 and json.loads(out.read_text())["user_id"] == "ada"
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir() if ".part" in p.name) == []
 
 
 def test_db_export_into_a_read_only_folder_names_the_file_not_the_part(tmp_path: Path) -> None:

@@ -217,7 +217,11 @@ def _db_export(args: argparse.Namespace, db: Any) -> int:
     try:
         if out.is_dir():
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
-        tmp.write_text(text + "\n", encoding="utf-8")
+        # everything about a person: private to its owner, as the database itself (0600), whatever the umask
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text + "\n")
         tmp.replace(out)
     except OSError as exc:
         with contextlib.suppress(OSError):  # on a read-only mount even removing a file never made fails (EROFS)

@@ -10,7 +10,9 @@ Tool output is *data*: the clause is stripped of control and format characters, 
 result is cut to ``max_chars`` characters. Nothing in it is ever interpreted.
 
 Every failure (unknown tool, invalid arguments, timeout, the tool raising) surfaces as
-:class:`cspan.backends.errors.ToolError` with the tool's name and, for validation, the field.
+:class:`cspan.backends.errors.ToolError` with the tool's name and, for validation, the field. What a failing tool
+said is data too: a failure's message is made one line the same way, quotes at most :data:`MAX_QUOTED_CHARS` of
+the tool's own words and is cut to :data:`MAX_ERROR_CHARS`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from cspan.backends.untrusted import sanitize_text
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
+    "MAX_ERROR_CHARS",
+    "MAX_QUOTED_CHARS",
     "Tool",
     "ToolArgs",
     "ToolBank",
@@ -46,6 +50,14 @@ __all__ = [
 
 DEFAULT_MAX_CHARS = 400
 """Default cap, in characters, on :attr:`ToolResult.text`."""
+
+MAX_ERROR_CHARS = 1000
+"""Cap, in characters, on the message of a tool's failure (:meth:`ToolBank.call`): it reaches the client's
+``no_span`` event, the Context DB's span row and the log, whatever the tool (an MCP server) answered."""
+
+MAX_QUOTED_CHARS = 300
+"""Cap, in characters, on what a failing tool itself said (an MCP server's error text, an exception's message)
+where a failure's message quotes it."""
 
 NO_INFORMATION = "(no information found)"
 """What a tool that ran and found nothing returns (the released model was trained on this abstain clause)."""
@@ -510,11 +522,12 @@ class ToolBank:
                 f"tool {name!r} timed out after {limit:g} s; retry later or raise its timeout", tool=name
             ) from None
         except ToolError as exc:
-            if exc.tool is None:
-                raise ToolError(f"tool {name!r}: {exc}", tool=name, field=exc.field) from exc
-            raise
+            # what the tool (an MCP server, a client's function) said is data of another party: one line, capped
+            message = str(exc) if exc.tool is not None else f"tool {name!r}: {exc}"
+            raise ToolError(sanitize_text(message, MAX_ERROR_CHARS), tool=exc.tool or name, field=exc.field) from exc
         except Exception as exc:
-            raise ToolError(f"tool {name!r} failed: {type(exc).__name__}: {exc}", tool=name) from exc
+            message = f"tool {name!r} failed: {type(exc).__name__}: {sanitize_text(str(exc), MAX_QUOTED_CHARS)}"
+            raise ToolError(sanitize_text(message, MAX_ERROR_CHARS), tool=name) from exc
         latency = time.perf_counter() - start
         text, data = self._render(tool, out)
         return ToolResult(name=name, arguments=shown, text=text, data=data, latency_s=latency)

@@ -380,6 +380,8 @@ async def build_bank(spec: ToolsSpec, *, knowledge: KnowledgeBase | None = None)
     if "knowledge" in spec.sets and knowledge is None and spec.knowledge is not None:
         knowledge = KnowledgeBase(spec.knowledge)
     bank = ToolBank(max_chars=spec.max_chars, confirm_actions=spec.confirm_actions)
+    # the memory set is made per session (session_bank): its names are taken too, or every session would fail
+    per_session = {tool.name for tool in memory_tools(None)} if "memory" in spec.sets else set()  # type: ignore[arg-type]
     try:
         for tool in builtin_tools(
             spec.sets, weather_url=spec.weather_url, geocoding_url=spec.geocoding_url, knowledge=knowledge
@@ -399,7 +401,7 @@ async def build_bank(spec: ToolsSpec, *, knowledge: KnowledgeBase | None = None)
                 allow=server.allow,
                 read_only=server.read_only,
             )
-            clash = sorted(set(bank.names()) & set(mounted.names()))
+            clash = sorted((set(bank.names()) | per_session) & set(mounted.names()))
             if clash:
                 await mounted.aclose()
                 raise ToolError(

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cspan.backends.errors import ToolError
-from cspan.backends.tools.bank import Tool, ToolBank, ToolOutput, render_clause
+from cspan.backends.tools.bank import MAX_QUOTED_CHARS, Tool, ToolBank, ToolOutput, render_clause, sanitize_text
 from cspan.backends.tools.schema import model_from_json_schema
 from cspan.backends.urls import redact_url
 
@@ -257,11 +257,19 @@ class MCPConnection:
                 f"MCP server {self.where} has no tool(s) {unknown}; it lists: {', '.join(listed) or '(none)'}"
             )
         out = []
+        taken: dict[str, str] = {}  # local name -> the server's name
         for remote in self._tools:
             name = remote.name
             if name not in chosen:
                 continue
             local = (prefix + re.sub(r"[^A-Za-z0-9_-]", "_", name))[:64]
+            if local in taken:
+                raise ToolError(
+                    f"MCP server {self.where} lists tools {taken[local]!r} and {name!r}, which both become "
+                    f"{local!r} here (characters outside A-Z a-z 0-9 _ - become _, names are cut to 64); "
+                    "mount one of them only (allow=)"
+                )
+            taken[local] = name
             schema = dict(_attr(remote, "input_schema", "inputSchema", {}) or {"type": "object"})
             meta = _attr(remote, "meta", "_meta", {}) or {}
             annotations = _attr(remote, "annotations", "annotations")
@@ -323,7 +331,8 @@ class MCPConnection:
         text = " ".join(t.strip() for t in texts if t and t.strip())
         data = _attr(result, "structured_content", "structuredContent")
         if _attr(result, "is_error", "isError", False):
-            raise ToolError(f"MCP tool {remote_name!r} reported an error: {text or 'no details'}", tool=remote_name)
+            said = sanitize_text(text, MAX_QUOTED_CHARS) or "no details"  # the server's words: data, capped
+            raise ToolError(f"MCP tool {remote_name!r} reported an error: {said}", tool=remote_name)
         if not text and data is not None:
             text = render_clause(data)
         return ToolOutput(text, data)
