@@ -640,6 +640,7 @@ async def _converse(
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import CspanError, OutputError
+    from cspan.core.files import stop_signals_deferred
     from cspan.core.runtime import Conversation, ConversationConfig, decode_agent_text
     from cspan.server.memory_span import MemorySpan, memory_summary
     from cspan.server.output import InferJsonStream, InferOutput, PersonaInfo, Timing, timing_stats
@@ -800,16 +801,20 @@ async def _converse(
             progress.close()
     wall = time.monotonic() - started
 
-    # 4. the outputs: each one written on its own, so that one failing never costs the other
+    # 4. the outputs: each one written on its own, so that one failing never costs the other; both are finished
+    # first (still .part files: a signal now leaves nothing behind), then published in one step that no stop
+    # signal splits (a new WAV next to a previous run's JSON would look like one run)
     if writer is not None:
         try:
-            writer.commit()
+            writer.finish()
         except OutputError as exc:
-            wav_error = exc
+            writer, wav_error = None, exc
     try:
         agent_text = decode_agent_text(checkpoint.tokenizer, agent_tokens)
         text_error: OutputError | None = None
-        if s.output_text is not None:
+
+        def finish_text() -> None:
+            nonlocal text_error
             document = InferOutput(
                 input=_json_text(str(s.input_wav)),
                 output_wav=None if wav_error is not None else _json_text(str(s.output_wav)),
@@ -834,9 +839,30 @@ async def _converse(
                 checkpoint=checkpoint_identity(checkpoint, device, dtype),
             )
             try:
-                stream.write(document)
+                stream.finish(document)
             except OutputError as exc:
                 text_error = exc
+
+        if s.output_text is not None:
+            finish_text()
+        with stop_signals_deferred():
+            if writer is not None:
+                try:
+                    writer.publish()
+                except OutputError as exc:
+                    wav_error = exc
+                    if s.output_text is not None and text_error is None:
+                        finish_text()  # again, with output_wav null
+                writer = None
+            if s.output_text is not None and text_error is None:
+                try:
+                    stream.publish()
+                except OutputError as exc:
+                    text_error = exc
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     finally:
         stream.drop()  # written or failed, the spool goes
     try:
