@@ -67,6 +67,8 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     assert cfg["source"] == str(tiny_checkpoint_dir) and cfg["random_weights"] is False
     assert cfg["lm"]["dep_q"] == 16 and cfg["lm"]["num_parameters"] > 0 and cfg["mimi"]["sample_rate"] == 24000
     assert cfg["cuda_graphs"] is False and cfg["span_lengths"] == [0, 16, 64]
+    # the CPU reads the ring with torch's attention, not the Triton kernel (the report said "triton")
+    assert cfg["fused"] is False and cfg["decode_attention"] == "eager (torch scaled_dot_product_attention)"
     # serve's engine settings: user-stream predictions skipped (and the step also timed with them), spans read in
     # the step that follows them; --fresh: no history
     assert cfg["predict_user"] is False and cfg["defer_spans"] is True and cfg["fill"] == 0

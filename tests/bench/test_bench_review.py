@@ -169,6 +169,12 @@ def test_fdb_v1_score_with_a_judge_that_is_down_finishes_and_records_failures(
     assert not list(task.glob("*/rating.json"))  # a failed judgement is never stored as an answer
 
 
+NOT_A_URL = (
+    "is not an http(s) URL: give the server's address, e.g. http://127.0.0.1:8080 (https:// for TLS; the clients "
+    "use its ws:// paths themselves)"
+)  # bench serve's --url (was tried, and reported as "no cspan serve answers there", exit 1)
+
+
 @pytest.mark.parametrize(
     ("verb", "flag", "value", "message"),
     [
@@ -203,6 +209,9 @@ def test_fdb_v1_score_with_a_judge_that_is_down_finishes_and_records_failures(
         ("serve", "--clients", "2000", "'2000' is out of range: give 1 to 1024"),
         ("serve", "--seconds", "1e9", "'1e9' is out of range: give 0.1 to 86400"),
         ("serve", "--seconds", "nan", "'nan' is not a finite number"),
+        ("serve", "--url", "notaurl", f"'notaurl' {NOT_A_URL}"),
+        ("serve", "--url", "ws://127.0.0.1:8080", f"'ws://127.0.0.1:8080' {NOT_A_URL}"),
+        ("serve", "--url", "http://127.0.0.1:port", f"'http://127.0.0.1:port' {NOT_A_URL}"),
     ],
 )
 def test_bench_settings_out_of_range_exit_2_naming_the_flag(
@@ -274,6 +283,9 @@ def test_bench_serve_without_any_session_exits_1(tmp_path: Path, cli, capsys) ->
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no session ran against" in err[0] and "(0 attempt(s), 0 refused)" in err[0], err
     assert not out.exists()  # nothing written that reads as a result
+    assert cli("bench", "serve", "--url", f"http://127.0.0.1:{port}", "--out", "/proc/sl") == 1
+    err = capsys.readouterr().err.strip()
+    assert "/proc/sl/serve-load.json: cannot write" in err and "summary.json" not in err, err  # the file it writes
 
 
 def test_report_names_a_file_given_as_run_folder_and_the_file_it_writes(tmp_path: Path, cli, capsys) -> None:

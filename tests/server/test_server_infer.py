@@ -277,6 +277,36 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
     assert inp.read_bytes() == (fixtures_dir / "audio" / "greeting_24k.wav").read_bytes()
 
 
+def test_an_output_over_the_voice_recording_or_the_settings_file_is_refused(
+    tiny_checkpoint_dir, fixtures_dir, tmp_path, capsys, monkeypatch
+):
+    """The voice recording (``--voice FILE``) and the settings file (``--config``, or ``CSPAN_CONFIG``) are read by
+    the run like the input: an output naming one would silently replace it (both were overwritten before)."""
+    from cspan.core.cli import main
+
+    speech = (fixtures_dir / "audio" / "question_weather_24k.wav").read_bytes()
+    inp, voice = tmp_path / "in.wav", tmp_path / "voice.wav"
+    inp.write_bytes(speech)
+    voice.write_bytes(speech)
+    config = tmp_path / "infer.toml"
+    config.write_text('db = ":memory:"\n')
+    base = ["infer", "--input-wav", str(inp), "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--quiet"]
+    cases = [
+        (["--output-wav", str(voice), "--voice", str(voice)], "--output-wav", "--voice"),
+        (["--output-wav", str(tmp_path / "o.wav"), "--output-text", str(config), "--config", str(config)],
+         "--output-text", "--config"),
+    ]  # fmt: skip
+    for extra, flag, source in cases:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} " in err and f"is also the {source} file" in err and "refusing to overwrite" in err, err
+    monkeypatch.setenv("CSPAN_CONFIG", str(config))
+    assert main([*base, "--output-wav", str(tmp_path / "o.wav"), "--output-text", str(config)]) == 2
+    assert "is also the --config file" in capsys.readouterr().err
+    assert voice.read_bytes() == speech and config.read_text() == 'db = ":memory:"\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.wav", "infer.toml", "voice.wav"]
+
+
 def test_kv_dtype_reaches_the_engine_of_infer_and_serve(tiny_checkpoint_dir, tiny_checkpoint, fixtures_dir, tmp_path):
     """``--kv-dtype``: declared once for both commands with the engine's choices; an FP8 cache runs a whole
     ``cspan infer`` (a given span read) and is what ``cspan serve`` builds."""

@@ -513,6 +513,41 @@ def test_a_killed_run_removes_its_part_file(sig, tiny_checkpoint_dir, speech, tm
     assert list(tmp_path.iterdir()) == []  # neither output, no .part
 
 
+@pytest.mark.parametrize("when", ["json finished", "wav published"])
+def test_a_signal_at_the_end_never_leaves_a_new_wav_beside_an_old_json(
+    when, tiny_checkpoint_dir, speech, tmp_path, monkeypatch, capsys
+):
+    """The two outputs are published together: a SIGTERM once the JSON's temporary file is written (before either
+    is in place) leaves the previous run's pair as it was; one that lands between the two renames is acted on once
+    both are in place. Before, the WAV was renamed into place before the JSON was written: a signal then left the
+    new run's audio beside the previous run's JSON (another seed), and exit status 143."""
+    from cspan.core.audio import AtomicAudioWriter
+    from cspan.server.output import InferJsonStream
+
+    assert cli.main(_argv(tiny_checkpoint_dir, speech, tmp_path)) == 0  # the previous run's pair
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    cls, name = (InferJsonStream, "finish") if when == "json finished" else (AtomicAudioWriter, "publish")
+    original = getattr(cls, name)
+
+    def signalled(self, *args):
+        if name == "publish":
+            os.kill(os.getpid(), signal.SIGTERM)
+        result = original(self, *args)
+        if name == "finish":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(cls, name, signalled)
+    assert cli.main(_argv(tiny_checkpoint_dir, speech, tmp_path, "--seed", "8")) == 143
+    assert "terminated by signal 15" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "out.wav"]  # no .part left
+    if when == "json finished":
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    else:  # both are the new run's
+        assert all((tmp_path / n).read_bytes() != data for n, data in before.items())
+        assert json.loads((tmp_path / "out.json").read_text())["settings"]["seed"] == 8
+
+
 def test_json_that_cannot_be_written_keeps_the_finished_wav(tiny_checkpoint_dir, speech, tmp_path):
     with tmpfs(tmp_path / "small", size_kb=4) as small:  # room for the start-up check, not for the JSON
         argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--output-text", str(small / "o.json"))

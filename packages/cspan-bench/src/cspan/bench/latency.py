@@ -687,6 +687,15 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def decode_attention_name(plan: Any) -> str:
+    """How the engine's step reads the KV ring, as the report says it: the Triton kernel or FlashInfer's decode
+    (fused path), or torch's ``scaled_dot_product_attention`` (eager: the CPU, and CUDA without the fused kernels;
+    it was reported as "triton" there)."""
+    if not plan.fused:
+        return "eager (torch scaled_dot_product_attention)"
+    return "triton" if plan.library is None else f"flashinfer ({plan.library})"
+
+
 def run_latency(
     models: Models,
     options: LatencyOptions,
@@ -734,7 +743,7 @@ def run_latency(
         "cuda_graphs": bool(plan.cuda_graphs),
         "fused": bool(plan.fused),
         "kv_dtype": str(plan.kv_dtype).replace("torch.", ""),
-        "decode_attention": "triton" if plan.library is None else f"flashinfer ({plan.library})",
+        "decode_attention": decode_attention_name(plan),
         "predict_user": options.predict_user,
         "defer_spans": True,  # a span is read in the step that follows it (the engine's only way)
         "fill": fill,

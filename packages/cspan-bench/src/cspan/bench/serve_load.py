@@ -655,6 +655,25 @@ MIN_SECONDS, MAX_SECONDS = 0.1, 86_400.0
 """``--seconds``: the run's length, a tenth of a second to 24 h."""
 
 
+def server_url(value: str) -> str:
+    """argparse type of ``--url``: an ``http://`` or ``https://`` URL with a host (out of it: exit status 2, before
+    anything runs; it was tried and reported as "no cspan serve answers there", exit 1)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        host = parts.hostname
+        parts.port  # noqa: B018 (raises on a port that is no number)
+    except ValueError:
+        host = None
+    if parts.scheme not in ("http", "https") or not host:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an http(s) URL: give the server's address, e.g. http://127.0.0.1:8080 (https:// for "
+            "TLS; the clients use its ws:// paths themselves)"
+        )
+    return value
+
+
 def register_serve(sub: Any) -> None:
     """``cspan bench serve``."""
     from cspan.bench.run_commands import in_range, non_negative, positive
@@ -664,7 +683,12 @@ def register_serve(sub: Any) -> None:
         help="load a running cspan serve with N real-time clients (lateness, drops, spans, errors, memory)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    p.add_argument("--url", default="http://127.0.0.1:8080", help="the server (default %(default)s; https for TLS)")
+    p.add_argument(
+        "--url",
+        type=server_url,
+        default="http://127.0.0.1:8080",
+        help="the server (default %(default)s; https for TLS)",
+    )
     p.add_argument("--protocol", choices=PROTOCOLS, default="ws", help="wire protocol (default %(default)s)")
     p.add_argument(
         "--clients",
@@ -703,7 +727,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cspan.bench.errors import BenchError
     from cspan.bench.session import check_out
 
-    check_out(args.out, folder=True)
+    check_out(args.out, folder=True, first_file="serve-load.json")
     settings = LoadSettings(
         url=args.url,
         protocol=args.protocol,

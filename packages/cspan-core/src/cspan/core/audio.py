@@ -407,15 +407,40 @@ class AtomicAudioWriter:
         self.frames_written += len(data)
 
     def commit(self) -> Path:
-        """Close and rename the temporary file onto the destination; returns the destination.
+        """Close and rename the temporary file onto the destination (:meth:`finish`, then :meth:`publish`);
+        returns the destination.
 
         Raises:
             OutputError: closing (the last buffered bytes) or the rename failed; the temporary file is removed.
         """
+        self.finish()
+        return self.publish()
+
+    def finish(self) -> None:
+        """Close the temporary file (its last buffered bytes and header written): complete, not yet in place.
+
+        Raises:
+            OutputError: closing failed; the temporary file is removed.
+        """
+        if self._file.closed:
+            return
         try:
             self._file.close()
-            publish_part(self._tmp, self.path)
         except (sf.LibsndfileError, RuntimeError, OSError) as exc:
+            error = write_error(self.path, exc)
+            self.abort()
+            raise error from None
+
+    def publish(self) -> Path:
+        """Rename the :meth:`finish`-ed temporary file onto the destination; returns the destination.
+
+        Raises:
+            OutputError: the rename failed; the temporary file is removed.
+        """
+        assert self._file.closed, "finish() first"
+        try:
+            publish_part(self._tmp, self.path)
+        except OSError as exc:
             error = write_error(self.path, exc)
             self.abort()
             raise error from None

@@ -11,6 +11,8 @@ folders of a process that exits (an exception, SIGTERM / SIGHUP / SIGQUIT throug
 - :func:`write_text_atomic`, :func:`write_bytes_atomic`: a whole file at once;
 - :func:`atomic_file`: a file that a library writes by name (``torch.save``, safetensors' ``save_file``);
 - :func:`atomic_folder`: a folder of files, published at once;
+- :func:`stop_signals_deferred`: outputs that belong together (``cspan infer``'s audio and JSON) published as one
+  step: a stop signal that lands meanwhile is acted on once all are in place;
 - :func:`write_error`: the :class:`~cspan.core.errors.OutputError` of any failed write (``OSError``, or a library's
   own error: its cause is found by writing a probe file with Python's own I/O in the same folder).
 
@@ -27,7 +29,9 @@ import errno
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +105,39 @@ def publish_part(part: Path, path: Path) -> Path:
     os.replace(part, path)
     _PARTS.discard(part)
     return path
+
+
+_STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
+"""Ctrl-C and the signals ``cspan`` stops on (``cspan.core.cli.STOP_SIGNALS``)."""
+
+
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Hold back Ctrl-C and the stop signals (SIGTERM, SIGHUP, SIGQUIT) while the block runs, then act on the first
+    that landed (its handler runs as it would have: ``KeyboardInterrupt``, ``cspan``'s ``Terminated``).
+
+    For publishing outputs that belong together (renames: microseconds), so that a signal can never leave one
+    published and its companion not -- a new WAV next to the previous run's JSON. Only signals whose handler is a
+    Python function are held (in the main thread; elsewhere the block just runs).
+    """
+    landed: list[int] = []
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _STOP_SIGNALS:
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                previous[signum] = signal.signal(signum, lambda num, _frame: landed.append(num))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        if landed:
+            handler = previous[landed[0]]
+            assert callable(handler)
+            handler(landed[0], None)
 
 
 def check_writable(path: str | os.PathLike[str], *, need_bytes: int = 0) -> None:
@@ -286,6 +323,7 @@ __all__ = [
     "drop_part",
     "new_part",
     "publish_part",
+    "stop_signals_deferred",
     "write_bytes_atomic",
     "write_error",
     "write_text_atomic",

@@ -247,7 +247,12 @@ def infer_command(parser: argparse.ArgumentParser) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    asyncio.run(run_infer(settings_from_args(args)))
+    import os
+
+    from cspan.core.settings import CONFIG_ENV
+
+    config = getattr(args, "config", None) or os.environ.get(CONFIG_ENV) or None
+    asyncio.run(run_infer(settings_from_args(args), config=Path(config) if config else None))
     return 0
 
 
@@ -315,10 +320,13 @@ def context_db_file(db: str | None) -> Path | None:
     return None if path is None else Path(path)
 
 
-def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path | None = None) -> None:
+def check_outputs(
+    inputs: list[Path] | dict[str, Path], outputs: dict[str, Path], context_db: Path | None = None
+) -> None:
     """Refuse output paths (``outputs``: by their flag) that are folders, collide with each other, or would
-    overwrite an input or the Context DB file ``context_db`` (or its journal files); then check that each one's
-    folder can be written (created if missing), before any work.
+    overwrite an input (``inputs``: the recording, or every file the run reads by its flag: ``--voice``,
+    ``--config``) or the Context DB file ``context_db`` (or its journal files); then check that each one's folder
+    can be written (created if missing), before any work.
 
     Raises:
         SettingsError: a folder, two flags naming the same file, an input or the Context DB (the flag and the
@@ -329,7 +337,8 @@ def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path
     from cspan.core.files import check_writable
 
     seen: dict[Path, str] = {}
-    resolved_inputs = {p.resolve() for p in inputs}
+    named = inputs.items() if isinstance(inputs, dict) else (("--input-wav", p) for p in inputs)
+    resolved_inputs = {p.resolve(): flag for flag, p in named}
     for flag, out in outputs.items():
         real = out.resolve()
         if real.is_dir():  # the settings refuse one too; this catches a folder made since
@@ -337,7 +346,10 @@ def check_outputs(inputs: list[Path], outputs: dict[str, Path], context_db: Path
         if real.exists() and not real.is_file():
             raise CspanError(f"{out}: is not a regular file (a device, pipe or socket); pass a file path")
         if real in resolved_inputs:
-            raise SettingsError(f"{flag} {out}: is also the input; refusing to overwrite the recording")
+            source = resolved_inputs[real]
+            if source == "--input-wav":
+                raise SettingsError(f"{flag} {out}: is also the input; refusing to overwrite the recording")
+            raise SettingsError(f"{flag} {out}: is also the {source} file the run reads; refusing to overwrite it")
         if context_db is not None and real in {context_db.resolve().with_name(context_db.name + x) for x in DB_FILES}:
             raise SettingsError(
                 f"{flag} {out}: is the Context DB (--db {context_db}); refusing to overwrite its memory"
@@ -515,11 +527,28 @@ def _json_text(value: Any) -> Any:
     return value
 
 
-async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], None] | None = None) -> InferResult:
+def read_files(settings: InferSettings, config: Path | None = None) -> dict[str, Path]:
+    """The files the run reads, by their flag, that an output must not overwrite: the recording, a ``--voice``
+    file (a recording or a ``.pt``; a voice name is no file) and the ``--config`` settings file."""
+    files = {"--input-wav": settings.input_wav}
+    if settings.voice and Path(settings.voice).expanduser().is_file():
+        files["--voice"] = Path(settings.voice).expanduser()
+    if config is not None:
+        files["--config"] = Path(config)
+    return files
+
+
+async def run_infer(
+    settings: InferSettings,
+    *,
+    on_frame: Callable[[int, Any], None] | None = None,
+    config: Path | None = None,
+) -> InferResult:
     """The whole ``cspan infer`` job (see the module docstring for the order of the checks).
 
     ``on_frame(k, engine)`` (optional) is called after frame ``k``'s step, on the event loop (for benchmarks: the
-    soak of ``scripts/long_conversation_soak.py`` samples memory there).
+    soak of ``scripts/long_conversation_soak.py`` samples memory there). ``config``: the settings file the settings
+    were read from (no output may overwrite it).
 
     Raises:
         CspanError: bad input, a backend URL where nothing answers, a persona too long for the window (all
@@ -535,7 +564,7 @@ async def run_infer(settings: InferSettings, *, on_frame: Callable[[int, Any], N
 
     s = settings
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
-    check_outputs([s.input_wav], s.outputs, context_db_file(s.db))
+    check_outputs(read_files(s, config), s.outputs, context_db_file(s.db))
     check_voice_path(s.voice)
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
     if info.nonfinite:
@@ -611,6 +640,7 @@ async def _converse(
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import CspanError, OutputError
+    from cspan.core.files import stop_signals_deferred
     from cspan.core.runtime import Conversation, ConversationConfig, decode_agent_text
     from cspan.server.memory_span import MemorySpan, memory_summary
     from cspan.server.output import InferJsonStream, InferOutput, PersonaInfo, Timing, timing_stats
@@ -771,16 +801,20 @@ async def _converse(
             progress.close()
     wall = time.monotonic() - started
 
-    # 4. the outputs: each one written on its own, so that one failing never costs the other
+    # 4. the outputs: each one written on its own, so that one failing never costs the other; both are finished
+    # first (still .part files: a signal now leaves nothing behind), then published in one step that no stop
+    # signal splits (a new WAV next to a previous run's JSON would look like one run)
     if writer is not None:
         try:
-            writer.commit()
+            writer.finish()
         except OutputError as exc:
-            wav_error = exc
+            writer, wav_error = None, exc
     try:
         agent_text = decode_agent_text(checkpoint.tokenizer, agent_tokens)
         text_error: OutputError | None = None
-        if s.output_text is not None:
+
+        def finish_text() -> None:
+            nonlocal text_error
             document = InferOutput(
                 input=_json_text(str(s.input_wav)),
                 output_wav=None if wav_error is not None else _json_text(str(s.output_wav)),
@@ -805,9 +839,30 @@ async def _converse(
                 checkpoint=checkpoint_identity(checkpoint, device, dtype),
             )
             try:
-                stream.write(document)
+                stream.finish(document)
             except OutputError as exc:
                 text_error = exc
+
+        if s.output_text is not None:
+            finish_text()
+        with stop_signals_deferred():
+            if writer is not None:
+                try:
+                    writer.publish()
+                except OutputError as exc:
+                    wav_error = exc
+                    if s.output_text is not None and text_error is None:
+                        finish_text()  # again, with output_wav null
+                writer = None
+            if s.output_text is not None and text_error is None:
+                try:
+                    stream.publish()
+                except OutputError as exc:
+                    text_error = exc
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     finally:
         stream.drop()  # written or failed, the spool goes
     try:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cspan.core.errors import OutputError
 from cspan.core.events import ConversationEvent, PersonaEvent, SpanEvent, TextEvent, UserTextEvent
-from cspan.core.files import atomic_file, drop_part, new_part, write_error
+from cspan.core.files import drop_part, new_part, publish_part, write_error
 
 OUTPUT_VERSION = 1
 
@@ -168,6 +168,7 @@ class InferJsonStream:
         self.counts = dict.fromkeys(SPOOLED, 0)
         self._word: AgentWord | None = None
         self._spool: Path | None = None
+        self._finished: Path | None = None  # the whole JSON, written by finish() and not yet published
         self._files: dict[str, IO[bytes]] = {}
         if path is not None:
             try:
@@ -219,20 +220,41 @@ class InferJsonStream:
 
     def write(self, document: InferOutput) -> None:
         """Write the JSON to ``path``: ``document`` (with its spooled lists empty) with the spooled lists in their
-        places, through a temporary file renamed into place; the spool is removed either way.
+        places, through a temporary file renamed into place (:meth:`finish`, then :meth:`publish`); the spool is
+        removed either way.
 
         Raises:
             OutputError: the spool or the file could not be written (names ``path`` and the cause).
         """
-        assert self.path is not None, "nothing to write: the stream has no path"
         try:
-            self._end_word()
-            self._close_files()
-            if self.error is not None:
-                raise self.error
-            assert self._spool is not None
-            text = document.model_dump_json(indent=2) + "\n"
-            with atomic_file(self.path) as part, part.open("wb") as out:
+            self.finish(document)
+            self.publish()
+        finally:
+            self.drop()
+
+    def finish(self, document: InferOutput) -> None:
+        """Write the whole JSON to a temporary file next to ``path``, not yet in place (:meth:`publish` renames
+        it). The spool stays until :meth:`drop`, so a second call (a ``document`` that changed) writes it again.
+
+        Raises:
+            OutputError: the spool or the file could not be written (names ``path`` and the cause); the temporary
+                file is removed.
+        """
+        assert self.path is not None, "nothing to write: the stream has no path"
+        self._drop_finished()
+        self._end_word()
+        self._close_files()
+        if self.error is not None:
+            raise self.error
+        assert self._spool is not None
+        text = document.model_dump_json(indent=2) + "\n"
+        try:
+            part = new_part(self.path)
+        except OSError as exc:
+            raise OutputError.from_os_error(self.path, exc) from None
+        self._finished = part
+        try:
+            with part.open("wb") as out:
                 done = 0
                 for name in SPOOLED:
                     empty = f'\n  "{name}": []'  # a top-level key: no JSON string holds a raw newline
@@ -245,11 +267,31 @@ class InferJsonStream:
                             shutil.copyfileobj(items, out)
                         out.write(b"\n  ")
                 out.write(text[done:].encode("utf-8"))
-        finally:
-            self.drop()
+        except Exception as exc:
+            self._drop_finished()
+            raise write_error(self.path, exc) from exc
+        except BaseException:
+            self._drop_finished()
+            raise
+
+    def publish(self) -> None:
+        """Rename the file :meth:`finish` wrote onto ``path``.
+
+        Raises:
+            OutputError: the rename failed (names ``path`` and the cause); the temporary file is removed.
+        """
+        assert self.path is not None and self._finished is not None, "finish() first"
+        try:
+            publish_part(self._finished, self.path)
+        except OSError as exc:
+            self._drop_finished()
+            raise write_error(self.path, exc) from None
+        self._finished = None
 
     def drop(self) -> None:
-        """Close and remove the spool (a failed or interrupted run; :meth:`write` does it too)."""
+        """Close and remove the spool, and a finished file not published (a failed or interrupted run; :meth:`write`
+        does it too)."""
+        self._drop_finished()
         try:
             self._close_files()
         except OSError:
@@ -259,6 +301,11 @@ class InferJsonStream:
             self._spool = None
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _drop_finished(self) -> None:
+        part, self._finished = self._finished, None
+        if part is not None:
+            drop_part(part)
+
     def _end_word(self) -> None:
         word, self._word = self._word, None
         if word is not None and word.text:
