@@ -9,7 +9,6 @@ the repository root is git-ignored) and the two downloads, saved next to it.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from urllib.parse import urlencode
@@ -17,6 +16,7 @@ from urllib.parse import urlencode
 import numpy as np
 import pytest
 import soundfile as sf
+from chromium import CHROMIUM, chromium_args
 
 SPAN_TEXT = "The Riverside Library opens at ten on Sunday."
 
@@ -31,9 +31,6 @@ def _wait_until(page, expression: str, timeout_s: float) -> None:
     while not page.evaluate(expression):
         assert time.monotonic() < deadline, f"not true within {timeout_s} s: {expression}"
         page.wait_for_timeout(100)
-
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
 
 
 def fake_microphone(source: Path, out: Path) -> Path:
@@ -55,19 +52,7 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
     mic = fake_microphone(fixture_file("audio", "question_weather_24k.wav"), tmp_path / "mic.wav")
     artifacts = repo_root / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
-    args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--use-fake-ui-for-media-stream",
-        "--use-fake-device-for-media-stream",
-        f"--use-file-for-fake-audio-capture={mic}",
-        "--autoplay-policy=no-user-gesture-required",
-    ]
+    args = chromium_args(mic)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         try:

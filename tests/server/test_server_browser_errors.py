@@ -8,14 +8,13 @@ gone is named as the cause (not the microphone)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
+from chromium import CHROMIUM, chromium_args
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
 TOKEN = "browser-token-0123"
 
 
@@ -28,19 +27,7 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
     server = serve(text_prompt=persona, max_text_prompt_chars=40, token=TOKEN)
     mic = tmp_path / "mic.wav"
     sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
-    args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--use-fake-ui-for-media-stream",
-        "--use-fake-device-for-media-stream",
-        f"--use-file-for-fake-audio-capture={mic}",
-        "--autoplay-policy=no-user-gesture-required",
-    ]
+    args = chromium_args(mic)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         try:

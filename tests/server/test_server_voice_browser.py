@@ -6,7 +6,6 @@ file too short (refused in the page)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+from chromium import CHROMIUM, chromium_args
 
 
 def _live_session(server: Any) -> Any:
@@ -44,19 +42,7 @@ def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_p
     sf.write(short, speech[:rate], rate, subtype="PCM_16")
     unreadable = tmp_path / "voice.wav"
     unreadable.write_bytes(b"RIFF this is not a wave file at all" * 20)
-    args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--use-fake-ui-for-media-stream",
-        "--use-fake-device-for-media-stream",
-        f"--use-file-for-fake-audio-capture={mic}",
-        "--autoplay-policy=no-user-gesture-required",
-    ]
+    args = chromium_args(mic)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         try:
@@ -145,19 +131,7 @@ def test_page_sends_a_voice_within_a_small_message_limit(serve, tiny_checkpoint,
     greeting = fixture_file("audio", "greeting_24k.wav")  # 3.6 s: a 175 kB WAV at 24 kHz, 11 pieces
     mic = tmp_path / "mic.wav"
     sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
-    args = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--use-fake-ui-for-media-stream",
-        "--use-fake-device-for-media-stream",
-        f"--use-file-for-fake-audio-capture={mic}",
-        "--autoplay-policy=no-user-gesture-required",
-    ]
+    args = chromium_args(mic)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         try:

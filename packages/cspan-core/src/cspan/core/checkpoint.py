@@ -429,7 +429,7 @@ def _torch_load(path: Path, role: str) -> Any:
             detail = f"it needs {found.group(1)}"
         elif reason:
             detail = reason.group(1).strip().rstrip(".")
-        else:  # never torch's first line: it advises loading the file with weights_only=False
+        else:  # never torch's first line: it advises turning the weights-only guard off
             lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line]
             detail = lines[0].rstrip(".") if lines else "unpickling failed"
         return CheckpointError(
