@@ -107,12 +107,6 @@ def publish_part(part: Path, path: Path) -> Path:
     return path
 
 
-_STOP_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
-)
-"""Ctrl-C and the signals ``cspan`` stops on (``cspan.core.cli.STOP_SIGNALS``)."""
-
-
 @contextlib.contextmanager
 def stop_signals_deferred() -> Iterator[None]:
     """Hold back Ctrl-C and the stop signals (SIGTERM, SIGHUP, SIGQUIT) while the block runs, then act on the first
@@ -122,10 +116,12 @@ def stop_signals_deferred() -> Iterator[None]:
     published and its companion not -- a new WAV next to the previous run's JSON. Only signals whose handler is a
     Python function are held (in the main thread; elsewhere the block just runs).
     """
+    from .cli import STOP_SIGNALS  # the signals cspan stops on, declared with its verbs' handling of them
+
     landed: list[int] = []
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
-        for signum in _STOP_SIGNALS:
+        for signum in (signal.SIGINT, *STOP_SIGNALS):
             handler = signal.getsignal(signum)
             if callable(handler):
                 previous[signum] = signal.signal(signum, lambda num, _frame: landed.append(num))
