@@ -93,17 +93,25 @@ def test_load_client_stops_flooding_a_server_that_died_and_fails(serve, tmp_path
     assert stderr.count("\n") == 1 and stderr.startswith(
         f"cspan bench: error: --url {server.url}: the server stopped answering during the run (2 session(s) completed, "
     )
-    assert "failed: error (ConnectionRefusedError" in stderr and f"{out / 'serve-load.json'} covers what ran" in stderr
+    # a client that reconnects while the server shuts down may have its handshake cut (no HTTP response) before
+    # the socket closes and later connections are refused
+    shutdown_errors = ("error (ConnectionRefusedError", "error (InvalidMessage")
+    assert any(f"failed: {e}" in stderr for e in shutdown_errors), stderr
+    assert f"{out / 'serve-load.json'} covers what ran" in stderr
     report = json.loads((out / "serve-load.json").read_text())
     summary, sessions = report["summary"], report["sessions"]
     failed = [s for s in sessions if s["ended"].startswith("error")]
-    # one record per client for its refused connections, retried after 1, 2, 4 s: at most 4 tries in the ~7 s left
-    assert sorted(s["client"] for s in failed) == [0, 1] and all(1 <= s["repeats"] <= 4 for s in failed)
+    assert all(s["ended"].startswith(shutdown_errors) for s in failed), failed
+    # identical failures in a row are one record: per client, the refused connections retried after 1, 2, 4 s (at
+    # most 4 tries in the ~7 s left), plus at most one cut handshake
+    per_client = {c: [s for s in failed if s["client"] == c] for c in (0, 1)}
+    assert all(1 <= len(records) <= 2 for records in per_client.values()), failed
+    assert all(1 <= sum(s["repeats"] for s in records) <= 5 for records in per_client.values()), failed
     assert summary["session_errors"] == sum(s["repeats"] for s in failed) and summary["server_answering"] is False
     # a client that reconnects while the server shuts down may be refused ("shutting down") before the socket closes
     assert summary["completed"] == 2 and summary["refused"] <= 2
     assert summary["sessions"] == 2 + summary["refused"] + summary["session_errors"]
-    assert summary["first_session_error"].startswith("error (ConnectionRefusedError")
+    assert summary["first_session_error"].startswith(shutdown_errors)
     line = f"2 client(s): {summary['sessions']} session attempt(s), {summary['refused']} refused, "
     assert f"{line}{summary['session_errors']} failed" in stdout
     assert (out / "serve-load.json").stat().st_size < 20_000
