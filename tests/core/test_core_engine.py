@@ -70,7 +70,7 @@ def test_skipping_the_user_predictions_changes_no_output(tiny_checkpoint) -> Non
         assert torch.equal(a.tokens.column[:, 10:], b.tokens.column[:, 10:])  # known user codes
     engine = DuplexEngine(tiny_checkpoint, batch_size=1, predict_user=False)
     engine.step_tokens(torch.zeros(1, 8, dtype=torch.long))
-    with pytest.raises(ValueError, match="user_codes are required with predict_user=False"):
+    with pytest.raises(ValueError, match=r"user_codes \[\d+, \d+\] are required with predict_user=False"):
         engine.step_tokens(None)  # would feed the skipped user prediction
 
 

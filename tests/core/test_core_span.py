@@ -296,7 +296,7 @@ def test_control_characters_never_become_ret_or_a_span_marker(tiny_checkpoint) -
     the newline as a space, and ids given directly may not hold <ret> or a marker inside the markers."""
     from cspan.core.constants import RET
     from cspan.core.prefix import build_persona_prefix
-    from cspan.core.span import encode_text
+    from cspan.core.text import encode_text
 
     specials = {RET, SPAN_OPEN, SPAN_CLOSE}
     raw = _ByteFallback()

@@ -39,6 +39,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .attention import FlashInferDecode
+from .checks import (
+    check_engine_options,
+    check_frame_pcm,
+    check_persona,
+    check_prefix,
+    check_seed,
+    check_session,
+    check_step_codes,
+    check_voice,
+    user_codes_needed,
+)
 from .config import CONTEXT_SPANNING
 from .constants import (
     DEFAULT_MAX_SPAN_FRAMES,
@@ -54,24 +65,10 @@ from .constants import (
 from .errors import CheckpointError, SpanError
 from .graphs import GraphCache
 from .plan import resolve_plan
-from .prefix import PrefixReport, build_persona_prefix, check_prefix, prefix_block
+from .prefix import PrefixReport, build_persona_prefix, prefix_block
 from .sampling import SamplingParams, SessionSampling, sample_column, top_k_bound
-from .sessions import (
-    EngineState,
-    Persona,
-    Sessions,
-    StepBatch,
-    StepHead,
-    as_index,
-    build_step,
-    check_seed,
-    check_tensor,
-    check_tokens,
-    fresh_seed,
-    is_integer,
-    unpack,
-)
-from .span import ContextSpan, SpanReport, encode_span, span_report
+from .sessions import EngineState, Persona, Sessions, StepBatch, StepHead, build_step, fresh_seed, unpack
+from .span import ContextSpan, SpanReport, encode_span
 from .window import DEFAULT_PERSONA_POLICY, WindowEvent, check_policy, reprefix_block
 
 if TYPE_CHECKING:
@@ -208,17 +205,7 @@ class DuplexEngine:
         persona_policy: str = DEFAULT_PERSONA_POLICY,
         max_block_columns: int | None = None,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-            raise TypeError(f"DuplexEngine: batch_size must be an int, got {batch_size!r}")
-        if batch_size < 1:
-            raise ValueError(f"DuplexEngine: batch_size must be >= 1, got {batch_size}")
-        for name, value in (("max_span_frames", max_span_frames), ("max_block_columns", max_block_columns)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"DuplexEngine: {name} must be an int, got {value!r}")
-        if max_block_columns is not None and max_block_columns < 1:
-            raise ValueError(f"DuplexEngine: max_block_columns must be >= 1 or None, got {max_block_columns}")
-        if max_span_frames < 3:
-            raise SpanError(f"max_span_frames is {max_span_frames}; it must be at least 3 (12, one token, 13)")
+        check_engine_options(batch_size, max_span_frames, max_block_columns)
         if hasattr(checkpoint, "lm") and hasattr(checkpoint, "mimi"):
             self.checkpoint, lm = checkpoint, checkpoint.lm
             mimi = mimi if mimi is not None else checkpoint.mimi
@@ -243,12 +230,14 @@ class DuplexEngine:
         self.device, self.dtype, self.batch_size = lm.device, lm.dtype, batch_size
         self.num_streams, self.num_codebooks, self.dep_q = K, C, lm.dep_q
         self.user_rows = list(range(1 + C, 1 + 2 * C))
+        self._stream_rows = [lm.cfg.text_card + 1] + [lm.card + 1] * (K - 1)  # each stream's embedding table
         self.agent_placeholder = tuple(int(t) for t in agent_placeholder)
         self.user_placeholder = tuple(int(t) for t in user_placeholder)
         self.max_span_frames = int(max_span_frames)
         self.text_params = SamplingParams.text(temp_text, top_k_text).check("text", lm.text_linear.out_features)
         self.audio_params = SamplingParams.audio(temp, top_k).check("audio", lm.card)
         self.predict_user = bool(predict_user)
+        self._no_user_codes = user_codes_needed(lm.dep_q, lm.n_q, self.predict_user)  # why a call must bring them
         self.persona_policy = check_policy(persona_policy)
 
         self.plan = resolve_plan(lm, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, fused=fused)
@@ -281,7 +270,7 @@ class DuplexEngine:
         Raises:
             IndexError: no such session. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
         """
-        i = self._check_session(i)
+        i = check_session(i, self.batch_size)
         self.sessions.reset([i], [check_seed(seed, "reset")])
         self.sessions.set_sampling(i, SessionSampling(self.text_params, self.audio_params))
 
@@ -294,7 +283,7 @@ class DuplexEngine:
             IndexError: no such session. ValueError: a bad temperature or top-k
                 (:meth:`cspan.core.sampling.SamplingParams.check`; nothing is changed).
         """
-        i = self._check_session(i)
+        i = check_session(i, self.batch_size)
         self.sessions.set_sampling(i, self._checked_sampling(i, text, audio))
 
     def _checked_sampling(self, i: int, text: SamplingParams | None, audio: SamplingParams | None) -> SessionSampling:
@@ -321,7 +310,7 @@ class DuplexEngine:
         if not isinstance(live, bool):
             raise TypeError(f"set_live: live is True or False, got {type(live).__name__} {live!r}")
         many = isinstance(rows, Sequence) or (isinstance(rows, torch.Tensor) and rows.dim() == 1)
-        chosen = [self._check_session(i) for i in (rows if many else [rows])]  # all checked before any change
+        chosen = [check_session(i, self.batch_size) for i in (rows if many else [rows])]  # all before any change
         for i in chosen:
             self.sessions.set_live(i, live)
 
@@ -362,15 +351,9 @@ class DuplexEngine:
                 not fit the window; a seed outside 0 .. 2**63 - 1. TypeError: an argument of another type (text
                 that is no str, a seed that is no int, ``sampling`` that is no SessionSampling, ...).
         """
-        i = self._check_session(i)
+        i = check_session(i, self.batch_size)
         check_seed(seed, "set_persona")
-        for name, value in (("text_prompt", text_prompt), ("user_name", user_name), ("user_city", user_city)):
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"set_persona: {name} is a str or None, got {type(value).__name__}")
-        if sampling is not None and not isinstance(sampling, SessionSampling):
-            raise TypeError(
-                f"set_persona: sampling is a SessionSampling(text=SamplingParams, audio=SamplingParams), got {sampling!r}"
-            )
+        check_persona({"text_prompt": text_prompt, "user_name": user_name, "user_city": user_city}, sampling)
         t0 = time.perf_counter()
         if sampling is not None:  # checked first, applied with the prefix: a failing call changes nothing
             sampling = self._checked_sampling(i, sampling.text, sampling.audio)
@@ -378,20 +361,7 @@ class DuplexEngine:
             from .voice import load_voice_prompt
 
             voice = load_voice_prompt(voice, self.checkpoint)
-        elif voice is not None and not isinstance(voice, torch.Tensor) and not hasattr(voice, "codes"):
-            raise TypeError(
-                "set_persona: voice is a VoicePrompt, a [8, N] torch tensor of Mimi codes, a voice name or a voice "
-                f"file, got {type(voice).__name__}"
-            )
-        codes = voice if isinstance(voice, torch.Tensor) else getattr(voice, "codes", None)
-        if codes is not None and not is_integer(codes):
-            raise ValueError(f"set_persona: voice codes are Mimi codes (an integer tensor), got {codes.dtype}")
-        if codes is not None and codes.numel():
-            lo, hi = int(codes.min()), int(codes.max())
-            if lo < 0 or hi >= self.lm.card:
-                raise ValueError(
-                    f"set_persona: voice codes in [{lo}, {hi}], expected Mimi codes in [0, {self.lm.card})"
-                )
+        check_voice(voice, self.lm.card)
         prefix = build_persona_prefix(
             self.tokenizer,
             text_prompt,
@@ -440,11 +410,10 @@ class DuplexEngine:
                 it there. TypeError: no tensor. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
                 Nothing is changed when it raises.
         """
-        i = self._check_session(i)
+        i = check_session(i, self.batch_size)
         seed = self.sessions.seeds[i] if seed is None else check_seed(seed, "set_prefix")
         policy = self.persona_policy if policy is None else check_policy(policy)
-        rows = [self.lm.cfg.text_card + 1] + [self.lm.card + 1] * (self.num_streams - 1)  # each stream's table
-        check_prefix(frames, embeddings, rows, self.lm.cfg.dim)
+        check_prefix(frames, embeddings, self._stream_rows, self.lm.cfg.dim)
         P = int(frames.shape[-1])
         if not P:
             self.sessions.reset([i], [seed])
@@ -473,7 +442,7 @@ class DuplexEngine:
             SpanError: the session has not started (no persona and no step since its reset), an empty reference,
                 ids outside the text vocabulary.
         """
-        i = self._check_session(i)
+        i = check_session(i, self.batch_size)
         if not isinstance(span, (ContextSpan, str)):
             raise TypeError(f"inject_span: the span is a ContextSpan or a str, got {type(span).__name__}")
         if not self.sessions.started[i]:
@@ -496,8 +465,20 @@ class DuplexEngine:
         ms = (time.perf_counter() - t0) * 1000.0
         # the position the next call feeds: after the span, and after a copy of the prefix queued behind it
         pending = max(first + len(ids), self.sessions.position[i])
-        left, visible = self.sessions.window_left(i, pending), self.sessions.prefix_visible(i, pending)
-        return span_report(i, ids, truncated, first, self.context, left, visible, ms)
+        return SpanReport(
+            session=i,
+            n=len(ids),
+            truncated=truncated,
+            ids=tuple(ids),
+            first_position=first,
+            last_position=first + len(ids) - 1,
+            next_position=first + len(ids),
+            prefill_ms=ms,
+            context=self.context,
+            window_positions_left=self.sessions.window_left(i, pending),
+            prefix_in_window=self.sessions.prefix_visible(i, pending),
+            deferred=True,
+        )
 
     # -- the step ------------------------------------------------------------------------------------------------
 
@@ -522,31 +503,7 @@ class DuplexEngine:
                 built with ``predict_user=False``); not integer tensors; tokens out of range (checked for tensors
                 on the CPU: reading device tensors' values would make every step wait for the GPU).
         """
-        B, K = self.batch_size, self.num_streams
-        for where, t in (("step_tokens: user_codes", user_codes), ("step_tokens: forced", forced)):
-            if t is not None:
-                check_tensor(where, t)
-        if user_codes is None:
-            if self.dep_q < self.lm.n_q:
-                raise ValueError(
-                    f"step_tokens: user_codes [B, {self.num_codebooks}] are required: this model's depformer predicts "
-                    f"only {self.dep_q} of {self.lm.n_q} audio streams, so the user rows cannot be sampled"
-                )
-            if not self.predict_user:
-                raise ValueError(
-                    "step_tokens: user_codes are required with predict_user=False: the engine skips the "
-                    "depformer's user-stream predictions, so a call without user codes would feed the skipped "
-                    "entries; build the engine with predict_user=True to let the model predict the user"
-                )
-        elif tuple(user_codes.shape) != (B, self.num_codebooks):
-            raise ValueError(
-                f"step_tokens: user_codes must be [{B}, {self.num_codebooks}], got {tuple(user_codes.shape)}"
-            )
-        if forced is not None and tuple(forced.shape) != (B, K):
-            raise ValueError(f"step_tokens: forced must be [{B}, {K}], got {tuple(forced.shape)}")
-        card, text_card = self.lm.card, self.lm.cfg.text_card
-        check_tokens("step_tokens: user_codes", user_codes, 0, [card + 1] * self.num_codebooks)
-        check_tokens("step_tokens: forced", forced, -2, [text_card + 1] + [card + 1] * (K - 1))
+        check_step_codes(user_codes, forced, self.batch_size, self._stream_rows, self._no_user_codes)
         batch = self._prepare()
         if not batch.rows:  # every session idle: nothing to compute
             return self._idle()
@@ -581,16 +538,7 @@ class DuplexEngine:
                 "DuplexEngine.step needs the Mimi codec; build the engine from a checkpoint or pass mimi=, or use "
                 "step_tokens() for token-level streaming"
             )
-        if not isinstance(user_pcm, torch.Tensor) or not user_pcm.is_floating_point():
-            got = f"a {user_pcm.dtype} tensor" if isinstance(user_pcm, torch.Tensor) else type(user_pcm).__name__
-            raise TypeError(f"step: user_pcm must be a float torch.Tensor of samples in [-1, 1], got {got}")
-        check_tensor("step: user_pcm", user_pcm)
-        B = self.batch_size
-        pcm = user_pcm[:, 0] if user_pcm.dim() == 3 and user_pcm.shape[1] == 1 else user_pcm
-        if tuple(pcm.shape) != (B, FRAME_SIZE):
-            raise ValueError(
-                f"step: user_pcm must be [{B}, {FRAME_SIZE}] float samples at 24 kHz, got {tuple(user_pcm.shape)}"
-            )
+        pcm, B = check_frame_pcm(user_pcm, self.batch_size), self.batch_size
         batch = self._prepare()
         if not batch.rows:  # every session idle: nothing to compute
             tokens = self._idle()
@@ -834,30 +782,20 @@ class DuplexEngine:
     def window_positions_left(self, i: int) -> int | None:
         """Positions session ``i`` can still feed before the first position of its persona prefix (of the latest
         copy; position 0 without a prefix) leaves the attention window (None: unbounded)."""
-        i = self._check_session(i)
+        i = check_session(i, self.batch_size)
         return self.sessions.window_left(i, self.sessions.position[i])
 
     def prefix_in_window(self, i: int) -> bool:
         """Whether session ``i``'s next query sees its whole persona prefix (its latest copy inside the window, or
         its pinned entries); False without a prefix."""
-        i = self._check_session(i)
+        i = check_session(i, self.batch_size)
         return self.sessions.prefix_visible(i, self.sessions.position[i])
 
     def take_window_events(self, i: int) -> list[WindowEvent]:
         """What session ``i``'s persona policy did since the last call (:class:`cspan.core.window.WindowEvent`:
         ``pin`` once, ``reprefix`` per copy read), oldest first. Host only, any thread."""
-        i = self._check_session(i)
+        i = check_session(i, self.batch_size)
         return self.sessions.take_window_events(i)
-
-    def _check_session(self, i: object) -> int:
-        """``i`` as an int (numpy's and torch's integers too), else TypeError / IndexError."""
-        index = as_index(i)
-        if index is None:
-            raise TypeError(f"a session is an int index, got {type(i).__name__} {i!r}")
-        i = index
-        if not 0 <= i < self.batch_size:
-            raise IndexError(f"session {i} is outside 0..{self.batch_size - 1} (engine batch_size {self.batch_size})")
-        return i
 
 
 __all__ = ["DuplexEngine", "FrameOutput", "PrefixReport", "SpanReport", "TokenStepOutput"]

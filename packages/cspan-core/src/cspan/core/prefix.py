@@ -49,10 +49,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import CONTEXT_SPANNING, PERSONAPLEX, PREFIX_LAYOUTS, PrefixLayout
-from .constants import NUM_CODEBOOKS, PAD, SILENCE_TOKENS, SINE_TOKENS, ZERO_TOKEN
+from .constants import NUM_CODEBOOKS, PAD, SILENCE_TOKENS, SINE_TOKENS
 from .errors import CheckpointError
-from .span import Block, encode_text
+from .span import Block
 from .streams import delay_tokens
+from .text import encode_text
 
 if TYPE_CHECKING:
     from .voice import VoicePrompt
@@ -273,7 +274,7 @@ class PrefixReport:
         text_ids: its token ids.
         positions: P + 1 positions read in the single forward (0 .. P); 0 when there is no prefix.
         next_position: the position the first live call feeds (P + 1; 0 without a prefix).
-        prefill_ms: wall-clock milliseconds of the forward and the sampling tail (after device synchronisation).
+        prefill_ms: host milliseconds of building the prefix (its forward is part of the session's next step).
     """
 
     session: int
@@ -326,38 +327,6 @@ def prefix_inputs(lm: Any, delayed: torch.Tensor, embeddings: torch.Tensor | Non
     return x
 
 
-def check_prefix(frames: object, embeddings: object, rows: Sequence[int], dim: int) -> None:
-    """A TypeError / ValueError unless ``frames`` are [K, P] integer ids, row k below ``rows[k]`` (the rows of its
-    embedding table; -1: no input), and ``embeddings`` (or None) [E <= P, ``dim``] floats, finite when on the host: a
-    prefix found bad by the step would fail every session's step and lose what was queued with it."""
-    from .sessions import check_tensor, is_integer
-
-    K = len(rows)
-    frames = check_tensor("set_prefix: frames", frames)
-    if frames.dim() != 2 or frames.shape[0] != K or not is_integer(frames):
-        raise ValueError(f"set_prefix: frames must be [{K}, P] integer ids, got {frames.dtype} {list(frames.shape)}")
-    if frames.numel():
-        highs = torch.tensor(list(rows))[:, None]
-        ids = frames.cpu().long()  # uint8 ids compared with -1 would wrap to 255
-        bad = (ids >= highs) | (ids < ZERO_TOKEN)
-        if bool(bad.any()):
-            k, p = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"set_prefix: frames[{k}, {p}] = {int(ids[k, p])} is outside -1 .. {rows[k] - 1}")
-    if embeddings is not None:
-        emb = check_tensor("set_prefix: embeddings", embeddings)
-        if emb.dim() != 2 or emb.shape[0] > frames.shape[1] or emb.shape[1] != dim or not emb.is_floating_point():
-            raise ValueError(
-                f"set_prefix: embeddings must be [E <= {frames.shape[1]}, {dim}] floats, got {emb.dtype} "
-                f"{list(emb.shape)}"
-            )
-        # a NaN read into the KV cache would poison every later token of the session; only host tensors are read
-        # (voice files load there): a device tensor's values would cost a synchronisation with the running step
-        finite = torch.isfinite(emb).all(dim=1) if emb.device.type == "cpu" else None
-        if finite is not None and not bool(finite.all()):
-            row = int((~finite).nonzero()[0])
-            raise ValueError(f"set_prefix: embeddings[{row}] holds NaN or infinite values")
-
-
 def prefix_block(
     frames: torch.Tensor,
     delays: Sequence[int],
@@ -402,7 +371,6 @@ __all__ = [
     "PrefixLayout",
     "PrefixReport",
     "build_persona_prefix",
-    "check_prefix",
     "persona_text",
     "prefix_block",
     "prefix_frames",

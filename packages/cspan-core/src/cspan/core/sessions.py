@@ -17,7 +17,6 @@ host-built layout of one step.
 from __future__ import annotations
 
 import collections
-import operator
 import random
 import threading
 from collections.abc import Sequence
@@ -40,72 +39,9 @@ WINDOW_EVENTS_KEPT = 64
 """Window events kept per session until :meth:`Sessions.take_window_events` (older ones are dropped)."""
 
 
-MAX_SEED = 2**63 - 1
-"""The largest sampling seed (the device holds seeds as int64)."""
-
-
 def fresh_seed() -> int:
     """A non-deterministic 63-bit seed."""
     return random.SystemRandom().getrandbits(63)
-
-
-def check_seed(seed: object, where: str, span: int = 1) -> int | None:
-    """``seed`` (None, or an int with ``seed + span - 1`` in 0 .. :data:`MAX_SEED`), else a ValueError / TypeError
-    naming ``where``: a seed the device cannot hold would fail only at the next step, after the restart was queued."""
-    if seed is None:
-        return None
-    value = as_index(seed)
-    if value is None:
-        raise TypeError(f"{where}: a seed is an int or None, got {type(seed).__name__} {seed!r}")
-    seed = value
-    if not 0 <= seed <= MAX_SEED - (span - 1):
-        top = "2**63 - 1" if span == 1 else f"2**63 - {span} (seed + i for {span} sessions)"
-        raise ValueError(f"{where}: seed {seed} is outside 0 .. {top}")
-    return seed
-
-
-def as_index(value: object) -> int | None:
-    """``value`` as an int when it is an integer (numpy's and torch's too, through ``operator.index``; not a bool),
-    else None: a session index, a seed."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def check_tensor(where: str, t: object) -> torch.Tensor:
-    """``t`` if it is a dense torch.Tensor with data (TypeError naming ``where`` otherwise): a sparse or a meta
-    tensor passes the shape and dtype checks but fails inside the step, after the queued work was taken."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided or t.is_meta:
-        kind = "a meta" if t.is_meta else f"a {t.layout}"
-        raise TypeError(f"{where} must be a dense tensor with data, got {kind} tensor")
-    return t
-
-
-def is_integer(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds integers (token ids, codes): not a float, complex or bool tensor."""
-    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-
-
-def check_tokens(where: str, tokens: torch.Tensor | None, low: int, highs: list[int]) -> None:
-    """``tokens`` [B, len(highs)] (or None; a dense tensor: :func:`check_tensor`): an integer tensor, else a
-    ValueError naming ``where``; on the CPU also column j in ``low`` (-2: "sample") or 0 .. highs[j] - 1 (the rows its
-    embedding table has). A device tensor's values are not read: that would make every step wait for the GPU."""
-    if tokens is None:
-        return
-    if not is_integer(tokens):
-        raise ValueError(f"{where} must be an integer (long) tensor, got {tokens.dtype}")
-    if tokens.device.type != "cpu" or not tokens.numel():
-        return
-    bad = (tokens >= torch.tensor(highs)) | ((tokens < 0) & (tokens != low))
-    if bool(bad.any()):
-        row, col = (int(v) for v in bad.nonzero()[0])
-        allowed = f"0 .. {highs[col] - 1}" + (" or -2 (sample)" if low == -2 else "")
-        raise ValueError(f"{where}[{row}, {col}] = {int(tokens[row, col])} is outside {allowed}")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Context Spans: the block layout shared by inference and training, and what a session reads before a position.
 
-A reference text becomes the text ids ``[SPAN_OPEN] + spm.encode(text.strip()) + [SPAN_CLOSE]`` (12 ... 13), one
+A reference text becomes the text ids ``[SPAN_OPEN] + spm.encode(text.strip()) + [SPAN_CLOSE]`` (the text cleaned of control characters:
+:mod:`cspan.core.text`) (12 ... 13), one
 id per column. The block is n constant columns in DELAYED coordinates (see :mod:`cspan.core.streams`): text row =
 the ids, agent rows = ``SILENCE_TOKENS``, user rows = ``SINE_TOKENS`` (:func:`span_block`). It is inserted into the
 delayed token sequence before a position (:func:`splice_block`), and the block columns are no training target
@@ -21,59 +22,18 @@ diagram.
 from __future__ import annotations
 
 import array
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from .checks import int_ids
 from .constants import RET, SILENCE_TOKENS, SINE_TOKENS, SPAN_CLOSE, SPAN_OPEN
 from .errors import SpanError
-
-
-class TextTokenizer(Protocol):
-    """What the span and prefix code need from a SentencePiece processor."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-
-_CONTROLS = {c: " " for c in [*range(0x20), *range(0x7F, 0xA0)] if c != 0x0A}
-"""Unicode's control characters (category Cc) but the newline, each read as a space."""
+from .text import clean_text, encode_text
 
 _SPECIAL_IDS = frozenset((RET, SPAN_OPEN, SPAN_CLOSE))
-
-
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """``tokenizer.encode(text)`` with the text's control characters (NUL, backspace, tab, ...; not the newline)
-    read as spaces. With SentencePiece's byte fallback a control character that the tokenizer's normaliser keeps
-    becomes its byte piece, and in the released vocabulary ``<0x00>``, ``<0x08>`` and ``<0x09>`` are ``<ret>`` and
-    the span markers (ids 4, 12, 13; the tiny tokenizer turns a NUL into ``<ret>``): a tool's output could ask
-    for a reference or close its span. Text is data, never control tokens, so every text the model reads
-    (references, persona prompts, training words) goes through here."""
-    return _encode(tokenizer, text.translate(_CONTROLS))
-
-
-def _encode(tokenizer: Any, clean: str) -> list[int]:
-    """The ids of a text whose control characters are already spaces."""
-    return [int(i) for i in tokenizer.encode(clean)]
-
-
-def _int_ids(token_ids: object) -> tuple[int, ...]:
-    """``token_ids`` as a tuple of Python ints (numpy's and torch's integers through ``operator.index``); a
-    TypeError for anything else (a float id was silently rounded, a bool read as 0 or 1, a str read letter by
-    letter, and numpy or torch scalars reached the report's ids)."""
-    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
-        raise TypeError(f"ContextSpan: token_ids is a sequence of ints, got {type(token_ids).__name__}")
-    ids = []
-    for value in token_ids:  # type: ignore[attr-defined]
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            ids.append(operator.index(value))
-        except TypeError:
-            raise TypeError(f"ContextSpan: token ids are ints, got {type(value).__name__} {str(value)[:40]}") from None
-    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -101,7 +61,7 @@ class ContextSpan:
         if not isinstance(self.text, str):
             raise TypeError(f"ContextSpan: the reference text is a str, got {type(self.text).__name__}")
         if self.token_ids is not None:
-            object.__setattr__(self, "token_ids", _int_ids(self.token_ids))
+            object.__setattr__(self, "token_ids", int_ids(self.token_ids))
 
     @classmethod
     def from_ids(cls, token_ids: Sequence[int], text: str = "", markers: bool = True) -> ContextSpan:
@@ -109,7 +69,7 @@ class ContextSpan:
         return cls(text=text, token_ids=token_ids, markers=markers)  # type: ignore[arg-type]  # __post_init__: ints
 
     def encode(self, tokenizer: Any | None = None, max_frames: int | None = None) -> tuple[list[int], bool]:
-        """The block's text ids ``[12] + spm.encode(text.strip()) + [13]`` (:func:`encode_text`) and whether they
+        """The block's text ids ``[12] + spm.encode(text.strip()) + [13]`` (:func:`cspan.core.text.encode_text`) and whether they
         were truncated.
 
         Args:
@@ -134,7 +94,7 @@ class ContextSpan:
                     "data between the markers, which encode() adds"
                 )
         else:
-            text = self.text.translate(_CONTROLS).strip()  # a control character is a space
+            text = clean_text(self.text).strip()  # a control character is a space
             if not text:
                 raise SpanError(
                     "ContextSpan: the reference text is empty; give the backend's answer (or skip the injection)"
@@ -144,7 +104,7 @@ class ContextSpan:
                     "ContextSpan.encode: a text span needs the checkpoint's SentencePiece tokenizer; pass it or use "
                     "ContextSpan.from_ids"
                 )
-            body = _encode(tokenizer, text)  # its control characters read as spaces above
+            body = encode_text(tokenizer, text)
         if not body:
             raise SpanError(
                 f"ContextSpan: the reference {self.text!r} encodes to no tokens; give a non-empty reference"
@@ -378,44 +338,12 @@ def encode_span(
     return Block(tokens), ids, truncated
 
 
-def span_report(
-    row: int,
-    ids: Sequence[int],
-    truncated: bool,
-    position: int,
-    context: int | None,
-    window_left: int | None,
-    prefix_in_window: bool,
-    prefill_ms: float,
-) -> SpanReport:
-    """The :class:`SpanReport` of a block of ``ids`` inserted at ``position`` of session ``row`` (the window fields
-    as the session's record computes them: ``cspan.core.sessions.Sessions``)."""
-    n = len(ids)
-    next_position = position + n
-    return SpanReport(
-        session=row,
-        n=n,
-        truncated=truncated,
-        ids=tuple(ids),
-        first_position=position,
-        last_position=position + n - 1,
-        next_position=next_position,
-        prefill_ms=prefill_ms,
-        context=context,
-        window_positions_left=window_left,
-        prefix_in_window=prefix_in_window,
-        deferred=True,
-    )
-
-
 __all__ = [
     "Block",
     "ContextSpan",
     "SpanReport",
     "encode_span",
-    "encode_text",
     "span_block",
-    "span_report",
     "splice_block",
     "splice_mask",
     "splice_span_frames",

@@ -166,7 +166,8 @@ def build_text_row(
     Raises:
         DataError: a grounded turn whose first word has no frame before it, or whose words fall after the audio.
     """
-    from cspan.core.span import ContextSpan, encode_text
+    from cspan.core.span import ContextSpan
+    from cspan.core.text import encode_text
 
     words: list[tuple[list[int], float]] = []
     index: dict[tuple[int, int], int] = {}
