@@ -19,6 +19,7 @@ Usage::
 
     python scripts/cpu_frame_bench.py                        # builds the tiny checkpoint in a temporary folder
     python scripts/cpu_frame_bench.py --checkpoint DIR --batch-size 1 4 --frames 150 --repeats 3 --threads 1
+    python scripts/cpu_frame_bench.py --batch-size 1 8 --live 1   # one live session on a batch-8 engine
 """
 
 from __future__ import annotations
@@ -68,19 +69,24 @@ def _user_audio(frames: int, batch: int) -> np.ndarray:
     return out
 
 
-def run(checkpoint: str, batch: int, frames: int, warmup: int, seed: int) -> dict:
-    """One timed run: a fresh engine and B conversations; returns frames/s and the per-frame part times (ms)."""
+def run(checkpoint: str, batch: int, frames: int, warmup: int, seed: int, live: int | None = None) -> dict:
+    """One timed run: a fresh engine of B sessions, the first ``live`` of them (all when None) live with a
+    conversation each, the rest idle (``DuplexEngine.set_live``: not stepped, as a server's free rows); returns
+    frames/s and the per-frame part times (ms)."""
     from cspan.core.checkpoint import load_checkpoint
     from cspan.core.engine import DuplexEngine
     from cspan.core.runtime import Conversation, voice_activity
 
     ckpt = load_checkpoint(checkpoint, device="cpu")
     engine = DuplexEngine(ckpt, batch_size=batch, seed=seed, predict_user=False)  # as serve builds it (on the CPU)
+    live = batch if live is None else live
+    engine.set_live(list(range(live, batch)), False)
     conversations = [
         Conversation(engine=engine, session=i, tokenizer=ckpt.tokenizer, transcriber=_InstantTranscriber())
-        for i in range(batch)
+        for i in range(live)
     ]
     audio = _user_audio(warmup + frames, batch)
+    idle = np.zeros((batch - live, audio.shape[-1]), dtype=np.float32)  # an idle row's PCM: silence
     mimi = engine.mimi
     clock = {"encode": 0.0, "decode": 0.0}
     now = time.process_time  # CPU seconds of the process (all its threads): what a part costs, load or not
@@ -106,12 +112,13 @@ def run(checkpoint: str, batch: int, frames: int, warmup: int, seed: int) -> dic
                 start, cpu_start = time.perf_counter(), now()
             clock["encode"] = clock["decode"] = 0.0
             t0 = now()
-            user = list(audio[:, k])
+            user = list(audio[:live, k])
             voiced = voice_activity(conversations, user)  # all sessions' detectors in one pass, as serve does
             for conv, frame, frame_voiced in zip(conversations, user, voiced, strict=True):
                 await conv.before_step(frame, voiced=frame_voiced)
             t1 = now()
-            out = engine.step(torch.from_numpy(audio[:, k]))
+            pcm = audio[:, k] if live == batch else np.concatenate([audio[:live, k], idle])
+            out = engine.step(torch.from_numpy(pcm))
             t2 = now()
             agent = out.agent_pcm.detach().float().cpu().numpy()
             text = out.text_token.cpu().numpy()
@@ -150,6 +157,9 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: as cspan serve, use_cpu_threads)"
     )
+    parser.add_argument(
+        "--live", type=int, default=None, help="live sessions of each batch, the rest idle (default: all live)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
@@ -173,12 +183,13 @@ def main() -> int:
         )
         report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "batches": {}}
         for batch in args.batch_size:
-            runs = [run(checkpoint, batch, args.frames, args.warmup, args.seed) for _ in range(args.repeats)]
+            live = batch if args.live is None else min(args.live, batch)
+            runs = [run(checkpoint, batch, args.frames, args.warmup, args.seed, live) for _ in range(args.repeats)]
             fps = [r["fps"] for r in runs]
             cpu_fps = [r["cpu_fps"] for r in runs]
             parts = {p: [t for r in runs for t in r["times"][p]] for p in PARTS}
             print(
-                f"B={batch}: wall {statistics.median(fps):6.1f} frames/s median, best {max(fps):6.1f} "
+                f"B={batch}{f' ({live} live)' if live < batch else ''}: wall {statistics.median(fps):6.1f} frames/s median, best {max(fps):6.1f} "
                 f"(runs {', '.join(f'{f:.1f}' for f in fps)}); "
                 f"CPU-bound {statistics.median(cpu_fps):6.1f} frames/s median, best {max(cpu_fps):6.1f} "
                 f"= {statistics.median(cpu_fps) / 12.5:4.2f}x real time"
@@ -189,6 +200,7 @@ def main() -> int:
                 + " ".join(f"{min(parts[p]):6.2f} /{statistics.median(parts[p]):7.2f}" for p in PARTS)
             )
             report["batches"][batch] = {
+                "live": live,
                 "wall_fps": fps,
                 "cpu_fps": cpu_fps,
                 "parts_cpu_ms": {p: {"min": min(v), "median": statistics.median(v)} for p, v in parts.items()},
