@@ -17,6 +17,7 @@ from typing import Any
 
 from cspan.core.constants import (
     MAX_LISTEN_S,
+    MAX_SEED,
     MAX_SPAN_DEADLINE_S,
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
@@ -94,8 +95,6 @@ def in_range(
     return parse
 
 
-MAX_SEED = 2**63 - 1
-"""Seeds: 0 to 2**63 - 1, as ``cspan infer`` / ``cspan serve``."""
 MIN_OUTPUT_RATE, MAX_OUTPUT_RATE = 8_000, 192_000
 """Sample rates of a written output.wav (Hz): telephone band to studio audio."""
 MAX_TAIL_S = 600.0

@@ -12,10 +12,7 @@ import operator
 
 import torch
 
-from .constants import FRAME_SIZE, ZERO_TOKEN
-
-MAX_SEED = 2**63 - 1
-"""The largest sampling seed (the device holds seeds as int64)."""
+from .constants import FRAME_SIZE, MAX_SEED, ZERO_TOKEN
 
 
 def as_index(value: object) -> int | None:

@@ -54,6 +54,9 @@ MIN_TEMPERATURE: float = 1e-3
 """Lowest positive sampling temperature (smaller ones overflow ``logits / temperature``); 0 means greedy."""
 MAX_TEMPERATURE: float = 10.0
 """Highest sampling temperature accepted (beyond about 2 the output is noise already)."""
+MAX_SEED: int = 2**63 - 1
+"""The largest sampling seed: seeds are 0 .. 2**63 - 1, a non-negative int64 (what the device holds and
+``torch.Generator.manual_seed`` keeps)."""
 MAX_TOP_K: int = 500
 """Largest top-k a session may ask for below the vocabulary size (0, or the vocabulary size or more, keeps every
 token): the engine's batched sampler takes one top-k of this size per row and masks each row at its own k."""
@@ -85,6 +88,7 @@ __all__ = [
     "FRAME_RATE",
     "FRAME_SIZE",
     "MAX_LISTEN_S",
+    "MAX_SEED",
     "MAX_SPAN_DEADLINE_S",
     "MAX_TEMPERATURE",
     "MAX_TOP_K",

@@ -27,6 +27,7 @@ from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec,
 from cspan.backends.urls import redact_url
 from cspan.core.constants import (
     MAX_LISTEN_S,
+    MAX_SEED,
     MAX_SPAN_DEADLINE_S,
     MAX_TEMPERATURE,
     MAX_TOP_K,
@@ -43,8 +44,6 @@ DEFAULT_PERSONA = (
 
 MAX_TEXT_PROMPT_CHARS = 4000
 """Longest persona text prompt accepted (characters); whether it fits the model's window is checked on its frames."""
-MAX_SEED = 2**63 - 1
-"""Seeds are 0 .. 2**63 - 1 (a non-negative int64, what ``torch.Generator.manual_seed`` keeps)."""
 
 LEGACY_ENV = {"asr": "CSPAN_ASR_URL", "router": "CSPAN_ROUTER_URL"}
 """Environment names that ``cspan backends env`` prints, read below the generated ``CSPAN_ASR`` / ``CSPAN_ROUTER``."""

@@ -42,6 +42,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cspan.core.constants import MAX_SEED
 from cspan.core.events import TextEvent
 from cspan.server.adapters import Connection, Credential, ProtocolAdapter, off_loop
 from cspan.server.auth import bearer_token
@@ -70,7 +71,6 @@ SAMPLING_PARAMETERS = ("text_temperature", "text_topk", "audio_temperature", "au
 """PersonaPlex's sampling query parameters, applied to the session (:class:`SamplingOptions`)."""
 NOT_APPLIED = ("repetition_penalty", "repetition_penalty_context", "pad_mult")
 """PersonaPlex's query parameters that change nothing here (PersonaPlex ignores them too)."""
-MAX_SEED = 2**63 - 1
 
 
 class MoshiAdapter(ProtocolAdapter):
