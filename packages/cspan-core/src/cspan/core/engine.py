@@ -477,7 +477,6 @@ class DuplexEngine:
             context=self.context,
             window_positions_left=self.sessions.window_left(i, pending),
             prefix_in_window=self.sessions.prefix_visible(i, pending),
-            deferred=True,
         )
 
     # -- the step ------------------------------------------------------------------------------------------------

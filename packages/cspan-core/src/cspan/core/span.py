@@ -281,7 +281,7 @@ class SpanReport:
     context: int | None
     window_positions_left: int | None
     prefix_in_window: bool
-    deferred: bool = False
+    deferred: bool = True
 
     @property
     def span_in_window(self) -> bool:

@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from cspan.backends.untrusted import JSONInputError, loads
-from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
+from cspan.core.constants import FRAME_RATE, FRAME_SIZE, MAX_SEED, SAMPLE_RATE
 from cspan.core.events import (
     EVENT_MODELS,
     ErrorEvent,
@@ -106,7 +106,7 @@ class StartHooks(_ClientModel):
 
     force_ret_at: list[Annotated[float, Field(ge=0.0, le=3600.0)]] = Field(default_factory=list, max_length=16)
     spans: list[ScheduledSpan] = Field(default_factory=list, max_length=16)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
 
 class StartMessage(_ClientModel):

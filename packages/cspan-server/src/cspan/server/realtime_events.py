@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from cspan.backends.untrusted import JSONInputError, loads
+from cspan.core.constants import MAX_SEED
 from cspan.server.session import ProfileFields, brief
 
 Dialect = Literal["ga", "beta"]
@@ -154,7 +155,7 @@ class TestHooksOption(BaseModel):
     spans: list[tuple[Annotated[float, Field(ge=0.0, le=3600.0)], Annotated[str, Field(min_length=1)]]] = Field(
         default_factory=list, max_length=16
     )
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
 
 class CspanOptions(BaseModel):

@@ -89,7 +89,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cspan.core.audio import sanitize_pcm
-from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
+from cspan.core.constants import FRAME_RATE, FRAME_SIZE, MAX_SEED, SAMPLE_RATE
 from cspan.core.errors import ProtocolError
 from cspan.core.events import ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
 from cspan.core.voice import VoicePrompt
@@ -643,7 +643,7 @@ class Session:
             raise ClientError("already_started", f"start while the session is {self.state}; stop first")
         if request.has_test_hooks and not settings.test_hooks:
             raise ClientError("invalid_message", "test hooks are disabled on this server")
-        if request.seed is not None and not (0 <= request.seed < 2**63):
+        if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
             raise ClientError("invalid_message", f"seed {request.seed}: must be in [0, 2**63)")
         prompt = settings.text_prompt if request.text_prompt is None else request.text_prompt
         if request.text_prompt is not None and len(prompt) > settings.max_text_prompt_chars:
