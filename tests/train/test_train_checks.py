@@ -254,7 +254,7 @@ def test_a_bad_device_is_one_line_before_anything_is_written(
 
 @pytest.mark.parametrize("where", ["dcp", "trainer.pt"])
 def test_ctrl_c_while_a_checkpoint_is_saved_is_an_interrupt(
-    where: str, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys, monkeypatch
+    where: str, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys, monkeypatch, request
 ) -> None:
     """Ctrl-C during a checkpoint's save printed a traceback (DCP's CheckpointException wrapping the
     KeyboardInterrupt, torch.save's RuntimeError 'unexpected pos') and exited 1, leaving `.step_NNNNNNNN.tmp`. A real
@@ -265,6 +265,10 @@ def test_ctrl_c_while_a_checkpoint_is_saved_is_an_interrupt(
 
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+    # Ctrl-C as an interactive shell delivers it: a runner started in the background inherits SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     calls = {"n": 0}
 
     def interrupt_on_second_save() -> None:
