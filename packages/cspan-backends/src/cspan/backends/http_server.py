@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 def header_timeout_protocol(timeout_s: float) -> type[Any]:
     """uvicorn's httptools HTTP protocol with a header timeout: a connection whose request line and headers are not
     complete ``timeout_s`` after it opened (or after its previous response) is closed, so that slowly trickling
-    clients cannot hold connections forever.
+    clients cannot hold connections forever. A connection is also closed once a response was sent before its
+    request's body was all received (a route that does not read a body, such as a 405): uvicorn would otherwise
+    keep it open, and read and drop the rest, for as long as the client trickles it.
 
     Raises:
         ImportError: httptools is not installed.
@@ -63,6 +65,12 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                self.transport.close()  # the rest of the body would be dropped: nothing to wait for
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
