@@ -246,7 +246,8 @@ async def test_trickling_headers_are_cut_off(serve) -> None:
 
 async def test_a_trickled_body_does_not_hold_the_connection(serve) -> None:
     """A request whose body keeps coming a byte at a time after its response (405: the route reads no body) is
-    closed once answered, not held for as long as the client trickles; a complete request keeps its connection."""
+    closed the header timeout after it was answered, not held for as long as the client trickles; a request whose
+    dropped body arrives in time keeps its connection, as does a complete one."""
     server = serve(header_timeout_s=1.0)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     host = f"127.0.0.1:{server.port}"
@@ -263,6 +264,19 @@ async def test_a_trickled_body_does_not_hold_the_connection(serve) -> None:
                 closed = True
                 break
         assert closed, "the connection was held open while the body trickled"
+    finally:
+        writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:  # a body sent in full to a route that reads none: answered, and the connection goes on
+        writer.write(f"POST /health HTTP/1.1\r\nHost: {host}\r\nContent-Length: 200000\r\n\r\n".encode())
+        writer.write(b"x" * 200_000)
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 405 ")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        await asyncio.sleep(1.5)  # past the header timeout: the drained connection is not closed by it
+        writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"HTTP/1.1 200 "), 10)
     finally:
         writer.close()
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
