@@ -5,6 +5,7 @@ headers, and a stop in the middle of a sentence."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -241,6 +242,64 @@ async def test_trickling_headers_are_cut_off(serve) -> None:
     assert all(t < 10.0 for t in held), sorted(held)[-5:]
     async with httpx.AsyncClient(base_url=server.url) as http:
         assert (await http.get("/health")).status_code == 200
+
+
+async def test_a_trickled_body_does_not_hold_the_connection(serve) -> None:
+    """A request whose body keeps coming a byte at a time after its response (405: the route reads no body) is
+    closed the header timeout after it was answered, not held for as long as the client trickles; a request whose
+    dropped body arrives in time keeps its connection, as does a complete one."""
+    server = serve(header_timeout_s=1.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    host = f"127.0.0.1:{server.port}"
+    try:
+        writer.write(f"POST /health HTTP/1.1\r\nHost: {host}\r\nContent-Length: 100000000\r\n\r\n".encode())
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 405 ")
+        closed = False
+        for _ in range(40):  # 4 s of trickling, beyond uvicorn's 5 s keep-alive only because it is reset
+            with contextlib.suppress(ConnectionError):
+                writer.write(b"x")
+                await writer.drain()
+            if await _closed_after_response(reader, 0.1):
+                closed = True
+                break
+        assert closed, "the connection was held open while the body trickled"
+    finally:
+        writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:  # a body sent in full to a route that reads none: answered, and the connection goes on
+        writer.write(f"POST /health HTTP/1.1\r\nHost: {host}\r\nContent-Length: 200000\r\n\r\n".encode())
+        writer.write(b"x" * 200_000)
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 405 ")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        await asyncio.sleep(1.5)  # past the header timeout: the drained connection is not closed by it
+        writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"HTTP/1.1 200 "), 10)
+    finally:
+        writer.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:  # keep-alive still works for requests that are complete
+        for _ in range(2):
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            await writer.drain()
+            assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 200 ")
+            await asyncio.wait_for(reader.readuntil(b'"protocol_version":1}'), 10)
+    finally:
+        writer.close()
+
+
+async def _closed_after_response(reader: asyncio.StreamReader, wait_s: float) -> bool:
+    """Whether the connection ends within ``wait_s`` (the rest of a response already sent is read and skipped)."""
+    try:
+        while data := await asyncio.wait_for(reader.read(4096), wait_s):
+            del data
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+    return True
 
 
 async def _closed(reader: asyncio.StreamReader, wait_s: float) -> bool:

@@ -155,6 +155,8 @@ async def test_health_info_page_and_static_files(serve) -> None:
             assert r.status_code == 200 and len(r.content) > 100, name
         assert (await http.get("/static/serve.py")).status_code == 404
         assert (await http.get("/static/..%2Fserve.py")).status_code == 404
+        for path in ("/openapi.json", "/docs", "/redoc"):  # only the routes of docs/PROTOCOL.md, no schema pages
+            assert (await http.get(path)).status_code == 404, path
         metrics = await http.get("/metrics")
         assert metrics.headers["content-type"].startswith("text/plain")
         assert "cspan_session_slots 1.0" in metrics.text

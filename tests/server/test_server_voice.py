@@ -11,6 +11,7 @@ import base64
 import hashlib
 import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,39 @@ async def test_ws_start_voice_name_replaces_the_recording(serve, recordings) -> 
         ready = await client.start(voice="tiny1")
         assert ready["persona"]["voice"] == "tiny1"
         await client.stop()
+
+
+@pytest.mark.timeout(300)
+async def test_ws_recordings_are_counted_per_user_over_connections(serve, recordings, tmp_path) -> None:
+    """Opening more connections does not buy more recordings: a user may send 16 a minute over all its connections
+    (each is decoded, and a good one Mimi-encoded on the engine thread every session's clock shares); another user
+    is not affected, and the window moves on."""
+    from cspan.backends.context_db import ContextDB
+    from cspan.backends.identity import issue_token
+
+    with ContextDB(tmp_path / "context.sqlite") as db:
+        ada, bob = (issue_token(db, user)[1] for user in ("ada", "bob"))
+        ops = issue_token(db, "ops", scopes=["admin"])[1]
+    server = serve(db=str(tmp_path / "context.sqlite"))
+    url = server.ws_url + "?token="
+    async with websockets.connect(url + ada, max_size=None) as ws1, websockets.connect(url + ada) as ws2:
+        for ws in (ws1, ws2):  # 8 on each connection, the most one connection may send: 16 in all
+            client = Client(ws)
+            for _ in range(8):
+                assert "1.00 s long" in (await _send_recording(client, recordings["short"]))["message"]
+        async with websockets.connect(url + ada, max_size=None) as ws3:  # a third connection of ada's: refused
+            answer = await _send_recording(Client(ws3), recordings["good"])
+            assert answer["code"] == "bad_voice_audio", answer
+            assert "more than 16 voice recordings of this user in 60 s over all its connections" in answer["message"]
+            assert answer["message"].endswith("the session keeps its voice")
+            async with websockets.connect(url + bob, max_size=None) as ws4:  # bob's own budget
+                assert (await _send_recording(Client(ws4), recordings["good"]))["type"] == "voice"
+            budget = server.hub.recordings
+            budget.clock = lambda: time.monotonic() + budget.window_s  # a minute later: ada may again
+            assert (await _send_recording(Client(ws3), recordings["good"]))["type"] == "voice"
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ops}"}).text
+    assert 'cspan_voice_recordings_total{protocol="cspan"} 2.0' in text.splitlines()
+    assert 'cspan_protocol_errors_total{code="bad_voice_audio",protocol="cspan"} 17.0' in text.splitlines()
 
 
 # ------------------------------------------------------------------------------------------------ /api/chat

@@ -27,7 +27,11 @@ log = logging.getLogger(__name__)
 def header_timeout_protocol(timeout_s: float) -> type[Any]:
     """uvicorn's httptools HTTP protocol with a header timeout: a connection whose request line and headers are not
     complete ``timeout_s`` after it opened (or after its previous response) is closed, so that slowly trickling
-    clients cannot hold connections forever.
+    clients cannot hold connections forever. A request answered before its body was all received (a route that reads
+    no body, such as a 405) has ``timeout_s`` more for the rest of it, which uvicorn reads and drops, and is closed
+    then: uvicorn would keep the connection for as long as the client trickles it (every byte resets its keep-alive
+    timer). The rest is not cut at once, so a client that sends its whole body before reading the answer reads it,
+    rather than a connection reset.
 
     Raises:
         ImportError: httptools is not installed.
@@ -64,8 +68,31 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
             self._disarm()
             super().on_headers_complete()
 
+        _drain_timer: Any = None
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()
+            if cycle is not None and cycle.more_body and not self.transport.is_closing() and self._drain_timer is None:
+                self._drain_timer = self.loop.call_later(timeout_s, self._drain_timeout)  # the rest is dropped
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            if self._drain_timer is not None and self.cycle is not None and self.cycle.response_complete:
+                self._drain_timer.cancel()  # the dropped body has ended: the connection goes on
+                self._drain_timer = None
+
+        def _drain_timeout(self) -> None:
+            self._drain_timer = None
+            if not self.transport.is_closing():
+                self.logger.info("closing a connection whose answered request's body took over %g s more", timeout_s)
+                self.transport.close()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
+                self._drain_timer = None
             super().connection_lost(exc)
 
     return HeaderTimeoutProtocol

@@ -361,7 +361,14 @@ def create_app(
         finally:
             await hub.shutdown()
 
-    app = FastAPI(title="cspan serve", version=str(PROTOCOL_VERSION), lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(  # no generated schema or docs pages: the routes are those of docs/PROTOCOL.md, nothing more
+        title="cspan serve",
+        version=str(PROTOCOL_VERSION),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.hub = hub
     app.state.settings = settings
     app.state.authenticator = authenticator

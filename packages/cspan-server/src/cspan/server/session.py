@@ -95,7 +95,14 @@ from cspan.core.events import ConversationEvent, ErrorEvent, LateEvent, NoSpanEv
 from cspan.core.voice import VoicePrompt
 from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
 from cspan.server.settings_common import Temperature, TopK
-from cspan.server.voices import VOICE_RECORDINGS_PER_SESSION, Voice, VoiceCatalog, prepare_recording, recording_name
+from cspan.server.voices import (
+    VOICE_RECORDINGS_PER_SESSION,
+    RecordingBudget,
+    Voice,
+    VoiceCatalog,
+    prepare_recording,
+    recording_name,
+)
 
 if TYPE_CHECKING:
     from cspan.backends.identity import Principal
@@ -592,8 +599,9 @@ class Session:
         Raises:
             ClientError: ``already_started`` after ``start`` (the persona is read already); ``bad_voice_audio``: too
                 large, not audio, too short or too long, silent (the message says which), or more than
-                :data:`~cspan.server.voices.VOICE_RECORDINGS_PER_SESSION` on one session; the session keeps the voice
-                it had.
+                :data:`~cspan.server.voices.VOICE_RECORDINGS_PER_SESSION` on one session or more than
+                :data:`~cspan.server.voices.VOICE_RECORDINGS_PER_USER` of its user in a minute, over all the user's
+                connections (:class:`~cspan.server.voices.RecordingBudget`); the session keeps the voice it had.
         """
         from cspan.core.errors import AudioInputError
 
@@ -611,11 +619,20 @@ class Session:
                 f"more than {VOICE_RECORDINGS_PER_SESSION} voice recordings on one connection (each is decoded and "
                 f"encoded on the server); the session keeps its voice{kept}",
             )
-        try:
-            audio = await asyncio.to_thread(prepare_recording, data)
-        except AudioInputError as exc:
-            raise ClientError("bad_voice_audio", f"{exc}; the session keeps its voice{kept}") from None
-        codes = await self.hub.engine_thread.encode_voice(audio)
+        budget, user = self.hub.recordings, self.principal.user_id
+        if not budget.take(user):
+            raise ClientError(
+                "bad_voice_audio",
+                f"more than {budget.per_window} voice recordings of this user in {budget.window_s:g} s over all its "
+                f"connections (each is decoded and encoded on the server); send it again later; the session keeps "
+                f"its voice{kept}",
+            )
+        async with budget.lock(user):  # one at a time per user: the engine thread runs frames between them
+            try:
+                audio = await asyncio.to_thread(prepare_recording, data)
+            except AudioInputError as exc:
+                raise ClientError("bad_voice_audio", f"{exc}; the session keeps its voice{kept}") from None
+            codes = await self.hub.engine_thread.encode_voice(audio)
         name = recording_name(data)
         voice = Voice(name, VoicePrompt(source=Path(name), codes=codes))
         if self.state == "connected":  # not started (or gone) while it was read
@@ -859,6 +876,7 @@ class SessionHub:
         self._session_counter = 0
         self._silence = np.zeros(FRAME_SIZE, dtype=np.float32)
         self.voices = VoiceCatalog(checkpoint, settings.voice)  # the default is loaded now: a broken file fails here
+        self.recordings = RecordingBudget()  # clients' voice recordings, per user over all its connections
         self.voices.check_default_persona(settings.text_prompt)  # and one that leaves no room to talk
         self.model_name = str(settings.checkpoint or getattr(checkpoint, "source", None) or "default")
 

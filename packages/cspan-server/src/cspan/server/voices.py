@@ -18,9 +18,13 @@ the bytes its own way (``docs/PROTOCOL.md``); :class:`VoiceUpload` collects them
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import hashlib
 import io
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,13 @@ VOICE_AUDIO_MAX_BYTES = 8 * 1024 * 1024
 VOICE_RECORDINGS_PER_SESSION = 8
 """Recordings one connection may send: each is decoded on a worker thread and a good one Mimi-encoded on the engine
 thread that every session's frame clock shares, so a client cannot keep it busy."""
+
+VOICE_RECORDINGS_PER_USER = 16
+"""Recordings one user (the principal of the credential) may send in :data:`VOICE_RECORDINGS_WINDOW_S`, over all its
+connections: opening more connections does not buy more engine time (:class:`RecordingBudget`)."""
+
+VOICE_RECORDINGS_WINDOW_S = 60.0
+"""The window of :data:`VOICE_RECORDINGS_PER_USER`, in seconds."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,50 @@ def prepare_recording(data: bytes) -> Any:
             "of speech (a compressed format such as FLAC, OGG or MP3 is smaller)"
         )
     return prepare_voice_audio(io.BytesIO(data), name="the voice recording")
+
+
+class RecordingBudget:
+    """The voice recordings of each user over all its connections: at most ``per_window`` read in any ``window_s``
+    seconds, and one at a time (the next one is decoded once the previous one is encoded, so the engine thread runs
+    frames between them). Per connection, :data:`VOICE_RECORDINGS_PER_SESSION` applies as well.
+
+    Args:
+        per_window: recordings a user may send in ``window_s``.
+        window_s: the window, in seconds.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        per_window: int = VOICE_RECORDINGS_PER_USER,
+        window_s: float = VOICE_RECORDINGS_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_window = per_window
+        self.window_s = window_s
+        self.clock = clock
+        self._times: dict[str, collections.deque[float]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def take(self, user_id: str) -> bool:
+        """Count one recording of ``user_id``; False (nothing counted) when the user has sent ``per_window`` in the
+        last ``window_s`` seconds."""
+        now = self.clock()
+        for user in [u for u, t in self._times.items() if t[-1] <= now - self.window_s]:  # users gone quiet
+            del self._times[user]
+            if user in self._locks and not self._locks[user].locked():
+                del self._locks[user]
+        times = self._times.setdefault(user_id, collections.deque())
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if len(times) >= self.per_window:
+            return False
+        times.append(now)
+        return True
+
+    def lock(self, user_id: str) -> asyncio.Lock:
+        """The lock that makes ``user_id``'s recordings one at a time."""
+        return self._locks.setdefault(user_id, asyncio.Lock())
 
 
 class VoiceUpload:
@@ -193,6 +248,9 @@ class VoiceCatalog:
 __all__ = [
     "VOICE_AUDIO_MAX_BYTES",
     "VOICE_RECORDINGS_PER_SESSION",
+    "VOICE_RECORDINGS_PER_USER",
+    "VOICE_RECORDINGS_WINDOW_S",
+    "RecordingBudget",
     "Voice",
     "VoiceCatalog",
     "VoiceUpload",
