@@ -341,3 +341,20 @@ def test_legacy_backend_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CSPAN_ASR", "none")
     assert load_settings(ServeSettings).asr == "none"
     assert load_settings(ServeSettings, {"router": "local"}).router == "local"
+
+
+async def test_an_unexpected_error_reaches_the_client_without_its_text() -> None:
+    """An unexpected exception while a message is handled answers ``internal`` with its type and the session id; its
+    text (which may name paths or other internals) stays in the server's log, and the session goes on."""
+    from types import SimpleNamespace
+
+    from cspan.server.app import _handle
+
+    sent: list[tuple[str, str]] = []
+    session = SimpleNamespace(id="s-1", client_error=lambda code, message: sent.append((code, message)))
+
+    async def failing() -> None:
+        raise RuntimeError("cannot open /srv/cspan/secret/voices/x.pt")
+
+    await _handle(session, failing())  # type: ignore[arg-type]
+    assert sent == [("internal", "an unexpected server error (RuntimeError); the server log has it (session s-1)")]

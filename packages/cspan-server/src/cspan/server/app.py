@@ -617,7 +617,11 @@ async def _handle(session: Session, call: Any) -> None:
         session.client_error(exc.code, exc.message)
     except Exception as exc:
         logger.exception("session %s: error while handling a message", session.id)
-        session.client_error("internal", f"{type(exc).__name__}: {exc}")
+        # the exception's text stays in the server's log: it may name paths or other internals
+        session.client_error(
+            "internal",
+            f"an unexpected server error ({type(exc).__name__}); the server log has it (session {session.id})",
+        )
 
 
 async def _send(websocket: Any, session: Session, adapter: ProtocolAdapter, metrics: Any) -> None:
