@@ -13,6 +13,7 @@ import operator
 import torch
 
 from .constants import FRAME_SIZE, MAX_SEED, ZERO_TOKEN
+from .errors import SpanError
 
 
 def as_index(value: object) -> int | None:
@@ -53,11 +54,11 @@ def check_seed(seed: object, where: str, span: int = 1) -> int | None:
 def check_engine_options(batch_size: object, max_span_frames: object, max_block_columns: object) -> None:
     """The engine's sizes: ``batch_size`` >= 1, ``max_span_frames`` >= 3 (12, one token, 13), ``max_block_columns``
     >= 1 or None; ints, else TypeError (a bool is no size)."""
-    from .errors import SpanError
-
     sizes = (("batch_size", batch_size), ("max_span_frames", max_span_frames), ("max_block_columns", max_block_columns))
     for name, value in sizes:
-        if (value is not None or name == "batch_size") and (isinstance(value, bool) or not isinstance(value, int)):
+        if (value is not None or name != "max_block_columns") and (
+            isinstance(value, bool) or not isinstance(value, int)
+        ):
             raise TypeError(f"DuplexEngine: {name} must be an int, got {value!r}")
     if batch_size < 1:  # type: ignore[operator]
         raise ValueError(f"DuplexEngine: batch_size must be >= 1, got {batch_size}")
