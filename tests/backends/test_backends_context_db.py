@@ -248,6 +248,21 @@ def test_a_password_that_is_not_percent_encoded_is_refused_without_showing_it(po
         assert "ss9" not in str(info.value) and f"postgresql://special:***@{host}x" in str(info.value)
 
 
+def test_a_postgresql_restart_between_statements_costs_none(postgres: PostgresServer) -> None:
+    """After PostgreSQL restarts, the next read and the next write of an open Context DB (a replica's) succeed: the
+    connection the server ended while idle is replaced first (was: one ContextDBError per connection, "terminating
+    connection due to administrator command", which `cspan serve` turned into a refused conversation)."""
+    url = _fresh_postgres(postgres)
+    with ContextDB(url) as reader, ContextDB(url) as writer:
+        writer.user("ada").put_profile(Profile(name="Ada", city="Leeds"))
+        assert reader.user("ada").get_profile().city == "Leeds"
+        postgres.restart()
+        assert reader.user("ada").get_profile().city == "Leeds"
+        writer.user("ada").put_profile(Profile(name="Ada", city="York"))
+        postgres.restart()
+        assert reader.export_user("ada")["profile"]["city"] == "York"
+
+
 def test_a_read_only_role_reads_and_is_told_why_it_cannot_write(postgres: PostgresServer) -> None:
     """An operator's read-only role (``SELECT`` only) opens a current Context DB to read (``cspan db export``,
     ``users list``, ``db info``); a write, or opening it to write (``cspan serve``), is a ContextDBError naming the

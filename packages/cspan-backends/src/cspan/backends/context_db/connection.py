@@ -8,7 +8,8 @@ Concurrency: each connection serialises its statements under a lock, so one inst
 threads (the ``a``-methods of the Context DB run in worker threads). Several instances or processes may share one
 database: SQLite's WAL lets readers go on during a write and ``busy_timeout`` makes writers wait their turn
 (``BEGIN IMMEDIATE`` takes the write lock up front); PostgreSQL is built for it. A PostgreSQL connection that broke
-(server restart, network) is opened again at the next statement.
+(server restart, network) is opened again at the next statement; one the server ended while it was idle is
+replaced before that statement, so a restart costs no statement.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import select
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
@@ -163,7 +165,9 @@ class PostgresConnection(Connection):
         from psycopg.rows import dict_row
 
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
-            return self._conn
+            if not _ended_while_idle(self._conn):
+                return self._conn
+            self._conn.close()  # the server ended it between statements (a restart): open a new one, not fail once
         try:
             self._conn = psycopg.connect(
                 self.url,
@@ -234,6 +238,17 @@ class PostgresConnection(Connection):
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
+
+
+def _ended_while_idle(conn: Any) -> bool:
+    """Whether the server ended ``conn`` while it was idle: an idle connection has nothing to read (no ``LISTEN``
+    here), so a readable socket holds the server's goodbye (``terminating connection``) or its end of file. psycopg
+    finds out only when the next statement fails; a restarted PostgreSQL would fail one statement per replica."""
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _url_secrets(url: str, where: str) -> list[str]:
