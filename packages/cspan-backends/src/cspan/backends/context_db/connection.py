@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import select
+import selectors
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
@@ -245,10 +245,11 @@ def _ended_while_idle(conn: Any) -> bool:
     here), so a readable socket holds the server's goodbye (``terminating connection``) or its end of file. psycopg
     finds out only when the next statement fails; a restarted PostgreSQL would fail one statement per replica."""
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        with selectors.DefaultSelector() as selector:  # not select.select: a server's descriptors pass 1024
+            selector.register(conn.fileno(), selectors.EVENT_READ)
+            return bool(selector.select(0))
     except (OSError, ValueError):
         return True
-    return bool(readable)
 
 
 def _url_secrets(url: str, where: str) -> list[str]:
