@@ -82,12 +82,29 @@ class PostgresServer:
         data = self.root / "data"
         self._run("initdb", "-D", str(data), "-U", self.user, "--auth=trust", "-E", "UTF8", "--no-sync")
         self.port = _free_port()
+        self.start_server()
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, self.database)
+        return self
+
+    def start_server(self) -> None:
+        """Start the cluster's server (again, after :meth:`stop_server`: the same port and data)."""
+        assert self.root is not None
+        data = self.root / "data"
         options = f"-p {self.port} -k {data} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off"
         self._run(
             "pg_ctl", "-D", str(data), "-o", options, "-l", str(self.root / "server.log"), "-w", "-t", "60", "start"
         )
-        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, self.database)
-        return self
+
+    def stop_server(self) -> None:
+        """Stop the server as an administrator would (``pg_ctl stop -m fast``: open connections are ended), keeping
+        its data for :meth:`start_server`."""
+        assert self.root is not None
+        self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "fast", "-w", "-t", "60", "stop")
+
+    def restart(self) -> None:
+        """:meth:`stop_server`, then :meth:`start_server`."""
+        self.stop_server()
+        self.start_server()
 
     def stop(self) -> None:
         if self.root is None:

@@ -208,6 +208,78 @@ def test_unreachable_postgres_is_a_clear_error() -> None:
     assert "secret" not in str(info.value) and "?sslmode=disable&password=***&sslpassword=***" in str(info.value)
 
 
+def _role(server: PostgresServer, database_url: str, name: str, password: str, *grants: str) -> str:
+    """A new login role with ``password`` and ``grants`` on ``database_url``'s database; returns the URL of that
+    database as this role, the password percent-encoded."""
+    from urllib.parse import quote
+
+    import psycopg
+
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {name} LOGIN PASSWORD '{password}'")
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for grant in grants:
+            conn.execute(grant.format(role=name))
+    host_and_db = database_url.split("@", 1)[1]
+    return f"postgresql://{name}:{quote(password, safe='')}@{host_and_db}"
+
+
+def test_a_password_that_is_not_percent_encoded_is_refused_without_showing_it(postgres: PostgresServer) -> None:
+    """libpq reads a raw ``@`` or ``/`` in the password as the end of it (the rest becomes the host), and a raw ``%``
+    as a broken escape: each is refused with the fix, and no message shows any part of the password."""
+    url = _fresh_postgres(postgres)
+    password = "p@ss:w/rd#?%x9"
+    encoded = _role(postgres, url, "special", password, "GRANT ALL ON SCHEMA public TO {role}")
+    host = url.split("@", 1)[1]
+    assert encoded == f"postgresql://special:p%40ss%3Aw%2Frd%23%3F%25x9@{host}"
+    with ContextDB(encoded) as db:  # percent-encoded, as the docs say, it opens
+        assert db.schema_version() == SCHEMA_VERSION and db.where == f"postgresql://special:***@{host}"
+    raw = f"postgresql://special:{password}@{host}"
+    for given in (raw, f"postgresql://special:pa/ss9@{host}", f"postgresql://special:pa@ss9@{host}"):
+        with pytest.raises(ContextDBError, match=r"Fix: percent-encode the characters @ / :") as info:
+            ContextDB(given)
+        message = str(info.value)
+        assert f"postgresql://special:***@{host}" in message
+        for piece in ("ss:w", "rd#", "%x9", "pa/", "ss9"):
+            assert piece not in message, (piece, message)
+    for given in (f"postgresql://special:pa#ss9@{host}", f"postgresql://special:pa?ss9@{host}"):
+        with pytest.raises(ContextDBError) as info:  # libpq reads these: the server refuses the password (trust
+            ContextDB(given + "x")  # authentication accepts any, so name a database that does not exist)
+        assert "ss9" not in str(info.value) and f"postgresql://special:***@{host}x" in str(info.value)
+
+
+def test_a_postgresql_restart_between_statements_costs_none(postgres: PostgresServer) -> None:
+    """After PostgreSQL restarts, the next read and the next write of an open Context DB (a replica's) succeed: the
+    connection the server ended while idle is replaced first (was: one ContextDBError per connection, "terminating
+    connection due to administrator command", which `cspan serve` turned into a refused conversation)."""
+    url = _fresh_postgres(postgres)
+    with ContextDB(url) as reader, ContextDB(url) as writer:
+        writer.user("ada").put_profile(Profile(name="Ada", city="Leeds"))
+        assert reader.user("ada").get_profile().city == "Leeds"
+        postgres.restart()
+        assert reader.user("ada").get_profile().city == "Leeds"
+        writer.user("ada").put_profile(Profile(name="Ada", city="York"))
+        postgres.restart()
+        assert reader.export_user("ada")["profile"]["city"] == "York"
+
+
+def test_a_read_only_role_reads_and_is_told_why_it_cannot_write(postgres: PostgresServer) -> None:
+    """An operator's read-only role (``SELECT`` only) opens a current Context DB to read (``cspan db export``,
+    ``users list``, ``db info``); a write, or opening it to write (``cspan serve``), is a ContextDBError naming the
+    privilege and the fix, not psycopg's exception."""
+    url = _fresh_postgres(postgres)
+    with ContextDB(url) as owner:
+        owner.user("ada").put_profile(Profile(name="Ada", city="Leeds"))
+    reader = _role(postgres, url, "reader", "r3ad-only", "GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    with ContextDB(reader, read_only=True) as db:
+        assert db.export_user("ada")["profile"]["city"] == "Leeds" and db.users() == ["ada"]
+        with pytest.raises(ContextDBError, match=r"permission denied for table .*Fix: --db needs a role that may"):
+            db.user("bob").put_profile(Profile(name="Bob"))
+    with pytest.raises(ContextDBError, match=r"permission denied for schema public\. Fix: --db needs a role") as info:
+        ContextDB(reader)
+    assert "r3ad" not in str(info.value) and "LINE 1" not in str(info.value)
+
+
 # --------------------------------------------------------------------------------------------- one user's memory
 
 

@@ -196,6 +196,10 @@ def test_urls_in_messages_lose_their_credentials() -> None:
         "http://user@host/": "http://user@host/",
         "sphinx": "sphinx",
         "http://[::1:80/": "http://[::1:80/",  # no URL: as it is
+        # a password holding "@", "/", "#" or "?" unencoded is hidden whole, up to the last "@"
+        "postgresql://cspan:p@ss:w/rd#?%x@db:5432/cspan": "postgresql://cspan:***@db:5432/cspan",
+        "postgresql://cspan:pa/ss@db/cspan?password=x": "postgresql://cspan:***@db/cspan?password=***",
+        "postgresql://db/cspan?sslrootcert=/etc/a@b/root.crt": "postgresql://db/cspan?sslrootcert=/etc/a@b/root.crt",
     }
     for url, shown in cases.items():
         assert redact_url(url) == shown

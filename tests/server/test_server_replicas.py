@@ -333,3 +333,47 @@ async def test_forget_ends_the_users_sessions_on_every_replica(serve, postgres: 
     with ContextDB(url) as db:
         profile = db.user("ada").get_profile()
         assert (profile.name, profile.notes) == ("Ada anew", "") and len(db.user("ada").conversations()) == 1
+
+
+async def test_a_postgresql_outage_ends_no_conversation_and_its_end_refuses_none(
+    serve, postgres: PostgresServer
+) -> None:
+    """PostgreSQL stops while ada talks on a replica and starts again: her conversation goes on to its ``bye``, one
+    opened during the outage is closed with 1013 (its issued token cannot be checked; try again), the server keeps
+    running; and after PostgreSQL restarts while the replica is idle, the next conversation starts on the first try
+    (was: refused with 1013, the first statement on the connection the restart had ended)."""
+    import psycopg
+
+    from cspan.backends.context_db import ContextDB, Profile
+    from cspan.backends.identity import issue_token
+
+    with psycopg.connect(postgres.url, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE outage")
+    url = postgres.url.rsplit("/", 1)[0] + "/outage"
+    with ContextDB(url) as db:
+        token = issue_token(db, "ada")[1]
+        db.user("ada").put_profile(Profile(name="Ada", city="Leeds"))
+    replica = serve(db=url, max_sessions=2)
+    silence = [np.zeros(1920, dtype=np.float32)] * 12
+    async with websockets.connect(f"{replica.ws_url}?token={token}", max_size=None) as ws:
+        talking = Client(ws)
+        assert (await talking.start())["profile"]["location"] == "Leeds"
+        await asyncio.to_thread(postgres.stop_server)
+        try:
+            await talking.stream(silence)
+            async with websockets.connect(f"{replica.ws_url}?token={token}", max_size=None) as ws_refused:
+                closed = await Client(ws_refused).until_closed(timeout=60)
+            assert closed.rcvd is not None and closed.rcvd.code == 1013, closed
+            assert "credentials cannot be checked now" in closed.rcvd.reason
+        finally:
+            await asyncio.to_thread(postgres.start_server)
+        await talking.stream(silence)
+        assert (await talking.stop())["reason"] == "stop"
+    await asyncio.to_thread(postgres.restart)  # while the replica is idle: its connection ends unused
+    async with websockets.connect(f"{replica.ws_url}?token={token}", max_size=None) as ws:
+        client = Client(ws)
+        ready = await client.start()
+        assert ready["type"] == "ready" and ready["profile"]["location"] == "Leeds"
+        assert (await client.stop())["reason"] == "stop"
+    with ContextDB(url) as db:
+        assert db.user("ada").get_profile().city == "Leeds" and len(db.user("ada").conversations()) == 2

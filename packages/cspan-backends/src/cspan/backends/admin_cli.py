@@ -55,10 +55,11 @@ def _missing_file(target: str | None) -> str | None:
 
 
 def _handler(
-    verb: str, fn: Callable[[argparse.Namespace, Any], int], *, creates: bool = False
+    verb: str, fn: Callable[[argparse.Namespace, Any], int], *, creates: bool = False, reads: bool = False
 ) -> Callable[[argparse.Namespace], int]:
     """Open the Context DB, run ``fn(args, db)``, close it; one-line errors. Only a verb that ``creates`` (``users
-    add``) may name a SQLite file that does not exist yet: the others would create an empty one at a mistyped path."""
+    add``) may name a SQLite file that does not exist yet: the others would create an empty one at a mistyped path.
+    A verb that only ``reads`` opens it read-only (a read-only PostgreSQL role may export, list and show it)."""
 
     def run(args: argparse.Namespace) -> int:
         from cspan.backends.context_db import ContextDB
@@ -73,7 +74,7 @@ def _handler(
                     file=sys.stderr,
                 )
                 return 1
-            db = ContextDB(args.db)
+            db = ContextDB(args.db, read_only=reads)
         except (BackendError, OSError, ValueError) as exc:
             print(f"cspan {verb}: error: {exc}", file=sys.stderr)
             return 1
@@ -189,7 +190,7 @@ def users_command(parser: argparse.ArgumentParser) -> None:
     lister.add_argument("--all", action="store_true", help="include revoked tokens")
     lister.add_argument("--json", action="store_true", help="print JSON")
     _add_db(lister)
-    lister.set_defaults(handler=_handler("users list", _users_list))
+    lister.set_defaults(handler=_handler("users list", _users_list, reads=True))
 
     revoke = sub.add_parser("revoke", help="revoke one token (TOKEN_ID) or all of a user's (--user)")
     revoke.add_argument("token_id", nargs="?", default=None, help="the token id shown by `users list`")
@@ -278,7 +279,7 @@ def db_command(parser: argparse.ArgumentParser) -> None:
     export.add_argument("user", help="user id")
     export.add_argument("--out", type=Path, default=None, help="write the JSON to this file instead of stdout")
     _add_db(export)
-    export.set_defaults(handler=_handler("db export", _db_export))
+    export.set_defaults(handler=_handler("db export", _db_export, reads=True))
 
     forget = sub.add_parser("forget", help="delete everything remembered about USER (profile, facts, conversations)")
     forget.add_argument("user", help="user id")
@@ -294,4 +295,4 @@ def db_command(parser: argparse.ArgumentParser) -> None:
 
     info = sub.add_parser("info", help="where the Context DB is, its engine, schema version and user count")
     _add_db(info)
-    info.set_defaults(handler=_handler("db info", _db_info))
+    info.set_defaults(handler=_handler("db info", _db_info, reads=True))

@@ -19,19 +19,21 @@ def redact_url(url: str) -> str:
     """``url`` with the password of its user part and the values of its secret-looking query parameters
     (:data:`SECRET_PARAM`) replaced by ``***``: ``"https://bob:***@host/mcp?api_key=***&v=2"``. Anything that is no
     URL comes back as it is."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, after = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    if sep and at and colon and not any(c in user for c in "/?#@"):
+        # the password runs to the last "@": one holding an unencoded "/", "?", "#" or "@" (which splits the URL
+        # elsewhere) is hidden whole, not shown from that character on
+        url = f"{scheme}://{user}:***@{after}"
     try:
         parts = urlsplit(url)
-        password = parts.password
     except ValueError:  # not a URL (an unbalanced "[" in a host): nothing to find
         return url
-    netloc = parts.netloc
-    if password is not None:
-        user, _, host = netloc.rpartition("@")
-        netloc = f"{user.partition(':')[0]}:***@{host}"
     query = SECRET_PARAM.sub(r"\1***", parts.query)
-    if (netloc, query) == (parts.netloc, parts.query):
+    if query == parts.query:
         return url
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+    return urlunsplit(parts._replace(query=query))
 
 
 HTTP_LOGGERS = ("httpx", "httpx2")

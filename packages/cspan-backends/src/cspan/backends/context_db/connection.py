@@ -8,7 +8,8 @@ Concurrency: each connection serialises its statements under a lock, so one inst
 threads (the ``a``-methods of the Context DB run in worker threads). Several instances or processes may share one
 database: SQLite's WAL lets readers go on during a write and ``busy_timeout`` makes writers wait their turn
 (``BEGIN IMMEDIATE`` takes the write lock up front); PostgreSQL is built for it. A PostgreSQL connection that broke
-(server restart, network) is opened again at the next statement.
+(server restart, network) is opened again at the next statement; one the server ended while it was idle is
+replaced before that statement, so a restart costs no statement.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import selectors
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
@@ -151,6 +153,7 @@ class PostgresConnection(Connection):
             ) from exc
         self.url = url
         self.where = redact_url(url)
+        self._secrets = _url_secrets(url, self.where)
         self.connect_timeout_s = connect_timeout_s
         self.journal_mode = "postgresql"
         self._lock = threading.RLock()
@@ -162,7 +165,9 @@ class PostgresConnection(Connection):
         from psycopg.rows import dict_row
 
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
-            return self._conn
+            if not _ended_while_idle(self._conn):
+                return self._conn
+            self._conn.close()  # the server ended it between statements (a restart): open a new one, not fail once
         try:
             self._conn = psycopg.connect(
                 self.url,
@@ -176,10 +181,31 @@ class PostgresConnection(Connection):
             self._conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         except psycopg.Error as exc:
             raise ContextDBError(
-                f"cannot connect to the Context DB at {self.where}: {str(exc).strip()}. Fix: check that the server "
-                "is running and the URL (host, port, database, user) in --db."
+                f"cannot connect to the Context DB at {self.where}: {self._describe(exc)}. Fix: check that the "
+                "server is running and the URL (host, port, database, user, password) in --db."
             ) from exc
         return self._conn
+
+    def _describe(self, exc: Exception) -> str:
+        """``exc`` in one line, without the password (libpq may quote the values of the URL it read)."""
+        diag = getattr(exc, "diag", None)
+        text = (getattr(diag, "message_primary", None) or str(exc)).strip()
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return " ".join(text.split())
+
+    def _failed(self, exc: Exception) -> ContextDBError:
+        """The error a failed statement becomes: a lost server, or what the server refused (a role without the
+        privilege, a read-only database) with the fix."""
+        import psycopg
+
+        message = f"the Context DB at {self.where} failed: {self._describe(exc)}"
+        if isinstance(exc, psycopg.errors.InsufficientPrivilege | psycopg.errors.ReadOnlySqlTransaction):
+            message += (
+                ". Fix: --db needs a role that may create, read and write the Context DB's tables (the database's "
+                "owner, or one granted CREATE on its schema and SELECT, INSERT, UPDATE, DELETE on its tables)"
+            )
+        return ContextDBError(message)
 
     def _run(self, sql: str, params: tuple[Any, ...]) -> Result:
         cur = self._conn.execute(_PARAM.sub("%s", sql), params, prepare=False)
@@ -193,8 +219,8 @@ class PostgresConnection(Connection):
             self._connect()
             try:
                 return self._run(sql, params).rows
-            except psycopg.OperationalError as exc:
-                raise ContextDBError(f"the Context DB at {self.where} failed: {str(exc).strip()}") from exc
+            except psycopg.Error as exc:
+                raise self._failed(exc) from exc
 
     @contextmanager
     def write(self) -> Iterator[Transaction]:
@@ -205,13 +231,49 @@ class PostgresConnection(Connection):
             try:
                 with conn.transaction():
                     yield Transaction(self._run, self.dialect)
-            except psycopg.OperationalError as exc:
-                raise ContextDBError(f"the Context DB at {self.where} failed: {str(exc).strip()}") from exc
+            except psycopg.Error as exc:
+                raise self._failed(exc) from exc
 
     def close(self) -> None:
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
+
+
+def _ended_while_idle(conn: Any) -> bool:
+    """Whether the server ended ``conn`` while it was idle: an idle connection has nothing to read (no ``LISTEN``
+    here), so a readable socket holds the server's goodbye (``terminating connection``) or its end of file. psycopg
+    finds out only when the next statement fails; a restarted PostgreSQL would fail one statement per replica."""
+    try:
+        with selectors.DefaultSelector() as selector:  # not select.select: a server's descriptors pass 1024
+            selector.register(conn.fileno(), selectors.EVENT_READ)
+            return bool(selector.select(0))
+    except (OSError, ValueError):
+        return True
+
+
+def _url_secrets(url: str, where: str) -> list[str]:
+    """The passwords ``url`` holds, as libpq reads them, for :meth:`PostgresConnection._describe` to hide.
+
+    Raises:
+        ContextDBError: libpq cannot read ``url``, or reads it otherwise than it looks (a password with an unencoded
+            ``@`` or ``/`` moves the host); the message quotes none of it but ``where`` (:func:`redact_url`).
+    """
+    from psycopg.conninfo import conninfo_to_dict
+
+    fix = (
+        "Fix: percent-encode the characters @ / : ? # % and space in the user and password (@ is %40, / is %2F, "
+        "% is %25: python3 -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.argv[1], safe=\"\"))' "
+        "PASSWORD prints it), or leave the password out of the URL and set PGPASSWORD or a ~/.pgpass file."
+    )
+    try:
+        params = conninfo_to_dict(url)
+    except Exception as exc:  # psycopg.ProgrammingError quoting the part it could not read
+        raise ContextDBError(f"cannot read the Context DB URL {where}. {fix}") from exc
+    if any("@" in str(params.get(key, "")) for key in ("host", "hostaddr", "port", "dbname")):
+        raise ContextDBError(f"the Context DB URL {where} has an '@' left in its host or database name. {fix}")
+    secrets = {str(params[key]) for key in ("password", "sslpassword") if params.get(key)}
+    return sorted(secrets, key=len, reverse=True)
 
 
 def is_postgres_url(target: str) -> bool:

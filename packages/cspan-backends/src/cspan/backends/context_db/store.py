@@ -70,6 +70,9 @@ class ContextDB(LegacyMethods):
         busy_timeout_s: how long a SQLite writer waits for another connection's write lock, in seconds.
         retention_days: when set, rows older than this many days are removed at open and by :meth:`prune`
             (``None``: kept until forgotten).
+        read_only: the caller only reads: a database at this release's schema is opened without a write (no
+            migration transaction), so a PostgreSQL role with only ``SELECT`` can open it. Writes are not blocked;
+            the database refuses them as its privileges say. An older schema is still migrated.
 
     Raises:
         ContextDBError: the database was written by a newer schema, is not a Context DB / not SQLite, or the
@@ -87,11 +90,13 @@ class ContextDB(LegacyMethods):
         *,
         busy_timeout_s: float = 10.0,
         retention_days: float | None = None,
+        read_only: bool = False,
     ) -> None:
         if retention_days is not None and not (0 < float(retention_days) < float("inf")):
             raise ValueError(f"retention_days must be a positive number of days, got {retention_days!r}")
         self.path = resolve_target(target)
         self.retention_days = None if retention_days is None else float(retention_days)
+        self.read_only = read_only
         self._conn: Connection = connect(self.path, busy_timeout_s=busy_timeout_s)
         self.dialect = self._conn.dialect
         self.where = self._conn.where
@@ -112,17 +117,17 @@ class ContextDB(LegacyMethods):
     # ------------------------------------------------------------------ plumbing
 
     def _migrate(self) -> None:
+        # opened to read, a database at this schema already is not written: a role that may only read (`cspan db
+        # export`, `cspan users list` with a read-only PostgreSQL role) opens it
+        if self.read_only and self._stored_version() == SCHEMA_VERSION:
+            return
         with self._conn.write() as tx:
             if self.dialect == "postgresql":
                 tx.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
             tx.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             rows = tx.execute("SELECT version FROM schema_version").rows
             current = int(rows[0]["version"]) if rows else 0
-            if current > SCHEMA_VERSION:
-                raise ContextDBError(
-                    f"Context DB {self.where!r} has schema version {current}, newer than this cspan-backends "
-                    f"({SCHEMA_VERSION}). Fix: upgrade cspan-backends or use another --db."
-                )
+            self._refuse_newer(current)
             for step in MIGRATIONS:
                 if step.version > current:
                     step.apply(tx)
@@ -130,6 +135,30 @@ class ContextDB(LegacyMethods):
                 tx.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif current != SCHEMA_VERSION:
                 tx.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+
+    def _stored_version(self) -> int:
+        """The schema version the database holds (0: none yet), read without writing.
+
+        Raises:
+            ContextDBError: it is newer than this release's.
+        """
+        if self.dialect == "postgresql":
+            sql = "SELECT to_regclass('schema_version') IS NOT NULL AS found"
+        else:
+            sql = "SELECT COUNT(*) > 0 AS found FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+        if not self._conn.read(sql)[0]["found"]:
+            return 0
+        rows = self._conn.read("SELECT version FROM schema_version")
+        current = int(rows[0]["version"]) if rows else 0
+        self._refuse_newer(current)
+        return current
+
+    def _refuse_newer(self, current: int) -> None:
+        if current > SCHEMA_VERSION:
+            raise ContextDBError(
+                f"Context DB {self.where!r} has schema version {current}, newer than this cspan-backends "
+                f"({SCHEMA_VERSION}). Fix: upgrade cspan-backends or use another --db."
+            )
 
     def schema_version(self) -> int:
         """The schema version stored in the database (equals :data:`SCHEMA_VERSION` once opened)."""
