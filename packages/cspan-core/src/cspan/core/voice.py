@@ -515,9 +515,9 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_checkpoint, load_mimi, read_configs, resolve_checkpoint, resolve_prefix_layout
+    from .config import PERSONAPLEX
     from .devices import parse_device
     from .files import atomic_file, check_writable
-    from .prefix import PERSONAPLEX
 
     device = parse_device(args.device or "cpu")  # a bad --device is refused before anything is read or written
     out = Path(args.output)
