@@ -399,11 +399,12 @@ class EngineState:
         """Write the sampling parameters of some rows (device work, between steps; one copy per tensor)."""
         rows = torch.tensor(list(sampling), dtype=torch.long, device=self.seed.device)
         values = list(sampling.values())
+        most = torch.iinfo(torch.long).max  # a top-k at or above the vocabulary keeps all, however large
         for tensor, column in (
             (self.text_temp, [p.text.temperature for p in values]),
             (self.audio_temp, [p.audio.temperature for p in values]),
-            (self.text_top_k, [p.text.top_k for p in values]),
-            (self.audio_top_k, [p.audio.top_k for p in values]),
+            (self.text_top_k, [min(p.text.top_k, most) for p in values]),
+            (self.audio_top_k, [min(p.audio.top_k, most) for p in values]),
         ):
             tensor.index_copy_(0, rows, torch.tensor(column, dtype=tensor.dtype).to(tensor.device))
         text = RowSampling(self.text_temp[rows], self.text_top_k[rows])
