@@ -630,3 +630,37 @@ def test_every_refused_argument_names_its_method(tiny_checkpoint) -> None:
     (texts, positions), (clean_texts, clean_positions) = run(True), run(False)
     assert torch.equal(texts, clean_texts) and positions == clean_positions
 
+
+def test_a_reset_while_a_step_runs_takes_effect_at_the_next_step(tiny_checkpoint) -> None:
+    """``reset`` from another thread, landing after the step took its queued work and before it recorded the
+    position it fed: the step counted that position on the reset session (position 1 instead of 0, started), so
+    the host's layout no longer matched the device and a later frame failed for every session ("index out of range
+    in self" in the codec). The session now equals one reset right after that step."""
+
+    def run(race: bool) -> tuple[torch.Tensor, list[int]]:
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=3)
+        engine.set_persona(0, "You are kind.", "tiny0")
+        engine.set_persona(1, "Hi.", "tiny1")
+        pcm, frames = _pcm(8, 2, seed=2), []
+        for t in range(3):
+            frames.append(engine.step(pcm[t]).tokens.frame)
+        advance = engine.sessions.advance
+        if race:  # the other thread's reset lands between the step's take and its advance
+
+            def reset_then_advance(rows):
+                engine.reset(0, seed=11)
+                advance(rows)
+
+            engine.sessions.advance = reset_then_advance
+        frames.append(engine.step(pcm[3]).tokens.frame)
+        engine.sessions.advance = advance
+        if not race:
+            engine.reset(0, seed=11)
+        assert engine.positions[0] == 0 and engine.started[0] is False
+        for t in range(4, 8):
+            frames.append(engine.step(pcm[t]).tokens.frame)
+        return torch.stack(frames), engine.positions
+
+    (frames, positions), (clean_frames, clean_positions) = run(True), run(False)
+    assert positions == clean_positions == [4, positions[1]]
+    assert torch.equal(frames, clean_frames)

@@ -286,10 +286,14 @@ class Sessions:
         return taken, deferred, left, waiting
 
     def advance(self, rows: Sequence[int]) -> None:
-        """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now."""
+        """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now. A row
+        reset while the step ran (another thread's ``reset`` or ``set_persona``) stays where its restart put it:
+        the step took its restarts, so a restart queued now came after it."""
         with self.lock:
             self.version += 1
             for row in rows:
+                if row in self.restarts:
+                    continue
                 self.position[row] += 1
                 self.started[row] = True
                 for block in self.after_prefix.pop(row, []):
