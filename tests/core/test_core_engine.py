@@ -581,3 +581,86 @@ def test_a_prepared_step_equals_the_step_it_prepares(tiny_checkpoint, monkeypatc
     assert engine.sessions.version == version and engine.sessions.blocks  # still queued for the step
     out = engine.step_tokens(user[1, :2])
     assert int(out.position[0]) == 1 + len(span) + 2 and not engine.sessions.blocks  # after the 8 columns
+
+
+def test_every_refused_argument_names_its_method(tiny_checkpoint) -> None:
+    """A session index that is no session said only "session 9 is outside 0..1" or "a session is an int index",
+    whichever method refused it; voice codes in a meta or sparse tensor failed inside torch (RuntimeError,
+    NotImplementedError) and voice codes of the wrong shape named prefix_frames' ``voice_codes``; an empty voice
+    name was "voice '.' is a directory". Each is now refused with the method and the argument named, and the
+    engine goes on as one that never saw the calls."""
+    K = 17
+
+    def run(bad_calls: bool) -> tuple[torch.Tensor, list[int]]:
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=3)
+        engine.set_persona(0, "You are kind.", "tiny0")
+        pcm, texts = _pcm(6, 2, seed=8), []
+        texts.append(engine.step(pcm[0]).text_token)
+        engine.inject_span(0, "The museum opens at nine.")
+        if bad_calls:
+            for name, call in (
+                ("reset", lambda i: engine.reset(i)),
+                ("set_sampling", lambda i: engine.set_sampling(i)),
+                ("set_live", lambda i: engine.set_live([0, i], False)),
+                ("set_persona", lambda i: engine.set_persona(i, "Hi.")),
+                ("set_prefix", lambda i: engine.set_prefix(i, torch.zeros(K, 3, dtype=torch.long))),
+                ("inject_span", lambda i: engine.inject_span(i, "It is sunny.")),
+                ("window_positions_left", lambda i: engine.window_positions_left(i)),
+                ("prefix_in_window", lambda i: engine.prefix_in_window(i)),
+                ("take_window_events", lambda i: engine.take_window_events(i)),
+            ):
+                with pytest.raises(IndexError, match=rf"^{name}: session 9 is outside 0\.\.1 \(engine batch_size 2\)"):
+                    call(np.int64(9))
+                with pytest.raises(TypeError, match=rf"^{name}: a session is an int index, got float 1\.0"):
+                    call(1.0)
+            codes = torch.zeros(8, 5, dtype=torch.long)
+            for voice, error, message in (
+                (codes.to("meta"), TypeError, "voice must be a dense tensor with data, got a meta tensor"),
+                (codes.to_sparse(), TypeError, "voice must be a dense tensor with data, got a torch.sparse_coo"),
+                (codes[:4], ValueError, r"voice codes must be \[8, N\] Mimi codes, got \[4, 5\]"),
+                (codes[0], ValueError, r"voice codes must be \[8, N\] Mimi codes, got \[5\]"),
+                ("", CheckpointError, "voice '' is empty"),
+            ):
+                with pytest.raises(error, match=message):
+                    engine.set_persona(1, "Hi.", voice)
+        for t in range(1, 6):
+            texts.append(engine.step(pcm[t]).text_token)
+        return torch.stack(texts), engine.positions
+
+    (texts, positions), (clean_texts, clean_positions) = run(True), run(False)
+    assert torch.equal(texts, clean_texts) and positions == clean_positions
+
+
+def test_a_reset_while_a_step_runs_takes_effect_at_the_next_step(tiny_checkpoint) -> None:
+    """``reset`` from another thread, landing after the step took its queued work and before it recorded the
+    position it fed: the step counted that position on the reset session (position 1 instead of 0, started), so
+    the host's layout no longer matched the device and a later frame failed for every session ("index out of range
+    in self" in the codec). The session now equals one reset right after that step."""
+
+    def run(race: bool) -> tuple[torch.Tensor, list[int]]:
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=3)
+        engine.set_persona(0, "You are kind.", "tiny0")
+        engine.set_persona(1, "Hi.", "tiny1")
+        pcm, frames = _pcm(8, 2, seed=2), []
+        for t in range(3):
+            frames.append(engine.step(pcm[t]).tokens.frame)
+        advance = engine.sessions.advance
+        if race:  # the other thread's reset lands between the step's take and its advance
+
+            def reset_then_advance(rows):
+                engine.reset(0, seed=11)
+                advance(rows)
+
+            engine.sessions.advance = reset_then_advance
+        frames.append(engine.step(pcm[3]).tokens.frame)
+        engine.sessions.advance = advance
+        if not race:
+            engine.reset(0, seed=11)
+        assert engine.positions[0] == 0 and engine.started[0] is False
+        for t in range(4, 8):
+            frames.append(engine.step(pcm[t]).tokens.frame)
+        return torch.stack(frames), engine.positions
+
+    (frames, positions), (clean_frames, clean_positions) = run(True), run(False)
+    assert positions == clean_positions == [4, positions[1]]
+    assert torch.equal(frames, clean_frames)

@@ -195,3 +195,33 @@ def test_the_sampling_kernel_reads_each_rows_parameters_under_the_interpreter(re
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, True]
+
+
+def test_numpy_numbers_and_any_large_top_k_are_sampling_parameters(tiny_checkpoint) -> None:
+    """numpy's ints and floats were refused as "top_k np.int64(25): give an integer of at least 1" (the session
+    index and the seed take them); a top-k past int64 (it keeps every token, as any k at or above the vocabulary)
+    was accepted and then failed the next step of every session ("Overflow when unpacking long long"), after the
+    step had taken the queued work. Errors name the method."""
+    import numpy as np
+
+    engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=4)
+    engine.set_sampling(0, text=SamplingParams(np.float64(0.5), np.int64(7)), audio=SamplingParams(np.int32(1), 2**64))
+    params = engine.sampling[0]
+    assert params == SessionSampling(SamplingParams(0.5, 7), SamplingParams(1.0, 2**64))
+    assert type(params.text.temperature) is float and type(params.text.top_k) is int
+    every = DuplexEngine(tiny_checkpoint, batch_size=2, seed=4)  # top-k 0: every token, the same race
+    every.set_sampling(0, text=SamplingParams(0.5, 7), audio=SamplingParams(1.0, 0))
+    user = torch.zeros(2, engine.num_codebooks, dtype=torch.long)
+    for _ in range(4):
+        got, want = engine.step_tokens(user), every.step_tokens(user)
+        assert torch.equal(got.frame, want.frame) and torch.equal(got.column, want.column)
+    assert engine.state.audio_top_k[0].item() == torch.iinfo(torch.long).max
+    with pytest.raises(ValueError, match=r"^set_sampling: text top_k np\.float64\(2\.0\): give an integer"):
+        engine.set_sampling(1, text=SamplingParams(0.5, np.float64(2.0)))
+    with pytest.raises(ValueError, match=r"^set_persona: audio temperature 12: give 0 \(greedy\)"):
+        engine.set_persona(1, "Hi.", sampling=SessionSampling(audio=SamplingParams(12, 5)))
+    with pytest.raises(TypeError, match=r"^set_sampling: text sampling is a SamplingParams"):
+        engine.set_sampling(1, text=(0.5, 5))
+    with pytest.raises(ValueError, match=r"^DuplexEngine: audio top_k -1"):
+        DuplexEngine(tiny_checkpoint, top_k=-1)
+    assert engine.sampling[1] == SessionSampling(engine.text_params, engine.audio_params)

@@ -27,13 +27,14 @@ def as_index(value: object) -> int | None:
         return None
 
 
-def check_session(i: object, batch_size: int) -> int:
-    """Session ``i`` as an int (numpy's and torch's integers too), else TypeError / IndexError."""
+def check_session(i: object, batch_size: int, where: str) -> int:
+    """Session ``i`` as an int (numpy's and torch's integers too), else a TypeError / IndexError naming ``where``
+    (the method)."""
     index = as_index(i)
     if index is None:
-        raise TypeError(f"a session is an int index, got {type(i).__name__} {i!r}")
+        raise TypeError(f"{where}: a session is an int index, got {type(i).__name__} {i!r}")
     if not 0 <= index < batch_size:
-        raise IndexError(f"session {index} is outside 0..{batch_size - 1} (engine batch_size {batch_size})")
+        raise IndexError(f"{where}: session {index} is outside 0..{batch_size - 1} (engine batch_size {batch_size})")
     return index
 
 
@@ -173,9 +174,9 @@ def check_persona(texts: dict[str, object], sampling: object) -> None:
         )
 
 
-def check_voice(voice: object, card: int) -> None:
-    """``DuplexEngine.set_persona``'s loaded ``voice``: None, a VoicePrompt or [8, N] Mimi codes, the codes an
-    integer tensor with values in [0, ``card``)."""
+def check_voice(voice: object, card: int, num_codebooks: int) -> None:
+    """``DuplexEngine.set_persona``'s loaded ``voice``: None, a VoicePrompt or [C, N] Mimi codes (C =
+    ``num_codebooks``), the codes a dense integer tensor with values in [0, ``card``)."""
     if voice is None:
         return
     if not isinstance(voice, torch.Tensor) and not hasattr(voice, "codes"):
@@ -184,9 +185,14 @@ def check_voice(voice: object, card: int) -> None:
             f"file, got {type(voice).__name__}"
         )
     codes = voice if isinstance(voice, torch.Tensor) else voice.codes  # type: ignore[attr-defined]
-    if codes is not None and not is_integer(codes):
+    if codes is None:
+        return
+    check_tensor("set_persona: voice", codes)  # a meta or sparse tensor has no values to read
+    if not is_integer(codes):
         raise ValueError(f"set_persona: voice codes are Mimi codes (an integer tensor), got {codes.dtype}")
-    if codes is not None and codes.numel():
+    if codes.dim() != 2 or codes.shape[0] != num_codebooks:
+        raise ValueError(f"set_persona: voice codes must be [{num_codebooks}, N] Mimi codes, got {list(codes.shape)}")
+    if codes.numel():
         lo, hi = int(codes.min()), int(codes.max())
         if lo < 0 or hi >= card:
             raise ValueError(f"set_persona: voice codes in [{lo}, {hi}], expected Mimi codes in [0, {card})")

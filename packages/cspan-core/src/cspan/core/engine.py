@@ -234,8 +234,9 @@ class DuplexEngine:
         self.agent_placeholder = tuple(int(t) for t in agent_placeholder)
         self.user_placeholder = tuple(int(t) for t in user_placeholder)
         self.max_span_frames = int(max_span_frames)
-        self.text_params = SamplingParams.text(temp_text, top_k_text).check("text", lm.text_linear.out_features)
-        self.audio_params = SamplingParams.audio(temp, top_k).check("audio", lm.card)
+        text_card = lm.text_linear.out_features
+        self.text_params = SamplingParams.text(temp_text, top_k_text).check("DuplexEngine: text", text_card)
+        self.audio_params = SamplingParams.audio(temp, top_k).check("DuplexEngine: audio", lm.card)
         self.predict_user = bool(predict_user)
         self._no_user_codes = user_codes_needed(lm.dep_q, lm.n_q, self.predict_user)  # why a call must bring them
         self.persona_policy = check_policy(persona_policy)
@@ -270,7 +271,7 @@ class DuplexEngine:
         Raises:
             IndexError: no such session. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
         """
-        i = check_session(i, self.batch_size)
+        i = check_session(i, self.batch_size, "reset")
         self.sessions.reset([i], [check_seed(seed, "reset")])
         self.sessions.set_sampling(i, SessionSampling(self.text_params, self.audio_params))
 
@@ -283,19 +284,22 @@ class DuplexEngine:
             IndexError: no such session. ValueError: a bad temperature or top-k
                 (:meth:`cspan.core.sampling.SamplingParams.check`; nothing is changed).
         """
-        i = check_session(i, self.batch_size)
-        self.sessions.set_sampling(i, self._checked_sampling(i, text, audio))
+        i = check_session(i, self.batch_size, "set_sampling")
+        self.sessions.set_sampling(i, self._checked_sampling(i, text, audio, "set_sampling"))
 
-    def _checked_sampling(self, i: int, text: SamplingParams | None, audio: SamplingParams | None) -> SessionSampling:
-        """Session ``i``'s current sampling with ``text`` / ``audio`` (where not None) checked and put in."""
+    def _checked_sampling(
+        self, i: int, text: SamplingParams | None, audio: SamplingParams | None, where: str
+    ) -> SessionSampling:
+        """Session ``i``'s current sampling with ``text`` / ``audio`` (where not None) checked and put in; errors
+        name ``where`` (the method)."""
         for kind, params in (("text", text), ("audio", audio)):
             if params is not None and not isinstance(params, SamplingParams):
                 raise TypeError(
-                    f"{kind} sampling is a SamplingParams (SamplingParams.{kind}(temp, top_k)), got {params!r}"
+                    f"{where}: {kind} sampling is a SamplingParams (SamplingParams.{kind}(temp, top_k)), got {params!r}"
                 )
         current = self.sessions.sampling[i]
-        text = current.text if text is None else text.check("text", self.lm.text_linear.out_features)
-        audio = current.audio if audio is None else audio.check("audio", self.lm.card)
+        text = current.text if text is None else text.check(f"{where}: text", self.lm.text_linear.out_features)
+        audio = current.audio if audio is None else audio.check(f"{where}: audio", self.lm.card)
         return SessionSampling(text, audio)
 
     def set_live(self, rows: Sequence[int] | int, live: bool = True) -> None:
@@ -310,7 +314,8 @@ class DuplexEngine:
         if not isinstance(live, bool):
             raise TypeError(f"set_live: live is True or False, got {type(live).__name__} {live!r}")
         many = isinstance(rows, Sequence) or (isinstance(rows, torch.Tensor) and rows.dim() == 1)
-        chosen = [check_session(i, self.batch_size) for i in (rows if many else [rows])]  # all before any change
+        # every row checked before any is changed
+        chosen = [check_session(i, self.batch_size, "set_live") for i in (rows if many else [rows])]
         for i in chosen:
             self.sessions.set_live(i, live)
 
@@ -349,19 +354,21 @@ class DuplexEngine:
             IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name.
             ValueError: voice codes not [8, N] integers in [0, card); bad sampling parameters; a prefix that does
                 not fit the window; a seed outside 0 .. 2**63 - 1. TypeError: an argument of another type (text
-                that is no str, a seed that is no int, ``sampling`` that is no SessionSampling, ...).
+                that is no str, a seed that is no int, ``sampling`` that is no SessionSampling, voice codes in a
+                meta or sparse tensor, ...). Each error names the method and the argument; nothing is changed when
+                it raises.
         """
-        i = check_session(i, self.batch_size)
+        i = check_session(i, self.batch_size, "set_persona")
         check_seed(seed, "set_persona")
         check_persona({"text_prompt": text_prompt, "user_name": user_name, "user_city": user_city}, sampling)
         t0 = time.perf_counter()
         if sampling is not None:  # checked first, applied with the prefix: a failing call changes nothing
-            sampling = self._checked_sampling(i, sampling.text, sampling.audio)
+            sampling = self._checked_sampling(i, sampling.text, sampling.audio, "set_persona")
         if isinstance(voice, (str, os.PathLike)):
             from .voice import load_voice_prompt
 
             voice = load_voice_prompt(voice, self.checkpoint)
-        check_voice(voice, self.lm.card)
+        check_voice(voice, self.lm.card, self.num_codebooks)
         prefix = build_persona_prefix(
             self.tokenizer,
             text_prompt,
@@ -410,7 +417,7 @@ class DuplexEngine:
                 it there. TypeError: no tensor. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
                 Nothing is changed when it raises.
         """
-        i = check_session(i, self.batch_size)
+        i = check_session(i, self.batch_size, "set_prefix")
         seed = self.sessions.seeds[i] if seed is None else check_seed(seed, "set_prefix")
         policy = self.persona_policy if policy is None else check_policy(policy)
         check_prefix(frames, embeddings, self._stream_rows, self.lm.cfg.dim)
@@ -442,7 +449,7 @@ class DuplexEngine:
             SpanError: the session has not started (no persona and no step since its reset), an empty reference,
                 ids outside the text vocabulary.
         """
-        i = check_session(i, self.batch_size)
+        i = check_session(i, self.batch_size, "inject_span")
         if not isinstance(span, (ContextSpan, str)):
             raise TypeError(f"inject_span: the span is a ContextSpan or a str, got {type(span).__name__}")
         if not self.sessions.started[i]:
@@ -781,19 +788,19 @@ class DuplexEngine:
     def window_positions_left(self, i: int) -> int | None:
         """Positions session ``i`` can still feed before the first position of its persona prefix (of the latest
         copy; position 0 without a prefix) leaves the attention window (None: unbounded)."""
-        i = check_session(i, self.batch_size)
+        i = check_session(i, self.batch_size, "window_positions_left")
         return self.sessions.window_left(i, self.sessions.position[i])
 
     def prefix_in_window(self, i: int) -> bool:
         """Whether session ``i``'s next query sees its whole persona prefix (its latest copy inside the window, or
         its pinned entries); False without a prefix."""
-        i = check_session(i, self.batch_size)
+        i = check_session(i, self.batch_size, "prefix_in_window")
         return self.sessions.prefix_visible(i, self.sessions.position[i])
 
     def take_window_events(self, i: int) -> list[WindowEvent]:
         """What session ``i``'s persona policy did since the last call (:class:`cspan.core.window.WindowEvent`:
         ``pin`` once, ``reprefix`` per copy read), oldest first. Host only, any thread."""
-        i = check_session(i, self.batch_size)
+        i = check_session(i, self.batch_size, "take_window_events")
         return self.sessions.take_window_events(i)
 
 

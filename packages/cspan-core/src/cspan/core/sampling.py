@@ -19,12 +19,14 @@ Two forms of the noise:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .checks import as_index
 from .constants import (
     DEFAULT_TEMP,
     DEFAULT_TEMP_TEXT,
@@ -167,25 +169,30 @@ class SamplingParams:
             what: the name in error messages ("text", "audio").
             vocab: the stream's vocabulary size (a top-k at or above it keeps all), or None.
 
+        Returns:
+            The parameters as a Python float and int (numpy's numbers are read as theirs).
+
         Raises:
-            ValueError: a temperature that is not a number, infinite, between 0 and MIN_TEMPERATURE or above
+            ValueError: a temperature that is not a real number, infinite, between 0 and MIN_TEMPERATURE or above
                 MAX_TEMPERATURE; a top-k that is not an integer, negative, or above MAX_TOP_K and below the
                 vocabulary.
         """
         t, k = self.temperature, self.top_k
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t > MAX_TEMPERATURE:
+        real = isinstance(t, numbers.Real) and not isinstance(t, bool)  # numpy's floats and ints too
+        if not real or not math.isfinite(t) or t > MAX_TEMPERATURE:  # type: ignore[arg-type, operator]
             raise ValueError(f"{what} temperature {t!r}: give 0 (greedy) or {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}")
-        if 0 < t < MIN_TEMPERATURE:
+        if 0 < t < MIN_TEMPERATURE:  # type: ignore[operator]
             raise ValueError(
                 f"{what} temperature {t!r}: use 0 for greedy decoding or a temperature of at least {MIN_TEMPERATURE:g}"
             )
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        top_k = as_index(k)  # numpy's and torch's integers too; not a bool or a float
+        if top_k is None or top_k < 0:
             raise ValueError(f"{what} top_k {k!r}: give an integer of at least 1, or 0 to keep every token")
-        if k > MAX_TOP_K and (vocab is None or k < vocab):
+        if top_k > MAX_TOP_K and (vocab is None or top_k < vocab):
             raise ValueError(
-                f"{what} top_k {k}: at most {MAX_TOP_K} (the engine's batched top-k), or 0 to keep every token"
+                f"{what} top_k {top_k}: at most {MAX_TOP_K} (the engine's batched top-k), or 0 to keep every token"
             )
-        return SamplingParams(max(0.0, float(t)), k)
+        return SamplingParams(max(0.0, float(t)), top_k)  # type: ignore[arg-type]
 
     def sample(self, logits: torch.Tensor, generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
         """:func:`sample_token` with these parameters: logits [B, V] -> [B] long."""

@@ -286,10 +286,14 @@ class Sessions:
         return taken, deferred, left, waiting
 
     def advance(self, rows: Sequence[int]) -> None:
-        """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now."""
+        """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now. A row
+        reset while the step ran (another thread's ``reset`` or ``set_persona``) stays where its restart put it:
+        the step took its restarts, so a restart queued now came after it."""
         with self.lock:
             self.version += 1
             for row in rows:
+                if row in self.restarts:
+                    continue
                 self.position[row] += 1
                 self.started[row] = True
                 for block in self.after_prefix.pop(row, []):
@@ -399,11 +403,12 @@ class EngineState:
         """Write the sampling parameters of some rows (device work, between steps; one copy per tensor)."""
         rows = torch.tensor(list(sampling), dtype=torch.long, device=self.seed.device)
         values = list(sampling.values())
+        most = torch.iinfo(torch.long).max  # a top-k at or above the vocabulary keeps all, however large
         for tensor, column in (
             (self.text_temp, [p.text.temperature for p in values]),
             (self.audio_temp, [p.audio.temperature for p in values]),
-            (self.text_top_k, [p.text.top_k for p in values]),
-            (self.audio_top_k, [p.audio.top_k for p in values]),
+            (self.text_top_k, [min(p.text.top_k, most) for p in values]),
+            (self.audio_top_k, [min(p.audio.top_k, most) for p in values]),
         ):
             tensor.index_copy_(0, rows, torch.tensor(column, dtype=tensor.dtype).to(tensor.device))
         text = RowSampling(self.text_temp[rows], self.text_top_k[rows])

@@ -104,8 +104,13 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     name with its file suffix (``NATF2.pt``, as PersonaPlex's ``--voice-prompt`` takes it).
 
     Raises:
-        CheckpointError: a directory, or neither a file nor a known voice (lists the known ones).
+        CheckpointError: an empty name, a directory, or neither a file nor a known voice (lists the known ones).
     """
+    if not str(name_or_path).strip():  # Path("") is the working directory
+        raise CheckpointError(
+            f"voice {str(name_or_path)!r} is empty; pass a voice name, a .pt voice file or a 2-30 s recording (no "
+            "voice: None)"
+        )
     path = Path(name_or_path)
     if path.is_file():
         return path
