@@ -332,6 +332,35 @@ async def test_a_cancel_error_comes_in_order_with_the_responses(serve) -> None:
 
 
 @pytest.mark.timeout(300)
+async def test_output_audio_buffer_cleared_names_the_response_it_cleared(serve) -> None:
+    """``output_audio_buffer.cleared`` carries ``response_id`` (required by the openai SDK's model of it): the
+    response it cancelled, else the last one, else "" before any."""
+    from openai.types.realtime.realtime_server_event import OutputAudioBufferCleared
+
+    server = serve(idle_timeout_s=600.0)
+    ws, client = await connect(server)
+    try:
+        await client.send({"type": "output_audio_buffer.clear", "event_id": "x0"})
+        before = await client.until(lambda e: e["type"] == "output_audio_buffer.cleared")
+        await client.send({"type": "response.create", "event_id": "r1"})
+        created = await client.until(lambda e: e["type"] == "response.created")
+        await client.send({"type": "output_audio_buffer.clear", "event_id": "x1"})
+        cleared = await client.until(lambda e: e["type"] == "output_audio_buffer.cleared")
+        await client.send({"type": "output_audio_buffer.clear", "event_id": "x2"})
+        again = await client.until(lambda e: e["type"] == "output_audio_buffer.cleared")
+        response_id = created["response"]["id"]
+        assert [before["response_id"], cleared["response_id"], again["response_id"]] == ["", response_id, response_id]
+        (done,) = [e for e in client.events if e["type"] == "response.done"]
+        assert done["response"]["status"] == "cancelled"
+        assert client.events.index(done) < client.events.index(cleared)
+        for event in (before, cleared, again):
+            OutputAudioBufferCleared.model_validate(event)
+        assert errors(client.events) == []
+    finally:
+        await ws.close()
+
+
+@pytest.mark.timeout(300)
 async def test_temperature_is_the_sessions_audio_temperature(serve) -> None:
     """``session.temperature`` (the beta field) samples this session's speech at that temperature: given before
     the conversation starts it is read with the persona, after it applies from the next frame; out of range it is
