@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
+from realtime_schema import check_event
 from serve_client import load_frames
 
 openai = pytest.importorskip("openai")
@@ -59,8 +60,9 @@ def pcm16_chunks(path: Path, chunk_s: float = 0.2) -> list[str]:
 class Events:
     """What an SDK connection received: every event as the SDK parsed it and as raw JSON, in order."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, *, beta: bool = False) -> None:
         self.conn = conn
+        self.beta = beta
         self.raw: list[dict[str, Any]] = []
 
     async def recv(self, timeout: float) -> dict[str, Any]:
@@ -68,6 +70,7 @@ class Events:
         event = self.conn.parse_event(data)  # the SDK's own parsing accepts every event
         raw = json.loads(data)
         assert event.type == raw["type"]
+        check_event(raw, beta=self.beta)  # ... without validating it: the SDK's models do
         self.raw.append(raw)
         return raw
 
@@ -202,7 +205,7 @@ async def test_malformed_events_keep_the_session(serve, fixture_file, stub_llm) 
     )
     client = openai.AsyncOpenAI(api_key="unused", base_url=server.url + "/v1")
     async with client.realtime.connect(model="cspan-tiny", extra_headers={"OpenAI-Beta": "realtime=v1"}) as conn:
-        events = Events(conn)
+        events = Events(conn, beta=True)
         created = await events.recv(30)
         assert created["type"] == "session.created" and created["session"]["input_audio_format"] == "pcm16"
 

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
+from realtime_schema import check_event
 
 TOOL = {
     "type": "function",
@@ -51,6 +52,7 @@ class Client:
     async def until(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> dict[str, Any]:
         while True:
             event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
+            check_event(event)  # every event as the openai SDK's models define it
             self.events.append(event)
             if predicate(event):
                 return event
@@ -327,6 +329,31 @@ async def test_a_cancel_error_comes_in_order_with_the_responses(serve) -> None:
         assert by_id["r2"]["message"].startswith(
             f"Conversation already has an active response in progress: {response_id}"
         )
+    finally:
+        await ws.close()
+
+
+@pytest.mark.timeout(300)
+async def test_output_audio_buffer_cleared_names_the_response_it_cleared(serve) -> None:
+    """``output_audio_buffer.cleared`` carries ``response_id`` (required by the openai SDK's model of it): the
+    response it cancelled, else the last one, else "" before any."""
+    server = serve(idle_timeout_s=600.0)
+    ws, client = await connect(server)
+    try:  # (Client.until checks each event with the SDK's model of it)
+        await client.send({"type": "output_audio_buffer.clear", "event_id": "x0"})
+        before = await client.until(lambda e: e["type"] == "output_audio_buffer.cleared")
+        await client.send({"type": "response.create", "event_id": "r1"})
+        created = await client.until(lambda e: e["type"] == "response.created")
+        await client.send({"type": "output_audio_buffer.clear", "event_id": "x1"})
+        cleared = await client.until(lambda e: e["type"] == "output_audio_buffer.cleared")
+        await client.send({"type": "output_audio_buffer.clear", "event_id": "x2"})
+        again = await client.until(lambda e: e["type"] == "output_audio_buffer.cleared")
+        response_id = created["response"]["id"]
+        assert [before["response_id"], cleared["response_id"], again["response_id"]] == ["", response_id, response_id]
+        (done,) = [e for e in client.events if e["type"] == "response.done"]
+        assert done["response"]["status"] == "cancelled"
+        assert client.events.index(done) < client.events.index(cleared)
+        assert errors(client.events) == []
     finally:
         await ws.close()
 

@@ -647,7 +647,15 @@ class Committed(_ServerEvent):
 
 
 class Cleared(_ServerEvent):
-    type: Literal["input_audio_buffer.cleared", "output_audio_buffer.cleared"] = "input_audio_buffer.cleared"
+    type: Literal["input_audio_buffer.cleared"] = "input_audio_buffer.cleared"
+
+
+class OutputCleared(_ServerEvent):
+    """``output_audio_buffer.cleared``: ``response_id`` (required by the published schema) is the response whose
+    audio was cleared: the one in progress, else the last one ("" before any)."""
+
+    type: Literal["output_audio_buffer.cleared"] = "output_audio_buffer.cleared"
+    response_id: str
 
 
 class ItemEvent(_ServerEvent):
@@ -809,6 +817,7 @@ ServerEvent = (
     | SpeechStopped
     | Committed
     | Cleared
+    | OutputCleared
     | ItemEvent
     | ItemTruncated
     | ItemDeleted

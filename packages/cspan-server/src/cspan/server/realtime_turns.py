@@ -166,6 +166,7 @@ class ResponseStream:
         self.audio_config = audio_config
         self.quiet_frames = quiet_frames
         self.response: Response | None = None
+        self.last_response_id: str | None = None
         self._message: MessageItem | None = None
         self._pieces: list[str] = []
         self._quiet = 0
@@ -320,6 +321,7 @@ class ResponseStream:
             audio={"output": self.audio_config} if self.audio_config and self.modality == "audio" else None,
             metadata=metadata,
         )
+        self.last_response_id = self.response.id
         self._text_tokens = self._audio_frames = 0
         self._quiet = 0
         return [ResponseEvent(type="response.created", response=self.response.model_copy(deep=True))]

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,6 +385,10 @@ class PocketSphinxTranscriber:
         self.pool = SphinxDecoderPool(pool_size, model_dir=model_dir, options=options)
         self._worker_key = (None if model_dir is None else str(model_dir), tuple(sorted((options or {}).items())))
         self._pool_size = int(pool_size)
+        # Its own threads, one per decoding process: a clip waiting for a process waits in this executor's queue
+        # (where a cancelled transcription is dropped), never on a thread of the event loop's default executor,
+        # which the server needs for every handshake, Context DB call and large message.
+        self._executor = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="cspan-sphinx")
 
     def warm(self) -> None:
         """Start a decoding process and load its decoder now instead of at the first clip."""
@@ -404,7 +409,8 @@ class PocketSphinxTranscriber:
             sample_rate = check_sample_rate(sample_rate)
         except AudioFormatError as exc:
             raise TranscriberError(f"pocketsphinx: cannot use this clip: {exc}", endpoint=ENDPOINT) from exc
-        return await asyncio.to_thread(self._decode_in_process, pcm, sample_rate)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._decode_in_process, pcm, sample_rate)
 
     def _decode_in_process(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
         with _worker(self._worker_key, self._pool_size) as worker:

@@ -74,6 +74,7 @@ from cspan.server.realtime_events import (
     ItemTruncated,
     MessageItem,
     OutputAudioBufferClear,
+    OutputCleared,
     RealtimeEventError,
     ResponseCancel,
     ResponseCreate,
@@ -766,7 +767,7 @@ class RealtimeAdapter(ProtocolAdapter):
                 return self.responses.cancel(event.response_id, event_id=event.event_id)
             if isinstance(event, OutputAudioBufferClear):
                 events = self.responses.cancel(event_id=event.event_id) if self.responses.active else []
-                return [*events, ClearedEvent(type="output_audio_buffer.cleared")]
+                return [*events, OutputCleared(response_id=self.responses.last_response_id or "")]
         except RealtimeEventError as exc:  # sent here, in order with this command's place in the output
             self.session.count_error(exc.code)
             return [error_event(exc)]
