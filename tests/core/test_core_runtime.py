@@ -395,16 +395,16 @@ class GatedTranscriber:
 
 
 @pytest.mark.parametrize(
-    ("held", "release_at", "shown"),
+    ("held", "release_at", "calls", "shown"),
     [
-        ({1}, 75, [(False, "t0"), (True, "t2")]),  # the second partial finishes after the final
-        ({0}, 52, [(False, "t1"), (True, "t2")]),  # the first partial finishes after the second
+        ({1}, 75, 3, [(False, "t0"), (True, "t2")]),  # the second partial is still running when the final is asked
+        ({0}, 52, 2, [(False, "t0"), (True, "t1")]),  # the first partial is still running at the second's frame
     ],
 )
-def test_a_transcript_older_than_one_emitted_is_dropped(held, release_at, shown):
-    """An utterance voiced 5..49 asks two partials (frames 25, 45) and its final (frame 58, requests t0, t1, t2):
-    a partial that finishes after a later transcript of its utterance was emitted is not emitted, so the text of
-    an utterance never goes back (was: ``final`` then a stale ``final: false``)."""
+def test_a_transcript_never_goes_back_and_partials_do_not_pile_up(held, release_at, calls, shown):
+    """An utterance voiced 5..49 asks partials at frames 25 and 45 and its final at frame 58. A partial still running
+    when the next one is due stands for it (no second pass over the same audio); one still running when the final is
+    asked is cancelled: the text of an utterance never goes back (was: ``final`` then a stale ``final: false``)."""
     engine, asr = RecordingEngine(), GatedTranscriber(held)
     conv = _conv(engine, voiced=range(5, 50), transcriber=asr, span_delay_s=None)
 
@@ -420,5 +420,33 @@ def test_a_transcript_older_than_one_emitted_is_dropped(held, release_at, shown)
 
     asyncio.run(go())
     got = [(e.final, e.text) for e in conv.events if isinstance(e, UserTextEvent)]
-    assert asr.calls == 3 and got == shown
+    assert asr.calls == calls and got == shown
     assert conv._asr_tasks == [] and conv._asr_shown == {}  # nothing kept once the utterance is done
+
+
+def test_a_slow_recognizer_gets_one_partial_at_a_time():
+    """Continuous speech (frames 5..199) with a recognizer that answers its first request only at frame 150: the
+    partials due at frames 45..145 are not asked (each would have decoded longer audio than the last, piling up
+    behind it: minutes of backlog on a long utterance); once it answers, the partials resume at their pace, then
+    the final."""
+    engine, asr = RecordingEngine(), GatedTranscriber({0})
+    conv = _conv(engine, voiced=range(5, 200), transcriber=asr, span_delay_s=None)
+    asked: list[int] = []
+
+    async def go() -> None:
+        for i in range(240):
+            engine.frame = i
+            if i == 150:
+                asr.release()
+            calls = asr.calls
+            await conv.before_step(np.zeros(1920, dtype=np.float32))
+            await conv.after_step(3)
+            await asyncio.sleep(0)  # a request starts running here
+            if asr.calls > calls:
+                asked.append(i)
+        await conv.finish()
+
+    asyncio.run(go())
+    got = [(e.final, e.text) for e in conv.events if isinstance(e, UserTextEvent)]
+    assert asked == [25, 165, 185, 205, 208]  # partials every 20 frames while heard, then the final
+    assert got == [(False, "t0"), (False, "t1"), (False, "t2"), (False, "t3"), (True, "t4")]

@@ -385,6 +385,12 @@ class Conversation:
         the last words."""
         if self.transcriber is None:
             return
+        pending = [t for t in self._asr_tasks if t.utterance == utterance and not t.final and not t.task.done()]
+        if pending and not final:
+            return  # the partial still running covers this one: a recognizer slower than the partials' pace does
+            # not pile up passes over ever longer audio (the next partial or the final comes later)
+        for t in pending:  # the final is what counts now: a queued partial is dropped before it decodes
+            t.task.cancel()
         heard = self.frame + 1
         pcm = self._user_audio(start, heard if end is None else min(end + TRAILING_FRAMES, heard))
         task = asyncio.ensure_future(self.transcriber.transcribe(pcm, SAMPLE_RATE))
@@ -406,6 +412,8 @@ class Conversation:
                 still.append(entry)
                 continue
             i = self.frame
+            if task.cancelled():  # a partial the final made redundant
+                continue
             try:
                 text = (task.result().text or "").strip()
             except Exception as exc:

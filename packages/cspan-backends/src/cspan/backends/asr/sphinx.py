@@ -417,5 +417,7 @@ class PocketSphinxTranscriber:
             return worker.decode(pcm, sample_rate)
 
     async def aclose(self) -> None:
-        """Nothing to release: decoders are freed with the object, and the decoding processes are shared by every
-        transcriber of the same model in this process (they end with it)."""
+        """Drop the clips still waiting for a decoding process (a clip being decoded finishes; a later
+        :meth:`transcribe` raises RuntimeError). Decoders are freed with the object, and the decoding processes are
+        shared by every transcriber of the same model in this process (they end with it)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)  # an exit would otherwise decode the backlog first
