@@ -207,3 +207,12 @@ def test_backends_start_names_a_file_given_as_log_dir(tmp_path: Path) -> None:
     done = _cspan("backends", "start", "--log-dir", str(log), "--no-asr", "--no-router")
     assert done.returncode == 2
     assert done.stderr.decode() == f"cspan backends start: error: --log-dir {str(log)!r} is a file; give a folder\n"
+
+
+def test_backends_start_help_says_what_asr_engine_picks_and_its_default() -> None:
+    """`--asr-engine {vllm,transformers,sphinx}` had no help line: nothing said vllm is the default."""
+    done = _cspan("backends", "start", "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.decode().split())
+    assert "--asr-engine {vllm,transformers,sphinx} the ASR server: vllm (qwen-asr-serve" in text
+    assert "(needs --asr-model DIR) or sphinx (default vllm)" in text
