@@ -30,7 +30,7 @@ def test_model_tiny_refuses_a_seed_that_would_wrap(seed: str, capsys, tmp_path) 
     assert main(["model", "tiny", str(tmp_path / "tiny"), "--seed", seed]) == 2
     err = capsys.readouterr().err
     assert err == (
-        f"cspan model: error: --seed {seed}: must be 0 to 4294967295 (2**32 - 1); a seed outside that range would "
+        f"cspan model tiny: error: --seed {seed}: must be 0 to 4294967295 (2**32 - 1); a seed outside that range would "
         "repeat another's weights\n"
     )
     assert not (tmp_path / "tiny").exists()
@@ -41,7 +41,7 @@ def test_model_tiny_refuses_an_empty_path(capsys, tmp_path, monkeypatch) -> None
     monkeypatch.chdir(tmp_path)
     assert main(["model", "tiny", ""]) == 2
     assert capsys.readouterr().err == (
-        "cspan model: error: OUT_DIR is empty; give the folder to write the tiny checkpoint into\n"
+        "cspan model tiny: error: OUT_DIR is empty; give the folder to write the tiny checkpoint into\n"
     )
     assert list(tmp_path.iterdir()) == []
 

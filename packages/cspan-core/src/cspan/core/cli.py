@@ -145,7 +145,22 @@ def build_parser(commands: dict[str, Register] | None = None) -> argparse.Argume
             verb.set_defaults(handler=_run_settings)
         else:
             register(verb)
+    _name_every_parser(parser)
     return parser
+
+
+_PROG = "_cspan_prog"
+"""The namespace attribute holding the command line's verb path (``cspan model tiny``) for messages."""
+
+
+def _name_every_parser(parser: argparse.ArgumentParser) -> None:
+    """Record each verb's and sub-verb's ``prog`` as a default of its own parser, so that the verb run names itself
+    in its messages as argparse's own errors do (``cspan model tiny: error: ...``, not ``cspan model: ...``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(**{_PROG: sub.prog})
+                _name_every_parser(sub)
 
 
 def _is_user_error(exc: BaseException) -> bool:
@@ -190,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from cspan.core.errors import Terminated, describe_os_error, one_line
 
+    prog = getattr(args, _PROG, f"cspan {args.command}")
+
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
         for signum in STOP_SIGNALS:
@@ -197,21 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(handler(args) or 0)
     except Terminated as exc:
-        print(f"cspan {args.command}: terminated by signal {exc.signum}", file=sys.stderr)
+        print(f"{prog}: terminated by signal {exc.signum}", file=sys.stderr)
         return int(exc.code or 143)
     except KeyboardInterrupt:
-        print(f"cspan {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:
         if _is_user_error(exc):
-            print(f"cspan {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
+            print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)
             return int(getattr(exc, "exit_code", 1))
         if isinstance(exc, OSError):
             logging.getLogger(__name__).info("traceback of the error below", exc_info=True)
-            print(f"cspan {args.command}: error: {one_line(describe_os_error(exc))}", file=sys.stderr)
+            print(f"{prog}: error: {one_line(describe_os_error(exc))}", file=sys.stderr)
             return 1
         raise
     finally:
