@@ -207,3 +207,38 @@ def test_backends_start_names_a_file_given_as_log_dir(tmp_path: Path) -> None:
     done = _cspan("backends", "start", "--log-dir", str(log), "--no-asr", "--no-router")
     assert done.returncode == 2
     assert done.stderr.decode() == f"cspan backends start: error: --log-dir {str(log)!r} is a file; give a folder\n"
+
+
+def test_backends_start_help_says_what_asr_engine_picks_and_its_default() -> None:
+    """`--asr-engine {vllm,transformers,sphinx}` had no help line: nothing said vllm is the default."""
+    done = _cspan("backends", "start", "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.decode().split())
+    assert "--asr-engine {vllm,transformers,sphinx} the ASR server: vllm (qwen-asr-serve" in text
+    assert "(needs --asr-model DIR) or sphinx (default vllm)" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["nope"], "unknown tool 'nope'; this bank has: get_time, calculate, get_weather"),
+        (["get_time", "{bad"], "tool 'get_time': arguments are not valid JSON ("),
+        (["calculate", '{"expr": "2+2"}'], "tool 'calculate': missing required argument 'expression'"),
+        (["get_time", "--timeout", "nan"], "argument --timeout: 'nan': give a number of seconds above 0"),
+        (["get_time", "--timeout", "-1"], "argument --timeout: '-1': give a number of seconds above 0"),
+    ],
+)
+def test_tools_call_refuses_a_bad_call_as_a_bad_setting(args: list[str], expect: str) -> None:
+    """An unknown tool, arguments that are not the tool's and a --timeout of NaN exited 1 (NaN ran with no limit);
+    they are the caller's mistakes, refused before the tool runs: 2, as `tools list --tools nope`."""
+    done = _cspan("tools", "call", *args)
+    assert done.returncode == 2 and _one_line(done).startswith(f"cspan tools call: error: {expect}")
+    assert done.stdout == b""
+
+
+def test_tools_call_a_tool_that_fails_when_it_runs_is_a_runtime_failure() -> None:
+    done = _cspan("tools", "call", "calculate", '{"expression": "2+"}')
+    assert done.returncode == 1
+    assert _one_line(done) == "cspan tools call: error: tool 'calculate': cannot parse '2+' as arithmetic"
+    done = _cspan("tools", "call", "calculate", '{"expression": "2+3"}')
+    assert done.returncode == 0 and done.stdout == b"2+3 = 5\n"

@@ -49,5 +49,5 @@ def test_voice_encode_refuses_a_bad_device_before_reading(device, code, expect, 
     argv = ["voice", "encode", str(tmp_path / "missing.wav"), str(out), "--checkpoint", str(tmp_path / "none")]
     assert main([*argv, "--device", device]) == code
     err = capsys.readouterr().err
-    assert err == f"cspan voice: error: {expect}" + err.split(expect, 1)[1] and err.count("\n") == 1, err
+    assert err == f"cspan voice encode: error: {expect}" + err.split(expect, 1)[1] and err.count("\n") == 1, err
     assert not out.exists()

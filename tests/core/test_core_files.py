@@ -82,12 +82,12 @@ def test_model_tiny_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path
     with read_only_folder(tmp_path / "ro"):
         done = _cspan("model", "tiny", "ro/t", cwd=tmp_path)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith("cspan model: error: ro/t: cannot write: ") and not _leftovers(tmp_path / "ro")
+    assert done.stderr.startswith("cspan model tiny: error: ro/t: cannot write: ") and not _leftovers(tmp_path / "ro")
     with tmpfs(tmp_path / "full", size_kb=200) as full:
         for target in ("full/tinyx", "full"):  # a folder on the full file system, and the mount point itself
             done = _cspan("model", "tiny", target, cwd=tmp_path)
             assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-            assert done.stderr.startswith(f"cspan model: error: {target}")
+            assert done.stderr.startswith(f"cspan model tiny: error: {target}")
             assert "cannot write: no space left on device" in done.stderr
             assert _leftovers(full) == []
 

@@ -177,15 +177,33 @@ def test_a_directory_as_a_voice_is_called_a_directory(tiny_checkpoint, tmp_path:
 def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: Path, tmp_path: Path, capsys) -> None:
     short = _write(tmp_path / "short.wav", sf.read(greeting, dtype="float32")[0][:30000])
     out = tmp_path / "v.pt"
-    for args, expect in (
-        ((str(short), str(out)), "a voice needs 2 to 30 s"),
-        ((str(tmp_path / "missing.wav"), str(out)), "no such file"),
-        ((str(greeting), str(tmp_path / "v.wav")), "ends in .pt"),
-        ((str(greeting), str(short / "v.pt")), "not a directory"),
+    for args, expect, code in (
+        ((str(short), str(out)), "a voice needs 2 to 30 s", 1),
+        ((str(tmp_path / "missing.wav"), str(out)), "no such file", 1),
+        ((str(greeting), str(tmp_path / "v.wav")), "ends in .pt", 2),  # a bad argument, as infer's --output-wav
+        ((str(greeting), str(tmp_path)), "ends in .pt", 2),
+        ((str(greeting), str(short / "v.pt")), "not a directory", 1),
     ):
         done = _cli(capsys, "voice", "encode", *args, "--checkpoint", str(tiny_checkpoint_dir))
-        assert done.returncode == 1 and expect in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert done.returncode == code and expect in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("cspan voice encode: error: ") and done.stderr.count("\n") == 1, done.stderr
     assert not out.exists() and not list(tmp_path.glob(".*.part"))
+
+
+def test_voice_encode_reads_the_recording_before_the_checkpoint(greeting: Path, tmp_path: Path, capsys) -> None:
+    """A missing recording was reported only after the checkpoint resolved: without --checkpoint, offline, the
+    error was the Hub's, not the recording's."""
+    done = _cli(capsys, "voice", "encode", str(tmp_path / "missing.wav"), str(tmp_path / "v.pt"))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"cspan voice encode: error: {tmp_path / 'missing.wav'}: no such file;")
+
+
+def test_voice_encode_suggests_a_path_with_spaces_quoted(tiny_checkpoint_dir, greeting: Path, tmp_path, capsys) -> None:
+    """`use it with --voice my dir/é v.pt` could not be pasted into a shell."""
+    out = tmp_path / "my dir" / "é v.pt"
+    done = _cli(capsys, "voice", "encode", str(greeting), str(out), "--checkpoint", str(tiny_checkpoint_dir))
+    assert done.returncode == 0 and out.is_file(), done.stderr
+    assert done.stdout.endswith(f"; use it with --voice '{out}'\n"), done.stdout
 
 
 def test_voice_encode_into_a_read_only_folder_fails_before_loading(tmp_path: Path, greeting: Path, capsys) -> None:
@@ -202,7 +220,7 @@ def test_voice_encode_into_a_read_only_folder_fails_before_loading(tmp_path: Pat
             done = _cli(capsys, "voice", "encode", str(greeting), str(out), "--checkpoint", str(tmp_path / "nope"))
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"cspan voice: error: {out}: cannot write: "), done.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"cspan voice encode: error: {out}: cannot write: "), done.stderr
         assert re.search(cause, lines[0]), lines[0]
     assert not list((tmp_path / "ro").iterdir())
 

@@ -401,7 +401,9 @@ def test_model_tiny_into_a_folder_that_cannot_be_written_is_one_line(tmp_path):
     with read_only_folder(tmp_path / "ro") as ro:
         proc = _cspan("model", "tiny", str(ro / "tiny"), text=True)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.startswith(f"cspan model: error: {ro / 'tiny'}") and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"cspan model tiny: error: {ro / 'tiny'}") and proc.stderr.count("\n") == 1, (
+        proc.stderr
+    )
     assert "permission denied" in proc.stderr or "operation not permitted" in proc.stderr
 
 

@@ -91,7 +91,7 @@ def test_load_client_stops_flooding_a_server_that_died_and_fails(serve, tmp_path
         proc.kill()
     assert proc.returncode == 1, stderr
     assert stderr.count("\n") == 1 and stderr.startswith(
-        f"cspan bench: error: --url {server.url}: the server stopped answering during the run (2 session(s) completed, "
+        f"cspan bench serve: error: --url {server.url}: the server stopped answering during the run (2 session(s) completed, "
     )
     # a client that reconnects while the server shuts down may have its handshake cut (no HTTP response) before
     # the socket closes and later connections are refused

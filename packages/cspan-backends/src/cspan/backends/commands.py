@@ -75,7 +75,13 @@ def backends_command(parser: argparse.ArgumentParser) -> None:
         help="run this command as the router instead of vLLM ({port}, {host}, {model} are substituted)",
     )
     st.add_argument("--no-router", action="store_true", help="start the ASR server only")
-    st.add_argument("--asr-engine", choices=("vllm", "transformers", "sphinx"), default="vllm")
+    st.add_argument(
+        "--asr-engine",
+        choices=("vllm", "transformers", "sphinx"),
+        default="vllm",
+        help="the ASR server: vllm (qwen-asr-serve, the released settings), or `cspan asr-serve` with transformers "
+        "(needs --asr-model DIR) or sphinx (default vllm)",
+    )
     st.add_argument("--asr-model", default=None, help="ASR model id or directory (vllm default Qwen/Qwen3-ASR-1.7B)")
     st.add_argument("--asr-gpu", type=_gpus, default="0", help="CUDA_VISIBLE_DEVICES of the ASR server (default 0)")
     st.add_argument("--asr-port", type=_port, default=ASR_PORT, help=f"ASR port (default {ASR_PORT})")

@@ -117,10 +117,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_help: str) ->
     g.add_argument("--no-voice", action="store_true", help="no voice prompt (persona text only)")
     g.add_argument("--text-prompt", default=None, help=prompt_help)
     temps = f"0 = greedy, else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}"
-    g.add_argument("--temp", type=temperature, default=0.8, help=f"audio sampling temperature ({temps})")
-    g.add_argument("--temp-text", type=temperature, default=0.7, help=f"text sampling temperature ({temps})")
+    g.add_argument("--temp", type=temperature, default=0.8, help=f"audio sampling temperature ({temps}; default 0.8)")
     g.add_argument(
-        "--seed", type=seed, default=42424242, help="base seed, 0 to 2**63-1; each item gets base + hash(item id)"
+        "--temp-text", type=temperature, default=0.7, help=f"text sampling temperature ({temps}; default 0.7)"
+    )
+    g.add_argument(
+        "--seed",
+        type=seed,
+        default=42424242,
+        help="base seed, 0 to 2**63-1; each item gets base + hash(item id) (default %(default)s)",
     )
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     g.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
@@ -151,7 +156,9 @@ def add_loop_arguments(
         help="'local' (embedded), 'none', or an OpenAI-compatible base URL (env CSPAN_ROUTER_URL; default %(default)s)",
     )
     g.add_argument("--router-model", default=os.environ.get("CSPAN_ROUTER_MODEL"), help="model name at the router URL")
-    g.add_argument("--router-timeout-s", type=positive, default=8.0, help="LLM router time limit per request (s, > 0)")
+    g.add_argument(
+        "--router-timeout-s", type=positive, default=8.0, help="LLM router time limit per request (s, > 0; default 8)"
+    )
     g.add_argument("--knowledge", type=Path, default=None, help="folder of .txt/.md notes for the local router")
     if tools_default is not None:
         from cspan.backends.tools.catalog import TOOL_SETS
@@ -176,7 +183,7 @@ def add_loop_arguments(
         "--listen-s",
         type=in_range(0.001, MAX_LISTEN_S),
         default=12.0,
-        help=f"ASR window when no utterance transcript is usable (s, at most {MAX_LISTEN_S:g}; as cspan infer)",
+        help=f"ASR window when no utterance transcript is usable (s, at most {MAX_LISTEN_S:g}; as cspan infer; default 12)",
     )
     g.add_argument(
         "--span-delay-s",
@@ -188,7 +195,8 @@ def add_loop_arguments(
         "--span-deadline-s",
         type=in_range(0.001, MAX_SPAN_DEADLINE_S),
         default=10.0,
-        help=f"drop a reference later than this after <ret> (s, at most {MAX_SPAN_DEADLINE_S:g}; as cspan infer)",
+        help=f"drop a reference later than this after <ret> (s, at most {MAX_SPAN_DEADLINE_S:g}; default 10, where cspan "
+        "infer's is 2.5)",
     )
     g.add_argument("--realtime", action="store_true", help="live clock: pace to 80 ms per frame, apply on arrival")
     g.add_argument(
@@ -196,7 +204,7 @@ def add_loop_arguments(
         choices=("none", "input-end"),
         default="none",
         help="also behave as if the model emitted <ret> at the end of each input (+ --force-ret-delay-s); "
-        "default: only the model's own <ret>",
+        "default none: only the model's own <ret>",
     )
     g.add_argument("--force-ret-delay-s", type=non_negative, default=0.0, help="delay of the forced <ret> (s)")
     g.add_argument(
@@ -424,16 +432,27 @@ def register_latency(sub: Any) -> None:
         type=in_range(3, integer=True, zero=True),
         nargs="+",
         default=[0, 16, 64, 256, 600],
-        help="span lengths in columns (0 = plain step, else >= 3 and within the model's context)",
+        help="span lengths in columns (0 = plain step, else >= 3 and within the model's context; default: 0 16 64 "
+        "256 600)",
     )
-    p.add_argument("--iters", type=in_range(1, integer=True), default=100, help="measured iterations per series, >= 1")
+    p.add_argument(
+        "--iters",
+        type=in_range(1, integer=True),
+        default=100,
+        help="measured iterations per series, >= 1 (default %(default)s)",
+    )
     p.add_argument(
         "--warmup",
         type=in_range(0, integer=True),
         default=10,
-        help="unmeasured iterations before each series",
+        help="unmeasured iterations before each series (default %(default)s)",
     )
-    p.add_argument("--gap-steps", type=in_range(0, integer=True), default=2, help="plain steps between two timed spans")
+    p.add_argument(
+        "--gap-steps",
+        type=in_range(0, integer=True),
+        default=2,
+        help="plain steps between two timed spans (default %(default)s)",
+    )
     p.add_argument(
         "--row-step",
         choices=("lm", "frame"),
@@ -465,7 +484,10 @@ def register_latency(sub: Any) -> None:
         help="batch rows: the sessions that each read a span in the timed frame (k of B; default %(default)s)",
     )
     p.add_argument(
-        "--kv-dtype", choices=("auto", "bf16", "fp16", "fp32", "fp8"), default="auto", help="KV cache storage"
+        "--kv-dtype",
+        choices=("auto", "bf16", "fp16", "fp32", "fp8"),
+        default="auto",
+        help="KV cache storage (default: auto, the model's dtype)",
     )
     p.add_argument(
         "--pace-ms",
@@ -496,7 +518,9 @@ def register_latency(sub: Any) -> None:
         default=None,
         help="torch CPU threads, 1 to 1024 (default: torch's)",
     )
-    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and inputs, 0 to 2**63-1")
+    p.add_argument(
+        "--seed", type=seed, default=0, help="seed of the random weights and inputs, 0 to 2**63-1 (default 0)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (e.g. RUN/latency.json)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(handler=_latency)
@@ -562,13 +586,32 @@ def register_capacity(sub: Any) -> None:
     src.add_argument("--checkpoint", help="Hugging Face repo id, local folder or file")
     src.add_argument("--random-7b", action="store_true", help="the real 7B dimensions with random weights (GPU)")
     p.add_argument("--allow-cpu", action="store_true", help="let --random-7b build the 8 B model on the CPU")
-    p.add_argument("--batch-size", type=at_least_one, nargs="+", default=list(DEFAULT_CAPACITY_BATCHES))
-    p.add_argument("--kv-dtype", nargs="+", choices=("auto", "bf16", "fp16", "fp8"), default=["auto", "fp8"])
-    p.add_argument("--frames", type=in_range(1, integer=True), default=250, help="timed frames per batch size, >= 1")
+    p.add_argument(
+        "--batch-size",
+        type=at_least_one,
+        nargs="+",
+        default=list(DEFAULT_CAPACITY_BATCHES),
+        help=f"batch sizes to try, in ascending order (default: {' '.join(map(str, DEFAULT_CAPACITY_BATCHES))})",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        nargs="+",
+        choices=("auto", "bf16", "fp16", "fp8"),
+        default=["auto", "fp8"],
+        help="KV cache storages to compare (default: auto fp8; auto is the model's dtype)",
+    )
+    p.add_argument(
+        "--frames",
+        type=in_range(1, integer=True),
+        default=250,
+        help="timed frames per batch size, >= 1 (default %(default)s)",
+    )
     p.add_argument("--warmup", type=in_range(0, integer=True), default=20, help="untimed frames first (default 20)")
-    p.add_argument("--span-interval", type=float, default=30.0, help="mean seconds between a session's spans")
-    p.add_argument("--span-length", type=int, default=256, help="mean span length in columns")
-    p.add_argument("--max-span", type=int, default=600, help="the longest span in columns")
+    p.add_argument(
+        "--span-interval", type=float, default=30.0, help="mean seconds between a session's spans (default 30)"
+    )
+    p.add_argument("--span-length", type=int, default=256, help="mean span length in columns (default %(default)s)")
+    p.add_argument("--max-span", type=int, default=600, help="the longest span in columns (default %(default)s)")
     p.add_argument("--budget-ms", type=float, default=80.0, help="frame p99 budget (default: the 80 ms frame)")
     p.add_argument(
         "--max-block-columns",
@@ -580,7 +623,9 @@ def register_capacity(sub: Any) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the CUDA step eagerly (default: graphed)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16, fp16, fp32 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and arrivals, 0 to 2**63-1")
+    p.add_argument(
+        "--seed", type=seed, default=0, help="seed of the random weights and arrivals, 0 to 2**63-1 (default 0)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (e.g. RUN/capacity.json)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(handler=_capacity)

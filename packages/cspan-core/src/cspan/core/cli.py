@@ -15,13 +15,16 @@ settings once too. The model's docstring's first line is the verb's help.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
+from typing import NoReturn
 
 ENTRY_POINT_GROUP = "cspan.commands"
 
@@ -64,7 +67,46 @@ def _summary(register: Register) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
-class VerbParser(argparse.ArgumentParser):
+def version_text() -> str:
+    """``cspan VERSION (DIST VERSION, ...)``: cspan-core's version and that of every distribution adding verbs."""
+    try:
+        core = version("cspan-core")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        core = "unknown"
+    dists = {(ep.dist.name, ep.dist.version) for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.dist is not None}
+    listed = ", ".join(f"{name} {ver}" for name, ver in sorted(dists))
+    return f"cspan {core}" + (f" ({listed})" if listed else "")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print :func:`version_text` on stdout and exit 0 (computed only when asked)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        print(version_text())
+        parser.exit()
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+
+
+class CspanParser(argparse.ArgumentParser):
+    """The top-level parser: a mistyped choice (a verb, an action, a flag's value) is refused with the closest
+    known one suggested (``invalid choice: 'infr' (choose from ...); did you mean 'infer'?``)."""
+
+    def error(self, message: str) -> NoReturn:
+        match = _INVALID_CHOICE.search(message)
+        if match:
+            choices = [c.strip().strip("'") for c in match.group(2).split(",")]
+            close = difflib.get_close_matches(match.group(1), choices, n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        super().error(message)
+
+
+class VerbParser(CspanParser):
     """A verb's parser (and its sub-verbs'): an argument it does not know is refused with the verb's own usage line
     (argparse leaves unknown arguments to the top-level parser, whose usage names no verb's flags)."""
 
@@ -79,12 +121,15 @@ def build_parser(commands: dict[str, Register] | None = None) -> argparse.Argume
     """Build the top-level parser with one sub-parser per installed verb."""
     if commands is None:
         commands = discover_commands()
-    parser = argparse.ArgumentParser(
+    parser = CspanParser(
         prog="cspan",
         description="Context Spanning: a full-duplex speech model that reads retrieved references as Context Spans.",
         epilog="Installed verbs come from the installed cspan-* distributions. `cspan VERB --help` for details.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print the version of cspan and of the packages adding verbs, and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="VERB", title="verbs", parser_class=VerbParser)
     sub.required = True
     for name, register in commands.items():
@@ -100,7 +145,22 @@ def build_parser(commands: dict[str, Register] | None = None) -> argparse.Argume
             verb.set_defaults(handler=_run_settings)
         else:
             register(verb)
+    _name_every_parser(parser)
     return parser
+
+
+_PROG = "_cspan_prog"
+"""The namespace attribute holding the command line's verb path (``cspan model tiny``) for messages."""
+
+
+def _name_every_parser(parser: argparse.ArgumentParser) -> None:
+    """Record each verb's and sub-verb's ``prog`` as a default of its own parser, so that the verb run names itself
+    in its messages as argparse's own errors do (``cspan model tiny: error: ...``, not ``cspan model: ...``)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(**{_PROG: sub.prog})
+                _name_every_parser(sub)
 
 
 def _is_user_error(exc: BaseException) -> bool:
@@ -145,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from cspan.core.errors import Terminated, describe_os_error, one_line
 
+    prog = getattr(args, _PROG, f"cspan {args.command}")
+
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
         for signum in STOP_SIGNALS:
@@ -152,21 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(handler(args) or 0)
     except Terminated as exc:
-        print(f"cspan {args.command}: terminated by signal {exc.signum}", file=sys.stderr)
+        print(f"{prog}: terminated by signal {exc.signum}", file=sys.stderr)
         return int(exc.code or 143)
     except KeyboardInterrupt:
-        print(f"cspan {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:
         if _is_user_error(exc):
-            print(f"cspan {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
+            print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)
             return int(getattr(exc, "exit_code", 1))
         if isinstance(exc, OSError):
             logging.getLogger(__name__).info("traceback of the error below", exc_info=True)
-            print(f"cspan {args.command}: error: {one_line(describe_os_error(exc))}", file=sys.stderr)
+            print(f"{prog}: error: {one_line(describe_os_error(exc))}", file=sys.stderr)
             return 1
         raise
     finally:

@@ -25,13 +25,14 @@ import argparse
 import logging
 import math
 import os
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .constants import FRAME_SIZE, NUM_CODEBOOKS, PAD, SAMPLE_RATE, SINE_TOKENS
-from .errors import AudioInputError, CheckpointError
+from .errors import AudioInputError, CheckpointError, SettingsError
 
 if TYPE_CHECKING:
     import torch
@@ -527,10 +528,11 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     device = parse_device(args.device or "cpu")  # a bad --device is refused before anything is read or written
     out = Path(args.output)
     if out.suffix != ".pt":
-        raise CheckpointError(f"output {str(out)!r}: a voice file ends in .pt")
+        raise SettingsError(f"output {str(out)!r}: a voice file ends in .pt")
     if out.exists() and out.is_dir():
-        raise CheckpointError(f"output {str(out)!r} is a folder; give a file name ending in .pt")
+        raise SettingsError(f"output {str(out)!r} is a folder; give a file name ending in .pt")
     check_writable(out)  # before Mimi loads: a folder that cannot be written fails now, not after the encoding
+    audio = prepare_voice_audio(args.input)  # a missing, short or silent recording fails before the checkpoint loads
     files = resolve_checkpoint(args.checkpoint, base=args.base)
     layout = resolve_prefix_layout(files)
     embeddings = layout == PERSONAPLEX if args.embeddings is None else args.embeddings
@@ -542,7 +544,9 @@ def _cmd_encode(args: argparse.Namespace) -> int:
             raise CheckpointError(f"checkpoint {files.source!r} has no Mimi weights to encode the recording with")
         _, mimi_cfg = read_configs(files.config, [])
         mimi, lm = load_mimi(files.mimi, mimi_cfg, device=device), None
-    codes, audio = encode_voice_audio(args.input, mimi)
+    if int(mimi.sample_rate) != SAMPLE_RATE:  # a codec at another rate than 24 kHz: read again at its rate
+        audio = prepare_voice_audio(args.input, sample_rate=int(mimi.sample_rate))
+    codes = encode_voice_pcm(audio, mimi)
     payload: dict[str, torch.Tensor] = {"codes": codes}
     if lm is not None:
         payload.update(voice_embeddings_form(codes, lm))
@@ -551,7 +555,8 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     forms = "codes" + (" + PersonaPlex embeddings" if lm is not None else "")
     print(
         f"wrote {out}: {audio.num_frames} frames ({audio.samples / SAMPLE_RATE:.2f} s, loudness "
-        f"{audio.loudness_lufs:.1f} LUFS -> {VOICE_TARGET_LUFS:.0f} LUFS), {forms}; use it with --voice {out}"
+        f"{audio.loudness_lufs:.1f} LUFS -> {VOICE_TARGET_LUFS:.0f} LUFS), {forms}; use it with --voice "
+        f"{shlex.quote(str(out))}"
     )
     return 0
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from typing import Any
 
@@ -36,6 +37,16 @@ def _port(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
     return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0")
+    return value
 
 
 def _http_path(text: str) -> str:
@@ -210,10 +221,15 @@ def _call(args: argparse.Namespace) -> int:
         except (ToolError, ValueError) as exc:
             return _fail("call", exc)
         try:
-            result = await bank.call(args.name, args.arguments, timeout_s=args.timeout)
-        except ToolError as exc:
-            print(f"cspan tools call: error: {exc}", file=sys.stderr)
-            return 1
+            try:
+                bank.validate(args.name, args.arguments)  # an unknown tool or bad arguments: refused, nothing runs
+            except ToolError as exc:
+                return _fail("call", exc)
+            try:
+                result = await bank.call(args.name, args.arguments, timeout_s=args.timeout)
+            except ToolError as exc:  # the tool ran and failed (timed out, raised): a runtime failure
+                print(f"cspan tools call: error: {exc}", file=sys.stderr)
+                return 1
         finally:
             await bank.aclose()
         if args.json:
@@ -258,7 +274,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     caller = sub.add_parser("call", help="call one tool and print its spoken result")
     caller.add_argument("name", help="tool name, e.g. get_exchange_rate")
     caller.add_argument("arguments", nargs="?", default="{}", help="JSON object of arguments (default {})")
-    caller.add_argument("--timeout", type=float, default=None, help="seconds (default: the tool's own)")
+    caller.add_argument("--timeout", type=_seconds, default=None, help="seconds (default: the tool's own)")
     caller.add_argument("--json", action="store_true", help="print the whole ToolResult as JSON")
     _add_bank_args(caller)
     caller.set_defaults(handler=_call)
