@@ -242,3 +242,36 @@ def test_tools_call_a_tool_that_fails_when_it_runs_is_a_runtime_failure() -> Non
     assert _one_line(done) == "cspan tools call: error: tool 'calculate': cannot parse '2+' as arithmetic"
     done = _cspan("tools", "call", "calculate", '{"expression": "2+3"}')
     assert done.returncode == 0 and done.stdout == b"2+3 = 5\n"
+
+
+def test_tools_serve_says_it_was_interrupted() -> None:
+    """Ctrl-C stops `cspan tools serve` (HTTP) with 130 and one line saying so, as every verb does (it was silent)."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "cspan.core.cli", "tools", "serve", "--transport", "http", "--port", str(port)]
+    proc = subprocess.Popen(  # SIGINT at its default in the child, whatever the runner inherited
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # serving once the port answers
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.decode().endswith("cspan tools serve: interrupted\n"), err

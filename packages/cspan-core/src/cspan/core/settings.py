@@ -132,8 +132,8 @@ def add_settings_arguments(
                 else kwargs.get("dest", "value").upper()
             )
             kwargs["metavar"] = extra.get("metavar") or default_name.replace("_", "-")
-        if isinstance(kwargs.get("help"), str):
-            kwargs["help"] = kwargs["help"].replace(" (default factory: list)", "")
+        if isinstance(kwargs.get("help"), str):  # nothing said for an empty default: "(default: )" says nothing
+            kwargs["help"] = kwargs["help"].replace(" (default factory: list)", "").replace(" (default: )", "")
         if extra.get("hidden"):
             kwargs["help"] = argparse.SUPPRESS
         elif field is not None and field.description and (not kwargs.get("help") or "(default:" in field.description):

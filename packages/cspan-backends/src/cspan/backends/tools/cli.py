@@ -179,6 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     except KeyboardInterrupt:
+        print("cspan tools serve: interrupted", file=sys.stderr)  # as every verb says it (stdout is MCP's)
         return 130
     except (ToolError, ValueError) as exc:
         return _fail("serve", exc)
