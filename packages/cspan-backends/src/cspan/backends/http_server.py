@@ -39,60 +39,48 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
-        _header_timer: Any = None
+        _timer: Any = None  # closes the connection unless disarmed within timeout_s
 
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(timeout_s, self._header_timeout)
+        def _arm(self, waiting_for: str) -> None:
+            if self._timer is None:
+                self._timer = self.loop.call_later(timeout_s, self._timeout, waiting_for)
 
         def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
-        def _header_timeout(self) -> None:
-            self._header_timer = None
+        def _timeout(self, waiting_for: str) -> None:
+            self._timer = None
             if not self.transport.is_closing():
-                self.logger.info("closing a connection whose request headers took over %g s", timeout_s)
+                self.logger.info("closing a connection whose %s took over %g s", waiting_for, timeout_s)
                 self.transport.close()
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._arm()
+            self._arm("request headers")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm()
+            self._arm("request headers")
 
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
 
-        _drain_timer: Any = None
-
         def on_response_complete(self) -> None:
             cycle = self.cycle
             super().on_response_complete()
-            if cycle is not None and cycle.more_body and not self.transport.is_closing() and self._drain_timer is None:
-                self._drain_timer = self.loop.call_later(timeout_s, self._drain_timeout)  # the rest is dropped
+            if cycle is not None and cycle.more_body and not self.transport.is_closing():
+                self._arm("answered request's remaining body")  # uvicorn reads and drops the rest
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            if self._drain_timer is not None and self.cycle is not None and self.cycle.response_complete:
-                self._drain_timer.cancel()  # the dropped body has ended: the connection goes on
-                self._drain_timer = None
-
-        def _drain_timeout(self) -> None:
-            self._drain_timer = None
-            if not self.transport.is_closing():
-                self.logger.info("closing a connection whose answered request's body took over %g s more", timeout_s)
-                self.transport.close()
+            if self.cycle is not None and self.cycle.response_complete:
+                self._disarm()  # the dropped body has ended: the connection goes on
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            if self._drain_timer is not None:
-                self._drain_timer.cancel()
-                self._drain_timer = None
             super().connection_lost(exc)
 
     return HeaderTimeoutProtocol
