@@ -15,6 +15,7 @@ settings once too. The model's docstring's first line is the verb's help.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import logging
 import os
@@ -22,7 +23,7 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import NoReturn
 
@@ -177,6 +178,28 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SI
 """Signals that stop a verb cleanly (exit ``128 + signal``, unfinished outputs removed): a kill, a closed terminal
 (SIGHUP; ``cspan serve`` takes SIGHUP over to reload its token file), Ctrl-\\ (SIGQUIT). SIGINT is Python's
 ``KeyboardInterrupt`` (130)."""
+
+
+Handler = Callable[[int, object], object]
+
+
+@contextlib.contextmanager
+def stop_handlers_replaced(replace: Callable[[Handler], Handler]) -> Iterator[dict[int, Handler]]:
+    """For the block, the Python handler of Ctrl-C and of each of :data:`STOP_SIGNALS` replaced by
+    ``replace(handler)``; restored after. Yields the replaced handlers by signal. Only handlers that are Python
+    functions are replaced, and only in the main thread (elsewhere the block just runs, nothing replaced)."""
+    previous: dict[int, Handler] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, *STOP_SIGNALS):
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                signal.signal(signum, replace(handler))  # type: ignore[arg-type]
+                previous[signum] = handler
+    try:
+        yield previous
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
 
 
 def _raise_terminated(signum: int, _frame: object) -> None:

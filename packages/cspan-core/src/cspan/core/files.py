@@ -29,9 +29,7 @@ import errno
 import os
 import re
 import shutil
-import signal
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,24 +114,15 @@ def stop_signals_deferred() -> Iterator[None]:
     published and its companion not -- a new WAV next to the previous run's JSON. Only signals whose handler is a
     Python function are held (in the main thread; elsewhere the block just runs).
     """
-    from .cli import STOP_SIGNALS  # the signals cspan stops on, declared with its verbs' handling of them
+    from .cli import stop_handlers_replaced
 
     landed: list[int] = []
-    previous: dict[int, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, *STOP_SIGNALS):
-            handler = signal.getsignal(signum)
-            if callable(handler):
-                previous[signum] = signal.signal(signum, lambda num, _frame: landed.append(num))
     try:
-        yield
+        with stop_handlers_replaced(lambda _handler: lambda num, _frame: landed.append(num)) as previous:
+            yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
-        if landed:
-            handler = previous[landed[0]]
-            assert callable(handler)
-            handler(landed[0], None)
+        if landed:  # its own handler, as if it had landed now
+            previous[landed[0]](landed[0], None)
 
 
 def check_writable(path: str | os.PathLike[str], *, need_bytes: int = 0) -> None:

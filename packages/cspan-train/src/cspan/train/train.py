@@ -487,28 +487,19 @@ def _stop_signals_seen() -> Iterator[list[int]]:
     catches that exception and raises its own instead (DCP's ``CheckpointException`` wrapping the
     ``KeyboardInterrupt``, torch.save's ``unexpected pos``) cannot hide that the run was stopped: the caller reads
     the list. Only signals whose handler is a Python function are watched (the main thread's)."""
-    import signal
-    import threading
-
-    from cspan.core.cli import STOP_SIGNALS
+    from cspan.core.cli import stop_handlers_replaced
 
     seen: list[int] = []
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, *STOP_SIGNALS):
-            old = signal.getsignal(signum)
-            if callable(old):
 
-                def handler(num: int, frame: Any, _old: Any = old) -> None:
-                    seen.append(num)
-                    _old(num, frame)
+    def recording(handler: Any) -> Any:
+        def handle(num: int, frame: Any) -> None:
+            seen.append(num)
+            handler(num, frame)
 
-                previous[signum] = signal.signal(signum, handler)
-    try:
+        return handle
+
+    with stop_handlers_replaced(recording):
         yield seen
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
 
 
 def _raise_stop(signum: int) -> None:
