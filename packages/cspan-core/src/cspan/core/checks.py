@@ -160,18 +160,11 @@ def check_frame_pcm(user_pcm: object, batch_size: int) -> torch.Tensor:
     return pcm
 
 
-def check_persona(texts: dict[str, object], sampling: object) -> None:
-    """``DuplexEngine.set_persona``'s ``texts`` (name -> value) are str or None, its ``sampling`` a SessionSampling
-    or None."""
-    from .sampling import SessionSampling
-
+def check_persona(texts: dict[str, object]) -> None:
+    """``DuplexEngine.set_persona``'s ``texts`` (name -> value) are str or None."""
     for name, value in texts.items():
         if value is not None and not isinstance(value, str):
             raise TypeError(f"set_persona: {name} is a str or None, got {type(value).__name__}")
-    if sampling is not None and not isinstance(sampling, SessionSampling):
-        raise TypeError(
-            f"set_persona: sampling is a SessionSampling(text=SamplingParams, audio=SamplingParams), got {sampling!r}"
-        )
 
 
 def check_voice(voice: object, card: int, num_codebooks: int) -> None:

@@ -360,7 +360,11 @@ class DuplexEngine:
         """
         i = check_session(i, self.batch_size, "set_persona")
         check_seed(seed, "set_persona")
-        check_persona({"text_prompt": text_prompt, "user_name": user_name, "user_city": user_city}, sampling)
+        check_persona({"text_prompt": text_prompt, "user_name": user_name, "user_city": user_city})
+        if sampling is not None and not isinstance(sampling, SessionSampling):
+            raise TypeError(
+                f"set_persona: sampling is a SessionSampling(text=SamplingParams, audio=SamplingParams), got {sampling!r}"
+            )
         t0 = time.perf_counter()
         if sampling is not None:  # checked first, applied with the prefix: a failing call changes nothing
             sampling = self._checked_sampling(i, sampling.text, sampling.audio, "set_persona")
