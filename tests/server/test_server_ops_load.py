@@ -41,6 +41,8 @@ def test_load_client_reports_lateness_drops_errors_and_memory(serve, fixture_fil
     sessions = report["sessions"]
     summary = report["summary"]
     assert summary["sessions"] == len(sessions) >= 3 and summary["disconnects_injected"] >= 1
+    # completed: the sessions that ran to their end, not those the client cut
+    assert summary["completed"] == sum(s["ended"] == "stop" for s in sessions)
     for s in sessions:
         assert s["protocol"] == "ws" and s["ended"] in ("stop", "disconnect"), s
         assert s["frames_sent"] > 0 and s["agent_frames"] > 0 and s["conversation_id"]

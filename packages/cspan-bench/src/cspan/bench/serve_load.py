@@ -546,15 +546,16 @@ async def run_load(settings: LoadSettings) -> LoadReport:
     attempts = sum(s.repeats for s in sessions)
     refused = sum(s.repeats for s in sessions if s.refused)
     failed = sum(s.repeats for s in sessions if s.failed)
+    disconnected = sum(s.ended == "disconnect" for s in sessions)
     summary = {
         "sessions": attempts,
         "sessions_with_audio": len(live),
-        "completed": attempts - refused - failed,
+        "completed": attempts - refused - failed - disconnected,  # ran to the end: not the client's own cuts
         "refused": refused,
         "session_errors": failed,
         "first_session_error": next((s.ended for s in sessions if s.failed), None),
         "server_answering": answering,
-        "disconnects_injected": sum(s.ended == "disconnect" for s in sessions),
+        "disconnects_injected": disconnected,
         "frames_sent": sum(s.frames_sent for s in sessions),
         "agent_frames": sum(s.agent_frames for s in sessions),
         "lateness_ms": _summary(values),
@@ -746,7 +747,7 @@ def _serve(args: argparse.Namespace) -> int:
     report = asyncio.run(run_load(settings))
     s = report.summary
     failure = f", {s['session_errors']} failed: {s['first_session_error']}" if s["session_errors"] else ""
-    if s["completed"] <= 0:  # nothing was measured: no report that reads as a result
+    if s["completed"] + s["disconnects_injected"] <= 0:  # nothing was measured: no report that reads as a result
         raise BenchError(
             f"no session ran against {args.url} in {args.seconds:g} s ({s['sessions']} attempt(s), {s['refused']} "
             f"refused{failure}): is cspan serve running there, and is --token a session token? nothing written"
