@@ -41,8 +41,9 @@ def _src(name: str) -> Path:
     return REPO / "packages" / f"cspan-{name}" / "src" / "cspan" / name
 
 
-def _imports(name: str) -> dict[str, str]:
-    """Top-level module (``cspan.X`` for the namespace) -> one file of the package importing it."""
+def _imports(name: str, depth: int = 2) -> dict[str, str]:
+    """Module (its first ``depth`` parts under ``cspan``, else its top level) -> one file of the package importing
+    it."""
     found: dict[str, str] = {}
     for path in sorted(_src(name).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
@@ -54,7 +55,7 @@ def _imports(name: str) -> dict[str, str]:
                 continue
             for mod in modules:
                 parts = mod.split(".")
-                top = ".".join(parts[:2]) if parts[0] == "cspan" else parts[0]
+                top = ".".join(parts[:depth]) if parts[0] == "cspan" else parts[0]
                 found.setdefault(top, str(path.relative_to(REPO)))
     return found
 
@@ -137,3 +138,11 @@ def test_imports_are_declared(name: str) -> None:
         if not any(canonicalize_name(d) in declared for d in dists):
             missing.append(f"{where} imports {module} ({' or '.join(dists)}), which cspan-{name} does not declare")
     assert missing == []
+
+
+@pytest.mark.parametrize("name", ["server", "bench"])
+def test_mcp_comes_with_the_tool_catalog(name: str) -> None:
+    """A package building tool banks (``cspan.backends.tools.catalog``: ``--mcp`` on infer, serve and the bench
+    runners) brings the MCP SDK, so that ``--mcp`` works on a plain install of it."""
+    assert "cspan.backends.tools.catalog" in _imports(name, depth=4)
+    assert "mcp" in _closure(name)
