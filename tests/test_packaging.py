@@ -111,6 +111,10 @@ def test_versions_and_pins_agree() -> None:
             if req.name.startswith("cspan-"):
                 assert str(req.specifier) == f"=={versions[req.name.removeprefix('cspan-')]}", (name, str(req))
         assert _project(name)["project"]["requires-python"] == ">=3.11"
+        for path in _src(name).rglob("*.py"):  # the version is written in __init__.py only, read from there
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            copies = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == versions[name]]
+            assert path.name == "__init__.py" or copies == [], f"{path.relative_to(REPO)} writes the version"
 
 
 def test_one_console_script_and_loadable_verbs() -> None:
