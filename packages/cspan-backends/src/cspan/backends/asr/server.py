@@ -223,6 +223,7 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.requests import ClientDisconnect
 
+    from cspan.backends import __version__
     from cspan.backends.hostguard import HostGuard
 
     settings = settings or ASRServerSettings()
@@ -241,7 +242,7 @@ def create_app(engine: Engine, settings: ASRServerSettings | None = None) -> Any
         yield
         executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="cspan asr-serve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="cspan asr-serve", version=__version__, lifespan=lifespan)
 
     if settings.token:
         expected = settings.token.encode()
