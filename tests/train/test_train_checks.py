@@ -308,3 +308,13 @@ def test_ctrl_c_while_a_checkpoint_is_saved_is_an_interrupt(
     assert _run(*argv) == 0
     err = capsys.readouterr().err
     assert "resuming from" in err and "(step 1 of 3)" in err and (out / "export" / "context_spanning.pt").is_file()
+
+
+def test_read_train_state_takes_a_path_as_a_string(tmp_path: Path) -> None:
+    """docs/TRAINING.md's ``read_train_state(folder)`` takes a folder given as a string, as a user types it (a str
+    once raised TypeError instead of naming the folder)."""
+    from cspan.train.errors import TrainError
+    from cspan.train.train import read_train_state
+
+    with pytest.raises(TrainError, match=r"no \.metadata"):
+        read_train_state(str(tmp_path))

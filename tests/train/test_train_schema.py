@@ -161,3 +161,14 @@ def test_moshirag_delay_sampler() -> None:
     # exactly 2 s of lead is "long"; 25 frames give an empty [13, 12] range and fall back to the whole lead
     assert 0 <= sample_rag_delay(25, rng) <= 25
     assert sample_rag_delay(0, rng) in (0, 1)
+
+
+def test_the_training_doc_example_is_valid(repo_root: Path) -> None:
+    """docs/TRAINING.md's dialogue example validates as written (its body_word once pointed past the turn's words)."""
+    import re
+
+    doc = (repo_root / "docs" / "TRAINING.md").read_text()
+    example = json.loads(re.search(r"```json\n(.*?)```", doc, re.S).group(1))
+    dialogue = validate_dialogue(example, "docs/TRAINING.md")
+    grounded = [turn for turn in dialogue.turns if turn.ret]
+    assert grounded and all(turn.body_word is None or turn.body_word < len(turn.words) for turn in grounded)

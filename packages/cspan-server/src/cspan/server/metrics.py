@@ -23,7 +23,7 @@ each adapter's ``name``).
 | ``cspan_silence_frames_total`` | counter | session frames with no user frame queued (silence fed) |
 | ``cspan_clock_resyncs_total`` | counter | ticks more than one frame late: the clock skipped ahead instead of bursting |
 | ``cspan_step_seconds`` | histogram | wall time of one batched engine step |
-| ``cspan_prefill_seconds`` | histogram | wall time of one Context Span prefill |
+| ``cspan_prefill_seconds`` | histogram | host time of injecting one Context Span (its read is part of the next step) |
 | ``cspan_persona_prefill_seconds`` | histogram | wall time of one persona prefix read |
 | ``cspan_spans_total{outcome}`` | counter | retrieval outcomes: injected, late, no_span |
 | ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
@@ -96,7 +96,10 @@ class ServerMetrics:
             "cspan_step_seconds", "Wall time of one batched engine step", buckets=_STEP_BUCKETS, registry=r
         )
         self.prefill_seconds = Histogram(
-            "cspan_prefill_seconds", "Wall time of one Context Span prefill", buckets=_PREFILL_BUCKETS, registry=r
+            "cspan_prefill_seconds",
+            "Host time of injecting one Context Span (its read is part of the next step)",
+            buckets=_PREFILL_BUCKETS,
+            registry=r,
         )
         self.persona_prefill_seconds = Histogram(
             "cspan_persona_prefill_seconds",

@@ -315,7 +315,9 @@ class SlotMessage(_ServerModel):
     frame: int
     t: float
     step_ms: float = Field(description="the batched engine step of this frame (ms)")
-    prefill_ms: float = Field(description="span prefill at the head of this frame for this session (ms)")
+    prefill_ms: float = Field(
+        description="host time of injecting this session's spans read in this frame (ms); the read is in step_ms"
+    )
     total_ms: float = Field(description="the whole frame: head, step, tail (ms)")
     over_budget: bool = Field(description="total_ms above 80 ms")
     live_sessions: int

@@ -278,7 +278,7 @@ class PersonaInfo(_Data):
     text_prompt: str
     voice: str | None
     prefix_frames: int = Field(description="frames of the persona prefix read before frame 0")
-    prefill_ms: float = Field(description="wall-clock time of the prefix forward (ms)")
+    prefill_ms: float = Field(description="host time of queueing the prefix (ms); the step after it reads it")
 
 
 class ProfileInfo(_Data):

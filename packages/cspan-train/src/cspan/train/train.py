@@ -577,7 +577,7 @@ def load_train_state(folder: Path, module: nn.Module, optimizer: torch.optim.Opt
     )
 
 
-def read_train_state(folder: Path) -> dict[str, torch.Tensor]:
+def read_train_state(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every tensor of a :func:`save_train_state` folder, whole, in one process without a process group (inspection
     and tests): ``{"model.lm.<name>": weight, "optimizer.state.lm.<name>.exp_avg": ..., ...}`` on the CPU.
 
@@ -587,6 +587,7 @@ def read_train_state(folder: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    folder = Path(folder)
     if not (folder / ".metadata").is_file():
         raise TrainError(f"{str(folder)!r} is not a torch.distributed.checkpoint folder (no .metadata)")
     metadata = dcp.FileSystemReader(folder).read_metadata()
