@@ -182,6 +182,14 @@ def test_user_ids_with_white_space_at_an_end_are_refused_and_forget_says_when_it
     assert done.returncode == 0
     assert done.stdout.decode().startswith("forgot adaa: 0 spans")
     assert "nothing was stored about 'adaa'" in done.stderr.decode() and "check the user id" in done.stderr.decode()
+    # a user with only a token: its token is named, not "nothing stored"
+    assert _cspan("users", "add", "bob", "--db", str(db)).returncode == 0
+    done = _cspan("db", "forget", "bob", "--yes", "--db", str(db))
+    assert done.returncode == 0 and done.stdout.decode().startswith("forgot bob: 0 spans")
+    assert "nothing but 1 issued token(s) was stored about 'bob'" in done.stderr.decode()
+    assert "pass --tokens to delete them too" in done.stderr.decode()
+    done = _cspan("db", "forget", "bob", "--yes", "--tokens", "--db", str(db))
+    assert done.returncode == 0 and "1 tokens" in done.stdout.decode() and done.stderr == b""
 
 
 def test_db_verbs_refuse_a_sqlite_file_that_does_not_exist_and_create_nothing(tmp_path: Path) -> None:

@@ -245,8 +245,12 @@ def _db_forget(args: argparse.Namespace, db: Any) -> int:
     counts = db.forget_user(args.user, tokens=args.tokens)
     print(f"forgot {args.user}: " + ", ".join(f"{n} {table}" for table, n in counts.items()))
     if not any(counts.values()):  # still recorded as forgotten (a running session ends): the erasure is idempotent
+        kept = [] if args.tokens else db.tokens(args.user)
         print(
-            f"cspan db forget: nothing was stored about {args.user!r} in {db.where}; check the user id "
+            f"cspan db forget: nothing but {len(kept)} issued token(s) was stored about {args.user!r} in {db.where}; "
+            "pass --tokens to delete them too"
+            if kept
+            else f"cspan db forget: nothing was stored about {args.user!r} in {db.where}; check the user id "
             "(`cspan users list` names the users with tokens)",
             file=sys.stderr,
         )
