@@ -193,6 +193,52 @@ async def test_a_stdio_server_that_exits_is_restarted_for_the_next_call(caplog: 
         await bank.call("add", {"a": 1, "b": 2})
 
 
+async def test_a_huge_stdio_reply_is_refused_without_stalling_the_event_loop(caplog: pytest.LogCaptureFixture) -> None:
+    """A tool that answers 12 MB (a read_file of a big log) is refused at the message limit, read in linear time:
+    the SDK's reader re-joined the whole buffer for every 64 KiB read, seconds of CPU on the loop that paces every
+    live conversation's frames (20 MB stalled a served session 10 s). The call fails saying why, and the connection
+    stays up, whichever end of the line the id is at; a junk line is skipped; an oversized message that answers no
+    request closes the connection, which is reconnected."""
+    from cspan.backends.tools.mcp_stdio import DEFAULT_MAX_MESSAGE_BYTES
+
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    raw = [sys.executable, str(HERE / "mcp_raw_server.py")]
+    bank = await ToolBank.from_mcp(raw, connect_timeout_s=CONNECT_S, timeout_s=60)
+    tick = asyncio.create_task(ticker())
+    try:
+        size = 3 * DEFAULT_MAX_MESSAGE_BYTES
+        with caplog.at_level(logging.WARNING, logger="cspan.backends.tools.mcp_stdio"):
+            for tool in ("big", "big_id_first"):
+                with pytest.raises(
+                    ToolError,
+                    match=rf"'{tool}' on .*mcp_raw_server\.py failed: .*the server's reply is "
+                    rf"\d+ bytes, over the limit of {DEFAULT_MAX_MESSAGE_BYTES} bytes",
+                ):
+                    await bank.call(tool, {"n": size})
+                assert (await bank.call("echo", {"n": 1})).text == "echo 1"
+            assert (await bank.call("big", {"n": 300})).text == "B" * 300
+            assert (await bank.call("junk", {"n": 2})).text == "echo 2"
+            with pytest.raises(ToolError, match="closed the connection"):
+                await bank.call("big_no_id", {"n": size})
+            assert (await bank.call("echo", {"n": 3})).text == "echo 3"
+        assert max(gaps) < 0.5, f"the event loop stalled {max(gaps):.2f} s"
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("over the limit" in m and "mcp_raw_server.py" in m for m in said) == 3, said
+        assert any("not a JSON-RPC message" in m for m in said)
+    finally:
+        tick.cancel()
+        await bank.aclose()
+
+
 async def test_a_server_that_cannot_restart_is_given_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that exits at every start after the first: reconnects are tried after a back-off, and after
     three failures in a row no more (the error says so)."""

@@ -4,7 +4,8 @@ Both directions use the official ``mcp`` SDK (``pip install 'cspan-backends[mcp]
 that ``import cspan.backends`` works without it.
 
 Client (:class:`MCPConnection`, used by ``await ToolBank.from_mcp(...)``): a stdio subprocess
-(``mcp.client.stdio.stdio_client``) or a streamable-HTTP endpoint (``mcp.client.streamable_http``), one
+(:func:`~cspan.backends.tools.mcp_stdio.bounded_stdio_client`, which bounds and reads in linear time what the server
+sends; the SDK's ``stdio_client`` on Windows) or a streamable-HTTP endpoint (``mcp.client.streamable_http``), one
 ``ClientSession`` kept open until ``aclose()``; one found closed (the subprocess exited, the endpoint dropped the
 connection) is logged and reconnected at the next call. The transport and session live in an ``AsyncExitStack``
 inside one background task that the bank owns: the SDK's anyio cancel scopes must be left by the task that entered
@@ -176,7 +177,12 @@ class MCPConnection:
 
         try:
             async with contextlib.AsyncExitStack() as stack:
-                if self.command is not None:
+                if self.command is not None and sys.platform != "win32":
+                    from cspan.backends.tools.mcp_stdio import bounded_stdio_client
+
+                    stdio = bounded_stdio_client(self.command, env=self.env, cwd=self.cwd, errlog=_errlog(stack))
+                    streams = await stack.enter_async_context(stdio)
+                elif self.command is not None:
                     from mcp.client.stdio import StdioServerParameters, stdio_client
 
                     params = StdioServerParameters(
