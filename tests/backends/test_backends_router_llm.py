@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import re
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -243,6 +246,30 @@ async def test_failures_never_escape_the_retriever(llm: StubLLM, fdb_bank: ToolB
     spans = db.spans("c")
     assert [s.dropped for s in spans] == ["error"] * 5
     db.close()
+
+
+async def test_a_tool_that_outlasts_the_router_deadline_is_named_not_the_llm(llm: StubLLM, caplog) -> None:
+    """The LLM answers at once; the tool it picks hangs (an MCP server's call, whose own 10 s timeout is longer than
+    the router's 8 s). The failure names the tool and the time each part took, the retrieval's stage is ``tool``, and
+    the log says so; it used to read as the router LLM timing out ("check the server's load")."""
+
+    async def hang(topic: str) -> str:
+        await asyncio.sleep(60)
+        return "never"
+
+    bank = ToolBank([Tool(name="read_note", description="Read a note.", parameters=TopicArgs, fn=hang, timeout_s=30)])
+    llm.script = [{"tool": "read_note", "arguments": {"topic": "library"}}]
+    async with LLMRouter(llm.url, "m", bank, timeout_s=0.5) as router:
+        with caplog.at_level(logging.WARNING, logger="cspan.backends.retriever"):
+            res = await Retriever(None, router, None).retrieve(question="read my library note", conversation_id="c")
+    assert res.reference is None and res.stage == "tool"
+    assert re.match(
+        r"tool 'read_note' did not answer within the router's 0\.5 s \(LLM 0\.\d\d s, tools 0\.\d\d s\)", res.error
+    )
+    assert "server's load" not in res.error
+    assert any(
+        r.getMessage().startswith("tool failed for 'read my library note': tool 'read_note'") for r in caplog.records
+    )
 
 
 async def test_tool_output_with_instructions_stays_quoted_data(llm: StubLLM, tmp_path) -> None:

@@ -217,6 +217,7 @@ class Retriever:
                 f"retrieval missed its {budget:g} s deadline in the {res.stage or 'asr'} step "
                 f"(question {'known' if res.question else 'not yet known'}; {spent or 'nothing finished'})"
             )
+            log.warning("%s", res.error)
         if route is not None and not res.late:
             # one line without control or format characters, whatever router made it (tool output already is)
             res.reference = sanitize_text(route.reference, MAX_REFERENCE_CHARS) if route.reference else route.reference
@@ -227,6 +228,7 @@ class Retriever:
             if route.reference is None and route.error:
                 res.error = route.error
                 res.stage = "tool" if route.tool else "router"
+                log.warning("%s failed for %r: %s", res.stage, res.question, res.error)
         if not res.late and res.error is None:
             res.stage = None
         await self._record(res, route, profile, conversation_id, asked_at, time.perf_counter() - start)

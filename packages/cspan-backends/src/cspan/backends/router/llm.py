@@ -684,26 +684,37 @@ class LLMRouter:
             RouterError: the endpoint failed or did not finish within ``timeout_s``.
         """
         t0 = time.perf_counter()
+        timing = {"llm_s": 0.0, "tool_s": 0.0}
+        calling: list[str] = []  # the tool being called; still set when the deadline cancelled it
         try:
             async with asyncio.timeout(self.timeout_s):
-                result = await self._route(req)
+                result = await self._route(req, timing, calling)
         except TimeoutError as exc:
-            raise RouterError(
-                f"router at {self.where} did not finish within {self.timeout_s:g} s (LLM requests plus the tool "
-                "call). Fix: check the server's load or raise the router timeout."
-            ) from exc
+            spent = f"LLM {timing['llm_s']:.2f} s, tools {timing['tool_s']:.2f} s"
+            if not calling:
+                raise RouterError(
+                    f"router at {self.where} did not finish within {self.timeout_s:g} s ({spent}). Fix: check the "
+                    "server's load or raise the router timeout."
+                ) from exc
+            # the LLM answered; a tool did not (its own timeout is longer than what was left): say which
+            result = RouteResult(
+                tool=calling[-1],
+                source="none",
+                error=f"tool {calling[-1]!r} did not answer within the router's {self.timeout_s:g} s ({spent}). Fix: "
+                "check the tool (an MCP server's log), or give it a timeout= below the router's",
+            )
+            result.llm_s, result.tool_s = timing["llm_s"], timing["tool_s"]
         result.latency_s = time.perf_counter() - t0
         return result
 
-    async def _route(self, req: RouteRequest) -> RouteResult:
+    async def _route(self, req: RouteRequest, timing: dict[str, float], calling: list[str]) -> RouteResult:
         if not req.question.strip():
             return RouteResult(source="none")
-        timing = {"llm_s": 0.0, "tool_s": 0.0}
-        result = await self._route_timed(req, timing)
+        result = await self._route_timed(req, timing, calling)
         result.llm_s, result.tool_s = timing["llm_s"], timing["tool_s"]
         return result
 
-    async def _route_timed(self, req: RouteRequest, timing: dict[str, float]) -> RouteResult:
+    async def _route_timed(self, req: RouteRequest, timing: dict[str, float], calling: list[str]) -> RouteResult:
         calls: list[ToolCall] = []
         while True:
             t0 = time.perf_counter()
@@ -721,10 +732,12 @@ class LLMRouter:
                     return RouteResult(source="none")
                 return RouteResult(reference=answer, source="llm")
             t0 = time.perf_counter()
+            calling.append(decision.name)
             try:
                 outcome = await self._run_tool(req, decision, calls)
             finally:
                 timing["tool_s"] += time.perf_counter() - t0
+            calling.pop()
             if isinstance(outcome, RouteResult):
                 if not calls:
                     return outcome
