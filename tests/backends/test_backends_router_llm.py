@@ -159,6 +159,25 @@ async def test_endpoint_failures_raise_router_error(llm: StubLLM, fdb_bank: Tool
             await router.route(RouteRequest(question="what's the exchange rate"))
 
 
+@pytest.mark.parametrize(
+    ("status", "fix"),
+    [
+        (401, "Fix: check the API key"),
+        (404, "Fix: check --router (the base URL, up to /v1) and --router-model"),
+        (429, "Fix: the server is rate-limiting these requests"),
+        (500, "Fix: the server failed or is overloaded: see its log"),
+        (503, "Fix: the server failed or is overloaded"),
+    ],
+)
+async def test_an_http_error_s_fix_fits_its_status(llm: StubLLM, fdb_bank: ToolBank, status: int, fix: str) -> None:
+    """A 429 or a 500 is not a wrong URL or API key (what every status used to be told to check)."""
+    llm.script = [{"status": status, "body": "nope"}]
+    async with LLMRouter(llm.url, "m", fdb_bank, timeout_s=30) as router:
+        with pytest.raises(RouterError, match=f"answered HTTP {status}: nope") as err:
+            await router.route(RouteRequest(question="what's the exchange rate"))
+    assert fix in str(err.value) and (status in (401, 403) or "API key" not in str(err.value))
+
+
 async def test_unreachable_endpoint_raises_router_error(fdb_bank: ToolBank) -> None:
     """The message names the endpoint without the credential its URL may carry."""
     async with LLMRouter(

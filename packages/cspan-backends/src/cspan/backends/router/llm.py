@@ -593,10 +593,16 @@ class LLMRouter:
         return message
 
     def _http_error(self, status: int, raw: bytes) -> RouterError:
-        return RouterError(
-            f"router LLM at {self.where} answered HTTP {status}: {sanitize_text(raw[:800].decode('utf-8', 'replace'), 200)}. Fix: check "
-            "--router, --router-model and the API key."
-        )
+        if status in (401, 403):
+            fix = "check the API key (OPENAI_API_KEY)"
+        elif status == 429:
+            fix = "the server is rate-limiting these requests: lower the load on it or raise its limits"
+        elif status >= 500:
+            fix = "the server failed or is overloaded: see its log"
+        else:
+            fix = "check --router (the base URL, up to /v1) and --router-model"
+        said = sanitize_text(raw[:800].decode("utf-8", "replace"), 200)
+        return RouterError(f"router LLM at {self.where} answered HTTP {status}: {said}. Fix: {fix}.")
 
     def _tool_decision(self, status: int, raw: bytes) -> _Decision:
         return self._read_tool_message(self._message(status, raw))
