@@ -196,6 +196,16 @@ def test_a_narrower_kv_cache_runs_close_to_the_float_cache(tiny_checkpoint, stor
     assert 0 < diff < 0.5 * logits[0].abs().max().item()
 
 
+def test_a_kv_dtype_that_is_no_cache_storage_is_refused(tiny_checkpoint) -> None:
+    """``kv_dtype=torch.int8`` (or float64) was taken as the ring's storage: the engine ran, its keys and values
+    truncated to integers. A torch dtype is now one of the storages the names give."""
+    for dtype in (torch.int8, torch.float64, torch.bool):
+        with pytest.raises(ValueError, match=rf"kv_dtype {dtype} is not a KV cache storage: use one of auto, bf16"):
+            DuplexEngine(tiny_checkpoint, kv_dtype=dtype)
+    engine = DuplexEngine(tiny_checkpoint, kv_dtype=torch.bfloat16)
+    assert engine.kv_dtype == torch.bfloat16 and engine.lm_state.transformer.cache.keys.dtype == torch.bfloat16
+
+
 def test_a_seed_reproduces_a_conversation(tiny_checkpoint) -> None:
     pcm = _pcm(4, 1, seed=1)
     runs = []

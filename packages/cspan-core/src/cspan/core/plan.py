@@ -106,17 +106,23 @@ class ExecutionPlan:
 
 
 def parse_kv_dtype(kv_dtype: str | torch.dtype | None, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache storage dtype for ``kv_dtype`` ("auto" / None = the model's, "bf16", "fp16", "fp32", "fp8", or a
-    torch dtype).
+    """The cache storage dtype for ``kv_dtype`` ("auto" / None = the model's, "bf16", "fp16", "fp32", "fp8", or one
+    of those as a torch dtype: ``torch.bfloat16``, ``torch.float16``, ``torch.float32``, ``torch.float8_e4m3fn``).
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name or another dtype (an int8 or float64 ring was accepted and ran, its keys and
+            values truncated or read back in the wrong precision).
     """
     if kv_dtype is None or kv_dtype == "auto":
         return model_dtype
-    if isinstance(kv_dtype, torch.dtype):
-        return kv_dtype
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": FP8}
+    if isinstance(kv_dtype, torch.dtype):
+        if kv_dtype not in names.values():
+            raise ValueError(
+                f"kv_dtype {kv_dtype} is not a KV cache storage: use one of {', '.join(KV_DTYPES)} (or "
+                "torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)"
+            )
+        return kv_dtype
     if kv_dtype not in names:
         raise ValueError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     return names[kv_dtype]
