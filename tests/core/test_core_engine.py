@@ -10,6 +10,7 @@ from cspan.core.checkpoint import load_checkpoint
 from cspan.core.constants import FRAME_SIZE, RET
 from cspan.core.engine import DuplexEngine, TokenStepOutput
 from cspan.core.errors import CheckpointError
+from cspan.core.sampling import SamplingParams, SessionSampling
 from cspan.core.span import ContextSpan
 
 PROMPTS = ["You are kind.", "You like the weather.", "Hi."]
@@ -674,3 +675,44 @@ def test_a_reset_while_a_step_runs_takes_effect_at_the_next_step(tiny_checkpoint
     (frames, positions), (clean_frames, clean_positions) = run(True), run(False)
     assert positions == clean_positions == [4, positions[1]]
     assert torch.equal(frames, clean_frames)
+
+
+def test_a_restart_and_its_sampling_reach_the_step_together(tiny_checkpoint) -> None:
+    """``reset`` queued the restart and then the default sampling in two updates of the sessions record (and
+    ``set_persona(..., sampling=)`` its prefix and then its sampling): a step taking its work from another thread
+    between the two read the restarted session with its old parameters. Both now land in one update; a policy or
+    a prefix refused by ``set_persona`` names ``set_persona``, not the ``set_prefix`` it calls."""
+    greedy = SamplingParams(0.0, 0)
+    user = [torch.randint(0, 2048, (1, 8), generator=torch.Generator().manual_seed(t)) for t in range(6)]
+
+    def run(race: bool, persona: bool) -> torch.Tensor:
+        engine = DuplexEngine(tiny_checkpoint, seed=3)
+        engine.set_sampling(0, text=greedy, audio=greedy)
+        frames = [engine.step_tokens(user[t]).frame for t in range(2)]
+        reset = engine.sessions.reset
+        if race:  # the other thread's step takes its head right after the restart was queued
+
+            def reset_then_step(*args, **kwargs):
+                reset(*args, **kwargs)
+                frames.append(engine.step_tokens(user[2]).frame)
+
+            engine.sessions.reset = reset_then_step
+        if persona:
+            engine.set_persona(0, "Hi.", "tiny0", seed=5, sampling=SessionSampling(SamplingParams(0.7, 25), greedy))
+        else:
+            engine.reset(0, seed=5)
+        engine.sessions.reset = reset
+        if not race:
+            frames.append(engine.step_tokens(user[2]).frame)
+        frames += [engine.step_tokens(user[t]).frame for t in range(3, 6)]
+        return torch.stack(frames)
+
+    for persona in (False, True):
+        assert torch.equal(run(True, persona), run(False, persona))
+    engine = DuplexEngine(tiny_checkpoint)
+    with pytest.raises(ValueError, match=r"^set_persona: persona policy 'pin': use one of pinned"):
+        engine.set_persona(0, "Hi.", policy="pin")
+    with pytest.raises(ValueError, match=r"^set_persona: a persona prefix of \d+ frames fills the model's 3000"):
+        engine.set_persona(0, "Hi.", torch.zeros(8, 3000, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^DuplexEngine: persona policy 'pin'"):
+        DuplexEngine(tiny_checkpoint, persona_policy="pin")

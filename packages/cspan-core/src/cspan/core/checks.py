@@ -191,34 +191,33 @@ def check_voice(voice: object, card: int, num_codebooks: int) -> None:
             raise ValueError(f"set_persona: voice codes in [{lo}, {hi}], expected Mimi codes in [0, {card})")
 
 
-def check_prefix(frames: object, embeddings: object, rows: list[int], dim: int) -> None:
-    """``DuplexEngine.set_prefix``'s prefix: a TypeError / ValueError unless ``frames`` are [K, P] integer ids, row k
-    below ``rows[k]`` (the rows of its embedding table; -1: no input), and ``embeddings`` (or None) [E <= P,
-    ``dim``] floats, finite when on the host."""
+def check_prefix(frames: object, embeddings: object, rows: list[int], dim: int, where: str = "set_prefix") -> None:
+    """``DuplexEngine.set_prefix``'s prefix: a TypeError / ValueError naming ``where`` (the method) unless ``frames``
+    are [K, P] integer ids, row k below ``rows[k]`` (the rows of its embedding table; -1: no input), and
+    ``embeddings`` (or None) [E <= P, ``dim``] floats, finite when on the host."""
     K = len(rows)
-    frames = check_tensor("set_prefix: frames", frames)
+    frames = check_tensor(f"{where}: frames", frames)
     if frames.dim() != 2 or frames.shape[0] != K or not is_integer(frames):
-        raise ValueError(f"set_prefix: frames must be [{K}, P] integer ids, got {frames.dtype} {list(frames.shape)}")
+        raise ValueError(f"{where}: frames must be [{K}, P] integer ids, got {frames.dtype} {list(frames.shape)}")
     if frames.numel():
         highs = torch.tensor(list(rows))[:, None]
         ids = frames.cpu().long()  # uint8 ids compared with -1 would wrap to 255
         bad = (ids >= highs) | (ids < ZERO_TOKEN)
         if bool(bad.any()):
             k, p = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"set_prefix: frames[{k}, {p}] = {int(ids[k, p])} is outside -1 .. {rows[k] - 1}")
+            raise ValueError(f"{where}: frames[{k}, {p}] = {int(ids[k, p])} is outside -1 .. {rows[k] - 1}")
     if embeddings is not None:
-        emb = check_tensor("set_prefix: embeddings", embeddings)
+        emb = check_tensor(f"{where}: embeddings", embeddings)
         if emb.dim() != 2 or emb.shape[0] > frames.shape[1] or emb.shape[1] != dim or not emb.is_floating_point():
             raise ValueError(
-                f"set_prefix: embeddings must be [E <= {frames.shape[1]}, {dim}] floats, got {emb.dtype} "
-                f"{list(emb.shape)}"
+                f"{where}: embeddings must be [E <= {frames.shape[1]}, {dim}] floats, got {emb.dtype} {list(emb.shape)}"
             )
         # a NaN read into the KV cache would poison every later token of the session; only host tensors are read
         # (voice files load there): a device tensor's values would cost a synchronisation with the running step
         finite = torch.isfinite(emb).all(dim=1) if emb.device.type == "cpu" else None
         if finite is not None and not bool(finite.all()):
             row = int((~finite).nonzero()[0])
-            raise ValueError(f"set_prefix: embeddings[{row}] holds NaN or infinite values")
+            raise ValueError(f"{where}: embeddings[{row}] holds NaN or infinite values")
 
 
 def int_ids(token_ids: object) -> tuple[int, ...]:

@@ -239,7 +239,7 @@ class DuplexEngine:
         self.audio_params = SamplingParams.audio(temp, top_k).check("DuplexEngine: audio", lm.card)
         self.predict_user = bool(predict_user)
         self._no_user_codes = user_codes_needed(lm.dep_q, lm.n_q, self.predict_user)  # why a call must bring them
-        self.persona_policy = check_policy(persona_policy)
+        self.persona_policy = check_policy(persona_policy, "DuplexEngine")
 
         self.plan = resolve_plan(lm, cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, fused=fused)
         initial = [lm.text_initial_token_id] + [lm.initial_token_id] * lm.n_q
@@ -272,8 +272,8 @@ class DuplexEngine:
             IndexError: no such session. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
         """
         i = check_session(i, self.batch_size, "reset")
-        self.sessions.reset([i], [check_seed(seed, "reset")])
-        self.sessions.set_sampling(i, SessionSampling(self.text_params, self.audio_params))
+        defaults = SessionSampling(self.text_params, self.audio_params)
+        self.sessions.reset([i], [check_seed(seed, "reset")], sampling=defaults)  # one update: see Sessions.reset
 
     def set_sampling(self, i: int, text: SamplingParams | None = None, audio: SamplingParams | None = None) -> None:
         """Sample session ``i``'s text and audio with these parameters from its next step on (None keeps that
@@ -366,7 +366,7 @@ class DuplexEngine:
                 f"set_persona: sampling is a SessionSampling(text=SamplingParams, audio=SamplingParams), got {sampling!r}"
             )
         t0 = time.perf_counter()
-        if sampling is not None:  # checked first, applied with the prefix: a failing call changes nothing
+        if sampling is not None:  # checked first, queued with the prefix: a failing call changes nothing
             sampling = self._checked_sampling(i, sampling.text, sampling.audio, "set_persona")
         if isinstance(voice, (str, os.PathLike)):
             from .voice import load_voice_prompt
@@ -385,9 +385,7 @@ class DuplexEngine:
             user_placeholder=self.user_placeholder,
         )
         embeddings = None if prefix.embeddings is None else prefix.embeddings.to(self.dtype)
-        P = self.set_prefix(i, prefix.frames, embeddings, seed=seed, policy=policy)  # raises before any change
-        if sampling is not None:
-            self.sessions.set_sampling(i, sampling)
+        P = self._restart(i, prefix.frames, embeddings, seed, policy, sampling, "set_persona")
         return PrefixReport(
             session=i,
             num_frames=P,
@@ -422,17 +420,32 @@ class DuplexEngine:
                 Nothing is changed when it raises.
         """
         i = check_session(i, self.batch_size, "set_prefix")
-        seed = self.sessions.seeds[i] if seed is None else check_seed(seed, "set_prefix")
-        policy = self.persona_policy if policy is None else check_policy(policy)
-        check_prefix(frames, embeddings, self._stream_rows, self.lm.cfg.dim)
+        return self._restart(i, frames, embeddings, seed, policy, None, "set_prefix")
+
+    def _restart(
+        self,
+        i: int,
+        frames: torch.Tensor,
+        embeddings: torch.Tensor | None,
+        seed: int | None,
+        policy: str | None,
+        sampling: SessionSampling | None,
+        where: str,
+    ) -> int:
+        """Queue session ``i``'s restart with a prefix (:meth:`set_prefix`; ``sampling``, already checked, or None
+        to keep the session's, in the same update of the sessions record); errors name ``where``, the method.
+        Returns P."""
+        seed = self.sessions.seeds[i] if seed is None else check_seed(seed, where)
+        policy = self.persona_policy if policy is None else check_policy(policy, where)
+        check_prefix(frames, embeddings, self._stream_rows, self.lm.cfg.dim, where)
         P = int(frames.shape[-1])
         if not P:
-            self.sessions.reset([i], [seed])
+            self.sessions.reset([i], [seed], sampling=sampling)
             return 0
         ctx = self.context
         if policy != "none" and ctx is not None and ctx <= P + 1:
             raise ValueError(
-                f"set_prefix: a persona prefix of {P} frames fills the model's {ctx}-position window; the "
+                f"{where}: a persona prefix of {P} frames fills the model's {ctx}-position window; the "
                 f"{policy!r} policy needs room to talk after it (shorten the prompt, or use policy 'none')"
             )
         initial = self.state.grid.initial_t.cpu()
@@ -440,7 +453,7 @@ class DuplexEngine:
         copy = None
         if policy == "reprefix":
             copy = reprefix_block(block, self.lm.delays, self.agent_placeholder, self.user_placeholder)
-        self.sessions.reset([i], [seed], block, Persona(policy, sinks=P + 1, copy=copy))
+        self.sessions.reset([i], [seed], block, Persona(policy, sinks=P + 1, copy=copy), sampling)
         return P
 
     def inject_span(self, i: int, span: ContextSpan | str) -> SpanReport:

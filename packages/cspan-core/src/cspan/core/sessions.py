@@ -160,12 +160,17 @@ class Sessions:
         seeds: Sequence[int | None],
         prefix: PrefixBlock | None = None,
         persona: Persona | None = None,
+        sampling: SessionSampling | None = None,
     ) -> None:
         """Restart ``rows`` (fresh seeds where None), optionally with a persona prefix and its :class:`Persona`
-        (the same for all rows)."""
+        and new sampling parameters (the same for all rows; None keeps each row's), all under one lock: a step
+        taking its head from another thread sees the whole restart or none of it."""
         with self.lock:
             self.version += 1
             for row, seed in zip(rows, seeds, strict=True):
+                if sampling is not None:
+                    self.sampling[row] = sampling
+                    self.sampling_changed.add(row)
                 self.seeds[row] = fresh_seed() if seed is None else int(seed)
                 self.restarts[row] = Restart(self.seeds[row], prefix)
                 self.blocks.pop(row, None)

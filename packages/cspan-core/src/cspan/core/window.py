@@ -57,10 +57,12 @@ DEFAULT_PERSONA_POLICY = "pinned"
 PersonaPolicy = Literal["pinned", "reprefix", "none"]
 
 
-def check_policy(policy: str) -> str:
-    """``policy`` if it is one of :data:`PERSONA_POLICIES`; ValueError naming the choices otherwise."""
+def check_policy(policy: str, where: str | None = None) -> str:
+    """``policy`` if it is one of :data:`PERSONA_POLICIES`; ValueError naming the choices (and ``where``, the
+    method, when given) otherwise."""
     if policy not in PERSONA_POLICIES:
-        raise ValueError(f"persona policy {policy!r}: use one of {', '.join(PERSONA_POLICIES)}")
+        at = f"{where}: " if where else ""
+        raise ValueError(f"{at}persona policy {policy!r}: use one of {', '.join(PERSONA_POLICIES)}")
     return policy
 
 
