@@ -109,8 +109,8 @@ class FrameOutput:
     """What one :meth:`DuplexEngine.step` returned.
 
     Attributes:
-        agent_pcm: [B, 1920] float32 in [-1, 1] at 24 kHz, the agent's audio of the returned frame (zeros where
-            ``valid`` is False).
+        agent_pcm: [B, 1920] float32 at 24 kHz, the agent's audio of the returned frame as Mimi decodes it
+            (nominally in [-1, 1], not clipped; zeros where ``valid`` is False).
         text_token: [B] long, the text token of the returned frame; -1 where ``valid`` is False.
         is_ret: [B] bool, ``text_token == 4`` (``<ret>``).
         agent_codes: [B, 8] long, the agent's Mimi codes of the returned frame (-2 where not valid).
@@ -152,8 +152,9 @@ class DuplexEngine:
             those predictions before they are ever fed, so text and agent audio are unchanged and the depformer
             runs half its steps; the user rows of ``TokenStepOutput.column`` then hold the known codes, or -1
             where the prediction was skipped. Every call must then bring user codes (``step`` always does).
-        kv_dtype: the KV cache's storage: "auto" (the model's dtype), "bf16", "fp16", "fp32" or "fp8" (e4m3 with
-            one scale per position and head: half the memory of bf16; see :mod:`cspan.core.kv_cache`).
+        kv_dtype: the KV cache's storage: None or "auto" (the model's dtype), "bf16", "fp16", "fp32" or "fp8" (e4m3
+            with one scale per position and head: half the memory of bf16; see :mod:`cspan.core.kv_cache`), or
+            one of those as a torch dtype.
         fused: the Triton kernels (None: for bf16/fp16 models on CUDA; see :func:`cspan.core.plan.resolve_plan`).
         persona_policy: how a session keeps its persona prefix in the attention window once the conversation is
             longer than the window: ``"pinned"`` (default: its keys and values stay as sink positions at the
@@ -177,10 +178,20 @@ class DuplexEngine:
             :attr:`positions`, :attr:`started`, ...).
         text_params, audio_params: the sessions' default sampling (:class:`cspan.core.sampling.SamplingParams`).
 
+    Threads: :meth:`step`, :meth:`step_tokens` and :meth:`prepare` belong to one thread, the one that steps. The
+    queueing methods (:meth:`reset`, :meth:`set_sampling`, :meth:`set_live`, :meth:`set_prefix`,
+    :meth:`inject_span`, :meth:`take_window_events`, and :meth:`set_persona` with codes or a stored voice) are host
+    work under the sessions' lock, so another thread may call them between or during steps; a call that lands
+    while a step runs takes effect at the next step. :meth:`set_persona` with a recording encodes it with Mimi:
+    call that from the stepping thread.
+
     Raises:
         CheckpointError: the model is not a duplex model (K must be 1 + 2 * C streams).
-        TypeError: ``checkpoint`` is neither a checkpoint nor an LM. ValueError: bad options (sampling parameters:
-            :meth:`cspan.core.sampling.SamplingParams.check`).
+        TypeError: ``checkpoint`` is neither a checkpoint nor an LM; a size (``batch_size``, ``max_span_frames``,
+            ``max_block_columns``) that is no int. ValueError: bad options (``batch_size`` < 1, sampling
+            parameters: :meth:`cspan.core.sampling.SamplingParams.check`, ``kv_dtype``, ``persona_policy``,
+            ``cuda_graphs=True`` off CUDA, ``fused=True`` where the kernels cannot run, a seed outside
+            0 .. 2**63 - B). SpanError: ``max_span_frames`` < 3.
     """
 
     def __init__(
@@ -265,8 +276,9 @@ class DuplexEngine:
 
     def reset(self, i: int, seed: int | None = None) -> None:
         """Start session ``i`` again at its next step: empty KV cache row, fresh grid row (position 0), fresh codec
-        states, sampling seed ``seed`` (a fresh random seed when None; see ``seeds[i]``) and the engine's default
-        sampling parameters.
+        states, sampling seed ``seed`` (a fresh random seed when None, also for an engine built with ``seed``:
+        pass one to reproduce a run; see ``seeds[i]``) and the engine's default sampling parameters. Queued (host
+        only): :attr:`started` is False and a Context Span is refused until the session's next step.
 
         Raises:
             IndexError: no such session. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
@@ -306,7 +318,7 @@ class DuplexEngine:
         """Mark sessions live (stepped) or idle (not stepped: no compute, no KV reads; their outputs are invalid,
         their model state and queue stay as they are). Every session starts live. Mimi's streaming state moves on
         for idle rows (the frame encodes the PCM passed for them and decodes silence): pass zeros, and a resumed
-        session continues as after a silent pause.
+        session continues as after a silent pause. ``rows``: a session index, or a sequence or 1-D tensor of them.
 
         Raises:
             IndexError, TypeError: a row that is no session, or ``live`` not a bool (then no row is changed).
@@ -339,8 +351,8 @@ class DuplexEngine:
             i: the session.
             text_prompt: the role prompt (wrapped as ``<system> ... <system>``), or None / "".
             voice: a :class:`cspan.core.voice.VoicePrompt` (Mimi codes, or PersonaPlex input embeddings), [8, N]
-                long Mimi codes, a voice name of the checkpoint or a voice file
-                (:func:`cspan.core.voice.load_voice_prompt`), or None.
+                long Mimi codes, a voice name of the checkpoint, a ``.pt`` voice file or a 2-30 s recording (encoded
+                with the checkpoint's Mimi here: :func:`cspan.core.voice.load_voice_prompt`), or None.
             user_name, user_city: appended to the prompt as "The user's name is X." / "The user is in Y.".
             seed: the session's new sampling seed (None keeps its current one).
             sampling: the session's sampling parameters (None keeps its current ones; see :meth:`set_sampling`).
@@ -351,7 +363,8 @@ class DuplexEngine:
             text (and the Context Spanning layout) the session is only reset (P = 0).
 
         Raises:
-            IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name.
+            IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name or a
+                voice file that cannot be read. AudioInputError: a recording too short, too long or silent.
             ValueError: voice codes not [8, N] integers in [0, card); bad sampling parameters; a prefix that does
                 not fit the window; a seed outside 0 .. 2**63 - 1. TypeError: an argument of another type (text
                 that is no str, a seed that is no int, ``sampling`` that is no SessionSampling, voice codes in a
@@ -459,12 +472,15 @@ class DuplexEngine:
     def inject_span(self, i: int, span: ContextSpan | str) -> SpanReport:
         """Queue a Context Span for session ``i``: its next step reads the block before its next position, in the
         step's one forward (host work only here; the session continues n positions later, see :mod:`cspan.core.span`).
-        References longer than ``max_span_frames`` are truncated (``truncated``).
+        References longer than ``max_span_frames`` are truncated (``truncated``). A span queued after
+        :meth:`set_persona` and before the prefix's step is read by the step after it (``first_position`` P + 1).
 
         Raises:
-            IndexError: no such session.
+            IndexError: no such session. TypeError: a session that is no int, a span that is neither a
+                :class:`ContextSpan` nor a str.
             SpanError: the session has not started (no persona and no step since its reset), an empty reference,
-                ids outside the text vocabulary.
+                ids outside the text vocabulary, or a text span without a tokenizer (a bare LM: use
+                :meth:`ContextSpan.from_ids`).
         """
         i = check_session(i, self.batch_size, "inject_span")
         if not isinstance(span, (ContextSpan, str)):
@@ -512,19 +528,21 @@ class DuplexEngine:
         """One call for every live session, at the token level (no codec).
 
         Args:
-            user_codes: [B, 8] long, the user frame given to this call (frame ``c - 1``), written at the user rows'
-                delays (not for a session whose persona prefix this call reads). None: the user rows are not
+            user_codes: [B, C] integer codes (C = 8 for the 7B; any integer dtype and device, read as long), the
+                user frame given to this call (frame ``c - 1``), written at the user rows' delays (not for a session
+                whose persona prefix this call reads; an idle session's row is ignored). None: the user rows are not
                 written -- only allowed when the depformer predicts them (dep_q = 16), which then samples them.
-            forced: [B, K] long tokens of the target column (position ``c + 1``, delayed coordinates: text and
+            forced: [B, K] integer tokens of the target column (position ``c + 1``, delayed coordinates: text and
                 semantic codes of frame c, acoustic codes of frame c - 1), -2 = sample; or None.
 
         Returns:
             :class:`TokenStepOutput`.
 
         Raises:
-            ValueError: wrong shapes, or no user codes for a model that does not predict them (or for an engine
-                built with ``predict_user=False``); not integer tensors; tokens out of range (checked for tensors
-                on the CPU: reading device tensors' values would make every step wait for the GPU).
+            TypeError: not a dense torch.Tensor. ValueError: wrong shapes, or no user codes for a model that does
+                not predict them (or for an engine built with ``predict_user=False``); not integer tensors; tokens
+                out of range (checked for tensors on the CPU: reading device tensors' values would make every step
+                wait for the GPU). The inputs are checked before the step takes the queued work.
         """
         check_step_codes(user_codes, forced, self.batch_size, self._stream_rows, self._no_user_codes)
         batch = self._prepare()
@@ -590,7 +608,8 @@ class DuplexEngine:
         applied to the device state here; the step applies the queued restarts and blocks as always). Call it
         once the previous step's outputs have reached the host (as a server's frame reads its text and audio), or
         after ``torch.cuda.synchronize()``: like the head of every step, FlashInfer's decode plan rewrites a
-        page-locked buffer whose copy to the device the previous step queued.
+        page-locked buffer whose copy to the device the previous step queued. Call it from the thread that steps
+        (it shares the step's host caches).
         """
         head = self.sessions.peek()
         self._prepared = (head.version, self._step_inputs(head))

@@ -268,12 +268,14 @@ class PrefixReport:
     Attributes:
         session: the batch row.
         num_frames: P, prefix frames (voice + silence + text + silence).
-        voice_frames: N.
+        voice_frames: the prefix frames that hold the voice (:attr:`PersonaPrefix.voice_frames`: N, N - 1 in
+            PersonaPlex's layout, E for an embedding voice).
         text_frames: L.
         text: the prompt text as tokenised ("" without text).
         text_ids: its token ids.
         positions: P + 1 positions read in the single forward (0 .. P); 0 when there is no prefix.
-        next_position: the position the first live call feeds (P + 1; 0 without a prefix).
+        next_position: the position fed by the call after the one that reads the prefix (P + 1; that call feeds
+            P, :attr:`DuplexEngine.positions`); 0 without a prefix.
         prefill_ms: host milliseconds of building the prefix (its forward is part of the session's next step).
     """
 

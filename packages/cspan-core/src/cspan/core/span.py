@@ -1,11 +1,10 @@
 """Context Spans: the block layout shared by inference and training, and what a session reads before a position.
 
-A reference text becomes the text ids ``[SPAN_OPEN] + spm.encode(text.strip()) + [SPAN_CLOSE]`` (the text cleaned of control characters:
-:mod:`cspan.core.text`) (12 ... 13), one
-id per column. The block is n constant columns in DELAYED coordinates (see :mod:`cspan.core.streams`): text row =
-the ids, agent rows = ``SILENCE_TOKENS``, user rows = ``SINE_TOKENS`` (:func:`span_block`). It is inserted into the
-delayed token sequence before a position (:func:`splice_block`), and the block columns are no training target
-(:func:`splice_mask`).
+A reference text becomes the text ids ``[SPAN_OPEN] + spm.encode(text.strip()) + [SPAN_CLOSE]`` (12 ... 13; the
+text cleaned of control characters first: :mod:`cspan.core.text`), one id per column. The block is n constant
+columns in DELAYED coordinates (see :mod:`cspan.core.streams`): text row = the ids, agent rows = ``SILENCE_TOKENS``,
+user rows = ``SINE_TOKENS`` (:func:`span_block`). It is inserted into the delayed token sequence before a position
+(:func:`splice_block`), and the block columns are no training target (:func:`splice_mask`).
 
 At inference a block is one :class:`Block` queued for a session (``DuplexEngine.inject_span``, host only): the
 engine's next step splices it before the session's pending position ``c`` and reads it in the step's one ragged
@@ -203,6 +202,9 @@ def splice_mask(mask: torch.Tensor, position: int, n: int, value: bool = False) 
 
     Returns:
         [..., T + n] bool.
+
+    Raises:
+        ValueError: position outside ``[0, T]``.
     """
     T = mask.shape[-1]
     if not 0 <= position <= T:
@@ -255,8 +257,9 @@ class SpanReport:
         truncated: the reference was cut to ``max_span_frames`` (at a token boundary, closing 13 kept).
         ids: the block's text ids.
         first_position, last_position: the KV positions the block occupies (``last = first + n - 1``).
-        next_position: ``last_position + 1``, the position the next call feeds (unless a copy of the persona prefix
-            follows the span: the ``reprefix`` policy, :mod:`cspan.core.window`).
+        next_position: ``last_position + 1``, the position fed right after the block, by the step that reads it
+            (the session's next step; the one after a persona prefix's step when the prefix is still queued), unless
+            a copy of the persona prefix follows the span (the ``reprefix`` policy, :mod:`cspan.core.window`).
         prefill_ms: host milliseconds of the injection (building and queueing the block; its forward is part of
             the session's next step).
         context: the attention window in positions (None = unbounded).
