@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["ASRServeSettings"]
@@ -51,6 +51,7 @@ class ASRServeSettings(BaseSettings):
         min_length=8,
         description="require 'Authorization: Bearer TOKEN' on every request but /health (also read from "
         "CSPAN_ASR_TOKEN); clients send it with OPENAI_API_KEY / api_key",
+        json_schema_extra={"secret": True},  # never echoed in an error
     )
     insecure_no_token: bool = Field(
         False,
@@ -91,11 +92,15 @@ class ASRServeSettings(BaseSettings):
                 raise ValueError(f"allowed host {name!r}: use NAME or NAME:PORT (e.g. voice.example.org:443)")
         return names
 
-    @model_validator(mode="after")
-    def _token_from_older_variable(self) -> ASRServeSettings:
-        if self.token is None and os.environ.get("CSPAN_ASR_TOKEN"):
-            self.token = os.environ["CSPAN_ASR_TOKEN"]
-        return self
+    @field_validator("token", mode="before")
+    @classmethod
+    def _token_from_older_variable(cls, value: object) -> object:
+        """``CSPAN_ASR_TOKEN`` when no other source gives the token, held to the same length as ``--token``."""
+        if value is None and os.environ.get("CSPAN_ASR_TOKEN"):
+            value = os.environ["CSPAN_ASR_TOKEN"]
+            if len(value) < 8:
+                raise ValueError(f"CSPAN_ASR_TOKEN is {len(value)} characters; a token needs at least 8")
+        return value
 
     def run(self) -> int:
         """Load the engine and serve until interrupted; returns the exit status (2 for a refused configuration)."""

@@ -1,0 +1,25 @@
+"""``cspan asr-serve``'s settings: the older token variable is held to ``--token``'s rules, a token is never
+echoed."""
+
+from __future__ import annotations
+
+import pytest
+
+from cspan.backends.asr.settings import ASRServeSettings
+from cspan.core.settings import SettingsError, load_settings
+
+
+def test_a_short_older_token_variable_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CSPAN_ASR_TOKEN", "abc")
+    with pytest.raises(SettingsError, match="CSPAN_ASR_TOKEN is 3 characters; a token needs at least 8"):
+        load_settings(ASRServeSettings, verb="asr-serve")
+    monkeypatch.setenv("CSPAN_ASR_TOKEN", "long-enough-token")
+    assert load_settings(ASRServeSettings, verb="asr-serve").token == "long-enough-token"
+    assert load_settings(ASRServeSettings, {"token": "from-the-flag"}).token == "from-the-flag"  # the flag wins
+
+
+def test_a_refused_token_is_not_echoed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CSPAN_ASR_TOKEN", raising=False)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(ASRServeSettings, {"token": "s3cr3t"})
+    assert "s3cr3t" not in str(caught.value) and "at least 8 characters" in str(caught.value)
