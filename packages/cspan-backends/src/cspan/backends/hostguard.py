@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["HostGuard", "is_loopback", "parse_host"]
+__all__ = ["HostGuard", "is_loopback", "parse_host", "public_names"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -42,6 +42,21 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def public_names(allowed: Iterable[str]) -> list[str]:
+    """The ``--allowed-host`` values that are not loopback names (``*`` included): a proxy forwards them here, so a
+    server answering them is reachable beyond this machine even on a loopback bind."""
+    names = []
+    for entry in allowed:
+        text = entry.strip()
+        if text.startswith("["):
+            host = text[1:].partition("]")[0]
+        else:  # host, host:port, or a bare IPv6 address
+            host = text.partition(":")[0] if text.count(":") == 1 else text
+        if text == "*" or not is_loopback(host):
+            names.append(text)
+    return names
 
 
 def parse_host(value: str) -> tuple[str, int | None] | None:

@@ -55,7 +55,8 @@ class ASRServeSettings(BaseSettings):
     )
     insecure_no_token: bool = Field(
         False,
-        description="allow binding a non-loopback address without --token (anyone who reaches the port can use it)",
+        description="allow binding a non-loopback address, or answering a public --allowed-host name (behind a "
+        "proxy), without --token (anyone who reaches the port can use it)",
     )
     allowed_host: list[str] = Field(
         default_factory=list,
@@ -118,13 +119,19 @@ class ASRServeSettings(BaseSettings):
             return 2
         from cspan.backends.asr.engines import EngineLoadError, load_engine
         from cspan.backends.errors import ListenError
-        from cspan.backends.hostguard import is_loopback
+        from cspan.backends.hostguard import is_loopback, public_names
         from cspan.backends.http_server import bind_socket
 
-        if not is_loopback(self.host) and not self.token and not self.insecure_no_token:
+        public = public_names(self.allowed_host)
+        if (public or not is_loopback(self.host)) and not self.token and not self.insecure_no_token:
+            where = (
+                f"{self.host} (reachable from other machines)"
+                if not is_loopback(self.host)
+                else f"--allowed-host {', '.join(public)} (behind a proxy, reachable by everyone it serves)"
+            )
             print(
-                f"{prog}: error: refusing to bind {self.host} (reachable from other machines) without --token; "
-                "set --token (or CSPAN_ASR_TOKEN), bind 127.0.0.1, or pass --insecure-no-token",
+                f"{prog}: error: refusing to serve on {where} without --token; set --token (or CSPAN_ASR_TOKEN), "
+                "bind 127.0.0.1 with loopback names only, or pass --insecure-no-token",
                 file=sys.stderr,
             )
             return 2
@@ -159,8 +166,9 @@ class ASRServeSettings(BaseSettings):
             sock.close()
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
+        where = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address in a URL is bracketed
         print(
-            f"{prog}: {engine.name} engine ({engine.model}) on http://{self.host}:{self.port} "
+            f"{prog}: {engine.name} engine ({engine.model}) on http://{where}:{self.port} "
             "(POST /transcribe, POST /v1/audio/transcriptions, GET /health)",
             file=sys.stderr,
         )

@@ -115,26 +115,11 @@ def _fail(verb: str, exc: Exception) -> int:
     return 2
 
 
-def _public_names(allowed: list[str]) -> list[str]:
-    """The ``--allowed-host`` values that are not loopback names (``*`` included): a proxy forwards them here."""
-    from cspan.backends.hostguard import is_loopback
-
-    names = []
-    for entry in allowed:
-        text = entry.strip()
-        if text.startswith("["):
-            host = text[1:].partition("]")[0]
-        else:  # host, host:port, or a bare IPv6 address
-            host = text.partition(":")[0] if text.count(":") == 1 else text
-        if text == "*" or not is_loopback(host):
-            names.append(text)
-    return names
-
-
 def _serve(args: argparse.Namespace) -> int:
     from cspan.backends.commands import is_loopback
+    from cspan.backends.hostguard import public_names
 
-    public = _public_names(args.allowed_host or []) if args.transport == "http" else []
+    public = public_names(args.allowed_host or []) if args.transport == "http" else []
     if args.transport == "http" and (public or not is_loopback(args.host)) and not args.insecure_no_token:
         where = f"--allowed-host {', '.join(public)} (behind a proxy)" if public else args.host
         print(
