@@ -139,3 +139,19 @@ def test_environment_values_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("CSPAN_TEMP", "inf")
     with pytest.raises(SettingsError, match="CSPAN_TEMP"):
         load_settings(DemoSettings)
+
+
+@pytest.mark.parametrize(
+    ("flags", "hidden"),
+    [
+        ({"router": "http://bob:pw-Secret1@h:99999/v1"}, "bob:***@h"),
+        ({"router": "ftp://bob:pw-Secret1@h/v1"}, "bob:***@h"),
+        ({"asr": "ftp://h/v1?api_key=pw-Secret1"}, "api_key=***"),
+    ],
+)
+def test_a_password_in_a_refused_url_is_not_echoed(flags: dict[str, str], hidden: str) -> None:
+    from cspan.server.serve_settings import ServeSettings
+
+    with pytest.raises(SettingsError) as caught:
+        load_settings(ServeSettings, flags)
+    assert "pw-Secret1" not in str(caught.value) and hidden in str(caught.value)

@@ -192,6 +192,16 @@ def _is_path(annotation: Any) -> bool:
     return annotation is Path or Path in get_args(annotation)
 
 
+_CREDENTIAL_URL = re.compile(r"(?i)://[^/?#]*@|[?&][^=&]*(?:pass|secret|token|key|auth|sig|credential)[^=&]*=")
+"""A URL with a user part (``https://bob:pw@host``) or a secret-looking query parameter (``?api_key=``)."""
+
+
+def _credential_url(value: Any) -> bool:
+    """Whether ``value`` is text that may hold a credential in a URL (a ``--router``, ``--db``, ``--mcp`` value): not
+    echoed in an error; the field's own message names it with the secret hidden."""
+    return isinstance(value, str) and "://" in value and _CREDENTIAL_URL.search(value) is not None
+
+
 def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str, str]) -> str:
     lines = []
     for err in exc.errors(include_url=False):
@@ -207,7 +217,13 @@ def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str
         quoted = isinstance(given, str) and repr(given)[:60] in message  # the validator's message names it
         field = model.model_fields.get(name)
         secret = field is not None and bool((field.json_schema_extra or {}).get("secret"))  # a credential: not echoed
-        if given is not None and not isinstance(given, dict) and not quoted and not secret:
+        if (
+            given is not None
+            and not isinstance(given, dict)
+            and not quoted
+            and not secret
+            and not _credential_url(given)
+        ):
             text = repr(given)
             shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
         lines.append(f"{where}: {message}{shown}")

@@ -82,13 +82,14 @@ TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
 
 def check_http_url(value: str) -> str:
     """``value`` if it is an http(s) URL with a host and a valid port; ``ValueError`` saying what is wrong."""
+    shown = repr(redact_url(value))  # a password in the URL is not echoed
     try:
         parts = urlsplit(value)
         _ = parts.port  # raises ValueError when out of range or not a number
     except ValueError as exc:
-        raise ValueError(f"{value!r} is not a valid URL ({exc})") from None
+        raise ValueError(f"{shown} is not a valid URL ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{value!r} is not an http(s) URL with a host name")
+        raise ValueError(f"{shown} is not an http(s) URL with a host name")
     return value
 
 
@@ -299,7 +300,9 @@ class BackendSettings(BaseSettings):
         if spec.lower() in ("local", "none"):
             return spec.lower()
         if not spec.startswith(("http://", "https://")):
-            raise ValueError(f"{value!r}: use 'local', 'none' or an http(s) URL of an OpenAI-compatible server")
+            raise ValueError(
+                f"{redact_url(value)!r}: use 'local', 'none' or an http(s) URL of an OpenAI-compatible server"
+            )
         return check_http_url(spec)
 
     @field_validator("knowledge")
