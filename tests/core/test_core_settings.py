@@ -155,3 +155,14 @@ def test_a_password_in_a_refused_url_is_not_echoed(flags: dict[str, str], hidden
     with pytest.raises(SettingsError) as caught:
         load_settings(ServeSettings, flags)
     assert "pw-Secret1" not in str(caught.value) and hidden in str(caught.value)
+
+
+def test_a_bad_flag_is_named_as_the_flag_even_when_the_file_sets_it_too(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    conf = tmp_path / "cspan.toml"
+    conf.write_text('[demo]\nport = 2\nallow-origin = ["x"]\n', encoding="utf-8")
+    parser = cli.build_parser({"demo": DemoSettings})
+    with pytest.raises(SettingsError, match=r"^--port / CSPAN_PORT: .*less than or equal to 65535"):
+        args = parser.parse_args(["demo", "--config", str(conf), "--port", "70000"])
+        args.handler(args)
+    with pytest.raises(SettingsError, match=r"^--allow-origin / CSPAN_ALLOW_ORIGIN: "):
+        load_settings(DemoSettings, {"allow_origin": [5]}, config=conf, verb="demo")

@@ -260,17 +260,20 @@ def load_settings(
                 f"{_env(model, name)}: {_flag(name)} is a test switch, taken from the command line only (unset it)"
             )
     values: dict[str, Any] = {}
+    cli_settings = cli_source(parsed_args=parsed_args) if cli_source is not None and parsed_args is not None else None
     if config is not None:
         file_values = _read_config(config, verb, model)
         env_values = EnvSettingsSource(model)()
+        given = {*(cli or {}), *(cli_settings() if cli_settings is not None else {})}  # the command line wins
         for name, value in file_values.items():
             if name not in env_values:
                 values[name] = value
-                sources[name] = f"{config}: {name.replace('_', '-')}"
+                if name not in given:
+                    sources[name] = f"{config}: {name.replace('_', '-')}"
     values.update(cli or {})
     try:
-        if cli_source is not None and parsed_args is not None:
-            return model(_cli_settings_source=cli_source(parsed_args=parsed_args), **values)  # type: ignore[call-arg]
+        if cli_settings is not None:
+            return model(_cli_settings_source=cli_settings, **values)  # type: ignore[call-arg]
         return model(**values)
     except ValidationError as exc:
         raise SettingsError(_describe(model, exc, sources)) from None
