@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import pytest
 from pydantic import Field
 from pydantic_settings import BaseSettings
@@ -84,7 +87,7 @@ def test_precedence_cli_env_file_default(tmp_path, monkeypatch: pytest.MonkeyPat
     assert _main(["demo", "--config", str(conf), "--port", "4"]) == 0
     assert "port=4 temp=0.25" in capsys.readouterr().out  # command line over environment
     monkeypatch.delenv("CSPAN_PORT")
-    conf.write_text("temp = 0.5\n[demo]\nport = 2\n[other]\nport = 9\n", encoding="utf-8")
+    conf.write_text("temp = 0.5\n[demo]\nport = 2\n[infer]\nport = 9\n", encoding="utf-8")
     assert _main(["demo", "--config", str(conf)]) == 0
     assert "port=2 temp=0.5" in capsys.readouterr().out  # the top level is read beside the [demo] table
     conf.write_text('input-wav = "a.wav"\n[demo]\nport = 2\n', encoding="utf-8")
@@ -166,3 +169,36 @@ def test_a_bad_flag_is_named_as_the_flag_even_when_the_file_sets_it_too(tmp_path
         args.handler(args)
     with pytest.raises(SettingsError, match=r"^--allow-origin / CSPAN_ALLOW_ORIGIN: "):
         load_settings(DemoSettings, {"allow_origin": [5]}, config=conf, verb="demo")
+
+
+def test_a_table_that_names_no_verb_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A misspelled ``[sevre]`` would leave every setting under it unread, the server on its defaults."""
+    conf = tmp_path / "cspan.toml"
+    conf.write_text("[dmeo]\nport = 2\n", encoding="utf-8")
+    with pytest.raises(SettingsError, match=r"cspan\.toml: \[dmeo\] is not a cspan verb \(verbs: .*demo.*serve"):
+        load_settings(DemoSettings, config=conf, verb="demo")
+    conf.write_text("port = { a = 1 }\n", encoding="utf-8")  # a setting given as a table: its type is refused
+    with pytest.raises(SettingsError, match=r"cspan\.toml: port: "):
+        load_settings(DemoSettings, config=conf, verb="demo")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+def test_a_credential_in_a_file_others_can_read_is_warned_about(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    from cspan.server.serve_settings import ServeSettings
+
+    conf = tmp_path / "serve.toml"
+    conf.write_text('[serve]\ntoken = "a-long-Secret-token"\ndb = "postgresql://u:pw@h/db"\n', encoding="utf-8")
+    conf.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="cspan.core.settings"):
+        load_settings(ServeSettings, config=conf, verb="serve")
+    assert "holds a credential (token, db) and can be read by other users (mode 644); chmod 600" in caplog.text
+    assert "a-long-Secret-token" not in caplog.text and "pw@" not in caplog.text
+    caplog.clear()
+    conf.chmod(0o600)
+    with caplog.at_level(logging.WARNING, logger="cspan.core.settings"):
+        load_settings(ServeSettings, config=conf, verb="serve")
+    conf.write_text("[serve]\nport = 8081\n", encoding="utf-8")
+    conf.chmod(0o644)  # nothing secret in it: no warning
+    with caplog.at_level(logging.WARNING, logger="cspan.core.settings"):
+        load_settings(ServeSettings, config=conf, verb="serve")
+    assert caplog.text == ""

@@ -9,7 +9,9 @@ that one declaration this module generates
 - the environment variables (``CSPAN_NAME``, the model's ``env_prefix``);
 - a settings file: ``--config FILE.toml`` (or ``CSPAN_CONFIG``), whose keys are the field names (snake or kebab
   case), at the top level (read by every verb given the file, so each must know them) and in a table named after
-  the verb (``[serve]``), whose keys add to and override the top level's: one file can hold several verbs.
+  the verb (``[serve]``), whose keys add to and override the top level's: one file can hold several verbs. A table
+  that names no installed verb (a misspelled ``[sevre]``) is refused; a file that holds a credential (a ``secret``
+  field such as ``token``, a URL with a password) and can be read by other users is warned about.
 
 Precedence: command line, then environment, then the settings file, then the declared default. A value out of
 range, whatever its source, is reported as one line naming the flag, the environment variable or the file key, and
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import tomllib
@@ -168,8 +171,15 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
         raise SettingsError(f"settings file {path} cannot be read: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise SettingsError(f"settings file {path} is not valid TOML: {exc}") from None
+    verbs = _verbs() | {verb}
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in verbs and key.replace("-", "_") not in model.model_fields:
+            raise SettingsError(
+                f"settings file {path}: [{key}] is not a cspan verb (verbs: {', '.join(sorted(verbs))}); "
+                f"`cspan {verb}` reads the top level and [{verb}]"
+            )
     section = data.get(verb)
-    top = [(k, v) for k, v in data.items() if not isinstance(v, dict)]  # for every command that reads the file
+    top = [(k, v) for k, v in data.items() if not (isinstance(v, dict) and k in verbs)]  # read by every command
     own = list(section.items()) if isinstance(section, dict) else []  # the [verb] table: adds and overrides
     values: dict[str, Any] = {}
     hidden = _hidden(model)
@@ -184,7 +194,38 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
         if isinstance(value, str) and value.startswith("~") and _is_path(model.model_fields[name].annotation):
             value = str(Path(value).expanduser())  # a shell expands ~ in a flag, nothing does in a file
         values[name] = value
+    _warn_if_secret_readable(path, model, values)
     return values
+
+
+def _verbs() -> set[str]:
+    """The installed verbs (``cspan.commands`` entry points): the tables a settings file may hold."""
+    from importlib.metadata import entry_points
+
+    return {ep.name for ep in entry_points(group="cspan.commands")}
+
+
+def _warn_if_secret_readable(path: Path, model: type[BaseSettings], values: dict[str, Any]) -> None:
+    """Warn when a settings file that holds a credential (a ``secret`` field such as ``token``, or a URL with a
+    password) can be read by other users, as libpq does for ``~/.pgpass`` and ssh for a private key."""
+    held = [
+        name
+        for name, value in values.items()
+        if bool((model.model_fields[name].json_schema_extra or {}).get("secret")) or _credential_url(value)
+    ]
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if held and os.name == "posix" and mode & 0o077:
+        logging.getLogger(__name__).warning(
+            "settings file %s holds a credential (%s) and can be read by other users (mode %03o); "
+            "chmod 600 %s, or give it in the environment",
+            path,
+            ", ".join(n.replace("_", "-") for n in held),
+            mode & 0o777,
+            path,
+        )
 
 
 def _is_path(annotation: Any) -> bool:
