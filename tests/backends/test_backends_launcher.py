@@ -50,6 +50,35 @@ def test_dry_run_prints_the_released_command_lines(env):
     ) in lines
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "asr-box.example.org"])
+def test_a_non_loopback_host_needs_insecure_no_token(env, host):
+    """The servers start without authentication (vLLM without --api-key): reachable from other machines only when
+    the operator says so, and then `cspan asr-serve` is told too (it would refuse on its own)."""
+    out = _run(["backends", "start", "--host", host, "--dry-run"], env)
+    assert out.returncode == 2 and f"refusing to start servers on {host}" in out.stderr and out.stdout == ""
+    out = _run(["backends", "start", "--host", host, "--no-router", "--asr-engine", "sphinx", "--dry-run"], env)
+    assert out.returncode == 2
+    out = _run(
+        [
+            "backends",
+            "start",
+            "--host",
+            host,
+            "--no-router",
+            "--asr-engine",
+            "sphinx",
+            "--insecure-no-token",
+            "--dry-run",
+        ],
+        env,
+    )
+    assert out.returncode == 0 and f"--host {host} --port 8990 --insecure-no-token" in out.stdout
+    out = _run(
+        ["backends", "start", "--host", host, "--no-asr", "--router-url", "http://10.0.0.9:8004/v1", "--dry-run"], env
+    )
+    assert out.returncode == 0  # nothing started here listens
+
+
 def test_missing_vllm_names_the_extra_and_the_embedded_alternatives(env):
     env["PATH"] = "/nonexistent"
     out = _run(["backends", "start", "--no-router"], env)

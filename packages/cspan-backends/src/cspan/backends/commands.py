@@ -87,6 +87,12 @@ def backends_command(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--asr-port", type=_port, default=ASR_PORT, help=f"ASR port (default {ASR_PORT})")
     st.add_argument("--no-asr", action="store_true", help="start the router only")
     st.add_argument("--host", default="127.0.0.1", help="interface the servers bind (default 127.0.0.1)")
+    st.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="allow a non-loopback --host: the servers started have no authentication (vLLM without --api-key), so "
+        "anyone who reaches the ports can use them (trusted networks, or a firewall in front)",
+    )
     st.add_argument("--log-dir", type=Path, default=None, help="where the logs go (default: the state folder)")
     st.add_argument("--timeout-s", type=_seconds, default=900.0, help="how long to wait for health (default 900)")
     st.add_argument("--dry-run", action="store_true", help="print the exact command lines and exit")
@@ -117,7 +123,14 @@ def _specs(args: argparse.Namespace) -> list:
         )
     if not args.no_asr:
         specs.append(
-            asr_spec(engine=args.asr_engine, model=args.asr_model, gpu=args.asr_gpu, port=args.asr_port, host=args.host)
+            asr_spec(
+                engine=args.asr_engine,
+                model=args.asr_model,
+                gpu=args.asr_gpu,
+                port=args.asr_port,
+                host=args.host,
+                insecure_no_token=args.insecure_no_token,
+            )
         )
     return specs
 
@@ -130,6 +143,16 @@ def _backends_start(args: argparse.Namespace) -> int:
         return 2
     if args.no_router and args.no_asr:
         print("cspan backends start: error: nothing to start: both --no-router and --no-asr", file=sys.stderr)
+        return 2
+    starts_a_server = not args.no_asr or (not args.no_router and args.router_url is None)
+    if starts_a_server and not is_loopback(args.host) and not args.insecure_no_token:
+        print(
+            f"cspan backends start: error: refusing to start servers on {args.host} (reachable from other machines): "
+            "they are started without authentication; bind 127.0.0.1 (default) and reach them through a tunnel, "
+            "start them yourself with a key (vLLM's --api-key, `cspan asr-serve --token`), or pass "
+            "--insecure-no-token on a trusted network",
+            file=sys.stderr,
+        )
         return 2
     try:
         specs = _specs(args)

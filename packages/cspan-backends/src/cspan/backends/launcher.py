@@ -131,10 +131,13 @@ def asr_spec(
     gpu: str | None = "0",
     port: int = ASR_PORT,
     host: str = "127.0.0.1",
+    insecure_no_token: bool = False,
 ) -> ServerSpec:
     """The ASR server for ``engine``: ``vllm`` (``qwen-asr-serve``, released settings), ``transformers`` or
-    ``sphinx`` (``cspan asr-serve``)."""
+    ``sphinx`` (``cspan asr-serve``, given ``--insecure-no-token`` when ``insecure_no_token``: the operator allowed a
+    non-loopback ``host`` without authentication)."""
     base = f"http://{host}:{port}"
+    insecure = ["--insecure-no-token"] if insecure_no_token else []
     env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None and engine != "sphinx" else {}
     if engine == "vllm":
         model = model or ASR_MODEL
@@ -152,10 +155,10 @@ def asr_spec(
         if not model:
             raise LauncherError("asr: --asr-engine transformers needs --asr-model PATH (a local model directory)")
         cmd = [*_cspan(), "asr-serve", "--engine", "transformers", "--model", model, "--host", host]
-        cmd += ["--port", str(port)]
+        cmd += ["--port", str(port), *insecure]
         return ServerSpec("asr", cmd, env, f"{base}/health", f"{base}/v1", model)
     if engine == "sphinx":
-        cmd = [*_cspan(), "asr-serve", "--engine", "sphinx", "--host", host, "--port", str(port)]
+        cmd = [*_cspan(), "asr-serve", "--engine", "sphinx", "--host", host, "--port", str(port), *insecure]
         return ServerSpec("asr", cmd, env, f"{base}/health", f"{base}/v1", "sphinx")
     raise LauncherError(f"asr: unknown engine {engine!r}; use vllm, transformers or sphinx")
 
