@@ -175,7 +175,9 @@ def test_a_table_that_names_no_verb_is_refused(tmp_path) -> None:  # type: ignor
     """A misspelled ``[sevre]`` would leave every setting under it unread, the server on its defaults."""
     conf = tmp_path / "cspan.toml"
     conf.write_text("[dmeo]\nport = 2\n", encoding="utf-8")
-    with pytest.raises(SettingsError, match=r"cspan\.toml: \[dmeo\] is not a cspan verb \(verbs: .*demo.*serve"):
+    with pytest.raises(
+        SettingsError, match=r"cspan\.toml: \[dmeo\] names no installed cspan verb \(installed: .*demo.*serve"
+    ):
         load_settings(DemoSettings, config=conf, verb="demo")
     conf.write_text("port = { a = 1 }\n", encoding="utf-8")  # a setting given as a table: its type is refused
     with pytest.raises(SettingsError, match=r"cspan\.toml: port: "):

@@ -175,7 +175,7 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
     for key, value in data.items():
         if isinstance(value, dict) and key not in verbs and key.replace("-", "_") not in model.model_fields:
             raise SettingsError(
-                f"settings file {path}: [{key}] is not a cspan verb (verbs: {', '.join(sorted(verbs))}); "
+                f"settings file {path}: [{key}] names no installed cspan verb (installed: {', '.join(sorted(verbs))}); "
                 f"`cspan {verb}` reads the top level and [{verb}]"
             )
     section = data.get(verb)
