@@ -304,3 +304,19 @@ def test_a_config_without_delays_names_what_it_lacks(tiny_copy: Path, caplog) ->
         lm_cfg, _ = read_configs(tiny_copy / "config.json")
     assert lm_cfg.dim == 4096  # the PersonaPlex 7B configuration
     assert f"config file {str(tiny_copy / 'config.json')!r} has no LM keyword argument 'delays': using" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("edit", "want"),
+    [
+        (lambda s: s.update({k: v.to(torch.float8_e4m3fn) for k, v in s.items() if v.is_floating_point()}), "bfloat16"),
+        (
+            lambda s: s.update({k: v.half() for k, v in s.items() if k.endswith(".alpha") or k < "depformer.layers.1"}),
+            "float32",
+        ),
+    ],
+    ids=["float8-loads-as-bfloat16", "few-float16-norms-stay-float32"],
+)
+def test_default_dtype_is_a_runnable_dtype_of_most_weights(tiny_copy: Path, edit, want: str) -> None:
+    _rewrite(tiny_copy / LM_FILE, edit)
+    assert next(load_checkpoint(tiny_copy).lm.parameters()).dtype == getattr(torch, want)

@@ -290,12 +290,13 @@ class SafetensorsHeader:
     metadata: dict[str, str]
 
     def float_dtype(self) -> str | None:
-        """The dtype name of the first floating tensor (in key order), e.g. ``"BF16"``; None if there is none."""
-        for key in sorted(self.tensors):
-            name = self.tensors[key][0]
+        """The dtype name holding the most floating values, e.g. ``"BF16"`` (a few float32 norms in a bfloat16
+        file do not make it float32); None if there is none."""
+        counts: dict[str, int] = {}
+        for name, shape in self.tensors.values():
             if name.startswith(("F", "BF")):
-                return name
-        return None
+                counts[name] = counts.get(name, 0) + math.prod(shape)
+        return max(sorted(counts), key=counts.__getitem__) if counts else None
 
 
 def read_safetensors_header(path: str | os.PathLike[str], role: str = "checkpoint") -> SafetensorsHeader:
@@ -800,6 +801,8 @@ def _build_lm(
     if dtype is None:
         stored = base.header.float_dtype() if isinstance(base, _SafetensorsSource) else None
         dtype = getattr(torch, _ST_DTYPES[stored][1]) if stored else torch.float32
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):  # float8 (exact in bfloat16) or float64
+            dtype = torch.bfloat16 if dtype.itemsize == 1 else torch.float32
     try:
         model = LMModel(lm_cfg, device="meta", dtype=dtype)
     except CheckpointError:
@@ -847,7 +850,7 @@ def load_lm(
         config: the LM config (an :class:`LMConfig` or an upstream dict); default: the folder's ``config.json``,
             else the PersonaPlex 7B configuration (``dep_q`` from the weights).
         device: where the weights go.
-        dtype: floating dtype of the weights (default: the stored dtype).
+        dtype: floating dtype of the weights (default: the stored dtype; float8 weights load as bfloat16).
 
     Returns:
         The LMModel in eval mode.
@@ -1342,8 +1345,8 @@ def load_checkpoint(
         source: what to load; default ``$CSPAN_CHECKPOINT`` or :data:`DEFAULT_CHECKPOINT` (the released
             Context Spanning 7B over ``nvidia/personaplex-7b-v1``).
         device: where the models go (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
-        dtype: LM floating dtype (``torch.bfloat16``, ``"float32"``...); default: the stored dtype of the base
-            LM weights. Mimi is always float32.
+        dtype: LM floating dtype (``torch.bfloat16``, ``"float32"``...); default: the dtype most of the base
+            LM weights are stored in (float8 weights load as bfloat16). Mimi is always float32.
         revision: Hub revision of ``source``.
         base: base of a fine-tune (folder or repo id); default ``$CSPAN_BASE`` or :data:`DEFAULT_BASE`.
         fuse_lora: fold LoRA adapters into the weights (plain linear layers, upstream's ``--fuse-lora``) instead of
@@ -1482,7 +1485,8 @@ def describe_checkpoint(
         f"  n_q {lm_cfg.n_q}, dep_q {lm_cfg.dep_q}, card {lm_cfg.card}, text_card {lm_cfg.text_card}",
         f"  delays {lm_cfg.delays}",
         f"  parameters: {n_params:,}",
-        f"  stored dtype: {_ST_DTYPES[stored][1] if stored else 'none'}",
+        f"  stored dtype: {_ST_DTYPES[stored][1] if stored else 'none'}"
+        + (" (loads as bfloat16)" if stored and stored.startswith("F8") else ""),
     ]
     if lora is not None:
         lines.append(f"  LoRA: r {lora['r']}, alpha {lora['alpha']}, {len(lora['modules'])} layers (unmerged)")
