@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,16 @@ def test_model_info_cli(tiny_checkpoint_dir: Path) -> None:
         timeout=300,
     )
     assert missing.returncode == 1 and "does not exist" in missing.stderr and "nope" in missing.stderr
+
+
+def test_lm_file_alone_takes_the_other_files_from_base(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:
+    """``--checkpoint mine.safetensors --base DIR`` (upstream's --moshi-weight over --hf-repo)."""
+    lm = tmp_path / "my weights" / "mine.safetensors"
+    lm.parent.mkdir()
+    shutil.copyfile(tiny_checkpoint_dir / LM_FILE, lm)
+    with pytest.raises(CheckpointError, match="pass --base DIR"):
+        load_checkpoint(lm)
+    ckpt = load_checkpoint(lm, base=tiny_checkpoint_dir)
+    assert ckpt.files["lm"] == lm and ckpt.files["mimi"] == tiny_checkpoint_dir / MIMI_FILE
+    assert ckpt.files["tokenizer"] == tiny_checkpoint_dir / TOKENIZER_FILE and sorted(ckpt.voices) == ["tiny0", "tiny1"]
+    assert f"lm: {lm}" in describe_checkpoint(lm, base=tiny_checkpoint_dir)

@@ -1157,6 +1157,24 @@ def _resolve_base(base: str | os.PathLike[str] | None) -> CheckpointFiles:
     return _base_files(folder, chosen)
 
 
+def _lm_file(path: Path, source: str, base: str | os.PathLike[str] | None) -> CheckpointFiles:
+    """An LM ``.safetensors`` file (upstream's ``--moshi-weight``): the other files come from its folder, and those
+    the folder lacks (Mimi, tokenizer, ``config.json``) from ``base`` or ``$CSPAN_BASE`` where one is given."""
+    files = _base_files(path.parent, source, lm_override=path)
+    chosen = base if base is not None else os.environ.get(ENV_BASE)
+    if not chosen or (files.mimi and files.tokenizer and files.config):
+        return files
+    other = _resolve_base(chosen)
+    files.mimi = files.mimi or other.mimi
+    files.tokenizer = files.tokenizer or other.tokenizer
+    files.config = files.config or other.config
+    files.voices = {**other.voices, **files.voices}
+    files.archive_voices = files.archive_voices or other.archive_voices
+    files.personaplex = files.personaplex or other.personaplex
+    files.layout = files.layout or other.layout
+    return files
+
+
 def _export_info(fine_tune: Path) -> dict[str, Any]:
     """``export.json`` next to a fine-tune (written by ``cspan train``): ``{}`` when absent.
 
@@ -1252,7 +1270,7 @@ def resolve_checkpoint(
     """Find the files of a checkpoint source (downloading from the Hub where needed); loads nothing.
 
     Order: an existing file (``*.pt`` fine-tune over ``base``; ``*.safetensors`` LM weights whose folder holds the
-    other files), an existing folder (base layout, or a fine-tune folder with one ``*.pt``), ``hf://owner/repo[/file]``,
+    other files, or ``base`` those it lacks), an existing folder (base layout, or a fine-tune folder with one ``*.pt``), ``hf://owner/repo[/file]``,
     otherwise a Hub repo id ``owner/name``.
 
     Args:
@@ -1275,7 +1293,7 @@ def resolve_checkpoint(
         if path.name == MOSHI_LORA_FILE:
             return _with_fine_tune(path, text, base)
         if path.suffix == ".safetensors":
-            return _base_files(path.parent, text, lm_override=path)
+            return _lm_file(path, text, base)
         raise CheckpointError(
             f"checkpoint file {text!r} has an unsupported type; pass a .pt fine-tune, an LM .safetensors file, or a "
             "checkpoint folder"
@@ -1373,10 +1391,15 @@ def load_checkpoint(
         if got is None
     ]
     if missing:
+        alone = (
+            f"; for an LM file on its own pass --base DIR (or {ENV_BASE}) holding the others"
+            if files.fine_tune is None and Path(files.source).expanduser().is_file()
+            else ""
+        )
         raise CheckpointError(
             f"checkpoint folder {str(files.base_dir)!r} lacks {', '.join(missing)}; a full checkpoint needs "
             f"{LM_FILE}, {MIMI_FILE} and {TOKENIZER_FILE} (use load_lm() for the LM alone), or build one with "
-            "`cspan model tiny DIR`"
+            f"`cspan model tiny DIR`{alone}"
         )
     assert files.mimi is not None and files.tokenizer is not None
     target = _torch_dtype(dtype)
