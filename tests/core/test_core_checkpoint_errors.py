@@ -320,3 +320,12 @@ def test_a_config_without_delays_names_what_it_lacks(tiny_copy: Path, caplog) ->
 def test_default_dtype_is_a_runnable_dtype_of_most_weights(tiny_copy: Path, edit, want: str) -> None:
     _rewrite(tiny_copy / LM_FILE, edit)
     assert next(load_checkpoint(tiny_copy).lm.parameters()).dtype == getattr(torch, want)
+
+
+def test_model_info_says_when_a_load_would_refuse_the_weights(tiny_copy: Path) -> None:
+    from cspan.core.checkpoint import describe_checkpoint
+
+    assert "key check: ok" in describe_checkpoint(tiny_copy)
+    _rewrite(tiny_copy / LM_FILE, lambda s: s.pop("out_norm.alpha"))
+    text = describe_checkpoint(tiny_copy)  # headers only, yet not a summary that looks complete
+    assert "key check: FAILED" in text and "'out_norm.alpha'" in text and str(tiny_copy / LM_FILE) in text

@@ -795,14 +795,36 @@ def _build_lm(
     """Build the LM on meta, wrap LoRA layers, check every key and shape, then assign the weights."""
     import torch
 
-    from .lm import LMModel
-    from .lora import apply_lora
-
     if dtype is None:
         stored = base.header.float_dtype() if isinstance(base, _SafetensorsSource) else None
         dtype = getattr(torch, _ST_DTYPES[stored][1]) if stored else torch.float32
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):  # float8 (exact in bfloat16) or float64
             dtype = torch.bfloat16 if dtype.itemsize == 1 else torch.float32
+    model, plan = _plan_lm(lm_cfg, base, fine_tune, lora, dtype)
+    try:
+        _assign(model, plan, device, dtype)
+    finally:
+        base.close()
+    model.eval()
+    return model
+
+
+def _plan_lm(
+    lm_cfg: LMConfig,
+    base: _Source,
+    fine_tune: _Source | None,
+    lora: dict[str, Any] | None,
+    dtype: torch.dtype | None = None,
+) -> tuple[LMModel, dict[str, tuple[_Source, str]]]:
+    """The LM built on meta (LoRA layers wrapped) and its checked load plan (:func:`_check_and_plan`); reads headers
+    only, so ``model info`` runs the same checks as a load.
+
+    Raises:
+        CheckpointError: the config cannot build a model, or the weights do not fit it (names file and key).
+    """
+    from .lm import LMModel
+    from .lora import apply_lora
+
     try:
         model = LMModel(lm_cfg, device="meta", dtype=dtype)
     except CheckpointError:
@@ -827,13 +849,7 @@ def _build_lm(
     expected = {k: tuple(v.shape) for k, v in reference.items()}
     floating = {k: bool(v.is_floating_point()) for k, v in reference.items()}
     sources = [fine_tune, base] if fine_tune is not None else [base]
-    plan = _check_and_plan(expected, sources, aliases, floating)
-    try:
-        _assign(model, plan, device, dtype)
-    finally:
-        base.close()
-    model.eval()
-    return model
+    return model, _check_and_plan(expected, sources, aliases, floating)
 
 
 def load_lm(
@@ -1517,6 +1533,8 @@ def describe_checkpoint(
         lines.append(
             f"  LoRA (moshi-finetune): r {moshi['r']}, scaling {moshi['scaling']}, {len(moshi['adapters'])} adapters"
         )
+    if moshi is None:
+        lines.append(f"  key check: {_key_check(lm_cfg, files, state if files.fine_tune else None, lora)}")
     lines.append(f"  persona prefix layout: {resolve_prefix_layout(files).name}")
     lines += [
         "Mimi:",
@@ -1542,6 +1560,20 @@ def describe_checkpoint(
         ckpt = load_checkpoint(source, revision=revision, base=base, device="cpu")
         lines.append(f"load check: ok ({type(ckpt.lm).__name__}, {type(ckpt.mimi).__name__} loaded on CPU)")
     return "\n".join(lines)
+
+
+def _key_check(
+    lm_cfg: LMConfig, files: CheckpointFiles, state: dict[str, Any] | None, lora: dict[str, Any] | None
+) -> str:
+    """What ``model info`` says of the keys and shapes: ``ok``, or why a load would refuse the weights (headers
+    only: a summary must not look complete when loading would fail)."""
+    base = _SafetensorsSource(files.lm, "LM")
+    ft = None if state is None or files.fine_tune is None else _DictSource(files.fine_tune, "fine-tune", state)
+    try:
+        _plan_lm(lm_cfg, base, ft, lora)
+    except CheckpointError as exc:
+        return f"FAILED, loading would refuse these weights: {exc}"
+    return "ok (every key and shape the config needs; --load reads the values too)"
 
 
 def _voice_kind(path: Path) -> str:
