@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -301,3 +302,11 @@ def test_a_voices_dir_that_is_no_folder_is_said(tiny_checkpoint, tmp_path: Path,
     monkeypatch.setenv("CSPAN_VOICES_DIR", str(tmp_path / "typo"))
     with pytest.raises(CheckpointError, match=rf"CSPAN_VOICES_DIR={tmp_path / 'typo'}: not a folder"):
         find_voice("NATF2", tiny_checkpoint)
+
+
+def test_a_voice_path_under_home_written_with_a_tilde_is_found(tiny_checkpoint, tmp_path: Path, monkeypatch) -> None:
+    home = tmp_path / "my home"
+    (home / "voices").mkdir(parents=True)
+    shutil.copyfile(tiny_checkpoint.voices["tiny0"], home / "voices" / "me.pt")
+    monkeypatch.setenv("HOME", str(home))
+    assert tiny_checkpoint.load_voice_prompt("~/voices/me.pt").codes.shape[0] == 8

@@ -115,6 +115,8 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     path = Path(name_or_path)
     if path.is_file():
         return path
+    if path.expanduser().is_file():  # ~/voices/me.pt from a settings file or --voice=~/...: as --checkpoint does
+        return path.expanduser()
     name = str(name_or_path)
     known = _known_voices(checkpoint)
     if name in known:
