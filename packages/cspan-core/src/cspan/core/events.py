@@ -97,8 +97,14 @@ class LateEvent(_Event):
     error: str | None = None
 
 
+CONVERSATION_ENDED = "conversation ended"
+"""The ``error`` of the :class:`NoSpanEvent` of a retrieval still running when its conversation ended (the client
+stopped or left): the retrieval was cancelled, no backend failed."""
+
+
 class NoSpanEvent(_Event):
-    """A retrieval finished with nothing to inject (nothing found, or the backend failed: see ``error``)."""
+    """A retrieval finished with nothing to inject (nothing found, the backend failed, or the conversation ended
+    first: see ``error``)."""
 
     type: Literal["no_span"] = "no_span"
     question: str | None = None
@@ -140,6 +146,7 @@ EVENT_MODELS = (
 ConversationEvent = Annotated[Union[EVENT_MODELS], Field(discriminator="type")]  # noqa: UP007 (a tuple of models)
 
 __all__ = [
+    "CONVERSATION_ENDED",
     "EVENT_MODELS",
     "ConversationEvent",
     "ErrorEvent",

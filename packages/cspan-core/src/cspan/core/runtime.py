@@ -49,6 +49,7 @@ import numpy as np
 
 from cspan.core.constants import FRAME_RATE, FRAME_SIZE, PAD, RET, SAMPLE_RATE, SPAN_CLOSE, SPAN_OPEN
 from cspan.core.events import (
+    CONVERSATION_ENDED,
     ConversationEvent,
     ErrorEvent,
     LateEvent,
@@ -344,7 +345,7 @@ class Conversation:
             if p.task is not None and not p.task.done():
                 p.task.cancel()
             self._emit(
-                NoSpanEvent(frame=self.frame, t=self.frame * FRAME_S, question=p.question, error="conversation ended")
+                NoSpanEvent(frame=self.frame, t=self.frame * FRAME_S, question=p.question, error=CONVERSATION_ENDED)
             )
             self._pending = None
 

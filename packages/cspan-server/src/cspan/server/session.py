@@ -91,7 +91,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cspan.core.audio import sanitize_pcm
 from cspan.core.constants import FRAME_RATE, FRAME_SIZE, MAX_SEED, SAMPLE_RATE
 from cspan.core.errors import ProtocolError
-from cspan.core.events import ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
+from cspan.core.events import CONVERSATION_ENDED, ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
 from cspan.core.voice import VoicePrompt
 from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
 from cspan.server.settings_common import Temperature, TopK
@@ -1070,7 +1070,7 @@ class SessionHub:
             m.spans.labels("late").inc()
         elif isinstance(event, NoSpanEvent):
             m.spans.labels("no_span").inc()
-            if event.error:
+            if event.error and event.error != CONVERSATION_ENDED:  # a client leaving mid-retrieval is no failure
                 m.backend_errors.labels("retrieval").inc()
         elif isinstance(event, ErrorEvent):
             m.backend_errors.labels(event.stage).inc()
