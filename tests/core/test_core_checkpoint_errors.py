@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -329,3 +331,8 @@ def test_model_info_says_when_a_load_would_refuse_the_weights(tiny_copy: Path) -
     _rewrite(tiny_copy / LM_FILE, lambda s: s.pop("out_norm.alpha"))
     text = describe_checkpoint(tiny_copy)  # headers only, yet not a summary that looks complete
     assert "key check: FAILED" in text and "'out_norm.alpha'" in text and str(tiny_copy / LM_FILE) in text
+    done = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "model", "info", str(tiny_copy)], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "key check: FAILED" in done.stdout  # a script sees it, not only a reader
+    assert done.stderr == "cspan model info: error: these weights would not load (see the key check above)\n"

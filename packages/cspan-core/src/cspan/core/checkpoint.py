@@ -26,6 +26,7 @@ import math
 import os
 import re
 import struct
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1605,7 +1606,11 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    print(describe_checkpoint(args.source, revision=args.revision, base=args.base, load=args.load))
+    text = describe_checkpoint(args.source, revision=args.revision, base=args.base, load=args.load)
+    print(text)
+    if "\n  key check: FAILED" in text:  # the summary is printed; the status says the weights would not load
+        print("cspan model info: error: these weights would not load (see the key check above)", file=sys.stderr)
+        return 1
     return 0
 
 
