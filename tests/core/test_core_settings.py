@@ -150,6 +150,7 @@ def test_environment_values_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
         ({"router": "http://bob:pw-Secret1@h:99999/v1"}, "bob:***@h"),
         ({"router": "ftp://bob:pw-Secret1@h/v1"}, "bob:***@h"),
         ({"asr": "ftp://h/v1?api_key=pw-Secret1"}, "api_key=***"),
+        ({"asr": "ftp://h/v1?session_id=pw-Secret1"}, "session_id=***"),  # the backends' SECRET_PARAM names
     ],
 )
 def test_a_password_in_a_refused_url_is_not_echoed(flags: dict[str, str], hidden: str) -> None:

@@ -233,8 +233,9 @@ def _is_path(annotation: Any) -> bool:
     return annotation is Path or Path in get_args(annotation)
 
 
-_CREDENTIAL_URL = re.compile(r"(?i)://[^/?#]*@|[?&][^=&]*(?:pass|secret|token|key|auth|sig|credential)[^=&]*=")
-"""A URL with a user part (``https://bob:pw@host``) or a secret-looking query parameter (``?api_key=``)."""
+_CREDENTIAL_URL = re.compile(r"(?i)://[^/?#]*@|[?&][^=&]*(?:pass|secret|token|key|auth|sig|credential|session)[^=&]*=")
+"""A URL with a user part (``https://bob:pw@host``) or a secret-looking query parameter (``?api_key=``): the
+parameter names of ``cspan.backends.urls.SECRET_PARAM``, which redacts them (core cannot import the backends)."""
 
 
 def _credential_url(value: Any) -> bool:
