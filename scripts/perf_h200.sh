@@ -17,7 +17,7 @@
 #   bash scripts/perf_h200.sh STAGES...  # any of: env tests bench bench-fp8 fresh before anatomy baseline attention
 #                                        #         capacity fp8 triton profile tune-conv tune-prefill pinned fi-prefill splits
 #                                        #         bench-apart span-jitter paced phases early
-#                                        #         variants probe cprobe gemv tgemv
+#                                        #         variants probe cprobe gemv tgemv span-libs
 # BATCHES (optional, default "32 64 80"): the batch sizes of the bench and baseline stages besides B = 1.
 # A stage that would start after BUDGET seconds (default 520) is skipped, and each stage's time limit is cut to
 # what is left, so the summary and the tarball always come back inside the device's 10-minute call.
@@ -157,6 +157,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")' scripts/perf_h200.py bench $ji
       b=${BATCHES:-32 64 80}
       run baseline 150 env OUT="$LOGS" DEPQ=16 FILL=3000 FRAME=1 BATCHES=1,${b// /,} SPANS=600 \
         PREFILL_GRAPH=1 ITERS=20 WARM=3 SPAN_ITERS=10 python3 .device/moshi_baseline.py ;;
+    span-libs)  # a 601-token block's attention over a full ring by cuDNN / FlashAttention 2 (torch) and FlashInfer
+      # (fa2 / fa3) in pieces merged by log-sum-exp, against the engine's kernel (scripts/span_attention_libs.py)
+      TAIL=${TAIL:-40} run span-libs 330 python3 scripts/span_attention_libs.py ;;
     attention)
       TAIL=${TAIL:-3} run attention 260 python3 scripts/perf_h200.py attention ;;
     triton)  # the engine with its own decode kernel everywhere (no FlashInfer), B = 32 / 64 / 80 on full rings
