@@ -136,19 +136,12 @@ def flashinfer_paged(fi, backend, q, k, v, P):
     """FlashInfer's paged prefill over the ring as 8-slot pages (HND, in place), one call for all old keys, then the
     block causal by single prefill, merged."""
     page = 8
-    first = (P - RING + 1) % RING
-    last = (P - 1) % RING
-    p0, p1 = first // page, last // page
-    pages = list(range(p0, RING // page)) + list(range(0, p1 + 1)) if p1 <= p0 else list(range(p0, p1 + 1))
-    extra = first - p0 * page
-    last_len = last - p1 * page + 1
-    kv_len = (len(pages) - 1) * page + last_len
-    assert kv_len == RING - 1 + extra, (kv_len, extra)
+    pages, last_len, window_left = paged_plan_args(P, page)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=backend)
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
     wrapper.plan(i32([0, N]), i32([0, len(pages)]), i32(pages), i32([last_len]), HEADS, HEADS, HEAD_DIM, page,
-                 causal=False, window_left=kv_len - N - extra, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+                 causal=False, window_left=window_left, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
 
     def view(x):
         return x[0].as_strided((RING // page, HEADS, page, HEAD_DIM), (page * HEAD_DIM, RING * HEAD_DIM, HEAD_DIM, 1))
@@ -159,6 +152,57 @@ def flashinfer_paged(fi, backend, q, k, v, P):
         return fi.merge_state(o, s, ob, sb)[0]
 
     return layer
+
+
+def paged_plan_args(P: int, page: int = 8):
+    """FlashInfer page list of the old keys of a block at position P (pages, last page length, window_left)."""
+    first, last = (P - RING + 1) % RING, (P - 1) % RING
+    p0, p1 = first // page, last // page
+    pages = list(range(p0, RING // page)) + list(range(0, p1 + 1)) if p1 <= p0 else list(range(p0, p1 + 1))
+    extra, last_len = first - p0 * page, last - p1 * page + 1
+    kv_len = (len(pages) - 1) * page + last_len
+    return pages, last_len, kv_len - N - extra
+
+
+def paged_graph_check(fi, backend, q, k, v, keys, values, positions):
+    """Is the paged old-key read capturable with a plan made per step (vLLM's use of FlashInfer with CUDA graphs)?
+    A wrapper with fixed buffers, captured at positions[0], re-planned and replayed at each position: max |diff|
+    from the float32 reference there."""
+    page, cap = 8, RING // 8 + 1
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+        ws, "HND", use_cuda_graph=True, backend=backend,
+        qo_indptr_buf=torch.zeros(2, dtype=torch.int32, device=DEV),
+        paged_kv_indptr_buf=torch.zeros(2, dtype=torch.int32, device=DEV),
+        paged_kv_indices_buf=torch.zeros(cap, dtype=torch.int32, device=DEV),
+        paged_kv_last_page_len_buf=torch.zeros(1, dtype=torch.int32, device=DEV),
+    )  # fmt: skip
+
+    def plan(P):
+        pages, last_len, w = paged_plan_args(P, page)
+        wrapper.plan(i32([0, N]), i32([0, len(pages)]), i32(pages), i32([last_len]), HEADS, HEADS, HEAD_DIM, page,
+                     causal=False, window_left=w, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+
+    def view(x):
+        return x[0].as_strided((RING // page, HEADS, page, HEAD_DIM), (page * HEAD_DIM, RING * HEAD_DIM, HEAD_DIM, 1))
+
+    out = {}
+
+    def run():
+        o, s = wrapper.run(q, (view(keys[0]), view(values[0])), return_lse=True)
+        ob, sb = fi.single_prefill_with_kv_cache(q, k, v, causal=True, backend=backend, return_lse=True)
+        out["o"] = fi.merge_state(o, s, ob, sb)[0]
+
+    plan(positions[0])
+    replay = _graph(run)
+    for P in positions:
+        plan(P)
+        replay()
+        torch.cuda.synchronize()
+        err = (out["o"].float() - reference(q, k, v, keys, values, P)).abs().max().item()
+        print(f"  flashinfer {backend} paged, graph captured at P % 3000 = {positions[0] % RING}, replayed at "
+              f"{P % RING}: max|diff| {err:.2e}", flush=True)  # fmt: skip
 
 
 def timed(name, layer, keys, values, ref, flops):
@@ -243,6 +287,10 @@ def main() -> None:
                       keys, values, ref, flops)  # fmt: skip
             except Exception as exc:
                 print(f"flashinfer {backend} paged: failed to plan: {type(exc).__name__}: {str(exc)[:300]}")
+            try:
+                paged_graph_check(fi, backend, q, k, v, keys, values, [P, P + 5, P + 1771, P + 2999])
+            except Exception as exc:
+                print(f"flashinfer {backend} paged in a graph: failed: {type(exc).__name__}: {str(exc)[:300]}")
     except ImportError as exc:
         print(f"flashinfer: not available ({exc})")
 
