@@ -132,29 +132,10 @@ def flashinfer_segments(fi, backend, q, k, v, P):
     return layer
 
 
-def flashinfer_paged(fi, backend, q, k, v, P):
-    """FlashInfer's paged prefill over the ring as 8-slot pages (HND, in place), one call for all old keys, then the
-    block causal by single prefill, merged."""
-    page = 8
-    pages, last_len, window_left = paged_plan_args(P, page)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=backend)
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
-    wrapper.plan(i32([0, N]), i32([0, len(pages)]), i32(pages), i32([last_len]), HEADS, HEADS, HEAD_DIM, page,
-                 causal=False, window_left=window_left, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
-
-    def view(x):
-        return x[0].as_strided((RING // page, HEADS, page, HEAD_DIM), (page * HEAD_DIM, RING * HEAD_DIM, HEAD_DIM, 1))
-
-    def layer(kk, vv):
-        o, s = wrapper.run(q, (view(kk), view(vv)), return_lse=True)
-        ob, sb = fi.single_prefill_with_kv_cache(q, k, v, causal=True, backend=backend, return_lse=True)
-        return fi.merge_state(o, s, ob, sb)[0]
-
-    return layer
+PAGE = 8
 
 
-def paged_plan_args(P: int, page: int = 8):
+def paged_plan_args(P: int, page: int = PAGE):
     """FlashInfer page list of the old keys of a block at position P (pages, last page length, window_left)."""
     first, last = (P - RING + 1) % RING, (P - 1) % RING
     p0, p1 = first // page, last // page
@@ -164,40 +145,59 @@ def paged_plan_args(P: int, page: int = 8):
     return pages, last_len, kv_len - N - extra
 
 
+def ring_pages(x: torch.Tensor) -> torch.Tensor:
+    """Ring row 0 of a layer's buffer [1, H, C, Dh] as FlashInfer's HND pages [C / PAGE, H, PAGE, Dh] (a view)."""
+    return x[0].as_strided((RING // PAGE, HEADS, PAGE, HEAD_DIM), (PAGE * HEAD_DIM, RING * HEAD_DIM, HEAD_DIM, 1))
+
+
+def plan_paged(wrapper, P: int) -> None:
+    """Plan ``wrapper`` (FlashInfer's paged prefill) for the old keys of a block at position P."""
+    pages, last_len, window_left = paged_plan_args(P)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    wrapper.plan(i32([0, N]), i32([0, len(pages)]), i32(pages), i32([last_len]), HEADS, HEADS, HEAD_DIM, PAGE,
+                 causal=False, window_left=window_left, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+
+
+def paged_layer(fi, backend, wrapper, q, k, v):
+    """One layer: the planned paged read of the ring, the block causal by single prefill, merged."""
+
+    def layer(kk, vv):
+        o, s = wrapper.run(q, (ring_pages(kk), ring_pages(vv)), return_lse=True)
+        ob, sb = fi.single_prefill_with_kv_cache(q, k, v, causal=True, backend=backend, return_lse=True)
+        return fi.merge_state(o, s, ob, sb)[0]
+
+    return layer
+
+
+def flashinfer_paged(fi, backend, q, k, v, P):
+    """FlashInfer's paged prefill over the ring as 8-slot pages (HND, in place), one call for all old keys, then the
+    block causal by single prefill, merged."""
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=backend)
+    plan_paged(wrapper, P)
+    return paged_layer(fi, backend, wrapper, q, k, v)
+
+
 def paged_graph_check(fi, backend, q, k, v, keys, values, positions):
     """Is the paged old-key read capturable with a plan made per step (vLLM's use of FlashInfer with CUDA graphs)?
     A wrapper with fixed buffers, captured at positions[0], re-planned and replayed at each position: max |diff|
     from the float32 reference there."""
-    page, cap = 8, RING // 8 + 1
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    i32 = lambda n: torch.zeros(n, dtype=torch.int32, device=DEV)  # noqa: E731
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-        ws, "HND", use_cuda_graph=True, backend=backend,
-        qo_indptr_buf=torch.zeros(2, dtype=torch.int32, device=DEV),
-        paged_kv_indptr_buf=torch.zeros(2, dtype=torch.int32, device=DEV),
-        paged_kv_indices_buf=torch.zeros(cap, dtype=torch.int32, device=DEV),
-        paged_kv_last_page_len_buf=torch.zeros(1, dtype=torch.int32, device=DEV),
+        ws, "HND", use_cuda_graph=True, backend=backend, qo_indptr_buf=i32(2), paged_kv_indptr_buf=i32(2),
+        paged_kv_indices_buf=i32(RING // PAGE + 1), paged_kv_last_page_len_buf=i32(1),
     )  # fmt: skip
-
-    def plan(P):
-        pages, last_len, w = paged_plan_args(P, page)
-        wrapper.plan(i32([0, N]), i32([0, len(pages)]), i32(pages), i32([last_len]), HEADS, HEADS, HEAD_DIM, page,
-                     causal=False, window_left=w, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
-
-    def view(x):
-        return x[0].as_strided((RING // page, HEADS, page, HEAD_DIM), (page * HEAD_DIM, RING * HEAD_DIM, HEAD_DIM, 1))
-
+    layer = paged_layer(fi, backend, wrapper, q, k, v)
     out = {}
 
     def run():
-        o, s = wrapper.run(q, (view(keys[0]), view(values[0])), return_lse=True)
-        ob, sb = fi.single_prefill_with_kv_cache(q, k, v, causal=True, backend=backend, return_lse=True)
-        out["o"] = fi.merge_state(o, s, ob, sb)[0]
+        out["o"] = layer(keys[0], values[0])
 
-    plan(positions[0])
+    plan_paged(wrapper, positions[0])
     replay = _graph(run)
     for P in positions:
-        plan(P)
+        plan_paged(wrapper, P)
         replay()
         torch.cuda.synchronize()
         err = (out["o"].float() - reference(q, k, v, keys, values, P)).abs().max().item()
