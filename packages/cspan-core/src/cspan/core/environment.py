@@ -8,7 +8,7 @@ cspan reads two kinds of ``CSPAN_*`` variable:
 - a variable read directly by name (a default path, an engine switch, a test switch): :data:`DIRECT_ENV`, declared
   here once for every package (core names the variables of ``cspan.backends`` and ``cspan.bench`` too; it imports
   neither). docs/OPERATORS.md, "Environment variables", lists the same names: ``tests/test_docs.py`` holds the two
-  equal, and ``tests/core/test_core_environment.py`` holds every ``CSPAN_*`` name the sources read to this list.
+  equal, and ``tests/test_environment.py`` holds every ``CSPAN_*`` name the sources read to this list.
 
 Any other ``CSPAN_*`` variable is a misspelling (``CSPAN_MAX_SESION``) or a setting that no longer exists, which
 pydantic-settings would ignore without a word: :func:`cspan.core.cli.main` warns about each one at the start of

@@ -166,7 +166,7 @@ def settings_models(parser: argparse.ArgumentParser) -> list[type[BaseSettings]]
     """The settings models of ``parser`` and of its verbs and sub-verbs (those given to :func:`add_settings_arguments`),
     each once: for the ``cspan`` parser, those of every installed verb."""
     found: list[type[BaseSettings]] = []
-    model = parser._defaults.get(_MODEL)  # argparse keeps set_defaults() here
+    model = parser.get_default(_MODEL)
     if model is not None:
         found.append(model)
     for action in parser._actions:
