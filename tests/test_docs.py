@@ -108,3 +108,17 @@ def test_relative_links_lead_somewhere(repo_root: Path, doc: str) -> None:
         elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
             problems.append(f"{link}: no such heading")
     assert not problems, f"{doc}: " + "; ".join(problems)
+
+
+def test_the_directly_read_variables_are_the_documented_ones(repo_root: Path) -> None:
+    """docs/OPERATORS.md's "Environment variables" table names exactly ``cspan.core.environment.DIRECT_ENV``."""
+    from cspan.core.environment import DIRECT_ENV
+
+    text = (repo_root / "docs/OPERATORS.md").read_text()
+    section = text.split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| `CSPAN_")]
+    documented = {name for line in table for name in re.findall(r"`(CSPAN_\w+)`", line.split(" | ")[0])}
+    assert documented == set(DIRECT_ENV), (
+        f"in the docs only: {sorted(documented - set(DIRECT_ENV))}; in DIRECT_ENV only: "
+        f"{sorted(set(DIRECT_ENV) - documented)}"
+    )

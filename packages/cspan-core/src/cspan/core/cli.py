@@ -211,6 +211,9 @@ def _raise_terminated(signum: int, _frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cspan`` console script; returns the process exit status.
 
+    Before the verb runs, each ``CSPAN_*`` variable of the environment that no installed verb reads is warned about
+    (:mod:`cspan.core.environment`).
+
     Errors are one line on stderr (a message of several lines, such as a library's cause quoted in it, is joined
     into one): the project's own errors (exit status 1, or their ``exit_code``: 2 for a bad setting), an
     ``OSError`` (the file and the cause: permission denied, no space left on device), an interrupt (130) or
@@ -226,8 +229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A verb with sub-verbs (``cspan model``) and none given.
         parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
         return 2
+    from cspan.core.environment import warn_unknown_env
     from cspan.core.errors import Terminated, describe_os_error, one_line
+    from cspan.core.settings import settings_models
 
+    # A misspelled CSPAN_* variable would be ignored without a word: warn, naming the closest known one (known to any
+    # installed verb: one environment file may serve several).
+    warn_unknown_env(os.environ, settings_models(parser), argv=argv if argv is not None else sys.argv[1:])
     prog = getattr(args, _PROG, f"cspan {args.command}")
 
     previous: dict[int, object] = {}

@@ -162,6 +162,20 @@ def add_settings_arguments(
     parser.set_defaults(**{_MODEL: model, _SOURCE: source, _VERB: parser.prog.split()[-1]})
 
 
+def settings_models(parser: argparse.ArgumentParser) -> list[type[BaseSettings]]:
+    """The settings models of ``parser`` and of its verbs and sub-verbs (those given to :func:`add_settings_arguments`),
+    each once: for the ``cspan`` parser, those of every installed verb."""
+    found: list[type[BaseSettings]] = []
+    model = parser.get_default(_MODEL)
+    if model is not None:
+        found.append(model)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # an alias is the same parser
+                found += [m for m in settings_models(sub) if m not in found]
+    return found
+
+
 def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -359,4 +373,5 @@ __all__ = [
     "add_settings_arguments",
     "load_settings",
     "settings_from_args",
+    "settings_models",
 ]
