@@ -12,6 +12,9 @@ valid reply of ~900 KB: ``"hello "`` repeated); ``braces`` (900 000 ``{`` as the
 and U+202E); ``text_int`` / ``text_list`` / ``text_null`` (a transcript of the wrong type); ``words_str`` /
 ``words_nan`` (bad word timings); for chat completions also ``calls_str``, ``calls_dict``, ``call_item_str``,
 ``fn_str``, ``name_int`` (tool calls of the wrong shape), ``message_str``, ``choices_dict``, ``top_list``; ``brotli`` (an unsupported content coding); ``bad_gzip`` (a damaged gzip body).
+Refusals, each the odd-numbered requests of its mode (``requests``), then ``ok``: ``limited`` (429 with
+``Retry-After: 1``), ``limited_date`` (429 with an HTTP-date 2 s ahead), ``busy`` (503 with ``Retry-After: 1``);
+``limited_long`` is 429 with ``Retry-After: 3600`` every time, ``limited_absurd`` with a 30-digit one.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import contextlib
 import gzip
 import json
 import threading
+import time
 import zlib
+from email.utils import formatdate
 from typing import Any
 
 CONTROL_TEXT = "\x1b[2J\x1b[31mwhat is\x00 the\x07 weather\u202e in\u200b London\x1b[0m"
@@ -92,11 +97,11 @@ class HostileServer:
                 await reader.readexactly(length)
             mode = path.strip("/").split("/")[0]
             self.requests[mode] = self.requests.get(mode, 0) + 1
-            await self._answer(mode, "chat/completions" in path, writer)
+            await self._answer(mode, "chat/completions" in path, writer, self.requests[mode])
         with contextlib.suppress(Exception):
             writer.close()
 
-    async def _answer(self, mode: str, chat: bool, writer: asyncio.StreamWriter) -> None:
+    async def _answer(self, mode: str, chat: bool, writer: asyncio.StreamWriter, nth: int) -> None:
         def body(text: Any) -> bytes:
             return _chat(text) if chat else json.dumps({"text": text}).encode()
 
@@ -129,7 +134,20 @@ class HostileServer:
                 choices_dict=json.dumps({"choices": {"0": {"message": {"content": "hi"}}}}).encode(),
                 top_list=b"[1, 2, 3]",
             )
-        if mode in simple:
+        retry_after = {
+            "limited": (429, "1"),
+            "limited_date": (429, formatdate(time.time() + 2, usegmt=True)),
+            "busy": (503, "1"),
+            "limited_long": (429, "3600"),
+            "limited_absurd": (429, "9" * 30),
+        }
+        if mode in retry_after and (nth % 2 == 1 or mode in ("limited_long", "limited_absurd")):
+            status, after = retry_after[mode]
+            data = b'{"error": {"message": "slow down \x1b[31mplease\x1b[0m"}}'
+            await send(_head(status, len(data), f"Retry-After: {after}\r\n") + data)
+        elif mode in retry_after:
+            await send(_head(200, len(simple["ok"])) + simple["ok"])
+        elif mode in simple:
             data = simple[mode]
             await send(_head(200, len(data)) + data)
         elif mode == "stall":

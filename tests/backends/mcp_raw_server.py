@@ -6,7 +6,10 @@ Run as ``python tests/backends/mcp_raw_server.py``. Tools (each takes ``n: int``
 - ``big_id_first``: the same with ``id`` first (as the Python SDK orders them);
 - ``big_no_id``: ``n`` bytes of a notification that answers nothing, then the answer;
 - ``junk``: a line that is not JSON-RPC, then the answer;
-- ``echo``: answers ``"echo n"``.
+- ``echo``: answers ``"echo n"``;
+- ``noise``: writes to stderr a line with ANSI escapes and control characters, a line of 1 MiB and ``n`` lines
+  ``spam <i>``, then answers ``"echo n"`` (a client that does not read stderr as it comes blocks it);
+- ``crash``: writes ``dying words`` (no newline) to stderr and exits without answering.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 import json
 import sys
 
-TOOLS = ["big", "big_id_first", "big_no_id", "junk", "echo"]
+TOOLS = ["big", "big_id_first", "big_no_id", "junk", "echo", "noise", "crash"]
+NOISE = b"\x1b[31mred alert\x1b[0m \x1b]0;pwned\x07 bell\x07 nul\x00 end\rFAKE\n"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
 
 
@@ -57,6 +61,14 @@ def main() -> None:
                 send(b'{"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "' + b"N" * n + b'"}}')
             if name == "junk":
                 send(b"this is not json-rpc \x00\xff")
+            if name == "noise":
+                sys.stderr.buffer.write(NOISE + b"L" * (1 << 20) + b"\n")
+                sys.stderr.buffer.write(b"".join(b"spam %d\n" % i for i in range(n)))
+                sys.stderr.buffer.flush()
+            if name == "crash":
+                sys.stderr.buffer.write(b"dying words")
+                sys.stderr.buffer.flush()
+                sys.exit(1)
             result = text_result(f"echo {n}")
         else:
             result = {}

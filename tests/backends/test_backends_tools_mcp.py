@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
 import subprocess
 import sys
@@ -237,6 +238,59 @@ async def test_a_huge_stdio_reply_is_refused_without_stalling_the_event_loop(cap
     finally:
         tick.cancel()
         await bank.aclose()
+
+
+async def test_a_stdio_server_s_stderr_is_logged_attributed_inert_cut_and_rate_limited(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tool server is untrusted: what it writes to stderr (ANSI escapes, NUL, a carriage return that would
+    overwrite a terminal line, a 1 MiB line, thousands of lines) reaches the operator's log as records of its own
+    logger, one line each, inert, cut, and no more than the rate limit (the rest counted); the pipe is read as it
+    comes, so a server writing more than a pipe holds before it answers does not hang; its last words before it
+    exits are logged; and its tools keep working."""
+    from cspan.backends.tools.mcp_stdio import MAX_STDERR_LINE_CHARS, STDERR_BURST, STDERR_LINES_PER_S
+
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    spam = 20_000
+    raw = [sys.executable, str(HERE / "mcp_raw_server.py")]
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="cspan.backends.tools.mcp"):
+        bank = await ToolBank.from_mcp(raw, connect_timeout_s=CONNECT_S, timeout_s=60)
+        tick = asyncio.create_task(ticker())
+        try:
+            with pytest.raises(ToolError, match="closed the connection"):
+                await bank.call("crash", {})
+            assert (await bank.call("noise", {"n": spam})).text == f"echo {spam}"  # on a new subprocess
+            assert (await bank.call("echo", {"n": 7})).text == "echo 7"
+        finally:
+            tick.cancel()
+            await bank.aclose()
+    elapsed = time.monotonic() - t0
+    assert max(gaps) < 0.5, f"the event loop stalled {max(gaps):.2f} s"
+    said = [r.getMessage() for r in caplog.records if r.name == "cspan.backends.tools.mcp.mcp_raw_server"]
+    assert said and all(m.startswith("MCP server mcp_raw_server: ") for m in said), said[:3]
+    assert all(m.isprintable() for m in said)  # no ESC, NUL, BEL, CR or newline
+    assert "MCP server mcp_raw_server: red alert bell nul end FAKE" in said  # escapes gone, controls made spaces
+    long = [m for m in said if m.endswith(f"(a line of {1 << 20} bytes)")]
+    assert len(long) == 1 and len(long[0]) < MAX_STDERR_LINE_CHARS + 80 and "LLLL..." in long[0]
+    logged = [m.rpartition(": ")[2] for m in said if ": spam " in m]
+    counts = [re.search(r": (\d+) stderr line\(s\) \((\d+) bytes\) not logged, over the limit", m) for m in said]
+    dropped = [(int(c[1]), int(c[2])) for c in counts if c]
+    assert dropped, "the lines over the limit are reported"
+    assert len(logged) + sum(n for n, _ in dropped) == spam
+    spam_bytes = sum(len(b"spam %d" % i) for i in range(spam))
+    assert sum(len(m) for m in logged) + sum(b for _, b in dropped) == spam_bytes
+    assert len(logged) + 2 <= STDERR_BURST + STDERR_LINES_PER_S * elapsed + 1  # the rate limit held
+    assert said.count("MCP server mcp_raw_server: dying words") == 1  # read to the end as the server exited
 
 
 async def test_a_server_that_cannot_restart_is_given_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

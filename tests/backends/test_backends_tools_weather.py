@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools import ToolBank
@@ -21,6 +22,9 @@ PLACES = {
     "busan": [
         {"name": "Busan", "latitude": 35.10278, "longitude": 129.04028, "country": "South Korea",
          "country_code": "KR", "admin1": "Busan"},
+    ],
+    "ratelimit": [
+        {"name": "Ratelimit", "latitude": 35.1, "longitude": 129.0, "country": "Wonderland", "country_code": "WL"},
     ],
     "portland": [
         {"name": "Portland", "latitude": 43.66147, "longitude": -70.25533, "country": "United States",
@@ -35,9 +39,11 @@ def fake_open_meteo() -> tuple[FastAPI, list[tuple[str, dict[str, Any]]]]:
     app = FastAPI()
     seen: list[tuple[str, dict[str, Any]]] = []
 
-    @app.get("/v1/search")
-    def search(name: str, count: int = 10, language: str = "en", format: str = "json") -> dict[str, Any]:
+    @app.get("/v1/search", response_model=None)
+    def search(name: str, count: int = 10, language: str = "en", format: str = "json") -> dict[str, Any] | JSONResponse:
         seen.append(("search", {"name": name, "count": count, "language": language, "format": format}))
+        if name == "Ratelimit" and sum(args["name"] == name for _, args in seen) % 2:  # 429 every other time
+            return JSONResponse({"error": True, "reason": "too many requests"}, 429, {"Retry-After": "1"})
         results = PLACES.get(name.lower(), [])[:count]
         return {"results": results, "generationtime_ms": 0.5} if results else {"generationtime_ms": 0.4}
 
@@ -138,7 +144,9 @@ async def test_closed_port_fails_with_tool_error() -> None:
     port = free_port()  # nothing listens there
     bank = ToolBank.default(weather_base_url=f"http://127.0.0.1:{port}")
     try:
-        with pytest.raises(ToolError, match=r"cannot reach http://127\.0\.0\.1:\d+/v1/search \(ConnectError"):
+        with pytest.raises(
+            ToolError, match=r"cannot reach http://127\.0\.0\.1:\d+/v1/search \(could not connect .*ConnectError"
+        ):
             await bank.call("get_weather", {"city": "Busan"})
     finally:
         await bank.aclose()
@@ -157,6 +165,16 @@ async def test_silent_server_times_out_with_tool_error() -> None:
             await ToolBank([client.tool()]).call("get_weather", {"city": "Busan"})
     finally:
         server.close()
+
+
+async def test_a_rate_limit_s_retry_after_is_waited_out(bank: ToolBank, open_meteo: tuple[str, list]) -> None:
+    """Open-Meteo answers 429 when over its limits: the advised wait fits the tool's 6 s, so the call succeeds."""
+    _, seen = open_meteo
+    t0 = time.monotonic()
+    result = await bank.call("get_weather", {"city": "Ratelimit"})
+    assert 0.95 <= time.monotonic() - t0 < 2.5
+    assert result.text.startswith("Ratelimit, Wonderland: 26.1°C")
+    assert [args["name"] for kind, args in seen if kind == "search"] == ["Ratelimit", "Ratelimit"]
 
 
 def test_wmo_codes_in_words() -> None:

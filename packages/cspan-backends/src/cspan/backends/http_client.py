@@ -1,9 +1,13 @@
 """How the backends call another server over HTTP (the router LLM, the transcribers): one retry policy, one overall
 deadline per request, bounded replies. Each client maps :class:`HTTPFailure` to its own error type.
 
-- **Retry**: only when no connection was made (``httpx.ConnectError``, ``httpx.ConnectTimeout``): at most
+- **Retry**: when no connection was made (``httpx.ConnectError``, ``httpx.ConnectTimeout``): at most
   ``max_attempts`` tries, sleeping ``backoff_s * 2**(n-1)`` seconds after the n-th failure. A request that reached
-  the server is never repeated.
+  the server is repeated only when the server refused it with 429 (Too Many Requests) or 503 (Service Unavailable)
+  and a ``Retry-After`` (delta-seconds or an HTTP-date, RFC 9110 §10.2.3), and only an idempotent one (RFC 9110
+  §9.2.2: by its method, or as its caller declares): the advised wait is slept when it ends before the deadline
+  (at most ``max_retry_after_waits`` times), else the request fails at once saying what the server asked. Such a
+  refusal without ``Retry-After`` is returned as any reply is.
 - **Deadline**: ``deadline_s`` bounds the whole request (connecting, retries and their waits, sending, the reply's
   headers and its whole body), so a server that trickles its reply a byte at a time holds the caller no longer
   than that. httpx's own per-read timeout is only a backstop.
@@ -20,18 +24,23 @@ import asyncio
 import logging
 import math
 import os
+import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC
+from email.utils import parsedate_to_datetime
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import httpx
 
+from cspan.backends.untrusted import sanitize_text
 from cspan.backends.urls import redact_url
 
 __all__ = [
     "DEFAULT_MAX_REPLY_BYTES",
     "INLINE_BYTES",
+    "MAX_RETRY_AFTER_S",
     "HTTPFailure",
     "HTTPPolicy",
     "HTTPReply",
@@ -40,6 +49,7 @@ __all__ = [
     "network_cause",
     "off_loop",
     "request",
+    "retry_after_s",
     "unanswered",
 ]
 
@@ -50,8 +60,13 @@ DEFAULT_MAX_REPLY_BYTES = 1 << 20
 transcript with word timings is a few KB)."""
 INLINE_BYTES = 16 * 1024
 """:func:`off_loop` runs work on inputs up to this size on the event loop, larger ones in a worker thread."""
+MAX_RETRY_AFTER_S = 86_400.0
+"""The longest ``Retry-After`` read as given, in seconds (a day); a longer one, or a date further ahead, reads as
+this (a request is never held that long: the wait must end before its deadline)."""
 
-FailureKind = Literal["connect", "deadline", "too_large", "transport"]
+FailureKind = Literal["connect", "deadline", "too_large", "transport", "refused"]
+_REFUSALS = {429: "Too Many Requests", 503: "Service Unavailable"}
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})  # RFC 9110 §9.2.2
 T = TypeVar("T")
 
 
@@ -62,8 +77,10 @@ class HTTPPolicy:
     Attributes:
         deadline_s: the whole request, retries and reading the body included (s).
         connect_timeout_s: one connection attempt (s).
-        max_attempts: connection attempts in all (a request that reached the server is never repeated).
+        max_attempts: connection attempts in all.
         backoff_s: wait after the first failed connection attempt (s); doubled after each further one.
+        max_retry_after_waits: times a 429 or 503 with ``Retry-After`` is waited out and an idempotent request sent
+            again; 0 never waits.
         max_reply_bytes: the largest reply body read, in bytes after decompression.
     """
 
@@ -71,6 +88,7 @@ class HTTPPolicy:
     connect_timeout_s: float = 2.0
     max_attempts: int = 3
     backoff_s: float = 0.25
+    max_retry_after_waits: int = 2
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
 
     def __post_init__(self) -> None:
@@ -82,6 +100,8 @@ class HTTPPolicy:
             raise ValueError(f"backoff_s must be a finite number of seconds >= 0, got {self.backoff_s!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_retry_after_waits < 0:
+            raise ValueError(f"max_retry_after_waits must be >= 0, got {self.max_retry_after_waits}")
         if self.max_reply_bytes < 1024:
             raise ValueError(f"max_reply_bytes must be at least 1024, got {self.max_reply_bytes}")
 
@@ -109,14 +129,46 @@ class HTTPFailure(Exception):
     Attributes:
         kind: ``"connect"`` (no connection after every attempt), ``"deadline"`` (no complete reply within
             ``deadline_s``), ``"too_large"`` (the body passed ``max_reply_bytes``), ``"transport"`` (the
-            connection failed after it was made, or a body that cannot be decoded).
-        attempts: connection attempts made.
+            connection failed after it was made, or a body that cannot be decoded), ``"refused"`` (a 429 or 503
+            whose ``Retry-After`` is not waited out: past the deadline, the waits used up, or a request that is
+            not idempotent; the message says after how long the server asked to be asked again).
+        attempts: requests sent, connection attempts included.
+        status: the HTTP status of a ``"refused"`` failure, else None.
     """
 
-    def __init__(self, kind: FailureKind, message: str, *, attempts: int = 1) -> None:
+    def __init__(self, kind: FailureKind, message: str, *, attempts: int = 1, status: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.attempts = attempts
+        self.status = status
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """The wait a ``Retry-After`` header asks for, in seconds (RFC 9110 §10.2.3).
+
+    Args:
+        value: the header: delta-seconds (``"120"``) or an HTTP-date (``"Fri, 31 Dec 1999 23:59:59 GMT"``; the
+            obsolete RFC 850 and asctime forms too, a date without zone read as GMT).
+        now: the current time as a Unix timestamp (default ``time.time()``), for a date.
+
+    Returns:
+        The wait: 0 for a date already past, at most :data:`MAX_RETRY_AFTER_S`; None when ``value`` is None or
+        neither form (a negative or fractional number included), so that the header is ignored.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        # a long digit string is absurd, not an error (and int() refuses more than 4300 digits)
+        return min(float(value), MAX_RETRY_AFTER_S) if len(value) <= 12 else MAX_RETRY_AFTER_S
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # asctime, or "-0000": GMT as HTTP-dates are
+        when = when.replace(tzinfo=UTC)
+    seconds = when.timestamp() - (time.time() if now is None else now)
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
 class _TooLarge(Exception):
@@ -181,6 +233,8 @@ async def request(
     *,
     policy: HTTPPolicy,
     headers: dict[str, str] | None = None,
+    idempotent: bool | None = None,
+    deadline_at: float | None = None,
     **kwargs: Any,
 ) -> HTTPReply:
     """Send one request under ``policy`` and read the whole (bounded) reply.
@@ -190,39 +244,81 @@ async def request(
         method, url: what to request.
         policy: retry, deadline and size limits.
         headers: extra request headers (``Accept-Encoding`` is set here).
+        idempotent: whether the request may be sent again after a 429 or 503 with ``Retry-After``; None decides by
+            the method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE are). Declare True only for a request that changes
+            nothing on the server whatever its method (a chat completion, a transcription).
+        deadline_at: the event loop's time (``loop.time()``) at which the caller's own deadline ends, when it has
+            one around this request: a ``Retry-After`` wait must end before it too.
         **kwargs: the body, as ``httpx.AsyncClient.stream`` takes it (``json=``, ``files=``, ``data=``).
 
     Returns:
-        The :class:`HTTPReply`, whatever its status (the caller judges 4xx/5xx).
+        The :class:`HTTPReply`, whatever its status (the caller judges 4xx/5xx), but a 429 or 503 with a
+        ``Retry-After``, which is waited out or raised.
 
     Raises:
         HTTPFailure: see its ``kind``.
     """
     sent = {**(headers or {}), "Accept-Encoding": "gzip, deflate"}
-    attempts = 0
+    if idempotent is None:
+        idempotent = method.upper() in _IDEMPOTENT
+    loop = asyncio.get_running_loop()
+    end = min(loop.time() + policy.deadline_s, math.inf if deadline_at is None else deadline_at)
+    attempts = failed = waits = 0  # requests sent, connection failures, Retry-After waits
     try:
         async with asyncio.timeout(policy.deadline_s):
             while True:
                 attempts += 1
                 try:
-                    return await _exchange(client, method, url, policy, sent, kwargs)
+                    reply = await _exchange(client, method, url, policy, sent, kwargs)
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    if attempts >= policy.max_attempts:
+                    failed += 1
+                    if failed >= policy.max_attempts:
                         raise HTTPFailure(
                             "connect",
-                            f"could not connect after {attempts} attempt(s) ({type(exc).__name__}: {exc})",
+                            f"could not connect after {failed} attempt(s) ({type(exc).__name__}: {exc})",
                             attempts=attempts,
                         ) from None
-                    delay = policy.backoff_s * 2 ** (attempts - 1)
+                    delay = policy.backoff_s * 2 ** (failed - 1)
                     log.warning(
                         "%s: connection failed (%s), attempt %d/%d; retrying in %.2f s",
                         redact_url(url),
                         exc,
-                        attempts,
+                        failed,
                         policy.max_attempts,
                         delay,
                     )
                     await asyncio.sleep(delay)
+                    continue
+                wait = retry_after_s(reply.headers.get("retry-after")) if reply.status in _REFUSALS else None
+                if wait is None:
+                    return reply
+                left = end - loop.time()
+                if not idempotent:
+                    why = f"not sent again: a {method.upper()} may not be safe to repeat"
+                elif waits >= policy.max_retry_after_waits:
+                    why = f"refused again after {waits} wait(s); not sent again"
+                elif wait >= left:
+                    why = f"longer than the {max(left, 0.0):.1f} s left before the deadline; not waited"
+                else:
+                    waits += 1
+                    log.warning(
+                        "%s: HTTP %d, the server asked to retry after %g s; waiting (%d/%d)",
+                        redact_url(url),
+                        reply.status,
+                        wait,
+                        waits,
+                        policy.max_retry_after_waits,
+                    )
+                    await asyncio.sleep(wait)
+                    continue
+                said = sanitize_text(reply.shown(), 160) or "(empty body)"
+                raise HTTPFailure(
+                    "refused",
+                    f"HTTP {reply.status} ({_REFUSALS[reply.status]}): the server asked to retry after {wait:g} s, "
+                    f"{why} (it said: {said})",
+                    attempts=attempts,
+                    status=reply.status,
+                )
     except TimeoutError:
         raise HTTPFailure(
             "deadline",

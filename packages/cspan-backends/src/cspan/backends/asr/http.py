@@ -35,8 +35,10 @@ class RemoteTranscriber:
     """Shared HTTP plumbing: one ``httpx.AsyncClient``, the backends' request policy, error mapping, reply parsing.
 
     Every request follows :mod:`cspan.backends.http_client`: connection failures retried (at most
-    ``max_attempts`` tries, sleeping ``backoff_s * 2**(n-1)`` seconds after the n-th failure; a request that reached
-    the server is never repeated), ``timeout_s`` as the overall deadline of one request (connecting, sending the
+    ``max_attempts`` tries, sleeping ``backoff_s * 2**(n-1)`` seconds after the n-th failure), a 429 or 503 with
+    ``Retry-After`` waited out and sent again when the wait ends before the deadline (a transcription changes
+    nothing on the server; otherwise a request that reached the server is never repeated), ``timeout_s`` as the
+    overall deadline of one request (connecting, sending the
     clip, and reading the whole reply: a server trickling its answer fails at the deadline), and the reply body
     bounded to ``max_reply_bytes`` after decompression. The transcript's text is made one line without control
     characters and cut to :data:`~cspan.backends.asr.base.MAX_TRANSCRIPT_CHARS`
@@ -120,16 +122,17 @@ class RemoteTranscriber:
 
         Raises:
             TranscriberError: no connection after ``max_attempts`` tries, no complete reply within ``timeout_s``, a
-                reply over ``max_reply_bytes``, a transport failure (``status`` None), or an HTTP status >= 400
-                (``status`` set, the server's message quoted).
+                reply over ``max_reply_bytes``, a transport failure (``status`` None), a 429 or 503 whose
+                ``Retry-After`` does not fit the deadline, or an HTTP status >= 400 (``status`` set, the server's
+                message quoted).
         """
         try:
             reply = await request(
                 self._get_client(), "POST", self.endpoint, policy=self.policy, headers=self._headers,
-                files=files, data=dict(data),
+                files=files, data=dict(data), idempotent=True,  # a transcription changes nothing: safe to send again
             )  # fmt: skip
         except HTTPFailure as exc:
-            raise self._error(_failure_message(exc)) from None
+            raise self._error(_failure_message(exc), status=exc.status) from None
         if reply.status >= 400:
             raise self._error(f"HTTP {reply.status}: {_server_message(reply)}", status=reply.status)
         return reply
@@ -223,6 +226,8 @@ def _failure_message(exc: HTTPFailure) -> str:
         return f"{exc}; is the ASR server running? Start one with `cspan asr-serve` or fix the URL"
     if exc.kind == "deadline":
         return f"{exc}; check the server, or raise the transcriber's timeout for long clips"
+    if exc.kind == "refused":
+        return f"{exc}; the server is busy or rate-limiting: lower the load on it, or raise the transcriber's timeout"
     return str(exc)
 
 

@@ -344,7 +344,8 @@ class LLMRouter:
     starts over with a new confirmation.
 
     :meth:`route` raises :class:`RouterError` when the endpoint fails (connection, HTTP status, timeout, a body
-    that is not a chat completion, a reply over ``max_reply_bytes``); a reply it cannot use (unknown tool, invalid
+    that is not a chat completion, a reply over ``max_reply_bytes``, a 429 or 503 whose ``Retry-After`` does not
+    end within ``timeout_s``: one that does is waited out, twice at most); a reply it cannot use (unknown tool, invalid
     arguments, failing tool, unparseable JSON) gives a :class:`RouteResult` with ``reference=None`` and ``error``
     set. Replies are parsed in linear time, and those over 16 KiB in a worker thread, so that no reply holds up
     the event loop that paces the audio frames of every session.
@@ -539,18 +540,31 @@ class LLMRouter:
             shared.own_client = True
         return shared.client
 
-    async def _post(self, body: dict[str, Any]) -> tuple[int, bytes]:
+    async def _post(self, body: dict[str, Any], end: float) -> tuple[int, bytes]:
         """POST ``body`` under the backends' request policy (:mod:`cspan.backends.http_client`: the reply read as a
-        stream, bounded to ``max_reply_bytes`` after decompression, within ``timeout_s``); returns the status and
-        the reply's bytes."""
+        stream, bounded to ``max_reply_bytes`` after decompression, within ``timeout_s``; a 429 or 503 with
+        ``Retry-After`` waited out when the wait ends before ``end``, the loop time at which :meth:`route`'s
+        deadline ends); returns the status and the reply's bytes."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         try:
-            reply = await request(self._http(), "POST", self.url, policy=self._policy, headers=headers, json=body)
+            # a chat completion changes nothing on the server: safe to send again after a 429 or 503
+            reply = await request(
+                self._http(),
+                "POST",
+                self.url,
+                policy=self._policy,
+                headers=headers,
+                json=body,
+                idempotent=True,
+                deadline_at=end,
+            )
         except HTTPFailure as exc:
             fix = {
                 "connect": "start the server or pass the right --router",
                 "deadline": "check the server's load, or raise the router timeout",
                 "too_large": "check the server (a chat completion is a few KB), or raise max_reply_bytes",
+                "refused": "the server is rate-limiting or overloaded: lower the load on it, or raise the router "
+                "timeout so that the wait it asks for fits",
             }.get(exc.kind, "check the server")
             where = f"router LLM at {self.where}" + (" is unreachable" if exc.kind == "connect" else "")
             raise RouterError(f"{where}: {exc}. Fix: {fix}.") from None
@@ -611,8 +625,8 @@ class LLMRouter:
         content = message_text(self._message(status, raw).get("content"))
         return _Decision(error=content.error) if isinstance(content, _Decision) else parse_reply(content)
 
-    async def _ask(self, req: RouteRequest, calls: list[ToolCall]) -> _Decision:
-        """One decision: a request with ``tools`` (unless disabled), else in JSON mode."""
+    async def _ask(self, req: RouteRequest, calls: list[ToolCall], end: float) -> _Decision:
+        """One decision: a request with ``tools`` (unless disabled), else in JSON mode (``end``: see :meth:`_post`)."""
         user = self.user_message(req, calls)
         if self._use_tools_field:
             if self._openai_tools is None:
@@ -622,7 +636,7 @@ class LLMRouter:
             )
             body["tools"] = self._openai_tools
             body["tool_choice"] = "auto"
-            status, data = await self._post(body)
+            status, data = await self._post(body, end)
             if status < 400:
                 return await off_loop(len(data), self._tool_decision, status, data)
             if self.json_mode == "never" or status not in (400, 422, 501):
@@ -641,12 +655,12 @@ class LLMRouter:
         body = self._body(messages)
         if self._use_response_format:
             body["response_format"] = {"type": "json_object"}
-        status, data = await self._post(body)
+        status, data = await self._post(body, end)
         if status >= 400 and self._use_response_format and status in (400, 422, 501):
             log.warning("router LLM at %s rejected response_format (HTTP %s); retrying without it", self.where, status)
             self._use_response_format = False
             body.pop("response_format")
-            status, data = await self._post(body)
+            status, data = await self._post(body, end)
         if status >= 400:
             raise self._http_error(status, data)
         return await off_loop(len(data), self._json_decision, status, data)
@@ -692,9 +706,10 @@ class LLMRouter:
         t0 = time.perf_counter()
         timing = {"llm_s": 0.0, "tool_s": 0.0}
         calling: list[str] = []  # the tool being called; still set when the deadline cancelled it
+        end = asyncio.get_running_loop().time() + self.timeout_s
         try:
-            async with asyncio.timeout(self.timeout_s):
-                result = await self._route(req, timing, calling)
+            async with asyncio.timeout_at(end):
+                result = await self._route(req, timing, calling, end)
         except TimeoutError as exc:
             spent = f"LLM {timing['llm_s']:.2f} s, tools {timing['tool_s']:.2f} s"
             if not calling:
@@ -713,19 +728,21 @@ class LLMRouter:
         result.latency_s = time.perf_counter() - t0
         return result
 
-    async def _route(self, req: RouteRequest, timing: dict[str, float], calling: list[str]) -> RouteResult:
+    async def _route(self, req: RouteRequest, timing: dict[str, float], calling: list[str], end: float) -> RouteResult:
         if not req.question.strip():
             return RouteResult(source="none")
-        result = await self._route_timed(req, timing, calling)
+        result = await self._route_timed(req, timing, calling, end)
         result.llm_s, result.tool_s = timing["llm_s"], timing["tool_s"]
         return result
 
-    async def _route_timed(self, req: RouteRequest, timing: dict[str, float], calling: list[str]) -> RouteResult:
+    async def _route_timed(
+        self, req: RouteRequest, timing: dict[str, float], calling: list[str], end: float
+    ) -> RouteResult:
         calls: list[ToolCall] = []
         while True:
             t0 = time.perf_counter()
             try:
-                decision = await self._ask(req, calls)
+                decision = await self._ask(req, calls, end)
             finally:
                 timing["llm_s"] += time.perf_counter() - t0
             if decision.name is None:

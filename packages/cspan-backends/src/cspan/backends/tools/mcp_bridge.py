@@ -5,7 +5,8 @@ that ``import cspan.backends`` works without it.
 
 Client (:class:`MCPConnection`, used by ``await ToolBank.from_mcp(...)``): a stdio subprocess
 (:func:`~cspan.backends.tools.mcp_stdio.bounded_stdio_client`, which bounds and reads in linear time what the server
-sends; the SDK's ``stdio_client`` on Windows) or a streamable-HTTP endpoint (``mcp.client.streamable_http``), one
+sends, and logs its stderr under ``cspan.backends.tools.mcp.<name>`` sanitised and rate-limited; the SDK's
+``stdio_client`` on Windows, the stderr passed through) or a streamable-HTTP endpoint (``mcp.client.streamable_http``), one
 ``ClientSession`` kept open until ``aclose()``; one found closed (the subprocess exited, the endpoint dropped the
 connection) is logged and reconnected at the next call. The transport and session live in an ``AsyncExitStack``
 inside one background task that the bank owns: the SDK's anyio cancel scopes must be left by the task that entered
@@ -180,7 +181,7 @@ class MCPConnection:
                 if self.command is not None and sys.platform != "win32":
                     from cspan.backends.tools.mcp_stdio import bounded_stdio_client
 
-                    stdio = bounded_stdio_client(self.command, env=self.env, cwd=self.cwd, errlog=_errlog(stack))
+                    stdio = bounded_stdio_client(self.command, env=self.env, cwd=self.cwd)
                     streams = await stack.enter_async_context(stdio)
                 elif self.command is not None:
                     from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -437,7 +438,8 @@ class MCPConnection:
 
 
 def _errlog(stack: contextlib.AsyncExitStack) -> Any:
-    """Where the subprocess's stderr goes: ours if it has a file descriptor, else the null device."""
+    """Where the subprocess's stderr goes on Windows (the SDK's transport takes a file, not a logger): ours if it
+    has a file descriptor, else the null device."""
     try:
         sys.stderr.fileno()
         return sys.stderr

@@ -10,7 +10,9 @@ terminated) with the reading done in linear time and bounded:
 - a message above ``max_message_bytes`` is not kept: the rest of its line is read and dropped, and the request it
   answers fails with an error that says so (the id is read from the line's head or tail), so the connection stays
   usable; a message too large whose id cannot be found closes the connection (the bridge reconnects);
-- a message above :data:`~cspan.backends.http_client.INLINE_BYTES` is parsed in a worker thread.
+- a message above :data:`~cspan.backends.http_client.INLINE_BYTES` is parsed in a worker thread;
+- the server's stderr is read as it comes (a server never blocks on a full pipe) and logged through
+  :class:`StderrLog`: attributed, made inert, cut and rate-limited, as the words of an untrusted party.
 """
 
 from __future__ import annotations
@@ -19,14 +21,27 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
-from typing import Any, TextIO
+import subprocess
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import PurePath
+from typing import Any
 
 import anyio
 
 from cspan.backends.http_client import off_loop
+from cspan.backends.untrusted import sanitize_text
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "bounded_stdio_client"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_STDERR_LINE_CHARS",
+    "STDERR_BURST",
+    "STDERR_LINES_PER_S",
+    "STDERR_LOGGER",
+    "StderrLog",
+    "bounded_stdio_client",
+    "server_name",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +55,21 @@ _TERM_S = 2.0  # SIGTERM to SIGKILL of the process group
 _ID_HEAD = re.compile(rb'^\s*\{\s*"jsonrpc"\s*:\s*"2\.0"\s*,\s*"id"\s*:\s*(-?\d+|"(?:[^"\\]|\\.)*")')
 _ID_TAIL = re.compile(rb'"id"\s*:\s*(-?\d+|"(?:[^"\\]|\\.)*")\s*\}\s*$')
 _KEEP_TAIL = 256  # bytes of an oversized line kept to find its id at the end
+_STDERR_TAIL_S = 0.5  # for the last of a server's stderr to be read once it exited
+
+STDERR_LOGGER = "cspan.backends.tools.mcp"
+"""The parent of the loggers a stdio MCP server's stderr goes to: ``cspan.backends.tools.mcp.<name>``."""
+MAX_STDERR_LINE_CHARS = 500
+"""The longest stderr line logged, in characters after sanitising; a longer one is cut (the record says its size)."""
+STDERR_BURST = 50
+"""Stderr lines of one server logged at once (a traceback) before :data:`STDERR_LINES_PER_S` applies."""
+STDERR_LINES_PER_S = 5.0
+"""Stderr lines of one server logged per second beyond the burst; the others are counted and reported."""
+
+# ECMA-48 escape sequences: CSI (colours, cursor moves), OSC (window titles, hyperlinks), the others
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -/]*[0-~])")
+_KEEP_LINE = 8 * MAX_STDERR_LINE_CHARS  # bytes of a stderr line kept (escapes and UTF-8 take room)
+_RUNNER = re.compile(r"(python|pypy|node|deno|bun|bunx|npx|uvx|pipx)[\d.]*(\.exe)?", re.IGNORECASE)
 
 
 def _parse(line: bytes) -> Any:
@@ -66,22 +96,126 @@ def _too_large_reply(head: bytes, tail: bytes, size: int, limit: int) -> bytes |
     return b'{"jsonrpc": "2.0", "id": ' + found.group(1) + b', "error": ' + json.dumps(error).encode() + b"}"
 
 
+def server_name(command: Sequence[str]) -> str:
+    """The name of a stdio server in its log records: the program's (``cspan``) or, for an interpreter or package
+    runner (python, node, npx, uvx, ...), that of the module, script or package it runs (``my_server`` for ``python
+    -m my_server``, ``server-filesystem`` for ``npx -y @modelcontextprotocol/server-filesystem /srv``); characters
+    outside ``[A-Za-z0-9_-]`` become ``_``, at most 64."""
+    name = PurePath(command[0]).name
+    if _RUNNER.fullmatch(name):
+        words = iter(command[1:])
+        for word in words:
+            if word == "-m":
+                name = next(words, name)
+                break
+            if not word.startswith("-"):
+                name = PurePath(word).name
+                break
+    name = re.sub(r"\.(py|js|mjs|cjs|ts|exe)$", "", name)
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)[:64] or "server"
+
+
+class StderrLog:
+    """A stdio MCP server's stderr as log records, such that an untrusted server can neither forge nor flood the
+    operator's log.
+
+    Each line is one WARNING record of the logger ``cspan.backends.tools.mcp.<name>`` (:data:`STDERR_LOGGER`),
+    reading ``MCP server <name>: <line>``: ANSI escape sequences removed, other control and format characters made
+    spaces (:func:`~cspan.backends.untrusted.sanitize_text`), cut to :data:`MAX_STDERR_LINE_CHARS` (a longer line's
+    record gives its size in bytes). At most :data:`STDERR_BURST` lines are logged at once and
+    :data:`STDERR_LINES_PER_S` a second after that (a token bucket); the lines over it are counted, not kept, and
+    one record says how many and their bytes (newlines not counted) before the next line logged, and at the end.
+    Memory is bounded (a line's first 4000 bytes are kept) and a flood costs C-speed work only: Python work per
+    piece read is bounded by the lines logged.
+
+    Args:
+        name: the server's name, as :func:`server_name` makes it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.log = logging.getLogger(f"{STDERR_LOGGER}.{self.name}")
+        self._tokens = float(STDERR_BURST)
+        self._at = time.monotonic()
+        self._line = bytearray()  # the head of the line being read
+        self._size = 0  # its bytes so far
+        self._dropped = self._dropped_bytes = 0
+
+    def feed(self, data: bytes) -> None:
+        """Take the next piece of the stream (any length, lines split anywhere)."""
+        now = time.monotonic()
+        self._tokens = min(float(STDERR_BURST), self._tokens + (now - self._at) * STDERR_LINES_PER_S)
+        self._at = now
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            if self._tokens < 1:  # over the limit: the piece's other whole lines are counted, not read
+                last = data.rfind(b"\n")
+                lines = data.count(b"\n", start, last + 1)
+                self._dropped += lines
+                self._dropped_bytes += self._size + last + 1 - start - lines
+                self._line.clear()
+                self._size, start = 0, last + 1
+                break
+            self._add(data[start:end])
+            self._end_line()
+            start = end + 1
+        self._add(data[start:])
+
+    def close(self) -> None:
+        """The stream ended: log its last line (one without a newline) and report what was not logged."""
+        if self._size:
+            self._end_line()
+        self._report()
+
+    def _add(self, piece: bytes) -> None:
+        self._size += len(piece)
+        room = _KEEP_LINE - len(self._line)
+        if room > 0:
+            self._line += piece[:room]
+
+    def _end_line(self) -> None:
+        if self._tokens < 1:
+            self._dropped += 1
+            self._dropped_bytes += self._size
+        else:
+            self._tokens -= 1
+            self._report()
+            text = sanitize_text(_ANSI.sub("", self._line.decode("utf-8", "replace")), MAX_STDERR_LINE_CHARS)
+            if text:
+                size = f" (a line of {self._size} bytes)" if self._size > MAX_STDERR_LINE_CHARS else ""
+                self.log.warning("MCP server %s: %s%s", self.name, text, size)
+        self._line.clear()
+        self._size = 0
+
+    def _report(self) -> None:
+        if self._dropped:
+            self.log.warning(
+                "MCP server %s: %d stderr line(s) (%d bytes) not logged, over the limit of %d lines at once and "
+                "%g a second",
+                self.name,
+                self._dropped,
+                self._dropped_bytes,
+                STDERR_BURST,
+                STDERR_LINES_PER_S,
+            )
+            self._dropped = self._dropped_bytes = 0
+
+
 @contextlib.asynccontextmanager
 async def bounded_stdio_client(
     command: list[str],
     *,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
-    errlog: TextIO,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> AsyncIterator[tuple[Any, Any]]:
-    """Spawn ``command`` and yield ``(read_stream, write_stream)`` for an ``mcp.ClientSession``.
+    """Spawn ``command`` and yield ``(read_stream, write_stream)`` for an ``mcp.ClientSession``; the server's
+    stderr goes to a :class:`StderrLog` named by :func:`server_name`.
 
     Args:
         command: the server's argv (the first item searched on ``PATH``).
         env: extra environment variables, over the SDK's safe default environment.
         cwd: the server's working directory.
-        errlog: where the server's stderr goes.
         max_message_bytes: the largest message kept (see the module docstring).
 
     Raises:
@@ -92,10 +226,12 @@ async def bounded_stdio_client(
 
     where = " ".join(command)
     process = await anyio.open_process(
-        command, env=get_default_environment() | (env or {}), stderr=errlog, cwd=cwd, start_new_session=True
+        command, env=get_default_environment() | (env or {}), stderr=subprocess.PIPE, cwd=cwd, start_new_session=True
     )
-    assert process.stdin is not None and process.stdout is not None
-    stdin, stdout = process.stdin, process.stdout
+    assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+    stdin, stdout, stderr = process.stdin, process.stdout, process.stderr
+    errors = StderrLog(server_name(command))  # what the server writes to stderr: logged as untrusted words
+    stderr_ended = anyio.Event()
     to_session, read_stream = anyio.create_memory_object_stream[Any](0)
     write_stream, from_session = anyio.create_memory_object_stream[Any](0)
 
@@ -143,6 +279,15 @@ async def bounded_stdio_client(
                         buf.clear()
                     scanned = len(buf)
 
+    async def drain_stderr() -> None:
+        try:
+            with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                while True:
+                    errors.feed(await stderr.receive(_READ_BYTES))
+        finally:
+            errors.close()
+            stderr_ended.set()
+
     async def writer() -> None:
         async with from_session:
             try:
@@ -161,6 +306,7 @@ async def bounded_stdio_client(
     async with anyio.create_task_group() as tg:
         tg.start_soon(reader)  # reads until the server's stdout ends (a server blocked writing cannot exit)
         tg.start_soon(writer)
+        tg.start_soon(drain_stderr)  # read as it comes: a server blocked on a full stderr pipe would hang
         try:
             yield read_stream, write_stream
         finally:
@@ -173,6 +319,8 @@ async def bounded_stdio_client(
                     await terminate_posix_process_tree(process, _TERM_S)
                     if not await exited(_GRACE_S):
                         log.warning("MCP server %s (pid %d) is still alive after SIGKILL", where, process.pid)
+                with anyio.move_on_after(_STDERR_TAIL_S):  # its last words (a traceback), unless a child holds the pipe
+                    await stderr_ended.wait()
                 tg.cancel_scope.cancel()
     with anyio.CancelScope(shield=True), anyio.move_on_after(_GRACE_S), contextlib.suppress(Exception):
         await process.aclose()

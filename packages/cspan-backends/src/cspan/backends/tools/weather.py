@@ -9,9 +9,10 @@ Endpoints (https://open-meteo.com/en/docs and https://open-meteo.com/en/docs/geo
 
 Behaviour follows the original weather server (``docs/reference/context-spanning-original.md`` section 4.7):
 geocoding results are cached for the life of the client, forecasts for 60 s, and the clause reads
-``"Busan, South Korea: 26.1°C (79°F), humidity 68%, wind 3.8 km/h, clear sky."``. Connections time out after
-``connect_timeout_s`` (3 s) and whole requests after ``timeout_s``; any transport or HTTP failure raises
-:class:`ToolError` quickly instead of hanging.
+``"Busan, South Korea: 26.1°C (79°F), humidity 68%, wind 3.8 km/h, clear sky."``. Requests follow
+:mod:`cspan.backends.http_client` (one try to connect): connections time out after ``connect_timeout_s`` (3 s),
+whole requests (a 429 or 503's ``Retry-After`` waited out included) after ``timeout_s``, replies over 1 MiB are
+refused; any transport or HTTP failure raises :class:`ToolError` quickly instead of hanging.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import httpx
 from pydantic import Field
 
 from cspan.backends.errors import ToolError
+from cspan.backends.http_client import HTTPFailure, HTTPPolicy, request
 from cspan.backends.tools.bank import Tool, ToolArgs, ToolOutput
+from cspan.backends.untrusted import JSONInputError, loads
 
 __all__ = ["DEFAULT_GEOCODING_URL", "DEFAULT_WEATHER_URL", "WMO_CODES", "WeatherClient", "describe_wmo_code"]
 
@@ -109,7 +112,9 @@ class WeatherClient:
         self.base_url = (explicit or DEFAULT_WEATHER_URL).rstrip("/")
         geo = geocoding_base_url or os.environ.get("CSPAN_GEOCODING_URL") or (base_url if base_url else None)
         self.geocoding_base_url = (geo or DEFAULT_GEOCODING_URL).rstrip("/")
-        self.timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
+        self.policy = HTTPPolicy(
+            deadline_s=timeout_s, connect_timeout_s=min(connect_timeout_s, timeout_s), max_attempts=1
+        )
         self.timeout_s = timeout_s
         self.forecast_ttl_s = forecast_ttl_s
         self._places: dict[str, dict[str, Any]] = {}
@@ -117,22 +122,15 @@ class WeatherClient:
 
     async def _get_json(self, client: httpx.AsyncClient, url: str, params: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = await client.get(url, params=params)
-        except httpx.TimeoutException as exc:
-            raise ToolError(
-                f"{url} did not answer in time ({type(exc).__name__}); check the network or "
-                "CSPAN_WEATHER_URL / CSPAN_GEOCODING_URL"
-            ) from None
-        except httpx.HTTPError as exc:
-            raise ToolError(
-                f"cannot reach {url} ({type(exc).__name__}: {exc}); check the network or "
-                "CSPAN_WEATHER_URL / CSPAN_GEOCODING_URL"
-            ) from None
-        if response.status_code != 200:
-            raise ToolError(f"{url} answered HTTP {response.status_code}: {response.text[:120]!r}")
+            reply = await request(client, "GET", url, policy=self.policy, params=params)
+        except HTTPFailure as exc:
+            said = {"deadline": f"{url} did not answer in time", "connect": f"cannot reach {url}"}.get(exc.kind, url)
+            raise ToolError(f"{said} ({exc}); check the network or CSPAN_WEATHER_URL / CSPAN_GEOCODING_URL") from None
+        if reply.status != 200:
+            raise ToolError(f"{url} answered HTTP {reply.status}: {reply.shown(120)!r}")
         try:
-            payload = response.json()
-        except ValueError:
+            payload = loads(reply.body)
+        except JSONInputError:
             raise ToolError(f"{url} answered something that is not JSON") from None
         if not isinstance(payload, dict):
             raise ToolError(f"{url} answered a JSON {type(payload).__name__}, expected an object")
@@ -216,7 +214,7 @@ class WeatherClient:
         if not city and (lat is None or lon is None):
             field = "lon" if lat is not None else "lat" if lon is not None else "city"
             raise ToolError("get_weather needs a city, or both lat and lon", field=field)
-        async with httpx.AsyncClient(timeout=self.timeout, follow_redirects=True) as client:
+        async with httpx.AsyncClient(timeout=self.policy.timeout(), follow_redirects=True) as client:
             if city:
                 place = await self.geocode(client, city)
                 lat_, lon_, label = place["latitude"], place["longitude"], place["label"]
