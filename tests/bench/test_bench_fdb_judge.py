@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,10 +27,12 @@ from cspan.bench.judge import (
 
 class ChatServer:
     """A chat-completions server that answers from a queue: a string -> HTTP 200 with that message content,
-    ``(status, body)`` -> that status. It records every request body and its headers."""
+    ``(status, body)`` -> that status, ``(status, body, headers)`` -> that status with those headers. It records every
+    request body, its headers and the time it came."""
 
     def __init__(self) -> None:
-        self.replies: list[str | tuple[int, str]] = []
+        self.replies: list[str | tuple] = []
+        self.times: list[float] = []
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         server = self
@@ -39,9 +42,12 @@ class ChatServer:
                 length = int(self.headers.get("Content-Length", 0))
                 server.requests.append(json.loads(self.rfile.read(length)))
                 server.headers.append(dict(self.headers))
+                server.times.append(time.monotonic())
                 reply = server.replies.pop(0) if server.replies else (500, "no reply queued")
+                extra: dict[str, str] = {}
                 if isinstance(reply, tuple):
-                    status, body = reply
+                    status, body, *more = reply
+                    extra = more[0] if more else {}
                 else:
                     status = 200
                     body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]})
@@ -49,6 +55,8 @@ class ChatServer:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in extra.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -119,6 +127,16 @@ def test_http_errors(server: ChatServer) -> None:
     with pytest.raises(JudgeError, match="HTTP 404"):
         judge.chat([{"role": "user", "content": "x"}])
     assert len(server.requests) == 3  # the 404 was not retried
+    judge.close()
+
+
+def test_retry_after_is_waited(server: ChatServer) -> None:
+    """A 429's Retry-After sets the wait before the next try when it is longer than the back-off."""
+    judge = OpenAIJudge(server.url, "m", max_attempts=2, backoff_s=0)
+    server.replies = [(429, "slow down", {"Retry-After": "1"}), "Analysis: a\nI would rate the AI's response as 2"]
+    assert judge.rate_interruption("c", "i", "r").rating == 2
+    assert len(server.times) == 2
+    assert 0.9 <= server.times[1] - server.times[0] < 5.0
     judge.close()
 
 

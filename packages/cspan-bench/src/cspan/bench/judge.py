@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
+from cspan.backends.http_client import retry_after_s
 from cspan.backends.urls import redact_url
 from cspan.bench.errors import JudgeError
 
@@ -46,6 +47,9 @@ DEFAULT_TIMEOUT_S = 60.0
 """Time limit of one request (one try), seconds."""
 DEFAULT_ATTEMPTS = 5
 """Tries per request (connection errors, HTTP 429 and 5xx are retried)."""
+MAX_RETRY_AFTER_S = 120.0
+"""The longest wait a 429's or 5xx's ``Retry-After`` gets before the next try, seconds (an offline evaluation waits
+what a rate-limited API asks, within reason)."""
 DOWN_AFTER = 2
 """Requests in a row that failed (each after all its tries) before the judge is taken as down."""
 
@@ -188,7 +192,8 @@ class OpenAIJudge:
         api_key_env: where to read the key from (default ``OPENAI_API_KEY``).
         timeout_s: time limit of one try of a request, seconds (finite, > 0; connecting: at most 10 s).
         max_attempts: tries per request on connection errors, timeouts, HTTP 429 and 5xx (back-off
-            ``backoff_s * 2**n``), and for the v1 rating also on unparsable replies.
+            ``backoff_s * 2**n``, or the reply's ``Retry-After`` when longer, at most :data:`MAX_RETRY_AFTER_S`),
+            and for the v1 rating also on unparsable replies.
         down_after: after this many requests in a row failed, the judge is taken as down and every later request
             fails at once (:attr:`down` says why).
         client: an ``httpx.Client`` to use (not closed here); default: one owned by the judge.
@@ -300,6 +305,7 @@ class OpenAIJudge:
         """POST ``body`` with retries; the first choice's message text. Raises :class:`JudgeError`."""
         last = ""
         for attempt in range(1, self.max_attempts + 1):
+            asked = None  # the server's Retry-After, seconds
             try:
                 response = self._client.post(self.url, json=body, headers=self._headers)
             except httpx.TransportError as exc:
@@ -307,6 +313,7 @@ class OpenAIJudge:
             else:
                 if response.status_code == 429 or response.status_code >= 500:
                     last = f"HTTP {response.status_code}: {response.text[:200]}"
+                    asked = retry_after_s(response.headers.get("retry-after"))
                 elif response.status_code >= 400:
                     raise JudgeError(
                         f"judge {self.where} answered HTTP {response.status_code}: {response.text[:300]}; check "
@@ -315,7 +322,7 @@ class OpenAIJudge:
                 else:
                     return self._content(response)
             if attempt < self.max_attempts:
-                delay = self.backoff_s * 2 ** (attempt - 1)
+                delay = max(self.backoff_s * 2 ** (attempt - 1), min(asked or 0.0, MAX_RETRY_AFTER_S))
                 log.warning(
                     "judge %s: %s (attempt %d/%d); retrying in %.1f s",
                     self.where,
