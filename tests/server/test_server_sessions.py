@@ -127,6 +127,47 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
     assert bye["stats"]["consumed_frames"] == 5
 
 
+def _sum(metrics: str, name: str) -> float:
+    """The sum of ``name``'s samples over all its label sets in a Prometheus exposition (0 when it has none)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{"))
+
+
+async def test_connections_that_never_reach_ready_are_not_counted_as_ended(serve) -> None:
+    """``cspan_sessions_ended_total`` counts the sessions of ``cspan_sessions_started_total`` (those that reached
+    ``ready``), so started minus ended is never negative: a refused token, a bad first message, a refused start are
+    counted in ``cspan_auth_failures_total`` and ``cspan_sessions_unstarted_total`` (was: 3 ended for 1 started)."""
+    token = "s3cret-token_0123"
+    server = serve(token=token)
+    auth = {"Authorization": f"Bearer {token}"}
+    async with websockets.connect(server.ws_url + "?token=wrong-token-000") as ws:
+        with pytest.raises(ConnectionClosed) as info:
+            await ws.recv()
+        assert info.value.rcvd.code == 4401
+    async with websockets.connect(server.ws_url, additional_headers=auth) as ws:  # a bad first message, then gone
+        await ws.send("not json")
+        assert (await Client(ws).recv_until(lambda k, m: k == "json"))[1]["code"] == "bad_json"
+    async with websockets.connect(server.ws_url, additional_headers=auth) as ws:  # a refused start, then stop
+        client = Client(ws)
+        assert (await client.start(seed=-1))["code"] == "invalid_message"
+        assert (await client.stop())["reason"] == "stop"
+    async with websockets.connect(server.ws_url, additional_headers=auth, max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start())["type"] == "ready"
+        assert (await client.stop())["reason"] == "stop"
+
+    def scraped() -> str:
+        return httpx.get(server.url + "/metrics", headers=auth).text
+
+    await wait_for(lambda: _sum(scraped(), "cspan_sessions_unstarted_total") == 2)  # the disconnect ends off-loop
+    metrics = scraped()
+    assert 'cspan_auth_failures_total{protocol="cspan",reason="token"} 1.0' in metrics
+    assert 'cspan_sessions_unstarted_total{protocol="cspan",reason="disconnect"} 1.0' in metrics
+    assert 'cspan_sessions_unstarted_total{protocol="cspan",reason="stop"} 1.0' in metrics
+    assert 'cspan_sessions_started_total{protocol="cspan"} 1.0' in metrics
+    assert 'cspan_sessions_ended_total{protocol="cspan",reason="stop"} 1.0' in metrics
+    assert _sum(metrics, "cspan_sessions_ended_total") == _sum(metrics, "cspan_sessions_started_total") == 1
+
+
 async def test_health_info_page_and_static_files(serve) -> None:
     server = serve(max_sessions=1)
     async with httpx.AsyncClient(base_url=server.url) as http:
