@@ -156,7 +156,7 @@ def test_migrates_the_first_schema_forward(tmp_path: Path) -> None:
         )
         raw.execute("INSERT INTO facts (user_id, key, value, t) VALUES ('ada', 'name', 'Ada', 10)")
     with ContextDB(path) as db:
-        assert db.schema_version() == SCHEMA_VERSION == 3
+        assert db.schema_version() == SCHEMA_VERSION == 4
         ada, bob = db.user("ada"), db.user("bob")
         assert [t.text for t in ada.turns("a1")] == ["hi from ada"] and ada.turns("b1") == []
         assert [t.text for t in bob.turns("b1")] == ["hi from bob"]
@@ -168,6 +168,44 @@ def test_migrates_the_first_schema_forward(tmp_path: Path) -> None:
     with sqlite3.connect(path) as raw:
         columns = {row[1] for row in raw.execute("PRAGMA table_info(turns)")}
         assert "user_id" in columns
+
+
+def test_migrates_schema_3_forward_keeping_every_span(target: str) -> None:
+    """Schema 4 lets ``spans.dropped`` be ``cancelled`` (the CHECK rebuilt with the table, in one migration for both
+    engines): a database at schema 3 opens with its spans, their ids, the next id and the constraint kept."""
+    from cspan.backends.context_db.connection import connect
+    from cspan.backends.context_db.schema import MIGRATIONS
+
+    conn = connect(target)
+    with conn.write() as tx:
+        tx.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        for step in MIGRATIONS[:3]:
+            step.apply(tx)
+        tx.execute("INSERT INTO schema_version (version) VALUES (3)")
+        tx.execute("INSERT INTO conversations (user_id, id, started_at) VALUES ('ada', 'a1', 1)")
+        tx.execute(
+            "INSERT INTO spans (user_id, conversation_id, question, asked_at, dropped) VALUES ('ada', 'a1', 'q1', 2, "
+            "'late')"
+        )
+        tx.execute(
+            "INSERT INTO spans (user_id, conversation_id, question, text, asked_at, injected_at, frame) "
+            "VALUES ('ada', 'a1', 'q2', 'r2', 3, 4, 50)"
+        )
+    conn.close()
+    with ContextDB(target) as db:
+        assert db.schema_version() == SCHEMA_VERSION == 4
+        ada = db.user("ada")
+        kept = ada.spans("a1")
+        assert [(s.id, s.question, s.dropped, s.frame) for s in kept] == [(1, "q1", "late", None), (2, "q2", None, 50)]
+        sid = ada.add_span("a1", question="q3", text=None, dropped="cancelled", error="conversation ended")
+        assert sid == 3  # after the copied ids, on either engine
+        ada.mark_span_dropped(2, "cancelled", error="conversation ended")
+        assert [s.dropped for s in ada.spans("a1")] == ["late", "cancelled", "cancelled"]
+        with pytest.raises(Exception, match=r"(?i)check constraint"), db._conn.write() as tx:  # it still holds
+            tx.execute("UPDATE spans SET dropped = 'bored' WHERE id = 1")
+        with db._conn.write() as tx:  # still tied to its conversation: deleting that deletes them
+            tx.execute("DELETE FROM conversations WHERE user_id = 'ada' AND id = 'a1'")
+        assert ada.spans("a1") == []
 
 
 @pytest.mark.parametrize("engine", ["sqlite", "postgresql"])

@@ -95,14 +95,17 @@ async def test_deadline_and_cancellation(stub: StubLLM, tmp_path) -> None:
         task = asyncio.create_task(retriever.retrieve(question="hello again", conversation_id="c", deadline_s=60))
         while len(stub.requests) == seen:  # cancel once the request is in flight at the server
             await asyncio.sleep(0.01)
-        task.cancel()
+        task.cancel("conversation ended")
         with pytest.raises(asyncio.CancelledError):
             await task
     await bank.aclose()
     assert late.late and late.reference is None and "deadline" in (late.error or "")
     assert late.question == "what is the exchange rate"
     spans = db.spans("c")
-    assert [s.dropped for s in spans] == ["late"]  # the cancelled retrieval left no span row
+    # the cancelled retrieval is recorded as cut, with the step it was in and the cancel message (was: no row)
+    assert [s.dropped for s in spans] == ["late", "cancelled"]
+    assert spans[1].question == "hello again" and spans[1].text is None
+    assert spans[1].error == "cancelled in the router step: conversation ended" and spans[1].latency_s > 0
     assert db.turns("c")[-1].text == "hello again"
     db.close()
 

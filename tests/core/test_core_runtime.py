@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from cspan.core.constants import FRAME_SIZE, RET
 from cspan.core.events import (
+    CONVERSATION_ENDED,
     LateEvent,
     NoSpanEvent,
     QuestionEvent,
@@ -217,6 +219,41 @@ def test_live_clock_cancels_a_retrieval_that_outlives_its_deadline():
     # the first frame past the deadline plus the grace (0.4 + 0.16 s = 7 frames) after the <ret>
     assert len(late) == 1 and late[0].frame == 2 + 8
     assert engine.injected == []
+
+
+@pytest.mark.parametrize("answered", [False, True])
+def test_a_retrieval_not_read_when_the_conversation_ends_is_reported_with_its_record(answered):
+    """``finish``: a retrieval still running is cancelled with :data:`CONVERSATION_ENDED` and waited for (its backend
+    records the cut, e.g. the Context DB row dropped ``cancelled``); one whose reference was ready but not read yet
+    gives its ``retrieval_id``, so that its record can be marked too (was: neither, the record left as if pending)."""
+    engine = RecordingEngine()
+    cut: list[tuple] = []
+
+    class Retriever:
+        async def retrieve(self, **kw) -> SimpleNamespace:
+            if answered:
+                return SimpleNamespace(question="q", reference="The answer is 42.", span_id=7, late=False, error=None)
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError as exc:
+                await asyncio.sleep(0.01)  # its record, written after the cut
+                cut.append(exc.args)
+                raise
+            raise AssertionError("unreachable")
+
+    conv = _conv(engine, retriever=Retriever(), span_delay_s=None)
+
+    async def go() -> None:
+        await conv.before_step(np.zeros(1920, dtype=np.float32))
+        await conv.after_step(RET, True)
+        await asyncio.sleep(0)  # the retrieval runs: answers, or waits
+        await conv.finish()
+
+    asyncio.run(go())
+    ended = [(e.error, e.retrieval_id) for e in conv.events if isinstance(e, NoSpanEvent)]
+    assert ended == [(CONVERSATION_ENDED, 7 if answered else None)]
+    assert cut == ([] if answered else [(CONVERSATION_ENDED,)])  # cancelled with the reason, and waited for
+    assert engine.injected == [] and not conv.busy
 
 
 @pytest.mark.parametrize("ret_frame", [2, 40])

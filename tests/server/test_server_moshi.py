@@ -339,7 +339,8 @@ async def test_refused_starts_close_with_a_reason(serve) -> None:
         assert ws.close_code == 1008
     assert server.hub.free_slots() == 1
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'cspan_sessions_ended_total{protocol="moshi",reason="refused"} 8.0' in metrics
+    assert 'cspan_sessions_unstarted_total{protocol="moshi",reason="refused"} 8.0' in metrics  # never ready
+    assert "cspan_sessions_ended_total{" not in metrics
     assert 'reason="error"' not in metrics
 
 

@@ -4,6 +4,7 @@ frees its slot and keeps what was recorded, ``/health`` and ``/metrics``."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import httpx
@@ -125,6 +126,138 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
         await client.stream(frames[:5])
         bye = await client.stop()
     assert bye["stats"]["consumed_frames"] == 5
+
+
+def _sum(metrics: str, name: str) -> float:
+    """The sum of ``name``'s samples over all its label sets in a Prometheus exposition (0 when it has none)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{"))
+
+
+async def test_connections_that_never_reach_ready_are_not_counted_as_ended(serve) -> None:
+    """``cspan_sessions_ended_total`` counts the sessions of ``cspan_sessions_started_total`` (those that reached
+    ``ready``), so started minus ended is never negative: a refused token, a bad first message, a refused start are
+    counted in ``cspan_auth_failures_total`` and ``cspan_sessions_unstarted_total`` (was: 3 ended for 1 started)."""
+    token = "s3cret-token_0123"
+    server = serve(token=token)
+    auth = {"Authorization": f"Bearer {token}"}
+    async with websockets.connect(server.ws_url + "?token=wrong-token-000") as ws:
+        with pytest.raises(ConnectionClosed) as info:
+            await ws.recv()
+        assert info.value.rcvd.code == 4401
+    async with websockets.connect(server.ws_url, additional_headers=auth) as ws:  # a bad first message, then gone
+        await ws.send("not json")
+        assert (await Client(ws).recv_until(lambda k, m: k == "json"))[1]["code"] == "bad_json"
+    async with websockets.connect(server.ws_url, additional_headers=auth) as ws:  # a refused start, then stop
+        client = Client(ws)
+        assert (await client.start(seed=-1))["code"] == "invalid_message"
+        assert (await client.stop())["reason"] == "stop"
+    async with websockets.connect(server.ws_url, additional_headers=auth, max_size=None) as ws:
+        client = Client(ws)
+        assert (await client.start())["type"] == "ready"
+        assert (await client.stop())["reason"] == "stop"
+
+    def scraped() -> str:
+        return httpx.get(server.url + "/metrics", headers=auth).text
+
+    await wait_for(lambda: _sum(scraped(), "cspan_sessions_unstarted_total") == 2)  # the disconnect ends off-loop
+    metrics = scraped()
+    assert 'cspan_auth_failures_total{protocol="cspan",reason="token"} 1.0' in metrics
+    assert 'cspan_sessions_unstarted_total{protocol="cspan",reason="disconnect"} 1.0' in metrics
+    assert 'cspan_sessions_unstarted_total{protocol="cspan",reason="stop"} 1.0' in metrics
+    assert 'cspan_sessions_started_total{protocol="cspan"} 1.0' in metrics
+    assert 'cspan_sessions_ended_total{protocol="cspan",reason="stop"} 1.0' in metrics
+    assert _sum(metrics, "cspan_sessions_ended_total") == _sum(metrics, "cspan_sessions_started_total") == 1
+
+
+class _Transcriber:
+    """Hears the same question in any audio."""
+
+    async def transcribe(self, pcm: np.ndarray, sample_rate: int) -> str:
+        return "what is the weather in leeds"
+
+
+class _BlockingRouter:
+    """A router that never answers: ``entered`` is set once a request reaches it, ``cancelled`` once it is cut."""
+
+    def __init__(self) -> None:
+        self.entered, self.cancelled = threading.Event(), threading.Event()
+
+    async def route(self, request: object) -> object:
+        self.entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending", ["stop", "disconnect"])
+async def test_a_retrieval_cut_by_the_end_of_its_session_is_recorded_as_cancelled(
+    serve, tmp_path: Path, ending: str
+) -> None:
+    """A retrieval still waiting for its router when the session ends (the client stops, or leaves) is cancelled
+    and leaves its span row, dropped ``cancelled`` with the step and the reason, before the conversation's end time
+    (was: no row at all); the client that stopped gets its ``no_span``, and no backend failure is counted."""
+    from cspan.backends.context_db import ContextDB
+    from cspan.backends.retriever import Retriever
+
+    router = _BlockingRouter()
+    db_path = tmp_path / "context.sqlite"
+    server = serve(
+        transcriber=_Transcriber(),
+        retriever=Retriever(_Transcriber(), router, None),
+        db=str(db_path),
+        span_deadline_s=60.0,
+    )
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        ready = await client.start(test={"force_ret_at": [0.4]})
+        await client.stream([np.zeros(1920, dtype=np.float32)] * 10)
+        await wait_for(router.entered.is_set)
+        if ending == "stop":
+            bye = await client.stop()
+            assert bye["reason"] == "stop"
+            cut = client.received.json("no_span")
+            assert [(m["question"], m["error"]) for m in cut] == [(None, "conversation ended")]
+    await wait_for(lambda: server.hub.free_slots() == 1)
+    assert router.cancelled.is_set()
+
+    with ContextDB(db_path) as store:
+        db = store.user("local")
+        await wait_for(lambda: db.get_conversation(ready["conversation_id"]).ended_at is not None)
+        spans = db.spans(ready["conversation_id"])
+        assert [(s.question, s.text, s.dropped, s.error) for s in spans] == [
+            ("what is the weather in leeds", None, "cancelled", "cancelled in the router step: conversation ended")
+        ]
+        assert spans[0].latency_s > 0 and spans[0].injected_at is None
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'cspan_spans_total{outcome="no_span"} 1.0' in metrics
+    assert "cspan_backend_errors_total{" not in metrics
+
+
+def test_a_reference_ready_but_not_read_at_the_end_is_recorded_as_cancelled(tmp_path: Path) -> None:
+    """The end's ``no_span`` of a retrieval whose reference had come but was not read yet carries its id: the row,
+    written by the retriever as if about to be injected, is marked dropped ``cancelled``; a ``no_span`` of a retrieval
+    that found nothing leaves its row as the retriever wrote it."""
+    from cspan.backends.context_db import ContextDB
+    from cspan.core.events import CONVERSATION_ENDED, NoSpanEvent
+    from cspan.server.records import db_recorder
+
+    with ContextDB(tmp_path / "context.sqlite") as store:
+        db = store.user("local")
+        cid = db.start_conversation()
+        ready = db.add_span(cid, question="q1", text="The answer is 42.")
+        empty = db.add_span(cid, question="q2", text=None, dropped="no_span")
+        record = db_recorder(db, cid)
+        record(NoSpanEvent(frame=9, t=0.72, question="q2", retrieval_id=empty))
+        record(NoSpanEvent(frame=9, t=0.72, question="q1", error=CONVERSATION_ENDED, retrieval_id=ready))
+        spans = db.spans(cid)
+        assert [(s.text, s.dropped, s.error) for s in spans] == [
+            ("The answer is 42.", "cancelled", CONVERSATION_ENDED),
+            (None, "no_span", None),
+        ]
 
 
 async def test_health_info_page_and_static_files(serve) -> None:

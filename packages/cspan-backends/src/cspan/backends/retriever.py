@@ -12,7 +12,9 @@ It composes a transcriber, a router and (optionally) the Context DB into one cal
    as ``no_span`` / ``error`` / ``late`` when there is nothing to inject. The runtime marks injected spans with
    :meth:`ContextDB.mark_span_injected` using ``SpanResult.span_id``.
 
-A deadline bounds the whole call; cancelling the task cancels the transcriber and router requests in flight.
+A deadline bounds the whole call; cancelling the task cancels the transcriber and router requests in flight, and
+records the retrieval as a span row dropped ``cancelled``, with the step it was in and the reason (the cancel
+message, e.g. the runtime's ``conversation ended``) as its ``error``: a retrieval cut short is never lost.
 Backend failures never escape: they become ``reference=None`` with ``error`` set, and ``stage`` names the step
 that failed or was running when the deadline passed (``asr``, ``context``, ``router``, ``tool``), with the seconds
 each step took (``asr_s``, ``context_s``, ``llm_s``, ``tool_s``), so that a late span says why it was late.
@@ -195,7 +197,8 @@ class Retriever:
             A :class:`SpanResult`; never raises for a transcriber, router, tool or database failure.
 
         Raises:
-            asyncio.CancelledError: the caller cancelled the task (in-flight requests are cancelled too).
+            asyncio.CancelledError: the caller cancelled the task (in-flight requests are cancelled too; the span
+                row, dropped ``cancelled``, is written first).
         """
         budget = self.deadline_s if deadline_s is None else deadline_s
         res = SpanResult()
@@ -218,6 +221,14 @@ class Retriever:
                 f"(question {'known' if res.question else 'not yet known'}; {spent or 'nothing finished'})"
             )
             log.warning("%s", res.error)
+        except asyncio.CancelledError as exc:
+            why = str(exc.args[0]) if exc.args else "cancelled by its caller"
+            res.error = f"cancelled in the {res.stage or 'asr'} step: {why}"
+            # shielded: a second cancel while the row is written does not lose it
+            await asyncio.shield(
+                self._record(res, None, profile, conversation_id, asked_at, time.perf_counter() - start, cut=True)
+            )
+            raise
         if route is not None and not res.late:
             # one line without control or format characters, whatever router made it (tool output already is)
             res.reference = sanitize_text(route.reference, MAX_REFERENCE_CHARS) if route.reference else route.reference
@@ -334,7 +345,11 @@ class Retriever:
         conversation_id: str | None,
         asked_at: float,
         latency_s: float,
+        *,
+        cut: bool = False,
     ) -> None:
+        """Write the retrieval's tool turns and span row (``cut``: cancelled before it finished, dropped
+        ``cancelled``); a failing database is logged, never raised."""
         calls = route.calls if route is not None and not res.late else []
         memory = self._memory(profile, conversation_id)
         if memory is None or conversation_id is None:
@@ -345,7 +360,9 @@ class Retriever:
         if not res.question and res.error is None:
             return  # nothing was asked (empty transcript): not a retrieval worth a row
         dropped = None
-        if res.reference is None:
+        if cut:
+            dropped = "cancelled"
+        elif res.reference is None:
             dropped = "late" if res.late else "error" if res.error else "no_span"
         try:
             if await memory.aget_conversation(conversation_id) is None:

@@ -99,7 +99,7 @@ class LateEvent(_Event):
 
 CONVERSATION_ENDED = "conversation ended"
 """The ``error`` of the :class:`NoSpanEvent` of a retrieval still running when its conversation ended (the client
-stopped or left): the retrieval was cancelled, no backend failed."""
+stopped or left): the retrieval was cancelled (with this as the cancel message), no backend failed."""
 
 
 class NoSpanEvent(_Event):

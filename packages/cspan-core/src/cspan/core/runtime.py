@@ -338,16 +338,33 @@ class Conversation:
         return text
 
     async def finish(self) -> None:
-        """End of the input: wait for outstanding transcripts; report a still-pending retrieval as dropped."""
+        """End of the input: wait for outstanding transcripts; report a retrieval not read yet as a ``no_span`` with
+        :data:`CONVERSATION_ENDED`. One still running is cancelled with that message and waited for (the retriever
+        records the cut: the Context DB's span row dropped ``cancelled``); one whose reference was ready but not
+        read gives its ``retrieval_id``, for its record to be marked so too."""
         await self._collect_transcripts(block=True)
         p = self._pending
         if p is not None:
-            if p.task is not None and not p.task.done():
-                p.task.cancel()
-            self._emit(
-                NoSpanEvent(frame=self.frame, t=self.frame * FRAME_S, question=p.question, error=CONVERSATION_ENDED)
-            )
             self._pending = None
+            retrieval_id = None
+            running = p.task is not None and not p.task.done()
+            if running:
+                p.task.cancel(CONVERSATION_ENDED)
+            elif p.task is not None and not p.task.cancelled() and p.task.exception() is None:
+                result = p.task.result()
+                if (getattr(result, "reference", None) or "").strip():
+                    retrieval_id = getattr(result, "span_id", None)
+            self._emit(
+                NoSpanEvent(
+                    frame=self.frame,
+                    t=self.frame * FRAME_S,
+                    question=p.question,
+                    error=CONVERSATION_ENDED,
+                    retrieval_id=retrieval_id,
+                )
+            )
+            if running:
+                await asyncio.wait([p.task])
 
     # ------------------------------------------------------------------------------------------------ internals
     def _emit(self, event: ConversationEvent) -> None:
@@ -533,7 +550,8 @@ class Conversation:
                 await asyncio.wait([p.task])
         elif not p.task.done():
             if deadline is not None and elapsed > deadline + LATE_GRACE_S:
-                p.task.cancel()  # the retriever did not report late itself: stop waiting for it
+                # the retriever did not report late itself: stop waiting for it (the message is its record's reason)
+                p.task.cancel(f"the retrieval took longer than the span deadline of {deadline:g} s")
                 self._finish_late(i, p, None, seconds=elapsed)
             return
         try:

@@ -10,7 +10,8 @@ each adapter's ``name``).
 | ``cspan_sessions_active`` | gauge | sessions holding an engine slot |
 | ``cspan_session_slots`` | gauge | engine batch size (``--max-sessions``) |
 | ``cspan_sessions_started_total{protocol}`` | counter | sessions that reached ``ready`` |
-| ``cspan_sessions_ended_total{protocol,reason}`` | counter | sessions ended: stop, idle, disconnect, shutdown, slow_client, over_budget, revoked, forgotten, error, refused (`/api/chat`) |
+| ``cspan_sessions_ended_total{protocol,reason}`` | counter | sessions that reached ``ready``, ended: stop, idle, disconnect, shutdown, slow_client, over_budget, revoked, forgotten, error (started minus ended: the sessions running now) |
+| ``cspan_sessions_unstarted_total{protocol,reason}`` | counter | connections past the handshake that ended before ``ready`` (in neither started nor ended): the reasons above, and refused (`/api/chat`: its start was refused) |
 | ``cspan_sessions_busy_total{protocol}`` | counter | ``start`` refused with ``busy`` |
 | ``cspan_auth_failures_total{protocol,reason}`` | counter | handshakes refused: ``token`` (4401), ``origin`` (4403) |
 | ``cspan_host_refused_total`` | counter | requests refused for their ``Host`` header (403, DNS rebinding) |
@@ -70,7 +71,12 @@ class ServerMetrics:
         self.session_slots.set(max_sessions)
         p = ["protocol"]
         self.sessions_started = Counter("cspan_sessions_started", "Sessions that reached ready", p, registry=r)
-        self.sessions_ended = Counter("cspan_sessions_ended", "Sessions ended, by reason", [*p, "reason"], registry=r)
+        self.sessions_ended = Counter(
+            "cspan_sessions_ended", "Sessions that reached ready, ended, by reason", [*p, "reason"], registry=r
+        )
+        self.sessions_unstarted = Counter(
+            "cspan_sessions_unstarted", "Connections that ended before ready, by reason", [*p, "reason"], registry=r
+        )
         self.sessions_busy = Counter("cspan_sessions_busy", "start refused with busy", p, registry=r)
         self.auth_failures = Counter("cspan_auth_failures", "Handshakes refused", [*p, "reason"], registry=r)
         self.host_refused = Counter("cspan_host_refused", "Requests refused for their Host header", registry=r)

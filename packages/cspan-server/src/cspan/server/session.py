@@ -454,6 +454,7 @@ class Session:
         self.ending = False
         self.user_forgotten = False  # a write was refused: its user was forgotten since the session began
         self.ended = False
+        self.started = False  # reached ready (cspan_sessions_started_total): its end counts in _ended_total
         self.gone = False
         self._start: _Start | None = None
         self._events: list[ConversationEvent] = []
@@ -770,7 +771,8 @@ class Session:
     async def end(self, reason: str, *, code: int = CLOSE_NORMAL, message: str = "") -> None:
         """End the session once: free the slot, finish the conversation, record, :class:`Ended` and :class:`Close`.
 
-        ``reason`` ``disconnect`` (the client is gone) records everything but sends nothing.
+        ``reason`` ``disconnect`` (the client is gone) records everything but sends nothing. Counted in
+        ``cspan_sessions_ended_total`` once the session reached ``ready``, else in ``cspan_sessions_unstarted_total``.
         """
         if self.ended:
             return
@@ -790,7 +792,8 @@ class Session:
                 logger.exception("session %s: finishing the conversation failed", self.id)
             self._publish(self._take_events(), send=reason != "disconnect")
         hub.end_conversation(self)
-        hub.metrics.sessions_ended.labels(self.protocol, reason).inc()
+        counter = hub.metrics.sessions_ended if self.started else hub.metrics.sessions_unstarted
+        counter.labels(self.protocol, reason).inc()
         self.stats.duration_s = round(self.stats.frames * FRAME_S, 3)
         if reason != "disconnect" and not self.gone:
             self.put(
@@ -1281,6 +1284,7 @@ class SessionHub:
         session.conversation = conversation
         session.state = "live"
         session.last_audio = time.monotonic()  # the idle clock starts when the session is live
+        session.started = True
         self.metrics.sessions_started.labels(session.protocol).inc()
         session.put(
             Ready(

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 from cspan.backends.errors import BackendError
 
 TurnRole = Literal["user", "agent", "tool"]
-DropReason = Literal["late", "no_span", "error"]
+DropReason = Literal["late", "no_span", "error", "cancelled"]
 
 
 class ContextDBError(BackendError):
@@ -79,7 +79,8 @@ class Turn(BaseModel):
 class SpanRecord(BaseModel):
     """One retrieval: the question, the reference (``text``, None when there was nothing), tool and arguments,
     ``asked_at`` epoch seconds, ``injected_at`` (epoch seconds, with the model ``frame``) or ``dropped``
-    ("late" | "no_span" | "error"), ``latency_s`` from asking to having the reference."""
+    ("late" | "no_span" | "error" | "cancelled": cut before it finished, by the end of its conversation), ``latency_s``
+    from asking to having the reference (to the cut, when cancelled), ``error`` what failed or why it was cut."""
 
     id: int
     conversation_id: str

@@ -12,6 +12,8 @@ numbers facts in the order they were first learnt, and adds the table of issued 
 Version 3 adds ``erasures``: per user (keyed by the SHA-256 of the user id, so an erased user's id is not kept), how
 many times it was forgotten (``generation``) and when last. A memory
 opened before an erase sees another generation and its writes are refused (:class:`~.models.UserForgotten`).
+Version 4 adds the drop reason ``cancelled`` to ``spans.dropped`` (a retrieval cut before it finished, by the end of
+its conversation: ``error`` says why); a CHECK constraint cannot be altered in SQLite, so the table is rebuilt.
 """
 
 from __future__ import annotations
@@ -201,6 +203,46 @@ CREATE TABLE erasures (
 )
 """
 
+_V4 = """
+CREATE TABLE spans_v4 (
+    id              @SERIAL@,
+    user_id         TEXT NOT NULL,
+    conversation_id TEXT NOT NULL,
+    question        TEXT NOT NULL DEFAULT '',
+    text            TEXT,
+    tool            TEXT,
+    arguments       TEXT NOT NULL DEFAULT '{}',
+    source          TEXT NOT NULL DEFAULT 'none',
+    asked_at        @FLOAT@ NOT NULL,
+    injected_at     @FLOAT@,
+    frame           INTEGER,
+    dropped         TEXT CHECK (dropped IS NULL OR dropped IN ('late', 'no_span', 'error', 'cancelled')),
+    latency_s       @FLOAT@,
+    error           TEXT,
+    FOREIGN KEY (user_id, conversation_id) REFERENCES conversations (user_id, id) ON DELETE CASCADE
+);
+INSERT INTO spans_v4 (id, user_id, conversation_id, question, text, tool, arguments, source, asked_at, injected_at,
+                      frame, dropped, latency_s, error)
+    SELECT id, user_id, conversation_id, question, text, tool, arguments, source, asked_at, injected_at, frame,
+           dropped, latency_s, error
+    FROM spans;
+DROP TABLE spans;
+ALTER TABLE spans_v4 RENAME TO spans;
+CREATE INDEX spans_conversation ON spans(user_id, conversation_id, id);
+CREATE INDEX spans_asked ON spans(asked_at)
+"""
+
+
+def _continue_ids(tx: Executor, *tables: str) -> None:
+    """On PostgreSQL, move the id sequence of each of ``tables`` past the ids copied into it (copied ids do not
+    advance an identity sequence; SQLite's AUTOINCREMENT follows them by itself)."""
+    if tx.dialect == "postgresql":
+        for table in tables:
+            tx.execute(
+                f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
+                f"COALESCE((SELECT MAX(id) FROM {table}), 0) + 1, false)"
+            )
+
 
 def _v1(tx: Executor) -> None:
     run_script(tx, V1)
@@ -208,16 +250,16 @@ def _v1(tx: Executor) -> None:
 
 def _v2(tx: Executor) -> None:
     run_script(tx, _V2)
-    if tx.dialect == "postgresql":  # copied ids do not advance an identity sequence: move it past them
-        for table in ("turns", "spans", "facts"):
-            tx.execute(
-                f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), "
-                f"COALESCE((SELECT MAX(id) FROM {table}), 0) + 1, false)"
-            )
+    _continue_ids(tx, "turns", "spans", "facts")
 
 
 def _v3(tx: Executor) -> None:
     run_script(tx, _V3)
+
+
+def _v4(tx: Executor) -> None:
+    run_script(tx, _V4)
+    _continue_ids(tx, "spans")
 
 
 @dataclass(frozen=True)
@@ -233,6 +275,7 @@ MIGRATIONS: list[Migration] = [
     Migration(1, "profiles, conversations, turns, spans, facts", _v1),
     Migration(2, "every row keyed by its user; conversation ids unique per user; issued tokens", _v2),
     Migration(3, "erasures: each user's erase generation (writes of a memory opened before an erase are refused)", _v3),
+    Migration(4, "spans.dropped may be 'cancelled' (a retrieval cut by the end of its conversation)", _v4),
 ]
 """The migration list, oldest first; append a step (never edit a released one) when the schema changes."""
 

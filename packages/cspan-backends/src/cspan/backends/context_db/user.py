@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from cspan.backends.context_db.facts import extract_facts, fact_sentence, normalised
 from cspan.backends.context_db.models import (
@@ -457,14 +457,15 @@ class UserMemory:
 
     def mark_span_dropped(self, span_id: int, reason: DropReason, *, error: str | None = None) -> None:
         """Record that span ``span_id`` was not injected: "late" (past the deadline), "no_span" (nothing to
-        say) or "error" (a backend failed; ``error`` says how).
+        say), "error" (a backend failed; ``error`` says how) or "cancelled" (its conversation ended before it was
+        read; ``error`` says why).
 
         Raises:
             ContextDBError: this user has no such span.
             ValueError: unknown reason.
         """
-        if reason not in ("late", "no_span", "error"):
-            raise ValueError(f"drop reason must be 'late', 'no_span' or 'error', got {reason!r}")
+        if reason not in get_args(DropReason):
+            raise ValueError(f"drop reason must be one of {', '.join(get_args(DropReason))}, got {reason!r}")
         if error is None:
             self._update_span(span_id, "dropped = ?, injected_at = NULL", (reason,))
         else:
