@@ -298,3 +298,27 @@ def test_report_names_a_file_given_as_run_folder_and_the_file_it_writes(tmp_path
     assert cli("bench", "report", str(tmp_path / "dlg"), "--out", "/proc/rep") == 1
     err = capsys.readouterr().err.strip()
     assert "/proc/rep/report.md: cannot write" in err and "summary.json" not in err, err
+
+
+def test_run_out_inside_the_checkpoint_or_the_notes_is_refused(tiny_checkpoint_dir: Path, tmp_path: Path, cli, capsys):
+    """A run's --out in the --checkpoint folder or the --knowledge notes would write among what the run reads
+    (docs/OUTPUT.md, "Outputs never overwrite what the run reads"): refused before anything loads, nothing written."""
+    data = tmp_path / "set"
+    (data / "audios").mkdir(parents=True)
+    (data / "meta.json").write_text('[{"id": "q1", "question": "Capital of France?", "answers": ["Paris"]}]')
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_dir, ckpt)
+    notes = tmp_path / "kn"
+    notes.mkdir()
+    (notes / "a.md").write_text("note")
+    before = _listing(tmp_path)
+    qa = ["bench", "qa", "--set", "llamaq", "--data", str(data), "--checkpoint", str(ckpt), "--knowledge", str(notes)]
+    for out, why in (
+        (ckpt / "run", f"lies inside the --checkpoint folder {ckpt}"),
+        (notes, "is the --knowledge folder"),
+        (notes / "run", f"lies inside the --knowledge folder {notes}"),
+    ):
+        assert cli(*qa, "--out", str(out)) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: {why}, which the run reads" in err and err.count("\n") == 1, err
+    assert _listing(tmp_path) == before and not (ckpt / "run").exists()

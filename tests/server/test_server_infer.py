@@ -257,7 +257,7 @@ def test_output_paths_are_checked_before_any_work(tiny_checkpoint_dir, fixtures_
     db.write_bytes(b"SQLite format 3\x00 keep me")
     cases = [
         (["--output-wav", str(folder)], "is a directory"),
-        (["--output-wav", str(inp)], "is also the input"),
+        (["--output-wav", str(inp)], "is the --input-wav recording"),
         (["--output-wav", str(tmp_path / "x.wav"), "--output-text", str(tmp_path / "x.wav")], "the same file"),
         (["--span", "60:too late"], "past the end"),
         (["--force-ret-at", "60"], "past the end"),
@@ -299,10 +299,10 @@ def test_an_output_over_the_voice_recording_or_the_settings_file_is_refused(
     for extra, flag, source in cases:
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err
-        assert f"{flag} " in err and f"is also the {source} file" in err and "refusing to overwrite" in err, err
+        assert f"{flag} " in err and f"is the {source} file" in err and "refusing to overwrite" in err, err
     monkeypatch.setenv("CSPAN_CONFIG", str(config))
     assert main([*base, "--output-wav", str(tmp_path / "o.wav"), "--output-text", str(config)]) == 2
-    assert "is also the --config file" in capsys.readouterr().err
+    assert "is the --config file" in capsys.readouterr().err
     assert voice.read_bytes() == speech and config.read_text() == 'db = ":memory:"\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.wav", "infer.toml", "voice.wav"]
 

@@ -177,11 +177,14 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
         (["--out-dir", "FILE"], "--out-dir 'FILE' is a file; give a folder (a new one, or a run to resume)"),
         (
             ["--data-dir", "data", "--out-dir", "data/run"],
-            "--out-dir 'data/run' is inside the --data-dir 'data': the checkpoints and the export would be written "
-            "into the dataset; choose an --out-dir outside it",
+            "--out-dir data/run: lies inside the --data-dir folder data, which the run reads; write the output "
+            "outside it",
         ),
-        (["--data-dir", "data", "--out-dir", "run/../data"], "--out-dir 'run/../data' is the --data-dir 'data': "),
-        (["--data-dir", "link", "--out-dir", "data/x"], "--out-dir 'data/x' is inside the --data-dir 'link': "),
+        (
+            ["--data-dir", "data", "--out-dir", "run/../data"],
+            "--out-dir run/../data: is the --data-dir folder (data), ",
+        ),
+        (["--data-dir", "link", "--out-dir", "data/x"], "--out-dir data/x: lies inside the --data-dir folder link, "),
     ],
 )
 def test_train_numeric_flags_are_refused_before_anything_loads(flags, expect, tmp_path, capsys, monkeypatch) -> None:

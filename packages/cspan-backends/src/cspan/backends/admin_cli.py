@@ -54,6 +54,28 @@ def _missing_file(target: str | None) -> str | None:
     return None if os.path.exists(path) else path
 
 
+def _context_db_file_at(out: Path, target: str | None) -> str | None:
+    """Whether ``out`` is a file of the SQLite Context DB ``target`` names: None if not, else ``""`` (the database)
+    or the journal it is (``" journal -wal"``). Compared as ``cspan.core.reads`` compares an output with what a
+    run reads (docs/OUTPUT.md; this package cannot import it): by real path, and by device and inode where both
+    exist (a hard link)."""
+    from cspan.backends.context_db.connection import sqlite_file
+    from cspan.backends.context_db.store import resolve_target
+
+    db = sqlite_file(resolve_target(target))
+    if db is None:
+        return None
+    real = os.path.realpath(os.path.expanduser(out))
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        path = db + suffix
+        same = os.path.realpath(path) == real
+        with contextlib.suppress(OSError):
+            same = same or os.path.samefile(path, out)
+        if same:
+            return f" journal {suffix}" if suffix else ""
+    return None
+
+
 def _handler(
     verb: str, fn: Callable[[argparse.Namespace, Any], int], *, creates: bool = False, reads: bool = False
 ) -> Callable[[argparse.Namespace], int]:
@@ -214,6 +236,14 @@ def _db_export(args: argparse.Namespace, db: Any) -> int:
         print(text)
         return 0
     out: Path = args.out
+    clash = _context_db_file_at(out, args.db)
+    if clash is not None:
+        print(
+            f"cspan db export: error: --out {out}: is the Context DB{clash} of --db {db.where}, which the run reads; "
+            "refusing to overwrite it",
+            file=sys.stderr,
+        )
+        return 2
     tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
     try:
         if out.is_dir():

@@ -223,6 +223,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def run_reads(args: argparse.Namespace) -> Any:
+    """What a benchmark run reads besides its data (:class:`cspan.core.reads.Reads`): every file and folder of
+    ``--checkpoint``, a ``--voice`` file and the ``--knowledge`` folder; ``--out`` may be or lie inside none of them."""
+    from cspan.core.checkpoint import checkpoint_reads
+
+    reads = checkpoint_reads(args.checkpoint)
+    if args.voice and Path(args.voice).expanduser().is_file():
+        reads.file("--voice", args.voice)
+    return reads.folder("--knowledge", getattr(args, "knowledge", None))
+
+
 async def make_bank(args: argparse.Namespace) -> Any:
     """The router's tool bank of ``--tools`` and ``--mcp`` (MCP servers start here; ``await bank.aclose()``).
 
@@ -733,7 +744,7 @@ def _fdb_v1_run(args: argparse.Namespace) -> int:
     from cspan.bench.session import check_out, check_out_apart
 
     check_out_apart(args.out, args.data)
-    check_out(args.out, folder=True)
+    check_out(args.out, folder=True, reads=run_reads(args))
     return asyncio.run(_fdb_v1_run_async(args))
 
 
@@ -862,7 +873,7 @@ def _fdb_v3_run(args: argparse.Namespace) -> int:
 
     if args.data is not None:
         check_out_apart(args.out, args.data)
-    check_out(args.out, folder=True)
+    check_out(args.out, folder=True, reads=run_reads(args))
     return asyncio.run(_fdb_v3_run_async(args))
 
 
@@ -1083,7 +1094,7 @@ def _qa(args: argparse.Namespace) -> int:
         check_out_apart(args.out, args.data)
     elif args.data.is_file():  # a question file: not its folder or one holding it (its audios/ are beside it)
         check_out_apart(args.out, args.data.parent, what="the folder of --data", inside=False)
-    check_out(args.out, folder=True)
+    check_out(args.out, folder=True, reads=run_reads(args))
     return asyncio.run(_qa_async(args))
 
 

@@ -26,12 +26,15 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cspan.backends.urls import redact_url
 from cspan.bench.errors import BenchDataError, BenchError, BenchSettingsError
+
+if TYPE_CHECKING:
+    from cspan.core.reads import Read
 
 log = logging.getLogger(__name__)
 
@@ -568,18 +571,24 @@ def write_wav(path: Path, pcm: np.ndarray, sample_rate: int, *, length: int | No
     return _readable(writer.commit())
 
 
-def check_out(path: str | Path | None, *, folder: bool = False, first_file: str = "summary.json") -> None:
+def check_out(
+    path: str | Path | None, *, folder: bool = False, first_file: str = "summary.json", reads: Iterable[Read] = ()
+) -> None:
     """Check, before any model loads or anything is measured, that ``--out`` can be written: a file (``folder``
-    False: the JSON of ``latency``, ``capacity``) or a folder of outputs (created if missing). ``None`` passes.
+    False: the JSON of ``latency``, ``capacity``) or a folder of outputs (created if missing), and that it is none of
+    the files and lies in none of the folders the command reads (``reads``: :func:`cspan.core.reads.check_outputs`).
+    ``None`` passes.
 
     ``first_file``: a file the command writes into the folder, named in the message when it cannot be written.
 
     Raises:
         OutputError: naming the path and the cause (a file where a folder is wanted or the reverse, permission
-            denied, read-only file system, not a directory).
+            denied, read-only file system, not a directory). SettingsError: ``--out`` is or lies inside what the
+            command reads (exit status 2).
     """
     from cspan.core.errors import OutputError
     from cspan.core.files import check_writable
+    from cspan.core.reads import check_outputs
 
     if path is None:
         return
@@ -587,11 +596,13 @@ def check_out(path: str | Path | None, *, folder: bool = False, first_file: str 
     if folder:
         if path.exists() and not path.is_dir():
             raise OutputError(f"{path}: cannot write: it is a file; --out names a folder here")
+        check_outputs({}, reads, folders={"--out": path})
         _note_missing_folders(path)
         check_writable(path / first_file)
     else:
         if path.is_dir():
             raise OutputError(f"{path}: cannot write: it is a folder; --out names the JSON file here")
+        check_outputs({"--out": path}, reads)
         _note_missing_folders(path.parent)
         check_writable(path)
 

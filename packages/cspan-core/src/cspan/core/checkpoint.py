@@ -20,6 +20,7 @@ This module imports torch lazily (inside functions) so that ``cspan --help`` sta
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import logging
 import math
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .config import LMConfig, MimiConfig
     from .lm import LMModel
     from .mimi import Mimi
+    from .reads import Read, Reads
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +213,43 @@ class CheckpointFiles:
         out = {"lm": self.lm, "mimi": self.mimi, "tokenizer": self.tokenizer, "config": self.config}
         out["fine_tune"] = self.fine_tune
         return {k: v for k, v in out.items() if v is not None}
+
+    def reads(self, flag: str = "--checkpoint", *, folders: bool = True) -> list[Read]:
+        """Every file and folder loading this checkpoint reads, for :func:`cspan.core.reads.check_outputs` (no output
+        may overwrite one): the LM, Mimi, tokenizer, ``config.json``, the fine-tune with its ``config.json`` or
+        ``export.json``, ``voices.tgz``; and (``folders``) whole folders: the folder given as the checkpoint (or the
+        Hub snapshot a repo id resolves to), the base's folder under a fine-tune, and each folder voices are scanned
+        from. Without ``folders``: the model's files alone (what ``cspan voice encode`` reads)."""
+        from .reads import Read
+
+        out: list[Read] = []
+        given = Path(self.source).expanduser()
+        if folders and given.is_dir():
+            out.append(Read(flag, given, f"the {flag} folder", folder=True))
+        elif folders and not given.is_file():  # a Hub repo: its snapshot folder
+            top = self.fine_tune.parent if self.fine_tune is not None else self.base_dir
+            out.append(Read(flag, top, f"the {flag} folder (a Hub snapshot)", folder=True))
+        if folders and self.fine_tune is not None:
+            out.append(Read(flag, self.base_dir, f"the base checkpoint folder of {flag}", folder=True))
+        roles: dict[str, Path | None] = {
+            "LM weights": self.lm,
+            "Mimi weights": self.mimi,
+            "tokenizer": self.tokenizer,
+            CONFIG_FILE: self.config,
+            "fine-tune": self.fine_tune,
+            "fine-tune config": self.fine_tune_config,
+            VOICES_ARCHIVE: self.base_dir / VOICES_ARCHIVE,
+        }
+        if self.fine_tune is not None:
+            roles[EXPORT_INFO] = self.fine_tune.parent / EXPORT_INFO
+        for role, p in roles.items():
+            if p is not None and p.is_file():
+                whose = "base checkpoint" if self.fine_tune is not None and p.parent == self.base_dir else flag
+                out.append(Read(flag, p, f"the {whose}'s {role}"))
+        if folders:
+            voice_dirs = {p.parent for p in (*self.voices.values(), *self.archive_voices.values())}
+            out += [Read(flag, d, f"the {flag}'s voices folder", folder=True) for d in sorted(voice_dirs)]
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1039,7 +1078,7 @@ def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], what:
         RevisionNotFoundError,
     )
 
-    offline = _env_flag("HF_HUB_OFFLINE")
+    offline = _env_flag("HF_HUB_OFFLINE") or _HUB_CACHE_ONLY.get()
     rev = revision or "main"
     label = f"{what} {repo_id!r} (revision {rev})"
     try:
@@ -1073,6 +1112,41 @@ def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], what:
             f"cannot get {label} from the Hugging Face Hub ({exc}); if it is gated set HF_TOKEN, or {fix}"
         ) from None
     return Path(folder)
+
+
+_HUB_CACHE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("cspan_hub_cache_only", default=False)
+"""Set by :func:`checkpoint_reads`: Hub sources are looked up in the cache only, never downloaded."""
+
+
+def checkpoint_reads(
+    source: str | os.PathLike[str] | None,
+    *,
+    base: str | os.PathLike[str] | None = None,
+    flag: str = "--checkpoint",
+    base_flag: str = "--base",
+    folders: bool = True,
+) -> Reads:
+    """What loading ``source`` (over ``base``) reads, found without downloading or loading anything: the
+    :meth:`CheckpointFiles.reads` of the files it resolves to (a Hub repo from the Hugging Face cache only) and,
+    with ``folders``, the folder of ``$CSPAN_VOICES_DIR``. Where the files cannot be resolved so (a repo not cached
+    yet, a broken folder: the load reports it), the local paths given: ``source`` and ``base`` as a file or (with
+    ``folders``) a whole folder."""
+    from .reads import Reads
+
+    reads = Reads()
+    token = _HUB_CACHE_ONLY.set(True)
+    try:
+        reads.extend(resolve_checkpoint(source, base=base).reads(flag, folders=folders))
+    except (CheckpointError, OSError):
+        for f, given in ((flag, source), (base_flag, base)):
+            path = None if given is None else Path(given).expanduser()
+            if path is not None and (path.is_file() or (folders and path.is_dir())):
+                reads.file(f, path, f"the {f} {'folder' if path.is_dir() else 'file'}")
+    finally:
+        _HUB_CACHE_ONLY.reset(token)
+    if folders:
+        reads.folder(ENV_VOICES, os.environ.get(ENV_VOICES), f"the voices folder of ${ENV_VOICES}")
+    return reads
 
 
 def _is_repo_id(source: str) -> bool:
@@ -1660,6 +1734,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointFiles",
     "SafetensorsHeader",
+    "checkpoint_reads",
     "describe_checkpoint",
     "env_voices",
     "load_checkpoint",

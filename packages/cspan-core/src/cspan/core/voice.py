@@ -522,10 +522,18 @@ def voice_embeddings_form(
 def _cmd_encode(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import load_checkpoint, load_mimi, read_configs, resolve_checkpoint, resolve_prefix_layout
+    from .checkpoint import (
+        checkpoint_reads,
+        load_checkpoint,
+        load_mimi,
+        read_configs,
+        resolve_checkpoint,
+        resolve_prefix_layout,
+    )
     from .config import PERSONAPLEX
     from .devices import parse_device
     from .files import atomic_file, check_writable
+    from .reads import Reads, check_outputs
 
     device = parse_device(args.device or "cpu")  # a bad --device is refused before anything is read or written
     out = Path(args.output)
@@ -533,6 +541,9 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         raise SettingsError(f"output {str(out)!r}: a voice file ends in .pt")
     if out.exists() and out.is_dir():
         raise SettingsError(f"output {str(out)!r} is a folder; give a file name ending in .pt")
+    reads = Reads().file("IN", args.input, "the recording IN")
+    model = checkpoint_reads(args.checkpoint, base=args.base, folders=False)  # the model's files; voices are not read
+    check_outputs({"OUT": out}, reads.extend(model))
     check_writable(out)  # before Mimi loads: a folder that cannot be written fails now, not after the encoding
     audio = prepare_voice_audio(args.input)  # a missing, short or silent recording fails before the checkpoint loads
     files = resolve_checkpoint(args.checkpoint, base=args.base)
@@ -548,6 +559,7 @@ def _cmd_encode(args: argparse.Namespace) -> int:
         mimi, lm = load_mimi(files.mimi, mimi_cfg, device=device), None
     if int(mimi.sample_rate) != SAMPLE_RATE:  # a codec at another rate than 24 kHz: read again at its rate
         audio = prepare_voice_audio(args.input, sample_rate=int(mimi.sample_rate))
+    check_outputs({"OUT": out}, checkpoint_reads(args.checkpoint, base=args.base, folders=False))  # now cached
     codes = encode_voice_pcm(audio, mimi)
     payload: dict[str, torch.Tensor] = {"codes": codes}
     if lm is not None:

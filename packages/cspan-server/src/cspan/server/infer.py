@@ -31,10 +31,10 @@ import sys
 import time
 import zoneinfo
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, field_validator
 
@@ -49,6 +49,9 @@ from cspan.server.settings_common import (
     ToolSettings,
     Utf8Text,
 )
+
+if TYPE_CHECKING:
+    from cspan.core.reads import Read, Reads
 
 logger = logging.getLogger(__name__)
 
@@ -304,10 +307,6 @@ def pick_device(name: str | None) -> tuple[Any, Any]:
     return device, dtype
 
 
-DB_FILES = ("", "-wal", "-shm", "-journal")
-"""The files of a SQLite database (the file, its write-ahead log and shared memory, its rollback journal)."""
-
-
 def context_db_file(db: str | None) -> Path | None:
     """The SQLite file ``--db`` names (the default one when None), or None: ``:memory:``, a PostgreSQL URL, an
     unsupported URL (reported when the DB is opened)."""
@@ -320,45 +319,46 @@ def context_db_file(db: str | None) -> Path | None:
     return None if path is None else Path(path)
 
 
-def check_outputs(
-    inputs: list[Path] | dict[str, Path], outputs: dict[str, Path], context_db: Path | None = None
-) -> None:
-    """Refuse output paths (``outputs``: by their flag) that are folders, collide with each other, or would
-    overwrite an input (``inputs``: the recording, or every file the run reads by its flag: ``--voice``,
-    ``--config``) or the Context DB file ``context_db`` (or its journal files); then check that each one's folder
-    can be written (created if missing), before any work.
+def check_outputs(reads: Iterable[Read], outputs: dict[str, Path]) -> None:
+    """Refuse outputs (by their flag) that are folders, collide with each other or would overwrite what the run
+    reads (``reads``: :func:`infer_reads`; the rule of :func:`cspan.core.reads.check_outputs`), then check that each
+    one's folder can be written (created if missing), before any work.
 
     Raises:
-        SettingsError: a folder, two flags naming the same file, an input or the Context DB (the flag and the
+        SettingsError: a folder, two flags naming the same file, a file or folder the run reads (the flag and the
             file; exit status 2). CspanError: a path that is no regular file. OutputError: a folder that cannot be
             written (path and cause).
     """
-    from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
+    from cspan.core.reads import check_outputs as refuse_overwrites
 
-    seen: dict[Path, str] = {}
-    named = inputs.items() if isinstance(inputs, dict) else (("--input-wav", p) for p in inputs)
-    resolved_inputs = {p.resolve(): flag for flag, p in named}
-    for flag, out in outputs.items():
-        real = out.resolve()
-        if real.is_dir():  # the settings refuse one too; this catches a folder made since
-            raise SettingsError(f"{flag} {out}: is a directory; pass a file path for the output")
-        if real.exists() and not real.is_file():
-            raise CspanError(f"{out}: is not a regular file (a device, pipe or socket); pass a file path")
-        if real in resolved_inputs:
-            source = resolved_inputs[real]
-            if source == "--input-wav":
-                raise SettingsError(f"{flag} {out}: is also the input; refusing to overwrite the recording")
-            raise SettingsError(f"{flag} {out}: is also the {source} file the run reads; refusing to overwrite it")
-        if context_db is not None and real in {context_db.resolve().with_name(context_db.name + x) for x in DB_FILES}:
-            raise SettingsError(
-                f"{flag} {out}: is the Context DB (--db {context_db}); refusing to overwrite its memory"
-            )
-        if real in seen:
-            raise SettingsError(f"{seen[real]} and {flag} are the same file: {out}; use two different files")
-        seen[real] = flag
+    refuse_overwrites(outputs, reads)
     for out in outputs.values():
         check_writable(out)
+
+
+def infer_reads(settings: InferSettings, config: Path | None = None) -> Reads:
+    """Everything ``cspan infer`` reads, by its flag, that no output may overwrite: the recording, a ``--voice``
+    file (a recording or a ``.pt``; a voice name is no file), the ``--config`` settings file, the Context DB and its
+    journal files, the ``--knowledge`` folder, the files an MCP server's command line names, and every file and
+    folder of the checkpoint and its base (:func:`cspan.core.checkpoint.checkpoint_reads`: found without downloading
+    or loading anything; a Hub checkpoint not in the cache yet is known once loaded)."""
+    from cspan.core.checkpoint import checkpoint_reads
+    from cspan.core.reads import Reads
+
+    s = settings
+    reads = Reads().file("--input-wav", s.input_wav, "the --input-wav recording")
+    if s.voice and Path(s.voice).expanduser().is_file():
+        reads.file("--voice", s.voice)
+    reads.file("--config", config)
+    reads.sqlite("--db", context_db_file(s.db))
+    reads.folder("--knowledge", s.knowledge)
+    for server in s.tools_spec().mcp:
+        for arg in server.command or ():
+            path = Path(server.cwd or ".").expanduser() / Path(arg).expanduser()
+            if path.is_file():  # the server's program or script, or a file it is given
+                reads.file("--mcp", path, f"a file of --mcp {server.where}")
+    return reads.extend(checkpoint_reads(s.checkpoint, base=s.base))
 
 
 async def probe_backends(settings: BackendSettings, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
@@ -527,17 +527,6 @@ def _json_text(value: Any) -> Any:
     return value
 
 
-def read_files(settings: InferSettings, config: Path | None = None) -> dict[str, Path]:
-    """The files the run reads, by their flag, that an output must not overwrite: the recording, a ``--voice``
-    file (a recording or a ``.pt``; a voice name is no file) and the ``--config`` settings file."""
-    files = {"--input-wav": settings.input_wav}
-    if settings.voice and Path(settings.voice).expanduser().is_file():
-        files["--voice"] = Path(settings.voice).expanduser()
-    if config is not None:
-        files["--config"] = Path(config)
-    return files
-
-
 async def run_infer(
     settings: InferSettings,
     *,
@@ -564,7 +553,7 @@ async def run_infer(
 
     s = settings
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
-    check_outputs(read_files(s, config), s.outputs, context_db_file(s.db))
+    check_outputs(infer_reads(s, config), s.outputs)
     check_voice_path(s.voice)
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
     if info.nonfinite:
@@ -614,7 +603,7 @@ async def run_infer(
     await probe_backends(s)
     backends = await build_backends(s, build_transcriber(s))
     try:
-        return await _converse(s, db, memory, profile, backends, info, source, device, dtype, on_frame)
+        return await _converse(s, db, memory, profile, backends, info, source, device, dtype, on_frame, config)
     finally:
         await backends.aclose()
 
@@ -630,6 +619,7 @@ async def _converse(
     device: Any,
     dtype: Any,
     on_frame: Callable[[int, Any], None] | None = None,
+    config: Path | None = None,
 ) -> InferResult:
     """Steps 2 (the model) to 4 (the outputs) of :func:`run_infer`, with the backends built."""
     import numpy as np
@@ -641,6 +631,7 @@ async def _converse(
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import CspanError, OutputError
     from cspan.core.files import stop_signals_deferred
+    from cspan.core.reads import check_outputs as refuse_overwrites
     from cspan.core.runtime import Conversation, ConversationConfig, decode_agent_text
     from cspan.server.memory_span import MemorySpan, memory_summary
     from cspan.server.output import InferJsonStream, InferOutput, PersonaInfo, Timing, timing_stats
@@ -655,6 +646,8 @@ async def _converse(
     checkpoint = await asyncio.to_thread(
         load_checkpoint, source, base=s.base, device=device, dtype=dtype, fuse_lora=s.fuse_lora
     )
+    # what the load read, now that a Hub checkpoint is in the cache (before it, only a cached one was known)
+    refuse_overwrites(s.outputs, infer_reads(s, config))
     voice = resolve_voice(checkpoint, s.voice)
     persona = persona_frames(checkpoint, s, voice)
     engine = DuplexEngine(

@@ -803,11 +803,14 @@ def run_prepare(
 
     Raises:
         DataError: ``in_dir`` has no dialogue, or ``out_dir`` was prepared with another tokenizer.
+        SettingsError: ``out_dir`` is or lies inside ``in_dir`` or a folder of the checkpoint, or is a file the run
+            reads (:func:`cspan.core.reads.check_outputs`).
         CheckpointError: the checkpoint lacks Mimi or the tokenizer.
     """
     from dataclasses import replace
 
     from cspan.core.checkpoint import (
+        checkpoint_reads,
         load_mimi,
         load_tokenizer,
         read_configs,
@@ -816,6 +819,7 @@ def run_prepare(
     )
     from cspan.core.devices import parse_device
     from cspan.core.errors import CheckpointError
+    from cspan.core.reads import Reads, check_outputs
 
     options = options or PrepareOptions()
     dev = parse_device(device or None)  # before anything is read or created
@@ -832,6 +836,10 @@ def run_prepare(
     paths = sorted(p for p in in_dir.glob("*.json") if p.is_file())
     if not paths:
         raise DataError(f"--in-dir {str(in_dir)!r} holds no *.json dialogue file (format: docs/TRAINING.md)")
+    reads = Reads().folder("--in-dir", in_dir).extend(checkpoint_reads(checkpoint, base=base))
+    if options.default_voice and Path(options.default_voice).expanduser().is_file():
+        reads.file("--voice", options.default_voice)
+    check_outputs({}, reads, folders={"--out-dir": out_dir})  # the dataset never goes among what it is made from
 
     files = resolve_checkpoint(checkpoint, base=base)
     if files.mimi is None or files.tokenizer is None:

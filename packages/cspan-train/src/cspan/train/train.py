@@ -50,9 +50,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cspan.core.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
-from cspan.core.checkpoint import EXPORT_INFO, MOSHI_LORA_FILE
+from cspan.core.checkpoint import EXPORT_INFO, MOSHI_LORA_FILE, checkpoint_reads
 from cspan.core.config import CONTEXT_SPANNING
 from cspan.core.errors import SettingsError
+from cspan.core.reads import Reads, check_outputs
 
 from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
 from .errors import TrainError, TrainSettingsError
@@ -214,7 +215,8 @@ class TrainConfig:
         """A copy with the defaults that depend on other options filled in.
 
         Raises:
-            SettingsError: an option out of range (exit status 2), naming the flag.
+            SettingsError: an option out of range, or an ``--out-dir`` that is or lies inside the ``--data-dir`` or a
+                folder of the checkpoint (:func:`cspan.core.reads.check_outputs`) (exit status 2), naming the flag.
         """
         import copy
 
@@ -262,7 +264,6 @@ class TrainConfig:
                 raise SettingsError(f"{flag} must be a finite number, got {value}")
             if value < low or (value == low and not inclusive):
                 raise SettingsError(f"{flag} must be {'>=' if inclusive else '>'} {low:g}, got {value}")
-        real_out, real_data = cfg.out_dir.resolve(), cfg.data_dir.resolve()  # symlinks and '..' resolved
         checks += [
             (
                 cfg.random_sampling_proba <= 1.0,
@@ -278,12 +279,6 @@ class TrainConfig:
                 f"--out-dir {str(cfg.out_dir)!r} is a file; give a folder (a new one, or a run to resume)",
             ),
             (
-                not real_out.is_relative_to(real_data),
-                f"--out-dir {str(cfg.out_dir)!r} {'is' if real_out == real_data else 'is inside'} the --data-dir "
-                f"{str(cfg.data_dir)!r}: the checkpoints and the export would be written into the dataset; choose an "
-                "--out-dir outside it",
-            ),
-            (
                 not cfg.fsdp or "WORLD_SIZE" in os.environ,
                 "--fsdp shards the model over the processes that torchrun starts, and this process was not started "
                 "by torchrun; run `torchrun --nproc-per-node N -m cspan.core.cli train ... --fsdp`, or leave --fsdp "
@@ -293,6 +288,9 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
+        # the checkpoints and the export never go into the dataset or the checkpoint trained from
+        reads = Reads().folder("--data-dir", cfg.data_dir).extend(checkpoint_reads(cfg.checkpoint, base=cfg.base))
+        check_outputs({}, reads, folders={"--out-dir": cfg.out_dir})
         if cfg.lr is None:
             cfg.lr = 1e-4 if cfg.lora_rank else 2e-6
         if cfg.lr_depformer is None:
