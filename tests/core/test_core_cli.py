@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from cspan.core.cli import main
@@ -80,3 +85,43 @@ def test_a_verb_far_from_every_known_one_gets_no_suggestion(capsys) -> None:
         main(["zzz"])
     assert exit_.value.code == 2
     assert "did you mean" not in capsys.readouterr().err
+
+
+def _into_a_closed_pipe(args: list[str], *, unbuffered: bool) -> subprocess.CompletedProcess[bytes]:
+    """``cspan ARGS`` with its standard output a pipe whose reader is gone (``cspan ... | head`` once head exits)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        cmd = [sys.executable, "-m", "cspan.core.cli", *args]
+        return subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, env=env, timeout=120)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["db", "export", "bob", "--db", "DB"],
+        ["db", "info", "--db", "DB"],
+        ["tools", "list"],
+        ["--version"],
+        ["db", "-h"],
+    ],
+)
+def test_a_closed_stdout_pipe_ends_any_verb_quietly(args: list[str], unbuffered: bool, tmp_path: Path) -> None:
+    """`cspan db export bob | head` said `cspan db export: error: [Errno 32] Broken pipe` (the verb's own `except
+    OSError`), and `--version` a traceback: a standard output whose reader went away ends every verb without a word
+    and with status 141 (128 + SIGPIPE), as a standard tool (`yes | head`); the flush at exit does not fail either."""
+    db = tmp_path / "db.sqlite"
+    added = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "users", "add", "bob", "--db", str(db)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert added.returncode == 0, added.stderr
+    done = _into_a_closed_pipe([str(db) if a == "DB" else a for a in args], unbuffered=unbuffered)
+    assert (done.returncode, done.stderr.decode()) == (141, "")

@@ -208,8 +208,55 @@ def _raise_terminated(signum: int, _frame: object) -> None:
     raise Terminated(signum)
 
 
+class _GuardedStdout:
+    """``sys.stdout`` while ``cspan`` runs: a write or flush that finds its reader gone (a ``BrokenPipeError``:
+    ``cspan db export bob | head``) points file descriptor 1 at the null device, so that nothing written later nor
+    the flush at exit fails again, and raises :class:`~cspan.core.errors.StdoutClosed` in the main thread (which
+    stops the verb quietly; elsewhere the ``BrokenPipeError`` itself, a thread cannot stop the process). Python's
+    recipe (the ``signal`` module's note on SIGPIPE), in one place for every verb, not SIGPIPE's default action,
+    which would also kill ``cspan serve`` when a client's socket closes. Everything else is the stream's own."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+    def _closed(self) -> NoReturn:
+        from cspan.core.errors import StdoutClosed
+
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no descriptor (captured): nothing to point
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())  # type: ignore[attr-defined]
+            os.close(devnull)
+        if threading.current_thread() is threading.main_thread():
+            raise StdoutClosed
+        raise BrokenPipeError(32, "standard output's reader went away")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)  # type: ignore[attr-defined]
+        except BrokenPipeError:
+            self._closed()
+
+    def writelines(self, lines: object) -> None:
+        try:
+            self._stream.writelines(lines)  # type: ignore[attr-defined]
+        except BrokenPipeError:
+            self._closed()
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()  # type: ignore[attr-defined]
+        except BrokenPipeError:
+            self._closed()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cspan`` console script; returns the process exit status.
+
+    Standard output's reader going away (``cspan db export bob | head``) ends any verb quietly, as it ends a standard
+    tool: no message, exit status 141 (``128 + SIGPIPE``; see :class:`_GuardedStdout`).
 
     Before the verb runs, each ``CSPAN_*`` variable of the environment that no installed verb reads is warned about
     (:mod:`cspan.core.environment`).
@@ -220,6 +267,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM, SIGHUP, SIGQUIT (``128 + signal``; raised as :class:`~cspan.core.errors.Terminated` so that cleanup
     runs and unfinished outputs are removed). ``-v`` adds the traceback of an ``OSError``.
     """
+    from cspan.core.errors import StdoutClosed
+
+    stdout = sys.stdout
+    sys.stdout = guarded = _GuardedStdout(stdout)  # type: ignore[assignment]
+    try:
+        try:
+            return _main(argv)
+        finally:  # what is still buffered is written now, where a closed pipe is caught, not at exit
+            sys.stdout.flush()
+    except StdoutClosed as exc:
+        return int(exc.code)  # type: ignore[arg-type]
+    finally:
+        if sys.stdout is guarded:
+            sys.stdout = stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
@@ -230,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
         return 2
     from cspan.core.environment import warn_unknown_env
-    from cspan.core.errors import Terminated, describe_os_error, one_line
+    from cspan.core.errors import StdoutClosed, Terminated, describe_os_error, one_line
     from cspan.core.settings import settings_models
 
     # A misspelled CSPAN_* variable would be ignored without a word: warn, naming the closest known one (known to any
@@ -244,15 +308,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             previous[signum] = signal.signal(signum, _raise_terminated)
     try:
         return int(handler(args) or 0)
+    except StdoutClosed:
+        raise
     except Terminated as exc:
         print(f"{prog}: terminated by signal {exc.signum}", file=sys.stderr)
         return int(exc.code or 143)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except Exception as exc:
         if _is_user_error(exc):
             print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)
