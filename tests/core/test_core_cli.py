@@ -125,3 +125,32 @@ def test_a_closed_stdout_pipe_ends_any_verb_quietly(args: list[str], unbuffered:
     assert added.returncode == 0, added.stderr
     done = _into_a_closed_pipe([str(db) if a == "DB" else a for a in args], unbuffered=unbuffered)
     assert (done.returncode, done.stderr.decode()) == (141, "")
+
+
+@pytest.mark.parametrize("span", ["-1:hi", "-0.5:hi", "-.5:hi"])
+def test_a_value_that_starts_as_a_negative_number_reaches_the_flags_own_check(span: str, capsys, tmp_path) -> None:
+    """`cspan infer --span "-1:hi"` was refused by argparse (`expected one argument`, a flag as far as it knew) where
+    `--span abc` got the range of the value: a word that starts with a minus and a digit is a value."""
+    for argv in (["--span", span], [f"--span={span}"]):
+        assert (
+            main(["infer", "--input-wav", str(tmp_path / "a.wav"), "--output-wav", str(tmp_path / "b.wav"), *argv]) == 2
+        )
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"cspan infer: error: --span / CSPAN_SPAN: {span!r}: expected SECONDS:TEXT with SECONDS a number >= 0, "
+            "e.g. 1.0:Hello"
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "last"),
+    [
+        (["--span", "-x:hi"], "--span: expected one argument; a value that starts with '-' is written --span=-x:hi"),
+        (["--span", "--quiet"], "--span: expected one argument"),  # a forgotten value before a flag of the verb
+    ],
+)
+def test_a_missing_value_that_starts_with_a_minus_is_told_how_to_write_it(argv, last, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["infer", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.splitlines()[-1] == f"cspan infer: error: argument {last}", err

@@ -91,11 +91,31 @@ class _VersionAction(argparse.Action):
 
 
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+_MISSING_VALUE = re.compile(r"^argument (\S+): expected one argument$")
+_NUMBER_LED = re.compile(r"^-\.?\d")
+"""A word that starts as a negative number does (``-1:hi``, ``-0.5s``)."""
 
 
 class CspanParser(argparse.ArgumentParser):
     """The top-level parser: a mistyped choice (a verb, an action, a flag's value) is refused with the closest
-    known one suggested (``invalid choice: 'infr' (choose from ...); did you mean 'infer'?``)."""
+    known one suggested (``invalid choice: 'infr' (choose from ...); did you mean 'infer'?``).
+
+    A word that starts with a minus and a digit is a flag's value, not an unknown flag: ``--span -1:hi`` reaches the
+    flag's own check (``'-1:hi': expected SECONDS:TEXT with SECONDS a number >= 0``), where argparse, which takes only
+    a bare negative number so, answered ``expected one argument``. Any other value that starts with ``-`` is written
+    ``--flag=-value``, which that answer then says (``expected one argument; a value that starts with '-' is written
+    --text-prompt=-hi``)."""
+
+    _words: tuple[str, ...] = ()
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        self._words = tuple(sys.argv[1:] if args is None else args)  # for error(): the word after a flag
+        return super().parse_known_args(args, namespace)
+
+    def _parse_optional(self, arg_string: str):  # type: ignore[no-untyped-def]
+        if _NUMBER_LED.match(arg_string) and not self._has_negative_number_optionals:
+            return None  # a value (no flag of this parser looks like a number)
+        return super()._parse_optional(arg_string)
 
     def error(self, message: str) -> NoReturn:
         match = _INVALID_CHOICE.search(message)
@@ -104,6 +124,16 @@ class CspanParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(match.group(1), choices, n=1)
             if close:
                 message += f"; did you mean {close[0]!r}?"
+        match = _MISSING_VALUE.match(message)
+        if match:
+            flags = match.group(1).split("/")
+            after = [
+                b
+                for a, b in zip(self._words, self._words[1:], strict=False)
+                if a in flags and b.startswith("-") and b.split("=")[0] not in self._option_string_actions
+            ]
+            if after:  # a value that looks like a flag, not a flag of this verb after a forgotten value
+                message += f"; a value that starts with '-' is written {flags[-1]}={after[0]}"
         super().error(message)
 
 
