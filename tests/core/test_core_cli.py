@@ -80,6 +80,46 @@ def test_a_mistyped_verb_is_refused_with_the_closest_one_suggested(argv, prog, t
     assert last.endswith(f"; did you mean {suggestion!r}?"), err
 
 
+@pytest.mark.parametrize(
+    ("argv", "prog", "unknown", "suggestion"),
+    [
+        (
+            ["infer", "--outptu-text", "x.json"],
+            "cspan infer",
+            "--outptu-text x.json",
+            "; did you mean '--output-text'?",
+        ),
+        (["infer", "--outptu-text=x.json"], "cspan infer", "--outptu-text=x.json", "; did you mean '--output-text'?"),
+        (
+            ["infer", "--outptu-text", "x.json", "--quite"],
+            "cspan infer",
+            "--outptu-text x.json --quite",
+            "; did you mean '--output-text' for --outptu-text, '--quiet' for --quite?",
+        ),
+        (["model", "tiny", "OUT", "--sed", "3"], "cspan model tiny", "--sed 3", "; did you mean '--seed'?"),
+        (["db", "export", "bob", "--dbb", "x"], "cspan db export", "--dbb x", "; did you mean '--db'?"),
+        (["tools", "list", "--max-chrs", "9"], "cspan tools list", "--max-chrs 9", "; did you mean '--max-chars'?"),
+        (
+            ["train", "--data-dir", "d", "--out-dir", "OUT", "--lora-rnak", "8"],
+            "cspan train",
+            "--lora-rnak 8",
+            "; did you mean '--lora-rank'?",
+        ),
+        (["--vrebose", "model", "tiny", "OUT"], "cspan", "--vrebose", "; did you mean '--verbose'?"),
+        (["infer", "--zzzzzz"], "cspan infer", "--zzzzzz", ""),  # far from every flag: no suggestion
+    ],
+)
+def test_a_mistyped_flag_is_refused_with_the_closest_one_suggested(argv, prog, unknown, suggestion, capsys, tmp_path):
+    """A misspelled verb got `did you mean`, a misspelled flag (`--outptu-text`) only `unrecognized arguments`: the
+    verb that received it suggests its closest flag, for every verb."""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "tiny") if a == "OUT" else a for a in argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.splitlines()[-1] == f"{prog}: error: unrecognized arguments: {unknown}{suggestion}", err
+    assert not (tmp_path / "tiny").exists()
+
+
 def test_a_verb_far_from_every_known_one_gets_no_suggestion(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["zzz"])

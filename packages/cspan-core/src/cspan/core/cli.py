@@ -92,13 +92,15 @@ class _VersionAction(argparse.Action):
 
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
 _MISSING_VALUE = re.compile(r"^argument (\S+): expected one argument$")
+_UNRECOGNIZED = "unrecognized arguments: "
 _NUMBER_LED = re.compile(r"^-\.?\d")
 """A word that starts as a negative number does (``-1:hi``, ``-0.5s``)."""
 
 
 class CspanParser(argparse.ArgumentParser):
     """The top-level parser: a mistyped choice (a verb, an action, a flag's value) is refused with the closest
-    known one suggested (``invalid choice: 'infr' (choose from ...); did you mean 'infer'?``).
+    known one suggested (``invalid choice: 'infr' (choose from ...); did you mean 'infer'?``), and so is a mistyped
+    flag, by the verb that received it (``unrecognized arguments: --outptu-text; did you mean '--output-text'?``).
 
     A word that starts with a minus and a digit is a flag's value, not an unknown flag: ``--span -1:hi`` reaches the
     flag's own check (``'-1:hi': expected SECONDS:TEXT with SECONDS a number >= 0``), where argparse, which takes only
@@ -112,6 +114,21 @@ class CspanParser(argparse.ArgumentParser):
         self._words = tuple(sys.argv[1:] if args is None else args)  # for error(): the word after a flag
         return super().parse_known_args(args, namespace)
 
+    def _flag_suggestions(self, words: list[str]) -> str:
+        """``"; did you mean '--output-text'?"`` for the unknown flags among ``words`` that are close to one of this
+        parser's (``--outptu-text``, ``--outptu-text=x.json``), as a mistyped verb is answered; ``""`` if none is."""
+        flags = {f.lstrip("-"): f for a in self._actions if a.help != argparse.SUPPRESS for f in a.option_strings}
+        pairs = []
+        for word in words:
+            typed = word.split("=", 1)[0]
+            if typed.startswith("-") and not _NUMBER_LED.match(typed):  # names compared without their dashes
+                close = difflib.get_close_matches(typed.lstrip("-"), flags, n=1)
+                if close:
+                    pairs.append((typed, flags[close[0]]))
+        if len(pairs) == 1:
+            return f"; did you mean {pairs[0][1]!r}?"
+        return "; did you mean " + ", ".join(f"{flag!r} for {typed}" for typed, flag in pairs) + "?" if pairs else ""
+
     def _parse_optional(self, arg_string: str):  # type: ignore[no-untyped-def]
         if _NUMBER_LED.match(arg_string) and not self._has_negative_number_optionals:
             return None  # a value (no flag of this parser looks like a number)
@@ -124,6 +141,8 @@ class CspanParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(match.group(1), choices, n=1)
             if close:
                 message += f"; did you mean {close[0]!r}?"
+        if message.startswith(_UNRECOGNIZED):
+            message += self._flag_suggestions(message.removeprefix(_UNRECOGNIZED).split())
         match = _MISSING_VALUE.match(message)
         if match:
             flags = match.group(1).split("/")
@@ -144,7 +163,7 @@ class VerbParser(CspanParser):
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(f"{_UNRECOGNIZED}{' '.join(extras)}")
         return namespace, extras
 
 
