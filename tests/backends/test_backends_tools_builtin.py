@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from datetime import UTC, datetime
 
 import pytest
@@ -106,3 +109,31 @@ async def test_calculate_rejects_unsafe_or_huge_input(bank: ToolBank, expression
 def test_evaluator_keeps_integers_exact() -> None:
     assert evaluate_expression("123456789 * 987654321") == 121932631112635269
     assert isinstance(evaluate_expression("6 / 3"), float)
+
+
+def _tools(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "tools", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_get_time_says_what_it_accepts() -> None:
+    """The docs promised "any IANA timezone or city" and `get_time {"timezone": "Leeds"}` answered only `unknown
+    timezone 'Leeds'`: a city works when an IANA name ends with it, which the schema says, and the refusal names
+    what to give instead (no place is geocoded)."""
+    done = _tools("call", "get_time", '{"timezone": "Leeds"}')
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "cspan tools call: error: tool 'get_time': unknown timezone 'Leeds'; give an IANA name such as "
+        "'Europe/London', the city it ends with ('London'), or a UTC offset ('UTC+1'): other places are not looked up\n"
+    )
+    for given in ("London", "Europe/London", "new york", "UTC+1"):
+        done = _tools("call", "get_time", json.dumps({"timezone": given}))
+        assert done.returncode == 0 and done.stdout.startswith("It is "), (given, done.stderr)
+
+    listed = json.loads(_tools("list", "--json").stdout)
+    (get_time,) = [t["function"] for t in listed if t["function"]["name"] == "get_time"]
+    assert get_time["description"].startswith("Current date and time in an IANA time zone (or the city its name ")
+    described = get_time["parameters"]["properties"]["timezone"]["description"]
+    assert "IANA time zone such as 'Europe/London', or the city its name ends with ('London'" in described
+    assert "(Leeds: 'Europe/London')" in described

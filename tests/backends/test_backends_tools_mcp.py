@@ -465,3 +465,76 @@ def test_tools_serve_refuses_bad_ports_and_names() -> None:
     listed = subprocess.run(cspan_tools("list"), capture_output=True, text=True, timeout=120)
     names = [line.split("(")[0] for line in listed.stdout.splitlines()]
     assert names == ["get_time", "calculate", "get_weather"]  # no mock world unless named
+
+
+def slow_forecast(delay_s: float):  # type: ignore[no-untyped-def]
+    """An Open-Meteo forecast endpoint on 127.0.0.1 that answers after ``delay_s`` (a call still running at EOF)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(delay_s)
+            body = json.dumps({
+                "current_units": {"temperature_2m": "°C", "relative_humidity_2m": "%", "wind_speed_10m": "km/h"},
+                "current": {"temperature_2m": 14.0, "relative_humidity_2m": 81, "wind_speed_10m": 12.3,
+                            "weather_code": 61},
+            }).encode()  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_tools_serve_over_stdio_answers_everything_read_before_eof() -> None:
+    """`cspan tools serve` read a line that is no JSON without a word, and requests still running when stdin ended
+    were never answered (piping `initialize`, `tools/list` and two `tools/call` at once answered the first two): the
+    SDK's loop dropped the first and cancelled the others at EOF. Now a bad line gets JSON-RPC's -32700 (not JSON) or
+    -32600 (no JSON-RPC message), and stdin's end waits for the answers, here to a call that takes 2 s."""
+    forecast = slow_forecast(2.0)
+    lines = [
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "pipe", "version": "1"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+        "not json",
+        {"id": 9, "foo": 1},
+        "",
+        {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+            "name": "get_weather", "arguments": {"lat": 51.5, "lon": -0.1}}},
+        {"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": {
+            "name": "calculate", "arguments": {"expression": "6 * 7"}}},
+    ]  # fmt: skip
+    stdin = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            cspan_tools(
+                "serve", "--tools", "calculator,weather", "--weather-url", f"http://127.0.0.1:{forecast.server_port}"
+            ),
+            input=stdin.encode(),
+            capture_output=True,
+            timeout=CONNECT_S,
+        )
+    finally:
+        forecast.shutdown()
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    by_id = {a["id"]: a for a in answers if a["id"] is not None}
+    assert sorted(by_id) == [1, 2, 3, 4, 9], answers
+    assert by_id[3]["result"]["content"][0]["text"].startswith("51.50, -0.10: 14°C")
+    assert time.monotonic() - started >= 2.0
+    assert by_id[4]["result"]["content"][0]["text"] == "6 * 7 = 42"
+    assert by_id[9]["error"] == {
+        "code": -32600, "message": "Invalid Request: not a JSON-RPC 2.0 request, notification or response"}  # fmt: skip
+    (parse_error,) = [a for a in answers if a["id"] is None]  # the blank line is not answered
+    assert parse_error["error"]["code"] == -32700
+    assert parse_error["error"]["message"].startswith("Parse error: Invalid JSON: ")

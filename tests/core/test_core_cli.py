@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from cspan.core.cli import main
@@ -75,8 +80,117 @@ def test_a_mistyped_verb_is_refused_with_the_closest_one_suggested(argv, prog, t
     assert last.endswith(f"; did you mean {suggestion!r}?"), err
 
 
+@pytest.mark.parametrize(
+    ("argv", "prog", "unknown", "suggestion"),
+    [
+        (
+            ["infer", "--outptu-text", "x.json"],
+            "cspan infer",
+            "--outptu-text x.json",
+            "; did you mean '--output-text'?",
+        ),
+        (["infer", "--outptu-text=x.json"], "cspan infer", "--outptu-text=x.json", "; did you mean '--output-text'?"),
+        (
+            ["infer", "--outptu-text", "x.json", "--quite"],
+            "cspan infer",
+            "--outptu-text x.json --quite",
+            "; did you mean '--output-text' for --outptu-text, '--quiet' for --quite?",
+        ),
+        (["model", "tiny", "OUT", "--sed", "3"], "cspan model tiny", "--sed 3", "; did you mean '--seed'?"),
+        (["db", "export", "bob", "--dbb", "x"], "cspan db export", "--dbb x", "; did you mean '--db'?"),
+        (["tools", "list", "--max-chrs", "9"], "cspan tools list", "--max-chrs 9", "; did you mean '--max-chars'?"),
+        (
+            ["train", "--data-dir", "d", "--out-dir", "OUT", "--lora-rnak", "8"],
+            "cspan train",
+            "--lora-rnak 8",
+            "; did you mean '--lora-rank'?",
+        ),
+        (["--vrebose", "model", "tiny", "OUT"], "cspan", "--vrebose", "; did you mean '--verbose'?"),
+        (["infer", "--zzzzzz"], "cspan infer", "--zzzzzz", ""),  # far from every flag: no suggestion
+    ],
+)
+def test_a_mistyped_flag_is_refused_with_the_closest_one_suggested(argv, prog, unknown, suggestion, capsys, tmp_path):
+    """A misspelled verb got `did you mean`, a misspelled flag (`--outptu-text`) only `unrecognized arguments`: the
+    verb that received it suggests its closest flag, for every verb."""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "tiny") if a == "OUT" else a for a in argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.splitlines()[-1] == f"{prog}: error: unrecognized arguments: {unknown}{suggestion}", err
+    assert not (tmp_path / "tiny").exists()
+
+
 def test_a_verb_far_from_every_known_one_gets_no_suggestion(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["zzz"])
     assert exit_.value.code == 2
     assert "did you mean" not in capsys.readouterr().err
+
+
+def _into_a_closed_pipe(args: list[str], *, unbuffered: bool) -> subprocess.CompletedProcess[bytes]:
+    """``cspan ARGS`` with its standard output a pipe whose reader is gone (``cspan ... | head`` once head exits)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        cmd = [sys.executable, "-m", "cspan.core.cli", *args]
+        return subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, env=env, timeout=120)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["db", "export", "bob", "--db", "DB"],
+        ["db", "info", "--db", "DB"],
+        ["tools", "list"],
+        ["--version"],
+        ["db", "-h"],
+    ],
+)
+def test_a_closed_stdout_pipe_ends_any_verb_quietly(args: list[str], unbuffered: bool, tmp_path: Path) -> None:
+    """`cspan db export bob | head` said `cspan db export: error: [Errno 32] Broken pipe` (the verb's own `except
+    OSError`), and `--version` a traceback: a standard output whose reader went away ends every verb without a word
+    and with status 141 (128 + SIGPIPE), as a standard tool (`yes | head`); the flush at exit does not fail either."""
+    db = tmp_path / "db.sqlite"
+    added = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "users", "add", "bob", "--db", str(db)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert added.returncode == 0, added.stderr
+    done = _into_a_closed_pipe([str(db) if a == "DB" else a for a in args], unbuffered=unbuffered)
+    assert (done.returncode, done.stderr.decode()) == (141, "")
+
+
+@pytest.mark.parametrize("span", ["-1:hi", "-0.5:hi", "-.5:hi"])
+def test_a_value_that_starts_as_a_negative_number_reaches_the_flags_own_check(span: str, capsys, tmp_path) -> None:
+    """`cspan infer --span "-1:hi"` was refused by argparse (`expected one argument`, a flag as far as it knew) where
+    `--span abc` got the range of the value: a word that starts with a minus and a digit is a value."""
+    for argv in (["--span", span], [f"--span={span}"]):
+        assert (
+            main(["infer", "--input-wav", str(tmp_path / "a.wav"), "--output-wav", str(tmp_path / "b.wav"), *argv]) == 2
+        )
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"cspan infer: error: --span / CSPAN_SPAN: {span!r}: expected SECONDS:TEXT with SECONDS a number >= 0, "
+            "e.g. 1.0:Hello"
+        )
+
+
+@pytest.mark.parametrize(
+    ("argv", "last"),
+    [
+        (["--span", "-x:hi"], "--span: expected one argument; a value that starts with '-' is written --span=-x:hi"),
+        (["--span", "--quiet"], "--span: expected one argument"),  # a forgotten value before a flag of the verb
+    ],
+)
+def test_a_missing_value_that_starts_with_a_minus_is_told_how_to_write_it(argv, last, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["infer", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.splitlines()[-1] == f"cspan infer: error: argument {last}", err

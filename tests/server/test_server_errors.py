@@ -169,3 +169,37 @@ async def test_idle_session_gets_bye(serve) -> None:
         client = Client(ws)
         _, bye = await client.recv_until(lambda k, m: k == "json" and m["type"] == "bye")
     assert bye["reason"] == "idle" and bye["stats"]["frames"] == 0
+
+
+async def test_a_message_without_a_string_type_is_told_so(serve) -> None:
+    """``{"foo": 1}`` was answered ``unknown message type None``: a JSON object with no ``type``, or one that is not a
+    string, is told which, on both protocols that read JSON messages (``/api/chat`` reads none); the session goes on."""
+    from test_server_limits import json_until, ws_url
+
+    server = serve(max_sessions=2)
+    cases = [
+        ({"foo": 1}, 'message has no "type"'),
+        ({"type": None}, '"type" must be a string, got null'),
+        ({"type": 5}, '"type" must be a string, got a number'),
+        ({"type": ["start"]}, '"type" must be a string, got an array'),
+        ({"type": "dance"}, "unknown message type 'dance'"),
+    ]
+    async with websockets.connect(ws_url(server, "/ws"), max_size=None) as ws:
+        for payload, problem in cases:
+            await ws.send(json.dumps(payload))
+            error = await json_until(ws, "error")
+            assert error["code"] == "unknown_type"
+            assert error["message"] == f"{problem}; client messages are start, voice_audio, context, stop", error
+        await ws.send(json.dumps({"type": "start"}))
+        await json_until(ws, "ready")
+
+    async with websockets.connect(ws_url(server, "/v1/realtime"), max_size=None) as ws:
+        await json_until(ws, "session.created")
+        for payload, problem in cases:
+            await ws.send(json.dumps({**payload, "event_id": "e1"}))
+            error = (await json_until(ws, "error"))["error"]
+            assert (error["code"], error["event_id"], error["param"]) == ("unknown_event", "e1", "type"), error
+            problem = problem.replace("message", "client event")
+            assert error["message"].startswith(f"{problem}; this server accepts session.update, "), error
+        await ws.send(json.dumps({"type": "session.update", "event_id": "u1", "session": {"instructions": "Hi."}}))
+        assert (await json_until(ws, "session.updated"))["session"]["instructions"] == "Hi."

@@ -334,3 +334,18 @@ def test_kv_dtype_reaches_the_engine_of_infer_and_serve(tiny_checkpoint_dir, tin
     assert engine.kv_dtype == torch.float8_e4m3fn and engine.batch_size == 2
     with pytest.raises(SettingsError, match=r"--kv-dtype / CSPAN_KV_DTYPE"):
         settings_from_args(build_parser().parse_args(["serve", "--kv-dtype", "int4"]))
+
+
+def test_the_default_persona_is_one_identity(weather_run):
+    """`cspan infer` and `cspan serve` without --text-prompt read "You are Ada, ... You are moshi, ...": two
+    identities in one persona. The run's JSON shows the persona it read: one."""
+    from cspan.server.serve_settings import ServeSettings
+
+    _, out, _ = weather_run
+    persona = json.loads((out / "out.json").read_text())["settings"]["text_prompt"]
+    assert persona == (
+        "You are Ada, a calm and friendly voice assistant. You help people plan their day and find things out, and "
+        "you handle everyday requests too, such as looking things up, the weather, times and directions."
+    )
+    assert persona.count("You are") == 1 and "moshi" not in persona.lower()
+    assert ServeSettings.model_fields["text_prompt"].default == persona  # cspan serve's default is the same text

@@ -91,11 +91,48 @@ class _VersionAction(argparse.Action):
 
 
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+_MISSING_VALUE = re.compile(r"^argument (\S+): expected one argument$")
+_UNRECOGNIZED = "unrecognized arguments: "
+_NUMBER_LED = re.compile(r"^-\.?\d")
+"""A word that starts as a negative number does (``-1:hi``, ``-0.5s``)."""
 
 
 class CspanParser(argparse.ArgumentParser):
     """The top-level parser: a mistyped choice (a verb, an action, a flag's value) is refused with the closest
-    known one suggested (``invalid choice: 'infr' (choose from ...); did you mean 'infer'?``)."""
+    known one suggested (``invalid choice: 'infr' (choose from ...); did you mean 'infer'?``), and so is a mistyped
+    flag, by the verb that received it (``unrecognized arguments: --outptu-text; did you mean '--output-text'?``).
+
+    A word that starts with a minus and a digit is a flag's value, not an unknown flag: ``--span -1:hi`` reaches the
+    flag's own check (``'-1:hi': expected SECONDS:TEXT with SECONDS a number >= 0``), where argparse, which takes only
+    a bare negative number so, answered ``expected one argument``. Any other value that starts with ``-`` is written
+    ``--flag=-value``, which that answer then says (``expected one argument; a value that starts with '-' is written
+    --text-prompt=-hi``)."""
+
+    _words: tuple[str, ...] = ()
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
+        self._words = tuple(sys.argv[1:] if args is None else args)  # for error(): the word after a flag
+        return super().parse_known_args(args, namespace)
+
+    def _flag_suggestions(self, words: list[str]) -> str:
+        """``"; did you mean '--output-text'?"`` for the unknown flags among ``words`` that are close to one of this
+        parser's (``--outptu-text``, ``--outptu-text=x.json``), as a mistyped verb is answered; ``""`` if none is."""
+        flags = {f.lstrip("-"): f for a in self._actions if a.help != argparse.SUPPRESS for f in a.option_strings}
+        pairs = []
+        for word in words:
+            typed = word.split("=", 1)[0]
+            if typed.startswith("-") and not _NUMBER_LED.match(typed):  # names compared without their dashes
+                close = difflib.get_close_matches(typed.lstrip("-"), flags, n=1)
+                if close:
+                    pairs.append((typed, flags[close[0]]))
+        if len(pairs) == 1:
+            return f"; did you mean {pairs[0][1]!r}?"
+        return "; did you mean " + ", ".join(f"{flag!r} for {typed}" for typed, flag in pairs) + "?" if pairs else ""
+
+    def _parse_optional(self, arg_string: str):  # type: ignore[no-untyped-def]
+        if _NUMBER_LED.match(arg_string) and not self._has_negative_number_optionals:
+            return None  # a value (no flag of this parser looks like a number)
+        return super()._parse_optional(arg_string)
 
     def error(self, message: str) -> NoReturn:
         match = _INVALID_CHOICE.search(message)
@@ -104,6 +141,18 @@ class CspanParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(match.group(1), choices, n=1)
             if close:
                 message += f"; did you mean {close[0]!r}?"
+        if message.startswith(_UNRECOGNIZED):
+            message += self._flag_suggestions(message.removeprefix(_UNRECOGNIZED).split())
+        match = _MISSING_VALUE.match(message)
+        if match:
+            flags = match.group(1).split("/")
+            after = [
+                b
+                for a, b in zip(self._words, self._words[1:], strict=False)
+                if a in flags and b.startswith("-") and b.split("=")[0] not in self._option_string_actions
+            ]
+            if after:  # a value that looks like a flag, not a flag of this verb after a forgotten value
+                message += f"; a value that starts with '-' is written {flags[-1]}={after[0]}"
         super().error(message)
 
 
@@ -114,7 +163,7 @@ class VerbParser(CspanParser):
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(f"{_UNRECOGNIZED}{' '.join(extras)}")
         return namespace, extras
 
 
@@ -208,8 +257,55 @@ def _raise_terminated(signum: int, _frame: object) -> None:
     raise Terminated(signum)
 
 
+class _GuardedStdout:
+    """``sys.stdout`` while ``cspan`` runs: a write or flush that finds its reader gone (a ``BrokenPipeError``:
+    ``cspan db export bob | head``) points file descriptor 1 at the null device, so that nothing written later nor
+    the flush at exit fails again, and raises :class:`~cspan.core.errors.StdoutClosed` in the main thread (which
+    stops the verb quietly; elsewhere the ``BrokenPipeError`` itself, a thread cannot stop the process). Python's
+    recipe (the ``signal`` module's note on SIGPIPE), in one place for every verb, not SIGPIPE's default action,
+    which would also kill ``cspan serve`` when a client's socket closes. Everything else is the stream's own."""
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+    def _closed(self) -> NoReturn:
+        from cspan.core.errors import StdoutClosed
+
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no descriptor (captured): nothing to point
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())  # type: ignore[attr-defined]
+            os.close(devnull)
+        if threading.current_thread() is threading.main_thread():
+            raise StdoutClosed
+        raise BrokenPipeError(32, "standard output's reader went away")
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)  # type: ignore[attr-defined]
+        except BrokenPipeError:
+            self._closed()
+
+    def writelines(self, lines: object) -> None:
+        try:
+            self._stream.writelines(lines)  # type: ignore[attr-defined]
+        except BrokenPipeError:
+            self._closed()
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()  # type: ignore[attr-defined]
+        except BrokenPipeError:
+            self._closed()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cspan`` console script; returns the process exit status.
+
+    Standard output's reader going away (``cspan db export bob | head``) ends any verb quietly, as it ends a standard
+    tool: no message, exit status 141 (``128 + SIGPIPE``; see :class:`_GuardedStdout`).
 
     Before the verb runs, each ``CSPAN_*`` variable of the environment that no installed verb reads is warned about
     (:mod:`cspan.core.environment`).
@@ -220,6 +316,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM, SIGHUP, SIGQUIT (``128 + signal``; raised as :class:`~cspan.core.errors.Terminated` so that cleanup
     runs and unfinished outputs are removed). ``-v`` adds the traceback of an ``OSError``.
     """
+    from cspan.core.errors import StdoutClosed
+
+    stdout = sys.stdout
+    sys.stdout = guarded = _GuardedStdout(stdout)  # type: ignore[assignment]
+    try:
+        try:
+            return _main(argv)
+        finally:  # what is still buffered is written now, where a closed pipe is caught, not at exit
+            sys.stdout.flush()
+    except StdoutClosed as exc:
+        return int(exc.code)  # type: ignore[arg-type]
+    finally:
+        if sys.stdout is guarded:
+            sys.stdout = stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
@@ -230,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--help"])
         return 2
     from cspan.core.environment import warn_unknown_env
-    from cspan.core.errors import Terminated, describe_os_error, one_line
+    from cspan.core.errors import StdoutClosed, Terminated, describe_os_error, one_line
     from cspan.core.settings import settings_models
 
     # A misspelled CSPAN_* variable would be ignored without a word: warn, naming the closest known one (known to any
@@ -244,15 +357,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             previous[signum] = signal.signal(signum, _raise_terminated)
     try:
         return int(handler(args) or 0)
+    except StdoutClosed:
+        raise
     except Terminated as exc:
         print(f"{prog}: terminated by signal {exc.signum}", file=sys.stderr)
         return int(exc.code or 143)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except Exception as exc:
         if _is_user_error(exc):
             print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)

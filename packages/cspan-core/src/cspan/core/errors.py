@@ -62,6 +62,20 @@ class Terminated(SystemExit):
         self.signum = signum
 
 
+SIGPIPE = 13
+"""POSIX's SIGPIPE number (the ``signal`` module has no ``SIGPIPE`` on Windows)."""
+
+
+class StdoutClosed(Terminated):
+    """The reader of standard output went away (``cspan db export bob | head``): raised where the verb wrote, in the
+    main thread, so that cleanup runs; ``cspan`` then exits quietly with ``128 + SIGPIPE`` (141), the status a shell
+    reports for a standard tool cut off so (``yes | head``). Not an ``OSError``: a verb's ``except OSError`` does not
+    report it as an error of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(SIGPIPE)
+
+
 _HINTS = {
     errno.ENOSPC: "; free some space or write the output elsewhere",
     errno.EDQUOT: "; free some space or write the output elsewhere",

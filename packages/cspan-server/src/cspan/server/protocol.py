@@ -41,7 +41,7 @@ from cspan.server.session import (
     SamplingInfo,
     SamplingOptions,
     SessionStats,
-    brief,
+    type_problem,
 )
 from cspan.server.voices import VOICE_AUDIO_MAX_BYTES
 
@@ -203,12 +203,10 @@ def parse_client_message(text: str) -> StartMessage | VoiceAudioMessage | Contex
         raise ProtocolCodeError("bad_json", f"text message is not valid JSON ({exc}); send one JSON object") from None
     if not isinstance(data, dict):
         raise ProtocolCodeError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")
-    kind = data.get("type")
-    if kind not in CLIENT_MESSAGE_TYPES:
-        raise ProtocolCodeError(
-            "unknown_type",
-            f"unknown message type {brief(kind)}; client messages are {', '.join(CLIENT_MESSAGE_TYPES)}",
-        )
+    problem = type_problem(data, CLIENT_MESSAGE_TYPES, "message")
+    if problem is not None:
+        raise ProtocolCodeError("unknown_type", f"{problem}; client messages are {', '.join(CLIENT_MESSAGE_TYPES)}")
+    kind = data["type"]
     try:
         return _client_adapter.validate_python(data)
     except ValidationError as exc:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from cspan.backends.untrusted import JSONInputError, loads
 from cspan.core.constants import MAX_SEED
-from cspan.server.session import ProfileFields, brief
+from cspan.server.session import ProfileFields, brief, type_problem
 
 Dialect = Literal["ga", "beta"]
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
@@ -428,14 +428,15 @@ def parse_client_event(text: str) -> Any:
         raise RealtimeEventError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")
     raw_id = data.get("event_id")
     event_id = raw_id if isinstance(raw_id, str) and len(raw_id) <= MAX_EVENT_ID_CHARS else None
-    kind = data.get("type")
-    if not isinstance(kind, str) or kind not in CLIENT_EVENT_TYPES:
+    problem = type_problem(data, CLIENT_EVENT_TYPES, "client event")
+    if problem is not None:
         raise RealtimeEventError(
             "unknown_event",
-            f"unknown client event type {brief(kind)}; this server accepts {', '.join(CLIENT_EVENT_TYPES)}",
+            f"{problem}; this server accepts {', '.join(CLIENT_EVENT_TYPES)}",
             event_id=event_id,
             param="type",
         )
+    kind = data["type"]
     if kind == "session.update":
         return _session_update(data, event_id)
     try:

@@ -79,7 +79,7 @@ import logging
 import time
 import uuid
 import zoneinfo
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -157,6 +157,24 @@ def brief(value: Any, limit: int = 60) -> str:
     """``repr(value)`` for an error message, cut to about ``limit`` characters (a client's value may be huge)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text)} characters)"
+
+
+_JSON_KINDS = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "an array"}
+
+
+def type_problem(data: dict[str, Any], known: Collection[str], noun: str) -> str | None:
+    """Why a client's JSON object is none of the ``known`` kinds, in words (None when it is one): it has no
+    ``"type"`` (``message has no "type"``), its ``"type"`` is not a string (``"type" must be a string, got null``)
+    or names no known kind (``unknown message type 'dance'``). ``noun``: what the protocol calls one (message,
+    event). Each protocol that reads JSON messages (``/ws``, ``/v1/realtime``) words its ``type`` errors so."""
+    if "type" not in data:
+        return f'{noun} has no "type"'
+    kind = data["type"]
+    if not isinstance(kind, str):
+        return f'"type" must be a string, got {_JSON_KINDS.get(type(kind), "an object")}'
+    if kind not in known:
+        return f"unknown {noun} type {brief(kind)}"
+    return None
 
 
 class _Fields(BaseModel):

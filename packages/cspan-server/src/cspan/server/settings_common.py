@@ -37,10 +37,13 @@ from cspan.core.constants import (
 from cspan.core.settings import SETTINGS_CONFIG, EnvList
 
 DEFAULT_PERSONA = (
-    "You are Ada, a calm and friendly assistant who helps people plan their day and find things out. "
-    "You are moshi, a capable voice assistant who also handles everyday requests such as looking things up, "
-    "the weather, times and directions; the role above is your manner, not the only thing you help with."
+    "You are Ada, a calm and friendly voice assistant. You help people plan their day and find things out, and "
+    "you handle everyday requests too, such as looking things up, the weather, times and directions."
 )
+"""The persona text of ``cspan infer`` and ``cspan serve`` without ``--text-prompt``: one identity (it read "You are
+Ada ... You are moshi ...", two). No model needs a fixed sentence here: PersonaPlex takes any role text (its own
+examples' default is "You are a wise and friendly teacher. ..."), and a Moshi checkpoint was trained with none
+(``--text-prompt ""``, docs/COMING-FROM-MOSHI.md)."""
 
 MAX_TEXT_PROMPT_CHARS = 4000
 """Longest persona text prompt accepted (characters); whether it fits the model's window is checked on its frames."""

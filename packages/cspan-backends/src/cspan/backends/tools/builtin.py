@@ -81,8 +81,10 @@ def _zone_index() -> dict[str, str]:
 
 
 def resolve_timezone(text: str) -> tuple[tzinfo, str]:
-    """Resolve an IANA zone ("Asia/Seoul"), a zone's city ("Seoul", "new york"), a common abbreviation ("PST")
-    or a UTC offset ("UTC+9", "GMT-05:30") to a ``tzinfo`` and the name to speak.
+    """Resolve an IANA zone ("Asia/Seoul"), a zone's city ("Seoul", "new york": the last part of an IANA name), a
+    common abbreviation or one of a few well-known places whose zone is named otherwise ("PST", "San Francisco",
+    "Japan": :data:`_TZ_ABBREVIATIONS`) or a UTC offset ("UTC+9", "GMT-05:30") to a ``tzinfo`` and the name to speak.
+    Nothing else: no geocoding ("Leeds" is refused; its zone is "Europe/London").
 
     Raises:
         ToolError: nothing matches (``field`` is ``"timezone"``).
@@ -110,7 +112,8 @@ def resolve_timezone(text: str) -> tuple[tzinfo, str]:
         name = _TZ_ABBREVIATIONS.get(first) or _zone_index().get(first)
     if name is None:
         raise ToolError(
-            f"unknown timezone {raw!r}; use an IANA name like 'Asia/Seoul' or 'America/New_York'",
+            f"unknown timezone {raw!r}; give an IANA name such as 'Europe/London', the city it ends with ('London'), "
+            "or a UTC offset ('UTC+1'): other places are not looked up",
             field="timezone",
         )
     return ZoneInfo(name), name
@@ -119,7 +122,9 @@ def resolve_timezone(text: str) -> tuple[tzinfo, str]:
 class GetTimeArgs(ToolArgs):
     timezone: str = Field(
         default="",
-        description="IANA time zone (e.g. 'Asia/Seoul') or a city; empty means the server's local time.",
+        description="An IANA time zone such as 'Europe/London', or the city its name ends with ('London', 'New "
+        "York'), a UTC offset ('UTC+9') or an abbreviation ('PST'); for any other place give its zone's IANA name "
+        "(Leeds: 'Europe/London'). Empty means the server's local time.",
     )
 
 
@@ -157,8 +162,8 @@ def get_time_tool(now: Callable[[], datetime] | None = None) -> Tool:
     return Tool(
         name="get_time",
         description=(
-            "Current date and time in a time zone or city. Only for the current time; never guess it. Typical: "
-            "'what time is it in Tokyo' -> get_time(timezone='Asia/Tokyo')."
+            "Current date and time in an IANA time zone (or the city its name ends with). Only for the current "
+            "time; never guess it. Typical: 'what time is it in Tokyo' -> get_time(timezone='Asia/Tokyo')."
         ),
         parameters=GetTimeArgs,
         fn=get_time,

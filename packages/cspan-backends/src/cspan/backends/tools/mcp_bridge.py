@@ -526,13 +526,127 @@ def build_mcp_server(bank: ToolBank, *, name: str = "cspan-tools") -> Server:
     )
 
 
-async def serve_stdio(bank: ToolBank, *, name: str = "cspan-tools") -> None:
-    """Serve ``bank`` over this process's stdin/stdout until the client closes stdin."""
+STDIO_DRAIN_GRACE_S = 5.0
+"""At the end of stdin, ``serve_stdio`` waits for the requests in flight at most the longest tool timeout plus this."""
+
+
+async def serve_stdio(bank: ToolBank, *, name: str = "cspan-tools", drain_s: float | None = None) -> None:
+    """Serve ``bank`` over this process's stdin/stdout until the client closes stdin and every request read before
+    is answered (at most ``drain_s`` more seconds; default the longest tool timeout plus :data:`STDIO_DRAIN_GRACE_S`).
+
+    The SDK's stdio transport (``mcp.server.stdio``, which keeps handlers' stray output off the wire) reads and
+    writes the lines; :class:`_StdioRelay` stands between it and the SDK's server loop, which otherwise drops a line
+    that is not a JSON-RPC message without a word (logged at debug level) and, at the end of stdin, cancels the
+    requests it is still handling (``JSONRPCDispatcher.run``, mcp 2.x): ``initialize``, ``tools/list`` and two
+    ``tools/call`` piped at once were answered only up to the first call.
+    """
+    import anyio
     from mcp.server.stdio import stdio_server
 
     server = build_mcp_server(bank, name=name)
-    async with stdio_server() as (read, write):
-        await server.run(read, write, server.create_initialization_options())
+    if drain_s is None:
+        drain_s = max((tool.timeout_s for tool in bank.tools()), default=0.0) + STDIO_DRAIN_GRACE_S
+    async with stdio_server() as (wire_in, wire_out):
+        relay = _StdioRelay(wire_in, wire_out, drain_s)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(relay.inbound)
+            tg.start_soon(relay.outbound)
+            await server.run(relay.read, relay.write, server.create_initialization_options())
+            await relay.done.wait()  # every response handed to the transport, which writes it before it exits
+            tg.cancel_scope.cancel()  # the inbound relay, were the loop to end before stdin did
+
+
+def _line_error(exc: Exception) -> Any:
+    """The JSON-RPC 2.0 error answering a line the transport could not read as a message: -32700 (parse error) for
+    one that is not JSON, -32600 (invalid request) for JSON that is no JSON-RPC message (with its ``id`` when it
+    has a usable one, else null, as the specification asks). None for a blank line (nothing was sent)."""
+    from mcp import types
+    from pydantic import ValidationError
+
+    errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else []
+    first = errors[0] if errors else {"type": "json_invalid", "msg": str(exc), "input": None}
+    if first["type"] == "json_invalid":
+        if isinstance(first.get("input"), str) and not first["input"].strip():
+            return None
+        code, message, request_id = types.PARSE_ERROR, f"Parse error: {first['msg']}; send one JSON object a line", None
+    else:
+        sent = first.get("input")
+        request_id = sent.get("id") if isinstance(sent, dict) else None
+        if isinstance(request_id, bool) or not isinstance(request_id, int | str):
+            request_id = None
+        code = types.INVALID_REQUEST
+        message = "Invalid Request: not a JSON-RPC 2.0 request, notification or response"
+    return types.JSONRPCError(jsonrpc="2.0", id=request_id, error=types.ErrorData(code=code, message=message))
+
+
+class _StdioRelay:
+    """Between the SDK's stdio transport (``wire_in``, ``wire_out``) and its server loop (:attr:`read`,
+    :attr:`write`): answers unreadable lines (:func:`_line_error`) and, at the end of stdin, closes the loop's input
+    only once every request passed to it is answered (or cancelled by the client), or ``drain_s`` has passed."""
+
+    def __init__(self, wire_in: Any, wire_out: Any, drain_s: float) -> None:
+        import anyio
+
+        self._wire_in, self._wire_out, self._drain_s = wire_in, wire_out, drain_s
+        self._to_loop, self.read = anyio.create_memory_object_stream[Any](0)
+        self.write, self._from_loop = anyio.create_memory_object_stream[Any](0)
+        self._pending: dict[Any, int] = {}  # request id -> requests with it not yet answered
+        self._changed = anyio.Event()
+        self.done = anyio.Event()
+
+    def _settle(self, request_id: Any) -> None:
+        left = self._pending.pop(request_id, 0) - 1
+        if left > 0:
+            self._pending[request_id] = left
+        self._changed.set()
+
+    async def inbound(self) -> None:
+        import anyio
+        from mcp import types
+        from mcp.shared.message import SessionMessage
+
+        try:
+            async with self._to_loop:
+                async for item in self._wire_in:
+                    if isinstance(item, Exception):
+                        error = _line_error(item)
+                        if error is not None:
+                            await self._wire_out.send(SessionMessage(error))
+                        continue
+                    message = item.message
+                    if isinstance(message, types.JSONRPCRequest):
+                        self._pending[message.id] = self._pending.get(message.id, 0) + 1
+                    elif isinstance(message, types.JSONRPCNotification) and message.method == "notifications/cancelled":
+                        self._settle((message.params or {}).get("requestId"))  # a cancelled request gets no answer
+                    await self._to_loop.send(item)
+                with anyio.move_on_after(self._drain_s):
+                    while self._pending:
+                        self._changed = anyio.Event()
+                        await self._changed.wait()
+                if self._pending:
+                    log.warning(
+                        "stdin closed; %d request(s) still unanswered after %g s are cancelled: %s",
+                        sum(self._pending.values()),
+                        self._drain_s,
+                        ", ".join(map(repr, list(self._pending)[:5])),
+                    )
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the server loop ended first
+
+    async def outbound(self) -> None:
+        import anyio
+        from mcp import types
+
+        try:
+            async with self._wire_out, self._from_loop:
+                async for item in self._from_loop:
+                    await self._wire_out.send(item)
+                    if isinstance(item.message, types.JSONRPCResponse | types.JSONRPCError):
+                        self._settle(item.message.id)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        finally:
+            self.done.set()
 
 
 def http_app(
