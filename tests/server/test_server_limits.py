@@ -261,15 +261,4 @@ def test_the_message_budget_refills_at_its_rates() -> None:
     assert budget.charge(big) == 0.0  # the byte burst at once
     assert budget.charge(BYTE_RATE_MESSAGES * 1000) == pytest.approx(1.0)  # then a second per 16 largest messages
     assert ClientBudget(100, 1000, min_burst_bytes=10**6, clock=lambda: 0.0).charge(10**6) == 0.0
-    now[0] = 100.0
-    budget = ClientBudget(10, 1000, clock=lambda: now[0])
-    for _ in range(10):
-        budget.charge(1)
-    assert budget.over_s() == 0.0  # the burst: within the budget
-    for _ in range(30):  # 20 a second against 10: over the budget from the first, without a break
-        budget.charge(1)
-        now[0] += 0.05
-    assert budget.over_s() == pytest.approx(1.45)
-    now[0] += 5.0  # a pause: back within the budget
-    budget.charge(1)
-    assert budget.over_s() == 0.0
+    # how long a client stays over its budget: test_server_flood.py

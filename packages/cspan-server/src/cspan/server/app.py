@@ -503,6 +503,7 @@ async def serve_connection(
         await websocket.close(code=CLOSE_UNAUTHORIZED, reason=f"unauthorized: {reason}")
         return
     await websocket.accept(subprotocol=credential.subprotocol)
+    loop = asyncio.get_running_loop()
     limit = hub.settings.max_message_kib * 1024
     budget = ClientBudget(hub.settings.max_messages_per_s, limit, VOICE_AUDIO_MAX_BYTES + limit)
     session = hub.open(adapter_cls.name, principal)
@@ -513,8 +514,11 @@ async def serve_connection(
     try:
         await _handle(session, adapter.opened())
         while True:
+            reading = loop.time()
             message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
+            # uvicorn queues the disconnect behind every message it has parsed (one read: thousands of small ones);
+            # the sender learns of it at its next write, and the session ends then, not after the backlog.
+            if message["type"] == "websocket.disconnect" or session.gone:
                 break
             data = message.get("bytes")
             if data is None:
@@ -523,13 +527,14 @@ async def serve_connection(
                 continue
             metrics.wire_bytes.labels(adapter_cls.name, "in").inc(len(data))
             size = _message_bytes(data, limit)
-            wait = budget.charge(size)
+            wait = budget.charge(size, waited_s=loop.time() - reading)
+            if budget.over_s() >= throttle.OVER_BUDGET_END_S:
+                await _end_over_budget(session, sender, hub.settings.max_messages_per_s)
+                break
             if wait > 0.0:  # over its budget: read later, so TCP slows the client and the frame clock keeps time
-                if budget.over_s() >= throttle.OVER_BUDGET_END_S:
-                    await _end_over_budget(session, sender, hub.settings.max_messages_per_s)
-                    break
                 metrics.throttled_seconds.labels(adapter_cls.name).inc(wait)
-                await asyncio.sleep(wait)
+                if await session.wait_gone(wait):
+                    break
             if size > limit:  # refused before any adapter work: decoding scales with the message
                 session.client_error(
                     "too_large",

@@ -28,7 +28,7 @@ each adapter's ``name``).
 | ``cspan_persona_prefill_seconds`` | histogram | wall time of one persona prefix read |
 | ``cspan_spans_total{outcome}`` | counter | retrieval outcomes: injected, late, no_span |
 | ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
-| ``cspan_protocol_errors_total{protocol,code}`` | counter | ``error`` messages sent for client mistakes |
+| ``cspan_protocol_errors_total{protocol,code}`` | counter | client mistakes reported, ``error`` messages sent or not (over a client's 50 at once and 10 a second: counted, not sent) |
 | ``cspan_voice_recordings_total{protocol}`` | counter | recordings clients sent that became a session's voice |
 | ``cspan_mcp_servers{state}`` | gauge | ``--mcp`` servers ``up``, ``reconnecting`` (lost: the next call reconnects) and ``down`` (given up after 3 failed reconnects) |
 | ``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ... | gauge, counter | the server process (Linux; prometheus-client's process collector) |
@@ -116,7 +116,10 @@ class ServerMetrics:
         self.spans = Counter("cspan_spans", "Retrieval outcomes", ["outcome"], registry=r)
         self.backend_errors = Counter("cspan_backend_errors", "Backend failures, by stage", ["stage"], registry=r)
         self.protocol_errors = Counter(
-            "cspan_protocol_errors", "error messages for client mistakes", [*p, "code"], registry=r
+            "cspan_protocol_errors",
+            "client mistakes reported (error messages, sent or over the client's error budget)",
+            [*p, "code"],
+            registry=r,
         )
         self.voice_recordings = Counter(
             "cspan_voice_recordings", "Recordings clients sent that became a session's voice", p, registry=r

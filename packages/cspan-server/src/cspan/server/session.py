@@ -95,6 +95,7 @@ from cspan.core.events import CONVERSATION_ENDED, ConversationEvent, ErrorEvent,
 from cspan.core.voice import VoicePrompt
 from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
 from cspan.server.settings_common import Temperature, TopK
+from cspan.server.throttle import ERROR_RATE, ErrorBudget
 from cspan.server.voices import (
     VOICE_RECORDINGS_PER_SESSION,
     RecordingBudget,
@@ -473,7 +474,8 @@ class Session:
         self.user_forgotten = False  # a write was refused: its user was forgotten since the session began
         self.ended = False
         self.started = False  # reached ready (cspan_sessions_started_total): its end counts in _ended_total
-        self.gone = False
+        self._gone = asyncio.Event()
+        self._errors = ErrorBudget()
         self._start: _Start | None = None
         self._events: list[ConversationEvent] = []
         self._recorder: Callable[[Any], None] | None = None
@@ -487,6 +489,28 @@ class Session:
         self._tasks: list[asyncio.Task[Any]] = []
         self.recorded_voice: Voice | None = None
         self.voice_recordings = 0  # recordings the client sent (each is decoded, and a good one Mimi-encoded)
+
+    # -- the connection ---------------------------------------------------------------------------------------
+
+    @property
+    def gone(self) -> bool:
+        """The client is gone (its socket closed, or a send to it failed): nothing more is sent."""
+        return self._gone.is_set()
+
+    @gone.setter
+    def gone(self, value: bool) -> None:
+        if value:
+            self._gone.set()
+        else:
+            self._gone.clear()
+
+    async def wait_gone(self, timeout: float) -> bool:
+        """Wait ``timeout`` seconds, or less if the client goes; returns whether it is gone. The receive loop
+        waits so while its client is held back (over its message budget)."""
+        if not self.gone:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gone.wait(), timeout)
+        return self.gone
 
     # -- outputs ----------------------------------------------------------------------------------------------
 
@@ -508,11 +532,25 @@ class Session:
 
     def client_error(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
         """Report a client mistake (or a failure in this session): counted, and sent as :class:`ErrorOut` (the
-        message cut to :data:`MAX_ERROR_CHARS`)."""
+        message cut to :data:`MAX_ERROR_CHARS`) within the session's error budget
+        (:class:`~cspan.server.throttle.ErrorBudget`); over it, counted only, and the next error sent says how many
+        were not."""
         self.count_error(code)
-        if len(message) > MAX_ERROR_CHARS:
-            message = message[: MAX_ERROR_CHARS - 1] + "…"
-        self.put(ErrorOut(code=code, message=message, detail=detail or {}))
+        suffix = self.error_admitted()
+        if suffix is None:
+            return
+        room = MAX_ERROR_CHARS - len(suffix)
+        if len(message) > room:
+            message = message[: room - 1] + "…"
+        self.put(ErrorOut(code=code, message=message + suffix, detail=detail or {}))
+
+    def error_admitted(self) -> str | None:
+        """Whether one more ``error`` may be sent to the client (the caller counted it already): None if not (over
+        the error budget), else what to append to its message (how many errors were not sent before it, or "")."""
+        unsent = self._errors.admit()
+        if unsent is None:
+            return None
+        return f" ({unsent} more errors before this one were not sent: over {ERROR_RATE:g} a second)" if unsent else ""
 
     def count_error(self, code: str) -> None:
         """Count a client mistake that the adapter reports in its own rendering (:meth:`client_error` counts and

@@ -770,6 +770,10 @@ class RealtimeAdapter(ProtocolAdapter):
                 return [*events, OutputCleared(response_id=self.responses.last_response_id or "")]
         except RealtimeEventError as exc:  # sent here, in order with this command's place in the output
             self.session.count_error(exc.code)
+            suffix = self.session.error_admitted()
+            if suffix is None:  # over the session's error budget: counted, not sent
+                return []
+            exc.message += suffix
             return [error_event(exc)]
         return []
 
