@@ -17,6 +17,7 @@ import pytest
 from cspan.core.constants import FRAME_SIZE, RET
 from cspan.core.events import (
     CONVERSATION_ENDED,
+    ErrorEvent,
     LateEvent,
     NoSpanEvent,
     QuestionEvent,
@@ -487,3 +488,76 @@ def test_a_slow_recognizer_gets_one_partial_at_a_time():
     got = [(e.final, e.text) for e in conv.events if isinstance(e, UserTextEvent)]
     assert asked == [25, 165, 185, 205, 208]  # partials every 20 frames while heard, then the final
     assert got == [(False, "t0"), (False, "t1"), (False, "t2"), (False, "t3"), (True, "t4")]
+
+
+class FakeStream:
+    """A transcript stream that records what it is fed; ``fail`` makes ``partial`` and ``finish`` raise (the
+    recognizer's process died)."""
+
+    def __init__(self, owner: StreamingTranscriber) -> None:
+        self.owner = owner
+        self.fed: list[int] = []  # samples per feed
+        self.state = "open"
+
+    def feed(self, pcm: np.ndarray) -> None:
+        assert self.state == "open"
+        self.fed.append(len(pcm))
+
+    async def partial(self) -> _Transcript:
+        if self.owner.fail:
+            raise ConnectionError("the decoding process ended")
+        return _Transcript(f"heard {sum(self.fed)}")
+
+    async def finish(self) -> _Transcript:
+        self.state = "finished"
+        if self.owner.fail:
+            raise ConnectionError("the decoding process ended")
+        return _Transcript(f"final {sum(self.fed)}")
+
+    def cancel(self) -> None:
+        if self.state == "open":
+            self.state = "cancelled"
+
+
+class StreamingTranscriber(FakeTranscriber):
+    def __init__(self, text: str = "whole clip", *, fail: bool = False) -> None:
+        super().__init__(text)
+        self.fail = fail
+        self.streams: list[FakeStream] = []
+
+    def open_stream(self, sample_rate: int) -> FakeStream:
+        assert sample_rate == 24_000
+        self.streams.append(FakeStream(self))
+        return self.streams[-1]
+
+
+def _user_texts(conv: Conversation) -> list[tuple[bool, str]]:
+    return [(e.final, e.text) for e in conv.events if isinstance(e, UserTextEvent)]
+
+
+def test_a_streaming_transcriber_hears_each_frame_once_and_transcribes_nothing_whole():
+    """An utterance voiced 5..49 with a transcriber that streams: its stream is fed every frame once, as heard, up to
+    the final's clip end (the last voiced frame and TRAILING_FRAMES more, 54 frames here); the partials (frames 25,
+    45) and the final (frame 58) come from it and nothing is transcribed whole. A blip too short to be an utterance
+    (frames 70..71) has its stream cancelled; so has the utterance still running when the input ends."""
+    engine, asr = RecordingEngine(), StreamingTranscriber()
+    conv = _conv(engine, voiced=[*range(5, 50), 70, 71, *range(90, 100)], transcriber=asr, span_delay_s=None)
+    _run(conv, engine, 100)
+    first, blip, running = asr.streams
+    assert sum(first.fed) == (50 + TRAILING_FRAMES - 5) * FRAME_SIZE and first.state == "finished"
+    assert set(first.fed) == {FRAME_SIZE}  # one frame at a time, none twice
+    assert _user_texts(conv) == [(False, f"heard {21 * FRAME_SIZE}"), (False, f"heard {41 * FRAME_SIZE}"),
+                                 (True, f"final {49 * FRAME_SIZE}")]  # fmt: skip
+    assert blip.state == "cancelled" and running.state == "cancelled"
+    assert asr.calls == [] and conv._streams == {}
+
+
+def test_a_failing_stream_falls_back_to_whole_clips():
+    """The stream fails (its recognizer died): the partial asked of it becomes a whole-clip transcription of the same
+    audio, the rest of the utterance goes without the stream, and the conversation goes on."""
+    engine, asr = RecordingEngine(), StreamingTranscriber("whole clip", fail=True)
+    conv = _conv(engine, voiced=range(5, 50), transcriber=asr, span_delay_s=None)
+    _run(conv, engine, 70)
+    assert _user_texts(conv) == [(False, "whole clip"), (False, "whole clip"), (True, "whole clip")]
+    assert asr.calls == [21 * FRAME_SIZE, 41 * FRAME_SIZE, (45 + TRAILING_FRAMES) * FRAME_SIZE]
+    assert asr.streams[0].state == "cancelled" and not any(isinstance(e, ErrorEvent) for e in conv.events)

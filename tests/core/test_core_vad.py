@@ -129,3 +129,14 @@ def test_voice_activity_runs_the_silero_detectors_in_one_pass(sessions: np.ndarr
         voiced = voice_activity([*silero, other, deaf], frames)
         assert voiced[2:] == [None, None]
         assert voiced[:2] == [reference[k].is_voiced(frames[k]) for k in range(2)]
+
+
+def test_the_tracker_reports_an_utterance_too_short_to_keep_as_dropped() -> None:
+    """Two voiced frames then silence: no ``ended`` (under ``min_frames``) but a ``dropped`` event at the frame the
+    silence ends it, so whatever the runtime opened for it (a transcript stream) is released."""
+    from cspan.core.vad import UtteranceTracker
+
+    tracker = UtteranceTracker()
+    kinds = [(i, ev.kind) for i in range(12) for ev in tracker.update(i, i < 2)]
+    assert kinds == [(0, "started"), (10, "dropped")]
+    assert tracker.current is None and not tracker.finished

@@ -38,6 +38,34 @@ class Transcriber(Protocol):
     async def transcribe(self, pcm: np.ndarray, sample_rate: int) -> TranscriptLike: ...
 
 
+class TranscriptStream(Protocol):
+    """One utterance transcribed as it is heard (what :meth:`StreamingTranscriber.open_stream` returns).
+
+    ``feed(pcm)`` adds float32 mono samples ``[S]`` at the stream's rate and never blocks (the recognizer decodes in
+    the background, as it can); ``await partial()`` is the transcript of everything fed so far; ``await finish()`` is
+    the final transcript of everything fed, after which the stream is closed; ``cancel()`` drops the utterance (no
+    transcript; the recognizer frees what it held; a partial still waiting may be cancelled). Word times count from
+    the first sample fed. ``partial`` and ``finish`` may raise (the recognizer failed): the runtime then transcribes
+    the utterance's audio with ``transcribe`` instead. Cancelling the task awaiting ``partial`` must leave the
+    stream usable.
+    """
+
+    def feed(self, pcm: np.ndarray) -> None: ...
+    async def partial(self) -> TranscriptLike: ...
+    async def finish(self) -> TranscriptLike: ...
+    def cancel(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingTranscriber(Transcriber, Protocol):
+    """A :class:`Transcriber` that can also transcribe an utterance incrementally: ``open_stream(sample_rate)``
+    returns a :class:`TranscriptStream`. Optional: the runtime uses it when the transcriber has it (each partial
+    then costs the audio since the last, the final only the tail) and re-transcribes the whole utterance with
+    ``transcribe`` otherwise."""
+
+    def open_stream(self, sample_rate: int) -> TranscriptStream: ...
+
+
 class RetrievalLike(Protocol):
     """The answer to one ``<ret>``: the reference to inject (``None`` when there is nothing to say).
 

@@ -15,6 +15,12 @@ constants): when the model emits ``<ret>`` (or one is forced),
    for the utterance to end, cutting it after 0.4 s of silence instead of 0.72 s;
 3. otherwise (or when the wait runs out) the retriever transcribes the last ``listen_s`` seconds of user audio.
 
+Utterance transcripts (``user_text``): a partial every 1.6 s while the user speaks, and a final when the utterance
+ends. A transcriber that streams (``open_stream``, :class:`~cspan.core.protocols.StreamingTranscriber`) is given each
+utterance's audio as it is heard, so a partial or the final costs only what it has not heard yet; any other
+transcriber gets the utterance so far as one clip each time (the final's clip is what ``<ret>`` waits for). If a
+stream fails, that utterance falls back to whole clips.
+
 Only one retrieval is pending at a time; a ``<ret>`` meanwhile is reported as ignored. Backend calls run as
 asyncio tasks concurrently with the frame loop. A reference is injected at the head of a frame, and dropped as
 ``late`` when more than ``span_deadline_s`` passed since the ``<ret>``; a ``late`` event keeps the question.
@@ -62,7 +68,7 @@ from cspan.core.events import (
     UserTextEvent,
 )
 from cspan.core.protocols import RetrievalLike, Retriever, Transcriber
-from cspan.core.vad import SileroVAD, UtteranceTracker, voice_probabilities
+from cspan.core.vad import SileroVAD, Utterance, UtteranceTracker, voice_probabilities
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +118,8 @@ class ConversationConfig:
             (deterministic; the retriever gets ``deadline_s=math.inf``). ``None``: live clock, apply on arrival.
         ret_wait_s: how long a ``<ret>`` waits for the running utterance to end.
         fresh_transcript_s: a final transcript at most this old (and the user silent) is used as is.
-        partial_transcripts: re-transcribe running utterances every 1.6 s (``user_text`` partials).
+        partial_transcripts: transcribe running utterances every 1.6 s (``user_text`` partials): what a streaming
+            transcriber heard so far, or the utterance so far transcribed whole.
         agent_said_tokens: how many recent agent text tokens are passed to the router as "already said".
         vad_threshold: Silero speech probability for a voiced frame.
         keep_history: keep every event (:attr:`Conversation.events`) and every agent text token (for
@@ -150,6 +157,15 @@ class _Transcription:
     start: int
     end: int | None
     seq: int
+
+
+@dataclass
+class _Stream:
+    """A running utterance's transcript stream (:class:`~cspan.core.protocols.TranscriptStream`); it has heard the
+    frames before ``fed``."""
+
+    stream: Any
+    fed: int
 
 
 @dataclass
@@ -223,6 +239,7 @@ class Conversation:
         self._asr_tasks: list[_Transcription] = []
         self._asr_seq = 0  # the next request's seq
         self._asr_shown: dict[int, int] = {}  # utterance -> seq of its newest transcript emitted (while others wait)
+        self._streams: dict[int, _Stream] = {}  # utterance -> its transcript stream, while it runs
         self._forced_spans: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
         self._forced_rets: set[int] = set()
         self.frame = 0
@@ -273,10 +290,16 @@ class Conversation:
             voiced = self.listens and self.vad.is_voiced(frame)
         for ev in self.utterances.update(i, voiced):
             utt = ev.utterance
-            if ev.kind == "partial" and self.config.partial_transcripts:
-                await self._transcribe(utt.index, utt.start, i + 1, final=False)
+            if ev.kind == "started":
+                self._open_stream(utt)
+            elif ev.kind == "dropped":
+                self._drop_stream(utt.index)
+            elif ev.kind == "partial" and self.config.partial_transcripts:
+                await self._transcribe(utt, final=False)
             elif ev.kind == "ended":
-                await self._transcribe(utt.index, utt.start, utt.end, final=True)
+                await self._transcribe(utt, final=True)
+        if self.utterances.current is not None:
+            self._feed_stream(self.utterances.current)
         await self._collect_transcripts(block=False)
         await self._service_wait(i)
 
@@ -338,10 +361,13 @@ class Conversation:
         return text
 
     async def finish(self) -> None:
-        """End of the input: wait for outstanding transcripts; report a retrieval not read yet as a ``no_span`` with
-        :data:`CONVERSATION_ENDED`. One still running is cancelled with that message and waited for (the retriever
-        records the cut: the Context DB's span row dropped ``cancelled``); one whose reference was ready but not
-        read gives its ``retrieval_id``, for its record to be marked so too."""
+        """End of the input: drop the running utterance's transcript stream, wait for outstanding transcripts; report
+        a retrieval not read yet as a ``no_span`` with :data:`CONVERSATION_ENDED`. One still running is cancelled with
+        that message and waited for (the retriever records the cut: the Context DB's span row dropped
+        ``cancelled``); one whose reference was ready but not read gives its ``retrieval_id``, for its record to be
+        marked so too."""
+        for utterance in list(self._streams):
+            self._drop_stream(utterance)
         await self._collect_transcripts(block=True)
         p = self._pending
         if p is not None:
@@ -396,13 +422,15 @@ class Conversation:
         frames = [self._audio[k - self._audio_start] for k in range(start, end)]
         return np.concatenate(frames)
 
-    async def _transcribe(self, utterance: int, start: int, end: int | None, *, final: bool) -> None:
-        """Transcribe frames ``start .. end - 1`` and :data:`TRAILING_FRAMES` more where they were heard already
-        (to the current frame when ``end`` is None): voice activity ends an utterance where the detector's
-        probability drops, which can be inside its last syllable, and a recognizer given the audio cut there misreads
-        the last words."""
+    async def _transcribe(self, utt: Utterance, *, final: bool) -> None:
+        """Transcribe the utterance's frames (``utt.start .. utt.end - 1`` for the final, to the current frame for a
+        partial) and :data:`TRAILING_FRAMES` more where they were heard already: voice activity ends an utterance
+        where the detector's probability drops, which can be inside its last syllable, and a recognizer given the
+        audio cut there misreads the last words. With the utterance's transcript stream (a streaming transcriber)
+        only what it has not heard yet is decoded; otherwise the whole clip is."""
         if self.transcriber is None:
             return
+        utterance = utt.index
         pending = [t for t in self._asr_tasks if t.utterance == utterance and not t.final and not t.task.done()]
         if pending and not final:
             return  # the partial still running covers this one: a recognizer slower than the partials' pace does
@@ -410,12 +438,78 @@ class Conversation:
         for t in pending:  # the final is what counts now: a queued partial is dropped before it decodes
             t.task.cancel()
         heard = self.frame + 1
-        pcm = self._user_audio(start, heard if end is None else min(end + TRAILING_FRAMES, heard))
-        task = asyncio.ensure_future(self.transcriber.transcribe(pcm, SAMPLE_RATE))
-        self._asr_tasks.append(_Transcription(task, utterance, final, start, end, self._asr_seq))
+        end = utt.end if final else None
+        clip = (utt.start, heard if end is None else min(end + TRAILING_FRAMES, heard))
+        entry = self._streams.get(utterance)
+        if entry is not None:
+            self._feed_stream(utt)
+            if final:
+                del self._streams[utterance]
+            coro = self._stream_transcript(utterance, entry, clip, final=final)
+        else:
+            coro = self.transcriber.transcribe(self._user_audio(*clip), SAMPLE_RATE)
+        task = asyncio.ensure_future(coro)
+        self._asr_tasks.append(_Transcription(task, utterance, final, utt.start, end, self._asr_seq))
         self._asr_seq += 1
         if self.offline:
             await self._collect_transcripts(block=True)
+
+    # ---------------------------------------------------------------------------------- utterance transcript streams
+    def _open_stream(self, utt: Utterance) -> None:
+        """A transcriber that streams (``open_stream``: :class:`~cspan.core.protocols.StreamingTranscriber`) hears
+        the utterance as it goes: its partials and final then cost only what it has not heard yet."""
+        open_stream = getattr(self.transcriber, "open_stream", None)
+        if open_stream is None:
+            return
+        try:
+            stream = open_stream(SAMPLE_RATE)
+        except Exception as exc:
+            logger.warning("utterance %d: no transcript stream (%s: %s); transcribing it whole", utt.index,
+                           type(exc).__name__, exc)  # fmt: skip
+            return
+        self._streams[utt.index] = _Stream(stream, fed=utt.start)
+
+    def _feed_stream(self, utt: Utterance) -> None:
+        """Give the utterance's stream the frames heard since, up to :data:`TRAILING_FRAMES` past the last voiced
+        one (silence after that joins the utterance only if voice comes back, and the final's clip ends there)."""
+        entry = self._streams.get(utt.index)
+        if entry is None:
+            return
+        upto = min(self.frame + 1, utt.last_voiced + 1 + TRAILING_FRAMES)
+        if upto <= entry.fed:
+            return
+        try:
+            entry.stream.feed(self._user_audio(entry.fed, upto))
+        except Exception as exc:
+            logger.warning("utterance %d: the transcript stream refused audio (%s: %s); transcribing it whole",
+                           utt.index, type(exc).__name__, exc)  # fmt: skip
+            self._drop_stream(utt.index)
+            return
+        entry.fed = upto
+
+    def _drop_stream(self, utterance: int) -> None:
+        """The utterance is dropped (too short, or the conversation ended): its stream frees what it holds."""
+        entry = self._streams.pop(utterance, None)
+        if entry is not None:
+            try:
+                entry.stream.cancel()
+            except Exception:
+                logger.exception("utterance %d: cancelling its transcript stream failed", utterance)
+
+    async def _stream_transcript(self, utterance: int, entry: _Stream, clip: tuple[int, int], *, final: bool) -> Any:
+        """The stream's partial or final transcript; if the stream fails (the recognizer's process died, say), the
+        clip transcribed whole instead, and the rest of the utterance goes without the stream."""
+        try:
+            return await (entry.stream.finish() if final else entry.stream.partial())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("utterance %d: the transcript stream failed (%s: %s); transcribing it whole", utterance,
+                           type(exc).__name__, exc)  # fmt: skip
+            if self._streams.get(utterance) is entry:  # a partial failed: the final will not use the stream either
+                self._drop_stream(utterance)
+            assert self.transcriber is not None
+            return await self.transcriber.transcribe(self._user_audio(*clip), SAMPLE_RATE)
 
     async def _collect_transcripts(self, *, block: bool) -> None:
         """Emit the transcripts finished (all of them with ``block``). They finish in any order (a recognizer

@@ -170,7 +170,8 @@ class Utterance:
 
 @dataclass
 class UtteranceEvent:
-    """What :meth:`UtteranceTracker.update` reports for a frame: ``kind`` is ``started``, ``partial`` or ``ended``."""
+    """What :meth:`UtteranceTracker.update` reports for a frame: ``kind`` is ``started``, ``partial``, ``ended``, or
+    ``dropped`` (it ended shorter than ``min_frames``: not an utterance)."""
 
     kind: str
     utterance: Utterance
@@ -210,6 +211,8 @@ class UtteranceTracker:
             if utt.end - utt.start >= self.min_frames:
                 self.finished.append(utt)
                 events.append(UtteranceEvent("ended", utt))
+            else:
+                events.append(UtteranceEvent("dropped", utt))  # too short to be speech
             return events
         if frame_index - utt.partial_requested_at >= self.partial_every_frames:
             utt.partial_requested_at = frame_index

@@ -10,38 +10,58 @@ Word timings come from the decoder's segmentation (``Decoder.seg()``), whose fra
 frame rate (``-frate``, 100 frames per second by default): ``start_s = start_frame / frate`` and
 ``end_s = (end_frame + 1) / frate``.
 
-pocketsphinx holds Python's GIL while it decodes (about 0.4 s of CPU per second of speech here): in a thread it
-stops every other thread of the process, the duplex engine's frame clock and the event loop included (a served
-session fell seconds behind real time on its partial transcripts). So :meth:`PocketSphinxTranscriber.transcribe`
-decodes in worker processes (:class:`SphinxWorker`: ``python -m cspan.backends.asr.sphinx_worker``, one decoder
-each, shared by the transcribers of one model in a process; the calling thread waits on a pipe, GIL released); :meth:`~PocketSphinxTranscriber.transcribe_sync` still decodes in the calling thread.
+pocketsphinx holds Python's GIL while it decodes (0.1 to 0.2 s of CPU per second of speech on an idle core, more
+under load): in a thread it stops every other thread of the process, the duplex engine's frame clock and the event
+loop included (a served session fell seconds behind real time on its partial transcripts). So
+:meth:`PocketSphinxTranscriber.transcribe` decodes in worker processes (:mod:`cspan.backends.asr.sphinx_process`:
+``python -m cspan.backends.asr.sphinx_worker``, shared by the transcribers of one model in a process; the calling
+thread waits on a pipe, GIL released); :meth:`~PocketSphinxTranscriber.transcribe_sync` still decodes in the calling
+thread.
+
+Streaming (:meth:`PocketSphinxTranscriber.open_stream`, the runtime's ``TranscriptStream``): an utterance is decoded
+as it is heard, pocketsphinx's live mode (``start_utt``, ``process_raw(..., full_utt=False)`` per chunk, ``seg`` for
+a partial, ``end_utt`` for the final) on a decoder the utterance holds in the decoding process
+(:class:`SphinxUtterance`), so a partial costs the audio since the last one, not the whole utterance again.
+
+Live mode normalises the cepstra with a running mean (from the configured ``cmninit``, updated as the utterance
+goes), where a whole clip uses the clip's own mean: the two transcripts differ. So an utterance of at most
+:data:`WHOLE_S` seconds (most questions) gets as its final transcript the whole-clip decode, identical to
+:meth:`PocketSphinxTranscriber.transcribe`'s and costing at most that much audio; a longer one gets the live pass's,
+costing the last chunk and the decoder's closing passes. Partials are always the live pass's. How far the two
+differ on the fixtures' speech is in ``docs/PERFORMANCE.md`` ("pocketsphinx: utterances decoded as they are heard").
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import json
 import queue
 import re
-import struct
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import soxr
 
 from cspan.backends.asr.audio import AudioFormatError, as_mono_float32, check_sample_rate, resample, to_int16
 from cspan.backends.asr.base import Transcript, Word
+from cspan.backends.asr.sphinx_process import (
+    ENDPOINT,
+    MAX_STREAMS,
+    SphinxProcessStream,
+    SphinxWorker,  # noqa: F401 (re-exported)
+    borrow_worker,
+)
 from cspan.backends.errors import TranscriberError
 
-ENDPOINT = "pocketsphinx"
+WHOLE_S = 4.0
+"""The longest streamed utterance whose final transcript is decoded again as a whole clip (see the module
+docstring): at most this much audio to decode when the transcript is wanted."""
+_SILENT = 1 / 32768
+"""Peak below which a clip is digital silence: every sample rounds to 0 in the decoder's 16-bit input."""
 _ALT_PRONUNCIATION = re.compile(r"\(\d+\)$")
 _INSTALL_HINT = "pip install 'cspan-backends[sphinx]' (or pip install pocketsphinx)"
 
@@ -166,6 +186,20 @@ class SphinxDecoderPool:
             except queue.Empty:
                 continue
 
+    def acquire(self) -> Any:
+        """Take a decoder for an utterance that spans several calls (:class:`SphinxUtterance`); blocks while all
+        ``size`` are taken. Give it back with :meth:`release`."""
+        return self._acquire()
+
+    def release(self, decoder: Any, *, ok: bool = True) -> None:
+        """Give back a decoder from :meth:`acquire`; ``ok=False`` drops it (a decode that failed half-way may leave
+        its utterance open), which frees its place for a new one."""
+        if ok:
+            self._idle.put(decoder)
+        else:
+            with self._lock:
+                self._created -= 1
+
     @contextmanager
     def decoder(self) -> Iterator[Any]:
         """Borrow a decoder for one utterance; blocks while all ``size`` decoders are busy."""
@@ -175,12 +209,7 @@ class SphinxDecoderPool:
             yield decoder
             ok = True
         finally:
-            if ok:
-                self._idle.put(decoder)
-            else:
-                # A decode that failed half-way may leave the utterance open: drop that decoder.
-                with self._lock:
-                    self._created -= 1
+            self.release(decoder, ok=ok)
 
     def decode(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
         """Transcribe ``pcm`` ``[S]`` float32 mono at ``sample_rate`` Hz (resampled with soxr to the model's rate).
@@ -194,9 +223,8 @@ class SphinxDecoderPool:
         """
         pcm = as_mono_float32(pcm)
         sample_rate = check_sample_rate(sample_rate)
-        if pcm.size == 0 or float(np.max(np.abs(pcm))) < 1 / 32768:
-            # nothing, or digital silence (every sample rounds to 0 in the decoder's 16-bit input), on which the
-            # decoder would still guess a word ("i'm" on 2 s of zeros)
+        if pcm.size == 0 or float(np.max(np.abs(pcm))) < _SILENT:
+            # nothing, or digital silence, on which the decoder would still guess a word ("i'm" on 2 s of zeros)
             return Transcript(text="", words=[])
         with self.decoder() as decoder:
             raw = to_int16(resample(pcm, sample_rate, self.sample_rate)).tobytes()
@@ -206,9 +234,13 @@ class SphinxDecoderPool:
                 decoder.end_utt()
             except RuntimeError as exc:
                 raise TranscriberError(f"pocketsphinx failed to decode the clip: {exc}", endpoint=ENDPOINT) from exc
-            # A clip too short to decode (under ~0.1 s) leaves no hypothesis: seg() then returns None.
-            segments = [(seg.word, seg.start_frame, seg.end_frame) for seg in (decoder.seg() or [])]
-            frate = float(self.frame_rate)
+            return self.transcript(decoder)
+
+    def transcript(self, decoder: Any) -> Transcript:
+        """The decoder's current hypothesis as a :class:`Transcript` (fillers removed, times in seconds)."""
+        # A clip too short to decode (under ~0.1 s) leaves no hypothesis: seg() then returns None.
+        segments = [(seg.word, seg.start_frame, seg.end_frame) for seg in (decoder.seg() or [])]
+        frate = float(self.frame_rate)
         words = [
             Word(text=_ALT_PRONUNCIATION.sub("", word), start_s=start / frate, end_s=(end + 1) / frate)
             for word, start, end in segments
@@ -217,142 +249,134 @@ class SphinxDecoderPool:
         return Transcript(text=" ".join(w.text for w in words), words=words)
 
 
-class SphinxWorker:
-    """One decoding process: ``python -m cspan.backends.asr.sphinx_worker`` with one decoder, spoken to over its
-    standard input and output (a JSON line of settings once; then per clip 8 bytes ``<samples, rate>`` (uint32 little
-    endian) and the float32 samples; back one JSON line ``{"text", "words": [[word, start_s, end_s], ...]}`` or
-    ``{"error": ...}``). A plain subprocess: nothing of the caller's ``__main__`` is imported, nothing is unpickled.
+class SphinxUtterance:
+    """One utterance decoded as its audio comes: pocketsphinx's live mode on a decoder of ``pool`` that it holds from
+    its first audio to :meth:`close` (see the module docstring). Not thread-safe: one caller (a decoding process
+    serves its streams one request at a time).
 
-    Raises:
-        TranscriberError: the process could not start or died (its last stderr lines are in the message).
+    The live pass starts from fresh feature state (``reinit_feat``: the configured initial cepstral mean, whatever
+    the decoder decoded before, so the result depends on this utterance only) and updates the running mean after
+    every chunk. Its transcript is what :meth:`partial` gives. :meth:`finish` gives it too for an utterance longer
+    than ``whole_s``; a shorter one is decoded again as a whole clip on ``clip_pool`` (exactly what
+    :meth:`SphinxDecoderPool.decode` gives for it), whose cost is bounded by ``whole_s``. Word times count from the
+    first sample fed.
+
+    Args:
+        pool: decoders for live passes (a decoder decodes in live mode ever after its first live pass, so whole
+            clips need decoders of their own).
+        sample_rate: the rate of the audio fed (Hz); resampled to the model's rate with a streaming soxr resampler.
+        clip_pool: decoders for whole clips; ``None``: the final transcript is always the live pass's.
+        whole_s: the longest utterance whose final transcript is a whole-clip decode.
+
+    Raises (every method): TranscriberError: the decoder failed (the utterance is then closed), or it is closed;
+    AudioFormatError: unusable audio or rate.
     """
 
-    def __init__(self, key: tuple[Any, ...]) -> None:
-        self.key = key  # (model_dir, options as sorted pairs)
-        model_dir, options = key
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "cspan.backends.asr.sphinx_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+    def __init__(
+        self,
+        pool: SphinxDecoderPool,
+        sample_rate: int,
+        *,
+        clip_pool: SphinxDecoderPool | None = None,
+        whole_s: float = WHOLE_S,
+    ) -> None:
+        self.pool = pool
+        self.clip_pool = clip_pool
+        self.sample_rate = check_sample_rate(sample_rate)
+        if pool._created == 0:
+            pool.warm()  # the model's rate is known once a decoder is loaded
+        rate = pool.sample_rate
+        self._resampler = (
+            soxr.ResampleStream(self.sample_rate, rate, 1, dtype="float32") if self.sample_rate != rate else None
         )
-        self._send(json.dumps({"model_dir": model_dir, "options": dict(options)}).encode() + b"\n")
-        self._reply()  # the decoder is loaded
+        # the audio as fed, while the utterance may still be decoded whole at the end
+        self._kept: list[np.ndarray] | None = [] if clip_pool is not None else None
+        self._kept_n = 0
+        self._whole = round(whole_s * self.sample_rate)
+        self._decoder: Any = None
+        self._peak = 0.0
+        self.finished = False
+        self.closed = False
 
-    def _send(self, data: bytes) -> None:
+    def feed(self, pcm: np.ndarray) -> None:
+        """Decode ``pcm`` ``[S]`` float32 (at the utterance's rate) after what was fed before."""
+        self._check_open()
+        pcm = as_mono_float32(pcm)
+        if not pcm.size:
+            return
+        self._peak = max(self._peak, float(np.max(np.abs(pcm))))
+        if self._kept is not None:
+            self._kept_n += pcm.size
+            if self._kept_n <= self._whole:
+                self._kept.append(pcm)
+            else:
+                self._kept = None  # too long to decode whole at the end: the live pass's transcript is final
+        self._process(pcm if self._resampler is None else self._resampler.resample_chunk(pcm))
+
+    def partial(self) -> Transcript:
+        """The transcript of what was fed so far (the live pass's best path; the utterance goes on)."""
+        self._check_open()
+        if self._peak < _SILENT or self._decoder is None:
+            return Transcript(text="", words=[])
+        return self.pool.transcript(self._decoder)
+
+    def finish(self) -> Transcript:
+        """The final transcript of the utterance. Call :meth:`close` after it (a decoding process answers first):
+        it ends the live pass and gives its decoder back."""
+        self._check_open()
+        self.finished = True
+        if self._peak < _SILENT:
+            return Transcript(text="", words=[])  # digital silence: no guess
+        if self._kept is not None and self.clip_pool is not None:
+            return self.clip_pool.decode(np.concatenate(self._kept), self.sample_rate)
+        if self._resampler is not None:
+            self._process(self._resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
         try:
-            self.process.stdin.write(data)
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self._died()
-
-    def _reply(self) -> dict[str, Any]:
-        line = self.process.stdout.readline()
-        if not line:
-            self._died()
-        return json.loads(line)
-
-    def _died(self) -> None:
-        self.process.kill()
-        tail = self.process.stderr.read().decode(errors="replace").strip().splitlines()[-3:]
-        raise TranscriberError(f"pocketsphinx: the decoding process ended ({' / '.join(tail) or 'no message'})",
-                               endpoint=ENDPOINT)  # fmt: skip
-
-    def decode(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
-        """Transcribe float32 ``pcm`` [S] at ``sample_rate`` Hz in the process (blocking; one clip at a time)."""
-        pcm = np.ascontiguousarray(pcm, dtype="<f4")
-        self._send(struct.pack("<II", pcm.size, sample_rate) + pcm.tobytes())
-        reply = self._reply()
-        if "error" in reply:
-            raise TranscriberError(f"pocketsphinx: {reply['error']}", endpoint=ENDPOINT)
-        words = [Word(text=w, start_s=a, end_s=b) for w, a, b in reply["words"]]
-        return Transcript(text=reply["text"], words=words)
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
+            self._decoder.end_utt()
+        except RuntimeError as exc:
+            self._fail(exc)
+        transcript = self.pool.transcript(self._decoder)
+        self.pool.release(self._decoder)
+        self._decoder = None
+        return transcript
 
     def close(self) -> None:
-        if self.alive:
-            self.process.stdin.close()  # the worker leaves at the end of its input
+        """End the utterance (after :meth:`finish`, or to drop it: no transcript); the decoder goes back."""
+        if self.closed:
+            return
+        self.closed = self.finished = True
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
             try:
-                self.process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+                decoder.end_utt()
+            except RuntimeError:
+                self.pool.release(decoder, ok=False)
+            else:
+                self.pool.release(decoder)
 
+    def _check_open(self) -> None:
+        if self.finished:
+            raise TranscriberError("pocketsphinx: this utterance is finished or closed", endpoint=ENDPOINT)
 
-_WORKERS: dict[tuple[Any, ...], queue.Queue[SphinxWorker]] = {}
-"""Idle decoding processes of this process, per (model folder, options): shared by every transcriber of the same
-model (a process and its decoder take seconds to start), ended at interpreter exit."""
-_ALL_WORKERS: list[SphinxWorker] = []
-_WORKERS_LOCK = threading.Lock()
+    def _process(self, pcm: np.ndarray) -> None:
+        if not pcm.size:
+            return
+        try:
+            if self._decoder is None:
+                self._decoder = self.pool.acquire()
+                self._decoder.reinit_feat()  # fresh cepstral mean and live/batch mode: this utterance only
+                self._decoder.start_utt()
+            self._decoder.process_raw(to_int16(pcm).tobytes(), no_search=False, full_utt=False)
+            self._decoder.get_cmn(True)  # the running mean follows the utterance
+        except RuntimeError as exc:
+            self._fail(exc)
 
-
-@atexit.register
-def _stop_workers() -> None:
-    with _WORKERS_LOCK:
-        workers = list(_ALL_WORKERS)
-        _ALL_WORKERS.clear()
-        _WORKERS.clear()
-    try:
-        for worker in workers:
-            worker.close()
-    except KeyboardInterrupt:  # a second Ctrl-C while leaving: end the rest at once, without a traceback
-        for worker in workers:
-            if isinstance(worker, SphinxWorker) and worker.alive:
-                worker.process.kill()
-
-
-@dataclass(eq=False)
-class _Starting:
-    """A place taken by a worker being started."""
-
-    key: tuple[Any, ...]
-
-    def close(self) -> None:
-        pass
-
-
-@contextmanager
-def _worker(key: tuple[Any, ...], size: int) -> Iterator[SphinxWorker]:
-    """Borrow a decoding process of ``key`` = (model_dir, options); at most ``size`` of them run at once."""
-    while True:
-        with _WORKERS_LOCK:
-            idle = _WORKERS.setdefault(key, queue.Queue())
-            try:
-                worker = idle.get_nowait()
-                break
-            except queue.Empty:
-                pass
-            start = sum(1 for w in _ALL_WORKERS if w.key == key) < size
-            if start:
-                _ALL_WORKERS.append(placeholder := _Starting(key))
-        if start:
-            try:
-                worker = SphinxWorker(key)
-            finally:
-                with _WORKERS_LOCK:
-                    _ALL_WORKERS.remove(placeholder)
-            with _WORKERS_LOCK:
-                _ALL_WORKERS.append(worker)
-            break
-        try:  # wake up now and then: a worker that died frees a place to start a new one
-            worker = idle.get(timeout=0.5)
-            break
-        except queue.Empty:
-            continue
-    ok = False
-    try:
-        yield worker
-        ok = True
-    finally:
-        if ok and worker.alive:
-            idle.put(worker)
-        else:
-            worker.close()
-            with _WORKERS_LOCK:
-                if worker in _ALL_WORKERS:
-                    _ALL_WORKERS.remove(worker)
+    def _fail(self, exc: Exception) -> None:
+        self.closed = self.finished = True
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            self.pool.release(decoder, ok=False)
+        raise TranscriberError(f"pocketsphinx failed to decode the utterance: {exc}", endpoint=ENDPOINT) from exc
 
 
 class PocketSphinxTranscriber:
@@ -363,14 +387,17 @@ class PocketSphinxTranscriber:
 
     Args:
         model_dir: a Sphinx model directory (see :func:`sphinx_model_files`); ``None`` = the bundled en-us model.
-        pool_size: how many clips may decode at the same time (one decoder each).
+        pool_size: how many clips may decode at the same time (one decoding process each).
         options: extra pocketsphinx decoder options.
+        max_streams: utterance streams a decoding process keeps open at once (one decoder, about 90 MB, each; one
+            more closes the least recently used, whose utterance then goes on with whole clips).
 
     ``await transcribe(pcm [S] float32, sample_rate Hz)`` runs the decode in one of ``pool_size`` worker processes
     (pocketsphinx holds the GIL: see the module docstring) and returns a :class:`Transcript` with ``words``; the
     processes start at the first clip or at :meth:`warm` (``cspan serve`` and ``cspan infer`` warm it when they
-    build their backends). Raises :class:`~cspan.backends.errors.TranscriberError`
-    (``endpoint="pocketsphinx"``).
+    build their backends). :meth:`open_stream` transcribes an utterance as it is heard (the runtime's
+    ``TranscriptStream``: ``feed``, ``partial``, ``finish``, ``cancel``). Raises
+    :class:`~cspan.backends.errors.TranscriberError` (``endpoint="pocketsphinx"``).
     """
 
     endpoint = ENDPOINT
@@ -381,9 +408,16 @@ class PocketSphinxTranscriber:
         model_dir: str | Path | None = None,
         pool_size: int = 1,
         options: Mapping[str, Any] | None = None,
+        max_streams: int = MAX_STREAMS,
     ) -> None:
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         self.pool = SphinxDecoderPool(pool_size, model_dir=model_dir, options=options)
-        self._worker_key = (None if model_dir is None else str(model_dir), tuple(sorted((options or {}).items())))
+        self._worker_key = (
+            None if model_dir is None else str(model_dir),
+            tuple(sorted((options or {}).items())),
+            int(max_streams),
+        )
         self._pool_size = int(pool_size)
         # Its own threads, one per decoding process: a clip waiting for a process waits in this executor's queue
         # (where a cancelled transcription is dropped), never on a thread of the event loop's default executor,
@@ -392,7 +426,7 @@ class PocketSphinxTranscriber:
 
     def warm(self) -> None:
         """Start a decoding process and load its decoder now instead of at the first clip."""
-        with _worker(self._worker_key, self._pool_size):
+        with borrow_worker(self._worker_key, self._pool_size):
             pass
 
     def transcribe_sync(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
@@ -413,8 +447,16 @@ class PocketSphinxTranscriber:
         return await loop.run_in_executor(self._executor, self._decode_in_process, pcm, sample_rate)
 
     def _decode_in_process(self, pcm: np.ndarray, sample_rate: int) -> Transcript:
-        with _worker(self._worker_key, self._pool_size) as worker:
+        with borrow_worker(self._worker_key, self._pool_size) as worker:
             return worker.decode(pcm, sample_rate)
+
+    def open_stream(self, sample_rate: int) -> SphinxProcessStream:
+        """Start transcribing an utterance as it is heard: ``feed(pcm)`` (float32 ``[S]`` at ``sample_rate`` Hz;
+        never blocks), ``await partial()``, ``await finish()`` (its final transcript), ``cancel()``. Decoded in a
+        decoding process in chunks of 0.4 s as the audio comes (see the module docstring); its requests take turns
+        with whole clips on this transcriber's threads."""
+        sample_rate = check_sample_rate(sample_rate)
+        return SphinxProcessStream(self._worker_key, self._pool_size, self._executor, sample_rate)
 
     async def aclose(self) -> None:
         """Drop the clips still waiting for a decoding process (a clip being decoded finishes; a later
