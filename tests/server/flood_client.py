@@ -18,8 +18,9 @@ from typing import Any
 
 import websockets
 
-PAYLOADS = {"junk": b"x" * 10, "pcm16": bytes(3840)}
-"""``junk``: not a frame (``bad_frame``); ``pcm16``: one valid 80 ms frame of silence."""
+PAYLOADS = {"junk": b"x", "pcm16": bytes(3840)}
+"""``junk``: one byte, not a frame (``bad_frame``; the smallest message: the most of them behind the close frame);
+``pcm16``: one valid 80 ms frame of silence."""
 
 
 async def main(url: str, kind: str, seconds: float) -> dict[str, Any]:

@@ -222,7 +222,7 @@ async def test_a_retrieval_cut_by_the_end_of_its_session_is_recorded_as_cancelle
             cut = client.received.json("no_span")
             assert [(m["question"], m["error"]) for m in cut] == [(None, "conversation ended")]
     await wait_for(lambda: server.hub.free_slots() == 1)
-    assert router.cancelled.is_set()
+    await wait_for(router.cancelled.is_set)  # the slot is released first, then the conversation finishes
 
     with ContextDB(db_path) as store:
         db = store.user("local")

@@ -56,10 +56,13 @@ class _RedactTokens(logging.Filter):
 
 
 def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> Any:
-    """The uvicorn configuration ``cspan serve`` uses: WebSocket size limit, no compression of audio, the header
-    timeout (``settings.header_timeout_s``), tokens redacted from the access log, TLS with ``--ssl-certfile`` /
+    """The uvicorn configuration ``cspan serve`` uses: WebSocket size limit, no compression of audio, reading after
+    the server's close frame bounded (:mod:`cspan.server.ws_protocol`), the header timeout
+    (``settings.header_timeout_s``), tokens redacted from the access log, TLS with ``--ssl-certfile`` /
     ``--ssl-keyfile``."""
     import uvicorn
+
+    from cspan.server.ws_protocol import WebSocketProtocol
 
     for name in ("uvicorn.access", "uvicorn.error"):
         log = logging.getLogger(name)
@@ -70,6 +73,7 @@ def uvicorn_config(app: Any, settings: ServeSettings, **overrides: Any) -> Any:
         "host": settings.host,
         "port": settings.port,
         "http": http,
+        "ws": WebSocketProtocol,
         "ws_max_size": MAX_WEBSOCKET_MESSAGE_BYTES,
         "ws_per_message_deflate": False,
         "ws_ping_interval": 20.0,
