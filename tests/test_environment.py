@@ -82,6 +82,14 @@ def test_the_known_names_come_from_every_installed_verbs_model() -> None:
     assert "CSPAN_ASR_SERVE_MAX_SESSIONS" not in known
 
 
+def test_a_model_variable_in_lower_case_is_read_and_another_setting_is_not_suggested() -> None:
+    """pydantic-settings reads a model's variables in any case (its models are not case_sensitive): no warning for
+    CSPAN_max_sessions, whose value is used; a name close in letters but another thing gets no suggestion."""
+    models = settings_models(build_parser())
+    environ = {"CSPAN_max_sessions": "4", "CSPAN_ADMIN_TOKEN": "x", "CSPAN_max_sesion": "4", "CSPAN_FIXTURES": "."}
+    assert unknown_env(environ, models) == [("CSPAN_ADMIN_TOKEN", None), ("CSPAN_max_sesion", "CSPAN_MAX_SESSIONS")]
+
+
 class _Nested(BaseModel):
     depth: int = 1
 

@@ -167,7 +167,7 @@ def test_a_closed_stdout_pipe_ends_any_verb_quietly(args: list[str], unbuffered:
     assert (done.returncode, done.stderr.decode()) == (141, "")
 
 
-@pytest.mark.parametrize("span", ["-1:hi", "-0.5:hi", "-.5:hi"])
+@pytest.mark.parametrize("span", ["-1:hi", "-0.5:hi", "-.5:hi", "-inf:hi"])
 def test_a_value_that_starts_as_a_negative_number_reaches_the_flags_own_check(span: str, capsys, tmp_path) -> None:
     """`cspan infer --span "-1:hi"` was refused by argparse (`expected one argument`, a flag as far as it knew) where
     `--span abc` got the range of the value: a word that starts with a minus and a digit is a value."""

@@ -77,6 +77,7 @@ INFER_CASES = [
     (["--output-text", "{kn}/new.json", "--knowledge", "{kn}"], "lies inside the --knowledge folder"),
     (["--output-text", "{db}-wal", "--db", "{db}"], "--output-text {db}-wal: is the Context DB of --db {db}"),
     (["--output-text", "{tmp}/srv.py", "--mcp", "python3 {tmp}/srv.py"], "is a file of --mcp python3 {tmp}/srv.py"),
+    (["--output-text", "{tmp}/infer.toml", "--mcp", "mcp-srv --data={tmp}/infer.toml"], "is a file of --mcp mcp-srv --data="),
     (["--output-text", "{tmp}/infer.toml", "--config", "{tmp}/infer.toml"], "is the --config file"),
     (["--output-text", "{voices}/me.pt", "--voice", "{voices}/me.pt"], "is the --voice file"),
     (["--output-wav", "{in}"], "--output-wav {in}: is the --input-wav recording"),

@@ -93,8 +93,8 @@ class _VersionAction(argparse.Action):
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
 _MISSING_VALUE = re.compile(r"^argument (\S+): expected one argument$")
 _UNRECOGNIZED = "unrecognized arguments: "
-_NUMBER_LED = re.compile(r"^-\.?\d")
-"""A word that starts as a negative number does (``-1:hi``, ``-0.5s``)."""
+_NUMBER_LED = re.compile(r"^-(\.?\d|(inf|nan)(\W|$))", re.IGNORECASE)
+"""A word that starts as a negative number does (``-1:hi``, ``-0.5s``, ``-inf:hi``)."""
 
 
 class CspanParser(argparse.ArgumentParser):

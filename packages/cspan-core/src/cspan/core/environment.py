@@ -110,7 +110,8 @@ def _suggestion(name: str, known: Iterable[str]) -> str | None:
     """The known name closest to ``name``, compared after the shared ``CSPAN_`` (which would make every pair of
     names look alike), or None when none is close."""
     tails = {k.removeprefix(PREFIX): k for k in known if k.startswith(PREFIX) and not k.endswith("*")}
-    close = difflib.get_close_matches(name.removeprefix(PREFIX), sorted(tails), n=1)
+    # 0.75: PROT -> PORT is close, ADMIN_TOKEN -> ASR_TOKEN (0.7) is another setting, not a misspelling of it
+    close = difflib.get_close_matches(name.removeprefix(PREFIX).upper(), sorted(tails), n=1, cutoff=0.75)
     return tails[close[0]] if close else None
 
 
@@ -127,12 +128,17 @@ def unknown_env(
     Returns:
         ``(variable, suggestion)`` pairs, sorted by variable.
     """
+    models = list(models)
     known = known_env_names(models)
+    # a model that is not case_sensitive reads its variables in any case (CSPAN_max_sessions): known in capitals
+    folded = {n for m in models if not m.model_config.get("case_sensitive") for n in settings_env_names(m)}
     patterns = tuple(k.removesuffix("*") for k in known if k.endswith("*"))  # nested fields' (CSPAN_FIELD__*)
     skip = set(named)
     found = []
     for var in sorted(environ):
-        if not var.startswith(PREFIX) or var in known or var in skip or (patterns and var.startswith(patterns)):
+        if not var.startswith(PREFIX) or var in known or var.upper() in folded or var in skip:
+            continue
+        if patterns and (var.startswith(patterns) or var.upper().startswith(patterns)):
             continue
         found.append((var, _suggestion(var, known)))
     return found

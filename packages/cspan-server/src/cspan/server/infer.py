@@ -355,9 +355,11 @@ def infer_reads(settings: InferSettings, config: Path | None = None) -> Reads:
     reads.folder("--knowledge", s.knowledge)
     for server in s.tools_spec().mcp:
         for arg in server.command or ():
-            path = Path(server.cwd or ".").expanduser() / Path(arg).expanduser()
-            if path.is_file():  # the server's program or script, or a file it is given
-                reads.file("--mcp", path, f"a file of --mcp {server.where}")
+            # the server's program or script, or a file it is given (as an argument, or as --flag=FILE)
+            for word in dict.fromkeys((arg, arg.partition("=")[2])):
+                path = Path(server.cwd or ".").expanduser() / Path(word).expanduser()
+                if word and path.is_file():
+                    reads.file("--mcp", path, f"a file of --mcp {server.where}")
     return reads.extend(checkpoint_reads(s.checkpoint, base=s.base))
 
 
