@@ -22,7 +22,6 @@ import json
 import logging
 import re
 import subprocess
-import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import PurePath
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import anyio
 
 from cspan.backends.http_client import off_loop
+from cspan.backends.rate import TokenBucket
 from cspan.backends.untrusted import sanitize_text
 
 __all__ = [
@@ -135,29 +135,23 @@ class StderrLog:
     def __init__(self, name: str) -> None:
         self.name = name
         self.log = logging.getLogger(f"{STDERR_LOGGER}.{self.name}")
-        self._tokens = float(STDERR_BURST)
-        self._at = time.monotonic()
+        self._bucket = TokenBucket(STDERR_LINES_PER_S, STDERR_BURST)
         self._line = bytearray()  # the head of the line being read
         self._size = 0  # its bytes so far
         self._dropped = self._dropped_bytes = 0
 
     def feed(self, data: bytes) -> None:
         """Take the next piece of the stream (any length, lines split anywhere)."""
-        now = time.monotonic()
-        self._tokens = min(float(STDERR_BURST), self._tokens + (now - self._at) * STDERR_LINES_PER_S)
-        self._at = now
         start = 0
         while (end := data.find(b"\n", start)) >= 0:
-            if self._tokens < 1:  # over the limit: the piece's other whole lines are counted, not read
-                last = data.rfind(b"\n")
-                lines = data.count(b"\n", start, last + 1)
-                self._dropped += lines
-                self._dropped_bytes += self._size + last + 1 - start - lines
-                self._line.clear()
-                self._size, start = 0, last + 1
-                break
             self._add(data[start:end])
-            self._end_line()
+            if not self._end_line():  # over the limit: the piece's other whole lines are counted, not read
+                last = data.rfind(b"\n")
+                lines = data.count(b"\n", end + 1, last + 1)
+                self._dropped += lines
+                self._dropped_bytes += last - end - lines
+                start = last + 1
+                break
             start = end + 1
         self._add(data[start:])
 
@@ -173,19 +167,21 @@ class StderrLog:
         if room > 0:
             self._line += piece[:room]
 
-    def _end_line(self) -> None:
-        if self._tokens < 1:
-            self._dropped += 1
-            self._dropped_bytes += self._size
-        else:
-            self._tokens -= 1
+    def _end_line(self) -> bool:
+        """The line read is complete: logged if the bucket allows (True), else counted (False)."""
+        logged = self._bucket.take()
+        if logged:
             self._report()
             text = sanitize_text(_ANSI.sub("", self._line.decode("utf-8", "replace")), MAX_STDERR_LINE_CHARS)
             if text:
                 size = f" (a line of {self._size} bytes)" if self._size > MAX_STDERR_LINE_CHARS else ""
                 self.log.warning("MCP server %s: %s%s", self.name, text, size)
+        else:
+            self._dropped += 1
+            self._dropped_bytes += self._size
         self._line.clear()
         self._size = 0
+        return logged
 
     def _report(self) -> None:
         if self._dropped:
