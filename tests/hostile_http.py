@@ -14,7 +14,9 @@ and U+202E); ``text_int`` / ``text_list`` / ``text_null`` (a transcript of the w
 ``fn_str``, ``name_int`` (tool calls of the wrong shape), ``message_str``, ``choices_dict``, ``top_list``; ``brotli`` (an unsupported content coding); ``bad_gzip`` (a damaged gzip body).
 Refusals, each the odd-numbered requests of its mode (``requests``), then ``ok``: ``limited`` (429 with
 ``Retry-After: 1``), ``limited_date`` (429 with an HTTP-date 2 s ahead), ``busy`` (503 with ``Retry-After: 1``);
-``limited_long`` is 429 with ``Retry-After: 3600`` every time, ``limited_absurd`` with a 30-digit one.
+``limited_ms`` (429 with ``retry-after-ms: 300`` and ``Retry-After: 3``), ``limited_bare`` (429 with neither);
+``limited_long`` is 429 with ``Retry-After: 3600`` every time, ``limited_absurd`` with a 30-digit one,
+``limited_bare_always`` with no header every time.
 """
 
 from __future__ import annotations
@@ -140,11 +142,15 @@ class HostileServer:
             "busy": (503, "1"),
             "limited_long": (429, "3600"),
             "limited_absurd": (429, "9" * 30),
+            "limited_ms": (429, "3\r\nretry-after-ms: 300"),
+            "limited_bare": (429, None),
+            "limited_bare_always": (429, None),
         }
-        if mode in retry_after and (nth % 2 == 1 or mode in ("limited_long", "limited_absurd")):
+        always = ("limited_long", "limited_absurd", "limited_bare_always")
+        if mode in retry_after and (nth % 2 == 1 or mode in always):
             status, after = retry_after[mode]
             data = b'{"error": {"message": "slow down \x1b[31mplease\x1b[0m"}}'
-            await send(_head(status, len(data), f"Retry-After: {after}\r\n") + data)
+            await send(_head(status, len(data), "" if after is None else f"Retry-After: {after}\r\n") + data)
         elif mode in retry_after:
             await send(_head(200, len(simple["ok"])) + simple["ok"])
         elif mode in simple:

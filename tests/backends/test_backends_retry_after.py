@@ -15,7 +15,14 @@ from hostile_http import HostileServer
 
 from cspan.backends.asr import HTTPTranscriber, OpenAITranscriber
 from cspan.backends.errors import RouterError, TranscriberError
-from cspan.backends.http_client import MAX_RETRY_AFTER_S, HTTPFailure, HTTPPolicy, request, retry_after_s
+from cspan.backends.http_client import (
+    MAX_RETRY_AFTER_S,
+    HTTPFailure,
+    HTTPPolicy,
+    advised_wait_s,
+    request,
+    retry_after_s,
+)
 from cspan.backends.router import LLMRouter, RouteRequest
 from cspan.backends.tools import ToolBank
 
@@ -134,3 +141,58 @@ def test_retry_after_values() -> None:
     assert retry_after_s("Fri, 31 Dec 9999 23:59:59 GMT", now) == MAX_RETRY_AFTER_S
     for bad in (None, "", "-5", "1.5", "soon", "١٢", "Sun, 99 Foo 2001 99:99:99 GMT"):
         assert retry_after_s(bad, now) is None, bad
+
+
+@pytest.mark.parametrize("kind", ["router", "openai"])
+async def test_retry_after_ms_is_read_first(fresh, kind, caplog) -> None:
+    """OpenAI's and Azure OpenAI's ``retry-after-ms`` (300 here) is the wait, before ``Retry-After`` (3 s here), as
+    OpenAI's own client reads them."""
+    t0 = time.monotonic()
+    assert await _answer(fresh, kind, "limited_ms", timeout_s=8.0) == ANSWER
+    elapsed = time.monotonic() - t0
+    assert fresh.requests["limited_ms"] == 2
+    assert 0.28 <= elapsed < 2.5, elapsed
+    waited = [r.getMessage() for r in caplog.records if "asked to retry after" in r.getMessage()]
+    assert len(waited) == 1 and "retry after 0.3 s" in waited[0], waited
+
+
+@pytest.mark.parametrize("kind", ["router", "openai"])
+async def test_a_refusal_without_retry_after_is_retried_after_the_backoff(fresh, kind, caplog) -> None:
+    """A 429 that advises no wait is sent again after the policy's backoff (0.25 s, then 0.5), within the
+    deadline and the waits' bound (was: the 429 was the answer at once)."""
+    t0 = time.monotonic()
+    assert await _answer(fresh, kind, "limited_bare", timeout_s=8.0) == ANSWER
+    assert fresh.requests["limited_bare"] == 2
+    assert 0.24 <= time.monotonic() - t0 < 2.5
+    waited = [r.getMessage() for r in caplog.records if "with no Retry-After" in r.getMessage()]
+    assert len(waited) == 1 and "retrying in 0.25 s (1/2)" in waited[0], waited
+
+
+async def test_a_refusal_without_retry_after_is_the_answer_once_the_waits_are_spent(fresh) -> None:
+    async with httpx.AsyncClient() as client:
+        t0 = time.monotonic()
+        reply = await request(client, "GET", fresh.url("limited_bare_always"), policy=HTTPPolicy(deadline_s=5.0))
+        assert reply.status == 429 and fresh.requests["limited_bare_always"] == 3  # two backoffs, then the 429
+        assert 0.7 <= time.monotonic() - t0 < 3.0
+        # a POST is never sent again, and a backoff past the deadline is not slept
+        fresh.requests.clear()
+        reply = await request(client, "POST", fresh.url("limited_bare_always"), policy=HTTPPolicy(deadline_s=5.0))
+        assert reply.status == 429 and fresh.requests["limited_bare_always"] == 1
+        fresh.requests.clear()
+        t0 = time.monotonic()
+        policy = HTTPPolicy(deadline_s=5.0, backoff_s=10.0)
+        reply = await request(client, "GET", fresh.url("limited_bare_always"), policy=policy)
+        assert reply.status == 429 and fresh.requests["limited_bare_always"] == 1
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_advised_wait_values() -> None:
+    h = httpx.Headers
+    assert advised_wait_s(h({"Retry-After-Ms": "250", "Retry-After": "3"})) == 0.25
+    assert advised_wait_s(h({"retry-after-ms": "12.5"})) == 0.0125
+    assert advised_wait_s(h({"retry-after": "3"})) == 3.0
+    for bad in ("-1", "nan", "inf", "soon", ""):  # an unreadable retry-after-ms falls back to Retry-After
+        assert advised_wait_s(h({"retry-after-ms": bad, "retry-after": "2"})) == 2.0, bad
+        assert advised_wait_s(h({"retry-after-ms": bad})) is None, bad
+    assert advised_wait_s(h({"retry-after-ms": "1e12"})) == MAX_RETRY_AFTER_S
+    assert advised_wait_s(h({})) is None

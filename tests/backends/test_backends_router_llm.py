@@ -170,8 +170,9 @@ async def test_endpoint_failures_raise_router_error(llm: StubLLM, fdb_bank: Tool
     ],
 )
 async def test_an_http_error_s_fix_fits_its_status(llm: StubLLM, fdb_bank: ToolBank, status: int, fix: str) -> None:
-    """A 429 or a 500 is not a wrong URL or API key (what every status used to be told to check)."""
-    llm.script = [{"status": status, "body": "nope"}]
+    """A 429 or a 500 is not a wrong URL or API key (what every status used to be told to check). A 429 or 503
+    with no Retry-After is sent again twice after a backoff first: refused three times here."""
+    llm.script = [{"status": status, "body": "nope"}] * 3
     async with LLMRouter(llm.url, "m", fdb_bank, timeout_s=30) as router:
         with pytest.raises(RouterError, match=f"answered HTTP {status}: nope") as err:
             await router.route(RouteRequest(question="what's the exchange rate"))
@@ -248,7 +249,8 @@ async def test_unusable_replies_give_no_reference(llm: StubLLM, fdb_bank: ToolBa
 async def test_failures_never_escape_the_retriever(llm: StubLLM, fdb_bank: ToolBank, tmp_path) -> None:
     db = ContextDB(tmp_path / "ctx.sqlite")
     llm.script = [
-        {"status": 503, "body": "overloaded"},
+        {"status": 503, "body": "overloaded"},  # no Retry-After: sent again after 0.25 s; the next backoff (0.5 s)
+        {"status": 503, "body": "overloaded"},  # is past the 0.5 s timeout, so this refusal is the answer
         {"raw": "{{{"},
         {"tool": "no_such_tool"},
         {"sleep": 3.0},

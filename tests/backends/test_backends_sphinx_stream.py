@@ -178,6 +178,8 @@ async def test_the_runtime_streams_an_utterance_to_the_transcript_of_its_clip(fi
         assert transcriber.clips == 0
         whole = await transcriber.transcribe(clip, SAMPLE_RATE)
         assert texts[-1] == (True, whole.text) and "weather" in whole.text, texts
-        assert [final for final, _ in texts] == [False, True] and texts[0][1].startswith("what is")
+        # its partial (at 1.6 s), unless the machine was too busy to decode it before the utterance ended
+        assert [final for final, _ in texts] in ([False, True], [True]), texts
+        assert all(text.startswith("what is") for final, text in texts if not final), texts
     finally:
         await transcriber.aclose()

@@ -71,12 +71,13 @@ def _counted(retriever: _Retriever, frames: int) -> tuple[list[NoSpanEvent], str
 
 def test_a_retrieval_cut_by_the_end_of_its_conversation_is_no_backend_error():
     """A client that stops or leaves while a retrieval runs (the soak's injected disconnects did) ends it as
-    ``no_span`` with :data:`CONVERSATION_ENDED`: counted as a ``no_span`` outcome, not as a backend failure (was:
-    ``cspan_backend_errors_total{stage="retrieval"}`` rose with every such disconnect); a router that fails still
-    counts."""
+    ``no_span`` with :data:`CONVERSATION_ENDED`: counted as a ``cancelled`` outcome, as its span row is dropped, and
+    not as a backend failure (was: ``cspan_backend_errors_total{stage="retrieval"}`` rose with every such
+    disconnect); a router that fails still counts."""
     cut, text = _counted(_Retriever(delay_s=60.0), frames=6)
     assert [e.error for e in cut] == [CONVERSATION_ENDED]
-    assert 'cspan_spans_total{outcome="no_span"} 1.0' in text
+    assert 'cspan_spans_total{outcome="cancelled"} 1.0' in text  # as its span row is dropped
+    assert 'cspan_spans_total{outcome="no_span"} 0.0' in text
     assert "cspan_backend_errors_total{" not in text
 
     failed, text = _counted(_Retriever(fail=True), frames=6)

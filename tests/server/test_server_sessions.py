@@ -233,7 +233,8 @@ async def test_a_retrieval_cut_by_the_end_of_its_session_is_recorded_as_cancelle
         ]
         assert spans[0].latency_s > 0 and spans[0].injected_at is None
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'cspan_spans_total{outcome="no_span"} 1.0' in metrics
+    assert 'cspan_spans_total{outcome="cancelled"} 1.0' in metrics  # the metric says what the span row says
+    assert 'cspan_spans_total{outcome="no_span"} 0.0' in metrics
     assert "cspan_backend_errors_total{" not in metrics
 
 

@@ -4,10 +4,12 @@ deadline per request, bounded replies. Each client maps :class:`HTTPFailure` to 
 - **Retry**: when no connection was made (``httpx.ConnectError``, ``httpx.ConnectTimeout``): at most
   ``max_attempts`` tries, sleeping ``backoff_s * 2**(n-1)`` seconds after the n-th failure. A request that reached
   the server is repeated only when the server refused it with 429 (Too Many Requests) or 503 (Service Unavailable)
-  and a ``Retry-After`` (delta-seconds or an HTTP-date, RFC 9110 §10.2.3), and only an idempotent one (RFC 9110
-  §9.2.2: by its method, or as its caller declares): the advised wait is slept when it ends before the deadline
-  (at most ``max_retry_after_waits`` times), else the request fails at once saying what the server asked. Such a
-  refusal without ``Retry-After`` is returned as any reply is.
+  and only an idempotent one (RFC 9110 §9.2.2: by its method, or as its caller declares). The wait is the
+  server's: ``retry-after-ms`` (milliseconds, as OpenAI's and Azure OpenAI's APIs send it; read first, as OpenAI's
+  client does), else ``Retry-After`` (delta-seconds or an HTTP-date, RFC 9110 §10.2.3); it is slept when it ends
+  before the deadline (at most ``max_retry_after_waits`` times), else the request fails at once saying what the
+  server asked. A refusal that advises no wait is retried after ``backoff_s * 2**n`` (n: the waits so far), within
+  the same bounds; when that does not fit, the refusal is returned as any reply is.
 - **Deadline**: ``deadline_s`` bounds the whole request (connecting, retries and their waits, sending, the reply's
   headers and its whole body), so a server that trickles its reply a byte at a time holds the caller no longer
   than that. httpx's own per-read timeout is only a backstop.
@@ -45,6 +47,7 @@ __all__ = [
     "HTTPPolicy",
     "HTTPReply",
     "NoAnswer",
+    "advised_wait_s",
     "backend_answers",
     "network_cause",
     "off_loop",
@@ -79,8 +82,8 @@ class HTTPPolicy:
         connect_timeout_s: one connection attempt (s).
         max_attempts: connection attempts in all.
         backoff_s: wait after the first failed connection attempt (s); doubled after each further one.
-        max_retry_after_waits: times a 429 or 503 with ``Retry-After`` is waited out and an idempotent request sent
-            again; 0 never waits.
+        max_retry_after_waits: times a 429 or 503 is waited out (its ``Retry-After``, or the backoff when it
+            advises none) and an idempotent request sent again; 0 never waits.
         max_reply_bytes: the largest reply body read, in bytes after decompression.
     """
 
@@ -141,6 +144,22 @@ class HTTPFailure(Exception):
         self.kind = kind
         self.attempts = attempts
         self.status = status
+
+
+def advised_wait_s(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """The wait a refusal's headers ask for, in seconds: ``retry-after-ms`` (a non-negative number of
+    milliseconds: OpenAI's and Azure OpenAI's APIs; read first, as OpenAI's Python client does), else
+    ``Retry-After`` (:func:`retry_after_s`); None when neither is there or readable. ``headers`` is
+    case-insensitive (httpx's)."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            value = float(ms)
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and value >= 0:
+            return min(value / 1000.0, MAX_RETRY_AFTER_S)
+    return retry_after_s(headers.get("retry-after"), now)
 
 
 def retry_after_s(value: str | None, now: float | None = None) -> float | None:
@@ -244,7 +263,7 @@ async def request(
         method, url: what to request.
         policy: retry, deadline and size limits.
         headers: extra request headers (``Accept-Encoding`` is set here).
-        idempotent: whether the request may be sent again after a 429 or 503 with ``Retry-After``; None decides by
+        idempotent: whether the request may be sent again after a 429 or 503; None decides by
             the method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE are). Declare True only for a request that changes
             nothing on the server whatever its method (a chat completion, a transcription).
         deadline_at: the event loop's time (``loop.time()``) at which the caller's own deadline ends, when it has
@@ -252,8 +271,8 @@ async def request(
         **kwargs: the body, as ``httpx.AsyncClient.stream`` takes it (``json=``, ``files=``, ``data=``).
 
     Returns:
-        The :class:`HTTPReply`, whatever its status (the caller judges 4xx/5xx), but a 429 or 503 with a
-        ``Retry-After``, which is waited out or raised.
+        The :class:`HTTPReply`, whatever its status (the caller judges 4xx/5xx), but a 429 or 503, which is
+        waited out when it may be; one with an advised wait that is not is raised.
 
     Raises:
         HTTPFailure: see its ``kind``.
@@ -289,10 +308,25 @@ async def request(
                     )
                     await asyncio.sleep(delay)
                     continue
-                wait = retry_after_s(reply.headers.get("retry-after")) if reply.status in _REFUSALS else None
-                if wait is None:
+                if reply.status not in _REFUSALS:
                     return reply
+                wait = advised_wait_s(reply.headers)
                 left = end - loop.time()
+                if wait is None:  # nothing advised: back off as after a failed connection, if that fits
+                    delay = policy.backoff_s * 2**waits
+                    if not idempotent or waits >= policy.max_retry_after_waits or delay >= left:
+                        return reply
+                    waits += 1
+                    log.warning(
+                        "%s: HTTP %d with no Retry-After; retrying in %.2f s (%d/%d)",
+                        redact_url(url),
+                        reply.status,
+                        delay,
+                        waits,
+                        policy.max_retry_after_waits,
+                    )
+                    await asyncio.sleep(delay)
+                    continue
                 if not idempotent:
                     why = f"not sent again: a {method.upper()} may not be safe to repeat"
                 elif waits >= policy.max_retry_after_waits:

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
-from cspan.backends.http_client import retry_after_s
+from cspan.backends.http_client import advised_wait_s
 from cspan.backends.urls import redact_url
 from cspan.bench.errors import JudgeError
 
@@ -305,7 +305,7 @@ class OpenAIJudge:
         """POST ``body`` with retries; the first choice's message text. Raises :class:`JudgeError`."""
         last = ""
         for attempt in range(1, self.max_attempts + 1):
-            asked = None  # the server's Retry-After, seconds
+            asked = None  # the server's retry-after-ms or Retry-After, seconds
             try:
                 response = self._client.post(self.url, json=body, headers=self._headers)
             except httpx.TransportError as exc:
@@ -313,7 +313,7 @@ class OpenAIJudge:
             else:
                 if response.status_code == 429 or response.status_code >= 500:
                     last = f"HTTP {response.status_code}: {response.text[:200]}"
-                    asked = retry_after_s(response.headers.get("retry-after"))
+                    asked = advised_wait_s(response.headers)
                 elif response.status_code >= 400:
                     raise JudgeError(
                         f"judge {self.where} answered HTTP {response.status_code}: {response.text[:300]}; check "

@@ -26,7 +26,7 @@ each adapter's ``name``).
 | ``cspan_step_seconds`` | histogram | wall time of one batched engine step |
 | ``cspan_prefill_seconds`` | histogram | host time of injecting one Context Span (its read is part of the next step) |
 | ``cspan_persona_prefill_seconds`` | histogram | wall time of one persona prefix read |
-| ``cspan_spans_total{outcome}`` | counter | retrieval outcomes: injected, late, no_span |
+| ``cspan_spans_total{outcome}`` | counter | retrieval outcomes: injected, late, no_span (nothing to say, or a backend failed), cancelled (cut by the end of its session) |
 | ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
 | ``cspan_protocol_errors_total{protocol,code}`` | counter | client mistakes reported, ``error`` messages sent or not (over a client's 50 at once and 10 a second: counted, not sent) |
 | ``cspan_voice_recordings_total{protocol}`` | counter | recordings clients sent that became a session's voice |
@@ -129,7 +129,7 @@ class ServerMetrics:
         )
         for state in MCP_STATES:
             self.mcp_servers.labels(state)
-        for outcome in ("injected", "late", "no_span"):
+        for outcome in ("injected", "late", "no_span", "cancelled"):
             self.spans.labels(outcome)
         for name in protocols:  # every protocol's series exist from the start (0 rather than absent)
             for metric in (

@@ -1127,9 +1127,11 @@ class SessionHub:
             m.prefill_seconds.observe(event.prefill_ms / 1000.0)
         elif isinstance(event, LateEvent):
             m.spans.labels("late").inc()
+        elif isinstance(event, NoSpanEvent) and event.error == CONVERSATION_ENDED:
+            m.spans.labels("cancelled").inc()  # cut by the session's end, as its span row says: no failure
         elif isinstance(event, NoSpanEvent):
             m.spans.labels("no_span").inc()
-            if event.error and event.error != CONVERSATION_ENDED:  # a client leaving mid-retrieval is no failure
+            if event.error:
                 m.backend_errors.labels("retrieval").inc()
         elif isinstance(event, ErrorEvent):
             m.backend_errors.labels(event.stage).inc()
