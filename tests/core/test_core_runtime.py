@@ -561,3 +561,34 @@ def test_a_failing_stream_falls_back_to_whole_clips():
     assert _user_texts(conv) == [(False, "whole clip"), (False, "whole clip"), (True, "whole clip")]
     assert asr.calls == [21 * FRAME_SIZE, 41 * FRAME_SIZE, (45 + TRAILING_FRAMES) * FRAME_SIZE]
     assert asr.streams[0].state == "cancelled" and not any(isinstance(e, ErrorEvent) for e in conv.events)
+
+
+@pytest.mark.parametrize(("answer_at", "in_time"), [(33, True), (45, False)])
+def test_a_final_on_its_way_when_the_wait_runs_out_is_waited_for_once_more(answer_at: int, in_time: bool):
+    """Live clock. ``<ret>`` at 17 while the user speaks (voiced 5..19): the wait runs to 17 + 12 = 29; the utterance
+    was cut at 24 and its final is still decoding then. It is waited for up to ret_wait_s more (to 41): answered at
+    33 it is the question (was: the window at 29, queued on the same transcriber behind that final); answered at 45
+    the window is transcribed at 41."""
+    engine, asr, ret = RecordingEngine(), GatedTranscriber({0}), FakeRetriever()  # the final is its first request
+    conv = _conv(engine, voiced=range(5, 20), transcriber=asr, retriever=ret, span_delay_s=None)
+
+    async def go() -> None:
+        for i in range(60):
+            engine.frame = i
+            if i == answer_at:
+                asr.release()
+            await conv.before_step(np.zeros(1920, dtype=np.float32))
+            await conv.after_step(RET if i == 17 else 3, i == 17)
+            for _ in range(3):  # let a task that was just released finish before the next frame
+                await asyncio.sleep(0)
+        await conv.finish()
+
+    asyncio.run(go())
+    question = next(e for e in conv.events if isinstance(e, QuestionEvent))
+    if in_time:
+        assert question.text == "t0" and ret.requests[0]["question"] == "t0"
+        assert question.frame in (answer_at, answer_at + 1)  # collected at the head of the next frame at the latest
+    else:
+        assert ret.requests[0]["question"] is None and len(ret.requests[0]["audio"]) > 0  # the window
+        assert question.text == "transcribed window" and question.frame >= 41  # asked when the wait ran out
+    assert [e.plan for e in conv.events if isinstance(e, RetEvent)] == ["wait"]

@@ -12,7 +12,9 @@ constants): when the model emits ``<ret>`` (or one is forced),
 1. a *fresh* final transcript (the last utterance ended at most ``fresh_transcript_s`` ago and the user is not
    speaking now) becomes the question;
 2. otherwise, while the user is still speaking (or a final transcript is on its way), wait up to ``ret_wait_s``
-   for the utterance to end, cutting it after 0.4 s of silence instead of 0.72 s;
+   for the utterance to end, cutting it after 0.4 s of silence instead of 0.72 s; when the wait runs out with the
+   user silent and the final still on its way, wait for it up to ``ret_wait_s`` more (the window below would queue
+   behind it on the same transcriber, then transcribe up to ``listen_s`` seconds again);
 3. otherwise (or when the wait runs out) the retriever transcribes the last ``listen_s`` seconds of user audio.
 
 Utterance transcripts (``user_text``): a partial every 1.6 s while the user speaks, and a final when the utterance
@@ -116,7 +118,8 @@ class ConversationConfig:
             (``None``: never); wall clock when live, frames when offline.
         span_delay_s: offline clock: apply each reference exactly this long after the retrieval was asked
             (deterministic; the retriever gets ``deadline_s=math.inf``). ``None``: live clock, apply on arrival.
-        ret_wait_s: how long a ``<ret>`` waits for the running utterance to end.
+        ret_wait_s: how long a ``<ret>`` waits for the running utterance to end (and, once, for a final transcript
+            still on its way when that runs out).
         fresh_transcript_s: a final transcript at most this old (and the user silent) is used as is.
         partial_transcripts: transcribe running utterances every 1.6 s (``user_text`` partials): what a streaming
             transcriber heard so far, or the utterance so far transcribed whole.
@@ -174,6 +177,7 @@ class _Pending:
     forced: bool
     plan: str
     wait_until: int | None = None
+    extended: bool = False
     task: asyncio.Task[RetrievalLike] | None = None
     asked_frame: int | None = None
     asked_wall: float | None = None
@@ -582,11 +586,16 @@ class Conversation:
             return
         last = self._last_final
         recent = last is not None and last.end_frame > p.ret_frame - self.config.fresh_transcript_s * FRAME_RATE
-        quiet = self.utterances.current is None and not any(entry.final for entry in self._asr_tasks)
-        if recent and quiet:
+        silent = self.utterances.current is None
+        final_on_its_way = any(entry.final for entry in self._asr_tasks)
+        if recent and silent and not final_on_its_way:
             self._ask(question=last.text)
             return
         if p.wait_until is not None and i >= p.wait_until:
+            if silent and final_on_its_way and not p.extended:  # the utterance ended; its final is nearly done
+                p.extended = True
+                p.wait_until = i + round(self.config.ret_wait_s * FRAME_RATE)
+                return
             p.plan = "window"
             self._ask_window()
 
