@@ -99,6 +99,30 @@ async def test_the_yes_must_come_after_the_question(llm: StubLLM, world: ToolBan
     assert done.source == "tool:book_flight" and done.error is None, done.error
 
 
+async def test_only_speech_heard_after_the_confirmation_confirms(llm: StubLLM, world: ToolBank, tmp_path) -> None:
+    """The runtime says whether the question's speech was all heard after the last span was read (``after_span``):
+    a window that still holds the request, however differently transcribed ("yes" heard as "yeah", the request
+    itself unrecognisable: the words-after-the-request match, which the text alone needs, finds nothing and took
+    all of it as new), confirms nothing; an utterance begun after the question does; and a "no" in it does not."""
+    llm.reset(SEARCH, BOOK, BOOK, BOOK, BOOK)
+    with ContextDB(tmp_path / "ctx.sqlite") as db:
+        async with LLMRouter(llm.url, "m", world) as router:
+            retriever = Retriever(None, router, db.user("ada"))
+            await retriever.retrieve(question="find me a flight to Denver next month", conversation_id="c")
+            held = await retriever.retrieve(
+                question="yes please book a flight for Ada Lovelace", conversation_id="c", after_span=False
+            )
+            assert held.source == "confirm:book_flight"
+            window = await retriever.retrieve(
+                question="yeah the the three city are you doing", conversation_id="c", after_span=False
+            )
+            assert window.source == "confirm:book_flight", window.error  # asked again, not run
+            refused = await retriever.retrieve(question="no don't", conversation_id="c", after_span=True)
+            assert refused.source == "confirm:book_flight", refused.error
+            done = await retriever.retrieve(question="yeah go ahead", conversation_id="c", after_span=True)
+    assert done.source == "tool:book_flight" and done.error is None, done.error
+
+
 async def test_benchmark_bank_runs_actions_at_once(llm: StubLLM) -> None:
     bank = ToolBank.fdb_v3()  # the benchmark's mock world: no confirmation step
     try:

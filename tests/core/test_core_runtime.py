@@ -592,3 +592,20 @@ def test_a_final_on_its_way_when_the_wait_runs_out_is_waited_for_once_more(answe
         assert ret.requests[0]["question"] is None and len(ret.requests[0]["audio"]) > 0  # the window
         assert question.text == "transcribed window" and question.frame >= 41  # asked when the wait ran out
     assert [e.plan for e in conv.events if isinstance(e, RetEvent)] == ["wait"]
+
+
+def test_the_retriever_is_told_whether_the_question_was_heard_after_the_last_span():
+    """``after_span``, what a confirmation needs (docs/OPERATORS.md, "Actions need a confirmation"). The first
+    question (utterance 5..29, no span read yet): False. Its span is read at 44 (asked at the cut, 34, + 0.8 s); the
+    utterance 60..69 began after it: True (its span is read at 86). The <ret> at 120 finds no fresh final: its
+    window of 2 s starts at 96, after the last span: True; a window of 12 s reaches back to the start: False."""
+    for listen_s, window_after in ((2.0, True), (12.0, False)):
+        engine, asr, ret = RecordingEngine(), FakeTranscriber("yes go ahead"), FakeRetriever()
+        conv = _conv(
+            engine, voiced=set(range(5, 30)) | set(range(60, 70)), transcriber=asr, retriever=ret, listen_s=listen_s
+        )
+        _run(conv, engine, 140, ret_frames={25, 75, 120})
+        assert [r.get("question") for r in ret.requests] == ["yes go ahead", "yes go ahead", None]
+        spans = [e.frame for e in conv.events if isinstance(e, SpanEvent)]
+        assert spans == [44, 86, 130]
+        assert [r["after_span"] for r in ret.requests] == [False, True, window_after], (listen_s, spans)

@@ -181,6 +181,7 @@ class Retriever:
         agent_said: str = "",
         conversation_id: str | None = None,
         deadline_s: float | None = None,
+        after_span: bool | None = None,
     ) -> SpanResult:
         """Transcribe (unless ``question`` is given), route, record, and return the span to inject.
 
@@ -192,6 +193,10 @@ class Retriever:
             agent_said: what the agent already said (decoded text tokens of its current answer).
             conversation_id: the Context DB conversation (started if it does not exist yet).
             deadline_s: time budget of this call in seconds; overrides the constructor's.
+            after_span: whether all of the speech the question comes from was heard after the conversation's last
+                Context Span was read (False when none was), None when unknown (the router then finds the new words
+                in the text): an action held back for confirmation is confirmed only by such speech
+                (:class:`~cspan.backends.router.RouteRequest`).
 
         Returns:
             A :class:`SpanResult`; never raises for a transcriber, router, tool or database failure.
@@ -207,7 +212,9 @@ class Retriever:
         start = time.perf_counter()
         try:
             async with asyncio.timeout(budget):
-                route = await self._run(res, audio, sample_rate, question, profile, agent_said, conversation_id)
+                route = await self._run(
+                    res, audio, sample_rate, question, profile, agent_said, conversation_id, after_span
+                )
         except TimeoutError:
             res.late = True
             res.reference = None
@@ -254,6 +261,7 @@ class Retriever:
         profile: Profile | None,
         agent_said: str,
         conversation_id: str | None,
+        after_span: bool | None,
     ) -> RouteResult | None:
         if question is None:
             res.stage = "asr"
@@ -270,7 +278,12 @@ class Retriever:
         finally:
             res.context_s = time.perf_counter() - t0
         req = RouteRequest(
-            question=res.question, profile=profile, agent_said=agent_said, history=history, conversation=conversation
+            question=res.question,
+            profile=profile,
+            agent_said=agent_said,
+            history=history,
+            conversation=conversation,
+            after_span=after_span,
         )
         res.stage = "router"
         t0 = time.perf_counter()

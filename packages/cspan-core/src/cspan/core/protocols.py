@@ -89,7 +89,9 @@ class Retriever(Protocol):
     ``error`` says why. On the live clock ``deadline_s`` is what is left of the span deadline: a result with a true
     ``late`` attribute (and the ``question`` it had) is reported as ``late``, and the runtime cancels a call still
     running shortly after the deadline. On the offline clock ``deadline_s`` is ``math.inf`` (no wall-clock limit:
-    lateness is judged on frames) and the call is awaited.
+    lateness is judged on frames) and the call is awaited. ``after_span`` says whether all of the user's speech the
+    question comes from was heard after the last Context Span of the conversation was read (False when none was
+    read, None when unknown): only such speech can answer that span's question, such as "yes" to a confirmation.
     """
 
     async def retrieve(
@@ -102,4 +104,5 @@ class Retriever(Protocol):
         agent_said: str = "",
         conversation_id: Any = None,
         deadline_s: float | None = None,
+        after_span: bool | None = None,
     ) -> RetrievalLike: ...

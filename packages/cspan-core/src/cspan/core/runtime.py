@@ -145,6 +145,7 @@ class ConversationConfig:
 @dataclass
 class _Final:
     text: str
+    start_frame: int
     end_frame: int
     utterance: int
 
@@ -239,6 +240,7 @@ class Conversation:
         self._window_events = getattr(self.engine, "take_window_events", None)
         self._utf8 = bytearray()  # byte-fallback pieces (<0xE2>...) of a character not complete yet
         self._last_final: _Final | None = None
+        self._last_span_frame: int | None = None  # where the last Context Span was read
         self._pending: _Pending | None = None
         self._asr_tasks: list[_Transcription] = []
         self._asr_seq = 0  # the next request's seq
@@ -550,7 +552,7 @@ class Conversation:
                 )
             )
             if final and text and end is not None:
-                self._last_final = _Final(text=text, end_frame=end, utterance=utterance)
+                self._last_final = _Final(text=text, start_frame=start, end_frame=end, utterance=utterance)
         self._asr_tasks = still
         waiting = {entry.utterance for entry in still}
         self._asr_shown = {u: seq for u, seq in self._asr_shown.items() if u in waiting}
@@ -569,7 +571,7 @@ class Conversation:
         if last is not None and not speaking and not final_on_its_way and (i + 1 - last.end_frame) <= fresh_frames:
             self._emit(RetEvent(frame=i, t=i * FRAME_S, forced=forced, plan="cache"))
             self._pending = _Pending(ret_frame=i, forced=forced, plan="cache")
-            self._ask(question=last.text)
+            self._ask(question=last.text, heard_from=last.start_frame)
         elif speaking or final_on_its_way:
             self._emit(RetEvent(frame=i, t=i * FRAME_S, forced=forced, plan="wait"))
             self.utterances.request_cut()
@@ -589,7 +591,7 @@ class Conversation:
         silent = self.utterances.current is None
         final_on_its_way = any(entry.final for entry in self._asr_tasks)
         if recent and silent and not final_on_its_way:
-            self._ask(question=last.text)
+            self._ask(question=last.text, heard_from=last.start_frame)
             return
         if p.wait_until is not None and i >= p.wait_until:
             if silent and final_on_its_way and not p.extended:  # the utterance ended; its final is nearly done
@@ -603,9 +605,12 @@ class Conversation:
         keep = round(self.config.listen_s * FRAME_RATE)
         end = self.frame + 1
         audio = self._user_audio(end - keep, end)
-        self._ask(audio=audio)
+        self._ask(audio=audio, heard_from=max(end - keep, self._audio_start))
 
-    def _ask(self, *, question: str | None = None, audio: np.ndarray | None = None) -> None:
+    def _ask(self, *, heard_from: int, question: str | None = None, audio: np.ndarray | None = None) -> None:
+        """Start the retrieval of the pending ``<ret>``, for ``question`` or ``audio`` heard from frame
+        ``heard_from`` on: the retriever is told whether all of it came after the last Context Span was read
+        (``after_span``: only such speech can answer a span's question, such as a confirmation)."""
         p = self._pending
         assert p is not None
         i = self.frame
@@ -632,6 +637,7 @@ class Conversation:
                 agent_said=self.agent_said(),
                 conversation_id=self.conversation_id,
                 deadline_s=remaining,
+                after_span=self._last_span_frame is not None and heard_from >= self._last_span_frame,
             )
         )
         p.task.add_done_callback(lambda _t: setattr(p, "done_wall", time.monotonic()))
@@ -722,6 +728,7 @@ class Conversation:
             self._emit(ErrorEvent(frame=i, t=i * FRAME_S, stage="span", message=f"{type(exc).__name__}: {exc}"))
             return
         self.span_reports.append(report)
+        self._last_span_frame = i
         backend_s = None if asked is None else asked.backend_s
         self._emit(
             SpanEvent(

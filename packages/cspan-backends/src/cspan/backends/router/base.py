@@ -63,6 +63,10 @@ class RouteRequest(BaseModel):
         agent_said: what the agent has already said in its current answer (decoded text tokens).
         history: earlier tool calls of this conversation with their results, oldest first.
         conversation: the Context DB working text (profile line and recent turns).
+        after_span: whether all of the speech ``question`` was transcribed from was heard after the last Context
+            Span of the conversation was read (False: some of it came before, or no span was read); None when the
+            caller does not know. An action held back for confirmation is confirmed only by a question heard
+            after its span (True), or, when unknown, by the words that follow the request in the text.
     """
 
     question: str
@@ -70,6 +74,7 @@ class RouteRequest(BaseModel):
     agent_said: str = ""
     history: list[ToolCall] = Field(default_factory=list)
     conversation: str = ""
+    after_span: bool | None = None
 
 
 class RouteResult(BaseModel):

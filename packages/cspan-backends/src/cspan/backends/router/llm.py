@@ -339,9 +339,11 @@ class LLMRouter:
     description> with <arguments>; ask the user to confirm`` (``source`` ``confirm:<tool>``), which the speech model
     reads out as a question, and records the call as ``awaiting_confirmation``. The action runs in a later request
     only if (1) the newest earlier call of the conversation is that held-back call, (2) the LLM asks for the same
-    tool with the same validated arguments, and (3) the user's words since the request (:func:`_said_since`) are
-    affirmative ("yes", "go ahead", "confirm") and carry no refusal ("no", "wait", "don't"). Anything else (other arguments, another call in between, a "no")
-    starts over with a new confirmation.
+    tool with the same validated arguments, and (3) the user's answer is affirmative ("yes", "go ahead", "confirm")
+    and carries no refusal ("no", "wait", "don't"): the whole question when it was heard after the held call's
+    span was read (``RouteRequest.after_span`` True), never when some of it was heard before (False), and when that
+    is unknown (None) the words that follow the request in it (:func:`_said_since`). Anything else (other
+    arguments, another call in between, a "no") starts over with a new confirmation.
 
     :meth:`route` raises :class:`RouterError` when the endpoint fails (connection, HTTP status, timeout, a body
     that is not a chat completion, a reply over ``max_reply_bytes``, a 429 or 503 whose ``Retry-After`` does not
@@ -851,7 +853,10 @@ class LLMRouter:
                 return False
         except ToolError:
             return False
-        words = _said_since(held.question, req.question)[-400:]
+        if req.after_span is False:  # speech from before the question was read: a "yes" in the request itself
+            return False
+        words = req.question if req.after_span else _said_since(held.question, req.question)
+        words = words[-400:]
         return bool(_AFFIRMATIVE.search(words)) and not _NEGATIVE.search(words)
 
     def _confirmation(self, req: RouteRequest, tool: Any, args: dict[str, Any]) -> ToolCall | RouteResult:
