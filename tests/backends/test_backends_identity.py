@@ -64,11 +64,26 @@ scopes = ["session", "admin"]
         ('[[token]]\nuser = "a"\ntoken = "0123456789abcdefg"\nscopes = ["god"]\n', "unknown scope"),
         ('[[token]]\ntoken = "0123456789abcdefg"\n', "user"),
         ("[[token]\n", "not valid TOML"),
+        # a misspelled table was ignored: every client refused, no word why
+        ('[[tokens]]\nuser = "a"\ntoken = "abcdefghijklmnopq"\n', r"unknown table or key \[\[tokens\]\] at the top"),
+        ('user = "a"\n[[token]]\nuser = "b"\ntoken = "abcdefghijklmnopq"\n', "unknown table or key 'user'"),
     ]:
         tokens.write_text(body)
         with pytest.raises(IdentityError, match=message) as info:
             Authenticator(token_file=tokens)
         assert str(tokens) in str(info.value)
+
+
+@pytest.mark.parametrize("shared", [None, "shared-secret-123"])
+def test_an_empty_token_file_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture, shared) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text("# no one yet\n")
+    with caplog.at_level("WARNING", logger="cspan.backends.identity"):
+        auth = Authenticator(token_file=tokens, shared_token=shared)
+    assert auth.authenticate("abcdefghijklmnopq") is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and f"token file {tokens} has no [[token]] entry" in said[0]
+    assert said[0].endswith("(every client is refused)") == (shared is None)
 
 
 def _cspan(*args: str, db: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import tomllib
 from collections.abc import Iterable
@@ -37,6 +38,8 @@ from cspan.backends.errors import BackendError
 
 if TYPE_CHECKING:
     from cspan.backends.context_db import ContextDB, TokenRecord
+
+log = logging.getLogger(__name__)
 
 SCOPES: dict[str, str] = {
     "session": "talk to the model over any protocol; the session's memory is this principal's",
@@ -128,9 +131,12 @@ class _FileEntry:
 def load_token_file(path: str | Path) -> list[_FileEntry]:
     """Read a token file (see the module docstring).
 
+    An empty file (no ``[[token]]`` table) is valid, and accepts no credential: the caller warns.
+
     Raises:
-        IdentityError: unreadable or not TOML, or an entry without ``user``, with neither or both of ``token`` and
-            ``sha256``, a malformed hash or an unknown scope (the message names the file and the entry).
+        IdentityError: unreadable or not TOML, anything but ``[[token]]`` tables at the top (``[[tokens]]`` is
+            named, with the fix), or an entry without ``user``, with neither or both of ``token`` and ``sha256``, a
+            malformed hash or an unknown scope (the message names the file and the entry).
     """
     from cspan.backends.context_db.user import check_id
 
@@ -143,6 +149,13 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
         raise IdentityError(f"token file {path} cannot be read: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise IdentityError(f"token file {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"token"})
+    if unknown:
+        shown = ", ".join(f"[[{k}]]" if isinstance(data[k], list) else repr(k) for k in unknown)
+        raise IdentityError(
+            f"token file {path}: unknown table or key {shown} at the top; write one [[token]] table per credential "
+            '(docs/OPERATORS.md, "Identity")'
+        )
     tables = data.get("token", [])
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise IdentityError(f"token file {path}: write one [[token]] table per credential")
@@ -225,6 +238,12 @@ class Authenticator:
         """
         if self.token_file is not None:
             self._entries = load_token_file(self.token_file)
+            if not self._entries:
+                log.warning(
+                    "token file %s has no [[token]] entry: none of its credentials is accepted%s",
+                    self.token_file,
+                    "" if self.db is not None or self._shared is not None else " (every client is refused)",
+                )
 
     def authenticate(self, credential: str | None) -> Principal | None:
         """The principal ``credential`` (a bearer token, without the ``Bearer`` word) belongs to, or None.
