@@ -11,7 +11,8 @@ from cspan.core.constants import FRAME_SIZE, RET
 from cspan.core.engine import DuplexEngine, TokenStepOutput
 from cspan.core.errors import CheckpointError
 from cspan.core.sampling import SamplingParams, SessionSampling
-from cspan.core.span import ContextSpan
+from cspan.core.sessions import SpanRead
+from cspan.core.span import ContextSpan, SpanReport
 
 PROMPTS = ["You are kind.", "You like the weather.", "Hi."]
 SPANS = {0: (2, "It is sunny."), 1: (4, "The time is ten past nine."), 2: (3, "Yes.")}
@@ -548,6 +549,51 @@ def test_a_column_budget_reads_held_back_spans_in_later_steps(tiny_checkpoint) -
             torch.testing.assert_close(a.text_logits[0], b.text_logits[s], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="max_block_columns"):
         DuplexEngine(tiny_checkpoint, batch_size=1, max_block_columns=0)
+
+
+def test_the_step_that_reads_a_span_reports_it(tiny_checkpoint, caplog) -> None:
+    """``take_span_reads``: each span is reported by the step that reads it, by its ``SpanReport.seq``, at its
+    first position as read: the report's, plus one per step the column budget held it back (the schedule of the
+    test above). ``reset`` and ``set_persona`` drop spans queued for the old stream, with a warning."""
+    span = [100 + i for i in range(6)]  # 8 columns
+    engine = DuplexEngine(tiny_checkpoint, batch_size=4, seed=0, max_block_columns=10)
+    user = _user(9, 4, seed=3)
+    plan = {
+        1: [(0, "span"), (1, "span"), (2, "span")],
+        4: [(3, "persona"), (1, "span")],
+        6: [(0, "span"), (0, "span")],
+    }
+    reports: dict[int, SpanReport] = {}
+    injected: dict[int, int] = {}  # seq -> the step before which it was injected
+    read: dict[int, tuple[int, SpanRead]] = {}  # seq -> (the step that read it, what it said)
+    for t in range(user.shape[0]):
+        for s, kind in plan.get(t, []):
+            if kind == "span":
+                report = engine.inject_span(s, ContextSpan.from_ids(span))
+                reports[report.seq], injected[report.seq] = report, t
+            else:
+                engine.set_persona(s, PROMPTS[0], seed=100 + s)
+        engine.step_tokens(user[t])
+        for s in range(4):
+            for r in engine.take_span_reads(s):
+                assert reports[r.seq].session == s and r.seq not in read
+                read[r.seq] = (t, r)
+    assert sorted(read) == sorted(reports) == list(range(6))
+    assert [read[q][0] for q in range(6)] == [1, 2, 3, 5, 6, 7]  # the schedule of the budget test above
+    for seq, (t, r) in read.items():
+        assert r.n == 8 and r.first_position == reports[seq].first_position + (t - injected[seq]), seq
+    # a restart drops what was queued for the old stream, and says so
+    engine.inject_span(0, ContextSpan.from_ids(span))
+    engine.inject_span(0, ContextSpan.from_ids(span))
+    with caplog.at_level("WARNING", logger="cspan.core.engine"):
+        engine.reset(0)
+    engine.step_tokens(user[0])
+    assert engine.take_span_reads(0) == [] and int(engine.positions[0]) == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "reset: session 0 had 2 Context Span(s) queued and not read yet; they belonged to the stream it restarts and "
+        "are dropped"
+    ]
 
 
 def test_a_prepared_step_equals_the_step_it_prepares(tiny_checkpoint, monkeypatch) -> None:

@@ -609,3 +609,36 @@ def test_the_retriever_is_told_whether_the_question_was_heard_after_the_last_spa
         spans = [e.frame for e in conv.events if isinstance(e, SpanEvent)]
         assert spans == [44, 86, 130]
         assert [r["after_span"] for r in ret.requests] == [False, True, window_after], (listen_s, spans)
+
+
+def test_a_span_s_event_names_the_frame_whose_step_read_it(tiny_checkpoint):
+    """With the real engine: two long spans at the head of frame 3 and a column budget that fits one a step. The
+    second is read by frame 4's step, and its ``span`` event says frame 4 (was: both said frame 3, the second
+    read a frame later than reported); a span still queued when the conversation ends is a ``no_span`` with
+    "conversation ended", not a span that was never read."""
+    import torch
+
+    from cspan.core.engine import DuplexEngine
+
+    engine = DuplexEngine(tiny_checkpoint, batch_size=1, seed=0, max_block_columns=40)
+    engine.set_persona(0, "You are a test.")
+    conv = Conversation(engine, 0, tokenizer=tiny_checkpoint.tokenizer, config=ConversationConfig(span_delay_s=0.8))
+    long = " ".join(f"word{k}" for k in range(12))
+    conv.schedule_span(3, long)
+    conv.schedule_span(3, long)
+    conv.schedule_span(7, long)
+
+    async def go() -> None:
+        for _ in range(7):
+            await conv.before_step(np.zeros(FRAME_SIZE, dtype=np.float32))
+            out = engine.step(torch.zeros(1, FRAME_SIZE))
+            await conv.after_step(int(out.text_token[0]) if bool(out.valid[0]) else None)
+        await conv.read_spans()  # frame 7's span, queued between frames (as cspan serve does): no step follows
+        await conv.finish()
+
+    asyncio.run(go())
+    spans = [e for e in conv.events if isinstance(e, SpanEvent)]
+    assert [(e.frame, e.injected_at) for e in spans] == [(3, 3 * 0.08), (4, 4 * 0.08)]
+    assert spans[0].n_frames > 20 and spans[0].n_frames + spans[1].n_frames > 40  # one a step
+    ended = [(e.frame, e.error) for e in conv.events if isinstance(e, NoSpanEvent)]
+    assert ended == [(7, "conversation ended")]  # the span of frame 7 was queued, its step never ran

@@ -30,10 +30,12 @@ last frame); its next call is call P + 1, given user frame P.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,9 +69,11 @@ from .graphs import GraphCache
 from .plan import resolve_plan
 from .prefix import PrefixReport, build_persona_prefix, prefix_block
 from .sampling import SamplingParams, SessionSampling, sample_column, top_k_bound
-from .sessions import EngineState, Persona, Sessions, StepBatch, StepHead, build_step, fresh_seed, unpack
+from .sessions import EngineState, Persona, Sessions, SpanRead, StepBatch, StepHead, build_step, fresh_seed, unpack
 from .span import ContextSpan, SpanReport, encode_span
 from .window import DEFAULT_PERSONA_POLICY, WindowEvent, check_policy, reprefix_block
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .voice import VoicePrompt
@@ -271,6 +275,7 @@ class DuplexEngine:
         self._step_graphs = GraphCache(self._token_step, self.plan.cuda_graphs)
         self._frame_graphs = GraphCache(self._frame, self.plan.cuda_graphs)
         self._silence = torch.tensor(self.agent_placeholder, dtype=torch.long, device=self.device)
+        self._span_seq = itertools.count()  # SpanReport.seq
 
     # -- sessions (host only: queued for the next step) ---------------------------------------------------------
 
@@ -278,14 +283,17 @@ class DuplexEngine:
         """Start session ``i`` again at its next step: empty KV cache row, fresh grid row (position 0), fresh codec
         states, sampling seed ``seed`` (a fresh random seed when None, also for an engine built with ``seed``:
         pass one to reproduce a run; see ``seeds[i]``) and the engine's default sampling parameters. Queued (host
-        only): :attr:`started` is False and a Context Span is refused until the session's next step.
+        only): :attr:`started` is False and a Context Span is refused until the session's next step. Context Spans
+        queued for the old stream and not read yet are dropped, with a warning that says how many (as by
+        :meth:`set_persona` and :meth:`set_prefix`).
 
         Raises:
             IndexError: no such session. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
         """
         i = check_session(i, self.batch_size, "reset")
         defaults = SessionSampling(self.text_params, self.audio_params)
-        self.sessions.reset([i], [check_seed(seed, "reset")], sampling=defaults)  # one update: see Sessions.reset
+        dropped = self.sessions.reset([i], [check_seed(seed, "reset")], sampling=defaults)  # one update
+        _warn_dropped(i, dropped, "reset")
 
     def set_sampling(self, i: int, text: SamplingParams | None = None, audio: SamplingParams | None = None) -> None:
         """Sample session ``i``'s text and audio with these parameters from its next step on (None keeps that
@@ -345,7 +353,8 @@ class DuplexEngine:
         policy: str | None = None,
     ) -> PrefixReport:
         """Restart session ``i`` with a persona prefix (:mod:`cspan.core.prefix`, in the checkpoint's layout), read
-        by its next step.
+        by its next step. Context Spans queued for the old stream and not read yet are dropped, with a warning
+        (:meth:`reset`); one queued after this call is read by the step after the prefix's.
 
         Args:
             i: the session.
@@ -453,7 +462,7 @@ class DuplexEngine:
         check_prefix(frames, embeddings, self._stream_rows, self.lm.cfg.dim, where)
         P = int(frames.shape[-1])
         if not P:
-            self.sessions.reset([i], [seed], sampling=sampling)
+            _warn_dropped(i, self.sessions.reset([i], [seed], sampling=sampling), where)
             return 0
         ctx = self.context
         if policy != "none" and ctx is not None and ctx <= P + 1:
@@ -466,7 +475,8 @@ class DuplexEngine:
         copy = None
         if policy == "reprefix":
             copy = reprefix_block(block, self.lm.delays, self.agent_placeholder, self.user_placeholder)
-        self.sessions.reset([i], [seed], block, Persona(policy, sinks=P + 1, copy=copy), sampling)
+        dropped = self.sessions.reset([i], [seed], block, Persona(policy, sinks=P + 1, copy=copy), sampling)
+        _warn_dropped(i, dropped, where)
         return P
 
     def inject_span(self, i: int, span: ContextSpan | str) -> SpanReport:
@@ -501,7 +511,8 @@ class DuplexEngine:
             agent_placeholder=self.agent_placeholder,
             user_placeholder=self.user_placeholder,
         )
-        first = self.sessions.queue(i, block)
+        seq = next(self._span_seq)
+        first = self.sessions.queue(i, replace(block, span_seq=seq))
         ms = (time.perf_counter() - t0) * 1000.0
         # the position the next call feeds: after the span, and after a copy of the prefix queued behind it
         pending = max(first + len(ids), self.sessions.position[i])
@@ -517,6 +528,7 @@ class DuplexEngine:
             context=self.context,
             window_positions_left=self.sessions.window_left(i, pending),
             prefix_in_window=self.sessions.prefix_visible(i, pending),
+            seq=seq,
         )
 
     # -- the step ------------------------------------------------------------------------------------------------
@@ -838,6 +850,27 @@ class DuplexEngine:
         ``pin`` once, ``reprefix`` per copy read), oldest first. Host only, any thread."""
         i = check_session(i, self.batch_size, "take_window_events")
         return self.sessions.take_window_events(i)
+
+    def take_span_reads(self, i: int) -> list[SpanRead]:
+        """The Context Spans session ``i``'s steps read since the last call, in order
+        (:class:`cspan.core.sessions.SpanRead`: :attr:`SpanReport.seq`, the first position as read, the columns).
+        A span is read by the session's next step, or later: after its persona prefix's step when queued behind
+        one, or a step per step the ``max_block_columns`` budget held it back (its first position then one more per
+        step). Host only, any thread."""
+        i = check_session(i, self.batch_size, "take_span_reads")
+        return self.sessions.take_span_reads(i)
+
+
+def _warn_dropped(i: int, dropped: int, where: str) -> None:
+    """Say that a restart of session ``i`` (by ``where``) dropped Context Spans queued for its old stream."""
+    if dropped:
+        logger.warning(
+            "%s: session %d had %d Context Span(s) queued and not read yet; they belonged to the stream it restarts "
+            "and are dropped",
+            where,
+            i,
+            dropped,
+        )
 
 
 __all__ = ["DuplexEngine", "FrameOutput", "PrefixReport", "SpanReport", "TokenStepOutput"]

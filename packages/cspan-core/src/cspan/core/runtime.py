@@ -151,6 +151,22 @@ class _Final:
 
 
 @dataclass
+class _Unread:
+    """A Context Span queued in the engine and not read yet, with what its ``span`` event will say."""
+
+    report: Any
+    text: str
+    source: str | None
+    tool: str | None
+    arguments: dict[str, Any] | None
+    question: str | None
+    ret_frame: int | None
+    asked_at: float | None
+    backend_s: float | None
+    retrieval_id: int | None
+
+
+@dataclass
 class _Transcription:
     """A transcript asked of the transcriber: ``seq`` orders the requests (a later one heard more of the
     utterance)."""
@@ -238,6 +254,8 @@ class Conversation:
         keep = None if self.config.keep_history else max(1, self.config.agent_said_tokens)
         self._agent_tokens: collections.deque[int] = collections.deque(maxlen=keep)
         self._window_events = getattr(self.engine, "take_window_events", None)
+        self._span_reads = getattr(self.engine, "take_span_reads", None)
+        self._unread: list[_Unread] = []  # Context Spans queued, their step not run yet
         self._utf8 = bytearray()  # byte-fallback pieces (<0xE2>...) of a character not complete yet
         self._last_final: _Final | None = None
         self._last_span_frame: int | None = None  # where the last Context Span was read
@@ -330,6 +348,7 @@ class Conversation:
             is_ret: whether that token is ``<ret>``.
         """
         i = self.frame
+        self._report_reads(i)
         if text_token is not None and text_token >= 0:
             self._agent_tokens.append(int(text_token))
             if text_token not in HIDDEN_TEXT_IDS and self.tokenizer is not None:
@@ -371,10 +390,21 @@ class Conversation:
         a retrieval not read yet as a ``no_span`` with :data:`CONVERSATION_ENDED`. One still running is cancelled with
         that message and waited for (the retriever records the cut: the Context DB's span row dropped
         ``cancelled``); one whose reference was ready but not read gives its ``retrieval_id``, for its record to be
-        marked so too."""
+        marked so too, and so does a Context Span queued in the engine whose step never ran."""
         for utterance in list(self._streams):
             self._drop_stream(utterance)
         await self._collect_transcripts(block=True)
+        for unread in self._unread:  # queued, never read: the conversation ended first
+            self._emit(
+                NoSpanEvent(
+                    frame=self.frame,
+                    t=self.frame * FRAME_S,
+                    question=unread.question,
+                    error=CONVERSATION_ENDED,
+                    retrieval_id=unread.retrieval_id,
+                )
+            )
+        self._unread = []
         p = self._pending
         if p is not None:
             self._pending = None
@@ -721,6 +751,9 @@ class Conversation:
         asked: _Pending | None,
         retrieval_id: int | None = None,
     ) -> None:
+        """Queue ``text`` as a Context Span for the session's next step. Its ``span`` event is sent for the frame
+        whose step reads it (:meth:`_report_reads`), where the engine says which step read which span
+        (``take_span_reads``); with an engine that does not, at once, for this frame."""
         i = self.frame
         try:
             report = self.engine.inject_span(self.session, text)
@@ -728,27 +761,64 @@ class Conversation:
             self._emit(ErrorEvent(frame=i, t=i * FRAME_S, stage="span", message=f"{type(exc).__name__}: {exc}"))
             return
         self.span_reports.append(report)
+        unread = _Unread(
+            report=report,
+            text=text,
+            source=source,
+            tool=tool,
+            arguments=arguments,
+            question=question,
+            ret_frame=ret_frame,
+            asked_at=None if asked is None or asked.asked_frame is None else asked.asked_frame * FRAME_S,
+            backend_s=None if asked is None else asked.backend_s,
+            retrieval_id=retrieval_id,
+        )
+        if self._span_reads is None:
+            self._read(i, unread)
+        else:
+            self._unread.append(unread)
+
+    def _report_reads(self, i: int) -> None:
+        """After frame ``i``'s step: the ``span`` events of the spans it read (frame ``i``: read at its head), and
+        an ``error`` (stage ``span``) for each the engine refused (an engine on another thread reports that on
+        the span's report: ``error``)."""
+        if self._span_reads is None:
+            return
+        read = {r.seq for r in self._span_reads(self.session)}
+        waiting: list[_Unread] = []
+        for unread in self._unread:
+            error = getattr(unread.report, "error", None)
+            if error is not None:
+                self._emit(ErrorEvent(frame=i, t=i * FRAME_S, stage="span", message=f"{type(error).__name__}: {error}"))
+            elif getattr(unread.report, "seq", None) in read:
+                self._read(i, unread)
+            else:  # queued behind a persona prefix, or held back by the engine's column budget
+                waiting.append(unread)
+        self._unread = waiting
+
+    def _read(self, i: int, unread: _Unread) -> None:
+        """The ``span`` event of a span read at the head of frame ``i``."""
+        report = unread.report
         self._last_span_frame = i
-        backend_s = None if asked is None else asked.backend_s
         self._emit(
             SpanEvent(
                 frame=i,
                 t=i * FRAME_S,
-                text=text,
-                tool=tool,
-                arguments=arguments,
-                source=source,
-                question=question,
-                ret_frame=ret_frame,
-                asked_at=None if asked is None or asked.asked_frame is None else asked.asked_frame * FRAME_S,
+                text=unread.text,
+                tool=unread.tool,
+                arguments=unread.arguments,
+                source=unread.source,
+                question=unread.question,
+                ret_frame=unread.ret_frame,
+                asked_at=unread.asked_at,
                 injected_at=i * FRAME_S,
-                backend_s=backend_s,
+                backend_s=unread.backend_s,
                 n_frames=int(report.n),
                 truncated=bool(getattr(report, "truncated", False)),
                 prefill_ms=float(getattr(report, "prefill_ms", 0.0)),
                 deferred=bool(getattr(report, "deferred", False)),
                 prefix_in_window=bool(getattr(report, "prefix_in_window", True)),
-                retrieval_id=retrieval_id,
+                retrieval_id=unread.retrieval_id,
             )
         )
 

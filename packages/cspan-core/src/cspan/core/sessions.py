@@ -72,6 +72,22 @@ class Persona:
     pinned: bool = False
 
 
+@dataclass(frozen=True)
+class SpanRead:
+    """A Context Span a step read (:meth:`Sessions.take_span_reads`).
+
+    Attributes:
+        seq: its number (:attr:`cspan.core.span.SpanReport.seq`).
+        first_position: the KV position of its first column, as read (one more per step the column budget held
+            it back since its report).
+        n: its columns.
+    """
+
+    seq: int
+    first_position: int
+    n: int
+
+
 @dataclass
 class StepHead:
     """What the sessions record hands a step (:meth:`Sessions.take`), all read under one lock.
@@ -118,6 +134,7 @@ class Sessions:
             the prefix's, so that they follow the whole prefix (as they would once it has been read).
         sampling_changed: rows whose sampling parameters the device state does not have yet.
         window_events: row -> what its persona policy did since the last :meth:`take_window_events`.
+        span_reads: row -> the Context Spans its steps read since the last :meth:`take_span_reads`.
         version: counts the changes of what the next step reads (every reset, sampling change, queued block, live
             flag, taken head and step): a head :meth:`peek` read stays the next step's while it is unchanged.
         max_block_columns: the step's budget of block columns (None: no limit). A step takes the queued Context
@@ -149,6 +166,7 @@ class Sessions:
         self.persona: dict[int, Persona] = {}
         self.context = context
         self.window_events: dict[int, collections.deque[WindowEvent]] = {}
+        self.span_reads: dict[int, list[SpanRead]] = {}
         self.max_block_columns = max_block_columns
         self.waiting: list[int] = []  # rows whose spans the budget held back, oldest first
         self.version = 0
@@ -161,13 +179,18 @@ class Sessions:
         prefix: PrefixBlock | None = None,
         persona: Persona | None = None,
         sampling: SessionSampling | None = None,
-    ) -> None:
+    ) -> int:
         """Restart ``rows`` (fresh seeds where None), optionally with a persona prefix and its :class:`Persona`
         and new sampling parameters (the same for all rows; None keeps each row's), all under one lock: a step
-        taking its head from another thread sees the whole restart or none of it."""
+        taking its head from another thread sees the whole restart or none of it. Returns the Context Spans
+        dropped: queued for the rows' old streams and not read yet."""
+        dropped = 0
         with self.lock:
             self.version += 1
             for row, seed in zip(rows, seeds, strict=True):
+                queued = [*self.blocks.get(row, ()), *self.after_prefix.get(row, ())]
+                dropped += sum(blk.span_seq is not None for blk in queued)
+                self.span_reads.pop(row, None)
                 if sampling is not None:
                     self.sampling[row] = sampling
                     self.sampling_changed.add(row)
@@ -182,6 +205,7 @@ class Sessions:
                 self.position[row] = 0 if prefix is None else prefix.pending
                 self.prefix_end[row] = None if prefix is None else prefix.pending
                 self.started[row] = prefix is not None
+        return dropped
 
     def set_sampling(self, row: int, sampling: SessionSampling) -> None:
         """Sample ``row`` with ``sampling`` from its next step on."""
@@ -248,6 +272,8 @@ class Sessions:
         if commit:
             for i in restarts:
                 del self.restarts[i]
+            for i, taken in blocks.items():
+                self._note_reads(i, taken)
             self.blocks, self.waiting = left, waiting
             self.sampling_changed.clear()
             self.version += 1
@@ -289,6 +315,20 @@ class Sessions:
                 deferred[i] = sum(blk.n for blk in queued[k:])
         waiting = [i for i in order if i in deferred] + [i for i in self.waiting if i not in live]
         return taken, deferred, left, waiting
+
+    def _note_reads(self, row: int, taken: list[Block]) -> None:
+        """Note the Context Spans among ``taken``, the blocks this step reads of ``row`` (lock held, before the
+        queues are replaced: the row's pending position still counts every queued block)."""
+        position = self.position[row] - sum(blk.n for blk in self.blocks.get(row, ()))
+        for blk in taken:
+            if blk.span_seq is not None:
+                self.span_reads.setdefault(row, []).append(SpanRead(blk.span_seq, position, blk.n))
+            position += blk.n
+
+    def take_span_reads(self, row: int) -> list[SpanRead]:
+        """The Context Spans ``row``'s steps read since the last call (in order), emptied."""
+        with self.lock:
+            return self.span_reads.pop(row, [])
 
     def advance(self, rows: Sequence[int]) -> None:
         """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now. A row

@@ -271,6 +271,8 @@ class SpanReport:
             no prefix.
         deferred: the block is read by the session's next step (always True: kept for readers of earlier
             reports).
+        seq: the engine's number of this span (from 0, in injection order, over all sessions): the step that reads
+            it reports it by this number (``DuplexEngine.take_span_reads``).
     """
 
     session: int
@@ -285,6 +287,7 @@ class SpanReport:
     window_positions_left: int | None
     prefix_in_window: bool
     deferred: bool = True
+    seq: int = -1
 
     @property
     def span_in_window(self) -> bool:
@@ -302,10 +305,12 @@ class Block:
         tokens: [K, n] long (on the host).
         embeddings: [E, D] input embeddings of the first E columns (E <= n; a persona prefix's stored voice
             embeddings, read instead of the token embeddings, whose columns are then only bookkeeping), or None.
+        span_seq: the Context Span's number (:attr:`SpanReport.seq`), None for a persona prefix or its copy.
     """
 
     tokens: torch.Tensor
     embeddings: torch.Tensor | None = None
+    span_seq: int | None = None
 
     @property
     def n(self) -> int:

@@ -10,8 +10,9 @@ the reference to the engine thread at once and returns a :class:`QueuedSpan` sta
 ``SpanReport``. On the engine thread, in order with every other call, the span is injected into its session and the
 next step prepared (``DuplexEngine.prepare``: its tables and decode plan built while the device idles between two
 frames, so the frame that reads the span starts its device work at once); the ``QueuedSpan`` gets the report, or
-the error. The frame loop hands spans over between frames (``Conversation.read_spans`` after each frame), and the
-session core completes the next frame's ``span`` events from those reports before they are sent.
+the error. The frame loop hands spans over between frames (``Conversation.read_spans`` after each frame); after the
+step that reads a span (the engine's ``take_span_reads``, read through :class:`SpanHandoff`), the ``Conversation``
+sends its ``span`` event, completed from the report, or an ``error`` where the engine refused it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class QueuedSpan:
     deferred: bool = False
     prefix_in_window: bool = True
 
+    @property
+    def seq(self) -> int | None:
+        """The engine's number of the span (``SpanReport.seq``), once injected."""
+        return None if self.report is None else int(self.report.seq)
+
 
 class SpanHandoff:
     """What a session's ``Conversation`` sees as its engine: ``inject_span`` hands the span to :class:`EngineThread`."""
@@ -67,6 +73,11 @@ class SpanHandoff:
         """What session ``i``'s persona policy did since the last call (``DuplexEngine.take_window_events``: host
         only, guarded by the sessions record's lock, so any thread may call it)."""
         return self._engine_thread.engine.take_window_events(i)
+
+    def take_span_reads(self, i: int) -> list[Any]:
+        """The Context Spans session ``i``'s steps read since the last call (``DuplexEngine.take_span_reads``: host
+        only, under the same lock)."""
+        return self._engine_thread.engine.take_span_reads(i)
 
 
 @dataclass
@@ -93,31 +104,20 @@ class EngineThread:
 
     Args:
         engine: a :class:`~cspan.core.engine.DuplexEngine`.
-
-    Attributes:
-        queued_spans: spans handed over by :class:`SpanHandoff` since the last :meth:`take_spans` (each read on the
-            engine thread, or being read: a frame asked for afterwards runs after it).
     """
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.batch_size: int = engine.batch_size
-        self.queued_spans: list[QueuedSpan] = []
         self._live = [True] * self.batch_size  # the engine's own flags, as last set (every session starts live)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cspan-engine")
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def take_spans(self) -> list[QueuedSpan]:
-        """The spans handed over since the last call (read by the engine before any frame asked for after them)."""
-        spans, self.queued_spans = self.queued_spans, []
-        return spans
-
     def read_span(self, span: QueuedSpan) -> None:
         """Inject ``span`` on the engine thread, after the calls asked for before it and before any asked for after
         it, then prepare the next step; its report (or error) is filled in there. Called on the event loop."""
-        self.queued_spans.append(span)
         self._executor.submit(self._read_span, span)
 
     async def prepare(

@@ -93,7 +93,7 @@ from cspan.core.constants import FRAME_RATE, FRAME_SIZE, MAX_SEED, SAMPLE_RATE
 from cspan.core.errors import ProtocolError
 from cspan.core.events import CONVERSATION_ENDED, ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
 from cspan.core.voice import VoicePrompt
-from cspan.server.engine_thread import EngineThread, FrameResult, QueuedSpan, SpanHandoff
+from cspan.server.engine_thread import EngineThread, FrameResult, SpanHandoff
 from cspan.server.settings_common import Temperature, TopK
 from cspan.server.throttle import ERROR_RATE, ErrorBudget
 from cspan.server.voices import (
@@ -1423,7 +1423,6 @@ class SessionHub:
                 self._fail(s, f"frame {k}: {type(exc).__name__}: {exc}")
                 continue
             heads[s] = (k, s._take_events())
-        spans = [q for q in self.engine_thread.take_spans() if any(s.slot == q.slot for s in heads)]
         if not heads:
             return
         try:
@@ -1444,7 +1443,6 @@ class SessionHub:
             i = s.slot
             if i is None or s.state not in ("live", "stopping"):
                 continue  # ended while the engine stepped
-            head = _complete_spans(head, [q for q in spans if q.slot == i])
             valid = bool(result.valid[i])
             try:
                 await s.conversation.after_step(
@@ -1456,6 +1454,9 @@ class SessionHub:
             if s.memory_span is not None:
                 self._memory_due(s, i)
             tail = s._take_events()
+            # the spans this step read (and those the engine refused) are events of the frame's head
+            head += [ev for ev in tail if _span_outcome(ev)]
+            tail = [ev for ev in tail if not _span_outcome(ev)]
             s._publish(head)
             s.put(AgentAudio(frame=k, pcm=result.agent_pcm[i]))
             s.stats.frames += 1
@@ -1546,30 +1547,10 @@ class SessionHub:
                 await self.backends.aclose()
 
 
-def _complete_spans(head: list[ConversationEvent], spans: list[QueuedSpan]) -> list[ConversationEvent]:
-    """The head events of a frame with each ``span`` event completed from the engine's report of its
-    :class:`QueuedSpan` (in order), or replaced by an ``error`` event (stage ``span``) where the engine refused it."""
-    queue = collections.deque(spans)
-    out: list[ConversationEvent] = []
-    for ev in head:
-        if isinstance(ev, SpanEvent) and queue:
-            q = queue.popleft()
-            if q.error is not None:
-                out.append(
-                    ErrorEvent(frame=ev.frame, t=ev.t, stage="span", message=f"{type(q.error).__name__}: {q.error}")
-                )
-                continue
-            ev = ev.model_copy(
-                update={
-                    "n_frames": q.n,
-                    "prefill_ms": q.prefill_ms,
-                    "truncated": q.truncated,
-                    "deferred": q.deferred,
-                    "prefix_in_window": q.prefix_in_window,
-                }
-            )
-        out.append(ev)
-    return out
+def _span_outcome(event: ConversationEvent) -> bool:
+    """Whether ``event`` says what became of a Context Span the frame's step was to read (``span``, or the engine's
+    refusal: an ``error`` of stage ``span``): sent with the frame's head events, as the step read it at its head."""
+    return isinstance(event, SpanEvent) or (isinstance(event, ErrorEvent) and event.stage == "span")
 
 
 __all__ = [
