@@ -37,6 +37,9 @@ from .window import PinnedSinks, WindowEvent
 
 WINDOW_EVENTS_KEPT = 64
 """Window events kept per session until :meth:`Sessions.take_window_events` (older ones are dropped)."""
+SPAN_READS_KEPT = 256
+"""The reads of Context Spans kept per session for :meth:`Sessions.take_span_reads` (the oldest are dropped past
+this: a caller that never takes them, such as a benchmark stepping the engine alone, holds no growing list)."""
 
 
 def fresh_seed() -> int:
@@ -166,7 +169,7 @@ class Sessions:
         self.persona: dict[int, Persona] = {}
         self.context = context
         self.window_events: dict[int, collections.deque[WindowEvent]] = {}
-        self.span_reads: dict[int, list[SpanRead]] = {}
+        self.span_reads: dict[int, collections.deque[SpanRead]] = {}
         self.max_block_columns = max_block_columns
         self.waiting: list[int] = []  # rows whose spans the budget held back, oldest first
         self.version = 0
@@ -322,13 +325,14 @@ class Sessions:
         position = self.position[row] - sum(blk.n for blk in self.blocks.get(row, ()))
         for blk in taken:
             if blk.span_seq is not None:
-                self.span_reads.setdefault(row, []).append(SpanRead(blk.span_seq, position, blk.n))
+                reads = self.span_reads.setdefault(row, collections.deque(maxlen=SPAN_READS_KEPT))
+                reads.append(SpanRead(blk.span_seq, position, blk.n))
             position += blk.n
 
     def take_span_reads(self, row: int) -> list[SpanRead]:
         """The Context Spans ``row``'s steps read since the last call (in order), emptied."""
         with self.lock:
-            return self.span_reads.pop(row, [])
+            return list(self.span_reads.pop(row, ()))
 
     def advance(self, rows: Sequence[int]) -> None:
         """After a step of ``rows``: one position fed each; blocks waiting behind a prefix are queued now. A row
