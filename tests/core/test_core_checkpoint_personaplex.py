@@ -113,8 +113,9 @@ def test_personaplex_snapshot_loads_and_runs_with_natf2(offline_hub) -> None:
     assert ckpt.load_voice_prompt("NATF2.pt").source == voice.source  # PersonaPlex's file-name spelling
     recording = ckpt.load_voice_prompt("NATM1")
     assert recording.kind == "codes" and recording.codes.shape == (8, 46)
-    with pytest.raises(CheckpointError, match="load_voice_prompt"):  # no codes in it, no recording beside it
-        load_voice("NATF2", ckpt)
+    with pytest.raises(CheckpointError, match="without the Mimi codes this needs") as refused:  # no codes in it,
+        load_voice("NATF2", ckpt)  # no recording beside it: what to do, in the words of the command line
+    assert "cspan voice encode" in str(refused.value) and "()" not in str(refused.value)
 
     # a session reads the PersonaPlex prefix with NATF2 and streams on: the same as the codes it was made from
     user = torch.randint(0, 2048, (1, 8, 6), generator=torch.Generator().manual_seed(5))

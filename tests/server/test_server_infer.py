@@ -349,3 +349,34 @@ def test_the_default_persona_is_one_identity(weather_run):
     )
     assert persona.count("You are") == 1 and "moshi" not in persona.lower()
     assert ServeSettings.model_fields["text_prompt"].default == persona  # cspan serve's default is the same text
+
+
+def test_the_output_says_which_voice_spoke_and_which_tools_were_in_effect(weather_run):
+    """`settings` is what was asked (`voice` and `tools` null: not given); `persona` names the voice that spoke (the
+    default: the first voice of voices/) and `tools` the tool sets in effect (the default ones)."""
+    from cspan.backends.tools.catalog import LIVE_DEFAULT
+
+    _, out, _ = weather_run
+    raw = json.loads((out / "out.json").read_text())
+    assert raw["settings"]["voice"] is None and raw["settings"]["tools"] is None
+    persona = raw["persona"]
+    assert persona["voice"] == "tiny0" and persona["voice_default"] is True and persona["voice_form"] == "codes"
+    assert Path(persona["voice_file"]).parts[-2:] == ("voices", "tiny0.pt")
+    assert persona["voice_frames"] == 20  # tiny0's frames, read in the prefix
+    assert raw["tools"]["sets"] == list(LIVE_DEFAULT)
+    assert {"get_time", "calculate", "get_weather", "recall_memory", "remember_fact"} <= set(raw["tools"]["names"])
+    assert raw["tools"]["names"] == sorted(raw["tools"]["names"])
+
+
+def test_a_named_voice_and_no_router_are_said_as_used(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    """`--voice tiny1` is the named voice (not the default); with `--router none` no tool is in effect, whatever
+    `--tools` asked (settings keeps what was asked)."""
+    inp = fixtures_dir / "audio" / "greeting_24k.wav"
+    _infer(
+        tiny_checkpoint_dir, inp, tmp_path, "--asr", "none", "--router", "none", "--voice", "tiny1", "--tools", "clock"
+    )
+    raw = json.loads((tmp_path / "out.json").read_text())
+    assert raw["settings"]["voice"] == "tiny1" and raw["settings"]["tools"] == "clock"
+    assert raw["persona"]["voice"] == "tiny1" and raw["persona"]["voice_default"] is False
+    assert raw["tools"] == {"sets": [], "names": []}
+    InferOutput.model_validate(raw)

@@ -145,6 +145,19 @@ def espeak_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_dialogue() -> Callable[..., Path]:
+    """``chat_dialogue(folder, name, **fields)``: a short spoken chat (:data:`CHAT`) with ``fields`` (``voice``,
+    ``persona``...) as ``NAME.json`` + ``NAME.wav`` in ``folder``; returns the JSON path (needs espeak-ng)."""
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (.ci/run installs it)")
+
+    def write(folder: Path, name: str, **fields: Any) -> Path:
+        return write_dialogue(folder, name, CHAT, **fields)
+
+    return write
+
+
+@pytest.fixture(scope="session")
 def prepared_dir(tmp_path_factory: pytest.TempPathFactory, espeak_dir: Path, tiny_dir: Path) -> Path:
     """``cspan prepare`` of :func:`espeak_dir` with the tiny checkpoint (CPU, 2 workers, 2 dialogues per batch)."""
     from cspan.core.cli import main

@@ -113,7 +113,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, prompt_help: str) ->
     """``--checkpoint`` (required), voice, persona prompt, sampling, seed, device, dtype."""
     g = parser.add_argument_group("model")
     g.add_argument("--checkpoint", required=True, help="Hugging Face repo id, local folder or file of the model")
-    g.add_argument("--voice", default=None, help="voice name in the checkpoint's voices/ or a .pt file of codes")
+    g.add_argument(
+        "--voice",
+        default=None,
+        help="voice prompt, as cspan infer takes it: a voice name of the checkpoint (its voices/, or PersonaPlex's "
+        "voices.tgz: NATF2), a .pt voice file (codes, or PersonaPlex's embeddings), or a 2-30 s recording (default: "
+        "cspan infer's, the first voice of the checkpoint's voices/; none for voices.tgz, which holds a choice: name "
+        "one); run.json records the voice used",
+    )
     g.add_argument("--no-voice", action="store_true", help="no voice prompt (persona text only)")
     g.add_argument("--text-prompt", default=None, help=prompt_help)
     temps = f"0 = greedy, else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}"
@@ -338,8 +345,9 @@ async def check_backends(args: argparse.Namespace, *, timeout_s: float = 5.0) ->
 def build_session_from(args: argparse.Namespace, **extra: Any) -> Any:
     """:func:`cspan.bench.session.build_session` from the model flags."""
     from cspan.bench.session import build_session
+    from cspan.core.voice import voice_summary
 
-    return build_session(
+    session = build_session(
         args.checkpoint,
         device=args.device,
         dtype=args.dtype,
@@ -351,6 +359,12 @@ def build_session_from(args: argparse.Namespace, **extra: Any) -> Any:
         cuda_graphs=False if args.no_cuda_graphs else None,
         **extra,
     )
+    if not getattr(args, "quiet", False):
+        said = (
+            "no voice prompt (--no-voice)" if args.no_voice else voice_summary(session.chosen_voice, session.checkpoint)
+        )
+        print(said, file=sys.stderr)
+    return session
 
 
 def add_judge_arguments(parser: argparse.ArgumentParser, default_model: str, what: str) -> None:

@@ -104,8 +104,7 @@ class BenchSession:
         checkpoint: the :class:`cspan.core.checkpoint.Checkpoint` (LM, Mimi, tokenizer, voices).
         engine: a :class:`cspan.core.engine.DuplexEngine`.
         device, dtype: where and in which dtype the LM runs (Mimi runs in float32).
-        voice: the voice prompt's name (or file), or None for no voice prompt.
-        voice_codes: LongTensor [8, N] of that voice, or None.
+        chosen_voice: the :class:`~cspan.core.voice.ChosenVoice` that speaks, or None for no voice prompt.
         source: the checkpoint as given.
     """
 
@@ -113,12 +112,25 @@ class BenchSession:
     engine: Any
     device: Any
     dtype: Any
-    voice: str | None
-    voice_codes: Any
+    chosen_voice: Any
     source: str
 
+    @property
+    def voice(self) -> str | None:
+        """The voice's name (as ``--voice`` named it, or the default's), or None for no voice prompt."""
+        return None if self.chosen_voice is None else self.chosen_voice.name
+
+    @property
+    def voice_prompt(self) -> Any:
+        """The :class:`~cspan.core.voice.VoicePrompt` the persona prefix reads (codes or PersonaPlex embeddings)."""
+        return None if self.chosen_voice is None else self.chosen_voice.prompt
+
     def identity(self) -> dict[str, Any]:
-        """What a result file records about the model: source, files, sizes, dtype, device, voice, sampling."""
+        """What a result file records about the model: source, files, sizes, dtype, device, the voice that spoke
+        (``voice``, ``voice_file``, ``voice_form``, ``voice_default``: :meth:`cspan.core.voice.ChosenVoice.describe`),
+        sampling."""
+        from cspan.core.voice import describe_voice
+
         lm = self.checkpoint.lm
         engine = self.engine
         return {
@@ -128,7 +140,7 @@ class BenchSession:
             "num_parameters": int(sum(p.numel() for p in lm.parameters())),
             "dtype": str(self.dtype).replace("torch.", ""),
             "device": str(self.device),
-            "voice": self.voice,
+            **describe_voice(self.chosen_voice),
             "temp": engine.audio_params.temperature,
             "temp_text": engine.text_params.temperature,
             "cuda_graphs": bool(engine.cuda_graphs),
@@ -154,7 +166,10 @@ def build_session(
         checkpoint: what :func:`cspan.core.checkpoint.load_checkpoint` accepts.
         device, dtype: see :func:`pick_device`.
         temp, temp_text: audio and text sampling temperatures (0 = greedy).
-        voice: a voice name of the checkpoint or a ``.pt`` file of codes; default the checkpoint's first voice.
+        voice: ``--voice``, every form ``cspan infer`` takes, resolved and loaded as it does
+            (:func:`cspan.core.voice.choose_voice`): a voice name of the checkpoint (``voices/``, PersonaPlex's
+            ``voices.tgz``, ``$CSPAN_VOICES_DIR``), a ``.pt`` voice file (codes or PersonaPlex embeddings) or a 2-30 s
+            recording; None: infer's default (the first voice of ``voices/``; none for ``voices.tgz`` alone).
         no_voice: no voice prompt at all (persona text only).
         seed: the session's sampler seed (each rendering reseeds it, see :func:`render`).
         max_span_frames: longest Context Span block (default the engine's, 600).
@@ -162,11 +177,16 @@ def build_session(
 
     Raises:
         CheckpointError: the checkpoint cannot be loaded (from the core).
+        SettingsError: ``--voice`` names no voice or file, or its file cannot be a voice (the message starts with
+            ``--voice``; exit status 2).
         BenchError: bad device or dtype.
     """
-    from cspan.core.checkpoint import load_checkpoint, load_voice
+    from cspan.core.checkpoint import load_checkpoint
     from cspan.core.engine import DuplexEngine
+    from cspan.core.voice import check_voice_path, choose_voice
 
+    if not no_voice:
+        check_voice_path(voice)  # a --voice path where no file is fails before the model loads
     dev, dt = pick_device(device, dtype)
     ckpt = load_checkpoint(checkpoint, device=dev, dtype=dt)
     kwargs: dict[str, Any] = {
@@ -179,13 +199,9 @@ def build_session(
     if max_span_frames is not None:
         kwargs["max_span_frames"] = max_span_frames
     engine = DuplexEngine(ckpt, batch_size=1, **kwargs)
-    codes = None
-    name = None
-    if not no_voice:
-        name = voice if voice is not None else (sorted(ckpt.voices)[0] if ckpt.voices else None)
-        codes = load_voice(name, ckpt) if name is not None else None
+    chosen = None if no_voice else choose_voice(voice, ckpt)
     return BenchSession(
-        checkpoint=ckpt, engine=engine, device=dev, dtype=dt, voice=name, voice_codes=codes, source=str(checkpoint)
+        checkpoint=ckpt, engine=engine, device=dev, dtype=dt, chosen_voice=chosen, source=str(checkpoint)
     )
 
 
@@ -462,7 +478,7 @@ async def render(
 
     engine.reset(0, seed=seed)
     report = engine.set_persona(
-        0, text_prompt or None, session.voice_codes, user_name=user_name or None, user_city=user_city or None
+        0, text_prompt or None, session.voice_prompt, user_name=user_name or None, user_city=user_city or None
     )
     conversation = Conversation(
         engine,

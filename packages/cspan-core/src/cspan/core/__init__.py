@@ -45,6 +45,7 @@ _LAZY: dict[str, str] = {
     "load_lm": "checkpoint",
     "load_voice": "voice",
     "load_voice_prompt": "voice",
+    "choose_voice": "voice",
     "VoicePrompt": "voice",
     "PrefixLayout": "config",
     "Conversation": "runtime",

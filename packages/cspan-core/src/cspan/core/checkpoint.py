@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import CONTEXT_SPANNING, PERSONAPLEX, PrefixLayout
 from .errors import CheckpointError, validation_summary
-from .voice import VoicePrompt, load_voice, load_voice_prompt
+from .voice import CheckpointVoices, VoicePrompt, load_voice, load_voice_prompt
 
 if TYPE_CHECKING:
     import sentencepiece
@@ -1039,6 +1039,24 @@ def env_voices() -> dict[str, Path]:
     return scan_voices(folder)
 
 
+def own_voices(files: CheckpointFiles) -> dict[str, Path]:
+    """The checkpoint's own voices (``Checkpoint.voices``): its ``voices/`` with ``$CSPAN_VOICES_DIR`` over them."""
+    return {**files.voices, **env_voices()}
+
+
+def checkpoint_voices(files: CheckpointFiles, lm_config: LMConfig, mimi: Mimi | None = None) -> CheckpointVoices:
+    """The voices of a checkpoint that is not loaded (``cspan prepare`` reads its Mimi and tokenizer only), to find
+    and load them as a loaded checkpoint's (:func:`cspan.core.voice.choose_voice`, ``load_voice``...): the same
+    names, sizes, prefix layout and, when given, the Mimi that encodes a recording."""
+    return CheckpointVoices(
+        voices=own_voices(files),
+        archive_voices=dict(files.archive_voices),
+        lm_config=lm_config,
+        prefix_layout=resolve_prefix_layout(files),
+        mimi=mimi,
+    )
+
+
 def scan_voices(*dirs: Path | None) -> dict[str, Path]:
     """Voice name -> file for the voice files of ``dirs`` (``<name>.pt``, or a recording ``<name>.wav`` / ``.flac`` /
     ``.ogg`` / ``.mp3``); a ``.pt`` wins over a recording of the same name, an earlier folder over a later one."""
@@ -1530,7 +1548,7 @@ def load_checkpoint(
             f"tokenizer file {str(files.tokenizer)!r} has {vocab} pieces but the LM's text_card is "
             f"{lm_cfg.text_card}; the tokenizer does not belong to this LM"
         )
-    voices = {**files.voices, **env_voices()}
+    voices = own_voices(files)
     return Checkpoint(
         lm=lm,
         mimi=mimi,
@@ -1735,6 +1753,7 @@ __all__ = [
     "CheckpointFiles",
     "SafetensorsHeader",
     "checkpoint_reads",
+    "checkpoint_voices",
     "describe_checkpoint",
     "env_voices",
     "load_checkpoint",
@@ -1743,6 +1762,7 @@ __all__ = [
     "load_tokenizer",
     "load_voice",
     "load_voice_prompt",
+    "own_voices",
     "read_configs",
     "read_safetensors_header",
     "register_model_actions",

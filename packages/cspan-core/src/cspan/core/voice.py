@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .constants import FRAME_SIZE, NUM_CODEBOOKS, PAD, SAMPLE_RATE, SINE_TOKENS
-from .errors import AudioInputError, CheckpointError, SettingsError
+from .errors import AudioInputError, CheckpointError, CspanError, SettingsError
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,36 @@ class VoicePrompt:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _known_voices(checkpoint: Checkpoint | None) -> dict[str, Path]:
+@dataclass(frozen=True)
+class CheckpointVoices:
+    """What finding and loading a voice needs of a checkpoint, for the verbs that do not load its LM (``cspan
+    prepare``): :func:`find_voice`, :func:`load_voice_prompt`, :func:`load_voice` and :func:`choose_voice` take it
+    where they take a :class:`~cspan.core.checkpoint.Checkpoint` (:func:`cspan.core.checkpoint.checkpoint_voices`
+    makes one).
+
+    Attributes:
+        voices: the checkpoint's own voices (``voices/``, with ``$CSPAN_VOICES_DIR`` over them), as
+            ``Checkpoint.voices``.
+        archive_voices: the voices of PersonaPlex's ``voices.tgz``, as ``Checkpoint.archive_voices``.
+        lm_config: the LM's configuration (``card``, ``dim``, delays: what a voice file must fit).
+        prefix_layout: the persona prefix layout.
+        mimi: the codec that encodes a recording (None: a recording is refused).
+    """
+
+    voices: dict[str, Path]
+    archive_voices: dict[str, Path]
+    lm_config: Any
+    prefix_layout: Any
+    mimi: Any = None
+
+
+def known_voices(checkpoint: Checkpoint | CheckpointVoices | None) -> dict[str, Path]:
+    """Every voice a name can select, name -> file: the checkpoint's ``voices.tgz`` voices, its ``voices/`` over
+    them, ``$CSPAN_VOICES_DIR`` over both.
+
+    Raises:
+        CheckpointError: ``$CSPAN_VOICES_DIR`` names no folder.
+    """
     from .checkpoint import env_voices
 
     known = {}
@@ -100,7 +129,27 @@ def _known_voices(checkpoint: Checkpoint | None) -> dict[str, Path]:
     return {**known, **env_voices()}
 
 
-def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> Path:
+def known_voice(name: str, checkpoint: Checkpoint | CheckpointVoices | None) -> Path | None:
+    """The file of the voice called ``name`` (:func:`known_voices`), also spelled with its file suffix (``NATF2.pt``,
+    as PersonaPlex's ``--voice-prompt`` takes it); None when no voice has that name."""
+    known = known_voices(checkpoint)
+    if name in known:
+        return known[name]
+    stem = Path(name).stem
+    if Path(name).suffix in (".pt", *AUDIO_SUFFIXES) and stem in known and "/" not in name:
+        return known[stem]
+    return None
+
+
+def default_voice_name(checkpoint: Checkpoint | CheckpointVoices | None) -> str | None:
+    """The voice a run speaks with when none is named (``cspan infer``, ``cspan serve``, ``cspan bench``): the first
+    by name of the checkpoint's own voices (``voices/``, ``$CSPAN_VOICES_DIR``); None when it has none. PersonaPlex's
+    ``voices.tgz`` is never a default: it holds a choice of speakers, one is named (``--voice NATF2``)."""
+    own = getattr(checkpoint, "voices", None) or {}
+    return min(own) if own else None
+
+
+def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | CheckpointVoices | None = None) -> Path:
     """The file of a voice: an existing file, a voice name of the checkpoint (or ``$CSPAN_VOICES_DIR``), or such a
     name with its file suffix (``NATF2.pt``, as PersonaPlex's ``--voice-prompt`` takes it).
 
@@ -118,12 +167,10 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
     if path.expanduser().is_file():  # ~/voices/me.pt from a settings file or --voice=~/...: as --checkpoint does
         return path.expanduser()
     name = str(name_or_path)
-    known = _known_voices(checkpoint)
-    if name in known:
-        return known[name]
-    stem = Path(name).stem
-    if Path(name).suffix in (".pt", *AUDIO_SUFFIXES) and stem in known and "/" not in name:
-        return known[stem]
+    found = known_voice(name, checkpoint)
+    if found is not None:
+        return found
+    known = known_voices(checkpoint)
     if path.is_dir():  # a voice's name wins over a folder of that name in the working directory
         from .checkpoint import ENV_VOICES
 
@@ -167,7 +214,9 @@ def _not_a_torch_file(path: Path) -> CheckpointError:
     )
 
 
-def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> VoicePrompt:
+def load_voice_prompt(
+    name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | CheckpointVoices | None = None
+) -> VoicePrompt:
     """Load a voice prompt in any of its forms (module docstring).
 
     Args:
@@ -211,12 +260,28 @@ def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: Checkpoi
     return _embedding_voice(path, obj["embeddings"], obj["cache"], cfg)
 
 
-def load_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | None = None) -> torch.Tensor:
+def voice_codes(voice: VoicePrompt, checkpoint: Checkpoint | CheckpointVoices | None = None) -> torch.Tensor | None:
+    """The Mimi codes [8, N] of a loaded voice: its own, or for a PersonaPlex embedding voice those of the recording
+    of the same name beside its file (``NATF2.wav`` beside ``NATF2.pt``, encoded with the checkpoint's Mimi); None
+    when it has none (:func:`load_voice` refuses it then)."""
+    if voice.codes is not None:
+        return voice.codes
+    for suffix in AUDIO_SUFFIXES:
+        audio = voice.source.with_suffix(suffix)
+        if audio.is_file() and checkpoint is not None and getattr(checkpoint, "mimi", None) is not None:
+            return encode_voice_audio(audio, checkpoint.mimi)[0]
+    return None
+
+
+def load_voice(
+    name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | CheckpointVoices | None = None
+) -> torch.Tensor:
     """The Mimi codes of a voice: ``{"codes": LongTensor[8, P]}``, or a recording encoded with the checkpoint's Mimi.
 
     A PersonaPlex embedding voice has no codes; when a recording of the same name lies next to it (``NATF2.wav``
     beside ``NATF2.pt``), that recording is encoded instead (PersonaPlex derived the ``.pt`` from it, and both give
-    the same prefix from the voice's last frame on); otherwise use :func:`load_voice_prompt`.
+    the same prefix from the voice's last frame on); otherwise it is refused (the engine takes it as it is:
+    :func:`load_voice_prompt`).
 
     Args:
         name_or_path: see :func:`load_voice_prompt`.
@@ -230,17 +295,107 @@ def load_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | No
         AudioInputError: a bad recording.
     """
     voice = load_voice_prompt(name_or_path, checkpoint)
-    if voice.codes is not None:
-        return voice.codes
-    for suffix in AUDIO_SUFFIXES:
-        audio = voice.source.with_suffix(suffix)
-        if audio.is_file() and checkpoint is not None and getattr(checkpoint, "mimi", None) is not None:
-            return encode_voice_audio(audio, checkpoint.mimi)[0]
+    codes = voice_codes(voice, checkpoint)
+    if codes is not None:
+        return codes
     raise CheckpointError(
-        f"voice file {str(voice.source)!r} is a PersonaPlex voice (input embeddings and a token cache), not Mimi "
-        "codes; load it with load_voice_prompt() for the engine, or make a codes voice from a recording with "
-        "`cspan voice encode IN.wav OUT.pt`"
+        f"voice file {str(voice.source)!r} is a PersonaPlex voice (input embeddings and a token cache) without the "
+        "Mimi codes this needs; make a codes voice from the recording it was made from with `cspan voice encode "
+        "IN.wav OUT.pt` (or put that recording beside it, with the same name) and use that"
     )
+
+
+@dataclass(frozen=True)
+class ChosenVoice:
+    """The voice a run speaks with (:func:`choose_voice`).
+
+    Attributes:
+        name: the voice as ``--voice`` named it (a name, a file, a recording), or the default voice's name.
+        prompt: its :class:`VoicePrompt`.
+        default: chosen because no voice was named (:func:`default_voice_name`).
+    """
+
+    name: str
+    prompt: VoicePrompt
+    default: bool = False
+
+    @property
+    def form(self) -> str:
+        """``"codes"``, ``"embeddings"`` (PersonaPlex's) or ``"recording"`` (Mimi-encoded when it was loaded)."""
+        return "recording" if is_recording(self.prompt.source) else self.prompt.kind
+
+    def describe(self) -> dict[str, Any]:
+        """What an output records of it: ``{"voice", "voice_file", "voice_form", "voice_default"}``."""
+        return {
+            "voice": self.name,
+            "voice_file": str(self.prompt.source),
+            "voice_form": self.form,
+            "voice_default": self.default,
+        }
+
+
+NO_VOICE: dict[str, Any] = {"voice": None, "voice_file": None, "voice_form": None, "voice_default": False}
+""":meth:`ChosenVoice.describe` of a run without a voice prompt."""
+
+
+def describe_voice(voice: ChosenVoice | None) -> dict[str, Any]:
+    """:meth:`ChosenVoice.describe`, or :data:`NO_VOICE` for None."""
+    return dict(NO_VOICE) if voice is None else voice.describe()
+
+
+def voice_summary(voice: ChosenVoice | None, checkpoint: Checkpoint | CheckpointVoices | None = None) -> str:
+    """Which voice speaks, in words for the console: ``voice NAME (FORM, FILE)`` (``, the default`` when none was
+    named), or ``no voice prompt`` (naming the voices of ``voices.tgz`` when the checkpoint has only those)."""
+    if voice is not None:
+        default = ", the default" if voice.default else ""
+        return f"voice {voice.name} ({voice.form}, {voice.prompt.source}{default})"
+    archive = sorted(getattr(checkpoint, "archive_voices", None) or {})
+    if archive and not getattr(checkpoint, "voices", None):
+        listed = ", ".join(archive[:6]) + (" ..." if len(archive) > 6 else "")
+        return f"no voice prompt (a voice of voices.tgz is never the default: name one with --voice: {listed})"
+    return "no voice prompt"
+
+
+def check_voice_path(voice: str | None, flag: str = "--voice") -> None:
+    """Refuse, before the model loads, a ``--voice`` that is a path (it holds a ``/``: voice names do not) where no
+    file is; a name is checked against the checkpoint's voices once it is loaded (:func:`choose_voice`).
+
+    Raises:
+        SettingsError: the message starts with ``flag`` (exit status 2).
+    """
+    if voice and "/" in voice:
+        path = Path(voice).expanduser()
+        if not path.exists():
+            raise SettingsError(
+                f"{flag} {voice}: no such file; pass a voice name, a .pt voice file, or a 2-30 s recording"
+            )
+        if path.is_dir():
+            raise SettingsError(f"{flag} {voice}: is a directory; pass a .pt voice file or a 2-30 s recording")
+
+
+def choose_voice(
+    voice: str | os.PathLike[str] | None,
+    checkpoint: Checkpoint | CheckpointVoices | None,
+    flag: str = "--voice",
+) -> ChosenVoice | None:
+    """The voice of a run's ``--voice``, as every verb resolves and loads it (``cspan infer``, ``cspan serve``'s
+    default, ``cspan bench``): a voice name of the checkpoint (its ``voices/``, PersonaPlex's ``voices.tgz``,
+    ``$CSPAN_VOICES_DIR``; also ``NAME.pt``), a ``.pt`` voice file (codes or PersonaPlex embeddings) or a recording
+    (encoded with the checkpoint's Mimi) (:func:`load_voice_prompt`); None: the default voice
+    (:func:`default_voice_name`), and None when there is none.
+
+    Raises:
+        SettingsError: the voice cannot be found or read (the message starts with ``flag`` and the voice; exit
+            status 2).
+    """
+    default = voice is None
+    name = default_voice_name(checkpoint) if voice is None else str(voice)
+    if name is None:
+        return None
+    try:
+        return ChosenVoice(name=name, prompt=load_voice_prompt(name, checkpoint), default=default)
+    except CspanError as exc:
+        raise SettingsError(f"{flag} {name}: {exc}") from None
 
 
 def _check_codes(codes: Any, path: Path, card: int) -> torch.Tensor:
@@ -603,20 +758,31 @@ def voice_command(parser: argparse.ArgumentParser) -> None:
 
 
 __all__ = [
+    "NO_VOICE",
     "VOICE_MAX_SECONDS",
     "VOICE_MIN_SECONDS",
     "VOICE_TARGET_LUFS",
+    "CheckpointVoices",
+    "ChosenVoice",
     "VoiceAudio",
     "VoicePrompt",
+    "check_voice_path",
+    "choose_voice",
+    "default_voice_name",
+    "describe_voice",
     "encode_voice_audio",
     "encode_voice_pcm",
     "find_voice",
     "frames_from_ring",
     "is_recording",
     "is_torch_file",
+    "known_voice",
+    "known_voices",
     "load_voice",
     "load_voice_prompt",
     "prepare_voice_audio",
+    "voice_codes",
     "voice_command",
     "voice_embeddings_form",
+    "voice_summary",
 ]

@@ -423,43 +423,29 @@ def open_context_db(settings: ContextDBSettings) -> Any:
 
 
 def check_voice_path(voice: str | None) -> None:
-    """Refuse, before the model loads, a ``--voice`` that is a path (it holds a ``/``: voice names do not) where no
-    file is; a name is checked against the checkpoint's voices once it is loaded.
+    """Refuse, before the model loads, a ``--voice`` path where no file is (:func:`cspan.core.voice.check_voice_path`).
 
     Raises:
         SettingsError: the message starts with ``--voice`` (exit status 2).
     """
-    from cspan.core.errors import SettingsError
+    from cspan.core.voice import check_voice_path as check
 
-    if voice and "/" in voice:
-        path = Path(voice).expanduser()
-        if not path.exists():
-            raise SettingsError(
-                f"--voice {voice}: no such file; pass a voice name, a .pt voice file, or a 2-30 s recording"
-            )
-        if path.is_dir():
-            raise SettingsError(f"--voice {voice}: is a directory; pass a .pt voice file or a 2-30 s recording")
+    check(voice)
 
 
 def resolve_voice(checkpoint: Any, voice: str | None) -> Any:
-    """The :class:`~cspan.core.voice.VoicePrompt` of ``--voice``: a voice name of the checkpoint (its ``voices/`` or
-    PersonaPlex's ``voices.tgz``), a ``.pt`` voice file (codes or PersonaPlex embeddings) or a recording (encoded
-    with the checkpoint's Mimi); the first voice of ``voices/`` by default, None when there is none.
+    """The :class:`~cspan.core.voice.VoicePrompt` of ``--voice`` (None: no voice prompt), as
+    :func:`cspan.core.voice.choose_voice` finds and reads it for every verb: a voice name of the checkpoint (its
+    ``voices/`` or PersonaPlex's ``voices.tgz``), a ``.pt`` voice file (codes or PersonaPlex embeddings) or a
+    recording (encoded with the checkpoint's Mimi); the first voice of ``voices/`` by default, None when there is none.
 
     Raises:
         SettingsError: the voice cannot be found or read (the message starts with ``--voice``; exit status 2).
     """
-    from cspan.core.errors import CspanError, SettingsError
-    from cspan.core.voice import load_voice_prompt
+    from cspan.core.voice import choose_voice
 
-    if voice is None:
-        if not checkpoint.voices:
-            return None
-        voice = sorted(checkpoint.voices)[0]
-    try:
-        return load_voice_prompt(voice, checkpoint)
-    except CspanError as exc:
-        raise SettingsError(f"--voice {voice}: {exc}") from None
+    chosen = choose_voice(voice, checkpoint)
+    return None if chosen is None else chosen.prompt
 
 
 def checkpoint_identity(checkpoint: Any, device: Any, dtype: Any) -> dict[str, Any]:
@@ -635,8 +621,9 @@ async def _converse(
     from cspan.core.files import stop_signals_deferred
     from cspan.core.reads import check_outputs as refuse_overwrites
     from cspan.core.runtime import Conversation, ConversationConfig, decode_agent_text
+    from cspan.core.voice import choose_voice, describe_voice, voice_summary
     from cspan.server.memory_span import MemorySpan, memory_summary
-    from cspan.server.output import InferJsonStream, InferOutput, PersonaInfo, Timing, timing_stats
+    from cspan.server.output import InferJsonStream, InferOutput, PersonaInfo, Timing, ToolsInfo, timing_stats
     from cspan.server.records import db_recorder
 
     lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
@@ -650,8 +637,9 @@ async def _converse(
     )
     # what the load read, now that a Hub checkpoint is in the cache (before it, only a cached one was known)
     refuse_overwrites(s.outputs, infer_reads(s, config))
-    voice = resolve_voice(checkpoint, s.voice)
-    persona = persona_frames(checkpoint, s, voice)
+    chosen = choose_voice(s.voice, checkpoint)  # what resolve_voice reads, with the name it was chosen by
+    voice = None if chosen is None else chosen.prompt
+    persona = {**persona_frames(checkpoint, s, voice), **describe_voice(chosen)}
     engine = DuplexEngine(
         checkpoint,
         batch_size=1,
@@ -669,7 +657,7 @@ async def _converse(
         window = f" of the {persona['window']}-position window" if persona["window"] else ""
         print(
             f"persona: {persona['frames']} frames{window} ({persona['voice_frames']} of voice prompt, "
-            f"{persona['text_tokens']} text tokens)",
+            f"{persona['text_tokens']} text tokens); {voice_summary(chosen, checkpoint)}",
             file=sys.stderr,
         )
 
@@ -832,6 +820,7 @@ async def _converse(
                 ),
                 settings=_json_text(s.model_dump(mode="json", exclude={"mcp": {"__all__": {"env"}}})),  # env: secrets
                 checkpoint=checkpoint_identity(checkpoint, device, dtype),
+                tools=ToolsInfo(sets=list(backends.sets), names=sorted(backends.tool_names())),
             )
             try:
                 stream.finish(document)

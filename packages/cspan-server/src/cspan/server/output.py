@@ -65,6 +65,19 @@ class PersonaInfo(BaseModel):
     voice_frames: int
     text_tokens: int
     window: int | None = Field(description="the checkpoint's attention window in positions (None: unbounded)")
+    voice: str | None = Field(
+        None, description="the voice that spoke: as --voice named it, or the default voice's name (None: no voice)"
+    )
+    voice_file: str | None = Field(None, description="the file it was read from")
+    voice_form: str | None = Field(None, description="codes, embeddings (PersonaPlex's) or recording")
+    voice_default: bool = Field(False, description="chosen because --voice was not given")
+
+
+class ToolsInfo(BaseModel):
+    """The tools the run's router could call (whatever ``--tools`` said, or left to the default)."""
+
+    sets: list[str] = Field(description="the built-in tool sets in effect (empty with --router none)")
+    names: list[str] = Field(description="every tool the router could call, built-in and MCP, sorted")
 
 
 class WindowSummary(BaseModel):
@@ -112,6 +125,7 @@ class InferOutput(BaseModel):
     timing: Timing
     settings: dict[str, Any]
     checkpoint: CheckpointIdentity
+    tools: ToolsInfo | None = None
 
 
 def timing_stats(values_ms: list[float]) -> TimingStats | None:

@@ -171,13 +171,13 @@ class VoiceCatalog:
 
     def __init__(self, checkpoint: Any, default: str | None) -> None:
         from cspan.core.errors import CheckpointError, CspanError, SettingsError
-        from cspan.core.voice import find_voice, load_voice_prompt
+        from cspan.core.voice import default_voice_name, find_voice, load_voice_prompt
 
         self.checkpoint = checkpoint
         own = dict(getattr(checkpoint, "voices", {}) or {})
         self.files: dict[str, Path] = {**(getattr(checkpoint, "archive_voices", {}) or {}), **own}
         self._prompts: dict[str, Any] = {}
-        name: str | None = min(own) if own else None
+        name: str | None = default_voice_name(checkpoint)  # as cspan infer and cspan bench
         if default is not None:
             name = default or None
         if default:

@@ -44,7 +44,12 @@ def prepare_command(parser: argparse.ArgumentParser) -> None:
         "--max-span-frames", type=int, default=600, help="longest Context Span block; longer references are cut (600)"
     )
     parser.add_argument("--persona", default=None, help="persona text for dialogues that have none")
-    parser.add_argument("--voice", default=None, help="voice prompt for dialogues that have none (name or .pt file)")
+    parser.add_argument(
+        "--voice",
+        default=None,
+        help="voice prompt for dialogues that have none: a voice name of the checkpoint (voices/, PersonaPlex's "
+        "voices.tgz), a .pt voice file with codes, or a 2-30 s recording",
+    )
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when any dialogue was bad")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--print-schema", action="store_true", help="print the dialogue JSON Schema and exit")

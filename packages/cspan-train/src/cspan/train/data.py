@@ -329,17 +329,29 @@ def _check_times(dialogue: Dialogue, duration_s: float, where: str) -> None:
 
 
 class VoiceResolver:
-    """Voice prompts by name (the checkpoint's ``voices/``) or by file (relative to the dialogue's folder)."""
+    """The voice prompts of the dialogues: a file relative to the dialogue's folder, else a voice name of the
+    checkpoint found as every verb finds ``--voice`` (:func:`cspan.core.voice.known_voice`: its ``voices/``,
+    PersonaPlex's ``voices.tgz``, ``$CSPAN_VOICES_DIR``; ``NAME.pt`` too), read as every verb reads it
+    (:func:`cspan.core.voice.load_voice_prompt`: codes, PersonaPlex embeddings, a recording encoded with the
+    checkpoint's Mimi), as Mimi codes: what the dataset holds (:func:`cspan.core.voice.voice_codes`).
 
-    def __init__(self, voices: dict[str, Path]) -> None:
-        self.voices = dict(voices)
+    Args:
+        checkpoint: the checkpoint's voices (:func:`cspan.core.checkpoint.checkpoint_voices`, with its Mimi).
+    """
+
+    def __init__(self, checkpoint: Any) -> None:
+        import threading
+
+        self.checkpoint = checkpoint
         self._cache: dict[Path, torch.Tensor] = {}
+        self._lock = threading.Lock()  # load_one runs on worker threads: each voice is read (encoded) once
 
     def codes(self, voice: str, json_path: Path) -> torch.Tensor:
         """[8, N] long codes of ``voice``.
 
         Raises:
-            DataError: unknown voice or bad file (names the dialogue file and the ``voice`` field).
+            DataError: unknown voice, bad file, or a voice without codes (names the dialogue file and the ``voice``
+                field).
         """
         path = self.find(voice, json_path.parent / voice)
         if path is None:
@@ -354,23 +366,44 @@ class VoiceResolver:
 
     def find(self, voice: str, *files: Path) -> Path | None:
         """The first of ``files`` that exists (resolved), else the checkpoint's voice named ``voice``, else None."""
-        return next((f.resolve() for f in files if f.is_file()), None) or self.voices.get(voice)
+        from cspan.core.voice import known_voice
+
+        return next((f.resolve() for f in files if f.is_file()), None) or known_voice(voice, self.checkpoint)
+
+    def is_named(self, voice: str, path: Path) -> bool:
+        """``path`` is the checkpoint's voice named ``voice`` (not a file given by its path)."""
+        from cspan.core.voice import known_voice
+
+        return known_voice(voice, self.checkpoint) == path
 
     def known(self) -> str:
         """The checkpoint's voice names, for messages."""
-        return ", ".join(sorted(self.voices)) or "none"
+        from cspan.core.voice import known_voices
+
+        return ", ".join(sorted(known_voices(self.checkpoint))) or "none"
 
     def load(self, path: Path) -> torch.Tensor:
         """[8, N] long codes of the voice file ``path`` (cached).
 
         Raises:
-            CspanError: the file is not a voice (names it).
+            CspanError: the file is not a voice, or a PersonaPlex embedding voice without codes (names it and what
+                to do).
         """
-        from cspan.core.checkpoint import load_voice
+        from cspan.core.voice import load_voice_prompt, voice_codes
 
-        if path not in self._cache:
-            self._cache[path] = load_voice(path)
-        return self._cache[path]
+        with self._lock:
+            if path not in self._cache:
+                prompt = load_voice_prompt(path, self.checkpoint)
+                codes = voice_codes(prompt, self.checkpoint)
+                if codes is None:
+                    raise DataError(
+                        f"voice file {str(path)!r} is a PersonaPlex voice in embeddings form only, without the Mimi "
+                        "codes training needs; make a codes voice from the recording it was made from with `cspan "
+                        "voice encode IN.wav OUT.pt` (or put that recording beside it, with the same name) and name "
+                        "that file"
+                    )
+                self._cache[path] = codes
+            return self._cache[path]
 
 
 @dataclass(frozen=True)
@@ -621,7 +654,7 @@ def _check_defaults(options: PrepareOptions, voices: VoiceResolver, tokenizer: A
             raise SettingsError(
                 f"--voice {voice!r}: neither a voice file nor a voice of the checkpoint (known: {voices.known()})"
             )
-        if path != voices.voices.get(voice):  # a file: recorded by its absolute path
+        if not voices.is_named(voice, path):  # a file: recorded by its absolute path
             voice = str(path)
         try:
             codes = voices.load(path)
@@ -811,6 +844,7 @@ def run_prepare(
 
     from cspan.core.checkpoint import (
         checkpoint_reads,
+        checkpoint_voices,
         load_mimi,
         load_tokenizer,
         read_configs,
@@ -851,9 +885,9 @@ def run_prepare(
     layout = resolve_prefix_layout(files)
     options = replace(options, prefix_layout=layout.name, window=lm_cfg.context)
     tokenizer = load_tokenizer(files.tokenizer)
-    voices = VoiceResolver(files.voices)
-    options = _check_defaults(options, voices, tokenizer, in_dir)
     mimi = load_mimi(files.mimi, mimi_cfg, device=dev)
+    voices = VoiceResolver(checkpoint_voices(files, lm_cfg, mimi))  # a recording as a voice is encoded with it
+    options = _check_defaults(options, voices, tokenizer, in_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_dataset_info(
         out_dir,

@@ -128,7 +128,9 @@ class Dialogue(_Strict):
     persona: str | None = Field(default=None, description="the persona text prompt (wrapped <system> ... <system>)")
     voice: str | None = Field(
         default=None,
-        description="voice prompt: a name in the checkpoint's voices/ or a .pt file of codes (relative to the JSON)",
+        description="voice prompt: a .pt voice file or a 2-30 s recording (relative to the JSON), or a voice name of "
+        "the checkpoint as cspan infer --voice takes it (voices/, PersonaPlex's voices.tgz); training needs Mimi "
+        "codes, so a PersonaPlex voice in embeddings form only is refused",
     )
     profile: Profile | None = Field(default=None, description="the user's profile")
     turns: list[Turn] = Field(min_length=1, description="the turns of both speakers")
