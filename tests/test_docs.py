@@ -122,3 +122,45 @@ def test_the_directly_read_variables_are_the_documented_ones(repo_root: Path) ->
         f"in the docs only: {sorted(documented - set(DIRECT_ENV))}; in DIRECT_ENV only: "
         f"{sorted(set(DIRECT_ENV) - documented)}"
     )
+
+
+def _upstream_rows(text: str) -> list[tuple[str, str, str]]:
+    """``(verb, upstream cell, our cell)`` for each row of COMING-FROM-MOSHI.md's tables that map flags: the live
+    server's table to ``serve``, the others to ``infer`` (moshi-finetune's table holds config keys, not flags)."""
+    rows = []
+    section = ""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            section = line.lstrip("#").strip()
+        elif line.startswith("| ") and not line.startswith("|---") and section != "Fine-tuning":
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            if len(cells) == 2 and cells[0] not in ("upstream",) and not cells[1].startswith("`cspan "):
+                rows.append(("serve" if section == "Live conversations" else "infer", cells[0], cells[1]))
+    return rows
+
+
+def test_the_upstream_flags_the_cli_answers_are_the_documented_ones(repo_root: Path) -> None:
+    """docs/COMING-FROM-MOSHI.md's tables and ``cspan.core.upstream.UPSTREAM_FLAGS`` (what ``cspan VERB --greedy``
+    answers) say the same: each upstream flag of the tables is a flag of ours or a declared one, answered by the
+    verb, and the row names its counterpart; every declared flag is in a table."""
+    from cspan.core.upstream import UPSTREAM_FLAGS
+
+    verbs = _verbs(build_parser())
+    rows = _upstream_rows((repo_root / "docs/COMING-FROM-MOSHI.md").read_text())
+    assert len(rows) > 20
+    problems, seen = [], set()
+    for verb, upstream, ours in rows:
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", upstream):
+            if flag in verbs[(verb,)]:
+                continue  # the same flag here
+            entry = UPSTREAM_FLAGS.get(flag)
+            if entry is None or not entry.answers(verb, verbs[(verb,)]):
+                problems.append(f"{flag} ({verb}): not in UPSTREAM_FLAGS for `cspan {verb}`")
+                continue
+            seen.add(flag)
+            named = re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*|\bCSPAN_\w+", entry.use or "")
+            missing = [n for n in named if n not in ours]
+            if missing:
+                problems.append(f"{flag}: the row `{ours}` does not name {missing}, which the CLI gives")
+    assert not problems, "\n".join(problems)
+    assert set(UPSTREAM_FLAGS) - seen == set(), "declared but in no table of docs/COMING-FROM-MOSHI.md"

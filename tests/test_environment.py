@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_origin
 
 import pytest
 from pydantic import AliasChoices, BaseModel, Field
@@ -15,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cspan.core.cli import build_parser
 from cspan.core.environment import DIRECT_ENV, known_env_names, settings_env_names, unknown_env, warn_unknown_env
-from cspan.core.settings import SETTINGS_CONFIG, settings_models
+from cspan.core.settings import SETTINGS_CONFIG, SettingsError, load_settings, settings_models
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,3 +130,55 @@ def test_every_variable_read_by_name_is_declared_once() -> None:
     read = in_sources | read_by_tools
     assert read - set(DIRECT_ENV) == set(), "read by name but not in cspan.core.environment.DIRECT_ENV"
     assert set(DIRECT_ENV) - read == set(), "in DIRECT_ENV but read nowhere"
+
+
+_PLAIN_VALUES: dict[str, tuple[str, object]] = {
+    # a repeatable setting's field: one plain value for its variable, and the item the setting then holds
+    "span": ("0.5:From env, with a comma", "0.5:From env, with a comma"),
+    "force_ret_at": ("0.5", 0.5),
+    "mcp": ("https://a.example/mcp", "https://a.example/mcp"),
+    "allow_origin": ("https://talk.example.org", "https://talk.example.org"),
+    "allow_host": ("talk.example.org", "talk.example.org"),
+    "allowed_host": ("talk.example.org:443", "talk.example.org:443"),
+}
+
+
+def _list_fields() -> list[tuple[type[BaseSettings], str]]:
+    """Every list-typed setting of every installed verb's model."""
+    return [
+        (model, name)
+        for model in settings_models(build_parser())
+        for name, field in model.model_fields.items()
+        if get_origin(field.annotation) is list
+    ]
+
+
+def test_every_repeatable_setting_takes_one_plain_value_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/OPERATORS.md: a repeatable flag's variable takes one value as it is, or a JSON list for several. Every
+    list-typed field of every verb's model is held to it (CSPAN_SPAN="0.5:From env" was refused with
+    pydantic-settings' 'error parsing value for field "span" from source "EnvSettingsSource"')."""
+    fields = _list_fields()
+    assert {name for _, name in fields} == set(_PLAIN_VALUES), "give each repeatable setting a plain value here"
+    assert len(fields) >= 7  # infer: mcp, span, force_ret_at; serve: mcp, allow_origin, allow_host; asr-serve
+    for name in os.environ:
+        if name.startswith("CSPAN_"):
+            monkeypatch.delenv(name)
+    required = {"input_wav": tmp_path / "in.wav", "output_wav": tmp_path / "out.wav"}  # cspan infer's
+    for model, name in fields:
+        env = f"{model.model_config.get('env_prefix', '')}{name}".upper()
+        given = {k: v for k, v in required.items() if k in model.model_fields}
+        plain, item = _PLAIN_VALUES[name]
+        with monkeypatch.context() as m:
+            m.setenv(env, plain)
+            value = getattr(load_settings(model, given), name)
+            assert [getattr(v, "url", v) for v in value] == [item], (env, value)  # an MCP server is parsed
+            m.setenv(env, json.dumps([plain, plain]))  # several: a JSON list
+            assert len(getattr(load_settings(model, given), name)) == 2, env
+            m.setenv(env, "")
+            assert getattr(load_settings(model, given), name) == [], env
+            m.setenv(env, "[" + plain)
+            with pytest.raises(SettingsError, match=rf"{env}: starts with '\[' but is not a JSON list"):
+                load_settings(model, given)
+            assert getattr(load_settings(model, {**given, name: [plain]}), name) != [], env  # the flag wins

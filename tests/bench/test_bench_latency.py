@@ -185,6 +185,35 @@ def test_random_7b_refuses_the_cpu_without_allow_cpu(cli, capsys) -> None:
         load_models(None, random_7b=True, device=torch.device("cpu"), dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("verb", ["latency", "capacity"])
+def test_an_unknown_dtype_is_a_bad_setting(verb: str, tmp_path: Path) -> None:
+    """docs/BENCH.md: a setting is checked before anything runs, one line naming the flag, exit status 2;
+    `--dtype int8` exited 1."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CSPAN_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "bench", verb, "--checkpoint", "/nonexistent", "--dtype", "int8",
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"cspan bench {verb}: error: --dtype 'int8' is not a dtype; use one of bf16, fp16, fp32\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_timing_words_that_cannot_be_had_are_a_bad_setting() -> None:
+    from cspan.bench.errors import BenchSettingsError
+    from cspan.bench.qa import timing_source
+
+    with pytest.raises(BenchSettingsError, match="--timing-words asr needs a transcriber") as err:
+        timing_source("asr", None)
+    assert err.value.exit_code == 2
+    assert timing_source("auto", None) == "text" and timing_source("auto", object()) == "asr"
+
+
 def test_random_7b_is_built_on_meta_at_the_real_dimensions() -> None:
     from cspan.core.config import LMConfig
 

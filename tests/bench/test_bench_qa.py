@@ -177,11 +177,36 @@ def test_loader_errors(tmp_path: Path) -> None:
     with pytest.raises(BenchDataError, match="no question file"):
         load_qa_items(tmp_path, "webq")
     (tmp_path / "meta.json").write_text(json.dumps([{"id": 1, "text": "Q", "answer": "A"}, {"id": 1, "text": "Q"}]))
-    with pytest.raises(BenchDataError, match="no question or no answer"):
+    with pytest.raises(BenchDataError) as err:
         load_qa_items(tmp_path, "halueval")
+    assert str(err.value) == f"{tmp_path / 'meta.json'}: record 1 has no question or no answer (fields: ['id', 'text'])"
+    (tmp_path / "set.csv").write_text("question,answer\nQ?,\n")
+    with pytest.raises(BenchDataError, match=rf"^{tmp_path / 'set.csv'}: record 0 has no question or no answer"):
+        load_qa_items(tmp_path / "set.csv", "llamaq")
     (tmp_path / "meta.json").write_text(json.dumps([{"id": 1, "text": "Q", "answer": "A"}] * 2))
     with pytest.raises(BenchDataError, match="duplicate"):
         load_qa_items(tmp_path, "halueval")
+
+
+def test_a_record_without_an_answer_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """docs/BENCH.md: such records are "refused with the file and the record named"; the file was not named."""
+    import os
+    import sys
+
+    (tmp_path / "myset").mkdir()
+    (tmp_path / "myset" / "meta.json").write_text('[{"id":"q1","question":"a"}]')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CSPAN_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "bench", "qa", "--set", "halueval", "--data", "myset",
+         "--checkpoint", "/nonexistent", "--out", "out"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        "cspan bench qa: error: myset/meta.json: record 'q1' has no question or no answer (fields: ['id', "
+        "'question'])\n"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 @needs_espeak

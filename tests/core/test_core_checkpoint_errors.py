@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -226,8 +227,56 @@ def test_offline_without_cache_explains_fix(tmp_path: Path, monkeypatch) -> None
     assert "mindlogicinc/context-spanning-7b" in message and "HF_HUB_OFFLINE" in message
     assert "--checkpoint DIR" in message and "cspan model tiny DIR" in message
     assert str(tmp_path / "hf-home") in message
+    assert message.startswith("checkpoint repo"), message  # the default is a repo, never a mistyped path
     message = _error("someone/some-model")
     assert "someone/some-model" in message and "cspan model tiny DIR" in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [({}, "the Hub could not be reached"), ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set")],
+    ids=["unreachable", "offline"],
+)
+def test_a_mistyped_two_part_path_says_no_such_folder_exists(
+    tiny_checkpoint_dir: Path, tmp_path: Path, extra: dict[str, str], why: str
+) -> None:
+    """``--checkpoint trunp/export`` (meant: ``trump/export``, a folder) was reported as a Hugging Face Hub problem
+    only; ``./nope`` and ``nope/nope/nope`` said "does not exist". The message now says both: no such folder or file
+    here, and the Hub lookup that failed. The same for ``--base``."""
+    import numpy as np
+    import soundfile as sf
+
+    (tmp_path / "trump").mkdir()
+    sf.write(tmp_path / "q.wav", (0.1 * np.sin(np.arange(24000) / 10)).astype("float32"), 24000)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "CSPAN_"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2",
+               HF_HUB_DOWNLOAD_TIMEOUT="2", **extra)  # fmt: skip
+
+    def cspan(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "cspan.core.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+
+    io = ["--db", ":memory:", "--input-wav", "q.wav", "--output-wav", "o.wav", "--quiet"]
+    done = cspan("infer", "--checkpoint", "trunp/export", *io)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        f"cspan infer: error: no folder or file 'trunp/export' exists in {tmp_path} (the current directory), and "
+        f"checkpoint repo 'trunp/export' (revision main) is not in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}) "
+        f"and {why}; check the path, or pass a local checkpoint folder instead"
+    ), done.stderr
+    fine_tune = tmp_path / "ft"
+    fine_tune.mkdir()
+    torch.save({}, fine_tune / "x.pt")
+    done = cspan("infer", "--checkpoint", "ft/x.pt", "--base", "trunp/base", *io)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(
+        f"cspan infer: error: no folder or file 'trunp/base' exists in {tmp_path} (the current directory), and "
+        f"base repo 'trunp/base' (revision main) is not in the Hugging Face cache"
+    ), done.stderr
+    done = cspan("model", "info", str(tiny_checkpoint_dir))  # a real folder still loads, Hub or not
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("how", ["all", "one"])

@@ -120,6 +120,70 @@ def test_a_mistyped_flag_is_refused_with_the_closest_one_suggested(argv, prog, u
     assert not (tmp_path / "tiny").exists()
 
 
+_DOC = " (docs/COMING-FROM-MOSHI.md)"
+
+
+@pytest.mark.parametrize(
+    ("verb", "given", "answer"),
+    [
+        (
+            "infer",
+            ["--voice-prompt", "NATF2.pt"],
+            "--voice-prompt NATF2.pt; --voice-prompt is PersonaPlex's: here, --voice NAME|FILE|RECORDING (NATF2 for "
+            "NATF2.pt of the checkpoint's voices, a .pt voice file, or a 2-30 s recording)" + _DOC,
+        ),
+        ("infer", ["--greedy"], "--greedy; --greedy is PersonaPlex's: here, --temp 0 --temp-text 0" + _DOC),
+        (
+            "infer",
+            ["--topk-text", "25"],
+            "--topk-text 25; --topk-text is PersonaPlex's and has no counterpart here: top-k is fixed at upstream's "
+            "defaults, 250 for audio and 25 for text" + _DOC,
+        ),
+        (
+            "infer",
+            ["--temp-audio", "0.8"],
+            "--temp-audio 0.8; --temp-audio is PersonaPlex's: here, --temp TEMP (the audio temperature; --temp-text "
+            "is the text's)" + _DOC,
+        ),
+        (
+            "infer",
+            ["--hf-repo=nvidia/personaplex-7b-v1", "--quite"],
+            "--hf-repo=nvidia/personaplex-7b-v1 --quite; did you mean '--quiet'?; --hf-repo is Moshi's and "
+            "PersonaPlex's: here, --checkpoint REPO (a Hugging Face repo or a local folder)" + _DOC,
+        ),
+        (
+            "serve",
+            ["--gradio-tunnel"],
+            "--gradio-tunnel; --gradio-tunnel is Moshi's and PersonaPlex's and has no counterpart here: no tunnel: "
+            "serve with --ssl-certfile and --ssl-keyfile, or behind a reverse proxy" + _DOC,
+        ),
+    ],
+)
+def test_an_upstream_flag_is_answered_with_its_counterpart(verb: str, given: list[str], answer: str) -> None:
+    """A Moshi or PersonaPlex flag got a look-alike (`--voice-prompt`: "did you mean '--text-prompt'?", `--greedy`:
+    "'--seed'?", `--topk-text`: "'--temp-text'?") or nothing (`--temp-audio`): now its counterpart, or that it has
+    none (cspan.core.upstream.UPSTREAM_FLAGS, as docs/COMING-FROM-MOSHI.md's tables)."""
+    required = ["--input-wav", "q.wav", "--output-wav", "o.wav"] if verb == "infer" else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", verb, "--checkpoint", "/nonexistent", *required, *given],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == f"cspan {verb}: error: unrecognized arguments: {answer}", proc.stderr
+
+
+def test_an_upstream_flag_that_starts_two_of_ours_is_answered_too(capsys) -> None:
+    """Moshi's `--ssl DIR` is a prefix of `--ssl-certfile` and `--ssl-keyfile` (argparse: ambiguous option)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--ssl", "certs"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "cspan serve: error: ambiguous option: --ssl could match --ssl-certfile, --ssl-keyfile; --ssl is Moshi's and "
+        "PersonaPlex's: here, --ssl-certfile DIR/cert.pem --ssl-keyfile DIR/key.pem (https and wss; or a reverse "
+        "proxy in front)" + _DOC
+    )
+
+
 def test_a_verb_far_from_every_known_one_gets_no_suggestion(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["zzz"])

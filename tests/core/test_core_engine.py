@@ -208,6 +208,40 @@ def test_a_kv_dtype_that_is_no_cache_storage_is_refused(tiny_checkpoint) -> None
     assert engine.kv_dtype == torch.bfloat16 and engine.lm_state.transformer.cache.keys.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"agent_placeholder": [99999] * 8}, ValueError, "agent_placeholder[0] = 99999 is outside 0 .. 2047"),
+        ({"user_placeholder": [5, 6, 7, 8, 9, 10, 11, 2048]}, ValueError, "user_placeholder[7] = 2048 is outside 0 .."),
+        ({"agent_placeholder": [-1] * 8}, ValueError, "agent_placeholder[0] = -1 is outside 0 .. 2047"),
+        ({"agent_placeholder": [1, 2, 3]}, ValueError, "agent_placeholder must hold 8 Mimi codes (one per codebook"),
+        ({"user_placeholder": [1.5] * 8}, TypeError, "user_placeholder[0] is float 1.5; Mimi codes are ints"),
+        ({"agent_placeholder": "12345678"}, TypeError, "agent_placeholder is a sequence of 8 Mimi codes, got str"),
+        ({"predict_user": "no"}, TypeError, "predict_user is True or False, got str 'no'"),
+        ({"cuda_graphs": "no"}, TypeError, "cuda_graphs is True, False or None, got str 'no'"),
+        ({"fused": 0}, TypeError, "fused is True, False or None, got int 0"),
+    ],
+)
+def test_placeholders_and_switches_are_checked_at_construction(tiny_checkpoint, kwargs, error, message) -> None:
+    """``DuplexEngine(checkpoint, agent_placeholder=[99999] * 8)`` was accepted and failed at the first
+    ``set_persona`` ("frames[1, 20] = 99999 is outside -1 .. 2048"); ``predict_user="no"`` was read as True and
+    ``cuda_graphs="no"`` as a request for CUDA graphs. Each is refused when the engine is built, naming the
+    argument."""
+    with pytest.raises(error) as caught:
+        DuplexEngine(tiny_checkpoint, **kwargs)
+    assert str(caught.value).startswith(f"DuplexEngine: {message}"), caught.value
+
+
+def test_placeholders_in_range_are_taken_as_ints(tiny_checkpoint) -> None:
+    engine = DuplexEngine(
+        tiny_checkpoint, agent_placeholder=np.arange(8) + 2040, user_placeholder=torch.zeros(8, dtype=torch.int32)
+    )
+    assert engine.agent_placeholder == tuple(range(2040, 2048)) and engine.user_placeholder == (0,) * 8
+    assert all(type(c) is int for c in engine.agent_placeholder + engine.user_placeholder)
+    engine.set_persona(0, "You are kind.", "tiny0")  # the prefix's silence frames hold them
+    assert DuplexEngine(tiny_checkpoint, predict_user=np.bool_(False)).predict_user is False
+
+
 def test_a_seed_reproduces_a_conversation(tiny_checkpoint) -> None:
     pcm = _pcm(4, 1, seed=1)
     runs = []

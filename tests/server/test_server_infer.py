@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,43 @@ def test_given_span_is_injected_without_any_backend(tiny_checkpoint_dir, fixture
     spans = [e for e in result.output.events if e.type == "span"]
     assert [(s.text, s.source, s.frame) for s in spans] == [(text, "given", LEAD_FRAMES + 12)]
     assert list(result.conversation.span_reports[0].ids) == [12, *result.engine.tokenizer.encode(text), 13]
+
+
+def test_spans_and_forced_rets_from_the_environment_take_one_plain_value(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    """docs/OPERATORS.md: a repeatable flag's variable takes one value as it is (commas included), or a JSON list;
+    CSPAN_SPAN="0.5:From env" was refused with pydantic-settings' 'error parsing value for field "span"'."""
+    inp = fixtures_dir / "audio" / "greeting_24k.wav"
+    text = "From the environment, with a comma"
+
+    def run(**env: str) -> subprocess.CompletedProcess[str]:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("CSPAN_")}
+        return subprocess.run(
+            [sys.executable, "-m", "cspan.core.cli", "infer", "--input-wav", str(inp),
+             "--output-wav", str(tmp_path / "out.wav"), "--output-text", str(tmp_path / "out.json"),
+             "--checkpoint", str(tiny_checkpoint_dir), "--lead-silence", str(LEAD), "--tail-silence", str(TAIL),
+             "--device", "cpu", "--asr", "none", "--router", "none", "--db", ":memory:", "--quiet"],
+            capture_output=True, text=True, timeout=300, env={**clean, **env},
+        )  # fmt: skip
+
+    out = run(CSPAN_SPAN=f"1.0:{text}", CSPAN_FORCE_RET_AT="0.5")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["settings"]["span"] == [f"1.0:{text}"] and doc["settings"]["force_ret_at"] == [0.5]
+    spans = [(e["text"], e["source"], e["frame"]) for e in doc["events"] if e["type"] == "span"]
+    assert spans == [(text, "given", LEAD_FRAMES + 12)]
+    assert [e["forced"] for e in doc["events"] if e["type"] == "ret"][:1] == [True]
+
+    out = run(CSPAN_FORCE_RET_AT="[0.5, 1.5]")  # several: a JSON list
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "out.json").read_text())["settings"]["force_ret_at"] == [0.5, 1.5]
+
+    out = run(CSPAN_FORCE_RET_AT="0.5,1.5")  # not a list form: said so, with the form that is
+    assert out.returncode == 2
+    assert out.stderr == (
+        "cspan infer: error: --force-ret-at / CSPAN_FORCE_RET_AT: Input should be a valid number, unable to parse "
+        "string as a number (got '0.5,1.5'); several values are the flag repeated, or a JSON list in "
+        "CSPAN_FORCE_RET_AT: '[0.5, 1.5]'\n"
+    )
 
 
 def _strip_wall_clock(doc: dict) -> dict:

@@ -301,6 +301,49 @@ def test_resuming_with_other_encoding_settings_is_refused(
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.parametrize(
+    ("recorded", "expect"),
+    [
+        ({"prefix_layout": "personaplex"}, "was prepared with the 'personaplex' persona prefix layout, this "
+         "checkpoint uses 'context-spanning'"),
+        ({"tokenizer_sha256": "0" * 64}, f"was prepared with another tokenizer (sha256 {'0' * 64})"),
+        ({"codec_sha256": "f" * 64}, "was prepared with another codec (Mimi of "),
+        ({"card": 1024}, "was prepared with another codec; "),
+    ],
+    ids=["layout", "tokenizer", "codec", "card"],
+)  # fmt: skip
+def test_resuming_into_a_dataset_of_another_checkpoint_is_a_bad_setting(
+    recorded: dict, expect: str, prepared_dir: Path, espeak_dir: Path, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """`cspan prepare` into an --out-dir prepared with another persona prefix layout (or tokenizer, or codec) exited
+    with status 1, while resuming with another --persona or --max-span-frames exited 2. Every resume mismatch is a
+    setting that does not fit the --out-dir: exit status 2, one line naming the flag (--checkpoint), nothing
+    changed."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "copy"
+    shutil.copytree(prepared_dir, out)
+    info = json.loads((out / "dataset.json").read_text())
+    (out / "dataset.json").write_text(json.dumps({**info, **recorded}, indent=2) + "\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CSPAN_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out),
+         "--checkpoint", str(tiny_dir), "--device", "cpu", "--quiet"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"cspan prepare: error: --checkpoint {str(tiny_dir)!r}: {str(out)!r} {expect}"), (
+        done.stderr
+    )
+    assert (
+        done.stderr.endswith("; prepare into a new --out-dir, or delete the old one\n") and done.stderr.count("\n") == 1
+    ), done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 @pytest.mark.parametrize("verb", ["prepare", "train"])
 def test_help_states_each_default_once(verb: str, capsys) -> None:
     """`cspan prepare --help` showed '(4) (default: 4)': the help lines say their defaults, the formatter added them

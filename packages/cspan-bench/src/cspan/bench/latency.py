@@ -624,11 +624,11 @@ def load_models(
     the 7B (``LMConfig.personaplex_7b()``) and the real Mimi (``MimiConfig.mimi_24khz()``) with random weights.
 
     Raises:
-        BenchError: neither or both of ``checkpoint`` and ``random_7b``; ``random_7b`` on a CPU without
-            ``allow_cpu`` (it would need 16-32 GB of host memory and minutes per frame).
+        BenchSettingsError: neither or both of ``checkpoint`` and ``random_7b``. BenchError: ``random_7b`` on a CPU
+            without ``allow_cpu`` (it would need 16-32 GB of host memory and minutes per frame).
     """
     if (checkpoint is None) == (not random_7b):
-        raise BenchError("give exactly one of --checkpoint DIR and --random-7b")
+        raise BenchSettingsError("give exactly one of --checkpoint DIR and --random-7b")
     if random_7b:
         if device.type == "cpu" and not allow_cpu:
             raise BenchError(

@@ -52,7 +52,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from cspan.bench.answer_text import normalize_answer, numbers_in
-from cspan.bench.errors import BenchDataError, BenchError, JudgeError
+from cspan.bench.errors import BenchDataError, BenchError, BenchSettingsError, JudgeError
 from cspan.bench.qa_timing import PROMPT_VERSION as KEYWORD_PROMPT_VERSION
 from cspan.bench.qa_timing import AnswerTiming, TimedWord, measure, text_stream_words
 
@@ -164,11 +164,14 @@ _QUESTION_KEYS = ("question", "text", "sQuestion", "Question", "instruction", "p
 _ANSWER_KEYS = ("answers", "answer", "right_answer", "lSolutions", "Answer", "gold", "gold_answer", "label")
 
 
-def item_from_record(record: Mapping[str, Any], index: int, set_name: str) -> QAItem:
+def item_from_record(record: Mapping[str, Any], index: int, set_name: str, *, source: Path | None = None) -> QAItem:
     """Normalise one record of any supported format into a :class:`QAItem` (no audio yet).
 
+    Args:
+        source: the file the record comes from, named in the error.
+
     Raises:
-        BenchDataError: no question or no answer in the record.
+        BenchDataError: no question or no answer in the record (``FILE: record 'ID' ...`` with ``source``).
     """
     rid = next((record[k] for k in _ID_KEYS if record.get(k) not in (None, "")), index)
     if "Body" in record and "Question" in record:  # SVAMP: the body sets the scene, the question asks
@@ -186,7 +189,8 @@ def item_from_record(record: Mapping[str, Any], index: int, set_name: str) -> QA
     answers.extend(_as_list(record.get("aliases")))
     answers = _dedupe(answers)
     if not question.strip() or not answers:
-        raise BenchDataError(f"record {rid!r} has no question or no answer (fields: {sorted(record)[:12]})")
+        where = f"{source}: " if source is not None else ""
+        raise BenchDataError(f"{where}record {rid!r} has no question or no answer (fields: {sorted(record)[:12]})")
     knowledge = record.get("knowledge")
     return QAItem(
         id=str(rid),
@@ -256,7 +260,7 @@ def _csv_items(path: Path, set_name: str) -> list[tuple[QAItem, str | None]]:
         rid = next((row[k] for k in _ID_KEYS if row.get(k)), None)
         audio_name = row.get(audio_col) if audio_col else None
         record["id"] = rid if rid is not None else (Path(audio_name).stem if audio_name else index)
-        out.append((item_from_record(record, index, set_name), audio_name))
+        out.append((item_from_record(record, index, set_name, source=path), audio_name))
     return out
 
 
@@ -324,7 +328,7 @@ def load_qa_items(data: Path, set_name: str, *, limit: int | None = None) -> lis
         for index, record in enumerate(_read_records(path)):
             if not isinstance(record, Mapping):
                 raise BenchDataError(f"{path}: record {index} is not an object")
-            item = item_from_record(record, index, set_name)
+            item = item_from_record(record, index, set_name, source=path)
             item.audio = _audio_for(folder, item.id, record.get("audio") or record.get("audio_filename"))
             items.append(item)
     ids = [i.id for i in items]
@@ -820,14 +824,14 @@ def timing_source(setting: str, transcriber: Any) -> str:
     """``--timing-words`` -> ``"asr"`` or ``"text"`` (``auto``: ``asr`` when there is a transcriber).
 
     Raises:
-        BenchError: ``asr`` without a transcriber, or an unknown setting.
+        BenchSettingsError: ``asr`` without a transcriber, or an unknown setting (exit status 2).
     """
     if setting == "auto":
         return "asr" if transcriber is not None else "text"
     if setting == "asr" and transcriber is None:
-        raise BenchError("--timing-words asr needs a transcriber (--asr sphinx or a server URL)")
+        raise BenchSettingsError("--timing-words asr needs a transcriber (--asr sphinx or a server URL)")
     if setting not in ("asr", "text"):
-        raise BenchError(f"--timing-words {setting!r}: use auto, asr or text")
+        raise BenchSettingsError(f"--timing-words {setting!r}: use auto, asr or text")
     return setting
 
 

@@ -60,7 +60,7 @@ def parse_dtype(name: str | None, device: Any) -> Any:
     """A torch dtype from ``--dtype`` (``bf16``, ``fp16``, ``fp32``...); default bfloat16 on CUDA, float32 else.
 
     Raises:
-        BenchError: an unknown name.
+        BenchSettingsError: an unknown name (exit status 2).
     """
     import torch
 
@@ -68,7 +68,7 @@ def parse_dtype(name: str | None, device: Any) -> Any:
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     key = DTYPE_NAMES.get(name.lower())
     if key is None:
-        raise BenchError(f"--dtype {name!r} is not a dtype; use one of bf16, fp16, fp32")
+        raise BenchSettingsError(f"--dtype {name!r} is not a dtype; use one of bf16, fp16, fp32")
     return getattr(torch, key)
 
 
@@ -77,7 +77,7 @@ def pick_device(name: str | None = None, dtype: str | None = None) -> tuple[Any,
 
     Raises:
         SettingsError: a device torch does not know (:func:`cspan.core.devices.parse_device`). CspanError: CUDA
-            was asked for but is not available. BenchError: an unknown dtype.
+            was asked for but is not available. BenchSettingsError: an unknown dtype.
     """
     from cspan.core.devices import parse_device
 

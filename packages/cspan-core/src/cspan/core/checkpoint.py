@@ -1078,15 +1078,33 @@ def scan_voices(*dirs: Path | None) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], what: str, fix: str = _FIX_OFFLINE) -> Path:
+def _hub_snapshot(
+    repo_id: str,
+    revision: str | None,
+    patterns: list[str],
+    what: str,
+    fix: str = _FIX_OFFLINE,
+    *,
+    local: bool = False,
+) -> Path:
     """Download (or find in the cache) the files of ``repo_id`` matching ``patterns``; returns the snapshot folder.
 
     Honours ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` as read at call time. ``fix`` is what
-    the errors tell the user to do instead (a base's fix names ``--base``, not ``--checkpoint``).
+    the errors tell the user to do instead (a base's fix names ``--base``, not ``--checkpoint``). ``local``: the
+    user named ``repo_id`` (not a default), which could as well be a mistyped relative path (``trunp/export``): the
+    errors say first that no folder or file of that name exists in the current directory (the callers leave the
+    default checkpoint and base out).
 
     Raises:
         CheckpointError: offline without a cached copy, unreachable Hub, unknown or gated repo or revision.
     """
+    if local:
+        try:
+            return _hub_snapshot(repo_id, revision, patterns, what, fix)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"no folder or file {repo_id!r} exists in {Path.cwd()} (the current directory), and {exc}"
+            ) from None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -1260,7 +1278,7 @@ def _resolve_base(base: str | os.PathLike[str] | None) -> CheckpointFiles:
         raise CheckpointError(
             f"base {chosen!r} is neither a folder nor a Hub repo id; pass --base DIR or set {ENV_BASE}"
         )
-    folder = _hub_snapshot(chosen, None, _HUB_PATTERNS, "base repo", _FIX_BASE_OFFLINE)
+    folder = _hub_snapshot(chosen, None, _HUB_PATTERNS, "base repo", _FIX_BASE_OFFLINE, local=chosen != DEFAULT_BASE)
     if not (folder / LM_FILE).is_file():
         raise CheckpointError(f"base repo {chosen!r} has no {LM_FILE}; is it a Kyutai/PersonaPlex model repo?")
     return _base_files(folder, chosen)
@@ -1426,7 +1444,7 @@ def resolve_checkpoint(
         files.source = text
         return files
     if _is_repo_id(text):
-        return _repo_files(text, text, revision, base)
+        return _repo_files(text, text, revision, base, named=text != DEFAULT_REPO)
     raise CheckpointError(
         f"checkpoint {text!r}{origin} does not exist: it is not a file, not a folder and not a Hub repo id (owner/name); "
         f"check the path, or {_FIX_OFFLINE}"
@@ -1434,12 +1452,15 @@ def resolve_checkpoint(
 
 
 def _repo_files(
-    repo_id: str, source: str, revision: str | None, base: str | os.PathLike[str] | None
+    repo_id: str, source: str, revision: str | None, base: str | os.PathLike[str] | None, *, named: bool = False
 ) -> CheckpointFiles:
+    """The files of Hub repo ``repo_id``; ``named``: the user wrote it as a bare ``owner/name``, which may as well
+    be a mistyped local path (the errors say that none exists)."""
     patterns = list(_HUB_PATTERNS)
     if repo_id == DEFAULT_REPO:
         patterns = [CONFIG_FILE, DEFAULT_FINE_TUNE_FILE, f"{VOICES_DIR}/*.pt"]
-    folder = _hub_snapshot(repo_id, revision, patterns, "checkpoint repo")
+    fix = f"check the path, or {_FIX_OFFLINE}" if named else _FIX_OFFLINE
+    folder = _hub_snapshot(repo_id, revision, patterns, "checkpoint repo", fix, local=named)
     files = _folder_files(folder, source, base)
     return files
 

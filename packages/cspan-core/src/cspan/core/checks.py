@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 import torch
 
 from .constants import FRAME_SIZE, MAX_SEED, ZERO_TOKEN
@@ -67,6 +68,48 @@ def check_engine_options(batch_size: object, max_span_frames: object, max_block_
         raise ValueError(f"DuplexEngine: max_block_columns must be >= 1 or None, got {max_block_columns}")
     if max_span_frames < 3:  # type: ignore[operator]
         raise SpanError(f"max_span_frames is {max_span_frames}; it must be at least 3 (12, one token, 13)")
+
+
+def check_placeholders(placeholders: dict[str, object], num_codebooks: int, card: int) -> dict[str, tuple[int, ...]]:
+    """The engine's ``agent_placeholder`` and ``user_placeholder`` (name -> value) as tuples of Python ints: each
+    ``num_codebooks`` Mimi codes in 0 .. ``card`` - 1, else a TypeError / ValueError naming the argument. A code out
+    of range was accepted and failed only at the first ``set_persona`` ("frames[1, 20] = 99999 is outside -1 ..
+    2048"), or at the first span block; the agent's is also what Mimi decodes for a frame without agent codes."""
+    out = {}
+    for name, value in placeholders.items():
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise TypeError(
+                f"DuplexEngine: {name} is a sequence of {num_codebooks} Mimi codes, got {type(value).__name__}"
+            )
+        codes = []
+        for j, code in enumerate(value):  # type: ignore[attr-defined]
+            index = as_index(code)
+            if index is None:
+                raise TypeError(f"DuplexEngine: {name}[{j}] is {type(code).__name__} {code!r}; Mimi codes are ints")
+            if not 0 <= index < card:
+                raise ValueError(
+                    f"DuplexEngine: {name}[{j}] = {index} is outside 0 .. {card - 1} (the model's Mimi codes)"
+                )
+            codes.append(index)
+        if len(codes) != num_codebooks:
+            raise ValueError(
+                f"DuplexEngine: {name} must hold {num_codebooks} Mimi codes (one per codebook of the model), got "
+                f"{len(codes)}"
+            )
+        out[name] = tuple(codes)
+    return out
+
+
+def check_switches(switches: dict[str, object], optional: tuple[str, ...] = ()) -> None:
+    """The engine's on/off arguments (name -> value): True or False (numpy's bools too), or None for those named in
+    ``optional`` (None: decided by the device); else a TypeError naming the argument (``predict_user="no"`` read as
+    True, ``cuda_graphs="no"`` as a request for CUDA graphs)."""
+    for name, value in switches.items():
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, (bool, np.bool_)):
+            allowed = "True, False or None" if name in optional else "True or False"
+            raise TypeError(f"DuplexEngine: {name} is {allowed}, got {type(value).__name__} {value!r}")
 
 
 def check_tensor(where: str, t: object) -> torch.Tensor:

@@ -93,6 +93,7 @@ class _VersionAction(argparse.Action):
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
 _MISSING_VALUE = re.compile(r"^argument (\S+): expected one argument$")
 _UNRECOGNIZED = "unrecognized arguments: "
+_AMBIGUOUS = re.compile(r"^ambiguous option: (\S+) could match ")
 _NUMBER_LED = re.compile(r"^-(\.?\d|(inf|nan)(\W|$))", re.IGNORECASE)
 """A word that starts as a negative number does (``-1:hi``, ``-0.5s``, ``-inf:hi``)."""
 
@@ -116,18 +117,35 @@ class CspanParser(argparse.ArgumentParser):
 
     def _flag_suggestions(self, words: list[str]) -> str:
         """``"; did you mean '--output-text'?"`` for the unknown flags among ``words`` that are close to one of this
-        parser's (``--outptu-text``, ``--outptu-text=x.json``), as a mistyped verb is answered; ``""`` if none is."""
+        parser's (``--outptu-text``, ``--outptu-text=x.json``), as a mistyped verb is answered; ``""`` if none is.
+        A Moshi or PersonaPlex flag is answered by :meth:`_upstream_hints` instead, never with a look-alike
+        (``--voice-prompt`` is not ``--text-prompt``)."""
         flags = {f.lstrip("-"): f for a in self._actions if a.help != argparse.SUPPRESS for f in a.option_strings}
         pairs = []
         for word in words:
             typed = word.split("=", 1)[0]
-            if typed.startswith("-") and not _NUMBER_LED.match(typed):  # names compared without their dashes
-                close = difflib.get_close_matches(typed.lstrip("-"), flags, n=1)
+            if typed.startswith("-") and not _NUMBER_LED.match(typed) and not self._upstream_hints([typed]):
+                close = difflib.get_close_matches(typed.lstrip("-"), flags, n=1)  # compared without their dashes
                 if close:
                     pairs.append((typed, flags[close[0]]))
+        said = self._upstream_hints(words)
         if len(pairs) == 1:
-            return f"; did you mean {pairs[0][1]!r}?"
-        return "; did you mean " + ", ".join(f"{flag!r} for {typed}" for typed, flag in pairs) + "?" if pairs else ""
+            return f"; did you mean {pairs[0][1]!r}?{said}"
+        if pairs:
+            return "; did you mean " + ", ".join(f"{flag!r} for {typed}" for typed, flag in pairs) + "?" + said
+        return said
+
+    def _upstream_hints(self, words: list[str]) -> str:
+        """``"; --greedy is PersonaPlex's: here, --temp 0 --temp-text 0 (docs/COMING-FROM-MOSHI.md)"``: for each
+        Moshi or PersonaPlex flag among ``words`` that this verb answers (:data:`cspan.core.upstream.UPSTREAM_FLAGS`),
+        its counterpart and how to use it, or that it has none; ``""`` if there is no such flag."""
+        from .upstream import UPSTREAM_DOC, upstream_hint
+
+        options = set(self._option_string_actions)
+        verb = self.prog.removeprefix("cspan").strip()
+        hints = [upstream_hint(word.split("=", 1)[0], verb, options) for word in words if word.startswith("--")]
+        said = "".join(f"; {hint}" for hint in dict.fromkeys(h for h in hints if h is not None))
+        return f"{said} ({UPSTREAM_DOC})" if said else ""
 
     def _parse_optional(self, arg_string: str):  # type: ignore[no-untyped-def]
         if _NUMBER_LED.match(arg_string) and not self._has_negative_number_optionals:
@@ -143,6 +161,9 @@ class CspanParser(argparse.ArgumentParser):
                 message += f"; did you mean {close[0]!r}?"
         if message.startswith(_UNRECOGNIZED):
             message += self._flag_suggestions(message.removeprefix(_UNRECOGNIZED).split())
+        match = _AMBIGUOUS.match(message)
+        if match:  # an upstream flag that starts two of ours (Moshi's --ssl: --ssl-certfile, --ssl-keyfile)
+            message += self._upstream_hints([match.group(1)])
         match = _MISSING_VALUE.match(message)
         if match:
             flags = match.group(1).split("/")

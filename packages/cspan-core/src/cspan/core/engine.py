@@ -45,10 +45,12 @@ from .checks import (
     check_engine_options,
     check_frame_pcm,
     check_persona,
+    check_placeholders,
     check_prefix,
     check_seed,
     check_session,
     check_step_codes,
+    check_switches,
     check_voice,
     user_codes_needed,
 )
@@ -148,7 +150,8 @@ class DuplexEngine:
         seed: session i's sampling seed is ``seed + i``; None draws fresh seeds.
         mimi, tokenizer: used with a bare LM.
         agent_placeholder, user_placeholder: the audio codes of span blocks and prefix text/silence frames
-            (SILENCE / SINE; other values only for models with another codec vocabulary).
+            (SILENCE / SINE; other values only for models with another codec vocabulary): one Mimi code per
+            codebook, each in 0 .. card - 1, checked here (TypeError / ValueError naming the argument).
         cuda_graphs: replay the token step and the whole frame from CUDA graphs, one per static shape (None: on
             for CUDA unless ``NO_CUDA_GRAPH`` is set; True off CUDA raises ValueError).
         predict_user: sample the depformer's user-stream codebooks too (dep_q = 16 models; upstream PersonaPlex
@@ -192,10 +195,11 @@ class DuplexEngine:
     Raises:
         CheckpointError: the model is not a duplex model (K must be 1 + 2 * C streams).
         TypeError: ``checkpoint`` is neither a checkpoint nor an LM; a size (``batch_size``, ``max_span_frames``,
-            ``max_block_columns``) that is no int. ValueError: bad options (``batch_size`` < 1, sampling
+            ``max_block_columns``) that is no int; a switch (``predict_user``, ``cuda_graphs``, ``fused``) that is no
+            bool (or None); a placeholder code that is no int. ValueError: bad options (``batch_size`` < 1, sampling
             parameters: :meth:`cspan.core.sampling.SamplingParams.check`, ``kv_dtype``, ``persona_policy``,
             ``cuda_graphs=True`` off CUDA, ``fused=True`` where the kernels cannot run, a seed outside
-            0 .. 2**63 - B). SpanError: ``max_span_frames`` < 3.
+            0 .. 2**63 - B, a placeholder that is not C codes in 0 .. card - 1). SpanError: ``max_span_frames`` < 3.
     """
 
     def __init__(
@@ -221,6 +225,10 @@ class DuplexEngine:
         max_block_columns: int | None = None,
     ) -> None:
         check_engine_options(batch_size, max_span_frames, max_block_columns)
+        check_switches(
+            {"predict_user": predict_user, "cuda_graphs": cuda_graphs, "fused": fused},
+            optional=("cuda_graphs", "fused"),
+        )
         if hasattr(checkpoint, "lm") and hasattr(checkpoint, "mimi"):
             self.checkpoint, lm = checkpoint, checkpoint.lm
             mimi = mimi if mimi is not None else checkpoint.mimi
@@ -238,6 +246,9 @@ class DuplexEngine:
                 f"DuplexEngine needs a duplex model with 1 text + 2 x C audio streams; this LM has {K} streams "
                 "(n_q must be even: the agent's and the user's codebooks)"
             )
+        placeholders = check_placeholders(
+            {"agent_placeholder": agent_placeholder, "user_placeholder": user_placeholder}, C, lm.card
+        )
         self.lm, self.mimi, self.tokenizer = lm.eval(), mimi, tokenizer
         if mimi is not None:
             mimi.eval()
@@ -246,8 +257,8 @@ class DuplexEngine:
         self.num_streams, self.num_codebooks, self.dep_q = K, C, lm.dep_q
         self.user_rows = list(range(1 + C, 1 + 2 * C))
         self._stream_rows = [lm.cfg.text_card + 1] + [lm.card + 1] * (K - 1)  # each stream's embedding table
-        self.agent_placeholder = tuple(int(t) for t in agent_placeholder)
-        self.user_placeholder = tuple(int(t) for t in user_placeholder)
+        self.agent_placeholder = placeholders["agent_placeholder"]
+        self.user_placeholder = placeholders["user_placeholder"]
         self.max_span_frames = int(max_span_frames)
         text_card = lm.text_linear.out_features
         self.text_params = SamplingParams.text(temp_text, top_k_text).check("DuplexEngine: text", text_card)

@@ -258,6 +258,12 @@ def _credential_url(value: Any) -> bool:
     return isinstance(value, str) and "://" in value and _CREDENTIAL_URL.search(value) is not None
 
 
+def _json_item(text: str) -> str:
+    """``text`` as an item of a JSON list: a number as it is (``0.5``), anything else quoted (``"a"``)."""
+    text = text.strip()
+    return text if re.fullmatch(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", text) else json.dumps(text)
+
+
 def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str, str]) -> str:
     lines = []
     for err in exc.errors(include_url=False):
@@ -282,6 +288,10 @@ def _describe(model: type[BaseSettings], exc: ValidationError, sources: dict[str
         ):
             text = repr(given)
             shown = f" (got {text if len(text) <= 80 else text[:60] + '...' + f' ({len(str(given))} characters)'})"
+        if len(err["loc"]) == 2 and isinstance(given, str) and "," in given and err["type"] != "value_error":
+            # an item of a repeatable setting that is a type's parse error, such as CSPAN_FORCE_RET_AT=0.5,1.5
+            example = ", ".join(_json_item(part) for part in given.split(",")[:2])
+            shown += f"; several values are the flag repeated, or a JSON list in {_env(model, name)}: '[{example}]'"
         lines.append(f"{where}: {message}{shown}")
     return "; ".join(lines) or str(exc)
 

@@ -40,7 +40,7 @@ from pydantic import Field, field_validator
 
 from cspan.backends.urls import redact_url
 from cspan.core.constants import MAX_LISTEN_S
-from cspan.core.settings import add_settings_arguments, settings_from_args
+from cspan.core.settings import EnvList, add_settings_arguments, settings_from_args
 from cspan.server.settings_common import (
     DEFAULT_PERSONA,
     BackendSettings,
@@ -166,12 +166,12 @@ class InferSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     user_tz: str = Field(
         "", description="the user's IANA time zone, e.g. Europe/London (profile)", json_schema_extra=_CONV
     )
-    span: list[Utf8Text] = Field(
+    span: EnvList[Utf8Text] = Field(
         default_factory=list,
         description="inject TEXT as a Context Span at SECONDS of the input (no backend); repeatable",
         json_schema_extra={**_CONV, "metavar": "SECONDS:TEXT"},
     )
-    force_ret_at: list[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(
+    force_ret_at: EnvList[Annotated[float, Field(ge=0.0, allow_inf_nan=False)]] = Field(
         default_factory=list,
         description="behave as if the model emitted <ret> at SECONDS of the input; repeatable",
         json_schema_extra={**_CONV, "metavar": "SECONDS"},

@@ -56,7 +56,7 @@ from .dataset import (
     read_manifest,
     shard_problems,
 )
-from .errors import DataError
+from .errors import DataError, DatasetMismatchError
 from .schema import Dialogue, load_dialogue
 
 log = logging.getLogger(__name__)
@@ -676,8 +676,9 @@ def _write_dataset_info(out_dir: Path, info: dict[str, Any]) -> None:
     layout (older folders without the codec fingerprint: the same codebooks and card).
 
     Raises:
-        DataError: the folder was prepared with another tokenizer, codec or layout (names both).
-        SettingsError: it was prepared with other :data:`RECORDED_OPTIONS` (names the flag and both values).
+        DatasetMismatchError: the folder was prepared with another tokenizer, codec or layout (names
+            ``--checkpoint`` and both), or with other :data:`RECORDED_OPTIONS` (names the flag and both values); a
+            :class:`DataError` and a :class:`~cspan.core.errors.SettingsError` (exit status 2).
     """
     path = out_dir / DATASET_FILE
     if path.is_file():
@@ -688,26 +689,28 @@ def _write_dataset_info(out_dir: Path, info: dict[str, Any]) -> None:
         if not isinstance(old, dict):
             old = {}
         fix = "prepare into a new --out-dir, or delete the old one"
+        flag = f"--checkpoint {info['checkpoint']!r}"  # the tokenizer, the codec and the layout are the checkpoint's
         if old.get("tokenizer_sha256") not in (None, info["tokenizer_sha256"]):
-            raise DataError(
-                f"{str(out_dir)!r} was prepared with another tokenizer (sha256 {old.get('tokenizer_sha256')}); {fix}"
+            raise DatasetMismatchError(
+                f"{flag}: {str(out_dir)!r} was prepared with another tokenizer (sha256 {old.get('tokenizer_sha256')}); "
+                f"{fix}"
             )
         if old.get("num_codebooks") not in (None, info["num_codebooks"]) or old.get("card") not in (None, info["card"]):
-            raise DataError(f"{str(out_dir)!r} was prepared with another codec; {fix}")
+            raise DatasetMismatchError(f"{flag}: {str(out_dir)!r} was prepared with another codec; {fix}")
         if old.get("codec_sha256") not in (None, info["codec_sha256"]):
-            raise DataError(
-                f"{str(out_dir)!r} was prepared with another codec (Mimi of {old.get('checkpoint')!r}, fingerprint "
-                f"{str(old.get('codec_sha256'))[:12]}; this checkpoint's is {info['codec_sha256'][:12]}): its codes "
-                f"would mix two codecs; {fix}"
+            raise DatasetMismatchError(
+                f"{flag}: {str(out_dir)!r} was prepared with another codec (Mimi of {old.get('checkpoint')!r}, "
+                f"fingerprint {str(old.get('codec_sha256'))[:12]}; this checkpoint's is {info['codec_sha256'][:12]}): "
+                f"its codes would mix two codecs; {fix}"
             )
         if old.get("prefix_layout", info["prefix_layout"]) != info["prefix_layout"]:
-            raise DataError(
-                f"{str(out_dir)!r} was prepared with the {old.get('prefix_layout')!r} persona prefix layout, this "
-                f"checkpoint uses {info['prefix_layout']!r}; {fix}"
+            raise DatasetMismatchError(
+                f"{flag}: {str(out_dir)!r} was prepared with the {old.get('prefix_layout')!r} persona prefix layout, "
+                f"this checkpoint uses {info['prefix_layout']!r}; {fix}"
             )
         for key, flag in RECORDED_OPTIONS:
             if key in old and old[key] != info[key]:
-                raise SettingsError(
+                raise DatasetMismatchError(
                     f"{flag} {_shown(info[key])}: {str(out_dir)!r} was prepared with {flag} {_shown(old[key])}, and "
                     f"its dialogues must all be encoded alike; resume with that value, or {fix}"
                 )
@@ -835,7 +838,8 @@ def run_prepare(
         :class:`PrepareSummary`.
 
     Raises:
-        DataError: ``in_dir`` has no dialogue, or ``out_dir`` was prepared with another tokenizer.
+        DataError: ``in_dir`` has no dialogue. DatasetMismatchError: ``out_dir`` was prepared with another tokenizer,
+            codec, prefix layout or recorded option (exit status 2).
         SettingsError: ``out_dir`` is or lies inside ``in_dir`` or a folder of the checkpoint, or is a file the run
             reads (:func:`cspan.core.reads.check_outputs`).
         CheckpointError: the checkpoint lacks Mimi or the tokenizer.

@@ -13,6 +13,12 @@ class DataError(CspanError):
     """A dialogue (JSON + audio) or a prepared dataset is invalid; the message names the file and the field."""
 
 
+class DatasetMismatchError(DataError, SettingsError):
+    """A prepared ``--out-dir`` that the settings of the run do not fit: prepared with another tokenizer, codec or
+    persona prefix layout (the ``--checkpoint``'s) or another recorded option (``--persona``, ``--max-span-frames``,
+    ``--voice``). Names the flag and both values; exit status 2, as every setting that does not fit what it names."""
+
+
 class TrainError(CspanError):
     """A training run cannot start or resume (bad options, incompatible checkpoint or dataset)."""
 
@@ -22,4 +28,4 @@ class TrainSettingsError(TrainError, SettingsError):
     the flag and both values; exit status 2."""
 
 
-__all__ = ["DataError", "TrainError", "TrainSettingsError"]
+__all__ = ["DataError", "DatasetMismatchError", "TrainError", "TrainSettingsError"]

@@ -10,14 +10,35 @@ never reconfigure this server. ``CSPAN_ASR_TOKEN`` is still read for the token.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BeforeValidator, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["ASRServeSettings"]
+
+
+def _one_or_json_list(value: Any) -> Any:
+    """``cspan.core.settings.EnvList``'s rule, which this module cannot import: a list setting's environment variable
+    is a JSON list (``'["a", "b"]'``) or, otherwise, one value as it is; lists (flags, a settings file) pass."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"starts with '[' but is not a JSON list ({exc.msg}); give one value or a JSON list"
+            ) from None
+    return [value] if text else []
+
+
+_HostList = Annotated[list[str], NoDecode, BeforeValidator(_one_or_json_list)]
+"""A repeatable setting whose variable takes one value as it is, or a JSON list (``cspan.core.settings.EnvList``)."""
 
 
 class ASRServeSettings(BaseSettings):
@@ -58,7 +79,7 @@ class ASRServeSettings(BaseSettings):
         description="allow binding a non-loopback address, or answering a public --allowed-host name (behind a "
         "proxy), without --token (anyone who reaches the port can use it)",
     )
-    allowed_host: list[str] = Field(
+    allowed_host: _HostList = Field(
         default_factory=list,
         description="another Host name this server answers to (NAME or NAME:PORT, repeatable; '*' turns the check "
         "off); on a loopback bind only localhost, 127.0.0.1 and [::1] with the bound port are accepted otherwise "
