@@ -164,6 +164,7 @@ def test_matches_the_retriever_contract() -> None:
         "agent_said",
         "conversation_id",
         "deadline_s",
+        "after_span",
     ]
     assert inspect.iscoroutinefunction(Retriever.retrieve)
     assert set(SpanResult.model_fields) >= {

@@ -77,7 +77,7 @@ def test_prepare_refuses_to_resume_with_another_checkpoint(
     shutil.copytree(prepared_dir, out)
     before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     argv = ["prepare", "--in-dir", str(espeak_dir), "--out-dir", str(out), "--checkpoint", str(other)]
-    assert _run(*argv, "--device", "cpu", "--quiet") == 1
+    assert _run(*argv, "--device", "cpu", "--quiet") == 2  # a settings mismatch, as --persona's (TRAINING.md)
     err = capsys.readouterr().err
     assert expect in err and str(out) in err and "Traceback" not in err
     assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing changed
