@@ -123,6 +123,25 @@ async def test_only_speech_heard_after_the_confirmation_confirms(llm: StubLLM, w
     assert done.source == "tool:book_flight" and done.error is None, done.error
 
 
+async def test_a_confirmation_never_read_confirms_nothing(llm: StubLLM, world: ToolBank, tmp_path) -> None:
+    """A confirmation dropped before the model read it (late: the user never heard the question) leaves nothing
+    awaiting: the request read again, even as speech heard after some other span, is asked about again, not run
+    (was: the "yes" inside the request ran the action)."""
+    llm.reset(SEARCH, BOOK, BOOK)
+    with ContextDB(tmp_path / "ctx.sqlite") as db:
+        memory = db.user("ada")
+        async with LLMRouter(llm.url, "m", world) as router:
+            retriever = Retriever(None, router, memory)
+            await retriever.retrieve(question="find me a flight to Denver next month", conversation_id="c")
+            held = await retriever.retrieve(question="book it for Ada Lovelace yes do it", conversation_id="c")
+            assert held.source == "confirm:book_flight" and held.span_id is not None
+            memory.mark_span_dropped(held.span_id, "late")  # the runtime's late event, as cspan serve records it
+            again = await retriever.retrieve(
+                question="book it for Ada Lovelace yes do it", conversation_id="c", after_span=True
+            )
+    assert again.source == "confirm:book_flight", again.error  # asked (for the first time), not run
+
+
 async def test_benchmark_bank_runs_actions_at_once(llm: StubLLM) -> None:
     bank = ToolBank.fdb_v3()  # the benchmark's mock world: no confirmation step
     try:

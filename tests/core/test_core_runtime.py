@@ -642,3 +642,17 @@ def test_a_span_s_event_names_the_frame_whose_step_read_it(tiny_checkpoint):
     assert spans[0].n_frames > 20 and spans[0].n_frames + spans[1].n_frames > 40  # one a step
     ended = [(e.frame, e.error) for e in conv.events if isinstance(e, NoSpanEvent)]
     assert ended == [(7, "conversation ended")]  # the span of frame 7 was queued, its step never ran
+
+
+def test_a_window_that_cuts_into_an_utterance_was_heard_from_its_start():
+    """The <ret> at 60 finds no fresh final (the utterance 20..69 still runs): its 2 s window starts at 36, after the
+    span read at 30, but cuts into speech begun at 20, before it: ``after_span`` False (the tail of a request
+    is the request; was True: the window's start was taken)."""
+    engine, asr, ret = RecordingEngine(), FakeTranscriber("yes do it"), FakeRetriever()
+    conv = _conv(engine, voiced=range(20, 70), transcriber=asr, retriever=ret, listen_s=2.0, ret_wait_s=0.0)
+    conv.schedule_span(30, "The question was read here.")
+    _run(conv, engine, 90, ret_frames={60})
+    assert [e.frame for e in conv.events if isinstance(e, SpanEvent)] == [30]
+    window = [r for r in ret.requests if r.get("audio") is not None]
+    assert len(window) == 1 and len(window[0]["audio"]) == 25 * FRAME_SIZE
+    assert window[0]["after_span"] is False

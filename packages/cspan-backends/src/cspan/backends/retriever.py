@@ -342,7 +342,8 @@ class Retriever:
                     status="awaiting_confirmation" if s.source.startswith("confirm:") else "done",
                 )
                 for s in spans
-                if s.tool and s.text
+                # a confirmation dropped before it was read (late, cancelled) was never asked: nothing awaits it
+                if s.tool and s.text and not (s.source.startswith("confirm:") and s.dropped is not None)
             ][-self.history :]
             text = await memory.aworking_text(conversation_id, max_chars=self.context_chars, profile=profile)
             return text, history, profile

@@ -635,7 +635,12 @@ class Conversation:
         keep = round(self.config.listen_s * FRAME_RATE)
         end = self.frame + 1
         audio = self._user_audio(end - keep, end)
-        self._ask(audio=audio, heard_from=max(end - keep, self._audio_start))
+        start = max(end - keep, self._audio_start)
+        # speech the window cuts into was heard from its utterance's start (the tail of a request is the request)
+        for utt in (*self.utterances.finished, self.utterances.current):
+            if utt is not None and utt.start < start and (utt.end is None or utt.end > start):
+                start = utt.start
+        self._ask(audio=audio, heard_from=start)
 
     def _ask(self, *, heard_from: int, question: str | None = None, audio: np.ndarray | None = None) -> None:
         """Start the retrieval of the pending ``<ret>``, for ``question`` or ``audio`` heard from frame
