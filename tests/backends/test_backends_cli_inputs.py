@@ -68,6 +68,9 @@ def test_users_hash_refuses_binary_input(stdin: bytes) -> None:
 def test_users_hash_of_a_token() -> None:
     done = _cspan("users", "hash", stdin=b"abcdefghijklmnopqrstuvwxyz\n")
     assert done.returncode == 0 and len(done.stdout.strip()) > 16
+    for bad in (b"abc def ghi jkl mno p\n", b"abcdefghijklmnop/+==\n"):  # no WebSocket subprotocol carries them
+        done = _cspan("users", "hash", stdin=bad)
+        assert done.returncode == 2 and "16 to 256 characters of A-Z a-z 0-9 . _ ~ -" in _one_line(done)
 
 
 def test_a_database_url_we_do_not_speak_is_not_a_folder(tmp_path: Path) -> None:

@@ -60,7 +60,20 @@ scopes = ["session", "admin"]
     for body, message in [
         ('[[token]]\nuser = "a"\n', "exactly one of sha256"),
         ('[[token]]\nuser = "a"\nsha256 = "abc"\n', "64 hex digits"),
-        ('[[token]]\nuser = "a"\ntoken = "short"\n', "at least 16"),
+        ('[[token]]\nuser = "a"\ntoken = "short"\n', "16 to 256 characters of A-Z a-z 0-9"),
+        ('[[token]]\nuser = "a"\ntoken = "abc def ghi jkl mno p"\n', "16 to 256 characters of A-Z a-z 0-9"),
+        ('[[token]]\nuser = "a"\ntoken = "abcdefghijklmnop/+=="\n', "16 to 256 characters of A-Z a-z 0-9"),
+        # one credential for two users: the first always won, the second's user and scopes were never used
+        (
+            '[[token]]\nuser = "ada"\ntoken = "abcdefghijklmnop1234"\n'
+            '[[token]]\nuser = "bob"\ntoken = "abcdefghijklmnop1234"\nscopes = ["session", "admin"]\n',
+            r"\[\[token\]\] #2: the same credential as \[\[token\]\] #1",
+        ),
+        (
+            f'[[token]]\nuser = "ada"\nsha256 = "{hash_token("abcdefghijklmnop1234")}"\n'
+            '[[token]]\nuser = "bob"\ntoken = "abcdefghijklmnop1234"\n',
+            r"#2: the same credential as \[\[token\]\] #1",
+        ),
         ('[[token]]\nuser = "a"\ntoken = "0123456789abcdefg"\nscopes = ["god"]\n', "unknown scope"),
         ('[[token]]\ntoken = "0123456789abcdefg"\n', "user"),
         ("[[token]\n", "not valid TOML"),

@@ -175,3 +175,24 @@ def test_a_voice_that_is_not_there_is_one_line_naming_the_flag(pp_env, v1_dir: P
         assert code == 2, err
         assert err.startswith(f"cspan bench fdb-v1 run: error: {expect}") and err.count("\n") == 1, err
         assert "()" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_voice_file_changed_in_place_is_another_voice(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:
+    """The voice's record holds the SHA-256 of its file, so a resumed run whose voice file was replaced under the
+    same path renders again (was: the path alone was compared, and the old voice's samples were kept)."""
+    import hashlib
+
+    from cspan.bench.session import settings_key
+    from cspan.core.voice import CheckpointVoices, choose_voice
+
+    voices = {p.stem: p for p in (tiny_checkpoint_dir / "voices").glob("*.pt")}
+    checkpoint = CheckpointVoices(voices={}, archive_voices={}, lm_config=None, prefix_layout=None)
+    mine = tmp_path / "mine.pt"
+    keys = []
+    for name in ("tiny0", "tiny1"):
+        shutil.copy(voices[name], mine)
+        described = choose_voice(str(mine), checkpoint).describe()
+        assert described["voice_sha256"] == hashlib.sha256(mine.read_bytes()).hexdigest()
+        assert described["voice_file"] == str(mine)
+        keys.append(settings_key({"checkpoint": described}))
+    assert keys[0] != keys[1]

@@ -170,7 +170,7 @@ def _users_revoke(args: argparse.Namespace, db: Any) -> int:
 
 
 def _users_hash(args: argparse.Namespace) -> int:
-    from cspan.backends.identity import hash_token
+    from cspan.backends.identity import TOKEN_FILE_TOKEN, hash_token
 
     raw = sys.stdin.buffer.readline(4096)
     try:
@@ -182,8 +182,12 @@ def _users_hash(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if len(token) < 16 or not token.isprintable():
-        print("cspan users hash: error: write the token (16 characters or more) on standard input", file=sys.stderr)
+    if not TOKEN_FILE_TOKEN.fullmatch(token):
+        print(
+            "cspan users hash: error: write the token on standard input: 16 to 256 characters of A-Z a-z 0-9 . _ ~ - "
+            "(it may travel as a WebSocket subprotocol)",
+            file=sys.stderr,
+        )
         return 2
     print(hash_token(token))
     return 0

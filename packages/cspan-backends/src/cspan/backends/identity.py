@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import re
 import secrets
 import tomllib
 from collections.abc import Iterable
@@ -49,6 +50,10 @@ SCOPES: dict[str, str] = {
 
 DEFAULT_SCOPES: tuple[str, ...] = ("session",)
 """Scopes of a token when none are given."""
+
+TOKEN_FILE_TOKEN = re.compile(r"[A-Za-z0-9._~\-]{16,256}")
+"""A plain token a token file may hold (and ``cspan users hash`` takes): 16 to 256 characters of ``A-Z a-z 0-9 . _
+~ -``, the characters a token may have to travel as a WebSocket subprotocol (``cspan.token.<token>``)."""
 
 TOKEN_PREFIX = "cspan"
 MAX_CREDENTIAL_CHARS = 512
@@ -172,8 +177,12 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
         if ("token" in table) == ("sha256" in table):
             raise IdentityError(f'{where}: give exactly one of sha256 = "..." (preferred) or token = "..."')
         if "token" in table:
-            if not isinstance(table["token"], str) or len(table["token"]) < 16:
-                raise IdentityError(f"{where}: token must be a string of at least 16 characters")
+            if not isinstance(table["token"], str) or not TOKEN_FILE_TOKEN.fullmatch(table["token"]):
+                raise IdentityError(
+                    f"{where}: token must be a string of 16 to 256 characters of A-Z a-z 0-9 . _ ~ - (it may travel "
+                    'as a WebSocket subprotocol); generate one with: python -c "import secrets; '
+                    'print(secrets.token_urlsafe())"'
+                )
             digest = hash_token(table["token"])
         else:
             digest = str(table["sha256"]).strip().lower()
@@ -184,6 +193,9 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
             raise IdentityError(f'{where}: scopes must be a list such as ["session"]')
         chosen = check_scopes(scopes, where)
         principal = Principal(user_id=user, scopes=frozenset(chosen), source="token-file")
+        twin = next((k for k, e in enumerate(entries, start=1) if e.digest == bytes.fromhex(digest)), None)
+        if twin is not None:  # the first would always win: the second's user and scopes could never be used
+            raise IdentityError(f"{where}: the same credential as [[token]] #{twin}; give each entry its own token")
         entries.append(_FileEntry(bytes.fromhex(digest), principal))
     return entries
 

@@ -325,16 +325,39 @@ class ChosenVoice:
         return "recording" if is_recording(self.prompt.source) else self.prompt.kind
 
     def describe(self) -> dict[str, Any]:
-        """What an output records of it: ``{"voice", "voice_file", "voice_form", "voice_default"}``."""
+        """What an output records of it: ``{"voice", "voice_file", "voice_sha256", "voice_form", "voice_default"}``
+        (``voice_sha256``: the SHA-256 of the file's bytes, so that a voice file changed in place is another voice:
+        a resumed benchmark renders again)."""
         return {
             "voice": self.name,
             "voice_file": str(self.prompt.source),
+            "voice_sha256": _file_sha256(self.prompt.source),
             "voice_form": self.form,
             "voice_default": self.default,
         }
 
 
-NO_VOICE: dict[str, Any] = {"voice": None, "voice_file": None, "voice_form": None, "voice_default": False}
+def _file_sha256(path: Path) -> str | None:
+    """The SHA-256 of a file's bytes (hex), None when it cannot be read any more."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    try:
+        with Path(path).open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+NO_VOICE: dict[str, Any] = {
+    "voice": None,
+    "voice_file": None,
+    "voice_sha256": None,
+    "voice_form": None,
+    "voice_default": False,
+}
 """:meth:`ChosenVoice.describe` of a run without a voice prompt."""
 
 

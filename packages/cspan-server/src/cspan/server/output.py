@@ -69,6 +69,7 @@ class PersonaInfo(BaseModel):
         None, description="the voice that spoke: as --voice named it, or the default voice's name (None: no voice)"
     )
     voice_file: str | None = Field(None, description="the file it was read from")
+    voice_sha256: str | None = Field(None, description="the SHA-256 of that file's bytes")
     voice_form: str | None = Field(None, description="codes, embeddings (PersonaPlex's) or recording")
     voice_default: bool = Field(False, description="chosen because --voice was not given")
 
