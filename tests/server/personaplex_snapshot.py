@@ -6,32 +6,14 @@ layout (blobs, ``refs/main``, snapshot links) of ``nvidia/personaplex-7b-v1`` ho
 from __future__ import annotations
 
 import hashlib
-import io
-import tarfile
 from pathlib import Path
 from typing import Any
+
+from personaplex_folder import pt_bytes, tgz
 
 REPO = "nvidia/personaplex-7b-v1"
 NATF2_FRAMES = 12
 """Frames of the codes NATF2 is made from (its embeddings cover NATF2_FRAMES - 1 positions)."""
-
-
-def _tgz(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def _pt_bytes(obj: Any) -> bytes:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def fake_hub_repo(hf_home: Path, repo_id: str, files: dict[str, bytes]) -> Path:
@@ -59,11 +41,11 @@ def personaplex_snapshot(root: Path, tiny_dir: Path, tiny_checkpoint: Any, recor
 
     codes = tiny_checkpoint.load_voice("tiny1")[:, :NATF2_FRAMES]
     voices = {
-        "voices/NATF2.pt": _pt_bytes(voice_embeddings_form(codes, tiny_checkpoint.lm)),
+        "voices/NATF2.pt": pt_bytes(voice_embeddings_form(codes, tiny_checkpoint.lm)),
         "voices/NATM1.wav": recording.read_bytes(),
     }
     files = {name: (tiny_dir / name).read_bytes() for name in (LM_FILE, MIMI_FILE, TOKENIZER_FILE, "config.json")}
-    files["voices.tgz"] = _tgz(voices)
+    files["voices.tgz"] = tgz(voices)
     fake_hub_repo(root / "hf", REPO, files)
     env = {
         "HF_HOME": str(root / "hf"),
