@@ -100,8 +100,13 @@ def test_precedence_cli_env_file_default(tmp_path, monkeypatch: pytest.MonkeyPat
 def test_bad_settings_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "bad.toml"
     bad.write_text("port = [", encoding="utf-8")
-    with pytest.raises(SettingsError, match="not valid TOML"):
+    with pytest.raises(SettingsError, match="not valid TOML") as info:
         load_settings(DemoSettings, config=bad, verb="demo")
+    assert "config.json" not in str(info.value)
+    model_config = tmp_path / "config.json"  # Moshi's --config: the model's config, JSON
+    model_config.write_text('{"dim": 4096, "num_heads": 32}', encoding="utf-8")
+    with pytest.raises(SettingsError, match=r"not a model's config\.json .* given with --checkpoint"):
+        load_settings(DemoSettings, config=model_config, verb="demo")
     unknown = tmp_path / "unknown.toml"
     unknown.write_text("prot = 1\n", encoding="utf-8")
     with pytest.raises(SettingsError, match="unknown key 'prot'"):

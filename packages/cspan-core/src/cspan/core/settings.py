@@ -184,7 +184,13 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
     except OSError as exc:
         raise SettingsError(f"settings file {path} cannot be read: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SettingsError(f"settings file {path} is not valid TOML: {exc}") from None
+        hint = ""
+        if path.suffix.lower() == ".json":  # Moshi's --config is the model's config.json
+            hint = (
+                "; --config is cspan's TOML settings file, not a model's config.json (Moshi's --config): a checkpoint "
+                "folder or file holding config.json is given with --checkpoint (docs/COMING-FROM-MOSHI.md)"
+            )
+        raise SettingsError(f"settings file {path} is not valid TOML: {exc}{hint}") from None
     verbs = _verbs() | {verb}
     for key, value in data.items():
         if isinstance(value, dict) and key not in verbs and key.replace("-", "_") not in model.model_fields:
