@@ -95,7 +95,11 @@ def test_default_voice_is_infers_and_is_recorded(pp_env, tiny_checkpoint_dir: Pa
     import argparse
 
     from cspan.bench.run_commands import build_session_from
-    from cspan.server.infer import resolve_voice
+    from cspan.core.voice import choose_voice
+
+    def resolve_voice(checkpoint: Any, voice: str | None) -> Any:  # what cspan infer reads for --voice
+        chosen = choose_voice(voice, checkpoint)
+        return None if chosen is None else chosen.prompt
 
     def args(checkpoint: Path, **kw: Any) -> argparse.Namespace:
         base = {"checkpoint": str(checkpoint), "device": "cpu", "dtype": None, "temp": 0.8, "temp_text": 0.7}

@@ -21,7 +21,8 @@ from personaplex_snapshot import NATF2_FRAMES, REPO, personaplex_snapshot
 
 from cspan.core.cli import build_parser
 from cspan.core.settings import settings_from_args
-from cspan.server.infer import resolve_voice, run_infer
+from cspan.core.voice import choose_voice
+from cspan.server.infer import run_infer
 
 PROMPT = "You are Ada."
 
@@ -134,8 +135,8 @@ def test_cloned_voice_round_trips_through_voice_encode(
     mine = tmp_path / "mine.pt"
     done = _cli(capsys, "voice", "encode", str(greeting), str(mine), "--checkpoint", str(tiny_checkpoint_dir))
     assert done.returncode == 0, done.stderr
-    by_recording = resolve_voice(tiny_checkpoint, str(greeting))
-    by_file = resolve_voice(tiny_checkpoint, str(mine))
+    by_recording = choose_voice(str(greeting), tiny_checkpoint).prompt  # as --voice reads it
+    by_file = choose_voice(str(mine), tiny_checkpoint).prompt
     assert by_recording.kind == by_file.kind == "codes"
     assert torch.equal(by_recording.codes, by_file.codes) and by_file.codes.shape == (8, 46)
 

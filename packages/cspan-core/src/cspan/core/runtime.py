@@ -152,18 +152,11 @@ class _Final:
 
 @dataclass
 class _Unread:
-    """A Context Span queued in the engine and not read yet, with what its ``span`` event will say."""
+    """A Context Span queued in the engine and not read yet: the engine's report, and its ``span`` event as known
+    at injection (completed from the report, and moved to its frame, when a step reads it)."""
 
     report: Any
-    text: str
-    source: str | None
-    tool: str | None
-    arguments: dict[str, Any] | None
-    question: str | None
-    ret_frame: int | None
-    asked_at: float | None
-    backend_s: float | None
-    retrieval_id: int | None
+    event: SpanEvent
 
 
 @dataclass
@@ -395,15 +388,7 @@ class Conversation:
             self._drop_stream(utterance)
         await self._collect_transcripts(block=True)
         for unread in self._unread:  # queued, never read: the conversation ended first
-            self._emit(
-                NoSpanEvent(
-                    frame=self.frame,
-                    t=self.frame * FRAME_S,
-                    question=unread.question,
-                    error=CONVERSATION_ENDED,
-                    retrieval_id=unread.retrieval_id,
-                )
-            )
+            self._ended(unread.event.question, unread.event.retrieval_id)
         self._unread = []
         p = self._pending
         if p is not None:
@@ -416,19 +401,18 @@ class Conversation:
                 result = p.task.result()
                 if (getattr(result, "reference", None) or "").strip():
                     retrieval_id = getattr(result, "span_id", None)
-            self._emit(
-                NoSpanEvent(
-                    frame=self.frame,
-                    t=self.frame * FRAME_S,
-                    question=p.question,
-                    error=CONVERSATION_ENDED,
-                    retrieval_id=retrieval_id,
-                )
-            )
+            self._ended(p.question, retrieval_id)
             if running:
                 await asyncio.wait([p.task])
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _ended(self, question: str | None, retrieval_id: int | None) -> None:
+        """The ``no_span`` of a retrieval or span the end of the conversation cut (:data:`CONVERSATION_ENDED`)."""
+        f = self.frame
+        self._emit(
+            NoSpanEvent(frame=f, t=f * FRAME_S, question=question, error=CONVERSATION_ENDED, retrieval_id=retrieval_id)
+        )
+
     def _emit(self, event: ConversationEvent) -> None:
         if self.config.keep_history:
             self.events.append(event)
@@ -766,18 +750,24 @@ class Conversation:
             self._emit(ErrorEvent(frame=i, t=i * FRAME_S, stage="span", message=f"{type(exc).__name__}: {exc}"))
             return
         self.span_reports.append(report)
-        unread = _Unread(
-            report=report,
+        event = SpanEvent(
+            frame=i,
+            t=i * FRAME_S,
             text=text,
-            source=source,
             tool=tool,
             arguments=arguments,
+            source=source,
             question=question,
             ret_frame=ret_frame,
             asked_at=None if asked is None or asked.asked_frame is None else asked.asked_frame * FRAME_S,
+            injected_at=i * FRAME_S,
             backend_s=None if asked is None else asked.backend_s,
+            n_frames=0,  # from the report (with prefill_ms, deferred, truncated, prefix_in_window) when read
+            prefill_ms=0.0,
+            deferred=False,
             retrieval_id=retrieval_id,
         )
+        unread = _Unread(report, event)
         if self._span_reads is None:
             self._read(i, unread)
         else:
@@ -787,7 +777,7 @@ class Conversation:
         """After frame ``i``'s step: the ``span`` events of the spans it read (frame ``i``: read at its head), and
         an ``error`` (stage ``span``) for each the engine refused (an engine on another thread reports that on
         the span's report: ``error``)."""
-        if self._span_reads is None:
+        if self._span_reads is None or not self._unread:
             return
         read = {r.seq for r in self._span_reads(self.session)}
         waiting: list[_Unread] = []
@@ -806,24 +796,17 @@ class Conversation:
         report = unread.report
         self._last_span_frame = i
         self._emit(
-            SpanEvent(
-                frame=i,
-                t=i * FRAME_S,
-                text=unread.text,
-                tool=unread.tool,
-                arguments=unread.arguments,
-                source=unread.source,
-                question=unread.question,
-                ret_frame=unread.ret_frame,
-                asked_at=unread.asked_at,
-                injected_at=i * FRAME_S,
-                backend_s=unread.backend_s,
-                n_frames=int(report.n),
-                truncated=bool(getattr(report, "truncated", False)),
-                prefill_ms=float(getattr(report, "prefill_ms", 0.0)),
-                deferred=bool(getattr(report, "deferred", False)),
-                prefix_in_window=bool(getattr(report, "prefix_in_window", True)),
-                retrieval_id=unread.retrieval_id,
+            unread.event.model_copy(
+                update={
+                    "frame": i,
+                    "t": i * FRAME_S,
+                    "injected_at": i * FRAME_S,
+                    "n_frames": int(report.n),
+                    "truncated": bool(getattr(report, "truncated", False)),
+                    "prefill_ms": float(getattr(report, "prefill_ms", 0.0)),
+                    "deferred": bool(getattr(report, "deferred", False)),
+                    "prefix_in_window": bool(getattr(report, "prefix_in_window", True)),
+                }
             )
         )
 

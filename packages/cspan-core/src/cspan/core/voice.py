@@ -274,7 +274,10 @@ def voice_codes(voice: VoicePrompt, checkpoint: Checkpoint | CheckpointVoices | 
 
 
 def load_voice(
-    name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | CheckpointVoices | None = None
+    name_or_path: str | os.PathLike[str],
+    checkpoint: Checkpoint | CheckpointVoices | None = None,
+    *,
+    needed_by: str = "this",
 ) -> torch.Tensor:
     """The Mimi codes of a voice: ``{"codes": LongTensor[8, P]}``, or a recording encoded with the checkpoint's Mimi.
 
@@ -286,6 +289,7 @@ def load_voice(
     Args:
         name_or_path: see :func:`load_voice_prompt`.
         checkpoint: supplies the voice names, ``card`` and the Mimi codec (for recordings).
+        needed_by: what needs the codes, for the refusal of an embedding voice ("training").
 
     Returns:
         LongTensor [8, P] on CPU.
@@ -299,9 +303,10 @@ def load_voice(
     if codes is not None:
         return codes
     raise CheckpointError(
-        f"voice file {str(voice.source)!r} is a PersonaPlex voice (input embeddings and a token cache) without the "
-        "Mimi codes this needs; make a codes voice from the recording it was made from with `cspan voice encode "
-        "IN.wav OUT.pt` (or put that recording beside it, with the same name) and use that"
+        f"voice file {str(voice.source)!r} is a PersonaPlex voice in embeddings form only (input embeddings and a "
+        f"token cache), without the Mimi codes {needed_by} needs; make a codes voice from the recording it was made "
+        "from with `cspan voice encode IN.wav OUT.pt` (or put that recording beside it, with the same name) and use "
+        "that"
     )
 
 

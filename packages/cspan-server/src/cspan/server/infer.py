@@ -422,32 +422,6 @@ def open_context_db(settings: ContextDBSettings) -> Any:
         raise CspanError(f"--db {where}: cannot create the Context DB there: {cause}") from None
 
 
-def check_voice_path(voice: str | None) -> None:
-    """Refuse, before the model loads, a ``--voice`` path where no file is (:func:`cspan.core.voice.check_voice_path`).
-
-    Raises:
-        SettingsError: the message starts with ``--voice`` (exit status 2).
-    """
-    from cspan.core.voice import check_voice_path as check
-
-    check(voice)
-
-
-def resolve_voice(checkpoint: Any, voice: str | None) -> Any:
-    """The :class:`~cspan.core.voice.VoicePrompt` of ``--voice`` (None: no voice prompt), as
-    :func:`cspan.core.voice.choose_voice` finds and reads it for every verb: a voice name of the checkpoint (its
-    ``voices/`` or PersonaPlex's ``voices.tgz``), a ``.pt`` voice file (codes or PersonaPlex embeddings) or a
-    recording (encoded with the checkpoint's Mimi); the first voice of ``voices/`` by default, None when there is none.
-
-    Raises:
-        SettingsError: the voice cannot be found or read (the message starts with ``--voice``; exit status 2).
-    """
-    from cspan.core.voice import choose_voice
-
-    chosen = choose_voice(voice, checkpoint)
-    return None if chosen is None else chosen.prompt
-
-
 def checkpoint_identity(checkpoint: Any, device: Any, dtype: Any) -> dict[str, Any]:
     lm = checkpoint.lm
     return {
@@ -538,11 +512,12 @@ async def run_infer(
     from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
     from cspan.core.runtime import use_cpu_threads
+    from cspan.core.voice import check_voice_path
 
     s = settings
     # 1. before anything is loaded: the outputs' folders, the input, the free space, the device, the Context DB.
     check_outputs(infer_reads(s, config), s.outputs)
-    check_voice_path(s.voice)
+    check_voice_path(s.voice)  # a --voice path where no file is fails before the model loads
     info = inspect_audio(s.input_wav, channel=s.channel, max_seconds=s.max_seconds)
     if info.nonfinite:
         logger.warning("%s: %d NaN or infinite samples read as silence", s.input_wav, info.nonfinite)
@@ -637,7 +612,7 @@ async def _converse(
     )
     # what the load read, now that a Hub checkpoint is in the cache (before it, only a cached one was known)
     refuse_overwrites(s.outputs, infer_reads(s, config))
-    chosen = choose_voice(s.voice, checkpoint)  # what resolve_voice reads, with the name it was chosen by
+    chosen = choose_voice(s.voice, checkpoint)
     voice = None if chosen is None else chosen.prompt
     persona = {**persona_frames(checkpoint, s, voice), **describe_voice(chosen)}
     engine = DuplexEngine(

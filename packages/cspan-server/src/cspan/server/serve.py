@@ -179,7 +179,7 @@ def serve_command(parser: argparse.ArgumentParser) -> None:
 
 def _handle(args: argparse.Namespace) -> int:
     from cspan.core.settings import settings_from_args
-    from cspan.server.infer import check_voice_path
+    from cspan.core.voice import check_voice_path
 
     settings: ServeSettings = settings_from_args(args)
     check_voice_path(settings.voice)  # a --voice file that is not there fails before the model loads

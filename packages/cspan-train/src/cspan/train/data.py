@@ -331,9 +331,9 @@ def _check_times(dialogue: Dialogue, duration_s: float, where: str) -> None:
 class VoiceResolver:
     """The voice prompts of the dialogues: a file relative to the dialogue's folder, else a voice name of the
     checkpoint found as every verb finds ``--voice`` (:func:`cspan.core.voice.known_voice`: its ``voices/``,
-    PersonaPlex's ``voices.tgz``, ``$CSPAN_VOICES_DIR``; ``NAME.pt`` too), read as every verb reads it
-    (:func:`cspan.core.voice.load_voice_prompt`: codes, PersonaPlex embeddings, a recording encoded with the
-    checkpoint's Mimi), as Mimi codes: what the dataset holds (:func:`cspan.core.voice.voice_codes`).
+    PersonaPlex's ``voices.tgz``, ``$CSPAN_VOICES_DIR``; ``NAME.pt`` too), read as Mimi codes, what the dataset
+    holds (:func:`cspan.core.voice.load_voice`: a codes file, a recording encoded with the checkpoint's Mimi; a
+    PersonaPlex embedding voice only with its recording beside it).
 
     Args:
         checkpoint: the checkpoint's voices (:func:`cspan.core.checkpoint.checkpoint_voices`, with its Mimi).
@@ -389,20 +389,11 @@ class VoiceResolver:
             CspanError: the file is not a voice, or a PersonaPlex embedding voice without codes (names it and what
                 to do).
         """
-        from cspan.core.voice import load_voice_prompt, voice_codes
+        from cspan.core.voice import load_voice
 
         with self._lock:
             if path not in self._cache:
-                prompt = load_voice_prompt(path, self.checkpoint)
-                codes = voice_codes(prompt, self.checkpoint)
-                if codes is None:
-                    raise DataError(
-                        f"voice file {str(path)!r} is a PersonaPlex voice in embeddings form only, without the Mimi "
-                        "codes training needs; make a codes voice from the recording it was made from with `cspan "
-                        "voice encode IN.wav OUT.pt` (or put that recording beside it, with the same name) and name "
-                        "that file"
-                    )
-                self._cache[path] = codes
+                self._cache[path] = load_voice(path, self.checkpoint, needed_by="training")
             return self._cache[path]
 
 
