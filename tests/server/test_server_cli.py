@@ -160,7 +160,8 @@ def test_a_refused_token_is_not_echoed() -> None:
     from cspan.core.cli import build_parser
     from cspan.core.settings import SettingsError, settings_from_args
 
-    for token in ("short", "has spaces in it"):
+    for token in ("short", "has spaces in it", "x" * 257, "ünïcode-token"):
         with pytest.raises(SettingsError, match="--token / CSPAN_TOKEN: must be 8 to 256 characters") as err:
             settings_from_args(build_parser().parse_args(["serve", "--token", token]))
         assert token not in str(err.value)
+    assert settings_from_args(build_parser().parse_args(["serve", "--token", "A.b_c~d-e0"])).token == "A.b_c~d-e0"

@@ -20,7 +20,6 @@ from cspan.server.auth import (
     is_exposed,
     is_loopback_host,
     origin_allowed,
-    validate_token,
 )
 from cspan.server.protocol import (
     CLIENT_MESSAGE_TYPES,
@@ -231,10 +230,6 @@ async def test_token_checks() -> None:
     cred = CspanAdapter.credential(Connection("/ws", {"token": "q"}, {}, ("other",)))
     assert (cred.token, cred.subprotocol) == ("q", None)
     assert CspanAdapter.credential(Connection("/ws")).token is None
-    assert validate_token("A.b_c~d-e0") == "A.b_c~d-e0"
-    for bad in ("short", "has space123", "x" * 257, "ünïcode-token"):
-        with pytest.raises(ServeConfigError):
-            validate_token(bad)
 
 
 def test_bind_and_origin_rules() -> None:

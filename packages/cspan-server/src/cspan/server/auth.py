@@ -53,21 +53,6 @@ class UnsafeBindError(ServeConfigError):
     exit_code = 2
 
 
-def validate_token(token: str) -> str:
-    """Check a configured token's alphabet and length; returns it.
-
-    Raises:
-        ServeConfigError: the token is shorter than 8 characters or contains characters other than
-            ``A-Z a-z 0-9 . _ ~ -`` (generate one with ``python -c "import secrets; print(secrets.token_urlsafe())"``).
-    """
-    if not TOKEN_PATTERN.match(token):
-        raise ServeConfigError(
-            "--token / CSPAN_TOKEN must be 8 to 256 characters of A-Z a-z 0-9 . _ ~ - (it travels as a WebSocket "
-            'subprotocol); generate one with: python -c "import secrets; print(secrets.token_urlsafe())"'
-        )
-    return token
-
-
 def is_loopback_host(host: str) -> bool:
     """Whether ``host`` (a bind address or a host name) means this machine only.
 
@@ -364,5 +349,4 @@ __all__ = [
     "offered_subprotocols",
     "origin_allowed",
     "public_names",
-    "validate_token",
 ]
