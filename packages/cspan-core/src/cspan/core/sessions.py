@@ -362,7 +362,7 @@ class Sessions:
         persona = self.persona.get(row)
         if persona is None or persona.copy is None or self.context is None:
             return
-        q = self.position[row]
+        q = self.position[row] + (row in self.stepping)  # the position after the step under way, if any
         if q - persona.first < self.context:
             return
         self.blocks.setdefault(row, []).append(persona.copy)
