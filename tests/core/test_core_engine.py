@@ -132,7 +132,7 @@ def test_an_idle_session_keeps_its_state(tiny_checkpoint) -> None:
     engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=1)
     user = _user(5, 2, seed=2)
     engine.step_tokens(user[0])
-    engine.set_live(1, False)
+    engine.set_live(np.flatnonzero([False, True]), False)  # a numpy array of rows (was: "a session is an int index")
     offset = engine.lm_state.offset.clone()
     engine.inject_span(1, "It is sunny.")  # queued until the session is live again
     for t in (1, 2):
