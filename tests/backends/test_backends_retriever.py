@@ -19,6 +19,7 @@ from cspan.backends.asr import HTTPTranscriber
 from cspan.backends.context_db import ContextDB, Profile
 from cspan.backends.retriever import Retriever, SpanResult
 from cspan.backends.router import LLMRouter, LocalRouter
+from cspan.backends.router.base import RouteResult
 from cspan.backends.tools import ToolBank
 
 LONDON_NOTE = "# London\n\nLondon weather today: mild and cloudy, around 14 degrees, light rain in the evening.\n"
@@ -189,3 +190,28 @@ def test_public_names_import_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"torch": False, "core": False}
+
+
+async def test_a_reference_with_nothing_to_read_is_no_span(tmp_path) -> None:
+    """A router (any object with ``route``) whose answer is blank or only control / format characters: nothing is
+    left to inject, so the result has no reference and the span row is dropped ``no_span`` (was: reference "" and a
+    row neither injected nor dropped, which nothing would ever mark)."""
+
+    class Blank:
+        def __init__(self, answer: str) -> None:
+            self.answer = answer
+
+        async def route(self, req):
+            return RouteResult(reference=self.answer, source="llm")
+
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    memory = db.user("ada")
+    for answer in ("   ", "\x00\x1b\u200b\u202e", "\u2028"):
+        res = await Retriever(None, Blank(answer), memory).retrieve(question="is it open", conversation_id="c")
+        assert res.reference is None and res.error is None and res.source == "llm"
+    kept = await Retriever(None, Blank("Open\x00 at\u200b nine."), memory).retrieve(
+        question="when", conversation_id="c"
+    )
+    assert kept.reference == "Open at nine."
+    assert [(s.text, s.dropped) for s in memory.spans("c")] == [(None, "no_span")] * 3 + [("Open at nine.", None)]
+    db.close()

@@ -132,7 +132,7 @@ def test_an_idle_session_keeps_its_state(tiny_checkpoint) -> None:
     engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=1)
     user = _user(5, 2, seed=2)
     engine.step_tokens(user[0])
-    engine.set_live(1, False)
+    engine.set_live(np.flatnonzero([False, True]), False)  # a numpy array of rows (was: "a session is an int index")
     offset = engine.lm_state.offset.clone()
     engine.inject_span(1, "It is sunny.")  # queued until the session is live again
     for t in (1, 2):
@@ -754,6 +754,43 @@ def test_a_reset_while_a_step_runs_takes_effect_at_the_next_step(tiny_checkpoint
 
     (frames, positions), (clean_frames, clean_positions) = run(True), run(False)
     assert positions == clean_positions == [4, positions[1]]
+    assert torch.equal(frames, clean_frames)
+
+
+def test_a_span_injected_while_a_step_runs_reports_where_it_is_read(tiny_checkpoint) -> None:
+    """``inject_span`` from another thread, landing after the step took its head and before it recorded the
+    position it fed: the span is read by the next step, after that position, and its report says so (was:
+    ``first_position`` and ``next_position`` one less, the position the running step fed, while ``take_span_reads``
+    gave the true one). The session equals one given the span right after that step."""
+
+    def run(race: bool) -> tuple[SpanReport, list[SpanRead], torch.Tensor, list[int]]:
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=3)
+        engine.set_persona(0, "You are kind.", "tiny0")
+        engine.set_persona(1, "Hi.", "tiny1")
+        pcm, frames, reports = _pcm(6, 2, seed=2), [], []
+        for t in range(3):
+            frames.append(engine.step(pcm[t]).tokens.frame)
+        advance = engine.sessions.advance
+        if race:  # the other thread's span lands between the step's take and its advance
+
+            def inject_then_advance(rows):
+                reports.append(engine.inject_span(1, "It is sunny."))
+                advance(rows)
+
+            engine.sessions.advance = inject_then_advance
+        frames.append(engine.step(pcm[3]).tokens.frame)
+        engine.sessions.advance = advance
+        if not race:
+            reports.append(engine.inject_span(1, "It is sunny."))
+        for t in range(4, 6):
+            frames.append(engine.step(pcm[t]).tokens.frame)
+        return reports[0], engine.take_span_reads(1), torch.stack(frames), engine.positions
+
+    (report, reads, frames, positions), (clean, clean_reads, clean_frames, clean_positions) = run(True), run(False)
+    assert (report.first_position, report.next_position) == (clean.first_position, clean.next_position)
+    assert report.window_positions_left == clean.window_positions_left
+    assert reads == clean_reads == [SpanRead(report.seq, report.first_position, report.n)]
+    assert positions == clean_positions and positions[1] == report.next_position + 2
     assert torch.equal(frames, clean_frames)
 
 

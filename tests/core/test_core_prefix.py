@@ -21,6 +21,13 @@ def test_persona_text() -> None:
     )
     assert persona_text(None, user_city="Seoul") == "<system> The user is in Seoul. <system>"
     assert persona_text("", user_name=" ") == ""
+    # control characters are spaces, as when tokenised: none of these is a prompt, a name or a city (was: a
+    # "<system> \x00 <system>" prompt of system tags around nothing, and "The user's name is \x1b.")
+    assert persona_text("\x00\x00", user_name="\x1b", user_city="\x7f") == ""
+    assert (
+        persona_text("You\tare\x00kind.", user_name="\x08Ada")
+        == "<system> You are kind. The user's name is Ada. <system>"
+    )
 
 
 def test_prefix_frame_layout() -> None:

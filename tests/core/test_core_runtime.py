@@ -656,3 +656,29 @@ def test_a_window_that_cuts_into_an_utterance_was_heard_from_its_start():
     window = [r for r in ret.requests if r.get("audio") is not None]
     assert len(window) == 1 and len(window[0]["audio"]) == 25 * FRAME_SIZE
     assert window[0]["after_span"] is False
+
+
+def test_run_conversation_drives_its_own_row_of_a_batched_engine(tiny_checkpoint):
+    """``run_conversation`` on session 1 of a two-session engine: the other row is given silence, and session 1
+    hears the frames and says (and plays, to rounding) what the same session does alone in a one-session engine
+    (was: every step was given [1, 1920] PCM, which an engine of two sessions refuses)."""
+    from cspan.core.engine import DuplexEngine
+    from cspan.core.runtime import run_conversation
+
+    frames = [0.1 * np.random.default_rng(k).standard_normal(FRAME_SIZE).astype(np.float32) for k in range(8)]
+    runs = []
+    for batch, row in ((2, 1), (1, 0)):
+        engine = DuplexEngine(tiny_checkpoint, batch_size=batch, seed=7 - row)  # session `row` has seed 7
+        engine.set_persona(row, "You are a test.")
+        conv = Conversation(
+            engine, row, tokenizer=tiny_checkpoint.tokenizer, config=ConversationConfig(span_delay_s=0.8)
+        )
+        conv.schedule_span(3, "The answer is four.")
+        agent = np.zeros((len(frames), FRAME_SIZE), dtype=np.float32)
+        asyncio.run(run_conversation(engine, conv, frames, on_frame=lambda k, _u, a, out=agent: out.__setitem__(k, a)))
+        spans = [(e.frame, e.n_frames) for e in conv.events if isinstance(e, SpanEvent)]
+        runs.append((conv.agent_text(), agent, spans, engine.positions[row]))
+    (text, pcm, spans, position), alone = runs
+    assert spans == alone[2] == [(3, spans[0][1])] and spans[0][1] > 3
+    assert text and text == alone[0] and position == alone[3] > len(frames)
+    np.testing.assert_allclose(pcm, alone[1], atol=1e-5)  # the codec's batched convolutions round apart

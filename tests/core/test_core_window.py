@@ -22,7 +22,7 @@ from cspan.core.engine import DuplexEngine
 from cspan.core.modules.rope import apply_rope
 from cspan.core.prefix import prefix_block
 from cspan.core.span import ContextSpan
-from cspan.core.window import reprefix_block, rope_rotate
+from cspan.core.window import WindowEvent, reprefix_block, rope_rotate
 
 AGENT_PH = [t % 64 for t in SILENCE_TOKENS]
 USER_PH = [t % 64 for t in SINE_TOKENS]
@@ -205,6 +205,41 @@ def test_reprefix_block_is_the_prefix_without_its_start_column() -> None:
     assert torch.equal(first[[0, 1, 9]], frames[[0, 1, 9], 0])
     assert first[2:9].tolist() == AGENT_PH[1:] and first[10:].tolist() == USER_PH[1:]
     assert torch.equal(copy.embeddings, emb[1:])  # positions 1 .. E - 1
+
+
+def test_a_span_queued_while_a_step_runs_places_the_copy_where_it_is_read() -> None:
+    """``reprefix``, window 16, prefix of 3 frames: a 6-column span queued for the session while its step feeding
+    position 10 runs (another thread) is read after position 10, at 11..16, so the copy it makes due starts at 17,
+    as when the span comes right after that step (was: 16, the position the running step fed)."""
+    from cspan.core.sampling import SamplingParams, SessionSampling
+    from cspan.core.sessions import Persona, Sessions
+    from cspan.core.span import Block
+
+    delays = [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]
+    prefix = prefix_block(torch.zeros(17, 3, dtype=torch.long), delays, [100] + [64] * 16)
+    copy = reprefix_block(prefix, delays, AGENT_PH, USER_PH)
+    span = Block(torch.zeros(17, 6, dtype=torch.long), span_seq=0)
+
+    def run(race: bool) -> tuple[list, list[int], list]:
+        sampling = SessionSampling(SamplingParams.text(0.7, 25), SamplingParams.audio(0.8, 250))
+        sessions = Sessions([1], sampling, context=16)
+        sessions.reset([0], [1], prefix, Persona("reprefix", sinks=4, copy=copy))
+        while sessions.position[0] < 10:
+            sessions.take(), sessions.advance([0])
+        head = sessions.take()  # the step feeding position 10 is under way
+        assert head.positions == [10]
+        first = sessions.queue(0, span) if race else None
+        sessions.advance([0])
+        if not race:
+            first = sessions.queue(0, span)
+        reads = (sessions.take(), sessions.take_span_reads(0))[1]
+        return [first, *reads], sessions.position, sessions.take_window_events(0)
+
+    raced, clean = run(True), run(False)
+    assert raced == clean
+    (first, read), position, events = clean
+    assert first == read.first_position == 11 and events == [WindowEvent("reprefix", 17, copy.n)]
+    assert position == [17 + copy.n]
 
 
 # -- the policies against the reference, window of 16 ----------------------------------------------------------------

@@ -237,13 +237,14 @@ class Retriever:
             )
             raise
         if route is not None and not res.late:
-            # one line without control or format characters, whatever router made it (tool output already is)
-            res.reference = sanitize_text(route.reference, MAX_REFERENCE_CHARS) if route.reference else route.reference
+            # one line without control or format characters, whatever router made it (tool output already is);
+            # nothing left of it (blank, or only such characters) is no reference: the row is dropped "no_span"
+            res.reference = (sanitize_text(route.reference, MAX_REFERENCE_CHARS) or None) if route.reference else None
             res.tool = route.tool
             res.arguments = dict(route.arguments)
             res.source = route.source
             res.llm_s, res.tool_s = route.llm_s, route.tool_s
-            if route.reference is None and route.error:
+            if res.reference is None and route.error:
                 res.error = route.error
                 res.stage = "tool" if route.tool else "router"
                 log.warning("%s failed for %r: %s", res.stage, res.question, res.error)

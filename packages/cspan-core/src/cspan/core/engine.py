@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from .attention import FlashInferDecode
@@ -337,14 +338,15 @@ class DuplexEngine:
         """Mark sessions live (stepped) or idle (not stepped: no compute, no KV reads; their outputs are invalid,
         their model state and queue stay as they are). Every session starts live. Mimi's streaming state moves on
         for idle rows (the frame encodes the PCM passed for them and decodes silence): pass zeros, and a resumed
-        session continues as after a silent pause. ``rows``: a session index, or a sequence or 1-D tensor of them.
+        session continues as after a silent pause. ``rows``: a session index, or a sequence, 1-D tensor or 1-D numpy
+        array of them.
 
         Raises:
             IndexError, TypeError: a row that is no session, or ``live`` not a bool (then no row is changed).
         """
         if not isinstance(live, bool):
             raise TypeError(f"set_live: live is True or False, got {type(live).__name__} {live!r}")
-        many = isinstance(rows, Sequence) or (isinstance(rows, torch.Tensor) and rows.dim() == 1)
+        many = isinstance(rows, Sequence) or (isinstance(rows, (torch.Tensor, np.ndarray)) and rows.ndim == 1)
         # every row checked before any is changed
         chosen = [check_session(i, self.batch_size, "set_live") for i in (rows if many else [rows])]
         for i in chosen:

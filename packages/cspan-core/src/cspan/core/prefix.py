@@ -53,7 +53,7 @@ from .constants import NUM_CODEBOOKS, PAD, SILENCE_TOKENS, SINE_TOKENS
 from .errors import CheckpointError
 from .span import Block
 from .streams import delay_tokens
-from .text import encode_text
+from .text import clean_text, encode_text
 
 if TYPE_CHECKING:
     from .voice import VoicePrompt
@@ -65,12 +65,11 @@ def persona_text(text_prompt: str | None, user_name: str | None = None, user_cit
     """The text of the prompt frames: ``"<system> {prompt}[ The user's name is X.][ The user is in Y.] <system>"``.
 
     A prompt already wrapped in ``<system> ... <system>`` is kept as it is (stripped) when there is no name or city,
-    as PersonaPlex's ``wrap_with_system_tags`` (moshi/offline.py) does, and unwrapped first otherwise. Returns ""
-    when there is no prompt, name or city (no text frames).
+    as PersonaPlex's ``wrap_with_system_tags`` (moshi/offline.py) does, and unwrapped first otherwise. Control
+    characters are read as spaces (:func:`cspan.core.text.clean_text`), so the result is the text tokenised. Returns
+    "" when there is no prompt, name or city (no text frames), also when they hold nothing but such characters.
     """
-    body = (text_prompt or "").strip()
-    name = (user_name or "").strip()
-    city = (user_city or "").strip()
+    body, name, city = (clean_text(value or "").strip() for value in (text_prompt, user_name, user_city))
     wrapped = len(body) >= 2 * len(SYSTEM_TAG) and body.startswith(SYSTEM_TAG) and body.endswith(SYSTEM_TAG)
     if wrapped and not name and not city:
         return body

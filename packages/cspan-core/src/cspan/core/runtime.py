@@ -856,21 +856,23 @@ async def run_conversation(
     realtime: bool = False,
     on_frame: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
 ) -> None:
-    """Drive one session through ``frames`` (float32 ``[1920]`` each) on the 12.5 Hz clock.
+    """Drive one session (``conversation.session``) through ``frames`` (float32 ``[1920]`` each) on the 12.5 Hz clock.
 
-    For each frame: ``before_step`` -> ``engine.step`` -> ``after_step`` -> ``on_frame(index, user, agent)``.
+    For each frame: ``before_step`` -> ``engine.step`` -> ``after_step`` -> ``on_frame(index, user, agent)``. The
+    engine's other sessions (``engine.batch_size`` > 1) are given silence in those steps.
     With ``realtime`` the loop paces itself to 80 ms per frame; otherwise it runs as fast as it can.
     """
     import torch
 
     t0 = time.monotonic()
     i = conversation.session
+    pcm = torch.zeros(getattr(engine, "batch_size", 1), FRAME_SIZE)
     for k, user in enumerate(frames):
         user = np.asarray(user, dtype=np.float32)
         if user.shape != (FRAME_SIZE,):
             raise ValueError(f"frame {k}: expected {FRAME_SIZE} samples, got shape {user.shape}")
         await conversation.before_step(user)
-        pcm = torch.from_numpy(user)[None]
+        pcm[i] = torch.from_numpy(user)
         out = await asyncio.to_thread(engine.step, pcm)  # the event loop keeps serving backend tasks meanwhile
         valid = bool(out.valid[i])
         token = int(out.text_token[i]) if valid else None

@@ -138,6 +138,8 @@ class Sessions:
         sampling_changed: rows whose sampling parameters the device state does not have yet.
         window_events: row -> what its persona policy did since the last :meth:`take_window_events`.
         span_reads: row -> the Context Spans its steps read since the last :meth:`take_span_reads`.
+        stepping: the rows of the step under way (taken its head, not advanced yet): each feeds its pending position
+            in that step, so a block queued for one of them meanwhile starts a position later.
         version: counts the changes of what the next step reads (every reset, sampling change, queued block, live
             flag, taken head and step): a head :meth:`peek` read stays the next step's while it is unchanged.
         max_block_columns: the step's budget of block columns (None: no limit). A step takes the queued Context
@@ -172,6 +174,7 @@ class Sessions:
         self.span_reads: dict[int, collections.deque[SpanRead]] = {}
         self.max_block_columns = max_block_columns
         self.waiting: list[int] = []  # rows whose spans the budget held back, oldest first
+        self.stepping: set[int] = set()
         self.version = 0
         self.lock = threading.Lock()
 
@@ -199,6 +202,7 @@ class Sessions:
                     self.sampling_changed.add(row)
                 self.seeds[row] = fresh_seed() if seed is None else int(seed)
                 self.restarts[row] = Restart(self.seeds[row], prefix)
+                self.stepping.discard(row)  # the step under way no longer moves it (advance)
                 self.blocks.pop(row, None)
                 self.after_prefix.pop(row, None)
                 self.window_events.pop(row, None)
@@ -234,7 +238,7 @@ class Sessions:
                 first = self.position[row] + 1 + sum(blk.n for blk in waiting)
                 waiting.append(block)
                 return first
-            first = self.position[row]
+            first = self.position[row] + (row in self.stepping)  # a step under way feeds the pending position
             self.blocks.setdefault(row, []).append(block)
             self.position[row] += block.n
             self._keep_persona(row)
@@ -279,6 +283,7 @@ class Sessions:
                 self._note_reads(i, taken)
             self.blocks, self.waiting = left, waiting
             self.sampling_changed.clear()
+            self.stepping = set(rows)
             self.version += 1
         text_top_k = [self.sampling[i].text.top_k for i in rows]
         return StepHead(rows, restarts, blocks, sampling, pins, text_top_k, positions, version)
@@ -340,6 +345,7 @@ class Sessions:
         the step took its restarts, so a restart queued now came after it."""
         with self.lock:
             self.version += 1
+            self.stepping = set()
             for row in rows:
                 if row in self.restarts:
                     continue
@@ -356,7 +362,7 @@ class Sessions:
         persona = self.persona.get(row)
         if persona is None or persona.copy is None or self.context is None:
             return
-        q = self.position[row]
+        q = self.position[row] + (row in self.stepping)  # the position after the step under way, if any
         if q - persona.first < self.context:
             return
         self.blocks.setdefault(row, []).append(persona.copy)
