@@ -687,37 +687,43 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total, ratio))
 
     def _check_data(self) -> None:
+        """Refuse a dataset whose codes or text ids this checkpoint does not read (another codec, tokenizer or
+        vocabulary): a :class:`TrainSettingsError` naming ``--checkpoint`` and ``--data-dir`` (exit status 2)."""
         from .data import codec_fingerprint, file_sha256
 
         info = self.dataset.info
         lm = self.lm
-        where = f"dataset {str(self.cfg.data_dir)!r}"
+        where = (
+            f"--checkpoint {self.ckpt.source!r} does not fit --data-dir {str(self.cfg.data_dir)!r}, prepared from "
+            f"{info.get('checkpoint')!r}"
+        )
+        fix = "prepare the data with this checkpoint (cspan prepare --checkpoint ...) or train the one it was prepared from"
         if int(info.get("card", lm.card)) != lm.card or 2 * int(info.get("num_codebooks", 8)) + 1 != lm.num_codebooks:
-            raise TrainError(
-                f"{where} was encoded with {info.get('num_codebooks')} codebooks of {info.get('card')} codes, the "
-                f"model reads {lm.n_q} streams of {lm.card}; prepare the data with this checkpoint's codec"
+            raise TrainSettingsError(
+                f"{where}: its codes are {info.get('num_codebooks')} codebooks of {info.get('card')} codes, the model "
+                f"reads {lm.n_q} streams of {lm.card}; {fix}"
             )
         files = self.ckpt.files
         recorded = info.get("codec_sha256")
         if recorded is not None and "mimi" in files:
             mine = codec_fingerprint(Path(files["mimi"]), self.ckpt.mimi_config)
             if recorded != mine:
-                raise TrainError(
-                    f"{where} was encoded with another codec (Mimi fingerprint {recorded[:12]}, prepared from "
-                    f"{info.get('checkpoint')!r}) than this checkpoint's ({mine[:12]}, {self.ckpt.source!r}): its "
-                    "codes mean other sounds to this model; prepare the data with this checkpoint (cspan prepare "
-                    "--checkpoint ...)"
+                raise TrainSettingsError(
+                    f"{where}: it was encoded with another codec (Mimi fingerprint {recorded[:12]}, this checkpoint's "
+                    f"{mine[:12]}), so its codes mean other sounds to this model; {fix}"
                 )
         recorded = info.get("tokenizer_sha256")
-        if recorded is not None and "tokenizer" in files and recorded != file_sha256(Path(files["tokenizer"])):
-            raise TrainError(
-                f"{where} was tokenised with another tokenizer (sha256 {recorded[:12]}) than this checkpoint's; prepare "
-                "the data with this checkpoint (cspan prepare --checkpoint ...)"
-            )
+        if recorded is not None and "tokenizer" in files:
+            mine = file_sha256(Path(files["tokenizer"]))
+            if recorded != mine:
+                raise TrainSettingsError(
+                    f"{where}: it was tokenised with another tokenizer (sha256 {recorded[:12]}, this checkpoint's "
+                    f"{mine[:12]}); {fix}"
+                )
         if int(info.get("text_vocab", 0)) > lm.text_card:
-            raise TrainError(
-                f"{where} was tokenised with a {info.get('text_vocab')}-piece vocabulary, larger than the model's "
-                f"text_card {lm.text_card}; prepare it with this checkpoint's tokenizer"
+            raise TrainSettingsError(
+                f"{where}: it was tokenised with a {info.get('text_vocab')}-piece vocabulary, larger than the model's "
+                f"text_card {lm.text_card}; {fix}"
             )
         ctx = lm.cfg.context
         if ctx is not None and self.cfg.context > ctx:
