@@ -14,6 +14,7 @@ import torch
 
 from cspan.core.checkpoint import load_checkpoint
 from cspan.core.cli import main
+from cspan.core.files import default_mode
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +64,8 @@ def other_layout(tmp_path_factory, tiny_dir: Path) -> Path:
 def test_dataset_records_codec_and_layout(prepared_dir: Path) -> None:
     info = json.loads((prepared_dir / "dataset.json").read_text())
     assert len(info["codec_sha256"]) == 64 and info["prefix_layout"] == "context-spanning"
+    shards = list((prepared_dir / "shards").iterdir())  # ordinary permissions, not mkstemp's 0600
+    assert shards and {p.stat().st_mode & 0o777 for p in shards} == {default_mode()}
 
 
 @pytest.mark.parametrize(
@@ -130,6 +133,7 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
     assert _run("train", "--out-dir", str(tmp_path / "b"), *args, *lora, "--export-format", "moshi") == 0
     export = tmp_path / "b" / "export"
     assert sorted(p.name for p in export.iterdir() if p.is_file()) == ["config.json", "export.json", "lora.safetensors"]
+    assert (export / "lora.safetensors").stat().st_mode & 0o777 == default_mode()  # safetensors writes 0600
     config = json.loads((export / "config.json").read_text())
     assert config["lora"] is True and config["lora_rank"] == 4 and config["lora_scaling"] == 2.0
     from safetensors.torch import load_file
@@ -148,6 +152,15 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
     for other in outs[1:]:
         torch.testing.assert_close(other.text_logits, outs[0].text_logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(other.logits.nan_to_num(), outs[0].logits.nan_to_num(), atol=1e-5, rtol=0)
+    # Exported again in the other format (a finished run, rerun): the other format's files go, so the folder loads
+    # what export.json says (lora.safetensors was loaded over a newer context_spanning.pt)
+    assert _run("train", "--out-dir", str(tmp_path / "b"), *args, *lora, "--export-dtype", "bfloat16") == 0
+    assert sorted(p.name for p in export.iterdir() if p.is_file()) == ["context_spanning.pt", "export.json"]
+    again = load_checkpoint(export, dtype=torch.float32)
+    assert again.files["fine_tune"].name == "context_spanning.pt" and "format" not in again.lora
+    assert torch.load(export / "context_spanning.pt")["model"]["linears.1.lora_A"].dtype == torch.bfloat16
+    assert _run("train", "--out-dir", str(tmp_path / "b"), *args, *lora, "--export-format", "moshi") == 0
+    assert sorted(p.name for p in export.iterdir() if p.is_file()) == ["config.json", "export.json", "lora.safetensors"]
     # the moshi format needs adapters: a bad setting (exit status 2)
     assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 2
     assert "--lora-rank" in capsys.readouterr().err

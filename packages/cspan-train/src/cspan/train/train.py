@@ -53,6 +53,7 @@ from cspan.core.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
 from cspan.core.checkpoint import EXPORT_INFO, MOSHI_LORA_FILE, checkpoint_reads
 from cspan.core.config import CONTEXT_SPANNING
 from cspan.core.errors import SettingsError
+from cspan.core.files import atomic_file, write_text_atomic
 from cspan.core.reads import Reads, check_outputs
 
 from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
@@ -902,15 +903,19 @@ class Trainer:
                 value = value.detach().cpu()
                 state[name] = value.to(dtype) if value.is_floating_point() else value
             out.mkdir(parents=True, exist_ok=True)
+            # An export of the other format (an earlier invocation's --export-format) goes: load_checkpoint takes
+            # lora.safetensors over context_spanning.pt, so a stale one would be loaded instead of this export.
+            stale = (EXPORT_FILE,) if self.cfg.export_format == "moshi" else (MOSHI_LORA_FILE, MODEL_CONFIG_FILE)
+            for name in stale:
+                (out / name).unlink(missing_ok=True)
             if self.cfg.export_format == "moshi":
                 self._write_moshi(out, state, spec)
             else:
                 payload: dict[str, Any] = {"model": state}
                 if spec is not None:
                     payload["lora"] = spec
-                tmp = out / f".{EXPORT_FILE}.part"
-                torch.save(payload, tmp)
-                os.replace(tmp, out / EXPORT_FILE)
+                with atomic_file(out / EXPORT_FILE) as tmp:
+                    torch.save(payload, tmp)
             if self.ckpt.voices:
                 (out / "voices").mkdir(exist_ok=True)
                 for name, path in sorted(self.ckpt.voices.items()):
@@ -935,7 +940,7 @@ class Trainer:
                 "dtype": str(dtype).removeprefix("torch."),
                 "load": "cspan infer --checkpoint " + str(out.resolve()),
             }
-            (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+            write_text_atomic(out / EXPORT_INFO, json.dumps(info, indent=2) + "\n")
         self.dist.barrier()
         return out
 
@@ -951,10 +956,9 @@ class Trainer:
         config = self.ckpt.lm_config.to_upstream()
         config.update(lora=True, lora_rank=r, lora_scaling=scaling)
         config["prefix_layout"] = self.dataset.info.get("prefix_layout", CONTEXT_SPANNING.name)
-        tmp = out / f".{MOSHI_LORA_FILE}.part"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / MOSHI_LORA_FILE)
-        (out / MODEL_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        with atomic_file(out / MOSHI_LORA_FILE) as tmp:  # published with ordinary permissions (safetensors: 0600)
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        write_text_atomic(out / MODEL_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
 
