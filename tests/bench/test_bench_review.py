@@ -90,6 +90,31 @@ def test_qa_out_over_the_data_and_a_dead_backend_are_refused_before_any_work(tmp
     ]
 
 
+def test_a_bad_icc_gt_is_refused_before_the_model_loads(v1_dir: Path, tmp_path: Path, cli, capsys) -> None:
+    """`fdb-v1 run --icc-gt` naming no file rendered every sample, then stopped with "X is missing" (exit 1, the flag
+    unnamed); a ground truth with a non-number in it was a ValueError traceback (run and score)."""
+    from cspan.bench import fdb_v1
+    from cspan.bench.errors import BenchDataError
+
+    (tmp_path / "words.json").write_text('{"0": [0.5, "a"]}')
+    (tmp_path / "nan.json").write_text('{"0": [0.5, NaN]}')
+    (tmp_path / "text.json").write_text('{"0": "12"}')
+    out = tmp_path / "o"
+    run = ["bench", "fdb-v1", "run", "--data", str(v1_dir), "--checkpoint", str(tmp_path / "no-model")]
+    for name, why in [("missing.json", "is missing"), *((n, "lists of finite numbers") for n in ("words.json",
+                      "nan.json", "text.json"))]:  # fmt: skip
+        gt = tmp_path / name
+        assert cli(*run, "--out", str(out), "--icc-gt", str(gt)) == 2  # a setting, before the checkpoint is read
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--icc-gt {gt}: {gt}" in err and why in err, err
+        assert not out.exists()
+        if name != "missing.json":
+            with pytest.raises(BenchDataError, match="lists of finite numbers"):
+                fdb_v1.load_icc_gt(gt)
+    good = fdb_v1.load_icc_gt(v1_dir / "icc_gt_distribution.json")  # the benchmark's own file reads as before
+    assert len(good["0"]) == 115 and good["0"][0] == pytest.approx(0.008097165991916766)
+
+
 def test_a_broken_example_stops_a_run_before_its_first_item(v1_copy: Path, tmp_path: Path, cli, capsys) -> None:
     """A corrupt input.wav in the second example stopped `fdb-v1 run` after the first was rendered (no summary), and
     a missing question audio stopped `qa` after q1: every input is checked before anything renders."""

@@ -14,6 +14,7 @@ import torch
 
 from cspan.core.checkpoint import load_checkpoint
 from cspan.core.cli import main
+from cspan.core.files import default_mode
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +64,8 @@ def other_layout(tmp_path_factory, tiny_dir: Path) -> Path:
 def test_dataset_records_codec_and_layout(prepared_dir: Path) -> None:
     info = json.loads((prepared_dir / "dataset.json").read_text())
     assert len(info["codec_sha256"]) == 64 and info["prefix_layout"] == "context-spanning"
+    shards = list((prepared_dir / "shards").iterdir())  # ordinary permissions, not mkstemp's 0600
+    assert shards and {p.stat().st_mode & 0o777 for p in shards} == {default_mode()}
 
 
 @pytest.mark.parametrize(
@@ -88,10 +91,12 @@ def test_train_refuses_another_checkpoints_codes(request, which: str, expect: st
     other = request.getfixturevalue(which)
     out = tmp_path / "run"
     argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(out), "--checkpoint", str(other), *COMMON]
-    assert _run(*argv, *ONE_STEP) == 1
+    assert _run(*argv, *ONE_STEP) == 2  # a setting that does not fit the dataset, as prepare's (TRAINING.md)
     err = capsys.readouterr().err
-    assert expect in err and "cspan prepare" in err and "Traceback" not in err
-    assert not (out / "metrics.jsonl").exists()
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"--checkpoint {str(other)!r} does not fit --data-dir {str(prepared_dir)!r}, prepared from " in err
+    assert expect in err and "cspan prepare --checkpoint" in err
+    assert not out.exists()  # nothing written
 
 
 @pytest.mark.parametrize("spelling", ["{name}", "./{name}", "sub/../{name}"])
@@ -128,6 +133,7 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
     assert _run("train", "--out-dir", str(tmp_path / "b"), *args, *lora, "--export-format", "moshi") == 0
     export = tmp_path / "b" / "export"
     assert sorted(p.name for p in export.iterdir() if p.is_file()) == ["config.json", "export.json", "lora.safetensors"]
+    assert (export / "lora.safetensors").stat().st_mode & 0o777 == default_mode()  # safetensors writes 0600
     config = json.loads((export / "config.json").read_text())
     assert config["lora"] is True and config["lora_rank"] == 4 and config["lora_scaling"] == 2.0
     from safetensors.torch import load_file
@@ -146,6 +152,15 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
     for other in outs[1:]:
         torch.testing.assert_close(other.text_logits, outs[0].text_logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(other.logits.nan_to_num(), outs[0].logits.nan_to_num(), atol=1e-5, rtol=0)
+    # Exported again in the other format (a finished run, rerun): the other format's files go, so the folder loads
+    # what export.json says (lora.safetensors was loaded over a newer context_spanning.pt)
+    assert _run("train", "--out-dir", str(tmp_path / "b"), *args, *lora, "--export-dtype", "bfloat16") == 0
+    assert sorted(p.name for p in export.iterdir() if p.is_file()) == ["context_spanning.pt", "export.json"]
+    again = load_checkpoint(export, dtype=torch.float32)
+    assert again.files["fine_tune"].name == "context_spanning.pt" and "format" not in again.lora
+    assert torch.load(export / "context_spanning.pt")["model"]["linears.1.lora_A"].dtype == torch.bfloat16
+    assert _run("train", "--out-dir", str(tmp_path / "b"), *args, *lora, "--export-format", "moshi") == 0
+    assert sorted(p.name for p in export.iterdir() if p.is_file()) == ["config.json", "export.json", "lora.safetensors"]
     # the moshi format needs adapters: a bad setting (exit status 2)
     assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 2
     assert "--lora-rank" in capsys.readouterr().err

@@ -570,9 +570,14 @@ def read_interrupt(path: Path) -> InterruptInfo:
 def load_icc_gt(path: Path) -> dict[str, list[float]]:
     """Read ``icc_gt_distribution.json``: ``{"0": [floats...], ..., "54": [...]}`` (one distribution per sample ID)."""
     data = _read_json(path)
-    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
-        raise BenchDataError(f"{path}: expected an object mapping sample IDs to lists of numbers")
-    return {str(k): [float(x) for x in v] for k, v in data.items()}
+    if isinstance(data, dict) and all(isinstance(v, list) for v in data.values()):
+        try:
+            gt = {str(k): [float(x) for x in v] for k, v in data.items()}
+            if all(math.isfinite(x) for v in gt.values() for x in v):
+                return gt
+        except (TypeError, ValueError):  # an item that is not a number
+            pass
+    raise BenchDataError(f"{path}: expected an object mapping sample IDs to lists of finite numbers")
 
 
 def _sort_key(name: str) -> tuple[int, int, str]:

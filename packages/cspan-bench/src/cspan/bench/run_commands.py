@@ -742,9 +742,16 @@ def register_fdb_v1_run(sub: Any) -> None:
 
 
 def _find_icc_gt(arg: Path | None, data: Path, tasks: Any) -> Path | None:
-    from cspan.bench.fdb_v1 import ICC_GT_JSON, TaskKind
+    """The backchannel ground truth: ``--icc-gt`` (read now, before the model loads and the samples render: a
+    :class:`BenchSettingsError` naming it when it is missing or not the ground truth), else looked up in DATA."""
+    from cspan.bench.errors import BenchDataError, BenchSettingsError
+    from cspan.bench.fdb_v1 import ICC_GT_JSON, TaskKind, load_icc_gt
 
     if arg is not None:
+        try:
+            load_icc_gt(arg)
+        except BenchDataError as exc:
+            raise BenchSettingsError(f"--icc-gt {arg}: {exc}") from None
         return arg
     if not any(t.kind is TaskKind.BACKCHANNEL for t in tasks):
         return None

@@ -33,7 +33,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -559,15 +558,10 @@ class ShardWriter:
             return
         from safetensors.torch import save_file
 
-        path = self.root / self.records[0].shard
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(self.tensors, tmp, metadata={"format": DATASET_FORMAT})
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        from cspan.core.files import atomic_file
+
+        with atomic_file(self.root / self.records[0].shard) as tmp:  # published with ordinary permissions
+            save_file(self.tensors, str(tmp), metadata={"format": DATASET_FORMAT})
         with (self.root / MANIFEST_FILE).open("a", encoding="utf-8") as fh:
             for rec in self.records:
                 fh.write(json.dumps(rec.to_json(), ensure_ascii=False) + "\n")

@@ -53,6 +53,7 @@ from cspan.core.checkpoint import CONFIG_FILE as MODEL_CONFIG_FILE
 from cspan.core.checkpoint import EXPORT_INFO, MOSHI_LORA_FILE, checkpoint_reads
 from cspan.core.config import CONTEXT_SPANNING
 from cspan.core.errors import SettingsError
+from cspan.core.files import atomic_file, write_text_atomic
 from cspan.core.reads import Reads, check_outputs
 
 from .dataset import PreparedDataset, SamplerConfig, SequenceSampler, TrainingSequence, collate
@@ -687,37 +688,43 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total, ratio))
 
     def _check_data(self) -> None:
+        """Refuse a dataset whose codes or text ids this checkpoint does not read (another codec, tokenizer or
+        vocabulary): a :class:`TrainSettingsError` naming ``--checkpoint`` and ``--data-dir`` (exit status 2)."""
         from .data import codec_fingerprint, file_sha256
 
         info = self.dataset.info
         lm = self.lm
-        where = f"dataset {str(self.cfg.data_dir)!r}"
+        where = (
+            f"--checkpoint {self.ckpt.source!r} does not fit --data-dir {str(self.cfg.data_dir)!r}, prepared from "
+            f"{info.get('checkpoint')!r}"
+        )
+        fix = "prepare the data with this checkpoint (cspan prepare --checkpoint ...) or train the one it was prepared from"
         if int(info.get("card", lm.card)) != lm.card or 2 * int(info.get("num_codebooks", 8)) + 1 != lm.num_codebooks:
-            raise TrainError(
-                f"{where} was encoded with {info.get('num_codebooks')} codebooks of {info.get('card')} codes, the "
-                f"model reads {lm.n_q} streams of {lm.card}; prepare the data with this checkpoint's codec"
+            raise TrainSettingsError(
+                f"{where}: its codes are {info.get('num_codebooks')} codebooks of {info.get('card')} codes, the model "
+                f"reads {lm.n_q} streams of {lm.card}; {fix}"
             )
         files = self.ckpt.files
         recorded = info.get("codec_sha256")
         if recorded is not None and "mimi" in files:
             mine = codec_fingerprint(Path(files["mimi"]), self.ckpt.mimi_config)
             if recorded != mine:
-                raise TrainError(
-                    f"{where} was encoded with another codec (Mimi fingerprint {recorded[:12]}, prepared from "
-                    f"{info.get('checkpoint')!r}) than this checkpoint's ({mine[:12]}, {self.ckpt.source!r}): its "
-                    "codes mean other sounds to this model; prepare the data with this checkpoint (cspan prepare "
-                    "--checkpoint ...)"
+                raise TrainSettingsError(
+                    f"{where}: it was encoded with another codec (Mimi fingerprint {recorded[:12]}, this checkpoint's "
+                    f"{mine[:12]}), so its codes mean other sounds to this model; {fix}"
                 )
         recorded = info.get("tokenizer_sha256")
-        if recorded is not None and "tokenizer" in files and recorded != file_sha256(Path(files["tokenizer"])):
-            raise TrainError(
-                f"{where} was tokenised with another tokenizer (sha256 {recorded[:12]}) than this checkpoint's; prepare "
-                "the data with this checkpoint (cspan prepare --checkpoint ...)"
-            )
+        if recorded is not None and "tokenizer" in files:
+            mine = file_sha256(Path(files["tokenizer"]))
+            if recorded != mine:
+                raise TrainSettingsError(
+                    f"{where}: it was tokenised with another tokenizer (sha256 {recorded[:12]}, this checkpoint's "
+                    f"{mine[:12]}); {fix}"
+                )
         if int(info.get("text_vocab", 0)) > lm.text_card:
-            raise TrainError(
-                f"{where} was tokenised with a {info.get('text_vocab')}-piece vocabulary, larger than the model's "
-                f"text_card {lm.text_card}; prepare it with this checkpoint's tokenizer"
+            raise TrainSettingsError(
+                f"{where}: it was tokenised with a {info.get('text_vocab')}-piece vocabulary, larger than the model's "
+                f"text_card {lm.text_card}; {fix}"
             )
         ctx = lm.cfg.context
         if ctx is not None and self.cfg.context > ctx:
@@ -896,15 +903,19 @@ class Trainer:
                 value = value.detach().cpu()
                 state[name] = value.to(dtype) if value.is_floating_point() else value
             out.mkdir(parents=True, exist_ok=True)
+            # An export of the other format (an earlier invocation's --export-format) goes: load_checkpoint takes
+            # lora.safetensors over context_spanning.pt, so a stale one would be loaded instead of this export.
+            stale = (EXPORT_FILE,) if self.cfg.export_format == "moshi" else (MOSHI_LORA_FILE, MODEL_CONFIG_FILE)
+            for name in stale:
+                (out / name).unlink(missing_ok=True)
             if self.cfg.export_format == "moshi":
                 self._write_moshi(out, state, spec)
             else:
                 payload: dict[str, Any] = {"model": state}
                 if spec is not None:
                     payload["lora"] = spec
-                tmp = out / f".{EXPORT_FILE}.part"
-                torch.save(payload, tmp)
-                os.replace(tmp, out / EXPORT_FILE)
+                with atomic_file(out / EXPORT_FILE) as tmp:
+                    torch.save(payload, tmp)
             if self.ckpt.voices:
                 (out / "voices").mkdir(exist_ok=True)
                 for name, path in sorted(self.ckpt.voices.items()):
@@ -929,7 +940,7 @@ class Trainer:
                 "dtype": str(dtype).removeprefix("torch."),
                 "load": "cspan infer --checkpoint " + str(out.resolve()),
             }
-            (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+            write_text_atomic(out / EXPORT_INFO, json.dumps(info, indent=2) + "\n")
         self.dist.barrier()
         return out
 
@@ -945,10 +956,9 @@ class Trainer:
         config = self.ckpt.lm_config.to_upstream()
         config.update(lora=True, lora_rank=r, lora_scaling=scaling)
         config["prefix_layout"] = self.dataset.info.get("prefix_layout", CONTEXT_SPANNING.name)
-        tmp = out / f".{MOSHI_LORA_FILE}.part"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / MOSHI_LORA_FILE)
-        (out / MODEL_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        with atomic_file(out / MOSHI_LORA_FILE) as tmp:  # published with ordinary permissions (safetensors: 0600)
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        write_text_atomic(out / MODEL_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
 
