@@ -43,12 +43,16 @@ def test_spec_parsing() -> None:
     )
     assert parse_mcp("https://mcp.example.org/mcp").url == "https://mcp.example.org/mcp"
     assert parse_mcp("allow=search http://127.0.0.1:8765/mcp").allow == ["search"]
+    # words with "=" that are no option name belong to the command (a path, the server's own arguments)
+    assert parse_mcp("./a=b/server --k=v -- x=1").command == ["./a=b/server", "--k=v", "--", "x=1"]
     for bad, message in [
         ("", "give a stdio command"),
         ("allow=a", "give a stdio command"),
         ("timeout=inf python x.py", "finite"),
         ("timeout=soon python x.py", "not a number"),
         ("'unclosed", "quote"),
+        ("alow=search -- python x.py", "unknown option 'alow'; the options are allow, read, prefix, timeout"),
+        ("allow=a tmeout=5 python x.py", "unknown option 'tmeout'"),  # was run as the program 'tmeout=5'
     ]:
         with pytest.raises(ToolError, match=message):
             parse_mcp(bad)

@@ -31,6 +31,26 @@ def test_streaming_frames_equal_whole_file_resampling(tmp_path, fixture_file):
     np.testing.assert_array_equal(joined, whole)
 
 
+@pytest.mark.parametrize(
+    ("rate", "n"),
+    [
+        (48_000, 42_241),
+        (48_000, 42_240),
+        (96_000, 7_682),
+        (32_000, 2_562),
+        (44_100, 70_001),
+        (8_000, 1),
+        (24_000, 1921),
+    ],
+)
+def test_stream_frames_counts_what_iter_frames_yields(tmp_path, rate, n):
+    """``AudioInfo.stream_frames`` is the resampler's count (half up at x.5 samples: 42241 at 48 kHz are 21120.5 at
+    24 kHz, 21121 samples, 12 frames), not the float duration rounded half to even (11 frames)."""
+    path = tmp_path / "in.wav"
+    sf.write(path, np.full(n, 0.25, dtype=np.float32), rate, subtype="FLOAT")
+    assert inspect_audio(path).stream_frames() == len(list(iter_frames(path)))
+
+
 def test_48k_stereo_flac_resampled_and_channel_selected(tmp_path):
     path = tmp_path / "in.flac"
     sf.write(path, _tone(48_000, 2.0, channels=2), 48_000, format="FLAC")

@@ -221,15 +221,21 @@ def test_backend_latency_does_not_change_an_offline_run(tiny_checkpoint_dir, fix
 
 
 def test_48k_stereo_flac_uses_the_same_duration_logic(tiny_checkpoint_dir, fixtures_dir, tmp_path):
+    """The input's frames are counted as the resampler makes them. 149761 samples at 48 kHz are 74880.5 at 24 kHz:
+    soxr gives 74881 (half up, 40 frames), the float duration rounded half to even gave 74880 (39 frames), and the
+    run failed at its last frame with an IndexError traceback."""
     import soxr
 
+    from cspan.core.audio import iter_frames
+
     src, sr = sf.read(fixtures_dir / "audio" / "greeting_24k.wav", dtype="float32")
-    up = soxr.resample(src, sr, 48_000)
+    up = soxr.resample(src, sr, 48_000)[:149_761]
     flac = tmp_path / "in.flac"
     sf.write(flac, np.stack([np.zeros_like(up), up], axis=1), 48_000, format="FLAC")
     result = _infer(tiny_checkpoint_dir, flac, tmp_path, "--asr", "none", "--router", "none", "--channel", "1")
     audio, out_sr = sf.read(tmp_path / "out.wav", dtype="float32")
-    n_input = -(-round(len(up) / 48_000 * 24_000) // 1920)
+    n_input = len(list(iter_frames(flac, channel=1)))
+    assert n_input == 40 and -(-round(len(up) / 48_000 * 24_000) // 1920) == 39  # the case the old count missed
     assert out_sr == 24_000
     assert audio.shape[0] == (LEAD_FRAMES + n_input + TAIL_FRAMES) * 1920
     assert result.output.duration_s == pytest.approx(audio.shape[0] / 24_000)

@@ -120,6 +120,7 @@ BAD_SETTINGS = [
     (["--output-wav", "."], "--output-wav"),  # a folder: the same exit status and flag for both outputs
     (["--output-text", "."], "--output-text"),
     (["--checkpoint", ""], "--checkpoint"),  # an unset variable in a script, not a request for the default
+    (["--db", "mysql://h/db"], "--db"),
 ]
 
 
@@ -344,6 +345,20 @@ def test_a_postgresql_url_s_password_stays_out_of_the_error(
     assert "pw9999" not in err and "zzz" not in err, err
     assert err.startswith("cspan infer: error: --db postgresql://dave:***@127.0.0.1:"), err
     assert "check that the server is running" in err and "Context DB file" not in err, err
+
+
+def test_a_database_url_of_another_kind_is_a_bad_setting_naming_db(speech, tmp_path, capsys, monkeypatch,
+                                                                     no_model_load):  # fmt: skip
+    """mysql://... (flag or CSPAN_DB) is refused as a setting, exit status 2, naming --db and keeping the password out
+    (was exit status 1, from the Context DB's open, with no flag named)."""
+    monkeypatch.setenv("CSPAN_DB", "mysql://ann:pw9999@db.internal/cspan")
+    assert cli.main(["infer", "--input-wav", str(speech), "--output-wav", str(tmp_path / "o.wav")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "cspan infer: error: --db / CSPAN_DB: 'mysql' databases are not supported; the Context DB is SQLite (a file "
+        "path, sqlite:///PATH or :memory:) or PostgreSQL (postgresql://...)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_backend_errors_reaching_the_cli_are_one_line(monkeypatch, capsys):

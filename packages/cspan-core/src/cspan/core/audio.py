@@ -72,6 +72,13 @@ class AudioInfo:
     nonfinite: int = 0
     clipped: int = 0
 
+    def stream_frames(self, sample_rate: int = SAMPLE_RATE, frame_size: int = FRAME_SIZE) -> int:
+        """How many frames :func:`iter_frames` yields for this recording: its samples at ``sample_rate`` (soxr's
+        stream gives ``frames * sample_rate / self.sample_rate`` rounded half up; exact integers, not the float
+        duration) in frames of ``frame_size``, the last one padded."""
+        samples = (2 * self.frames * sample_rate + self.sample_rate) // (2 * self.sample_rate)
+        return -(-samples // frame_size)
+
 
 def sanitize_pcm(pcm: np.ndarray) -> tuple[np.ndarray, int]:
     """Samples as the model takes them: float32 in [-1, 1], with non-finite samples made silent.

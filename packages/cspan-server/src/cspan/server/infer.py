@@ -508,7 +508,7 @@ async def run_infer(
     """
     from cspan.core.audio import inspect_audio
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT
-    from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
+    from cspan.core.constants import FRAME_RATE, FRAME_SIZE
     from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
     from cspan.core.runtime import use_cpu_threads
@@ -525,7 +525,7 @@ async def run_infer(
         logger.warning("%s: %d samples beyond full scale clipped to +-1.0", s.input_wav, info.clipped)
     lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
     tail = math.ceil(s.tail_silence * FRAME_RATE - 1e-9)
-    n_input = -(-round(info.duration_s * SAMPLE_RATE) // FRAME_SIZE)
+    n_input = info.stream_frames()
     total = lead + n_input + tail
     last_s = (n_input + tail) / FRAME_RATE
     for label, t in [*(("--span", x.seconds) for x in s.spans), *(("--force-ret-at", t) for t in s.force_ret_at)]:
@@ -603,7 +603,7 @@ async def _converse(
 
     lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
     tail = math.ceil(s.tail_silence * FRAME_RATE - 1e-9)
-    n_input = -(-round(info.duration_s * SAMPLE_RATE) // FRAME_SIZE)
+    n_input = info.stream_frames()
     total = lead + n_input + tail
     transcriber = backends.transcriber
     retriever = backends.for_session(memory)

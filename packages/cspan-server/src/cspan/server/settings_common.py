@@ -435,6 +435,12 @@ class ContextDBSettings(BaseSettings):
             raise ValueError(
                 "is a folder; give the Context DB's file (e.g. FOLDER/context.sqlite), ':memory:' or a URL"
             )
+        from cspan.backends.context_db import ContextDBError, resolve_target
+
+        try:
+            resolve_target(value)  # a URL of a database we do not speak (mysql://...)
+        except ContextDBError as exc:  # the URL is shown as (got ...), unless it holds a password
+            raise ValueError(str(exc).partition(": ")[2]) from None
         return value
 
     def open_db(self) -> Any:

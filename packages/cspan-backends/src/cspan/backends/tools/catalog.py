@@ -152,6 +152,11 @@ def parse_mcp(text: str) -> MCPServerSpec:
             words.pop(0)
             break
         key, eq, value = word.partition("=")
+        if eq and key not in _MCP_OPTIONS and key.isidentifier():  # alow=a: a typo, not a program to run
+            raise ToolError(
+                f"--mcp {text!r}: unknown option {key!r}; the options are {', '.join(_MCP_OPTIONS)} (a command whose "
+                "first word has '=' goes after --)"
+            )
         if not eq or key not in _MCP_OPTIONS:
             break
         words.pop(0)
