@@ -566,13 +566,16 @@ def test_a_signal_at_the_end_never_leaves_a_new_wav_beside_an_old_json(
 
 
 def test_json_that_cannot_be_written_keeps_the_finished_wav(tiny_checkpoint_dir, speech, tmp_path):
+    """The WAV is published; a previous run's JSON at the same path goes, so that it cannot pass for this run's."""
     with tmpfs(tmp_path / "small", size_kb=4) as small:  # room for the start-up check, not for the JSON
+        (small / "o.json").write_text('{"agent_text": "an earlier run"}')
         argv = _argv(tiny_checkpoint_dir, speech, tmp_path, "--output-text", str(small / "o.json"))
         with pytest.raises(OutputError) as err:
             asyncio.run(run_infer(_settings(argv)))
         assert list(small.iterdir()) == []
     message = str(err.value)
     assert f"{small / 'o.json'}: cannot write: no space left on device" in message
+    assert f"the previous {small / 'o.json'} was removed (it described another run)" in message
     assert f"({tmp_path / 'out.wav'} written)" in message
     audio, sr = sf.read(tmp_path / "out.wav")
     assert sr == 24_000 and audio.shape[1] == 2 and len(audio) > 24_000

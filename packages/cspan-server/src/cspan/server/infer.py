@@ -51,6 +51,7 @@ from cspan.server.settings_common import (
 )
 
 if TYPE_CHECKING:
+    from cspan.core.errors import OutputError
     from cspan.core.reads import Read, Reads
 
 logger = logging.getLogger(__name__)
@@ -489,6 +490,20 @@ def _json_text(value: Any) -> Any:
     return value
 
 
+def _drop_stale(path: Path, error: OutputError) -> OutputError:
+    """This run's JSON could not be written but its WAV was: a previous run's JSON at ``path`` would sit beside the
+    new WAV as if it described it, so it goes (best effort); the error returned says so."""
+    from cspan.core.errors import OutputError
+
+    try:
+        if not path.is_file():
+            return error
+        path.unlink()
+    except OSError as exc:
+        return OutputError(f"{error}; the previous {path} is still there (cannot remove it: {exc.strerror or exc})")
+    return OutputError(f"{error}; the previous {path} was removed (it described another run)")
+
+
 async def run_infer(
     settings: InferSettings,
     *,
@@ -818,6 +833,8 @@ async def _converse(
                     stream.publish()
                 except OutputError as exc:
                     text_error = exc
+            if text_error is not None and wav_error is None and s.output_wav is not None:
+                text_error = _drop_stale(s.output_text, text_error)
     except BaseException:
         if writer is not None:
             writer.abort()
