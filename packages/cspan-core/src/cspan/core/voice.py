@@ -158,8 +158,7 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | Ch
     """
     if not str(name_or_path).strip():  # Path("") is the working directory
         raise CheckpointError(
-            f"voice {str(name_or_path)!r} is empty; pass a voice name, a .pt voice file or a 2-30 s recording (no "
-            "voice: None)"
+            f"voice {str(name_or_path)!r} is empty; pass a voice name, a .pt voice file or a 2-30 s recording"
         )
     path = Path(name_or_path)
     if path.is_file():
