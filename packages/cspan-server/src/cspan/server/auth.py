@@ -313,6 +313,9 @@ class CredentialAuthenticator:
         """Read the token file again (on SIGHUP); the old entries stay when it is invalid (logged)."""
         from cspan.backends.identity import IdentityError
 
+        if self.credentials.token_file is None:
+            logger.info("SIGHUP: no --token-file to read again (issued tokens take effect without a signal)")
+            return
         try:
             self.credentials.reload()
         except IdentityError as exc:
