@@ -170,6 +170,30 @@ def test_users_add_refuses_a_bad_user_id_as_a_bad_setting(user: str, shown: str,
     assert done.stdout == b""
 
 
+@pytest.mark.parametrize(
+    ("label", "shown"),
+    [
+        ("evil\x1b[2Jwiped", "'evil\\x1b[2Jwiped'"),
+        ("laptop\nfake-id  mallory  session,admin", "'laptop\\nfake-id  mallory  session,admin'"),
+        ("\u202enimda", "'\\u202enimda'"),
+        ("x" * 201, "'" + "x" * 56 + "... (201 characters)"),
+    ],
+)
+def test_users_add_refuses_a_label_that_is_not_printable(label: str, shown: str, tmp_path: Path) -> None:
+    """A --label was stored as given and `cspan users list` printed it raw: a terminal escape reached the operator's
+    terminal and a newline forged a row of the table. Now refused as a bad id is (exit 2, no token issued)."""
+    db = tmp_path / "ctx.sqlite"
+    done = _cspan("users", "add", "ada", "--label", label, "--db", str(db))
+    assert done.returncode == 2 and done.stdout == b"", done.stderr
+    assert done.stderr.decode() == (
+        f"cspan users add: error: label must be at most 200 printable characters (no control characters), got {shown}\n"
+    )
+    assert _cspan("users", "list", "--db", str(db)).stderr == b"no tokens\n"
+    done = _cspan("users", "add", "ada", "--label", "ada's laptop (Zürich)", "--db", str(db))
+    assert done.returncode == 0 and done.stdout.startswith(b"cspan.")
+    assert _cspan("users", "list", "--db", str(db)).stdout.decode().splitlines()[1].endswith(" ada's laptop (Zürich)")
+
+
 def test_user_ids_with_white_space_at_an_end_are_refused_and_forget_says_when_it_found_nothing(tmp_path: Path) -> None:
     """`cspan users add " "` issued a token for a blank user, and " ada" would be a user apart from "ada" that no
     one can tell from it; `cspan db forget` of an id with nothing stored said only "0 ..." (a typo looked done)."""

@@ -53,6 +53,13 @@ def test_spec_parsing() -> None:
         ("'unclosed", "quote"),
         ("alow=search -- python x.py", "unknown option 'alow'; the options are allow, read, prefix, timeout"),
         ("allow=a tmeout=5 python x.py", "unknown option 'tmeout'"),  # was run as the program 'tmeout=5'
+        # a URL without a host was taken and failed at the first connection with httpx's "missing an 'http://' or
+        # 'https://' protocol" (exit 1); now refused as --router's and --asr's are; the password is never echoed
+        ("http://", "'http://' is not an http\\(s\\) URL with a host name"),
+        ("https://:443/mcp", "with a host name"),
+        ("https://bob:pw@:1/mcp", r"^--mcp 'https://bob:\*\*\*@:1/mcp': 'https://bob:\*\*\*@:1/mcp' is not"),
+        ("timeout=x https://bob:pw@mcp.example.org/mcp", r"^--mcp 'timeout=x https://bob:\*\*\*@mcp"),
+        ("http://mcp.example.org:99999/mcp", "not a valid URL"),
     ]:
         with pytest.raises(ToolError, match=message):
             parse_mcp(bad)

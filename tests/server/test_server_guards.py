@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -114,6 +115,46 @@ def test_host_rule_on_other_binds() -> None:
     assert not host_allowed("evil.example", bind_host="0.0.0.0", port=8080, allowed=["talk.example.org"])
     assert host_allowed("evil.example", bind_host="127.0.0.1", port=8080, allowed=["*"])
     assert not host_allowed(None, bind_host="127.0.0.1", port=8080)
+
+
+def test_host_without_port_means_the_schemes_default() -> None:
+    """A browser leaves the default port out of ``Host``: ``cspan serve --port 80`` (or 443 with TLS) on loopback
+    was answered 403 for ``Host: localhost``, and ``--allow-host NAME:443`` refused ``Host: NAME`` over https."""
+    from cspan.server.auth import host_allowed
+
+    assert host_allowed("localhost", bind_host="127.0.0.1", port=80)
+    assert host_allowed("127.0.0.1", bind_host="127.0.0.1", port=80, scheme="ws")
+    assert host_allowed("localhost", bind_host="127.0.0.1", port=443, scheme="https")
+    assert host_allowed("[::1]", bind_host="::1", port=443, scheme="wss")
+    assert not host_allowed("localhost", bind_host="127.0.0.1", port=443)  # http: port 80, not this server's
+    assert not host_allowed("localhost", bind_host="127.0.0.1", port=8080, scheme="https")
+    pinned = ["talk.example.org:443"]
+    assert host_allowed("talk.example.org", bind_host="127.0.0.1", port=8080, allowed=pinned, scheme="https")
+    assert not host_allowed("talk.example.org", bind_host="127.0.0.1", port=8080, allowed=pinned)
+    assert host_allowed("talk.example.org", bind_host="127.0.0.1", port=8080, allowed=["talk.example.org:80"])
+
+
+async def test_host_guard_reads_the_scheme() -> None:
+    """The middleware passes the request's scheme: ``Host: localhost`` reaches a TLS server on loopback port 443."""
+    from cspan.server.app import HostGuard
+
+    reached: list[str] = []
+
+    async def app(scope, receive, send) -> None:
+        reached.append(scope["scheme"])
+
+    metrics = SimpleNamespace(host_refused=SimpleNamespace(inc=lambda: None))
+    guard = HostGuard(app, SimpleNamespace(host="127.0.0.1", allow_host=[]), metrics)
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    for scheme in ("https", "wss", "http"):
+        scope = {"type": "http", "scheme": scheme, "server": ("127.0.0.1", 443), "headers": [(b"host", b"localhost")]}
+        await guard(scope, None, send)
+    assert reached == ["https", "wss"]
+    assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [403]
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ def test_load_client_reports_lateness_drops_errors_and_memory(serve, fixture_fil
     assert 0 < summary["errors"] <= summary["malformed_sent"]
     assert summary["errors"] >= summary["malformed_sent"] - summary["disconnects_injected"]
     samples = report["server"]["samples"]
+    assert summary["metrics_unread"] is None  # the shared token has every scope: /metrics was read
     assert len(samples) >= 5 and all(x["rss_bytes"] > 50e6 for x in samples)  # the server process's memory
     assert max(x["sessions_active"] for x in samples) >= 1
     counters = report["server"]["counters"]
@@ -136,3 +137,37 @@ def test_load_client_backs_off_from_a_dead_url_and_folds_its_failures() -> None:
     assert 3.9 <= time.monotonic() - t0 < 6.0  # the end of the run caps the last wait (a loaded machine is slower)
     [record] = client.records
     assert record.repeats == 3 and record.ended.startswith("error (ConnectionRefusedError") and record.failed
+
+
+async def test_load_client_says_why_metrics_were_not_read() -> None:
+    """With a session token (no admin scope) /metrics answers 403: the report's server samples were all empty and
+    nothing said why. Now the summary's ``metrics_unread`` (and a warning on stderr) says why."""
+    from cspan.bench.serve_load import LoadSettings, _metrics_problem, _sample
+
+    def answer(status: int, body: str):
+        return httpx.AsyncClient(
+            base_url="http://s", transport=httpx.MockTransport(lambda request: httpx.Response(status, text=body))
+        )
+
+    samples: list = []
+    settings = LoadSettings(url="http://s", protocol="ws", clients=1, seconds=1.0, audio=[], token="t")
+    async with answer(
+        403, '{"detail":"metrics need a token with the admin scope (Authorization: Bearer TOKEN)"}'
+    ) as http:
+        assert await _sample(settings, http, samples, 0.0) == {}
+        assert await _metrics_problem(http) == (
+            "/metrics answered 403: pass a token with the admin scope (--token) to read it"
+        )
+    assert samples[0].rss_bytes is None and samples[0].sessions_active is None
+    async with answer(200, "cspan_sessions_active 2.0\nprocess_resident_memory_bytes 1e8\n") as http:
+        assert await _sample(settings, http, samples, 0.0) == {
+            "cspan_sessions_active": 2.0,
+            "process_resident_memory_bytes": 1e8,
+        }
+    assert samples[1].sessions_active == 2.0 and samples[1].rss_bytes == 1e8
+
+    def refuse(request):
+        raise httpx.ConnectError("refused")
+
+    async with httpx.AsyncClient(base_url="http://s", transport=httpx.MockTransport(refuse)) as http:
+        assert await _metrics_problem(http) == "/metrics could not be read (ConnectError: refused)"

@@ -115,15 +115,13 @@ def _handler(
 
 
 def _users_add(args: argparse.Namespace, db: Any) -> int:
-    from cspan.backends.context_db.user import check_id
     from cspan.backends.identity import issue_token
 
     try:
-        check_id(args.user, "user id")
-    except ValueError as exc:  # a bad argument: exit status 2, as argparse's own refusals
+        record, token = issue_token(db, args.user, scopes=args.scope or ("session",), label=args.label)
+    except ValueError as exc:  # a bad user id or label: exit status 2, as argparse's own refusals
         print(f"cspan users add: error: {exc}", file=sys.stderr)
         return 2
-    record, token = issue_token(db, args.user, scopes=args.scope or ("session",), label=args.label)
     print(token)
     print(
         f"issued token {record.id} for {record.user_id} (scopes: {', '.join(record.scopes)}) in {db.where}; "

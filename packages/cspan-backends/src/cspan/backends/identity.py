@@ -118,7 +118,7 @@ def issue_token(
 
     Raises:
         IdentityError: an unknown scope.
-        ValueError: an unusable user id.
+        ValueError: an unusable user id or label.
     """
     chosen = check_scopes(scopes) or list(DEFAULT_SCOPES)
     token_id = secrets.token_hex(6)

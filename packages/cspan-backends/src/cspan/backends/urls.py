@@ -36,6 +36,20 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(query=query))
 
 
+def check_http_url(value: str) -> str:
+    """``value`` if it is an http(s) URL with a host and a valid port; ``ValueError`` saying what is wrong (the URL
+    shown by :func:`redact_url`)."""
+    shown = repr(redact_url(value))  # a password in the URL is not echoed
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # raises ValueError when out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"{shown} is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{shown} is not an http(s) URL with a host name")
+    return value
+
+
 HTTP_LOGGERS = ("httpx", "httpx2")
 """The HTTP clients' loggers that name every request's URL at INFO (``cspan -v``): httpx, and the MCP SDK's httpx2."""
 
@@ -66,4 +80,4 @@ def redact_http_logs() -> None:
             logger.addFilter(RedactURLs())
 
 
-__all__ = ["HTTP_LOGGERS", "SECRET_PARAM", "RedactURLs", "redact_http_logs", "redact_url"]
+__all__ = ["HTTP_LOGGERS", "SECRET_PARAM", "RedactURLs", "check_http_url", "redact_http_logs", "redact_url"]

@@ -46,6 +46,7 @@ import contextlib
 import json
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -476,8 +477,8 @@ class _Codec:
 
 async def _sample(settings: LoadSettings, http: Any, samples: list[ServerSample], epoch: float) -> dict[str, float]:
     try:
-        text = (await http.get("/metrics")).text
-        metrics = parse_metrics(text)
+        reply = await http.get("/metrics")
+        metrics = parse_metrics(reply.text) if reply.status_code == 200 else {}
     except Exception:
         metrics = {}
     rss = process_rss(settings.server_pid) if settings.server_pid else metrics.get("process_resident_memory_bytes")
@@ -514,6 +515,7 @@ async def run_load(settings: LoadSettings) -> LoadReport:
         epoch = time.monotonic()
         samples: list[ServerSample] = []
         before = await _sample(settings, http, samples, epoch)
+        metrics_unread = None if before else await _metrics_problem(http)
         deadline = epoch + settings.seconds
         clients = [Client(i, settings, frames, epoch) for i in range(settings.clients)]
 
@@ -566,6 +568,7 @@ async def run_load(settings: LoadSettings) -> LoadReport:
         "errors": sum(s.errors for s in sessions),
         "malformed_sent": sum(s.malformed_sent for s in sessions),
         "rss_bytes_max": max((x.rss_bytes for x in samples if x.rss_bytes is not None), default=None),
+        "metrics_unread": metrics_unread,
     }
     return LoadReport(
         settings={
@@ -576,6 +579,17 @@ async def run_load(settings: LoadSettings) -> LoadReport:
         summary=summary,
         server={"samples": [s.model_dump() for s in samples], "counters": deltas},
     )
+
+
+async def _metrics_problem(http: Any) -> str:
+    """Why ``/metrics`` gave nothing: the server's memory, live sessions and counters are then not recorded."""
+    try:
+        status = (await http.get("/metrics")).status_code
+    except Exception as exc:
+        return f"/metrics could not be read ({type(exc).__name__}: {exc})"
+    if status in (401, 403):
+        return f"/metrics answered {status}: pass a token with the admin scope (--token) to read it"
+    return f"/metrics answered {status} with no metrics"
 
 
 def _summary(values: list[float]) -> dict[str, float | None]:
@@ -763,6 +777,9 @@ def _serve(args: argparse.Namespace) -> int:
         f"spans {s['spans']}; errors {s['errors']} ({s['malformed_sent']} malformed sent); "
         f"-> {args.out / 'serve-load.json'}"
     )
+    if s["metrics_unread"]:
+        unread = "live sessions and counters" if settings.server_pid else "memory, live sessions and counters"
+        print(f"warning: {s['metrics_unread']}; the server's {unread} were not recorded", file=sys.stderr)
     if not s["server_answering"]:
         raise BenchError(
             f"--url {args.url}: the server stopped answering during the run ({s['completed']} session(s) completed"

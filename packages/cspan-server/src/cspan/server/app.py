@@ -256,7 +256,8 @@ class HostGuard:
             hosts = [v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"]
             host = hosts[0] if len(hosts) == 1 else None  # two Host fields name no one server (RFC 9112 3.2)
             server = scope.get("server") or (None, None)
-            if not host_allowed(host, bind_host=self.bind_host, port=server[1], allowed=self.allowed):
+            scheme = scope.get("scheme", "http")
+            if not host_allowed(host, bind_host=self.bind_host, port=server[1], allowed=self.allowed, scheme=scheme):
                 self.metrics.host_refused.inc()
                 logger.warning("refused a request for Host %r (see --allow-host)", host)
                 if scope["type"] == "websocket":

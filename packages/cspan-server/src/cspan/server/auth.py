@@ -135,7 +135,9 @@ def _split_host(value: str, default_port: str) -> tuple[str, str] | None:
     return host.rstrip("."), port
 
 
-def host_allowed(host_header: str | None, *, bind_host: str, port: int, allowed: Iterable[str] = ()) -> bool:
+def host_allowed(
+    host_header: str | None, *, bind_host: str, port: int, allowed: Iterable[str] = (), scheme: str = "http"
+) -> bool:
     """Whether a request's ``Host`` header names this server (see the module docstring, DNS rebinding).
 
     Args:
@@ -143,6 +145,8 @@ def host_allowed(host_header: str | None, *, bind_host: str, port: int, allowed:
         bind_host: the address the server listens on (``--host``).
         port: the port the request arrived on.
         allowed: ``--allow-host`` values: ``host`` (any port), ``host:port``, or ``*`` (anything).
+        scheme: the request's (ASGI ``scope["scheme"]``): a ``Host`` without a port means its default port, 443 for
+            ``https`` and ``wss``, else 80 (a browser leaves the port out of ``Host`` on ``--port 80``).
 
     Returns:
         On a loopback bind: a loopback name with ``port``, or a listed host. On any other bind: any host when nothing
@@ -153,7 +157,7 @@ def host_allowed(host_header: str | None, *, bind_host: str, port: int, allowed:
         return True
     if host_header is None:
         return False
-    parsed = _split_host(host_header, "")
+    parsed = _split_host(host_header, "443" if scheme in ("https", "wss") else "80")
     if parsed is None:
         return False
     host, given_port = parsed
@@ -161,7 +165,7 @@ def host_allowed(host_header: str | None, *, bind_host: str, port: int, allowed:
         return True
     for entry in allowed:
         want = _split_host(entry, "")
-        if want is not None and want[0] == host and (not want[1] or want[1] == (given_port or "80")):
+        if want is not None and want[0] == host and (not want[1] or want[1] == given_port):
             return True
     return not allowed and not is_loopback_host(bind_host)
 
@@ -294,6 +298,9 @@ class CredentialAuthenticator:
         """Read the token file again (on SIGHUP); the old entries stay when it is invalid (logged)."""
         from cspan.backends.identity import IdentityError
 
+        if self.credentials.token_file is None:
+            logger.info("SIGHUP: no --token-file to read again (issued tokens take effect without a signal)")
+            return
         try:
             self.credentials.reload()
         except IdentityError as exc:

@@ -16,7 +16,6 @@ import asyncio
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator
 from pydantic.fields import FieldInfo
@@ -24,7 +23,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.catalog import LIVE_DEFAULT, TOOL_SETS, MCPServerSpec, ToolsSpec, parse_mcp, parse_tools
-from cspan.backends.urls import redact_url
+from cspan.backends.urls import check_http_url, redact_url
 from cspan.core.constants import (
     MAX_LISTEN_S,
     MAX_SEED,
@@ -81,19 +80,6 @@ Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=F
 """A sampling temperature: 0 (greedy) or MIN_TEMPERATURE .. MAX_TEMPERATURE."""
 TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
 """A sampling top-k: 0 (every token) to MAX_TOP_K."""
-
-
-def check_http_url(value: str) -> str:
-    """``value`` if it is an http(s) URL with a host and a valid port; ``ValueError`` saying what is wrong."""
-    shown = repr(redact_url(value))  # a password in the URL is not echoed
-    try:
-        parts = urlsplit(value)
-        _ = parts.port  # raises ValueError when out of range or not a number
-    except ValueError as exc:
-        raise ValueError(f"{shown} is not a valid URL ({exc})") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{shown} is not an http(s) URL with a host name")
-    return value
 
 
 class ModelSettings(BaseSettings):
@@ -485,5 +471,4 @@ __all__ = [
     "ToolSettings",
     "Utf8Text",
     "check_backends_answer",
-    "check_http_url",
 ]

@@ -19,7 +19,7 @@ from cspan.backends.context_db.connection import Connection, connect, is_postgre
 from cspan.backends.context_db.legacy import LegacyMethods
 from cspan.backends.context_db.models import ContextDBError, TokenRecord
 from cspan.backends.context_db.schema import MIGRATIONS, SCHEMA_VERSION
-from cspan.backends.context_db.user import UserMemory, check_id, token_record
+from cspan.backends.context_db.user import MAX_ID_CHARS, UserMemory, check_id, token_record
 
 if TYPE_CHECKING:
     from cspan.backends.identity import Principal
@@ -250,8 +250,17 @@ class ContextDB(LegacyMethods):
 
         Raises:
             ContextDBError: ``token_id`` exists already.
+            ValueError: an unusable user id, or a label that is not printable (a newline or a terminal escape would
+                reach the operator's terminal through ``cspan users list``) or longer than :data:`MAX_ID_CHARS`.
         """
         check_id(user_id, "user id")
+        if len(label) > MAX_ID_CHARS or not label.isprintable():
+            shown = repr(label)
+            if len(shown) > 60:  # cut as check_id cuts an id
+                shown = f"{shown[:57]}... ({len(label)} characters)"
+            raise ValueError(
+                f"label must be at most {MAX_ID_CHARS} printable characters (no control characters), got {shown}"
+            )
         now = time.time()
         with self._conn.write() as tx:
             if tx.execute("SELECT 1 AS found FROM tokens WHERE id = ?", (token_id,)).rows:

@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.bank import DEFAULT_MAX_CHARS, Tool, ToolArgs, ToolBank, ToolKind, ToolOutput
+from cspan.backends.urls import check_http_url, redact_url
 
 if TYPE_CHECKING:
     from cspan.backends.context_db import UserMemory
@@ -125,8 +126,8 @@ class MCPServerSpec(BaseModel):
             raise ValueError("give exactly one of command (a stdio server) or url (streamable HTTP)")
         if self.command is not None and not self.command:
             raise ValueError("command is empty")
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if self.url is not None:
+            check_http_url(self.url)
         return self
 
     @property
@@ -141,10 +142,11 @@ def parse_mcp(text: str) -> MCPServerSpec:
     Raises:
         ToolError: empty, an unknown or malformed option, or no command/URL after the options.
     """
+    shown = repr(redact_url(text))  # a password in the URL is not echoed
     try:
         words = shlex.split(text)
     except ValueError as exc:
-        raise ToolError(f"--mcp {text!r}: {exc} (quote the command as a shell would)") from None
+        raise ToolError(f"--mcp {shown}: {exc} (quote the command as a shell would)") from None
     options: dict[str, Any] = {}
     while words:
         word = words[0]
@@ -154,7 +156,7 @@ def parse_mcp(text: str) -> MCPServerSpec:
         key, eq, value = word.partition("=")
         if eq and key not in _MCP_OPTIONS and key.isidentifier():  # alow=a: a typo, not a program to run
             raise ToolError(
-                f"--mcp {text!r}: unknown option {key!r}; the options are {', '.join(_MCP_OPTIONS)} (a command whose "
+                f"--mcp {shown}: unknown option {key!r}; the options are {', '.join(_MCP_OPTIONS)} (a command whose "
                 "first word has '=' goes after --)"
             )
         if not eq or key not in _MCP_OPTIONS:
@@ -166,24 +168,24 @@ def parse_mcp(text: str) -> MCPServerSpec:
             try:
                 options[key] = float(value)
             except ValueError:
-                raise ToolError(f"--mcp {text!r}: timeout={value!r} is not a number of seconds") from None
+                raise ToolError(f"--mcp {shown}: timeout={value!r} is not a number of seconds") from None
         else:
             options[key] = value
     if not words:
-        raise ToolError(f"--mcp {text!r}: give a stdio command line or an http(s):// URL after the options")
+        raise ToolError(f"--mcp {shown}: give a stdio command line or an http(s):// URL after the options")
     target: dict[str, Any] = (
         {"url": words[0]} if len(words) == 1 and words[0].startswith(("http://", "https://")) else {"command": words}
     )
     try:
         return MCPServerSpec(**target, **options)
     except ValidationError as exc:
-        raise ToolError(f"--mcp {text!r}: {_first_error(exc)}") from None
+        raise ToolError(f"--mcp {shown}: {_first_error(exc)}") from None
 
 
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors(include_url=False)[0]
     where = ".".join(str(p) for p in err.get("loc", ()))
-    return f"{where + ': ' if where else ''}{err.get('msg')}"
+    return f"{where + ': ' if where else ''}{str(err.get('msg')).removeprefix('Value error, ')}"
 
 
 class ToolsSpec(BaseModel):
