@@ -32,6 +32,7 @@ def _one_line(done: subprocess.CompletedProcess[bytes]) -> str:
         (["--timeout-s", "inf"], "--timeout-s: 'inf'"),
         (["--router-url", "ftp://x", "--no-asr"], "--router-url: 'ftp://x' is not an http(s) URL"),
         (["--router-url", "http://", "--no-asr"], "--router-url: 'http://' is not an http(s) URL"),
+        (["--router-url", "http://u:secret@:1/v1", "--no-asr"], "--router-url: 'http://u:***@:1/v1' is not an http"),
         (["--router-port", "70000"], "--router-port: '70000' is not a TCP port (1 to 65535)"),
         (["--asr-port", "0"], "--asr-port: '0' is not a TCP port"),
         (["--asr-gpu", "-3"], "--asr-gpu: '-3': give GPU indices >= 0"),

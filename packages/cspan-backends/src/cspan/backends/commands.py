@@ -12,9 +12,9 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from cspan.backends.hostguard import is_loopback
+from cspan.backends.urls import check_http_url
 
 __all__ = ["backends_command", "is_loopback"]
 
@@ -44,16 +44,12 @@ def _seconds(text: str) -> float:
 
 
 def _http_url(text: str) -> str:
-    parts = urlsplit(text)
     try:
-        port_ok = parts.port is None or parts.port > 0
-    except ValueError:
-        port_ok = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        return check_http_url(text)  # the password, if any, is not echoed
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not an http(s) URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1"
-        )
-    return text
+            f"{exc}: give an OpenAI-compatible server's, e.g. http://127.0.0.1:8000/v1"
+        ) from None
 
 
 def backends_command(parser: argparse.ArgumentParser) -> None:
