@@ -305,8 +305,9 @@ async def open_backends(args: argparse.Namespace, transcriber: Any) -> AsyncIter
     """
     from cspan.bench.session import close_quietly
 
-    backends = RunBackends(transcriber=transcriber, judge=make_judge(args))
+    backends = RunBackends(transcriber=transcriber, judge=None)
     try:
+        backends.judge = make_judge(args)
         if args.router.lower() != "none":
             backends.bank = await make_bank(args)
             backends.router, backends.retriever = make_retriever(args, transcriber, backends.bank)
