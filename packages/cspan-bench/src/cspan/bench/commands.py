@@ -127,23 +127,14 @@ def register_fdb_v1_score(sub: Any) -> None:
 
 def _resolve_tasks(data: Path, specs: Sequence[str] | None) -> list[tuple[str, Any, Path]]:
     from cspan.bench.errors import BenchDataError, BenchSettingsError
-    from cspan.bench.fdb_v1 import TaskKind, infer_task_kind, sample_dirs
+    from cspan.bench.fdb_v1 import infer_task_kind, parse_task_spec, sample_dirs
 
     if not data.is_dir():
         raise BenchDataError(f"--data {data} is not a folder")
     resolved = []
     if specs:
         for spec in specs:
-            name, _, kind_name = spec.partition("=")
-            try:
-                kind = TaskKind(kind_name) if kind_name else infer_task_kind(name)
-            except ValueError as exc:
-                choices = ", ".join(k.value for k in TaskKind)
-                raise BenchSettingsError(
-                    f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}"
-                ) from exc
-            if kind is None:
-                raise BenchSettingsError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
+            name, kind = parse_task_spec(spec)
             folder = data / name
             if not folder.is_dir():
                 raise BenchSettingsError(f"--tasks {name!r}: {folder} is not a folder")

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cspan.bench.errors import BenchDataError, JudgeError
+from cspan.bench.errors import BenchDataError, BenchSettingsError, JudgeError
 
 # --- constants of the reference scorers ----------------------------------------------------------------------------
 
@@ -86,6 +86,24 @@ def infer_task_kind(folder_name: str) -> TaskKind | None:
     if "pause" in name:
         return TaskKind.PAUSE_HANDLING
     return None
+
+
+def parse_task_spec(spec: str) -> tuple[str, TaskKind]:
+    """``(name, kind)`` of a ``--tasks`` entry, ``NAME`` (the scorer told by :func:`infer_task_kind`) or
+    ``NAME=KIND`` (KIND one of pause_handling, backchannel, turn_taking, user_interruption).
+
+    Raises:
+        BenchSettingsError: an unknown KIND, or a NAME that tells no task without one (exit status 2).
+    """
+    name, _, kind_name = spec.partition("=")
+    try:
+        kind = TaskKind(kind_name) if kind_name else infer_task_kind(name)
+    except ValueError as exc:
+        choices = ", ".join(k.value for k in TaskKind)
+        raise BenchSettingsError(f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}") from exc
+    if kind is None:
+        raise BenchSettingsError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
+    return name, kind
 
 
 # --- the output.json transcript ------------------------------------------------------------------------------------

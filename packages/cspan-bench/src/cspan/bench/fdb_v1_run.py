@@ -42,6 +42,7 @@ from cspan.bench.fdb_v1 import (
     TaskScore,
     infer_task_kind,
     load_icc_gt,
+    parse_task_spec,
     score_task,
     write_task_score,
 )
@@ -119,16 +120,7 @@ def resolve_input_tasks(data: Path, specs: Sequence[str] | None = None) -> list[
     tasks: list[TaskInput] = []
     if specs:
         for spec in specs:
-            name, _, kind_name = spec.partition("=")
-            try:
-                kind = TaskKind(kind_name) if kind_name else infer_task_kind(name)
-            except ValueError as exc:
-                choices = ", ".join(k.value for k in TaskKind)
-                raise BenchSettingsError(
-                    f"--tasks {spec!r}: unknown scorer {kind_name!r}; use one of {choices}"
-                ) from exc
-            if kind is None:
-                raise BenchSettingsError(f"--tasks {name!r}: cannot tell the task from the name; write {name}=KIND")
+            name, kind = parse_task_spec(spec)
             folder = data / name if (data / name).is_dir() else (data if data.name == name else data / name)
             if not folder.is_dir():
                 raise BenchSettingsError(f"--tasks {name!r}: {data / name} is not a folder")

@@ -12,6 +12,9 @@ import asyncio
 import math
 import os
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -269,9 +272,66 @@ def make_retriever(args: argparse.Namespace, transcriber: Any, bank: Any) -> tup
     return router, Retriever(transcriber, router, None, deadline_s=args.span_deadline_s)
 
 
-def forced_rets(args: argparse.Namespace) -> list[float]:
-    """``--force-ret input-end``: one forced ``<ret>`` this long after each input ends; else none."""
-    return [args.force_ret_delay_s] if args.force_ret == "input-end" else []
+def loop_transcriber(args: argparse.Namespace) -> Any:
+    """The word-timed transcriber of ``--asr`` (None with ``--asr none``): the one a run's loop hears the user with
+    and its outputs are transcribed with. The caller closes it (:func:`open_backends` does)."""
+    from cspan.bench.transcribe import make_transcriber
+
+    return make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
+
+
+@dataclass
+class RunBackends:
+    """What a run talks to besides the model: the transcriber, the judge (None without ``--judge-url``) and, unless
+    ``--router none``, the tool bank and the router with the retriever over it (None otherwise)."""
+
+    transcriber: Any
+    judge: Any
+    bank: Any = None
+    router: Any = None
+    retriever: Any = None
+
+
+@asynccontextmanager
+async def open_backends(args: argparse.Namespace, transcriber: Any) -> AsyncIterator[RunBackends]:
+    """The :class:`RunBackends` of a run over ``transcriber`` (:func:`loop_transcriber`): the judge of
+    ``--judge-url``, then the bank of ``--tools`` / ``--mcp`` (MCP servers start here) and the router and retriever
+    of ``--router``. On the way out, whatever happened (an error, Ctrl-C, SIGTERM), the router, the bank and
+    ``transcriber`` are closed quietly, then the judge; the judge's record stays readable for
+    :func:`check_judge`.
+
+    Raises:
+        BenchError: from :func:`make_bank` or the router's settings (after closing what was opened).
+    """
+    from cspan.bench.session import close_quietly
+
+    backends = RunBackends(transcriber=transcriber, judge=None)
+    try:
+        backends.judge = make_judge(args)
+        if args.router.lower() != "none":
+            backends.bank = await make_bank(args)
+            backends.router, backends.retriever = make_retriever(args, transcriber, backends.bank)
+        yield backends
+    finally:
+        await close_quietly(backends.router, backends.bank, transcriber)
+        if backends.judge is not None:
+            backends.judge.close()
+
+
+def loop_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields that every runner's options (``V1RunOptions``, ``V3RunOptions``, ``QARunOptions``) take from the
+    model, loop and run flags: persona, seed, tail silence, forced ``<ret>`` (``--force-ret input-end``: one this
+    long after each input ends; else none), clock, :func:`loop_config`, overwrite and quiet."""
+    return {
+        "text_prompt": args.text_prompt,
+        "seed": args.seed,
+        "tail_s": args.tail_s,
+        "force_ret": [args.force_ret_delay_s] if args.force_ret == "input-end" else [],
+        "realtime": args.realtime,
+        "config": loop_config(args),
+        "overwrite": args.overwrite,
+        "quiet": args.quiet,
+    }
 
 
 def describe_run(args: argparse.Namespace, session: Any) -> dict[str, Any]:
@@ -771,8 +831,7 @@ def _fdb_v1_run(args: argparse.Namespace) -> int:
 
 async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     from cspan.bench.fdb_v1_run import INPUT_WAV, V1RunOptions, resolve_input_tasks, run_fdb_v1
-    from cspan.bench.session import check_audio_inputs, close_quietly
-    from cspan.bench.transcribe import make_transcriber
+    from cspan.bench.session import check_audio_inputs
 
     check_loop(args)
     await check_backends(args)
@@ -780,25 +839,12 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     check_audio_inputs([d / INPUT_WAV for t in tasks for d in t.samples[: args.limit]])  # before the model loads
     icc_gt = _find_icc_gt(args.icc_gt, args.data, tasks)
     session = build_session_from(args)
-    transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
-    router = retriever = bank = None
-    judge = make_judge(args)
-    try:
-        if args.router.lower() != "none":
-            bank = await make_bank(args)
-            router, retriever = make_retriever(args, transcriber, bank)
+    async with open_backends(args, loop_transcriber(args)) as backends:
         options = V1RunOptions(
-            text_prompt=args.text_prompt,
-            seed=args.seed,
-            tail_s=args.tail_s,
+            **loop_options(args),
             output_offset_frames=args.output_offset_frames,
             output_rate=args.output_rate,
-            force_ret=forced_rets(args),
-            realtime=args.realtime,
-            config=loop_config(args),
-            overwrite=args.overwrite,
             limit=args.limit,
-            quiet=args.quiet,
             describe=describe_run(args, session),
         )
         result = await run_fdb_v1(
@@ -806,17 +852,13 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
             tasks,
             args.out,
             options,
-            loop_transcriber=transcriber if retriever is not None else None,
-            retriever=retriever,
-            score_transcriber=transcriber,
+            loop_transcriber=backends.transcriber if backends.retriever is not None else None,
+            retriever=backends.retriever,
+            score_transcriber=backends.transcriber,
             icc_gt_path=icc_gt,
-            judge=judge,
+            judge=backends.judge,
             asr_label=args.asr,
         )
-    finally:
-        await close_quietly(router, bank, transcriber)
-        if judge is not None:
-            judge.close()
     print(f"fdb-v1: rendered {result.rendered}, kept {result.kept}, transcribed {result.transcribed} -> {args.out}")
     for task, score in result.scores:
         if score is not None:
@@ -826,7 +868,7 @@ async def _fdb_v1_run_async(args: argparse.Namespace) -> int:
     if result.summary_md is not None:
         print(result.summary_md.read_text(encoding="utf-8"))
         print(f"wrote {result.summary_md}")
-    check_judge(judge, [])
+    check_judge(backends.judge, [])
     return 0
 
 
@@ -921,7 +963,6 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
     from cspan.bench import fdb_v3
     from cspan.bench.fdb_v3_run import V3RunOptions, find_samples, run_fdb_v3, scenarios_from_metadata
     from cspan.bench.session import close_quietly
-    from cspan.bench.transcribe import make_transcriber
 
     check_loop(args)
     await check_backends(args)
@@ -936,18 +977,11 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     session = build_session_from(args)
-    transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
+    transcriber = loop_transcriber(args)
     options = V3RunOptions(
+        **loop_options(args),
         provider=args.provider,
-        text_prompt=args.text_prompt,
-        seed=args.seed,
-        tail_s=args.tail_s,
-        force_ret=forced_rets(args),
-        realtime=args.realtime,
-        config=loop_config(args),
-        overwrite=args.overwrite,
         limit=args.limit,
-        quiet=args.quiet,
         max_tool_calls=args.max_tool_calls,
         router_timeout_s=args.router_timeout_s,
         release=release,
@@ -1121,50 +1155,38 @@ def _qa(args: argparse.Namespace) -> int:
 
 async def _qa_async(args: argparse.Namespace) -> int:
     from cspan.bench.qa import QARunOptions, check_qa_audio, load_qa_items, qa_table, run_qa, timing_source
-    from cspan.bench.session import close_quietly
-    from cspan.bench.transcribe import make_transcriber
 
     check_loop(args, text_questions=args.question_source == "text")
     await check_backends(args)
     items = load_qa_items(args.data, args.qa_set, limit=args.limit)
     check_qa_audio(items, args.tts)  # before the model loads
     # word-timed: the same transcriber serves the loop and the delays' word times of output.wav
-    transcriber = make_transcriber(args.asr, model=args.asr_model) if args.asr.lower() != "none" else None
-    timing_source(args.timing_words, transcriber)
+    transcriber = loop_transcriber(args)
+    timing_source(args.timing_words, transcriber)  # before the model loads
     session = build_session_from(args)
-    router = retriever = bank = None
-    judge = make_judge(args)
-    try:
-        if args.router.lower() != "none":
-            bank = await make_bank(args)
-            router, retriever = make_retriever(args, transcriber, bank)
+    async with open_backends(args, transcriber) as backends:
         options = QARunOptions(
+            **loop_options(args),
             set_name=args.qa_set,
-            text_prompt=args.text_prompt,
-            seed=args.seed,
-            tail_s=args.tail_s,
             question_source=args.question_source,
-            force_ret=forced_rets(args),
-            realtime=args.realtime,
-            config=loop_config(args),
             tts=args.tts,
             timing_words=args.timing_words,
-            overwrite=args.overwrite,
-            quiet=args.quiet,
             describe=describe_run(args, session),
         )
         summary, results = await run_qa(
-            session, items, args.out, options, transcriber=transcriber, retriever=retriever, judge=judge
+            session,
+            items,
+            args.out,
+            options,
+            transcriber=transcriber,
+            retriever=backends.retriever,
+            judge=backends.judge,
         )
-    finally:
-        await close_quietly(router, bank, transcriber)
-        if judge is not None:
-            judge.close()
     print(qa_table([summary]))
     for note in summary.notes:
         print(f"note: {note}")
     print(f"wrote {args.out / 'summary.json'} ({len(results)} item(s))")
-    check_judge(judge, summary.notes)
+    check_judge(backends.judge, summary.notes)
     return 0
 
 

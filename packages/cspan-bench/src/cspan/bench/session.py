@@ -5,8 +5,8 @@ bfloat16 when available, else CPU in float32). :func:`render` then plays one use
 runtime of the core (:class:`~cspan.core.runtime.Conversation` driven by :func:`~cspan.core.runtime.run_conversation`):
 persona prefix, voice activity and utterance transcripts, ``<ret>`` answered by a retriever and injected as a
 Context Span, and returns the agent's audio on the recording's own timeline with everything that happened.
-:func:`make_router` / :func:`make_retriever` wire the backends (transcriber, router over a tool bank, Context DB)
-the way ``cspan infer`` does, without depending on ``cspan.server`` (see ``docs/ARCHITECTURE.md``).
+:func:`make_router` makes the router over a tool bank the way ``cspan infer`` does, without depending on
+``cspan.server`` (see ``docs/ARCHITECTURE.md``); ``cspan.bench.run_commands`` wires the rest of a run's backends.
 
 Timeline convention (all runners): call ``k`` of the engine is given user frame ``k`` (80 ms, samples
 ``[1920 k, 1920 (k + 1))`` of the recording at 24 kHz) and returns one agent frame; :attr:`Rendered.agent_pcm`
@@ -206,22 +206,6 @@ def build_session(
 
 
 # --- backends ----------------------------------------------------------------------------------------------------
-
-
-def make_transcriber(spec: str | None, *, model: str | None = None) -> Any:
-    """A transcriber for the conversation loop from ``--asr`` (``sphinx``, a URL), or None for ``none``/empty.
-
-    Raises:
-        BenchError: the setting names no transcriber.
-    """
-    if not spec or spec.lower() == "none":
-        return None
-    from cspan.backends.asr import transcriber_from_url
-
-    try:
-        return transcriber_from_url(spec, model=model)
-    except ValueError as exc:
-        raise BenchError(f"--asr {redact_url(spec)!r}: {exc}") from exc
 
 
 def make_router(
