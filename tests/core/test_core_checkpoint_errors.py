@@ -385,3 +385,32 @@ def test_model_info_says_when_a_load_would_refuse_the_weights(tiny_copy: Path) -
     )
     assert done.returncode == 1 and "key check: FAILED" in done.stdout  # a script sees it, not only a reader
     assert done.stderr == "cspan model info: error: these weights would not load (see the key check above)\n"
+
+
+def _mimi_check(text: str) -> str:
+    return text.split("\nMimi:\n", 1)[1].splitlines()[1]
+
+
+def test_model_info_checks_the_mimi_weights_too(tiny_copy: Path) -> None:
+    """A truncated or foreign Mimi file was summarised as a loadable checkpoint (exit 0): only the LM was checked."""
+    from cspan.core.checkpoint import describe_checkpoint
+
+    mimi = tiny_copy / MIMI_FILE
+    assert _mimi_check(describe_checkpoint(tiny_copy)).startswith("  key check: ok")
+    data = mimi.read_bytes()
+    header = int.from_bytes(data[:8], "little")
+    _rewrite(mimi, lambda s: s.pop("decoder_transformer.transformer.layers.0.norm1.weight"))
+    line = _mimi_check(describe_checkpoint(tiny_copy))
+    assert line.startswith("  key check: FAILED, loading would refuse these weights: Mimi weights: missing key(s) ")
+    assert "'decoder_transformer.transformer.layers.0.norm1.weight'" in line and str(mimi) in line
+    mimi.write_bytes(data[:1000])  # an interrupted download
+    done = subprocess.run(
+        [sys.executable, "-m", "cspan.core.cli", "model", "info", str(tiny_copy)], capture_output=True, text=True
+    )
+    assert done.returncode == 1, done.stdout
+    assert _mimi_check(done.stdout) == (
+        f"  key check: FAILED, loading would refuse these weights: Mimi weights file {str(mimi)!r} is truncated or "
+        f"not a safetensors file: header length {header} does not fit in 1000 bytes; download or copy the file again"
+    )
+    mimi.unlink()
+    assert _mimi_check(describe_checkpoint(tiny_copy)) == f"  weights: missing ({MIMI_FILE})"

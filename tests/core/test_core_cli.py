@@ -151,6 +151,23 @@ _DOC = " (docs/COMING-FROM-MOSHI.md)"
             "--hf-repo=nvidia/personaplex-7b-v1 --quite; did you mean '--quiet'?; --hf-repo is Moshi's and "
             "PersonaPlex's: here, --checkpoint REPO (a Hugging Face repo or a local folder)" + _DOC,
         ),
+        (  # moshi.run_inference's --config alias got "did you mean '--config'?" (our TOML settings file)
+            "infer",
+            ["--lm-config", "config.json"],
+            "--lm-config config.json; --lm-config is Moshi's: here, --checkpoint DIR (the folder's config.json)" + _DOC,
+        ),
+        (
+            "infer",
+            ["--batch-size", "8"],
+            "--batch-size 8; --batch-size is Moshi's and has no counterpart here: one conversation per run; cspan "
+            "serve --max-sessions N batches live conversations" + _DOC,
+        ),
+        (
+            "serve",
+            ["--cfg-coef", "1.0"],
+            "--cfg-coef 1.0; --cfg-coef is Moshi's and has no counterpart here: no classifier-free guidance "
+            "(upstream's default 1.0 is none)" + _DOC,
+        ),
         (
             "serve",
             ["--gradio-tunnel"],

@@ -17,12 +17,22 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch wi
 
 def test_parse_device_values() -> None:
     assert parse_device("cpu") == torch.device("cpu")
+    assert parse_device("cpu:0") == parse_device("cpu:1") == torch.device("cpu")  # no index: safetensors refuses one
     assert parse_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for bad in ("bogus", "tpu", "", "cuda:x"):
         with pytest.raises(SettingsError, match="not a device torch knows; use cpu, cuda or cuda:N"):
             parse_device(bad)
     with pytest.raises(SettingsError, match=r"^--device meta: cspan runs on the CPU or CUDA only"):
         parse_device("meta")
+
+
+def test_cpu_with_an_index_loads(tiny_checkpoint_dir: Path) -> None:
+    """`--device cpu:0` (a device torch accepts) failed the load with "LM weights file ..., tensor 'emb.0.weight':
+    cannot be read (device cpu:0 is invalid); download or copy the file again": safetensors takes no CPU index."""
+    from cspan.core.checkpoint import load_lm
+
+    lm = load_lm(tiny_checkpoint_dir, device="cpu:0")
+    assert lm.text_emb.weight.device == torch.device("cpu")
 
 
 @NO_CUDA

@@ -38,6 +38,8 @@ from .errors import CheckpointError, validation_summary
 from .voice import CheckpointVoices, VoicePrompt, load_voice, load_voice_prompt
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import sentencepiece
     import torch
 
@@ -971,21 +973,10 @@ def load_mimi(
     import torch
 
     from .config import MimiConfig
-    from .mimi import Mimi
 
-    cfg = config or MimiConfig.mimi_24khz()
     src = _SafetensorsSource(Path(path), "Mimi", device=_load_device(device))
     try:
-        mimi = Mimi(cfg, device="meta", dtype=torch.float32)
-    except (ValueError, TypeError, RuntimeError, OverflowError, IndexError, ZeroDivisionError) as exc:
-        raise CheckpointError(
-            f"Mimi weights file {str(path)!r}: its codec config cannot build a model ({type(exc).__name__}: {exc}); "
-            "check the 'mimi_config' of config.json"
-        ) from None
-    reference = mimi.state_dict()
-    expected = {k: tuple(v.shape) for k, v in reference.items()}
-    plan = _check_and_plan(expected, [src], floating={k: bool(v.is_floating_point()) for k, v in reference.items()})
-    try:
+        mimi, plan = _plan_mimi(config or MimiConfig.mimi_24khz(), src)
         _assign(mimi, plan, device, torch.float32)
     finally:
         src.close()
@@ -995,6 +986,39 @@ def load_mimi(
     except ValueError as exc:
         raise CheckpointError(f"Mimi weights file {str(path)!r}: {exc}") from None
     return mimi
+
+
+def _plan_mimi(cfg: MimiConfig, src: _Source) -> tuple[Mimi, dict[str, tuple[_Source, str]]]:
+    """The Mimi built on meta and its checked load plan (:func:`_check_and_plan`); reads headers only, so ``model
+    info`` runs the same checks as a load.
+
+    Raises:
+        CheckpointError: the codec config cannot build a model, or the weights do not fit it (names file and key).
+    """
+    import torch
+
+    from .mimi import Mimi
+
+    try:
+        mimi = Mimi(cfg, device="meta", dtype=torch.float32)
+    except (ValueError, TypeError, RuntimeError, OverflowError, IndexError, ZeroDivisionError) as exc:
+        raise CheckpointError(
+            f"Mimi weights file {str(src.path)!r}: its codec config cannot build a model ({type(exc).__name__}: "
+            f"{exc}); check the 'mimi_config' of config.json"
+        ) from None
+    reference = mimi.state_dict()
+    expected = {k: tuple(v.shape) for k, v in reference.items()}
+    floating = {k: bool(v.is_floating_point()) for k, v in reference.items()}
+    return mimi, _check_and_plan(expected, [src], floating=floating)
+
+
+def _check_codec_card(mimi_cfg: MimiConfig, lm_cfg: LMConfig, path: Path) -> None:
+    """Refuse a codec whose codebooks are not the LM's audio tokens (``path``: the Mimi weights file)."""
+    if mimi_cfg.quantizer.bins != lm_cfg.card:
+        raise CheckpointError(
+            f"Mimi weights file {str(path)!r} has {mimi_cfg.quantizer.bins} bins per codebook but the LM's "
+            f"card is {lm_cfg.card}; the codec and the LM do not belong together"
+        )
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> sentencepiece.SentencePieceProcessor:
@@ -1557,11 +1581,7 @@ def load_checkpoint(
 
         lora = {**lora, "modules": [], "merged": fuse_lora_layers(lm)}
     mimi = load_mimi(files.mimi, mimi_cfg, device=device)
-    if mimi_cfg.quantizer.bins != lm_cfg.card:
-        raise CheckpointError(
-            f"Mimi weights file {str(files.mimi)!r} has {mimi_cfg.quantizer.bins} bins per codebook but the LM's "
-            f"card is {lm_cfg.card}; the codec and the LM do not belong together"
-        )
+    _check_codec_card(mimi_cfg, lm_cfg, files.mimi)
     tokenizer = load_tokenizer(files.tokenizer)
     vocab = tokenizer.vocab_size()
     if vocab > lm_cfg.text_card:
@@ -1648,7 +1668,9 @@ def describe_checkpoint(
             f"  LoRA (moshi-finetune): r {moshi['r']}, scaling {moshi['scaling']}, {len(moshi['adapters'])} adapters"
         )
     if moshi is None:
-        lines.append(f"  key check: {_key_check(lm_cfg, files, state if files.fine_tune else None, lora)}")
+        lm_src = _SafetensorsSource(files.lm, "LM")
+        ft = None if files.fine_tune is None else _DictSource(files.fine_tune, "fine-tune", state)
+        lines.append(f"  key check: {_key_check(lambda: _plan_lm(lm_cfg, lm_src, ft, lora))}")
     lines.append(f"  persona prefix layout: {resolve_prefix_layout(files).name}")
     lines += [
         "Mimi:",
@@ -1656,6 +1678,16 @@ def describe_checkpoint(
         f"({mimi_cfg.frame_size} samples per frame), n_q {mimi_cfg.quantizer.n_q} "
         f"(the LM uses {NUM_VOICE_CODEBOOKS}), bins {mimi_cfg.quantizer.bins}",
     ]
+    mimi_file = files.mimi
+    if mimi_file is not None:
+
+        def mimi_check() -> None:
+            _plan_mimi(mimi_cfg, _SafetensorsSource(mimi_file, "Mimi"))
+            _check_codec_card(mimi_cfg, lm_cfg, mimi_file)
+
+        lines.append(f"  key check: {_key_check(mimi_check)}")
+    else:
+        lines.append(f"  weights: missing ({MIMI_FILE})")
     if files.tokenizer is not None:
         sp = load_tokenizer(files.tokenizer)
         specials = [("EPAD", EPAD), ("BOS", BOS), ("EOS", EOS), ("PAD", PAD)]
@@ -1676,15 +1708,12 @@ def describe_checkpoint(
     return "\n".join(lines)
 
 
-def _key_check(
-    lm_cfg: LMConfig, files: CheckpointFiles, state: dict[str, Any] | None, lora: dict[str, Any] | None
-) -> str:
-    """What ``model info`` says of the keys and shapes: ``ok``, or why a load would refuse the weights (headers
-    only: a summary must not look complete when loading would fail)."""
-    base = _SafetensorsSource(files.lm, "LM")
-    ft = None if state is None or files.fine_tune is None else _DictSource(files.fine_tune, "fine-tune", state)
+def _key_check(plan: Callable[[], object]) -> str:
+    """What ``model info`` says of the keys and shapes that ``plan`` checks (:func:`_plan_lm`, :func:`_plan_mimi`):
+    ``ok``, or why a load would refuse the weights (headers only: a summary must not look complete when loading
+    would fail)."""
     try:
-        _plan_lm(lm_cfg, base, ft, lora)
+        plan()
     except CheckpointError as exc:
         return f"FAILED, loading would refuse these weights: {exc}"
     return "ok (every key and shape the config needs; --load reads the values too)"

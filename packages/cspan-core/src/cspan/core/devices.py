@@ -26,7 +26,8 @@ def parse_device(name: str | None, *, flag: str = "--device", cuda_index: int | 
     """The torch device that ``name`` (a ``--device`` value) names, checked against this machine.
 
     Args:
-        name: ``cpu``, ``cuda``, ``cuda:N``; None: CUDA when this torch has a device, else the CPU.
+        name: ``cpu``, ``cuda``, ``cuda:N``; None: CUDA when this torch has a device, else the CPU. ``cpu:N`` is the
+            CPU (``torch.device("cpu")``, no index).
         flag: the flag (or variable) named in messages.
         cuda_index: the index given to a bare ``cuda`` (and to the default), e.g. ``LOCAL_RANK`` under torchrun;
             None leaves it bare.
@@ -49,8 +50,8 @@ def parse_device(name: str | None, *, flag: str = "--device", cuda_index: int | 
         raise SettingsError(f"{flag} {shown}: not a device torch knows; {hint}") from None
     if device.type not in DEVICE_TYPES:
         raise SettingsError(f"{flag} {shown}: cspan runs on the CPU or CUDA only; {hint}")
-    if device.type != "cuda":
-        return device
+    if device.type != "cuda":  # torch reads cpu:N as the one CPU; safetensors refuses an index ("cpu:0 is invalid")
+        return torch.device("cpu")
     if not torch.cuda.is_available():
         raise CspanError(f"{flag} {name}: this torch has no CUDA device (torch {torch.__version__}); use {flag} cpu")
     if device.index is None and cuda_index is not None:

@@ -85,6 +85,7 @@ UPSTREAM_FLAGS: dict[str, UpstreamFlag] = {
             "the folder's tokenizer_spm_32k_3.model, or config.json's tokenizer_name",
         ),
         UpstreamFlag("--config-path", _MOSHI, "--checkpoint DIR", "the folder's config.json"),
+        UpstreamFlag("--lm-config", _MOSHI, "--checkpoint DIR", "the folder's config.json"),  # moshi.run_inference
         UpstreamFlag(
             "--lora-weight",
             _MOSHI,
@@ -118,6 +119,16 @@ UPSTREAM_FLAGS: dict[str, UpstreamFlag] = {
         UpstreamFlag(
             "--topk-text", _PP, None, "top-k is fixed at upstream's defaults, 250 for audio and 25 for text", _RUNTIME
         ),
+        UpstreamFlag(
+            "--cfg-coef", _MOSHI, None, "no classifier-free guidance (upstream's default 1.0 is none)", _RUNTIME
+        ),
+        UpstreamFlag(
+            "--batch-size",
+            _MOSHI,
+            None,
+            "one conversation per run; cspan serve --max-sessions N batches live conversations",
+            ("infer",),
+        ),
         # the server (moshi.server)
         UpstreamFlag(
             "--ssl",
@@ -133,6 +144,7 @@ UPSTREAM_FLAGS: dict[str, UpstreamFlag] = {
             "no tunnel: serve with --ssl-certfile and --ssl-keyfile, or behind a reverse proxy",
             ("serve",),
         ),
+        UpstreamFlag("--gradio-tunnel-token", _MOSHI, None, "no tunnel (see --gradio-tunnel)", ("serve",)),
     ]
 }
 """Upstream flags by name (``docs/COMING-FROM-MOSHI.md``'s tables)."""
