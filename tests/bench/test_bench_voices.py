@@ -200,3 +200,44 @@ def test_a_voice_file_changed_in_place_is_another_voice(tiny_checkpoint_dir: Pat
         assert described["voice_file"] == str(mine)
         keys.append(settings_key({"checkpoint": described}))
     assert keys[0] != keys[1]
+
+
+@pytest.mark.slow
+def test_a_fine_tune_retrained_at_the_same_path_is_rendered_again(
+    v1_dir: Path, tiny_checkpoint_dir: Path, tmp_path: Path, cli, capsys, monkeypatch
+) -> None:
+    """The resume key named the checkpoint's files by path: a fine-tune retrained into the same export folder kept
+    the old model's results ("rendered 0, kept 1"). The record holds the fine-tune file's weights fingerprint: the
+    same weights saved again keep the sample, other weights render it again; a base without a fine-tune records no
+    such key (its results keep their resume keys)."""
+    from cspan.core.checkpoint import weights_fingerprint
+
+    monkeypatch.delenv("CSPAN_VOICES_DIR", raising=False)
+    base = load_checkpoint(tiny_checkpoint_dir, device="cpu", dtype=torch.float32)
+    weight = base.lm.text_linear.weight.detach().clone()
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "export.json").write_text(json.dumps({"base": str(tiny_checkpoint_dir)}))
+    fine_tune = export / "context_spanning.pt"
+    out = tmp_path / "out"
+
+    def run(delta: float) -> tuple[str, dict[str, Any]]:
+        torch.save({"model": {"text_linear.weight": weight + delta}}, fine_tune)  # a (re)training's export
+        capsys.readouterr()
+        assert _run_v1(cli, v1_dir, export, out) == 0
+        said = capsys.readouterr().out
+        return said[said.index("fdb-v1: rendered") :].split(",")[0], _record(out)["settings"]["checkpoint"]
+
+    said, first = run(0.5)
+    assert said == "fdb-v1: rendered 1" and first["files"]["fine_tune"] == str(fine_tune)
+    assert first["fine_tune_fingerprint"] == weights_fingerprint(fine_tune)
+    said, again = run(0.5)  # the same weights exported again (a new file, torch's new serialization id)
+    assert said == "fdb-v1: rendered 0" and again == first
+    said, other = run(-0.5)  # retrained: other weights at the same path
+    assert said == "fdb-v1: rendered 1" and other["fine_tune_fingerprint"] != first["fine_tune_fingerprint"]
+    assert {k: v for k, v in other.items() if k != "fine_tune_fingerprint"} == {
+        k: v for k, v in first.items() if k != "fine_tune_fingerprint"
+    }
+    # the base alone: no fine-tune, no fingerprint key
+    assert _run_v1(cli, v1_dir, tiny_checkpoint_dir, tmp_path / "base-out") == 0
+    assert "fine_tune_fingerprint" not in _record(tmp_path / "base-out")["settings"]["checkpoint"]

@@ -186,3 +186,57 @@ def test_lm_file_alone_takes_the_other_files_from_base(tiny_checkpoint_dir: Path
     assert ckpt.files["lm"] == lm and ckpt.files["mimi"] == tiny_checkpoint_dir / MIMI_FILE
     assert ckpt.files["tokenizer"] == tiny_checkpoint_dir / TOKENIZER_FILE and sorted(ckpt.voices) == ["tiny0", "tiny1"]
     assert f"lm: {lm}" in describe_checkpoint(lm, base=tiny_checkpoint_dir)
+
+
+def test_weights_fingerprint_is_by_content_not_by_path(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:
+    """The content fingerprint that a training resume and a bench resume key compare (weights_fingerprint): the same
+    weights moved or renamed give the same value, another seed's, or one changed value, another; it reads the
+    header and 4 KiB per tensor (the torch.save zip's CRC-32s cover the rest of a .pt)."""
+    import struct
+
+    from cspan.core.checkpoint import FINGERPRINT_SAMPLE, read_safetensors_header, weights_fingerprint
+
+    lm = tiny_checkpoint_dir / LM_FILE
+    first = weights_fingerprint(lm)
+    assert len(first) == 64 and int(first, 16) >= 0
+    moved = tmp_path / "elsewhere" / "renamed.safetensors"
+    moved.parent.mkdir()
+    shutil.copyfile(lm, moved)
+    assert weights_fingerprint(moved) == first
+    other = build_tiny_checkpoint(tmp_path / "seed1", seed=1)
+    assert weights_fingerprint(other / LM_FILE) != first
+    # one byte inside the first 4 KiB of one tensor's data
+    data = bytearray(lm.read_bytes())
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    header = json.loads(bytes(data[8 : 8 + n]))
+    key = sorted(read_safetensors_header(lm).tensors)[-1]
+    begin, end = header[key]["data_offsets"]
+    assert end - begin > 8
+    data[8 + n + begin + min(FINGERPRINT_SAMPLE, end - begin) - 1] ^= 0xFF
+    changed = tmp_path / "changed.safetensors"
+    changed.write_bytes(bytes(data))
+    assert weights_fingerprint(changed) != first
+    # a torch.save fine-tune: the same weights saved again (another file name, another serialization id) are the
+    # same; one value changed past the first 4 KiB of its tensor is another (its record's CRC-32)
+    state = {"model": {"a.weight": torch.randn(64, 64), "b.weight": torch.randn(8)}}
+    torch.save(state, tmp_path / "one.pt")
+    torch.save(state, tmp_path / "two.pt")
+    assert weights_fingerprint(tmp_path / "one.pt") == weights_fingerprint(tmp_path / "two.pt")
+    state["model"]["a.weight"][-1, -1] += 1.0
+    torch.save(state, tmp_path / "three.pt")
+    assert weights_fingerprint(tmp_path / "three.pt") != weights_fingerprint(tmp_path / "one.pt")
+    # a broken file is a CheckpointError naming it
+    (tmp_path / "cut.safetensors").write_bytes(lm.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"cut\.safetensors"):
+        weights_fingerprint(tmp_path / "cut.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing\.pt"):
+        weights_fingerprint(tmp_path / "missing.pt")
+
+
+def test_resolve_checkpoint_cache_only_never_asks_the_hub(tmp_path: Path, monkeypatch) -> None:
+    from cspan.core.checkpoint import resolve_checkpoint
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(CheckpointError, match="is not in the Hugging Face cache"):
+        resolve_checkpoint("nobody-here/no-such-model", cache_only=True)

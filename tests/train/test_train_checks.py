@@ -119,6 +119,53 @@ def test_export_records_the_resolved_base(
     assert ckpt.files["lm"].parent.resolve() == tiny_dir.resolve() and ckpt.lora is not None
 
 
+def test_a_finished_lora_run_is_not_re_exported_over_another_base(
+    prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A LoRA run over base A, rerun once finished with --checkpoint B (same Mimi and tokenizer, other LM weights),
+    exited 0 and rewrote export.json naming B as the base of adapters trained over A. The base's weights are part
+    of what a resume compares (by content): one line naming --checkpoint, exit 2, nothing rewritten. Training over a
+    fine-tune records its fine-tune file too, and a fine-tune retrained at the same path is refused the same way."""
+    from cspan.core.tiny import build_tiny_checkpoint
+
+    other = build_tiny_checkpoint(tmp_path / "b", seed=1)
+    for name in ("tokenizer-e351c8d8-checkpoint125.safetensors", "tokenizer_spm_32k_3.model", "config.json"):
+        shutil.copyfile(tiny_dir / name, other / name)
+    out = tmp_path / "run"
+    argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(out), *COMMON, *ONE_STEP, "--lora-rank", "2"]
+    assert _run(*argv, "--checkpoint", str(tiny_dir)) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert _run(*argv, "--checkpoint", str(other)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "--checkpoint (its weights, fingerprint) lm " in err and f"--checkpoint {str(tiny_dir)!r}" in err, err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert json.loads((out / "export" / "export.json").read_text())["base"] == str(tiny_dir.resolve())
+    # over the fine-tune just exported: the record names both files; the export rewritten with other adapters (a
+    # retrained fine-tune at the same path) is refused, the same file copied elsewhere resumes
+    fine = tmp_path / "fine"
+    shutil.copytree(out / "export", fine)
+    more = tmp_path / "more"
+    argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(more), *COMMON, "--base", str(tiny_dir)]
+    steps = ["--steps", "3", "--batch-size", "1", "--accum", "1", "--lora-rank", "2"]
+    assert _run(*argv, *steps, "--checkpoint", str(fine), "--stop-at", "1") == 0
+    recorded = json.loads((more / "train_config.json").read_text())["checkpoint_weights"]
+    assert recorded.startswith("lm ") and ", fine-tune " in recorded
+    assert recorded.split(", ")[0] == json.loads((out / "train_config.json").read_text())["checkpoint_weights"]
+    copy = tmp_path / "fine-copy"
+    shutil.copytree(fine, copy)
+    payload = torch.load(fine / "context_spanning.pt", map_location="cpu", weights_only=True)
+    payload["model"] = {k: v + 0.01 for k, v in payload["model"].items()}
+    torch.save(payload, fine / "context_spanning.pt")
+    capsys.readouterr()
+    assert _run(*argv, *steps, "--checkpoint", str(fine)) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint (its weights, fingerprint) {recorded} (now {recorded.split(', ')[0]}, fine-tune " in err
+    assert _run(*argv, *steps, "--checkpoint", str(copy), "--stop-at", "2") == 0
+    assert "resuming from" in capsys.readouterr().err
+
+
 def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys) -> None:
     args = ["--data-dir", str(prepared_dir), "--checkpoint", str(tiny_dir), *COMMON, *ONE_STEP]
     lora = [

@@ -192,6 +192,59 @@ def test_resuming_on_another_dataset_is_refused_and_on_a_moved_one_goes_on(
     assert "resuming from" in capsys.readouterr().err
 
 
+def test_resuming_over_other_weights_at_the_same_path_is_refused_and_over_moved_ones_goes_on(
+    prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """A resume compared the --checkpoint path, not the weights: other LM weights at the first run's path (same Mimi
+    and tokenizer) trained on with exit 0. The record holds the weights' content fingerprint (checkpoint_weights):
+    other weights at the same path are refused like any changed setting, before the model loads; the same weights in
+    another folder resume; a checkpoint recorded before the key existed is not refused."""
+    import re
+    import shutil
+
+    from cspan.core.cli import main
+    from cspan.core.tiny import build_tiny_checkpoint
+    from cspan.train.train import checkpoint_weights
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dir, base)
+    out = tmp_path / "run"
+    extra = ["--steps", "4", "--batch-size", "1", "--accum", "1"]
+    _train(*_train_args(prepared_dir, out, base, *extra), "--stop-at", "1")
+    first = out / "checkpoints" / "step_00000001" / "COMPLETE"
+    recorded = json.loads(first.read_text())["config"]["checkpoint_weights"]
+    assert re.fullmatch(r"lm [0-9a-f]{16}", recorded) and recorded == checkpoint_weights(tiny_dir / "model.safetensors")
+    assert json.loads((out / "train_config.json").read_text())["checkpoint_weights"] == recorded
+    # other weights where the first ones were (another seed's LM; Mimi, tokenizer and config unchanged)
+    moved = tmp_path / "moved"
+    shutil.copytree(base, moved)
+    seed1 = build_tiny_checkpoint(tmp_path / "seed1", seed=1)
+    shutil.copyfile(seed1 / "model.safetensors", base / "model.safetensors")
+    now = checkpoint_weights(base / "model.safetensors")
+    assert now != recorded
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(_train_args(prepared_dir, out, base, *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cspan train: error: --out-dir {str(out)!r} holds a run trained with other settings ("), err
+    assert f"--checkpoint (its weights, fingerprint) {recorded} (now {now})" in err and err.count("\n") == 1, err
+    assert f"trained over the weights --checkpoint {str(base)!r} held then" in err, err
+    assert "resuming from" not in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # the first weights in another folder: the run goes on
+    _train(*_train_args(prepared_dir, out, moved, *extra), "--stop-at", "2")
+    assert "resuming from" in capsys.readouterr().err
+    # a checkpoint written before the weights were recorded resumes (nothing to compare), and records them from then
+    second = out / "checkpoints" / "step_00000002" / "COMPLETE"
+    meta = json.loads(second.read_text())
+    assert meta["config"].pop("checkpoint_weights") == recorded
+    second.write_text(json.dumps(meta))
+    _train(*_train_args(prepared_dir, out, base, *extra), "--stop-at", "3")
+    assert "resuming from" in capsys.readouterr().err
+    third = json.loads((out / "checkpoints" / "step_00000003" / "COMPLETE").read_text())
+    assert third["config"]["checkpoint_weights"] == now
+
+
 def test_lora_adapters_export_in_the_loader_layout(prepared_dir: Path, tiny_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "lora"
     args = _train_args(prepared_dir, out, tiny_dir, "--steps", "4", "--batch-size", "1", "--accum", "1")

@@ -114,6 +114,7 @@ class BenchSession:
     dtype: Any
     chosen_voice: Any
     source: str
+    _fine_tune_fingerprint: str | None = field(default=None, init=False, repr=False)
 
     @property
     def voice(self) -> str | None:
@@ -127,12 +128,23 @@ class BenchSession:
 
     def identity(self) -> dict[str, Any]:
         """What a result file records about the model: source, files, sizes, dtype, device, the voice that spoke
-        (``voice``, ``voice_file``, ``voice_form``, ``voice_default``: :meth:`cspan.core.voice.ChosenVoice.describe`),
-        sampling."""
+        (``voice``, ``voice_file``, ``voice_sha256``, ``voice_form``, ``voice_default``:
+        :meth:`cspan.core.voice.ChosenVoice.describe`), sampling; and for a fine-tune over its base,
+        ``fine_tune_fingerprint``: :func:`cspan.core.checkpoint.weights_fingerprint` of the fine-tune file (what a
+        retraining rewrites at the same path), so a resumed run renders again over other weights. A checkpoint
+        without a fine-tune has no such key (its results keep their resume keys)."""
         from cspan.core.voice import describe_voice
 
         lm = self.checkpoint.lm
         engine = self.engine
+        fine_tune = getattr(self.checkpoint, "fine_tune", None)
+        weights: dict[str, Any] = {}
+        if fine_tune is not None:
+            if self._fine_tune_fingerprint is None:  # once: a few KiB per tensor, but identity() is asked per run
+                from cspan.core.checkpoint import weights_fingerprint
+
+                self._fine_tune_fingerprint = weights_fingerprint(fine_tune, "fine-tune")
+            weights["fine_tune_fingerprint"] = self._fine_tune_fingerprint
         return {
             "source": self.source,
             "files": {k: str(v) for k, v in (self.checkpoint.files or {}).items()},
@@ -144,6 +156,7 @@ class BenchSession:
             "temp": engine.audio_params.temperature,
             "temp_text": engine.text_params.temperature,
             "cuda_graphs": bool(engine.cuda_graphs),
+            **weights,
         }
 
 

@@ -402,6 +402,70 @@ def read_safetensors_header(path: str | os.PathLike[str], role: str = "checkpoin
     return SafetensorsHeader(path=path, tensors=tensors, metadata=dict(metadata))
 
 
+FINGERPRINT_SAMPLE = 4096
+"""Bytes of each tensor (or archive record) that :func:`weights_fingerprint` reads, from its start."""
+_FINGERPRINT_SCHEME = b"cspan-weights-fingerprint/1\n"
+
+
+def weights_fingerprint(path: str | os.PathLike[str], role: str = "checkpoint") -> str:
+    """A cheap fingerprint of the weights in a file (64 hex digits of a SHA-256), by content, not by path: the same
+    weights moved, copied or reached through a Hub cache give the same one; other weights (a fine-tune, another
+    seed, a retrained export) another. Reads the header and :data:`FINGERPRINT_SAMPLE` bytes per tensor, so a
+    7B file costs one small read per tensor, not a pass over its gigabytes.
+
+    - ``.safetensors``: the header's tensor names, dtypes and shapes (sorted by name; not the byte offsets or the
+      ``__metadata__``), then the first bytes of each tensor's data (a fine-tune changes nearly every tensor from
+      its first values).
+    - a ``torch.save`` zip (``.pt``): each record's name inside the archive (without the top folder, which torch
+      names after the file), its size and CRC-32 as the zip directory stores them (so the data of every tensor
+      counts), and its first bytes; torch's random per-save ``.data/serialization_id`` is left out, so the same
+      weights saved again give the same fingerprint.
+    - any other file (a legacy non-zip ``.pt``): the SHA-256 of all its bytes.
+
+    Raises:
+        CheckpointError: the file is missing, unreadable, or a safetensors file with a corrupt header (names it).
+    """
+    import hashlib
+    import zipfile
+
+    path = Path(path)
+    digest = hashlib.sha256(_FINGERPRINT_SCHEME)
+    try:
+        if path.suffix == ".safetensors":
+            header = read_safetensors_header(path, role)  # validated: every entry's bytes lie inside the file
+            with path.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                offsets = {k: v["data_offsets"] for k, v in json.loads(fh.read(n)).items() if k != "__metadata__"}
+                heads = {}
+                for key, (begin, end) in sorted(offsets.items(), key=lambda kv: kv[1][0]):  # in file order
+                    fh.seek(8 + n + begin)
+                    heads[key] = fh.read(min(FINGERPRINT_SAMPLE, end - begin))
+            names = sorted(header.tensors)
+            layout = [[k, header.tensors[k][0], list(header.tensors[k][1])] for k in names]
+            digest.update(json.dumps(layout, separators=(",", ":")).encode("utf-8"))
+            for key in names:
+                digest.update(heads[key])
+        elif zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as zf:
+                records = {i.filename.partition("/")[2]: i for i in zf.infolist() if not i.is_dir()}
+                for name in sorted(records):
+                    if name == ".data/serialization_id":
+                        continue
+                    info = records[name]
+                    digest.update(f"{name}\0{info.file_size}\0{info.CRC}\0".encode())
+                    with zf.open(info) as fh:
+                        digest.update(fh.read(FINGERPRINT_SAMPLE))
+        else:
+            with path.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    digest.update(chunk)
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        raise CheckpointError(
+            f"{role} weights file {str(path)!r} cannot be read ({exc}); check the path or download it again"
+        ) from None
+    return digest.hexdigest()
+
+
 class _Source:
     """One file of tensors: its key -> shape map, which keys hold floating values, and a per-key reader."""
 
@@ -1417,6 +1481,7 @@ def resolve_checkpoint(
     *,
     revision: str | None = None,
     base: str | os.PathLike[str] | None = None,
+    cache_only: bool = False,
 ) -> CheckpointFiles:
     """Find the files of a checkpoint source (downloading from the Hub where needed); loads nothing.
 
@@ -1428,10 +1493,18 @@ def resolve_checkpoint(
         source: file, folder, ``hf://`` URL or repo id; default ``$CSPAN_CHECKPOINT`` or :data:`DEFAULT_CHECKPOINT`.
         revision: Hub revision (branch, tag or commit) of ``source``.
         base: base of a fine-tune (folder or repo id); default ``$CSPAN_BASE`` or :data:`DEFAULT_BASE`.
+        cache_only: Hub repos (of ``source`` and of the base) are looked up in the Hugging Face cache only, never
+            downloaded nor asked the Hub about (a repo not cached is a :class:`CheckpointError`).
 
     Raises:
         CheckpointError: nothing at that path, unsupported file type, Hub errors (offline, gated, not found).
     """
+    if cache_only:
+        token = _HUB_CACHE_ONLY.set(True)
+        try:
+            return resolve_checkpoint(source, revision=revision, base=base)
+        finally:
+            _HUB_CACHE_ONLY.reset(token)
     origin = ""  # where a source that was not passed came from, for the messages
     if source is None:
         source = os.environ.get(ENV_CHECKPOINT) or DEFAULT_CHECKPOINT
@@ -1796,6 +1869,7 @@ __all__ = [
     "DEFAULT_CHECKPOINT",
     "DEFAULT_FINE_TUNE_FILE",
     "DEFAULT_REPO",
+    "FINGERPRINT_SAMPLE",
     "LM_FILE",
     "MIMI_FILE",
     "TOKENIZER_FILE",
@@ -1820,4 +1894,5 @@ __all__ = [
     "resolve_prefix_layout",
     "scan_voices",
     "strip_compile_prefixes",
+    "weights_fingerprint",
 ]

@@ -74,7 +74,8 @@ COMPLETE_FILE = "COMPLETE"
 # options that define the sample stream and the optimisation, as (key of the config record, flag): a resumed run
 # must not change them (the others -- --stop-at, --ckpt-every, --log-every, --keep-checkpoints, --device, --dtype,
 # --autocast, --fsdp, activation checkpointing, the export options, the number of processes at the same global
-# batch -- say where, how fast or in which precision it runs, not what it learns)
+# batch -- say where, how fast or in which precision it runs, not what it learns); the weights trained over are
+# compared by content (checkpoint_weights), not by the --checkpoint path
 _RESUME_KEYS = (
     ("seed", "--seed"),
     ("context", "--context"),
@@ -100,6 +101,7 @@ _RESUME_KEYS = (
     ("end_gap_s", "--end-gap-s"),
     ("random_sampling_proba", "--random-delay-proba"),
     ("dataset_sha256", "--data-dir (its prepared dialogues, sha256)"),
+    ("checkpoint_weights", "--checkpoint (its weights, fingerprint)"),
 )
 _MISSING = object()
 
@@ -126,6 +128,19 @@ def dataset_fingerprint(data_dir: str | Path) -> str | None:
         rows.append(row)
     text = json.dumps(rows, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def checkpoint_weights(lm: Path, fine_tune: Path | None = None) -> str:
+    """What a run trains over, as its config record's ``checkpoint_weights``: ``lm HEX`` (16 hex digits of the base
+    LM weights' :func:`cspan.core.checkpoint.weights_fingerprint`), followed by ``, fine-tune HEX`` when the
+    checkpoint is a fine-tune over that base. By content, not by path: the same weights moved to another folder, or
+    reached as a Hub id whose cached files are the same, give the same value."""
+    from cspan.core.checkpoint import weights_fingerprint
+
+    out = "lm " + weights_fingerprint(lm, "LM")[:16]
+    if fine_tune is not None:
+        out += ", fine-tune " + weights_fingerprint(fine_tune, "fine-tune")[:16]
+    return out
 
 
 def _record_value(record: dict[str, Any], key: str) -> Any:
@@ -627,6 +642,7 @@ class Trainer:
         self.dist = DistInfo()
         self.device = torch.device("cpu")
         self.tb: Any = None
+        self._weights: str | None = None  # checkpoint_weights(), once found
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -825,7 +841,9 @@ class Trainer:
     def check_resume(self, folder: Path) -> None:
         """Refuse to resume the checkpoint ``folder`` with options that change the samples or the optimisation
         (:data:`_RESUME_KEYS`, the global batch included: a run on another number of processes must keep
-        ``batch_size x accum x world``); cheap, so called before the model loads as well.
+        ``batch_size x accum x world``, and the checkpoint's weights by :func:`checkpoint_weights`, their content
+        fingerprint); cheap, so called before the model loads as well. A key the record lacks (a checkpoint written
+        before it was recorded) is not compared.
 
         Raises:
             TrainSettingsError: naming each such flag with its recorded and its new value (exit status 2).
@@ -839,7 +857,8 @@ class Trainer:
         changed = []
         for key, flag in _RESUME_KEYS:
             old, new = _record_value(saved, key), _record_value(now, key)
-            if old is not _MISSING and new is not _MISSING and old != new:  # new: a dataset that cannot be read
+            # old: a record written before the key existed; new: a dataset that cannot be read, weights not found
+            if old is not _MISSING and new is not _MISSING and old != new:
                 changed.append((key, flag, old, new))
         if not changed:
             return
@@ -849,6 +868,12 @@ class Trainer:
         keys = [key for key, *_ in changed]
         if "global_batch" in keys:
             hint = self._global_batch_hint(int(saved["global_batch"]), int(saved.get("world", 1))) + "; " + hint
+        if "checkpoint_weights" in keys:  # other weights: a path may hold them now, or the same ones lie elsewhere
+            base = f" --base {saved['base']!r}" if saved.get("base") else ""
+            hint = (
+                f"it was trained over the weights --checkpoint {saved.get('checkpoint')!r}{base} held then (the same "
+                "weights in another folder resume); " + hint
+            )
         raise TrainSettingsError(
             f"--out-dir {out!r} holds a run trained with other settings (checkpoint {folder.name}): {details}; {hint}"
         )
@@ -872,7 +897,28 @@ class Trainer:
             self._dataset_sha256 = dataset_fingerprint(cfg.data_dir)
         if self._dataset_sha256 is not None:
             record["dataset_sha256"] = self._dataset_sha256
+        weights = self._checkpoint_weights()
+        if weights is not None:
+            record["checkpoint_weights"] = weights
         return record
+
+    def _checkpoint_weights(self) -> str | None:
+        """:func:`checkpoint_weights` of this run's checkpoint, once: before the model loads from the files it
+        resolves to (a Hub id from the Hugging Face cache only, nothing downloaded), after from the loaded ones.
+        None while they cannot be found so (the load reports why; :meth:`_run` then checks the resume again)."""
+        if self._weights is None:
+            from cspan.core.checkpoint import resolve_checkpoint
+            from cspan.core.errors import CheckpointError
+
+            try:
+                if hasattr(self, "ckpt"):
+                    self._weights = checkpoint_weights(Path(self.ckpt.files["lm"]), self.ckpt.fine_tune)
+                else:
+                    files = resolve_checkpoint(self.cfg.checkpoint, base=self.cfg.base, cache_only=True)
+                    self._weights = checkpoint_weights(files.lm, files.fine_tune)
+            except (CheckpointError, OSError):
+                return None
+        return self._weights
 
     # -- export -----------------------------------------------------------------------------------------------------
 
@@ -1027,8 +1073,11 @@ class Trainer:
         latest = self.latest_checkpoint()
         if latest is not None:  # options that a resume refuses: before the data and the model load
             self.check_resume(latest)
+        unchecked = latest is not None and self._checkpoint_weights() is None
         self.dataset = PreparedDataset(cfg.data_dir)
         self._load_model()
+        if unchecked:  # the weights' files could not be found before the load (a Hub id not in the cache)
+            self.check_resume(latest)
         self._check_data()
         self.sampler = SequenceSampler(
             self.dataset,
