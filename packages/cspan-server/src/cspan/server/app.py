@@ -48,6 +48,7 @@ from cspan.server.session import (
 )
 from cspan.server.throttle import ClientBudget
 from cspan.server.voices import VOICE_AUDIO_MAX_BYTES
+from cspan.server.ws_protocol import KEEPALIVE_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
@@ -512,6 +513,7 @@ async def serve_connection(
     sender = asyncio.ensure_future(_send(websocket, session, adapter, metrics))
     watchdog = asyncio.ensure_future(session.watchdog())
     recheck = asyncio.ensure_future(_recheck(session, authenticator, credential.token))
+    gone = "disconnect"
     try:
         await _handle(session, adapter.opened())
         while True:
@@ -520,6 +522,9 @@ async def serve_connection(
             # uvicorn queues the disconnect behind every message it has parsed (one read: thousands of small ones);
             # the sender learns of it at its next write, and the session ends then, not after the backlog.
             if message["type"] == "websocket.disconnect" or session.gone:
+                if message.get("reason") == KEEPALIVE_TIMEOUT:  # it did not read the ping: it does not read
+                    logger.warning("session %s: client does not read (no answer to the keepalive ping)", session.id)
+                    gone = "slow_client"
                 break
             data = message.get("bytes")
             if data is None:
@@ -549,7 +554,7 @@ async def serve_connection(
     finally:
         watchdog.cancel()
         recheck.cancel()
-        await session.disconnected()
+        await session.disconnected(gone)
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sender
