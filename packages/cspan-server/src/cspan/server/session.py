@@ -179,7 +179,7 @@ def type_problem(data: dict[str, Any], known: Collection[str], noun: str) -> str
 
 
 class _Fields(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True, strict=True)  # a client's JSON, as is
 
 
 @lru_cache(maxsize=1)
@@ -261,9 +261,10 @@ class _Data(BaseModel):
 
 class SamplingOptions(BaseModel):
     """A client's sampling parameters for its session (PersonaPlex's names; each None: the server's default).
-    Temperatures: 0 (greedy) or 0.001 to 10; top-k: 0 (every token) to ``cspan.core.constants.MAX_TOP_K``."""
+    Temperatures: 0 (greedy) or 0.001 to 10; top-k: 0 (every token) to ``cspan.core.constants.MAX_TOP_K``. Strict,
+    as a client's JSON (query parameters, which are text, are read with ``strict=False``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text_temperature: Temperature | None = None
     text_topk: TopK | None = None
