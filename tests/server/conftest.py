@@ -25,7 +25,7 @@ def serve(tiny_checkpoint: Any) -> Iterator[Callable[..., ServerThread]]:
     """``serve(**settings)`` -> a started :class:`ServerThread` on the tiny checkpoint (stopped after the test).
 
     Keyword arguments are :class:`~cspan.server.serve_settings.ServeSettings` fields, plus ``transcriber`` / ``retriever``
-    to pass to ``create_app``. Defaults: no ASR, no router, test hooks on, one session, a short persona, a Context DB
+    to pass to ``create_app`` and ``uvicorn`` (a dict of uvicorn settings, :class:`ServerThread`). Defaults: no ASR, no router, test hooks on, one session, a short persona, a Context DB
     in memory, and a queue bound of 20 s (a test asserting that no frame is dropped must not depend on how fast this
     machine is; the bound itself is tested with a small one).
     """
@@ -35,6 +35,7 @@ def serve(tiny_checkpoint: Any) -> Iterator[Callable[..., ServerThread]]:
 
     def make(**kwargs: Any) -> ServerThread:
         app_kwargs = {k: kwargs.pop(k) for k in ("transcriber", "retriever") if k in kwargs}
+        uvicorn = kwargs.pop("uvicorn", {})
         defaults: dict[str, Any] = {
             "asr": "none",
             "router": "none",
@@ -46,7 +47,7 @@ def serve(tiny_checkpoint: Any) -> Iterator[Callable[..., ServerThread]]:
         }
         settings = ServeSettings(**{**defaults, **kwargs})
         app = create_app(settings, checkpoint=tiny_checkpoint, **app_kwargs)
-        server = ServerThread(app, settings).start()
+        server = ServerThread(app, settings, **uvicorn).start()
         started.append(server)
         return server
 

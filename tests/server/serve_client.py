@@ -17,9 +17,10 @@ import numpy as np
 
 
 class ServerThread:
-    """A ``cspan serve`` app served by uvicorn in a background thread on a free port of 127.0.0.1."""
+    """A ``cspan serve`` app served by uvicorn in a background thread on a free port of 127.0.0.1 (``uvicorn``:
+    overrides of :func:`~cspan.server.serve.uvicorn_config`'s uvicorn settings, e.g. a shorter keepalive)."""
 
-    def __init__(self, app: Any, settings: Any) -> None:
+    def __init__(self, app: Any, settings: Any, **uvicorn: Any) -> None:
         from cspan.server.serve import make_server, uvicorn_config
 
         self.app = app
@@ -29,7 +30,7 @@ class ServerThread:
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/ws"
-        config = uvicorn_config(app, settings, log_level=os.environ.get("CSPAN_TEST_LOG", "warning"))
+        config = uvicorn_config(app, settings, log_level=os.environ.get("CSPAN_TEST_LOG", "warning"), **uvicorn)
         self.server = make_server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 

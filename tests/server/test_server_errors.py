@@ -203,3 +203,50 @@ async def test_a_message_without_a_string_type_is_told_so(serve) -> None:
             assert error["message"].startswith(f"{problem}; this server accepts session.update, "), error
         await ws.send(json.dumps({"type": "session.update", "event_id": "u1", "session": {"instructions": "Hi."}}))
         assert (await json_until(ws, "session.updated"))["session"]["instructions"] == "Hi."
+
+
+async def test_a_value_of_another_json_type_is_refused_not_converted(serve) -> None:
+    """``{"type": "voice_audio", "size": true}`` was read as 1 and ``"10"`` as 10 (pydantic's lax mode): a value of
+    another JSON type is refused with the protocol's error naming the field, on both protocols that read JSON
+    messages, and the session goes on; an integer is still a number (``/api/chat``'s query parameters, text by
+    nature, are read as numbers: ``test_server_moshi``)."""
+    from test_server_limits import json_until, ws_url
+
+    server = serve(max_sessions=2)
+    cases = [
+        ({"type": "voice_audio", "size": True}, "voice_audio: size: Input should be a valid integer"),
+        ({"type": "voice_audio", "size": "10"}, "voice_audio: size: Input should be a valid integer"),
+        ({"type": "voice_audio", "size": 10.0}, "voice_audio: size: Input should be a valid integer"),
+        (
+            {"type": "start", "sampling": {"text_topk": "25"}},
+            "start: sampling.text_topk: Input should be a valid integer",
+        ),
+        ({"type": "start", "profile": {"lat": True}}, "start: profile.lat: Input should be a valid number"),
+        ({"type": "context", "profile": {"name": 7}}, "context: profile.name: Input should be a valid string"),
+    ]
+    async with websockets.connect(ws_url(server, "/ws"), max_size=None) as ws:
+        for payload, problem in cases:
+            await ws.send(json.dumps(payload))
+            error = await json_until(ws, "error")
+            assert (error["code"], error["message"]) == ("invalid_message", problem), error
+        await ws.send(json.dumps({"type": "start", "sampling": {"text_temperature": 1}, "profile": {"lat": 51}}))
+        ready = await json_until(ws, "ready")
+        assert (ready["sampling"]["text_temperature"], ready["profile"]["lat"]) == (1.0, 51.0)
+
+    beta = {"OpenAI-Beta": "realtime=v1"}  # its session object has temperature
+    async with websockets.connect(ws_url(server, "/v1/realtime"), max_size=None, additional_headers=beta) as ws:
+        await json_until(ws, "session.created")
+        truncate = {"type": "conversation.item.truncate", "event_id": "t1", "item_id": "i1"}
+        await ws.send(json.dumps({**truncate, "content_index": "0", "audio_end_ms": 0}))
+        error = (await json_until(ws, "error"))["error"]
+        assert (error["code"], error["event_id"], error["param"]) == ("invalid_event", "t1", "content_index"), error
+        session = {"temperature": "0.6", "instructions": "Hi.", "cspan": {"events": "true"}}
+        await ws.send(json.dumps({"type": "session.update", "event_id": "u1", "session": session}))
+        assert (await json_until(ws, "session.updated"))["session"]["instructions"] == "Hi."  # the valid fields
+        errors = [(await json_until(ws, "error"))["error"] for _ in range(2)]
+        assert sorted((e["code"], e["param"]) for e in errors) == [
+            ("invalid_event", "session.cspan.events"),
+            ("invalid_event", "session.temperature"),
+        ], errors
+        await ws.send(json.dumps({"type": "session.update", "event_id": "u2", "session": {"temperature": 1}}))
+        assert (await json_until(ws, "session.updated"))["session"]["temperature"] == 1.0

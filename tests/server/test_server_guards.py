@@ -225,6 +225,12 @@ def test_settings_file_and_environment_ranges(tmp_path: Path, monkeypatch, capsy
     conf.write_text("[serve]\nmax-sessions = 1000\n", encoding="utf-8")
     assert cli.main(["serve", "--checkpoint", "/nonexistent/ckpt", "--config", str(conf)]) == 2
     assert "serve.toml: max-sessions" in capsys.readouterr().err
+    conf.write_text("max_sesions = 2\n", encoding="utf-8")  # a typo: the closest key, as for a variable
+    assert cli.main(["serve", "--checkpoint", "/nonexistent/ckpt", "--config", str(conf)]) == 2
+    assert capsys.readouterr().err == (
+        f"cspan serve: error: settings file {conf}: unknown key 'max_sesions' at the top level, which every command "
+        "reads, for `cspan serve` (did you mean 'max-sessions'?)\n"
+    )
     monkeypatch.setenv("CSPAN_PORT", "123456")
     assert cli.main(["serve", "--checkpoint", "/nonexistent/ckpt"]) == 2
     assert "CSPAN_PORT" in capsys.readouterr().err

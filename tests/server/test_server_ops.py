@@ -210,8 +210,9 @@ async def refusal(url: str, **kwargs: Any) -> tuple[int, str]:
 @pytest.mark.timeout(300)
 async def test_two_credentials_that_differ_are_refused_on_every_protocol(serve, users) -> None:
     """A handshake carrying two different tokens (ada's and bob's, in two places or twice in one) is closed with
-    4401 "conflicting credentials" on ``/ws``, ``/api/chat`` and ``/v1/realtime``, before any session; the same
-    token twice is one credential. An admin-only token is told it lacks the ``session`` scope."""
+    4401 "conflicting credentials" on ``/ws``, ``/api/chat`` and ``/v1/realtime``, before any session, and with 401 on
+    ``/metrics`` (which used the header's); the same token twice is one credential. An admin-only token is told it
+    lacks the ``session`` scope."""
     server = serve(db=str(users["db"]))
     ada, bob = users["ada"], users["bob"]
     base = f"ws://127.0.0.1:{server.port}"
@@ -230,6 +231,22 @@ async def test_two_credentials_that_differ_are_refused_on_every_protocol(serve, 
     assert await refusal(f"{base}/ws?token={users['ops']}") == (4401, "unauthorized: the token lacks the session scope")
     assert await refusal(f"{base}/ws?token={ada}x") == (4401, "unauthorized: wrong token")
     assert server.hub.free_slots() == 1 and not server.hub.sessions
+
+    ops = users["ops"]
+    as_ops = {"Authorization": f"Bearer {ops}"}
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        for url, headers in [
+            (f"/metrics?token={ada}", as_ops),  # an admin's header and a user's query
+            (f"/metrics?token={ops}", {"Authorization": f"Bearer {ada}"}),
+            (f"/metrics?token={ops}&token={ada}", {}),
+        ]:
+            answer = await http.get(url, headers=headers)
+            assert answer.status_code == 401, (url, headers)
+            assert answer.json() == {"detail": "conflicting credentials (two different tokens); give one"}
+            assert answer.headers["www-authenticate"] == "Bearer"
+        for url, headers in [(f"/metrics?token={ops}", as_ops), (f"/metrics?token={ops}&token={ops}", {})]:
+            answer = await http.get(url, headers=headers)  # the same token twice is one
+            assert answer.status_code == 200 and "cspan_sessions_active 0.0" in answer.text, (url, headers)
 
     async with websockets.connect(f"{base}/ws?token={ada}", subprotocols=[f"cspan.token.{ada}"]) as ws:
         assert ws.subprotocol == f"cspan.token.{ada}"

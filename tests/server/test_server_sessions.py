@@ -4,6 +4,7 @@ frees its slot and keeps what was recorded, ``/health`` and ``/metrics``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
 
@@ -126,6 +127,39 @@ async def test_disconnect_mid_conversation_frees_the_slot_and_keeps_the_record(
         await client.stream(frames[:5])
         bye = await client.stop()
     assert bye["stats"]["consumed_frames"] == 5
+
+
+@pytest.mark.timeout(120)
+async def test_a_client_that_stops_reading_is_ended_as_slow_client(serve) -> None:
+    """A client that stops reading its socket, with buffers large enough for everything sent meanwhile (the outbox
+    stays short of its limit), is closed by the WebSocket keepalive (here a ping every 0.5 s, 0.5 s to answer):
+    counted as ``slow_client``, not ``disconnect``. A client that reads, on the same keepalive, goes on."""
+    server = serve(max_sessions=2, uvicorn={"ws_ping_interval": 0.5, "ws_ping_timeout": 0.5})
+    silence = [np.zeros(1920, dtype=np.float32)] * 40  # 3.2 s
+    async with (
+        websockets.connect(server.ws_url, max_size=None) as reader,
+        websockets.connect(server.ws_url, max_size=None, max_queue=1) as stuck,
+    ):
+        good = Client(reader)
+        assert (await good.start())["type"] == "ready"
+        assert (await Client(stuck).start())["type"] == "ready"
+
+        async def not_reading() -> None:  # audio at the real-time pace; its library stops reading the socket
+            with contextlib.suppress(ConnectionClosed):  # once the server closed it
+                for frame in silence:
+                    await stuck.send(frame.tobytes())
+                    await asyncio.sleep(0.08)
+
+        feeding = asyncio.ensure_future(not_reading())
+        await good.stream(silence)  # sends and reads
+        await feeding
+        await wait_for(lambda: server.hub.free_slots() == 1, timeout=10)  # its outbox limit: 40 s at least
+        bye = await good.stop()
+    assert bye["reason"] == "stop" and bye["stats"]["dropped_frames"] == 0
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'cspan_sessions_ended_total{protocol="cspan",reason="slow_client"} 1.0' in metrics
+    assert 'cspan_sessions_ended_total{protocol="cspan",reason="stop"} 1.0' in metrics
+    assert 'reason="disconnect"' not in metrics
 
 
 def _sum(metrics: str, name: str) -> float:

@@ -106,12 +106,13 @@ def known_env_names(models: Iterable[type[BaseSettings]]) -> set[str]:
     return known
 
 
-def _suggestion(name: str, known: Iterable[str]) -> str | None:
-    """The known name closest to ``name``, compared after the shared ``CSPAN_`` (which would make every pair of
-    names look alike), or None when none is close."""
-    tails = {k.removeprefix(PREFIX): k for k in known if k.startswith(PREFIX) and not k.endswith("*")}
+def closest_name(name: str, known: Iterable[str], *, prefix: str = "") -> str | None:
+    """The name of ``known`` closest to ``name``, compared in capitals after ``prefix`` (the ``CSPAN_`` every variable
+    shares would make every pair of names look alike), or None when none is close: what an unknown ``CSPAN_*``
+    variable or settings-file key (:mod:`cspan.core.settings`) was probably meant to be."""
+    tails = {k.removeprefix(prefix).upper(): k for k in known if k.startswith(prefix) and not k.endswith("*")}
     # 0.75: PROT -> PORT is close, ADMIN_TOKEN -> ASR_TOKEN (0.7) is another setting, not a misspelling of it
-    close = difflib.get_close_matches(name.removeprefix(PREFIX).upper(), sorted(tails), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(name.removeprefix(prefix).upper(), sorted(tails), n=1, cutoff=0.75)
     return tails[close[0]] if close else None
 
 
@@ -140,7 +141,7 @@ def unknown_env(
             continue
         if patterns and (var.startswith(patterns) or var.upper().startswith(patterns)):
             continue
-        found.append((var, _suggestion(var, known)))
+        found.append((var, closest_name(var, known, prefix=PREFIX)))
     return found
 
 
@@ -174,6 +175,7 @@ def warn_unknown_env(
 __all__ = [
     "DIRECT_ENV",
     "PREFIX",
+    "closest_name",
     "known_env_names",
     "settings_env_names",
     "unknown_env",

@@ -48,6 +48,7 @@ from pydantic import BeforeValidator, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, NoDecode, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
+from .environment import closest_name
 from .errors import SettingsError
 
 SETTINGS_CONFIG = SettingsConfigDict(
@@ -206,11 +207,11 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
     for key, value in top + own:
         name = key.replace("-", "_")
         if name not in model.model_fields or name in hidden:
-            known = ", ".join(sorted(n.replace("_", "-") for n in model.model_fields if n not in hidden))
+            known = sorted(n.replace("_", "-") for n in model.model_fields if n not in hidden)
+            close = closest_name(key.replace("_", "-"), known)
+            hint = f"did you mean {close!r}?" if close else f"known: {', '.join(known)}"
             place = f"under [{verb}]" if (key, value) in own else "at the top level, which every command reads"
-            raise SettingsError(
-                f"settings file {path}: unknown key {key!r} {place}, for `cspan {verb}` (known: {known})"
-            )
+            raise SettingsError(f"settings file {path}: unknown key {key!r} {place}, for `cspan {verb}` ({hint})")
         if isinstance(value, str) and value.startswith("~") and _is_path(model.model_fields[name].annotation):
             value = str(Path(value).expanduser())  # a shell expands ~ in a flag, nothing does in a file
         values[name] = value

@@ -22,7 +22,7 @@ from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
 from cspan.core.errors import CspanError
 from cspan.core.voice import VOICE_MAX_SECONDS, VOICE_MIN_SECONDS
 from cspan.server import throttle
-from cspan.server.adapters import Connection, ProtocolAdapter, discover_adapters
+from cspan.server.adapters import Connection, Credential, ProtocolAdapter, discover_adapters
 from cspan.server.auth import (
     Authenticator,
     CredentialAuthenticator,
@@ -48,12 +48,15 @@ from cspan.server.session import (
 )
 from cspan.server.throttle import ClientBudget
 from cspan.server.voices import VOICE_AUDIO_MAX_BYTES
+from cspan.server.ws_protocol import KEEPALIVE_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
 CREDENTIAL_RECHECK_S = 5.0
 """How often a running session's credential and its user's erase generation are checked again: a revoked token, or
 its user forgotten (``cspan db forget``), ends its sessions within this."""
+CONFLICTING_CREDENTIALS = "conflicting credentials (two different tokens); give one"
+"""Why a request or a handshake with two different tokens is refused (HTTP 401, WebSocket close 4401)."""
 
 STATIC_FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
@@ -433,10 +436,14 @@ def create_app(
 
     async def metrics_endpoint(request):
         """Prometheus metrics; while credentials are required, only for a principal with the ``admin`` scope
-        (``Authorization: Bearer TOKEN`` or ``?token=``)."""
+        (``Authorization: Bearer TOKEN`` or ``?token=``; two different tokens: 401, as on the WebSockets)."""
+        credential = _http_credential(request)
+        if credential.conflicting:
+            return JSONResponse(
+                {"detail": CONFLICTING_CREDENTIALS}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
+            )
         if await authenticator.required():
-            token = bearer_token(request.headers.get("authorization")) or request.query_params.get("token")
-            principal = await authenticator.authenticate(token, scope=None) if token else None
+            principal = await authenticator.authenticate(credential.token, scope=None) if credential.token else None
             if principal is None or not principal.allows("admin"):
                 return JSONResponse(
                     {"detail": "metrics need a token with the admin scope (Authorization: Bearer TOKEN)"},
@@ -456,6 +463,14 @@ def create_app(
         app.router.routes.append(WebSocketRoute(adapter.path, endpoint))
     app.add_middleware(HostGuard, settings=settings, metrics=metrics)
     return app
+
+
+def _http_credential(request: Any) -> Credential:
+    """The credential of an HTTP request, for every route that takes one: ``Authorization: Bearer``, else
+    ``?token=``; ``conflicting`` when two of those given differ (a repeated ``?token=`` too), as on the WebSockets."""
+    return Credential.first_of(
+        bearer_token(request.headers.get("authorization")), *request.query_params.getlist("token")
+    )
 
 
 async def serve_connection(
@@ -483,9 +498,7 @@ async def serve_connection(
     if credential.conflicting or len(set(websocket.query_params.getlist("token"))) > 1:
         metrics.auth_failures.labels(adapter_cls.name, "token").inc()
         await websocket.accept(subprotocol=credential.subprotocol)
-        await websocket.close(
-            code=CLOSE_UNAUTHORIZED, reason="unauthorized: conflicting credentials (two different tokens); give one"
-        )
+        await websocket.close(code=CLOSE_UNAUTHORIZED, reason=f"unauthorized: {CONFLICTING_CREDENTIALS}")
         return
     try:
         principal = await authenticator.authenticate(credential.token, scope=None)
@@ -512,6 +525,7 @@ async def serve_connection(
     sender = asyncio.ensure_future(_send(websocket, session, adapter, metrics))
     watchdog = asyncio.ensure_future(session.watchdog())
     recheck = asyncio.ensure_future(_recheck(session, authenticator, credential.token))
+    gone = "disconnect"
     try:
         await _handle(session, adapter.opened())
         while True:
@@ -520,6 +534,9 @@ async def serve_connection(
             # uvicorn queues the disconnect behind every message it has parsed (one read: thousands of small ones);
             # the sender learns of it at its next write, and the session ends then, not after the backlog.
             if message["type"] == "websocket.disconnect" or session.gone:
+                if message.get("reason") == KEEPALIVE_TIMEOUT:  # it did not read the ping: it does not read
+                    logger.warning("session %s: client does not read (no answer to the keepalive ping)", session.id)
+                    gone = "slow_client"
                 break
             data = message.get("bytes")
             if data is None:
@@ -549,7 +566,7 @@ async def serve_connection(
     finally:
         watchdog.cancel()
         recheck.cancel()
-        await session.disconnected()
+        await session.disconnected(gone)
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sender

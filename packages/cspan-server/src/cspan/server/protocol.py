@@ -66,7 +66,7 @@ TOKEN_SUBPROTOCOL_PREFIX = "cspan.token."
 ERROR_CODES: dict[str, str] = {
     "bad_json": "a text message is not a JSON object",
     "unknown_type": "a JSON message whose type is not a client message type",
-    "invalid_message": "a known message type with missing, unknown or out-of-range fields",
+    "invalid_message": "a known message type with missing, unknown, ill-typed or out-of-range fields",
     "too_large": "a message above the server's size limit (--max-message-kib)",
     "bad_frame": "a binary message that is not one frame (7680 bytes float32 or 3840 bytes int16) in a pcm session",
     "not_started": "audio or context before start",
@@ -89,7 +89,10 @@ ERROR_CODES: dict[str, str] = {
 
 
 class _ClientModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+    """Strict: a JSON value of another type is refused, not converted (``true`` or ``"10"`` is no integer; an integer
+    is a number)."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True, strict=True)
 
 
 class ScheduledSpan(_ClientModel):

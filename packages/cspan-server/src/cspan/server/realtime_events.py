@@ -29,7 +29,7 @@ import json
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, TypeAdapter, ValidationError
 
 from cspan.backends.untrusted import JSONInputError, loads
 from cspan.core.constants import MAX_SEED
@@ -109,7 +109,10 @@ class RealtimeEventError(Exception):
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Strict: a field we read with another JSON type is refused, not converted (``"1"`` is no number; an integer
+    is)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class FunctionTool(_In):
@@ -149,12 +152,15 @@ class TestHooksOption(BaseModel):
     """``session.cspan.test``: forced ``<ret>`` and scheduled spans (seconds on the session's timeline: frame 0 is
     the first frame after the persona was read), and the seed. Refused unless the server has test hooks."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     force_ret_at: list[Annotated[float, Field(ge=0.0, le=3600.0)]] = Field(default_factory=list, max_length=16)
-    spans: list[tuple[Annotated[float, Field(ge=0.0, le=3600.0)], Annotated[str, Field(min_length=1)]]] = Field(
-        default_factory=list, max_length=16
-    )
+    spans: list[
+        Annotated[
+            tuple[Annotated[float, Field(ge=0.0, le=3600.0)], Annotated[str, Field(min_length=1)]],
+            Strict(False),  # a JSON array is a tuple (its items stay strict)
+        ]
+    ] = Field(default_factory=list, max_length=16)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
 
@@ -170,7 +176,7 @@ class CspanOptions(BaseModel):
             format libsndfile reads), before the first audio; it replaces ``voice``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     events: bool | None = None
     profile: ProfileFields | None = None

@@ -179,7 +179,7 @@ def type_problem(data: dict[str, Any], known: Collection[str], noun: str) -> str
 
 
 class _Fields(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True, strict=True)  # a client's JSON, as is
 
 
 @lru_cache(maxsize=1)
@@ -261,9 +261,10 @@ class _Data(BaseModel):
 
 class SamplingOptions(BaseModel):
     """A client's sampling parameters for its session (PersonaPlex's names; each None: the server's default).
-    Temperatures: 0 (greedy) or 0.001 to 10; top-k: 0 (every token) to ``cspan.core.constants.MAX_TOP_K``."""
+    Temperatures: 0 (greedy) or 0.001 to 10; top-k: 0 (every token) to ``cspan.core.constants.MAX_TOP_K``. Strict,
+    as a client's JSON (query parameters, which are text, are read with ``strict=False``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text_temperature: Temperature | None = None
     text_topk: TopK | None = None
@@ -827,7 +828,7 @@ class Session:
     async def end(self, reason: str, *, code: int = CLOSE_NORMAL, message: str = "") -> None:
         """End the session once: free the slot, finish the conversation, record, :class:`Ended` and :class:`Close`.
 
-        ``reason`` ``disconnect`` (the client is gone) records everything but sends nothing. Counted in
+        A session whose client is gone (:meth:`disconnected`) records everything but sends nothing. Counted in
         ``cspan_sessions_ended_total`` once the session reached ``ready``, else in ``cspan_sessions_unstarted_total``.
         """
         if self.ended:
@@ -846,12 +847,12 @@ class Session:
                 )
             except Exception:
                 logger.exception("session %s: finishing the conversation failed", self.id)
-            self._publish(self._take_events(), send=reason != "disconnect")
+            self._publish(self._take_events(), send=not self.gone)
         hub.end_conversation(self)
         counter = hub.metrics.sessions_ended if self.started else hub.metrics.sessions_unstarted
         counter.labels(self.protocol, reason).inc()
         self.stats.duration_s = round(self.stats.frames * FRAME_S, 3)
-        if reason != "disconnect" and not self.gone:
+        if not self.gone:
             self.put(
                 Ended(
                     reason=reason,
@@ -878,10 +879,12 @@ class Session:
             self.user_forgotten = True
             self.spawn(self.end_forgotten())
 
-    async def disconnected(self) -> None:
-        """The client is gone: end the session (recording what happened) and wait for its tasks."""
+    async def disconnected(self, reason: str = "disconnect") -> None:
+        """The client is gone: end the session (recording what happened) and wait for its tasks. ``reason``:
+        ``disconnect``, or ``slow_client`` when the WebSocket keepalive closed the connection (the client did not
+        read the ping); nothing is sent either way."""
         self.gone = True
-        await self.end("disconnect")
+        await self.end(reason)
         self.hub.sessions.discard(self)
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -11,6 +11,12 @@ session's frames and ``/health`` for about 2.5 s each time one flooder was ended
 more is not read any further: its connection closes :data:`AFTER_CLOSE_GRACE_S` later (its close frame and what the
 server sent before it go out first), unparsed. A peer that answers the close promptly, as every client does, is
 not affected.
+
+It also tells the app when the WebSocket keepalive closed a connection: uvicorn closes a connection whose peer did
+not answer a ping within ``ws_ping_timeout`` (close 1011) and reports only its loss (1005 or 1006, once the transport
+has flushed) to the app. :class:`WebSocketProtocol` first queues a ``websocket.disconnect`` whose reason is
+:data:`KEEPALIVE_TIMEOUT`: a client that stops reading its socket never reads the ping, and the app ends its session
+as ``slow_client`` (docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ AFTER_CLOSE_BYTES = 64 * 1024
 pcm16 audio still in flight, or one socket read)."""
 AFTER_CLOSE_GRACE_S = 2.0
 """Seconds between no longer reading a connection and closing it: for the server's close frame to reach the peer."""
+KEEPALIVE_TIMEOUT = "keepalive ping timeout"
+"""The reason of the ``websocket.disconnect`` queued when the keepalive closes a connection (uvicorn's close reason)."""
 
 
 class WebSocketProtocol(WebSocketsSansIOProtocol):
-    """``websockets-sansio`` whose reading after the server's close frame is bounded (module docstring); pass as
-    uvicorn's ``ws`` (:func:`cspan.server.serve.uvicorn_config`)."""
+    """``websockets-sansio`` whose reading after the server's close frame is bounded and whose keepalive closes are
+    reported to the app (module docstring); pass as uvicorn's ``ws`` (:func:`cspan.server.serve.uvicorn_config`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -44,5 +52,10 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
                 return
         super().data_received(data)
 
+    def keepalive_timeout(self) -> None:
+        if not (self.close_sent or self.transport.is_closing()):  # uvicorn closes the connection below
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": 1011, "reason": KEEPALIVE_TIMEOUT})
+        super().keepalive_timeout()
 
-__all__ = ["AFTER_CLOSE_BYTES", "AFTER_CLOSE_GRACE_S", "WebSocketProtocol"]
+
+__all__ = ["AFTER_CLOSE_BYTES", "AFTER_CLOSE_GRACE_S", "KEEPALIVE_TIMEOUT", "WebSocketProtocol"]

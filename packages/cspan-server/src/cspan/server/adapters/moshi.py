@@ -212,7 +212,7 @@ def _sampling(query: Any) -> SamplingOptions:
     """
     given = {name: query[name] for name in SAMPLING_PARAMETERS if query.get(name) not in (None, "")}
     try:
-        return SamplingOptions.model_validate(given)
+        return SamplingOptions.model_validate(given, strict=False)  # query parameters are text: "0.7" is 0.7
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         name = str(err["loc"][0])
