@@ -576,19 +576,19 @@ prefix = "web_"
 async def test_tools_the_local_router_never_calls_are_named_at_start(caplog) -> None:
     """``--router local`` (the default) calls only get_time and calculate: MCP tools and get_weather given with
     ``--tools`` / ``--mcp`` are named in a warning at start (README's one-GPU example looked as if they were used)."""
-    from cspan.server.app import build_backends
     from cspan.server.serve_settings import ServeSettings
+    from cspan.server.shared_backends import build_backends
 
     settings = ServeSettings(
         router="local", db=":memory:", tools="clock,weather", mcp=[f"allow=add -- {sys.executable} {MCP_DEMO}"]
     )
-    with caplog.at_level("WARNING", logger="cspan.server.app"):
+    with caplog.at_level("WARNING", logger="cspan.server.shared_backends"):
         backends = await build_backends(settings, None)
         await backends.aclose()
     (warning,) = [r.getMessage() for r in caplog.records if "--router local" in r.getMessage()]
     assert "get_weather, add will not be called" in warning and "--router URL" in warning
     caplog.clear()
-    with caplog.at_level("WARNING", logger="cspan.server.app"):
+    with caplog.at_level("WARNING", logger="cspan.server.shared_backends"):
         backends = await build_backends(ServeSettings(router="local", db=":memory:"), None)  # the default: quiet
         await backends.aclose()
     assert not [r for r in caplog.records if "--router local" in r.getMessage()]

@@ -64,8 +64,10 @@ def parse_dtype(name: str | None, device: Any) -> Any:
     """
     import torch
 
+    from cspan.core.devices import default_dtype
+
     if name is None:
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return default_dtype(device)
     key = DTYPE_NAMES.get(name.lower())
     if key is None:
         raise BenchSettingsError(f"--dtype {name!r} is not a dtype; use one of bf16, fp16, fp32")

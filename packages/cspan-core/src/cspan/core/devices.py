@@ -64,4 +64,23 @@ def parse_device(name: str | None, *, flag: str = "--device", cuda_index: int | 
     return device
 
 
-__all__ = ["DEVICE_TYPES", "parse_device"]
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype a model runs in on ``device`` when none is asked for: bfloat16 on CUDA (the released weights'),
+    float32 on the CPU."""
+    import torch
+
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def pick_device(name: str | None, *, flag: str = "--device") -> tuple[torch.device, torch.dtype]:
+    """``(device, dtype)`` of a ``--device`` value: :func:`parse_device` (CUDA when available, else the CPU) and
+    :func:`default_dtype`.
+
+    Raises:
+        SettingsError, CspanError: as :func:`parse_device`.
+    """
+    device = parse_device(name or None, flag=flag)
+    return device, default_dtype(device)
+
+
+__all__ = ["DEVICE_TYPES", "default_dtype", "parse_device", "pick_device"]

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PERSONA", "InferSettings", "pick_device", "run_infer"]
+__all__ = ["DEFAULT_PERSONA", "InferSettings", "run_infer"]
 
 MAX_SILENCE_S = 600.0
 """Longest ``--lead-silence`` / ``--tail-silence`` (seconds)."""
@@ -292,22 +292,6 @@ class InferResult:
         return InferOutput.model_validate_json(self.output_text.read_bytes())
 
 
-def pick_device(name: str | None) -> tuple[Any, Any]:
-    """``(device, dtype)``: CUDA in bf16 when available (or asked), else CPU in float32.
-
-    Raises:
-        SettingsError: a device name torch does not know (exit status 2). CspanError: CUDA asked for where torch
-            has none.
-    """
-    import torch
-
-    from cspan.core.devices import parse_device
-
-    device = parse_device(name or None)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return device, dtype
-
-
 def context_db_file(db: str | None) -> Path | None:
     """The SQLite file ``--db`` names (the default one when None), or None: ``:memory:``, a PostgreSQL URL, an
     unsupported URL (reported when the DB is opened)."""
@@ -524,6 +508,7 @@ async def run_infer(
     from cspan.core.audio import inspect_audio
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT
     from cspan.core.constants import FRAME_RATE, FRAME_SIZE
+    from cspan.core.devices import pick_device
     from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
     from cspan.core.runtime import use_cpu_threads
@@ -566,7 +551,7 @@ async def run_infer(
 
     from cspan.backends.context_db import Profile
     from cspan.backends.identity import Principal
-    from cspan.server.app import build_backends, build_transcriber
+    from cspan.server.shared_backends import build_backends, build_transcriber
 
     db = open_context_db(s)
     memory = db.user(Principal.local())  # one person at this machine: the local user, as `cspan serve` without tokens

@@ -8,6 +8,7 @@ This module is the command and its uvicorn wiring. The parts, one concern each:
 - :mod:`cspan.server.adapters`: one module per wire protocol (``/ws``: :mod:`cspan.server.adapters.ws`;
   ``/api/chat``: :mod:`cspan.server.adapters.moshi`), :mod:`cspan.server.opus` (Ogg/Opus through sphn);
 - :mod:`cspan.server.app`: the app, the page and HTTP routes, the Host guard, the connection runner;
+  :mod:`cspan.server.shared_backends`: the transcriber, tool bank and router built once and shared (``infer`` too);
 - :mod:`cspan.server.auth`, :mod:`cspan.server.metrics`, :mod:`cspan.server.records`: access control, Prometheus
   metrics, Context DB records.
 """

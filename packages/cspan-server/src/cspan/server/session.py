@@ -904,7 +904,7 @@ class SessionHub:
         db: the :class:`~cspan.backends.context_db.ContextDB`; each session reads and writes only its principal's
             memory (``db.user(principal)``).
         metrics: :class:`~cspan.server.metrics.ServerMetrics`.
-        backends: ``async backends() -> Backends`` (:class:`cspan.server.app.Backends`: the transcriber, the shared
+        backends: ``async backends() -> Backends`` (:class:`cspan.server.shared_backends.Backends`: the transcriber, the shared
             retriever and tool bank, ``for_session(memory, tools)``, ``aclose()``), awaited once by
             :meth:`prepare` on the event loop that serves (MCP sessions belong to it).
     """
