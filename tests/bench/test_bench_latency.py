@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cspan.bench import report
+from cspan.bench import report, run_files
 from cspan.bench.errors import BenchError
 from cspan.bench.latency import (
     LatencyOptions,
@@ -91,7 +91,7 @@ def test_latency_cli_on_tiny_checkpoint_writes_the_report_json(tiny_checkpoint_d
     assert "The spans arrived between two frames, as cspan serve reads them" in printed
 
     # the report finds and renders it
-    found = report.collect(out.parent)
+    found = run_files.collect(out.parent)
     assert len(found.latency) == 1
     markdown, _ = report.build_report(out.parent, plots=False)
     assert "| n (frames) | 0 | 16 | 64 |" in markdown

@@ -1,6 +1,6 @@
 """``cspan bench report RUN --compare published``: the run beside the published rows, in the paper's layout.
 
-The run's values come from the score files :func:`cspan.bench.report.collect` finds, grouped by run (the folder
+The run's values come from the score files :func:`cspan.bench.run_files.collect` finds, grouped by run (the folder
 that holds a benchmark's output folder: ``RUN/qa_llamaq``, ``RUN/fdb_v1``, ``RUN/fdb_v3`` and ``RUN/latency.json``
 all belong to the run ``RUN``) and converted to the tables' units:
 
@@ -35,7 +35,8 @@ from cspan.bench.published import (
     PublishedRow,
     TableLayout,
 )
-from cspan.bench.report import FRAME_BUDGET_MS, RunFiles, _pyplot, _table, fmt
+from cspan.bench.render import FRAME_BUDGET_MS, fmt, markdown_table, pyplot
+from cspan.bench.run_files import RunFiles
 
 
 @dataclass
@@ -185,7 +186,7 @@ def _systems_rows(layout: TableLayout, published: Sequence[PublishedRow], runs: 
     rows += [
         [f"**{r.label}** (this run)", "", *[_fmt(r.values.get(c.key), c.digits) for c in layout.columns]] for r in runs
     ]
-    return _table(header, rows, ["---", "---"] + ["---:"] * len(layout.columns))
+    return markdown_table(header, rows, ["---", "---"] + ["---:"] * len(layout.columns))
 
 
 def _metrics_rows(layout: TableLayout, published: Sequence[PublishedRow], runs: Sequence[RunRow]) -> str:
@@ -203,7 +204,7 @@ def _metrics_rows(layout: TableLayout, published: Sequence[PublishedRow], runs: 
                 *[_fmt(p.values.get(c.key), c.digits) for p in published],
             ]
         )
-    return _table(header, rows, ["---", "---"] + ["---:"] * (len(runs) + len(published)))
+    return markdown_table(header, rows, ["---", "---"] + ["---:"] * (len(runs) + len(published)))
 
 
 def _latency_rows(layout: TableLayout, published: Sequence[PublishedRow], runs: Sequence[RunRow]) -> str:
@@ -219,7 +220,7 @@ def _latency_rows(layout: TableLayout, published: Sequence[PublishedRow], runs: 
 
         rows.append([name, "mean ± sd", *[mean_sd(n) for n in lengths]])
         rows.append(["", "P99", *[_fmt(values.get(f"{n}.p99_ms"), 1) for n in lengths]])
-    return _table(header, rows, ["---", "---"] + ["---:"] * len(lengths))
+    return markdown_table(header, rows, ["---", "---"] + ["---:"] * len(lengths))
 
 
 def table_markdown(layout: TableLayout, published: Sequence[PublishedRow], runs: Sequence[RunRow]) -> str:
@@ -264,7 +265,7 @@ def sources_markdown(data: PublishedData, used: set[str]) -> str:
 
 def plot_table(layout: TableLayout, published: Sequence[PublishedRow], runs: Sequence[RunRow], path: Path) -> Path:
     """One panel per column (metric), a horizontal bar per system that has a value; the run's bars highlighted."""
-    plt = _pyplot()
+    plt = pyplot()
     columns = [c for c in layout.columns if not c.key.endswith(".sd_ms")]
     ncols = min(4, len(columns))
     nrows = -(-len(columns) // ncols)
@@ -298,7 +299,7 @@ def plot_table(layout: TableLayout, published: Sequence[PublishedRow], runs: Seq
 
 def plot_latency(layout: TableLayout, published: Sequence[PublishedRow], runs: Sequence[RunRow], path: Path) -> Path:
     """Latency vs span length per system: mean ± sd (error bars) and P99 (dashed), with the 80 ms frame budget."""
-    plt = _pyplot()
+    plt = pyplot()
     lengths = sorted({int(c.group) for c in layout.columns})
     fig, ax = plt.subplots(figsize=(7, 4.2))
     systems = [(f"{r.label} (run)", r.values) for r in runs] + [(_system_name(p), p.values) for p in published]

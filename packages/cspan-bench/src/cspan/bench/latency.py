@@ -764,7 +764,8 @@ def run_latency(
 def latency_table(doc: dict[str, Any], label: str = "latency") -> str:
     """Markdown of a latency document: the report's span table (:func:`cspan.bench.report.latency_markdown`),
     then the whole frame and the batch rows."""
-    from cspan.bench.report import LatencyReport, latency_markdown
+    from cspan.bench.report import latency_markdown
+    from cspan.bench.run_files import LatencyReport
 
     parts = [latency_markdown(label, LatencyReport.model_validate(doc))]
     frame = doc.get("frame")

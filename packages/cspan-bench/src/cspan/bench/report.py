@@ -1,6 +1,6 @@
 """``cspan bench report RUN_DIR``: Markdown tables and PNG plots from the score files of a run folder.
 
-Inputs, found anywhere below ``RUN_DIR``:
+Inputs, found anywhere below ``RUN_DIR`` (:func:`cspan.bench.run_files.collect`):
 
 - ``summary.json`` files written by the scorers: Full-Duplex-Bench v1 (one per task,
   :class:`cspan.bench.fdb_v1.TaskSummary`), v3 (:class:`cspan.bench.fdb_v3.V3Summary`), spoken QA (one per set,
@@ -22,159 +22,27 @@ writes ``compare_{table}.png`` plots.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cspan.bench.errors import BenchDataError
 from cspan.bench.fdb_v1 import METRIC_DIRECTIONS as V1_DIRECTIONS
 from cspan.bench.fdb_v1 import TaskKind, TaskSummary
 from cspan.bench.fdb_v3 import V3Summary
-from cspan.bench.qa import QASummary, qa_table
-from cspan.core.errors import validation_summary
+from cspan.bench.qa import qa_table
+from cspan.bench.render import FRAME_BUDGET_MS, fmt, fmt_pct, markdown_table, pyplot
+from cspan.bench.run_files import LATENCY_FILE, SUMMARY_FILE, GenericSummary, LatencyReport, collect
 
 log = logging.getLogger(__name__)
-
-FRAME_BUDGET_MS = 80.0
-"""One frame at 12.5 Hz: the span prefill plus the next step must fit in it."""
-
-LATENCY_FILE = "latency.json"
-LATENCY_GLOB = "*latency*.json"
-"""Span-latency files: ``latency.json`` or any ``*latency*.json`` whose JSON holds a ``rows`` list."""
-SUMMARY_FILE = "summary.json"
-
-
-class LatencyRow(BaseModel):
-    """One span length: ``n`` frames (0 = a plain step), mean / standard deviation / 99th percentile in ms."""
-
-    model_config = ConfigDict(extra="allow")
-
-    n: int
-    mean_ms: float
-    sd_ms: float
-    p99_ms: float
-
-
-class LatencyReport(BaseModel):
-    """``latency.json`` of the span-latency benchmark."""
-
-    model_config = ConfigDict(extra="allow")
-
-    gpu: str = "unknown"
-    torch: str = "unknown"
-    dtype: str = "unknown"
-    rows: list[LatencyRow] = Field(default_factory=list)
-    step: dict[str, Any] = Field(default_factory=dict)
-
-
-class GenericSummary(BaseModel):
-    """Any other ``summary.json`` with a ``benchmark`` name and numeric ``metrics``."""
-
-    model_config = ConfigDict(extra="allow")
-
-    benchmark: str
-    task: str = ""
-    n: int | None = None
-    metrics: dict[str, float | None] = Field(default_factory=dict)
-    notes: list[str] = Field(default_factory=list)
-
-
-@dataclass
-class RunFiles:
-    """What :func:`collect` found: each summary with its run label (its folder relative to ``RUN_DIR``)."""
-
-    v1: list[tuple[str, TaskSummary]] = field(default_factory=list)
-    v3: list[tuple[str, V3Summary]] = field(default_factory=list)
-    qa: list[tuple[str, QASummary]] = field(default_factory=list)
-    other: list[tuple[str, GenericSummary]] = field(default_factory=list)
-    latency: list[tuple[str, LatencyReport]] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-
-def _label(run_dir: Path, folder: Path) -> str:
-    rel = folder.relative_to(run_dir).as_posix()
-    return run_dir.resolve().name if rel in ("", ".") else rel
-
-
-def collect(run_dir: Path) -> RunFiles:
-    """Find and parse every ``summary.json`` and ``latency.json`` below ``run_dir``.
-
-    Files that do not parse are listed in ``skipped`` (with the reason) instead of stopping the report.
-
-    Raises:
-        BenchDataError: ``run_dir`` is not a folder.
-    """
-    if run_dir.exists() and not run_dir.is_dir():
-        raise BenchDataError(
-            f"run folder {run_dir} is a file, not a folder; give the folder that holds the run's summary.json and "
-            "latency.json files"
-        )
-    if not run_dir.is_dir():
-        raise BenchDataError(f"run folder {run_dir} does not exist")
-    found = RunFiles()
-    for path in sorted(run_dir.rglob(SUMMARY_FILE)):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            bench = data.get("benchmark") if isinstance(data, dict) else None
-            if bench == "fdb-v1":
-                # A v1 run label is the folder holding the task folders.
-                found.v1.append((_label(run_dir, path.parent.parent), TaskSummary.model_validate(data)))
-            elif bench == "fdb-v3":
-                found.v3.append((_label(run_dir, path.parent), V3Summary.model_validate(data)))
-            elif bench == "qa":
-                found.qa.append((_label(run_dir, path.parent), QASummary.model_validate(data)))
-            elif isinstance(bench, str):
-                found.other.append((_label(run_dir, path.parent), GenericSummary.model_validate(data)))
-            else:
-                found.skipped.append(f"{path}: no 'benchmark' field")
-        except (OSError, json.JSONDecodeError, ValidationError) as exc:
-            found.skipped.append(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    for path in sorted(run_dir.rglob(LATENCY_GLOB)):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not (isinstance(data, dict) and isinstance(data.get("rows"), list)):
-                if path.name == LATENCY_FILE:  # named as ours but unusable: say so
-                    found.skipped.append(f"{path}: not a span-latency report (no 'rows' list in a JSON object)")
-                continue  # another benchmark's latency file (no span-latency rows): not ours to report
-            report = LatencyReport.model_validate(data)
-            if not report.rows:
-                found.skipped.append(f"{path}: no span-latency rows ('rows' is empty)")
-                continue
-            found.latency.append((_label(run_dir, path.parent), report))
-        except (OSError, json.JSONDecodeError) as exc:
-            found.skipped.append(f"{path}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-        except ValidationError as exc:
-            found.skipped.append(f"{path}: not a span-latency report ({validation_summary(exc)})")
-    return found
 
 
 # --- formatting ----------------------------------------------------------------------------------------------------
 
 
-def fmt(value: float | None, digits: int = 3) -> str:
-    """A number with ``digits`` decimals, or an en dash when missing."""
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
-def fmt_pct(value: float | None) -> str:
-    """A rate in [0, 1] as a percentage with one decimal, or an en dash."""
-    return "–" if value is None else f"{100 * value:.1f} %"
-
-
 def _arrow(direction: str | None) -> str:
     return {"up": " ↑", "down": " ↓"}.get(direction or "", "")
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str] | None = None) -> str:
-    align = align or ["---"] + ["---:"] * (len(header) - 1)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 _KIND_SHORT = {
@@ -223,7 +91,7 @@ def latency_markdown(label: str, report: LatencyReport) -> str:
     ]
     device = "GPU" if report.gpu != "unknown" and not report.gpu.startswith("cpu") else "device"
     title = f"Run `{label}`: {device} {report.gpu}, torch {report.torch}, dtype {report.dtype}. n = 0 is a plain step."
-    parts = [title, "", _table(header, body)]
+    parts = [title, "", markdown_table(header, body)]
     if report.step:
         step = report.step
         if {"mean_ms", "sd_ms", "p99_ms"} <= step.keys():
@@ -274,7 +142,7 @@ def v1_markdown(entries: Sequence[tuple[str, TaskSummary]]) -> str:
             summary = tasks.get(task)
             row.append(fmt(summary.metrics.get(metric)) if summary else "–")
         rows.append(row)
-    parts = [_table(["Run", *[h for _, _, h in columns]], rows), "", "Per task:", ""]
+    parts = [markdown_table(["Run", *[h for _, _, h in columns]], rows), "", "Per task:", ""]
     detail_rows = []
     for label, summary in entries:
         values = []
@@ -284,7 +152,9 @@ def v1_markdown(entries: Sequence[tuple[str, TaskSummary]]) -> str:
             values.append(f"{_METRIC_LABEL[metric]} {value}" + (f" ± {fmt(std)}" if std is not None else ""))
         counts = ", ".join(f"{k} {v}" for k, v in summary.counts.items())
         detail_rows.append([label, summary.task, summary.kind.value, str(summary.n), "; ".join(values), counts])
-    parts.append(_table(["Run", "Task", "Scorer", "n", "Metrics", "Counts"], detail_rows, ["---"] * 4 + ["---", "---"]))
+    parts.append(
+        markdown_table(["Run", "Task", "Scorer", "n", "Metrics", "Counts"], detail_rows, ["---"] * 4 + ["---", "---"])
+    )
     notes = [f"- `{label}` {s.task}: {note}" for label, s in entries for note in s.notes]
     if notes:
         parts += ["", "Notes:", "", *notes]
@@ -306,7 +176,7 @@ _V3_HEADLINE = [
 def v3_markdown(entries: Sequence[tuple[str, V3Summary]]) -> str:
     """Full-Duplex-Bench v3: the paper's headline columns, then pass rate by domain and difficulty."""
     rows = [[label, *[f(s.metrics.get(key)) for key, _, f in _V3_HEADLINE]] for label, s in entries]
-    parts = [_table(["Run", *[h for _, h, _ in _V3_HEADLINE]], rows), ""]
+    parts = [markdown_table(["Run", *[h for _, h, _ in _V3_HEADLINE]], rows), ""]
     extra = [
         [
             label,
@@ -318,7 +188,7 @@ def v3_markdown(entries: Sequence[tuple[str, V3Summary]]) -> str:
         for label, s in entries
     ]
     parts += [
-        _table(["Run", "n", "First-response latency (s) ↓", "Tool Sel (all)", "Arg Acc (all)"], extra),
+        markdown_table(["Run", "n", "First-response latency (s) ↓", "Tool Sel (all)", "Arg Acc (all)"], extra),
         "",
     ]
     for group in ("domain", "difficulty", "num_tools"):
@@ -326,7 +196,7 @@ def v3_markdown(entries: Sequence[tuple[str, V3Summary]]) -> str:
         if not keys:
             continue
         brows = [[label, *[fmt(s.breakdowns.get(group, {}).get(k)) for k in keys]] for label, s in entries]
-        parts += [f"Pass rate by {group.replace('_', ' ')}:", "", _table(["Run", *keys], brows), ""]
+        parts += [f"Pass rate by {group.replace('_', ' ')}:", "", markdown_table(["Run", *keys], brows), ""]
     notes = [f"- `{label}`: {note}" for label, s in entries for note in s.notes]
     if notes:
         parts += ["Notes:", "", *notes, ""]
@@ -345,24 +215,15 @@ def other_markdown(entries: Sequence[tuple[str, GenericSummary]]) -> str:
         ]
         for label, s in entries
     ]
-    return _table(["Run", "Benchmark", "Task", "n", "Metrics"], rows, ["---"] * 5)
+    return markdown_table(["Run", "Benchmark", "Task", "n", "Metrics"], rows, ["---"] * 5)
 
 
 # --- plots ---------------------------------------------------------------------------------------------------------
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_latency(entries: Sequence[tuple[str, LatencyReport]], path: Path) -> Path:
     """Latency vs span length: mean ± sd (error bars) and P99 per run, with the 80 ms frame budget."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, report in entries:
         rows = sorted(report.rows, key=lambda r: r.n)
@@ -408,7 +269,7 @@ def _bar_panel(ax: Any, names: Sequence[str], values: Sequence[float | None], ti
 
 def plot_v1(entries: Sequence[tuple[str, TaskSummary]], path: Path) -> Path:
     """One panel per scored task, a bar per headline metric (label marks which way is better)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(entries), figsize=(3.2 * len(entries), 3.6), squeeze=False)
     for ax, (label, s) in zip(axes[0], entries, strict=True):
         metrics = V1_DIRECTIONS[s.kind]
@@ -423,7 +284,7 @@ def plot_v1(entries: Sequence[tuple[str, TaskSummary]], path: Path) -> Path:
 
 def plot_v3(entries: Sequence[tuple[str, V3Summary]], path: Path) -> Path:
     """Per run: the rate metrics (0-1), the latencies (s), and pass rate by domain."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(len(entries), 3, figsize=(12, 3.6 * len(entries)), squeeze=False)
     rates = [
         "tool_selection",
