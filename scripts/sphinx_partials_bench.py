@@ -281,9 +281,9 @@ def _worker_cpu() -> float:
 
 
 async def _one(transcriber: Any, speech: np.ndarray, seconds: float, *, mode: str) -> dict[str, Any]:
-    from cspan.core.constants import FRAME_SIZE
+    from cspan.core.constants import FRAME_S, FRAME_SIZE
     from cspan.core.events import LateEvent, QuestionEvent, RetEvent, SpanEvent, UserTextEvent
-    from cspan.core.runtime import FRAME_S, Conversation, ConversationConfig
+    from cspan.core.runtime import Conversation, ConversationConfig
 
     timed = _Timed(transcriber, batch=mode == "batch")
     voiced_frames = round(seconds / FRAME_S)

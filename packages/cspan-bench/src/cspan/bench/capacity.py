@@ -37,9 +37,8 @@ from cspan.bench.latency import (
     summarize_ms,
 )
 from cspan.bench.session import synchronize
-from cspan.core.constants import SERVE_MAX_BLOCK_COLUMNS
+from cspan.core.constants import FRAME_MS, SERVE_MAX_BLOCK_COLUMNS
 
-FRAME_BUDGET_MS = 80.0
 DEFAULT_BATCH_SIZES = (16, 32, 48, 64, 80, 96, 112, 128)
 
 
@@ -69,7 +68,7 @@ class CapacityOptions:
     span_interval_s: float = 30.0
     span_length: int = 256
     max_span: int = 600
-    budget_ms: float = FRAME_BUDGET_MS
+    budget_ms: float = FRAME_MS
     seed: int = 0
     cuda_graphs: bool | None = None
     max_block_columns: int | None = SERVE_MAX_BLOCK_COLUMNS

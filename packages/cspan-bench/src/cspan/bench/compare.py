@@ -35,8 +35,9 @@ from cspan.bench.published import (
     PublishedRow,
     TableLayout,
 )
-from cspan.bench.render import FRAME_BUDGET_MS, fmt, markdown_table, pyplot
+from cspan.bench.render import fmt, markdown_table, pyplot
 from cspan.bench.run_files import RunFiles
+from cspan.core.constants import FRAME_MS
 
 
 @dataclass
@@ -317,7 +318,7 @@ def plot_latency(layout: TableLayout, published: Sequence[PublishedRow], runs: S
         ax.plot(
             p99, [values[f"{n}.p99_ms"] for n in p99], linestyle="--", color=line[0].get_color(), label=f"{name} P99"
         )
-    ax.axhline(FRAME_BUDGET_MS, color="grey", linestyle=":", label=f"{FRAME_BUDGET_MS:g} ms frame budget")
+    ax.axhline(FRAME_MS, color="grey", linestyle=":", label=f"{FRAME_MS:g} ms frame budget")
     ax.set_xlabel("span length n (frames)")
     ax.set_ylabel("prefill + next step (ms)")
     ax.set_title(layout.title, fontsize=9)

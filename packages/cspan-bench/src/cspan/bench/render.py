@@ -9,9 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-FRAME_BUDGET_MS = 80.0
-"""One frame at 12.5 Hz: the span prefill plus the next step must fit in it."""
-
 
 def fmt(value: float | None, digits: int = 3) -> str:
     """A number with ``digits`` decimals, or an en dash when missing."""
@@ -41,4 +38,4 @@ def pyplot() -> Any:
     return plt
 
 
-__all__ = ["FRAME_BUDGET_MS", "fmt", "fmt_pct", "markdown_table", "pyplot"]
+__all__ = ["fmt", "fmt_pct", "markdown_table", "pyplot"]

@@ -32,8 +32,9 @@ from cspan.bench.fdb_v1 import METRIC_DIRECTIONS as V1_DIRECTIONS
 from cspan.bench.fdb_v1 import TaskKind, TaskSummary
 from cspan.bench.fdb_v3 import V3Summary
 from cspan.bench.qa import qa_table
-from cspan.bench.render import FRAME_BUDGET_MS, fmt, fmt_pct, markdown_table, pyplot
+from cspan.bench.render import fmt, fmt_pct, markdown_table, pyplot
 from cspan.bench.run_files import LATENCY_FILE, SUMMARY_FILE, GenericSummary, LatencyReport, collect
+from cspan.core.constants import FRAME_MS
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +124,9 @@ def latency_markdown(label: str, report: LatencyReport) -> str:
             "",
             f"Every call started on a {config['pace_ms']:g} ms clock (--pace-ms), as a server in real time runs.",
         ]
-    over = [r.n for r in rows if r.p99_ms > FRAME_BUDGET_MS]
+    over = [r.n for r in rows if r.p99_ms > FRAME_MS]
     if over:
-        parts += ["", f"P99 over the {FRAME_BUDGET_MS:g} ms frame budget at n = {', '.join(map(str, over))}."]
+        parts += ["", f"P99 over the {FRAME_MS:g} ms frame budget at n = {', '.join(map(str, over))}."]
     return "\n".join(parts)
 
 
@@ -239,7 +240,7 @@ def plot_latency(entries: Sequence[tuple[str, LatencyReport]], path: Path) -> Pa
         ax.plot(
             xs, [r.p99_ms for r in rows], linestyle="--", marker="x", color=line[0].get_color(), label=f"{label} P99"
         )
-    ax.axhline(FRAME_BUDGET_MS, color="grey", linestyle=":", label=f"{FRAME_BUDGET_MS:g} ms frame budget")
+    ax.axhline(FRAME_MS, color="grey", linestyle=":", label=f"{FRAME_MS:g} ms frame budget")
     ax.set_xlabel("span length n (frames)")
     ax.set_ylabel("prefill + next step (ms)")
     ax.set_title("Context Span processing latency")

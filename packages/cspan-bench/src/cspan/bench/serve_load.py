@@ -55,9 +55,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
-FRAME_SIZE = 1920
-FRAME_S = 0.08
-SAMPLE_RATE = 24000
+from cspan.core.constants import FRAME_S, FRAME_SIZE, SAMPLE_RATE
+
 FRAMES_PER_MINUTE = 60.0 / FRAME_S
 PROTOCOLS = ("ws", "ws-opus", "moshi", "realtime")
 RETRY_S, RETRY_MAX_S = 1.0, 8.0

@@ -42,6 +42,10 @@ FRAME_RATE: float = 12.5
 """Frames per second (one frame = 80 ms)."""
 FRAME_SIZE: int = 1920
 """PCM samples per frame (``SAMPLE_RATE / FRAME_RATE``)."""
+FRAME_S: float = 1.0 / FRAME_RATE
+"""Seconds per frame (0.08)."""
+FRAME_MS: float = 1000.0 / FRAME_RATE
+"""Milliseconds per frame (80): the budget a frame's work (a span's prefill and the step) must fit in."""
 NUM_CODEBOOKS: int = 8
 """Mimi codebooks per speaker stream used by the LM."""
 
@@ -85,7 +89,9 @@ __all__ = [
     "DEFAULT_TOP_K_TEXT",
     "EOS",
     "EPAD",
+    "FRAME_MS",
     "FRAME_RATE",
+    "FRAME_S",
     "FRAME_SIZE",
     "MAX_LISTEN_S",
     "MAX_SEED",

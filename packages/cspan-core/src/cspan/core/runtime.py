@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cspan.core.constants import FRAME_RATE, FRAME_SIZE, PAD, RET, SAMPLE_RATE, SPAN_CLOSE, SPAN_OPEN
+from cspan.core.constants import FRAME_RATE, FRAME_S, FRAME_SIZE, PAD, RET, SAMPLE_RATE, SPAN_CLOSE, SPAN_OPEN
 from cspan.core.events import (
     CONVERSATION_ENDED,
     ConversationEvent,
@@ -74,7 +74,6 @@ from cspan.core.vad import SileroVAD, Utterance, UtteranceTracker, voice_probabi
 
 logger = logging.getLogger(__name__)
 
-FRAME_S = 1.0 / FRAME_RATE
 LATE_GRACE_S = 2 * FRAME_S
 """Live clock: how long past its deadline a retrieval that has not reported ``late`` itself is left running."""
 TRAILING_FRAMES = 4

@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from cspan.core.constants import FRAME_RATE
+from cspan.core.constants import FRAME_MS
 from cspan.server.realtime_events import (
     ArgumentsDelta,
     ArgumentsDone,
@@ -63,7 +63,6 @@ from cspan.server.realtime_events import (
 )
 from cspan.server.session import brief
 
-FRAME_MS = 1000.0 / FRAME_RATE
 QUIET_FRAMES = 10
 """A response closes after this many frames (0.8 s) without agent text: a pause long enough to end a turn, and
 long enough for the voice to finish the last word it wrote."""

@@ -89,7 +89,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cspan.core.audio import sanitize_pcm
-from cspan.core.constants import FRAME_RATE, FRAME_SIZE, MAX_SEED, SAMPLE_RATE
+from cspan.core.constants import FRAME_RATE, FRAME_S, FRAME_SIZE, MAX_SEED, SAMPLE_RATE
 from cspan.core.errors import ProtocolError
 from cspan.core.events import CONVERSATION_ENDED, ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
 from cspan.core.voice import VoicePrompt
@@ -110,7 +110,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FRAME_S = 1.0 / FRAME_RATE
 OUTBOX_LIMIT = 500
 """Outputs waiting for a client that does not read; above this the session ends with ``slow_client``."""
 FINISH_TIMEOUT_S = 3.0
