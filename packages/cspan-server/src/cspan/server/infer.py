@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import Field, field_validator
 
 from cspan.backends.urls import redact_url
-from cspan.core.constants import MAX_LISTEN_S
+from cspan.core.constants import FRAME_RATE, MAX_LISTEN_S
 from cspan.core.settings import EnvList, add_settings_arguments, settings_from_args
 from cspan.server.settings_common import (
     DEFAULT_PERSONA,
@@ -51,6 +51,7 @@ from cspan.server.settings_common import (
 )
 
 if TYPE_CHECKING:
+    from cspan.core.audio import AudioInfo
     from cspan.core.errors import OutputError
     from cspan.core.reads import Read, Reads
 
@@ -474,6 +475,14 @@ def _json_text(value: Any) -> Any:
     return value
 
 
+def run_frames(settings: InferSettings, info: AudioInfo) -> tuple[int, int, int]:
+    """``(lead, input, tail)``: the run's frames (12.5 Hz) of lead silence (``--lead-silence`` rounded up to whole
+    frames), of the input (as :func:`cspan.core.audio.iter_frames` yields them) and of tail silence."""
+    lead = math.ceil(settings.lead_silence * FRAME_RATE - 1e-9)
+    tail = math.ceil(settings.tail_silence * FRAME_RATE - 1e-9)
+    return lead, info.stream_frames(), tail
+
+
 def _drop_stale(path: Path, error: OutputError) -> OutputError:
     """This run's JSON could not be written but its WAV was: a previous run's JSON at ``path`` would sit beside the
     new WAV as if it described it, so it goes (best effort); the error returned says so."""
@@ -507,7 +516,7 @@ async def run_infer(
     """
     from cspan.core.audio import inspect_audio
     from cspan.core.checkpoint import DEFAULT_CHECKPOINT
-    from cspan.core.constants import FRAME_RATE, FRAME_SIZE
+    from cspan.core.constants import FRAME_SIZE
     from cspan.core.devices import pick_device
     from cspan.core.errors import CspanError, SettingsError
     from cspan.core.files import check_writable
@@ -523,9 +532,7 @@ async def run_infer(
         logger.warning("%s: %d NaN or infinite samples read as silence", s.input_wav, info.nonfinite)
     if info.clipped:
         logger.warning("%s: %d samples beyond full scale clipped to +-1.0", s.input_wav, info.clipped)
-    lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
-    tail = math.ceil(s.tail_silence * FRAME_RATE - 1e-9)
-    n_input = info.stream_frames()
+    lead, n_input, tail = run_frames(s, info)
     total = lead + n_input + tail
     last_s = (n_input + tail) / FRAME_RATE
     for label, t in [*(("--span", x.seconds) for x in s.spans), *(("--force-ret-at", t) for t in s.force_ret_at)]:
@@ -590,7 +597,7 @@ async def _converse(
 
     from cspan.core.audio import AtomicAudioWriter, iter_frames
     from cspan.core.checkpoint import load_checkpoint
-    from cspan.core.constants import FRAME_RATE, FRAME_SIZE, SAMPLE_RATE
+    from cspan.core.constants import FRAME_SIZE, SAMPLE_RATE
     from cspan.core.engine import DuplexEngine
     from cspan.core.errors import CspanError, OutputError
     from cspan.core.files import stop_signals_deferred
@@ -601,9 +608,7 @@ async def _converse(
     from cspan.server.output import InferJsonStream, InferOutput, PersonaInfo, Timing, ToolsInfo, timing_stats
     from cspan.server.records import db_recorder
 
-    lead = math.ceil(s.lead_silence * FRAME_RATE - 1e-9)
-    tail = math.ceil(s.tail_silence * FRAME_RATE - 1e-9)
-    n_input = info.stream_frames()
+    lead, n_input, tail = run_frames(s, info)
     total = lead + n_input + tail
     transcriber = backends.transcriber
     retriever = backends.for_session(memory)
