@@ -91,7 +91,7 @@ def parse_span(value: str) -> TimedText:
 
 def frame_at(seconds: float) -> int:
     """The 12.5 Hz frame that contains ``seconds`` (frame k covers [k * 0.08, (k + 1) * 0.08))."""
-    return math.floor(seconds * 12.5 + 1e-9)
+    return math.floor(seconds * FRAME_RATE + 1e-9)
 
 
 def printable(text: str) -> str:
