@@ -11,6 +11,7 @@ from cspan.backends.context_db import ContextDB, Profile
 from cspan.backends.router import LocalRouter, RouteRequest
 from cspan.backends.router.local import content_words, read_knowledge_file, spoken_arithmetic, timezone_for_place
 from cspan.backends.tools import ToolBank
+from cspan.backends.tools.catalog import default_bank
 
 LONDON_NOTE = """# London
 
@@ -40,7 +41,7 @@ def knowledge(tmp_path: Path) -> Path:
 
 @pytest.fixture
 async def bank() -> AsyncIterator[ToolBank]:
-    tools = ToolBank.default()
+    tools = default_bank()
     yield tools
     await tools.aclose()
 

@@ -12,6 +12,7 @@ from cspan.backends.context_db import ContextDB
 from cspan.backends.retriever import Retriever
 from cspan.backends.router import LLMRouter, RouteRequest
 from cspan.backends.tools import ToolBank
+from cspan.backends.tools.catalog import fdb_v3_bank, mount_mcp
 
 pytest.importorskip("mcp", reason="the mcp extra of cspan-backends is not installed")
 
@@ -26,7 +27,7 @@ def stub() -> Iterator[StubLLM]:
 @pytest.fixture
 async def mcp_bank() -> AsyncIterator[ToolBank]:
     command = [sys.executable, "-m", "cspan.core.cli", "tools", "serve", "--fdb-v3-only"]
-    bank = await ToolBank.from_mcp(command=command, prefix="world_", connect_timeout_s=60)
+    bank = await mount_mcp(command=command, prefix="world_", connect_timeout_s=60)
     yield bank
     await bank.aclose()
 
@@ -41,7 +42,7 @@ async def test_mcp_tool_called_through_the_router(stub: StubLLM, mcp_bank: ToolB
         {"tool": "world_book_flight", "arguments": {"passenger_name": "Ada Lovelace"}},
         {"tool": "world_book_flight", "arguments": {"passenger_name": "Ada Lovelace"}},
     )
-    in_process = ToolBank.fdb_v3()
+    in_process = fdb_v3_bank(confirm_actions=False)
     expected = await in_process.call("get_exchange_rate", {"amount": 250, "from_currency": "EUR", "to_currency": "USD"})
     await in_process.aclose()
 

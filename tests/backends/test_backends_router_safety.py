@@ -16,7 +16,7 @@ from cspan.backends.retriever import Retriever
 from cspan.backends.router import LLMRouter, RouteRequest
 from cspan.backends.router.llm import parse_reply, strip_fences
 from cspan.backends.tools import ToolBank
-from cspan.backends.tools.catalog import ToolsSpec, build_bank, callback_tool
+from cspan.backends.tools.catalog import ToolsSpec, build_bank, callback_tool, fdb_v3_bank
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ async def test_a_confirmation_never_read_confirms_nothing(llm: StubLLM, world: T
 
 
 async def test_benchmark_bank_runs_actions_at_once(llm: StubLLM) -> None:
-    bank = ToolBank.fdb_v3()  # the benchmark's mock world: no confirmation step
+    bank = fdb_v3_bank(confirm_actions=False)  # the benchmark's mock world: no confirmation step
     try:
         llm.reset(SEARCH, BOOK)
         async with LLMRouter(llm.url, "m", bank) as router:

@@ -12,6 +12,7 @@ import pytest
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools import ToolBank
+from cspan.backends.tools.catalog import fdb_v3_bank
 from cspan.backends.tools.fdb_v3 import FDB_V3_DOMAINS, FDB_V3_TOOL_NAMES, fdb_v3_tools
 from cspan.backends.tools.world import MockWorld, parse_date
 
@@ -31,7 +32,7 @@ def bank(world: MockWorld) -> ToolBank:
 
 
 def test_toolpack_matches_the_benchmark_table() -> None:
-    bank = ToolBank.fdb_v3()
+    bank = fdb_v3_bank(confirm_actions=False)
     assert bank.names() == list(FDB_V3_TOOL_NAMES)
     assert len(FDB_V3_TOOL_NAMES) == 12
     assert {d: tuple(n) for d, n in bank.domains().items()} == FDB_V3_DOMAINS
@@ -276,7 +277,7 @@ async def test_same_seed_same_world() -> None:
 
 async def test_world_persists_in_sqlite_across_banks(tmp_path: Path) -> None:
     path = tmp_path / "state" / "world.sqlite"
-    bank = ToolBank.fdb_v3(path)
+    bank = fdb_v3_bank(path, confirm_actions=False)
     found = await bank.call("search_products", {"query": "desk lamp"})
     product = found.data["products"][0]["product_id"]
     await bank.call("add_to_cart", {"product_id": product, "quantity": 2})
@@ -286,7 +287,7 @@ async def test_world_persists_in_sqlite_across_banks(tmp_path: Path) -> None:
     await bank.aclose()
     assert path.is_file()
 
-    again = ToolBank.fdb_v3(path)
+    again = fdb_v3_bank(path, confirm_actions=False)
     try:
         more = await again.call("add_to_cart", {"product_id": product, "quantity": 1})
         assert more.data["cart_items"] == 3

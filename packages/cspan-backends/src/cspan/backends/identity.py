@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cspan.backends.context_db.user import check_id
 from cspan.backends.errors import BackendError
 
 if TYPE_CHECKING:
@@ -143,8 +144,6 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
             named, with the fix), or an entry without ``user``, with neither or both of ``token`` and ``sha256``, a
             malformed hash or an unknown scope (the message names the file and the entry).
     """
-    from cspan.backends.context_db.user import check_id
-
     path = Path(path).expanduser()
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

@@ -13,7 +13,7 @@
   ``--scenarios`` and ``--data`` when present.
 
 The router sees exactly these tools, and a call runs the release's own mock API. Which tools change state
-(``kind="action"``, for the router's guard) is taken from this project's catalogue (``ToolBank.fdb_v3()``).
+(``kind="action"``, for the router's guard) is taken from this project's catalogue (``fdb_v3_bank()``).
 :meth:`FDBv3Release.describe` is what the results record as their ``world`` (with SHA-256 of the files read).
 """
 
@@ -283,11 +283,11 @@ _KINDS: dict[str, tuple[str, str]] = {}
 
 
 async def _catalogue_kinds() -> dict[str, tuple[str, str]]:
-    """``{tool: (kind, domain)}`` of this project's v3 catalogue (read once from ``ToolBank.fdb_v3()``)."""
+    """``{tool: (kind, domain)}`` of this project's v3 catalogue (read once from ``fdb_v3_bank()``)."""
     if not _KINDS:
-        from cspan.backends.tools import ToolBank
+        from cspan.backends.tools.catalog import fdb_v3_bank
 
-        async with ToolBank.fdb_v3() as bank:
+        async with fdb_v3_bank(confirm_actions=False) as bank:
             _KINDS.update({t.name: (t.kind, t.domain) for t in bank})
     return _KINDS
 

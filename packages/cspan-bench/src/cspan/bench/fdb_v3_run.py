@@ -10,7 +10,7 @@ produce one tool call unless ``--max-tool-calls`` lets the router chain.
 
 Two worlds, recorded as ``world`` in every result and in ``summary.json``:
 
-- this project's (default): ``ToolBank.fdb_v3()`` over :mod:`cspan.backends.tools.world` and the persona
+- this project's (default): ``fdb_v3_bank()`` over :mod:`cspan.backends.tools.world` and the persona
   :data:`V3_PROMPT`; numbers are comparable in kind with the paper's, not digit for digit;
 - the benchmark's own release (``--fdb-v3-dir``, :class:`cspan.bench.fdb_v3_release.FDBv3Release`): its
   ``mock_apis.py``, the tool declarations and the persona of its LiveKit agent, as the published rows were run.
@@ -284,7 +284,7 @@ async def run_scenario(
     Returns ``(rendered, result)``; ``rendered`` is False when a finished result with the same settings was kept.
     """
     from cspan.backends.retriever import Retriever
-    from cspan.backends.tools import ToolBank
+    from cspan.backends.tools.catalog import fdb_v3_bank
     from cspan.bench.session import make_router
     from cspan.core.constants import FRAME_RATE, SAMPLE_RATE
 
@@ -317,7 +317,7 @@ async def run_scenario(
     native, native_rate = read_pcm(sample.folder / INPUT_WAV)
     pcm, _ = read_pcm(sample.folder / INPUT_WAV, SAMPLE_RATE)
     input_s = native.shape[0] / native_rate
-    bank = await options.release.tool_bank() if options.release is not None else ToolBank.fdb_v3()
+    bank = await options.release.tool_bank() if options.release is not None else fdb_v3_bank(confirm_actions=False)
     inner = make_router(
         router_spec,
         bank,

@@ -13,7 +13,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cspan.backends.context_db.connection import Connection, connect, is_postgres_url
 from cspan.backends.context_db.legacy import LegacyMethods
@@ -21,13 +21,18 @@ from cspan.backends.context_db.models import ContextDBError, TokenRecord
 from cspan.backends.context_db.schema import MIGRATIONS, SCHEMA_VERSION
 from cspan.backends.context_db.user import MAX_ID_CHARS, UserMemory, check_id, token_record
 
-if TYPE_CHECKING:
-    from cspan.backends.identity import Principal
-
 DB_ENV = "CSPAN_DB"
 """Environment variable naming the Context DB when no target is given (a path, ``:memory:`` or a URL)."""
 
 _MIGRATION_LOCK = 0x63737061  # PostgreSQL advisory lock key of the migration ("cspa")
+
+
+class Owner(Protocol):
+    """Whom rows belong to, as :meth:`ContextDB.user` takes it: anything with a ``user_id``, such as a
+    :class:`~cspan.backends.identity.Principal` (identity builds on the Context DB, not the other way round)."""
+
+    @property
+    def user_id(self) -> str: ...
 
 
 def default_db_path() -> Path:
@@ -179,7 +184,7 @@ class ContextDB(LegacyMethods):
 
     # ------------------------------------------------------------------ per-user access
 
-    def user(self, principal: Principal | str) -> UserMemory:
+    def user(self, principal: Owner | str) -> UserMemory:
         """The memory of one principal (a :class:`~cspan.backends.identity.Principal` or its user id).
 
         Raises:

@@ -327,7 +327,7 @@ class LLMRouter:
         history: how many earlier tool calls the LLM sees (newest kept).
         confirm_actions: hold back ``kind="action"`` tools until the user confirms (the rule is below); ``None``
             (default) follows the bank (:attr:`ToolBank.confirm_actions`, on except for the benchmark's
-            ``ToolBank.fdb_v3()``).
+            ``fdb_v3_bank(confirm_actions=False)``).
         action_guard: where actions are not confirmed, still refuse an action tool unless the transcript has an
             action word (book, buy, pay, change, add, yes, ...): an LLM must not book what the user only asked about.
         max_reply_bytes: largest reply read from the endpoint (bytes, after decompression); a longer one is

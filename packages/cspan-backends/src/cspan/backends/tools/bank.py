@@ -25,7 +25,6 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
@@ -252,11 +251,13 @@ class ToolBank:
         tools: tools to register at once.
         max_chars: cap on :attr:`ToolResult.text` in characters (default 400).
         confirm_actions: whether routers hold back tools that need confirmation (:attr:`Tool.needs_confirmation`)
-            until the user confirms; on by default, off only in the benchmark's mock world (:meth:`fdb_v3`).
+            until the user confirms; on by default, off only in the benchmark's mock world
+            (:func:`~cspan.backends.tools.catalog.fdb_v3_bank` with ``confirm_actions=False``).
 
     Build one from configuration with :mod:`cspan.backends.tools.catalog` (``build_bank(ToolsSpec)``: built-in
-    sets by name and MCP servers), combine with :meth:`merge`, make a session's view with :meth:`derive`, and
-    release sockets, subprocesses and database handles with ``await bank.aclose()`` (or ``async with``).
+    sets by name and MCP servers; ``fdb_v3_bank`` for the benchmark's mock world, ``mount_mcp`` for one MCP server),
+    combine with :meth:`merge`, make a session's view with :meth:`derive`, and release sockets, subprocesses and
+    database handles with ``await bank.aclose()`` (or ``async with``).
     """
 
     def __init__(
@@ -273,52 +274,6 @@ class ToolBank:
             self.register(tool)
 
     # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def default(
-        cls,
-        *,
-        world_db: str | Path | None = None,
-        weather_base_url: str | None = None,
-        geocoding_base_url: str | None = None,
-        max_chars: int = DEFAULT_MAX_CHARS,
-    ) -> ToolBank:
-        """Deprecated: ``get_time``, ``calculate``, ``get_weather`` and the 12 tools of the benchmark's mock world.
-
-        The mock world answers from fabricated data (a live router would "book" flights that do not exist). Use
-        ``cspan.backends.tools.catalog.build_bank(ToolsSpec(...))``: its live default has no mock world.
-        """
-        import warnings
-
-        from cspan.backends.tools import catalog
-
-        warnings.warn(
-            "ToolBank.default() includes the Full-Duplex-Bench v3 mock world; use "
-            "cspan.backends.tools.catalog.build_bank(ToolsSpec(...)) (no mock world unless 'fdb-v3' is named)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        bank = catalog.fdb_v3_bank(world_db, max_chars=max_chars, confirm_actions=True)
-        for tool in catalog.builtin_tools(
-            ["clock", "calculator", "weather"], weather_url=weather_base_url, geocoding_url=geocoding_base_url
-        ):
-            bank.register(tool)
-        return bank
-
-    @classmethod
-    def fdb_v3(cls, world_db: str | Path | None = None, *, max_chars: int = DEFAULT_MAX_CHARS) -> ToolBank:
-        """The benchmark's bank: the 12 Full-Duplex-Bench v3 tools over the mock world, actions unconfirmed
-        (see :func:`cspan.backends.tools.catalog.fdb_v3_bank`)."""
-        from cspan.backends.tools.catalog import fdb_v3_bank
-
-        return fdb_v3_bank(world_db, max_chars=max_chars, confirm_actions=False)
-
-    @classmethod
-    async def from_mcp(cls, command: list[str] | None = None, **kwargs: Any) -> ToolBank:
-        """Mount an MCP server's tools (see :func:`cspan.backends.tools.catalog.mount_mcp`, same arguments)."""
-        from cspan.backends.tools.catalog import mount_mcp
-
-        return await mount_mcp(command, **kwargs)
 
     def register(self, tool: Tool, *, replace: bool = False) -> None:
         """Add ``tool``; a second tool with the same name raises :class:`ToolError` unless ``replace``."""

@@ -3,7 +3,7 @@
 Both directions use the official ``mcp`` SDK (``pip install 'cspan-backends[mcp]'``, mcp 2.x), imported lazily so
 that ``import cspan.backends`` works without it.
 
-Client (:class:`MCPConnection`, used by ``await ToolBank.from_mcp(...)``): a stdio subprocess
+Client (:class:`MCPConnection`, used by ``await catalog.mount_mcp(...)``): a stdio subprocess
 (:func:`~cspan.backends.tools.mcp_stdio.bounded_stdio_client`, which bounds and reads in linear time what the server
 sends, and logs its stderr under ``cspan.backends.tools.mcp.<name>`` sanitised and rate-limited; the SDK's
 ``stdio_client`` on Windows, the stderr passed through) or a streamable-HTTP endpoint (``mcp.client.streamable_http``), one
@@ -105,7 +105,7 @@ class MCPConnection:
         connect_timeout_s: float = 20.0,
     ) -> None:
         if (command is None) == (url is None):
-            raise ToolError("from_mcp needs exactly one of command=[...] (stdio) or url=... (streamable HTTP)")
+            raise ToolError("mount_mcp needs exactly one of command=[...] (stdio) or url=... (streamable HTTP)")
         if command is not None and (not command or not all(isinstance(c, str) for c in command)):
             raise ToolError(f"MCP command must be a non-empty list of strings, got {command!r}")
         _require_mcp()
