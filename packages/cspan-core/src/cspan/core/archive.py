@@ -23,6 +23,8 @@ from pathlib import Path, PurePosixPath
 
 from .errors import CheckpointError
 
+ENV_CACHE = "CSPAN_CACHE_DIR"
+"""Where extracted voice archives go (default ``$XDG_CACHE_HOME/cspan`` or ``~/.cache/cspan``)."""
 MAX_MEMBERS = 1000
 """Most entries an archive may hold."""
 MAX_FILE_BYTES = 256 * 1024 * 1024
@@ -36,8 +38,6 @@ _CHUNK = 1 << 20
 
 def default_cache_dir() -> Path:
     """``$CSPAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/cspan``, else ``~/.cache/cspan``."""
-    from .checkpoint import ENV_CACHE
-
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -103,7 +103,7 @@ def extract_voices(archive: str | os.PathLike[str], cache_dir: str | os.PathLike
     except OSError as exc:
         raise CheckpointError(
             f"cannot extract voice archive {str(archive)!r}: folder {str(final.parent)!r} is not writable "
-            f"({exc.strerror or exc}); set {_env_name()} to a writable folder"
+            f"({exc.strerror or exc}); set {ENV_CACHE} to a writable folder"
         ) from None
     try:
         _extract_into(archive, tmp)
@@ -118,12 +118,6 @@ def extract_voices(archive: str | os.PathLike[str], cache_dir: str | os.PathLike
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def _env_name() -> str:
-    from .checkpoint import ENV_CACHE
-
-    return ENV_CACHE
 
 
 def _extract_into(archive: Path, dest: Path) -> None:

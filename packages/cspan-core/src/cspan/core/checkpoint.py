@@ -12,14 +12,14 @@ Layouts (file names as in kyutai-labs/moshi ``moshi/models/loaders.py`` and NVID
 
 Weights are checked against the model before anything is read (missing / unexpected keys, shapes), read one tensor
 at a time, cast to the requested dtype and assigned into a model built on the ``meta`` device, so loading a 7B
-never holds two copies of it. ``torch.load`` is only ever called with ``weights_only=True``.
+never holds two copies of it. ``torch.load`` is only ever called with ``weights_only=True``
+(:func:`cspan.core.torch_files.load_torch_file`).
 
 This module imports torch lazily (inside functions) so that ``cspan --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextvars
 import json
 import logging
@@ -27,15 +27,24 @@ import math
 import os
 import re
 import struct
-import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import CONTEXT_SPANNING, PERSONAPLEX, PrefixLayout
 from .errors import CheckpointError, validation_summary
-from .voice import CheckpointVoices, VoicePrompt, load_voice, load_voice_prompt
+from .torch_files import load_torch_file
+from .voice import (
+    ENV_VOICES,
+    CheckpointVoices,
+    VoicePrompt,
+    env_voices,
+    is_recording,
+    is_torch_file,
+    load_voice,
+    load_voice_prompt,
+    scan_voices,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -79,9 +88,6 @@ DEFAULT_CHECKPOINT = DEFAULT_REPO
 
 ENV_CHECKPOINT = "CSPAN_CHECKPOINT"
 ENV_BASE = "CSPAN_BASE"
-ENV_VOICES = "CSPAN_VOICES_DIR"
-ENV_CACHE = "CSPAN_CACHE_DIR"
-"""Where extracted voice archives go (default ``$XDG_CACHE_HOME/cspan`` or ``~/.cache/cspan``)."""
 
 NUM_VOICE_CODEBOOKS = 8
 """Codebook rows of a voice prompt (the agent's 8 Mimi codebooks)."""
@@ -516,57 +522,6 @@ class _DictSource(_Source):
         return self.tensors[key]
 
 
-def _torch_load(path: Path, role: str) -> Any:
-    """``torch.load(weights_only=True)`` on CPU, memory-mapped where the file format allows it."""
-    import pickle
-
-    import torch
-
-    if not path.is_file():
-        raise CheckpointError(f"{role} file {str(path)!r} does not exist; check the path or download it again")
-    fix = "download or copy it again"
-
-    def refused(exc: Exception) -> CheckpointError:
-        text = str(exc)
-        # "Unsupported global: GLOBAL argparse.Namespace ..." or, for a blocked module (os.system in a malicious
-        # file), "Trying to load unsupported GLOBAL posix.system whose module posix is blocked"
-        found = re.search(r"unsupported (?:global: )?GLOBAL ([\w.]+)", text, re.IGNORECASE)
-        reason = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)  # torch's own words, after its advice
-        if found:
-            detail = f"it needs {found.group(1)}"
-        elif reason:
-            detail = reason.group(1).strip().rstrip(".")
-        else:  # never torch's first line: it advises turning the weights-only guard off
-            lines = [line.strip() for line in text.splitlines() if line.strip() and "weights_only" not in line]
-            detail = lines[0].rstrip(".") if lines else "unpickling failed"
-        return CheckpointError(
-            f"{role} file {str(path)!r} holds Python objects that weights_only loading refuses ({detail}); re-save "
-            "it with only tensors, dicts, lists, strings and numbers"
-        )
-
-    def load(**kwargs: Any) -> Any:
-        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it is about to refuse
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
-
-    try:
-        return load(mmap=True)
-    except pickle.UnpicklingError as exc:
-        raise refused(exc) from None
-    except Exception:
-        pass  # not mmap-able (legacy format) or corrupt: retry without mmap for a precise answer
-    try:
-        return load()
-    except pickle.UnpicklingError as exc:
-        raise refused(exc) from None
-    except Exception as exc:  # any other failure of the unpickler means the file is not what it claims to be
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise CheckpointError(
-            f"{role} file {str(path)!r} is truncated or corrupt, or not a torch file ({type(exc).__name__}: {first}); "
-            f"{fix}"
-        ) from None
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Key checking and assignment
 # ---------------------------------------------------------------------------------------------------------------
@@ -774,7 +729,7 @@ def _read_fine_tune(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     """
     import torch
 
-    obj = _torch_load(path, "fine-tune")
+    obj = load_torch_file(path, "fine-tune")
     if not isinstance(obj, dict):
         raise CheckpointError(
             f"fine-tune file {str(path)!r} holds a {type(obj).__name__}, expected a dict {{'model': state_dict}}"
@@ -1111,22 +1066,6 @@ def load_tokenizer(path: str | os.PathLike[str]) -> sentencepiece.SentencePieceP
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def env_voices() -> dict[str, Path]:
-    """The voices of ``$CSPAN_VOICES_DIR`` (:func:`scan_voices`; empty when it is unset).
-
-    Raises:
-        CheckpointError: the variable names no folder (a typo there would leave every voice name unknown with no
-            word about why).
-    """
-    env_dir = os.environ.get(ENV_VOICES)
-    if not env_dir:
-        return {}
-    folder = Path(env_dir).expanduser()
-    if not folder.is_dir():
-        raise CheckpointError(f"{ENV_VOICES}={env_dir}: not a folder; point it at a folder of voice files or unset it")
-    return scan_voices(folder)
-
-
 def own_voices(files: CheckpointFiles) -> dict[str, Path]:
     """The checkpoint's own voices (``Checkpoint.voices``): its ``voices/`` with ``$CSPAN_VOICES_DIR`` over them."""
     return {**files.voices, **env_voices()}
@@ -1143,22 +1082,6 @@ def checkpoint_voices(files: CheckpointFiles, lm_config: LMConfig, mimi: Mimi | 
         prefix_layout=resolve_prefix_layout(files),
         mimi=mimi,
     )
-
-
-def scan_voices(*dirs: Path | None) -> dict[str, Path]:
-    """Voice name -> file for the voice files of ``dirs`` (``<name>.pt``, or a recording ``<name>.wav`` / ``.flac`` /
-    ``.ogg`` / ``.mp3``); a ``.pt`` wins over a recording of the same name, an earlier folder over a later one."""
-    from .voice import AUDIO_SUFFIXES
-
-    voices: dict[str, Path] = {}
-    for d in dirs:
-        if d is None or not d.is_dir():
-            continue
-        for suffix in (".pt", *AUDIO_SUFFIXES):
-            for p in sorted(d.glob(f"*{suffix}")):
-                if p.is_file():
-                    voices.setdefault(p.stem, p)
-    return voices
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1680,7 +1603,7 @@ def load_checkpoint(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# `cspan model ...`
+# Summary (`cspan model info`)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -1795,14 +1718,12 @@ def _key_check(plan: Callable[[], object]) -> str:
 def _voice_kind(path: Path) -> str:
     """What a voice file holds, for ``cspan model info``: ``codes, N frames``, ``PersonaPlex embeddings, E frames``,
     ``recording``, or why it cannot be read."""
-    from .voice import is_recording, is_torch_file
-
     try:
         if is_recording(path):
             return "recording"
         if not is_torch_file(path):
             return "unreadable: named as a torch file but is not one (damaged or truncated?)"
-        obj = _torch_load(path, "voice")
+        obj = load_torch_file(path, "voice")
     except (CheckpointError, OSError) as exc:
         return f"unreadable: {exc}"
     if isinstance(obj, dict) and hasattr(obj.get("codes"), "shape"):
@@ -1810,57 +1731,6 @@ def _voice_kind(path: Path) -> str:
     if isinstance(obj, dict) and hasattr(obj.get("embeddings"), "shape"):
         return f"PersonaPlex embeddings, {obj['embeddings'].shape[0]} frames"
     return "not a voice file"
-
-
-def _cmd_tiny(args: argparse.Namespace) -> int:
-    from .tiny import build_tiny_checkpoint
-
-    out = build_tiny_checkpoint(args.out_dir, dep_q=args.dep_q, seed=args.seed, overwrite=args.force)
-    print(f"wrote a tiny random checkpoint (dep_q {args.dep_q}, seed {args.seed}) to {out}")
-    return 0
-
-
-def _cmd_info(args: argparse.Namespace) -> int:
-    text = describe_checkpoint(args.source, revision=args.revision, base=args.base, load=args.load)
-    print(text)
-    if "\n  key check: FAILED" in text:  # the summary is printed; the status says the weights would not load
-        print("cspan model info: error: these weights would not load (see the key check above)", file=sys.stderr)
-        return 1
-    return 0
-
-
-def register_model_actions(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``tiny`` and ``info`` actions to ``cspan model`` (no heavy import happens here)."""
-    tiny = subparsers.add_parser(
-        "tiny",
-        help="write a tiny random checkpoint in the released layout",
-        description=(
-            "Write a small random-weight checkpoint in exactly the released layout (LM and Mimi safetensors, "
-            "SentencePiece model, config.json, two voices) for tests and demos without the 7B."
-        ),
-    )
-    tiny.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (created; must be empty unless --force)")
-    tiny.add_argument("--dep-q", type=int, choices=(16, 8), default=16, help="depformer codebooks (default 16)")
-    tiny.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes identical files")
-    tiny.add_argument("--force", action="store_true", help="write into a non-empty folder, replacing the files")
-    tiny.set_defaults(handler=_cmd_tiny)
-
-    info = subparsers.add_parser(
-        "info",
-        help="print a checkpoint's config, size, dtype, special ids and voices",
-        description="Print a checkpoint's files, LM and Mimi configuration, parameter count, dtype, special ids, voices.",
-    )
-    info.add_argument(
-        "source",
-        metavar="SOURCE",
-        nargs="?",
-        default=None,
-        help=f"folder, file, hf://owner/repo/file or repo id (default ${ENV_CHECKPOINT} or {DEFAULT_CHECKPOINT})",
-    )
-    info.add_argument("--revision", default=None, help="Hub revision of SOURCE")
-    info.add_argument("--base", default=None, help=f"base of a fine-tune (default ${ENV_BASE} or {DEFAULT_BASE})")
-    info.add_argument("--load", action="store_true", help="also load every weight on CPU to check keys and shapes")
-    info.set_defaults(handler=_cmd_info)
 
 
 __all__ = [
@@ -1879,7 +1749,6 @@ __all__ = [
     "checkpoint_reads",
     "checkpoint_voices",
     "describe_checkpoint",
-    "env_voices",
     "load_checkpoint",
     "load_lm",
     "load_mimi",
@@ -1889,10 +1758,8 @@ __all__ = [
     "own_voices",
     "read_configs",
     "read_safetensors_header",
-    "register_model_actions",
     "resolve_checkpoint",
     "resolve_prefix_layout",
-    "scan_voices",
     "strip_compile_prefixes",
     "weights_fingerprint",
 ]

@@ -32,7 +32,7 @@ PREFIX = "CSPAN_"
 DIRECT_ENV: dict[str, str] = {
     # settings
     "CSPAN_CONFIG": "a settings file for every verb that takes --config (cspan.core.settings)",
-    # model files (cspan.core.checkpoint, cspan.core.archive)
+    # model files (cspan.core.checkpoint, cspan.core.voice, cspan.core.archive)
     "CSPAN_CHECKPOINT": "the checkpoint of every verb that loads one when none is given (also --checkpoint)",
     "CSPAN_BASE": "the base of a fine-tune checkpoint (also --base)",
     "CSPAN_VOICES_DIR": "a folder of voice files whose names --voice may use",

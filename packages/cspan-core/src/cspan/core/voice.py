@@ -13,31 +13,28 @@ A voice prompt is one of:
   ``LMGen.load_voice_prompt`` does (``normalize_audio``: pyloudnorm's integrated loudness, gain applied in float64),
   giving codes.
 
-``cspan voice encode IN OUT`` writes a recording's voice as a ``.pt`` holding ``codes``, plus ``embeddings`` and
+``cspan voice encode IN OUT`` (:mod:`cspan.core.commands`) writes a recording's voice as a ``.pt`` holding ``codes``, plus ``embeddings`` and
 ``cache`` when the checkpoint uses PersonaPlex's prefix layout, so the one file loads here and in PersonaPlex.
 
-Only ``torch.load(weights_only=True)`` reads voice files.
+Only ``torch.load(weights_only=True)`` reads voice files (:func:`cspan.core.torch_files.load_torch_file`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from .constants import FRAME_SIZE, NUM_CODEBOOKS, PAD, SAMPLE_RATE, SINE_TOKENS
 from .errors import AudioInputError, CheckpointError, CspanError, SettingsError
+from .torch_files import load_torch_file
 
 if TYPE_CHECKING:
     import torch
-
-    from .checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +47,11 @@ VOICE_TARGET_LUFS = -24.0
 READ_BLOCK_FRAMES = 1 << 16
 """Frames a recording is decoded in (all its channels at a time; channel 0 is kept)."""
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
+"""File suffixes taken as recordings when a voice is named by its stem."""
 TORCH_SUFFIXES = (".pt", ".pth")
 """Names of voice files written with ``torch.save`` (never read as recordings)."""
-"""File suffixes taken as recordings when a voice is named by its stem."""
+ENV_VOICES = "CSPAN_VOICES_DIR"
+"""A folder of voice files whose names select a voice as a checkpoint's own do (:func:`env_voices`)."""
 DEFAULT_DELAYS = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
 """Per-stream delays of the 7B (text, agent cb0..7, user cb0..7), used when no checkpoint is given."""
 
@@ -114,22 +113,70 @@ class CheckpointVoices:
     mimi: Any = None
 
 
-def known_voices(checkpoint: Checkpoint | CheckpointVoices | None) -> dict[str, Path]:
+class CheckpointLike(Protocol):
+    """What the functions of this module read of a checkpoint: a loaded :class:`~cspan.core.checkpoint.Checkpoint`,
+    or a :class:`CheckpointVoices` (attributes as there)."""
+
+    @property
+    def voices(self) -> dict[str, Path]: ...
+
+    @property
+    def archive_voices(self) -> dict[str, Path]: ...
+
+    @property
+    def lm_config(self) -> Any: ...
+
+    @property
+    def prefix_layout(self) -> Any: ...
+
+    @property
+    def mimi(self) -> Any: ...
+
+
+def env_voices() -> dict[str, Path]:
+    """The voices of ``$CSPAN_VOICES_DIR`` (:func:`scan_voices`; empty when it is unset).
+
+    Raises:
+        CheckpointError: the variable names no folder (a typo there would leave every voice name unknown with no
+            word about why).
+    """
+    env_dir = os.environ.get(ENV_VOICES)
+    if not env_dir:
+        return {}
+    folder = Path(env_dir).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{ENV_VOICES}={env_dir}: not a folder; point it at a folder of voice files or unset it")
+    return scan_voices(folder)
+
+
+def scan_voices(*dirs: Path | None) -> dict[str, Path]:
+    """Voice name -> file for the voice files of ``dirs`` (``<name>.pt``, or a recording ``<name>.wav`` / ``.flac`` /
+    ``.ogg`` / ``.mp3``); a ``.pt`` wins over a recording of the same name, an earlier folder over a later one."""
+    voices: dict[str, Path] = {}
+    for d in dirs:
+        if d is None or not d.is_dir():
+            continue
+        for suffix in (".pt", *AUDIO_SUFFIXES):
+            for p in sorted(d.glob(f"*{suffix}")):
+                if p.is_file():
+                    voices.setdefault(p.stem, p)
+    return voices
+
+
+def known_voices(checkpoint: CheckpointLike | None) -> dict[str, Path]:
     """Every voice a name can select, name -> file: the checkpoint's ``voices.tgz`` voices, its ``voices/`` over
     them, ``$CSPAN_VOICES_DIR`` over both.
 
     Raises:
         CheckpointError: ``$CSPAN_VOICES_DIR`` names no folder.
     """
-    from .checkpoint import env_voices
-
     known = {}
     if checkpoint is not None:
         known = {**getattr(checkpoint, "archive_voices", {}), **checkpoint.voices}
     return {**known, **env_voices()}
 
 
-def known_voice(name: str, checkpoint: Checkpoint | CheckpointVoices | None) -> Path | None:
+def known_voice(name: str, checkpoint: CheckpointLike | None) -> Path | None:
     """The file of the voice called ``name`` (:func:`known_voices`), also spelled with its file suffix (``NATF2.pt``,
     as PersonaPlex's ``--voice-prompt`` takes it); None when no voice has that name."""
     known = known_voices(checkpoint)
@@ -141,7 +188,7 @@ def known_voice(name: str, checkpoint: Checkpoint | CheckpointVoices | None) -> 
     return None
 
 
-def default_voice_name(checkpoint: Checkpoint | CheckpointVoices | None) -> str | None:
+def default_voice_name(checkpoint: CheckpointLike | None) -> str | None:
     """The voice a run speaks with when none is named (``cspan infer``, ``cspan serve``, ``cspan bench``): the first
     by name of the checkpoint's own voices (``voices/``, ``$CSPAN_VOICES_DIR``); None when it has none. PersonaPlex's
     ``voices.tgz`` is never a default: it holds a choice of speakers, one is named (``--voice NATF2``)."""
@@ -149,7 +196,7 @@ def default_voice_name(checkpoint: Checkpoint | CheckpointVoices | None) -> str 
     return min(own) if own else None
 
 
-def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | CheckpointVoices | None = None) -> Path:
+def find_voice(name_or_path: str | os.PathLike[str], checkpoint: CheckpointLike | None = None) -> Path:
     """The file of a voice: an existing file, a voice name of the checkpoint (or ``$CSPAN_VOICES_DIR``), or such a
     name with its file suffix (``NATF2.pt``, as PersonaPlex's ``--voice-prompt`` takes it).
 
@@ -171,8 +218,6 @@ def find_voice(name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | Ch
         return found
     known = known_voices(checkpoint)
     if path.is_dir():  # a voice's name wins over a folder of that name in the working directory
-        from .checkpoint import ENV_VOICES
-
         raise CheckpointError(
             f"voice {str(path)!r} is a directory; pass a voice name, a .pt voice file, or a 2-30 s recording (a folder "
             f"of voices is given with {ENV_VOICES}={path})"
@@ -213,9 +258,7 @@ def _not_a_torch_file(path: Path) -> CheckpointError:
     )
 
 
-def load_voice_prompt(
-    name_or_path: str | os.PathLike[str], checkpoint: Checkpoint | CheckpointVoices | None = None
-) -> VoicePrompt:
+def load_voice_prompt(name_or_path: str | os.PathLike[str], checkpoint: CheckpointLike | None = None) -> VoicePrompt:
     """Load a voice prompt in any of its forms (module docstring).
 
     Args:
@@ -243,9 +286,7 @@ def load_voice_prompt(
         return VoicePrompt(source=path, codes=codes)
     if not is_torch_file(path):
         raise _not_a_torch_file(path)
-    from .checkpoint import _torch_load
-
-    obj = _torch_load(path, "voice")
+    obj = load_torch_file(path, "voice")
     if not isinstance(obj, dict) or not ({"codes"} <= set(obj) or {"embeddings", "cache"} <= set(obj)):
         keys = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
         raise CheckpointError(
@@ -259,7 +300,7 @@ def load_voice_prompt(
     return _embedding_voice(path, obj["embeddings"], obj["cache"], cfg)
 
 
-def voice_codes(voice: VoicePrompt, checkpoint: Checkpoint | CheckpointVoices | None = None) -> torch.Tensor | None:
+def voice_codes(voice: VoicePrompt, checkpoint: CheckpointLike | None = None) -> torch.Tensor | None:
     """The Mimi codes [8, N] of a loaded voice: its own, or for a PersonaPlex embedding voice those of the recording
     of the same name beside its file (``NATF2.wav`` beside ``NATF2.pt``, encoded with the checkpoint's Mimi); None
     when it has none (:func:`load_voice` refuses it then)."""
@@ -274,7 +315,7 @@ def voice_codes(voice: VoicePrompt, checkpoint: Checkpoint | CheckpointVoices | 
 
 def load_voice(
     name_or_path: str | os.PathLike[str],
-    checkpoint: Checkpoint | CheckpointVoices | None = None,
+    checkpoint: CheckpointLike | None = None,
     *,
     needed_by: str = "this",
 ) -> torch.Tensor:
@@ -370,7 +411,7 @@ def describe_voice(voice: ChosenVoice | None) -> dict[str, Any]:
     return dict(NO_VOICE) if voice is None else voice.describe()
 
 
-def voice_summary(voice: ChosenVoice | None, checkpoint: Checkpoint | CheckpointVoices | None = None) -> str:
+def voice_summary(voice: ChosenVoice | None, checkpoint: CheckpointLike | None = None) -> str:
     """Which voice speaks, in words for the console: ``voice NAME (FORM, FILE)`` (``, the default`` when none was
     named), or ``no voice prompt`` (naming the voices of ``voices.tgz`` when the checkpoint has only those)."""
     if voice is not None:
@@ -402,7 +443,7 @@ def check_voice_path(voice: str | None, flag: str = "--voice") -> None:
 
 def choose_voice(
     voice: str | os.PathLike[str] | None,
-    checkpoint: Checkpoint | CheckpointVoices | None,
+    checkpoint: CheckpointLike | None,
     flag: str = "--voice",
 ) -> ChosenVoice | None:
     """The voice of a run's ``--voice``, as every verb resolves and loads it (``cspan infer``, ``cspan serve``'s
@@ -696,99 +737,12 @@ def voice_embeddings_form(
     return {"embeddings": embeddings.detach().cpu()[:, None, None].clone(), "cache": ring[None].clone()}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# `cspan voice encode`
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _cmd_encode(args: argparse.Namespace) -> int:
-    import torch
-
-    from .checkpoint import (
-        checkpoint_reads,
-        load_checkpoint,
-        load_mimi,
-        read_configs,
-        resolve_checkpoint,
-        resolve_prefix_layout,
-    )
-    from .config import PERSONAPLEX
-    from .devices import parse_device
-    from .files import atomic_file, check_writable
-    from .reads import Reads, check_outputs
-
-    device = parse_device(args.device or "cpu")  # a bad --device is refused before anything is read or written
-    out = Path(args.output)
-    if out.suffix != ".pt":
-        raise SettingsError(f"output {str(out)!r}: a voice file ends in .pt")
-    if out.exists() and out.is_dir():
-        raise SettingsError(f"output {str(out)!r} is a folder; give a file name ending in .pt")
-    reads = Reads().file("IN", args.input, "the recording IN")
-    model = checkpoint_reads(args.checkpoint, base=args.base, folders=False)  # the model's files; voices are not read
-    check_outputs({"OUT": out}, reads.extend(model))
-    check_writable(out)  # before Mimi loads: a folder that cannot be written fails now, not after the encoding
-    audio = prepare_voice_audio(args.input)  # a missing, short or silent recording fails before the checkpoint loads
-    files = resolve_checkpoint(args.checkpoint, base=args.base)
-    layout = resolve_prefix_layout(files)
-    embeddings = layout == PERSONAPLEX if args.embeddings is None else args.embeddings
-    if embeddings:
-        ckpt = load_checkpoint(args.checkpoint, base=args.base, device=device)
-        mimi, lm = ckpt.mimi, ckpt.lm
-    else:
-        if files.mimi is None:
-            raise CheckpointError(f"checkpoint {files.source!r} has no Mimi weights to encode the recording with")
-        _, mimi_cfg = read_configs(files.config, [])
-        mimi, lm = load_mimi(files.mimi, mimi_cfg, device=device), None
-    if int(mimi.sample_rate) != SAMPLE_RATE:  # a codec at another rate than 24 kHz: read again at its rate
-        audio = prepare_voice_audio(args.input, sample_rate=int(mimi.sample_rate))
-    check_outputs({"OUT": out}, checkpoint_reads(args.checkpoint, base=args.base, folders=False))  # now cached
-    codes = encode_voice_pcm(audio, mimi)
-    payload: dict[str, torch.Tensor] = {"codes": codes}
-    if lm is not None:
-        payload.update(voice_embeddings_form(codes, lm))
-    with atomic_file(out) as tmp:
-        torch.save(payload, tmp)
-    forms = "codes" + (" + PersonaPlex embeddings" if lm is not None else "")
-    print(
-        f"wrote {out}: {audio.num_frames} frames ({audio.samples / SAMPLE_RATE:.2f} s, loudness "
-        f"{audio.loudness_lufs:.1f} LUFS -> {VOICE_TARGET_LUFS:.0f} LUFS), {forms}; use it with --voice "
-        f"{shlex.quote(str(out))}"
-    )
-    return 0
-
-
-def voice_command(parser: argparse.ArgumentParser) -> None:
-    """Voice prompts: make one from a recording (2-30 s), loudness-normalised and Mimi-encoded."""
-    sub = parser.add_subparsers(dest="voice_command", metavar="ACTION", title="actions")
-    sub.required = True
-    enc = sub.add_parser(
-        "encode",
-        help="encode a recording as a voice prompt file",
-        description=(
-            "Encode a 2-30 s recording (any format soundfile reads, any rate; channel 0) as a voice prompt: "
-            "loudness-normalised to -24 LUFS and Mimi-encoded as PersonaPlex does. OUT.pt holds {'codes': [8, N]} "
-            "and, for checkpoints with PersonaPlex's prefix layout, PersonaPlex's {'embeddings', 'cache'} too."
-        ),
-    )
-    enc.add_argument("input", metavar="IN", help="the recording (WAV, FLAC, OGG ...)")
-    enc.add_argument("output", metavar="OUT", help="the voice file to write (.pt)")
-    enc.add_argument("--checkpoint", default=None, help="checkpoint whose Mimi encodes (default: the released one)")
-    enc.add_argument("--base", default=None, help="base of a fine-tune checkpoint")
-    enc.add_argument("--device", default=None, help="where Mimi (and the LM) run (default cpu)")
-    enc.add_argument(
-        "--embeddings",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also write PersonaPlex's embeddings form (default: when the checkpoint uses PersonaPlex's layout)",
-    )
-    enc.set_defaults(handler=_cmd_encode)
-
-
 __all__ = [
     "NO_VOICE",
     "VOICE_MAX_SECONDS",
     "VOICE_MIN_SECONDS",
     "VOICE_TARGET_LUFS",
+    "CheckpointLike",
     "CheckpointVoices",
     "ChosenVoice",
     "VoiceAudio",
@@ -799,6 +753,7 @@ __all__ = [
     "describe_voice",
     "encode_voice_audio",
     "encode_voice_pcm",
+    "env_voices",
     "find_voice",
     "frames_from_ring",
     "is_recording",
@@ -808,8 +763,8 @@ __all__ = [
     "load_voice",
     "load_voice_prompt",
     "prepare_voice_audio",
+    "scan_voices",
     "voice_codes",
-    "voice_command",
     "voice_embeddings_form",
     "voice_summary",
 ]
