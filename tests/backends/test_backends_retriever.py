@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+from banks import make_mixed_bank
 from router_stub import StubLLM
 
 from cspan.backends.asr import HTTPTranscriber
@@ -20,7 +21,7 @@ from cspan.backends.context_db import ContextDB, Profile
 from cspan.backends.retriever import Retriever, SpanResult
 from cspan.backends.router import LLMRouter, LocalRouter
 from cspan.backends.router.base import RouteResult
-from cspan.backends.tools.catalog import default_bank, fdb_v3_bank
+from cspan.backends.tools.catalog import fdb_v3_bank
 
 LONDON_NOTE = "# London\n\nLondon weather today: mild and cloudy, around 14 degrees, light rain in the evening.\n"
 
@@ -52,7 +53,7 @@ async def test_audio_to_reference_with_pocketsphinx_and_local_notes(fixture_file
 
     pcm, sr = _clip(fixture_file, "question_weather_24k.wav")
     db = ContextDB(tmp_path / "ctx.sqlite")
-    bank = default_bank()
+    bank = make_mixed_bank()
     transcriber = PocketSphinxTranscriber()
     try:
         retriever = Retriever(transcriber, LocalRouter(bank, db, knowledge), db)
@@ -112,7 +113,7 @@ async def test_deadline_and_cancellation(stub: StubLLM, tmp_path) -> None:
 
 
 async def test_history_and_profile_reach_the_router(stub: StubLLM, tmp_path) -> None:
-    bank = default_bank()
+    bank = make_mixed_bank()
     db = ContextDB(tmp_path / "ctx.sqlite")
     db.put_profile(Profile(user_id="ada", name="Ada", timezone="Europe/London"))
     cid = db.start_conversation("ada")
@@ -134,7 +135,7 @@ async def test_history_and_profile_reach_the_router(stub: StubLLM, tmp_path) -> 
 
 
 async def test_without_a_db_history_is_kept_in_memory(stub: StubLLM) -> None:
-    bank = default_bank()
+    bank = make_mixed_bank()
     stub.reset({"tool": "calculate", "arguments": {"expression": "2 + 2"}}, {"content": "Four is even."})
     async with LLMRouter(stub.url, "m", bank) as router:
         retriever = Retriever(None, router)

@@ -6,12 +6,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from banks import make_mixed_bank
 
 from cspan.backends.context_db import ContextDB, Profile
 from cspan.backends.router import LocalRouter, RouteRequest
 from cspan.backends.router.local import content_words, read_knowledge_file, spoken_arithmetic, timezone_for_place
 from cspan.backends.tools import ToolBank
-from cspan.backends.tools.catalog import default_bank
 
 LONDON_NOTE = """# London
 
@@ -41,7 +41,7 @@ def knowledge(tmp_path: Path) -> Path:
 
 @pytest.fixture
 async def bank() -> AsyncIterator[ToolBank]:
-    tools = default_bank()
+    tools = make_mixed_bank()
     yield tools
     await tools.aclose()
 

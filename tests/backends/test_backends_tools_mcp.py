@@ -442,9 +442,11 @@ def test_backends_tools_import_without_torch_core_or_mcp() -> None:
     code = (
         "import json, sys\n"
         "import cspan.backends, cspan.backends.tools\n"
-        "from cspan.backends.tools.catalog import default_bank\n"
+        "from cspan.backends.tools.catalog import builtin_tools, fdb_v3_bank\n"
         "from cspan.backends.tools import cli, mcp_bridge, weather, builtin, world, fdb_v3\n"
-        "bank = default_bank()\n"
+        "bank = fdb_v3_bank(None)\n"
+        "for tool in builtin_tools(['clock', 'calculator', 'weather']):\n"
+        "    bank.register(tool)\n"
         "print(json.dumps({m: m in sys.modules for m in ('torch', 'cspan.core', 'mcp')}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import uvicorn
+from banks import make_mixed_bank
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools import ToolBank
-from cspan.backends.tools.catalog import default_bank
 from cspan.backends.tools.weather import WeatherClient, describe_wmo_code
 
 PLACES = {
@@ -98,7 +98,7 @@ def open_meteo() -> Iterator[tuple[str, list]]:
 async def bank(open_meteo: tuple[str, list]) -> AsyncIterator[ToolBank]:
     base, seen = open_meteo
     seen.clear()
-    tools = default_bank(weather_base_url=base)
+    tools = make_mixed_bank(weather_base_url=base)
     yield tools
     await tools.aclose()
 
@@ -143,7 +143,7 @@ async def test_weather_errors(bank: ToolBank) -> None:
 
 async def test_closed_port_fails_with_tool_error() -> None:
     port = free_port()  # nothing listens there
-    bank = default_bank(weather_base_url=f"http://127.0.0.1:{port}")
+    bank = make_mixed_bank(weather_base_url=f"http://127.0.0.1:{port}")
     try:
         with pytest.raises(
             ToolError, match=r"cannot reach http://127\.0\.0\.1:\d+/v1/search \(could not connect .*ConnectError"

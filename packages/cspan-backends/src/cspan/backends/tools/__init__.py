@@ -5,7 +5,7 @@
 - :mod:`.catalog`: tools as configuration: built-in sets by name (clock, calculator, weather, knowledge, memory;
   the Full-Duplex-Bench v3 mock world only as ``fdb-v3``), ``--mcp`` specs with allow lists, ``build_bank``,
   ``session_bank``, ``callback_tool``, ``mount_mcp`` (one MCP server). ``fdb_v3_bank(confirm_actions=False)`` is
-  the benchmark's bank; ``default_bank()`` is deprecated (it contains the mock world).
+  the benchmark's bank.
 - :mod:`.world`: the deterministic SQLite mock world behind the Full-Duplex-Bench v3 tools.
 - :mod:`.builtin` (clock, calculator), :mod:`.weather` (Open-Meteo), :mod:`.mcp_bridge` (MCP client and server).
 - ``cspan tools serve|list|call`` (:mod:`.cli`).

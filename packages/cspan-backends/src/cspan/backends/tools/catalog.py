@@ -323,34 +323,6 @@ def fdb_v3_bank(
     return bank
 
 
-def default_bank(
-    *,
-    world_db: str | Path | None = None,
-    weather_base_url: str | None = None,
-    geocoding_base_url: str | None = None,
-    max_chars: int = DEFAULT_MAX_CHARS,
-) -> ToolBank:
-    """Deprecated: ``get_time``, ``calculate``, ``get_weather`` and the 12 tools of the benchmark's mock world.
-
-    The mock world answers from fabricated data (a live router would "book" flights that do not exist). Use
-    :func:`build_bank` (``build_bank(ToolsSpec(...))``): its live default has no mock world.
-    """
-    import warnings
-
-    warnings.warn(
-        "default_bank() includes the Full-Duplex-Bench v3 mock world; use "
-        "cspan.backends.tools.catalog.build_bank(ToolsSpec(...)) (no mock world unless 'fdb-v3' is named)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    bank = fdb_v3_bank(world_db, max_chars=max_chars, confirm_actions=True)
-    for tool in builtin_tools(
-        ["clock", "calculator", "weather"], weather_url=weather_base_url, geocoding_url=geocoding_base_url
-    ):
-        bank.register(tool)
-    return bank
-
-
 async def mount_mcp(
     command: list[str] | None = None,
     *,
