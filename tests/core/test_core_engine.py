@@ -232,6 +232,29 @@ def test_placeholders_and_switches_are_checked_at_construction(tiny_checkpoint, 
     assert str(caught.value).startswith(f"DuplexEngine: {message}"), caught.value
 
 
+def test_the_default_placeholders_need_the_released_codec(fixture_file) -> None:
+    """A model whose codec has fewer than 2048 codes (the reference fixtures' small Mimi: 64) cannot use PersonaPlex's
+    silence and sine frames: a CheckpointError (one line under ``cspan infer``) instead of a ValueError about
+    ``agent_placeholder[0] = 948``; its own placeholders are taken."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from cspan.core.config import LMConfig
+    from cspan.core.errors import CheckpointError
+    from cspan.core.lm import LMModel
+
+    folder = fixture_file("reference", "lm-personaplex-shaped")
+    lm = LMModel(LMConfig.from_upstream(json.loads((folder / "config.json").read_text())), dtype=torch.float32)
+    lm.load_state_dict(load_file(folder / "model.safetensors"), strict=True)
+    assert lm.card < 948
+    with pytest.raises(CheckpointError, match=rf"audio streams have {lm.card} codes, but the default agent_place"):
+        DuplexEngine(lm)
+    C = lm.n_q // 2
+    engine = DuplexEngine(lm, agent_placeholder=[1] * C, user_placeholder=[2] * C)
+    assert engine.agent_placeholder == (1,) * C
+
+
 def test_placeholders_in_range_are_taken_as_ints(tiny_checkpoint) -> None:
     engine = DuplexEngine(
         tiny_checkpoint, agent_placeholder=np.arange(8) + 2040, user_placeholder=torch.zeros(8, dtype=torch.int32)

@@ -13,8 +13,8 @@ import operator
 import numpy as np
 import torch
 
-from .constants import FRAME_SIZE, MAX_SEED, ZERO_TOKEN
-from .errors import SpanError
+from .constants import FRAME_SIZE, MAX_SEED, SILENCE_TOKENS, SINE_TOKENS, ZERO_TOKEN
+from .errors import CheckpointError, SpanError
 
 
 def as_index(value: object) -> int | None:
@@ -74,9 +74,22 @@ def check_placeholders(placeholders: dict[str, object], num_codebooks: int, card
     """The engine's ``agent_placeholder`` and ``user_placeholder`` (name -> value) as tuples of Python ints: each
     ``num_codebooks`` Mimi codes in 0 .. ``card`` - 1, else a TypeError / ValueError naming the argument. A code out
     of range was accepted and failed only at the first ``set_persona`` ("frames[1, 20] = 99999 is outside -1 ..
-    2048"), or at the first span block; the agent's is also what Mimi decodes for a frame without agent codes."""
+    2048"), or at the first span block; the agent's is also what Mimi decodes for a frame without agent codes.
+
+    Raises:
+        TypeError, ValueError: a placeholder that is not ``num_codebooks`` int codes in range. CheckpointError: the
+            default placeholders (PersonaPlex's silence and sine frames, codes of the released 2048-code Mimi) on a
+            model whose codec has fewer codes.
+    """
     out = {}
     for name, value in placeholders.items():
+        if (value is SILENCE_TOKENS or value is SINE_TOKENS) and max(value) >= card:
+            frame = "silence" if value is SILENCE_TOKENS else "440 Hz sine"
+            raise CheckpointError(
+                f"DuplexEngine: this model's audio streams have {card} codes, but the default {name} (PersonaPlex's "
+                f"{frame} frame) is codes of the released 2048-code Mimi; pass agent_placeholder and "
+                "user_placeholder in this codec's codes"
+            )
         if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
             raise TypeError(
                 f"DuplexEngine: {name} is a sequence of {num_codebooks} Mimi codes, got {type(value).__name__}"
