@@ -161,7 +161,12 @@ async def test_openai_sdk_streams_a_recording_and_completes_function_calls(serve
             added = await events.until(lambda e: e["type"] == "conversation.item.added" and e["item"].get("output"))
             assert added["item"]["type"] == "function_call_output" and added["item"]["call_id"] == call["call_id"]
             spans.append(await events.until(_is("cspan.span", call_id=call["call_id"])))
-        await events.seen(_is("conversation.item.input_audio_transcription.completed"))
+        heard = await events.seen(_is("conversation.item.input_audio_transcription.completed"))
+        await conn.conversation.item.retrieve(item_id=heard["item_id"])
+        retrieved = await events.until(_is("conversation.item.retrieved"))
+        # the user's item holds its transcript once it is known (was: input_audio without a transcript)
+        assert retrieved["item"]["role"] == "user"
+        assert retrieved["item"]["content"] == [{"type": "input_audio", "transcript": heard["transcript"]}]
 
     first, second = spans
     assert first["text"] == "(tool result) Order A1 shipped on Monday and arrives on Thursday."
