@@ -200,6 +200,46 @@ async def test_openai_sdk_streams_a_recording_and_completes_function_calls(serve
 
 
 @pytest.mark.timeout(300)
+async def test_tool_choice_none_keeps_the_clients_functions_from_the_router(serve, fixture_file, stub_llm) -> None:
+    """``tool_choice: "none"`` (OpenAI's: no function is called) keeps the client's functions out of the router's
+    bank (was: echoed and ignored, so the router could still call them); ``"auto"`` brings them back; a value outside
+    the schema is an ``invalid_event`` for that field and is not applied."""
+    stub_llm.reset()  # every request is answered with nothing: no span
+    server = serve(asr="sphinx", router=stub_llm.url, span_deadline_s=600.0, idle_timeout_s=600.0)
+    client = openai.AsyncOpenAI(api_key="unused", base_url=server.url + "/v1")
+    async with client.realtime.connect(model="cspan-tiny") as conn:
+        events = Events(conn)
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "tools": [ORDER_TOOL],
+                "tool_choice": "none",
+                "cspan": {"events": True, "test": {"force_ret_at": FORCED_RETS}},  # type: ignore[typeddict-unknown-key]
+            }
+        )
+        updated = await events.until(_is("session.updated"))
+        assert updated["session"]["tool_choice"] == "none"
+        assert [t["name"] for t in updated["session"]["tools"]] == ["lookup_order"]  # declared, not offered
+        for chunk in pcm16_chunks(fixture_file("audio", "question_weather_24k.wav")):
+            await conn.input_audio_buffer.append(audio=chunk)
+        await events.until(_is("cspan.no_span"))
+        asked_without = len(stub_llm.requests)
+        await conn.session.update(session={"type": "realtime", "tool_choice": "auto"})
+        assert (await events.until(_is("session.updated")))["session"]["tool_choice"] == "auto"
+        for _ in range(2):  # the second retrieval after the update started after it
+            await events.until(_is("cspan.no_span"))
+        await conn.session.update(session={"type": "realtime", "tool_choice": "sometimes"}, event_id="tc")  # type: ignore[typeddict-item]
+        assert (await events.until(_is("session.updated")))["session"]["tool_choice"] == "auto"
+        error = (await events.until(_is("error")))["error"]
+        assert (error["code"], error["param"], error["event_id"]) == ("invalid_event", "session.tool_choice", "tc")
+
+    offered = [[t["function"]["name"] for t in r.get("tools", [])] for r in stub_llm.requests]
+    assert asked_without >= 1 and all("lookup_order" not in names for names in offered[:asked_without])
+    assert "get_time" in offered[0]  # the server's own tools stay
+    assert "lookup_order" in offered[-1]
+
+
+@pytest.mark.timeout(300)
 async def test_malformed_events_keep_the_session(serve, fixture_file, stub_llm) -> None:
     """Every malformed or refused event gets an ``error`` with its ``event_id`` and the session goes on; a function
     call the client never answers is read as the abstain clause, and its late output is refused. The client asks
