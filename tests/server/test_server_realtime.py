@@ -161,7 +161,12 @@ async def test_openai_sdk_streams_a_recording_and_completes_function_calls(serve
             added = await events.until(lambda e: e["type"] == "conversation.item.added" and e["item"].get("output"))
             assert added["item"]["type"] == "function_call_output" and added["item"]["call_id"] == call["call_id"]
             spans.append(await events.until(_is("cspan.span", call_id=call["call_id"])))
-        await events.seen(_is("conversation.item.input_audio_transcription.completed"))
+        heard = await events.seen(_is("conversation.item.input_audio_transcription.completed"))
+        await conn.conversation.item.retrieve(item_id=heard["item_id"])
+        retrieved = await events.until(_is("conversation.item.retrieved"))
+        # the user's item holds its transcript once it is known (was: input_audio without a transcript)
+        assert retrieved["item"]["role"] == "user"
+        assert retrieved["item"]["content"] == [{"type": "input_audio", "transcript": heard["transcript"]}]
 
     first, second = spans
     assert first["text"] == "(tool result) Order A1 shipped on Monday and arrives on Thursday."
@@ -192,6 +197,46 @@ async def test_openai_sdk_streams_a_recording_and_completes_function_calls(serve
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text  # admin scope
     assert 'cspan_sessions_started_total{protocol="realtime"} 1.0' in metrics
     assert 'cspan_protocol_errors_total{code="invalid_event",protocol="realtime"}' not in metrics
+
+
+@pytest.mark.timeout(300)
+async def test_tool_choice_none_keeps_the_clients_functions_from_the_router(serve, fixture_file, stub_llm) -> None:
+    """``tool_choice: "none"`` (OpenAI's: no function is called) keeps the client's functions out of the router's
+    bank (was: echoed and ignored, so the router could still call them); ``"auto"`` brings them back; a value outside
+    the schema is an ``invalid_event`` for that field and is not applied."""
+    stub_llm.reset()  # every request is answered with nothing: no span
+    server = serve(asr="sphinx", router=stub_llm.url, span_deadline_s=600.0, idle_timeout_s=600.0)
+    client = openai.AsyncOpenAI(api_key="unused", base_url=server.url + "/v1")
+    async with client.realtime.connect(model="cspan-tiny") as conn:
+        events = Events(conn)
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "tools": [ORDER_TOOL],
+                "tool_choice": "none",
+                "cspan": {"events": True, "test": {"force_ret_at": FORCED_RETS}},  # type: ignore[typeddict-unknown-key]
+            }
+        )
+        updated = await events.until(_is("session.updated"))
+        assert updated["session"]["tool_choice"] == "none"
+        assert [t["name"] for t in updated["session"]["tools"]] == ["lookup_order"]  # declared, not offered
+        for chunk in pcm16_chunks(fixture_file("audio", "question_weather_24k.wav")):
+            await conn.input_audio_buffer.append(audio=chunk)
+        await events.until(_is("cspan.no_span"))
+        asked_without = len(stub_llm.requests)
+        await conn.session.update(session={"type": "realtime", "tool_choice": "auto"})
+        assert (await events.until(_is("session.updated")))["session"]["tool_choice"] == "auto"
+        for _ in range(2):  # the second retrieval after the update started after it
+            await events.until(_is("cspan.no_span"))
+        await conn.session.update(session={"type": "realtime", "tool_choice": "sometimes"}, event_id="tc")  # type: ignore[typeddict-item]
+        assert (await events.until(_is("session.updated")))["session"]["tool_choice"] == "auto"
+        error = (await events.until(_is("error")))["error"]
+        assert (error["code"], error["param"], error["event_id"]) == ("invalid_event", "session.tool_choice", "tc")
+
+    offered = [[t["function"]["name"] for t in r.get("tools", [])] for r in stub_llm.requests]
+    assert asked_without >= 1 and all("lookup_order" not in names for names in offered[:asked_without])
+    assert "get_time" in offered[0]  # the server's own tools stay
+    assert "lookup_order" in offered[-1]
 
 
 @pytest.mark.timeout(300)

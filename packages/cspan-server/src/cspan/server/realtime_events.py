@@ -200,7 +200,7 @@ class SessionConfig(_In):
     output_modalities: list[Literal["text", "audio"]] | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=128)
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     input_audio_transcription: dict[str, Any] | None = None
     turn_detection: dict[str, Any] | None = None
     temperature: float | None = None

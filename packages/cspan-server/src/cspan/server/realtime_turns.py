@@ -509,6 +509,11 @@ class UserSpeech:
             if not record.committed:
                 events += self._commit(utterance)
             seconds = max(0.0, (end_s if end_s is not None else start_s) - start_s)
+            item = self.log.items.get(item_id)
+            if item is not None:  # a later retrieve gives the transcript, as OpenAI's (unless the client deleted it)
+                self.log.items[item_id] = item.model_copy(
+                    update={"content": [ContentPart(type="input_audio", transcript=text)]}
+                )
             events.append(
                 TranscriptionCompleted(
                     item_id=item_id, transcript=text, usage={"type": "duration", "seconds": round(seconds, 3)}

@@ -341,7 +341,7 @@ class RealtimeAdapter(ProtocolAdapter):
                 force_ret_at=list(test.force_ret_at) if test is not None else [],
                 spans=[(t, text) for t, text in test.spans] if test is not None else [],
                 test=test is not None,
-                tools=self._client_tools,
+                tools=self._router_tools(),
             )
         )
 
@@ -453,7 +453,6 @@ class RealtimeAdapter(ProtocolAdapter):
         if tools is not None:
             c.tools = tools
             self._client_tools = bank_tools
-            self.session.set_tools(bank_tools)
             if tools and self._tools_inert():
                 warnings.append(
                     (
@@ -463,6 +462,8 @@ class RealtimeAdapter(ProtocolAdapter):
                         "session.tools",
                     )
                 )
+        if tools is not None or new.tool_choice is not None:
+            self.session.set_tools(self._router_tools())
         options = new.cspan
         if options is not None:
             if options.events is not None:
@@ -605,6 +606,11 @@ class RealtimeAdapter(ProtocolAdapter):
         """
         tools = function_tools(new, event_id) or []
         return tools, self._bank_tools(tools, event_id, taken)
+
+    def _router_tools(self) -> list[Any]:
+        """The client's functions the router may call: none while ``tool_choice`` is ``"none"`` (OpenAI's meaning: no
+        function is called; the tools stay declared and come back with ``"auto"``)."""
+        return [] if self.config.tool_choice == "none" else self._client_tools
 
     def _tools_inert(self) -> bool:
         """Whether this server's router never calls a client's function (no router, or the local one: it picks its
