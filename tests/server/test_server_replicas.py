@@ -339,7 +339,8 @@ async def test_a_postgresql_outage_ends_no_conversation_and_its_end_refuses_none
     serve, postgres: PostgresServer
 ) -> None:
     """PostgreSQL stops while ada talks on a replica and starts again: her conversation goes on to its ``bye``, one
-    opened during the outage is closed with 1013 (its issued token cannot be checked; try again), the server keeps
+    opened during the outage is closed with 1013 (its issued token cannot be checked; try again), ``/metrics`` asked
+    with an issued admin token answers 503 saying so (was: 500 and a traceback per scrape), the server keeps
     running; and after PostgreSQL restarts while the replica is idle, the next conversation starts on the first try
     (was: refused with 1013, the first statement on the connection the restart had ended)."""
     import psycopg
@@ -352,8 +353,10 @@ async def test_a_postgresql_outage_ends_no_conversation_and_its_end_refuses_none
     url = postgres.url.rsplit("/", 1)[0] + "/outage"
     with ContextDB(url) as db:
         token = issue_token(db, "ada")[1]
+        admin = issue_token(db, "ops", scopes=["admin"])[1]
         db.user("ada").put_profile(Profile(name="Ada", city="Leeds"))
     replica = serve(db=url, max_sessions=2)
+    scrape = {"Authorization": f"Bearer {admin}"}
     silence = [np.zeros(1920, dtype=np.float32)] * 12
     async with websockets.connect(f"{replica.ws_url}?token={token}", max_size=None) as ws:
         talking = Client(ws)
@@ -365,10 +368,15 @@ async def test_a_postgresql_outage_ends_no_conversation_and_its_end_refuses_none
                 closed = await Client(ws_refused).until_closed(timeout=60)
             assert closed.rcvd is not None and closed.rcvd.code == 1013, closed
             assert "credentials cannot be checked now" in closed.rcvd.reason
+            metrics = await asyncio.to_thread(httpx.get, f"{replica.url}/metrics", headers=scrape, timeout=30)
+            assert (metrics.status_code, metrics.headers["retry-after"]) == (503, "5")
+            assert metrics.json() == {"detail": "credentials cannot be checked now; try again"}
         finally:
             await asyncio.to_thread(postgres.start_server)
         await talking.stream(silence)
         assert (await talking.stop())["reason"] == "stop"
+    metrics = await asyncio.to_thread(httpx.get, f"{replica.url}/metrics", headers=scrape, timeout=30)
+    assert metrics.status_code == 200 and 'cspan_sessions_started_total{protocol="cspan"} 1.0' in metrics.text
     await asyncio.to_thread(postgres.restart)  # while the replica is idle: its connection ends unused
     async with websockets.connect(f"{replica.ws_url}?token={token}", max_size=None) as ws:
         client = Client(ws)

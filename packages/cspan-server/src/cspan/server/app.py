@@ -55,6 +55,9 @@ CREDENTIAL_RECHECK_S = 5.0
 its user forgotten (``cspan db forget``), ends its sessions within this."""
 CONFLICTING_CREDENTIALS = "conflicting credentials (two different tokens); give one"
 """Why a request or a handshake with two different tokens is refused (HTTP 401, WebSocket close 4401)."""
+CREDENTIALS_UNCHECKED = "credentials cannot be checked now; try again"
+"""Why a request or a handshake is refused while the Context DB holding the issued tokens fails (HTTP 503,
+WebSocket close 1013)."""
 
 STATIC_FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
@@ -307,20 +310,25 @@ def create_app(
 
     async def metrics_endpoint(request):
         """Prometheus metrics; while credentials are required, only for a principal with the ``admin`` scope
-        (``Authorization: Bearer TOKEN`` or ``?token=``; two different tokens: 401, as on the WebSockets)."""
+        (``Authorization: Bearer TOKEN`` or ``?token=``; two different tokens: 401, as on the WebSockets). While
+        the Context DB holding the issued tokens fails (PostgreSQL away), 503, as a WebSocket gets 1013."""
         credential = _http_credential(request)
         if credential.conflicting:
             return JSONResponse(
                 {"detail": CONFLICTING_CREDENTIALS}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
             )
-        if await authenticator.required():
-            principal = await authenticator.authenticate(credential.token, scope=None) if credential.token else None
-            if principal is None or not principal.allows("admin"):
-                return JSONResponse(
-                    {"detail": "metrics need a token with the admin scope (Authorization: Bearer TOKEN)"},
-                    status_code=401 if principal is None else 403,
-                    headers={"WWW-Authenticate": "Bearer"} if principal is None else None,
-                )
+        try:
+            required = await authenticator.required()
+            principal = await authenticator.authenticate(credential.token, scope=None) if required else None
+        except Exception as exc:  # the Context DB holding the tokens failed: not the client's fault
+            logger.error("could not check a credential: %s", exc)
+            return JSONResponse({"detail": CREDENTIALS_UNCHECKED}, status_code=503, headers={"Retry-After": "5"})
+        if required and (principal is None or not principal.allows("admin")):
+            return JSONResponse(
+                {"detail": "metrics need a token with the admin scope (Authorization: Bearer TOKEN)"},
+                status_code=401 if principal is None else 403,
+                headers={"WWW-Authenticate": "Bearer"} if principal is None else None,
+            )
         body, content_type = metrics.render(hub.mcp_states())
         return Response(body, media_type=content_type)
 
@@ -376,7 +384,7 @@ async def serve_connection(
     except Exception as exc:  # the Context DB holding the tokens failed: not the client's fault
         logger.error("could not check a credential: %s", exc)
         await websocket.accept(subprotocol=credential.subprotocol)
-        await websocket.close(code=CLOSE_TRY_AGAIN_LATER, reason="credentials cannot be checked now; try again")
+        await websocket.close(code=CLOSE_TRY_AGAIN_LATER, reason=CREDENTIALS_UNCHECKED)
         return
     if principal is None or not principal.allows("session"):
         metrics.auth_failures.labels(adapter_cls.name, "token").inc()
