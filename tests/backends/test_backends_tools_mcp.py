@@ -461,9 +461,16 @@ def test_tools_serve_refuses_bad_ports_and_names() -> None:
         (["serve", "--transport", "http", "--host", "0.0.0.0"], "refusing to expose the tool bank on 0.0.0.0"),
         (["serve", "--transport", "http", "--allowed-host", "tools.example.org"], "--allowed-host tools.example.org"),
         (["serve", "--transport", "http", "--allowed-host", "*"], "refusing to expose the tool bank"),
-    ]:
+        # a malformed name was refused only once the tools had started and the banner said "MCP ... on", or as a
+        # public name needing --insecure-no-token ('bad host'); now by the flag, before anything starts
+        (["serve", "--transport", "http", "--allowed-host", "localhost:0"], "argument --allowed-host: allowed host "
+         "'localhost:0': use NAME or NAME:PORT"),
+        (["serve", "--transport", "http", "--allowed-host", "bad host"], "argument --allowed-host: allowed host "
+         "'bad host': use NAME or NAME:PORT"),
+    ]:  # fmt: skip
         out = subprocess.run(cspan_tools(*args), capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "MCP (streamable HTTP) on" not in out.stderr and out.stdout == ""
     listed = subprocess.run(cspan_tools("list"), capture_output=True, text=True, timeout=120)
     names = [line.split("(")[0] for line in listed.stdout.splitlines()]
     assert names == ["get_time", "calculate", "get_weather"]  # no mock world unless named
