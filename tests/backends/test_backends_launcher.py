@@ -215,3 +215,38 @@ def test_router_spec_takes_each_form_of_the_router_url() -> None:
         for query in ("", "?api-version=2"):
             spec = router_spec(url=given + query)
             assert (spec.health_url, spec.url) == (f"http://h:8/x/v1/models{query}", f"http://h:8/x/v1{query}"), given
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        ("srv --port {prot}", "--router-command 'srv --port {prot}': KeyError: 'prot'"),
+        ("srv {", "Single '{' encountered"),
+        ('srv "--port {port}', "No closing quotation"),
+        ("srv {0}", "IndexError"),
+        ("srv {port.x}", "AttributeError"),
+        (" ", "--router-command is empty"),
+    ],
+)
+def test_a_router_command_that_makes_no_command_line_is_one_line_and_status_2(env, command, said):
+    """A --router-command with a brace that is not {port}, {host} or {model}, or an open quote, ended `cspan backends
+    start` in a traceback (KeyError, ValueError from str.format or shlex), --dry-run included."""
+    out = _run(["backends", "start", "--no-asr", "--dry-run", "--router-command", command], env)
+    assert out.returncode == 2 and out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("cspan backends start: error: router: --router-command") and said in line
+    ok = _run(["backends", "start", "--no-asr", "--dry-run", "--router-command", "srv --port {port} --x {{y}}"], env)
+    assert ok.returncode == 0 and "CUDA_VISIBLE_DEVICES=1 srv --port 8004 --x '{y}'" in ok.stdout.splitlines()
+
+
+def test_the_router_and_the_asr_server_on_one_port_are_refused(env):
+    """--router-port 8004 --asr-port 8004 was accepted: each server's health check could be answered by the other
+    (vLLM and qwen-asr-serve both answer /health) while the second failed to bind, or `start` said "all healthy"."""
+    out = _run(["backends", "start", "--dry-run", "--router-port", "8004", "--asr-port", "8004"], env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (
+        "cspan backends start: error: --router-port and --asr-port are both 8004; give each server its own port (one "
+        "would answer the other's health check)"
+    )
+    alone = _run(["backends", "start", "--dry-run", "--no-asr", "--router-port", "8990", "--asr-port", "8990"], env)
+    assert alone.returncode == 0

@@ -461,9 +461,16 @@ def test_tools_serve_refuses_bad_ports_and_names() -> None:
         (["serve", "--transport", "http", "--host", "0.0.0.0"], "refusing to expose the tool bank on 0.0.0.0"),
         (["serve", "--transport", "http", "--allowed-host", "tools.example.org"], "--allowed-host tools.example.org"),
         (["serve", "--transport", "http", "--allowed-host", "*"], "refusing to expose the tool bank"),
-    ]:
+        # a malformed name was refused only once the tools had started and the banner said "MCP ... on", or as a
+        # public name needing --insecure-no-token ('bad host'); now by the flag, before anything starts
+        (["serve", "--transport", "http", "--allowed-host", "localhost:0"], "argument --allowed-host: allowed host "
+         "'localhost:0': use NAME or NAME:PORT"),
+        (["serve", "--transport", "http", "--allowed-host", "bad host"], "argument --allowed-host: allowed host "
+         "'bad host': use NAME or NAME:PORT"),
+    ]:  # fmt: skip
         out = subprocess.run(cspan_tools(*args), capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert "MCP (streamable HTTP) on" not in out.stderr and out.stdout == ""
     listed = subprocess.run(cspan_tools("list"), capture_output=True, text=True, timeout=120)
     names = [line.split("(")[0] for line in listed.stdout.splitlines()]
     assert names == ["get_time", "calculate", "get_weather"]  # no mock world unless named
@@ -509,6 +516,7 @@ def test_tools_serve_over_stdio_answers_everything_read_before_eof() -> None:
         {"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
         "not json",
         {"id": 9, "foo": 1},
+        {"jsonrpc": "1.0", "id": 10, "method": "ping"},  # its first error is about "jsonrpc": the id is still read
         "",
         {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
             "name": "get_weather", "arguments": {"lat": 51.5, "lon": -0.1}}},
@@ -531,12 +539,13 @@ def test_tools_serve_over_stdio_answers_everything_read_before_eof() -> None:
     assert done.returncode == 0, done.stderr
     answers = [json.loads(line) for line in done.stdout.decode().splitlines()]
     by_id = {a["id"]: a for a in answers if a["id"] is not None}
-    assert sorted(by_id) == [1, 2, 3, 4, 9], answers
+    assert sorted(by_id) == [1, 2, 3, 4, 9, 10], answers
     assert by_id[3]["result"]["content"][0]["text"].startswith("51.50, -0.10: 14°C")
     assert time.monotonic() - started >= 2.0
     assert by_id[4]["result"]["content"][0]["text"] == "6 * 7 = 42"
-    assert by_id[9]["error"] == {
-        "code": -32600, "message": "Invalid Request: not a JSON-RPC 2.0 request, notification or response"}  # fmt: skip
+    for invalid in (9, 10):
+        assert by_id[invalid]["error"] == {
+            "code": -32600, "message": "Invalid Request: not a JSON-RPC 2.0 request, notification or response"}  # fmt: skip
     (parse_error,) = [a for a in answers if a["id"] is None]  # the blank line is not answered
     assert parse_error["error"]["code"] == -32700
     assert parse_error["error"]["message"].startswith("Parse error: Invalid JSON: ")

@@ -150,8 +150,19 @@ def _backends_start(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if not (args.no_router or args.no_asr or args.router_url) and args.router_port == args.asr_port:
+        print(
+            f"cspan backends start: error: --router-port and --asr-port are both {args.asr_port}; give each server "
+            "its own port (one would answer the other's health check)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         specs = _specs(args)
+    except LauncherError as exc:  # flags that do not make a server (--router-command, --asr-engine's model)
+        print(f"cspan backends start: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         if args.dry_run:
             for spec in specs:
                 line = format_command(spec) if spec.managed else f"(external, not started) {spec.url}"

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["HostGuard", "is_loopback", "parse_host", "public_names"]
+__all__ = ["HostGuard", "is_loopback", "parse_allowed_host", "parse_host", "public_names"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -81,6 +81,20 @@ def parse_host(value: str) -> tuple[str, int | None] | None:
     return name.lower().rstrip("."), None
 
 
+def parse_allowed_host(entry: str) -> tuple[str, int | None] | None:
+    """An ``--allowed-host`` value as :func:`parse_host` reads it; None for ``*`` (any name).
+
+    Raises:
+        ValueError: a malformed entry (the message gives the form).
+    """
+    if entry.strip() == "*":
+        return None
+    parsed = parse_host(entry)
+    if parsed is None:
+        raise ValueError(f"allowed host {entry!r}: use NAME or NAME:PORT (e.g. voice.example.org:443)")
+    return parsed
+
+
 class HostGuard:
     """ASGI middleware refusing requests whose ``Host`` or ``Origin`` is not this server's (see the module).
 
@@ -99,13 +113,11 @@ class HostGuard:
         self.any_host = False
         self.allowed: list[tuple[str, int | None]] = []
         for entry in allowed_hosts:
-            if entry.strip() == "*":
-                self.any_host = True
-                continue
-            parsed = parse_host(entry)
+            parsed = parse_allowed_host(entry)
             if parsed is None:
-                raise ValueError(f"allowed host {entry!r}: use NAME or NAME:PORT (e.g. voice.example.org:443)")
-            self.allowed.append(parsed)
+                self.any_host = True
+            else:
+                self.allowed.append(parsed)
         self.active = not self.any_host and (self.loopback or bool(self.allowed))
 
     def accepts(self, name: str, port: int | None, server_port: int | None) -> bool:

@@ -100,7 +100,11 @@ def router_spec(
     max_model_len: int = 8192,
 ) -> ServerSpec:
     """The router server: vLLM serving ``model`` (released settings), a custom ``command`` (``{port}``/``{host}``/
-    ``{model}`` substituted), or an external ``url`` that is only health-checked."""
+    ``{model}`` substituted), or an external ``url`` that is only health-checked.
+
+    Raises:
+        LauncherError: ``command`` is empty, has an unclosed quote, or a brace that is not one of the three fields.
+    """
     if url:
         parts = urlsplit(url)  # a query (?api-version=...) stays at the end of each URL
         path = parts.path.rstrip("/")
@@ -108,8 +112,16 @@ def router_spec(
             path = path[: -len(end)] if path.endswith(end) else path
         models, v1 = (urlunsplit(parts._replace(path=f"{path}/v1{end}")) for end in ("/models", ""))
         return ServerSpec("router", [], {}, models, v1, model, managed=False)
-    if command:
-        cmd = [part.format(port=port, host=host, model=model) for part in shlex.split(command)]
+    if command is not None:
+        try:
+            cmd = [part.format(port=port, host=host, model=model) for part in shlex.split(command)]
+        except (ValueError, LookupError, AttributeError) as exc:  # an open quote or brace, {name}, {0}, {port.x}
+            raise LauncherError(
+                f"router: --router-command {command!r}: {type(exc).__name__}: {exc}; only {{port}}, {{host}} and "
+                "{model} are substituted (write a literal brace as {{ or }})"
+            ) from None
+        if not cmd:
+            raise LauncherError("router: --router-command is empty; give the command line of the router server")
     else:
         cmd = [
             "vllm", "serve", model,

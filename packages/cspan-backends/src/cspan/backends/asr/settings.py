@@ -107,11 +107,10 @@ class ASRServeSettings(BaseSettings):
     @field_validator("allowed_host")
     @classmethod
     def _host_names(cls, names: list[str]) -> list[str]:
-        from cspan.backends.hostguard import parse_host
+        from cspan.backends.hostguard import parse_allowed_host
 
         for name in names:
-            if name.strip() != "*" and parse_host(name) is None:
-                raise ValueError(f"allowed host {name!r}: use NAME or NAME:PORT (e.g. voice.example.org:443)")
+            parse_allowed_host(name)  # raises ValueError for a malformed one
         return names
 
     @field_validator("token", mode="before")

@@ -55,6 +55,16 @@ def _http_path(text: str) -> str:
     return text
 
 
+def _allowed_host(text: str) -> str:
+    from cspan.backends.hostguard import parse_allowed_host
+
+    try:
+        parse_allowed_host(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _max_chars(text: str) -> int:
     if not text.isdigit() or not 40 <= int(text) <= 4000:
         raise argparse.ArgumentTypeError(f"{text!r}: give a number of characters from 40 to 4000")
@@ -244,6 +254,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--allowed-host",
         action="append",
+        type=_allowed_host,
         metavar="NAME[:PORT]",
         help="another Host name the HTTP server answers to (repeatable; '*' turns the check off); on a loopback "
         "bind only localhost, 127.0.0.1 and [::1] with the bound port are accepted otherwise",

@@ -570,8 +570,9 @@ def _line_error(exc: Exception) -> Any:
             return None
         code, message, request_id = types.PARSE_ERROR, f"Parse error: {first['msg']}; send one JSON object a line", None
     else:
-        sent = first.get("input")
-        request_id = sent.get("id") if isinstance(sent, dict) else None
+        # the message itself is the input of an error about one of its fields (a missing one), not always the first
+        sent = next((e["input"] for e in errors if len(e["loc"]) <= 2 and isinstance(e.get("input"), dict)), None)
+        request_id = sent.get("id") if sent is not None else None
         if isinstance(request_id, bool) or not isinstance(request_id, int | str):
             request_id = None
         code = types.INVALID_REQUEST
