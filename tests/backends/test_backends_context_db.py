@@ -238,6 +238,31 @@ def test_an_unwritable_place_is_a_clear_error(tmp_path: Path) -> None:
         ContextDB(blocker / "context.sqlite")
 
 
+def test_a_failed_sqlite_statement_is_a_clear_error(tmp_path: Path) -> None:
+    """A statement that fails after the file opened (a write lock held past the busy timeout, a damaged page) is a
+    ContextDBError naming the file and the fix, as on PostgreSQL, not sqlite3's exception (``cspan db forget`` printed
+    a traceback); the failed write leaves no transaction open."""
+    target = tmp_path / "c.sqlite"
+    with ContextDB(target) as db:
+        db.user("ada").put_profile(Profile(name="Ada", city="Leeds"))
+    holder = sqlite3.connect(target, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    db = ContextDB(target, busy_timeout_s=0.1, read_only=True)
+    try:
+        with pytest.raises(ContextDBError, match=rf"^the Context DB at {target} failed: database is locked\. Fix: "):
+            db.forget_user("ada")
+        holder.execute("ROLLBACK")
+        assert db.forget_user("ada")["profiles"] == 1  # the refused write left nothing behind to block this one
+    finally:
+        holder.close()
+        db.close()
+    with open(target, "r+b") as raw:  # the tables' pages overwritten, the header kept: the file still opens
+        raw.seek(4096)
+        raw.write(b"\xff" * 8192)
+    with pytest.raises(ContextDBError, match=r"malformed\. Fix: the file is damaged: restore it from a backup"):
+        ContextDB(target, read_only=True)
+
+
 def test_unreachable_postgres_is_a_clear_error() -> None:
     with pytest.raises(ContextDBError, match=r"cannot connect .*postgresql://u:\*\*\*@127\.0\.0\.1:1/x"):
         ContextDB("postgresql://u:secret@127.0.0.1:1/x")

@@ -242,6 +242,31 @@ def test_a_span_queued_while_a_step_runs_places_the_copy_where_it_is_read() -> N
     assert position == [17 + copy.n]
 
 
+def test_a_copy_is_reported_by_the_step_that_reads_it() -> None:
+    """``reprefix``, window 16, prefix of 3 frames: the step feeding position 15 makes the copy due (the next query
+    would not see position 0); the next step reads it at 16..18, before its own frame at 19, and the ``reprefix``
+    event comes with that step. It came with the step that queued it, so ``cspan infer`` reported the copy (its
+    ``persona`` event, ``window.reprefix_frames``) at the frame before the one whose head read it."""
+    from cspan.core.sampling import SamplingParams, SessionSampling
+    from cspan.core.sessions import Persona, Sessions
+
+    delays = [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]
+    prefix = prefix_block(torch.zeros(17, 3, dtype=torch.long), delays, [100] + [64] * 16)
+    copy = reprefix_block(prefix, delays, AGENT_PH, USER_PH)
+    sampling = SessionSampling(SamplingParams.text(0.7, 25), SamplingParams.audio(0.8, 250))
+    sessions = Sessions([1], sampling, context=16)
+    sessions.reset([0], [1], prefix, Persona("reprefix", sinks=4, copy=copy))
+    seen = []
+    for _ in range(16):
+        head = sessions.take()
+        seen.append((head.positions[0], [blk.n for blk in head.blocks.get(0, [])], sessions.take_window_events(0)))
+        sessions.advance([0])
+        assert sessions.take_window_events(0) == []  # never at the step that queued the copy
+    reads = [(position, events) for position, blocks, events in seen if blocks or events]
+    assert reads == [(19, [WindowEvent("reprefix", 16, copy.n)])] and copy.n == 3
+    assert seen[12][0] == 15  # the step that queued it fed position 15
+
+
 # -- the policies against the reference, window of 16 ----------------------------------------------------------------
 
 

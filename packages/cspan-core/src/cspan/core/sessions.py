@@ -325,13 +325,18 @@ class Sessions:
         return taken, deferred, left, waiting
 
     def _note_reads(self, row: int, taken: list[Block]) -> None:
-        """Note the Context Spans among ``taken``, the blocks this step reads of ``row`` (lock held, before the
-        queues are replaced: the row's pending position still counts every queued block)."""
+        """Note the Context Spans and copies of the prefix among ``taken``, the blocks this step reads of ``row``
+        (lock held, before the queues are replaced: the row's pending position still counts every queued block).
+        A copy's ``reprefix`` event is made here, by the step that reads it, not when the previous step queued it:
+        the runtime reports it at this step's frame, as it reports the spans."""
         position = self.position[row] - sum(blk.n for blk in self.blocks.get(row, ()))
+        persona = self.persona.get(row)
         for blk in taken:
             if blk.span_seq is not None:
                 reads = self.span_reads.setdefault(row, collections.deque(maxlen=SPAN_READS_KEPT))
                 reads.append(SpanRead(blk.span_seq, position, blk.n))
+            elif persona is not None and blk is persona.copy:
+                self._event(row, WindowEvent("reprefix", position, blk.n))
             position += blk.n
 
     def take_span_reads(self, row: int) -> list[SpanRead]:
@@ -368,7 +373,6 @@ class Sessions:
         self.blocks.setdefault(row, []).append(persona.copy)
         persona.first, persona.last = q, q + persona.copy.n - 1
         self.position[row] += persona.copy.n
-        self._event(row, WindowEvent("reprefix", q, persona.copy.n))
 
     def _event(self, row: int, event: WindowEvent) -> None:
         self.window_events.setdefault(row, collections.deque(maxlen=WINDOW_EVENTS_KEPT)).append(event)

@@ -72,7 +72,7 @@ class WindowEvent:
 
     Attributes:
         kind: ``"pin"`` (the prefix's entries became sink positions: from this step on they are placed at the
-            window's oldest positions) or ``"reprefix"`` (a copy of the prefix was queued).
+            window's oldest positions) or ``"reprefix"`` (a copy of the prefix was read by this step).
         position: the first position of the window the step's last query sees (``pin``), or the first position of
             the new copy (``reprefix``).
         positions: the prefix's positions (S = P + 1 sinks, or the P columns of the copy).

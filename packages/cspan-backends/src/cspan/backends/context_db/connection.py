@@ -107,6 +107,13 @@ class SQLiteConnection(Connection):
             ) from exc
         self.journal_mode = self.journal_mode.lower()
 
+    def _failed(self, exc: sqlite3.Error) -> ContextDBError:
+        """The error a failed statement becomes, with the fix where the cause has one (a file this process may not
+        write, a write lock held past the busy timeout, a damaged file, a full disk)."""
+        name = getattr(exc, "sqlite_errorname", "")
+        fix = next((text for prefix, text in _SQLITE_FIXES.items() if name.startswith(prefix)), "")
+        return ContextDBError(f"the Context DB at {self.where} failed: {exc}" + (f". Fix: {fix}" if fix else ""))
+
     def _run(self, sql: str, params: tuple[Any, ...]) -> Result:
         cur = self._conn.execute(sql, params)
         rows = cur.fetchall() if cur.description else []
@@ -114,22 +121,39 @@ class SQLiteConnection(Connection):
 
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         with self._lock:
-            return self._run(sql, params).rows
+            try:
+                return self._run(sql, params).rows
+            except sqlite3.Error as exc:
+                raise self._failed(exc) from exc
 
     @contextmanager
     def write(self) -> Iterator[Transaction]:
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                yield Transaction(self._run, self.dialect)
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield Transaction(self._run, self.dialect)
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    if self._conn.in_transaction:  # SQLite itself rolls back after some errors (a full disk)
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise self._failed(exc) from exc
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+_SQLITE_FIXES = {
+    "SQLITE_READONLY": "--db needs a file, and a folder for its -wal and -shm journals, that this user may write",
+    "SQLITE_BUSY": "another process held the database's write lock past the busy timeout; try again",
+    "SQLITE_CORRUPT": "the file is damaged: restore it from a backup, or point --db at a new path",
+    "SQLITE_NOTADB": "the file is damaged: restore it from a backup, or point --db at a new path",
+    "SQLITE_FULL": "free space on the file system that holds --db",
+}
+"""What to do about a failed SQLite statement, by the prefix of its (extended) result code's name."""
 
 
 def _dict_row(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> dict[str, Any]:
