@@ -331,11 +331,13 @@ class SafetensorsHeader:
         path: the file.
         tensors: key -> (dtype name as stored, e.g. ``"BF16"``; shape).
         metadata: the optional ``__metadata__`` string map.
+        offsets: key -> (first, end) byte of its data in the file (checked to lie inside it).
     """
 
     path: Path
     tensors: dict[str, tuple[str, tuple[int, ...]]]
     metadata: dict[str, str]
+    offsets: dict[str, tuple[int, int]]
 
     def float_dtype(self) -> str | None:
         """The dtype name holding the most floating values, e.g. ``"BF16"`` (a few float32 norms in a bfloat16
@@ -386,6 +388,7 @@ def read_safetensors_header(path: str | os.PathLike[str], role: str = "checkpoin
     data_size = size - 8 - n
     metadata = header.pop("__metadata__", None) or {}
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    offsets: dict[str, tuple[int, int]] = {}
     for key, entry in header.items():
         where = f"{role} weights file {str(path)!r}, tensor {key!r}"
         try:
@@ -405,7 +408,8 @@ def read_safetensors_header(path: str | os.PathLike[str], role: str = "checkpoin
                 f"{max(data_size, 0)}); {fix}"
             )
         tensors[key] = (dtype, shape)
-    return SafetensorsHeader(path=path, tensors=tensors, metadata=dict(metadata))
+        offsets[key] = (8 + n + begin, 8 + n + end)
+    return SafetensorsHeader(path=path, tensors=tensors, metadata=dict(metadata), offsets=offsets)
 
 
 FINGERPRINT_SAMPLE = 4096
@@ -439,12 +443,10 @@ def weights_fingerprint(path: str | os.PathLike[str], role: str = "checkpoint") 
     try:
         if path.suffix == ".safetensors":
             header = read_safetensors_header(path, role)  # validated: every entry's bytes lie inside the file
+            heads = {}
             with path.open("rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                offsets = {k: v["data_offsets"] for k, v in json.loads(fh.read(n)).items() if k != "__metadata__"}
-                heads = {}
-                for key, (begin, end) in sorted(offsets.items(), key=lambda kv: kv[1][0]):  # in file order
-                    fh.seek(8 + n + begin)
+                for key, (begin, end) in sorted(header.offsets.items(), key=lambda kv: kv[1][0]):  # in file order
+                    fh.seek(begin)
                     heads[key] = fh.read(min(FINGERPRINT_SAMPLE, end - begin))
             names = sorted(header.tensors)
             layout = [[k, header.tensors[k][0], list(header.tensors[k][1])] for k in names]
