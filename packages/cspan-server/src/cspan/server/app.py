@@ -286,7 +286,14 @@ def create_app(
 
     @app.get("/info")
     async def info():
-        """What the page needs to build its form."""
+        """What the page needs to build its form; no token, and never a 500 for the Context DB: while the one holding
+        the issued tokens fails (PostgreSQL away), ``token_required`` is None (cannot be checked now; a conversation
+        gets 1013 until it answers) and the rest is as always."""
+        try:
+            token_required = await authenticator.required()
+        except Exception as exc:  # the Context DB holding the tokens failed: the page still gets its form
+            logger.warning("/info: cannot tell whether a token is required now: %s", exc)
+            token_required = None
         return {
             "protocol_version": PROTOCOL_VERSION,
             "sample_rate": SAMPLE_RATE,
@@ -302,7 +309,7 @@ def create_app(
             "text_prompt": settings.text_prompt,
             "max_text_prompt_chars": settings.max_text_prompt_chars,
             "max_message_bytes": settings.max_message_kib * 1024,
-            "token_required": await authenticator.required(),
+            "token_required": token_required,
             "asr": hub.transcriber is not None,
             "retrieval": hub.retriever is not None,
             "protocols": {a.name: a.path for a in adapters},
