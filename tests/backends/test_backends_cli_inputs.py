@@ -109,8 +109,31 @@ def test_db_export_into_a_read_only_folder_names_the_file_not_the_part(tmp_path:
     line = _one_line(done)
     assert done.returncode == 1 and line.startswith(f"cspan db export: error: {ro / 'a.json'}: cannot write: ")
     assert ".part" not in line and list(ro.iterdir()) == []
-    done = _cspan("db", "export", "ada", "--db", str(db), "--out", str(tmp_path))
-    assert done.returncode == 1 and "is a directory" in _one_line(done)
+
+
+def test_db_export_to_a_directory_says_which_file_to_give(tmp_path: Path) -> None:
+    """``--out DIR`` was "DIR: cannot write: is a directory" (exit 1), naming neither the flag nor what to give, and
+    ``--out new/`` (no such folder yet) wrote a file called ``new``. Both are a bad argument now (exit 2), refused
+    before anything is read, with a file to give instead; nothing is written."""
+    db = tmp_path / "db.sqlite"
+    assert _cspan("users", "add", "ada", "--db", str(db)).returncode == 0
+    (tmp_path / "my dir").mkdir()
+    fix = "give the file to write the JSON to, such as"
+    for out, what, file in (
+        (tmp_path, "is a directory", f"{tmp_path / 'ada.json'}"),
+        (f"{tmp_path}/", "is a directory", f"{tmp_path / 'ada.json'}"),
+        (tmp_path / "my dir", "is a directory", f"'{tmp_path / 'my dir' / 'ada.json'}'"),
+        (f"{tmp_path / 'new'}/", "names a directory (it ends in a separator)", f"{tmp_path / 'new' / 'ada.json'}"),
+    ):
+        done = _cspan("db", "export", "ada", "--db", str(db), "--out", str(out))
+        assert (done.returncode, _one_line(done)) == (
+            2,
+            f"cspan db export: error: --out {out}: {what}; {fix} {file}, or leave --out out to print it",
+        )
+    done = _cspan("db", "export", "nobody", "--db", str(db), "--out", str(tmp_path))  # the argument is checked first
+    assert done.returncode == 2 and "such as" in _one_line(done)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("db.sqlite")] == ["my dir"]
+    assert list((tmp_path / "my dir").iterdir()) == []
 
 
 def test_db_export_onto_a_read_only_file_system_names_the_file(tmp_path: Path) -> None:

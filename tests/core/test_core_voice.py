@@ -191,6 +191,50 @@ def test_voice_encode_cli_errors_are_clear(tiny_checkpoint_dir: Path, greeting: 
     assert not out.exists() and not list(tmp_path.glob(".*.part"))
 
 
+def test_voice_encode_refuses_the_embeddings_form_on_a_codec_of_fewer_codes(
+    greeting: Path, tmp_path: Path, capsys
+) -> None:
+    """PersonaPlex's embeddings form holds its 440 Hz sine frame (codes up to 1611 of the released 2048-code Mimi) as
+    the user's audio: on a codec of 1024 codes the embedding lookup was an IndexError traceback. Now one line, before
+    the LM loads: exit 1 where the checkpoint's PersonaPlex layout chose the form, exit 2 where --embeddings asked for
+    it; the codes form (--no-embeddings) is still written, in the codec's range."""
+    import json
+
+    from cspan.core.tiny import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp_path / "small-codec", card=1024)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["card"] == 1024 and config["mimi_config"]["quantizer"]["bins"] == 1024
+    config["prefix_layout"] = "personaplex"  # the form is then the default, as for PersonaPlex's base
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "v.pt"
+    cause = (
+        "this model's audio streams have 1024 codes, but PersonaPlex's embeddings form of a voice holds the user's "
+        "placeholder frame (PersonaPlex's 440 Hz sine frame, codes of the released 2048-code Mimi, up to 1611); "
+        "write the codes form only (cspan voice encode --no-embeddings)\n"
+    )
+    for flags, code, where in (
+        ((), 1, f"checkpoint {str(folder)!r} (PersonaPlex's prefix layout): "),
+        (("--embeddings",), 2, f"--embeddings: checkpoint {str(folder)!r}: "),
+    ):
+        done = _cli(capsys, "voice", "encode", str(greeting), str(out), "--checkpoint", str(folder), *flags)
+        assert (done.returncode, done.stderr) == (code, f"cspan voice encode: error: {where}{cause}")
+        assert not out.exists()
+    done = _cli(capsys, "voice", "encode", str(greeting), str(out), "--checkpoint", str(folder), "--no-embeddings")
+    assert done.returncode == 0, done.stderr
+    stored = torch.load(out, weights_only=True)
+    assert set(stored) == {"codes"} and stored["codes"].shape == (8, 46)
+    assert int(stored["codes"].min()) >= 0 and int(stored["codes"].max()) < 1024
+    # the library's own check, for a caller that builds the form from a loaded model
+    from cspan.core.checkpoint import load_checkpoint
+
+    lm = load_checkpoint(folder).lm
+    with pytest.raises(CheckpointError, match=r"^this model's audio streams have 1024 codes, but PersonaPlex's"):
+        voice_embeddings_form(stored["codes"], lm)
+    form = voice_embeddings_form(stored["codes"], lm, user_placeholder=[1] * 8)  # its own placeholder: taken
+    assert form["embeddings"].shape == (45, 1, 1, 64)
+
+
 def test_voice_encode_reads_the_recording_before_the_checkpoint(greeting: Path, tmp_path: Path, capsys) -> None:
     """A missing recording was reported only after the checkpoint resolved: without --checkpoint, offline, the
     error was the Hub's, not the recording's."""

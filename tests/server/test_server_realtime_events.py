@@ -288,6 +288,23 @@ async def test_item_operations_are_checked_as_openai_checks_them(serve) -> None:
         assert (same_call["error"]["code"], same_call["error"]["param"]) == ("invalid_event", "item.call_id")
         unknown = await create("c7", {"type": "function_call_output", "call_id": "call_other", "output": "x"})
         assert unknown["error"]["code"] == "unknown_call_id"
+        second = await create("c8", {"type": "function_call_output", "call_id": "call_mine", "output": "again"})
+        assert (second["error"]["code"], second["error"]["param"]) == ("late_call_output", "item.call_id")
+
+        async def place(event_id: str, item_id: str, previous: str) -> dict[str, Any]:
+            item = {"type": "message", "id": item_id, "role": "user", "content": []}
+            await client.send(
+                {"type": "conversation.item.create", "event_id": event_id, "previous_item_id": previous, "item": item}
+            )
+            return await client.until(lambda e: e["type"] in ("error", "conversation.item.done"))
+
+        # previous_item_id places the item: first ("root"), or right after the item it names
+        first_item = await place("c9", "item_first", "root")
+        assert first_item["type"] == "conversation.item.done" and first_item.get("previous_item_id") is None
+        mid = await place("c10", "item_mid", "item_mine")
+        assert mid["type"] == "conversation.item.done" and mid["previous_item_id"] == "item_mine"
+        last = await create("c11", {"type": "message", "id": "item_last", "role": "user", "content": []})
+        assert last["previous_item_id"] != "item_mid"  # appended after the end, not after the last one placed
     finally:
         await ws.close()
 

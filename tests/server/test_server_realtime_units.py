@@ -655,3 +655,27 @@ def test_client_function_calls_are_forgotten_past_the_bound_never_while_waiting(
         assert waiting.future.result() == "ok" and waiting.call_id in adapter._calls
     finally:
         loop.close()
+
+
+def test_item_log_places_items_as_previous_item_id_says() -> None:
+    """OpenAI's ``previous_item_id``: unset appends, ``"root"`` puts the item first, an id puts it right after that
+    item; the id returned is the item now before it, and the server's next item still goes at the end."""
+    from cspan.server.realtime_events import MessageItem
+    from cspan.server.realtime_turns import ItemLog
+
+    def message(item_id: str) -> MessageItem:
+        return MessageItem(id=item_id, role="user", content=[])
+
+    log = ItemLog()
+    assert log.add(message("a")) is None and log.add(message("b")) == "a" and log.add(message("c")) == "b"
+    assert log.add(message("r"), after="root") is None
+    assert log.add(message("m"), after="a") == "a"
+    assert list(log.items) == ["r", "a", "m", "b", "c"] and log.last_id == "c"
+    assert log.add(message("d")) == "c"
+    log.delete("d")
+    assert log.last_id == "c"
+    with pytest.raises(ValueError, match="no item 'x'"):
+        log.add(message("e"), after="x")
+    with pytest.raises(ValueError, match="already"):
+        log.add(message("a"), after="root")
+    assert list(log.items) == ["r", "a", "m", "b", "c"]

@@ -385,3 +385,39 @@ async def test_a_postgresql_outage_ends_no_conversation_and_its_end_refuses_none
         assert (await client.stop())["reason"] == "stop"
     with ContextDB(url) as db:
         assert db.user("ada").get_profile().city == "Leeds" and len(db.user("ada").conversations()) == 2
+
+
+async def test_info_answers_during_a_postgresql_outage_on_a_loopback_replica_without_credentials(
+    serve, postgres: PostgresServer
+) -> None:
+    """A replica on 127.0.0.1 with no ``--token``, no token file and no issued token asks the Context DB per request
+    whether a token has been issued since: while PostgreSQL is away ``/info`` answered 500 (the page could not even
+    build its form). Now it answers 200 with everything it knows and ``token_required: null`` (cannot be checked
+    now), ``/health`` stays 200, a conversation is closed with 1013 (try again), and once PostgreSQL is back
+    ``token_required`` is false again."""
+    import psycopg
+
+    with psycopg.connect(postgres.url, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE info_outage")
+    url = postgres.url.rsplit("/", 1)[0] + "/info_outage"
+    replica = serve(db=url)
+
+    def get(path: str) -> httpx.Response:
+        return httpx.get(f"{replica.url}{path}", timeout=30)
+
+    before = await asyncio.to_thread(get, "/info")
+    assert before.status_code == 200 and before.json()["token_required"] is False
+    await asyncio.to_thread(postgres.stop_server)
+    try:
+        during = await asyncio.to_thread(get, "/info")
+        assert during.status_code == 200, during.text
+        assert during.json() == {**before.json(), "token_required": None}
+        assert (await asyncio.to_thread(get, "/health")).status_code == 200
+        async with websockets.connect(replica.ws_url, max_size=None) as ws:
+            closed = await Client(ws).until_closed(timeout=60)
+        assert closed.rcvd is not None and closed.rcvd.code == 1013, closed
+        assert closed.rcvd.reason == "credentials cannot be checked now; try again"
+    finally:
+        await asyncio.to_thread(postgres.start_server)
+    after = await asyncio.to_thread(get, "/info")
+    assert after.status_code == 200 and after.json() == before.json()

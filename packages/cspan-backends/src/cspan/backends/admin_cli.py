@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -229,7 +229,28 @@ def users_command(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------- cspan db
 
 
+def _export_folder_error(out: str, user: str) -> str | None:
+    """Why ``--out`` of ``cspan db export`` is no file to write (an existing directory, or a path ending in a
+    separator, which names one), with a file to give instead; None when it can be a file."""
+    path = Path(out)
+    if path.is_dir():
+        what = "is a directory"
+    elif out.endswith(("/", os.sep)):
+        what = "names a directory (it ends in a separator)"
+    else:
+        return None
+    name = f"{user}.json" if os.sep not in user and "/" not in user and not user.startswith(".") else "export.json"
+    return (
+        f"--out {out}: {what}; give the file to write the JSON to, such as {shlex.quote(str(path / name))}, or leave "
+        "--out out to print it"
+    )
+
+
 def _db_export(args: argparse.Namespace, db: Any) -> int:
+    folder = None if args.out is None else _export_folder_error(args.out, args.user)
+    if folder is not None:  # a bad argument: refused before anything is read
+        print(f"cspan db export: error: {folder}", file=sys.stderr)
+        return 2
     if args.user not in db.users():
         print(f"cspan db export: error: nothing is stored about {args.user!r} in {db.where}", file=sys.stderr)
         return 1
@@ -237,7 +258,7 @@ def _db_export(args: argparse.Namespace, db: Any) -> int:
     if args.out is None:
         print(text)
         return 0
-    out: Path = args.out
+    out = Path(args.out)
     clash = _context_db_file_at(out, args.db)
     if clash is not None:
         print(
@@ -248,8 +269,6 @@ def _db_export(args: argparse.Namespace, db: Any) -> int:
         return 2
     tmp = out.with_name(f".{out.name}.{os.getpid()}.part")
     try:
-        if out.is_dir():
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         # everything about a person: private to its owner, as the database itself (0600), whatever the umask
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -313,7 +332,7 @@ def db_command(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     export = sub.add_parser("export", help="print (or write) everything stored about USER as JSON")
     export.add_argument("user", help="user id")
-    export.add_argument("--out", type=Path, default=None, help="write the JSON to this file instead of stdout")
+    export.add_argument("--out", default=None, metavar="FILE", help="write the JSON to this file instead of stdout")
     _add_db(export)
     export.set_defaults(handler=_handler("db export", _db_export, reads=True))
 

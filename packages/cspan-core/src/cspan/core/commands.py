@@ -98,7 +98,13 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     from .errors import CheckpointError, SettingsError
     from .files import atomic_file, check_writable
     from .reads import Reads, check_outputs
-    from .voice import VOICE_TARGET_LUFS, encode_voice_pcm, prepare_voice_audio, voice_embeddings_form
+    from .voice import (
+        VOICE_TARGET_LUFS,
+        check_embeddings_card,
+        encode_voice_pcm,
+        prepare_voice_audio,
+        voice_embeddings_form,
+    )
 
     device = parse_device(args.device or "cpu")  # a bad --device is refused before anything is read or written
     out = Path(args.output)
@@ -114,13 +120,19 @@ def _cmd_encode(args: argparse.Namespace) -> int:
     files = resolve_checkpoint(args.checkpoint, base=args.base)
     layout = resolve_prefix_layout(files)
     embeddings = layout == PERSONAPLEX if args.embeddings is None else args.embeddings
+    lm_cfg, mimi_cfg = read_configs(files.config, [])
     if embeddings:
+        try:  # before the LM loads: PersonaPlex's form needs its sine frame to be codes of this codec
+            check_embeddings_card(lm_cfg.card)
+        except CheckpointError as exc:
+            if args.embeddings:  # asked for on the command line: a bad setting
+                raise SettingsError(f"--embeddings: checkpoint {files.source!r}: {exc}") from None
+            raise CheckpointError(f"checkpoint {files.source!r} (PersonaPlex's prefix layout): {exc}") from None
         ckpt = load_checkpoint(args.checkpoint, base=args.base, device=device)
         mimi, lm = ckpt.mimi, ckpt.lm
     else:
         if files.mimi is None:
             raise CheckpointError(f"checkpoint {files.source!r} has no Mimi weights to encode the recording with")
-        _, mimi_cfg = read_configs(files.config, [])
         mimi, lm = load_mimi(files.mimi, mimi_cfg, device=device), None
     if int(mimi.sample_rate) != SAMPLE_RATE:  # a codec at another rate than 24 kHz: read again at its rate
         audio = prepare_voice_audio(args.input, sample_rate=int(mimi.sample_rate))

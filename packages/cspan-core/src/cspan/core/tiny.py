@@ -7,7 +7,8 @@ CPU without the 7B:
 
 - the LM has the 7B's structure (RoPE, float32 RMSNorm, SiLU-gated FFN, multi-linear depformer with weights per
   step, the 7B's delays, 17 streams, dep_q 16 or 8) with small widths, ``card`` 2048 (so the placeholder codes
-  ``SILENCE_TOKENS`` / ``SINE_TOKENS`` are valid) and ``text_card`` = the tokenizer's vocabulary (1000);
+  ``SILENCE_TOKENS`` / ``SINE_TOKENS`` are valid; :func:`build_tiny_checkpoint`'s ``card`` makes a codec of fewer
+  codes, for the paths that must refuse one) and ``text_card`` = the tokenizer's vocabulary (1000);
 - Mimi has the real framing (24 kHz, SEANet ratios [8, 6, 5, 4], 12.5 Hz, 1920 samples per frame) with small
   widths; its codebook centroids are latents of a synthetic signal plus noise, so codes vary with the input;
 - the SentencePiece model is trained on the spot on :mod:`cspan.core.tiny_corpus` with byte fallback, so ids
@@ -50,11 +51,11 @@ _SAMPLE_RATE = 24000
 _FRAME = 1920
 
 
-def tiny_lm_config(dep_q: int = 16, text_card: int = TINY_TEXT_CARD) -> LMConfig:
+def tiny_lm_config(dep_q: int = 16, text_card: int = TINY_TEXT_CARD, card: int = TINY_CARD) -> LMConfig:
     """The tiny LM: the PersonaPlex/Moshi 7B configuration with small widths.
 
     dim 64 (4 heads, 2 layers, hidden_scale 4.125), depformer dim 32 (2 heads, 2 layers, FFN 132), context 3000,
-    card 2048, ``text_card`` as given, n_q 16, the 7B's delays.
+    ``card`` (default 2048) codes per audio stream, ``text_card`` as given, n_q 16, the 7B's delays.
 
     Raises:
         ValueError: ``dep_q`` is not 8 or 16.
@@ -67,7 +68,7 @@ def tiny_lm_config(dep_q: int = 16, text_card: int = TINY_TEXT_CARD) -> LMConfig
         num_heads=4,
         num_layers=2,
         text_card=text_card,
-        card=TINY_CARD,
+        card=card,
         dep_q=dep_q,
         depformer_dim=32,
         depformer_num_heads=2,
@@ -77,12 +78,12 @@ def tiny_lm_config(dep_q: int = 16, text_card: int = TINY_TEXT_CARD) -> LMConfig
     return LMConfig.from_upstream(data)
 
 
-def tiny_mimi_config() -> MimiConfig:
+def tiny_mimi_config(card: int = TINY_CARD) -> MimiConfig:
     """The tiny Mimi: real framing (24 kHz, ratios [8, 6, 5, 4], 12.5 Hz), SEANet dimension 64 with n_filters 4,
-    2-layer transformers of width 64, split RVQ of 16 codebooks x 2048 bins of dimension 32."""
+    2-layer transformers of width 64, split RVQ of 16 codebooks x ``card`` (default 2048) bins of dimension 32."""
     data = MimiConfig.mimi_24khz().to_upstream()
     data["seanet"].update(dimension=64, n_filters=4)
-    data["quantizer"].update(dimension=32, n_q=16, bins=TINY_CARD, input_dimension=64, output_dimension=64)
+    data["quantizer"].update(dimension=32, n_q=16, bins=card, input_dimension=64, output_dimension=64)
     data["transformer"].update(
         d_model=64, num_heads=4, num_layers=2, dim_feedforward=128, input_dimension=64, output_dimensions=[64]
     )
@@ -291,19 +292,20 @@ def _fit_codebooks(mimi: Mimi, state: dict[str, torch.Tensor], cfg: MimiConfig, 
             residual = residual - actual[nearest]
 
 
-def make_tiny_models(dep_q: int = 16, seed: int = 0) -> TinyModels:
+def make_tiny_models(dep_q: int = 16, seed: int = 0, *, card: int = TINY_CARD) -> TinyModels:
     """Build the tiny LM, Mimi and voices in memory (what :func:`build_tiny_checkpoint` writes).
 
     Args:
         dep_q: 16 (PersonaPlex) or 8 (Moshi).
         seed: every random draw derives from it.
+        card: codes per audio stream, of the LM and of Mimi's codebooks (default 2048, the released Mimi's).
 
     Raises:
         ValueError: ``dep_q`` is not 8 or 16.
     """
     with _one_thread(), torch.no_grad():
-        lm_cfg = tiny_lm_config(dep_q)
-        mimi_cfg = tiny_mimi_config()
+        lm_cfg = tiny_lm_config(dep_q, card=card)
+        mimi_cfg = tiny_mimi_config(card)
         lm_state = _lm_state(lm_cfg, seed)
         lm = LMModel(lm_cfg, device="meta", dtype=torch.float32)
         lm.load_state_dict({k: v.clone() for k, v in lm_state.items()}, strict=True, assign=True)
@@ -354,7 +356,7 @@ Load it with `cspan.core.load_checkpoint("<this folder>")` or pass `--checkpoint
 
 
 def build_tiny_checkpoint(
-    out_dir: str | os.PathLike[str], *, dep_q: int = 16, seed: int = 0, overwrite: bool = False
+    out_dir: str | os.PathLike[str], *, dep_q: int = 16, seed: int = 0, overwrite: bool = False, card: int = TINY_CARD
 ) -> Path:
     """Write the tiny checkpoint folder (see the module docstring for its content).
 
@@ -363,6 +365,8 @@ def build_tiny_checkpoint(
         dep_q: 16 (PersonaPlex, default) or 8 (Moshi).
         seed: random seed; the same seed gives byte-identical files.
         overwrite: allow a non-empty folder (the checkpoint files in it are replaced).
+        card: codes per audio stream (default 2048, the released Mimi's; fewer makes a codec that PersonaPlex's
+            placeholder frames do not fit, which the engine and ``cspan voice encode --embeddings`` refuse).
 
     Returns:
         The folder.
@@ -394,7 +398,7 @@ def build_tiny_checkpoint(
         raise CheckpointError(f"output folder {str(out)!r} is not empty; pass --force to write into it anyway")
     probe = out / CONFIG_FILE if out.is_dir() else out  # where the temporary folder goes (see atomic_folder)
     check_writable(probe)  # before the models are built
-    models = make_tiny_models(dep_q, seed)
+    models = make_tiny_models(dep_q, seed, card=card)
     spm_bytes = train_tiny_tokenizer(models.lm_config.text_card)
     tensors = [*models.lm_state.values(), *models.mimi_state.values()]
     check_writable(probe, need_bytes=sum(t.nbytes for t in tensors) + len(spm_bytes) + 2**20)

@@ -695,6 +695,31 @@ def encode_voice_audio(path: str | os.PathLike[str] | BinaryIO, mimi: Any) -> tu
     return encode_voice_pcm(audio, mimi), audio
 
 
+def check_embeddings_card(card: int, user_placeholder: Sequence[int] = SINE_TOKENS) -> None:
+    """Whether a model whose audio streams have ``card`` codes can hold PersonaPlex's embeddings form of a voice
+    (:func:`voice_embeddings_form`): its frames carry ``user_placeholder`` (default PersonaPlex's 440 Hz sine frame,
+    codes of the released 2048-code Mimi) as the user's audio, which must be codes of this model (0 .. card - 1).
+    Checked from the configuration, before the LM loads (``cspan voice encode``); the embedding lookup of a code out
+    of range was an IndexError traceback.
+
+    Raises:
+        CheckpointError: a placeholder code outside 0 .. ``card`` - 1; the message says to write the codes form only.
+    """
+    codes = [int(code) for code in user_placeholder]
+    if min(codes) >= 0 and max(codes) < card:
+        return
+    what = (
+        "PersonaPlex's 440 Hz sine frame, codes of the released 2048-code Mimi"
+        if tuple(codes) == SINE_TOKENS
+        else f"codes {codes}"
+    )
+    raise CheckpointError(
+        f"this model's audio streams have {card} codes, but PersonaPlex's embeddings form of a voice holds the user's "
+        f"placeholder frame ({what}, up to {max(codes)}); write the codes form only (cspan voice encode "
+        "--no-embeddings)"
+    )
+
+
 def voice_embeddings_form(
     codes: torch.Tensor,
     lm: Any,
@@ -710,11 +735,14 @@ def voice_embeddings_form(
 
     Raises:
         ValueError: fewer than 2 frames (PersonaPlex needs one call that runs the model).
+        CheckpointError: ``user_placeholder`` is not codes of this model (:func:`check_embeddings_card`: PersonaPlex's
+            sine frame on a codec of fewer than 2048 codes).
     """
     import torch
 
     from .streams import delay_tokens
 
+    check_embeddings_card(int(lm.card), user_placeholder)
     codes = torch.as_tensor(codes).long().cpu()
     C, N = codes.shape
     if N < 2:
@@ -747,6 +775,7 @@ __all__ = [
     "ChosenVoice",
     "VoiceAudio",
     "VoicePrompt",
+    "check_embeddings_card",
     "check_voice_path",
     "choose_voice",
     "default_voice_name",

@@ -286,13 +286,15 @@ def create_app(
 
     @app.get("/info")
     async def info():
-        """What the page needs to build its form; 503, as ``/metrics``, while whether a token is needed cannot be
-        told (the Context DB holding the issued tokens fails or does not answer)."""
+        """What the page needs to build its form; no token, and never a 500 for the Context DB: while the one holding
+        the issued tokens fails or does not answer within ``--db-wait-s`` (PostgreSQL away or frozen),
+        ``token_required`` is None (cannot be checked now; a conversation gets 1013 until it answers) and the rest is
+        as always."""
         try:
             token_required = await hub.db_calls.within(authenticator.required())
-        except Exception as exc:
-            logger.error("could not check whether a credential is needed: %s", exc)
-            return JSONResponse({"detail": CREDENTIALS_UNCHECKED}, status_code=503, headers={"Retry-After": "5"})
+        except Exception as exc:  # the Context DB holding the tokens failed: the page still gets its form
+            logger.warning("/info: cannot tell whether a token is required now: %s", exc)
+            token_required = None
         return {
             "protocol_version": PROTOCOL_VERSION,
             "sample_rate": SAMPLE_RATE,

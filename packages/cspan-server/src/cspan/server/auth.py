@@ -247,7 +247,12 @@ class Authenticator(Protocol):
     providers). The principal's ``user_id`` is the session's Context DB user; nothing a client sends changes it."""
 
     async def required(self) -> bool:
-        """Whether a credential is needed now (``/info`` reports it; the page asks for a token)."""
+        """Whether a credential is needed now (``/info`` reports it; the page asks for a token).
+
+        Raises:
+            Exception: the store of issued credentials cannot be asked now (``ContextDBError``: PostgreSQL away);
+                ``/info`` then reports None, ``/metrics`` answers 503 and a conversation is closed with 1013.
+        """
         ...
 
     async def authenticate(self, credential: str | None, *, scope: str | None = "session") -> Principal | None:

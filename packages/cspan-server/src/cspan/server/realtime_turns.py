@@ -41,6 +41,7 @@ from cspan.server.realtime_events import (
     ContentPart,
     ContentPartEvent,
     FunctionCallItem,
+    FunctionCallOutputItem,
     Item,
     ItemEvent,
     MessageItem,
@@ -84,20 +85,32 @@ class ItemLog:
 
     def __init__(self) -> None:
         self.items: collections.OrderedDict[str, Item] = collections.OrderedDict()
-        self.last_id: str | None = None
         self._audio_frames: dict[str, int] = {}
 
-    def add(self, item: Item) -> str | None:
-        """Record ``item`` as the newest; returns the id of the item before it (``previous_item_id``).
+    @property
+    def last_id(self) -> str | None:
+        """The id of the last item in conversation order (None in an empty conversation)."""
+        return next(reversed(self.items), None)
+
+    def add(self, item: Item, *, after: str | None = None) -> str | None:
+        """Put ``item`` in the conversation: at the end, or right after the item ``after`` (``"root"``: first), as
+        OpenAI's ``previous_item_id`` places a client's item. Returns the id of the item now before it (the
+        ``previous_item_id`` its ``conversation.item.added`` reports; None when it is first).
 
         Raises:
-            ValueError: an item with this id is in the log already (ids are unique; callers check client ids).
+            ValueError: an item with this id is in the log already (ids are unique; callers check client ids), or
+                ``after`` names no item of the log (callers check it first and report ``unknown_item``).
         """
         if item.id in self.items:
             raise ValueError(f"item {item.id!r} is in the conversation already")
-        previous = self.last_id
+        if after is not None and after != "root" and after not in self.items:
+            raise ValueError(f"no item {after!r} in the conversation to place {item.id!r} after")
+        order = list(self.items)
+        at = len(order) if after is None else (0 if after == "root" else order.index(after) + 1)
         self.items[item.id] = item
-        self.last_id = item.id
+        for key in order[at:]:  # the items after its place move behind it (a client's insertion mid-conversation)
+            self.items.move_to_end(key)
+        previous = order[at - 1] if at else None
         while len(self.items) > ITEM_LOG_SIZE:
             old, _ = self.items.popitem(last=False)
             self._audio_frames.pop(old, None)
@@ -106,6 +119,10 @@ class ItemLog:
     def function_call(self, call_id: str) -> FunctionCallItem | None:
         """The ``function_call`` item of ``call_id`` in the log (the router's or the client's), if any."""
         return next((i for i in self.items.values() if isinstance(i, FunctionCallItem) and i.call_id == call_id), None)
+
+    def has_output(self, call_id: str) -> bool:
+        """Whether a ``function_call_output`` of ``call_id`` is in the log."""
+        return any(isinstance(i, FunctionCallOutputItem) and i.call_id == call_id for i in self.items.values())
 
     def add_audio_frame(self, item_id: str) -> None:
         """One more 80 ms audio delta was sent for the assistant message ``item_id``."""
@@ -128,8 +145,6 @@ class ItemLog:
         self.get(item_id, event_id=event_id)
         del self.items[item_id]
         self._audio_frames.pop(item_id, None)
-        if self.last_id == item_id:
-            self.last_id = next(reversed(self.items), None)
 
 
 class ResponseStream:

@@ -17,10 +17,15 @@ not answer a ping within ``ws_ping_timeout`` (close 1011) and reports only its l
 has flushed) to the app. :class:`WebSocketProtocol` first queues a ``websocket.disconnect`` whose reason is
 :data:`KEEPALIVE_TIMEOUT`: a client that stops reading its socket never reads the ping, and the app ends its session
 as ``slow_client`` (docs/PROTOCOL.md).
+
+Every close of its transport is bounded: asyncio's ``close()`` waits until the buffered data is sent, which never
+happens for a peer that stopped reading (its window stays shut, and the socket and its buffer were kept for as long as
+the peer's kernel acknowledged). What is still unsent :data:`CLOSE_FLUSH_S` after a close is dropped (``abort()``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -30,8 +35,29 @@ AFTER_CLOSE_BYTES = 64 * 1024
 pcm16 audio still in flight, or one socket read)."""
 AFTER_CLOSE_GRACE_S = 2.0
 """Seconds between no longer reading a connection and closing it: for the server's close frame to reach the peer."""
+CLOSE_FLUSH_S = 10.0
+"""Seconds a closed connection has to send what it still buffers (the server's last messages and its close frame)
+before it is aborted: a reading peer needs milliseconds; one that stopped reading would hold the socket forever."""
 KEEPALIVE_TIMEOUT = "keepalive ping timeout"
 """The reason of the ``websocket.disconnect`` queued when the keepalive closes a connection (uvicorn's close reason)."""
+
+
+class BoundedCloseTransport:
+    """``transport`` whose ``close()`` also aborts it :data:`CLOSE_FLUSH_S` later (a no-op once the buffer was sent
+    and the connection is gone); every other attribute is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self.abort_timer: asyncio.TimerHandle | None = None
+
+    def close(self) -> None:
+        self._transport.close()
+        if self.abort_timer is None:
+            self.abort_timer = self._loop.call_later(CLOSE_FLUSH_S, self._transport.abort)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class WebSocketProtocol(WebSocketsSansIOProtocol):
@@ -41,6 +67,15 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._after_close = 0  # bytes received since the server's close frame
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(BoundedCloseTransport(transport, self.loop))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)  # (closes the transport again: a no-op)
+        timer = getattr(self.transport, "abort_timer", None)
+        if timer is not None:  # nothing is left to abort
+            timer.cancel()
 
     def data_received(self, data: bytes) -> None:
         if self.close_sent:
@@ -58,4 +93,11 @@ class WebSocketProtocol(WebSocketsSansIOProtocol):
         super().keepalive_timeout()
 
 
-__all__ = ["AFTER_CLOSE_BYTES", "AFTER_CLOSE_GRACE_S", "KEEPALIVE_TIMEOUT", "WebSocketProtocol"]
+__all__ = [
+    "AFTER_CLOSE_BYTES",
+    "AFTER_CLOSE_GRACE_S",
+    "CLOSE_FLUSH_S",
+    "KEEPALIVE_TIMEOUT",
+    "BoundedCloseTransport",
+    "WebSocketProtocol",
+]

@@ -530,6 +530,13 @@ class RealtimeAdapter(ProtocolAdapter):
                     event_id=event_id,
                     param="item.call_id",
                 )
+            if call is None and self.items.has_output(item.call_id):  # the client's own call, answered already
+                raise RealtimeEventError(
+                    "late_call_output",
+                    f"call {item.call_id!r} has an output in this conversation already",
+                    event_id=event_id,
+                    param="item.call_id",
+                )
             if call is not None:  # the router's call, waiting for this output (else the client's own call item)
                 if call.timed_out or call.future.done():
                     why = (
@@ -562,7 +569,7 @@ class RealtimeAdapter(ProtocolAdapter):
                 if p.type in ("input_text", "output_text", "input_audio", "output_audio")
             ]
             stored = MessageItem(id=item.id or new_id("item"), role=item.role, content=parts)
-        previous = self.items.add(stored)
+        previous = self.items.add(stored, after=event.previous_item_id)
         self._emit(
             ItemEvent(type="conversation.item.added", item=stored, previous_item_id=previous),
             ItemEvent(type="conversation.item.done", item=stored, previous_item_id=previous),

@@ -148,6 +148,8 @@
     updateCount();
     if (info.token_required && !token) {
       notice("This server requires a token: open the page as /?token=YOUR_TOKEN.", "warn");
+    } else if (info.token_required === null) {
+      notice("The server cannot check credentials now (its database is away): try again in a moment.", "warn");
     }
     if (info.protocol_version !== PROTOCOL_VERSION) {
       notice(`Server protocol ${info.protocol_version}, page protocol ${PROTOCOL_VERSION}: reload the page.`, "warn");
