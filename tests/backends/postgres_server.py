@@ -6,6 +6,8 @@ it on a free 127.0.0.1 port with its unix socket in the data folder and ``fsync`
 across power cuts). PostgreSQL refuses to run as root: as root, the server runs as the ``postgres`` system user that
 Debian's package creates (else ``nobody``), through :class:`subprocess.Popen`'s ``user``/``group`` arguments, in a
 folder under ``/tmp`` that user owns. ``url`` is ready for :class:`~cspan.backends.context_db.ContextDB`.
+``stop_server``/``start_server`` take it away and back as an administrator would; ``freeze``/``thaw`` (SIGSTOP and
+SIGCONT to its processes) make it a server that stops answering without closing its connections, as a hung host.
 
 Other test folders can use it too: ``sys.path.insert(0, str(REPO / "tests" / "backends"))``, then
 ``from postgres_server import PostgresServer, postgres_binaries``.
@@ -17,6 +19,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -105,6 +108,31 @@ class PostgresServer:
         """:meth:`stop_server`, then :meth:`start_server`."""
         self.stop_server()
         self.start_server()
+
+    def processes(self) -> list[int]:
+        """The server's processes (Linux): the postmaster (``postmaster.pid``), then its children (from ``/proc``)."""
+        assert self.root is not None
+        postmaster = int((self.root / "data" / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended while it was read
+            if ppid == postmaster:
+                children.append(int(stat.parent.name))
+        return [postmaster, *children]
+
+    def freeze(self) -> None:
+        """Freeze the server as a hung host would (SIGSTOP to every process of it): its connections stay open, the
+        kernel still acknowledges, nothing answers. :meth:`thaw` lets it go on."""
+        for pid in self.processes():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT to every process of the server (after :meth:`freeze`)."""
+        for pid in self.processes():
+            os.kill(pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.root is None:

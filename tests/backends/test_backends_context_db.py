@@ -374,6 +374,38 @@ async def test_concurrent_writes_from_20_tasks_lose_nothing(target: str) -> None
         second.close()
 
 
+async def test_the_async_methods_run_on_the_executor_given(tmp_path: Path) -> None:
+    """``ContextDB(executor=...)``: the ``a``-methods of the store, of the memories it makes, of the deprecated shims
+    and the token lookup run their statements on that executor (a server's own pool: a database that stops answering
+    holds those threads, not asyncio's default executor's); without one, on asyncio's default executor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cspan.backends.identity import Authenticator, issue_token
+
+    class Counting(ThreadPoolExecutor):
+        calls = 0
+
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return super().submit(fn, *args, **kwargs)
+
+    with Counting(1) as pool, ContextDB(tmp_path / "c.sqlite") as db:
+        assert db.executor is None and db.user("u").executor is None
+        cid = await db.user("u").astart_conversation()  # asyncio.to_thread's
+        db.executor = pool  # as a server sets it, before it makes any memory
+        memory = db.user("u")
+        assert memory.executor is pool
+        await memory.aadd_turn(cid, "user", "hello")
+        assert [t.text for t in await memory.aturns(cid)] == ["hello"] and pool.calls == 2
+        _, token = issue_token(db, "ada")
+        assert (await Authenticator(db=db).aauthenticate(token)).user_id == "ada" and pool.calls == 3
+        assert await db.aprune(30) == {"spans": 0, "turns": 0, "conversations": 0, "facts": 0, "profiles": 0}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            assert [t.text for t in await db.aturns(cid)] == ["hello"]
+        assert pool.calls == 5
+
+
 def test_working_text_keeps_profile_and_drops_oldest_turns() -> None:
     me = ContextDB(":memory:").user("u")
     me.put_profile(Profile(name="Ada", timezone="Europe/London"))

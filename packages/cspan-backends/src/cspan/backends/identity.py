@@ -23,7 +23,6 @@ bits); what is stored never lets anyone log in. Scopes: :data:`SCOPES`.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import logging
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cspan.backends.context_db.user import check_id
+from cspan.backends.context_db.workers import run_in
 from cspan.backends.errors import BackendError
 
 if TYPE_CHECKING:
@@ -275,8 +275,9 @@ class Authenticator:
         return match
 
     async def aauthenticate(self, credential: str | None) -> Principal | None:
-        """:meth:`authenticate` in a worker thread (it may read the Context DB)."""
-        return await asyncio.to_thread(self.authenticate, credential)
+        """:meth:`authenticate` in a worker thread (it may read the Context DB): one of the database's executor
+        (:attr:`ContextDB.executor <cspan.backends.context_db.ContextDB.executor>`)."""
+        return await run_in(self.db.executor if self.db is not None else None, self.authenticate, credential)
 
     def _issued(self, credential: str, digest: bytes) -> Principal | None:
         if self.db is None:

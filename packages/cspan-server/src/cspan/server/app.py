@@ -56,8 +56,8 @@ its user forgotten (``cspan db forget``), ends its sessions within this."""
 CONFLICTING_CREDENTIALS = "conflicting credentials (two different tokens); give one"
 """Why a request or a handshake with two different tokens is refused (HTTP 401, WebSocket close 4401)."""
 CREDENTIALS_UNCHECKED = "credentials cannot be checked now; try again"
-"""Why a request or a handshake is refused while the Context DB holding the issued tokens fails (HTTP 503,
-WebSocket close 1013)."""
+"""Why a request or a handshake is refused while the Context DB holding the issued tokens fails or does not answer
+within ``--db-wait-s`` (HTTP 503, WebSocket close 1013)."""
 
 STATIC_FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
@@ -287,10 +287,11 @@ def create_app(
     @app.get("/info")
     async def info():
         """What the page needs to build its form; no token, and never a 500 for the Context DB: while the one holding
-        the issued tokens fails (PostgreSQL away), ``token_required`` is None (cannot be checked now; a conversation
-        gets 1013 until it answers) and the rest is as always."""
+        the issued tokens fails or does not answer within ``--db-wait-s`` (PostgreSQL away or frozen),
+        ``token_required`` is None (cannot be checked now; a conversation gets 1013 until it answers) and the rest is
+        as always."""
         try:
-            token_required = await authenticator.required()
+            token_required = await hub.db_calls.within(authenticator.required())
         except Exception as exc:  # the Context DB holding the tokens failed: the page still gets its form
             logger.warning("/info: cannot tell whether a token is required now: %s", exc)
             token_required = None
@@ -318,16 +319,18 @@ def create_app(
     async def metrics_endpoint(request):
         """Prometheus metrics; while credentials are required, only for a principal with the ``admin`` scope
         (``Authorization: Bearer TOKEN`` or ``?token=``; two different tokens: 401, as on the WebSockets). While
-        the Context DB holding the issued tokens fails (PostgreSQL away), 503, as a WebSocket gets 1013."""
+        the Context DB holding the issued tokens fails (PostgreSQL away) or does not answer within ``--db-wait-s``,
+        503, as a WebSocket gets 1013."""
         credential = _http_credential(request)
         if credential.conflicting:
             return JSONResponse(
                 {"detail": CONFLICTING_CREDENTIALS}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
             )
         try:
-            required = await authenticator.required()
-            principal = await authenticator.authenticate(credential.token, scope=None) if required else None
-        except Exception as exc:  # the Context DB holding the tokens failed: not the client's fault
+            within = hub.db_calls.within
+            required = await within(authenticator.required())
+            principal = await within(authenticator.authenticate(credential.token, scope=None)) if required else None
+        except Exception as exc:  # the Context DB holding the tokens failed or did not answer: not the client's fault
             logger.error("could not check a credential: %s", exc)
             return JSONResponse({"detail": CREDENTIALS_UNCHECKED}, status_code=503, headers={"Retry-After": "5"})
         if required and (principal is None or not principal.allows("admin")):
@@ -387,8 +390,8 @@ async def serve_connection(
         await websocket.close(code=CLOSE_UNAUTHORIZED, reason=f"unauthorized: {CONFLICTING_CREDENTIALS}")
         return
     try:
-        principal = await authenticator.authenticate(credential.token, scope=None)
-    except Exception as exc:  # the Context DB holding the tokens failed: not the client's fault
+        principal = await hub.db_calls.within(authenticator.authenticate(credential.token, scope=None))
+    except Exception as exc:  # the Context DB holding the tokens failed or did not answer: not the client's fault
         logger.error("could not check a credential: %s", exc)
         await websocket.accept(subprotocol=credential.subprotocol)
         await websocket.close(code=CLOSE_TRY_AGAIN_LATER, reason=CREDENTIALS_UNCHECKED)
@@ -482,16 +485,18 @@ async def _recheck(session: Session, authenticator: Authenticator, token: str | 
     - its user's memory: once the user was forgotten (``cspan db forget``, from any process or replica) after the
       session first read or wrote it, end it with reason ``forgotten``, close 4410 (its writes are refused already).
 
-    A failing Context DB keeps the session (logged once per outage), as it is not the client's fault."""
+    A failing Context DB, or one that does not answer within ``--db-wait-s``, keeps the session (logged once per
+    outage), as it is not the client's fault."""
+    within = session.hub.db_calls.within
     failing = False
     while not session.ending:
         await asyncio.sleep(CREDENTIAL_RECHECK_S)
         try:
             revoked = False
             if session.principal.source != "local":
-                principal = await authenticator.authenticate(token)
+                principal = await within(authenticator.authenticate(token))
                 revoked = principal is None or principal.user_id != session.principal.user_id
-            forgotten = not revoked and await session.memory.awas_forgotten()
+            forgotten = not revoked and await within(session.memory.awas_forgotten())
         except Exception as exc:
             if not failing:  # once per outage, not every few seconds for every session
                 logger.warning(

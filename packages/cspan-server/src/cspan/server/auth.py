@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
+from cspan.backends.context_db.workers import run_in
 from cspan.core.errors import CspanError
 
 if TYPE_CHECKING:
@@ -270,6 +270,7 @@ class CredentialAuthenticator:
     listens beyond loopback or answers a public ``--allow-host`` name, behind a proxy; unless ``insecure_no_token``),
     or once the Context DB holds an issued token, revoked ones included (checked per connection until then, so
     ``cspan users add`` takes effect at once; revoking every token later does not open the server, restart or not).
+    Its lookups run on the database's executor (``cspan serve``: the Context DB threads).
     Otherwise (one person on 127.0.0.1) every session is
     :meth:`Principal.local() <cspan.backends.identity.Principal.local>`. A conversation needs the ``session``
     scope.
@@ -319,7 +320,7 @@ class CredentialAuthenticator:
         return self.configured
 
     async def required(self) -> bool:
-        return await asyncio.to_thread(self._required)
+        return await run_in(getattr(self.db, "executor", None), self._required)
 
     def _authenticate(self, credential: str | None, scope: str | None) -> Principal | None:
         from cspan.backends.identity import Principal
@@ -330,7 +331,7 @@ class CredentialAuthenticator:
         return principal if principal is not None and (scope is None or principal.allows(scope)) else None
 
     async def authenticate(self, credential: str | None, *, scope: str | None = "session") -> Principal | None:
-        return await asyncio.to_thread(self._authenticate, credential, scope)
+        return await run_in(getattr(self.db, "executor", None), self._authenticate, credential, scope)
 
 
 def offered_subprotocols(header: str | None) -> list[str]:

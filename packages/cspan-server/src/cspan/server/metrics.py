@@ -30,6 +30,9 @@ each adapter's ``name``).
 | ``cspan_backend_errors_total{stage}`` | counter | backend failures (asr, retrieval, span, ...) |
 | ``cspan_protocol_errors_total{protocol,code}`` | counter | client mistakes reported, ``error`` messages sent or not (over a client's 50 at once and 10 a second: counted, not sent) |
 | ``cspan_voice_recordings_total{protocol}`` | counter | recordings clients sent that became a session's voice |
+| ``cspan_db_writes_pending`` | gauge | Context DB writes of sessions queued or running (a session runs one at a time; docs/OPERATORS.md, "When PostgreSQL is away") |
+| ``cspan_db_write_failures_total{reason}`` | counter | session writes not written: ``failed`` (the database refused or was away: logged), ``dropped`` (over a session's queue while the database did not answer, or left at shutdown) |
+| ``cspan_db_write_seconds`` | histogram | time from a session's write queued to committed (its wait behind the session's earlier writes included): what a message held behind it waited |
 | ``cspan_mcp_servers{state}`` | gauge | ``--mcp`` servers ``up``, ``reconnecting`` (lost: the next call reconnects) and ``down`` (given up after 3 failed reconnects) |
 | ``process_resident_memory_bytes``, ``process_cpu_seconds_total``, ... | gauge, counter | the server process (Linux; prometheus-client's process collector) |
 """
@@ -52,6 +55,7 @@ from cspan.backends.tools.bank import MCP_STATES
 
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.2, 0.5, 1.0, 2.5)
 _PREFILL_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_DB_WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 
 
 class ServerMetrics:
@@ -124,6 +128,18 @@ class ServerMetrics:
         self.voice_recordings = Counter(
             "cspan_voice_recordings", "Recordings clients sent that became a session's voice", p, registry=r
         )
+        self.db_writes_pending = Gauge(
+            "cspan_db_writes_pending", "Context DB writes of sessions queued or running", registry=r
+        )
+        self.db_write_failures = Counter(
+            "cspan_db_write_failures", "Session writes not written: failed, dropped", ["reason"], registry=r
+        )
+        self.db_write_seconds = Histogram(
+            "cspan_db_write_seconds",
+            "Time from a session's Context DB write queued to committed",
+            buckets=_DB_WRITE_BUCKETS,
+            registry=r,
+        )
         self.mcp_servers = Gauge(
             "cspan_mcp_servers", "--mcp servers by state: up, reconnecting, down (given up)", ["state"], registry=r
         )
@@ -131,6 +147,8 @@ class ServerMetrics:
             self.mcp_servers.labels(state)
         for outcome in ("injected", "late", "no_span", "cancelled"):
             self.spans.labels(outcome)
+        for reason in ("failed", "dropped"):
+            self.db_write_failures.labels(reason)
         for name in protocols:  # every protocol's series exist from the start (0 rather than absent)
             for metric in (
                 self.sessions_started,

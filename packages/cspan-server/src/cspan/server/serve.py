@@ -10,7 +10,8 @@ This module is the command and its uvicorn wiring. The parts, one concern each:
 - :mod:`cspan.server.app`: the app, the page and HTTP routes, the Host guard, the connection runner;
   :mod:`cspan.server.shared_backends`: the transcriber, tool bank and router built once and shared (``infer`` too);
 - :mod:`cspan.server.auth`, :mod:`cspan.server.metrics`, :mod:`cspan.server.records`: access control, Prometheus
-  metrics, Context DB records.
+  metrics, Context DB records; :mod:`cspan.server.db_calls`: every Context DB call, on its own threads, a session's
+  writes in order with its messages held behind them.
 """
 
 from __future__ import annotations

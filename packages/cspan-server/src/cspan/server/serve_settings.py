@@ -121,6 +121,13 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         json_schema_extra={**_SERVER, "metavar": "FILE"},
         validate_default=True,  # the pair is loaded once both are known (below), with or without this flag
     )
+    db_wait_s: float = Field(
+        1.0, gt=0.0, le=60.0, allow_inf_nan=False,
+        description="how long a session holds what it sends behind its Context DB write (a transcript is sent once "
+        "its turn is stored), and a start, a token lookup or a memory read waits for the database, before going on "
+        "without it (s): a database that does not answer costs no conversation more than this",
+        json_schema_extra={"group": "context db"},
+    )  # fmt: skip
     drain_s: float = Field(
         0.0, ge=0.0, le=86400.0, allow_inf_nan=False,
         description="on SIGTERM/SIGINT, refuse new conversations (/health answers 503) and let running ones go on "

@@ -11,6 +11,7 @@ Architecture (one process, one event loop)::
                                -> Conversation.before_step (spans queued)
         ONE EngineThread.frame(pcm [N, 1920]) for all N slots (one batched step; the spans already read)
         for each live session: Conversation.after_step -> outputs (agent frame, events) -> its outbox
+                               (events recorded: their writes queued, the outputs held behind them)
         for each live session: Conversation.read_spans (the next frame's spans, read and their step prepared
                                on the engine thread while the device idles until the next tick)
     Session outbox --outputs--> adapter.render -> wire messages -> client
@@ -22,7 +23,11 @@ that frame; a session sending faster than real time has its oldest queued frames
 queue holds ``--max-queued-frames``. When the loop falls more than one frame behind (a slow step, a long persona
 prefix), it skips ahead instead of bursting through the missed frames. Every engine call (persona prefixes,
 Context Spans, steps) runs on the engine thread (:mod:`cspan.server.engine_thread`); nothing is read into the
-model on the event loop.
+model on the event loop. Every Context DB call runs on the Context DB's threads (:mod:`cspan.server.db_calls`); the
+frame loop never waits for one: a session's writes (its profile and conversation row at the start, turns and span
+outcomes, its end) go in order, and its outputs wait behind a pending one (at most ``--db-wait-s``), so that what
+a client has seen is committed. A session is stepped (live) from its ``ready`` on: after its persona was read and
+its start written.
 
 Adapter contract
 ================
@@ -93,7 +98,9 @@ from cspan.core.constants import FRAME_RATE, FRAME_S, FRAME_SIZE, MAX_SEED, SAMP
 from cspan.core.errors import ProtocolError
 from cspan.core.events import CONVERSATION_ENDED, ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
 from cspan.core.voice import VoicePrompt
+from cspan.server.db_calls import DBCalls
 from cspan.server.engine_thread import EngineThread, FrameResult, SpanHandoff
+from cspan.server.records import event_write
 from cspan.server.settings_common import Temperature, TopK
 from cspan.server.throttle import ERROR_RATE, ErrorBudget
 from cspan.server.voices import (
@@ -120,6 +127,8 @@ STOP_FLUSH_FRAMES = 12
 """After ``stop``, at most this many frames of silence are fed to end a running utterance (its final transcript)."""
 PRUNE_EVERY_S = 3600.0
 """With ``--retention-days``, how often old rows are deleted (they are also deleted when the database is opened)."""
+SHUTDOWN_WRITES_S = 5.0
+"""At shutdown, how long the sessions' Context DB writes still queued may take before they are given up (logged)."""
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
@@ -457,7 +466,7 @@ class Session:
         self.hub = hub
         self.protocol = protocol
         self.principal = principal
-        self.memory = hub.db.user(principal)
+        self.memory = hub.db.user(principal)  # its a-methods run on the hub's Context DB threads
         self.stored_profile: Any = None
         self.id = uuid.uuid4().hex
         self.state = "connected"
@@ -478,7 +487,7 @@ class Session:
         self._errors = ErrorBudget()
         self._start: _Start | None = None
         self._events: list[ConversationEvent] = []
-        self._recorder: Callable[[Any], None] | None = None
+        self.writes = hub.db_calls.session(self.id, send=self._deliver, on_forgotten=self.forgotten)
         self.memory_span: Any = None  # its MemorySpan (--memory-span), once live
         self._partial = np.zeros(0, dtype=np.float32)
         self._last_overflow_report = -(10**9)
@@ -515,7 +524,15 @@ class Session:
     # -- outputs ----------------------------------------------------------------------------------------------
 
     def put(self, item: Outbound) -> None:
-        """Queue one output for the adapter (a client that stops reading ends the session: ``slow_client``)."""
+        """Queue one output for the adapter, behind the session's pending Context DB write if there is one (held until
+        it is done, or ``--db-wait-s``: :mod:`cspan.server.db_calls`). A client that stops reading ends the session
+        (``slow_client``)."""
+        if self.gone or self.writes.hold(item):
+            return
+        self._deliver(item)
+
+    def _deliver(self, item: Outbound) -> None:
+        """Put ``item`` in the outbox now (or, past :data:`OUTBOX_LIMIT`, end the session: ``slow_client``)."""
         if self.gone:
             return
         if self.outbox.qsize() >= OUTBOX_LIMIT and not isinstance(item, Close):
@@ -559,7 +576,7 @@ class Session:
         self.hub.metrics.protocol_errors.labels(self.protocol, code).inc()
 
     def _close(self, code: int, reason: str) -> None:
-        self.outbox.put_nowait(Close(code, reason[:120]))
+        self.put(Close(code, reason[:120]))
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """Run ``coro`` as a task the session waits for when the connection ends."""
@@ -579,11 +596,13 @@ class Session:
         return events
 
     def _publish(self, events: list[ConversationEvent], *, send: bool = True) -> None:
-        """Count, record in the Context DB and (unless ``send`` is False) queue conversation events."""
+        """Count, record in the Context DB (queued: :attr:`writes`) and (unless ``send`` is False) queue conversation
+        events; an event that is recorded is sent once its write is done."""
         for ev in events:
             self.hub.observe_event(self, ev)
-            if self._recorder is not None:
-                self._recorder(ev)
+            write = event_write(self.memory, self.conversation_id, ev) if self.conversation_id is not None else None
+            if write is not None:
+                self.writes.write(*write)
             if isinstance(ev, ErrorEvent):
                 self.stats.errors += 1
             if send:
@@ -754,8 +773,9 @@ class Session:
             hub.release(self)
             self.state = "connected"
             raise ClientError("internal", f"voice activity detector failed: {exc}") from None
+        calls = hub.db_calls
         try:
-            self.stored_profile = await asyncio.to_thread(self.memory.get_profile)
+            self.stored_profile = await calls.within(calls.run(self.memory.get_profile))
         except Exception as exc:  # the conversation goes on without what was remembered
             logger.warning("Context DB: could not read the profile of %s: %s", self.principal.user_id, exc)
         if self.state != "starting":  # stopped or gone while the detector loaded
@@ -801,7 +821,7 @@ class Session:
         if self.conversation is not None:
             self.profile = self.hub.make_profile(self, self._start.text_prompt if self._start else "")
             self.conversation.profile = self.profile
-            self.hub.put_profile(self, self.profile)
+            self.writes.write("store the profile", self.memory.put_profile, self.profile)
 
     async def stop(self) -> None:
         """End the conversation: queued audio is played through (and a running utterance ended), then ``Ended``."""
@@ -827,8 +847,10 @@ class Session:
     async def end(self, reason: str, *, code: int = CLOSE_NORMAL, message: str = "") -> None:
         """End the session once: free the slot, finish the conversation, record, :class:`Ended` and :class:`Close`.
 
-        A session whose client is gone (:meth:`disconnected`) records everything but sends nothing. Counted in
-        ``cspan_sessions_ended_total`` once the session reached ``ready``, else in ``cspan_sessions_unstarted_total``.
+        The conversation's end time is written after the session's other writes, and :class:`Ended` is sent once it
+        is (or after ``--db-wait-s``). A session whose client is gone (:meth:`disconnected`) records everything but
+        sends nothing. Counted in ``cspan_sessions_ended_total`` once the session reached ``ready``, else in
+        ``cspan_sessions_unstarted_total``.
         """
         if self.ended:
             return
@@ -847,7 +869,11 @@ class Session:
             except Exception:
                 logger.exception("session %s: finishing the conversation failed", self.id)
             self._publish(self._take_events(), send=not self.gone)
-        hub.end_conversation(self)
+        if self.conversation_id is not None:
+            self.writes.write(
+                f"end conversation {self.conversation_id}", self.memory.end_conversation, self.conversation_id
+            )
+        await self.writes.settle(hub.db_calls.wait_s)
         counter = hub.metrics.sessions_ended if self.started else hub.metrics.sessions_unstarted
         counter.labels(self.protocol, reason).inc()
         self.stats.duration_s = round(self.stats.frames * FRAME_S, 3)
@@ -901,7 +927,8 @@ class SessionHub:
         checkpoint: the loaded :class:`~cspan.core.checkpoint.Checkpoint`.
         engine: a :class:`~cspan.core.engine.DuplexEngine` with ``batch_size == settings.max_sessions``.
         db: the :class:`~cspan.backends.context_db.ContextDB`; each session reads and writes only its principal's
-            memory (``db.user(principal)``).
+            memory (``db.user(principal)``). Its calls run on the hub's threads (:attr:`db_calls`, made its
+            ``executor`` here, given back at :meth:`shutdown`), never on the event loop.
         metrics: :class:`~cspan.server.metrics.ServerMetrics`.
         backends: ``async backends() -> Backends`` (:class:`cspan.server.shared_backends.Backends`: the transcriber, the shared
             retriever and tool bank, ``for_session(memory, tools)``, ``aclose()``), awaited once by
@@ -923,6 +950,8 @@ class SessionHub:
         self.engine_thread = EngineThread(engine)
         self.db = db
         self.metrics = metrics
+        self.db_calls = DBCalls(settings.db_wait_s, metrics)
+        db.executor = self.db_calls.executor  # the retriever's, memory tools' and token lookups' calls too
         self.backends: Any = None
         self._build_backends = backends
         self.draining = False
@@ -1098,28 +1127,6 @@ class SessionHub:
             }
         )
 
-    def put_profile(self, session: Session, profile: Any) -> None:
-        from cspan.backends.context_db import UserForgotten
-
-        try:
-            session.memory.put_profile(profile)
-        except UserForgotten:  # refused: the session's copy would undo the erase
-            session.forgotten()
-        except Exception as exc:
-            logger.warning("Context DB: could not store the profile: %s", exc)
-
-    def end_conversation(self, session: Session) -> None:
-        from cspan.backends.context_db import UserForgotten
-
-        if session.conversation_id is None:
-            return
-        try:
-            session.memory.end_conversation(session.conversation_id)
-        except UserForgotten:
-            logger.debug("session %s: its conversation was forgotten", session.id)
-        except Exception as exc:
-            logger.warning("Context DB: could not end conversation %s: %s", session.conversation_id, exc)
-
     def observe_event(self, session: Session, event: ConversationEvent) -> None:
         """Metrics and per-session counters of a conversation event."""
         m = self.metrics
@@ -1257,9 +1264,9 @@ class SessionHub:
                 return
 
     async def _start_session(self, session: Session) -> None:
-        from cspan.core.runtime import Conversation, ConversationConfig
-        from cspan.server.records import db_recorder
-
+        """Read the persona of a session that reserved a slot (on the engine thread; the frame loop waits for it),
+        then queue its profile and conversation row and let :meth:`_go_live` wait for them: the frame loop does not
+        (the slot stays out of the live set, not stepped, until then)."""
         req = session._start
         slot = session.slot
         if req is None or slot is None or session.state != "starting":
@@ -1288,32 +1295,39 @@ class SessionHub:
         self.metrics.persona_prefill_seconds.observe(time.perf_counter() - t0)
         if session.state != "starting" or session.slot != slot:
             return
-        from cspan.backends.context_db import UserForgotten
+        session.profile = self.make_profile(session, req.text_prompt)  # the client may have updated it meanwhile
+        session.conversation_id = uuid.uuid4().hex  # made here: Ready needs no answer from the database
+        session.writes.write("store the profile", session.memory.put_profile, session.profile)
+        session.writes.write(
+            "start a conversation",
+            session.memory.start_conversation,
+            session.conversation_id,
+            checkpoint=self.model_name,
+            settings={
+                "session_id": session.id,
+                "protocol": session.protocol,
+                "voice": req.voice.name if req.voice is not None else None,
+                "seed": req.seed,
+                "app": "serve",
+            },
+        )
+        session.spawn(self._go_live(session, slot, report))
 
-        profile = self.make_profile(session, req.text_prompt)  # the client may have updated it meanwhile
-        self.put_profile(session, profile)
-        if session.ending or session.user_forgotten:  # its user was forgotten since the start read the profile
+    async def _go_live(self, session: Session, slot: int, report: Any) -> None:
+        """Once the start's writes are done (or ``--db-wait-s`` passed: the conversation is unrecorded until the
+        database answers), make ``session`` live and send :class:`Ready`; nothing if it ended meanwhile (a refused
+        write: its user was forgotten since the start read the profile)."""
+        from cspan.core.runtime import Conversation, ConversationConfig
+
+        await session.writes.settle(self.db_calls.wait_s)
+        req = session._start
+        if req is None or session.state != "starting" or session.slot != slot or session.ending:
             return
-        try:
-            conversation_id = session.memory.start_conversation(
-                checkpoint=self.model_name,
-                settings={
-                    "session_id": session.id,
-                    "protocol": session.protocol,
-                    "voice": req.voice.name if req.voice is not None else None,
-                    "seed": req.seed,
-                    "app": "serve",
-                },
-            )
-        except UserForgotten:
-            session.forgotten()
-            return
-        except Exception as exc:
-            logger.warning("Context DB: could not start a conversation: %s", exc)
-            conversation_id = f"unrecorded-{session.id}"
-        session.profile = profile
-        session.conversation_id = conversation_id
-        session._recorder = db_recorder(session.memory, conversation_id, on_forgotten=session.forgotten)
+        profile = self.make_profile(session, req.text_prompt)
+        if profile != session.profile:  # the client updated it while the start was written
+            session.profile = profile
+            session.writes.write("store the profile", session.memory.put_profile, profile)
+        conversation_id = session.conversation_id
         if getattr(self.settings, "memory_span", False):
             from cspan.server.memory_span import MemorySpan
 
@@ -1371,6 +1385,7 @@ class SessionHub:
                 sampling=SamplingInfo.of(req.sampling),
             )
         )
+        self._wake.set()  # the frame loop may be asleep with no live session
 
     def _next_frame(self, s: Session) -> np.ndarray | None:
         """The user frame ``s`` feeds at this tick: its oldest queued frame, or silence; None once a stopping
@@ -1493,7 +1508,8 @@ class SessionHub:
 
     def _memory_due(self, s: Session, slot: int) -> None:
         """After ``s``'s step: when its Context Spans left the window, read the memory span (off the frame loop:
-        the Context DB is read in a thread; the span is read at the first frame head after it)."""
+        the Context DB is read on its threads, for at most ``--db-wait-s``; the span is read at the first frame
+        head after it)."""
         due = s.memory_span.after_step(int(self.engine_thread.engine.positions[slot]))
         if due is None:
             return
@@ -1503,8 +1519,9 @@ class SessionHub:
     async def _read_memory(self, s: Session, left: list[str]) -> None:
         from cspan.server.memory_span import memory_summary
 
+        calls = self.db_calls
         try:
-            text = await asyncio.to_thread(memory_summary, s.memory, s.conversation_id, s.profile, left)
+            text = await calls.within(calls.run(memory_summary, s.memory, s.conversation_id, s.profile, left))
         except Exception as exc:  # the Context DB failed: the conversation goes on without its memory span
             logger.warning("session %s: memory span: the Context DB failed: %s", s.id, exc)
             text = ""
@@ -1523,17 +1540,21 @@ class SessionHub:
     # -- shutdown -------------------------------------------------------------------------------------------------
 
     async def end_all(self, reason: str = "shutdown", *, flush_s: float = 2.0) -> None:
-        """End every session with ``Ended`` (``reason``) and give their senders ``flush_s`` to deliver it."""
+        """End every session with ``Ended`` (``reason``), all at once (each waits for its Context DB writes at most
+        ``--db-wait-s``), and give their senders ``flush_s`` to deliver it."""
         sessions = list(self.sessions)
-        for s in sessions:
-            with contextlib.suppress(Exception):
-                await s.end(reason, code=CLOSE_GOING_AWAY, message="the server is shutting down")
+        await asyncio.gather(
+            *(s.end(reason, code=CLOSE_GOING_AWAY, message="the server is shutting down") for s in sessions),
+            return_exceptions=True,
+        )
         deadline = time.monotonic() + flush_s
         while any(not s.outbox.empty() and not s.gone for s in sessions) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     async def shutdown(self) -> None:
-        """End every session (reason ``shutdown``), stop the loop, release the engine thread and backends."""
+        """End every session (reason ``shutdown``), stop the loop, give the Context DB writes still queued
+        :data:`SHUTDOWN_WRITES_S` (then give them up, logged), release the engine thread, the database's threads
+        and the backends."""
         self.draining = True
         await self.end_all("shutdown")
         self._closing = True
@@ -1544,6 +1565,9 @@ class SessionHub:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         await self.engine_thread.shutdown()
+        await self.db_calls.close(SHUTDOWN_WRITES_S)
+        if self.db.executor is self.db_calls.executor:
+            self.db.executor = None
         if self.backends is not None:
             with contextlib.suppress(Exception):
                 await self.backends.aclose()

@@ -9,7 +9,6 @@ They will be removed once ``cspan serve`` and ``cspan infer`` open memories by p
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import warnings
 from abc import ABC, abstractmethod
@@ -17,8 +16,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cspan.backends.context_db.models import ContextDBError, Profile
+from cspan.backends.context_db.workers import run_in
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     from cspan.backends.context_db.connection import Connection
     from cspan.backends.context_db.user import UserMemory
 
@@ -68,7 +70,7 @@ def _by_span(name: str) -> Callable[..., Any]:
 def _in_thread(sync: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(sync)
     async def run(self: LegacyMethods, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(sync, self, *args, **kwargs)
+        return await run_in(self.executor, sync, self, *args, **kwargs)
 
     run.__name__ = "a" + sync.__name__
     return run
@@ -78,6 +80,7 @@ class LegacyMethods(ABC):
     """The deprecated per-call-user methods of :class:`~cspan.backends.context_db.ContextDB` (see the module)."""
 
     _conn: Connection
+    executor: Executor | None
 
     @abstractmethod
     def user(self, principal: Any) -> UserMemory:

@@ -8,10 +8,10 @@ apply the retention setting (:meth:`ContextDB.prune`), and keep the hashed per-u
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import time
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +20,7 @@ from cspan.backends.context_db.legacy import LegacyMethods
 from cspan.backends.context_db.models import ContextDBError, TokenRecord
 from cspan.backends.context_db.schema import MIGRATIONS, SCHEMA_VERSION
 from cspan.backends.context_db.user import MAX_ID_CHARS, UserMemory, check_id, token_record
+from cspan.backends.context_db.workers import run_in
 
 DB_ENV = "CSPAN_DB"
 """Environment variable naming the Context DB when no target is given (a path, ``:memory:`` or a URL)."""
@@ -78,6 +79,8 @@ class ContextDB(LegacyMethods):
         read_only: the caller only reads: a database at this release's schema is opened without a write (no
             migration transaction), so a PostgreSQL role with only ``SELECT`` can open it. Writes are not blocked;
             the database refuses them as its privileges say. An older schema is still migrated.
+        executor: where the ``a``-methods run their statements, and those of the memories :meth:`user` makes from
+            then on (:attr:`executor`; None: asyncio's default executor, :func:`asyncio.to_thread`).
 
     Raises:
         ContextDBError: the database was written by a newer schema, is not a Context DB / not SQLite, or the
@@ -96,12 +99,14 @@ class ContextDB(LegacyMethods):
         busy_timeout_s: float = 10.0,
         retention_days: float | None = None,
         read_only: bool = False,
+        executor: Executor | None = None,
     ) -> None:
         if retention_days is not None and not (0 < float(retention_days) < float("inf")):
             raise ValueError(f"retention_days must be a positive number of days, got {retention_days!r}")
         self.path = resolve_target(target)
         self.retention_days = None if retention_days is None else float(retention_days)
         self.read_only = read_only
+        self.executor = executor  # a server owning a pool for its database calls may set it before any user()
         self._conn: Connection = connect(self.path, busy_timeout_s=busy_timeout_s)
         self.dialect = self._conn.dialect
         self.where = self._conn.where
@@ -191,7 +196,7 @@ class ContextDB(LegacyMethods):
             ValueError: the user id is empty, too long or not printable.
         """
         user_id = principal if isinstance(principal, str) else principal.user_id
-        return UserMemory(self._conn, user_id)
+        return UserMemory(self._conn, user_id, executor=self.executor)
 
     def users(self) -> list[str]:
         """Ids of the users with anything stored (profile, facts, conversations or tokens), sorted."""
@@ -243,8 +248,8 @@ class ContextDB(LegacyMethods):
         return counts
 
     async def aprune(self, older_than_days: float | None = None) -> dict[str, int]:
-        """:meth:`prune` in a worker thread (a server calls it periodically)."""
-        return await asyncio.to_thread(self.prune, older_than_days)
+        """:meth:`prune` in a worker thread of :attr:`executor` (a server calls it periodically)."""
+        return await run_in(self.executor, self.prune, older_than_days)
 
     # ------------------------------------------------------------------ issued tokens (stored hashed)
 

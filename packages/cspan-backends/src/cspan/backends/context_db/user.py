@@ -19,7 +19,6 @@ never refused.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -27,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, get_args
 
 from cspan.backends.context_db.facts import extract_facts, fact_sentence, normalised
@@ -43,6 +43,7 @@ from cspan.backends.context_db.models import (
     UserForgotten,
 )
 from cspan.backends.context_db.schema import SCHEMA_VERSION
+from cspan.backends.context_db.workers import run_in
 
 if TYPE_CHECKING:
     from cspan.backends.context_db.connection import Connection, Transaction
@@ -129,12 +130,14 @@ class UserMemory:
 
     Get one from :meth:`ContextDB.user` (with a :class:`~cspan.backends.identity.Principal` or a user id); it is a
     cheap view over the store's connection, so a server makes one per session. The ``a``-prefixed coroutines run the
-    matching method in a worker thread (:func:`asyncio.to_thread`), which is how async code should call it.
+    matching method in a worker thread of ``executor`` (:func:`~cspan.backends.context_db.workers.run_in`; None:
+    asyncio's default executor, :func:`asyncio.to_thread`), which is how async code should call it.
     """
 
-    def __init__(self, conn: Connection, user_id: str) -> None:
+    def __init__(self, conn: Connection, user_id: str, *, executor: Executor | None = None) -> None:
         self._conn = conn
         self.user_id = check_id(user_id, "user id")
+        self.executor = executor
         self._generation: int | None = None  # the erase generation this memory belongs to: set at first use
         self._pin_lock = threading.Lock()
         self._erase_key = hashlib.sha256(self.user_id.encode()).hexdigest()  # its key in erasures (not the id)
@@ -163,7 +166,7 @@ class UserMemory:
     def _lock_user(self, tx: Transaction, *, exclusive: bool = False) -> None:
         """PostgreSQL: the user's erase lock for this transaction, exclusive for :meth:`forget` (it waits for the
         writes under way), shared for a write, which does not wait: an erase holding it means the write would be
-        refused anyway, and a blocked write would hold up its replica's event loop for the erase's length.
+        refused anyway, and a blocked write would hold up its session (and a database thread) for the erase's length.
         SQLite serialises writers already (``BEGIN IMMEDIATE``)."""
         if tx.dialect != "postgresql":
             return
@@ -591,64 +594,64 @@ class UserMemory:
                 self._generation = before + 1
         return counts
 
-    # ------------------------------------------------------------------ async wrappers (run in a worker thread)
+    # ------------------------------------------------------------------ async wrappers (run on self.executor)
 
     async def aput_profile(self, profile: Profile) -> Profile:
         """:meth:`put_profile` in a worker thread."""
-        return await asyncio.to_thread(self.put_profile, profile)
+        return await run_in(self.executor, self.put_profile, profile)
 
     async def aget_profile(self) -> Profile | None:
         """:meth:`get_profile` in a worker thread."""
-        return await asyncio.to_thread(self.get_profile)
+        return await run_in(self.executor, self.get_profile)
 
     async def aset_fact(self, key: str, value: str, *, source: str = "user") -> None:
         """:meth:`set_fact` in a worker thread."""
-        await asyncio.to_thread(self.set_fact, key, value, source=source)
+        await run_in(self.executor, self.set_fact, key, value, source=source)
 
     async def afacts(self) -> list[Fact]:
         """:meth:`facts` in a worker thread."""
-        return await asyncio.to_thread(self.facts)
+        return await run_in(self.executor, self.facts)
 
     async def astart_conversation(self, conversation_id: str | None = None, **kwargs: Any) -> str:
         """:meth:`start_conversation` in a worker thread."""
-        return await asyncio.to_thread(self.start_conversation, conversation_id, **kwargs)
+        return await run_in(self.executor, self.start_conversation, conversation_id, **kwargs)
 
     async def aend_conversation(self, conversation_id: str, **kwargs: Any) -> bool:
         """:meth:`end_conversation` in a worker thread."""
-        return await asyncio.to_thread(self.end_conversation, conversation_id, **kwargs)
+        return await run_in(self.executor, self.end_conversation, conversation_id, **kwargs)
 
     async def aget_conversation(self, conversation_id: str) -> Conversation | None:
         """:meth:`get_conversation` in a worker thread."""
-        return await asyncio.to_thread(self.get_conversation, conversation_id)
+        return await run_in(self.executor, self.get_conversation, conversation_id)
 
     async def aadd_turn(self, conversation_id: str, role: TurnRole, text: str, **kwargs: Any) -> int:
         """:meth:`add_turn` in a worker thread."""
-        return await asyncio.to_thread(self.add_turn, conversation_id, role, text, **kwargs)
+        return await run_in(self.executor, self.add_turn, conversation_id, role, text, **kwargs)
 
     async def aturns(self, conversation_id: str, *, last: int | None = None) -> list[Turn]:
         """:meth:`turns` in a worker thread."""
-        return await asyncio.to_thread(self.turns, conversation_id, last=last)
+        return await run_in(self.executor, self.turns, conversation_id, last=last)
 
     async def aadd_span(self, conversation_id: str, **kwargs: Any) -> int:
         """:meth:`add_span` in a worker thread."""
-        return await asyncio.to_thread(self.add_span, conversation_id, **kwargs)
+        return await run_in(self.executor, self.add_span, conversation_id, **kwargs)
 
     async def amark_span_injected(self, span_id: int, **kwargs: Any) -> None:
         """:meth:`mark_span_injected` in a worker thread."""
-        await asyncio.to_thread(self.mark_span_injected, span_id, **kwargs)
+        await run_in(self.executor, self.mark_span_injected, span_id, **kwargs)
 
     async def amark_span_dropped(self, span_id: int, reason: DropReason, **kwargs: Any) -> None:
         """:meth:`mark_span_dropped` in a worker thread."""
-        await asyncio.to_thread(self.mark_span_dropped, span_id, reason, **kwargs)
+        await run_in(self.executor, self.mark_span_dropped, span_id, reason, **kwargs)
 
     async def aspans(self, conversation_id: str, *, last: int | None = None) -> list[SpanRecord]:
         """:meth:`spans` in a worker thread."""
-        return await asyncio.to_thread(self.spans, conversation_id, last=last)
+        return await run_in(self.executor, self.spans, conversation_id, last=last)
 
     async def aworking_text(self, conversation_id: str, **kwargs: Any) -> str:
         """:meth:`working_text` in a worker thread."""
-        return await asyncio.to_thread(self.working_text, conversation_id, **kwargs)
+        return await run_in(self.executor, self.working_text, conversation_id, **kwargs)
 
     async def awas_forgotten(self) -> bool:
         """:meth:`was_forgotten` in a worker thread."""
-        return await asyncio.to_thread(self.was_forgotten)
+        return await run_in(self.executor, self.was_forgotten)
