@@ -728,3 +728,24 @@ def test_deprecated_methods_still_work_and_warn() -> None:
         assert db.get_profile("ada").name == "Ada" and db.turns("unknown") == []
     assert caught and all(issubclass(w.category, DeprecationWarning) for w in caught)
     assert db.user("ada").turns(cid)[0].text == "hello"
+
+
+def test_a_retrievals_early_rows_get_what_the_sessions_own_writes_carry(target: str) -> None:
+    """Under a slow database a retrieval can write before the session's own start and turn (``cspan serve`` queues
+    those behind the database): the conversation row it made gets the session's checkpoint and settings, and the
+    question's turn the transcript's frame; what the first start or turn gave is never overwritten."""
+    with ContextDB(target) as db:
+        me = db.user("ada")
+        assert me.start_conversation("c1") == "c1"  # the retrieval's: no checkpoint, no settings
+        question = me.add_turn("c1", "user", "What is the weather in Leeds?", dedupe=True)
+        assert me.start_conversation("c1", checkpoint="tiny", settings={"session_id": "s1"}) == "c1"
+        assert me.add_turn("c1", "user", "what is the weather in leeds", frame=42, dedupe=True) == question
+        conversation = me.get_conversation("c1")
+        assert (conversation.checkpoint, conversation.settings) == ("tiny", {"session_id": "s1"})
+        assert [(t.text, t.frame) for t in me.turns("c1")] == [("What is the weather in Leeds?", 42)]
+        # a second start or turn changes nothing the first one gave
+        me.start_conversation("c1", checkpoint="other", settings={"session_id": "s2"})
+        me.add_turn("c1", "user", "What is the weather in Leeds", frame=50, dedupe=True)
+        conversation = me.get_conversation("c1")
+        assert (conversation.checkpoint, conversation.settings) == ("tiny", {"session_id": "s1"})
+        assert [t.frame for t in me.turns("c1")] == [42]

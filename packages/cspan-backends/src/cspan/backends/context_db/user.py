@@ -293,7 +293,9 @@ class UserMemory:
     ) -> str:
         """Create a conversation of this user and return its id (a new uuid4 hex unless ``conversation_id`` is given).
 
-        Starting an id this user already has is a no-op that returns the id, so a reconnecting client can resume.
+        Starting an id this user already has returns the id, so a reconnecting client can resume; it changes only
+        what the first start left empty (its checkpoint, its settings: a row made by a retrieval that reached the
+        database before the session's own start gets them).
 
         Raises:
             ValueError: ``conversation_id`` is empty, too long or not printable.
@@ -302,7 +304,11 @@ class UserMemory:
         with self._write() as tx:
             tx.execute(
                 "INSERT INTO conversations (user_id, id, started_at, checkpoint, settings) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT (user_id, id) DO NOTHING",
+                "ON CONFLICT (user_id, id) DO UPDATE SET "
+                "checkpoint = CASE WHEN conversations.checkpoint = '' THEN excluded.checkpoint "
+                "ELSE conversations.checkpoint END, "
+                "settings = CASE WHEN conversations.settings = '{}' THEN excluded.settings "
+                "ELSE conversations.settings END",
                 (self.user_id, cid, started_at or time.time(), checkpoint, json.dumps(settings or {})),
             )
         return cid
@@ -355,7 +361,8 @@ class UserMemory:
 
         User turns also update this user's facts (:func:`extract_facts`). With ``dedupe``, a turn whose text equals
         (case and punctuation aside) the latest turn of the same role is not added again; that turn's id is
-        returned instead.
+        returned instead, and its ``frame``, if it had none, becomes this one's (a retrieval's copy of the question
+        written before the transcript's own turn).
 
         Raises:
             ContextDBError: this user has no such conversation (start it with :meth:`start_conversation`).
@@ -368,11 +375,16 @@ class UserMemory:
             self._require_conversation(tx, conversation_id)
             if dedupe:
                 last = tx.execute(
-                    "SELECT id, text FROM turns WHERE user_id = ? AND conversation_id = ? AND role = ? "
+                    "SELECT id, text, frame FROM turns WHERE user_id = ? AND conversation_id = ? AND role = ? "
                     "ORDER BY id DESC LIMIT 1",
                     (self.user_id, conversation_id, role),
                 ).rows
                 if last and normalised(last[0]["text"]) == normalised(text):
+                    if frame is not None and last[0]["frame"] is None:
+                        tx.execute(
+                            "UPDATE turns SET frame = ? WHERE user_id = ? AND id = ?",
+                            (frame, self.user_id, last[0]["id"]),
+                        )
                     return int(last[0]["id"])
             rows = tx.execute(
                 "INSERT INTO turns (user_id, conversation_id, role, text, t, frame, meta) "
