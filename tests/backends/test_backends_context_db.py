@@ -508,6 +508,7 @@ def test_no_method_reaches_another_users_rows(target: str) -> None:
     assert attempt("end_conversation", "c1") is True
     stored = attempt("put_profile", Profile(user_id="ada", name="Mallory"))  # the profile's user_id is ignored
     assert stored.user_id == "bob"
+    assert attempt("merge_profile", {"timezone": "Europe/Madrid"}).notes == ""  # over Bob's profile, not Ada's
     attempt("set_fact", "name", "Mallory")
     assert attempt("forget_fact", "city") is False  # Ada's city is not Bob's to forget
     exported = attempt("export")
@@ -743,9 +744,81 @@ def test_a_retrievals_early_rows_get_what_the_sessions_own_writes_carry(target: 
         conversation = me.get_conversation("c1")
         assert (conversation.checkpoint, conversation.settings) == ("tiny", {"session_id": "s1"})
         assert [(t.text, t.frame) for t in me.turns("c1")] == [("What is the weather in Leeds?", 42)]
-        # a second start or turn changes nothing the first one gave
+        # a second start, or the same turn again, changes nothing the first one gave
         me.start_conversation("c1", checkpoint="other", settings={"session_id": "s2"})
-        me.add_turn("c1", "user", "What is the weather in Leeds", frame=50, dedupe=True)
+        me.add_turn("c1", "user", "What is the weather in Leeds", frame=42, dedupe=True)
         conversation = me.get_conversation("c1")
         assert (conversation.checkpoint, conversation.settings) == ("tiny", {"session_id": "s1"})
         assert [t.frame for t in me.turns("c1")] == [42]
+
+
+def test_repeated_utterances_are_kept_and_a_retrievals_copy_is_not(target: str) -> None:
+    """``dedupe``: two final transcripts of the same words at different frames are two utterances, two rows (a user
+    who says "yes" twice); a retrieval's frameless copy of the question and the transcript's own turn are one row,
+    whichever reaches the database first, and that row has the transcript's frame and time."""
+    with ContextDB(target) as db:
+        me = db.user("ada")
+        me.start_conversation("c1")
+        yes = me.add_turn("c1", "user", "Yes.", t=100.0, frame=10, dedupe=True)
+        assert me.add_turn("c1", "user", "yes", t=105.0, frame=70, dedupe=True) != yes  # said twice: kept
+        assert me.add_turn("c1", "user", "yes", dedupe=True) != yes  # the retrieval's copy: the latest one
+        assert [(t.text, t.frame, t.t) for t in me.turns("c1")] == [("Yes.", 10, 100.0), ("yes", 70, 105.0)]
+
+        # the transcript's turn first, then the retrieval's copy (as retriever._context writes it)
+        me.add_turn("c1", "user", "What time is it?", t=110.0, frame=120, dedupe=True)
+        asyncio.run(me.aadd_turn("c1", "user", "what time is it", dedupe=True))
+        # the retrieval's copy first (its time is its write's), then the transcript's turn: its frame and time win
+        asyncio.run(me.aadd_turn("c1", "user", "What time is it now?", dedupe=True))
+        me.add_turn("c1", "user", "what time is it now", t=120.0, frame=200, dedupe=True)
+        # the same words again, asked by the user: the retrieval's copy joins the latest turn, the transcript's is new
+        me.add_turn("c1", "user", "what time is it now", dedupe=True)
+        me.add_turn("c1", "user", "What time is it now?", t=130.0, frame=260, dedupe=True)
+        assert [(t.text, t.frame, t.t) for t in me.turns("c1")][2:] == [
+            ("What time is it?", 120, 110.0),
+            ("What time is it now?", 200, 120.0),
+            ("What time is it now?", 260, 130.0),
+        ]
+
+
+def test_merge_profile_changes_only_the_fields_given(target: str) -> None:
+    """``merge_profile`` reads, overlays and writes in one transaction: the fields not given keep what is stored
+    (a session that could not read the profile erases nothing); ``put_profile`` still replaces all of it."""
+    with ContextDB(target) as db:
+        me = db.user("eve")
+        assert me.merge_profile({"name": "Eve"}) == Profile(user_id="eve", name="Eve")  # none stored yet
+        me.put_profile(Profile(name="Eve", city="Leeds", lat=53.8, notes="allergic to nuts", persona="old"))
+        merged = me.merge_profile({"name": "Evelyn", "timezone": "Europe/London", "persona": "a travel agent"})
+        expected = Profile(
+            user_id="eve", name="Evelyn", city="Leeds", timezone="Europe/London", lat=53.8,
+            notes="allergic to nuts", persona="a travel agent",
+        )  # fmt: skip
+        assert merged == expected and me.get_profile() == expected
+        assert {f.key: f.value for f in me.facts()} == {"name": "Evelyn", "city": "Leeds"}
+        me.merge_profile({"notes": "", "lat": None})  # given empty: emptied
+        assert (me.get_profile().notes, me.get_profile().lat, me.get_profile().city) == ("", None, "Leeds")
+        with pytest.raises(ValueError, match="not profile fields: user_id"):
+            me.merge_profile({"user_id": "mallory", "name": "x"})
+        assert me.get_profile().name == "Evelyn"
+        me.put_profile(Profile(name="Eve"))
+        assert (me.get_profile().name, me.get_profile().city) == ("Eve", "")
+
+
+def test_the_times_given_are_the_times_stored(target: str) -> None:
+    """A caller whose writes wait for the database passes the events' times: they are stored as given (not the
+    write's time); a second start of a conversation keeps the earlier start time (a retrieval's early row gets the
+    session's)."""
+    with ContextDB(target) as db:
+        me = db.user("ada")
+        me.start_conversation("c1", started_at=1000.0)
+        me.start_conversation("c1", started_at=1200.0)  # a resume: the first start stays
+        assert me.get_conversation("c1").started_at == 1000.0
+        me.start_conversation("c2")  # a retrieval's early row (now), then the session's own start
+        me.start_conversation("c2", started_at=900.0)
+        assert me.get_conversation("c2").started_at == 900.0
+        me.add_turn("c1", "user", "hello", t=1001.5, frame=12)
+        sid = me.add_span("c1", question="hello", text="ref", asked_at=1002.0)
+        me.mark_span_injected(sid, injected_at=1003.25, frame=40)
+        assert me.end_conversation("c1", ended_at=1010.0)
+        assert me.get_conversation("c1").ended_at == 1010.0
+        assert [t.t for t in me.turns("c1")] == [1001.5]
+        assert (me.spans("c1")[0].asked_at, me.spans("c1")[0].injected_at) == (1002.0, 1003.25)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +220,91 @@ async def test_a_reference_with_nothing_to_read_is_no_span(tmp_path) -> None:
     assert kept.reference == "Open at nine."
     assert [(s.text, s.dropped) for s in memory.spans("c")] == [(None, "no_span")] * 3 + [("Open at nine.", None)]
     db.close()
+
+
+class GatedExecutor(ThreadPoolExecutor):
+    """The Context DB's worker threads, each call of which waits while the gate is closed (a database that does not
+    answer, as a frozen PostgreSQL host)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=4, thread_name_prefix="gated-db")
+        self.is_open = threading.Event()
+        self.is_open.set()
+
+    def submit(self, fn, /, *args, **kwargs):
+        def gated():
+            assert self.is_open.wait(30), "the gate was never opened"
+            return fn(*args, **kwargs)
+
+        return super().submit(gated)
+
+
+async def test_a_context_db_that_does_not_answer_costs_the_context_not_the_deadline(
+    knowledge: Path, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every Context DB call waits (a frozen database). With ``db_timeout_s`` the retrieval gives the context up
+    after the bound and answers from the local notes on time (not late, no error, no ``span_id``); the span row is
+    not waited for, and is written when the database answers, in order after the question's turn. At most
+    ``MAX_PENDING_DB_JOBS`` jobs of a conversation wait: a retrieval beyond them still answers, its row is not
+    recorded (logged). Without the bound (the library default) the retrieval waits for the database, as before."""
+    from cspan.backends.retriever import MAX_PENDING_DB_JOBS
+
+    assert MAX_PENDING_DB_JOBS == 4  # two retrievals' jobs (a context read, a span row write) wait, a third's don't
+    gate = GatedExecutor()
+    db = ContextDB(tmp_path / "ctx.sqlite", executor=gate)
+    memory = db.user("ada")
+    cid = memory.start_conversation()  # the sync calls are not gated: the test reads the database with them
+    bound = 0.4
+    retriever = Retriever(None, LocalRouter(None, None, knowledge), memory, deadline_s=2.5, db_timeout_s=bound)
+    questions = ["what is the weather in london", "when does the office close", "is london weather rainy"]
+    gate.is_open.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="cspan.backends.retriever"):
+            results, took = [], []
+            for question in questions:
+                t0 = time.perf_counter()
+                results.append(await retriever.retrieve(question=question, conversation_id=cid))
+                took.append(time.perf_counter() - t0)
+            first, second, third = results
+            assert first.reference is not None and first.reference.startswith("London weather today: mild")
+            assert second.reference == "The office closes at six on Fridays."
+            assert third.reference is not None and third.reference.startswith("London weather today")
+            for res in results:
+                assert res.source == "local:knowledge" and not res.late and res.error is None and res.stage is None
+                assert res.span_id is None  # not written yet
+            # the context step gave up after the bound; the span row write (behind it) was not waited for
+            assert bound - 0.05 <= first.context_s < bound + 0.3 and bound - 0.05 <= took[0] < bound + 0.6, took
+            assert took[1] < bound + 0.6 and took[2] < 0.3, took  # the third did not even wait: nothing queued
+            messages = [r.getMessage() for r in caplog.records]
+            assert sum("has not answered in 0.4 s" in m and "routing" in m for m in messages) == 2, messages
+            assert sum("recorded when it answers" in m for m in messages) == 2, messages
+            assert sum("jobs of conversation" in m and "not recorded" in m for m in messages) == 2, messages
+            assert memory.spans(cid) == [] and memory.turns(cid) == []
+            gate.is_open.set()
+            assert await retriever.drain(10)
+    finally:
+        gate.is_open.set()
+    rows = memory.spans(cid)
+    assert [(s.question, s.text, s.dropped) for s in rows] == [
+        (questions[0], first.reference, None),
+        (questions[1], second.reference, None),
+    ]
+    assert all(s.latency_s is not None and s.latency_s < 1.5 for s in rows)  # the retrieval's, not the write's
+    assert [(t.role, t.text) for t in memory.turns(cid)] == [("user", questions[0]), ("user", questions[1])]
+
+    # the database answers again: the retrieval reads its context and waits for its row, as usual
+    again = await retriever.retrieve(question="when does the office close", conversation_id=cid)
+    assert again.span_id == memory.spans(cid)[-1].id and again.span_id is not None
+
+    # no bound (the library default): the retrieval waits for the database, and its row is there when it returns
+    waiting = Retriever(None, LocalRouter(None, None, knowledge), memory, deadline_s=10)
+    gate.is_open.clear()
+    asyncio.get_running_loop().call_later(0.6, gate.is_open.set)
+    t0 = time.perf_counter()
+    res = await waiting.retrieve(question="what is the weather in london", conversation_id=cid)
+    assert time.perf_counter() - t0 >= 0.55 and not res.late
+    assert res.span_id is not None and memory.spans(cid)[-1].id == res.span_id
+    gate.shutdown()
+    db.close()
+    with pytest.raises(ValueError, match="db_timeout_s"):
+        Retriever(None, LocalRouter(None, None, knowledge), db_timeout_s=0)

@@ -28,7 +28,7 @@ from serve_client import Client, ServerThread, load_frames
 from serve_process import ServeProcess, serve_args
 
 from cspan.backends.asr import Transcript
-from cspan.backends.context_db import ContextDB, UserMemory
+from cspan.backends.context_db import ContextDB, Profile, UserMemory
 from cspan.backends.identity import issue_token
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,12 +49,17 @@ class FixedTranscriber:
         return Transcript(text=self.text)
 
 
-class Gate:
-    """Holds the Context DB writes a session's events make (a user turn with its frame, a span marked injected) of
-    one user while closed; ``entered`` is set when one waits."""
+EVENT_WRITES = frozenset({"add_turn", "mark_span_injected"})
+ALL_CALLS = EVENT_WRITES | {"get_profile", "merge_profile", "start_conversation", "end_conversation"}
 
-    def __init__(self, user: str) -> None:
+
+class Gate:
+    """Holds the Context DB calls named in ``calls`` of one user while closed (by default the writes a session's
+    events make: a user turn with its frame, a span marked injected); ``entered`` is set when one waits."""
+
+    def __init__(self, user: str, calls: frozenset[str] = EVENT_WRITES) -> None:
         self.user = user
+        self.calls = calls
         self.is_open = threading.Event()
         self.is_open.set()
         self.entered = threading.Event()
@@ -66,8 +71,8 @@ class Gate:
     def open(self) -> None:
         self.is_open.set()
 
-    def wait(self, memory: UserMemory) -> None:
-        if memory.user_id == self.user and not self.is_open.is_set():
+    def wait(self, memory: UserMemory, call: str) -> None:
+        if memory.user_id == self.user and call in self.calls and not self.is_open.is_set():
             self.entered.set()
             assert self.is_open.wait(120), "the gate was never opened"
 
@@ -77,12 +82,28 @@ class GatedMemory(UserMemory):
 
     def add_turn(self, conversation_id: str, role: Any, text: str, **kwargs: Any) -> int:
         if kwargs.get("frame") is not None:  # the session's record of a final transcript (the retriever's has none)
-            self.gate.wait(self)
+            self.gate.wait(self, "add_turn")
         return super().add_turn(conversation_id, role, text, **kwargs)
 
     def mark_span_injected(self, span_id: int, **kwargs: Any) -> None:
-        self.gate.wait(self)
+        self.gate.wait(self, "mark_span_injected")
         super().mark_span_injected(span_id, **kwargs)
+
+    def get_profile(self) -> Any:
+        self.gate.wait(self, "get_profile")
+        return super().get_profile()
+
+    def merge_profile(self, changes: Any) -> Any:
+        self.gate.wait(self, "merge_profile")
+        return super().merge_profile(changes)
+
+    def start_conversation(self, conversation_id: str | None = None, **kwargs: Any) -> str:
+        self.gate.wait(self, "start_conversation")
+        return super().start_conversation(conversation_id, **kwargs)
+
+    def end_conversation(self, conversation_id: str, **kwargs: Any) -> bool:
+        self.gate.wait(self, "end_conversation")
+        return super().end_conversation(conversation_id, **kwargs)
 
 
 class GatedDB(ContextDB):
@@ -462,6 +483,71 @@ async def test_static_credentials_need_no_database_thread(
             assert bye["reason"] == "shutdown"
     finally:
         stuck.set()
+
+
+@pytest.mark.timeout(300)
+async def test_what_a_stall_delays_is_stored_as_it_happened(tiny_checkpoint: Any, fixture_file, tmp_path: Path) -> None:
+    """Eve's Context DB answers nothing (every call of hers waits on a gate) from before her start to after her
+    end. Her start cannot read the stored profile (the session goes on with her client's fields alone), she says
+    "yes" twice, she stops; then the database answers. Stored: her profile's fields the client did not give are
+    still there (the start wrote only the fields given), both "yes" turns (two utterances), and the times of the
+    start, the turns and the end as they happened, not as the writes ran (after the thaw)."""
+    wait_s = 1.0
+    path = tmp_path / "context.sqlite"
+    with ContextDB(path) as db:
+        token = issue_token(db, "eve")[1]
+        db.user("eve").put_profile(Profile(name="Eve Old", city="Leeds", notes="allergic to nuts", persona="old"))
+    from cspan.server.serve import ServeSettings, create_app
+
+    settings = ServeSettings(
+        asr="none", router="local", tools="clock", test_hooks=True, max_sessions=1, db=str(path),
+        text_prompt="You are a helpful assistant.", max_queued_frames=250, db_wait_s=wait_s,
+    )  # fmt: skip
+    gate = Gate("eve", ALL_CALLS)
+    app = create_app(settings, checkpoint=tiny_checkpoint, db=GatedDB(path, gate), transcriber=FixedTranscriber("yes"))
+    server = ServerThread(app, settings).start()
+    speech = load_frames(fixture_file("audio", "question_weather_24k.wav"))
+    try:
+        async with websockets.connect(f"{server.ws_url}?token={token}", max_size=None) as ws:
+            client = Client(ws)
+            gate.close()
+            asked = time.time()
+            ready = await client.start(profile={"name": "Eve"})
+            readied = time.time()
+            assert ready["type"] == "ready" and gate.entered.is_set()
+            (session,) = server.hub.sessions
+            assert (session.profile.name, session.profile.city, session.profile.notes) == ("Eve", "", "")
+            live = Live(client).go()
+            live.say(speech + [SILENCE] * 25 + speech)
+            finals: list[int] = []
+            heard: list[float] = []  # when each final arrived (wall clock)
+            while len(finals) < 2:  # sent at once: the session stopped holding (its start's writes wait)
+                arrived, final = await live.until(lambda m: is_final(m) and m["frame"] not in finals, 60)
+                finals.append(final["frame"])
+                heard.append(time.time() - (time.monotonic() - arrived))
+            stopped = time.time()
+            assert (await live.stop())["reason"] == "stop"
+            ended = time.time()
+        await asyncio.sleep(1.0)
+        opened = time.time()
+        gate.open()
+        deadline = time.monotonic() + 20
+        while server.hub.db_calls._busy:
+            assert time.monotonic() < deadline, "the writes never went through"
+            await asyncio.sleep(0.05)
+        with ContextDB(path) as check:
+            memory = check.user("eve")
+            stored = memory.get_profile()
+            assert (stored.name, stored.city, stored.notes) == ("Eve", "Leeds", "allergic to nuts")
+            assert stored.persona == "You are a helpful assistant."
+            conversation = memory.get_conversation(ready["conversation_id"])
+            assert asked <= conversation.started_at <= readied < opened
+            assert stopped <= conversation.ended_at <= ended < opened
+            turns = [t for t in memory.turns(conversation.id) if t.role == "user"]
+            assert [(t.text, t.frame) for t in turns] == [("yes", finals[0]), ("yes", finals[1])]
+            for turn, seen in zip(turns, heard, strict=True):  # the time the final was published
+                assert readied < turn.t <= seen + 0.01 and seen - 0.5 < turn.t
+    finally:
         server.stop()
 
 
@@ -483,19 +569,26 @@ async def test_a_frozen_postgresql_stalls_no_conversation(
     """A real ``cspan serve`` on a real PostgreSQL; mid-conversation PostgreSQL is frozen (SIGSTOP) for 8 s while the
     user asks a question. The session keeps receiving agent audio at about the real-time pace, its final transcript
     comes (after ``--db-wait-s``, not recorded yet), ``/health`` answers, a new connection is refused with 1013
-    (its credential cannot be checked) instead of hanging. After SIGCONT the retrieval asked during the freeze is
-    read, and the turns and span of the freeze are in the database, in order."""
+    (its credential cannot be checked) instead of hanging. The retrieval asked during the freeze, answered from
+    ``--knowledge`` notes, is read during the freeze within the default span deadline (2.5 s): its context step gives
+    up after ``--db-wait-s`` and its span row is not waited for (was: late, or read only at the thaw). After SIGCONT
+    the turns and the span row of the freeze are in the database, in order, at the times they were said (not the
+    thaw's; the row without its outcome: the span carried no row id to mark). A second conversation of the same user
+    started during the freeze (its connection made before) cannot read the stored profile; after the thaw the stored
+    notes are still there and its start time is the freeze's."""
     import psycopg
 
     with psycopg.connect(postgres.url, autocommit=True) as conn:
         conn.execute("CREATE DATABASE frozen")
     url = postgres.url.rsplit("/", 1)[0] + "/frozen"
+    with ContextDB(url) as db:
+        db.user("local").put_profile(Profile(name="Ada", city="Leeds", notes="allergic to nuts"))
     knowledge = tmp_path / "notes"
     knowledge.mkdir()
     (knowledge / "weather.md").write_text("The weather in London today is sunny and warm.\n")
     args = serve_args(
         tiny_checkpoint_dir, "--port", "0", "--db", url, "--asr", "sphinx", "--router", "local",
-        "--knowledge", str(knowledge), "--span-deadline-s", "60", "--test-hooks", "--db-wait-s", "1",
+        "--knowledge", str(knowledge), "--span-deadline-s", "2.5", "--test-hooks", "--db-wait-s", "1",
         "--idle-timeout-s", "600", "--max-sessions", "2",
     )  # fmt: skip
     speech = load_frames(fixture_file("audio", "question_weather_24k.wav"))
@@ -503,7 +596,10 @@ async def test_a_frozen_postgresql_stalls_no_conversation(
     server = ServeProcess(*args, name="serve").start()
     try:
         await asyncio.to_thread(server.wait_healthy)
-        async with websockets.connect(server.ws(), max_size=None) as ws:
+        async with (
+            websockets.connect(server.ws(), max_size=None) as ws,
+            websockets.connect(server.ws(), max_size=None) as ws_second,
+        ):
             client = Client(ws)
             ready = await client.start(profile={"name": "Ada"}, test={"force_ret_at": [5.5]})
             assert ready["type"] == "ready"
@@ -520,18 +616,30 @@ async def test_a_frozen_postgresql_stalls_no_conversation(
                     assert closed.rcvd is not None and closed.rcvd.code == 1013, closed
                     assert "credentials cannot be checked now" in closed.rcvd.reason
                     assert time.monotonic() - t0 < 5.0
+                    second = Client(ws_second)
+                    second_asked = time.time()
+                    second_ready = await second.start(profile={"name": "Eve"})
+                    assert second_ready["type"] == "ready"
+                    assert (await second.stop())["reason"] == "stop"
                     while time.monotonic() - frozen < freeze_s:
                         assert (await http.get("/health")).status_code == 200
                         await asyncio.sleep(0.5)
                 thawed = time.monotonic()
+                thawed_at = time.time()
+                spans_in_freeze = [
+                    m for t, kind, m in live.items() if kind == "json" and m["type"] == "span" and t < thawed
+                ]
                 finals_in_freeze = [m for t, kind, m in live.items() if kind == "json" and is_final(m) and t < thawed]
                 received = live.audio_between(frozen + 2.0, thawed)
             finally:
                 postgres.thaw()
             assert received >= 0.8 * (thawed - frozen - 2.0) * FRAMES_PER_S, received  # about real time
             assert finals_in_freeze and any("london" in m["text"] for m in finals_in_freeze)
-            _, span = await live.until(lambda m: m["type"] == "span", 90)  # the retrieval goes on after the thaw
-            assert "sunny" in span["text"]
+            # read during the freeze, within the span deadline of its <ret>
+            (span,) = spans_in_freeze
+            assert "sunny" in span["text"] and span["source"] == "local:knowledge"
+            assert (span["frame"] - span["ret_frame"]) / FRAMES_PER_S <= 2.5 + 0.2, span
+            assert not client.received.json("late"), client.received.json("late")
             await asyncio.sleep(1.0)
             assert (await live.stop())["reason"] == "stop"
         assert "has not answered in 1 s" in server.log and "answers again" in server.log, server.log
@@ -543,8 +651,15 @@ async def test_a_frozen_postgresql_stalls_no_conversation(
             stored = iter(t.text for t in memory.turns(conversation.id) if t.role == "user")
             finals = [m["text"] for m in client.received.json("user_text") if m["final"]]
             assert all(text in stored for text in finals), finals  # every final transcript, in order
-            (row,) = [s for s in memory.spans(conversation.id) if s.injected_at is not None]
-            assert (row.text, row.frame) == (span["text"], span["frame"])
+            said = {t.text: t.t for t in memory.turns(conversation.id) if t.role == "user"}
+            assert all(said[m["text"]] < thawed_at - 1.0 for m in finals_in_freeze), (said, thawed_at)
+            profile = memory.get_profile()
+            assert (profile.name, profile.city, profile.notes) == ("Eve", "Leeds", "allergic to nuts")
+            started = memory.get_conversation(second_ready["conversation_id"])
+            assert second_asked <= started.started_at < thawed_at - 1.0 and started.ended_at < thawed_at
+            # written at the thaw; the span had no row id, so nothing marked it injected
+            (row,) = [s for s in memory.spans(conversation.id) if s.text]
+            assert row.text == span["text"] and row.dropped is None and row.injected_at is None
     finally:
         postgres.thaw()
         server.signal()

@@ -19,6 +19,13 @@ Backend failures never escape: they become ``reference=None`` with ``error`` set
 that failed or was running when the deadline passed (``asr``, ``context``, ``router``, ``tool``), with the seconds
 each step took (``asr_s``, ``context_s``, ``llm_s``, ``tool_s``), so that a late span says why it was late.
 
+A database that does not answer (a frozen host) costs at most ``db_timeout_s`` per wait when one is given
+(``cspan serve`` gives ``--db-wait-s``): the context step then routes without the conversation's context, as when
+the database fails, and a span row not written within the bound is left to be written when the database answers
+(the result then has no ``span_id``). A conversation's Context DB work runs one job at a time, in order (the
+question's turn before its span row); at most :data:`MAX_PENDING_DB_JOBS` wait, beyond which a retrieval neither
+reads nor records (logged).
+
 Whose memory: a :class:`~cspan.backends.context_db.UserMemory` (``db.user(principal)``) fixes the user for every
 call; a server makes one Retriever per session with :meth:`Retriever.scoped`. A whole
 :class:`~cspan.backends.context_db.ContextDB` is still accepted (deprecated): the user is then the profile's
@@ -34,11 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 import warnings
-from typing import Any, Literal, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -56,7 +65,17 @@ MAX_REFERENCE_CHARS = 4000
 """Longest span text taken from a router, in characters (a tool clause is at most a few hundred; chained calls
 join several)."""
 
-__all__ = ["Retriever", "SpanResult"]
+MAX_PENDING_DB_JOBS = 4
+"""Most Context DB jobs of one conversation (a context read with its question turn; a span row write: two per
+retrieval) waiting for the database at once; a retrieval that would add one more neither reads nor records (logged),
+so a database that does not answer piles up no work."""
+
+T = TypeVar("T")
+
+_LEFT_RUNNING: set[asyncio.Task[Any]] = set()
+"""Every Context DB job not finished yet: held here so that one left to finish in the background is not collected."""
+
+__all__ = ["MAX_PENDING_DB_JOBS", "Retriever", "SpanResult"]
 
 
 class _Transcriber(Protocol):
@@ -76,10 +95,11 @@ class SpanResult(BaseModel):
         route_s: seconds spent routing (LLM and tool).
         error: what failed when ``reference`` is None because of a failure or the deadline; None otherwise.
         late: the deadline passed before a reference was ready.
-        span_id: the Context DB span row of this retrieval (None without a DB or conversation).
+        span_id: the Context DB span row of this retrieval (None without a DB or conversation, or when the row was
+            not written within the retriever's ``db_timeout_s``: it is then written when the database answers).
         stage: the step that failed, or was running when the deadline passed: ``"asr"``, ``"context"`` (reading
             the Context DB), ``"router"`` (the router LLM), ``"tool"``; None when nothing went wrong.
-        context_s: seconds spent reading the Context DB.
+        context_s: seconds spent reading the Context DB (at most the retriever's ``db_timeout_s``).
         llm_s, tool_s: of ``route_s``, seconds waiting for the router LLM and running tools.
     """
 
@@ -121,6 +141,13 @@ class Retriever:
         history: how many earlier tool calls the router sees.
         context_chars: budget of the Context DB working text.
         user_id: with a whole ContextDB (deprecated), the user when the profile names none.
+        db_timeout_s: longest wait of one :meth:`retrieve` for the Context DB, in seconds, for the context read and
+            again for the span row write (None: no limit, the database is waited for). Past it the context step
+            routes without the context, and the span row is left to be written when the database answers; a
+            write behind one still waiting is not waited for at all.
+
+    Raises:
+        ValueError: ``db_timeout_s`` is not a positive number of seconds.
     """
 
     def __init__(
@@ -133,7 +160,10 @@ class Retriever:
         history: int = 5,
         context_chars: int = 1400,
         user_id: str = "default",
+        db_timeout_s: float | None = None,
     ) -> None:
+        if db_timeout_s is not None and not 0 < db_timeout_s < float("inf"):
+            raise ValueError(f"db_timeout_s must be a positive number of seconds or None, not {db_timeout_s!r}")
         self.transcriber = transcriber
         self.router = router
         if isinstance(memory, ContextDB):
@@ -147,7 +177,9 @@ class Retriever:
         self.history = history
         self.context_chars = context_chars
         self.user_id = user_id
+        self.db_timeout_s = db_timeout_s
         self._calls: dict[str | None, list[ToolCall]] = {}
+        self._jobs: dict[str, list[asyncio.Task[Any]]] = {}  # per conversation: its Context DB jobs not done, in order
 
     def scoped(self, memory: UserMemory | None, *, router: Router | None = None) -> Retriever:
         """A Retriever like this one for one session: ``memory`` is that session principal's, ``router`` its own
@@ -160,6 +192,7 @@ class Retriever:
             history=self.history,
             context_chars=self.context_chars,
             user_id=self.user_id,
+            db_timeout_s=self.db_timeout_s,
         )
 
     def _memory(self, profile: Profile | None, conversation_id: str | None) -> UserMemory | None:
@@ -250,7 +283,7 @@ class Retriever:
                 log.warning("%s failed for %r: %s", res.stage, res.question, res.error)
         if not res.late and res.error is None:
             res.stage = None
-        await self._record(res, route, profile, conversation_id, asked_at, time.perf_counter() - start)
+        res.span_id = await self._record(res, route, profile, conversation_id, asked_at, time.perf_counter() - start)
         return res
 
     async def _run(
@@ -322,10 +355,34 @@ class Retriever:
     async def _context(
         self, question: str, profile: Profile | None, conversation_id: str | None
     ) -> tuple[str, list[ToolCall], Profile | None]:
-        """Working text, earlier tool calls and the profile; a failing DB only costs the context."""
+        """Working text, earlier tool calls and the profile; a failing DB only costs the context, and so does one
+        that has not answered within ``db_timeout_s`` (its work, the question's turn included, goes on)."""
         memory = self._memory(profile, conversation_id)
         if memory is None or conversation_id is None:
             return "", list(self._calls.get(conversation_id, []))[-self.history :], profile
+        job = self._enqueue(
+            conversation_id,
+            f"read the context of {question!r}",
+            functools.partial(self._read_context, memory, question, profile, conversation_id),
+        )
+        if job is None:
+            return "", [], profile
+        try:
+            async with asyncio.timeout(self.db_timeout_s):
+                return await asyncio.shield(job)
+        except TimeoutError:
+            log.warning(
+                "Context DB has not answered in %g s for conversation %s: routing %r without its context "
+                "(its turn is written when the database answers)",
+                self.db_timeout_s,
+                conversation_id,
+                question,
+            )
+            return "", [], profile
+
+    async def _read_context(
+        self, memory: UserMemory, question: str, profile: Profile | None, conversation_id: str
+    ) -> tuple[str, list[ToolCall], Profile | None]:
         try:
             conv = await memory.aget_conversation(conversation_id)
             if conv is None:
@@ -352,6 +409,59 @@ class Retriever:
             log.warning("Context DB unavailable for conversation %s: %s", conversation_id, exc)
             return "", [], profile
 
+    def _waiting(self, conversation_id: str) -> bool:
+        """Whether a Context DB job of the conversation is still running (the database has not answered it)."""
+        return any(not job.done() for job in self._jobs.get(conversation_id, ()))
+
+    def _enqueue(self, conversation_id: str, what: str, work: Callable[[], Awaitable[T]]) -> asyncio.Task[T] | None:
+        """Run ``work`` as the conversation's next Context DB job, once the jobs before it are done; None (logged)
+        when :data:`MAX_PENDING_DB_JOBS` already wait. The job is never cancelled by the retrieval that awaits it
+        (shielded): one given up on finishes in the background, and one that ends otherwise than by returning
+        (cancelled at shutdown, a failure ``work`` did not catch) is logged."""
+        jobs = [job for job in self._jobs.get(conversation_id, ()) if not job.done()]
+        if len(jobs) >= MAX_PENDING_DB_JOBS:
+            log.warning(
+                "Context DB: %d jobs of conversation %s still wait for the database: did not %s (not recorded)",
+                len(jobs),
+                conversation_id,
+                what,
+            )
+            return None
+        before = jobs[-1] if jobs else None
+
+        async def run() -> T:
+            if before is not None:
+                await asyncio.wait([before])
+            return await work()
+
+        job = asyncio.ensure_future(run())
+        jobs.append(job)
+        self._jobs[conversation_id] = jobs
+        _LEFT_RUNNING.add(job)
+        job.add_done_callback(functools.partial(self._job_done, conversation_id, what))
+        return job
+
+    def _job_done(self, conversation_id: str, what: str, job: asyncio.Task[Any]) -> None:
+        _LEFT_RUNNING.discard(job)
+        jobs = self._jobs.get(conversation_id)
+        if jobs is not None:
+            with contextlib.suppress(ValueError):
+                jobs.remove(job)
+            if not jobs:
+                del self._jobs[conversation_id]
+        if job.cancelled():
+            log.warning("Context DB: could not %s: cancelled before the database answered", what)
+        elif (exc := job.exception()) is not None:
+            log.warning("Context DB: could not %s: %s", what, exc)
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for this retriever's Context DB jobs still running (span rows left to the background), at most
+        ``timeout_s`` seconds (None: no limit). Returns whether none is left; never raises for their failures."""
+        jobs = [job for jobs in self._jobs.values() for job in jobs if not job.done()]
+        if jobs:
+            await asyncio.wait(jobs, timeout=timeout_s)
+        return not any(not job.done() for jobs in self._jobs.values() for job in jobs)
+
     async def _record(
         self,
         res: SpanResult,
@@ -362,23 +472,59 @@ class Retriever:
         latency_s: float,
         *,
         cut: bool = False,
-    ) -> None:
+    ) -> int | None:
         """Write the retrieval's tool turns and span row (``cut``: cancelled before it finished, dropped
-        ``cancelled``); a failing database is logged, never raised."""
+        ``cancelled``), waiting for it at most ``db_timeout_s`` (not at all behind a job the database has not
+        answered): the span row's id, or None when there is none or it is left to be written in the background. A
+        failing database is logged, never raised."""
         calls = route.calls if route is not None and not res.late else []
         memory = self._memory(profile, conversation_id)
         if memory is None or conversation_id is None:
             if calls:
                 self._calls.setdefault(conversation_id, []).extend(calls)
                 del self._calls[conversation_id][: -max(self.history, 1)]
-            return
+            return None
         if not res.question and res.error is None:
-            return  # nothing was asked (empty transcript): not a retrieval worth a row
+            return None  # nothing was asked (empty transcript): not a retrieval worth a row
         dropped = None
         if cut:
             dropped = "cancelled"
         elif res.reference is None:
             dropped = "late" if res.late else "error" if res.error else "no_span"
+        row = {
+            "question": res.question,
+            "text": res.reference,
+            "tool": res.tool,
+            "arguments": dict(res.arguments),
+            "source": res.source,
+            "asked_at": asked_at,
+            "latency_s": latency_s,
+            "error": res.error,
+            "dropped": dropped,
+        }
+        behind = self.db_timeout_s is not None and self._waiting(conversation_id)
+        what = f"record the span of {res.question!r}"
+        job = self._enqueue(conversation_id, what, functools.partial(self._write, memory, conversation_id, calls, row))
+        if job is None:
+            return None
+        if not behind:
+            try:
+                async with asyncio.timeout(self.db_timeout_s):
+                    return await asyncio.shield(job)
+            except TimeoutError:
+                pass
+        log.warning(
+            "Context DB has not answered %s for conversation %s: the span of %r is recorded when it answers "
+            "(without its outcome)",
+            "an earlier call" if behind else f"in {self.db_timeout_s:g} s",
+            conversation_id,
+            res.question,
+        )
+        return None
+
+    async def _write(
+        self, memory: UserMemory, conversation_id: str, calls: list[ToolCall], row: dict[str, Any]
+    ) -> int | None:
         try:
             if await memory.aget_conversation(conversation_id) is None:
                 await memory.astart_conversation(conversation_id)
@@ -387,17 +533,7 @@ class Retriever:
                 await memory.aadd_turn(
                     conversation_id, "tool", f"{call.name}({args}) => {call.result[:240]}", meta={"tool": call.name}
                 )
-            res.span_id = await memory.aadd_span(
-                conversation_id,
-                question=res.question,
-                text=res.reference,
-                tool=res.tool,
-                arguments=res.arguments,
-                source=res.source,
-                asked_at=asked_at,
-                latency_s=latency_s,
-                error=res.error,
-                dropped=dropped,
-            )
+            return await memory.aadd_span(conversation_id, **row)
         except Exception as exc:
             log.warning("could not record the span in the Context DB: %s", exc)
+            return None

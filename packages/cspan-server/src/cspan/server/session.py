@@ -831,7 +831,8 @@ class Session:
         if self.conversation is not None:
             self.profile = self.hub.make_profile(self, self._start.text_prompt if self._start else "")
             self.conversation.profile = self.profile
-            self.writes.write("store the profile", self.memory.put_profile, self.profile)
+            changes = self.hub.profile_changes(self, self._start.text_prompt if self._start else "")
+            self.writes.write("store the profile", self.memory.merge_profile, changes)
 
     async def stop(self) -> None:
         """End the conversation: queued audio is played through (and a running utterance ended), then ``Ended``."""
@@ -859,9 +860,10 @@ class Session:
     async def end(self, reason: str, *, code: int = CLOSE_NORMAL, message: str = "") -> None:
         """End the session once: free the slot, finish the conversation, record, :class:`Ended` and :class:`Close`.
 
-        The conversation's end time is written after the session's other writes, and :class:`Ended` is sent once it
-        is (or after ``--db-wait-s``). A session whose client is gone (:meth:`disconnected`) records everything but
-        sends nothing. Counted in ``cspan_sessions_ended_total`` once the session reached ``ready``, else in
+        The conversation's end time (epoch seconds: when the session ended here, however late the database takes the
+        write) is written after the session's other writes, and :class:`Ended` is sent once it is (or after
+        ``--db-wait-s``). A session whose client is gone (:meth:`disconnected`) records everything but sends nothing.
+        Counted in ``cspan_sessions_ended_total`` once the session reached ``ready``, else in
         ``cspan_sessions_unstarted_total``.
         """
         if self.ended:
@@ -883,7 +885,10 @@ class Session:
             self._publish(self._take_events(), send=not self.gone)
         if self.conversation_id is not None:
             self.writes.write(
-                f"end conversation {self.conversation_id}", self.memory.end_conversation, self.conversation_id
+                f"end conversation {self.conversation_id}",
+                self.memory.end_conversation,
+                self.conversation_id,
+                ended_at=time.time(),  # now, not when the write runs (after a stalled database answers)
             )
         await self.writes.settle(hub.db_calls.wait_s)
         counter = hub.metrics.sessions_ended if self.started else hub.metrics.sessions_unstarted
@@ -1118,9 +1123,21 @@ class SessionHub:
 
     def make_profile(self, session: Session, text_prompt: str) -> Any:
         """The session's :class:`~cspan.backends.context_db.Profile`: the principal's stored profile with the
-        fields the client gave over it; ``user_id`` is the principal's."""
+        fields the client gave over it (:meth:`profile_changes`); ``user_id`` is the principal's. When the start
+        could not read the stored profile (the database did not answer within ``--db-wait-s``, or failed) it is the
+        client's fields alone, for the whole conversation; the stored one is not erased for that: the session
+        writes only its :meth:`profile_changes`."""
         from cspan.backends.context_db import Profile
 
+        base = session.stored_profile or Profile()
+        return base.model_copy(
+            update={**self.profile_changes(session, text_prompt), "user_id": session.principal.user_id}
+        )
+
+    @staticmethod
+    def profile_changes(session: Session, text_prompt: str) -> dict[str, Any]:
+        """What the session changes in the stored profile (``UserMemory.merge_profile``): the fields the client
+        gave (not None) and the persona; every other stored field is kept."""
         f = session.profile_fields
         given = {
             "name": f.name,
@@ -1130,14 +1147,7 @@ class SessionHub:
             "lon": f.lon,
             "notes": f.notes,
         }
-        base = session.stored_profile or Profile()
-        return base.model_copy(
-            update={
-                **{k: v for k, v in given.items() if v is not None},
-                "user_id": session.principal.user_id,
-                "persona": text_prompt,
-            }
-        )
+        return {**{k: v for k, v in given.items() if v is not None}, "persona": text_prompt}
 
     def observe_event(self, session: Session, event: ConversationEvent) -> None:
         """Metrics and per-session counters of a conversation event."""
@@ -1309,11 +1319,15 @@ class SessionHub:
             return
         session.profile = self.make_profile(session, req.text_prompt)  # the client may have updated it meanwhile
         session.conversation_id = uuid.uuid4().hex  # made here: Ready needs no answer from the database
-        session.writes.write("store the profile", session.memory.put_profile, session.profile)
+        # only the fields given, over what is stored when the write runs: a start that could not read the stored
+        # profile (the database did not answer) must not erase it
+        changes = self.profile_changes(session, req.text_prompt)
+        session.writes.write("store the profile", session.memory.merge_profile, changes)
         session.writes.write(
             "start a conversation",
             session.memory.start_conversation,
             session.conversation_id,
+            started_at=time.time(),  # now, not when the write runs (after a stalled database answers)
             checkpoint=self.model_name,
             settings={
                 "session_id": session.id,
@@ -1338,7 +1352,8 @@ class SessionHub:
         profile = self.make_profile(session, req.text_prompt)
         if profile != session.profile:  # the client updated it while the start was written
             session.profile = profile
-            session.writes.write("store the profile", session.memory.put_profile, profile)
+            changes = self.profile_changes(session, req.text_prompt)
+            session.writes.write("store the profile", session.memory.merge_profile, changes)
         conversation_id = session.conversation_id
         if getattr(self.settings, "memory_span", False):
             from cspan.server.memory_span import MemorySpan

@@ -109,7 +109,8 @@ def build_transcriber(settings: BackendSettings) -> Any:
 async def build_backends(settings: _Settings, transcriber: Any) -> Backends:
     """The shared backends of ``settings``: the one place ``cspan serve`` (and ``cspan infer``) builds its tool bank
     (built-in sets of ``--tools``, MCP servers of ``--mcp``) and its router (``--router``). Runs on the event loop
-    that will use them (MCP sessions belong to it).
+    that will use them (MCP sessions belong to it). The retriever waits for the Context DB at most ``db_wait_s``
+    seconds where the settings have it (``cspan serve``'s ``--db-wait-s``), without limit otherwise.
 
     Raises:
         ServeConfigError: an MCP server did not start or list its tools, or two tools share a name (the message
@@ -134,8 +135,12 @@ async def build_backends(settings: _Settings, transcriber: Any) -> Backends:
         bank = await build_bank(spec, knowledge=knowledge)
     except BackendError as exc:
         raise ServeConfigError(f"tools (--tools, --mcp): {exc}") from exc
+    # cspan serve's bound on what waits for the Context DB (--db-wait-s) bounds the retriever's reads and span row
+    # writes, and the local router's reads of the user's facts: a database that does not answer costs a retrieval
+    # the conversation's context, not its deadline (cspan infer: no bound)
+    db_wait_s = getattr(settings, "db_wait_s", None)
     if settings.router == "local":
-        router: Any = LocalRouter(bank, None, knowledge=knowledge)
+        router: Any = LocalRouter(bank, None, knowledge=knowledge, db_timeout_s=db_wait_s)
         idle = [n for n in bank.names() if n not in LocalRouter.TOOLS_CALLED and n != "search_notes"]
         if idle and (settings.mcp or settings.tools is not None):  # what the operator chose, not the default
             logger.warning(
@@ -146,7 +151,7 @@ async def build_backends(settings: _Settings, transcriber: Any) -> Backends:
             )
     else:
         router = LLMRouter(settings.router, settings.router_model, bank)
-    retriever = Retriever(transcriber, router, None, deadline_s=settings.span_deadline_s)
+    retriever = Retriever(transcriber, router, None, deadline_s=settings.span_deadline_s, db_timeout_s=db_wait_s)
     names = ", ".join(bank.names()) or "none"
     logger.info("tools: %s (sets %s; %d MCP server(s))", names, ",".join(spec.sets) or "none", len(spec.mcp))
     return Backends(transcriber=transcriber, retriever=retriever, bank=bank, sets=tuple(spec.sets))

@@ -25,7 +25,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 MAX_ID_CHARS = 200
 """Longest accepted user or conversation id, in characters."""
 
+PROFILE_FIELDS = ("name", "city", "timezone", "lat", "lon", "notes", "persona")
+"""The stored fields of a :class:`Profile` (:meth:`UserMemory.merge_profile` changes any of them)."""
+
 _ERASE_LOCK = 0x63737062  # PostgreSQL advisory lock class of one user's erase (with hashtext(user_id)): "cspb"
 
 
@@ -69,6 +72,19 @@ def check_id(value: object, what: str) -> str:
             shown = f"{shown[:57]}... ({len(value)} characters)" if isinstance(value, str) else shown[:57] + "..."
         raise ValueError(f"{what} must be 1 to {MAX_ID_CHARS} printable characters, got {shown}")
     return value
+
+
+def _profile(r: dict[str, Any]) -> Profile:
+    return Profile(
+        user_id=r["user_id"],
+        name=r["name"],
+        city=r["city"],
+        timezone=r["timezone"],
+        lat=r["lat"],
+        lon=r["lon"],
+        notes=r["notes"],
+        persona=r["persona"],
+    )
 
 
 def _conversation(r: dict[str, Any]) -> Conversation:
@@ -211,32 +227,66 @@ class UserMemory:
     # ------------------------------------------------------------------ profile and facts
 
     def put_profile(self, profile: Profile) -> Profile:
-        """Insert or replace this user's profile; its name and city also become facts. Returns the stored profile
-        (``user_id`` is this memory's, whatever ``profile.user_id`` said)."""
+        """Insert or replace this user's profile (every field: an empty one erases what was stored; to change some
+        fields only, use :meth:`merge_profile`); its name and city also become facts. Returns the stored profile
+        (``user_id`` is this memory's, whatever ``profile.user_id`` said).
+
+        Raises:
+            UserForgotten: the user was forgotten since this memory's first use; nothing was written.
+        """
         profile = profile.model_copy(update={"user_id": self.user_id})
         now = time.time()
         with self._write() as tx:
-            tx.execute(
-                "INSERT INTO profiles (user_id, name, city, timezone, lat, lon, notes, persona, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (user_id) DO UPDATE SET name = excluded.name, "
-                "city = excluded.city, timezone = excluded.timezone, lat = excluded.lat, lon = excluded.lon, "
-                "notes = excluded.notes, persona = excluded.persona, updated_at = excluded.updated_at",
-                (
-                    self.user_id,
-                    profile.name,
-                    profile.city,
-                    profile.timezone,
-                    profile.lat,
-                    profile.lon,
-                    profile.notes,
-                    profile.persona,
-                    now,
-                ),
-            )
+            self._store_profile(tx, profile, now)
             for key, value in (("name", profile.name), ("city", profile.city)):
                 if value:
                     self._upsert_fact(tx, key, value, "profile", now)
         return profile
+
+    def merge_profile(self, changes: Mapping[str, Any]) -> Profile:
+        """Change only the given fields of this user's stored profile, in one transaction (read, overlay, write):
+        a field not in ``changes`` keeps what is stored, whoever wrote it (a profile made by a session that could
+        not read the stored one erases nothing). ``changes`` maps :data:`PROFILE_FIELDS` names to values (``""``
+        empties a text field; ``lat``/``lon`` are degrees); a given name or city also becomes a fact. With no stored
+        profile the fields not given are empty. Returns the stored profile.
+
+        Raises:
+            ValueError: a key of ``changes`` is not a profile field (nothing was written).
+            UserForgotten: the user was forgotten since this memory's first use; nothing was written.
+        """
+        unknown = sorted(set(changes) - set(PROFILE_FIELDS))
+        if unknown:
+            raise ValueError(f"not profile fields: {', '.join(unknown)}; known: {', '.join(PROFILE_FIELDS)}")
+        now = time.time()
+        with self._write() as tx:
+            lock = " FOR UPDATE" if tx.dialect == "postgresql" else ""  # SQLite: BEGIN IMMEDIATE serialises already
+            rows = tx.execute(f"SELECT * FROM profiles WHERE user_id = ?{lock}", (self.user_id,)).rows
+            stored = _profile(rows[0]) if rows else Profile(user_id=self.user_id)
+            profile = stored.model_copy(update={**changes, "user_id": self.user_id})
+            self._store_profile(tx, profile, now)
+            for key, value in (("name", changes.get("name")), ("city", changes.get("city"))):
+                if value:
+                    self._upsert_fact(tx, key, value, "profile", now)
+        return profile
+
+    def _store_profile(self, tx: Transaction, profile: Profile, now: float) -> None:
+        tx.execute(
+            "INSERT INTO profiles (user_id, name, city, timezone, lat, lon, notes, persona, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (user_id) DO UPDATE SET name = excluded.name, "
+            "city = excluded.city, timezone = excluded.timezone, lat = excluded.lat, lon = excluded.lon, "
+            "notes = excluded.notes, persona = excluded.persona, updated_at = excluded.updated_at",
+            (
+                self.user_id,
+                profile.name,
+                profile.city,
+                profile.timezone,
+                profile.lat,
+                profile.lon,
+                profile.notes,
+                profile.persona,
+                now,
+            ),
+        )
 
     def get_profile(self) -> Profile | None:
         """This user's stored profile, or None."""
@@ -244,17 +294,7 @@ class UserMemory:
         rows = self._conn.read("SELECT * FROM profiles WHERE user_id = ?", (self.user_id,))
         if not rows:
             return None
-        r = rows[0]
-        return Profile(
-            user_id=r["user_id"],
-            name=r["name"],
-            city=r["city"],
-            timezone=r["timezone"],
-            lat=r["lat"],
-            lon=r["lon"],
-            notes=r["notes"],
-            persona=r["persona"],
-        )
+        return _profile(rows[0])
 
     def _upsert_fact(self, tx: Transaction, key: str, value: str, source: str, t: float) -> None:
         tx.execute(
@@ -292,10 +332,12 @@ class UserMemory:
         started_at: float | None = None,
     ) -> str:
         """Create a conversation of this user and return its id (a new uuid4 hex unless ``conversation_id`` is given).
+        ``started_at``: when it started, epoch seconds (default now; a caller whose write may wait passes the time
+        it queued the write).
 
         Starting an id this user already has returns the id, so a reconnecting client can resume; it changes only
         what the first start left empty (its checkpoint, its settings: a row made by a retrieval that reached the
-        database before the session's own start gets them).
+        database before the session's own start gets them) and keeps the earlier of the two start times.
 
         Raises:
             ValueError: ``conversation_id`` is empty, too long or not printable.
@@ -305,20 +347,33 @@ class UserMemory:
             tx.execute(
                 "INSERT INTO conversations (user_id, id, started_at, checkpoint, settings) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (user_id, id) DO UPDATE SET "
+                "started_at = CASE WHEN excluded.started_at < conversations.started_at THEN excluded.started_at "
+                "ELSE conversations.started_at END, "
                 "checkpoint = CASE WHEN conversations.checkpoint = '' THEN excluded.checkpoint "
                 "ELSE conversations.checkpoint END, "
                 "settings = CASE WHEN conversations.settings = '{}' THEN excluded.settings "
                 "ELSE conversations.settings END",
-                (self.user_id, cid, started_at or time.time(), checkpoint, json.dumps(settings or {})),
+                (
+                    self.user_id,
+                    cid,
+                    time.time() if started_at is None else started_at,
+                    checkpoint,
+                    json.dumps(settings or {}),
+                ),
             )
         return cid
 
     def end_conversation(self, conversation_id: str, *, ended_at: float | None = None) -> bool:
-        """Record when the conversation ended (epoch seconds, default now); False when this user has no such one."""
+        """Record when the conversation ended (``ended_at``: epoch seconds, default now; a caller whose write may wait
+        passes the time it queued the write); False when this user has no such one.
+
+        Raises:
+            UserForgotten: the user was forgotten since this memory's first use; nothing was written.
+        """
         with self._write() as tx:
             cur = tx.execute(
                 "UPDATE conversations SET ended_at = ? WHERE user_id = ? AND id = ?",
-                (ended_at or time.time(), self.user_id, conversation_id),
+                (time.time() if ended_at is None else ended_at, self.user_id, conversation_id),
             )
         return cur.rowcount > 0
 
@@ -357,12 +412,15 @@ class UserMemory:
         meta: dict[str, Any] | None = None,
         dedupe: bool = False,
     ) -> int:
-        """Append a turn and return its id.
+        """Append a turn and return its id. ``t``: when it was said, epoch seconds (default now; a caller whose write
+        may wait passes the time it queued the write); ``frame``: the 12.5 Hz frame of the conversation it ended at.
 
-        User turns also update this user's facts (:func:`extract_facts`). With ``dedupe``, a turn whose text equals
-        (case and punctuation aside) the latest turn of the same role is not added again; that turn's id is
-        returned instead, and its ``frame``, if it had none, becomes this one's (a retrieval's copy of the question
-        written before the transcript's own turn).
+        User turns also update this user's facts (:func:`extract_facts`). With ``dedupe``, a turn that is another
+        copy of the latest turn of the same role is not added again: its text equals that turn's (case and
+        punctuation aside) and one of the two has no ``frame`` (a retrieval writes its question without one, the
+        transcript's own turn with its frame: one utterance). Two turns with different frames are two utterances
+        and both kept (a user who says "yes" twice). A copy returns the latest turn's id; if that turn had no frame
+        it takes this one's ``frame`` (and ``t``, when given): the retrieval's copy written before the transcript's.
 
         Raises:
             ContextDBError: this user has no such conversation (start it with :meth:`start_conversation`).
@@ -375,15 +433,19 @@ class UserMemory:
             self._require_conversation(tx, conversation_id)
             if dedupe:
                 last = tx.execute(
-                    "SELECT id, text, frame FROM turns WHERE user_id = ? AND conversation_id = ? AND role = ? "
+                    "SELECT id, text, frame, t FROM turns WHERE user_id = ? AND conversation_id = ? AND role = ? "
                     "ORDER BY id DESC LIMIT 1",
                     (self.user_id, conversation_id, role),
                 ).rows
-                if last and normalised(last[0]["text"]) == normalised(text):
+                if (
+                    last
+                    and normalised(last[0]["text"]) == normalised(text)
+                    and (frame is None or last[0]["frame"] is None or frame == last[0]["frame"])
+                ):
                     if frame is not None and last[0]["frame"] is None:
                         tx.execute(
-                            "UPDATE turns SET frame = ? WHERE user_id = ? AND id = ?",
-                            (frame, self.user_id, last[0]["id"]),
+                            "UPDATE turns SET frame = ?, t = ? WHERE user_id = ? AND id = ?",
+                            (frame, now if t is not None else last[0]["t"], self.user_id, last[0]["id"]),
                         )
                     return int(last[0]["id"])
             rows = tx.execute(
@@ -463,17 +525,22 @@ class UserMemory:
             return int(rows[0]["id"])
 
     def mark_span_injected(self, span_id: int, *, injected_at: float | None = None, frame: int | None = None) -> None:
-        """Record that span ``span_id`` was injected (epoch seconds, default now; ``frame`` at 12.5 Hz).
+        """Record that span ``span_id`` was injected: ``injected_at`` epoch seconds (default now; a caller whose write
+        may wait passes the time it queued the write), ``frame`` at 12.5 Hz.
 
         Raises:
             ContextDBError: this user has no such span.
         """
-        self._update_span(span_id, "injected_at = ?, frame = ?, dropped = NULL", (injected_at or time.time(), frame))
+        self._update_span(
+            span_id,
+            "injected_at = ?, frame = ?, dropped = NULL",
+            (time.time() if injected_at is None else injected_at, frame),
+        )
 
     def mark_span_dropped(self, span_id: int, reason: DropReason, *, error: str | None = None) -> None:
         """Record that span ``span_id`` was not injected: "late" (past the deadline), "no_span" (nothing to
         say), "error" (a backend failed; ``error`` says how) or "cancelled" (its conversation ended before it was
-        read; ``error`` says why).
+        read; ``error`` says why). No time is recorded for a drop (the span's ``injected_at`` is cleared).
 
         Raises:
             ContextDBError: this user has no such span.
@@ -611,6 +678,10 @@ class UserMemory:
     async def aput_profile(self, profile: Profile) -> Profile:
         """:meth:`put_profile` in a worker thread."""
         return await run_in(self.executor, self.put_profile, profile)
+
+    async def amerge_profile(self, changes: Mapping[str, Any]) -> Profile:
+        """:meth:`merge_profile` in a worker thread."""
+        return await run_in(self.executor, self.merge_profile, changes)
 
     async def aget_profile(self) -> Profile | None:
         """:meth:`get_profile` in a worker thread."""

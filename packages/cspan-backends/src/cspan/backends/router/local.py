@@ -18,6 +18,7 @@ Tool results become ``"(tool result) <clause>"``; notes are returned as plain se
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -25,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cspan.backends.context_db import Profile, fact_sentence
+from cspan.backends.context_db import Fact, Profile, fact_sentence
 from cspan.backends.errors import ToolError
 from cspan.backends.knowledge import (
     KNOWLEDGE_SUFFIXES,
@@ -343,9 +344,11 @@ class LocalRouter:
             :class:`~cspan.backends.context_db.ContextDB` (then the request profile's ``user_id`` picks the user).
         knowledge_dir: a folder of ``.txt`` / ``.md`` files, read recursively and indexed once at first use.
         knowledge: an already built :class:`~cspan.backends.knowledge.KnowledgeBase` to share instead.
+        db_timeout_s: longest wait for the memory's facts and profile, in seconds (None: no limit); past it, or
+            when the database fails, the notes are searched without them (logged).
 
     Raises:
-        ValueError: ``knowledge_dir`` is given but is not a folder.
+        ValueError: ``knowledge_dir`` is given but is not a folder; ``db_timeout_s`` is not a positive number.
 
     :meth:`with_bank` makes the per-session router of a server: another bank (the session's tools) and another
     memory (the session principal's), sharing the knowledge index.
@@ -361,9 +364,13 @@ class LocalRouter:
         knowledge_dir: str | Path | None = None,
         *,
         knowledge: KnowledgeBase | None = None,
+        db_timeout_s: float | None = None,
     ) -> None:
+        if db_timeout_s is not None and not 0 < db_timeout_s < float("inf"):
+            raise ValueError(f"db_timeout_s must be a positive number of seconds or None, not {db_timeout_s!r}")
         self.tools = tools
         self.db = db
+        self.db_timeout_s = db_timeout_s
         self.knowledge = knowledge if knowledge is not None else KnowledgeBase(knowledge_dir)
         self.knowledge_dir = self.knowledge.folder
 
@@ -373,6 +380,7 @@ class LocalRouter:
             tools if tools is not None else self.tools,
             memory if memory is not None else self.db,
             knowledge=self.knowledge,
+            db_timeout_s=self.db_timeout_s,
         )
 
     def _has(self, name: str) -> bool:
@@ -443,15 +451,26 @@ class LocalRouter:
         if not content_words(question):
             return RouteResult(source="none")
         memory = self._memory(profile)
-        if profile is None and memory is not None:
-            profile = await memory.aget_profile()
+        facts: list[Fact] = []
+        if memory is not None:
+            try:
+                async with asyncio.timeout(self.db_timeout_s):
+                    if profile is None:
+                        profile = await memory.aget_profile()
+                    facts = await memory.afacts()
+            except Exception as exc:  # a database that fails or does not answer costs the facts, not the notes
+                why = (
+                    f"has not answered in {self.db_timeout_s:g} s"
+                    if isinstance(exc, TimeoutError)
+                    else f"failed: {exc}"
+                )
+                log.warning("Context DB %s: searching the notes without the user's facts", why)
         extra: list[tuple[str, str]] = []
         if profile is not None and profile.notes:
             extra.extend((s, "notes") for s in split_sentences(profile.notes))
-        if memory is not None:
-            for fact in await memory.afacts():
-                sentence = fact_sentence(fact.key, fact.value)
-                extra.append((sentence[:1].upper() + sentence[1:] + ".", "facts"))
+        for fact in facts:
+            sentence = fact_sentence(fact.key, fact.value)
+            extra.append((sentence[:1].upper() + sentence[1:] + ".", "facts"))
         hit = await self.knowledge.search(question, extra)
         if hit is None:
             return RouteResult(source="none")
