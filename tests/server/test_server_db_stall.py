@@ -232,7 +232,21 @@ async def test_session_writes_go_in_order_and_what_follows_them_waits(caplog: py
         go.set()
         assert await writes.settle(5)
         assert done == ["w1", "w2", "w4"] and sent == ["b", "c"] and count("failed") == 1
-        assert [r.getMessage() for r in caplog.records] == ["Context DB: could not write three: disk full"]
+        assert [r.getMessage() for r in caplog.records] == [
+            "Context DB: could not write three: disk full",
+            "session s1: the Context DB writes again; 1 write(s) in a row had failed before (not recorded)",
+        ]
+        caplog.clear()  # a streak of failures (a PostgreSQL restart): its first one logged, then one line at its end
+        for n in range(5):
+            writes.write(f"write failing {n}", failing)
+        writes.write("write after", done.append, "after")
+        assert await writes.settle(5)
+        assert count("failed") == 6 and done[-1] == "after"
+        assert [r.getMessage() for r in caplog.records] == [
+            "Context DB: could not write failing 0: disk full",
+            "session s1: the Context DB writes again; 5 write(s) in a row had failed before (not recorded)",
+        ]
+        done.remove("after")
 
         go.clear()  # past the bound: what is held goes out, nothing more is held, the writes wait in order
         writes.write("write five", slow, "w5")
@@ -274,7 +288,7 @@ async def test_session_writes_go_in_order_and_what_follows_them_waits(caplog: py
         assert count("dropped") == 3 + 2
         go.set()  # the running one ends; the one behind it finds the pool shut: not run, not logged again
         assert await hung.settle(5)
-        assert "w10" not in done and count("failed") == 1 and "gave up" in caplog.records[-1].getMessage()
+        assert "w10" not in done and count("failed") == 6 and "gave up" in caplog.records[-1].getMessage()
     assert metrics.registry.get_sample_value("cspan_db_writes_pending") == 0.0
 
 
@@ -373,6 +387,102 @@ async def test_a_pending_write_holds_its_sessions_messages_and_no_frame(
         assert "cspan_db_writes_pending 0.0" in body
     finally:
         server.stop()
+
+
+SHARED_TOKEN = "shared-token-0123456789"
+KIOSK_TOKEN = "kiosk-token-0123456789"
+
+
+@pytest.mark.timeout(120)
+async def test_static_credentials_need_no_database_thread(
+    tiny_checkpoint: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every ``cspan-db`` thread is stuck (each waits on an event, as on a frozen PostgreSQL): the shared ``--token``
+    and a token-file credential still start conversations (``ready``) and read ``/metrics`` (200, with the
+    ``cspan_db_*`` metrics), checked on the event loop; a client with no token gets 4401 at once, one with an issued
+    token 1013 (it needs the database). A session's recheck waits for its one check on the database instead of
+    starting another each round. A session ended by the shutdown while its client still sends audio gets ``bye``
+    ``shutdown`` (close 1001) and no ``stopping`` error (it never sent ``stop``)."""
+    from cspan.server import app as app_module
+    from cspan.server.db_calls import DB_THREADS
+    from cspan.server.serve import ServeSettings, create_app
+
+    monkeypatch.setattr(app_module, "CREDENTIAL_RECHECK_S", 0.2)
+    asked: list[str] = []  # the user of each memory check a recheck asked the database for
+    was_forgotten = UserMemory.awas_forgotten
+
+    async def counted(memory: UserMemory) -> bool:
+        asked.append(memory.user_id)
+        return await was_forgotten(memory)
+
+    monkeypatch.setattr(UserMemory, "awas_forgotten", counted)
+    path = tmp_path / "context.sqlite"
+    with ContextDB(path) as db:
+        issued = issue_token(db, "ada")[1]
+    token_file = tmp_path / "tokens.toml"
+    token_file.write_text(f'[[token]]\nuser = "kiosk"\ntoken = "{KIOSK_TOKEN}"\n')
+    settings = ServeSettings(
+        asr="none", router="none", max_sessions=2, db=str(path), token=SHARED_TOKEN, token_file=token_file,
+        db_wait_s=0.5, idle_timeout_s=600,
+    )  # fmt: skip
+    app = create_app(settings, checkpoint=tiny_checkpoint, transcriber=None, retriever=None)
+    server = ServerThread(app, settings).start()
+    hub = server.hub
+    stuck = threading.Event()
+    try:
+        for _ in range(DB_THREADS):
+            hub.db_calls.executor.submit(stuck.wait, 60)
+        deadline = time.monotonic() + 5
+        while hub.db_calls.executor._work.qsize():  # every thread took one
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=5.0) as http:
+            t0 = time.monotonic()
+            answer = await http.get("/metrics", headers={"Authorization": f"Bearer {SHARED_TOKEN}"})
+            assert answer.status_code == 200 and "cspan_db_writes_pending" in answer.text
+            assert time.monotonic() - t0 < 0.4  # not after --db-wait-s: no database asked
+            assert (await http.get("/metrics")).status_code == 401
+            assert (await http.get("/info")).json()["token_required"] is True
+
+        t0 = time.monotonic()
+        async with websockets.connect(server.ws_url, max_size=None) as ws:  # no token: never valid here
+            closed = await Client(ws).until_closed(timeout=5)
+        assert closed.rcvd is not None and closed.rcvd.code == 4401 and "missing token" in closed.rcvd.reason
+        assert time.monotonic() - t0 < 0.4
+        async with websockets.connect(f"{server.ws_url}?token={issued}", max_size=None) as ws:  # needs the database
+            closed = await Client(ws).until_closed(timeout=5)
+        assert closed.rcvd is not None and closed.rcvd.code == 1013, closed
+
+        async with (
+            websockets.connect(f"{server.ws_url}?token={SHARED_TOKEN}", max_size=None) as ws_shared,
+            websockets.connect(f"{server.ws_url}?token={KIOSK_TOKEN}", max_size=None) as ws_kiosk,
+        ):
+            shared, kiosk = Client(ws_shared), Client(ws_kiosk)
+            assert (await shared.start())["type"] == "ready"
+            assert (await kiosk.start())["type"] == "ready"
+            (session,) = [s for s in hub.sessions if s.principal.user_id == "kiosk"]
+            live = Live(kiosk).go()
+            await asyncio.sleep(2.0)  # ten rounds of the recheck: one check waits on the database, no other started
+            assert sorted(asked) == ["kiosk", "local"], asked
+            assert session.state == "live"  # the static credential was checked again: not revoked
+
+            loop = hub._task.get_loop()  # the shutdown ends every session while the kiosk's audio keeps coming
+            ending = asyncio.run_coroutine_threadsafe(hub.end_all("shutdown"), loop)
+            _, bye = await live.until(lambda m: m["type"] == "bye", 15)
+            assert bye["reason"] == "shutdown"
+            await asyncio.to_thread(ending.result, 15)
+            for task in live._tasks:
+                task.cancel()
+            closed = await kiosk.until_closed(timeout=5)
+            assert closed.rcvd is not None and closed.rcvd.code == 1001
+            assert session.state == "closed" and session._stopping_reported is False
+            errors = [m for m in kiosk.received.json("error") if m["code"] == "stopping"]
+            assert errors == []
+            _, bye = await shared.recv_until(lambda k, m: k == "json" and m["type"] == "bye", 10)
+            assert bye["reason"] == "shutdown"
+    finally:
+        stuck.set()
 
 
 @pytest.mark.timeout(300)

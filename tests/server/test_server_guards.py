@@ -209,6 +209,8 @@ async def test_non_finite_wire_audio_becomes_silence(serve, fixture_file, bad) -
         (["--router", "http://host:99999/v1"], "--router"),
         (["--knowledge", "/nonexistent/notes"], "--knowledge"),
         (["--token", "short"], "--token"),
+        (["--db-wait-s", "1e-9"], "--db-wait-s"),  # a healthy database would refuse every conversation
+        (["--db-wait-s", "30"], "--db-wait-s"),  # 30 s of silence, a backlog, a shutdown without bye
     ],
 )
 def test_bad_settings_exit_2_before_loading(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:

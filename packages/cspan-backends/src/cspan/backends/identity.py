@@ -199,6 +199,16 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
     return entries
 
 
+def may_be_issued(credential: str | None) -> bool:
+    """Whether ``credential`` has the shape of an issued token (``cspan.<id>.<secret>``, at most
+    :data:`MAX_CREDENTIAL_CHARS`): only such a credential is looked up in the Context DB."""
+    if not credential or len(credential) > MAX_CREDENTIAL_CHARS:
+        return False
+    prefix, _, rest = credential.strip().partition(".")
+    token_id, _, secret = rest.partition(".")
+    return prefix == TOKEN_PREFIX and bool(token_id) and bool(secret)
+
+
 class Authenticator:
     """Credential -> :class:`Principal` (see the module docstring for the sources and their order).
 
@@ -268,6 +278,30 @@ class Authenticator:
         found = self._issued(credential, digest)
         if found is not None:
             return found
+        return self._static(digest)
+
+    def authenticate_static(self, credential: str | None) -> Principal | None:
+        """The principal of ``credential`` among the static credentials only (the token file's entries and the
+        shared token, every one compared in constant time), or None; never reads the Context DB, so it may run
+        on an event loop."""
+        if not credential or len(credential) > MAX_CREDENTIAL_CHARS:
+            return None
+        return self._static(hashlib.sha256(credential.strip().encode("utf-8", "surrogatepass")).digest())
+
+    def authenticate_issued(self, credential: str | None) -> Principal | None:
+        """The principal of ``credential`` among the issued tokens only (reads the Context DB unless it cannot be
+        one: see :func:`may_be_issued`), or None.
+
+        Raises:
+            ContextDBError: the database failed (the caller answers 503 or 1013, not 401).
+        """
+        if not may_be_issued(credential):
+            return None
+        assert credential is not None
+        credential = credential.strip()
+        return self._issued(credential, hashlib.sha256(credential.encode("utf-8", "surrogatepass")).digest())
+
+    def _static(self, digest: bytes) -> Principal | None:
         match: Principal | None = None
         for entry in [*self._entries, *([self._shared] if self._shared else [])]:
             if hmac.compare_digest(digest, entry.digest):  # every entry compared: no early exit

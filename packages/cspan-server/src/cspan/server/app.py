@@ -55,6 +55,12 @@ CREDENTIAL_RECHECK_S = 5.0
 its user forgotten (``cspan db forget``), ends its sessions within this."""
 CONFLICTING_CREDENTIALS = "conflicting credentials (two different tokens); give one"
 """Why a request or a handshake with two different tokens is refused (HTTP 401, WebSocket close 4401)."""
+METRICS_OPEN_S = 60.0
+"""On a loopback server with no credentials configured, ``/metrics`` asks the Context DB whether a token was issued
+since (then it needs an admin token). While the database does not answer, its last answer "none issued" stands for
+this long (s): the metrics that show the stall (``cspan_db_*``) stay readable by the local user during a short one,
+and a token issued just before a stall gates them again at most this much later (loopback only: an exposed server
+always requires a credential, and a token once seen issued is required for good)."""
 CREDENTIALS_UNCHECKED = "credentials cannot be checked now; try again"
 """Why a request or a handshake is refused while the Context DB holding the issued tokens fails or does not answer
 within ``--db-wait-s`` (HTTP 503, WebSocket close 1013)."""
@@ -318,17 +324,32 @@ def create_app(
 
     async def metrics_endpoint(request):
         """Prometheus metrics; while credentials are required, only for a principal with the ``admin`` scope
-        (``Authorization: Bearer TOKEN`` or ``?token=``; two different tokens: 401, as on the WebSockets). While
-        the Context DB holding the issued tokens fails (PostgreSQL away) or does not answer within ``--db-wait-s``,
-        503, as a WebSocket gets 1013."""
+        (``Authorization: Bearer TOKEN`` or ``?token=``; two different tokens: 401, as on the WebSockets). The
+        shared ``--token`` and token-file credentials are checked without the Context DB, so they read the metrics
+        during a stall too. An issued token that the Context DB cannot check now (it fails, PostgreSQL away, or does
+        not answer within ``--db-wait-s``): 503, as a WebSocket gets 1013. A loopback server with no credentials
+        configured asks the Context DB whether a token was issued since; when it cannot answer, its last answer
+        "none" stands for :data:`METRICS_OPEN_S` (then 503)."""
         credential = _http_credential(request)
         if credential.conflicting:
             return JSONResponse(
                 {"detail": CONFLICTING_CREDENTIALS}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
             )
+        within = hub.db_calls.within
         try:
-            within = hub.db_calls.within
-            required = await within(authenticator.required())
+            try:
+                required = await within(authenticator.required())
+            except Exception as exc:
+                open_within = getattr(authenticator, "open_within", None)
+                if open_within is None or not open_within(METRICS_OPEN_S):
+                    raise
+                logger.warning(
+                    "/metrics: the Context DB cannot tell whether a token was issued (%s); its last answer, none, "
+                    "less than %g s ago, stands",
+                    exc,
+                    METRICS_OPEN_S,
+                )
+                required = False
             principal = await within(authenticator.authenticate(credential.token, scope=None)) if required else None
         except Exception as exc:  # the Context DB holding the tokens failed or did not answer: not the client's fault
             logger.error("could not check a credential: %s", exc)
@@ -481,38 +502,59 @@ async def _recheck(session: Session, authenticator: Authenticator, token: str | 
     - its credential: once it no longer authenticates as its principal with the ``session`` scope (a token revoked
       with ``cspan users revoke`` on any replica, removed from the token file after SIGHUP, or its user's tokens
       forgotten), end it with reason ``revoked``, close 4401. Not for the local principal (no credentials configured
-      when it started).
+      when it started). A static credential (``--token``, the token file) is checked without the Context DB.
     - its user's memory: once the user was forgotten (``cspan db forget``, from any process or replica) after the
       session first read or wrote it, end it with reason ``forgotten``, close 4410 (its writes are refused already).
 
-    A failing Context DB, or one that does not answer within ``--db-wait-s``, keeps the session (logged once per
-    outage), as it is not the client's fault."""
-    within = session.hub.db_calls.within
+    Single-flight: a check still waiting on the Context DB after ``--db-wait-s`` is not abandoned for a new one (each
+    would take another of the database's few threads while it does not answer); the next rounds wait for it again,
+    and use its answer when it comes. A failing Context DB, or one that does not answer, keeps the session (logged
+    once per outage), as it is not the client's fault."""
+    wait_s = session.hub.db_calls.wait_s
     failing = False
-    while not session.ending:
-        await asyncio.sleep(CREDENTIAL_RECHECK_S)
-        try:
-            revoked = False
-            if session.principal.source != "local":
-                principal = await within(authenticator.authenticate(token))
-                revoked = principal is None or principal.user_id != session.principal.user_id
-            forgotten = not revoked and await within(session.memory.awas_forgotten())
-        except Exception as exc:
-            if not failing:  # once per outage, not every few seconds for every session
-                logger.warning(
-                    "session %s: could not check its credential and memory again (goes on): %s", session.id, exc
-                )
-            failing = True
-            continue
-        failing = False
-        if revoked:
-            if not session.ending:
+    check: asyncio.Future[str | None] | None = None
+    try:
+        while not session.ending:
+            await asyncio.sleep(CREDENTIAL_RECHECK_S)
+            if check is None:
+                check = asyncio.ensure_future(_check_again(session, authenticator, token))
+            try:
+                outcome = await asyncio.wait_for(asyncio.shield(check), wait_s)
+            except Exception as exc:
+                why = str(exc)
+                if not check.done():  # still waiting on the database: kept for the next round
+                    why = f"the Context DB did not answer within {wait_s:g} s (--db-wait-s)"
+                else:
+                    check = None  # it failed: the next round asks again
+                if not failing:  # once per outage, not every few seconds for every session
+                    logger.warning(
+                        "session %s: could not check its credential and memory again (goes on): %s", session.id, why
+                    )
+                failing = True
+                continue
+            check = None
+            failing = False
+            if session.ending:
+                return
+            if outcome == "revoked":
                 logger.info("session %s: the credential of %s was revoked", session.id, session.principal.user_id)
                 await session.end("revoked", code=CLOSE_UNAUTHORIZED, message="the credential was revoked")
-            return
-        if forgotten:
-            await session.end_forgotten()
-            return
+                return
+            if outcome == "forgotten":
+                await session.end_forgotten()
+                return
+    finally:
+        if check is not None and not check.done():
+            check.cancel()  # one still waiting for a thread is dropped; one running ends on its thread
+
+
+async def _check_again(session: Session, authenticator: Authenticator, token: str | None) -> str | None:
+    """One round of :func:`_recheck`: ``"revoked"``, ``"forgotten"`` or None (unbounded: the caller bounds it)."""
+    if session.principal.source != "local":
+        principal = await authenticator.authenticate(token)
+        if principal is None or principal.user_id != session.principal.user_id:
+            return "revoked"
+    return "forgotten" if await session.memory.awas_forgotten() else None
 
 
 def _message_bytes(data: bytes | str, limit: int) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -270,10 +271,18 @@ class CredentialAuthenticator:
     listens beyond loopback or answers a public ``--allow-host`` name, behind a proxy; unless ``insecure_no_token``),
     or once the Context DB holds an issued token, revoked ones included (checked per connection until then, so
     ``cspan users add`` takes effect at once; revoking every token later does not open the server, restart or not).
-    Its lookups run on the database's executor (``cspan serve``: the Context DB threads).
     Otherwise (one person on 127.0.0.1) every session is
     :meth:`Principal.local() <cspan.backends.identity.Principal.local>`. A conversation needs the ``session``
     scope.
+
+    Where the Context DB is needed, and where not: while a credential is required for good (``--token``,
+    ``--token-file``, an exposed server, or a token seen issued), the static credentials (the shared token, the
+    token file's entries) are compared on the caller's thread (the event loop; constant time, no database), a
+    missing credential or one that is not shaped like an issued token is refused at once, and only a credential
+    shaped like one (``cspan.<id>.<secret>``) is looked up in the Context DB, on the database's executor (``cspan
+    serve``: the Context DB threads). So a frozen database refuses no static credential, and a client without
+    one gets 4401, not 1013. Only a loopback server with no credentials configured asks the database whether a
+    token was issued since, on every connection.
 
     Args:
         db: the Context DB holding issued tokens (None: none are accepted).
@@ -299,6 +308,7 @@ class CredentialAuthenticator:
         self.db = db
         self.credentials = Credentials(db=db, token_file=token_file, shared_token=token, shared_user=token_user)
         self.configured = bool(token or token_file or always)
+        self._open_at: float | None = None  # time.monotonic() of the database's last answer "no token issued"
 
     def reload(self) -> None:
         """Read the token file again (on SIGHUP); the old entries stay when it is invalid (logged)."""
@@ -315,23 +325,55 @@ class CredentialAuthenticator:
             logger.info("token file reloaded")
 
     def _required(self) -> bool:
-        if not self.configured and self.db is not None and self.db.tokens(revoked=True):
-            self.configured = True  # for good: revoking every token must not open the server to anyone
+        """Whether a credential is required (reads the Context DB until a token is seen issued; a worker thread)."""
+        if not self.configured and self.db is not None:
+            if self.db.tokens(revoked=True):
+                self.configured = True  # for good: revoking every token must not open the server to anyone
+            else:
+                self._open_at = time.monotonic()
         return self.configured
 
+    def _executor(self) -> Any:
+        return getattr(self.db, "executor", None)
+
     async def required(self) -> bool:
-        return await run_in(getattr(self.db, "executor", None), self._required)
+        if self.configured or self.db is None:  # known without the database
+            return self.configured
+        return await run_in(self._executor(), self._required)
+
+    def open_within(self, max_age_s: float) -> bool:
+        """Whether the Context DB answered, at most ``max_age_s`` seconds ago, that no token was issued (so that,
+        unless one was issued since, no credential is required); False once a credential is required for good.
+        Never reads the database."""
+        opened = self._open_at
+        return not self.configured and opened is not None and time.monotonic() - opened <= max_age_s
 
     def _authenticate(self, credential: str | None, scope: str | None) -> Principal | None:
         from cspan.backends.identity import Principal
 
         if not self._required():
             return Principal.local()
-        principal = self.credentials.authenticate(credential)
+        return self._allowed(self.credentials.authenticate(credential), scope)
+
+    @staticmethod
+    def _allowed(principal: Principal | None, scope: str | None) -> Principal | None:
         return principal if principal is not None and (scope is None or principal.allows(scope)) else None
 
     async def authenticate(self, credential: str | None, *, scope: str | None = "session") -> Principal | None:
-        return await run_in(getattr(self.db, "executor", None), self._authenticate, credential, scope)
+        """The principal of ``credential`` if it was granted ``scope`` (None: any), else None (see the class
+        docstring for what reads the Context DB).
+
+        Raises:
+            ContextDBError: the database holding the issued tokens failed (a lookup it needed).
+        """
+        from cspan.backends.identity import may_be_issued
+
+        if not self.configured:  # open unless a token was issued since: only the database can tell
+            return await run_in(self._executor(), self._authenticate, credential, scope)
+        principal = self.credentials.authenticate_static(credential)  # here, on the loop: no database
+        if principal is None and self.db is not None and may_be_issued(credential):
+            principal = await run_in(self._executor(), self.credentials.authenticate_issued, credential)
+        return self._allowed(principal, scope)
 
 
 def offered_subprotocols(header: str | None) -> list[str]:

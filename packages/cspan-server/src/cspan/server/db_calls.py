@@ -19,7 +19,9 @@ detectors, voice recordings, tools): threads stuck on the database must not be t
   pending a message goes straight to the outbox. When a write has not completed within ``--db-wait-s`` the session
   stops holding (one warning) and sends what it held; its writes stay queued in order (at most
   :data:`WRITES_PER_SESSION`; a write beyond is dropped, logged once a wait and counted) and go through when the
-  database answers again, after which holding resumes.
+  database answers again, after which holding resumes. A write that fails is logged once per streak of failures
+  (the first one, with its error; the others at debug level), and the first success after them says how many
+  failed: a PostgreSQL restart logs two lines a session, not one per write.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ class SessionWrites:
         self._stalled = False  # the first write outlived the bound: messages are not held until the queue empties
         self._dropped = 0  # writes dropped in this wait (queue full)
         self._refused = False
+        self._failed = 0  # writes failed in a row (the first logged as a warning, the others at debug level)
         self._timer: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -289,7 +292,18 @@ class SessionWrites:
             self._on_forgotten()
         elif error is not None:
             metrics.db_write_failures.labels("failed").inc()
-            logger.warning("Context DB: could not %s: %s", head.what, error)
+            self._failed += 1
+            if self._failed == 1:  # the first of a streak; the others only at debug level (a restart fails them all)
+                logger.warning("Context DB: could not %s: %s", head.what, error)
+            else:
+                logger.debug("Context DB: could not %s either (%d in a row): %s", head.what, self._failed, error)
+        elif self._failed:
+            logger.warning(
+                "session %s: the Context DB writes again; %d write(s) in a row had failed before (not recorded)",
+                self._name,
+                self._failed,
+            )
+            self._failed = 0
         while self._held and self._held[0][0] <= head.seq:
             self._send(self._held.popleft()[1])
         if self._queue:

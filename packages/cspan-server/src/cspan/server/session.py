@@ -487,11 +487,12 @@ class Session:
         self._errors = ErrorBudget()
         self._start: _Start | None = None
         self._events: list[ConversationEvent] = []
-        self.writes = hub.db_calls.session(self.id, send=self._deliver, on_forgotten=self.forgotten)
+        self.writes = hub.db_calls.session(self.id, send=self._release, on_forgotten=self.forgotten)
         self.memory_span: Any = None  # its MemorySpan (--memory-span), once live
         self._partial = np.zeros(0, dtype=np.float32)
         self._last_overflow_report = -(10**9)
         self._stopping_reported = False
+        self.stop_requested = False  # the client sent stop (audio after it gets one ``stopping`` error)
         self._not_started_reported = False
         self._nonfinite_reported = False
         self._flushed = 0
@@ -531,11 +532,15 @@ class Session:
             return
         self._deliver(item)
 
-    def _deliver(self, item: Outbound) -> None:
-        """Put ``item`` in the outbox now (or, past :data:`OUTBOX_LIMIT`, end the session: ``slow_client``)."""
+    def _deliver(self, item: Outbound, *, released: bool = False) -> None:
+        """Put ``item`` in the outbox now (or, past :data:`OUTBOX_LIMIT`, end the session: ``slow_client``).
+
+        ``released``: a message that was held behind a Context DB write (:meth:`_release`); it is queued whatever
+        the outbox holds. The backlog a release makes is the server's doing, not a client that does not read, and
+        it is bounded: at most ``--db-wait-s`` (10 s at most) of the session's messages are held."""
         if self.gone:
             return
-        if self.outbox.qsize() >= OUTBOX_LIMIT and not isinstance(item, Close):
+        if not released and self.outbox.qsize() >= OUTBOX_LIMIT and not isinstance(item, Close):
             if not self.ending:
                 logger.warning(
                     "session %s: client does not read (%d outputs waiting); ending it", self.id, OUTBOX_LIMIT
@@ -546,6 +551,10 @@ class Session:
                 self.spawn(self.end("slow_client", code=CLOSE_POLICY, message="the client did not read its messages"))
             return
         self.outbox.put_nowait(item)
+
+    def _release(self, item: Outbound) -> None:
+        """Deliver a message held behind a Context DB write (not counted against the client: :meth:`_deliver`)."""
+        self._deliver(item, released=True)
 
     def client_error(self, code: str, message: str, detail: dict[str, Any] | None = None) -> None:
         """Report a client mistake (or a failure in this session): counted, and sent as :class:`ErrorOut` (the
@@ -616,8 +625,9 @@ class Session:
         Raises:
             ClientError: ``not_started`` before ``start`` (once per connection: a client streaming its microphone
                 before a start that was refused gets one error, not one per frame; later audio before a start is
-                dropped silently). After ``stop`` audio is ignored (reported once, code ``stopping``); NaN or
-                infinite samples become silence (reported once, code ``bad_audio``).
+                dropped silently). After the client's ``stop`` audio is ignored (reported once, code ``stopping``);
+                after an end for another reason (shutdown, forget, slow client, ...: the client gets or got ``bye``)
+                it is ignored silently. NaN or infinite samples become silence (reported once, code ``bad_audio``).
         """
         if self.state == "connected":
             if self._not_started_reported:
@@ -628,7 +638,7 @@ class Session:
                 "audio before start is dropped (reported once): start the conversation and wait until it is ready",
             )
         if self.state in ("stopping", "closed"):
-            if not self._stopping_reported:
+            if self.stop_requested and not self._stopping_reported:
                 self._stopping_reported = True
                 self.client_error("stopping", "audio after stop is ignored")
             return
@@ -826,6 +836,8 @@ class Session:
 
     async def stop(self) -> None:
         """End the conversation: queued audio is played through (and a running utterance ended), then ``Ended``."""
+        if not self.ending:
+            self.stop_requested = True
         if self.state == "live":
             self.state = "stopping"  # the frame loop plays the queue through, then ends the session
         elif self.state in ("connected", "starting"):
