@@ -28,7 +28,7 @@ from serve_client import Client, ServerThread, load_frames
 from serve_process import ServeProcess, serve_args
 
 from cspan.backends.asr import Transcript
-from cspan.backends.context_db import ContextDB, Profile, UserMemory
+from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
 from cspan.backends.identity import issue_token
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +63,7 @@ class Gate:
         self.is_open = threading.Event()
         self.is_open.set()
         self.entered = threading.Event()
+        self.away = False  # the calls fail at once (PostgreSQL stopped: connection refused), rather than wait
 
     def close(self) -> None:
         self.entered.clear()
@@ -72,6 +73,8 @@ class Gate:
         self.is_open.set()
 
     def wait(self, memory: UserMemory, call: str) -> None:
+        if memory.user_id == self.user and call in self.calls and self.away:
+            raise ContextDBError(f"{call}: the database is away (connection refused)")
         if memory.user_id == self.user and call in self.calls and not self.is_open.is_set():
             self.entered.set()
             assert self.is_open.wait(120), "the gate was never opened"
@@ -547,6 +550,62 @@ async def test_what_a_stall_delays_is_stored_as_it_happened(tiny_checkpoint: Any
             assert [(t.text, t.frame) for t in turns] == [("yes", finals[0]), ("yes", finals[1])]
             for turn, seen in zip(turns, heard, strict=True):  # the time the final was published
                 assert readied < turn.t <= seen + 0.01 and seen - 0.5 < turn.t
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(180)
+async def test_a_conversation_started_while_the_database_is_away_is_recorded_once_it_is_back(
+    tiny_checkpoint: Any, fixture_file, tmp_path: Path
+) -> None:
+    """Eve's Context DB refuses every call at once (PostgreSQL stopped) when she starts: her profile and
+    conversation row are not written, and her first final transcript is lost with the outage. Once the database is
+    back, the session's next write writes the start first: her conversation row (with its start time and settings),
+    her profile's fields, her second turn and her end are stored (was: none of it, every turn refused for want of
+    its conversation row)."""
+    path = tmp_path / "context.sqlite"
+    with ContextDB(path) as db:
+        token = issue_token(db, "eve")[1]
+    from cspan.server.serve import ServeSettings, create_app
+
+    settings = ServeSettings(
+        asr="none", router="none", test_hooks=True, max_sessions=1, db=str(path),
+        text_prompt="You are a helpful assistant.", max_queued_frames=250, db_wait_s=1.0,
+    )  # fmt: skip
+    gate = Gate("eve", ALL_CALLS)
+    app = create_app(settings, checkpoint=tiny_checkpoint, db=GatedDB(path, gate), transcriber=FixedTranscriber("yes"))
+    server = ServerThread(app, settings).start()
+    speech = load_frames(fixture_file("audio", "question_weather_24k.wav"))
+    try:
+        async with websockets.connect(f"{server.ws_url}?token={token}", max_size=None) as ws:
+            client = Client(ws)
+            gate.away = True
+            asked = time.time()
+            ready = await client.start(profile={"name": "Eve", "location": "Paris"})
+            readied = time.time()
+            assert ready["type"] == "ready"
+            live = Live(client).go()
+            live.say(speech + [SILENCE] * 25)
+            _, first = await live.until(is_final, 60)
+            gate.away = False  # the database is back
+            live.say(speech + [SILENCE] * 25)
+            _, second = await live.until(lambda m: is_final(m) and m["frame"] != first["frame"], 60)
+            stopped = time.time()
+            assert (await live.stop())["reason"] == "stop"
+        deadline = time.monotonic() + 20
+        while server.hub.db_calls._busy:
+            assert time.monotonic() < deadline, "the writes never went through"
+            await asyncio.sleep(0.05)
+        with ContextDB(path) as check:
+            memory = check.user("eve")
+            stored = memory.get_profile()
+            assert (stored.name, stored.city) == ("Eve", "Paris")
+            conversation = memory.get_conversation(ready["conversation_id"])
+            assert conversation is not None, "the conversation was never recorded"
+            assert asked <= conversation.started_at <= readied and conversation.ended_at >= stopped
+            assert conversation.settings["session_id"] == ready["session_id"]
+            turns = [(t.text, t.frame) for t in memory.turns(conversation.id) if t.role == "user"]
+            assert turns == [("yes", second["frame"])]  # the first was said while the database was away
     finally:
         server.stop()
 

@@ -80,6 +80,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -488,6 +489,7 @@ class Session:
         self._start: _Start | None = None
         self._events: list[ConversationEvent] = []
         self.writes = hub.db_calls.session(self.id, send=self._release, on_forgotten=self.forgotten)
+        self._start_write: Callable[[], None] | None = None  # the start's writes, until they succeeded
         self.memory_span: Any = None  # its MemorySpan (--memory-span), once live
         self._partial = np.zeros(0, dtype=np.float32)
         self._last_overflow_report = -(10**9)
@@ -604,6 +606,27 @@ class Session:
         events, self._events = self._events, []
         return events
 
+    def record(self, what: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        """Queue a Context DB write of this session (:attr:`writes`: in order, off the event loop). While the start's
+        writes (the profile and the conversation row, :meth:`record_start`) have not succeeded (the database was
+        away when they ran), they are run again first, on the same thread: a conversation started during an outage
+        is recorded from the first write after it, not lost with every turn that needs its row."""
+
+        def run() -> Any:
+            start = self._start_write
+            if start is not None:
+                start()
+                self._start_write = None
+            return fn(*args, **kwargs)
+
+        self.writes.write(what, run)
+
+    def record_start(self, start: Callable[[], None]) -> None:
+        """Queue the start's writes (``start``: the profile, then the conversation row; idempotent), kept to be run
+        again before each later write until they succeed (:meth:`record`)."""
+        self._start_write = start
+        self.record("start a conversation", lambda: None)
+
     def _publish(self, events: list[ConversationEvent], *, send: bool = True) -> None:
         """Count, record in the Context DB (queued: :attr:`writes`) and (unless ``send`` is False) queue conversation
         events; an event that is recorded is sent once its write is done."""
@@ -611,7 +634,7 @@ class Session:
             self.hub.observe_event(self, ev)
             write = event_write(self.memory, self.conversation_id, ev) if self.conversation_id is not None else None
             if write is not None:
-                self.writes.write(*write)
+                self.record(*write)
             if isinstance(ev, ErrorEvent):
                 self.stats.errors += 1
             if send:
@@ -832,7 +855,7 @@ class Session:
             self.profile = self.hub.make_profile(self, self._start.text_prompt if self._start else "")
             self.conversation.profile = self.profile
             changes = self.hub.profile_changes(self, self._start.text_prompt if self._start else "")
-            self.writes.write("store the profile", self.memory.merge_profile, changes)
+            self.record("store the profile", self.memory.merge_profile, changes)
 
     async def stop(self) -> None:
         """End the conversation: queued audio is played through (and a running utterance ended), then ``Ended``."""
@@ -884,7 +907,7 @@ class Session:
                 logger.exception("session %s: finishing the conversation failed", self.id)
             self._publish(self._take_events(), send=not self.gone)
         if self.conversation_id is not None:
-            self.writes.write(
+            self.record(
                 f"end conversation {self.conversation_id}",
                 self.memory.end_conversation,
                 self.conversation_id,
@@ -1322,9 +1345,7 @@ class SessionHub:
         # only the fields given, over what is stored when the write runs: a start that could not read the stored
         # profile (the database did not answer) must not erase it
         changes = self.profile_changes(session, req.text_prompt)
-        session.writes.write("store the profile", session.memory.merge_profile, changes)
-        session.writes.write(
-            "start a conversation",
+        start_conversation = functools.partial(
             session.memory.start_conversation,
             session.conversation_id,
             started_at=time.time(),  # now, not when the write runs (after a stalled database answers)
@@ -1337,6 +1358,12 @@ class SessionHub:
                 "app": "serve",
             },
         )
+
+        def start() -> None:  # both idempotent: run again before each later write until they succeed
+            session.memory.merge_profile(changes)
+            start_conversation()
+
+        session.record_start(start)
         session.spawn(self._go_live(session, slot, report))
 
     async def _go_live(self, session: Session, slot: int, report: Any) -> None:
@@ -1353,7 +1380,7 @@ class SessionHub:
         if profile != session.profile:  # the client updated it while the start was written
             session.profile = profile
             changes = self.profile_changes(session, req.text_prompt)
-            session.writes.write("store the profile", session.memory.merge_profile, changes)
+            session.record("store the profile", session.memory.merge_profile, changes)
         conversation_id = session.conversation_id
         if getattr(self.settings, "memory_span", False):
             from cspan.server.memory_span import MemorySpan
