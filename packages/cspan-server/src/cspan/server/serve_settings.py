@@ -122,12 +122,13 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
         validate_default=True,  # the pair is loaded once both are known (below), with or without this flag
     )
     db_wait_s: float = Field(
-        1.0, ge=0.1, le=10.0, allow_inf_nan=False,
+        0.5, ge=0.1, le=10.0, allow_inf_nan=False,
         description="how long a session holds everything it sends (the agent's audio too: its client hears up to "
         "this long of silence when the database stops answering) behind its Context DB write (a transcript is sent "
         "once its turn is stored), and a start, a token lookup or a memory read waits for the database, before going "
         "on without it (s, 0.1 to 10): below 0.1 a healthy database's commits would outlast it; above 10 the silence, "
-        "the backlog sent at once and the shutdown's wait for bye grow too long",
+        "the backlog sent at once and the shutdown's wait for bye grow too long; a retrieval during a stall may wait "
+        "twice this (its context, the local router's facts): keep that well under --span-deadline-s",
         json_schema_extra={"group": "context db"},
     )  # fmt: skip
     drain_s: float = Field(
