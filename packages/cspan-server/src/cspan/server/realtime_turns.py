@@ -105,12 +105,16 @@ class ItemLog:
             raise ValueError(f"item {item.id!r} is in the conversation already")
         if after is not None and after != "root" and after not in self.items:
             raise ValueError(f"no item {after!r} in the conversation to place {item.id!r} after")
-        order = list(self.items)
-        at = len(order) if after is None else (0 if after == "root" else order.index(after) + 1)
-        self.items[item.id] = item
-        for key in order[at:]:  # the items after its place move behind it (a client's insertion mid-conversation)
-            self.items.move_to_end(key)
-        previous = order[at - 1] if at else None
+        if after is None:  # at the end (every item of the server's own)
+            previous = self.last_id
+            self.items[item.id] = item
+        else:  # the items after its place move behind it (a client's insertion mid-conversation)
+            order = list(self.items)
+            at = 0 if after == "root" else order.index(after) + 1
+            self.items[item.id] = item
+            for key in order[at:]:
+                self.items.move_to_end(key)
+            previous = order[at - 1] if at else None
         while len(self.items) > ITEM_LOG_SIZE:
             old, _ = self.items.popitem(last=False)
             self._audio_frames.pop(old, None)
