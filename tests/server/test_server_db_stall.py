@@ -123,6 +123,19 @@ class GatedDB(ContextDB):
         return memory
 
 
+def gated_server(tiny_checkpoint: Any, path: Path, gate: Gate, **settings: Any) -> ServerThread:
+    """A started server on the SQLite file ``path`` whose Context DB calls go through ``gate`` (one session, no
+    ASR: every utterance is heard as "yes"); ``settings``: more :class:`ServeSettings` fields."""
+    from cspan.server.serve import ServeSettings, create_app
+
+    config = ServeSettings(
+        asr="none", test_hooks=True, max_sessions=1, db=str(path), text_prompt="You are a helpful assistant.",
+        max_queued_frames=250, **settings,
+    )  # fmt: skip
+    app = create_app(config, checkpoint=tiny_checkpoint, db=GatedDB(path, gate), transcriber=FixedTranscriber("yes"))
+    return ServerThread(app, config).start()
+
+
 class Live:
     """A started client whose messages a task reads (each stamped with its arrival time), while another sends audio
     at the real-time pace: the frames given to :meth:`say`, else silence."""
@@ -500,15 +513,8 @@ async def test_what_a_stall_delays_is_stored_as_it_happened(tiny_checkpoint: Any
     with ContextDB(path) as db:
         token = issue_token(db, "eve")[1]
         db.user("eve").put_profile(Profile(name="Eve Old", city="Leeds", notes="allergic to nuts", persona="old"))
-    from cspan.server.serve import ServeSettings, create_app
-
-    settings = ServeSettings(
-        asr="none", router="local", tools="clock", test_hooks=True, max_sessions=1, db=str(path),
-        text_prompt="You are a helpful assistant.", max_queued_frames=250, db_wait_s=wait_s,
-    )  # fmt: skip
     gate = Gate("eve", ALL_CALLS)
-    app = create_app(settings, checkpoint=tiny_checkpoint, db=GatedDB(path, gate), transcriber=FixedTranscriber("yes"))
-    server = ServerThread(app, settings).start()
+    server = gated_server(tiny_checkpoint, path, gate, router="local", tools="clock", db_wait_s=wait_s)
     speech = load_frames(fixture_file("audio", "question_weather_24k.wav"))
     try:
         async with websockets.connect(f"{server.ws_url}?token={token}", max_size=None) as ws:
@@ -566,15 +572,8 @@ async def test_a_conversation_started_while_the_database_is_away_is_recorded_onc
     path = tmp_path / "context.sqlite"
     with ContextDB(path) as db:
         token = issue_token(db, "eve")[1]
-    from cspan.server.serve import ServeSettings, create_app
-
-    settings = ServeSettings(
-        asr="none", router="none", test_hooks=True, max_sessions=1, db=str(path),
-        text_prompt="You are a helpful assistant.", max_queued_frames=250, db_wait_s=1.0,
-    )  # fmt: skip
     gate = Gate("eve", ALL_CALLS)
-    app = create_app(settings, checkpoint=tiny_checkpoint, db=GatedDB(path, gate), transcriber=FixedTranscriber("yes"))
-    server = ServerThread(app, settings).start()
+    server = gated_server(tiny_checkpoint, path, gate, router="none", db_wait_s=1.0)
     speech = load_frames(fixture_file("audio", "question_weather_24k.wav"))
     try:
         async with websockets.connect(f"{server.ws_url}?token={token}", max_size=None) as ws:
