@@ -45,9 +45,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_THREADS = 4
-"""Threads of the pool. The Context DB has one connection, which runs one statement at a time, so more threads
-would only wait on its lock; a few let a session's write, a token lookup and a retrieval's read queue for it
-without one waiting for a thread behind the others. A session has at most one write in the pool at a time."""
+"""Threads of the pool. On PostgreSQL the Context DB has a pool of connections, more than these threads
+(:data:`cspan.backends.context_db.connection.POOL_SIZE`), so each thread runs its statements at once with the others
+and a slow one holds up only its own; on SQLite it has one connection, which runs one statement at a time. A few
+threads let a session's write, a token lookup and a retrieval's read go on without one waiting for a thread behind
+the others. A session has at most one write in the pool at a time."""
 WRITES_PER_SESSION = 256
 """Writes a session may have queued while the database does not answer (about a minute of a busy conversation);
 a write beyond is dropped (logged, counted in ``cspan_db_write_failures_total{reason="dropped"}``)."""

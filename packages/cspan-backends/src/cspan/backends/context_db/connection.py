@@ -1,20 +1,26 @@
-"""One database connection for the Context DB: SQLite (a file or ``:memory:``) or PostgreSQL (psycopg 3).
+"""The database connections of the Context DB: SQLite (a file or ``:memory:``) or PostgreSQL (psycopg 3).
 
 Both expose the same small surface: :meth:`Connection.read` (one statement, rows as dicts) and
 :meth:`Connection.write` (a transaction whose :meth:`Transaction.execute` returns rows and the row count). SQL is
 written once with ``?`` parameters (see :mod:`.schema`); the PostgreSQL side turns them into ``%s``.
 
-Concurrency: each connection serialises its statements under a lock, so one instance may be used from many
-threads (the ``a``-methods of the Context DB run in worker threads). Several instances or processes may share one
-database: SQLite's WAL lets readers go on during a write and ``busy_timeout`` makes writers wait their turn
-(``BEGIN IMMEDIATE`` takes the write lock up front); PostgreSQL is built for it. A PostgreSQL connection that broke
-(server restart, network) is opened again at the next statement; one the server ended while it was idle is
-replaced before that statement, so a restart costs no statement.
+Concurrency: one instance may be used from many threads (the ``a``-methods of the Context DB run in worker threads).
+SQLite has one connection, which runs one statement at a time under a lock; its WAL lets other processes read
+during a write, and ``busy_timeout`` makes writers wait their turn (``BEGIN IMMEDIATE`` takes the write lock up
+front). PostgreSQL has a small pool (:data:`POOL_SIZE` connections, opened as needed, kept while they work): each
+statement or transaction takes a connection of its own, so threads run theirs at once and a slow one (a big export
+or erase, a lock wait, a slow disk) holds up only its own thread. A thread inside :meth:`Connection.write` reads
+and writes on that transaction's connection (a read there sees the transaction's uncommitted rows; a write there is
+a savepoint), so a thread never holds two connections. A connection that broke (server restart, network) is
+closed when its statement ends and another is opened at the next statement; one the server ended while it was idle
+is replaced before a statement, so a restart costs no statement. Several instances or processes may share one
+database: SQLite serialises their writers, PostgreSQL is built for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import selectors
@@ -163,12 +169,40 @@ def _dict_row(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> dict[str, Any]:
 _PARAM = re.compile(r"\?")
 
 
+POOL_SIZE = 6
+"""Most PostgreSQL connections one Context DB opens: the 4 database threads of ``cspan serve``
+(:data:`cspan.server.db_calls.DB_THREADS`) each with one, and 2 for what runs beside them (the opening thread, a
+caller's own threads). A statement that finds all of them busy waits for one (at most ``pool_wait_s``)."""
+POOL_WAIT_S = 30.0
+"""How long a statement waits for a free PostgreSQL connection when all :data:`POOL_SIZE` are busy, in seconds."""
+
+
 class PostgresConnection(Connection):
-    """PostgreSQL through psycopg 3 (autocommit for reads, one transaction per write)."""
+    """PostgreSQL through psycopg 3: a pool of at most ``pool_size`` connections (autocommit for reads, one
+    transaction per write; see the module docstring).
+
+    Args:
+        url: the ``postgresql://`` URL.
+        connect_timeout_s: how long opening one connection may take, in seconds.
+        pool_size: the most connections open at once (one per statement or transaction running).
+        pool_wait_s: how long a statement waits for a connection when all are busy; then a ContextDBError.
+
+    Raises:
+        ContextDBError: psycopg is missing, the URL cannot be read, or the first connection cannot be opened.
+    """
 
     dialect: Dialect = "postgresql"
 
-    def __init__(self, url: str, *, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float,
+        pool_size: int = POOL_SIZE,
+        pool_wait_s: float = POOL_WAIT_S,
+    ) -> None:
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be at least 1, got {pool_size!r}")
         try:
             import psycopg  # noqa: F401
         except ImportError as exc:
@@ -179,21 +213,23 @@ class PostgresConnection(Connection):
         self.where = redact_url(url)
         self._secrets = _url_secrets(url, self.where)
         self.connect_timeout_s = connect_timeout_s
+        self.pool_size = pool_size
+        self.pool_wait_s = pool_wait_s
         self.journal_mode = "postgresql"
-        self._lock = threading.RLock()
-        self._conn: Any = None
-        self._connect()
+        self._lock = threading.Lock()  # guards _idle and _closed (never held over I/O)
+        self._slots = threading.BoundedSemaphore(pool_size)  # one per connection in use or being opened
+        self._idle: list[Any] = []  # open connections not in use, the most recently used last
+        self._closed = False
+        self._local = threading.local()  # .conn: the connection of this thread's open write transaction
+        self._idle.append(self._open())  # the first one now: an unreachable server fails here, with its reason
 
-    def _connect(self) -> Any:
+    def _open(self) -> Any:
+        """A new connection, configured for the Context DB."""
         import psycopg
         from psycopg.rows import dict_row
 
-        if self._conn is not None and not self._conn.closed and not self._conn.broken:
-            if not _ended_while_idle(self._conn):
-                return self._conn
-            self._conn.close()  # the server ended it between statements (a restart): open a new one, not fail once
         try:
-            self._conn = psycopg.connect(
+            conn = psycopg.connect(
                 self.url,
                 autocommit=True,
                 row_factory=dict_row,
@@ -202,13 +238,60 @@ class PostgresConnection(Connection):
             )
             # read committed whatever the database's default: a write's erase check must see an erase that
             # committed while it waited (a snapshot taken at its first statement would not)
-            self._conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         except psycopg.Error as exc:
             raise ContextDBError(
                 f"cannot connect to the Context DB at {self.where}: {self._describe(exc)}. Fix: check that the "
                 "server is running and the URL (host, port, database, user, password) in --db."
             ) from exc
-        return self._conn
+        return conn
+
+    def _take(self) -> Any:
+        """An idle connection that still works, else a new one (the caller holds a slot)."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise ContextDBError(f"the Context DB at {self.where} was closed")
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return self._open()
+            if not conn.closed and not conn.broken and not _ended_while_idle(conn):
+                return conn
+            conn.close()  # the server ended it between statements (a restart): open another, not fail once
+
+    def _give(self, conn: Any) -> None:
+        """Back to the idle ones after a statement or transaction; closed instead when it broke (the next statement
+        opens another), is not idle (a transaction left open), or the pool was closed."""
+        import psycopg
+
+        with self._lock:
+            if (
+                not self._closed
+                and not conn.closed
+                and not conn.broken
+                and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            ):
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        """A connection of the pool for one statement or transaction (waiting at most ``pool_wait_s`` for one)."""
+        if not self._slots.acquire(timeout=self.pool_wait_s):
+            raise ContextDBError(
+                f"the Context DB at {self.where} failed: all {self.pool_size} connections stayed busy for "
+                f"{self.pool_wait_s:g} s. Fix: check the server (statements that do not end: a frozen host, a lock "
+                "held elsewhere; see pg_stat_activity)"
+            )
+        try:
+            conn = self._take()
+            try:
+                yield conn
+            finally:
+                self._give(conn)
+        finally:
+            self._slots.release()
 
     def _describe(self, exc: Exception) -> str:
         """``exc`` in one line, without the password (libpq may quote the values of the URL it read)."""
@@ -231,37 +314,54 @@ class PostgresConnection(Connection):
             )
         return ContextDBError(message)
 
-    def _run(self, sql: str, params: tuple[Any, ...]) -> Result:
-        cur = self._conn.execute(_PARAM.sub("%s", sql), params, prepare=False)
+    @staticmethod
+    def _run(conn: Any, sql: str, params: tuple[Any, ...]) -> Result:
+        cur = conn.execute(_PARAM.sub("%s", sql), params, prepare=False)
         rows = cur.fetchall() if cur.description else []
         return Result(rows, cur.rowcount)
 
     def read(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         import psycopg
 
-        with self._lock:
-            self._connect()
-            try:
-                return self._run(sql, params).rows
-            except psycopg.Error as exc:
-                raise self._failed(exc) from exc
+        held = getattr(self._local, "conn", None)
+        try:
+            if held is not None:  # inside this thread's write: its transaction's connection, its uncommitted rows
+                return self._run(held, sql, params).rows
+            with self._connection() as conn:
+                return self._run(conn, sql, params).rows
+        except psycopg.Error as exc:
+            raise self._failed(exc) from exc
 
     @contextmanager
     def write(self) -> Iterator[Transaction]:
         import psycopg
 
-        with self._lock:
-            conn = self._connect()
+        held = getattr(self._local, "conn", None)
+        if held is not None:  # a write inside this thread's write: a savepoint on the same connection
             try:
-                with conn.transaction():
-                    yield Transaction(self._run, self.dialect)
+                with held.transaction():
+                    yield Transaction(functools.partial(self._run, held), self.dialect)
             except psycopg.Error as exc:
                 raise self._failed(exc) from exc
+            return
+        with self._connection() as conn:
+            self._local.conn = conn
+            try:
+                with conn.transaction():
+                    yield Transaction(functools.partial(self._run, conn), self.dialect)
+            except psycopg.Error as exc:
+                raise self._failed(exc) from exc
+            finally:
+                self._local.conn = None
 
     def close(self) -> None:
+        """Close the idle connections now, and each one in use when its statement ends; statements after this
+        raise ContextDBError."""
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
 
 def _ended_while_idle(conn: Any) -> bool:
@@ -315,12 +415,15 @@ def sqlite_file(target: str) -> str | None:
     return None if target == ":memory:" else str(Path(target).expanduser())
 
 
-def connect(target: str, *, busy_timeout_s: float = 10.0) -> Connection:
-    """Open ``target``: a PostgreSQL URL, ``sqlite:///PATH``, ``:memory:`` or a file path.
+def connect(target: str, *, busy_timeout_s: float = 10.0, pool_size: int = POOL_SIZE) -> Connection:
+    """Open ``target``: a PostgreSQL URL (a pool of at most ``pool_size`` connections), ``sqlite:///PATH``,
+    ``:memory:`` or a file path (one connection).
 
     Raises:
         ContextDBError: the database cannot be opened or reached (the message names it, without a password).
     """
     if is_postgres_url(target):
-        return PostgresConnection(target.replace("postgresql+psycopg://", "postgresql://", 1), connect_timeout_s=10.0)
+        return PostgresConnection(
+            target.replace("postgresql+psycopg://", "postgresql://", 1), connect_timeout_s=10.0, pool_size=pool_size
+        )
     return SQLiteConnection(sqlite_file(target) or ":memory:", busy_timeout_s=busy_timeout_s)

@@ -15,7 +15,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Protocol
 
-from cspan.backends.context_db.connection import Connection, connect, is_postgres_url
+from cspan.backends.context_db.connection import POOL_SIZE, Connection, connect, is_postgres_url
 from cspan.backends.context_db.legacy import LegacyMethods
 from cspan.backends.context_db.models import ContextDBError, TokenRecord
 from cspan.backends.context_db.schema import MIGRATIONS, SCHEMA_VERSION
@@ -81,6 +81,8 @@ class ContextDB(LegacyMethods):
             the database refuses them as its privileges say. An older schema is still migrated.
         executor: where the ``a``-methods run their statements, and those of the memories :meth:`user` makes from
             then on (:attr:`executor`; None: asyncio's default executor, :func:`asyncio.to_thread`).
+        pool_size: PostgreSQL: the most connections open at once, one per statement or transaction running (the
+            threads of ``executor`` run theirs at once; see :mod:`.connection`). SQLite has one connection.
 
     Raises:
         ContextDBError: the database was written by a newer schema, is not a Context DB / not SQLite, or the
@@ -100,6 +102,7 @@ class ContextDB(LegacyMethods):
         retention_days: float | None = None,
         read_only: bool = False,
         executor: Executor | None = None,
+        pool_size: int = POOL_SIZE,
     ) -> None:
         if retention_days is not None and not (0 < float(retention_days) < float("inf")):
             raise ValueError(f"retention_days must be a positive number of days, got {retention_days!r}")
@@ -107,7 +110,7 @@ class ContextDB(LegacyMethods):
         self.retention_days = None if retention_days is None else float(retention_days)
         self.read_only = read_only
         self.executor = executor  # a server owning a pool for its database calls may set it before any user()
-        self._conn: Connection = connect(self.path, busy_timeout_s=busy_timeout_s)
+        self._conn: Connection = connect(self.path, busy_timeout_s=busy_timeout_s, pool_size=pool_size)
         self.dialect = self._conn.dialect
         self.where = self._conn.where
         self.journal_mode = self._conn.journal_mode
@@ -175,7 +178,8 @@ class ContextDB(LegacyMethods):
         return int(self._conn.read("SELECT version FROM schema_version")[0]["version"])
 
     def close(self) -> None:
-        """Close the connection (SQLite checkpoints the WAL into the main file)."""
+        """Close the connection (SQLite checkpoints the WAL into the main file; PostgreSQL's pool closes its idle
+        connections now and each one in use when its statement ends)."""
         self._conn.close()
 
     def __enter__(self) -> ContextDB:

@@ -171,7 +171,8 @@ class UserMemory:
 
     def _pin(self, generation: int | None = None) -> int:
         """The generation of this memory: the first one seen (``generation``, else read now). The read runs
-        outside ``_pin_lock``: a write holds the connection's lock when it pins, a read takes it."""
+        outside ``_pin_lock``: a write holds a connection when it pins (SQLite's one, under its lock; one of
+        PostgreSQL's pool), and a read waits for one (every connection may be held by writes waiting to pin)."""
         if self._generation is None:
             seen = self._read_generation() if generation is None else generation
             with self._pin_lock:
@@ -259,7 +260,16 @@ class UserMemory:
             raise ValueError(f"not profile fields: {', '.join(unknown)}; known: {', '.join(PROFILE_FIELDS)}")
         now = time.time()
         with self._write() as tx:
-            lock = " FOR UPDATE" if tx.dialect == "postgresql" else ""  # SQLite: BEGIN IMMEDIATE serialises already
+            lock = ""  # SQLite: BEGIN IMMEDIATE serialises writers already
+            if tx.dialect == "postgresql":
+                # a row to lock even for a user without a profile yet (the merge stores one anyway): a second merge
+                # of the same user (another session, another thread of the pool, a replica) waits for this one's
+                # commit here, then overlays its changes on this one's instead of on an empty profile
+                tx.execute(
+                    "INSERT INTO profiles (user_id, updated_at) VALUES (?, ?) ON CONFLICT (user_id) DO NOTHING",
+                    (self.user_id, now),
+                )
+                lock = " FOR UPDATE"
             rows = tx.execute(f"SELECT * FROM profiles WHERE user_id = ?{lock}", (self.user_id,)).rows
             stored = _profile(rows[0]) if rows else Profile(user_id=self.user_id)
             profile = stored.model_copy(update={**changes, "user_id": self.user_id})
@@ -391,9 +401,16 @@ class UserMemory:
         rows = self._conn.read("SELECT * FROM conversations WHERE user_id = ? ORDER BY started_at, id", (self.user_id,))
         return [_conversation(r) for r in rows]
 
-    def _require_conversation(self, tx: Transaction, conversation_id: str) -> None:
+    def _require_conversation(self, tx: Transaction, conversation_id: str, *, lock: bool = False) -> None:
+        """Refuse a write to a conversation this user does not have. With ``lock`` (PostgreSQL), the conversation's
+        row stays locked until ``tx`` ends, so the writes that read its latest turn before they add one (a turn
+        with ``dedupe``: the session's transcript and the retrieval's copy of the same utterance, on two threads of
+        the pool) take turns instead of both missing the other's uncommitted row. ``FOR NO KEY UPDATE`` does not
+        block the key-share lock a span's or another turn's foreign key takes."""
+        suffix = " FOR NO KEY UPDATE" if lock and tx.dialect == "postgresql" else ""
         found = tx.execute(
-            "SELECT 1 AS found FROM conversations WHERE user_id = ? AND id = ?", (self.user_id, conversation_id)
+            f"SELECT 1 AS found FROM conversations WHERE user_id = ? AND id = ?{suffix}",
+            (self.user_id, conversation_id),
         ).rows
         if not found:
             raise ContextDBError(
@@ -430,7 +447,7 @@ class UserMemory:
             raise ValueError(f"turn role must be 'user', 'agent' or 'tool', got {role!r}")
         now = time.time() if t is None else t
         with self._write() as tx:
-            self._require_conversation(tx, conversation_id)
+            self._require_conversation(tx, conversation_id, lock=dedupe)
             if dedupe:
                 last = tx.execute(
                     "SELECT id, text, frame, t FROM turns WHERE user_id = ? AND conversation_id = ? AND role = ? "
