@@ -111,6 +111,20 @@ def _cspan(*args: str, db: Path, stdin: str | None = None) -> subprocess.Complet
     )
 
 
+def test_users_revoke_given_a_user_name_points_to_user(tmp_path: Path) -> None:
+    """An operator who types `cspan users revoke ada` (a user, where the verb takes a token id) is told to give
+    ``--user ada``, not only that there is no such token; ada's tokens stay valid."""
+    db_path = tmp_path / "ctx.sqlite"
+    token = _cspan("users", "add", "ada", db=db_path).stdout.strip()
+    refused = _cspan("users", "revoke", "ada", db=db_path)
+    assert refused.returncode == 1 and "no valid token ada" in refused.stderr
+    assert "cspan users revoke --user ada" in refused.stderr
+    with ContextDB(db_path) as db:
+        assert Authenticator(db=db).authenticate(token).user_id == "ada"
+    unknown = _cspan("users", "revoke", "0123456789ab", db=db_path)  # neither a token id nor a user: no hint
+    assert unknown.returncode == 1 and "--user" not in unknown.stderr
+
+
 def test_users_and_db_verbs(tmp_path: Path) -> None:
     db_path = tmp_path / "ctx.sqlite"
     added = _cspan("users", "add", "ada", "--label", "laptop", db=db_path)

@@ -161,7 +161,13 @@ def _users_revoke(args: argparse.Namespace, db: Any) -> int:
     count = db.revoke_tokens(token_id=args.token_id, user_id=args.user)
     what = f"token {args.token_id}" if args.token_id else f"tokens of {args.user}"
     if count == 0:
-        print(f"cspan users revoke: error: no valid {what} in {db.where}", file=sys.stderr)
+        hint = ""
+        if args.token_id and db.tokens(args.token_id):  # a user's name where the verb takes a token id
+            hint = (
+                f". Fix: {args.token_id} is a user: `cspan users revoke --user {args.token_id}` revokes all of their "
+                f"tokens, `cspan users list {args.token_id}` shows each one's id"
+            )
+        print(f"cspan users revoke: error: no valid {what} in {db.where}{hint}", file=sys.stderr)
         return 1
     print(f"revoked {count} token(s) ({what})")
     return 0
