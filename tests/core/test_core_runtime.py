@@ -462,6 +462,30 @@ def test_a_transcript_never_goes_back_and_partials_do_not_pile_up(held, release_
     assert conv._asr_tasks == [] and conv._asr_shown == {}  # nothing kept once the utterance is done
 
 
+def test_a_finish_given_up_on_cancels_the_transcripts_still_running():
+    """A server waits a bounded time for an ending conversation's transcripts (``wait_for(finish(), ...)``): when it
+    stops waiting, the transcripts still running are cancelled, not left to run on past the transcriber's shutdown
+    and end in an error nobody reads (asyncio's "Task exception was never retrieved" at a server's shutdown)."""
+    engine, asr = RecordingEngine(), GatedTranscriber({0})  # its first request never answers
+    conv = _conv(engine, voiced=range(5, 50), transcriber=asr, span_delay_s=None)
+
+    async def go() -> list[asyncio.Task]:
+        for i in range(30):
+            engine.frame = i
+            await conv.before_step(np.zeros(1920, dtype=np.float32))
+            await conv.after_step(3)
+            await asyncio.sleep(0)
+        running = [t.task for t in conv._asr_tasks]
+        assert asr.calls == 1 and len(running) == 1 and not running[0].done()  # the partial of frame 25, held
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(conv.finish(), timeout=0.05)
+        await asyncio.sleep(0)
+        return running
+
+    (task,) = asyncio.run(go())
+    assert task.cancelled() and conv._asr_tasks == []
+
+
 def test_a_slow_recognizer_gets_one_partial_at_a_time():
     """Continuous speech (frames 5..199) with a recognizer that answers its first request only at frame 150: the
     partials due at frames 45..145 are not asked (each would have decoded longer audio than the last, piling up

@@ -249,7 +249,7 @@ async def test_session_writes_go_in_order_and_what_follows_them_waits(caplog: py
         assert await writes.settle(5)
         assert done == ["w1", "w2", "w4"] and sent == ["b", "c"] and count("failed") == 1
         assert [r.getMessage() for r in caplog.records] == [
-            "Context DB: could not write three: disk full",
+            "session s1: Context DB: could not write three: disk full",
             "session s1: the Context DB writes again; 1 write(s) in a row had failed before (not recorded)",
         ]
         caplog.clear()  # a streak of failures (a PostgreSQL restart): its first one logged, then one line at its end
@@ -259,7 +259,7 @@ async def test_session_writes_go_in_order_and_what_follows_them_waits(caplog: py
         assert await writes.settle(5)
         assert count("failed") == 6 and done[-1] == "after"
         assert [r.getMessage() for r in caplog.records] == [
-            "Context DB: could not write failing 0: disk full",
+            "session s1: Context DB: could not write failing 0: disk full",
             "session s1: the Context DB writes again; 5 write(s) in a row had failed before (not recorded)",
         ]
         done.remove("after")

@@ -382,10 +382,15 @@ class Conversation:
         a retrieval not read yet as a ``no_span`` with :data:`CONVERSATION_ENDED`. One still running is cancelled with
         that message and waited for (the retriever records the cut: the Context DB's span row dropped
         ``cancelled``); one whose reference was ready but not read gives its ``retrieval_id``, for its record to be
-        marked so too, and so does a Context Span queued in the engine whose step never ran."""
+        marked so too, and so does a Context Span queued in the engine whose step never ran. Cancelled while it waits
+        (``asyncio.wait_for`` with a bound), it cancels the transcripts still running."""
         for utterance in list(self._streams):
             self._drop_stream(utterance)
-        await self._collect_transcripts(block=True)
+        try:
+            await self._collect_transcripts(block=True)
+        except asyncio.CancelledError:  # the caller stopped waiting (a server's bound on an ending session)
+            self._cancel_transcripts()
+            raise
         for unread in self._unread:  # queued, never read: the conversation ended first
             self._ended(unread.event.question, unread.event.retrieval_id)
         self._unread = []
@@ -405,6 +410,15 @@ class Conversation:
                 await asyncio.wait([p.task])
 
     # ------------------------------------------------------------------------------------------------ internals
+    def _cancel_transcripts(self) -> None:
+        """Cancel the transcripts still running, and take the errors of those that ended, unread: the conversation
+        is over, and a transcript left running would go on past its transcriber (a server closes it at shutdown) and
+        end in an error nobody reads (asyncio's "Task exception was never retrieved")."""
+        for entry in self._asr_tasks:
+            if not entry.task.cancel() and not entry.task.cancelled():
+                entry.task.exception()
+        self._asr_tasks = []
+
     def _ended(self, question: str | None, retrieval_id: int | None) -> None:
         """The ``no_span`` of a retrieval or span the end of the conversation cut (:data:`CONVERSATION_ENDED`)."""
         f = self.frame

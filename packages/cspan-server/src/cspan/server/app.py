@@ -352,7 +352,7 @@ def create_app(
                 required = False
             principal = await within(authenticator.authenticate(credential.token, scope=None)) if required else None
         except Exception as exc:  # the Context DB holding the tokens failed or did not answer: not the client's fault
-            logger.error("could not check a credential: %s", exc)
+            logger.warning("could not check a credential (the Context DB): %s", exc)
             return JSONResponse({"detail": CREDENTIALS_UNCHECKED}, status_code=503, headers={"Retry-After": "5"})
         if required and (principal is None or not principal.allows("admin")):
             return JSONResponse(
@@ -413,7 +413,7 @@ async def serve_connection(
     try:
         principal = await hub.db_calls.within(authenticator.authenticate(credential.token, scope=None))
     except Exception as exc:  # the Context DB holding the tokens failed or did not answer: not the client's fault
-        logger.error("could not check a credential: %s", exc)
+        logger.warning("could not check a credential (the Context DB): %s", exc)
         await websocket.accept(subprotocol=credential.subprotocol)
         await websocket.close(code=CLOSE_TRY_AGAIN_LATER, reason=CREDENTIALS_UNCHECKED)
         return

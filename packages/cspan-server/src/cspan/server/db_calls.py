@@ -222,7 +222,7 @@ class SessionWrites:
 
     def write(self, what: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
         """Queue ``fn(*args, **kwargs)`` (a Context DB write) after the session's earlier writes; returns at once.
-        ``what`` completes the log line of a failure: ``Context DB: could not {what}: {error}``."""
+        ``what`` completes the log line of a failure: ``session {name}: Context DB: could not {what}: {error}``."""
         if self._refused:
             return
         metrics = self._calls.metrics
@@ -296,9 +296,15 @@ class SessionWrites:
             metrics.db_write_failures.labels("failed").inc()
             self._failed += 1
             if self._failed == 1:  # the first of a streak; the others only at debug level (a restart fails them all)
-                logger.warning("Context DB: could not %s: %s", head.what, error)
+                logger.warning("session %s: Context DB: could not %s: %s", self._name, head.what, error)
             else:
-                logger.debug("Context DB: could not %s either (%d in a row): %s", head.what, self._failed, error)
+                logger.debug(
+                    "session %s: Context DB: could not %s either (%d in a row): %s",
+                    self._name,
+                    head.what,
+                    self._failed,
+                    error,
+                )
         elif self._failed:
             logger.warning(
                 "session %s: the Context DB writes again; %d write(s) in a row had failed before (not recorded)",
