@@ -136,6 +136,20 @@ def test_options_reject_impossible_settings() -> None:
             bad.check()
 
 
+def test_batch_row_options_without_batch_sizes_are_refused() -> None:
+    """--span-sessions and --span-at-tick act on the batch rows only: without --batch-size they were ignored
+    without a word (the JSON still said span_sessions 3), so they are refused."""
+    for bad, flag in (
+        (LatencyOptions(span_sessions=3), "--span-sessions 3"),
+        (LatencyOptions(span_sessions=0), "--span-sessions 0"),
+        (LatencyOptions(span_at_tick=True), "--span-at-tick"),
+    ):
+        with pytest.raises(BenchError, match=f"{flag}: .*--batch-size"):
+            bad.check()
+    LatencyOptions().check()  # the defaults (span_sessions 1) need no batch rows
+    LatencyOptions(batch_sizes=(4,), span_sessions=3, span_at_tick=True).check()
+
+
 def test_sizes_beyond_the_window_and_unwritable_out_are_refused_up_front(
     tiny_checkpoint_dir: Path, tmp_path: Path, cli, capsys
 ) -> None:
