@@ -143,6 +143,7 @@ def test_batch_row_options_without_batch_sizes_are_refused() -> None:
         (LatencyOptions(span_sessions=3), "--span-sessions 3"),
         (LatencyOptions(span_sessions=0), "--span-sessions 0"),
         (LatencyOptions(span_at_tick=True), "--span-at-tick"),
+        (LatencyOptions(batch_sizes=(1,), span_at_tick=True), "--span-at-tick"),  # B = 1 is the main table
     ):
         with pytest.raises(BenchError, match=f"{flag}: .*--batch-size"):
             bad.check()
