@@ -371,6 +371,19 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
     assert kv_bytes_per_session(big, "fp8") == 2 * 3000 * 32 * 32 * (128 + 4)
 
 
+def test_capacity_counts_a_16_bit_kv_cache_of_a_float32_model_in_16_bits() -> None:
+    """--kv-dtype bf16 / fp16 store 2 bytes a value whatever the model's dtype: with --dtype fp32 the KV GiB column
+    and the "does not fit" check counted 4 (the model's), twice the cache, and could skip a batch that fits."""
+    from cspan.bench.capacity import kv_bytes_per_session
+    from cspan.core.config import LMConfig
+
+    fp32 = random_lm(LMConfig.personaplex_7b(), "meta", torch.float32)
+    values = 2 * 3000 * 32 * 4096  # keys and values of every position, layer and channel
+    assert kv_bytes_per_session(fp32, "auto") == values * 4
+    assert kv_bytes_per_session(fp32, "bf16") == kv_bytes_per_session(fp32, "fp16") == values * 2
+    assert kv_bytes_per_session(fp32, "fp8") == 2 * 3000 * 32 * 32 * (128 + 4)
+
+
 def test_capacity_notes_rows_without_spans_and_says_no_graphs_on_the_cpu() -> None:
     """A row that read no span is noted in the JSON and the printed result (its capacity says nothing about spans);
     on the CPU the progress says there are no CUDA graphs instead of "compiling and capturing"."""
