@@ -136,6 +136,21 @@ def test_options_reject_impossible_settings() -> None:
             bad.check()
 
 
+def test_batch_row_options_without_batch_sizes_are_refused() -> None:
+    """--span-sessions and --span-at-tick act on the batch rows only: without --batch-size they were ignored
+    without a word (the JSON still said span_sessions 3), so they are refused."""
+    for bad, flag in (
+        (LatencyOptions(span_sessions=3), "--span-sessions 3"),
+        (LatencyOptions(span_sessions=0), "--span-sessions 0"),
+        (LatencyOptions(span_at_tick=True), "--span-at-tick"),
+        (LatencyOptions(batch_sizes=(1,), span_at_tick=True), "--span-at-tick"),  # B = 1 is the main table
+    ):
+        with pytest.raises(BenchError, match=f"{flag}: .*--batch-size"):
+            bad.check()
+    LatencyOptions().check()  # the defaults (span_sessions 1) need no batch rows
+    LatencyOptions(batch_sizes=(4,), span_sessions=3, span_at_tick=True).check()
+
+
 def test_sizes_beyond_the_window_and_unwritable_out_are_refused_up_front(
     tiny_checkpoint_dir: Path, tmp_path: Path, cli, capsys
 ) -> None:
@@ -354,6 +369,19 @@ def test_capacity_fills_rings_and_times_frames_with_poisson_spans() -> None:
     big = random_lm(LMConfig.personaplex_7b(), "meta", torch.bfloat16)
     assert kv_bytes_per_session(big, "auto") == 2 * 3000 * 32 * 4096 * 2  # 1.57 GB of bf16 keys and values
     assert kv_bytes_per_session(big, "fp8") == 2 * 3000 * 32 * 32 * (128 + 4)
+
+
+def test_capacity_counts_a_16_bit_kv_cache_of_a_float32_model_in_16_bits() -> None:
+    """--kv-dtype bf16 / fp16 store 2 bytes a value whatever the model's dtype: with --dtype fp32 the KV GiB column
+    and the "does not fit" check counted 4 (the model's), twice the cache, and could skip a batch that fits."""
+    from cspan.bench.capacity import kv_bytes_per_session
+    from cspan.core.config import LMConfig
+
+    fp32 = random_lm(LMConfig.personaplex_7b(), "meta", torch.float32)
+    values = 2 * 3000 * 32 * 4096  # keys and values of every position, layer and channel
+    assert kv_bytes_per_session(fp32, "auto") == values * 4
+    assert kv_bytes_per_session(fp32, "bf16") == kv_bytes_per_session(fp32, "fp16") == values * 2
+    assert kv_bytes_per_session(fp32, "fp8") == 2 * 3000 * 32 * 32 * (128 + 4)
 
 
 def test_capacity_notes_rows_without_spans_and_says_no_graphs_on_the_cpu() -> None:

@@ -608,6 +608,21 @@ def test_a_column_budget_reads_held_back_spans_in_later_steps(tiny_checkpoint) -
         DuplexEngine(tiny_checkpoint, batch_size=1, max_block_columns=0)
 
 
+def test_a_column_budget_does_not_let_one_session_starve_the_others(tiny_checkpoint) -> None:
+    """max_block_columns: a session that read a span in a step goes behind the sessions that read none, so one
+    session's backlog of spans cannot hold another's span back step after step (the backlogged session stayed at
+    the head of the waiting rows and read all three of its spans before session 1 read its one)."""
+    span = ContextSpan.from_ids([100 + i for i in range(6)])  # 8 columns: one span per step under a budget of 10
+    engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=0, max_block_columns=10)
+    engine.step_tokens()
+    seqs = [engine.inject_span(0, span).seq for _ in range(3)] + [engine.inject_span(1, span).seq]
+    reads = []
+    for _ in range(4):
+        engine.step_tokens()
+        reads.append([[r.seq for r in engine.take_span_reads(s)] for s in range(2)])
+    assert reads == [[[seqs[0]], []], [[], [seqs[3]]], [[seqs[1]], []], [[seqs[2]], []]]
+
+
 def test_the_step_that_reads_a_span_reports_it(tiny_checkpoint, caplog) -> None:
     """``take_span_reads``: each span is reported by the step that reads it, by its ``SpanReport.seq``, at its
     first position as read: the report's, plus one per step the column budget held it back (the schedule of the

@@ -122,7 +122,8 @@ def kv_bytes_per_session(lm: Any, kv_dtype: str) -> int:
     slots = cfg.context * cfg.num_layers * cfg.num_heads
     if kv_dtype == "fp8":
         return 2 * slots * (cfg.dim // cfg.num_heads + 4)
-    return 2 * slots * (cfg.dim // cfg.num_heads) * lm.dtype.itemsize
+    itemsize = {"bf16": 2, "fp16": 2}.get(kv_dtype, lm.dtype.itemsize)  # a 16-bit ring of any model; auto: its own
+    return 2 * slots * (cfg.dim // cfg.num_heads) * itemsize
 
 
 def prewarm(engine: Any, pcm: torch.Tensor, text_card: int, max_span: int, seed: int) -> None:

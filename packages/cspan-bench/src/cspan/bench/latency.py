@@ -241,6 +241,10 @@ class LatencyOptions:
             raise BenchSettingsError(
                 f"--span-sessions {self.span_sessions}: between 0 and the smallest batch size {list(self.batch_sizes)}"
             )
+        rows = [b for b in self.batch_sizes if b > 1]  # B = 1 is the main table, not a batch row
+        if not rows and (self.span_sessions != 1 or self.span_at_tick):  # else ignored without a word
+            flag = f"--span-sessions {self.span_sessions}" if self.span_sessions != 1 else "--span-at-tick"
+            raise BenchSettingsError(f"{flag}: acts on the batch rows only; give them with --batch-size B (B > 1)")
         if context:
             long = [n for n in self.span_lengths if n > context - 1]
             if long:

@@ -143,10 +143,11 @@ class Sessions:
         version: counts the changes of what the next step reads (every reset, sampling change, queued block, live
             flag, taken head and step): a head :meth:`peek` read stays the next step's while it is unchanged.
         max_block_columns: the step's budget of block columns (None: no limit). A step takes the queued Context
-            Spans of as many rows as fit, oldest waiting first; the rest wait for a later step, in order (a step
-            that reads no persona prefix always reads at least one span; a persona prefix, and a row whose queue
-            holds a re-prefix copy, are never held back, so the prefix stays in the window). Chunked prefill's
-            token budget (Sarathi-Serve, Agrawal et al. 2024): two long spans in one frame no longer double it.
+            Spans of as many rows as fit, oldest waiting first (a row that read some goes behind those that read
+            none); the rest wait for a later step, in order (a step that reads no persona prefix always reads at
+            least one span; a persona prefix, and a row whose queue holds a re-prefix copy, are never held back, so
+            the prefix stays in the window). Chunked prefill's token budget (Sarathi-Serve, Agrawal et al. 2024):
+            two long spans in one frame no longer double it.
     """
 
     def __init__(
@@ -321,7 +322,9 @@ class Sessions:
             if k < len(queued):
                 left[i] = queued[k:]
                 deferred[i] = sum(blk.n for blk in queued[k:])
-        waiting = [i for i in order if i in deferred] + [i for i in self.waiting if i not in live]
+        # a row that read a span now goes behind those that read none: one row's backlog cannot starve the others
+        held = [i for i in order if i in deferred]
+        waiting = sorted(held, key=lambda i: i in taken) + [i for i in self.waiting if i not in live]
         return taken, deferred, left, waiting
 
     def _note_reads(self, row: int, taken: list[Block]) -> None:
