@@ -623,6 +623,31 @@ def test_a_column_budget_does_not_let_one_session_starve_the_others(tiny_checkpo
     assert reads == [[[seqs[0]], []], [[], [seqs[3]]], [[seqs[1]], []], [[seqs[2]], []]]
 
 
+def test_a_long_block_is_attended_in_query_chunks_with_the_same_result(tiny_checkpoint, monkeypatch) -> None:
+    """The eager step attends a block in chunks of ``EAGER_QUERY_ROWS`` query positions (so many spans read in one
+    step take memory in proportion to their length, not its square); chunked, every row's text logits and tokens
+    are the same as in one call."""
+    from cspan.core.modules import transformer
+
+    def run(rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        monkeypatch.setattr(transformer, "EAGER_QUERY_ROWS", rows)
+        engine = DuplexEngine(tiny_checkpoint, batch_size=2, seed=0)
+        engine.step_tokens()
+        engine.inject_span(0, ContextSpan.from_ids([100 + i for i in range(38)]))  # 40 columns
+        engine.inject_span(0, ContextSpan.from_ids([200 + i for i in range(18)]))  # read in the same step
+        engine.inject_span(1, ContextSpan.from_ids([300 + i for i in range(10)]))
+        got = []
+        for _ in range(3):
+            out = engine.step_tokens()
+            got.append((out.text_logits.float().clone(), out.column.clone()))
+        return got
+
+    whole, chunked = run(1024), run(7)
+    for (logits_w, column_w), (logits_c, column_c) in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(logits_c, logits_w, rtol=1e-5, atol=1e-5)
+        assert torch.equal(column_c, column_w)
+
+
 def test_the_step_that_reads_a_span_reports_it(tiny_checkpoint, caplog) -> None:
     """``take_span_reads``: each span is reported by the step that reads it, by its ``SpanReport.seq``, at its
     first position as read: the report's, plus one per step the column budget held it back (the schedule of the

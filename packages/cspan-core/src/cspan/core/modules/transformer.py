@@ -51,6 +51,11 @@ POSITIONAL_EMBEDDINGS = ("none", "sin", "rope", "sin_rope")
 # wider than T): lets ``scaled_dot_product_attention`` pick its fused causal kernels instead of a [T, T] mask.
 CAUSAL = "causal"
 
+EAGER_QUERY_ROWS = 1024
+"""Most query positions of one block the eager step attends in one call (:meth:`StreamingTransformer._eager_step`):
+its scores and mask are [heads, rows, keys], so a block of many queued spans read at once (no column budget) takes
+memory in proportion to its length, not its square. A block of up to this many positions is one call, as before."""
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -791,8 +796,10 @@ class StreamingTransformer(nn.Module):
             out = torch.zeros(1, H, T, Dh, dtype=x.dtype, device=x.device)
             for sl, chunk in chunks:  # a block and its next position: the ring and themselves, then stored
                 keys, values = cache.update(i, k[:, :, sl], v[:, :, sl], chunk)
-                mask = attention_mask(chunk.positions, chunk.key_positions, window)
-                out[:, :, sl] = F.scaled_dot_product_attention(q[:, :, sl], keys, values, attn_mask=mask)
+                for a in range(0, sl.stop - sl.start, EAGER_QUERY_ROWS):
+                    rows_a = slice(sl.start + a, min(sl.stop, sl.start + a + EAGER_QUERY_ROWS))
+                    mask = attention_mask(chunk.positions[:, a : a + EAGER_QUERY_ROWS], chunk.key_positions, window)
+                    out[:, :, rows_a] = F.scaled_dot_product_attention(q[:, :, rows_a], keys, values, attn_mask=mask)
             if decode is not None:  # one position per plain row
                 k_next = k[0, :, plain, None].transpose(0, 1)  # [p, H, 1, Dh]
                 keys, values = cache.update(i, k_next, v[0, :, plain, None].transpose(0, 1), decode)
