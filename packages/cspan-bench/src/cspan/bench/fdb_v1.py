@@ -685,7 +685,7 @@ def score_task(
         write_ratings: write each new rating to ``{ID}/rating.json`` (``{analysis, rating}``), as the reference does.
         samples: score only these sample folders (in this order), e.g. those a run just rendered; default
             :func:`sample_dirs`, with a note naming the folders that hold an ``input.wav`` but no output (a run cut
-            short): they are not scored.
+            short; not for backchannel, whose samples need their ``output.wav``): they are not scored.
 
     Raises:
         BenchDataError: a folder or file is missing or malformed (named in the message).
@@ -696,7 +696,7 @@ def score_task(
     name = task or task_dir.name
     dirs = sample_dirs(task_dir, kind) if samples is None else list(samples)
     score = _score_dirs(name, kind, dirs, task_dir, icc_gt, segment_fn, judge, reuse_ratings, write_ratings)
-    if samples is None:
+    if samples is None and kind is not TaskKind.BACKCHANNEL:  # backchannel: a sample without output.wav is an error
         unrendered = unrendered_dirs(task_dir, dirs)
         if unrendered:
             ids = ", ".join(d.name for d in unrendered[:10]) + (" ..." if len(unrendered) > 10 else "")
