@@ -299,3 +299,27 @@ def test_cli_transcribes_missing_output_json_with_pocketsphinx(tmp_path: Path, v
     assert expected.tor == 1
     assert summary["metrics"] == {"tor": 1.0, "latency_s": chunks[0].start - 0.5}
     assert summary["config"]["asr"] == "sphinx"
+
+
+def test_cli_notes_sample_folders_without_an_output(tmp_path: Path, v1_dir: Path, capsys) -> None:
+    from cspan.core.cli import main
+
+    # a run cut short: sample 1 rendered, sample 2 only has its copied inputs; a second task has no output at all
+    data = tmp_path / "data"
+    task = data / "candor_turn_taking"
+    shutil.copytree(v1_dir / "smooth_turn_taking_example" / "1", task / "1")
+    (task / "2").mkdir()
+    shutil.copyfile(v1_dir / "smooth_turn_taking_example" / "1" / "input.wav", task / "2" / "input.wav")
+    shutil.copyfile(v1_dir / "smooth_turn_taking_example" / "1" / "turn_taking.json", task / "2" / "turn_taking.json")
+    idle = data / "candor_pause_handling" / "7"
+    idle.mkdir(parents=True)
+    shutil.copyfile(v1_dir / "pause_handling_example" / "1" / "input.wav", idle / "input.wav")
+    rc = main(["bench", "fdb-v1", "score", "--data", str(data), "--out", str(tmp_path / "scores")])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "scores" / "candor_turn_taking" / "summary.json").read_text())
+    assert summary["n"] == 1
+    assert any("not scored" in note and "2" in note for note in summary["notes"]), summary["notes"]
+    idle_summary = json.loads((tmp_path / "scores" / "candor_pause_handling" / "summary.json").read_text())
+    assert idle_summary["n"] == 0 and any("not scored" in note for note in idle_summary["notes"])
+    assert printed.count("not scored") == 2

@@ -188,6 +188,14 @@ def test_loader_errors(tmp_path: Path) -> None:
         load_qa_items(tmp_path, "halueval")
 
 
+def test_ids_that_share_an_output_folder_are_refused(tmp_path: Path) -> None:
+    """Ids "q 1" and "q_1" both write OUT/q_1/: the second item was given the first's result.json, counted twice."""
+    records = [{"id": "q 1", "question": "Q1", "answer": "A"}, {"id": "q_1", "question": "Q2", "answer": "B"}]
+    (tmp_path / "meta.json").write_text(json.dumps(records))
+    with pytest.raises(BenchDataError, match=r"'q 1' and 'q_1' share the output folder 'q_1'"):
+        load_qa_items(tmp_path, "llamaq")
+
+
 def test_a_record_without_an_answer_is_refused_naming_the_file(tmp_path: Path) -> None:
     """docs/BENCH.md: such records are "refused with the file and the record named"; the file was not named."""
     import os

@@ -113,3 +113,21 @@ def test_task_prompts_follow_personaplex() -> None:
     for kind in (TaskKind.PAUSE_HANDLING, TaskKind.BACKCHANNEL, TaskKind.TURN_TAKING):
         assert task_prompt(kind) == "You enjoy having a good conversation."
     assert task_prompt(TaskKind.TURN_TAKING, "Be brief.") == "Be brief."
+
+
+@pytest.mark.slow
+def test_fdb_v1_run_scores_only_the_samples_it_ran(tiny_checkpoint_dir, fixture_file, tmp_path, cli, capsys):
+    data = _dataset(tmp_path / "data", fixture_file)
+    out = tmp_path / "out"
+    args = [
+        "bench", "fdb-v1", "run", "--checkpoint", str(tiny_checkpoint_dir), "--data", str(data), "--out", str(out),
+        "--router", "none", "--asr", "sphinx", "--quiet",
+    ]  # fmt: skip
+    assert cli(*args) == 0
+    capsys.readouterr()
+    # a second run over the first sample only: the summary is of that sample, not of what an earlier run left
+    assert cli(*args, "--limit", "1") == 0
+    assert "rendered 0, kept 1" in capsys.readouterr().out
+    task_out = out / "candor_turn_taking"
+    assert json.loads((task_out / "summary.json").read_text())["n"] == 1
+    assert [s["id"] for s in json.loads((task_out / "samples.json").read_text())] == ["0"]

@@ -127,7 +127,7 @@ def register_fdb_v1_score(sub: Any) -> None:
 
 def _resolve_tasks(data: Path, specs: Sequence[str] | None) -> list[tuple[str, Any, Path]]:
     from cspan.bench.errors import BenchDataError, BenchSettingsError
-    from cspan.bench.fdb_v1 import infer_task_kind, parse_task_spec, sample_dirs
+    from cspan.bench.fdb_v1 import infer_task_kind, parse_task_spec, sample_dirs, unrendered_dirs
 
     if not data.is_dir():
         raise BenchDataError(f"--data {data} is not a folder")
@@ -142,8 +142,11 @@ def _resolve_tasks(data: Path, specs: Sequence[str] | None) -> list[tuple[str, A
         return resolved
     for folder in sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".")):
         kind = infer_task_kind(folder.name)
-        if kind is not None and sample_dirs(folder, kind):
+        # a task folder with inputs but no output yet (a run cut short) is scored as n = 0 with a note
+        if kind is not None and (sample_dirs(folder, kind) or unrendered_dirs(folder, [])):
             resolved.append((folder.name, kind, folder))
+    if not any(sample_dirs(folder, kind) for _, kind, folder in resolved):
+        resolved = []  # inputs only (a dataset not rendered yet): nothing to score
     if not resolved:
         kind = infer_task_kind(data.name)
         if kind is not None and sample_dirs(data, kind):

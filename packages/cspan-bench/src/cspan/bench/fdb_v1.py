@@ -54,6 +54,7 @@ BC_LONG_SEGMENT_S = 3.0
 
 OUTPUT_JSON = "output.json"
 OUTPUT_WAV = "output.wav"
+INPUT_WAV = "input.wav"
 TURN_TAKING_JSON = "turn_taking.json"
 INTERRUPT_JSON = "interrupt.json"
 RATING_JSON = "rating.json"
@@ -668,6 +669,7 @@ def score_task(
     judge: InterruptionJudge | None = None,
     reuse_ratings: bool = False,
     write_ratings: bool = True,
+    samples: Sequence[Path] | None = None,
 ) -> TaskScore:
     """Score every sample folder of one task folder whose ``output.json`` files already exist.
 
@@ -681,6 +683,9 @@ def score_task(
         reuse_ratings: user interruption only: take an existing ``rating.json`` instead of asking the judge (the
             only way to get ratings without a judge).
         write_ratings: write each new rating to ``{ID}/rating.json`` (``{analysis, rating}``), as the reference does.
+        samples: score only these sample folders (in this order), e.g. those a run just rendered; default
+            :func:`sample_dirs`, with a note naming the folders that hold an ``input.wav`` but no output (a run cut
+            short; not for backchannel, whose samples need their ``output.wav``): they are not scored.
 
     Raises:
         BenchDataError: a folder or file is missing or malformed (named in the message).
@@ -689,7 +694,41 @@ def score_task(
     the sample and in the summary's notes; the other samples are still scored.
     """
     name = task or task_dir.name
-    dirs = sample_dirs(task_dir, kind)
+    dirs = sample_dirs(task_dir, kind) if samples is None else list(samples)
+    score = _score_dirs(name, kind, dirs, task_dir, icc_gt, segment_fn, judge, reuse_ratings, write_ratings)
+    if samples is None and kind is not TaskKind.BACKCHANNEL:  # backchannel: a sample without output.wav is an error
+        unrendered = unrendered_dirs(task_dir, dirs)
+        if unrendered:
+            ids = ", ".join(d.name for d in unrendered[:10]) + (" ..." if len(unrendered) > 10 else "")
+            score.summary.notes.append(
+                f"{len(unrendered)} sample folder(s) with an {INPUT_WAV} but no {OUTPUT_WAV} or {OUTPUT_JSON} not "
+                f"scored (a run cut short? run it again): {ids}"
+            )
+    return score
+
+
+def unrendered_dirs(task_dir: Path, scored: Sequence[Path]) -> list[Path]:
+    """Sample folders of ``task_dir`` holding an ``input.wav`` that are not among ``scored`` (in ID order)."""
+    names = {d.name for d in scored}
+    found = [
+        e
+        for e in task_dir.iterdir()
+        if e.is_dir() and not e.name.startswith(".") and e.name not in names and (e / INPUT_WAV).is_file()
+    ]
+    return sorted(found, key=lambda p: _sort_key(p.name))
+
+
+def _score_dirs(
+    name: str,
+    kind: TaskKind,
+    dirs: Sequence[Path],
+    task_dir: Path,
+    icc_gt: Mapping[str, Sequence[float]] | None,
+    segment_fn: SegmentFn | None,
+    judge: InterruptionJudge | None,
+    reuse_ratings: bool,
+    write_ratings: bool,
+) -> TaskScore:
     if kind is TaskKind.PAUSE_HANDLING:
         pause = [score_pause(d.name, read_output_json(d / OUTPUT_JSON)) for d in dirs]
         return TaskScore(summary=summarize_pause(name, pause), samples=pause)

@@ -381,6 +381,7 @@ async def run_fdb_v1(
             task=task.name,
             icc_gt=icc_gt if task.kind is TaskKind.BACKCHANNEL else None,
             judge=judge if task.kind is TaskKind.USER_INTERRUPTION else None,
+            samples=dirs,  # this run's samples, not what an earlier run left in the folder
         )
         score.summary.config = {
             "data": str(task.folder),

@@ -335,6 +335,14 @@ def load_qa_items(data: Path, set_name: str, *, limit: int | None = None) -> lis
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})[:5]
         raise BenchDataError(f"{path}: duplicate item ids {dup}")
+    folders: dict[str, str] = {}
+    for item_id in ids:  # OUT/{folder}/result.json of one item would be taken as another's
+        other = folders.setdefault(_safe(item_id), item_id)
+        if other != item_id:
+            raise BenchDataError(
+                f"{path}: item ids {other!r} and {item_id!r} share the output folder {_safe(item_id)!r} (characters "
+                "other than letters, digits, '_', '.' and '-' become '_'); give them ids that differ there"
+            )
     return items[:limit] if limit is not None else items
 
 
