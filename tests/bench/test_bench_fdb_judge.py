@@ -237,6 +237,38 @@ def test_a_judge_that_keeps_failing_is_taken_as_down(server: ChatServer) -> None
     never.close()
 
 
+def test_a_judge_that_never_replies_in_the_format_makes_the_command_fail(
+    server: ChatServer, tmp_path: Path, fixtures_dir: Path
+) -> None:
+    """A judge that answers every request but never in its prompt's format (a model that does not follow it):
+    every judgement fails, the summary says why, and the command exits with status 1, as for a judge that is down
+    (was: status 0, so a script took the run for judged)."""
+    from cspan.core.cli import main
+
+    src = fixtures_dir / "fdb-v1" / "user_interruption_example"
+    if not src.is_dir():
+        pytest.skip(f"fixture not found: {src}")
+    data = tmp_path / "data" / "synthetic_user_interruption"
+    shutil.copytree(src, data)
+    (data / "1" / "rating.json").unlink()
+    server.replies = ["Sure! The response seems fine to me."] * 2
+    rc = main(
+        ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
+         "--judge-url", server.url, "--judge-attempts", "2", "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY"]
+    )  # fmt: skip
+    assert rc == 1 and len(server.requests) == 2
+    summary = json.loads((tmp_path / "scores" / "synthetic_user_interruption" / "summary.json").read_text())
+    assert any("was in the format its prompt asks for (1 judgement(s))" in n for n in summary["notes"])
+    # one usable reply among unusable ones: judged, no trouble
+    judge = OpenAIJudge(server.url, "m", max_attempts=1, backoff_s=0)
+    server.replies = ["no rating", "Analysis: fine.\nI would rate the AI's response as 4"]
+    with pytest.raises(JudgeError, match="never answered in the format"):
+        judge.rate_interruption("c", "i", "r")
+    assert "format its prompt asks for" in (judge.trouble() or "")
+    assert judge.rate_interruption("c", "i", "r").rating == 4 and judge.trouble() is None
+    judge.close()
+
+
 def test_a_judge_that_never_answers_times_out() -> None:
     import socket
 

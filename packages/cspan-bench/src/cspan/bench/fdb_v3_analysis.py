@@ -242,16 +242,22 @@ def ask_marks(judge: Any, user_end: float, words: Sequence[_Word], tool_calls: S
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": user_message(user_end, words, tool_calls)},
     ]
+    from cspan.bench.judge import count_judgement
+
     attempts = max(1, int(getattr(judge, "max_attempts", 1)))
     last = ""
     for attempt in range(1, attempts + 1):
         reply = judge.chat(messages, temperature=0, max_tokens=MAX_TOKENS)
         try:
-            return parse_marks(reply, len(words))
+            marks = parse_marks(reply, len(words))
         except ValueError as exc:
             last = f"{exc}: {reply.strip()[:200]!r}"
             if attempt < attempts:
                 log.warning("key-information judge: unusable reply (%s); asking again", last)
+            continue
+        count_judgement(judge, True)
+        return marks
+    count_judgement(judge, False)
     raise JudgeError(f"the key-information judge gave no usable reply in {attempts} tries: {last}")
 
 

@@ -172,6 +172,13 @@ def parse_verdict(reply: str) -> Verdict:
     return Verdict(correct=correct, explanation=str(data.get("explanation", "")))
 
 
+def count_judgement(judge: Any, usable: bool) -> None:
+    """Count a judgement on ``judge`` (:meth:`OpenAIJudge.judged`; a test's stand-in may not count)."""
+    count = getattr(judge, "judged", None)
+    if count is not None:
+        count(usable)
+
+
 def chat_completions_url(url: str) -> str:
     """``http://h:p`` / ``http://h:p/v1`` / the full endpoint -> ``http://h:p/v1/chat/completions``."""
     url = url.rstrip("/")
@@ -237,6 +244,10 @@ class OpenAIJudge:
         """Requests that failed (including those refused at once while the judge is down)."""
         self.down: str | None = None
         """Why the judge is taken as down (``down_after`` requests in a row failed); None while it answers."""
+        self.usable = 0
+        """Judgements whose reply was in the prompt's format (:meth:`judged`)."""
+        self.unusable = 0
+        """Judgements given up because no reply was in the prompt's format (:meth:`judged`)."""
         self._failed_in_a_row = 0
         self._own_client = client is None
         self._client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
@@ -256,9 +267,19 @@ class OpenAIJudge:
         """``{"url", "model"}`` for score files."""
         return {"url": self.where, "model": self.model}
 
+    def judged(self, usable: bool) -> None:
+        """Count one judgement: a reply in the prompt's format (``usable``), or none in its tries. A judge that
+        answers every request but never in the format (a model that does not follow the prompt) makes
+        :meth:`trouble` say so."""
+        if usable:
+            self.usable += 1
+        else:
+            self.unusable += 1
+
     def trouble(self) -> str | None:
-        """Why judged numbers of this run are missing: the judge went down or failed every request; None when it
-        answered (a few failed requests are counted in ``failed``, not reported here)."""
+        """Why judged numbers of this run are missing: the judge went down, failed every request, or never replied
+        in its prompt's format; None when it judged (a few failed requests or unusable replies are counted in
+        ``failed`` / ``unusable``, not reported here)."""
         if self.down is not None:
             return (
                 f"the judge {self.where} ({self.model}) was taken as down after {self.answered} answered request(s): "
@@ -267,6 +288,12 @@ class OpenAIJudge:
             )
         if self.failed and not self.answered:
             return f"every request to the judge {self.where} ({self.model}) failed ({self.failed}); nothing was judged"
+        if self.unusable and not self.usable:
+            return (
+                f"no reply of the judge {self.where} ({self.model}) was in the format its prompt asks for "
+                f"({self.unusable} judgement(s)); nothing was judged: --judge-model needs a chat model that follows "
+                "the prompt"
+            )
         return None
 
     def chat(
@@ -364,8 +391,10 @@ class OpenAIJudge:
             reply = self.chat(messages, seed=seed)
             parsed = parse_interruption_rating(reply)
             if parsed is not None:
+                self.judged(True)
                 return parsed
             log.warning("judge %s: reply without a rating, asking again: %r", self.where, reply[:200])
+        self.judged(False)
         raise JudgeError(
             f'judge {self.where} ({self.model}) never answered in the format "Analysis: ..." / "I would rate the '
             f"AI's response as N\" in {self.max_attempts} tries; last reply: {reply[:200]!r}"
@@ -383,10 +412,20 @@ class OpenAIJudge:
             function_name=function, expected=json.dumps(dict(expected)), actual=json.dumps(dict(actual))
         )
         reply = self.chat([{"role": "user", "content": prompt}], temperature=0, max_tokens=200)
-        return parse_verdict(reply)
+        return self._verdict(reply)
 
     def judge_response(self, expected_intent: str, transcript: str) -> Verdict:
         """Did the spoken ``transcript`` carry out ``expected_intent`` (the scenario's last AI line)? (v3 prompt)"""
         prompt = V3_RESPONSE_PROMPT.format(expected_intent=expected_intent, transcript=transcript)
         reply = self.chat([{"role": "user", "content": prompt}], temperature=0, max_tokens=200)
-        return parse_verdict(reply)
+        return self._verdict(reply)
+
+    def _verdict(self, reply: str) -> Verdict:
+        """:func:`parse_verdict`, counted (:meth:`judged`)."""
+        try:
+            verdict = parse_verdict(reply)
+        except JudgeError:
+            self.judged(False)
+            raise
+        self.judged(True)
+        return verdict

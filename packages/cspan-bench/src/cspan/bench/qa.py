@@ -511,6 +511,8 @@ def llm_judge(judge: Any, style: str, question: str, answers: Sequence[str], res
     """
     if not response.strip():
         return Verdict(correct=None, method="judge", explanation="empty text")
+    from cspan.bench.judge import count_judgement
+
     prompt = _PROMPTS[style].format(question=question, answers=" | ".join(answers), response=response.strip())
     messages = [{"role": "system", "content": _JUDGE_SYSTEM}, {"role": "user", "content": prompt}]
     reply = ""
@@ -519,9 +521,11 @@ def llm_judge(judge: Any, style: str, question: str, answers: Sequence[str], res
             reply = judge.chat(messages, seed=0, temperature=0, max_tokens=256)
             verdict = parse_judgement(style, reply)
             if verdict is not None:
+                count_judgement(judge, True)
                 return Verdict(correct=verdict, method="judge", explanation=reply.strip()[:300])
     except JudgeError as exc:
         return Verdict(correct=None, method="judge", explanation=f"judge failed: {exc}", judge_failed=True)
+    count_judgement(judge, False)
     return Verdict(
         correct=None,
         method="judge",
