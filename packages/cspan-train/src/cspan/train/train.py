@@ -1129,6 +1129,14 @@ class Trainer:
             start = self.load_checkpoint(latest)
             if info.is_main:
                 print(f"cspan train: resuming from {latest} (step {start} of {cfg.steps})", file=sys.stderr)
+        if cfg.stop_at is not None and cfg.stop_at <= start < cfg.steps:  # the same command again: not past STEP
+            if info.is_main:
+                print(
+                    f"cspan train: already at step {start} (--stop-at {cfg.stop_at}); nothing to do: raise --stop-at "
+                    "or leave it out to go on",
+                    file=sys.stderr,
+                )
+            return TrainResult(step=start, loss=None, export_dir=None, metrics=cfg.out_dir / METRICS_FILE)
         if info.is_main:  # this invocation's options: on a resume they differ from the first's in the runtime ones only
             (cfg.out_dir / CONFIG_FILE).write_text(json.dumps(self._config_record(), indent=2) + "\n", encoding="utf-8")
         if info.is_main:
