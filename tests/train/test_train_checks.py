@@ -99,6 +99,22 @@ def test_train_refuses_another_checkpoints_codes(request, which: str, expect: st
     assert not out.exists()  # nothing written
 
 
+def test_a_context_no_longer_than_a_span_block_is_refused(prepared_dir: Path, tiny_dir: Path, tmp_path, capsys):
+    """A --context that a Context Span block fills (prepare keeps blocks up to --max-span-frames, 600 by default) made
+    crops that hold nothing but the block: steps printed 'loss 0.0000 ... grad 0' and AdamW still moved the weights
+    on its momentum. Now one line naming --context, --max-span-frames and the dialogue, before anything is written."""
+    records = [json.loads(line) for line in (prepared_dir / "manifest.jsonl").read_text().splitlines()]
+    n, name = max((len(s["ids"]), r["name"]) for r in records for s in r["spans"])
+    out = tmp_path / "run"
+    argv = ["train", "--data-dir", str(prepared_dir), "--out-dir", str(out), "--checkpoint", str(tiny_dir)]
+    assert _run(*argv, *ONE_STEP, "--context", str(n)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"--context {n} does not hold the longest Context Span block of --data-dir {str(prepared_dir)!r}" in err
+    assert f"({n} positions, dialogue {name!r})" in err and "--max-span-frames" in err
+    assert not out.exists()  # nothing written
+
+
 @pytest.mark.parametrize("spelling", ["{name}", "./{name}", "sub/../{name}"])
 def test_export_records_the_resolved_base(
     spelling: str, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, monkeypatch

@@ -106,6 +106,11 @@ def test_stop_and_resume_is_exact(trained: Path, prepared_dir: Path, tiny_dir: P
     _train(*args, "--stop-at", "10")
     assert not (out / "export").exists() and len(_losses(out)) == 10
     capsys.readouterr()
+    # the same command again ("rerun to resume") trained step 11 and stopped there, past --stop-at 10: now nothing
+    _train(*args, "--stop-at", "10")
+    err = capsys.readouterr().err
+    assert "already at step 10 (--stop-at 10)" in err and len(_losses(out)) == 10
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000010"]
     _train(*args, "--stop-at", "20")
     err = capsys.readouterr().err
     assert "resuming from" in err and "step 10 of 30" in err

@@ -57,6 +57,11 @@ def _with(path: tuple, value) -> dict:
         (("turns", 0, "tool"), "x", "turns[0]"),
         (("persona",), 3, "persona"),
         (("profile", "nmae"), "typo", "profile.nmae"),
+        # values the printed JSON Schema refuses were coerced ("ret": "false" is True, "start": true is 1.0 s)
+        (("turns", 1, "words", 0, "start"), True, "turns[1].words[0].start"),
+        (("turns", 1, "words", 0, "end"), "1.2", "turns[1].words[0].end"),
+        (("turns", 1, "ret"), "false", "turns[1].ret"),
+        (("turns", 1, "body_word"), 1.0, "turns[1].body_word"),
     ],
 )
 def test_validation_names_file_and_field(tmp_path: Path, path: tuple, value, field: str) -> None:
@@ -81,6 +86,7 @@ def test_bad_json_and_good_file(tmp_path: Path) -> None:
         with pytest.raises(DataError, match=why):
             load_dialogue(bad)
     good = validate_dialogue(GOOD)
+    assert validate_dialogue(_with(("turns", 1, "words", 0, "start"), 1)).turns[1].words[0].start == 1.0  # an int
     assert good.turns[1].body_index == 2 and good.profile is not None and good.profile.city == "Sydney"
     unsorted = _with(("turns", 1, "words", 1, "start"), 0.5)
     with pytest.raises(DataError, match=r"words\[1\] starts at 0.5 s, before words\[0\]"):

@@ -39,7 +39,9 @@ SCHEMA_ID = "https://cspan.dev/schemas/dialogue-1.json"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no coercion, so a file passes exactly when it fits the printed JSON Schema ("ret": "false" is not
+    # true, "start": true is not 1.0 s); an int still reads as a float
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Word(_Strict):

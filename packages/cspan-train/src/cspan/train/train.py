@@ -703,6 +703,23 @@ class Trainer:
         warmup, total, ratio = cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total, ratio))
 
+    def _check_spans_fit(self) -> None:
+        """Refuse a ``--context`` that the longest Context Span block of the dataset fills: a crop starting at that
+        block would hold nothing else, a sample without a single target (a step of such samples trains on nothing).
+
+        Raises:
+            TrainSettingsError: naming ``--context``, the block, its dialogue and ``--max-span-frames``.
+        """
+        longest = max(((len(s.ids), r.name) for r in self.dataset.records for s in r.spans), default=None)
+        if longest is not None and longest[0] >= self.cfg.context:
+            n, name = longest
+            raise TrainSettingsError(
+                f"--context {self.cfg.context} does not hold the longest Context Span block of --data-dir "
+                f"{str(self.cfg.data_dir)!r} ({n} positions, dialogue {name!r}): a window would see the block and "
+                f"nothing to learn from; give --context above {n}, or prepare the data again with a lower "
+                f"--max-span-frames (cspan prepare cuts longer references)"
+            )
+
     def _check_data(self) -> None:
         """Refuse a dataset whose codes or text ids this checkpoint does not read (another codec, tokenizer or
         vocabulary): a :class:`TrainSettingsError` naming ``--checkpoint`` and ``--data-dir`` (exit status 2)."""
@@ -1075,6 +1092,7 @@ class Trainer:
             self.check_resume(latest)
         unchecked = latest is not None and self._checkpoint_weights() is None
         self.dataset = PreparedDataset(cfg.data_dir)
+        self._check_spans_fit()
         self._load_model()
         if unchecked:  # the weights' files could not be found before the load (a Hub id not in the cache)
             self.check_resume(latest)
@@ -1111,6 +1129,14 @@ class Trainer:
             start = self.load_checkpoint(latest)
             if info.is_main:
                 print(f"cspan train: resuming from {latest} (step {start} of {cfg.steps})", file=sys.stderr)
+        if cfg.stop_at is not None and cfg.stop_at <= start < cfg.steps:  # the same command again: not past STEP
+            if info.is_main:
+                print(
+                    f"cspan train: already at step {start} (--stop-at {cfg.stop_at}); nothing to do: raise --stop-at "
+                    "or leave it out to go on",
+                    file=sys.stderr,
+                )
+            return TrainResult(step=start, loss=None, export_dir=None, metrics=cfg.out_dir / METRICS_FILE)
         if info.is_main:  # this invocation's options: on a resume they differ from the first's in the runtime ones only
             (cfg.out_dir / CONFIG_FILE).write_text(json.dumps(self._config_record(), indent=2) + "\n", encoding="utf-8")
         if info.is_main:
