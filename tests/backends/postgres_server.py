@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -144,3 +145,17 @@ class PostgresServer:
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
+
+
+def running_postgres() -> Iterator[PostgresServer]:
+    """The body of a test module's ``postgres`` fixture: a started server (stopped after the module), or the
+    module's tests skipped where PostgreSQL is not installed (``.ci/run`` installs Debian's ``postgresql``)."""
+    import pytest
+
+    if postgres_binaries() is None:
+        pytest.skip("PostgreSQL is not installed (.ci/run installs Debian's postgresql)")
+    server = PostgresServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()

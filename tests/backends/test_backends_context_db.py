@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from postgres_server import PostgresServer, postgres_binaries
+from postgres_server import PostgresServer, running_postgres
 
 from cspan.backends.context_db import (
     SCHEMA_VERSION,
@@ -34,11 +34,7 @@ from cspan.backends.context_db.schema import V1, statements
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    if postgres_binaries() is None:
-        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) not found: apt-get install postgresql")
-    server = PostgresServer().start()
-    yield server
-    server.stop()
+    yield from running_postgres()
 
 
 _databases = itertools.count()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from postgres_server import PostgresServer, postgres_binaries
+from postgres_server import PostgresServer, running_postgres
 
 from cspan.backends.context_db import ContextDB, ContextDBError, Profile
 from cspan.backends.context_db.connection import POOL_SIZE, PostgresConnection
@@ -25,11 +25,7 @@ APP = "cspan-context-db"
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    if postgres_binaries() is None:
-        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) not found: apt-get install postgresql")
-    server = PostgresServer().start()
-    yield server
-    server.stop()
+    yield from running_postgres()
 
 
 _databases = itertools.count()

@@ -33,7 +33,7 @@ from cspan.backends.identity import issue_token
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "backends"))
-from postgres_server import PostgresServer, postgres_binaries  # noqa: E402
+from postgres_server import PostgresServer, running_postgres  # noqa: E402
 
 SILENCE = np.zeros(1920, dtype=np.float32)
 FRAMES_PER_S = 12.5
@@ -611,13 +611,9 @@ async def test_a_conversation_started_while_the_database_is_away_is_recorded_onc
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    if postgres_binaries() is None:
-        pytest.skip("PostgreSQL is not installed (.ci/run installs Debian's postgresql)")
     if not Path("/proc/self/stat").exists():
         pytest.skip("freezing PostgreSQL finds its processes in /proc (Linux)")
-    server = PostgresServer().start()
-    yield server
-    server.stop()
+    yield from running_postgres()
 
 
 @pytest.mark.timeout(420)

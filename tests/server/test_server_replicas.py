@@ -31,7 +31,7 @@ from serve_process import ServeProcess, free_port, serve_args
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "backends"))
-from postgres_server import PostgresServer, postgres_binaries  # noqa: E402
+from postgres_server import PostgresServer, running_postgres  # noqa: E402
 
 DEPLOY_CONFIG = REPO / "deploy" / "haproxy.cfg"
 
@@ -64,11 +64,7 @@ def haproxy_config(port: int, servers: dict[str, int], stats_socket: Path) -> st
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    if postgres_binaries() is None:
-        pytest.skip("PostgreSQL is not installed (.ci/run installs Debian's postgresql)")
-    server = PostgresServer().start()
-    yield server
-    server.stop()
+    yield from running_postgres()
 
 
 @pytest.fixture
