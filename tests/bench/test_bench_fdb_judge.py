@@ -175,15 +175,21 @@ def test_v3_argument_judge_and_fallback(server: ChatServer) -> None:
     judge.close()
 
 
-def test_cli_rates_interruptions_with_the_judge(server: ChatServer, tmp_path: Path, fixtures_dir: Path) -> None:
-    from cspan.core.cli import main
-
+def _unrated_interruptions(tmp_path: Path, fixtures_dir: Path) -> Path:
+    """A copy of the fixture's user-interruption task under ``tmp_path/data``, its rating removed (skip if absent)."""
     src = fixtures_dir / "fdb-v1" / "user_interruption_example"
     if not src.is_dir():
         pytest.skip(f"fixture not found: {src}")
     data = tmp_path / "data" / "synthetic_user_interruption"
     shutil.copytree(src, data)
     (data / "1" / "rating.json").unlink()
+    return data
+
+
+def test_cli_rates_interruptions_with_the_judge(server: ChatServer, tmp_path: Path, fixtures_dir: Path) -> None:
+    from cspan.core.cli import main
+
+    data = _unrated_interruptions(tmp_path, fixtures_dir)
     server.replies = ["Analysis: Talks about fiction books as asked.\nI would rate the AI's response as 5"]
     rc = main(
         ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
@@ -245,12 +251,7 @@ def test_a_judge_that_never_replies_in_the_format_makes_the_command_fail(
     (was: status 0, so a script took the run for judged)."""
     from cspan.core.cli import main
 
-    src = fixtures_dir / "fdb-v1" / "user_interruption_example"
-    if not src.is_dir():
-        pytest.skip(f"fixture not found: {src}")
-    data = tmp_path / "data" / "synthetic_user_interruption"
-    shutil.copytree(src, data)
-    (data / "1" / "rating.json").unlink()
+    _unrated_interruptions(tmp_path, fixtures_dir)
     server.replies = ["Sure! The response seems fine to me."] * 2
     rc = main(
         ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
