@@ -126,6 +126,8 @@ def test_g711_streams_resample_8k_both_ways(fmt: str) -> None:
         ('{"type": "response.cancel", "event_id": "e7", "response_id": Infinity}', "bad_json", None, None),
         ('{"type": "session.update", "session": {"cspan": {"seed": 1' + "0" * 5000 + "}}}", "bad_json", None, None),
         ('{"type": "session.update", "session": ' + "[" * 100_000 + "]" * 100_000 + "}", "bad_json", None, None),
+        ('{"type": "response.cancel", "event_id": "e\\ud800"}', "bad_json", None, None),  # half a surrogate pair
+        ('{"type": "session.update", "session": {"instructions": "\\udc00 hi"}}', "bad_json", None, None),
         (
             '{"type": "conversation.item.create", "event_id": "e8", "item": {"type": "message", "role": "user", '
             '"content": [{"type": "input_text", "text": 5}]}}',
