@@ -541,6 +541,23 @@ def test_a_response_without_pause_ends_at_its_token_bound_and_the_next_words_ope
     assert len([e for e in events if e.type == "response.output_audio.delta"]) == 12  # every agent frame
 
 
+def test_cancel_of_an_empty_response_does_not_mute_the_agents_next_turn() -> None:
+    """A response the client opened and cancelled before the agent said a word had no turn to cut short: the
+    agent's next words open a response at once (they were dropped until a pause of QUIET_FRAMES, so a client that
+    cancelled before the conversation started never heard an agent that never paused)."""
+    stream = ResponseStream(ItemLog())
+    stream.create()
+    _frame(stream)
+    cancelled = stream.cancel()
+    assert (
+        cancelled[-1].response.status == "cancelled"
+        and cancelled[-1].response.usage.output_token_details["text_tokens"] == 0
+    )
+    again = _frame(stream, "Hello")
+    assert _types(again)[0] == "response.created"
+    assert "response.output_audio_transcript.delta" in _types(again)
+
+
 def test_cancel_of_another_response_cancels_nothing() -> None:
     stream = ResponseStream(ItemLog())
     created = stream.create()[0].response.id
