@@ -405,3 +405,29 @@ async def test_temperature_is_the_sessions_audio_temperature(serve) -> None:
         assert engine.sampling[session.slot].audio.temperature == 1.1
     finally:
         await ws.close()
+
+
+@pytest.mark.timeout(120)
+async def test_half_a_surrogate_pair_is_refused_and_the_session_goes_on(serve) -> None:
+    """A ``\\ud800`` escape without its pair parses to a Python string that cannot be sent back as UTF-8: an item,
+    instructions or ``event_id`` holding one is refused with ``bad_json`` (not echoed, which ended the connection
+    without a close frame); a whole pair (an emoji) is text like any other."""
+    server = serve()
+    ws, client = await connect(server)
+    async with ws:
+        lone = '{"type": "input_text", "text": "\\ud800"}'
+        await ws.send(
+            '{"type": "conversation.item.create", "event_id": "e1", "item": {"type": "message", "role": "user", '
+            f'"content": [{lone}]}}}}'
+        )
+        await ws.send('{"type": "session.update", "event_id": "e\\udc00", "session": {"instructions": "\\udc00"}}')
+        pair = '{"type": "input_text", "text": "\\ud83d\\ude00"}'
+        await ws.send(
+            '{"type": "conversation.item.create", "event_id": "e2", "item": {"type": "message", "role": "user", '
+            f'"content": [{pair}]}}}}'
+        )
+        added = await client.until(lambda e: e["type"] == "conversation.item.added")
+        assert added["item"]["content"][0]["text"] == "\U0001f600"
+        await client.send({"type": "input_audio_buffer.clear", "event_id": "marker"})
+        await client.until(lambda e: e["type"] == "input_audio_buffer.cleared")
+        assert errors(client.events) == [("bad_json", None, None), ("bad_json", None, None)]

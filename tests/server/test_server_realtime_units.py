@@ -126,6 +126,8 @@ def test_g711_streams_resample_8k_both_ways(fmt: str) -> None:
         ('{"type": "response.cancel", "event_id": "e7", "response_id": Infinity}', "bad_json", None, None),
         ('{"type": "session.update", "session": {"cspan": {"seed": 1' + "0" * 5000 + "}}}", "bad_json", None, None),
         ('{"type": "session.update", "session": ' + "[" * 100_000 + "]" * 100_000 + "}", "bad_json", None, None),
+        ('{"type": "response.cancel", "event_id": "e\\ud800"}', "bad_json", None, None),  # half a surrogate pair
+        ('{"type": "session.update", "session": {"instructions": "\\udc00 hi"}}', "bad_json", None, None),
         (
             '{"type": "conversation.item.create", "event_id": "e8", "item": {"type": "message", "role": "user", '
             '"content": [{"type": "input_text", "text": 5}]}}',
@@ -537,6 +539,23 @@ def test_a_response_without_pause_ends_at_its_token_bound_and_the_next_words_ope
     assert transcripts == ["w0 w1 w2 w3 w4", "w5 w6 w7 w8 w9"]
     assert stream.active and len([e for e in events if e.type == "response.created"]) == 3
     assert len([e for e in events if e.type == "response.output_audio.delta"]) == 12  # every agent frame
+
+
+def test_cancel_of_an_empty_response_does_not_mute_the_agents_next_turn() -> None:
+    """A response the client opened and cancelled before the agent said a word had no turn to cut short: the
+    agent's next words open a response at once (they were dropped until a pause of QUIET_FRAMES, so a client that
+    cancelled before the conversation started never heard an agent that never paused)."""
+    stream = ResponseStream(ItemLog())
+    stream.create()
+    _frame(stream)
+    cancelled = stream.cancel()
+    assert (
+        cancelled[-1].response.status == "cancelled"
+        and cancelled[-1].response.usage.output_token_details["text_tokens"] == 0
+    )
+    again = _frame(stream, "Hello")
+    assert _types(again)[0] == "response.created"
+    assert "response.output_audio_transcript.delta" in _types(again)
 
 
 def test_cancel_of_another_response_cancels_nothing() -> None:

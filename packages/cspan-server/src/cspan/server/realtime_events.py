@@ -26,6 +26,7 @@ anything that is not in the published schema.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -412,6 +413,20 @@ CLIENT_EVENT_TYPES = (
     "response.cancel",
 )
 _client_adapter: TypeAdapter[Any] = TypeAdapter(ClientEvent)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(text: str, data: Any) -> bool:
+    """Whether the parsed ``data`` of ``text`` holds half a UTF-16 surrogate pair (a ``\\ud800`` escape alone):
+    Python's JSON parser keeps it in a ``str``, which then cannot be sent back as UTF-8 (an echoed ``event_id``,
+    item or instruction would end the connection)."""
+    if _SURROGATE_ESCAPE.search(text) is None:
+        return False
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def parse_client_event(text: str) -> Any:
@@ -430,6 +445,11 @@ def parse_client_event(text: str) -> Any:
         data = loads(text)
     except JSONInputError as exc:
         raise RealtimeEventError("bad_json", f"the message is not valid JSON ({exc}); send one JSON object") from None
+    if _has_lone_surrogate(text, data):
+        raise RealtimeEventError(
+            "bad_json",
+            "the message is not valid JSON text (a \\u escape of half a UTF-16 surrogate pair is no character)",
+        )
     if not isinstance(data, dict):
         raise RealtimeEventError("bad_json", f"expected a JSON object with a 'type' key, got {type(data).__name__}")
     raw_id = data.get("event_id")

@@ -188,6 +188,7 @@ class ResponseStream:
         self._message: MessageItem | None = None
         self._pieces: list[str] = []
         self._quiet = 0
+        self._since_text = quiet_frames  # frames since the agent's last text piece (its turn ends at quiet_frames)
         self._muted = False
         self._pre_roll: bytes | None = None
         self._text_tokens = 0
@@ -202,6 +203,7 @@ class ResponseStream:
 
     def audio(self, data: bytes) -> list[ServerEvent]:
         """One agent frame, already in the client's output format."""
+        self._since_text += 1
         if self._muted:
             self._quiet += 1
             if self._quiet >= self.quiet_frames:
@@ -219,6 +221,7 @@ class ResponseStream:
     def text(self, piece: str) -> list[ServerEvent]:
         """One rendered text piece of the agent (the frame's :meth:`audio` came first)."""
         self._quiet = 0
+        self._since_text = 0
         if self._muted:
             return []
         events: list[ServerEvent] = []
@@ -267,7 +270,9 @@ class ResponseStream:
         return self._open(metadata)
 
     def cancel(self, response_id: str | None = None, *, event_id: str | None = None) -> list[ServerEvent]:
-        """``response.cancel``: end the response ``cancelled``; the agent's output is dropped until its turn ends.
+        """``response.cancel``: end the response ``cancelled``; the agent's output is dropped until its turn ends
+        (when the agent is not in a turn, a response the client opened before its words, its next words open a response
+        as usual).
 
         Raises:
             RealtimeEventError: ``response_cancel_not_active`` (OpenAI's code; its messages begin "Cancellation
@@ -286,7 +291,7 @@ class ResponseStream:
                 param="response_id",
             )
         events = self._close("cancelled", reason="client_cancelled")
-        self._muted = True
+        self._muted = self._since_text < self.quiet_frames  # no words for as long: no turn of the agent's to cut
         self._quiet = 0
         return events
 
