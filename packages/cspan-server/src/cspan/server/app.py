@@ -604,6 +604,9 @@ async def _send(websocket: Any, session: Session, adapter: ProtocolAdapter, metr
                     metrics.wire_bytes.labels(name, "out").inc(len(message.encode("utf-8")))
     except asyncio.CancelledError:
         raise
+    except (UnicodeError, TypeError):  # a message the server made that cannot be sent: a bug, not the client
+        logger.exception("session %s: %s could not send a message; the connection is given up", session.id, name)
+        session.gone = True
     except Exception as exc:  # the client went away mid-send
         logger.debug("session %s: send failed: %s", session.id, exc)
         session.gone = True
