@@ -192,6 +192,23 @@ def test_no_utterance_transcribes_the_listen_window_through_the_retriever():
     assert any(isinstance(e, QuestionEvent) and e.text == "transcribed window" for e in conv.events)
 
 
+def test_the_question_transcribed_by_the_retriever_carries_its_transcription_time():
+    """A ``question`` event says the transcription latency where one ran (``asr_s``): the listen window's question
+    is transcribed by the retriever, whose result says how long that took."""
+
+    class TimedRetriever(FakeRetriever):
+        async def retrieve(self, **kw):
+            result = await super().retrieve(**kw)
+            result.asr_s = 0.25 if kw.get("question") is None else 0.0  # as cspan.backends' SpanResult.asr_s
+            return result
+
+    engine = RecordingEngine()
+    conv = _conv(engine, retriever=TimedRetriever(), listen_s=2.0)
+    _run(conv, engine, 50, ret_frames={30})
+    question = next(e for e in conv.events if isinstance(e, QuestionEvent))
+    assert (question.text, question.asr_s) == ("transcribed window", 0.25)
+
+
 def test_second_ret_while_pending_is_ignored_and_reported():
     engine, ret = RecordingEngine(), FakeRetriever()
     conv = _conv(engine, retriever=ret)

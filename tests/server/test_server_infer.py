@@ -424,3 +424,33 @@ def test_a_named_voice_and_no_router_are_said_as_used(tiny_checkpoint_dir, fixtu
     assert raw["persona"]["voice"] == "tiny1" and raw["persona"]["voice_default"] is False
     assert raw["tools"] == {"sets": [], "names": []}
     InferOutput.model_validate(raw)
+
+
+def test_a_run_starts_from_the_stored_profile_and_keeps_it(tiny_checkpoint_dir, tmp_path) -> None:
+    """`--db FILE` remembers the user: a later run without --user-name/--user-city/--user-tz neither erases the stored
+    profile nor ignores it (the persona names the user as before); a flag given changes only its own field."""
+    from cspan.backends.context_db import ContextDB
+
+    inp = tmp_path / "tone.wav"
+    sf.write(inp, 0.3 * np.sin(np.arange(9600) * 2 * np.pi * 440 / 24000), 24000)
+    db = tmp_path / "memory.sqlite"
+    quick = ("--db", str(db), "--asr", "none", "--router", "none")
+
+    def run(name: str, *extra: str) -> dict:
+        _infer(tiny_checkpoint_dir, inp, tmp_path / name, *quick, *extra)
+        return json.loads((tmp_path / name / "out.json").read_text())
+
+    def stored() -> tuple[str, str, str]:
+        with ContextDB(str(db)) as memory:
+            p = memory.user("local").get_profile()
+        assert p is not None
+        return p.name, p.city, p.timezone
+
+    first = run("first", "--user-name", "Ada", "--user-city", "Leeds", "--user-tz", "Europe/London")
+    assert stored() == ("Ada", "Leeds", "Europe/London")
+    second = run("second")
+    assert stored() == ("Ada", "Leeds", "Europe/London")
+    assert second["persona"]["text_tokens"] == first["persona"]["text_tokens"]
+    assert second["settings"]["user_name"] == ""  # the settings say what was asked
+    run("third", "--user-city", "York")
+    assert stored() == ("Ada", "York", "Europe/London")

@@ -703,7 +703,15 @@ class Conversation:
             return
         if p.question is None and getattr(result, "question", None):
             p.question = result.question
-            self._emit(QuestionEvent(frame=i, t=i * FRAME_S, text=result.question or "", ret_frame=p.ret_frame))
+            self._emit(
+                QuestionEvent(
+                    frame=i,
+                    t=i * FRAME_S,
+                    text=result.question or "",
+                    ret_frame=p.ret_frame,
+                    asr_s=getattr(result, "asr_s", None),  # the retriever transcribed it
+                )
+            )
         if getattr(result, "late", False) or (deadline is not None and elapsed > deadline):
             self._finish_late(i, p, result, seconds=elapsed)
             return

@@ -556,15 +556,16 @@ async def run_infer(
         use_cpu_threads()  # before any thread's first operation: each takes the count then
     source = s.checkpoint or DEFAULT_CHECKPOINT
 
-    from cspan.backends.context_db import Profile
     from cspan.backends.identity import Principal
     from cspan.server.shared_backends import build_backends, build_transcriber
 
     db = open_context_db(s)
     memory = db.user(Principal.local())  # one person at this machine: the local user, as `cspan serve` without tokens
-    profile = Profile(user_id=memory.user_id, name=s.user_name, city=s.user_city, timezone=s.user_tz)
+    # the run starts from the user's stored profile; only the fields given (--user-name, --user-city, --user-tz)
+    # change it, so that a run without them neither erases nor ignores what an earlier one stored
+    given = {"name": s.user_name, "city": s.user_city, "timezone": s.user_tz}
     try:  # the write that shows the database takes writes; the conversation is recorded once the model reads it
-        memory.put_profile(profile)
+        profile = memory.merge_profile({k: v for k, v in given.items() if v})
     except Exception as exc:  # sqlite3 errors: a read-only or locked database file
         raise CspanError(f"--db {db.where}: cannot write to the Context DB: {exc}") from None
 
@@ -619,7 +620,9 @@ async def _converse(
     refuse_overwrites(s.outputs, infer_reads(s, config))
     chosen = choose_voice(s.voice, checkpoint)
     voice = None if chosen is None else chosen.prompt
-    persona = {**persona_frames(checkpoint, s, voice), **describe_voice(chosen)}
+    # the persona names the user as the profile does (the flags, else what the Context DB remembers)
+    persona_s = s.model_copy(update={"user_name": profile.name, "user_city": profile.city})
+    persona = {**persona_frames(checkpoint, persona_s, voice), **describe_voice(chosen)}
     engine = DuplexEngine(
         checkpoint,
         batch_size=1,
@@ -632,7 +635,7 @@ async def _converse(
         kv_dtype=s.kv_dtype,
     )
     engine.reset(0, seed=s.seed)
-    engine.set_persona(0, s.text_prompt, voice, user_name=s.user_name or None, user_city=s.user_city or None)
+    engine.set_persona(0, s.text_prompt, voice, user_name=profile.name or None, user_city=profile.city or None)
     if not s.quiet:
         window = f" of the {persona['window']}-position window" if persona["window"] else ""
         print(
