@@ -33,14 +33,18 @@ def _dataset(root: Path, fixture_file) -> Path:
     return root
 
 
-@pytest.mark.slow
-def test_fdb_v1_run_renders_transcribes_scores_and_resumes(tiny_checkpoint_dir, fixture_file, tmp_path, cli, capsys):
-    data = _dataset(tmp_path / "data", fixture_file)
-    out = tmp_path / "out"
-    args = [
-        "bench", "fdb-v1", "run", "--checkpoint", str(tiny_checkpoint_dir), "--data", str(data), "--out", str(out),
+def _run_args(checkpoint: Path, data: Path, out: Path) -> list[str]:
+    """``cspan bench fdb-v1 run`` of ``data`` into ``out``: no router, sphinx transcripts, quiet."""
+    return [
+        "bench", "fdb-v1", "run", "--checkpoint", str(checkpoint), "--data", str(data), "--out", str(out),
         "--router", "none", "--asr", "sphinx", "--quiet",
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_fdb_v1_run_renders_transcribes_scores_and_resumes(tiny_checkpoint_dir, fixture_file, tmp_path, cli, capsys):
+    data, out = _dataset(tmp_path / "data", fixture_file), tmp_path / "out"
+    args = _run_args(tiny_checkpoint_dir, data, out)
     assert cli(*args) == 0
     printed = capsys.readouterr().out
     assert "rendered 2, kept 0, transcribed 2" in printed
@@ -117,12 +121,8 @@ def test_task_prompts_follow_personaplex() -> None:
 
 @pytest.mark.slow
 def test_fdb_v1_run_scores_only_the_samples_it_ran(tiny_checkpoint_dir, fixture_file, tmp_path, cli, capsys):
-    data = _dataset(tmp_path / "data", fixture_file)
     out = tmp_path / "out"
-    args = [
-        "bench", "fdb-v1", "run", "--checkpoint", str(tiny_checkpoint_dir), "--data", str(data), "--out", str(out),
-        "--router", "none", "--asr", "sphinx", "--quiet",
-    ]  # fmt: skip
+    args = _run_args(tiny_checkpoint_dir, _dataset(tmp_path / "data", fixture_file), out)
     assert cli(*args) == 0
     capsys.readouterr()
     # a second run over the first sample only: the summary is of that sample, not of what an earlier run left
