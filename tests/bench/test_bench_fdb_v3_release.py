@@ -187,8 +187,11 @@ def test_run_against_the_release_world(
         "expected_tool_calls": [{"function": "track_order", "args": {"order_id": "55123"}}],
     }
     (release / "benchmark_data_v2.json").write_text(json.dumps({"scenarios": [scenario]}))
+    # the router's call and its empty answer after the tool's result, then the judge's verdicts (a judge that never
+    # answers in its format makes the command exit 1)
+    verdict = {"role": "assistant", "content": '{"correct": true, "explanation": "as expected"}'}
     server = fake_chat_server(
-        [tool_call_message("track_order", {"order_id": "55123"}), {"role": "assistant", "content": ""}]
+        [tool_call_message("track_order", {"order_id": "55123"}), {"role": "assistant", "content": ""}, verdict]
     )
     out = tmp_path / "out"
     rc = cli(
