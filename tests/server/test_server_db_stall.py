@@ -540,10 +540,7 @@ async def test_what_a_stall_delays_is_stored_as_it_happened(tiny_checkpoint: Any
         await asyncio.sleep(1.0)
         opened = time.time()
         gate.open()
-        deadline = time.monotonic() + 20
-        while server.hub.db_calls._busy:
-            assert time.monotonic() < deadline, "the writes never went through"
-            await asyncio.sleep(0.05)
+        await _writes_done(server)
         with ContextDB(path) as check:
             memory = check.user("eve")
             stored = memory.get_profile()
@@ -558,6 +555,14 @@ async def test_what_a_stall_delays_is_stored_as_it_happened(tiny_checkpoint: Any
                 assert readied < turn.t <= seen + 0.01 and seen - 0.5 < turn.t
     finally:
         server.stop()
+
+
+async def _writes_done(server: Any, timeout: float = 20.0) -> None:
+    """Wait until no session of ``server`` has a Context DB write pending."""
+    deadline = time.monotonic() + timeout
+    while server.hub.db_calls._busy:
+        assert time.monotonic() < deadline, "the writes never went through"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.timeout(180)
@@ -591,10 +596,7 @@ async def test_a_conversation_started_while_the_database_is_away_is_recorded_onc
             _, second = await live.until(lambda m: is_final(m) and m["frame"] != first["frame"], 60)
             stopped = time.time()
             assert (await live.stop())["reason"] == "stop"
-        deadline = time.monotonic() + 20
-        while server.hub.db_calls._busy:
-            assert time.monotonic() < deadline, "the writes never went through"
-            await asyncio.sleep(0.05)
+        await _writes_done(server)
         with ContextDB(path) as check:
             memory = check.user("eve")
             stored = memory.get_profile()
