@@ -335,12 +335,26 @@ def _shown(value: Any) -> str:
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Learning-rate multiplier of optimizer step ``step`` (0-based): linear warm-up over ``warmup`` steps to 1,
-    then a half cosine down to ``min_ratio`` at step ``total``."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
+    """Learning-rate multiplier (of ``--lr`` and ``--lr-depformer``) of optimizer step ``step`` (0-based, so the
+    ``step + 1``-th step of ``metrics.jsonl``) of a run of ``total`` steps.
+
+    Linear warm-up: the n-th step (n = ``step + 1`` <= ``warmup``) uses ``n / warmup``, so the first uses
+    ``1 / warmup`` and the last warm-up step exactly 1. Then a half cosine from 1 (at the warm-up's end) down to
+    ``min_ratio``, reached exactly by the last step (n = ``total``). A run that ends within its warm-up
+    (``warmup >= total``) never decays. The scheduler also asks for n = ``total + 1``
+    after the last step (no step uses it): ``min_ratio`` past the warm-up.
+
+    Raises:
+        ValueError: ``step``, ``warmup`` negative or ``total`` below 1.
+    """
+    if step < 0 or warmup < 0 or total < 1:
+        raise ValueError(f"lr_factor: step {step} and warmup {warmup} must be >= 0 and total {total} >= 1")
+    n = step + 1
+    if n <= warmup:
+        return n / warmup
+    if n >= total:  # exactly min_ratio, which the cosine's rounding need not give
+        return min_ratio
+    progress = (n - warmup) / (total - warmup)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
