@@ -1157,32 +1157,32 @@ class Trainer:
     @contextmanager
     def _out_dir_locked(self) -> Iterator[None]:
         """Hold the lock of ``out_dir`` (:func:`lock_out_dir`) for the block: rank 0 takes it, and every rank learns
-        the outcome (a broadcast), so that when rank 0 is refused every rank raises the same error at once instead
-        of waiting in the next collective for a rank 0 that has left.
+        the outcome (a sum over ranks of rank 0's code: tensors, no pickled objects), so that when rank 0 is refused
+        every rank raises at once instead of waiting in the next collective for a rank 0 that has left.
 
         Raises:
-            TrainSettingsError: another run holds the lock (exit status 2), on every rank.
-            TrainError: rank 0 could not take it for another reason (its own ``OSError`` on rank 0).
+            TrainSettingsError: another run holds the lock (exit status 2), on every rank (rank 0's message names
+                the holder).
+            TrainError: rank 0 could not take it for another reason (rank 0 raises its own ``OSError``).
         """
         info = self.dist
         handle = None
-        outcome: list[Any] = [None]  # rank 0's: None (locked), or (settings error?, message)
         error: BaseException | None = None
+        code = 0.0  # rank 0's outcome: 0 locked, 1 refused (another run), 2 another error
         if info.is_main:
             try:
                 handle = lock_out_dir(self.cfg.out_dir)
             except (TrainSettingsError, OSError) as exc:
-                error = exc
-                outcome = [(isinstance(exc, TrainSettingsError), str(exc))]
+                error, code = exc, 1.0 if isinstance(exc, TrainSettingsError) else 2.0
         if info.enabled:
-            dist.broadcast_object_list(outcome, src=0)
+            code = float(info.all_sum(torch.tensor([code], dtype=torch.float64, device=self.device))[0])
         if error is not None:
             raise error
-        if outcome[0] is not None:
-            refused, message = outcome[0]
-            if refused:
-                raise TrainSettingsError(message)
-            raise TrainError(f"rank 0 could not lock --out-dir {str(self.cfg.out_dir)!r}: {message}")
+        where = f"--out-dir {str(self.cfg.out_dir)!r}"
+        if code == 1.0:
+            raise TrainSettingsError(f"{where} is in use by another `cspan train` run (rank 0 names it)")
+        if code:
+            raise TrainError(f"rank 0 could not lock {where} (rank 0 says why)")
         try:
             yield
         finally:
