@@ -199,10 +199,56 @@ def test_an_external_router_url_with_a_query_is_checked_and_exported_with_it(env
         url = f"http://127.0.0.1:{port}/v1?api-version=2"
         out = _run(["backends", "start", "--no-asr", "--router-url", url], env)
         assert out.returncode == 0, out.stdout + out.stderr
-        assert f"export CSPAN_ROUTER_URL={shlex.quote(url)}" in _run(["backends", "env"], env).stdout.splitlines()
+        # its model is not known (no --router-model): only the URL is exported, not the launcher's default model
+        assert _run(["backends", "env"], env).stdout.splitlines() == [f"export CSPAN_ROUTER_URL={shlex.quote(url)}"]
     finally:
         router.terminate()
         router.wait(timeout=30)
+
+
+def test_router_spec_records_the_model_only_where_it_applies() -> None:
+    """The model recorded (and exported as CSPAN_ROUTER_MODEL) is the one the router is known to serve: vLLM's, a
+    --router-command's when it was given one ({model} in it, or --router-model), an external server's when named;
+    otherwise none (the default gemma had been recorded for every router, a command that serves another model too)."""
+    from cspan.backends.launcher import ROUTER_MODEL, router_spec
+
+    assert router_spec().model == ROUTER_MODEL and router_spec().command[:3] == ["vllm", "serve", ROUTER_MODEL]
+    assert router_spec(model="m").model == "m"
+    assert router_spec(command="srv --port {port}").model is None
+    assert router_spec(command="srv --port {port} --x {{model}}").model is None  # a literal brace, not the field
+    assert router_spec(command="srv --port {port}", model="m").model == "m"
+    served = router_spec(command="srv --port {port} --model {model}")
+    assert served.model == ROUTER_MODEL and served.command == ["srv", "--port", "8004", "--model", ROUTER_MODEL]
+    named = router_spec(command="srv --served-model-name={model}", model="m")
+    assert named.model == "m" and named.command == ["srv", "--served-model-name=m"]
+    assert router_spec(url="http://h:8/v1").model is None
+    assert router_spec(url="http://h:8/v1", model="gpt-4.1-mini").model == "gpt-4.1-mini"
+
+
+def test_env_exports_no_router_model_for_a_router_command_without_one(env):
+    """`cspan backends start --router-command CMD` (no {model}, no --router-model) then `cspan backends env` exported
+    CSPAN_ROUTER_MODEL=google/gemma-4-26B-A4B-it, a model that server does not serve, over the shell's own value."""
+    port = _free_port()
+    command = f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'fake_openai_router.py'))} --port {{port}}"
+    start = _run(
+        ["backends", "start", "--no-asr", "--router-command", command, "--router-port", str(port), "--timeout-s", "120"],
+        env,
+    )  # fmt: skip
+    try:
+        assert start.returncode == 0, start.stdout + start.stderr
+        exports = _run(["backends", "env"], env)
+        assert exports.returncode == 0 and exports.stderr == ""
+        assert exports.stdout.splitlines() == [f"export CSPAN_ROUTER_URL=http://127.0.0.1:{port}/v1"]
+        # eval'd in a shell that names its router model: that value stays
+        shell = f'eval "$({shlex.join(CSPAN)} backends env)"; echo "$CSPAN_ROUTER_URL $CSPAN_ROUTER_MODEL"'
+        seen = subprocess.run(
+            ["bash", "-c", shell], env={**env, "CSPAN_ROUTER_MODEL": "my-model"}, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert seen.stdout.split() == [f"http://127.0.0.1:{port}/v1", "my-model"], seen.stderr
+    finally:
+        stop = _run(["backends", "stop"], env)
+    assert stop.returncode == 0 and "router" in stop.stdout, stop.stderr
 
 
 def test_router_spec_takes_each_form_of_the_router_url() -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -474,6 +475,68 @@ def test_tools_serve_refuses_bad_ports_and_names() -> None:
     listed = subprocess.run(cspan_tools("list"), capture_output=True, text=True, timeout=120)
     names = [line.split("(")[0] for line in listed.stdout.splitlines()]
     assert names == ["get_time", "calculate", "get_weather"]  # no mock world unless named
+
+
+def test_tools_list_and_call_mount_mcp_servers_as_serve_does() -> None:
+    """`cspan tools list|call --mcp SPEC` (the parser of `cspan serve --mcp`) mount a real stdio MCP server: its tools
+    under their local names (prefix=, allow=, read= applied) beside the --tools sets, and a call answered by it."""
+    demo = shlex.join([sys.executable, str(HERE / "mcp_demo_server.py")])
+
+    def tools(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cspan_tools(*args), capture_output=True, text=True, timeout=CONNECT_S)
+
+    alone = tools("list", "--tools", "none", "--mcp", f"prefix=demo_ -- {demo}")
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.splitlines() == [
+        "demo_add(a, b)  action (needs confirmation)",
+        "demo_shout(text, times)  action (needs confirmation)",
+        "demo_refuse(reason)  action (needs confirmation)",
+        "demo_crash(code)  action (needs confirmation)",
+    ]
+    beside = tools("list", "--json", "--tools", "calculator", "--mcp", f"allow=add,shout read=add {demo}")
+    assert beside.returncode == 0, beside.stderr
+    listed = json.loads(beside.stdout)
+    assert [t["function"]["name"] for t in listed] == ["calculate", "add", "shout"]
+    assert listed[1]["function"]["parameters"]["required"] == ["a", "b"]
+    kinds = tools("list", "--tools", "none", "--mcp", f"allow=add,shout read=add {demo}").stdout.splitlines()
+    assert kinds == ["add(a, b)  read", "shout(text, times)  action (needs confirmation)"]  # read= vouches for add
+    called = tools("call", "add", '{"a": 2, "b": 40}', "--tools", "none", "--mcp", demo)
+    assert (called.returncode, called.stdout, called.stderr) == (0, "42\n", "")
+    twice = tools("call", "demo_shout", '{"text": "hi", "times": 2}', "--json", "--mcp", f"prefix=demo_ {demo}")
+    assert twice.returncode == 0, twice.stderr
+    assert json.loads(twice.stdout)["text"] == "HI HI"
+    # the server's own failure: the tool ran (status 1), its message quoted
+    refused = tools("call", "refuse", '{"reason": "not today"}', "--tools", "none", "--mcp", demo)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.strip() == (
+        "cspan tools call: error: MCP tool 'refuse' reported an error: Error executing tool refuse: refused: not today"
+    )
+    # a tool the allow list left out is unknown, refused before anything runs (status 2)
+    hidden = tools("call", "refuse", '{"reason": "x"}', "--tools", "none", "--mcp", f"allow=add {demo}")
+    assert hidden.returncode == 2 and "refuse" in hidden.stderr and hidden.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["list", "--mcp", "alow=add python server.py"], "cspan tools list: error: --mcp 'alow=add python server.py': "
+         "unknown option 'alow'; the options are allow, read, prefix, timeout"),
+        (["call", "add", "--mcp", "allow=add"], "cspan tools call: error: --mcp 'allow=add': give a stdio command "
+         "line or an http(s):// URL after the options"),
+        (["list", "--mcp", "timeout=soon python server.py"], "timeout='soon' is not a number of seconds"),
+    ],
+)  # fmt: skip
+def test_a_malformed_mcp_spec_of_tools_list_or_call_is_one_line_and_status_2(args: list[str], message: str) -> None:
+    out = subprocess.run(cspan_tools(*args), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"cspan tools {args[0]}: error: --mcp ") and message in line, line
+
+
+def test_tools_serve_takes_no_mcp() -> None:
+    """`cspan tools serve` serves this project's tools; it is not a proxy of other MCP servers."""
+    out = subprocess.run(cspan_tools("serve", "--mcp", "python x.py"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unrecognized arguments: --mcp python x.py" in out.stderr
 
 
 def slow_forecast(delay_s: float):  # type: ignore[no-untyped-def]

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from cspan.bench import fdb_v3
 from cspan.bench.errors import JudgeError
 from cspan.bench.judge import (
     INTERRUPTION_SYSTEM_PROMPT,
+    InterruptionRating,
     OpenAIJudge,
     chat_completions_url,
     interruption_user_message,
@@ -268,6 +270,91 @@ def test_a_judge_that_never_replies_in_the_format_makes_the_command_fail(
     assert "format its prompt asks for" in (judge.trouble() or "")
     assert judge.rate_interruption("c", "i", "r").rating == 4 and judge.trouble() is None
     judge.close()
+
+
+def test_a_rating_outside_0_to_5_is_not_in_the_format() -> None:
+    assert parse_interruption_rating("Analysis: great.\nI would rate the AI's response as 7") is None
+    assert parse_interruption_rating("Analysis: x.\nI would rate the AI's response as 10.") is None
+    # the last match wins, in range or not
+    two = "Analysis: a.\nI would rate the AI's response as 4\nAnalysis: b.\nI would rate the AI's response as 6"
+    assert parse_interruption_rating(two) is None
+    for rating in (0, 5):
+        parsed = parse_interruption_rating(f"Analysis: edge.\nI would rate the AI's response as {rating}")
+        assert parsed is not None and parsed.rating == rating
+    with pytest.raises(ValidationError, match="less than or equal to 5"):
+        InterruptionRating(analysis="a", rating=6)
+
+
+def test_a_rating_outside_0_to_5_is_asked_again_then_counted_unusable(server: ChatServer) -> None:
+    judge = OpenAIJudge(server.url, "m", max_attempts=2, backoff_s=0)
+    server.replies = [
+        "Analysis: on topic.\nI would rate the AI's response as 8",
+        "Analysis: ok.\nI would rate the AI's response as 3",
+    ]
+    assert judge.rate_interruption("c", "i", "r").rating == 3
+    assert (len(server.requests), judge.usable, judge.unusable) == (2, 1, 0)
+    server.replies = [
+        "Analysis: a.\nI would rate the AI's response as 9",
+        "Analysis: b.\nI would rate the AI's response as 6",
+    ]
+    with pytest.raises(JudgeError, match=r"with N from 0 to 5 in 2 tries; last reply: .*as 6"):
+        judge.rate_interruption("c", "i", "r")
+    assert (len(server.requests), judge.usable, judge.unusable) == (4, 1, 1)
+    judge.close()
+
+
+def test_a_judge_that_only_rates_outside_0_to_5_makes_the_command_fail(
+    server: ChatServer, tmp_path: Path, fixtures_dir: Path
+) -> None:
+    """Every reply in the format but rated 7: no rating is kept or written, the summary says nothing was judged and
+    the command exits with status 1, as for a judge that never replies in the format."""
+    from cspan.core.cli import main
+
+    data = _unrated_interruptions(tmp_path, fixtures_dir)
+    server.replies = ["Analysis: Perfect.\nI would rate the AI's response as 7"] * 2
+    rc = main(
+        ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
+         "--judge-url", server.url, "--judge-attempts", "2", "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY"]
+    )  # fmt: skip
+    assert rc == 1 and len(server.requests) == 2
+    assert not (data / "1" / "rating.json").exists()
+    summary = json.loads((tmp_path / "scores" / "synthetic_user_interruption" / "summary.json").read_text())
+    assert summary["metrics"]["rating"] is None
+    assert any("was in the format its prompt asks for (1 judgement(s))" in n for n in summary["notes"])
+    samples = json.loads((tmp_path / "scores" / "synthetic_user_interruption" / "samples.json").read_text())
+    assert [(s["rating"], s["judge_failed"]) for s in samples] == [(None, True)]
+
+
+def test_a_stored_rating_outside_0_to_5_is_refused(tmp_path: Path, fixtures_dir: Path, capsys) -> None:
+    from cspan.core.cli import main
+
+    data = _unrated_interruptions(tmp_path, fixtures_dir)
+    (data / "1" / "rating.json").write_text(json.dumps({"analysis": "hand-edited", "rating": 9}))
+    rc = main(["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
+               "--reuse-ratings"])  # fmt: skip
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"{data / '1' / 'rating.json'}: rating 9 is outside the judge's 0-5" in err, err
+
+
+def test_a_judge_of_its_own_rating_outside_0_to_5_fails_the_sample(tmp_path: Path, fixtures_dir: Path) -> None:
+    """A judge object other than :class:`OpenAIJudge` (the :class:`~cspan.bench.fdb_v1.InterruptionJudge` protocol)
+    that returns 6: the sample is judge_failed, out of the mean, and no rating.json is written."""
+    from cspan.bench import fdb_v1
+    from cspan.bench.fdb_v1 import TaskKind
+
+    data = _unrated_interruptions(tmp_path, fixtures_dir)
+
+    class Lenient:
+        def rate_interruption(self, context: str, interrupt: str, response: str) -> Any:
+            return InterruptionRating.model_construct(analysis="too kind", rating=6)
+
+    score = fdb_v1.score_task(data, TaskKind.USER_INTERRUPTION, judge=Lenient(), write_ratings=True)
+    (sample,) = score.samples
+    assert (sample.rating, sample.judge_failed) == (None, True)
+    assert score.summary.metrics["rating"] is None
+    assert any("the judge rated 6, outside 0-5" in n for n in score.summary.notes)
+    assert not (data / "1" / "rating.json").exists()
 
 
 def test_a_judge_that_never_answers_times_out() -> None:

@@ -97,6 +97,17 @@ def test_loss_goes_down_and_export_loads_in_infer(
     assert sf.info(str(tmp_path / "out.wav")).channels == 2
 
 
+def test_each_step_records_the_rate_of_the_schedule(trained: Path) -> None:
+    """--lr 3e-3, --lr-depformer its default 2 x, 30 steps, the default warm-up of 5 % (2 steps), --min-lr-ratio 0.1:
+    half the peak on step 1, the peak on step 2 (the warm-up's end), then down to exactly 0.1 x the peak on step 30."""
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: (r["lr"], r["lr_depformer"]) for r in records}
+    assert lr[1] == (3e-3 * 0.5, 6e-3 * 0.5)
+    assert lr[2] == (3e-3, 6e-3)
+    assert lr[30] == (3e-3 * 0.1, 6e-3 * 0.1)
+    assert all(lr[s][0] > lr[s + 1][0] for s in range(2, 30))
+
+
 def test_stop_and_resume_is_exact(trained: Path, prepared_dir: Path, tiny_dir: Path, tmp_path: Path, capsys) -> None:
     from cspan.core.cli import main
 

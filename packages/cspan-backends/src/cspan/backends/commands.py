@@ -59,7 +59,13 @@ def backends_command(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="backends_action", metavar="ACTION", title="actions")
     sub.required = True
     st = sub.add_parser("start", help="start the router and ASR servers detached and wait until they answer")
-    st.add_argument("--router-model", default=ROUTER_MODEL, help=f"model vLLM serves (default {ROUTER_MODEL})")
+    st.add_argument(
+        "--router-model",
+        default=None,
+        help=f"model vLLM serves (default {ROUTER_MODEL}), what a --router-command's {{model}} becomes (same "
+        "default), or the model at --router-url; `cspan backends env` exports a router model only where one applies: "
+        "vLLM's, a command's {model}, or this flag's",
+    )
     st.add_argument("--router-gpu", type=_gpus, default="1", help="CUDA_VISIBLE_DEVICES of the router (default 1)")
     st.add_argument("--router-port", type=_port, default=ROUTER_PORT, help=f"router port (default {ROUTER_PORT})")
     st.add_argument(

@@ -19,6 +19,7 @@ import os
 import shlex
 import shutil
 import signal
+import string
 import subprocess
 import sys
 import time
@@ -90,7 +91,7 @@ def _cspan() -> list[str]:
 
 def router_spec(
     *,
-    model: str = ROUTER_MODEL,
+    model: str | None = None,
     gpu: str | None = "1",
     port: int = ROUTER_PORT,
     host: str = "127.0.0.1",
@@ -99,8 +100,13 @@ def router_spec(
     gpu_memory_utilization: float = 0.62,
     max_model_len: int = 8192,
 ) -> ServerSpec:
-    """The router server: vLLM serving ``model`` (released settings), a custom ``command`` (``{port}``/``{host}``/
-    ``{model}`` substituted), or an external ``url`` that is only health-checked.
+    """The router server: vLLM serving ``model`` (default :data:`ROUTER_MODEL`, the released settings), a custom
+    ``command`` (``{port}``/``{host}``/``{model}`` substituted, ``{model}`` by ``model`` or :data:`ROUTER_MODEL`),
+    or an external ``url`` that is only health-checked.
+
+    The spec's ``model`` (recorded, and exported by :func:`env_lines` as ``CSPAN_ROUTER_MODEL``) is the model the
+    router is known to serve, else None: vLLM's; a command's when it was given one (``{model}`` in it, or ``model``
+    named); an external server's only when ``model`` is named (the default would mean nothing there).
 
     Raises:
         LauncherError: ``command`` is empty, has an unclosed quote, or a brace that is not one of the three fields.
@@ -112,9 +118,13 @@ def router_spec(
             path = path[: -len(end)] if path.endswith(end) else path
         models, v1 = (urlunsplit(parts._replace(path=f"{path}/v1{end}")) for end in ("/models", ""))
         return ServerSpec("router", [], {}, models, v1, model, managed=False)
+    served = model or ROUTER_MODEL
     if command is not None:
         try:
-            cmd = [part.format(port=port, host=host, model=model) for part in shlex.split(command)]
+            words = shlex.split(command)
+            cmd = [word.format(port=port, host=host, model=served) for word in words]
+            # the fields the command names (parsed only once format accepted them all)
+            fields = {name for word in words for _, name, _, _ in string.Formatter().parse(word) if name}
         except (ValueError, LookupError, AttributeError) as exc:  # an open quote or brace, {name}, {0}, {port.x}
             raise LauncherError(
                 f"router: --router-command {command!r}: {type(exc).__name__}: {exc}; only {{port}}, {{host}} and "
@@ -122,9 +132,11 @@ def router_spec(
             ) from None
         if not cmd:
             raise LauncherError("router: --router-command is empty; give the command line of the router server")
+        if model is None and "model" not in fields:  # a command not told which model: its model is unknown
+            served = None
     else:
         cmd = [
-            "vllm", "serve", model,
+            "vllm", "serve", served,
             "--host", host,
             "--port", str(port),
             "--gpu-memory-utilization", str(gpu_memory_utilization),
@@ -133,7 +145,7 @@ def router_spec(
         ]  # fmt: skip
     env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}
     base = f"http://{host}:{port}"
-    return ServerSpec("router", cmd, env, f"{base}/v1/models", f"{base}/v1", model)
+    return ServerSpec("router", cmd, env, f"{base}/v1/models", f"{base}/v1", served)
 
 
 def asr_spec(
@@ -445,7 +457,10 @@ def not_running() -> list[str]:
 
 
 def env_lines() -> list[str]:
-    """``export`` lines telling ``cspan infer`` / ``cspan serve`` where the recorded servers are."""
+    """``export`` lines telling ``cspan infer`` / ``cspan serve`` where the recorded servers are: each server's URL,
+    and its model only where one was recorded (a router started by ``--router-command`` without ``{model}`` or
+    ``--router-model``, or an external ``--router-url`` without ``--router-model``, has none: no
+    ``CSPAN_ROUTER_MODEL`` line, so a value already in the shell stays)."""
     out = []
     for r in load_state():
         if r.name == "router":

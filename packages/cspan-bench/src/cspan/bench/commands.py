@@ -109,9 +109,16 @@ def register_fdb_v1_score(sub: Any) -> None:
     )
     p.add_argument("--out", help="where summaries go (default: DATA/scores)")
     p.add_argument(
-        "--asr", default="sphinx", help="transcriber for missing output.json: 'sphinx' (default) or an OpenAI-style URL"
+        "--asr",
+        default="sphinx",
+        help="transcriber for missing output.json, which must give word times: 'sphinx' (default, embedded "
+        "pocketsphinx); a URL with a /v1 path segment (http://host:port/v1) or openai+ prefix (openai+http://host:port) "
+        "for an OpenAI-compatible /v1/audio/transcriptions endpoint; any other http(s) URL (http://host:port, without "
+        "/v1) for a POST /transcribe server such as `cspan asr-serve`",
     )
-    p.add_argument("--asr-model", help="model name for an OpenAI-style transcription endpoint (default qwen3-asr)")
+    p.add_argument(
+        "--asr-model", help="model name for an OpenAI-compatible --asr URL, the /v1 kind (default qwen3-asr)"
+    )
     p.add_argument(
         "--retranscribe", action="store_true", help="transcribe output.wav again even where output.json exists"
     )

@@ -773,6 +773,8 @@ def _score_backchannel_task(
 def _score_interruption_task(
     name: str, dirs: Sequence[Path], judge: InterruptionJudge | None, reuse_ratings: bool, write_ratings: bool
 ) -> TaskScore:
+    from cspan.bench.judge import MAX_RATING, MIN_RATING
+
     samples: list[InterruptionSample] = []
     notes: list[str] = []
     unrated = 0
@@ -789,6 +791,11 @@ def _score_interruption_task(
                     sample.rating, sample.analysis = int(stored["rating"]), str(stored.get("analysis", ""))
                 except (KeyError, TypeError, ValueError) as exc:
                     raise BenchDataError(f"{rating_path}: expected {{analysis, rating}} ({exc})") from exc
+                if not MIN_RATING <= sample.rating <= MAX_RATING:
+                    raise BenchDataError(
+                        f"{rating_path}: rating {sample.rating} is outside the judge's {MIN_RATING}-{MAX_RATING}; "
+                        "remove the file to have the sample rated again"
+                    )
             elif judge is not None:
                 try:
                     verdict = judge.rate_interruption(info.context, info.interrupt, output.text)
@@ -796,8 +803,13 @@ def _score_interruption_task(
                     sample.judge_failed = True
                     last_failure = str(exc)
                 else:
-                    sample.rating, sample.analysis = int(verdict.rating), str(verdict.analysis)
-                    if write_ratings:
+                    rating = int(verdict.rating)
+                    if not MIN_RATING <= rating <= MAX_RATING:  # a judge of its own that does not check its range
+                        sample.judge_failed = True
+                        last_failure = f"the judge rated {rating}, outside {MIN_RATING}-{MAX_RATING}"
+                    else:
+                        sample.rating, sample.analysis = rating, str(verdict.analysis)
+                    if write_ratings and not sample.judge_failed:
                         rating_path.write_text(
                             json.dumps({"analysis": sample.analysis, "rating": sample.rating}), encoding="utf-8"
                         )

@@ -4,8 +4,9 @@
   interruption relates to the interrupting turn. The system and user messages below are the benchmark's own text,
   whitespace included, because a judge's rating depends on its prompt; the reference model is ``gpt-4-turbo``
   with ``seed = 0`` and the default temperature. The reply is parsed with the reference's pattern
-  ``Analysis: ...`` newline ``I would rate the AI's response as N`` (last match wins). The reference re-asks
-  forever on an unparsable reply; here it re-asks up to ``max_attempts`` times, then raises :class:`JudgeError`.
+  ``Analysis: ...`` newline ``I would rate the AI's response as N`` (last match wins); a rating outside the
+  guideline's 0-5 is not in the format either. The reference re-asks forever on an unparsable reply; here it
+  re-asks up to ``max_attempts`` times, then raises :class:`JudgeError` (an unusable judgement).
 - Full-Duplex-Bench v3 (``evaluate_tool_calls.py`` / ``evaluate_pass_rate.py``): argument correctness and response
   quality, ``gpt-4o`` at temperature 0 and 200 tokens, answering ``{"correct": bool, "explanation": str}``
   (code fences stripped).
@@ -31,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from cspan.backends.http_client import advised_wait_s
 from cspan.backends.urls import redact_url
@@ -76,6 +77,10 @@ INTERRUPTION_SYSTEM_PROMPT = """
 """System message of the v1 user-interruption judge (the benchmark's text, indentation included)."""
 
 _RATING_PATTERN = re.compile(r"Analysis:\s*(.*?)\nI would rate the AI's response as (\d+)", re.DOTALL)
+MIN_RATING = 0
+"""The lowest rating of the v1 judge's guideline (the response is totally unrelated to the interrupting turn)."""
+MAX_RATING = 5
+"""The highest rating of the v1 judge's guideline (the response is perfectly related to the interrupting turn)."""
 
 
 def interruption_user_message(context: str, interrupt: str, response: str) -> str:
@@ -89,21 +94,32 @@ def interruption_user_message(context: str, interrupt: str, response: str) -> st
 
 
 class InterruptionRating(BaseModel):
-    """The judge's verdict on one interruption sample: ``rating`` 0-5 and its ``analysis`` (``rating.json``)."""
+    """The judge's verdict on one interruption sample: ``rating`` 0-5 (:data:`MIN_RATING` - :data:`MAX_RATING`)
+    and its ``analysis`` (``rating.json``). A rating outside 0-5 is a validation error."""
 
     analysis: str
-    rating: int
+    rating: int = Field(ge=MIN_RATING, le=MAX_RATING)
+
+
+def _last_rating(reply: str) -> tuple[str, int] | None:
+    """``(analysis, rating)`` of the last ``Analysis: ...`` / ``I would rate the AI's response as N`` of ``reply``
+    (a newline appended first, as in the reference), whatever N is; ``None`` when nothing matches."""
+    found = None
+    for match in _RATING_PATTERN.finditer(reply + "\n"):
+        found = (match.group(1).strip(), int(match.group(2).strip()))
+    return found
 
 
 def parse_interruption_rating(reply: str) -> InterruptionRating | None:
     """Parse ``Analysis: ...`` newline ``I would rate the AI's response as N`` from a judge reply; the last match wins.
 
-    A newline is appended to the reply first, as in the reference. Returns ``None`` when nothing matches.
+    A newline is appended to the reply first, as in the reference. Returns ``None`` when nothing matches, or when
+    the last match's N is outside the guideline's 0-5 (such a reply is not in the format the prompt asks for).
     """
-    found = None
-    for match in _RATING_PATTERN.finditer(reply + "\n"):
-        found = InterruptionRating(analysis=match.group(1).strip(), rating=int(match.group(2).strip()))
-    return found
+    found = _last_rating(reply)
+    if found is None or not MIN_RATING <= found[1] <= MAX_RATING:
+        return None
+    return InterruptionRating(analysis=found[0], rating=found[1])
 
 
 V3_ARGUMENT_PROMPT = """You are evaluating whether an AI voice agent called a function with correct arguments.
@@ -379,8 +395,11 @@ class OpenAIJudge:
     def rate_interruption(self, context: str, interrupt: str, response: str, *, seed: int = 0) -> InterruptionRating:
         """Rate 0-5 how well ``response`` (the AI's words after the interruption) relates to ``interrupt``.
 
+        A reply without the rating line, or whose rating is outside 0-5, is asked again; after ``max_attempts``
+        such replies the judgement is counted unusable (:meth:`judged`).
+
         Raises:
-            JudgeError: the request failed, or no reply parsed in ``max_attempts`` tries.
+            JudgeError: the request failed, or no reply was in the format (a rating 0-5) in ``max_attempts`` tries.
         """
         messages = [
             {"role": "system", "content": INTERRUPTION_SYSTEM_PROMPT},
@@ -393,11 +412,14 @@ class OpenAIJudge:
             if parsed is not None:
                 self.judged(True)
                 return parsed
-            log.warning("judge %s: reply without a rating, asking again: %r", self.where, reply[:200])
+            found = _last_rating(reply)
+            why = "without a rating" if found is None else f"with rating {found[1]}, outside {MIN_RATING}-{MAX_RATING}"
+            log.warning("judge %s: reply %s, asking again: %r", self.where, why, reply[:200])
         self.judged(False)
         raise JudgeError(
             f'judge {self.where} ({self.model}) never answered in the format "Analysis: ..." / "I would rate the '
-            f"AI's response as N\" in {self.max_attempts} tries; last reply: {reply[:200]!r}"
+            f"AI's response as N\" with N from {MIN_RATING} to {MAX_RATING} in {self.max_attempts} tries; last "
+            f"reply: {reply[:200]!r}"
         )
 
     # --- Full-Duplex-Bench v3 -------------------------------------------------------------------------------------

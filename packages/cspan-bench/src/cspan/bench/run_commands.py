@@ -156,10 +156,16 @@ def add_loop_arguments(
     g.add_argument(
         "--asr",
         default=os.environ.get("CSPAN_ASR_URL", asr_default),
-        help="transcriber: 'sphinx' (embedded), 'none', or a server URL (env CSPAN_ASR_URL; default %(default)s); "
-        "also writes the word-timed transcripts of the outputs",
+        help="transcriber: 'sphinx' (embedded), 'none', a URL with a /v1 path segment (http://host:port/v1) or "
+        "openai+ prefix for an OpenAI-compatible /v1/audio/transcriptions endpoint, or any other http(s) URL "
+        "(http://host:port, without /v1) for a POST /transcribe server such as `cspan asr-serve` (env CSPAN_ASR_URL; "
+        "default %(default)s); also writes the word-timed transcripts of the outputs",
     )
-    g.add_argument("--asr-model", default=os.environ.get("CSPAN_ASR_MODEL"), help="model name for OpenAI-style ASR")
+    g.add_argument(
+        "--asr-model",
+        default=os.environ.get("CSPAN_ASR_MODEL"),
+        help="model name for an OpenAI-compatible --asr URL, the /v1 kind (env CSPAN_ASR_MODEL; default qwen3-asr)",
+    )
     g.add_argument(
         "--router",
         default=os.environ.get("CSPAN_ROUTER_URL", router_default),

@@ -121,7 +121,12 @@ def train_command(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--accum", type=_positive_int, default=8, help="micro-batches per step (8)")
     g.add_argument("--context", type=int, default=3000, help="training window in positions (3000)")
     g.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default 5%% of --steps)")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of the peak (0.1)")
+    g.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="the last step's learning rate, where the cosine ends, as a fraction of the peak (0.1)",
+    )
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (0)")
     g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (1.0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the samples, LoRA init and RNGs (0)")

@@ -24,8 +24,10 @@ a run resumed with the same ``G`` (e.g. 4 processes x ``--accum 1`` -> 2 process
 next step, up to the order of floating-point sums (``docs/TRAINING.md``).
 
 Full fine-tuning or LoRA (``--lora-rank``); single process, DDP or FSDP2 (``fully_shard``, ``--fsdp``) under
-``torchrun``. At the end the model is exported in the released layout (``OUT/export/``: a fine-tune ``.pt`` holding
-``{"model": state_dict}`` and, for LoRA, the unmerged adapters plus ``{"lora": {"r", "alpha"}}``).
+``torchrun``. A run locks its ``--out-dir`` for its lifetime (:func:`lock_out_dir`, rank 0 for the job): a second run
+there is refused on every rank. At the end the model is exported in the released layout (``OUT/export/``: a
+fine-tune ``.pt`` holding ``{"model": state_dict}`` and, for LoRA, the unmerged adapters plus
+``{"lora": {"r", "alpha"}}``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ EXPORT_FORMATS = ("cspan", "moshi")
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "train_config.json"
 COMPLETE_FILE = "COMPLETE"
+LOCK_FILE = "train.lock"
+"""``OUT/train.lock``: locked (``flock``, exclusive) by the run that trains into ``OUT`` (rank 0 under ``torchrun``) for
+its whole lifetime; holds that process's id and host. Left in place after the run (the lock, not the file, is what
+counts; the kernel drops it when the process ends, however it ends)."""
 
 # options that define the sample stream and the optimisation, as (key of the config record, flag): a resumed run
 # must not change them (the others -- --stop-at, --ckpt-every, --log-every, --keep-checkpoints, --device, --dtype,
@@ -159,7 +165,8 @@ class TrainConfig:
 
     Attributes:
         data_dir: a folder written by ``cspan prepare``.
-        out_dir: checkpoints, metrics and the export go here (an existing run there is resumed).
+        out_dir: checkpoints, metrics and the export go here (an existing run there is resumed); locked for the
+            run's lifetime (:func:`lock_out_dir`): a second run on it is refused.
         checkpoint, base: what to fine-tune (see :func:`cspan.core.checkpoint.load_checkpoint`).
         lora_rank: 0 = full fine-tuning; r >= 1 = LoRA adapters of rank r (the rest frozen).
         lora_alpha: LoRA scale numerator (default: the rank, i.e. scale 1).
@@ -335,13 +342,78 @@ def _shown(value: Any) -> str:
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Learning-rate multiplier of optimizer step ``step`` (0-based): linear warm-up over ``warmup`` steps to 1,
-    then a half cosine down to ``min_ratio`` at step ``total``."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
+    """Learning-rate multiplier (of ``--lr`` and ``--lr-depformer``) of optimizer step ``step`` (0-based, so the
+    ``step + 1``-th step of ``metrics.jsonl``) of a run of ``total`` steps.
+
+    Linear warm-up: the n-th step (n = ``step + 1`` <= ``warmup``) uses ``n / warmup``, so the first uses
+    ``1 / warmup`` and the last warm-up step exactly 1. Then a half cosine from 1 (at the warm-up's end) down to
+    ``min_ratio``, reached exactly by the last step (n = ``total``). A run that ends within its warm-up
+    (``warmup >= total``) never decays. The scheduler also asks for n = ``total + 1``
+    after the last step (no step uses it): ``min_ratio`` past the warm-up.
+
+    Raises:
+        ValueError: ``step``, ``warmup`` negative or ``total`` below 1.
+    """
+    if step < 0 or warmup < 0 or total < 1:
+        raise ValueError(f"lr_factor: step {step} and warmup {warmup} must be >= 0 and total {total} >= 1")
+    n = step + 1
+    if n <= warmup:
+        return n / warmup
+    if n >= total:  # exactly min_ratio, which the cosine's rounding need not give
+        return min_ratio
+    progress = (n - warmup) / (total - warmup)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lock_out_dir(out_dir: str | os.PathLike[str]) -> Any:
+    """Take the exclusive lock of the training folder ``out_dir`` (created when missing): ``flock`` on
+    ``out_dir/train.lock`` (:data:`LOCK_FILE`), without waiting. The lock lasts while the returned open file does:
+    close it to release the lock; the kernel releases it when the process ends, a crash or a kill included. The file
+    then holds ``PID HOST`` of the holder.
+
+    Raises:
+        TrainSettingsError: another process holds the lock (another ``cspan train`` run on the same ``--out-dir``);
+            names the folder and, when it could be read, the holder's process id and host (exit status 2).
+        OSError: the folder or the lock file cannot be created or opened (read-only file system, permissions).
+    """
+    import fcntl
+    import socket
+
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+    while True:
+        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open by the caller: that is the lock)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().split()
+            handle.close()
+            who = f" (process {holder[0]} on {holder[1]})" if len(holder) >= 2 else ""
+            raise TrainSettingsError(
+                f"--out-dir {str(folder)!r} is in use by another `cspan train` run{who}, which holds "
+                f"{str(path)!r}: two runs would interleave their checkpoints; wait for it to end, or give another "
+                "--out-dir"
+            ) from None
+        except BaseException:
+            handle.close()
+            raise
+        # the file locked must still be the one at the path: a run removing its own new folder (it failed before
+        # its first checkpoint) may have unlinked it between our open and our flock
+        try:
+            same = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        handle.close()
+        folder.mkdir(parents=True, exist_ok=True)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()} {socket.gethostname()}\n")
+    handle.flush()
+    return handle
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1082,10 +1154,58 @@ class Trainer:
             if self.dist.enabled and dist.is_initialized():
                 dist.destroy_process_group()
 
+    @contextmanager
+    def _out_dir_locked(self) -> Iterator[None]:
+        """Hold the lock of ``out_dir`` (:func:`lock_out_dir`) for the block: rank 0 takes it, and every rank learns
+        the outcome (a sum over ranks of rank 0's code: tensors, no pickled objects), so that when rank 0 is refused
+        every rank raises at once instead of waiting in the next collective for a rank 0 that has left.
+
+        Raises:
+            TrainSettingsError: another run holds the lock (exit status 2), on every rank (rank 0's message names
+                the holder).
+            TrainError: rank 0 could not take it for another reason (rank 0 raises its own ``OSError``).
+        """
+        info = self.dist
+        handle = None
+        error: BaseException | None = None
+        code = 0.0  # rank 0's outcome: 0 locked, 1 refused (another run), 2 another error
+        if info.is_main:
+            try:
+                handle = lock_out_dir(self.cfg.out_dir)
+            except (TrainSettingsError, OSError) as exc:
+                error, code = exc, 1.0 if isinstance(exc, TrainSettingsError) else 2.0
+        if info.enabled:
+            code = float(info.all_sum(torch.tensor([code], dtype=torch.float64, device=self.device))[0])
+        if error is not None:
+            raise error
+        where = f"--out-dir {str(self.cfg.out_dir)!r}"
+        if code == 1.0:
+            raise TrainSettingsError(f"{where} is in use by another `cspan train` run (rank 0 names it)")
+        if code:
+            raise TrainError(f"rank 0 could not lock {where} (rank 0 says why)")
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.close()
+
     def _run(self) -> TrainResult:
         cfg, info = self.cfg, self.dist
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        created = not cfg.out_dir.exists()
+        with self._out_dir_locked():  # one run at a time per --out-dir, from before its first read of it
+            try:
+                return self._run_locked()
+            except BaseException:
+                # a run that stopped (error, Ctrl-C) before its first checkpoint leaves no folder that looks like a
+                # run (the lock file goes with it)
+                if created and info.is_main and self.latest_checkpoint() is None:
+                    shutil.rmtree(cfg.out_dir, ignore_errors=True)
+                raise
+
+    def _run_locked(self) -> TrainResult:
+        cfg, info = self.cfg, self.dist
         seed_rngs(cfg.seed, info.rank)
         latest = self.latest_checkpoint()
         if latest is not None:  # options that a resume refuses: before the data and the model load
@@ -1110,15 +1230,8 @@ class Trainer:
             ),
         )
         self._build_optimizer()
-        created = not cfg.out_dir.exists()
         cfg.out_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            return self._train()
-        except BaseException:
-            # a run that stopped (error, Ctrl-C) before its first checkpoint leaves no folder that looks like a run
-            if created and info.is_main and self.latest_checkpoint() is None:
-                shutil.rmtree(cfg.out_dir, ignore_errors=True)
-            raise
+        return self._train()
 
     def _train(self) -> TrainResult:
         """Resume from the latest checkpoint of ``out_dir`` (created), train, checkpoint and export."""
@@ -1279,6 +1392,7 @@ __all__ = [
     "build_optimizer",
     "enable_activation_checkpointing",
     "load_train_state",
+    "lock_out_dir",
     "lr_factor",
     "read_train_state",
     "run_training",

@@ -11,10 +11,16 @@ Examples::
     cspan tools serve --transport http --port 8765      # streamable HTTP at http://127.0.0.1:8765/mcp
     cspan tools list --tools fdb-v3
     cspan tools call get_exchange_rate '{"amount": 100, "from_currency": "USD", "to_currency": "EUR"}' --tools fdb-v3
+    cspan tools list --tools none --mcp "npx -y @modelcontextprotocol/server-filesystem /srv/notes"
+    cspan tools call read_file '{"path": "/srv/notes/a.md"}' --tools none --mcp "allow=read_file -- npx ..."
 
 The tools are chosen by name as everywhere (``--tools``, see :mod:`cspan.backends.tools.catalog`); the default is
 clock, calculator and weather (plus ``search_notes`` with ``--knowledge``). ``memory`` is per session and is not
-served here. Over HTTP on a loopback bind only loopback Host names are answered (DNS-rebinding protection,
+served here. ``list`` and ``call`` also mount MCP servers with ``--mcp SPEC`` (repeatable; the one parser,
+:func:`cspan.backends.tools.catalog.parse_mcp`, as ``cspan serve --mcp``), to see which tools a server gives a
+router, under which names, and to try one; ``call`` runs an action directly (the operator's call is the
+confirmation a router would ask the user for). ``serve`` takes no ``--mcp``: it serves this project's tools, it is
+not a proxy of other MCP servers (mount those in ``cspan serve`` directly). Over HTTP on a loopback bind only loopback Host names are answered (DNS-rebinding protection,
 :mod:`cspan.backends.hostguard`; ``--allowed-host`` adds names).
 """
 
@@ -71,7 +77,8 @@ def _max_chars(text: str) -> int:
     return int(text)
 
 
-def _add_bank_args(parser: argparse.ArgumentParser) -> None:
+def _add_bank_args(parser: argparse.ArgumentParser, *, mcp: bool = False) -> None:
+    """The bank's flags (``--tools``, ``--knowledge`` ...); ``mcp``: ``--mcp`` too (``list`` and ``call``)."""
     parser.add_argument(
         "--tools",
         metavar="NAME,...",
@@ -92,6 +99,16 @@ def _add_bank_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-chars", type=_max_chars, default=400, help="cap on result text in characters (default 400)"
     )
+    if mcp:
+        parser.add_argument(
+            "--mcp",
+            action="append",
+            default=[],
+            metavar="SPEC",
+            help="mount an MCP server's tools, as cspan serve --mcp does: a stdio command line or a streamable-HTTP "
+            "URL, after optional allow=a,b (only these) read=a,b (vouch they change nothing) prefix=p_ timeout=S and "
+            "'--' (repeatable; the built-in sets of --tools are mounted too: --tools none for the server's alone)",
+        )
 
 
 async def _bank(args: argparse.Namespace) -> Any:
@@ -107,6 +124,7 @@ async def _bank(args: argparse.Namespace) -> Any:
     tools = ",".join(SERVED_DEFAULT if name.strip().lower() == "default" else name for name in tools.split(","))
     spec = ToolsSpec.from_flags(
         tools,
+        getattr(args, "mcp", None) or (),  # list and call only
         knowledge=args.knowledge,
         world_db=args.world_db,
         weather_url=args.weather_url,
@@ -265,7 +283,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
     lister = sub.add_parser("list", help="list the tools with their arguments")
     lister.add_argument("--json", action="store_true", help="print the OpenAI tools JSON instead")
-    _add_bank_args(lister)
+    _add_bank_args(lister, mcp=True)
     lister.set_defaults(handler=_list)
 
     caller = sub.add_parser("call", help="call one tool and print its spoken result")
@@ -273,5 +291,5 @@ def register(parser: argparse.ArgumentParser) -> None:
     caller.add_argument("arguments", nargs="?", default="{}", help="JSON object of arguments (default {})")
     caller.add_argument("--timeout", type=_seconds, default=None, help="seconds (default: the tool's own)")
     caller.add_argument("--json", action="store_true", help="print the whole ToolResult as JSON")
-    _add_bank_args(caller)
+    _add_bank_args(caller, mcp=True)
     caller.set_defaults(handler=_call)
