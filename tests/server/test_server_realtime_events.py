@@ -431,3 +431,38 @@ async def test_half_a_surrogate_pair_is_refused_and_the_session_goes_on(serve) -
         await client.send({"type": "input_audio_buffer.clear", "event_id": "marker"})
         await client.until(lambda e: e["type"] == "input_audio_buffer.cleared")
         assert errors(client.events) == [("bad_json", None, None), ("bad_json", None, None)]
+
+
+@pytest.mark.timeout(120)
+async def test_client_items_are_bounded_in_characters(serve) -> None:
+    """A client's ``conversation.item.create`` may carry up to ``--max-message-kib`` of text; the items a session
+    remembers hold at most :data:`ITEM_LOG_CHARS` characters in all, the oldest forgotten first (as past
+    :data:`ITEM_LOG_SIZE` items). They were bounded by count only: 1000 items of 250 KB kept a quarter of a gigabyte
+    per connection, for any number of connections of one token."""
+    from cspan.server.realtime_turns import ITEM_LOG_CHARS
+
+    size = 200_000
+    count = ITEM_LOG_CHARS // size + 3
+    server = serve()
+    ws, client = await connect(server)
+    async with ws:
+        for i in range(count):
+            text = str(i) * size
+            item = {
+                "type": "message",
+                "id": f"big{i}",
+                "role": "user",
+                "content": [{"type": "input_text", "text": text}],
+            }
+            await client.send({"type": "conversation.item.create", "event_id": f"c{i}", "item": item})
+            await client.until(lambda e: e["type"] == "conversation.item.done")
+        kept = []
+        for i in range(count):
+            await client.send({"type": "conversation.item.retrieve", "event_id": f"r{i}", "item_id": f"big{i}"})
+            got = await client.until(lambda e: e["type"] in ("conversation.item.retrieved", "error"))
+            if got["type"] == "conversation.item.retrieved":
+                assert got["item"]["content"][0]["text"] == str(i) * size
+                kept.append(i)
+            else:
+                assert (got["error"]["code"], got["error"]["event_id"]) == ("unknown_item", f"r{i}")
+        assert kept == list(range(count - ITEM_LOG_CHARS // size, count))
