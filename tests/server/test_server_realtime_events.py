@@ -434,6 +434,35 @@ async def test_half_a_surrogate_pair_is_refused_and_the_session_goes_on(serve) -
 
 
 @pytest.mark.timeout(120)
+async def test_a_deeply_nested_event_is_refused_and_session_updates_go_on(serve) -> None:
+    """A ``session.update`` whose tool schema (or ``tool_choice``) nests past :data:`MAX_EVENT_DEPTH` is refused with
+    ``invalid_event``. It was accepted and kept, and every ``session.updated`` after it failed to serialise (pydantic's
+    depth limit): the client never heard of a ``session.update`` again."""
+    from cspan.server.realtime_events import MAX_EVENT_DEPTH
+
+    levels = 200  # each level is two objects: "properties" and the property
+    schema = json.loads('{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels)
+    deep_tool = {**TOOL, "parameters": schema}
+    deep_choice = json.loads('{"a": ' * (MAX_EVENT_DEPTH + 1) + "1" + "}" * (MAX_EVENT_DEPTH + 1))
+    nested = 25  # within the limit: the event, session, tools, the tool and parameters, then two levels each
+    within = json.loads('{"type": "object", "properties": {"a": ' * nested + '{"type": "string"}' + "}}" * nested)
+    server = serve()
+    ws, client = await connect(server)
+    async with ws:
+        await client.send({"type": "session.update", "event_id": "deep", "session": {"tools": [deep_tool]}})
+        await client.send({"type": "session.update", "event_id": "choice", "session": {"tool_choice": deep_choice}})
+        await client.until(lambda e: e["type"] == "error" and e["error"].get("event_id") == "choice")
+        session, problems = await update(
+            client, "after", {"instructions": "Still here", "tools": [{**TOOL, "parameters": within}]}
+        )
+        assert session["instructions"] == "Still here" and problems == []
+        assert [t["parameters"] for t in session["tools"]] == [within]
+        assert errors(client.events) == [("invalid_event", None, "deep"), ("invalid_event", None, "choice")]
+        message = next(e for e in client.events if e["type"] == "error")["error"]["message"]
+        assert f"nested more than {MAX_EVENT_DEPTH} levels deep" in message
+
+
+@pytest.mark.timeout(120)
 async def test_client_items_are_bounded_in_characters(serve) -> None:
     """A client's ``conversation.item.create`` may carry up to ``--max-message-kib`` of text; the items a session
     remembers hold at most :data:`ITEM_LOG_CHARS` characters in all, the oldest forgotten first (as past
