@@ -495,3 +495,29 @@ async def test_client_items_are_bounded_in_characters(serve) -> None:
             else:
                 assert (got["error"]["code"], got["error"]["event_id"]) == ("unknown_item", f"r{i}")
         assert kept == list(range(count - ITEM_LOG_CHARS // size, count))
+
+
+@pytest.mark.timeout(120)
+async def test_an_unexpected_error_reaches_the_realtime_client_without_its_text(serve, monkeypatch) -> None:
+    """As on ``/ws`` (``test_server_guards``): an unexpected exception while an event is handled answers ``internal``
+    with its type, the event's id and the session; its text, which may name paths or other internals, stays in the
+    server's log (``/v1/realtime`` sent it to the client), and the session goes on."""
+    from cspan.server.adapters.realtime import RealtimeAdapter
+
+    def failing(self: Any, event: Any) -> None:
+        raise RuntimeError("cannot open /srv/cspan/secret/voices/x.pt")
+
+    monkeypatch.setattr(RealtimeAdapter, "_truncate", failing)
+    server = serve()
+    ws, client = await connect(server)
+    async with ws:
+        truncate = {"item_id": "item_x", "content_index": 0, "audio_end_ms": 0}
+        await client.send({"type": "conversation.item.truncate", "event_id": "t1", **truncate})
+        error = (await client.until(lambda e: e["type"] == "error"))["error"]
+        session_id = next(e for e in client.events if e["type"] == "session.created")["session"]["id"]
+        assert (error["type"], error["code"], error["event_id"]) == ("server_error", "internal", "t1")
+        assert error["message"] == (
+            f"an unexpected server error (RuntimeError); the server log has it (session {session_id[len('sess_') :]})"
+        )
+        session, problems = await update(client, "after", {"instructions": "Goes on"})
+        assert session["instructions"] == "Goes on" and problems == []
