@@ -431,3 +431,93 @@ async def test_half_a_surrogate_pair_is_refused_and_the_session_goes_on(serve) -
         await client.send({"type": "input_audio_buffer.clear", "event_id": "marker"})
         await client.until(lambda e: e["type"] == "input_audio_buffer.cleared")
         assert errors(client.events) == [("bad_json", None, None), ("bad_json", None, None)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_deeply_nested_event_is_refused_and_session_updates_go_on(serve) -> None:
+    """A ``session.update`` whose tool schema (or ``tool_choice``) nests past :data:`MAX_EVENT_DEPTH` is refused with
+    ``invalid_event``. It was accepted and kept, and every ``session.updated`` after it failed to serialise (pydantic's
+    depth limit): the client never heard of a ``session.update`` again."""
+    from cspan.server.realtime_events import MAX_EVENT_DEPTH
+
+    levels = 200  # each level is two objects: "properties" and the property
+    schema = json.loads('{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels)
+    deep_tool = {**TOOL, "parameters": schema}
+    deep_choice = json.loads('{"a": ' * (MAX_EVENT_DEPTH + 1) + "1" + "}" * (MAX_EVENT_DEPTH + 1))
+    nested = 25  # within the limit: the event, session, tools, the tool and parameters, then two levels each
+    within = json.loads('{"type": "object", "properties": {"a": ' * nested + '{"type": "string"}' + "}}" * nested)
+    server = serve()
+    ws, client = await connect(server)
+    async with ws:
+        await client.send({"type": "session.update", "event_id": "deep", "session": {"tools": [deep_tool]}})
+        await client.send({"type": "session.update", "event_id": "choice", "session": {"tool_choice": deep_choice}})
+        await client.until(lambda e: e["type"] == "error" and e["error"].get("event_id") == "choice")
+        session, problems = await update(
+            client, "after", {"instructions": "Still here", "tools": [{**TOOL, "parameters": within}]}
+        )
+        assert session["instructions"] == "Still here" and problems == []
+        assert [t["parameters"] for t in session["tools"]] == [within]
+        assert errors(client.events) == [("invalid_event", None, "deep"), ("invalid_event", None, "choice")]
+        message = next(e for e in client.events if e["type"] == "error")["error"]["message"]
+        assert f"nested more than {MAX_EVENT_DEPTH} levels deep" in message
+
+
+@pytest.mark.timeout(120)
+async def test_client_items_are_bounded_in_characters(serve) -> None:
+    """A client's ``conversation.item.create`` may carry up to ``--max-message-kib`` of text; the items a session
+    remembers hold at most :data:`ITEM_LOG_CHARS` characters in all, the oldest forgotten first (as past
+    :data:`ITEM_LOG_SIZE` items). They were bounded by count only: 1000 items of 250 KB kept a quarter of a gigabyte
+    per connection, for any number of connections of one token."""
+    from cspan.server.realtime_turns import ITEM_LOG_CHARS
+
+    size = 200_000
+    count = ITEM_LOG_CHARS // size + 3
+    server = serve()
+    ws, client = await connect(server)
+    async with ws:
+        for i in range(count):
+            text = str(i) * size
+            item = {
+                "type": "message",
+                "id": f"big{i}",
+                "role": "user",
+                "content": [{"type": "input_text", "text": text}],
+            }
+            await client.send({"type": "conversation.item.create", "event_id": f"c{i}", "item": item})
+            await client.until(lambda e: e["type"] == "conversation.item.done")
+        kept = []
+        for i in range(count):
+            await client.send({"type": "conversation.item.retrieve", "event_id": f"r{i}", "item_id": f"big{i}"})
+            got = await client.until(lambda e: e["type"] in ("conversation.item.retrieved", "error"))
+            if got["type"] == "conversation.item.retrieved":
+                assert got["item"]["content"][0]["text"] == str(i) * size
+                kept.append(i)
+            else:
+                assert (got["error"]["code"], got["error"]["event_id"]) == ("unknown_item", f"r{i}")
+        assert kept == list(range(count - ITEM_LOG_CHARS // size, count))
+
+
+@pytest.mark.timeout(120)
+async def test_an_unexpected_error_reaches_the_realtime_client_without_its_text(serve, monkeypatch) -> None:
+    """As on ``/ws`` (``test_server_guards``): an unexpected exception while an event is handled answers ``internal``
+    with its type, the event's id and the session; its text, which may name paths or other internals, stays in the
+    server's log (``/v1/realtime`` sent it to the client), and the session goes on."""
+    from cspan.server.adapters.realtime import RealtimeAdapter
+
+    def failing(self: Any, event: Any) -> None:
+        raise RuntimeError("cannot open /srv/cspan/secret/voices/x.pt")
+
+    monkeypatch.setattr(RealtimeAdapter, "_truncate", failing)
+    server = serve()
+    ws, client = await connect(server)
+    async with ws:
+        truncate = {"item_id": "item_x", "content_index": 0, "audio_end_ms": 0}
+        await client.send({"type": "conversation.item.truncate", "event_id": "t1", **truncate})
+        error = (await client.until(lambda e: e["type"] == "error"))["error"]
+        session_id = next(e for e in client.events if e["type"] == "session.created")["session"]["id"]
+        assert (error["type"], error["code"], error["event_id"]) == ("server_error", "internal", "t1")
+        assert error["message"] == (
+            f"an unexpected server error (RuntimeError); the server log has it (session {session_id[len('sess_') :]})"
+        )
+        session, problems = await update(client, "after", {"instructions": "Goes on"})
+        assert session["instructions"] == "Goes on" and problems == []

@@ -75,3 +75,48 @@ def test_sighup_without_a_token_file_says_so(caplog: pytest.LogCaptureFixture) -
     assert [r.getMessage() for r in caplog.records] == [
         "SIGHUP: no --token-file to read again (issued tokens take effect without a signal)"
     ]
+
+
+@pytest.mark.timeout(300)
+async def test_a_token_file_of_plain_tokens_that_others_can_read_is_warned_about(
+    tiny_checkpoint_dir: Path, tmp_path: Path
+) -> None:
+    """A token file holding plain tokens (``token = "..."``) that other users can read lets them connect as its users;
+    it was read without a word, while a settings file holding a credential is warned about. The warning names the
+    entries and the fix; a private file, or one of ``sha256`` entries only, is not warned about."""
+    from cspan.backends.identity import hash_token, load_token_file
+
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[[token]]\nuser = "ops"\nsha256 = "{hash_token("ops-token-0123456789")}"\n[[token]]\n{KIOSK}')
+    tokens.chmod(0o644)
+    args = serve_args(tiny_checkpoint_dir, "--port", "0", "--db", ":memory:", "--token-file", str(tokens))
+    server = ServeProcess(*args).start()
+    try:
+        kiosk = await _ready(server, "kiosk-token-0123456789")
+        await kiosk.ws.close()
+        assert (
+            f"token file {tokens} holds plain tokens ([[token]] #2) and can be read by other users (mode 644)"
+            in server.log
+        )
+        assert f"chmod 600 {tokens}" in server.log
+    finally:
+        print(server.log)  # shown when the test fails
+        server.kill()
+
+    def warnings(text: str, mode: int) -> list[str]:
+        tokens.write_text(text)
+        tokens.chmod(mode)
+        logger = logging.getLogger("cspan.backends.identity")
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        logger.addHandler(handler)
+        try:
+            load_token_file(tokens)
+        finally:
+            logger.removeHandler(handler)
+        return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+    assert warnings(f"[[token]]\n{KIOSK}", 0o600) == []
+    assert warnings(f'[[token]]\nuser = "ops"\nsha256 = "{hash_token("ops-token-0123456789")}"\n', 0o644) == []
+    assert len(warnings(f"[[token]]\n{KIOSK}", 0o640)) == 1

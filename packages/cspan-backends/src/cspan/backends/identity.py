@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import re
 import secrets
 import tomllib
@@ -196,7 +197,28 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
         if twin is not None:  # the first would always win: the second's user and scopes could never be used
             raise IdentityError(f"{where}: the same credential as [[token]] #{twin}; give each entry its own token")
         entries.append(_FileEntry(bytes.fromhex(digest), principal))
+    plain = [n for n, table in enumerate(tables, start=1) if "token" in table]
+    if plain:
+        _warn_if_readable(path, plain)
     return entries
+
+
+def _warn_if_readable(path: Path, plain: list[int]) -> None:
+    """Warn when a token file that holds plain tokens (entries ``plain``, 1-based) can be read by other users, as a
+    settings file holding a credential is warned about (a ``sha256`` entry lets no one in)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if os.name == "posix" and mode & 0o077:
+        log.warning(
+            "token file %s holds plain tokens ([[token]] #%s) and can be read by other users (mode %03o): anyone who "
+            'reads it can connect as those users. chmod 600 %s, or store sha256 = "..." instead (`cspan users hash`)',
+            path,
+            ", #".join(str(n) for n in plain),
+            mode & 0o777,
+            path,
+        )
 
 
 def may_be_issued(credential: str | None) -> bool:

@@ -53,6 +53,11 @@ MAX_TOOL_SCHEMA_NODES = 2048
 """JSON Schema objects (a tool's parameters, each property, ...) that the function tools of one ``session.update``
 may have in all: each becomes a validated field of the router's tool bank, built on a worker thread (about 0.1 ms
 each)."""
+MAX_EVENT_DEPTH = 64
+"""How deeply a client event's JSON arrays and objects may nest (the event itself is level 1). Deeper ones are
+refused (``invalid_event``): a ``session.update`` keeps its tools and ``tool_choice`` and echoes them in every
+``session.updated``, and a value nested past about 120 levels there cannot be serialised, so the session would
+answer no ``session.update`` again."""
 MAX_REPORTED_PROBLEMS = 4
 """An ``invalid_event`` error names this many problems of an event and counts the rest."""
 
@@ -259,6 +264,21 @@ def function_tools(config: SessionConfig, event_id: str | None = None) -> list[F
     return tools
 
 
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON arrays and objects nest in ``value`` more than ``limit`` levels deep (``value`` is level 1;
+    iterative: any depth)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _json_objects(value: Any) -> int:
     """How many JSON objects a JSON value holds, itself included (iterative: any depth)."""
     count, stack = 0, [value]
@@ -463,6 +483,13 @@ def parse_client_event(text: str) -> Any:
             param="type",
         )
     kind = data["type"]
+    if _nested_deeper_than(data, MAX_EVENT_DEPTH):
+        raise RealtimeEventError(
+            "invalid_event",
+            f"{kind}: arrays and objects nested more than {MAX_EVENT_DEPTH} levels deep, over this server's limit; "
+            "send a flatter event (not applied)",
+            event_id=event_id,
+        )
     if kind == "session.update":
         return _session_update(data, event_id)
     try:
@@ -923,6 +950,7 @@ __all__ = [
     "CLIENT_EVENT_TYPES",
     "ERROR_CODES",
     "INSECURE_KEY_SUBPROTOCOL_PREFIX",
+    "MAX_EVENT_DEPTH",
     "MAX_TOOL_SCHEMA_NODES",
     "OPENAI_VOICES",
     "WARNING_CODES",

@@ -74,6 +74,11 @@ never pauses would otherwise grow one transcript for the whole session (4096 tok
 at 12.5 text tokens per second at most)."""
 ITEM_LOG_SIZE = 1000
 """Items remembered for ``conversation.item.truncate`` / ``delete`` / ``retrieve`` (oldest forgotten first)."""
+ITEM_LOG_CHARS = 1024 * 1024
+"""Characters of text (message text and transcripts, function names, arguments and outputs, as each item was added)
+that the items remembered may hold in all; past it the oldest are forgotten first, as past :data:`ITEM_LOG_SIZE`. A
+client's ``conversation.item.create`` may carry up to ``--max-message-kib`` of text: without this bound 1000 of them
+would keep a quarter of a gigabyte per connection."""
 UTTERANCES_KEPT = ITEM_LOG_SIZE
 """User utterances whose item id and transcript state :class:`UserSpeech` remembers (the latest; each committed one
 is an item of the log, so an utterance forgotten here is past anything a client can still refer to)."""
@@ -83,8 +88,12 @@ class ItemLog:
     """The conversation's items in order (the last :data:`ITEM_LOG_SIZE`), and the audio frames sent for each
     assistant message."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_items: int = ITEM_LOG_SIZE, max_chars: int = ITEM_LOG_CHARS) -> None:
         self.items: collections.OrderedDict[str, Item] = collections.OrderedDict()
+        self.max_items = max_items
+        self.max_chars = max_chars
+        self.chars = 0  # text characters of the items remembered, as each was added (see ITEM_LOG_CHARS)
+        self._chars: dict[str, int] = {}
         self._audio_frames: dict[str, int] = {}
 
     @property
@@ -115,10 +124,17 @@ class ItemLog:
             for key in order[at:]:
                 self.items.move_to_end(key)
             previous = order[at - 1] if at else None
-        while len(self.items) > ITEM_LOG_SIZE:
+        size = _text_chars(item)
+        self._chars[item.id] = size
+        self.chars += size
+        while len(self.items) > self.max_items or (self.chars > self.max_chars and len(self.items) > 1):
             old, _ = self.items.popitem(last=False)
-            self._audio_frames.pop(old, None)
+            self._forget(old)
         return previous
+
+    def _forget(self, item_id: str) -> None:
+        self.chars -= self._chars.pop(item_id, 0)
+        self._audio_frames.pop(item_id, None)
 
     def function_call(self, call_id: str) -> FunctionCallItem | None:
         """The ``function_call`` item of ``call_id`` in the log (the router's or the client's), if any."""
@@ -148,7 +164,18 @@ class ItemLog:
     def delete(self, item_id: str, *, event_id: str | None = None) -> None:
         self.get(item_id, event_id=event_id)
         del self.items[item_id]
-        self._audio_frames.pop(item_id, None)
+        self._forget(item_id)
+
+
+def _text_chars(item: Item) -> int:
+    """The characters of text an item holds (what :data:`ITEM_LOG_CHARS` bounds)."""
+    if isinstance(item, MessageItem):
+        return sum(len(p.text or "") + len(p.transcript or "") for p in item.content)
+    if isinstance(item, FunctionCallItem):
+        return len(item.name) + len(item.arguments)
+    if isinstance(item, FunctionCallOutputItem):
+        return len(item.output)
+    return 0
 
 
 class ResponseStream:
@@ -563,4 +590,13 @@ class UserSpeech:
         ]
 
 
-__all__ = ["FRAME_MS", "ITEM_LOG_SIZE", "QUIET_FRAMES", "UTTERANCES_KEPT", "ItemLog", "ResponseStream", "UserSpeech"]
+__all__ = [
+    "FRAME_MS",
+    "ITEM_LOG_CHARS",
+    "ITEM_LOG_SIZE",
+    "QUIET_FRAMES",
+    "UTTERANCES_KEPT",
+    "ItemLog",
+    "ResponseStream",
+    "UserSpeech",
+]

@@ -276,7 +276,11 @@ class RealtimeAdapter(ProtocolAdapter):
             self._error(RealtimeEventError(exc.code, exc.message, event_id=event_id))
         except Exception as exc:  # a bug: reported with the event's id, and the session goes on
             logger.exception("session %s: a realtime event failed", self.session.id)
-            self._error(RealtimeEventError("internal", f"{type(exc).__name__}: {exc}", event_id=event_id))
+            # the exception's text stays in the server's log: it may name paths or other internals
+            message = (
+                f"an unexpected server error ({type(exc).__name__}); the server log has it (session {self.session.id})"
+            )
+            self._error(RealtimeEventError("internal", message, event_id=event_id))
 
     async def _handle(self, event: Any) -> None:
         if isinstance(event, InputAudioBufferAppend):
