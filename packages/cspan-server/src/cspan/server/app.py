@@ -427,6 +427,15 @@ async def serve_connection(
         await websocket.close(code=CLOSE_UNAUTHORIZED, reason=f"unauthorized: {reason}")
         return
     await websocket.accept(subprotocol=credential.subprotocol)
+    most = hub.settings.connections_per_user
+    if hub.connections_of(principal.user_id) >= most:  # no await from here to hub.open: counted at once
+        metrics.user_limit_refusals.labels(adapter_cls.name, "connections").inc()
+        logger.info("refused a connection of %s: %d open, the limit per user", principal.user_id, most)
+        await websocket.close(
+            code=CLOSE_TRY_AGAIN_LATER,
+            reason=f"this user has {most} connections open, this server's limit (--max-connections-per-user)",
+        )
+        return
     loop = asyncio.get_running_loop()
     limit = hub.settings.max_message_kib * 1024
     budget = ClientBudget(hub.settings.max_messages_per_s, limit, VOICE_AUDIO_MAX_BYTES + limit)

@@ -14,6 +14,7 @@ each adapter's ``name``).
 | ``cspan_sessions_unstarted_total{protocol,reason}`` | counter | connections past the handshake that ended before ``ready`` (in neither started nor ended): the reasons above, and refused (`/api/chat`: its start was refused) |
 | ``cspan_sessions_busy_total{protocol}`` | counter | ``start`` refused with ``busy`` |
 | ``cspan_auth_failures_total{protocol,reason}`` | counter | handshakes refused: ``token`` (4401), ``origin`` (4403) |
+| ``cspan_user_limit_refusals_total{protocol,limit}`` | counter | refused for a per-user limit: ``connections`` (a connection past ``--max-connections-per-user``, closed 1013), ``sessions`` (a start past ``--max-sessions-per-user``, ``busy``; also in ``cspan_sessions_busy_total``) |
 | ``cspan_host_refused_total`` | counter | requests refused for their ``Host`` header (403, DNS rebinding) |
 | ``cspan_frames_total`` | counter | batched engine steps (one per 80 ms tick with a live session) |
 | ``cspan_session_frames_total{protocol}`` | counter | agent frames sent (summed over sessions) |
@@ -83,6 +84,9 @@ class ServerMetrics:
         )
         self.sessions_busy = Counter("cspan_sessions_busy", "start refused with busy", p, registry=r)
         self.auth_failures = Counter("cspan_auth_failures", "Handshakes refused", [*p, "reason"], registry=r)
+        self.user_limit_refusals = Counter(
+            "cspan_user_limit_refusals", "Refused for a per-user limit, by limit", [*p, "limit"], registry=r
+        )
         self.host_refused = Counter("cspan_host_refused", "Requests refused for their Host header", registry=r)
         self.frames = Counter("cspan_frames", "Batched engine steps", registry=r)
         self.session_frames = Counter("cspan_session_frames", "Agent frames sent, summed over sessions", p, registry=r)
@@ -160,6 +164,8 @@ class ServerMetrics:
                 metric.labels(name)
             for direction in ("in", "out"):
                 self.wire_bytes.labels(name, direction)
+            for limit in ("connections", "sessions"):
+                self.user_limit_refusals.labels(name, limit)
 
     def render(self, mcp_states: Mapping[str, int] | None = None) -> tuple[bytes, str]:
         """``(body, content_type)`` of the Prometheus text exposition, with ``cspan_mcp_servers`` set from

@@ -36,6 +36,19 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     max_sessions: int = Field(
         4, ge=1, le=256, description="concurrent conversations (the engine's batch size)", json_schema_extra=_SERVER
     )
+    max_sessions_per_user: int = Field(
+        0, ge=0, le=256,
+        description="conversation slots one user (a credential's user id) may hold at once: another start of theirs "
+        "is refused with busy (0: no limit but --max-sessions). The shared --token's clients are one user, as are "
+        "all clients of a server without credentials",
+        json_schema_extra=_SERVER,
+    )  # fmt: skip
+    max_connections_per_user: int = Field(
+        0, ge=0, le=65536,
+        description="WebSocket connections one user may hold open at once, started or not: one more is closed with "
+        "1013 (0: twice --max-sessions, at least 32)",
+        json_schema_extra=_SERVER,
+    )  # fmt: skip
     idle_timeout_s: float = Field(
         60.0, gt=0.0, le=86400.0, allow_inf_nan=False,
         description="end a session (or a connection that never starts) without audio for this long (s)",
@@ -209,6 +222,12 @@ class ServeSettings(ModelSettings, BackendSettings, ToolSettings, ContextDBSetti
     def tls(self) -> bool:
         """Whether the server speaks https/wss."""
         return self.ssl_certfile is not None
+
+    @property
+    def connections_per_user(self) -> int:
+        """The WebSocket connections one user may hold open at once: ``max_connections_per_user``, or when 0, twice
+        ``max_sessions`` and at least 32 (a user's tabs and reconnects, and the clients of a shared token)."""
+        return self.max_connections_per_user or max(32, 2 * self.max_sessions)
 
 
 def check_tls_files(certfile: Path, keyfile: Path | None) -> None:

@@ -784,13 +784,20 @@ class Session:
         self.profile_fields = request.profile
         seed = request.seed if request.seed is not None else hub.next_seed()
         sampling = hub.sampling(request.sampling)
-        if hub.draining or hub.reserve(self) is None:
+        per_user = settings.max_sessions_per_user
+        over_user = bool(per_user) and hub.slots_of(self.principal.user_id) >= per_user
+        if hub.draining or over_user or hub.reserve(self) is None:
             hub.metrics.sessions_busy.labels(self.protocol).inc()
-            message = (
-                "this server is shutting down; connect again (another replica will take the conversation)"
-                if hub.draining
-                else f"all {settings.max_sessions} conversation slots are in use; try again later"
-            )
+            if hub.draining:
+                message = "this server is shutting down; connect again (another replica will take the conversation)"
+            elif over_user:
+                hub.metrics.user_limit_refusals.labels(self.protocol, "sessions").inc()
+                message = (
+                    f"this user has {per_user} conversations running, this server's limit per user "
+                    "(--max-sessions-per-user); end one first"
+                )
+            else:
+                message = f"all {settings.max_sessions} conversation slots are in use; try again later"
             self.put(Busy(max_sessions=settings.max_sessions, message=message))
             self.state = "closed"
             self.ending = self.ended = True
@@ -1065,6 +1072,14 @@ class SessionHub:
         if self.draining:
             return "draining", free
         return ("ok" if free else "full"), free
+
+    def connections_of(self, user_id: str) -> int:
+        """The connections of ``user_id`` open now (sessions not yet gone, started or not)."""
+        return sum(s.principal.user_id == user_id for s in self.sessions)
+
+    def slots_of(self, user_id: str) -> int:
+        """The engine slots ``user_id``'s sessions hold now."""
+        return sum(s is not None and s.principal.user_id == user_id for s in self.slots)
 
     def open(self, protocol: str, principal: Principal) -> Session:
         """A new session for an accepted connection of ``protocol``."""
