@@ -2,12 +2,15 @@
 serve`` on the tiny checkpoint: a ``?token=`` that no WebSocket can carry, a start the server refuses (a timezone
 it does not know), and a server whose own persona is longer than what a client may send. Each says why at once and
 gives Start back; none waits for the server's idle timeout (the page used to sit in "connecting" until then, and
-then said "no audio for a while"). And a conversation the server ends (shutting down) says so, and a server that is
-gone is named as the cause (not the microphone)."""
+then said "no audio for a while"). And a conversation the server ends (shutting down) says so, a start refused
+because the user's one conversation runs elsewhere (``--max-sessions-per-user``) keeps the server's reason (the close
+that follows used to replace it with "All conversation slots are busy"), and a server that is gone is named as the
+cause (not the microphone)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +27,7 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
     from playwright.sync_api import sync_playwright
 
     persona = "You are a patient assistant who answers questions about the library's opening hours."
-    server = serve(text_prompt=persona, max_text_prompt_chars=40, token=TOKEN)
+    server = serve(text_prompt=persona, max_text_prompt_chars=40, token=TOKEN, max_sessions=2, max_sessions_per_user=1)
     mic = tmp_path / "mic.wav"
     sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
     args = chromium_args(mic)
@@ -58,7 +61,7 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
             assert "did not start the conversation" in text and "unknown IANA timezone 'Mars/Olympus'" in text, text
             assert page.is_visible("#notice") and page.is_enabled("#start") and page.is_disabled("#stop")
             page.wait_for_timeout(500)
-            assert server.hub.free_slots() == 1 and not server.hub.sessions
+            assert server.hub.free_slots() == 2 and not server.hub.sessions
 
             # 3. a good timezone: the conversation starts with the server's own persona, too long to be sent back
             page.fill("#timezone", "Europe/London")
@@ -79,6 +82,20 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
             page.wait_for_selector("#start:not([disabled])", timeout=30_000)
             assert page.is_visible("#notice") and "the server is shutting down" in page.inner_text("#notice")
             assert not [c for c in console if c.startswith(("pageerror", "error"))], console
+
+            # 4b. this user's one conversation runs elsewhere: busy, and the page keeps the server's reason
+            from websockets.sync.client import connect
+
+            with connect(f"{server.ws_url}?token={TOKEN}") as other:
+                other.send(json.dumps({"type": "start"}))
+                while not (isinstance(m := other.recv(timeout=120), str) and json.loads(m)["type"] == "ready"):
+                    pass
+                page.click("#start")
+                page.wait_for_selector("#notice:has-text('--max-sessions-per-user')", timeout=30_000)
+                page.wait_for_selector("#start:not([disabled])", timeout=30_000)
+                page.wait_for_timeout(500)  # the close (1013) that follows the busy message
+                text = page.inner_text("#notice")
+                assert "this user has 1 conversations running" in text and "slots are busy" not in text, text
 
             # 5. the server is gone: Start said "Microphone or audio setup failed: ... (Network error)"
             server.stop()

@@ -651,7 +651,9 @@
       else if (session.bye && session.bye.reason === "forgotten") notice("The session ended: everything remembered about you was erased. Start again for a fresh session.", "bad");
       else if (e.code === 4401) notice("The server refused the token: open the page as /?token=YOUR_TOKEN.", "bad");
       else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
-      else if (e.code === 1013 || session.busy) notice("All conversation slots are busy; try again later.", "bad");
+      else if (session.busy) {
+        /* the busy notice already gives the server's reason (all slots taken, or this user's limit) */
+      } else if (e.code === 1013) notice(e.reason ? `The server cannot take this now: ${e.reason}; try again later.` : "All conversation slots are busy; try again later.", "bad");
       else if (session.bye && session.bye.reason === "idle") notice("The session ended: no audio for a while.", "warn");
       else if (session.bye && session.bye.reason === "shutdown") notice("The session ended: the server is shutting down; Start again in a moment.", "warn");
       else if (session.bye && session.bye.reason !== "stop" && !session.stopping) {
