@@ -238,6 +238,50 @@ def apply_moshi_lora(
     Raises:
         KeyError: no such layer. TypeError: not a linear layer. ValueError: a shape that does not fit (names the key).
     """
+    grouped, targets = _moshi_lora_plan(model, adapters, r)
+    kept, merged = [], []
+    with torch.no_grad():
+        for name, parts in grouped.items():
+            target = targets[name]
+            whole = len(parts) == 1 and (parts[0][0] is None or _sets_of(model, target) == 1)
+            if whole and target.module and not fuse:
+                parent, _, child = name.rpartition(".")
+                owner = model.get_submodule(parent) if parent else model
+                linear = getattr(owner, child)
+                lora = LoRALinear.from_linear(linear, r, scaling * r)
+                lora.scaling = float(scaling)
+                lora.base.weight = linear.weight
+                lora.lora_A.copy_(parts[0][1].lora_A)
+                lora.lora_B.copy_(parts[0][1].lora_B)
+                lora.train(linear.training)
+                setattr(owner, child, lora)
+                kept.append(name)
+                continue
+            weight = _weight_of(model, target)
+            rows = weight.shape[0] // _sets_of(model, target)
+            for block, part in parts:
+                delta = (part.lora_B.float() @ part.lora_A.float()) * scaling
+                span = slice(None) if block is None else slice(block * rows, (block + 1) * rows)
+                weight[span] = (weight[span].float() + delta.to(weight.device)).to(weight.dtype)
+            merged.append(name)
+    return kept, merged
+
+
+def check_moshi_lora(model: nn.Module, adapters: dict[str, MoshiAdapter], r: int) -> None:
+    """Check that moshi-finetune's adapters fit ``model`` (layer names, rank, shapes) without applying them: what
+    :func:`apply_moshi_lora` would refuse, on a model that may live on the ``meta`` device (``cspan model info``).
+
+    Raises:
+        As :func:`apply_moshi_lora`.
+    """
+    _moshi_lora_plan(model, adapters, r)
+
+
+def _moshi_lora_plan(
+    model: nn.Module, adapters: dict[str, MoshiAdapter], r: int
+) -> tuple[dict[str, list[tuple[int | None, MoshiAdapter]]], dict[str, MoshiTarget]]:
+    """The adapters checked and grouped by this project's weight: (name -> [(weight set or None, adapter)], name ->
+    target); raises as :func:`apply_moshi_lora`."""
     grouped: dict[str, list[tuple[int | None, MoshiAdapter]]] = {}
     targets: dict[str, MoshiTarget] = {}
     for name, adapter in adapters.items():
@@ -270,32 +314,7 @@ def apply_moshi_lora(
                 )
         grouped.setdefault(target.name, []).extend(blocks)
         targets[target.name] = target
-    kept, merged = [], []
-    with torch.no_grad():
-        for name, parts in grouped.items():
-            target = targets[name]
-            whole = len(parts) == 1 and (parts[0][0] is None or _sets_of(model, target) == 1)
-            if whole and target.module and not fuse:
-                parent, _, child = name.rpartition(".")
-                owner = model.get_submodule(parent) if parent else model
-                linear = getattr(owner, child)
-                lora = LoRALinear.from_linear(linear, r, scaling * r)
-                lora.scaling = float(scaling)
-                lora.base.weight = linear.weight
-                lora.lora_A.copy_(parts[0][1].lora_A)
-                lora.lora_B.copy_(parts[0][1].lora_B)
-                lora.train(linear.training)
-                setattr(owner, child, lora)
-                kept.append(name)
-                continue
-            weight = _weight_of(model, target)
-            rows = weight.shape[0] // _sets_of(model, target)
-            for block, part in parts:
-                delta = (part.lora_B.float() @ part.lora_A.float()) * scaling
-                span = slice(None) if block is None else slice(block * rows, (block + 1) * rows)
-                weight[span] = (weight[span].float() + delta.to(weight.device)).to(weight.dtype)
-            merged.append(name)
-    return kept, merged
+    return grouped, targets
 
 
 def moshi_lora_state(
