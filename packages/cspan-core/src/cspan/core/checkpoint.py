@@ -1377,8 +1377,11 @@ def _with_fine_tune(fine_tune: Path, source: str, base: str | os.PathLike[str] |
 
 def _folder_files(folder: Path, source: str, base: str | os.PathLike[str] | None) -> CheckpointFiles:
     """A base folder, or a fine-tune folder (one top-level ``*.pt``, or moshi-finetune's ``lora.safetensors``, over
-    a base)."""
+    a base). A folder of LM weights that lacks Mimi, the tokenizer or ``config.json`` takes them from ``base`` or
+    ``$CSPAN_BASE`` where one is given, as its ``model.safetensors`` given alone does."""
     if (folder / LM_FILE).is_file():
+        if base is not None or os.environ.get(ENV_BASE):  # as for the LM file itself: the base fills what it lacks
+            return _lm_file(folder / LM_FILE, source, base)
         return _base_files(folder, source)
     if (folder / MOSHI_LORA_FILE).is_file():
         return _with_fine_tune(folder / MOSHI_LORA_FILE, source, base)
@@ -1553,9 +1556,11 @@ def load_checkpoint(
         if got is None
     ]
     if missing:
+        lm_only = files.lm.is_file() and files.fine_tune is None and Path(files.source).expanduser().exists()
         alone = (
-            f"; for an LM file on its own pass --base DIR (or {ENV_BASE}) holding the others"
-            if files.fine_tune is None and Path(files.source).expanduser().is_file()
+            f"; for LM weights on their own (a file, or a folder of {LM_FILE} and {CONFIG_FILE}) pass --base DIR "
+            f"(or {ENV_BASE}) holding the others"
+            if lm_only
             else ""
         )
         raise CheckpointError(
