@@ -188,6 +188,30 @@ def test_lm_file_alone_takes_the_other_files_from_base(tiny_checkpoint_dir: Path
     assert f"lm: {lm}" in describe_checkpoint(lm, base=tiny_checkpoint_dir)
 
 
+def test_a_folder_of_lm_weights_takes_the_other_files_from_base(
+    tiny_checkpoint_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A folder of ``model.safetensors`` + ``config.json`` only (the LM of Kyutai's or PersonaPlex's layout, copied
+    alone) with ``--base DIR``: the base was ignored ("lacks Mimi weights file ...", no word of --base) while the
+    same folder's ``model.safetensors`` took the others from it. Now both take them from the base."""
+    monkeypatch.delenv("CSPAN_BASE", raising=False)
+    folder = tmp_path / "lm only"
+    folder.mkdir()
+    for name in (LM_FILE, "config.json"):
+        shutil.copyfile(tiny_checkpoint_dir / name, folder / name)
+    with pytest.raises(CheckpointError, match=r"lacks Mimi weights file .*pass --base DIR \(or CSPAN_BASE\)"):
+        load_checkpoint(folder)
+    ckpt = load_checkpoint(folder, base=tiny_checkpoint_dir)
+    assert ckpt.files["lm"] == folder / LM_FILE and ckpt.files["config"] == folder / "config.json"
+    assert ckpt.files["mimi"] == tiny_checkpoint_dir / MIMI_FILE and ckpt.files["tokenizer"] == (
+        tiny_checkpoint_dir / TOKENIZER_FILE
+    )
+    monkeypatch.setenv("CSPAN_BASE", str(tiny_checkpoint_dir))
+    assert load_checkpoint(folder).files["mimi"] == tiny_checkpoint_dir / MIMI_FILE
+    # a complete folder keeps its own files whatever the base
+    assert load_checkpoint(tiny_checkpoint_dir, base=folder).files["lm"] == tiny_checkpoint_dir / LM_FILE
+
+
 def test_weights_fingerprint_is_by_content_not_by_path(tiny_checkpoint_dir: Path, tmp_path: Path) -> None:
     """The content fingerprint that a training resume and a bench resume key compare (weights_fingerprint): the same
     weights moved or renamed give the same value, another seed's, or one changed value, another; it reads the

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cspan.core.checkpoint import load_checkpoint
+from cspan.core.checkpoint import describe_checkpoint, load_checkpoint
 from cspan.core.errors import CheckpointError
 from cspan.core.lora import LoRALinear
 
@@ -163,6 +164,32 @@ def test_bad_adapters_are_named(lora_dir, tiny_checkpoint_dir, tmp_path, edit_st
     with pytest.raises(CheckpointError, match=expect) as err:
         load_checkpoint(folder, base=tiny_checkpoint_dir)
     assert str(folder) in str(err.value)
+    assert str(err.value).count("LoRA file") <= 1, str(err.value)  # the file named once
+    # `cspan model info` (headers only) says the same: refused while reading, or in the LM's key check
+    try:
+        summary = describe_checkpoint(folder, base=tiny_checkpoint_dir)
+    except CheckpointError as exc:
+        assert re.search(expect, str(exc))
+    else:
+        lm_check = summary.split("\nMimi:")[0].split("  key check: ")[1]
+        assert lm_check.startswith("FAILED, loading would refuse these weights: ") and re.search(expect, lm_check)
+
+
+def test_model_info_checks_the_adapters(lora_dir: Path, tiny_checkpoint_dir: Path, tmp_path: Path, capsys) -> None:
+    """``cspan model info`` checks moshi-finetune adapters against the LM as a load applies them (headers only): a
+    rank that the tensors do not have is a failed key check and exit status 1, good adapters are ``ok``."""
+    from cspan.core.cli import main
+
+    assert main(["model", "info", str(lora_dir), "--base", str(tiny_checkpoint_dir)]) == 0
+    out = capsys.readouterr().out
+    lm = out.split("\nMimi:")[0]
+    assert "LoRA (moshi-finetune): r 4, scaling 2.0" in lm and "  key check: ok" in lm
+    folder = _broken(lora_dir, tmp_path, None, lambda c: c.update(lora_rank=8))
+    assert main(["model", "info", str(folder), "--base", str(tiny_checkpoint_dir)]) == 1
+    captured = capsys.readouterr()
+    lm = captured.out.split("\nMimi:")[0]
+    assert "  key check: FAILED, loading would refuse these weights: LoRA file " in lm and "not rank 8" in lm
+    assert "these weights would not load" in captured.err
 
 
 def test_adapters_without_config_are_refused(lora_dir: Path, tiny_checkpoint_dir: Path, tmp_path: Path) -> None:

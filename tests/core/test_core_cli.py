@@ -168,6 +168,18 @@ _DOC = " (docs/COMING-FROM-MOSHI.md)"
             "--cfg-coef 1.0; --cfg-coef is Moshi's and has no counterpart here: no classifier-free guidance "
             "(upstream's default 1.0 is none)" + _DOC,
         ),
+        (  # Moshi's Rust server's --cpu got "did you mean '--mcp'?"
+            "serve",
+            ["--cpu"],
+            "--cpu; --cpu is Moshi's Rust server's (moshi-backend): here, --device cpu" + _DOC,
+        ),
+        ("voice encode", ["--cpu"], "--cpu; --cpu is Moshi's Rust server's (moshi-backend): here, --device cpu" + _DOC),
+        (  # python -m moshi.run_inference in.wav out.wav: the files were refused with no word on what to pass
+            "infer",
+            ["in.wav", "out.wav"],
+            "in.wav out.wav; moshi.run_inference's positional IN OUT files are flags here: --input-wav in.wav "
+            "--output-wav out.wav" + _DOC,
+        ),
         (
             "serve",
             ["--gradio-tunnel"],
@@ -180,13 +192,29 @@ def test_an_upstream_flag_is_answered_with_its_counterpart(verb: str, given: lis
     """A Moshi or PersonaPlex flag got a look-alike (`--voice-prompt`: "did you mean '--text-prompt'?", `--greedy`:
     "'--seed'?", `--topk-text`: "'--temp-text'?") or nothing (`--temp-audio`): now its counterpart, or that it has
     none (cspan.core.upstream.UPSTREAM_FLAGS, as docs/COMING-FROM-MOSHI.md's tables)."""
-    required = ["--input-wav", "q.wav", "--output-wav", "o.wav"] if verb == "infer" else []
+    required = {"infer": ["--input-wav", "q.wav", "--output-wav", "o.wav"], "voice encode": ["a.wav", "b.pt"]}
     proc = subprocess.run(
-        [sys.executable, "-m", "cspan.core.cli", verb, "--checkpoint", "/nonexistent", *required, *given],
+        [sys.executable, "-m", "cspan.core.cli", *verb.split(), "--checkpoint", "/nonexistent", *required.get(verb, []),
+         *given],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == f"cspan {verb}: error: unrecognized arguments: {answer}", proc.stderr
+
+
+@pytest.mark.parametrize("verb", ["infer", "serve"])
+@pytest.mark.parametrize("given", [["--seed", "-1"], ["--seed=-7"]])
+def test_a_negative_seed_says_what_to_pass_instead(verb: str, given: list[str], capsys) -> None:
+    """PersonaPlex's ``--seed -1`` ("no fixed seed") got a bare "Input should be greater than or equal to 0": now
+    that it has no counterpart, and what to pass for a different seed each run."""
+    assert main([verb, *given]) == 2
+    err = capsys.readouterr().err
+    value = given[-1].removeprefix("--seed=")
+    assert (
+        f"cspan {verb}: error: --seed / CSPAN_SEED: got '{value}'; a negative seed (PersonaPlex's --seed -1, 'no "
+        "fixed seed') has no counterpart here: the seed is always fixed (0 to 2**63 - 1, default 42424242), so for a "
+        "different one each run pass a fresh one, e.g. --seed $RANDOM"
+    ) in err, err
 
 
 def test_an_upstream_flag_that_starts_two_of_ours_is_answered_too(capsys) -> None:

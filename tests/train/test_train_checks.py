@@ -227,6 +227,32 @@ def test_moshi_export_loads_like_the_cspan_export(prepared_dir: Path, tiny_dir: 
     # the moshi format needs adapters: a bad setting (exit status 2)
     assert _run("train", "--out-dir", str(tmp_path / "c"), *args, "--export-format", "moshi") == 2
     assert "--lora-rank" in capsys.readouterr().err
+    # Moshi's own loader (``moshi.server --lora-weight lora.safetensors --config-path config.json``) loads it: it
+    # wraps every linear of its LMModel, so the layers these --lora-targets leave out and the attention input
+    # projections (never adapted here) come as zero adapters, and config.json holds no key LMModel does not take
+    assert "prefix_layout" not in json.loads((export / "config.json").read_text())
+    keys = set(load_file(export / "lora.safetensors"))
+    for name in (
+        "transformer.layers.1.self_attn.in_projs.0",
+        "depformer.layers.1.self_attn.in_projs.15",
+        "text_linear",
+    ):
+        assert f"{name}.lora_A.weight" in keys and f"{name}.lora_B.weight" in keys
+    loaders = pytest.importorskip("moshi.models.loaders", reason="pip install --no-deps moshi==0.2.13 (see noxfile)")
+    info = loaders.CheckpointInfo.from_hf_repo(
+        "kyutai/not-downloaded",
+        moshi_weights=tiny_dir / "model.safetensors",
+        mimi_weights=tiny_dir / "tokenizer-e351c8d8-checkpoint125.safetensors",
+        tokenizer=tiny_dir / "tokenizer_spm_32k_3.model",
+        config_path=export / "config.json",
+        lora_weights=export / "lora.safetensors",
+    )
+    for fuse in (False, True):
+        upstream = info.get_moshi(device="cpu", dtype=torch.float32, fuse_lora=fuse)
+        with torch.no_grad():
+            out = upstream(codes)
+        torch.testing.assert_close(out.text_logits, outs[0].text_logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.logits.nan_to_num(), outs[0].logits.nan_to_num(), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -277,6 +277,22 @@ def test_global_flags_are_checked_up_front(
     assert not (tmp_path / "data").exists()
 
 
+def test_a_moshi_finetune_dataset_folder_is_named(tiny_dir: Path, tmp_path: Path, capsys) -> None:
+    """moshi-finetune's dataset is a ``data.jsonl`` list of wavs in subfolders: given its folder, prepare said only
+    "holds no *.json dialogue file"; now it names the list as one it does not read."""
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "data.jsonl").write_text(json.dumps({"path": "data_stereo/a.wav", "duration": 8.0}) + "\n")
+    argv = ["prepare", "--in-dir", str(tmp_path / "ds"), "--out-dir", str(tmp_path / "data"), "--checkpoint"]
+    assert main([*argv, str(tiny_dir), "--device", "cpu", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"cspan prepare: error: --in-dir {str(tmp_path / 'ds')!r} holds no *.json dialogue file (format: "
+        "docs/TRAINING.md); data.jsonl is a list of files (moshi-finetune's data.jsonl?), which cspan prepare does "
+        "not read: give the folder of the dialogues themselves\n"
+    )
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.parametrize(
     ("flags", "expect"),
     [

@@ -178,3 +178,22 @@ def test_the_training_doc_example_is_valid(repo_root: Path) -> None:
     dialogue = validate_dialogue(example, "docs/TRAINING.md")
     grounded = [turn for turn in dialogue.turns if turn.ret]
     assert grounded and all(turn.body_word is None or turn.body_word < len(turn.words) for turn in grounded)
+
+
+def test_a_moshi_finetune_annotation_is_named_with_what_to_write_instead(tmp_path: Path) -> None:
+    """kyutai-labs/moshi-finetune's ``annotate.py`` writes ``{"alignments": [[word, [start, end], speaker], ...]}``
+    beside each stereo wav (left = Moshi): it got "field turns: Field required; field alignments: Extra inputs are not
+    permitted". Now the file is named as that format, with the turns to write and the channels to swap."""
+    path = tmp_path / "a.json"
+    path.write_text(
+        json.dumps({"alignments": [["hello", [0.1, 0.4], "SPEAKER_MAIN"], ["hi", [1.0, 1.2], "SPEAKER_1"]]})
+    )
+    with pytest.raises(DataError) as err:
+        load_dialogue(path)
+    message = str(err.value)
+    assert message.startswith(f"dialogue file {str(path)!r} is kyutai-labs/moshi-finetune's annotate.py output")
+    assert '"turns"' in message and "left = user, right = agent" in message and "swap the channels" in message
+    assert "Extra inputs" not in message
+    # a dialogue that has turns and a stray "alignments" still gets the schema's own answer
+    with pytest.raises(DataError, match=r"field alignments: Extra inputs are not permitted"):
+        validate_dialogue({**GOOD, "alignments": []}, "b.json")

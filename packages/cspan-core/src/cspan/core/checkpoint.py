@@ -20,6 +20,7 @@ This module imports torch lazily (inside functions) so that ``cspan --help`` sta
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import logging
@@ -27,6 +28,7 @@ import math
 import os
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -832,16 +834,24 @@ def _read_moshi_lora(path: Path, config: Path) -> tuple[dict[str, torch.Tensor],
     return state, {"r": int(rank), "scaling": float(scaling), "adapters": adapters}
 
 
+@contextlib.contextmanager
+def _moshi_lora_errors(path: Path) -> Iterator[None]:
+    """moshi-finetune adapters that do not fit the LM, as a :class:`CheckpointError` naming the file and the key."""
+    try:
+        yield
+    except KeyError as exc:
+        raise CheckpointError(f"LoRA file {str(path)!r}: layer {exc} does not exist in this LM") from None
+    except (TypeError, ValueError) as exc:
+        said = str(exc)  # an adapter's messages name the file and the key already
+        raise CheckpointError(said if said.startswith("LoRA file ") else f"LoRA file {str(path)!r}: {said}") from None
+
+
 def _apply_moshi_lora(lm: LMModel, moshi: dict[str, Any], path: Path, fuse: bool) -> dict[str, Any]:
     """Apply :func:`_read_moshi_lora`'s adapters; returns the :attr:`Checkpoint.lora` record."""
     from .lora import apply_moshi_lora
 
-    try:
+    with _moshi_lora_errors(path):
         kept, merged = apply_moshi_lora(lm, moshi["adapters"], moshi["r"], moshi["scaling"], fuse=fuse)
-    except KeyError as exc:
-        raise CheckpointError(f"LoRA file {str(path)!r}: layer {exc} does not exist in this LM") from None
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"LoRA file {str(path)!r}: {exc}") from None
     lm.eval()
     r, scaling = moshi["r"], moshi["scaling"]
     return {"format": "moshi", "r": r, "alpha": scaling * r, "scaling": scaling, "modules": kept, "merged": merged}
@@ -1367,8 +1377,11 @@ def _with_fine_tune(fine_tune: Path, source: str, base: str | os.PathLike[str] |
 
 def _folder_files(folder: Path, source: str, base: str | os.PathLike[str] | None) -> CheckpointFiles:
     """A base folder, or a fine-tune folder (one top-level ``*.pt``, or moshi-finetune's ``lora.safetensors``, over
-    a base)."""
+    a base). A folder of LM weights that lacks Mimi, the tokenizer or ``config.json`` takes them from ``base`` or
+    ``$CSPAN_BASE`` where one is given, as its ``model.safetensors`` given alone does."""
     if (folder / LM_FILE).is_file():
+        if base is not None or os.environ.get(ENV_BASE):  # as for the LM file itself: the base fills what it lacks
+            return _lm_file(folder / LM_FILE, source, base)
         return _base_files(folder, source)
     if (folder / MOSHI_LORA_FILE).is_file():
         return _with_fine_tune(folder / MOSHI_LORA_FILE, source, base)
@@ -1543,9 +1556,11 @@ def load_checkpoint(
         if got is None
     ]
     if missing:
+        lm_only = files.lm.is_file() and files.fine_tune is None and Path(files.source).expanduser().exists()
         alone = (
-            f"; for an LM file on its own pass --base DIR (or {ENV_BASE}) holding the others"
-            if files.fine_tune is None and Path(files.source).expanduser().is_file()
+            f"; for LM weights on their own (a file, or a folder of {LM_FILE} and {CONFIG_FILE}) pass --base DIR "
+            f"(or {ENV_BASE}) holding the others"
+            if lm_only
             else ""
         )
         raise CheckpointError(
@@ -1665,10 +1680,19 @@ def describe_checkpoint(
         lines.append(
             f"  LoRA (moshi-finetune): r {moshi['r']}, scaling {moshi['scaling']}, {len(moshi['adapters'])} adapters"
         )
-    if moshi is None:
-        lm_src = _SafetensorsSource(files.lm, "LM")
-        ft = None if files.fine_tune is None else _DictSource(files.fine_tune, "fine-tune", state)
-        lines.append(f"  key check: {_key_check(lambda: _plan_lm(lm_cfg, lm_src, ft, lora))}")
+    lm_src = _SafetensorsSource(files.lm, "LM")
+    ft = None if files.fine_tune is None else _DictSource(files.fine_tune, "fine-tune", state)
+
+    def lm_check() -> None:
+        model, _ = _plan_lm(lm_cfg, lm_src, ft, lora)
+        if moshi is not None:  # the adapters' layers, rank and shapes, as the load applies them
+            from .lora import check_moshi_lora
+
+            assert files.fine_tune is not None
+            with _moshi_lora_errors(files.fine_tune):
+                check_moshi_lora(model, moshi["adapters"], moshi["r"])
+
+    lines.append(f"  key check: {_key_check(lm_check)}")
     lines.append(f"  persona prefix layout: {resolve_prefix_layout(files).name}")
     lines += [
         "Mimi:",

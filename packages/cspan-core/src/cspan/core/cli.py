@@ -139,11 +139,12 @@ class CspanParser(argparse.ArgumentParser):
         """``"; --greedy is PersonaPlex's: here, --temp 0 --temp-text 0 (docs/COMING-FROM-MOSHI.md)"``: for each
         Moshi or PersonaPlex flag among ``words`` that this verb answers (:data:`cspan.core.upstream.UPSTREAM_FLAGS`),
         its counterpart and how to use it, or that it has none; ``""`` if there is no such flag."""
-        from .upstream import UPSTREAM_DOC, upstream_hint
+        from .upstream import UPSTREAM_DOC, upstream_hint, upstream_positional_hint
 
         options = set(self._option_string_actions)
         verb = self.prog.removeprefix("cspan").strip()
         hints = [upstream_hint(word.split("=", 1)[0], verb, options) for word in words if word.startswith("--")]
+        hints.append(upstream_positional_hint(words, options))  # moshi.run_inference in.wav out.wav
         said = "".join(f"; {hint}" for hint in dict.fromkeys(h for h in hints if h is not None))
         return f"{said} ({UPSTREAM_DOC})" if said else ""
 

@@ -238,6 +238,50 @@ def apply_moshi_lora(
     Raises:
         KeyError: no such layer. TypeError: not a linear layer. ValueError: a shape that does not fit (names the key).
     """
+    grouped, targets = _moshi_lora_plan(model, adapters, r)
+    kept, merged = [], []
+    with torch.no_grad():
+        for name, parts in grouped.items():
+            target = targets[name]
+            whole = len(parts) == 1 and (parts[0][0] is None or _sets_of(model, target) == 1)
+            if whole and target.module and not fuse:
+                parent, _, child = name.rpartition(".")
+                owner = model.get_submodule(parent) if parent else model
+                linear = getattr(owner, child)
+                lora = LoRALinear.from_linear(linear, r, scaling * r)
+                lora.scaling = float(scaling)
+                lora.base.weight = linear.weight
+                lora.lora_A.copy_(parts[0][1].lora_A)
+                lora.lora_B.copy_(parts[0][1].lora_B)
+                lora.train(linear.training)
+                setattr(owner, child, lora)
+                kept.append(name)
+                continue
+            weight = _weight_of(model, target)
+            rows = weight.shape[0] // _sets_of(model, target)
+            for block, part in parts:
+                delta = (part.lora_B.float() @ part.lora_A.float()) * scaling
+                span = slice(None) if block is None else slice(block * rows, (block + 1) * rows)
+                weight[span] = (weight[span].float() + delta.to(weight.device)).to(weight.dtype)
+            merged.append(name)
+    return kept, merged
+
+
+def check_moshi_lora(model: nn.Module, adapters: dict[str, MoshiAdapter], r: int) -> None:
+    """Check that moshi-finetune's adapters fit ``model`` (layer names, rank, shapes) without applying them: what
+    :func:`apply_moshi_lora` would refuse, on a model that may live on the ``meta`` device (``cspan model info``).
+
+    Raises:
+        As :func:`apply_moshi_lora`.
+    """
+    _moshi_lora_plan(model, adapters, r)
+
+
+def _moshi_lora_plan(
+    model: nn.Module, adapters: dict[str, MoshiAdapter], r: int
+) -> tuple[dict[str, list[tuple[int | None, MoshiAdapter]]], dict[str, MoshiTarget]]:
+    """The adapters checked and grouped by this project's weight: (name -> [(weight set or None, adapter)], name ->
+    target); raises as :func:`apply_moshi_lora`."""
     grouped: dict[str, list[tuple[int | None, MoshiAdapter]]] = {}
     targets: dict[str, MoshiTarget] = {}
     for name, adapter in adapters.items():
@@ -270,32 +314,7 @@ def apply_moshi_lora(
                 )
         grouped.setdefault(target.name, []).extend(blocks)
         targets[target.name] = target
-    kept, merged = [], []
-    with torch.no_grad():
-        for name, parts in grouped.items():
-            target = targets[name]
-            whole = len(parts) == 1 and (parts[0][0] is None or _sets_of(model, target) == 1)
-            if whole and target.module and not fuse:
-                parent, _, child = name.rpartition(".")
-                owner = model.get_submodule(parent) if parent else model
-                linear = getattr(owner, child)
-                lora = LoRALinear.from_linear(linear, r, scaling * r)
-                lora.scaling = float(scaling)
-                lora.base.weight = linear.weight
-                lora.lora_A.copy_(parts[0][1].lora_A)
-                lora.lora_B.copy_(parts[0][1].lora_B)
-                lora.train(linear.training)
-                setattr(owner, child, lora)
-                kept.append(name)
-                continue
-            weight = _weight_of(model, target)
-            rows = weight.shape[0] // _sets_of(model, target)
-            for block, part in parts:
-                delta = (part.lora_B.float() @ part.lora_A.float()) * scaling
-                span = slice(None) if block is None else slice(block * rows, (block + 1) * rows)
-                weight[span] = (weight[span].float() + delta.to(weight.device)).to(weight.dtype)
-            merged.append(name)
-    return kept, merged
+    return grouped, targets
 
 
 def moshi_lora_state(
@@ -309,6 +328,13 @@ def moshi_lora_state(
     ``lora_B`` (the same update); the single-set ``self_attn.out_proj`` is ``out_projs.0``. A LoRA layer's
     ``<name>.base.weight`` is written as ``<name>.weight`` (upstream's loader maps it to ``frozen_W``), and every other
     key is kept as it is (a full weight over the base).
+
+    Upstream's loader (``get_lora_moshi``) wraps *every* linear of its ``LMModel`` in a LoRA layer built on the meta
+    device and fills it from the file, so a layer whose adapter the file lacks stays a meta tensor and the load fails
+    ("Cannot copy out of meta tensor"). Every upstream linear without a trained adapter here therefore gets a zero
+    one (``lora_A`` and ``lora_B`` zero: no update): the attention input projections (``self_attn.in_projs.{i}``,
+    one per weight set, which this project keeps as ``in_proj_weight`` and never adapts) and the layers that
+    ``--lora-targets`` left out.
 
     Args:
         state: ``{key: tensor}`` with this project's names (e.g. a fine-tune's ``{"model": ...}``).
@@ -340,7 +366,37 @@ def moshi_lora_state(
         else:
             out[f"{name}.lora_A.weight"] = A
             out[f"{name}.lora_B.weight"] = B
+    dtype = next((v.dtype for k, v in state.items() if k.endswith(".lora_A")), None)
+    for name, (n_in, n_out, like) in _moshi_linears(model).items():
+        if f"{name}.lora_A.weight" not in out:
+            out[f"{name}.lora_A.weight"] = torch.zeros(r, n_in, dtype=dtype or like.dtype)
+            out[f"{name}.lora_B.weight"] = torch.zeros(n_out, r, dtype=dtype or like.dtype)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _moshi_linears(model: nn.Module) -> dict[str, tuple[int, int, torch.Tensor]]:
+    """Every linear layer of upstream's ``LMModel`` for ``model``, by upstream module name -> (in, out, a weight of
+    ours for its dtype): each attention's ``self_attn.in_projs.{i}`` / ``out_projs.{i}`` (one per weight set of
+    ``in_proj_weight`` / ``out_proj``) and every other ``nn.Linear`` (or :class:`LoRALinear`) under its own name."""
+    found: dict[str, tuple[int, int, torch.Tensor]] = {}
+    lora_bases = {f"{name}.base" for name, mod in model.named_modules() if isinstance(mod, LoRALinear)}
+    attentions = {
+        name for name, mod in model.named_modules() if isinstance(getattr(mod, "in_proj_weight", None), torch.Tensor)
+    }
+    for name in sorted(attentions):
+        attn = model.get_submodule(name)
+        sets = int(getattr(attn, "n_sets", 1))
+        w_in, w_out = attn.in_proj_weight, attn.out_proj.weight
+        for i in range(sets):
+            found[f"{name}.in_projs.{i}"] = (w_in.shape[1], w_in.shape[0] // sets, w_in)
+            found[f"{name}.out_projs.{i}"] = (w_out.shape[1], w_out.shape[0] // sets, w_out)
+    for name, mod in model.named_modules():
+        if name in lora_bases or (name.rpartition(".")[0] in attentions and name.endswith(".out_proj")):
+            continue
+        if isinstance(mod, (nn.Linear, LoRALinear)):
+            weight = mod.weight
+            found[name] = (weight.shape[1], weight.shape[0], weight)
+    return found
 
 
 def fuse_lora_layers(module: nn.Module) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["UPSTREAM_DOC", "UPSTREAM_FLAGS", "UpstreamFlag", "upstream_hint"]
+__all__ = ["UPSTREAM_DOC", "UPSTREAM_FLAGS", "UpstreamFlag", "upstream_hint", "upstream_positional_hint"]
 
 UPSTREAM_DOC = "docs/COMING-FROM-MOSHI.md"
 """The page that maps Moshi's and PersonaPlex's commands to ours (named in the hint)."""
@@ -119,6 +119,7 @@ UPSTREAM_FLAGS: dict[str, UpstreamFlag] = {
         UpstreamFlag(
             "--topk-text", _PP, None, "top-k is fixed at upstream's defaults, 250 for audio and 25 for text", _RUNTIME
         ),
+        UpstreamFlag("--cpu", "Moshi's Rust server's (moshi-backend)", "--device cpu"),
         UpstreamFlag(
             "--cfg-coef", _MOSHI, None, "no classifier-free guidance (upstream's default 1.0 is none)", _RUNTIME
         ),
@@ -148,6 +149,20 @@ UPSTREAM_FLAGS: dict[str, UpstreamFlag] = {
     ]
 }
 """Upstream flags by name (``docs/COMING-FROM-MOSHI.md``'s tables)."""
+
+
+_AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3")
+
+
+def upstream_positional_hint(words: list[str], options: set[str] | frozenset[str]) -> str | None:
+    """The answer to Moshi's positional input and output files (``python -m moshi.run_inference in.wav out.wav``)
+    among the unrecognised ``words`` of a verb whose option strings are ``options``: here they are ``--input-wav``
+    and ``--output-wav``; ``None`` when no such word is there or the verb takes no ``--input-wav``."""
+    audio = [w for w in words if not w.startswith("-") and w.lower().endswith(_AUDIO_SUFFIXES)]
+    if not audio or "--input-wav" not in options:
+        return None
+    given = f"--input-wav {audio[0]}" + (f" --output-wav {audio[1]}" if len(audio) > 1 else " --output-wav OUT.wav")
+    return f"moshi.run_inference's positional IN OUT files are flags here: {given}"
 
 
 def upstream_hint(flag: str, verb: str, options: set[str] | frozenset[str]) -> str | None:

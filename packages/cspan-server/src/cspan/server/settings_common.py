@@ -181,6 +181,23 @@ class ModelSettings(BaseSettings):
             raise ValueError("is empty; leave it out for the default, or give a repo id, a folder or a file")
         return value
 
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _no_unseeded(cls, value: object) -> object:
+        """A negative seed is PersonaPlex's and Moshi's "no fixed seed" (``--seed -1``), which has no counterpart:
+        said so with what to pass instead, rather than as a bare range error."""
+        try:
+            negative = int(str(value).strip()) < 0
+        except ValueError:
+            return value  # not an integer: the type's own error
+        if negative:
+            raise ValueError(
+                f"got {value!r}; a negative seed (PersonaPlex's --seed -1, 'no fixed seed') has no counterpart here: "
+                "the seed is always fixed (0 to 2**63 - 1, default 42424242), so for a different one each run pass a "
+                "fresh one, e.g. --seed $RANDOM"
+            )
+        return value
+
     @field_validator("voice")
     @classmethod
     def _check_voice_recording(cls, value: str | None) -> str | None:

@@ -858,7 +858,14 @@ def run_prepare(
         raise DataError(f"--in-dir {str(in_dir)!r} is not a folder; give the folder of NAME.json + NAME.wav pairs")
     paths = sorted(p for p in in_dir.glob("*.json") if p.is_file())
     if not paths:
-        raise DataError(f"--in-dir {str(in_dir)!r} holds no *.json dialogue file (format: docs/TRAINING.md)")
+        manifests = sorted(p.name for p in in_dir.glob("*.jsonl") if p.is_file())
+        also = (
+            f"; {manifests[0]} is a list of files (moshi-finetune's data.jsonl?), which cspan prepare does not read: "
+            "give the folder of the dialogues themselves"
+            if manifests
+            else ""
+        )
+        raise DataError(f"--in-dir {str(in_dir)!r} holds no *.json dialogue file (format: docs/TRAINING.md){also}")
     reads = Reads().folder("--in-dir", in_dir).extend(checkpoint_reads(checkpoint, base=base))
     if options.default_voice and Path(options.default_voice).expanduser().is_file():
         reads.file("--voice", options.default_voice)

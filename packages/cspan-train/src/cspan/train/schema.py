@@ -188,6 +188,14 @@ def validate_dialogue(data: Any, where: str = "dialogue") -> Dialogue:
     Raises:
         DataError: naming ``where`` and the first invalid fields (up to 5).
     """
+    if isinstance(data, dict) and "alignments" in data and "turns" not in data:
+        raise DataError(
+            f'dialogue file {where!r} is kyutai-labs/moshi-finetune\'s annotate.py output ({{"alignments": [[word, '
+            "[start, end], speaker], ...]}), which cspan prepare does not read: write its words as turns "
+            '({"turns": [{"speaker": "user" | "agent", "words": [{"word", "start", "end"}, ...]}, ...]}) and put the '
+            "audio with left = user, right = agent (moshi-finetune's stereo is left = Moshi, right = user: swap the "
+            "channels); docs/TRAINING.md"
+        )
     try:
         return Dialogue.model_validate(data)
     except ValidationError as exc:

@@ -1090,7 +1090,9 @@ class Trainer:
         tensors = moshi_lora_state(state, self.lm, r=r, scaling=scaling)
         config = self.ckpt.lm_config.to_upstream()
         config.update(lora=True, lora_rank=r, lora_scaling=scaling)
-        config["prefix_layout"] = self.dataset.info.get("prefix_layout", CONTEXT_SPANNING.name)
+        # Upstream passes every key it does not know to LMModel(**config), so a "prefix_layout" here would stop
+        # Moshi's loader (TypeError: unexpected keyword argument); the layout is recorded in export.json beside it.
+        config.pop("prefix_layout", None)
         with atomic_file(out / MOSHI_LORA_FILE) as tmp:  # published with ordinary permissions (safetensors: 0600)
             save_file(tensors, str(tmp), metadata={"format": "pt"})
         write_text_atomic(out / MODEL_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
