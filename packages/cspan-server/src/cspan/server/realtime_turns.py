@@ -422,7 +422,9 @@ class ResponseStream:
         )
         return events
 
-    def _close_message(self) -> list[ServerEvent]:
+    def _close_message(self, status: Literal["completed", "incomplete"] = "completed") -> list[ServerEvent]:
+        """End the assistant message in progress: ``completed``, or ``incomplete`` when its response was cancelled or
+        cut short (OpenAI's item status for an interrupted message)."""
         msg, response = self._message, self.response
         if msg is None or response is None:
             return []
@@ -438,7 +440,7 @@ class ResponseStream:
             content = ContentPart(type="output_audio", transcript=text)
             events = [AudioDone(**fields), TranscriptDone(transcript=text, **fields)]
             part = {"type": "audio", "transcript": text}
-        done = msg.model_copy(update={"status": "completed", "content": [content]})
+        done = msg.model_copy(update={"status": status, "content": [content]})
         response.output[index] = done
         if msg.id in self.log.items:
             self.log.items[msg.id] = done
@@ -450,7 +452,7 @@ class ResponseStream:
         return events
 
     def _close(self, status: str, *, reason: str | None = None) -> list[ServerEvent]:
-        events = self._close_message()
+        events = self._close_message("completed" if status == "completed" else "incomplete")
         response = self.response
         if response is None:
             return events
@@ -487,6 +489,8 @@ class _UserUtterance:
     item_id: str
     committed: bool = False
     partial: str = ""
+    released: bool = False
+    """The client deleted the committed item: its id is free again and later transcripts leave the log alone."""
 
 
 class UserSpeech:
@@ -511,8 +515,20 @@ class UserSpeech:
         return self._record(utterance).item_id
 
     def reserved(self, item_id: str) -> bool:
-        """Whether ``item_id`` is the id of a user utterance (committed or still to be): a client may not take it."""
+        """Whether ``item_id`` is the id of a user utterance (committed or still to be): a client may not take it.
+        The id of a committed item the client deleted is free again (:meth:`release`)."""
         return item_id in self._ids
+
+    def release(self, item_id: str) -> None:
+        """The client deleted the item ``item_id``: if it is a committed utterance's, its id may be taken again (as
+        LiveKit's plugin does, deleting an item and creating it again under the same id to update it), and the
+        utterance's later transcripts are still sent but no longer written into the log (where the id may now name
+        the client's item)."""
+        utterance = self._ids.get(item_id)
+        record = self._utterances.get(utterance) if utterance is not None else None
+        if record is not None and record.committed:
+            record.released = True
+            del self._ids[item_id]
 
     def _forgotten(self, utterance: int) -> bool:
         return utterance <= self._newest - UTTERANCES_KEPT and utterance not in self._utterances
@@ -525,7 +541,7 @@ class UserSpeech:
             self._newest = max(self._newest, utterance)
             while len(self._utterances) > UTTERANCES_KEPT:
                 _, old = self._utterances.popitem(last=False)
-                del self._ids[old.item_id]
+                self._ids.pop(old.item_id, None)  # a released one is gone already
         return record
 
     def poll(self, tracker: _Tracker) -> list[ServerEvent]:
@@ -560,7 +576,7 @@ class UserSpeech:
             if not record.committed:
                 events += self._commit(utterance)
             seconds = max(0.0, (end_s if end_s is not None else start_s) - start_s)
-            item = self.log.items.get(item_id)
+            item = None if record.released else self.log.items.get(item_id)
             if item is not None:  # a later retrieve gives the transcript, as OpenAI's (unless the client deleted it)
                 self.log.items[item_id] = item.model_copy(
                     update={"content": [ContentPart(type="input_audio", transcript=text)]}

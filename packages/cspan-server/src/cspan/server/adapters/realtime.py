@@ -308,6 +308,7 @@ class RealtimeAdapter(ProtocolAdapter):
             self._truncate(event)
         elif isinstance(event, ConversationItemDelete):
             self.items.delete(event.item_id, event_id=event.event_id)
+            self.user.release(event.item_id)  # a deleted user item's id may be given again
             self._emit(ItemDeleted(item_id=event.item_id))
         elif isinstance(event, ConversationItemRetrieve):
             item = self.items.get(event.item_id, event_id=event.event_id)
