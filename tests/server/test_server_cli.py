@@ -126,7 +126,7 @@ async def test_serve_subprocess(tiny_checkpoint_dir: Path, tmp_path: Path) -> No
         async with httpx.AsyncClient(base_url=base) as http:
             health = (await http.get("/health")).json()
             assert health["status"] == "ok" and health["free_slots"] == 1
-            assert health["model"] == str(tiny_checkpoint_dir)
+            assert health["model"] == tiny_checkpoint_dir.name  # not the folders above it: the server's file system
             assert (await http.get("/info")).json()["token_required"] is True
             assert "Context Spanning" in (await http.get("/")).text
             for query in (f"tok%65n={TOKEN}", f"x=1&%74oken={TOKEN}"):  # keys the server decodes to "token"

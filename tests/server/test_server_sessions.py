@@ -352,3 +352,17 @@ async def test_start_sampling_is_the_sessions_own(serve) -> None:
         own = engine.sampling[ready["slot"]]
         assert (own.text.temperature, own.audio.top_k) == (0.0, 7)
         await client.stop()
+
+
+def test_clients_see_a_local_checkpoint_by_its_name_only(tmp_path: Path) -> None:
+    """``/health`` needs no token and a Realtime session reports its ``model``: a local checkpoint is named without
+    the folders above it (the server's file system is nobody's business); a Hub repo id stays as it is."""
+    from cspan.server.session import public_model_name
+
+    folder = tmp_path / "models" / "ft-2026-12"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"")
+    assert public_model_name(str(folder)) == "ft-2026-12"
+    assert public_model_name(str(folder / "model.safetensors")) == "model.safetensors"
+    assert public_model_name("nvidia/personaplex-7b-v1") == "nvidia/personaplex-7b-v1"
+    assert public_model_name("default") == "default"

@@ -281,7 +281,7 @@ def create_app(
         status, free = hub.health()
         body = {
             "status": status,
-            "model": hub.model_name,
+            "model": hub.public_model_name,
             "sample_rate": SAMPLE_RATE,
             "frame_size": FRAME_SIZE,
             "max_sessions": settings.max_sessions,

@@ -966,6 +966,17 @@ class Session:
 # ---------------------------------------------------------------------------------------------------- the hub
 
 
+def public_model_name(checkpoint: str) -> str:
+    """``checkpoint`` as clients may see it: a Hub repo id (``nvidia/personaplex-7b-v1``) as it is; a local file or
+    folder (one that exists here) by its last component, without the folders above it."""
+    path = Path(checkpoint).expanduser()
+    try:
+        local = path.exists()
+    except OSError:  # a name too long for a path, say
+        local = False
+    return path.name if local and path.name else checkpoint
+
+
 class SessionHub:
     """The engine, its slots, the shared backends and the frame loop.
 
@@ -1016,6 +1027,10 @@ class SessionHub:
         self.recordings = RecordingBudget()  # clients' voice recordings, per user over all its connections
         self.voices.check_default_persona(settings.text_prompt)  # and one that leaves no room to talk
         self.model_name = str(settings.checkpoint or getattr(checkpoint, "source", None) or "default")
+        """The checkpoint as given (a Hub repo id or a local path): what the Context DB records of a conversation."""
+        self.public_model_name = public_model_name(self.model_name)
+        """What clients are told (``/health``, a Realtime session's ``model``): a local path's last component only,
+        so that the server's file system is not shown to anyone who asks."""
 
     @property
     def running(self) -> bool:

@@ -850,7 +850,7 @@ class RealtimeAdapter(ProtocolAdapter):
         common = {
             "id": self.session_id,
             "object": "realtime.session",
-            "model": self.hub.model_name,
+            "model": self.hub.public_model_name,
             "instructions": instructions,
             "tools": tools,
             "tool_choice": c.tool_choice,
