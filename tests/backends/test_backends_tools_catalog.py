@@ -53,6 +53,12 @@ def test_spec_parsing() -> None:
         ("'unclosed", "quote"),
         ("alow=search -- python x.py", "unknown option 'alow'; the options are allow, read, prefix, timeout"),
         ("allow=a tmeout=5 python x.py", "unknown option 'tmeout'"),  # was run as the program 'tmeout=5'
+        # an empty allow list mounted none of the server's tools, and `cspan tools list` printed nothing (status 0)
+        (
+            "allow= python x.py",
+            r"^--mcp 'allow= python x.py': allow: an empty list mounts no tool: name the tools \(allow=a,b\)",
+        ),
+        ("allow=, -- python x.py", "an empty list mounts no tool"),
         # a URL without a host was taken and failed at the first connection with httpx's "missing an 'http://' or
         # 'https://' protocol" (exit 1); now refused as --router's and --asr's are; the password is never echoed
         ("http://", "'http://' is not an http\\(s\\) URL with a host name"),

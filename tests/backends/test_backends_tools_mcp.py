@@ -524,6 +524,8 @@ def test_tools_list_and_call_mount_mcp_servers_as_serve_does() -> None:
         (["call", "add", "--mcp", "allow=add"], "cspan tools call: error: --mcp 'allow=add': give a stdio command "
          "line or an http(s):// URL after the options"),
         (["list", "--mcp", "timeout=soon python server.py"], "timeout='soon' is not a number of seconds"),
+        # an empty allow list mounted no tool: `list` printed nothing, status 0
+        (["list", "--mcp", "allow= python server.py"], "allow: an empty list mounts no tool: name the tools (allow=a,b)"),
     ],
 )  # fmt: skip
 def test_a_malformed_mcp_spec_of_tools_list_or_call_is_one_line_and_status_2(args: list[str], message: str) -> None:

@@ -6,14 +6,18 @@ user is not affected, and each refusal says why and is counted."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import websockets
-from serve_client import Client
+from serve_client import Client, ServerThread
 from websockets.exceptions import ConnectionClosed
+
+from cspan.backends.context_db import ContextDB, UserMemory
 
 ANN = "ann-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef"
@@ -119,3 +123,56 @@ async def test_a_connection_past_the_users_limit_is_closed_1013_and_others_are_n
     finally:
         for ws in held:
             await ws.close()
+
+
+class _SlowEnds(ContextDB):
+    """A real SQLite Context DB whose ``end_conversation`` waits until ``ends`` is set: a session whose client closed
+    takes as long to end as the test wants (as a slow database, or transcripts still running, would)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.ends = threading.Event()
+        self.ending = threading.Event()
+
+    def user(self, principal: Any) -> UserMemory:
+        user_id = principal if isinstance(principal, str) else principal.user_id
+        db = self
+
+        class Memory(UserMemory):
+            def end_conversation(self, conversation_id: str, **kwargs: Any) -> bool:
+                db.ending.set()
+                assert db.ends.wait(120), "never let end"
+                return super().end_conversation(conversation_id, **kwargs)
+
+        return Memory(self._conn, user_id, executor=self.executor)
+
+
+@pytest.mark.timeout(180)
+async def test_a_closed_connection_frees_its_place_while_its_session_still_ends(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    from cspan.server.serve import ServeSettings, create_app
+
+    settings = ServeSettings(
+        asr="none", router="none", max_sessions=1, max_connections_per_user=1, db=str(tmp_path / "ctx.sqlite"),
+        db_wait_s=10, token_file=_token_file(tmp_path), idle_timeout_s=600, text_prompt="You are a helpful assistant.",
+    )  # fmt: skip
+    db = _SlowEnds(tmp_path / "ctx.sqlite")
+    server = ServerThread(create_app(settings, checkpoint=tiny_checkpoint, db=db), settings).start()
+    try:
+        first = await websockets.connect(_url(server, ANN))
+        assert (await Client(first).start())["type"] == "ready"
+        await first.close()  # the client is gone; its session now waits for the Context DB to end it
+        assert await asyncio.to_thread(db.ending.wait, 60)
+        assert len(server.hub.sessions) == 1  # still ending
+        async with websockets.connect(_url(server, ANN)) as again:  # at once: the closed connection holds no place
+            await again.send('{"type": "ping"}')  # not a message of /ws: an error, on an open connection
+            assert json.loads(await again.recv())["type"] == "error"
+            assert server.hub.connections_of("ann") == 1
+            async with websockets.connect(_url(server, ANN)) as extra:  # the limit still holds for open ones
+                with pytest.raises(ConnectionClosed) as info:
+                    await extra.recv()
+            assert info.value.rcvd is not None and info.value.rcvd.code == 1013
+    finally:
+        db.ends.set()
+        server.stop()

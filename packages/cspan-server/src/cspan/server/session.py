@@ -1089,8 +1089,10 @@ class SessionHub:
         return ("ok" if free else "full"), free
 
     def connections_of(self, user_id: str) -> int:
-        """The connections of ``user_id`` open now (sessions not yet gone, started or not)."""
-        return sum(s.principal.user_id == user_id for s in self.sessions)
+        """The connections of ``user_id`` open now, started or not: sessions whose client is not gone. A session
+        whose client closed no longer counts while it ends (its transcripts and Context DB writes can take seconds):
+        a client that closes and connects again at once is not refused for the connection it just closed."""
+        return sum(s.principal.user_id == user_id and not s.gone for s in self.sessions)
 
     def slots_of(self, user_id: str) -> int:
         """The engine slots ``user_id``'s sessions hold now."""

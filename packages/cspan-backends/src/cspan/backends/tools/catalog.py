@@ -120,6 +120,13 @@ class MCPServerSpec(BaseModel):
     env: dict[str, str] | None = None
     cwd: str | None = None
 
+    @field_validator("allow")
+    @classmethod
+    def _allow_names_a_tool(cls, allow: list[str] | None) -> list[str] | None:
+        if allow is not None and not allow:  # `allow=` mounted none of the server's tools, without a word
+            raise ValueError("an empty list mounts no tool: name the tools (allow=a,b), or leave allow out for all")
+        return allow
+
     @model_validator(mode="after")
     def _one_transport(self) -> MCPServerSpec:
         if (self.command is None) == (self.url is None):
