@@ -74,8 +74,8 @@ async def test_one_user_cannot_take_every_slot_and_the_other_still_starts(serve,
         assert busy == {
             "type": "busy",
             "max_sessions": 3,
-            "message": "this user has 2 conversations running, this server's limit per user "
-            "(--max-sessions-per-user); end one first",
+            "message": "this user's conversations reached this server's limit per user (2, "
+            "--max-sessions-per-user); end one first",
         }
         with pytest.raises(ConnectionClosed) as info:
             await ann3.recv()
@@ -104,7 +104,7 @@ async def test_a_connection_past_the_users_limit_is_closed_1013_and_others_are_n
         assert info.value.rcvd is not None
         assert (info.value.rcvd.code, info.value.rcvd.reason) == (
             1013,
-            "this user has 3 connections open, this server's limit (--max-connections-per-user)",
+            "this user's connections reached this server's limit (3, --max-connections-per-user)",
         )
         assert _metric(server, 'cspan_user_limit_refusals_total{limit="connections",protocol="cspan"} 1.0')
 

@@ -433,7 +433,7 @@ async def serve_connection(
         logger.info("refused a connection of %s: %d open, the limit per user", principal.user_id, most)
         await websocket.close(
             code=CLOSE_TRY_AGAIN_LATER,
-            reason=f"this user has {most} connections open, this server's limit (--max-connections-per-user)",
+            reason=f"this user's connections reached this server's limit ({most}, --max-connections-per-user)",
         )
         return
     loop = asyncio.get_running_loop()

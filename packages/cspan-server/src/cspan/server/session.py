@@ -793,8 +793,8 @@ class Session:
             elif over_user:
                 hub.metrics.user_limit_refusals.labels(self.protocol, "sessions").inc()
                 message = (
-                    f"this user has {per_user} conversations running, this server's limit per user "
-                    "(--max-sessions-per-user); end one first"
+                    f"this user's conversations reached this server's limit per user ({per_user}, "
+                    "--max-sessions-per-user); end one first"
                 )
             else:
                 message = f"all {settings.max_sessions} conversation slots are in use; try again later"
