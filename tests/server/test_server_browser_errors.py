@@ -95,7 +95,10 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
                 page.wait_for_selector("#start:not([disabled])", timeout=30_000)
                 page.wait_for_timeout(500)  # the close (1013) that follows the busy message
                 text = page.inner_text("#notice")
-                assert "this user's conversations reached this server's limit per user (1," in text and "slots are busy" not in text, text
+                assert (
+                    "this user's conversations reached this server's limit per user (1," in text
+                    and "slots are busy" not in text
+                ), text
 
             # 5. the server is gone: Start said "Microphone or audio setup failed: ... (Network error)"
             server.stop()
