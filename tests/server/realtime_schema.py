@@ -1,4 +1,5 @@
-"""Server events checked against the ``openai`` SDK's own models of them (the published Realtime schema).
+"""Server events checked against the ``openai`` SDK's own models of them (the published Realtime schema), and a
+raw Realtime client that checks every event it receives (:class:`RealtimeClient`).
 
 The SDK parses what it receives without validating it (``construct_type_unchecked``), so a missing required field
 or a value outside the schema passes its parsing unnoticed; :func:`check_event` validates each event with the
@@ -8,7 +9,10 @@ server's extensions and have no model.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import typing
+from collections.abc import Callable
 from typing import Any, get_args, get_origin
 
 import pydantic
@@ -48,3 +52,30 @@ def check_event(raw: dict[str, Any], *, beta: bool = False) -> None:
         model.model_validate(raw)
     except pydantic.ValidationError as exc:
         raise AssertionError(f"{kind} does not match the SDK's {model.__name__}: {exc}\n{raw}") from None
+
+
+class RealtimeClient:
+    """A raw Realtime connection that keeps every event it received, each checked with :func:`check_event`."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.events: list[dict[str, Any]] = []
+
+    async def send(self, event: dict[str, Any]) -> None:
+        await self.ws.send(json.dumps(event))
+
+    async def until(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 120.0) -> dict[str, Any]:
+        """Receive until an event satisfies ``predicate`` (returned); TimeoutError after ``timeout`` seconds in all
+        (a safety net, not a timing assertion), naming the last events that are not deltas."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                seen = [e["type"] for e in self.events if "delta" not in e["type"]]
+                raise TimeoutError(f"not received; events other than deltas: {seen[-30:]}")
+            event = json.loads(await asyncio.wait_for(self.ws.recv(), left))
+            check_event(event)  # every event as the openai SDK's models define it
+            self.events.append(event)
+            if predicate(event):
+                return event

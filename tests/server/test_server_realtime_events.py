@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import websockets
-from realtime_schema import check_event
+from realtime_schema import RealtimeClient as Client
 
 TOOL = {
     "type": "function",
@@ -37,25 +37,6 @@ def stub_llm() -> Iterator[Any]:
     stub = module.StubLLM().start()
     yield stub
     stub.stop()
-
-
-class Client:
-    """A raw Realtime connection that keeps every event it received."""
-
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-        self.events: list[dict[str, Any]] = []
-
-    async def send(self, event: dict[str, Any]) -> None:
-        await self.ws.send(json.dumps(event))
-
-    async def until(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> dict[str, Any]:
-        while True:
-            event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
-            check_event(event)  # every event as the openai SDK's models define it
-            self.events.append(event)
-            if predicate(event):
-                return event
 
 
 def errors(events: list[dict[str, Any]]) -> list[tuple[str, str | None, str | None]]:

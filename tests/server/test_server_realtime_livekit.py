@@ -14,16 +14,13 @@ captured from its ``openai_client_event_queued`` event against this server:
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import json
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import websockets
-from realtime_schema import check_event
+from realtime_schema import RealtimeClient as Client
 from serve_client import load_frames
 
 # livekit-plugins-openai 1.8.9: RealtimeSession's first event, as sent (RealtimeModel(model="cspan") with defaults)
@@ -83,31 +80,6 @@ LIVEKIT_TOOLS_UPDATE = {
 }
 
 TEXT_PART = {"type": "input_text", "text": "what's the weather like"}
-
-
-class Client:
-    """A raw Realtime connection that keeps every event it received (each checked with the openai SDK's model)."""
-
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-        self.events: list[dict[str, Any]] = []
-
-    async def send(self, event: dict[str, Any]) -> None:
-        await self.ws.send(json.dumps(event))
-
-    async def until(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 120.0) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                seen = [e["type"] for e in self.events if "delta" not in e["type"]]
-                raise TimeoutError(f"not received; events other than deltas: {seen[-30:]}")
-            event = json.loads(await asyncio.wait_for(self.ws.recv(), left))
-            check_event(event)
-            self.events.append(event)
-            if predicate(event):
-                return event
 
 
 def livekit_appends(path: Any) -> list[dict[str, Any]]:
