@@ -9,7 +9,9 @@ Run as ``python tests/backends/mcp_raw_server.py``. Tools (each takes ``n: int``
 - ``echo``: answers ``"echo n"``;
 - ``noise``: writes to stderr a line with ANSI escapes and control characters, a line of 1 MiB and ``n`` lines
   ``spam <i>``, then answers ``"echo n"`` (a client that does not read stderr as it comes blocks it);
-- ``crash``: writes ``dying words`` (no newline) to stderr and exits without answering.
+- ``crash``: writes ``dying words`` (no newline) to stderr and exits without answering;
+- ``cut_emoji``: answers ``"cut \\ud83d"`` plus ``n`` laptops, as JavaScript's ``JSON.stringify`` writes a string cut
+  between the two halves of an emoji (a lone surrogate escape), then the whole pairs escaped too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 
-TOOLS = ["big", "big_id_first", "big_no_id", "junk", "echo", "noise", "crash"]
+TOOLS = ["big", "big_id_first", "big_no_id", "junk", "echo", "noise", "crash", "cut_emoji"]
 NOISE = b"\x1b[31mred alert\x1b[0m \x1b]0;pwned\x07 bell\x07 nul\x00 end\rFAKE\n"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
 
@@ -55,6 +57,11 @@ def main() -> None:
                 continue
             if name == "big_id_first":
                 body = json.dumps(text_result("B" * n)).encode()
+                send(b'{"jsonrpc": "2.0", "id": ' + json.dumps(rid).encode() + b', "result": ' + body + b"}")
+                continue
+            if name == "cut_emoji":
+                text = b'"cut \\ud83d' + b" \\ud83d\\udcbb" * n + b' end"'
+                body = b'{"content": [{"type": "text", "text": ' + text + b'}], "isError": false}'
                 send(b'{"jsonrpc": "2.0", "id": ' + json.dumps(rid).encode() + b', "result": ' + body + b"}")
                 continue
             if name == "big_no_id":

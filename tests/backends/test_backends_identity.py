@@ -111,6 +111,31 @@ def _cspan(*args: str, db: Path, stdin: str | None = None) -> subprocess.Complet
     )
 
 
+def test_a_user_id_is_one_user_however_its_accents_are_encoded(tmp_path: Path) -> None:
+    """The id "jose\u0301" (e + combining acute, as a decomposing keyboard or file name gives it) and "jos\u00e9" look the
+    same everywhere; they were two users: two memories, and revoking or exporting one missed the other's tokens."""
+    nfd, nfc = "jose\u0301", "jos\u00e9"
+    db_path = tmp_path / "ctx.sqlite"
+    token = _cspan("users", "add", nfd, db=db_path).stdout.strip()
+    with ContextDB(db_path) as db:
+        assert Authenticator(db=db).authenticate(token).user_id == nfc
+        assert [r.user_id for r in db.tokens(nfc)] == [nfc]
+        memory = db.user(nfd)
+        assert memory.user_id == nfc
+        memory.start_conversation("c1")
+        memory.add_turn("c1", "user", "hola")
+    exported = json.loads(_cspan("db", "export", nfc, db=db_path).stdout)
+    assert exported["user_id"] == nfc and exported["conversations"][0]["turns"][0]["text"] == "hola"
+    assert len(exported["tokens"]) == 1
+    revoked = _cspan("users", "revoke", "--user", nfd, db=db_path)
+    assert revoked.returncode == 0 and "revoked 1" in revoked.stdout
+    forgot = _cspan("db", "forget", nfd, "--yes", db=db_path)
+    assert forgot.returncode == 0 and "1 turns" in forgot.stdout
+    tokens_file = tmp_path / "tokens.toml"
+    tokens_file.write_text(f'[[token]]\nuser = "{nfd}"\nsha256 = "{hash_token("k" * 20)}"\n')
+    assert Authenticator(token_file=tokens_file).authenticate("k" * 20).user_id == nfc
+
+
 def test_users_revoke_given_a_user_name_points_to_user(tmp_path: Path) -> None:
     """An operator who types `cspan users revoke ada` (a user, where the verb takes a token id) is told to give
     ``--user ada``, not only that there is no such token; ada's tokens stay valid."""

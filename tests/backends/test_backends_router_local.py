@@ -141,6 +141,26 @@ def test_helpers(knowledge: Path) -> None:
     assert paragraphs[-1] == ("london London", ["The Tower of London was founded in 1066."])
 
 
+async def test_a_file_name_that_is_not_utf8_is_indexed(tmp_path: Path) -> None:
+    # a Latin-1 name from an old archive: Python reads its byte 0xE9 as the lone surrogate U+DCE9, which SQLite
+    # cannot store; every search of the folder failed with UnicodeEncodeError
+    folder = tmp_path / "knowledge"
+    folder.mkdir()
+    (folder / "lib.md").write_text("The library opens at ten on Sunday.\n")
+    try:
+        (folder / "caf\udce9.md").write_text("# Hours\n\nThe cafe opens at nine every morning.\n")
+    except (UnicodeEncodeError, OSError):
+        pytest.skip("this file system takes only UTF-8 names")
+    assert read_knowledge_file(folder / "caf\udce9.md") == [
+        ("caf\ufffd Hours", ["The cafe opens at nine every morning."])
+    ]
+    router = LocalRouter(None, None, folder)
+    cafe = await router.route(RouteRequest(question="when does the cafe open"))
+    assert cafe.reference == "The cafe opens at nine every morning." and cafe.source == "local:knowledge"
+    library = await router.route(RouteRequest(question="when does the library open"))
+    assert library.reference == "The library opens at ten on Sunday."
+
+
 def test_knowledge_dir_must_exist(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="knowledge folder"):
         LocalRouter(None, None, tmp_path / "missing")

@@ -171,6 +171,24 @@ async def test_results_are_sanitised_and_truncated() -> None:
 def test_sanitize_and_render_helpers() -> None:
     assert sanitize_text("a\tb\n\nc", 400) == "a b c"
     assert sanitize_text("x" * 50, 10) == "xxxxxxx..."
+
+
+def test_sanitize_keeps_the_format_characters_of_a_word() -> None:
+    # ZWNJ is part of a Persian word and ZWJ of an Indic conjunct or an emoji: made spaces, they split words
+    assert sanitize_text("\u06a9\u062a\u0627\u0628 \u0645\u06cc\u200c\u0634\u0648\u062f", 400) == (
+        "\u06a9\u062a\u0627\u0628 \u0645\u06cc\u200c\u0634\u0648\u062f"
+    )
+    assert sanitize_text("\u0915\u094d\u200d\u0937 \U0001f469\U0001f3fd\u200d\U0001f4bb", 400) == (
+        "\u0915\u094d\u200d\u0937 \U0001f469\U0001f3fd\u200d\U0001f4bb"
+    )
+    # a soft hyphen, a word joiner or a byte order mark inside a word is removed, not a space
+    assert sanitize_text("Zusammen\u00adarbeit Wort\u2060verbinder \ufeffBOM", 400) == (
+        "Zusammenarbeit Wortverbinder BOM"
+    )
+    # joiners at a word's edge or alone go; a run is one; the others still become spaces
+    assert sanitize_text("\u200d\u200dx\u200d y \u200c", 400) == "x y"
+    assert sanitize_text("a\u200d\u200c\u200d\u200db", 400) == "a\u200db"
+    assert sanitize_text("a\u200bb\u202ec\u2066d\u200fe", 400) == "a b c d e"
     assert render_clause({"flight_id": "UA837", "price": 420.0, "refundable": False, "gate": None}) == (
         "flight id UA837, price 420, refundable no"
     )

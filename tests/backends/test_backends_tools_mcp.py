@@ -241,6 +241,22 @@ async def test_a_huge_stdio_reply_is_refused_without_stalling_the_event_loop(cap
         await bank.aclose()
 
 
+async def test_a_reply_with_half_an_emoji_is_read_not_lost(caplog: pytest.LogCaptureFixture) -> None:
+    """A string cut between the two halves of an emoji, as JavaScript's JSON.stringify escapes it ("\\ud83d"), made
+    pydantic refuse the whole reply: it was logged as no JSON-RPC message and the call waited for its timeout. The
+    lone half is now read as U+FFFD and the rest of the text, whole emoji included, arrives as it was sent."""
+    raw = [sys.executable, str(HERE / "mcp_raw_server.py")]
+    bank = await mount_mcp(raw, connect_timeout_s=CONNECT_S, timeout_s=60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="cspan.backends.tools.mcp_stdio"):
+            result = await asyncio.wait_for(bank.call("cut_emoji", {"n": 2}), 30)
+        assert result.text == "cut \ufffd \U0001f4bb \U0001f4bb end"
+        assert not any("not a JSON-RPC message" in r.getMessage() for r in caplog.records)
+        assert (await bank.call("echo", {"n": 4})).text == "echo 4"
+    finally:
+        await bank.aclose()
+
+
 async def test_a_stdio_server_s_stderr_is_logged_attributed_inert_cut_and_rate_limited(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -65,13 +65,24 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_SPLIT.split(text) if s.strip()]
 
 
+def _display_name(name: str) -> str:
+    """``name`` (a file name as Python decodes it: undecodable bytes as lone surrogates) as valid Unicode text, each
+    byte that is not UTF-8 read as U+FFFD."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate no decoder made (not U+DC80..U+DCFF)
+        return name.encode("utf-8", "replace").decode("utf-8")
+
+
 def read_knowledge_file(path: Path) -> list[tuple[str, list[str]]]:
     """``[(title, sentences)]`` per paragraph of a text or Markdown file.
 
     Paragraphs are separated by blank lines; a Markdown heading sets the title of what follows (prefixed by the
-    file's stem); list bullets, emphasis and link targets are removed.
+    file's stem); list bullets, emphasis and link targets are removed. A name whose bytes are not UTF-8 (a Latin-1
+    ``caf\xe9.md`` from an old archive) is read with U+FFFD in their place: its stem is a title, text for the
+    index (SQLite stores no surrogate).
     """
-    stem = re.sub(r"[_\-]+", " ", path.stem).strip()
+    stem = re.sub(r"[_\-]+", " ", _display_name(path.stem)).strip()
     title = stem
     paragraphs: list[tuple[str, list[str]]] = []
     lines: list[str] = []

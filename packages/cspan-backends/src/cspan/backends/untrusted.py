@@ -23,6 +23,16 @@ __all__ = ["JSONInputError", "json_kind", "loads", "sanitize_text"]
 
 _DROP_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"}
 _BIG_INT = re.compile(r"has (\d+) digits")
+_KEEP = {
+    "\u200c": "\u200c",  # ZERO WIDTH NON-JOINER: part of the word in Persian (می\u200cشود), Indic scripts
+    "\u200d": "\u200d",  # ZERO WIDTH JOINER: Indic conjuncts, emoji sequences (woman + laptop)
+    "\u00ad": "",  # SOFT HYPHEN: a possible break inside a word (German web text), no space
+    "\u2060": "",  # WORD JOINER: no break, no space
+    "\ufeff": "",  # ZERO WIDTH NO-BREAK SPACE (a byte order mark): no space
+}
+"""Format characters (Cf) that belong inside a word: kept, or removed without the space the others become."""
+_STRAY_JOINER = re.compile("(?<!\\S)[\u200c\u200d]|[\u200c\u200d](?!\\S)")
+_JOINER_RUN = re.compile("[\u200c\u200d]{2,}")
 
 
 class JSONInputError(ValueError):
@@ -78,9 +88,12 @@ def json_kind(value: Any) -> str:
 def sanitize_text(text: str, max_chars: int) -> str:
     """Make text from another party safe to read aloud or inject: one line, no control characters, capped.
 
-    Control, format (zero-width, bidi overrides such as U+202E), private-use, surrogate, unassigned and
+    Control, format (zero-width space, bidi overrides such as U+202E), private-use, surrogate, unassigned and
     line/paragraph separator characters become spaces; the text is NFC-normalised and runs of whitespace collapse
-    to one space. Linear in ``len(text)`` with a per-character pass over at most ``2 * max_chars`` characters.
+    to one space. The format characters that belong inside a word are not spaces: the zero-width joiner and
+    non-joiner (U+200D, U+200C: Persian ``می\u200cشود``, Indic conjuncts, emoji sequences) are kept between two
+    other characters (one of a run, none at a word's edge), and the soft hyphen, the word joiner and U+FEFF are
+    removed. Linear in ``len(text)`` with a per-character pass over at most ``2 * max_chars`` characters.
     Text longer than ``max_chars`` is cut at a word boundary (when one lies in the last 40 %) and
     ends in ``...``; the result is never longer than ``max_chars``.
 
@@ -91,7 +104,9 @@ def sanitize_text(text: str, max_chars: int) -> str:
         raise ValueError(f"max_chars must be at least 8, got {max_chars}")
     text = " ".join(str(text).split())[: 2 * max_chars + 16]  # C-speed first: the per-character pass stays short
     text = unicodedata.normalize("NFC", text)
-    text = "".join(" " if unicodedata.category(ch) in _DROP_CATEGORIES else ch for ch in text)
+    text = "".join(_KEEP.get(ch, " ") if unicodedata.category(ch) in _DROP_CATEGORIES else ch for ch in text)
+    if "\u200c" in text or "\u200d" in text:
+        text = _STRAY_JOINER.sub("", _JOINER_RUN.sub(lambda m: m.group()[0], text))  # runs first: linear
     text = " ".join(text.split())
     if len(text) <= max_chars:
         return text

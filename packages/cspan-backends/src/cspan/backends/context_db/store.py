@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import unicodedata
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Protocol
@@ -216,6 +217,7 @@ class ContextDB(LegacyMethods):
 
     def forget_user(self, user_id: str, *, tokens: bool = False) -> dict[str, int]:
         """Delete what is remembered about ``user_id`` (and its issued tokens with ``tokens``); rows per table."""
+        user_id = check_id(user_id, "user id")
         counts = self.user(user_id).forget()
         if tokens:
             with self._conn.write() as tx:
@@ -267,7 +269,7 @@ class ContextDB(LegacyMethods):
             ValueError: an unusable user id, or a label that is not printable (a newline or a terminal escape would
                 reach the operator's terminal through ``cspan users list``) or longer than :data:`MAX_ID_CHARS`.
         """
-        check_id(user_id, "user id")
+        user_id = check_id(user_id, "user id")
         if len(label) > MAX_ID_CHARS or not label.isprintable():
             shown = repr(label)
             if len(shown) > 60:  # cut as check_id cuts an id
@@ -310,7 +312,7 @@ class ContextDB(LegacyMethods):
         """Revoke one token (by id) or every token of a user; returns how many were revoked."""
         if (token_id is None) == (user_id is None):
             raise ValueError("revoke_tokens needs exactly one of token_id= or user_id=")
-        column, value = ("id", token_id) if token_id is not None else ("user_id", user_id)
+        column, value = ("id", token_id) if token_id is not None else ("user_id", unicodedata.normalize("NFC", user_id))
         with self._conn.write() as tx:
             return tx.execute(
                 f"UPDATE tokens SET revoked_at = ? WHERE {column} = ? AND revoked_at IS NULL", (time.time(), value)

@@ -24,6 +24,7 @@ import hashlib
 import json
 import threading
 import time
+import unicodedata
 import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
@@ -58,8 +59,9 @@ _ERASE_LOCK = 0x63737062  # PostgreSQL advisory lock class of one user's erase (
 
 
 def check_id(value: object, what: str) -> str:
-    """``value`` if it is a usable id (a non-empty string of at most :data:`MAX_ID_CHARS` printable characters,
-    without spaces at either end: ``" ada"`` would be a user apart from ``"ada"`` that no one can tell from it).
+    """``value`` in Unicode NFC if it is a usable id (a non-empty string of at most :data:`MAX_ID_CHARS` printable
+    characters, without spaces at either end: ``" ada"`` would be a user apart from ``"ada"`` that no one can tell
+    from it; so would ``"jose\u0301"``, the decomposed ``"josé"``, which is why the id is composed).
 
     Raises:
         ValueError: naming ``what`` and the problem.
@@ -71,7 +73,7 @@ def check_id(value: object, what: str) -> str:
         if len(shown) > 60:  # a long value is cut in the message, its length said
             shown = f"{shown[:57]}... ({len(value)} characters)" if isinstance(value, str) else shown[:57] + "..."
         raise ValueError(f"{what} must be 1 to {MAX_ID_CHARS} printable characters, got {shown}")
-    return value
+    return unicodedata.normalize("NFC", value)
 
 
 def _profile(r: dict[str, Any]) -> Profile:

@@ -30,7 +30,7 @@ import anyio
 
 from cspan.backends.http_client import off_loop
 from cspan.backends.rate import TokenBucket
-from cspan.backends.untrusted import sanitize_text
+from cspan.backends.untrusted import loads, sanitize_text
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -72,13 +72,41 @@ _KEEP_LINE = 8 * MAX_STDERR_LINE_CHARS  # bytes of a stderr line kept (escapes a
 _RUNNER = re.compile(r"(python|pypy|node|deno|bun|bunx|npx|uvx|pipx)[\d.]*(\.exe)?", re.IGNORECASE)
 
 
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _without_surrogates(value: Any) -> Any:
+    """``value`` (parsed JSON) with every lone surrogate in its strings and keys made U+FFFD."""
+    if isinstance(value, str):  # json.loads joins the pairs: a surrogate left is a lone half
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_without_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
+    return value
+
+
 def _parse(line: bytes) -> Any:
+    """One line of the server's stdout as the SDK's ``SessionMessage``, or the exception the session is handed.
+
+    JSON may escape half a UTF-16 surrogate pair (``"\\ud83d"``), and JavaScript writes one wherever a string was cut
+    between the two halves of an emoji (``text.slice(0, 100)``, then ``JSON.stringify``); pydantic refuses such a
+    string, which lost the whole reply: the call waited for its timeout. Such a line is read with U+FFFD for each
+    lone half (valid UTF-8 surrogate pairs are untouched).
+    """
     from mcp.shared.message import SessionMessage
     from mcp.types import jsonrpc_message_adapter
 
     try:
         return SessionMessage(jsonrpc_message_adapter.validate_json(line, by_name=False))
     except ValueError as exc:  # the SDK hands unparsable lines to the session as exceptions
+        if _LONE_SURROGATE.search(line):
+            try:
+                value = _without_surrogates(loads(line))
+                return SessionMessage(jsonrpc_message_adapter.validate_python(value, by_name=False))
+            except ValueError:
+                pass
         log.warning("MCP server sent a line that is not a JSON-RPC message (%s)", type(exc).__name__)
         return exc
 
