@@ -68,6 +68,33 @@ def note_bank(text: str = INJECTION) -> ToolBank:
     )
 
 
+def test_one_router_serves_several_event_loops(llm: StubLLM) -> None:
+    """A library user's code may call ``asyncio.run`` per request, or run one loop per thread: the router's pooled
+    connections belong to the loop that opened them, so each loop gets its own client (a kept-alive socket of a
+    closed loop used to fail the next ``asyncio.run`` with RuntimeError "Event loop is closed")."""
+    import threading
+
+    router = LLMRouter(llm.url, "m", ToolBank(), timeout_s=5)
+    for i in range(3):
+        llm.reset({"content": f"Answer number {i}."})
+        result = asyncio.run(router.route(RouteRequest(question="what is it?")))
+        assert result.reference == f"Answer number {i}."
+
+    llm.reset(*({"content": "An answer."} for _ in range(4)))
+    answers: list[str | None] = []
+
+    def in_own_loop() -> None:
+        answers.append(asyncio.run(router.route(RouteRequest(question="what is it?"))).reference)
+
+    threads = [threading.Thread(target=in_own_loop) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == ["An answer."] * 4 and len(llm.requests) == 4
+    asyncio.run(router.aclose())
+
+
 async def test_picks_exchange_rate_validates_and_runs_it(llm: StubLLM, fdb_bank: ToolBank) -> None:
     llm.script = [
         {"tool": "get_exchange_rate", "arguments": {"amount": "100", "from_currency": "USD", "to_currency": "EUR"}}

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -141,12 +142,18 @@ _REASONING_MODEL = re.compile(r"(?:^|/)(?:o[1-9]|gpt-5)", re.I)
 @dataclass
 class _Shared:
     """What an :class:`LLMRouter` and its :meth:`~LLMRouter.with_bank` copies share: the HTTP client and what was
-    learnt about the server."""
+    learnt about the server.
+
+    ``client`` is the caller's client (used as is, never closed), else None: the router then makes its own, one per
+    event loop (``clients``), since an ``httpx.AsyncClient``'s pooled connections belong to the loop that opened
+    them (a second ``asyncio.run``, or a thread with its own loop, would otherwise reuse a dead loop's sockets)."""
 
     client: httpx.AsyncClient | None
-    own_client: bool
     use_tools_field: bool
     use_response_format: bool = True
+    clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
 
 
 @dataclass
@@ -332,7 +339,9 @@ class LLMRouter:
             action word (book, buy, pay, change, add, yes, ...): an LLM must not book what the user only asked about.
         max_reply_bytes: largest reply read from the endpoint (bytes, after decompression); a longer one is
             refused with :class:`RouterError` without being read further.
-        client: an ``httpx.AsyncClient`` to use (not closed by :meth:`aclose`); one is made otherwise.
+        client: an ``httpx.AsyncClient`` to use (not closed by :meth:`aclose`; it must be used from its own event
+            loop); otherwise the router makes one per event loop, so one router serves several ``asyncio.run`` calls
+            or threads each running its own loop.
 
     **Actions need a confirmation.** When the LLM picks an action tool (one that books, pays, cancels or changes
     something), the router does not run it: it answers the span ``(tool result) confirmation needed: <tool
@@ -409,7 +418,7 @@ class LLMRouter:
         # one request's deadline is the whole route's: route() holds the overall one (LLM requests plus the tool)
         self._policy = HTTPPolicy(deadline_s=self.timeout_s, max_attempts=1, max_reply_bytes=self.max_reply_bytes)
         self.reasoning = bool(_REASONING_MODEL.search(model))
-        self._shared = _Shared(client=client, own_client=client is None, use_tools_field=json_mode != "always")
+        self._shared = _Shared(client=client, use_tools_field=json_mode != "always")
         self._owner = True
         self._system_tools: str | None = None
         self._system_json: str | None = None
@@ -522,11 +531,16 @@ class LLMRouter:
     # ------------------------------------------------------------------ HTTP
 
     async def aclose(self) -> None:
-        """Close the HTTP client if this router made it (a :meth:`with_bank` copy closes nothing)."""
-        shared = self._shared
-        if self._owner and shared.client is not None and shared.own_client:
-            await shared.client.aclose()
-            shared.client = None
+        """Close the HTTP clients this router made (a :meth:`with_bank` copy closes nothing; a ``client`` passed
+        in is left open). The one of the running event loop is closed here; those of other loops are dropped (a
+        client cannot be closed from another loop)."""
+        if not self._owner:
+            return
+        clients = self._shared.clients
+        mine = clients.pop(asyncio.get_running_loop(), None)
+        clients.clear()
+        if mine is not None:
+            await mine.aclose()
 
     async def __aenter__(self) -> LLMRouter:
         return self
@@ -535,12 +549,16 @@ class LLMRouter:
         await self.aclose()
 
     def _http(self) -> httpx.AsyncClient:
+        """The HTTP client for the running event loop: the caller's, else this router's own for that loop."""
         shared = self._shared
-        if shared.client is None:
+        if shared.client is not None:
+            return shared.client
+        loop = asyncio.get_running_loop()
+        client = shared.clients.get(loop)
+        if client is None or client.is_closed:
             # the overall deadline (asyncio.timeout in route) governs; httpx's own limit is only a backstop
-            shared.client = httpx.AsyncClient(timeout=self._policy.timeout())
-            shared.own_client = True
-        return shared.client
+            client = shared.clients[loop] = httpx.AsyncClient(timeout=self._policy.timeout())
+        return client
 
     async def _post(self, body: dict[str, Any], end: float) -> tuple[int, bytes]:
         """POST ``body`` under the backends' request policy (:mod:`cspan.backends.http_client`: the reply read as a
