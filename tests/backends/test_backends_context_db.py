@@ -799,6 +799,33 @@ def test_merge_profile_changes_only_the_fields_given(target: str) -> None:
         assert (me.get_profile().name, me.get_profile().city) == ("Eve", "")
 
 
+def test_profile_writes_validate_what_they_store(target: str) -> None:
+    """A value that is not valid for its field is refused before anything is written (a ``lat`` of ``"x"`` stored
+    as text used to make the user's profile unreadable: ``get_profile``, ``working_text``, ``export`` and every
+    retrieval's context failed from then on); valid strings are coerced as ``Profile`` does; ``put_profile`` of a
+    dict says what it takes."""
+    with ContextDB(target) as db:
+        me = db.user("eve")
+        me.put_profile(Profile(name="Eve", city="Leeds", lat=53.8))
+        for changes, field in (
+            ({"lat": "north"}, "lat"),
+            ({"name": "Evelyn", "lon": [1]}, "lon"),
+            ({"name": 5}, "name"),
+        ):
+            with pytest.raises(ValueError, match=f"profile field '{field}': .*nothing was written"):
+                me.merge_profile(changes)
+        assert me.get_profile() == Profile(user_id="eve", name="Eve", city="Leeds", lat=53.8)
+        assert me.merge_profile({"lat": "51.5", "lon": " -0.12 "}) == Profile(
+            user_id="eve", name="Eve", city="Leeds", lat=51.5, lon=-0.12
+        )
+        conversation = me.start_conversation()
+        assert me.working_text(conversation).startswith("profile: user=Eve")
+        assert me.export()["profile"]["lat"] == 51.5
+        with pytest.raises(TypeError, match=r"put_profile\(\) takes a Profile, got dict; .*merge_profile"):
+            me.put_profile({"name": "Mallory"})  # type: ignore[arg-type]
+        assert me.get_profile().name == "Eve"
+
+
 def test_the_times_given_are_the_times_stored(target: str) -> None:
     """A caller whose writes wait for the database passes the events' times: they are stored as given (not the
     write's time); a second start of a conversation keeps the earlier start time (a retrieval's early row gets the
