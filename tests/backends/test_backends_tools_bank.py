@@ -214,11 +214,26 @@ async def test_register_merge_and_close() -> None:
     [
         ({"name": "has space"}, "invalid tool name"),
         ({"kind": "write"}, "kind must be"),
-        ({"timeout_s": 0}, "timeout_s must be positive"),
+        ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0, got nan"),
+        ({"timeout_s": float("inf")}, "timeout_s must be a finite number of seconds > 0, got inf"),
+        ({"timeout_s": "5"}, "timeout_s must be a finite number of seconds > 0, got '5'"),
+        ({"fn": None}, "fn must be a function .* got NoneType"),
+        ({"fn": "echo"}, "fn must be a function .* got str"),
         ({"parameters": dict}, "pydantic BaseModel"),
     ],
 )
 def test_bad_tool_definitions(kwargs: dict, match: str) -> None:
+    """Refused when the tool is made, with the field named (a NaN timeout used to fail every call as timed out at
+    once, a non-callable ``fn`` every call with "'NoneType' object is not callable", a string timeout with a bare
+    TypeError)."""
     spec: dict[str, Any] = {"name": "ok", "description": "d", "parameters": RentArgs, "fn": echo, **kwargs}
     with pytest.raises(ToolError, match=match):
         Tool(**spec)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf"), "1"])
+async def test_bad_call_timeouts_are_refused(timeout_s: Any) -> None:
+    bank = ToolBank([Tool("rent", "Rent.", RentArgs, echo)])
+    with pytest.raises(ToolError, match=r"tool 'rent': timeout_s must be a finite number of seconds > 0"):
+        await bank.call("rent", {"city": "Oslo", "bedrooms": 2, "max_price": 900}, timeout_s=timeout_s)

@@ -21,6 +21,7 @@ import asyncio
 import copy
 import inspect
 import json
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -105,7 +106,7 @@ class Tool:
             A plain (sync) callable is run in a worker thread.
         kind: ``"read"`` (looks something up) or ``"action"`` (changes state: books, pays, cancels, writes).
             Routers run actions only after the user confirms (see :class:`~cspan.backends.router.LLMRouter`).
-        timeout_s: seconds one call may take before it fails with :class:`ToolError`.
+        timeout_s: seconds one call may take before it fails with :class:`ToolError` (a finite number > 0).
         domain: optional group name (e.g. ``"travel_identity"``) for routers that pick a domain first.
         schema: optional JSON Schema to advertise instead of the one generated from ``parameters`` (used for MCP
             tools, whose server-side schema is the authority).
@@ -137,8 +138,17 @@ class Tool:
             raise ToolError(f"tool {self.name!r}: kind must be 'read' or 'action', got {self.kind!r}", tool=self.name)
         if not (isinstance(self.parameters, type) and issubclass(self.parameters, BaseModel)):
             raise ToolError(f"tool {self.name!r}: parameters must be a pydantic BaseModel subclass", tool=self.name)
-        if self.timeout_s <= 0:
-            raise ToolError(f"tool {self.name!r}: timeout_s must be positive, got {self.timeout_s}", tool=self.name)
+        if not callable(self.fn):
+            raise ToolError(
+                f"tool {self.name!r}: fn must be a function (async or plain) taking the arguments as keywords, got "
+                f"{type(self.fn).__name__}",
+                tool=self.name,
+            )
+        if not _positive_seconds(self.timeout_s):
+            raise ToolError(
+                f"tool {self.name!r}: timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}",
+                tool=self.name,
+            )
 
     def json_schema(self) -> dict[str, Any]:
         """JSON Schema of the parameters, without pydantic's ``title`` noise.
@@ -234,6 +244,11 @@ def _clean_schema(node: Any, defs: Mapping[str, Any], depth: int) -> Any:
                 rest.pop("default")
             out = {**non_null[0], **rest}
     return out
+
+
+def _positive_seconds(value: Any) -> bool:
+    """Whether ``value`` is a finite number of seconds above 0 (not a bool, a string or NaN)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _field_path(loc: Iterable[Any]) -> str:
@@ -466,9 +481,12 @@ class ToolBank:
         """
         tool = self.get(name)
         full, shown = self._validated(tool, arguments)
-        limit = float(timeout_s) if timeout_s is not None else tool.timeout_s
-        if limit <= 0:
-            raise ToolError(f"tool {name!r}: timeout_s must be positive, got {limit}", tool=name)
+        limit = timeout_s if timeout_s is not None else tool.timeout_s
+        if not _positive_seconds(limit):
+            raise ToolError(
+                f"tool {name!r}: timeout_s must be a finite number of seconds > 0, got {limit!r}", tool=name
+            )
+        limit = float(limit)
         start = time.perf_counter()
         try:
             out = await asyncio.wait_for(self._invoke(tool, full), timeout=limit)
