@@ -145,10 +145,24 @@ async def test_empty_result_is_no_information_and_odd_results_are_errors() -> No
     async def weird(**kwargs: Any) -> object:
         return object()
 
-    bank = ToolBank([rent_tool(fn=nothing), Tool("odd", "Odd.", RentArgs, weird)])
+    async def no_return(**kwargs: Any) -> None:
+        pass
+
+    def sync_no_return(**kwargs: Any) -> None:
+        pass
+
+    bank = ToolBank(
+        [
+            rent_tool(fn=nothing),
+            Tool("odd", "Odd.", RentArgs, weird),
+            Tool("none", "None.", RentArgs, no_return),
+            Tool("sync_none", "None.", RentArgs, sync_no_return),
+        ]
+    )
     args = {"city": "Austin", "bedrooms": 1, "max_price": 9}
-    result = await bank.call("rent", args)  # ran and found nothing: the abstain clause the model knows
-    assert result.text == "(no information found)" and result.error is None
+    for name in ("rent", "none", "sync_none"):  # ran and found nothing: the abstain clause the model knows
+        result = await bank.call(name, args)
+        assert (result.text, result.data, result.error) == ("(no information found)", None, None)
     with pytest.raises(ToolError, match="returned object"):
         await bank.call("odd", args)
 

@@ -102,7 +102,8 @@ class Tool:
         description: one or two sentences for the router prompt (what it does, typical use).
         parameters: a pydantic model class; its fields are the tool's arguments.
         fn: async callable taking the validated fields as keyword arguments and returning a ``str`` clause, a
-            JSON-serialisable ``dict``/``list`` (rendered with :func:`render_clause`) or a :class:`ToolOutput`.
+            JSON-serialisable ``dict``/``list`` (rendered with :func:`render_clause`) or a :class:`ToolOutput`;
+            ``None`` or a blank clause means it found nothing (the result is ``(no information found)``).
             A plain (sync) callable is run in a worker thread.
         kind: ``"read"`` (looks something up) or ``"action"`` (changes state: books, pays, cancels, writes).
             Routers run actions only after the user confirms (see :class:`~cspan.backends.router.LLMRouter`).
@@ -527,7 +528,9 @@ class ToolBank:
 
     def _render(self, tool: Tool, out: Any) -> tuple[str, Any]:
         data: Any = None
-        if isinstance(out, ToolOutput):
+        if out is None:  # returned nothing (no return statement): ran and found nothing, as an empty clause
+            text = ""
+        elif isinstance(out, ToolOutput):
             text, data = out.text, out.data
         elif isinstance(out, str):
             text = out
@@ -539,7 +542,7 @@ class ToolBank:
             data = out
         else:
             raise ToolError(
-                f"tool {tool.name!r} returned {type(out).__name__}; tools must return str, dict, list or ToolOutput",
+                f"tool {tool.name!r} returned {type(out).__name__}; tools must return str, dict, list, ToolOutput or None",
                 tool=tool.name,
             )
         text = sanitize_text(text, self.max_chars)
