@@ -28,6 +28,7 @@ from cspan.backends.context_db import (
     extract_facts,
 )
 from cspan.backends.context_db.schema import V1, statements
+from cspan.backends.identity import Principal
 
 # --------------------------------------------------------------------------------------------- PostgreSQL
 
@@ -444,6 +445,16 @@ def test_user_turns_become_facts_and_dedupe() -> None:
 )
 def test_extract_facts(text: str, facts: dict[str, str]) -> None:
     assert extract_facts(text) == facts
+
+
+def test_a_principal_that_is_not_a_user_is_refused_clearly(tmp_path: Path) -> None:
+    """``db.user(x)`` takes a user id or anything with ``user_id``; None or a number is a ValueError naming the user
+    id (it used to be AttributeError "'NoneType' object has no attribute 'user_id'")."""
+    with ContextDB(tmp_path / "c.sqlite") as db:
+        for wrong, shown in ((None, "None"), (5, "5"), ("", "''")):
+            with pytest.raises(ValueError, match=f"user id must be 1 to 200 printable characters, got {shown}$"):
+                db.user(wrong)  # type: ignore[arg-type]
+        assert db.user(Principal.local("ada")).user_id == "ada" and db.users() == []
 
 
 def test_span_marks_and_errors(tmp_path: Path) -> None:
