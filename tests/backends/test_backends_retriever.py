@@ -222,6 +222,31 @@ async def test_a_reference_with_nothing_to_read_is_no_span(tmp_path) -> None:
     db.close()
 
 
+async def test_a_router_that_answers_no_route_result_is_a_failed_route(tmp_path) -> None:
+    """A caller's router whose ``route`` returns something other than a RouteResult (a str, a dict): retrieve()
+    still never raises for a router failure; the result and the span row name what came back (it used to escape as
+    AttributeError "'str' object has no attribute 'reference'")."""
+
+    class Garbage:
+        def __init__(self, answer: object) -> None:
+            self.answer = answer
+
+        async def route(self, req):
+            return self.answer
+
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    memory = db.user("ada")
+    for answer, kind in (("It opens at nine.", "str"), ({"reference": "It opens at nine."}, "dict")):
+        res = await Retriever(None, Garbage(answer), memory).retrieve(question="is it open", conversation_id="c")
+        assert (res.reference, res.stage) == (None, "router")
+        assert res.error == f"router failed: Garbage.route() returned {kind}, not a RouteResult"
+    assert [(s.text, s.dropped, s.error) for s in memory.spans("c")] == [
+        (None, "error", "router failed: Garbage.route() returned str, not a RouteResult"),
+        (None, "error", "router failed: Garbage.route() returned dict, not a RouteResult"),
+    ]
+    db.close()
+
+
 class GatedExecutor(ThreadPoolExecutor):
     """The Context DB's worker threads, each call of which waits while the gate is closed (a database that does not
     answer, as a frozen PostgreSQL host)."""

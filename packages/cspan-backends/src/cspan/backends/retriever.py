@@ -322,13 +322,19 @@ class Retriever:
         res.stage = "router"
         t0 = time.perf_counter()
         try:
-            return await self.router.route(req)
+            route = await self.router.route(req)
         except Exception as exc:
             res.error = f"router failed: {exc}"
             log.warning("router failed for %r: %s", res.question, exc)
             return None
         finally:
             res.route_s = time.perf_counter() - t0
+        if route is not None and not isinstance(route, RouteResult):
+            # a router of the caller's that answers something else is a failed route, not a crash of retrieve()
+            res.error = f"router failed: {type(self.router).__name__}.route() returned {type(route).__name__}, not a RouteResult"
+            log.warning("%s", res.error)
+            return None
+        return route
 
     async def _transcribe(self, res: SpanResult, audio: np.ndarray | None, sample_rate: int | None) -> str | None:
         if audio is None:
