@@ -159,6 +159,24 @@ async def test_empty_question_is_nothing(tmp_path) -> None:
     db.close()
 
 
+async def test_deadlines_that_are_not_seconds_are_refused(tmp_path) -> None:
+    """A deadline that is no number of seconds is a ValueError naming it, at construction (``"x"`` used to be
+    accepted and every retrieve() then raised TypeError "unsupported operand type(s) for +") and per call (NaN or a
+    negative number read as a deadline already missed); 0 (the runtime's "no time left") and inf stay valid."""
+    for wrong in ("x", 0, -1, float("nan"), True):
+        with pytest.raises(ValueError, match="deadline_s must be a positive number of seconds"):
+            Retriever(None, LocalRouter(), deadline_s=wrong)  # type: ignore[arg-type]
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    retriever = Retriever(None, LocalRouter(), db.user("ada"), deadline_s=float("inf"))
+    for wrong in ("1", -1, float("nan")):
+        with pytest.raises(ValueError, match="deadline_s must be a number of seconds >= 0"):
+            await retriever.retrieve(question="is it open", conversation_id="c", deadline_s=wrong)  # type: ignore[arg-type]
+    late = await retriever.retrieve(question="what is two plus two", conversation_id="c", deadline_s=0)
+    assert late.late and late.reference is None
+    assert db.user("ada").spans("c")[-1].dropped == "late"
+    db.close()
+
+
 def test_matches_the_retriever_contract() -> None:
     params = list(inspect.signature(Retriever.retrieve).parameters)
     assert params == [
