@@ -95,6 +95,26 @@ def test_one_router_serves_several_event_loops(llm: StubLLM) -> None:
     asyncio.run(router.aclose())
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((None, "m", ToolBank()), {}, ValueError, "base_url must be an http\\(s\\) URL .*, got None$"),
+        (("localhost:8004", "m", ToolBank()), {}, ValueError, "base_url must be .*, got 'localhost:8004'$"),
+        (("ftp://h/v1", "m", ToolBank()), {}, ValueError, "base_url must be .*, got 'ftp://h/v1'$"),
+        (("http://h:8004/v1", None, ToolBank()), {}, ValueError, "model must be .* got None$"),
+        (("http://h:8004/v1", "m", None), {}, TypeError, "tools must be a ToolBank .* got NoneType$"),
+        (("http://h:8004/v1", "m", ToolBank()), {"timeout_s": "8"}, ValueError, "timeout_s must be .* got '8'$"),
+        (("http://h:8004/v1", "m", ToolBank()), {"timeout_s": float("nan")}, ValueError, "timeout_s .* got nan$"),
+    ],
+)
+def test_bad_router_settings_are_refused_when_made(args: tuple, kwargs: dict, error: type, match: str) -> None:
+    """Refused by the constructor, naming the argument (they used to pass and fail later: a URL without a scheme at
+    the first route, tools=None as AttributeError out of route(), None for the URL or model as a TypeError from
+    deep inside, a string timeout as a bare comparison TypeError)."""
+    with pytest.raises(error, match=match):
+        LLMRouter(*args, **kwargs)
+
+
 async def test_picks_exchange_rate_validates_and_runs_it(llm: StubLLM, fdb_bank: ToolBank) -> None:
     llm.script = [
         {"tool": "get_exchange_rate", "arguments": {"amount": "100", "from_currency": "USD", "to_currency": "EUR"}}

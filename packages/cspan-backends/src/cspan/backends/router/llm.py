@@ -315,7 +315,7 @@ class LLMRouter:
     Args:
         base_url: the server ("http://127.0.0.1:8004", ".../v1", or the full ``/v1/chat/completions`` URL).
         model: the served model name.
-        tools: the :class:`~cspan.backends.tools.ToolBank` the LLM may call.
+        tools: the :class:`~cspan.backends.tools.ToolBank` the LLM may call (``ToolBank()`` for none).
         api_key: bearer key; defaults to ``$OPENAI_API_KEY``; none is sent when neither is set.
         timeout_s: overall limit per :meth:`route` call (all LLM requests and the tool call), seconds.
         max_tool_calls: tools run per request. 1 (default) returns the tool's clause at once, as the original
@@ -361,6 +361,10 @@ class LLMRouter:
     set. Replies are parsed in linear time, and those over 16 KiB in a worker thread, so that no reply holds up
     the event loop that paces the audio frames of every session.
 
+    The constructor raises ``ValueError`` for a ``base_url`` that is not an http(s) URL with a host, a ``model``
+    that is not a string or a ``timeout_s`` that is not a finite number of seconds > 0, and ``TypeError`` when
+    ``tools`` is not a :class:`~cspan.backends.tools.ToolBank`.
+
     :meth:`with_bank` makes the per-session router of a server (the session's own tools, such as a Realtime
     client's functions), sharing this one's HTTP client, settings and what it learnt about the server.
     """
@@ -387,10 +391,22 @@ class LLMRouter:
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         client: httpx.AsyncClient | None = None,
     ) -> None:
+        from cspan.backends.tools.bank import ToolBank
+
+        parts = urlsplit(base_url) if isinstance(base_url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+            shown = repr(redact_url(base_url) if isinstance(base_url, str) else base_url)
+            raise ValueError(f"router base_url must be an http(s) URL such as http://127.0.0.1:8004/v1, got {shown}")
+        if not isinstance(model, str):
+            raise ValueError(f"router model must be the served model's name (a string), got {model!r}")
+        if not isinstance(tools, ToolBank):
+            raise TypeError(
+                f"router tools must be a ToolBank (an empty one, ToolBank(), for none), got {type(tools).__name__}"
+            )
         if max_tool_calls < 1:
             raise ValueError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         if isinstance(json_mode, bool):
             json_mode = "always" if json_mode else "never"
         if json_mode not in ("auto", "always", "never"):
