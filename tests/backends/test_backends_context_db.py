@@ -28,6 +28,7 @@ from cspan.backends.context_db import (
     extract_facts,
 )
 from cspan.backends.context_db.schema import V1, statements
+from cspan.backends.identity import Principal
 
 # --------------------------------------------------------------------------------------------- PostgreSQL
 
@@ -446,6 +447,16 @@ def test_extract_facts(text: str, facts: dict[str, str]) -> None:
     assert extract_facts(text) == facts
 
 
+def test_a_principal_that_is_not_a_user_is_refused_clearly(tmp_path: Path) -> None:
+    """``db.user(x)`` takes a user id or anything with ``user_id``; None or a number is a ValueError naming the user
+    id (it used to be AttributeError "'NoneType' object has no attribute 'user_id'")."""
+    with ContextDB(tmp_path / "c.sqlite") as db:
+        for wrong, shown in ((None, "None"), (5, "5"), ("", "''")):
+            with pytest.raises(ValueError, match=f"user id must be 1 to 200 printable characters, got {shown}$"):
+                db.user(wrong)  # type: ignore[arg-type]
+        assert db.user(Principal.local("ada")).user_id == "ada" and db.users() == []
+
+
 def test_span_marks_and_errors(tmp_path: Path) -> None:
     with ContextDB(tmp_path / "c.sqlite") as db:
         me = db.user("u")
@@ -797,6 +808,33 @@ def test_merge_profile_changes_only_the_fields_given(target: str) -> None:
         assert me.get_profile().name == "Evelyn"
         me.put_profile(Profile(name="Eve"))
         assert (me.get_profile().name, me.get_profile().city) == ("Eve", "")
+
+
+def test_profile_writes_validate_what_they_store(target: str) -> None:
+    """A value that is not valid for its field is refused before anything is written (a ``lat`` of ``"x"`` stored
+    as text used to make the user's profile unreadable: ``get_profile``, ``working_text``, ``export`` and every
+    retrieval's context failed from then on); valid strings are coerced as ``Profile`` does; ``put_profile`` of a
+    dict says what it takes."""
+    with ContextDB(target) as db:
+        me = db.user("eve")
+        me.put_profile(Profile(name="Eve", city="Leeds", lat=53.8))
+        for changes, field in (
+            ({"lat": "north"}, "lat"),
+            ({"name": "Evelyn", "lon": [1]}, "lon"),
+            ({"name": 5}, "name"),
+        ):
+            with pytest.raises(ValueError, match=f"profile field '{field}': .*nothing was written"):
+                me.merge_profile(changes)
+        assert me.get_profile() == Profile(user_id="eve", name="Eve", city="Leeds", lat=53.8)
+        assert me.merge_profile({"lat": "51.5", "lon": " -0.12 "}) == Profile(
+            user_id="eve", name="Eve", city="Leeds", lat=51.5, lon=-0.12
+        )
+        conversation = me.start_conversation()
+        assert me.working_text(conversation).startswith("profile: user=Eve")
+        assert me.export()["profile"]["lat"] == 51.5
+        with pytest.raises(TypeError, match=r"put_profile\(\) takes a Profile, got dict; .*merge_profile"):
+            me.put_profile({"name": "Mallory"})  # type: ignore[arg-type]
+        assert me.get_profile().name == "Eve"
 
 
 def test_the_times_given_are_the_times_stored(target: str) -> None:

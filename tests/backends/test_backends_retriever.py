@@ -159,6 +159,24 @@ async def test_empty_question_is_nothing(tmp_path) -> None:
     db.close()
 
 
+async def test_deadlines_that_are_not_seconds_are_refused(tmp_path) -> None:
+    """A deadline that is no number of seconds is a ValueError naming it, at construction (``"x"`` used to be
+    accepted and every retrieve() then raised TypeError "unsupported operand type(s) for +") and per call (NaN or a
+    negative number read as a deadline already missed); 0 (the runtime's "no time left") and inf stay valid."""
+    for wrong in ("x", 0, -1, float("nan"), True):
+        with pytest.raises(ValueError, match="deadline_s must be a positive number of seconds"):
+            Retriever(None, LocalRouter(), deadline_s=wrong)  # type: ignore[arg-type]
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    retriever = Retriever(None, LocalRouter(), db.user("ada"), deadline_s=float("inf"))
+    for wrong in ("1", -1, float("nan")):
+        with pytest.raises(ValueError, match="deadline_s must be a number of seconds >= 0"):
+            await retriever.retrieve(question="is it open", conversation_id="c", deadline_s=wrong)  # type: ignore[arg-type]
+    late = await retriever.retrieve(question="what is two plus two", conversation_id="c", deadline_s=0)
+    assert late.late and late.reference is None
+    assert db.user("ada").spans("c")[-1].dropped == "late"
+    db.close()
+
+
 def test_matches_the_retriever_contract() -> None:
     params = list(inspect.signature(Retriever.retrieve).parameters)
     assert params == [
@@ -219,6 +237,31 @@ async def test_a_reference_with_nothing_to_read_is_no_span(tmp_path) -> None:
     )
     assert kept.reference == "Open at nine."
     assert [(s.text, s.dropped) for s in memory.spans("c")] == [(None, "no_span")] * 3 + [("Open at nine.", None)]
+    db.close()
+
+
+async def test_a_router_that_answers_no_route_result_is_a_failed_route(tmp_path) -> None:
+    """A caller's router whose ``route`` returns something other than a RouteResult (a str, a dict): retrieve()
+    still never raises for a router failure; the result and the span row name what came back (it used to escape as
+    AttributeError "'str' object has no attribute 'reference'")."""
+
+    class Garbage:
+        def __init__(self, answer: object) -> None:
+            self.answer = answer
+
+        async def route(self, req):
+            return self.answer
+
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    memory = db.user("ada")
+    for answer, kind in (("It opens at nine.", "str"), ({"reference": "It opens at nine."}, "dict")):
+        res = await Retriever(None, Garbage(answer), memory).retrieve(question="is it open", conversation_id="c")
+        assert (res.reference, res.stage) == (None, "router")
+        assert res.error == f"router failed: Garbage.route() returned {kind}, not a RouteResult"
+    assert [(s.text, s.dropped, s.error) for s in memory.spans("c")] == [
+        (None, "error", "router failed: Garbage.route() returned str, not a RouteResult"),
+        (None, "error", "router failed: Garbage.route() returned dict, not a RouteResult"),
+    ]
     db.close()
 
 

@@ -68,6 +68,53 @@ def note_bank(text: str = INJECTION) -> ToolBank:
     )
 
 
+def test_one_router_serves_several_event_loops(llm: StubLLM) -> None:
+    """A library user's code may call ``asyncio.run`` per request, or run one loop per thread: the router's pooled
+    connections belong to the loop that opened them, so each loop gets its own client (a kept-alive socket of a
+    closed loop used to fail the next ``asyncio.run`` with RuntimeError "Event loop is closed")."""
+    import threading
+
+    router = LLMRouter(llm.url, "m", ToolBank(), timeout_s=5)
+    for i in range(3):
+        llm.reset({"content": f"Answer number {i}."})
+        result = asyncio.run(router.route(RouteRequest(question="what is it?")))
+        assert result.reference == f"Answer number {i}."
+
+    llm.reset(*({"content": "An answer."} for _ in range(4)))
+    answers: list[str | None] = []
+
+    def in_own_loop() -> None:
+        answers.append(asyncio.run(router.route(RouteRequest(question="what is it?"))).reference)
+
+    threads = [threading.Thread(target=in_own_loop) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == ["An answer."] * 4 and len(llm.requests) == 4
+    asyncio.run(router.aclose())
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((None, "m", ToolBank()), {}, ValueError, "base_url must be an http\\(s\\) URL .*, got None$"),
+        (("localhost:8004", "m", ToolBank()), {}, ValueError, "base_url must be .*, got 'localhost:8004'$"),
+        (("ftp://h/v1", "m", ToolBank()), {}, ValueError, "base_url must be .*, got 'ftp://h/v1'$"),
+        (("http://h:8004/v1", None, ToolBank()), {}, ValueError, "model must be .* got None$"),
+        (("http://h:8004/v1", "m", None), {}, TypeError, "tools must be a ToolBank .* got NoneType$"),
+        (("http://h:8004/v1", "m", ToolBank()), {"timeout_s": "8"}, ValueError, "timeout_s must be .* got '8'$"),
+        (("http://h:8004/v1", "m", ToolBank()), {"timeout_s": float("nan")}, ValueError, "timeout_s .* got nan$"),
+    ],
+)
+def test_bad_router_settings_are_refused_when_made(args: tuple, kwargs: dict, error: type, match: str) -> None:
+    """Refused by the constructor, naming the argument (they used to pass and fail later: a URL without a scheme at
+    the first route, tools=None as AttributeError out of route(), None for the URL or model as a TypeError from
+    deep inside, a string timeout as a bare comparison TypeError)."""
+    with pytest.raises(error, match=match):
+        LLMRouter(*args, **kwargs)
+
+
 async def test_picks_exchange_rate_validates_and_runs_it(llm: StubLLM, fdb_bank: ToolBank) -> None:
     llm.script = [
         {"tool": "get_exchange_rate", "arguments": {"amount": "100", "from_currency": "USD", "to_currency": "EUR"}}

@@ -216,7 +216,7 @@ async def test_session_router_shares_the_client_and_adds_tools(llm: StubLLM) -> 
         names = [t["function"]["name"] for t in llm.requests[0]["tools"]]
         assert names == ["get_time", "set_lights"] and "set_lights" not in shared
         await mine.aclose()  # closes nothing
-        assert base._shared.client is not None
+        assert not base._http().is_closed
     finally:
         await base.aclose()
         await shared.aclose()

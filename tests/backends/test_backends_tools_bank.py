@@ -145,10 +145,24 @@ async def test_empty_result_is_no_information_and_odd_results_are_errors() -> No
     async def weird(**kwargs: Any) -> object:
         return object()
 
-    bank = ToolBank([rent_tool(fn=nothing), Tool("odd", "Odd.", RentArgs, weird)])
+    async def no_return(**kwargs: Any) -> None:
+        pass
+
+    def sync_no_return(**kwargs: Any) -> None:
+        pass
+
+    bank = ToolBank(
+        [
+            rent_tool(fn=nothing),
+            Tool("odd", "Odd.", RentArgs, weird),
+            Tool("none", "None.", RentArgs, no_return),
+            Tool("sync_none", "None.", RentArgs, sync_no_return),
+        ]
+    )
     args = {"city": "Austin", "bedrooms": 1, "max_price": 9}
-    result = await bank.call("rent", args)  # ran and found nothing: the abstain clause the model knows
-    assert result.text == "(no information found)" and result.error is None
+    for name in ("rent", "none", "sync_none"):  # ran and found nothing: the abstain clause the model knows
+        result = await bank.call(name, args)
+        assert (result.text, result.data, result.error) == ("(no information found)", None, None)
     with pytest.raises(ToolError, match="returned object"):
         await bank.call("odd", args)
 
@@ -232,11 +246,26 @@ async def test_register_merge_and_close() -> None:
     [
         ({"name": "has space"}, "invalid tool name"),
         ({"kind": "write"}, "kind must be"),
-        ({"timeout_s": 0}, "timeout_s must be positive"),
+        ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0, got 0"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a finite number of seconds > 0, got nan"),
+        ({"timeout_s": float("inf")}, "timeout_s must be a finite number of seconds > 0, got inf"),
+        ({"timeout_s": "5"}, "timeout_s must be a finite number of seconds > 0, got '5'"),
+        ({"fn": None}, "fn must be a function .* got NoneType"),
+        ({"fn": "echo"}, "fn must be a function .* got str"),
         ({"parameters": dict}, "pydantic BaseModel"),
     ],
 )
 def test_bad_tool_definitions(kwargs: dict, match: str) -> None:
+    """Refused when the tool is made, with the field named (a NaN timeout used to fail every call as timed out at
+    once, a non-callable ``fn`` every call with "'NoneType' object is not callable", a string timeout with a bare
+    TypeError)."""
     spec: dict[str, Any] = {"name": "ok", "description": "d", "parameters": RentArgs, "fn": echo, **kwargs}
     with pytest.raises(ToolError, match=match):
         Tool(**spec)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf"), "1"])
+async def test_bad_call_timeouts_are_refused(timeout_s: Any) -> None:
+    bank = ToolBank([Tool("rent", "Rent.", RentArgs, echo)])
+    with pytest.raises(ToolError, match=r"tool 'rent': timeout_s must be a finite number of seconds > 0"):
+        await bank.call("rent", {"city": "Oslo", "bedrooms": 2, "max_price": 900}, timeout_s=timeout_s)

@@ -119,6 +119,11 @@ class SpanResult(BaseModel):
     tool_s: float = 0.0
 
 
+def _is_seconds(value: object) -> bool:
+    """Whether ``value`` is a number of seconds (int or float, not a bool, not NaN; infinity allowed)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
 def _result_clause(reference: str) -> str:
     text = reference.strip()
     if text.lower().startswith(TOOL_RESULT_PREFIX):
@@ -147,7 +152,7 @@ class Retriever:
             write behind one still waiting is not waited for at all.
 
     Raises:
-        ValueError: ``db_timeout_s`` is not a positive number of seconds.
+        ValueError: ``deadline_s`` or ``db_timeout_s`` is not a positive number of seconds.
     """
 
     def __init__(
@@ -164,6 +169,10 @@ class Retriever:
     ) -> None:
         if db_timeout_s is not None and not 0 < db_timeout_s < float("inf"):
             raise ValueError(f"db_timeout_s must be a positive number of seconds or None, not {db_timeout_s!r}")
+        if deadline_s is not None and not (_is_seconds(deadline_s) and deadline_s > 0):
+            raise ValueError(
+                f"deadline_s must be a positive number of seconds (inf allowed) or None, not {deadline_s!r}"
+            )
         self.transcriber = transcriber
         self.router = router
         if isinstance(memory, ContextDB):
@@ -235,9 +244,12 @@ class Retriever:
             A :class:`SpanResult`; never raises for a transcriber, router, tool or database failure.
 
         Raises:
+            ValueError: ``deadline_s`` is not a number of seconds >= 0 (a string, NaN, negative).
             asyncio.CancelledError: the caller cancelled the task (in-flight requests are cancelled too; the span
                 row, dropped ``cancelled``, is written first).
         """
+        if deadline_s is not None and not (_is_seconds(deadline_s) and deadline_s >= 0):
+            raise ValueError(f"deadline_s must be a number of seconds >= 0 (inf allowed) or None, not {deadline_s!r}")
         budget = self.deadline_s if deadline_s is None else deadline_s
         res = SpanResult()
         route: RouteResult | None = None
@@ -322,13 +334,19 @@ class Retriever:
         res.stage = "router"
         t0 = time.perf_counter()
         try:
-            return await self.router.route(req)
+            route = await self.router.route(req)
         except Exception as exc:
             res.error = f"router failed: {exc}"
             log.warning("router failed for %r: %s", res.question, exc)
             return None
         finally:
             res.route_s = time.perf_counter() - t0
+        if route is not None and not isinstance(route, RouteResult):
+            # a router of the caller's that answers something else is a failed route, not a crash of retrieve()
+            res.error = f"router failed: {type(self.router).__name__}.route() returned {type(route).__name__}, not a RouteResult"
+            log.warning("%s", res.error)
+            return None
+        return route
 
     async def _transcribe(self, res: SpanResult, audio: np.ndarray | None, sample_rate: int | None) -> str | None:
         if audio is None:

@@ -198,9 +198,10 @@ class ContextDB(LegacyMethods):
         """The memory of one principal (a :class:`~cspan.backends.identity.Principal` or its user id).
 
         Raises:
-            ValueError: the user id is empty, too long or not printable.
+            ValueError: the user id is empty, too long or not printable, or ``principal`` is neither a string nor
+                has a ``user_id`` (None, a number).
         """
-        user_id = principal if isinstance(principal, str) else principal.user_id
+        user_id = principal if isinstance(principal, str) else getattr(principal, "user_id", principal)
         return UserMemory(self._conn, user_id, executor=self.executor)
 
     def users(self) -> list[str]:

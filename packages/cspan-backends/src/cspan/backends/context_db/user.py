@@ -30,6 +30,8 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, get_args
 
+from pydantic import ValidationError
+
 from cspan.backends.context_db.facts import extract_facts, fact_sentence, normalised
 from cspan.backends.context_db.models import (
     ContextDBError,
@@ -235,8 +237,15 @@ class UserMemory:
         (``user_id`` is this memory's, whatever ``profile.user_id`` said).
 
         Raises:
+            TypeError: ``profile`` is not a :class:`Profile` (to change some fields from a dict, use
+                :meth:`merge_profile`).
             UserForgotten: the user was forgotten since this memory's first use; nothing was written.
         """
+        if not isinstance(profile, Profile):
+            raise TypeError(
+                f"put_profile() takes a Profile, got {type(profile).__name__}; build one with Profile(name=..., "
+                "city=...), or change some fields with merge_profile({...})"
+            )
         profile = profile.model_copy(update={"user_id": self.user_id})
         now = time.time()
         with self._write() as tx:
@@ -253,13 +262,25 @@ class UserMemory:
         empties a text field; ``lat``/``lon`` are degrees); a given name or city also becomes a fact. With no stored
         profile the fields not given are empty. Returns the stored profile.
 
+        Values are validated and coerced as :class:`Profile` fields are (``"51.5"`` becomes ``51.5`` for ``lat``).
+
         Raises:
-            ValueError: a key of ``changes`` is not a profile field (nothing was written).
+            ValueError: a key of ``changes`` is not a profile field, or a value is not valid for its field (nothing
+                was written).
             UserForgotten: the user was forgotten since this memory's first use; nothing was written.
         """
         unknown = sorted(set(changes) - set(PROFILE_FIELDS))
         if unknown:
             raise ValueError(f"not profile fields: {', '.join(unknown)}; known: {', '.join(PROFILE_FIELDS)}")
+        try:
+            checked = Profile.model_validate(dict(changes))
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            field = ".".join(str(part) for part in err.get("loc", ())) or "(changes)"
+            shown = repr(err.get("input"))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise ValueError(f"profile field {field!r}: {err.get('msg')} (got {shown}); nothing was written") from None
+        changes = {key: getattr(checked, key) for key in changes}
         now = time.time()
         with self._write() as tx:
             lock = ""  # SQLite: BEGIN IMMEDIATE serialises writers already

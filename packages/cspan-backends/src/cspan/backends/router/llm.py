@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -141,12 +142,18 @@ _REASONING_MODEL = re.compile(r"(?:^|/)(?:o[1-9]|gpt-5)", re.I)
 @dataclass
 class _Shared:
     """What an :class:`LLMRouter` and its :meth:`~LLMRouter.with_bank` copies share: the HTTP client and what was
-    learnt about the server."""
+    learnt about the server.
+
+    ``client`` is the caller's client (used as is, never closed), else None: the router then makes its own, one per
+    event loop (``clients``), since an ``httpx.AsyncClient``'s pooled connections belong to the loop that opened
+    them (a second ``asyncio.run``, or a thread with its own loop, would otherwise reuse a dead loop's sockets)."""
 
     client: httpx.AsyncClient | None
-    own_client: bool
     use_tools_field: bool
     use_response_format: bool = True
+    clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
 
 
 @dataclass
@@ -308,7 +315,7 @@ class LLMRouter:
     Args:
         base_url: the server ("http://127.0.0.1:8004", ".../v1", or the full ``/v1/chat/completions`` URL).
         model: the served model name.
-        tools: the :class:`~cspan.backends.tools.ToolBank` the LLM may call.
+        tools: the :class:`~cspan.backends.tools.ToolBank` the LLM may call (``ToolBank()`` for none).
         api_key: bearer key; defaults to ``$OPENAI_API_KEY``; none is sent when neither is set.
         timeout_s: overall limit per :meth:`route` call (all LLM requests and the tool call), seconds.
         max_tool_calls: tools run per request. 1 (default) returns the tool's clause at once, as the original
@@ -332,7 +339,9 @@ class LLMRouter:
             action word (book, buy, pay, change, add, yes, ...): an LLM must not book what the user only asked about.
         max_reply_bytes: largest reply read from the endpoint (bytes, after decompression); a longer one is
             refused with :class:`RouterError` without being read further.
-        client: an ``httpx.AsyncClient`` to use (not closed by :meth:`aclose`); one is made otherwise.
+        client: an ``httpx.AsyncClient`` to use (not closed by :meth:`aclose`; it must be used from its own event
+            loop); otherwise the router makes one per event loop, so one router serves several ``asyncio.run`` calls
+            or threads each running its own loop.
 
     **Actions need a confirmation.** When the LLM picks an action tool (one that books, pays, cancels or changes
     something), the router does not run it: it answers the span ``(tool result) confirmation needed: <tool
@@ -351,6 +360,10 @@ class LLMRouter:
     arguments, failing tool, unparseable JSON) gives a :class:`RouteResult` with ``reference=None`` and ``error``
     set. Replies are parsed in linear time, and those over 16 KiB in a worker thread, so that no reply holds up
     the event loop that paces the audio frames of every session.
+
+    The constructor raises ``ValueError`` for a ``base_url`` that is not an http(s) URL with a host, a ``model``
+    that is not a string or a ``timeout_s`` that is not a finite number of seconds > 0, and ``TypeError`` when
+    ``tools`` is not a :class:`~cspan.backends.tools.ToolBank`.
 
     :meth:`with_bank` makes the per-session router of a server (the session's own tools, such as a Realtime
     client's functions), sharing this one's HTTP client, settings and what it learnt about the server.
@@ -378,10 +391,22 @@ class LLMRouter:
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         client: httpx.AsyncClient | None = None,
     ) -> None:
+        from cspan.backends.tools.bank import ToolBank
+
+        parts = urlsplit(base_url) if isinstance(base_url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+            shown = repr(redact_url(base_url) if isinstance(base_url, str) else base_url)
+            raise ValueError(f"router base_url must be an http(s) URL such as http://127.0.0.1:8004/v1, got {shown}")
+        if not isinstance(model, str):
+            raise ValueError(f"router model must be the served model's name (a string), got {model!r}")
+        if not isinstance(tools, ToolBank):
+            raise TypeError(
+                f"router tools must be a ToolBank (an empty one, ToolBank(), for none), got {type(tools).__name__}"
+            )
         if max_tool_calls < 1:
             raise ValueError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         if isinstance(json_mode, bool):
             json_mode = "always" if json_mode else "never"
         if json_mode not in ("auto", "always", "never"):
@@ -409,7 +434,7 @@ class LLMRouter:
         # one request's deadline is the whole route's: route() holds the overall one (LLM requests plus the tool)
         self._policy = HTTPPolicy(deadline_s=self.timeout_s, max_attempts=1, max_reply_bytes=self.max_reply_bytes)
         self.reasoning = bool(_REASONING_MODEL.search(model))
-        self._shared = _Shared(client=client, own_client=client is None, use_tools_field=json_mode != "always")
+        self._shared = _Shared(client=client, use_tools_field=json_mode != "always")
         self._owner = True
         self._system_tools: str | None = None
         self._system_json: str | None = None
@@ -522,11 +547,16 @@ class LLMRouter:
     # ------------------------------------------------------------------ HTTP
 
     async def aclose(self) -> None:
-        """Close the HTTP client if this router made it (a :meth:`with_bank` copy closes nothing)."""
-        shared = self._shared
-        if self._owner and shared.client is not None and shared.own_client:
-            await shared.client.aclose()
-            shared.client = None
+        """Close the HTTP clients this router made (a :meth:`with_bank` copy closes nothing; a ``client`` passed
+        in is left open). The one of the running event loop is closed here; those of other loops are dropped (a
+        client cannot be closed from another loop)."""
+        if not self._owner:
+            return
+        clients = self._shared.clients
+        mine = clients.pop(asyncio.get_running_loop(), None)
+        clients.clear()
+        if mine is not None:
+            await mine.aclose()
 
     async def __aenter__(self) -> LLMRouter:
         return self
@@ -535,12 +565,16 @@ class LLMRouter:
         await self.aclose()
 
     def _http(self) -> httpx.AsyncClient:
+        """The HTTP client for the running event loop: the caller's, else this router's own for that loop."""
         shared = self._shared
-        if shared.client is None:
+        if shared.client is not None:
+            return shared.client
+        loop = asyncio.get_running_loop()
+        client = shared.clients.get(loop)
+        if client is None or client.is_closed:
             # the overall deadline (asyncio.timeout in route) governs; httpx's own limit is only a backstop
-            shared.client = httpx.AsyncClient(timeout=self._policy.timeout())
-            shared.own_client = True
-        return shared.client
+            client = shared.clients[loop] = httpx.AsyncClient(timeout=self._policy.timeout())
+        return client
 
     async def _post(self, body: dict[str, Any], end: float) -> tuple[int, bytes]:
         """POST ``body`` under the backends' request policy (:mod:`cspan.backends.http_client`: the reply read as a

@@ -21,6 +21,7 @@ import asyncio
 import copy
 import inspect
 import json
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -101,11 +102,12 @@ class Tool:
         description: one or two sentences for the router prompt (what it does, typical use).
         parameters: a pydantic model class; its fields are the tool's arguments.
         fn: async callable taking the validated fields as keyword arguments and returning a ``str`` clause, a
-            JSON-serialisable ``dict``/``list`` (rendered with :func:`render_clause`) or a :class:`ToolOutput`.
+            JSON-serialisable ``dict``/``list`` (rendered with :func:`render_clause`) or a :class:`ToolOutput`;
+            ``None`` or a blank clause means it found nothing (the result is ``(no information found)``).
             A plain (sync) callable is run in a worker thread.
         kind: ``"read"`` (looks something up) or ``"action"`` (changes state: books, pays, cancels, writes).
             Routers run actions only after the user confirms (see :class:`~cspan.backends.router.LLMRouter`).
-        timeout_s: seconds one call may take before it fails with :class:`ToolError`.
+        timeout_s: seconds one call may take before it fails with :class:`ToolError` (a finite number > 0).
         domain: optional group name (e.g. ``"travel_identity"``) for routers that pick a domain first.
         schema: optional JSON Schema to advertise instead of the one generated from ``parameters`` (used for MCP
             tools, whose server-side schema is the authority).
@@ -137,8 +139,17 @@ class Tool:
             raise ToolError(f"tool {self.name!r}: kind must be 'read' or 'action', got {self.kind!r}", tool=self.name)
         if not (isinstance(self.parameters, type) and issubclass(self.parameters, BaseModel)):
             raise ToolError(f"tool {self.name!r}: parameters must be a pydantic BaseModel subclass", tool=self.name)
-        if self.timeout_s <= 0:
-            raise ToolError(f"tool {self.name!r}: timeout_s must be positive, got {self.timeout_s}", tool=self.name)
+        if not callable(self.fn):
+            raise ToolError(
+                f"tool {self.name!r}: fn must be a function (async or plain) taking the arguments as keywords, got "
+                f"{type(self.fn).__name__}",
+                tool=self.name,
+            )
+        if not _positive_seconds(self.timeout_s):
+            raise ToolError(
+                f"tool {self.name!r}: timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}",
+                tool=self.name,
+            )
 
     def json_schema(self) -> dict[str, Any]:
         """JSON Schema of the parameters, without pydantic's ``title`` noise.
@@ -234,6 +245,11 @@ def _clean_schema(node: Any, defs: Mapping[str, Any], depth: int) -> Any:
                 rest.pop("default")
             out = {**non_null[0], **rest}
     return out
+
+
+def _positive_seconds(value: Any) -> bool:
+    """Whether ``value`` is a finite number of seconds above 0 (not a bool, a string or NaN)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _field_path(loc: Iterable[Any]) -> str:
@@ -466,9 +482,12 @@ class ToolBank:
         """
         tool = self.get(name)
         full, shown = self._validated(tool, arguments)
-        limit = float(timeout_s) if timeout_s is not None else tool.timeout_s
-        if limit <= 0:
-            raise ToolError(f"tool {name!r}: timeout_s must be positive, got {limit}", tool=name)
+        limit = timeout_s if timeout_s is not None else tool.timeout_s
+        if not _positive_seconds(limit):
+            raise ToolError(
+                f"tool {name!r}: timeout_s must be a finite number of seconds > 0, got {limit!r}", tool=name
+            )
+        limit = float(limit)
         start = time.perf_counter()
         try:
             out = await asyncio.wait_for(self._invoke(tool, full), timeout=limit)
@@ -509,7 +528,9 @@ class ToolBank:
 
     def _render(self, tool: Tool, out: Any) -> tuple[str, Any]:
         data: Any = None
-        if isinstance(out, ToolOutput):
+        if out is None:  # returned nothing (no return statement): ran and found nothing, as an empty clause
+            text = ""
+        elif isinstance(out, ToolOutput):
             text, data = out.text, out.data
         elif isinstance(out, str):
             text = out
@@ -521,7 +542,7 @@ class ToolBank:
             data = out
         else:
             raise ToolError(
-                f"tool {tool.name!r} returned {type(out).__name__}; tools must return str, dict, list or ToolOutput",
+                f"tool {tool.name!r} returned {type(out).__name__}; tools must return str, dict, list, ToolOutput or None",
                 tool=tool.name,
             )
         text = sanitize_text(text, self.max_chars)
