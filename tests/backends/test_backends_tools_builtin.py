@@ -72,6 +72,8 @@ def test_resolve_timezone_accepts_places_and_abbreviations() -> None:
         ("max(3, 9, 2) - min(4, 1)", "max(3, 9, 2) - min(4, 1) = 8"),
         ("7 // 2 + 7 % 2", "7 // 2 + 7 % 2 = 4"),
         ("round(pi, 3)", "round(pi, 3) = 3.142"),
+        ("round(1234, -2)", "round(1234, -2) = 1200"),
+        ("round(pi, 2.0)", "round(pi, 2.0) = 3.14"),
     ],
 )
 async def test_calculate(bank: ToolBank, expression: str, text: str) -> None:
@@ -93,6 +95,11 @@ async def test_calculate(bank: ToolBank, expression: str, text: str) -> None:
         ("10 ** 1000", "more than 100 digits"),
         ("2 ** 100000", "exponent .* is too large"),
         ("factorial(1000)", "whole number from 0 to 100"),
+        # int.__round__(-n) computes 10 ** n: round(5, -10**8) held the event loop for minutes before the bound
+        ("round(5, -1000000)", "whole number of digits from -100 to 100"),
+        ("round(5, 101)", "whole number of digits from -100 to 100"),
+        ("round(1.5, 2.5)", "whole number of digits"),
+        ("log(8, 1)", "log\\(\\) failed"),
         ("1 / 0", "division by zero"),
         ("sqrt(-1)", "math domain error"),
         ("1 +", "cannot parse"),
