@@ -92,7 +92,7 @@ def resolve_timezone(text: str) -> tuple[tzinfo, str]:
     raw = " ".join(str(text).split())
     try:
         return ZoneInfo(raw), raw
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a folder ("Europe"), a name too long for a file
         pass
     key = raw.lower().replace("_", " ").strip(" .")
     key = re.sub(r"^(the )?(time )?(in |at )?", "", key)
