@@ -588,6 +588,34 @@ def test_export_forget_and_retention(target: str) -> None:
         assert again.retention_days == 30
 
 
+def test_forget_leaves_no_copy_in_the_sqlite_files(tmp_path: Path) -> None:
+    """What a user said is gone from every file of a SQLite Context DB once ``cspan db forget`` returns, while a
+    server still holds the database open (its WAL kept the deleted rows' text before), and so are pruned rows."""
+    path = tmp_path / "c.sqlite"
+    server = ContextDB(str(path))  # a running server: its connection keeps the WAL from being removed at close
+    try:
+        ada = server.user("ada")
+        ada.set_fact("pin", "ZEBRA-PIN-5678")
+        ada.start_conversation("c1")
+        ada.add_turn("c1", "user", "my password is ZEBRA-PASSWORD-1234")
+        ada.add_turn("c1", "user", "an OLD-TURN-4242", t=1000.0)
+        server.user("bob").set_fact("city", "Paris")
+
+        def files() -> dict[str, bytes]:
+            return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("c.sqlite")}
+
+        assert any(b"ZEBRA-PASSWORD-1234" in data for data in files().values())
+        with ContextDB(str(path)) as cli:
+            assert cli.prune(30)["turns"] == 1
+            assert not [name for name, data in files().items() if b"OLD-TURN-4242" in data]
+            assert cli.forget_user("ada")["facts"] == 1
+        assert not [name for name, data in files().items() if b"ZEBRA-" in data]
+        assert server._conn.read("PRAGMA secure_delete")[0]["secure_delete"] == 1
+        assert server.user("bob").facts()[0].value == "Paris" and server.users() == ["bob"]
+    finally:
+        server.close()
+
+
 def test_a_memory_opened_before_forget_writes_nothing(target: str) -> None:
     """A session's memory (one process) and ``cspan db forget`` (another): once ada is forgotten, every write through
     the memory opened before is refused and nothing it held comes back; a memory opened after starts afresh."""

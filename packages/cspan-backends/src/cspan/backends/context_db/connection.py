@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 import selectors
@@ -36,6 +37,8 @@ from typing import Any
 from cspan.backends.context_db.models import ContextDBError
 from cspan.backends.context_db.schema import Dialect
 from cspan.backends.urls import redact_url
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,6 +81,12 @@ class Connection(ABC):
     def close(self) -> None:
         """Close the connection(s)."""
 
+    def scrub(self) -> bool:
+        """After deleting rows that must not outlive their deletion (``forget``, retention): make sure no copy of
+        them stays in a file beside the database. Nothing to do here (PostgreSQL keeps dead rows until ``VACUUM``,
+        an operator's job); :class:`SQLiteConnection` empties its WAL. Returns whether that was done."""
+        return True
+
 
 class SQLiteConnection(Connection):
     """SQLite in WAL mode, ``synchronous=NORMAL`` (a power cut may lose the last commits, never corrupt the file),
@@ -107,6 +116,8 @@ class SQLiteConnection(Connection):
             self.journal_mode = str(next(iter(self._conn.execute("PRAGMA journal_mode = WAL").fetchone().values())))
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._conn.execute("PRAGMA foreign_keys = ON")
+            # deleted rows are overwritten with zeros, not left in free pages (many builds default to off)
+            self._conn.execute("PRAGMA secure_delete = ON")
         except sqlite3.DatabaseError as exc:
             raise ContextDBError(
                 f"cannot open Context DB {path!r}: {exc}. Fix: point --db at a Context DB file or a new path."
@@ -146,6 +157,29 @@ class SQLiteConnection(Connection):
                     raise
             except sqlite3.Error as exc:
                 raise self._failed(exc) from exc
+
+    def scrub(self) -> bool:
+        """Copy the WAL into the database and truncate it to zero bytes (``wal_checkpoint(TRUNCATE)``): a deleted
+        row's text otherwise stays in the WAL's older frames (a file of the same owner, kept while any process has
+        the database open) until they happen to be overwritten. False (with a warning) when another process was
+        reading past the busy timeout, so the WAL could not be emptied now; SQLite empties it at its next
+        checkpoint that finds no reader."""
+        if self.journal_mode != "wal":
+            return True
+        with self._lock:
+            try:
+                row = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            except sqlite3.Error as exc:
+                log.warning("the Context DB at %s: cannot empty its WAL after a deletion: %s", self.where, exc)
+                return False
+        busy = next(iter(row.values())) if row else 0
+        if busy:
+            log.warning(
+                "the Context DB at %s: another process was reading, so the WAL still holds deleted rows until the "
+                "next checkpoint",
+                self.where,
+            )
+        return not busy
 
     def close(self) -> None:
         with self._lock:

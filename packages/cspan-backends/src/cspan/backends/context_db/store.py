@@ -223,6 +223,7 @@ class ContextDB(LegacyMethods):
         if tokens:
             with self._conn.write() as tx:
                 counts["tokens"] = tx.execute("DELETE FROM tokens WHERE user_id = ?", (user_id,)).rowcount
+            self._conn.scrub()
         return counts
 
     def prune(self, older_than_days: float | None = None, *, now: float | None = None) -> dict[str, int]:
@@ -252,6 +253,8 @@ class ContextDB(LegacyMethods):
             ).rowcount
             counts["facts"] = tx.execute("DELETE FROM facts WHERE t < ?", (cutoff,)).rowcount
             counts["profiles"] = tx.execute("DELETE FROM profiles WHERE updated_at < ?", (cutoff,)).rowcount
+        if any(counts.values()):
+            self._conn.scrub()  # SQLite: no copy of the deleted rows left in the WAL
         return counts
 
     async def aprune(self, older_than_days: float | None = None) -> dict[str, int]:

@@ -711,6 +711,7 @@ class UserMemory:
         with self._pin_lock:
             if self._generation in (None, before):  # a memory already stale stays refused: it may hold old rows
                 self._generation = before + 1
+        self._conn.scrub()  # SQLite: no copy of the deleted rows left in the WAL
         return counts
 
     # ------------------------------------------------------------------ async wrappers (run on self.executor)

@@ -2,8 +2,8 @@
 
 ``calculate`` never calls :func:`eval`: the expression is parsed with :mod:`ast` and only numeric literals, the
 operators ``+ - * / // % **``, unary signs, the constants ``pi``/``e``/``tau`` and a short list of :mod:`math`
-functions are evaluated, with limits on length, nesting, exponent size and integer size. Spoken forms ("12
-times 7", "15 percent of 80", "2 to the power of 10", "square root of 81") are rewritten to operators first.
+functions are evaluated, with limits on length, nesting, exponent size, integer size and ``round``'s digits. Spoken
+forms ("12 times 7", "15 percent of 80", "2 to the power of 10", "square root of 81") are rewritten to operators first.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def resolve_timezone(text: str) -> tuple[tzinfo, str]:
     raw = " ".join(str(text).split())
     try:
         return ZoneInfo(raw), raw
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a folder ("Europe"), a name too long for a file
         pass
     key = raw.lower().replace("_", " ").strip(" .")
     key = re.sub(r"^(the )?(time )?(in |at )?", "", key)
@@ -327,11 +327,20 @@ def evaluate_expression(expression: str) -> float:
                 raise ToolError("factorial() takes a whole number from 0 to 100", field="expression")
             if node.func.id == "factorial":
                 args = [int(args[0])]
+            if node.func.id == "round" and len(args) == 2:
+                # int.__round__ with ndigits = -n computes 10 ** n: round(5, -10**8) would hold the event loop for
+                # minutes and take gigabytes; a float ndigits is a TypeError
+                if not float(args[1]).is_integer() or not -_MAX_INT_DIGITS <= args[1] <= _MAX_INT_DIGITS:
+                    raise ToolError(
+                        f"round() takes a whole number of digits from -{_MAX_INT_DIGITS} to {_MAX_INT_DIGITS}",
+                        field="expression",
+                    )
+                args[1] = int(args[1])
             if node.func.id == "exp" and args[0] > 230:
                 raise ToolError(f"exp({args[0]:g}) is too large", field="expression")
             try:
                 return _check_int(fn(*args), expression)
-            except (ValueError, OverflowError) as exc:
+            except (ValueError, OverflowError, ZeroDivisionError) as exc:
                 raise ToolError(f"{node.func.id}() failed on {expression!r}: {exc}", field="expression") from None
         what = ast.unparse(node) if hasattr(ast, "unparse") else type(node).__name__
         if len(what) > 40:
