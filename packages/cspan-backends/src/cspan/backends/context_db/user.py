@@ -44,6 +44,7 @@ from cspan.backends.context_db.models import (
     Turn,
     TurnRole,
     UserForgotten,
+    check_profile_fields,
 )
 from cspan.backends.context_db.schema import SCHEMA_VERSION
 from cspan.backends.context_db.workers import run_in
@@ -239,6 +240,8 @@ class UserMemory:
         Raises:
             TypeError: ``profile`` is not a :class:`Profile` (to change some fields from a dict, use
                 :meth:`merge_profile`).
+            ValueError: a ``lat``/``lon`` out of range or not finite, or an unknown IANA ``timezone``
+                (:func:`~cspan.backends.context_db.models.check_profile_fields`); nothing was written.
             UserForgotten: the user was forgotten since this memory's first use; nothing was written.
         """
         if not isinstance(profile, Profile):
@@ -246,6 +249,7 @@ class UserMemory:
                 f"put_profile() takes a Profile, got {type(profile).__name__}; build one with Profile(name=..., "
                 "city=...), or change some fields with merge_profile({...})"
             )
+        check_profile_fields(profile.model_dump())
         profile = profile.model_copy(update={"user_id": self.user_id})
         now = time.time()
         with self._write() as tx:
@@ -262,11 +266,12 @@ class UserMemory:
         empties a text field; ``lat``/``lon`` are degrees); a given name or city also becomes a fact. With no stored
         profile the fields not given are empty. Returns the stored profile.
 
-        Values are validated and coerced as :class:`Profile` fields are (``"51.5"`` becomes ``51.5`` for ``lat``).
+        Values are validated and coerced as :class:`Profile` fields are (``"51.5"`` becomes ``51.5`` for ``lat``),
+        then checked as :meth:`put_profile` checks them (only the fields given: a stored value is kept as it is).
 
         Raises:
-            ValueError: a key of ``changes`` is not a profile field, or a value is not valid for its field (nothing
-                was written).
+            ValueError: a key of ``changes`` is not a profile field, or a value is not valid for its field (a
+                ``lat``/``lon`` out of range or not finite, an unknown IANA ``timezone``; nothing was written).
             UserForgotten: the user was forgotten since this memory's first use; nothing was written.
         """
         unknown = sorted(set(changes) - set(PROFILE_FIELDS))
@@ -281,6 +286,7 @@ class UserMemory:
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise ValueError(f"profile field {field!r}: {err.get('msg')} (got {shown}); nothing was written") from None
         changes = {key: getattr(checked, key) for key in changes}
+        check_profile_fields(changes)
         now = time.time()
         with self._write() as tx:
             lock = ""  # SQLite: BEGIN IMMEDIATE serialises writers already
