@@ -28,6 +28,29 @@ class UserForgotten(ContextDBError):
     back would undo the erase, so the session must end and a new one start from nothing."""
 
 
+MAX_FACT_KEY_CHARS = 60
+"""The longest fact key (``set_fact``, the ``remember_fact`` tool's ``key``)."""
+MAX_FACT_VALUE_CHARS = 300
+"""The longest fact value (``set_fact``, the ``remember_fact`` tool's ``value``)."""
+MAX_TURN_CHARS = 65536
+"""The longest turn text (``add_turn``): about an hour of speech in one utterance."""
+
+
+def check_text(argument: str, value: Any, *, max_chars: int, min_chars: int = 0) -> str:
+    """``value`` if it is a string of ``min_chars`` to ``max_chars`` characters.
+
+    Raises:
+        ValueError: naming ``argument``: not a string (None included), empty, or too long (nothing is written).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{argument} must be a string, got {type(value).__name__}; nothing was written")
+    if len(value) < min_chars or (min_chars and not value.strip()):
+        raise ValueError(f"{argument} must not be empty; nothing was written")
+    if len(value) > max_chars:
+        raise ValueError(f"{argument} has {len(value)} characters, the limit is {max_chars}; nothing was written")
+    return value
+
+
 COORDINATE_LIMITS = {"lat": 90.0, "lon": 180.0}
 """The largest absolute latitude and longitude, in degrees (WGS84)."""
 

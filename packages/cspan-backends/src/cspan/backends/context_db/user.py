@@ -34,6 +34,9 @@ from pydantic import ValidationError
 
 from cspan.backends.context_db.facts import extract_facts, fact_sentence, normalised
 from cspan.backends.context_db.models import (
+    MAX_FACT_KEY_CHARS,
+    MAX_FACT_VALUE_CHARS,
+    MAX_TURN_CHARS,
     ContextDBError,
     Conversation,
     DropReason,
@@ -45,6 +48,7 @@ from cspan.backends.context_db.models import (
     TurnRole,
     UserForgotten,
     check_profile_fields,
+    check_text,
 )
 from cspan.backends.context_db.schema import SCHEMA_VERSION
 from cspan.backends.context_db.workers import run_in
@@ -343,7 +347,17 @@ class UserMemory:
         )
 
     def set_fact(self, key: str, value: str, *, source: str = "user") -> None:
-        """Remember ``key = value`` (replacing an older value of the same key)."""
+        """Remember ``key = value`` (replacing an older value of the same key).
+
+        Raises:
+            ValueError: ``key`` or ``value`` is not a string, is empty (or only spaces), or is longer than
+                :data:`~cspan.backends.context_db.models.MAX_FACT_KEY_CHARS` /
+                :data:`~cspan.backends.context_db.models.MAX_FACT_VALUE_CHARS` (the ``remember_fact`` tool's limits);
+                nothing was written.
+        """
+        check_text("key", key, min_chars=1, max_chars=MAX_FACT_KEY_CHARS)
+        check_text("value", value, min_chars=1, max_chars=MAX_FACT_VALUE_CHARS)
+        check_text("source", source, min_chars=1, max_chars=MAX_FACT_KEY_CHARS)
         with self._write() as tx:
             self._upsert_fact(tx, key, value, source, time.time())
 
@@ -470,10 +484,12 @@ class UserMemory:
 
         Raises:
             ContextDBError: this user has no such conversation (start it with :meth:`start_conversation`).
-            ValueError: ``role`` is not user / agent / tool.
+            ValueError: ``role`` is not user / agent / tool, or ``text`` is not a string or is longer than
+                :data:`~cspan.backends.context_db.models.MAX_TURN_CHARS` (nothing was written).
         """
         if role not in ("user", "agent", "tool"):
             raise ValueError(f"turn role must be 'user', 'agent' or 'tool', got {role!r}")
+        check_text("text", text, max_chars=MAX_TURN_CHARS)
         now = time.time() if t is None else t
         with self._write() as tx:
             self._require_conversation(tx, conversation_id, lock=dedupe)
