@@ -865,6 +865,80 @@ def test_profile_writes_validate_what_they_store(target: str) -> None:
         assert me.get_profile().name == "Eve"
 
 
+def test_profile_writes_refuse_out_of_range_coordinates_and_unknown_timezones(target: str) -> None:
+    """``lat``/``lon`` out of range or not finite and an unknown IANA ``timezone`` are refused on write, with a
+    ValueError naming the field (the rule ``/ws``'s ``profile`` follows); a row stored before the rule still loads,
+    and a merge of other fields keeps its values as they are."""
+    with ContextDB(target) as db:
+        me = db.user("eve")
+        me.put_profile(Profile(name="Eve", timezone="Europe/London", lat=53.8, lon=-1.55))
+        for changes, field in (
+            ({"lat": 1000}, "lat"),
+            ({"lat": -90.5}, "lat"),
+            ({"lon": 180.01}, "lon"),
+            ({"lat": float("nan")}, "lat"),
+            ({"lon": "inf"}, "lon"),
+            ({"lon": float("-inf")}, "lon"),
+            ({"name": "Evelyn", "timezone": "Mars/Olympus"}, "timezone"),
+            ({"timezone": "Europe"}, "timezone"),
+        ):
+            with pytest.raises(ValueError, match=f"profile field '{field}': "):
+                me.merge_profile(changes)
+            with pytest.raises(ValueError, match=f"profile field '{field}': "):
+                me.put_profile(Profile(name="Mallory", **{k: v for k, v in changes.items() if k != "name"}))
+        stored = Profile(user_id="eve", name="Eve", timezone="Europe/London", lat=53.8, lon=-1.55)
+        assert me.get_profile() == stored  # nothing was written
+        assert me.merge_profile({"lat": -90, "lon": 180, "timezone": ""}) == stored.model_copy(
+            update={"lat": -90.0, "lon": 180.0, "timezone": ""}
+        )
+        legacy = Profile(user_id="eve", name="Eve", timezone="Mars/Olympus", lat=1000.0, lon=-500.0)
+        with me._write() as tx:  # a row an earlier version stored
+            me._store_profile(tx, legacy, 1.0)
+        loaded = me.get_profile()
+        assert (loaded.timezone, loaded.lat, loaded.lon) == ("Mars/Olympus", 1000.0, -500.0)
+        merged = me.merge_profile({"notes": "likes tea"})
+        assert (merged.notes, merged.timezone, merged.lat, merged.lon) == ("likes tea", "Mars/Olympus", 1000.0, -500.0)
+        assert me.get_profile().notes == "likes tea"
+
+
+def test_facts_and_turns_have_the_memory_tools_limits(target: str) -> None:
+    """``set_fact`` and ``add_turn`` refuse what the ``remember_fact`` tool refuses (an empty key or value, one over
+    its limits; one definition of each) and ``None`` or a 10 MB text, with a ValueError naming the argument, before
+    anything is written (``None`` used to surface as "NOT NULL constraint failed")."""
+    from cspan.backends.context_db.models import MAX_FACT_KEY_CHARS, MAX_FACT_VALUE_CHARS, MAX_TURN_CHARS
+    from cspan.backends.tools.catalog import memory_tools
+
+    remember = next(tool for tool in memory_tools(None) if tool.name == "remember_fact")  # type: ignore[arg-type]
+    schema = remember.parameters.model_json_schema()["properties"]
+    assert (schema["key"]["maxLength"], schema["value"]["maxLength"]) == (MAX_FACT_KEY_CHARS, MAX_FACT_VALUE_CHARS)
+    assert (schema["key"]["minLength"], schema["value"]["minLength"]) == (1, 1)
+    with ContextDB(target) as db:
+        me = db.user("eve")
+        for key, value, argument in (
+            ("", "tea", "key"),
+            ("   ", "tea", "key"),
+            (None, "tea", "key"),
+            ("k" * (MAX_FACT_KEY_CHARS + 1), "tea", "key"),
+            ("drink", "", "value"),
+            ("drink", None, "value"),
+            ("drink", 5, "value"),
+            ("drink", "v" * (MAX_FACT_VALUE_CHARS + 1), "value"),
+            ("drink", "x" * 10_000_000, "value"),
+        ):
+            with pytest.raises(ValueError, match=f"^{argument} (must|has)"):
+                me.set_fact(key, value)  # type: ignore[arg-type]
+        assert me.facts() == []
+        me.set_fact("k" * MAX_FACT_KEY_CHARS, "v" * MAX_FACT_VALUE_CHARS)
+        assert [(f.key, f.value) for f in me.facts()] == [("k" * MAX_FACT_KEY_CHARS, "v" * MAX_FACT_VALUE_CHARS)]
+        conversation = me.start_conversation("c1")
+        for text in (None, 42, "x" * 10_000_000, "x" * (MAX_TURN_CHARS + 1)):
+            with pytest.raises(ValueError, match=r"^text (must|has)"):
+                me.add_turn(conversation, "user", text)  # type: ignore[arg-type]
+        assert me.turns(conversation) == []
+        me.add_turn(conversation, "agent", "x" * MAX_TURN_CHARS)
+        assert [len(turn.text) for turn in me.turns(conversation)] == [MAX_TURN_CHARS]
+
+
 def test_the_times_given_are_the_times_stored(target: str) -> None:
     """A caller whose writes wait for the database passes the events' times: they are stored as given (not the
     write's time); a second start of a conversation keeps the earlier start time (a retrieval's early row gets the

@@ -24,8 +24,8 @@ async def echo(**kwargs: Any) -> dict[str, Any]:
     return kwargs
 
 
-def rent_tool(fn=echo, **kw: Any) -> Tool:
-    return Tool(name="rent", description="Find rentals.", parameters=RentArgs, fn=fn, **kw)
+def rent_tool(fn=echo, name: str = "rent", **kw: Any) -> Tool:
+    return Tool(name=name, description="Find rentals.", parameters=RentArgs, fn=fn, **kw)
 
 
 def test_schema_is_clean_json_schema() -> None:
@@ -216,6 +216,26 @@ async def test_sync_callables_run_in_a_thread() -> None:
     bank = ToolBank([rent_tool(fn=blocking)])
     result = await bank.call("rent", {"city": "Austin", "bedrooms": "3", "max_price": 9})
     assert result.text == "Austin has 3 bedrooms"
+
+
+def test_a_bank_never_holds_two_names_a_router_reads_as_one() -> None:
+    """``GET_TIME``, ``get-time`` and ``_get_time_`` are ``get_time`` to a router (an LLM's ``functions.get_time``
+    or ``Get-Time`` is matched by that reading): a second such tool is refused by ``register``, ``derive`` (a
+    session's own tools, a Realtime client's functions) and ``merge``, and nothing is added (was: registered, and
+    the router's call of ``get_time`` could run the other one)."""
+    from cspan.backends.tools.bank import tool_name_key
+
+    assert {tool_name_key(n) for n in ("GET_TIME", "get-time", "_get_time_", " Get--Time ")} == {"get_time"}
+    bank = ToolBank([rent_tool(name="get_time")])
+    for name in ("GET_TIME", "get-time", "_get_time_"):
+        with pytest.raises(ToolError, match=f"{name!r} would be confused with the registered tool 'get_time'"):
+            bank.register(rent_tool(name=name))
+        with pytest.raises(ToolError, match="would be confused"):
+            bank.derive([rent_tool(name=name)])
+        with pytest.raises(ToolError, match=f"{name!r} and 'get_time' would be confused"):
+            bank.merge(ToolBank([rent_tool(name="other"), rent_tool(name=name)]), replace=True)
+        assert bank.names() == ["get_time"]
+    assert bank.derive([rent_tool(name="get_time_zone")]).names() == ["get_time", "get_time_zone"]
 
 
 async def test_register_merge_and_close() -> None:

@@ -220,6 +220,8 @@ def function_tools(config: SessionConfig, event_id: str | None = None) -> list[F
         RealtimeEventError: ``invalid_event`` for a malformed or repeated tool, ``unsupported`` for another tool
             type (``mcp``: the server's own tools come from its tool bank).
     """
+    from cspan.backends.tools.bank import tool_name_key
+
     if config.tools is None:
         return None
     tools: list[FunctionTool] = []
@@ -244,10 +246,12 @@ def function_tools(config: SessionConfig, event_id: str | None = None) -> list[F
                 event_id=event_id,
                 param=f"session.tools[{i}].{where}",
             ) from None
-        if any(t.name == tool.name for t in tools):
+        same = [t.name for t in tools if tool_name_key(t.name) == tool_name_key(tool.name)]
+        if same:  # the router would read one for the other ("Lookup-Order" is lookup_order)
+            alias = "" if same[0] == tool.name else f" (read by the router as {same[0]!r})"
             raise RealtimeEventError(
                 "invalid_event",
-                f"session.tools[{i}]: a second tool named {tool.name!r}",
+                f"session.tools[{i}]: a second tool named {tool.name!r}{alias}",
                 event_id=event_id,
                 param=f"session.tools[{i}].name",
             )

@@ -84,16 +84,15 @@ import functools
 import logging
 import time
 import uuid
-import zoneinfo
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from cspan.backends.context_db.models import check_coordinate, check_timezone
 from cspan.core.audio import sanitize_pcm
 from cspan.core.constants import FRAME_RATE, FRAME_S, FRAME_SIZE, MAX_SEED, SAMPLE_RATE
 from cspan.core.errors import ProtocolError
@@ -191,11 +190,6 @@ class _Fields(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True, strict=True)  # a client's JSON, as is
 
 
-@lru_cache(maxsize=1)
-def _timezones() -> frozenset[str]:
-    return frozenset(zoneinfo.available_timezones())
-
-
 class ProfileFields(_Fields):
     """Who the user is (all optional). ``location`` is a free-text place ("London"), ``timezone`` an IANA name.
 
@@ -206,8 +200,8 @@ class ProfileFields(_Fields):
     name: str | None = Field(default=None, max_length=80)
     location: str | None = Field(default=None, max_length=120)
     timezone: str | None = Field(default=None, max_length=64)
-    lat: float | None = Field(default=None, ge=-90.0, le=90.0)
-    lon: float | None = Field(default=None, ge=-180.0, le=180.0)
+    lat: float | None = None
+    lon: float | None = None
     notes: str | None = Field(default=None, max_length=2000)
 
     @model_validator(mode="before")
@@ -222,9 +216,12 @@ class ProfileFields(_Fields):
     @field_validator("timezone")
     @classmethod
     def _known_timezone(cls, value: str | None) -> str | None:
-        if value and value not in _timezones():
-            raise ValueError(f"unknown IANA timezone {value!r} (for example 'Europe/London')")
-        return value or None
+        return check_timezone(value) if value else None  # the Context DB's rule: one for every profile write
+
+    @field_validator("lat", "lon")
+    @classmethod
+    def _coordinate(cls, value: float | None, info: ValidationInfo) -> float | None:
+        return None if value is None else check_coordinate(str(info.field_name), value)
 
 
 @dataclass

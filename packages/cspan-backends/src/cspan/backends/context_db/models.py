@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import zoneinfo
+from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -22,6 +26,85 @@ class UserForgotten(ContextDBError):
 
     A session that began before the erase holds what it read then (the profile, its conversation); writing any of it
     back would undo the erase, so the session must end and a new one start from nothing."""
+
+
+MAX_FACT_KEY_CHARS = 60
+"""The longest fact key (``set_fact``, the ``remember_fact`` tool's ``key``)."""
+MAX_FACT_VALUE_CHARS = 300
+"""The longest fact value (``set_fact``, the ``remember_fact`` tool's ``value``)."""
+MAX_TURN_CHARS = 65536
+"""The longest turn text (``add_turn``): about an hour of speech in one utterance."""
+
+
+def check_text(argument: str, value: Any, *, max_chars: int, min_chars: int = 0) -> str:
+    """``value`` if it is a string of ``min_chars`` to ``max_chars`` characters.
+
+    Raises:
+        ValueError: naming ``argument``: not a string (None included), empty, or too long (nothing is written).
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"{argument} must be a string, got {type(value).__name__}; nothing was written")
+    if len(value) < min_chars or (min_chars and not value.strip()):
+        raise ValueError(f"{argument} must not be empty; nothing was written")
+    if len(value) > max_chars:
+        raise ValueError(f"{argument} has {len(value)} characters, the limit is {max_chars}; nothing was written")
+    return value
+
+
+COORDINATE_LIMITS = {"lat": 90.0, "lon": 180.0}
+"""The largest absolute latitude and longitude, in degrees (WGS84)."""
+
+
+@lru_cache(maxsize=1)
+def _iana_timezones() -> frozenset[str]:
+    return frozenset(zoneinfo.available_timezones())
+
+
+def check_timezone(value: str) -> str:
+    """``value`` if it is an IANA timezone name this machine knows ("Europe/London"), or empty.
+
+    Raises:
+        ValueError: an unknown name ("Mars/Olympus", a zone-database folder such as "Europe").
+    """
+    if value and value not in _iana_timezones():
+        raise ValueError(f"unknown IANA timezone {value!r} (for example 'Europe/London')")
+    return value
+
+
+def check_coordinate(field: str, value: float) -> float:
+    """``value`` if it is a finite number of degrees within ``field``'s range (``lat``: -90 to 90, ``lon``: -180
+    to 180).
+
+    Raises:
+        ValueError: NaN, an infinity, or a value out of range.
+    """
+    limit = COORDINATE_LIMITS[field]
+    if not (math.isfinite(value) and -limit <= value <= limit):
+        raise ValueError(f"{field} must be a finite number of degrees from {-limit:g} to {limit:g}, got {value!r}")
+    return value
+
+
+def check_profile_fields(fields: Mapping[str, Any]) -> None:
+    """The rule every profile write follows (the Context DB's, a server client's ``profile``): ``timezone`` an IANA
+    name (or empty), ``lat``/``lon`` finite degrees within range (or None). Fields not in ``fields`` are not checked
+    (a stored row is read as it is).
+
+    Raises:
+        ValueError: naming the first field that breaks it.
+    """
+    for field in ("lat", "lon"):
+        value = fields.get(field)
+        if value is not None:
+            try:
+                check_coordinate(field, float(value))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"profile field {field!r}: {exc}") from None
+    timezone = fields.get("timezone")
+    if timezone:
+        try:
+            check_timezone(str(timezone))
+        except ValueError as exc:
+            raise ValueError(f"profile field 'timezone': {exc}") from None
 
 
 class Profile(BaseModel):

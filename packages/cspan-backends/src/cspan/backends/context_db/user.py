@@ -34,6 +34,9 @@ from pydantic import ValidationError
 
 from cspan.backends.context_db.facts import extract_facts, fact_sentence, normalised
 from cspan.backends.context_db.models import (
+    MAX_FACT_KEY_CHARS,
+    MAX_FACT_VALUE_CHARS,
+    MAX_TURN_CHARS,
     ContextDBError,
     Conversation,
     DropReason,
@@ -44,6 +47,8 @@ from cspan.backends.context_db.models import (
     Turn,
     TurnRole,
     UserForgotten,
+    check_profile_fields,
+    check_text,
 )
 from cspan.backends.context_db.schema import SCHEMA_VERSION
 from cspan.backends.context_db.workers import run_in
@@ -239,6 +244,8 @@ class UserMemory:
         Raises:
             TypeError: ``profile`` is not a :class:`Profile` (to change some fields from a dict, use
                 :meth:`merge_profile`).
+            ValueError: a ``lat``/``lon`` out of range or not finite, or an unknown IANA ``timezone``
+                (:func:`~cspan.backends.context_db.models.check_profile_fields`); nothing was written.
             UserForgotten: the user was forgotten since this memory's first use; nothing was written.
         """
         if not isinstance(profile, Profile):
@@ -246,6 +253,7 @@ class UserMemory:
                 f"put_profile() takes a Profile, got {type(profile).__name__}; build one with Profile(name=..., "
                 "city=...), or change some fields with merge_profile({...})"
             )
+        check_profile_fields(profile.model_dump())
         profile = profile.model_copy(update={"user_id": self.user_id})
         now = time.time()
         with self._write() as tx:
@@ -262,11 +270,12 @@ class UserMemory:
         empties a text field; ``lat``/``lon`` are degrees); a given name or city also becomes a fact. With no stored
         profile the fields not given are empty. Returns the stored profile.
 
-        Values are validated and coerced as :class:`Profile` fields are (``"51.5"`` becomes ``51.5`` for ``lat``).
+        Values are validated and coerced as :class:`Profile` fields are (``"51.5"`` becomes ``51.5`` for ``lat``),
+        then checked as :meth:`put_profile` checks them (only the fields given: a stored value is kept as it is).
 
         Raises:
-            ValueError: a key of ``changes`` is not a profile field, or a value is not valid for its field (nothing
-                was written).
+            ValueError: a key of ``changes`` is not a profile field, or a value is not valid for its field (a
+                ``lat``/``lon`` out of range or not finite, an unknown IANA ``timezone``; nothing was written).
             UserForgotten: the user was forgotten since this memory's first use; nothing was written.
         """
         unknown = sorted(set(changes) - set(PROFILE_FIELDS))
@@ -281,6 +290,7 @@ class UserMemory:
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise ValueError(f"profile field {field!r}: {err.get('msg')} (got {shown}); nothing was written") from None
         changes = {key: getattr(checked, key) for key in changes}
+        check_profile_fields(changes)
         now = time.time()
         with self._write() as tx:
             lock = ""  # SQLite: BEGIN IMMEDIATE serialises writers already
@@ -337,7 +347,17 @@ class UserMemory:
         )
 
     def set_fact(self, key: str, value: str, *, source: str = "user") -> None:
-        """Remember ``key = value`` (replacing an older value of the same key)."""
+        """Remember ``key = value`` (replacing an older value of the same key).
+
+        Raises:
+            ValueError: ``key`` or ``value`` is not a string, is empty (or only spaces), or is longer than
+                :data:`~cspan.backends.context_db.models.MAX_FACT_KEY_CHARS` /
+                :data:`~cspan.backends.context_db.models.MAX_FACT_VALUE_CHARS` (the ``remember_fact`` tool's limits);
+                nothing was written.
+        """
+        check_text("key", key, min_chars=1, max_chars=MAX_FACT_KEY_CHARS)
+        check_text("value", value, min_chars=1, max_chars=MAX_FACT_VALUE_CHARS)
+        check_text("source", source, min_chars=1, max_chars=MAX_FACT_KEY_CHARS)
         with self._write() as tx:
             self._upsert_fact(tx, key, value, source, time.time())
 
@@ -464,10 +484,12 @@ class UserMemory:
 
         Raises:
             ContextDBError: this user has no such conversation (start it with :meth:`start_conversation`).
-            ValueError: ``role`` is not user / agent / tool.
+            ValueError: ``role`` is not user / agent / tool, or ``text`` is not a string or is longer than
+                :data:`~cspan.backends.context_db.models.MAX_TURN_CHARS` (nothing was written).
         """
         if role not in ("user", "agent", "tool"):
             raise ValueError(f"turn role must be 'user', 'agent' or 'tool', got {role!r}")
+        check_text("text", text, max_chars=MAX_TURN_CHARS)
         now = time.time() if t is None else t
         with self._write() as tx:
             self._require_conversation(tx, conversation_id, lock=dedupe)

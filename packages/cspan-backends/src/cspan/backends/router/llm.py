@@ -39,7 +39,7 @@ import httpx
 from cspan.backends.errors import RouterError, ToolError
 from cspan.backends.http_client import DEFAULT_MAX_REPLY_BYTES, HTTPFailure, HTTPPolicy, off_loop, request
 from cspan.backends.router.base import RouteRequest, RouteResult, ToolCall, is_abstain, tool_reference
-from cspan.backends.tools.bank import render_clause
+from cspan.backends.tools.bank import render_clause, tool_name_key
 from cspan.backends.untrusted import JSONInputError, json_kind, loads, sanitize_text
 from cspan.backends.urls import redact_url
 
@@ -298,7 +298,7 @@ def _normalise_name(name: str) -> str:
     for prefix in ("functions.", "function.", "tools.", "tool."):
         if name.startswith(prefix):
             name = name[len(prefix) :]
-    return re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+    return tool_name_key(name)
 
 
 def _is_nullish(value: Any) -> bool:

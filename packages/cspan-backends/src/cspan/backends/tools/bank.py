@@ -46,6 +46,7 @@ __all__ = [
     "ToolResult",
     "render_clause",
     "sanitize_text",
+    "tool_name_key",
 ]
 
 DEFAULT_MAX_CHARS = 400
@@ -199,6 +200,13 @@ def _fmt_value(value: Any) -> str:
     return str(value)
 
 
+def tool_name_key(name: str) -> str:
+    """The name as a router matches it: lower case, each run of other characters than ``a-z0-9`` one ``_``, none
+    at either end (``GET_TIME``, ``get-time`` and ``get_time`` are one name: an LLM that says ``Get-Time`` or
+    ``functions.get_time`` gets the tool of that key). Two tools of one bank never share a key."""
+    return re.sub(r"[^a-z0-9]+", "_", name.strip().lower()).strip("_")
+
+
 def render_clause(value: Any) -> str:
     """Render JSON-like tool output as a compact spoken clause.
 
@@ -299,6 +307,14 @@ class ToolBank:
             raise ToolError(
                 f"tool {tool.name!r} is already registered; pass replace=True or mount with a prefix", tool=tool.name
             )
+        key = tool_name_key(tool.name)
+        same = [name for name in self._tools if name != tool.name and tool_name_key(name) == key]
+        if same:  # a router would take one for the other (an LLM's "Get_Time" is get_time's call)
+            raise ToolError(
+                f"tool {tool.name!r} would be confused with the registered tool {same[0]!r} (a router reads both as "
+                f"{key!r}); rename it or mount with a prefix",
+                tool=tool.name,
+            )
         self._tools[tool.name] = tool
 
     def add_closer(self, closer: Callable[[], Awaitable[None]]) -> None:
@@ -325,12 +341,24 @@ class ToolBank:
         """Add ``other``'s tools to this bank and take ownership of its resources; returns ``self``.
 
         Raises:
-            ToolError: a name exists in both banks and ``replace`` is false (nothing is merged then).
+            ToolError: a name exists in both banks and ``replace`` is false, or two names a router would take one
+                for the other (:func:`tool_name_key`); nothing is merged then.
         """
         if not replace:
             clash = sorted(set(self._tools) & set(other._tools))
             if clash:
                 raise ToolError(f"cannot merge: tools {clash} exist in both banks; use replace=True or a prefix")
+        mine = {tool_name_key(name): name for name in self._tools}
+        confused = sorted(
+            f"{name!r} and {mine[tool_name_key(name)]!r}"
+            for name in other._tools
+            if mine.get(tool_name_key(name), name) != name
+        )
+        if confused:
+            raise ToolError(
+                f"cannot merge: tools {', '.join(confused)} would be confused (a router reads them as one name); "
+                "mount with a prefix"
+            )
         for tool in other._tools.values():
             self.register(tool, replace=True)
         self._closers.extend(other._closers)

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cspan.backends.context_db.models import MAX_FACT_KEY_CHARS, MAX_FACT_VALUE_CHARS
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.bank import DEFAULT_MAX_CHARS, Tool, ToolArgs, ToolBank, ToolKind, ToolOutput
 from cspan.backends.urls import check_http_url, redact_url
@@ -462,9 +463,12 @@ class _QueryArgs(ToolArgs):
 
 class _RememberArgs(ToolArgs):
     key: str = Field(
-        ..., min_length=1, max_length=60, description="what the fact is about, e.g. name, city, favourite_food"
+        ...,
+        min_length=1,
+        max_length=MAX_FACT_KEY_CHARS,
+        description="what the fact is about, e.g. name, city, favourite_food",
     )
-    value: str = Field(..., min_length=1, max_length=300, description="the fact, as the user said it")
+    value: str = Field(..., min_length=1, max_length=MAX_FACT_VALUE_CHARS, description="the fact, as the user said it")
 
 
 def knowledge_tool(knowledge: KnowledgeBase) -> Tool:

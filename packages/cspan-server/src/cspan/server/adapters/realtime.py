@@ -636,20 +636,25 @@ class RealtimeAdapter(ProtocolAdapter):
         """The client's function tools as tools of the router's bank (their execution is a call to the client).
 
         Raises:
-            RealtimeEventError: ``invalid_event`` for a name in ``taken`` (the server's own tools), or parameters
-                that are not an object schema.
+            RealtimeEventError: ``invalid_event`` for a name in ``taken`` (the server's own tools) or one the
+                router reads as such (:func:`~cspan.backends.tools.bank.tool_name_key`: ``GET_TIME`` for
+                ``get_time``), or parameters that are not an object schema.
         """
         from cspan.backends.errors import ToolError
+        from cspan.backends.tools.bank import tool_name_key
         from cspan.backends.tools.catalog import callback_tool
 
         timeout = self.hub.settings.client_tool_timeout_s
+        own = {tool_name_key(name): name for name in taken}
         tools = []
         for i, spec in enumerate(specs):
-            if spec.name in taken:
+            server_tool = own.get(tool_name_key(spec.name))
+            if server_tool is not None:  # the router reads GET_TIME or get-time as get_time
+                same = "" if server_tool == spec.name else f" (read by the router as {server_tool!r})"
                 raise RealtimeEventError(
                     "invalid_event",
-                    f"session.tools[{i}]: {spec.name!r} is the name of one of this server's own tools; rename it "
-                    "(tools not applied)",
+                    f"session.tools[{i}]: {spec.name!r} is the name of one of this server's own tools{same}; rename "
+                    "it (tools not applied)",
                     event_id=event_id,
                     param=f"session.tools[{i}].name",
                 )
