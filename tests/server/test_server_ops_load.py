@@ -171,3 +171,23 @@ async def test_load_client_says_why_metrics_were_not_read() -> None:
 
     async with httpx.AsyncClient(base_url="http://s", transport=httpx.MockTransport(refuse)) as http:
         assert await _metrics_problem(http) == "/metrics could not be read (ConnectError: refused)"
+
+
+@pytest.mark.timeout(300)
+def test_load_client_counts_a_connection_over_the_users_limit_as_refused(serve, tmp_path: Path) -> None:
+    """Two clients of one token on a server that allows each user one connection: the second client's connections
+    are closed at once with 1013 (``--max-connections-per-user``), which the report counts as refusals that name
+    the limit, not as failed sessions."""
+    server = serve(max_sessions=2, token=TOKEN, idle_timeout_s=30.0, max_connections_per_user=1)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "cspan.core.cli", "bench", "serve", "--url", server.url, "--token", TOKEN,
+           "--protocol", "ws", "--clients", "2", "--seconds", "4", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "serve-load.json").read_text())
+    summary, sessions = report["summary"], report["sessions"]
+    refused = [s for s in sessions if s["ended"].startswith("refused")]
+    assert refused and summary["refused"] == sum(s["repeats"] for s in refused), sessions
+    assert all(s["ended"] == "refused (1013 this user's connections reached this server's limit (1, "
+               "--max-connections-per-user))" for s in refused), refused  # fmt: skip
+    assert summary["session_errors"] == 0 and summary["completed"] >= 1, summary

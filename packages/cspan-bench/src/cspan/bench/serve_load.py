@@ -19,7 +19,7 @@ What is measured, per session (one WebSocket connection that started a conversat
 - **dropped frames**: user frames the server dropped because its queue was full (the session's final ``stats`` on
   ``/ws``; ``/api/chat`` and ``/v1/realtime`` only report them in ``/metrics``, summed in ``server``);
 - **agent gaps**: agent frames that never came on ``/ws`` and ``/api/chat`` (the server's clock skipped ahead);
-- spans, errors (answers to injected malformed messages counted apart), refusals (busy, 4401) and how it ended.
+- spans, errors (answers to injected malformed messages counted apart), refusals (busy, 4401, a 1013 close: the slots, the Context DB or the user's connection limit) and how it ended.
 
 A client whose session was refused, or failed (``ended`` ``error (...)``: the connection refused or reset, no
 ``ready``), waits :data:`RETRY_S` before the next; after failures in a row twice as long each time, up to
@@ -412,6 +412,8 @@ def _describe_close(exc: BaseException) -> str:
             return "closed (no close frame)"
         if frame.code == 4401:
             return "refused (4401 unauthorized)"
+        if frame.code == 1013:  # try again later: the server's slots, the Context DB, or this user's connections
+            return f"refused (1013 {frame.reason})".replace(" )", ")")
         return f"closed ({frame.code} {frame.reason})".replace(" )", ")")
     if isinstance(exc, websockets.InvalidStatus):
         return f"refused (HTTP {exc.response.status_code})"
