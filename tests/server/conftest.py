@@ -54,3 +54,19 @@ def serve(tiny_checkpoint: Any) -> Iterator[Callable[..., ServerThread]]:
     yield make
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def stub_llm() -> Iterator[Any]:
+    """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``), one per test
+    module."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "backends" / "router_stub.py"
+    spec = importlib.util.spec_from_file_location("router_stub", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stub = module.StubLLM().start()
+    yield stub
+    stub.stop()

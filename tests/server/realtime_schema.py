@@ -1,5 +1,6 @@
 """Server events checked against the ``openai`` SDK's own models of them (the published Realtime schema), and a
-raw Realtime client that checks every event it receives (:class:`RealtimeClient`).
+raw Realtime client that checks every event it receives (:class:`RealtimeClient`, :func:`connect_realtime`), and a
+recording as the base64 pcm16 chunks a client appends (:func:`pcm16_chunks`).
 
 The SDK parses what it receives without validating it (``construct_type_unchecked``), so a missing required field
 or a value outside the schema passes its parsing unnoticed; :func:`check_event` validates each event with the
@@ -10,12 +11,16 @@ server's extensions and have no model.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_args, get_origin
 
+import numpy as np
 import pydantic
+from serve_client import load_frames
 
 
 def _members(union: Any) -> list[Any]:
@@ -79,3 +84,21 @@ class RealtimeClient:
             self.events.append(event)
             if predicate(event):
                 return event
+
+
+async def connect_realtime(server: Any) -> tuple[Any, RealtimeClient]:
+    """A raw ``/v1/realtime`` connection to ``server`` (a test server with ``url``), after ``conversation.created``."""
+    import websockets
+
+    ws = await websockets.connect(server.url.replace("http://", "ws://") + "/v1/realtime", max_size=None)
+    client = RealtimeClient(ws)
+    await client.until(lambda e: e["type"] == "conversation.created")
+    return ws, client
+
+
+def pcm16_chunks(path: Path, chunk_s: float = 0.2) -> list[str]:
+    """A recording as base64 pcm16 chunks at 24 kHz."""
+    pcm = np.concatenate(load_frames(path))
+    data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+    step = int(24000 * chunk_s) * 2
+    return [base64.b64encode(data[i : i + step]).decode("ascii") for i in range(0, len(data), step)]

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -399,17 +398,6 @@ async def test_a_proxied_loopback_server_requires_credentials(serve, tiny_checkp
     for url in (server.ws_url, f"{server.ws_url}?token={token}"):
         assert await close_code(url) == 4401, url
     assert httpx.get(server.url + "/metrics").status_code == 401
-
-
-@pytest.fixture(scope="module")
-def stub_llm() -> Iterator[Any]:
-    """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``)."""
-    sys.path.insert(0, str(REPO / "tests" / "backends"))
-    from router_stub import StubLLM
-
-    stub = StubLLM().start()
-    yield stub
-    stub.stop()
 
 
 @pytest.mark.timeout(300)

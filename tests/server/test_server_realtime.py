@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import json
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 import websockets
-from realtime_schema import check_event
-from serve_client import load_frames
+from realtime_schema import check_event, pcm16_chunks
 
 openai = pytest.importorskip("openai")
 
@@ -34,27 +30,6 @@ ORDER_TOOL = {
         "required": ["order_id"],
     },
 }
-
-
-@pytest.fixture(scope="module")
-def stub_llm() -> Iterator[Any]:
-    """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``)."""
-    path = Path(__file__).resolve().parents[1] / "backends" / "router_stub.py"
-    spec = importlib.util.spec_from_file_location("router_stub", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    stub = module.StubLLM().start()
-    yield stub
-    stub.stop()
-
-
-def pcm16_chunks(path: Path, chunk_s: float = 0.2) -> list[str]:
-    """A recording as base64 pcm16 chunks at 24 kHz."""
-    pcm = np.concatenate(load_frames(path))
-    data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
-    step = int(24000 * chunk_s) * 2
-    return [base64.b64encode(data[i : i + step]).decode("ascii") for i in range(0, len(data), step)]
 
 
 class Events:

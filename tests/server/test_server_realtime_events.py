@@ -6,17 +6,14 @@ order with the responses around it."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import websockets
 from realtime_schema import RealtimeClient as Client
+from realtime_schema import connect_realtime
 
 TOOL = {
     "type": "function",
@@ -26,32 +23,12 @@ TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def stub_llm() -> Iterator[Any]:
-    """The scripted chat-completions server of the router tests (``tests/backends/router_stub.py``)."""
-    path = Path(__file__).resolve().parents[1] / "backends" / "router_stub.py"
-    spec = importlib.util.spec_from_file_location("router_stub", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    stub = module.StubLLM().start()
-    yield stub
-    stub.stop()
-
-
 def errors(events: list[dict[str, Any]]) -> list[tuple[str, str | None, str | None]]:
     return [
         (e["error"]["code"], e["error"].get("param"), e["error"].get("event_id"))
         for e in events
         if e["type"] == "error"
     ]
-
-
-async def connect(server: Any) -> tuple[Any, Client]:
-    ws = await websockets.connect(server.url.replace("http://", "ws://") + "/v1/realtime", max_size=None)
-    client = Client(ws)
-    await client.until(lambda e: e["type"] == "conversation.created")
-    return ws, client
 
 
 async def update(client: Client, event_id: str | None, session: dict[str, Any]) -> tuple[dict[str, Any], list[dict]]:
@@ -76,7 +53,7 @@ def metric(server: Any, name: str) -> float:
 @pytest.mark.timeout(300)
 async def test_session_update_applies_every_valid_field_and_names_each_invalid_one(serve) -> None:
     server = serve()
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     try:
         cases: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = [
             (  # a bad profile timezone (was: a traceback and "internal", the other fields applied silently)
@@ -139,7 +116,7 @@ async def test_openai_voice_names_are_kept_out_with_a_warning(serve) -> None:
     ``cspan.warning`` (for clients that asked for events) instead of an ``error`` (fatal to pipecat); another unknown
     name is still ``bad_voice``; one of the server's voices is applied."""
     server = serve()
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     try:
         for voice in ("alloy", "marin", {"id": "verse"}):
             effective, after = await update(client, "v1", {"voice": voice})
@@ -170,7 +147,7 @@ async def test_openai_voice_names_are_kept_out_with_a_warning(serve) -> None:
 @pytest.mark.parametrize("router", ["none", "local", "llm"])
 async def test_client_tools_on_a_router_that_never_calls_them_get_a_warning(serve, stub_llm, router) -> None:
     server = serve(router=stub_llm.url if router == "llm" else router)
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     try:
         effective, after = await update(client, "t1", {"tools": [TOOL], "cspan": {"events": True}})
         assert [t["name"] for t in effective["tools"]] == ["lookup_order"]  # accepted either way
@@ -189,7 +166,7 @@ async def test_warnings_for_an_update_without_an_event_id(serve) -> None:
     its own, as every server event, and no ``client_event_id``), not an ``internal`` error (was: a validation
     error of the warning event)."""
     server = serve(router="local")
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     try:
         session = {"type": "realtime", "cspan": {"events": True}, "voice": "alloy", "tools": [TOOL]}
         effective, after = await update(client, None, session)
@@ -224,7 +201,7 @@ async def _assistant_item(client: Client) -> str:
 @pytest.mark.timeout(300)
 async def test_item_operations_are_checked_as_openai_checks_them(serve) -> None:
     server = serve(idle_timeout_s=600.0)
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     try:
         item_id = await _assistant_item(client)
         sent_ms = 80 * sum(
@@ -295,7 +272,7 @@ async def test_a_cancel_error_comes_in_order_with_the_responses(serve) -> None:
     """``response.cancel`` naming another response cancels nothing, says which is in progress, and arrives before
     the events of the next command (errors of commands are no longer queued behind them)."""
     server = serve(idle_timeout_s=600.0)
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     try:
         await client.send({"type": "response.create", "event_id": "r1"})
         created = await client.until(lambda e: e["type"] == "response.created")
@@ -336,7 +313,7 @@ async def test_output_audio_buffer_cleared_names_the_response_it_cleared(serve) 
     """``output_audio_buffer.cleared`` carries ``response_id`` (required by the openai SDK's model of it): the
     response it cancelled, else the last one, else "" before any."""
     server = serve(idle_timeout_s=600.0)
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     try:  # (Client.until checks each event with the SDK's model of it)
         await client.send({"type": "output_audio_buffer.clear", "event_id": "x0"})
         before = await client.until(lambda e: e["type"] == "output_audio_buffer.cleared")
@@ -365,7 +342,7 @@ async def test_temperature_is_the_sessions_audio_temperature(serve) -> None:
 
     server = serve()
     engine = server.hub.engine
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     try:
         _, after = await update(client, "t1", {"temperature": 0.6})
         assert errors(after) == []
@@ -394,7 +371,7 @@ async def test_half_a_surrogate_pair_is_refused_and_the_session_goes_on(serve) -
     instructions or ``event_id`` holding one is refused with ``bad_json`` (not echoed, which ended the connection
     without a close frame); a whole pair (an emoji) is text like any other."""
     server = serve()
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     async with ws:
         lone = '{"type": "input_text", "text": "\\ud800"}'
         await ws.send(
@@ -428,7 +405,7 @@ async def test_a_deeply_nested_event_is_refused_and_session_updates_go_on(serve)
     nested = 25  # within the limit: the event, session, tools, the tool and parameters, then two levels each
     within = json.loads('{"type": "object", "properties": {"a": ' * nested + '{"type": "string"}' + "}}" * nested)
     server = serve()
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     async with ws:
         await client.send({"type": "session.update", "event_id": "deep", "session": {"tools": [deep_tool]}})
         await client.send({"type": "session.update", "event_id": "choice", "session": {"tool_choice": deep_choice}})
@@ -454,7 +431,7 @@ async def test_client_items_are_bounded_in_characters(serve) -> None:
     size = 200_000
     count = ITEM_LOG_CHARS // size + 3
     server = serve()
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     async with ws:
         for i in range(count):
             text = str(i) * size
@@ -490,7 +467,7 @@ async def test_an_unexpected_error_reaches_the_realtime_client_without_its_text(
 
     monkeypatch.setattr(RealtimeAdapter, "_truncate", failing)
     server = serve()
-    ws, client = await connect(server)
+    ws, client = await connect_realtime(server)
     async with ws:
         truncate = {"item_id": "item_x", "content_index": 0, "audio_end_ms": 0}
         await client.send({"type": "conversation.item.truncate", "event_id": "t1", **truncate})
