@@ -11,24 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from in_process import run_cspan as _run
 
 from cspan.core.checkpoint import load_checkpoint
-from cspan.core.cli import main
 from cspan.core.files import default_mode
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["--context", "120", "--lr", "3e-3", "--log-every", "5", "--keep-checkpoints", "0", "--seed", "7"]
 ONE_STEP = ["--steps", "2", "--batch-size", "1", "--accum", "1"]
-
-
-def _run(*args: str) -> int:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return main(list(args))
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from in_process import run_cspan as _run
 
-from cspan.core.cli import main
 from cspan.train.errors import TrainSettingsError
 from cspan.train.train import LOCK_FILE, lock_out_dir
 
@@ -34,15 +33,6 @@ sys.stdin.read()  # until the test closes stdin or kills this process
 
 def _args(data: Path, out: Path, tiny: Path) -> list[str]:
     return ["train", "--data-dir", str(data), "--out-dir", str(out), "--checkpoint", str(tiny), *COMMON, *ONE_STEP]
-
-
-def _run(*args: str) -> int:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return main(list(args))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _hold(out: Path) -> subprocess.Popen[str]:
