@@ -188,15 +188,20 @@ def _unrated_interruptions(tmp_path: Path, fixtures_dir: Path) -> Path:
     return data
 
 
-def test_cli_rates_interruptions_with_the_judge(server: ChatServer, tmp_path: Path, fixtures_dir: Path) -> None:
+def _score(tmp_path: Path, *args: str) -> int:
+    """``cspan bench fdb-v1 score`` of ``tmp_path/data`` into ``tmp_path/scores`` with ``args``; its exit status."""
     from cspan.core.cli import main
+
+    return main(
+        ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"), *args]
+    )
+
+
+def test_cli_rates_interruptions_with_the_judge(server: ChatServer, tmp_path: Path, fixtures_dir: Path) -> None:
 
     data = _unrated_interruptions(tmp_path, fixtures_dir)
     server.replies = ["Analysis: Talks about fiction books as asked.\nI would rate the AI's response as 5"]
-    rc = main(
-        ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
-         "--judge-url", server.url, "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY"]
-    )  # fmt: skip
+    rc = _score(tmp_path, "--judge-url", server.url, "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY")
     assert rc == 0
     assert json.loads((data / "1" / "rating.json").read_text()) == {
         "analysis": "Talks about fiction books as asked.",
@@ -251,14 +256,12 @@ def test_a_judge_that_never_replies_in_the_format_makes_the_command_fail(
     """A judge that answers every request but never in its prompt's format (a model that does not follow it):
     every judgement fails, the summary says why, and the command exits with status 1, as for a judge that is down
     (was: status 0, so a script took the run for judged)."""
-    from cspan.core.cli import main
 
     _unrated_interruptions(tmp_path, fixtures_dir)
     server.replies = ["Sure! The response seems fine to me."] * 2
-    rc = main(
-        ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
-         "--judge-url", server.url, "--judge-attempts", "2", "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY"]
-    )  # fmt: skip
+    rc = _score(
+        tmp_path, "--judge-url", server.url, "--judge-attempts", "2", "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY"
+    )
     assert rc == 1 and len(server.requests) == 2
     summary = json.loads((tmp_path / "scores" / "synthetic_user_interruption" / "summary.json").read_text())
     assert any("was in the format its prompt asks for (1 judgement(s))" in n for n in summary["notes"])
@@ -308,14 +311,12 @@ def test_a_judge_that_only_rates_outside_0_to_5_makes_the_command_fail(
 ) -> None:
     """Every reply in the format but rated 7: no rating is kept or written, the summary says nothing was judged and
     the command exits with status 1, as for a judge that never replies in the format."""
-    from cspan.core.cli import main
 
     data = _unrated_interruptions(tmp_path, fixtures_dir)
     server.replies = ["Analysis: Perfect.\nI would rate the AI's response as 7"] * 2
-    rc = main(
-        ["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
-         "--judge-url", server.url, "--judge-attempts", "2", "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY"]
-    )  # fmt: skip
+    rc = _score(
+        tmp_path, "--judge-url", server.url, "--judge-attempts", "2", "--judge-key-env", "CSPAN_TEST_NO_SUCH_KEY"
+    )
     assert rc == 1 and len(server.requests) == 2
     assert not (data / "1" / "rating.json").exists()
     summary = json.loads((tmp_path / "scores" / "synthetic_user_interruption" / "summary.json").read_text())
@@ -326,12 +327,10 @@ def test_a_judge_that_only_rates_outside_0_to_5_makes_the_command_fail(
 
 
 def test_a_stored_rating_outside_0_to_5_is_refused(tmp_path: Path, fixtures_dir: Path, capsys) -> None:
-    from cspan.core.cli import main
 
     data = _unrated_interruptions(tmp_path, fixtures_dir)
     (data / "1" / "rating.json").write_text(json.dumps({"analysis": "hand-edited", "rating": 9}))
-    rc = main(["bench", "fdb-v1", "score", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "scores"),
-               "--reuse-ratings"])  # fmt: skip
+    rc = _score(tmp_path, "--reuse-ratings")
     assert rc == 1
     err = capsys.readouterr().err
     assert f"{data / '1' / 'rating.json'}: rating 9 is outside the judge's 0-5" in err, err
