@@ -55,7 +55,7 @@ from pydantic import BaseModel, Field
 from cspan.backends.asr.base import MAX_TRANSCRIPT_CHARS
 from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
 from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
-from cspan.backends.untrusted import sanitize_text
+from cspan.backends.untrusted import is_seconds, sanitize_text
 
 Stage = Literal["asr", "context", "router", "tool"]
 
@@ -119,11 +119,6 @@ class SpanResult(BaseModel):
     tool_s: float = 0.0
 
 
-def _is_seconds(value: object) -> bool:
-    """Whether ``value`` is a number of seconds (int or float, not a bool, not NaN; infinity allowed)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
-
-
 def _result_clause(reference: str) -> str:
     text = reference.strip()
     if text.lower().startswith(TOOL_RESULT_PREFIX):
@@ -169,7 +164,7 @@ class Retriever:
     ) -> None:
         if db_timeout_s is not None and not 0 < db_timeout_s < float("inf"):
             raise ValueError(f"db_timeout_s must be a positive number of seconds or None, not {db_timeout_s!r}")
-        if deadline_s is not None and not (_is_seconds(deadline_s) and deadline_s > 0):
+        if deadline_s is not None and not (is_seconds(deadline_s, infinite=True) and deadline_s > 0):
             raise ValueError(
                 f"deadline_s must be a positive number of seconds (inf allowed) or None, not {deadline_s!r}"
             )
@@ -248,7 +243,7 @@ class Retriever:
             asyncio.CancelledError: the caller cancelled the task (in-flight requests are cancelled too; the span
                 row, dropped ``cancelled``, is written first).
         """
-        if deadline_s is not None and not (_is_seconds(deadline_s) and deadline_s >= 0):
+        if deadline_s is not None and not (is_seconds(deadline_s, infinite=True) and deadline_s >= 0):
             raise ValueError(f"deadline_s must be a number of seconds >= 0 (inf allowed) or None, not {deadline_s!r}")
         budget = self.deadline_s if deadline_s is None else deadline_s
         res = SpanResult()

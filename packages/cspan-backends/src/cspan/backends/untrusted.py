@@ -14,12 +14,13 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import unicodedata
 from typing import Any
 
-__all__ = ["JSONInputError", "json_kind", "loads", "sanitize_text"]
+__all__ = ["JSONInputError", "is_seconds", "json_kind", "loads", "sanitize_text"]
 
 _DROP_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"}
 _BIG_INT = re.compile(r"has (\d+) digits")
@@ -115,3 +116,11 @@ def sanitize_text(text: str, max_chars: int) -> str:
     if space >= int(0.6 * len(cut)):
         cut = cut[:space]
     return cut.rstrip(" ,;:-") + "..."
+
+
+def is_seconds(value: Any, *, infinite: bool = False) -> bool:
+    """Whether a caller's ``value`` is a number of seconds: an int or a float (not a bool, a string or NaN), finite
+    unless ``infinite`` (then ``inf`` passes too: "no deadline"). The sign is the caller's to check."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return False
+    return infinite or math.isfinite(value)

@@ -40,7 +40,7 @@ from cspan.backends.errors import RouterError, ToolError
 from cspan.backends.http_client import DEFAULT_MAX_REPLY_BYTES, HTTPFailure, HTTPPolicy, off_loop, request
 from cspan.backends.router.base import RouteRequest, RouteResult, ToolCall, is_abstain, tool_reference
 from cspan.backends.tools.bank import render_clause, tool_name_key
-from cspan.backends.untrusted import JSONInputError, json_kind, loads, sanitize_text
+from cspan.backends.untrusted import JSONInputError, is_seconds, json_kind, loads, sanitize_text
 from cspan.backends.urls import redact_url
 
 if TYPE_CHECKING:
@@ -405,7 +405,7 @@ class LLMRouter:
             )
         if max_tool_calls < 1:
             raise ValueError(f"max_tool_calls must be >= 1, got {max_tool_calls}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < float("inf"):
+        if not (is_seconds(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
         if isinstance(json_mode, bool):
             json_mode = "always" if json_mode else "never"

@@ -21,7 +21,6 @@ import asyncio
 import copy
 import inspect
 import json
-import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -32,7 +31,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from cspan.backends.errors import ToolError
-from cspan.backends.untrusted import sanitize_text
+from cspan.backends.untrusted import is_seconds, sanitize_text
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
@@ -146,7 +145,7 @@ class Tool:
                 f"{type(self.fn).__name__}",
                 tool=self.name,
             )
-        if not _positive_seconds(self.timeout_s):
+        if not (is_seconds(self.timeout_s) and self.timeout_s > 0):
             raise ToolError(
                 f"tool {self.name!r}: timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}",
                 tool=self.name,
@@ -253,11 +252,6 @@ def _clean_schema(node: Any, defs: Mapping[str, Any], depth: int) -> Any:
                 rest.pop("default")
             out = {**non_null[0], **rest}
     return out
-
-
-def _positive_seconds(value: Any) -> bool:
-    """Whether ``value`` is a finite number of seconds above 0 (not a bool, a string or NaN)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _field_path(loc: Iterable[Any]) -> str:
@@ -511,7 +505,7 @@ class ToolBank:
         tool = self.get(name)
         full, shown = self._validated(tool, arguments)
         limit = timeout_s if timeout_s is not None else tool.timeout_s
-        if not _positive_seconds(limit):
+        if not (is_seconds(limit) and limit > 0):
             raise ToolError(
                 f"tool {name!r}: timeout_s must be a finite number of seconds > 0, got {limit!r}", tool=name
             )
