@@ -23,9 +23,9 @@ import soundfile as sf
 import torch
 import websockets
 from personaplex_snapshot import REPO, personaplex_snapshot
+from realtime_schema import connect_realtime as realtime_connect
 from serve_client import Client, ServerThread, load_frames
 from test_server_moshi import messages_until, raw_connect
-from test_server_realtime_events import connect as realtime_connect
 from test_server_realtime_events import errors, metric, update
 
 from cspan.core.prefix import persona_text
