@@ -193,6 +193,6 @@ def test_users_and_db_verbs(tmp_path: Path) -> None:
     again = _cspan("users", "revoke", rows[0]["id"], db=db_path)
     assert again.returncode == 1 and "no valid token" in again.stderr
     info = json.loads(_cspan("db", "info", db=db_path).stdout)
-    assert info["schema_version"] == 4 and info["engine"] == "sqlite"
+    assert info["schema_version"] == 5 and info["engine"] == "sqlite"
     broken = _cspan("db", "info", db=tmp_path)  # a folder is no database
     assert broken.returncode == 1 and "Traceback" not in broken.stderr
