@@ -182,7 +182,8 @@ class ContextDB(LegacyMethods):
         if current > SCHEMA_VERSION:
             raise ContextDBError(
                 f"Context DB {self.where!r} has schema version {current}, newer than this cspan-backends "
-                f"({SCHEMA_VERSION}). Fix: upgrade cspan-backends or use another --db."
+                f"({SCHEMA_VERSION}). Fix: upgrade cspan-backends, restore the backup taken before the database was "
+                "upgraded, or use another --db."
             )
 
     def schema_version(self) -> int:
