@@ -76,6 +76,11 @@ scopes = ["session", "admin"]
         ),
         ('[[token]]\nuser = "a"\ntoken = "0123456789abcdefg"\nscopes = ["god"]\n', "unknown scope"),
         ('[[token]]\ntoken = "0123456789abcdefg"\n', "user"),
+        # an entry an older release (e3b68c5) accepted: the fix names the id its user's rows are under since schema 5
+        (
+            '[[token]]\nuser = "carol "\ntoken = "0123456789abcdefg"\n',
+            r"user must not start or end with white space, got 'carol '; write user = 'carol' \(the Context DB",
+        ),
         ("[[token]\n", "not valid TOML"),
         # a misspelled table was ignored: every client refused, no word why
         ('[[tokens]]\nuser = "a"\ntoken = "abcdefghijklmnopq"\n', r"unknown table or key \[\[tokens\]\] at the top"),
