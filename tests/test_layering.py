@@ -61,6 +61,8 @@ def _imported_modules(path: Path) -> set[str]:
         ("core", ("cspan.backends", "cspan.server", "cspan.train", "cspan.bench")),
         ("backends", ("torch", "cspan.core", "cspan.server", "cspan.train", "cspan.bench")),
         ("train", ("cspan.server", "cspan.bench")),
+        ("server", ("cspan.train", "cspan.bench")),
+        ("bench", ("cspan.server", "cspan.train")),
     ],
 )
 def test_no_forbidden_imports(package: str, forbidden: tuple[str, ...]) -> None:

@@ -103,8 +103,8 @@ class ScheduledSpan(_ClientModel):
 
 
 class StartHooks(_ClientModel):
-    """Test-only fields of ``start``; refused unless the server runs with test hooks (``create_app(...,
-    allow_test_hooks=True)``, hidden flag ``--test-hooks``). Times are seconds on the session's timeline (frame
+    """Test-only fields of ``start``; refused unless the server runs with test hooks (``test_hooks=True`` in its
+    settings, hidden flag ``--test-hooks``). Times are seconds on the session's timeline (frame
     0 = the first frame after ``ready``)."""
 
     force_ret_at: list[Annotated[float, Field(ge=0.0, le=3600.0)]] = Field(default_factory=list, max_length=16)
