@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import itertools
 import sqlite3
@@ -28,7 +29,7 @@ from cspan.backends.context_db import (
     extract_facts,
 )
 from cspan.backends.context_db.schema import V1, statements
-from cspan.backends.identity import Principal
+from cspan.backends.identity import Authenticator, Principal
 
 # --------------------------------------------------------------------------------------------- PostgreSQL
 
@@ -153,7 +154,7 @@ def test_migrates_the_first_schema_forward(tmp_path: Path) -> None:
         )
         raw.execute("INSERT INTO facts (user_id, key, value, t) VALUES ('ada', 'name', 'Ada', 10)")
     with ContextDB(path) as db:
-        assert db.schema_version() == SCHEMA_VERSION == 4
+        assert db.schema_version() == SCHEMA_VERSION == 5
         ada, bob = db.user("ada"), db.user("bob")
         assert [t.text for t in ada.turns("a1")] == ["hi from ada"] and ada.turns("b1") == []
         assert [t.text for t in bob.turns("b1")] == ["hi from bob"]
@@ -190,7 +191,7 @@ def test_migrates_schema_3_forward_keeping_every_span(target: str) -> None:
         )
     conn.close()
     with ContextDB(target) as db:
-        assert db.schema_version() == SCHEMA_VERSION == 4
+        assert db.schema_version() == SCHEMA_VERSION == 5
         ada = db.user("ada")
         kept = ada.spans("a1")
         assert [(s.id, s.question, s.dropped, s.frame) for s in kept] == [(1, "q1", "late", None), (2, "q2", None, 50)]
@@ -203,6 +204,232 @@ def test_migrates_schema_3_forward_keeping_every_span(target: str) -> None:
         with db._conn.write() as tx:  # still tied to its conversation: deleting that deletes them
             tx.execute("DELETE FROM conversations WHERE user_id = 'ada' AND id = 'a1'")
         assert ada.spans("a1") == []
+
+
+# The tables of a SQLite Context DB at schema 2 as an older release left it: `sqlite_master` of a file written by
+# `cspan users add` and `cspan serve` at commit e3b68c5 (main of 2026-12-03), the release before user ids were
+# refused with white space at either end (13ac1ea) and composed to Unicode NFC (6e76078).
+SCHEMA_2_SQLITE_E3B68C5 = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE profiles (
+    user_id    TEXT PRIMARY KEY,
+    name       TEXT NOT NULL DEFAULT '',
+    city       TEXT NOT NULL DEFAULT '',
+    timezone   TEXT NOT NULL DEFAULT '',
+    lat        REAL,
+    lon        REAL,
+    notes      TEXT NOT NULL DEFAULT '',
+    persona    TEXT NOT NULL DEFAULT '',
+    updated_at REAL NOT NULL
+);
+CREATE TABLE "conversations" (
+    user_id    TEXT NOT NULL,
+    id         TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at   REAL,
+    checkpoint TEXT NOT NULL DEFAULT '',
+    settings   TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (user_id, id)
+);
+CREATE TABLE "turns" (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    user_id         TEXT NOT NULL,
+    conversation_id TEXT NOT NULL,
+    role            TEXT NOT NULL CHECK (role IN ('user', 'agent', 'tool')),
+    text            TEXT NOT NULL,
+    t               REAL NOT NULL,
+    frame           INTEGER,
+    meta            TEXT NOT NULL DEFAULT '{}',
+    FOREIGN KEY (user_id, conversation_id) REFERENCES "conversations" (user_id, id) ON DELETE CASCADE
+);
+CREATE TABLE "spans" (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    user_id         TEXT NOT NULL,
+    conversation_id TEXT NOT NULL,
+    question        TEXT NOT NULL DEFAULT '',
+    text            TEXT,
+    tool            TEXT,
+    arguments       TEXT NOT NULL DEFAULT '{}',
+    source          TEXT NOT NULL DEFAULT 'none',
+    asked_at        REAL NOT NULL,
+    injected_at     REAL,
+    frame           INTEGER,
+    dropped         TEXT CHECK (dropped IS NULL OR dropped IN ('late', 'no_span', 'error')),
+    latency_s       REAL,
+    error           TEXT,
+    FOREIGN KEY (user_id, conversation_id) REFERENCES "conversations" (user_id, id) ON DELETE CASCADE
+);
+CREATE INDEX conversations_user ON conversations(user_id, started_at);
+CREATE INDEX turns_conversation ON turns(user_id, conversation_id, id);
+CREATE INDEX turns_t ON turns(t);
+CREATE INDEX spans_conversation ON spans(user_id, conversation_id, id);
+CREATE INDEX spans_asked ON spans(asked_at);
+CREATE TABLE "facts" (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    user_id TEXT NOT NULL,
+    key     TEXT NOT NULL,
+    value   TEXT NOT NULL,
+    source  TEXT NOT NULL DEFAULT 'user',
+    t       REAL NOT NULL,
+    UNIQUE (user_id, key)
+);
+CREATE TABLE tokens (
+    id           TEXT PRIMARY KEY,
+    user_id      TEXT NOT NULL,
+    hash         TEXT NOT NULL,
+    scopes       TEXT NOT NULL DEFAULT '',
+    label        TEXT NOT NULL DEFAULT '',
+    created_at   REAL NOT NULL,
+    last_used_at REAL,
+    revoked_at   REAL
+);
+CREATE INDEX tokens_user ON tokens(user_id);
+INSERT INTO schema_version (version) VALUES (2);
+"""
+
+_JOSE_NFD, _JOSE = "jose\u0301", "jos\u00e9"  # e + combining acute (a decomposing keyboard, a file name) / composed
+_ZOE_NFD, _ZOE = "zoe\u0308", "zo\u00eb"
+
+
+def _database_of_an_older_release(target: str, version: int) -> dict[str, str]:
+    """A Context DB at schema ``version`` (2: e3b68c5's SQLite file above, or its migrations on PostgreSQL; 3: the
+    release of 85141d5) holding rows under user ids as those releases stored them. Returns the issued tokens."""
+    from cspan.backends.context_db.connection import connect
+    from cspan.backends.context_db.schema import MIGRATIONS
+    from cspan.backends.identity import hash_token
+
+    if version == 2 and "://" not in target:
+        with sqlite3.connect(target) as raw:
+            raw.executescript(SCHEMA_2_SQLITE_E3B68C5)
+    else:  # the migration list is append-only: its first steps are the SQL those releases ran
+        conn = connect(target)
+        with conn.write() as tx:
+            tx.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+            for step in MIGRATIONS[:version]:
+                step.apply(tx)
+            tx.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+        conn.close()
+    tokens = {_JOSE_NFD: "cspan.0123456789ab." + "j" * 43, " bob": "cspan.ba0123456789." + "b" * 43}
+    conn = connect(target)
+    with conn.write() as tx:
+        for user, name, city, tz, notes, t in [
+            (_JOSE_NFD, "José", "Sevilla", "", "prefers Spanish", 100.0),
+            (" bob", "Bob", "Oslo", "", "", 100.0),
+            (_ZOE_NFD, "Zoë", "Paris", "", "likes tea", 100.0),  # two spellings of one user, the NFC one newer
+            (_ZOE, "Zoë", "", "Europe/Paris", "", 200.0),
+        ]:
+            tx.execute(
+                "INSERT INTO profiles (user_id, name, city, timezone, notes, updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (user, name, city, tz, notes, t),
+            )
+        for user, key, value, source, t in [
+            (_JOSE_NFD, "name", "José", "profile", 100.0),
+            (_JOSE_NFD, "city", "Sevilla", "profile", 100.0),
+            (_ZOE_NFD, "city", "Paris", "profile", 100.0),
+            (_ZOE_NFD, "colour", "green", "user", 150.0),
+            (_ZOE, "city", "Lyon", "user", 200.0),
+        ]:
+            tx.execute(
+                "INSERT INTO facts (user_id, key, value, source, t) VALUES (?, ?, ?, ?, ?)",
+                (user, key, value, source, t),
+            )
+        for user, cid, text, t in [
+            (_JOSE_NFD, "c1", "hola", 101.0),
+            (" bob", "b1", "hi", 101.0),
+            (_ZOE_NFD, "c1", "bonjour", 101.0),
+            (_ZOE, "c1", "salut", 201.0),
+        ]:
+            tx.execute(
+                "INSERT INTO conversations (user_id, id, started_at, ended_at, checkpoint) VALUES (?, ?, ?, ?, 'tiny')",
+                (user, cid, t, t + 5),
+            )
+            tx.execute(
+                "INSERT INTO turns (user_id, conversation_id, role, text, t, frame) VALUES (?, ?, 'user', ?, ?, 3)",
+                (user, cid, text, t + 1),
+            )
+        tx.execute(
+            "INSERT INTO spans (user_id, conversation_id, question, text, source, asked_at, injected_at) "
+            "VALUES (?, 'c1', 'when does it open', 'At nine.', 'local:knowledge', 102, 103)",
+            (_JOSE_NFD,),
+        )
+        for user, token in tokens.items():
+            tx.execute(
+                "INSERT INTO tokens (id, user_id, hash, scopes, created_at) VALUES (?, ?, ?, 'session', 100)",
+                (token.split(".")[1], user, hash_token(token)),
+            )
+        if version >= 3:  # " bob" was forgotten once before his rows above
+            tx.execute(
+                "INSERT INTO erasures (user_hash, generation, erased_at) VALUES (?, 1, 50)",
+                (hashlib.sha256(b" bob").hexdigest(),),
+            )
+    conn.close()
+    return tokens
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_user_ids_an_older_release_stored_join_their_user(
+    target: str, version: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Releases up to schema 3 stored a user id as given; this one composes it (NFC) and refuses white space at
+    either end, so rows stored as "jose\u0301" or " bob" were never found again: the upgrade lost the user's profile,
+    facts and conversations, `cspan db export|forget` missed them or refused the id, and the token of " bob" broke
+    every connection (ValueError in the session). The migration moves them to the id this release uses."""
+    tokens = _database_of_an_older_release(target, version)
+    with caplog.at_level("WARNING"), ContextDB(target) as db:
+        assert db.schema_version() == SCHEMA_VERSION
+        assert db.users() == sorted(["bob", _JOSE, _ZOE])
+        auth = Authenticator(db=db)
+        jose = auth.authenticate(tokens[_JOSE_NFD])
+        assert jose is not None and jose.user_id == _JOSE
+        memory = db.user(jose)
+        profile = memory.get_profile()
+        assert profile is not None and (profile.name, profile.city, profile.notes) == (
+            "José",
+            "Sevilla",
+            "prefers Spanish",
+        )
+        assert {f.key: f.value for f in memory.facts()} == {"name": "José", "city": "Sevilla"}
+        assert [c.id for c in memory.conversations()] == ["c1"]
+        assert [t.text for t in memory.turns("c1")] == ["hola"]
+        assert [(s.question, s.text) for s in memory.spans("c1")] == [("when does it open", "At nine.")]
+        assert db.user(_JOSE_NFD).get_profile() == profile  # either spelling given now
+        bob = auth.authenticate(tokens[" bob"])
+        assert bob is not None and bob.user_id == "bob"
+        assert db.user(bob).get_profile().city == "Oslo" and [t.text for t in db.user(bob).turns("b1")] == ["hi"]
+        # one user stored under both spellings: the newer value of each field and fact, every conversation
+        zoe = db.user(_ZOE)
+        merged = zoe.get_profile()
+        assert (merged.name, merged.city, merged.timezone, merged.notes) == (
+            "Zoë",
+            "Paris",
+            "Europe/Paris",
+            "likes tea",
+        )
+        assert {f.key: f.value for f in zoe.facts()} == {"city": "Lyon", "colour": "green"}
+        assert sorted((c.id, [t.text for t in zoe.turns(c.id)]) for c in zoe.conversations()) == [
+            ("c1", ["salut"]),
+            ("c1-2", ["bonjour"]),
+        ]
+        exported = db.export_user(_JOSE)
+        assert len(exported["conversations"]) == 1 and [t["id"] for t in exported["tokens"]] == ["0123456789ab"]
+        db.forget_user(_JOSE, tokens=True)
+        db.forget_user("bob")
+        for table in ("profiles", "facts", "conversations", "turns", "spans", "tokens"):
+            left = db._conn.read(
+                f"SELECT user_id FROM {table} WHERE user_id IN (?, ?, ?, ?)", (_JOSE_NFD, _JOSE, " bob", "bob")
+            )
+            assert [r["user_id"] for r in left] == (["bob"] if table == "tokens" else []), table
+        if version >= 3:  # bob's erase generation went with him: forgotten once before, once now
+            assert db._conn.read(
+                "SELECT generation FROM erasures WHERE user_hash = ?", (hashlib.sha256(b"bob").hexdigest(),)
+            ) == [{"generation": 2}]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"schema {version} (an older release's) migrated to {SCHEMA_VERSION}" in m for m in said), said
+    assert any("3 user id(s)" in m and "'jose\\u0301' -> 'jos\u00e9'" in m for m in said), said
+    caplog.clear()
+    with caplog.at_level("WARNING"), ContextDB(target) as again:  # once: the next open changes nothing
+        assert again.users() == sorted(["bob", _ZOE])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 @pytest.mark.parametrize("engine", ["sqlite", "postgresql"])

@@ -76,6 +76,11 @@ scopes = ["session", "admin"]
         ),
         ('[[token]]\nuser = "a"\ntoken = "0123456789abcdefg"\nscopes = ["god"]\n', "unknown scope"),
         ('[[token]]\ntoken = "0123456789abcdefg"\n', "user"),
+        # an entry an older release (e3b68c5) accepted: the fix names the id its user's rows are under since schema 5
+        (
+            '[[token]]\nuser = "carol "\ntoken = "0123456789abcdefg"\n',
+            r"user must not start or end with white space, got 'carol '; write user = 'carol' \(the Context DB",
+        ),
         ("[[token]\n", "not valid TOML"),
         # a misspelled table was ignored: every client refused, no word why
         ('[[tokens]]\nuser = "a"\ntoken = "abcdefghijklmnopq"\n', r"unknown table or key \[\[tokens\]\] at the top"),
@@ -193,6 +198,6 @@ def test_users_and_db_verbs(tmp_path: Path) -> None:
     again = _cspan("users", "revoke", rows[0]["id"], db=db_path)
     assert again.returncode == 1 and "no valid token" in again.stderr
     info = json.loads(_cspan("db", "info", db=db_path).stdout)
-    assert info["schema_version"] == 4 and info["engine"] == "sqlite"
+    assert info["schema_version"] == 5 and info["engine"] == "sqlite"
     broken = _cspan("db", "info", db=tmp_path)  # a folder is no database
     assert broken.returncode == 1 and "Traceback" not in broken.stderr

@@ -131,3 +131,45 @@ def test_fdb_v1_run_scores_only_the_samples_it_ran(tiny_checkpoint_dir, fixture_
     task_out = out / "candor_turn_taking"
     assert json.loads((task_out / "summary.json").read_text())["n"] == 1
     assert [s["id"] for s in json.loads((task_out / "samples.json").read_text())] == ["0"]
+
+
+@pytest.mark.slow
+def test_fdb_v1_run_says_why_it_renders_an_older_releases_samples_again(
+    tiny_checkpoint_dir, fixture_file, tmp_path, cli, capsys, caplog
+):
+    """A release that recorded fewer settings (e3b68c5's run.json has no checkpoint.voice_file, voice_sha256,
+    voice_form, voice_default) wrote a finished sample: the resumed run renders it again, as the settings differ,
+    and says so when it finds it (a run of hours can still be stopped) and in its notes; it rendered it again
+    without a word."""
+    from cspan.bench.session import settings_key
+
+    data = _dataset(tmp_path / "data", fixture_file)
+    out = tmp_path / "out"
+    args = [
+        "bench", "fdb-v1", "run", "--checkpoint", str(tiny_checkpoint_dir), "--data", str(data), "--out", str(out),
+        "--router", "none", "--asr", "none", "--quiet",
+    ]  # fmt: skip
+    assert cli(*args) == 0
+    capsys.readouterr()
+    record_path = out / "candor_turn_taking" / "0" / "run.json"
+    record = json.loads(record_path.read_text())
+    for name in ("voice_file", "voice_sha256", "voice_form", "voice_default"):
+        del record["settings"]["checkpoint"][name]
+    record["settings_key"] = settings_key(record["settings"])
+    record_path.write_text(json.dumps(record))
+
+    with caplog.at_level("WARNING"):
+        assert cli(*args) == 0
+    printed = capsys.readouterr().out
+    assert "rendered 1, kept 1" in printed
+    assert (
+        "note: 1 finished output(s) rendered again: they had been rendered with other settings (checkpoint.voice_default, "
+        "checkpoint.voice_file, checkpoint.voice_form, checkpoint.voice_sha256)" in printed
+    )
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "other settings" in r.getMessage()
+    ]
+    assert str(out / "candor_turn_taking" / "0") in warning and "stop now" in warning
+    assert cli(*args) == 0  # rendered with this run's settings now: kept, nothing said
+    printed = capsys.readouterr().out
+    assert "rendered 0, kept 2" in printed and "rendered again" not in printed

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cspan.backends.context_db.schema import canonical_user_id
 from cspan.backends.context_db.user import check_id
 from cspan.backends.context_db.workers import run_in
 from cspan.backends.errors import BackendError
@@ -173,7 +174,12 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
         try:
             user = check_id(table.get("user"), "user")
         except ValueError as exc:
-            raise IdentityError(f"{where}: {exc}") from None
+            given = table.get("user")
+            fixed = canonical_user_id(given) if isinstance(given, str) else ""
+            hint = ""
+            if fixed and fixed != given:  # an older release's entry: its user's rows are under this id since schema 5
+                hint = f"; write user = {fixed!r} (the Context DB keeps this user's rows under that id)"
+            raise IdentityError(f"{where}: {exc}{hint}") from None
         if ("token" in table) == ("sha256" in table):
             raise IdentityError(f'{where}: give exactly one of sha256 = "..." (preferred) or token = "..."')
         if "token" in table:

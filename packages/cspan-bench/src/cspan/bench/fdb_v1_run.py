@@ -46,6 +46,7 @@ from cspan.bench.fdb_v1 import (
     score_task,
     write_task_score,
 )
+from cspan.bench.resume import RenderedAgain
 from cspan.bench.session import (
     CONVERSATION_PROMPT,
     TEACHER_PROMPT,
@@ -163,6 +164,7 @@ class V1RunOptions:
         limit: first N samples per task.
         quiet: no progress bar.
         describe: extra settings recorded in ``run.json`` (and part of the resume key): backends, checkpoint.
+        rendered_again: the finished outputs this run renders again because their settings differ.
     """
 
     text_prompt: str | None = None
@@ -177,6 +179,7 @@ class V1RunOptions:
     limit: int | None = None
     quiet: bool = False
     describe: dict[str, Any] = field(default_factory=dict)
+    rendered_again: RenderedAgain = field(default_factory=lambda: RenderedAgain("fdb-v1"))
 
 
 def _copy_inputs(src: Path, dst: Path) -> None:
@@ -189,7 +192,9 @@ def _copy_inputs(src: Path, dst: Path) -> None:
                 shutil.copyfile(item, target)
 
 
-def _finished(out_dir: Path, key: str) -> bool:
+def _finished(out_dir: Path, key: str, settings: dict[str, Any], again: RenderedAgain | None = None) -> bool:
+    """Whether ``out_dir`` holds a finished output rendered with these settings (one finished with others is told
+    to ``again``)."""
     record = out_dir / RUN_JSON
     if not (record.is_file() and (out_dir / OUTPUT_WAV).is_file()):
         return False
@@ -197,7 +202,13 @@ def _finished(out_dir: Path, key: str) -> bool:
         data = json.loads(record.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return False
-    return bool(data.get("complete")) and data.get("settings_key") == key
+    if not (isinstance(data, dict) and data.get("complete")):
+        return False
+    if data.get("settings_key") == key:
+        return True
+    if again is not None:
+        again.found(out_dir, data.get("settings"), settings)
+    return False
 
 
 async def render_sample(
@@ -232,7 +243,7 @@ async def render_sample(
     }
     key = settings_key(settings)
     _copy_inputs(sample_dir, out_dir)
-    if not options.overwrite and _finished(out_dir, key):
+    if not options.overwrite and _finished(out_dir, key, settings, options.rendered_again):
         return False, json.loads((out_dir / RUN_JSON).read_text(encoding="utf-8"))
     for stale in (OUTPUT_JSON, RATING_JSON, RUN_JSON):
         (out_dir / stale).unlink(missing_ok=True)
@@ -365,6 +376,9 @@ async def run_fdb_v1(
                 result.rendered += int(done)
                 result.kept += int(not done)
                 bar.update()
+    again = options.rendered_again.note()
+    if again is not None:
+        result.notes.append(again)
     if score_transcriber is None:
         result.notes.append("not transcribed or scored (--asr none); score later with `cspan bench fdb-v1 score`")
         result.scores = [(t, None) for t in tasks]

@@ -43,6 +43,7 @@ from typing import Any
 from cspan.bench.errors import BenchDataError
 from cspan.bench.fdb_v3 import ResultEntry, V3Result, V3Scenario
 from cspan.bench.fdb_v3_release import FDBv3Release
+from cspan.bench.resume import RenderedAgain
 from cspan.bench.session import (
     BenchSession,
     Progress,
@@ -214,6 +215,7 @@ class V3RunOptions:
         max_tool_calls: tool calls one ``<ret>`` may chain (1 as the original).
         router_timeout_s: LLM router time limit per request.
         release: the benchmark's released world (``--fdb-v3-dir``); None = this project's.
+        rendered_again: the finished scenarios this run renders again because their settings differ.
     """
 
     provider: str = "cspan"
@@ -231,6 +233,7 @@ class V3RunOptions:
     router_timeout_s: float = 8.0
     release: FDBv3Release | None = None
     describe: dict[str, Any] = field(default_factory=dict)
+    rendered_again: RenderedAgain = field(default_factory=lambda: RenderedAgain("fdb-v3"))
 
     @property
     def persona(self) -> str:
@@ -311,6 +314,8 @@ async def run_scenario(
             old = json.loads(result_path.read_text(encoding="utf-8"))
             if old.get("complete") and old.get("settings_key") == key:
                 return False, V3Result.model_validate(old)
+            if old.get("complete"):
+                options.rendered_again.found(result_path, old.get("settings"), settings)
         except (OSError, json.JSONDecodeError, ValueError):
             pass
 

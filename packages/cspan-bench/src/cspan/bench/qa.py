@@ -55,6 +55,7 @@ from cspan.bench.answer_text import normalize_answer, numbers_in
 from cspan.bench.errors import BenchDataError, BenchError, BenchSettingsError, JudgeError
 from cspan.bench.qa_timing import PROMPT_VERSION as KEYWORD_PROMPT_VERSION
 from cspan.bench.qa_timing import AnswerTiming, TimedWord, measure, text_stream_words
+from cspan.bench.resume import RenderedAgain
 
 log = logging.getLogger(__name__)
 
@@ -727,6 +728,7 @@ class QARunOptions:
             (the model's text stream) or ``"auto"`` (``asr`` when a transcriber is configured, else ``text``).
         overwrite, quiet: re-render everything; no progress bar.
         describe: settings recorded in each result and part of the resume key.
+        rendered_again: the finished items this run renders again because their settings differ.
     """
 
     set_name: str
@@ -742,6 +744,7 @@ class QARunOptions:
     overwrite: bool = False
     quiet: bool = False
     describe: dict[str, Any] = field(default_factory=dict)
+    rendered_again: RenderedAgain = field(default_factory=lambda: RenderedAgain("qa"))
 
 
 def _first(events: Iterable[Any], kind: str) -> Any:
@@ -779,6 +782,8 @@ async def run_item(
             old = QAItemResult.model_validate_json(record.read_text(encoding="utf-8"))
             if old.complete and old.settings_key == key:
                 return old
+            if old.complete:  # its record keeps the key only: which settings differed is not known
+                options.rendered_again.found(out_dir, None, settings)
         except ValueError:
             pass
     if item.audio is None:
@@ -947,6 +952,9 @@ async def run_qa(
     trouble = judge.trouble() if judge is not None and hasattr(judge, "trouble") else None
     if trouble is not None:
         summary.notes.append(trouble)
+    again = options.rendered_again.note()
+    if again is not None:
+        summary.notes.append(again)
     write_json(out / "summary.json", summary.model_dump(mode="json"))
     samples = [r.model_dump(mode="json", exclude={"events", "agent_words"}) for r in results]
     write_json(out / "samples.json", samples)

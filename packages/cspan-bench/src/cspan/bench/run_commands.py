@@ -1012,6 +1012,9 @@ async def _fdb_v3_run_async(args: argparse.Namespace) -> int:
     finally:
         await close_quietly(transcriber)
     print(f"fdb-v3: {len(results)} scenario recording(s), rendered {rendered}, kept {len(results) - rendered}")
+    again = options.rendered_again.note()
+    if again is not None:
+        print(f"note: {again}")
     entries, _ = fdb_v3.load_result_entries(args.out, args.provider)
     summary = score_v3(
         entries,

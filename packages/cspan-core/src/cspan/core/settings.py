@@ -206,7 +206,12 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
     hidden = _hidden(model)
     for key, value in top + own:
         name = key.replace("-", "_")
-        if name not in model.model_fields or name in hidden:
+        if name in hidden:  # releases before 2026-12-04 read it from a file; a stray one must not turn it on
+            raise SettingsError(
+                f"settings file {path}: {key!r} is {_flag(name)}, a test switch taken from the command line only "
+                "(remove it from the file)"
+            )
+        if name not in model.model_fields:
             known = sorted(n.replace("_", "-") for n in model.model_fields if n not in hidden)
             close = closest_name(key.replace("_", "-"), known)
             hint = f"did you mean {close!r}?" if close else f"known: {', '.join(known)}"

@@ -14,15 +14,25 @@ many times it was forgotten (``generation``) and when last. A memory
 opened before an erase sees another generation and its writes are refused (:class:`~.models.UserForgotten`).
 Version 4 adds the drop reason ``cancelled`` to ``spans.dropped`` (a retrieval cut before it finished, by the end of
 its conversation: ``error`` says why); a CHECK constraint cannot be altered in SQLite, so the table is rebuilt.
+Version 5 changes no table: it rewrites the user ids that older releases stored in a spelling this release never
+looks up (decomposed Unicode such as ``"jose\u0301"``, white space at either end such as ``" bob"``) to the one
+:func:`canonical_user_id` gives, which is what :func:`~.user.check_id` makes of any id given since. Their rows join
+that user's (a profile or fact stored under both spellings keeps the newer value), so the user's memory, issued
+tokens and erasure are reachable again, by the server and by ``cspan db export|forget``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 Dialect = Literal["sqlite", "postgresql"]
+
+log = logging.getLogger(__name__)
 
 _TYPES: dict[str, dict[str, str]] = {
     "sqlite": {"@FLOAT@": "REAL", "@SERIAL@": "INTEGER PRIMARY KEY AUTOINCREMENT"},
@@ -262,6 +272,99 @@ def _v4(tx: Executor) -> None:
     _continue_ids(tx, "spans")
 
 
+def canonical_user_id(user_id: str) -> str:
+    """The spelling a user's rows are stored under since schema 5: Unicode NFC, without white space at either end
+    (what :func:`~.user.check_id` accepts and returns; it refuses the spaces rather than removing them)."""
+    return unicodedata.normalize("NFC", user_id).strip()
+
+
+_PROFILE_VALUES = ("name", "city", "timezone", "lat", "lon", "notes", "persona")
+
+
+def _move_user(tx: Executor, old: str, new: str) -> None:
+    """Move every row of ``old`` to ``new`` (see :func:`_v5`)."""
+    tx.execute("UPDATE tokens SET user_id = ? WHERE user_id = ?", (new, old))
+    moved = tx.execute("SELECT * FROM profiles WHERE user_id = ?", (old,)).rows
+    kept = tx.execute("SELECT * FROM profiles WHERE user_id = ?", (new,)).rows
+    if moved and not kept:
+        tx.execute("UPDATE profiles SET user_id = ? WHERE user_id = ?", (new, old))
+    elif moved:  # both spellings had a profile: the newer one's fields, the older one's where the newer is empty
+        newer, older = sorted((moved[0], kept[0]), key=lambda row: row["updated_at"], reverse=True)
+        merged = [newer[f] if newer[f] not in ("", None) else older[f] for f in _PROFILE_VALUES]
+        assignments = ", ".join(f"{f} = ?" for f in _PROFILE_VALUES)
+        tx.execute(
+            f"UPDATE profiles SET {assignments}, updated_at = ? WHERE user_id = ?",
+            (*merged, newer["updated_at"], new),
+        )
+        tx.execute("DELETE FROM profiles WHERE user_id = ?", (old,))
+    for fact in tx.execute("SELECT * FROM facts WHERE user_id = ? ORDER BY id", (old,)).rows:
+        twin = tx.execute("SELECT id, t FROM facts WHERE user_id = ? AND key = ?", (new, fact["key"])).rows
+        if not twin:
+            tx.execute("UPDATE facts SET user_id = ? WHERE id = ?", (new, fact["id"]))
+            continue
+        if fact["t"] > twin[0]["t"]:  # the newer value of the key is kept
+            tx.execute(
+                "UPDATE facts SET value = ?, source = ?, t = ? WHERE id = ?",
+                (fact["value"], fact["source"], fact["t"], twin[0]["id"]),
+            )
+        tx.execute("DELETE FROM facts WHERE id = ?", (fact["id"],))
+    # a conversation is copied under the new user (its turns and spans follow it), then the old row deleted: its
+    # key is what the turns' and spans' foreign keys reference, and they cannot follow an update of it
+    for conv in tx.execute("SELECT * FROM conversations WHERE user_id = ? ORDER BY started_at", (old,)).rows:
+        cid, n = conv["id"], 2
+        while tx.execute("SELECT 1 AS found FROM conversations WHERE user_id = ? AND id = ?", (new, cid)).rows:
+            cid, n = f"{conv['id']}-{n}", n + 1  # the same id under both spellings (no server made such ids)
+        tx.execute(
+            "INSERT INTO conversations (user_id, id, started_at, ended_at, checkpoint, settings) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (new, cid, conv["started_at"], conv["ended_at"], conv["checkpoint"], conv["settings"]),
+        )
+        for table in ("turns", "spans"):
+            tx.execute(
+                f"UPDATE {table} SET user_id = ?, conversation_id = ? WHERE user_id = ? AND conversation_id = ?",
+                (new, cid, old, conv["id"]),
+            )
+        tx.execute("DELETE FROM conversations WHERE user_id = ? AND id = ?", (old, conv["id"]))
+    old_key, new_key = (hashlib.sha256(u.encode()).hexdigest() for u in (old, new))
+    erased = tx.execute("SELECT generation, erased_at FROM erasures WHERE user_hash = ?", (old_key,)).rows
+    if erased:  # the higher generation and the later time of the two
+        tx.execute(
+            "INSERT INTO erasures (user_hash, generation, erased_at) VALUES (?, ?, ?) ON CONFLICT (user_hash) DO "
+            "UPDATE SET generation = CASE WHEN excluded.generation > erasures.generation THEN excluded.generation "
+            "ELSE erasures.generation END, erased_at = CASE WHEN excluded.erased_at > erasures.erased_at "
+            "THEN excluded.erased_at ELSE erasures.erased_at END",
+            (new_key, erased[0]["generation"], erased[0]["erased_at"]),
+        )
+        tx.execute("DELETE FROM erasures WHERE user_hash = ?", (old_key,))
+
+
+def _v5(tx: Executor) -> None:
+    """User ids stored by older releases in another spelling join the user this release knows by that id.
+
+    Releases up to schema 3 stored an id as it was given; since then :func:`~.user.check_id` composes it (NFC) and
+    refuses white space at either end, so a row stored as ``"jose\u0301"`` or ``" bob"`` was never found again: the
+    user's profile, facts and conversations looked lost, ``cspan db export|forget`` missed them (or refused the
+    id), and an issued token of ``" bob"`` broke every connection that presented it.
+    """
+    found: set[str] = set()
+    for table in ("profiles", "facts", "conversations", "tokens"):  # turns and spans follow their conversation's
+        found.update(row["user_id"] for row in tx.execute(f"SELECT DISTINCT user_id FROM {table}").rows)
+    moves = {old: canonical_user_id(old) for old in sorted(found)}
+    moves = {old: new for old, new in moves.items() if new and new != old}  # an id of spaces only stays as it is
+    for old, new in moves.items():
+        _move_user(tx, old, new)
+    if moves:
+        shown = ", ".join(f"{old!a} -> {new!r}" for old, new in list(moves.items())[:10])
+        more = f" and {len(moves) - 10} more" if len(moves) > 10 else ""
+        log.warning(
+            "Context DB: %d user id(s) stored by an older release in another spelling now hold their rows under the "
+            "id this release uses (Unicode NFC, no white space at either end): %s%s",
+            len(moves),
+            shown,
+            more,
+        )
+
+
 @dataclass(frozen=True)
 class Migration:
     """One step: ``apply`` brings version ``version - 1`` to ``version``."""
@@ -276,6 +379,9 @@ MIGRATIONS: list[Migration] = [
     Migration(2, "every row keyed by its user; conversation ids unique per user; issued tokens", _v2),
     Migration(3, "erasures: each user's erase generation (writes of a memory opened before an erase are refused)", _v3),
     Migration(4, "spans.dropped may be 'cancelled' (a retrieval cut by the end of its conversation)", _v4),
+    Migration(
+        5, "user ids stored in another spelling (decomposed Unicode, white space at the ends) join their user", _v5
+    ),
 ]
 """The migration list, oldest first; append a step (never edit a released one) when the schema changes."""
 

@@ -8,6 +8,7 @@ apply the retention setting (:meth:`ContextDB.prune`), and keep the hashed per-u
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -22,6 +23,8 @@ from cspan.backends.context_db.models import ContextDBError, TokenRecord
 from cspan.backends.context_db.schema import MIGRATIONS, SCHEMA_VERSION
 from cspan.backends.context_db.user import MAX_ID_CHARS, UserMemory, check_id, token_record
 from cspan.backends.context_db.workers import run_in
+
+log = logging.getLogger(__name__)
 
 DB_ENV = "CSPAN_DB"
 """Environment variable naming the Context DB when no target is given (a path, ``:memory:`` or a URL)."""
@@ -149,6 +152,14 @@ class ContextDB(LegacyMethods):
                 tx.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif current != SCHEMA_VERSION:
                 tx.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+        if 0 < current < SCHEMA_VERSION:  # once: the next open finds this release's version
+            log.warning(
+                "Context DB %s: schema %d (an older release's) migrated to %d; a release older than this one no "
+                "longer opens it (to go back, restore the backup taken before the upgrade)",
+                self.where,
+                current,
+                SCHEMA_VERSION,
+            )
 
     def _stored_version(self) -> int:
         """The schema version the database holds (0: none yet), read without writing.
@@ -171,7 +182,8 @@ class ContextDB(LegacyMethods):
         if current > SCHEMA_VERSION:
             raise ContextDBError(
                 f"Context DB {self.where!r} has schema version {current}, newer than this cspan-backends "
-                f"({SCHEMA_VERSION}). Fix: upgrade cspan-backends or use another --db."
+                f"({SCHEMA_VERSION}). Fix: upgrade cspan-backends, restore the backup taken before the database was "
+                "upgraded, or use another --db."
             )
 
     def schema_version(self) -> int:
