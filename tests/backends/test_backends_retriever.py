@@ -177,6 +177,30 @@ async def test_deadlines_that_are_not_seconds_are_refused(tmp_path) -> None:
     db.close()
 
 
+async def test_a_question_that_is_not_text_is_a_type_error_naming_it(tmp_path, knowledge: Path) -> None:
+    """``retrieve(question=b"...")`` routed the bytes' repr (``"b'what time is it'"``) and wrote it to the Context
+    DB as the user's turn; a non-str question or ``agent_said`` is now a TypeError naming the argument, before
+    anything is routed or written (the notes search, another entry point for a question, checks the same)."""
+    from cspan.backends.knowledge import KnowledgeBase
+
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    memory = db.user("ada")
+    retriever = Retriever(None, LocalRouter(None, memory), memory)
+    for wrong in (b"what time is it", bytearray(b"what time is it"), 42, ["what time is it"]):
+        with pytest.raises(TypeError, match=f"question must be a str, not {type(wrong).__name__}") as info:
+            await retriever.retrieve(question=wrong, conversation_id="c")  # type: ignore[arg-type]
+        assert ("decode them first" in str(info.value)) == isinstance(wrong, bytes | bytearray)
+    with pytest.raises(TypeError, match="agent_said must be a str, not bytes"):
+        await retriever.retrieve(question="what time is it", agent_said=b"It is", conversation_id="c")  # type: ignore[arg-type]
+    assert memory.get_conversation("c") is None or memory.turns("c") == []  # nothing was written
+    notes = KnowledgeBase(knowledge)
+    with pytest.raises(TypeError, match="question must be a str, not bytes"):
+        await notes.search(b"london weather")  # type: ignore[arg-type]
+    hit = await notes.search("london weather")
+    assert hit is not None and "London weather" in hit.text
+    db.close()
+
+
 def test_matches_the_retriever_contract() -> None:
     params = list(inspect.signature(Retriever.retrieve).parameters)
     assert params == [

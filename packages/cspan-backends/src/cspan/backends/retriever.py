@@ -55,7 +55,7 @@ from pydantic import BaseModel, Field
 from cspan.backends.asr.base import MAX_TRANSCRIPT_CHARS
 from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
 from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
-from cspan.backends.untrusted import is_seconds, sanitize_text
+from cspan.backends.untrusted import is_seconds, require_str, sanitize_text
 
 Stage = Literal["asr", "context", "router", "tool"]
 
@@ -239,10 +239,15 @@ class Retriever:
             A :class:`SpanResult`; never raises for a transcriber, router, tool or database failure.
 
         Raises:
+            TypeError: ``question`` (when given) or ``agent_said`` is not a ``str`` (bytes included: decode them
+                first).
             ValueError: ``deadline_s`` is not a number of seconds >= 0 (a string, NaN, negative).
             asyncio.CancelledError: the caller cancelled the task (in-flight requests are cancelled too; the span
                 row, dropped ``cancelled``, is written first).
         """
+        if question is not None:
+            require_str("question", question)
+        require_str("agent_said", agent_said)
         if deadline_s is not None and not (is_seconds(deadline_s, infinite=True) and deadline_s >= 0):
             raise ValueError(f"deadline_s must be a number of seconds >= 0 (inf allowed) or None, not {deadline_s!r}")
         budget = self.deadline_s if deadline_s is None else deadline_s
