@@ -195,6 +195,27 @@ async def test_a_stdio_server_that_exits_is_restarted_for_the_next_call(caplog: 
         await bank.call("add", {"a": 1, "b": 2})
 
 
+async def test_a_connection_mounted_without_reconnect_stays_lost_and_promises_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``reconnect=False`` (what ``cspan tools call`` mounts with): the call that kills the server fails without
+    "reconnected for the next call", nothing is logged as a warning, and a later call fails at once, not reconnecting."""
+    demo = [sys.executable, str(HERE / "mcp_demo_server.py")]
+    bank = await mount_mcp(demo, connect_timeout_s=CONNECT_S, timeout_s=60, reconnect=False)
+    try:
+        assert (await bank.call("add", {"a": 1, "b": 2})).text == "3"
+        with caplog.at_level(logging.WARNING, logger="cspan.backends.tools.mcp_bridge"):
+            with pytest.raises(ToolError, match=r"the server closed the connection$") as crash:
+                await bank.call("crash", {})
+            assert "reconnect" not in str(crash.value)
+            assert bank.mcp_states() == {"up": 0, "reconnecting": 0, "down": 1}
+            with pytest.raises(ToolError, match=r"closed the connection \(not reconnected\)"):
+                await bank.call("add", {"a": 1, "b": 2})
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        await bank.aclose()
+
+
 async def test_a_huge_stdio_reply_is_refused_without_stalling_the_event_loop(caplog: pytest.LogCaptureFixture) -> None:
     """A tool that answers 12 MB (a read_file of a big log) is refused at the message limit, read in linear time:
     the SDK's reader re-joined the whole buffer for every 64 KiB read, seconds of CPU on the loop that paces every
@@ -530,6 +551,13 @@ def test_tools_list_and_call_mount_mcp_servers_as_serve_does() -> None:
     # a tool the allow list left out is unknown, refused before anything runs (status 2)
     hidden = tools("call", "refuse", '{"reason": "x"}', "--tools", "none", "--mcp", f"allow=add {demo}")
     assert hidden.returncode == 2 and "refuse" in hidden.stderr and hidden.stdout == ""
+    # the server dies in the call: one line that says so, and no promise of a reconnect (a one-shot command makes
+    # no next call; it said "(it is reconnected for the next call)", after a log line "reconnecting at the next call")
+    crashed = tools("call", "crash", "{}", "--tools", "none", "--mcp", demo)
+    assert crashed.returncode == 1 and crashed.stdout == ""
+    assert crashed.stderr.splitlines() == [
+        f"cspan tools call: error: MCP call 'crash' on {demo} failed: the server closed the connection"
+    ], crashed.stderr
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,8 @@ class MCPConnection:
         env: extra environment variables for the subprocess (merged over the SDK's safe default environment).
         cwd: working directory of the subprocess.
         connect_timeout_s: limit for spawning/connecting, the MCP handshake and listing the tools (seconds).
+        reconnect: replace a lost connection at the next call (a server's long-lived bank). False for a one-shot
+            user such as ``cspan tools call``: a lost connection stays lost, and no message promises a next call.
 
     A session found closed (a call answered "connection closed", or the session's task ended) is logged once and
     replaced at the next call by a new connection (a new subprocess); that call waits for it. A reconnect that
@@ -103,6 +105,7 @@ class MCPConnection:
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
         connect_timeout_s: float = 20.0,
+        reconnect: bool = True,
     ) -> None:
         if (command is None) == (url is None):
             raise ToolError("mount_mcp needs exactly one of command=[...] (stdio) or url=... (streamable HTTP)")
@@ -114,6 +117,7 @@ class MCPConnection:
         self.env = dict(env) if env else None
         self.cwd = str(cwd) if cwd is not None else None
         self.connect_timeout_s = connect_timeout_s
+        self.reconnect = reconnect
         self._session: Any = None
         self._tools: list[Any] = []
         self._task: asyncio.Task[None] | None = None
@@ -133,7 +137,7 @@ class MCPConnection:
         back-off if a reconnect failed) or ``down`` (reconnects given up, or closed by :meth:`aclose`).
 
         What the calls found: a server that exits between calls reads ``up`` until the next call finds it gone."""
-        if self._closed or self._failures >= _MAX_RESTARTS:
+        if self._closed or self._failures >= _MAX_RESTARTS or (self._lost and not self.reconnect):
             return "down"
         if self._lost or self._session is None or self._task is None or self._task.done():
             return "reconnecting"
@@ -321,9 +325,9 @@ class MCPConnection:
         except Exception as exc:
             if _connection_closed(exc):
                 self._lose(session, exc)
+                then = " (it is reconnected for the next call)" if self.reconnect else ""
                 raise ToolError(
-                    f"MCP call {remote_name!r} on {self.where} failed: the server closed the connection "
-                    "(it is reconnected for the next call)",
+                    f"MCP call {remote_name!r} on {self.where} failed: the server closed the connection{then}",
                     tool=remote_name,
                 ) from exc
             raise ToolError(
@@ -358,6 +362,8 @@ class MCPConnection:
             if session is not None and self._task is not None and not self._task.done():
                 return session
             self._lose(session, self._error)
+        if not self.reconnect:
+            raise ToolError(f"MCP server {self.where} closed the connection (not reconnected)", tool=tool)
         if self._failures >= _MAX_RESTARTS:
             raise ToolError(
                 f"MCP server {self.where} is down: {self._failures} reconnects in a row failed, no more are tried "
@@ -385,11 +391,11 @@ class MCPConnection:
         if session is not self._session or self._lost or self._closed:
             return
         self._lost = True
-        log.warning(
-            "MCP server %s closed the connection (%s); reconnecting at the next call",
-            self.where,
-            _describe(cause) if cause is not None else "the session ended",
-        )
+        why = _describe(cause) if cause is not None else "the session ended"
+        if self.reconnect:
+            log.warning("MCP server %s closed the connection (%s); reconnecting at the next call", self.where, why)
+        else:  # the failed call's error says it; a one-shot user makes no next call
+            log.info("MCP server %s closed the connection (%s)", self.where, why)
 
     async def _restart(self) -> None:
         """Replace the lost session by a new connection; a failure is counted and sets the back-off."""
