@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,21 @@ def tiny_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
     return out
+
+
+@pytest.fixture
+def open_tmp_path() -> Iterator[Path]:
+    """A new folder that every user can enter (mode 755, and so is every folder above it), for what other users could
+    read: pytest's ``tmp_path`` lies in a folder only its owner may enter. Skips where no such folder can be made."""
+    import stat
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="cspan-open-"))
+    try:
+        folder.chmod(0o755)
+        shut = [p for p in folder.resolve().parents if not p.stat().st_mode & stat.S_IXOTH]
+        if shut:
+            pytest.skip(f"{shut[0]} (above the temporary folder) is closed to other users")
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -310,3 +310,91 @@ async def test_sphinx_on_a_clip_too_short_to_decode_returns_empty_text(seconds):
     pcm = (0.1 * np.random.default_rng(0).standard_normal(int(24_000 * seconds))).astype(np.float32)
     result = await PocketSphinxTranscriber().transcribe(pcm, 24_000)
     assert result.text == "" and result.words == []
+
+
+class _KeepAliveASR:
+    """A ``POST /transcribe`` server on 127.0.0.1 (HTTP/1.1, connections kept alive) that counts the connections
+    its clients open."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                with server.lock:
+                    server.connections += 1
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                body = json.dumps({"text": "hello"}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.lock = threading.Lock()
+        self.connections = 0
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/transcribe"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_transcriber_shared_by_threads_keeps_one_client_per_event_loop() -> None:
+    """Two threads, each running its own event loop, take turns with one transcriber (a server's engine thread and a
+    library user's worker, say). The transcriber kept one client and swapped it whenever the loop changed: every
+    turn opened a new connection and left the replaced client, and its connection, open (and two threads swapping
+    at once could hand one of them the other loop's client). Now each loop keeps its own client, as the router's."""
+    import asyncio
+    import threading
+
+    server = _KeepAliveASR()
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=loop.run_forever, daemon=True) for loop in loops]
+    for thread in threads:
+        thread.start()
+
+    def on(loop: asyncio.AbstractEventLoop, coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=30)
+
+    pcm = np.zeros(1600, np.float32)
+    try:
+        for t in (HTTPTranscriber(server.url), OpenAITranscriber(server.url.replace("/transcribe", "/v1"), api_key="")):
+            before = server.connections
+            for _ in range(3):
+                for loop in loops:
+                    assert on(loop, t.transcribe(pcm, 16000)).text == "hello"
+            assert server.connections - before == 2  # one kept-alive connection per loop, not one per turn
+            clients = [on(loop, _client_of(t)) for loop in loops]
+            assert clients[0] is not clients[1] and not any(c.is_closed for c in clients)
+            on(loops[0], t.aclose())
+            assert clients[0].is_closed
+        t = HTTPTranscriber(server.url)
+        for _ in range(4):  # asyncio.run per call: a new loop each time
+            assert asyncio.run(t.transcribe(pcm, 16000)).text == "hello"
+        assert len(t._clients) == 1  # the clients of closed loops are let go
+    finally:
+        for loop in loops:
+            loop.call_soon_threadsafe(loop.stop)
+        for thread in threads:
+            thread.join(timeout=10)
+        server.close()
+
+
+async def _client_of(t: HTTPTranscriber | OpenAITranscriber) -> httpx.AsyncClient:
+    return t._get_client()

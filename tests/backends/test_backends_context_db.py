@@ -718,6 +718,7 @@ def test_no_method_reaches_another_users_rows(target: str) -> None:
     ada.start_conversation("c1")
     ada.add_turn("c1", "user", "my name is Ada and I live in Leeds")
     ada_span = ada.add_span("c1", question="secret question", text="secret answer", tool="t")
+    ada_promised = ada.provisional_span_id()  # a row Ada's retriever will write late
     bob.start_conversation("c1")  # the same conversation id: Bob's own, a different row
 
     tried: set[str] = set()
@@ -737,6 +738,9 @@ def test_no_method_reaches_another_users_rows(target: str) -> None:
         attempt("mark_span_injected", ada_span)
     with pytest.raises(ContextDBError):
         attempt("mark_span_dropped", ada_span, "late")
+    assert attempt("provisional_span_id") < 0  # Bob's own, no mark of his reaches Ada's promised row
+    with pytest.raises(ContextDBError):
+        attempt("mark_span_injected", ada_promised)
     assert attempt("add_turn", "c1", "user", "bob speaking") > 0  # into Bob's c1
     assert attempt("add_span", "c1", question="bob's", text=None) > 0
     assert attempt("end_conversation", "c1") is True
@@ -1185,3 +1189,39 @@ def test_the_times_given_are_the_times_stored(target: str) -> None:
         assert me.get_conversation("c1").ended_at == 1010.0
         assert [t.t for t in me.turns("c1")] == [1001.5]
         assert (me.spans("c1")[0].asked_at, me.spans("c1")[0].injected_at) == (1002.0, 1003.25)
+
+
+def test_a_span_row_promised_under_a_provisional_id_gets_the_outcome_marked_before_or_after_it_is_written(
+    tmp_path: Path,
+) -> None:
+    """A retriever that cannot wait for a stalled database hands out a provisional span id for the row it writes
+    later; the span's outcome is marked under that id (injected, dropped late or cancelled). Such rows were written
+    with no outcome at all: the span had no id to mark."""
+    from cspan.backends.context_db import ContextDBError
+    from cspan.backends.context_db.user import MAX_PROVISIONAL_SPANS
+
+    with ContextDB(tmp_path / "ctx.sqlite") as db:
+        memory = db.user("ada")
+        cid = memory.start_conversation()
+        early, later, unmarked = (memory.provisional_span_id() for _ in range(3))
+        assert early < 0 and len({early, later, unmarked}) == 3
+        memory.mark_span_injected(early, injected_at=100.0, frame=12)  # before the row: kept for it
+        memory.mark_span_dropped(later, "cancelled", error="conversation ended")
+        memory.mark_span_dropped(later, "late")  # the last mark wins, as on a row
+        rows = {
+            pid: memory.add_span(cid, question=f"q{pid}", text="ref", provisional_id=pid)
+            for pid in (early, later, unmarked)
+        }
+        got = {s.id: s for s in memory.spans(cid)}
+        assert (got[rows[early]].injected_at, got[rows[early]].frame, got[rows[early]].dropped) == (100.0, 12, None)
+        assert (got[rows[later]].dropped, got[rows[later]].injected_at) == ("late", None)
+        assert (got[rows[unmarked]].dropped, got[rows[unmarked]].injected_at) == (None, None)
+        memory.mark_span_dropped(unmarked, "cancelled", error="conversation ended")  # after the row: reaches it
+        assert memory.spans(cid)[-1].dropped == "cancelled" and memory.spans(cid)[-1].error == "conversation ended"
+        with pytest.raises(ContextDBError, match="not a provisional span id"):
+            memory.mark_span_injected(-10_000)
+        for _ in range(MAX_PROVISIONAL_SPANS):  # bounded: the oldest are forgotten
+            memory.provisional_span_id()
+        with pytest.raises(ContextDBError, match="not a provisional span id"):
+            memory.mark_span_injected(early)
+        assert db.user("bob").provisional_span_id() < 0  # each memory its own

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -201,3 +202,60 @@ def test_users_and_db_verbs(tmp_path: Path) -> None:
     assert info["schema_version"] == 5 and info["engine"] == "sqlite"
     broken = _cspan("db", "info", db=tmp_path)  # a folder is no database
     assert broken.returncode == 1 and "Traceback" not in broken.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_a_token_file_of_plain_tokens_is_warned_about_only_where_others_can_reach_it(
+    open_tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Plain tokens in a file other users can read are warned about; the check read the file's own mode only, so a
+    file in a folder that only its owner may enter (``~/.config`` of mode 700, a 750 home of a private group) was
+    warned about though no one else can reach it. A user needs a read bit of the file and the x bit of every folder
+    on the way; x for a folder's group counts where that group has other members."""
+    import grp
+    import pwd
+
+    from cspan.backends.identity import load_token_file
+
+    plain = '[[token]]\nuser = "kiosk"\ntoken = "kiosk-token-0123456789"\n'
+
+    def warned(folder: Path, folder_mode: int, file_mode: int = 0o644) -> bool:
+        folder.mkdir(exist_ok=True)
+        folder.chmod(folder_mode)
+        tokens = folder / "tokens.toml"
+        tokens.write_text(plain)
+        tokens.chmod(file_mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cspan.backends.identity"):
+            load_token_file(tokens)
+        return any("can be read by other users" in r.getMessage() for r in caplog.records)
+
+    me = os.getuid()
+    mine = os.getgid()
+    members = set(grp.getgrgid(mine).gr_mem) | {u.pw_name for u in pwd.getpwall() if u.pw_gid == mine}
+    private = members <= {pwd.getpwuid(me).pw_name}
+
+    assert warned(open_tmp_path / "open", 0o755)
+    assert warned(open_tmp_path / "search-only", 0o711)  # x without r: the file's name is enough
+    assert not warned(open_tmp_path / "shut", 0o700)
+    assert not warned(open_tmp_path / "open", 0o755, 0o600)
+    deep = open_tmp_path / "shut2"
+    deep.mkdir(mode=0o700)
+    assert not warned(deep / "inner", 0o755)  # a parent shuts others out
+    assert warned(open_tmp_path / "group", 0o750) == (not private)  # the owner's group: private or not
+    assert warned(open_tmp_path / "groupfile", 0o755, 0o640) == (not private)
+    if me == 0:  # a folder of a group with other members (nobody's): they can enter
+        shared = grp.getgrnam("nogroup").gr_gid if "nogroup" in {g.gr_name for g in grp.getgrall()} else None
+        if shared is not None:
+            group = open_tmp_path / "shared-group"
+            group.mkdir()
+            os.chown(group, -1, shared)
+            assert warned(group, 0o750)
+            tokens = group / "tokens.toml"
+            os.chown(tokens, -1, shared)
+            tokens.chmod(0o640)
+            group.chmod(0o755)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="cspan.backends.identity"):
+                load_token_file(tokens)
+            assert any("can be read by other users (mode 640)" in r.getMessage() for r in caplog.records)

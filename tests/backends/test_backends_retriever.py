@@ -177,6 +177,30 @@ async def test_deadlines_that_are_not_seconds_are_refused(tmp_path) -> None:
     db.close()
 
 
+async def test_a_question_that_is_not_text_is_a_type_error_naming_it(tmp_path, knowledge: Path) -> None:
+    """``retrieve(question=b"...")`` routed the bytes' repr (``"b'what time is it'"``) and wrote it to the Context
+    DB as the user's turn; a non-str question or ``agent_said`` is now a TypeError naming the argument, before
+    anything is routed or written (the notes search, another entry point for a question, checks the same)."""
+    from cspan.backends.knowledge import KnowledgeBase
+
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    memory = db.user("ada")
+    retriever = Retriever(None, LocalRouter(None, memory), memory)
+    for wrong in (b"what time is it", bytearray(b"what time is it"), 42, ["what time is it"]):
+        with pytest.raises(TypeError, match=f"question must be a str, not {type(wrong).__name__}") as info:
+            await retriever.retrieve(question=wrong, conversation_id="c")  # type: ignore[arg-type]
+        assert ("decode them first" in str(info.value)) == isinstance(wrong, bytes | bytearray)
+    with pytest.raises(TypeError, match="agent_said must be a str, not bytes"):
+        await retriever.retrieve(question="what time is it", agent_said=b"It is", conversation_id="c")  # type: ignore[arg-type]
+    assert memory.get_conversation("c") is None or memory.turns("c") == []  # nothing was written
+    notes = KnowledgeBase(knowledge)
+    with pytest.raises(TypeError, match="question must be a str, not bytes"):
+        await notes.search(b"london weather")  # type: ignore[arg-type]
+    hit = await notes.search("london weather")
+    assert hit is not None and "London weather" in hit.text
+    db.close()
+
+
 def test_matches_the_retriever_contract() -> None:
     params = list(inspect.signature(Retriever.retrieve).parameters)
     assert params == [
@@ -286,8 +310,9 @@ async def test_a_context_db_that_does_not_answer_costs_the_context_not_the_deadl
     knowledge: Path, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every Context DB call waits (a frozen database). With ``db_timeout_s`` the retrieval gives the context up
-    after the bound and answers from the local notes on time (not late, no error, no ``span_id``); the span row is
-    not waited for, and is written when the database answers, in order after the question's turn. At most
+    after the bound and answers from the local notes on time (not late, no error, a provisional ``span_id``); the
+    span row is not waited for, and is written when the database answers, in order after the question's turn, with
+    the outcome marked under its provisional id meanwhile (it had none: the span carried no id to mark). At most
     ``MAX_PENDING_DB_JOBS`` jobs of a conversation wait: a retrieval beyond them still answers, its row is not
     recorded (logged). Without the bound (the library default) the retrieval waits for the database, as before."""
     from cspan.backends.retriever import MAX_PENDING_DB_JOBS
@@ -314,7 +339,9 @@ async def test_a_context_db_that_does_not_answer_costs_the_context_not_the_deadl
             assert third.reference is not None and third.reference.startswith("London weather today")
             for res in results:
                 assert res.source == "local:knowledge" and not res.late and res.error is None and res.stage is None
-                assert res.span_id is None  # not written yet
+            # not written yet: the first two rows are promised under provisional ids, the third is not recorded
+            assert first.span_id is not None and second.span_id is not None and third.span_id is None
+            assert first.span_id < 0 and second.span_id < 0 and first.span_id != second.span_id
             # the context step gave up after the bound; the span row write (behind it) was not waited for
             assert bound - 0.05 <= first.context_s < bound + 0.3 and bound - 0.05 <= took[0] < bound + 0.6, took
             assert took[1] < bound + 0.6 and took[2] < 0.3, took  # the third did not even wait: nothing queued
@@ -323,15 +350,19 @@ async def test_a_context_db_that_does_not_answer_costs_the_context_not_the_deadl
             assert sum("recorded when it answers" in m for m in messages) == 2, messages
             assert sum("jobs of conversation" in m and "not recorded" in m for m in messages) == 2, messages
             assert memory.spans(cid) == [] and memory.turns(cid) == []
+            # the runtime read the first span meanwhile (cspan serve marks it under the id its span event carries)
+            memory.mark_span_injected(first.span_id, injected_at=1234.5, frame=77)
             gate.is_open.set()
             assert await retriever.drain(10)
     finally:
         gate.is_open.set()
     rows = memory.spans(cid)
-    assert [(s.question, s.text, s.dropped) for s in rows] == [
-        (questions[0], first.reference, None),
-        (questions[1], second.reference, None),
+    assert [(s.question, s.text, s.dropped, s.injected_at, s.frame) for s in rows] == [
+        (questions[0], first.reference, None, 1234.5, 77),  # the outcome marked before the row was written
+        (questions[1], second.reference, None, None, None),
     ]
+    memory.mark_span_dropped(second.span_id, "late")  # after the row is written: the same id reaches it
+    assert memory.spans(cid)[1].dropped == "late"
     assert all(s.latency_s is not None and s.latency_s < 1.5 for s in rows)  # the retrieval's, not the write's
     assert [(t.role, t.text) for t in memory.turns(cid)] == [("user", questions[0]), ("user", questions[1])]
 

@@ -73,6 +73,37 @@ async def test_short_sentence_takes_its_neighbour(knowledge: Path) -> None:
     assert tower.reference == "The Tower of London was founded in 1066."
 
 
+@pytest.mark.parametrize(
+    ("zone", "said"),
+    [
+        ("UTC", "in UTC (server local time)"),
+        ("Europe/Berlin", "in CE"),  # CET or CEST
+        ("Asia/Riyadh", "in UTC+3 (server local time)"),  # the zone database names it "+03"
+        ("America/Sao_Paulo", "in UTC-3 (server local time)"),
+        ("Asia/Kathmandu", "in UTC+5:45 (server local time)"),
+    ],
+)
+async def test_clock_without_a_profile_says_which_time_it_gives(bank: ToolBank, monkeypatch, zone: str, said: str):
+    """With no profile (a library user's LocalRouter, a session without a timezone) a time question is answered in
+    the server's local time, and the answer says which: its zone's abbreviation, or its offset from UTC where the
+    zone database has no abbreviation (it said "in +03 (server local time)": read aloud, no zone at all). There is no
+    server-wide default timezone to use instead: a session's profile gives the user's."""
+    import time
+
+    if not hasattr(time, "tzset"):
+        pytest.skip("time.tzset is POSIX only")
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        result = await LocalRouter(bank).route(RouteRequest(question="what time is it"))
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert result.tool == "get_time" and result.arguments == {"timezone": ""}
+    assert result.reference is not None and said in result.reference, result.reference
+    assert result.reference.endswith("(server local time) right now.")
+
+
 async def test_clock_uses_the_named_place_or_the_profile(bank: ToolBank) -> None:
     router = LocalRouter(bank)
     tokyo = await router.route(RouteRequest(question="What time is it in Tokyo right now?"))

@@ -195,6 +195,27 @@ async def test_a_stdio_server_that_exits_is_restarted_for_the_next_call(caplog: 
         await bank.call("add", {"a": 1, "b": 2})
 
 
+async def test_a_connection_mounted_without_reconnect_stays_lost_and_promises_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``reconnect=False`` (what ``cspan tools call`` mounts with): the call that kills the server fails without
+    "reconnected for the next call", nothing is logged as a warning, and a later call fails at once, not reconnecting."""
+    demo = [sys.executable, str(HERE / "mcp_demo_server.py")]
+    bank = await mount_mcp(demo, connect_timeout_s=CONNECT_S, timeout_s=60, reconnect=False)
+    try:
+        assert (await bank.call("add", {"a": 1, "b": 2})).text == "3"
+        with caplog.at_level(logging.WARNING, logger="cspan.backends.tools.mcp_bridge"):
+            with pytest.raises(ToolError, match=r"the server closed the connection$") as crash:
+                await bank.call("crash", {})
+            assert "reconnect" not in str(crash.value)
+            assert bank.mcp_states() == {"up": 0, "reconnecting": 0, "down": 1}
+            with pytest.raises(ToolError, match=r"closed the connection \(not reconnected\)"):
+                await bank.call("add", {"a": 1, "b": 2})
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        await bank.aclose()
+
+
 async def test_a_huge_stdio_reply_is_refused_without_stalling_the_event_loop(caplog: pytest.LogCaptureFixture) -> None:
     """A tool that answers 12 MB (a read_file of a big log) is refused at the message limit, read in linear time:
     the SDK's reader re-joined the whole buffer for every 64 KiB read, seconds of CPU on the loop that paces every
@@ -530,6 +551,13 @@ def test_tools_list_and_call_mount_mcp_servers_as_serve_does() -> None:
     # a tool the allow list left out is unknown, refused before anything runs (status 2)
     hidden = tools("call", "refuse", '{"reason": "x"}', "--tools", "none", "--mcp", f"allow=add {demo}")
     assert hidden.returncode == 2 and "refuse" in hidden.stderr and hidden.stdout == ""
+    # the server dies in the call: one line that says so, and no promise of a reconnect (a one-shot command makes
+    # no next call; it said "(it is reconnected for the next call)", after a log line "reconnecting at the next call")
+    crashed = tools("call", "crash", "{}", "--tools", "none", "--mcp", demo)
+    assert crashed.returncode == 1 and crashed.stdout == ""
+    assert crashed.stderr.splitlines() == [
+        f"cspan tools call: error: MCP call 'crash' on {demo} failed: the server closed the connection"
+    ], crashed.stderr
 
 
 @pytest.mark.parametrize(
@@ -630,3 +658,127 @@ def test_tools_serve_over_stdio_answers_everything_read_before_eof() -> None:
     (parse_error,) = [a for a in answers if a["id"] is None]  # the blank line is not answered
     assert parse_error["error"]["code"] == -32700
     assert parse_error["error"]["message"].startswith("Parse error: Invalid JSON: ")
+
+
+class _Refusing:
+    """ASGI middleware in front of a real MCP app: answers the next ``tools/call`` of a tool with the status and
+    headers queued for it in ``plan`` (``{"lookup": [(429, {"Retry-After": "1"})]}``), and counts each tool's calls."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.plan: dict[str, list[tuple[int, dict[str, str]]]] = {}
+        self.calls: dict[str, int] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        request = json.loads(body)
+        name = request.get("params", {}).get("name") if request.get("method") == "tools/call" else None
+        if name is not None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.plan.get(name):
+                status, headers = self.plan[name].pop(0)
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": status,
+                        "headers": [
+                            (k.lower().encode(), v.encode()) for k, v in {**headers, "content-length": "4"}.items()
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": b"busy"})
+                return None
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def test_an_http_servers_retry_after_is_waited_out_within_the_calls_deadline(caplog) -> None:
+    """MCP over streamable HTTP read a 429 or 503 as "Server returned an error response", whatever the server's
+    ``Retry-After``. A read is now asked again after the wait when it ends before the call's deadline (at most 30 s,
+    twice); a wait past the deadline, no ``Retry-After``, or an action (never sent twice) fails at once, saying what
+    the server asked. A real MCP app (``cspan tools serve``'s) behind a refusing middleware, on uvicorn."""
+    import threading
+
+    import uvicorn
+
+    from cspan.backends.tools.catalog import callback_tool
+    from cspan.backends.tools.mcp_bridge import http_app
+
+    async def lookup(arguments: dict) -> str:
+        return f"found {arguments['what']}"
+
+    async def book(arguments: dict) -> str:
+        return f"booked {arguments['what']}"
+
+    schema = {"type": "object", "properties": {"what": {"type": "string"}}, "required": ["what"]}
+    served = ToolBank(
+        [
+            callback_tool("lookup", "Look something up.", schema, lookup, kind="read"),
+            callback_tool("book", "Book something.", schema, book, kind="action"),
+        ]
+    )
+    refusing = _Refusing(http_app(served))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(refusing, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            await asyncio.sleep(0.05)
+        bank = await mount_mcp(url=f"http://127.0.0.1:{port}/mcp", connect_timeout_s=CONNECT_S, timeout_s=10)
+        try:
+            refusing.plan["lookup"] = [(429, {"Retry-After": "1"}), (503, {"retry-after-ms": "200"})]
+            start = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="cspan.backends.tools.mcp_bridge"):
+                assert (await bank.call("lookup", {"what": "trains"})).text == "found trains"
+            assert time.monotonic() - start >= 1.2 and refusing.calls["lookup"] == 3
+            assert sum("asked to retry after" in r.getMessage() for r in caplog.records) == 2
+
+            refusing.plan["lookup"] = [(503, {"Retry-After": "30"})]
+            start = time.monotonic()
+            with pytest.raises(ToolError) as past:
+                await bank.call("lookup", {"what": "x"}, timeout_s=5)
+            assert time.monotonic() - start < 3  # at once, not at the deadline
+            assert "HTTP 503 (Service Unavailable): the server asked to retry after 30 s, longer than the" in str(
+                past.value
+            ) and "left before the call's deadline; not waited" in str(past.value)
+
+            refusing.plan["lookup"] = [(429, {"Retry-After": "45"})]
+            with pytest.raises(ToolError, match=r"after 45 s, longer than the 30 s an MCP call waits; not waited"):
+                await bank.call("lookup", {"what": "x"}, timeout_s=120)
+            refusing.plan["lookup"] = [(429, {})]
+            with pytest.raises(ToolError, match=r"HTTP 429 \(Too Many Requests\) with no Retry-After; not sent again"):
+                await bank.call("lookup", {"what": "x"})
+            refusing.plan["lookup"] = [(429, {"Retry-After": "0"})] * 3
+            with pytest.raises(ToolError, match=r"refused again after 2 wait\(s\); not sent again"):
+                await bank.call("lookup", {"what": "x"})
+
+            refusing.calls.clear()
+            refusing.plan["book"] = [(429, {"Retry-After": "1"})]
+            with pytest.raises(ToolError, match=r"not sent again: the tool may change state"):
+                await bank.call("book", {"what": "a table"})
+            assert refusing.calls == {"book": 1}
+            assert (await bank.call("book", {"what": "a table"})).text == "booked a table"
+        finally:
+            await bank.aclose()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

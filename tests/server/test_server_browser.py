@@ -144,3 +144,52 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
     assert 1_000 < t["sent_bytes_per_audio_s"] < 12_000, t  # the microphone, encoded by the browser
     assert not [e for e in record["page_events"] if e["type"] == "codec_error"]
     assert transport_text.startswith("opus ")
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(300)
+def test_page_counts_the_persona_in_code_points_as_the_server_does(serve, tmp_path: Path) -> None:
+    """The server limits ``text_prompt`` to ``--max-text-prompt-chars`` code points (Python's ``len``); the page
+    counted and cut UTF-16 code units (``String.length``, the textarea's ``maxlength``), so an emoji counted two and a
+    persona the server accepts could not be typed. The page now counts, and cuts what is typed or pasted past the
+    limit, in code points; a persona of the server's own that is over the limit may shrink, not grow."""
+    from playwright.sync_api import sync_playwright
+
+    server = serve(max_text_prompt_chars=10)
+    mic = tmp_path / "mic.wav"
+    sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=chromium_args(mic))
+        try:
+            context = browser.new_context()
+            context.grant_permissions(["microphone"], origin=server.url)
+            page = context.new_page()
+            console: list[str] = []
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            page.goto(server.url + "/?codec=pcm")
+            page.locator("#voice option").nth(1).wait_for(state="attached")
+            prompt = page.locator("#text-prompt")
+
+            prompt.fill("")
+            prompt.press_sequentially("😀" * 6 + "abcdefgh")  # typed: stops at 10 characters
+            assert page.input_value("#text-prompt") == "😀" * 6 + "abcd"
+            assert page.inner_text("#prompt-count") == "(10/10)"
+            prompt.fill("𠀀" * 12)  # pasted (CJK Extension B, outside the BMP): what fits is kept
+            assert page.input_value("#text-prompt") == "𠀀" * 10
+            assert page.inner_text("#prompt-count") == "(10/10)"
+            prompt.press("Home")
+            prompt.press_sequentially("x")  # nothing more fits, wherever the caret is
+            assert page.input_value("#text-prompt") == "𠀀" * 10
+            prompt.fill("😀😀 hi")
+            assert page.inner_text("#prompt-count") == "(5/10)"
+            prompt.fill("😀" * 10)
+
+            page.click("#start")  # the server takes what the page allowed
+            page.wait_for_selector("#status-dot.listening", timeout=120_000)
+            (session,) = [s for s in server.hub.sessions if s.state == "live"]
+            assert session._start.text_prompt == "😀" * 10
+            page.click("#stop")
+            page.wait_for_selector("#start:not([disabled])", timeout=60_000)
+            assert not console, console
+        finally:
+            browser.close()

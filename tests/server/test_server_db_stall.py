@@ -629,7 +629,8 @@ async def test_a_frozen_postgresql_stalls_no_conversation(
     ``--knowledge`` notes, is read during the freeze within the default span deadline (2.5 s): its context step gives
     up after ``--db-wait-s`` and its span row is not waited for (was: late, or read only at the thaw). After SIGCONT
     the turns and the span row of the freeze are in the database, in order, at the times they were said (not the
-    thaw's; the row without its outcome: the span carried no row id to mark). A second conversation of the same user
+    thaw's; the row with its outcome, marked under the provisional id its span event carried: it had none). A second
+    conversation of the same user
     started during the freeze (its connection made before) cannot read the stored profile; after the thaw the stored
     notes are still there and its start time is the freeze's."""
     import psycopg
@@ -713,9 +714,11 @@ async def test_a_frozen_postgresql_stalls_no_conversation(
             assert (profile.name, profile.city, profile.notes) == ("Eve", "Leeds", "allergic to nuts")
             started = memory.get_conversation(second_ready["conversation_id"])
             assert second_asked <= started.started_at < thawed_at - 1.0 and started.ended_at < thawed_at
-            # written at the thaw; the span had no row id, so nothing marked it injected
+            # written at the thaw, marked injected under the provisional id of its span event (was: no outcome)
             (row,) = [s for s in memory.spans(conversation.id) if s.text]
-            assert row.text == span["text"] and row.dropped is None and row.injected_at is None
+            assert span["retrieval_id"] is not None and span["retrieval_id"] < 0, span
+            assert row.text == span["text"] and row.dropped is None and row.frame == span["frame"]
+            assert row.injected_at is not None and row.injected_at < thawed_at  # when it was read, not the thaw
     finally:
         postgres.thaw()
         server.signal()

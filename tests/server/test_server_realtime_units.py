@@ -698,3 +698,85 @@ def test_item_log_places_items_as_previous_item_id_says() -> None:
     with pytest.raises(ValueError, match="already"):
         log.add(message("a"), after="root")
     assert list(log.items) == ["r", "a", "m", "b", "c"]
+
+
+def test_an_assistant_message_deleted_mid_response_leaves_no_state_for_the_item_that_takes_its_id() -> None:
+    """``conversation.item.delete`` of the assistant message still streaming: its frames went on being counted under
+    its id (a counter that outlived the item), so an item the client then created under that id (LiveKit's delete +
+    create) could be truncated at audio the server never sent for it, and the message's end overwrote that item."""
+    from cspan.server.adapters.realtime import RealtimeAdapter
+
+    adapter = RealtimeAdapter(_Session(), Connection(path="/v1/realtime"))
+    stream = adapter.responses
+    opening = _frame(stream, "Hello")
+    item_id = next(e.item.id for e in opening if e.type == "conversation.item.added")
+    for _ in range(3):
+        _frame(stream, " there")
+    assert adapter.items.audio_ms(item_id) == 4 * 80
+
+    def handle(event: dict) -> None:
+        asyncio.run(adapter._handle(parse_client_event(json.dumps(event))))
+
+    handle({"type": "conversation.item.delete", "event_id": "d", "item_id": item_id})
+    assert adapter.items.audio_ms(item_id) == 0
+    for _ in range(5):  # the response goes on streaming the deleted message
+        events = _frame(stream, " more")
+        assert {e.item_id for e in events} == {item_id}
+    assert adapter.items.audio_ms(item_id) == 0 and item_id not in adapter.items.items
+    mine = {"type": "message", "id": item_id, "role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}
+    handle({"type": "conversation.item.create", "event_id": "c", "item": mine})
+    _frame(stream, " still")
+    assert adapter.items.audio_ms(item_id) == 0  # the client's item: no audio was sent for it
+    with pytest.raises(RealtimeEventError) as refused:
+        handle(
+            {
+                "type": "conversation.item.truncate",
+                "event_id": "t",
+                "item_id": item_id,
+                "content_index": 0,
+                "audio_end_ms": 80,
+            }
+        )
+    assert refused.value.param == "audio_end_ms" and "0 ms of audio sent" in refused.value.message
+    closing = []
+    for _ in range(QUIET_FRAMES + 1):
+        closing += _frame(stream)
+    assert closing[-1].type == "response.done"
+    assert closing[-1].response.output[0].content[0].transcript.startswith("Hello there")
+    kept = adapter.items.get(item_id)  # the client's item, untouched by the message's end
+    assert kept.content[0].text == "Hi" and kept.content[0].transcript is None
+    assert adapter.items.chars == 2
+
+
+def _chars_held(log: ItemLog) -> int:
+    from cspan.server.realtime_turns import _text_chars
+
+    return sum(_text_chars(i) for i in log.items.values())
+
+
+def test_transcripts_count_in_the_item_logs_character_bound() -> None:
+    """The bound of :data:`ITEM_LOG_CHARS` counted an item's text once, when it was added: an assistant message is
+    added empty and its transcript grows by deltas, a user item gets its transcript later, a function call its
+    arguments; none of that was counted, so a log could hold any number of characters."""
+    log = ItemLog(max_chars=100)
+    stream = ResponseStream(log)
+    old = MessageItem(id="item_old", role="user", content=[])
+    log.add(old)
+    _frame(stream, "x" * 60)
+    assert log.chars == 60 and "item_old" in log.items  # deltas are counted as they come
+    _frame(stream, "y" * 30)
+    assert log.chars == 90
+    for _ in range(QUIET_FRAMES + 1):
+        _frame(stream)
+    assert not stream.active and log.chars == 90 == _chars_held(log)  # the finished item: counted once
+    _frame(stream, "z" * 40)  # a second message: past the bound, the oldest items (the first message) are forgotten
+    assert len(log.items) == 1 and log.chars == 40
+    # a function call's arguments
+    _events, _call_id, call_item = stream.function_call("f", {"a": "b" * 50})
+    assert call_item in log.items and log.chars == _chars_held(log) <= 100
+    # a user item's transcript
+    speech = UserSpeech(log)
+    speech.transcript(0, "w" * 80, final=True, start_s=0.0, end_s=1.0)
+    user_item = speech.item_id(0)
+    assert log.items[user_item].content[0].transcript == "w" * 80
+    assert log.chars == _chars_held(log) <= 100 and list(log.items) == [user_item]

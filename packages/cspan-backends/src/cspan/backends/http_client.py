@@ -16,6 +16,9 @@ deadline per request, bounded replies. Each client maps :class:`HTTPFailure` to 
 - **Size**: the reply body is read as a stream and refused as soon as it passes ``max_reply_bytes``, counted after
   decompression: ``gzip`` and ``deflate`` are decoded here in bounded steps (a gzip bomb stops at the limit, it is
   never inflated whole), other content codings are refused (requests ask for ``gzip, deflate`` only).
+- **Event loops**: an ``httpx.AsyncClient``'s pooled connections belong to the event loop that opened them;
+  :class:`LoopClients` keeps one client per loop, so one backend object serves several ``asyncio.run`` calls and
+  threads that each run their own loop.
 - **CPU**: :func:`off_loop` runs linear-time work on a large reply (JSON decoding) in a worker thread, so that a
   big reply does not stall the event loop that paces a live conversation's frames.
 """
@@ -26,7 +29,9 @@ import asyncio
 import logging
 import math
 import os
+import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,6 +51,7 @@ __all__ = [
     "HTTPFailure",
     "HTTPPolicy",
     "HTTPReply",
+    "LoopClients",
     "NoAnswer",
     "advised_wait_s",
     "backend_answers",
@@ -402,6 +408,60 @@ async def _exchange(
         chunks = [decoder.feed(raw) async for raw in resp.aiter_raw()]
         chunks.append(decoder.flush())
         return HTTPReply(status=resp.status_code, body=b"".join(chunks), headers=resp.headers)
+
+
+class LoopClients:
+    """The ``httpx.AsyncClient`` of each event loop that uses a backend (the router LLM, a transcriber).
+
+    An ``httpx.AsyncClient``'s pooled connections belong to the loop that opened them: a client kept across loops
+    (a second ``asyncio.run``, a thread running its own loop) reuses a dead loop's sockets ("Event loop is closed"),
+    and one client swapped as threads take turns leaves the replaced client's connections open and can hand one
+    thread another loop's client. So each loop gets its own, made on first use; the table is safe to use from
+    several threads, and the clients of closed loops are let go (their sockets close when they are collected).
+
+    Args:
+        make: makes a new client; called on the loop that will use it.
+        client: a caller's client: returned on every loop as is, never closed here.
+    """
+
+    def __init__(self, make: Callable[[], httpx.AsyncClient], *, client: httpx.AsyncClient | None = None) -> None:
+        self._make = make
+        self.client = client
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def get(self) -> httpx.AsyncClient:
+        """The client for the running event loop: the caller's, else this loop's own (made now if it has none).
+
+        Raises:
+            RuntimeError: no event loop is running (call it from a coroutine).
+        """
+        if self.client is not None:
+            return self.client
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            for dead in [other for other in self._clients if other.is_closed()]:
+                del self._clients[dead]  # a client holds its loop: the weak key alone would never let it go
+            client = self._clients.get(loop)
+            if client is None or client.is_closed:
+                client = self._clients[loop] = self._make()
+        return client
+
+    def __len__(self) -> int:
+        """How many loops have a client of their own."""
+        with self._lock:
+            return len(self._clients)
+
+    async def aclose(self) -> None:
+        """Close the running loop's own client and let those of other loops go (a client cannot be closed from
+        another loop; their sockets close when they are collected). A caller's client is left open."""
+        with self._lock:
+            mine = self._clients.pop(asyncio.get_running_loop(), None)
+            self._clients.clear()
+        if mine is not None:
+            await mine.aclose()
 
 
 async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:

@@ -212,11 +212,14 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
 def _warn_if_readable(path: Path, plain: list[int]) -> None:
     """Warn when a token file that holds plain tokens (entries ``plain``, 1-based) can be read by other users, as a
     settings file holding a credential is warned about (a ``sha256`` entry lets no one in)."""
+    if os.name != "posix":
+        return
     try:
         mode = path.stat().st_mode
+        readable = readable_by_others(path)
     except OSError:
         return
-    if os.name == "posix" and mode & 0o077:
+    if readable:
         log.warning(
             "token file %s holds plain tokens ([[token]] #%s) and can be read by other users (mode %03o): anyone who "
             'reads it can connect as those users. chmod 600 %s, or store sha256 = "..." instead (`cspan users hash`)',
@@ -225,6 +228,61 @@ def _warn_if_readable(path: Path, plain: list[int]) -> None:
             mode & 0o777,
             path,
         )
+
+
+def readable_by_others(path: Path) -> bool:
+    """Whether a user other than the file's owner (and root) may read the file at ``path`` (POSIX permissions).
+
+    A user needs a read bit of the file (its group's, or everyone's) and the search (x) bit of every folder on the
+    way to it (its own folder and each parent, symbolic links resolved). So the file is out of reach when one of
+    those folders lets in only its owner, being the file's owner or root: no x for its group or everyone, or x for
+    its group only where that group is a private one (no member but the file's owner, as the user private groups of
+    Debian and Ubuntu home folders). A group whose members cannot be listed counts as shared. Access control lists
+    are not read.
+
+    Raises:
+        OSError: the file or a folder on the way cannot be examined.
+    """
+    import stat
+
+    st = path.stat()
+    owner = st.st_uid
+    private = _PrivateGroups(owner)
+    if not (st.st_mode & stat.S_IROTH or (st.st_mode & stat.S_IRGRP and not private(st.st_gid))):
+        return False
+    for folder in path.resolve().parents:
+        d = folder.stat()
+        if d.st_uid not in (owner, 0):
+            continue  # its owner, another user, passes it
+        if not (d.st_mode & stat.S_IXOTH or (d.st_mode & stat.S_IXGRP and not private(d.st_gid))):
+            return False
+    return True
+
+
+class _PrivateGroups:
+    """``private(gid)``: whether the group ``gid`` has no member but the user ``owner`` (by ``/etc/group`` and the
+    users' primary groups, through the system's user database); False when the group cannot be looked up."""
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner
+        self._known: dict[int, bool] = {}
+
+    def __call__(self, gid: int) -> bool:
+        if gid not in self._known:
+            self._known[gid] = self._look_up(gid)
+        return self._known[gid]
+
+    def _look_up(self, gid: int) -> bool:
+        import grp
+        import pwd
+
+        try:
+            name = pwd.getpwuid(self.owner).pw_name
+            members = set(grp.getgrgid(gid).gr_mem)
+            members |= {user.pw_name for user in pwd.getpwall() if user.pw_gid == gid}
+        except (KeyError, OSError):
+            return False
+        return members <= {name}
 
 
 def may_be_issued(credential: str | None) -> bool:

@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from cspan.backends.untrusted import require_str
+
 log = logging.getLogger(__name__)
 
 KNOWLEDGE_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
@@ -227,8 +229,12 @@ class KnowledgeBase:
         return self._index if self._index is not None else await asyncio.to_thread(self._build)
 
     async def search(self, question: str, extra: list[tuple[str, str]] = ()) -> NoteHit | None:  # type: ignore[assignment]
-        """Best sentence for ``question`` among the notes and ``extra`` ``[(text, source)]`` rows, or None."""
-        terms = content_words(question)
+        """Best sentence for ``question`` among the notes and ``extra`` ``[(text, source)]`` rows, or None.
+
+        Raises:
+            TypeError: ``question`` is not a ``str`` (bytes included: decode them first).
+        """
+        terms = content_words(require_str("question", question))
         if not terms:
             return None
         index = await self.index()

@@ -22,7 +22,8 @@ each step took (``asr_s``, ``context_s``, ``llm_s``, ``tool_s``), so that a late
 A database that does not answer (a frozen host) costs at most ``db_timeout_s`` per wait when one is given
 (``cspan serve`` gives ``--db-wait-s``): the context step then routes without the conversation's context, as when
 the database fails, and a span row not written within the bound is left to be written when the database answers
-(the result then has no ``span_id``). A conversation's Context DB work runs one job at a time, in order (the
+(the result's ``span_id`` is then a provisional one, under which the span's outcome is marked and written with the
+row). A conversation's Context DB work runs one job at a time, in order (the
 question's turn before its span row); at most :data:`MAX_PENDING_DB_JOBS` wait, beyond which a retrieval neither
 reads nor records (logged).
 
@@ -55,7 +56,7 @@ from pydantic import BaseModel, Field
 from cspan.backends.asr.base import MAX_TRANSCRIPT_CHARS
 from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
 from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
-from cspan.backends.untrusted import is_seconds, sanitize_text
+from cspan.backends.untrusted import is_seconds, require_str, sanitize_text
 
 Stage = Literal["asr", "context", "router", "tool"]
 
@@ -95,8 +96,10 @@ class SpanResult(BaseModel):
         route_s: seconds spent routing (LLM and tool).
         error: what failed when ``reference`` is None because of a failure or the deadline; None otherwise.
         late: the deadline passed before a reference was ready.
-        span_id: the Context DB span row of this retrieval (None without a DB or conversation, or when the row was
-            not written within the retriever's ``db_timeout_s``: it is then written when the database answers).
+        span_id: the Context DB span row of this retrieval (None without a DB or conversation). A row not written
+            within the retriever's ``db_timeout_s`` is written when the database answers; its id is then a
+            provisional one (negative), under which ``mark_span_injected`` / ``mark_span_dropped`` of the
+            retriever's memory record the span's outcome, before or after the row is written.
         stage: the step that failed, or was running when the deadline passed: ``"asr"``, ``"context"`` (reading
             the Context DB), ``"router"`` (the router LLM), ``"tool"``; None when nothing went wrong.
         context_s: seconds spent reading the Context DB (at most the retriever's ``db_timeout_s``).
@@ -239,10 +242,15 @@ class Retriever:
             A :class:`SpanResult`; never raises for a transcriber, router, tool or database failure.
 
         Raises:
+            TypeError: ``question`` (when given) or ``agent_said`` is not a ``str`` (bytes included: decode them
+                first).
             ValueError: ``deadline_s`` is not a number of seconds >= 0 (a string, NaN, negative).
             asyncio.CancelledError: the caller cancelled the task (in-flight requests are cancelled too; the span
                 row, dropped ``cancelled``, is written first).
         """
+        if question is not None:
+            require_str("question", question)
+        require_str("agent_said", agent_said)
         if deadline_s is not None and not (is_seconds(deadline_s, infinite=True) and deadline_s >= 0):
             raise ValueError(f"deadline_s must be a number of seconds >= 0 (inf allowed) or None, not {deadline_s!r}")
         budget = self.deadline_s if deadline_s is None else deadline_s
@@ -488,8 +496,10 @@ class Retriever:
     ) -> int | None:
         """Write the retrieval's tool turns and span row (``cut``: cancelled before it finished, dropped
         ``cancelled``), waiting for it at most ``db_timeout_s`` (not at all behind a job the database has not
-        answered): the span row's id, or None when there is none or it is left to be written in the background. A
-        failing database is logged, never raised."""
+        answered): the span row's id; for a row left to be written in the background, its provisional id (negative:
+        :meth:`~cspan.backends.context_db.UserMemory.provisional_span_id`; the outcome marked under it is written
+        with the row), or None where no mark could reach it (a row that already has its outcome, a deprecated whole
+        ContextDB); None when there is no row. A failing database is logged, never raised."""
         calls = route.calls if route is not None and not res.late else []
         memory = self._memory(profile, conversation_id)
         if memory is None or conversation_id is None:
@@ -516,6 +526,13 @@ class Retriever:
             "dropped": dropped,
         }
         behind = self.db_timeout_s is not None and self._waiting(conversation_id)
+        # a row that may be left to the background gets a provisional id, so that its outcome (injected, late,
+        # cancelled: marked by the caller under the id it is given) reaches it when it is written; only where the
+        # marks use this same memory (not a deprecated whole ContextDB, which makes a memory per call)
+        provisional = None
+        if self.db_timeout_s is not None and memory is self.db and row["dropped"] is None:
+            provisional = memory.provisional_span_id()
+            row["provisional_id"] = provisional
         what = f"record the span of {res.question!r}"
         job = self._enqueue(conversation_id, what, functools.partial(self._write, memory, conversation_id, calls, row))
         if job is None:
@@ -527,13 +544,13 @@ class Retriever:
             except TimeoutError:
                 pass
         log.warning(
-            "Context DB has not answered %s for conversation %s: the span of %r is recorded when it answers "
-            "(without its outcome)",
+            "Context DB has not answered %s for conversation %s: the span of %r is recorded when it answers%s",
             "an earlier call" if behind else f"in {self.db_timeout_s:g} s",
             conversation_id,
             res.question,
+            " (its outcome with it)" if provisional is not None else " (without its outcome)",
         )
-        return None
+        return provisional
 
     async def _write(
         self, memory: UserMemory, conversation_id: str, calls: list[ToolCall], row: dict[str, Any]

@@ -20,7 +20,7 @@ import sys
 import unicodedata
 from typing import Any
 
-__all__ = ["JSONInputError", "is_seconds", "json_kind", "loads", "sanitize_text"]
+__all__ = ["JSONInputError", "is_seconds", "json_kind", "loads", "require_str", "sanitize_text"]
 
 _DROP_CATEGORIES = {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"}
 _BIG_INT = re.compile(r"has (\d+) digits")
@@ -116,6 +116,19 @@ def sanitize_text(text: str, max_chars: int) -> str:
     if space >= int(0.6 * len(cut)):
         cut = cut[:space]
     return cut.rstrip(" ,;:-") + "..."
+
+
+def require_str(argument: str, value: Any) -> str:
+    """``value`` if it is a ``str`` (text a caller passes: a question, what the agent said).
+
+    Raises:
+        TypeError: naming ``argument`` and the type given; for ``bytes``, saying to decode them first (``str()`` of
+            bytes is their repr, ``"b'...'"``, which would be read as the text).
+    """
+    if isinstance(value, str):
+        return value
+    hint = " (decode them first, e.g. value.decode('utf-8'))" if isinstance(value, bytes | bytearray) else ""
+    raise TypeError(f"{argument} must be a str, not {type(value).__name__}{hint}")
 
 
 def is_seconds(value: Any, *, infinite: bool = False) -> bool:

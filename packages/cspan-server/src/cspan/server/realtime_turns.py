@@ -75,18 +75,25 @@ at 12.5 text tokens per second at most)."""
 ITEM_LOG_SIZE = 1000
 """Items remembered for ``conversation.item.truncate`` / ``delete`` / ``retrieve`` (oldest forgotten first)."""
 ITEM_LOG_CHARS = 1024 * 1024
-"""Characters of text (message text and transcripts, function names, arguments and outputs, as each item was added)
-that the items remembered may hold in all; past it the oldest are forgotten first, as past :data:`ITEM_LOG_SIZE`. A
-client's ``conversation.item.create`` may carry up to ``--max-message-kib`` of text: without this bound 1000 of them
-would keep a quarter of a gigabyte per connection."""
+"""Characters of text (message text and transcripts, function names, arguments and outputs) that the items
+remembered may hold in all: counted when an item is added, and again as its text grows (an assistant message's
+transcript deltas, a user item's transcript, a function call's arguments); past it the oldest are forgotten first,
+as past :data:`ITEM_LOG_SIZE`. A client's ``conversation.item.create`` may carry up to ``--max-message-kib`` of
+text: without this bound 1000 of them would keep a quarter of a gigabyte per connection."""
 UTTERANCES_KEPT = ITEM_LOG_SIZE
 """User utterances whose item id and transcript state :class:`UserSpeech` remembers (the latest; each committed one
 is an item of the log, so an utterance forgotten here is past anything a client can still refer to)."""
 
 
 class ItemLog:
-    """The conversation's items in order (the last :data:`ITEM_LOG_SIZE`), and the audio frames sent for each
-    assistant message."""
+    """The conversation's items in order (the last :data:`ITEM_LOG_SIZE`, holding at most :data:`ITEM_LOG_CHARS`
+    characters of text), and the audio frames sent for each assistant message.
+
+    What the log keeps of an item (its characters, its audio frames) goes with it when it is deleted or forgotten.
+    An item's id may then be given to another (a client deletes an item and creates another under its id), so a
+    writer that holds an item, such as :class:`ResponseStream` streaming a message, asks :meth:`holds` before it
+    writes: a deleted item's later frames and text are not counted, and never land on the item that took its id.
+    """
 
     def __init__(self, max_items: int = ITEM_LOG_SIZE, max_chars: int = ITEM_LOG_CHARS) -> None:
         self.items: collections.OrderedDict[str, Item] = collections.OrderedDict()
@@ -124,13 +131,40 @@ class ItemLog:
             for key in order[at:]:
                 self.items.move_to_end(key)
             previous = order[at - 1] if at else None
-        size = _text_chars(item)
-        self._chars[item.id] = size
-        self.chars += size
+        self._count(item.id, _text_chars(item))
+        return previous
+
+    def holds(self, item: Item) -> bool:
+        """Whether ``item`` itself is in the log: False once it was deleted or forgotten, even where another item
+        now has its id."""
+        return self.items.get(item.id) is item
+
+    def replace(self, item: Item) -> None:
+        """Put ``item`` in the place of the item of its id (the same item, grown or finished), counting its text
+        anew against :data:`ITEM_LOG_CHARS` (the oldest items, this one among them, may be forgotten).
+
+        Raises:
+            KeyError: no item of its id is in the log (callers check :meth:`holds` first).
+        """
+        if item.id not in self.items:
+            raise KeyError(f"no item {item.id!r} in the conversation to replace")
+        self.items[item.id] = item
+        self._count(item.id, _text_chars(item) - self._chars.get(item.id, 0))
+
+    def grow(self, item_id: str, chars: int) -> None:
+        """``chars`` more characters of text were sent for the item ``item_id`` (a transcript delta of a message
+        in progress; :meth:`replace` with the finished item counts it exactly): counted against
+        :data:`ITEM_LOG_CHARS` as they come. Nothing for an item not in the log."""
+        if item_id in self.items:
+            self._count(item_id, chars)
+
+    def _count(self, item_id: str, chars: int) -> None:
+        """Add ``chars`` (may be negative) to what the item holds, then forget the oldest items past the bounds."""
+        self._chars[item_id] = self._chars.get(item_id, 0) + chars
+        self.chars += chars
         while len(self.items) > self.max_items or (self.chars > self.max_chars and len(self.items) > 1):
             old, _ = self.items.popitem(last=False)
             self._forget(old)
-        return previous
 
     def _forget(self, item_id: str) -> None:
         self.chars -= self._chars.pop(item_id, 0)
@@ -145,8 +179,10 @@ class ItemLog:
         return any(isinstance(i, FunctionCallOutputItem) and i.call_id == call_id for i in self.items.values())
 
     def add_audio_frame(self, item_id: str) -> None:
-        """One more 80 ms audio delta was sent for the assistant message ``item_id``."""
-        self._audio_frames[item_id] = self._audio_frames.get(item_id, 0) + 1
+        """One more 80 ms audio delta was sent for the assistant message ``item_id`` (nothing is counted for an item
+        not in the log: a deleted item's frames are not kept)."""
+        if item_id in self.items:
+            self._audio_frames[item_id] = self._audio_frames.get(item_id, 0) + 1
 
     def audio_ms(self, item_id: str) -> int:
         """Milliseconds of audio sent for the assistant message ``item_id`` (what a truncation may keep)."""
@@ -267,6 +303,8 @@ class ResponseStream:
         self._text_tokens += 1
         msg = self._message
         assert msg is not None and self.response is not None
+        if self.log.holds(msg):  # a message the client deleted is not counted (nor one that took its id)
+            self.log.grow(msg.id, len(piece))
         fields = dict(response_id=self.response.id, item_id=msg.id, output_index=len(self.response.output) - 1)
         if self.modality == "text":
             events.append(TextDelta(content_index=0, delta=piece, **fields))
@@ -346,7 +384,8 @@ class ResponseStream:
         ]
         done = item.model_copy(update={"arguments": args, "status": "completed"})
         response.output[index] = done
-        self.log.items[item.id] = done
+        if self.log.holds(item):
+            self.log.replace(done)
         fields = dict(response_id=response.id, item_id=item.id, output_index=index, call_id=call_id)
         events += [
             ArgumentsDelta(delta=args, **fields),
@@ -410,7 +449,8 @@ class ResponseStream:
         response, msg = self.response, self._message
         assert response is not None and msg is not None
         self._audio_frames += 1
-        self.log.add_audio_frame(msg.id)
+        if self.log.holds(msg):  # a message the client deleted mid-response: its frames are not counted
+            self.log.add_audio_frame(msg.id)
         events.append(
             AudioDelta(
                 response_id=response.id,
@@ -442,8 +482,8 @@ class ResponseStream:
             part = {"type": "audio", "transcript": text}
         done = msg.model_copy(update={"status": status, "content": [content]})
         response.output[index] = done
-        if msg.id in self.log.items:
-            self.log.items[msg.id] = done
+        if self.log.holds(msg):  # not when the client deleted it, nor onto an item it created under the same id
+            self.log.replace(done)
         events += [
             ContentPartEvent(type="response.content_part.done", part=part, **fields),
             OutputItemEvent(type="response.output_item.done", response_id=response.id, output_index=index, item=done),
@@ -578,8 +618,8 @@ class UserSpeech:
             seconds = max(0.0, (end_s if end_s is not None else start_s) - start_s)
             item = None if record.released else self.log.items.get(item_id)
             if item is not None:  # a later retrieve gives the transcript, as OpenAI's (unless the client deleted it)
-                self.log.items[item_id] = item.model_copy(
-                    update={"content": [ContentPart(type="input_audio", transcript=text)]}
+                self.log.replace(
+                    item.model_copy(update={"content": [ContentPart(type="input_audio", transcript=text)]})
                 )
             events.append(
                 TranscriptionCompleted(

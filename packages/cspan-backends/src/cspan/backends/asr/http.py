@@ -8,7 +8,6 @@ the answer is JSON ``{"text": ...}`` (``cspan asr-serve`` adds ``words``). Unlik
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -22,7 +21,15 @@ import numpy as np
 from cspan.backends.asr.audio import AudioFormatError, as_mono_float32, check_sample_rate, encode_wav
 from cspan.backends.asr.base import MAX_TRANSCRIPT_WORDS, Transcript, Word, clean_asr_text
 from cspan.backends.errors import TranscriberError
-from cspan.backends.http_client import DEFAULT_MAX_REPLY_BYTES, HTTPFailure, HTTPPolicy, HTTPReply, off_loop, request
+from cspan.backends.http_client import (
+    DEFAULT_MAX_REPLY_BYTES,
+    HTTPFailure,
+    HTTPPolicy,
+    HTTPReply,
+    LoopClients,
+    off_loop,
+    request,
+)
 from cspan.backends.untrusted import JSONInputError, json_kind, loads, sanitize_text
 from cspan.backends.urls import redact_url
 
@@ -32,7 +39,7 @@ DEFAULT_URL = "http://127.0.0.1:8990/transcribe"
 
 
 class RemoteTranscriber:
-    """Shared HTTP plumbing: one ``httpx.AsyncClient``, the backends' request policy, error mapping, reply parsing.
+    """Shared HTTP plumbing: an ``httpx.AsyncClient`` per event loop, the backends' request policy, error mapping, reply parsing.
 
     Every request follows :mod:`cspan.backends.http_client`: connection failures retried (at most
     ``max_attempts`` tries, sleeping ``backoff_s * 2**(n-1)`` seconds after the n-th failure), a 429 or 503 with
@@ -75,26 +82,18 @@ class RemoteTranscriber:
         self.max_attempts = self.policy.max_attempts
         self.backoff_s = self.policy.backoff_s
         self._headers = dict(headers or {})
-        self._external_client = client
-        self._client: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
+        # one client per event loop (a client passed in is used as is): several threads or asyncio.run calls may
+        # share this transcriber
+        timeout = self.policy.timeout()
+        self._clients = LoopClients(lambda: httpx.AsyncClient(timeout=timeout), client=client)
 
     def _get_client(self) -> httpx.AsyncClient:
-        if self._external_client is not None:
-            return self._external_client
-        loop = asyncio.get_running_loop()
-        # An AsyncClient's connections belong to the loop that opened them; a new loop gets a new client.
-        if self._client is None or self._client_loop is not loop:
-            self._client = httpx.AsyncClient(timeout=self.policy.timeout())
-            self._client_loop = loop
-        return self._client
+        return self._clients.get()
 
     async def aclose(self) -> None:
-        """Close the client this transcriber opened (not one passed in)."""
-        if self._client is not None and self._client_loop is asyncio.get_running_loop():
-            await self._client.aclose()
-        self._client = None
-        self._client_loop = None
+        """Close the client this transcriber opened for the running event loop (those of other loops are dropped;
+        a client passed in is left open)."""
+        await self._clients.aclose()
 
     async def __aenter__(self) -> RemoteTranscriber:
         return self

@@ -19,8 +19,10 @@ never refused.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
+import itertools
 import json
 import threading
 import time
@@ -28,6 +30,7 @@ import unicodedata
 import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
@@ -150,6 +153,22 @@ def token_record(r: dict[str, Any]) -> TokenRecord:
     )
 
 
+MAX_PROVISIONAL_SPANS = 64
+"""Provisional span ids (:meth:`UserMemory.provisional_span_id`) one memory keeps, the oldest forgotten first (a
+session has at most a few rows waiting for the database at once)."""
+
+
+_PROVISIONAL_IDS = itertools.count(1)  # one sequence for the process: no two memories promise one id
+
+
+@dataclass
+class _ProvisionalSpan:
+    """A span row promised under a provisional id: its row id once written, and the outcome marked before that."""
+
+    row: int | None = None
+    outcome: tuple[str, tuple[Any, ...]] | None = None  # the UPDATE's assignments and parameters
+
+
 class UserMemory:
     """The Context DB as one user sees it: profile, facts, conversations, turns and spans of ``user_id`` only.
 
@@ -166,6 +185,8 @@ class UserMemory:
         self._generation: int | None = None  # the erase generation this memory belongs to: set at first use
         self._pin_lock = threading.Lock()
         self._erase_key = hashlib.sha256(self.user_id.encode()).hexdigest()  # its key in erasures (not the id)
+        self._provisional: collections.OrderedDict[int, _ProvisionalSpan] = collections.OrderedDict()
+        self._provisional_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"UserMemory(user_id={self.user_id!r}, db={self._conn.where!r})"
@@ -558,13 +579,57 @@ class UserMemory:
         latency_s: float | None = None,
         error: str | None = None,
         dropped: DropReason | None = None,
+        provisional_id: int | None = None,
     ) -> int:
         """Record one retrieval and return its id. ``text`` is the reference (None when there was none);
         ``dropped`` may be set at once (e.g. "no_span"), or later with :meth:`mark_span_dropped`.
 
+        ``provisional_id``: the id of :meth:`provisional_span_id` this row was promised under (a row written late,
+        after the database stalled): an outcome already marked under it is written to the row now, and later marks
+        under it reach the row.
+
         Raises:
             ContextDBError: this user has no such conversation.
         """
+        row = self._insert_span(
+            conversation_id, question, text, tool, arguments, source, asked_at, latency_s, error, dropped
+        )
+        if provisional_id is not None:
+            with self._provisional_lock:  # never held over the database: a mark must not wait for a stalled one
+                promised = self._provisional.get(provisional_id)
+                outcome = None
+                if promised is not None:
+                    outcome, promised.row, promised.outcome = promised.outcome, row, None
+            if outcome is not None:  # marked before the row was written (later marks update the row itself)
+                self._update_span(row, *outcome)
+        return row
+
+    def provisional_span_id(self) -> int:
+        """An id for a span row not written yet (negative, unique in this process): :meth:`add_span` with
+        ``provisional_id`` writes the row, and :meth:`mark_span_injected` / :meth:`mark_span_dropped` take the id
+        before and after that (an outcome marked first is kept and written with the row). A retriever hands it out
+        for a row the database has not answered, so that the span's outcome is not lost. At most
+        :data:`MAX_PROVISIONAL_SPANS` are kept (the oldest forgotten first)."""
+        with self._provisional_lock:
+            provisional = -next(_PROVISIONAL_IDS)
+            self._provisional[provisional] = _ProvisionalSpan()
+            while len(self._provisional) > MAX_PROVISIONAL_SPANS:
+                self._provisional.popitem(last=False)
+            return provisional
+
+    def _insert_span(
+        self,
+        conversation_id: str,
+        question: str,
+        text: str | None,
+        tool: str | None,
+        arguments: dict[str, Any] | None,
+        source: str,
+        asked_at: float | None,
+        latency_s: float | None,
+        error: str | None,
+        dropped: DropReason | None,
+    ) -> int:
         with self._write() as tx:
             self._require_conversation(tx, conversation_id)
             rows = tx.execute(
@@ -588,7 +653,8 @@ class UserMemory:
 
     def mark_span_injected(self, span_id: int, *, injected_at: float | None = None, frame: int | None = None) -> None:
         """Record that span ``span_id`` was injected: ``injected_at`` epoch seconds (default now; a caller whose write
-        may wait passes the time it queued the write), ``frame`` at 12.5 Hz.
+        may wait passes the time it queued the write), ``frame`` at 12.5 Hz. A provisional id
+        (:meth:`provisional_span_id`) of a row not written yet keeps the mark for the row.
 
         Raises:
             ContextDBError: this user has no such span.
@@ -616,6 +682,15 @@ class UserMemory:
             self._update_span(span_id, "dropped = ?, injected_at = NULL, error = ?", (reason, error))
 
     def _update_span(self, span_id: int, assignments: str, params: tuple[Any, ...]) -> None:
+        if span_id < 0:  # a provisional id: the row's, or kept until the row is written
+            with self._provisional_lock:
+                promised = self._provisional.get(span_id)
+                if promised is None:
+                    raise ContextDBError(f"span {span_id} is not a provisional span id of this memory (or forgotten)")
+                if promised.row is None:
+                    promised.outcome = (assignments, params)
+                    return
+                span_id = promised.row
         with self._write() as tx:
             cur = tx.execute(
                 f"UPDATE spans SET {assignments} WHERE user_id = ? AND id = ?", (*params, self.user_id, span_id)

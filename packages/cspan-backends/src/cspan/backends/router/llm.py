@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -37,7 +36,14 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from cspan.backends.errors import RouterError, ToolError
-from cspan.backends.http_client import DEFAULT_MAX_REPLY_BYTES, HTTPFailure, HTTPPolicy, off_loop, request
+from cspan.backends.http_client import (
+    DEFAULT_MAX_REPLY_BYTES,
+    HTTPFailure,
+    HTTPPolicy,
+    LoopClients,
+    off_loop,
+    request,
+)
 from cspan.backends.router.base import RouteRequest, RouteResult, ToolCall, is_abstain, tool_reference
 from cspan.backends.tools.bank import render_clause, tool_name_key
 from cspan.backends.untrusted import JSONInputError, is_seconds, json_kind, loads, sanitize_text
@@ -141,19 +147,16 @@ _REASONING_MODEL = re.compile(r"(?:^|/)(?:o[1-9]|gpt-5)", re.I)
 
 @dataclass
 class _Shared:
-    """What an :class:`LLMRouter` and its :meth:`~LLMRouter.with_bank` copies share: the HTTP client and what was
+    """What an :class:`LLMRouter` and its :meth:`~LLMRouter.with_bank` copies share: the HTTP clients and what was
     learnt about the server.
 
-    ``client`` is the caller's client (used as is, never closed), else None: the router then makes its own, one per
-    event loop (``clients``), since an ``httpx.AsyncClient``'s pooled connections belong to the loop that opened
-    them (a second ``asyncio.run``, or a thread with its own loop, would otherwise reuse a dead loop's sockets)."""
+    ``clients`` holds the caller's client (used as is, never closed), else the router's own, one per event loop
+    (:class:`~cspan.backends.http_client.LoopClients`: an ``httpx.AsyncClient``'s pooled connections belong to the
+    loop that opened them)."""
 
-    client: httpx.AsyncClient | None
+    clients: LoopClients
     use_tools_field: bool
     use_response_format: bool = True
-    clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = field(
-        default_factory=weakref.WeakKeyDictionary
-    )
 
 
 @dataclass
@@ -434,7 +437,10 @@ class LLMRouter:
         # one request's deadline is the whole route's: route() holds the overall one (LLM requests plus the tool)
         self._policy = HTTPPolicy(deadline_s=self.timeout_s, max_attempts=1, max_reply_bytes=self.max_reply_bytes)
         self.reasoning = bool(_REASONING_MODEL.search(model))
-        self._shared = _Shared(client=client, use_tools_field=json_mode != "always")
+        # the overall deadline (asyncio.timeout in route) governs; httpx's own limit is only a backstop
+        timeout = self._policy.timeout()
+        clients = LoopClients(lambda: httpx.AsyncClient(timeout=timeout), client=client)
+        self._shared = _Shared(clients=clients, use_tools_field=json_mode != "always")
         self._owner = True
         self._system_tools: str | None = None
         self._system_json: str | None = None
@@ -550,13 +556,8 @@ class LLMRouter:
         """Close the HTTP clients this router made (a :meth:`with_bank` copy closes nothing; a ``client`` passed
         in is left open). The one of the running event loop is closed here; those of other loops are dropped (a
         client cannot be closed from another loop)."""
-        if not self._owner:
-            return
-        clients = self._shared.clients
-        mine = clients.pop(asyncio.get_running_loop(), None)
-        clients.clear()
-        if mine is not None:
-            await mine.aclose()
+        if self._owner:
+            await self._shared.clients.aclose()
 
     async def __aenter__(self) -> LLMRouter:
         return self
@@ -566,15 +567,7 @@ class LLMRouter:
 
     def _http(self) -> httpx.AsyncClient:
         """The HTTP client for the running event loop: the caller's, else this router's own for that loop."""
-        shared = self._shared
-        if shared.client is not None:
-            return shared.client
-        loop = asyncio.get_running_loop()
-        client = shared.clients.get(loop)
-        if client is None or client.is_closed:
-            # the overall deadline (asyncio.timeout in route) governs; httpx's own limit is only a backstop
-            client = shared.clients[loop] = httpx.AsyncClient(timeout=self._policy.timeout())
-        return client
+        return self._shared.clients.get()
 
     async def _post(self, body: dict[str, Any], end: float) -> tuple[int, bytes]:
         """POST ``body`` under the backends' request policy (:mod:`cspan.backends.http_client`: the reply read as a

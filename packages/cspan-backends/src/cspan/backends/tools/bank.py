@@ -18,6 +18,7 @@ the tool's own words and is cut to :data:`MAX_ERROR_CHARS`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import inspect
 import json
@@ -43,6 +44,7 @@ __all__ = [
     "ToolKind",
     "ToolOutput",
     "ToolResult",
+    "call_deadline",
     "render_clause",
     "sanitize_text",
     "tool_name_key",
@@ -54,6 +56,16 @@ DEFAULT_MAX_CHARS = 400
 MAX_ERROR_CHARS = 1000
 """Cap, in characters, on the message of a tool's failure (:meth:`ToolBank.call`): it reaches the client's
 ``no_span`` event, the Context DB's span row and the log, whatever the tool (an MCP server) answered."""
+
+_CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("cspan_tool_deadline", default=None)
+
+
+def call_deadline() -> float | None:
+    """When the tool call in progress must be over: the event loop's clock (``loop.time()``) at which
+    :meth:`ToolBank.call`'s timeout ends it, as seen from inside the tool; None outside a bank's call. A tool that
+    would wait (a server's ``Retry-After``) reads it to know whether the wait fits."""
+    return _CALL_DEADLINE.get()
+
 
 MAX_QUOTED_CHARS = 300
 """Cap, in characters, on what a failing tool itself said (an MCP server's error text, an exception's message)
@@ -511,6 +523,7 @@ class ToolBank:
             )
         limit = float(limit)
         start = time.perf_counter()
+        deadline = _CALL_DEADLINE.set(asyncio.get_running_loop().time() + limit)  # call_deadline(), for the tool
         try:
             out = await asyncio.wait_for(self._invoke(tool, full), timeout=limit)
         except TimeoutError:
@@ -524,6 +537,8 @@ class ToolBank:
         except Exception as exc:
             message = f"tool {name!r} failed: {type(exc).__name__}: {sanitize_text(str(exc), MAX_QUOTED_CHARS)}"
             raise ToolError(sanitize_text(message, MAX_ERROR_CHARS), tool=name) from exc
+        finally:
+            _CALL_DEADLINE.reset(deadline)
         latency = time.perf_counter() - start
         text, data = self._render(tool, out)
         return ToolResult(name=name, arguments=shown, text=text, data=data, latency_s=latency)

@@ -13,7 +13,7 @@ import math
 import operator
 import re
 from collections.abc import Callable
-from datetime import datetime, tzinfo
+from datetime import datetime, timedelta, tzinfo
 from functools import lru_cache
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
@@ -29,6 +29,7 @@ __all__ = [
     "format_number",
     "get_time_tool",
     "resolve_timezone",
+    "utc_label",
 ]
 
 MAX_EXPRESSION_CHARS = 200
@@ -80,6 +81,14 @@ def _zone_index() -> dict[str, str]:
     return index
 
 
+def utc_label(offset: timedelta) -> str:
+    """A UTC offset as spoken: ``"UTC+9"``, ``"UTC-3"``, ``"UTC+5:45"`` (whole minutes; ``"UTC+0"`` for none)."""
+    minutes = round(offset.total_seconds() / 60)
+    sign = "-" if minutes < 0 else "+"
+    hours, minutes = divmod(abs(minutes), 60)
+    return f"UTC{sign}{hours}" + (f":{minutes:02d}" if minutes else "")
+
+
 def resolve_timezone(text: str) -> tuple[tzinfo, str]:
     """Resolve an IANA zone ("Asia/Seoul"), a zone's city ("Seoul", "new york": the last part of an IANA name), a
     common abbreviation or one of a few well-known places whose zone is named otherwise ("PST", "San Francisco",
@@ -98,14 +107,15 @@ def resolve_timezone(text: str) -> tuple[tzinfo, str]:
     key = re.sub(r"^(the )?(time )?(in |at )?", "", key)
     key = re.sub(r" (time|timezone|time zone|standard time|daylight time)$", "", key).strip()
     if m := re.fullmatch(r"(?:utc|gmt)\s*([+-])\s*(\d{1,2})(?::?(\d{2}))?", key):
-        from datetime import timedelta, timezone
+        from datetime import timezone
 
         hours, minutes = int(m.group(2)), int(m.group(3) or 0)
         if hours > 14 or minutes >= 60:
             raise ToolError(f"timezone offset {raw!r} is out of range", field="timezone")
         sign = 1 if m.group(1) == "+" else -1
-        label = f"UTC{m.group(1)}{hours}" + (f":{minutes:02d}" if minutes else "")
-        return timezone(sign * timedelta(hours=hours, minutes=minutes), label), label
+        offset = sign * timedelta(hours=hours, minutes=minutes)
+        label = utc_label(offset)
+        return timezone(offset, label), label
     name = _TZ_ABBREVIATIONS.get(key) or _zone_index().get(key)
     if name is None and "," in key:
         first = key.split(",")[0].strip()
@@ -153,7 +163,10 @@ def get_time_tool(now: Callable[[], datetime] | None = None) -> Tool:
             raise ToolError("get_time clock returned a naive datetime; it must be timezone-aware")
         if not timezone.strip():
             local = instant.astimezone()
-            name = local.tzname() or "local time"
+            name = local.tzname() or ""
+            offset = local.utcoffset()
+            if offset is not None and (not name or name[0] in "+-"):  # the zone database's "+03": said as UTC+3
+                name = utc_label(offset)
             return ToolOutput(_speak_time(local, f"{name} (server local time)"), {"iso": local.isoformat()})
         zone, name = resolve_timezone(timezone)
         moment = instant.astimezone(zone)

@@ -343,6 +343,7 @@ async def mount_mcp(
     max_chars: int = DEFAULT_MAX_CHARS,
     allow: Iterable[str] | None = None,
     read_only: Iterable[str] = (),
+    reconnect: bool = True,
 ) -> ToolBank:
     """Mount the tools of an MCP server (official ``mcp`` SDK) and keep the session open until ``aclose``.
 
@@ -357,6 +358,8 @@ async def mount_mcp(
         max_chars: cap on result text.
         allow: only these tools (the server's names); None mounts all.
         read_only: tools treated as reads whatever their annotations say.
+        reconnect: replace a lost connection at the next call (False for a one-shot command:
+            :class:`~cspan.backends.tools.mcp_bridge.MCPConnection`).
 
     Raises:
         ToolError: neither or both of ``command``/``url``, the ``mcp`` package missing, the server could not be
@@ -364,7 +367,9 @@ async def mount_mcp(
     """
     from cspan.backends.tools.mcp_bridge import MCPConnection
 
-    conn = MCPConnection(command=command, url=url, env=env, cwd=cwd, connect_timeout_s=connect_timeout_s)
+    conn = MCPConnection(
+        command=command, url=url, env=env, cwd=cwd, connect_timeout_s=connect_timeout_s, reconnect=reconnect
+    )
     await conn.start()
     bank = ToolBank(max_chars=max_chars)
     bank.add_closer(conn.aclose)
@@ -378,12 +383,16 @@ async def mount_mcp(
     return bank
 
 
-async def build_bank(spec: ToolsSpec, *, knowledge: KnowledgeBase | None = None) -> ToolBank:
+async def build_bank(
+    spec: ToolsSpec, *, knowledge: KnowledgeBase | None = None, reconnect_mcp: bool = True
+) -> ToolBank:
     """The shared bank ``spec`` describes: its built-in sets (but the per-session ``memory``) and MCP servers.
 
     Args:
         spec: what to build.
         knowledge: an already built knowledge index to share (else one is made from ``spec.knowledge``).
+        reconnect_mcp: an MCP server's lost connection is replaced at the next call (a server's bank); False for a
+            one-shot command, which makes no next call.
 
     Raises:
         ToolError: an MCP server failed to start or list its tools, or two sources define one tool name (mount
@@ -415,6 +424,7 @@ async def build_bank(spec: ToolsSpec, *, knowledge: KnowledgeBase | None = None)
                 max_chars=spec.max_chars,
                 allow=server.allow,
                 read_only=server.read_only,
+                reconnect=reconnect_mcp,
             )
             clash = sorted((set(bank.names()) | per_session) & set(mounted.names()))
             if clash:

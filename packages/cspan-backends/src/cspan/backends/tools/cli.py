@@ -135,7 +135,7 @@ async def _bank(args: argparse.Namespace) -> Any:
         from cspan.backends.errors import ToolError
 
         raise ToolError("--tools memory: memory tools act for one signed-in user; cspan tools cannot serve them")
-    return await build_bank(spec)
+    return await build_bank(spec, reconnect_mcp=False)  # one call per command: no next call to reconnect for
 
 
 def _fail(verb: str, exc: Exception) -> int:

@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cspan.backends.errors import ToolError
 from cspan.backends.tools.bank import MAX_QUOTED_CHARS, Tool, ToolBank, ToolOutput, render_clause, sanitize_text
@@ -85,6 +85,8 @@ class MCPConnection:
         env: extra environment variables for the subprocess (merged over the SDK's safe default environment).
         cwd: working directory of the subprocess.
         connect_timeout_s: limit for spawning/connecting, the MCP handshake and listing the tools (seconds).
+        reconnect: replace a lost connection at the next call (a server's long-lived bank). False for a one-shot
+            user such as ``cspan tools call``: a lost connection stays lost, and no message promises a next call.
 
     A session found closed (a call answered "connection closed", or the session's task ended) is logged once and
     replaced at the next call by a new connection (a new subprocess); that call waits for it. A reconnect that
@@ -103,6 +105,7 @@ class MCPConnection:
         env: Mapping[str, str] | None = None,
         cwd: str | Path | None = None,
         connect_timeout_s: float = 20.0,
+        reconnect: bool = True,
     ) -> None:
         if (command is None) == (url is None):
             raise ToolError("mount_mcp needs exactly one of command=[...] (stdio) or url=... (streamable HTTP)")
@@ -114,8 +117,10 @@ class MCPConnection:
         self.env = dict(env) if env else None
         self.cwd = str(cwd) if cwd is not None else None
         self.connect_timeout_s = connect_timeout_s
+        self.reconnect = reconnect
         self._session: Any = None
         self._tools: list[Any] = []
+        self._repeatable: set[str] = set()  # the server's names of tools that may be called twice (see call())
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._closing = asyncio.Event()
@@ -133,7 +138,7 @@ class MCPConnection:
         back-off if a reconnect failed) or ``down`` (reconnects given up, or closed by :meth:`aclose`).
 
         What the calls found: a server that exits between calls reads ``up`` until the next call finds it gone."""
-        if self._closed or self._failures >= _MAX_RESTARTS:
+        if self._closed or self._failures >= _MAX_RESTARTS or (self._lost and not self.reconnect):
             return "down"
         if self._lost or self._session is None or self._task is None or self._task.done():
             return "reconnecting"
@@ -191,13 +196,13 @@ class MCPConnection:
                     )
                     streams = await stack.enter_async_context(stdio_client(params, errlog=_errlog(stack)))
                 else:
-                    from mcp.client import streamable_http
+                    from mcp.client.streamable_http import streamable_http_client
 
-                    opener = (
-                        getattr(streamable_http, "streamable_http_client", None)
-                        or streamable_http.streamablehttp_client
-                    )
-                    streams = await stack.enter_async_context(opener(self.url))
+                    from cspan.backends.tools.mcp_http import http_client
+
+                    # a 429 / 503 keeps its status and Retry-After (mcp_http): call() decides whether to wait
+                    client = await stack.enter_async_context(http_client())
+                    streams = await stack.enter_async_context(streamable_http_client(self.url, http_client=client))
                 read, write = streams[0], streams[1]
                 session = await stack.enter_async_context(ClientSession(read, write))
                 await session.initialize()
@@ -284,6 +289,9 @@ class MCPConnection:
             kind = meta.get(_META_KIND) if meta.get(_META_KIND) in ("read", "action") else None
             if kind is None:
                 kind = "read" if read_hint is True or name in trusted else "action"
+            idempotent = annotations is not None and _attr(annotations, "idempotent_hint", "idempotentHint") is True
+            if kind == "read" or idempotent:
+                self._repeatable.add(name)
             out.append(
                 Tool(
                     name=local,
@@ -309,26 +317,30 @@ class MCPConnection:
     async def call(self, remote_name: str, arguments: dict[str, Any]) -> ToolOutput:
         """Call a tool on the server; the text blocks joined are the clause, ``structuredContent`` the data.
 
+        An HTTP server that refuses the call with 429 or 503 and a ``Retry-After`` is asked again after that wait
+        when the tool may be called twice (a read, or ``idempotentHint``), the wait is at most
+        :data:`~cspan.backends.tools.mcp_http.MAX_WAITED_S` and it ends before the call's deadline
+        (:func:`~cspan.backends.tools.bank.call_deadline`, the bank's timeout), at most
+        :data:`~cspan.backends.tools.mcp_http.MAX_RETRY_AFTER_WAITS` times; otherwise the call fails at once, saying
+        what the server asked and why it was not waited.
+
         Raises:
             ToolError: the connection is closed (``aclose``), or was lost and could not be reconnected; the
-                connection closed during this call; or the server reported an error result.
+                connection closed during this call; the server refused it (429 / 503) and it was not asked again;
+                or the server reported an error result.
         """
-        session = await self._connected(remote_name)
-        try:
-            result = await session.call_tool(remote_name, arguments)
-        except ToolError:
-            raise
-        except Exception as exc:
-            if _connection_closed(exc):
-                self._lose(session, exc)
-                raise ToolError(
-                    f"MCP call {remote_name!r} on {self.where} failed: the server closed the connection "
-                    "(it is reconnected for the next call)",
-                    tool=remote_name,
-                ) from exc
-            raise ToolError(
-                f"MCP call {remote_name!r} on {self.where} failed: {_describe(exc)}", tool=remote_name
-            ) from exc
+        waits = 0
+        while True:
+            session = await self._connected(remote_name)
+            try:
+                result = await session.call_tool(remote_name, arguments)
+                break
+            except ToolError:
+                raise
+            except Exception as exc:
+                if not await self._waited(remote_name, exc, waits):
+                    self._call_failed(remote_name, session, exc)
+                waits += 1
         texts = []
         for block in result.content or []:
             if getattr(block, "type", None) == "text":
@@ -344,6 +356,52 @@ class MCPConnection:
             text = render_clause(data)
         return ToolOutput(text, data)
 
+    async def _waited(self, remote_name: str, exc: BaseException, waits: int) -> bool:
+        """Wait out the server's refusal of a call (see :meth:`call`) and return True, or return False when ``exc``
+        is no refusal.
+
+        Raises:
+            ToolError: a refusal that is not waited out (the message says what the server asked and why).
+        """
+        from cspan.backends.tools.bank import call_deadline
+        from cspan.backends.tools.mcp_http import MAX_RETRY_AFTER_WAITS, refusal_of, retry_decision
+
+        refusal = refusal_of(exc)
+        if refusal is None:
+            return False
+        deadline = call_deadline()
+        left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+        why = retry_decision(refusal, repeatable=remote_name in self._repeatable, waits=waits, left_s=left)
+        if why is not None:
+            wait = refusal.retry_after_s
+            asked = "" if wait is None else f": the server asked to retry after {wait:g} s,"
+            raise ToolError(
+                f"MCP call {remote_name!r} on {self.where}: {refusal}{asked} {why}", tool=remote_name
+            ) from exc
+        wait = refusal.retry_after_s or 0.0
+        log.warning(
+            "MCP server %s: %s for %r; the server asked to retry after %g s, waiting (%d/%d)",
+            self.where,
+            refusal,
+            remote_name,
+            wait,
+            waits + 1,
+            MAX_RETRY_AFTER_WAITS,
+        )
+        await asyncio.sleep(wait)
+        return True
+
+    def _call_failed(self, remote_name: str, session: Any, exc: BaseException) -> NoReturn:
+        """Raise the :class:`ToolError` of a call that failed with ``exc`` (a lost connection is marked lost)."""
+        if _connection_closed(exc):
+            self._lose(session, exc)
+            then = " (it is reconnected for the next call)" if self.reconnect else ""
+            raise ToolError(
+                f"MCP call {remote_name!r} on {self.where} failed: the server closed the connection{then}",
+                tool=remote_name,
+            ) from exc
+        raise ToolError(f"MCP call {remote_name!r} on {self.where} failed: {_describe(exc)}", tool=remote_name) from exc
+
     async def _connected(self, tool: str) -> Any:
         """The open session, after reconnecting one found closed (one reconnect at a time, shared by the callers
         and not cancelled with them).
@@ -358,6 +416,8 @@ class MCPConnection:
             if session is not None and self._task is not None and not self._task.done():
                 return session
             self._lose(session, self._error)
+        if not self.reconnect:
+            raise ToolError(f"MCP server {self.where} closed the connection (not reconnected)", tool=tool)
         if self._failures >= _MAX_RESTARTS:
             raise ToolError(
                 f"MCP server {self.where} is down: {self._failures} reconnects in a row failed, no more are tried "
@@ -385,11 +445,11 @@ class MCPConnection:
         if session is not self._session or self._lost or self._closed:
             return
         self._lost = True
-        log.warning(
-            "MCP server %s closed the connection (%s); reconnecting at the next call",
-            self.where,
-            _describe(cause) if cause is not None else "the session ended",
-        )
+        why = _describe(cause) if cause is not None else "the session ended"
+        if self.reconnect:
+            log.warning("MCP server %s closed the connection (%s); reconnecting at the next call", self.where, why)
+        else:  # the failed call's error says it; a one-shot user makes no next call
+            log.info("MCP server %s closed the connection (%s)", self.where, why)
 
     async def _restart(self) -> None:
         """Replace the lost session by a new connection; a failure is counted and sets the back-off."""

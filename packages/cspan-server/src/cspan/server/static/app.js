@@ -110,9 +110,32 @@
     return p;
   }
 
+  // The server limits the persona in Unicode code points (Python's len); a textarea's maxlength and String.length
+  // count UTF-16 code units, two for an emoji or a rarer CJK character. So the page counts and cuts code points.
+  let promptMax = 1000;
+  let promptChars = 0; // code points before the latest edit: a persona over the limit may shrink, not grow
+
+  function codePoints(text) {
+    return [...text].length;
+  }
+
   function updateCount() {
-    const max = ui.prompt.maxLength > 0 ? ui.prompt.maxLength : 1000;
-    ui.promptCount.textContent = `(${ui.prompt.value.length}/${max})`;
+    promptChars = codePoints(ui.prompt.value);
+    ui.promptCount.textContent = `(${promptChars}/${promptMax})`;
+  }
+
+  function clampPrompt(e) {
+    if (e && e.isComposing) return; // an input method is composing: cut once it is done (compositionend)
+    const el = ui.prompt;
+    const excess = codePoints(el.value) - Math.max(promptMax, promptChars);
+    if (excess > 0) {
+      // what was typed or pasted ends at the caret: cut its end, as maxlength keeps what fits
+      const head = [...el.value.slice(0, el.selectionEnd)];
+      const kept = head.slice(0, Math.max(0, head.length - excess)).join("");
+      el.value = kept + el.value.slice(el.selectionEnd);
+      el.setSelectionRange(kept.length, kept.length);
+    }
+    updateCount();
   }
 
   async function loadInfo() {
@@ -126,7 +149,8 @@
       notice("Cannot reach the server (" + e + ").", "bad");
       return;
     }
-    ui.prompt.maxLength = info.max_text_prompt_chars;
+    promptMax = info.max_text_prompt_chars;
+    ui.prompt.maxLength = 2 * promptMax; // a backstop only: no code point takes more than two UTF-16 units
     ui.prompt.value = stored("cspan.prompt", "") || info.text_prompt;
     const none = document.createElement("option");
     none.value = "";
@@ -921,7 +945,8 @@
   ui.voice.addEventListener("change", () => {
     if (ui.voice.value !== MINE) chosenVoice = ui.voice.value;
   });
-  ui.prompt.addEventListener("input", updateCount);
+  ui.prompt.addEventListener("input", clampPrompt);
+  ui.prompt.addEventListener("compositionend", () => clampPrompt());
   for (const el of [ui.name, ui.location, ui.timezone, ui.lat, ui.lon]) el.addEventListener("change", sendContext);
   ui.timezone.addEventListener("change", () => store("cspan.tz", ui.timezone.value.trim()));
   ui.locate.addEventListener("click", () => {
