@@ -316,7 +316,7 @@ async def test_health_info_page_and_static_files(serve) -> None:
         assert info["token_required"] is False
         page = await http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert 'id="start"' in page.text and "/static/app.js" in page.text
+        assert 'id="start"' in page.text and 'src="static/app.js"' in page.text  # relative: works under a prefix
         assert "content-security-policy" in page.headers
         for name in ("app.js", "ogg-opus.js", "mic-worklet.js", "player-worklet.js", "style.css"):
             r = await http.get(f"/static/{name}")
