@@ -325,6 +325,9 @@ async def test_health_info_page_and_static_files(serve) -> None:
         assert (await http.get("/static/..%2Fserve.py")).status_code == 404
         for path in ("/openapi.json", "/docs", "/redoc"):  # only the routes of docs/PROTOCOL.md, no schema pages
             assert (await http.get(path)).status_code == 404, path
+        for path in ("/info/", "/health/"):  # no redirect to an absolute URL (behind a proxy: out of its prefix)
+            answer = await http.get(path)
+            assert answer.status_code == 404 and "location" not in answer.headers, path
         metrics = await http.get("/metrics")
         assert metrics.headers["content-type"].startswith("text/plain")
         assert "cspan_session_slots 1.0" in metrics.text
