@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
 
@@ -23,3 +28,24 @@ def chromium_args(mic: Path) -> list[str]:
         f"--use-file-for-fake-audio-capture={mic}",
         "--autoplay-policy=no-user-gesture-required",
     ]
+
+
+def fake_microphone(source: Path, out: Path) -> Path:
+    """The question with silence around it, as the 16-bit WAV Chromium's fake capture device plays (in a loop):
+    the pause after each repetition ends the utterance, so the server sends a final transcript."""
+    speech, rate = sf.read(source, dtype="float32")
+    silence = np.zeros(rate, dtype=np.float32)
+    sf.write(out, np.concatenate([silence, speech, silence, silence, silence]), rate, subtype="PCM_16")
+    return out
+
+
+def wait_until(page: Any, expression: str, timeout_s: float) -> None:
+    """Polls a JavaScript expression from here, one `page.evaluate` at a time.
+
+    Not `page.wait_for_function`: its in-page polling re-runs an eval, which the page's CSP
+    (script-src 'self') refuses after the first call.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {timeout_s} s: {expression}"
+        page.wait_for_timeout(100)

@@ -9,37 +9,15 @@ the repository root is git-ignored) and the two downloads, saved next to it.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from urllib.parse import urlencode
 
 import numpy as np
 import pytest
 import soundfile as sf
-from chromium import CHROMIUM, chromium_args
+from chromium import CHROMIUM, chromium_args, fake_microphone, wait_until
 
 SPAN_TEXT = "The Riverside Library opens at ten on Sunday."
-
-
-def _wait_until(page, expression: str, timeout_s: float) -> None:
-    """Polls a JavaScript expression from here, one `page.evaluate` at a time.
-
-    Not `page.wait_for_function`: its in-page polling re-runs an eval, which the page's CSP
-    (script-src 'self') refuses after the first call.
-    """
-    deadline = time.monotonic() + timeout_s
-    while not page.evaluate(expression):
-        assert time.monotonic() < deadline, f"not true within {timeout_s} s: {expression}"
-        page.wait_for_timeout(100)
-
-
-def fake_microphone(source: Path, out: Path) -> Path:
-    """The question with silence around it, as the 16-bit WAV Chromium's fake capture device plays (in a loop):
-    the pause after each repetition ends the utterance, so the server sends a final transcript."""
-    speech, rate = sf.read(source, dtype="float32")
-    silence = np.zeros(rate, dtype=np.float32)
-    sf.write(out, np.concatenate([silence, speech, silence, silence, silence]), rate, subtype="PCM_16")
-    return out
 
 
 @pytest.mark.browser
@@ -76,7 +54,7 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
             page.click("#start")
             page.wait_for_selector("#status-dot.listening", timeout=120_000)
             page.wait_for_selector("#thread .bubble.user.final", timeout=180_000)
-            _wait_until(
+            wait_until(
                 page,
                 "[...document.querySelectorAll('#thread .bubble.agent .text')].some(e => e.textContent.length > 0)",
                 60.0,

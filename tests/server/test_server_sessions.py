@@ -316,7 +316,7 @@ async def test_health_info_page_and_static_files(serve) -> None:
         assert info["token_required"] is False
         page = await http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert 'id="start"' in page.text and "/static/app.js" in page.text
+        assert 'id="start"' in page.text and 'src="static/app.js"' in page.text  # relative: works under a prefix
         assert "content-security-policy" in page.headers
         for name in ("app.js", "ogg-opus.js", "mic-worklet.js", "player-worklet.js", "style.css"):
             r = await http.get(f"/static/{name}")
@@ -325,6 +325,9 @@ async def test_health_info_page_and_static_files(serve) -> None:
         assert (await http.get("/static/..%2Fserve.py")).status_code == 404
         for path in ("/openapi.json", "/docs", "/redoc"):  # only the routes of docs/PROTOCOL.md, no schema pages
             assert (await http.get(path)).status_code == 404, path
+        for path in ("/info/", "/health/"):  # no redirect to an absolute URL (behind a proxy: out of its prefix)
+            answer = await http.get(path)
+            assert answer.status_code == 404 and "location" not in answer.headers, path
         metrics = await http.get("/metrics")
         assert metrics.headers["content-type"].startswith("text/plain")
         assert "cspan_session_slots 1.0" in metrics.text

@@ -252,6 +252,10 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # No redirect of /info/ to /info: Starlette's is an absolute URL built from what this server sees, which
+        # behind a reverse proxy is the wrong one (the path prefix the proxy strips is lost, http where the proxy
+        # speaks https). The server sends no Location at all; the page's URLs are relative to it.
+        redirect_slashes=False,
     )
     app.state.hub = hub
     app.state.settings = settings

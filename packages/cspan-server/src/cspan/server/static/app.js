@@ -7,6 +7,9 @@
 // URL parameters: ?token=... (sent as the WebSocket subprotocol cspan.token.<token>), ?aec=0 (no echo
 // cancellation), ?raw=1 (no noise suppression or automatic gain), ?codec=pcm (no Opus), ?test={json} (test-only:
 // sent as start.test, accepted only by a server started with test hooks).
+// Every URL is relative to the page's own (here(): info, ws, static/...), never to the host's root: behind a reverse
+// proxy that publishes the server under a path prefix (https://example.com/voice/ -> the server's /), the page, its
+// scripts, /info and the WebSocket all stay under that prefix (docs/OPERATORS.md, "Under a path prefix").
 "use strict";
 
 (() => {
@@ -21,6 +24,8 @@
   const params = new URLSearchParams(location.search);
   const token = params.get("token");
   const $ = (id) => document.getElementById(id);
+  // A URL of the server relative to this page (no query or fragment: ?token= stays out of every request URL).
+  const here = (path) => new URL(path, location.href);
 
   const ui = {
     status: $("status"),
@@ -143,7 +148,7 @@
     ui.name.value = stored("cspan.name", "");
     ui.location.value = stored("cspan.location", "");
     try {
-      const r = await fetch("/info");
+      const r = await fetch(here("info"));
       info = await r.json();
     } catch (e) {
       notice("Cannot reach the server (" + e + ").", "bad");
@@ -249,7 +254,7 @@
 
   // The microphone as 80 ms frames at RATE (the mic-frames worklet resamples), kept running through a muted output.
   async function micFrames(ctx, source) {
-    await addWorklet(ctx, "/static/mic-worklet.js");
+    await addWorklet(ctx, here("static/mic-worklet.js").href);
     const mic = new AudioWorkletNode(ctx, "mic-frames", {
       numberOfInputs: 1,
       numberOfOutputs: 1,
@@ -553,9 +558,11 @@
     };
   }
 
+  // The conversation's WebSocket next to the page: https://example.com/voice/ -> wss://example.com/voice/ws.
   function wsUrl() {
-    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-    return `${scheme}//${location.host}/ws`;
+    const url = here("ws");
+    url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
+    return url.href;
   }
 
   async function start() {
@@ -595,7 +602,7 @@
         session.ctx = new AudioContext({ latencyHint: "interactive" }); // resampled in the worklets
       }
       const ctx = session.ctx;
-      await addWorklet(ctx, "/static/player-worklet.js");
+      await addWorklet(ctx, here("static/player-worklet.js").href);
       session.mic = await micFrames(ctx, ctx.createMediaStreamSource(session.stream));
       session.player = new AudioWorkletNode(ctx, "agent-player", {
         numberOfInputs: 0,
