@@ -1225,3 +1225,29 @@ def test_a_span_row_promised_under_a_provisional_id_gets_the_outcome_marked_befo
         with pytest.raises(ContextDBError, match="not a provisional span id"):
             memory.mark_span_injected(early)
         assert db.user("bob").provisional_span_id() < 0  # each memory its own
+
+
+def test_a_mark_made_while_the_row_takes_an_earlier_mark_is_not_overwritten_by_it(tmp_path: Path) -> None:
+    """Marks under a provisional id are kept in order: the last one wins, as on a row. When the row was written,
+    ``add_span`` set the row id first and then wrote the outcome marked before; a mark made in between (another
+    thread: the session's queued writes) went straight to the row and was then overwritten by that older outcome."""
+    with ContextDB(tmp_path / "ctx.sqlite") as db:
+        memory = db.user("ada")
+        cid = memory.start_conversation()
+        promised = memory.provisional_span_id()
+        memory.mark_span_injected(promised, injected_at=100.0, frame=12)  # before the row is written
+        update = memory._update_span
+        between: list[int] = []
+
+        def racing_update(span_id: int, assignments: str, params: tuple) -> None:
+            if span_id > 0 and not between:  # add_span writes the earlier outcome: a later mark comes in meanwhile
+                between.append(span_id)
+                memory.mark_span_dropped(promised, "late")
+            update(span_id, assignments, params)
+
+        memory._update_span = racing_update  # type: ignore[method-assign]
+        row = memory.add_span(cid, question="q", text="ref", provisional_id=promised)
+        memory._update_span = update  # type: ignore[method-assign]
+        assert between == [row]
+        (span,) = memory.spans(cid)
+        assert (span.dropped, span.injected_at) == ("late", None)  # the later mark, not the earlier one

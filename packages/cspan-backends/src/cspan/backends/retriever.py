@@ -526,17 +526,20 @@ class Retriever:
             "dropped": dropped,
         }
         behind = self.db_timeout_s is not None and self._waiting(conversation_id)
-        # a row that may be left to the background gets a provisional id, so that its outcome (injected, late,
-        # cancelled: marked by the caller under the id it is given) reaches it when it is written; only where the
-        # marks use this same memory (not a deprecated whole ContextDB, which makes a memory per call)
-        provisional = None
-        if self.db_timeout_s is not None and memory is self.db and row["dropped"] is None:
-            provisional = memory.provisional_span_id()
-            row["provisional_id"] = provisional
         what = f"record the span of {res.question!r}"
         job = self._enqueue(conversation_id, what, functools.partial(self._write, memory, conversation_id, calls, row))
         if job is None:
             return None
+        # a row that may be left to the background gets a provisional id, so that its outcome (injected, late,
+        # cancelled: marked by the caller under the id it is given) reaches it when it is written; only where the
+        # marks use this same memory (not a deprecated whole ContextDB, which makes a memory per call). Taken once
+        # the row is queued: a retrieval not recorded takes none, since a memory keeps only the newest
+        # MAX_PROVISIONAL_SPANS ids and those of a long stall's unrecorded retrievals pushed out the waiting rows'.
+        # The job reads ``row`` when it runs, after this (nothing is awaited in between).
+        provisional = None
+        if self.db_timeout_s is not None and memory is self.db and row["dropped"] is None:
+            provisional = memory.provisional_span_id()
+            row["provisional_id"] = provisional
         if not behind:
             try:
                 async with asyncio.timeout(self.db_timeout_s):
