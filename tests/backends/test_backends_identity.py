@@ -340,3 +340,18 @@ def test_a_group_without_the_files_owner_is_not_its_private_group(monkeypatch: p
     private = _PrivateGroups(me)
     assert private(4343)
     assert not private(4242)
+
+
+def test_the_id_a_refused_token_file_user_is_told_to_write_is_one_that_is_accepted(tmp_path: Path) -> None:
+    """A user id with white space at an end is refused with the id to write instead (the one its Context DB rows are
+    under since schema 5). That id was the given one stripped, whatever else was wrong with it, so the fix named an
+    id that is refused too (a control character, too long): the id to write is named only where it is accepted."""
+    tokens = tmp_path / "tokens.toml"
+    for user in (" b\\u0007ob", "x" * 201 + " "):
+        tokens.write_text(f'[[token]]\nuser = "{user}"\ntoken = "0123456789abcdefg"\n')
+        with pytest.raises(IdentityError, match="must not start or end with white space") as info:
+            Authenticator(token_file=tokens)
+        assert "write user =" not in str(info.value), str(info.value)
+    tokens.write_text('[[token]]\nuser = "carol\\t"\ntoken = "0123456789abcdefg"\n')
+    with pytest.raises(IdentityError, match=r"write user = 'carol' \(the Context DB"):
+        Authenticator(token_file=tokens)

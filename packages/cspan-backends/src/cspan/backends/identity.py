@@ -178,7 +178,11 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
             fixed = canonical_user_id(given) if isinstance(given, str) else ""
             hint = ""
             if fixed and fixed != given:  # an older release's entry: its user's rows are under this id since schema 5
-                hint = f"; write user = {fixed!r} (the Context DB keeps this user's rows under that id)"
+                try:
+                    check_id(fixed, "user")  # named only where it is accepted (not when it is wrong otherwise too)
+                    hint = f"; write user = {fixed!r} (the Context DB keeps this user's rows under that id)"
+                except ValueError:
+                    pass
             raise IdentityError(f"{where}: {exc}{hint}") from None
         if ("token" in table) == ("sha256" in table):
             raise IdentityError(f'{where}: give exactly one of sha256 = "..." (preferred) or token = "..."')
