@@ -45,6 +45,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
 import warnings
 from collections.abc import Awaitable, Callable
@@ -56,6 +57,7 @@ from pydantic import BaseModel, Field
 from cspan.backends.asr.base import MAX_TRANSCRIPT_CHARS
 from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
 from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
+from cspan.backends.tools.bank import calls_due_by
 from cspan.backends.untrusted import is_seconds, require_str, sanitize_text
 
 Stage = Literal["asr", "context", "router", "tool"]
@@ -258,11 +260,16 @@ class Retriever:
         route: RouteResult | None = None
         asked_at = time.time()
         start = time.perf_counter()
+        # a tool that would wait (an MCP server's Retry-After) waits only where the wait ends before this deadline
+        due = contextlib.nullcontext()
+        if budget is not None and math.isfinite(budget):
+            due = calls_due_by(asyncio.get_running_loop().time() + budget)
         try:
             async with asyncio.timeout(budget):
-                route = await self._run(
-                    res, audio, sample_rate, question, profile, agent_said, conversation_id, after_span
-                )
+                with due:
+                    route = await self._run(
+                        res, audio, sample_rate, question, profile, agent_said, conversation_id, after_span
+                    )
         except TimeoutError:
             res.late = True
             res.reference = None
