@@ -341,8 +341,10 @@ def _move_user(tx: Executor, old: str, new: str) -> None:
 def _v5(tx: Executor) -> None:
     """User ids stored by older releases in another spelling join the user this release knows by that id.
 
-    Releases up to schema 3 stored an id as it was given; since then :func:`~.user.check_id` composes it (NFC) and
-    refuses white space at either end, so a row stored as ``"jose\u0301"`` or ``" bob"`` was never found again: the
+    Older releases stored an id as it was given: white space at either end until 2026-12-05 (schema 3), decomposed
+    Unicode until 2026-12-06 (schema 4, which those releases share with this one's predecessor); now
+    :func:`~.user.check_id` composes it (NFC) and refuses the spaces, so a row stored as ``"jose\u0301"`` or
+    ``" bob"`` was never found: the
     user's profile, facts and conversations looked lost, ``cspan db export|forget`` missed them (or refused the
     id), and an issued token of ``" bob"`` broke every connection that presented it.
     """
