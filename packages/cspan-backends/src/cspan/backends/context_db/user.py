@@ -606,7 +606,12 @@ class UserMemory:
                 if outcome is None:
                     promised.row = row
                     break
-            self._update_span(row, *outcome)
+            try:
+                self._update_span(row, *outcome)
+            except BaseException:  # later marks still reach the row (this one's failure is the caller's to see)
+                with self._provisional_lock:
+                    promised.row = row
+                raise
         return row
 
     def provisional_span_id(self) -> int:
