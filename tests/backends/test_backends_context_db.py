@@ -1225,3 +1225,76 @@ def test_a_span_row_promised_under_a_provisional_id_gets_the_outcome_marked_befo
         with pytest.raises(ContextDBError, match="not a provisional span id"):
             memory.mark_span_injected(early)
         assert db.user("bob").provisional_span_id() < 0  # each memory its own
+
+
+def test_a_mark_made_while_the_row_takes_an_earlier_mark_is_not_overwritten_by_it(tmp_path: Path) -> None:
+    """Marks under a provisional id are kept in order: the last one wins, as on a row. When the row was written,
+    ``add_span`` set the row id first and then wrote the outcome marked before; a mark made in between (another
+    thread: the session's queued writes) went straight to the row and was then overwritten by that older outcome."""
+    with ContextDB(tmp_path / "ctx.sqlite") as db:
+        memory = db.user("ada")
+        cid = memory.start_conversation()
+        promised = memory.provisional_span_id()
+        memory.mark_span_injected(promised, injected_at=100.0, frame=12)  # before the row is written
+        update = memory._update_span
+        between: list[int] = []
+
+        def racing_update(span_id: int, assignments: str, params: tuple) -> None:
+            if span_id > 0 and not between:  # add_span writes the earlier outcome: a later mark comes in meanwhile
+                between.append(span_id)
+                memory.mark_span_dropped(promised, "late")
+            update(span_id, assignments, params)
+
+        memory._update_span = racing_update  # type: ignore[method-assign]
+        row = memory.add_span(cid, question="q", text="ref", provisional_id=promised)
+        memory._update_span = update  # type: ignore[method-assign]
+        assert between == [row]
+        (span,) = memory.spans(cid)
+        assert (span.dropped, span.injected_at) == ("late", None)  # the later mark, not the earlier one
+
+
+def test_an_erase_of_a_user_is_not_undone_by_the_rows_of_an_older_spelling(
+    target: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``cspan db forget bob`` could not reach the rows an older release stored under ``" bob"`` (the reason for
+    schema 5). Schema 5 moved those rows to ``bob`` whatever the erase: what the operator had forgotten (as far as the
+    operator could tell) was remembered again, and spoken about in bob's next conversation. Rows of another
+    spelling written before the user's erase are deleted instead of moved (logged); later ones join the user."""
+    from cspan.backends.context_db.connection import connect
+    from cspan.backends.context_db.schema import MIGRATIONS
+
+    conn = connect(target)
+    with conn.write() as tx:
+        tx.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        for step in MIGRATIONS[:4]:
+            step.apply(tx)
+        tx.execute("INSERT INTO schema_version (version) VALUES (4)")
+        tx.execute(  # bob forgotten at 500 (his " bob" rows out of reach)
+            "INSERT INTO erasures (user_hash, generation, erased_at) VALUES (?, 1, 500)",
+            (hashlib.sha256(b"bob").hexdigest(),),
+        )
+        tx.execute("INSERT INTO profiles (user_id, name, notes, updated_at) VALUES (' bob', 'Bob', 'HIV+', 100)")
+        tx.execute("INSERT INTO facts (user_id, key, value, t) VALUES (' bob', 'diagnosis', 'HIV+', 100)")
+        tx.execute("INSERT INTO facts (user_id, key, value, t) VALUES (' bob', 'colour', 'green', 600)")  # after
+        for cid, t in (("old", 100.0), ("new", 600.0)):
+            tx.execute("INSERT INTO conversations (user_id, id, started_at) VALUES (' bob', ?, ?)", (cid, t))
+            tx.execute(
+                "INSERT INTO turns (user_id, conversation_id, role, text, t) VALUES (' bob', ?, 'user', ?, ?)",
+                (cid, f"said at {t:g}", t + 1),
+            )
+            tx.execute(
+                "INSERT INTO spans (user_id, conversation_id, question, asked_at) VALUES (' bob', ?, 'q', ?)",
+                (cid, t + 2),
+            )
+    conn.close()
+    with caplog.at_level("WARNING"), ContextDB(target) as db:
+        bob = db.user("bob")
+        assert bob.get_profile() is None
+        assert {f.key: f.value for f in bob.facts()} == {"colour": "green"}
+        assert [c.id for c in bob.conversations()] == ["new"]
+        assert [t.text for t in bob.turns("new")] == ["said at 600"] and len(bob.spans("new")) == 1
+        for table in ("profiles", "facts", "conversations", "turns", "spans"):
+            assert db._conn.read(f"SELECT user_id FROM {table} WHERE user_id = ' bob'") == [], table
+        assert db._conn.read("SELECT COUNT(*) AS n FROM turns")[0]["n"] == 1
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("before 'bob' was forgotten" in m and "deleted" in m for m in said), said

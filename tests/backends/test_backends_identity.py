@@ -259,3 +259,99 @@ def test_a_token_file_of_plain_tokens_is_warned_about_only_where_others_can_reac
             with caplog.at_level(logging.WARNING, logger="cspan.backends.identity"):
                 load_token_file(tokens)
             assert any("can be read by other users (mode 640)" in r.getMessage() for r in caplog.records)
+
+
+def _grant_acl(path: Path, uid: int, perm: int) -> None:
+    """Give user ``uid`` the permissions ``perm`` (4 r, 1 x) on ``path`` by an access ACL (``setfacl -m
+    u:UID:...``, written as the kernel's ``system.posix_acl_access`` attribute); the owner keeps its own bits, the
+    group and others get nothing. The mode's group bits then show the ACL's mask. Skips where ACLs cannot be set."""
+    import struct
+
+    owner = (os.stat(path).st_mode >> 6) & 0o7
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, owner, undefined), (0x02, perm, uid), (0x04, 0, undefined), (0x10, perm, undefined)]
+    entries.append((0x20, 0, undefined))
+    value = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+    try:
+        os.setxattr(path, "system.posix_acl_access", value)
+    except (AttributeError, OSError) as exc:
+        pytest.skip(f"cannot set an access ACL here: {exc}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX ACLs as Linux stores them")
+def test_a_token_file_another_user_may_read_by_an_acl_is_warned_about(
+    open_tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``setfacl -m u:nobody:r tokens.toml`` lets another user read plain tokens; the mode then shows the ACL's mask
+    in its group bits (640). The warning read those bits as the owning group's and dropped them for a private group
+    (Debian's user private groups: the owner's group here), so the file read as out of reach, though the old check
+    (any group or other bit) warned. The same for a folder of mode 700 that an ACL lets another user enter. Where an
+    access ACL is set, the group bits count as open to others."""
+    from cspan.backends import identity
+
+    monkeypatch.setattr(identity._PrivateGroups, "_look_up", lambda self, gid: True)  # the owner's private group
+    nobody = 65534
+    tokens = open_tmp_path / "tokens.toml"
+    tokens.write_text('[[token]]\nuser = "kiosk"\ntoken = "kiosk-token-0123456789"\n')
+    tokens.chmod(0o600)
+    assert not identity.readable_by_others(tokens)
+    _grant_acl(tokens, nobody, 0o4)
+    assert tokens.stat().st_mode & 0o777 == 0o640  # the mask, shown as the group's bits
+    if os.geteuid() == 0:  # the user named can read it indeed
+        read = subprocess.run(["cat", str(tokens)], capture_output=True, user=nobody, group=nobody, timeout=30)
+        assert read.returncode == 0 and b"kiosk-token" in read.stdout
+    assert identity.readable_by_others(tokens)
+    with caplog.at_level(logging.WARNING, logger="cspan.backends.identity"):
+        identity.load_token_file(tokens)
+    assert any("can be read by other users" in r.getMessage() for r in caplog.records)
+
+    folder = open_tmp_path / "private"
+    folder.mkdir(mode=0o700)
+    inner = folder / "tokens.toml"
+    inner.write_text(tokens.read_text())
+    inner.chmod(0o644)
+    assert not identity.readable_by_others(inner)  # only its owner enters the folder
+    _grant_acl(folder, nobody, 0o1)  # but an ACL lets nobody in
+    assert folder.stat().st_mode & 0o777 == 0o710
+    assert identity.readable_by_others(inner)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX groups")
+def test_a_group_without_the_files_owner_is_not_its_private_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group counts as its owner's private one (the token file warning's exception for a group's bits) only when
+    the owner is its one member, as in Debian's user private groups. A group that lists no member and is no user's
+    primary group (a service's group, whose members a service manager such as systemd's SupplementaryGroups= or a
+    directory service that cannot be listed gives it) read as private too: a file of mode 640 in such a group was not
+    warned about."""
+    import grp
+    import pwd
+
+    from cspan.backends.identity import _PrivateGroups
+
+    me = os.getuid()
+    name = pwd.getpwuid(me).pw_name
+    users = [u for u in pwd.getpwall() if u.pw_gid not in (4242, 4343)]
+    groups = {
+        4242: grp.struct_group(("svc", "x", 4242, [])),  # no member listed, nobody's primary group
+        4343: grp.struct_group(("mine", "x", 4343, [name])),  # the owner only
+    }
+    monkeypatch.setattr(pwd, "getpwall", lambda: users)
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: groups[gid])
+    private = _PrivateGroups(me)
+    assert private(4343)
+    assert not private(4242)
+
+
+def test_the_id_a_refused_token_file_user_is_told_to_write_is_one_that_is_accepted(tmp_path: Path) -> None:
+    """A user id with white space at an end is refused with the id to write instead (the one its Context DB rows are
+    under since schema 5). That id was the given one stripped, whatever else was wrong with it, so the fix named an
+    id that is refused too (a control character, too long): the id to write is named only where it is accepted."""
+    tokens = tmp_path / "tokens.toml"
+    for user in (" b\\u0007ob", "x" * 201 + " "):
+        tokens.write_text(f'[[token]]\nuser = "{user}"\ntoken = "0123456789abcdefg"\n')
+        with pytest.raises(IdentityError, match="must not start or end with white space") as info:
+            Authenticator(token_file=tokens)
+        assert "write user =" not in str(info.value), str(info.value)
+    tokens.write_text('[[token]]\nuser = "carol\\t"\ntoken = "0123456789abcdefg"\n')
+    with pytest.raises(IdentityError, match=r"write user = 'carol' \(the Context DB"):
+        Authenticator(token_file=tokens)

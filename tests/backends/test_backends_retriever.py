@@ -382,3 +382,37 @@ async def test_a_context_db_that_does_not_answer_costs_the_context_not_the_deadl
     db.close()
     with pytest.raises(ValueError, match="db_timeout_s"):
         Retriever(None, LocalRouter(None, None, knowledge), db_timeout_s=0)
+
+
+async def test_retrievals_not_recorded_during_a_stall_do_not_push_out_a_waiting_rows_outcome(
+    knowledge: Path, tmp_path
+) -> None:
+    """A long stall: a retrieval's span row waits for the database under a provisional id, its span is read (marked
+    injected under that id), and the user asks on. Each later retrieval beyond the queue's bound is not recorded, but
+    took a provisional id all the same, and the memory keeps only the newest MAX_PROVISIONAL_SPANS: after that many
+    the waiting row's id, and the outcome kept under it, were forgotten, so the row was written without its outcome
+    (the case provisional ids exist for). A retrieval that records nothing takes no id now."""
+    from cspan.backends.context_db.user import MAX_PROVISIONAL_SPANS
+
+    gate = GatedExecutor()
+    db = ContextDB(tmp_path / "ctx.sqlite", executor=gate)
+    memory = db.user("ada")
+    cid = memory.start_conversation()
+    retriever = Retriever(None, LocalRouter(None, None, knowledge), memory, deadline_s=2.5, db_timeout_s=0.1)
+    gate.is_open.clear()
+    try:
+        first = await retriever.retrieve(question="what is the weather in london", conversation_id=cid)
+        assert first.span_id is not None and first.span_id < 0
+        memory.mark_span_injected(first.span_id, injected_at=1234.5, frame=77)  # read while the row waits
+        for _ in range(MAX_PROVISIONAL_SPANS + 2):  # the user asks on; beyond the queue's bound none is recorded
+            await retriever.retrieve(question="when does the office close", conversation_id=cid)
+        gate.is_open.set()
+        assert await retriever.drain(10)
+    finally:
+        gate.is_open.set()
+        gate.shutdown()
+    row = memory.spans(cid)[0]
+    assert (row.question, row.injected_at, row.frame) == ("what is the weather in london", 1234.5, 77)
+    memory.mark_span_dropped(first.span_id, "late")  # the id still reaches its row
+    assert memory.spans(cid)[0].dropped == "late"
+    db.close()

@@ -782,3 +782,60 @@ async def test_an_http_servers_retry_after_is_waited_out_within_the_calls_deadli
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+async def test_a_retry_after_past_the_retrievals_deadline_fails_the_call_at_once() -> None:
+    """The wait a server's ``Retry-After`` asks for must end before the call's deadline; that deadline was the tool's
+    own timeout only, not the retrieval's around it (``cspan serve``'s span deadline, 2.5 s, against a tool's 10 s),
+    so a read was waited for past the retrieval's end: the span came late (``missed its deadline in the router
+    step``), holding off the next ``<ret>`` meanwhile, where it could fail at once saying what the server asked. The
+    wait now fits the nearer of the two."""
+    import threading
+
+    import uvicorn
+
+    from cspan.backends.retriever import Retriever
+    from cspan.backends.router.base import RouteResult
+    from cspan.backends.tools.catalog import callback_tool
+    from cspan.backends.tools.mcp_bridge import http_app
+
+    async def lookup(arguments: dict) -> str:
+        return f"found {arguments['what']}"
+
+    schema = {"type": "object", "properties": {"what": {"type": "string"}}, "required": ["what"]}
+    refusing = _Refusing(http_app(ToolBank([callback_tool("lookup", "Look up.", schema, lookup, kind="read")])))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(refusing, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            await asyncio.sleep(0.05)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
+        bank = await mount_mcp(url=url, connect_timeout_s=CONNECT_S, timeout_s=10)
+
+        class ToolRouter:  # routes every question to the MCP read
+            async def route(self, req):
+                result = await bank.call("lookup", {"what": req.question})
+                return RouteResult(reference=result.text, tool="lookup", source="tool:lookup")
+
+        try:
+            refusing.plan["lookup"] = [(429, {"Retry-After": "3"})]
+            start = time.monotonic()
+            res = await Retriever(None, ToolRouter(), None, deadline_s=1.0).retrieve(question="trains")
+            took = time.monotonic() - start
+            assert not res.late, res.error
+            assert res.error is not None and "asked to retry after 3 s, longer than the" in res.error, res.error
+            assert "left before the call's deadline; not waited" in res.error and took < 0.9, (took, res.error)
+            assert refusing.calls["lookup"] == 1
+            refusing.plan["lookup"] = [(429, {"retry-after-ms": "200"})]  # a wait that fits is still waited out
+            res = await Retriever(None, ToolRouter(), None, deadline_s=1.0).retrieve(question="trains")
+            assert res.reference == "found trains" and refusing.calls["lookup"] == 3
+        finally:
+            await bank.aclose()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

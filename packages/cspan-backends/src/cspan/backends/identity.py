@@ -178,7 +178,11 @@ def load_token_file(path: str | Path) -> list[_FileEntry]:
             fixed = canonical_user_id(given) if isinstance(given, str) else ""
             hint = ""
             if fixed and fixed != given:  # an older release's entry: its user's rows are under this id since schema 5
-                hint = f"; write user = {fixed!r} (the Context DB keeps this user's rows under that id)"
+                try:
+                    check_id(fixed, "user")  # named only where it is accepted (not when it is wrong otherwise too)
+                    hint = f"; write user = {fixed!r} (the Context DB keeps this user's rows under that id)"
+                except ValueError:
+                    pass
             raise IdentityError(f"{where}: {exc}{hint}") from None
         if ("token" in table) == ("sha256" in table):
             raise IdentityError(f'{where}: give exactly one of sha256 = "..." (preferred) or token = "..."')
@@ -236,9 +240,10 @@ def readable_by_others(path: Path) -> bool:
     A user needs a read bit of the file (its group's, or everyone's) and the search (x) bit of every folder on the
     way to it (its own folder and each parent, symbolic links resolved). So the file is out of reach when one of
     those folders lets in only its owner, being the file's owner or root: no x for its group or everyone, or x for
-    its group only where that group is a private one (no member but the file's owner, as the user private groups of
-    Debian and Ubuntu home folders). A group whose members cannot be listed counts as shared. Access control lists
-    are not read.
+    its group only where that group is a private one (the file's owner its one member, as the user private groups
+    of Debian and Ubuntu home folders). A group whose members cannot be listed counts as shared. Where an access
+    control list is set (Linux: ``setfacl``), the group bits are its mask, what it may grant other users and
+    groups, so they count as open to others whatever the owning group; the list itself is not read.
 
     Raises:
         OSError: the file or a folder on the way cannot be examined.
@@ -248,20 +253,38 @@ def readable_by_others(path: Path) -> bool:
     st = path.stat()
     owner = st.st_uid
     private = _PrivateGroups(owner)
-    if not (st.st_mode & stat.S_IROTH or (st.st_mode & stat.S_IRGRP and not private(st.st_gid))):
+
+    def group_shut(p: Path, gid: int) -> bool:  # its group bits let in no one but the owner
+        return private(gid) and not _has_access_acl(p)
+
+    if not (st.st_mode & stat.S_IROTH or (st.st_mode & stat.S_IRGRP and not group_shut(path, st.st_gid))):
         return False
     for folder in path.resolve().parents:
         d = folder.stat()
         if d.st_uid not in (owner, 0):
             continue  # its owner, another user, passes it
-        if not (d.st_mode & stat.S_IXOTH or (d.st_mode & stat.S_IXGRP and not private(d.st_gid))):
+        if not (d.st_mode & stat.S_IXOTH or (d.st_mode & stat.S_IXGRP and not group_shut(folder, d.st_gid))):
             return False
     return True
 
 
+def _has_access_acl(path: Path) -> bool:
+    """Whether ``path`` has an access ACL beyond its mode (Linux's ``system.posix_acl_access``; False where extended
+    attributes cannot be listed)."""
+    listxattr = getattr(os, "listxattr", None)
+    if listxattr is None:
+        return False
+    try:
+        return "system.posix_acl_access" in listxattr(path)
+    except OSError:
+        return False
+
+
 class _PrivateGroups:
-    """``private(gid)``: whether the group ``gid`` has no member but the user ``owner`` (by ``/etc/group`` and the
-    users' primary groups, through the system's user database); False when the group cannot be looked up."""
+    """``private(gid)``: whether the user ``owner`` is the one member of the group ``gid`` (by ``/etc/group`` and the
+    users' primary groups, through the system's user database); False when the group cannot be looked up, and for a
+    group that lists no member at all (its members may come from elsewhere: a service manager, a directory service
+    whose users cannot be listed)."""
 
     def __init__(self, owner: int) -> None:
         self.owner = owner
@@ -282,7 +305,7 @@ class _PrivateGroups:
             members |= {user.pw_name for user in pwd.getpwall() if user.pw_gid == gid}
         except (KeyError, OSError):
             return False
-        return members <= {name}
+        return members == {name}
 
 
 def may_be_issued(credential: str | None) -> bool:

@@ -45,6 +45,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
 import warnings
 from collections.abc import Awaitable, Callable
@@ -56,6 +57,7 @@ from pydantic import BaseModel, Field
 from cspan.backends.asr.base import MAX_TRANSCRIPT_CHARS
 from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
 from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
+from cspan.backends.tools.bank import calls_due_by
 from cspan.backends.untrusted import is_seconds, require_str, sanitize_text
 
 Stage = Literal["asr", "context", "router", "tool"]
@@ -258,11 +260,16 @@ class Retriever:
         route: RouteResult | None = None
         asked_at = time.time()
         start = time.perf_counter()
+        # a tool that would wait (an MCP server's Retry-After) waits only where the wait ends before this deadline
+        due = contextlib.nullcontext()
+        if budget is not None and math.isfinite(budget):
+            due = calls_due_by(asyncio.get_running_loop().time() + budget)
         try:
             async with asyncio.timeout(budget):
-                route = await self._run(
-                    res, audio, sample_rate, question, profile, agent_said, conversation_id, after_span
-                )
+                with due:
+                    route = await self._run(
+                        res, audio, sample_rate, question, profile, agent_said, conversation_id, after_span
+                    )
         except TimeoutError:
             res.late = True
             res.reference = None
@@ -526,17 +533,20 @@ class Retriever:
             "dropped": dropped,
         }
         behind = self.db_timeout_s is not None and self._waiting(conversation_id)
-        # a row that may be left to the background gets a provisional id, so that its outcome (injected, late,
-        # cancelled: marked by the caller under the id it is given) reaches it when it is written; only where the
-        # marks use this same memory (not a deprecated whole ContextDB, which makes a memory per call)
-        provisional = None
-        if self.db_timeout_s is not None and memory is self.db and row["dropped"] is None:
-            provisional = memory.provisional_span_id()
-            row["provisional_id"] = provisional
         what = f"record the span of {res.question!r}"
         job = self._enqueue(conversation_id, what, functools.partial(self._write, memory, conversation_id, calls, row))
         if job is None:
             return None
+        # a row that may be left to the background gets a provisional id, so that its outcome (injected, late,
+        # cancelled: marked by the caller under the id it is given) reaches it when it is written; only where the
+        # marks use this same memory (not a deprecated whole ContextDB, which makes a memory per call). Taken once
+        # the row is queued: a retrieval not recorded takes none, since a memory keeps only the newest
+        # MAX_PROVISIONAL_SPANS ids and those of a long stall's unrecorded retrievals pushed out the waiting rows'.
+        # The job reads ``row`` when it runs, after this (nothing is awaited in between).
+        provisional = None
+        if self.db_timeout_s is not None and memory is self.db and row["dropped"] is None:
+            provisional = memory.provisional_span_id()
+            row["provisional_id"] = provisional
         if not behind:
             try:
                 async with asyncio.timeout(self.db_timeout_s):

@@ -18,7 +18,9 @@ Version 5 changes no table: it rewrites the user ids that older releases stored 
 looks up (decomposed Unicode such as ``"jose\u0301"``, white space at either end such as ``" bob"``) to the one
 :func:`canonical_user_id` gives, which is what :func:`~.user.check_id` makes of any id given since. Their rows join
 that user's (a profile or fact stored under both spellings keeps the newer value), so the user's memory, issued
-tokens and erasure are reachable again, by the server and by ``cspan db export|forget``.
+tokens and erasure are reachable again, by the server and by ``cspan db export|forget``. Rows of another spelling
+from before the user was last forgotten (``cspan db forget`` of the id this release uses, which could not reach
+them) are deleted instead: the erase is not undone.
 """
 
 from __future__ import annotations
@@ -281,8 +283,47 @@ def canonical_user_id(user_id: str) -> str:
 _PROFILE_VALUES = ("name", "city", "timezone", "lat", "lon", "notes", "persona")
 
 
-def _move_user(tx: Executor, old: str, new: str) -> None:
-    """Move every row of ``old`` to ``new`` (see :func:`_v5`)."""
+def _erased_at(tx: Executor, user_id: str) -> float | None:
+    """When ``user_id`` was last forgotten (``erasures``), None if never."""
+    key = hashlib.sha256(user_id.encode()).hexdigest()
+    rows = tx.execute("SELECT erased_at FROM erasures WHERE user_hash = ?", (key,)).rows
+    return float(rows[0]["erased_at"]) if rows else None
+
+
+def _drop_before(tx: Executor, old: str, cutoff: float) -> dict[str, int]:
+    """Delete what ``old`` holds from before ``cutoff`` (epoch seconds), as an erase then would have (tokens are
+    kept, as an erase keeps them): spans and turns before it, conversations started before it with nothing left,
+    facts and the profile last written before it. Returns the rows deleted per table, those with any."""
+    before = (old, cutoff)
+    counts = {
+        "spans": tx.execute("DELETE FROM spans WHERE user_id = ? AND asked_at < ?", before).rowcount,
+        "turns": tx.execute("DELETE FROM turns WHERE user_id = ? AND t < ?", before).rowcount,
+        "conversations": tx.execute(
+            "DELETE FROM conversations WHERE user_id = ? AND started_at < ? AND NOT EXISTS (SELECT 1 FROM turns "
+            "WHERE turns.user_id = conversations.user_id AND turns.conversation_id = conversations.id) AND NOT EXISTS "
+            "(SELECT 1 FROM spans WHERE spans.user_id = conversations.user_id AND spans.conversation_id = "
+            "conversations.id)",
+            before,
+        ).rowcount,
+        "facts": tx.execute("DELETE FROM facts WHERE user_id = ? AND t < ?", before).rowcount,
+        "profiles": tx.execute("DELETE FROM profiles WHERE user_id = ? AND updated_at < ?", before).rowcount,
+    }
+    return {table: n for table, n in counts.items() if n > 0}
+
+
+def _move_user(tx: Executor, old: str, new: str, erased_at: float | None = None) -> None:
+    """Move every row of ``old`` to ``new`` (see :func:`_v5`). ``erased_at``: when ``new`` was last forgotten
+    (before this migration): the rows of ``old`` from before that are deleted, not moved."""
+    if erased_at is not None:
+        dropped = _drop_before(tx, old, erased_at)
+        if dropped:
+            log.warning(
+                "Context DB: rows stored under %a before %r was forgotten (cspan db forget) were deleted, not moved "
+                "to it: %s",
+                old,
+                new,
+                ", ".join(f"{n} {table}" for table, n in dropped.items()),
+            )
     tx.execute("UPDATE tokens SET user_id = ? WHERE user_id = ?", (new, old))
     moved = tx.execute("SELECT * FROM profiles WHERE user_id = ?", (old,)).rows
     kept = tx.execute("SELECT * FROM profiles WHERE user_id = ?", (new,)).rows
@@ -341,8 +382,10 @@ def _move_user(tx: Executor, old: str, new: str) -> None:
 def _v5(tx: Executor) -> None:
     """User ids stored by older releases in another spelling join the user this release knows by that id.
 
-    Releases up to schema 3 stored an id as it was given; since then :func:`~.user.check_id` composes it (NFC) and
-    refuses white space at either end, so a row stored as ``"jose\u0301"`` or ``" bob"`` was never found again: the
+    Older releases stored an id as it was given: white space at either end until 2026-12-05 (schema 3), decomposed
+    Unicode until 2026-12-06 (schema 4, which those releases share with this one's predecessor); now
+    :func:`~.user.check_id` composes it (NFC) and refuses the spaces, so a row stored as ``"jose\u0301"`` or
+    ``" bob"`` was never found: the
     user's profile, facts and conversations looked lost, ``cspan db export|forget`` missed them (or refused the
     id), and an issued token of ``" bob"`` broke every connection that presented it.
     """
@@ -351,8 +394,11 @@ def _v5(tx: Executor) -> None:
         found.update(row["user_id"] for row in tx.execute(f"SELECT DISTINCT user_id FROM {table}").rows)
     moves = {old: canonical_user_id(old) for old in sorted(found)}
     moves = {old: new for old, new in moves.items() if new and new != old}  # an id of spaces only stays as it is
+    # each user's own erase, read before any move merges another spelling's into it: what an operator forgot under
+    # the id this release uses is not brought back by the rows of another spelling from before then
+    erased = {new: _erased_at(tx, new) for new in set(moves.values())}
     for old, new in moves.items():
-        _move_user(tx, old, new)
+        _move_user(tx, old, new, erased[new])
     if moves:
         shown = ", ".join(f"{old!a} -> {new!r}" for old, new in list(moves.items())[:10])
         more = f" and {len(moves) - 10} more" if len(moves) > 10 else ""

@@ -594,14 +594,24 @@ class UserMemory:
         row = self._insert_span(
             conversation_id, question, text, tool, arguments, source, asked_at, latency_s, error, dropped
         )
-        if provisional_id is not None:
-            with self._provisional_lock:  # never held over the database: a mark must not wait for a stalled one
+        while provisional_id is not None:
+            # the outcome marked before the row was written, then any marked while that one is written, in order;
+            # the row's id is handed to later marks only once none is left to write, so that an older outcome never
+            # overwrites a newer one (the lock is never held over the database: a mark must not wait for it)
+            with self._provisional_lock:
                 promised = self._provisional.get(provisional_id)
-                outcome = None
-                if promised is not None:
-                    outcome, promised.row, promised.outcome = promised.outcome, row, None
-            if outcome is not None:  # marked before the row was written (later marks update the row itself)
+                if promised is None:
+                    break
+                outcome, promised.outcome = promised.outcome, None
+                if outcome is None:
+                    promised.row = row
+                    break
+            try:
                 self._update_span(row, *outcome)
+            except BaseException:  # later marks still reach the row (this one's failure is the caller's to see)
+                with self._provisional_lock:
+                    promised.row = row
+                raise
         return row
 
     def provisional_span_id(self) -> int:

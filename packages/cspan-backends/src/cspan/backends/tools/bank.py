@@ -18,6 +18,7 @@ the tool's own words and is cut to :data:`MAX_ERROR_CHARS`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import copy
 import inspect
@@ -45,6 +46,7 @@ __all__ = [
     "ToolOutput",
     "ToolResult",
     "call_deadline",
+    "calls_due_by",
     "render_clause",
     "sanitize_text",
     "tool_name_key",
@@ -62,9 +64,23 @@ _CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("c
 
 def call_deadline() -> float | None:
     """When the tool call in progress must be over: the event loop's clock (``loop.time()``) at which
-    :meth:`ToolBank.call`'s timeout ends it, as seen from inside the tool; None outside a bank's call. A tool that
-    would wait (a server's ``Retry-After``) reads it to know whether the wait fits."""
+    :meth:`ToolBank.call`'s timeout ends it, or the deadline of what made the call (:func:`calls_due_by`: a
+    retrieval's) where that comes first, as seen from inside the tool; None outside a bank's call. A tool that would
+    wait (a server's ``Retry-After``) reads it to know whether the wait fits."""
     return _CALL_DEADLINE.get()
+
+
+@contextlib.contextmanager
+def calls_due_by(at: float) -> Iterator[None]:
+    """Tool calls made inside (by this task and the tasks it starts) must be over by ``at`` (``loop.time()``) at the
+    latest, a deadline of their caller's that comes before their own timeout (a retrieval's: what the call is for is
+    lost past it): :func:`call_deadline` is the nearer of the two."""
+    outer = _CALL_DEADLINE.get()
+    token = _CALL_DEADLINE.set(at if outer is None else min(outer, at))
+    try:
+        yield
+    finally:
+        _CALL_DEADLINE.reset(token)
 
 
 MAX_QUOTED_CHARS = 300
@@ -523,7 +539,8 @@ class ToolBank:
             )
         limit = float(limit)
         start = time.perf_counter()
-        deadline = _CALL_DEADLINE.set(asyncio.get_running_loop().time() + limit)  # call_deadline(), for the tool
+        own, outer = asyncio.get_running_loop().time() + limit, _CALL_DEADLINE.get()
+        deadline = _CALL_DEADLINE.set(own if outer is None else min(own, outer))  # call_deadline(), for the tool
         try:
             out = await asyncio.wait_for(self._invoke(tool, full), timeout=limit)
         except TimeoutError:

@@ -320,9 +320,9 @@ class MCPConnection:
         An HTTP server that refuses the call with 429 or 503 and a ``Retry-After`` is asked again after that wait
         when the tool may be called twice (a read, or ``idempotentHint``), the wait is at most
         :data:`~cspan.backends.tools.mcp_http.MAX_WAITED_S` and it ends before the call's deadline
-        (:func:`~cspan.backends.tools.bank.call_deadline`, the bank's timeout), at most
-        :data:`~cspan.backends.tools.mcp_http.MAX_RETRY_AFTER_WAITS` times; otherwise the call fails at once, saying
-        what the server asked and why it was not waited.
+        (:func:`~cspan.backends.tools.bank.call_deadline`: the bank's timeout, or the retrieval's deadline where
+        nearer), at most :data:`~cspan.backends.tools.mcp_http.MAX_RETRY_AFTER_WAITS` times; otherwise the call
+        fails at once, saying what the server asked and why it was not waited.
 
         Raises:
             ToolError: the connection is closed (``aclose``), or was lost and could not be reconnected; the
