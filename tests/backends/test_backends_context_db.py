@@ -426,6 +426,9 @@ def test_user_ids_an_older_release_stored_join_their_user(
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"schema {version} (an older release's) migrated to {SCHEMA_VERSION}" in m for m in said), said
     assert any("3 user id(s)" in m and "'jose\\u0301' -> 'jos\u00e9'" in m for m in said), said
+    # Zoë's rows were under both spellings: the merge is named apart from the plain moves (josé's and bob's)
+    merges = [m for m in said if "held rows each and are one user now" in m]
+    assert len(merges) == 1 and f"one user now, {_ZOE!r}" in merges[0], said
     caplog.clear()
     with caplog.at_level("WARNING"), ContextDB(target) as again:  # once: the next open changes nothing
         assert again.users() == sorted(["bob", _ZOE])

@@ -397,8 +397,21 @@ def _v5(tx: Executor) -> None:
     # each user's own erase, read before any move merges another spelling's into it: what an operator forgot under
     # the id this release uses is not brought back by the rows of another spelling from before then
     erased = {new: _erased_at(tx, new) for new in set(moves.values())}
+    # ids whose rows meet others' under one id: two credentials an operator named alike (they cannot be told
+    # apart) become one user with one memory; said apart from the plain moves, so that an operator can check
+    spellings: dict[str, list[str]] = {}
+    for old, new in moves.items():
+        spellings.setdefault(new, [new] if new in found else []).append(old)
     for old, new in moves.items():
         _move_user(tx, old, new, erased[new])
+    for new, held in spellings.items():
+        if len(held) > 1:
+            log.warning(
+                "Context DB: user ids %s held rows each and are one user now, %r (their profiles, facts and "
+                "conversations merged; their tokens reach one memory)",
+                ", ".join(ascii(h) for h in held),
+                new,
+            )
     if moves:
         shown = ", ".join(f"{old!a} -> {new!r}" for old, new in list(moves.items())[:10])
         more = f" and {len(moves) - 10} more" if len(moves) > 10 else ""
