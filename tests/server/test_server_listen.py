@@ -73,6 +73,9 @@ def test_bound_socket_is_what_uvicorn_serves(tiny_checkpoint_dir: Path) -> None:
         ("--allow-host", "a b/c"),
         ("--allow-host", "http://x.example"),
         ("--allow-host", "x.example:70000"),
+        # a wildcard matched no Host (a browser never sends "*"), so every request was refused with 403
+        ("--allow-host", "*.example.com"),
+        ("--allow-origin", "https://*.example.com"),
     ],
 )
 def test_allow_origin_and_allow_host_values_are_checked(flag: str, value: str, capsys) -> None:

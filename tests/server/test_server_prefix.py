@@ -25,11 +25,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import httpx
 import numpy as np
 import pytest
+import soundfile as sf
 import websockets
 from chromium import CHROMIUM, chromium_args, fake_microphone, wait_until
 from serve_client import Client
@@ -209,6 +211,43 @@ def test_the_page_talks_under_a_path_prefix_behind_haproxy(
         assert f"{PREFIX}/static/{name}" in proxied, proxied
     assert all(path.startswith(PREFIX) for path in proxied), proxied
     assert "refused a request for Host" not in published.server.log, _diagnostics(published)
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(180)
+def test_the_page_names_its_own_address_with_a_token_under_a_path_prefix(published: Published, tmp_path: Path) -> None:
+    """The notices of a server that wants a token (``info``'s ``token_required``) and of one that refused it (close
+    4401) tell the reader to open this page's address with ``?token=``, under the prefix: ``/?token=`` would leave it.
+    The replica needs no credential, so both answers are played by the browser's routes."""
+    from playwright.sync_api import sync_playwright
+
+    mic = tmp_path / "mic.wav"
+    sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
+    page_url = f"{published.base}?token=wrong-token-0123456789"
+    expected = f"open the page as {published.base}?token=YOUR_TOKEN."
+
+    def token_required(route: Any) -> None:
+        answer = route.fetch()
+        route.fulfill(response=answer, json={**answer.json(), "token_required": True})
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=chromium_args(mic))
+        try:
+            page = browser.new_context().new_page()
+            page.route(f"**{PREFIX}/info", token_required)
+            page.goto(published.base)
+            page.wait_for_selector("#notice:not([hidden])", timeout=30_000)
+            assert expected in page.inner_text("#notice"), page.inner_text("#notice")
+
+            page = browser.new_context().new_page()
+            page.route_web_socket(f"**{PREFIX}/ws", lambda ws: ws.close(code=4401, reason="unauthorized"))
+            page.goto(page_url)
+            page.locator("#voice option").nth(1).wait_for(state="attached", timeout=30_000)
+            page.click("#start")
+            wait_until(page, "document.getElementById('notice').textContent.includes('refused the token')", 30.0)
+            assert expected in page.inner_text("#notice"), page.inner_text("#notice")
+        finally:
+            browser.close()
 
 
 @pytest.mark.timeout(300)

@@ -195,10 +195,11 @@ def check_allow_origin(value: str) -> str:
         or parts.fragment
         or not port_ok
         or _split_host(parts.netloc, "") is None
+        or "*" in parts.netloc
     ):
         raise ValueError(
-            f"{value!r} is not a browser origin: give scheme://host[:port] (http or https, no path), e.g. "
-            "https://app.example.com or http://localhost:3000, or '*' for any"
+            f"{value!r} is not a browser origin: give scheme://host[:port] (http or https, no path or wildcard: list "
+            "each origin), e.g. https://app.example.com or http://localhost:3000, or '*' for any"
         )
     return value.rstrip("/")
 
@@ -210,11 +211,11 @@ def check_allow_host(value: str) -> str:
         ValueError: what is wrong and an example.
     """
     value = value.strip()
-    parsed = None if value == "*" else _split_host(value, "")
+    parsed = None if value == "*" or "*" in value else _split_host(value, "")
     if value != "*" and (parsed is None or (parsed[1] and not 0 < int(parsed[1]) < 65536)):
         raise ValueError(
-            f"{value!r} is not a host name: give host or host:port (no scheme, path or spaces), e.g. "
-            "app.example.com or 192.168.1.5:8080, or '*' for any"
+            f"{value!r} is not a host name: give host or host:port (no scheme, path, spaces or wildcard: list each "
+            "name), e.g. app.example.com or 192.168.1.5:8080, or '*' for any"
         )
     return value
 

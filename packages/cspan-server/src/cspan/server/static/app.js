@@ -26,6 +26,12 @@
   const $ = (id) => document.getElementById(id);
   // A URL of the server relative to this page (no query or fragment: ?token= stays out of every request URL).
   const here = (path) => new URL(path, location.href);
+  // This page's own address with ?token=YOUR_TOKEN: under a proxy's prefix (/voice/) a bare /?token= would leave it.
+  const withToken = () => {
+    const u = here("");
+    u.search = "?token=YOUR_TOKEN";
+    return u.href;
+  };
 
   const ui = {
     status: $("status"),
@@ -176,7 +182,7 @@
     chosenVoice = ui.voice.value;
     updateCount();
     if (info.token_required && !token) {
-      notice("This server requires a token: open the page as /?token=YOUR_TOKEN.", "warn");
+      notice(`This server requires a token: open the page as ${withToken()}.`, "warn");
     } else if (info.token_required === null) {
       notice("The server cannot check credentials now (its database is away): try again in a moment.", "warn");
     }
@@ -680,7 +686,7 @@
         /* the notice already says why the server refused the start */
       } else if (session.bye && session.bye.reason === "revoked") notice("The session ended: this token was revoked.", "bad");
       else if (session.bye && session.bye.reason === "forgotten") notice("The session ended: everything remembered about you was erased. Start again for a fresh session.", "bad");
-      else if (e.code === 4401) notice("The server refused the token: open the page as /?token=YOUR_TOKEN.", "bad");
+      else if (e.code === 4401) notice(`The server refused the token: open the page as ${withToken()}.`, "bad");
       else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
       else if (session.busy) {
         /* the busy notice already gives the server's reason (all slots taken, or this user's limit) */
