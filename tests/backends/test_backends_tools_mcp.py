@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -706,15 +708,35 @@ class _Refusing:
         return await self.app(scope, replay, send)
 
 
+@contextlib.asynccontextmanager
+async def _serve_mcp_over_http(app) -> AsyncIterator[str]:
+    """``app`` (an MCP app, or :class:`_Refusing` around one) on a real uvicorn server in a thread, on a free port:
+    yields its MCP URL, and stops the server after."""
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            await asyncio.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 async def test_an_http_servers_retry_after_is_waited_out_within_the_calls_deadline(caplog) -> None:
     """MCP over streamable HTTP read a 429 or 503 as "Server returned an error response", whatever the server's
     ``Retry-After``. A read is now asked again after the wait when it ends before the call's deadline (at most 30 s,
     twice); a wait past the deadline, no ``Retry-After``, or an action (never sent twice) fails at once, saying what
     the server asked. A real MCP app (``cspan tools serve``'s) behind a refusing middleware, on uvicorn."""
-    import threading
-
-    import uvicorn
-
     from cspan.backends.tools.catalog import callback_tool
     from cspan.backends.tools.mcp_bridge import http_app
 
@@ -732,18 +754,8 @@ async def test_an_http_servers_retry_after_is_waited_out_within_the_calls_deadli
         ]
     )
     refusing = _Refusing(http_app(served))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(refusing, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            await asyncio.sleep(0.05)
-        bank = await mount_mcp(url=f"http://127.0.0.1:{port}/mcp", connect_timeout_s=CONNECT_S, timeout_s=10)
+    async with _serve_mcp_over_http(refusing) as url:
+        bank = await mount_mcp(url=url, connect_timeout_s=CONNECT_S, timeout_s=10)
         try:
             refusing.plan["lookup"] = [(429, {"Retry-After": "1"}), (503, {"retry-after-ms": "200"})]
             start = time.monotonic()
@@ -779,9 +791,6 @@ async def test_an_http_servers_retry_after_is_waited_out_within_the_calls_deadli
             assert (await bank.call("book", {"what": "a table"})).text == "booked a table"
         finally:
             await bank.aclose()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 async def test_a_retry_after_past_the_retrievals_deadline_fails_the_call_at_once() -> None:
@@ -790,10 +799,6 @@ async def test_a_retry_after_past_the_retrievals_deadline_fails_the_call_at_once
     so a read was waited for past the retrieval's end: the span came late (``missed its deadline in the router
     step``), holding off the next ``<ret>`` meanwhile, where it could fail at once saying what the server asked. The
     wait now fits the nearer of the two."""
-    import threading
-
-    import uvicorn
-
     from cspan.backends.retriever import Retriever
     from cspan.backends.router.base import RouteResult
     from cspan.backends.tools.catalog import callback_tool
@@ -804,17 +809,7 @@ async def test_a_retry_after_past_the_retrievals_deadline_fails_the_call_at_once
 
     schema = {"type": "object", "properties": {"what": {"type": "string"}}, "required": ["what"]}
     refusing = _Refusing(http_app(ToolBank([callback_tool("lookup", "Look up.", schema, lookup, kind="read")])))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(refusing, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            await asyncio.sleep(0.05)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
+    async with _serve_mcp_over_http(refusing) as url:
         bank = await mount_mcp(url=url, connect_timeout_s=CONNECT_S, timeout_s=10)
 
         class ToolRouter:  # routes every question to the MCP read
@@ -836,6 +831,3 @@ async def test_a_retry_after_past_the_retrievals_deadline_fails_the_call_at_once
             assert res.reference == "found trains" and refusing.calls["lookup"] == 3
         finally:
             await bank.aclose()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)

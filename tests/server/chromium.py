@@ -49,3 +49,17 @@ def wait_until(page: Any, expression: str, timeout_s: float) -> None:
     while not page.evaluate(expression):
         assert time.monotonic() < deadline, f"not true within {timeout_s} s: {expression}"
         page.wait_for_timeout(100)
+
+
+def wait_for_conversation(page: Any, span_text: str) -> None:
+    """After Start: the page is listening (the server's ready), shows the user's final transcript and the agent's
+    words, and lists a Context Span holding ``span_text``."""
+    page.wait_for_selector("#status-dot.listening", timeout=120_000)
+    page.wait_for_selector("#thread .bubble.user.final", timeout=180_000)
+    wait_until(
+        page,
+        "[...document.querySelectorAll('#thread .bubble.agent .text')].some(e => e.textContent.length > 0)",
+        60.0,
+    )
+    page.wait_for_selector("#spans li.span", timeout=60_000)
+    assert span_text in page.inner_text("#spans li.span")

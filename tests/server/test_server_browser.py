@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 import numpy as np
 import pytest
 import soundfile as sf
-from chromium import CHROMIUM, chromium_args, fake_microphone, wait_until
+from chromium import CHROMIUM, chromium_args, fake_microphone, wait_for_conversation
 
 SPAN_TEXT = "The Riverside Library opens at ten on Sunday."
 
@@ -52,15 +52,7 @@ def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, t
             page.fill("#location", "London")
 
             page.click("#start")
-            page.wait_for_selector("#status-dot.listening", timeout=120_000)
-            page.wait_for_selector("#thread .bubble.user.final", timeout=180_000)
-            wait_until(
-                page,
-                "[...document.querySelectorAll('#thread .bubble.agent .text')].some(e => e.textContent.length > 0)",
-                60.0,
-            )
-            page.wait_for_selector("#spans li.span", timeout=60_000)
-            assert SPAN_TEXT in page.inner_text("#spans li.span")
+            wait_for_conversation(page, SPAN_TEXT)  # ready, the user's transcript, the agent's words, the span
             assert page.inner_text("#spans li.span .tool") == "given"
             assert SPAN_TEXT in page.inner_text("#thread .bubble.span")
             user_text = page.inner_text("#thread .bubble.user.final .text")

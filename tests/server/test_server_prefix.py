@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import websockets
-from chromium import CHROMIUM, chromium_args, fake_microphone, wait_until
+from chromium import CHROMIUM, chromium_args, fake_microphone, wait_for_conversation, wait_until
 from serve_client import Client
 from serve_process import ServeProcess, free_port
 
@@ -181,15 +181,7 @@ def test_the_page_talks_under_a_path_prefix_behind_haproxy(
             page.fill("#name", "Ada")
 
             page.click("#start")
-            page.wait_for_selector("#status-dot.listening", timeout=120_000)  # ready: a conversation started
-            page.wait_for_selector("#thread .bubble.user.final", timeout=180_000)  # the user's transcript
-            wait_until(
-                page,
-                "[...document.querySelectorAll('#thread .bubble.agent .text')].some(e => e.textContent.length > 0)",
-                60.0,
-            )
-            page.wait_for_selector("#spans li.span", timeout=60_000)
-            assert SPAN_TEXT in page.inner_text("#spans li.span")
+            wait_for_conversation(page, SPAN_TEXT)  # ready, the user's transcript, the agent's words, the span
             assert page.inner_text("#thread .bubble.user.final .text").strip()
             artifacts = repo_root / "test-artifacts"
             artifacts.mkdir(exist_ok=True)
