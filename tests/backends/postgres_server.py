@@ -15,6 +15,7 @@ Other test folders can use it too: ``sys.path.insert(0, str(REPO / "tests" / "ba
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -127,13 +128,18 @@ class PostgresServer:
     def freeze(self) -> None:
         """Freeze the server as a hung host would (SIGSTOP to every process of it): its connections stay open, the
         kernel still acknowledges, nothing answers. :meth:`thaw` lets it go on."""
-        for pid in self.processes():
-            os.kill(pid, signal.SIGSTOP)
+        self._signal(signal.SIGSTOP)
 
     def thaw(self) -> None:
         """SIGCONT to every process of the server (after :meth:`freeze`)."""
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: int) -> None:
+        """``signum`` to every process of the server; one that ended since it was listed (a backend whose client
+        closed) is passed over."""
         for pid in self.processes():
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     def stop(self) -> None:
         if self.root is None:

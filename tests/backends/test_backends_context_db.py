@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import inspect
 import itertools
@@ -14,6 +15,7 @@ import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from postgres_server import PostgresServer, running_postgres
@@ -40,6 +42,25 @@ def postgres() -> Iterator[PostgresServer]:
 
 
 _databases = itertools.count()
+
+
+@contextlib.contextmanager
+def _database_at_schema(target: str, version: int) -> Iterator[Any]:
+    """A Context DB at ``target`` as a release at schema ``version`` created it (the migration list is append-only:
+    its first ``version`` steps are the SQL that release ran); yields a write transaction for that release's rows."""
+    from cspan.backends.context_db.connection import connect
+    from cspan.backends.context_db.schema import MIGRATIONS
+
+    conn = connect(target)
+    try:
+        with conn.write() as tx:
+            tx.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+            for step in MIGRATIONS[:version]:
+                step.apply(tx)
+            tx.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+            yield tx
+    finally:
+        conn.close()
 
 
 def _fresh_postgres(server: PostgresServer) -> str:
@@ -171,15 +192,7 @@ def test_migrates_the_first_schema_forward(tmp_path: Path) -> None:
 def test_migrates_schema_3_forward_keeping_every_span(target: str) -> None:
     """Schema 4 lets ``spans.dropped`` be ``cancelled`` (the CHECK rebuilt with the table, in one migration for both
     engines): a database at schema 3 opens with its spans, their ids, the next id and the constraint kept."""
-    from cspan.backends.context_db.connection import connect
-    from cspan.backends.context_db.schema import MIGRATIONS
-
-    conn = connect(target)
-    with conn.write() as tx:
-        tx.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-        for step in MIGRATIONS[:3]:
-            step.apply(tx)
-        tx.execute("INSERT INTO schema_version (version) VALUES (3)")
+    with _database_at_schema(target, 3) as tx:
         tx.execute("INSERT INTO conversations (user_id, id, started_at) VALUES ('ada', 'a1', 1)")
         tx.execute(
             "INSERT INTO spans (user_id, conversation_id, question, asked_at, dropped) VALUES ('ada', 'a1', 'q1', 2, "
@@ -189,7 +202,6 @@ def test_migrates_schema_3_forward_keeping_every_span(target: str) -> None:
             "INSERT INTO spans (user_id, conversation_id, question, text, asked_at, injected_at, frame) "
             "VALUES ('ada', 'a1', 'q2', 'r2', 3, 4, 50)"
         )
-    conn.close()
     with ContextDB(target) as db:
         assert db.schema_version() == SCHEMA_VERSION == 5
         ada = db.user("ada")
@@ -295,20 +307,14 @@ def _database_of_an_older_release(target: str, version: int) -> dict[str, str]:
     """A Context DB at schema ``version`` (2: e3b68c5's SQLite file above, or its migrations on PostgreSQL; 3: the
     release of 85141d5) holding rows under user ids as those releases stored them. Returns the issued tokens."""
     from cspan.backends.context_db.connection import connect
-    from cspan.backends.context_db.schema import MIGRATIONS
     from cspan.backends.identity import hash_token
 
     if version == 2 and "://" not in target:
         with sqlite3.connect(target) as raw:
             raw.executescript(SCHEMA_2_SQLITE_E3B68C5)
-    else:  # the migration list is append-only: its first steps are the SQL those releases ran
-        conn = connect(target)
-        with conn.write() as tx:
-            tx.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-            for step in MIGRATIONS[:version]:
-                step.apply(tx)
-            tx.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
-        conn.close()
+    else:
+        with _database_at_schema(target, version):
+            pass
     tokens = {_JOSE_NFD: "cspan.0123456789ab." + "j" * 43, " bob": "cspan.ba0123456789." + "b" * 43}
     conn = connect(target)
     with conn.write() as tx:
@@ -1263,15 +1269,7 @@ def test_an_erase_of_a_user_is_not_undone_by_the_rows_of_an_older_spelling(
     schema 5). Schema 5 moved those rows to ``bob`` whatever the erase: what the operator had forgotten (as far as the
     operator could tell) was remembered again, and spoken about in bob's next conversation. Rows of another
     spelling written before the user's erase are deleted instead of moved (logged); later ones join the user."""
-    from cspan.backends.context_db.connection import connect
-    from cspan.backends.context_db.schema import MIGRATIONS
-
-    conn = connect(target)
-    with conn.write() as tx:
-        tx.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-        for step in MIGRATIONS[:4]:
-            step.apply(tx)
-        tx.execute("INSERT INTO schema_version (version) VALUES (4)")
+    with _database_at_schema(target, 4) as tx:
         tx.execute(  # bob forgotten at 500 (his " bob" rows out of reach)
             "INSERT INTO erasures (user_hash, generation, erased_at) VALUES (?, 1, 500)",
             (hashlib.sha256(b"bob").hexdigest(),),
@@ -1289,7 +1287,6 @@ def test_an_erase_of_a_user_is_not_undone_by_the_rows_of_an_older_spelling(
                 "INSERT INTO spans (user_id, conversation_id, question, asked_at) VALUES (' bob', ?, 'q', ?)",
                 (cid, t + 2),
             )
-    conn.close()
     with caplog.at_level("WARNING"), ContextDB(target) as db:
         bob = db.user("bob")
         assert bob.get_profile() is None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,39 @@ def chromium_args(mic: Path) -> list[str]:
         f"--use-file-for-fake-audio-capture={mic}",
         "--autoplay-policy=no-user-gesture-required",
     ]
+
+
+def silent_microphone(folder: Path) -> Path:
+    """A second of 16-bit silence at 24 kHz, as the microphone of a test that does not speak."""
+    out = folder / "mic.wav"
+    sf.write(out, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
+    return out
+
+
+@contextlib.contextmanager
+def open_page(mic: Path, origin: str, **context_options: Any) -> Iterator[tuple[Any, list[str]]]:
+    """A page of a headless Chromium whose microphone plays ``mic``, the microphone granted to ``origin``
+    (``context_options``: Playwright's ``new_context`` options); yields it with the list its console messages
+    (``"error: ..."``) and uncaught errors (``"pageerror: ..."``) go to. The browser is closed after."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=chromium_args(mic))
+        try:
+            context = browser.new_context(**context_options)
+            context.grant_permissions(["microphone"], origin=origin)
+            page = context.new_page()
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            yield page, console
+        finally:
+            browser.close()
+
+
+def page_errors(console: list[str]) -> list[str]:
+    """The errors among :func:`open_page`'s console lines."""
+    return [c for c in console if c.startswith(("pageerror", "error"))]
 
 
 def fake_microphone(source: Path, out: Path) -> Path:

@@ -3,6 +3,7 @@ command line an operator types, its log collected, stopped with a signal."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -42,13 +43,15 @@ class ServeProcess:
         self.scheme = "http"
         self._found = threading.Event()
         self.proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
 
     def start(self, timeout: float = 240.0) -> ServeProcess:
         cmd = [sys.executable, "-m", "cspan.core.cli", "serve", *self.args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env, preexec_fn=sigint_default
         )
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._found.wait(timeout) or self.port is None:
             self.kill()
             raise RuntimeError(f"{self.name} did not start:\n{self.log}")
@@ -96,9 +99,16 @@ class ServeProcess:
         return self.proc.wait(timeout=timeout)
 
     def kill(self) -> None:
+        """SIGKILL, after asking a server that is still running for every thread's stack (SIGUSR1, into :attr:`log`):
+        a server that had to be killed shows where it was stuck."""
         if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.send_signal(signal.SIGUSR1)
+                self.proc.wait(timeout=2.0)  # the dump is written in the signal handler; the server goes on
             self.proc.kill()
             self.proc.wait(timeout=30)
+            if self._reader is not None:
+                self._reader.join(timeout=5.0)  # the rest of its output (the stacks) into the log
 
 
 def serve_args(checkpoint: Path, *extra: str) -> list[str]:

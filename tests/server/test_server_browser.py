@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 import numpy as np
 import pytest
 import soundfile as sf
-from chromium import CHROMIUM, chromium_args, fake_microphone, wait_for_conversation
+from chromium import fake_microphone, open_page, page_errors, silent_microphone, wait_for_conversation
 
 SPAN_TEXT = "The Riverside Library opens at ten on Sunday."
 
@@ -23,64 +23,52 @@ SPAN_TEXT = "The Riverside Library opens at ten on Sunday."
 @pytest.mark.browser
 @pytest.mark.timeout(300)
 def test_page_talks_in_headless_chromium(serve, fixture_file, repo_root: Path, tmp_path: Path) -> None:
-    from playwright.sync_api import sync_playwright
 
     # the default 2 s queue bound: Stop plays at most that much queued audio through before the bye
     server = serve(asr="sphinx", router="none", max_sessions=1, max_queued_frames=25)
     mic = fake_microphone(fixture_file("audio", "question_weather_24k.wav"), tmp_path / "mic.wav")
     artifacts = repo_root / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
-    args = chromium_args(mic)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
-        try:
-            context = browser.new_context(accept_downloads=True)
-            context.grant_permissions(["microphone"], origin=server.url)
-            page = context.new_page()
-            console: list[str] = []
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-            hooks = json.dumps({"spans": [{"at": 2.0, "text": SPAN_TEXT}]})
-            page.goto(server.url + "/?" + urlencode({"test": hooks}))
-            assert page.evaluate("window.isSecureContext") is True
-            assert page.is_hidden("#notice-insecure")
-            # a locator, not wait_for_function: the page's CSP (script-src 'self') blocks the eval that its polling needs
-            page.locator("#voice option").nth(1).wait_for(state="attached")
-            assert page.input_value("#voice") == "tiny0"
-            assert page.input_value("#timezone")  # prefilled from the browser
-            page.fill("#name", "Ada")
-            page.fill("#location", "London")
+    with open_page(mic, server.url, accept_downloads=True) as (page, console):
+        hooks = json.dumps({"spans": [{"at": 2.0, "text": SPAN_TEXT}]})
+        page.goto(server.url + "/?" + urlencode({"test": hooks}))
+        assert page.evaluate("window.isSecureContext") is True
+        assert page.is_hidden("#notice-insecure")
+        # a locator, not wait_for_function: the page's CSP (script-src 'self') blocks the eval that its polling needs
+        page.locator("#voice option").nth(1).wait_for(state="attached")
+        assert page.input_value("#voice") == "tiny0"
+        assert page.input_value("#timezone")  # prefilled from the browser
+        page.fill("#name", "Ada")
+        page.fill("#location", "London")
 
-            page.click("#start")
-            wait_for_conversation(page, SPAN_TEXT)  # ready, the user's transcript, the agent's words, the span
-            assert page.inner_text("#spans li.span .tool") == "given"
-            assert SPAN_TEXT in page.inner_text("#thread .bubble.span")
-            user_text = page.inner_text("#thread .bubble.user.final .text")
-            assert user_text.strip(), console
-            page.screenshot(path=str(artifacts / "serve-page.png"), full_page=True)
-            transport_text = page.inner_text("#transport")
+        page.click("#start")
+        wait_for_conversation(page, SPAN_TEXT)  # ready, the user's transcript, the agent's words, the span
+        assert page.inner_text("#spans li.span .tool") == "given"
+        assert SPAN_TEXT in page.inner_text("#thread .bubble.span")
+        user_text = page.inner_text("#thread .bubble.user.final .text")
+        assert user_text.strip(), console
+        page.screenshot(path=str(artifacts / "serve-page.png"), full_page=True)
+        transport_text = page.inner_text("#transport")
 
-            # the "behind real time" banner (audio_overflow) is about the live session: Stop clears it
-            page.evaluate(
-                "() => { const n = document.getElementById('notice'); n.textContent = 'behind';"
-                " n.className = 'notice warn behind'; n.hidden = false; }"
-            )
-            page.click("#stop")
-            page.wait_for_selector("#downloads:not([hidden])", timeout=60_000)
-            assert page.is_hidden("#notice")
-            with page.expect_download() as wav_download:
-                page.click("#download-wav")
-            with page.expect_download() as json_download:
-                page.click("#download-json")
-            wav_path = artifacts / "serve-page.wav"
-            json_path = artifacts / "serve-page.json"
-            wav_download.value.save_as(wav_path)
-            json_download.value.save_as(json_path)
-            assert wav_download.value.suggested_filename.startswith("contextspanning-")
-            assert json_download.value.suggested_filename.endswith(".json")
-            assert not [c for c in console if c.startswith(("pageerror", "error"))], console
-        finally:
-            browser.close()
+        # the "behind real time" banner (audio_overflow) is about the live session: Stop clears it
+        page.evaluate(
+            "() => { const n = document.getElementById('notice'); n.textContent = 'behind';"
+            " n.className = 'notice warn behind'; n.hidden = false; }"
+        )
+        page.click("#stop")
+        page.wait_for_selector("#downloads:not([hidden])", timeout=60_000)
+        assert page.is_hidden("#notice")
+        with page.expect_download() as wav_download:
+            page.click("#download-wav")
+        with page.expect_download() as json_download:
+            page.click("#download-json")
+        wav_path = artifacts / "serve-page.wav"
+        json_path = artifacts / "serve-page.json"
+        wav_download.value.save_as(wav_path)
+        json_download.value.save_as(json_path)
+        assert wav_download.value.suggested_filename.startswith("contextspanning-")
+        assert json_download.value.suggested_filename.endswith(".json")
+        assert not page_errors(console), console
 
     info = sf.info(wav_path)
     assert (info.channels, info.samplerate, info.subtype) == (2, 24000, "PCM_16")
@@ -123,43 +111,31 @@ def test_page_counts_the_persona_in_code_points_as_the_server_does(serve, tmp_pa
     counted and cut UTF-16 code units (``String.length``, the textarea's ``maxlength``), so an emoji counted two and a
     persona the server accepts could not be typed. The page now counts, and cuts what is typed or pasted past the
     limit, in code points; a persona of the server's own that is over the limit may shrink, not grow."""
-    from playwright.sync_api import sync_playwright
 
     server = serve(max_text_prompt_chars=10)
-    mic = tmp_path / "mic.wav"
-    sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=chromium_args(mic))
-        try:
-            context = browser.new_context()
-            context.grant_permissions(["microphone"], origin=server.url)
-            page = context.new_page()
-            console: list[str] = []
-            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-            page.goto(server.url + "/?codec=pcm")
-            page.locator("#voice option").nth(1).wait_for(state="attached")
-            prompt = page.locator("#text-prompt")
+    with open_page(silent_microphone(tmp_path), server.url) as (page, console):
+        page.goto(server.url + "/?codec=pcm")
+        page.locator("#voice option").nth(1).wait_for(state="attached")
+        prompt = page.locator("#text-prompt")
 
-            prompt.fill("")
-            prompt.press_sequentially("😀" * 6 + "abcdefgh")  # typed: stops at 10 characters
-            assert page.input_value("#text-prompt") == "😀" * 6 + "abcd"
-            assert page.inner_text("#prompt-count") == "(10/10)"
-            prompt.fill("𠀀" * 12)  # pasted (CJK Extension B, outside the BMP): what fits is kept
-            assert page.input_value("#text-prompt") == "𠀀" * 10
-            assert page.inner_text("#prompt-count") == "(10/10)"
-            prompt.press("Home")
-            prompt.press_sequentially("x")  # nothing more fits, wherever the caret is
-            assert page.input_value("#text-prompt") == "𠀀" * 10
-            prompt.fill("😀😀 hi")
-            assert page.inner_text("#prompt-count") == "(5/10)"
-            prompt.fill("😀" * 10)
+        prompt.fill("")
+        prompt.press_sequentially("😀" * 6 + "abcdefgh")  # typed: stops at 10 characters
+        assert page.input_value("#text-prompt") == "😀" * 6 + "abcd"
+        assert page.inner_text("#prompt-count") == "(10/10)"
+        prompt.fill("𠀀" * 12)  # pasted (CJK Extension B, outside the BMP): what fits is kept
+        assert page.input_value("#text-prompt") == "𠀀" * 10
+        assert page.inner_text("#prompt-count") == "(10/10)"
+        prompt.press("Home")
+        prompt.press_sequentially("x")  # nothing more fits, wherever the caret is
+        assert page.input_value("#text-prompt") == "𠀀" * 10
+        prompt.fill("😀😀 hi")
+        assert page.inner_text("#prompt-count") == "(5/10)"
+        prompt.fill("😀" * 10)
 
-            page.click("#start")  # the server takes what the page allowed
-            page.wait_for_selector("#status-dot.listening", timeout=120_000)
-            (session,) = [s for s in server.hub.sessions if s.state == "live"]
-            assert session._start.text_prompt == "😀" * 10
-            page.click("#stop")
-            page.wait_for_selector("#start:not([disabled])", timeout=60_000)
-            assert not console, console
-        finally:
-            browser.close()
+        page.click("#start")  # the server takes what the page allowed
+        page.wait_for_selector("#status-dot.listening", timeout=120_000)
+        (session,) = [s for s in server.hub.sessions if s.state == "live"]
+        assert session._start.text_prompt == "😀" * 10
+        page.click("#stop")
+        page.wait_for_selector("#start:not([disabled])", timeout=60_000)
+        assert not page_errors(console), console

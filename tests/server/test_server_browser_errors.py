@@ -13,10 +13,8 @@ import asyncio
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import soundfile as sf
-from chromium import CHROMIUM, chromium_args
+from chromium import open_page, page_errors, silent_microphone
 
 TOKEN = "browser-token-0123"
 
@@ -24,88 +22,73 @@ TOKEN = "browser-token-0123"
 @pytest.mark.browser
 @pytest.mark.timeout(300)
 def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> None:
-    from playwright.sync_api import sync_playwright
 
     persona = "You are a patient assistant who answers questions about the library's opening hours."
     server = serve(text_prompt=persona, max_text_prompt_chars=40, token=TOKEN, max_sessions=2, max_sessions_per_user=1)
-    mic = tmp_path / "mic.wav"
-    sf.write(mic, np.zeros(24000, dtype=np.float32), 24000, subtype="PCM_16")
-    args = chromium_args(mic)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
-        try:
-            context = browser.new_context()
-            context.grant_permissions(["microphone"], origin=server.url)
-            page = context.new_page()
-            console: list[str] = []
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+    with open_page(silent_microphone(tmp_path), server.url) as (page, console):
+        # 1. a token with a space: `new WebSocket` throws; the page said nothing and kept Start disabled
+        page.goto(server.url + "/?codec=pcm&token=not%20a%20token")
+        page.locator("#voice option").nth(1).wait_for(state="attached")
+        page.click("#start")
+        page.wait_for_selector("#status-dot.error", timeout=10_000)
+        assert "check the ?token= in the address" in page.inner_text("#notice")
+        assert page.is_enabled("#start") and page.is_disabled("#stop")
 
-            # 1. a token with a space: `new WebSocket` throws; the page said nothing and kept Start disabled
-            page.goto(server.url + "/?codec=pcm&token=not%20a%20token")
-            page.locator("#voice option").nth(1).wait_for(state="attached")
-            page.click("#start")
-            page.wait_for_selector("#status-dot.error", timeout=10_000)
-            assert "check the ?token= in the address" in page.inner_text("#notice")
-            assert page.is_enabled("#start") and page.is_disabled("#stop")
+        # 2. a start the server refuses (invalid_message): the reason, at once, and Start again
+        page.goto(server.url + f"/?codec=pcm&token={TOKEN}")
+        page.locator("#voice option").nth(1).wait_for(state="attached")
+        # the server's persona is longer than a client may send: the page shows it and leaves it to the server
+        assert page.input_value("#text-prompt") == persona
+        page.fill("#timezone", "Mars/Olympus")
+        page.click("#start")
+        page.wait_for_selector("#status-dot.error", timeout=10_000)  # the idle timeout is 60 s
+        text = page.inner_text("#notice")
+        assert "did not start the conversation" in text and "unknown IANA timezone 'Mars/Olympus'" in text, text
+        assert page.is_visible("#notice") and page.is_enabled("#start") and page.is_disabled("#stop")
+        page.wait_for_timeout(500)
+        assert server.hub.free_slots() == 2 and not server.hub.sessions
 
-            # 2. a start the server refuses (invalid_message): the reason, at once, and Start again
-            page.goto(server.url + f"/?codec=pcm&token={TOKEN}")
-            page.locator("#voice option").nth(1).wait_for(state="attached")
-            # the server's persona is longer than a client may send: the page shows it and leaves it to the server
-            assert page.input_value("#text-prompt") == persona
-            page.fill("#timezone", "Mars/Olympus")
-            page.click("#start")
-            page.wait_for_selector("#status-dot.error", timeout=10_000)  # the idle timeout is 60 s
-            text = page.inner_text("#notice")
-            assert "did not start the conversation" in text and "unknown IANA timezone 'Mars/Olympus'" in text, text
-            assert page.is_visible("#notice") and page.is_enabled("#start") and page.is_disabled("#stop")
-            page.wait_for_timeout(500)
-            assert server.hub.free_slots() == 2 and not server.hub.sessions
+        # 3. a good timezone: the conversation starts with the server's own persona, too long to be sent back
+        page.fill("#timezone", "Europe/London")
+        page.click("#start")
+        page.wait_for_selector("#status-dot.listening", timeout=120_000)
+        assert page.is_hidden("#notice")
+        (session,) = [s for s in server.hub.sessions if s.state == "live"]
+        assert session._start.text_prompt == persona
+        page.click("#stop")
+        page.wait_for_selector("#start:not([disabled])", timeout=60_000)
+        assert page.is_hidden("#notice")  # a conversation the user stopped: nothing to say
 
-            # 3. a good timezone: the conversation starts with the server's own persona, too long to be sent back
-            page.fill("#timezone", "Europe/London")
-            page.click("#start")
-            page.wait_for_selector("#status-dot.listening", timeout=120_000)
-            assert page.is_hidden("#notice")
-            (session,) = [s for s in server.hub.sessions if s.state == "live"]
-            assert session._start.text_prompt == persona
-            page.click("#stop")
-            page.wait_for_selector("#start:not([disabled])", timeout=60_000)
-            assert page.is_hidden("#notice")  # a conversation the user stopped: nothing to say
+        # 4. the server shuts down mid-conversation (bye "shutdown", close 1001): the page used to go idle silently
+        page.click("#start")
+        page.wait_for_selector("#status-dot.listening", timeout=120_000)
+        loop = server.hub._task.get_loop()
+        asyncio.run_coroutine_threadsafe(server.hub.end_all("shutdown"), loop).result(timeout=30)
+        page.wait_for_selector("#start:not([disabled])", timeout=30_000)
+        assert page.is_visible("#notice") and "the server is shutting down" in page.inner_text("#notice")
+        assert not page_errors(console), console
 
-            # 4. the server shuts down mid-conversation (bye "shutdown", close 1001): the page used to go idle silently
+        # 4b. this user's one conversation runs elsewhere: busy, and the page keeps the server's reason
+        from websockets.sync.client import connect
+
+        with connect(f"{server.ws_url}?token={TOKEN}") as other:
+            other.send(json.dumps({"type": "start"}))
+            while not (isinstance(m := other.recv(timeout=120), str) and json.loads(m)["type"] == "ready"):
+                pass
             page.click("#start")
-            page.wait_for_selector("#status-dot.listening", timeout=120_000)
-            loop = server.hub._task.get_loop()
-            asyncio.run_coroutine_threadsafe(server.hub.end_all("shutdown"), loop).result(timeout=30)
+            page.wait_for_selector("#notice:has-text('--max-sessions-per-user')", timeout=30_000)
             page.wait_for_selector("#start:not([disabled])", timeout=30_000)
-            assert page.is_visible("#notice") and "the server is shutting down" in page.inner_text("#notice")
-            assert not [c for c in console if c.startswith(("pageerror", "error"))], console
-
-            # 4b. this user's one conversation runs elsewhere: busy, and the page keeps the server's reason
-            from websockets.sync.client import connect
-
-            with connect(f"{server.ws_url}?token={TOKEN}") as other:
-                other.send(json.dumps({"type": "start"}))
-                while not (isinstance(m := other.recv(timeout=120), str) and json.loads(m)["type"] == "ready"):
-                    pass
-                page.click("#start")
-                page.wait_for_selector("#notice:has-text('--max-sessions-per-user')", timeout=30_000)
-                page.wait_for_selector("#start:not([disabled])", timeout=30_000)
-                page.wait_for_timeout(500)  # the close (1013) that follows the busy message
-                text = page.inner_text("#notice")
-                assert (
-                    "this user's conversations reached this server's limit per user (1," in text
-                    and "slots are busy" not in text
-                ), text
-
-            # 5. the server is gone: Start said "Microphone or audio setup failed: ... (Network error)"
-            server.stop()
-            page.click("#start")
-            page.wait_for_selector("#status-dot.error", timeout=30_000)
+            page.wait_for_timeout(500)  # the close (1013) that follows the busy message
             text = page.inner_text("#notice")
-            assert text.startswith("Cannot reach the server") and "Microphone" not in text, text
-            assert page.is_enabled("#start")
-        finally:
-            browser.close()
+            assert (
+                "this user's conversations reached this server's limit per user (1," in text
+                and "slots are busy" not in text
+            ), text
+
+        # 5. the server is gone: Start said "Microphone or audio setup failed: ... (Network error)"
+        server.stop()
+        page.click("#start")
+        page.wait_for_selector("#status-dot.error", timeout=30_000)
+        text = page.inner_text("#notice")
+        assert text.startswith("Cannot reach the server") and "Microphone" not in text, text
+        assert page.is_enabled("#start")

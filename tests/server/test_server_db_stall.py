@@ -652,73 +652,76 @@ async def test_a_frozen_postgresql_stalls_no_conversation(
     freeze_s = 8.0
     server = ServeProcess(*args, name="serve").start()
     try:
-        await asyncio.to_thread(server.wait_healthy)
-        async with (
-            websockets.connect(server.ws(), max_size=None) as ws,
-            websockets.connect(server.ws(), max_size=None) as ws_second,
-        ):
-            client = Client(ws)
-            ready = await client.start(profile={"name": "Ada"}, test={"force_ret_at": [5.5]})
-            assert ready["type"] == "ready"
-            live = Live(client).go()
-            await asyncio.sleep(1.0)
-            postgres.freeze()
-            frozen = time.monotonic()
-            try:
-                live.say(speech)  # 2.9 s: the forced <ret> at 5.5 s asks about it, while PostgreSQL is frozen
-                async with httpx.AsyncClient(base_url=server.url, timeout=3.0) as http:
-                    t0 = time.monotonic()
-                    async with websockets.connect(server.ws(), max_size=None) as refused:
-                        closed = await Client(refused).until_closed(timeout=15)
-                    assert closed.rcvd is not None and closed.rcvd.code == 1013, closed
-                    assert "credentials cannot be checked now" in closed.rcvd.reason
-                    assert time.monotonic() - t0 < 5.0
-                    second = Client(ws_second)
-                    second_asked = time.time()
-                    second_ready = await second.start(profile={"name": "Eve"})
-                    assert second_ready["type"] == "ready"
-                    assert (await second.stop())["reason"] == "stop"
-                    while time.monotonic() - frozen < freeze_s:
-                        assert (await http.get("/health")).status_code == 200
-                        await asyncio.sleep(0.5)
-                thawed = time.monotonic()
-                thawed_at = time.time()
-                spans_in_freeze = [
-                    m for t, kind, m in live.items() if kind == "json" and m["type"] == "span" and t < thawed
-                ]
-                finals_in_freeze = [m for t, kind, m in live.items() if kind == "json" and is_final(m) and t < thawed]
-                received = live.audio_between(frozen + 2.0, thawed)
-            finally:
-                postgres.thaw()
-            assert received >= 0.8 * (thawed - frozen - 2.0) * FRAMES_PER_S, received  # about real time
-            assert finals_in_freeze and any("london" in m["text"] for m in finals_in_freeze)
-            # read during the freeze, within the span deadline of its <ret>
-            (span,) = spans_in_freeze
-            assert "sunny" in span["text"] and span["source"] == "local:knowledge"
-            assert (span["frame"] - span["ret_frame"]) / FRAMES_PER_S <= 2.5 + 0.2, span
-            assert not client.received.json("late"), client.received.json("late")
-            await asyncio.sleep(1.0)
-            assert (await live.stop())["reason"] == "stop"
-        assert "has not answered in 1 s" in server.log and "answers again" in server.log, server.log
-        with ContextDB(url) as db:
-            memory = db.user("local")
-            conversation = memory.get_conversation(ready["conversation_id"])
-            assert conversation is not None and conversation.ended_at is not None
-            assert conversation.settings["session_id"] == ready["session_id"]
-            stored = iter(t.text for t in memory.turns(conversation.id) if t.role == "user")
-            finals = [m["text"] for m in client.received.json("user_text") if m["final"]]
-            assert all(text in stored for text in finals), finals  # every final transcript, in order
-            said = {t.text: t.t for t in memory.turns(conversation.id) if t.role == "user"}
-            assert all(said[m["text"]] < thawed_at - 1.0 for m in finals_in_freeze), (said, thawed_at)
-            profile = memory.get_profile()
-            assert (profile.name, profile.city, profile.notes) == ("Eve", "Leeds", "allergic to nuts")
-            started = memory.get_conversation(second_ready["conversation_id"])
-            assert second_asked <= started.started_at < thawed_at - 1.0 and started.ended_at < thawed_at
-            # written at the thaw, marked injected under the provisional id of its span event (was: no outcome)
-            (row,) = [s for s in memory.spans(conversation.id) if s.text]
-            assert span["retrieval_id"] is not None and span["retrieval_id"] < 0, span
-            assert row.text == span["text"] and row.dropped is None and row.frame == span["frame"]
-            assert row.injected_at is not None and row.injected_at < thawed_at  # when it was read, not the thaw
+        async with asyncio.timeout(300):  # a hang fails here, the server's stacks in its log (kill)
+            await asyncio.to_thread(server.wait_healthy)
+            async with (
+                websockets.connect(server.ws(), max_size=None) as ws,
+                websockets.connect(server.ws(), max_size=None) as ws_second,
+            ):
+                client = Client(ws)
+                ready = await client.start(profile={"name": "Ada"}, test={"force_ret_at": [5.5]})
+                assert ready["type"] == "ready"
+                live = Live(client).go()
+                await asyncio.sleep(1.0)
+                postgres.freeze()
+                frozen = time.monotonic()
+                try:
+                    live.say(speech)  # 2.9 s: the forced <ret> at 5.5 s asks about it, while PostgreSQL is frozen
+                    async with httpx.AsyncClient(base_url=server.url, timeout=3.0) as http:
+                        t0 = time.monotonic()
+                        async with websockets.connect(server.ws(), max_size=None) as refused:
+                            closed = await Client(refused).until_closed(timeout=15)
+                        assert closed.rcvd is not None and closed.rcvd.code == 1013, closed
+                        assert "credentials cannot be checked now" in closed.rcvd.reason
+                        assert time.monotonic() - t0 < 5.0
+                        second = Client(ws_second)
+                        second_asked = time.time()
+                        second_ready = await second.start(profile={"name": "Eve"})
+                        assert second_ready["type"] == "ready"
+                        assert (await second.stop())["reason"] == "stop"
+                        while time.monotonic() - frozen < freeze_s:
+                            assert (await http.get("/health")).status_code == 200
+                            await asyncio.sleep(0.5)
+                    thawed = time.monotonic()
+                    thawed_at = time.time()
+                    spans_in_freeze = [
+                        m for t, kind, m in live.items() if kind == "json" and m["type"] == "span" and t < thawed
+                    ]
+                    finals_in_freeze = [
+                        m for t, kind, m in live.items() if kind == "json" and is_final(m) and t < thawed
+                    ]
+                    received = live.audio_between(frozen + 2.0, thawed)
+                finally:
+                    postgres.thaw()
+                assert received >= 0.8 * (thawed - frozen - 2.0) * FRAMES_PER_S, received  # about real time
+                assert finals_in_freeze and any("london" in m["text"] for m in finals_in_freeze)
+                # read during the freeze, within the span deadline of its <ret>
+                (span,) = spans_in_freeze
+                assert "sunny" in span["text"] and span["source"] == "local:knowledge"
+                assert (span["frame"] - span["ret_frame"]) / FRAMES_PER_S <= 2.5 + 0.2, span
+                assert not client.received.json("late"), client.received.json("late")
+                await asyncio.sleep(1.0)
+                assert (await live.stop())["reason"] == "stop"
+            assert "has not answered in 1 s" in server.log and "answers again" in server.log, server.log
+            with ContextDB(url) as db:
+                memory = db.user("local")
+                conversation = memory.get_conversation(ready["conversation_id"])
+                assert conversation is not None and conversation.ended_at is not None
+                assert conversation.settings["session_id"] == ready["session_id"]
+                stored = iter(t.text for t in memory.turns(conversation.id) if t.role == "user")
+                finals = [m["text"] for m in client.received.json("user_text") if m["final"]]
+                assert all(text in stored for text in finals), finals  # every final transcript, in order
+                said = {t.text: t.t for t in memory.turns(conversation.id) if t.role == "user"}
+                assert all(said[m["text"]] < thawed_at - 1.0 for m in finals_in_freeze), (said, thawed_at)
+                profile = memory.get_profile()
+                assert (profile.name, profile.city, profile.notes) == ("Eve", "Leeds", "allergic to nuts")
+                started = memory.get_conversation(second_ready["conversation_id"])
+                assert second_asked <= started.started_at < thawed_at - 1.0 and started.ended_at < thawed_at
+                # written at the thaw, marked injected under the provisional id of its span event (was: no outcome)
+                (row,) = [s for s in memory.spans(conversation.id) if s.text]
+                assert span["retrieval_id"] is not None and span["retrieval_id"] < 0, span
+                assert row.text == span["text"] and row.dropped is None and row.frame == span["frame"]
+                assert row.injected_at is not None and row.injected_at < thawed_at  # when it was read, not the thaw
     finally:
         postgres.thaw()
         server.signal()

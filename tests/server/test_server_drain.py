@@ -1,7 +1,7 @@
 """Draining on a real signal (``cspan serve`` as a subprocess): the first SIGTERM or SIGINT drains for ``--drain-s``
 with the running conversation going on; a second one ends the drain at once (the session gets its ``bye``, close
 1001) instead of after ``--drain-s`` (was: uvicorn forces its exit only on a repeated SIGINT, so a second SIGTERM
-did nothing)."""
+did nothing). SIGUSR1 writes every thread's stack to the log and the conversation goes on."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ async def test_a_second_signal_ends_the_drain_at_once(tiny_checkpoint_dir: Path,
         async with websockets.connect(server.ws(), max_size=None) as ws:
             client = Client(ws)
             assert (await client.start())["type"] == "ready"
+            if sig == signal.SIGTERM:  # `kill -USR1`: every thread's stack to the log (OPERATORS.md); it goes on
+                server.signal(signal.SIGUSR1)
+                await client.stream([np.zeros(1920, dtype=np.float32)] * 5)
+                assert server.log.count("(most recent call first)") >= 3, server.log  # the loop, engine, db threads
+                assert "cspan/server/" in server.log and server.proc.poll() is None
             server.signal(sig)
             _wait_draining(server)
             await client.stream([np.zeros(1920, dtype=np.float32)] * 5)  # the conversation goes on while draining

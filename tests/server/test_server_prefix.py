@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import websockets
-from chromium import CHROMIUM, chromium_args, fake_microphone, wait_for_conversation, wait_until
+from chromium import CHROMIUM, chromium_args, fake_microphone, open_page, page_errors, wait_for_conversation, wait_until
 from serve_client import Client
 from serve_process import ServeProcess, free_port
 
@@ -151,46 +151,35 @@ def _diagnostics(published: Published) -> str:
 def test_the_page_talks_under_a_path_prefix_behind_haproxy(
     published: Published, fixture_file, tmp_path: Path, repo_root: Path
 ) -> None:
-    from playwright.sync_api import sync_playwright
 
     mic = fake_microphone(fixture_file("audio", "question_weather_24k.wav"), tmp_path / "mic.wav")
     origin = f"http://127.0.0.1:{published.front}"
     requests: list[str] = []
     sockets: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=chromium_args(mic))
-        try:
-            context = browser.new_context()
-            context.grant_permissions(["microphone"], origin=origin)
-            page = context.new_page()
-            console: list[str] = []
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-            page.on("request", lambda r: requests.append(r.url))
-            page.on("websocket", lambda ws: sockets.append(ws.url))
-            hooks = json.dumps({"spans": [{"at": 2.0, "text": SPAN_TEXT}]})
-            page.goto(published.base + "?" + urlencode({"codec": "opus", "test": hooks}))
-            assert page.evaluate("window.isSecureContext") is True
-            try:  # the voices come from info: the scripts ran and read it through the proxy
-                page.locator("#voice option").nth(1).wait_for(state="attached", timeout=30_000)
-            except Exception as exc:
-                raise AssertionError(
-                    f"the page did not load: {console}; requests {requests}\n{_diagnostics(published)}"
-                ) from exc
-            assert page.input_value("#voice") == "tiny0"
-            page.fill("#name", "Ada")
+    with open_page(mic, origin) as (page, console):
+        page.on("request", lambda r: requests.append(r.url))
+        page.on("websocket", lambda ws: sockets.append(ws.url))
+        hooks = json.dumps({"spans": [{"at": 2.0, "text": SPAN_TEXT}]})
+        page.goto(published.base + "?" + urlencode({"codec": "opus", "test": hooks}))
+        assert page.evaluate("window.isSecureContext") is True
+        try:  # the voices come from info: the scripts ran and read it through the proxy
+            page.locator("#voice option").nth(1).wait_for(state="attached", timeout=30_000)
+        except Exception as exc:
+            raise AssertionError(
+                f"the page did not load: {console}; requests {requests}\n{_diagnostics(published)}"
+            ) from exc
+        assert page.input_value("#voice") == "tiny0"
+        page.fill("#name", "Ada")
 
-            page.click("#start")
-            wait_for_conversation(page, SPAN_TEXT)  # ready, the user's transcript, the agent's words, the span
-            assert page.inner_text("#thread .bubble.user.final .text").strip()
-            artifacts = repo_root / "test-artifacts"
-            artifacts.mkdir(exist_ok=True)
-            page.screenshot(path=str(artifacts / "serve-page-prefix.png"), full_page=True)
-            page.click("#stop")
-            page.wait_for_selector("#downloads:not([hidden])", timeout=60_000)
-            assert not [c for c in console if c.startswith(("pageerror", "error"))], console
-        finally:
-            browser.close()
+        page.click("#start")
+        wait_for_conversation(page, SPAN_TEXT)  # ready, the user's transcript, the agent's words, the span
+        assert page.inner_text("#thread .bubble.user.final .text").strip()
+        artifacts = repo_root / "test-artifacts"
+        artifacts.mkdir(exist_ok=True)
+        page.screenshot(path=str(artifacts / "serve-page-prefix.png"), full_page=True)
+        page.click("#stop")
+        page.wait_for_selector("#downloads:not([hidden])", timeout=60_000)
+        assert not page_errors(console), console
 
     assert sockets == [f"ws://127.0.0.1:{published.front}{PREFIX}/ws"], sockets
     # every request of the page stayed under the prefix: the page, its files and info (what Playwright reports), the

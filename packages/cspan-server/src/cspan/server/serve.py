@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import re
 import signal
@@ -184,6 +185,8 @@ def _handle(args: argparse.Namespace) -> int:
     from cspan.core.voice import check_voice_path
 
     settings: ServeSettings = settings_from_args(args)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, even with the event loop stuck
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     check_voice_path(settings.voice)  # a --voice file that is not there fails before the model loads
     if settings.test_hooks:
         logger.warning("test hooks are enabled (--test-hooks): clients may force <ret> and spans")
