@@ -81,3 +81,15 @@ def test_the_static_text_top_k_size_covers_every_row_and_draws_the_same_tokens()
     large = RowSampling(rows.temperature, rows.top_k).race(logits, noise, MAX_TOP_K)
     assert small.tolist() == large.tolist()
     assert small[1].item() == logits[1].argmax().item()
+
+
+def test_the_noise_of_a_frames_codebooks_in_one_call_is_each_codebooks_bit_for_bit() -> None:
+    """The eager step draws the depformer codebooks' noise in one call (``stream`` a range: on the CPU the call's
+    operations cost their overhead, not their work); entry s is the noise of stream ``1 + s`` alone."""
+    from cspan.core.modules.fused import race_noise
+
+    seed, counter = torch.tensor([0, 5, -3, 2**62]), torch.tensor([0, 7, 123456, 9])
+    together = race_noise(seed, counter, range(1, 17), 2048)
+    assert together.shape == (4, 16, 2048)
+    for s in range(16):
+        assert torch.equal(together[:, s], race_noise(seed, counter, 1 + s, 2048))

@@ -330,6 +330,8 @@ def sample_column(
     dep_state.reset()
     in_kernel = plan.fused and lm.card <= fused.SAMPLE_MAX_VOCAB
     projected = lm.depformer_projections(hidden, steps) if plan.fused else None
+    # eager: every codebook's noise in one call ([B, steps, card]); fused: one kernel per codebook, or in its sampler
+    audio_noise = None if plan.fused or steps == 0 else fused.race_noise(seed, counter, range(1, 1 + steps), lm.card)
     for k in range(steps):
         logits = lm.depformer_logits(k, hidden, token, dep_state, projected, plan)
         if in_kernel:
@@ -338,7 +340,7 @@ def sample_column(
                 plan.pdl,
             )  # fmt: skip
             continue
-        token = audio.race(logits, noise(1 + k, logits.shape[-1]))
+        token = audio.race(logits, noise(1 + k, logits.shape[-1]) if audio_noise is None else audio_noise[:, k])
         token = torch.where(known[:, 1 + k], target[:, 1 + k], token)
         column[:, 1 + k] = token
     return column

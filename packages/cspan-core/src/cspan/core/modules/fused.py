@@ -283,12 +283,16 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ ((z >> 31) & 0x1FFFFFFFF)
 
 
-def noise_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.Tensor:
-    """[b] int64 keys of the noise of (session seed, frame counter, stream) for :func:`race_noise`."""
+def noise_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int | range) -> torch.Tensor:
+    """[b] int64 keys of the noise of (session seed, frame counter, stream) for :func:`race_noise` ([b, S] for a
+    range of S streams)."""
+    if isinstance(stream, range):
+        streams = torch.tensor(stream, device=seed.device, dtype=torch.long)
+        return _mix64(_mix64(seed + _GOLDEN)[:, None] + (counter * 64)[:, None] + streams + _GOLDEN)
     return _mix64(_mix64(seed + _GOLDEN) + counter * 64 + stream + _GOLDEN)
 
 
-def race_noise(seed: torch.Tensor, counter: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
+def race_noise(seed: torch.Tensor, counter: torch.Tensor, stream: int | range, vocab: int) -> torch.Tensor:
     """Exp(1) noise of the exponential race: entry v of row r is ``-log(u)``, ``u`` the top 24 bits of
     ``mix64(key_r + (v + 1) * golden) + 1/2`` over 2^24, ``key_r`` = :func:`noise_keys` (seed_r, counter_r, stream).
 
@@ -297,15 +301,17 @@ def race_noise(seed: torch.Tensor, counter: torch.Tensor, stream: int, vocab: in
 
     Args:
         seed, counter: [b] long.
-        stream: 0 .. 63.
+        stream: 0 .. 63, or a range of them (the depformer's codebooks of a frame in one call: on the CPU each
+            call costs its operations' overhead more than their work).
         vocab: V.
 
     Returns:
-        [b, V] float32.
+        [b, V] float32, or [b, S, V] for a range of S streams (entry s: the noise of stream ``stream[s]``, bit
+        for bit).
     """
     keys = noise_keys(seed, counter, stream)
-    v = (torch.arange(1, vocab + 1, device=seed.device, dtype=torch.long) * _GOLDEN)[None, :]
-    z = _mix64(keys[:, None] + v)
+    v = torch.arange(1, vocab + 1, device=seed.device, dtype=torch.long) * _GOLDEN
+    z = _mix64(keys[..., None] + v)
     u = (((z >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(u)
 
