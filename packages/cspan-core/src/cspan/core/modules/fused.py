@@ -287,7 +287,8 @@ def noise_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int | range) -
     """[b] int64 keys of the noise of (session seed, frame counter, stream) for :func:`race_noise` ([b, S] for a
     range of S streams)."""
     if isinstance(stream, range):
-        streams = torch.tensor(stream, device=seed.device, dtype=torch.long)
+        # an arange, not torch.tensor(stream): no copy from the host, so a CUDA graph can capture it
+        streams = torch.arange(stream.start, stream.stop, stream.step, device=seed.device, dtype=torch.long)
         return _mix64(_mix64(seed + _GOLDEN)[:, None] + (counter * 64)[:, None] + streams + _GOLDEN)
     return _mix64(_mix64(seed + _GOLDEN) + counter * 64 + stream + _GOLDEN)
 
