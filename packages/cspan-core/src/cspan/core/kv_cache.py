@@ -106,11 +106,15 @@ class CacheStep:
         positions: [B', T] long absolute positions of the new entries (the queries).
         key_positions: [B', S] long positions of the keys :meth:`KVCache.update` returns (-1 = empty slot);
             ``S = C`` when ``T == 1``, else ``C + T``.
+        batch: [B', 1] long buffer row of each row; slots: [B', n] long ring slot of each of the last
+            ``n = min(T, C)`` positions (what :meth:`KVCache.update` writes in every layer, computed once).
     """
 
     rows: torch.Tensor | slice | None
     positions: torch.Tensor
     key_positions: torch.Tensor
+    batch: torch.Tensor
+    slots: torch.Tensor
 
 
 class KVCache:
@@ -213,7 +217,14 @@ class KVCache:
             key_positions = slot_positions(start + 1, self.capacity)
         else:
             key_positions = torch.cat([slot_positions(start, self.capacity), positions], dim=1)
-        return CacheStep(rows=rows, positions=positions, key_positions=key_positions)
+        n = min(num_positions, self.capacity)  # a chunk longer than the ring keeps only its last C positions
+        slots = torch.remainder(positions[:, num_positions - n :], self.capacity)  # [B', n]
+        if rows is None or isinstance(rows, slice):
+            first = 0 if rows is None else rows.start or 0
+            batch = torch.arange(first, first + slots.shape[0], device=slots.device)[:, None]
+        else:
+            batch = rows[:, None]
+        return CacheStep(rows=rows, positions=positions, key_positions=key_positions, batch=batch, slots=slots)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep
@@ -285,13 +296,8 @@ class KVCache:
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> None:
         T = k.shape[2]
-        n = min(T, self.capacity)  # a chunk longer than the ring keeps only its last C positions
-        slots = torch.remainder(step.positions[:, T - n :], self.capacity)  # [B', n]
-        rows = step.rows
-        if rows is None or isinstance(rows, slice):
-            start = 0 if rows is None else rows.start or 0
-            rows = torch.arange(start, start + slots.shape[0], device=slots.device)
-        batch = rows[:, None]
+        batch, slots = step.batch, step.slots
+        n = slots.shape[1]
         for buf, scale, x in ((self.keys, self.key_scale, k), (self.values, self.value_scale, v)):
             # advanced indices on dims 0 and 2 -> the indexed view is [B', n, H, Dh]
             new = x[:, :, T - n :].transpose(1, 2)

@@ -515,8 +515,11 @@ class LMModel(nn.Module):
     def new_depformer_state(
         self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> TransformerState:
-        """Depformer streaming state (KV capacity ``dep_q``); call ``.reset()`` at the start of every frame."""
-        return self.depformer.new_state(batch_size, device, dtype, capacity=self.dep_q)
+        """Depformer streaming state (KV capacity ``dep_q``); call ``.reset()`` at the start of every frame. On the
+        CPU its cache plans are reused from frame to frame (:attr:`~cspan.core.modules.transformer.TransformerState.plans`;
+        on a GPU the step is a CUDA graph, or the fused kernels need none)."""
+        on_cpu = torch.device(device if device is not None else next(self.depformer.parameters()).device).type == "cpu"
+        return self.depformer.new_state(batch_size, device, dtype, capacity=self.dep_q, reuse_plans=on_cpu)
 
     def depformer_logits(
         self,

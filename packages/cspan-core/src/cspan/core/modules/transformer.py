@@ -367,10 +367,16 @@ class TransformerState:
         cache: the KV cache of all layers, with the per-row offsets (``cache.offset`` [B] long).
         step: host-side count of positions appended to *all* rows since the last full reset; it selects the
             weight set of weights-per-step transformers when ``forward`` gets no explicit ``step``.
+        plans: the eager forward's cache plan and attention mask by (``step``, T), reused from frame to frame, or
+            None (built every call). Only for a state whose rows always step together from a full reset (the
+            depformer's on the CPU, where building them costs about 23 small operations a call): there every row's
+            offset is ``step``, so the plan of a key never changes. Stepping a subset of rows, or resetting one,
+            turns it off for good.
     """
 
     cache: KVCache
     step: int = 0
+    plans: dict[tuple[int, int], tuple[CacheStep, torch.Tensor | None]] | None = None
 
     @property
     def offset(self) -> torch.Tensor:
@@ -387,6 +393,8 @@ class TransformerState:
         self.cache.reset(rows, clear)
         if rows is None:
             self.step = 0
+        else:
+            self.plans = None  # the rows' offsets differ from here on
 
 
 class StreamingTransformer(nn.Module):
@@ -500,11 +508,13 @@ class StreamingTransformer(nn.Module):
         dtype: torch.dtype | None = None,
         capacity: int | None = None,
         kv_dtype: torch.dtype | None = None,
+        reuse_plans: bool = False,
     ) -> TransformerState:
         """Fresh streaming state: empty KV cache of ``capacity`` slots per row (:meth:`default_capacity` when None).
 
         ``device``/``dtype`` default to those of the parameters; ``kv_dtype`` (default ``dtype``) is the cache's
-        storage dtype (``torch.float8_e4m3fn``: FP8, see :class:`cspan.core.kv_cache.KVCache`).
+        storage dtype (``torch.float8_e4m3fn``: FP8, see :class:`cspan.core.kv_cache.KVCache`); ``reuse_plans``:
+        see :attr:`TransformerState.plans`.
 
         Raises:
             ValueError: capacity smaller than the context (the sliding window would lose keys).
@@ -521,7 +531,7 @@ class StreamingTransformer(nn.Module):
         cache = KVCache(
             len(self.layers), batch_size, self.num_heads, self.head_dim, capacity, device, kv_dtype or dtype, dtype
         )
-        return TransformerState(cache=cache)
+        return TransformerState(cache=cache, plans={} if reuse_plans else None)
 
     def weight_sets(self, first_step: int, num_positions: int) -> list[int] | None:
         """Weight set of each of ``num_positions`` positions starting at step ``first_step`` (None: single set).
@@ -657,10 +667,19 @@ class StreamingTransformer(nn.Module):
                     state.step += T
                 return out
             cache = state.cache
-            cache_step = cache.begin(T, rows)
+            key = (state.step, T)
+            if state.plans is not None and rows is None and key in state.plans:
+                cache_step, mask = state.plans[key]
+            else:
+                cache_step = cache.begin(T, rows)
+                window = self.context if self.context is not None else cache.capacity
+                mask = attention_mask(cache_step.positions, cache_step.key_positions, window, causal=self.causal)
+                if state.plans is not None:
+                    if rows is None:
+                        state.plans[key] = (cache_step, mask)
+                    else:
+                        state.plans = None  # the rows' offsets differ from here on
             positions = cache_step.positions  # [B', T]
-            window = self.context if self.context is not None else cache.capacity
-            mask = attention_mask(positions, cache_step.key_positions, window, causal=self.causal)
 
         if self.positional_embedding in ("sin", "sin_rope"):
             x = x + sin_embedding(positions, D, self.max_period, dtype=x.dtype)
