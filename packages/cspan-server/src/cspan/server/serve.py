@@ -24,6 +24,7 @@ import logging
 import re
 import signal
 import socket
+import sys
 import threading
 import urllib.parse
 from typing import Any
@@ -185,8 +186,7 @@ def _handle(args: argparse.Namespace) -> int:
     from cspan.core.voice import check_voice_path
 
     settings: ServeSettings = settings_from_args(args)
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, even with the event loop stuck
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _dump_stacks_on_sigusr1()
     check_voice_path(settings.voice)  # a --voice file that is not there fails before the model loads
     if settings.test_hooks:
         logger.warning("test hooks are enabled (--test-hooks): clients may force <ret> and spans")
@@ -195,6 +195,16 @@ def _handle(args: argparse.Namespace) -> int:
         return _load_and_serve(settings, sock)
     finally:
         sock.close()
+
+
+def _dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` writes every thread's stack to the process's standard error (file descriptor 2, whatever
+    ``sys.stderr`` was replaced by), even with the event loop stuck (:mod:`faulthandler`); not where there is no
+    SIGUSR1 or no such descriptor."""
+    if not hasattr(signal, "SIGUSR1") or sys.__stderr__ is None:
+        return
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def _load_and_serve(settings: ServeSettings, sock: socket.socket) -> int:
