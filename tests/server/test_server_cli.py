@@ -165,3 +165,43 @@ def test_a_refused_token_is_not_echoed() -> None:
             settings_from_args(build_parser().parse_args(["serve", "--token", token]))
         assert token not in str(err.value)
     assert settings_from_args(build_parser().parse_args(["serve", "--token", "A.b_c~d-e0"])).token == "A.b_c~d-e0"
+
+
+_LOADING_FOREVER = """
+import sys, threading
+import cspan.server.serve as serve
+
+def create_app(settings):  # the model loading, here never finishing (the check is the main thread's)
+    print("loading", flush=True)
+    threading.Event().wait()
+
+serve.create_app = create_app
+from cspan.core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_while_the_model_loads_ends_at_once_with_the_stop_status(
+    tiny_checkpoint_dir: Path, sig: signal.Signals
+) -> None:
+    """A supervisor stopping ``cspan serve`` while its model loads: the process ended under the loading thread,
+    inside torch, and its C++ runtime aborted it (status 134, "terminate called without an active exception"); a
+    signal that interrupted waiting for that thread also marked it as ended (Python's join). Now it ends at once, as
+    after an orderly shutdown: status 0 after SIGTERM, 130 after Ctrl-C, one line saying why."""
+    args = ["serve", "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--port", "0", "--db", ":memory:"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LOADING_FOREVER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_default,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "loading\n"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == (0 if sig == signal.SIGTERM else 130), err
+    assert f"stopped on {sig.name} while the model was loading" in err and "Traceback" not in err

@@ -21,13 +21,14 @@ import asyncio
 import contextlib
 import faulthandler
 import logging
+import os
 import re
 import signal
 import socket
 import sys
 import threading
 import urllib.parse
-from typing import Any
+from typing import Any, NoReturn
 
 from cspan.backends.errors import ListenError
 from cspan.backends.http_server import bind_socket, header_timeout_protocol, uvicorn_http
@@ -207,28 +208,55 @@ def _dump_stacks_on_sigusr1() -> None:
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
+def _stop_while_loading(exc: BaseException) -> NoReturn:
+    """End the process now, on a stop signal that came while the model loads on its thread: the interpreter cannot
+    finish under a thread inside torch (its C++ runtime aborts: status 134, "terminate called without an active
+    exception"), and nothing was served yet. Status 0 after SIGTERM, as after an orderly shutdown (a supervisor's
+    stop); 130 after Ctrl-C; 128 + the signal otherwise."""
+    from cspan.core.errors import Terminated
+
+    if isinstance(exc, Terminated):
+        signum = exc.signum
+        status = 0 if signum == signal.SIGTERM else 128 + signum
+    else:
+        signum, status = signal.SIGINT, 130
+    logger.warning("stopped on %s while the model was loading", signal.Signals(signum).name)
+    logging.shutdown()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(status)
+
+
 def _load_and_serve(settings: ServeSettings, sock: socket.socket) -> int:
+    from cspan.core.errors import Terminated
     from cspan.server.auth import ServeConfigError
     from cspan.server.settings_common import check_backends_answer
 
     loaded: dict[str, Any] = {}
+    done = threading.Event()  # not Thread.join/is_alive: a join interrupted by a signal marks the thread stopped
 
     def load() -> None:
         try:
             loaded["app"] = create_app(settings)
         except BaseException as exc:  # re-raised on the main thread
             loaded["error"] = exc
+        finally:
+            done.set()
 
-    loader = threading.Thread(target=load, name="cspan-load", daemon=True)
-    loader.start()  # the model loads while the backends are asked whether they answer
-    problems = check_backends_answer(settings)
-    if problems:
-        raise ServeConfigError("; ".join(problems))
-    loader.join()
+    threading.Thread(target=load, name="cspan-load", daemon=True).start()  # loads while the backends are asked
+    try:
+        problems = check_backends_answer(settings)
+        if problems:
+            raise ServeConfigError("; ".join(problems))
+        done.wait()
+    except (Terminated, KeyboardInterrupt) as exc:
+        if not done.is_set():
+            _stop_while_loading(exc)
+        raise
     if "error" in loaded:
         raise loaded["error"]
     app = loaded["app"]
-    from cspan.core.errors import Terminated
 
     try:
         make_server(uvicorn_config(app, settings)).run(sockets=[sock])
