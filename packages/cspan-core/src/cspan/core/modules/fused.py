@@ -286,11 +286,12 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
 def noise_keys(seed: torch.Tensor, counter: torch.Tensor, stream: int | range) -> torch.Tensor:
     """[b] int64 keys of the noise of (session seed, frame counter, stream) for :func:`race_noise` ([b, S] for a
     range of S streams)."""
+    base = _mix64(seed + _GOLDEN) + counter * 64 + _GOLDEN  # wrapping int64 sums: the order changes nothing
     if isinstance(stream, range):
         # an arange, not torch.tensor(stream): no copy from the host, so a CUDA graph can capture it
         streams = torch.arange(stream.start, stream.stop, stream.step, device=seed.device, dtype=torch.long)
-        return _mix64(_mix64(seed + _GOLDEN)[:, None] + (counter * 64)[:, None] + streams + _GOLDEN)
-    return _mix64(_mix64(seed + _GOLDEN) + counter * 64 + stream + _GOLDEN)
+        return _mix64(base[:, None] + streams)
+    return _mix64(base + stream)
 
 
 def race_noise(seed: torch.Tensor, counter: torch.Tensor, stream: int | range, vocab: int) -> torch.Tensor:
