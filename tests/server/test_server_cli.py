@@ -168,40 +168,58 @@ def test_a_refused_token_is_not_echoed() -> None:
 
 
 _LOADING_FOREVER = """
-import sys, threading
+import os, sys, threading
 import cspan.server.serve as serve
 
+def signal_at(moment):  # the process signals itself at that moment (no timing to race)
+    if os.environ.get("SIGNAL_AT") == moment:
+        os.kill(os.getpid(), int(os.environ["SIGNAL"]))
+
 def create_app(settings):  # the model loading, here never finishing (the check is the main thread's)
+    signal_at("loader-start")  # lands while the main thread is still starting this thread
     print("loading", flush=True)
     threading.Event().wait()
 
-serve.create_app = create_app
+def bind_socket(*args):
+    signal_at("bind")
+    return bind(*args)
+
+bind, serve.bind_socket, serve.create_app = serve.bind_socket, bind_socket, create_app
 from cspan.core.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.parametrize("moment", ["loading", "loader-start", "bind"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_while_the_model_loads_ends_at_once_with_the_stop_status(
-    tiny_checkpoint_dir: Path, sig: signal.Signals
+def test_a_stop_signal_before_serving_ends_at_once_with_the_stop_status(
+    tiny_checkpoint_dir: Path, sig: signal.Signals, moment: str
 ) -> None:
     """A supervisor stopping ``cspan serve`` while its model loads: the process ended under the loading thread,
     inside torch, and its C++ runtime aborted it (status 134, "terminate called without an active exception"); a
     signal that interrupted waiting for that thread also marked it as ended (Python's join). Now it ends at once, as
-    after an orderly shutdown: status 0 after SIGTERM, 130 after Ctrl-C, one line saying why."""
+    after an orderly shutdown: status 0 after SIGTERM, 130 after Ctrl-C, one line saying why; so does a signal that
+    lands before the main thread has returned from starting the loader (CI's machine: 143, "terminated by signal
+    15"), or before the loading (binding the port)."""
     args = ["serve", "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--port", "0", "--db", ":memory:"]
     proc = subprocess.Popen(
         [sys.executable, "-c", _LOADING_FOREVER, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "SIGNAL_AT": moment, "SIGNAL": str(int(sig))},
         preexec_fn=sigint_default,
     )
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "loading\n"
-        proc.send_signal(sig)
+        if moment == "loading":
+            assert proc.stdout is not None and proc.stdout.readline() == "loading\n"
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == (0 if sig == signal.SIGTERM else 130), err
-    assert f"stopped on {sig.name} while the model was loading" in err and "Traceback" not in err
+    if moment == "bind":
+        said = "stopped on SIGTERM before serving" if sig == signal.SIGTERM else "cspan serve: interrupted"
+    else:
+        said = f"stopped on {sig.name} while the model was loading"
+    assert said in err and "Traceback" not in err

@@ -183,19 +183,26 @@ def serve_command(parser: argparse.ArgumentParser) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from cspan.core.errors import Terminated
     from cspan.core.settings import settings_from_args
     from cspan.core.voice import check_voice_path
 
-    settings: ServeSettings = settings_from_args(args)
-    _dump_stacks_on_sigusr1()
-    check_voice_path(settings.voice)  # a --voice file that is not there fails before the model loads
-    if settings.test_hooks:
-        logger.warning("test hooks are enabled (--test-hooks): clients may force <ret> and spans")
-    sock = bind_socket(settings.host, settings.port)  # a bad --host or a busy --port fails before the model loads
     try:
-        return _load_and_serve(settings, sock)
-    finally:
-        sock.close()
+        settings: ServeSettings = settings_from_args(args)
+        _dump_stacks_on_sigusr1()
+        check_voice_path(settings.voice)  # a --voice file that is not there fails before the model loads
+        if settings.test_hooks:
+            logger.warning("test hooks are enabled (--test-hooks): clients may force <ret> and spans")
+        sock = bind_socket(settings.host, settings.port)  # a bad --host or a busy --port fails before the model loads
+        try:
+            return _load_and_serve(settings, sock)
+        finally:
+            sock.close()
+    except Terminated as exc:  # a supervisor's stop before the server ran (during loading: _stop_while_loading)
+        if exc.signum != signal.SIGTERM:
+            raise
+        logger.warning("stopped on SIGTERM before serving")
+        return 0
 
 
 def _dump_stacks_on_sigusr1() -> None:
@@ -244,8 +251,8 @@ def _load_and_serve(settings: ServeSettings, sock: socket.socket) -> int:
         finally:
             done.set()
 
-    threading.Thread(target=load, name="cspan-load", daemon=True).start()  # loads while the backends are asked
-    try:
+    try:  # a signal can land while start() still waits for the thread to run: already inside the try
+        threading.Thread(target=load, name="cspan-load", daemon=True).start()  # loads while the backends are asked
         problems = check_backends_answer(settings)
         if problems:
             raise ServeConfigError("; ".join(problems))
