@@ -384,6 +384,43 @@ async def test_a_context_db_that_does_not_answer_costs_the_context_not_the_deadl
         Retriever(None, LocalRouter(None, None, knowledge), db_timeout_s=0)
 
 
+async def test_the_context_read_and_the_routers_facts_wait_for_a_frozen_database_once_in_all(
+    knowledge: Path, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The local router of a server reads the user's facts itself, bounded by the same ``db_timeout_s``: against a
+    database that does not answer, the context read and that read each waited the whole bound, so a retrieval spent
+    twice it (2 s of ``cspan serve``'s 2.5 s span deadline at ``--db-wait-s 1``) and missed its deadline where the
+    transcription took more than half a second. Now they share the retrieval's bound: the router does not wait again
+    and searches the notes without the facts; with the database answering, the facts are read."""
+    gate = GatedExecutor()
+    db = ContextDB(tmp_path / "ctx.sqlite", executor=gate)
+    memory = db.user("ada")
+    memory.set_fact("office", "the office closes at five on Mondays")  # sync calls are not gated
+    cid = memory.start_conversation()
+    bound = 0.5
+    router = LocalRouter(None, None, knowledge, db_timeout_s=bound).with_bank(memory=memory)
+    retriever = Retriever(None, router, memory, deadline_s=2.5, db_timeout_s=bound)
+    gate.is_open.clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            t0 = time.perf_counter()
+            res = await retriever.retrieve(question="what is the weather in london", conversation_id=cid)
+            took = time.perf_counter() - t0
+        assert res.reference is not None and res.reference.startswith("London weather today: mild")
+        assert not res.late and res.error is None
+        assert bound - 0.05 <= res.context_s < bound + 0.3 and res.route_s < 0.3 and took < bound + 0.5, (res, took)
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("has not answered this retrieval in time" in m and "without the user's facts" in m for m in messages)
+        gate.is_open.set()
+        assert await retriever.drain(10)
+    finally:
+        gate.is_open.set()
+    res = await retriever.retrieve(question="when does the office close on mondays", conversation_id=cid)
+    assert res.reference is not None and "five on Mondays" in res.reference, res  # the facts are read again
+    gate.shutdown()
+    db.close()
+
+
 async def test_retrievals_not_recorded_during_a_stall_do_not_push_out_a_waiting_rows_outcome(
     knowledge: Path, tmp_path
 ) -> None:

@@ -19,13 +19,14 @@ Backend failures never escape: they become ``reference=None`` with ``error`` set
 that failed or was running when the deadline passed (``asr``, ``context``, ``router``, ``tool``), with the seconds
 each step took (``asr_s``, ``context_s``, ``llm_s``, ``tool_s``), so that a late span says why it was late.
 
-A database that does not answer (a frozen host) costs at most ``db_timeout_s`` per wait when one is given
-(``cspan serve`` gives ``--db-wait-s``): the context step then routes without the conversation's context, as when
-the database fails, and a span row not written within the bound is left to be written when the database answers
-(the result's ``span_id`` is then a provisional one, under which the span's outcome is marked and written with the
-row). A conversation's Context DB work runs one job at a time, in order (the
-question's turn before its span row); at most :data:`MAX_PENDING_DB_JOBS` wait, beyond which a retrieval neither
-reads nor records (logged).
+A database that does not answer (a frozen host) costs at most ``db_timeout_s`` when one is given (``cspan serve``
+gives ``--db-wait-s``), for the context read and the router's own reads together (the local router's facts:
+:mod:`cspan.backends.context_db.waits`), and again for the span row write: the context step then routes without
+the conversation's context, as when the database fails, and a span row not written within the bound is left to be
+written when the database answers (the result's ``span_id`` is then a provisional one, under which the span's
+outcome is marked and written with the row). A conversation's Context DB work runs one job at a time, in order
+(the question's turn before its span row); at most :data:`MAX_PENDING_DB_JOBS` wait, beyond which a retrieval
+neither reads nor records (logged).
 
 Whose memory: a :class:`~cspan.backends.context_db.UserMemory` (``db.user(principal)``) fixes the user for every
 call; a server makes one Retriever per session with :meth:`Retriever.scoped`. A whole
@@ -55,7 +56,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from cspan.backends.asr.base import MAX_TRANSCRIPT_CHARS
-from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory
+from cspan.backends.context_db import ContextDB, ContextDBError, Profile, UserMemory, db_waits_due_by
 from cspan.backends.router.base import TOOL_RESULT_PREFIX, Router, RouteRequest, RouteResult, ToolCall
 from cspan.backends.tools.bank import calls_due_by
 from cspan.backends.untrusted import is_seconds, require_str, sanitize_text
@@ -147,7 +148,8 @@ class Retriever:
         context_chars: budget of the Context DB working text.
         user_id: with a whole ContextDB (deprecated), the user when the profile names none.
         db_timeout_s: longest wait of one :meth:`retrieve` for the Context DB, in seconds, for the context read and
-            again for the span row write (None: no limit, the database is waited for). Past it the context step
+            the router's reads together, and again for the span row write (None: no limit, the database is waited
+            for). Past it the context step
             routes without the context, and the span row is left to be written when the database answers; a
             write behind one still waiting is not waited for at all.
 
@@ -327,30 +329,36 @@ class Retriever:
         res.question = sanitize_text(question, MAX_TRANSCRIPT_CHARS)
         if not res.question:
             return None
-        res.stage = "context"
-        t0 = time.perf_counter()
-        try:
-            conversation, history, profile = await self._context(res.question, profile, conversation_id)
-        finally:
-            res.context_s = time.perf_counter() - t0
-        req = RouteRequest(
-            question=res.question,
-            profile=profile,
-            agent_said=agent_said,
-            history=history,
-            conversation=conversation,
-            after_span=after_span,
-        )
-        res.stage = "router"
-        t0 = time.perf_counter()
-        try:
-            route = await self.router.route(req)
-        except Exception as exc:
-            res.error = f"router failed: {exc}"
-            log.warning("router failed for %r: %s", res.question, exc)
-            return None
-        finally:
-            res.route_s = time.perf_counter() - t0
+        # the context read and the router's own reads (the local router's facts) wait for the database at most
+        # db_timeout_s together: one that does not answer costs the retrieval its context once, not its deadline
+        db_due = contextlib.nullcontext()
+        if self.db_timeout_s is not None:
+            db_due = db_waits_due_by(asyncio.get_running_loop().time() + self.db_timeout_s)
+        with db_due:
+            res.stage = "context"
+            t0 = time.perf_counter()
+            try:
+                conversation, history, profile = await self._context(res.question, profile, conversation_id)
+            finally:
+                res.context_s = time.perf_counter() - t0
+            req = RouteRequest(
+                question=res.question,
+                profile=profile,
+                agent_said=agent_said,
+                history=history,
+                conversation=conversation,
+                after_span=after_span,
+            )
+            res.stage = "router"
+            t0 = time.perf_counter()
+            try:
+                route = await self.router.route(req)
+            except Exception as exc:
+                res.error = f"router failed: {exc}"
+                log.warning("router failed for %r: %s", res.question, exc)
+                return None
+            finally:
+                res.route_s = time.perf_counter() - t0
         if route is not None and not isinstance(route, RouteResult):
             # a router of the caller's that answers something else is a failed route, not a crash of retrieve()
             res.error = f"router failed: {type(self.router).__name__}.route() returned {type(route).__name__}, not a RouteResult"

@@ -32,6 +32,7 @@ from cspan.backends.context_db.models import (
 from cspan.backends.context_db.schema import MIGRATIONS, SCHEMA_VERSION
 from cspan.backends.context_db.store import DB_ENV, ContextDB, default_db_path, resolve_target
 from cspan.backends.context_db.user import UserMemory
+from cspan.backends.context_db.waits import db_wait_s, db_waits_due_by
 
 __all__ = [
     "DB_ENV",
@@ -49,6 +50,8 @@ __all__ = [
     "TurnRole",
     "UserForgotten",
     "UserMemory",
+    "db_wait_s",
+    "db_waits_due_by",
     "default_db_path",
     "extract_facts",
     "fact_sentence",

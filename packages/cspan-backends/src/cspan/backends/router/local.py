@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cspan.backends.context_db import Fact, Profile, fact_sentence
+from cspan.backends.context_db import Fact, Profile, db_wait_s, fact_sentence
 from cspan.backends.errors import ToolError
 from cspan.backends.knowledge import (
     KNOWLEDGE_SUFFIXES,
@@ -344,8 +344,10 @@ class LocalRouter:
             :class:`~cspan.backends.context_db.ContextDB` (then the request profile's ``user_id`` picks the user).
         knowledge_dir: a folder of ``.txt`` / ``.md`` files, read recursively and indexed once at first use.
         knowledge: an already built :class:`~cspan.backends.knowledge.KnowledgeBase` to share instead.
-        db_timeout_s: longest wait for the memory's facts and profile, in seconds (None: no limit); past it, or
-            when the database fails, the notes are searched without them (logged).
+        db_timeout_s: longest wait for the memory's facts and profile, in seconds (None: no limit), or less where
+            the caller's bound on its waits for the database ends first (a retrieval's: ``db_waits_due_by`` in
+            :mod:`cspan.backends.context_db.waits`); past it, or when the database fails, the notes are searched
+            without them (logged).
 
     Raises:
         ValueError: ``knowledge_dir`` is given but is not a folder; ``db_timeout_s`` is not a positive number.
@@ -452,18 +454,19 @@ class LocalRouter:
             return RouteResult(source="none")
         memory = self._memory(profile)
         facts: list[Fact] = []
-        if memory is not None:
+        wait_s = db_wait_s(self.db_timeout_s)  # less where the caller's wait for the database is mostly spent
+        if memory is not None and wait_s == 0:
+            log.warning(
+                "Context DB has not answered this retrieval in time: searching the notes without the user's facts"
+            )
+        elif memory is not None:
             try:
-                async with asyncio.timeout(self.db_timeout_s):
+                async with asyncio.timeout(wait_s):
                     if profile is None:
                         profile = await memory.aget_profile()
                     facts = await memory.afacts()
             except Exception as exc:  # a database that fails or does not answer costs the facts, not the notes
-                why = (
-                    f"has not answered in {self.db_timeout_s:g} s"
-                    if isinstance(exc, TimeoutError)
-                    else f"failed: {exc}"
-                )
+                why = f"has not answered in {wait_s:.2g} s" if isinstance(exc, TimeoutError) else f"failed: {exc}"
                 log.warning("Context DB %s: searching the notes without the user's facts", why)
         extra: list[tuple[str, str]] = []
         if profile is not None and profile.notes:
