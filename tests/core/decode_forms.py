@@ -15,6 +15,7 @@ import interpreter_shims
 import torch
 
 from cspan.core.modules import fused
+from cspan.core.modules.rope import rope_tables
 
 
 def _reference(qkv, keys, values, pos, window):
@@ -71,7 +72,7 @@ def main() -> None:
             worst = max(worst, err)
             assert err < 5e-3, (B, H, Dh, C, p, window, config, err)
             assert torch.equal(k2, k1) and torch.equal(v2, v1), (B, H, Dh, C, p, config)
-        rope = fused.rope_tables(pos, Dh, 10_000.0)
+        rope = rope_tables(pos, Dh, 10_000.0)
         one = fused.decode_attention(qkv, keys.clone(), values.clone(), pos, rows, window, rope, config=configs[0])
         ref = fused.decode_attention(
             qkv, keys.clone(), values.clone(), pos, rows, window, rope, config=(16, 16, 2, 4, 2, 1)

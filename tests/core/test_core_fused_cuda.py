@@ -18,7 +18,7 @@ from cspan.core.engine import DuplexEngine
 from cspan.core.kv_cache import KVCache, attention_mask
 from cspan.core.lm import LMModel
 from cspan.core.modules import fused
-from cspan.core.modules.rope import apply_rope
+from cspan.core.modules.rope import apply_rope, rope_tables
 from cspan.core.span import ContextSpan, span_block, splice_block
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +72,7 @@ def test_attention_kernels_equal_the_eager_cache_path(dtype: torch.dtype, T: int
     Bq = rows.shape[0]
     qkv = torch.randn(Bq, T, 3 * H * Dh, device=dev, generator=gen).to(dtype)
     want, q, pos = _eager_step(ref, qkv, rows, H, window)
-    cos, sin = fused.rope_tables(pos, Dh, 10_000.0)
+    cos, sin = rope_tables(pos, Dh, 10_000.0)
     tol_rope = 1e-2 if dtype == torch.bfloat16 else 1e-6
     scales = cache.layer_scales(0)
     if T == 1:
@@ -172,7 +172,7 @@ def test_splits_past_a_short_rings_keys_are_left_out(dtype: torch.dtype) -> None
     for T in (65, 1):
         qkv = torch.randn(B, T, 3 * H * Dh, device=dev, generator=gen).to(dtype)
         want, _, pos = _eager_step(ref, qkv, rows, H, window)
-        cos, sin = fused.rope_tables(pos, Dh, 10_000.0)
+        cos, sin = rope_tables(pos, Dh, 10_000.0)
         poison = torch.full((1 << 24,), float("nan"), device=dev)  # the partials' memory, once freed, holds NaN
         del poison
         if T == 1:

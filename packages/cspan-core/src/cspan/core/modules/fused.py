@@ -1152,16 +1152,6 @@ def silu_gate(h: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
     return y.view(*h.shape[:-1], H)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [..., Dh/2] float32 of the RoPE angles of ``positions`` [...], computed as
-    :func:`cspan.core.modules.rope.apply_rope` does (once per forward, shared by every layer)."""
-    half = head_dim // 2
-    ds = torch.arange(half, device=positions.device, dtype=torch.float32)
-    freqs = torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
-    angles = freqs * positions.to(torch.float32)[..., None]
-    return torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
-
-
 def _scale_args(
     keys: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -1193,7 +1183,7 @@ def decode_attention(
         positions: [b] long, each query's position; its cache row holds positions ``< position`` (and keeps them).
         rows: [b] long cache rows.
         window: attention window in positions (<= C).
-        rope: (cos, sin) [b, Dh/2] from :func:`rope_tables`, or None (no RoPE).
+        rope: (cos, sin) [b, Dh/2] from :func:`cspan.core.modules.rope.rope_tables`, or None (no RoPE).
         scales: (key_scale, value_scale) [B, H, C] float32 of an FP8 cache, else None.
         config: (block_n, max_splits, waves, num_warps, num_stages, form); default :func:`decode_config`.
         pdl: launch with PDL (None: :func:`pdl_enabled`).
@@ -1740,7 +1730,6 @@ __all__ = [
     "race_noise_fused",
     "rms_norm",
     "rope_split",
-    "rope_tables",
     "runs_on",
     "sample_top_k",
     "settings_from_env",

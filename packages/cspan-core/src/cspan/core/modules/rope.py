@@ -15,13 +15,45 @@ import math
 import torch
 
 
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, max_period: float = 10_000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the RoPE angles ``pos * max_period ** (-2i / Dh)``, float32 [..., Dh/2] for ``positions`` [...]
+    (long). Computed once per forward and shared by every layer (the eager layers and the fused kernels)."""
+    half = head_dim // 2
+    ds = torch.arange(half, device=positions.device, dtype=torch.float32)
+    freqs = torch.exp(ds * (-math.log(max_period) * 2 / head_dim))  # [Dh/2]
+    angles = freqs * positions.to(torch.float32)[..., None]
+    return torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
+
+
+def rotate(qk: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate stacked queries and keys by the angles of :func:`rope_tables` (interleaved RoPE, float32 arithmetic).
+
+    Channel pair (2i, 2i+1) of a head is the complex number ``x[2i] + j x[2i+1]``, multiplied by
+    ``cos + j sin`` of its position: one set of element-wise operations for queries and keys together.
+
+    Args:
+        qk: [..., B, H, T, Dh] (Dh even; the last dimension contiguous), e.g. [2, B, H, T, Dh] queries then keys.
+        tables: (cos, sin), each [B, T, Dh/2] float32 (B may be 1: broadcast over the rows).
+
+    Returns:
+        The rotated tensor, same shape and dtype as ``qk`` (contiguous).
+    """
+    cos, sin = tables[0][:, None], tables[1][:, None]  # [B, 1, T, Dh/2], broadcast over the heads
+    pairs = qk.unflatten(-1, (-1, 2))
+    re, im = pairs[..., 0], pairs[..., 1]
+    if qk.dtype != torch.float32:
+        re, im = re.float(), im.float()
+    out_re = re * cos - im * sin
+    out_im = re * sin + im * cos
+    return torch.stack([out_re.to(qk.dtype), out_im.to(qk.dtype)], dim=-1).flatten(-2)
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, max_period: float = 10_000.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate queries and keys by their absolute positions (interleaved RoPE, float32 arithmetic).
-
-    Channel pair (2i, 2i+1) of a head is the complex number ``x[2i] + j x[2i+1]``, multiplied by
-    ``exp(j * pos * max_period ** (-2i / Dh))``.
+    """Rotate queries and keys by their absolute positions (:func:`rope_tables` then :func:`rotate`).
 
     Args:
         q: queries [B, H, T, Dh] (Dh even).
@@ -32,27 +64,11 @@ def apply_rope(
     Returns:
         (q, k) rotated, same shapes and dtype as the inputs.
     """
-    B, H, T, D = q.shape
-    half = D // 2
-    ds = torch.arange(half, device=q.device, dtype=torch.float32)
-    freqs = torch.exp(ds * (-math.log(max_period) * 2 / D))  # [Dh/2]
-    ts = positions.to(torch.float32).view(positions.shape[0], 1, T, 1)  # [B, 1, T, 1]
-    rot_r = torch.cos(freqs * ts)  # [B, 1, T, Dh/2]
-    rot_i = torch.sin(freqs * ts)
-
-    q_pairs = q.view(B, H, T, half, 2)
-    k_pairs = k.view(k.shape[0], k.shape[1], T, half, 2)
-    qr, qi = q_pairs[..., 0].float(), q_pairs[..., 1].float()
-    kr, ki = k_pairs[..., 0].float(), k_pairs[..., 1].float()
-
-    q_out_r = qr * rot_r - qi * rot_i
-    q_out_i = qr * rot_i + qi * rot_r
-    k_out_r = kr * rot_r - ki * rot_i
-    k_out_i = kr * rot_i + ki * rot_r
-
-    q_out = torch.stack([q_out_r.to(q.dtype), q_out_i.to(q.dtype)], dim=-1).view(q.shape)
-    k_out = torch.stack([k_out_r.to(k.dtype), k_out_i.to(k.dtype)], dim=-1).view(k.shape)
-    return q_out, k_out
+    tables = rope_tables(positions, q.shape[-1], max_period)
+    if q.shape == k.shape:
+        qk = rotate(torch.stack([q, k]), tables)
+        return qk[0], qk[1]
+    return rotate(q, tables), rotate(k, tables)
 
 
 def sin_embedding(

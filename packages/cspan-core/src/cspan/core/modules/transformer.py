@@ -40,7 +40,7 @@ from torch.nn import functional as F
 from ..kv_cache import CacheStep, KVCache, attention_mask
 from . import fused
 from .norms import RMSNorm, make_norm
-from .rope import apply_rope, sin_embedding
+from .rope import rope_tables, rotate, sin_embedding
 
 if TYPE_CHECKING:
     from ..plan import ExecutionPlan
@@ -153,7 +153,6 @@ class MultiheadAttention(nn.Module):
         dim: model width D (``num_heads * Dh``).
         num_heads: H.
         n_sets: number of weight sets (1, or the depformer's distinct steps).
-        rope_max_period: RoPE base when RoPE is used, else None.
 
     Parameters: ``in_proj_weight`` [n_sets * 3 * D, D], ``out_proj.weight`` [n_sets * D, D].
     """
@@ -163,7 +162,6 @@ class MultiheadAttention(nn.Module):
         dim: int,
         num_heads: int,
         n_sets: int = 1,
-        rope_max_period: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -174,7 +172,6 @@ class MultiheadAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.n_sets = n_sets
-        self.rope_max_period = rope_max_period
         self.in_proj_weight = nn.Parameter(torch.empty(n_sets * 3 * dim, dim, device=device, dtype=dtype))
         self.out_proj = nn.Linear(dim, n_sets * dim, bias=False, device=device, dtype=dtype)
         nn.init.kaiming_uniform_(self.in_proj_weight, a=math.sqrt(5))
@@ -182,7 +179,7 @@ class MultiheadAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | str | None,
         sets: list[int] | None,
         cache: KVCache | None = None,
@@ -193,7 +190,8 @@ class MultiheadAttention(nn.Module):
 
         Args:
             x: [B, T, D] normalised input.
-            positions: [B or 1, T] long absolute positions (RoPE angles).
+            rope: (cos, sin) [B or 1, T, Dh/2] of the positions' RoPE angles
+                (:func:`~cspan.core.modules.rope.rope_tables`, once per forward), None without RoPE.
             mask: [B or 1, 1, T, S] bool (True = attend), None for no mask, or :data:`CAUSAL`.
             sets: weight set per position (length T) or None (single set).
             cache, cache_step, layer: the KV cache, the plan of this append, and this layer's index in it.
@@ -206,8 +204,8 @@ class MultiheadAttention(nn.Module):
         qkv = _per_step_linear(x, self.in_proj_weight, self.n_sets, sets)  # [B, T, 3D]
         qkv = qkv.view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4)  # [3, B, H, T, Dh]
         q, k, v = qkv[0], qkv[1], qkv[2]
-        if self.rope_max_period is not None:
-            q, k = apply_rope(q, k, positions, self.rope_max_period)
+        if rope is not None:
+            q, k = rotate(qkv[:2], rope).unbind(0)
         if cache is not None and cache_step is not None:
             k, v = cache.update(layer, k, v, cache_step)
         if isinstance(mask, str):
@@ -294,13 +292,12 @@ class StreamingTransformerLayer(nn.Module):
         layer_scale: float | None = None,
         n_sets: int = 1,
         per_step_ffn: bool = False,
-        rope_max_period: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.self_attn = MultiheadAttention(dim, num_heads, n_sets, rope_max_period, **factory)
+        self.self_attn = MultiheadAttention(dim, num_heads, n_sets, **factory)
         self.norm1 = make_norm(norm, dim, **factory)
         self.norm2 = make_norm(norm, dim, **factory)
         self.per_step_ffn = per_step_ffn
@@ -344,7 +341,7 @@ class StreamingTransformerLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | str | None,
         sets: list[int] | None,
         cache: KVCache | None = None,
@@ -352,11 +349,15 @@ class StreamingTransformerLayer(nn.Module):
         layer: int = 0,
     ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]; arguments as in :meth:`MultiheadAttention.forward`."""
-        update = self.self_attn(self.norm1(x), positions, mask, sets, cache, cache_step, layer)
+        update = self.self_attn(self.norm1(x), rope, mask, sets, cache, cache_step, layer)
         x = x + self.layer_scale_1(update)
         update = self.feed_forward(self.norm2(x), sets)
         x = x + self.layer_scale_2(update)
         return x
+
+
+StepPlan = tuple[CacheStep, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
+"""(cache plan, attention mask, RoPE tables) of an eager streaming forward (see :attr:`TransformerState.plans`)."""
 
 
 @dataclass
@@ -367,16 +368,16 @@ class TransformerState:
         cache: the KV cache of all layers, with the per-row offsets (``cache.offset`` [B] long).
         step: host-side count of positions appended to *all* rows since the last full reset; it selects the
             weight set of weights-per-step transformers when ``forward`` gets no explicit ``step``.
-        plans: the eager forward's cache plan and attention mask by (``step``, T), reused from frame to frame, or
-            None (built every call). Only for a state whose rows always step together from a full reset (the
-            depformer's on the CPU, where building them costs about 23 small operations a call): there every row's
-            offset is ``step``, so the plan of a key never changes. Stepping a subset of rows, or resetting one,
+        plans: the eager forward's cache plan, attention mask and RoPE tables by (``step``, T), reused from frame to
+            frame, or None (built every call). Only for a state whose rows always step together from a full reset
+            (the depformer's on the CPU, where building them costs about 30 small operations a call): there every
+            row's offset is ``step``, so the plan of a key never changes. Stepping a subset of rows, or resetting one,
             turns it off for good.
     """
 
     cache: KVCache
     step: int = 0
-    plans: dict[tuple[int, int], tuple[CacheStep, torch.Tensor | None]] | None = None
+    plans: dict[tuple[int, int], StepPlan] | None = None
 
     @property
     def offset(self) -> torch.Tensor:
@@ -450,6 +451,7 @@ class StreamingTransformer(nn.Module):
         self.context = context
         self.positional_embedding = positional_embedding
         self.max_period = max_period
+        self.rope = positional_embedding in ("rope", "sin_rope")
         self.weights_per_step = weights_per_step
         self.weights_per_step_schedule = list(weights_per_step_schedule) if weights_per_step_schedule else None
         n_sets = 1
@@ -465,7 +467,6 @@ class StreamingTransformer(nn.Module):
         elif self.weights_per_step_schedule is not None:
             raise ValueError("weights_per_step_schedule given without weights_per_step")
         self.n_sets = n_sets
-        use_rope = positional_embedding in ("rope", "sin_rope")
         self.layers = nn.ModuleList(
             [
                 StreamingTransformerLayer(
@@ -477,7 +478,6 @@ class StreamingTransformer(nn.Module):
                     layer_scale=layer_scale,
                     n_sets=n_sets,
                     per_step_ffn=bool(weights_per_step),
-                    rope_max_period=max_period if use_rope else None,
                     device=device,
                     dtype=dtype,
                 )
@@ -669,22 +669,25 @@ class StreamingTransformer(nn.Module):
             cache = state.cache
             key = (state.step, T)
             if state.plans is not None and rows is None and key in state.plans:
-                cache_step, mask = state.plans[key]
+                cache_step, mask, rope = state.plans[key]
             else:
                 cache_step = cache.begin(T, rows)
                 window = self.context if self.context is not None else cache.capacity
                 mask = attention_mask(cache_step.positions, cache_step.key_positions, window, causal=self.causal)
+                rope = rope_tables(cache_step.positions, self.head_dim, self.max_period) if self.rope else None
                 if state.plans is not None:
                     if rows is None:
-                        state.plans[key] = (cache_step, mask)
+                        state.plans[key] = (cache_step, mask, rope)
                     else:
                         state.plans = None  # the rows' offsets differ from here on
             positions = cache_step.positions  # [B', T]
+        else:
+            rope = rope_tables(positions, self.head_dim, self.max_period) if self.rope else None
 
         if self.positional_embedding in ("sin", "sin_rope"):
             x = x + sin_embedding(positions, D, self.max_period, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, mask, sets, cache, cache_step, i)
+            x = layer(x, rope, mask, sets, cache, cache_step, i)
 
         if state is not None and cache_step is not None:
             state.cache.advance(cache_step)
@@ -713,7 +716,7 @@ class StreamingTransformer(nn.Module):
         rope = None
         if self.positional_embedding == "rope":
             positions = start[:, None] + torch.arange(T, device=x.device, dtype=torch.long)
-            rope = fused.rope_tables(positions, self.head_dim, self.max_period)
+            rope = rope_tables(positions, self.head_dim, self.max_period)
         weight_set = None if sets is None else sets[0]
         if gemv:
             h = x[:, 0].contiguous()  # [B', D]
@@ -803,15 +806,15 @@ class StreamingTransformer(nn.Module):
             positions[plain] = decode.positions[:, 0]
         for sl, chunk in chunks:
             positions[sl] = chunk.positions[0]
-        positions = positions[None]  # [1, T]
+        rope = rope_tables(positions[None], Dh, self.max_period) if self.positional_embedding == "rope" else None
         final = slice(0, b) if layout.final is None else layout.final
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = layer.norm1(x)
             qkv = F.linear(h, layer.self_attn.in_proj_weight).view(T, 3, H, Dh).permute(1, 2, 0, 3)  # [3, H, T, Dh]
             q, k, v = qkv[0][None], qkv[1][None], qkv[2][None]  # [1, H, T, Dh]
-            if self.positional_embedding == "rope":
-                q, k = apply_rope(q, k, positions, self.max_period)
+            if rope is not None:
+                q, k = rotate(qkv[:2, None], rope).unbind(0)
             out = torch.zeros(1, H, T, Dh, dtype=x.dtype, device=x.device)
             for sl, chunk in chunks:  # a block and its next position: the ring and themselves, then stored
                 keys, values = cache.update(i, k[:, :, sl], v[:, :, sl], chunk)
@@ -863,7 +866,7 @@ class StreamingTransformer(nn.Module):
             positions = ragged.tok_pos if slot_pos is None else torch.cat([slot_pos, ragged.tok_pos])
         rope = None
         if self.positional_embedding == "rope":
-            rope = fused.rope_tables(positions, self.head_dim, self.max_period)
+            rope = rope_tables(positions, self.head_dim, self.max_period)
         last = len(self.layers) - 1
         update: torch.Tensor | None = None
         block_rope = None if rope is None else (rope[0][d:], rope[1][d:])
