@@ -300,7 +300,7 @@ class KVCache:
         n = slots.shape[1]
         for buf, scale, x in ((self.keys, self.key_scale, k), (self.values, self.value_scale, v)):
             # advanced indices on dims 0 and 2 -> the indexed view is [B', n, H, Dh]
-            new = x[:, :, T - n :].transpose(1, 2)
+            new = (x if n == T else x[:, :, T - n :]).transpose(1, 2)
             if scale is not None:
                 new, sc = quantize_fp8(new)
                 scale[layer][batch, :, slots] = sc

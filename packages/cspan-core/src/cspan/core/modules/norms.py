@@ -59,7 +59,9 @@ class RMSNorm(nn.Module):
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         var = self.eps + torch.mean(x * x, dim=-1, keepdim=True)
-        alpha = self.alpha.to(var.dtype).view(-1)
+        alpha = self.alpha.to(var.dtype)
+        if x.dim() < 3:  # [1, 1, D] would broadcast over a leading dimension x lacks
+            alpha = alpha.view(-1)
         y = x * (alpha * torch.rsqrt(var))
         return y.to(x_dtype)
 

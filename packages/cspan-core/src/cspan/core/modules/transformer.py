@@ -677,6 +677,8 @@ class StreamingTransformer(nn.Module):
                 rope = rope_tables(cache_step.positions, self.head_dim, self.max_period) if self.rope else None
                 if state.plans is not None:
                     if rows is None:
+                        # as the additive mask attention makes of a boolean one (0 / -inf): not remade every call
+                        mask = torch.zeros((), dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
                         state.plans[key] = (cache_step, mask, rope)
                     else:
                         state.plans = None  # the rows' offsets differ from here on
