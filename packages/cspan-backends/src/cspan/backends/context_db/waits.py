@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
 
-_DUE: ContextVar[float | None] = ContextVar("cspan_context_db_due", default=None)
+from cspan.backends.deadline import Deadline
+
+_DUE = Deadline("cspan_context_db_due")
 
 
-@contextlib.contextmanager
-def db_waits_due_by(at: float) -> Iterator[None]:
+def db_waits_due_by(at: float) -> contextlib.AbstractContextManager[None]:
     """Waits for the Context DB made inside (by this task and the tasks it starts) end by ``at`` (``loop.time()``) at
     the latest; an outer bound that comes first stays."""
-    outer = _DUE.get()
-    token = _DUE.set(at if outer is None else min(outer, at))
-    try:
-        yield
-    finally:
-        _DUE.reset(token)
+    return _DUE.by(at)
 
 
 def db_wait_s(own: float | None) -> float | None:

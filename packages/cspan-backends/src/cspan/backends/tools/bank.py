@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import copy
 import inspect
 import json
@@ -32,6 +31,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
+from cspan.backends.deadline import Deadline
 from cspan.backends.errors import ToolError
 from cspan.backends.untrusted import is_seconds, sanitize_text
 
@@ -59,7 +59,7 @@ MAX_ERROR_CHARS = 1000
 """Cap, in characters, on the message of a tool's failure (:meth:`ToolBank.call`): it reaches the client's
 ``no_span`` event, the Context DB's span row and the log, whatever the tool (an MCP server) answered."""
 
-_CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("cspan_tool_deadline", default=None)
+_CALL_DEADLINE = Deadline("cspan_tool_deadline")
 
 
 def call_deadline() -> float | None:
@@ -70,17 +70,11 @@ def call_deadline() -> float | None:
     return _CALL_DEADLINE.get()
 
 
-@contextlib.contextmanager
-def calls_due_by(at: float) -> Iterator[None]:
+def calls_due_by(at: float) -> contextlib.AbstractContextManager[None]:
     """Tool calls made inside (by this task and the tasks it starts) must be over by ``at`` (``loop.time()``) at the
     latest, a deadline of their caller's that comes before their own timeout (a retrieval's: what the call is for is
     lost past it): :func:`call_deadline` is the nearer of the two."""
-    outer = _CALL_DEADLINE.get()
-    token = _CALL_DEADLINE.set(at if outer is None else min(outer, at))
-    try:
-        yield
-    finally:
-        _CALL_DEADLINE.reset(token)
+    return _CALL_DEADLINE.by(at)
 
 
 MAX_QUOTED_CHARS = 300
@@ -539,10 +533,9 @@ class ToolBank:
             )
         limit = float(limit)
         start = time.perf_counter()
-        own, outer = asyncio.get_running_loop().time() + limit, _CALL_DEADLINE.get()
-        deadline = _CALL_DEADLINE.set(own if outer is None else min(own, outer))  # call_deadline(), for the tool
         try:
-            out = await asyncio.wait_for(self._invoke(tool, full), timeout=limit)
+            with _CALL_DEADLINE.by(asyncio.get_running_loop().time() + limit):  # call_deadline(), for the tool
+                out = await asyncio.wait_for(self._invoke(tool, full), timeout=limit)
         except TimeoutError:
             raise ToolError(
                 f"tool {name!r} timed out after {limit:g} s; retry later or raise its timeout", tool=name
@@ -554,8 +547,6 @@ class ToolBank:
         except Exception as exc:
             message = f"tool {name!r} failed: {type(exc).__name__}: {sanitize_text(str(exc), MAX_QUOTED_CHARS)}"
             raise ToolError(sanitize_text(message, MAX_ERROR_CHARS), tool=name) from exc
-        finally:
-            _CALL_DEADLINE.reset(deadline)
         latency = time.perf_counter() - start
         text, data = self._render(tool, out)
         return ToolResult(name=name, arguments=shown, text=text, data=data, latency_s=latency)
