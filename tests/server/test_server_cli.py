@@ -171,8 +171,11 @@ _LOADING_FOREVER = """
 import os, sys, threading
 import cspan.server.serve as serve
 
-def signal_at(moment):  # the process signals itself at that moment (no timing to race)
-    if os.environ.get("SIGNAL_AT") == moment:
+fired = []
+
+def signal_at(moment):  # the process signals itself once, at that moment (no timing to race)
+    if os.environ.get("SIGNAL_AT") == moment and not fired:
+        fired.append(moment)
         os.kill(os.getpid(), int(os.environ["SIGNAL"]))
 
 def create_app(settings):  # the model loading, here never finishing (the check is the main thread's)
@@ -184,13 +187,20 @@ def bind_socket(*args):
     signal_at("bind")
     return bind(*args)
 
-bind, serve.bind_socket, serve.create_app = serve.bind_socket, bind_socket, create_app
+async def prepare(hub):  # the backends built on the server's loop, after the model loaded
+    signal_at("backends")
+    return await build(hub)
+
+bind, serve.bind_socket = serve.bind_socket, bind_socket
+build, serve.SessionHub.prepare = serve.SessionHub.prepare, prepare
+if os.environ["SIGNAL_AT"] != "backends":
+    serve.create_app = create_app
 from cspan.core.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("moment", ["loading", "loader-start", "bind"])
+@pytest.mark.parametrize("moment", ["loading", "loader-start", "bind", "backends"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_before_serving_ends_at_once_with_the_stop_status(
     tiny_checkpoint_dir: Path, sig: signal.Signals, moment: str
@@ -200,7 +210,8 @@ def test_a_stop_signal_before_serving_ends_at_once_with_the_stop_status(
     signal that interrupted waiting for that thread also marked it as ended (Python's join). Now it ends at once, as
     after an orderly shutdown: status 0 after SIGTERM, 130 after Ctrl-C, one line saying why; so does a signal that
     lands before the main thread has returned from starting the loader (CI's machine: 143, "terminated by signal
-    15"), or before the loading (binding the port)."""
+    15"), or before the loading (binding the port). Once the model is loaded, while the backends are built, it shuts
+    down in order (it printed nothing after SIGTERM, and a traceback after SIGINT)."""
     args = ["serve", "--checkpoint", str(tiny_checkpoint_dir), "--device", "cpu", "--port", "0", "--db", ":memory:"]
     proc = subprocess.Popen(
         [sys.executable, "-c", _LOADING_FOREVER, *args],
@@ -220,6 +231,8 @@ def test_a_stop_signal_before_serving_ends_at_once_with_the_stop_status(
     assert proc.returncode == (0 if sig == signal.SIGTERM else 130), err
     if moment == "bind":
         said = "stopped on SIGTERM before serving" if sig == signal.SIGTERM else "cspan serve: interrupted"
+    elif moment == "backends":
+        said = "Finished server process" if sig == signal.SIGTERM else "cspan serve: interrupted"
     else:
         said = f"stopped on {sig.name} while the model was loading"
     assert said in err and "Traceback" not in err

@@ -100,7 +100,8 @@ def make_server(config: Any) -> Any:
     """A ``uvicorn.Server`` for ``config`` that
 
     - builds the backends (tool bank, MCP servers) on its event loop before it listens, so that a failure is one
-      error (:class:`~cspan.server.auth.ServeConfigError`) rather than a failed lifespan;
+      error (:class:`~cspan.server.auth.ServeConfigError`) rather than a failed lifespan, and inside uvicorn's
+      signal capture, so that a stop signal meanwhile shuts down in order;
     - reads the token file again on SIGHUP;
     - on SIGTERM/SIGINT drains for ``--drain-s`` (``/health`` answers 503, new conversations are refused, running
       ones go on), then ends every session (reason ``shutdown``, close 1001) before uvicorn closes the connections
@@ -126,9 +127,6 @@ def make_server(config: Any) -> Any:
             super().handle_exit(sig, frame)
 
         async def serve(self, sockets: Any = None) -> None:
-            hub = _find_state(self.config.app, "hub")
-            if isinstance(hub, SessionHub):
-                await hub.prepare()
             reload = getattr(_find_state(self.config.app, "authenticator"), "reload", None)
             if reload is not None and hasattr(signal, "SIGHUP"):
                 with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
@@ -136,6 +134,10 @@ def make_server(config: Any) -> Any:
             await super().serve(sockets=sockets)
 
         async def startup(self, sockets: Any = None) -> None:
+            # inside uvicorn's signal capture: a stop signal while the backends are built shuts down in order
+            hub = _find_state(self.config.app, "hub")
+            if isinstance(hub, SessionHub):
+                await hub.prepare()
             await super().startup(sockets=sockets)
             if sockets and not self.should_exit:  # uvicorn says where it listens only for sockets it bound itself
                 host, port = self.config.host, sockets[0].getsockname()[1]
@@ -265,10 +267,13 @@ def _load_and_serve(settings: ServeSettings, sock: socket.socket) -> int:
         raise loaded["error"]
     app = loaded["app"]
 
+    server = make_server(uvicorn_config(app, settings))
     try:
-        make_server(uvicorn_config(app, settings)).run(sockets=[sock])
+        server.run(sockets=[sock])
     except Terminated as exc:  # uvicorn re-raises the signal once it has shut down
         if exc.signum != signal.SIGTERM:
+            raise
+        if not server.started:  # before it listened (the backends were being built): say so, as before loading
             raise
         logger.info("stopped on SIGTERM after an orderly shutdown")
     return 0  # SIGTERM is how a supervisor (systemd, Kubernetes, docker stop) asks a server to stop: a clean exit
