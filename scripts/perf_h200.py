@@ -158,6 +158,7 @@ def attention_fp8() -> None:
 def _fp8_decode_at(B: int, candidates: list) -> tuple:
     """One batch size of :func:`attention_fp8`: prints the line, returns the best config."""
     from cspan.core.modules import fused
+    from cspan.core.modules.rope import rope_tables
 
     dev = torch.device("cuda")
     keys = [torch.randn(B, HEADS, RING, HEAD_DIM, device=dev).to(torch.float8_e4m3fn) for _ in range(LAYERS)]
@@ -167,7 +168,7 @@ def _fp8_decode_at(B: int, candidates: list) -> tuple:
     qkv = torch.randn(B, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
     rows = torch.arange(B, device=dev)
     positions = torch.full((B,), 10 * RING + 7, dtype=torch.long, device=dev)
-    rope = fused.rope_tables(positions, HEAD_DIM, 10_000.0)
+    rope = rope_tables(positions, HEAD_DIM, 10_000.0)
     floor = B * RING * HEADS * (HEAD_DIM + 4) * 2 / 4.25e12 * 1e6
     results = {}
     for cfg in candidates:
@@ -193,6 +194,7 @@ def _fp8_decode_at(B: int, candidates: list) -> tuple:
 def _decode_at(B: int, candidates: list, fi) -> tuple:
     """One batch size: every candidate config, SDPA and FlashInfer; prints the line, returns the best config."""
     from cspan.core.modules import fused
+    from cspan.core.modules.rope import rope_tables
 
     dev = torch.device("cuda")
     keys = [torch.randn(B, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -200,7 +202,7 @@ def _decode_at(B: int, candidates: list, fi) -> tuple:
     qkv = torch.randn(B, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
     rows = torch.arange(B, device=dev)
     positions = torch.full((B,), 10 * RING + 7, dtype=torch.long, device=dev)  # a wrapped, full ring
-    rope = fused.rope_tables(positions, HEAD_DIM, 10_000.0)
+    rope = rope_tables(positions, HEAD_DIM, 10_000.0)
     floor = B * RING * HEADS * HEAD_DIM * 2 * 2 / 4.25e12 * 1e6
     results = {}
     for cfg in candidates:
@@ -328,6 +330,7 @@ def tune_prefill() -> None:
     """Every prefill configuration for a span of n = 600 and 256 new positions in one row of a full ring, us per
     layer (the kernel and, with key splits, the combine), fastest first; then RoPE split + KV write of the block."""
     from cspan.core.modules import fused
+    from cspan.core.modules.rope import rope_tables
 
     dev = torch.device("cuda")
     keys = [torch.randn(1, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(4)]
@@ -367,7 +370,7 @@ def tune_prefill() -> None:
         for (cfg, splits), us in sorted(results.items(), key=lambda kv: kv[1])[:8]:
             print(f"  {cfg} splits {splits}: {us:7.1f} us ({flops / us / 1e6:.0f} TFLOP/s)")
         qkv = torch.randn(n, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        rope = fused.rope_tables(torch.arange(n, device=dev)[None] + 10 * RING, HEAD_DIM, 10_000.0)
+        rope = rope_tables(torch.arange(n, device=dev)[None] + 10 * RING, HEAD_DIM, 10_000.0)
         flat = (rope[0][0], rope[1][0])
         rows, pos = t([0] * n), torch.arange(n, device=dev) + 10 * RING
         kc = torch.zeros(64, HEADS, RING, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -401,6 +404,7 @@ def overlap() -> None:
     high priority beside the decode (fork and join per layer), for several configs of both kernels and FlashInfer's
     decode. Microseconds per layer; "hidden" is how much of the shorter kernel the two streams saved."""
     from cspan.core.modules import fused
+    from cspan.core.modules.rope import rope_tables
 
     fi = _flashinfer()
     dev = torch.device("cuda")
@@ -412,7 +416,7 @@ def overlap() -> None:
     qkv = torch.randn(B, 3 * HEADS * HEAD_DIM, device=dev, dtype=torch.bfloat16)
     rows = torch.arange(B, device=dev)
     positions = torch.full((B,), 10 * RING + 7, dtype=torch.long, device=dev)
-    rope = fused.rope_tables(positions, HEAD_DIM, 10_000.0)
+    rope = rope_tables(positions, HEAD_DIM, 10_000.0)
     q, k, v = (torch.randn(n, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
     offset = torch.full((1,), 10 * RING, dtype=torch.long, device=dev)
     side = torch.cuda.Stream(dev, priority=-1)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from perf_h200 import _events_ms, _graph
 
 from cspan.core.modules import fused
+from cspan.core.modules.rope import rope_tables
 
 
 def _args() -> argparse.Namespace:
@@ -81,7 +82,7 @@ class Layers:
         self.keys, self.values = ring[: self.n], ring[self.n :]
         self.rows = torch.arange(rows, device=self.device)
         self.pos = torch.full((rows,), self.position, dtype=torch.long, device=self.device)
-        self.rope = fused.rope_tables(self.pos, self.Dh, 10000.0)
+        self.rope = rope_tables(self.pos, self.Dh, 10000.0)
         self.x = torch.randn(rows, self.D, generator=self.g, device=self.device).to(self.dtype)
         self._xh = torch.randn(rows, self.hidden, generator=self.g, device=self.device).to(self.dtype)
 
