@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cspan.core.modules.norms import LayerNormF32, RMSNorm, make_norm
-from cspan.core.modules.rope import apply_rope, sin_embedding
+from cspan.core.modules.rope import apply_rope, rope_tables, rotate, sin_embedding
 from cspan.core.modules.transformer import StreamingTransformer, gated_hidden_size
 
 
@@ -67,6 +67,22 @@ def test_rope_is_an_interleaved_rotation_by_absolute_position() -> None:
     s1 = qr @ kr.transpose(-1, -2)
     s2 = shifted_q @ shifted_k.transpose(-1, -2)
     assert torch.allclose(s1, s2, atol=1e-4)
+
+
+def test_rope_rotates_queries_and_keys_together_in_float32_whatever_their_dtype() -> None:
+    """``rotate`` of stacked queries and keys (the layers' one call) equals rotating each alone, and a bfloat16
+    input is rotated in float32 and rounded once, as the float32 result rounded (the eager step of a bf16 engine)."""
+    torch.manual_seed(2)
+    B, H, T, D = 2, 3, 4, 8
+    q, k = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    tables = rope_tables(torch.tensor([[5, 6, 7, 8], [40, 41, 42, 43]]), D, 10_000.0)
+    both = rotate(torch.stack([q, k]), tables)
+    assert torch.equal(both[0], rotate(q, tables)) and torch.equal(both[1], rotate(k, tables))
+    qk16 = torch.stack([q, k]).bfloat16()
+    out16 = rotate(qk16, tables)
+    assert out16.dtype == torch.bfloat16 and torch.equal(out16, rotate(qk16.float(), tables).bfloat16())
+    one_row = rope_tables(torch.tensor([[5, 6, 7, 8]]), D, 10_000.0)  # [1, T, D/2]: broadcast over the rows
+    assert torch.equal(rotate(q, one_row)[1], rotate(q[1:], one_row)[0])
 
 
 def test_sin_embedding_cos_then_sin() -> None:
