@@ -192,7 +192,8 @@ class MultiheadAttention(nn.Module):
             x: [B, T, D] normalised input.
             rope: (cos, sin) [B or 1, T, Dh/2] of the positions' RoPE angles
                 (:func:`~cspan.core.modules.rope.rope_tables`, once per forward), None without RoPE.
-            mask: [B or 1, 1, T, S] bool (True = attend), None for no mask, or :data:`CAUSAL`.
+            mask: [B or 1, 1, T, S] bool (True = attend) or the same as an additive float mask (0 / -inf), None for
+                no mask, or :data:`CAUSAL`.
             sets: weight set per position (length T) or None (single set).
             cache, cache_step, layer: the KV cache, the plan of this append, and this layer's index in it.
 
