@@ -271,9 +271,7 @@ def _load_and_serve(settings: ServeSettings, sock: socket.socket) -> int:
     try:
         server.run(sockets=[sock])
     except Terminated as exc:  # uvicorn re-raises the signal once it has shut down
-        if exc.signum != signal.SIGTERM:
-            raise
-        if not server.started:  # before it listened (the backends were being built): say so, as before loading
+        if exc.signum != signal.SIGTERM or not server.started:  # before it listened: _handle says so
             raise
         logger.info("stopped on SIGTERM after an orderly shutdown")
     return 0  # SIGTERM is how a supervisor (systemd, Kubernetes, docker stop) asks a server to stop: a clean exit

@@ -65,9 +65,6 @@ def apply_rope(
         (q, k) rotated, same shapes and dtype as the inputs.
     """
     tables = rope_tables(positions, q.shape[-1], max_period)
-    if q.shape == k.shape:
-        qk = rotate(torch.stack([q, k]), tables)
-        return qk[0], qk[1]
     return rotate(q, tables), rotate(k, tables)
 
 

@@ -453,6 +453,7 @@ class StreamingTransformer(nn.Module):
         self.positional_embedding = positional_embedding
         self.max_period = max_period
         self.rope = positional_embedding in ("rope", "sin_rope")
+        """Whether attention rotates queries and keys (RoPE; the fused paths take only "rope" or "none")."""
         self.weights_per_step = weights_per_step
         self.weights_per_step_schedule = list(weights_per_step_schedule) if weights_per_step_schedule else None
         n_sets = 1
@@ -717,7 +718,7 @@ class StreamingTransformer(nn.Module):
         # [B'] each row's first new position (all rows: the offsets themselves, read before advance_by below)
         start = cache.offset if rows is None else cache.offset.index_select(0, rows)
         rope = None
-        if self.positional_embedding == "rope":
+        if self.rope:
             positions = start[:, None] + torch.arange(T, device=x.device, dtype=torch.long)
             rope = rope_tables(positions, self.head_dim, self.max_period)
         weight_set = None if sets is None else sets[0]
@@ -809,7 +810,7 @@ class StreamingTransformer(nn.Module):
             positions[plain] = decode.positions[:, 0]
         for sl, chunk in chunks:
             positions[sl] = chunk.positions[0]
-        rope = rope_tables(positions[None], Dh, self.max_period) if self.positional_embedding == "rope" else None
+        rope = rope_tables(positions[None], Dh, self.max_period) if self.rope else None
         final = slice(0, b) if layout.final is None else layout.final
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -868,7 +869,7 @@ class StreamingTransformer(nn.Module):
         else:
             positions = ragged.tok_pos if slot_pos is None else torch.cat([slot_pos, ragged.tok_pos])
         rope = None
-        if self.positional_embedding == "rope":
+        if self.rope:
             rope = rope_tables(positions, self.head_dim, self.max_period)
         last = len(self.layers) - 1
         update: torch.Tensor | None = None
