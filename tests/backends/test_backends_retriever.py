@@ -116,6 +116,29 @@ async def test_deadline_and_cancellation(stub: StubLLM, tmp_path) -> None:
     db.close()
 
 
+async def test_a_ret_cut_before_the_retriever_was_asked_is_recorded_as_cancelled(tmp_path) -> None:
+    """``record_cut``: a ``<ret>`` that waited for the user's utterance when its conversation ended (the runtime never
+    called ``retrieve``) leaves a span row as a retrieval cut while it runs does: dropped ``cancelled``, the step
+    (asr) and the reason in ``error``, the question not known, asked when the ``<ret>`` came; none without a
+    conversation."""
+    db = ContextDB(tmp_path / "ctx.sqlite")
+    retriever = Retriever(None, LocalRouter(None, db), db, db_timeout_s=2.0)
+    row = await retriever.record_cut(
+        why="conversation ended", asked_at=1_700_000_000.5, waited_s=1.25, conversation_id="c"
+    )
+    (span,) = db.spans("c")
+    assert span.id == row
+    assert (span.question, span.text, span.dropped, span.error) == (
+        "",
+        None,
+        "cancelled",
+        "cancelled in the asr step: conversation ended",
+    )
+    assert (span.asked_at, span.latency_s, span.injected_at) == (1_700_000_000.5, 1.25, None)
+    assert await retriever.record_cut(why="conversation ended", asked_at=0.0, waited_s=0.0) is None
+    db.close()
+
+
 async def test_history_and_profile_reach_the_router(stub: StubLLM, tmp_path) -> None:
     bank = make_mixed_bank()
     db = ContextDB(tmp_path / "ctx.sqlite")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -179,6 +180,35 @@ def test_ret_while_speaking_waits_for_the_cut_utterance():
     assert final.frame == 24
     q = next(e for e in conv.events if isinstance(e, QuestionEvent))
     assert q.frame == 24 and q.text == "what time is it"
+
+
+def test_a_ret_waiting_for_the_utterance_when_the_conversation_ends_is_recorded_by_the_retriever():
+    """A ``<ret>`` still waiting for the user's utterance at the end (the retriever never asked) gets its ``no_span``
+    and, where the retriever keeps records (``record_cut``), its record: why, when the ``<ret>`` came and how long it
+    waited; a retriever without ``record_cut`` is left as it is."""
+
+    class RecordingRetriever(FakeRetriever):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cuts: list[dict] = []
+
+        async def record_cut(self, **kw) -> int:
+            self.cuts.append(kw)
+            return 7
+
+    for retriever in (RecordingRetriever(), FakeRetriever()):
+        engine = RecordingEngine()
+        conv = _conv(engine, voiced=range(5, 60), transcriber=FakeTranscriber("what time"), retriever=retriever)
+        before = time.time()
+        _run(conv, engine, 20, ret_frames={17})  # finish() at frame 20: the user still speaks, the <ret> waits
+        assert [e.plan for e in conv.events if isinstance(e, RetEvent)] == ["wait"]
+        assert retriever.requests == []
+        ended = [e for e in conv.events if isinstance(e, NoSpanEvent)]
+        assert [(e.question, e.error, e.retrieval_id) for e in ended] == [(None, CONVERSATION_ENDED, None)]
+        if isinstance(retriever, RecordingRetriever):
+            (cut,) = retriever.cuts
+            assert cut["why"] == CONVERSATION_ENDED and cut["conversation_id"] == conv.conversation_id
+            assert before <= cut["asked_at"] <= time.time() and 0 <= cut["waited_s"] < 10
 
 
 def test_no_utterance_transcribes_the_listen_window_through_the_retriever():

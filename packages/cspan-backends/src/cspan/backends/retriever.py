@@ -310,6 +310,36 @@ class Retriever:
         res.span_id = await self._record(res, route, profile, conversation_id, asked_at, time.perf_counter() - start)
         return res
 
+    async def record_cut(
+        self,
+        *,
+        why: str,
+        asked_at: float,
+        waited_s: float,
+        profile: Profile | None = None,
+        conversation_id: str | None = None,
+    ) -> int | None:
+        """Record a ``<ret>`` that its caller ended before asking :meth:`retrieve` (it was waiting for the user's
+        utterance to end, or for its final transcript, when the conversation ended): its span row, the question not
+        known, dropped ``cancelled`` with ``error`` "cancelled in the asr step: WHY", as a retrieval cut while it
+        runs is recorded.
+
+        Args:
+            why: the reason, e.g. ``"conversation ended"``.
+            asked_at: when the ``<ret>`` came, in seconds since the epoch (the row's ``asked_at``).
+            waited_s: seconds from the ``<ret>`` to the cut (the row's ``latency_s``).
+            profile, conversation_id: as for :meth:`retrieve`.
+
+        Returns:
+            The span row's id, as :attr:`SpanResult.span_id` is; None without a Context DB or conversation. Never
+            raises for a database failure (logged).
+        """
+        res = SpanResult(stage="asr", error=f"cancelled in the asr step: {why}")
+        # shielded: a cancel while the row is written does not lose it (as a running retrieval's cut)
+        return await asyncio.shield(
+            self._record(res, None, profile, conversation_id, asked_at, max(0.0, waited_s), cut=True)
+        )
+
     async def _run(
         self,
         res: SpanResult,

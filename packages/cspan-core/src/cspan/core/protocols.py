@@ -92,6 +92,12 @@ class Retriever(Protocol):
     lateness is judged on frames) and the call is awaited. ``after_span`` says whether all of the user's speech the
     question comes from was heard after the last Context Span of the conversation was read (False when none was
     read, None when unknown): only such speech can answer that span's question, such as "yes" to a confirmation.
+
+    Optional: ``async record_cut(*, why, asked_at, waited_s, profile, conversation_id)``. A ``<ret>`` waiting for the
+    user's utterance to end (or for its final transcript) has not called ``retrieve`` yet; when the conversation ends
+    then, the runtime calls ``record_cut`` where the retriever has it, for its record (``why`` the reason,
+    ``asked_at`` the ``<ret>``'s time in seconds since the epoch, ``waited_s`` the seconds since). It must not raise
+    on backend failures; the runtime logs anything it raises.
     """
 
     async def retrieve(

@@ -185,6 +185,7 @@ class _Pending:
     ret_frame: int
     forced: bool
     plan: str
+    ret_wall: float = field(default_factory=time.time)  # when the <ret> came, seconds since the epoch
     wait_until: int | None = None
     extended: bool = False
     task: asyncio.Task[RetrievalLike] | None = None
@@ -381,7 +382,8 @@ class Conversation:
         """End of the input: drop the running utterance's transcript stream, wait for outstanding transcripts; report
         a retrieval not read yet as a ``no_span`` with :data:`CONVERSATION_ENDED`. One still running is cancelled with
         that message and waited for (the retriever records the cut: the Context DB's span row dropped
-        ``cancelled``); one whose reference was ready but not read gives its ``retrieval_id``, for its record to be
+        ``cancelled``), and so is one that still waited for the user's utterance (the retriever's ``record_cut``);
+        one whose reference was ready but not read gives its ``retrieval_id``, for its record to be
         marked so too, and so does a Context Span queued in the engine whose step never ran. Cancelled while it waits
         (``asyncio.wait_for`` with a bound), it cancels the transcripts still running."""
         for utterance in list(self._streams):
@@ -408,6 +410,25 @@ class Conversation:
             self._ended(p.question, retrieval_id)
             if running:
                 await asyncio.wait([p.task])
+            elif p.task is None:  # it waited for the user's utterance: the retriever was never asked
+                await self._record_cut(p)
+
+    async def _record_cut(self, p: _Pending) -> None:
+        """The record of a ``<ret>`` the end of the conversation cut before the retriever was asked, where the
+        retriever keeps records (its optional ``record_cut``; :class:`~cspan.core.protocols.Retriever`)."""
+        record_cut = getattr(self.retriever, "record_cut", None)
+        if record_cut is None:
+            return
+        try:
+            await record_cut(
+                why=CONVERSATION_ENDED,
+                asked_at=p.ret_wall,
+                waited_s=time.time() - p.ret_wall,
+                profile=self.profile,
+                conversation_id=self.conversation_id,
+            )
+        except Exception:  # a record that fails must not stop the conversation's end
+            logger.exception("recording the <ret> of frame %d that the conversation's end cut failed", p.ret_frame)
 
     # ------------------------------------------------------------------------------------------------ internals
     def _cancel_transcripts(self) -> None:
