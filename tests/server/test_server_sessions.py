@@ -272,6 +272,48 @@ async def test_a_retrieval_cut_by_the_end_of_its_session_is_recorded_as_cancelle
     assert "cspan_backend_errors_total{" not in metrics
 
 
+@pytest.mark.timeout(120)
+async def test_a_ret_waiting_for_the_users_utterance_when_the_session_ends_is_recorded_as_cancelled(
+    serve, fixture_file, tmp_path: Path
+) -> None:
+    """A ``<ret>`` that came while the user spoke waits for the utterance to end (plan ``wait``): the retriever is
+    not asked yet. A ``stop`` then gives its ``no_span`` and leaves its span row, dropped ``cancelled`` in the asr
+    step, the question not known (was: no row, though the metric counted it cancelled)."""
+    from cspan.backends.context_db import ContextDB
+    from cspan.backends.retriever import Retriever
+
+    router = _BlockingRouter()
+    db_path = tmp_path / "context.sqlite"
+    server = serve(
+        transcriber=_Transcriber(),
+        retriever=Retriever(_Transcriber(), router, None),
+        db=str(db_path),
+        span_deadline_s=60.0,
+    )
+    speech = load_frames(fixture_file("audio", "question_weather_24k.wav"))[:15]  # 1.2 s, the user still speaks
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        ready = await client.start(test={"force_ret_at": [0.8]})
+        await client.stream(speech)
+        bye = await client.stop()
+        assert bye["reason"] == "stop"
+        assert [m["plan"] for m in client.received.json("ret")] == ["wait"]
+        cut = client.received.json("no_span")
+        assert [(m["question"], m["error"]) for m in cut] == [(None, "conversation ended")]
+    assert not router.entered.is_set()
+
+    with ContextDB(db_path) as store:
+        db = store.user("local")
+        await wait_for(lambda: db.get_conversation(ready["conversation_id"]).ended_at is not None)
+        spans = db.spans(ready["conversation_id"])
+        assert [(s.question, s.text, s.dropped, s.error) for s in spans] == [
+            ("", None, "cancelled", "cancelled in the asr step: conversation ended")
+        ]
+        assert spans[0].latency_s > 0 and spans[0].asked_at <= db.get_conversation(ready["conversation_id"]).ended_at
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'cspan_spans_total{outcome="cancelled"} 1.0' in metrics
+
+
 def test_a_reference_ready_but_not_read_at_the_end_is_recorded_as_cancelled(tmp_path: Path) -> None:
     """The end's ``no_span`` of a retrieval whose reference had come but was not read yet carries its id: the row,
     written by the retriever as if about to be injected, is marked dropped ``cancelled``; a ``no_span`` of a retrieval
