@@ -119,6 +119,59 @@ def test_bad_settings_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
         load_settings(DemoSettings, config=tmp_path / "missing.toml", verb="demo")
 
 
+class TypedSettings(BaseSettings):
+    """Boolean, numeric and list fields, as a settings file gives them."""
+
+    model_config = SETTINGS_CONFIG
+
+    slots: int = Field(1, ge=1)
+    limit: int | None = Field(None, ge=0)
+    temp: float = Field(0.8, ge=0, allow_inf_nan=False)
+    graphs: bool = True
+    marks: list[float] = Field(default_factory=list)
+    name: str = "x"
+
+
+@pytest.mark.parametrize(
+    ("line", "expect"),
+    [
+        ("slots = true", "slots: must be a whole number, not true$"),
+        (
+            'slots = "3"',
+            r'slots: must be a whole number, not "3" \(TOML values are typed: write 3, without the quotes\)',
+        ),
+        ("limit = false", "limit: must be a whole number, not false$"),
+        ("temp = true", "temp: must be a number, not true$"),
+        ('temp = "0.5"', r'temp: must be a number, not "0.5" \(TOML values are typed: write 0.5, without'),
+        ("graphs = 1", "graphs: must be true or false, not 1$"),
+        ('graphs = "yes"', 'graphs: must be true or false, not "yes"$'),
+        (
+            'graphs = "false"',
+            r'graphs: must be true or false, not "false" \(TOML values are typed: write false, without the quotes\)',
+        ),
+        ('marks = [1.0, "2"]', r'marks: an item must be a number, not "2" \(TOML values are typed: write 2,'),
+    ],
+)
+def test_a_settings_files_values_are_taken_as_typed(tmp_path, line: str, expect: str) -> None:  # type: ignore[no-untyped-def]
+    """TOML values are typed: a file's ``true`` or ``"3"`` is refused for a number and ``1`` or ``"yes"`` for a boolean,
+    naming the file and key (was: converted, ``slots = true`` ran one slot), as a client's message is."""
+    path = tmp_path / "typed.toml"
+    path.write_text(line + "\n", encoding="utf-8")
+    with pytest.raises(SettingsError, match=f"^settings file {path}: {expect}"):
+        load_settings(TypedSettings, config=path, verb="demo")
+
+
+def test_a_settings_files_typed_values_are_taken(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """What a file writes as its field's type is taken: an integer for a number, a whole float for a whole number
+    (pydantic's rule), ``false``, a list of numbers, text."""
+    path = tmp_path / "typed.toml"
+    path.write_text(
+        'slots = 3.0\nlimit = 7\ntemp = 2\ngraphs = false\nmarks = [1, 2.5]\nname = "y"\n', encoding="utf-8"
+    )
+    got = load_settings(TypedSettings, config=path, verb="demo")
+    assert (got.slots, got.limit, got.temp, got.graphs, got.marks, got.name) == (3, 7, 2.0, False, [1.0, 2.5], "y")
+
+
 def test_a_home_folder_in_a_settings_file_is_expanded(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     from cspan.server.serve_settings import ServeSettings
 
@@ -191,7 +244,7 @@ def test_a_table_that_names_no_verb_is_refused(tmp_path) -> None:  # type: ignor
     ):
         load_settings(DemoSettings, config=conf, verb="demo")
     conf.write_text("port = { a = 1 }\n", encoding="utf-8")  # a setting given as a table: its type is refused
-    with pytest.raises(SettingsError, match=r"cspan\.toml: port: "):
+    with pytest.raises(SettingsError, match=r"cspan\.toml: port: must be a whole number, not {\"a\": 1}$"):
         load_settings(DemoSettings, config=conf, verb="demo")
 
 

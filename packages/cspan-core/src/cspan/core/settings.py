@@ -42,7 +42,8 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, get_args
+from types import UnionType
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BeforeValidator, ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource, EnvSettingsSource, NoDecode, SettingsConfigDict
@@ -217,7 +218,11 @@ def _read_config(path: Path, verb: str, model: type[BaseSettings]) -> dict[str, 
             hint = f"did you mean {close!r}?" if close else f"known: {', '.join(known)}"
             place = f"under [{verb}]" if (key, value) in own else "at the top level, which every command reads"
             raise SettingsError(f"settings file {path}: unknown key {key!r} {place}, for `cspan {verb}` ({hint})")
-        if isinstance(value, str) and value.startswith("~") and _is_path(model.model_fields[name].annotation):
+        annotation = model.model_fields[name].annotation
+        problem = _toml_type_problem(value, annotation)
+        if problem is not None:
+            raise SettingsError(f"settings file {path}: {key}: {problem}")
+        if isinstance(value, str) and value.startswith("~") and _is_path(annotation):
             value = str(Path(value).expanduser())  # a shell expands ~ in a flag, nothing does in a file
         values[name] = value
     _warn_if_secret_readable(path, model, values)
@@ -252,6 +257,61 @@ def _warn_if_secret_readable(path: Path, model: type[BaseSettings], values: dict
             mode & 0o777,
             path,
         )
+
+
+_SCALAR_WORDS = {bool: "true or false", int: "a whole number", float: "a number"}
+
+
+def _scalar_types(annotation: Any) -> set[type] | None:
+    """The scalar types (``bool``, ``int``, ``float``) a field takes, where it takes nothing else (None aside);
+    None for any other field."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    found: set[type] = set()
+    for member in members:
+        if member is type(None):
+            continue
+        if get_origin(member) is Annotated:
+            member = get_args(member)[0]
+        if member not in _SCALAR_WORDS:
+            return None
+        found.add(member)
+    return found or None
+
+
+def _toml_type_problem(value: Any, annotation: Any) -> str | None:
+    """Why ``value``, read from a settings file, is not of a boolean or numeric field's type (None when it is, or
+    the field is of another type: its own validation speaks for it). TOML values are typed: a file's ``true`` or
+    ``"3"`` is not taken for a number, nor ``1`` or ``"yes"`` for a boolean (the command line and the environment,
+    which are text, are converted)."""
+    if get_origin(annotation) is list:
+        (item,) = get_args(annotation) or (Any,)
+        for element in value if isinstance(value, list) else ():
+            problem = _toml_type_problem(element, item)
+            if problem is not None:
+                return f"an item {problem}"
+        return None
+    types = _scalar_types(annotation)
+    if types is None or value is None:
+        return None
+    if isinstance(value, bool):
+        fits = bool in types
+    elif isinstance(value, int | float):
+        fits = bool(types & {int, float})  # an int for a float; a fractional one for an int: pydantic's message
+    else:
+        fits = False
+    if fits:
+        return None
+    wanted = " or ".join(_SCALAR_WORDS[t] for t in (bool, int, float) if t in types)
+    given = ("true" if value else "false") if isinstance(value, bool) else json.dumps(value, ensure_ascii=False)
+    hint = ""
+    if isinstance(value, str) and types & {int, float}:
+        try:
+            hint = f" (TOML values are typed: write {float(value):g}, without the quotes)"
+        except ValueError:
+            pass
+    elif isinstance(value, str) and bool in types and value.strip().lower() in ("true", "false"):
+        hint = f" (TOML values are typed: write {value.strip().lower()}, without the quotes)"
+    return f"must be {wanted}, not {given}{hint}"
 
 
 def _is_path(annotation: Any) -> bool:
