@@ -474,6 +474,28 @@ def test_a_prefix_of_any_integer_dtype_is_read_as_its_ids(tiny_checkpoint) -> No
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
 
+def test_a_prefix_takes_no_input_anywhere_but_in_the_agent_codes_its_step_returns(tiny_checkpoint) -> None:
+    """-1 (no input) is read in any cell of a prefix but the last column's agent codes, which the prefix's step
+    returns as the agent's frame and decodes (was: accepted, then the step raised an IndexError in Mimi after the
+    device state had advanced, and the session's host positions stayed one behind it)."""
+    engine = DuplexEngine(tiny_checkpoint, batch_size=1, seed=0)
+    K, C = engine.num_streams, engine.num_codebooks
+    frames = torch.zeros(K, 5, dtype=torch.long)
+    frames[:, :4] = -1  # no input in every row of the other columns
+    frames[0, 4] = frames[1 + C :, 4] = -1  # and in the last column's text and user rows
+    assert engine.set_prefix(0, frames) == 5
+    for _ in range(3):
+        out = engine.step(torch.zeros(1, FRAME_SIZE))
+        assert out.valid.all() and out.agent_pcm.shape[-1] == FRAME_SIZE
+    assert engine.positions == engine.state.grid.position.tolist()[:1] == [8]  # host and device agree
+    for k in range(1, 1 + C):
+        bad = frames.clone()
+        bad[k, 4] = -1
+        with pytest.raises(ValueError, match=rf"frames\[{k}, 4\] = -1: the prefix's last column"):
+            engine.set_prefix(0, bad)
+    assert engine.positions == [8]
+
+
 def test_a_bad_prefix_or_input_is_refused_at_the_call_and_loses_no_other_work(tiny_checkpoint) -> None:
     """A prefix whose ids no embedding table holds, float frames, embeddings of the wrong width, a sparse or meta
     PCM tensor: each raises at the call, before the step takes the queued work, so the next step reads every
@@ -504,6 +526,10 @@ def test_a_bad_prefix_or_input_is_refused_at_the_call_and_loses_no_other_work(ti
                 engine.set_prefix(0, torch.zeros(K, 5, dtype=torch.long), nan)
             with pytest.raises(TypeError, match=r"frames must be a torch\.Tensor, got list"):
                 engine.set_prefix(0, [[1]])
+            no_code = torch.zeros(K, 5, dtype=torch.long)
+            no_code[2, 4] = -1  # the last column is the frame the prefix's step returns: its audio codes are decoded
+            with pytest.raises(ValueError, match=r"set_prefix: frames\[2, 4\] = -1: the prefix's last column .* agent"):
+                engine.set_prefix(0, no_code)
             for bad_pcm, kind in ((pcm.to_sparse(), "sparse_coo"), (torch.zeros(2, FRAME_SIZE, device="meta"), "meta")):
                 with pytest.raises(TypeError, match=f"user_pcm must be a dense tensor with data, got a.*{kind}"):
                     engine.step(bad_pcm)

@@ -247,10 +247,13 @@ def check_voice(voice: object, card: int, num_codebooks: int) -> None:
             raise ValueError(f"set_persona: voice codes in [{lo}, {hi}], expected Mimi codes in [0, {card})")
 
 
-def check_prefix(frames: object, embeddings: object, rows: list[int], dim: int, where: str = "set_prefix") -> None:
+def check_prefix(
+    frames: object, embeddings: object, rows: list[int], dim: int, where: str = "set_prefix", *, agent_codes: int = 0
+) -> None:
     """``DuplexEngine.set_prefix``'s prefix: a TypeError / ValueError naming ``where`` (the method) unless ``frames``
-    are [K, P] integer ids, row k below ``rows[k]`` (the rows of its embedding table; -1: no input), and
-    ``embeddings`` (or None) [E <= P, ``dim``] floats, finite when on the host."""
+    are [K, P] integer ids, row k below ``rows[k]`` (the rows of its embedding table; -1: no input) and the last
+    column's rows ``1 .. agent_codes`` real codes (the prefix's step returns that column as the agent's frame, its
+    audio codes decoded), and ``embeddings`` (or None) [E <= P, ``dim``] floats, finite when on the host."""
     K = len(rows)
     frames = check_tensor(f"{where}: frames", frames)
     if frames.dim() != 2 or frames.shape[0] != K or not is_integer(frames):
@@ -262,6 +265,13 @@ def check_prefix(frames: object, embeddings: object, rows: list[int], dim: int, 
         if bool(bad.any()):
             k, p = (int(v) for v in bad.nonzero()[0])
             raise ValueError(f"{where}: frames[{k}, {p}] = {int(ids[k, p])} is outside -1 .. {rows[k] - 1}")
+        missing = ids[1 : 1 + agent_codes, -1] < 0
+        if bool(missing.any()):
+            k, p = int(missing.nonzero()[0]) + 1, ids.shape[1] - 1
+            raise ValueError(
+                f"{where}: frames[{k}, {p}] = {int(ids[k, p])}: the prefix's last column is returned by its step as the "
+                f"agent's frame, so its agent codes (rows 1 .. {agent_codes}) must be codes, not -1 (no input)"
+            )
     if embeddings is not None:
         emb = check_tensor(f"{where}: embeddings", embeddings)
         if emb.dim() != 2 or emb.shape[0] > frames.shape[1] or emb.shape[1] != dim or not emb.is_floating_point():

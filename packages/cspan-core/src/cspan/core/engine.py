@@ -449,7 +449,7 @@ class DuplexEngine:
 
         Raises:
             ValueError: frames that are not [K, P] integers with each row's ids in its embedding table (-1: no
-                input), embeddings that are not [E <= P, D] floats (or, on the host, hold NaN or infinities); an
+                input; not in the last column's agent codes, which the step returns as the agent's frame), embeddings that are not [E <= P, D] floats (or, on the host, hold NaN or infinities); an
                 unknown policy; a prefix that leaves no room in the window (P + 1 >= context) with a policy that keeps
                 it there. TypeError: no tensor. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
                 Nothing is changed when it raises.
@@ -472,7 +472,7 @@ class DuplexEngine:
         Returns P."""
         seed = self.sessions.seeds[i] if seed is None else check_seed(seed, where)
         policy = self.persona_policy if policy is None else check_policy(policy, where)
-        check_prefix(frames, embeddings, self._stream_rows, self.lm.cfg.dim, where)
+        check_prefix(frames, embeddings, self._stream_rows, self.lm.cfg.dim, where, agent_codes=self.num_codebooks)
         P = int(frames.shape[-1])
         if not P:
             _warn_dropped(i, self.sessions.reset([i], [seed], sampling=sampling), where)
