@@ -319,6 +319,24 @@ def test_control_characters_never_become_ret_or_a_span_marker(tiny_checkpoint) -
         ContextSpan(None)  # type: ignore[arg-type]
 
 
+def test_text_that_is_not_unicode_is_refused_naming_the_call(tiny_checkpoint) -> None:
+    """A lone surrogate (``os.fsdecode`` or ``surrogateescape`` of bytes that are not UTF-8) in a reference or a
+    persona text is refused naming the call and the argument (was: SentencePiece's "Unable to cast Python instance
+    of type <class 'str'> to C++ type", a RuntimeError, at injection), and the engine is left as it was."""
+    engine = DuplexEngine(tiny_checkpoint, batch_size=1)
+    engine.step_tokens(None)
+    bad = "caf\udcc3\udca9 opens at 9"
+    with pytest.raises(SpanError, match=r"^ContextSpan: the reference text is not valid Unicode text: U\+DCC3 at "):
+        ContextSpan(bad)
+    with pytest.raises(SpanError, match=r"U\+DCC3 at character 3 is a lone surrogate"):
+        engine.inject_span(0, bad)
+    for kwargs, name in (({"text_prompt": bad}, "text_prompt"), ({"text_prompt": "hi", "user_name": bad}, "user_name")):
+        with pytest.raises(ValueError, match=rf"^set_persona: {name} is not valid Unicode text"):
+            engine.set_persona(0, **kwargs)
+    assert engine.positions == [1]
+    assert engine.inject_span(0, "caf\u00e9 opens at 9").ids  # the same text, decoded: read
+
+
 def test_span_ids_are_ints_or_refused() -> None:
     """Ids given directly are read as Python ints (numpy's and torch's too), and anything else is a TypeError: a
     float id was rounded, a bool read as 0 / 1, and numpy or torch scalars reached the SpanReport's ids."""

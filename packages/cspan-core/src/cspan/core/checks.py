@@ -216,11 +216,26 @@ def check_frame_pcm(user_pcm: object, batch_size: int) -> torch.Tensor:
     return pcm
 
 
+def check_unicode(text: str, what: str) -> None:
+    """A ValueError naming ``what`` when ``text`` holds a lone surrogate (U+D800 .. U+DFFF: what
+    ``errors="surrogateescape"`` or ``os.fsdecode`` make of bytes that are not UTF-8), which no tokenizer can read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} is not valid Unicode text: U+{ord(text[exc.start]):04X} at character {exc.start} is a lone "
+            "surrogate (bytes that are not UTF-8, decoded with surrogateescape?); decode them with "
+            "errors='replace'"
+        ) from None
+
+
 def check_persona(texts: dict[str, object]) -> None:
-    """``DuplexEngine.set_persona``'s ``texts`` (name -> value) are str or None."""
+    """``DuplexEngine.set_persona``'s ``texts`` (name -> value) are str or None, and valid Unicode."""
     for name, value in texts.items():
         if value is not None and not isinstance(value, str):
             raise TypeError(f"set_persona: {name} is a str or None, got {type(value).__name__}")
+        if value is not None:
+            check_unicode(value, f"set_persona: {name}")
 
 
 def check_voice(voice: object, card: int, num_codebooks: int) -> None:

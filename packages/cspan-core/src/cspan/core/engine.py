@@ -388,7 +388,8 @@ class DuplexEngine:
             IndexError: no such session. CheckpointError: text prompt without tokenizer, unknown voice name or a
                 voice file that cannot be read. AudioInputError: a recording too short, too long or silent.
             ValueError: voice codes not [8, N] integers in [0, card); bad sampling parameters; a prefix that does
-                not fit the window; a seed outside 0 .. 2**63 - 1. TypeError: an argument of another type (text
+                not fit the window; a seed outside 0 .. 2**63 - 1; text holding a lone surrogate (bytes that were
+                not UTF-8). TypeError: an argument of another type (text
                 that is no str, a seed that is no int, ``sampling`` that is no SessionSampling, voice codes in a
                 meta or sparse tensor, ...). Each error names the method and the argument; nothing is changed when
                 it raises.
@@ -501,7 +502,8 @@ class DuplexEngine:
         Raises:
             IndexError: no such session. TypeError: a session that is no int, a span that is neither a
                 :class:`ContextSpan` nor a str.
-            SpanError: the session has not started (no persona and no step since its reset), an empty reference,
+            SpanError: the session has not started (no persona and no step since its reset), an empty reference
+                or one holding a lone surrogate (bytes that were not UTF-8),
                 ids outside the text vocabulary, or a text span without a tokenizer (a bare LM: use
                 :meth:`ContextSpan.from_ids`).
         """
