@@ -105,6 +105,9 @@ BAD_SETTINGS = [
     (["--span", "inf:hello"], "--span"),
     (["--span", "1.0"], "--span"),
     (["--span", "1.0:   "], "--span"),
+    (["--span", "1.0:\x08\x09"], "--span"),  # control characters only: read as spaces
+    (["--span", "1.0:\u200b"], "--span"),  # format characters only: SentencePiece reads no token
+    (["--span", "1.0: \ufeff "], "--span"),
     (["--asr", "whisper"], "--asr"),
     (["--asr", "http://"], "--asr"),
     (["--asr", "http://127.0.0.1:99999"], "--asr"),

@@ -29,6 +29,7 @@ import logging
 import math
 import sys
 import time
+import unicodedata
 import zoneinfo
 from array import array
 from collections.abc import Callable, Iterable
@@ -84,9 +85,18 @@ def parse_span(value: str) -> TimedText:
         t = float("nan")
     if not sep or not (math.isfinite(t) and t >= 0):
         raise ValueError(f"{value[:60]!r}: expected SECONDS:TEXT with SECONDS a number >= 0, e.g. 1.0:Hello")
-    if not text.strip():
-        raise ValueError(f"{value[:60]!r}: the reference TEXT after {seconds}: is empty, e.g. 1.0:Hello")
+    if not any(_readable(c) for c in text):  # what a Context Span reads: no tokens from spaces, controls, formats
+        raise ValueError(
+            f"{value[:60]!r}: the reference TEXT after {seconds}: is empty (only spaces, control or "
+            "format characters), e.g. 1.0:Hello"
+        )
     return TimedText(t, text.strip())
+
+
+def _readable(c: str) -> bool:
+    """Whether a Context Span reads ``c`` as text: not a space, a control character (read as a space) or a format
+    character such as U+200B or U+FEFF (which SentencePiece's normaliser drops)."""
+    return not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf")
 
 
 def frame_at(seconds: float) -> int:
