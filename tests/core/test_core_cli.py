@@ -303,3 +303,17 @@ def test_a_missing_value_that_starts_with_a_minus_is_told_how_to_write_it(argv, 
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert err.splitlines()[-1] == f"cspan infer: error: argument {last}", err
+
+
+def test_ctrl_c_while_the_verbs_are_imported_is_one_line_and_130(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C in the first half second, while ``build_parser`` imports every verb, ends with one line and status 130,
+    as it does once the verb runs (was: Python's ``KeyboardInterrupt`` traceback)."""
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    import cspan.core.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "build_parser", interrupted)
+    assert main(["infer", "--help"]) == 130
+    assert capsys.readouterr().err == "cspan: interrupted\n"

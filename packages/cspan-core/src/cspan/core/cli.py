@@ -355,8 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()  # imports every installed verb: the first half second or so
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the verb runs: the verb's own line and status, not a traceback
+        print("cspan: interrupted", file=sys.stderr)
+        return 130
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = getattr(args, "handler", None)
