@@ -81,6 +81,17 @@ def test_a_database_url_we_do_not_speak_is_not_a_folder(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # no ./mysql:/x folder
 
 
+@pytest.mark.parametrize("verb", [("db", "info"), ("users", "list")])
+def test_a_folder_given_as_the_database_is_named_so(tmp_path: Path, verb: tuple[str, str]) -> None:
+    """``--db FOLDER`` is refused saying it is a folder and which file to give, as ``cspan serve`` says (was:
+    SQLite's "unable to open database file")."""
+    done = _cspan(*verb, "--db", str(tmp_path), cwd=tmp_path)
+    line = _one_line(done)
+    assert done.returncode == 1, line
+    assert f"{tmp_path}: is a folder; give the Context DB's file (e.g. {tmp_path / 'context.sqlite'})" in line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_db_export_to_a_file_is_private_to_its_owner(tmp_path: Path) -> None:
     """``db export --out`` writes everything stored about a person: the file is 0600 as the database is, whatever
     the umask (it was 0644 under the usual 022: readable by every local user), also when it replaces one."""

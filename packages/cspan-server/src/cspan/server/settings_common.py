@@ -434,14 +434,10 @@ class ContextDBSettings(BaseSettings):
         value = value.strip()
         if not value:
             raise ValueError("empty; give a file, ':memory:' or a postgresql:// URL (or leave it out)")
-        if "://" not in value and Path(value).expanduser().is_dir():
-            raise ValueError(
-                "is a folder; give the Context DB's file (e.g. FOLDER/context.sqlite), ':memory:' or a URL"
-            )
         from cspan.backends.context_db import ContextDBError, resolve_target
 
         try:
-            resolve_target(value)  # a URL of a database we do not speak (mysql://...)
+            resolve_target(value)  # a URL of a database we do not speak (mysql://...), a folder
         except ContextDBError as exc:  # the URL is shown as (got ...), unless it holds a password
             raise ValueError(str(exc).partition(": ")[2]) from None
         return value

@@ -54,7 +54,7 @@ def resolve_target(target: str | os.PathLike[str] | None) -> str:
 
     Raises:
         ContextDBError: a URL of another database (``mysql://...``): it would otherwise become a folder named
-            ``mysql:``.
+            ``mysql:``; a path that is a folder.
     """
     if target is None:
         target = os.environ.get(DB_ENV) or default_db_path()
@@ -67,7 +67,12 @@ def resolve_target(target: str | os.PathLike[str] | None) -> str:
             f"{re.sub(r'//[^@/]*@', '//', text)}: {scheme.group(1)!r} databases are not supported; the "
             "Context DB is SQLite (a file path, sqlite:///PATH or :memory:) or PostgreSQL (postgresql://...)"
         )
-    return str(Path(text).expanduser())
+    path = Path(text).expanduser()
+    if path.is_dir():  # SQLite's own word for it is "unable to open database file"
+        raise ContextDBError(
+            f"{path}: is a folder; give the Context DB's file (e.g. {path / 'context.sqlite'}), ':memory:' or a URL"
+        )
+    return str(path)
 
 
 class ContextDB(LegacyMethods):
