@@ -226,15 +226,9 @@ class _BlockingRouter:
         raise AssertionError("unreachable")
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("ending", ["stop", "disconnect"])
-async def test_a_retrieval_cut_by_the_end_of_its_session_is_recorded_as_cancelled(
-    serve, tmp_path: Path, ending: str
-) -> None:
-    """A retrieval still waiting for its router when the session ends (the client stops, or leaves) is cancelled
-    and leaves its span row, dropped ``cancelled`` with the step and the reason, before the conversation's end time
-    (was: no row at all); the client that stopped gets its ``no_span``, and no backend failure is counted."""
-    from cspan.backends.context_db import ContextDB
+def _serve_with_a_blocking_router(serve, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A server whose retriever hears one question and whose router never answers, recording in a SQLite Context
+    DB: (server, router, the database's path)."""
     from cspan.backends.retriever import Retriever
 
     router = _BlockingRouter()
@@ -245,6 +239,28 @@ async def test_a_retrieval_cut_by_the_end_of_its_session_is_recorded_as_cancelle
         db=str(db_path),
         span_deadline_s=60.0,
     )
+    return server, router, db_path
+
+
+async def _spans_once_ended(db_path: Path, conversation_id: str) -> tuple[list, float]:
+    """The conversation's span rows once its end time is written, and that time."""
+    from cspan.backends.context_db import ContextDB
+
+    with ContextDB(db_path) as store:
+        db = store.user("local")
+        await wait_for(lambda: db.get_conversation(conversation_id).ended_at is not None)
+        return db.spans(conversation_id), db.get_conversation(conversation_id).ended_at
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending", ["stop", "disconnect"])
+async def test_a_retrieval_cut_by_the_end_of_its_session_is_recorded_as_cancelled(
+    serve, tmp_path: Path, ending: str
+) -> None:
+    """A retrieval still waiting for its router when the session ends (the client stops, or leaves) is cancelled
+    and leaves its span row, dropped ``cancelled`` with the step and the reason, before the conversation's end time
+    (was: no row at all); the client that stopped gets its ``no_span``, and no backend failure is counted."""
+    server, router, db_path = _serve_with_a_blocking_router(serve, tmp_path)
     async with websockets.connect(server.ws_url, max_size=None) as ws:
         client = Client(ws)
         ready = await client.start(test={"force_ret_at": [0.4]})
@@ -258,14 +274,11 @@ async def test_a_retrieval_cut_by_the_end_of_its_session_is_recorded_as_cancelle
     await wait_for(lambda: server.hub.free_slots() == 1)
     await wait_for(router.cancelled.is_set)  # the slot is released first, then the conversation finishes
 
-    with ContextDB(db_path) as store:
-        db = store.user("local")
-        await wait_for(lambda: db.get_conversation(ready["conversation_id"]).ended_at is not None)
-        spans = db.spans(ready["conversation_id"])
-        assert [(s.question, s.text, s.dropped, s.error) for s in spans] == [
-            ("what is the weather in leeds", None, "cancelled", "cancelled in the router step: conversation ended")
-        ]
-        assert spans[0].latency_s > 0 and spans[0].injected_at is None
+    spans, _ = await _spans_once_ended(db_path, ready["conversation_id"])
+    assert [(s.question, s.text, s.dropped, s.error) for s in spans] == [
+        ("what is the weather in leeds", None, "cancelled", "cancelled in the router step: conversation ended")
+    ]
+    assert spans[0].latency_s > 0 and spans[0].injected_at is None
     metrics = httpx.get(server.url + "/metrics").text
     assert 'cspan_spans_total{outcome="cancelled"} 1.0' in metrics  # the metric says what the span row says
     assert 'cspan_spans_total{outcome="no_span"} 0.0' in metrics
@@ -279,17 +292,7 @@ async def test_a_ret_waiting_for_the_users_utterance_when_the_session_ends_is_re
     """A ``<ret>`` that came while the user spoke waits for the utterance to end (plan ``wait``): the retriever is
     not asked yet. A ``stop`` then gives its ``no_span`` and leaves its span row, dropped ``cancelled`` in the asr
     step, the question not known (was: no row, though the metric counted it cancelled)."""
-    from cspan.backends.context_db import ContextDB
-    from cspan.backends.retriever import Retriever
-
-    router = _BlockingRouter()
-    db_path = tmp_path / "context.sqlite"
-    server = serve(
-        transcriber=_Transcriber(),
-        retriever=Retriever(_Transcriber(), router, None),
-        db=str(db_path),
-        span_deadline_s=60.0,
-    )
+    server, router, db_path = _serve_with_a_blocking_router(serve, tmp_path)
     speech = load_frames(fixture_file("audio", "question_weather_24k.wav"))[:15]  # 1.2 s, the user still speaks
     async with websockets.connect(server.ws_url, max_size=None) as ws:
         client = Client(ws)
@@ -302,14 +305,11 @@ async def test_a_ret_waiting_for_the_users_utterance_when_the_session_ends_is_re
         assert [(m["question"], m["error"]) for m in cut] == [(None, "conversation ended")]
     assert not router.entered.is_set()
 
-    with ContextDB(db_path) as store:
-        db = store.user("local")
-        await wait_for(lambda: db.get_conversation(ready["conversation_id"]).ended_at is not None)
-        spans = db.spans(ready["conversation_id"])
-        assert [(s.question, s.text, s.dropped, s.error) for s in spans] == [
-            ("", None, "cancelled", "cancelled in the asr step: conversation ended")
-        ]
-        assert spans[0].latency_s > 0 and spans[0].asked_at <= db.get_conversation(ready["conversation_id"]).ended_at
+    spans, ended_at = await _spans_once_ended(db_path, ready["conversation_id"])
+    assert [(s.question, s.text, s.dropped, s.error) for s in spans] == [
+        ("", None, "cancelled", "cancelled in the asr step: conversation ended")
+    ]
+    assert spans[0].latency_s > 0 and spans[0].asked_at <= ended_at
     metrics = httpx.get(server.url + "/metrics").text
     assert 'cspan_spans_total{outcome="cancelled"} 1.0' in metrics
 
