@@ -81,15 +81,35 @@ def test_a_database_url_we_do_not_speak_is_not_a_folder(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # no ./mysql:/x folder
 
 
-@pytest.mark.parametrize("verb", [("db", "info"), ("users", "list")])
-def test_a_folder_given_as_the_database_is_named_so(tmp_path: Path, verb: tuple[str, str]) -> None:
-    """``--db FOLDER`` is refused saying it is a folder and which file to give, as ``cspan serve`` says (was:
-    SQLite's "unable to open database file")."""
-    done = _cspan(*verb, "--db", str(tmp_path), cwd=tmp_path)
+@pytest.mark.parametrize(
+    ("verb", "form"),
+    [
+        (("db", "info"), "path"),
+        (("users", "list"), "path"),
+        (("users", "list"), "url"),
+        (("users", "add", "u"), "new/"),
+    ],
+)
+def test_a_folder_given_as_the_database_is_named_so(tmp_path: Path, verb: tuple[str, ...], form: str) -> None:
+    """``--db FOLDER`` (or ``sqlite:////FOLDER``) is refused saying it is a folder and which file to give, as
+    ``cspan serve`` says (was: SQLite's "unable to open database file"); ``--db new/``, a folder not made yet, too
+    (was: a file named ``new``)."""
+    db = {"path": str(tmp_path), "url": f"sqlite:///{tmp_path}", "new/": str(tmp_path / "new") + "/"}[form]
+    done = _cspan(*verb, "--db", db, cwd=tmp_path)
     line = _one_line(done)
     assert done.returncode == 1, line
-    assert f"{tmp_path}: is a folder; give the Context DB's file (e.g. {tmp_path / 'context.sqlite'})" in line
+    folder = tmp_path / "new" if form == "new/" else tmp_path
+    what = "ends with a slash, naming a folder" if form == "new/" else "is a folder"
+    assert f"{folder}: {what}; give the Context DB's file (e.g. {folder / 'context.sqlite'})" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_relative_sqlite_url_names_the_file_beside(tmp_path: Path) -> None:
+    """``sqlite:///context.db`` is ``context.db`` in the working folder, for the verbs that check it exists as for
+    the database itself (was: looked for at ``/context.db``, "no Context DB")."""
+    assert _cspan("users", "add", "ada", "--db", str(tmp_path / "context.db"), cwd=tmp_path).returncode == 0
+    done = _cspan("users", "list", "--db", "sqlite:///context.db", cwd=tmp_path)
+    assert done.returncode == 0 and b"ada" in done.stdout, done.stderr
 
 
 def test_db_export_to_a_file_is_private_to_its_owner(tmp_path: Path) -> None:

@@ -45,13 +45,11 @@ def _days(text: str) -> float:
 def _missing_file(target: str | None) -> str | None:
     """The SQLite file ``target`` names (``--db``, ``$CSPAN_DB`` or the default) when it does not exist, else None
     (also for ``:memory:`` and PostgreSQL)."""
+    from cspan.backends.context_db.connection import sqlite_file
     from cspan.backends.context_db.store import resolve_target
 
-    path = resolve_target(target)
-    if path == ":memory:" or ("://" in path and not path.startswith("sqlite://")):
-        return None
-    path = path.removeprefix("sqlite://")
-    return None if os.path.exists(path) else path
+    path = sqlite_file(resolve_target(target))
+    return None if path is None or os.path.exists(path) else path
 
 
 def _context_db_file_at(out: Path, target: str | None) -> str | None:

@@ -17,7 +17,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Protocol
 
-from cspan.backends.context_db.connection import POOL_SIZE, Connection, connect, is_postgres_url
+from cspan.backends.context_db.connection import POOL_SIZE, Connection, connect, is_postgres_url, sqlite_file
 from cspan.backends.context_db.legacy import LegacyMethods
 from cspan.backends.context_db.models import ContextDBError, TokenRecord
 from cspan.backends.context_db.schema import MIGRATIONS, SCHEMA_VERSION
@@ -54,25 +54,26 @@ def resolve_target(target: str | os.PathLike[str] | None) -> str:
 
     Raises:
         ContextDBError: a URL of another database (``mysql://...``): it would otherwise become a folder named
-            ``mysql:``; a path that is a folder.
+            ``mysql:``; a path (or ``sqlite:///`` URL) that is a folder or ends with a slash.
     """
     if target is None:
         target = os.environ.get(DB_ENV) or default_db_path()
     text = str(target)
-    if text == ":memory:" or is_postgres_url(text) or text.startswith("sqlite://"):
-        return text
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", text)
-    if scheme:  # a URL of a database we do not speak, not a folder named "mysql:"
+    if scheme and not (is_postgres_url(text) or text.startswith("sqlite://")):
+        # a URL of a database we do not speak, not a folder named "mysql:"
         raise ContextDBError(
             f"{re.sub(r'//[^@/]*@', '//', text)}: {scheme.group(1)!r} databases are not supported; the "
             "Context DB is SQLite (a file path, sqlite:///PATH or :memory:) or PostgreSQL (postgresql://...)"
         )
-    path = Path(text).expanduser()
-    if path.is_dir():  # SQLite's own word for it is "unable to open database file"
+    file = sqlite_file(text)
+    if file is not None and (Path(file).is_dir() or text.endswith(("/", os.sep))):
+        # SQLite's own word for a folder is "unable to open database file"; "new/" would make a file named "new"
+        what = "is a folder" if Path(file).is_dir() else "ends with a slash, naming a folder"
         raise ContextDBError(
-            f"{path}: is a folder; give the Context DB's file (e.g. {path / 'context.sqlite'}), ':memory:' or a URL"
+            f"{file}: {what}; give the Context DB's file (e.g. {Path(file) / 'context.sqlite'}), ':memory:' or a URL"
         )
-    return str(path)
+    return text if scheme or text == ":memory:" else str(Path(text).expanduser())
 
 
 class ContextDB(LegacyMethods):
