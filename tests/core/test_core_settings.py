@@ -150,6 +150,11 @@ class TypedSettings(BaseSettings):
             r'graphs: must be true or false, not "false" \(TOML values are typed: write false, without the quotes\)',
         ),
         ('marks = [1.0, "2"]', r'marks: an item must be a number, not "2" \(TOML values are typed: write 2,'),
+        ('marks = "1.5"', r'marks: must be a list, not "1.5" \(TOML values are typed: write \[1.5, 3\] for two'),
+        ('marks = "[true, 2]"', r'marks: must be a list, not "\[true, 2\]"'),
+        ("slots = 2024-01-01", "slots: must be a whole number, not 2024-01-01$"),
+        ("graphs = 07:32:00", "graphs: must be true or false, not 07:32:00$"),
+        ("marks = [1979-05-27T07:32:00Z]", "marks: an item must be a number, not 1979-05-27T07:32:00[+]00:00$"),
     ],
 )
 def test_a_settings_files_values_are_taken_as_typed(tmp_path, line: str, expect: str) -> None:  # type: ignore[no-untyped-def]
@@ -244,7 +249,7 @@ def test_a_table_that_names_no_verb_is_refused(tmp_path) -> None:  # type: ignor
     ):
         load_settings(DemoSettings, config=conf, verb="demo")
     conf.write_text("port = { a = 1 }\n", encoding="utf-8")  # a setting given as a table: its type is refused
-    with pytest.raises(SettingsError, match=r"cspan\.toml: port: must be a whole number, not {\"a\": 1}$"):
+    with pytest.raises(SettingsError, match=r"cspan\.toml: port: must be a whole number, not {a = 1}$"):
         load_settings(DemoSettings, config=conf, verb="demo")
 
 

@@ -285,6 +285,8 @@ def _toml_type_problem(value: Any, annotation: Any) -> str | None:
     which are text, are converted)."""
     if get_origin(annotation) is list:
         (item,) = get_args(annotation) or (Any,)
+        if isinstance(value, str) and _scalar_types(item) is not None:  # "1.5" or "[1, 2]": text, not a list
+            return f"must be a list, not {_toml(value)} (TOML values are typed: write [1.5, 3] for two values)"
         for element in value if isinstance(value, list) else ():
             problem = _toml_type_problem(element, item)
             if problem is not None:
@@ -302,7 +304,7 @@ def _toml_type_problem(value: Any, annotation: Any) -> str | None:
     if fits:
         return None
     wanted = " or ".join(_SCALAR_WORDS[t] for t in (bool, int, float) if t in types)
-    given = ("true" if value else "false") if isinstance(value, bool) else json.dumps(value, ensure_ascii=False)
+    given = _toml(value)
     hint = ""
     if isinstance(value, str) and types & {int, float}:
         try:
@@ -312,6 +314,19 @@ def _toml_type_problem(value: Any, annotation: Any) -> str | None:
     elif isinstance(value, str) and bool in types and value.strip().lower() in ("true", "false"):
         hint = f" (TOML values are typed: write {value.strip().lower()}, without the quotes)"
     return f"must be {wanted}, not {given}{hint}"
+
+
+def _toml(value: Any) -> str:
+    """``value`` as a settings file writes it: ``true``, ``"3"``, ``2024-01-01`` (a TOML date), ``[1, "2"]``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)  # numbers; dates and times
 
 
 def _is_path(annotation: Any) -> bool:
