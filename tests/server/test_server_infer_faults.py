@@ -144,8 +144,11 @@ def test_bad_settings_are_one_line_exit_2_before_anything(extra, flag, speech, t
         (["--span", "99:too late"], "--span at 99 s is past the end of the conversation"),
         (["--force-ret-at", "500"], "--force-ret-at at 500 s is past the end of the conversation"),
         (["--voice", "nosuchvoice"], "--voice nosuchvoice: .*not a known voice \\(known voices: tiny0, tiny1\\)"),
+        # text the tokenizer reads as nothing (its own word-start mark, U+FFFD): it would never be injected
+        (["--span", "0.5:ok", "--span", "1.0:\u2581"], "--span at 1 s: ContextSpan: the reference '\u2581' encodes"),
+        (["--span", "1.0:\ufffd"], "--span at 1 s: ContextSpan: the reference '\ufffd' encodes to no tokens"),
     ],
-    ids=["channel", "span", "force-ret-at", "voice"],
+    ids=["channel", "span", "force-ret-at", "voice", "span-mark", "span-replacement"],
 )
 def test_settings_that_do_not_fit_the_input_or_the_checkpoint_exit_2(extra, message, speech, tiny_checkpoint_dir,
                                                                       tmp_path, capsys):  # fmt: skip

@@ -10,7 +10,8 @@ and, optionally, the JSON of :class:`~cspan.server.output.InferOutput` (``docs/O
 The settings are declared once, in :class:`InferSettings` (flags, ``CSPAN_*`` environment, ``--config`` file). The
 job checks before it loads anything: every setting's range, the outputs' folders (writable, enough free space for
 the audio), the input, the Context DB, the device; the backend URLs are checked to answer while the model loads,
-and the persona to fit the model's attention window once the tokenizer is there.
+and, once the tokenizer is there, the persona to fit the model's attention window and every ``--span`` to read as
+tokens.
 
 Outputs are written atomically (a temporary ``.part`` file renamed into place): an interrupted or killed run
 (SIGTERM) leaves no output file behind, and one output that cannot be written never costs the other: a WAV that
@@ -470,6 +471,25 @@ def persona_frames(checkpoint: Any, settings: InferSettings, voice: Any) -> dict
     return info
 
 
+def check_spans_read(tokenizer: Any, spans: Iterable[TimedText]) -> None:
+    """Refuse a ``--span`` the checkpoint's tokenizer reads as nothing (``▁``, U+FFFD, a character its normaliser
+    drops): it would never be injected. Run once the tokenizer is loaded, before the first frame.
+
+    Raises:
+        SettingsError: naming the span's time (exit status 2).
+    """
+    from cspan.core.errors import SettingsError, SpanError
+    from cspan.core.span import ContextSpan
+
+    for span in spans:
+        if tokenizer is None:
+            return
+        try:
+            ContextSpan(span.text).encode(tokenizer)
+        except SpanError as exc:
+            raise SettingsError(f"--span at {span.seconds:g} s: {exc}") from None
+
+
 def _json_text(value: Any) -> Any:
     """Strings as the JSON can hold them: a path with bytes that are not UTF-8 keeps them as ``\\xNN``."""
     if isinstance(value, str):
@@ -633,6 +653,7 @@ async def _converse(
     # the persona names the user as the profile does (the flags, else what the Context DB remembers)
     persona_s = s.model_copy(update={"user_name": profile.name, "user_city": profile.city})
     persona = {**persona_frames(checkpoint, persona_s, voice), **describe_voice(chosen)}
+    check_spans_read(checkpoint.tokenizer, s.spans)
     engine = DuplexEngine(
         checkpoint,
         batch_size=1,
