@@ -389,9 +389,8 @@ class DuplexEngine:
                 voice file that cannot be read. AudioInputError: a recording too short, too long or silent.
             ValueError: voice codes not [8, N] integers in [0, card); bad sampling parameters; a prefix that does
                 not fit the window; a seed outside 0 .. 2**63 - 1; text holding a lone surrogate (bytes that were
-                not UTF-8). TypeError: an argument of another type (text
-                that is no str, a seed that is no int, ``sampling`` that is no SessionSampling, voice codes in a
-                meta or sparse tensor, ...). Each error names the method and the argument; nothing is changed when
+                not UTF-8). TypeError: an argument of another type (text that is no str, a seed that is no int,
+                ``sampling`` that is no SessionSampling, voice codes in a meta or sparse tensor, ...). Each error names the method and the argument; nothing is changed when
                 it raises.
         """
         i = check_session(i, self.batch_size, "set_persona")
@@ -450,9 +449,10 @@ class DuplexEngine:
 
         Raises:
             ValueError: frames that are not [K, P] integers with each row's ids in its embedding table (-1: no
-                input; not in the last column's agent codes, which the step returns as the agent's frame), embeddings that are not [E <= P, D] floats (or, on the host, hold NaN or infinities); an
-                unknown policy; a prefix that leaves no room in the window (P + 1 >= context) with a policy that keeps
-                it there. TypeError: no tensor. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
+                input; not in the last column's agent codes, which the step returns as the agent's frame),
+                embeddings that are not [E <= P, D] floats (or, on the host, hold NaN or infinities); an unknown
+                policy; a prefix that leaves no room in the window (P + 1 >= context) with a policy that keeps it
+                there. TypeError: no tensor. TypeError, ValueError: a seed that is no int in 0 .. 2**63 - 1.
                 Nothing is changed when it raises.
         """
         i = check_session(i, self.batch_size, "set_prefix")
@@ -503,9 +503,8 @@ class DuplexEngine:
             IndexError: no such session. TypeError: a session that is no int, a span that is neither a
                 :class:`ContextSpan` nor a str.
             SpanError: the session has not started (no persona and no step since its reset), an empty reference
-                or one holding a lone surrogate (bytes that were not UTF-8),
-                ids outside the text vocabulary, or a text span without a tokenizer (a bare LM: use
-                :meth:`ContextSpan.from_ids`).
+                or one holding a lone surrogate (bytes that were not UTF-8), ids outside the text vocabulary, or a
+                text span without a tokenizer (a bare LM: use :meth:`ContextSpan.from_ids`).
         """
         i = check_session(i, self.batch_size, "inject_span")
         if not isinstance(span, (ContextSpan, str)):

@@ -383,8 +383,8 @@ class Conversation:
         a retrieval not read yet as a ``no_span`` with :data:`CONVERSATION_ENDED`. One still running is cancelled with
         that message and waited for (the retriever records the cut: the Context DB's span row dropped
         ``cancelled``), and so is one that still waited for the user's utterance (the retriever's ``record_cut``);
-        one whose reference was ready but not read gives its ``retrieval_id``, for its record to be
-        marked so too, and so does a Context Span queued in the engine whose step never ran. Cancelled while it waits
+        one whose reference was ready but not read gives its ``retrieval_id``, for its record to be marked so too,
+        and so does a Context Span queued in the engine whose step never ran. Cancelled while it waits
         (``asyncio.wait_for`` with a bound), it cancels the transcripts still running."""
         for utterance in list(self._streams):
             self._drop_stream(utterance)
