@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 from pathlib import Path
 
@@ -411,3 +412,27 @@ def test_clients_see_a_local_checkpoint_by_its_name_only(tmp_path: Path) -> None
     assert public_model_name(str(folder / "model.safetensors")) == "model.safetensors"
     assert public_model_name("nvidia/personaplex-7b-v1") == "nvidia/personaplex-7b-v1"
     assert public_model_name("default") == "default"
+
+
+async def test_a_prompt_too_long_in_tokens_is_told_to_the_client_without_a_server_error(serve, caplog) -> None:
+    """A text prompt within ``--max-text-prompt-chars`` whose characters take several tokens each (emoji) can fill
+    the model's window: the client gets ``persona_failed`` saying so and what to shorten, the server logs it at INFO
+    without a traceback (was: the engine's ValueError quoted, policy advice for the operator, an ERROR with its
+    traceback), and a shorter prompt starts."""
+    import logging
+
+    server = serve(max_text_prompt_chars=4000)
+    caplog.set_level(logging.INFO, logger="cspan.server.session")
+    async with websockets.connect(server.ws_url, max_size=None) as ws:
+        client = Client(ws)
+        refused = await client.start(text_prompt="\U0001f600" * 1000)
+        assert refused["type"] == "error" and refused["code"] == "persona_failed", refused
+        assert re.fullmatch(
+            r"the persona takes \d+ of the model's \d+ positions and leaves no room to talk: shorten the text prompt "
+            r"\(an emoji or a rare character takes several tokens\) or the voice",
+            refused["message"],
+        ), refused["message"]
+        assert (await client.start(text_prompt="Be brief."))["type"] == "ready"
+        assert (await client.stop())["reason"] == "stop"
+    records = [r for r in caplog.records if r.name == "cspan.server.session" and "persona" in r.getMessage()]
+    assert [r.levelname for r in records] == ["INFO"] and records[0].exc_info is None

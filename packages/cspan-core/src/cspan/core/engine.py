@@ -67,7 +67,7 @@ from .constants import (
     SILENCE_TOKENS,
     SINE_TOKENS,
 )
-from .errors import CheckpointError, SpanError
+from .errors import CheckpointError, PersonaTooLongError, SpanError
 from .graphs import GraphCache
 from .plan import resolve_plan
 from .prefix import PrefixReport, build_persona_prefix, prefix_block
@@ -480,9 +480,11 @@ class DuplexEngine:
             return 0
         ctx = self.context
         if policy != "none" and ctx is not None and ctx <= P + 1:
-            raise ValueError(
+            raise PersonaTooLongError(
                 f"{where}: a persona prefix of {P} frames fills the model's {ctx}-position window; the "
-                f"{policy!r} policy needs room to talk after it (shorten the prompt, or use policy 'none')"
+                f"{policy!r} policy needs room to talk after it (shorten the prompt, or use policy 'none')",
+                frames=P,
+                window=ctx,
             )
         initial = self.state.grid.initial_t.cpu()
         block = prefix_block(frames, self.lm.delays, initial, embeddings)

@@ -40,6 +40,16 @@ class SpanError(CspanError):
     """A Context Span cannot be built or injected (for example an empty reference)."""
 
 
+class PersonaTooLongError(CspanError, ValueError):
+    """A persona prefix (text prompt and voice) of ``frames`` frames leaves the model no room to talk in its
+    ``window``-position attention window: shorten the prompt (characters such as emoji take several tokens each) or
+    the voice recording."""
+
+    def __init__(self, message: str, *, frames: int, window: int) -> None:
+        super().__init__(message)
+        self.frames, self.window = frames, window
+
+
 class OutputError(CspanError):
     """An output file cannot be written: names the path and the cause (permission, no space, read-only file system).
 

@@ -95,7 +95,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from cspan.backends.context_db.models import check_coordinate, check_timezone
 from cspan.core.audio import sanitize_pcm
 from cspan.core.constants import FRAME_RATE, FRAME_S, FRAME_SIZE, MAX_SEED, SAMPLE_RATE
-from cspan.core.errors import ProtocolError
+from cspan.core.errors import PersonaTooLongError, ProtocolError
 from cspan.core.events import CONVERSATION_ENDED, ConversationEvent, ErrorEvent, LateEvent, NoSpanEvent, SpanEvent
 from cspan.core.voice import VoicePrompt
 from cspan.server.db_calls import DBCalls
@@ -1358,13 +1358,19 @@ class SessionHub:
                 user_city=profile.city or None,
             )
         except Exception as exc:
-            logger.exception("session %s: persona prefix failed", session.id)
+            if isinstance(exc, PersonaTooLongError):  # the client's prompt: said to it, no server fault
+                logger.info("session %s: persona refused: %s", session.id, exc)
+                why = (
+                    f"the persona takes {exc.frames} of the model's {exc.window} positions and leaves no room to "
+                    "talk: shorten the text prompt (an emoji or a rare character takes several tokens) or the voice"
+                )
+            else:
+                logger.exception("session %s: persona prefix failed", session.id)
+                why = f"the persona prefix could not be read ({type(exc).__name__}: {exc})"
             self.release(session)
             if session.state == "starting":
                 session.state = "connected"
-                session.client_error(
-                    "persona_failed", f"the persona prefix could not be read ({type(exc).__name__}: {exc})"
-                )
+                session.client_error("persona_failed", why)
             return
         self.metrics.persona_prefill_seconds.observe(time.perf_counter() - t0)
         if session.state != "starting" or session.slot != slot:
