@@ -85,6 +85,17 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
                 and "slots are busy" not in text
             ), text
 
+        # 4c. a token the server knows but that may not hold conversations (an admin-only token): its reason (the
+        # page used to say "open the page as ...?token=", which the user had done)
+        page.route_web_socket(
+            "**/ws*", lambda ws: ws.close(code=4401, reason="unauthorized: the token lacks the session scope")
+        )
+        page.click("#start")
+        page.wait_for_selector("#notice:has-text('lacks the session scope')", timeout=30_000)
+        text = page.inner_text("#notice")
+        assert text == "The server refused the token: the token lacks the session scope.", text
+        page.wait_for_selector("#start:not([disabled])", timeout=30_000)
+
         # 5. the server is gone: Start said "Microphone or audio setup failed: ... (Network error)"
         server.stop()
         page.click("#start")

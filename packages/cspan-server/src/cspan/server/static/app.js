@@ -480,7 +480,7 @@
         onSpan(msg);
         break;
       case "late":
-        spanItem("late", [txt(`late (${msg.seconds.toFixed(1)} s), dropped: ${msg.text || msg.question || ""}`)]);
+        spanItem("late", [txt(`late (${msg.seconds.toFixed(1)} s), dropped: ${msg.text || msg.question || ""}${msg.error ? " (" + msg.error + ")" : ""}`)]);
         setStatus("listening");
         break;
       case "no_span":
@@ -686,7 +686,12 @@
         /* the notice already says why the server refused the start */
       } else if (session.bye && session.bye.reason === "revoked") notice("The session ended: this token was revoked.", "bad");
       else if (session.bye && session.bye.reason === "forgotten") notice("The session ended: everything remembered about you was erased. Start again for a fresh session.", "bad");
-      else if (e.code === 4401) notice(`The server refused the token: open the page as ${withToken()}.`, "bad");
+      else if (e.code === 4401) {
+        /* a missing or wrong token: how to give one; any other reason (a token without the session scope): the server's */
+        const why = (e.reason || "").replace(/^unauthorized:?\s*/, "");
+        if (!why || why === "missing token" || why === "wrong token") notice(`The server refused the token: open the page as ${withToken()}.`, "bad");
+        else notice(`The server refused the token: ${why}.`, "bad");
+      }
       else if (e.code === 4403) notice("The server refused this page's origin (see --allow-origin).", "bad");
       else if (session.busy) {
         /* the busy notice already gives the server's reason (all slots taken, or this user's limit) */
