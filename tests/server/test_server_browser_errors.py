@@ -40,6 +40,8 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
         # the server's persona is longer than a client may send: the page shows it and leaves it to the server
         assert page.input_value("#text-prompt") == persona
         page.fill("#timezone", "Mars/Olympus")
+        page.dispatch_event("#timezone", "change")
+        assert page.evaluate("localStorage.getItem('cspan.tz')") is None  # a zone no one knows is not kept
         page.click("#start")
         page.wait_for_selector("#status-dot.error", timeout=10_000)  # the idle timeout is 60 s
         text = page.inner_text("#notice")
@@ -50,6 +52,8 @@ def test_page_says_why_a_conversation_did_not_start(serve, tmp_path: Path) -> No
 
         # 3. a good timezone: the conversation starts with the server's own persona, too long to be sent back
         page.fill("#timezone", "Europe/London")
+        page.dispatch_event("#timezone", "change")
+        assert page.evaluate("localStorage.getItem('cspan.tz')") == "Europe/London"
         page.click("#start")
         page.wait_for_selector("#status-dot.listening", timeout=120_000)
         assert page.is_hidden("#notice")

@@ -90,6 +90,8 @@ def test_page_clones_the_users_voice(serve, tiny_checkpoint, fixture_file, tmp_p
         assert page.is_visible("#notice")  # not hidden by ready: the conversation runs without the recording
         assert "Your recording was not used" in page.inner_text("#notice")
         assert "cannot decode audio" in page.inner_text("#voice-status")
+        # the refused recording is out of the list, the voice before selected (it was sent again at every Start)
+        assert page.input_value("#voice") == "tiny0" and "My voice" not in page.inner_text("#voice")
         _talk_and_stop(page)
 
         # 4. "(no voice prompt)" chosen before: a refused recording falls back to it, not to the default voice

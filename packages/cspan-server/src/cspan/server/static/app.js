@@ -246,6 +246,14 @@
     voiceStatus(`Your voice is ready (${what}): it is sent with Start.`);
   }
 
+  // the recording the server refused: out of the list, the server voice chosen before selected again
+  function dropMyVoice() {
+    myVoice = null;
+    const option = [...ui.voice.options].find((o) => o.value === MINE);
+    if (option) option.remove();
+    ui.voice.value = chosenVoice;
+  }
+
   // An audio worklet's module, from the server: one that does not load means the server is not answering (the
   // microphone was granted before), so the message says that instead of blaming the audio setup.
   async function addWorklet(ctx, url) {
@@ -492,6 +500,7 @@
           spanItem("none", [txt(`${msg.stage} failed: ${msg.message}`)]);
         } else if (msg.code === "bad_voice_audio" && s.pendingStart) {
           const fallback = s.fallbackVoice || "no voice prompt";
+          dropMyVoice(); // not sent again with every Start
           voiceStatus(`The server did not take your voice: ${msg.message}`, true);
           notice(`Your recording was not used (${msg.message}); the conversation starts with ${fallback}.`, "warn");
           s.voiceRefused = true;
@@ -966,7 +975,17 @@
   ui.prompt.addEventListener("input", clampPrompt);
   ui.prompt.addEventListener("compositionend", () => clampPrompt());
   for (const el of [ui.name, ui.location, ui.timezone, ui.lat, ui.lon]) el.addEventListener("change", sendContext);
-  ui.timezone.addEventListener("change", () => store("cspan.tz", ui.timezone.value.trim()));
+  ui.timezone.addEventListener("change", () => {
+    // kept for the next visit only when this browser knows the zone (the server refuses one it does not know, and a
+    // stored one would make every later Start fail)
+    const tz = ui.timezone.value.trim();
+    try {
+      if (tz) new Intl.DateTimeFormat("en", { timeZone: tz });
+      store("cspan.tz", tz);
+    } catch (e) {
+      /* not a zone: not stored */
+    }
+  });
   ui.locate.addEventListener("click", () => {
     if (!navigator.geolocation) {
       notice("Geolocation is not available in this browser.", "warn");
