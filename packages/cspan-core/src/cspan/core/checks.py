@@ -216,13 +216,13 @@ def check_frame_pcm(user_pcm: object, batch_size: int) -> torch.Tensor:
     return pcm
 
 
-def check_unicode(text: str, what: str) -> None:
-    """A ValueError naming ``what`` when ``text`` holds a lone surrogate (U+D800 .. U+DFFF: what
+def check_unicode(text: str, what: str, error: type[Exception] = ValueError) -> None:
+    """An ``error`` naming ``what`` when ``text`` holds a lone surrogate (U+D800 .. U+DFFF: what
     ``errors="surrogateescape"`` or ``os.fsdecode`` make of bytes that are not UTF-8), which no tokenizer can read."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(
+        raise error(
             f"{what} is not valid Unicode text: U+{ord(text[exc.start]):04X} at character {exc.start} is a lone "
             "surrogate (bytes that are not UTF-8, decoded with surrogateescape?); decode them with "
             "errors='replace'"

@@ -48,8 +48,9 @@ class ContextSpan:
 
     Raises:
         SpanError: ``text`` holding a lone surrogate (bytes that were not UTF-8); (from :meth:`encode`) an empty
-            reference; with the markers, ``token_ids`` holding ``<ret>`` or a marker (4, 12, 13). TypeError: ``text`` that is no str, ``token_ids`` that are not integers (numpy's and
-            torch's are read as ints; a float or a bool is refused, not rounded).
+            reference; with the markers, ``token_ids`` holding ``<ret>`` or a marker (4, 12, 13).
+        TypeError: ``text`` that is no str, ``token_ids`` that are not integers (numpy's and torch's are read as
+            ints; a float or a bool is refused, not rounded).
     """
 
     text: str
@@ -59,10 +60,7 @@ class ContextSpan:
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):
             raise TypeError(f"ContextSpan: the reference text is a str, got {type(self.text).__name__}")
-        try:
-            check_unicode(self.text, "ContextSpan: the reference text")
-        except ValueError as exc:
-            raise SpanError(str(exc)) from None
+        check_unicode(self.text, "ContextSpan: the reference text", SpanError)
         if self.token_ids is not None:
             object.__setattr__(self, "token_ids", int_ids(self.token_ids))
 

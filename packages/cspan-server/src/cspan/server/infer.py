@@ -481,9 +481,9 @@ def check_spans_read(tokenizer: Any, spans: Iterable[TimedText]) -> None:
     from cspan.core.errors import SettingsError, SpanError
     from cspan.core.span import ContextSpan
 
+    if tokenizer is None:  # a bare LM: spans are refused at injection, as without this check
+        return
     for span in spans:
-        if tokenizer is None:
-            return
         try:
             ContextSpan(span.text).encode(tokenizer)
         except SpanError as exc:
